@@ -1,0 +1,63 @@
+"""The canonical decoder's configuration: the Llama family (Llama, Mistral, Qwen2, SmolLM)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# Architectures whose weights map onto the canonical decoder. Checked by every loader.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False  # Qwen2 has biases on the q/k/v projections
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    architecture: str = "llama"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """fp32 bytes one token adds to the KV cache (keys and values, all layers)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecoderConfig":
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+
+@dataclass
+class LoadedModel:
+    """What every frontend loader returns.
+
+    state_dict uses Hugging Face Llama names (model.embed_tokens.weight,
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, model.layers.{i}.mlp.{gate,up,down}_proj.weight,
+    model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight
+    unless tie_word_embeddings), float32 torch tensors, Q/K rows in Hugging Face (rotate_half) order.
+    """
+
+    config: DecoderConfig
+    state_dict: dict
+    tokenizer_json: str | None  # the contents of a tokenizers' tokenizer.json, when the source has one
+    source: dict  # what was loaded, for the manifest: kind, path, file sha256/size, ...
