@@ -1,0 +1,131 @@
+"""Trace the canonical decoder to two ONNX graphs: prefill (no past) and decode (KV cache in/out).
+
+I/O of both graphs (names recorded in the manifest by `kv_cache_spec`):
+  inputs   input_ids [batch, sequence] int64, position_ids [batch, sequence] int64,
+           attention_mask [batch, total] int64 (1 = a real token; prefill: total == sequence),
+           past_key_values.{i}.key / .value [batch, kv_heads, max_context, head_dim] float32
+  outputs  logits: prefill [batch, vocab] at each row's last valid token ("last") or [batch, sequence, vocab]
+           ("all"); decode [batch, sequence, vocab]
+           present.{i}.key / .value, same shape as the past buffer: the runtime binds one buffer to both.
+Weights keep their Hugging Face parameter names, so the two graphs share them by name.
+"""
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from compiler.errors import BuildError
+from compiler.frontend.config import DecoderConfig
+from compiler.frontend.model import Decoder
+
+PHASES = ("prefill", "decode")
+
+
+def past_name(layer: int, kind: str) -> str:
+    return f"past_key_values.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    return f"present.{layer}.{kind}"
+
+
+def kv_cache_spec(config: DecoderConfig, max_context: int) -> dict:
+    """The manifest's description of the cache buffers and which output aliases which input."""
+    aliases = {present_name(i, kind): past_name(i, kind) for i in range(config.num_layers) for kind in ("key", "value")}
+    return {
+        "layout": ["batch", "kv_heads", "max_context", "head_dim"],
+        "shape": ["batch", config.num_kv_heads, max_context, config.head_dim],
+        "dtype": "float32",
+        "num_layers": config.num_layers,
+        "max_context": max_context,
+        "bytes_per_token": config.kv_bytes_per_token,
+        "output_aliases_input": aliases,
+    }
+
+
+class PhaseGraph(nn.Module):
+    """Flat tensor signature around `Decoder` for tracing: caches as key0, value0, key1, value1, ..."""
+
+    def __init__(self, decoder: Decoder, phase: str, prefill_logits: str):
+        super().__init__()
+        self.decoder = decoder
+        self.attend_to_cache = phase == "decode"
+        self.logits = prefill_logits if phase == "prefill" else "all"
+
+    def forward(self, input_ids, position_ids, attention_mask, *caches):
+        logits, keys, values = self.decoder(
+            input_ids, position_ids, attention_mask, caches[0::2], caches[1::2], self.attend_to_cache, self.logits
+        )
+        return (logits, *[t for pair in zip(keys, values) for t in pair])
+
+
+def example_inputs(config: DecoderConfig, max_context: int, phase: str, batch: int = 2) -> tuple:
+    # Sizes other than 1 keep every axis dynamic (torch.export specializes axes it sees at size 1).
+    sequence = 5 if phase == "prefill" else 2
+    total = sequence if phase == "prefill" else 7
+    start = total - sequence
+    positions = torch.arange(start, total).expand(batch, sequence).contiguous()
+    cache = torch.zeros(batch, config.num_kv_heads, max_context, config.head_dim)
+    caches = [cache.clone() for _ in range(2 * config.num_layers)]
+    return (torch.zeros(batch, sequence, dtype=torch.long), positions, torch.ones(batch, total, dtype=torch.long), *caches)
+
+
+def io_names(config: DecoderConfig) -> tuple[list[str], list[str]]:
+    kv = [(i, kind) for i in range(config.num_layers) for kind in ("key", "value")]
+    inputs = ["input_ids", "position_ids", "attention_mask"] + [past_name(i, k) for i, k in kv]
+    outputs = ["logits"] + [present_name(i, k) for i, k in kv]
+    return inputs, outputs
+
+
+def _dynamic_shapes(config: DecoderConfig, phase: str, max_context: int):
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    sequence = torch.export.Dim("sequence", min=1, max=max_context)
+    total = sequence if phase == "prefill" else torch.export.Dim("total", min=1, max=max_context)
+    cache = {0: batch}
+    # The caches are PhaseGraph.forward's *args: torch.export wants their shapes as one nested tuple.
+    return ({0: batch, 1: sequence}, {0: batch, 1: sequence}, {0: batch, 1: total}, tuple([cache] * (2 * config.num_layers)))
+
+
+def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, prefill_logits: str) -> onnx.ModelProto:
+    config = decoder.config
+    inputs, outputs = io_names(config)
+    module = PhaseGraph(decoder, phase, prefill_logits).eval()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        path = Path(tmp) / f"{phase}.onnx"
+        try:
+            program = torch.onnx.export(
+                module, example_inputs(config, max_context, phase), dynamo=True, opset_version=opset,
+                input_names=inputs, output_names=outputs, dynamic_shapes=_dynamic_shapes(config, phase, max_context),
+                external_data=True, verbose=False, report=False,
+            )
+            program.save(str(path), external_data=True)
+        except Exception as error:  # the exporter's own errors are long; keep the first line and the phase
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise BuildError(f"export of the {phase} graph failed: {first_line}") from error
+        model = onnx.load(str(path), load_external_data=True)
+    for initializer in model.graph.initializer:  # PhaseGraph's "decoder." prefix -> Hugging Face names
+        initializer.name = initializer.name.removeprefix("decoder.")
+    for node in model.graph.node:
+        node.input[:] = [name.removeprefix("decoder.") for name in node.input]
+    return model
+
+
+def export_graphs(decoder: Decoder, max_context: int, opset: int = 21, prefill_logits: str = "last",
+                  progress=None) -> dict[str, onnx.ModelProto]:
+    if max_context > decoder.config.max_position_embeddings:
+        raise BuildError(
+            f"export.max_context: {max_context} exceeds the model's max_position_embeddings "
+            f"({decoder.config.max_position_embeddings}); lower it in the recipe"
+        )
+    graphs = {}
+    for phase in PHASES:
+        if progress:
+            progress(f"tracing the {phase} graph")
+        graphs[phase] = export_phase(decoder, phase, max_context, opset, prefill_logits)
+    return graphs

@@ -1,0 +1,183 @@
+"""The runtime's front door: load an artifact, generate or stream text, time every phase.
+
+    engine = Engine.load("artifacts/smollm2-135m")
+    result = engine.generate("The lighthouse keeper", max_new_tokens=32)   # greedy by default
+    result.text, result.token_ids, result.timings
+
+Phases per request: tokenize -> prefill (whole prompt, first token sampled) -> decode_one_token, repeated.
+Timings use time.perf_counter from the moment the request is received (TTFT includes tokenization).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from runtime.errors import ArtifactError, RequestError
+from runtime.manifest import check_files, read_manifest
+from runtime.sampling import Sampler, SamplingParams
+from runtime.tokenizer import TextTokenizer
+
+
+@dataclass
+class Timings:
+    """Seconds, measured on this request. tpot = (e2e - ttft) / (output tokens - 1), vLLM's definition."""
+
+    prompt_tokens: int
+    output_tokens: int  # every token the model produced, a final stop token included
+    tokenize_s: float
+    prefill_s: float  # prefill graph run (compute + logits), excluding tokenization and sampling
+    ttft_s: float  # request received -> first output token chosen
+    e2e_s: float  # request received -> last output token chosen
+    token_times_s: list[float] = field(default_factory=list)  # since request start, one per output token
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latencies: gaps between consecutive output tokens."""
+        return list(np.diff(self.token_times_s)) if len(self.token_times_s) > 1 else []
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens per second of decode (after the first token); 0 for one-token outputs."""
+        return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "ttft_ms": 1e3 * self.ttft_s, "prefill_ms": 1e3 * self.prefill_s, "tpot_ms": 1e3 * self.tpot_s,
+            "e2e_ms": 1e3 * self.e2e_s, "decode_tokens_per_s": self.tokens_per_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+        }
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str  # "stop" (stop token or string), "length" (max_new_tokens) or "max_context"
+    timings: Timings
+
+
+class Generation:
+    """Iterate to receive text pieces as tokens arrive; `.result` is set once iteration ends."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self._pieces
+
+    def wait(self) -> GenerationResult:
+        for _ in self:
+            pass
+        return self.result
+
+
+class Engine:
+    def __init__(self, artifact_dir: Path, manifest: dict, backend, tokenizer: TextTokenizer):
+        self.artifact_dir = artifact_dir
+        self.manifest = manifest
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.max_context = manifest["kv_cache"]["max_context"]
+        self.eos_token_ids = tuple(manifest["tokenizer"]["eos_token_ids"])
+
+    @classmethod
+    def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None) -> "Engine":
+        """Check the manifest (format version, file sizes; sha256 too if verify) and open both graphs."""
+        folder = Path(artifact_dir)
+        manifest = read_manifest(folder)
+        check_files(folder, manifest, verify_hashes=verify)
+        backend_name = manifest["backend"]["name"]
+        if backend_name != "onnxruntime":
+            raise ArtifactError(f"{folder}: built for backend {backend_name!r}; this runtime runs 'onnxruntime' artifacts")
+        from runtime.onnxruntime_backend import OnnxRuntimeBackend  # the only backend so far
+
+        backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads)
+        tokenizer_info = manifest["tokenizer"]
+        tokenizer = TextTokenizer(folder / tokenizer_info["file"], tokenizer_info.get("bos_token_id"))
+        return cls(folder, manifest, backend, tokenizer)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **sampling) -> GenerationResult:
+        """Run one request to the end. Sampling options as keywords (see SamplingParams) or as `params`."""
+        return self.stream(prompt, params, **sampling).wait()
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **sampling) -> Generation:
+        """Start a request; iterating the returned Generation yields text pieces as they are decoded."""
+        params = params or SamplingParams(**sampling)
+        received = time.perf_counter()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        tokenize_s = time.perf_counter() - received
+        self._check_fits(prompt_ids)
+        return Generation(self._run(prompt_ids, params, received, tokenize_s))
+
+    def _check_fits(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_context:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens, but this artifact's max context is {self.max_context} "
+                f"(prompt + generated tokens); shorten the prompt or rebuild with a larger export.max_context"
+            )
+
+    def _run(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
+        sampler = Sampler(params)
+        stop_ids = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
+        decoder = self.tokenizer.stream_decoder()
+        self.backend.allocate_cache(batch=1)
+        length = len(prompt_ids)
+        mask = np.ones((1, self.max_context), dtype=np.int64)  # every cached row is real: one view per step
+
+        started = time.perf_counter()
+        logits = self.backend.run("prefill", np.array([prompt_ids], dtype=np.int64),
+                                  np.arange(length, dtype=np.int64)[None], mask[:, :length])
+        prefill_s = time.perf_counter() - started
+        output: list[int] = []
+        token_times: list[float] = []
+        text = ""
+        finish_reason = "length"
+        token = sampler(logits[0])
+        while True:
+            token_times.append(time.perf_counter() - received)
+            if token in stop_ids:
+                finish_reason = "stop"
+                break
+            output.append(token)
+            piece = decoder.push(token)
+            text += piece
+            if piece:
+                yield piece
+            if params.stop_strings and any(stop in text for stop in params.stop_strings):
+                finish_reason = "stop"
+                break
+            if len(output) >= params.max_new_tokens:
+                break
+            if length >= self.max_context:
+                finish_reason = "max_context"
+                break
+            logits = self.backend.run("decode", np.array([[token]], dtype=np.int64),
+                                      np.array([[length]], dtype=np.int64), mask[:, : length + 1])
+            length += 1
+            token = sampler(logits[0, -1])
+        timings = Timings(
+            prompt_tokens=len(prompt_ids), output_tokens=len(token_times), tokenize_s=tokenize_s,
+            prefill_s=prefill_s, ttft_s=token_times[0], e2e_s=token_times[-1], token_times_s=token_times,
+        )
+        text = self.tokenizer.decode(output)
+        for stop in params.stop_strings:  # the text ends before a stop string, as in vLLM and OpenAI's API
+            text = text.split(stop, 1)[0]
+        return GenerationResult(text, output, prompt_ids, finish_reason, timings)

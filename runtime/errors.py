@@ -1,0 +1,13 @@
+"""Errors the runtime raises for bad input; the command line prints their message without a traceback."""
+
+
+class AotlmRuntimeError(Exception):
+    """Base of the runtime's user-facing errors."""
+
+
+class ArtifactError(AotlmRuntimeError):
+    """The artifact folder is missing, tampered with, truncated, or of another format or backend version."""
+
+
+class RequestError(AotlmRuntimeError):
+    """A generation request cannot be served as asked (e.g. the prompt does not fit the max context)."""

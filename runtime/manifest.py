@@ -1,0 +1,63 @@
+"""Read and check an artifact's manifest.json: format version, every file's size, sha256 on demand.
+
+The manifest is the contract between the compiler and the runtime; this module owns its version number.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from runtime.errors import ArtifactError
+
+FORMAT = "aotlm-artifact"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(artifact_dir: str | Path) -> dict:
+    """Load manifest.json and check its format and version; raises ArtifactError."""
+    folder = Path(artifact_dir)
+    path = folder / MANIFEST_FILE
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder}: not an artifact folder (no such directory); build one with `aotlm build RECIPE`")
+    if not path.is_file():
+        raise ArtifactError(f"{folder}: not an artifact (no {MANIFEST_FILE}); build one with `aotlm build RECIPE`")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"{path}: unreadable manifest ({error}); rebuild the artifact") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not an aotlm manifest (format field missing); rebuild the artifact")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path}: artifact format version {version!r}, but this runtime reads version {FORMAT_VERSION}; "
+            f"rebuild it with this aotlm (`aotlm build RECIPE`) or use the aotlm that built it"
+        )
+    return manifest
+
+
+def check_files(artifact_dir: str | Path, manifest: dict, verify_hashes: bool = False) -> None:
+    """Every listed file must exist with its recorded size (and sha256 when verify_hashes)."""
+    folder = Path(artifact_dir)
+    for name, record in manifest.get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            raise ArtifactError(f"{path}: file listed in the manifest is missing; rebuild the artifact")
+        size = path.stat().st_size
+        if size != record["bytes"]:
+            raise ArtifactError(
+                f"{path}: {size} bytes, but the manifest records {record['bytes']} (truncated or modified); "
+                f"rebuild the artifact"
+            )
+        if verify_hashes and sha256_file(path) != record["sha256"]:
+            raise ArtifactError(f"{path}: sha256 differs from the manifest (file modified); rebuild the artifact")

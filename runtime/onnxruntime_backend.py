@@ -1,0 +1,93 @@
+"""ONNX Runtime execution of an artifact's prefill and decode graphs over one preallocated KV cache.
+
+The cache is allocated once per batch size: per layer one key and one value OrtValue of shape
+[batch, kv_heads, max_context, head_dim]. Each is bound as the `past` input AND the aliased `present`
+output of both graphs (IOBinding), so a step writes its new keys/values in place and never copies or
+reallocates the cache. Only the small per-step tensors (ids, positions, mask, logits) are rebound.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from runtime.errors import ArtifactError
+
+OPTIMIZATION_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def session_options(settings: dict, intra_op_threads: int | None) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = OPTIMIZATION_LEVELS[settings.get("graph_optimization_level", "all")]
+    threads = settings.get("intra_op_threads", 0) if intra_op_threads is None else intra_op_threads
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3  # warnings about unused initializers etc. are ours to report, not ORT's
+    return options
+
+
+class KVCache:
+    """The cache buffers for one batch size, in the graphs' past-input order."""
+
+    def __init__(self, past_names: list[str], shape: tuple[int, ...]):
+        self.past_names = past_names
+        self.shape = shape
+        self.buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32) for _ in past_names]
+
+    @property
+    def batch(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * 4 * len(self.buffers)
+
+
+class OnnxRuntimeBackend:
+    def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None):
+        self.manifest = manifest
+        settings = manifest["backend"].get("session", {})
+        self.kv_spec = manifest["kv_cache"]
+        aliases = self.kv_spec["output_aliases_input"]  # present name -> past name
+        self.present_for_past = {past: present for present, past in aliases.items()}
+        self.sessions: dict[str, ort.InferenceSession] = {}
+        self.bindings: dict[str, ort.IOBinding] = {}
+        for phase, engine in manifest["engines"].items():
+            options = session_options(settings, intra_op_threads)
+            path = Path(artifact_dir) / engine["file"]
+            try:
+                session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
+            except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
+                raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({error})") from None
+            self.sessions[phase] = session
+            self.bindings[phase] = session.io_binding()
+        self.past_names = [i.name for i in self.sessions["decode"].get_inputs() if i.name in self.present_for_past]
+        self.cache: KVCache | None = None
+
+    def allocate_cache(self, batch: int) -> KVCache:
+        """Allocate (once per batch size) and bind the cache to both graphs' past inputs and present outputs."""
+        if self.cache is not None and self.cache.batch == batch:
+            return self.cache
+        shape = tuple(batch if dim == "batch" else dim for dim in self.kv_spec["shape"])
+        self.cache = KVCache(self.past_names, shape)
+        for binding in self.bindings.values():
+            for name, buffer in zip(self.cache.past_names, self.cache.buffers):
+                binding.bind_ortvalue_input(name, buffer)
+                binding.bind_ortvalue_output(self.present_for_past[name], buffer)
+        return self.cache
+
+    def run(self, phase: str, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """One step over the bound cache. Arrays are int64 [batch, sequence] / [batch, total]; returns logits."""
+        binding = self.bindings[phase]
+        binding.bind_cpu_input("input_ids", input_ids)
+        binding.bind_cpu_input("position_ids", position_ids)
+        binding.bind_cpu_input("attention_mask", attention_mask)
+        binding.bind_output("logits", "cpu")
+        self.sessions[phase].run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
