@@ -1,7 +1,39 @@
-"""Placeholder: being written (constant folding, dead-node removal, shape inference, deduplicated initializers)."""
+"""cleanup: constant folding, dead-node removal, shared initializers, shape inference.
+
+The tidy-up every recipe runs first (and may run again after rewrites):
+
+    Constant ─► Add ─► Mul ─┐                 ->   folded (initializer) ─┐
+    x ──────────────────────┴─► MatMul ─► y         x ───────────────────┴─► MatMul ─► y
+    x ─► Relu ─► (read by nothing)            ->   (removed)
+    bias_a = bias_b = [1, 2, 3]               ->   bias_a (bias_b's consumers now read bias_a)
+
+Pure: the input ModelProto is never mutated. Graph inputs and outputs are kept exactly, names and
+order, including inputs that nothing reads (KV-cache inputs look unused in some graphs).
+Weights stay in memory (a model of ~540 MB is fine) and are never serialized: shape inference runs
+on the graph without its large weights, and the result holds one copy of each weight it keeps.
+"""
 from __future__ import annotations
 
+import hashlib
+import math
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
+from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
+
+# The standard op domains: only their ops are folded (onnxruntime may not run aotlm or com.microsoft ops).
+ONNX_DOMAINS = {"", "ai.onnx"}
+# Sub-byte element types: ONNX packs them, so numpy's itemsize (1) would overstate their size.
+SUB_BYTE_BITS = {name: bits for name, bits in
+                 [("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)]
+                 if hasattr(onnx.TensorProto, name)}
+# Initializers up to this size keep their values during shape inference (see _inferred_value_info).
+SHAPE_DATA_MAX_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -9,7 +41,232 @@ class Options:
     fold_constants: bool = True
     deduplicate_initializers: bool = True
     infer_shapes: bool = True
+    # Folding an Expand or Tile of a constant can create a tensor far larger than the subgraph computing it;
+    # results above this size are left to be computed at inference time.
+    fold_size_threshold_bytes: int = 1 << 20
 
 
-def run(model, options: Options):
-    raise NotImplementedError("cleanup pass is being written")
+def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
+    """Returns a cleaned copy of `model` and a report of what changed, in numbers."""
+    report: dict = {"dead_nodes_removed": 0, "nodes_folded": 0, "constants_folded": 0,
+                    "initializers_deduplicated": 0}
+    # Shapes let folding size its results (the threshold) and fold Shape ops of static tensors.
+    shapes = _inferred_value_info(model, report) if options.infer_shapes and options.fold_constants else []
+    graph = _import(model, shapes)
+    nodes_before = len(graph.nodes)
+    graph.cleanup()  # keeps unused graph inputs (remove_unused_graph_inputs=False)
+    report["dead_nodes_removed"] = nodes_before - len(graph.nodes)
+
+    if options.fold_constants:
+        graph = _fold_constants(graph, lambda: _import(model, shapes), options.fold_size_threshold_bytes, report)
+    if options.deduplicate_initializers:
+        first_seen = {tensor.name: index for index, tensor in enumerate(model.graph.initializer)}
+        report["initializers_deduplicated"] = deduplicate_initializers(graph, first_seen)
+    # One cleanup for all edits: drops rewired duplicates and initializers nothing reads.
+    graph.cleanup().toposort()
+
+    result = _export(graph, model)
+    del graph
+    if options.infer_shapes:
+        inferred = _inferred_value_info(result, report)
+        del result.graph.value_info[:]  # `result` is our own copy: what ONNX infers replaces what gs exported
+        result.graph.value_info.extend(inferred)
+    _restore_graph_inputs(result, model)
+    _require_same_io(model, result)
+    report.update(_compare(_summarize(model), _summarize(result)))
+    report["inputs"] = [value.name for value in result.graph.input]
+    report["outputs"] = [value.name for value in result.graph.output]
+    return result, report
+
+
+def _import(model: onnx.ModelProto, shapes: list[onnx.ValueInfoProto]) -> gs.Graph:
+    graph = gs.import_onnx(model)
+    _detach_attribute_tensors(graph)
+    tensors = graph.tensors()
+    for value in shapes:
+        tensor = tensors.get(value.name)
+        if isinstance(tensor, gs.Variable) and value.type.HasField("tensor_type"):
+            tensor.dtype, tensor.shape = get_onnx_tensor_dtype(value), get_onnx_tensor_shape(value)
+    return graph.toposort()  # fold_constants requires topological order
+
+
+def _detach_attribute_tensors(graph: gs.Graph) -> None:
+    """Copies the (small) tensors in node attributes, such as a Constant node's value.
+
+    Folding turns a Constant node into a tensor that points at that attribute's TensorProto, and exporting
+    renames the proto: without a copy that would write into the caller's model.
+    """
+    for node in graph.nodes:
+        for value in node.attrs.values():
+            if isinstance(value, gs.Graph):
+                _detach_attribute_tensors(value)
+            elif (isinstance(value, gs.Constant) and isinstance(value._values, LazyValues)
+                  and not isinstance(value._values, SparseValues)):
+                own = onnx.TensorProto()
+                own.CopyFrom(value._values.tensor)
+                value._values = LazyValues(own)
+
+
+def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_threshold: int, report: dict) -> gs.Graph:
+    """Folds what depends only on constants; on an evaluation error folds nothing and says why in the report."""
+    variables = {name for name, tensor in graph.tensors().items() if isinstance(tensor, gs.Variable)}
+    nodes_before = len(graph.nodes)
+    try:
+        graph.fold_constants(size_threshold=size_threshold, error_ok=False,
+                             should_exclude_node=lambda node: (node.domain or "") not in ONNX_DOMAINS)
+    except Exception as error:  # onnxruntime raises many types; any of them means "not folded"
+        # fold_constants edits the graph before it evaluates, so start again from the unfolded model.
+        report["fold_skipped"] = f"onnxruntime could not evaluate the constant subgraph: {error}"
+        graph = unfolded()
+        graph.cleanup()
+        return graph
+    graph.cleanup()  # the folded subgraphs are now dead
+    report["nodes_folded"] = nodes_before - len(graph.nodes)
+    report["constants_folded"] = sum(1 for name, tensor in graph.tensors().items()
+                                     if isinstance(tensor, gs.Constant) and name in variables)
+    return graph
+
+
+def deduplicate_initializers(graph: gs.Graph, first_seen: dict[str, int]) -> int:
+    """Rewires the consumers of each initializer to the first one with the same dtype, shape and bytes.
+
+    `first_seen` orders the original initializers (the first name is kept); folded constants come after.
+    Returns how many initializers were rewired; the next cleanup() removes them.
+    """
+    graph_io = {tensor.name for tensor in graph.inputs + graph.outputs}
+    constants = [tensor for tensor in graph.tensors().values()
+                 if isinstance(tensor, gs.Constant) and tensor.name not in graph_io]
+    constants.sort(key=lambda tensor: first_seen.get(tensor.name, len(first_seen)))  # stable: graph order next
+
+    # Group by layout first so only tensors that could be equal get hashed: O(bytes), no pairwise compares.
+    by_layout: dict[tuple, list[gs.Constant]] = defaultdict(list)
+    for tensor in constants:
+        by_layout[(str(tensor.dtype), tuple(tensor.shape))].append(tensor)
+
+    rewired = 0
+    for group in by_layout.values():
+        if len(group) < 2:
+            continue
+        kept: dict[bytes, gs.Constant] = {}
+        for tensor in group:
+            digest = _content_digest(tensor)
+            if digest is None:
+                continue
+            keep = kept.setdefault(digest, tensor)
+            if keep is not tensor:
+                _rewire_consumers(tensor, keep)
+                rewired += 1
+    return rewired
+
+
+def _content_digest(tensor: gs.Constant) -> bytes | None:
+    """Hash of the tensor's bytes, or None when they are not at hand (external data, sparse, strings)."""
+    values = tensor._values  # not .values: that would load a lazy weight into numpy and keep the copy
+    if isinstance(values, SparseValues):
+        return None
+    if isinstance(values, LazyValues):
+        proto = values.tensor
+        if proto.data_location == onnx.TensorProto.EXTERNAL or proto.data_type == onnx.TensorProto.STRING:
+            return None
+        data = proto.raw_data if proto.HasField("raw_data") else values.load().tobytes()
+    else:
+        if values.dtype == object:
+            return None
+        data = np.ascontiguousarray(values).tobytes()
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+def _rewire_consumers(duplicate: gs.Tensor, keep: gs.Tensor) -> None:
+    for node in list(duplicate.outputs):
+        for index, tensor in enumerate(node.inputs):
+            if tensor is duplicate:
+                node.inputs[index] = keep
+
+
+def _inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.ValueInfoProto]:
+    """ONNX shape inference (with data propagation) run on the graph without its large weights.
+
+    infer_shapes takes the model as bytes and returns a new one: on the whole model that is several copies
+    of every weight. A large weight only needs its type and shape, so it goes in as a typed graph input;
+    small initializers stay, since data propagation reads their values (Reshape targets, Slice bounds).
+    A graph ONNX cannot type gets no shapes, and the reason goes in the report.
+    """
+    skeleton = onnx.ModelProto(ir_version=model.ir_version)
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    graph = skeleton.graph
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(graph, field).extend(getattr(model.graph, field))
+    input_names = {value.name for value in model.graph.input}
+    for tensor in model.graph.initializer:
+        if tensor_nbytes(tensor) <= SHAPE_DATA_MAX_BYTES:
+            graph.initializer.append(tensor)
+        elif tensor.name not in input_names:  # an initializer listed as an input is typed there already
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    try:
+        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as error:
+        report["shape_inference_skipped"] = str(error).splitlines()[0]
+        return list(model.graph.value_info)
+    return list(inferred.graph.value_info)
+
+
+def _export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
+    # do_type_check=False: an output the original left untyped stays untyped rather than failing the export.
+    result = gs.export_onnx(graph, do_type_check=False)
+    # gs carries opsets, IR version and producer; the rest of the model's own fields are copied here.
+    result.doc_string = original.doc_string
+    result.domain = original.domain
+    result.model_version = original.model_version
+    result.metadata_props.extend(original.metadata_props)
+    return result
+
+
+def _restore_graph_inputs(result: onnx.ModelProto, original: onnx.ModelProto) -> None:
+    """gs drops graph inputs that are also initializers (an old way to give defaults): put every one back, in order."""
+    exported = {value.name: value for value in result.graph.input}
+    if list(exported) == [value.name for value in original.graph.input]:
+        return
+    restored = []
+    for value in original.graph.input:
+        copy = onnx.ValueInfoProto()
+        copy.CopyFrom(exported.get(value.name, value))
+        restored.append(copy)
+    del result.graph.input[:]
+    result.graph.input.extend(restored)
+
+
+def _require_same_io(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    for kind in ("input", "output"):
+        names_before = [value.name for value in getattr(before.graph, kind)]
+        names_after = [value.name for value in getattr(after.graph, kind)]
+        if names_before != names_after:  # a bug in this pass, never a property of the model
+            raise RuntimeError(f"cleanup changed the graph {kind}s: {names_before} -> {names_after}")
+
+
+def tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    """Size of an initializer's data, from its dims and type (without copying the data)."""
+    count = math.prod(tensor.dims)
+    type_name = onnx.TensorProto.DataType.Name(tensor.data_type)
+    if type_name in SUB_BYTE_BITS:
+        return (count * SUB_BYTE_BITS[type_name] + 7) // 8
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return sum(len(item) for item in tensor.string_data)
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def _summarize(model: onnx.ModelProto) -> dict:
+    graph = model.graph
+    ops = Counter(f"{node.domain}.{node.op_type}" if node.domain not in ONNX_DOMAINS else node.op_type
+                  for node in graph.node)
+    return {"nodes": len(graph.node), "ops": ops, "initializers": len(graph.initializer),
+            "initializer_bytes": sum(tensor_nbytes(tensor) for tensor in graph.initializer)}
+
+
+def _compare(before: dict, after: dict) -> dict:
+    changed_ops = {op: {"before": before["ops"][op], "after": after["ops"][op]}
+                   for op in sorted(set(before["ops"]) | set(after["ops"]))
+                   if before["ops"][op] != after["ops"][op]}
+    counts = {key: {"before": before[key], "after": after[key]}
+              for key in ("nodes", "initializers", "initializer_bytes")}
+    return {**counts, "ops_changed": changed_ops}

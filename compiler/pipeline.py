@@ -1,0 +1,154 @@
+"""The pass manager: runs a recipe's passes, in order, over each phase's graph ("prefill", "decode").
+
+Passes only rewrite. This module does the cross-cutting work around each one, as LLVM's pass manager
+and its instrumentation do: it looks the pass up in the registry, times it, checks the result
+(onnx.checker, graph inputs and outputs kept), optionally dumps the intermediate graph, and collects
+the reports as JSON-ready dicts for the manifest.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from compiler.errors import BuildError
+from passes.registry import PASSES, PassEntry
+
+# Above this a dumped graph keeps its weights in a side file: one .onnx must stay under protobuf's 2 GiB,
+# and small files open faster in viewers such as Netron.
+DUMP_EXTERNAL_DATA_BYTES = 100 << 20
+
+
+@dataclass
+class PassResult:
+    name: str
+    phase: str
+    seconds: float
+    report: dict
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+
+def run_pipeline(
+    graphs: Mapping[str, onnx.ModelProto],
+    passes: Sequence,
+    *,
+    check: bool = True,
+    dump_dir: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[dict[str, onnx.ModelProto], list[PassResult]]:
+    """Runs each pass (anything with `.name` and `.options`) over every phase; returns the graphs and one result
+    per (pass, phase), in the order they ran. Raises BuildError when a pass is unknown or its result fails a check."""
+    say = progress or (lambda line: None)
+    # Look every pass up before running any, so a typo in the last pass does not cost a long build.
+    entries = [(spec, lookup_pass(spec.name)) for spec in passes]
+    graphs = dict(graphs)
+    results: list[PassResult] = []
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+
+    for index, (spec, entry) in enumerate(entries):
+        options = _options_for(spec, entry)
+        for phase in list(graphs):
+            model = graphs[phase]
+            say(f"[{index + 1}/{len(entries)}] {spec.name} ({phase})")
+            started = time.perf_counter()
+            new_model, report = entry.run(model, options)
+            seconds = time.perf_counter() - started
+            report = to_json(report, f"pass '{spec.name}' ({phase}) report")
+            if check:
+                check_pass_result(spec.name, phase, model, new_model, report)
+            if dump_dir:
+                dump_model(new_model, os.path.join(dump_dir, f"{index:02d}-{spec.name}-{phase}.onnx"))
+            result = PassResult(spec.name, phase, seconds, report,
+                                nodes_before=len(model.graph.node), nodes_after=len(new_model.graph.node))
+            results.append(result)
+            graphs[phase] = new_model
+            say(f"{spec.name} ({phase}): {seconds:.2f} s, nodes {result.nodes_before} -> {result.nodes_after}")
+    return graphs, results
+
+
+def lookup_pass(name: str) -> PassEntry:
+    if name not in PASSES:
+        raise BuildError(f"unknown pass '{name}'; known passes: {', '.join(sorted(PASSES))}")
+    return PASSES[name]
+
+
+def _options_for(spec, entry: PassEntry):
+    options = getattr(spec, "options", None)
+    if options is None:
+        return entry.options_type()
+    if not isinstance(options, entry.options_type):
+        raise BuildError(f"pass '{spec.name}' takes {entry.options_type.__qualname__} options, "
+                         f"got {type(options).__qualname__}")
+    return options
+
+
+def check_pass_result(name: str, phase: str, before: onnx.ModelProto, after: onnx.ModelProto, report: dict) -> None:
+    """Raises BuildError, naming the pass and phase, when `after` is not a valid model or lost its I/O names."""
+    if not isinstance(after, onnx.ModelProto):
+        raise BuildError(f"pass '{name}' ({phase}) returned a {type(after).__name__}, not an onnx.ModelProto")
+    try:
+        # Nodes of domains the checker does not know (aotlm, com.microsoft) pass as long as the model
+        # imports their domain; full_check=False skips shape inference, which cannot type them.
+        onnx.checker.check_model(after, full_check=False)
+    except onnx.checker.ValidationError as error:
+        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise BuildError(f"pass '{name}' produced an invalid {phase} graph: {message}") from None
+    if report.get("changes_io"):
+        return
+    for kind in ("input", "output"):
+        names_before = [value.name for value in getattr(before.graph, kind)]
+        names_after = [value.name for value in getattr(after.graph, kind)]
+        if names_before != names_after:
+            raise BuildError(
+                f"pass '{name}' changed the {phase} graph's {kind}s from {names_before} to {names_after}; "
+                f"a pass that means to must say changes_io: True in its report")
+
+
+def to_json(value, where: str):
+    """Returns `value` with numpy scalars and arrays as Python ones, so the report can go into the manifest."""
+    if isinstance(value, Mapping):
+        return {str(key): to_json(item, f"{where}[{key!r}]") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(item, f"{where}[{index}]") for index, item in enumerate(value)]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise BuildError(f"{where} holds a {type(value).__name__}, which is not JSON-serializable")
+
+
+def dump_model(model: onnx.ModelProto, path: str) -> None:
+    if model.ByteSize() < DUMP_EXTERNAL_DATA_BYTES:
+        onnx.save_model(model, path)
+        return
+    data_file = os.path.basename(path) + ".data"
+    data_path = os.path.join(os.path.dirname(path), data_file)
+    if os.path.exists(data_path):
+        os.remove(data_path)  # onnx appends to an existing data file
+    # Saving with external data rewrites the tensors it moves out, so it gets a copy, not the graph in flight.
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    onnx.save_model(copy, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_file, size_threshold=1024)
+
+
+def format_reports(results: Sequence[PassResult]) -> str:
+    """A short table: one line per (pass, phase) with its time and node counts before -> after."""
+    rows = [("pass", "phase", "seconds", "nodes")]
+    rows += [(result.name, result.phase, f"{result.seconds:.2f}", f"{result.nodes_before} -> {result.nodes_after}")
+             for result in results]
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
+    lines = []
+    for row in rows:
+        # Text columns left-aligned, numbers right-aligned.
+        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1]), row[2].rjust(widths[2]), row[3].rjust(widths[3])]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""Tests for compiler/pipeline.py: the pass manager around passes (lookup, timing, checks, dumps, reports)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler import pipeline
+from compiler.errors import BuildError
+from compiler.pipeline import PassResult, format_reports, run_pipeline
+from passes import cleanup
+from passes.registry import PASSES, PassEntry
+
+
+@dataclass
+class Spec:
+    """Stands in for compiler.recipe's PassSpec: the pipeline only reads .name and .options."""
+    name: str
+    options: object = None
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    pass
+
+
+def make_phase(output_name: str = "y") -> onnx.ModelProto:
+    """x ─► Add(Constant 1) ─► Relu ─► y, plus a dead Neg branch for cleanup to remove."""
+    nodes = [helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.ones(3, np.float32))),
+             helper.make_node("Add", ["x", "one"], ["shifted"]),
+             helper.make_node("Relu", ["shifted"], [output_name]),
+             helper.make_node("Neg", ["x"], ["dead"])]
+    graph = helper.make_graph(nodes, "phase", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info(output_name, TensorProto.FLOAT, [3])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def phases() -> dict[str, onnx.ModelProto]:
+    return {"prefill": make_phase(), "decode": make_phase()}
+
+
+def register(monkeypatch, name: str, run) -> None:
+    monkeypatch.setitem(PASSES, name, PassEntry(run, NoOptions, "test-only pass"))
+
+
+def test_runs_every_pass_on_every_phase_in_order():
+    lines: list[str] = []
+    graphs, results = run_pipeline(phases(), [Spec("cleanup", cleanup.Options()), Spec("cleanup")],
+                                   progress=lines.append)
+
+    assert set(graphs) == {"prefill", "decode"}
+    assert [(result.name, result.phase) for result in results] == [
+        ("cleanup", "prefill"), ("cleanup", "decode"), ("cleanup", "prefill"), ("cleanup", "decode")]
+    assert all(isinstance(result, PassResult) and result.seconds >= 0 for result in results)
+    assert (results[0].nodes_before, results[0].nodes_after) == (4, 2)  # Constant folded, Neg removed
+    assert len(graphs["decode"].graph.node) == 2
+    assert any("cleanup (decode)" in line for line in lines)
+    json.dumps([result.report for result in results])
+    table = format_reports(results)
+    assert "cleanup" in table and "4 -> 2" in table
+
+
+def test_unknown_pass_lists_the_known_ones():
+    with pytest.raises(BuildError, match="unknown pass 'fuse_everything'.*cleanup"):
+        run_pipeline(phases(), [Spec("cleanup"), Spec("fuse_everything")])
+
+
+def test_wrong_options_type_is_a_build_error():
+    with pytest.raises(BuildError, match="pass 'cleanup' takes Options options, got NoOptions"):
+        run_pipeline(phases(), [Spec("cleanup", NoOptions())])
+
+
+def test_invalid_model_names_pass_and_phase(monkeypatch):
+    def break_graph(model, options):
+        broken = onnx.ModelProto()
+        broken.CopyFrom(model)
+        broken.graph.node[1].input[0] = "no_such_tensor"  # read before anything writes it
+        return broken, {}
+
+    register(monkeypatch, "break_graph", break_graph)
+    with pytest.raises(BuildError, match=r"pass 'break_graph' produced an invalid prefill graph: .*no_such_tensor"):
+        run_pipeline(phases(), [Spec("break_graph")])
+
+
+def test_changed_io_names_fail_unless_declared(monkeypatch):
+    def rename_output(model, options):
+        return make_phase(output_name="renamed"), {}
+
+    def rename_output_declared(model, options):
+        return make_phase(output_name="renamed"), {"changes_io": True}
+
+    register(monkeypatch, "rename_output", rename_output)
+    register(monkeypatch, "rename_output_declared", rename_output_declared)
+    with pytest.raises(BuildError, match=r"pass 'rename_output' changed the prefill graph's outputs"):
+        run_pipeline(phases(), [Spec("rename_output")])
+
+    graphs, _ = run_pipeline(phases(), [Spec("rename_output_declared")])
+    assert graphs["decode"].graph.output[0].name == "renamed"
+
+
+def test_custom_domains_pass_the_check(monkeypatch):
+    def add_custom_ops(model, options):
+        rewritten = onnx.ModelProto()
+        rewritten.CopyFrom(model)
+        rewritten.graph.node.append(helper.make_node("FlashAttention", ["x"], ["fused"], domain="aotlm"))
+        rewritten.graph.node.append(helper.make_node("MatMulNBits", ["x"], ["quantized"], domain="com.microsoft"))
+        rewritten.opset_import.extend([helper.make_opsetid("aotlm", 1), helper.make_opsetid("com.microsoft", 1)])
+        return rewritten, {"fused": np.int64(1), "scales": np.array([0.5])}
+
+    register(monkeypatch, "add_custom_ops", add_custom_ops)
+    _, results = run_pipeline(phases(), [Spec("add_custom_ops")])
+    assert results[0].report == {"fused": 1, "scales": [0.5]}
+    assert type(results[0].report["fused"]) is int
+
+
+def test_unserializable_report_is_a_build_error(monkeypatch):
+    register(monkeypatch, "bad_report", lambda model, options: (model, {"when": object()}))
+    with pytest.raises(BuildError, match=r"pass 'bad_report' \(prefill\) report\['when'\]"):
+        run_pipeline(phases(), [Spec("bad_report")])
+
+
+def test_check_false_skips_the_checks(monkeypatch):
+    register(monkeypatch, "rename_output", lambda model, options: (make_phase(output_name="renamed"), {}))
+    graphs, _ = run_pipeline(phases(), [Spec("rename_output")], check=False)
+    assert graphs["prefill"].graph.output[0].name == "renamed"
+
+
+def test_big_dumps_keep_weights_in_a_side_file_and_leave_the_graph_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "DUMP_EXTERNAL_DATA_BYTES", 0)
+    graphs = phases()
+    graphs["prefill"].graph.initializer.append(numpy_helper.from_array(np.ones(4096, np.float32), "big"))
+    graphs["prefill"].graph.node[1].input[1] = "big"  # Add(x, big) broadcasts to [4096]
+    graphs["prefill"].graph.output[0].type.tensor_type.shape.dim[0].dim_value = 4096
+
+    result, _ = run_pipeline(graphs, [Spec("cleanup")], dump_dir=str(tmp_path))
+
+    assert (tmp_path / "00-cleanup-prefill.onnx.data").stat().st_size == 4096 * 4
+    assert numpy_helper.to_array(result["prefill"].graph.initializer[0]).shape == (4096,)  # still in memory
+    reloaded = onnx.load(str(tmp_path / "00-cleanup-prefill.onnx"))
+    np.testing.assert_array_equal(numpy_helper.to_array(reloaded.graph.initializer[0]), np.ones(4096))
+
+
+def test_dumps_each_intermediate_graph(tmp_path):
+    run_pipeline(phases(), [Spec("cleanup"), Spec("cleanup")], dump_dir=str(tmp_path))
+
+    names = sorted(path.name for path in tmp_path.iterdir())
+    assert names == ["00-cleanup-decode.onnx", "00-cleanup-prefill.onnx",
+                     "01-cleanup-decode.onnx", "01-cleanup-prefill.onnx"]
+    onnx.checker.check_model(onnx.load(str(tmp_path / "01-cleanup-decode.onnx")))

@@ -1,0 +1,182 @@
+"""Tests for passes/cleanup.py: tiny generated graphs, op counts before/after, onnxruntime parity."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from passes import cleanup
+
+OPSET = [helper.make_opsetid("", 17)]
+
+
+def make_model() -> onnx.ModelProto:
+    """
+        Constant(1) ─► Add(weight) ─► Mul(two) ─┐
+        x ──────────────────────────────────────┴─► MatMul ─► Add(bias_a) ─► y
+                                                           └─► Sub(bias_b) ─► z      (bias_a == bias_b)
+        x ─► Relu ─► (dead)          past_key: an input nothing reads     unused_weight: read by nothing
+    """
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((4, 3)).astype(np.float32)
+    bias = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    initializers = [
+        numpy_helper.from_array(weight, "weight"),
+        numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two"),
+        numpy_helper.from_array(bias, "bias_a"),
+        numpy_helper.from_array(bias.copy(), "bias_b"),
+        numpy_helper.from_array(np.ones((8,), dtype=np.float32), "unused_weight"),
+    ]
+    nodes = [
+        helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.ones((4, 3), np.float32))),
+        helper.make_node("Add", ["weight", "one"], ["shifted"]),
+        helper.make_node("Mul", ["shifted", "two"], ["scaled"]),
+        helper.make_node("MatMul", ["x", "scaled"], ["product"]),
+        helper.make_node("Add", ["product", "bias_a"], ["y"]),
+        helper.make_node("Sub", ["product", "bias_b"], ["z"]),
+        helper.make_node("Relu", ["x"], ["dead"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "cleanup_test",
+        inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+                helper.make_tensor_value_info("past_key", TensorProto.FLOAT, [1, 2])],
+        outputs=[helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3]),
+                 helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 3])],
+        initializer=initializers,
+    )
+    return helper.make_model(graph, opset_imports=OPSET)
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    return Counter(node.op_type for node in model.graph.node)
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def test_folds_constants_and_removes_dead_nodes():
+    model = make_model()
+    assert op_counts(model) == Counter(Constant=1, Add=2, Mul=1, MatMul=1, Sub=1, Relu=1)
+
+    cleaned, report = cleanup.run(model, cleanup.Options())
+
+    assert op_counts(cleaned) == Counter(MatMul=1, Add=1, Sub=1)
+    assert report["dead_nodes_removed"] == 1
+    assert report["nodes_folded"] == 3  # Constant, Add, Mul
+    assert report["constants_folded"] >= 1
+    assert report["nodes"] == {"before": 7, "after": 3}
+    assert report["ops_changed"]["Relu"] == {"before": 1, "after": 0}
+    assert "MatMul" not in report["ops_changed"]
+    shapes = {value.name: value.type.tensor_type.shape for value in cleaned.graph.value_info}
+    assert [dim.dim_param or dim.dim_value for dim in shapes["product"].dim] == ["batch", 3]  # inferred
+
+
+def test_deduplicates_identical_initializers_and_rewires_consumers():
+    cleaned, report = cleanup.run(make_model(), cleanup.Options())
+
+    assert report["initializers_deduplicated"] == 1
+    names = {tensor.name for tensor in cleaned.graph.initializer}
+    assert "bias_a" in names and "bias_b" not in names and "unused_weight" not in names
+    consumers = {node.op_type: list(node.input) for node in cleaned.graph.node}
+    assert consumers["Add"][1] == "bias_a" and consumers["Sub"][1] == "bias_a"
+    # weight, two, both biases, unused_weight -> the folded weight and one bias
+    assert report["initializers"] == {"before": 5, "after": 2}
+    assert report["initializer_bytes"] == {"before": 48 + 4 + 12 + 12 + 32, "after": 48 + 12}
+
+
+def test_keeps_graph_inputs_and_outputs_exactly():
+    model = make_model()
+    cleaned, report = cleanup.run(model, cleanup.Options())
+
+    assert [value.name for value in cleaned.graph.input] == ["x", "past_key"]  # past_key is read by nothing
+    assert [value.name for value in cleaned.graph.output] == ["y", "z"]
+    assert report["inputs"] == ["x", "past_key"] and report["outputs"] == ["y", "z"]
+
+
+def test_keeps_an_initializer_that_is_also_a_graph_input():
+    # Older exporters list initializers as inputs (an overridable default); graphsurgeon would drop the input.
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "scale"], ["y"])], "defaults",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("scale", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        initializer=[numpy_helper.from_array(np.full(2, 3.0, np.float32), "scale")])
+    cleaned, _ = cleanup.run(helper.make_model(graph, opset_imports=OPSET), cleanup.Options())
+
+    assert [value.name for value in cleaned.graph.input] == ["x", "scale"]
+    assert [tensor.name for tensor in cleaned.graph.initializer] == ["scale"]
+
+
+def test_outputs_match_onnxruntime_before_and_after():
+    model = make_model()
+    cleaned, _ = cleanup.run(model, cleanup.Options())
+    onnx.checker.check_model(cleaned)
+
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((5, 4)).astype(np.float32), "past_key": np.zeros((1, 2), np.float32)}
+    for expected, actual in zip(run_ort(model, feeds), run_ort(cleaned, feeds)):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("infer_shapes", [True, False])
+def test_does_not_mutate_its_input_and_report_is_json(infer_shapes):
+    model = make_model()
+    serialized = model.SerializeToString()
+    _, report = cleanup.run(model, cleanup.Options(infer_shapes=infer_shapes))
+    assert model.SerializeToString() == serialized
+    json.dumps(report)
+
+
+def test_options_turn_each_step_off():
+    options = cleanup.Options(fold_constants=False, deduplicate_initializers=False, infer_shapes=False)
+    cleaned, report = cleanup.run(make_model(), options)
+
+    assert op_counts(cleaned) == Counter(Constant=1, Add=2, Mul=1, MatMul=1, Sub=1)  # only the dead Relu went
+    assert report["nodes_folded"] == 0 and report["initializers_deduplicated"] == 0
+    assert {"bias_a", "bias_b"} <= {tensor.name for tensor in cleaned.graph.initializer}
+
+
+@pytest.mark.parametrize("threshold, expands_left", [(64, 1), (1 << 20, 0)])
+def test_size_threshold_keeps_large_results_unfolded(threshold, expands_left):
+    # Expand of a 1-element constant to 1000 floats (4000 bytes): folding it would add a big initializer.
+    nodes = [helper.make_node("Expand", ["scalar", "shape"], ["wide"]),
+             helper.make_node("Add", ["x", "wide"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "expand", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1000])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1000])],
+        initializer=[numpy_helper.from_array(np.array([0.5], np.float32), "scalar"),
+                     numpy_helper.from_array(np.array([1000], np.int64), "shape")])
+    model = helper.make_model(graph, opset_imports=OPSET)
+
+    cleaned, _ = cleanup.run(model, cleanup.Options(fold_size_threshold_bytes=threshold))
+
+    assert op_counts(cleaned)["Expand"] == expands_left
+
+
+def test_custom_domain_nodes_are_kept_and_do_not_block_folding():
+    # onnxruntime cannot evaluate aotlm ops, so folding must skip them rather than give up on the whole graph.
+    nodes = [helper.make_node("Add", ["a", "b"], ["sum"]),
+             helper.make_node("FlashAttention", ["sum", "x"], ["attended"], domain="aotlm"),
+             helper.make_node("FlashAttention", ["a", "b"], ["constant_attended"], domain="aotlm"),
+             helper.make_node("Add", ["attended", "constant_attended"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "custom", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        initializer=[numpy_helper.from_array(np.ones(2, np.float32), "a"),
+                     numpy_helper.from_array(np.ones(2, np.float32) * 3, "b")])
+    model = helper.make_model(graph, opset_imports=OPSET + [helper.make_opsetid("aotlm", 1)])
+
+    cleaned, report = cleanup.run(model, cleanup.Options())
+
+    assert "fold_skipped" not in report
+    assert op_counts(cleaned) == Counter(FlashAttention=2, Add=1)
+    assert report["nodes_folded"] == 1
+    assert report["ops_changed"] == {"Add": {"before": 2, "after": 1}}
+    onnx.checker.check_model(cleaned)
