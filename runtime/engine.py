@@ -94,6 +94,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_context = manifest["kv_cache"]["max_context"]
         self.eos_token_ids = tuple(manifest["tokenizer"]["eos_token_ids"])
+        self.backend.allocate_cache(batch=1)  # once, here: not inside any request's timing
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None) -> "Engine":

@@ -77,6 +77,9 @@ class OnnxRuntimeBackend:
         shape = tuple(batch if dim == "batch" else dim for dim in self.kv_spec["shape"])
         self.cache = KVCache(self.past_names, shape)
         for binding in self.bindings.values():
+            binding.clear_binding_outputs()
+            # logits first: get_outputs() lists outputs in binding order; onnxruntime allocates it per run
+            binding.bind_output("logits", "cpu")
             for name, buffer in zip(self.cache.past_names, self.cache.buffers):
                 binding.bind_ortvalue_input(name, buffer)
                 binding.bind_ortvalue_output(self.present_for_past[name], buffer)
@@ -88,6 +91,5 @@ class OnnxRuntimeBackend:
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input("position_ids", position_ids)
         binding.bind_cpu_input("attention_mask", attention_mask)
-        binding.bind_output("logits", "cpu")
         self.sessions[phase].run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()

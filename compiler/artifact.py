@@ -1,0 +1,67 @@
+"""The artifact folder: written into a temporary sibling and renamed, so a failed build leaves nothing.
+
+Owns the manifest's assembly (tool versions, file sizes and sha256); `runtime/manifest.py` owns reading it
+and the format version both sides agree on.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, sha256_file
+
+TRACKED_TOOLS = ("aotlm", "torch", "onnx", "onnxscript", "onnx-graphsurgeon", "onnxruntime", "gguf", "tokenizers")
+
+
+def tool_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in TRACKED_TOOLS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+@contextlib.contextmanager
+def staged_folder(final_dir: Path):
+    """Yield an empty temporary folder beside final_dir; on success it replaces final_dir atomically."""
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.partial-", dir=final_dir.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
+    try:
+        yield staging
+        if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
+            retired = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old-", dir=final_dir.parent))
+            os.replace(final_dir, retired / final_dir.name)
+            os.replace(staging, final_dir)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, final_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_manifest(folder: Path, manifest: dict) -> dict:
+    """Add format fields, creation time and every file's size + sha256, then write manifest.json."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+        files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    full = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **manifest,
+        "files": files,
+    }
+    (folder / MANIFEST_FILE).write_text(json.dumps(full, indent=2) + "\n")
+    return full

@@ -1,0 +1,92 @@
+"""ONNX Runtime backend build: the final graphs with their weights stored once, and session settings.
+
+Both graphs reference one `weights.bin` (external data, page-aligned offsets): an initializer with the same
+name in both graphs must hold the same bytes and is written once. Small tensors stay inside the graphs.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import onnx
+from onnx import numpy_helper
+
+from compiler.errors import BuildError
+
+WEIGHTS_FILE = "weights.bin"
+INLINE_LIMIT_BYTES = 1024  # tensors smaller than this stay in the .onnx file
+ALIGNMENT = 4096  # page-aligned offsets let onnxruntime map weights instead of copying them
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> bytes:
+    return tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+
+
+def _externalize(graphs: dict[str, onnx.ModelProto], weights_path: Path) -> int:
+    written: dict[str, tuple[int, int, str]] = {}  # name -> (offset, length, sha256)
+    offset = 0
+    with open(weights_path, "wb") as weights:
+        for phase, model in graphs.items():
+            for tensor in model.graph.initializer:
+                data = _tensor_bytes(tensor)
+                if len(data) < INLINE_LIMIT_BYTES:
+                    continue
+                digest = hashlib.sha256(data).hexdigest()
+                if tensor.name in written:
+                    if written[tensor.name][2] != digest:
+                        raise BuildError(
+                            f"initializer {tensor.name!r} differs between graphs ({phase} has other values); "
+                            f"a pass changed one graph's weights but not the other's"
+                        )
+                else:
+                    padding = -offset % ALIGNMENT
+                    weights.write(b"\0" * padding)
+                    offset += padding
+                    weights.write(data)
+                    written[tensor.name] = (offset, len(data), digest)
+                    offset += len(data)
+                start, length, _ = written[tensor.name]
+                tensor.ClearField("raw_data")
+                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                    tensor.ClearField(field)
+                del tensor.external_data[:]
+                for key, value in (("location", WEIGHTS_FILE), ("offset", str(start)), ("length", str(length))):
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = key, value
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+    return offset
+
+
+def _dims(value_info: onnx.ValueInfoProto) -> list:
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+
+def io_spec(model: onnx.ModelProto, aliases: dict[str, str]) -> dict:
+    dtype = lambda v: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name  # noqa: E731
+    return {
+        "inputs": [{"name": v.name, "dtype": dtype(v), "shape": _dims(v), "kv_cache": v.name in aliases.values()}
+                   for v in model.graph.input],
+        "outputs": [{"name": v.name, "dtype": dtype(v), "shape": _dims(v), "aliases": aliases.get(v.name)}
+                    for v in model.graph.output],
+    }
+
+
+def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, backend_spec, aliases: dict[str, str]) -> dict:
+    """Write <phase>.onnx + weights.bin into folder; returns the manifest's engines and backend sections."""
+    import onnxruntime
+
+    weight_bytes = _externalize(graphs, folder / WEIGHTS_FILE)
+    engines = {}
+    for phase, model in graphs.items():
+        onnx.save_model(model, folder / f"{phase}.onnx")
+        engines[phase] = {"file": f"{phase}.onnx", "backend": "onnxruntime", **io_spec(model, aliases)}
+    backend = {
+        "name": "onnxruntime",
+        "version": onnxruntime.__version__,
+        "session": {
+            "intra_op_threads": backend_spec.intra_op_threads,
+            "graph_optimization_level": backend_spec.graph_optimization_level,
+        },
+        "weights": {"file": WEIGHTS_FILE, "bytes": weight_bytes, "shared_by": sorted(graphs)},
+    }
+    return {"engines": engines, "backend": backend}

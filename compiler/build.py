@@ -1,0 +1,55 @@
+"""One build: recipe -> model -> two ONNX graphs -> passes -> backend engines -> artifact folder."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from compiler.artifact import staged_folder, tool_versions, write_manifest
+from compiler.backends import onnxruntime as onnxruntime_backend
+from compiler.errors import BuildError
+from compiler.export import export_graphs, kv_cache_spec
+from compiler.frontend import load_model
+from compiler.frontend.model import build_decoder
+from compiler.pipeline import run_pipeline
+from compiler.recipe import Recipe
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:
+    """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input."""
+    say = progress or (lambda message: None)
+    if recipe.backend.name != "onnxruntime":
+        raise BuildError(f"backend.name: {recipe.backend.name!r} is not built yet on this machine; use 'onnxruntime'")
+    started = time.perf_counter()
+    say(f"loading the model ({recipe.model.source})")
+    loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
+    if loaded.tokenizer_json is None:
+        raise BuildError("the model source has no tokenizer (tokenizer.json); add one beside the weights")
+    decoder = build_decoder(loaded.config, loaded.state_dict)
+    del loaded.state_dict  # the decoder holds the weights now
+    graphs = export_graphs(decoder, recipe.export.max_context, recipe.export.opset, recipe.export.prefill_logits,
+                           progress=say)
+    del decoder
+    graphs, pass_results = run_pipeline(graphs, recipe.passes, progress=say)
+    kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context)
+
+    final_dir = Path(output_root) / recipe.name
+    with staged_folder(final_dir) as folder:
+        say("writing engines")
+        sections = onnxruntime_backend.write_engines(graphs, folder, recipe.backend, kv_cache["output_aliases_input"])
+        (folder / TOKENIZER_FILE).write_text(loaded.tokenizer_json)
+        say("hashing files and writing the manifest")
+        write_manifest(folder, {
+            "name": recipe.name,
+            "recipe": recipe.to_dict(),
+            "tools": tool_versions(),
+            "model": {"config": loaded.config.to_dict(), "source": loaded.source},
+            "tokenizer": {"file": TOKENIZER_FILE, "bos_token_id": loaded.config.bos_token_id,
+                          "eos_token_ids": list(loaded.config.eos_token_ids)},
+            "kv_cache": kv_cache,
+            **sections,
+            "passes": [vars(result) for result in pass_results],
+            "build_seconds": round(time.perf_counter() - started, 2),
+        })
+    return final_dir

@@ -1,0 +1,42 @@
+"""Shared fixtures: the tiny random-init recipe built once per test session, and its torch reference."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RECIPE = REPO / "recipes" / "tiny-random.yaml"
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe():
+    from compiler.recipe import load_recipe
+
+    return load_recipe(TINY_RECIPE)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_recipe, tmp_path_factory) -> Path:
+    """Build recipes/tiny-random.yaml once (export of both graphs takes ~30 s on 2 cores)."""
+    from compiler.build import build
+
+    return build(tiny_recipe, tmp_path_factory.mktemp("artifacts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_recipe):
+    """The torch canonical decoder holding the same weights as the tiny artifact."""
+    from compiler.frontend import load_model
+    from compiler.frontend.model import build_decoder
+
+    spec = tiny_recipe.model
+    loaded = load_model(spec.source, spec.path, spec.config, spec.seed)
+    return build_decoder(loaded.config, loaded.state_dict), loaded
+
+
+@pytest.fixture
+def tiny_engine(tiny_artifact):
+    from runtime import Engine
+
+    return Engine.load(tiny_artifact)

@@ -1,0 +1,122 @@
+"""The onnxruntime engine against the torch canonical decoder (full recompute, no cache) on a tiny model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import RequestError, SamplingParams
+
+PROMPTS = [[1, 17, 300, 42, 9], [1, 5], [1, 400, 401, 402, 403, 404, 405, 406, 407, 408, 3]]
+
+
+def full_recompute_logits(decoder, token_ids: list[int]) -> np.ndarray:
+    """Last-position logits computed from scratch over the whole sequence (no KV cache)."""
+    config = decoder.config
+    length = len(token_ids)
+    empty = [torch.zeros(1, config.num_kv_heads, length, config.head_dim) for _ in range(config.num_layers)]
+    with torch.no_grad():
+        logits, _, _ = decoder(torch.tensor([token_ids]), torch.arange(length)[None], torch.ones(1, length, dtype=torch.long),
+                               empty, empty, attend_to_cache=False, logits="all")
+    return logits[0, -1].numpy()
+
+
+def reference_greedy(decoder, prompt: list[int], new_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        tokens.append(int(np.argmax(full_recompute_logits(decoder, tokens))))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_equal_full_recompute(tiny_engine, tiny_reference, prompt):
+    decoder, _ = tiny_reference
+    result = tiny_engine.generate(prompt, max_new_tokens=24, stop_token_ids=())
+    assert result.token_ids == reference_greedy(decoder, prompt, 24)
+    assert result.finish_reason == "length"
+
+
+def test_decode_with_cache_matches_full_recompute_logits(tiny_engine, tiny_reference):
+    decoder, _ = tiny_reference
+    backend = tiny_engine.backend
+    tokens = PROMPTS[0][:]
+    ones = np.ones((1, 64), dtype=np.int64)
+    logits = backend.run("prefill", np.array([tokens]), np.arange(len(tokens))[None], ones[:, : len(tokens)])
+    np.testing.assert_allclose(logits[0], full_recompute_logits(decoder, tokens), atol=1e-4)
+    rng = np.random.default_rng(0)
+    for _ in range(6):  # feed arbitrary tokens: the cache must hold exactly what a recompute would see
+        tokens.append(int(rng.integers(3, 512)))
+        logits = backend.run("decode", np.array([[tokens[-1]]]), np.array([[len(tokens) - 1]]), ones[:, : len(tokens)])
+        np.testing.assert_allclose(logits[0, -1], full_recompute_logits(decoder, tokens), atol=1e-4)
+
+
+def test_cache_is_bound_once_and_written_in_place(tiny_engine, tiny_reference):
+    decoder, _ = tiny_reference
+    cache = tiny_engine.backend.cache
+    pointers = [buffer.data_ptr() for buffer in cache.buffers]
+    prompt = PROMPTS[0]
+    result = tiny_engine.generate(prompt, max_new_tokens=5, stop_token_ids=())
+    assert tiny_engine.backend.cache is cache
+    assert [buffer.data_ptr() for buffer in cache.buffers] == pointers
+    # The bound buffer holds the keys torch computes for the same tokens (the last token is not fed back).
+    written = prompt + result.token_ids[:-1]
+    config = decoder.config
+    caches = [torch.zeros(1, config.num_kv_heads, 128, config.head_dim) for _ in range(config.num_layers)]
+    with torch.no_grad():
+        _, keys, values = decoder(torch.tensor([written]), torch.arange(len(written))[None],
+                                  torch.ones(1, len(written), dtype=torch.long), caches, caches, False, "all")
+    layer0_key = cache.buffers[cache.past_names.index("past_key_values.0.key")].numpy()
+    np.testing.assert_allclose(layer0_key[0, :, : len(written)], keys[0][0, :, : len(written)].numpy(), atol=1e-5)
+
+
+def test_stream_pieces_join_to_the_result_text(tiny_engine):
+    generation = tiny_engine.stream("hello world", max_new_tokens=16, stop_token_ids=())
+    pieces = list(generation)
+    assert "".join(pieces) == generation.result.text
+    assert generation.result.timings.output_tokens == 16
+    assert len(generation.result.timings.token_times_s) == 16
+
+
+def test_timings_are_consistent(tiny_engine):
+    timings = tiny_engine.generate("abc", max_new_tokens=8, stop_token_ids=()).timings
+    assert 0 < timings.prefill_s <= timings.ttft_s <= timings.e2e_s
+    assert timings.token_times_s == sorted(timings.token_times_s)
+    assert timings.tpot_s == pytest.approx((timings.e2e_s - timings.ttft_s) / 7)
+    assert len(timings.itl_s) == 7 and sum(timings.itl_s) == pytest.approx(timings.e2e_s - timings.ttft_s)
+
+
+def test_seeded_sampling_is_reproducible(tiny_engine):
+    sample = lambda seed: tiny_engine.generate("abc", max_new_tokens=12, temperature=1.0, seed=seed,  # noqa: E731
+                                               stop_token_ids=()).token_ids
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+    greedy = tiny_engine.generate("abc", max_new_tokens=12, stop_token_ids=()).token_ids
+    assert tiny_engine.generate("abc", max_new_tokens=12, temperature=0.7, top_k=1, seed=3,
+                                stop_token_ids=()).token_ids == greedy
+
+
+def test_stop_token_ends_generation(tiny_engine):
+    first = tiny_engine.generate("abc", max_new_tokens=4, stop_token_ids=()).token_ids
+    result = tiny_engine.generate("abc", max_new_tokens=4, stop_token_ids=(first[1],))
+    assert result.finish_reason == "stop"
+    assert result.token_ids == first[:1]
+
+
+def test_generation_stops_at_max_context(tiny_engine):
+    prompt = [1] + [65] * (tiny_engine.max_context - 4)
+    result = tiny_engine.generate(prompt, max_new_tokens=50, stop_token_ids=())
+    assert result.finish_reason == "max_context"
+    assert len(prompt) + len(result.token_ids) == tiny_engine.max_context + 1  # the last token is never cached
+
+
+def test_prompt_longer_than_max_context_is_refused(tiny_engine):
+    with pytest.raises(RequestError, match="max context is 128"):
+        tiny_engine.generate([5] * 200)
+    with pytest.raises(RequestError, match="empty"):
+        tiny_engine.generate([])
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_new_tokens=0)])
+def test_bad_sampling_parameters_are_refused(bad):
+    with pytest.raises(RequestError, match=next(iter(bad))):
+        SamplingParams(**bad)
