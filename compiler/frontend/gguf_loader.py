@@ -1,0 +1,310 @@
+"""Load a GGUF file (llama.cpp's format) into the canonical decoder's `LoadedModel`.
+
+This module owns the GGUF-specific knowledge: reading `{arch}.*` metadata into a DecoderConfig,
+dequantizing every tensor to float32 in PyTorch's (out, in) layout, renaming llama.cpp's tensor names to
+Hugging Face Llama names, undoing llama.cpp's row permutation of the Q/K projections, and rebuilding a
+`tokenizers` tokenizer.json from the `tokenizer.ggml.*` metadata (byte-level BPE, model "gpt2", only).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from compiler.errors import BuildError
+from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
+from compiler.frontend.random_init import bytes_to_unicode, check_state_dict, expected_shapes
+
+# llama.cpp tensor name -> Hugging Face name (global tensors, then per-block ones under blk.N.).
+GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+# convert_hf_to_gguf.py permutes Q/K rows only in LlamaModel (which also converts Mistral checkpoints);
+# Qwen2Model writes Hugging Face's order unchanged, so un-permuting a qwen2 file would break it.
+PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+
+def load_gguf(path: str, progress: bool | None = None) -> LoadedModel:
+    """Read a GGUF file into float32 Hugging Face-named tensors, a DecoderConfig and a tokenizer.json.
+
+    progress: show a progress bar while dequantizing; None shows one when stderr is a terminal.
+    """
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise BuildError(f"GGUF file not found: {path}. Check the model path in the recipe.")
+    reader = _open_reader(path)
+    architecture = _field(reader, "general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise BuildError(
+            f"{path}: GGUF architecture {architecture!r} is not supported; the compiler supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
+        )
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    config = _read_config(reader, architecture, tokens, path)
+    # The tokenizer first: an unsupported one fails the build before seconds of dequantizing.
+    tokenizer_json = tokenizer_json_from_gguf(lambda key: _field(reader, key), path) if tokens else None
+    state_dict = _read_tensors(reader, config, path, progress)
+    check_state_dict(config, state_dict, path)
+    file_type = _field(reader, "general.file_type")
+    return LoadedModel(
+        config=config,
+        state_dict=state_dict,
+        tokenizer_json=tokenizer_json,
+        source={
+            "kind": "gguf",
+            "path": path,
+            "size_bytes": os.path.getsize(path),
+            "sha256": _sha256(path),
+            "file_type": _file_type_name(file_type),
+            "name": _field(reader, "general.name"),
+        },
+    )
+
+
+def _open_reader(path: str):
+    import gguf
+
+    class PlainArrayReader(gguf.GGUFReader):
+        """GGUFReader over a plain ndarray view of its memory map (still no copy of the file).
+
+        np.memmap's bookkeeping on every slice makes parsing a 49k-token vocabulary take ~5 s; on a plain
+        view of the same mapping it takes ~2 s.
+        """
+
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped):
+            self._plain_data = mapped.view(np.ndarray)
+
+    try:
+        return PlainArrayReader(path)
+    except Exception as error:  # gguf raises ValueError/struct errors for anything that is not GGUF
+        raise BuildError(f"{path} is not a readable GGUF file ({error}). Check the path, or re-download it.")
+
+
+def _field(reader, key: str, default=None):
+    """A metadata value as a Python object (str, int, float, list), or default when the key is absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _as_float(value) -> float:
+    # GGUF stores floats as float32; its shortest repr (1e-05, not 9.999999747e-06) is what the model meant.
+    return float(str(np.float32(value)))
+
+
+def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderConfig:
+    def required(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise BuildError(f"{path}: GGUF metadata key {arch}.{key} is missing; the file cannot describe a model.")
+        return value
+
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise BuildError(f"{path}: rope scaling {scaling!r} is not supported by the canonical decoder (plain RoPE).")
+    hidden, heads = int(required("embedding_length")), int(required("attention.head_count"))
+    kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # some files store one count per layer
+        if len(set(kv_heads)) != 1:
+            raise BuildError(f"{path}: per-layer kv head counts {sorted(set(kv_heads))} are not supported.")
+        kv_heads = kv_heads[0]
+    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    # llama.cpp requires the token list and the embedding rows to agree; files without a tokenizer still load.
+    vocab_size = len(tokens) if tokens else int(embed.shape[-1]) if embed is not None else 0
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    # llama.cpp stops generation at any end-of-generation token: eos, and end-of-turn / end-of-message if set.
+    eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    try:
+        return DecoderConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(required("feed_forward_length")),
+            num_layers=int(required("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=int(head_dim) if head_dim else hidden // heads,
+            rope_theta=_as_float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=_as_float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+            architecture=arch,
+        )
+    except ValueError as error:  # DecoderConfig's own consistency checks
+        raise BuildError(f"{path}: inconsistent GGUF metadata: {error}")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name for a llama.cpp tensor name, or None when the decoder has no such tensor."""
+    base, _, kind = gguf_name.rpartition(".")
+    if base in GLOBAL_TENSOR_NAMES and kind == "weight":
+        return f"{GLOBAL_TENSOR_NAMES[base]}.weight"
+    match = _BLOCK_TENSOR.match(gguf_name)
+    if match and match.group(2) in BLOCK_TENSOR_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{BLOCK_TENSOR_NAMES[part]}.{kind}"
+    return None
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf.py's LlamaModel.permute on a Q or K weight (or bias).
+
+    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3) ... of each head, Hugging Face rotates the two halves
+    (rotate_half), so the converter reorders every head's rows from [first half | second half] to interleaved:
+    reshape(n_head, 2, d/2, ...).swapaxes(1, 2). This is its exact inverse: reshape(n_head, d/2, 2, ...).swapaxes.
+    Pass n_head = attention.head_count for Q and attention.head_count_kv for K, as the converter did.
+    """
+    rows = weight.shape[0]
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _read_tensors(reader, config: DecoderConfig, path: str, progress: bool | None) -> dict:
+    from gguf.quants import dequantize
+    from rich.progress import track
+
+    show = sys.stderr.isatty() if progress is None else progress
+    expected = expected_shapes(config)
+    tensors = list(reader.tensors)
+    unknown = [tensor.name for tensor in tensors if hf_tensor_name(tensor.name) is None]
+    if unknown:  # checked before dequantizing anything, so a foreign file fails fast
+        raise BuildError(
+            f"{path}: tensors the Llama-family decoder cannot use: {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''} (e.g. rope_freqs means RoPE scaling, which is not supported)."
+        )
+    state_dict = {}
+    for tensor in track(tensors, description="Dequantizing GGUF tensors", disable=not show, transient=True):
+        name = hf_tensor_name(tensor.name)
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as error:
+            raise BuildError(f"{path}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {error}")
+        # GGUF lists dims innermost first (ne0 = columns); PyTorch's (out, in) is the reverse.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if name in expected and shape != expected[name]:  # checked before the un-permute reshapes it by heads
+            raise BuildError(f"{path}: tensor {tensor.name} has shape {shape}, the metadata implies {expected[name]}.")
+        weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        if config.architecture in PERMUTED_ARCHITECTURES and ".attn_q." in tensor.name:
+            weight = unpermute_rotary_rows(weight, config.num_heads)
+        elif config.architecture in PERMUTED_ARCHITECTURES and ".attn_k." in tensor.name:
+            weight = unpermute_rotary_rows(weight, config.num_kv_heads)
+        state_dict[name] = weight
+    return state_dict
+
+
+def _file_type_name(file_type) -> str | None:
+    if file_type is None:
+        return None
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(int(file_type)).name
+    except ValueError:
+        return str(file_type)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- tokenizer -------------------------------------------------------------------------------------------
+# How llama.cpp splits text before BPE, by tokenizer.ggml.pre (llama-vocab.cpp; the same regexes transformers'
+# GGUF converter uses). A pre type not listed splits with GPT-2's regex, as in transformers.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+}
+# These split every digit off first ("\p{N}"), then apply GPT-2's regex: SmolLM2's own tokenizer.json does
+# the same with a Digits(individual_digits) pre-tokenizer. (transformers' GGUF converter skips this step;
+# it changes nothing for SmolLM2, whose vocabulary has no multi-digit tokens.)
+DIGIT_SPLIT_PRE_TYPES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4  # llama.cpp's llama_token_type
+
+
+def tokenizer_json_from_gguf(field, path: str) -> str:
+    """tokenizer.json text for the byte-level BPE tokenizer a GGUF describes; field(key) reads metadata."""
+    model = field("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise BuildError(
+            f"{path}: GGUF tokenizer model {model!r} is not supported; only 'gpt2' (byte-level BPE, as in "
+            f"SmolLM2, Llama 3, Qwen2) is. Use the model's Hugging Face folder (with tokenizer.json) instead."
+        )
+    tokens, token_types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type") or []
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+
+    def respell(token: str) -> str:
+        # A token stored as raw text instead of byte-level symbols is spelled out byte by byte, like transformers.
+        return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
+
+    vocab = {respell(token): index for index, token in enumerate(tokens)}
+    # A merge is "left right"; split at the first space after position 0, as llama.cpp does.
+    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in field("tokenizer.ggml.merges") or []]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
+    tokenizer.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|> ...) are matched whole and are special; user-defined ones are matched whole
+    # but decode like text. A "control" token outside the byte alphabet is a llama.cpp mislabel: skipped.
+    typed = list(zip(tokens, token_types))
+    control = [t for t, kind in typed if kind == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    user_defined = [t for t, kind in typed if kind == TOKEN_TYPE_USER_DEFINED and t in vocab]
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
+    bos = field("tokenizer.ggml.bos_token_id")
+    if field("tokenizer.ggml.add_bos_token") and bos is not None:
+        bos_token = respell(tokens[bos])
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, int(bos))]
+        )
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer.to_str()
+
+
+def _pre_tokenizer(pre_type: str | None):
+    if pre_type in PRE_TOKENIZER_SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre_type]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre_type in DIGIT_SPLIT_PRE_TYPES:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level

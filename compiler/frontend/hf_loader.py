@@ -1,0 +1,133 @@
+"""Load a Hugging Face model folder (config.json + *.safetensors [+ tokenizer.json]) into a `LoadedModel`.
+
+This module owns the mapping from Hugging Face's config.json keys to DecoderConfig, including the defaults
+transformers applies when a key is absent, and reading (possibly sharded) safetensors as float32.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+
+from compiler.errors import BuildError
+from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
+from compiler.frontend.random_init import check_state_dict
+
+# transformers' attention_bias default per model type: Qwen2 has q/k/v biases and no config key for them.
+ATTENTION_BIAS_DEFAULT = {"llama": False, "mistral": False, "qwen2": True}
+
+
+def load_hf_folder(path: str) -> LoadedModel:
+    folder = os.path.abspath(path)
+    if not os.path.isdir(folder):
+        raise BuildError(f"Hugging Face model folder not found: {folder}. Check the model path in the recipe.")
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise BuildError(f"{folder}: config.json is missing; a Hugging Face model folder needs config.json.")
+    weight_paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not weight_paths:
+        raise BuildError(
+            f"{folder}: no *.safetensors files; only safetensors weights are read "
+            f"(convert pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))."
+        )
+    hf_config = _read_json(config_path)
+    generation_path = os.path.join(folder, "generation_config.json")
+    generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+    config = decoder_config_from_hf(hf_config, generation, config_path)
+    state_dict = _read_safetensors(weight_paths, config)
+    check_state_dict(config, state_dict, folder)
+    tokenizer_path = os.path.join(folder, "tokenizer.json")
+    tokenizer_json = None
+    if os.path.isfile(tokenizer_path):
+        with open(tokenizer_path, encoding="utf-8") as handle:
+            tokenizer_json = handle.read()
+    files = [config_path, *weight_paths] + ([tokenizer_path] if tokenizer_json is not None else [])
+    return LoadedModel(
+        config=config,
+        state_dict=state_dict,
+        tokenizer_json=tokenizer_json,
+        source={"kind": "hf", "path": folder, "files": [_file_record(folder, f) for f in files]},
+    )
+
+
+def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderConfig:
+    """DecoderConfig from a config.json dict (and generation_config.json's, for extra eos ids)."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise BuildError(
+            f"{origin}: model_type {model_type!r} is not supported; the compiler supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise BuildError(f"{origin}: hidden_act {hf['hidden_act']!r} is not supported; the MLP is SiLU-gated.")
+    # transformers 5 moved rope_theta and rope_scaling into rope_parameters; read either spelling.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise BuildError(f"{origin}: rope scaling {rope_type!r} is not supported; the decoder uses plain RoPE.")
+    try:
+        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        return DecoderConfig(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # 1e-6: transformers' default for all three
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
+            attention_bias=bool(hf.get("attention_bias", ATTENTION_BIAS_DEFAULT[model_type])),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_eos_ids(hf.get("eos_token_id"), generation.get("eos_token_id")),
+            architecture=model_type,
+        )
+    except KeyError as error:
+        raise BuildError(f"{origin}: required key {error.args[0]!r} is missing.")
+    except (TypeError, ValueError) as error:
+        raise BuildError(f"{origin}: invalid model config: {error}")
+
+
+def _eos_ids(*values) -> tuple[int, ...]:
+    """config.json's eos ids, then generation_config.json's (chat models often add end-of-turn there)."""
+    ids: list[int] = []
+    for value in values:
+        for token_id in value if isinstance(value, list) else [] if value is None else [value]:
+            if int(token_id) not in ids:
+                ids.append(int(token_id))
+    return tuple(ids)
+
+
+def _read_safetensors(paths: list[str], config: DecoderConfig) -> dict:
+    from safetensors.torch import load_file
+
+    state_dict = {}
+    for path in paths:
+        try:
+            tensors = load_file(path)
+        except Exception as error:  # a truncated or foreign file: say which one
+            raise BuildError(f"{path}: cannot read safetensors ({error}). Re-download the file.")
+        state_dict.update({name: tensor.float() for name, tensor in tensors.items()})
+    # Some checkpoints save the tied head anyway, and old ones saved RoPE's inverse frequencies as a buffer.
+    if config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)
+    return {name: t for name, t in state_dict.items() if not name.endswith("rotary_emb.inv_freq")}
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as error:
+        raise BuildError(f"{path}: cannot read JSON ({error}).")
+
+
+def _file_record(folder: str, path: str) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"name": os.path.relpath(path, folder), "size_bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
