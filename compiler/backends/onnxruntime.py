@@ -1,7 +1,8 @@
 """ONNX Runtime backend build: the final graphs with their weights stored once, and session settings.
 
-Both graphs reference one `weights.bin` (external data, page-aligned offsets): an initializer with the same
-name in both graphs must hold the same bytes and is written once. Small tensors stay inside the graphs.
+Both graphs reference one `weights.bin` (external data, page-aligned offsets) in which each distinct
+tensor content is stored once, so the weights both graphs use take disk space once. Small tensors stay
+inside the graphs.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
-from compiler.errors import BuildError
 
 WEIGHTS_FILE = "weights.bin"
 INLINE_LIMIT_BYTES = 1024  # tensors smaller than this stay in the .onnx file
@@ -23,29 +23,27 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> bytes:
 
 
 def _externalize(graphs: dict[str, onnx.ModelProto], weights_path: Path) -> int:
-    written: dict[str, tuple[int, int, str]] = {}  # name -> (offset, length, sha256)
+    """Move large initializers of all graphs into one file, each distinct content stored once.
+
+    Keyed by content, not name: the exporter's constants (val_N) reuse names across graphs for other values.
+    """
+    written: dict[str, tuple[int, int]] = {}  # sha256 -> (offset, length)
     offset = 0
     with open(weights_path, "wb") as weights:
-        for phase, model in graphs.items():
+        for model in graphs.values():
             for tensor in model.graph.initializer:
                 data = _tensor_bytes(tensor)
                 if len(data) < INLINE_LIMIT_BYTES:
                     continue
                 digest = hashlib.sha256(data).hexdigest()
-                if tensor.name in written:
-                    if written[tensor.name][2] != digest:
-                        raise BuildError(
-                            f"initializer {tensor.name!r} differs between graphs ({phase} has other values); "
-                            f"a pass changed one graph's weights but not the other's"
-                        )
-                else:
+                if digest not in written:
                     padding = -offset % ALIGNMENT
                     weights.write(b"\0" * padding)
                     offset += padding
                     weights.write(data)
-                    written[tensor.name] = (offset, len(data), digest)
+                    written[digest] = (offset, len(data))
                     offset += len(data)
-                start, length, _ = written[tensor.name]
+                start, length = written[digest]
                 tensor.ClearField("raw_data")
                 for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
                     tensor.ClearField(field)

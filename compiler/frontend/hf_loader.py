@@ -25,16 +25,17 @@ def load_hf_folder(path: str) -> LoadedModel:
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
         raise BuildError(f"{folder}: config.json is missing; a Hugging Face model folder needs config.json.")
+    # The config first: an unsupported architecture is the more useful message than missing weights.
+    hf_config = _read_json(config_path)
+    generation_path = os.path.join(folder, "generation_config.json")
+    generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+    config = decoder_config_from_hf(hf_config, generation, config_path)
     weight_paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not weight_paths:
         raise BuildError(
             f"{folder}: no *.safetensors files; only safetensors weights are read "
             f"(convert pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))."
         )
-    hf_config = _read_json(config_path)
-    generation_path = os.path.join(folder, "generation_config.json")
-    generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
-    config = decoder_config_from_hf(hf_config, generation, config_path)
     state_dict = _read_safetensors(weight_paths, config)
     check_state_dict(config, state_dict, folder)
     tokenizer_path = os.path.join(folder, "tokenizer.json")

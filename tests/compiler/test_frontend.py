@@ -245,7 +245,9 @@ def test_missing_paths_and_files_are_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(BuildError, match="config.json is missing"):
         load_hf_folder(str(tmp_path / "empty"))
-    (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4}))
     with pytest.raises(BuildError, match=r"no \*\.safetensors"):
         load_hf_folder(str(tmp_path / "empty"))
 

@@ -1,0 +1,100 @@
+"""Write a `LoadedModel` as a Hugging Face model folder: the inverse of `hf_loader.load_hf_folder`.
+
+    folder/config.json              LlamaForCausalLM (or Mistral / Qwen2, after config.architecture), every
+                                    DecoderConfig field under transformers' name
+    folder/model.safetensors        the float32 state dict; a tied model has no lm_head.weight
+    folder/tokenizer.json           when the source has one, with a minimal tokenizer_config.json
+    folder/generation_config.json   bos / eos ids (several eos ids live here, as in chat models)
+
+Used to hand our weights to other tools (transformers, onnxruntime-genai's model builder) so that
+benchmarks and parity checks compare the same numbers; `load_hf_folder(write_hf_folder(m, d))` gives back
+m's config and tensors exactly.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from compiler.frontend.config import DecoderConfig, LoadedModel
+
+# config.architecture -> transformers' class name (config.json "architectures")
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+WEIGHTS_FILE = "model.safetensors"
+
+
+def hf_config_dict(config: DecoderConfig) -> dict:
+    """config.json's contents for `config`, in transformers' names."""
+    eos = list(config.eos_token_ids)
+    hf = {
+        "architectures": [HF_ARCHITECTURES[config.architecture]],
+        "model_type": config.architecture,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        # transformers < 5 reads rope_theta, transformers 5 rope_parameters; write both spellings.
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "attention_bias": config.attention_bias,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if config.architecture in ("mistral", "qwen2"):
+        hf["sliding_window"] = None  # the canonical decoder attends to the whole context
+        hf["use_sliding_window"] = False
+    return hf
+
+
+def write_hf_folder(loaded: LoadedModel, folder: str | Path) -> Path:
+    """Write `loaded` into `folder` (created if needed; files of the same name are replaced); return it."""
+    from safetensors.torch import save_file
+
+    config = loaded.config
+    if config.architecture not in HF_ARCHITECTURES:
+        raise ValueError(f"architecture {config.architecture!r}: known ones are {', '.join(HF_ARCHITECTURES)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: tensor.detach().float().contiguous()
+        for name, tensor in loaded.state_dict.items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})  # "pt": transformers checks it
+    _write_json(folder / "config.json", hf_config_dict(config))
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
+    _write_json(folder / "generation_config.json", generation)
+    if loaded.tokenizer_json is not None:
+        (folder / "tokenizer.json").write_text(loaded.tokenizer_json, encoding="utf-8")
+        _write_json(folder / "tokenizer_config.json", _tokenizer_config(loaded.tokenizer_json, config))
+    return folder
+
+
+def _tokenizer_config(tokenizer_json: str, config: DecoderConfig) -> dict:
+    """Just enough for transformers' AutoTokenizer: the fast tokenizer class and the special tokens' text."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+
+    def text(token_id: int | None) -> str | None:
+        return tokenizer.id_to_token(token_id) if token_id is not None else None
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": text(config.bos_token_id),
+        "eos_token": text(config.eos_token_ids[0] if config.eos_token_ids else None),
+        "model_max_length": config.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

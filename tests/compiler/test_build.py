@@ -1,0 +1,89 @@
+"""Builds are atomic, and the command line turns bad input into one clear line (exit status 2)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from compiler import build as build_module
+from compiler.cli import main
+from compiler.errors import BuildError
+
+
+def test_missing_model_file_fails_without_artifact(tiny_recipe, tmp_path):
+    recipe = dataclasses.replace(tiny_recipe, model=dataclasses.replace(tiny_recipe.model, source="gguf", config=None,
+                                                                        path=str(tmp_path / "missing.gguf")))
+    with pytest.raises(BuildError, match="missing.gguf"):
+        build_module.build(recipe, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_failure_while_writing_leaves_nothing_and_keeps_the_old_artifact(tiny_recipe, tiny_artifact, monkeypatch):
+    output_root = tiny_artifact.parent
+    before = sorted(p.name for p in output_root.iterdir())
+    manifest_before = (tiny_artifact / "manifest.json").read_text()
+
+    def broken_writer(graphs, folder, *args):
+        (folder / "prefill.onnx").write_text("half written")
+        raise BuildError("disk full (simulated)")
+
+    monkeypatch.setattr(build_module.onnxruntime_backend, "write_engines", broken_writer)
+    monkeypatch.setattr(build_module, "export_graphs", lambda *a, **k: {})  # skip the slow trace
+    monkeypatch.setattr(build_module, "run_pipeline", lambda graphs, passes, progress=None: (graphs, []))
+    with pytest.raises(BuildError, match="simulated"):
+        build_module.build(tiny_recipe, output_root)
+    assert sorted(p.name for p in output_root.iterdir()) == before  # no .partial folder left behind
+    assert (tiny_artifact / "manifest.json").read_text() == manifest_before
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    status = main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
+
+
+@pytest.mark.parametrize("recipe_text, expected", [
+    (None, "recipe not found"),
+    ("name: x\nmodel: [", "invalid YAML at line"),
+    ("name: x\nmodel: {source: random}\npasses: [cleanpu]\n", "did you mean 'cleanup'"),
+    ("name: x\nmodel: {source: gguf}\nexport: {max_contxt: 5}\n", "did you mean 'max_context'"),
+])
+def test_bad_recipes_get_one_line_errors(capsys, tmp_path, recipe_text, expected):
+    path = tmp_path / "recipe.yaml"
+    if recipe_text is not None:
+        path.write_text(recipe_text)
+    status, output = run_cli(capsys, "build", str(path), "--output", str(tmp_path / "out"))
+    assert status == 2
+    assert expected in output and "Traceback" not in output
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture_is_named(capsys, tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: x\nmodel: {{source: hf, path: {folder}}}\n")
+    status, output = run_cli(capsys, "build", str(recipe), "--output", str(tmp_path / "out"))
+    assert status == 2 and "gpt2" in output and "llama" in output and "Traceback" not in output
+
+
+def test_run_and_inspect(capsys, tiny_artifact):
+    status, output = run_cli(capsys, "run", str(tiny_artifact), "--prompt", "hi", "--max-new-tokens", "5")
+    assert status == 0 and "TTFT ms" in output and "TPOT ms" in output
+    status, output = run_cli(capsys, "inspect", str(tiny_artifact), "--verify")
+    assert status == 0 and "sha256 verified" in output and "decode.onnx" in output
+
+
+def test_run_refuses_a_prompt_longer_than_max_context(capsys, tiny_artifact):
+    status, output = run_cli(capsys, "run", str(tiny_artifact), "--prompt", "word " * 300)
+    assert status == 2 and "max context is 128" in output and "Traceback" not in output
+
+
+def test_run_refuses_a_tampered_artifact(capsys, tiny_artifact, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(tiny_artifact, tmp_path / "copy")
+    (copy / "decode.onnx").write_bytes(b"")
+    status, output = run_cli(capsys, "run", str(copy), "--prompt", "hi")
+    assert status == 2 and "decode.onnx" in output and "Traceback" not in output

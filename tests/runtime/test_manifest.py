@@ -1,0 +1,69 @@
+"""An artifact that is missing, tampered with, truncated or of another format version is refused clearly."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from runtime import ArtifactError, Engine
+
+
+@pytest.fixture
+def artifact_copy(tiny_artifact, tmp_path):
+    return shutil.copytree(tiny_artifact, tmp_path / "copy")
+
+
+def test_truncated_file_is_refused_at_load(artifact_copy):
+    weights = artifact_copy / "weights.bin"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ArtifactError, match=r"weights.bin: \d+ bytes, but the manifest records \d+ \(truncated or modified\)"):
+        Engine.load(artifact_copy)
+
+
+def test_same_size_tampering_is_caught_by_verify(artifact_copy):
+    weights = artifact_copy / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    Engine.load(artifact_copy)  # sizes match: the default load does not hash gigabytes
+    with pytest.raises(ArtifactError, match="sha256 differs"):
+        Engine.load(artifact_copy, verify=True)
+
+
+def test_missing_file_is_refused(artifact_copy):
+    (artifact_copy / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError, match="tokenizer.json: file listed in the manifest is missing"):
+        Engine.load(artifact_copy)
+
+
+def test_unknown_format_version_is_refused(artifact_copy):
+    manifest_path = artifact_copy / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["format_version"] = 99
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="format version 99, but this runtime reads version 1; rebuild"):
+        Engine.load(artifact_copy)
+
+
+def test_not_an_artifact(tmp_path):
+    with pytest.raises(ArtifactError, match="no such directory"):
+        Engine.load(tmp_path / "nope")
+    with pytest.raises(ArtifactError, match="no manifest.json"):
+        Engine.load(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="unreadable manifest"):
+        Engine.load(tmp_path)
+
+
+def test_manifest_describes_the_artifact(tiny_artifact):
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    assert manifest["recipe"]["name"] == "tiny-random"
+    assert manifest["tools"]["onnxruntime"] and manifest["tools"]["torch"]
+    assert manifest["model"]["config"]["num_layers"] == 2
+    aliases = manifest["kv_cache"]["output_aliases_input"]
+    assert aliases["present.1.value"] == "past_key_values.1.value" and len(aliases) == 4
+    decode_inputs = {i["name"]: i for i in manifest["engines"]["decode"]["inputs"]}
+    assert decode_inputs["past_key_values.0.key"]["kv_cache"] and decode_inputs["past_key_values.0.key"]["shape"][2] == 128
+    assert [r["name"] for r in manifest["passes"]] == ["cleanup", "cleanup"]
+    assert set(manifest["files"]) == {"prefill.onnx", "decode.onnx", "weights.bin", "tokenizer.json"}

