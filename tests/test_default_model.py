@@ -54,6 +54,9 @@ def hf_model(default_artifact):
     model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict, strict=False)  # strict=False: tied lm_head has no own tensor
     model.tie_weights()
+    # Never stop early and never mask EOS: our side generates with stop tokens disabled too.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     return model.eval()
 
 
@@ -69,8 +72,7 @@ def test_greedy_tokens_equal_transformers(engine, hf_model):
         prompt_ids = engine.tokenizer.encode(prompt)
         ours = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, stop_token_ids=()).token_ids
         with torch.no_grad():
-            theirs = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                       do_sample=False)[0, len(prompt_ids):].tolist()
+            theirs = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt_ids):].tolist()
         assert ours == theirs, f"{prompt!r}: {engine.tokenizer.decode(ours)!r} != {engine.tokenizer.decode(theirs)!r}"
 
 
