@@ -1,0 +1,316 @@
+"""Single-request generation latency: aotlm's runtime beside transformers (eager) and onnxruntime-genai.
+
+    .venv/bin/python benchmarks/generate.py [--artifact artifacts/smollm2-135m] [--prompt-tokens 512]
+        [--new-tokens 128] [--repeats 3] [--baselines transformers,onnxruntime-genai] [--threads N]
+
+Each backend gets the same weights (the artifact's recipe `model` section, loaded with compiler.frontend and
+written once as a Hugging Face folder under benchmarks/results/cache/), the same prompt token ids (Python's
+own documentation, pydoc_data.topics, cut to exactly --prompt-tokens), batch 1 and greedy decoding that
+never stops early, so every run makes exactly --new-tokens tokens. One warm-up run, then --repeats timed
+runs; the run with the median end-to-end time is reported. Backends run one after another, never at once.
+
+Metrics (vLLM's definitions): TTFT = request start -> first new token chosen; TPOT = (E2E - TTFT) / (M - 1);
+ITL = gaps between consecutive new tokens; decode tok/s = 1 / TPOT. Prefill = the prompt's forward pass
+alone (aotlm: the prefill graph run; transformers: one separately timed forward; genai: append_tokens).
+Writes benchmarks/results/generate.json.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+RESULTS = REPO / "benchmarks" / "results"
+WARMUP_RUNS = 1
+AGREE_TOKENS = 32  # greedy tokens every backend must share
+TOOLS = ("aotlm", "torch", "transformers", "onnxruntime", "onnxruntime-genai", "numpy", "tokenizers")
+
+
+@dataclass
+class Run:
+    """One timed request; times in seconds since the request started."""
+
+    prefill_s: float
+    token_times_s: list[float]  # one per new token
+    token_ids: list[int]
+
+    def metrics(self) -> dict:
+        ttft, e2e = self.token_times_s[0], self.token_times_s[-1]
+        tpot = (e2e - ttft) / (len(self.token_times_s) - 1) if len(self.token_times_s) > 1 else 0.0
+        itl_ms = 1e3 * np.diff(self.token_times_s) if len(self.token_times_s) > 1 else np.zeros(1)
+        return {
+            "ttft_ms": 1e3 * ttft, "prefill_ms": 1e3 * self.prefill_s, "tpot_ms": 1e3 * tpot, "e2e_ms": 1e3 * e2e,
+            **{f"itl_p{q}_ms": float(np.percentile(itl_ms, q)) for q in (50, 95, 99)},
+            "decode_tokens_per_s": 1.0 / tpot if tpot > 0 else 0.0, "new_tokens": len(self.token_ids),
+        }
+
+
+# -- backends: setup() loads, run(prompt_ids, new_tokens) -> Run ----------------------------------------
+class Aotlm:
+    name = "aotlm"
+
+    def __init__(self, artifact: Path, threads: int):
+        from runtime import Engine
+
+        self.engine = Engine.load(artifact, intra_op_threads=threads)
+
+    def run(self, prompt_ids: list[int], new_tokens: int) -> Run:
+        result = self.engine.generate(prompt_ids, max_new_tokens=new_tokens, stop_token_ids=())  # greedy
+        timings = result.timings
+        return Run(timings.prefill_s, list(timings.token_times_s), list(result.token_ids))
+
+
+class Transformers:
+    name = "transformers"
+
+    def __init__(self, hf_folder: Path, threads: int):
+        import torch
+        from transformers import LlamaForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = LlamaForCausalLM.from_pretrained(hf_folder, attn_implementation="eager", dtype=torch.float32).eval()
+
+    def run(self, prompt_ids: list[int], new_tokens: int) -> Run:
+        from transformers.generation.streamers import BaseStreamer
+
+        class TokenClock(BaseStreamer):  # generate() calls put() with the prompt, then once per new token
+            def __init__(self):
+                self.times, self.seen_prompt = [], False
+
+            def put(self, value):
+                if self.seen_prompt:
+                    self.times.append(time.perf_counter() - started)
+                self.seen_prompt = True
+
+            def end(self):
+                pass
+
+        input_ids = self.torch.tensor([prompt_ids])
+        with self.torch.inference_mode():
+            prefill_started = time.perf_counter()
+            self.model(input_ids, use_cache=True, logits_to_keep=1)  # as generate() does: last position only
+            prefill_s = time.perf_counter() - prefill_started
+            clock = TokenClock()
+            started = time.perf_counter()
+            output = self.model.generate(
+                input_ids, attention_mask=self.torch.ones_like(input_ids), do_sample=False, streamer=clock,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=self.model.config.eos_token_id,
+            )
+        return Run(prefill_s, clock.times, output[0, len(prompt_ids):].tolist())
+
+
+class Genai:
+    name = "onnxruntime-genai"
+
+    def __init__(self, genai_folder: Path, threads: int):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(genai_folder))
+        config.clear_providers()  # CPU
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+        self.tokenizer = og.Tokenizer(self.model)
+
+    def run(self, prompt_ids: list[int], new_tokens: int) -> Run:
+        params = self.og.GeneratorParams(self.model)
+        total = len(prompt_ids) + new_tokens  # min_length = max_length: end-of-sequence cannot end it early
+        params.set_search_options(do_sample=False, max_length=total, min_length=total, batch_size=1)
+        generator = self.og.Generator(self.model, params)
+        started = time.perf_counter()
+        generator.append_tokens(np.asarray(prompt_ids, dtype=np.int32))
+        prefill_s = time.perf_counter() - started
+        times, tokens = [], []
+        for _ in range(new_tokens):
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+            times.append(time.perf_counter() - started)
+        return Run(prefill_s, times, tokens)
+
+
+# -- inputs: weights folders, prompt -------------------------------------------------------------------------
+def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple[Path, Path]:
+    """The artifact's weights as a Hugging Face folder and as a genai fp32 CPU model, built once and cached."""
+    model_section = manifest["recipe"]["model"]
+    key = hashlib.sha256(json.dumps([model_section, manifest["model"]["source"]], sort_keys=True).encode()).hexdigest()
+    cache = RESULTS / "cache" / f"{manifest['name']}-{key[:12]}"
+    hf_folder, genai_folder = cache / "hf", cache / "genai-fp32-cpu"
+    if not (hf_folder / "config.json").is_file():
+        from compiler.frontend import load_model
+        from compiler.frontend.config import DecoderConfig
+        from compiler.frontend.hf_writer import write_hf_folder
+
+        console.log(f"writing the weights as a Hugging Face folder: {hf_folder}")
+        config = DecoderConfig.from_dict(model_section["config"]) if model_section.get("config") else None
+        loaded = load_model(model_section["source"], model_section.get("path"), config, model_section.get("seed", 0))
+        write_hf_folder(loaded, cache / "hf.partial")
+        os.replace(cache / "hf.partial", hf_folder)
+    if want_genai and not (genai_folder / "genai_config.json").is_file():
+        console.log(f"building onnxruntime-genai's fp32 CPU model: {genai_folder}")
+        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder),
+                   "-o", str(genai_folder), "-p", "fp32", "-e", "cpu", "-c", str(cache / "builder-cache")]
+        built = subprocess.run(command, capture_output=True, text=True)
+        if built.returncode:  # its progress bars are noise, but on failure its output is the diagnosis
+            raise SystemExit(f"onnxruntime-genai's builder failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}")
+    return hf_folder, genai_folder
+
+
+def prompt_token_ids(artifact: Path, manifest: dict, count: int) -> list[int]:
+    """Exactly `count` token ids of real English text (Python's docs), with the artifact's tokenizer."""
+    from pydoc_data.topics import topics
+
+    from runtime.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(artifact / manifest["tokenizer"]["file"], manifest["tokenizer"].get("bos_token_id"))
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    characters = 8 * count  # tokenize only what is needed; ~4 characters per token in English
+    while True:
+        ids = tokenizer.encode(text[:characters])
+        if len(ids) > count or characters >= len(text):
+            break
+        characters *= 2
+    if len(ids) < count:
+        raise SystemExit(f"the prompt text has only {len(ids)} tokens; ask for fewer --prompt-tokens")
+    return ids[:count]
+
+
+# -- driver ---------------------------------------------------------------------------------------------------
+def measure(backend, prompt_ids: list[int], new_tokens: int, repeats: int, progress: Progress, task) -> dict:
+    for _ in range(WARMUP_RUNS):
+        backend.run(prompt_ids, new_tokens)
+        progress.advance(task)
+    runs = []
+    for _ in range(repeats):
+        runs.append(backend.run(prompt_ids, new_tokens))
+        progress.advance(task)
+    for run in runs:
+        if len(run.token_ids) != new_tokens:
+            raise RuntimeError(f"{backend.name} made {len(run.token_ids)} tokens, not {new_tokens}")
+    median = sorted(runs, key=lambda run: run.token_times_s[-1])[len(runs) // 2]
+    return {"median": median.metrics(), "runs": [run.metrics() for run in runs], "token_ids": median.token_ids}
+
+
+def agreement(results: dict) -> dict:
+    reference = results["aotlm"]["token_ids"][:AGREE_TOKENS]
+    report = {}
+    for name, result in results.items():
+        tokens = result["token_ids"][:AGREE_TOKENS]
+        first = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
+        report[name] = {"agrees": tokens == reference, "first_difference": first}
+    return report
+
+
+def render(results: dict, console: Console) -> None:
+    table = Table(title="generation latency (median run)")
+    for column in ("backend", "TTFT ms", "prefill ms", "TPOT ms", "ITL p50 ms", "ITL p95 ms", "ITL p99 ms",
+                   "decode tok/s", "TPOT / genai", "TTFT / genai"):
+        table.add_column(column, justify="left" if column == "backend" else "right")
+    genai = results.get(Genai.name, {}).get("median")
+    for name, result in results.items():
+        m = result["median"]
+        ratios = [f"{m[k] / genai[k]:.2f}x" if genai else "-" for k in ("tpot_ms", "ttft_ms")]
+        table.add_row(name, f"{m['ttft_ms']:.1f}", f"{m['prefill_ms']:.1f}", f"{m['tpot_ms']:.2f}",
+                      f"{m['itl_p50_ms']:.2f}", f"{m['itl_p95_ms']:.2f}", f"{m['itl_p99_ms']:.2f}",
+                      f"{m['decode_tokens_per_s']:.1f}", *ratios)
+    console.print(table)
+
+
+def machine_info() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), None) \
+        if os.path.exists("/proc/cpuinfo") else platform.processor()
+    return {"cpu_count": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
+            "load_average_1_5_15_min": os.getloadavg()}  # at the end: above the thread count means a shared CPU
+
+
+def versions() -> dict:
+    found = {}
+    for name in TOOLS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baselines", default="transformers,onnxruntime-genai")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 150)  # a pipe gets 80 columns: too few
+    baselines = [name for name in args.baselines.split(",") if name]
+    unknown = set(baselines) - {Transformers.name, Genai.name}
+    if unknown:
+        parser.error(f"unknown baselines {sorted(unknown)}; known: {Transformers.name}, {Genai.name}")
+    if Genai.name in baselines:
+        try:
+            import onnxruntime_genai  # noqa: F401
+        except ImportError as error:
+            console.log(f"[yellow]skipping {Genai.name}: {error}")
+            baselines.remove(Genai.name)
+
+    manifest = json.loads((args.artifact / "manifest.json").read_text())
+    max_context = manifest["kv_cache"]["max_context"]
+    if args.prompt_tokens + args.new_tokens > max_context:
+        parser.error(f"--prompt-tokens + --new-tokens must fit the artifact's max context ({max_context})")
+    prompt_ids = prompt_token_ids(args.artifact, manifest, args.prompt_tokens)
+    hf_folder, genai_folder = prepare_folders(manifest, console, Genai.name in baselines)
+    makers = {"aotlm": lambda: Aotlm(args.artifact, args.threads),
+              Transformers.name: lambda: Transformers(hf_folder, args.threads),
+              Genai.name: lambda: Genai(genai_folder, args.threads)}
+
+    results = {}
+    with Progress(console=console) as progress:
+        for name in ["aotlm", *baselines]:
+            task = progress.add_task(f"{name:18}", total=WARMUP_RUNS + args.repeats)
+            setup_started = time.perf_counter()
+            backend = makers[name]()
+            setup_s = time.perf_counter() - setup_started
+            results[name] = {"setup_s": setup_s, **measure(backend, prompt_ids, args.new_tokens, args.repeats, progress, task)}
+            del backend  # free its weights before the next backend loads
+
+    render(results, console)
+    agree = agreement(results)
+    same = all(entry["agrees"] for entry in agree.values())
+    console.print(f"first {AGREE_TOKENS} greedy tokens agree across {', '.join(agree)}: {'yes' if same else 'NO'}")
+    for name, entry in agree.items():
+        if not entry["agrees"]:
+            console.print(f"  {name}: first difference from aotlm at new token {entry['first_difference']}")
+    report = {
+        "settings": {"artifact": str(args.artifact), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                     "repeats": args.repeats, "warmup_runs": WARMUP_RUNS, "threads": args.threads, "batch": 1,
+                     "decoding": "greedy, stop tokens disabled", "prompt_source": "pydoc_data.topics (sorted, joined)",
+                     "hf_folder": str(hf_folder), "genai_folder": str(genai_folder) if Genai.name in baselines else None},
+        "machine": machine_info(), "versions": versions(),
+        "prompt_token_ids": prompt_ids, "results": results,
+        "agreement": {"tokens_compared": AGREE_TOKENS, "all_agree": same, "backends": agree},
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "generate.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
