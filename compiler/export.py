@@ -15,7 +15,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 import torch
 from torch import nn
 
@@ -121,7 +123,31 @@ def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pre
     for node in model.graph.node:  # outputs too: the exporter shares equal weights through Identity nodes
         node.input[:] = [name.removeprefix("decoder.") for name in node.input]
         node.output[:] = [name.removeprefix("decoder.") for name in node.output]
+    _share_tied_lm_head(model, config)
     return model
+
+
+def _share_tied_lm_head(model: onnx.ModelProto, config: DecoderConfig) -> None:
+    """Make a tied lm_head read the embedding table itself: MatMul(x, E^T copy) -> Gemm(x, E, transB=1).
+
+    The TorchScript exporter folds the transpose into a second vocab x hidden initializer (113 MB for
+    SmolLM2-135M in fp32); Gemm reads the stored table, so the artifact holds it once.
+    """
+    if not config.tie_word_embeddings:
+        return
+    initializers = {t.name: t for t in model.graph.initializer}
+    embedding = numpy_helper.to_array(initializers["model.embed_tokens.weight"])
+    for index, node in enumerate(model.graph.node):
+        weight = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if weight is None or tuple(weight.dims) != embedding.shape[::-1]:
+            continue
+        if not np.array_equal(numpy_helper.to_array(weight), embedding.T):
+            continue
+        gemm = onnx.helper.make_node("Gemm", [node.input[0], "model.embed_tokens.weight"], list(node.output),
+                                     name=node.name + "_tied", transB=1)
+        model.graph.node[index].CopyFrom(gemm)
+        model.graph.initializer.remove(weight)
+        return
 
 
 def export_graphs(decoder: Decoder, max_context: int, opset: int = 21, prefill_logits: str = "last",

@@ -111,6 +111,9 @@ def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_thre
     """Folds what depends only on constants; on an evaluation error folds nothing and says why in the report."""
     variables = {name for name, tensor in graph.tensors().items() if isinstance(tensor, gs.Variable)}
     nodes_before = len(graph.nodes)
+    import onnxruntime  # graphsurgeon evaluates with it; its optimizer warnings are noise in a build log
+
+    onnxruntime.set_default_logger_severity(3)
     try:
         graph.fold_constants(size_threshold=size_threshold, error_ok=False,
                              should_exclude_node=lambda node: (node.domain or "") not in ONNX_DOMAINS)

@@ -162,7 +162,10 @@ class Decoder(nn.Module):
             last = (attention_mask.sum(-1) - 1).clamp(min=0)  # [B]: index of each row's last valid token
             x = x[torch.arange(x.shape[0]), last]  # [B, hidden]
         x = self.model.norm(x)
-        return F.linear(x, self.lm_head_weight()), new_keys, new_values
+        # On 2-D input the exporter emits Gemm(transB) over the weight as stored; on 3-D input it would store a
+        # transposed copy, which for a tied embedding is a second vocab x hidden matrix in the artifact.
+        logits = F.linear(x.reshape(-1, x.shape[-1]), self.lm_head_weight())
+        return logits.reshape(*x.shape[:-1], logits.shape[-1]), new_keys, new_values
 
 
 def build_decoder(config: DecoderConfig, state_dict: dict) -> Decoder:
