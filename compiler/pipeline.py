@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from compiler.errors import BuildError
+from passes.errors import PassError
 from passes.registry import PASSES, PassEntry
 
 # Above this a dumped graph keeps its weights in a side file: one .onnx must stay under protobuf's 2 GiB,
@@ -57,7 +58,10 @@ def run_pipeline(
             model = graphs[phase]
             say(f"[{index + 1}/{len(entries)}] {spec.name} ({phase})")
             started = time.perf_counter()
-            new_model, report = entry.run(model, options)
+            try:
+                new_model, report = entry.run(model, options)
+            except PassError as error:
+                raise BuildError(f"pass '{spec.name}' ({phase}): {error}") from None
             seconds = time.perf_counter() - started
             report = to_json(report, f"pass '{spec.name}' ({phase}) report")
             if check:

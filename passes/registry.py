@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from passes import cleanup
+from passes import cleanup, fuse_attention, lower_onnxruntime
+from passes import pack_projections
+from passes import fuse_rms_norm
 
 
 @dataclass(frozen=True)
@@ -20,4 +22,12 @@ class PassEntry:
 
 PASSES: dict[str, PassEntry] = {
     "cleanup": PassEntry(cleanup.run, cleanup.Options, "constant folding, dead nodes, shape inference, shared initializers"),
+    "fuse_attention": PassEntry(fuse_attention.run, fuse_attention.Options,
+                                "each attention block -> one aotlm.FlashAttention node (rotary and KV-cache writes inside)"),
+    "lower_onnxruntime": PassEntry(lower_onnxruntime.run, lower_onnxruntime.Options,
+                                   "aotlm.FlashAttention -> com.microsoft.GroupQueryAttention (shared KV buffers)"),
+    "pack_projections": PassEntry(pack_projections.run, pack_projections.Options,
+                                  "sibling MatMuls on one activation (q/k/v, gate/up) -> one MatMul + Split"),
+    "fuse_rms_norm": PassEntry(fuse_rms_norm.run, fuse_rms_norm.Options,
+                               "RMSNorm (+ residual Add) -> onnxruntime's (Skip)SimplifiedLayerNormalization"),
 }

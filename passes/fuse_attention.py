@@ -1,0 +1,354 @@
+"""Fuse each traced attention block into one `aotlm.FlashAttention` node (meaning: passes/flash_attention_op.py).
+
+Anchored on each Softmax; the pattern, as traced from the canonical decoder or from Hugging Face's Llama:
+
+    x -> q_proj -> Reshape -> Transpose -> rotary ------------------------------.
+    x -> k_proj -> Reshape -> Transpose -> rotary -> [ScatterElements(past_key)] -> [Slice] -> (Unsqueeze|Expand|
+                                                     Reshape|Transpose)* -> MatMul(q, kT) -> Mul(scale) -> Add(mask)
+    x -> v_proj -> Reshape -> Transpose -> [ScatterElements(past_value)] -> [Slice] -> (...)*       -> Softmax
+                                                                 MatMul(probs, v) <-------------------'
+                                                                 -> (Transpose|Reshape)* -> o_proj
+    rotary(t) = t * cos + Concat(-t[..., D/2:], t[..., :D/2]) * sin,  cos = Cos(positions * inv_freq) [* scaling]
+
+The fused node reads the three projections' outputs and the cache buffers, applies rotary itself from
+cos/sin tables built from the graph's inv_freq, writes the caches in place and feeds o_proj. The mask subgraph,
+the scatter writes and the rotary math become dead and are removed. `match` returns a Match or a SkipReason,
+so every attention that is not fused says which check failed, per layer, in the report.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from passes import flash_attention_op as op
+from passes.errors import PassError
+
+THROUGH_CACHE_READ = {"Transpose", "Unsqueeze", "Reshape", "Expand", "Slice", "Identity", "Cast"}
+THROUGH_HEAD_SPLIT = {"Transpose", "Reshape", "Identity"}
+
+
+@dataclass(frozen=True)
+class Options:
+    required: bool = False  # fail the build when any attention stays unfused
+    max_rewrites: int | None = None  # fuse only the first N (bisect a parity failure)
+    rotary_cache_length: int | None = None  # rotary table rows; default: the cache's max context
+
+
+class SkipReason(str):
+    """Why an attention block was not fused: the first check that failed."""
+
+
+@dataclass
+class Match:
+    layer: str
+    query: gs.Tensor
+    key: gs.Tensor
+    value: gs.Tensor
+    past_key: gs.Tensor | None
+    past_value: gs.Tensor | None
+    key_writer: gs.Node | None  # the ScatterElements that wrote present_key (disconnected on rewrite)
+    value_writer: gs.Node | None
+    o_proj: gs.Node
+    num_heads: int
+    kv_num_heads: int
+    scale: float
+    inv_freq: np.ndarray
+    rotary_scaling: float
+
+
+def producer(tensor: gs.Tensor) -> gs.Node | None:
+    return tensor.inputs[0] if tensor.inputs else None
+
+
+def constant(tensor: gs.Tensor) -> np.ndarray | None:
+    if isinstance(tensor, gs.Constant):
+        return np.asarray(tensor.values)
+    node = producer(tensor)
+    if node is not None and node.op == "Constant":
+        return np.asarray(node.attrs["value"].values)
+    return None
+
+
+def walk_up(tensor: gs.Tensor, through: set[str]) -> tuple[gs.Tensor, gs.Node | None]:
+    """Follow first inputs up through shape-only ops; returns the tensor reached and its producer."""
+    node = producer(tensor)
+    while node is not None and node.op in through:
+        tensor, node = node.inputs[0], producer(node.inputs[0])
+    return tensor, node
+
+
+def layer_name(node: gs.Node) -> str:
+    found = re.search(r"layers[./_](\d+)", node.name or "")
+    return f"layers.{found.group(1)}" if found else (node.name or "attention")
+
+
+def _scores(softmax: gs.Node) -> tuple[gs.Node, float] | SkipReason:
+    """Softmax input back to MatMul(q, kT): through Add(mask) and Mul/Div by a scalar; returns (MatMul, scale)."""
+    tensor, scale = softmax.inputs[0], 1.0
+    for _ in range(4):
+        node = producer(tensor)
+        if node is None:
+            break
+        if node.op == "MatMul":
+            return node, scale
+        if node.op in ("Mul", "Div"):
+            values = [constant(t) for t in node.inputs]
+            scalar = next((v for v in values if v is not None and v.size == 1), None)
+            if scalar is None:
+                return SkipReason(f"{node.op} before Softmax is not a scaling by a constant")
+            scale = scale * float(scalar) if node.op == "Mul" else scale / float(scalar)
+            tensor = node.inputs[0] if values[0] is None else node.inputs[1]
+        elif node.op == "Add":  # the mask: continue along the operand that leads to the scores
+            tensor = next((t for t in node.inputs if producer(t) is not None and producer(t).op in ("Mul", "Div", "MatMul")),
+                          node.inputs[0])
+        elif node.op in ("Cast", "Identity"):
+            tensor = node.inputs[0]
+        else:
+            break
+    return SkipReason("Softmax input does not come from MatMul(q, kT) through scale and mask")
+
+
+def _value_matmul(softmax: gs.Node) -> gs.Node | SkipReason:
+    tensor = softmax.outputs[0]
+    while True:
+        consumers = tensor.outputs
+        if len(consumers) != 1:
+            return SkipReason(f"Softmax output has {len(consumers)} consumers, expected the value MatMul only")
+        if consumers[0].op in ("Cast", "Identity", "Dropout"):
+            tensor = consumers[0].outputs[0]
+            continue
+        if consumers[0].op != "MatMul" or consumers[0].inputs[0] is not tensor:
+            return SkipReason(f"Softmax output feeds {consumers[0].op} '{consumers[0].name}', not the value MatMul")
+        return consumers[0]
+
+
+def _o_proj(value_matmul: gs.Node) -> gs.Node | SkipReason:
+    tensor = value_matmul.outputs[0]
+    for _ in range(6):
+        if len(tensor.outputs) != 1:
+            break
+        node = tensor.outputs[0]
+        if node.op == "MatMul" and constant(node.inputs[1]) is not None:
+            return node
+        if node.op not in THROUGH_HEAD_SPLIT:
+            break
+        tensor = node.outputs[0]
+    return SkipReason("attention output does not reach an output projection (MatMul by a weight)")
+
+
+def _projection(tensor: gs.Tensor) -> tuple[gs.Tensor, int] | SkipReason:
+    """From a [B, heads, S, D] tensor up to the projection output [B, S, heads*D]; returns it and its width."""
+    tensor, node = walk_up(tensor, THROUGH_HEAD_SPLIT)
+    if node is not None and node.op == "Add" and any(constant(t) is not None for t in node.inputs):
+        matmul = next((producer(t) for t in node.inputs if producer(t) is not None), None)  # q/k/v bias (Qwen2)
+    else:
+        matmul = node
+    weight = constant(matmul.inputs[1]) if matmul is not None and matmul.op == "MatMul" else None
+    if weight is None or weight.ndim != 2:
+        return SkipReason(f"no projection MatMul with a constant weight above '{tensor.name}'")
+    return tensor, int(weight.shape[1])
+
+
+def _rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
+    """Parse rotary(t) = t*cos + Concat(-t2, t1)*sin; returns (t, cos)."""
+    add = producer(tensor)
+    if add is None or add.op != "Add" or not all(producer(t) is not None and producer(t).op == "Mul" for t in add.inputs):
+        return SkipReason(f"no rotary embedding (Add of two Muls) at '{tensor.name}'")
+    for rotate_mul, cos_mul in (add.inputs[0].inputs[0], add.inputs[1].inputs[0]), (add.inputs[1].inputs[0], add.inputs[0].inputs[0]):
+        concat = next((producer(t) for t in rotate_mul.inputs if producer(t) is not None and producer(t).op == "Concat"), None)
+        if concat is None or producer(concat.inputs[0]) is None or producer(concat.inputs[0]).op != "Neg":
+            continue
+        negated_slice = producer(producer(concat.inputs[0]).inputs[0])
+        if negated_slice is None or negated_slice.op != "Slice":
+            continue
+        source = negated_slice.inputs[0]
+        if source not in cos_mul.inputs:
+            return SkipReason("rotary: the cos term does not multiply the tensor being rotated")
+        cos = cos_mul.inputs[1] if cos_mul.inputs[0] is source else cos_mul.inputs[0]
+        return source, cos
+    return SkipReason("rotary: no rotate-half term Concat(Neg(Slice(t)), Slice(t))")
+
+
+def _inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
+    """Find Cos above the cos table, the scalar scaling on the way, and the inv_freq constant under it."""
+    scaling, tensor = 1.0, cos
+    node = producer(tensor)
+    while node is not None and node.op != "Cos":
+        if node.op == "Mul":
+            scalar = next((constant(t) for t in node.inputs if constant(t) is not None and constant(t).size == 1), None)
+            if scalar is not None:
+                scaling *= float(scalar)
+            tensor = next(t for t in node.inputs if constant(t) is None)
+        elif node.op in ("Unsqueeze", "Cast", "Identity", "Transpose", "Gather", "Slice", "Expand", "Reshape"):
+            tensor = node.inputs[0]
+        else:
+            return SkipReason(f"rotary: cos table comes from {node.op}, not Cos")
+        node = producer(tensor)
+    if node is None:
+        return SkipReason("rotary: cos table is not computed from positions in the graph")
+    frontier, seen = [node.inputs[0]], set()
+    while frontier:  # breadth-first: the nearest float constant that is not a scalar is inv_freq
+        tensor = frontier.pop(0)
+        value = constant(tensor)
+        if value is not None and value.size > 1 and value.dtype.kind == "f":
+            return value.reshape(-1).astype(np.float32), scaling
+        upstream = producer(tensor)
+        if upstream is not None and id(upstream) not in seen:
+            seen.add(id(upstream))
+            frontier.extend(upstream.inputs)
+    return SkipReason("rotary: no inv_freq constant under Cos")
+
+
+def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tensor | None] | SkipReason:
+    """Up from the attention's K or V operand to the new keys/values; returns (new, cache writer, past buffer).
+
+    Decode reads the cache after ScatterElements wrote it; prefill reads the new keys directly while a
+    ScatterElements beside the attention writes them: look for the writer among the consumers on the way up.
+    """
+    chain = [tensor]
+    node = producer(tensor)
+    while node is not None and node.op in THROUGH_CACHE_READ | {"ScatterElements"}:
+        tensor = node.inputs[2] if node.op == "ScatterElements" else node.inputs[0]
+        chain.append(tensor)
+        node = producer(tensor)
+    writers = [n for t in chain for n in t.outputs if n.op == "ScatterElements" and n.inputs[2] is t]
+    if not writers:
+        return chain[-1], None, None
+    writer = writers[0]
+    if producer(writer.inputs[0]) is not None:
+        return SkipReason(f"cache write '{writer.name}' does not update a graph input buffer")
+    return chain[-1], writer, writer.inputs[0]
+
+
+def match(softmax: gs.Node) -> Match | SkipReason:
+    scores = _scores(softmax)
+    if isinstance(scores, SkipReason):
+        return scores
+    qk, scale = scores
+    pv = _value_matmul(softmax)
+    if isinstance(pv, SkipReason):
+        return pv
+    o_proj = _o_proj(pv)
+    if isinstance(o_proj, SkipReason):
+        return o_proj
+    q_rotated, _ = walk_up(qk.inputs[0], THROUGH_CACHE_READ)
+    key = _cache_write(qk.inputs[1])
+    value = _cache_write(pv.inputs[1])
+    for found in (key, value):
+        if isinstance(found, SkipReason):
+            return found
+    (k_new, key_writer, past_key), (v_new, value_writer, past_value) = key, value
+    if (past_key is None) != (past_value is None):
+        return SkipReason("only one of the key and value caches is written")
+    parts = [_rotary(q_rotated), _rotary(k_new)]
+    for part in parts:
+        if isinstance(part, SkipReason):
+            return part
+    (q_heads, cos), (k_heads, _) = parts
+    rotary = _inv_freq(cos)
+    if isinstance(rotary, SkipReason):
+        return rotary
+    inv_freq, scaling = rotary
+    projections = [_projection(q_heads), _projection(k_heads), _projection(v_new)]
+    for projection in projections:
+        if isinstance(projection, SkipReason):
+            return projection
+    (query, q_width), (key_tensor, k_width), (value_tensor, v_width) = projections
+    head_dim = 2 * inv_freq.size
+    if q_width % head_dim or k_width % head_dim or k_width != v_width:
+        return SkipReason(f"projection widths q={q_width} k={k_width} v={v_width} do not fit head_dim {head_dim}")
+    return Match(layer_name(o_proj), query, key_tensor, value_tensor, past_key, past_value, key_writer, value_writer,
+                 o_proj, q_width // head_dim, k_width // head_dim, scale, inv_freq, scaling)
+
+
+class SharedInputs:
+    """Per-graph tensors every fused node reads: sequence lengths from attention_mask, rotary tables."""
+
+    def __init__(self, graph: gs.Graph, table_rows: int | None):
+        self.graph, self.table_rows = graph, table_rows
+        self.tables: dict[tuple, tuple[gs.Constant, gs.Constant]] = {}
+        self._lengths: tuple[gs.Variable, gs.Variable] | None = None
+
+    def lengths(self) -> tuple[gs.Variable, gs.Variable]:
+        if self._lengths is None:
+            mask = next((t for t in self.graph.inputs if t.name == "attention_mask"), None)
+            if mask is None:
+                raise PassError("the graph has no attention_mask input to derive per-sequence lengths from")
+            one = gs.Constant("fa_one", np.array(1, dtype=np.int64))
+            valid = self.graph.layer(op="ReduceSum", inputs=[mask, gs.Constant("fa_axis1", np.array([1], np.int64))],
+                                     outputs=["fa_valid_tokens"], attrs={"keepdims": 0})[0]
+            last = self.graph.layer(op="Sub", inputs=[valid, one], outputs=["fa_last_index"])[0]
+            seqlens = self.graph.layer(op="Cast", inputs=[last], outputs=["fa_seqlens_k"], attrs={"to": onnx.TensorProto.INT32})[0]
+            width = self.graph.layer(op="Shape", inputs=[mask], outputs=["fa_mask_shape"])[0]
+            total = self.graph.layer(op="Gather", inputs=[width, one], outputs=["fa_total_length64"], attrs={"axis": 0})[0]
+            total = self.graph.layer(op="Cast", inputs=[total], outputs=["fa_total_sequence_length"],
+                                     attrs={"to": onnx.TensorProto.INT32})[0]
+            seqlens.dtype, total.dtype = np.int32, np.int32
+            self._lengths = (seqlens, total)
+        return self._lengths
+
+    def rotary(self, match: Match) -> tuple[gs.Constant, gs.Constant]:
+        rows = self.table_rows or (match.past_key.shape[2] if match.past_key is not None else None)
+        if not isinstance(rows, int):
+            raise PassError("no rotary table length: the graph has no KV cache; set rotary_cache_length in the recipe")
+        key = (match.inv_freq.tobytes(), match.rotary_scaling, rows)
+        if key not in self.tables:
+            cos, sin = op.rotary_tables(match.inv_freq, rows, match.rotary_scaling)
+            index = len(self.tables)
+            self.tables[key] = (gs.Constant(f"fa_cos_cache_{index}", cos), gs.Constant(f"fa_sin_cache_{index}", sin))
+        return self.tables[key]
+
+
+def rewrite(graph: gs.Graph, match: Match, shared: SharedInputs) -> None:
+    seqlens, total = shared.lengths()
+    cos, sin = shared.rotary(match)
+    presents = []
+    for writer in (match.key_writer, match.value_writer):
+        presents.append(writer.outputs[0] if writer is not None else gs.Variable.empty())
+        if writer is not None:
+            writer.outputs.clear()  # the fused node writes the cache now
+    output = gs.Variable(f"{match.layer}.attention_output", dtype=match.query.dtype)
+    past_key = match.past_key if match.past_key is not None else gs.Variable.empty()
+    past_value = match.past_value if match.past_value is not None else gs.Variable.empty()
+    graph.nodes.append(gs.Node(
+        op=op.OP_TYPE, domain=op.DOMAIN, name=f"{match.layer}.FlashAttention",
+        attrs={"num_heads": match.num_heads, "kv_num_heads": match.kv_num_heads, "scale": float(match.scale),
+               "do_rotary": 1, "rotary_interleaved": 0},
+        inputs=[match.query, match.key, match.value, past_key, past_value, seqlens, total, cos, sin],
+        outputs=[output, *presents],
+    ))
+    match.o_proj.inputs[0] = output
+
+
+def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
+    graph = gs.import_onnx(model)
+    nodes_before = len(graph.nodes)
+    layers, matches = [], []
+    for softmax in [n for n in graph.nodes if n.op == "Softmax"]:
+        found = match(softmax)
+        if isinstance(found, SkipReason):
+            layers.append({"layer": layer_name(softmax), "fused": False, "reason": str(found)})
+        elif options.max_rewrites is not None and len(matches) >= options.max_rewrites:
+            layers.append({"layer": found.layer, "fused": False, "reason": f"max_rewrites={options.max_rewrites}"})
+        else:
+            matches.append(found)
+            layers.append({"layer": found.layer, "fused": True, "num_heads": found.num_heads,
+                           "kv_num_heads": found.kv_num_heads, "cache": found.past_key is not None})
+    unfused = [layer for layer in layers if not layer["fused"]]
+    if options.required and (unfused or not layers):
+        first = unfused[0] if unfused else {"layer": "graph", "reason": "no Softmax (attention) found"}
+        raise PassError(f"fusion required but {len(unfused) or 1} attention block(s) not fused; "
+                        f"first: {first['layer']}: {first['reason']}")
+    shared = SharedInputs(graph, options.rotary_cache_length)
+    for found in matches:
+        rewrite(graph, found, shared)
+    graph.cleanup().toposort()
+    fused = gs.export_onnx(graph)
+    if matches:
+        fused.opset_import.append(onnx.helper.make_opsetid(op.DOMAIN, op.VERSION))
+    return fused, {"fused": len(matches), "unfused": len(unfused), "layers": layers,
+                   "nodes": {"before": nodes_before, "after": len(fused.graph.node)}}

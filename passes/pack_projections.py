@@ -1,0 +1,204 @@
+"""pack_projections: sibling MatMuls that read one activation become one MatMul and a Split.
+
+The Q/K/V projections (and the MLP's gate/up projections) each read the same normalized activation:
+
+    x ─┬─► MatMul(W_q) ─► q                     x ─► MatMul([W_q | W_k | W_v]) ─► Split(axis=-1) ─┬─► q
+       ├─► MatMul(W_k) ─► k           ->                                                         ├─► k
+       └─► MatMul(W_v) ─► v                                                                      └─► v
+
+    with biases (Qwen2's q/k/v), when every sibling has one:
+    x ─┬─► MatMul(W_q) ─► Add(b_q) ─► q         x ─► MatMul([W_q|W_k|W_v]) ─► Add([b_q|b_k|b_v]) ─► Split ─► q, k, v
+       └─► ...                        ->
+
+Rules. A candidate group is the MatMuls (standard domain) that read one tensor as their first input. A sibling
+joins the packed group when its weight is a 2-D initializer [K, N_i] that nothing else reads (so the originals
+disappear and weight bytes do not grow) and that is not also a graph input (one could override it at run time);
+every member has the group's K and dtype. The activation's rank does not matter: all siblings read the same
+tensor and the Split is on the last axis. Biases are packed only when every member's output goes to exactly one
+Add with a constant [N_i] bias; otherwise the Adds stay, reading the Split's outputs, and nothing is lost.
+Refused siblings, and groups left smaller than `min_group`, are listed under "skipped" with a named reason.
+
+Report: packed groups (node names, widths N_i, whether biases were packed), skipped siblings, and weight_bytes
+before/after: bytes of the floating-point initializers (the int64 split sizes, 8 bytes a part, are not weights).
+Pure: the input ModelProto is never mutated; graph inputs and outputs are kept, names and order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from passes.cleanup import tensor_nbytes
+
+STANDARD_DOMAINS = {"", "ai.onnx"}
+SPLIT_SIZES_AS_INPUT_OPSET = 13  # before opset 13, Split took its sizes as an attribute
+
+
+@dataclass(frozen=True)
+class Options:
+    min_group: int = 2
+    max_rewrites: int | None = None  # stop after this many packed groups (bisecting a parity failure)
+
+
+@dataclass(frozen=True)
+class GraphIO:
+    inputs: set[str]  # an initializer listed as a graph input can be overridden at run time: not a constant
+    outputs: set[str]
+
+
+@dataclass
+class Match:
+    activation: gs.Tensor
+    matmuls: list[gs.Node]
+    weights: list[gs.Constant]
+    bias_adds: list[gs.Node] = field(default_factory=list)  # empty, or one Add per MatMul, same order
+    biases: list[gs.Constant] = field(default_factory=list)
+
+    @property
+    def widths(self) -> list[int]:
+        return [int(weight.shape[1]) for weight in self.weights]
+
+
+def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
+    """Returns a copy of `model` with sibling projections packed, and a report of what was packed or refused."""
+    if options.min_group < 2:
+        raise ValueError(f"pack_projections.min_group: {options.min_group} is below 2")
+    graph = gs.import_onnx(model)
+    graph_io = GraphIO({value.name for value in model.graph.input}, {value.name for value in model.graph.output})
+    report: dict = {"packed": [], "skipped": [], "weight_bytes": {"before": _weight_bytes(model)}}
+    taken_names = set(graph.tensors())
+    for siblings in _sibling_groups(graph):
+        found = match(siblings, graph_io, options.min_group, report["skipped"])
+        if found is None:
+            continue
+        if options.max_rewrites is not None and len(report["packed"]) >= options.max_rewrites:
+            report["skipped"] += [{"node": node.name, "reason": "max_rewrites_reached"} for node in found.matmuls]
+            continue
+        rewrite(graph, found, taken_names)
+        report["packed"].append({"nodes": [node.name for node in found.matmuls], "widths": found.widths,
+                                 "biases_packed": bool(found.biases)})
+    graph.cleanup().toposort()  # drops the original MatMuls, Adds and their weights
+
+    result = gs.export_onnx(graph, do_type_check=False)
+    for name in ("doc_string", "domain", "model_version"):
+        setattr(result, name, getattr(model, name))
+    result.metadata_props.extend(model.metadata_props)
+    del result.graph.input[:]  # gs drops inputs that are also initializers; this pass never changes the inputs
+    result.graph.input.extend(model.graph.input)
+    report["weight_bytes"]["after"] = _weight_bytes(result)
+    return result, report
+
+
+def _sibling_groups(graph: gs.Graph) -> list[list[gs.Node]]:
+    """MatMuls grouped by the tensor they read as their first input, in graph order; groups of two or more."""
+    groups: dict[int, list[gs.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "MatMul" and (node.domain or "") in STANDARD_DOMAINS and len(node.inputs) == 2:
+            groups.setdefault(id(node.inputs[0]), []).append(node)
+    return [group for group in groups.values() if len(group) >= 2]
+
+
+def match(siblings: list[gs.Node], graph_io: GraphIO, min_group: int, skipped: list[dict]) -> Match | None:
+    """The packable part of one candidate group, or None; every refusal is appended to `skipped`."""
+    members, weights = [], []
+    for node in siblings:
+        weight = node.inputs[1]
+        reason = _weight_refusal(weight, node, graph_io)
+        if reason is None and weights and (weight.shape[0] != weights[0].shape[0]):
+            reason = "weight_k_mismatch"
+        if reason is None and weights and weight.dtype != weights[0].dtype:
+            reason = "weight_dtype_mismatch"
+        if reason:
+            skipped.append({"node": node.name, "reason": reason})
+            continue
+        members.append(node)
+        weights.append(weight)
+    if len(members) < min_group:
+        skipped += [{"node": node.name, "reason": "group_too_small"} for node in members]
+        return None
+    found = Match(activation=siblings[0].inputs[0], matmuls=members, weights=weights)
+    bias_pairs = [_constant_bias_add(node, int(weight.shape[1]), graph_io) for node, weight in zip(members, weights)]
+    if all(pair is not None for pair in bias_pairs):
+        found.bias_adds, found.biases = [add for add, _ in bias_pairs], [bias for _, bias in bias_pairs]
+    return found
+
+
+def _weight_refusal(weight: gs.Tensor, node: gs.Node, graph_io: GraphIO) -> str | None:
+    if not isinstance(weight, gs.Constant):
+        return "weight_not_constant"
+    if weight.name in graph_io.inputs:
+        return "weight_is_graph_input"
+    if len(weight.shape) != 2:
+        return "weight_not_2d"
+    if any(reader is not node for reader in weight.outputs):
+        return "weight_shared"  # its other reader would keep the original: weight bytes would grow
+    return None
+
+
+def _constant_bias_add(matmul: gs.Node, width: int, graph_io: GraphIO) -> tuple[gs.Node, gs.Constant] | None:
+    """The Add of a constant [width] bias that is the MatMul output's only reader, if there is one."""
+    product = matmul.outputs[0]
+    if product.name in graph_io.outputs:  # packing the bias would drop this output
+        return None
+    if len(product.outputs) != 1 or product.outputs[0].op != "Add" or len(product.outputs[0].inputs) != 2:
+        return None
+    add = product.outputs[0]
+    if (add.domain or "") not in STANDARD_DOMAINS:
+        return None
+    bias = add.inputs[1] if add.inputs[0] is product else add.inputs[0]
+    if (not isinstance(bias, gs.Constant) or bias.name in graph_io.inputs or tuple(bias.shape) != (width,)
+            or bias.dtype != matmul.inputs[1].dtype or len(bias.outputs) != 1):
+        return None
+    return add, bias
+
+
+def rewrite(graph: gs.Graph, found: Match, taken_names: set[str]) -> None:
+    """Inserts MatMul(packed weight) [-> Add(packed bias)] -> Split; the Split writes the original outputs."""
+    prefix = _common_name([node.name or weight.name for node, weight in zip(found.matmuls, found.weights)])
+
+    def name(suffix: str) -> str:
+        unique, count = prefix + suffix, 1
+        while unique in taken_names:
+            unique, count = f"{prefix}{suffix}_{count}", count + 1
+        taken_names.add(unique)
+        return unique
+
+    dtype = found.weights[0].dtype
+    shape = None if found.activation.shape is None else [*found.activation.shape[:-1], sum(found.widths)]
+    packed_weight = gs.Constant(name(".packed_weight"), np.concatenate([w.values for w in found.weights], axis=1))
+    packed = gs.Variable(name(".packed_output"), dtype=dtype, shape=shape)
+    graph.nodes.append(gs.Node("MatMul", name(".packed_MatMul"), inputs=[found.activation, packed_weight],
+                               outputs=[packed]))
+    if found.biases:
+        packed_bias = gs.Constant(name(".packed_bias"), np.concatenate([bias.values for bias in found.biases]))
+        biased = gs.Variable(name(".packed_biased_output"), dtype=dtype, shape=shape)
+        graph.nodes.append(gs.Node("Add", name(".packed_Add"), inputs=[packed, packed_bias], outputs=[biased]))
+        packed = biased
+
+    parts = [node.outputs[0] for node in (found.bias_adds or found.matmuls)]
+    for node in found.matmuls + found.bias_adds:  # disconnect the originals; cleanup() removes them
+        node.inputs.clear()
+        node.outputs.clear()
+    split = gs.Node("Split", name(".packed_Split"), attrs={"axis": -1}, inputs=[packed], outputs=parts)
+    if graph.opset >= SPLIT_SIZES_AS_INPUT_OPSET:
+        split.inputs.append(gs.Constant(name(".split_sizes"), np.array(found.widths, dtype=np.int64)))
+    else:
+        split.attrs["split"] = found.widths
+    graph.nodes.append(split)
+
+
+def _common_name(names: list[str]) -> str:
+    """'/l.0/attn/q_proj/MatMul', '/l.0/attn/k_proj/MatMul' -> '/l.0/attn/q_proj+k_proj': shared path, then the parts."""
+    paths = [name.split("/") for name in names]
+    shared = 0
+    while all(len(path) > shared + 1 and path[shared] == paths[0][shared] for path in paths):
+        shared += 1
+    distinct = "+".join(path[shared] for path in paths)
+    return "/".join(paths[0][:shared] + [distinct])
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    return sum(tensor_nbytes(tensor) for tensor in model.graph.initializer if tensor.data_type in floating)

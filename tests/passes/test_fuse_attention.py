@@ -1,0 +1,163 @@
+"""fuse_attention + lower_onnxruntime: node counts, the per-layer report, and onnxruntime parity.
+
+Graphs: the canonical decoder's prefill/decode export, and a Hugging Face LlamaForCausalLM traced with
+torch.onnx (eager attention, no cache) where attention is spelled differently (repeat_kv, its own mask code).
+"""
+from __future__ import annotations
+
+import collections
+import io
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from compiler.errors import BuildError
+from compiler.export import export_graphs, io_names
+from compiler.frontend.config import DecoderConfig
+from compiler.frontend.model import build_decoder
+from compiler.frontend.random_init import random_model
+from compiler.pipeline import run_pipeline
+from passes import cleanup, fuse_attention, lower_onnxruntime
+from passes.errors import PassError
+
+MAX_CONTEXT = 32
+CONFIG = DecoderConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, max_position_embeddings=64, bos_token_id=1, eos_token_ids=(2,))
+
+
+def op_counts(model: onnx.ModelProto) -> collections.Counter:
+    return collections.Counter(node.op_type for node in model.graph.node)
+
+
+@pytest.fixture(scope="module")
+def decoder_graphs():
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    return {phase: cleanup.run(model, cleanup.Options())[0] for phase, model in export_graphs(decoder, MAX_CONTEXT).items()}
+
+
+def fuse_and_lower(model, **options):
+    fused, report = fuse_attention.run(model, fuse_attention.Options(**options))
+    lowered, lowering = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
+    return fused, report, lowered, lowering
+
+
+def generate_logits(graphs: dict) -> list[np.ndarray]:
+    """A right-padded batch of two prompts, then three decode steps with per-row lengths."""
+    inputs, _ = io_names(CONFIG)
+    sessions = {p: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for p, m in graphs.items()}
+    rows, width = [[1, 5, 9, 14, 200, 7], [1, 77, 3]], 6
+    mask_for = lambda lengths: np.array([[1] * n + [0] * (max(lengths) - n) for n in lengths])  # noqa: E731
+    caches = [np.zeros((2, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float32)] * (2 * CONFIG.num_layers)
+    feed = {"input_ids": np.array([r + [0] * (width - len(r)) for r in rows]),
+            "position_ids": np.tile(np.arange(width), (2, 1)), "attention_mask": mask_for([6, 3])}
+    logits, *caches = sessions["prefill"].run(None, {**feed, **dict(zip(inputs[3:], caches))})
+    collected, lengths = [logits], [6, 3]
+    for step in range(3):
+        feed = {"input_ids": np.array([[10 + step], [20 + step]]), "position_ids": np.array([[n] for n in lengths]),
+                "attention_mask": mask_for([n + 1 for n in lengths])}
+        lengths = [n + 1 for n in lengths]
+        logits, *caches = sessions["decode"].run(None, {**feed, **dict(zip(inputs[3:], caches))})
+        collected.append(logits[:, -1])
+    return collected + [np.stack(caches)[:, :, :, :9]]  # the written cache rows too
+
+
+def test_every_layer_fuses_and_lowers_to_group_query_attention(decoder_graphs):
+    for phase, model in decoder_graphs.items():
+        fused, report, lowered, lowering = fuse_and_lower(model)
+        assert report["fused"] == CONFIG.num_layers and report["unfused"] == 0, report
+        assert [layer["layer"] for layer in report["layers"]] == ["layers.0", "layers.1"]
+        counts = op_counts(fused)
+        assert counts["FlashAttention"] == CONFIG.num_layers
+        for gone in ("Softmax", "ScatterElements", "Cos", "Sin", "Neg"):
+            assert counts[gone] == 0, (phase, gone)
+        assert len(fused.graph.node) < len(model.graph.node) / 2
+        assert lowering["lowered"] == CONFIG.num_layers and op_counts(lowered)["GroupQueryAttention"] == CONFIG.num_layers
+        assert [o.name for o in lowered.graph.output] == [o.name for o in model.graph.output]
+
+
+def test_lowered_graphs_generate_like_the_unfused_ones(decoder_graphs):
+    lowered = {phase: fuse_and_lower(model)[2] for phase, model in decoder_graphs.items()}
+    for reference, fused in zip(generate_logits(decoder_graphs), generate_logits(lowered)):
+        np.testing.assert_allclose(fused, reference, atol=1e-5)
+
+
+def test_max_rewrites_fuses_only_the_first(decoder_graphs):
+    fused, report, _, _ = fuse_and_lower(decoder_graphs["decode"], max_rewrites=1)
+    assert report["fused"] == 1 and op_counts(fused)["FlashAttention"] == 1
+    assert report["layers"][1] == {"layer": "layers.1", "fused": False, "reason": "max_rewrites=1"}
+
+
+def break_layer_one(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Put a Relu between layer 1's Softmax and its value MatMul."""
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    softmax = next(n for n in broken.graph.node if n.op_type == "Softmax" and "layers.1" in n.name)
+    consumer = next(n for n in broken.graph.node if softmax.output[0] in n.input)
+    consumer.input[list(consumer.input).index(softmax.output[0])] = "inserted_relu_out"
+    broken.graph.node.append(onnx.helper.make_node("Relu", [softmax.output[0]], ["inserted_relu_out"], name="inserted"))
+    return broken
+
+
+def test_a_broken_layer_is_reported_and_can_fail_the_build(decoder_graphs):
+    broken = break_layer_one(decoder_graphs["decode"])
+    _, report = fuse_attention.run(broken, fuse_attention.Options())
+    assert report["fused"] == 1 and report["unfused"] == 1
+    assert report["layers"][1]["layer"] == "layers.1" and "Relu" in report["layers"][1]["reason"]
+    with pytest.raises(PassError, match="layers.1: Softmax output feeds Relu"):
+        fuse_attention.run(broken, fuse_attention.Options(required=True))
+
+    class Spec:
+        name, options = "fuse_attention", fuse_attention.Options(required=True)
+
+    with pytest.raises(BuildError, match=r"pass 'fuse_attention' \(decode\): fusion required .* layers.1"):
+        run_pipeline({"decode": broken}, [Spec()])
+
+
+@pytest.fixture(scope="module")
+def hf_traced():
+    """transformers' LlamaForCausalLM (tiny, random, eager attention, no cache) traced with torch.onnx."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         attn_implementation="eager", use_cache=False)
+    model = LlamaForCausalLM(config).eval()
+
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    ids, mask = torch.randint(0, 300, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(LogitsOnly(), (ids, mask), buffer, dynamo=False, opset_version=21,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"}})
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits.numpy()
+    return cleanup.run(onnx.load_from_string(buffer.getvalue()), cleanup.Options())[0], ids.numpy(), mask.numpy(), expected
+
+
+def test_hugging_face_traced_attention_fuses_too(hf_traced):
+    model, ids, mask, expected = hf_traced
+    fused, report, lowered, _ = fuse_and_lower(model, rotary_cache_length=128)
+    assert report["fused"] == 2 and all(not layer["cache"] for layer in report["layers"]), report
+    assert op_counts(fused)["Softmax"] == 0
+    logits = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"input_ids": ids, "attention_mask": mask})[0]
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+
+
+def test_a_graph_without_cache_needs_a_rotary_table_length(hf_traced):
+    with pytest.raises(PassError, match="rotary_cache_length"):
+        fuse_attention.run(hf_traced[0], fuse_attention.Options())

@@ -1,0 +1,263 @@
+"""Tests for passes/fuse_rms_norm.py: traced and hand-built graphs, op counts before/after, onnxruntime parity."""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from passes import cleanup, fuse_rms_norm
+
+TOLERANCE = 1e-5  # fused kernels sum in another order; anything above this is a wrong rewrite
+NORM_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal")
+HIDDEN, EPSILON = 8, 1e-5
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    return Counter(node.op_type for node in model.graph.node)
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def max_difference(before: onnx.ModelProto, after: onnx.ModelProto, feeds: dict) -> float:
+    outputs_before, outputs_after = run_ort(before, feeds), run_ort(after, feeds)
+    assert [o.name for o in before.graph.output] == [o.name for o in after.graph.output]
+    return max(float(np.abs(a - b).max()) for a, b in zip(outputs_before, outputs_after))
+
+
+def fuse(model: onnx.ModelProto, **options) -> tuple[onnx.ModelProto, dict]:
+    return fuse_rms_norm.run(model, fuse_rms_norm.Options(**options))
+
+
+# ---- the canonical decoder, traced -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_decoder():
+    from compiler.export import export_graphs, io_names
+    from compiler.frontend.config import DecoderConfig
+    from compiler.frontend.model import build_decoder
+    from compiler.frontend.random_init import random_model
+
+    config = DecoderConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=8)
+    decoder = build_decoder(config, random_model(config, seed=0).state_dict)
+    graphs = {phase: cleanup.run(model, cleanup.Options())[0]
+              for phase, model in export_graphs(decoder, max_context=32).items()}
+    batch, sequence = 2, 5
+    input_names, _ = io_names(config)
+    cache = np.zeros((batch, config.num_kv_heads, 32, config.head_dim), np.float32)
+    feeds = {"input_ids": np.random.default_rng(0).integers(0, config.vocab_size, (batch, sequence)),
+             "position_ids": np.tile(np.arange(sequence), (batch, 1)),
+             "attention_mask": np.ones((batch, sequence), np.int64),
+             **{name: cache for name in input_names[3:]}}
+    return graphs, feeds
+
+
+# 2 layers -> 5 RMSNorms: input_layernorm and post_attention_layernorm per layer, and the final norm.
+# The first input_layernorm reads the embedding Gather (no residual: plain form); the other three layer norms
+# read a residual Add (skip form). The final norm reads the last residual Add in decode (skip form; its sum is
+# read by nothing else, so output 3 stays empty), but in prefill ("last" logits) it reads the Gather + Reshape
+# picking each row's last token (plain form).
+EXPECTED = {"prefill": {"SimplifiedLayerNormalization": 2, "SkipSimplifiedLayerNormalization": 3},
+            "decode": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 4}}
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_decoder_norms_fused_with_parity(tiny_decoder, phase):
+    graphs, feeds = tiny_decoder
+    model = graphs[phase]
+    model_bytes = model.SerializeToString()
+    fused, report = fuse(model)
+
+    assert model.SerializeToString() == model_bytes  # pure
+    counts = op_counts(fused)
+    for op, expected in EXPECTED[phase].items():
+        assert counts[op] == expected, (op, counts)
+    assert not any(counts[op] for op in NORM_OPS)
+    assert report["fused"] == EXPECTED[phase]["SimplifiedLayerNormalization"]
+    assert report["fused_with_skip"] == EXPECTED[phase]["SkipSimplifiedLayerNormalization"]
+    assert report["skipped"] == [] and report["skip_form_declined"] == []
+    # Each plain norm drops 6 nodes (7 -> 1), each skip-form norm 7 (7 + the residual Add -> 1).
+    assert report["nodes"] == {"before": len(model.graph.node), "after": len(fused.graph.node)}
+    assert len(model.graph.node) - len(fused.graph.node) == 6 * report["fused"] + 7 * report["fused_with_skip"]
+
+    skip_nodes = [node for node in fused.graph.node if node.op_type == "SkipSimplifiedLayerNormalization"]
+    assert all(node.domain == "com.microsoft" and len(node.output) == 4 for node in skip_nodes)
+    assert max_difference(model, fused, feeds) <= TOLERANCE
+
+
+def test_max_rewrites_fuses_exactly_one(tiny_decoder):
+    graphs, feeds = tiny_decoder
+    fused, report = fuse(graphs["prefill"], max_rewrites=1)
+
+    assert report["fused"] + report["fused_with_skip"] == 1
+    assert op_counts(fused)["ReduceMean"] == 4
+    assert len(report["skipped"]) == 4 and all("max_rewrites" in item["reason"] for item in report["skipped"])
+    assert max_difference(graphs["prefill"], fused, feeds) <= TOLERANCE
+
+
+def test_skip_fusion_off_gives_plain_norms_only(tiny_decoder):
+    graphs, feeds = tiny_decoder
+    fused, report = fuse(graphs["decode"], skip_fusion=False)
+
+    assert report["fused"] == 5 and report["fused_with_skip"] == 0
+    assert op_counts(fused)["SkipSimplifiedLayerNormalization"] == 0
+    assert max_difference(graphs["decode"], fused, feeds) <= TOLERANCE
+
+
+# ---- Hugging Face LlamaForCausalLM, traced -----------------------------------------------------------------
+
+def test_hugging_face_llama_norms_fused_with_parity(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                         attn_implementation="eager")
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms start at ones: make each one different so a misplaced weight shows
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
+
+    class Logits(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    input_ids = torch.randint(0, config.vocab_size, (2, 5))
+    attention_mask = torch.ones(2, 5, dtype=torch.long)
+    path = tmp_path / "llama.onnx"
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Logits(model), (input_ids, attention_mask), str(path), dynamo=False, opset_version=21,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_axes={name: {0: "batch", 1: "sequence"}
+                                        for name in ("input_ids", "attention_mask", "logits")})
+    traced, _ = cleanup.run(onnx.load(str(path)), cleanup.Options())
+    fused, report = fuse(traced)
+
+    # LlamaRMSNorm spells it Cast -> Pow -> ReduceMean -> Add -> Sqrt -> Div(1, .) -> Mul -> Cast -> Mul(weight):
+    # the first norm reads the embedding (plain), the other four a residual Add (skip form).
+    assert (report["fused"], report["fused_with_skip"], report["skipped"]) == (1, 4, [])
+    assert not any(op_counts(fused)[op] for op in NORM_OPS)
+    feeds = {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()}
+    assert max_difference(traced, fused, feeds) <= TOLERANCE
+
+
+# ---- hand-built graphs: spellings and broken patterns ------------------------------------------------------
+
+def rms_norm_model(spelling: str = "div", axis: int = -1, residual: bool = False, extra_op: bool = False,
+                   skip_shape: tuple[int, ...] = (2, 3, HIDDEN)) -> onnx.ModelProto:
+    """
+        residual:  a, b ─► Add ─► x        (x is also a graph output: the next residual reads it)
+        x ─► Pow(2) ─► ReduceMean(axis) ─► Add(eps) ─[Abs]─► Sqrt ─► Div(1, .) | Reciprocal ─► Mul(x, .) ─► Mul(w, .)
+                                                       (or:  Sqrt ─► Div(x, .) ───────────────────────► Mul(w, .)) ─► y
+    """
+    rng = np.random.default_rng(1)
+    initializers = [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+                    numpy_helper.from_array(np.array([axis], np.int64), "axes"),
+                    numpy_helper.from_array(np.array(EPSILON, np.float32), "eps"),
+                    numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+                    numpy_helper.from_array((1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32), "weight")]
+    nodes = [helper.make_node("Add", ["a", "b"], ["x"])] if residual else []
+    x = "x" if residual else "a"
+    nodes += [helper.make_node("Pow", [x, "two"], ["square"]),
+              helper.make_node("ReduceMean", ["square", "axes"], ["mean"], keepdims=1),
+              helper.make_node("Add", ["mean", "eps"], ["mean_eps"])]
+    if extra_op:
+        nodes.append(helper.make_node("Abs", ["mean_eps"], ["mean_eps_abs"]))
+    nodes.append(helper.make_node("Sqrt", ["mean_eps_abs" if extra_op else "mean_eps"], ["rms"]))
+    if spelling == "div_x":
+        nodes.append(helper.make_node("Div", [x, "rms"], ["normalized"]))
+    else:
+        inverse = (helper.make_node("Div", ["one", "rms"], ["inv_rms"]) if spelling == "div"
+                   else helper.make_node("Reciprocal", ["rms"], ["inv_rms"]))
+        nodes += [inverse, helper.make_node("Mul", ["inv_rms", x], ["normalized"])]
+    nodes.append(helper.make_node("Mul", ["normalized", "weight"], ["y"]))
+
+    inputs = [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3, HIDDEN])]
+    if residual:
+        inputs.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, list(skip_shape)))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, HIDDEN])]
+    if residual:
+        outputs.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, HIDDEN]))
+    graph = helper.make_graph(nodes, "rms_norm_test", inputs, outputs, initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def feeds_for(model: onnx.ModelProto) -> dict:
+    rng = np.random.default_rng(2)
+    return {value.name: rng.standard_normal([d.dim_value for d in value.type.tensor_type.shape.dim]).astype(np.float32)
+            for value in model.graph.input}
+
+
+def numpy_rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The reference: y = x / sqrt(mean(x^2, last axis) + eps) * weight."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPSILON) * weight
+
+
+@pytest.mark.parametrize("spelling", ["div", "reciprocal", "div_x"])
+def test_spellings_fuse_to_plain_norm(spelling):
+    model = rms_norm_model(spelling)
+    fused, report = fuse(model)
+
+    assert report["fused"] == 1 and report["skipped"] == []
+    assert [node.op_type for node in fused.graph.node] == ["SimplifiedLayerNormalization"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in fused.graph.node[0].attribute}
+    assert attrs["axis"] == -1 and attrs["stash_type"] == 1 and attrs["epsilon"] == pytest.approx(EPSILON)
+    feeds = feeds_for(model)
+    weight = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "weight"))
+    difference = np.abs(run_ort(fused, feeds)[0] - numpy_rms_norm(feeds["a"], weight)).max()
+    assert difference <= TOLERANCE, f"max difference against numpy: {difference}"
+
+
+def test_residual_add_read_elsewhere_becomes_skip_output():
+    model = rms_norm_model(residual=True)
+    fused, report = fuse(model)
+
+    assert report["fused_with_skip"] == 1
+    (node,) = fused.graph.node
+    assert (node.op_type, node.domain) == ("SkipSimplifiedLayerNormalization", "com.microsoft")
+    assert list(node.input) == ["a", "b", "weight"] and list(node.output) == ["y", "", "", "x"]
+    assert max_difference(model, fused, feeds_for(model)) <= TOLERANCE
+
+
+def test_broadcasting_residual_declines_skip_form_but_fuses_plain():
+    model = rms_norm_model(residual=True, skip_shape=(HIDDEN,))  # a bias-like operand: the kernel cannot take it
+    fused, report = fuse(model)
+
+    assert (report["fused"], report["fused_with_skip"]) == (1, 0)
+    assert report["skip_form_declined"][0]["reason"].startswith("shapes")
+    assert op_counts(fused) == Counter({"Add": 1, "SimplifiedLayerNormalization": 1})
+    assert max_difference(model, fused, feeds_for(model)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("broken, reason", [({"axis": 0}, "reduce_axis_not_last"), ({"extra_op": True}, "no_sqrt")])
+def test_broken_pattern_is_skipped_with_reason(broken, reason):
+    model = rms_norm_model(**broken)
+    fused, report = fuse(model)
+
+    assert (report["fused"], report["fused_with_skip"]) == (0, 0)
+    assert len(report["skipped"]) == 1 and report["skipped"][0]["reason"].startswith(reason)
+    assert op_counts(fused) == op_counts(model)
+    assert max_difference(model, fused, feeds_for(model)) == 0.0
+
+
+def test_registered():
+    from passes.registry import PASSES
+
+    assert PASSES["fuse_rms_norm"].run is fuse_rms_norm.run
+    assert PASSES["fuse_rms_norm"].options_type is fuse_rms_norm.Options

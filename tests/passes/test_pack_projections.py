@@ -1,0 +1,136 @@
+"""Tests for passes/pack_projections.py: a tiny traced decoder and a hand-made graph, op counts, ort parity."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler.export import export_graphs, io_names
+from compiler.frontend.config import DecoderConfig
+from compiler.frontend.model import build_decoder
+from compiler.frontend.random_init import random_model
+from passes import cleanup, pack_projections
+
+MAX_CONTEXT = 32
+TOLERANCE = 1e-5
+
+
+def tiny_config(attention_bias: bool) -> DecoderConfig:
+    return DecoderConfig(vocab_size=260, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, attention_bias=attention_bias)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no_bias", "qkv_bias"])
+def decoder_graphs(request) -> tuple[DecoderConfig, dict[str, onnx.ModelProto]]:
+    """Both phases of a 2-layer random decoder, cleaned up (a few seconds to trace)."""
+    config = tiny_config(request.param)
+    decoder = build_decoder(config, random_model(config, seed=0).state_dict)
+    graphs = export_graphs(decoder, max_context=MAX_CONTEXT)
+    return config, {phase: cleanup.run(model, cleanup.Options())[0] for phase, model in graphs.items()}
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    return Counter(node.op_type for node in model.graph.node)
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [output.name for output in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))
+
+
+def decoder_feeds(config: DecoderConfig, batch: int = 2, sequence: int = 5) -> dict[str, np.ndarray]:
+    inputs, _ = io_names(config)
+    rng = np.random.default_rng(0)
+    cache = np.zeros((batch, config.num_kv_heads, MAX_CONTEXT, config.head_dim), dtype=np.float32)
+    feeds = {"input_ids": rng.integers(0, config.vocab_size, (batch, sequence), dtype=np.int64),
+             "position_ids": np.tile(np.arange(sequence, dtype=np.int64), (batch, 1)),
+             "attention_mask": np.ones((batch, sequence), dtype=np.int64)}
+    feeds.update({name: cache.copy() for name in inputs[3:]})
+    return feeds
+
+
+def assert_same_outputs(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for name in before:
+        difference = np.abs(before[name] - after[name]).max()
+        assert difference <= TOLERANCE, f"{name}: max difference {difference}"
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_packs_qkv_and_gate_up_of_every_layer(decoder_graphs, phase):
+    config, graphs = decoder_graphs
+    model = graphs[phase]
+    model_bytes = model.SerializeToString()
+
+    packed, report = pack_projections.run(model, pack_projections.Options())
+
+    assert model.SerializeToString() == model_bytes  # pure
+    assert [entry["widths"] for entry in report["packed"]] == [[32, 16, 16], [48, 48]] * 2
+    assert [len(entry["nodes"]) for entry in report["packed"]] == [3, 2, 3, 2]
+    assert report["skipped"] == []
+    before, after = op_counts(model), op_counts(packed)
+    assert after["MatMul"] == before["MatMul"] - 6  # 2 layers x ((3 - 1) + (2 - 1))
+    assert after["Split"] == before["Split"] + 4
+    assert after["Add"] == before["Add"] - (4 if config.attention_bias else 0)  # 3 bias Adds -> 1, per layer
+    assert [entry["biases_packed"] for entry in report["packed"]] == [config.attention_bias, False] * 2
+    assert report["weight_bytes"]["after"] == report["weight_bytes"]["before"]
+    names = {tensor.name for tensor in packed.graph.initializer}
+    assert "/decoder/layers.0/self_attn/q_proj+k_proj+v_proj.packed_weight" in names
+    assert "/decoder/layers.1/mlp/gate_proj+up_proj.packed_weight" in names
+    assert [value.name for value in packed.graph.input] == [value.name for value in model.graph.input]
+    assert [value.name for value in packed.graph.output] == [value.name for value in model.graph.output]
+
+    feeds = decoder_feeds(config)
+    assert_same_outputs(run_ort(model, feeds), run_ort(packed, feeds))
+
+
+def test_max_rewrites_packs_exactly_one_group(decoder_graphs):
+    _, graphs = decoder_graphs
+    model = graphs["prefill"]
+
+    packed, report = pack_projections.run(model, pack_projections.Options(max_rewrites=1))
+
+    assert len(report["packed"]) == 1
+    assert report["packed"][0]["widths"] == [32, 16, 16]  # the first group in graph order: layer 0's q/k/v
+    assert op_counts(packed)["MatMul"] == op_counts(model)["MatMul"] - 2
+    assert [entry["reason"] for entry in report["skipped"]] == ["max_rewrites_reached"] * (2 + 3 + 2)
+
+
+def make_sibling_model() -> onnx.ModelProto:
+    """
+        x ─┬─► MatMul(w_a: initializer) ─► a
+           └─► MatMul(w_b: graph input) ─► b       ->  not packed: w_b is not a constant
+    """
+    rng = np.random.default_rng(1)
+    weight = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w_a")
+    nodes = [helper.make_node("MatMul", ["x", "w_a"], ["a"], name="matmul_a"),
+             helper.make_node("MatMul", ["x", "w_b"], ["b"], name="matmul_b")]
+    graph = helper.make_graph(
+        nodes, "siblings",
+        inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+                helper.make_tensor_value_info("w_b", TensorProto.FLOAT, [4, 2])],
+        outputs=[helper.make_tensor_value_info("a", TensorProto.FLOAT, ["batch", 3]),
+                 helper.make_tensor_value_info("b", TensorProto.FLOAT, ["batch", 2])],
+        initializer=[weight],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_sibling_with_non_constant_weight_is_skipped_with_a_reason():
+    model = make_sibling_model()
+
+    packed, report = pack_projections.run(model, pack_projections.Options())
+
+    assert report["packed"] == []
+    assert report["skipped"] == [{"node": "matmul_b", "reason": "weight_not_constant"},
+                                 {"node": "matmul_a", "reason": "group_too_small"}]
+    assert op_counts(packed) == op_counts(model) == Counter(MatMul=2)
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((3, 4)).astype(np.float32),
+             "w_b": rng.standard_normal((4, 2)).astype(np.float32)}
+    assert_same_outputs(run_ort(model, feeds), run_ort(packed, feeds))
