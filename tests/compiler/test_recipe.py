@@ -1,6 +1,7 @@
 """Tests for compiler/recipe.py: shipped recipes, defaults, round-trip, and the one-line errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from compiler.errors import RecipeError
 from compiler.frontend.config import DecoderConfig
 from compiler.recipe import BackendSpec, ExportSpec, PassSpec, Recipe, load_recipe, parse_recipe
-from passes import cleanup
+from passes import cleanup, fuse_attention, lower_onnxruntime
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +41,9 @@ def test_smollm2_recipe():
     assert r.name == "smollm2-135m"
     assert (r.model.source, r.model.path, r.model.config) == ("gguf", None, None)
     assert r.export == ExportSpec(max_context=2048, dtype="float32", opset=21, prefill_logits="last", max_batch=1)
-    assert r.passes == (PassSpec("cleanup", cleanup.Options()),)
+    assert r.passes == (PassSpec("cleanup", cleanup.Options()),
+                        PassSpec("fuse_attention", fuse_attention.Options(required=True)),
+                        PassSpec("lower_onnxruntime", lower_onnxruntime.Options()))
     assert r.backend == BackendSpec(name="onnxruntime", intra_op_threads=0, graph_optimization_level="all")
 
 
@@ -52,7 +55,7 @@ def test_tiny_random_recipe():
                                            tie_word_embeddings=False, max_position_embeddings=256,
                                            bos_token_id=1, eos_token_ids=(2,))
     assert r.export.max_context == 128
-    assert [p.name for p in r.passes] == ["cleanup"]
+    assert [p.name for p in r.passes] == ["cleanup", "fuse_attention", "lower_onnxruntime"]
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random"])
@@ -72,8 +75,7 @@ def test_defaults_filled():
     assert r.passes == (PassSpec("cleanup", cleanup.Options()),)
     d = r.to_dict()
     assert d["model"] == {"source": "gguf", "path": None, "config": None, "seed": 0}
-    assert d["passes"] == [{"cleanup": {"fold_constants": True, "deduplicate_initializers": True,
-                                        "infer_shapes": True}}]
+    assert d["passes"] == [{"cleanup": dataclasses.asdict(cleanup.Options())}]
 
 
 def test_empty_sections_mean_defaults(tmp_path):
