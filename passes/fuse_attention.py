@@ -326,6 +326,8 @@ def rewrite(graph: gs.Graph, match: Match, shared: SharedInputs) -> None:
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     graph = gs.import_onnx(model)
+    # graphsurgeon keeps the model's own opset_import list and appends to it on export: copy it (pure pass).
+    graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
     nodes_before = len(graph.nodes)
     layers, matches = [], []
     for softmax in [n for n in graph.nodes if n.op == "Softmax"]:
@@ -347,8 +349,8 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     for found in matches:
         rewrite(graph, found, shared)
     graph.cleanup().toposort()
+    if matches and not any(o.domain == op.DOMAIN for o in graph.import_domains):
+        graph.import_domains.append(onnx.helper.make_opsetid(op.DOMAIN, op.VERSION))
     fused = gs.export_onnx(graph)
-    if matches:
-        fused.opset_import.append(onnx.helper.make_opsetid(op.DOMAIN, op.VERSION))
     return fused, {"fused": len(matches), "unfused": len(unfused), "layers": layers,
                    "nodes": {"before": nodes_before, "after": len(fused.graph.node)}}

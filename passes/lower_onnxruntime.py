@@ -27,7 +27,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     lowered = onnx.ModelProto()
     lowered.CopyFrom(model)
     count = 0
-    table_widths = {t.name: t.dims[-1] for t in lowered.graph.initializer}
+    table_widths = {t.name: t.dims[-1] for t in lowered.graph.initializer if len(t.dims) == 2}
     for node in lowered.graph.node:
         if node.domain != op.DOMAIN or node.op_type != op.OP_TYPE:
             continue

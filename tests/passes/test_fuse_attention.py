@@ -161,3 +161,12 @@ def test_hugging_face_traced_attention_fuses_too(hf_traced):
 def test_a_graph_without_cache_needs_a_rotary_table_length(hf_traced):
     with pytest.raises(PassError, match="rotary_cache_length"):
         fuse_attention.run(hf_traced[0], fuse_attention.Options())
+
+
+def test_the_pass_leaves_its_input_untouched(decoder_graphs):
+    model = decoder_graphs["decode"]
+    before = model.SerializeToString()
+    fused, _, lowered, _ = fuse_and_lower(model)
+    assert model.SerializeToString() == before
+    assert [o.domain for o in fused.opset_import].count("aotlm") == 1
+    assert "aotlm" not in [o.domain for o in lowered.opset_import]
