@@ -8,9 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from passes import cleanup, fuse_attention, lower_onnxruntime
-from passes import pack_projections
-from passes import fuse_rms_norm
+from passes import cleanup, fuse_attention, fuse_rms_norm, lower_onnx_attention, lower_onnxruntime, pack_projections
 
 
 @dataclass(frozen=True)
@@ -24,6 +22,8 @@ PASSES: dict[str, PassEntry] = {
     "cleanup": PassEntry(cleanup.run, cleanup.Options, "constant folding, dead nodes, shape inference, shared initializers"),
     "fuse_attention": PassEntry(fuse_attention.run, fuse_attention.Options,
                                 "each attention block -> one aotlm.FlashAttention node (rotary and KV-cache writes inside)"),
+    "lower_onnx_attention": PassEntry(lower_onnx_attention.run, lower_onnx_attention.Options,
+                                      "aotlm.FlashAttention -> standard ONNX Attention-23 + RotaryEmbedding (portable)"),
     "lower_onnxruntime": PassEntry(lower_onnxruntime.run, lower_onnxruntime.Options,
                                    "aotlm.FlashAttention -> com.microsoft.GroupQueryAttention (shared KV buffers)"),
     "pack_projections": PassEntry(pack_projections.run, pack_projections.Options,

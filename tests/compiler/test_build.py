@@ -87,3 +87,26 @@ def test_run_refuses_a_tampered_artifact(capsys, tiny_artifact, tmp_path):
     (copy / "decode.onnx").write_bytes(b"")
     status, output = run_cli(capsys, "run", str(copy), "--prompt", "hi")
     assert status == 2 and "decode.onnx" in output and "Traceback" not in output
+
+
+def test_every_attention_lowering_generates_the_same_tokens(tiny_recipe, tiny_artifact, tmp_path):
+    """The default tiny recipe (GroupQueryAttention), the portable ONNX Attention lowering and no fusion at all."""
+    from compiler.recipe import PassSpec
+    from passes import cleanup, fuse_attention, fuse_rms_norm, lower_onnx_attention
+    from runtime import Engine
+
+    variants = {
+        "unfused": (PassSpec("cleanup", cleanup.Options()),),
+        "onnx-attention": (PassSpec("cleanup", cleanup.Options()),
+                           PassSpec("fuse_attention", fuse_attention.Options(required=True)),
+                           PassSpec("lower_onnx_attention", lower_onnx_attention.Options()),
+                           PassSpec("fuse_rms_norm", fuse_rms_norm.Options())),
+    }
+    engines = {"default": Engine.load(tiny_artifact)}
+    for name, passes in variants.items():
+        recipe = dataclasses.replace(tiny_recipe, name=f"tiny-{name}", passes=passes)
+        engines[name] = Engine.load(build_module.build(recipe, tmp_path))
+    for prompt in ([1, 17, 300, 42, 9], [1, 5]):
+        tokens = {name: engine.generate(prompt, max_new_tokens=20, stop_token_ids=()).token_ids
+                  for name, engine in engines.items()}
+        assert tokens["default"] == tokens["unfused"] == tokens["onnx-attention"], tokens

@@ -21,7 +21,7 @@ from compiler.frontend.config import DecoderConfig
 from compiler.frontend.model import build_decoder
 from compiler.frontend.random_init import random_model
 from compiler.pipeline import run_pipeline
-from passes import cleanup, fuse_attention, lower_onnxruntime
+from passes import cleanup, fuse_attention, lower_onnx_attention, lower_onnxruntime
 from passes.errors import PassError
 
 MAX_CONTEXT = 32
@@ -39,10 +39,13 @@ def decoder_graphs():
     return {phase: cleanup.run(model, cleanup.Options())[0] for phase, model in export_graphs(decoder, MAX_CONTEXT).items()}
 
 
-def fuse_and_lower(model, **options):
+LOWERINGS = {"GroupQueryAttention": lower_onnxruntime, "Attention": lower_onnx_attention}
+
+
+def fuse_and_lower(model, lowering=lower_onnxruntime, **options):
     fused, report = fuse_attention.run(model, fuse_attention.Options(**options))
-    lowered, lowering = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
-    return fused, report, lowered, lowering
+    lowered, lowering_report = lowering.run(fused, lowering.Options())
+    return fused, report, lowered, lowering_report
 
 
 def generate_logits(graphs: dict) -> list[np.ndarray]:
@@ -79,8 +82,10 @@ def test_every_layer_fuses_and_lowers_to_group_query_attention(decoder_graphs):
         assert [o.name for o in lowered.graph.output] == [o.name for o in model.graph.output]
 
 
-def test_lowered_graphs_generate_like_the_unfused_ones(decoder_graphs):
-    lowered = {phase: fuse_and_lower(model)[2] for phase, model in decoder_graphs.items()}
+@pytest.mark.parametrize("target", LOWERINGS)
+def test_lowered_graphs_generate_like_the_unfused_ones(decoder_graphs, target):
+    lowered = {phase: fuse_and_lower(model, LOWERINGS[target])[2] for phase, model in decoder_graphs.items()}
+    assert all(op_counts(model)[target] == CONFIG.num_layers for model in lowered.values())
     for reference, fused in zip(generate_logits(decoder_graphs), generate_logits(lowered)):
         np.testing.assert_allclose(fused, reference, atol=1e-5)
 
@@ -148,9 +153,10 @@ def hf_traced():
     return cleanup.run(onnx.load_from_string(buffer.getvalue()), cleanup.Options())[0], ids.numpy(), mask.numpy(), expected
 
 
-def test_hugging_face_traced_attention_fuses_too(hf_traced):
+@pytest.mark.parametrize("target", LOWERINGS)
+def test_hugging_face_traced_attention_fuses_too(hf_traced, target):
     model, ids, mask, expected = hf_traced
-    fused, report, lowered, _ = fuse_and_lower(model, rotary_cache_length=128)
+    fused, report, lowered, _ = fuse_and_lower(model, LOWERINGS[target], rotary_cache_length=128)
     assert report["fused"] == 2 and all(not layer["cache"] for layer in report["layers"]), report
     assert op_counts(fused)["Softmax"] == 0
     logits = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"]).run(
