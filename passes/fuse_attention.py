@@ -153,7 +153,7 @@ def _projection(tensor: gs.Tensor) -> tuple[gs.Tensor, int] | SkipReason:
     return tensor, int(weight.shape[1])
 
 
-def _rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
+def parse_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
     """Parse rotary(t) = t*cos + Concat(-t2, t1)*sin; returns (t, cos)."""
     add = producer(tensor)
     if add is None or add.op != "Add" or not all(producer(t) is not None and producer(t).op == "Mul" for t in add.inputs):
@@ -173,7 +173,7 @@ def _rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
     return SkipReason("rotary: no rotate-half term Concat(Neg(Slice(t)), Slice(t))")
 
 
-def _inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
+def parse_inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
     """Find Cos above the cos table, the scalar scaling on the way, and the inv_freq constant under it."""
     scaling, tensor = 1.0, cos
     node = producer(tensor)
@@ -244,12 +244,12 @@ def match(softmax: gs.Node) -> Match | SkipReason:
     (k_new, key_writer, past_key), (v_new, value_writer, past_value) = key, value
     if (past_key is None) != (past_value is None):
         return SkipReason("only one of the key and value caches is written")
-    parts = [_rotary(q_rotated), _rotary(k_new)]
+    parts = [parse_rotary(q_rotated), parse_rotary(k_new)]
     for part in parts:
         if isinstance(part, SkipReason):
             return part
     (q_heads, cos), (k_heads, _) = parts
-    rotary = _inv_freq(cos)
+    rotary = parse_inv_freq(cos)
     if isinstance(rotary, SkipReason):
         return rotary
     inv_freq, scaling = rotary

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from passes import cleanup, fuse_attention, fuse_rms_norm, lower_onnx_attention, lower_onnxruntime, pack_projections
+from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_rotary, lower_onnx_attention, lower_onnxruntime,
+                    pack_projections)
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ PASSES: dict[str, PassEntry] = {
     "cleanup": PassEntry(cleanup.run, cleanup.Options, "constant folding, dead nodes, shape inference, shared initializers"),
     "fuse_attention": PassEntry(fuse_attention.run, fuse_attention.Options,
                                 "each attention block -> one aotlm.FlashAttention node (rotary and KV-cache writes inside)"),
+    "fuse_rotary": PassEntry(fuse_rotary.run, fuse_rotary.Options,
+                             "each rotary-embedding subgraph (unfused attention) -> ONNX RotaryEmbedding-23"),
     "lower_onnx_attention": PassEntry(lower_onnx_attention.run, lower_onnx_attention.Options,
                                       "aotlm.FlashAttention -> standard ONNX Attention-23 + RotaryEmbedding (portable)"),
     "lower_onnxruntime": PassEntry(lower_onnxruntime.run, lower_onnxruntime.Options,

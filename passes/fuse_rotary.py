@@ -1,0 +1,190 @@
+"""fuse_rotary: each rotary-embedding subgraph -> one standard ONNX RotaryEmbedding node (opset 23).
+
+For graphs whose attention is not fused (a recipe without fuse_attention, or a layer it skipped). Rotate-half
+layout, t [B, heads, S, D], as the canonical decoder and Hugging Face's Llama trace it:
+
+    t ──┬──────────────────────────────────────► Mul(., cos) ──┐
+        ├─► Slice(split:) ─► Neg ─┐                            ├─► Add ─► rotated
+        └─► Slice(:split) ────────┴─► Concat(axis -1) ─► Mul(., sin)
+    cos = Cos(positions * inv_freq) [* scaling], sin likewise
+
+    ->  t ─► RotaryEmbedding(t, cos_cache, sin_cache, positions; interleaved=0) ─► rotated
+
+cos_cache/sin_cache [rows, D/2] are built from the inv_freq constant under Cos (`flash_attention_op.rotary_tables`);
+rows = option `rotary_cache_length`, else the KV cache's max context (`past_key_values.0.key` dim 2). positions
+[B, S] int64: the graph input `position_ids`, else the int64 [B, S] tensor the Cos computation reads (expanded
+to t's batch when it has batch 1). Every `Add(Mul, Mul(Concat, .))` is a candidate; one that fails a check stays
+as it is and is listed in the report with its reason. The Cos/Sin math goes when no other node reads it.
+
+Pure: the input ModelProto is never mutated. The default opset becomes >= 23 and the IR version >= 10.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from passes import flash_attention_op as op
+from passes.fuse_attention import SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer
+
+OPSET = 23
+
+
+@dataclass(frozen=True)
+class Options:
+    rotary_cache_length: int | None = None  # table rows; default: the KV cache's max context
+    max_rewrites: int | None = None  # fuse only the first N (bisect a parity failure)
+
+
+@dataclass
+class Match:
+    add: gs.Node  # its output becomes the RotaryEmbedding's output
+    source: gs.Tensor  # t [B, heads, S, D]
+    inv_freq: np.ndarray
+    scaling: float
+    positions: gs.Tensor
+    rows: int
+
+
+def is_candidate(node: gs.Node) -> bool:
+    """Add(Mul, Mul) with a Concat under one of the Muls: the rotary shape, before any check."""
+    muls = [producer(t) for t in node.inputs]
+    return node.op == "Add" and len(muls) == 2 and all(m is not None and m.op == "Mul" for m in muls) and any(
+        producer(t) is not None and producer(t).op == "Concat" for m in muls for t in m.inputs)
+
+
+def _rotate_half(add: gs.Node, source: gs.Tensor) -> SkipReason | None:
+    """Concat(Neg(t[split:]), t[:split]) on the last axis, both slices of t split at the same point."""
+    concat = next(producer(t) for m in (producer(t) for t in add.inputs) for t in m.inputs
+                  if producer(t) is not None and producer(t).op == "Concat"
+                  and producer(producer(t).inputs[0]) is not None and producer(producer(t).inputs[0]).op == "Neg")
+    rank = len(source.shape) if source.shape is not None else None
+    if len(concat.inputs) != 2 or concat.attrs.get("axis") not in (-1, rank - 1 if rank else -1):
+        return SkipReason("rotary: the rotate-half Concat is not of two halves on the last axis")
+    negated, kept = producer(producer(concat.inputs[0]).inputs[0]), producer(concat.inputs[1])
+    if kept is None or kept.op != "Slice" or kept.inputs[0] is not source:
+        return SkipReason("rotary: the Concat's second operand is not a Slice of the rotated tensor")
+    starts = constant(kept.inputs[1])
+    split_shared = negated.inputs[1] is kept.inputs[2] or (
+        constant(negated.inputs[1]) is not None and constant(kept.inputs[2]) is not None
+        and np.array_equal(constant(negated.inputs[1]), constant(kept.inputs[2])))
+    if starts is None or np.any(starts != 0) or not split_shared:
+        return SkipReason("rotary: the two Slices are not t[..., split:] and t[..., :split]")
+    return None
+
+
+def _cos_node(cos: gs.Tensor) -> gs.Node:
+    """The Cos above the cos table (parse_inv_freq has checked the way up)."""
+    node = producer(cos)
+    while node.op != "Cos":
+        node = producer(next(t for t in node.inputs if constant(t) is None) if node.op == "Mul" else node.inputs[0])
+    return node
+
+
+def _positions(graph: gs.Graph, cos: gs.Node) -> gs.Tensor | SkipReason:
+    given = next((t for t in graph.inputs if t.name == "position_ids"), None)
+    if given is not None:
+        return given if given.dtype in (None, np.int64) else SkipReason(f"position_ids is {given.dtype}, not int64")
+    frontier, seen = [cos.inputs[0]], set()
+    while frontier:  # breadth-first: the nearest int64 [B, S] tensor under Cos
+        tensor = frontier.pop(0)
+        if constant(tensor) is None and tensor.dtype == np.int64 and tensor.shape is not None and len(tensor.shape) == 2:
+            return tensor
+        upstream = producer(tensor)
+        if upstream is not None and id(upstream) not in seen:
+            seen.add(id(upstream))
+            frontier.extend(upstream.inputs)
+    return SkipReason("rotary: no position_ids input and no int64 [B, S] positions tensor under Cos")
+
+
+def match(graph: gs.Graph, add: gs.Node, rows: int | None) -> Match | SkipReason:
+    parsed = parse_rotary(add.outputs[0])
+    if isinstance(parsed, SkipReason):
+        return parsed
+    source, cos = parsed
+    reason = _rotate_half(add, source)
+    if reason is not None:
+        return reason
+    rotary = parse_inv_freq(cos)
+    if isinstance(rotary, SkipReason):
+        return rotary
+    inv_freq, scaling = rotary
+    shape = source.shape
+    if shape is not None and (len(shape) != 4 or (isinstance(shape[3], int) and shape[3] != 2 * inv_freq.size)):
+        return SkipReason(f"rotary: input shape {source.shape} is not [B, heads, S, {2 * inv_freq.size}]")
+    positions = _positions(graph, _cos_node(cos))
+    if isinstance(positions, SkipReason):
+        return positions
+    if not isinstance(rows, int):
+        return SkipReason("no rotary table length: the graph has no past_key_values.0.key; set rotary_cache_length")
+    return Match(add, source, inv_freq, scaling, positions, rows)
+
+
+class Tables:
+    """cos/sin caches [rows, D/2] (one pair per inv_freq/scaling/rows) and batch-expanded positions, built once."""
+
+    def __init__(self, graph: gs.Graph):
+        self.graph, self.tables, self.expanded = graph, {}, {}
+
+    def caches(self, found: Match) -> tuple[gs.Constant, gs.Constant]:
+        key = (found.inv_freq.tobytes(), found.scaling, found.rows)
+        if key not in self.tables:
+            cos, sin = op.rotary_tables(found.inv_freq, found.rows, found.scaling)
+            index = len(self.tables)
+            self.tables[key] = (gs.Constant(f"rotary_cos_cache_{index}", cos), gs.Constant(f"rotary_sin_cache_{index}", sin))
+        return self.tables[key]
+
+    def positions(self, found: Match) -> gs.Tensor:
+        """RotaryEmbedding wants [B, S]; HF traces positions [1, S]: expand to t's batch."""
+        positions = found.positions
+        if positions.shape is None or positions.shape[0] != 1 or (found.source.shape or [None])[0] == 1:
+            return positions
+        if positions.name not in self.expanded:
+            name = f"rotary_positions_{len(self.expanded)}"
+            shape = self.graph.layer(op="Shape", inputs=[found.source], outputs=[f"{name}_source_shape"])[0]
+            batch = self.graph.layer(op="Slice", inputs=[shape, *(gs.Constant(f"{name}_{n}", np.array([v], np.int64))
+                                                              for n, v in (("start", 0), ("end", 1)))],
+                                     outputs=[f"{name}_batch"])[0]
+            width = self.graph.layer(op="Shape", inputs=[positions], outputs=[f"{name}_shape"], attrs={"start": 1})[0]
+            target = self.graph.layer(op="Concat", inputs=[batch, width], outputs=[f"{name}_target"], attrs={"axis": 0})[0]
+            self.expanded[positions.name] = self.graph.layer(op="Expand", inputs=[positions, target], outputs=[name])[0]
+            self.expanded[positions.name].dtype = np.int64
+        return self.expanded[positions.name]
+
+
+def rewrite(graph: gs.Graph, found: Match, tables: Tables) -> None:
+    cos, sin = tables.caches(found)
+    rotated = found.add.outputs[0]
+    found.add.outputs.clear()  # the Mul/Concat/Neg/Slice math becomes dead; cleanup() removes it
+    graph.nodes.append(gs.Node("RotaryEmbedding", name=f"{found.add.name}/RotaryEmbedding", attrs={"interleaved": 0},
+                               inputs=[found.source, cos, sin, tables.positions(found)], outputs=[rotated]))
+
+
+def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
+    graph = gs.import_onnx(model)
+    # graphsurgeon keeps the model's own opset_import list: copy it, raising the default domain (pure pass).
+    graph.import_domains = [onnx.helper.make_opsetid(o.domain, max(o.version, OPSET) if o.domain in ("", "ai.onnx")
+                                                     else o.version) for o in model.opset_import]
+    graph.opset = max(graph.opset, OPSET)
+    nodes_before = len(graph.nodes)
+    past_key = next((t for t in graph.inputs if t.name == "past_key_values.0.key"), None)
+    rows = options.rotary_cache_length or (past_key.shape[2] if past_key is not None and past_key.shape else None)
+    matches, skipped = [], []
+    for add in [n for n in graph.nodes if is_candidate(n)]:
+        found = match(graph, add, rows)
+        if isinstance(found, SkipReason):
+            skipped.append({"node": add.name, "layer": layer_name(add), "reason": str(found)})
+        elif options.max_rewrites is not None and len(matches) >= options.max_rewrites:
+            skipped.append({"node": add.name, "layer": layer_name(add), "reason": f"max_rewrites={options.max_rewrites}"})
+        else:
+            matches.append(found)
+    tables = Tables(graph)
+    for found in matches:
+        rewrite(graph, found, tables)
+    graph.cleanup().toposort()
+    fused = gs.export_onnx(graph)
+    fused.ir_version = max(fused.ir_version, 10)  # opset 23 needs IR version 10
+    return fused, {"rewrites": len(matches), "skipped": skipped,
+                   "nodes": {"before": nodes_before, "after": len(fused.graph.node)}}
