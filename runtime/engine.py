@@ -5,12 +5,14 @@
     result.text, result.token_ids, result.timings
 
 Phases per request: tokenize -> prefill (whole prompt, first token sampled) -> decode_one_token, repeated.
-Timings use time.perf_counter from the moment the request is received (TTFT includes tokenization).
+Timings use time.perf_counter from the moment the request is received (`stream()` called; TTFT includes
+tokenization): every result carries its raw timestamps as `result.timings.trace` (a runtime.metrics.RequestTrace,
+which runtime.metrics.summarize aggregates over many requests).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -18,30 +20,61 @@ import numpy as np
 
 from runtime.errors import ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
+from runtime.metrics import RequestTrace
 from runtime.sampling import Sampler, SamplingParams
 from runtime.tokenizer import TextTokenizer
 
 
 @dataclass
 class Timings:
-    """Seconds, measured on this request. tpot = (e2e - ttft) / (output tokens - 1), vLLM's definition."""
+    """One request's timings, all derived from its `trace` (runtime/metrics.py holds the formulas, vLLM's).
 
-    prompt_tokens: int
-    output_tokens: int  # every token the model produced, a final stop token included
-    tokenize_s: float
-    prefill_s: float  # prefill graph run (compute + logits), excluding tokenization and sampling
-    ttft_s: float  # request received -> first output token chosen
-    e2e_s: float  # request received -> last output token chosen
-    token_times_s: list[float] = field(default_factory=list)  # since request start, one per output token
+    Seconds; `*_s` latencies count from the moment `stream()` was called. tpot = (e2e - ttft) / (output tokens - 1),
+    reported as 0.0 for a one-token output (the trace says None). e2e ends at the last output token.
+    """
+
+    trace: RequestTrace
+    tokenize_s: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.trace.prompt_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        """Every token the model produced, a final stop token included."""
+        return self.trace.output_tokens
+
+    @property
+    def prefill_s(self) -> float:
+        """Prefill graph run (compute + logits), excluding tokenization and sampling."""
+        return self.trace.prefill_seconds
+
+    @property
+    def ttft_s(self) -> float:
+        """Request received -> first output token chosen (tokenization and prefill included)."""
+        return self.trace.ttft
+
+    @property
+    def e2e_s(self) -> float:
+        """Request received -> last output token chosen."""
+        return self.trace.e2e
+
+    @property
+    def token_times_s(self) -> list[float]:
+        """One per output token, seconds since the request was received."""
+        arrival = self.trace.arrival
+        return [t - arrival for t in self.trace.token_times]
 
     @property
     def itl_s(self) -> list[float]:
         """Inter-token latencies: gaps between consecutive output tokens."""
-        return list(np.diff(self.token_times_s)) if len(self.token_times_s) > 1 else []
+        return self.trace.itl
 
     @property
     def tpot_s(self) -> float:
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+        tpot = self.trace.tpot
+        return 0.0 if tpot is None else tpot
 
     @property
     def tokens_per_s(self) -> float:
@@ -50,13 +83,13 @@ class Timings:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        return self.trace.prefill_tokens_per_s or 0.0
 
     def summary(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
             "ttft_ms": 1e3 * self.ttft_s, "prefill_ms": 1e3 * self.prefill_s, "tpot_ms": 1e3 * self.tpot_s,
-            "e2e_ms": 1e3 * self.e2e_s, "decode_tokens_per_s": self.tokens_per_s,
+            "e2e_ms": 1e3 * self.e2e_s, "queue_ms": 1e3 * self.trace.queue, "decode_tokens_per_s": self.tokens_per_s,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
         }
 
@@ -143,17 +176,17 @@ class Engine:
         length = len(prompt_ids)
         mask = np.ones((1, self.max_context), dtype=np.int64)  # every cached row is real: one view per step
 
-        started = time.perf_counter()
+        prefill_start = time.perf_counter()
         logits = self.backend.run("prefill", np.array([prompt_ids], dtype=np.int64),
                                   np.arange(length, dtype=np.int64)[None], mask[:, :length])
-        prefill_s = time.perf_counter() - started
+        prefill_end = time.perf_counter()
         output: list[int] = []
         token_times: list[float] = []
         text = ""
         finish_reason = "length"
         token = sampler(logits[0])
         while True:
-            token_times.append(time.perf_counter() - received)
+            token_times.append(time.perf_counter())  # absolute; the trace derives the rest
             if token in stop_ids:
                 finish_reason = "stop"
                 break
@@ -174,11 +207,13 @@ class Engine:
                                       np.array([[length]], dtype=np.int64), mask[:, : length + 1])
             length += 1
             token = sampler(logits[0, -1])
-        timings = Timings(
-            prompt_tokens=len(prompt_ids), output_tokens=len(token_times), tokenize_s=tokenize_s,
-            prefill_s=prefill_s, ttft_s=token_times[0], e2e_s=token_times[-1], token_times_s=token_times,
-        )
         text = self.tokenizer.decode(output)
         for stop in params.stop_strings:  # the text ends before a stop string, as in vLLM and OpenAI's API
             text = text.split(stop, 1)[0]
+        trace = RequestTrace(
+            arrival=received, prefill_start=prefill_start, first_token=token_times[0], token_times=token_times,
+            finish=time.perf_counter(), prompt_tokens=len(prompt_ids), output_tokens=len(token_times),
+            prefill_end=prefill_end,
+        )
+        timings = Timings(trace, tokenize_s)
         return GenerationResult(text, output, prompt_ids, finish_reason, timings)
