@@ -93,6 +93,19 @@ def _inspect(args) -> None:
     console.print(files)
 
 
+def _plan(args) -> None:
+    import json
+
+    from compiler.plan import plan, render
+
+    result = plan(args.source, device=args.device, precision=args.precision, kv_dtype=args.kv_dtype,
+                  context=args.context, concurrency=args.concurrency, prompt=args.prompt, remeasure=args.remeasure)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    else:
+        render(result, console)
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="aotlm", description="Ahead-of-time compiler for language-model inference")
     commands = root.add_subparsers(dest="command", required=True)
@@ -114,6 +127,23 @@ def parser() -> argparse.ArgumentParser:
     inspect.add_argument("artifact")
     inspect.add_argument("--verify", action="store_true", help="also check every file's sha256")
     inspect.set_defaults(handler=_inspect)
+    plan = commands.add_parser("plan", help="memory and lower-bound latency of a model on a device")
+    plan.add_argument("source", help="a recipe (.yaml), a Hugging Face config.json (or its folder), a .gguf file, "
+                                     "or an artifact folder")
+    plan.add_argument("--device", required=True,
+                      help="H100, H200, A100, L40S, L4, RTX4090, or cpu (this machine, measured)")
+    plan.add_argument("--precision", choices=("fp32", "fp16", "bf16", "int8", "int4"), default=None,
+                      help="weight precision (default: fp16 on GPUs, fp32 on cpu)")
+    plan.add_argument("--kv-dtype", choices=("fp32", "fp16", "int8"), default=None,
+                      help="KV-cache dtype (default: fp16 on GPUs, fp32 on cpu)")
+    plan.add_argument("--context", type=int, default=None,
+                      help="tokens per request (default: the recipe's or artifact's max context, else the model's)")
+    plan.add_argument("--concurrency", type=int, default=1, help="sequences decoded together (default: 1)")
+    plan.add_argument("--prompt", type=int, default=None,
+                      help="prompt tokens for the prefill bound (default: min(512, context))")
+    plan.add_argument("--remeasure", action="store_true", help="cpu: measure again instead of using the cached figures")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
+    plan.set_defaults(handler=_plan)
     return root
 
 

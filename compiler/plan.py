@@ -1,0 +1,316 @@
+"""`aotlm plan`: how much memory a model needs on a device, and the speed-of-light latencies it can reach.
+
+Everything is counted from the model's config (no weights are read): parameters, weight bytes at each
+precision, KV-cache bytes, the largest batch that fits, and lower bounds on time — prefill as compute-bound
+(2 x params x prompt FLOPs at the device's peak), decode as bandwidth-bound (every weight byte and every
+cached KV byte read once per step). Real kernels reach some fraction of these peaks; the bounds say where
+the floor is, not what a run will take. For an artifact on `cpu`, it also times decode steps and compares.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import statistics
+import timeit
+from datetime import datetime, timezone
+from pathlib import Path
+
+from compiler.errors import BuildError
+from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig
+
+# Dense peaks (NVIDIA's datasheets mark Tensor Core figures "with sparsity", twice these): memory in decimal
+# bytes as published, bandwidth in bytes/s, fp16 = dense FP16 Tensor FLOP/s, int8 = dense INT8 Tensor OP/s.
+DEVICES = {
+    # NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3, 3.35 TB/s, FP16 Tensor 1,979* TFLOPS, INT8 Tensor 3,958* TOPS
+    "H100": dict(name="NVIDIA H100 SXM 80GB", memory=80e9, bandwidth=3.35e12, fp16=989e12, int8=1979e12),
+    # NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e, 4.8 TB/s, the H100 SXM's Tensor Core figures
+    "H200": dict(name="NVIDIA H200 SXM 141GB", memory=141e9, bandwidth=4.8e12, fp16=989e12, int8=1979e12),
+    # NVIDIA A100 datasheet, A100 80GB SXM: 2,039 GB/s, FP16 Tensor 312 (624*) TFLOPS, INT8 624 (1,248*) TOPS
+    "A100": dict(name="NVIDIA A100 SXM 80GB", memory=80e9, bandwidth=2.039e12, fp16=312e12, int8=624e12),
+    # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, FP16 Tensor 362.05 (733*) TFLOPS, FP8 733 (1,466*) TFLOPS;
+    # INT8 runs at the FP8 rate on Ada (the L40 datasheet lists INT8 = FP8)
+    "L40S": dict(name="NVIDIA L40S 48GB", memory=48e9, bandwidth=0.864e12, fp16=362e12, int8=733e12),
+    # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, FP16 Tensor 242* TFLOPS, INT8 485* TOPS (lists only sparse; / 2)
+    "L4": dict(name="NVIDIA L4 24GB", memory=24e9, bandwidth=0.3e12, fp16=121e12, int8=242.5e12),
+    # NVIDIA Ada Lovelace whitepaper, RTX 4090: 24 GB GDDR6X, 1,008 GB/s; FP16 Tensor with FP32 accumulate 165.2
+    # (330.4*) TFLOPS (330.3 with FP16 accumulate; frameworks accumulate in FP32), INT8 Tensor 660.6 (1,321.2*) TOPS
+    "RTX4090": dict(name="NVIDIA GeForce RTX 4090", memory=24e9, bandwidth=1.008e12, fp16=165.2e12, int8=660.6e12),
+    "cpu": None,  # this machine, measured (measure_cpu) and cached under ~/.cache/aotlm/
+}
+ALIASES = {"h100sxm": "H100", "h100sxm5": "H100", "h200sxm": "H200", "a10080gb": "A100", "a100sxm": "A100",
+           "4090": "RTX4090", "geforcertx4090": "RTX4090"}
+WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+KV_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
+INT4_BLOCK, INT4_SCALE_BYTES = 32, 2  # one fp16 scale per 32 weights: +2/32 = 0.0625 bytes per parameter
+CACHE_FILE = Path.home() / ".cache" / "aotlm" / "cpu.json"
+NOT_COUNTED = "activations, workspace (GEMM/attention scratch), CUDA context / runtime, fragmentation"
+
+
+def resolve_device(name: str) -> str:
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    known = {re.sub(r"[^a-z0-9]", "", k.lower()): k for k in DEVICES} | ALIASES
+    if key not in known:
+        raise BuildError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}")
+    return known[key]
+
+
+def measure_cpu() -> dict:
+    """This machine's memory bandwidth (numpy copy of 256 MiB, bytes read + written) and fp32 matmul rate, best of 3."""
+    import numpy as np
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=1, repeat=3))
+
+    src = np.ones(32 * 2**20, dtype=np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the destination's pages in first
+    copy_s = best(lambda: np.copyto(dst, src))
+    n = 2048
+    a, b = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32)
+    a @ b
+    matmul_s = best(lambda: a @ b)
+    return {"bandwidth": 2 * src.nbytes / copy_s, "fp32_flops": 2 * n**3 / matmul_s,
+            "measured": datetime.now(timezone.utc).isoformat(timespec="seconds"), "method": (
+                "numpy copy of 256 MiB (read + write bytes / s) and 2048x2048 fp32 matmul, best of 3")}
+
+
+def cpu_device(remeasure: bool = False) -> dict:
+    key = f"{socket.gethostname()}-{os.cpu_count()}cpu"
+    try:
+        cache = json.loads(CACHE_FILE.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if remeasure or key not in cache:
+        cache[key] = measure_cpu()
+        try:
+            CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
+            CACHE_FILE.write_text(json.dumps(cache, indent=2))
+        except OSError:
+            pass  # a read-only home only costs a re-measurement next time
+    m = cache[key]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"name": f"cpu {key} (measured {m['measured']}; --remeasure to redo)", "memory": memory,
+            "bandwidth": m["bandwidth"], "fp32": m["fp32_flops"], "measured": True}
+
+
+def load_source(path: str) -> tuple[DecoderConfig, dict]:
+    """The model config behind a recipe, config.json (or its folder), .gguf file or artifact folder."""
+    p = Path(path)
+    if not p.exists():
+        raise BuildError(f"{path}: no such file or folder")
+    if p.is_dir() and (p / "manifest.json").is_file() or p.name == "manifest.json":
+        return _from_artifact(p if p.is_dir() else p.parent)
+    if p.is_dir() and (p / "config.json").is_file():
+        p = p / "config.json"
+    if p.is_file() and p.suffix in (".yaml", ".yml"):
+        from compiler.recipe import load_recipe
+
+        recipe = load_recipe(p)
+        spec = recipe.model
+        if spec.source == "random":
+            config = spec.config
+        elif spec.source == "gguf":
+            from compiler.frontend import default_gguf_path
+
+            config = _gguf_config(spec.path or default_gguf_path())
+        else:
+            config = _hf_config(Path(spec.path) / "config.json")
+        return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context}
+    if p.is_file() and p.suffix == ".gguf":
+        return _gguf_config(str(p)), {"kind": "gguf", "path": str(p)}
+    if p.is_file() and p.suffix == ".json":
+        return _hf_config(p), {"kind": "hf config.json", "path": str(p)}
+    raise BuildError(f"{path}: not a recipe (.yaml), a Hugging Face config.json (or a folder with one), "
+                     f"a .gguf file or an artifact folder (with manifest.json)")
+
+
+def _gguf_config(path: str) -> DecoderConfig:
+    from compiler.frontend.gguf_loader import _field, _open_reader, _read_config
+
+    if not os.path.isfile(path):
+        raise BuildError(f"GGUF file not found: {path}")
+    reader = _open_reader(path)  # metadata and tensor shapes only; nothing is dequantized
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise BuildError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
+    return _read_config(reader, arch, None, path)  # vocab size from token_embd's shape
+
+
+def _hf_config(path: Path) -> DecoderConfig:
+    from compiler.frontend.hf_loader import _read_json, decoder_config_from_hf
+
+    if not path.is_file():
+        raise BuildError(f"{path}: config.json not found")
+    return decoder_config_from_hf(_read_json(str(path)), {}, str(path))
+
+
+def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
+    from runtime.errors import AotlmRuntimeError
+    from runtime.manifest import read_manifest
+
+    try:
+        manifest = read_manifest(folder)
+    except AotlmRuntimeError as error:
+        raise BuildError(str(error)) from None
+    kv = manifest.get("kv_cache", {})
+    return DecoderConfig.from_dict(manifest["model"]["config"]), {
+        "kind": "artifact", "path": str(folder), "context": kv.get("max_context"),
+        "dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
+            manifest.get("recipe", {}).get("export", {}).get("dtype", "float32"), "fp32"),
+        "kv_dtype": {"float32": "fp32", "float16": "fp16"}.get(kv.get("dtype", "float32"), "fp32")}
+
+
+def count_params(c: DecoderConfig) -> dict:
+    h, layers, q, kv = c.hidden_size, c.num_layers, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    counts = {"embedding": c.vocab_size * h,
+              "attention": layers * (2 * h * q + 2 * h * kv + ((q + 2 * kv) if c.attention_bias else 0)),
+              "mlp": layers * 3 * h * c.intermediate_size, "norms": (2 * layers + 1) * h,
+              "lm_head": 0 if c.tie_word_embeddings else c.vocab_size * h}
+    return counts | {"total": sum(counts.values())}
+
+
+def weight_bytes(params: int) -> dict:
+    sizes = {p: params * b for p, b in WEIGHT_BYTES.items()}
+    return sizes | {"int4": params * (0.5 + INT4_SCALE_BYTES / INT4_BLOCK), "int4_no_scales": params * 0.5}
+
+
+def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: str | None = None,
+         context: int | None = None, concurrency: int = 1, prompt: int | None = None, headroom: float = 0.9,
+         remeasure: bool = False, measure: bool = True) -> dict:
+    """Memory and lower-bound latencies for serving `source` on `device`; raises BuildError on bad input."""
+    key = resolve_device(device)
+    gpu = key != "cpu"
+    precision = precision or ("fp16" if gpu else "fp32")
+    kv_dtype = kv_dtype or ("fp16" if gpu else "fp32")
+    if precision not in WEIGHT_BYTES or kv_dtype not in KV_BYTES:
+        raise BuildError(f"precision must be one of {', '.join(WEIGHT_BYTES)}; kv dtype one of {', '.join(KV_BYTES)}")
+    config, info = load_source(source)
+    context = context or info.get("context") or config.max_position_embeddings
+    prompt = prompt or min(512, context)
+    if min(context, concurrency, prompt) < 1:
+        raise BuildError("--context, --concurrency and --prompt must be at least 1")
+    if context > config.max_position_embeddings:  # an error: the decoder has plain RoPE, no context extension
+        raise BuildError(f"context {context} exceeds the model's max_position_embeddings "
+                         f"({config.max_position_embeddings}); use --context {config.max_position_embeddings} or less")
+    if prompt > context:
+        raise BuildError(f"--prompt {prompt} is longer than the context ({context})")
+    dev = cpu_device(remeasure) if not gpu else DEVICES[key]
+    params = count_params(config)
+    weights = weight_bytes(params["total"])
+    w = weights[precision]
+    kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
+    kv_request, kv_total = kv_token * context, kv_token * context * concurrency
+    usable = headroom * dev["memory"]
+    # GPU compute peaks: fp16/bf16 and int4 (weight-only, matmuls in fp16) use FP16 Tensor; int8 uses INT8 Tensor
+    # (W8A8); fp32 uses TF32 Tensor, half FP16's rate on all of these parts. cpu: measured fp32 matmul for all.
+    peak = dev["fp32"] if not gpu else dev["int8"] if precision == "int8" else dev["fp16"] / (1 + (precision == "fp32"))
+    memory_s, compute_s = (w + kv_total) / dev["bandwidth"], 2 * params["total"] * concurrency / peak
+    result = {
+        "model": {"source": info, "architecture": config.architecture, "layers": config.num_layers,
+                  "hidden": config.hidden_size, "heads": config.num_heads, "kv_heads": config.num_kv_heads,
+                  "head_dim": config.head_dim, "vocab": config.vocab_size,
+                  "max_positions": config.max_position_embeddings},
+        "device": {"key": key, "name": dev["name"], "memory_bytes": dev["memory"], "bandwidth_Bps": dev["bandwidth"],
+                   "peak_flops": peak, "measured": bool(dev.get("measured"))},
+        "inputs": {"precision": precision, "kv_dtype": kv_dtype, "context": context, "concurrency": concurrency,
+                   "prompt": prompt, "headroom": headroom},
+        "params": params, "weight_bytes": weights, "weights": w,
+        "kv": {"bytes_per_token": kv_token, "per_request": kv_request, "total": kv_total},
+        "memory": {"total": w + kv_total, "usable": usable, "fits": w + kv_total <= usable,
+                   "max_concurrency": max(0, int((usable - w) // kv_request)), "not_counted": NOT_COUNTED},
+        "bounds": {"prefill_s": 2 * params["total"] * prompt / peak,
+                   "decode_token_s": (w + kv_request) / dev["bandwidth"], "decode_step_s": max(memory_s, compute_s),
+                   "decode_tokens_per_s": concurrency / max(memory_s, compute_s),
+                   "decode_bound": "bandwidth" if memory_s >= compute_s else "compute"},
+        "assumptions": [
+            f"decimal GB (1e9 bytes), as vendors publish memory sizes; usable = {headroom:.0%} of device memory",
+            f"int4: one fp16 scale per {INT4_BLOCK} weights (+{INT4_SCALE_BYTES / INT4_BLOCK} B/param), all tensors "
+            "quantized incl. embeddings; int8 per-channel scales ignored",
+            "prefill: 2 x params x prompt FLOPs at peak (attention's context-dependent FLOPs not counted)",
+            "decode: all weights + every sequence's KV cache at the full context read once per step, at peak "
+            "bandwidth (or compute-bound at 2 x params x concurrency FLOPs, whichever is slower)",
+            "GPU peaks are dense datasheet figures (not sparsity); fp32 runs at TF32 rate, int8 as W8A8, int4 as "
+            "weight-only fp16 matmuls" if gpu else "cpu: measured fp32 numpy matmul rate for every precision"],
+        "warnings": []}
+    if info["kind"] == "artifact" and not gpu and measure:
+        result["measured"] = measure_artifact(info, config, dev, context)
+        if context > (info.get("context") or context):
+            result["warnings"].append(f"measured at the artifact's max context {info['context']}, not {context}")
+    return result
+
+
+def measure_artifact(info: dict, config: DecoderConfig, dev: dict, context: int) -> dict:
+    """Time 16 decode steps (median inter-token latency) and predict them from the artifact's own dtypes."""
+    from runtime import Engine
+
+    engine = Engine.load(info["path"])
+    n = max(1, min(context, engine.max_context) - 17)
+    ids = [(7919 * i + 13) % config.vocab_size for i in range(n)]
+    result = engine.generate(ids, max_new_tokens=17, stop_token_ids=())
+    measured = statistics.median(result.timings.itl_s)
+    kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[info["kv_dtype"]]
+    predicted = (weight_bytes(count_params(config)["total"])[info["dtype"]] + kv_token * (n + 9)) / dev["bandwidth"]
+    return {"prompt_tokens": n, "steps": len(result.timings.itl_s), "measured_s": measured, "predicted_s": predicted,
+            "ratio": measured / predicted, "dtypes": f"{info['dtype']} weights, {info['kv_dtype']} KV (the artifact's)"}
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:,.2f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def render(p: dict, console) -> None:
+    from rich.table import Table
+
+    m, i, kv, mem, b = p["model"], p["inputs"], p["kv"], p["memory"], p["bounds"]
+    console.print(f"[bold]{Path(m['source']['path']).name}[/bold] ({m['source']['kind']}): {m['architecture']}, "
+                  f"{m['layers']} layers, hidden {m['hidden']}, heads {m['heads']}/{m['kv_heads']} kv x "
+                  f"{m['head_dim']}, vocab {m['vocab']}, max positions {m['max_positions']}")
+    d = p["device"]
+    console.print(f"device: {d['name']}: {_gb(d['memory_bytes'])}, {d['bandwidth_Bps'] / 1e9:,.1f} GB/s, "
+                  f"{d['peak_flops'] / 1e12:,.2f} TFLOP/s at {i['precision']}")
+    table = Table(title=f"plan: {i['precision']} weights, {i['kv_dtype']} KV, context {i['context']}, "
+                        f"concurrency {i['concurrency']}, prompt {i['prompt']}")
+    for column, justify in (("quantity", "left"), ("value", "right"), ("how", "left")):
+        table.add_column(column, justify=justify)
+    pc = p["params"]
+    head = f"head {pc['lm_head'] / 1e6:.0f}M" if pc["lm_head"] else "head tied"
+    table.add_row("parameters", f"{pc['total'] / 1e9:.3f} B", f"embed {pc['embedding'] / 1e6:.0f}M, attn "
+                  f"{pc['attention'] / 1e6:.0f}M, mlp {pc['mlp'] / 1e6:.0f}M, {head}")
+    for name, size in p["weight_bytes"].items():
+        label = "int4 (no scales)" if name == "int4_no_scales" else name
+        table.add_row(f"weights {label}", _gb(size), "params x " + (
+            f"{0.5 + INT4_SCALE_BYTES / INT4_BLOCK} B" if name == "int4" else f"{WEIGHT_BYTES.get(name, 0.5)} B")
+            + (" (chosen)" if name == i["precision"] else ""), style="bold" if name == i["precision"] else None)
+    table.add_section()
+    table.add_row("KV cache / token", f"{kv['bytes_per_token'] / 1024:,.1f} KiB", "2 x layers x kv_heads x head_dim"
+                  f" x {KV_BYTES[i['kv_dtype']]} B")
+    table.add_row("KV cache / request", _gb(kv["per_request"]), f"x context {i['context']}")
+    table.add_row("KV cache total", _gb(kv["total"]), f"x concurrency {i['concurrency']}")
+    fits = "[green]fits[/green]" if mem["fits"] else "[red]does not fit[/red]"
+    table.add_row("weights + KV", _gb(mem["total"]), f"{fits} in {_gb(mem['usable'])} usable; excludes activations, "
+                  "workspace")
+    table.add_row("max concurrency", str(mem["max_concurrency"]), "(usable - weights) / KV per request")
+    table.add_section()
+    table.add_row("prefill >=", _t(b["prefill_s"]), f"2 x params x {i['prompt']} / peak FLOP/s")
+    table.add_row("decode / token (1 seq) >=", _t(b["decode_token_s"]), "(weights + 1 request's KV) / bandwidth")
+    table.add_row("decode / step (batch) >=", _t(b["decode_step_s"]),
+                  f"{b['decode_bound']}-bound, {i['concurrency']} sequence" + "s" * (i["concurrency"] > 1))
+    table.add_row("decode tokens/s <=", f"{b['decode_tokens_per_s']:,.1f}", "concurrency / step time")
+    if "measured" in p:
+        r = p["measured"]
+        table.add_section()
+        table.add_row("predicted decode / token", _t(r["predicted_s"]),
+                      f"{r['dtypes']}, at {r['prompt_tokens']} + ~9 tokens")
+        table.add_row("measured decode / token", _t(r["measured_s"]), f"median of {r['steps']} inter-token latencies")
+        table.add_row("measured / predicted", f"{r['ratio']:.2f}x", "1.0 = at the bandwidth bound")
+    console.print(table)
+    for note in p["assumptions"]:
+        console.print(f"[dim]- {note}[/dim]", highlight=False)
+    for warning in p["warnings"]:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)

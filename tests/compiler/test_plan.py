@@ -1,0 +1,155 @@
+"""`aotlm plan`: parameter, weight and KV-cache arithmetic checked by hand; no artifact is built, nothing is timed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compiler import plan as plan_module
+from compiler.cli import main
+from compiler.errors import BuildError
+from compiler.plan import plan
+from tests.conftest import TINY_RECIPE
+
+LLAMA3_8B = {  # meta-llama/Meta-Llama-3-8B config.json (the keys the mapping reads)
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "tie_word_embeddings": False, "max_position_embeddings": 8192, "rope_theta": 500000.0, "hidden_act": "silu",
+}
+FAKE_CPU = {"bandwidth": 10e9, "fp32_flops": 100e9, "measured": "2024-01-01T00:00:00+00:00", "method": "fake"}
+
+
+@pytest.fixture
+def llama3(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    return str(path)
+
+
+@pytest.fixture
+def fake_cpu(tmp_path, monkeypatch):
+    """The cpu device without measuring: a fixed result, cached in tmp_path; counts the measurements."""
+    calls = []
+    monkeypatch.setattr(plan_module, "CACHE_FILE", tmp_path / "cache" / "cpu.json")
+    monkeypatch.setattr(plan_module, "measure_cpu", lambda: calls.append(1) or dict(FAKE_CPU))
+    return calls
+
+
+def test_llama3_8b_parameters_and_weights(llama3):
+    result = plan(llama3, device="H100", context=8192)
+    params = result["params"]["total"]
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert params == 2 * 128256 * 4096 + 32 * per_layer + 4096  # embeddings + layers + final norm + lm_head
+    assert params == pytest.approx(8.03e9, rel=1e-3)
+    weights = result["weight_bytes"]
+    for precision, bytes_per_param, gb in (("fp32", 4, 32.1), ("fp16", 2, 16.1), ("int8", 1, 8.0),
+                                           ("int4_no_scales", 0.5, 4.0)):
+        assert weights[precision] == pytest.approx(params * bytes_per_param, rel=0.01)
+        assert weights[precision] / 1e9 == pytest.approx(gb, rel=0.01)
+    assert weights["bf16"] == weights["fp16"]
+    assert weights["int4"] == pytest.approx(params * (0.5 + 2 / 32))  # fp16 scale per 32-weight block
+    assert result["weights"] == weights["fp16"]  # the GPU default precision
+
+
+def test_llama3_8b_kv_cache_and_max_concurrency_on_h100(llama3):
+    result = plan(llama3, device="H100", precision="fp16", kv_dtype="fp16", context=8192, concurrency=64)
+    kv_per_token = 2 * 32 * 8 * 128 * 2
+    assert kv_per_token == 131072
+    assert result["kv"] == {"bytes_per_token": kv_per_token, "per_request": kv_per_token * 8192,
+                            "total": kv_per_token * 8192 * 64}
+    weights = 8_030_261_248 * 2
+    usable = 0.9 * 80e9
+    assert result["memory"]["max_concurrency"] == int((usable - weights) // (kv_per_token * 8192)) == 52
+    assert not result["memory"]["fits"]  # 64 x 1.07 GB of KV + 16 GB of weights > 72 GB
+    bounds = result["bounds"]
+    assert bounds["decode_token_s"] == pytest.approx((weights + kv_per_token * 8192) / 3.35e12)
+    assert bounds["decode_step_s"] == pytest.approx((weights + kv_per_token * 8192 * 64) / 3.35e12)
+    assert bounds["decode_tokens_per_s"] == pytest.approx(64 / bounds["decode_step_s"])
+    assert bounds["prefill_s"] == pytest.approx(2 * 8_030_261_248 * 512 / 989e12)
+
+
+def test_precision_picks_the_compute_peak(llama3):
+    assert plan(llama3, device="H100", precision="int8")["device"]["peak_flops"] == 1979e12
+    assert plan(llama3, device="h100-sxm", precision="fp32")["device"]["peak_flops"] == 989e12 / 2  # TF32
+    assert plan(llama3, device="rtx 4090", precision="int4")["device"]["peak_flops"] == 165.2e12
+
+
+def test_unknown_device_lists_known_ones(llama3):
+    with pytest.raises(BuildError, match="unknown device 'TPU'") as info:
+        plan(llama3, device="TPU")
+    for name in ("H100", "H200", "A100", "L40S", "L4", "RTX4090", "cpu"):
+        assert name in str(info.value)
+
+
+def test_bad_paths_and_context(llama3, tmp_path):
+    with pytest.raises(BuildError, match="no such file"):
+        plan(str(tmp_path / "missing.yaml"), device="H100")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(BuildError, match="not a recipe"):
+        plan(str(tmp_path / "notes.txt"), device="H100")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BuildError, match="not a recipe"):
+        plan(str(tmp_path / "empty"), device="H100")  # a folder with neither manifest.json nor config.json
+    with pytest.raises(BuildError, match="exceeds the model's max_position_embeddings"):
+        plan(llama3, device="H100", context=8193)
+
+
+def test_tiny_recipe_plans():
+    result = plan(str(TINY_RECIPE), device="L4")
+    assert result["inputs"]["context"] == 128  # the recipe's export.max_context
+    assert result["kv"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    assert result["memory"]["fits"] and result["bounds"]["decode_tokens_per_s"] > 0
+
+
+def test_artifact_manifest_and_cpu_measurement_wiring(tmp_path, fake_cpu, monkeypatch):
+    manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x",
+                "recipe": {"export": {"dtype": "float32"}},
+                "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+                                     "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                                     "max_position_embeddings": 256}},
+                "kv_cache": {"max_context": 128, "dtype": "float32"}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    gpu = plan(str(tmp_path), device="A100")
+    assert gpu["model"]["source"]["kind"] == "artifact" and gpu["inputs"]["context"] == 128
+    assert "measured" not in gpu
+    seen = {}
+
+    def fake_measure(info, config, dev, context):
+        seen.update(info=info, context=context, bandwidth=dev["bandwidth"])
+        return {"prompt_tokens": 111, "steps": 16, "measured_s": 2e-3, "predicted_s": 1e-3, "ratio": 2.0,
+                "dtypes": "fp32 weights, fp32 KV (the artifact's)"}
+
+    monkeypatch.setattr(plan_module, "measure_artifact", fake_measure)
+    result = plan(str(tmp_path), device="cpu")
+    assert seen == {"info": result["model"]["source"], "context": 128, "bandwidth": 10e9}
+    assert seen["info"]["dtype"] == "fp32" and seen["info"]["kv_dtype"] == "fp32"
+    assert result["inputs"]["precision"] == "fp32" and result["inputs"]["kv_dtype"] == "fp32"  # cpu defaults
+    assert result["measured"]["ratio"] == 2.0
+
+
+def test_cpu_measurement_is_cached(llama3, fake_cpu):
+    first = plan(llama3, device="cpu", context=1024)
+    assert first["device"]["bandwidth_Bps"] == 10e9 and first["device"]["peak_flops"] == 100e9
+    assert first["device"]["measured"] and len(fake_cpu) == 1
+    plan(llama3, device="CPU", context=1024)
+    assert len(fake_cpu) == 1  # read from the cache
+    plan(llama3, device="cpu", context=1024, remeasure=True)
+    assert len(fake_cpu) == 2
+    assert first["bounds"]["decode_token_s"] == pytest.approx(
+        (8_030_261_248 * 4 + 2 * 32 * 8 * 128 * 4 * 1024) / 10e9)  # fp32 weights and KV by default on cpu
+
+
+def test_cli_prints_the_table(capsys):
+    assert main(["plan", str(TINY_RECIPE), "--device", "H100"]) == 0
+    err = capsys.readouterr().err
+    for text in ("max concurrency", "KV cache / token", "weights int4", "decode tokens/s", "H100"):
+        assert text in err
+
+
+def test_cli_json_and_errors(llama3, capsys):
+    assert main(["plan", llama3, "--device", "H200", "--precision", "int4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["inputs"]["precision"] == "int4" and result["device"]["memory_bytes"] == 141e9
+    assert main(["plan", llama3, "--device", "B200"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown device 'B200'" in err and "RTX4090" in err
