@@ -1,0 +1,364 @@
+"""Prefill and decode timed apart, by context length: aotlm unfused vs fused vs onnxruntime-genai.
+
+    .venv/bin/python benchmarks/phases.py [--contexts 64,512,1024,2000] [--prompt-lengths 128,512,1024]
+        [--steps 32] [--repeats 3] [--prefill-runs 5] [--backends aotlm-unfused,aotlm-fused,onnxruntime-genai]
+        [--threads N]
+
+Batch 1, fp32, the same weights everywhere (genai's model is generate.py's cached build of the fused artifact's
+recipe `model` section) and real prompt tokens (Python's docs, pydoc_data.topics, as generate.py uses).
+
+Decode at context C: the cache is filled with C real tokens (aotlm: one prefill-graph run; genai: append_tokens
+on a fresh Generator, max_length 2100), then WARMUP_STEPS decode steps, then --steps timed consecutive steps,
+each one token: forward over the cache + greedy choice of the next token (aotlm: decode graph + argmax; genai:
+generate_next_token). The steps sit at positions C+k, as in real generation. Per measurement: median and p90
+of the step times.
+Prefill of L tokens: one warm-up run, then --prefill-runs timed runs of the prompt's forward pass (aotlm: the
+prefill graph over the bound cache; genai: append_tokens on a fresh Generator, created outside the timing);
+the median run counts.
+
+Noise: the 2-core VMs this runs on are shared, so the backends are interleaved -- for each context every
+backend is measured in turn (the order rotates from one repeat to the next) -- and the whole sweep is repeated
+--repeats times; reported numbers are medians over the repeats. Each measurement also records how many cores
+everything else on the machine kept busy meanwhile (/proc/stat minus this process, steal included); above
+--max-other-cores it waits and measures again (up to --retries times, keeping the least contended attempt).
+Load averages are recorded before and after.
+
+Bytes a decode step must read (fused artifact): manifest backend.weights.bytes + kv_cache.bytes_per_token x C;
+achieved GB/s = those bytes / median step time (a lower bound on traffic: activations and logits not counted).
+Writes benchmarks/results/phases.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
+from generate import REPO, RESULTS, Genai, machine_info, prepare_folders, prompt_token_ids, versions  # noqa: E402
+
+WARMUP_STEPS = 4
+PREFILL_WARMUPS = 1
+GENAI_MAX_LENGTH = 2100
+UNFUSED, FUSED, GENAI = "aotlm-unfused", "aotlm-fused", Genai.name
+BACKENDS = (UNFUSED, FUSED, GENAI)
+
+
+def percentiles(seconds: list[float]) -> dict:
+    ms = 1e3 * np.asarray(seconds)
+    return {"median_ms": float(np.median(ms)), "p90_ms": float(np.percentile(ms, 90))}
+
+
+# -- backends: decode(prompt_ids, steps) -> step seconds; prefill(prompt_ids) -> seconds ----------------------
+class AotlmPhases:
+    def __init__(self, name: str, artifact: Path, threads: int):
+        from runtime import Engine
+
+        self.name = name
+        self.engine = Engine.load(artifact, intra_op_threads=threads)  # allocates and binds the cache once
+        self.backend = self.engine.backend
+        self.max_context = self.engine.max_context
+        self.mask = np.ones((1, self.max_context), dtype=np.int64)
+
+    def prefill(self, prompt_ids: list[int]) -> float:
+        return self._prefill(prompt_ids)[0]
+
+    def _prefill(self, prompt_ids: list[int]) -> tuple[float, np.ndarray]:
+        length = len(prompt_ids)
+        ids = np.array([prompt_ids], dtype=np.int64)
+        positions = np.arange(length, dtype=np.int64)[None]
+        started = time.perf_counter()
+        logits = self.backend.run("prefill", ids, positions, self.mask[:, :length])
+        return time.perf_counter() - started, logits
+
+    def decode(self, prompt_ids: list[int], steps: int) -> list[float]:
+        _, logits = self._prefill(prompt_ids)  # fill the cache with the context's real keys and values
+        length = len(prompt_ids)
+        if length + WARMUP_STEPS + steps > self.max_context:
+            raise SystemExit(f"{self.name}: context {length} + {WARMUP_STEPS + steps} steps exceed max context {self.max_context}")
+        token = int(np.argmax(logits[0]))
+        times = []
+        for step in range(WARMUP_STEPS + steps):
+            started = time.perf_counter()
+            logits = self.backend.run("decode", np.array([[token]], dtype=np.int64),
+                                      np.array([[length]], dtype=np.int64), self.mask[:, : length + 1])
+            token = int(np.argmax(logits[0, -1]))
+            elapsed = time.perf_counter() - started
+            length += 1
+            if step >= WARMUP_STEPS:
+                times.append(elapsed)
+        return times
+
+
+class GenaiPhases:
+    name = GENAI
+
+    def __init__(self, genai_folder: Path, threads: int):
+        loaded = Genai(genai_folder, threads)  # generate.py's loader: CPU provider, thread count
+        self.og, self.model = loaded.og, loaded.model
+
+    def generator(self):
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=GENAI_MAX_LENGTH, batch_size=1)
+        return self.og.Generator(self.model, params)
+
+    def prefill(self, prompt_ids: list[int]) -> float:
+        generator = self.generator()  # allocates its KV cache: outside the timing
+        tokens = np.asarray(prompt_ids, dtype=np.int32)
+        started = time.perf_counter()
+        generator.append_tokens(tokens)
+        return time.perf_counter() - started
+
+    def decode(self, prompt_ids: list[int], steps: int) -> list[float]:
+        if len(prompt_ids) + WARMUP_STEPS + steps > GENAI_MAX_LENGTH:
+            raise SystemExit(f"{GENAI}: context {len(prompt_ids)} + {WARMUP_STEPS + steps} steps exceed {GENAI_MAX_LENGTH}")
+        generator = self.generator()
+        generator.append_tokens(np.asarray(prompt_ids, dtype=np.int32))
+        # the first generate_next_token only picks from append_tokens' logits; each later one runs the model on
+        # the previous token first. The first is among the warm-up steps.
+        times = []
+        for step in range(WARMUP_STEPS + steps):
+            started = time.perf_counter()
+            generator.generate_next_token()
+            elapsed = time.perf_counter() - started
+            if step >= WARMUP_STEPS:
+                times.append(elapsed)
+        return times
+
+
+# -- driver ---------------------------------------------------------------------------------------------------
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (steal included: the hypervisor gave the time elsewhere)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def guarded(measure, args, label: str, console: Console) -> dict:
+    """Run measure() -> dict; when other processes (or steal) kept more than --max-other-cores busy on average
+    meanwhile, wait and measure again, up to --retries times. The result records the contention it ran under."""
+    attempts = []
+    for attempt in range(args.retries + 1):
+        wall, busy, own = time.perf_counter(), busy_cpu_s(), own_cpu_s()
+        result = measure()
+        wall = time.perf_counter() - wall
+        others = max(0.0, (busy_cpu_s() - busy) - (own_cpu_s() - own)) / wall
+        result["other_cores"] = others  # mean cores used by everything else during the measurement
+        attempts.append(result)
+        if others <= args.max_other_cores:
+            break
+        if attempt < args.retries:
+            console.log(f"[yellow]{label}: other processes used {others:.2f} cores; measuring again")
+            time.sleep(5 * 2 ** attempt)
+    best = min(attempts, key=lambda r: r["other_cores"])
+    best["attempts"] = len(attempts)
+    best["contended"] = best["other_cores"] > args.max_other_cores
+    return best
+
+
+def run_sweeps(backends: dict, prompt_ids: list[int], args, progress: Progress, console: Console) -> dict:
+    names = list(backends)
+    decode = {name: {ctx: [] for ctx in args.contexts} for name in names}  # one entry per repeat
+    prefill = {name: {length: [] for length in args.prompt_lengths} for name in names}
+    work = args.repeats * len(names) * (len(args.contexts) + len(args.prompt_lengths))
+    task = progress.add_task("sweeps", total=work)
+
+    def decode_once(backend, ctx):
+        times = backend.decode(prompt_ids[:ctx], args.steps)
+        return {**percentiles(times), "step_ms": [1e3 * t for t in times]}
+
+    def prefill_once(backend, length):
+        for _ in range(PREFILL_WARMUPS):
+            backend.prefill(prompt_ids[:length])
+        runs = [backend.prefill(prompt_ids[:length]) for _ in range(args.prefill_runs)]
+        return {"median_ms": 1e3 * float(np.median(runs)), "run_ms": [1e3 * r for r in runs]}
+
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names):] + names[: repeat % len(names)]  # rotate: no backend always first
+        for ctx in args.contexts:
+            for name in order:
+                label = f"[{repeat + 1}/{args.repeats}] decode  ctx {ctx:5} {name:18}"
+                progress.update(task, description=label)
+                decode[name][ctx].append(guarded(lambda: decode_once(backends[name], ctx), args, label, console))
+                progress.advance(task)
+        for length in args.prompt_lengths:
+            for name in order:
+                label = f"[{repeat + 1}/{args.repeats}] prefill len {length:5} {name:18}"
+                progress.update(task, description=label)
+                prefill[name][length].append(guarded(lambda: prefill_once(backends[name], length), args, label, console))
+                progress.advance(task)
+    return {"decode": decode, "prefill": prefill}
+
+
+def summarize(raw: dict, args, manifests: dict) -> dict:
+    decode, prefill = {}, {}
+    for name, by_ctx in raw["decode"].items():
+        decode[name] = {}
+        for ctx, repeats in by_ctx.items():
+            entry = {"median_ms": float(np.median([r["median_ms"] for r in repeats])),
+                     "p90_ms": float(np.median([r["p90_ms"] for r in repeats])),
+                     "repeats": repeats}
+            entry["tokens_per_s"] = 1e3 / entry["median_ms"]
+            if name in manifests:
+                manifest = manifests[name]
+                weights = manifest["backend"]["weights"]["bytes"]
+                kv = manifest["kv_cache"]["bytes_per_token"] * ctx
+                entry.update(weights_bytes=weights, kv_bytes=kv, bytes_read=weights + kv,
+                             achieved_gb_per_s=(weights + kv) / (entry["median_ms"] / 1e3) / 1e9)
+            decode[name][ctx] = entry
+    for name, by_length in raw["prefill"].items():
+        prefill[name] = {}
+        for length, repeats in by_length.items():
+            median_ms = float(np.median([r["median_ms"] for r in repeats]))
+            prefill[name][length] = {"median_ms": median_ms, "tokens_per_s": length / (median_ms / 1e3),
+                                     "repeats": repeats}
+    return {"decode": decode, "prefill": prefill}
+
+
+def ratio(results: dict, top: str, bottom: str, key) -> str:
+    if top in results and bottom in results:
+        return f"{results[top][key]['median_ms'] / results[bottom][key]['median_ms']:.2f}x"
+    return "-"
+
+
+def render(summary: dict, args, console: Console) -> list[str]:
+    decode, prefill = summary["decode"], summary["prefill"]
+    names = list(decode)
+    table = Table(title=f"decode, ms per token (median over {args.repeats} repeats of {args.steps} steps; batch 1)")
+    table.add_column("context", justify="right")
+    for name in names:
+        table.add_column(f"{name} ms", justify="right")
+        table.add_column(f"{name} p90", justify="right")
+    table.add_column("fused/unfused", justify="right")
+    table.add_column("fused/genai", justify="right")
+    if FUSED in decode:
+        table.add_column("fused MB read", justify="right")
+        table.add_column("fused GB/s", justify="right")
+    for ctx in args.contexts:
+        row = [str(ctx)]
+        for name in names:
+            row += [f"{decode[name][ctx]['median_ms']:.2f}", f"{decode[name][ctx]['p90_ms']:.2f}"]
+        row += [ratio(decode, FUSED, UNFUSED, ctx), ratio(decode, FUSED, GENAI, ctx)]
+        if FUSED in decode:
+            row += [f"{decode[FUSED][ctx]['bytes_read'] / 1e6:.0f}", f"{decode[FUSED][ctx]['achieved_gb_per_s']:.1f}"]
+        table.add_row(*row)
+    console.print(table)
+    lo, hi = args.contexts[0], args.contexts[-1]
+    growth = ", ".join(f"{name} {decode[name][hi]['median_ms'] / decode[name][lo]['median_ms']:.2f}x" for name in names)
+    lines = [f"decode ms ctx{hi} / ctx{lo}: {growth}"]
+    console.print(lines[0])
+
+    table = Table(title=f"prefill (median over {args.repeats} repeats of the median of {args.prefill_runs} runs; batch 1)")
+    table.add_column("prompt tokens", justify="right")
+    for name in names:
+        table.add_column(f"{name} ms", justify="right")
+        table.add_column(f"{name} tok/s", justify="right")
+    table.add_column("fused/unfused", justify="right")
+    table.add_column("fused/genai", justify="right")
+    for length in args.prompt_lengths:
+        row = [str(length)]
+        for name in names:
+            row += [f"{prefill[name][length]['median_ms']:.1f}", f"{prefill[name][length]['tokens_per_s']:.0f}"]
+        row += [ratio(prefill, FUSED, UNFUSED, length), ratio(prefill, FUSED, GENAI, length)]
+        table.add_row(*row)
+    console.print(table)
+    return lines
+
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int_list, default=[64, 512, 1024, 2000])
+    parser.add_argument("--prompt-lengths", type=int_list, default=[128, 512, 1024])
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="times the whole interleaved sweep runs")
+    parser.add_argument("--prefill-runs", type=int, default=5, help="timed prefill runs per measurement")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--fused-artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
+    parser.add_argument("--unfused-artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m-unfused")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--max-other-cores", type=float, default=0.25,
+                        help="re-measure when other processes kept more cores than this busy on average")
+    parser.add_argument("--retries", type=int, default=3, help="re-measurements allowed per contended measurement")
+    args = parser.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    names = [name for name in args.backends.split(",") if name]
+    unknown = set(names) - set(BACKENDS)
+    if unknown or not names:
+        parser.error(f"unknown backends {sorted(unknown)}; known: {', '.join(BACKENDS)}")
+    if not args.contexts or not args.prompt_lengths:
+        parser.error("give at least one context and one prompt length")
+    load_before = os.getloadavg()
+
+    artifacts = {UNFUSED: args.unfused_artifact, FUSED: args.fused_artifact}
+    manifests = {name: json.loads((artifacts[name] / "manifest.json").read_text()) for name in names if name in artifacts}
+    reference = json.loads((args.fused_artifact / "manifest.json").read_text())  # prompt tokens, genai's weights
+    prompt_ids = prompt_token_ids(args.fused_artifact, reference, max(args.contexts + args.prompt_lengths))
+    genai_folder = None
+    if GENAI in names:
+        _, genai_folder = prepare_folders(reference, console, want_genai=True)
+
+    backends = {}
+    setup_s = {}
+    for name in names:
+        started = time.perf_counter()
+        backends[name] = GenaiPhases(genai_folder, args.threads) if name == GENAI else AotlmPhases(name, artifacts[name], args.threads)
+        setup_s[name] = time.perf_counter() - started
+    console.log(f"loaded {', '.join(names)}; load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
+
+    started = time.perf_counter()
+    with Progress(console=console) as progress:
+        raw = run_sweeps(backends, prompt_ids, args, progress, console)
+    sweep_s = time.perf_counter() - started
+    load_after = os.getloadavg()
+    summary = summarize(raw, args, manifests)
+    lines = render(summary, args, console)
+    measured = [r for phase in raw.values() for by in phase.values() for repeats in by.values() for r in repeats]
+    retried = sum(r["attempts"] > 1 for r in measured)
+    contended = sum(r["contended"] for r in measured)
+    contention = (f"contention: {retried} of {len(measured)} measurements re-measured, {contended} still above "
+                  f"{args.max_other_cores} other cores; median other cores {np.median([r['other_cores'] for r in measured]):.2f}")
+    console.print(contention)
+    console.print(f"load average (1/5/15 min) before {' '.join(f'{x:.2f}' for x in load_before)}, "
+                  f"after {' '.join(f'{x:.2f}' for x in load_after)}; sweeps took {sweep_s:.0f} s")
+
+    report = {
+        "settings": {"contexts": args.contexts, "prompt_lengths": args.prompt_lengths, "steps": args.steps,
+                     "warmup_steps": WARMUP_STEPS, "repeats": args.repeats, "prefill_runs": args.prefill_runs,
+                     "prefill_warmups": PREFILL_WARMUPS, "threads": args.threads, "batch": 1, "backends": names,
+                     "artifacts": {name: str(path) for name, path in artifacts.items() if name in names},
+                     "genai_folder": str(genai_folder) if genai_folder else None, "genai_max_length": GENAI_MAX_LENGTH,
+                     "prompt_source": "pydoc_data.topics (sorted, joined)", "interleaved": True,
+                     "max_other_cores": args.max_other_cores, "retries": args.retries,
+                     "decode_step": "forward over the filled cache + greedy next token; positions C+k"},
+        "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": load_after},
+        "versions": versions(), "setup_s": setup_s, "sweep_s": sweep_s,
+        "decode": {name: {str(k): v for k, v in by.items()} for name, by in summary["decode"].items()},
+        "prefill": {name: {str(k): v for k, v in by.items()} for name, by in summary["prefill"].items()},
+        "decode_growth": lines[0], "contention": contention,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "phases.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
