@@ -67,17 +67,28 @@ def measure_cpu() -> dict:
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the destination's pages in first
     copy_s = best(lambda: np.copyto(dst, src))
+    # The matmul peak is onnxruntime's (MLAS), the kernel artifacts run: numpy's BLAS can be far slower here
+    # (e.g. with OPENBLAS_CORETYPE set), which made "lower bounds" above measured prefill times.
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
     n = 2048
     a, b = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32)
-    a @ b
-    matmul_s = best(lambda: a @ b)
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "peak",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n])],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
+                              [numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session.run(None, {"a": a})
+    matmul_s = best(lambda: session.run(None, {"a": a}))
     return {"bandwidth": 2 * src.nbytes / copy_s, "fp32_flops": 2 * n**3 / matmul_s,
             "measured": datetime.now(timezone.utc).isoformat(timespec="seconds"), "method": (
-                "numpy copy of 256 MiB (read + write bytes / s) and 2048x2048 fp32 matmul, best of 3")}
+                "numpy copy of 256 MiB (read + write bytes / s) and a 2048x2048 fp32 onnxruntime MatMul, best of 3")}
 
 
 def cpu_device(remeasure: bool = False) -> dict:
-    key = f"{socket.gethostname()}-{os.cpu_count()}cpu"
+    key = f"{socket.gethostname()}-{os.cpu_count()}cpu-ort"  # -ort: matmul peak from onnxruntime, not numpy
     try:
         cache = json.loads(CACHE_FILE.read_text())
     except (OSError, ValueError):
@@ -232,7 +243,7 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
             "decode: all weights + every sequence's KV cache at the full context read once per step, at peak "
             "bandwidth (or compute-bound at 2 x params x concurrency FLOPs, whichever is slower)",
             "GPU peaks are dense datasheet figures (not sparsity); fp32 runs at TF32 rate, int8 as W8A8, int4 as "
-            "weight-only fp16 matmuls" if gpu else "cpu: measured fp32 numpy matmul rate for every precision"],
+            "weight-only fp16 matmuls" if gpu else "cpu: measured fp32 onnxruntime MatMul rate for every precision"],
         "warnings": []}
     if info["kind"] == "artifact" and not gpu and measure:
         result["measured"] = measure_artifact(info, config, dev, context)
