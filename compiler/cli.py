@@ -106,6 +106,91 @@ def _plan(args) -> None:
         render(result, console)
 
 
+def _bench(args) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from runtime import Engine, bench
+    from runtime.manifest import read_manifest
+    from runtime.metrics import format_table
+    from runtime.tokenizer import TextTokenizer
+
+    manifest = read_manifest(args.artifact)  # a folder that is not an artifact fails here, in one line
+    name, max_context = manifest["name"], manifest["kv_cache"]["max_context"]
+    threads = args.threads or os.cpu_count()
+    text = bench.read_prompt_file(args.prompt_file)
+    baselines = bench.check_baselines(args.baseline or [])
+    if args.phase and baselines:
+        raise bench.BenchError("--baseline compares served workloads; it does not apply to --phase")
+    if args.phase:
+        from compiler.frontend.config import DecoderConfig
+        from compiler.plan import count_params, cpu_device, prefill_flops
+
+        sizes = bench.parse_sizes(args.prompt_lengths if args.phase == "prefill" else args.contexts, max_context)
+        device = cpu_device()  # measured once per machine, cached under ~/.cache/aotlm/
+        peaks = {"flops": device["fp32"], "bandwidth": device["bandwidth"], "device": device["name"]}
+        config = DecoderConfig.from_dict(manifest["model"]["config"])
+        counts = count_params(config)
+        params = counts["total"]
+        engine = Engine.load(args.artifact, intra_op_threads=threads)
+        prompt_ids = bench.text_token_ids(engine.tokenizer.encode, max(sizes), text)
+        with console.status(f"timing {args.phase} at {', '.join(map(str, sizes))}"):
+            rows = bench.time_phase(engine, args.phase, sizes, prompt_ids, batch=args.batch, runs=args.runs,
+                                    steps=args.steps, peaks=peaks,
+                                    flops_for=lambda tokens: prefill_flops(counts, config, tokens))
+        console.print(bench.phase_table(args.phase, rows, peaks), width=None if console.is_terminal else 160)
+        console.print(f"[dim]peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads[/dim]",
+                      highlight=False)
+        out = Path(args.out or f"benchmarks/results/bench-{name}-{args.phase}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        settings = {"artifact": str(args.artifact), "phase": args.phase, "batch": args.batch, "runs": args.runs,
+                    "steps": args.steps, "threads": threads}
+        out.write_text(json.dumps({"settings": settings, "params": params, "peaks": peaks, "rows": rows}, indent=2) + "\n")
+        console.print(f"wrote {out}")
+        return
+    tokenizer = TextTokenizer(Path(args.artifact) / manifest["tokenizer"]["file"], manifest["tokenizer"].get("bos_token_id"))
+    workload = bench.make_workload(
+        tokenizer.encode, max_context=max_context, requests=args.requests, arrival=args.arrival,
+        concurrency=args.concurrency, rate=args.rate, prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens, warmup=args.warmup, seed=args.seed, text=text)
+    slo = {key: value for key, value in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms))
+           if value is not None}
+    loaders = {"aotlm": lambda: bench.aotlm_server(Engine.load(args.artifact, intra_op_threads=threads))}
+    if baselines:  # benchmarks/baselines.py (generate.py's model setup): a source checkout with the bench extras
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        import baselines as peers
+
+        loaders.update({peer: (lambda peer=peer: peers.load(peer, manifest, threads, console)) for peer in baselines})
+    runs = {}
+    with Progress(console=console) as progress:
+        for backend, load in loaders.items():  # one after another, never at once
+            task = progress.add_task(f"{backend:18}", total=len(workload.requests) + len(workload.warmup))
+            serve = load()
+            runs[backend] = bench.run_workload(serve, workload, on_done=lambda task=task: progress.advance(task))
+            del serve  # free its weights before the next backend loads
+    settings = {"artifact": str(args.artifact), "threads": threads, "backends": list(runs),
+                "prompt_source": args.prompt_file or "pydoc_data.topics (sorted, joined)",
+                "decoding": "greedy, stop tokens disabled", "slo": slo or None, "prompt_tokens_asked": args.prompt_tokens,
+                "output_tokens_asked": args.output_tokens, **workload.settings()}
+    result = bench.report(settings, runs, slo=slo or None)
+    wide = console if console.is_terminal else Console(stderr=True, width=160)  # a pipe would get 80 columns
+    for backend, entry in result["backends"].items():
+        table = format_table(entry["summary"])
+        table.title = f"{backend}: {table.title}"
+        wide.print(table)
+    if len(runs) > 1:
+        wide.print(bench.compare_table(result))
+    try:
+        written = bench.write_outputs(result, Path(args.out or f"benchmarks/results/bench-{name}.json"))
+    except bench.BenchError as error:  # no matplotlib: the JSON is written, the plots are not
+        console.print(f"[yellow]warning:[/yellow] {error}", highlight=False)
+        return
+    console.print("wrote " + ", ".join(map(str, written)), highlight=False)
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="aotlm", description="Ahead-of-time compiler for language-model inference")
     commands = root.add_subparsers(dest="command", required=True)
@@ -144,6 +229,32 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--remeasure", action="store_true", help="cpu: measure again instead of using the cached figures")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
     plan.set_defaults(handler=_plan)
+    bench = commands.add_parser("bench", help="serve a workload (or time prefill/decode) and report vLLM-style metrics")
+    bench.add_argument("artifact")
+    bench.add_argument("--requests", type=int, default=32)
+    bench.add_argument("--arrival", choices=("all", "concurrency", "poisson"), default="all",
+                       help="all at once; closed loop of --concurrency clients; Poisson at --rate req/s")
+    bench.add_argument("--concurrency", type=int, default=1)
+    bench.add_argument("--rate", type=float, default=None, help="requests/s for --arrival poisson")
+    bench.add_argument("--seed", type=int, default=0, help="lengths and Poisson arrivals")
+    bench.add_argument("--prompt-tokens", default="128", help="N, or LOW:HIGH drawn uniformly (default: 128)")
+    bench.add_argument("--output-tokens", default="64", help="N, or LOW:HIGH drawn uniformly (default: 64)")
+    bench.add_argument("--prompt-file", default=None, help="text cut into prompts (default: Python's pydoc topics)")
+    bench.add_argument("--warmup", type=int, default=1, help="requests served first and excluded (default: 1)")
+    bench.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
+    bench.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
+    bench.add_argument("--baseline", action="append", default=None,
+                       help="also serve the workload with transformers or onnxruntime-genai (repeatable)")
+    bench.add_argument("--threads", type=int, default=None, help="intra-op threads for every backend (default: all cores)")
+    bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench-<name>[-<phase>].json)")
+    bench.add_argument("--phase", choices=("prefill", "decode"), default=None,
+                       help="time the prefill or decode graph alone instead of serving a workload")
+    bench.add_argument("--prompt-lengths", default="128,512,1024", help="--phase prefill: prompt lengths")
+    bench.add_argument("--contexts", default="64,512,1024,2000", help="--phase decode: cached tokens")
+    bench.add_argument("--batch", type=int, default=1, help="--phase: sequences per graph run")
+    bench.add_argument("--runs", type=int, default=5, help="--phase prefill: timed runs per length (median)")
+    bench.add_argument("--steps", type=int, default=32, help="--phase decode: timed steps per context")
+    bench.set_defaults(handler=_bench)
     return root
 
 

@@ -182,6 +182,12 @@ def count_params(c: DecoderConfig) -> dict:
     return counts | {"total": sum(counts.values())}
 
 
+def prefill_flops(counts: dict, config: DecoderConfig, tokens: int) -> float:
+    """Matmul FLOPs of a prefill: every token through attention and MLP projections, the output projection for the
+    last token only (the artifact computes last-position logits); the embedding is a lookup, attention scores excluded."""
+    return 2 * (counts["attention"] + counts["mlp"]) * tokens + 2 * config.vocab_size * config.hidden_size
+
+
 def weight_bytes(params: int) -> dict:
     sizes = {p: params * b for p, b in WEIGHT_BYTES.items()}
     return sizes | {"int4": params * (0.5 + INT4_SCALE_BYTES / INT4_BLOCK), "int4_no_scales": params * 0.5}
@@ -231,7 +237,7 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         "kv": {"bytes_per_token": kv_token, "per_request": kv_request, "total": kv_total},
         "memory": {"total": w + kv_total, "usable": usable, "fits": w + kv_total <= usable,
                    "max_concurrency": max(0, int((usable - w) // kv_request)), "not_counted": NOT_COUNTED},
-        "bounds": {"prefill_s": 2 * params["total"] * prompt / peak,
+        "bounds": {"prefill_s": prefill_flops(params, config, prompt) / peak,
                    "decode_token_s": (w + kv_request) / dev["bandwidth"], "decode_step_s": max(memory_s, compute_s),
                    "decode_tokens_per_s": concurrency / max(memory_s, compute_s),
                    "decode_bound": "bandwidth" if memory_s >= compute_s else "compute"},
@@ -308,7 +314,7 @@ def render(p: dict, console) -> None:
                   "workspace")
     table.add_row("max concurrency", str(mem["max_concurrency"]), "(usable - weights) / KV per request")
     table.add_section()
-    table.add_row("prefill >=", _t(b["prefill_s"]), f"2 x params x {i['prompt']} / peak FLOP/s")
+    table.add_row("prefill >=", _t(b["prefill_s"]), f"matmul FLOPs of {i['prompt']} tokens / peak FLOP/s")
     table.add_row("decode / token (1 seq) >=", _t(b["decode_token_s"]), "(weights + 1 request's KV) / bandwidth")
     table.add_row("decode / step (batch) >=", _t(b["decode_step_s"]),
                   f"{b['decode_bound']}-bound, {i['concurrency']} sequence" + "s" * (i["concurrency"] > 1))

@@ -146,16 +146,23 @@ class Engine:
         return cls(folder, manifest, backend, tokenizer)
 
     # -- requests ---------------------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **sampling) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                 arrival: float | None = None, **sampling) -> GenerationResult:
         """Run one request to the end. Sampling options as keywords (see SamplingParams) or as `params`."""
-        return self.stream(prompt, params, **sampling).wait()
+        return self.stream(prompt, params, arrival=arrival, **sampling).wait()
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **sampling) -> Generation:
-        """Start a request; iterating the returned Generation yields text pieces as they are decoded."""
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               arrival: float | None = None, **sampling) -> Generation:
+        """Start a request; iterating the returned Generation yields text pieces as they are decoded.
+
+        arrival: when the request was received (time.perf_counter), if earlier than this call, e.g. when it
+        waited in a queue (runtime/bench.py); the trace's latencies then count from it. Default: now.
+        """
         params = params or SamplingParams(**sampling)
-        received = time.perf_counter()
+        started = time.perf_counter()
+        received = started if arrival is None else min(arrival, started)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        tokenize_s = time.perf_counter() - received
+        tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids)
         return Generation(self._run(prompt_ids, params, received, tokenize_s))
 

@@ -1,0 +1,364 @@
+"""`aotlm bench`: a serving workload (arrivals, prompt and output lengths) run through one engine, timed per request.
+
+The engine serves one request at a time, so requests go through a single worker thread fed by a queue. A request's
+`arrival` is when it entered the queue: time spent waiting shows in its TTFT and `queue`. Arrivals:
+    all          every request enters the queue at once
+    concurrency  closed loop: C clients, each sends its next request when its previous one finishes
+    poisson      a seeded Poisson process of `rate` requests/s (exponential gaps; the first arrives at 0)
+Outputs never stop early (stop tokens disabled), so every request makes exactly its asked output tokens.
+Metrics are runtime.metrics' (vLLM's definitions). Also times the prefill and decode graphs alone (`time_phase`)
+against peaks the caller passes in (the runtime does not import the compiler). Needs numpy and rich; matplotlib
+(the `bench` extra) only for the plots, imported when they are drawn.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from runtime.errors import RequestError
+from runtime.metrics import RequestTrace, summarize
+
+ARRIVALS = ("all", "concurrency", "poisson")
+BASELINES = ("transformers", "onnxruntime-genai")  # their runners: benchmarks/baselines.py (a source checkout)
+Serve = Callable[[list, int, float], RequestTrace]  # (prompt_ids, output_tokens, arrival) -> trace
+
+
+class BenchError(RequestError):
+    """A benchmark cannot run as asked (bad rate, concurrency, lengths, baseline name...)."""
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    output_tokens: int
+
+
+@dataclass
+class Workload:
+    requests: list[Request]
+    warmup: list[Request]  # served one at a time before the measured requests; excluded from every statistic
+    arrival: str
+    concurrency: int
+    rate: float | None
+    seed: int
+    offsets: list[float] | None  # poisson: seconds after the start when each request arrives
+
+    def settings(self) -> dict:
+        return {"requests": len(self.requests), "warmup": len(self.warmup), "arrival": self.arrival,
+                "concurrency": self.concurrency if self.arrival == "concurrency" else None,
+                "rate": self.rate if self.arrival == "poisson" else None, "seed": self.seed,
+                "prompt_tokens": [len(r.prompt_ids) for r in self.requests],
+                "output_tokens": [r.output_tokens for r in self.requests], "arrival_offsets_s": self.offsets}
+
+
+def parse_range(text: str, what: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '64:256' -> (64, 256), drawn uniformly (both ends included)."""
+    try:
+        low, _, high = str(text).partition(":")
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        raise BenchError(f"{what}: {text!r} is not a token count N or a range LOW:HIGH") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise BenchError(f"{what}: {text!r} needs 1 <= LOW <= HIGH")
+    return bounds
+
+
+def check_baselines(names: Sequence[str]) -> list[str]:
+    unknown = [name for name in names if name not in BASELINES]
+    if unknown:
+        raise BenchError(f"unknown baseline {unknown[0]!r}; known baselines: {', '.join(BASELINES)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_sizes(text: str, max_context: int) -> list[int]:
+    """'128,512' -> [128, 512]; each must be >= 1 and below the max context."""
+    try:
+        sizes = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise BenchError(f"{text!r}: give comma-separated token counts, e.g. 128,512") from None
+    bad = [size for size in sizes if not 1 <= size < max_context]
+    if not sizes or bad:
+        raise BenchError(f"sizes {text!r}: each must be >= 1 and below this artifact's max context ({max_context})")
+    return sizes
+
+
+def read_prompt_file(path: str | None) -> str | None:
+    try:
+        return None if path is None else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise BenchError(f"--prompt-file {path}: {error}") from None
+
+
+def text_token_ids(encode: Callable[[str], list[int]], count: int, text: str | None = None) -> list[int]:
+    """At least `count` token ids of `text` (default: Python's docs, pydoc_data.topics), repeated if it is short."""
+    if text is None:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[name] for name in sorted(topics))
+    if not text.strip():
+        raise BenchError("the prompt text is empty")
+    characters = 8 * count  # tokenize only what is needed; ~4 characters per token in English
+    while True:
+        ids = encode(text[:characters])
+        if len(ids) >= count or characters >= len(text):
+            break
+        characters *= 2
+    return (ids * (count // len(ids) + 1))[:count] if ids else ids
+
+
+def make_workload(encode: Callable[[str], list[int]], *, max_context: int, requests: int, arrival: str = "all",
+                  concurrency: int = 1, rate: float | None = None, prompt_tokens: str | tuple = "128",
+                  output_tokens: str | tuple = "64", warmup: int = 0, seed: int = 0,
+                  text: str | None = None) -> Workload:
+    """Prompts are consecutive cuts of the text's tokens; lengths and Poisson gaps come from `seed`."""
+    if arrival not in ARRIVALS:
+        raise BenchError(f"unknown arrival {arrival!r}; known: {', '.join(ARRIVALS)}")
+    for bad, message in ((requests < 1 or warmup < 0, "--requests must be >= 1 and --warmup >= 0"),
+                         (concurrency < 1, f"--concurrency must be >= 1, got {concurrency}"),
+                         (arrival == "concurrency" and concurrency > requests,
+                          f"--concurrency {concurrency} exceeds --requests {requests}: some clients would send nothing"),
+                         (rate is not None and not rate > 0, f"--rate must be > 0 requests/s, got {rate}"),
+                         (arrival == "poisson" and rate is None, "--arrival poisson needs --rate (requests/s)")):
+        if bad:
+            raise BenchError(message)
+    prompt = prompt_tokens if isinstance(prompt_tokens, tuple) else parse_range(prompt_tokens, "--prompt-tokens")
+    output = output_tokens if isinstance(output_tokens, tuple) else parse_range(output_tokens, "--output-tokens")
+    if prompt[1] >= max_context:
+        raise BenchError(f"a prompt of {prompt[1]} tokens does not fit this artifact's max context ({max_context})")
+    if prompt[1] + output[1] > max_context:
+        raise BenchError(f"prompt ({prompt[1]}) + output ({output[1]}) tokens exceed this artifact's max context "
+                         f"({max_context})")
+    rng, total = np.random.default_rng([seed, 1]), requests + warmup
+    prompt_lengths, output_lengths = (rng.integers(low, high + 1, size=total) for low, high in (prompt, output))
+    ids = text_token_ids(encode, int(prompt_lengths.sum()), text)
+    cuts = np.concatenate([[0], np.cumsum(prompt_lengths)])
+    made = [Request(ids[cuts[i]:cuts[i + 1]], int(output_lengths[i])) for i in range(total)]
+    offsets = None
+    if arrival == "poisson":
+        gaps = np.random.default_rng([seed, 0]).exponential(1.0 / rate, size=requests)
+        offsets = np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist()
+    return Workload(made[warmup:], made[:warmup], arrival, concurrency, rate, seed, offsets)
+
+
+def aotlm_server(engine) -> Serve:
+    def serve(prompt_ids: list[int], output_tokens: int, arrival: float) -> RequestTrace:
+        return engine.generate(prompt_ids, max_new_tokens=output_tokens, stop_token_ids=(), arrival=arrival).timings.trace
+    return serve
+
+
+def run_workload(serve: Serve, workload: Workload, on_done: Callable[[], None] | None = None) -> list[RequestTrace]:
+    """Serve the warm-up requests one by one, then the workload through one worker thread; traces in request order."""
+    for request in workload.warmup:
+        serve(request.prompt_ids, request.output_tokens, time.perf_counter())
+        on_done and on_done()
+    requests, pending, done, stop = workload.requests, queue.Queue(), queue.Queue(), threading.Event()
+
+    def worker() -> None:
+        while (item := pending.get()) is not None and not stop.is_set():
+            index, arrival = item
+            try:
+                done.put((index, serve(requests[index].prompt_ids, requests[index].output_tokens, arrival)))
+            except BaseException as error:  # handed to the main thread, which raises it
+                done.put((index, error))
+
+    thread = threading.Thread(target=worker, name="bench-worker", daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    first = {"all": len(requests), "concurrency": workload.concurrency, "poisson": 0}[workload.arrival]
+    for index in range(first):  # these arrive together, at the start
+        pending.put((index, start))
+    traces: list[RequestTrace | None] = [None] * len(requests)
+    sent, completed = first, 0
+    try:
+        while completed < len(requests):
+            timeout = None
+            if workload.arrival == "poisson" and sent < len(requests):
+                due = start + workload.offsets[sent]
+                timeout = due - time.perf_counter()
+                if timeout <= 0:  # arrival = the scheduled time: a late main thread does not shorten queueing
+                    pending.put((sent, due))
+                    sent += 1
+                    continue
+            try:
+                index, result = done.get(timeout=timeout)
+            except queue.Empty:  # the next Poisson arrival is due
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            if result.output_tokens != requests[index].output_tokens:
+                raise BenchError(f"request {index} made {result.output_tokens} tokens, not the "
+                                 f"{requests[index].output_tokens} asked")
+            traces[index] = result
+            completed += 1
+            on_done and on_done()
+            if workload.arrival == "concurrency" and sent < len(requests):  # that client sends its next one
+                pending.put((sent, time.perf_counter()))
+                sent += 1
+    finally:
+        stop.set()
+        pending.put(None)
+        thread.join()
+    return traces
+
+
+def trace_record(trace: RequestTrace, t0: float) -> dict:
+    """A trace as JSON: timestamps in seconds since t0 (the run's first arrival), with its derived metrics."""
+    record = {k: (None if v is None else [t - t0 for t in v] if k == "token_times" else v - t0)
+              for k, v in asdict(trace).items() if k in ("arrival", "prefill_start", "prefill_end", "first_token",
+                                                          "finish", "token_times")}
+    return {"prompt_tokens": trace.prompt_tokens, "output_tokens": trace.output_tokens, **record,
+            "ttft_ms": 1e3 * trace.ttft, "tpot_ms": None if trace.tpot is None else 1e3 * trace.tpot,
+            "e2e_ms": 1e3 * trace.e2e, "queue_ms": 1e3 * trace.queue, "prefill_ms": 1e3 * trace.prefill_seconds}
+
+
+def report(settings: dict, runs: dict[str, list[RequestTrace]], slo: dict | None = None) -> dict:
+    """{settings, backends: {name: {summary, traces}}}; the first backend is the reference for ratios."""
+    backends = {}
+    for name, traces in runs.items():
+        t0 = min(t.arrival for t in traces)
+        backends[name] = {"summary": summarize(traces, slo=slo), "traces": [trace_record(t, t0) for t in traces]}
+    return {"settings": settings, "backends": backends}
+
+
+def compare_table(result: dict):
+    """One row per backend: TTFT, TPOT, E2E p50/p99 (ms), output tok/s, and ratios to the first backend's."""
+    from rich.table import Table
+
+    summaries = {name: entry["summary"] for name, entry in result["backends"].items()}
+    ref_name, ref = next(iter(summaries.items()))
+    table = Table(title=f"{ref['requests']} requests per backend: same prompt ids, output lengths and arrivals")
+    for column in ("backend", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "out tok/s",
+                   f"TTFT p50 / {ref_name}", f"TPOT p50 / {ref_name}", f"tok/s / {ref_name}"):
+        table.add_column(column, justify="left" if column == "backend" else "right")
+    for name, s in summaries.items():
+        cells = [s[f"{m}_ms"][stat] for m in ("ttft", "tpot", "e2e") for stat in ("median", "p99")]
+        ratios = [s[f"{m}_ms"]["median"] / ref[f"{m}_ms"]["median"] if s[f"{m}_ms"]["median"] and ref[f"{m}_ms"][
+            "median"] else None for m in ("ttft", "tpot")] + [s["output_tokens_per_s"] / ref["output_tokens_per_s"]]
+        table.add_row(name, *("-" if c is None else f"{c:.{2 if c < 10 else 1}f}" for c in cells), f"{s['output_tokens_per_s']:.1f}",
+                      *("-" if r is None else f"{r:.2f}x" for r in ratios))
+    table.caption = "latencies in ms (p50 = median); a ratio > 1 is slower for latencies, faster for tok/s"
+    return table
+
+
+def write_outputs(result: dict, out: Path) -> list[Path]:
+    """The JSON at `out`, then two PNGs beside it: <stem>-cdf.png (TTFT, TPOT) and <stem>-timeline.png."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        raise BenchError(f"wrote {out}; the plots need matplotlib: pip install 'aotlm[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = result["backends"]
+    cdf, timeline = out.with_name(f"{out.stem}-cdf.png"), out.with_name(f"{out.stem}-timeline.png")
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, metric in zip(axes, ("TTFT", "TPOT")):
+        for name, entry in backends.items():
+            values = np.sort([t[f"{metric.lower()}_ms"] for t in entry["traces"] if t[f"{metric.lower()}_ms"] is not None])
+            axis.step(values, np.arange(1, values.size + 1) / max(values.size, 1), where="post", label=name)
+        axis.set(xlabel=f"{metric} (ms)", ylabel="fraction of requests", ylim=(0, 1.02), title=f"{metric} CDF")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(cdf, dpi=110)
+    n = max(len(entry["traces"]) for entry in backends.values())
+    figure, axes = plt.subplots(len(backends), 1, squeeze=False, figsize=(11, len(backends) * (1.2 + 0.22 * min(n, 60))))
+    for axis, (name, entry) in zip(axes[:, 0], backends.items()):
+        marks = {key: np.array([t[key] for t in entry["traces"]]) for key in ("arrival", "prefill_start", "first_token")}
+        marks["last_token"] = np.array([t["token_times"][-1] for t in entry["traces"]])
+        for (start, end), color, label in ((("arrival", "prefill_start"), "lightgray", "queue"),
+                                           (("prefill_start", "first_token"), "tab:orange", "prefill"),
+                                           (("first_token", "last_token"), "tab:blue", "decode")):
+            axis.barh(np.arange(marks[start].size), marks[end] - marks[start], left=marks[start], height=0.8,
+                      color=color, label=label)
+        axis.set_ylim(marks["arrival"].size - 0.5, -0.5)  # request 0 on top
+        axis.set(title=name, xlabel="seconds since the first arrival", ylabel="request")
+        axis.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        axis.grid(axis="x", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(timeline, dpi=110)
+    plt.close("all")
+    return [out, cdf, timeline]
+
+
+# -- the graphs alone ---------------------------------------------------------------------------------------------
+def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], *, batch: int = 1, runs: int = 5,
+               steps: int = 32, warmup: int = 4, flops_for, peaks: dict) -> list[dict]:
+    """Prefill: median of `runs` runs (after one warm-up) per prompt length; achieved FLOP/s = flops_for(tokens) / s.
+    Decode: the cache filled with C real tokens by one prefill, `warmup` steps, then `steps` timed steps (graph +
+    greedy choice) per context C; achieved (manifest weight bytes + KV bytes/token x C x batch) / step, bytes/s.
+    `peaks`: this machine's {"flops": .., "bandwidth": ..}, measured by the caller."""
+    backend, limit, manifest = engine.backend, engine.max_context, engine.manifest
+    extra = 0 if phase == "prefill" else warmup + steps
+    for size in sizes:
+        if size < 1 or size + extra > limit or size > len(prompt_ids):
+            raise BenchError(f"{phase} size {size} (+{extra} steps) does not fit this artifact's max context ({limit})")
+    if batch < 1:
+        raise BenchError(f"--batch must be >= 1, got {batch}")
+    mask = np.ones((batch, limit), dtype=np.int64)
+
+    def run(graph: str, ids: np.ndarray, start: int) -> tuple[float, np.ndarray]:  # -> seconds, next tokens
+        positions = np.tile(np.arange(start, start + ids.shape[1], dtype=np.int64), (batch, 1))
+        started = time.perf_counter()
+        logits = backend.run(graph, ids, positions, mask[:, : start + ids.shape[1]])
+        tokens = logits.reshape(batch, -1, logits.shape[-1])[:, -1].argmax(-1)  # [batch, (seq,) vocab]
+        return time.perf_counter() - started, tokens.reshape(batch, 1).astype(np.int64)
+
+    rows = []
+    backend.allocate_cache(batch=batch)
+    try:
+        for size in sizes:
+            prompt = np.array([prompt_ids[:size]] * batch, dtype=np.int64)
+            if phase == "prefill":
+                times = [run("prefill", prompt, 0)[0] for _ in range(runs + 1)][1:]
+                seconds = float(np.median(times))
+                flops = flops_for(size) * batch / seconds
+                rows.append({"prompt_tokens": size, "batch": batch, "median_ms": 1e3 * seconds,
+                             "tokens_per_s": size * batch / seconds, "flops_per_s": flops,
+                             "fraction_of_peak": flops / peaks["flops"], "runs_ms": [1e3 * t for t in times]})
+                continue
+            _, tokens = run("prefill", prompt, 0)
+            times = []
+            for step in range(warmup + steps):
+                elapsed, tokens = run("decode", tokens, size + step)
+                times += [elapsed] if step >= warmup else []
+            seconds = float(np.median(times))
+            moved = manifest["backend"]["weights"]["bytes"] + manifest["kv_cache"]["bytes_per_token"] * size * batch
+            rows.append({"context": size, "batch": batch, "median_ms": 1e3 * seconds,
+                         "p90_ms": 1e3 * float(np.percentile(times, 90)), "tokens_per_s": batch / seconds,
+                         "bytes_per_step": moved, "bytes_per_s": moved / seconds,
+                         "fraction_of_peak": moved / seconds / peaks["bandwidth"], "steps_ms": [1e3 * t for t in times]})
+    finally:
+        backend.allocate_cache(batch=1)  # the engine's own requests run at batch 1
+    return rows
+
+
+def phase_table(phase: str, rows: list[dict], peaks: dict):
+    from rich.table import Table
+
+    prefill = phase == "prefill"
+    peak = f"{peaks['flops'] / 1e9:.1f} GFLOP/s" if prefill else f"{peaks['bandwidth'] / 1e9:.1f} GB/s"
+    table = Table(title=f"{phase}, batch {rows[0]['batch']}: achieved vs this machine's measured peak ({peak})")
+    columns = ([("prompt tokens", "prompt_tokens", 1, "d"), ("median ms", "median_ms", 1, ".1f"),
+                ("tok/s", "tokens_per_s", 1, ".0f"), ("GFLOP/s", "flops_per_s", 1e-9, ".1f")] if prefill else
+               [("context", "context", 1, "d"), ("median ms/step", "median_ms", 1, ".2f"), ("p90 ms", "p90_ms", 1, ".2f"),
+                ("tok/s", "tokens_per_s", 1, ".1f"), ("MB read/step", "bytes_per_step", 1e-6, ".0f"),
+                ("GB/s", "bytes_per_s", 1e-9, ".1f")]) + [("% of peak", "fraction_of_peak", 100, ".0f")]
+    for header, *_ in columns:
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(*(format(row[key] * scale if scale != 1 else row[key], spec) for _, key, scale, spec in columns))
+    table.caption = ("FLOPs = the projections' matmuls for every prompt token + the output projection for the last "
+                     "(as `aotlm plan` counts them; attention scores not counted)" if prefill else
+                     "bytes = manifest weights + KV bytes/token x context, per step (activations not counted)")
+    return table

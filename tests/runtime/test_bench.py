@@ -1,0 +1,179 @@
+"""runtime/bench.py and `aotlm bench` on the tiny artifact: workloads, the queue runner, outputs, bad input.
+
+Timings are never asserted, only their order and the structure they must have (one worker: no overlap).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from compiler import cli
+from runtime import bench
+from runtime.bench import BenchError, make_workload, run_workload
+
+
+@pytest.fixture(scope="module")
+def encode(tiny_artifact):
+    from runtime.tokenizer import TextTokenizer
+
+    return TextTokenizer(tiny_artifact / "tokenizer.json").encode
+
+
+def workload(encode, **settings):
+    return make_workload(encode, max_context=128, **{"requests": 6, "prompt_tokens": "8:24", "output_tokens": "5",
+                                                     **settings})
+
+
+def in_flight_at_arrivals(traces) -> list[int]:
+    """How many requests were in the system (arrived, not finished) when each request arrived, itself included."""
+    return [sum(o.arrival <= t.arrival < o.finish for o in traces) for t in traces]
+
+
+def test_poisson_arrivals_reproducible_with_mean_gap(encode):
+    first = workload(encode, requests=4000, arrival="poisson", rate=50.0, seed=7, prompt_tokens="2", output_tokens="1")
+    again = workload(encode, requests=4000, arrival="poisson", rate=50.0, seed=7, prompt_tokens="2", output_tokens="1")
+    other = workload(encode, requests=4000, arrival="poisson", rate=50.0, seed=8, prompt_tokens="2", output_tokens="1")
+    assert first.offsets == again.offsets and first.offsets != other.offsets
+    assert first.offsets[0] == 0.0 and np.all(np.diff(first.offsets) > 0)
+    assert np.mean(np.diff(first.offsets)) == pytest.approx(1 / 50.0, rel=0.1)
+
+
+def test_lengths_drawn_from_ranges_and_prompts_cut_from_text(encode):
+    w = workload(encode, requests=40, prompt_tokens="8:24", output_tokens="3:9", warmup=2, seed=1)
+    assert len(w.requests) == 40 and len(w.warmup) == 2
+    prompts = [len(r.prompt_ids) for r in w.requests]
+    outputs = [r.output_tokens for r in w.requests]
+    assert min(prompts) >= 8 and max(prompts) <= 24 and len(set(prompts)) > 3
+    assert min(outputs) >= 3 and max(outputs) <= 9 and len(set(outputs)) > 2
+    assert w.requests[0].prompt_ids != w.requests[1].prompt_ids  # consecutive cuts, not one prompt repeated
+    same = workload(encode, requests=40, prompt_tokens="8:24", output_tokens="3:9", warmup=2, seed=1)
+    assert [r.prompt_ids for r in same.requests] == [r.prompt_ids for r in w.requests]
+    text = workload(encode, requests=3, prompt_tokens="30", text="short text. ")  # repeated to reach the length
+    assert [len(r.prompt_ids) for r in text.requests] == [30, 30, 30]
+
+
+def test_closed_loop_one_worker_queues_and_exact_outputs(tiny_engine, encode):
+    concurrency = 3
+    w = workload(encode, requests=8, arrival="concurrency", concurrency=concurrency, output_tokens="4:8", warmup=1)
+    done = []
+    traces = run_workload(bench.aotlm_server(tiny_engine), w, on_done=lambda: done.append(1))
+    assert len(done) == 9  # warm-up included in the progress
+    assert [t.output_tokens for t in traces] == [r.output_tokens for r in w.requests]
+    assert [t.prompt_tokens for t in traces] == [len(r.prompt_ids) for r in w.requests]
+    assert max(in_flight_at_arrivals(traces)) <= concurrency
+    served = sorted(traces, key=lambda t: t.prefill_start)
+    assert all(b.prefill_start >= a.finish for a, b in zip(served, served[1:]))  # one at a time, never overlapping
+    assert all(t.queue > 0 for t in traces)
+    for t in traces[1:concurrency]:  # sent together with request 0: they waited for it, and TTFT shows it
+        assert t.arrival < traces[0].prefill_start and t.prefill_start >= traces[0].finish
+        assert t.ttft > t.first_token - t.prefill_start + (traces[0].finish - t.arrival) * 0.99
+
+
+def test_poisson_and_all_arrivals_run(tiny_engine, encode):
+    w = workload(encode, requests=5, arrival="poisson", rate=200.0, seed=2)
+    traces = run_workload(bench.aotlm_server(tiny_engine), w)
+    arrivals = np.array([t.arrival for t in traces])
+    assert np.allclose(arrivals - arrivals[0], w.offsets, atol=1e-9)  # arrival = the scheduled time
+    traces = run_workload(bench.aotlm_server(tiny_engine), workload(encode, requests=4, arrival="all"))
+    assert len({t.arrival for t in traces}) == 1  # all at once
+    assert in_flight_at_arrivals(traces)[-1] == 4  # all queued at once
+
+
+def test_engine_arrival_counts_queueing(tiny_engine):
+    arrival = time.perf_counter()
+    time.sleep(0.02)
+    trace = tiny_engine.generate([5, 6, 7], max_new_tokens=3, stop_token_ids=(), arrival=arrival).timings.trace
+    assert trace.arrival == arrival and trace.queue >= 0.02 and trace.ttft >= 0.02
+
+
+def test_report_json_and_plots(tiny_engine, encode, tmp_path):
+    pytest.importorskip("matplotlib")
+    w = workload(encode, requests=4, arrival="concurrency", concurrency=2)
+    runs = {"aotlm": run_workload(bench.aotlm_server(tiny_engine), w),
+            "again": run_workload(bench.aotlm_server(tiny_engine), w)}
+    result = bench.report({"x": 1, **w.settings()}, runs, slo={"ttft_ms": 1e6})
+    paths = bench.write_outputs(result, tmp_path / "out" / "bench.json")
+    assert [p.name for p in paths] == ["bench.json", "bench-cdf.png", "bench-timeline.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    saved = json.loads(paths[0].read_text())
+    assert saved["settings"]["requests"] == 4 and saved["settings"]["arrival"] == "concurrency"
+    entry = saved["backends"]["aotlm"]
+    assert entry["summary"]["requests"] == 4 and entry["summary"]["goodput"]["fraction"] == 1.0
+    assert len(entry["traces"]) == 4 and entry["traces"][0]["output_tokens"] == 5
+    assert len(entry["traces"][0]["token_times"]) == 5 and min(t["arrival"] for t in entry["traces"]) == 0.0
+    assert bench.compare_table(result).row_count == 2
+
+
+def test_time_phase(tiny_engine):
+    peaks = {"flops": 1e11, "bandwidth": 1e10}
+    rows = bench.time_phase(tiny_engine, "prefill", [8, 32], list(range(3, 40)), runs=2, flops_for=lambda tokens: 2e5 * tokens, peaks=peaks)
+    assert [r["prompt_tokens"] for r in rows] == [8, 32] and all(r["flops_per_s"] > 0 for r in rows)
+    rows = bench.time_phase(tiny_engine, "decode", [8, 40], list(range(3, 50)), batch=2, steps=4, flops_for=lambda tokens: 2e5 * tokens,
+                            peaks=peaks)
+    weights = tiny_engine.manifest["backend"]["weights"]["bytes"]
+    kv = tiny_engine.manifest["kv_cache"]["bytes_per_token"]
+    assert rows[1]["bytes_per_step"] == weights + kv * 40 * 2 and len(rows[1]["steps_ms"]) == 4
+    assert tiny_engine.generate([5, 6], max_new_tokens=2).token_ids  # the batch-1 cache is back
+    with pytest.raises(BenchError, match="max context"):
+        bench.time_phase(tiny_engine, "decode", [120], list(range(130)), flops_for=lambda tokens: 2.0 * tokens, peaks=peaks)
+
+
+def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", str(tiny_artifact), "--requests", "3", "--arrival", "poisson", "--rate", "500",
+                     "--prompt-tokens", "8:16", "--output-tokens", "4", "--slo-tpot-ms", "1000", "--out", str(out)]) == 0
+    assert out.is_file() and (tmp_path / "b-timeline.png").stat().st_size > 0
+    assert "goodput" in capsys.readouterr().err
+    import compiler.plan
+
+    monkeypatch.setattr(compiler.plan, "cpu_device", lambda: {"fp32": 1e11, "bandwidth": 1e10, "name": "fake"})
+    for phase, flag, sizes in (("prefill", "--prompt-lengths", "8,16"), ("decode", "--contexts", "8,16")):
+        path = tmp_path / f"{phase}.json"
+        assert cli.main(["bench", str(tiny_artifact), "--phase", phase, flag, sizes, "--steps", "4", "--runs", "2",
+                         "--out", str(path)]) == 0
+        assert len(json.loads(path.read_text())["rows"]) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arrival", "poisson", "--rate", "0"], "--rate must be > 0"),
+    (["--arrival", "poisson", "--rate", "-2"], "--rate must be > 0"),
+    (["--arrival", "poisson"], "needs --rate"),
+    (["--arrival", "concurrency", "--concurrency", "5", "--requests", "4"], "exceeds --requests 4"),
+    (["--arrival", "concurrency", "--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--baseline", "vllm"], "known baselines: transformers, onnxruntime-genai"),
+    (["--prompt-tokens", "128"], "max context (128)"),
+    (["--prompt-tokens", "64:200"], "max context (128)"),
+    (["--prompt-tokens", "100", "--output-tokens", "64"], "exceed this artifact's max context"),
+    (["--prompt-tokens", "abc"], "not a token count"),
+    (["--phase", "prefill", "--prompt-lengths", "128"], "max context (128)"),
+    (["--phase", "decode", "--baseline", "transformers"], "does not apply to --phase"),
+])
+def test_cli_bad_input_one_line_exit_2(tiny_artifact, capsys, args, message):
+    assert cli.main(["bench", str(tiny_artifact), *args]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines at the terminal width
+    assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_cli_not_an_artifact(tmp_path, capsys):
+    assert cli.main(["bench", str(tmp_path)]) == 2
+    assert "not an artifact" in capsys.readouterr().err
+
+
+def test_transformers_baseline_serves_same_workload(tiny_artifact, encode):
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(cli.__file__).resolve().parents[1] / "benchmarks"))
+    import baselines
+    from rich.console import Console
+
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    serve = baselines.load("transformers", manifest, threads=1, console=Console(quiet=True))
+    w = workload(encode, requests=3, arrival="concurrency", concurrency=2, output_tokens="6")
+    traces = run_workload(serve, w)
+    assert [t.output_tokens for t in traces] == [6, 6, 6] and all(t.queue >= 0 for t in traces)
