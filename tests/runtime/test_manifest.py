@@ -65,5 +65,9 @@ def test_manifest_describes_the_artifact(tiny_artifact):
     assert aliases["present.1.value"] == "past_key_values.1.value" and len(aliases) == 4
     decode_inputs = {i["name"]: i for i in manifest["engines"]["decode"]["inputs"]}
     assert decode_inputs["past_key_values.0.key"]["kv_cache"] and decode_inputs["past_key_values.0.key"]["shape"][2] == 128
-    assert [r["name"] for r in manifest["passes"]] == ["cleanup", "cleanup"]
+    recipe_passes = [next(iter(entry)) for entry in manifest["recipe"]["passes"]]
+    assert [(r["name"], r["phase"]) for r in manifest["passes"]] == [
+        (name, phase) for name in recipe_passes for phase in ("prefill", "decode")]
+    fusion = next(r for r in manifest["passes"] if r["name"] == "fuse_attention")
+    assert fusion["report"]["fused"] == 2 and all(layer["fused"] for layer in fusion["report"]["layers"])
     assert set(manifest["files"]) == {"prefill.onnx", "decode.onnx", "weights.bin", "tokenizer.json"}
