@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_rotary, lower_onnx_attention, lower_onnxruntime,
-                    pack_projections)
+from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_rotary, fuse_silu, lower_onnx_attention,
+                    lower_onnxruntime, pack_projections)
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ PASSES: dict[str, PassEntry] = {
                                 "each attention block -> one aotlm.FlashAttention node (rotary and KV-cache writes inside)"),
     "fuse_rotary": PassEntry(fuse_rotary.run, fuse_rotary.Options,
                              "each rotary-embedding subgraph (unfused attention) -> ONNX RotaryEmbedding-23"),
+    "fuse_silu": PassEntry(fuse_silu.run, fuse_silu.Options, "x * Sigmoid(x) -> com.microsoft.QuickGelu (alpha 1)"),
     "lower_onnx_attention": PassEntry(lower_onnx_attention.run, lower_onnx_attention.Options,
                                       "aotlm.FlashAttention -> standard ONNX Attention-23 + RotaryEmbedding (portable)"),
     "lower_onnxruntime": PassEntry(lower_onnxruntime.run, lower_onnxruntime.Options,

@@ -10,7 +10,7 @@ import pytest
 from compiler.errors import RecipeError
 from compiler.frontend.config import DecoderConfig
 from compiler.recipe import BackendSpec, ExportSpec, PassSpec, Recipe, load_recipe, parse_recipe
-from passes import cleanup, fuse_attention, fuse_rms_norm, lower_onnxruntime
+from passes import cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnxruntime
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,8 @@ def test_smollm2_recipe():
     assert r.passes == (PassSpec("cleanup", cleanup.Options()),
                         PassSpec("fuse_attention", fuse_attention.Options(required=True)),
                         PassSpec("lower_onnxruntime", lower_onnxruntime.Options()),
-                        PassSpec("fuse_rms_norm", fuse_rms_norm.Options()))
+                        PassSpec("fuse_rms_norm", fuse_rms_norm.Options()),
+                        PassSpec("fuse_silu", fuse_silu.Options()))
     assert r.backend == BackendSpec(name="onnxruntime", intra_op_threads=0, graph_optimization_level="all")
 
 
@@ -56,7 +57,8 @@ def test_tiny_random_recipe():
                                            tie_word_embeddings=False, max_position_embeddings=256,
                                            bos_token_id=1, eos_token_ids=(2,))
     assert r.export.max_context == 128
-    assert [p.name for p in r.passes] == ["cleanup", "fuse_attention", "lower_onnxruntime", "fuse_rms_norm"]
+    assert [p.name for p in r.passes] == ["cleanup", "fuse_attention", "lower_onnxruntime", "fuse_rms_norm",
+                                            "fuse_silu"]
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random"])

@@ -1,0 +1,38 @@
+"""fuse_silu: each MLP's SiLU becomes one QuickGelu, and the graphs compute the same."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from passes import fuse_silu
+from tests.passes.test_fuse_attention import CONFIG, decoder_graphs, generate_logits, op_counts  # noqa: F401
+
+
+def test_every_silu_fuses_and_outputs_are_unchanged(decoder_graphs):  # noqa: F811
+    fused = {}
+    for phase, model in decoder_graphs.items():
+        fused[phase], report = fuse_silu.run(model, fuse_silu.Options())
+        assert report["fused"] == CONFIG.num_layers and not report["skipped"]
+        counts = op_counts(fused[phase])
+        assert counts["QuickGelu"] == CONFIG.num_layers and counts["Sigmoid"] == 0
+        assert len(fused[phase].graph.node) == len(model.graph.node) - CONFIG.num_layers
+    for reference, result in zip(generate_logits(decoder_graphs), generate_logits(fused)):
+        np.testing.assert_allclose(result, reference, atol=1e-5)
+
+
+def test_a_sigmoid_that_is_not_silu_is_left_with_a_reason():
+    nodes = [onnx.helper.make_node("Sigmoid", ["x"], ["s"], name="gate"), onnx.helper.make_node("Mul", ["s", "y"], ["z"])]
+    tensor = lambda name: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2])  # noqa: E731
+    graph = onnx.helper.make_graph(nodes, "g", [tensor("x"), tensor("y")], [tensor("z")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    result, report = fuse_silu.run(model, fuse_silu.Options())
+    assert report["fused"] == 0 and report["skipped"] == [
+        {"node": "gate", "reason": "the Mul does not multiply the Sigmoid's own input"}]
+    assert [n.op_type for n in result.graph.node] == ["Sigmoid", "Mul"]
+
+
+@pytest.mark.parametrize("limit", [1])
+def test_max_rewrites(decoder_graphs, limit):  # noqa: F811
+    _, report = fuse_silu.run(decoder_graphs["decode"], fuse_silu.Options(max_rewrites=limit))
+    assert report["fused"] == limit and report["skipped"][0]["reason"] == f"max_rewrites={limit}"
