@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,7 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
+from compiler.artifact import tool_versions  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 WARMUP_RUNS = 1
 AGREE_TOKENS = 32  # greedy tokens every backend must share
@@ -239,13 +239,7 @@ def machine_info() -> dict:
 
 
 def versions() -> dict:
-    found = {}
-    for name in TOOLS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    return tool_versions(TOOLS)
 
 
 def main(argv: list[str] | None = None) -> dict:

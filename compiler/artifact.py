@@ -20,9 +20,10 @@ from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, sha256_file
 TRACKED_TOOLS = ("aotlm", "torch", "onnx", "onnxscript", "onnx-graphsurgeon", "onnxruntime", "gguf", "tokenizers")
 
 
-def tool_versions() -> dict:
+def tool_versions(names=TRACKED_TOOLS) -> dict:
+    """Python's version and each named distribution's (None when it is not installed)."""
     versions = {"python": platform.python_version()}
-    for name in TRACKED_TOOLS:
+    for name in names:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
