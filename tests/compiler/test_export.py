@@ -69,5 +69,18 @@ def test_batch_with_different_lengths_then_chunked_decode(exported):
         positions = np.array([[len(r) + i for i in range(len(c))] for r, c in zip(rows, chunk)])
         rows = [r + c for r, c in zip(rows, chunk)]
         total = max(map(len, rows))
-        logits, caches = run(sessions["decode"], caches, np.array(chunk), positions, np.ones((2, total), np.int64))
+        mask = np.array([[1] * len(r) + [0] * (total - len(r)) for r in rows])  # each row's own valid prefix
+        logits, caches = run(sessions["decode"], caches, np.array(chunk), positions, mask)
         np.testing.assert_allclose(logits[:, -1], recompute(decoder, rows), atol=1e-5)
+
+
+def test_prefill_can_return_logits_for_every_position():
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=3).state_dict)
+    prefill = export_graphs(decoder, MAX_CONTEXT, prefill_logits="all")["prefill"]
+    session = ort.InferenceSession(prefill.SerializeToString(), providers=["CPUExecutionProvider"])
+    tokens = [1, 5, 9, 14, 200]
+    caches = [np.zeros((1, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float32)] * (2 * CONFIG.num_layers)
+    logits, _ = run(session, caches, np.array([tokens]), np.arange(5)[None], np.ones((1, 5), np.int64))
+    assert logits.shape == (1, 5, CONFIG.vocab_size)
+    expected = np.concatenate([recompute(decoder, [tokens[: i + 1]]) for i in range(5)])
+    np.testing.assert_allclose(logits[0], expected, atol=1e-5)
