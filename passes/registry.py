@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_rotary, fuse_silu, lower_onnx_attention,
-                    lower_onnxruntime, pack_projections)
+                    lower_onnxruntime, pack_projections, quantize)
 
 
 @dataclass(frozen=True)
@@ -34,4 +34,6 @@ PASSES: dict[str, PassEntry] = {
                                   "sibling MatMuls on one activation (q/k/v, gate/up) -> one MatMul + Split"),
     "fuse_rms_norm": PassEntry(fuse_rms_norm.run, fuse_rms_norm.Options,
                                "RMSNorm (+ residual Add) -> onnxruntime's (Skip)SimplifiedLayerNormalization"),
+    "quantize": PassEntry(quantize.run, quantize.Options,
+                          "MatMul with a constant weight -> com.microsoft.MatMulNBits (RTN, INT4 blocked / INT8 per channel)"),
 }

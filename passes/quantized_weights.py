@@ -1,0 +1,104 @@
+"""The compiler's one representation of a weight-only quantized matrix, its round-to-nearest quantizer, its
+numpy dequantization (the reference every lowering is checked against), and its packing for onnxruntime's
+`com.microsoft.MatMulNBits`.
+
+A float weight W is [K, N] (MatMul's B: K is the reduction axis). The codes are stored transposed, [N, K], the
+way MatMulNBits and DequantizeLinear-per-channel both read them: one row per output channel, blocks along K.
+
+    W[k, n] ~= (codes[n, k] - zero_point[n, k // block_size]) * scale[n, k // block_size]
+
+When `zero_points` is None the zero point is the format's midpoint, 2**(bits-1) (8 for INT4, 128 for INT8),
+which is also MatMulNBits' default when its zero_points input is absent, so symmetric weights need no tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    codes: np.ndarray               # uint8 [N, K], unpacked unsigned codes in [0, 2**bits)
+    scales: np.ndarray              # float32 [N, blocks]
+    zero_points: np.ndarray | None  # uint8 [N, blocks], or None for the midpoint 2**(bits-1)
+    bits: int
+    block_size: int
+    k: int
+    n: int
+
+    @property
+    def blocks(self) -> int:
+        return self.k // self.block_size
+
+    def zero_points_or_midpoint(self) -> np.ndarray:
+        if self.zero_points is not None:
+            return self.zero_points
+        return np.full((self.n, self.blocks), 1 << (self.bits - 1), np.uint8)
+
+
+def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool) -> QuantizedWeight:
+    """Round-to-nearest quantization of a [K, N] float weight, blocks of `block_size` along K.
+
+    Symmetric: scale = max|w| / (2**(bits-1) - 1), codes offset by the midpoint (no zero-point tensor); the
+    most negative code (0) is unused so that +max and -max are both exact. Asymmetric: the block's range,
+    widened to include 0 so that 0 stays exact, over 2**bits - 1 steps, with a rounded integer zero point.
+    Either way every element is within scale/2 of its dequantized value. INT8 per channel is block_size = K.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits}: only 4 and 8 are supported")
+    k, n = weight.shape
+    if k % block_size:
+        raise ValueError(f"K={k} not divisible by block_size={block_size}")
+    blocks = k // block_size
+    # [K, N] -> [N, blocks, block_size]: one row per output channel, split into blocks along K.
+    blocked = weight.astype(np.float32).T.reshape(n, blocks, block_size)
+    levels = (1 << bits) - 1
+    if symmetric:
+        midpoint = 1 << (bits - 1)
+        scales = np.abs(blocked).max(axis=2) / (midpoint - 1)
+        scales = np.where(scales == 0, 1.0, scales).astype(np.float32)  # an all-zero block: any scale is exact
+        codes = np.clip(np.rint(blocked / scales[..., None]) + midpoint, 0, levels)
+        zero_points = None
+    else:
+        low, high = np.minimum(blocked.min(axis=2), 0), np.maximum(blocked.max(axis=2), 0)
+        scales = (high - low) / levels
+        scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
+        zero_points = np.clip(np.rint(-low / scales), 0, levels)
+        codes = np.clip(np.rint(blocked / scales[..., None] + zero_points[..., None]), 0, levels)
+        zero_points = zero_points.astype(np.uint8)
+    return QuantizedWeight(codes.reshape(n, k).astype(np.uint8), scales, zero_points, bits, block_size, k, n)
+
+
+def dequantize(qw: QuantizedWeight) -> np.ndarray:
+    """The numpy reference: back to a [K, N] float32 weight."""
+    codes = qw.codes.reshape(qw.n, qw.blocks, qw.block_size).astype(np.float32)
+    zero_points = qw.zero_points_or_midpoint().astype(np.float32)
+    blocked = (codes - zero_points[..., None]) * qw.scales[..., None]
+    return blocked.reshape(qw.n, qw.k).T.copy()
+
+
+def pack_low_first(values: np.ndarray, bits: int) -> np.ndarray:
+    """Pack uint8 values along the last axis, 8/bits per byte, the first value in the lowest bits."""
+    if bits == 8:
+        return values.astype(np.uint8)
+    per_byte = 8 // bits
+    padding = -values.shape[-1] % per_byte  # a ragged tail (zero points of an odd block count) packs with 0s
+    values = np.pad(values.astype(np.uint8), [(0, 0)] * (values.ndim - 1) + [(0, padding)])
+    grouped = values.reshape(*values.shape[:-1], -1, per_byte)
+    packed = np.zeros(grouped.shape[:-1], np.uint8)
+    for position in range(per_byte):
+        packed |= grouped[..., position] << (bits * position)
+    return packed
+
+
+def pack_matmulnbits(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """MatMulNBits' B, scales and zero_points inputs.
+
+    B: uint8 [N, blocks, block_size * bits / 8], codes low-first along K (INT4: element 2i in the low nibble).
+    scales: [N, blocks] (the op also accepts the same values flattened to [N * blocks]).
+    zero_points: uint8 [N, ceil(blocks * bits / 8)], packed low-first per row of N like B, or None.
+    """
+    blob = pack_low_first(qw.codes.reshape(qw.n, qw.blocks, qw.block_size), qw.bits)
+    zero_points = None if qw.zero_points is None else pack_low_first(qw.zero_points, qw.bits)
+    return blob, qw.scales, zero_points

@@ -1,0 +1,158 @@
+"""quantize: RTN weight-only quantization, its numpy reference, and its MatMulNBits lowering in onnxruntime.
+
+Needs onnxruntime (CPU) only. The onnxruntime checks compare with `X @ dequantize(qw)`, the numpy reference of
+the same quantized weights, so they test the packing and the op's reading of it, not the rounding.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from passes import quantize
+from passes.errors import PassError
+from passes.quantized_weights import dequantize, pack_matmulnbits, quantize_rtn
+from tests.passes.test_fuse_attention import CONFIG, decoder_graphs, generate_logits, op_counts  # noqa: F401
+
+FORMATS = {  # name: (bits, block_size or None for per channel, symmetric)
+    "int8_per_channel": (8, None, True),
+    "int4_block32_sym": (4, 32, True),
+    "int4_block32_asym": (4, 32, False),
+}
+
+
+def random_weight(k=64, n=48, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((k, n)).astype(np.float32)
+    weight[:, 0] += 3.0  # a column that is all positive: asymmetric ranges must still include 0
+    weight[:32, 1] = 0.0  # an all-zero block
+    return weight
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_dequantized_weights_are_within_half_a_step(name):
+    bits, block_size, symmetric = FORMATS[name]
+    weight = random_weight()
+    qw = quantize_rtn(weight, bits, block_size or weight.shape[0], symmetric)
+    assert qw.codes.shape == (48, 64) and qw.codes.dtype == np.uint8 and qw.codes.max() < 2 ** bits
+    assert qw.scales.shape == (48, 64 // qw.block_size)
+    assert (qw.zero_points is None) == symmetric
+    step = np.repeat(qw.scales, qw.block_size, axis=1).T  # [K, N], each element's own scale
+    error = np.abs(weight - dequantize(qw))
+    print(f"{name}: max abs weight error {error.max():.3g}")
+    assert np.all(error <= step / 2 + 1e-6)
+    assert np.all(dequantize(qw)[:32, 1] == 0)
+
+
+def test_int4_packing_is_low_nibble_first_and_zero_points_packed_per_row():
+    weight = random_weight(k=96)  # 3 blocks of 32: an odd count, so each row's zero points end in a half byte
+    qw = quantize_rtn(weight, 4, 32, symmetric=False)
+    blob, scales, zero_points = pack_matmulnbits(qw)
+    assert blob.shape == (48, 3, 16) and scales.shape == (48, 3) and zero_points.shape == (48, 2)
+    assert blob[5, 1, 2] == qw.codes[5, 32 + 4] | (qw.codes[5, 32 + 5] << 4)
+    assert zero_points[5, 0] == qw.zero_points[5, 0] | (qw.zero_points[5, 1] << 4)
+    assert zero_points[5, 1] == qw.zero_points[5, 2]
+
+
+def matmul_model(weight: np.ndarray) -> onnx.ModelProto:
+    k, n = weight.shape
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["X", "W"], ["Y"], name="proj")], "tiny",
+        [onnx.helper.make_tensor_value_info("X", onnx.TensorProto.FLOAT, [2, 3, k])],
+        [onnx.helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, [2, 3, n])],
+        initializer=[onnx.numpy_helper.from_array(weight, "W")])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+
+
+def run_onnxruntime(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"X": x})[0]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_matmulnbits_in_onnxruntime_matches_the_numpy_reference(name):
+    bits, block_size, symmetric = FORMATS[name]
+    weight = random_weight()
+    options = quantize.Options(bits=bits, block_size=block_size or 32, symmetric=symmetric)
+    quantized, report = quantize.run(matmul_model(weight), options)
+    assert [n.op_type for n in quantized.graph.node] == ["MatMulNBits"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in quantized.graph.node[0].attribute}
+    assert attrs == {"K": 64, "N": 48, "bits": bits, "block_size": block_size or 64}
+    qw = quantize_rtn(weight, bits, block_size or 64, symmetric)
+    x = np.random.default_rng(1).standard_normal((2, 3, 64)).astype(np.float32)
+    difference = np.abs(run_onnxruntime(quantized, x) - x @ dequantize(qw)).max()
+    print(f"{name}: onnxruntime vs numpy reference max abs diff {difference:.3g}")
+    assert difference <= 1e-4
+    (layer,) = report["layers"]
+    assert layer["node"] == "proj" and layer["bits"] == bits and layer["bytes_before"] == 64 * 48 * 4
+    assert layer["max_abs_weight_error"] == pytest.approx(np.abs(weight - dequantize(qw)).max())
+    packed_codes = 64 * 48 * bits // 8
+    assert layer["bytes_after"] == packed_codes + qw.scales.nbytes + (0 if symmetric else 48 * 2 // 2)
+    assert report["totals"] == {"weight_bytes_before": 64 * 48 * 4, "weight_bytes_after": layer["bytes_after"],
+                                "quantized": 1, "skipped": 0}
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LM_HEAD = "/decoder/MatMul"  # this export spells lm_head as a MatMul on a transposed copy of the embedding
+
+
+def test_int8_decoder_keeps_logits_close_and_every_projection_becomes_matmulnbits(decoder_graphs):  # noqa: F811
+    quantized = {}
+    for phase, model in decoder_graphs.items():
+        quantized[phase], report = quantize.run(model, quantize.Options(bits=8, exclude=(LM_HEAD,)))
+        counts = op_counts(quantized[phase])
+        assert counts["MatMulNBits"] == CONFIG.num_layers * len(PROJECTIONS)
+        # Left as MatMul: attention's two activation x activation products per layer, and the excluded lm_head.
+        assert counts["MatMul"] == 2 * CONFIG.num_layers + 1
+        names = sorted(layer["node"].split("/")[-2] for layer in report["layers"])
+        assert names == sorted(PROJECTIONS * CONFIG.num_layers)
+        assert {s["reason"] for s in report["skipped"]} == {"B is not a constant weight", f"excluded by pattern {LM_HEAD!r}"}
+        totals = report["totals"]
+        assert totals["quantized"] == 14 and totals["weight_bytes_after"] < totals["weight_bytes_before"] / 3.5
+    worst = 0.0
+    for reference, result in zip(generate_logits(decoder_graphs), generate_logits(quantized)):
+        worst = max(worst, float(np.abs(result - reference).max()))
+    print(f"int8 decoder: max abs logit/cache diff vs float {worst:.3g}")
+    # Per-channel INT8 moves each weight by at most max|w|/254 (0.4% of the row's range); through two random
+    # layers that is ~1e-3 relative on O(1) logits. 2e-2 leaves room for the rounding across layers while a
+    # packing or scale mistake (wrong nibble, wrong channel) moves logits by O(1).
+    assert worst < 2e-2
+
+
+def test_whole_decoder_with_lm_head_quantizes_fifteen_matmuls(decoder_graphs):  # noqa: F811
+    quantized, report = quantize.run(decoder_graphs["decode"], quantize.Options(bits=4, block_size=32))
+    assert op_counts(quantized)["MatMulNBits"] == CONFIG.num_layers * len(PROJECTIONS) + 1
+    assert report["layers"][-1]["node"] == LM_HEAD
+
+
+@pytest.mark.parametrize("bits", [3, 16])
+def test_unsupported_bits_is_an_error(bits):
+    with pytest.raises(PassError, match=f"bits={bits} is not supported"):
+        quantize.run(matmul_model(random_weight()), quantize.Options(bits=bits))
+
+
+def test_other_methods_are_not_implemented():
+    with pytest.raises(PassError, match="method 'gptq' not implemented yet"):
+        quantize.run(matmul_model(random_weight()), quantize.Options(method="gptq"))
+
+
+def test_a_block_size_that_does_not_divide_k_is_skipped_with_a_reason():
+    quantized, report = quantize.run(matmul_model(random_weight(k=80)), quantize.Options(bits=4, block_size=32))
+    assert [n.op_type for n in quantized.graph.node] == ["MatMul"]
+    assert report["skipped"] == [{"node": "proj", "reason":
+                                  "K=80 not divisible by block_size=32; choose a block size that divides it"}]
+    assert report["totals"]["quantized"] == 0 and report["totals"]["skipped"] == 1
+
+
+def test_an_exclude_pattern_that_matches_nothing_is_an_error():
+    with pytest.raises(PassError, match=re.escape("['*lm_head*'] match no MatMul")):
+        quantize.run(matmul_model(random_weight()), quantize.Options(exclude=("proj", "*lm_head*")))
+
+
+def test_exclude_by_weight_name():
+    quantized, report = quantize.run(matmul_model(random_weight()), quantize.Options(exclude=("W",)))
+    assert [n.op_type for n in quantized.graph.node] == ["MatMul"]
+    assert report["skipped"] == [{"node": "proj", "reason": "excluded by pattern 'W'"}]
