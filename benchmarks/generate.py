@@ -299,11 +299,16 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_token_ids": prompt_ids, "results": results,
         "agreement": {"tokens_compared": AGREE_TOKENS, "all_agree": same, "backends": agree},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "generate.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    console.print(f"wrote {write_result('generate.json', report)}")
     return report
+
+
+def write_result(name: str, report: dict) -> Path:
+    """benchmarks/results/<name> (git-ignored), pretty JSON."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
 
 
 if __name__ == "__main__":

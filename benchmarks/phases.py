@@ -42,7 +42,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
-from generate import REPO, RESULTS, Genai, machine_info, prepare_folders, prompt_token_ids, versions  # noqa: E402
+from generate import (REPO, Genai, machine_info, prepare_folders, prompt_token_ids, versions,  # noqa: E402
+                      write_result)
 
 WARMUP_STEPS = 4
 PREFILL_WARMUPS = 1
@@ -353,10 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prefill": {name: {str(k): v for k, v in by.items()} for name, by in summary["prefill"].items()},
         "decode_growth": lines[0], "contention": contention,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "phases.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    console.print(f"wrote {write_result('phases.json', report)}")
     return report
 
 
