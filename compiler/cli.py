@@ -30,6 +30,12 @@ def _build(args) -> None:
 
     with console.status(f"building {recipe.name}"):
         path = build(recipe, args.output, progress=progress)
+    from compiler.pipeline import PassResult, format_reports
+    from runtime.manifest import read_manifest
+
+    passes = [PassResult(**result) for result in read_manifest(path)["passes"]]
+    if passes:
+        console.print(format_reports(passes), highlight=False)
     console.print(f"[green]built[/green] {path} in {time.perf_counter() - started:.1f} s")
 
 
