@@ -1,149 +1,408 @@
-"""Weight-only quantization of MatMuls with a constant float weight, lowered to `com.microsoft.MatMulNBits`.
+"""Weight-only quantization of every MatMul (and tied lm_head Gemm) with a constant float weight.
 
-    A ---> MatMul ---> Y              A ---> MatMulNBits(K, N, bits, block_size, accuracy_level) ---> Y
-    W [K, N] --^               =>     B_packed [N, blocks, blob], scales [N, blocks] (, zero_points) --^
+    A ---> MatMul ---> Y        =>   A ---> MatMulNBits ---> Y                      (lowering: matmulnbits)
+    W [K, N] --^                     A ---> MatMul <--- DequantizeLinear(codes, scales)  (lowering: dequantize_linear)
 
-The weight goes through the one internal representation (`passes.quantized_weights.QuantizedWeight`), so the
-report's error is measured against the same numpy dequantization that the tests compare onnxruntime with.
-INT4 uses blocks of `block_size` along K; INT8 is per output channel (one block of size K). A K the block
-size does not divide is skipped with a reason, never padded. Activation x activation MatMuls (attention
-scores) have no constant weight and are skipped with a reason too.
+Methods (settings per layer: the pass's options, then the first `overrides` entry whose pattern matches):
+  rtn   round to nearest, no data;
+  awq   per-input-channel scales searched on calibration statistics (passes/quantize_algorithms.py), the 1/s
+        folded into the op before the MatMuls that share the input (passes/awq_fold.py);
+  gptq  rounding with error compensation from the calibration Hessian E[x xᵀ].
+Every weight goes through the one representation (`passes.quantized_weights.QuantizedWeight`) and is then
+lowered per backend: `com.microsoft.MatMulNBits` for onnxruntime, `DequantizeLinear` feeding MatMul for
+TensorRT and plain ONNX (passes/quantized_lowering_*.py). INT4 uses blocks of `block_size` along K; INT8 is
+per output channel. A K the block size does not divide is skipped with that reason, never padded.
+
+The embedding table (a Gather on a constant) stays float unless `embedding: quantized`; onnxruntime then
+reads it through `com.microsoft.GatherBlockQuantized`, sharing the tied lm_head's codes when the model ties
+them (so the table is stored once, in 4 or 8 bits). The DequantizeLinear lowering keeps the table float.
+
+With calibration (method awq or gptq, or any method when a CalibrationSet is given) the report carries each
+layer's relative output error on the calibration data, E||x ΔW||² / E||x W||², computed from E[x xᵀ].
 """
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from passes.awq_fold import apply_input_scales
+from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics
 from passes.errors import PassError
-from passes.quantized_weights import QuantizedWeight, dequantize, pack_matmulnbits, quantize_rtn
+from passes.quantize_algorithms import awq_search, quantize_gptq, relative_output_error
+from passes.quantized_lowering_dq import rewrite_dequantize_linear
+from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, matmulnbits_constants, rewrite_gather_block_quantized,
+                                           rewrite_matmulnbits)
+from passes.quantized_weights import QuantizedWeight, dequantize, quantize_rtn
 
-MICROSOFT_DOMAIN = "com.microsoft"
 FLOAT_TYPES = (np.float32, np.float16)
+Method = Literal["rtn", "awq", "gptq"]
+
+
+@dataclass(frozen=True)
+class Override:
+    """Settings for the MatMuls whose node or weight name matches `pattern` (fnmatch); unset keys inherit."""
+    pattern: str
+    bits: Literal[4, 8] | None = None
+    block_size: int | None = None
+    symmetric: bool | None = None
+    method: Method | None = None
+    skip: bool = False  # keep these layers float
 
 
 @dataclass(frozen=True)
 class Options:
-    bits: int = 4
+    bits: Literal[4, 8] = 4
     block_size: int = 32        # INT4 only; INT8 is per channel
     symmetric: bool = True      # INT4 only; INT8 is always symmetric
-    method: str = "rtn"
+    method: Method = "rtn"
+    calibration: CalibrationSpec | None = None  # needed by awq and gptq; the build resolves it into tokens
+    overrides: tuple[Override, ...] = ()
     exclude: tuple[str, ...] = ()  # fnmatch patterns on the MatMul's node name or its weight's name
+    embedding: Literal["float", "quantized"] = "float"
+    lowering: Literal["matmulnbits", "dequantize_linear"] = "matmulnbits"
     accuracy_level: int = 0     # MatMulNBits' minimum compute precision (0 = unset, 4 = int8 activations)
     max_rewrites: int | None = None
 
 
+@dataclass(frozen=True)
+class Settings:
+    bits: int
+    block_size: int
+    symmetric: bool
+    method: str
+
+
 @dataclass
-class Match:
-    matmul: gs.Node
-    weight: gs.Constant
+class Target:
+    """One quantizable node: a MatMul, or a Gemm(A, B, transB=1) that is a (tied) lm_head."""
+    node: gs.Node
+    constant: gs.Constant
+    settings: Settings
+    input_name: str = ""  # the activation as calibrated, before any AWQ Mul is inserted in front of the node
+    note: str = ""
+    input_scales: np.ndarray | None = None  # AWQ's s: the node reads x / s and quantizes diag(s) W
+    scaling: str = ""
+
+    @property
+    def activation(self) -> gs.Variable:
+        return self.node.inputs[0]
+
+    @property
+    def weight(self) -> np.ndarray:
+        """[K, N], as MatMul's B."""
+        values = self.constant.values
+        return values.T if self.node.op == "Gemm" else values
+
+
+# -- options and settings ---------------------------------------------------------------------------------
+def check_settings(settings: Settings | Options, where: str = "quantize") -> None:
+    if settings.bits not in (4, 8):
+        raise PassError(f"{where}: bits={settings.bits} is not supported; choose 4 (blocked) or 8 (per channel)")
+    size = settings.block_size
+    if settings.bits == 4 and (size < 16 or size & (size - 1)):
+        raise PassError(f"{where}: block_size={size}: MatMulNBits needs a power of two >= 16 (e.g. 32, 64, 128)")
 
 
 def check_options(options: Options) -> None:
-    if options.bits not in (4, 8):
-        raise PassError(f"quantize: bits={options.bits} is not supported; choose 4 (blocked) or 8 (per channel)")
-    if options.method != "rtn":
-        raise PassError(f"quantize: method {options.method!r} not implemented yet (rtn only)")
-    size = options.block_size
-    if options.bits == 4 and (size < 16 or size & (size - 1)):
-        raise PassError(f"quantize: block_size={size}: MatMulNBits needs a power of two >= 16 (e.g. 32, 64, 128)")
+    check_settings(options)
+    for index, override in enumerate(options.overrides):
+        merged = settings_with(base_settings(options), override)
+        check_settings(merged, f"quantize: overrides[{index}] ({override.pattern!r})")
 
 
-def block_size_for(options: Options, k: int) -> int:
-    return k if options.bits == 8 else options.block_size
+def base_settings(options: Options) -> Settings:
+    return Settings(options.bits, options.block_size, options.symmetric or options.bits == 8, options.method)
 
 
-def match(matmul: gs.Node, options: Options) -> Match | str:
-    """A Match, or the reason this MatMul is not quantized."""
-    weight = matmul.inputs[1]
+def settings_with(settings: Settings, override: Override) -> Settings:
+    changes = {name: getattr(override, name) for name in ("bits", "block_size", "symmetric", "method")
+               if getattr(override, name) is not None}
+    merged = replace(settings, **changes)
+    return replace(merged, symmetric=merged.symmetric or merged.bits == 8)  # INT8 is symmetric per channel
+
+
+def block_size_for(settings: Settings, k: int) -> int:
+    return k if settings.bits == 8 else settings.block_size
+
+
+def names_of(node: gs.Node) -> tuple[str, ...]:
+    return (node.name, node.inputs[1].name) if len(node.inputs) > 1 else (node.name,)
+
+
+def matches(pattern: str, node: gs.Node) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for name in names_of(node))
+
+
+def check_patterns(candidates: list[gs.Node], options: Options) -> None:
+    """A pattern that matches nothing is a typo or a stale recipe; silently applying the defaults would hide it."""
+    patterns = [("exclude", p) for p in options.exclude] + [("overrides", o.pattern) for o in options.overrides]
+    unmatched = [f"{kind} {p!r}" for kind, p in patterns if not any(matches(p, n) for n in candidates)]
+    if unmatched:
+        example = f"; names look like {candidates[0].name!r}" if candidates else "; the graph has no MatMul"
+        raise PassError(f"quantize: pattern(s) {', '.join(unmatched)} match no MatMul node or weight name{example}")
+
+
+# -- finding targets ---------------------------------------------------------------------------------------
+def weight_of(node: gs.Node) -> gs.Constant | str:
+    """The node's constant float weight, or why it has none usable."""
+    if node.op == "Gemm":
+        attrs = node.attrs
+        if len(node.inputs) != 2 or attrs.get("transB", 0) != 1 or attrs.get("transA", 0) != 0 \
+                or attrs.get("alpha", 1.0) != 1.0:
+            return "Gemm is not A @ Bᵀ without bias"
+    weight = node.inputs[1]
     if not isinstance(weight, gs.Constant):
         return "B is not a constant weight"
     values = weight.values
     if values.ndim != 2 or values.dtype.type not in FLOAT_TYPES:
         return f"B is {values.ndim}-D {values.dtype}, not a 2-D float weight"
-    activation = matmul.inputs[0]
+    activation = node.inputs[0]
     if activation.shape is not None and len(activation.shape) < 2:
         return "A is 1-D; MatMulNBits needs A of rank >= 2"
-    k = values.shape[0]
-    block_size = block_size_for(options, k)
-    if k % block_size:
-        return f"K={k} not divisible by block_size={block_size}; choose a block size that divides it"
-    if block_size < 16 or block_size & (block_size - 1):
-        return f"per-channel block K={k} is not a power of two >= 16, which MatMulNBits needs"
-    return Match(matmul, weight)
+    return weight
 
 
-def lowered_constants(name: str, qw: QuantizedWeight, dtype: np.dtype) -> list[gs.Constant]:
-    """MatMulNBits' B, scales (in A's float type) and, when asymmetric, zero_points."""
-    blob, scales, zero_points = pack_matmulnbits(qw)
-    constants = [gs.Constant(f"{name}_q{qw.bits}", blob), gs.Constant(f"{name}_scales", scales.astype(dtype))]
-    if zero_points is not None:
-        constants.append(gs.Constant(f"{name}_zero_points", zero_points))
-    return constants
+def settings_for(node: gs.Node, options: Options) -> Settings | str:
+    pattern = next((p for p in options.exclude if matches(p, node)), None)
+    if pattern:
+        return f"excluded by pattern {pattern!r}"
+    settings = base_settings(options)
+    override = next((o for o in options.overrides if matches(o.pattern, node)), None)
+    if override is not None:
+        if override.skip:
+            return f"kept float by override {override.pattern!r}"
+        settings = settings_with(settings, override)
+    return settings
 
 
-def rewrite(graph: gs.Graph, found: Match, qw: QuantizedWeight, constants: list[gs.Constant], options: Options) -> None:
-    inputs = [found.matmul.inputs[0], *constants]
-    output = found.matmul.outputs[0]
-    found.matmul.outputs.clear()
-    attrs = {"K": qw.k, "N": qw.n, "bits": qw.bits, "block_size": qw.block_size}
-    if options.accuracy_level:
-        attrs["accuracy_level"] = options.accuracy_level
-    graph.nodes.append(gs.Node("MatMulNBits", name=f"{found.matmul.name}_q{qw.bits}", domain=MICROSOFT_DOMAIN,
-                               attrs=attrs, inputs=inputs, outputs=[output]))
+def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[dict]]:
+    candidates = [n for n in graph.nodes if n.op in ("MatMul", "Gemm")]
+    check_patterns(candidates, options)
+    targets, skipped = [], []
+    for node in candidates:
+        weight = weight_of(node)
+        settings = settings_for(node, options) if isinstance(weight, gs.Constant) else weight
+        if isinstance(settings, Settings):
+            k = weight.values.shape[1 if node.op == "Gemm" else 0]
+            block_size = block_size_for(settings, k)
+            if k % block_size:
+                settings = f"K={k} not divisible by block_size={block_size}; choose a block size that divides it"
+            elif block_size < 16 or block_size & (block_size - 1):
+                settings = f"per-channel block K={k} is not a power of two >= 16, which MatMulNBits needs"
+        if isinstance(settings, str):
+            skipped.append({"node": node.name, "reason": settings})
+            continue
+        if options.max_rewrites is not None and len(targets) >= options.max_rewrites:
+            skipped.append({"node": node.name, "reason": f"max_rewrites={options.max_rewrites}"})
+            continue
+        target = Target(node, weight, replace(settings, block_size=block_size), input_name=node.inputs[0].name)
+        if options.embedding == "quantized" and any(c.op == "Gather" for c in weight.outputs) \
+                and settings.method != "rtn":
+            # The table is also gathered as the embedding: calibrated codes fit the lm_head's inputs, not a row lookup.
+            target.settings = replace(target.settings, method="rtn")
+            target.note = f"{settings.method} -> rtn: the weight is the quantized embedding table too"
+        targets.append(target)
+    return targets, skipped
 
 
-def matches(pattern: str, matmul: gs.Node) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for name in (matmul.name, matmul.inputs[1].name))
+# -- calibration -------------------------------------------------------------------------------------------
+def digest(*arrays: np.ndarray) -> str:
+    hasher = hashlib.sha1()
+    for array in arrays:
+        hasher.update(np.ascontiguousarray(array).tobytes())
+        hasher.update(str(array.shape).encode())
+    return hasher.hexdigest()
 
 
-def excluded_by(matmul: gs.Node, options: Options) -> str | None:
-    return next((pattern for pattern in options.exclude if matches(pattern, matmul)), None)
+class Statistics:
+    """E[x xᵀ] and E|x| per activation, collected on first use for every target at once (one pass over the data)."""
+
+    def __init__(self, model: onnx.ModelProto, targets: list[Target], calibration: CalibrationSet | None):
+        self.model, self.targets, self.calibration = model, targets, calibration
+        self.stats = None
+
+    def __call__(self, target: Target):
+        if self.calibration is None:
+            return None
+        if self.stats is None:
+            names = list(dict.fromkeys(t.input_name for t in self.targets))
+            self.stats = collect_statistics(self.model, names, self.calibration)
+        return self.stats[target.input_name]
 
 
-def check_exclude_patterns(matmuls: list[gs.Node], options: Options) -> None:
-    """A pattern that matches nothing is a typo or a stale recipe; silently quantizing everything would hide it."""
-    unmatched = [p for p in options.exclude if not any(matches(p, m) for m in matmuls)]
-    if unmatched:
-        example = f"; MatMul names look like {matmuls[0].name!r}" if matmuls else "; the graph has no MatMul"
-        raise PassError(f"quantize: exclude pattern(s) {unmatched} match no MatMul node or weight name{example}")
+def search_awq_scales(targets: list[Target], statistics: Statistics, memo: dict) -> None:
+    """Set each AWQ target's input scales: one search per group of targets that read the same activation."""
+    groups: dict[tuple, list[Target]] = {}
+    for target in targets:
+        if target.settings.method == "awq":
+            groups.setdefault((target.input_name, target.settings), []).append(target)
+    for (_, settings), group in groups.items():
+        key = ("awq", settings, *(digest(t.weight) for t in group))
+        if key not in memo:
+            stats = statistics(group[0])
+            memo[key] = awq_search([t.weight.astype(np.float32) for t in group], stats.hessian, stats.mean_abs,
+                                   settings.bits, settings.block_size, settings.symmetric)
+        scales, record = memo[key]
+        for target in group:
+            target.input_scales = scales
+            target.scaling = f"alpha={record['alpha']:.2f}"
 
 
+def fold_awq_scales(graph: gs.Graph, targets: list[Target]) -> None:
+    """After every search (which must see the unscaled weights), apply each group's 1/s before its MatMuls."""
+    groups: dict[str, list[Target]] = {}
+    for target in targets:
+        if target.input_scales is not None:
+            groups.setdefault(target.input_name, []).append(target)
+    for group in groups.values():
+        how = apply_input_scales(graph, group[0].activation, [t.node for t in group], group[0].input_scales)
+        for target in group:
+            target.scaling += f", {how}"
+
+
+def quantize_target(target: Target, statistics: Statistics, memo: dict) -> tuple[QuantizedWeight, float | None]:
+    """The target's quantized weight and its relative output error (None without calibration data)."""
+    settings = target.settings
+    weight = target.weight.astype(np.float32)
+    scales = target.input_scales
+    key = ("weight", settings, digest(weight), None if scales is None else digest(scales))
+    if key not in memo:
+        stats = statistics(target)
+        scaled = weight if scales is None else weight * scales[:, None]
+        if settings.method == "gptq":
+            qw = quantize_gptq(scaled, stats.hessian, settings.bits, settings.block_size, settings.symmetric)
+        else:
+            qw = quantize_rtn(scaled, settings.bits, settings.block_size, settings.symmetric)
+        error = None
+        if stats is not None:
+            effective = dequantize(qw) if scales is None else dequantize(qw) / scales[:, None]
+            error = relative_output_error(weight, effective, stats.hessian)
+        memo[key] = qw, error
+    return memo[key]
+
+
+# -- the pass ------------------------------------------------------------------------------------------------
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     check_options(options)
     graph = gs.import_onnx(model)
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]  # keep input intact
-    matmuls = [n for n in graph.nodes if n.op == "MatMul"]
-    check_exclude_patterns(matmuls, options)
-    layers, skipped = [], []
-    quantized: dict[str, tuple[QuantizedWeight, list[gs.Constant]]] = {}  # a weight shared by MatMuls, once
-    for matmul in matmuls:
-        pattern = excluded_by(matmul, options)
-        found = f"excluded by pattern {pattern!r}" if pattern else match(matmul, options)
-        if isinstance(found, str):
-            skipped.append({"node": matmul.name, "reason": found})
-            continue
-        if options.max_rewrites is not None and len(layers) >= options.max_rewrites:
-            skipped.append({"node": matmul.name, "reason": f"max_rewrites={options.max_rewrites}"})
-            continue
-        weight = found.weight.values
-        if found.weight.name not in quantized:
-            qw = quantize_rtn(weight, options.bits, block_size_for(options, weight.shape[0]), options.symmetric)
-            quantized[found.weight.name] = qw, lowered_constants(found.weight.name, qw, weight.dtype)
-        qw, constants = quantized[found.weight.name]
-        rewrite(graph, found, qw, constants, options)
-        bytes_after = sum(int(c.values.nbytes) for c in constants)
-        layers.append({"node": matmul.name, "bits": qw.bits, "block_size": qw.block_size,
-                       "max_abs_weight_error": float(np.abs(weight.astype(np.float32) - dequantize(qw)).max()),
-                       "bytes_before": int(weight.nbytes), "bytes_after": bytes_after})
-    if layers and not any(o.domain == MICROSOFT_DOMAIN for o in graph.import_domains):
+    targets, skipped = find_targets(graph, options)
+    calibration = options.calibration if isinstance(options.calibration, CalibrationSet) else None
+    needs_data = sorted({t.settings.method for t in targets} - {"rtn"})
+    if needs_data and calibration is None:
+        raise PassError(f"quantize: method {', '.join(needs_data)} needs calibration data: set `calibration` "
+                        f"(text, samples, length, seed) in the recipe; the build tokenizes it"
+                        if options.calibration is None else
+                        f"quantize: method {', '.join(needs_data)} got a CalibrationSpec, not tokens: run it "
+                        f"through the build, or pass a passes.calibration.CalibrationSet")
+    memo = calibration.memo if calibration is not None else {}
+    statistics = Statistics(model, targets, calibration)
+    search_awq_scales(targets, statistics, memo)
+    fold_awq_scales(graph, targets)
+
+    layers, lowered_ort, lowered_dq = [], {}, {}
+    for target in targets:
+        qw, error = quantize_target(target, statistics, memo)
+        dtype = target.constant.values.dtype
+        activation = target.activation
+        if options.lowering == "matmulnbits":
+            key = id(qw)
+            bytes_after = 0  # a weight shared by several nodes is stored once, counted at its first node
+            if key not in lowered_ort:
+                lowered_ort[key] = matmulnbits_constants(target.constant.name, qw, dtype)
+                bytes_after = sum(int(c.values.nbytes) for c in lowered_ort[key])
+            rewrite_matmulnbits(graph, target.node, activation, qw, lowered_ort[key], options.accuracy_level)
+        else:
+            matmul = as_matmul(graph, target)
+            bytes_after = rewrite_dequantize_linear(graph, matmul, qw, f"{target.constant.name}_{id(qw)}", dtype,
+                                                    lowered_dq)
+        layers.append({"node": target.node.name, "method": target.settings.method, "bits": qw.bits,
+                       "bytes_before": int(target.constant.values.nbytes), "bytes_after": bytes_after,
+                       "block_size": qw.block_size, "symmetric": qw.zero_points is None,
+                       "relative_output_error": error, "awq": target.scaling or None, "note": target.note or None,
+                       "max_abs_weight_error": float(np.abs(scaled_back(target, qw) - target.weight).max())})
+    embedding = quantize_embedding(graph, targets, options, memo)
+    if (layers or embedding.get("quantized")) and options.lowering == "matmulnbits" \
+            and not any(o.domain == MICROSOFT_DOMAIN for o in graph.import_domains):
         graph.import_domains.append(onnx.helper.make_opsetid(MICROSOFT_DOMAIN, 1))
     graph.cleanup().toposort()
     result = gs.export_onnx(graph)
+    errors = [layer["relative_output_error"] for layer in layers if layer["relative_output_error"] is not None]
     totals = {"weight_bytes_before": sum(layer["bytes_before"] for layer in layers),
               "weight_bytes_after": sum(layer["bytes_after"] for layer in layers),
-              "quantized": len(layers), "skipped": len(skipped)}
-    return result, {"layers": layers, "skipped": skipped, "totals": totals}
+              "graph_bytes_before": unique_initializer_bytes(model),  # everything stored, float tables included
+              "graph_bytes_after": unique_initializer_bytes(result),
+              "quantized": len(layers), "skipped": len(skipped),
+              "mean_relative_output_error": float(np.mean(errors)) if errors else None,
+              "max_relative_output_error": float(np.max(errors)) if errors else None}
+    report = {"layers": layers, "skipped": skipped, "embedding": embedding, "totals": totals}
+    if calibration is not None:
+        report["calibration"] = calibration.describe()
+    return result, report
+
+
+def scaled_back(target: Target, qw: QuantizedWeight) -> np.ndarray:
+    weight = dequantize(qw)
+    return weight if target.input_scales is None else weight / target.input_scales[:, None]
+
+
+def as_matmul(graph: gs.Graph, target: Target) -> gs.Node:
+    """A Gemm(A, B, transB=1) target as MatMul(A, Bᵀ), the form DequantizeLinear feeds."""
+    if target.node.op == "MatMul":
+        return target.node
+    gemm = target.node
+    output = gemm.outputs[0]
+    gemm.outputs.clear()
+    transposed = gs.Constant(f"{target.constant.name}_transposed", np.ascontiguousarray(target.weight))
+    matmul = gs.Node("MatMul", name=f"{gemm.name}_matmul", inputs=[target.activation, transposed], outputs=[output])
+    gemm.inputs.clear()
+    graph.nodes.append(matmul)
+    return matmul
+
+
+def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options, memo: dict) -> dict:
+    gathers = [n for n in graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant)
+               and n.inputs[0].values.ndim == 2 and n.inputs[0].values.dtype.type in FLOAT_TYPES]
+    if not gathers:
+        return {"quantized": False, "reason": "no Gather on a constant float table"}
+    gather = gathers[0]
+    table = gather.inputs[0]
+    if options.embedding == "float":
+        return {"quantized": False, "node": gather.name, "reason": "embedding: float (the recipe's choice)"}
+    if options.lowering != "matmulnbits":
+        return {"quantized": False, "node": gather.name,
+                "reason": "the dequantize_linear lowering keeps the table float (no quantized-gather kernel)"}
+    tied = next((t for t in targets if t.constant is table and t.node.op == "Gemm"), None)
+    settings = tied.settings if tied else replace(base_settings(options), method="rtn")
+    hidden = table.values.shape[1]
+    block_size = block_size_for(settings, hidden)
+    if hidden % block_size or block_size < 16 or block_size & (block_size - 1):
+        return {"quantized": False, "node": gather.name,
+                "reason": f"hidden size {hidden} and block {block_size}: GatherBlockQuantized needs a power-of-two "
+                          f"block >= 16 that divides it"}
+    if tied:
+        qw, _ = quantize_target(tied, lambda _: None, memo)
+    else:
+        qw = quantize_rtn(table.values.T.astype(np.float32), settings.bits, block_size, settings.symmetric)
+    rewrite_gather_block_quantized(graph, gather, qw, table.values.dtype)
+    return {"quantized": True, "node": gather.name, "kernel": "com.microsoft.GatherBlockQuantized",
+            "bits": qw.bits, "block_size": qw.block_size, "shares_codes_with": tied.node.name if tied else None}
+
+
+def unique_initializer_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the graph's initializers, each distinct content once (as the artifact writer stores them)."""
+    seen = set()
+    total = 0
+    for tensor in model.graph.initializer:
+        data = tensor.raw_data or onnx.numpy_helper.to_array(tensor).tobytes()
+        key = hashlib.sha1(data).hexdigest()
+        if key not in seen:
+            seen.add(key)
+            total += len(data)
+    return total

@@ -37,13 +37,40 @@ class QuantizedWeight:
         return np.full((self.n, self.blocks), 1 << (self.bits - 1), np.uint8)
 
 
-def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool) -> QuantizedWeight:
-    """Round-to-nearest quantization of a [K, N] float weight, blocks of `block_size` along K.
+def block_parameters(blocked: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scales and zero points (None when symmetric) of float blocks [..., block_size], reduced over the last axis.
 
     Symmetric: scale = max|w| / (2**(bits-1) - 1), codes offset by the midpoint (no zero-point tensor); the
     most negative code (0) is unused so that +max and -max are both exact. Asymmetric: the block's range,
     widened to include 0 so that 0 stays exact, over 2**bits - 1 steps, with a rounded integer zero point.
-    Either way every element is within scale/2 of its dequantized value. INT8 per channel is block_size = K.
+    """
+    levels = (1 << bits) - 1
+    if symmetric:
+        scales = np.abs(blocked).max(axis=-1) / ((1 << (bits - 1)) - 1)
+        return np.where(scales == 0, 1.0, scales).astype(np.float32), None  # an all-zero block: any scale is exact
+    low, high = np.minimum(blocked.min(axis=-1), 0), np.maximum(blocked.max(axis=-1), 0)
+    scales = np.where(high == low, 1.0, (high - low) / levels).astype(np.float32)
+    zero_points = np.clip(np.rint(-low / scales), 0, levels).astype(np.uint8)
+    return scales, zero_points
+
+
+def encode(values: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, bits: int) -> np.ndarray:
+    """Codes of `values` (broadcast against scales/zero points), rounded to nearest and clipped to the format."""
+    zero = (1 << (bits - 1)) if zero_points is None else zero_points.astype(np.float32)
+    return np.clip(np.rint(values / scales) + zero, 0, (1 << bits) - 1).astype(np.uint8)
+
+
+def decode(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, bits: int) -> np.ndarray:
+    """The float values of codes (broadcast like `encode`); encode(decode(c)) == c."""
+    zero = (1 << (bits - 1)) if zero_points is None else zero_points.astype(np.float32)
+    return (codes.astype(np.float32) - zero) * scales
+
+
+def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool) -> QuantizedWeight:
+    """Round-to-nearest quantization of a [K, N] float weight, blocks of `block_size` along K.
+
+    Every element is within scale/2 of its dequantized value (see `block_parameters` for the two schemes).
+    INT8 per channel is block_size = K.
     """
     if bits not in (4, 8):
         raise ValueError(f"bits={bits}: only 4 and 8 are supported")
@@ -53,28 +80,16 @@ def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool
     blocks = k // block_size
     # [K, N] -> [N, blocks, block_size]: one row per output channel, split into blocks along K.
     blocked = weight.astype(np.float32).T.reshape(n, blocks, block_size)
-    levels = (1 << bits) - 1
-    if symmetric:
-        midpoint = 1 << (bits - 1)
-        scales = np.abs(blocked).max(axis=2) / (midpoint - 1)
-        scales = np.where(scales == 0, 1.0, scales).astype(np.float32)  # an all-zero block: any scale is exact
-        codes = np.clip(np.rint(blocked / scales[..., None]) + midpoint, 0, levels)
-        zero_points = None
-    else:
-        low, high = np.minimum(blocked.min(axis=2), 0), np.maximum(blocked.max(axis=2), 0)
-        scales = (high - low) / levels
-        scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
-        zero_points = np.clip(np.rint(-low / scales), 0, levels)
-        codes = np.clip(np.rint(blocked / scales[..., None] + zero_points[..., None]), 0, levels)
-        zero_points = zero_points.astype(np.uint8)
-    return QuantizedWeight(codes.reshape(n, k).astype(np.uint8), scales, zero_points, bits, block_size, k, n)
+    scales, zero_points = block_parameters(blocked, bits, symmetric)
+    codes = encode(blocked, scales[..., None], None if zero_points is None else zero_points[..., None], bits)
+    return QuantizedWeight(codes.reshape(n, k), scales, zero_points, bits, block_size, k, n)
 
 
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
     """The numpy reference: back to a [K, N] float32 weight."""
-    codes = qw.codes.reshape(qw.n, qw.blocks, qw.block_size).astype(np.float32)
-    zero_points = qw.zero_points_or_midpoint().astype(np.float32)
-    blocked = (codes - zero_points[..., None]) * qw.scales[..., None]
+    codes = qw.codes.reshape(qw.n, qw.blocks, qw.block_size)
+    zero_points = None if qw.zero_points is None else qw.zero_points[..., None]
+    blocked = decode(codes, qw.scales[..., None], zero_points, qw.bits)
     return blocked.reshape(qw.n, qw.k).T.copy()
 
 

@@ -1,0 +1,151 @@
+"""Calibration for the quantize pass: run the float graph on sample text, keep each weight input's statistics.
+
+The recipe names the text, the number of samples, their length and a seed (`CalibrationSpec`); the compiler
+tokenizes it into a `CalibrationSet` (token ids [samples, length]) before the pass runs, because passes know
+graphs, not tokenizers. `collect_statistics` runs the graph with onnxruntime, one sample at a time, with
+the selected MatMuls' input tensors added as graph outputs, and folds each batch of activations into running
+sums: E[x xᵀ] ([K, K], what GPTQ and the output-error measure need) and E|x| ([K], AWQ's channel salience).
+Memory is bounded by those sums and one sample's activations, never by the number of samples.
+
+Feeds follow the artifact's graph contract (compiler/export.py): input_ids, position_ids, attention_mask of
+ones (one sample, batch 1, no padding) and zero KV-cache buffers; any other float input gets zeros with its
+dynamic axes 1 (batch) or 0 (a past length), so a graph with an empty-past contract runs too.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from passes.errors import PassError
+
+# One .onnx protobuf must stay under 2 GiB; above this the graph goes to onnxruntime through a file.
+IN_MEMORY_LIMIT = 1 << 30
+TOKEN_INPUTS = {"input_ids", "position_ids", "attention_mask"}
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """What the recipe says: `text` is "pydoc" (Python's documentation, its first 90%: the last 10% is held out
+    for the accuracy report) or a path to a UTF-8 text file; `samples` windows of `length` tokens, drawn
+    without overlap, chosen with `seed`."""
+    text: str = "pydoc"
+    samples: int = field(default=64, metadata={"min": 1})
+    length: int = field(default=256, metadata={"min": 2})
+    seed: int = field(default=0, metadata={"min": 0})
+
+
+@dataclass(frozen=True, eq=False)
+class CalibrationSet(CalibrationSpec):
+    """The spec resolved into tokens, plus a memo both phases' graphs share.
+
+    The memo maps a weight's content (and the quantization settings) to its quantized form: the prefill and
+    decode graphs hold the same weights under different names, and calibrated rounding must give both the
+    same codes (else the artifact would store them twice and its phases would disagree).
+    """
+    token_ids: np.ndarray | None = None  # int64 [samples, length]
+    source: dict = field(default_factory=dict)  # what was read: file or "pydoc", characters, tokens available
+    memo: dict = field(default_factory=dict, repr=False)
+
+    def describe(self) -> dict:
+        return {"text": self.text, "samples": self.samples, "length": self.length, "seed": self.seed,
+                "tokens": int(self.token_ids.size), **self.source}
+
+
+@dataclass
+class ActivationStats:
+    """Running sums over every calibration row (token) of one activation tensor with K channels."""
+    outer: np.ndarray   # float64 [K, K], Σ x xᵀ
+    absolute: np.ndarray  # float64 [K], Σ |x|
+    rows: int = 0
+
+    @classmethod
+    def empty(cls, channels: int) -> "ActivationStats":
+        return cls(np.zeros((channels, channels)), np.zeros(channels))
+
+    def add(self, activations: np.ndarray) -> None:
+        rows = activations.reshape(-1, activations.shape[-1]).astype(np.float32)
+        self.outer += rows.T @ rows  # float32 product, float64 sum: fast, and exact enough over many samples
+        self.absolute += np.abs(rows).sum(axis=0)
+        self.rows += rows.shape[0]
+
+    @property
+    def hessian(self) -> np.ndarray:
+        return self.outer / max(self.rows, 1)
+
+    @property
+    def mean_abs(self) -> np.ndarray:
+        return self.absolute / max(self.rows, 1)
+
+
+def draw_samples(token_ids: np.ndarray, samples: int, length: int, seed: int) -> np.ndarray:
+    """`samples` non-overlapping windows of `length` tokens, chosen with `seed`; [samples, length] int64."""
+    available = len(token_ids) // length
+    if available < samples:
+        raise PassError(f"calibration text has {len(token_ids)} tokens: too short for {samples} samples of "
+                        f"{length} tokens ({samples * length}); lower calibration.samples or calibration.length, "
+                        f"or give a longer text")
+    windows = np.asarray(token_ids[: available * length], np.int64).reshape(available, length)
+    chosen = np.sort(np.random.default_rng(seed).choice(available, samples, replace=False))
+    return windows[chosen]
+
+
+def collect_statistics(model: onnx.ModelProto, activations: list[str], calibration: CalibrationSet,
+                       progress: Callable[[int, int], None] | None = None) -> dict[str, ActivationStats]:
+    """Statistics of each named tensor of `model` over the calibration samples (see the module docstring)."""
+    import onnxruntime as ort  # the pass runs the float graph to observe it; the kernels are onnxruntime's
+
+    probed = onnx.ModelProto()
+    probed.CopyFrom(model)
+    known_outputs = {o.name for o in probed.graph.output}
+    for name in activations:
+        if name not in known_outputs:
+            probed.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.log_severity_level = 3
+    with tempfile.TemporaryDirectory() as folder:
+        session = _session(probed, options, folder, ort)
+    del probed
+    stats: dict[str, ActivationStats] = {}
+    samples = calibration.token_ids
+    for index, sample in enumerate(samples):
+        outputs = session.run(activations, _feeds(session, sample))
+        for name, value in zip(activations, outputs):
+            if name not in stats:
+                stats[name] = ActivationStats.empty(value.shape[-1])
+            stats[name].add(value)
+        if progress:
+            progress(index + 1, len(samples))
+    return stats
+
+
+def _session(model: onnx.ModelProto, options, folder: str, ort):
+    try:
+        if model.ByteSize() < IN_MEMORY_LIMIT:
+            return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        path = os.path.join(folder, "calibration.onnx")
+        onnx.save_model(model, path, save_as_external_data=True, location="calibration.data")
+        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime's own exception types; the graph is the pipeline's, name the step
+        raise PassError(f"calibration: onnxruntime cannot run the float graph ({str(error).splitlines()[0]})") from None
+
+
+def _feeds(session, sample: np.ndarray) -> dict[str, np.ndarray]:
+    length = len(sample)
+    feeds = {"input_ids": sample[None].astype(np.int64),
+             "position_ids": np.arange(length, dtype=np.int64)[None],
+             "attention_mask": np.ones((1, length), np.int64)}
+    for graph_input in session.get_inputs():
+        if graph_input.name in TOKEN_INPUTS:
+            continue
+        if graph_input.type != "tensor(float)":
+            raise PassError(f"calibration: does not know how to feed graph input {graph_input.name!r} "
+                            f"({graph_input.type}); the graph must follow the artifact's I/O contract")
+        shape = [dim if isinstance(dim, int) else (1 if axis == 0 else 0) for axis, dim in enumerate(graph_input.shape)]
+        feeds[graph_input.name] = np.zeros(shape, np.float32)
+    return {name: value for name, value in feeds.items() if name in {i.name for i in session.get_inputs()}}

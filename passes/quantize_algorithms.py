@@ -1,0 +1,120 @@
+"""Calibrated weight quantizers: AWQ's activation-aware scales and GPTQ's error-compensated rounding.
+
+Both read only the second-moment statistics of a layer's input, H = E[x xᵀ] ([K, K], from
+`passes.calibration`), never the activations themselves. For a weight W [K, N] (Y = X W) and any quantized
+W', the layer's mean squared output error over the calibration rows is exactly
+
+    E ||x (W' - W)||² = Σ_n ΔW[:, n]ᵀ H ΔW[:, n] = sum((H @ ΔW) * ΔW),    ΔW = W' - W,
+
+so AWQ's scale search and the report's per-layer error are computed from H alone (`output_error`).
+
+AWQ (Lin et al., 2023): inputs channels that carry large activations matter most, so scale them up before
+rounding: W' = diag(1/s) Q(diag(s) W), with s = mean|x|^α and α searched on a grid to minimise the output
+error of every weight that reads the same input. The 1/s is folded into the op before (the quantize pass's
+job), so the graph computes (x / s) Q(diag(s) W).
+
+GPTQ (Frantar et al., 2022): quantize W one input row k at a time (a column of the [N, K] matrix GPTQ
+writes) and spread each row's rounding error over the rows not yet quantized, weighted by the inverse
+Hessian, so the output error rather than the weight error is minimised. Blocks of `block_size` take their
+scale when GPTQ reaches them, from the already-compensated weights (the reference implementation's order).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from passes.quantized_weights import QuantizedWeight, block_parameters, decode, dequantize, encode, quantize_rtn
+
+AWQ_GRID = 20          # α in {0, 1/20, ..., 19/20}, as in the AWQ reference implementation
+GPTQ_DAMP = 0.01       # fraction of mean(diag(H)) added to the diagonal: H is often singular (dead channels)
+GPTQ_LAZY_BLOCK = 128  # rows updated together; a multiple of every INT4 block size we allow (16..128)
+
+
+def output_error(weight: np.ndarray, approximation: np.ndarray, hessian: np.ndarray) -> float:
+    """Mean squared output error E||x (approximation - weight)||² summed over outputs, for E[x xᵀ] = hessian."""
+    delta = (approximation.astype(np.float64) - weight.astype(np.float64))
+    return float(np.sum((hessian @ delta) * delta))
+
+
+def relative_output_error(weight: np.ndarray, approximation: np.ndarray, hessian: np.ndarray) -> float:
+    """output_error over the output's own mean square, E||x W||²: 0 is exact, 1 is as large as the output."""
+    energy = float(np.sum((hessian @ weight.astype(np.float64)) * weight))
+    return output_error(weight, approximation, hessian) / max(energy, 1e-30)
+
+
+# -- AWQ --------------------------------------------------------------------------------------------------
+def awq_search(weights: list[np.ndarray], hessian: np.ndarray, mean_abs: np.ndarray, bits: int, block_size: int,
+               symmetric: bool) -> tuple[np.ndarray, dict]:
+    """Per-input-channel scales s [K] for the weights that share one input; returns (s, search record).
+
+    α = 0 is s = 1, plain round-to-nearest, so the result is never worse than RTN on the calibration data.
+    """
+    hessian32 = hessian.astype(np.float32)
+    base = np.maximum(mean_abs.astype(np.float32), 1e-8)
+    losses = []
+    best = (np.inf, 0.0, np.ones_like(base))
+    for step in range(AWQ_GRID):
+        alpha = step / AWQ_GRID
+        scales = base ** alpha
+        scales = scales / np.sqrt(scales.max() * scales.min())  # keep s around 1: the norm's gamma absorbs 1/s
+        loss = 0.0
+        for weight in weights:
+            effective = scaled_dequantized(weight, scales, bits, block_size, symmetric)
+            delta = effective - weight
+            loss += float(np.sum((hessian32 @ delta) * delta))
+        losses.append(loss)
+        if loss < best[0]:
+            best = (loss, alpha, scales)
+    _, alpha, scales = best
+    return scales.astype(np.float32), {"alpha": alpha, "loss_rtn": losses[0], "loss_best": best[0]}
+
+
+def scaled_dequantized(weight: np.ndarray, scales: np.ndarray, bits: int, block_size: int, symmetric: bool) -> np.ndarray:
+    """diag(1/s) Q(diag(s) W): what the graph computes with x / s feeding the quantized diag(s) W."""
+    qw = quantize_rtn(weight * scales[:, None], bits, block_size, symmetric)
+    return dequantize(qw) / scales[:, None]
+
+
+# -- GPTQ -------------------------------------------------------------------------------------------------
+def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int, symmetric: bool,
+                  damp: float = GPTQ_DAMP) -> QuantizedWeight:
+    """GPTQ of a [K, N] weight with input statistics hessian = E[x xᵀ] [K, K]; blocks of block_size along K."""
+    k, n = weight.shape
+    if k % block_size:
+        raise ValueError(f"K={k} not divisible by block_size={block_size}")
+    work = weight.astype(np.float64).T.copy()  # [N, K]: GPTQ's orientation, one column per input channel
+    h = hessian.astype(np.float64).copy()
+    dead = np.diag(h) == 0  # an input that is always 0: its weights cannot matter, quantize them as 0
+    h[dead, dead] = 1.0
+    work[:, dead] = 0.0
+    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
+    # Upper Cholesky factor of H⁻¹: row i holds how the error of column i spreads over columns > i.
+    inverse_factor = np.linalg.cholesky(np.linalg.inv(h)).T
+
+    blocks = k // block_size
+    codes = np.zeros((n, k), np.uint8)
+    scales = np.zeros((n, blocks), np.float32)
+    zero_points = None if symmetric else np.zeros((n, blocks), np.uint8)
+    lazy = max(GPTQ_LAZY_BLOCK, block_size) if block_size < k else GPTQ_LAZY_BLOCK
+    for start in range(0, k, lazy):
+        end = min(start + lazy, k)
+        chunk = work[:, start:end].copy()
+        errors = np.zeros_like(chunk)
+        chunk_inverse = inverse_factor[start:end, start:end]
+        for i in range(end - start):
+            column = start + i
+            if column % block_size == 0:  # a new block: its scale from the weights as compensated so far
+                group = chunk[:, i:i + block_size] if i + block_size <= end - start else work[:, column:column + block_size]
+                block = column // block_size
+                block_scales, block_zeros = block_parameters(group.astype(np.float32), bits, symmetric)
+                scales[:, block] = block_scales
+                if zero_points is not None:
+                    zero_points[:, block] = block_zeros
+            block = column // block_size
+            zero = None if zero_points is None else zero_points[:, block]
+            codes[:, column] = encode(chunk[:, i], scales[:, block], zero, bits)
+            quantized = decode(codes[:, column], scales[:, block], zero, bits)
+            error = (chunk[:, i] - quantized) / chunk_inverse[i, i]
+            chunk[:, i:] -= np.outer(error, chunk_inverse[i, i:])
+            errors[:, i] = error
+        work[:, end:] -= errors @ inverse_factor[start:end, end:]
+    return QuantizedWeight(codes, scales, zero_points, bits, block_size, k, n)

@@ -1,0 +1,60 @@
+"""Lowering of a `QuantizedWeight` to onnxruntime's contrib kernels (domain com.microsoft).
+
+    A ---> MatMul ---> Y                 A ---> MatMulNBits(K, N, bits, block_size[, accuracy_level]) ---> Y
+    W [K, N] --^                  =>     B [N, blocks, block_size*bits/8], scales [N, blocks] (, zero_points) --^
+
+    E [V, H] ---> Gather ---> Y          data [V, H*bits/8], scales [V, H/block] (, zero_points)
+    ids ----------^               =>     ids ---> GatherBlockQuantized(gather_axis=0, quantize_axis=1) ---> Y
+
+A tied embedding table is the lm_head's weight read row by row (V output channels, blocks along H), so the
+gather's data holds the same bytes as the lm_head's MatMulNBits B: the artifact writer stores equal contents
+once. Both ops default to the midpoint zero point when none is given, as the representation does.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from passes.quantized_weights import QuantizedWeight, pack_matmulnbits
+
+MICROSOFT_DOMAIN = "com.microsoft"
+
+
+def matmulnbits_constants(name: str, qw: QuantizedWeight, dtype: np.dtype) -> list[gs.Constant]:
+    """MatMulNBits' B, scales (in A's float type) and, when asymmetric, zero_points."""
+    blob, scales, zero_points = pack_matmulnbits(qw)
+    constants = [gs.Constant(f"{name}_q{qw.bits}", blob), gs.Constant(f"{name}_scales", scales.astype(dtype))]
+    if zero_points is not None:
+        constants.append(gs.Constant(f"{name}_zero_points", zero_points))
+    return constants
+
+
+def rewrite_matmulnbits(graph: gs.Graph, node: gs.Node, activation: gs.Variable, qw: QuantizedWeight,
+                        constants: list[gs.Constant], accuracy_level: int) -> None:
+    """Replace `node` (a MatMul, or a Gemm already known to compute activation @ W) by MatMulNBits."""
+    output = node.outputs[0]
+    node.outputs.clear()
+    node.inputs.clear()
+    attrs = {"K": qw.k, "N": qw.n, "bits": qw.bits, "block_size": qw.block_size}
+    if accuracy_level:
+        attrs["accuracy_level"] = accuracy_level
+    graph.nodes.append(gs.Node("MatMulNBits", name=f"{node.name}_q{qw.bits}", domain=MICROSOFT_DOMAIN,
+                               attrs=attrs, inputs=[activation, *constants], outputs=[output]))
+
+
+def rewrite_gather_block_quantized(graph: gs.Graph, gather: gs.Node, qw: QuantizedWeight, dtype: np.dtype) -> int:
+    """Replace Gather(table [V, H], ids) by GatherBlockQuantized over qw (K = H, N = V); returns bytes stored."""
+    blob, scales, zero_points = pack_matmulnbits(qw)
+    name = gather.inputs[0].name
+    constants = [gs.Constant(f"{name}_gather_q{qw.bits}", blob.reshape(qw.n, -1)),
+                 gather.inputs[1], gs.Constant(f"{name}_gather_scales", scales.astype(dtype))]
+    if zero_points is not None:
+        constants.append(gs.Constant(f"{name}_gather_zero_points", zero_points))
+    output = gather.outputs[0]
+    gather.outputs.clear()
+    gather.inputs.clear()
+    graph.nodes.append(gs.Node(
+        "GatherBlockQuantized", name=f"{gather.name}_q{qw.bits}", domain=MICROSOFT_DOMAIN,
+        attrs={"gather_axis": 0, "quantize_axis": 1, "block_size": qw.block_size, "bits": qw.bits},
+        inputs=constants, outputs=[output]))
+    return sum(int(c.values.nbytes) for c in constants if isinstance(c, gs.Constant))

@@ -1,0 +1,221 @@
+"""quantize with calibration: AWQ / GPTQ against RTN, statistics, AWQ's folds, overrides, the quantized embedding,
+and the DequantizeLinear lowering, on synthetic layers and on the tiny decoder's fused graphs."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+import pytest
+
+from passes import fuse_rms_norm, fuse_silu, quantize
+from passes.awq_fold import apply_input_scales
+from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics, draw_samples
+from passes.errors import PassError
+from passes.quantize_algorithms import awq_search, quantize_gptq, relative_output_error, scaled_dequantized
+from passes.quantized_weights import dequantize, quantize_rtn
+from tests.passes.test_fuse_attention import CONFIG, decoder_graphs, fuse_and_lower, generate_logits, op_counts  # noqa: F401
+
+FORMATS = {"int4_b32_sym": (4, 32, True), "int4_b128_sym": (4, 128, True), "int4_b32_asym": (4, 32, False),
+           "int8_channel": (8, 256, True)}
+
+
+def correlated_layer(k=256, n=96, rows=4096, seed=0):
+    """Activations with correlated channels of uneven magnitude (as LLM activations have), their E[x xᵀ] and E|x|."""
+    rng = np.random.default_rng(seed)
+    mixing = rng.standard_normal((k, k)) / np.sqrt(k)
+    gains = np.exp(1.5 * rng.standard_normal(k))  # a few channels ~20x the typical one
+    x = (rng.standard_normal((rows, k)) @ mixing + 0.3 * rng.standard_normal((rows, k))) * gains
+    weight = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    return weight, x.T @ x / rows, np.abs(x).mean(axis=0)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_awq_and_gptq_lower_the_layer_output_error_below_rtn(name):
+    bits, block_size, symmetric = FORMATS[name]
+    weight, hessian, mean_abs = correlated_layer()
+    rtn = relative_output_error(weight, dequantize(quantize_rtn(weight, bits, block_size, symmetric)), hessian)
+    scales, record = awq_search([weight], hessian, mean_abs, bits, block_size, symmetric)
+    awq = relative_output_error(weight, scaled_dequantized(weight, scales, bits, block_size, symmetric), hessian)
+    gptq_weight = quantize_gptq(weight, hessian, bits, block_size, symmetric)
+    gptq = relative_output_error(weight, dequantize(gptq_weight), hessian)
+    print(f"{name}: relative output error rtn {rtn:.3e} awq {awq:.3e} (alpha {record['alpha']}) gptq {gptq:.3e}")
+    # α = 0 is RTN, so AWQ can only tie or win on its own data; GPTQ minimises this very error column by column.
+    assert awq <= rtn and gptq <= rtn
+    assert awq < 0.9 * rtn and gptq < 0.9 * rtn  # with salient, correlated channels both win clearly
+    assert gptq_weight.codes.max() < 2 ** bits and gptq_weight.scales.shape == (96, 256 // block_size)
+
+
+def test_calibration_statistics_equal_the_activations_second_moment():
+    """Gather(table, ids) -> MatMul: the MatMul's input rows are table rows, so E[x xᵀ] is known exactly."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((50, 16)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "input_ids"], ["x"]),
+         onnx.helper.make_node("MatMul", ["x", "W"], ["y"], name="proj")], "g",
+        [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, [1, None])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        initializer=[onnx.numpy_helper.from_array(table, "table"),
+                     onnx.numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "W")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    tokens = draw_samples(rng.integers(0, 50, 1000), samples=6, length=20, seed=3)
+    stats = collect_statistics(model, ["x"], CalibrationSet(samples=6, length=20, token_ids=tokens))["x"]
+    rows = table[tokens.reshape(-1)].astype(np.float64)
+    assert stats.rows == 120
+    np.testing.assert_allclose(stats.hessian, rows.T @ rows / 120, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats.mean_abs, np.abs(rows).mean(axis=0), rtol=1e-6)
+
+
+def test_calibration_text_too_short_for_the_samples_is_a_clear_error():
+    with pytest.raises(PassError, match=r"calibration text has 100 tokens: too short for 8 samples of 16 tokens \(128\)"):
+        draw_samples(np.arange(100), samples=8, length=16, seed=0)
+    first, again = draw_samples(np.arange(1000), 5, 16, seed=1), draw_samples(np.arange(1000), 5, 16, seed=1)
+    np.testing.assert_array_equal(first, again)  # the seed decides the samples
+    assert len(np.unique(first[:, 0])) == 5  # windows do not overlap
+
+
+@pytest.fixture(scope="module")
+def fused_graphs(decoder_graphs):  # noqa: F811
+    """The tiny decoder as the default recipe leaves it before quantize: GQA, (Skip)SimplifiedLayerNorm, QuickGelu."""
+    graphs = {}
+    for phase, model in decoder_graphs.items():
+        model = fuse_and_lower(model, required=True)[2]
+        model = fuse_rms_norm.run(model, fuse_rms_norm.Options())[0]
+        graphs[phase] = fuse_silu.run(model, fuse_silu.Options())[0]
+    return graphs
+
+
+def calibration(samples=8, length=24, seed=0) -> CalibrationSet:
+    tokens = np.random.default_rng(seed).integers(3, CONFIG.vocab_size, samples * length)
+    return CalibrationSet(samples=samples, length=length, seed=seed, token_ids=tokens.reshape(samples, length))
+
+
+def run_graph(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_awq_folds_are_exact_in_float(fused_graphs):
+    """Scale every group's input by 1/s and its weights by s, without quantizing: the model must not change."""
+    model = fused_graphs["prefill"]
+    graph = gs.import_onnx(model)
+    rng = np.random.default_rng(0)
+    groups: dict[str, list[gs.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "MatMul" and isinstance(node.inputs[1], gs.Constant):
+            groups.setdefault(node.inputs[0].name, []).append(node)
+    folds = []
+    for group in groups.values():
+        scales = np.exp(rng.uniform(-1, 1, group[0].inputs[1].values.shape[0])).astype(np.float32)
+        for node in group:
+            node.inputs[1] = gs.Constant(f"{node.name}_scaled", node.inputs[1].values * scales[:, None])
+        folds.append(apply_input_scales(graph, group[0].inputs[0], group, scales))
+    kinds = {how.split(" '")[0].split(" (")[0] for how in folds}
+    # q/k/v, gate/up and lm_head: into a norm's gamma; down_proj: into up_proj; o_proj (after attention): a Mul.
+    assert kinds == {"folded into SimplifiedLayerNormalization", "folded into SkipSimplifiedLayerNormalization",
+                     "folded into MatMul", "Mul inserted before the group"}, folds
+    folded = gs.export_onnx(graph.cleanup().toposort())
+    inputs = {"input_ids": np.array([[1, 5, 9, 14, 200, 7]]), "position_ids": np.arange(6)[None],
+              "attention_mask": np.ones((1, 6), np.int64)}
+    inputs.update({i.name: np.zeros([1] + [d.dim_value for d in i.type.tensor_type.shape.dim[1:]], np.float32)
+                   for i in model.graph.input if i.name.startswith("past")})
+    np.testing.assert_allclose(run_graph(folded, inputs)[0], run_graph(model, inputs)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_calibrated_decoder_matches_float_and_both_phases_share_codes(fused_graphs, method):
+    data = calibration()
+    quantized, reports = {}, {}
+    for phase, model in fused_graphs.items():
+        options = quantize.Options(bits=4, block_size=32, method=method, calibration=data)
+        quantized[phase], reports[phase] = quantize.run(model, options)
+    rtn_report = quantize.run(fused_graphs["decode"], quantize.Options(bits=4, block_size=32, calibration=data))[1]
+    report = reports["decode"]
+    assert op_counts(quantized["decode"])["MatMulNBits"] == 15  # 7 projections x 2 layers + lm_head
+    assert report["calibration"]["samples"] == 8 and report["calibration"]["tokens"] == 8 * 24
+    mean = report["totals"]["mean_relative_output_error"]
+    rtn_mean = rtn_report["totals"]["mean_relative_output_error"]
+    print(f"{method}: mean relative layer output error {mean:.3e} vs rtn {rtn_mean:.3e}")
+    assert mean <= rtn_mean
+    if method == "awq":
+        folds = [layer["awq"] for layer in report["layers"]]
+        assert sum("folded into" in how for how in folds) == 13 and sum("Mul inserted" in how for how in folds) == 2
+    # The decode graph reuses the prefill graph's codes (the memo), so the artifact stores them once.
+    blobs = {phase: {onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer if t.name.endswith("_q4")}
+             for phase, m in quantized.items()}
+    assert len(blobs["decode"]) == 15 and blobs["decode"] == blobs["prefill"]
+    worst = max(float(np.abs(q - f).max() / np.abs(f).max())
+                for q, f in zip(generate_logits(quantized), generate_logits(fused_graphs)))
+    print(f"{method}: worst relative logit/cache difference vs float {worst:.3g}")
+    # RTN measures 0.20 here (4-bit weights of a random 2-layer model); a wrong fold or code moves logits by O(1).
+    assert worst < 0.3
+
+
+def test_overrides_set_per_layer_settings_and_unmatched_patterns_fail(fused_graphs):
+    options = quantize.Options(bits=4, overrides=(quantize.Override("*layers.0/*", skip=True),
+                                                  quantize.Override("*down_proj*", bits=8)))
+    _, report = quantize.run(fused_graphs["decode"], options)
+    kept = [s["node"] for s in report["skipped"] if s["reason"].startswith("kept float by override")]
+    assert len(kept) == 7 and all("layers.0/" in node for node in kept)
+    by_bits = {layer["node"].split("/")[-2]: layer["bits"] for layer in report["layers"] if "layers.1/" in layer["node"]}
+    assert by_bits == {"q_proj": 4, "k_proj": 4, "v_proj": 4, "o_proj": 4, "gate_proj": 4, "up_proj": 4, "down_proj": 8}
+    with pytest.raises(PassError, match=r"pattern\(s\) overrides '\*lm_head_typo\*' match no MatMul"):
+        quantize.run(fused_graphs["decode"], quantize.Options(overrides=(quantize.Override("*lm_head_typo*", bits=8),)))
+    with pytest.raises(PassError, match=r"overrides\[0\] \('\*down\*'\): block_size=48"):
+        quantize.run(fused_graphs["decode"], quantize.Options(overrides=(quantize.Override("*down*", block_size=48),)))
+
+
+def tied_model(vocab=96, hidden=64, seed=0) -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
+    """ids -> Gather(E) -> MatMul(W) -> Gemm(., E, transB=1): an embedding table the lm_head reads too."""
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    weight = (rng.standard_normal((hidden, hidden)) / 8).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["E", "ids"], ["x"], name="embed"),
+         onnx.helper.make_node("MatMul", ["x", "W"], ["h"], name="proj"),
+         onnx.helper.make_node("Gemm", ["h", "E"], ["logits"], name="lm_head", transB=1)], "tied",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [None])],
+        [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [None, vocab])],
+        initializer=[onnx.numpy_helper.from_array(table, "E"), onnx.numpy_helper.from_array(weight, "W")])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)]), table, weight
+
+
+def test_quantized_embedding_shares_the_tied_lm_head_codes():
+    model, table, weight = tied_model()
+    quantized, report = quantize.run(model, quantize.Options(bits=4, block_size=32, embedding="quantized"))
+    assert op_counts(quantized) == {"GatherBlockQuantized": 1, "MatMulNBits": 2}
+    assert report["embedding"]["shares_codes_with"] == "lm_head"
+    table_q = dequantize(quantize_rtn(table.T.copy(), 4, 32, True)).T  # [V, H]
+    weight_q = dequantize(quantize_rtn(weight, 4, 32, True))
+    ids = np.array([0, 7, 95, 7])
+    expected = (table_q[ids] @ weight_q) @ table_q.T
+    np.testing.assert_allclose(run_graph(quantized, {"ids": ids})[0], expected, rtol=1e-4, atol=1e-4)
+    # The gather's data and the lm_head's B are the same bytes: the writer (dedup by content) stores them once,
+    # so the graph holds the table in ~4.5 bits per value instead of 32.
+    totals = report["totals"]
+    assert totals["graph_bytes_after"] < (table.nbytes + weight.nbytes) / 5
+    assert totals["graph_bytes_after"] == quantize.unique_initializer_bytes(quantized)
+
+
+def test_float_embedding_keeps_the_table_and_dequantize_linear_lowering_matches_matmulnbits(fused_graphs):
+    model, table, weight = tied_model()
+    _, report = quantize.run(model, quantize.Options(bits=4))
+    assert report["embedding"]["quantized"] is False and report["totals"]["graph_bytes_after"] > table.nbytes
+    decode = fused_graphs["decode"]
+    nbits, _ = quantize.run(decode, quantize.Options(bits=4, block_size=32))
+    dq, dq_report = quantize.run(decode, quantize.Options(bits=4, block_size=32, lowering="dequantize_linear"))
+    assert op_counts(dq)["DequantizeLinear"] == 15 and "MatMulNBits" not in op_counts(dq)
+    assert dq_report["totals"]["quantized"] == 15
+    feeds = {"input_ids": np.array([[1, 5, 9]]), "position_ids": np.array([[0, 1, 2]]),
+             "attention_mask": np.ones((1, 3), np.int64)}
+    feeds.update({i.name: np.zeros([1] + [d.dim_value for d in i.type.tensor_type.shape.dim[1:]], np.float32)
+                  for i in decode.graph.input if i.name.startswith("past")})
+    np.testing.assert_allclose(run_graph(dq, feeds)[0], run_graph(nbits, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_spec_without_tokens_is_refused_with_how_to_fix():
+    model, _, _ = tied_model()
+    spec_only = quantize.Options(method="gptq", calibration=CalibrationSpec())
+    with pytest.raises(PassError, match="got a CalibrationSpec, not tokens: run it through the build"):
+        quantize.run(model, spec_only)
