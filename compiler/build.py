@@ -4,8 +4,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from compiler.accuracy import evaluate_against_float, quantization_summary
 from compiler.artifact import staged_folder, tool_versions, write_manifest
 from compiler.backends import onnxruntime as onnxruntime_backend
+from compiler.calibration import BUILTIN, resolve_passes
 from compiler.errors import BuildError
 from compiler.export import export_graphs, kv_cache_spec
 from compiler.frontend import load_model
@@ -26,12 +28,19 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
     if loaded.tokenizer_json is None:
         raise BuildError("the model source has no tokenizer (tokenizer.json); add one beside the weights")
+    passes = resolve_passes(recipe.passes, loaded.tokenizer_json)  # before the slow export: bad text fails fast
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
     graphs = export_graphs(decoder, recipe.export.max_context, recipe.export.opset, recipe.export.prefill_logits,
                            progress=say)
     del decoder
-    graphs, pass_results = run_pipeline(graphs, recipe.passes, progress=say)
+    # The float graph just before quantization is the accuracy report's reference: run the passes in two parts.
+    first_quantize = next((i for i, spec in enumerate(passes) if spec.name == "quantize"), len(passes))
+    graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say)
+    report_accuracy = first_quantize < len(passes) and recipe.accuracy.enabled
+    float_decode = graphs["decode"] if report_accuracy else None
+    graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say)
+    pass_results += more_results
     kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context)
 
     final_dir = Path(output_root) / recipe.name
@@ -39,6 +48,15 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         say("writing engines")
         sections = onnxruntime_backend.write_engines(graphs, folder, recipe.backend, kv_cache["output_aliases_input"])
         (folder / TOKENIZER_FILE).write_text(loaded.tokenizer_json)
+        manifest = {"kv_cache": kv_cache, **sections}
+        accuracy = {}
+        if report_accuracy:
+            say("accuracy report: quantized vs float on held-out text")
+            calibration = passes[first_quantize].options.calibration
+            accuracy = {"quantization": quantization_summary([vars(result) for result in pass_results]),
+                        "held_out": evaluate_against_float(float_decode, folder, manifest, recipe.accuracy,
+                                                           calibration.text if calibration else BUILTIN,
+                                                           loaded.tokenizer_json, recipe.backend, say)}
         say("hashing files and writing the manifest")
         write_manifest(folder, {
             "name": recipe.name,
@@ -50,6 +68,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
             "kv_cache": kv_cache,
             **sections,
             "passes": [vars(result) for result in pass_results],
+            **({"accuracy": accuracy} if accuracy else {}),
             "build_seconds": round(time.perf_counter() - started, 2),
         })
     return final_dir

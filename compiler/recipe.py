@@ -66,6 +66,16 @@ class BackendSpec:
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
 
 
+@dataclass(frozen=True)
+class AccuracySpec:
+    """The build's accuracy report for recipes with a quantize pass: quantized vs the float graph on held-out text
+    (the last 10% of the calibration text, or of Python's documentation when no calibration is set)."""
+    enabled: bool = True
+    max_tokens: int = field(default=4096, metadata={"min": 2})
+    window: int = field(default=512, metadata={"min": 2})  # capped at export.max_context
+    stride: int = field(default=256, metadata={"min": 1})
+
+
 def _default_passes() -> tuple[PassSpec, ...]:
     return (PassSpec("cleanup", PASSES["cleanup"].options_type()),)
 
@@ -77,6 +87,7 @@ class Recipe:
     export: ExportSpec = field(default_factory=ExportSpec)
     passes: tuple[PassSpec, ...] = field(default_factory=_default_passes)
     backend: BackendSpec = field(default_factory=BackendSpec)
+    accuracy: AccuracySpec = field(default_factory=AccuracySpec)
 
     def to_dict(self) -> dict:
         """The fully resolved recipe, every default filled in, JSON-serializable; parse_recipe reads it back."""

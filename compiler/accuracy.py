@@ -1,0 +1,83 @@
+"""The build's accuracy report for quantized recipes: the quantized engine against the float graph it came from.
+
+The float reference is the decode graph as it was just before the first quantize pass (fusions applied, so
+the two differ only by quantization). Both run through the runtime's onnxruntime backend and its evaluation
+(`runtime.evaluate`), on the held-out part of the calibration text, so the perplexity in the manifest is the
+one `aotlm eval` prints for the same text, window and stride. Per-layer output errors come from the quantize
+pass's own report (measured on the calibration data).
+"""
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from tokenizers import Tokenizer
+
+from compiler.backends import onnxruntime as onnxruntime_backend
+from compiler.calibration import split_text
+from compiler.errors import BuildError
+from runtime.evaluate import EvaluationError, decode_logits_for, evaluate
+from runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+
+def held_out_tokens(calibration_text: str, tokenizer_json: str, max_tokens: int) -> tuple[np.ndarray, str]:
+    _, held_out, source = split_text(calibration_text)
+    ids = Tokenizer.from_str(tokenizer_json).encode(held_out, add_special_tokens=False).ids[:max_tokens]
+    return np.asarray(ids, np.int64), source["source"].replace("first 90%", "last 10% (held out)")
+
+
+def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manifest: dict, spec, calibration_text: str,
+                           tokenizer_json: str, backend_spec, progress) -> dict:
+    """Perplexity of the float graph and of the built artifact, top-1 agreement and KL(float || quantized)."""
+    tokens, source = held_out_tokens(calibration_text, tokenizer_json, spec.max_tokens)
+    window = min(spec.window, manifest["kv_cache"]["max_context"])
+    stride = min(spec.stride, window)
+    with tempfile.TemporaryDirectory(prefix="aotlm-float-") as folder:
+        reference_graph = copy.deepcopy(float_decode)  # the writer moves weights out of the graph it is given
+        sections = onnxruntime_backend.write_engines({"decode": reference_graph}, Path(folder), backend_spec,
+                                                     manifest["kv_cache"]["output_aliases_input"])
+        reference = OnnxRuntimeBackend(Path(folder), {**sections, "kv_cache": manifest["kv_cache"]})
+        quantized = OnnxRuntimeBackend(artifact, manifest)
+        try:
+            result = evaluate(tokens, decode_logits_for(quantized), window=window, stride=stride,
+                              reference_logits_for=decode_logits_for(reference),
+                              on_window=lambda done, total: progress(f"accuracy: window {done}/{total}")
+                              if done == total or done % 8 == 0 else None)
+        except EvaluationError as error:
+            raise BuildError(f"accuracy report: {error}") from None
+        del reference, quantized
+    return {"text": source, "tokens": int(len(tokens)), **result.to_dict(),
+            "perplexity_increase": result.perplexity / result.reference_perplexity - 1}
+
+
+def quantization_summary(pass_reports: list[dict]) -> dict:
+    """Sizes and per-layer output errors, from the quantize pass's report on the decode graph."""
+    report = next(r for r in reversed(pass_reports) if r["name"] == "quantize" and r["phase"] == "decode")["report"]
+    layers = sorted(report["layers"], key=lambda layer: -(layer["relative_output_error"] or 0))
+    return {"totals": report["totals"], "embedding": report["embedding"],
+            "worst_layers": [{k: layer[k] for k in ("node", "method", "bits", "block_size", "relative_output_error")}
+                             for layer in layers[:5]]}
+
+
+def format_accuracy(accuracy: dict, artifact_bytes: int | None = None) -> str:
+    """The console lines a person reads before deploying."""
+    lines = []
+    totals = accuracy.get("quantization", {}).get("totals")
+    if totals:
+        lines.append(f"quantized {totals['quantized']} MatMuls ({totals['skipped']} skipped): weights "
+                     f"{totals['weight_bytes_before'] / 2**20:.1f} MiB -> {totals['weight_bytes_after'] / 2**20:.1f} MiB; "
+                     f"graph {totals['graph_bytes_before'] / 2**20:.1f} MiB -> {totals['graph_bytes_after'] / 2**20:.1f} MiB")
+        if totals.get("mean_relative_output_error") is not None:
+            lines.append(f"layer output error on calibration data (E||xΔW||²/E||xW||²): mean "
+                         f"{totals['mean_relative_output_error']:.2e}, max {totals['max_relative_output_error']:.2e}")
+    held_out = accuracy.get("held_out")
+    if held_out:
+        lines.append(f"held-out text: {held_out['text']}, {held_out['tokens_scored']} tokens scored "
+                     f"(window {held_out['window']}, stride {held_out['stride']})")
+        lines.append(f"perplexity: float {held_out['reference_perplexity']:.3f} -> quantized {held_out['perplexity']:.3f} "
+                     f"({100 * held_out['perplexity_increase']:+.2f}%); top-1 agreement "
+                     f"{100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) {held_out['mean_kl']:.4f} nats")
+    return "\n".join(lines)

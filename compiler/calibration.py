@@ -1,0 +1,65 @@
+"""Turns a recipe's calibration spec into tokens for the quantize pass, and names the held-out text.
+
+The text is split once, by `runtime.evaluate.split_held_out` (the same split `aotlm eval --text
+builtin:pydoc-held-out` uses): the first 90% calibrates, the rest is held out for the accuracy report, so the
+report never scores text the quantizer saw. The compiler imports that one function from the runtime so that
+the build's perplexity and `aotlm eval`'s are computed on the same text.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from compiler.errors import BuildError
+from passes.calibration import CalibrationSet, CalibrationSpec, draw_samples
+from passes.errors import PassError
+from runtime.evaluate import split_held_out, split_pydoc_text
+
+BUILTIN = "pydoc"
+
+
+def split_text(spec_text: str) -> tuple[str, str, dict]:
+    """(calibration part, held-out part, where it came from) of the recipe's `calibration.text`."""
+    if spec_text == BUILTIN:
+        calibration, held_out = split_pydoc_text()
+        return calibration, held_out, {"source": "pydoc_data.topics (Python's documentation), first 90%"}
+    path = Path(spec_text).expanduser()
+    if not path.is_file():
+        raise BuildError(f"calibration.text: {spec_text!r} is neither 'pydoc' (the built-in text) nor a text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise BuildError(f"calibration.text: cannot read {path} as UTF-8 text: {error}") from None
+    calibration, held_out = split_held_out(text)
+    return calibration, held_out, {"source": f"{path.resolve()}, first 90%"}
+
+
+def resolve(spec: CalibrationSpec, tokenizer_json: str) -> CalibrationSet:
+    """The spec's text tokenized (no special tokens) and cut into its samples."""
+    calibration, _, source = split_text(spec.text)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    token_ids = np.asarray(tokenizer.encode(calibration, add_special_tokens=False).ids, np.int64)
+    try:
+        samples = draw_samples(token_ids, spec.samples, spec.length, spec.seed)
+    except PassError as error:
+        raise BuildError(f"calibration: {error}") from None
+    source = {**source, "characters": len(calibration), "tokens_available": int(len(token_ids))}
+    return CalibrationSet(**dataclasses.asdict(spec), token_ids=samples, source=source)
+
+
+def resolve_passes(passes: tuple, tokenizer_json: str) -> tuple:
+    """The recipe's passes with each quantize pass's calibration spec replaced by its tokens (one set per spec,
+    shared by both phases, whose memo then makes both graphs' quantized weights identical)."""
+    resolved: dict[CalibrationSpec, CalibrationSet] = {}
+    out = []
+    for spec in passes:
+        calibration = getattr(spec.options, "calibration", None)
+        if spec.name == "quantize" and calibration is not None and not isinstance(calibration, CalibrationSet):
+            if calibration not in resolved:
+                resolved[calibration] = resolve(calibration, tokenizer_json)
+            spec = dataclasses.replace(spec, options=dataclasses.replace(spec.options, calibration=resolved[calibration]))
+        out.append(spec)
+    return tuple(out)

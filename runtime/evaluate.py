@@ -1,0 +1,216 @@
+"""Accuracy of an artifact on a text: perplexity, and top-1 agreement and KL divergence against a reference.
+
+    engine = Engine.load("artifacts/smollm2-135m-int4")
+    reference = Engine.load("artifacts/smollm2-135m")
+    tokens = np.array(encode_text(engine.tokenizer, builtin_text("pydoc-held-out"))[:4096])
+    result = evaluate(tokens, decode_logits_for(engine.backend), window=512, stride=256,
+                      reference_logits_for=decode_logits_for(reference.backend))
+    result.perplexity, result.top1_agreement, result.mean_kl
+
+Texts longer than the model's context are scored with sliding windows, as in Hugging Face's perplexity guide
+(https://huggingface.co/docs/transformers/perplexity): windows of `window` tokens start every `stride` tokens,
+and each token is scored once, by the first window that holds it after its first position, which is the window
+that gives it the most left context. All statistics are computed in float64 from a stable log-softmax.
+
+This module also owns the split of the built-in text (Python's documentation, `pydoc_data.topics`) into a
+calibration part (for the compiler's quantization) and a held-out part (for evaluation): `split_pydoc_text`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+from runtime.errors import RequestError
+
+LogitsFor = Callable[[np.ndarray], np.ndarray]  # token ids [n] -> logits [n, vocab], row i predicts token i + 1
+CALIBRATION_FRACTION = 0.9  # of pydoc's characters; the held-out part starts at the next paragraph boundary
+BUILTIN_TEXTS = ("pydoc-held-out", "pydoc-calibration")
+
+
+class EvaluationError(RequestError, ValueError):
+    """An evaluation cannot run as asked (bad window or stride, too few tokens, unknown built-in text)."""
+
+
+# -- texts ---------------------------------------------------------------------------------------------------
+def split_held_out(text: str) -> tuple[str, str]:
+    """(calibration_part, held_out_part) of a text: the held-out part starts at the first paragraph boundary
+    ("\\n\\n") at or after 90% of the characters; the calibration part is everything before it.
+
+    Quantization calibrates on the first part and its build-time report scores the second, so they never overlap.
+    """
+    boundary = text.find("\n\n", int(CALIBRATION_FRACTION * len(text)))
+    if boundary < 0:  # no paragraph boundary after 90%: split at 90% exactly
+        boundary = int(CALIBRATION_FRACTION * len(text))
+    return text[:boundary], text[boundary:]
+
+
+def split_pydoc_text() -> tuple[str, str]:
+    """`split_held_out` of Python's documentation topics, sorted by name and joined by blank lines."""
+    from pydoc_data.topics import topics
+
+    return split_held_out("\n\n".join(topics[name] for name in sorted(topics)))
+
+
+def builtin_text(name: str) -> str:
+    """A text that ships with Python: "pydoc-held-out" (for evaluation) or "pydoc-calibration"."""
+    if name not in BUILTIN_TEXTS:
+        raise EvaluationError(f"unknown built-in text {name!r}; known: {', '.join(BUILTIN_TEXTS)}")
+    calibration, held_out = split_pydoc_text()
+    return held_out if name == "pydoc-held-out" else calibration
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` with no special tokens added (no BOS): evaluation scores the text itself.
+
+    `tokenizer` is a runtime.tokenizer.TextTokenizer (its encode() lets the post-processor add BOS).
+    """
+    return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+# -- the window plan -----------------------------------------------------------------------------------------
+def window_spans(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(start, end, first_scored) per window: feed tokens[start:end], score tokens[first_scored:end].
+
+    Every token but the first is scored exactly once. The first window scores all its tokens after its first;
+    each later window starts `stride` tokens after the previous one and scores only the tokens the previous
+    window did not reach, each with at least window - stride tokens of left context. A window of W tokens can
+    score at most W - 1 of them (its first has no context inside it), so with stride == window (no overlap
+    asked) each window re-reads the previous window's last token: the windows step by window - 1.
+    """
+    if window < 2:
+        raise EvaluationError(f"window must be >= 2 tokens (one of context, one scored), got {window}")
+    if not 1 <= stride <= window:
+        raise EvaluationError(f"stride must be between 1 and the window ({window}), got {stride}")
+    spans: list[tuple[int, int, int]] = []
+    start, scored_until = 0, 1  # token 0 has no left context: it is never scored
+    while scored_until < num_tokens:
+        end = min(start + window, num_tokens)
+        spans.append((start, end, scored_until))
+        scored_until = end
+        start = min(start + stride, end - 1)  # the next window must hold one token before the first it scores
+    return spans
+
+
+# -- statistics ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Evaluation:
+    """What `evaluate` measured. KL is KL(reference || model) in nats, averaged over scored tokens."""
+
+    tokens_scored: int
+    windows: int
+    window: int
+    stride: int
+    mean_nll: float
+    perplexity: float
+    reference_mean_nll: float | None = None
+    reference_perplexity: float | None = None
+    top1_agreement: float | None = None  # fraction of scored positions where both argmaxes agree
+    mean_kl: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Stable log-softmax over the last axis, in float64."""
+    values = np.asarray(logits, dtype=np.float64)
+    shifted = values - values.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+class _Totals:
+    """Running sums over scored tokens (float64), one per statistic."""
+
+    def __init__(self):
+        self.count = 0
+        self.nll = 0.0
+        self.reference_nll = 0.0
+        self.agree = 0
+        self.kl = 0.0
+
+    def add(self, logits: np.ndarray, targets: np.ndarray, reference: np.ndarray | None) -> None:
+        rows = np.arange(len(targets))
+        log_probs = log_softmax(logits)
+        self.count += len(targets)
+        self.nll -= float(log_probs[rows, targets].sum())
+        if reference is None:
+            return
+        if reference.shape != logits.shape:
+            raise EvaluationError(f"the reference's logits have shape {reference.shape}, the model's {logits.shape}: "
+                                  f"top-1 agreement and KL need the same vocabulary")
+        reference_log_probs = log_softmax(reference)
+        self.reference_nll -= float(reference_log_probs[rows, targets].sum())
+        self.agree += int((logits.argmax(axis=-1) == reference.argmax(axis=-1)).sum())
+        # KL(P_ref || P_model) = sum_v p_ref(v) * (log p_ref(v) - log p_model(v)), per position
+        self.kl += float((np.exp(reference_log_probs) * (reference_log_probs - log_probs)).sum())
+
+
+def evaluate(token_ids, logits_for: LogitsFor, *, window: int, stride: int,
+             reference_logits_for: LogitsFor | None = None,
+             on_window: Callable[[int, int], None] | None = None) -> Evaluation:
+    """Perplexity of `logits_for` over `token_ids`; with a reference, also top-1 agreement and KL(ref || model).
+
+    on_window(windows_done, windows_total) is called after each window (a progress bar).
+    """
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    spans = window_spans(len(tokens), window, stride)
+    if not spans:
+        raise EvaluationError(f"the text has {len(tokens)} token(s); scoring needs at least 2")
+    totals = _Totals()
+    for done, (start, end, first_scored) in enumerate(spans, 1):
+        chunk = tokens[start:end]
+        scored = slice(first_scored - 1 - start, end - 1 - start)  # row i predicts token start + i + 1
+        targets = tokens[first_scored:end]
+        logits = _checked(logits_for(chunk), len(chunk))[scored]
+        reference = None
+        if reference_logits_for is not None:
+            reference = _checked(reference_logits_for(chunk), len(chunk))[scored]
+        totals.add(logits, targets, reference)
+        if on_window is not None:
+            on_window(done, len(spans))
+    mean_nll = totals.nll / totals.count
+    compared = reference_logits_for is not None
+    reference_nll = totals.reference_nll / totals.count if compared else None
+    return Evaluation(
+        tokens_scored=totals.count, windows=len(spans), window=window, stride=stride,
+        mean_nll=mean_nll, perplexity=float(np.exp(mean_nll)),
+        reference_mean_nll=reference_nll, reference_perplexity=float(np.exp(reference_nll)) if compared else None,
+        top1_agreement=totals.agree / totals.count if compared else None,
+        mean_kl=totals.kl / totals.count if compared else None,
+    )
+
+
+def _checked(logits: np.ndarray, length: int) -> np.ndarray:
+    if logits.ndim != 2 or logits.shape[0] != length:
+        raise EvaluationError(f"logits_for returned shape {logits.shape}; expected [{length}, vocab]")
+    return logits
+
+
+# -- an artifact as a logits function -----------------------------------------------------------------------
+def decode_logits_for(backend) -> LogitsFor:
+    """Logits for every position of a chunk, run through the decode graph as a fresh sequence.
+
+    Batch 1, positions 0..n-1, attention mask of ones [1, n]: the graph attends only to the n new tokens, so
+    whatever the cache held before is ignored (and overwritten). `backend` is an OnnxRuntimeBackend.
+    """
+    max_context = backend.kv_spec["max_context"]
+
+    def logits_for(token_ids: np.ndarray) -> np.ndarray:
+        length = len(token_ids)
+        if not 1 <= length <= max_context:
+            raise EvaluationError(f"a chunk of {length} tokens does not fit this artifact's max context "
+                                  f"({max_context}); use a window of at most {max_context}")
+        backend.allocate_cache(batch=1)  # a no-op when batch 1 is bound already
+        # The binding keeps the logits OrtValue of its last run, and onnxruntime refuses to write a different
+        # shape into it: chunk lengths vary (the last window is shorter), so ask for a fresh one each run.
+        # Rebinding by name replaces the entry in place: logits stay the first output.
+        backend.bindings["decode"].bind_output("logits", "cpu")
+        input_ids = np.asarray(token_ids, dtype=np.int64)[None]  # [1, n]
+        positions = np.arange(length, dtype=np.int64)[None]  # [1, n]
+        mask = np.ones((1, length), dtype=np.int64)  # [1, total = n]: nothing cached counts
+        logits = backend.run("decode", input_ids, positions, mask)  # [1, n, vocab]
+        return np.asarray(logits[0], dtype=np.float32)
+
+    return logits_for

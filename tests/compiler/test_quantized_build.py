@@ -1,0 +1,83 @@
+"""A quantized build end to end on the tiny model: calibration from the recipe, the accuracy report in the
+manifest (equal to what `aotlm eval` computes), and the recipe / calibration errors users can hit."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from compiler.build import build
+from compiler.errors import BuildError, RecipeError
+from compiler.recipe import parse_recipe
+from passes.calibration import CalibrationSpec
+from runtime import Engine
+from runtime.evaluate import builtin_text, decode_logits_for, encode_text, evaluate
+
+QUANTIZE = {"quantize": {"bits": 4, "block_size": 32, "method": "awq", "embedding": "quantized",
+                         "calibration": {"text": "pydoc", "samples": 4, "length": 64, "seed": 1},
+                         "overrides": [{"pattern": "*down_proj*", "bits": 8}]}}
+ACCURACY = {"max_tokens": 400, "window": 64, "stride": 32}
+
+
+def quantized_recipe(tiny_recipe, quantize=QUANTIZE, name="tiny-awq"):
+    data = tiny_recipe.to_dict()
+    data.update(name=name, passes=data["passes"] + [quantize], accuracy=ACCURACY)
+    return parse_recipe(data, origin="test")
+
+
+@pytest.fixture(scope="module")
+def quantized_artifact(tiny_recipe, tmp_path_factory):
+    return build(quantized_recipe(tiny_recipe), tmp_path_factory.mktemp("quantized"))
+
+
+def test_manifest_reports_calibration_sizes_and_held_out_accuracy(quantized_artifact, tiny_artifact):
+    manifest = json.loads((quantized_artifact / "manifest.json").read_text())
+    report = next(p["report"] for p in manifest["passes"] if p["name"] == "quantize" and p["phase"] == "decode")
+    assert report["calibration"]["samples"] == 4 and report["calibration"]["tokens"] == 256
+    assert "pydoc" in report["calibration"]["source"]
+    layers = {layer["node"].split("/")[-2]: layer for layer in report["layers"] if "layers.1/" in layer["node"]}
+    assert layers["down_proj"]["bits"] == 8 and layers["q_proj"]["bits"] == 4
+    assert all(0 < layer["relative_output_error"] < 0.5 for layer in report["layers"])
+    assert report["embedding"]["quantized"] and report["embedding"]["kernel"] == "com.microsoft.GatherBlockQuantized"
+
+    accuracy = manifest["accuracy"]
+    held_out = accuracy["held_out"]
+    assert held_out["tokens"] == 400 and held_out["window"] == 64 and "held out" in held_out["text"]
+    assert 0 <= held_out["top1_agreement"] <= 1 and held_out["mean_kl"] > 0
+    assert held_out["perplexity_increase"] == pytest.approx(held_out["perplexity"] / held_out["reference_perplexity"] - 1)
+    assert accuracy["quantization"]["totals"]["graph_bytes_after"] < accuracy["quantization"]["totals"]["graph_bytes_before"] / 3
+    weights = lambda folder: (folder / "weights.bin").stat().st_size  # noqa: E731
+    assert weights(quantized_artifact) < weights(tiny_artifact) / 3
+
+    # The manifest's numbers are `aotlm eval`'s: same runtime evaluation, same held-out text, window and stride.
+    engine = Engine.load(quantized_artifact)
+    tokens = np.array(encode_text(engine.tokenizer, builtin_text("pydoc-held-out"))[:400])
+    again = evaluate(tokens, decode_logits_for(engine.backend), window=64, stride=32)
+    assert again.perplexity == pytest.approx(held_out["perplexity"], rel=1e-6)
+    # The float reference is the unquantized tiny model's decode graph: its perplexity is the tiny artifact's.
+    reference = evaluate(tokens, decode_logits_for(Engine.load(tiny_artifact).backend), window=64, stride=32)
+    assert reference.perplexity == pytest.approx(held_out["reference_perplexity"], rel=1e-4)
+    assert len(engine.generate("Hello", max_new_tokens=5).token_ids) == 5
+
+
+def test_bits_other_than_4_or_8_are_named_in_the_recipe(tiny_recipe):
+    bad = {"quantize": {**QUANTIZE["quantize"], "bits": 3}}
+    with pytest.raises(RecipeError, match=r"passes\[\d+\]\.quantize\.bits: 3 is not one of 4, 8"):
+        quantized_recipe(tiny_recipe, bad)
+
+
+def test_calibration_text_too_short_fails_before_any_artifact(tiny_recipe, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("A short text.\n\n" * 20)
+    recipe = quantized_recipe(tiny_recipe, {"quantize": {**QUANTIZE["quantize"],
+                                                         "calibration": {"text": str(text), "samples": 64}}})
+    with pytest.raises(BuildError, match=r"calibration: calibration text has \d+ tokens: too short for 64 samples"):
+        build(recipe, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    missing = dataclasses.replace(CalibrationSpec(), text=str(tmp_path / "nope.txt"))
+    recipe = quantized_recipe(tiny_recipe, {"quantize": {**QUANTIZE["quantize"],
+                                                         "calibration": dataclasses.asdict(missing)}})
+    with pytest.raises(BuildError, match="calibration.text: .*nope.txt' is neither 'pydoc'"):
+        build(recipe, tmp_path / "out")

@@ -1,0 +1,250 @@
+"""Accuracy evaluation (runtime/evaluate.py) and `aotlm eval` / `aotlm compare`, on the tiny artifact.
+
+Perplexity from the decode graph is checked against the torch canonical decoder (full recompute, float32)
+within 1e-4 relative; KL and top-1 agreement against the artifact itself and against altered logits.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from compiler import cli
+from runtime.evaluate import (EvaluationError, builtin_text, decode_logits_for, encode_text, evaluate, log_softmax,
+                              split_pydoc_text, window_spans)
+
+TEXT = ("The lighthouse keeper climbed the stairs each evening, counting the steps as his father had, and "
+        "lit the lamp before the sea turned dark. ")
+
+
+# -- the window plan -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_tokens, window, stride", [
+    (2, 2, 1), (2, 2, 2), (3, 2, 2), (10, 4, 1), (10, 4, 2), (10, 4, 3), (10, 4, 4), (11, 4, 3),
+    (100, 16, 5), (100, 16, 16), (5, 64, 32), (64, 64, 32), (65, 64, 32), (64, 64, 64), (300, 128, 100),
+])
+def test_window_spans_score_every_token_but_the_first_exactly_once(num_tokens, window, stride):
+    spans = window_spans(num_tokens, window, stride)
+    scored = [token for _, end, first in spans for token in range(first, end)]
+    assert sorted(scored) == scored == list(range(1, num_tokens))  # once each, in order
+    step = min(stride, window - 1)  # a window of W tokens scores at most W - 1
+    for index, (start, end, first) in enumerate(spans):
+        assert 0 <= start < first <= end <= num_tokens and end - start <= window
+        if index:
+            assert start - spans[index - 1][0] == step
+        # the most left context available: the whole prefix, or at least window - step tokens
+        assert first - start >= min(first, window - step)
+    assert spans[0][0] == 0 and spans[-1][1] == num_tokens
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1])
+def test_window_spans_of_too_short_texts_are_empty(num_tokens):
+    assert window_spans(num_tokens, 8, 4) == []
+
+
+@pytest.mark.parametrize("window, stride, message", [
+    (1, 1, "window must be >= 2"), (0, 1, "window must be >= 2"),
+    (8, 0, "stride must be between 1 and the window (8)"), (8, 9, "stride must be between 1 and the window (8)"),
+])
+def test_window_spans_refuse_bad_windows(window, stride, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        window_spans(10, window, stride)
+
+
+# -- statistics against the torch reference ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokens(tiny_artifact):
+    from runtime.tokenizer import TextTokenizer
+
+    ids = encode_text(TextTokenizer(tiny_artifact / "tokenizer.json", 1), TEXT * 3)
+    assert ids[0] != 1  # no BOS
+    return np.array(ids, dtype=np.int64)
+
+
+def torch_logits_for(decoder):
+    """All-position logits from scratch (no cache), the torch canonical decoder's."""
+    config = decoder.config
+
+    def logits_for(token_ids: np.ndarray) -> np.ndarray:
+        length = len(token_ids)
+        empty = [torch.zeros(1, config.num_kv_heads, length, config.head_dim) for _ in range(config.num_layers)]
+        with torch.no_grad():
+            logits, _, _ = decoder(torch.tensor(token_ids[None]), torch.arange(length)[None],
+                                   torch.ones(1, length, dtype=torch.long), empty, empty,
+                                   attend_to_cache=False, logits="all")
+        return logits[0].numpy()
+
+    return logits_for
+
+
+def test_decode_logits_match_torch_for_a_whole_chunk(tiny_engine, tiny_reference, tokens):
+    decoder, _ = tiny_reference
+    chunk = tokens[:50]
+    np.testing.assert_allclose(decode_logits_for(tiny_engine.backend)(chunk), torch_logits_for(decoder)(chunk),
+                               atol=1e-4)
+
+
+def test_single_window_perplexity_equals_torch_mean_nll(tiny_engine, tiny_reference, tokens):
+    decoder, _ = tiny_reference
+    chunk = tokens[:60]
+    result = evaluate(chunk, decode_logits_for(tiny_engine.backend), window=64, stride=32)
+    log_probs = torch.log_softmax(torch.from_numpy(torch_logits_for(decoder)(chunk)).double(), dim=-1)
+    nll = -log_probs[torch.arange(59), torch.from_numpy(chunk[1:])].mean().item()
+    assert result.windows == 1 and result.tokens_scored == 59
+    assert result.mean_nll == pytest.approx(nll, rel=1e-4)
+    assert result.perplexity == pytest.approx(np.exp(nll), rel=1e-4)
+    assert result.top1_agreement is None and result.mean_kl is None
+
+
+def test_sliding_windows_score_n_minus_one_tokens_as_torch_does(tiny_engine, tiny_reference, tokens):
+    decoder, _ = tiny_reference
+    assert len(tokens) > 300
+    progress = []
+    result = evaluate(tokens, decode_logits_for(tiny_engine.backend), window=48, stride=20,
+                      reference_logits_for=torch_logits_for(decoder), on_window=lambda *done: progress.append(done))
+    assert result.tokens_scored == len(tokens) - 1
+    assert progress == [(i, result.windows) for i in range(1, result.windows + 1)]
+    assert result.perplexity == pytest.approx(result.reference_perplexity, rel=1e-4)
+    assert 0 <= result.mean_kl < 1e-6
+
+
+def test_artifact_against_itself_agrees_fully(tiny_engine, tokens):
+    logits_for = decode_logits_for(tiny_engine.backend)
+    result = evaluate(tokens[:200], logits_for, window=64, stride=16, reference_logits_for=logits_for)
+    assert abs(result.mean_kl) < 1e-9 and result.top1_agreement == 1.0
+    assert result.reference_perplexity == result.perplexity
+    assert set(result.to_dict()) >= {"tokens_scored", "perplexity", "top1_agreement", "mean_kl"}
+
+
+def test_kl_against_different_logits_is_positive(tiny_engine, tokens):
+    logits_for = decode_logits_for(tiny_engine.backend)
+    sharper = lambda ids: 3.0 * logits_for(ids)  # noqa: E731  (same argmax, different distribution)
+    shuffled = lambda ids: np.roll(logits_for(ids), 1, axis=-1)  # noqa: E731
+    as_sharper = evaluate(tokens[:100], sharper, window=32, stride=16, reference_logits_for=logits_for)
+    assert as_sharper.mean_kl > 1e-3 and as_sharper.top1_agreement == 1.0
+    as_shuffled = evaluate(tokens[:100], shuffled, window=32, stride=16, reference_logits_for=logits_for)
+    assert as_shuffled.mean_kl > 1e-3 and as_shuffled.top1_agreement < 0.5  # a random model: near-uniform logits
+
+
+def test_kl_matches_its_definition_on_small_logits():
+    rng = np.random.default_rng(0)
+    model, reference = rng.normal(size=(10, 7)), rng.normal(size=(10, 7))
+    tokens = rng.integers(0, 7, size=10)
+    result = evaluate(tokens, lambda ids: model[: len(ids)], window=10, stride=5,
+                      reference_logits_for=lambda ids: reference[: len(ids)])
+    model, reference = model[:9], reference[:9]  # row i predicts token i + 1: the last row predicts nothing here
+    p_ref = np.exp(reference) / np.exp(reference).sum(-1, keepdims=True)
+    p_model = np.exp(model) / np.exp(model).sum(-1, keepdims=True)
+    assert result.mean_kl == pytest.approx(np.mean((p_ref * np.log(p_ref / p_model)).sum(-1)), rel=1e-12)
+    assert result.mean_nll == pytest.approx(-np.mean(np.log(p_model[np.arange(9), tokens[1:]])), rel=1e-12)
+
+
+def test_log_softmax_is_stable_for_large_logits():
+    values = log_softmax(np.array([[1e4, 0.0, -1e4], [3e38, 3e38, 0.0]], dtype=np.float32))
+    assert np.isfinite(values).all() and values.dtype == np.float64
+    np.testing.assert_allclose(values[1, :2], [np.log(0.5)] * 2)
+
+
+def test_decode_logits_refuse_chunks_longer_than_max_context(tiny_engine):
+    with pytest.raises(EvaluationError, match="max context \\(128\\)"):
+        decode_logits_for(tiny_engine.backend)(np.ones(129, dtype=np.int64))
+
+
+def test_pydoc_text_splits_into_calibration_and_held_out():
+    from pydoc_data.topics import topics
+
+    calibration, held_out = split_pydoc_text()
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    assert calibration + held_out == text and held_out.startswith("\n\n")
+    assert 0.9 * len(text) <= len(calibration) and "\n\n" not in text[int(0.9 * len(text)): len(calibration)]
+    assert builtin_text("pydoc-held-out") == held_out and builtin_text("pydoc-calibration") == calibration
+    with pytest.raises(EvaluationError, match="unknown built-in text 'nope'; known: pydoc-held-out"):
+        builtin_text("nope")
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT * 2, encoding="utf-8")
+    return path
+
+
+def test_cli_eval_prints_and_writes_perplexity(tiny_artifact, tiny_engine, text_file, tokens, tmp_path, capsys):
+    out = tmp_path / "results" / "eval.json"
+    assert cli.main(["eval", str(tiny_artifact), "--text", str(text_file), "--max-tokens", "150",
+                     "--window", "40", "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "perplexity" in err and "tiny-random" in err
+    written = json.loads(out.read_text())
+    assert written["tokens"] == 150 and written["tokens_scored"] == 149
+    assert (written["window"], written["stride"]) == (40, 20)  # stride defaults to window / 2
+    assert written["bytes"] == sum(r["bytes"] for r in json.loads((tiny_artifact / "manifest.json").read_text())
+                                   ["files"].values())
+    direct = evaluate(tokens[:150], decode_logits_for(tiny_engine.backend), window=40, stride=20)
+    assert written["perplexity"] == pytest.approx(direct.perplexity, rel=1e-6)
+
+
+def test_cli_eval_builtin_text_and_default_window(tiny_artifact, tmp_path):
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", str(tiny_artifact), "--text", "builtin:pydoc-held-out", "--max-tokens", "140",
+                     "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert (written["window"], written["stride"]) == (128, 64)  # 512 capped at the max context
+    assert written["tokens_scored"] == 139 and written["text"] == "builtin:pydoc-held-out"
+
+
+def test_cli_compare_an_artifact_with_a_copy_of_itself(tiny_artifact, text_file, tmp_path, capsys):
+    copy = shutil.copytree(tiny_artifact, tmp_path / "copy")
+    out = tmp_path / "compare.json"
+    assert cli.main(["compare", str(tiny_artifact), str(copy), "--text", str(text_file), "--max-tokens", "90",
+                     "--window", "32", "--stride", "8", "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "top-1" in err and "KL" in err
+    written = json.loads(out.read_text())
+    assert written["top1_agreement"] == 1.0 and abs(written["mean_kl_nats"]) < 1e-9
+    assert written["reference"]["perplexity"] == written["candidate"]["perplexity"]
+    assert written["tokens_scored"] == 89 and written["kl_direction"] == "KL(reference || candidate)"
+
+
+def one_line_error(capsys) -> str:
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines at the terminal width
+    assert err.startswith("error:") and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--text", "missing.txt"], "--text missing.txt: no such file"),
+    (["--text", "builtin:nope"], "unknown built-in text 'nope'"),
+    (["--window", "1"], "window must be >= 2"),
+    (["--window", "16", "--stride", "0"], "stride must be between 1 and the window (16)"),
+    (["--window", "16", "--stride", "17"], "stride must be between 1 and the window (16)"),
+    (["--window", "1000"], "--window 1000 exceeds the artifact's max context (128)"),
+    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+])
+def test_cli_eval_bad_input_one_line_exit_2(tiny_artifact, text_file, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(text_file.parent)
+    base = ["eval", str(tiny_artifact), "--text", text_file.name]
+    assert cli.main(base + args) == 2
+    assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("content, count", [("a", 1), ("", 0)])
+def test_cli_eval_refuses_texts_shorter_than_two_tokens(tiny_artifact, tmp_path, capsys, content, count):
+    path = tmp_path / "short.txt"
+    path.write_text(content)
+    assert cli.main(["eval", str(tiny_artifact), "--text", str(path)]) == 2
+    assert f"{count} token(s); scoring needs at least 2" in one_line_error(capsys)
+
+
+def test_cli_compare_errors(tiny_artifact, text_file, tmp_path, capsys):
+    assert cli.main(["compare", str(tiny_artifact), str(tiny_artifact), "--text", str(tmp_path / "no.txt")]) == 2
+    assert "no such file" in one_line_error(capsys)
+    other = shutil.copytree(tiny_artifact, tmp_path / "other")
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
+    assert cli.main(["compare", str(tiny_artifact), str(other), "--text", str(text_file)]) == 2
+    assert "have different tokenizers" in one_line_error(capsys)
+    assert cli.main(["compare", str(tiny_artifact), str(tmp_path), "--text", str(text_file)]) == 2
+    assert "not an artifact" in one_line_error(capsys)
