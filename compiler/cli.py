@@ -1,13 +1,14 @@
-"""The `aotlm` command: build a recipe, run or inspect an artifact.
+"""The `aotlm` command: build a recipe; run, inspect, benchmark or evaluate an artifact.
 
-`run` and `inspect` only use `runtime/` (imported when called), as a deployed artifact would. Bad input
-exits with status 2 and one line naming the problem; tracebacks are for bugs only.
+`run`, `inspect`, `eval` and `compare` only use `runtime/` (imported when called), as a deployed artifact
+would. Bad input exits with status 2 and one line naming the problem; tracebacks are for bugs only.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -33,9 +34,14 @@ def _build(args) -> None:
     from compiler.pipeline import PassResult, format_reports
     from runtime.manifest import read_manifest
 
-    passes = [PassResult(**result) for result in read_manifest(path)["passes"]]
+    manifest = read_manifest(path)
+    passes = [PassResult(**result) for result in manifest["passes"]]
     if passes:
         console.print(format_reports(passes), highlight=False)
+    if "accuracy" in manifest:
+        from compiler.accuracy import format_accuracy
+
+        console.print(format_accuracy(manifest["accuracy"]), highlight=False)
     console.print(f"[green]built[/green] {path} in {time.perf_counter() - started:.1f} s")
 
 
@@ -164,7 +170,15 @@ def _bench(args) -> None:
         output_tokens=args.output_tokens, warmup=args.warmup, seed=args.seed, text=text)
     slo = {key: value for key, value in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms))
            if value is not None}
-    loaders = {"aotlm": lambda: bench.aotlm_server(Engine.load(args.artifact, intra_op_threads=threads))}
+    modes = list(dict.fromkeys(args.batching or ["continuous"]))  # several: served one after another, compared
+    slots = args.slots if args.slots is not None else args.concurrency if args.arrival == "concurrency" else 8
+    for flag, value in (("--slots", slots), ("--prefill-chunk", args.prefill_chunk)):
+        if value is not None and value < 1:  # checked before the progress bar starts drawing
+            raise bench.BenchError(f"{flag} must be >= 1, got {value}")
+    queue_room = len(workload.requests) + len(workload.warmup)  # every request may wait: none is refused
+    loaders = {("aotlm" if len(modes) == 1 else f"aotlm-{mode}"): (lambda mode=mode: bench.ScheduledServer(
+        Engine.load(args.artifact, intra_op_threads=threads), mode, slots, queue_room, args.prefill_chunk))
+        for mode in modes}
     if baselines:  # benchmarks/baselines.py (generate.py's model setup): a source checkout with the bench extras
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
         import baselines as peers
@@ -176,8 +190,10 @@ def _bench(args) -> None:
             task = progress.add_task(f"{backend:18}", total=len(workload.requests) + len(workload.warmup))
             serve = load()
             runs[backend] = bench.run_workload(serve, workload, on_done=lambda task=task: progress.advance(task))
+            getattr(serve, "close", lambda: None)()  # stop a scheduler's worker thread
             del serve  # free its weights before the next backend loads
-    settings = {"artifact": str(args.artifact), "threads": threads, "backends": list(runs),
+    settings = {"artifact": str(args.artifact), "threads": threads, "backends": list(runs), "batching": modes,
+                "slots": slots, "prefill_chunk": args.prefill_chunk,
                 "prompt_source": args.prompt_file or "pydoc_data.topics (sorted, joined)",
                 "decoding": "greedy, stop tokens disabled", "slo": slo or None, "prompt_tokens_asked": args.prompt_tokens,
                 "output_tokens_asked": args.output_tokens, **workload.settings()}
@@ -195,6 +211,141 @@ def _bench(args) -> None:
         console.print(f"[yellow]warning:[/yellow] {error}", highlight=False)
         return
     console.print("wrote " + ", ".join(map(str, written)), highlight=False)
+
+
+class _ArtifactInfo:
+    """One artifact to evaluate: its folder and manifest, read (cheaply) before any graph is loaded."""
+
+    def __init__(self, path: str):
+        from runtime.manifest import read_manifest
+
+        self.path = path
+        self.manifest = read_manifest(path)  # a folder that is not an artifact fails here, in one line
+        self.name = self.manifest["name"]
+        self.max_context = self.manifest["kv_cache"]["max_context"]
+        self.bytes = sum(record["bytes"] for record in self.manifest["files"].values())
+        self.tokenizer_file = Path(path) / self.manifest["tokenizer"]["file"]
+
+
+def _evaluation_tokens(args, artifact: _ArtifactInfo) -> list[int]:
+    """The text (a file, or builtin:NAME) as token ids without BOS, its first --max-tokens; >= 2 or an error."""
+    from runtime.evaluate import EvaluationError, builtin_text, encode_text
+    from runtime.tokenizer import TextTokenizer
+
+    source = args.text
+    if source.startswith("builtin:"):
+        text = builtin_text(source.removeprefix("builtin:"))
+    else:
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise EvaluationError(f"--text {source}: no such file") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise EvaluationError(f"--text {source}: cannot read it ({error})") from None
+    if args.max_tokens < 2:
+        raise EvaluationError(f"--max-tokens must be >= 2 (one token of context, one scored), got {args.max_tokens}")
+    token_ids = encode_text(TextTokenizer(artifact.tokenizer_file), text)[: args.max_tokens]
+    if len(token_ids) < 2:
+        raise EvaluationError(f"--text {source}: {len(token_ids)} token(s); scoring needs at least 2")
+    return token_ids
+
+
+def _window_and_stride(args, max_context: int) -> tuple[int, int]:
+    """--window (default 512, at most the max context) and --stride (default window / 2), checked."""
+    from runtime.evaluate import EvaluationError, window_spans
+
+    window = min(512, max_context) if args.window is None else args.window
+    if window > max_context:
+        raise EvaluationError(f"--window {window} exceeds the artifact's max context ({max_context})")
+    stride = max(1, window // 2) if args.stride is None else args.stride
+    window_spans(0, window, stride)  # checks window >= 2 and 1 <= stride <= window
+    return window, stride
+
+
+def _score(args, candidate: _ArtifactInfo, reference: _ArtifactInfo | None, token_ids: list[int], window: int, stride: int):
+    """Run the sliding-window evaluation with a progress bar over windows."""
+    from rich.progress import Progress
+
+    from runtime import Engine
+    from runtime.evaluate import decode_logits_for, evaluate, window_spans
+
+    def load(scored: _ArtifactInfo):
+        return decode_logits_for(Engine.load(scored.path, intra_op_threads=args.threads).backend)
+
+    model = load(candidate)
+    reference_logits = load(reference) if reference is not None else None
+    with Progress(console=console) as progress:
+        label = candidate.name if reference is None else f"{reference.name} vs {candidate.name}"
+        task = progress.add_task(f"scoring {label}", total=len(window_spans(len(token_ids), window, stride)))
+        return evaluate(token_ids, model, window=window, stride=stride, reference_logits_for=reference_logits,
+                        on_window=lambda done, total: progress.update(task, completed=done))
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    import json
+
+    if path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        console.print(f"wrote {out}", highlight=False)
+
+
+def _eval(args) -> None:
+    artifact = _ArtifactInfo(args.artifact)
+    window, stride = _window_and_stride(args, artifact.max_context)
+    token_ids = _evaluation_tokens(args, artifact)
+    result = _score(args, artifact, None, token_ids, window, stride)
+    table = Table(title=f"perplexity on {args.text} ({len(token_ids)} tokens, no BOS)")
+    for column in ("artifact", "MiB", "tokens scored", "window", "stride", "perplexity"):
+        table.add_column(column, justify="left" if column == "artifact" else "right")
+    table.add_row(artifact.name, f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored), str(window), str(stride),
+                  f"{result.perplexity:.4f}")
+    console.print(table)
+    _write_json(args.json, {"artifact": str(args.artifact), "name": artifact.name, "bytes": artifact.bytes,
+                            "text": args.text, "tokens": len(token_ids), **result.to_dict()})
+
+
+def _compare(args) -> None:
+    from runtime.evaluate import EvaluationError
+
+    reference, candidate = _ArtifactInfo(args.reference), _ArtifactInfo(args.candidate)
+    if reference.tokenizer_file.read_bytes() != candidate.tokenizer_file.read_bytes():
+        raise EvaluationError(f"{args.reference} and {args.candidate} have different tokenizers "
+                              f"({reference.tokenizer_file.name} differs); compare needs the same tokens and "
+                              f"vocabulary")
+    window, stride = _window_and_stride(args, min(reference.max_context, candidate.max_context))
+    token_ids = _evaluation_tokens(args, reference)
+    result = _score(args, candidate, reference, token_ids, window, stride)
+    table = Table(title=f"{args.text}: {result.tokens_scored} tokens scored, window {window}, stride {stride}; "
+                        f"B against A (KL(A || B), nats per token)")
+    for column in ("", "artifact", "MiB", "perplexity", "top-1 agreement", "mean KL"):
+        table.add_column(column, justify="left" if column in ("", "artifact") else "right")
+    table.add_row("A", reference.name, f"{reference.bytes / 2**20:.2f}", f"{result.reference_perplexity:.4f}", "", "")
+    table.add_row("B", candidate.name, f"{candidate.bytes / 2**20:.2f}", f"{result.perplexity:.4f}",
+                  f"{result.top1_agreement:.2%}", f"{result.mean_kl:.6f}")
+    console.print(table)
+    describe = lambda scored, path, perplexity, nll: {  # noqa: E731
+        "artifact": str(path), "name": scored.name, "bytes": scored.bytes, "perplexity": perplexity, "mean_nll": nll}
+    _write_json(args.json, {
+        "text": args.text, "tokens": len(token_ids), "tokens_scored": result.tokens_scored, "windows": result.windows,
+        "window": window, "stride": stride,
+        "reference": describe(reference, args.reference, result.reference_perplexity, result.reference_mean_nll),
+        "candidate": describe(candidate, args.candidate, result.perplexity, result.mean_nll),
+        "top1_agreement": result.top1_agreement, "mean_kl_nats": result.mean_kl,
+        "kl_direction": "KL(reference || candidate)",
+    })
+
+
+def _add_evaluation_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--text", required=True,
+                         help="UTF-8 text file, or builtin:pydoc-held-out (the last ~10%% of Python's docs)")
+    command.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens (default: 4096)")
+    command.add_argument("--window", type=int, default=None,
+                         help="tokens per window (default: 512, or the max context if smaller)")
+    command.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
+    command.add_argument("--json", default=None, metavar="OUT", help="also write the results to this JSON file")
+    command.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -252,6 +403,13 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--baseline", action="append", default=None,
                        help="also serve the workload with transformers or onnxruntime-genai (repeatable)")
     bench.add_argument("--threads", type=int, default=None, help="intra-op threads for every backend (default: all cores)")
+    bench.add_argument("--batching", action="append", choices=("continuous", "static"), default=None,
+                       help="the scheduler's batching (default: continuous); repeat to serve with both and compare")
+    bench.add_argument("--slots", type=int, default=None,
+                       help="KV-cache slots = sequences decoded together (default: --concurrency for "
+                            "--arrival concurrency, else 8)")
+    bench.add_argument("--prefill-chunk", type=int, default=None,
+                       help="prefill at most this many prompt tokens per step while others decode (default: whole)")
     bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench-<name>[-<phase>].json)")
     bench.add_argument("--phase", choices=("prefill", "decode"), default=None,
                        help="time the prefill or decode graph alone instead of serving a workload")
@@ -261,6 +419,16 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=5, help="--phase prefill: timed runs per length (median)")
     bench.add_argument("--steps", type=int, default=32, help="--phase decode: timed steps per context")
     bench.set_defaults(handler=_bench)
+    evaluate = commands.add_parser("eval", help="perplexity of an artifact on a text (sliding windows)")
+    evaluate.add_argument("artifact")
+    _add_evaluation_options(evaluate)
+    evaluate.set_defaults(handler=_eval)
+    compare = commands.add_parser("compare", help="perplexity of two artifacts, and B's top-1 agreement and KL "
+                                                  "against A")
+    compare.add_argument("reference", metavar="A", help="the reference artifact")
+    compare.add_argument("candidate", metavar="B", help="the artifact compared against A (same tokenizer)")
+    _add_evaluation_options(compare)
+    compare.set_defaults(handler=_compare)
     return root
 
 

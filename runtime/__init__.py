@@ -2,8 +2,9 @@
 from runtime.engine import Engine, Generation, GenerationResult, Timings
 from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
 from runtime.sampling import SamplingParams
+from runtime.scheduler import RequestHandle, Scheduler
 
 __all__ = [
-    "Engine", "Generation", "GenerationResult", "Timings", "SamplingParams",
+    "Engine", "Generation", "GenerationResult", "Timings", "SamplingParams", "RequestHandle", "Scheduler",
     "AotlmRuntimeError", "ArtifactError", "RequestError",
 ]

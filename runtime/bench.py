@@ -1,7 +1,10 @@
 """`aotlm bench`: a serving workload (arrivals, prompt and output lengths) run through one engine, timed per request.
 
-The engine serves one request at a time, so requests go through a single worker thread fed by a queue. A request's
-`arrival` is when it entered the queue: time spent waiting shows in its TTFT and `queue`. Arrivals:
+Two kinds of server. A blocking one (`aotlm_server`: the batch-1 engine path; the baselines) serves one request at
+a time, so requests go through a single worker thread fed by a queue. A `ScheduledServer` submits each request to
+the engine's scheduler (runtime/scheduler.py, continuous or static batching over S cache slots) the moment it
+arrives, so many are in flight at once. Either way a request's `arrival` is when it was sent: time spent waiting
+shows in its TTFT and `queue`. Arrivals:
     all          every request enters the queue at once
     concurrency  closed loop: C clients, each sends its next request when its previous one finishes
     poisson      a seeded Poisson process of `rate` requests/s (exponential gaps; the first arrives at 0)
@@ -28,6 +31,7 @@ from runtime.metrics import RequestTrace, summarize
 ARRIVALS = ("all", "concurrency", "poisson")
 BASELINES = ("transformers", "onnxruntime-genai")  # their runners: benchmarks/baselines.py (a source checkout)
 Serve = Callable[[list, int, float], RequestTrace]  # (prompt_ids, output_tokens, arrival) -> trace
+OnDone = Callable[[RequestTrace | BaseException], None]
 
 
 class BenchError(RequestError):
@@ -153,12 +157,41 @@ def aotlm_server(engine) -> Serve:
     return serve
 
 
-def run_workload(serve: Serve, workload: Workload, on_done: Callable[[], None] | None = None) -> list[RequestTrace]:
-    """Serve the warm-up requests one by one, then the workload through one worker thread; traces in request order."""
+class ScheduledServer:
+    """Serves through the engine's scheduler: `submit` returns at once, the trace comes back through `on_done`."""
+
+    def __init__(self, engine, batching: str = "continuous", slots: int = 8, max_queue: int = 4096,
+                 prefill_chunk: int | None = None):
+        self.scheduler = engine.start_scheduler(slots=slots, batching=batching, max_queue=max_queue,
+                                                prefill_chunk=prefill_chunk)
+
+    def submit(self, prompt_ids: list[int], output_tokens: int, arrival: float, on_done: OnDone) -> None:
+        handle = self.scheduler.submit(prompt_ids, max_new_tokens=output_tokens, stop_token_ids=(), arrival=arrival)
+        handle.add_done_callback(lambda h: on_done(h.exception() or h.result().timings.trace))
+
+    def __call__(self, prompt_ids: list[int], output_tokens: int, arrival: float) -> RequestTrace:
+        """One request, waited for (the warm-up)."""
+        return self.scheduler.submit(prompt_ids, max_new_tokens=output_tokens, stop_token_ids=(),
+                                     arrival=arrival).result().timings.trace
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+def run_workload(serve: Serve | ScheduledServer, workload: Workload,
+                 on_done: Callable[[], None] | None = None) -> list[RequestTrace]:
+    """Serve the warm-up requests one by one, then the workload (through one worker thread for a blocking server,
+    submitted on arrival to a ScheduledServer); traces in request order."""
     for request in workload.warmup:
         serve(request.prompt_ids, request.output_tokens, time.perf_counter())
         on_done and on_done()
     requests, pending, done, stop = workload.requests, queue.Queue(), queue.Queue(), threading.Event()
+    if isinstance(serve, ScheduledServer):
+        def send(index: int, arrival: float) -> None:
+            serve.submit(requests[index].prompt_ids, requests[index].output_tokens, arrival,
+                         lambda result: done.put((index, result)))
+    else:
+        send = lambda index, arrival: pending.put((index, arrival))  # noqa: E731
 
     def worker() -> None:
         while (item := pending.get()) is not None and not stop.is_set():
@@ -169,11 +202,12 @@ def run_workload(serve: Serve, workload: Workload, on_done: Callable[[], None] |
                 done.put((index, error))
 
     thread = threading.Thread(target=worker, name="bench-worker", daemon=True)
-    thread.start()
+    if not isinstance(serve, ScheduledServer):
+        thread.start()
     start = time.perf_counter()
     first = {"all": len(requests), "concurrency": workload.concurrency, "poisson": 0}[workload.arrival]
     for index in range(first):  # these arrive together, at the start
-        pending.put((index, start))
+        send(index, start)
     traces: list[RequestTrace | None] = [None] * len(requests)
     sent, completed = first, 0
     try:
@@ -183,7 +217,7 @@ def run_workload(serve: Serve, workload: Workload, on_done: Callable[[], None] |
                 due = start + workload.offsets[sent]
                 timeout = due - time.perf_counter()
                 if timeout <= 0:  # arrival = the scheduled time: a late main thread does not shorten queueing
-                    pending.put((sent, due))
+                    send(sent, due)
                     sent += 1
                     continue
             try:
@@ -199,12 +233,13 @@ def run_workload(serve: Serve, workload: Workload, on_done: Callable[[], None] |
             completed += 1
             on_done and on_done()
             if workload.arrival == "concurrency" and sent < len(requests):  # that client sends its next one
-                pending.put((sent, time.perf_counter()))
+                send(sent, time.perf_counter())
                 sent += 1
     finally:
         stop.set()
         pending.put(None)
-        thread.join()
+        if thread.is_alive():
+            thread.join()
     return traces
 
 

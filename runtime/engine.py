@@ -8,13 +8,18 @@ Phases per request: tokenize -> prefill (whole prompt, first token sampled) -> d
 Timings use time.perf_counter from the moment the request is received (`stream()` called; TTFT includes
 tokenization): every result carries its raw timestamps as `result.timings.trace` (a runtime.metrics.RequestTrace,
 which runtime.metrics.summarize aggregates over many requests).
+
+Many requests at once: `engine.submit(prompt, **sampling)` (or `generate([...prompts])`) queues them for the
+scheduler (runtime/scheduler.py: continuous batching over a slot-based KV cache); `generate(prompt)` and
+`stream(prompt)` keep the one-request, batch-1 path above.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
@@ -23,6 +28,9 @@ from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
 from runtime.sampling import Sampler, SamplingParams
 from runtime.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from runtime.scheduler import RequestHandle, Scheduler
 
 
 @dataclass
@@ -99,8 +107,8 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
-    finish_reason: str  # "stop" (stop token or string), "length" (max_new_tokens) or "max_context"
-    timings: Timings
+    finish_reason: str  # "stop" (stop token or string), "length" (max_new_tokens), "max_context", "cancelled"
+    timings: Timings | None  # None only for a request cancelled before its first token
 
 
 class Generation:
@@ -128,6 +136,8 @@ class Engine:
         self.max_context = manifest["kv_cache"]["max_context"]
         self.eos_token_ids = tuple(manifest["tokenizer"]["eos_token_ids"])
         self.backend.allocate_cache(batch=1)  # once, here: not inside any request's timing
+        self._scheduler: Scheduler | None = None  # continuous batching, started by submit / start_scheduler
+        self._scheduler_lock = threading.Lock()  # two first submits from two threads start one scheduler
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None) -> "Engine":
@@ -146,10 +156,42 @@ class Engine:
         return cls(folder, manifest, backend, tokenizer)
 
     # -- requests ---------------------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 arrival: float | None = None, **sampling) -> GenerationResult:
-        """Run one request to the end. Sampling options as keywords (see SamplingParams) or as `params`."""
+    def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
+                 *, arrival: float | None = None, **sampling) -> GenerationResult | list[GenerationResult]:
+        """Run one request to the end. Sampling options as keywords (see SamplingParams) or as `params`.
+
+        A list of prompts (strings or token-id lists) runs through the scheduler (continuous batching, see
+        `submit`), each with the same sampling options; returns their results in order.
+        """
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], (int, np.integer)):
+            handles = [self.submit(one, params, arrival=arrival, block=True, **sampling) for one in prompt]
+            return [handle.result() for handle in handles]
         return self.stream(prompt, params, arrival=arrival, **sampling).wait()
+
+    def start_scheduler(self, **options) -> "Scheduler":
+        """(Re)start the scheduler that `submit` uses: slots, batching, max_queue, prefill_chunk (runtime/scheduler.py).
+
+        A running scheduler is closed first (its unfinished requests fail); its cache is freed with it.
+        """
+        from runtime.scheduler import Scheduler  # here: runtime.scheduler imports this module's result types
+
+        self.close()
+        self._scheduler = Scheduler(self, **options)
+        return self._scheduler
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               arrival: float | None = None, block: bool = False, **sampling) -> "RequestHandle":
+        """Queue a request for continuous batching; returns a RequestHandle at once (iterate it for text pieces,
+        `.result()`, `.cancel()`). Thread-safe. Starts a default scheduler (8 slots) on first use."""
+        with self._scheduler_lock:
+            scheduler = self._scheduler or self.start_scheduler()
+        return scheduler.submit(prompt, params, arrival=arrival, block=block, **sampling)
+
+    def close(self) -> None:
+        """Stop the scheduler, if one runs (its worker thread and slot cache)."""
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler.close()
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                arrival: float | None = None, **sampling) -> Generation:

@@ -4,6 +4,7 @@ The cache is allocated once per batch size: per layer one key and one value OrtV
 [batch, kv_heads, max_context, head_dim]. Each is bound as the `past` input AND the aliased `present`
 output of both graphs (IOBinding), so a step writes its new keys/values in place and never copies or
 reallocates the cache. Only the small per-step tensors (ids, positions, mask, logits) are rebound.
+`SlotCache` is the scheduler's cache: many independent sequences, one slot each (see its docstring).
 """
 from __future__ import annotations
 
@@ -87,9 +88,68 @@ class OnnxRuntimeBackend:
 
     def run(self, phase: str, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """One step over the bound cache. Arrays are int64 [batch, sequence] / [batch, total]; returns logits."""
-        binding = self.bindings[phase]
-        binding.bind_cpu_input("input_ids", input_ids)
-        binding.bind_cpu_input("position_ids", position_ids)
-        binding.bind_cpu_input("attention_mask", attention_mask)
-        self.sessions[phase].run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+        return run_bound(self.sessions[phase], self.bindings[phase], input_ids, position_ids, attention_mask)
+
+    def allocate_slots(self, slots: int) -> "SlotCache":
+        """A cache of `slots` sequences for the scheduler, beside (not replacing) the batch-1 cache."""
+        return SlotCache(self, slots)
+
+
+def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, input_ids: np.ndarray, position_ids: np.ndarray,
+              attention_mask: np.ndarray) -> np.ndarray:
+    """Bind the per-step inputs and run over whatever cache the binding already holds; returns the logits."""
+    # A binding keeps the logits OrtValue of its last run, and onnxruntime refuses to write another shape into
+    # it (a decode step after a multi-token chunk): ask for a fresh one each run. Rebinding by name keeps the
+    # logits the first output.
+    binding.bind_output("logits", "cpu")
+    binding.bind_cpu_input("input_ids", input_ids)
+    binding.bind_cpu_input("position_ids", position_ids)
+    binding.bind_cpu_input("attention_mask", attention_mask)
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()[0].numpy()
+
+
+class SlotCache:
+    """The KV cache of the scheduler (runtime/scheduler.py): `slots` sequences, one slot each, allocated once.
+
+    Per layer one key and one value array [slots, kv_heads, max_context, head_dim], owned by numpy and wrapped
+    zero-copy as OrtValues. Rows lo:hi of such an array are one contiguous block, so a slot (j:j+1) or a prefix
+    of slots (0:k) is bound as both the past input and the aliased present output with no copy: a prefill
+    writes straight into its slot, and a decode step runs over the prefix of slots that holds every active
+    sequence. One IOBinding per (phase, rows) is made on first use and kept, so a step rebinds only the small
+    ids / positions / mask tensors.
+    """
+
+    def __init__(self, backend: OnnxRuntimeBackend, slots: int):
+        self.backend = backend
+        self.slots = slots
+        shape = tuple(slots if dim == "batch" else dim for dim in backend.kv_spec["shape"])
+        self.arrays = [np.empty(shape, dtype=np.float32) for _ in backend.past_names]
+        for array in self.arrays:
+            array.fill(0.0)  # touch every page now, so resident memory does not creep up as slots fill
+        self._bindings: dict[tuple[str, int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.arrays)
+
+    def views(self, start: int, stop: int) -> list[ort.OrtValue]:
+        """OrtValues over rows start:stop of every buffer, sharing the numpy memory (no copy)."""
+        return [ort.OrtValue.ortvalue_from_numpy(array[start:stop]) for array in self.arrays]
+
+    def run(self, phase: str, rows: tuple[int, int], input_ids: np.ndarray, position_ids: np.ndarray,
+            attention_mask: np.ndarray) -> np.ndarray:
+        """One graph run over the cache rows rows[0]:rows[1] (the batch); arrays as OnnxRuntimeBackend.run."""
+        key = (phase, *rows)
+        if key not in self._bindings:
+            binding = self.backend.sessions[phase].io_binding()
+            binding.bind_output("logits", "cpu")  # first, as in allocate_cache: get_outputs()[0] is the logits
+            views = self.views(*rows)  # kept with the binding: the OrtValues must outlive it
+            for name, view in zip(self.backend.past_names, views):
+                binding.bind_ortvalue_input(name, view)
+                binding.bind_ortvalue_output(self.backend.present_for_past[name], view)
+            self._bindings[key] = (binding, views)
+        binding, _ = self._bindings[key]
+        # A binding keeps the logits OrtValue of its last run; a chunk of another length needs a fresh one.
+        binding.bind_output("logits", "cpu")
+        return run_bound(self.backend.sessions[phase], binding, input_ids, position_ids, attention_mask)

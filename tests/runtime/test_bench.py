@@ -151,6 +151,8 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
     (["--prompt-tokens", "abc"], "not a token count"),
     (["--phase", "prefill", "--prompt-lengths", "128"], "max context (128)"),
     (["--phase", "decode", "--baseline", "transformers"], "does not apply to --phase"),
+    (["--slots", "0", "--prompt-tokens", "8"], "--slots must be >= 1, got 0"),
+    (["--prefill-chunk", "0", "--prompt-tokens", "8"], "--prefill-chunk must be >= 1, got 0"),
 ])
 def test_cli_bad_input_one_line_exit_2(tiny_artifact, capsys, args, message):
     assert cli.main(["bench", str(tiny_artifact), *args]) == 2
@@ -177,3 +179,34 @@ def test_transformers_baseline_serves_same_workload(tiny_artifact, encode):
     w = workload(encode, requests=3, arrival="concurrency", concurrency=2, output_tokens="6")
     traces = run_workload(serve, w)
     assert [t.output_tokens for t in traces] == [6, 6, 6] and all(t.queue >= 0 for t in traces)
+
+
+@pytest.mark.parametrize("arrival, settings", [("all", {}), ("concurrency", {"concurrency": 3}),
+                                               ("poisson", {"rate": 400.0})])
+def test_scheduled_server_batches_requests(tiny_engine, encode, arrival, settings):
+    w = workload(encode, requests=9, arrival=arrival, output_tokens="3:12", warmup=1, **settings)
+    for batching in ("continuous", "static"):
+        server = bench.ScheduledServer(tiny_engine, batching, slots=3)
+        try:
+            traces = run_workload(server, w)
+        finally:
+            server.close()
+        assert [t.output_tokens for t in traces] == [r.output_tokens for r in w.requests]
+        if arrival == "concurrency":
+            assert max(in_flight_at_arrivals(traces)) <= 3
+        spans = sorted((t.prefill_start, t.finish) for t in traces)
+        most_at_once = max(sum(s <= start < f for s, f in spans) for start, _ in spans)
+        assert most_at_once <= 3  # never more than the slots
+        if arrival == "all":
+            assert most_at_once >= 2  # served together, not one after another
+
+
+def test_cli_bench_compares_static_and_continuous(tiny_artifact, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", str(tiny_artifact), "--requests", "6", "--prompt-tokens", "8:16", "--output-tokens",
+                     "4:9", "--batching", "static", "--batching", "continuous", "--slots", "3", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert list(saved["backends"]) == ["aotlm-static", "aotlm-continuous"]
+    assert saved["settings"]["slots"] == 3 and saved["settings"]["batching"] == ["static", "continuous"]
+    assert all(entry["summary"]["requests"] == 6 for entry in saved["backends"].values())

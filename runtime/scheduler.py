@@ -1,0 +1,323 @@
+"""Continuous batching: many requests share one slot-based KV cache; prefill and decode are scheduled apart.
+
+    engine.start_scheduler(slots=8)                        # optional: engine.submit starts a default one
+    handle = engine.submit("Once upon", max_new_tokens=32, temperature=0.8, seed=1)
+    for piece in handle: print(piece, end="")              # text pieces as tokens arrive
+    handle.result()                                        # GenerationResult; handle.cancel() stops it early
+
+The front is thread-safe and blocking, not asyncio: `submit` may be called from any thread and returns at once;
+one background worker thread owns the cache and runs every graph (started on demand, it exits after
+`idle_exit_s` with nothing to do). Each iteration of the worker (`_step`):
+  1. admit waiting requests into free slots, lowest slot first, so the busy slots stay packed at the front;
+  2. prefill admitted requests, each alone (batch 1) straight into its slot's rows of the cache; with
+     `prefill_chunk` at most that many prompt tokens per iteration while other requests are decoding, so a long
+     prompt does not stall their tokens (onnxruntime's GroupQueryAttention takes a chunk after a past at batch 1);
+  3. one batched decode step over slots 0..k-1 (k = the highest decoding slot + 1), each row with its own
+     position and mask length; a row that is not decoding writes one throw-away key/value at its next free
+     position, which its next prefill overwrites before anything reads it;
+  4. sample per request (its own Sampler and seed), check its stops, hand text to its handle; a request that
+     finishes frees its slot at once, a cancelled one at the start of the next iteration.
+batching="static" admits only when every slot is free: fixed batches run to completion (for comparison).
+
+Capacity: a request needs prompt + max_new_tokens - 1 cache positions (the last token is never fed back); one
+that can never fit is refused at submit with a RequestError, as is a request that finds the queue of waiting
+requests full (`max_queue`), unless submitted with block=True. An accepted request is never dropped.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from runtime.engine import GenerationResult, Timings
+from runtime.errors import RequestError
+from runtime.metrics import RequestTrace
+from runtime.sampling import Sampler, SamplingParams
+from runtime.tokenizer import StreamDecoder
+
+BATCHING = ("continuous", "static")
+_END = object()  # the last item of a handle's piece queue
+
+
+class RequestHandle:
+    """One submitted request. Iterate (one consumer) for its text pieces; `result()` waits for the whole result.
+
+    A cancelled request's result has finish_reason "cancelled", the tokens made so far, and timings None when it
+    made none. A request that failed (the graph raised) raises that error from `result()` and from iteration.
+    """
+
+    def __init__(self, scheduler: "Scheduler", request_id: int, prompt_token_ids: list[int]):
+        self.id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._scheduler = scheduler
+        self._pieces: queue.SimpleQueue = queue.SimpleQueue()
+        self._future: Future = Future()
+        self.cancelled = False
+
+    def __iter__(self) -> Iterator[str]:
+        while (piece := self._pieces.get()) is not _END:
+            yield piece
+        self._future.result()  # raises the request's error, if it failed
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error the request failed with (after waiting for it), or None."""
+        return self._future.exception(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> None:
+        """Stop the request: a waiting one leaves the queue now, a running one frees its slot at the next step."""
+        self._scheduler._cancel(self)
+
+    def add_done_callback(self, callback: Callable[["RequestHandle"], None]) -> None:
+        """callback(handle) once the result (or error) is set; from the worker thread, or at once if done."""
+        self._future.add_done_callback(lambda _: callback(self))
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """A request's state in the scheduler: its slot, how much of it is cached, what it has produced."""
+
+    handle: RequestHandle
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    decoder: StreamDecoder
+    arrival: float
+    tokenize_s: float
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens in the cache
+    next_token: int | None = None  # sampled, not yet fed back: set while the sequence is decoding
+    output: list[int] = field(default_factory=list)
+    text: str = ""
+    token_times: list[float] = field(default_factory=list)
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens in the cache = the position the next fed token is written at."""
+        return self.prefilled + max(len(self.token_times) - 1, 0)
+
+
+class Scheduler:
+    """slots: sequences in the cache at once (its memory: slots x max context x the manifest's KV bytes per token);
+    batching: "continuous" or "static"; max_queue: requests allowed to wait for a slot; prefill_chunk: prompt
+    tokens prefilled per step while others decode (None: whole prompts); idle_exit_s: the worker's idle life."""
+
+    def __init__(self, engine, *, slots: int = 8, batching: str = "continuous", max_queue: int = 256,
+                 prefill_chunk: int | None = None, idle_exit_s: float = 1.0):
+        if batching not in BATCHING:
+            raise RequestError(f"batching: {batching!r} is not one of {', '.join(BATCHING)}")
+        for name, value in (("slots", slots), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
+            if value is not None and value < 1:
+                raise RequestError(f"{name}: {value} must be >= 1")
+        self.engine = engine
+        self.slots, self.batching, self.max_queue, self.prefill_chunk = slots, batching, max_queue, prefill_chunk
+        self.idle_exit_s = idle_exit_s
+        self.cache = engine.backend.allocate_slots(slots)  # once: requests only take and free slots
+        self._running: list[_Sequence | None] = [None] * slots  # by slot; touched by the worker thread only
+        self._waiting: deque[_Sequence] = deque()
+        self._lock = threading.Condition()  # guards _waiting, _worker, _closed
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self._ids = itertools.count()
+
+    # -- the front: any thread ------------------------------------------------------------------------------
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               arrival: float | None = None, block: bool = False, **sampling) -> RequestHandle:
+        """Queue a request; returns its handle at once. block=True waits for room instead of refusing."""
+        params = params or SamplingParams(**sampling)
+        started = time.perf_counter()
+        received = started if arrival is None else min(arrival, started)
+        prompt_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        tokenize_s = time.perf_counter() - started
+        self._check_fits(prompt_ids, params)
+        stop_ids = self.engine.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
+        sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids), prompt_ids, params, Sampler(params),
+                             frozenset(stop_ids), self.engine.tokenizer.stream_decoder(), received, tokenize_s)
+        with self._lock:
+            while not self._closed and len(self._waiting) >= self.max_queue:
+                if not block:
+                    raise RequestError(f"the request queue is full ({self.max_queue} waiting for {self.slots} busy "
+                                       f"slots); retry later, submit with block=True, or raise max_queue")
+                self._lock.wait()
+            if self._closed:
+                raise RequestError("the scheduler is closed; start another with engine.start_scheduler()")
+            self._waiting.append(sequence)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="aotlm-scheduler", daemon=True)
+                self._worker.start()
+            self._lock.notify_all()
+        return sequence.handle
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine._check_fits(prompt_ids)  # empty, or a prompt alone longer than the cache
+        needed = len(prompt_ids) + params.max_new_tokens - 1
+        if needed > self.engine.max_context:
+            raise RequestError(
+                f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) need {needed} "
+                f"cache positions, but this artifact's max context is {self.engine.max_context}; ask for at most "
+                f"{self.engine.max_context + 1 - len(prompt_ids)} new tokens or shorten the prompt")
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._lock:
+            handle.cancelled = True
+            waiting = next((s for s in self._waiting if s.handle is handle), None)
+            if waiting is not None:  # never admitted: leaves the queue now, making room
+                self._waiting.remove(waiting)
+                self._finish(waiting, "cancelled")
+                self._lock.notify_all()
+
+    def close(self) -> None:
+        """Refuse new requests, fail the waiting and running ones with a RequestError, stop the worker."""
+        with self._lock:
+            self._closed = True
+            worker = self._worker
+            self._lock.notify_all()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+
+    # -- the worker thread -------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                busy = lambda: self._waiting or any(self._running)  # noqa: E731
+                if not self._closed and not busy():
+                    self._lock.wait_for(lambda: self._waiting or self._closed, timeout=self.idle_exit_s)
+                if self._closed:
+                    closed = RequestError("the scheduler was closed before this request finished")
+                    for sequence in [*self._waiting, *filter(None, self._running)]:
+                        self._fail(sequence, closed)
+                    self._waiting.clear()
+                if self._closed or not busy():
+                    self._worker = None  # under the lock: a submit after this starts a new worker
+                    return
+                self._admit()
+                self._lock.notify_all()  # room in the queue for blocked submitters
+            try:
+                self._step()
+            except Exception as error:  # a graph failed: fail the running requests, keep serving the rest
+                for sequence in filter(None, self._running):
+                    self._fail(sequence, error)
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots (the lock is held). Static: only into an empty cache."""
+        if self.batching == "static" and any(self._running):
+            return
+        for slot in range(self.slots):
+            if not self._waiting:
+                break
+            if self._running[slot] is None:
+                sequence = self._waiting.popleft()
+                sequence.slot = slot
+                self._running[slot] = sequence
+
+    def _step(self) -> None:
+        for sequence in filter(None, self._running):
+            if sequence.handle.cancelled:
+                self._finish(sequence, "cancelled")
+        decoding = any(s is not None and s.next_token is not None for s in self._running)
+        self._prefill(budget=self.prefill_chunk if self.prefill_chunk and decoding else None)
+        self._decode()
+
+    def _prefill(self, budget: int | None) -> None:
+        """Prefill admitted requests, first come first served, at most `budget` prompt tokens in all (None: all)."""
+        prefilling = [s for s in self._running if s is not None and s.prefilled < len(s.prompt_ids)]
+        for sequence in sorted(prefilling, key=lambda s: s.handle.id):
+            while sequence.prefilled < len(sequence.prompt_ids) and budget != 0:
+                start = sequence.prefilled
+                remaining = len(sequence.prompt_ids) - start
+                count = remaining if budget is None else min(budget, remaining)
+                budget = None if budget is None else budget - count
+                ids = np.array([sequence.prompt_ids[start:start + count]], dtype=np.int64)
+                positions = np.arange(start, start + count, dtype=np.int64)[None]
+                mask = np.ones((1, start + count), dtype=np.int64)
+                rows = (sequence.slot, sequence.slot + 1)
+                if sequence.prefill_start is None:
+                    sequence.prefill_start = time.perf_counter()
+                if start == 0:  # the prefill graph (no past) returns the last position's logits: [1, vocab]
+                    logits = self.cache.run("prefill", rows, ids, positions, mask)[0]
+                else:  # a chunk after a past: the decode graph at batch 1, logits [1, count, vocab]
+                    logits = self.cache.run("decode", rows, ids, positions, mask)[0, -1]
+                sequence.prefilled += count
+                if sequence.prefilled == len(sequence.prompt_ids):
+                    sequence.prefill_end = time.perf_counter()
+                    self._accept(sequence, sequence.sampler(logits))
+            if budget == 0:
+                break
+
+    def _decode(self) -> None:
+        """One decode step for every decoding sequence, batched over the prefix of slots that holds them all."""
+        rows = [slot for slot, s in enumerate(self._running) if s is not None and s.next_token is not None]
+        if not rows:
+            return
+        batch = rows[-1] + 1
+        lengths = np.zeros(batch, dtype=np.int64)  # per row: cached tokens = where its new key/value goes
+        ids = np.zeros((batch, 1), dtype=np.int64)
+        for slot in range(batch):
+            sequence = self._running[slot]
+            if sequence is not None:  # decoding, or mid-prefill (a throw-away write its next chunk overwrites)
+                lengths[slot] = sequence.length
+                ids[slot, 0] = 0 if sequence.next_token is None else sequence.next_token
+        mask = (np.arange(lengths.max() + 1)[None] <= lengths[:, None]).astype(np.int64)  # right padded
+        logits = self.cache.run("decode", (0, batch), ids, lengths[:, None], mask)  # [batch, 1, vocab]
+        for slot in rows:
+            sequence = self._running[slot]
+            self._accept(sequence, sequence.sampler(logits[slot, -1]))
+
+    def _accept(self, sequence: _Sequence, token: int) -> None:
+        """A sampled token: record it, stream its text, stop or keep decoding (the stops of Engine.stream)."""
+        sequence.token_times.append(time.perf_counter())
+        sequence.next_token = None
+        params = sequence.params
+        if token in sequence.stop_ids:
+            return self._finish(sequence, "stop")
+        sequence.output.append(token)
+        piece = sequence.decoder.push(token)
+        if piece:
+            sequence.text += piece
+            sequence.handle._pieces.put(piece)
+        if params.stop_strings and any(stop in sequence.text for stop in params.stop_strings):
+            return self._finish(sequence, "stop")
+        if len(sequence.output) >= params.max_new_tokens:
+            return self._finish(sequence, "length")
+        sequence.next_token = token  # fed back at position `length` by the next decode step
+
+    def _release(self, sequence: _Sequence) -> None:
+        if sequence.slot is not None and self._running[sequence.slot] is sequence:
+            self._running[sequence.slot] = None
+        sequence.next_token = None
+
+    def _finish(self, sequence: _Sequence, reason: str) -> None:
+        self._release(sequence)
+        text = self.engine.tokenizer.decode(sequence.output)
+        for stop in sequence.params.stop_strings:  # the text ends before a stop string, as in Engine.stream
+            text = text.split(stop, 1)[0]
+        timings = None
+        if sequence.token_times:
+            trace = RequestTrace(
+                arrival=sequence.arrival, prefill_start=sequence.prefill_start, first_token=sequence.token_times[0],
+                token_times=sequence.token_times, finish=time.perf_counter(), prompt_tokens=len(sequence.prompt_ids),
+                output_tokens=len(sequence.token_times), prefill_end=sequence.prefill_end)
+            timings = Timings(trace, sequence.tokenize_s)
+        sequence.handle._pieces.put(_END)
+        sequence.handle._future.set_result(
+            GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings))
+
+    def _fail(self, sequence: _Sequence, error: BaseException) -> None:
+        self._release(sequence)
+        sequence.handle._pieces.put(_END)
+        sequence.handle._future.set_exception(error)

@@ -1,0 +1,232 @@
+"""runtime/scheduler.py on the tiny artifact: batched requests make exactly the tokens they make alone.
+
+"Alone" is the engine's batch-1 path (Engine.generate with one prompt), itself checked against a full torch
+recompute in test_engine.py. Timings are never asserted, only the order of events where the design fixes it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from runtime import RequestError
+from runtime.metrics import summarize
+
+
+@pytest.fixture
+def engine(tiny_engine):
+    yield tiny_engine
+    tiny_engine.close()  # stop the scheduler's worker thread
+
+
+def mixed_requests(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_new_tokens): prompts of 1..60 tokens, outputs of 1..40 tokens; always fits 128."""
+    rng = np.random.default_rng(seed)
+    return [([1] + rng.integers(3, 512, size=int(rng.integers(0, 60))).tolist(), int(rng.integers(1, 41)))
+            for _ in range(count)]
+
+
+def alone(engine, prompt: list[int], max_new_tokens: int, **sampling) -> list[int]:
+    return engine.generate(prompt, max_new_tokens=max_new_tokens, stop_token_ids=(), **sampling).token_ids
+
+
+def slowed(scheduler, seconds: float = 0.002):
+    """Make every graph run of this scheduler take at least `seconds`: a request stays running long enough for
+    the test thread to act on it, however loaded the machine."""
+    run = scheduler.cache.run
+
+    def slow_run(*args):
+        time.sleep(seconds)
+        return run(*args)
+
+    scheduler.cache.run = slow_run
+    return scheduler
+
+
+def admitted_while_others_decode(results) -> bool:
+    """Some request began its prefill after another had made a decode step and before that other finished."""
+    traces = [r.timings.trace for r in results]
+    return any(len(a.token_times) > 1 and a.token_times[1] < b.prefill_start < a.finish for a in traces for b in traces)
+
+
+def overlapping(results) -> int:
+    """The most requests that were between prefill start and finish at the same moment."""
+    spans = [(r.timings.trace.prefill_start, r.timings.trace.finish) for r in results]
+    return max(sum(start <= s < finish for start, finish in spans) for s, _ in spans)
+
+
+def test_slot_cache_views_share_memory_and_a_prefill_writes_only_its_slot(engine):
+    cache = engine.backend.allocate_slots(3)
+    views = cache.views(1, 2)
+    assert [v.data_ptr() for v in views] == [a[1:2].ctypes.data for a in cache.arrays]  # zero-copy
+    assert all(v.shape() == [1, *a.shape[1:]] for v, a in zip(views, cache.arrays))
+    prompt = [1, 17, 300, 42, 9]
+    ids, positions, mask = np.array([prompt]), np.arange(5)[None], np.ones((1, 5), dtype=np.int64)
+    logits = cache.run("prefill", (1, 2), ids, positions, mask)
+    np.testing.assert_array_equal(logits, engine.backend.run("prefill", ids, positions, mask))
+    batch_one = engine.backend.cache
+    for name, array in zip(cache.backend.past_names, cache.arrays):
+        expected = batch_one.buffers[batch_one.past_names.index(name)].numpy()
+        np.testing.assert_array_equal(array[1, :, :5], expected[0, :, :5])  # written in place, in slot 1 only
+        assert not array[0].any() and not array[2].any() and not array[1, :, 5:].any()
+
+
+@pytest.mark.parametrize("batching, prefill_chunk", [("continuous", None), ("continuous", 7), ("static", None)])
+def test_staggered_mixed_requests_make_their_alone_tokens(engine, batching, prefill_chunk):
+    requests = mixed_requests(14)
+    expected = [alone(engine, prompt, n) for prompt, n in requests]
+    engine.start_scheduler(slots=4, batching=batching, prefill_chunk=prefill_chunk)
+    handles = []
+    for index, (prompt, n) in enumerate(requests):  # staggered: some arrive while others decode
+        handles.append(engine.submit(prompt, max_new_tokens=n, stop_token_ids=()))
+        time.sleep(0.003 * (index % 3))
+    results = [handle.result(timeout=60) for handle in handles]
+    assert [r.token_ids for r in results] == expected
+    assert [r.finish_reason for r in results] == ["length"] * len(requests)
+    assert 1 < overlapping(results) <= 4  # batched, never more than the slots
+    # static: a fixed batch runs to completion before the next one is admitted (its prefills all come before
+    # its first decode step); continuous: a freed slot is refilled while the others go on decoding
+    assert admitted_while_others_decode(results) == (batching == "continuous")
+    summary = summarize([r.timings.trace for r in results])
+    assert summary["output_tokens"] == sum(n for _, n in requests)
+
+
+def test_sampling_seeds_and_stops_are_per_request(engine):
+    cases = [dict(temperature=1.0, seed=7), dict(temperature=0.8, top_k=20, seed=3), dict(temperature=1.0, top_p=0.9,
+             seed=11), {}]
+    prompt = [1, 30, 31, 32]
+    expected = [alone(engine, prompt, 20, **case) for case in cases]
+    handles = [engine.submit(prompt, max_new_tokens=20, stop_token_ids=(), **case) for case in cases]
+    assert [h.result().token_ids for h in handles] == expected
+    greedy = expected[-1]
+    by_token = engine.submit(prompt, max_new_tokens=20, stop_token_ids=(greedy[3],)).result()
+    assert by_token.finish_reason == "stop" and by_token.token_ids == greedy[:3]
+    assert by_token.timings.output_tokens == 4  # the stop token counts as produced, not as output
+    text = engine.generate(prompt, max_new_tokens=20, stop_token_ids=()).text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    reference = engine.generate(prompt, max_new_tokens=20, stop_token_ids=(), stop_strings=(stop,))
+    by_string = engine.submit(prompt, max_new_tokens=20, stop_token_ids=(), stop_strings=(stop,)).result()
+    assert (by_string.finish_reason, by_string.text, by_string.token_ids) == (
+        "stop", reference.text, reference.token_ids)
+
+
+def test_streamed_pieces_join_to_the_text(engine):
+    handle = engine.submit("hello world", max_new_tokens=16, stop_token_ids=())
+    pieces = list(handle)
+    result = handle.result()
+    assert "".join(pieces) == result.text == engine.generate("hello world", max_new_tokens=16, stop_token_ids=()).text
+    assert result.timings.output_tokens == 16 and result.prompt_token_ids == handle.prompt_token_ids
+
+
+def test_generate_a_list_runs_through_the_scheduler(engine):
+    prompts = ["one", [1, 5, 6], "three little words"]
+    expected = [engine.generate(p, max_new_tokens=9, stop_token_ids=()).token_ids for p in prompts]
+    results = engine.generate(prompts, max_new_tokens=9, stop_token_ids=())
+    assert [r.token_ids for r in results] == expected and engine._scheduler is not None
+    assert engine.generate([1, 5, 6], max_new_tokens=9, stop_token_ids=()).token_ids == expected[1]  # ids: one prompt
+
+
+def test_cancel_frees_the_slot_and_others_are_unaffected(engine):
+    scheduler = slowed(engine.start_scheduler(slots=2))
+    long, other, late = [1, 7, 8, 9], [1, 40, 41], [1, 99]
+    expected_other, expected_late = alone(engine, other, 110), alone(engine, late, 5)
+    cancelled = engine.submit(long, max_new_tokens=110, stop_token_ids=())
+    running = engine.submit(other, max_new_tokens=110, stop_token_ids=())
+    waiting = engine.submit(late, max_new_tokens=5, stop_token_ids=())  # no free slot until one is cancelled
+    next(iter(cancelled))  # it is running: it made a token
+    cancelled.cancel()
+    result = cancelled.result(timeout=30)
+    assert result.finish_reason == "cancelled" and 1 <= len(result.token_ids) < 110
+    assert result.token_ids == alone(engine, long, 110)[: len(result.token_ids)]
+    assert waiting.result(timeout=30).token_ids == expected_late
+    finished = running.result(timeout=30)
+    assert finished.token_ids == expected_other
+    assert waiting.result().timings.trace.prefill_start < finished.timings.trace.finish  # took the freed slot
+    assert scheduler._running == [None, None]
+
+
+def test_cancel_a_waiting_request_removes_it_from_the_queue(engine):
+    slowed(engine.start_scheduler(slots=1, max_queue=1))
+    first = engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    next(iter(first))
+    queued = engine.submit([1, 4], max_new_tokens=3)
+    with pytest.raises(RequestError, match="queue is full"):
+        engine.submit([1, 5], max_new_tokens=3)
+    queued.cancel()
+    result = queued.result(timeout=1)
+    assert (result.finish_reason, result.token_ids, result.timings) == ("cancelled", [], None)
+    assert engine.submit([1, 5], max_new_tokens=3, stop_token_ids=()).result(timeout=30).token_ids  # room again
+    assert len(first.result(timeout=30).token_ids) == 100
+
+
+def test_full_queue_refuses_and_loses_nothing(engine):
+    slowed(engine.start_scheduler(slots=1, max_queue=2))
+    first = engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    next(iter(first))  # admitted: the two below wait
+    queued = [engine.submit([1, n], max_new_tokens=4, stop_token_ids=()) for n in (10, 11)]
+    with pytest.raises(RequestError, match=r"queue is full \(2 waiting for 1 busy slots\)"):
+        engine.submit([1, 12], max_new_tokens=4)
+    blocked: list = []
+    thread = threading.Thread(target=lambda: blocked.append(engine.submit([1, 12], max_new_tokens=4, block=True,
+                                                                            stop_token_ids=())))
+    thread.start()  # waits for room instead of refusing
+    thread.join(timeout=60)
+    results = [h.result(timeout=30) for h in [first, *queued, *blocked]]
+    assert [len(r.token_ids) for r in results] == [100, 4, 4, 4]
+    assert [r.token_ids for r in results[1:]] == [alone(engine, [1, n], 4) for n in (10, 11, 12)]
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submit(engine):
+    with pytest.raises(RequestError, match=r"prompt \(100 tokens\) \+ max_new_tokens \(40\) need 139 cache positions"
+                                           r".*max context is 128; ask for at most 29"):
+        engine.submit([5] * 100, max_new_tokens=40)
+    with pytest.raises(RequestError, match="max context is 128"):
+        engine.submit([5] * 200)
+    with pytest.raises(RequestError, match="empty"):
+        engine.submit([])
+    exact = engine.submit([5] * 100, max_new_tokens=29, stop_token_ids=()).result(timeout=30)  # the last one fits
+    assert len(exact.token_ids) == 29
+
+
+def test_a_failing_graph_fails_running_requests_and_serving_goes_on(engine, monkeypatch):
+    scheduler = engine.start_scheduler(slots=2)
+    run = scheduler.cache.run
+    calls = []
+
+    def flaky(phase, *args):
+        calls.append(phase)
+        if len(calls) == 3:
+            raise RuntimeError("graph failed")
+        return run(phase, *args)
+
+    monkeypatch.setattr(scheduler.cache, "run", flaky)
+    handle = engine.submit([1, 2, 3], max_new_tokens=10, stop_token_ids=())
+    with pytest.raises(RuntimeError, match="graph failed"):
+        handle.result(timeout=30)
+    with pytest.raises(RuntimeError, match="graph failed"):
+        list(handle)
+    assert engine.submit([1, 2, 3], max_new_tokens=4, stop_token_ids=()).result(timeout=30).token_ids == alone(
+        engine, [1, 2, 3], 4)
+
+
+def test_close_fails_unfinished_requests_and_refuses_new_ones(engine):
+    scheduler = slowed(engine.start_scheduler(slots=1))
+    handles = [engine.submit([1, n], max_new_tokens=100, stop_token_ids=()) for n in (5, 6)]
+    next(iter(handles[0]))
+    scheduler.close()
+    for handle in handles:
+        with pytest.raises(RequestError, match="closed before this request finished"):
+            handle.result(timeout=30)
+    with pytest.raises(RequestError, match="scheduler is closed"):
+        scheduler.submit([1, 2], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(slots=0), "slots: 0 must be >= 1"), (dict(batching="dynamic"), "not one of continuous, static"),
+    (dict(max_queue=0), "max_queue: 0 must be >= 1"), (dict(prefill_chunk=0), "prefill_chunk: 0 must be >= 1"),
+])
+def test_bad_scheduler_options_are_refused(engine, options, message):
+    with pytest.raises(RequestError, match=message):
+        engine.start_scheduler(**options)
