@@ -94,9 +94,15 @@ def _inspect(args) -> None:
         passes.add_column(column)
     for result in manifest["passes"]:
         report = result["report"]
-        summary = ", ".join(f"{k}={v}" for k, v in report.items() if isinstance(v, (int, float, str)))[:100]
+        flat = {**report, **report.get("totals", {})}  # quantize keeps its counts under totals
+        summary = ", ".join(f"{k}={v}" for k, v in flat.items() if isinstance(v, (int, str))
+                            or (isinstance(v, float) and not k.endswith("error")))[:100]
         passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", summary)
     console.print(passes)
+    if "accuracy" in manifest:
+        from compiler.accuracy import format_accuracy
+
+        console.print(format_accuracy(manifest["accuracy"]), highlight=False)
     files = Table(title="files" + (" (sha256 verified)" if args.verify else " (sizes checked; --verify hashes)"))
     files.add_column("file")
     files.add_column("MiB", justify="right")

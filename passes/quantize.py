@@ -6,12 +6,16 @@
 Methods (settings per layer: the pass's options, then the first `overrides` entry whose pattern matches):
   rtn   round to nearest, no data;
   awq   per-input-channel scales searched on calibration statistics (passes/quantize_algorithms.py), the 1/s
-        folded into the op before the MatMuls that share the input (passes/awq_fold.py);
-  gptq  rounding with error compensation from the calibration Hessian E[x xᵀ].
+        folded into the op before the MatMuls that share the input (passes/awq_fold.py), then each block's
+        range clipped to the ratio that minimises its output error (AWQ's auto-clip);
+  gptq  rounding with error compensation from the calibration Hessian E[x xᵀ];
+  awq_gptq  AWQ's scales and folds, then GPTQ's rounding of the scaled weights (the best of the four on the
+        default model, README).
 Every weight goes through the one representation (`passes.quantized_weights.QuantizedWeight`) and is then
 lowered per backend: `com.microsoft.MatMulNBits` for onnxruntime, `DequantizeLinear` feeding MatMul for
 TensorRT and plain ONNX (passes/quantized_lowering_*.py). INT4 uses blocks of `block_size` along K; INT8 is
-per output channel. A K the block size does not divide is skipped with that reason, never padded.
+per output channel. When the block size does not divide K the last block is partial: padded with zeros (the
+report says so per layer), which MatMulNBits, DequantizeLinear and GatherBlockQuantized all accept.
 
 The embedding table (a Gather on a constant) stays float unless `embedding: quantized`; onnxruntime then
 reads it through `com.microsoft.GatherBlockQuantized`, sharing the tied lm_head's codes when the model ties
@@ -34,14 +38,14 @@ import onnx_graphsurgeon as gs
 from passes.awq_fold import apply_input_scales
 from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics
 from passes.errors import PassError
-from passes.quantize_algorithms import awq_search, quantize_gptq, relative_output_error
+from passes.quantize_algorithms import awq_search, quantize_clipped, quantize_gptq, relative_output_error
 from passes.quantized_lowering_dq import rewrite_dequantize_linear
-from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, matmulnbits_constants, rewrite_gather_block_quantized,
-                                           rewrite_matmulnbits)
+from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, for_matmulnbits, matmulnbits_constants,
+                                           rewrite_gather_block_quantized, rewrite_matmulnbits)
 from passes.quantized_weights import QuantizedWeight, dequantize, quantize_rtn
 
 FLOAT_TYPES = (np.float32, np.float16)
-Method = Literal["rtn", "awq", "gptq"]
+Method = Literal["rtn", "awq", "gptq", "awq_gptq"]
 
 
 @dataclass(frozen=True)
@@ -191,10 +195,6 @@ def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[
         if isinstance(settings, Settings):
             k = weight.values.shape[1 if node.op == "Gemm" else 0]
             block_size = block_size_for(settings, k)
-            if k % block_size:
-                settings = f"K={k} not divisible by block_size={block_size}; choose a block size that divides it"
-            elif block_size < 16 or block_size & (block_size - 1):
-                settings = f"per-channel block K={k} is not a power of two >= 16, which MatMulNBits needs"
         if isinstance(settings, str):
             skipped.append({"node": node.name, "reason": settings})
             continue
@@ -202,6 +202,9 @@ def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[
             skipped.append({"node": node.name, "reason": f"max_rewrites={options.max_rewrites}"})
             continue
         target = Target(node, weight, replace(settings, block_size=block_size), input_name=node.inputs[0].name)
+        if k % block_size:
+            blocks = -(-k // block_size)
+            target.note = f"K={k} padded to {blocks} blocks of {block_size} (the last holds {k % block_size} values)"
         if options.embedding == "quantized" and any(c.op == "Gather" for c in weight.outputs) \
                 and settings.method != "rtn":
             # The table is also gathered as the embedding: calibrated codes fit the lm_head's inputs, not a row lookup.
@@ -240,7 +243,7 @@ def search_awq_scales(targets: list[Target], statistics: Statistics, memo: dict)
     """Set each AWQ target's input scales: one search per group of targets that read the same activation."""
     groups: dict[tuple, list[Target]] = {}
     for target in targets:
-        if target.settings.method == "awq":
+        if target.settings.method in ("awq", "awq_gptq"):
             groups.setdefault((target.input_name, target.settings), []).append(target)
     for (_, settings), group in groups.items():
         key = ("awq", settings, *(digest(t.weight) for t in group))
@@ -275,8 +278,12 @@ def quantize_target(target: Target, statistics: Statistics, memo: dict) -> tuple
     if key not in memo:
         stats = statistics(target)
         scaled = weight if scales is None else weight * scales[:, None]
-        if settings.method == "gptq":
-            qw = quantize_gptq(scaled, stats.hessian, settings.bits, settings.block_size, settings.symmetric)
+        # A scaled weight sees inputs x / s: E[(x/s)(x/s)ᵀ] = H / (s sᵀ).
+        hessian = None if stats is None else stats.hessian if scales is None else stats.hessian / np.outer(scales, scales)
+        if settings.method in ("gptq", "awq_gptq"):
+            qw = quantize_gptq(scaled, hessian, settings.bits, settings.block_size, settings.symmetric)
+        elif settings.method == "awq":
+            qw = quantize_clipped(scaled, hessian, settings.bits, settings.block_size, settings.symmetric)
         else:
             qw = quantize_rtn(scaled, settings.bits, settings.block_size, settings.symmetric)
         error = None
@@ -315,9 +322,11 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             key = id(qw)
             bytes_after = 0  # a weight shared by several nodes is stored once, counted at its first node
             if key not in lowered_ort:
-                lowered_ort[key] = matmulnbits_constants(target.constant.name, qw, dtype)
-                bytes_after = sum(int(c.values.nbytes) for c in lowered_ort[key])
-            rewrite_matmulnbits(graph, target.node, activation, qw, lowered_ort[key], options.accuracy_level)
+                layout = for_matmulnbits(qw)
+                lowered_ort[key] = layout, matmulnbits_constants(target.constant.name, layout, dtype)
+                bytes_after = sum(int(c.values.nbytes) for c in lowered_ort[key][1])
+            layout, constants = lowered_ort[key]
+            rewrite_matmulnbits(graph, target.node, activation, layout, constants, options.accuracy_level)
         else:
             matmul = as_matmul(graph, target)
             bytes_after = rewrite_dequantize_linear(graph, matmul, qw, f"{target.constant.name}_{id(qw)}", dtype,
@@ -381,15 +390,15 @@ def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options,
     tied = next((t for t in targets if t.constant is table and t.node.op == "Gemm"), None)
     settings = tied.settings if tied else replace(base_settings(options), method="rtn")
     hidden = table.values.shape[1]
-    block_size = block_size_for(settings, hidden)
-    if hidden % block_size or block_size < 16 or block_size & (block_size - 1):
+    if hidden * settings.bits % 8:
         return {"quantized": False, "node": gather.name,
-                "reason": f"hidden size {hidden} and block {block_size}: GatherBlockQuantized needs a power-of-two "
-                          f"block >= 16 that divides it"}
+                "reason": f"hidden size {hidden} x {settings.bits} bits is not whole bytes per row"}
     if tied:
         qw, _ = quantize_target(tied, lambda _: None, memo)
     else:
-        qw = quantize_rtn(table.values.T.astype(np.float32), settings.bits, block_size, settings.symmetric)
+        qw = quantize_rtn(table.values.T.astype(np.float32), settings.bits, block_size_for(settings, hidden),
+                          settings.symmetric)
+    qw = for_matmulnbits(qw)  # GatherBlockQuantized takes the same power-of-two blocks as MatMulNBits
     rewrite_gather_block_quantized(graph, gather, qw, table.values.dtype)
     return {"quantized": True, "node": gather.name, "kernel": "com.microsoft.GatherBlockQuantized",
             "bits": qw.bits, "block_size": qw.block_size, "shares_codes_with": tied.node.name if tied else None}

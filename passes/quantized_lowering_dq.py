@@ -57,9 +57,9 @@ def dequantize_linear_inputs(qw: QuantizedWeight, weight_name: str,
                              dtype: np.dtype) -> tuple[list[onnx.TensorProto], dict]:
     """DequantizeLinear's x, x_scale (, x_zero_point) tensors in [K, N] layout, and its attributes."""
     if qw.zero_points is None:
-        x = (qw.codes.T.astype(np.int16) - (1 << (qw.bits - 1))).astype(SIGNED[qw.bits])  # [K, N]
+        x = (qw.unpadded_codes.T.astype(np.int16) - (1 << (qw.bits - 1))).astype(SIGNED[qw.bits])  # [K, N]
     else:
-        x = qw.codes.T.astype(UNSIGNED[qw.bits])
+        x = qw.unpadded_codes.T.astype(UNSIGNED[qw.bits])
     tensors = [packed_tensor(f"{weight_name}_q{qw.bits}", x),
                packed_tensor(f"{weight_name}_scale", per_block_layout(qw.scales, qw).astype(dtype))]
     if qw.zero_points is not None:

@@ -8,16 +8,32 @@
 
 A tied embedding table is the lm_head's weight read row by row (V output channels, blocks along H), so the
 gather's data holds the same bytes as the lm_head's MatMulNBits B: the artifact writer stores equal contents
-once. Both ops default to the midpoint zero point when none is given, as the representation does.
+once (unless the block size leaves a partial last block, which MatMulNBits pads and GatherBlockQuantized does not). Both ops default to the midpoint zero point when none is given, as the representation does.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.quantized_weights import QuantizedWeight, pack_matmulnbits
+from passes.quantized_weights import QuantizedWeight, pack_low_first, pack_matmulnbits
 
 MICROSOFT_DOMAIN = "com.microsoft"
+
+
+def for_matmulnbits(qw: QuantizedWeight) -> QuantizedWeight:
+    """qw in blocks MatMulNBits accepts (a power of two >= 16). INT8 per channel (one block of K, e.g. 576) is
+    re-expressed exactly: the channel's scale repeated over power-of-two blocks, a partial last block padded."""
+    size = qw.block_size
+    if size >= 16 and size & (size - 1) == 0:
+        return qw
+    size = next((b for b in (256, 128, 64, 32, 16) if qw.k % b == 0), 128)
+    blocks = -(-qw.k // size)
+    fill = (1 << (qw.bits - 1)) if qw.zero_points is None else qw.zero_points  # the code of 0 in each row
+    codes = np.empty((qw.n, blocks * size), np.uint8)
+    codes[:, :] = fill if np.isscalar(fill) else fill[:, :1]
+    codes[:, : qw.k] = qw.unpadded_codes
+    zero_points = None if qw.zero_points is None else np.repeat(qw.zero_points[:, :1], blocks, axis=1)
+    return QuantizedWeight(codes, np.repeat(qw.scales[:, :1], blocks, axis=1), zero_points, qw.bits, size, qw.k, qw.n)
 
 
 def matmulnbits_constants(name: str, qw: QuantizedWeight, dtype: np.dtype) -> list[gs.Constant]:
@@ -44,9 +60,11 @@ def rewrite_matmulnbits(graph: gs.Graph, node: gs.Node, activation: gs.Variable,
 
 def rewrite_gather_block_quantized(graph: gs.Graph, gather: gs.Node, qw: QuantizedWeight, dtype: np.dtype) -> int:
     """Replace Gather(table [V, H], ids) by GatherBlockQuantized over qw (K = H, N = V); returns bytes stored."""
-    blob, scales, zero_points = pack_matmulnbits(qw)
+    _, scales, zero_points = pack_matmulnbits(qw)
+    # The gather reads [V, H * bits / 8] (no padding): the lm_head's B bytes when blocks divide H, else its own.
+    data = pack_low_first(qw.unpadded_codes, qw.bits)
     name = gather.inputs[0].name
-    constants = [gs.Constant(f"{name}_gather_q{qw.bits}", blob.reshape(qw.n, -1)),
+    constants = [gs.Constant(f"{name}_gather_q{qw.bits}", data),
                  gather.inputs[1], gs.Constant(f"{name}_gather_scales", scales.astype(dtype))]
     if zero_points is not None:
         constants.append(gs.Constant(f"{name}_gather_zero_points", zero_points))

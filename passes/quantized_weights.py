@@ -4,6 +4,8 @@ numpy dequantization (the reference every lowering is checked against), and its 
 
 A float weight W is [K, N] (MatMul's B: K is the reduction axis). The codes are stored transposed, [N, K], the
 way MatMulNBits and DequantizeLinear-per-channel both read them: one row per output channel, blocks along K.
+When the block size does not divide K, the last block is partial: the codes are padded with the code of 0 to
+blocks * block_size columns (MatMulNBits' layout); DequantizeLinear and GatherBlockQuantized read the first K.
 
     W[k, n] ~= (codes[n, k] - zero_point[n, k // block_size]) * scale[n, k // block_size]
 
@@ -19,7 +21,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    codes: np.ndarray               # uint8 [N, K], unpacked unsigned codes in [0, 2**bits)
+    codes: np.ndarray               # uint8 [N, blocks * block_size], unpacked unsigned codes in [0, 2**bits)
     scales: np.ndarray              # float32 [N, blocks]
     zero_points: np.ndarray | None  # uint8 [N, blocks], or None for the midpoint 2**(bits-1)
     bits: int
@@ -29,7 +31,16 @@ class QuantizedWeight:
 
     @property
     def blocks(self) -> int:
-        return self.k // self.block_size
+        return -(-self.k // self.block_size)  # ceil: a partial last block is padded
+
+    @property
+    def padded(self) -> bool:
+        return self.k % self.block_size != 0
+
+    @property
+    def unpadded_codes(self) -> np.ndarray:
+        """[N, K]: the codes of the weight's own elements."""
+        return self.codes[:, : self.k]
 
     def zero_points_or_midpoint(self) -> np.ndarray:
         if self.zero_points is not None:
@@ -70,19 +81,22 @@ def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool
     """Round-to-nearest quantization of a [K, N] float weight, blocks of `block_size` along K.
 
     Every element is within scale/2 of its dequantized value (see `block_parameters` for the two schemes).
-    INT8 per channel is block_size = K.
+    INT8 per channel is block_size = K. A partial last block is padded with zeros (which encode exactly).
     """
     if bits not in (4, 8):
         raise ValueError(f"bits={bits}: only 4 and 8 are supported")
     k, n = weight.shape
-    if k % block_size:
-        raise ValueError(f"K={k} not divisible by block_size={block_size}")
-    blocks = k // block_size
+    blocks = -(-k // block_size)
     # [K, N] -> [N, blocks, block_size]: one row per output channel, split into blocks along K.
-    blocked = weight.astype(np.float32).T.reshape(n, blocks, block_size)
+    blocked = pad_k(weight.astype(np.float32), blocks * block_size).T.reshape(n, blocks, block_size)
     scales, zero_points = block_parameters(blocked, bits, symmetric)
     codes = encode(blocked, scales[..., None], None if zero_points is None else zero_points[..., None], bits)
-    return QuantizedWeight(codes.reshape(n, k), scales, zero_points, bits, block_size, k, n)
+    return QuantizedWeight(codes.reshape(n, blocks * block_size), scales, zero_points, bits, block_size, k, n)
+
+
+def pad_k(weight: np.ndarray, k: int) -> np.ndarray:
+    """[K, N] with zero rows appended up to k."""
+    return weight if weight.shape[0] == k else np.pad(weight, [(0, k - weight.shape[0]), (0, 0)])
 
 
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
@@ -90,7 +104,7 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     codes = qw.codes.reshape(qw.n, qw.blocks, qw.block_size)
     zero_points = None if qw.zero_points is None else qw.zero_points[..., None]
     blocked = decode(codes, qw.scales[..., None], zero_points, qw.bits)
-    return blocked.reshape(qw.n, qw.k).T.copy()
+    return blocked.reshape(qw.n, qw.blocks * qw.block_size)[:, : qw.k].T.copy()
 
 
 def pack_low_first(values: np.ndarray, bits: int) -> np.ndarray:

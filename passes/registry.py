@@ -35,5 +35,5 @@ PASSES: dict[str, PassEntry] = {
     "fuse_rms_norm": PassEntry(fuse_rms_norm.run, fuse_rms_norm.Options,
                                "RMSNorm (+ residual Add) -> onnxruntime's (Skip)SimplifiedLayerNormalization"),
     "quantize": PassEntry(quantize.run, quantize.Options,
-                          "MatMul with a constant weight -> com.microsoft.MatMulNBits (RTN, INT4 blocked / INT8 per channel)"),
+                          "MatMul weights -> INT4 blocked / INT8 per channel (rtn, awq, gptq) as MatMulNBits or DequantizeLinear"),
 }

@@ -142,12 +142,24 @@ def test_calibrated_methods_without_calibration_data_are_an_error(method):
         quantize.run(matmul_model(random_weight()), quantize.Options(method=method))
 
 
-def test_a_block_size_that_does_not_divide_k_is_skipped_with_a_reason():
-    quantized, report = quantize.run(matmul_model(random_weight(k=80)), quantize.Options(bits=4, block_size=32))
-    assert [n.op_type for n in quantized.graph.node] == ["MatMul"]
-    assert report["skipped"] == [{"node": "proj", "reason":
-                                  "K=80 not divisible by block_size=32; choose a block size that divides it"}]
-    assert report["totals"]["quantized"] == 0 and report["totals"]["skipped"] == 1
+@pytest.mark.parametrize("lowering", ["matmulnbits", "dequantize_linear"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_block_size_that_does_not_divide_k_is_padded_and_still_exact(bits, lowering):
+    """K=80: INT4 blocks of 32 end in a partial block of 16; INT8 per channel (one block of 80, not a power of two)
+    becomes MatMulNBits blocks of 16 with the channel's scale repeated. Both must equal the numpy reference."""
+    weight = random_weight(k=80)
+    options = quantize.Options(bits=bits, block_size=32, lowering=lowering)
+    quantized, report = quantize.run(matmul_model(weight), options)
+    qw = quantize_rtn(weight, bits, 32 if bits == 4 else 80, symmetric=True)
+    assert qw.blocks == (3 if bits == 4 else 1) and dequantize(qw).shape == (80, 48)
+    x = np.random.default_rng(1).standard_normal((2, 3, 80)).astype(np.float32)
+    options_ort = ort.SessionOptions()
+    options_ort.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # no DQ+MatMul fusion
+    session = ort.InferenceSession(quantized.SerializeToString(), options_ort, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"X": x})[0], x @ dequantize(qw), rtol=1e-5, atol=1e-5)
+    (layer,) = report["layers"]
+    assert report["totals"]["quantized"] == 1
+    assert (layer["note"] or "") == ("K=80 padded to 3 blocks of 32 (the last holds 16 values)" if bits == 4 else "")
 
 
 def test_an_exclude_pattern_that_matches_nothing_is_an_error():

@@ -219,3 +219,25 @@ def test_a_spec_without_tokens_is_refused_with_how_to_fix():
     spec_only = quantize.Options(method="gptq", calibration=CalibrationSpec())
     with pytest.raises(PassError, match="got a CalibrationSpec, not tokens: run it through the build"):
         quantize.run(model, spec_only)
+
+
+def test_gptq_pads_a_partial_last_block_like_rtn():
+    weight, hessian, _ = correlated_layer(k=80, n=24, rows=2048)
+    qw = quantize_gptq(weight, hessian, 4, 32, symmetric=True)
+    assert qw.codes.shape == (24, 96) and qw.scales.shape == (24, 3) and dequantize(qw).shape == (80, 24)
+    assert np.all(qw.codes[:, 80:] == 8)  # padding encodes 0
+    rtn = quantize_rtn(weight, 4, 32, symmetric=True)
+    assert relative_output_error(weight, dequantize(qw), hessian) <= relative_output_error(weight, dequantize(rtn), hessian)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_awq_range_clipping_never_loses_to_round_to_nearest(name):
+    from passes.quantize_algorithms import quantize_clipped
+
+    bits, block_size, symmetric = FORMATS[name]
+    weight, hessian, _ = correlated_layer(n=48)
+    rtn = relative_output_error(weight, dequantize(quantize_rtn(weight, bits, block_size, symmetric)), hessian)
+    clipped = relative_output_error(weight, dequantize(quantize_clipped(weight, hessian, bits, block_size, symmetric)),
+                                    hessian)
+    print(f"{name}: rtn {rtn:.3e} clipped {clipped:.3e}")
+    assert clipped <= rtn * (1 + 1e-6)  # ratio 1 is RTN; each block keeps its best ratio by its own error

@@ -1,0 +1,202 @@
+"""Quantization, in one run: size, speed and accuracy of fp32 / int8 / int4 (RTN and AWQ, blocks 32 and 128)
+builds of the default model, beside onnxruntime-genai's int4 build of the same weights.
+
+    .venv/bin/python benchmarks/quantization.py [--prompt-tokens 512] [--new-tokens 128] [--repeats 3]
+        [--eval-tokens 4096] [--window 512] [--stride 256] [--variants fp32,int8,...]
+
+Each variant is a recipe under recipes/ with a few quantize options changed (VARIANTS), built once
+into benchmarks/results/quantization/ (the build's own accuracy report is skipped: this script measures every
+variant the same way). Per variant:
+  size      bytes of the artifact's engine files (graphs + weights.bin); genai: its model folder's .onnx + data
+  TTFT/TPOT batch 1, a --prompt-tokens prompt of Python's documentation, --new-tokens greedy tokens, median of
+            --repeats runs after a warm-up (benchmarks/generate.py's harness)
+  perplexity on the held-out 10% of Python's documentation (`builtin:pydoc-held-out`, never used to calibrate),
+            first --eval-tokens tokens, sliding windows (runtime.evaluate.window_spans)
+  top-1     agreement of the next-token argmax with the fp32 artifact on the same scored positions
+Writes benchmarks/results/quantization.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
+from generate import REPO, Aotlm, Genai, machine_info, measure, prepare_folders, prompt_token_ids, versions, write_result  # noqa: E402
+
+from compiler.build import build  # noqa: E402
+from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
+from runtime.evaluate import builtin_text, encode_text, log_softmax, window_spans  # noqa: E402
+
+OUT = REPO / "benchmarks" / "results" / "quantization"
+VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
+    "fp32": ("smollm2-135m.yaml", {}),
+    "int8": ("smollm2-135m-int8.yaml", {}),
+    "int4-rtn-b32": ("smollm2-135m-int4-rtn.yaml", {}),
+    "int4-rtn-b128": ("smollm2-135m-int4-rtn.yaml", {"block_size": 128}),
+    "int4-awq-b32": ("smollm2-135m-int4.yaml", {"method": "awq"}),
+    "int4-awq-b128": ("smollm2-135m-int4.yaml", {"method": "awq", "block_size": 128}),
+    "int4-awq_gptq-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq"}),
+    "int4-awq_gptq-b128": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128}),
+}
+GENAI_INT4 = "onnxruntime-genai-int4"
+
+
+def variant_recipe(name: str):
+    file, changes = VARIANTS[name]
+    recipe = load_recipe(REPO / "recipes" / file)
+    passes = tuple(dataclasses.replace(p, options=dataclasses.replace(p.options, **changes))
+                   if p.name == "quantize" else p for p in recipe.passes)
+    return dataclasses.replace(recipe, name=f"bench-{name}", passes=passes, accuracy=AccuracySpec(enabled=False))
+
+
+def built(name: str, console: Console) -> Path:
+    """The variant's artifact, rebuilt when missing or when its recipe changed."""
+    recipe = variant_recipe(name)
+    folder = OUT / recipe.name
+    manifest = folder / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text())["recipe"] == json.loads(json.dumps(recipe.to_dict())):
+        return folder
+    console.log(f"building {name}")
+    started = time.perf_counter()
+    build(recipe, OUT, progress=lambda message: console.log(f"  {name}: {message}"))
+    console.log(f"built {name} in {time.perf_counter() - started:.0f} s")
+    return folder
+
+
+def genai_int4(hf_folder: Path, console: Console) -> Path:
+    """onnxruntime-genai's own int4 CPU build of the same Hugging Face folder (its defaults: RTN, symmetric,
+    block 32, tied embedding quantized too), built once."""
+    folder = hf_folder.parent / "genai-int4-cpu"
+    if not (folder / "genai_config.json").is_file():
+        console.log(f"building {GENAI_INT4}: {folder}")
+        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(folder),
+                   "-p", "int4", "-e", "cpu", "-c", str(hf_folder.parent / "builder-cache")]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"onnxruntime-genai's builder failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return folder
+
+
+def genai_logits_for(folder: Path, threads: int):
+    """genai's model.onnx as a logits function: a fresh sequence per call (empty past), all positions."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    inputs = {i.name: i for i in session.get_inputs()}
+    decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    empty_past = np.zeros((1, decoder["num_key_value_heads"], 0, decoder["head_size"]), np.float32)
+
+    def logits_for(token_ids: np.ndarray) -> np.ndarray:
+        n = len(token_ids)
+        feeds = {"input_ids": token_ids[None].astype(np.int64), "attention_mask": np.ones((1, n), np.int64)}
+        if "position_ids" in inputs:
+            feeds["position_ids"] = np.arange(n, dtype=np.int64)[None]
+        feeds.update({name: empty_past for name in inputs if name.startswith("past_key_values")})
+        return session.run(["logits"], feeds)[0][0]
+
+    return logits_for
+
+
+def score(logits_for, tokens: np.ndarray, spans, reference_argmax: list | None) -> dict:
+    """Perplexity over the spans' scored tokens, each span's argmax, and top-1 agreement with the reference."""
+    nll, count, agree, argmaxes = 0.0, 0, 0, []
+    for index, (start, end, first_scored) in enumerate(spans):
+        logits = logits_for(tokens[start:end])[first_scored - 1 - start:end - 1 - start]
+        targets = tokens[first_scored:end]
+        nll -= float(log_softmax(logits)[np.arange(len(targets)), targets].sum())
+        count += len(targets)
+        argmaxes.append(logits.argmax(axis=-1))
+        if reference_argmax is not None:
+            agree += int((argmaxes[-1] == reference_argmax[index]).sum())
+    return {"perplexity": float(np.exp(nll / count)), "tokens_scored": count,
+            "top1_agreement": agree / count if reference_argmax is not None else None, "argmax": argmaxes}
+
+
+def folder_bytes(folder: Path, suffixes=(".onnx", ".data", ".bin")) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in suffixes)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eval-tokens", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--stride", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--no-genai", action="store_true")
+    args = parser.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    names = [n for n in args.variants.split(",") if n]
+    if "fp32" not in names:
+        parser.error("--variants must include fp32 (the reference for top-1 agreement)")
+    names = ["fp32"] + [n for n in names if n != "fp32"]
+
+    artifacts = {name: built(name, console) for name in names}
+    manifest = json.loads((artifacts["fp32"] / "manifest.json").read_text())
+    hf_folder, _ = prepare_folders(manifest, console, want_genai=False)
+    genai_folder = None if args.no_genai else genai_int4(hf_folder, console)
+
+    from runtime import Engine
+
+    tokenizer = Engine.load(artifacts["fp32"]).tokenizer
+    tokens = np.array(encode_text(tokenizer, builtin_text("pydoc-held-out"))[:args.eval_tokens])
+    spans = window_spans(len(tokens), args.window, args.stride)
+    prompt_ids = prompt_token_ids(artifacts["fp32"], manifest, args.prompt_tokens)
+    results, reference_argmax = {}, None
+    with Progress(console=console) as progress:
+        for name in names + ([GENAI_INT4] if genai_folder else []):
+            task = progress.add_task(f"{name:24}", total=1 + args.repeats)
+            if name == GENAI_INT4:
+                backend, size = Genai(genai_folder, args.threads), folder_bytes(genai_folder)
+                logits_for = genai_logits_for(genai_folder, args.threads)
+            else:
+                backend, size = Aotlm(artifacts[name], args.threads), folder_bytes(artifacts[name])
+                from runtime.evaluate import decode_logits_for
+                logits_for = decode_logits_for(backend.engine.backend)
+            timing = measure(backend, prompt_ids, args.new_tokens, args.repeats, progress, task)
+            accuracy = score(logits_for, tokens, spans, reference_argmax)
+            if name == "fp32":
+                reference_argmax = accuracy["argmax"]
+            del accuracy["argmax"], backend, logits_for
+            results[name] = {"bytes": size, **timing["median"], **accuracy, "runs": timing["runs"]}
+
+    render(results, console)
+    report = {"settings": {**vars(args), "eval_text": "builtin:pydoc-held-out", "spans": len(spans),
+                           "variants": {n: VARIANTS[n] for n in names}},
+              "machine": machine_info(), "versions": versions(), "results": results}
+    console.print(f"wrote {write_result('quantization.json', report)}")
+    return report
+
+
+def render(results: dict, console: Console) -> None:
+    fp32 = results["fp32"]
+    genai = results.get(GENAI_INT4)
+    table = Table(title="quantization: size, speed (batch 1) and accuracy (held-out Python docs)")
+    for column in ("variant", "MB", "TTFT ms", "TPOT ms", "TPOT / genai int4", "perplexity", "vs fp32", "top-1 vs fp32"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for name, r in results.items():
+        table.add_row(name, f"{r['bytes'] / 1e6:.1f}", f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']:.2f}",
+                      f"{r['tpot_ms'] / genai['tpot_ms']:.2f}x" if genai else "-", f"{r['perplexity']:.3f}",
+                      f"{100 * (r['perplexity'] / fp32['perplexity'] - 1):+.2f}%",
+                      "-" if r["top1_agreement"] is None else f"{100 * r['top1_agreement']:.2f}%")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
