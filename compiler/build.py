@@ -28,7 +28,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
     if loaded.tokenizer_json is None:
         raise BuildError("the model source has no tokenizer (tokenizer.json); add one beside the weights")
-    passes = resolve_passes(recipe.passes, loaded.tokenizer_json)  # before the slow export: bad text fails fast
+    passes = resolve_passes(recipe.passes, loaded.tokenizer_json, say)  # before the slow export: bad text fails fast
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
     graphs = export_graphs(decoder, recipe.export.max_context, recipe.export.opset, recipe.export.prefill_logits,

@@ -37,7 +37,7 @@ def split_text(spec_text: str) -> tuple[str, str, dict]:
     return calibration, held_out, {"source": f"{path.resolve()}, first 90%"}
 
 
-def resolve(spec: CalibrationSpec, tokenizer_json: str) -> CalibrationSet:
+def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> CalibrationSet:
     """The spec's text tokenized (no special tokens) and cut into its samples."""
     calibration, _, source = split_text(spec.text)
     tokenizer = Tokenizer.from_str(tokenizer_json)
@@ -47,10 +47,10 @@ def resolve(spec: CalibrationSpec, tokenizer_json: str) -> CalibrationSet:
     except PassError as error:
         raise BuildError(f"calibration: {error}") from None
     source = {**source, "characters": len(calibration), "tokens_available": int(len(token_ids))}
-    return CalibrationSet(**dataclasses.asdict(spec), token_ids=samples, source=source)
+    return CalibrationSet(**dataclasses.asdict(spec), token_ids=samples, source=source, progress=progress)
 
 
-def resolve_passes(passes: tuple, tokenizer_json: str) -> tuple:
+def resolve_passes(passes: tuple, tokenizer_json: str, progress=None) -> tuple:
     """The recipe's passes with each quantize pass's calibration spec replaced by its tokens (one set per spec,
     shared by both phases, whose memo then makes both graphs' quantized weights identical)."""
     resolved: dict[CalibrationSpec, CalibrationSet] = {}
@@ -59,7 +59,7 @@ def resolve_passes(passes: tuple, tokenizer_json: str) -> tuple:
         calibration = getattr(spec.options, "calibration", None)
         if spec.name == "quantize" and calibration is not None and not isinstance(calibration, CalibrationSet):
             if calibration not in resolved:
-                resolved[calibration] = resolve(calibration, tokenizer_json)
+                resolved[calibration] = resolve(calibration, tokenizer_json, progress)
             spec = dataclasses.replace(spec, options=dataclasses.replace(spec.options, calibration=resolved[calibration]))
         out.append(spec)
     return tuple(out)

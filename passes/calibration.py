@@ -50,6 +50,11 @@ class CalibrationSet(CalibrationSpec):
     token_ids: np.ndarray | None = None  # int64 [samples, length]
     source: dict = field(default_factory=dict)  # what was read: file or "pydoc", characters, tokens available
     memo: dict = field(default_factory=dict, repr=False)
+    progress: Callable[[str], None] | None = field(default=None, repr=False)  # the build's progress lines
+
+    def say(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress(message)
 
     def describe(self) -> dict:
         return {"text": self.text, "samples": self.samples, "length": self.length, "seed": self.seed,

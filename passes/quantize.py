@@ -235,7 +235,11 @@ class Statistics:
             return None
         if self.stats is None:
             names = list(dict.fromkeys(t.input_name for t in self.targets))
-            self.stats = collect_statistics(self.model, names, self.calibration)
+            say = self.calibration.say
+            say(f"calibration: running the float graph on {self.calibration.samples} samples of "
+                f"{self.calibration.length} tokens, {len(names)} weight inputs")
+            self.stats = collect_statistics(self.model, names, self.calibration, progress=lambda done, total: say(
+                f"calibration: sample {done}/{total}") if done == total or done % max(1, total // 8) == 0 else None)
         return self.stats[target.input_name]
 
 
@@ -245,7 +249,9 @@ def search_awq_scales(targets: list[Target], statistics: Statistics, memo: dict)
     for target in targets:
         if target.settings.method in ("awq", "awq_gptq"):
             groups.setdefault((target.input_name, target.settings), []).append(target)
-    for (_, settings), group in groups.items():
+    for index, ((_, settings), group) in enumerate(groups.items(), 1):
+        if index % max(1, len(groups) // 4) == 0 and statistics.calibration is not None:
+            statistics.calibration.say(f"awq: scale search {index}/{len(groups)} input groups")
         key = ("awq", settings, *(digest(t.weight) for t in group))
         if key not in memo:
             stats = statistics(group[0])
@@ -314,8 +320,11 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     fold_awq_scales(graph, targets)
 
     layers, lowered_ort, lowered_dq = [], {}, {}
-    for target in targets:
+    say = calibration.say if calibration is not None else (lambda message: None)
+    for index, target in enumerate(targets, 1):
         qw, error = quantize_target(target, statistics, memo)
+        if index == len(targets) or index % max(1, len(targets) // 8) == 0:
+            say(f"quantize: {index}/{len(targets)} weights ({target.settings.method})")
         dtype = target.constant.values.dtype
         activation = target.activation
         if options.lowering == "matmulnbits":

@@ -27,9 +27,18 @@ def quantized_recipe(tiny_recipe, quantize=QUANTIZE, name="tiny-awq"):
     return parse_recipe(data, origin="test")
 
 
+BUILD_MESSAGES: list[str] = []
+
+
 @pytest.fixture(scope="module")
 def quantized_artifact(tiny_recipe, tmp_path_factory):
-    return build(quantized_recipe(tiny_recipe), tmp_path_factory.mktemp("quantized"))
+    return build(quantized_recipe(tiny_recipe), tmp_path_factory.mktemp("quantized"), progress=BUILD_MESSAGES.append)
+
+
+def test_long_steps_report_progress(quantized_artifact):
+    for expected in ("calibration: sample 4/4", "awq: scale search", "quantize: 15/15 weights (awq)",
+                     "accuracy: window"):
+        assert any(message.startswith(expected) for message in BUILD_MESSAGES), (expected, BUILD_MESSAGES)
 
 
 def test_manifest_reports_calibration_sizes_and_held_out_accuracy(quantized_artifact, tiny_artifact):
