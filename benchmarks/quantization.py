@@ -42,6 +42,7 @@ OUT = REPO / "benchmarks" / "results" / "quantization"
 VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "fp32": ("smollm2-135m.yaml", {}),
     "int8": ("smollm2-135m-int8.yaml", {}),
+    "int8-acc4": ("smollm2-135m-int8.yaml", {"accuracy_level": 4}),
     "int4-rtn-b32": ("smollm2-135m-int4-rtn.yaml", {}),
     "int4-rtn-b128": ("smollm2-135m-int4-rtn.yaml", {"block_size": 128}),
     "int4-awq-b32": ("smollm2-135m-int4.yaml", {"method": "awq"}),
@@ -49,6 +50,8 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "int4-awq_gptq-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq"}),
     "int4-awq_gptq-b128": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128}),
 }
+DEFAULT_VARIANTS = ("fp32", "int8", "int8-acc4", "int4-rtn-b32", "int4-rtn-b128", "int4-awq_gptq-b32",
+                    "int4-awq_gptq-b128")
 GENAI_INT4 = "onnxruntime-genai-int4"
 
 
@@ -131,7 +134,7 @@ def folder_bytes(folder: Path, suffixes=(".onnx", ".data", ".bin")) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"from {', '.join(VARIANTS)}")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)

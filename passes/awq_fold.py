@@ -5,6 +5,7 @@ Folded into the op that produces x when it is linear per channel and feeds only 
     (Skip)SimplifiedLayerNormalization(x, [skip,] gamma) -> y        gamma <- gamma / s
     Mul(y, c) with a constant c of K values                          c     <- c / s
     Mul(a, MatMul(h, U)) (SwiGLU's gate * up, down's input)          U     <- U diag(1/s)  (up's output columns)
+    Mul(a, Split(MatMul(h, [G | U]))) (gate/up packed by pack_projections)  U's columns of the packed weight
     Reshape(y, [..., K]) of any of the above (lm_head after the final norm)
 
 Otherwise (e.g. o_proj, whose input comes from attention) an explicit Mul(x, 1/s) is inserted before the
@@ -75,11 +76,35 @@ def _fold_into_producer(producer: gs.Node, activation: gs.Variable, inverse: np.
             return f"folded into Mul {producer.name!r} (constant operand)"
     for operand in producer.inputs:
         source = operand.inputs[0] if operand.inputs else None
-        if source is None or source.op != "MatMul" or len(operand.outputs) != 1:
+        if source is None or len(operand.outputs) != 1:
+            continue
+        columns = slice(0, size)
+        if source.op == "Split":  # gate and up packed into one MatMul (pack_projections): up's columns of it
+            columns = _split_columns(source, operand, size)
+            packed = source.inputs[0]
+            source = packed.inputs[0] if columns is not None and len(packed.outputs) == 1 and packed.inputs else None
+        if source is None or source.op != "MatMul":
             continue
         weight = source.inputs[1]
         if isinstance(weight, gs.Constant) and len(weight.outputs) == 1 and weight.values.ndim == 2 \
-                and weight.values.shape[1] == size:
-            weight.values = (weight.values * inverse[None, :].astype(weight.values.dtype)).astype(weight.values.dtype)
-            return f"folded into MatMul {source.name!r} (output columns)"
+                and weight.values.shape[1] >= columns.stop:
+            values = weight.values.copy()
+            values[:, columns] *= inverse[None, :].astype(values.dtype)
+            if columns.stop - columns.start == values.shape[1]:
+                weight.values = values
+                return f"folded into MatMul {source.name!r} (output columns)"
+            weight.values = values
+            return f"folded into MatMul {source.name!r} (output columns {columns.start}:{columns.stop})"
     return None
+
+
+def _split_columns(split: gs.Node, part: gs.Variable, size: int) -> slice | None:
+    """Which columns of the Split's input (last axis) `part` is, when the sizes are constant."""
+    sizes = split.inputs[1] if len(split.inputs) > 1 else None
+    if split.attrs.get("axis") not in (-1, 2) or not isinstance(sizes, gs.Constant):
+        return None
+    index = next(i for i, output in enumerate(split.outputs) if output is part)
+    start = int(sizes.values[:index].sum())
+    if int(sizes.values[index]) != size:
+        return None
+    return slice(start, start + size)

@@ -8,14 +8,14 @@
 
 A tied embedding table is the lm_head's weight read row by row (V output channels, blocks along H), so the
 gather's data holds the same bytes as the lm_head's MatMulNBits B: the artifact writer stores equal contents
-once (unless the block size leaves a partial last block, which MatMulNBits pads and GatherBlockQuantized does not). Both ops default to the midpoint zero point when none is given, as the representation does.
+once (with a partial last block the gathered rows are padded too, and a Slice trims them). Both ops default to the midpoint zero point when none is given, as the representation does.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.quantized_weights import QuantizedWeight, pack_low_first, pack_matmulnbits
+from passes.quantized_weights import QuantizedWeight, pack_matmulnbits
 
 MICROSOFT_DOMAIN = "com.microsoft"
 
@@ -59,20 +59,28 @@ def rewrite_matmulnbits(graph: gs.Graph, node: gs.Node, activation: gs.Variable,
 
 
 def rewrite_gather_block_quantized(graph: gs.Graph, gather: gs.Node, qw: QuantizedWeight, dtype: np.dtype) -> int:
-    """Replace Gather(table [V, H], ids) by GatherBlockQuantized over qw (K = H, N = V); returns bytes stored."""
-    _, scales, zero_points = pack_matmulnbits(qw)
-    # The gather reads [V, H * bits / 8] (no padding): the lm_head's B bytes when blocks divide H, else its own.
-    data = pack_low_first(qw.unpadded_codes, qw.bits)
+    """Replace Gather(table [V, H], ids) by GatherBlockQuantized over qw (K = H, N = V); returns bytes stored.
+
+    The data is MatMulNBits' B viewed as [V, blocks * block_size * bits / 8], the same bytes as a tied lm_head's,
+    so the table is stored once. With a partial last block that row is wider than H: a Slice keeps the first H.
+    """
+    blob, scales, zero_points = pack_matmulnbits(qw)
     name = gather.inputs[0].name
-    constants = [gs.Constant(f"{name}_gather_q{qw.bits}", data),
+    constants = [gs.Constant(f"{name}_gather_q{qw.bits}", blob.reshape(qw.n, -1)),
                  gather.inputs[1], gs.Constant(f"{name}_gather_scales", scales.astype(dtype))]
     if zero_points is not None:
         constants.append(gs.Constant(f"{name}_gather_zero_points", zero_points))
     output = gather.outputs[0]
     gather.outputs.clear()
     gather.inputs.clear()
+    gathered = output
+    if qw.padded:
+        gathered = gs.Variable(f"{output.name}_padded", dtype=output.dtype)
+        bounds = [gs.Constant(f"{name}_gather_{what}", np.array([value], np.int64))
+                  for what, value in (("starts", 0), ("ends", qw.k), ("axes", -1))]
+        graph.nodes.append(gs.Node("Slice", name=f"{gather.name}_unpad", inputs=[gathered, *bounds], outputs=[output]))
     graph.nodes.append(gs.Node(
         "GatherBlockQuantized", name=f"{gather.name}_q{qw.bits}", domain=MICROSOFT_DOMAIN,
         attrs={"gather_axis": 0, "quantize_axis": 1, "block_size": qw.block_size, "bits": qw.bits},
-        inputs=constants, outputs=[output]))
+        inputs=constants, outputs=[gathered]))
     return sum(int(c.values.nbytes) for c in constants if isinstance(c, gs.Constant))

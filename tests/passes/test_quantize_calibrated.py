@@ -8,7 +8,7 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 
-from passes import fuse_rms_norm, fuse_silu, quantize
+from passes import fuse_rms_norm, fuse_silu, pack_projections, quantize
 from passes.awq_fold import apply_input_scales
 from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics, draw_samples
 from passes.errors import PassError
@@ -96,9 +96,14 @@ def run_graph(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
-def test_awq_folds_are_exact_in_float(fused_graphs):
-    """Scale every group's input by 1/s and its weights by s, without quantizing: the model must not change."""
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_awq_folds_are_exact_in_float(fused_graphs, packed):
+    """Scale every group's input by 1/s and its weights by s, without quantizing: the model must not change.
+    Packed: q/k/v and gate/up are one MatMul + Split each (pack_projections), so down_proj's 1/s goes into the
+    up columns of the packed gate/up weight."""
     model = fused_graphs["prefill"]
+    if packed:
+        model = pack_projections.run(model, pack_projections.Options())[0]
     graph = gs.import_onnx(model)
     rng = np.random.default_rng(0)
     groups: dict[str, list[gs.Node]] = {}
@@ -241,3 +246,17 @@ def test_awq_range_clipping_never_loses_to_round_to_nearest(name):
                                     hessian)
     print(f"{name}: rtn {rtn:.3e} clipped {clipped:.3e}")
     assert clipped <= rtn * (1 + 1e-6)  # ratio 1 is RTN; each block keeps its best ratio by its own error
+
+
+def test_a_padded_quantized_embedding_still_shares_the_lm_head_codes():
+    """hidden 80, blocks of 32: the last block is partial; the gather reads the padded rows and slices them."""
+    model, table, weight = tied_model(hidden=80)
+    quantized, report = quantize.run(model, quantize.Options(bits=4, block_size=32, embedding="quantized"))
+    assert op_counts(quantized) == {"GatherBlockQuantized": 1, "Slice": 1, "MatMulNBits": 2}
+    table_q = dequantize(quantize_rtn(table.T.copy(), 4, 32, True)).T
+    weight_q = dequantize(quantize_rtn(weight, 4, 32, True))
+    ids = np.array([3, 0, 95])
+    np.testing.assert_allclose(run_graph(quantized, {"ids": ids})[0], (table_q[ids] @ weight_q) @ table_q.T,
+                               rtol=1e-4, atol=1e-4)
+    packed_table = 96 * 3 * 16  # V rows x 3 blocks x 16 bytes: stored once for both ops
+    assert report["totals"]["graph_bytes_after"] < packed_table + 96 * 3 * 4 + weight.nbytes / 4
