@@ -9,7 +9,8 @@ The front is thread-safe and blocking, not asyncio: `submit` may be called from 
 one background worker thread owns the cache and runs every graph (started on demand, it exits after
 `idle_exit_s` with nothing to do). Each iteration of the worker (`_step`):
   1. admit waiting requests into free slots, lowest slot first, so the busy slots stay packed at the front;
-  2. prefill admitted requests, each alone (batch 1) straight into its slot's rows of the cache; with
+  2. prefill admitted requests straight into their slots' rows of the cache: whole prompts of requests in
+     neighbouring slots as one right-padded batch, others alone (batch 1); with
      `prefill_chunk` at most that many prompt tokens per iteration while other requests are decoding, so a long
      prompt does not stall their tokens (onnxruntime's GroupQueryAttention takes a chunk after a past at batch 1);
   3. one batched decode step over slots 0..k-1 (k = the highest decoding slot + 1), each row with its own
@@ -235,6 +236,8 @@ class Scheduler:
 
     def _prefill(self, budget: int | None) -> None:
         """Prefill admitted requests, first come first served, at most `budget` prompt tokens in all (None: all)."""
+        if budget is None:
+            self._prefill_together()
         prefilling = [s for s in self._running if s is not None and s.prefilled < len(s.prompt_ids)]
         for sequence in sorted(prefilling, key=lambda s: s.handle.id):
             while sequence.prefilled < len(sequence.prompt_ids) and budget != 0:
@@ -258,6 +261,36 @@ class Scheduler:
                     self._accept(sequence, sequence.sampler(logits))
             if budget == 0:
                 break
+
+    def _prefill_together(self) -> None:
+        """Whole prompts of requests admitted into neighbouring slots, as one right-padded prefill batch.
+
+        One graph run over B prompts multiplies bigger matrices than B runs of one (and stalls the decoding
+        requests once, not B times); each row's mask covers its own prompt, and the prefill graph returns each
+        row's logits at its last real token. Slots must be neighbours: the batch is a contiguous block of rows.
+        """
+        fresh = [s for s in self._running if s is not None and s.prefilled == 0]
+        runs: list[list[_Sequence]] = []
+        for sequence in fresh:  # in slot order
+            if runs and runs[-1][-1].slot + 1 == sequence.slot:
+                runs[-1].append(sequence)
+            else:
+                runs.append([sequence])
+        for run in (r for r in runs if len(r) > 1):
+            lengths = np.array([len(s.prompt_ids) for s in run])
+            width = int(lengths.max())
+            ids = np.zeros((len(run), width), dtype=np.int64)
+            for row, sequence in enumerate(run):
+                ids[row, :lengths[row]] = sequence.prompt_ids
+            positions = np.tile(np.arange(width, dtype=np.int64), (len(run), 1))
+            mask = (positions < lengths[:, None]).astype(np.int64)  # right padded
+            started = time.perf_counter()
+            logits = self.cache.run("prefill", (run[0].slot, run[-1].slot + 1), ids, positions, mask)  # [B, vocab]
+            ended = time.perf_counter()
+            for row, sequence in enumerate(run):
+                sequence.prefill_start, sequence.prefill_end = started, ended
+                sequence.prefilled = len(sequence.prompt_ids)
+                self._accept(sequence, sequence.sampler(logits[row]))
 
     def _decode(self) -> None:
         """One decode step for every decoding sequence, batched over the prefix of slots that holds them all."""
