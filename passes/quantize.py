@@ -338,8 +338,9 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             rewrite_matmulnbits(graph, target.node, activation, layout, constants, options.accuracy_level)
         else:
             matmul = as_matmul(graph, target)
-            bytes_after = rewrite_dequantize_linear(graph, matmul, qw, f"{target.constant.name}_{id(qw)}", dtype,
-                                                    lowered_dq)
+            settings = target.settings  # in the name: one weight quantized two ways (overrides) stays two tensors
+            name = f"{target.constant.name}_{settings.method}_b{qw.block_size}{'s' if settings.symmetric else 'a'}"
+            bytes_after = rewrite_dequantize_linear(graph, matmul, qw, name, dtype, lowered_dq)
         layers.append({"node": target.node.name, "method": target.settings.method, "bits": qw.bits,
                        "bytes_before": int(target.constant.values.nbytes), "bytes_after": bytes_after,
                        "block_size": qw.block_size, "symmetric": qw.zero_points is None,
