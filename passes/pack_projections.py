@@ -17,6 +17,8 @@ every member has the group's K and dtype. The activation's rank does not matter:
 tensor and the Split is on the last axis. Biases are packed only when every member's output goes to exactly one
 Add with a constant [N_i] bias; otherwise the Adds stay, reading the Split's outputs, and nothing is lost.
 Refused siblings, and groups left smaller than `min_group`, are listed under "skipped" with a named reason.
+A Split whose three parts are exactly a GroupQueryAttention's q, k and v goes away: the attention takes the
+packed tensor (onnxruntime's packed-QKV form, key and value empty); "qkv_into_attention" counts them.
 
 Report: packed groups (node names, widths N_i, whether biases were packed), skipped siblings, and weight_bytes
 before/after: bytes of the floating-point initializers (the int64 split sizes, 8 bytes a part, are not weights).
@@ -79,7 +81,9 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         rewrite(graph, found, taken_names)
         report["packed"].append({"nodes": [node.name for node in found.matmuls], "widths": found.widths,
                                  "biases_packed": bool(found.biases)})
-    graph.cleanup().toposort()  # drops the original MatMuls, Adds and their weights
+    report["qkv_into_attention"] = sum(_feed_packed_qkv(node) for node in list(graph.nodes)
+                                       if node.op == "GroupQueryAttention")
+    graph.cleanup().toposort()  # drops the original MatMuls, Adds and their weights (and bypassed Splits)
 
     result = gs.export_onnx(graph, do_type_check=False)
     for name in ("doc_string", "domain", "model_version"):
@@ -89,6 +93,21 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     result.graph.input.extend(model.graph.input)
     report["weight_bytes"]["after"] = _weight_bytes(result)
     return result, report
+
+
+def _feed_packed_qkv(attention: gs.Node) -> bool:
+    """GroupQueryAttention reading q, k, v from one Split (in that order, nothing else reading them) takes the
+    packed tensor itself: onnxruntime's packed-QKV form (query = [q | k | v], key and value empty), no Split."""
+    parts = attention.inputs[:3]
+    split = parts[0].inputs[0] if parts[0].inputs else None
+    if split is None or split.op != "Split" or list(split.outputs) != list(parts):
+        return False
+    if any(len(part.outputs) != 1 for part in parts):
+        return False
+    attention.inputs[0] = split.inputs[0]
+    attention.inputs[1] = gs.Variable.empty()
+    attention.inputs[2] = gs.Variable.empty()
+    return True
 
 
 def _sibling_groups(graph: gs.Graph) -> list[list[gs.Node]]:

@@ -134,3 +134,23 @@ def test_sibling_with_non_constant_weight_is_skipped_with_a_reason():
     feeds = {"x": rng.standard_normal((3, 4)).astype(np.float32),
              "w_b": rng.standard_normal((4, 2)).astype(np.float32)}
     assert_same_outputs(run_ort(model, feeds), run_ort(packed, feeds))
+
+
+def test_attention_takes_the_packed_qkv_and_the_split_goes_away():
+    """After lower_onnxruntime, packing q/k/v feeds GroupQueryAttention the packed tensor (key, value empty)."""
+    from tests.passes import test_fuse_attention as fused  # its tiny config, lowering and logits harness
+    from tests.passes.test_fuse_attention import CONFIG, fuse_and_lower, generate_logits
+
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    lowered = {phase: fuse_and_lower(cleanup.run(model, cleanup.Options())[0], required=True)[2]
+               for phase, model in export_graphs(decoder, fused.MAX_CONTEXT).items()}
+    packed = {}
+    for phase, model in lowered.items():
+        packed[phase], report = pack_projections.run(model, pack_projections.Options())
+        attention = [n for n in packed[phase].graph.node if n.op_type == "GroupQueryAttention"]
+        assert report["qkv_into_attention"] == CONFIG.num_layers == len(attention)
+        assert all(list(n.input[1:3]) == ["", ""] for n in attention)
+        producers = {o: n.op_type for n in packed[phase].graph.node for o in n.output}
+        assert all(producers[n.input[0]] == "MatMul" for n in attention)  # the packed MatMul itself, no Split
+    for got, want in zip(generate_logits(packed), generate_logits(lowered)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
