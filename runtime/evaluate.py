@@ -202,11 +202,7 @@ def decode_logits_for(backend) -> LogitsFor:
         if not 1 <= length <= max_context:
             raise EvaluationError(f"a chunk of {length} tokens does not fit this artifact's max context "
                                   f"({max_context}); use a window of at most {max_context}")
-        backend.allocate_cache(batch=1)  # a no-op when batch 1 is bound already
-        # The binding keeps the logits OrtValue of its last run, and onnxruntime refuses to write a different
-        # shape into it: chunk lengths vary (the last window is shorter), so ask for a fresh one each run.
-        # Rebinding by name replaces the entry in place: logits stay the first output.
-        backend.bindings["decode"].bind_output("logits", "cpu")
+        backend.allocate_cache(batch=1)  # a no-op when batch 1 is bound already; run() rebinds the logits
         input_ids = np.asarray(token_ids, dtype=np.int64)[None]  # [1, n]
         positions = np.arange(length, dtype=np.int64)[None]  # [1, n]
         mask = np.ones((1, length), dtype=np.int64)  # [1, total = n]: nothing cached counts

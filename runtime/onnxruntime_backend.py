@@ -150,6 +150,4 @@ class SlotCache:
                 binding.bind_ortvalue_output(self.backend.present_for_past[name], view)
             self._bindings[key] = (binding, views)
         binding, _ = self._bindings[key]
-        # A binding keeps the logits OrtValue of its last run; a chunk of another length needs a fresh one.
-        binding.bind_output("logits", "cpu")
         return run_bound(self.backend.sessions[phase], binding, input_ids, position_ids, attention_mask)
