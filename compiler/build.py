@@ -23,6 +23,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     say = progress or (lambda message: None)
     if recipe.backend.name != "onnxruntime":
         raise BuildError(f"backend.name: {recipe.backend.name!r} is not built yet on this machine; use 'onnxruntime'")
+    if recipe.backend.name == "onnxruntime" and recipe.export.dtype != "float32":
+        raise BuildError(f"export.dtype: {recipe.export.dtype!r} with backend onnxruntime: its CPU runtime keeps a "
+                         f"float32 KV cache; use float32 (float16/bfloat16 are for backend tensorrt)")
     started = time.perf_counter()
     say(f"loading the model ({recipe.model.source})")
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
@@ -32,7 +35,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
     graphs = export_graphs(decoder, recipe.export.max_context, recipe.export.opset, recipe.export.prefill_logits,
-                           progress=say)
+                           progress=say, dtype=recipe.export.dtype)
     del decoder
     # The float graph just before quantization is the accuracy report's reference: run the passes in two parts.
     first_quantize = next((i for i, spec in enumerate(passes) if spec.name == "quantize"), len(passes))
@@ -41,7 +44,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     float_decode = graphs["decode"] if report_accuracy else None
     graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say)
     pass_results += more_results
-    kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context)
+    kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, recipe.export.dtype)
 
     final_dir = Path(output_root) / recipe.name
     with staged_folder(final_dir) as folder:

@@ -36,16 +36,19 @@ def present_name(layer: int, kind: str) -> str:
     return f"present.{layer}.{kind}"
 
 
-def kv_cache_spec(config: DecoderConfig, max_context: int) -> dict:
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_spec(config: DecoderConfig, max_context: int, dtype: str = "float32") -> dict:
     """The manifest's description of the cache buffers and which output aliases which input."""
     aliases = {present_name(i, kind): past_name(i, kind) for i in range(config.num_layers) for kind in ("key", "value")}
     return {
         "layout": ["batch", "kv_heads", "max_context", "head_dim"],
         "shape": ["batch", config.num_kv_heads, max_context, config.head_dim],
-        "dtype": "float32",
+        "dtype": dtype,
         "num_layers": config.num_layers,
         "max_context": max_context,
-        "bytes_per_token": config.kv_bytes_per_token,
+        "bytes_per_token": config.kv_bytes_per_token * DTYPES[dtype].itemsize // 4,  # config counts float32
         "output_aliases_input": aliases,
     }
 
@@ -59,6 +62,10 @@ class PhaseGraph(nn.Module):
         self.attend_to_cache = phase == "decode"
         self.logits = prefill_logits if phase == "prefill" else "all"
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.model.embed_tokens.weight.dtype
+
     def forward(self, input_ids, position_ids, attention_mask, *caches):
         logits, keys, values = self.decoder(
             input_ids, position_ids, attention_mask, caches[0::2], caches[1::2], self.attend_to_cache, self.logits
@@ -66,13 +73,14 @@ class PhaseGraph(nn.Module):
         return (logits, *[t for pair in zip(keys, values) for t in pair])
 
 
-def example_inputs(config: DecoderConfig, max_context: int, phase: str, batch: int = 2) -> tuple:
+def example_inputs(config: DecoderConfig, max_context: int, phase: str, batch: int = 2,
+                   dtype: torch.dtype = torch.float32) -> tuple:
     # Sizes other than 1, so no exporter can mistake a dynamic axis for a constant 1.
     sequence = 5 if phase == "prefill" else 2
     total = sequence if phase == "prefill" else 7
     start = total - sequence
     positions = torch.arange(start, total).expand(batch, sequence).contiguous()
-    cache = torch.zeros(batch, config.num_kv_heads, max_context, config.head_dim)
+    cache = torch.zeros(batch, config.num_kv_heads, max_context, config.head_dim, dtype=dtype)
     caches = [cache.clone() for _ in range(2 * config.num_layers)]
     return (torch.zeros(batch, sequence, dtype=torch.long), positions, torch.ones(batch, total, dtype=torch.long), *caches)
 
@@ -110,7 +118,7 @@ def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pre
         path = Path(tmp) / f"{phase}.onnx"
         try:
             torch.onnx.export(
-                module, example_inputs(config, max_context, phase), str(path), dynamo=False, opset_version=opset,
+                module, example_inputs(config, max_context, phase, dtype=module.dtype), str(path), dynamo=False, opset_version=opset,
                 input_names=inputs, output_names=outputs, dynamic_axes=axes, do_constant_folding=True,
             )
         except Exception as error:  # the exporter's own errors are long; keep the first line and the phase
@@ -123,6 +131,7 @@ def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pre
         node.input[:] = [name.removeprefix("decoder.") for name in node.input]
         node.output[:] = [name.removeprefix("decoder.") for name in node.output]
     _share_tied_lm_head(model, config)
+    model.graph.name = phase  # lowering passes that differ by phase (lower_tensorrt's decode split) read it
     return model
 
 
@@ -150,7 +159,13 @@ def _share_tied_lm_head(model: onnx.ModelProto, config: DecoderConfig) -> None:
 
 
 def export_graphs(decoder: Decoder, max_context: int, opset: int = 21, prefill_logits: str = "last",
-                  progress=None) -> dict[str, onnx.ModelProto]:
+                  progress=None, dtype: str = "float32") -> dict[str, onnx.ModelProto]:
+    """Both phases' graphs; dtype float16/bfloat16 casts the decoder first (weights, activations, KV cache;
+    RMSNorm and the rotary angles are computed in float32 inside). TensorRT >= 11 takes precision from the
+    graph's types (strong typing), so a float16 engine starts from a float16 graph."""
+    if dtype not in DTYPES:
+        raise BuildError(f"export.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    decoder = decoder.to(DTYPES[dtype])
     if max_context > decoder.config.max_position_embeddings:
         raise BuildError(
             f"export.max_context: {max_context} exceeds the model's max_position_embeddings "

@@ -47,7 +47,8 @@ class ModelSpec:
 @dataclass(frozen=True)
 class ExportSpec:
     max_context: int = field(default=2048, metadata={"min": 2})  # KV-cache tokens: prompt + generated
-    dtype: Literal["float32"] = field(default="float32", metadata={"note": "float16 and bfloat16 come later"})
+    # float32 for onnxruntime on CPU; float16/bfloat16 for TensorRT (strongly typed: the graph's types decide)
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     opset: int = field(default=21, metadata={"min": 21})
     prefill_logits: Literal["last", "all"] = "last"
     max_batch: int = field(default=1, metadata={"min": 1})

@@ -295,11 +295,20 @@ class SharedInputs:
         rows = self.table_rows or (match.past_key.shape[2] if match.past_key is not None else None)
         if not isinstance(rows, int):
             raise PassError("no rotary table length: the graph has no KV cache; set rotary_cache_length in the recipe")
-        key = (match.inv_freq.tobytes(), match.rotary_scaling, rows)
+        dtype = match.query.dtype
+        key = (match.inv_freq.tobytes(), match.rotary_scaling, rows, str(dtype))
         if key not in self.tables:
             cos, sin = op.rotary_tables(match.inv_freq, rows, match.rotary_scaling)
             index = len(self.tables)
-            self.tables[key] = (gs.Constant(f"fa_cos_cache_{index}", cos), gs.Constant(f"fa_sin_cache_{index}", sin))
+            tables = (gs.Constant(f"fa_cos_cache_{index}", cos), gs.Constant(f"fa_sin_cache_{index}", sin))
+            if dtype is not None and dtype != np.float32:  # float16 / bfloat16 graphs: the op's inputs share a type
+                elem_type = dtype if isinstance(dtype, int) else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+                casts = tuple(self.graph.layer(op="Cast", inputs=[table], outputs=[f"{table.name}_cast"],
+                                               attrs={"to": elem_type})[0] for table in tables)
+                for cast, table in zip(casts, tables):
+                    cast.dtype, cast.shape = dtype, list(table.shape)
+                tables = casts
+            self.tables[key] = tables
         return self.tables[key]
 
 

@@ -38,8 +38,8 @@ def _const(name: str, values) -> gs.Constant:
 class Shared:
     """Positions [B,S] and mask [B,1,S,T] from (query, seqlens_k, total_sequence_length), built once."""
 
-    def __init__(self, graph: gs.Graph):
-        self.graph = graph
+    def __init__(self, graph: gs.Graph, prefix: str = "onnx_attention"):
+        self.graph, self.prefix = graph, prefix  # prefix: the names of the nodes built here (lower_tensorrt shares them)
         self.built: dict[tuple[str, str, str], tuple[gs.Variable, gs.Variable, gs.Variable]] = {}
 
     def layer(self, op_type: str, inputs: list, name: str, **attrs) -> gs.Variable:
@@ -49,7 +49,7 @@ class Shared:
         key = (query.name, seqlens.name, total.name)
         if key not in self.built:
             L = self.layer  # noqa: N806 - a short local name keeps the recipe of nodes readable
-            p = f"onnx_attention_{len(self.built)}"
+            p = f"{self.prefix}_{len(self.built)}"
             length = L("Gather", [L("Shape", [query], f"{p}_query_shape"), _const(f"{p}_one", 1)], f"{p}_length")
             total64 = L("Cast", [total], f"{p}_total", to=onnx.TensorProto.INT64)
             last = L("Cast", [seqlens], f"{p}_last", to=onnx.TensorProto.INT64)  # [B]: index of the last valid key

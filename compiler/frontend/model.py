@@ -30,7 +30,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        # In float32, as Hugging Face does: a float16 sum of squares overflows (65504) on real hidden states.
+        # Both casts vanish from a float32 trace.
+        x32 = x.to(torch.float32)
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rotary_cos_sin(position_ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
@@ -143,7 +146,9 @@ class Decoder(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain attribute, not a buffer: Module.to(float16) must not round the rotary frequencies (at position
+        # 2000 a float16 inv_freq is off by up to a radian). The trace embeds it as a float32 constant.
+        self.inv_freq = inv_freq
 
     def lm_head_weight(self) -> Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -151,7 +156,8 @@ class Decoder(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask, key_caches, value_caches,
                 attend_to_cache: bool, logits: str = "all"):
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(position_ids, self.inv_freq)
+        cos, sin = rotary_cos_sin(position_ids, self.inv_freq)  # angles in float32, then the model's dtype
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         bias = visibility_bias(position_ids, attention_mask, x.dtype)
         new_keys, new_values = [], []
         for layer, key_cache, value_cache in zip(self.model.layers, key_caches, value_caches):

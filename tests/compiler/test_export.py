@@ -84,3 +84,31 @@ def test_prefill_can_return_logits_for_every_position():
     assert logits.shape == (1, 5, CONFIG.vocab_size)
     expected = np.concatenate([recompute(decoder, [tokens[: i + 1]]) for i in range(5)])
     np.testing.assert_allclose(logits[0], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_export_fuses_and_keeps_float32_rotary(dtype):
+    """TensorRT's graphs are float16/bfloat16 (strong typing). The fusion still fires, the rotary tables reach
+    the fused node in the graph's type, and the float16 graph's logits stay near the float32 decoder's."""
+    import onnx_graphsurgeon as gs
+
+    from passes import cleanup, fuse_attention, lower_onnx_attention
+
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=3).state_dict)
+    tokens = [[1, 5, 9, 14, 200, 7]]
+    expected = recompute(decoder, tokens)
+    graphs = export_graphs(build_decoder(CONFIG, random_model(CONFIG, seed=3).state_dict), MAX_CONTEXT, dtype=dtype)
+    prefill, _ = cleanup.run(graphs["prefill"], cleanup.Options())
+    fused, report = fuse_attention.run(prefill, fuse_attention.Options(required=True))
+    assert report["fused"] == CONFIG.num_layers
+    node = next(n for n in gs.import_onnx(fused).nodes if n.op == "FlashAttention")
+    assert len({str(t.dtype) for t in (*node.inputs[:5], *node.inputs[7:])}) == 1  # q, k, v, caches, cos, sin
+    if dtype == "bfloat16":  # onnxruntime's CPU kernels have no bfloat16 MatMul: the graph's types are the check
+        return
+    lowered, _ = lower_onnx_attention.run(fused, lower_onnx_attention.Options())
+    session = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+    n = len(tokens[0])
+    caches = [np.zeros((1, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float16)] * (2 * CONFIG.num_layers)
+    logits, _ = run(session, caches, np.array(tokens), np.arange(n)[None], np.ones((1, n), np.int64))
+    difference = np.abs(logits.astype(np.float32) - expected).max()
+    assert difference < 1e-2, f"float16 graph vs float32 decoder: max |diff| {difference:.2e}"
