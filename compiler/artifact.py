@@ -17,7 +17,8 @@ from pathlib import Path
 
 from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, sha256_file
 
-TRACKED_TOOLS = ("aotlm", "torch", "onnx", "onnxscript", "onnx-graphsurgeon", "onnxruntime", "gguf", "tokenizers")
+TRACKED_TOOLS = ("aotlm", "torch", "onnx", "onnxscript", "onnx-graphsurgeon", "onnxruntime", "gguf", "tokenizers",
+                 "tensorrt", "triton")
 
 
 def tool_versions(names=TRACKED_TOOLS) -> dict:

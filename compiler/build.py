@@ -7,6 +7,7 @@ from pathlib import Path
 from compiler.accuracy import evaluate_against_float, quantization_summary
 from compiler.artifact import staged_folder, tool_versions, write_manifest
 from compiler.backends import onnxruntime as onnxruntime_backend
+from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
 from compiler.errors import BuildError
 from compiler.export import export_graphs, kv_cache_spec
@@ -21,8 +22,9 @@ TOKENIZER_FILE = "tokenizer.json"
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:
     """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input."""
     say = progress or (lambda message: None)
-    if recipe.backend.name != "onnxruntime":
-        raise BuildError(f"backend.name: {recipe.backend.name!r} is not built yet on this machine; use 'onnxruntime'")
+    if recipe.backend.name == "tensorrt":
+        tensorrt_backend.check_recipe(recipe)  # before anything slow
+        tensorrt_backend.require_tensorrt()
     if recipe.backend.name == "onnxruntime" and recipe.export.dtype != "float32":
         raise BuildError(f"export.dtype: {recipe.export.dtype!r} with backend onnxruntime: its CPU runtime keeps a "
                          f"float32 KV cache; use float32 (float16/bfloat16 are for backend tensorrt)")
@@ -40,7 +42,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     # The float graph just before quantization is the accuracy report's reference: run the passes in two parts.
     first_quantize = next((i for i, spec in enumerate(passes) if spec.name == "quantize"), len(passes))
     graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say)
-    report_accuracy = first_quantize < len(passes) and recipe.accuracy.enabled
+    # The report runs the artifact through onnxruntime's evaluator; a TensorRT artifact is measured with
+    # `aotlm eval` on its GPU instead.
+    report_accuracy = first_quantize < len(passes) and recipe.accuracy.enabled and recipe.backend.name == "onnxruntime"
     float_decode = graphs["decode"] if report_accuracy else None
     graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say)
     pass_results += more_results
@@ -49,7 +53,11 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     final_dir = Path(output_root) / recipe.name
     with staged_folder(final_dir) as folder:
         say("writing engines")
-        sections = onnxruntime_backend.write_engines(graphs, folder, recipe.backend, kv_cache["output_aliases_input"])
+        aliases = kv_cache["output_aliases_input"]
+        if recipe.backend.name == "tensorrt":
+            sections = tensorrt_backend.write_engines(graphs, folder, recipe, aliases, Path(output_root), say)
+        else:
+            sections = onnxruntime_backend.write_engines(graphs, folder, recipe.backend, aliases)
         (folder / TOKENIZER_FILE).write_text(loaded.tokenizer_json)
         manifest = {"kv_cache": kv_cache, **sections}
         accuracy = {}

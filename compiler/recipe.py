@@ -61,10 +61,22 @@ class PassSpec:
 
 
 @dataclass(frozen=True)
+class TensorRTSpec:
+    """Engine build settings for backend tensorrt (compiler/backends/tensorrt.py says how each is used)."""
+    workspace_gib: int = field(default=8, metadata={"min": 1})
+    optimization_level: Literal[0, 1, 2, 3, 4, 5] = 3  # TensorRT's builder_optimization_level
+    prefill_opt_tokens: int = field(default=512, metadata={"min": 1})  # the prompt length kernels are tuned for
+    decode_max_tokens: int = field(default=1, metadata={"min": 1})  # tokens per decode step (> 1: chunked prefill)
+    timing_cache: str = "tensorrt-timing.cache"  # beside the artifacts (relative to the output folder)
+    cuda_graphs: bool = True  # the runtime replays decode steps as CUDA graphs, one per batch size
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     name: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
     intra_op_threads: int = field(default=0, metadata={"min": 0})  # 0 = onnxruntime's default
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
+    tensorrt: TensorRTSpec = field(default_factory=TensorRTSpec)
 
 
 @dataclass(frozen=True)

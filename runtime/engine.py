@@ -146,11 +146,17 @@ class Engine:
         manifest = read_manifest(folder)
         check_files(folder, manifest, verify_hashes=verify)
         backend_name = manifest["backend"]["name"]
-        if backend_name != "onnxruntime":
-            raise ArtifactError(f"{folder}: built for backend {backend_name!r}; this runtime runs 'onnxruntime' artifacts")
-        from runtime.onnxruntime_backend import OnnxRuntimeBackend  # the only backend so far
+        if backend_name == "tensorrt":  # imported here: torch and tensorrt only for TensorRT artifacts
+            from runtime.tensorrt_backend import TensorRTBackend
 
-        backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads)
+            backend = TensorRTBackend(folder, manifest)
+        elif backend_name == "onnxruntime":
+            from runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+            backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads)
+        else:
+            raise ArtifactError(f"{folder}: built for backend {backend_name!r}; this runtime runs 'onnxruntime' and "
+                                f"'tensorrt' artifacts")
         tokenizer_info = manifest["tokenizer"]
         tokenizer = TextTokenizer(folder / tokenizer_info["file"], tokenizer_info.get("bos_token_id"))
         return cls(folder, manifest, backend, tokenizer)

@@ -1,0 +1,193 @@
+"""TensorRT backend build: one serialized engine per phase from the final graphs, with a timing cache.
+
+TensorRT >= 11 is strongly typed: an engine computes in the graph's own types, so a float16 / bfloat16 engine
+starts from a graph exported in that type (`export.dtype`), and no precision flag is set (they are gone in 11).
+Attention arrives lowered by `passes/lower_tensorrt.py` to the project's Triton plugins (registered by
+`runtime/kernels/tensorrt_plugin.py`, compiled ahead of time into the engine) or to TensorRT's own attention.
+Quantized weights arrive as DequantizeLinear -> MatMul (`quantize` with `lowering: dequantize_linear`).
+
+One optimization profile per engine, from the recipe (`optimization_profiles`):
+    prefill  batch 1..max_batch (opt 1), sequence 1..max_context (opt prefill_opt_tokens), mask width = sequence
+    decode   batch 1..max_batch (opt max_batch), sequence 1..decode_max_tokens (opt 1), mask width 1..max_context
+             (opt max_context: the runtime binds a full-width mask so a decode step has one shape, for CUDA graphs)
+    caches   [batch, kv_heads, max_context, head_dim]: only the batch varies.
+The timing cache lives beside the artifacts (`<output root>/<timing_cache>`), keyed inside by TensorRT; a second
+build of any recipe on the same GPU reuses its kernel timings.
+
+Written against TensorRT's Python API (10.x and 11.x; ../shared/reference/tensorrt-api.md) and not yet run:
+this project's machines have no TensorRT. What needs no TensorRT (recipe checks, profiles, manifest fields) is
+tested on CPU in tests/compiler/test_tensorrt_backend.py.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from compiler.backends.onnxruntime import io_spec
+from compiler.errors import BuildError
+
+PLUGIN_NAMESPACE = "aotlm"
+PLUGIN_OPS = ("flash_attention", "flash_decode", "flash_combine")
+INT4_BLOCK_SIZES = (64, 128)  # TensorRT's INT4 weight-only blocks ("supported block sizes are {64, 128}")
+
+
+def check_recipe(recipe) -> None:
+    """What TensorRT cannot build, refused before the slow export (each message names the key and the fix)."""
+    names = [spec.name for spec in recipe.passes]
+    if "lower_onnxruntime" in names:
+        raise BuildError("passes: lower_onnxruntime emits onnxruntime's GroupQueryAttention, which TensorRT cannot "
+                         "parse; use lower_tensorrt for backend tensorrt")
+    if "fuse_attention" in names and "lower_tensorrt" not in names and "lower_onnx_attention" not in names:
+        raise BuildError("passes: fuse_attention leaves aotlm.FlashAttention nodes; add lower_tensorrt after it")
+    for index, spec in enumerate(recipe.passes):
+        if spec.name in ("fuse_rms_norm", "fuse_silu"):
+            raise BuildError(f"passes[{index}]: {spec.name} emits onnxruntime-only ops; TensorRT fuses these "
+                             f"patterns itself: remove it for backend tensorrt")
+        if spec.name != "quantize":
+            continue
+        options = spec.options
+        if options.lowering != "dequantize_linear":
+            raise BuildError(f"passes[{index}].quantize.lowering: {options.lowering!r} is onnxruntime's MatMulNBits; "
+                             f"use dequantize_linear for backend tensorrt")
+        for where, bits, block, symmetric in _quantize_choices(options):
+            if bits == 4 and not symmetric:  # INT8 is always symmetric (per channel)
+                raise BuildError(f"passes[{index}].quantize{where}.symmetric: false; TensorRT's DequantizeLinear "
+                                 f"takes no zero point: use symmetric: true")
+            if bits == 4 and block not in INT4_BLOCK_SIZES:
+                raise BuildError(f"passes[{index}].quantize{where}.block_size: {block}; TensorRT's INT4 weights take "
+                                 f"blocks of {' or '.join(map(str, INT4_BLOCK_SIZES))}")
+        if options.embedding == "quantized":
+            raise BuildError(f"passes[{index}].quantize.embedding: quantized needs onnxruntime's GatherBlockQuantized;"
+                             f" use embedding: float for backend tensorrt")
+    if recipe.export.dtype == "float32":
+        raise BuildError("export.dtype: float32 for backend tensorrt builds a float32/TF32 engine (strong typing); "
+                         "use float16 or bfloat16")
+
+
+def _quantize_choices(options):
+    yield "", options.bits, options.block_size, options.symmetric
+    for number, override in enumerate(options.overrides):
+        if override.skip:
+            continue
+        yield (f".overrides[{number}]", override.bits or options.bits, override.block_size or options.block_size,
+               options.symmetric if override.symmetric is None else override.symmetric)
+
+
+def optimization_profiles(engines_io: dict[str, dict], max_batch: int, max_context: int, spec) -> dict[str, dict]:
+    """Per phase, per input: [min, opt, max] shapes. engines_io is the manifest's io spec per phase."""
+    ranges = {
+        "prefill": {"batch": (1, 1, max_batch), "sequence": (1, min(spec.prefill_opt_tokens, max_context), max_context)},
+        "decode": {"batch": (1, max_batch, max_batch), "sequence": (1, 1, spec.decode_max_tokens),
+                   "total": (1, max_context, max_context)},
+    }
+    profiles = {}
+    for phase, io in engines_io.items():
+        profile = {}
+        for tensor in io["inputs"]:
+            shape = []
+            for dim in tensor["shape"]:
+                if isinstance(dim, int) and dim > 0:
+                    shape.append((dim, dim, dim))
+                elif dim in ranges.get(phase, {}):
+                    shape.append(ranges[phase][dim])
+                else:
+                    raise BuildError(f"{phase} graph input {tensor['name']}: dimension {dim!r} has no range for a "
+                                     f"TensorRT optimization profile")
+            profile[tensor["name"]] = [list(bounds) for bounds in zip(*shape)]  # [[min...], [opt...], [max...]]
+        profiles[phase] = profile
+    return profiles
+
+
+def plugin_ops(model: onnx.ModelProto) -> list[str]:
+    return sorted({node.op_type for node in model.graph.node if node.domain == PLUGIN_NAMESPACE and node.op_type in PLUGIN_OPS})
+
+
+def _tensorrt():
+    try:
+        import tensorrt as trt
+        import torch
+    except ImportError as error:
+        raise BuildError(f"backend tensorrt needs the tensorrt package and torch with CUDA ({error}); install "
+                         f"aotlm[gpu] on a machine with an NVIDIA GPU") from None
+    if not torch.cuda.is_available():
+        raise BuildError("backend tensorrt needs an NVIDIA GPU: torch.cuda.is_available() is False on this machine")
+    return trt, torch
+
+
+def _network_flags(trt) -> int:
+    flags = 0
+    creation = trt.NetworkDefinitionCreationFlag
+    if hasattr(creation, "STRONGLY_TYPED"):  # opt-in on 10.x, ignored (always on) on 11.x
+        flags |= 1 << int(creation.STRONGLY_TYPED)
+    if hasattr(creation, "PREFER_AOT_PYTHON_PLUGINS"):  # our plugins define only aot_impl; say so anyway
+        flags |= 1 << int(creation.PREFER_AOT_PYTHON_PLUGINS)
+    return flags
+
+
+def _build_one(trt, logger, onnx_path: Path, profile: dict, spec, timing_cache_bytes: bytes):
+    builder = trt.Builder(logger)
+    network = builder.create_network(_network_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise BuildError(f"TensorRT could not parse {onnx_path.name}:\n{errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, spec.workspace_gib << 30)
+    config.builder_optimization_level = spec.optimization_level
+    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)  # in-place KV cache in plugins
+    optimization = builder.create_optimization_profile()
+    for name, (low, opt, high) in profile.items():
+        optimization.set_shape(name, low, opt, high)
+    config.add_optimization_profile(optimization)
+    cache = config.create_timing_cache(timing_cache_bytes)
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise BuildError(f"TensorRT could not build an engine from {onnx_path.name}; its log above says why")
+    return bytes(plan), bytes(config.get_timing_cache().serialize())
+
+
+def backend_section(version: str, gpu: str, capability: tuple[int, int], plugins: list[str], spec,
+                    timing_cache_path: Path) -> dict:
+    """The manifest's backend section: what the runtime checks (version, compute capability) and what it uses."""
+    return {"name": "tensorrt", "version": version, "gpu": gpu, "compute_capability": f"{capability[0]}.{capability[1]}",
+            "plugins": [f"{PLUGIN_NAMESPACE}::{op}" for op in plugins], "timing_cache": str(timing_cache_path),
+            "cuda_graphs": spec.cuda_graphs, "decode_max_tokens": spec.decode_max_tokens}
+
+
+def require_tensorrt() -> None:
+    """Fail fast (before the export) on a machine that cannot build engines."""
+    _tensorrt()
+
+
+def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, aliases: dict[str, str],
+                  output_root: Path, progress=None) -> dict:
+    """Build <phase>.engine into folder; returns the manifest's engines and backend sections."""
+    say = progress or (lambda line: None)
+    trt, torch = _tensorrt()
+    spec = recipe.backend.tensorrt
+    plugins = sorted({op for model in graphs.values() for op in plugin_ops(model)})
+    if plugins:
+        import runtime.kernels.tensorrt_plugin  # noqa: F401  registers the plugins before any parse
+    engines_io = {phase: io_spec(model, aliases) for phase, model in graphs.items()}
+    profiles = optimization_profiles(engines_io, recipe.export.max_batch, recipe.export.max_context, spec)
+    timing_cache_path = Path(output_root) / spec.timing_cache
+    timing_cache = timing_cache_path.read_bytes() if timing_cache_path.is_file() else b""
+    logger = trt.Logger(trt.Logger.WARNING)
+    engines = {}
+    with tempfile.TemporaryDirectory(prefix="aotlm-tensorrt-") as scratch:
+        for phase, model in graphs.items():
+            onnx_path = Path(scratch) / f"{phase}.onnx"  # external data beside it: parse_from_file resolves it
+            onnx.save_model(model, onnx_path, save_as_external_data=True, location=f"{phase}.weights")
+            say(f"TensorRT: building the {phase} engine (profile {profiles[phase]})")
+            plan, timing_cache = _build_one(trt, logger, onnx_path, profiles[phase], spec, timing_cache)
+            (folder / f"{phase}.engine").write_bytes(plan)
+            engines[phase] = {"file": f"{phase}.engine", "backend": "tensorrt", **engines_io[phase],
+                              "profile": profiles[phase]}
+    timing_cache_path.parent.mkdir(parents=True, exist_ok=True)
+    timing_cache_path.write_bytes(timing_cache)
+    backend = backend_section(trt.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability(),
+                              plugins, spec, timing_cache_path)
+    return {"engines": engines, "backend": backend}

@@ -1,0 +1,167 @@
+"""TensorRT execution of an artifact's prefill and decode engines, torch CUDA tensors as I/O.
+
+One execution context per phase, on one non-default CUDA stream. The KV cache is allocated once per batch size
+(per layer one key and one value tensor [batch, kv_heads, max_context, head_dim]) and bound as both the `past`
+input and its aliased `present` output, so the plugins write the new rows in place and no step copies the cache.
+
+Decode steps are replayed as CUDA graphs, one per (rows of the cache) bucket: a graph freezes shapes and
+addresses, so a decode step binds a full-width attention mask (max_context columns, zeros past each sequence's
+length) into static input buffers; the fused graph derives per-sequence lengths from the mask's sum, never from
+its width. Prefill runs eagerly (its length changes every request). `last_device_ms` is the last run's GPU time,
+from CUDA events around the enqueue.
+
+An engine runs only with the TensorRT version that built it and on a GPU of the same compute capability:
+`check_compatible` refuses anything else with what to do. Written against TensorRT's Python API (10.x / 11.x)
+and not yet run on a GPU: tests/runtime/test_tensorrt_backend.py runs the engine tests where tensorrt and a GPU
+exist and checks the compatibility rules everywhere.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import ArtifactError
+
+
+def check_compatible(built: dict, installed_version: str | None, capability: tuple[int, int] | None,
+                     gpu_name: str | None) -> None:
+    """Raise ArtifactError unless this machine can run engines described by the manifest's backend section."""
+    if installed_version is None:
+        raise ArtifactError(f"this artifact holds TensorRT {built['version']} engines, and tensorrt is not installed: "
+                            f"install tensorrt=={built['version']} (the `gpu` extra) on a machine with an NVIDIA GPU")
+    if capability is None:
+        raise ArtifactError("this artifact holds TensorRT engines, and this machine has no CUDA GPU")
+    if _release(installed_version) != _release(built["version"]):
+        raise ArtifactError(f"engines built with TensorRT {built['version']}, but {installed_version} is installed; "
+                            f"install tensorrt=={built['version']} or rebuild the artifact here (`aotlm build RECIPE`)")
+    here = f"{capability[0]}.{capability[1]}"
+    if here != built["compute_capability"]:
+        raise ArtifactError(f"engines built for a GPU of compute capability {built['compute_capability']} "
+                            f"({built.get('gpu')}), but this GPU ({gpu_name}) is {here}; rebuild the artifact on this GPU")
+
+
+def _release(version: str) -> tuple[str, ...]:
+    return tuple(version.split(".")[:3])  # engines are tied to major.minor.patch; build numbers may differ
+
+
+class TensorRTBackend:
+    def __init__(self, artifact_dir: Path, manifest: dict):
+        try:
+            import tensorrt as trt
+            import torch
+        except ImportError:
+            check_compatible(manifest["backend"], None, None, None)
+        cuda = torch.cuda.is_available()
+        check_compatible(manifest["backend"], trt.__version__, torch.cuda.get_device_capability() if cuda else None,
+                         torch.cuda.get_device_name() if cuda else None)
+        self.trt, self.torch = trt, torch
+        self.kv_spec = manifest["kv_cache"]
+        aliases = self.kv_spec["output_aliases_input"]
+        self.present_for_past = {past: present for present, past in aliases.items()}
+        self.cuda_graphs = manifest["backend"].get("cuda_graphs", True)
+        self.stream = torch.cuda.Stream()
+        self.dtype = getattr(torch, self.kv_spec["dtype"])
+        logger = trt.Logger(trt.Logger.WARNING)
+        runtime = trt.Runtime(logger)
+        self.engines, self.contexts = {}, {}
+        for phase, record in manifest["engines"].items():
+            engine = runtime.deserialize_cuda_engine((Path(artifact_dir) / record["file"]).read_bytes())
+            if engine is None:
+                raise ArtifactError(f"{record['file']}: TensorRT could not deserialize this engine; rebuild the artifact")
+            self.engines[phase] = engine
+            self.contexts[phase] = engine.create_execution_context()
+        decode = self.engines["decode"]
+        names = [decode.get_tensor_name(i) for i in range(decode.num_io_tensors)]
+        self.past_names = [name for name in names if name in self.present_for_past]
+        self.cache: DeviceCache | None = None
+        self.last_device_ms = 0.0
+
+    # -- the cache --------------------------------------------------------------------------------------
+    def allocate_cache(self, batch: int) -> "DeviceCache":
+        if self.cache is None or self.cache.rows != batch:
+            self.cache = DeviceCache(self, batch)
+        return self.cache
+
+    def allocate_slots(self, slots: int) -> "DeviceCache":
+        """The scheduler's cache: rows lo:hi of every buffer are bound as one contiguous batch (no copy)."""
+        return DeviceCache(self, slots)
+
+    def run(self, phase: str, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        cache = self.cache or self.allocate_cache(input_ids.shape[0])
+        return cache.run(phase, (0, input_ids.shape[0]), input_ids, position_ids, attention_mask)
+
+
+class DeviceCache:
+    """KV buffers [rows, kv_heads, max_context, head_dim] on the GPU, and the per-step static inputs."""
+
+    def __init__(self, backend: TensorRTBackend, rows: int):
+        torch = backend.torch
+        self.backend, self.rows = backend, rows
+        shape = tuple(rows if dim == "batch" else dim for dim in backend.kv_spec["shape"])
+        self.buffers = [torch.zeros(shape, dtype=backend.dtype, device="cuda") for _ in backend.past_names]
+        self.max_context = backend.kv_spec["max_context"]
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (lo, hi) -> (CUDAGraph, static inputs, logits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers)
+
+    def _bind(self, phase: str, rows: tuple[int, int], inputs: dict) -> object:
+        """Set shapes and addresses of one step on the phase's context; returns the logits tensor."""
+        backend, torch = self.backend, self.backend.torch
+        context, engine = backend.contexts[phase], backend.engines[phase]
+        for name, tensor in inputs.items():
+            context.set_input_shape(name, tuple(tensor.shape))
+            context.set_tensor_address(name, tensor.data_ptr())
+        lo, hi = rows
+        for name, buffer in zip(backend.past_names, self.buffers):
+            view = buffer[lo:hi]  # a contiguous block of rows: its address is the batch's cache
+            context.set_input_shape(name, tuple(view.shape))
+            context.set_tensor_address(name, view.data_ptr())
+            context.set_tensor_address(backend.present_for_past[name], view.data_ptr())  # aliased: in place
+        logits = torch.empty(tuple(context.get_tensor_shape("logits")), dtype=_torch_dtype(torch, backend.trt,
+                             engine.get_tensor_dtype("logits")), device="cuda")
+        context.set_tensor_address("logits", logits.data_ptr())
+        return logits
+
+    def run(self, phase: str, rows: tuple[int, int], input_ids: np.ndarray, position_ids: np.ndarray,
+            attention_mask: np.ndarray) -> np.ndarray:
+        backend, torch = self.backend, self.backend.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graphed = phase == "decode" and backend.cuda_graphs and input_ids.shape[1] == 1
+        if graphed:  # one shape per bucket: a full-width mask, zeros past each sequence's length
+            full = np.zeros((attention_mask.shape[0], self.max_context), dtype=np.int64)
+            full[:, : attention_mask.shape[1]] = attention_mask
+            attention_mask = full
+        host = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        with torch.cuda.stream(backend.stream):
+            if graphed and rows in self._graphs:
+                graph, static, logits = self._graphs[rows]
+                for name, array in host.items():
+                    static[name].copy_(torch.from_numpy(array), non_blocking=False)
+                start.record(backend.stream)
+                graph.replay()
+                end.record(backend.stream)
+            else:
+                static = {name: torch.from_numpy(np.ascontiguousarray(array)).to("cuda") for name, array in host.items()}
+                logits = self._bind(phase, rows, static)
+                start.record(backend.stream)
+                if not backend.contexts[phase].execute_async_v3(backend.stream.cuda_stream):
+                    raise RuntimeError(f"TensorRT {phase} step failed (execute_async_v3 returned False)")
+                end.record(backend.stream)
+                if graphed:  # after one eager run with these shapes, capture the bucket's graph
+                    backend.stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=backend.stream):
+                        backend.contexts[phase].execute_async_v3(backend.stream.cuda_stream)
+                    self._graphs[rows] = (graph, static, logits)
+        end.synchronize()
+        backend.last_device_ms = start.elapsed_time(end)
+        return logits.float().cpu().numpy()
+
+
+def _torch_dtype(torch, trt, dtype):
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+             trt.int32: torch.int32, trt.int64: torch.int64, trt.bool: torch.bool, trt.int8: torch.int8}
+    return table[dtype]

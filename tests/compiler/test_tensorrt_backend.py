@@ -1,0 +1,112 @@
+"""The TensorRT builder's parts that need no TensorRT: recipe checks, optimization profiles, manifest fields.
+
+Building engines needs tensorrt and a GPU: tests/runtime/test_tensorrt_backend.py does that where they exist.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from compiler.backends import tensorrt as tensorrt_backend
+from compiler.backends.onnxruntime import io_spec
+from compiler.errors import BuildError
+from compiler.recipe import load_recipe, parse_recipe
+from tests.conftest import REPO
+
+TENSORRT_RECIPE = REPO / "recipes" / "smollm2-135m-tensorrt.yaml"
+
+
+def recipe_with(passes=None, **export) -> object:
+    recipe = load_recipe(TENSORRT_RECIPE)
+    data = recipe.to_dict()
+    if passes is not None:
+        data["passes"] = passes
+    data["export"].update(export)
+    return parse_recipe(data)
+
+
+def test_the_tensorrt_recipe_passes_the_checks():
+    tensorrt_backend.check_recipe(load_recipe(TENSORRT_RECIPE))
+
+
+@pytest.mark.parametrize("passes, export, message", [
+    (["cleanup", {"fuse_attention": {}}, "lower_onnxruntime"], {}, "lower_onnxruntime emits onnxruntime's"),
+    (["cleanup", {"fuse_attention": {}}], {}, "add lower_tensorrt after it"),
+    (["cleanup", {"fuse_attention": {}}, "lower_tensorrt", "fuse_rms_norm"], {}, "passes[3]: fuse_rms_norm"),
+    (["cleanup", {"quantize": {"bits": 4, "lowering": "dequantize_linear"}}], {}, "quantize.block_size: 32"),
+    (["cleanup", {"quantize": {"bits": 4, "block_size": 64}}], {}, "quantize.lowering: 'matmulnbits'"),
+    (["cleanup", {"quantize": {"bits": 4, "block_size": 64, "symmetric": False, "lowering": "dequantize_linear"}}],
+     {}, "quantize.symmetric: false"),
+    (["cleanup", {"quantize": {"bits": 4, "block_size": 64, "lowering": "dequantize_linear",
+                               "overrides": [{"pattern": "*down_proj*", "block_size": 32}]}}],
+     {}, "quantize.overrides[0].block_size: 32"),
+    (["cleanup"], {"dtype": "float32"}, "export.dtype: float32 for backend tensorrt"),
+])
+def test_what_tensorrt_cannot_build_is_refused_with_the_key(passes, export, message):
+    with pytest.raises(BuildError) as error:
+        tensorrt_backend.check_recipe(recipe_with(passes, **export))
+    assert message in str(error.value)
+
+
+def test_int8_per_channel_and_int4_block_128_are_accepted():
+    tensorrt_backend.check_recipe(recipe_with(["cleanup", {"quantize": {"bits": 8, "lowering": "dequantize_linear"}}]))
+    tensorrt_backend.check_recipe(recipe_with(["cleanup", {"quantize": {
+        "bits": 4, "block_size": 128, "lowering": "dequantize_linear"}}]))
+
+
+@pytest.fixture(scope="module")
+def tiny_io():
+    """The io spec of the tiny model's exported graphs, as the manifest records it."""
+    from compiler.export import export_graphs, kv_cache_spec
+    from compiler.frontend import load_model
+    from compiler.frontend.model import build_decoder
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-random.yaml")
+    loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
+    graphs = export_graphs(build_decoder(loaded.config, loaded.state_dict), 64, dtype="float16")
+    aliases = kv_cache_spec(loaded.config, 64, "float16")["output_aliases_input"]
+    return {phase: io_spec(model, aliases) for phase, model in graphs.items()}, loaded.config
+
+
+def test_profiles_cover_prompts_decode_steps_and_batches(tiny_io):
+    io, config = tiny_io
+    spec = replace(load_recipe(TENSORRT_RECIPE).backend.tensorrt, prefill_opt_tokens=512, decode_max_tokens=4)
+    profiles = tensorrt_backend.optimization_profiles(io, max_batch=8, max_context=64, spec=spec)
+    prefill, decode = profiles["prefill"], profiles["decode"]
+    assert prefill["input_ids"] == [[1, 1], [1, 64], [8, 64]]  # opt length capped at max_context
+    assert prefill["attention_mask"] == prefill["input_ids"]  # prefill: mask width = prompt length
+    assert decode["input_ids"] == [[1, 1], [8, 1], [8, 4]]
+    assert decode["attention_mask"] == [[1, 1], [8, 64], [8, 64]]  # a full-width mask is the optimum (CUDA graphs)
+    cache = [config.num_kv_heads, 64, config.head_dim]
+    assert decode["past_key_values.0.key"] == [[1, *cache], [8, *cache], [8, *cache]]
+    assert set(prefill) == set(decode) == {t["name"] for t in io["decode"]["inputs"]}
+
+
+def test_a_dimension_without_a_range_is_refused(tiny_io):
+    io, _ = tiny_io
+    odd = {"prefill": {"inputs": [{"name": "input_ids", "shape": ["batch", "beams"]}]}}
+    with pytest.raises(BuildError, match="input_ids: dimension 'beams' has no range"):
+        tensorrt_backend.optimization_profiles(odd, 1, 64, load_recipe(TENSORRT_RECIPE).backend.tensorrt)
+
+
+def test_manifest_backend_section_records_what_the_runtime_checks():
+    spec = load_recipe(TENSORRT_RECIPE).backend.tensorrt
+    section = tensorrt_backend.backend_section("10.13.0.35", "NVIDIA H200", (9, 0), ["flash_attention", "flash_decode"],
+                                               spec, Path("artifacts/tensorrt-timing.cache"))
+    assert section["name"] == "tensorrt" and section["compute_capability"] == "9.0"
+    assert section["plugins"] == ["aotlm::flash_attention", "aotlm::flash_decode"]
+    from runtime.tensorrt_backend import check_compatible
+
+    check_compatible(section, "10.13.0.35", (9, 0), "NVIDIA H200")  # the machine that built it runs it
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="tensorrt is installed here")
+def test_a_build_without_tensorrt_fails_at_once_saying_what_to_install(tmp_path):
+    from compiler.build import build
+
+    with pytest.raises(BuildError, match=r"needs the tensorrt package .* install aotlm\[gpu\]"):
+        build(load_recipe(TENSORRT_RECIPE), tmp_path)
+    assert list(tmp_path.iterdir()) == []

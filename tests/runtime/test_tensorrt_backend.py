@@ -1,0 +1,88 @@
+"""The TensorRT runtime: compatibility rules everywhere; engines only where tensorrt and an NVIDIA GPU exist."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from runtime.errors import ArtifactError
+from runtime.tensorrt_backend import check_compatible
+
+BUILT = {"name": "tensorrt", "version": "10.13.0.35", "gpu": "NVIDIA H200", "compute_capability": "9.0"}
+
+
+def test_same_release_and_gpu_generation_run():
+    check_compatible(BUILT, "10.13.0.40", (9, 0), "NVIDIA H100 80GB HBM3")  # build number and model may differ
+
+
+@pytest.mark.parametrize("installed, capability, message", [
+    (None, (9, 0), "tensorrt is not installed: install tensorrt==10.13.0.35"),
+    ("10.13.0.35", None, "this machine has no CUDA GPU"),
+    ("10.14.1.48", (9, 0), "built with TensorRT 10.13.0.35, but 10.14.1.48 is installed"),
+    ("10.13.0.35", (8, 9), "compute capability 9.0 (NVIDIA H200), but this GPU (L4) is 8.9; rebuild"),
+])
+def test_an_engine_for_another_version_or_gpu_is_refused_with_the_fix(installed, capability, message):
+    with pytest.raises(ArtifactError) as error:
+        check_compatible(BUILT, installed, capability, "L4")
+    assert message in str(error.value)
+
+
+def _tensorrt_and_gpu() -> str | None:
+    """Why the engine tests cannot run here, or None when they can."""
+    if importlib.util.find_spec("tensorrt") is None:
+        return "tensorrt is not installed (it needs an NVIDIA GPU; install the `gpu` extra there)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    return None
+
+
+needs_gpu = pytest.mark.skipif(_tensorrt_and_gpu() is not None, reason=str(_tensorrt_and_gpu()))
+
+
+@pytest.fixture(scope="module")
+def tensorrt_tiny(tmp_path_factory):
+    """The tiny model built for TensorRT (float16, Triton FlashAttention plugins) beside its onnxruntime build."""
+    from compiler.build import build
+    from compiler.recipe import load_recipe, parse_recipe
+    from tests.conftest import TINY_RECIPE
+
+    data = load_recipe(TINY_RECIPE).to_dict()
+    data["name"] = "tiny-tensorrt"
+    data["export"].update(dtype="float16", max_batch=4)
+    data["passes"] = ["cleanup", {"fuse_attention": {"required": True}}, {"lower_tensorrt": {"decode_kv_splits": 4}}]
+    data["backend"] = {"name": "tensorrt", "tensorrt": {"workspace_gib": 2, "decode_max_tokens": 1}}
+    return build(parse_recipe(data), tmp_path_factory.mktemp("tensorrt"))
+
+
+@needs_gpu
+def test_tensorrt_logits_match_onnxruntime_float32(tensorrt_tiny, tiny_engine):
+    from runtime import Engine
+
+    engine = Engine.load(tensorrt_tiny)
+    assert engine.manifest["backend"]["name"] == "tensorrt"
+    tokens = [1, 17, 99, 4, 250, 31, 8]
+    ones = np.ones((1, engine.max_context), np.int64)
+    for backend in (engine.backend, tiny_engine.backend):
+        backend.allocate_cache(batch=1)
+    got = engine.backend.run("prefill", np.array([tokens]), np.arange(7)[None], ones[:, :7])
+    want = tiny_engine.backend.run("prefill", np.array([tokens]), np.arange(7)[None], ones[:, :7])
+    assert np.abs(got - want).max() < 2e-2, f"prefill logits: max |diff| {np.abs(got - want).max():.3e}"
+    for step in range(3):  # decode steps (CUDA graphs after the first) read and extend the in-place cache
+        token, length = 5 + step, 7 + step
+        got = engine.backend.run("decode", np.array([[token]]), np.array([[length]]), ones[:, : length + 1])
+        want = tiny_engine.backend.run("decode", np.array([[token]]), np.array([[length]]), ones[:, : length + 1])
+        assert np.abs(got - want).max() < 2e-2, f"decode step {step}: max |diff| {np.abs(got - want).max():.3e}"
+
+
+@needs_gpu
+def test_tensorrt_greedy_tokens_equal_onnxruntime(tensorrt_tiny, tiny_engine):
+    from runtime import Engine
+
+    engine = Engine.load(tensorrt_tiny)
+    ours = engine.generate([1, 5, 9, 200], max_new_tokens=8)
+    reference = tiny_engine.generate([1, 5, 9, 200], max_new_tokens=8)
+    assert ours.token_ids == reference.token_ids
+    assert engine.backend.last_device_ms > 0
