@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_rotary, fuse_silu, lower_onnx_attention,
-                    lower_onnxruntime, pack_projections, quantize)
+                    lower_onnxruntime, lower_tensorrt, pack_projections, quantize)
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ PASSES: dict[str, PassEntry] = {
                                       "aotlm.FlashAttention -> standard ONNX Attention-23 + RotaryEmbedding (portable)"),
     "lower_onnxruntime": PassEntry(lower_onnxruntime.run, lower_onnxruntime.Options,
                                    "aotlm.FlashAttention -> com.microsoft.GroupQueryAttention (shared KV buffers)"),
+    "lower_tensorrt": PassEntry(lower_tensorrt.run, lower_tensorrt.Options,
+                                "aotlm.FlashAttention -> RotaryEmbedding + TensorRT plugins (flash_attention; flash_decode + "
+                                "flash_combine in decode), or Attention-23, or TRT_Attention + TRT_KVCacheUpdate"),
     "pack_projections": PassEntry(pack_projections.run, pack_projections.Options,
                                   "sibling MatMuls on one activation (q/k/v, gate/up) -> one MatMul + Split"),
     "fuse_rms_norm": PassEntry(fuse_rms_norm.run, fuse_rms_norm.Options,
