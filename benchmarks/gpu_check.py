@@ -1,0 +1,220 @@
+"""One GPU check, sized for one 10-minute run on an H200: kernel tests natively, kernel timings, TensorRT.
+
+    .venv/bin/python benchmarks/gpu_check.py [--skip-tests] [--skip-tensorrt] [--json PATH]
+    .venv/bin/python benchmarks/gpu_check.py --smoke      # tiny shapes on CPU through Triton's interpreter
+
+1. The FlashAttention kernel tests (tests/runtime/kernels), natively on the GPU.
+2. Copy bandwidth: a device-to-device copy of 2 GiB (bytes read + written per second): decode's ceiling.
+3. Prefill, B1 H32 D128 causal bf16 at S = 2048 and 8192: our attention_kernel against torch's
+   scaled_dot_product_attention backends (flash, efficient, cudnn), TFLOP/s counting the causal half
+   (2 * 2 * B * H * S^2 * D / 2 flops).
+4. Decode, B16, 4096 cached tokens, 32 query / 8 KV heads, D128 bf16: our flash_decode (split sizes swept) against
+   SDPA with enable_gqa; GB/s = the K and V bytes read / time, and as a fraction of the copy bandwidth.
+5. If tensorrt is installed: build recipes/smollm2-135m-tensorrt.yaml and time a 512-token prompt + 128 tokens.
+Times are CUDA-event medians over repeated launches after warm-up. Prints a table, writes
+benchmarks/results/gpu_check.json.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter): checks the script")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-tensorrt", action="store_true")
+    parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "gpu_check.json"))
+    return parser.parse_args(argv)
+
+
+ARGS = parse_args(None if __name__ == "__main__" else [])
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from runtime.kernels import flash_attention as fa  # noqa: E402
+
+console = Console()
+DEVICE = "cpu" if ARGS.smoke else "cuda"
+
+
+def timed_ms(function, warmup: int = 3, repeats: int = 10) -> float:
+    """Median milliseconds of function() (CUDA events on a GPU, the wall clock in --smoke)."""
+    if ARGS.smoke:  # the interpreter is slow; the smoke run checks the plumbing, not the numbers
+        warmup, repeats = 0, 1
+    for _ in range(warmup):
+        function()
+    samples = []
+    for _ in range(repeats):
+        if DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            function()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            function()
+            samples.append(1e3 * (time.perf_counter() - began))
+    return sorted(samples)[len(samples) // 2]
+
+
+def copy_bandwidth_gbs() -> float:
+    elements = (1 << 20) if ARGS.smoke else (1 << 30)  # bf16: 2 GiB on the GPU
+    source = torch.empty(elements, dtype=torch.bfloat16, device=DEVICE)
+    target = torch.empty_like(source)
+    ms = timed_ms(lambda: target.copy_(source), repeats=20)
+    return 2 * source.numel() * 2 / (ms * 1e-3) / 1e9
+
+
+def sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    return names if not ARGS.smoke else {"math": SDPBackend.MATH}
+
+
+def sdpa_ms(backend, q, k, v, causal: bool) -> float | str:
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    gqa = q.shape[1] != k.shape[1]
+    try:
+        with sdpa_kernel(backend):
+            return timed_ms(lambda: scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa))
+    except RuntimeError as error:  # a backend that does not take these shapes says so; keep the first line
+        return f"n/a ({str(error).splitlines()[0][:60]})"
+
+
+def prefill_rows(copy_gbs: float) -> list[dict]:
+    batch, heads, head_dim = 1, (2 if ARGS.smoke else 32), (16 if ARGS.smoke else 128)
+    rows = []
+    for length in ((32,) if ARGS.smoke else (2048, 8192)):
+        flops = 2 * 2 * batch * heads * length * length * head_dim / 2
+        q, k, v = (torch.randn(batch, length, heads * head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(3))
+        caches = [torch.zeros(batch, heads, length, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+        seqlens = torch.full((batch,), length - 1, dtype=torch.int32, device=DEVICE)
+        total = torch.tensor([length], dtype=torch.int32, device=DEVICE)
+        blocks = [fa.PrefillBlocks(16, 16)] if ARGS.smoke else [
+            fa.prefill_blocks(head_dim), fa.PrefillBlocks(128, 128, 8, 3), fa.PrefillBlocks(64, 64, 4, 4),
+            fa.PrefillBlocks(128, 64, 4, 3)]
+        for choice in blocks:
+            ms = timed_ms(lambda: fa.flash_attention(q, k, v, *caches, seqlens, total, heads, heads, blocks=choice))
+            rows.append({"phase": "prefill", "S": length, "impl": f"aotlm triton {choice.block_m}x{choice.block_n} "
+                         f"w{choice.num_warps} s{choice.num_stages}", "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
+        bhsd = [t.view(batch, length, heads, head_dim).transpose(1, 2) for t in (q, k, v)]
+        ours = fa.flash_attention(q, k, v, *caches, seqlens, total, heads, heads)
+        theirs = torch.nn.functional.scaled_dot_product_attention(*bhsd, is_causal=True)
+        rows[-1]["max_abs_diff_vs_sdpa"] = (ours.view(batch, length, heads, head_dim).transpose(1, 2) - theirs
+                                            ).abs().max().item()
+        for name, backend in sdpa_backends().items():
+            if name == "math" and length > 2048:
+                continue  # materializes S x S scores: minutes and gigabytes, not a reference worth timing
+            result = sdpa_ms(backend, *bhsd, causal=True)
+            rows.append({"phase": "prefill", "S": length, "impl": f"torch sdpa {name}", **(
+                {"ms": result, "tflops": flops / (result * 1e-3) / 1e12} if isinstance(result, float) else {"note": result})})
+    return rows
+
+
+def decode_rows(copy_gbs: float) -> list[dict]:
+    batch, heads, kv_heads, head_dim, cached = (2, 4, 2, 16, 64) if ARGS.smoke else (16, 32, 8, 128, 4096)
+    kv_bytes = 2 * batch * kv_heads * cached * head_dim * 2  # K and V, bf16, each read once
+    q = torch.randn(batch, 1, heads * head_dim, dtype=torch.bfloat16, device=DEVICE)
+    k, v = (torch.randn(batch, 1, kv_heads * head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    caches = [torch.randn(batch, kv_heads, cached, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    seqlens = torch.full((batch,), cached - 1, dtype=torch.int32, device=DEVICE)  # the new token is the last row
+    total = torch.tensor([cached], dtype=torch.int32, device=DEVICE)
+    rows = []
+    for split in ((16, 32) if ARGS.smoke else (256, 512, 1024)):
+        blocks = fa.DecodeBlocks(16, 16) if ARGS.smoke else None
+        ms = timed_ms(lambda: fa.flash_decode(q, k, v, *caches, seqlens, total, heads, kv_heads, split_size=split,
+                                              blocks=blocks), repeats=50)
+        gbs = kv_bytes / (ms * 1e-3) / 1e9
+        rows.append({"phase": "decode", "S": cached, "impl": f"aotlm triton split {split}", "ms": ms, "gbs": gbs,
+                     "of_copy": gbs / copy_gbs})
+    q4 = q.view(batch, 1, heads, head_dim).transpose(1, 2)
+    ours = fa.flash_decode(q, k, v, *caches, seqlens, total, heads, kv_heads, blocks=blocks)  # rewrites the last row
+    theirs = torch.nn.functional.scaled_dot_product_attention(q4, *caches, enable_gqa=True)
+    rows[-1]["max_abs_diff_vs_sdpa"] = (ours.view(batch, 1, heads, head_dim).transpose(1, 2) - theirs).abs().max().item()
+    for name, backend in sdpa_backends().items():
+        result = sdpa_ms(backend, q4, *caches, causal=False)  # one query after every cached key: no mask needed
+        rows.append({"phase": "decode", "S": cached, "impl": f"torch sdpa {name}", **(
+            {"ms": result, "gbs": kv_bytes / (result * 1e-3) / 1e9, "of_copy": kv_bytes / (result * 1e-3) / 1e9 / copy_gbs}
+            if isinstance(result, float) else {"note": result})})
+    return rows
+
+
+def kernel_tests() -> dict:
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    began = time.perf_counter()
+    completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/runtime/kernels"], cwd=REPO,
+                               env=environment, capture_output=True, text=True, timeout=300)
+    last = (completed.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return {"returncode": completed.returncode, "summary": last, "seconds": round(time.perf_counter() - began, 1)}
+
+
+def tensorrt_run() -> dict:
+    if importlib.util.find_spec("tensorrt") is None:
+        return {"skipped": "tensorrt is not installed"}
+    from compiler.build import build
+    from compiler.recipe import load_recipe
+    from runtime import Engine
+
+    began = time.perf_counter()
+    artifact = build(load_recipe(REPO / "recipes" / "smollm2-135m-tensorrt.yaml"), "/tmp/aotlm-gpu-check")
+    built = time.perf_counter() - began
+    engine = Engine.load(artifact)
+    prompt = list(range(100, 612))  # 512 tokens
+    engine.generate(prompt, max_new_tokens=8)  # warm-up (CUDA graph capture)
+    result = engine.generate(prompt, max_new_tokens=128)
+    return {"build_s": round(built, 1), "ttft_ms": 1e3 * result.timings.ttft_s, "tpot_ms": 1e3 * result.timings.tpot_s,
+            "version": engine.manifest["backend"]["version"]}
+
+
+def main() -> None:
+    if not ARGS.smoke and not torch.cuda.is_available():
+        raise SystemExit("gpu_check needs a CUDA GPU (or --smoke for a CPU check of the script itself)")
+    report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)",
+              "torch": torch.__version__, "triton": importlib.import_module("triton").__version__}
+    if not ARGS.skip_tests and not ARGS.smoke:
+        console.print("kernel tests (native) ...")
+        report["kernel_tests"] = kernel_tests()
+        console.print(report["kernel_tests"])
+    report["copy_gbs"] = copy_bandwidth_gbs()
+    console.print(f"copy bandwidth: {report['copy_gbs']:.0f} GB/s")
+    report["rows"] = prefill_rows(report["copy_gbs"]) + decode_rows(report["copy_gbs"])
+    table = Table(title=f"FlashAttention kernels on {report['device']}")
+    for column in ("phase", "S", "impl", "ms", "TFLOP/s", "GB/s", "of copy", "max|diff| vs sdpa"):
+        table.add_column(column, justify="left" if column == "impl" else "right")
+    for row in report["rows"]:
+        number = lambda key, fmt: format(row[key], fmt) if key in row else ""  # noqa: E731
+        table.add_row(row["phase"], str(row["S"]), row["impl"], number("ms", ".3f") or row.get("note", ""),
+                      number("tflops", ".1f"), number("gbs", ".0f"), number("of_copy", ".0%"),
+                      number("max_abs_diff_vs_sdpa", ".1e"))
+    console.print(table)
+    if not ARGS.skip_tensorrt and not ARGS.smoke:
+        report["tensorrt"] = tensorrt_run()
+        console.print("TensorRT:", report["tensorrt"])
+    Path(ARGS.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(ARGS.json).write_text(json.dumps(report, indent=2))
+    console.print(f"wrote {ARGS.json}")
+
+
+if __name__ == "__main__":
+    main()
