@@ -96,6 +96,11 @@ def _const(name: str, values) -> gs.Constant:
     return gs.Constant(name, np.asarray(values, dtype=np.int64))
 
 
+def onnx_type(dtype) -> int:
+    """ONNX element type of a graphsurgeon dtype (numpy dtypes; bfloat16 arrives as the ONNX type number)."""
+    return dtype if isinstance(dtype, int) else int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype or np.float32)))
+
+
 @dataclass(frozen=True)
 class Options:
     attention: Literal["plugin", "onnx_attention", "trt_native"] = "plugin"
@@ -170,7 +175,7 @@ class Lowering:
                          split_size=math.ceil(past_key.shape[2] / splits))
         self.plugin_node("flash_combine", f"{name}_flash_combine", [partial_out, partial_lse], [output],
                          num_heads=heads, head_dim=head_dim, kv_splits=splits,
-                         out_dtype=int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(query.dtype or np.float32))))
+                         out_dtype=onnx_type(query.dtype))
         return {"node": node.name, "form": "flash_decode+flash_combine", "splits": splits}
 
     def heads(self, tensor: gs.Tensor, heads: int, head_dim: int, name: str) -> gs.Variable:
@@ -183,7 +188,7 @@ class Lowering:
         output, present_key, present_value = node.outputs
         heads, kv_heads, scale = node.attrs["num_heads"], node.attrs["kv_num_heads"], float(node.attrs["scale"])
         head_dim, name = 2 * cos.shape[1], f"{node.name or 'attention'}_{index}"
-        dtype = np.dtype(query.dtype or np.float32)
+        dtype = query.dtype if isinstance(query.dtype, int) else np.dtype(query.dtype or np.float32)  # int: bfloat16
         batch, length = (list(query.shape) if query.shape else [None, None])[:2]
         L = self.layer  # noqa: N806 - a short local name keeps the recipe of nodes readable
         q, k, positions, total64 = self.rotate(node, name)
@@ -203,7 +208,8 @@ class Lowering:
             window = [_const(f"{name}_{tag}_s0", [0]), total, _const(f"{name}_{tag}_ax", [2])]
             attended.append(L("Slice", [present, *window], f"{name}_{tag}_rows", dtype,
                               [batch, kv_heads, None, head_dim]))  # [B, KV, T, D]
-        scale_constant = gs.Constant(f"{name}_scale", np.array(scale, dtype))
+        scale_constant = L("Cast", [gs.Constant(f"{name}_scale32", np.array(scale, np.float32))], f"{name}_scale", dtype,
+                           [], to=onnx_type(dtype))  # numpy has no bfloat16: a float32 constant, cast
         scaled_q = L("Mul", [self.heads(q, heads, head_dim, f"{name}_q"), scale_constant], f"{name}_q_scaled", dtype,
                      [batch, heads, length, head_dim])  # TRT_Attention has no scale
         out = gs.Variable(f"{name}_attended", dtype, [batch, heads, length, head_dim])

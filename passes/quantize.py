@@ -31,6 +31,7 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -44,7 +45,7 @@ from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, for_matmulnbits, ma
                                            rewrite_gather_block_quantized, rewrite_matmulnbits)
 from passes.quantized_weights import QuantizedWeight, dequantize, quantize_rtn
 
-FLOAT_TYPES = (np.float32, np.float16)
+FLOAT_TYPES = (np.float32, np.float16, ml_dtypes.bfloat16)  # bfloat16: TensorRT graphs
 Method = Literal["rtn", "awq", "gptq", "awq_gptq"]
 
 

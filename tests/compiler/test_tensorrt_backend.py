@@ -110,3 +110,30 @@ def test_a_build_without_tensorrt_fails_at_once_saying_what_to_install(tmp_path)
     with pytest.raises(BuildError, match=r"needs the tensorrt package .* install aotlm\[gpu\]"):
         build(load_recipe(TENSORRT_RECIPE), tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype, scale_type", [("float16", "FLOAT16"), ("bfloat16", "BFLOAT16")])
+def test_quantized_weights_reach_tensorrt_as_dequantize_linear_in_the_graph_type(dtype, scale_type):
+    """Strong typing: DequantizeLinear's output type is its scale's, so the scales must be the graph's type."""
+    import onnx
+
+    from compiler.export import export_graphs
+    from compiler.frontend import load_model
+    from compiler.frontend.model import build_decoder
+    from compiler.pipeline import run_pipeline
+
+    recipe = recipe_with(["cleanup", {"fuse_attention": {"required": True}}, "lower_tensorrt", {"quantize": {
+        "bits": 4, "block_size": 64, "method": "rtn", "lowering": "dequantize_linear"}}], dtype=dtype)
+    tensorrt_backend.check_recipe(recipe)
+    tiny = load_recipe(REPO / "recipes" / "tiny-random.yaml").model
+    loaded = load_model(tiny.source, tiny.path, tiny.config, tiny.seed)
+    graphs = export_graphs(build_decoder(loaded.config, loaded.state_dict), 64, dtype=dtype)
+    graphs, results = run_pipeline({"decode": graphs["decode"]}, recipe.passes)
+    assert results[-1].report["totals"]["skipped"] == 0
+    model = graphs["decode"]
+    initializers = {t.name: t for t in model.graph.initializer}
+    dequantized = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMul"]
+    assert len(dequantized) == len(matmuls) == 7 * loaded.config.num_layers + 1  # q k v o gate up down; lm_head
+    assert {onnx.TensorProto.DataType.Name(initializers[n.input[1]].data_type) for n in dequantized} == {scale_type}
+    assert {onnx.TensorProto.DataType.Name(initializers[n.input[0]].data_type) for n in dequantized} == {"INT4"}
