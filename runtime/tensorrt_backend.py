@@ -7,8 +7,10 @@ input and its aliased `present` output, so the plugins write the new rows in pla
 Decode steps are replayed as CUDA graphs, one per (rows of the cache) bucket: a graph freezes shapes and
 addresses, so a decode step binds a full-width attention mask (max_context columns, zeros past each sequence's
 length) into static input buffers; the fused graph derives per-sequence lengths from the mask's sum, never from
-its width. Prefill runs eagerly (its length changes every request). `last_device_ms` is the last run's GPU time,
-from CUDA events around the enqueue.
+its width. A graph also freezes the execution context it was captured from, so each bucket captures from a
+context of its own (never rebound afterwards), run once eagerly and synchronized before the capture; the phase
+contexts serve the eager steps. Prefill runs eagerly (its length changes every request). `last_device_ms` is the
+last run's GPU time, from CUDA events around the enqueue (or the replay) on the backend's stream.
 
 An engine runs only with the TensorRT version that built it and on a GPU of the same compute capability:
 `check_compatible` refuses anything else with what to do. Written against TensorRT's Python API (10.x / 11.x)
@@ -99,29 +101,34 @@ class DeviceCache:
         torch = backend.torch
         self.backend, self.rows = backend, rows
         shape = tuple(rows if dim == "batch" else dim for dim in backend.kv_spec["shape"])
-        self.buffers = [torch.zeros(shape, dtype=backend.dtype, device="cuda") for _ in backend.past_names]
+        with torch.cuda.stream(backend.stream):  # zeroed on the stream the engines then read and write them on
+            self.buffers = [torch.zeros(shape, dtype=backend.dtype, device="cuda") for _ in backend.past_names]
         self.max_context = backend.kv_spec["max_context"]
-        self._graphs: dict[tuple[int, int], tuple] = {}  # (lo, hi) -> (CUDAGraph, static inputs, logits)
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (lo, hi) -> (CUDAGraph, static inputs, logits, context)
 
     @property
     def nbytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers)
 
-    def _bind(self, phase: str, rows: tuple[int, int], inputs: dict) -> object:
-        """Set shapes and addresses of one step on the phase's context; returns the logits tensor."""
+    def _bind(self, phase: str, context, rows: tuple[int, int], inputs: dict) -> object:
+        """Set the shape and address of every input (cache views included) of one step on `context`, then the
+        aliased present outputs and the logits; returns the logits tensor."""
         backend, torch = self.backend, self.backend.torch
-        context, engine = backend.contexts[phase], backend.engines[phase]
-        for name, tensor in inputs.items():
-            context.set_input_shape(name, tuple(tensor.shape))
-            context.set_tensor_address(name, tensor.data_ptr())
+        engine = backend.engines[phase]
         lo, hi = rows
-        for name, buffer in zip(backend.past_names, self.buffers):
-            view = buffer[lo:hi]  # a contiguous block of rows: its address is the batch's cache
-            context.set_input_shape(name, tuple(view.shape))
-            context.set_tensor_address(name, view.data_ptr())
+        caches = {name: buffer[lo:hi] for name, buffer in zip(backend.past_names, self.buffers)}  # contiguous rows
+        for name, tensor in {**inputs, **caches}.items():
+            if not context.set_input_shape(name, tuple(tensor.shape)):  # False: outside the engine's profile
+                raise ValueError(f"{phase} engine: input {name} shape {tuple(tensor.shape)} is outside the "
+                                 f"optimization profile it was built with ({_profile_shapes(engine, name)})")
+            context.set_tensor_address(name, tensor.data_ptr())
+        for name, view in caches.items():
             context.set_tensor_address(backend.present_for_past[name], view.data_ptr())  # aliased: in place
-        logits = torch.empty(tuple(context.get_tensor_shape("logits")), dtype=_torch_dtype(torch, backend.trt,
-                             engine.get_tensor_dtype("logits")), device="cuda")
+        shape = tuple(context.get_tensor_shape("logits"))  # known once every input shape is set
+        if any(dim < 0 for dim in shape):
+            raise RuntimeError(f"TensorRT {phase}: logits shape {shape} is not determined by the input shapes")
+        logits = torch.empty(shape, dtype=_torch_dtype(torch, backend.trt, engine.get_tensor_dtype("logits")),
+                             device="cuda")
         context.set_tensor_address("logits", logits.data_ptr())
         return logits
 
@@ -137,28 +144,42 @@ class DeviceCache:
         host = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
         with torch.cuda.stream(backend.stream):
             if graphed and rows in self._graphs:
-                graph, static, logits = self._graphs[rows]
+                graph, static, logits, _ = self._graphs[rows]
                 for name, array in host.items():
                     static[name].copy_(torch.from_numpy(array), non_blocking=False)
                 start.record(backend.stream)
                 graph.replay()
                 end.record(backend.stream)
             else:
+                # the bucket's own context when this step will be captured: the graph keeps its shapes and state
+                context = backend.engines[phase].create_execution_context() if graphed else backend.contexts[phase]
                 static = {name: torch.from_numpy(np.ascontiguousarray(array)).to("cuda") for name, array in host.items()}
-                logits = self._bind(phase, rows, static)
+                logits = self._bind(phase, context, rows, static)
                 start.record(backend.stream)
-                if not backend.contexts[phase].execute_async_v3(backend.stream.cuda_stream):
+                if not context.execute_async_v3(backend.stream.cuda_stream):
                     raise RuntimeError(f"TensorRT {phase} step failed (execute_async_v3 returned False)")
                 end.record(backend.stream)
-                if graphed:  # after one eager run with these shapes, capture the bucket's graph
+                if graphed:  # after one eager run with these shapes, and a sync, capture the bucket's graph
                     backend.stream.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, stream=backend.stream):
-                        backend.contexts[phase].execute_async_v3(backend.stream.cuda_stream)
-                    self._graphs[rows] = (graph, static, logits)
+                        captured = context.execute_async_v3(backend.stream.cuda_stream)
+                    if not captured:
+                        raise RuntimeError(f"TensorRT {phase} step could not be captured as a CUDA graph "
+                                           f"(execute_async_v3 returned False); set backend.tensorrt.cuda_graphs: "
+                                           f"false")
+                    self._graphs[rows] = (graph, static, logits, context)
         end.synchronize()
         backend.last_device_ms = start.elapsed_time(end)
         return logits.float().cpu().numpy()
+
+
+def _profile_shapes(engine, name: str) -> str:
+    """The engine's [min, opt, max] shapes of an input (profile 0), for error messages."""
+    try:
+        return ", ".join(str(tuple(shape)) for shape in engine.get_tensor_profile_shape(name, 0))
+    except Exception:  # noqa: BLE001 - only for a message; the shape error is what matters
+        return "profile unavailable"
 
 
 def _torch_dtype(torch, trt, dtype):

@@ -140,7 +140,8 @@ def _build_one(trt, logger, onnx_path: Path, profile: dict, spec, timing_cache_b
     optimization = builder.create_optimization_profile()
     for name, (low, opt, high) in profile.items():
         optimization.set_shape(name, low, opt, high)
-    config.add_optimization_profile(optimization)
+    if config.add_optimization_profile(optimization) < 0:  # -1: TensorRT found the profile invalid (logged above)
+        raise BuildError(f"TensorRT refused the optimization profile of {onnx_path.name}: {profile}")
     cache = config.create_timing_cache(timing_cache_bytes)
     config.set_timing_cache(cache, ignore_mismatch=False)
     plan = builder.build_serialized_network(network, config)

@@ -142,7 +142,11 @@ for element in aot.ELEMENT_TYPES:
                          aot.flash_decode(element, heads, kv_heads, head_dim, head_dim**-0.5, 8, 256, h200),
                          aot.flash_combine(element, heads, head_dim, 8, h200)):
             assert f".entry {compiled.name}(" in compiled.ptx, compiled.name
-            assert compiled.shared_bytes <= 227 * 1024, (compiled.name, compiled.shared_bytes)  # sm_90's limit
+            # TensorRT passes exactly the inputs, int32 scalars and outputs: no Triton scratch pointers left over
+            entry = compiled.ptx[compiled.ptx.index(f".entry {compiled.name}("):]
+            parameters = entry[: entry.index(")")].count(".param")
+            assert parameters == {"attention_kernel": 12, "decode_split_kernel": 13, "combine_kernel": 4}[compiled.name]
+            assert compiled.shared_bytes <= 48 * 1024, (compiled.name, compiled.shared_bytes)  # no opt-in needed
             print(element, compiled.name, compiled.num_warps, compiled.shared_bytes, "bytes of shared memory")
 """
 
