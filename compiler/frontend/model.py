@@ -30,8 +30,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # In float32, as Hugging Face does: a float16 sum of squares overflows (65504) on real hidden states.
-        # Both casts vanish from a float32 trace.
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        # float16/bfloat16: normalize in float32, as Hugging Face does (a float16 sum of squares overflows 65504
+        # on real hidden states). A branch, not casts that a float32 trace would keep as Cast nodes.
         x32 = x.to(torch.float32)
         return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -157,7 +159,8 @@ class Decoder(nn.Module):
                 attend_to_cache: bool, logits: str = "all"):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.inv_freq)  # angles in float32, then the model's dtype
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if x.dtype != cos.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         bias = visibility_bias(position_ids, attention_mask, x.dtype)
         new_keys, new_values = [], []
         for layer, key_cache, value_cache in zip(self.model.layers, key_caches, value_caches):
