@@ -1,9 +1,25 @@
 """Shared fixtures: the tiny random-init recipe built once per test session, and its torch reference."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+
+def _has_cuda_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# Triton fixes at import time whether @triton.jit functions (its own standard library included) run in its
+# interpreter, and any test may import triton first: decide once, here, before any test module is imported.
+# Without a CUDA GPU the kernel tests run on CPU tensors through the interpreter; with one, natively.
+if "TRITON_INTERPRET" not in os.environ and not _has_cuda_gpu():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "tiny-random.yaml"
