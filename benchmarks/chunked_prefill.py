@@ -1,0 +1,99 @@
+"""Does a long prompt stall running decodes? The scheduler with and without chunked prefill, on the default model.
+
+    .venv/bin/python benchmarks/chunked_prefill.py [--artifact artifacts/smollm2-135m] [--chunks none,128,256,512]
+        [--decoders 4] [--decode-tokens 192] [--long-prompt 1536] [--long-at 1.5] [--repeats 2]
+
+Workload (the same for every setting): --decoders requests with 32-token prompts and --decode-tokens (192) new tokens arrive at
+t=0 and decode together; at t=--long-at seconds a request with a --long-prompt-token prompt (Python's docs) and 16
+new tokens arrives. Unchunked, its whole prefill runs between two decode steps, so every running request waits
+for it; with `prefill_chunk: N` the scheduler prefills at most N prompt tokens per iteration and decodes the others
+in between. Measured per setting (median over --repeats runs): the running requests' longest inter-token gap and
+p99 ITL, their TPOT, the long request's TTFT, and output tokens/s. Greedy, stop tokens disabled, 8 slots.
+Writes benchmarks/results/chunked_prefill.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import REPO, machine_info, versions, write_result  # noqa: E402
+
+from runtime import Engine, bench  # noqa: E402
+
+
+def workload(encode, decoders: int, decode_tokens: int, long_prompt: int, long_at: float) -> bench.Workload:
+    short = bench.text_token_ids(encode, 32)
+    long = bench.text_token_ids(encode, long_prompt)
+    requests = [bench.Request(short, decode_tokens) for _ in range(decoders)] + [bench.Request(long, 16)]
+    return bench.Workload(requests=requests, warmup=[bench.Request(short, 4)], arrival="poisson", concurrency=0,
+                          rate=None, seed=0, offsets=[0.0] * decoders + [long_at])
+
+
+def measure(engine: Engine, load: bench.Workload, chunk: int | None, long_at: float) -> dict:
+    server = bench.ScheduledServer(engine, "continuous", slots=8, max_queue=16, prefill_chunk=chunk)
+    try:
+        traces = bench.run_workload(server, load)
+    finally:
+        server.close()
+    decoding, long = traces[:-1], traces[-1]
+    gaps = np.concatenate([np.diff(trace.token_times) for trace in decoding])
+    t0 = min(trace.arrival for trace in traces)
+    during = [gap for trace in decoding for gap, at in zip(np.diff(trace.token_times), trace.token_times[1:])
+              if long.arrival <= at <= long.first_token + 0.5]  # gaps that end while the long prompt is prefilled
+    wall = max(trace.finish for trace in traces) - t0
+    return {"max_itl_ms": 1e3 * float(gaps.max()), "p99_itl_ms": 1e3 * float(np.percentile(gaps, 99)),
+            "p50_itl_ms": 1e3 * float(np.percentile(gaps, 50)),
+            "max_itl_during_long_prefill_ms": 1e3 * float(max(during)) if during else None,
+            "tpot_ms": 1e3 * statistics.median(trace.tpot for trace in decoding),
+            "long_ttft_ms": 1e3 * long.ttft, "output_tokens_per_s": sum(t.output_tokens for t in traces) / wall}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
+    parser.add_argument("--chunks", default="none,128,256,512")
+    parser.add_argument("--decoders", type=int, default=4)
+    parser.add_argument("--decode-tokens", type=int, default=192, help="new tokens of each running request")
+    parser.add_argument("--long-prompt", type=int, default=1536)
+    parser.add_argument("--long-at", type=float, default=1.5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    engine = Engine.load(args.artifact, intra_op_threads=args.threads)
+    load = workload(engine.tokenizer.encode, args.decoders, args.decode_tokens, args.long_prompt, args.long_at)
+    chunks = [None if text == "none" else int(text) for text in args.chunks.split(",")]
+    results: dict[str, list[dict]] = {str(chunk): [] for chunk in chunks}
+    for repeat in range(args.repeats):  # settings interleaved, so machine noise spreads over all of them
+        for chunk in chunks:
+            console.print(f"repeat {repeat + 1}/{args.repeats}: prefill_chunk {chunk}")
+            results[str(chunk)].append(measure(engine, load, chunk, args.long_at))
+    medians = {chunk: {key: statistics.median(run[key] for run in runs) if runs[0][key] is not None else None
+                       for key in runs[0]} for chunk, runs in results.items()}
+    table = Table(title=f"{args.decoders} requests decoding; a {args.long_prompt}-token prompt arrives at "
+                        f"{args.long_at} s (medians of {args.repeats})")
+    for column in ("prefill_chunk", "max ITL ms", "max ITL during its prefill", "p99 ITL ms", "p50 ITL ms",
+                   "TPOT ms", "long TTFT ms", "out tok/s"):
+        table.add_column(column, justify="right")
+    for chunk, m in medians.items():
+        during = m["max_itl_during_long_prefill_ms"]
+        table.add_row(chunk, f"{m['max_itl_ms']:.0f}", "-" if during is None else f"{during:.0f}",
+                      f"{m['p99_itl_ms']:.0f}", f"{m['p50_itl_ms']:.1f}", f"{m['tpot_ms']:.1f}",
+                      f"{m['long_ttft_ms']:.0f}", f"{m['output_tokens_per_s']:.1f}")
+    console.print(table)
+    result = {"settings": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
+              "versions": versions(), "runs": results, "medians": medians}
+    console.print(f"wrote {write_result('chunked_prefill.json', result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""benchmarks/chunked_prefill.py at CI size on the tiny artifact: every setting served, every metric measured."""
+from __future__ import annotations
+
+import sys
+
+from tests.conftest import REPO
+
+
+def test_chunked_prefill_small(tiny_artifact, monkeypatch, tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import chunked_prefill
+    import generate
+
+    monkeypatch.setattr(generate, "RESULTS", tmp_path)
+    result = chunked_prefill.main(["--artifact", str(tiny_artifact), "--chunks", "none,16", "--decoders", "2",
+                                   "--decode-tokens", "48", "--long-prompt", "64", "--long-at", "0.05",
+                                   "--repeats", "1"])
+    assert set(result["medians"]) == {"None", "16"}
+    for medians in result["medians"].values():
+        assert medians["max_itl_ms"] >= medians["p99_itl_ms"] >= medians["p50_itl_ms"] > 0
+        assert medians["long_ttft_ms"] > 0 and medians["output_tokens_per_s"] > 0
