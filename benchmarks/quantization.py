@@ -41,8 +41,9 @@ from runtime.evaluate import builtin_text, encode_text, log_softmax, window_span
 OUT = REPO / "benchmarks" / "results" / "quantization"
 VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "fp32": ("smollm2-135m.yaml", {}),
-    "int8": ("smollm2-135m-int8.yaml", {}),
-    "int8-acc4": ("smollm2-135m-int8.yaml", {"accuracy_level": 4}),
+    "int8": ("smollm2-135m-int8.yaml", {}),  # int8 activations quantized per block of 16
+    "int8-acc4-b64": ("smollm2-135m-int8.yaml", {"int8_kernel_block": None}),  # ... per block of 64 / 256
+    "int8-float-act": ("smollm2-135m-int8.yaml", {"accuracy_level": 0, "int8_kernel_block": None}),
     "int4-rtn-b32": ("smollm2-135m-int4-rtn.yaml", {}),
     "int4-rtn-b128": ("smollm2-135m-int4-rtn.yaml", {"block_size": 128}),
     "int4-awq-b32": ("smollm2-135m-int4.yaml", {"method": "awq"}),
@@ -50,7 +51,7 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "int4-awq_gptq-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq"}),
     "int4-awq_gptq-b128": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128}),
 }
-DEFAULT_VARIANTS = ("fp32", "int8", "int8-acc4", "int4-rtn-b32", "int4-rtn-b128", "int4-awq_gptq-b32",
+DEFAULT_VARIANTS = ("fp32", "int8", "int8-acc4-b64", "int4-rtn-b32", "int4-rtn-b128", "int4-awq_gptq-b32",
                     "int4-awq_gptq-b128")
 GENAI_INT4 = "onnxruntime-genai-int4"
 

@@ -72,6 +72,10 @@ class Options:
     embedding: Literal["float", "quantized"] = "float"
     lowering: Literal["matmulnbits", "dequantize_linear"] = "matmulnbits"
     accuracy_level: int = 0     # MatMulNBits' minimum compute precision (0 = unset, 4 = int8 activations)
+    # MatMulNBits' block for INT8 per-channel weights (each channel's scale repeated per block: the same weights).
+    # With accuracy_level 4 onnxruntime quantizes the activations per block of this length, so a smaller block is
+    # more accurate. None: the largest power of two <= 256 dividing K.
+    int8_kernel_block: int | None = None
     max_rewrites: int | None = None
 
 
@@ -116,6 +120,9 @@ def check_settings(settings: Settings | Options, where: str = "quantize") -> Non
 
 def check_options(options: Options) -> None:
     check_settings(options)
+    block = options.int8_kernel_block
+    if block is not None and (block < 16 or block & (block - 1)):
+        raise PassError(f"quantize: int8_kernel_block={block}: MatMulNBits needs a power of two >= 16 (e.g. 32)")
     for index, override in enumerate(options.overrides):
         merged = settings_with(base_settings(options), override)
         check_settings(merged, f"quantize: overrides[{index}] ({override.pattern!r})")
@@ -332,7 +339,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             key = id(qw)
             bytes_after = 0  # a weight shared by several nodes is stored once, counted at its first node
             if key not in lowered_ort:
-                layout = for_matmulnbits(qw)
+                layout = for_matmulnbits(qw, options.int8_kernel_block)
                 lowered_ort[key] = layout, matmulnbits_constants(target.constant.name, layout, dtype)
                 bytes_after = sum(int(c.values.nbytes) for c in lowered_ort[key][1])
             layout, constants = lowered_ort[key]
@@ -409,7 +416,7 @@ def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options,
     else:
         qw = quantize_rtn(table.values.T.astype(np.float32), settings.bits, block_size_for(settings, hidden),
                           settings.symmetric)
-    qw = for_matmulnbits(qw)  # GatherBlockQuantized takes the same power-of-two blocks as MatMulNBits
+    qw = for_matmulnbits(qw, options.int8_kernel_block)  # the same blocks as the tied lm_head: its bytes, shared
     rewrite_gather_block_quantized(graph, gather, qw, table.values.dtype)
     return {"quantized": True, "node": gather.name, "kernel": "com.microsoft.GatherBlockQuantized",
             "bits": qw.bits, "block_size": qw.block_size, "shares_codes_with": tied.node.name if tied else None}

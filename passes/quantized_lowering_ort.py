@@ -20,13 +20,15 @@ from passes.quantized_weights import QuantizedWeight, pack_matmulnbits
 MICROSOFT_DOMAIN = "com.microsoft"
 
 
-def for_matmulnbits(qw: QuantizedWeight) -> QuantizedWeight:
+def for_matmulnbits(qw: QuantizedWeight, per_channel_block: int | None = None) -> QuantizedWeight:
     """qw in blocks MatMulNBits accepts (a power of two >= 16). INT8 per channel (one block of K, e.g. 576) is
-    re-expressed exactly: the channel's scale repeated over power-of-two blocks, a partial last block padded."""
+    re-expressed exactly: the channel's scale repeated over power-of-two blocks (per_channel_block, or the largest
+    <= 256 dividing K), a partial last block padded."""
     size = qw.block_size
-    if size >= 16 and size & (size - 1) == 0:
+    per_channel = -(-qw.k // size) == 1  # one block spans K
+    if size >= 16 and size & (size - 1) == 0 and not (per_channel and per_channel_block not in (None, size)):
         return qw
-    size = next((b for b in (256, 128, 64, 32, 16) if qw.k % b == 0), 128)
+    size = per_channel_block or next((b for b in (256, 128, 64, 32, 16) if qw.k % b == 0), 128)
     blocks = -(-qw.k // size)
     fill = (1 << (qw.bits - 1)) if qw.zero_points is None else qw.zero_points  # the code of 0 in each row
     codes = np.empty((qw.n, blocks * size), np.uint8)

@@ -171,3 +171,26 @@ def test_exclude_by_weight_name():
     quantized, report = quantize.run(matmul_model(random_weight()), quantize.Options(exclude=("W",)))
     assert [n.op_type for n in quantized.graph.node] == ["MatMul"]
     assert report["skipped"] == [{"node": "proj", "reason": "excluded by pattern 'W'"}]
+
+
+@pytest.mark.parametrize("accuracy_level", [0, 4])
+def test_int8_kernel_block_keeps_the_weights_and_sets_the_kernel_block(accuracy_level):
+    """INT8 per channel re-blocked for MatMulNBits in blocks of 16: the same dequantized weights (each channel's
+    scale repeated), the kernel's block_size 16; with accuracy_level 4 onnxruntime quantizes activations per
+    block, so its output moves, but only by activation rounding."""
+    weight = random_weight()
+    options = quantize.Options(bits=8, int8_kernel_block=16, accuracy_level=accuracy_level)
+    quantized, report = quantize.run(matmul_model(weight), options)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in quantized.graph.node[0].attribute}
+    assert attrs["block_size"] == 16 and attrs.get("accuracy_level", 0) == accuracy_level
+    x = np.random.default_rng(1).standard_normal((2, 3, 64)).astype(np.float32)
+    reference = x @ dequantize(quantize_rtn(weight, 8, 64, True))  # per channel: one block spans K = 64
+    difference = np.abs(run_onnxruntime(quantized, x) - reference).max()
+    print(f"int8 kernel block 16, accuracy_level {accuracy_level}: max abs diff {difference:.3g}")
+    assert difference <= (1e-4 if accuracy_level == 0 else 0.05 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("block", [8, 24])
+def test_int8_kernel_block_must_be_a_power_of_two_of_at_least_16(block):
+    with pytest.raises(PassError, match=f"int8_kernel_block={block}: MatMulNBits needs a power of two >= 16"):
+        quantize.run(matmul_model(random_weight()), quantize.Options(bits=8, int8_kernel_block=block))
