@@ -76,6 +76,7 @@ class Options:
     # With accuracy_level 4 onnxruntime quantizes the activations per block of this length, so a smaller block is
     # more accurate. None: the largest power of two <= 256 dividing K.
     int8_kernel_block: int | None = None
+    gptq_act_order: bool = False  # gptq / awq_gptq: round channels by decreasing E[x²], block scales fixed first
     max_rewrites: int | None = None
 
 
@@ -97,6 +98,7 @@ class Target:
     note: str = ""
     input_scales: np.ndarray | None = None  # AWQ's s: the node reads x / s and quantizes diag(s) W
     scaling: str = ""
+    act_order: bool = False  # GPTQ's channel order (Options.gptq_act_order)
 
     @property
     def activation(self) -> gs.Variable:
@@ -288,14 +290,15 @@ def quantize_target(target: Target, statistics: Statistics, memo: dict) -> tuple
     settings = target.settings
     weight = target.weight.astype(np.float32)
     scales = target.input_scales
-    key = ("weight", settings, digest(weight), None if scales is None else digest(scales))
+    key = ("weight", settings, target.act_order, digest(weight), None if scales is None else digest(scales))
     if key not in memo:
         stats = statistics(target)
         scaled = weight if scales is None else weight * scales[:, None]
         # A scaled weight sees inputs x / s: E[(x/s)(x/s)ᵀ] = H / (s sᵀ).
         hessian = None if stats is None else stats.hessian if scales is None else stats.hessian / np.outer(scales, scales)
         if settings.method in ("gptq", "awq_gptq"):
-            qw = quantize_gptq(scaled, hessian, settings.bits, settings.block_size, settings.symmetric)
+            qw = quantize_gptq(scaled, hessian, settings.bits, settings.block_size, settings.symmetric,
+                               act_order=target.act_order)
         elif settings.method == "awq":
             qw = quantize_clipped(scaled, hessian, settings.bits, settings.block_size, settings.symmetric)
         else:
@@ -314,6 +317,8 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     graph = gs.import_onnx(model)
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]  # keep input intact
     targets, skipped = find_targets(graph, options)
+    for target in targets:
+        target.act_order = options.gptq_act_order
     calibration = options.calibration if isinstance(options.calibration, CalibrationSet) else None
     needs_data = sorted({t.settings.method for t in targets} - {"rtn"})
     if needs_data and calibration is None:

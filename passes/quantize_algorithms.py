@@ -76,8 +76,14 @@ def scaled_dequantized(weight: np.ndarray, scales: np.ndarray, bits: int, block_
 
 # -- GPTQ -------------------------------------------------------------------------------------------------
 def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int, symmetric: bool,
-                  damp: float = GPTQ_DAMP) -> QuantizedWeight:
-    """GPTQ of a [K, N] weight with input statistics hessian = E[x xᵀ] [K, K]; blocks of block_size along K."""
+                  damp: float = GPTQ_DAMP, act_order: bool = False) -> QuantizedWeight:
+    """GPTQ of a [K, N] weight with input statistics hessian = E[x xᵀ] [K, K]; blocks of block_size along K.
+
+    act_order: round the input channels in order of decreasing E[x²] (GPTQ's "act-order"), so the channels that
+    matter most are rounded first, while the most error can still be compensated. Block scales are then fixed
+    before the loop ("static groups": each block's scales from AWQ's clipping search on the weight), since a
+    block's columns are no longer rounded together.
+    """
     true_k, n = weight.shape
     k = -(-true_k // block_size) * block_size  # a partial last block: padded with inputs that are always 0
     work = pad_k(weight.astype(np.float64), k).T.copy()  # [N, K]: GPTQ's orientation, one column per input channel
@@ -88,12 +94,15 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
     h[dead, dead] = 1.0
     work[:, dead] = 0.0
     h[np.diag_indices(k)] += damping
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    static = quantize_clipped(weight, hessian, bits, block_size, symmetric) if act_order else None
+    work, h = work[:, order], h[np.ix_(order, order)]
     inverse_factor = np.linalg.cholesky(np.linalg.inv(h)).T
 
     blocks = k // block_size
     codes = np.zeros((n, k), np.uint8)
-    scales = np.zeros((n, blocks), np.float32)
-    zero_points = None if symmetric else np.zeros((n, blocks), np.uint8)
+    scales = np.zeros((n, blocks), np.float32) if static is None else static.scales.copy()
+    zero_points = (None if symmetric else np.zeros((n, blocks), np.uint8)) if static is None else static.zero_points
     lazy = max(GPTQ_LAZY_BLOCK, block_size) if block_size < k else GPTQ_LAZY_BLOCK
     for start in range(0, k, lazy):
         end = min(start + lazy, k)
@@ -101,15 +110,14 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
         errors = np.zeros_like(chunk)
         chunk_inverse = inverse_factor[start:end, start:end]
         for i in range(end - start):
-            column = start + i
-            if column % block_size == 0:  # a new block: its scale from the weights as compensated so far
+            column = order[start + i]  # the input channel (original index) rounded at this step
+            block = column // block_size
+            if static is None and column % block_size == 0:  # a new block: its scale from the weights so far
                 group = chunk[:, i:i + block_size] if i + block_size <= end - start else work[:, column:column + block_size]
-                block = column // block_size
                 block_scales, block_zeros = block_parameters(group.astype(np.float32), bits, symmetric)
                 scales[:, block] = block_scales
                 if zero_points is not None:
                     zero_points[:, block] = block_zeros
-            block = column // block_size
             zero = None if zero_points is None else zero_points[:, block]
             codes[:, column] = encode(chunk[:, i], scales[:, block], zero, bits)
             quantized = decode(codes[:, column], scales[:, block], zero, bits)
