@@ -2,7 +2,7 @@
 builds of the default model, beside onnxruntime-genai's int4 build of the same weights.
 
     .venv/bin/python benchmarks/quantization.py [--prompt-tokens 512] [--new-tokens 128] [--repeats 3]
-        [--eval-tokens 4096] [--window 512] [--stride 256] [--variants fp32,int8,...]
+        [--eval-tokens 4096] [--window 512] [--stride 256] [--variants fp32,int8,...] [--out quantization.json]
 
 Each variant is a recipe under recipes/ with a few quantize options changed (VARIANTS), built once
 into benchmarks/results/quantization/ (the build's own accuracy report is skipped: this script measures every
@@ -48,8 +48,11 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "int4-rtn-b128": ("smollm2-135m-int4-rtn.yaml", {"block_size": 128}),
     "int4-awq-b32": ("smollm2-135m-int4.yaml", {"method": "awq"}),
     "int4-awq-b128": ("smollm2-135m-int4.yaml", {"method": "awq", "block_size": 128}),
-    "int4-awq_gptq-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq"}),
-    "int4-awq_gptq-b128": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128}),
+    "int4-awq_gptq-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "gptq_act_order": False}),
+    "int4-awq_gptq-b128": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128, "gptq_act_order": False}),
+    "int4-awq_gptq_act-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "gptq_act_order": True}),
+    "int4-awq_gptq_act-b128": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128,
+                                                          "gptq_act_order": True}),
 }
 DEFAULT_VARIANTS = ("fp32", "int8", "int8-acc4-b64", "int4-rtn-b32", "int4-rtn-b128", "int4-awq_gptq-b32",
                     "int4-awq_gptq-b128")
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--no-genai", action="store_true")
+    parser.add_argument("--out", default="quantization.json", help="file name under benchmarks/results/")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
     names = [n for n in args.variants.split(",") if n]
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"settings": {**vars(args), "eval_text": "builtin:pydoc-held-out", "spans": len(spans),
                            "variants": {n: VARIANTS[n] for n in names}},
               "machine": machine_info(), "versions": versions(), "results": results}
-    console.print(f"wrote {write_result('quantization.json', report)}")
+    console.print(f"wrote {write_result(args.out, report)}")
     return report
 
 
