@@ -137,3 +137,13 @@ def test_quantized_weights_reach_tensorrt_as_dequantize_linear_in_the_graph_type
     assert len(dequantized) == len(matmuls) == 7 * loaded.config.num_layers + 1  # q k v o gate up down; lm_head
     assert {onnx.TensorProto.DataType.Name(initializers[n.input[1]].data_type) for n in dequantized} == {scale_type}
     assert {onnx.TensorProto.DataType.Name(initializers[n.input[0]].data_type) for n in dequantized} == {"INT4"}
+
+
+def test_a_float16_graph_for_onnxruntime_is_refused_before_the_export(tmp_path):
+    from compiler.build import build
+
+    data = load_recipe(REPO / "recipes" / "tiny-random.yaml").to_dict()
+    data["export"]["dtype"] = "float16"
+    with pytest.raises(BuildError, match="export.dtype: 'float16' with backend onnxruntime: .* use float32"):
+        build(parse_recipe(data), tmp_path)
+    assert list(tmp_path.iterdir()) == []
