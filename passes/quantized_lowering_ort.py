@@ -25,7 +25,7 @@ def for_matmulnbits(qw: QuantizedWeight, per_channel_block: int | None = None) -
     re-expressed exactly: the channel's scale repeated over power-of-two blocks (per_channel_block, or the largest
     <= 256 dividing K), a partial last block padded."""
     size = qw.block_size
-    per_channel = -(-qw.k // size) == 1  # one block spans K
+    per_channel = qw.bits == 8 and -(-qw.k // size) == 1  # INT8 per channel: one block spans K
     if size >= 16 and size & (size - 1) == 0 and not (per_channel and per_channel_block not in (None, size)):
         return qw
     size = per_channel_block or next((b for b in (256, 128, 64, 32, 16) if qw.k % b == 0), 128)
