@@ -160,7 +160,7 @@ def _share_tied_lm_head(model: onnx.ModelProto, config: DecoderConfig) -> None:
 
 def export_graphs(decoder: Decoder, max_context: int, opset: int = 21, prefill_logits: str = "last",
                   progress=None, dtype: str = "float32") -> dict[str, onnx.ModelProto]:
-    """Both phases' graphs; dtype float16/bfloat16 casts the decoder first (weights, activations, KV cache;
+    """Both phases' graphs; dtype float16/bfloat16 casts the decoder first, in place (weights, activations, KV cache;
     RMSNorm and the rotary angles are computed in float32 inside). TensorRT >= 11 takes precision from the
     graph's types (strong typing), so a float16 engine starts from a float16 graph."""
     if dtype not in DTYPES:

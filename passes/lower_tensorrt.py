@@ -15,7 +15,7 @@ In the graph named "decode" (compiler/export.py names each graph by its phase) w
                                        '-> present_key, present_value (in place, as above)
 
 Plugin contract (what the tensorrt.plugin registration implements). Every node: op_type = the plugin name,
-domain = attribute plugin_namespace = Options.plugin_namespace ("aotlm"), attribute aot = 1, plugin version "1"
+domain = attribute plugin_namespace = PLUGIN_NAMESPACE ("aotlm"), attribute aot = 1, plugin version "1"
 (the parser's default). T is the model's float type (float32/float16/bfloat16), B batch, S new tokens, H query
 heads, KV kv heads, D head_dim, M the cache's static max context, P kv_splits. seqlens_k and
 total_sequence_length are device tensors read by the kernel, not shape inputs: no output shape depends on them.
@@ -90,6 +90,9 @@ from passes.lower_onnx_attention import OPSET, Shared
 
 ATTENTION_TARGETS = ("plugin", "onnx_attention", "trt_native")
 TRT_DOMAIN = "trt"  # TensorRT 11's custom ONNX ops (see the docstring for what was confirmed)
+# What runtime/kernels/tensorrt_plugin.py registers (runtime/ cannot import passes/, so it spells them again).
+PLUGIN_NAMESPACE = "aotlm"
+PLUGIN_OPS = ("flash_attention", "flash_decode", "flash_combine")
 
 
 def _const(name: str, values) -> gs.Constant:
@@ -105,7 +108,6 @@ def onnx_type(dtype) -> int:
 class Options:
     attention: Literal["plugin", "onnx_attention", "trt_native"] = "plugin"
     decode_kv_splits: int = 8  # flash-decoding splits of the cache in the decode graph (1 = one flash_attention)
-    plugin_namespace: str = "aotlm"
     max_rewrites: int | None = None
 
     def __post_init__(self):
@@ -114,8 +116,6 @@ class Options:
         if self.decode_kv_splits < 1 or self.decode_kv_splits & (self.decode_kv_splits - 1):
             raise ValueError(f"decode_kv_splits: {self.decode_kv_splits} must be a power of two >= 1 "
                              "(flash_combine loads all splits as one tile)")
-        if not self.plugin_namespace:
-            raise ValueError("plugin_namespace: must not be empty")
 
 
 class Lowering:
@@ -148,9 +148,8 @@ class Lowering:
         return q, k, positions, total64
 
     def plugin_node(self, plugin: str, name: str, inputs: list, outputs: list, **attrs) -> None:
-        namespace = self.options.plugin_namespace
-        self.graph.nodes.append(gs.Node(plugin, name=name, domain=namespace, inputs=inputs, outputs=outputs,
-                                        attrs={**attrs, "plugin_namespace": namespace, "aot": 1}))
+        self.graph.nodes.append(gs.Node(plugin, name=name, domain=PLUGIN_NAMESPACE, inputs=inputs, outputs=outputs,
+                                        attrs={**attrs, "plugin_namespace": PLUGIN_NAMESPACE, "aot": 1}))
 
     def lower_plugin(self, node: gs.Node, index: int) -> dict:
         query, _, value, past_key, past_value, seqlens, total, cos, _ = node.inputs
@@ -263,12 +262,12 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     layers = [rewrite(node, index) for index, node in enumerate(nodes)]
     graph.cleanup().toposort()
     remaining = sum(1 for n in graph.nodes if n.domain == op.DOMAIN and n.op == op.OP_TYPE)
-    used = sorted({n.op for n in graph.nodes if n.domain == options.plugin_namespace and n.op != op.OP_TYPE})
+    used = sorted({n.op for n in graph.nodes if n.domain == PLUGIN_NAMESPACE and n.op != op.OP_TYPE})
     domains = {o.domain: o.version for o in model.opset_import if o.domain not in ("", "ai.onnx", op.DOMAIN)}
     if remaining:
         domains[op.DOMAIN] = op.VERSION
     if used:
-        domains.setdefault(options.plugin_namespace, 1)
+        domains.setdefault(PLUGIN_NAMESPACE, 1)
     if options.attention == "trt_native" and layers:
         domains[TRT_DOMAIN] = 1
     graph.opset = max(graph.opset, OPSET)
@@ -279,10 +278,10 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     native = options.attention == "trt_native"
     return lowered, {
         "target": "tensorrt: TRT_KVCacheUpdate + TRT_Attention (TensorRT >= 11)" if native else
-                  f"tensorrt: RotaryEmbedding-23 + {options.plugin_namespace}:: plugins (TensorRT >= 10.15)",
+                  f"tensorrt: RotaryEmbedding-23 + {PLUGIN_NAMESPACE}:: plugins (TensorRT >= 10.15)",
         "attention": options.attention, "phase_graph": model.graph.name, "lowered": len(layers), "layers": layers,
         "left_unlowered": remaining,
-        "plugins": {"namespace": None if native else options.plugin_namespace, "names": used, "aot": not native,
+        "plugins": {"namespace": None if native else PLUGIN_NAMESPACE, "names": used, "aot": not native,
                     "preview_feature": None if native else "ALIASED_PLUGIN_IO_10_03"}}
 
 

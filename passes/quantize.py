@@ -98,7 +98,6 @@ class Target:
     note: str = ""
     input_scales: np.ndarray | None = None  # AWQ's s: the node reads x / s and quantizes diag(s) W
     scaling: str = ""
-    act_order: bool = False  # GPTQ's channel order (Options.gptq_act_order)
 
     @property
     def activation(self) -> gs.Variable:
@@ -285,12 +284,14 @@ def fold_awq_scales(graph: gs.Graph, targets: list[Target]) -> None:
             target.scaling += f", {how}"
 
 
-def quantize_target(target: Target, statistics: Statistics, memo: dict) -> tuple[QuantizedWeight, float | None]:
-    """The target's quantized weight and its relative output error (None without calibration data)."""
+def quantize_target(target: Target, statistics: Statistics, memo: dict,
+                    act_order: bool = False) -> tuple[QuantizedWeight, float | None]:
+    """The target's quantized weight and its relative output error (None without calibration data).
+    act_order: Options.gptq_act_order, for gptq / awq_gptq."""
     settings = target.settings
     weight = target.weight.astype(np.float32)
     scales = target.input_scales
-    key = ("weight", settings, target.act_order, digest(weight), None if scales is None else digest(scales))
+    key = ("weight", settings, act_order, digest(weight), None if scales is None else digest(scales))
     if key not in memo:
         stats = statistics(target)
         scaled = weight if scales is None else weight * scales[:, None]
@@ -298,7 +299,7 @@ def quantize_target(target: Target, statistics: Statistics, memo: dict) -> tuple
         hessian = None if stats is None else stats.hessian if scales is None else stats.hessian / np.outer(scales, scales)
         if settings.method in ("gptq", "awq_gptq"):
             qw = quantize_gptq(scaled, hessian, settings.bits, settings.block_size, settings.symmetric,
-                               act_order=target.act_order)
+                               act_order=act_order)
         elif settings.method == "awq":
             qw = quantize_clipped(scaled, hessian, settings.bits, settings.block_size, settings.symmetric)
         else:
@@ -317,8 +318,6 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     graph = gs.import_onnx(model)
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]  # keep input intact
     targets, skipped = find_targets(graph, options)
-    for target in targets:
-        target.act_order = options.gptq_act_order
     calibration = options.calibration if isinstance(options.calibration, CalibrationSet) else None
     needs_data = sorted({t.settings.method for t in targets} - {"rtn"})
     if needs_data and calibration is None:
@@ -335,7 +334,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     layers, lowered_ort, lowered_dq = [], {}, {}
     say = calibration.say if calibration is not None else (lambda message: None)
     for index, target in enumerate(targets, 1):
-        qw, error = quantize_target(target, statistics, memo)
+        qw, error = quantize_target(target, statistics, memo, options.gptq_act_order)
         if index == len(targets) or index % max(1, len(targets) // 8) == 0:
             say(f"quantize: {index}/{len(targets)} weights ({target.settings.method})")
         dtype = target.constant.values.dtype
@@ -417,7 +416,7 @@ def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options,
         return {"quantized": False, "node": gather.name,
                 "reason": f"hidden size {hidden} x {settings.bits} bits is not whole bytes per row"}
     if tied:
-        qw, _ = quantize_target(tied, lambda _: None, memo)
+        qw, _ = quantize_target(tied, lambda _: None, memo, options.gptq_act_order)  # a memo hit: lm_head's codes
     else:
         qw = quantize_rtn(table.values.T.astype(np.float32), settings.bits, block_size_for(settings, hidden),
                           settings.symmetric)

@@ -27,9 +27,8 @@ import onnx
 
 from compiler.backends.onnxruntime import io_spec
 from compiler.errors import BuildError
+from passes.lower_tensorrt import PLUGIN_NAMESPACE, PLUGIN_OPS
 
-PLUGIN_NAMESPACE = "aotlm"
-PLUGIN_OPS = ("flash_attention", "flash_decode", "flash_combine")
 INT4_BLOCK_SIZES = (64, 128)  # TensorRT's INT4 weight-only blocks ("supported block sizes are {64, 128}")
 
 

@@ -28,7 +28,7 @@ import tensorrt.plugin as trtp
 
 from runtime.kernels import aot
 
-NAMESPACE = "aotlm"
+NAMESPACE = "aotlm"  # passes/lower_tensorrt.PLUGIN_NAMESPACE: the nodes' domain and plugin_namespace
 _ELEMENTS = {trt.float16: "fp16", trt.bfloat16: "bf16"}
 _ONNX_TYPES = {10: trt.float16, 16: trt.bfloat16}  # flash_combine's out_dtype attribute: ONNX element types
 _FLOATS = "FP16|BF16"  # dependent ('|'): every attention tensor takes the same one of the two
