@@ -59,6 +59,7 @@ class OnnxRuntimeBackend:
         self.present_for_past = {past: present for present, past in aliases.items()}
         self.sessions: dict[str, ort.InferenceSession] = {}
         self.bindings: dict[str, ort.IOBinding] = {}
+        self.step_logits: dict[str, dict] = {}  # per phase: run_bound's reused logits arrays
         for phase, engine in manifest["engines"].items():
             options = session_options(settings, intra_op_threads)
             path = Path(artifact_dir) / engine["file"]
@@ -68,6 +69,7 @@ class OnnxRuntimeBackend:
                 raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({error})") from None
             self.sessions[phase] = session
             self.bindings[phase] = session.io_binding()
+            self.step_logits[phase] = {}
         self.past_names = [i.name for i in self.sessions["decode"].get_inputs() if i.name in self.present_for_past]
         self.cache: KVCache | None = None
 
@@ -88,7 +90,8 @@ class OnnxRuntimeBackend:
 
     def run(self, phase: str, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """One step over the bound cache. Arrays are int64 [batch, sequence] / [batch, total]; returns logits."""
-        return run_bound(self.sessions[phase], self.bindings[phase], input_ids, position_ids, attention_mask)
+        return run_bound(self.sessions[phase], self.bindings[phase], input_ids, position_ids, attention_mask,
+                         self.step_logits[phase])
 
     def allocate_slots(self, slots: int) -> "SlotCache":
         """A cache of `slots` sequences for the scheduler, beside (not replacing) the batch-1 cache."""
@@ -96,17 +99,34 @@ class OnnxRuntimeBackend:
 
 
 def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, input_ids: np.ndarray, position_ids: np.ndarray,
-              attention_mask: np.ndarray) -> np.ndarray:
-    """Bind the per-step inputs and run over whatever cache the binding already holds; returns the logits."""
-    # A binding keeps the logits OrtValue of its last run, and onnxruntime refuses to write another shape into
-    # it (a decode step after a multi-token chunk): ask for a fresh one each run. Rebinding by name keeps the
-    # logits the first output.
-    binding.bind_output("logits", "cpu")
+              attention_mask: np.ndarray, step_logits: dict | None = None) -> np.ndarray:
+    """Bind the per-step inputs and run over whatever cache the binding already holds; returns the logits.
+
+    step_logits: a dict the caller keeps with this binding. Single-token steps (decode) then write their logits
+    into one array per input shape, reused: the returned array is valid until the next single-token run of the
+    same shape on this binding (every caller samples from it at once). That spares asking onnxruntime for all of
+    the binding's outputs (the cache buffers too) just to reach the logits, ~0.1-0.2 ms a step here.
+    """
+    reuse = step_logits is not None and input_ids.shape[1] == 1
+    logits = step_logits.get(input_ids.shape) if reuse else None
+    if logits is not None:
+        binding.bind_output("logits", "cpu", element_type=logits.dtype, shape=logits.shape,
+                            buffer_ptr=logits.ctypes.data)
+    else:
+        # A binding keeps the logits OrtValue of its last run, and onnxruntime refuses to write another shape into
+        # it (a decode step after a multi-token chunk): ask for a fresh one. Rebinding by name keeps the logits
+        # the first output.
+        binding.bind_output("logits", "cpu")
     binding.bind_cpu_input("input_ids", input_ids)
     binding.bind_cpu_input("position_ids", position_ids)
     binding.bind_cpu_input("attention_mask", attention_mask)
     session.run_with_iobinding(binding)
-    return binding.get_outputs()[0].numpy()
+    if logits is not None:
+        return logits
+    logits = binding.get_outputs()[0].numpy()
+    if reuse:  # from the next step of this shape on, onnxruntime writes straight into it
+        step_logits[input_ids.shape] = np.empty_like(logits)
+    return logits
 
 
 class SlotCache:
@@ -127,7 +147,7 @@ class SlotCache:
         self.arrays = [np.empty(shape, dtype=np.float32) for _ in backend.past_names]
         for array in self.arrays:
             array.fill(0.0)  # touch every page now, so resident memory does not creep up as slots fill
-        self._bindings: dict[tuple[str, int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
+        self._bindings: dict[tuple[str, int, int], tuple[ort.IOBinding, list[ort.OrtValue], dict]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +168,6 @@ class SlotCache:
             for name, view in zip(self.backend.past_names, views):
                 binding.bind_ortvalue_input(name, view)
                 binding.bind_ortvalue_output(self.backend.present_for_past[name], view)
-            self._bindings[key] = (binding, views)
-        binding, _ = self._bindings[key]
-        return run_bound(self.backend.sessions[phase], binding, input_ids, position_ids, attention_mask)
+            self._bindings[key] = (binding, views, {})
+        binding, _, step_logits = self._bindings[key]
+        return run_bound(self.backend.sessions[phase], binding, input_ids, position_ids, attention_mask, step_logits)

@@ -50,6 +50,24 @@ def test_decode_with_cache_matches_full_recompute_logits(tiny_engine, tiny_refer
         np.testing.assert_allclose(logits[0, -1], full_recompute_logits(decoder, tokens), atol=1e-4)
 
 
+def test_single_token_steps_reuse_one_logits_array_and_stay_exact(tiny_engine, tiny_reference):
+    """Decode steps write their logits into one reused array (run_bound); a multi-token chunk in between gets a
+    fresh one, and the next single-token step is still exact."""
+    decoder, _ = tiny_reference
+    backend = tiny_engine.backend
+    tokens = PROMPTS[2][:]
+    ones = np.ones((1, 64), dtype=np.int64)
+    backend.run("prefill", np.array([tokens]), np.arange(len(tokens))[None], ones[:, : len(tokens)])
+    returned = []
+    for chunk in ([7], [8], [9, 10, 11], [12], [13]):
+        start = len(tokens)
+        tokens += chunk
+        logits = backend.run("decode", np.array([chunk]), np.arange(start, len(tokens))[None], ones[:, : len(tokens)])
+        np.testing.assert_allclose(logits[0, -1], full_recompute_logits(decoder, tokens), atol=1e-4)
+        returned.append(logits)
+    assert returned[1] is returned[3] is returned[4] and returned[2] is not returned[1]  # the 1st learns the shape
+
+
 def test_cache_is_bound_once_and_written_in_place(tiny_engine, tiny_reference):
     decoder, _ = tiny_reference
     cache = tiny_engine.backend.cache
