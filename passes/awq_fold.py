@@ -7,16 +7,64 @@ Folded into the op that produces x when it is linear per channel and feeds only 
     Mul(a, MatMul(h, U)) (SwiGLU's gate * up, down's input)          U     <- U diag(1/s)  (up's output columns)
     Mul(a, Split(MatMul(h, [G | U]))) (gate/up packed by pack_projections)  U's columns of the packed weight
     Reshape(y, [..., K]) of any of the above (lm_head after the final norm)
+    Attention(q, k, v) -> o, with v = MatMul(h, V) (o_proj's input)  V     <- V diag(1/t)  (the value columns)
 
-Otherwise (e.g. o_proj, whose input comes from attention) an explicit Mul(x, 1/s) is inserted before the
-group: one elementwise op per step, still exact. The returned string says which happened, for the report.
+The last one holds because attention mixes value rows with weights that do not depend on V: scaling the value
+channel (kv head g, d) by 1/t scales output channel (h, d) of every query head h reading kv head g by 1/t. So
+o_proj's scales must be tied, s[h, d] = t[h // group, d]; `attention_value_tie` says when that fold exists, and
+the AWQ search then ties them (the KV cache holds V / t, the same in prefill and decode). Otherwise an explicit
+Mul(x, 1/s) is inserted before the group: one elementwise op per step, still exact. The returned string says
+which happened, for the report.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 NORMALIZATION_GAMMA_INPUT = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2}
+ATTENTION_OPS = ("GroupQueryAttention", "FlashAttention")  # same inputs: query, key, value, ... (packed: key = value = "")
+
+
+@dataclass(frozen=True)
+class ValueColumns:
+    """Where an attention output's values come from: columns of a MatMul's private constant weight."""
+    weight: gs.Constant
+    columns: slice
+    kv_heads: int
+    group: int       # query heads per kv head
+    head_dim: int
+
+    @property
+    def tie(self) -> tuple[int, int, int]:
+        """The output channels' layout [kv_heads, group, head_dim]: scales must be equal along `group`."""
+        return self.kv_heads, self.group, self.head_dim
+
+
+def attention_value_tie(activation: gs.Variable) -> ValueColumns | None:
+    """When `activation` is an attention node's output and its values come straight from a MatMul whose weight only
+    that MatMul reads (v_proj, or the value columns of pack_projections' packed q/k/v), that weight's columns."""
+    producer = activation.inputs[0] if activation.inputs else None
+    if producer is None or producer.op not in ATTENTION_OPS or producer.outputs[0] is not activation:
+        return None
+    heads, kv_heads = int(producer.attrs.get("num_heads", 0)), int(producer.attrs.get("kv_num_heads", 0))
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        return None
+    value = producer.inputs[2] if len(producer.inputs) > 2 else None
+    packed = value is None or not value.name  # GroupQueryAttention reading packed q/k/v from its query input
+    source = producer.inputs[0] if packed else value
+    if len(source.outputs) != 1 or not source.inputs or source.inputs[0].op != "MatMul":
+        return None
+    weight = source.inputs[0].inputs[1]
+    if not (isinstance(weight, gs.Constant) and len(weight.outputs) == 1 and weight.values.ndim == 2):
+        return None
+    width = weight.values.shape[1]
+    head_dim, remainder = divmod(width, heads + 2 * kv_heads if packed else kv_heads)
+    if remainder or head_dim == 0:
+        return None
+    columns = slice(width - kv_heads * head_dim, width)  # packed: [q | k | v]; else all of v_proj
+    return ValueColumns(weight, columns, kv_heads, heads // kv_heads, head_dim)
 
 
 def apply_input_scales(graph: gs.Graph, activation: gs.Variable, group: list[gs.Node], scales: np.ndarray) -> str:
@@ -54,6 +102,8 @@ def _keeps_last_axis(reshape: gs.Node, size: int) -> bool:
 
 def _fold_into_producer(producer: gs.Node, activation: gs.Variable, inverse: np.ndarray) -> str | None:
     size = len(inverse)
+    if producer.op in ATTENTION_OPS:
+        return _fold_into_values(activation, inverse)
     if producer.op == "Reshape" and _keeps_last_axis(producer, size):
         # lm_head reads the final norm through a Reshape to [-1, K]: the channels are the same ones.
         source = producer.inputs[0]
@@ -96,6 +146,20 @@ def _fold_into_producer(producer: gs.Node, activation: gs.Variable, inverse: np.
             weight.values = values
             return f"folded into MatMul {source.name!r} (output columns {columns.start}:{columns.stop})"
     return None
+
+
+def _fold_into_values(activation: gs.Variable, inverse: np.ndarray) -> str | None:
+    values = attention_value_tie(activation)
+    if values is None or len(inverse) != np.prod(values.tie):
+        return None
+    tied = inverse.reshape(values.tie)
+    if not np.array_equal(tied, np.broadcast_to(tied[:, :1], tied.shape)):
+        return None  # scales differ between query heads that read one kv head: no single value scale works
+    weight = values.weight.values.copy()
+    weight[:, values.columns] *= tied[:, 0].reshape(1, -1).astype(weight.dtype)
+    values.weight.values = weight
+    return (f"folded into the attention's value projection (columns {values.columns.start}:{values.columns.stop}, "
+            f"scales tied across the {values.group} query heads of each kv head)")
 
 
 def _split_columns(split: gs.Node, part: gs.Variable, size: int) -> slice | None:

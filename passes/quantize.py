@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from passes.awq_fold import apply_input_scales
+from passes.awq_fold import apply_input_scales, attention_value_tie
 from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics
 from passes.errors import PassError
 from passes.quantize_algorithms import awq_search, quantize_clipped, quantize_gptq, relative_output_error
@@ -77,6 +77,10 @@ class Options:
     # more accurate. None: the largest power of two <= 256 dividing K.
     int8_kernel_block: int | None = None
     gptq_act_order: bool = False  # gptq / awq_gptq: round channels by decreasing E[x²], block scales fixed first
+    # Symmetric INT4 over all 16 codes (scale = the block's largest-magnitude value / -8, as onnxruntime quantizes)
+    # rather than [-7, 7] with a positive scale. None: on for the MatMulNBits lowering; TensorRT's DequantizeLinear
+    # needs strictly positive scales, so the dequantize_linear lowering refuses it.
+    full_range: bool | None = None
     max_rewrites: int | None = None
 
 
@@ -86,6 +90,7 @@ class Settings:
     block_size: int
     symmetric: bool
     method: str
+    full_range: bool = False  # symmetric INT4 only: all 16 codes, signed scales (block_parameters)
 
 
 @dataclass
@@ -98,6 +103,7 @@ class Target:
     note: str = ""
     input_scales: np.ndarray | None = None  # AWQ's s: the node reads x / s and quantizes diag(s) W
     scaling: str = ""
+    shared_table: bool = False  # a tied lm_head whose table the quantized embedding gathers too
 
     @property
     def activation(self) -> gs.Variable:
@@ -121,23 +127,36 @@ def check_settings(settings: Settings | Options, where: str = "quantize") -> Non
 
 def check_options(options: Options) -> None:
     check_settings(options)
+    if options.full_range and options.lowering == "dequantize_linear":
+        raise PassError("quantize: full_range: true needs negative scales, which TensorRT's DequantizeLinear refuses "
+                        "(strictly positive scales only); drop full_range or use lowering: matmulnbits")
     block = options.int8_kernel_block
     if block is not None and (block < 16 or block & (block - 1)):
         raise PassError(f"quantize: int8_kernel_block={block}: MatMulNBits needs a power of two >= 16 (e.g. 32)")
     for index, override in enumerate(options.overrides):
-        merged = settings_with(base_settings(options), override)
+        merged = settings_with(base_settings(options), override, full_range_wanted(options))
         check_settings(merged, f"quantize: overrides[{index}] ({override.pattern!r})")
 
 
+def full_range_wanted(options: Options) -> bool:
+    return options.lowering == "matmulnbits" if options.full_range is None else options.full_range
+
+
 def base_settings(options: Options) -> Settings:
-    return Settings(options.bits, options.block_size, options.symmetric or options.bits == 8, options.method)
+    return with_full_range(Settings(options.bits, options.block_size, options.symmetric or options.bits == 8,
+                                    options.method), full_range_wanted(options))
 
 
-def settings_with(settings: Settings, override: Override) -> Settings:
+def settings_with(settings: Settings, override: Override, full_range: bool) -> Settings:
     changes = {name: getattr(override, name) for name in ("bits", "block_size", "symmetric", "method")
                if getattr(override, name) is not None}
     merged = replace(settings, **changes)
-    return replace(merged, symmetric=merged.symmetric or merged.bits == 8)  # INT8 is symmetric per channel
+    return with_full_range(replace(merged, symmetric=merged.symmetric or merged.bits == 8), full_range)  # INT8: symmetric
+
+
+def with_full_range(settings: Settings, wanted: bool) -> Settings:
+    """full_range applies to symmetric INT4 (INT8 per channel has 255 of 256 levels already)."""
+    return replace(settings, full_range=wanted and settings.bits == 4 and settings.symmetric)
 
 
 def block_size_for(settings: Settings, k: int) -> int:
@@ -190,7 +209,7 @@ def settings_for(node: gs.Node, options: Options) -> Settings | str:
     if override is not None:
         if override.skip:
             return f"kept float by override {override.pattern!r}"
-        settings = settings_with(settings, override)
+        settings = settings_with(settings, override, full_range_wanted(options))
     return settings
 
 
@@ -216,9 +235,11 @@ def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[
             target.note = f"K={k} padded to {blocks} blocks of {block_size} (the last holds {k % block_size} values)"
         if options.embedding == "quantized" and any(c.op == "Gather" for c in weight.outputs) \
                 and settings.method != "rtn":
-            # The table is also gathered as the embedding: calibrated codes fit the lm_head's inputs, not a row lookup.
-            target.settings = replace(target.settings, method="rtn")
-            target.note = f"{settings.method} -> rtn: the weight is the quantized embedding table too"
+            # The table is also gathered as the embedding: no input scales (the gather could not undo them), and
+            # the codes must fit a row lookup as well as the lm_head's inputs (quantize_target, shared_table).
+            target.shared_table = True
+            target.note = (f"{settings.method} without input scales, on E[x xᵀ] / mean(diag) + I: the weight is the "
+                           f"quantized embedding table too, whose rows' own error counts as much as lm_head's output's")
         targets.append(target)
     return targets, skipped
 
@@ -256,16 +277,18 @@ def search_awq_scales(targets: list[Target], statistics: Statistics, memo: dict)
     """Set each AWQ target's input scales: one search per group of targets that read the same activation."""
     groups: dict[tuple, list[Target]] = {}
     for target in targets:
-        if target.settings.method in ("awq", "awq_gptq"):
+        if target.settings.method in ("awq", "awq_gptq") and not target.shared_table:
             groups.setdefault((target.input_name, target.settings), []).append(target)
     for index, ((_, settings), group) in enumerate(groups.items(), 1):
         if index % max(1, len(groups) // 4) == 0 and statistics.calibration is not None:
             statistics.calibration.say(f"awq: scale search {index}/{len(groups)} input groups")
-        key = ("awq", settings, *(digest(t.weight) for t in group))
+        values = attention_value_tie(group[0].activation)  # o_proj: tied scales fold into the values, no Mul
+        tie = values.tie if values is not None else None
+        key = ("awq", settings, tie, *(digest(t.weight) for t in group))
         if key not in memo:
             stats = statistics(group[0])
             memo[key] = awq_search([t.weight.astype(np.float32) for t in group], stats.hessian, stats.mean_abs,
-                                   settings.bits, settings.block_size, settings.symmetric)
+                                   settings.bits, settings.block_size, settings.symmetric, tie, settings.full_range)
         scales, record = memo[key]
         for target in group:
             target.input_scales = scales
@@ -291,19 +314,25 @@ def quantize_target(target: Target, statistics: Statistics, memo: dict,
     settings = target.settings
     weight = target.weight.astype(np.float32)
     scales = target.input_scales
-    key = ("weight", settings, act_order, digest(weight), None if scales is None else digest(scales))
+    key = ("weight", settings, act_order, target.shared_table, digest(weight),
+           None if scales is None else digest(scales))
     if key not in memo:
         stats = statistics(target)
         scaled = weight if scales is None else weight * scales[:, None]
         # A scaled weight sees inputs x / s: E[(x/s)(x/s)ᵀ] = H / (s sᵀ).
         hessian = None if stats is None else stats.hessian if scales is None else stats.hessian / np.outer(scales, scales)
+        if target.shared_table and hessian is not None:
+            # Rows are also looked up as embeddings, whose error is the row's own ‖Δ‖²: weigh that (I) as much as
+            # the lm_head's output error, H normalised to a unit mean diagonal.
+            hessian = hessian / np.mean(np.diag(hessian)) + np.eye(len(hessian))
         if settings.method in ("gptq", "awq_gptq"):
             qw = quantize_gptq(scaled, hessian, settings.bits, settings.block_size, settings.symmetric,
-                               act_order=act_order)
+                               act_order=act_order, full_range=settings.full_range)
         elif settings.method == "awq":
-            qw = quantize_clipped(scaled, hessian, settings.bits, settings.block_size, settings.symmetric)
+            qw = quantize_clipped(scaled, hessian, settings.bits, settings.block_size, settings.symmetric,
+                                  settings.full_range)
         else:
-            qw = quantize_rtn(scaled, settings.bits, settings.block_size, settings.symmetric)
+            qw = quantize_rtn(scaled, settings.bits, settings.block_size, settings.symmetric, settings.full_range)
         error = None
         if stats is not None:
             effective = dequantize(qw) if scales is None else dequantize(qw) / scales[:, None]
@@ -419,7 +448,7 @@ def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options,
         qw, _ = quantize_target(tied, lambda _: None, memo, options.gptq_act_order)  # a memo hit: lm_head's codes
     else:
         qw = quantize_rtn(table.values.T.astype(np.float32), settings.bits, block_size_for(settings, hidden),
-                          settings.symmetric)
+                          settings.symmetric, settings.full_range)
     qw = for_matmulnbits(qw, options.int8_kernel_block)  # the same blocks as the tied lm_head: its bytes, shared
     rewrite_gather_block_quantized(graph, gather, qw, table.values.dtype)
     return {"quantized": True, "node": gather.name, "kernel": "com.microsoft.GatherBlockQuantized",

@@ -43,13 +43,20 @@ def relative_output_error(weight: np.ndarray, approximation: np.ndarray, hessian
 
 # -- AWQ --------------------------------------------------------------------------------------------------
 def awq_search(weights: list[np.ndarray], hessian: np.ndarray, mean_abs: np.ndarray, bits: int, block_size: int,
-               symmetric: bool) -> tuple[np.ndarray, dict]:
+               symmetric: bool, tie: tuple[int, ...] | None = None,
+               full_range: bool = False) -> tuple[np.ndarray, dict]:
     """Per-input-channel scales s [K] for the weights that share one input; returns (s, search record).
 
     α = 0 is s = 1, plain round-to-nearest, so the result is never worse than RTN on the calibration data.
+    tie: the input's layout (a, g, b) with a * g * b = K when the scales must be equal along axis g (o_proj's input,
+    whose channels (kv head, query head in its group, d) fold into the value projection per (kv head, d));
+    E|x| is then averaged along g.
     """
     hessian32 = hessian.astype(np.float32)
     base = np.maximum(mean_abs.astype(np.float32), 1e-8)
+    if tie is not None:
+        grouped = base.reshape(tie)
+        base = np.broadcast_to(grouped.mean(axis=1, keepdims=True), grouped.shape).reshape(-1)
     losses = []
     best = (np.inf, 0.0, np.ones_like(base))
     for step in range(AWQ_GRID):
@@ -58,7 +65,7 @@ def awq_search(weights: list[np.ndarray], hessian: np.ndarray, mean_abs: np.ndar
         scales = scales / np.sqrt(scales.max() * scales.min())  # keep s around 1: the norm's gamma absorbs 1/s
         loss = 0.0
         for weight in weights:
-            effective = scaled_dequantized(weight, scales, bits, block_size, symmetric)
+            effective = scaled_dequantized(weight, scales, bits, block_size, symmetric, full_range)
             delta = effective - weight
             loss += float(np.sum((hessian32 @ delta) * delta))
         losses.append(loss)
@@ -68,15 +75,16 @@ def awq_search(weights: list[np.ndarray], hessian: np.ndarray, mean_abs: np.ndar
     return scales.astype(np.float32), {"alpha": alpha, "loss_rtn": losses[0], "loss_best": best[0]}
 
 
-def scaled_dequantized(weight: np.ndarray, scales: np.ndarray, bits: int, block_size: int, symmetric: bool) -> np.ndarray:
+def scaled_dequantized(weight: np.ndarray, scales: np.ndarray, bits: int, block_size: int, symmetric: bool,
+                       full_range: bool = False) -> np.ndarray:
     """diag(1/s) Q(diag(s) W): what the graph computes with x / s feeding the quantized diag(s) W."""
-    qw = quantize_rtn(weight * scales[:, None], bits, block_size, symmetric)
+    qw = quantize_rtn(weight * scales[:, None], bits, block_size, symmetric, full_range)
     return dequantize(qw) / scales[:, None]
 
 
 # -- GPTQ -------------------------------------------------------------------------------------------------
 def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int, symmetric: bool,
-                  damp: float = GPTQ_DAMP, act_order: bool = False) -> QuantizedWeight:
+                  damp: float = GPTQ_DAMP, act_order: bool = False, full_range: bool = False) -> QuantizedWeight:
     """GPTQ of a [K, N] weight with input statistics hessian = E[x xᵀ] [K, K]; blocks of block_size along K.
 
     act_order: round the input channels in order of decreasing E[x²] (GPTQ's "act-order"), so the channels that
@@ -95,7 +103,7 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
     work[:, dead] = 0.0
     h[np.diag_indices(k)] += damping
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
-    static = quantize_clipped(weight, hessian, bits, block_size, symmetric) if act_order else None
+    static = quantize_clipped(weight, hessian, bits, block_size, symmetric, full_range) if act_order else None
     work, h = work[:, order], h[np.ix_(order, order)]
     inverse_factor = np.linalg.cholesky(np.linalg.inv(h)).T
 
@@ -114,7 +122,7 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
             block = column // block_size
             if static is None and column % block_size == 0:  # a new block: its scale from the weights so far
                 group = chunk[:, i:i + block_size] if i + block_size <= end - start else work[:, column:column + block_size]
-                block_scales, block_zeros = block_parameters(group.astype(np.float32), bits, symmetric)
+                block_scales, block_zeros = block_parameters(group.astype(np.float32), bits, symmetric, full_range)
                 scales[:, block] = block_scales
                 if zero_points is not None:
                     zero_points[:, block] = block_zeros
@@ -133,14 +141,14 @@ CLIP_RATIOS = np.linspace(1.0, 0.5, 11)  # shrink each block's range by up to ha
 
 
 def quantize_clipped(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int,
-                     symmetric: bool) -> QuantizedWeight:
+                     symmetric: bool, full_range: bool = False) -> QuantizedWeight:
     """Round to nearest with each block's range shrunk by the ratio that minimises that block's output error.
 
     A block's error is Δ_bᵀ H_bb Δ_b (its own rows of E[x xᵀ]); clipping a few outliers buys a finer step for
     the rest. Ratio 1 is plain RTN, so no block gets worse than RTN by this measure.
     """
     k, n = weight.shape
-    plain = quantize_rtn(weight, bits, block_size, symmetric)
+    plain = quantize_rtn(weight, bits, block_size, symmetric, full_range)
     blocks, padded_k = plain.blocks, plain.blocks * block_size
     blocked = pad_k(weight.astype(np.float32), padded_k).T.reshape(n, blocks, block_size)
     h = np.zeros((padded_k, padded_k), np.float32)
@@ -152,7 +160,7 @@ def quantize_clipped(weight: np.ndarray, hessian: np.ndarray, bits: int, block_s
     scales = np.zeros((n, blocks), np.float32)
     zero_points = None if symmetric else np.zeros((n, blocks), np.uint8)
     for ratio in CLIP_RATIOS:
-        ratio_scales, ratio_zeros = block_parameters(blocked * np.float32(ratio), bits, symmetric)
+        ratio_scales, ratio_zeros = block_parameters(blocked * np.float32(ratio), bits, symmetric, full_range)
         zeros = None if ratio_zeros is None else ratio_zeros[..., None]
         ratio_codes = encode(blocked, ratio_scales[..., None], zeros, bits)
         delta = decode(ratio_codes, ratio_scales[..., None], zeros, bits) - blocked  # [N, blocks, bs]

@@ -48,14 +48,23 @@ class QuantizedWeight:
         return np.full((self.n, self.blocks), 1 << (self.bits - 1), np.uint8)
 
 
-def block_parameters(blocked: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def block_parameters(blocked: np.ndarray, bits: int, symmetric: bool,
+                     full_range: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Scales and zero points (None when symmetric) of float blocks [..., block_size], reduced over the last axis.
 
     Symmetric: scale = max|w| / (2**(bits-1) - 1), codes offset by the midpoint (no zero-point tensor); the
-    most negative code (0) is unused so that +max and -max are both exact. Asymmetric: the block's range,
-    widened to include 0 so that 0 stays exact, over 2**bits - 1 steps, with a rounded integer zero point.
+    most negative code (0) is unused so that +max and -max are both exact. With full_range, all 2**bits codes are
+    used, as onnxruntime's own blockwise quantizer does: the element of largest magnitude, with its sign, lands
+    on code 0 (scale = that element / -2**(bits-1), negative when it is positive) and the other side reaches
+    (2**(bits-1) - 1) / 2**(bits-1) of it, clipped beyond; a step 8/7 finer at 4 bits. TensorRT needs strictly
+    positive scales, so only the onnxruntime lowering uses it. Asymmetric: the block's range, widened to include
+    0 so that 0 stays exact, over 2**bits - 1 steps, with a rounded integer zero point.
     """
     levels = (1 << bits) - 1
+    if symmetric and full_range:
+        largest = np.take_along_axis(blocked, np.abs(blocked).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        scales = largest / -float(1 << (bits - 1))
+        return np.where(scales == 0, 1.0, scales).astype(np.float32), None
     if symmetric:
         scales = np.abs(blocked).max(axis=-1) / ((1 << (bits - 1)) - 1)
         return np.where(scales == 0, 1.0, scales).astype(np.float32), None  # an all-zero block: any scale is exact
@@ -77,10 +86,12 @@ def decode(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None
     return (codes.astype(np.float32) - zero) * scales
 
 
-def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool) -> QuantizedWeight:
+def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool,
+                 full_range: bool = False) -> QuantizedWeight:
     """Round-to-nearest quantization of a [K, N] float weight, blocks of `block_size` along K.
 
-    Every element is within scale/2 of its dequantized value (see `block_parameters` for the two schemes).
+    Every element is within |scale|/2 of its dequantized value, or with full_range within |scale| (an element
+    opposite the largest one and nearly as large is clipped); see `block_parameters` for the schemes.
     INT8 per channel is block_size = K. A partial last block is padded with zeros (which encode exactly).
     """
     if bits not in (4, 8):
@@ -89,7 +100,7 @@ def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool
     blocks = -(-k // block_size)
     # [K, N] -> [N, blocks, block_size]: one row per output channel, split into blocks along K.
     blocked = pad_k(weight.astype(np.float32), blocks * block_size).T.reshape(n, blocks, block_size)
-    scales, zero_points = block_parameters(blocked, bits, symmetric)
+    scales, zero_points = block_parameters(blocked, bits, symmetric, full_range)
     codes = encode(blocked, scales[..., None], None if zero_points is None else zero_points[..., None], bits)
     return QuantizedWeight(codes.reshape(n, blocks * block_size), scales, zero_points, bits, block_size, k, n)
 

@@ -50,6 +50,9 @@ def check_recipe(recipe) -> None:
         if options.lowering != "dequantize_linear":
             raise BuildError(f"passes[{index}].quantize.lowering: {options.lowering!r} is onnxruntime's MatMulNBits; "
                              f"use dequantize_linear for backend tensorrt")
+        if options.full_range:
+            raise BuildError(f"passes[{index}].quantize.full_range: true gives negative scales; TensorRT's "
+                             f"DequantizeLinear takes strictly positive ones: remove full_range for backend tensorrt")
         for where, bits, block, symmetric in _quantize_choices(options):
             if bits == 4 and not symmetric:  # INT8 is always symmetric (per channel)
                 raise BuildError(f"passes[{index}].quantize{where}.symmetric: false; TensorRT's DequantizeLinear "

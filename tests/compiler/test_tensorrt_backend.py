@@ -44,6 +44,8 @@ def test_the_tensorrt_recipe_passes_the_checks():
                                "overrides": [{"pattern": "*down_proj*", "block_size": 32}]}}],
      {}, "quantize.overrides[0].block_size: 32"),
     (["cleanup"], {"dtype": "float32"}, "export.dtype: float32 for backend tensorrt"),
+    (["cleanup", {"quantize": {"bits": 4, "block_size": 64, "lowering": "dequantize_linear", "full_range": True}}],
+     {}, "quantize.full_range: true gives negative scales"),
 ])
 def test_what_tensorrt_cannot_build_is_refused_with_the_key(passes, export, message):
     with pytest.raises(BuildError) as error:

@@ -17,10 +17,11 @@ from passes.errors import PassError
 from passes.quantized_weights import dequantize, pack_matmulnbits, quantize_rtn
 from tests.passes.test_fuse_attention import CONFIG, decoder_graphs, generate_logits, op_counts  # noqa: F401
 
-FORMATS = {  # name: (bits, block_size or None for per channel, symmetric)
-    "int8_per_channel": (8, None, True),
-    "int4_block32_sym": (4, 32, True),
-    "int4_block32_asym": (4, 32, False),
+FORMATS = {  # name: (bits, block_size or None for per channel, symmetric, full_range)
+    "int8_per_channel": (8, None, True, False),
+    "int4_block32_sym": (4, 32, True, False),
+    "int4_block32_sym_full_range": (4, 32, True, True),
+    "int4_block32_asym": (4, 32, False, False),
 }
 
 
@@ -34,17 +35,30 @@ def random_weight(k=64, n=48, seed=0) -> np.ndarray:
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_dequantized_weights_are_within_half_a_step(name):
-    bits, block_size, symmetric = FORMATS[name]
+    bits, block_size, symmetric, full_range = FORMATS[name]
     weight = random_weight()
-    qw = quantize_rtn(weight, bits, block_size or weight.shape[0], symmetric)
+    qw = quantize_rtn(weight, bits, block_size or weight.shape[0], symmetric, full_range)
     assert qw.codes.shape == (48, 64) and qw.codes.dtype == np.uint8 and qw.codes.max() < 2 ** bits
     assert qw.scales.shape == (48, 64 // qw.block_size)
     assert (qw.zero_points is None) == symmetric
-    step = np.repeat(qw.scales, qw.block_size, axis=1).T  # [K, N], each element's own scale
+    step = np.abs(np.repeat(qw.scales, qw.block_size, axis=1).T)  # [K, N], each element's own |scale|
     error = np.abs(weight - dequantize(qw))
     print(f"{name}: max abs weight error {error.max():.3g}")
-    assert np.all(error <= step / 2 + 1e-6)
     assert np.all(dequantize(qw)[:32, 1] == 0)
+    if not full_range:
+        assert np.all(error <= step / 2 + 1e-6)
+        return
+    # All 16 codes: the largest element of each block is exact (code 0), nothing is further than a step (the other
+    # side is clipped at 7 steps), within half a step below that, and the finer step beats [-7, 7] on average.
+    assert (qw.scales < 0).any() and (qw.scales > 0).any()
+    blocks = weight.T.reshape(48, -1, block_size)
+    largest = np.abs(blocks).argmax(axis=-1)
+    nonzero = np.abs(blocks).max(axis=-1) > 0  # an all-zero block (column 1's first) encodes 0 as the midpoint
+    assert np.all(np.take_along_axis(qw.codes.reshape(48, -1, block_size), largest[..., None], -1)[nonzero] == 0)
+    assert np.all(error <= step + 1e-6)
+    assert np.all(error[np.abs(weight) <= 7 * step] <= step[np.abs(weight) <= 7 * step] / 2 + 1e-6)
+    restricted = np.abs(weight - dequantize(quantize_rtn(weight, bits, block_size, symmetric)))
+    assert np.sqrt(np.mean(error ** 2)) < 0.95 * np.sqrt(np.mean(restricted ** 2))
 
 
 def test_int4_packing_is_low_nibble_first_and_zero_points_packed_per_row():
@@ -74,14 +88,14 @@ def run_onnxruntime(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_matmulnbits_in_onnxruntime_matches_the_numpy_reference(name):
-    bits, block_size, symmetric = FORMATS[name]
+    bits, block_size, symmetric, full_range = FORMATS[name]
     weight = random_weight()
-    options = quantize.Options(bits=bits, block_size=block_size or 32, symmetric=symmetric)
+    options = quantize.Options(bits=bits, block_size=block_size or 32, symmetric=symmetric, full_range=full_range)
     quantized, report = quantize.run(matmul_model(weight), options)
     assert [n.op_type for n in quantized.graph.node] == ["MatMulNBits"]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in quantized.graph.node[0].attribute}
     assert attrs == {"K": 64, "N": 48, "bits": bits, "block_size": block_size or 64}
-    qw = quantize_rtn(weight, bits, block_size or 64, symmetric)
+    qw = quantize_rtn(weight, bits, block_size or 64, symmetric, full_range)
     x = np.random.default_rng(1).standard_normal((2, 3, 64)).astype(np.float32)
     difference = np.abs(run_onnxruntime(quantized, x) - x @ dequantize(qw)).max()
     print(f"{name}: onnxruntime vs numpy reference max abs diff {difference:.3g}")
@@ -150,7 +164,8 @@ def test_a_block_size_that_does_not_divide_k_is_padded_and_still_exact(bits, low
     weight = random_weight(k=80)
     options = quantize.Options(bits=bits, block_size=32, lowering=lowering)
     quantized, report = quantize.run(matmul_model(weight), options)
-    qw = quantize_rtn(weight, bits, 32 if bits == 4 else 80, symmetric=True)
+    full_range = bits == 4 and lowering == "matmulnbits"  # the default: signed scales for onnxruntime only
+    qw = quantize_rtn(weight, bits, 32 if bits == 4 else 80, symmetric=True, full_range=full_range)
     assert qw.blocks == (3 if bits == 4 else 1) and dequantize(qw).shape == (80, 48)
     x = np.random.default_rng(1).standard_normal((2, 3, 80)).astype(np.float32)
     options_ort = ort.SessionOptions()
@@ -194,3 +209,13 @@ def test_int8_kernel_block_keeps_the_weights_and_sets_the_kernel_block(accuracy_
 def test_int8_kernel_block_must_be_a_power_of_two_of_at_least_16(block):
     with pytest.raises(PassError, match=f"int8_kernel_block={block}: MatMulNBits needs a power of two >= 16"):
         quantize.run(matmul_model(random_weight()), quantize.Options(bits=8, int8_kernel_block=block))
+
+
+def test_full_range_is_refused_for_the_dequantize_linear_lowering():
+    """TensorRT takes strictly positive scales: the signed-scale INT4 grid must not reach its lowering."""
+    with pytest.raises(PassError, match="full_range: true needs negative scales"):
+        quantize.run(matmul_model(random_weight()), quantize.Options(bits=4, lowering="dequantize_linear",
+                                                                     full_range=True))
+    quantized, _ = quantize.run(matmul_model(random_weight()), quantize.Options(bits=4, lowering="dequantize_linear"))
+    scales = [onnx.numpy_helper.to_array(t) for t in quantized.graph.initializer if "scale" in t.name]
+    assert scales and all((s > 0).all() for s in scales)  # the default there: positive scales, codes in [-7, 7]

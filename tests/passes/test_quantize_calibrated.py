@@ -2,14 +2,19 @@
 and the DequantizeLinear lowering, on synthetic layers and on the tiny decoder's fused graphs."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 
-from passes import fuse_rms_norm, fuse_silu, pack_projections, quantize
-from passes.awq_fold import apply_input_scales
+from compiler.export import export_graphs
+from compiler.frontend.model import build_decoder
+from compiler.frontend.random_init import random_model
+from passes import cleanup, fuse_rms_norm, fuse_silu, pack_projections, quantize
+from passes.awq_fold import apply_input_scales, attention_value_tie
 from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics, draw_samples
 from passes.errors import PassError
 from passes.quantize_algorithms import awq_search, quantize_gptq, relative_output_error, scaled_dequantized
@@ -110,16 +115,23 @@ def test_awq_folds_are_exact_in_float(fused_graphs, packed):
     for node in graph.nodes:
         if node.op == "MatMul" and isinstance(node.inputs[1], gs.Constant):
             groups.setdefault(node.inputs[0].name, []).append(node)
-    folds = []
+    folds, attention_outputs = [], 0
     for group in groups.values():
         scales = np.exp(rng.uniform(-1, 1, group[0].inputs[1].values.shape[0])).astype(np.float32)
+        values = attention_value_tie(group[0].inputs[0])
+        attention_outputs += values is not None
+        if values is not None and attention_outputs == 1:  # o_proj: scales tied per kv head fold into the values
+            tied = scales.reshape(values.tie)
+            scales = np.broadcast_to(tied[:, :1], tied.shape).reshape(-1).copy()
         for node in group:
             node.inputs[1] = gs.Constant(f"{node.name}_scaled", node.inputs[1].values * scales[:, None])
         folds.append(apply_input_scales(graph, group[0].inputs[0], group, scales))
     kinds = {how.split(" '")[0].split(" (")[0] for how in folds}
-    # q/k/v, gate/up and lm_head: into a norm's gamma; down_proj: into up_proj; o_proj (after attention): a Mul.
+    # q/k/v, gate/up and lm_head: into a norm's gamma; down_proj: into up_proj; o_proj (after attention): into the
+    # value projection when its scales are tied per kv head, else (the other layer here) a Mul.
     assert kinds == {"folded into SimplifiedLayerNormalization", "folded into SkipSimplifiedLayerNormalization",
-                     "folded into MatMul", "Mul inserted before the group"}, folds
+                     "folded into MatMul", "folded into the attention's value projection",
+                     "Mul inserted before the group"}, folds
     folded = gs.export_onnx(graph.cleanup().toposort())
     inputs = {"input_ids": np.array([[1, 5, 9, 14, 200, 7]]), "position_ids": np.arange(6)[None],
               "attention_mask": np.ones((1, 6), np.int64)}
@@ -145,7 +157,9 @@ def test_calibrated_decoder_matches_float_and_both_phases_share_codes(fused_grap
     assert mean <= rtn_mean
     if method == "awq":
         folds = [layer["awq"] for layer in report["layers"]]
-        assert sum("folded into" in how for how in folds) == 13 and sum("Mul inserted" in how for how in folds) == 2
+        # every group folds, o_proj's (tied) into the value projection: no Mul is left
+        assert sum("folded into" in how for how in folds) == 15 and sum("value projection" in how for how in folds) == 2
+        assert op_counts(quantized["decode"]).get("Mul", 0) == op_counts(fused_graphs["decode"]).get("Mul", 0)
     # The decode graph reuses the prefill graph's codes (the memo), so the artifact stores them once.
     blobs = {phase: {onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer if t.name.endswith("_q4")}
              for phase, m in quantized.items()}
@@ -155,6 +169,29 @@ def test_calibrated_decoder_matches_float_and_both_phases_share_codes(fused_grap
     print(f"{method}: worst relative logit/cache difference vs float {worst:.3g}")
     # RTN measures 0.20 here (4-bit weights of a random 2-layer model); a wrong fold or code moves logits by O(1).
     assert worst < 0.3
+
+
+def test_a_calibrated_shared_table_keeps_one_set_of_codes_for_both_uses():
+    """awq_gptq on a tied lm_head whose table the quantized embedding gathers: no AWQ input scales (the gather
+    could not undo them), GPTQ on E[x xᵀ] / mean(diag) + I, and the gather still reads exactly lm_head's codes."""
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=True)
+    decoder = build_decoder(config, random_model(config, seed=0).state_dict)
+    model = fuse_and_lower(cleanup.run(export_graphs(decoder, 64)["decode"], cleanup.Options())[0], required=True)[2]
+    options = quantize.Options(bits=4, block_size=32, method="awq_gptq", embedding="quantized",
+                               calibration=calibration())
+    quantized, report = quantize.run(model, options)
+    head = next(layer for layer in report["layers"] if layer["note"])
+    assert head["note"].startswith("awq_gptq without input scales") and head["awq"] is None
+    assert report["embedding"]["shares_codes_with"] == head["node"]
+    graph = gs.import_onnx(quantized)
+    gather = next(n for n in graph.nodes if n.op == "GatherBlockQuantized")
+    lm_head = next(n for n in graph.nodes if n.op == "MatMulNBits" and n.name == f"{head['node']}_q4")
+    assert gather.inputs[0].values.tobytes() == lm_head.inputs[1].values.tobytes()
+    assert gather.inputs[2].values.tobytes() == lm_head.inputs[2].values.tobytes()  # the same scales too
+    rtn = quantize.run(model, dataclasses.replace(options, method="rtn"))[1]["layers"][-1]
+    print(f"shared table: lm_head relative output error {head['relative_output_error']:.3e} (rtn "
+          f"{rtn['relative_output_error']:.3e})")
+    assert head["relative_output_error"] < rtn["relative_output_error"]
 
 
 def test_overrides_set_per_layer_settings_and_unmatched_patterns_fail(fused_graphs):
@@ -191,8 +228,8 @@ def test_quantized_embedding_shares_the_tied_lm_head_codes():
     quantized, report = quantize.run(model, quantize.Options(bits=4, block_size=32, embedding="quantized"))
     assert op_counts(quantized) == {"GatherBlockQuantized": 1, "MatMulNBits": 2}
     assert report["embedding"]["shares_codes_with"] == "lm_head"
-    table_q = dequantize(quantize_rtn(table.T.copy(), 4, 32, True)).T  # [V, H]
-    weight_q = dequantize(quantize_rtn(weight, 4, 32, True))
+    table_q = dequantize(quantize_rtn(table.T.copy(), 4, 32, True, full_range=True)).T  # [V, H]
+    weight_q = dequantize(quantize_rtn(weight, 4, 32, True, full_range=True))
     ids = np.array([0, 7, 95, 7])
     expected = (table_q[ids] @ weight_q) @ table_q.T
     np.testing.assert_allclose(run_graph(quantized, {"ids": ids})[0], expected, rtol=1e-4, atol=1e-4)
@@ -208,7 +245,7 @@ def test_float_embedding_keeps_the_table_and_dequantize_linear_lowering_matches_
     _, report = quantize.run(model, quantize.Options(bits=4))
     assert report["embedding"]["quantized"] is False and report["totals"]["graph_bytes_after"] > table.nbytes
     decode = fused_graphs["decode"]
-    nbits, _ = quantize.run(decode, quantize.Options(bits=4, block_size=32))
+    nbits, _ = quantize.run(decode, quantize.Options(bits=4, block_size=32, full_range=False))  # TensorRT's grid
     dq, dq_report = quantize.run(decode, quantize.Options(bits=4, block_size=32, lowering="dequantize_linear"))
     assert op_counts(dq)["DequantizeLinear"] == 15 and "MatMulNBits" not in op_counts(dq)
     assert dq_report["totals"]["quantized"] == 15
@@ -253,8 +290,8 @@ def test_a_padded_quantized_embedding_still_shares_the_lm_head_codes():
     model, table, weight = tied_model(hidden=80)
     quantized, report = quantize.run(model, quantize.Options(bits=4, block_size=32, embedding="quantized"))
     assert op_counts(quantized) == {"GatherBlockQuantized": 1, "Slice": 1, "MatMulNBits": 2}
-    table_q = dequantize(quantize_rtn(table.T.copy(), 4, 32, True)).T
-    weight_q = dequantize(quantize_rtn(weight, 4, 32, True))
+    table_q = dequantize(quantize_rtn(table.T.copy(), 4, 32, True, full_range=True)).T
+    weight_q = dequantize(quantize_rtn(weight, 4, 32, True, full_range=True))
     ids = np.array([3, 0, 95])
     np.testing.assert_allclose(run_graph(quantized, {"ids": ids})[0], (table_q[ids] @ weight_q) @ table_q.T,
                                rtol=1e-4, atol=1e-4)
