@@ -385,6 +385,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         layers.append({"node": target.node.name, "method": target.settings.method, "bits": qw.bits,
                        "bytes_before": int(target.constant.values.nbytes), "bytes_after": bytes_after,
                        "block_size": qw.block_size, "symmetric": qw.zero_points is None,
+                       "full_range": target.settings.full_range,
                        "relative_output_error": error, "awq": target.scaling or None, "note": target.note or None,
                        "max_abs_weight_error": float(np.abs(scaled_back(target, qw) - target.weight).max())})
     embedding = quantize_embedding(graph, targets, options, memo)

@@ -102,6 +102,7 @@ def test_matmulnbits_in_onnxruntime_matches_the_numpy_reference(name):
     assert difference <= 1e-4
     (layer,) = report["layers"]
     assert layer["node"] == "proj" and layer["bits"] == bits and layer["bytes_before"] == 64 * 48 * 4
+    assert layer["full_range"] == full_range  # the report says which grid the codes are on
     assert layer["max_abs_weight_error"] == pytest.approx(np.abs(weight - dequantize(qw)).max())
     packed_codes = 64 * 48 * bits // 8
     assert layer["bytes_after"] == packed_codes + qw.scales.nbytes + (0 if symmetric else 48 * 2 // 2)
