@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -85,6 +86,7 @@ def variant_settings(name: str) -> dict:
     return {"recipe": file, "quantize": plain}
 
 
+@functools.cache  # once per run: the source does not change while the variants build
 def compiler_source_digest() -> str:
     """sha256 of the compiler's and passes' source: a cached variant built by other code is stale."""
     hasher = hashlib.sha256()

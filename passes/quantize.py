@@ -19,7 +19,9 @@ report says so per layer), which MatMulNBits, DequantizeLinear and GatherBlockQu
 
 The embedding table (a Gather on a constant) stays float unless `embedding: quantized`; onnxruntime then
 reads it through `com.microsoft.GatherBlockQuantized`, sharing the tied lm_head's codes when the model ties
-them (so the table is stored once, in 4 or 8 bits). The DequantizeLinear lowering keeps the table float.
+them (so the table is stored once, in 4 or 8 bits); a calibrated method then quantizes that shared table for
+both uses (no AWQ input scales; GPTQ / clipping on E[x xᵀ] / mean(diag) + I, see quantize_target). The
+DequantizeLinear lowering keeps the table float.
 
 With calibration (method awq or gptq, or any method when a CalibrationSet is given) the report carries each
 layer's relative output error on the calibration data, E||x ΔW||² / E||x W||², computed from E[x xᵀ].
