@@ -84,13 +84,15 @@ def scaled_dequantized(weight: np.ndarray, scales: np.ndarray, bits: int, block_
 
 # -- GPTQ -------------------------------------------------------------------------------------------------
 def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int, symmetric: bool,
-                  damp: float = GPTQ_DAMP, act_order: bool = False, full_range: bool = False) -> QuantizedWeight:
+                  damp: float = GPTQ_DAMP, act_order: bool = False, full_range: bool = False,
+                  refit: bool = True) -> QuantizedWeight:
     """GPTQ of a [K, N] weight with input statistics hessian = E[x xᵀ] [K, K]; blocks of block_size along K.
 
     act_order: round the input channels in order of decreasing E[x²] (GPTQ's "act-order"), so the channels that
     matter most are rounded first, while the most error can still be compensated. Block scales are then fixed
     before the loop ("static groups": each block's scales from AWQ's clipping search on the weight), since a
     block's columns are no longer rounded together.
+    refit: finally re-solve the block scales for the codes GPTQ chose (`refit_scales`).
     """
     true_k, n = weight.shape
     k = -(-true_k // block_size) * block_size  # a partial last block: padded with inputs that are always 0
@@ -133,7 +135,46 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
             chunk[:, i:] -= np.outer(error, chunk_inverse[i, i:])
             errors[:, i] = error
         work[:, end:] -= errors @ inverse_factor[start:end, end:]
-    return QuantizedWeight(codes, scales, zero_points, bits, block_size, true_k, n)
+    qw = QuantizedWeight(codes, scales, zero_points, bits, block_size, true_k, n)
+    return refit_scales(weight, qw, hessian) if refit else qw
+
+
+def refit_scales(weight: np.ndarray, qw: QuantizedWeight, hessian: np.ndarray) -> QuantizedWeight:
+    """The same codes with each output channel's block scales re-solved for the least output error.
+
+    With the codes fixed, W' = C s is linear in one output channel's block scales s [blocks], so the scales that
+    minimise E||x (W' - W)||² = (C s - w)ᵀ H (C s - w) solve the small system (Cᵀ H C) s = Cᵀ H w; the coupling
+    between blocks through H is exact. GPTQ chose each block's scale before (or while) rounding it, from weights
+    it had already shifted; this fits the scales to the final codes. A channel keeps its old scales unless the new
+    ones have the same signs (a positive scale stays positive, as TensorRT needs) and a lower error.
+    """
+    n, blocks, size = qw.n, qw.blocks, qw.block_size
+    padded_k = blocks * size
+    w = pad_k(weight.astype(np.float64), padded_k)  # [Kp, N]
+    h = np.zeros((padded_k, padded_k))
+    h[:qw.k, :qw.k] = hessian
+    zero = None if qw.zero_points is None else qw.zero_points[..., None]
+    steps = decode(qw.codes.reshape(n, blocks, size), np.float32(1.0), zero, qw.bits)  # codes - zero point
+    c = steps.reshape(n, padded_k).T.astype(np.float64)  # [Kp, N]: W' = c * (each element's block scale)
+    gram = np.empty((n, blocks, blocks))  # per channel Cᵀ H C
+    for block in range(blocks):
+        rows = slice(block * size, (block + 1) * size)
+        h_c = h[:, rows] @ c[rows]  # H's columns of this block times its codes: [Kp, N]
+        gram[:, :, block] = (c * h_c).reshape(blocks, size, n).sum(axis=1).T
+    target = (c * (h @ w)).reshape(blocks, size, n).sum(axis=1).T  # Cᵀ H w: [N, blocks]
+    diagonal = np.einsum("nbb->nb", gram)
+    ridge = 1e-9 * np.maximum(diagonal.max(axis=1, keepdims=True), 1e-30)
+    solved = np.linalg.solve(gram + ridge[..., None] * np.eye(blocks), target[..., None])[..., 0]
+    old = qw.scales.astype(np.float64)
+    new = np.where(diagonal > 0, solved, old)  # a block whose codes are all 0 (or never seen) keeps its scale
+
+    def errors(scales: np.ndarray) -> np.ndarray:
+        delta = c * np.repeat(scales.T, size, axis=0) - w
+        return np.sum((h @ delta) * delta, axis=0)
+
+    better = np.all(np.sign(new) == np.sign(old), axis=1) & (errors(new) < errors(old))
+    scales = np.where(better[:, None], new, old).astype(np.float32)
+    return QuantizedWeight(qw.codes, scales, qw.zero_points, qw.bits, qw.block_size, qw.k, qw.n)
 
 
 # -- AWQ's clipping search ----------------------------------------------------------------------------------

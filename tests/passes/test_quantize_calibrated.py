@@ -17,8 +17,8 @@ from passes import cleanup, fuse_rms_norm, fuse_silu, pack_projections, quantize
 from passes.awq_fold import apply_input_scales, attention_value_tie
 from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics, draw_samples
 from passes.errors import PassError
-from passes.quantize_algorithms import awq_search, quantize_gptq, relative_output_error, scaled_dequantized
-from passes.quantized_weights import dequantize, quantize_rtn
+from passes.quantize_algorithms import awq_search, quantize_gptq, refit_scales, relative_output_error, scaled_dequantized
+from passes.quantized_weights import QuantizedWeight, dequantize, quantize_rtn
 from tests.passes.test_fuse_attention import CONFIG, decoder_graphs, fuse_and_lower, generate_logits, op_counts  # noqa: F401
 
 FORMATS = {"int4_b32_sym": (4, 32, True), "int4_b128_sym": (4, 128, True), "int4_b32_asym": (4, 32, False),
@@ -313,3 +313,34 @@ def test_gptq_act_order_keeps_the_format_and_does_not_lose_to_plain_gptq(name):
     assert ordered.codes.max() < 2**bits
     # Here a few channels carry most of E[x²]: rounded first, their error is spread over all the others.
     assert errors[1] < 0.5 * errors[0]
+
+
+def test_scale_refit_recovers_the_scales_of_weights_that_are_exactly_on_a_grid():
+    """W = (codes - zero) * true scales, handed over with wrong scales: the least-squares refit finds the true ones."""
+    rng = np.random.default_rng(3)
+    _, hessian, _ = correlated_layer(k=96, n=12, rows=2048)
+    for zero_points in (None, rng.integers(3, 13, (12, 3)).astype(np.uint8)):
+        codes = rng.integers(0, 16, (12, 96)).astype(np.uint8)
+        true_scales = rng.uniform(0.01, 0.1, (12, 3)).astype(np.float32)
+        exact = QuantizedWeight(codes, true_scales, zero_points, 4, 32, 96, 12)
+        off = dataclasses.replace(exact, scales=true_scales * rng.uniform(0.7, 1.3, (12, 3)).astype(np.float32))
+        refit = refit_scales(dequantize(exact), off, hessian)
+        np.testing.assert_allclose(refit.scales, true_scales, rtol=1e-4)
+        assert refit.codes is off.codes and refit.zero_points is off.zero_points
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_scale_refit_lowers_the_output_error_keeps_codes_and_signs(name, act_order):
+    bits, block_size, symmetric = FORMATS[name]
+    weight, hessian, _ = correlated_layer(k=256, n=48)
+    for full_range in ([False, True] if symmetric and bits == 4 else [False]):
+        qw = quantize_gptq(weight, hessian, bits, block_size, symmetric, act_order=act_order, full_range=full_range)
+        unfitted = quantize_gptq(weight, hessian, bits, block_size, symmetric, act_order=act_order,
+                                 full_range=full_range, refit=False)
+        errors = [relative_output_error(weight, dequantize(q), hessian) for q in (unfitted, qw)]
+        print(f"{name} act_order={act_order} full_range={full_range}: before refit {errors[0]:.3e}, after {errors[1]:.3e}")
+        np.testing.assert_array_equal(qw.codes, unfitted.codes)
+        assert np.all(np.sign(qw.scales) == np.sign(unfitted.scales))  # TensorRT's grid keeps positive scales
+        assert errors[1] < (0.98 if act_order else 0.9) * errors[0]
+
