@@ -80,6 +80,47 @@ def test_every_layer_fuses_and_lowers_to_group_query_attention(decoder_graphs):
         assert len(fused.graph.node) < len(model.graph.node) / 2
         assert lowering["lowered"] == CONFIG.num_layers and op_counts(lowered)["GroupQueryAttention"] == CONFIG.num_layers
         assert [o.name for o in lowered.graph.output] == [o.name for o in model.graph.output]
+        # The softmax scale went into the q projections' weights; the decode graph selects the GEMM kernel path.
+        assert lowering["scale_folded_into"] == {"weight": CONFIG.num_layers}
+        assert lowering["attention_kernel"] == ("gemm" if phase == "decode" else "flash")
+        for node in (n for n in lowered.graph.node if n.op_type == "GroupQueryAttention"):
+            attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attributes["scale"] == 1.0
+            assert attributes.get("qk_output", 0) == (1 if phase == "decode" else 0)
+            assert len(node.output) == (4 if phase == "decode" else 3)
+
+
+def test_the_folded_scale_is_shared_by_both_phases_and_flash_keeps_the_default_path(decoder_graphs):
+    lowered = {phase: fuse_and_lower(model)[2] for phase, model in decoder_graphs.items()}
+    weights = [{t.name: t.raw_data or t.SerializeToString() for t in m.graph.initializer} for m in lowered.values()]
+    assert all(weights[1][name] == data for name, data in weights[0].items() if name in weights[1])
+    flash = {phase: lower_onnxruntime.run(fuse_attention.run(model, fuse_attention.Options())[0],
+                                          lower_onnxruntime.Options(decode_kernel="flash"))
+             for phase, model in decoder_graphs.items()}
+    assert flash["decode"][1]["attention_kernel"] == "flash"
+    assert not any(a.name == "qk_output" for n in flash["decode"][0].graph.node for a in n.attribute)
+    for gemm_logits, flash_logits in zip(generate_logits(lowered), generate_logits({p: m for p, (m, _) in flash.items()})):
+        np.testing.assert_allclose(gemm_logits, flash_logits, atol=1e-5)
+    with pytest.raises(PassError, match="decode_kernel: 'fast' is not one of gemm, flash"):
+        lower_onnxruntime.run(decoder_graphs["decode"], lower_onnxruntime.Options(decode_kernel="fast"))
+
+
+def test_a_query_that_is_not_a_plain_projection_is_scaled_by_a_mul(decoder_graphs):
+    """A q projection weight read twice (here: by an extra MatMul that feeds nothing) is left alone: a Mul scales q."""
+    fused = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())[0]
+    attention = next(n for n in fused.graph.node if n.op_type == "FlashAttention")
+    projection = next(n for n in fused.graph.node if attention.input[0] in n.output)
+    fused.graph.node.append(onnx.helper.make_node("MatMul", [projection.input[0], projection.input[1]], ["extra"]))
+    before = {t.name: onnx.numpy_helper.to_array(t) for t in fused.graph.initializer}[projection.input[1]]
+    lowered, report = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"mul": 1, "weight": CONFIG.num_layers - 1}
+    after = {t.name: onnx.numpy_helper.to_array(t) for t in lowered.graph.initializer}[projection.input[1]]
+    np.testing.assert_array_equal(after, before)
+    lowered_attention = next(n for n in lowered.graph.node if n.name == attention.name)
+    mul = next(n for n in lowered.graph.node if n.op_type == "Mul" and n.output[0] == lowered_attention.input[0])
+    assert mul.input[0] == projection.output[0]
+    factor = {t.name: onnx.numpy_helper.to_array(t) for t in lowered.graph.initializer}[mul.input[1]]
+    assert factor == np.float32(CONFIG.head_dim ** -0.5)
 
 
 @pytest.mark.parametrize("target", LOWERINGS)
