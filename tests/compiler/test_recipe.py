@@ -10,7 +10,7 @@ import pytest
 from compiler.errors import RecipeError
 from compiler.frontend.config import DecoderConfig
 from compiler.recipe import BackendSpec, ExportSpec, PassSpec, Recipe, load_recipe, parse_recipe
-from passes import cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnxruntime
+from passes import cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnxruntime, pack_projections
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,8 @@ def test_smollm2_recipe():
                         PassSpec("fuse_attention", fuse_attention.Options(required=True)),
                         PassSpec("lower_onnxruntime", lower_onnxruntime.Options()),
                         PassSpec("fuse_rms_norm", fuse_rms_norm.Options()),
-                        PassSpec("fuse_silu", fuse_silu.Options()))
+                        PassSpec("fuse_silu", fuse_silu.Options()),
+                        PassSpec("pack_projections", pack_projections.Options()))
     assert r.backend == BackendSpec(name="onnxruntime", intra_op_threads=0, graph_optimization_level="all")
 
 
@@ -58,7 +59,7 @@ def test_tiny_random_recipe():
                                            bos_token_id=1, eos_token_ids=(2,))
     assert r.export.max_context == 128
     assert [p.name for p in r.passes] == ["cleanup", "fuse_attention", "lower_onnxruntime", "fuse_rms_norm",
-                                            "fuse_silu"]
+                                            "fuse_silu", "pack_projections"]
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random"])
