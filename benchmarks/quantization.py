@@ -56,6 +56,9 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "int4-awq_gptq_act-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "gptq_act_order": True}),
     "int4-awq_gptq_act-b128": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128,
                                                           "gptq_act_order": True}),
+    # block 128 with a zero point per block (asymmetric): 16 levels over each block's own [min, max]
+    "int4-awq_gptq_act-b128-asym": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128,
+                                                               "gptq_act_order": True, "symmetric": False}),
     # block 128, but the tied lm_head / embedding table in blocks of 32 (+1 MB): it dominates block 128's loss
     "int4-awq_gptq_act-b128-head32": ("smollm2-135m-int4.yaml", {
         "method": "awq_gptq", "block_size": 128, "gptq_act_order": True,
@@ -66,7 +69,7 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
         "overrides": (Override("model.embed_tokens.weight", block_size=16),)}),
 }
 DEFAULT_VARIANTS = ("fp32", "int8", "int4-rtn-b32", "int4-rtn-b128", "int4-awq_gptq_act-b32", "int4-awq_gptq_act-b128",
-                    "int4-awq_gptq_act-b128-head32", "int4-awq_gptq_act-b128-head16")
+                    "int4-awq_gptq_act-b128-asym", "int4-awq_gptq_act-b128-head32", "int4-awq_gptq_act-b128-head16")
 GENAI_INT4 = "onnxruntime-genai-int4"
 
 
