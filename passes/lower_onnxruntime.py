@@ -106,7 +106,7 @@ def fold_query_scale(graph: onnx.GraphProto, node: onnx.NodeProto, scale: float,
     if packed:
         return "none"
     table = initializers.get(node.input[op.INPUTS.index("cos_cache")])  # the rotary tables are in the graph's type
-    dtype = np.float32 if table is None else numpy_helper.to_array(table).dtype
+    dtype = np.float32 if table is None else onnx.helper.tensor_dtype_to_np_dtype(table.data_type)
     factor = numpy_helper.from_array(np.asarray(scale, dtype=dtype), f"{node.name}/query_scale")
     graph.initializer.append(factor)
     scaled = f"{node.name}/scaled_query"
