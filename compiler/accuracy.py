@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.calibration import split_text
 from compiler.errors import BuildError
+from compiler.export import cache_dtype
 from runtime.evaluate import EvaluationError, decode_logits_for, evaluate
 from runtime.onnxruntime_backend import OnnxRuntimeBackend
 
@@ -39,7 +40,9 @@ def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manife
         reference_graph = copy.deepcopy(float_decode)  # the writer moves weights out of the graph it is given
         sections = onnxruntime_backend.write_engines({"decode": reference_graph}, Path(folder), backend_spec,
                                                      manifest["kv_cache"]["output_aliases_input"])
-        reference = OnnxRuntimeBackend(Path(folder), {**sections, "kv_cache": manifest["kv_cache"]})
+        # The float graph keeps a float cache even when the artifact's is int8 (quantize_kv_cache).
+        float_cache = {**manifest["kv_cache"], "dtype": cache_dtype({"decode": float_decode}, "float32")}
+        reference = OnnxRuntimeBackend(Path(folder), {**sections, "kv_cache": float_cache})
         quantized = OnnxRuntimeBackend(artifact, manifest)
         try:
             result = evaluate(tokens, decode_logits_for(quantized), window=window, stride=stride,
@@ -54,12 +57,22 @@ def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manife
 
 
 def quantization_summary(pass_reports: list[dict]) -> dict:
-    """Sizes and per-layer output errors, from the quantize pass's report on the decode graph."""
-    report = next(r for r in reversed(pass_reports) if r["name"] == "quantize" and r["phase"] == "decode")["report"]
-    layers = sorted(report["layers"], key=lambda layer: -(layer["relative_output_error"] or 0))
-    return {"totals": report["totals"], "embedding": report["embedding"],
-            "worst_layers": [{k: layer[k] for k in ("node", "method", "bits", "block_size", "relative_output_error")}
-                             for layer in layers[:5]]}
+    """Sizes and per-layer output errors from the quantize pass's report on the decode graph, and the KV cache's
+    round-off from quantize_kv_cache's; each only when the recipe has that pass."""
+    def decode_report(name: str) -> dict | None:
+        return next((r["report"] for r in reversed(pass_reports) if r["name"] == name and r["phase"] == "decode"), None)
+
+    summary = {}
+    report = decode_report("quantize")
+    if report is not None:
+        layers = sorted(report["layers"], key=lambda layer: -(layer["relative_output_error"] or 0))
+        summary.update({"totals": report["totals"], "embedding": report["embedding"],
+                        "worst_layers": [{k: layer[k] for k in ("node", "method", "bits", "block_size",
+                                                                "relative_output_error")} for layer in layers[:5]]})
+    report = decode_report("quantize_kv_cache")
+    if report is not None:
+        summary["kv_cache"] = {k: report[k] for k in ("dtype", "granularity", "quantized_layers", "relative_error")}
+    return summary
 
 
 def format_accuracy(accuracy: dict, artifact_bytes: int | None = None) -> str:
@@ -73,6 +86,11 @@ def format_accuracy(accuracy: dict, artifact_bytes: int | None = None) -> str:
         if totals.get("mean_relative_output_error") is not None:
             lines.append(f"layer output error on calibration data (E||xΔW||²/E||xW||²): mean "
                          f"{totals['mean_relative_output_error']:.2e}, max {totals['max_relative_output_error']:.2e}")
+    kv_cache = accuracy.get("quantization", {}).get("kv_cache")
+    if kv_cache:
+        lines.append(f"KV cache stored as {kv_cache['dtype']} ({kv_cache['granularity']} scales, "
+                     f"{kv_cache['quantized_layers']} layers): relative round-off on calibration data, keys "
+                     f"{kv_cache['relative_error']['key_mean']:.2e}, values {kv_cache['relative_error']['value_mean']:.2e}")
     held_out = accuracy.get("held_out")
     if held_out:
         lines.append(f"held-out text: {held_out['text']}, {held_out['tokens_scored']} tokens scored "

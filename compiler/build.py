@@ -10,13 +10,14 @@ from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
 from compiler.errors import BuildError
-from compiler.export import export_graphs, kv_cache_spec
+from compiler.export import cache_dtype, export_graphs, kv_cache_spec
 from compiler.frontend import load_model
 from compiler.frontend.model import build_decoder
 from compiler.pipeline import run_pipeline
 from compiler.recipe import Recipe
 
 TOKENIZER_FILE = "tokenizer.json"
+QUANTIZING_PASSES = ("quantize", "quantize_kv_cache")  # the accuracy report compares against the graph before them
 
 
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:
@@ -39,8 +40,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     graphs = export_graphs(decoder, recipe.export.max_context, recipe.export.opset, recipe.export.prefill_logits,
                            progress=say, dtype=recipe.export.dtype)
     del decoder
-    # The float graph just before quantization is the accuracy report's reference: run the passes in two parts.
-    first_quantize = next((i for i, spec in enumerate(passes) if spec.name == "quantize"), len(passes))
+    # The float graph just before quantization (of weights or of the KV cache) is the accuracy report's reference:
+    # run the passes in two parts.
+    first_quantize = next((i for i, spec in enumerate(passes) if spec.name in QUANTIZING_PASSES), len(passes))
     graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say)
     # The report runs the artifact through onnxruntime's evaluator; a TensorRT artifact is measured with
     # `aotlm eval` on its GPU instead.
@@ -48,7 +50,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     float_decode = graphs["decode"] if report_accuracy else None
     graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say)
     pass_results += more_results
-    kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, recipe.export.dtype)
+    kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, cache_dtype(graphs, recipe.export.dtype))
 
     final_dir = Path(output_root) / recipe.name
     with staged_folder(final_dir) as folder:

@@ -1,4 +1,4 @@
-"""Turns a recipe's calibration spec into tokens for the quantize pass, and names the held-out text.
+"""Turns a recipe's calibration specs into tokens for the passes that calibrate, and names the held-out text.
 
 The text is split once, by `runtime.evaluate.split_held_out` (the same split `aotlm eval --text
 builtin:pydoc-held-out` uses): the first 90% calibrates, the rest is held out for the accuracy report, so the
@@ -51,13 +51,14 @@ def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> Calibr
 
 
 def resolve_passes(passes: tuple, tokenizer_json: str, progress=None) -> tuple:
-    """The recipe's passes with each quantize pass's calibration spec replaced by its tokens (one set per spec,
-    shared by both phases, whose memo then makes both graphs' quantized weights identical)."""
+    """The recipe's passes with each calibration spec (quantize, quantize_kv_cache) replaced by its tokens: one set
+    per distinct spec, shared by both phases, whose memo then makes both graphs' quantized weights (and KV-cache
+    scales) identical."""
     resolved: dict[CalibrationSpec, CalibrationSet] = {}
     out = []
     for spec in passes:
         calibration = getattr(spec.options, "calibration", None)
-        if spec.name == "quantize" and calibration is not None and not isinstance(calibration, CalibrationSet):
+        if calibration is not None and not isinstance(calibration, CalibrationSet):
             if calibration not in resolved:
                 resolved[calibration] = resolve(calibration, tokenizer_json, progress)
             spec = dataclasses.replace(spec, options=dataclasses.replace(spec.options, calibration=resolved[calibration]))

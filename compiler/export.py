@@ -3,7 +3,8 @@
 I/O of both graphs (names recorded in the manifest by `kv_cache_spec`):
   inputs   input_ids [batch, sequence] int64, position_ids [batch, sequence] int64,
            attention_mask [batch, total] int64 (1 = a real token; prefill: total == sequence),
-           past_key_values.{i}.key / .value [batch, kv_heads, max_context, head_dim] float32
+           past_key_values.{i}.key / .value [batch, kv_heads, max_context, head_dim] float32 (int8 after
+           the quantize_kv_cache pass)
   outputs  logits: prefill [batch, vocab] at each row's last valid token ("last") or [batch, sequence, vocab]
            ("all"); decode [batch, sequence, vocab]
            present.{i}.key / .value, same shape as the past buffer: the runtime binds one buffer to both.
@@ -39,6 +40,20 @@ def present_name(layer: int, kind: str) -> str:
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# The cache's element types: the export's float types, or int8 once quantize_kv_cache has run.
+CACHE_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+                onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT8: "int8"}
+CACHE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+
+
+def cache_dtype(graphs: dict[str, onnx.ModelProto], exported: str) -> str:
+    """The KV cache's element type after the passes: the decode graph's first past input's (else `exported`)."""
+    for value in graphs["decode"].graph.input:
+        if value.name == past_name(0, "key"):
+            return CACHE_DTYPES.get(value.type.tensor_type.elem_type, exported)
+    return exported
+
+
 def kv_cache_spec(config: DecoderConfig, max_context: int, dtype: str = "float32") -> dict:
     """The manifest's description of the cache buffers and which output aliases which input."""
     aliases = {present_name(i, kind): past_name(i, kind) for i in range(config.num_layers) for kind in ("key", "value")}
@@ -48,7 +63,7 @@ def kv_cache_spec(config: DecoderConfig, max_context: int, dtype: str = "float32
         "dtype": dtype,
         "num_layers": config.num_layers,
         "max_context": max_context,
-        "bytes_per_token": config.kv_bytes_per_token * DTYPES[dtype].itemsize // 4,  # config counts float32
+        "bytes_per_token": config.kv_bytes_per_token * CACHE_ITEMSIZE[dtype] // 4,  # config counts float32
         "output_aliases_input": aliases,
     }
 

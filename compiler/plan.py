@@ -170,7 +170,8 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
         "kind": "artifact", "path": str(folder), "context": kv.get("max_context"),
         "dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
             manifest.get("recipe", {}).get("export", {}).get("dtype", "float32"), "fp32"),
-        "kv_dtype": {"float32": "fp32", "float16": "fp16"}.get(kv.get("dtype", "float32"), "fp32")}
+        "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
+            kv.get("dtype", "float32"), "fp32")}
 
 
 def count_params(c: DecoderConfig) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -26,6 +26,8 @@ from passes.errors import PassError
 # One .onnx protobuf must stay under 2 GiB; above this the graph goes to onnxruntime through a file.
 IN_MEMORY_LIMIT = 1 << 30
 TOKEN_INPUTS = {"input_ids", "position_ids", "attention_mask"}
+# Other inputs (the KV cache: float, or int8 after quantize_kv_cache) are fed zeros of their type.
+ZERO_FEED_TYPES = {"tensor(float)": np.float32, "tensor(int8)": np.int8}
 
 
 @dataclass(frozen=True)
@@ -102,12 +104,25 @@ def draw_samples(token_ids: np.ndarray, samples: int, length: int, seed: int) ->
 def collect_statistics(model: onnx.ModelProto, activations: list[str], calibration: CalibrationSet,
                        progress: Callable[[int, int], None] | None = None) -> dict[str, ActivationStats]:
     """Statistics of each named tensor of `model` over the calibration samples (see the module docstring)."""
+    stats: dict[str, ActivationStats] = {}
+    for index, outputs in enumerate(sample_outputs(model, activations, calibration)):
+        for name, value in zip(activations, outputs):
+            if name not in stats:
+                stats[name] = ActivationStats.empty(value.shape[-1])
+            stats[name].add(value)
+        if progress:
+            progress(index + 1, len(calibration.token_ids))
+    return stats
+
+
+def sample_outputs(model: onnx.ModelProto, names: list[str], calibration: CalibrationSet) -> Iterator[list[np.ndarray]]:
+    """The named tensors of `model` (graph outputs or intermediates), one list per calibration sample, in order."""
     import onnxruntime as ort  # the pass runs the float graph to observe it; the kernels are onnxruntime's
 
     probed = onnx.ModelProto()
     probed.CopyFrom(model)
     known_outputs = {o.name for o in probed.graph.output}
-    for name in activations:
+    for name in names:
         if name not in known_outputs:
             probed.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
     options = ort.SessionOptions()
@@ -116,17 +131,8 @@ def collect_statistics(model: onnx.ModelProto, activations: list[str], calibrati
     with tempfile.TemporaryDirectory() as folder:
         session = _session(probed, options, folder, ort)
     del probed
-    stats: dict[str, ActivationStats] = {}
-    samples = calibration.token_ids
-    for index, sample in enumerate(samples):
-        outputs = session.run(activations, _feeds(session, sample))
-        for name, value in zip(activations, outputs):
-            if name not in stats:
-                stats[name] = ActivationStats.empty(value.shape[-1])
-            stats[name].add(value)
-        if progress:
-            progress(index + 1, len(samples))
-    return stats
+    for sample in calibration.token_ids:
+        yield session.run(names, _feeds(session, sample))
 
 
 def _session(model: onnx.ModelProto, options, folder: str, ort):
@@ -148,9 +154,9 @@ def _feeds(session, sample: np.ndarray) -> dict[str, np.ndarray]:
     for graph_input in session.get_inputs():
         if graph_input.name in TOKEN_INPUTS:
             continue
-        if graph_input.type != "tensor(float)":
+        if graph_input.type not in ZERO_FEED_TYPES:
             raise PassError(f"calibration: does not know how to feed graph input {graph_input.name!r} "
                             f"({graph_input.type}); the graph must follow the artifact's I/O contract")
         shape = [dim if isinstance(dim, int) else (1 if axis == 0 else 0) for axis, dim in enumerate(graph_input.shape)]
-        feeds[graph_input.name] = np.zeros(shape, np.float32)
+        feeds[graph_input.name] = np.zeros(shape, ZERO_FEED_TYPES[graph_input.type])
     return {name: value for name, value in feeds.items() if name in {i.name for i in session.get_inputs()}}

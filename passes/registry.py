@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_rotary, fuse_silu, lower_onnx_attention,
-                    lower_onnxruntime, lower_tensorrt, pack_projections, quantize)
+                    lower_onnxruntime, lower_tensorrt, pack_projections, quantize, quantize_kv_cache)
 
 
 @dataclass(frozen=True)
@@ -39,4 +39,6 @@ PASSES: dict[str, PassEntry] = {
                                "RMSNorm (+ residual Add) -> onnxruntime's (Skip)SimplifiedLayerNormalization"),
     "quantize": PassEntry(quantize.run, quantize.Options,
                           "MatMul weights -> INT4 blocked / INT8 per channel (rtn, awq, gptq) as MatMulNBits or DequantizeLinear"),
+    "quantize_kv_cache": PassEntry(quantize_kv_cache.run, quantize_kv_cache.Options,
+                                   "GroupQueryAttention's KV cache -> int8 with calibrated per-channel scales"),
 }

@@ -1,7 +1,7 @@
 """ONNX Runtime execution of an artifact's prefill and decode graphs over one preallocated KV cache.
 
 The cache is allocated once per batch size: per layer one key and one value OrtValue of shape
-[batch, kv_heads, max_context, head_dim]. Each is bound as the `past` input AND the aliased `present`
+[batch, kv_heads, max_context, head_dim], float32 or int8 as the manifest's kv_cache.dtype says. Each is bound as the `past` input AND the aliased `present`
 output of both graphs (IOBinding), so a step writes its new keys/values in place and never copies or
 reallocates the cache. Only the small per-step tensors (ids, positions, mask, logits) are rebound.
 `SlotCache` is the scheduler's cache: many independent sequences, one slot each (see its docstring).
@@ -22,6 +22,16 @@ OPTIMIZATION_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+# The manifest's kv_cache.dtype: float32, or int8 when the build ran quantize_kv_cache (the graphs hold the scales).
+CACHE_DTYPES = {"float32": np.float32, "int8": np.int8}
+
+
+def cache_dtype(kv_spec: dict) -> type:
+    dtype = kv_spec.get("dtype", "float32")
+    if dtype not in CACHE_DTYPES:
+        raise ArtifactError(f"kv_cache.dtype {dtype!r}: the onnxruntime runtime keeps {', '.join(CACHE_DTYPES)} caches; "
+                            f"rebuild the artifact for backend onnxruntime")
+    return CACHE_DTYPES[dtype]
 
 
 def session_options(settings: dict, intra_op_threads: int | None) -> ort.SessionOptions:
@@ -36,10 +46,11 @@ def session_options(settings: dict, intra_op_threads: int | None) -> ort.Session
 class KVCache:
     """The cache buffers for one batch size, in the graphs' past-input order."""
 
-    def __init__(self, past_names: list[str], shape: tuple[int, ...]):
+    def __init__(self, past_names: list[str], shape: tuple[int, ...], dtype: type = np.float32):
         self.past_names = past_names
         self.shape = shape
-        self.buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32) for _ in past_names]
+        self.dtype = dtype
+        self.buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype) for _ in past_names]
 
     @property
     def batch(self) -> int:
@@ -47,7 +58,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * 4 * len(self.buffers)
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize * len(self.buffers)
 
 
 class OnnxRuntimeBackend:
@@ -55,6 +66,7 @@ class OnnxRuntimeBackend:
         self.manifest = manifest
         settings = manifest["backend"].get("session", {})
         self.kv_spec = manifest["kv_cache"]
+        cache_dtype(self.kv_spec)  # an unknown cache type fails at load, not at the first step
         aliases = self.kv_spec["output_aliases_input"]  # present name -> past name
         self.present_for_past = {past: present for present, past in aliases.items()}
         self.sessions: dict[str, ort.InferenceSession] = {}
@@ -78,7 +90,7 @@ class OnnxRuntimeBackend:
         if self.cache is not None and self.cache.batch == batch:
             return self.cache
         shape = tuple(batch if dim == "batch" else dim for dim in self.kv_spec["shape"])
-        self.cache = KVCache(self.past_names, shape)
+        self.cache = KVCache(self.past_names, shape, cache_dtype(self.kv_spec))
         for binding in self.bindings.values():
             binding.clear_binding_outputs()
             # logits first: get_outputs() lists outputs in binding order; onnxruntime allocates it per run
@@ -144,9 +156,9 @@ class SlotCache:
         self.backend = backend
         self.slots = slots
         shape = tuple(slots if dim == "batch" else dim for dim in backend.kv_spec["shape"])
-        self.arrays = [np.empty(shape, dtype=np.float32) for _ in backend.past_names]
+        self.arrays = [np.empty(shape, dtype=cache_dtype(backend.kv_spec)) for _ in backend.past_names]
         for array in self.arrays:
-            array.fill(0.0)  # touch every page now, so resident memory does not creep up as slots fill
+            array.fill(0)  # touch every page now, so resident memory does not creep up as slots fill
         self._bindings: dict[tuple[str, int, int], tuple[ort.IOBinding, list[ort.OrtValue], dict]] = {}
 
     @property

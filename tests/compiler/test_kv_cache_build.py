@@ -1,0 +1,92 @@
+"""A build with quantize_kv_cache end to end on the tiny model: the manifest's int8 cache, the accuracy report
+against the float-cache graph, the runtime's int8 buffers, and the scheduler's slots on them."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from compiler.build import build
+from compiler.recipe import parse_recipe
+from runtime import Engine
+from runtime.evaluate import builtin_text, decode_logits_for, encode_text, evaluate
+
+KV8 = {"quantize_kv_cache": {"calibration": {"text": "pydoc", "samples": 4, "length": 64, "seed": 1}}}
+ACCURACY = {"max_tokens": 400, "window": 64, "stride": 32}
+
+
+@pytest.fixture(scope="module")
+def kv8_artifact(tiny_recipe, tmp_path_factory):
+    data = tiny_recipe.to_dict()
+    data.update(name="tiny-kv8", passes=data["passes"] + [KV8], accuracy=ACCURACY)
+    messages: list[str] = []
+    folder = build(parse_recipe(data, origin="test"), tmp_path_factory.mktemp("kv8"), progress=messages.append)
+    assert any(m.startswith("kv cache calibration (peaks): sample 4/4") for m in messages), messages
+    return folder
+
+
+@pytest.fixture
+def kv8_engine(kv8_artifact):
+    engine = Engine.load(kv8_artifact)
+    yield engine
+    engine.close()
+
+
+def test_manifest_records_an_int8_cache_and_its_accuracy(kv8_artifact, tiny_artifact):
+    manifest = json.loads((kv8_artifact / "manifest.json").read_text())
+    float_manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    assert manifest["kv_cache"]["dtype"] == "int8"
+    assert manifest["kv_cache"]["bytes_per_token"] * 4 == float_manifest["kv_cache"]["bytes_per_token"]
+    for engine in manifest["engines"].values():
+        cache_io = [v for v in [*engine["inputs"], *engine["outputs"]] if v["name"].startswith(("past_", "present."))]
+        assert cache_io and {v["dtype"] for v in cache_io} == {"int8"}
+    accuracy = manifest["accuracy"]
+    assert accuracy["quantization"]["kv_cache"]["quantized_layers"] == 2
+    assert "totals" not in accuracy["quantization"]  # no weight quantization in this recipe
+    held_out = accuracy["held_out"]
+    # The reference is the same graph with a float cache, i.e. the tiny artifact, scored the same way.
+    tokens = np.array(encode_text(Engine.load(tiny_artifact).tokenizer, builtin_text("pydoc-held-out"))[:400])
+    reference = evaluate(tokens, decode_logits_for(Engine.load(tiny_artifact).backend), window=64, stride=32)
+    assert reference.perplexity == pytest.approx(held_out["reference_perplexity"], rel=1e-4)
+    assert held_out["perplexity"] != held_out["reference_perplexity"]  # the cache really is rounded
+    assert abs(held_out["perplexity_increase"]) < 0.01 and held_out["top1_agreement"] > 0.9
+
+
+def test_runtime_allocates_int8_buffers_a_quarter_the_size(kv8_engine, tiny_engine):
+    kv8_engine.generate("Hello", max_new_tokens=4)
+    tiny_engine.generate("Hello", max_new_tokens=4)
+    cache, float_cache = kv8_engine.backend.cache, tiny_engine.backend.cache
+    assert cache.dtype == np.int8 and cache.nbytes * 4 == float_cache.nbytes
+    assert cache.buffers[0].numpy().dtype == np.int8 and cache.buffers[0].numpy().any()  # written in place
+
+
+def test_logits_follow_the_float_cache_artifact_within_the_round_off(kv8_engine, tiny_engine):
+    prompt = [1, 17, 300, 42, 9, 77, 5]
+    ids, positions, mask = np.array([prompt]), np.arange(7)[None], np.ones((1, 7), dtype=np.int64)
+    for engine in (kv8_engine, tiny_engine):
+        engine.backend.allocate_cache(batch=1)
+    exact = tiny_engine.backend.run("prefill", ids, positions, mask).copy()
+    approximate = kv8_engine.backend.run("prefill", ids, positions, mask).copy()
+    for step in range(4):  # teacher-forced: both read their own caches, fed the same tokens
+        spread = exact.max() - exact.min()
+        assert np.abs(exact - approximate).max() < 0.02 * spread
+        feed = (np.array([[40 + step]]), np.array([[7 + step]]), np.ones((1, 8 + step), dtype=np.int64))
+        exact = tiny_engine.backend.run("decode", *feed)[0, -1].copy()
+        approximate = kv8_engine.backend.run("decode", *feed)[0, -1].copy()
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 5])
+def test_scheduler_slots_hold_int8_and_batched_requests_make_their_alone_tokens(kv8_engine, prefill_chunk):
+    rng = np.random.default_rng(3)
+    requests = [([1] + rng.integers(3, 512, size=int(rng.integers(0, 30))).tolist(), int(rng.integers(1, 20)))
+                for _ in range(8)]
+    expected = [kv8_engine.generate(p, max_new_tokens=n, stop_token_ids=()).token_ids for p, n in requests]
+    scheduler = kv8_engine.start_scheduler(slots=3, prefill_chunk=prefill_chunk)
+    handles = []
+    for index, (prompt, n) in enumerate(requests):
+        handles.append(kv8_engine.submit(prompt, max_new_tokens=n, stop_token_ids=()))
+        time.sleep(0.002 * (index % 3))
+    assert [h.result(timeout=60).token_ids for h in handles] == expected
+    assert {array.dtype for array in scheduler.cache.arrays} == {np.dtype(np.int8)}

@@ -1,0 +1,204 @@
+"""quantize_kv_cache: int8 cache I/O and GroupQueryAttention attributes, calibrated scales shared by both phases,
+the codes onnxruntime writes against the float graph's cache, logits against the float graphs, and bad input."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from compiler.export import export_graphs, io_names
+from compiler.frontend.config import DecoderConfig
+from compiler.frontend.model import build_decoder
+from compiler.frontend.random_init import random_model
+from passes import cleanup, fuse_attention, lower_onnxruntime, quantize_kv_cache
+from passes.calibration import CalibrationSet, CalibrationSpec
+from passes.errors import PassError
+
+MAX_CONTEXT = 32
+CONFIG = DecoderConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, max_position_embeddings=64, bos_token_id=1, eos_token_ids=(2,))
+CALIBRATION_TOKENS = np.random.default_rng(7).integers(3, CONFIG.vocab_size, (4, 20))
+
+
+def calibration_set() -> CalibrationSet:
+    return CalibrationSet(text="random tokens", samples=4, length=20, token_ids=CALIBRATION_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def lowered_graphs():
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    graphs = {}
+    for phase, model in export_graphs(decoder, MAX_CONTEXT).items():
+        model = cleanup.run(model, cleanup.Options())[0]
+        model = fuse_attention.run(model, fuse_attention.Options(required=True))[0]
+        graphs[phase] = lower_onnxruntime.run(model, lower_onnxruntime.Options())[0]
+    return graphs
+
+
+@pytest.fixture(scope="module")
+def quantized(lowered_graphs):
+    options = quantize_kv_cache.Options(calibration=calibration_set())  # one set: the phases share its memo
+    return {phase: quantize_kv_cache.run(model, options) for phase, model in lowered_graphs.items()}
+
+
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def initializer(model: onnx.ModelProto, name: str) -> np.ndarray:
+    return next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == name)
+
+
+def run_steps(graphs: dict, dtype) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A 6-token prompt, then four decode steps; returns the logits of each step and the final caches."""
+    inputs, _ = io_names(CONFIG)
+    sessions = {phase: session(model) for phase, model in graphs.items()}
+    caches = [np.zeros((1, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), dtype)] * (2 * CONFIG.num_layers)
+    prompt = [1, 5, 9, 14, 200, 7]
+    feed = {"input_ids": np.array([prompt]), "position_ids": np.arange(6)[None], "attention_mask": np.ones((1, 6), np.int64)}
+    logits, *caches = sessions["prefill"].run(None, {**feed, **dict(zip(inputs[3:], caches))})
+    collected = [logits.reshape(-1)]
+    for step in range(4):
+        length = 6 + step
+        feed = {"input_ids": np.array([[30 + step]]), "position_ids": np.array([[length]]),
+                "attention_mask": np.ones((1, length + 1), np.int64)}
+        logits, *caches = sessions["decode"].run(None, {**feed, **dict(zip(inputs[3:], caches))})
+        collected.append(logits.reshape(-1))
+    return collected, caches
+
+
+def attributes_of(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def test_cache_io_becomes_int8_decode_reads_codes_and_prefill_writes_them(quantized):
+    for phase, (model, report) in quantized.items():
+        assert report["quantized_layers"] == CONFIG.num_layers and report["dtype"] == "int8"
+        cache_io = [v for v in [*model.graph.input, *model.graph.output] if v.name.startswith(("past_key", "present."))]
+        assert len(cache_io) == 4 * CONFIG.num_layers
+        assert {v.type.tensor_type.elem_type for v in cache_io} == {onnx.TensorProto.INT8}
+        nodes = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+        assert len(nodes) == CONFIG.num_layers
+        onnx.checker.check_model(model)
+    for node in (n for n in quantized["decode"][0].graph.node if n.op_type == "GroupQueryAttention"):
+        attributes = attributes_of(node)
+        assert attributes["k_quant_type"] == attributes["v_quant_type"] == b"PER_CHANNEL"
+        assert attributes["kv_cache_bit_width"] == 8
+        assert len(node.input) == 14 and node.input[12] == f"{node.input[3]}.kv_scale"
+        assert initializer(quantized["decode"][0], node.input[12]).shape == (CONFIG.num_kv_heads * CONFIG.head_dim,)
+    # Prefill has no past: its attention runs in float over the prompt, then Round/Clip/Cast/Pad write the codes.
+    prefill = quantized["prefill"][0]
+    for node in (n for n in prefill.graph.node if n.op_type == "GroupQueryAttention"):
+        assert "k_quant_type" not in attributes_of(node) and node.input[3] == node.input[4] == ""
+    producers = {output: node.op_type for node in prefill.graph.node for output in node.output}
+    assert {producers[v.name] for v in prefill.graph.output if v.name.startswith("present.")} == {"Pad"}
+    assert collections.Counter(n.op_type for n in prefill.graph.node)["Round"] == 2 * CONFIG.num_layers
+
+
+def prefill_scale(prefill: onnx.ModelProto, layer: int, kind: str) -> np.ndarray:
+    return initializer(prefill, f"layers.{layer}.FlashAttention/int8_cache/{kind}_scale").reshape(-1)
+
+
+def test_both_phases_get_the_same_scales_and_they_cover_the_calibration_peaks_with_headroom(quantized, lowered_graphs):
+    (prefill, _), (decode, _) = quantized["prefill"], quantized["decode"]
+    inputs, outputs = io_names(CONFIG)
+    for name in inputs[3:]:  # past_key_values.{layer}.{kind}
+        _, layer, kind = name.split(".")
+        np.testing.assert_array_equal(prefill_scale(prefill, int(layer), kind), initializer(decode, f"{name}.kv_scale"))
+    # What the float prefill graph writes into its cache over the calibration samples, channel by channel.
+    float_prefill = session(lowered_graphs["prefill"])
+    peaks = {}
+    for sample in CALIBRATION_TOKENS:
+        zeros = np.zeros((1, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float32)
+        feed = {"input_ids": sample[None], "position_ids": np.arange(len(sample))[None],
+                "attention_mask": np.ones((1, len(sample)), np.int64), **{name: zeros for name in inputs[3:]}}
+        for name, value in zip(inputs[3:], float_prefill.run(outputs[1:], feed)):
+            peak = np.abs(value[0, :, :len(sample)]).max(axis=1).reshape(-1)
+            peaks[name] = np.maximum(peaks.get(name, 0), peak)
+    for name, peak in peaks.items():
+        np.testing.assert_allclose(initializer(decode, f"{name}.kv_scale") * 127, 1.5 * peak, rtol=1e-6)  # headroom
+
+
+def test_codes_in_the_cache_are_the_float_cache_rounded_by_the_scales(quantized, lowered_graphs):
+    _, float_caches = run_steps(lowered_graphs, np.float32)
+    _, int8_caches = run_steps({phase: model for phase, (model, _) in quantized.items()}, np.int8)
+    inputs, _ = io_names(CONFIG)
+    decode = quantized["decode"][0]
+    # Layer 0's keys and values depend only on the prompt: its codes are the float cache rounded (to one code,
+    # where a value sits at a rounding boundary) and clipped. Later layers read layer 0's rounded cache.
+    for position, (name, exact, codes) in enumerate(zip(inputs[3:], float_caches, int8_caches)):
+        written = 10  # 6 prompt tokens + 4 decode steps
+        assert codes[0, :, :written].any() and not codes[0, :, written:].any(), name  # only the sequence's rows
+        if position < 2:
+            scale = initializer(decode, f"{name}.kv_scale").reshape(CONFIG.num_kv_heads, 1, CONFIG.head_dim)
+            expected = np.clip(np.round(exact[0, :, :written] / scale), -128, 127)
+            difference = np.abs(codes[0, :, :written].astype(np.int32) - expected)
+            assert difference.max() <= 1 and np.mean(difference == 0) > 0.95, name
+
+
+def test_logits_stay_within_the_round_off_of_the_float_graphs(quantized, lowered_graphs):
+    float_logits, _ = run_steps(lowered_graphs, np.float32)
+    int8_logits, _ = run_steps({phase: model for phase, (model, _) in quantized.items()}, np.int8)
+    np.testing.assert_array_equal(float_logits[0], int8_logits[0])  # prefill attends over the prompt in float
+    for exact, approximate in zip(float_logits[1:], int8_logits[1:]):  # decode reads the rounded cache
+        spread = exact.max() - exact.min()
+        assert np.abs(exact - approximate).max() < 0.02 * spread
+        assert not np.array_equal(exact, approximate)
+
+
+def test_prefill_attention_int8_keeps_the_quantized_path_in_prefill_too(lowered_graphs):
+    options = quantize_kv_cache.Options(prefill_attention="int8", calibration=calibration_set())
+    graphs = {phase: quantize_kv_cache.run(model, options)[0] for phase, model in lowered_graphs.items()}
+    for node in (n for n in graphs["prefill"].graph.node if n.op_type == "GroupQueryAttention"):
+        assert attributes_of(node)["kv_cache_bit_width"] == 8 and node.input[3].startswith("past_key_values")
+    float_logits, float_caches = run_steps(lowered_graphs, np.float32)
+    int8_logits, int8_caches = run_steps(graphs, np.int8)
+    assert not np.array_equal(float_logits[0], int8_logits[0])  # the prompt's attention reads the codes too
+    for exact, approximate in zip(float_logits, int8_logits):
+        assert np.abs(exact - approximate).max() < 0.02 * (exact.max() - exact.min())
+    # Layer 0's codes do not depend on which path wrote them (to one code at a rounding boundary).
+    _, default_caches = run_steps({p: quantize_kv_cache.run(m, quantize_kv_cache.Options(
+        calibration=calibration_set()))[0] for p, m in lowered_graphs.items()}, np.int8)
+    assert np.abs(default_caches[0].astype(int) - int8_caches[0]).max() <= 1
+
+
+def test_report_measures_the_round_off(quantized):
+    report = quantized["decode"][1]
+    assert 0 < report["relative_error"]["key_mean"] < 1e-3 and 0 < report["relative_error"]["value_mean"] < 1e-3
+    assert report["calibration"]["samples"] == 4
+    assert [layer["layer"] for layer in report["layers"]] == ["layers.0.FlashAttention", "layers.1.FlashAttention"]
+
+
+def test_per_tensor_scales_are_one_number_per_layer_and_kind(lowered_graphs):
+    options = quantize_kv_cache.Options(granularity="per_tensor", calibration=calibration_set())
+    graphs = {phase: quantize_kv_cache.run(model, options) for phase, model in lowered_graphs.items()}
+    model, report = graphs["decode"]
+    scales = [initializer(model, t.name) for t in model.graph.initializer if t.name.endswith(".kv_scale")]
+    assert [s.shape for s in scales] == [(1,)] * (2 * CONFIG.num_layers)
+    assert report["granularity"] == "per_tensor"
+    float_logits, _ = run_steps(lowered_graphs, np.float32)
+    int8_logits, _ = run_steps({phase: model for phase, (model, _) in graphs.items()}, np.int8)
+    for exact, approximate in zip(float_logits, int8_logits):
+        assert np.abs(exact - approximate).max() < 0.05 * (exact.max() - exact.min())
+
+
+def test_a_graph_without_group_query_attention_is_refused_naming_the_order(lowered_graphs):
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    fused = fuse_attention.run(cleanup.run(export_graphs(decoder, MAX_CONTEXT)["decode"], cleanup.Options())[0],
+                               fuse_attention.Options())[0]
+    with pytest.raises(PassError, match="after lower_onnxruntime"):
+        quantize_kv_cache.run(fused, quantize_kv_cache.Options(calibration=calibration_set()))
+
+
+def test_bad_options_and_a_second_run_are_clear_errors(quantized, lowered_graphs):
+    with pytest.raises(PassError, match="bits: 4 is not supported"):
+        quantize_kv_cache.run(lowered_graphs["decode"], quantize_kv_cache.Options(bits=4, calibration=calibration_set()))
+    with pytest.raises(PassError, match="headroom: 0.5 must be >= 1"):
+        quantize_kv_cache.run(lowered_graphs["decode"], quantize_kv_cache.Options(headroom=0.5, calibration=calibration_set()))
+    with pytest.raises(PassError, match="calibration"):
+        quantize_kv_cache.run(lowered_graphs["decode"], quantize_kv_cache.Options(calibration=CalibrationSpec()))
+    with pytest.raises(PassError, match="already INT8"):
+        quantize_kv_cache.run(quantized["decode"][0], quantize_kv_cache.Options(calibration=calibration_set()))
