@@ -67,6 +67,9 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "int4-awq_gptq_act-b128-head16": ("smollm2-135m-int4.yaml", {
         "method": "awq_gptq", "block_size": 128, "gptq_act_order": True,
         "overrides": (Override("model.embed_tokens.weight", block_size=16),)}),
+    # fp32 and the int4 recipe with an int8 KV cache (quantize_kv_cache in the recipe): a quarter of the cache bytes
+    "fp32-kv8": ("smollm2-135m-kv8.yaml", {}),
+    "int4-awq_gptq_act-b32-kv8": ("smollm2-135m-int4-kv8.yaml", {"method": "awq_gptq", "gptq_act_order": True}),
 }
 DEFAULT_VARIANTS = ("fp32", "int8", "int4-rtn-b32", "int4-rtn-b128", "int4-awq_gptq_act-b32", "int4-awq_gptq_act-b128",
                     "int4-awq_gptq_act-b128-asym", "int4-awq_gptq_act-b128-head32", "int4-awq_gptq_act-b128-head16")

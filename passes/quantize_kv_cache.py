@@ -31,7 +31,8 @@ from typing import Literal
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+import onnx_graphsurgeon as gs
+from onnx import TensorProto
 
 from passes.calibration import CalibrationSet, CalibrationSpec, sample_outputs
 from passes.errors import PassError
@@ -59,123 +60,120 @@ class Options:
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     check_options(options)
-    graph = model.graph
-    nodes = [n for n in graph.node if (n.domain, n.op_type) == GQA]
+    graph = gs.import_onnx(model)
+    graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
+    nodes = [n for n in graph.nodes if (n.domain, n.op) == GQA]
     if not nodes:
         raise PassError("no com.microsoft.GroupQueryAttention node: quantize_kv_cache stores onnxruntime's cache, so "
                         "put it after lower_onnxruntime in the recipe (backend onnxruntime)")
-    caches = [(node.input[PAST_INPUTS[0]], node.input[PAST_INPUTS[1]]) for node in nodes]
-    graph_inputs = {i.name: i for i in graph.input}
-    for node, names in zip(nodes, caches):
-        for name in names:
-            if name not in graph_inputs:
-                raise PassError(f"{node.name}: its past input {name!r} is not a graph input (the KV-cache buffer the "
-                                f"runtime binds); quantize_kv_cache needs the artifact's cache I/O")
-            if graph_inputs[name].type.tensor_type.elem_type != TensorProto.FLOAT:
-                raise PassError(f"{name}: the KV cache is already {TensorProto.DataType.Name(graph_inputs[name].type.tensor_type.elem_type)}, "
-                                f"not float; list quantize_kv_cache once in the recipe")
+    already = [t.name for t in graph.inputs if t.dtype is not None and np.dtype(t.dtype) == np.int8]
+    if already:  # after this pass, prefill's attention no longer reads them: say so before looking for them
+        raise PassError(f"{already[0]}: the KV cache is already INT8, not float; list quantize_kv_cache once in the "
+                        f"recipe")
+    for node in nodes:
+        check_cache_io(graph, node)
     key = ("kv_cache_scales", options.bits, options.granularity)
     memo = options.calibration.memo
     if key not in memo:
-        memo[key] = calibrate(model, nodes, options)
+        memo[key] = calibrate(model, [past.name for n in nodes for past in pasts_of(n)],
+                              [n.outputs[i].name for n in nodes for i in PRESENT_OUTPUTS], options)
     scales, errors = memo[key]
 
-    quantized = onnx.ModelProto()
-    quantized.CopyFrom(model)
-    graph = quantized.graph
     float_prefill = graph.name == "prefill" and options.prefill_attention == "float"
-    cache_names = set()
     layers = []
-    rewritten = []
-    for node in graph.node:
-        rewritten.append(node)
-        if (node.domain, node.op_type) != GQA:
-            continue
-        past_key, past_value = node.input[PAST_INPUTS[0]], node.input[PAST_INPUTS[1]]
-        if past_key not in scales or past_value not in scales:
-            raise PassError(f"{node.name}: no calibrated scales for {past_key!r}: the phases' graphs name their "
-                            f"caches differently")
-        if len(node.input) > SCALE_INPUT:
-            raise PassError(f"{node.name}: already has k_scale/v_scale inputs")
-        cache_names.update([past_key, past_value, *(node.output[i] for i in PRESENT_OUTPUTS)])
+    for node in nodes:
+        pasts, presents = pasts_of(node), [node.outputs[i] for i in PRESENT_OUTPUTS]
+        missing = [past.name for past in pasts if past.name not in scales]
+        if missing:
+            raise PassError(f"{node.name}: no calibrated scales for {missing}: the phases' graphs name their caches "
+                            f"differently")
+        for cache in [*pasts, *presents]:
+            cache.dtype = np.int8  # graph inputs and outputs: the buffers the runtime binds
+        node_scales = [scales[past.name] for past in pasts]
         if float_prefill:
-            rewritten += write_codes_after(graph, node, [scales[past_key], scales[past_value]], options)
+            write_codes_after(graph, node, node_scales)
         else:
-            read_codes(graph, node, [scales[past_key], scales[past_value]], options)
-        layers.append({"layer": node.name, "key_scale": _range(scales[past_key]), "value_scale": _range(scales[past_value]),
-                       "key_error": errors[past_key], "value_error": errors[past_value]})
-    del graph.node[:]
-    graph.node.extend(rewritten)
-    for value in [*graph.input, *graph.output]:
-        if value.name in cache_names:
-            value.type.tensor_type.elem_type = TensorProto.INT8
-    kept_info = [v for v in graph.value_info if v.name not in cache_names]
-    del graph.value_info[:]
-    graph.value_info.extend(kept_info)
-    return quantized, {
+            read_codes(node, node_scales, options)
+        layers.append({"layer": node.name, "key_scale": _range(node_scales[0]), "value_scale": _range(node_scales[1]),
+                       "key_error": errors[pasts[0].name], "value_error": errors[pasts[1].name]})
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()  # prefill's past inputs stay: the I/O contract
+    result = gs.export_onnx(graph)
+    return result, {
         "quantized_layers": len(nodes), "dtype": "int8", "granularity": options.granularity, "headroom": options.headroom,
+        "prefill_attention": options.prefill_attention if graph.name == "prefill" else None,
         "bytes_per_element": {"before": 4, "after": 1},
         "relative_error": {"key_mean": float(np.mean([layer["key_error"] for layer in layers])),
                            "value_mean": float(np.mean([layer["value_error"] for layer in layers]))},
         "calibration": options.calibration.describe(), "layers": layers, "phase_graph": graph.name,
+        "nodes": {"before": len(model.graph.node), "after": len(result.graph.node)},
     }
 
 
-def read_codes(graph: onnx.GraphProto, node: onnx.NodeProto, scales: list[np.ndarray], options: Options) -> None:
+def pasts_of(node: gs.Node) -> list[gs.Variable]:
+    return [node.inputs[i] for i in PAST_INPUTS]
+
+
+def check_cache_io(graph: gs.Graph, node: gs.Node) -> None:
+    graph_inputs, graph_outputs = {t.name for t in graph.inputs}, {t.name for t in graph.outputs}
+    for past in pasts_of(node):
+        if past.name not in graph_inputs:
+            raise PassError(f"{node.name}: its past input {past.name!r} is not a graph input (the KV-cache buffer the "
+                            f"runtime binds); quantize_kv_cache needs the artifact's cache I/O")
+        if np.dtype(past.dtype) != np.float32:
+            raise PassError(f"{past.name}: the KV cache is already {np.dtype(past.dtype).name.upper()}, not float; list "
+                            f"quantize_kv_cache once in the recipe")
+    if len(node.inputs) > SCALE_INPUT:
+        raise PassError(f"{node.name}: already has k_scale/v_scale inputs")
+    for index in PRESENT_OUTPUTS:
+        if node.outputs[index].name not in graph_outputs:
+            raise PassError(f"{node.name}: its present output {node.outputs[index].name!r} is not a graph output")
+
+
+def read_codes(node: gs.Node, scales: list[np.ndarray], options: Options) -> None:
     """The node keeps its cache int8: it quantizes the keys and values it writes and dequantizes what it reads."""
-    names = []
-    for past, scale in zip((node.input[PAST_INPUTS[0]], node.input[PAST_INPUTS[1]]), scales):
-        names.append(f"{past}.kv_scale")
-        graph.initializer.append(numpy_helper.from_array(scale, names[-1]))
-    inputs = list(node.input) + [""] * (SCALE_INPUT - len(node.input))
-    del node.input[:]
-    node.input.extend(inputs + names)
-    node.attribute.extend([onnx.helper.make_attribute("k_quant_type", QUANT_TYPES[options.granularity]),
-                           onnx.helper.make_attribute("v_quant_type", QUANT_TYPES[options.granularity]),
-                           onnx.helper.make_attribute("kv_cache_bit_width", options.bits)])
+    constants = [gs.Constant(f"{past.name}.kv_scale", scale) for past, scale in zip(pasts_of(node), scales)]
+    node.inputs.extend([gs.Variable.empty() for _ in range(SCALE_INPUT - len(node.inputs))] + constants)
+    node.attrs.update(k_quant_type=QUANT_TYPES[options.granularity], v_quant_type=QUANT_TYPES[options.granularity],
+                      kv_cache_bit_width=options.bits)
 
 
-def write_codes_after(graph: onnx.GraphProto, node: onnx.NodeProto, scales: list[np.ndarray],
-                      options: Options) -> list[onnx.NodeProto]:
+def write_codes_after(graph: gs.Graph, node: gs.Node, scales: list[np.ndarray]) -> None:
     """Prefill (no past): the node attends in float over the prompt's own keys and values (onnxruntime's flash
     kernel; its quantized-cache path is 4-6x slower there) and returns them; the nodes after it round them to
-    the codes the decode graph reads and pad them to the cache's length, straight into the bound present buffer.
+    the codes the decode graph reads and pad them to the cache's length, straight into the bound present buffer:
 
-    Returns the nodes that follow it. The past inputs stay graph inputs (the artifact's contract), unused.
+        GroupQueryAttention ─► present_float ─► Div(scale) ─► Round ─► Clip(-128, 127) ─► Cast(int8) ─► Pad ─► present
     """
-    _, kv_heads, max_context, head_dim = _cache_shape(graph, node.input[PAST_INPUTS[0]])
-    node.input[PAST_INPUTS[0]] = node.input[PAST_INPUTS[1]] = ""
+    _, kv_heads, max_context, head_dim = cache_shape(pasts_of(node)[0])
+    for index in PAST_INPUTS:
+        node.inputs[index] = gs.Variable.empty()  # stays a graph input (the artifact's contract), unused here
     prefix = f"{node.name}/int8_cache"
-    constants = {f"{prefix}/low": np.array(-CODE_MAX - 1, np.float32), f"{prefix}/high": np.array(CODE_MAX, np.float32),
-                 f"{prefix}/length": np.array([max_context], np.int64), f"{prefix}/pads_before": np.zeros(6, np.int64),
-                 f"{prefix}/pads_after": np.zeros(1, np.int64)}
-    graph.initializer.extend(numpy_helper.from_array(value, name) for name, value in constants.items())
-    make = onnx.helper.make_node
-    added = []
-    for output_index, scale, kind in zip(PRESENT_OUTPUTS, scales, ("key", "value")):
-        present, exact, step = node.output[output_index], f"{prefix}/{kind}_float", f"{prefix}/{kind}"
-        node.output[output_index] = exact  # [batch, kv_heads, prompt, head_dim], keys after rotary
+    low, high = gs.Constant(f"{prefix}/low", np.array(-CODE_MAX - 1, np.float32)), gs.Constant(f"{prefix}/high", np.array(CODE_MAX, np.float32))
+    length = gs.Constant(f"{prefix}/length", np.array([max_context], np.int64))
+    pads_before, pads_after = gs.Constant(f"{prefix}/pads_before", np.zeros(6, np.int64)), gs.Constant(f"{prefix}/pads_after", np.zeros(1, np.int64))
+    for index, scale, kind in zip(PRESENT_OUTPUTS, scales, ("key", "value")):
+        present, step = node.outputs[index], f"{prefix}/{kind}"
+        exact = gs.Variable(f"{step}_float", dtype=np.float32)  # [batch, kv_heads, prompt, head_dim], keys after rotary
+        node.outputs[index] = exact
         broadcast = (1, kv_heads, 1, head_dim) if scale.size > 1 else (1,)
-        graph.initializer.append(numpy_helper.from_array(scale.reshape(broadcast), f"{step}_scale"))
-        added += [
-            make("Div", [exact, f"{step}_scale"], [f"{step}_scaled"], name=f"{step}_Div"),
-            make("Round", [f"{step}_scaled"], [f"{step}_rounded"], name=f"{step}_Round"),
-            make("Clip", [f"{step}_rounded", f"{prefix}/low", f"{prefix}/high"], [f"{step}_clipped"], name=f"{step}_Clip"),
-            make("Cast", [f"{step}_clipped"], [f"{step}_codes"], to=TensorProto.INT8, name=f"{step}_Cast"),
-            make("Shape", [exact], [f"{step}_prompt"], start=2, end=3, name=f"{step}_Shape"),
-            make("Sub", [f"{prefix}/length", f"{step}_prompt"], [f"{step}_tail"], name=f"{step}_Sub"),
-            make("Concat", [f"{prefix}/pads_before", f"{step}_tail", f"{prefix}/pads_after"], [f"{step}_pads"],
-                 axis=0, name=f"{step}_Concat"),
-            make("Pad", [f"{step}_codes", f"{step}_pads"], [present], name=f"{step}_Pad"),  # zeros after the prompt
-        ]
-    return added
+        scaled = graph.layer(op="Div", name=f"{step}_Div", inputs=[exact, gs.Constant(f"{step}_scale", scale.reshape(broadcast))],
+                             outputs=[f"{step}_scaled"])
+        rounded = graph.layer(op="Round", name=f"{step}_Round", inputs=scaled, outputs=[f"{step}_rounded"])
+        clipped = graph.layer(op="Clip", name=f"{step}_Clip", inputs=[*rounded, low, high], outputs=[f"{step}_clipped"])
+        codes = graph.layer(op="Cast", name=f"{step}_Cast", inputs=clipped, outputs=[f"{step}_codes"],
+                            attrs={"to": TensorProto.INT8})
+        prompt = graph.layer(op="Shape", name=f"{step}_Shape", inputs=[exact], outputs=[f"{step}_prompt"],
+                             attrs={"start": 2, "end": 3})
+        tail = graph.layer(op="Sub", name=f"{step}_Sub", inputs=[length, *prompt], outputs=[f"{step}_tail"])
+        pads = graph.layer(op="Concat", name=f"{step}_Concat", inputs=[pads_before, *tail, pads_after],
+                           outputs=[f"{step}_pads"], attrs={"axis": 0})
+        graph.layer(op="Pad", name=f"{step}_Pad", inputs=[*codes, *pads], outputs=[present])  # zeros after the prompt
 
 
-def _cache_shape(graph: onnx.GraphProto, past: str) -> tuple[int | str, int, int, int]:
-    dims = next(v for v in graph.input if v.name == past).type.tensor_type.shape.dim
-    shape = tuple(d.dim_value or d.dim_param for d in dims)
+def cache_shape(past: gs.Variable) -> tuple:
+    shape = tuple(past.shape or ())
     if len(shape) != 4 or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
-        raise PassError(f"{past}: the cache must be [batch, kv_heads, max_context, head_dim] with fixed sizes after "
+        raise PassError(f"{past.name}: the cache must be [batch, kv_heads, max_context, head_dim] with fixed sizes after "
                         f"batch, not {list(shape)}")
     return shape
 
@@ -195,15 +193,13 @@ def check_options(options: Options) -> None:
                         "give quantize_kv_cache a calibration section (text, samples, length, seed)")
 
 
-def calibrate(model: onnx.ModelProto, nodes: list, options: Options) -> tuple[dict, dict]:
+def calibrate(model: onnx.ModelProto, pasts: list[str], presents: list[str], options: Options) -> tuple[dict, dict]:
     """Per past input name: the scales ([kv_heads * head_dim] or [1], float32) and the relative round-off error.
 
     Two runs over the samples, so that memory holds one sample's cache rows, not all of them: the first finds
     each channel's peak, the second measures the round-off of the scales that came out of it.
     """
     calibration = options.calibration
-    presents = [node.output[i] for node in nodes for i in PRESENT_OUTPUTS]
-    pasts = [node.input[i] for node in nodes for i in PAST_INPUTS]
     length = calibration.token_ids.shape[1]
     total = len(calibration.token_ids)
 

@@ -200,5 +200,6 @@ def test_bad_options_and_a_second_run_are_clear_errors(quantized, lowered_graphs
         quantize_kv_cache.run(lowered_graphs["decode"], quantize_kv_cache.Options(headroom=0.5, calibration=calibration_set()))
     with pytest.raises(PassError, match="calibration"):
         quantize_kv_cache.run(lowered_graphs["decode"], quantize_kv_cache.Options(calibration=CalibrationSpec()))
-    with pytest.raises(PassError, match="already INT8"):
-        quantize_kv_cache.run(quantized["decode"][0], quantize_kv_cache.Options(calibration=calibration_set()))
+    for phase in ("prefill", "decode"):
+        with pytest.raises(PassError, match="already INT8, not float; list quantize_kv_cache once"):
+            quantize_kv_cache.run(quantized[phase][0], quantize_kv_cache.Options(calibration=calibration_set()))
