@@ -72,7 +72,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                         f"recipe")
     for node in nodes:
         check_cache_io(graph, node)
-    key = ("kv_cache_scales", options.bits, options.granularity)
+    key = ("kv_cache_scales", options.bits, options.granularity, options.headroom)
     memo = options.calibration.memo
     if key not in memo:
         memo[key] = calibrate(model, [past.name for n in nodes for past in pasts_of(n)],

@@ -1,9 +1,9 @@
 """ONNX Runtime execution of an artifact's prefill and decode graphs over one preallocated KV cache.
 
 The cache is allocated once per batch size: per layer one key and one value OrtValue of shape
-[batch, kv_heads, max_context, head_dim], float32 or int8 as the manifest's kv_cache.dtype says. Each is bound as the `past` input AND the aliased `present`
-output of both graphs (IOBinding), so a step writes its new keys/values in place and never copies or
-reallocates the cache. Only the small per-step tensors (ids, positions, mask, logits) are rebound.
+[batch, kv_heads, max_context, head_dim], float32 or int8 as the manifest's kv_cache.dtype says. Each is bound
+as the `past` input AND the aliased `present` output of both graphs (IOBinding), so a step writes its new
+keys/values in place and never copies or reallocates the cache. Only the small per-step tensors (ids, positions, mask, logits) are rebound.
 `SlotCache` is the scheduler's cache: many independent sequences, one slot each (see its docstring).
 """
 from __future__ import annotations

@@ -11,7 +11,9 @@ import pytest
 from compiler.build import build
 from compiler.recipe import parse_recipe
 from runtime import Engine
+from runtime.errors import ArtifactError
 from runtime.evaluate import builtin_text, decode_logits_for, encode_text, evaluate
+from runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 KV8 = {"quantize_kv_cache": {"calibration": {"text": "pydoc", "samples": 4, "length": 64, "seed": 1}}}
 ACCURACY = {"max_tokens": 400, "window": 64, "stride": 32}
@@ -90,3 +92,10 @@ def test_scheduler_slots_hold_int8_and_batched_requests_make_their_alone_tokens(
         time.sleep(0.002 * (index % 3))
     assert [h.result(timeout=60).token_ids for h in handles] == expected
     assert {array.dtype for array in scheduler.cache.arrays} == {np.dtype(np.int8)}
+
+
+def test_a_cache_type_the_runtime_does_not_keep_is_refused_at_load(kv8_artifact):
+    manifest = json.loads((kv8_artifact / "manifest.json").read_text())
+    manifest["kv_cache"]["dtype"] = "float16"
+    with pytest.raises(ArtifactError, match="kv_cache.dtype 'float16'.*keeps float32, int8 caches"):
+        OnnxRuntimeBackend(kv8_artifact, manifest)
