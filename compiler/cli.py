@@ -77,8 +77,8 @@ def _inspect(args) -> None:
                   f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}; "
                   f"source {manifest['model']['source'].get('kind')} {manifest['model']['source'].get('path', '')}")
     kv = manifest["kv_cache"]
-    console.print(f"kv cache: {kv['layout']}, max context {kv['max_context']}, "
-                  f"{kv['bytes_per_token'] / 1024:.1f} KiB per token")
+    console.print(f"kv cache: {kv['layout']} {kv.get('dtype', 'float32')}, max context {kv['max_context']}, "
+                  f"{kv['bytes_per_token'] / 1024:.2f} KiB per token")
     backend = manifest["backend"]
     console.print(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}")
     engines = Table(title="engines")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from compiler.build import build
+from compiler.cli import main
 from compiler.recipe import parse_recipe
 from runtime import Engine
 from runtime.errors import ArtifactError
@@ -99,3 +100,11 @@ def test_a_cache_type_the_runtime_does_not_keep_is_refused_at_load(kv8_artifact)
     manifest["kv_cache"]["dtype"] = "float16"
     with pytest.raises(ArtifactError, match="kv_cache.dtype 'float16'.*keeps float32, int8 caches"):
         OnnxRuntimeBackend(kv8_artifact, manifest)
+
+
+def test_inspect_and_run_show_the_int8_cache(capsys, kv8_artifact):
+    assert main(["inspect", str(kv8_artifact)]) == 0
+    captured = capsys.readouterr()
+    output = captured.out + captured.err
+    assert "int8" in output and "0.12 KiB per token" in output  # 2 layers x 2 kv heads x 16 x 2 x 1 byte
+    assert main(["run", str(kv8_artifact), "--prompt", "hi", "--max-new-tokens", "3"]) == 0
