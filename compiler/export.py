@@ -48,7 +48,8 @@ CACHE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
 def cache_dtype(graphs: dict[str, onnx.ModelProto], exported: str) -> str:
     """The KV cache's element type after the passes: the decode graph's first past input's (else `exported`)."""
-    for value in graphs["decode"].graph.input:
+    decode = graphs.get("decode")
+    for value in decode.graph.input if decode is not None else ():
         if value.name == past_name(0, "key"):
             return CACHE_DTYPES.get(value.type.tensor_type.elem_type, exported)
     return exported
