@@ -148,16 +148,18 @@ def write_codes_after(graph: gs.Graph, node: gs.Node, scales: list[np.ndarray]) 
     for index in PAST_INPUTS:
         node.inputs[index] = gs.Variable.empty()  # stays a graph input (the artifact's contract), unused here
     prefix = f"{node.name}/int8_cache"
-    low, high = gs.Constant(f"{prefix}/low", np.array(-CODE_MAX - 1, np.float32)), gs.Constant(f"{prefix}/high", np.array(CODE_MAX, np.float32))
+    low = gs.Constant(f"{prefix}/low", np.array(-CODE_MAX - 1, np.float32))
+    high = gs.Constant(f"{prefix}/high", np.array(CODE_MAX, np.float32))
     length = gs.Constant(f"{prefix}/length", np.array([max_context], np.int64))
-    pads_before, pads_after = gs.Constant(f"{prefix}/pads_before", np.zeros(6, np.int64)), gs.Constant(f"{prefix}/pads_after", np.zeros(1, np.int64))
+    pads_before = gs.Constant(f"{prefix}/pads_before", np.zeros(6, np.int64))  # Pad's [begin..., end...] of 4 axes
+    pads_after = gs.Constant(f"{prefix}/pads_after", np.zeros(1, np.int64))
     for index, scale, kind in zip(PRESENT_OUTPUTS, scales, ("key", "value")):
         present, step = node.outputs[index], f"{prefix}/{kind}"
         exact = gs.Variable(f"{step}_float", dtype=np.float32)  # [batch, kv_heads, prompt, head_dim], keys after rotary
         node.outputs[index] = exact
         broadcast = (1, kv_heads, 1, head_dim) if scale.size > 1 else (1,)
-        scaled = graph.layer(op="Div", name=f"{step}_Div", inputs=[exact, gs.Constant(f"{step}_scale", scale.reshape(broadcast))],
-                             outputs=[f"{step}_scaled"])
+        scale_constant = gs.Constant(f"{step}_scale", scale.reshape(broadcast))
+        scaled = graph.layer(op="Div", name=f"{step}_Div", inputs=[exact, scale_constant], outputs=[f"{step}_scaled"])
         rounded = graph.layer(op="Round", name=f"{step}_Round", inputs=scaled, outputs=[f"{step}_rounded"])
         clipped = graph.layer(op="Clip", name=f"{step}_Clip", inputs=[*rounded, low, high], outputs=[f"{step}_clipped"])
         codes = graph.layer(op="Cast", name=f"{step}_Cast", inputs=clipped, outputs=[f"{step}_codes"],
