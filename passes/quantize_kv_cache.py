@@ -10,8 +10,9 @@ The rewrite, on a graph already lowered by lower_onnxruntime:
 - decode: each GroupQueryAttention node gets `k_quant_type` / `v_quant_type` ("PER_CHANNEL" or "PER_TENSOR"),
   `kv_cache_bit_width` 8 and its `k_scale` / `v_scale` inputs (13th and 14th). The op stores
   code = clip(round(x / scale), -128, 127) per (kv head, channel), keys after rotary, and reads code * scale.
-- prefill (no past, `prefill_attention: float`): onnxruntime's quantized-cache path is 4-6x slower than its flash
-  kernel over a whole prompt (30 against 7 ms per layer at 512 tokens, 366 against 62-74 at 2000, 2 threads), so
+- prefill (no past, `prefill_attention: float`): onnxruntime's quantized-cache path is 4-5x slower than its flash
+  kernel over a whole prompt (29.5 against 7.3 ms per layer at 512 tokens, 416 against 78 at 2000, 2 threads:
+  benchmarks/kv_cache_attention.py), so
   the node keeps a float cache of the prompt's length and Div/Round/Clip/Cast/Pad write the same codes into the
   bound int8 buffer. The prompt's own attention is then exact; decode steps (and prefill chunks after a past,
   which run the decode graph) read the rounded cache.
@@ -53,7 +54,7 @@ class Options:
     # channel) is clipped to ±127 codes, so leave room above the peak, at the price of a coarser step.
     headroom: float = 1.5
     # The prefill graph (no past): "float" attends over the prompt in float with onnxruntime's flash kernel and then
-    # writes the int8 codes; "int8" keeps onnxruntime's quantized-cache path there too, 4-6x slower per layer.
+    # writes the int8 codes; "int8" keeps onnxruntime's quantized-cache path there too, 4-5x slower per layer.
     prefill_attention: Literal["float", "int8"] = "float"
     calibration: CalibrationSpec | None = CalibrationSpec(samples=16, length=256)
 
@@ -139,7 +140,7 @@ def read_codes(node: gs.Node, scales: list[np.ndarray], options: Options) -> Non
 
 def write_codes_after(graph: gs.Graph, node: gs.Node, scales: list[np.ndarray]) -> None:
     """Prefill (no past): the node attends in float over the prompt's own keys and values (onnxruntime's flash
-    kernel; its quantized-cache path is 4-6x slower there) and returns them; the nodes after it round them to
+    kernel; its quantized-cache path is 4-5x slower there) and returns them; the nodes after it round them to
     the codes the decode graph reads and pad them to the cache's length, straight into the bound present buffer:
 
         GroupQueryAttention ─► present_float ─► Div(scale) ─► Round ─► Clip(-128, 127) ─► Cast(int8) ─► Pad ─► present

@@ -1,0 +1,134 @@
+"""One onnxruntime GroupQueryAttention node with a float32 or an int8 KV cache: why quantize_kv_cache keeps the
+float flash kernel in prefill and the int8 cache in decode.
+
+    .venv/bin/python benchmarks/kv_cache_attention.py [--threads 2] [--runs 50]
+
+SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64, a 2048-token cache buffer), one layer, 2 threads.
+Prefill: a whole prompt, no past, on the float flash kernel (past and present of the prompt's length, as the
+prefill graph runs it after the pass) against the int8 cache buffer (onnxruntime's quantized path). Decode: one
+query over `context` cached tokens, past and present sharing one buffer, float (on the GEMM path, as
+lower_onnxruntime sets it: scale 1, qk_output) against the same with an int8 per-channel cache. Medians of --runs runs. A table on the
+console, JSON in benchmarks/results/kv_cache_attention.json (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+from rich.console import Console
+from rich.table import Table
+
+HEADS, KV_HEADS, HEAD_DIM, CACHE = 9, 3, 64, 2048
+RESULTS = Path(__file__).resolve().parent / "results"
+INT8_ATTRIBUTES = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
+
+
+def attention_model(queries: int, cache: str, shared: bool, decode_gemm: bool) -> bytes:
+    """One node. cache: "float32" | "int8"; shared: past/present are the 2048-token buffer (else no past)."""
+    value = helper.make_tensor_value_info
+    element = TensorProto.INT8 if cache == "int8" else TensorProto.FLOAT
+    inputs = [value("q", TensorProto.FLOAT, [1, queries, HEADS * HEAD_DIM]),
+              value("k", TensorProto.FLOAT, [1, queries, KV_HEADS * HEAD_DIM]),
+              value("v", TensorProto.FLOAT, [1, queries, KV_HEADS * HEAD_DIM]),
+              value("seqlens_k", TensorProto.INT32, [1]), value("total", TensorProto.INT32, []),
+              value("cos", TensorProto.FLOAT, [CACHE, HEAD_DIM // 2]), value("sin", TensorProto.FLOAT, [CACHE, HEAD_DIM // 2])]
+    names = ["q", "k", "v", "past_key" if shared else "", "past_value" if shared else "", "seqlens_k", "total", "cos", "sin"]
+    attributes = {"num_heads": HEADS, "kv_num_heads": KV_HEADS, "do_rotary": 1}
+    outputs = ["out", "present_key", "present_value"]
+    if shared:
+        inputs += [value("past_key", element, [1, KV_HEADS, CACHE, HEAD_DIM]), value("past_value", element, [1, KV_HEADS, CACHE, HEAD_DIM])]
+    if cache == "int8":
+        names += ["", "", "", "k_scale", "v_scale"]
+        inputs += [value("k_scale", TensorProto.FLOAT, [KV_HEADS * HEAD_DIM]), value("v_scale", TensorProto.FLOAT, [KV_HEADS * HEAD_DIM])]
+        attributes.update(INT8_ATTRIBUTES)
+    if decode_gemm:
+        attributes.update(scale=1.0, qk_output=1)
+        outputs.append("qk")
+    node = helper.make_node("GroupQueryAttention", names, outputs, domain="com.microsoft", **attributes)
+    types = {"present_key": element if shared else TensorProto.FLOAT, "present_value": element if shared else TensorProto.FLOAT}
+    graph = helper.make_graph([node], "attention", inputs,
+                              [value(name, types.get(name, TensorProto.FLOAT), None) for name in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return model.SerializeToString()
+
+
+def time_node(queries: int, context: int, cache: str, shared: bool, decode_gemm: bool, threads: int, runs: int) -> float:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(attention_model(queries, cache, shared, decode_gemm), options,
+                                   providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    angles = np.arange(CACHE)[:, None] * (1e4 ** (-np.arange(HEAD_DIM // 2) / (HEAD_DIM // 2)))[None]
+    binding = session.io_binding()
+    for name, width in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+        binding.bind_cpu_input(name, rng.standard_normal((1, queries, width * HEAD_DIM), dtype=np.float32))
+    binding.bind_cpu_input("seqlens_k", np.array([context - 1], np.int32))
+    binding.bind_cpu_input("total", np.array(context, np.int32))
+    binding.bind_cpu_input("cos", np.cos(angles).astype(np.float32))
+    binding.bind_cpu_input("sin", np.sin(angles).astype(np.float32))
+    buffers = []
+    if shared:  # one buffer bound as past and present, as the runtime binds the cache
+        dtype = np.int8 if cache == "int8" else np.float32
+        for kind in ("key", "value"):
+            filled = rng.integers(-100, 100, (1, KV_HEADS, CACHE, HEAD_DIM)).astype(dtype) * dtype(1 if cache == "int8" else 0.01)
+            buffers.append(ort.OrtValue.ortvalue_from_numpy(filled))
+            binding.bind_ortvalue_input(f"past_{kind}", buffers[-1])
+            binding.bind_ortvalue_output(f"present_{kind}", buffers[-1])
+    else:
+        binding.bind_output("present_key")
+        binding.bind_output("present_value")
+    if cache == "int8":
+        for name in ("k_scale", "v_scale"):
+            binding.bind_cpu_input(name, np.full(KV_HEADS * HEAD_DIM, 0.02, np.float32))
+    binding.bind_output("out")
+    if decode_gemm:
+        binding.bind_output("qk")
+    for _ in range(3):
+        session.run_with_iobinding(binding)
+    seconds = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        session.run_with_iobinding(binding)
+        seconds.append(time.perf_counter() - started)
+    return float(np.median(seconds))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--prompts", default="512,2000")
+    parser.add_argument("--contexts", default="64,512,2047")
+    parser.add_argument("--out", type=Path, default=RESULTS / "kv_cache_attention.json")
+    args = parser.parse_args(argv)
+    rows = []
+    for prompt in (int(p) for p in args.prompts.split(",")):
+        prefill_runs = max(3, args.runs // 10)
+        rows.append({"phase": "prefill", "tokens": prompt,
+                     "float_ms": 1e3 * time_node(prompt, prompt, "float32", False, False, args.threads, prefill_runs),
+                     "int8_ms": 1e3 * time_node(prompt, prompt, "int8", True, False, args.threads, prefill_runs)})
+    for context in (int(c) for c in args.contexts.split(",")):
+        rows.append({"phase": "decode", "tokens": context,
+                     "float_ms": 1e3 * time_node(1, context, "float32", True, True, args.threads, args.runs),
+                     "int8_ms": 1e3 * time_node(1, context, "int8", True, True, args.threads, args.runs)})
+    table = Table(title=f"one GroupQueryAttention node, SmolLM2-135M shapes, {args.threads} threads (medians)")
+    for column in ("phase", "prompt / context", "float32 cache ms", "int8 cache ms", "int8 / float32"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row["phase"], str(row["tokens"]), f"{row['float_ms']:.3f}", f"{row['int8_ms']:.3f}",
+                      f"{row['int8_ms'] / row['float_ms']:.2f}x")
+    Console().print(table)
+    result = {"threads": args.threads, "runs": args.runs, "onnxruntime": ort.__version__, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
