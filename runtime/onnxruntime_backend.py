@@ -3,7 +3,8 @@
 The cache is allocated once per batch size: per layer one key and one value OrtValue of shape
 [batch, kv_heads, max_context, head_dim], float32 or int8 as the manifest's kv_cache.dtype says. Each is bound
 as the `past` input AND the aliased `present` output of both graphs (IOBinding), so a step writes its new
-keys/values in place and never copies or reallocates the cache. Only the small per-step tensors (ids, positions, mask, logits) are rebound.
+keys/values in place and never copies or reallocates the cache. Only the small per-step tensors (ids, positions,
+mask, logits) are rebound.
 `SlotCache` is the scheduler's cache: many independent sequences, one slot each (see its docstring).
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ class OnnxRuntimeBackend:
         self.manifest = manifest
         settings = manifest["backend"].get("session", {})
         self.kv_spec = manifest["kv_cache"]
-        cache_dtype(self.kv_spec)  # an unknown cache type fails at load, not at the first step
+        self.cache_dtype = cache_dtype(self.kv_spec)  # an unknown cache type fails at load, not at the first step
         aliases = self.kv_spec["output_aliases_input"]  # present name -> past name
         self.present_for_past = {past: present for present, past in aliases.items()}
         self.sessions: dict[str, ort.InferenceSession] = {}
@@ -90,7 +91,7 @@ class OnnxRuntimeBackend:
         if self.cache is not None and self.cache.batch == batch:
             return self.cache
         shape = tuple(batch if dim == "batch" else dim for dim in self.kv_spec["shape"])
-        self.cache = KVCache(self.past_names, shape, cache_dtype(self.kv_spec))
+        self.cache = KVCache(self.past_names, shape, self.cache_dtype)
         for binding in self.bindings.values():
             binding.clear_binding_outputs()
             # logits first: get_outputs() lists outputs in binding order; onnxruntime allocates it per run
@@ -156,7 +157,7 @@ class SlotCache:
         self.backend = backend
         self.slots = slots
         shape = tuple(slots if dim == "batch" else dim for dim in backend.kv_spec["shape"])
-        self.arrays = [np.empty(shape, dtype=cache_dtype(backend.kv_spec)) for _ in backend.past_names]
+        self.arrays = [np.empty(shape, dtype=backend.cache_dtype) for _ in backend.past_names]
         for array in self.arrays:
             array.fill(0)  # touch every page now, so resident memory does not creep up as slots fill
         self._bindings: dict[tuple[str, int, int], tuple[ort.IOBinding, list[ort.OrtValue], dict]] = {}
