@@ -4,7 +4,8 @@ Everything is counted from the model's config (no weights are read): parameters,
 precision, KV-cache bytes, the largest batch that fits, and lower bounds on time — prefill as compute-bound
 (2 x params x prompt FLOPs at the device's peak), decode as bandwidth-bound (every weight byte and every
 cached KV byte read once per step). Real kernels reach some fraction of these peaks; the bounds say where
-the floor is, not what a run will take. For an artifact on `cpu`, it also times decode steps and compares.
+the floor is, not what a run will take. An artifact is planned as built: its weight and KV-cache dtypes are
+the defaults, and its weight bytes are its manifest's. On `cpu`, an artifact's decode steps are also timed.
 """
 from __future__ import annotations
 
@@ -166,12 +167,20 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
     except AotlmRuntimeError as error:
         raise BuildError(str(error)) from None
     kv = manifest.get("kv_cache", {})
-    return DecoderConfig.from_dict(manifest["model"]["config"]), {
-        "kind": "artifact", "path": str(folder), "context": kv.get("max_context"),
-        "dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
-            manifest.get("recipe", {}).get("export", {}).get("dtype", "float32"), "fp32"),
-        "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
-            kv.get("dtype", "float32"), "fp32")}
+    recipe = manifest.get("recipe", {})
+    dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
+        recipe.get("export", {}).get("dtype", "float32"), "fp32")
+    for entry in recipe.get("passes", []):  # weight quantization decides the precision, not the export dtype
+        options = entry.get("quantize") if isinstance(entry, dict) else None
+        if isinstance(options, dict) and options.get("bits") in (4, 8):
+            dtype = f"int{options['bits']}"
+    info = {"kind": "artifact", "path": str(folder), "context": kv.get("max_context"), "dtype": dtype,
+            "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
+                kv.get("dtype", "float32"), "fp32")}
+    weights = manifest.get("backend", {}).get("weights", {}).get("bytes")
+    if weights:  # what a decode step really reads: codes, scales and zero points, any layer kept in float
+        info["weight_bytes"] = weights
+    return DecoderConfig.from_dict(manifest["model"]["config"]), info
 
 
 def count_params(c: DecoderConfig) -> dict:
@@ -200,11 +209,12 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     """Memory and lower-bound latencies for serving `source` on `device`; raises BuildError on bad input."""
     key = resolve_device(device)
     gpu = key != "cpu"
-    precision = precision or ("fp16" if gpu else "fp32")
-    kv_dtype = kv_dtype or ("fp16" if gpu else "fp32")
+    config, info = load_source(source)
+    # An artifact's own dtypes are the defaults: it is planned as built. Otherwise fp16 on GPUs, fp32 on cpu.
+    precision = precision or info.get("dtype") or ("fp16" if gpu else "fp32")
+    kv_dtype = kv_dtype or info.get("kv_dtype") or ("fp16" if gpu else "fp32")
     if precision not in WEIGHT_BYTES or kv_dtype not in KV_BYTES:
         raise BuildError(f"precision must be one of {', '.join(WEIGHT_BYTES)}; kv dtype one of {', '.join(KV_BYTES)}")
-    config, info = load_source(source)
     context = context or info.get("context") or config.max_position_embeddings
     prompt = prompt or min(512, context)
     if min(context, concurrency, prompt) < 1:
@@ -217,7 +227,8 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     dev = cpu_device(remeasure) if not gpu else DEVICES[key]
     params = count_params(config)
     weights = weight_bytes(params["total"])
-    w = weights[precision]
+    as_built = info["kind"] == "artifact" and precision == info["dtype"] and "weight_bytes" in info
+    w = info["weight_bytes"] if as_built else weights[precision]
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
     kv_request, kv_total = kv_token * context, kv_token * context * concurrency
     usable = headroom * dev["memory"]
@@ -235,6 +246,7 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         "inputs": {"precision": precision, "kv_dtype": kv_dtype, "context": context, "concurrency": concurrency,
                    "prompt": prompt, "headroom": headroom},
         "params": params, "weight_bytes": weights, "weights": w,
+        "weights_from": "the artifact's weights file" if as_built else f"params x {precision} bytes",
         "kv": {"bytes_per_token": kv_token, "per_request": kv_request, "total": kv_total},
         "memory": {"total": w + kv_total, "usable": usable, "fits": w + kv_total <= usable,
                    "max_concurrency": max(0, int((usable - w) // kv_request)), "not_counted": NOT_COUNTED},
@@ -269,7 +281,8 @@ def measure_artifact(info: dict, config: DecoderConfig, dev: dict, context: int)
     result = engine.generate(ids, max_new_tokens=17, stop_token_ids=())
     measured = statistics.median(result.timings.itl_s)
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[info["kv_dtype"]]
-    predicted = (weight_bytes(count_params(config)["total"])[info["dtype"]] + kv_token * (n + 9)) / dev["bandwidth"]
+    weights = info.get("weight_bytes") or weight_bytes(count_params(config)["total"])[info["dtype"]]
+    predicted = (weights + kv_token * (n + 9)) / dev["bandwidth"]
     return {"prompt_tokens": n, "steps": len(result.timings.itl_s), "measured_s": measured, "predicted_s": predicted,
             "ratio": measured / predicted, "dtypes": f"{info['dtype']} weights, {info['kv_dtype']} KV (the artifact's)"}
 
@@ -300,11 +313,14 @@ def render(p: dict, console) -> None:
     head = f"head {pc['lm_head'] / 1e6:.0f}M" if pc["lm_head"] else "head tied"
     table.add_row("parameters", f"{pc['total'] / 1e9:.3f} B", f"embed {pc['embedding'] / 1e6:.0f}M, attn "
                   f"{pc['attention'] / 1e6:.0f}M, mlp {pc['mlp'] / 1e6:.0f}M, {head}")
+    chosen = None if p["weights_from"].startswith("the artifact") else i["precision"]
     for name, size in p["weight_bytes"].items():
         label = "int4 (no scales)" if name == "int4_no_scales" else name
         table.add_row(f"weights {label}", _gb(size), "params x " + (
             f"{0.5 + INT4_SCALE_BYTES / INT4_BLOCK} B" if name == "int4" else f"{WEIGHT_BYTES.get(name, 0.5)} B")
-            + (" (chosen)" if name == i["precision"] else ""), style="bold" if name == i["precision"] else None)
+            + (" (chosen)" if chosen == name else ""), style="bold" if chosen == name else None)
+    if p["weights_from"].startswith("the artifact"):
+        table.add_row("weights as built", _gb(p["weights"]), "the artifact's weights file (chosen)", style="bold")
     table.add_section()
     table.add_row("KV cache / token", f"{kv['bytes_per_token'] / 1024:,.1f} KiB", "2 x layers x kv_heads x head_dim"
                   f" x {KV_BYTES[i['kv_dtype']]} B")

@@ -155,3 +155,28 @@ def test_cli_json_and_errors(llama3, capsys):
     assert main(["plan", llama3, "--device", "B200"]) == 2
     err = capsys.readouterr().err
     assert "unknown device 'B200'" in err and "RTX4090" in err
+
+
+def test_a_quantized_artifact_is_planned_as_built(tmp_path, fake_cpu, monkeypatch):
+    """An INT4 artifact with an int8 cache: its dtypes are the defaults and its weights file is what decode reads
+    (before, the export dtype made it fp32 and the measured step came out faster than the bandwidth bound)."""
+    manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x",
+                "recipe": {"export": {"dtype": "float32"},
+                           "passes": [{"cleanup": {}}, {"quantize": {"bits": 4, "block_size": 32}},
+                                      {"quantize_kv_cache": {"bits": 8}}]},
+                "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+                                     "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                                     "max_position_embeddings": 256}},
+                "backend": {"weights": {"file": "weights.bin", "bytes": 40_000}},
+                "kv_cache": {"max_context": 128, "dtype": "int8"}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(plan_module, "measure_artifact", lambda info, config, dev, context: {
+        "prompt_tokens": 1, "steps": 1, "measured_s": 1.0, "predicted_s": 1.0, "ratio": 1.0, "dtypes": ""})
+    built = plan(str(tmp_path), device="cpu")
+    assert built["inputs"]["precision"] == "int4" and built["inputs"]["kv_dtype"] == "int8"
+    assert built["weights"] == 40_000 and built["weights_from"] == "the artifact's weights file"
+    assert built["kv"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 1
+    assert built["bounds"]["decode_token_s"] == pytest.approx((40_000 + 128 * 128) / 10e9)  # + one request's int8 cache
+    asked = plan(str(tmp_path), device="cpu", precision="fp32", kv_dtype="fp16")  # explicit choices still win
+    assert asked["weights"] == asked["weight_bytes"]["fp32"] == 4 * asked["params"]["total"]
+    assert asked["kv"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 2 and asked["weights_from"] == "params x fp32 bytes"
