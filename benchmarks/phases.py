@@ -23,8 +23,10 @@ everything else on the machine kept busy meanwhile (/proc/stat minus this proces
 --max-other-cores it waits and measures again (up to --retries times, keeping the least contended attempt).
 Load averages are recorded before and after.
 
-Bytes a decode step must read (fused artifact): manifest backend.weights.bytes + kv_cache.bytes_per_token x C;
+Bytes a decode step must read (each aotlm artifact): manifest backend.weights.bytes + kv_cache.bytes_per_token x C;
 achieved GB/s = those bytes / median step time (a lower bound on traffic: activations and logits not counted).
+The floor is those bytes at this machine's measured memory bandwidth (`aotlm plan`'s cpu figure, cached under
+~/.cache/aotlm/): no kernel reads them faster, so a decode target below the floor cannot be met on this machine.
 Writes benchmarks/results/phases.json.
 """
 from __future__ import annotations
@@ -44,6 +46,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
 from generate import (REPO, Genai, machine_info, prepare_folders, prompt_token_ids, versions,  # noqa: E402
                       write_result)
+
+from compiler.plan import cpu_device  # noqa: E402
 
 WARMUP_STEPS = 4
 PREFILL_WARMUPS = 1
@@ -204,7 +208,7 @@ def run_sweeps(backends: dict, prompt_ids: list[int], args, progress: Progress, 
     return {"decode": decode, "prefill": prefill}
 
 
-def summarize(raw: dict, args, manifests: dict) -> dict:
+def summarize(raw: dict, args, manifests: dict, bandwidth: float) -> dict:
     decode, prefill = {}, {}
     for name, by_ctx in raw["decode"].items():
         decode[name] = {}
@@ -218,7 +222,9 @@ def summarize(raw: dict, args, manifests: dict) -> dict:
                 weights = manifest["backend"]["weights"]["bytes"]
                 kv = manifest["kv_cache"]["bytes_per_token"] * ctx
                 entry.update(weights_bytes=weights, kv_bytes=kv, bytes_read=weights + kv,
-                             achieved_gb_per_s=(weights + kv) / (entry["median_ms"] / 1e3) / 1e9)
+                             achieved_gb_per_s=(weights + kv) / (entry["median_ms"] / 1e3) / 1e9,
+                             floor_ms=(weights + kv) / bandwidth * 1e3)
+                entry["of_floor"] = entry["median_ms"] / entry["floor_ms"]
             decode[name][ctx] = entry
     for name, by_length in raw["prefill"].items():
         prefill[name] = {}
@@ -235,10 +241,11 @@ def ratio(results: dict, top: str, bottom: str, key) -> str:
     return "-"
 
 
-def render(summary: dict, args, console: Console) -> list[str]:
+def render(summary: dict, args, console: Console, bandwidth: float) -> list[str]:
     decode, prefill = summary["decode"], summary["prefill"]
     names = list(decode)
-    table = Table(title=f"decode, ms per token (median over {args.repeats} repeats of {args.steps} steps; batch 1)")
+    table = Table(title=f"decode, ms per token (median over {args.repeats} repeats of {args.steps} steps; batch 1); "
+                        f"floor = bytes read / this machine's {bandwidth / 1e9:.1f} GB/s")
     table.add_column("context", justify="right")
     for name in names:
         table.add_column(f"{name} ms", justify="right")
@@ -248,13 +255,17 @@ def render(summary: dict, args, console: Console) -> list[str]:
     if FUSED in decode:
         table.add_column("fused MB read", justify="right")
         table.add_column("fused GB/s", justify="right")
+        table.add_column("fused floor ms", justify="right")
+        table.add_column("fused/floor", justify="right")
     for ctx in args.contexts:
         row = [str(ctx)]
         for name in names:
             row += [f"{decode[name][ctx]['median_ms']:.2f}", f"{decode[name][ctx]['p90_ms']:.2f}"]
         row += [ratio(decode, FUSED, UNFUSED, ctx), ratio(decode, FUSED, GENAI, ctx)]
         if FUSED in decode:
-            row += [f"{decode[FUSED][ctx]['bytes_read'] / 1e6:.0f}", f"{decode[FUSED][ctx]['achieved_gb_per_s']:.1f}"]
+            entry = decode[FUSED][ctx]
+            row += [f"{entry['bytes_read'] / 1e6:.0f}", f"{entry['achieved_gb_per_s']:.1f}", f"{entry['floor_ms']:.2f}",
+                    f"{entry['of_floor']:.2f}x"]
         table.add_row(*row)
     console.print(table)
     lo, hi = args.contexts[0], args.contexts[-1]
@@ -305,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown backends {sorted(unknown)}; known: {', '.join(BACKENDS)}")
     if not args.contexts or not args.prompt_lengths:
         parser.error("give at least one context and one prompt length")
+    bandwidth = cpu_device()["bandwidth"]  # measured once per machine (a numpy copy), then cached
     load_before = os.getloadavg()
 
     artifacts = {UNFUSED: args.unfused_artifact, FUSED: args.fused_artifact}
@@ -328,8 +340,8 @@ def main(argv: list[str] | None = None) -> dict:
         raw = run_sweeps(backends, prompt_ids, args, progress, console)
     sweep_s = time.perf_counter() - started
     load_after = os.getloadavg()
-    summary = summarize(raw, args, manifests)
-    lines = render(summary, args, console)
+    summary = summarize(raw, args, manifests, bandwidth)
+    lines = render(summary, args, console, bandwidth)
     measured = [r for phase in raw.values() for by in phase.values() for repeats in by.values() for r in repeats]
     retried = sum(r["attempts"] > 1 for r in measured)
     contended = sum(r["contended"] for r in measured)
@@ -347,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "genai_folder": str(genai_folder) if genai_folder else None, "genai_max_length": GENAI_MAX_LENGTH,
                      "prompt_source": "pydoc_data.topics (sorted, joined)", "interleaved": True,
                      "max_other_cores": args.max_other_cores, "retries": args.retries,
+                     "machine_bandwidth_bytes_per_s": bandwidth,
                      "decode_step": "forward over the filled cache + greedy next token; positions C+k"},
         "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": load_after},
         "versions": versions(), "setup_s": setup_s, "sweep_s": sweep_s,
