@@ -46,6 +46,7 @@ WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 KV_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
 INT4_BLOCK, INT4_SCALE_BYTES = 32, 2  # one fp16 scale per 32 weights: +2/32 = 0.0625 bytes per parameter
 CACHE_FILE = Path.home() / ".cache" / "aotlm" / "cpu.json"
+AS_BUILT = "the artifact's weights file"  # where an artifact's planned weight bytes come from
 NOT_COUNTED = "activations, workspace (GEMM/attention scratch), CUDA context / runtime, fragmentation"
 
 
@@ -246,7 +247,7 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         "inputs": {"precision": precision, "kv_dtype": kv_dtype, "context": context, "concurrency": concurrency,
                    "prompt": prompt, "headroom": headroom},
         "params": params, "weight_bytes": weights, "weights": w,
-        "weights_from": "the artifact's weights file" if as_built else f"params x {precision} bytes",
+        "weights_from": AS_BUILT if as_built else f"params x {precision} bytes",
         "kv": {"bytes_per_token": kv_token, "per_request": kv_request, "total": kv_total},
         "memory": {"total": w + kv_total, "usable": usable, "fits": w + kv_total <= usable,
                    "max_concurrency": max(0, int((usable - w) // kv_request)), "not_counted": NOT_COUNTED},
@@ -313,14 +314,14 @@ def render(p: dict, console) -> None:
     head = f"head {pc['lm_head'] / 1e6:.0f}M" if pc["lm_head"] else "head tied"
     table.add_row("parameters", f"{pc['total'] / 1e9:.3f} B", f"embed {pc['embedding'] / 1e6:.0f}M, attn "
                   f"{pc['attention'] / 1e6:.0f}M, mlp {pc['mlp'] / 1e6:.0f}M, {head}")
-    chosen = None if p["weights_from"].startswith("the artifact") else i["precision"]
+    chosen = None if p["weights_from"] == AS_BUILT else i["precision"]
     for name, size in p["weight_bytes"].items():
         label = "int4 (no scales)" if name == "int4_no_scales" else name
         table.add_row(f"weights {label}", _gb(size), "params x " + (
             f"{0.5 + INT4_SCALE_BYTES / INT4_BLOCK} B" if name == "int4" else f"{WEIGHT_BYTES.get(name, 0.5)} B")
             + (" (chosen)" if chosen == name else ""), style="bold" if chosen == name else None)
-    if p["weights_from"].startswith("the artifact"):
-        table.add_row("weights as built", _gb(p["weights"]), "the artifact's weights file (chosen)", style="bold")
+    if p["weights_from"] == AS_BUILT:
+        table.add_row("weights as built", _gb(p["weights"]), f"{AS_BUILT} (chosen)", style="bold")
     table.add_section()
     table.add_row("KV cache / token", f"{kv['bytes_per_token'] / 1024:,.1f} KiB", "2 x layers x kv_heads x head_dim"
                   f" x {KV_BYTES[i['kv_dtype']]} B")
