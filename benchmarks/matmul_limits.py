@@ -8,7 +8,8 @@ hidden), then the tied lm_head (hidden x vocab); a Slice between two products ke
 defaults are SmolLM2-135M's shapes, as the default artifact packs them (425 MB of fp32 layer weights and a
 113 MB head, far more than the last-level cache, so every run reads them from memory). Formats: fp32 `MatMul`
 (weights prepacked by onnxruntime), and `com.microsoft.MatMulNBits` with int8 activations (accuracy_level 4)
-in 4 bits (blocks of 32) and 8 bits (blocks of 16), as the INT4 and INT8 recipes lower them. --rows is the
+in 4 bits (blocks of 32) and 8 bits (blocks of 16), as the INT4 and INT8 recipes lower them (--accuracy-level
+changes the activations' type). --rows is the
 number of sequences in a step: 1 is batch-1 decode, 16 a 16-row batched decode step.
 
 Per format and rows: median time of --runs runs after warm-up, the weight bytes read, GB/s (those bytes / time),
@@ -59,7 +60,7 @@ def weight(rng: np.random.Generator, name: str, k: int, n: int, fmt: str) -> tup
 
 
 def chain_model(fmt: str, rows: int, layers: int, hidden: int, intermediate: int, kv_width: int, vocab: int,
-                seed: int = 0) -> tuple[bytes, int, int]:
+                seed: int = 0, accuracy_level: int = 4) -> tuple[bytes, int, int]:
     """The chained graph, its weight bytes and its parameter count."""
     rng = np.random.default_rng(seed)
     nodes, inits, weight_bytes, params = [], [], 0, 0
@@ -77,7 +78,7 @@ def chain_model(fmt: str, rows: int, layers: int, hidden: int, intermediate: int
             bits, block = FORMATS[fmt]
             nodes.append(helper.make_node("MatMulNBits", [x, name, f"{name}_scales"], [f"y{index}"],
                                           domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
-                                          accuracy_level=4))
+                                          accuracy_level=accuracy_level))
         x = f"y{index}"
         if index + 1 < len(shapes) and shapes[index + 1][0] != n:  # narrow to the next product's K
             end = shapes[index + 1][0]
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--accuracy-level", type=int, default=4, choices=(0, 1, 2, 3, 4),
+                        help="MatMulNBits' accuracy_level: 4 = int8 activations (the recipes'), 0/1 = float")
     parser.add_argument("--bandwidth", type=float, default=None,
                         help="GB/s to compare with (default: this machine's, measured once and cached by aotlm plan)")
     parser.add_argument("--out", type=Path, default=RESULTS / "matmul_limits.json")
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
             for rows in row_counts:
                 status.update(f"timing {fmt}, {rows} rows")
                 model, weight_bytes, params = chain_model(fmt, rows, args.layers, args.hidden, args.intermediate,
-                                                          args.kv_width, args.vocab)
+                                                          args.kv_width, args.vocab,
+                                                          accuracy_level=args.accuracy_level)
                 seconds = time_chain(model, rows, args.hidden, args.threads, args.runs)
                 results.append({"format": fmt, "rows": rows, "ms": seconds * 1e3, "weight_bytes": weight_bytes,
                                 "params": params, "gb_per_s": weight_bytes / seconds / 1e9,

@@ -6,6 +6,7 @@ import json
 import sys
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -25,6 +26,10 @@ def test_chain_weights_and_output_shape():
     assert out[0].shape == (3, 256) and np.isfinite(out[0]).all()
     _, int4_bytes, _ = matmul_limits.chain_model("int4", 1, 2, 64, 128, 32, 256)
     assert int4_bytes == params // 2 + 4 * params // 32  # 4-bit codes + one float32 scale per 32 weights
+    float_activations, _, _ = matmul_limits.chain_model("int4", 1, 1, 64, 128, 32, 256, accuracy_level=0)
+    levels = {attribute.i for node in onnx.load_from_string(float_activations).graph.node
+              for attribute in node.attribute if attribute.name == "accuracy_level"}
+    assert levels == {0}
 
 
 def test_small_run_writes_rows_for_every_format(tmp_path):
