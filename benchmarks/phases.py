@@ -26,8 +26,8 @@ Load averages are recorded before and after.
 Bytes a decode step must read (each aotlm artifact): manifest backend.weights.bytes + kv_cache.bytes_per_token x C;
 achieved GB/s = those bytes / median step time (a lower bound on traffic: activations and logits not counted).
 The floor is those bytes at this machine's measured memory bandwidth (`aotlm plan`'s cpu figure, a copy, cached
-under ~/.cache/aotlm/): an estimate, not a hard bound (a stream that only reads can beat a copy somewhat), but
-the model's weight products alone reach ~80% of it (benchmarks/matmul_limits.py), so a step under it is out of reach.
+under ~/.cache/aotlm/): an estimate, not a hard bound, but the model's weight products alone reach ~80% of it
+(benchmarks/matmul_limits.py), so a whole step near it is out of reach.
 Writes benchmarks/results/phases.json.
 """
 from __future__ import annotations
