@@ -54,6 +54,8 @@ def weight(rng: np.random.Generator, name: str, k: int, n: int, fmt: str) -> tup
     bits, block = FORMATS[fmt]
     blocks = -(-k // block)
     codes = rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8)  # random nibbles / bytes
+    # uniform codes around the default zero point (8 or 128) have a std of ~4.6 (4 bits) or ~74 (8 bits): these
+    # scales give each weight a std of 1/sqrt(k), as the fp32 chain's, so the activations neither vanish nor blow up
     scales = np.full((n, blocks), 1.0 / (np.sqrt(k) * (4.6 if bits == 4 else 74.0)), dtype=np.float32)
     return [numpy_helper.from_array(codes, name), numpy_helper.from_array(scales, f"{name}_scales")], \
         codes.nbytes + scales.nbytes
