@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.random  # noqa: F401  numpy 2 loads it on first use (~20 ms): here, not in a request's TTFT
 
 from runtime.errors import RequestError
 
