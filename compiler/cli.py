@@ -381,9 +381,11 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", required=True,
                       help="H100, H200, A100, L40S, L4, RTX4090, or cpu (this machine, measured)")
     plan.add_argument("--precision", choices=("fp32", "fp16", "bf16", "int8", "int4"), default=None,
-                      help="weight precision (default: an artifact's own; else fp16 on GPUs, fp32 on cpu)")
+                      help="weight precision (default: an artifact's own, a recipe's quantized one; else fp16 on GPUs, "
+                           "fp32 on cpu)")
     plan.add_argument("--kv-dtype", choices=("fp32", "fp16", "int8"), default=None,
-                      help="KV-cache dtype (default: an artifact's own; else fp16 on GPUs, fp32 on cpu)")
+                      help="KV-cache dtype (default: an artifact's own, a recipe's int8 cache; else fp16 on GPUs, fp32 "
+                           "on cpu)")
     plan.add_argument("--context", type=int, default=None,
                       help="tokens per request (default: the recipe's or artifact's max context, else the model's)")
     plan.add_argument("--concurrency", type=int, default=1, help="sequences decoded together (default: 1)")

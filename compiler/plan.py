@@ -5,7 +5,8 @@ precision, KV-cache bytes, the largest batch that fits, and lower bounds on time
 (2 x params x prompt FLOPs at the device's peak), decode as bandwidth-bound (every weight byte and every
 cached KV byte read once per step). Real kernels reach some fraction of these peaks; the bounds say where
 the floor is, not what a run will take. An artifact is planned as built: its weight and KV-cache dtypes are
-the defaults, and its weight bytes are its manifest's. On `cpu`, an artifact's decode steps are also timed.
+the defaults, and its weight bytes are its manifest's; a recipe's quantized weights or cache are its defaults too.
+On `cpu`, an artifact's decode steps are also timed.
 """
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
             config = _gguf_config(spec.path or default_gguf_path())
         else:
             config = _hf_config(Path(spec.path) / "config.json")
-        return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context}
+        return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context,
+                        **quantized_dtypes(recipe.to_dict()["passes"])}
     if p.is_file() and p.suffix == ".gguf":
         return _gguf_config(str(p)), {"kind": "gguf", "path": str(p)}
     if p.is_file() and p.suffix == ".json":
@@ -169,19 +171,30 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
         raise BuildError(str(error)) from None
     kv = manifest.get("kv_cache", {})
     recipe = manifest.get("recipe", {})
-    dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
+    export_dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
         recipe.get("export", {}).get("dtype", "float32"), "fp32")
-    for entry in recipe.get("passes", []):  # weight quantization decides the precision, not the export dtype
-        options = entry.get("quantize") if isinstance(entry, dict) else None
-        if isinstance(options, dict) and options.get("bits") in (4, 8):
-            dtype = f"int{options['bits']}"
-    info = {"kind": "artifact", "path": str(folder), "context": kv.get("max_context"), "dtype": dtype,
+    info = {"kind": "artifact", "path": str(folder), "context": kv.get("max_context"),
+            # weight quantization decides the precision, not the export dtype
+            "dtype": quantized_dtypes(recipe.get("passes", [])).get("dtype", export_dtype),
             "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
                 kv.get("dtype", "float32"), "fp32")}
     weights = manifest.get("backend", {}).get("weights", {}).get("bytes")
     if weights:  # what a decode step really reads: codes, scales and zero points, any layer kept in float
         info["weight_bytes"] = weights
     return DecoderConfig.from_dict(manifest["model"]["config"]), info
+
+
+def quantized_dtypes(passes: list) -> dict:
+    """{"dtype": "int4"/"int8"} from a resolved recipe's quantize pass, {"kv_dtype": "int8"} from quantize_kv_cache."""
+    found = {}
+    for entry in passes:  # each {pass name: options}, as Recipe.to_dict() and manifests write them
+        for name, options in (entry.items() if isinstance(entry, dict) else ()):
+            bits = options.get("bits") if isinstance(options, dict) else None
+            if name == "quantize" and bits in (4, 8):
+                found["dtype"] = f"int{bits}"
+            elif name == "quantize_kv_cache" and bits == 8:
+                found["kv_dtype"] = "int8"
+    return found
 
 
 def count_params(c: DecoderConfig) -> dict:
@@ -211,7 +224,8 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     key = resolve_device(device)
     gpu = key != "cpu"
     config, info = load_source(source)
-    # An artifact's own dtypes are the defaults: it is planned as built. Otherwise fp16 on GPUs, fp32 on cpu.
+    # An artifact's own dtypes are the defaults (it is planned as built), and a recipe's quantized ones; otherwise
+    # fp16 on GPUs, fp32 on cpu.
     precision = precision or info.get("dtype") or ("fp16" if gpu else "fp32")
     kv_dtype = kv_dtype or info.get("kv_dtype") or ("fp16" if gpu else "fp32")
     if precision not in WEIGHT_BYTES or kv_dtype not in KV_BYTES:

@@ -180,3 +180,16 @@ def test_a_quantized_artifact_is_planned_as_built(tmp_path, fake_cpu, monkeypatc
     asked = plan(str(tmp_path), device="cpu", precision="fp32", kv_dtype="fp16")  # explicit choices still win
     assert asked["weights"] == asked["weight_bytes"]["fp32"] == 4 * asked["params"]["total"]
     assert asked["kv"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 2 and asked["weights_from"] == "params x fp32 bytes"
+
+
+def test_a_quantized_recipe_defaults_to_its_precisions(tmp_path):
+    text = TINY_RECIPE.read_text().replace("  - pack_projections", "  - pack_projections\n  - quantize: {bits: 4, "
+                                           "block_size: 16, method: rtn}\n  - quantize_kv_cache: {calibration: "
+                                           "{samples: 1, length: 8}}")
+    recipe = tmp_path / "tiny-int4-kv8.yaml"
+    recipe.write_text(text)
+    result = plan(str(recipe), device="H100")
+    assert result["inputs"]["precision"] == "int4" and result["inputs"]["kv_dtype"] == "int8"
+    assert result["weights"] == result["weight_bytes"]["int4"]  # counted from the config: nothing is built
+    float_recipe = plan(str(TINY_RECIPE), device="H100")  # no quantize pass: the device's default
+    assert float_recipe["inputs"]["precision"] == "fp16" and float_recipe["inputs"]["kv_dtype"] == "fp16"
