@@ -226,7 +226,7 @@ class Engine:
     def _run(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
         sampler = Sampler(params)
         stop_ids = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
-        decoder = self.tokenizer.stream_decoder()
+        decoder = self.tokenizer.stream_decoder(params.stop_strings)
         self.backend.allocate_cache(batch=1)
         length = len(prompt_ids)
         mask = np.ones((1, self.max_context), dtype=np.int64)  # every cached row is real: one view per step
@@ -237,7 +237,6 @@ class Engine:
         prefill_end = time.perf_counter()
         output: list[int] = []
         token_times: list[float] = []
-        text = ""
         finish_reason = "length"
         token = sampler(logits[0])
         while True:
@@ -247,10 +246,9 @@ class Engine:
                 break
             output.append(token)
             piece = decoder.push(token)
-            text += piece
             if piece:
                 yield piece
-            if params.stop_strings and any(stop in text for stop in params.stop_strings):
+            if decoder.stopped:  # a stop string: the text ends before it
                 finish_reason = "stop"
                 break
             if len(output) >= params.max_new_tokens:
@@ -262,6 +260,9 @@ class Engine:
                                       np.array([[length]], dtype=np.int64), mask[:, : length + 1])
             length += 1
             token = sampler(logits[0, -1])
+        tail = decoder.finish()  # text held back in case it began a stop string
+        if tail:
+            yield tail
         text = self.tokenizer.decode(output)
         for stop in params.stop_strings:  # the text ends before a stop string, as in vLLM and OpenAI's API
             text = text.split(stop, 1)[0]

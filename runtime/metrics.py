@@ -178,7 +178,7 @@ def format_table(summary: dict):
         return "-" if value is None else f"{value:.2f}"
 
     table = Table(title=f"{summary['requests']} requests in {summary['duration_s']:.2f} s "
-                        f"({summary['prompt_tokens']} prompt, {summary['output_tokens']} output tokens)")
+                        f"({summary['prompt_tokens']} prompt and {summary['output_tokens']} output tokens in all)")
     table.add_column("metric (ms)")
     for column in ("count", *STATS):
         table.add_column(column, justify="right")

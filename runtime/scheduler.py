@@ -102,7 +102,6 @@ class _Sequence:
     prefilled: int = 0  # prompt tokens in the cache
     next_token: int | None = None  # sampled, not yet fed back: set while the sequence is decoding
     output: list[int] = field(default_factory=list)
-    text: str = ""
     token_times: list[float] = field(default_factory=list)
     prefill_start: float | None = None
     prefill_end: float | None = None
@@ -148,7 +147,8 @@ class Scheduler:
         self._check_fits(prompt_ids, params)
         stop_ids = self.engine.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids), prompt_ids, params, Sampler(params),
-                             frozenset(stop_ids), self.engine.tokenizer.stream_decoder(), received, tokenize_s)
+                             frozenset(stop_ids), self.engine.tokenizer.stream_decoder(params.stop_strings), received,
+                             tokenize_s)
         with self._lock:
             while not self._closed and len(self._waiting) >= self.max_queue:
                 if not block:
@@ -321,9 +321,8 @@ class Scheduler:
         sequence.output.append(token)
         piece = sequence.decoder.push(token)
         if piece:
-            sequence.text += piece
             sequence.handle._pieces.put(piece)
-        if params.stop_strings and any(stop in sequence.text for stop in params.stop_strings):
+        if sequence.decoder.stopped:  # a stop string: the text ends before it
             return self._finish(sequence, "stop")
         if len(sequence.output) >= params.max_new_tokens:
             return self._finish(sequence, "length")
@@ -346,6 +345,9 @@ class Scheduler:
                 token_times=sequence.token_times, finish=time.perf_counter(), prompt_tokens=len(sequence.prompt_ids),
                 output_tokens=len(sequence.token_times), prefill_end=sequence.prefill_end)
             timings = Timings(trace, sequence.tokenize_s)
+        tail = sequence.decoder.finish()  # text held back in case it began a stop string
+        if tail:
+            sequence.handle._pieces.put(tail)
         sequence.handle._pieces.put(_END)
         sequence.handle._future.set_result(
             GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings))

@@ -23,27 +23,66 @@ class TextTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def stream_decoder(self) -> "StreamDecoder":
-        return StreamDecoder(self)
+    def stream_decoder(self, stop_strings: tuple[str, ...] = ()) -> "StreamDecoder":
+        return StreamDecoder(self, stop_strings)
 
 
 class StreamDecoder:
-    """Turns tokens arriving one by one into text pieces, holding back incomplete UTF-8 sequences.
+    """Turns tokens arriving one by one into text pieces, holding back incomplete UTF-8 sequences, and with stop
+    strings, everything from the first stop string on.
 
-    Decodes the window since the last emitted boundary, so each step costs O(window), not O(text).
+    Decodes the window since the last emitted boundary, so each step costs O(window), not O(text). A streamed text
+    ends before a stop string, as the result's text does (vLLM's and OpenAI's rule): a tail that could be the
+    start of a stop string is held back until the next tokens tell, and `finish()` returns it when generation
+    ends some other way. `stopped` turns true when a stop string has appeared.
     """
 
-    def __init__(self, tokenizer: TextTokenizer):
+    def __init__(self, tokenizer: TextTokenizer, stop_strings: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.prefix_offset = 0  # start of the window re-decoded for context (spaces depend on it)
-        self.read_offset = 0  # tokens before this were already emitted
+        self.read_offset = 0  # tokens before this were already decoded into `text`
+        self.stop_strings = tuple(stop for stop in stop_strings if stop)
+        self.text = ""  # all decoded text
+        self.emitted = 0  # text[:emitted] was returned; no stop string starts before it
+        self.stopped = False
 
     def push(self, token_id: int) -> str:
+        """The text this token makes safe to show ("" while it is held back, and after a stop string)."""
         self.tokens.append(token_id)
         prefix = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.tokens[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            return full[len(prefix) :]
-        return ""
+            self.text += full[len(prefix) :]
+        return self._release()
+
+    def finish(self) -> str:
+        """The held-back tail, once generation has ended without a stop string ("" after one)."""
+        if self.stopped:
+            return ""
+        tail, self.emitted = self.text[self.emitted :], len(self.text)
+        return tail
+
+    def _release(self) -> str:
+        if self.stopped:
+            return ""
+        starts = [i for i in (self.text.find(stop, self.emitted) for stop in self.stop_strings) if i >= 0]
+        if starts:
+            self.stopped = True
+            end = min(starts)
+        else:
+            end = len(self.text) - self._could_start_a_stop()
+        piece, self.emitted = self.text[self.emitted : end], end
+        return piece
+
+    def _could_start_a_stop(self) -> int:
+        """Length of the longest unemitted tail of the text that some stop string begins with."""
+        unemitted = len(self.text) - self.emitted
+        longest = 0
+        for stop in self.stop_strings:
+            for length in range(min(len(stop) - 1, unemitted), longest, -1):
+                if self.text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest

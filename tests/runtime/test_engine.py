@@ -95,6 +95,16 @@ def test_stream_pieces_join_to_the_result_text(tiny_engine):
     assert len(generation.result.timings.token_times_s) == 16
 
 
+def test_streamed_text_stops_where_the_result_text_does(tiny_engine):
+    full = tiny_engine.generate("hello world", max_new_tokens=16, stop_token_ids=()).text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop.strip()  # a visible stop string, so the check below means something
+    generation = tiny_engine.stream("hello world", max_new_tokens=16, stop_token_ids=(), stop_strings=(stop,))
+    pieces = list(generation)
+    assert generation.result.finish_reason == "stop"
+    assert "".join(pieces) == generation.result.text == full.split(stop, 1)[0]
+
+
 def test_timings_are_consistent(tiny_engine):
     timings = tiny_engine.generate("abc", max_new_tokens=8, stop_token_ids=()).timings
     assert 0 < timings.prefill_s <= timings.ttft_s <= timings.e2e_s

@@ -120,6 +120,16 @@ def test_streamed_pieces_join_to_the_text(engine):
     assert result.timings.output_tokens == 16 and result.prompt_token_ids == handle.prompt_token_ids
 
 
+def test_streamed_pieces_stop_where_the_text_does(engine):
+    full = engine.generate("hello world", max_new_tokens=16, stop_token_ids=()).text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop.strip()
+    handle = engine.submit("hello world", max_new_tokens=16, stop_token_ids=(), stop_strings=(stop,))
+    pieces = list(handle)
+    assert handle.result().finish_reason == "stop"
+    assert "".join(pieces) == handle.result().text == full.split(stop, 1)[0]
+
+
 def test_generate_a_list_runs_through_the_scheduler(engine):
     prompts = ["one", [1, 5, 6], "three little words"]
     expected = [engine.generate(p, max_new_tokens=9, stop_token_ids=()).token_ids for p in prompts]
