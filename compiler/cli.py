@@ -50,7 +50,7 @@ def _run(args) -> None:
 
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
     generation = engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))
     sys.stdout.write(args.prompt)
     for piece in generation:
         sys.stdout.write(piece)
@@ -369,6 +369,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the text before this string (repeatable; the model's end-of-sequence tokens always stop)")
     run.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
     run.set_defaults(handler=_run)
     inspect = commands.add_parser("inspect", help="summarize an artifact's manifest")

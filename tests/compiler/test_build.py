@@ -75,6 +75,17 @@ def test_run_and_inspect(capsys, tiny_artifact):
     assert status == 0 and "sha256 verified" in output and "decode.onnx" in output
 
 
+def test_run_stops_before_a_stop_string(capsys, tiny_artifact):
+    from runtime import Engine
+
+    full = Engine.load(tiny_artifact).generate("hi", max_new_tokens=12).text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop.strip()
+    status, output = run_cli(capsys, "run", str(tiny_artifact), "--prompt", "hi", "--max-new-tokens", "12",
+                             "--stop", stop)
+    assert status == 0 and output.startswith("hi" + full.split(stop, 1)[0] + "\n") and "(stop)" in output
+
+
 def test_run_refuses_a_prompt_longer_than_max_context(capsys, tiny_artifact):
     status, output = run_cli(capsys, "run", str(tiny_artifact), "--prompt", "word " * 300)
     assert status == 2 and "max context is 128" in output and "Traceback" not in output
