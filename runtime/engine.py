@@ -138,6 +138,8 @@ class Engine:
         self.backend.allocate_cache(batch=1)  # once, here: not inside any request's timing
         self._scheduler: Scheduler | None = None  # continuous batching, started by submit / start_scheduler
         self._scheduler_lock = threading.Lock()  # two first submits from two threads start one scheduler
+        self._batch_one = threading.Lock()  # stream/generate: one sequence at a time on the batch-1 cache
+        self._batch_one_owner: int | None = None  # the thread inside it
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None) -> "Engine":
@@ -203,6 +205,9 @@ class Engine:
                arrival: float | None = None, **sampling) -> Generation:
         """Start a request; iterating the returned Generation yields text pieces as they are decoded.
 
+        Safe to call from several threads: the requests take turns on the batch-1 cache (for concurrent requests
+        batched together, use `submit`). Within one thread, finish (or close) a stream before iterating another.
+
         arrival: when the request was received (time.perf_counter), if earlier than this call, e.g. when it
         waited in a queue (runtime/bench.py); the trace's latencies then count from it. Default: now.
         """
@@ -224,6 +229,22 @@ class Engine:
             )
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
+        """One request on the batch-1 cache, which holds one sequence: requests from other threads wait their turn
+        (the wait counts in their TTFT, as queueing); a second stream started in the thread that still iterates
+        one is refused, since interleaving the two would mix their caches."""
+        me = threading.get_ident()
+        if self._batch_one_owner == me:
+            raise RequestError("this thread is still iterating another stream of this engine (one sequence at a time "
+                               "on its batch-1 cache): finish or close that stream first, or use engine.submit / "
+                               "engine.generate([...]) for concurrent requests")
+        with self._batch_one:
+            self._batch_one_owner = me
+            try:
+                return (yield from self._generate(prompt_ids, params, received, tokenize_s))
+            finally:
+                self._batch_one_owner = None
+
+    def _generate(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
         sampler = Sampler(params)
         stop_ids = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
         decoder = self.tokenizer.stream_decoder(params.stop_strings)

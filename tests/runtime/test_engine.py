@@ -1,6 +1,8 @@
 """The onnxruntime engine against the torch canonical decoder (full recompute, no cache) on a tiny model."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -148,3 +150,28 @@ def test_prompt_longer_than_max_context_is_refused(tiny_engine):
 def test_bad_sampling_parameters_are_refused(bad):
     with pytest.raises(RequestError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_requests_from_several_threads_take_turns_on_the_batch_one_cache(tiny_engine):
+    prompts = [[1, 5 + i, 9, 20 + 3 * i] for i in range(4)]
+    alone = [tiny_engine.generate(p, max_new_tokens=12, stop_token_ids=()).token_ids for p in prompts]
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = tiny_engine.generate(prompts[i], max_new_tokens=12, stop_token_ids=()).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == alone
+
+
+def test_interleaving_two_streams_in_one_thread_is_refused(tiny_engine):
+    first = iter(tiny_engine.stream("abc", max_new_tokens=8, stop_token_ids=()))
+    next(first)
+    with pytest.raises(RequestError, match="still iterating another stream"):
+        next(iter(tiny_engine.stream("xyz", max_new_tokens=8, stop_token_ids=())))
+    first.close()  # a stream given up on frees the cache
+    assert tiny_engine.generate("xyz", max_new_tokens=3, stop_token_ids=()).timings.output_tokens == 3
