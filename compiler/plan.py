@@ -174,6 +174,7 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
     export_dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
         recipe.get("export", {}).get("dtype", "float32"), "fp32")
     info = {"kind": "artifact", "path": str(folder), "context": kv.get("max_context"),
+            "backend": manifest.get("backend", {}).get("name", "onnxruntime"),
             # weight quantization decides the precision, not the export dtype
             "dtype": quantized_dtypes(recipe.get("passes", [])).get("dtype", export_dtype),
             "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
@@ -279,7 +280,9 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
             "GPU peaks are dense datasheet figures (not sparsity); fp32 runs at TF32 rate, int8 as W8A8, int4 as "
             "weight-only fp16 matmuls" if gpu else "cpu: measured fp32 onnxruntime MatMul rate for every precision"],
         "warnings": []}
-    if info["kind"] == "artifact" and not gpu and measure:
+    if info["kind"] == "artifact" and not gpu and measure and info["backend"] != "onnxruntime":
+        result["warnings"].append(f"not timed: this artifact's {info['backend']} engines run on a GPU, not on cpu")
+    elif info["kind"] == "artifact" and not gpu and measure:
         result["measured"] = measure_artifact(info, config, dev, context)
         if context > (info.get("context") or context):
             result["warnings"].append(f"measured at the artifact's max context {info['context']}, not {context}")

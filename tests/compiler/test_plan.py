@@ -193,3 +193,17 @@ def test_a_quantized_recipe_defaults_to_its_precisions(tmp_path):
     assert result["weights"] == result["weight_bytes"]["int4"]  # counted from the config: nothing is built
     float_recipe = plan(str(TINY_RECIPE), device="H100")  # no quantize pass: the device's default
     assert float_recipe["inputs"]["precision"] == "fp16" and float_recipe["inputs"]["kv_dtype"] == "fp16"
+
+
+def test_a_tensorrt_artifact_is_planned_on_cpu_but_not_timed(tmp_path, fake_cpu, monkeypatch):
+    manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x", "recipe": {"export": {"dtype": "float16"}},
+                "backend": {"name": "tensorrt"},
+                "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+                                     "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                                     "max_position_embeddings": 256}},
+                "kv_cache": {"max_context": 128, "dtype": "float16"}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(plan_module, "measure_artifact", lambda *args: pytest.fail("a TensorRT artifact was timed"))
+    result = plan(str(tmp_path), device="cpu")
+    assert "measured" not in result and any("tensorrt engines run on a GPU" in w for w in result["warnings"])
+    assert result["inputs"]["precision"] == "fp16" and result["inputs"]["kv_dtype"] == "fp16"
