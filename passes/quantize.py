@@ -348,6 +348,11 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     check_options(options)
     graph = gs.import_onnx(model)
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]  # keep input intact
+    quantized = [n for n in graph.nodes if n.op in ("MatMulNBits", "DequantizeLinear", "GatherBlockQuantized")]
+    if quantized:  # a second run would find no float weight and quietly quantize nothing
+        raise PassError(f"quantize: the graph's weights are already quantized ({len(quantized)} {quantized[0].op} "
+                        f"nodes, e.g. {quantized[0].name}); list quantize once in the recipe and give layers other "
+                        f"bits with `overrides`")
     targets, skipped = find_targets(graph, options)
     calibration = options.calibration if isinstance(options.calibration, CalibrationSet) else None
     needs_data = sorted({t.settings.method for t in targets} - {"rtn"})

@@ -178,6 +178,13 @@ def test_a_block_size_that_does_not_divide_k_is_padded_and_still_exact(bits, low
     assert (layer["note"] or "") == ("K=80 padded to 3 blocks of 32 (the last holds 16 values)" if bits == 4 else "")
 
 
+@pytest.mark.parametrize("lowering", ["matmulnbits", "dequantize_linear"])
+def test_quantizing_a_quantized_graph_again_is_an_error(lowering):
+    once, _ = quantize.run(matmul_model(random_weight()), quantize.Options(bits=4, block_size=32, lowering=lowering))
+    with pytest.raises(PassError, match="already quantized .* list quantize once in the recipe .* `overrides`"):
+        quantize.run(once, quantize.Options(bits=8))
+
+
 def test_an_exclude_pattern_that_matches_nothing_is_an_error():
     with pytest.raises(PassError, match=re.escape("pattern(s) exclude '*lm_head*' match no MatMul")):
         quantize.run(matmul_model(random_weight()), quantize.Options(exclude=("proj", "*lm_head*")))
