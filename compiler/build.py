@@ -26,6 +26,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     if recipe.backend.name == "tensorrt":
         tensorrt_backend.check_recipe(recipe)  # before anything slow
         tensorrt_backend.require_tensorrt()
+    if recipe.backend.name == "onnxruntime":
+        onnxruntime_backend.check_recipe(recipe)  # before anything slow
     if recipe.backend.name == "onnxruntime" and recipe.export.dtype != "float32":
         raise BuildError(f"export.dtype: {recipe.export.dtype!r} with backend onnxruntime: its CPU runtime keeps a "
                          f"float32 KV cache; use float32 (float16/bfloat16 are for backend tensorrt)")

@@ -13,6 +13,8 @@ import onnx
 from onnx import numpy_helper
 
 
+from compiler.errors import BuildError
+
 WEIGHTS_FILE = "weights.bin"
 INLINE_LIMIT_BYTES = 1024  # tensors smaller than this stay in the .onnx file
 ALIGNMENT = 4096  # page-aligned offsets let onnxruntime map weights instead of copying them
@@ -59,6 +61,38 @@ def _dims(value_info: onnx.ValueInfoProto) -> list:
     return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
 
 
+RUNNABLE_DOMAINS = ("", "ai.onnx", "com.microsoft")  # the ops onnxruntime's CPU provider has kernels for
+LOWERINGS = ("lower_onnxruntime", "lower_onnx_attention")  # FlashAttention -> ops onnxruntime runs
+
+
+def check_recipe(recipe) -> None:
+    """Pass orders that would build a graph onnxruntime cannot load, refused before the slow export."""
+    names = [spec.name for spec in recipe.passes]
+    if "lower_tensorrt" in names:
+        raise BuildError(f"passes[{names.index('lower_tensorrt')}]: lower_tensorrt emits TensorRT plugin nodes, which "
+                         f"onnxruntime cannot run; use lower_onnxruntime for backend onnxruntime")
+    if "fuse_attention" in names:
+        last_fusion = len(names) - 1 - names[::-1].index("fuse_attention")
+        if not any(name in LOWERINGS for name in names[last_fusion + 1:]):
+            raise BuildError(f"passes[{last_fusion}]: fuse_attention leaves aotlm.FlashAttention nodes, which "
+                             f"onnxruntime cannot run; add lower_onnxruntime after it")
+    if "quantize_kv_cache" in names:
+        index = names.index("quantize_kv_cache")
+        if "lower_onnxruntime" not in names[:index]:
+            raise BuildError(f"passes[{index}]: quantize_kv_cache rewrites onnxruntime's GroupQueryAttention; list it "
+                             f"after fuse_attention and lower_onnxruntime")
+
+
+def check_runnable(graphs: dict[str, onnx.ModelProto]) -> None:
+    """Every node in an op set onnxruntime implements: the last check before writing, whatever the passes did."""
+    for phase, model in graphs.items():
+        for node in model.graph.node:
+            if node.domain not in RUNNABLE_DOMAINS:
+                hint = "; lower it with lower_onnxruntime" if node.op_type == "FlashAttention" else ""
+                raise BuildError(f"{phase} graph: node {node.name or node.op_type} is {node.domain}.{node.op_type}, "
+                                 f"which onnxruntime cannot run{hint}")
+
+
 def io_spec(model: onnx.ModelProto, aliases: dict[str, str]) -> dict:
     dtype = lambda v: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name  # noqa: E731
     return {
@@ -73,6 +107,7 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, backend_spec
     """Write <phase>.onnx + weights.bin into folder; returns the manifest's engines and backend sections."""
     import onnxruntime
 
+    check_runnable(graphs)
     weight_bytes = _externalize(graphs, folder / WEIGHTS_FILE)
     engines = {}
     for phase, model in graphs.items():

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import onnx
 import pytest
 
 from compiler import build as build_module
+from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.cli import main
 from compiler.errors import BuildError
+from tests.conftest import TINY_RECIPE
 
 
 def test_missing_model_file_fails_without_artifact(tiny_recipe, tmp_path):
@@ -56,6 +59,31 @@ def test_bad_recipes_get_one_line_errors(capsys, tmp_path, recipe_text, expected
     assert status == 2
     assert expected in output and "Traceback" not in output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("passes, expected", [
+    ("cleanup, fuse_attention", "passes[1]: fuse_attention leaves aotlm.FlashAttention nodes, which onnxruntime "
+                                "cannot run; add lower_onnxruntime after it"),
+    ("cleanup, lower_onnxruntime, fuse_attention", "passes[2]: fuse_attention leaves aotlm.FlashAttention nodes"),
+    ("cleanup, fuse_attention, lower_tensorrt", "passes[2]: lower_tensorrt emits TensorRT plugin nodes"),
+    ("cleanup, fuse_attention, quantize_kv_cache, lower_onnxruntime",
+     "passes[2]: quantize_kv_cache rewrites onnxruntime's GroupQueryAttention; list it after"),
+])
+def test_pass_orders_onnxruntime_cannot_run_are_refused_before_the_export(capsys, tmp_path, passes, expected):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(TINY_RECIPE.read_text().split("passes:")[0] + f"passes: [{passes}]\n")
+    status, output = run_cli(capsys, "build", str(path), "--output", str(tmp_path / "out"))
+    assert status == 2 and expected in " ".join(output.split()) and "Traceback" not in output
+    assert "loading the model" not in output and not (tmp_path / "out").exists()
+
+
+def test_a_graph_onnxruntime_cannot_run_is_not_written(tmp_path):
+    node = onnx.helper.make_node("FlashAttention", ["q", "k", "v"], ["y"], name="layer0", domain="aotlm")
+    graph = onnx.helper.make_graph([node], "g", [], [])
+    with pytest.raises(BuildError, match="decode graph: node layer0 is aotlm.FlashAttention, which onnxruntime cannot "
+                                         "run; lower it with lower_onnxruntime"):
+        onnxruntime_backend.write_engines({"decode": onnx.helper.make_model(graph)}, tmp_path, None, {})
+    assert not any(tmp_path.iterdir())
 
 
 def test_unsupported_architecture_is_named(capsys, tmp_path):
