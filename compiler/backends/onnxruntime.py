@@ -12,7 +12,6 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
-
 from compiler.errors import BuildError
 
 WEIGHTS_FILE = "weights.bin"
