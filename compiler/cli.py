@@ -211,6 +211,13 @@ def _bench(args) -> None:
         wide.print(table)
     if len(runs) > 1:
         wide.print(bench.compare_table(result))
+    if baselines:  # a quantized artifact against float peers: say so beside the numbers
+        from compiler.plan import quantized_dtypes
+
+        built = quantized_dtypes(manifest.get("recipe", {}).get("passes", []))
+        wide.print(f"[dim]{', '.join(baselines)}: float32 weights and cache, from the artifact's model source; "
+                   f"{name}: {built.get('dtype', 'float32')} weights, {built.get('kv_dtype', 'float32')} cache[/dim]",
+                   highlight=False)
     try:
         written = bench.write_outputs(result, Path(args.out or f"benchmarks/results/bench-{name}.json"))
     except bench.BenchError as error:  # no matplotlib: the JSON is written, the plots are not
