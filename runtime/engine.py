@@ -111,6 +111,14 @@ class GenerationResult:
     timings: Timings | None  # None only for a request cancelled before its first token
 
 
+def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
+    """[batch, vocab]: each row's logits at its last prompt token. A prefill graph returns just those ("last", the
+    default) or every position's, [batch, sequence, vocab] (a recipe's export.prefill_logits: all)."""
+    if logits.ndim == 2:
+        return logits
+    return logits[np.arange(len(lengths)), np.asarray(lengths) - 1]
+
+
 class Generation:
     """Iterate to receive text pieces as tokens arrive; `.result` is set once iteration ends."""
 
@@ -259,7 +267,7 @@ class Engine:
         output: list[int] = []
         token_times: list[float] = []
         finish_reason = "length"
-        token = sampler(logits[0])
+        token = sampler(last_token_logits(logits, [length])[0])
         while True:
             token_times.append(time.perf_counter())  # absolute; the trace derives the rest
             if token in stop_ids:

@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from runtime.engine import GenerationResult, Timings
+from runtime.engine import GenerationResult, Timings, last_token_logits
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
 from runtime.sampling import Sampler, SamplingParams
@@ -251,8 +251,8 @@ class Scheduler:
                 rows = (sequence.slot, sequence.slot + 1)
                 if sequence.prefill_start is None:
                     sequence.prefill_start = time.perf_counter()
-                if start == 0:  # the prefill graph (no past) returns the last position's logits: [1, vocab]
-                    logits = self.cache.run("prefill", rows, ids, positions, mask)[0]
+                if start == 0:  # the prefill graph (no past): the last position's logits
+                    logits = last_token_logits(self.cache.run("prefill", rows, ids, positions, mask), [count])[0]
                 else:  # a chunk after a past: the decode graph at batch 1, logits [1, count, vocab]
                     logits = self.cache.run("decode", rows, ids, positions, mask)[0, -1]
                 sequence.prefilled += count
@@ -285,7 +285,8 @@ class Scheduler:
             positions = np.tile(np.arange(width, dtype=np.int64), (len(run), 1))
             mask = (positions < lengths[:, None]).astype(np.int64)  # right padded
             started = time.perf_counter()
-            logits = self.cache.run("prefill", (run[0].slot, run[-1].slot + 1), ids, positions, mask)  # [B, vocab]
+            logits = last_token_logits(self.cache.run("prefill", (run[0].slot, run[-1].slot + 1), ids, positions, mask),
+                                       lengths)  # [B, vocab]
             ended = time.perf_counter()
             for row, sequence in enumerate(run):
                 sequence.prefill_start, sequence.prefill_end = started, ended

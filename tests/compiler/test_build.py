@@ -149,3 +149,23 @@ def test_every_attention_lowering_generates_the_same_tokens(tiny_recipe, tiny_ar
         tokens = {name: engine.generate(prompt, max_new_tokens=20, stop_token_ids=()).token_ids
                   for name, engine in engines.items()}
         assert tokens["default"] == tokens["unfused"] == tokens["onnx-attention"], tokens
+
+
+def test_an_artifact_whose_prefill_returns_every_position_generates_the_same_tokens(tiny_recipe, tiny_artifact,
+                                                                                    tmp_path):
+    """export.prefill_logits: all gives [batch, sequence, vocab]; the runtime samples each row's last prompt token
+    (it sampled from the flattened rows and fed an out-of-range token id to the decode graph)."""
+    from runtime import Engine
+
+    recipe = dataclasses.replace(tiny_recipe, name="tiny-all-logits",
+                                 export=dataclasses.replace(tiny_recipe.export, prefill_logits="all"))
+    every, last = Engine.load(build_module.build(recipe, tmp_path)), Engine.load(tiny_artifact)
+    assert every.manifest["engines"]["prefill"]["outputs"][0]["shape"] == ["batch", "sequence", 512]
+    prompts = [[1, 17, 300, 42, 9], [1, 5, 6], [1, 7, 8, 9, 10, 11, 12]]  # one right-padded prefill batch of 3
+    alone = every.generate(prompts[0], max_new_tokens=6, stop_token_ids=())
+    assert alone.token_ids == last.generate(prompts[0], max_new_tokens=6, stop_token_ids=()).token_ids
+    batched = every.generate(prompts, max_new_tokens=6, stop_token_ids=())
+    assert [r.token_ids for r in batched] == [r.token_ids for r in last.generate(prompts, max_new_tokens=6,
+                                                                                  stop_token_ids=())]
+    every.close()
+    last.close()
