@@ -43,7 +43,7 @@ class StreamDecoder:
         self.prefix_offset = 0  # start of the window re-decoded for context (spaces depend on it)
         self.read_offset = 0  # tokens before this were already decoded into `text`
         self.stop_strings = tuple(stop for stop in stop_strings if stop)
-        self.text = ""  # all decoded text
+        self.text = ""  # all decoded text, kept only to look for stop strings
         self.emitted = 0  # text[:emitted] was returned; no stop string starts before it
         self.stopped = False
 
@@ -52,9 +52,13 @@ class StreamDecoder:
         self.tokens.append(token_id)
         prefix = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.tokens[self.prefix_offset :])
+        piece = ""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            self.text += full[len(prefix) :]
+            piece = full[len(prefix) :]
+        if not self.stop_strings:  # nothing to hold back: the decode loop keeps no copy of the text
+            return piece
+        self.text += piece
         return self._release()
 
     def finish(self) -> str:
