@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 backend, size = Aotlm(artifacts[name], args.threads), folder_bytes(artifacts[name])
                 from runtime.evaluate import decode_logits_for
-                logits_for = decode_logits_for(backend.engine.backend)
+                logits_for = decode_logits_for(backend.engine)
             timing = measure(backend, prompt_ids, args.new_tokens, args.repeats, progress, task)
             accuracy = score(logits_for, tokens, spans, reference_argmax)
             if name == "fp32":

@@ -283,7 +283,7 @@ def _score(args, candidate: _ArtifactInfo, reference: _ArtifactInfo | None, toke
     from runtime.evaluate import decode_logits_for, evaluate, window_spans
 
     def load(scored: _ArtifactInfo):
-        return decode_logits_for(Engine.load(scored.path, intra_op_threads=args.threads).backend)
+        return decode_logits_for(Engine.load(scored.path, intra_op_threads=args.threads))
 
     model = load(candidate)
     reference_logits = load(reference) if reference is not None else None

@@ -15,6 +15,7 @@ scheduler (runtime/scheduler.py: continuous batching over a slot-based KV cache)
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -237,9 +238,17 @@ class Engine:
             )
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
-        """One request on the batch-1 cache, which holds one sequence: requests from other threads wait their turn
-        (the wait counts in their TTFT, as queueing); a second stream started in the thread that still iterates
-        one is refused, since interleaving the two would mix their caches."""
+        """One request on the batch-1 cache (see `batch_one`); waiting for it counts in the TTFT, as queueing."""
+        with self.batch_one():
+            return (yield from self._generate(prompt_ids, params, received, tokenize_s))
+
+    @contextlib.contextmanager
+    def batch_one(self) -> Iterator:
+        """Hold the batch-1 cache, which holds one sequence; yields the backend.
+
+        `stream`, `generate(prompt)` and runtime.evaluate.decode_logits_for(engine) run inside it: requests from
+        other threads wait their turn, and a second use started in the thread that still iterates a stream is
+        refused, since interleaving the two would mix their caches. The scheduler's slot cache is separate."""
         me = threading.get_ident()
         if self._batch_one_owner == me:
             raise RequestError("this thread is still iterating another stream of this engine (one sequence at a time "
@@ -248,7 +257,7 @@ class Engine:
         with self._batch_one:
             self._batch_one_owner = me
             try:
-                return (yield from self._generate(prompt_ids, params, received, tokenize_s))
+                yield self.backend
             finally:
                 self._batch_one_owner = None
 

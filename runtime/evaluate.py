@@ -3,8 +3,8 @@
     engine = Engine.load("artifacts/smollm2-135m-int4")
     reference = Engine.load("artifacts/smollm2-135m")
     tokens = np.array(encode_text(engine.tokenizer, builtin_text("pydoc-held-out"))[:4096])
-    result = evaluate(tokens, decode_logits_for(engine.backend), window=512, stride=256,
-                      reference_logits_for=decode_logits_for(reference.backend))
+    result = evaluate(tokens, decode_logits_for(engine), window=512, stride=256,
+                      reference_logits_for=decode_logits_for(reference))
     result.perplexity, result.top1_agreement, result.mean_kl
 
 Texts longer than the model's context are scored with sliding windows, as in Hugging Face's perplexity guide
@@ -17,6 +17,7 @@ calibration part (for the compiler's quantization) and a held-out part (for eval
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -189,12 +190,16 @@ def _checked(logits: np.ndarray, length: int) -> np.ndarray:
 
 
 # -- an artifact as a logits function -----------------------------------------------------------------------
-def decode_logits_for(backend) -> LogitsFor:
+def decode_logits_for(source) -> LogitsFor:
     """Logits for every position of a chunk, run through the decode graph as a fresh sequence.
 
     Batch 1, positions 0..n-1, attention mask of ones [1, n]: the graph attends only to the n new tokens, so
-    whatever the cache held before is ignored (and overwritten). `backend` is an OnnxRuntimeBackend.
+    whatever the cache held before is ignored (and overwritten). `source` is an Engine, whose batch-1 cache each
+    chunk then holds as a request would (other threads' generate/stream wait), or a bare OnnxRuntimeBackend that
+    nothing else runs on.
     """
+    hold = getattr(source, "batch_one", None)
+    backend = source.backend if hold is not None else source
     max_context = backend.kv_spec["max_context"]
 
     def logits_for(token_ids: np.ndarray) -> np.ndarray:
@@ -202,11 +207,12 @@ def decode_logits_for(backend) -> LogitsFor:
         if not 1 <= length <= max_context:
             raise EvaluationError(f"a chunk of {length} tokens does not fit this artifact's max context "
                                   f"({max_context}); use a window of at most {max_context}")
-        backend.allocate_cache(batch=1)  # a no-op when batch 1 is bound already; run() rebinds the logits
         input_ids = np.asarray(token_ids, dtype=np.int64)[None]  # [1, n]
         positions = np.arange(length, dtype=np.int64)[None]  # [1, n]
         mask = np.ones((1, length), dtype=np.int64)  # [1, total = n]: nothing cached counts
-        logits = backend.run("decode", input_ids, positions, mask)  # [1, n, vocab]
-        return np.asarray(logits[0], dtype=np.float32)
+        with hold() if hold is not None else contextlib.nullcontext():
+            backend.allocate_cache(batch=1)  # a no-op when batch 1 is bound already; run() rebinds the logits
+            logits = backend.run("decode", input_ids, positions, mask)  # [1, n, vocab]
+            return np.asarray(logits[0], dtype=np.float32)
 
     return logits_for

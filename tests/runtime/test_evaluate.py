@@ -248,3 +248,29 @@ def test_cli_compare_errors(tiny_artifact, text_file, tmp_path, capsys):
     assert "have different tokenizers" in one_line_error(capsys)
     assert cli.main(["compare", str(tiny_artifact), str(tmp_path), "--text", str(text_file)]) == 2
     assert "not an artifact" in one_line_error(capsys)
+
+
+def test_evaluating_an_engine_takes_turns_with_its_generations(tiny_engine, tokens):
+    """decode_logits_for(engine) holds the engine's batch-1 cache per chunk: a generation in another thread
+    neither sees the evaluation's keys in its cache nor writes into the evaluation's."""
+    import threading
+
+    prompt = [int(t) for t in tokens[:20]]
+    alone_tokens = tiny_engine.generate(prompt, max_new_tokens=24).token_ids
+    alone = evaluate(tokens[:240], decode_logits_for(tiny_engine), window=48, stride=24)
+    generated, errors = [], []
+
+    def generate_repeatedly():
+        try:
+            for _ in range(6):
+                generated.append(tiny_engine.generate(prompt, max_new_tokens=24).token_ids)
+        except Exception as error:  # pragma: no cover - reported by the assertion below
+            errors.append(error)
+
+    thread = threading.Thread(target=generate_repeatedly)
+    thread.start()
+    together = [evaluate(tokens[:240], decode_logits_for(tiny_engine), window=48, stride=24) for _ in range(3)]
+    thread.join()
+    assert not errors
+    assert generated == [alone_tokens] * 6
+    assert [result.perplexity for result in together] == [alone.perplexity] * 3
