@@ -350,31 +350,32 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
         return time.perf_counter() - started, tokens.reshape(batch, 1).astype(np.int64)
 
     rows = []
-    backend.allocate_cache(batch=batch)
-    try:
-        for size in sizes:
-            prompt = np.array([prompt_ids[:size]] * batch, dtype=np.int64)
-            if phase == "prefill":
-                times = [run("prefill", prompt, 0)[0] for _ in range(runs + 1)][1:]
+    with engine.batch_one():  # the engine's own cache: its generate/stream calls wait meanwhile
+        backend.allocate_cache(batch=batch)
+        try:
+            for size in sizes:
+                prompt = np.array([prompt_ids[:size]] * batch, dtype=np.int64)
+                if phase == "prefill":
+                    times = [run("prefill", prompt, 0)[0] for _ in range(runs + 1)][1:]
+                    seconds = float(np.median(times))
+                    flops = flops_for(size) * batch / seconds
+                    rows.append({"prompt_tokens": size, "batch": batch, "median_ms": 1e3 * seconds,
+                                 "tokens_per_s": size * batch / seconds, "flops_per_s": flops,
+                                 "fraction_of_peak": flops / peaks["flops"], "runs_ms": [1e3 * t for t in times]})
+                    continue
+                _, tokens = run("prefill", prompt, 0)
+                times = []
+                for step in range(warmup + steps):
+                    elapsed, tokens = run("decode", tokens, size + step)
+                    times += [elapsed] if step >= warmup else []
                 seconds = float(np.median(times))
-                flops = flops_for(size) * batch / seconds
-                rows.append({"prompt_tokens": size, "batch": batch, "median_ms": 1e3 * seconds,
-                             "tokens_per_s": size * batch / seconds, "flops_per_s": flops,
-                             "fraction_of_peak": flops / peaks["flops"], "runs_ms": [1e3 * t for t in times]})
-                continue
-            _, tokens = run("prefill", prompt, 0)
-            times = []
-            for step in range(warmup + steps):
-                elapsed, tokens = run("decode", tokens, size + step)
-                times += [elapsed] if step >= warmup else []
-            seconds = float(np.median(times))
-            moved = manifest["backend"]["weights"]["bytes"] + manifest["kv_cache"]["bytes_per_token"] * size * batch
-            rows.append({"context": size, "batch": batch, "median_ms": 1e3 * seconds,
-                         "p90_ms": 1e3 * float(np.percentile(times, 90)), "tokens_per_s": batch / seconds,
-                         "bytes_per_step": moved, "bytes_per_s": moved / seconds,
-                         "fraction_of_peak": moved / seconds / peaks["bandwidth"], "steps_ms": [1e3 * t for t in times]})
-    finally:
-        backend.allocate_cache(batch=1)  # the engine's own requests run at batch 1
+                moved = manifest["backend"]["weights"]["bytes"] + manifest["kv_cache"]["bytes_per_token"] * size * batch
+                rows.append({"context": size, "batch": batch, "median_ms": 1e3 * seconds,
+                             "p90_ms": 1e3 * float(np.percentile(times, 90)), "tokens_per_s": batch / seconds,
+                             "bytes_per_step": moved, "bytes_per_s": moved / seconds,
+                             "fraction_of_peak": moved / seconds / peaks["bandwidth"], "steps_ms": [1e3 * t for t in times]})
+        finally:
+            backend.allocate_cache(batch=1)  # the engine's own requests run at batch 1
     return rows
 
 

@@ -27,8 +27,8 @@ import numpy as np
 from runtime.errors import ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
-from runtime.sampling import Sampler, SamplingParams
-from runtime.tokenizer import TextTokenizer
+from runtime.sampling import Sampler, SamplingParams, sampling_params
+from runtime.tokenizer import TextTokenizer, cut_at_stop
 
 if TYPE_CHECKING:
     from runtime.scheduler import RequestHandle, Scheduler
@@ -121,14 +121,26 @@ def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
 
 
 class Generation:
-    """Iterate to receive text pieces as tokens arrive; `.result` is set once iteration ends."""
+    """Iterate to receive text pieces as tokens arrive; `.result` is set once iteration ends.
+
+    Ending a loop over it early (break) closes the request and frees the cache; it then has no result."""
 
     def __init__(self, pieces: Iterator[str]):
         self._pieces = pieces
         self.result: GenerationResult | None = None
+        self._closed = False
 
     def __iter__(self) -> Iterator[str]:
-        self.result = yield from self._pieces
+        if self.result is not None:  # read to the end already: nothing more to yield
+            return
+        if self._closed:
+            raise RequestError("this stream was closed before it finished (a loop over it ended early), so it has "
+                               "no result; iterate it to the end, or call wait(), to get one")
+        try:
+            self.result = yield from self._pieces
+        except GeneratorExit:
+            self._closed = True
+            raise
 
     def wait(self) -> GenerationResult:
         for _ in self:
@@ -181,7 +193,15 @@ class Engine:
         `submit`), each with the same sampling options; returns their results in order.
         """
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], (int, np.integer)):
-            handles = [self.submit(one, params, arrival=arrival, block=True, **sampling) for one in prompt]
+            params = sampling_params(params, sampling)
+            handles = []
+            try:
+                for one in prompt:
+                    handles.append(self.submit(one, params, arrival=arrival, block=True))
+            except BaseException:  # one prompt refused: none of the list runs
+                for handle in handles:
+                    handle.cancel()
+                raise
             return [handle.result() for handle in handles]
         return self.stream(prompt, params, arrival=arrival, **sampling).wait()
 
@@ -220,13 +240,27 @@ class Engine:
         arrival: when the request was received (time.perf_counter), if earlier than this call, e.g. when it
         waited in a queue (runtime/bench.py); the trace's latencies then count from it. Default: now.
         """
-        params = params or SamplingParams(**sampling)
+        params = sampling_params(params, sampling)
         started = time.perf_counter()
         received = started if arrival is None else min(arrival, started)
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        prompt_ids = self.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids)
         return Generation(self._run(prompt_ids, params, received, tokenize_s))
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids: a string is tokenized, ids are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        vocab = self.manifest["model"]["config"]["vocab_size"]
+        try:
+            ids = [int(token) for token in prompt]
+        except (TypeError, ValueError):
+            raise RequestError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+        bad = next((token for token in ids if not 0 <= token < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside this model's vocabulary (0..{vocab - 1})")
+        return ids
 
     def _check_fits(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -301,9 +335,7 @@ class Engine:
         tail = decoder.finish()  # text held back in case it began a stop string
         if tail:
             yield tail
-        text = self.tokenizer.decode(output)
-        for stop in params.stop_strings:  # the text ends before a stop string, as in vLLM and OpenAI's API
-            text = text.split(stop, 1)[0]
+        text = cut_at_stop(self.tokenizer.decode(output), params.stop_strings)  # as streamed
         trace = RequestTrace(
             arrival=received, prefill_start=prefill_start, first_token=token_times[0], token_times=token_times,
             finish=time.perf_counter(), prompt_tokens=len(prompt_ids), output_tokens=len(token_times),

@@ -20,18 +20,54 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens: {self.max_new_tokens} must be at least 1")
-        if self.temperature < 0:
-            raise RequestError(f"temperature: {self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise RequestError(f"top_k: {self.top_k} must be >= 0 (0 = no limit)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p: {self.top_p} must be in (0, 1]")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens: {self.max_new_tokens!r} must be an integer >= 1")
+        if not _is_real(self.temperature) or not self.temperature >= 0:  # `not >=` also refuses NaN
+            raise RequestError(f"temperature: {self.temperature!r} must be a number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise RequestError(f"top_k: {self.top_k!r} must be an integer >= 0 (0 = no limit)")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p: {self.top_p!r} must be a number in (0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise RequestError(f"seed: {self.seed!r} must be an integer or None")
+        # A bare string is one stop string, as in vLLM's and OpenAI's `stop` (not a tuple of its characters).
+        stops = (self.stop_strings,) if isinstance(self.stop_strings, str) else self.stop_strings
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(stop, str) for stop in stops):
+            raise RequestError(f"stop_strings: {self.stop_strings!r} must be a string or a list of strings")
+        if any(not stop for stop in stops):
+            raise RequestError("stop_strings: an empty string would stop before any text; remove it")
+        object.__setattr__(self, "stop_strings", tuple(stops))
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if not isinstance(ids, (list, tuple, set, frozenset)) or not all(_is_int(i) for i in ids):
+                raise RequestError(f"stop_token_ids: {ids!r} must be a list of token ids, or None for the model's "
+                                   f"end-of-sequence tokens")
+            object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sampling_params(params: SamplingParams | None, keywords: dict) -> SamplingParams:
+    """A request's sampling options, given as `params` or as keywords (not both: one would be silently ignored)."""
+    if params is not None and keywords:
+        raise RequestError(f"pass sampling options either as params or as keywords, not both "
+                           f"(got params and {', '.join(sorted(keywords))})")
+    if params is not None and not isinstance(params, SamplingParams):
+        raise RequestError(f"params: expected a SamplingParams, got {type(params).__name__}")
+    try:
+        return params or SamplingParams(**keywords)
+    except TypeError as error:  # an unknown keyword
+        raise RequestError(f"{error}; sampling options are {', '.join(SamplingParams.__dataclass_fields__)}") from None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 class Sampler:
@@ -45,11 +81,14 @@ class Sampler:
         """logits: [vocab] float32 -> token id."""
         if self.params.greedy:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / self.params.temperature
+        # Shift before dividing: the largest logit becomes 0, so a tiny temperature gives -inf elsewhere, not inf - inf.
+        logits = logits.astype(np.float64)
+        with np.errstate(over="ignore"):
+            scaled = (logits - logits.max()) / self.params.temperature
         if 0 < self.params.top_k < scaled.size:
             kth_largest = np.partition(scaled, -self.params.top_k)[-self.params.top_k]
             scaled = np.where(scaled < kth_largest, -np.inf, scaled)
-        probs = np.exp(scaled - scaled.max())
+        probs = np.exp(scaled)
         probs /= probs.sum()
         if self.params.top_p < 1.0:
             order = np.argsort(-probs)

@@ -40,8 +40,8 @@ import numpy as np
 from runtime.engine import GenerationResult, Timings, last_token_logits
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
-from runtime.sampling import Sampler, SamplingParams
-from runtime.tokenizer import StreamDecoder
+from runtime.sampling import Sampler, SamplingParams, _is_int, sampling_params
+from runtime.tokenizer import StreamDecoder, cut_at_stop
 
 BATCHING = ("continuous", "static")
 _END = object()  # the last item of a handle's piece queue
@@ -65,6 +65,7 @@ class RequestHandle:
     def __iter__(self) -> Iterator[str]:
         while (piece := self._pieces.get()) is not _END:
             yield piece
+        self._pieces.put(_END)  # a later iteration ends at once instead of waiting forever
         self._future.result()  # raises the request's error, if it failed
 
     def result(self, timeout: float | None = None) -> GenerationResult:
@@ -122,8 +123,8 @@ class Scheduler:
         if batching not in BATCHING:
             raise RequestError(f"batching: {batching!r} is not one of {', '.join(BATCHING)}")
         for name, value in (("slots", slots), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
-            if value is not None and value < 1:
-                raise RequestError(f"{name}: {value} must be >= 1")
+            if value is not None and (not _is_int(value) or value < 1):
+                raise RequestError(f"{name}: {value!r} must be an integer >= 1")
         self.engine = engine
         self.slots, self.batching, self.max_queue, self.prefill_chunk = slots, batching, max_queue, prefill_chunk
         self.idle_exit_s = idle_exit_s
@@ -139,10 +140,10 @@ class Scheduler:
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                arrival: float | None = None, block: bool = False, **sampling) -> RequestHandle:
         """Queue a request; returns its handle at once. block=True waits for room instead of refusing."""
-        params = params or SamplingParams(**sampling)
+        params = sampling_params(params, sampling)
         started = time.perf_counter()
         received = started if arrival is None else min(arrival, started)
-        prompt_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        prompt_ids = self.engine.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids, params)
         stop_ids = self.engine.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
@@ -150,7 +151,7 @@ class Scheduler:
                              frozenset(stop_ids), self.engine.tokenizer.stream_decoder(params.stop_strings), received,
                              tokenize_s)
         with self._lock:
-            while not self._closed and len(self._waiting) >= self.max_queue:
+            while not self._closed and len(self._waiting) >= self.max_queue + self._free_slots():
                 if not block:
                     raise RequestError(f"the request queue is full ({self.max_queue} waiting for {self.slots} busy "
                                        f"slots); retry later, submit with block=True, or raise max_queue")
@@ -164,6 +165,12 @@ class Scheduler:
             self._lock.notify_all()
         return sequence.handle
 
+    def _free_slots(self) -> int:
+        """Slots the next admission can fill (the lock is held): requests for them are not queueing, only waiting for
+        the worker's next iteration. Static batching admits only into an empty cache."""
+        free = sum(sequence is None for sequence in self._running)
+        return free if self.batching == "continuous" or free == self.slots else 0
+
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine._check_fits(prompt_ids)  # empty, or a prompt alone longer than the cache
         needed = len(prompt_ids) + params.max_new_tokens - 1
@@ -175,6 +182,8 @@ class Scheduler:
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._lock:
+            if handle.done():  # finished already: its result stands
+                return
             handle.cancelled = True
             waiting = next((s for s in self._waiting if s.handle is handle), None)
             if waiting is not None:  # never admitted: leaves the queue now, making room
@@ -336,9 +345,16 @@ class Scheduler:
 
     def _finish(self, sequence: _Sequence, reason: str) -> None:
         self._release(sequence)
-        text = self.engine.tokenizer.decode(sequence.output)
-        for stop in sequence.params.stop_strings:  # the text ends before a stop string, as in Engine.stream
-            text = text.split(stop, 1)[0]
+        try:
+            result = self._result(sequence, reason)
+        except Exception as error:  # the slot is free already: the handle must still complete
+            self._fail(sequence, error)
+            return
+        sequence.handle._pieces.put(_END)
+        sequence.handle._future.set_result(result)
+
+    def _result(self, sequence: _Sequence, reason: str) -> GenerationResult:
+        text = cut_at_stop(self.engine.tokenizer.decode(sequence.output), sequence.params.stop_strings)  # as streamed
         timings = None
         if sequence.token_times:
             trace = RequestTrace(
@@ -349,9 +365,7 @@ class Scheduler:
         tail = sequence.decoder.finish()  # text held back in case it began a stop string
         if tail:
             sequence.handle._pieces.put(tail)
-        sequence.handle._pieces.put(_END)
-        sequence.handle._future.set_result(
-            GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings))
+        return GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings)
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         self._release(sequence)

@@ -27,6 +27,12 @@ class TextTokenizer:
         return StreamDecoder(self, stop_strings)
 
 
+def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    """The text before the earliest occurrence of any stop string (vLLM's and OpenAI's rule), as streamed."""
+    starts = [start for start in (text.find(stop) for stop in stop_strings if stop) if start >= 0]
+    return text[: min(starts)] if starts else text
+
+
 class StreamDecoder:
     """Turns tokens arriving one by one into text pieces, holding back incomplete UTF-8 sequences, and with stop
     strings, everything from the first stop string on.
@@ -62,11 +68,22 @@ class StreamDecoder:
         return self._release()
 
     def finish(self) -> str:
-        """The held-back tail, once generation has ended without a stop string ("" after one)."""
+        """The rest of the text once generation has ended without a stop string ("" after one): the tail held back in
+        case it began a stop string, and tokens that end inside a UTF-8 sequence (decoded as U+FFFD, as the
+        result's text has them), so the streamed pieces join to the result's text."""
         if self.stopped:
             return ""
-        tail, self.emitted = self.text[self.emitted :], len(self.text)
-        return tail
+        prefix = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.tokens[self.prefix_offset :])
+        pending = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        if not self.stop_strings:
+            return pending
+        self.text += pending
+        piece = self._release()
+        if not self.stopped:  # nothing more can complete a stop string
+            piece, self.emitted = piece + self.text[self.emitted :], len(self.text)
+        return piece
 
     def _release(self) -> str:
         if self.stopped:

@@ -234,8 +234,9 @@ def test_close_fails_unfinished_requests_and_refuses_new_ones(engine):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(slots=0), "slots: 0 must be >= 1"), (dict(batching="dynamic"), "not one of continuous, static"),
-    (dict(max_queue=0), "max_queue: 0 must be >= 1"), (dict(prefill_chunk=0), "prefill_chunk: 0 must be >= 1"),
+    (dict(slots=0), "slots: 0 must be an integer >= 1"), (dict(batching="dynamic"), "not one of continuous, static"),
+    (dict(max_queue=0), "max_queue: 0 must be an integer >= 1"),
+    (dict(prefill_chunk=0), "prefill_chunk: 0 must be an integer >= 1"), (dict(slots=2.5), "slots: 2.5 must be an integer"),
 ])
 def test_bad_scheduler_options_are_refused(engine, options, message):
     with pytest.raises(RequestError, match=message):

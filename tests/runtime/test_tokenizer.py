@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.tokenizer import StreamDecoder
+from runtime.tokenizer import StreamDecoder, cut_at_stop
 
 
 class PieceTokenizer:
@@ -44,3 +44,39 @@ def test_streamed_text_ends_before_the_first_stop(pieces, stops, given, stopped,
     for stop in (s for s in stops if s):  # the result's rule (runtime/engine.py): cut at each stop string in turn
         text = text.split(stop, 1)[0]
     assert "".join(given) + tail == text
+
+
+class ByteTokenizer:
+    """Token i decodes to pieces[i] as bytes, joined and decoded with U+FFFD for incomplete UTF-8 (byte-level BPE)."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+
+    def decode(self, token_ids: list[int]) -> str:
+        return b"".join(self.pieces[i] for i in token_ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("stops", [(), ("zz",)])
+def test_a_generation_ending_inside_a_character_streams_what_its_result_holds(stops):
+    pieces = [b"h", "é".encode()[:1]]  # the second token ends half-way through a two-byte character
+    tokenizer = ByteTokenizer(pieces)
+    decoder = StreamDecoder(tokenizer, stops)
+    streamed = decoder.push(0) + decoder.push(1)
+    assert streamed == "h"  # the incomplete byte is held back while more tokens may complete it
+    streamed += decoder.finish()
+    assert streamed == tokenizer.decode([0, 1]) == "h\ufffd"
+
+
+@pytest.mark.parametrize("text, stops, expected", [
+    ("abcdef", ("cd", "bcde"), "a"),  # the earliest start wins, whichever stop is listed first
+    ("abcdef", ("zz",), "abcdef"), ("abcdef", (), "abcdef"), ("abcabc", ("bc",), "a"),
+])
+def test_cut_at_stop_ends_before_the_earliest_stop(text, stops, expected):
+    assert cut_at_stop(text, stops) == expected
+
+
+def test_overlapping_stops_cut_the_stream_and_the_result_alike():
+    pieces = list("xyD<|unused_351")
+    stops = ("unused_351", "D<|unu")  # the second starts earlier but is listed later
+    given, stopped, tail = stream(pieces, stops)
+    assert stopped and "".join(given) + tail == cut_at_stop("".join(pieces), stops) == "xy"

@@ -1,0 +1,130 @@
+"""Requests a serving engineer may send by mistake or at an edge, through Engine.stream/generate and the scheduler:
+each is refused with a RequestError that names the problem, or behaves as documented, and never disturbs the
+other requests running beside it. On the tiny artifact."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from runtime import RequestError, SamplingParams
+from runtime.sampling import Sampler
+from runtime.tokenizer import cut_at_stop
+
+PROMPT = [1, 17, 42, 99, 7]
+
+
+@pytest.fixture
+def engine(tiny_engine):
+    yield tiny_engine
+    tiny_engine.close()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(stop_strings=("",)), "an empty string would stop before any text"),
+    (dict(stop_strings=("ok", 3)), "must be a string or a list of strings"),
+    (dict(stop_token_ids=2), "must be a list of token ids"),
+    (dict(top_k=2.5), "top_k: 2.5 must be an integer"),
+    (dict(max_new_tokens=None), "max_new_tokens: None must be an integer"),
+    (dict(max_new_tokens=True), "max_new_tokens: True must be an integer"),
+    (dict(temperature=float("nan")), "temperature: nan must be a number >= 0"),
+    (dict(top_p=float("nan")), r"top_p: nan must be a number in \(0, 1\]"),
+    (dict(seed=1.5), "seed: 1.5 must be an integer or None"),
+    (dict(temprature=0.5), "unexpected keyword argument 'temprature'; sampling options are max_new_tokens"),
+])
+def test_bad_sampling_options_are_refused_before_anything_runs(engine, options, message):
+    with pytest.raises(RequestError, match=message):
+        engine.stream(PROMPT, **options)
+    with pytest.raises(RequestError, match=message):
+        engine.submit(PROMPT, **options)
+    assert engine._scheduler is None or not any(engine._scheduler._running)
+
+
+def test_params_and_keywords_together_are_refused(engine):
+    with pytest.raises(RequestError, match="either as params or as keywords, not both .*max_new_tokens"):
+        engine.generate(PROMPT, SamplingParams(max_new_tokens=3), max_new_tokens=7)
+    with pytest.raises(RequestError, match="not both"):
+        engine.submit(PROMPT, SamplingParams(max_new_tokens=3), max_new_tokens=7)
+
+
+def test_a_bare_stop_string_is_one_stop_string(engine):
+    text = engine.generate(PROMPT, max_new_tokens=24, stop_token_ids=()).text
+    stop = text[6:9]
+    assert SamplingParams(stop_strings=stop).stop_strings == (stop,)
+    assert engine.generate(PROMPT, max_new_tokens=24, stop_token_ids=(), stop_strings=stop).text == text[:text.find(stop)]
+
+
+@pytest.mark.parametrize("prompt, bad", [([5, 100000], 100000), ([5, -1], -1)])
+def test_token_ids_outside_the_vocabulary_are_refused(engine, prompt, bad):
+    vocab = engine.manifest["model"]["config"]["vocab_size"]
+    message = f"prompt token id {bad} is outside this model's vocabulary \\(0..{vocab - 1}\\)"
+    with pytest.raises(RequestError, match=message):
+        engine.generate(prompt, max_new_tokens=2)
+    with pytest.raises(RequestError, match=message):
+        engine.submit(prompt, max_new_tokens=2)
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_nan():
+    logits = np.random.default_rng(0).normal(size=512).astype(np.float32)
+    assert Sampler(SamplingParams(temperature=1e-310, seed=0))(logits) == int(np.argmax(logits))
+
+
+def test_overlapping_stop_strings_cut_result_and_stream_at_the_earliest(engine):
+    text = engine.generate(PROMPT, max_new_tokens=24, stop_token_ids=()).text
+    stops = (text[8:14], text[5:10])  # the second starts first
+    expected = cut_at_stop(text, stops)
+    assert expected == text[:5]
+    generation = engine.stream(PROMPT, max_new_tokens=24, stop_token_ids=(), stop_strings=stops)
+    assert "".join(generation) == generation.result.text == expected
+    handle = engine.submit(PROMPT, max_new_tokens=24, stop_token_ids=(), stop_strings=stops)
+    assert "".join(handle) == handle.result(timeout=60).text == expected
+
+
+def test_a_finished_stream_keeps_its_result_and_a_closed_one_says_it_has_none(engine):
+    generation = engine.stream(PROMPT, max_new_tokens=6)
+    first = generation.wait()
+    assert generation.wait() is first and list(generation) == [] and generation.result is first
+    closed = engine.stream(PROMPT, max_new_tokens=6)
+    for _ in closed:
+        break
+    with pytest.raises(RequestError, match="closed before it finished"):
+        closed.wait()
+    assert engine.generate(PROMPT, max_new_tokens=6).token_ids == first.token_ids  # the cache was freed
+
+
+def test_a_handle_iterated_twice_ends_at_once_the_second_time(engine):
+    handle = engine.submit(PROMPT, max_new_tokens=6, stop_token_ids=())
+    pieces = list(handle)
+    assert "".join(pieces) == handle.result(timeout=60).text
+    assert list(handle) == []
+
+
+def test_cancelling_a_finished_request_changes_nothing(engine):
+    handle = engine.submit(PROMPT, max_new_tokens=4, stop_token_ids=())
+    result = handle.result(timeout=60)
+    handle.cancel()
+    assert not handle.cancelled and handle.result().finish_reason == "length" and result.token_ids
+
+
+def test_a_burst_into_free_slots_is_not_refused_as_a_full_queue(engine):
+    engine.start_scheduler(slots=8, max_queue=2)
+    # Refused only when 8 run and 2 wait, however many the worker has admitted meanwhile.
+    handles = [engine.submit(PROMPT, max_new_tokens=100, stop_token_ids=()) for _ in range(8 + 2)]
+    with pytest.raises(RequestError, match="queue is full"):
+        for _ in range(20):  # none of the 100-token requests finishes while these are submitted
+            handles.append(engine.submit(PROMPT, max_new_tokens=100, stop_token_ids=()))
+    assert {len(handle.result(timeout=120).token_ids) for handle in handles} == {100}
+
+
+def test_a_list_with_one_refused_prompt_runs_none_of_it(engine):
+    engine.start_scheduler(slots=2)
+    too_long = [1] * engine.max_context
+    with pytest.raises(RequestError, match="max context"):
+        engine.generate([PROMPT, too_long], max_new_tokens=40)
+    scheduler = engine._scheduler
+    for _ in range(200):  # the accepted first prompt is cancelled; the worker frees its slot at its next step
+        if not any(scheduler._running) and not scheduler._waiting:
+            break
+        time.sleep(0.01)
+    assert not any(scheduler._running) and not scheduler._waiting
