@@ -34,15 +34,19 @@ def tool_versions(names=TRACKED_TOOLS) -> dict:
 
 @contextlib.contextmanager
 def staged_folder(final_dir: Path):
-    """Yield an empty temporary folder beside final_dir; on success it replaces final_dir atomically."""
+    """Yield an empty temporary folder beside final_dir; on success it replaces final_dir atomically.
+
+    The temporary folder's name carries the builder's process id, so that a later build removes what a killed
+    one (SIGKILL, power loss: no chance to clean up) left behind, and leaves a running one's alone."""
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.partial-", dir=final_dir.parent))
+    remove_abandoned(final_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.partial-{os.getpid()}-", dir=final_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
     try:
         yield staging
         if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
-            retired = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old-", dir=final_dir.parent))
+            retired = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old-{os.getpid()}-", dir=final_dir.parent))
             os.replace(final_dir, retired / final_dir.name)
             os.replace(staging, final_dir)
             shutil.rmtree(retired, ignore_errors=True)
@@ -51,6 +55,28 @@ def staged_folder(final_dir: Path):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def remove_abandoned(final_dir: Path) -> list[Path]:
+    """Remove the temporary folders of earlier builds of final_dir whose process is gone; returns them."""
+    removed = []
+    for kind in ("partial", "old"):
+        for folder in final_dir.parent.glob(f".{final_dir.name}.{kind}-*"):
+            pid = folder.name.removeprefix(f".{final_dir.name}.{kind}-").split("-")[0]
+            if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_manifest(folder: Path, manifest: dict) -> dict:

@@ -9,11 +9,11 @@ from compiler.artifact import staged_folder, tool_versions, write_manifest
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
-from compiler.errors import BuildError
+from compiler.errors import BuildError, check_output_folder
 from compiler.export import cache_dtype, export_graphs, kv_cache_spec
 from compiler.frontend import load_model
 from compiler.frontend.model import build_decoder
-from compiler.pipeline import run_pipeline
+from compiler.pipeline import check_passes, run_pipeline
 from compiler.recipe import Recipe
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -23,6 +23,12 @@ QUANTIZING_PASSES = ("quantize", "quantize_kv_cache")  # the accuracy report com
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:
     """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input."""
     say = progress or (lambda message: None)
+    final_dir = Path(output_root) / recipe.name
+    check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
+    if final_dir.exists() and not final_dir.is_dir():
+        raise BuildError(f"{final_dir} is a file; the artifact is a folder of that name: move the file or change the "
+                         f"recipe's name")
+    check_passes(recipe.passes)
     if recipe.backend.name == "tensorrt":
         tensorrt_backend.check_recipe(recipe)  # before anything slow
         tensorrt_backend.require_tensorrt()
@@ -54,7 +60,6 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     pass_results += more_results
     kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, cache_dtype(graphs, recipe.export.dtype))
 
-    final_dir = Path(output_root) / recipe.name
     with staged_folder(final_dir) as folder:
         say("writing engines")
         aliases = kv_cache["output_aliases_input"]

@@ -6,12 +6,17 @@ would. Bad input exits with status 2 and one line naming the problem; tracebacks
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from compiler.errors import check_output_file
 
 console = Console(stderr=True)  # progress and tables on stderr; generated text alone on stdout
 
@@ -138,6 +143,7 @@ def _bench(args) -> None:
 
     manifest = read_manifest(args.artifact)  # a folder that is not an artifact fails here, in one line
     name, max_context = manifest["name"], manifest["kv_cache"]["max_context"]
+    check_output_file(args.out, "--out")
     threads = args.threads or os.cpu_count()
     text = bench.read_prompt_file(args.prompt_file)
     baselines = bench.check_baselines(args.baseline or [])
@@ -167,7 +173,7 @@ def _bench(args) -> None:
         settings = {"artifact": str(args.artifact), "phase": args.phase, "batch": args.batch, "runs": args.runs,
                     "steps": args.steps, "threads": threads}
         out.write_text(json.dumps({"settings": settings, "params": params, "peaks": peaks, "rows": rows}, indent=2) + "\n")
-        console.print(f"wrote {out}")
+        console.print(f"wrote {escape(str(out))}")
         return
     tokenizer = TextTokenizer(Path(args.artifact) / manifest["tokenizer"]["file"], manifest["tokenizer"].get("bos_token_id"))
     workload = bench.make_workload(
@@ -230,10 +236,11 @@ class _ArtifactInfo:
     """One artifact to evaluate: its folder and manifest, read (cheaply) before any graph is loaded."""
 
     def __init__(self, path: str):
-        from runtime.manifest import read_manifest
+        from runtime.manifest import check_files, read_manifest
 
         self.path = path
         self.manifest = read_manifest(path)  # a folder that is not an artifact fails here, in one line
+        check_files(path, self.manifest)  # a missing or cut file, before any of them is read
         self.name = self.manifest["name"]
         self.max_context = self.manifest["kv_cache"]["max_context"]
         self.bytes = sum(record["bytes"] for record in self.manifest["files"].values())
@@ -301,10 +308,11 @@ def _write_json(path: str | None, payload: dict) -> None:
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(payload, indent=2) + "\n")
-        console.print(f"wrote {out}", highlight=False)
+        console.print(f"wrote {escape(str(out))}", highlight=False)
 
 
 def _eval(args) -> None:
+    check_output_file(args.json, "--json")
     artifact = _ArtifactInfo(args.artifact)
     window, stride = _window_and_stride(args, artifact.max_context)
     token_ids = _evaluation_tokens(args, artifact)
@@ -322,6 +330,7 @@ def _eval(args) -> None:
 def _compare(args) -> None:
     from runtime.evaluate import EvaluationError
 
+    check_output_file(args.json, "--json")
     reference, candidate = _ArtifactInfo(args.reference), _ArtifactInfo(args.candidate)
     if reference.tokenizer_file.read_bytes() != candidate.tokenizer_file.read_bytes():
         raise EvaluationError(f"{args.reference} and {args.candidate} have different tokenizers "
@@ -449,21 +458,37 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it unwinds through the build's cleanup as Ctrl-C does."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     from compiler.errors import BuildError
     from runtime.errors import AotlmRuntimeError
 
     args = parser().parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main_thread else None
+    previous = signal.SIG_DFL if previous is None else previous  # None: a handler set outside Python
     try:
         args.handler(args)
     except (BuildError, AotlmRuntimeError) as error:
-        console.print(f"[red]error:[/red] {error}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)  # user text is not markup
         return 2
+    except _Terminated:
+        console.print("[yellow]terminated[/yellow]")
+        return 143
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")
         return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,6 +24,8 @@ from passes.registry import PASSES, PassEntry
 DUMP_EXTERNAL_DATA_BYTES = 100 << 20
 # onnxruntime contrib ops registered in the default domain (onnxruntime refuses them under com.microsoft).
 RUNTIME_DEFINED_DEFAULT_DOMAIN_OPS = {"SimplifiedLayerNormalization"}
+# Passes that refuse a graph they have already rewritten.
+RUN_ONCE = ("quantize", "quantize_kv_cache")
 
 
 @dataclass
@@ -76,6 +78,22 @@ def run_pipeline(
             graphs[phase] = new_model
             say(f"{spec.name} ({phase}): {seconds:.2f} s, nodes {result.nodes_before} -> {result.nodes_after}")
     return graphs, results
+
+
+def check_passes(passes: Sequence) -> None:
+    """Each pass's options, checked before the slow export (a pass checks what needs no graph in `entry.check`),
+    and passes that must not run twice. Raises BuildError naming the pass's index."""
+    names = [spec.name for spec in passes]
+    for index, spec in enumerate(passes):
+        entry = lookup_pass(spec.name)
+        if spec.name in RUN_ONCE and spec.name in names[:index]:
+            raise BuildError(f"passes[{index}]: {spec.name} is listed twice (the second would find nothing left to do); "
+                             f"use one, with overrides for per-layer settings")
+        if entry.check is not None:
+            try:
+                entry.check(_options_for(spec, entry))
+            except PassError as error:
+                raise BuildError(f"passes[{index}] ({spec.name}): {error}") from None
 
 
 def lookup_pass(name: str) -> PassEntry:

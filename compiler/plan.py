@@ -231,8 +231,8 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     kv_dtype = kv_dtype or info.get("kv_dtype") or ("fp16" if gpu else "fp32")
     if precision not in WEIGHT_BYTES or kv_dtype not in KV_BYTES:
         raise BuildError(f"precision must be one of {', '.join(WEIGHT_BYTES)}; kv dtype one of {', '.join(KV_BYTES)}")
-    context = context or info.get("context") or config.max_position_embeddings
-    prompt = prompt or min(512, context)
+    context = (info.get("context") or config.max_position_embeddings) if context is None else context
+    prompt = min(512, context) if prompt is None else prompt
     if min(context, concurrency, prompt) < 1:
         raise BuildError("--context, --concurrency and --prompt must be at least 1")
     if context > config.max_position_embeddings:  # an error: the decoder has plain RoPE, no context extension

@@ -182,6 +182,17 @@ def cache_shape(past: gs.Variable) -> tuple:
 
 
 def check_options(options: Options) -> None:
+    check_settings(options)
+    if not isinstance(options.calibration, CalibrationSet):
+        raise PassError("calibration: the build resolves the calibration text into tokens before the pass runs; "
+                        "give quantize_kv_cache a calibration section (text, samples, length, seed)")
+
+
+def check_settings(options: Options) -> None:
+    """What the recipe alone decides (the build checks it before the export)."""
+    if options.calibration is None:
+        raise PassError("calibration: quantize_kv_cache sets its scales from calibration text; give it a calibration "
+                        "section (text, samples, length, seed)")
     if options.bits != 8:
         raise PassError(f"bits: {options.bits} is not supported; quantize_kv_cache stores 8-bit codes (onnxruntime's "
                         f"4-bit cache packs two codes per byte, which this runtime's buffers do not)")
@@ -191,9 +202,6 @@ def check_options(options: Options) -> None:
         raise PassError(f"prefill_attention: {options.prefill_attention!r} is not one of float, int8")
     if not options.headroom >= 1.0:
         raise PassError(f"headroom: {options.headroom} must be >= 1 (the scales cover headroom x the calibration peak)")
-    if not isinstance(options.calibration, CalibrationSet):
-        raise PassError("calibration: the build resolves the calibration text into tokens before the pass runs; "
-                        "give quantize_kv_cache a calibration section (text, samples, length, seed)")
 
 
 def calibrate(model: onnx.ModelProto, pasts: list[str], presents: list[str], options: Options) -> tuple[dict, dict]:

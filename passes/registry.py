@@ -17,6 +17,7 @@ class PassEntry:
     run: Callable
     options_type: type
     summary: str
+    check: Callable | None = None  # check(options) raises PassError for options that need no graph to refuse
 
 
 PASSES: dict[str, PassEntry] = {
@@ -38,7 +39,9 @@ PASSES: dict[str, PassEntry] = {
     "fuse_rms_norm": PassEntry(fuse_rms_norm.run, fuse_rms_norm.Options,
                                "RMSNorm (+ residual Add) -> onnxruntime's (Skip)SimplifiedLayerNormalization"),
     "quantize": PassEntry(quantize.run, quantize.Options,
-                          "MatMul weights -> INT4 blocked / INT8 per channel (rtn, awq, gptq) as MatMulNBits or DequantizeLinear"),
+                          "MatMul weights -> INT4 blocked / INT8 per channel (rtn, awq, gptq) as MatMulNBits or DequantizeLinear",
+                          quantize.check_options),
     "quantize_kv_cache": PassEntry(quantize_kv_cache.run, quantize_kv_cache.Options,
-                                   "GroupQueryAttention's KV cache -> int8 with calibrated per-channel scales"),
+                                   "GroupQueryAttention's KV cache -> int8 with calibrated per-channel scales",
+                                   quantize_kv_cache.check_settings),
 }

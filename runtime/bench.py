@@ -338,8 +338,9 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
     for size in sizes:
         if size < 1 or size + extra > limit or size > len(prompt_ids):
             raise BenchError(f"{phase} size {size} (+{extra} steps) does not fit this artifact's max context ({limit})")
-    if batch < 1:
-        raise BenchError(f"--batch must be >= 1, got {batch}")
+    for flag, value in (("--batch", batch), ("--runs", runs), ("--steps", steps)):
+        if value < 1:
+            raise BenchError(f"{flag} must be >= 1, got {value}")
     mask = np.ones((batch, limit), dtype=np.int64)
 
     def run(graph: str, ids: np.ndarray, start: int) -> tuple[float, np.ndarray]:  # -> seconds, next tokens

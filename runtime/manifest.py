@@ -23,6 +23,11 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+# What every reader of a manifest relies on; a manifest without one of them was edited or cut short.
+REQUIRED_SECTIONS = {"name": str, "model": dict, "tokenizer": dict, "kv_cache": dict, "engines": dict,
+                     "backend": dict, "files": dict}
+
+
 def read_manifest(artifact_dir: str | Path) -> dict:
     """Load manifest.json and check its format and version; raises ArtifactError."""
     folder = Path(artifact_dir)
@@ -43,6 +48,10 @@ def read_manifest(artifact_dir: str | Path) -> dict:
             f"{path}: artifact format version {version!r}, but this runtime reads version {FORMAT_VERSION}; "
             f"rebuild it with this aotlm (`aotlm build RECIPE`) or use the aotlm that built it"
         )
+    missing = [key for key, kind in REQUIRED_SECTIONS.items() if not isinstance(manifest.get(key), kind)]
+    if missing:
+        raise ArtifactError(f"{path}: the manifest lacks {', '.join(missing)} (or has the wrong type); the file was "
+                            f"edited or cut short: rebuild the artifact")
     return manifest
 
 

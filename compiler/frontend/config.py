@@ -27,6 +27,14 @@ class DecoderConfig:
     architecture: str = "llama"
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.head_dim % 2:  # rotary embedding turns pairs of channels
+            raise ValueError(f"head_dim: {self.head_dim} must be even (rotary embedding rotates pairs of channels)")
+        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
+            raise ValueError(f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must be > 0")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 

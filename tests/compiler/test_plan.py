@@ -109,7 +109,8 @@ def test_artifact_manifest_and_cpu_measurement_wiring(tmp_path, fake_cpu, monkey
                 "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
                                      "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
                                      "max_position_embeddings": 256}},
-                "kv_cache": {"max_context": 128, "dtype": "float32"}}
+                "kv_cache": {"max_context": 128, "dtype": "float32"},
+                "tokenizer": {}, "engines": {}, "backend": {"name": "onnxruntime"}, "files": {}}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     gpu = plan(str(tmp_path), device="A100")
     assert gpu["model"]["source"]["kind"] == "artifact" and gpu["inputs"]["context"] == 128
@@ -167,7 +168,7 @@ def test_a_quantized_artifact_is_planned_as_built(tmp_path, fake_cpu, monkeypatc
                 "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
                                      "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
                                      "max_position_embeddings": 256}},
-                "backend": {"weights": {"file": "weights.bin", "bytes": 40_000}},
+                "backend": {"weights": {"file": "weights.bin", "bytes": 40_000}}, "tokenizer": {}, "engines": {}, "files": {},
                 "kv_cache": {"max_context": 128, "dtype": "int8"}}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.setattr(plan_module, "measure_artifact", lambda info, config, dev, context: {
@@ -197,7 +198,7 @@ def test_a_quantized_recipe_defaults_to_its_precisions(tmp_path):
 
 def test_a_tensorrt_artifact_is_planned_on_cpu_but_not_timed(tmp_path, fake_cpu, monkeypatch):
     manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x", "recipe": {"export": {"dtype": "float16"}},
-                "backend": {"name": "tensorrt"},
+                "backend": {"name": "tensorrt"}, "tokenizer": {}, "engines": {}, "files": {},
                 "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
                                      "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
                                      "max_position_embeddings": 256}},

@@ -142,6 +142,12 @@ def test_generation_stops_at_max_context(tiny_engine):
 def test_prompt_longer_than_max_context_is_refused(tiny_engine):
     with pytest.raises(RequestError, match="max context is 128"):
         tiny_engine.generate([5] * 200)
+    with pytest.raises(RequestError, match="the prompt has 129 tokens, but this artifact's max context is 128"):
+        tiny_engine.generate([5] * 129)
+    full = tiny_engine.generate([5] * 128, max_new_tokens=4, stop_token_ids=())  # fills the cache: one token
+    assert len(full.token_ids) == 1 and full.finish_reason == "max_context"
+    assert tiny_engine.submit([5] * 128, max_new_tokens=1, stop_token_ids=()).result(timeout=60).token_ids == full.token_ids
+    tiny_engine.close()
     with pytest.raises(RequestError, match="empty"):
         tiny_engine.generate([])
 

@@ -244,6 +244,9 @@ def test_cli_compare_errors(tiny_artifact, text_file, tmp_path, capsys):
     assert "no such file" in one_line_error(capsys)
     other = shutil.copytree(tiny_artifact, tmp_path / "other")
     (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
+    manifest = json.loads((other / "manifest.json").read_text())  # a consistent artifact with another tokenizer
+    manifest["files"]["tokenizer.json"]["bytes"] += 1
+    (other / "manifest.json").write_text(json.dumps(manifest))
     assert cli.main(["compare", str(tiny_artifact), str(other), "--text", str(text_file)]) == 2
     assert "have different tokenizers" in one_line_error(capsys)
     assert cli.main(["compare", str(tiny_artifact), str(tmp_path), "--text", str(text_file)]) == 2

@@ -1,0 +1,168 @@
+"""Bad command-line input fails fast with one `error:` line (status 2), before any slow work, and leaves nothing
+half-written: user text is printed as it is, recipe values are range-checked, damaged artifacts are named,
+output paths are checked before the work they would receive."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from compiler import cli
+from compiler.artifact import staged_folder
+from compiler.cli import main
+
+TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-random.yaml"
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    monkeypatch.setattr(cli.console, "width", 10_000)  # no wrapping inside the messages compared below
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    status = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
+
+
+def tiny_recipe(tmp_path: Path, old: str = "", new: str = "", name: str = "tiny.yaml") -> Path:
+    text = TINY.read_text()
+    assert old in text
+    path = tmp_path / name
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+def test_user_text_in_an_error_is_printed_as_given(capsys, tmp_path):
+    for given in ("[/x]", "models[bold]"):
+        status, output = run_cli(capsys, "inspect", tmp_path / given)
+        assert status == 2 and given in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("num_kv_heads: 2", "num_kv_heads: 0", "num_kv_heads: 0 must be >= 1"),
+    ("num_heads: 4", "num_heads: 0", "num_heads: 0 must be >= 1"),
+    ("hidden_size: 64", "hidden_size: -64", "hidden_size: -64 must be >= 1"),
+    ("head_dim: 16", "head_dim: 15", "head_dim: 15 must be even"),
+    ("num_layers: 2", "num_layers: 0", "num_layers: 0 must be >= 1"),
+])
+def test_a_model_config_out_of_range_is_refused_by_name(capsys, tmp_path, old, new, message):
+    recipe = tiny_recipe(tmp_path, old, new)
+    for command in (("build", recipe, "--output", tmp_path / "out"), ("plan", recipe, "--device", "H100")):
+        status, output = run_cli(capsys, *command)
+        assert status == 2 and message in output and "Traceback" not in output, output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("option, message", [
+    ("block_size: 48", "passes[6] (quantize): quantize: block_size=48"),
+    ("int8_kernel_block: 48", "passes[6] (quantize): quantize: int8_kernel_block=48"),
+])
+def test_bad_pass_options_are_refused_before_the_export(capsys, tmp_path, monkeypatch, option, message):
+    recipe = tiny_recipe(tmp_path, "  - pack_projections", f"  - pack_projections\n  - quantize:\n      {option}")
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
+    assert status == 2 and message in output, output
+
+
+def test_a_pass_that_runs_once_listed_twice_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
+    recipe = tiny_recipe(tmp_path, "  - pack_projections", "  - pack_projections\n  - quantize\n  - quantize")
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
+    assert status == 2 and "passes[7]: quantize is listed twice" in output, output
+
+
+def test_an_output_path_inside_a_file_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    for output in (blocker, blocker / "sub"):
+        status, text = run_cli(capsys, "build", TINY, "--output", output)
+        assert status == 2 and f"{blocker} is a file, not a folder" in text, text
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tiny-random").write_text("x")
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "tiny-random is a file; the artifact is a folder" in text
+
+
+@pytest.fixture
+def damaged(tiny_artifact, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_artifact, copy)
+    return copy
+
+
+@pytest.mark.parametrize("section", ["kv_cache", "engines", "files", "tokenizer"])
+def test_a_manifest_missing_a_section_is_named(capsys, damaged, section):
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    del manifest[section]
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    for command in (("run", damaged, "--prompt", "hi"), ("inspect", damaged),
+                    ("eval", damaged, "--text", "builtin:pydoc-held-out", "--max-tokens", "100")):
+        status, output = run_cli(capsys, *command)
+        assert status == 2 and f"the manifest lacks {section}" in output and "Traceback" not in output, output
+
+
+def test_compare_names_a_missing_tokenizer(capsys, tiny_artifact, damaged):
+    (damaged / "tokenizer.json").unlink()
+    status, output = run_cli(capsys, "compare", tiny_artifact, damaged, "--text", "builtin:pydoc-held-out")
+    assert status == 2 and "tokenizer.json: file listed in the manifest is missing" in output, output
+
+
+def test_output_files_are_checked_before_the_work(capsys, tiny_artifact, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "_score", lambda *a: pytest.fail("scored before checking --json"))
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    for argv in (("eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--json", tmp_path),
+                 ("eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--json", blocker / "x.json"),
+                 ("compare", tiny_artifact, tiny_artifact, "--text", "builtin:pydoc-held-out", "--json", tmp_path),
+                 ("bench", tiny_artifact, "--phase", "decode", "--contexts", "16", "--out", blocker / "x.json")):
+        status, output = run_cli(capsys, *argv)
+        assert status == 2 and ("is a folder" in output or "is a file, not a folder" in output), output
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--phase", "decode", "--contexts", "16", "--steps", "0"), "--steps must be >= 1, got 0"),
+    (("--phase", "prefill", "--prompt-lengths", "16", "--runs", "0"), "--runs must be >= 1, got 0"),
+])
+def test_bench_phase_refuses_zero_steps_or_runs(capsys, tiny_artifact, tmp_path, argv, message):
+    status, output = run_cli(capsys, "bench", tiny_artifact, *argv, "--out", tmp_path / "b.json")
+    assert status == 2 and message in output, output
+
+
+@pytest.mark.parametrize("flag", ["--context", "--prompt"])
+def test_plan_refuses_a_zero_context_or_prompt(capsys, flag):
+    status, output = run_cli(capsys, "plan", TINY, "--device", "H100", flag, "0")
+    assert status == 2 and "must be at least 1" in output, output
+
+
+def test_a_terminated_build_removes_its_temporary_folder(capsys, tmp_path, monkeypatch):
+    final = tmp_path / "out" / "tiny-random"
+
+    def build_until_killed(args):
+        with staged_folder(final) as folder:
+            (folder / "weights.bin").write_bytes(b"x" * 1000)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            pytest.fail("SIGTERM did not stop the build")
+
+    monkeypatch.setattr(cli, "_build", build_until_killed)
+    status, output = run_cli(capsys, "build", TINY)
+    assert status == 143 and "terminated" in output
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_build_removes_what_a_killed_build_left_and_spares_a_running_one(tmp_path):
+    final = tmp_path / "tiny-random"
+    abandoned = tmp_path / ".tiny-random.partial-999999999-abc"  # no such process
+    running = tmp_path / f".tiny-random.partial-{os.getpid()}-def"
+    for folder in (abandoned, running):
+        folder.mkdir()
+    with staged_folder(final) as folder:
+        (folder / "manifest.json").write_text("{}")
+    assert not abandoned.exists() and running.exists() and (final / "manifest.json").exists()
