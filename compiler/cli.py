@@ -367,30 +367,30 @@ def _add_evaluation_options(command: argparse.ArgumentParser) -> None:
                          help="tokens per window (default: 512, or the max context if smaller)")
     command.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
     command.add_argument("--json", default=None, metavar="OUT", help="also write the results to this JSON file")
-    command.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
+    command.add_argument("--threads", type=_nonnegative_int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
 
 
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="aotlm", description="Ahead-of-time compiler for language-model inference")
     commands = root.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="build a recipe into artifacts/<name>/")
-    build.add_argument("recipe")
+    build.add_argument("recipe", help="the recipe YAML file (see recipes/)")
     build.add_argument("--output", default="artifacts", help="folder that receives <name>/ (default: artifacts)")
     build.set_defaults(handler=_build)
     run = commands.add_parser("run", help="generate from an artifact, then print timings")
-    run.add_argument("artifact")
-    run.add_argument("--prompt", required=True)
-    run.add_argument("--max-new-tokens", type=int, default=64)
+    run.add_argument("artifact", help="an artifact folder (built by `aotlm build`)")
+    run.add_argument("--prompt", required=True, help="the text to continue")
+    run.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
+    run.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = all)")
+    run.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
     run.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="end the text before this string (repeatable; the model's end-of-sequence tokens always stop)")
-    run.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
+    run.add_argument("--threads", type=_nonnegative_int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
     run.set_defaults(handler=_run)
     inspect = commands.add_parser("inspect", help="summarize an artifact's manifest")
-    inspect.add_argument("artifact")
+    inspect.add_argument("artifact", help="an artifact folder")
     inspect.add_argument("--verify", action="store_true", help="also check every file's sha256")
     inspect.set_defaults(handler=_inspect)
     plan = commands.add_parser("plan", help="memory and lower-bound latency of a model on a device")
@@ -413,22 +413,22 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
     plan.set_defaults(handler=_plan)
     bench = commands.add_parser("bench", help="serve a workload (or time prefill/decode) and report vLLM-style metrics")
-    bench.add_argument("artifact")
-    bench.add_argument("--requests", type=int, default=32)
+    bench.add_argument("artifact", help="an artifact folder")
+    bench.add_argument("--requests", type=int, default=32, help="requests in the workload (default 32)")
     bench.add_argument("--arrival", choices=("all", "concurrency", "poisson"), default="all",
                        help="all at once; closed loop of --concurrency clients; Poisson at --rate req/s")
-    bench.add_argument("--concurrency", type=int, default=1)
+    bench.add_argument("--concurrency", type=int, default=1, help="clients for --arrival concurrency: each sends its next request when the last one ends")
     bench.add_argument("--rate", type=float, default=None, help="requests/s for --arrival poisson")
     bench.add_argument("--seed", type=int, default=0, help="lengths and Poisson arrivals")
     bench.add_argument("--prompt-tokens", default="128", help="N, or LOW:HIGH drawn uniformly (default: 128)")
     bench.add_argument("--output-tokens", default="64", help="N, or LOW:HIGH drawn uniformly (default: 64)")
     bench.add_argument("--prompt-file", default=None, help="text cut into prompts (default: Python's pydoc topics)")
     bench.add_argument("--warmup", type=int, default=1, help="requests served first and excluded (default: 1)")
-    bench.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
-    bench.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
+    bench.add_argument("--slo-ttft-ms", type=_positive_float, default=None, help="goodput: TTFT limit")
+    bench.add_argument("--slo-tpot-ms", type=_positive_float, default=None, help="goodput: TPOT limit")
     bench.add_argument("--baseline", action="append", default=None,
                        help="also serve the workload with transformers or onnxruntime-genai (repeatable)")
-    bench.add_argument("--threads", type=int, default=None, help="intra-op threads for every backend (default: all cores)")
+    bench.add_argument("--threads", type=_nonnegative_int, default=None, help="intra-op threads for every backend (default: all cores)")
     bench.add_argument("--batching", action="append", choices=("continuous", "static"), default=None,
                        help="the scheduler's batching (default: continuous); repeat to serve with both and compare")
     bench.add_argument("--slots", type=int, default=None,
@@ -446,7 +446,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=32, help="--phase decode: timed steps per context")
     bench.set_defaults(handler=_bench)
     evaluate = commands.add_parser("eval", help="perplexity of an artifact on a text (sliding windows)")
-    evaluate.add_argument("artifact")
+    evaluate.add_argument("artifact", help="an artifact folder")
     _add_evaluation_options(evaluate)
     evaluate.set_defaults(handler=_eval)
     compare = commands.add_parser("compare", help="perplexity of two artifacts, and B's top-1 agreement and KL "
@@ -456,6 +456,20 @@ def parser() -> argparse.ArgumentParser:
     _add_evaluation_options(compare)
     compare.set_defaults(handler=_compare)
     return root
+
+
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 (the default) or more")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
 
 
 class _Terminated(KeyboardInterrupt):

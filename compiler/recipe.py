@@ -109,13 +109,27 @@ class Recipe:
         return d
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error: YAML would keep the last silently."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_recipe(path: str | os.PathLike) -> Recipe:
     """Read and validate a recipe file; every problem raises one RecipeError."""
     p = Path(path)
     if not p.is_file():
         raise RecipeError(f"recipe not found: {path}")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         # The user needs the place and the problem, not PyYAML's multi-line dump or traceback.
         mark = getattr(e, "problem_mark", None)

@@ -129,6 +129,11 @@ def check_settings(settings: Settings | Options, where: str = "quantize") -> Non
 
 def check_options(options: Options) -> None:
     check_settings(options)
+    if options.accuracy_level not in (0, 1, 2, 3, 4):
+        raise PassError(f"quantize: accuracy_level={options.accuracy_level}: MatMulNBits takes 0 (unset), 1 (fp32), "
+                        f"2 (fp16), 3 (bf16) or 4 (int8 activations)")
+    if options.max_rewrites is not None and options.max_rewrites < 0:
+        raise PassError(f"quantize: max_rewrites={options.max_rewrites} must be >= 0")
     if options.full_range and options.lowering == "dequantize_linear":
         raise PassError("quantize: full_range: true needs negative scales, which TensorRT's DequantizeLinear refuses "
                         "(strictly positive scales only); drop full_range or use lowering: matmulnbits")

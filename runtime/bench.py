@@ -129,7 +129,8 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
                          (arrival == "concurrency" and concurrency > requests,
                           f"--concurrency {concurrency} exceeds --requests {requests}: some clients would send nothing"),
                          (rate is not None and not rate > 0, f"--rate must be > 0 requests/s, got {rate}"),
-                         (arrival == "poisson" and rate is None, "--arrival poisson needs --rate (requests/s)")):
+                         (arrival == "poisson" and rate is None, "--arrival poisson needs --rate (requests/s)"),
+                         (arrival != "poisson" and rate is not None, f"--rate applies to --arrival poisson, not {arrival}")):
         if bad:
             raise BenchError(message)
     prompt = prompt_tokens if isinstance(prompt_tokens, tuple) else parse_range(prompt_tokens, "--prompt-tokens")

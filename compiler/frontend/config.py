@@ -35,6 +35,9 @@ class DecoderConfig:
             raise ValueError(f"head_dim: {self.head_dim} must be even (rotary embedding rotates pairs of channels)")
         if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
             raise ValueError(f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must be > 0")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture: {self.architecture!r} is not one of {', '.join(SUPPORTED_ARCHITECTURES)} "
+                             f"(the Llama family, which the canonical decoder implements)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 

@@ -166,3 +166,37 @@ def test_a_build_removes_what_a_killed_build_left_and_spares_a_running_one(tmp_p
     with staged_folder(final) as folder:
         (folder / "manifest.json").write_text("{}")
     assert not abandoned.exists() and running.exists() and (final / "manifest.json").exists()
+
+
+def test_a_key_given_twice_in_a_recipe_is_refused(capsys, tmp_path):
+    recipe = tiny_recipe(tmp_path, "  max_context: 128", "  max_context: 128\n  max_context: 64")
+    status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
+    assert status == 2 and "key 'max_context' is given twice in one mapping" in output and "line" in output, output
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("  - pack_projections", "  - pack_projections\n  - quantize:\n      accuracy_level: 7", "accuracy_level=7"),
+    ("  - pack_projections", "  - pack_projections\n  - quantize:\n      max_rewrites: -3", "max_rewrites=-3 must be >= 0"),
+    ("max_position_embeddings: 256", "max_position_embeddings: 256\n    architecture: gpt2",
+     "architecture: 'gpt2' is not one of llama, mistral, qwen2"),
+])
+def test_more_recipe_values_are_refused_before_the_export(capsys, tmp_path, monkeypatch, old, new, message):
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    status, output = run_cli(capsys, "build", tiny_recipe(tmp_path, old, new), "--output", tmp_path / "out")
+    assert status == 2 and message in output, output
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--threads", "-1"), "-1 is negative"),
+    (("--slo-ttft-ms", "-1"), "-1 must be > 0"),
+])
+def test_bench_refuses_negative_threads_or_limits_as_usage_errors(capsys, tiny_artifact, argv, message):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error
+        main(["bench", str(tiny_artifact), *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_refuses_a_rate_without_poisson_arrivals(capsys, tiny_artifact, tmp_path):
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--requests", "2", "--rate", "3",
+                             "--out", tmp_path / "b.json")
+    assert status == 2 and "--rate applies to --arrival poisson, not" in output, output
