@@ -1,0 +1,32 @@
+"""benchmarks/decode_profile.py on the tiny artifact: the decode graph runs over its bound cache, the profiler's
+per-operator times are per step and cover the attention and the projections, and the JSON is the table's data."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import decode_profile  # noqa: E402
+
+
+def test_profile_of_the_tiny_artifact(tiny_artifact, tmp_path):
+    out = tmp_path / "p.json"
+    report = decode_profile.main(["--artifacts", str(tiny_artifact), "--no-genai", "--contexts", "8,40",
+                                  "--steps", "4", "--threads", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    rows = report["rows"]
+    assert [(row["graph"], row["context"]) for row in rows] == [("tiny-random", 8), ("tiny-random", 40)]
+    for row in rows:
+        assert {"GroupQueryAttention", "MatMul"} <= set(row["ops_ms"])
+        assert row["step_ms"] > 0 and row["profiled_sum_ms"] == pytest.approx(sum(row["ops_ms"].values()))
+        assert all(ms > 0 for ms in row["ops_ms"].values())
+
+
+def test_a_context_past_the_cache_is_refused(tiny_artifact, tmp_path):
+    with pytest.raises(SystemExit, match="exceed its cache"):
+        decode_profile.main(["--artifacts", str(tiny_artifact), "--no-genai", "--contexts", "120", "--steps", "4",
+                             "--out", str(tmp_path / "p.json")])
