@@ -39,6 +39,11 @@ def serve(engine: Engine, workload, batching: str, slots: int, progress: Progres
         server.close()
 
 
+def ms(value: float | None) -> str:
+    """A latency cell; TPOT is None when no request made two tokens."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
@@ -50,6 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", default="64", help="closed loop's output tokens")
     parser.add_argument("--poisson-output-tokens", default="16:256")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default: benchmarks/results/batching.json); the Poisson run's JSON and plots "
+                             "go beside it, named <stem>-poisson*")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
@@ -81,8 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     for level, entry in closed.items():
         s = entry["summary"]
         table.add_row(str(level), str(s["requests"]), f"{s['output_tokens_per_s']:.1f}",
-                      f"{s['output_tokens_per_s'] / single:.2f}x", f"{s['ttft_ms']['median']:.1f}",
-                      f"{s['tpot_ms']['median']:.1f}", f"{s['tpot_ms']['p99']:.1f}")
+                      f"{s['output_tokens_per_s'] / single:.2f}x", ms(s["ttft_ms"]["median"]),
+                      ms(s["tpot_ms"]["median"]), ms(s["tpot_ms"]["p99"]))
     console.print(table)
     poisson = bench.report({"arrival": "poisson", "rate": args.rate, "slots": args.slots,
                             **workload.settings()}, open_loop)
@@ -91,8 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": machine_info(), "versions": versions(),
               "closed_loop": {str(level): {"wall_s": e["wall_s"], "summary": e["summary"]} for level, e in closed.items()},
               "poisson": {mode: entry["summary"] for mode, entry in poisson["backends"].items()}}
-    written = bench.write_outputs(poisson, RESULTS / "batching-poisson.json")
-    console.print(f"wrote {write_result('batching.json', result)}, " + ", ".join(map(str, written)))
+    out = args.out or RESULTS / "batching.json"
+    written = bench.write_outputs(poisson, out.with_name(f"{out.stem}-poisson.json"))
+    console.print(f"wrote {write_result('batching.json', result, out)}, " + ", ".join(map(str, written)))
     return result
 
 

@@ -37,6 +37,13 @@ def workload(encode, decoders: int, decode_tokens: int, long_prompt: int, long_a
                           rate=None, seed=0, offsets=[0.0] * decoders + [long_at])
 
 
+def median_of(values: list) -> float | None:
+    """The median of the values a run had (a run whose decoders all finished before the long prompt has no
+    "during its prefill" gap), or None when no run had one."""
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
 def measure(engine: Engine, load: bench.Workload, chunk: int | None, long_at: float) -> dict:
     server = bench.ScheduledServer(engine, "continuous", slots=8, max_queue=16, prefill_chunk=chunk)
     try:
@@ -66,7 +73,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--long-at", type=float, default=1.5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/chunked_prefill.json)")
     args = parser.parse_args(argv)
+    if args.decode_tokens < 2:
+        parser.error("--decode-tokens must be >= 2: the running requests' inter-token gaps are what is measured")
     console = Console(width=None if sys.stdout.isatty() else 160)
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
     load = workload(engine.tokenizer.encode, args.decoders, args.decode_tokens, args.long_prompt, args.long_at)
@@ -76,8 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         for chunk in chunks:
             console.print(f"repeat {repeat + 1}/{args.repeats}: prefill_chunk {chunk}")
             results[str(chunk)].append(measure(engine, load, chunk, args.long_at))
-    medians = {chunk: {key: statistics.median(run[key] for run in runs) if runs[0][key] is not None else None
-                       for key in runs[0]} for chunk, runs in results.items()}
+    medians = {chunk: {key: median_of([run[key] for run in runs]) for key in runs[0]} for chunk, runs in results.items()}
     table = Table(title=f"{args.decoders} requests decoding; a {args.long_prompt}-token prompt arrives at "
                         f"{args.long_at} s (medians of {args.repeats})")
     for column in ("prefill_chunk", "max ITL ms", "max ITL during its prefill", "p99 ITL ms", "p50 ITL ms",
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(table)
     result = {"settings": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
               "versions": versions(), "runs": results, "medians": medians}
-    console.print(f"wrote {write_result('chunked_prefill.json', result)}")
+    console.print(f"wrote {write_result('chunked_prefill.json', result, args.out)}")
     return result
 
 

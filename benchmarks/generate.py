@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baselines", default="transformers,onnxruntime-genai")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/generate.json)")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 150)  # a pipe gets 80 columns: too few
     baselines = [name for name in args.baselines.split(",") if name]
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.prompt_tokens + args.new_tokens > max_context:
         parser.error(f"--prompt-tokens + --new-tokens must fit the artifact's max context ({max_context})")
     prompt_ids = prompt_token_ids(args.artifact, manifest, args.prompt_tokens)
-    hf_folder, genai_folder = prepare_folders(manifest, console, Genai.name in baselines)
+    # The baselines' weights folders (written once, cached): none without baselines.
+    hf_folder, genai_folder = prepare_folders(manifest, console, Genai.name in baselines) if baselines else (None, None)
     makers = {"aotlm": lambda: Aotlm(args.artifact, args.threads),
               Transformers.name: lambda: Transformers(hf_folder, args.threads),
               Genai.name: lambda: Genai(genai_folder, args.threads)}
@@ -294,19 +296,19 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {"artifact": str(args.artifact), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                      "repeats": args.repeats, "warmup_runs": WARMUP_RUNS, "threads": args.threads, "batch": 1,
                      "decoding": "greedy, stop tokens disabled", "prompt_source": "pydoc_data.topics (sorted, joined)",
-                     "hf_folder": str(hf_folder), "genai_folder": str(genai_folder) if Genai.name in baselines else None},
+                     "hf_folder": str(hf_folder) if hf_folder else None, "genai_folder": str(genai_folder) if Genai.name in baselines else None},
         "machine": machine_info(), "versions": versions(),
         "prompt_token_ids": prompt_ids, "results": results,
         "agreement": {"tokens_compared": AGREE_TOKENS, "all_agree": same, "backends": agree},
     }
-    console.print(f"wrote {write_result('generate.json', report)}")
+    console.print(f"wrote {write_result('generate.json', report, args.out)}")
     return report
 
 
-def write_result(name: str, report: dict) -> Path:
-    """benchmarks/results/<name> (git-ignored), pretty JSON."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+def write_result(name: str, report: dict, out: Path | None = None) -> Path:
+    """Pretty JSON at `out` (a script's --out), else benchmarks/results/<name> (git-ignored)."""
+    path = Path(out) if out else RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path
 

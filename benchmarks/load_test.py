@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     ledger = Ledger(args.requests, greedy[:args.check])
     with console.status(f"{args.requests} requests at concurrency {args.concurrency} on {slots} slots"):
         seconds = run(engine, requests, ledger, concurrency=args.concurrency, cancel=cancel, timeout=args.timeout)
+    verdict = judge(engine, requests, ledger, cancel)  # before close(), which fails whatever is still pending
     engine.close()
-    verdict = judge(engine, requests, ledger, cancel)
     rss_from = min(100, max(1, args.requests // 10))
     rss_start, rss_end = int(ledger.rss[rss_from]), int(ledger.rss[ledger.completed])
     growth = (rss_end - rss_start) / rss_start if rss_start and ledger.completed > rss_from else None

@@ -85,10 +85,10 @@ class AotlmPhases:
         return time.perf_counter() - started, logits
 
     def decode(self, prompt_ids: list[int], steps: int) -> list[float]:
-        _, logits = self._prefill(prompt_ids)  # fill the cache with the context's real keys and values
         length = len(prompt_ids)
         if length + WARMUP_STEPS + steps > self.max_context:
             raise SystemExit(f"{self.name}: context {length} + {WARMUP_STEPS + steps} steps exceed max context {self.max_context}")
+        _, logits = self._prefill(prompt_ids)  # fill the cache with the context's real keys and values
         token = int(np.argmax(logits[0]))
         times = []
         for step in range(WARMUP_STEPS + steps):
@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-other-cores", type=float, default=0.25,
                         help="re-measure when other processes kept more cores than this busy on average")
     parser.add_argument("--retries", type=int, default=3, help="re-measurements allowed per contended measurement")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/phases.json)")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 200)
     names = [name for name in args.backends.split(",") if name]
@@ -322,6 +323,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     artifacts = {UNFUSED: args.unfused_artifact, FUSED: args.fused_artifact}
     manifests = {name: json.loads((artifacts[name] / "manifest.json").read_text()) for name in names if name in artifacts}
+    for name, manifest in manifests.items():  # before any measurement: a sweep takes minutes
+        limit = manifest["kv_cache"]["max_context"]
+        if max(args.contexts) + WARMUP_STEPS + args.steps > limit or max(args.prompt_lengths) > limit:
+            parser.error(f"{name} ({artifacts[name]}) holds {limit} tokens: every context + {WARMUP_STEPS + args.steps} "
+                         f"decode steps, and every prompt length, must fit")
     reference = json.loads((args.fused_artifact / "manifest.json").read_text())  # prompt tokens, genai's weights
     prompt_ids = prompt_token_ids(args.fused_artifact, reference, max(args.contexts + args.prompt_lengths))
     genai_folder = None
@@ -368,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prefill": {name: {str(k): v for k, v in by.items()} for name, by in summary["prefill"].items()},
         "decode_growth": lines[0], "contention": contention,
     }
-    console.print(f"wrote {write_result('phases.json', report)}")
+    console.print(f"wrote {write_result('phases.json', report, args.out)}")
     return report
 
 

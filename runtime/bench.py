@@ -128,7 +128,7 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
                          (concurrency < 1, f"--concurrency must be >= 1, got {concurrency}"),
                          (arrival == "concurrency" and concurrency > requests,
                           f"--concurrency {concurrency} exceeds --requests {requests}: some clients would send nothing"),
-                         (rate is not None and not rate > 0, f"--rate must be > 0 requests/s, got {rate}"),
+                         (rate is not None and not 0 < rate < float("inf"), f"--rate must be a finite number > 0 requests/s, got {rate}"),
                          (arrival == "poisson" and rate is None, "--arrival poisson needs --rate (requests/s)"),
                          (arrival != "poisson" and rate is not None, f"--rate applies to --arrival poisson, not {arrival}")):
         if bad:

@@ -19,3 +19,17 @@ def test_chunked_prefill_small(tiny_artifact, monkeypatch, tmp_path):
     for medians in result["medians"].values():
         assert medians["max_itl_ms"] >= medians["p99_itl_ms"] >= medians["p50_itl_ms"] > 0
         assert medians["long_ttft_ms"] > 0 and medians["output_tokens_per_s"] > 0
+
+
+def test_chunked_prefill_writes_where_asked_and_refuses_one_token_decoders(tiny_artifact, tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import chunked_prefill
+    import pytest
+
+    out = tmp_path / "sub" / "c.json"
+    chunked_prefill.main(["--artifact", str(tiny_artifact), "--chunks", "none", "--decoders", "1", "--decode-tokens",
+                          "8", "--long-prompt", "16", "--long-at", "0.01", "--repeats", "1", "--out", str(out)])
+    assert out.is_file()
+    with pytest.raises(SystemExit):
+        chunked_prefill.main(["--artifact", str(tiny_artifact), "--decode-tokens", "1", "--out", str(out)])
+    assert chunked_prefill.median_of([None, 3.0, 5.0]) == 4.0 and chunked_prefill.median_of([None]) is None

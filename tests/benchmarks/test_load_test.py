@@ -25,3 +25,12 @@ def test_load_test_small(tiny_artifact, tmp_path):
     assert report["checked"] == 8 and report["cancelled"] >= 1
     assert report["summary"]["output_tokens"] > 0 and report["rss_growth"] is not None
     assert json.loads(out.read_text())["settings"]["requests"] == 100
+
+
+def test_requests_without_a_result_by_the_deadline_count_as_lost(tiny_artifact, tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import load_test
+
+    report = load_test.main(["--artifact", str(tiny_artifact), "--requests", "30", "--concurrency", "8",
+                             "--timeout", "0.0001", "--out", str(tmp_path / "l.json")], console=Console(quiet=True))
+    assert report["lost"] >= 1 and report["errors"] == 0

@@ -31,3 +31,11 @@ def test_floor_is_the_bytes_at_the_measured_bandwidth():
     text = console.export_text()
     assert "20.0 GB/s" in text and "fused/floor" in text and f"{at64['floor_ms']:.2f}" in text
     assert lines == ["decode ms ctx2000 / ctx64: aotlm-fused 1.50x"]
+
+
+def test_a_context_beyond_the_artifact_is_refused_before_any_measurement(tiny_artifact, tmp_path, monkeypatch):
+    monkeypatch.setattr(phases, "run_sweeps", lambda *a: pytest.fail("measured before checking the sizes"))
+    for sizes in (["--contexts", "130", "--prompt-lengths", "8"], ["--contexts", "8", "--prompt-lengths", "200"]):
+        with pytest.raises(SystemExit):
+            phases.main(["--backends", phases.FUSED, "--fused-artifact", str(tiny_artifact), *sizes,
+                         "--out", str(tmp_path / "p.json")])

@@ -188,12 +188,19 @@ def test_more_recipe_values_are_refused_before_the_export(capsys, tmp_path, monk
 
 @pytest.mark.parametrize("argv, message", [
     (("--threads", "-1"), "-1 is negative"),
-    (("--slo-ttft-ms", "-1"), "-1 must be > 0"),
+    (("--slo-ttft-ms", "-1"), "-1 must be a finite number > 0"),
+    (("--slo-ttft-ms", "inf"), "inf must be a finite number > 0"),
 ])
 def test_bench_refuses_negative_threads_or_limits_as_usage_errors(capsys, tiny_artifact, argv, message):
     with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error
         main(["bench", str(tiny_artifact), *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_refuses_an_infinite_rate(capsys, tiny_artifact, tmp_path):
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--requests", "2", "--arrival", "poisson", "--rate", "inf",
+                             "--out", tmp_path / "b.json")
+    assert status == 2 and "--rate must be a finite number > 0" in output, output
 
 
 def test_bench_refuses_a_rate_without_poisson_arrivals(capsys, tiny_artifact, tmp_path):
