@@ -140,8 +140,14 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
     if prompt[1] + output[1] > max_context:
         raise BenchError(f"prompt ({prompt[1]}) + output ({output[1]}) tokens exceed this artifact's max context "
                          f"({max_context})")
-    rng, total = np.random.default_rng([seed, 1]), requests + warmup
-    prompt_lengths, output_lengths = (rng.integers(low, high + 1, size=total) for low, high in (prompt, output))
+    # The measured requests' lengths and the warm-up's come from separate streams, and the measured prompts are the
+    # text's first cuts: --warmup does not change what is measured.
+    measured_rng, warmup_rng = np.random.default_rng([seed, 1]), np.random.default_rng([seed, 2])
+    prompt_lengths = np.concatenate([measured_rng.integers(prompt[0], prompt[1] + 1, size=requests),
+                                     warmup_rng.integers(prompt[0], prompt[1] + 1, size=warmup)])
+    output_lengths = np.concatenate([measured_rng.integers(output[0], output[1] + 1, size=requests),
+                                     warmup_rng.integers(output[0], output[1] + 1, size=warmup)])
+    total = requests + warmup
     ids = text_token_ids(encode, int(prompt_lengths.sum()), text)
     cuts = np.concatenate([[0], np.cumsum(prompt_lengths)])
     made = [Request(ids[cuts[i]:cuts[i + 1]], int(output_lengths[i])) for i in range(total)]
@@ -149,7 +155,7 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
     if arrival == "poisson":
         gaps = np.random.default_rng([seed, 0]).exponential(1.0 / rate, size=requests)
         offsets = np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist()
-    return Workload(made[warmup:], made[:warmup], arrival, concurrency, rate, seed, offsets)
+    return Workload(made[:requests], made[requests:], arrival, concurrency, rate, seed, offsets)
 
 
 def aotlm_server(engine) -> Serve:

@@ -139,8 +139,8 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--arrival", "poisson", "--rate", "0"], "--rate must be > 0"),
-    (["--arrival", "poisson", "--rate", "-2"], "--rate must be > 0"),
+    (["--arrival", "poisson", "--rate", "0"], "--rate must be a finite number > 0"),
+    (["--arrival", "poisson", "--rate", "-2"], "--rate must be a finite number > 0"),
     (["--arrival", "poisson"], "needs --rate"),
     (["--arrival", "concurrency", "--concurrency", "5", "--requests", "4"], "exceeds --requests 4"),
     (["--arrival", "concurrency", "--concurrency", "0"], "--concurrency must be >= 1"),
@@ -210,3 +210,14 @@ def test_cli_bench_compares_static_and_continuous(tiny_artifact, tmp_path):
     assert list(saved["backends"]) == ["aotlm-static", "aotlm-continuous"]
     assert saved["settings"]["slots"] == 3 and saved["settings"]["batching"] == ["static", "continuous"]
     assert all(entry["summary"]["requests"] == 6 for entry in saved["backends"].values())
+
+
+def test_the_warm_up_does_not_change_the_measured_requests():
+    from runtime import bench
+
+    encode = lambda text: list(range(len(text.split())))  # noqa: E731
+    text = " ".join(["word"] * 5000)
+    loads = [bench.make_workload(encode, max_context=256, requests=6, prompt_tokens="4:40", output_tokens="2:30",
+                                 warmup=warmup, text=text) for warmup in (0, 1, 3)]
+    assert [len(load.warmup) for load in loads] == [0, 1, 3]
+    assert loads[0].requests == loads[1].requests == loads[2].requests
