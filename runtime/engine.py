@@ -265,7 +265,7 @@ class Engine:
     def _check_fits(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise RequestError("the prompt is empty: give at least one token")
-        if len(prompt_ids) > self.max_context:  # a full-context prompt still gives the token its prefill samples
+        if len(prompt_ids) > self.max_context:  # a prompt that fills the cache still gets the token its prefill samples
             raise RequestError(
                 f"the prompt has {len(prompt_ids)} tokens, but this artifact's max context is {self.max_context} "
                 f"(prompt + generated tokens); shorten the prompt or rebuild with a larger export.max_context"
