@@ -119,12 +119,16 @@ class Target:
 
 
 # -- options and settings ---------------------------------------------------------------------------------
+MAX_BLOCK = 256  # the largest block MatMulNBits' CPU kernels are built for
+
+
 def check_settings(settings: Settings | Options, where: str = "quantize") -> None:
     if settings.bits not in (4, 8):
         raise PassError(f"{where}: bits={settings.bits} is not supported; choose 4 (blocked) or 8 (per channel)")
     size = settings.block_size
-    if settings.bits == 4 and (size < 16 or size & (size - 1)):
-        raise PassError(f"{where}: block_size={size}: MatMulNBits needs a power of two >= 16 (e.g. 32, 64, 128)")
+    if settings.bits == 4 and (size < 16 or size > MAX_BLOCK or size & (size - 1)):
+        raise PassError(f"{where}: block_size={size}: MatMulNBits needs a power of two from 16 to {MAX_BLOCK} "
+                        f"(e.g. 32, 64, 128)")
 
 
 def check_options(options: Options) -> None:
@@ -138,8 +142,9 @@ def check_options(options: Options) -> None:
         raise PassError("quantize: full_range: true needs negative scales, which TensorRT's DequantizeLinear refuses "
                         "(strictly positive scales only); drop full_range or use lowering: matmulnbits")
     block = options.int8_kernel_block
-    if block is not None and (block < 16 or block & (block - 1)):
-        raise PassError(f"quantize: int8_kernel_block={block}: MatMulNBits needs a power of two >= 16 (e.g. 32)")
+    if block is not None and (block < 16 or block > MAX_BLOCK or block & (block - 1)):
+        raise PassError(f"quantize: int8_kernel_block={block}: MatMulNBits needs a power of two from 16 to "
+                        f"{MAX_BLOCK} (e.g. 32)")
     for index, override in enumerate(options.overrides):
         merged = settings_with(base_settings(options), override, full_range_wanted(options))
         check_settings(merged, f"quantize: overrides[{index}] ({override.pattern!r})")
@@ -167,7 +172,9 @@ def with_full_range(settings: Settings, wanted: bool) -> Settings:
 
 
 def block_size_for(settings: Settings, k: int) -> int:
-    return k if settings.bits == 8 else settings.block_size
+    """INT8: per channel (one block of K). INT4: the recipe's block, but no larger than the power of two that holds
+    K (a block of 128 over K = 64 would pad every column to twice its codes, for the same grid)."""
+    return k if settings.bits == 8 else min(settings.block_size, max(16, 1 << (k - 1).bit_length()))
 
 
 def names_of(node: gs.Node) -> tuple[str, ...]:
@@ -281,21 +288,24 @@ class Statistics:
 
 
 def search_awq_scales(targets: list[Target], statistics: Statistics, memo: dict) -> None:
-    """Set each AWQ target's input scales: one search per group of targets that read the same activation."""
-    groups: dict[tuple, list[Target]] = {}
+    """Set each AWQ target's input scales: one search per group of targets that read the same activation, so that
+    1/s folds once into what produces it; per-layer overrides may give the group's members different formats."""
+    groups: dict[str, list[Target]] = {}
     for target in targets:
         if target.settings.method in ("awq", "awq_gptq") and not target.shared_table:
-            groups.setdefault((target.input_name, target.settings), []).append(target)
-    for index, ((_, settings), group) in enumerate(groups.items(), 1):
+            groups.setdefault(target.input_name, []).append(target)
+    for index, group in enumerate(groups.values(), 1):
         if index % max(1, len(groups) // 4) == 0 and statistics.calibration is not None:
             statistics.calibration.say(f"awq: scale search {index}/{len(groups)} input groups")
         values = attention_value_tie(group[0].activation)  # o_proj: tied scales fold into the values, no Mul
         tie = values.tie if values is not None else None
-        key = ("awq", settings, tie, *(digest(t.weight) for t in group))
+        formats = [(t.settings.bits, t.settings.block_size, t.settings.symmetric, t.settings.full_range) for t in group]
+        key = ("awq", tie, *formats, *(digest(t.weight) for t in group))
         if key not in memo:
             stats = statistics(group[0])
+            bits, blocks, symmetric, full_range = (list(values) for values in zip(*formats))
             memo[key] = awq_search([t.weight.astype(np.float32) for t in group], stats.hessian, stats.mean_abs,
-                                   settings.bits, settings.block_size, settings.symmetric, tie, settings.full_range)
+                                   bits, blocks, symmetric, tie, full_range)
         scales, record = memo[key]
         for target in group:
             target.input_scales = scales

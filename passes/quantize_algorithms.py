@@ -42,10 +42,13 @@ def relative_output_error(weight: np.ndarray, approximation: np.ndarray, hessian
 
 
 # -- AWQ --------------------------------------------------------------------------------------------------
-def awq_search(weights: list[np.ndarray], hessian: np.ndarray, mean_abs: np.ndarray, bits: int, block_size: int,
-               symmetric: bool, tie: tuple[int, ...] | None = None,
-               full_range: bool = False) -> tuple[np.ndarray, dict]:
+def awq_search(weights: list[np.ndarray], hessian: np.ndarray, mean_abs: np.ndarray, bits: int | list[int],
+               block_size: int | list[int], symmetric: bool | list[bool], tie: tuple[int, ...] | None = None,
+               full_range: bool | list[bool] = False) -> tuple[np.ndarray, dict]:
     """Per-input-channel scales s [K] for the weights that share one input; returns (s, search record).
+
+    The format (bits, block_size, symmetric, full_range) is one for all the weights, or a list with one per weight:
+    weights that read one input share its scales (1/s folds into what produces it), whatever their formats.
 
     α = 0 is s = 1, plain round-to-nearest, so the result is never worse than RTN on the calibration data.
     tie: the input's layout (a, g, b) with a * g * b = K when the scales must be equal along axis g (o_proj's input,
@@ -57,6 +60,10 @@ def awq_search(weights: list[np.ndarray], hessian: np.ndarray, mean_abs: np.ndar
     if tie is not None:
         grouped = base.reshape(tie)
         base = np.broadcast_to(grouped.mean(axis=1, keepdims=True), grouped.shape).reshape(-1)
+    formats = [(bits, block_size, symmetric, full_range)] * len(weights)
+    if any(isinstance(value, list) for value in (bits, block_size, symmetric, full_range)):
+        formats = list(zip(*(value if isinstance(value, list) else [value] * len(weights)
+                             for value in (bits, block_size, symmetric, full_range))))
     losses = []
     best = (np.inf, 0.0, np.ones_like(base))
     for step in range(AWQ_GRID):
@@ -64,8 +71,8 @@ def awq_search(weights: list[np.ndarray], hessian: np.ndarray, mean_abs: np.ndar
         scales = base ** alpha
         scales = scales / np.sqrt(scales.max() * scales.min())  # keep s around 1: the norm's gamma absorbs 1/s
         loss = 0.0
-        for weight in weights:
-            effective = scaled_dequantized(weight, scales, bits, block_size, symmetric, full_range)
+        for weight, (weight_bits, block, weight_symmetric, weight_full_range) in zip(weights, formats):
+            effective = scaled_dequantized(weight, scales, weight_bits, block, weight_symmetric, weight_full_range)
             delta = effective - weight
             loss += float(np.sum((hessian32 @ delta) * delta))
         losses.append(loss)

@@ -29,6 +29,7 @@ def for_matmulnbits(qw: QuantizedWeight, per_channel_block: int | None = None) -
     if size >= 16 and size & (size - 1) == 0 and not (per_channel and per_channel_block not in (None, size)):
         return qw
     size = per_channel_block or next((b for b in (256, 128, 64, 32, 16) if qw.k % b == 0), 128)
+    size = min(size, max(16, 1 << (qw.k - 1).bit_length()))  # no block past the power of two that holds K
     blocks = -(-qw.k // size)
     fill = (1 << (qw.bits - 1)) if qw.zero_points is None else qw.zero_points  # the code of 0 in each row
     codes = np.empty((qw.n, blocks * size), np.uint8)

@@ -213,9 +213,9 @@ def test_int8_kernel_block_keeps_the_weights_and_sets_the_kernel_block(accuracy_
     assert difference <= (1e-4 if accuracy_level == 0 else 0.05 * np.abs(reference).max())
 
 
-@pytest.mark.parametrize("block", [8, 24])
-def test_int8_kernel_block_must_be_a_power_of_two_of_at_least_16(block):
-    with pytest.raises(PassError, match=f"int8_kernel_block={block}: MatMulNBits needs a power of two >= 16"):
+@pytest.mark.parametrize("block", [8, 24, 512])
+def test_int8_kernel_block_must_be_a_power_of_two_from_16_to_256(block):
+    with pytest.raises(PassError, match=f"int8_kernel_block={block}: MatMulNBits needs a power of two from 16 to 256"):
         quantize.run(matmul_model(random_weight()), quantize.Options(bits=8, int8_kernel_block=block))
 
 
@@ -227,3 +227,18 @@ def test_full_range_is_refused_for_the_dequantize_linear_lowering():
     quantized, _ = quantize.run(matmul_model(random_weight()), quantize.Options(bits=4, lowering="dequantize_linear"))
     scales = [onnx.numpy_helper.to_array(t) for t in quantized.graph.initializer if "scale" in t.name]
     assert scales and all((s > 0).all() for s in scales)  # the default there: positive scales, codes in [-7, 7]
+
+
+@pytest.mark.parametrize("bits, option", [(4, "block_size"), (8, "int8_kernel_block")])
+def test_a_block_larger_than_k_is_the_power_of_two_that_holds_k(bits, option):
+    """K = 64: a block of 128 or 256 would pad each column to 2-4x its codes for the same grid; it becomes 64."""
+    weight = random_weight(k=64)
+    sizes = {}
+    for block in (64, 128, 256):
+        model, report = quantize.run(matmul_model(weight), quantize.Options(bits=bits, **{option: block}))
+        sizes[block] = (report["layers"][0]["bytes_after"], report["layers"][0]["block_size"])
+        node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+        assert next(a.i for a in node.attribute if a.name == "block_size") == 64
+    assert sizes[128] == sizes[256] == sizes[64]
+    with pytest.raises(PassError, match="from 16 to 256"):
+        quantize.run(matmul_model(weight), quantize.Options(bits=bits, **{option: 512}))

@@ -344,3 +344,20 @@ def test_gptq_scale_refit_lowers_the_output_error_keeps_codes_and_signs(name, ac
         assert np.all(np.sign(qw.scales) == np.sign(unfitted.scales))  # TensorRT's grid keeps positive scales
         assert errors[1] < (0.98 if act_order else 0.9) * errors[0]
 
+
+
+def test_awq_gives_siblings_of_different_formats_one_scale_search_and_one_fold(fused_graphs):
+    """An override that gives q_proj 8 bits while k/v keep 4: the three read one normalized input, whose 1/s folds
+    once into the norm, so they must share one scale vector, searched over their own formats together."""
+    options = quantize.Options(bits=4, method="awq", calibration=calibration(),
+                               overrides=(quantize.Override("*q_proj*", bits=8),))
+    model, report = quantize.run(fused_graphs["prefill"], options)
+    for layer in ("layers.0/", "layers.1/"):
+        rows = {row["node"].split("/")[-2]: row for row in report["layers"]
+                if layer in row["node"] and row["node"].split("/")[-2] in ("q_proj", "k_proj", "v_proj")}
+        assert {name: row["bits"] for name, row in rows.items()} == {"q_proj": 8, "k_proj": 4, "v_proj": 4}
+        scalings = {row["awq"] for row in rows.values()}
+        assert len(scalings) == 1 and "folded into" in scalings.pop(), rows
+    graph = gs.import_onnx(model)
+    assert not [node for node in graph.nodes if node.op == "Mul" and "awq" in node.name and "layers" in node.name
+                and "q_proj" in node.name]
