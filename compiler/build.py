@@ -37,11 +37,22 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     if recipe.backend.name == "onnxruntime" and recipe.export.dtype != "float32":
         raise BuildError(f"export.dtype: {recipe.export.dtype!r} with backend onnxruntime: its CPU runtime keeps a "
                          f"float32 KV cache; use float32 (float16/bfloat16 are for backend tensorrt)")
+    for index, spec in enumerate(recipe.passes):  # calibration runs the graphs, whose cache holds max_context tokens
+        calibration = getattr(spec.options, "calibration", None)
+        if calibration is not None and calibration.length > recipe.export.max_context:
+            raise BuildError(f"passes[{index}] ({spec.name}): calibration.length {calibration.length} exceeds "
+                             f"export.max_context ({recipe.export.max_context}); set calibration.length to at most "
+                             f"{recipe.export.max_context}")
     started = time.perf_counter()
     say(f"loading the model ({recipe.model.source})")
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
     if loaded.tokenizer_json is None:
         raise BuildError("the model source has no tokenizer (tokenizer.json); add one beside the weights")
+    window = loaded.config.sliding_window
+    if window is not None and recipe.export.max_context > window:
+        raise BuildError(f"the model attends within a sliding window of {window} tokens, which the decoder does not "
+                         f"implement; set export.max_context to {window} or less (attention within the window is "
+                         f"exact)")
     passes = resolve_passes(recipe.passes, loaded.tokenizer_json, say)  # before the slow export: bad text fails fast
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now

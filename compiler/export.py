@@ -147,8 +147,20 @@ def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pre
         node.input[:] = [name.removeprefix("decoder.") for name in node.input]
         node.output[:] = [name.removeprefix("decoder.") for name in node.output]
     _share_tied_lm_head(model, config)
+    _name_lm_head(model, config)
     model.graph.name = phase  # lowering passes that differ by phase (lower_tensorrt's decode split) read it
     return model
+
+
+def _name_lm_head(model: onnx.ModelProto, config: DecoderConfig) -> None:
+    """Name the output projection /decoder/lm_head/...: the trace names it after the call site (/decoder/MatMul),
+    and recipes select it by name (quantize's overrides and exclude, e.g. "*lm_head*")."""
+    shapes = {(config.hidden_size, config.vocab_size), (config.vocab_size, config.hidden_size)}
+    initializers = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    for node in reversed(model.graph.node):  # the last product of the graph
+        if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and initializers.get(node.input[1]) in shapes:
+            node.name = f"/decoder/lm_head/{'Gemm_tied' if node.op_type == 'Gemm' else 'MatMul'}"
+            return
 
 
 def _share_tied_lm_head(model: onnx.ModelProto, config: DecoderConfig) -> None:

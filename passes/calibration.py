@@ -132,7 +132,12 @@ def sample_outputs(model: onnx.ModelProto, names: list[str], calibration: Calibr
         session = _session(probed, options, folder, ort)
     del probed
     for sample in calibration.token_ids:
-        yield session.run(names, _feeds(session, sample))
+        try:
+            outputs = session.run(names, _feeds(session, sample))
+        except Exception as error:  # onnxruntime's own exception types: name the step and the first line
+            raise PassError(f"calibration: onnxruntime failed running the float graph on a {len(sample)}-token sample "
+                            f"({str(error).splitlines()[0]})") from None
+        yield outputs
 
 
 def _session(model: onnx.ModelProto, options, folder: str, ort):

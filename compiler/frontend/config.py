@@ -25,6 +25,7 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     architecture: str = "llama"
+    sliding_window: int | None = None  # tokens a query attends back (Mistral, Qwen2); None = the whole context
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

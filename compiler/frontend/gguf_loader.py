@@ -274,7 +274,12 @@ def tokenizer_json_from_gguf(field, path: str) -> str:
 
     vocab = {respell(token): index for index, token in enumerate(tokens)}
     # A merge is "left right"; split at the first space after position 0, as llama.cpp does.
-    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in field("tokenizer.ggml.merges") or []]
+    raw_merges = field("tokenizer.ggml.merges") or []
+    broken = next((m for m in raw_merges if m.find(" ", 1) < 0), None)
+    if broken is not None:
+        raise BuildError(f"tokenizer.ggml.merges holds {broken!r}, not 'left right'; the GGUF's tokenizer is damaged: "
+                         f"use the model's Hugging Face folder (with tokenizer.json) instead")
+    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in raw_merges]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tokenizer.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
     tokenizer.decoder = decoders.ByteLevel()
@@ -287,6 +292,9 @@ def tokenizer_json_from_gguf(field, path: str) -> str:
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
     bos = field("tokenizer.ggml.bos_token_id")
     if field("tokenizer.ggml.add_bos_token") and bos is not None:
+        if not 0 <= int(bos) < len(tokens):
+            raise BuildError(f"tokenizer.ggml.bos_token_id {bos} is outside the GGUF's {len(tokens)} tokens; the file "
+                             f"is damaged: use the model's Hugging Face folder (with tokenizer.json) instead")
         bos_token = respell(tokens[bos])
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, int(bos))]

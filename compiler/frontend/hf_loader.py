@@ -5,10 +5,13 @@ transformers applies when a key is absent, and reading (possibly sharded) safete
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
 import os
+
+import torch
 
 from compiler.errors import BuildError
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
@@ -30,13 +33,14 @@ def load_hf_folder(path: str) -> LoadedModel:
     generation_path = os.path.join(folder, "generation_config.json")
     generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
     config = decoder_config_from_hf(hf_config, generation, config_path)
-    weight_paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not weight_paths:
-        raise BuildError(
-            f"{folder}: no *.safetensors files; only safetensors weights are read "
-            f"(convert pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))."
-        )
-    state_dict = _read_safetensors(weight_paths, config)
+    weight_paths = _weight_files(folder)
+    state_dict = _read_safetensors(weight_paths)
+    head, table = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
+    if config.tie_word_embeddings and head is not None:
+        if table is not None and head.shape == table.shape and torch.equal(head, table):
+            del state_dict["lm_head.weight"]  # some checkpoints save the tied head anyway
+        else:  # as transformers does: the checkpoint's own head is used, so the model is not tied after all
+            config = dataclasses.replace(config, tie_word_embeddings=False)
     check_state_dict(config, state_dict, folder)
     tokenizer_path = os.path.join(folder, "tokenizer.json")
     tokenizer_json = None
@@ -62,9 +66,11 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise BuildError(f"{origin}: hidden_act {hf['hidden_act']!r} is not supported; the MLP is SiLU-gated.")
-    # transformers 5 moved rope_theta and rope_scaling into rope_parameters; read either spelling.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # transformers 5 moved rope_theta and rope_scaling into rope_parameters; read either spelling. A rope_scaling
+    # given beside rope_parameters wins, as in transformers.
+    parameters, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    rope = {**parameters, **scaling}
+    rope_type = (scaling or parameters).get("rope_type", (scaling or parameters).get("type", "default"))
     if rope_type != "default":
         raise BuildError(f"{origin}: rope scaling {rope_type!r} is not supported; the decoder uses plain RoPE.")
     try:
@@ -85,11 +91,21 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf.get("eos_token_id"), generation.get("eos_token_id")),
             architecture=model_type,
+            sliding_window=_sliding_window(hf, model_type),
         )
     except KeyError as error:
         raise BuildError(f"{origin}: required key {error.args[0]!r} is missing.")
     except (TypeError, ValueError) as error:
         raise BuildError(f"{origin}: invalid model config: {error}")
+
+
+def _sliding_window(hf: dict, model_type: str) -> int | None:
+    """The attention window in tokens, when the model uses one (Mistral's sliding_window; Qwen2's with
+    use_sliding_window); None for full attention."""
+    window = hf.get("sliding_window")
+    if window is None or (model_type == "qwen2" and not hf.get("use_sliding_window", False)):
+        return None
+    return int(window)
 
 
 def _eos_ids(*values) -> tuple[int, ...]:
@@ -102,7 +118,30 @@ def _eos_ids(*values) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _read_safetensors(paths: list[str], config: DecoderConfig) -> dict:
+def _weight_files(folder: str) -> list[str]:
+    """The checkpoint's safetensors files: those its index lists, else model*.safetensors, else every *.safetensors
+    (a folder may also hold another format's copy, e.g. Mistral's consolidated.safetensors)."""
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise BuildError(f"{index_path}: no weight_map; re-download the model")
+        paths = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+        missing = [path for path in paths if not os.path.isfile(path)]
+        if missing:
+            raise BuildError(f"{missing[0]}: listed in model.safetensors.index.json but missing; download it")
+        return paths
+    paths = sorted(glob.glob(os.path.join(folder, "model*.safetensors"))) or \
+        sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not paths:
+        raise BuildError(
+            f"{folder}: no *.safetensors files; only safetensors weights are read "
+            f"(convert pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))."
+        )
+    return paths
+
+
+def _read_safetensors(paths: list[str]) -> dict:
     from safetensors.torch import load_file
 
     state_dict = {}
@@ -112,18 +151,19 @@ def _read_safetensors(paths: list[str], config: DecoderConfig) -> dict:
         except Exception as error:  # a truncated or foreign file: say which one
             raise BuildError(f"{path}: cannot read safetensors ({error}). Re-download the file.")
         state_dict.update({name: tensor.float() for name, tensor in tensors.items()})
-    # Some checkpoints save the tied head anyway, and old ones saved RoPE's inverse frequencies as a buffer.
-    if config.tie_word_embeddings:
-        state_dict.pop("lm_head.weight", None)
+    # Old checkpoints saved RoPE's inverse frequencies as a buffer.
     return {name: t for name, t in state_dict.items() if not name.endswith("rotary_emb.inv_freq")}
 
 
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, json.JSONDecodeError) as error:
+            data = json.load(handle)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
         raise BuildError(f"{path}: cannot read JSON ({error}).")
+    if not isinstance(data, dict):
+        raise BuildError(f"{path}: expected a JSON object, found a {type(data).__name__}.")
+    return data
 
 
 def _file_record(folder: str, path: str) -> dict:

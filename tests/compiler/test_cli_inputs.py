@@ -3,6 +3,7 @@ half-written: user text is printed as it is, recipe values are range-checked, da
 output paths are checked before the work they would receive."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -207,3 +208,25 @@ def test_bench_refuses_a_rate_without_poisson_arrivals(capsys, tiny_artifact, tm
     status, output = run_cli(capsys, "bench", tiny_artifact, "--requests", "2", "--rate", "3",
                              "--out", tmp_path / "b.json")
     assert status == 2 and "--rate applies to --arrival poisson, not" in output, output
+
+
+def test_calibration_longer_than_the_cache_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    recipe = tiny_recipe(tmp_path, "  - pack_projections", "  - pack_projections\n  - quantize:\n      calibration: {}")
+    status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
+    assert status == 2 and "passes[6] (quantize): calibration.length 256 exceeds export.max_context (128)" in output
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(capsys, tmp_path):
+    from compiler.frontend.random_init import random_model
+    from tests.compiler.test_frontend import TINY, write_hf_folder
+
+    config = dataclasses.replace(TINY, architecture="mistral")
+    original = random_model(config, 0)
+    write_hf_folder(tmp_path / "m", config, original.state_dict, model_type="mistral", sliding_window=64)
+    (tmp_path / "m" / "tokenizer.json").write_text(original.tokenizer_json)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: swa\nmodel: {{source: hf, path: {tmp_path / 'm'}}}\nexport: {{max_context: 128}}\n"
+                      f"passes: [cleanup]\n")
+    status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
+    assert status == 2 and "sliding window of 64 tokens" in output and "export.max_context to 64" in output, output

@@ -335,3 +335,61 @@ def test_smollm2_weights_generate_sensible_text(smollm2):
     continuation = tokenizer.decode(out[0, ids.shape[1]:].tolist())
     print(f"{prompt!r} -> {continuation!r}")
     assert "Paris" in continuation
+
+
+# --- what transformers does with unusual checkpoints, the loader does too, or refuses ---------------------------
+def test_a_tied_config_with_its_own_lm_head_keeps_that_head_as_transformers_does(tmp_path):
+    untied = dataclasses.replace(TINY, tie_word_embeddings=False)
+    original = random_model(untied, seed=3)
+    write_hf_folder(tmp_path / "m", untied, original.state_dict, tie_word_embeddings=True)
+    loaded = load_hf_folder(str(tmp_path / "m"))
+    assert not loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.state_dict["lm_head.weight"], original.state_dict["lm_head.weight"])
+    tied = random_model(TINY, seed=3)  # a head equal to the table is the tied head, saved anyway: dropped
+    state = {**tied.state_dict, "lm_head.weight": tied.state_dict["model.embed_tokens.weight"].clone()}
+    write_hf_folder(tmp_path / "t", dataclasses.replace(TINY, tie_word_embeddings=True), state)
+    loaded = load_hf_folder(str(tmp_path / "t"))
+    assert loaded.config.tie_word_embeddings and "lm_head.weight" not in loaded.state_dict
+
+
+def test_rope_scaling_beside_rope_parameters_is_read_and_refused(tmp_path):
+    write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict,
+                    rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+                    rope_scaling={"rope_type": "linear", "factor": 4.0})
+    with pytest.raises(BuildError, match=r"rope scaling 'linear' is not supported"):
+        load_hf_folder(str(tmp_path / "m"))
+
+
+@pytest.mark.parametrize("overrides, window", [
+    (dict(model_type="mistral", sliding_window=8), 8), (dict(model_type="mistral", sliding_window=None), None),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8), 8),
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=8), None),
+])
+def test_a_sliding_window_is_read(tmp_path, overrides, window):
+    config = dataclasses.replace(TINY, architecture=overrides["model_type"],
+                                 attention_bias=overrides["model_type"] == "qwen2")
+    write_hf_folder(tmp_path / "m", config, random_model(config, 0).state_dict, **overrides)
+    assert load_hf_folder(str(tmp_path / "m")).config.sliding_window == window
+
+
+def test_the_safetensors_index_names_the_files_and_a_missing_shard(tmp_path):
+    original = random_model(TINY, seed=1)
+    folder = tmp_path / "m"
+    write_hf_folder(folder, TINY, original.state_dict)
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(folder / "consolidated.safetensors"))
+    assert set(load_hf_folder(str(folder)).state_dict) == set(original.state_dict)  # model*.safetensors only
+    names = sorted(original.state_dict)
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in names[::2]}
+    weight_map.update({n: "model-00002-of-00002.safetensors" for n in names[1::2]})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert set(load_hf_folder(str(folder)).state_dict) == set(original.state_dict)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(BuildError, match=r"model-00002-of-00002.safetensors: listed in model.safetensors.index.json"):
+        load_hf_folder(str(folder))
+
+
+def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
+    write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict)
+    (tmp_path / "m" / "config.json").write_text("[1, 2]")
+    with pytest.raises(BuildError, match="expected a JSON object, found a list"):
+        load_hf_folder(str(tmp_path / "m"))

@@ -81,11 +81,12 @@ def test_calibration_text_too_short_fails_before_any_artifact(tiny_recipe, tmp_p
     text = tmp_path / "short.txt"
     text.write_text("A short text.\n\n" * 20)
     recipe = quantized_recipe(tiny_recipe, {"quantize": {**QUANTIZE["quantize"],
-                                                         "calibration": {"text": str(text), "samples": 64}}})
+                                                         "calibration": {"text": str(text), "samples": 64,
+                                                                         "length": 32}}})
     with pytest.raises(BuildError, match=r"calibration: calibration text has \d+ tokens: too short for 64 samples"):
         build(recipe, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    missing = dataclasses.replace(CalibrationSpec(), text=str(tmp_path / "nope.txt"))
+    missing = dataclasses.replace(CalibrationSpec(), text=str(tmp_path / "nope.txt"), length=32)
     recipe = quantized_recipe(tiny_recipe, {"quantize": {**QUANTIZE["quantize"],
                                                          "calibration": dataclasses.asdict(missing)}})
     with pytest.raises(BuildError, match="calibration.text: .*nope.txt' is neither 'pydoc'"):

@@ -113,7 +113,7 @@ def test_matmulnbits_in_onnxruntime_matches_the_numpy_reference(name):
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LM_HEAD = "/decoder/MatMul"  # this export spells lm_head as a MatMul on a transposed copy of the embedding
+LM_HEAD = "/decoder/lm_head/MatMul"  # the export names the output projection after lm_head (compiler/export.py)
 
 
 def test_int8_decoder_keeps_logits_close_and_every_projection_becomes_matmulnbits(decoder_graphs):  # noqa: F811
@@ -242,3 +242,10 @@ def test_a_block_larger_than_k_is_the_power_of_two_that_holds_k(bits, option):
     assert sizes[128] == sizes[256] == sizes[64]
     with pytest.raises(PassError, match="from 16 to 256"):
         quantize.run(matmul_model(weight), quantize.Options(bits=bits, **{option: 512}))
+
+
+def test_the_lm_head_is_selected_by_its_name(decoder_graphs):  # noqa: F811
+    _, report = quantize.run(decoder_graphs["decode"], quantize.Options(
+        bits=4, overrides=(quantize.Override("*lm_head*", bits=8),)))
+    head = [layer for layer in report["layers"] if "lm_head" in layer["node"]]
+    assert [(layer["node"], layer["bits"]) for layer in head] == [(LM_HEAD, 8)]
