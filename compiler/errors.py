@@ -15,29 +15,26 @@ class UsageError(BuildError):
 
 def check_output_file(path: str | None, flag: str) -> None:
     """Raise UsageError unless `path` can be written as a file: checked before the work, not after it."""
-    import os
     from pathlib import Path
 
     if not path:
         return
-    out = Path(path)
-    if out.is_dir():
-        raise UsageError(f"{flag} {path}: is a folder; give a file name, e.g. {out / 'results.json'}")
-    ancestor = out.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise UsageError(f"{flag} {path}: {ancestor} is a file, not a folder; choose another path")
-    if not os.access(ancestor, os.W_OK):
-        raise UsageError(f"{flag} {path}: {ancestor} is not writable; choose another path")
+    if Path(path).is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name, e.g. {Path(path) / 'results.json'}")
+    _check_writable_ancestor(Path(path).parent, path, flag)
 
 
 def check_output_folder(path: str, flag: str) -> None:
     """Raise UsageError unless `path` is, or can be made, a writable folder."""
-    import os
     from pathlib import Path
 
-    folder = Path(path)
+    _check_writable_ancestor(Path(path), path, flag)
+
+
+def _check_writable_ancestor(folder, path: str, flag: str) -> None:
+    """The nearest existing folder at or above `folder` must be a writable folder (the rest gets created)."""
+    import os
+
     ancestor = folder
     while not ancestor.exists():
         ancestor = ancestor.parent
