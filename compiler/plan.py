@@ -2,8 +2,8 @@
 
 Everything is counted from the model's config (no weights are read): parameters, weight bytes at each
 precision, KV-cache bytes, the largest batch that fits, and lower bounds on time — prefill as compute-bound
-(2 x params x prompt FLOPs at the device's peak), decode as bandwidth-bound (every weight byte and every
-cached KV byte read once per step). Real kernels reach some fraction of these peaks; the bounds say where
+(2 x projection params x prompt FLOPs at the device's peak), decode as bandwidth-bound (every weight byte, but
+for an untied embedding table, and every cached KV byte read once per step). Real kernels reach some fraction of these peaks; the bounds say where
 the floor is, not what a run will take. An artifact is planned as built: its weight and KV-cache dtypes are
 the defaults, and its weight bytes are its manifest's; a recipe's quantized weights or cache are its defaults too.
 On `cpu`, an artifact's decode steps are also timed.
@@ -48,6 +48,7 @@ KV_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
 INT4_BLOCK, INT4_SCALE_BYTES = 32, 2  # one fp16 scale per 32 weights: +2/32 = 0.0625 bytes per parameter
 CACHE_FILE = Path.home() / ".cache" / "aotlm" / "cpu.json"
 AS_BUILT = "the artifact's weights file"  # where an artifact's planned weight bytes come from
+RECIPE_QUANTIZE = "the recipe's quantize options"  # a recipe's: its blocks, scales and embedding choice
 NOT_COUNTED = "activations, workspace (GEMM/attention scratch), CUDA context / runtime, fragmentation"
 
 
@@ -132,7 +133,7 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
         else:
             config = _hf_config(Path(spec.path) / "config.json")
         return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context,
-                        **quantized_dtypes(recipe.to_dict()["passes"])}
+                        "backend": recipe.backend.name, **quantized_dtypes(recipe.to_dict()["passes"])}
     if p.is_file() and p.suffix == ".gguf":
         return _gguf_config(str(p)), {"kind": "gguf", "path": str(p)}
     if p.is_file() and p.suffix == ".json":
@@ -186,16 +187,36 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
 
 
 def quantized_dtypes(passes: list) -> dict:
-    """{"dtype": "int4"/"int8"} from a resolved recipe's quantize pass, {"kv_dtype": "int8"} from quantize_kv_cache."""
+    """{"dtype": "int4"/"int8", "quantize": its options} from a resolved recipe's quantize pass, {"kv_dtype": "int8"}
+    from quantize_kv_cache."""
     found = {}
     for entry in passes:  # each {pass name: options}, as Recipe.to_dict() and manifests write them
         for name, options in (entry.items() if isinstance(entry, dict) else ()):
             bits = options.get("bits") if isinstance(options, dict) else None
             if name == "quantize" and bits in (4, 8):
-                found["dtype"] = f"int{bits}"
+                found["dtype"], found["quantize"] = f"int{bits}", options
             elif name == "quantize_kv_cache" and bits == 8:
                 found["kv_dtype"] = "int8"
     return found
+
+
+def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, scale_bytes: int) -> float:
+    """Bytes of a recipe's quantized weights as the quantize pass stores them: codes, one scale per block (INT4: the
+    recipe's block, at most the power of two holding K; INT8 on MatMulNBits: per int8_kernel_block, else per
+    channel), a zero point per block when asymmetric, the norms in float, and the embedding table in float unless
+    `embedding: quantized` (a tied table then also serves the lm_head)."""
+    bits, block = options.get("bits", 4), options.get("block_size", INT4_BLOCK)
+    if bits == 8:
+        block = options.get("int8_kernel_block") or config.hidden_size
+    block = min(block, max(16, 1 << (config.hidden_size - 1).bit_length()))
+    per_param = bits / 8 + scale_bytes / block + (0.5 / block if bits == 4 and not options.get("symmetric", True) else 0)
+    products = counts["attention"] + counts["mlp"] + config.vocab_size * config.hidden_size  # lm_head, tied or not
+    table = counts["embedding"]
+    if options.get("embedding", "float") == "quantized":
+        stored_table = 0 if config.tie_word_embeddings else table * per_param  # tied: the lm_head's codes, shared
+    else:
+        stored_table = table * 4  # float32, gathered as is
+    return products * per_param + stored_table + counts["norms"] * 4
 
 
 def count_params(c: DecoderConfig) -> dict:
@@ -216,6 +237,12 @@ def prefill_flops(counts: dict, config: DecoderConfig, tokens: int) -> float:
 def weight_bytes(params: int) -> dict:
     sizes = {p: params * b for p, b in WEIGHT_BYTES.items()}
     return sizes | {"int4": params * (0.5 + INT4_SCALE_BYTES / INT4_BLOCK), "int4_no_scales": params * 0.5}
+
+
+def decode_weight_bytes(weights: float, config: DecoderConfig, counts: dict) -> float:
+    """The weight bytes a decode step reads: all, but for an untied embedding table, of which it gathers one row per
+    sequence (a tied table is read whole, as the lm_head). The table's share is its share of the parameters."""
+    return weights if config.tie_word_embeddings else weights * (1 - counts["embedding"] / counts["total"])
 
 
 def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: str | None = None,
@@ -244,14 +271,22 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     params = count_params(config)
     weights = weight_bytes(params["total"])
     as_built = info["kind"] == "artifact" and precision == info["dtype"] and "weight_bytes" in info
-    w = info["weight_bytes"] if as_built else weights[precision]
+    from_recipe = not as_built and "quantize" in info and precision == info.get("dtype")
+    if as_built:
+        w = info["weight_bytes"]
+    elif from_recipe:  # onnxruntime's CPU graphs keep float32 scales; GPU graphs the fp16 activations' type
+        w = quantized_weight_bytes(params, config, info["quantize"], 4 if info.get("backend") == "onnxruntime" else 2)
+    else:
+        w = weights[precision]
+    step_bytes = decode_weight_bytes(w, config, params)
+    products = params["attention"] + params["mlp"] + config.vocab_size * config.hidden_size
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
     kv_request, kv_total = kv_token * context, kv_token * context * concurrency
     usable = headroom * dev["memory"]
     # GPU compute peaks: fp16/bf16 and int4 (weight-only, matmuls in fp16) use FP16 Tensor; int8 uses INT8 Tensor
     # (W8A8); fp32 uses TF32 Tensor, half FP16's rate on all of these parts. cpu: measured fp32 matmul for all.
     peak = dev["fp32"] if not gpu else dev["int8"] if precision == "int8" else dev["fp16"] / (1 + (precision == "fp32"))
-    memory_s, compute_s = (w + kv_total) / dev["bandwidth"], 2 * params["total"] * concurrency / peak
+    memory_s, compute_s = (step_bytes + kv_total) / dev["bandwidth"], 2 * products * concurrency / peak
     result = {
         "model": {"source": info, "architecture": config.architecture, "layers": config.num_layers,
                   "hidden": config.hidden_size, "heads": config.num_heads, "kv_heads": config.num_kv_heads,
@@ -262,21 +297,24 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         "inputs": {"precision": precision, "kv_dtype": kv_dtype, "context": context, "concurrency": concurrency,
                    "prompt": prompt, "headroom": headroom},
         "params": params, "weight_bytes": weights, "weights": w,
-        "weights_from": AS_BUILT if as_built else f"params x {precision} bytes",
+        "weights_from": AS_BUILT if as_built else RECIPE_QUANTIZE if from_recipe else f"params x {precision} bytes",
         "kv": {"bytes_per_token": kv_token, "per_request": kv_request, "total": kv_total},
         "memory": {"total": w + kv_total, "usable": usable, "fits": w + kv_total <= usable,
                    "max_concurrency": max(0, int((usable - w) // kv_request)), "not_counted": NOT_COUNTED},
         "bounds": {"prefill_s": prefill_flops(params, config, prompt) / peak,
-                   "decode_token_s": (w + kv_request) / dev["bandwidth"], "decode_step_s": max(memory_s, compute_s),
+                   "decode_token_s": (step_bytes + kv_request) / dev["bandwidth"],
+                   "decode_step_s": max(memory_s, compute_s),
                    "decode_tokens_per_s": concurrency / max(memory_s, compute_s),
                    "decode_bound": "bandwidth" if memory_s >= compute_s else "compute"},
         "assumptions": [
             f"decimal GB (1e9 bytes), as vendors publish memory sizes; usable = {headroom:.0%} of device memory",
             f"int4: one fp16 scale per {INT4_BLOCK} weights (+{INT4_SCALE_BYTES / INT4_BLOCK} B/param), all tensors "
             "quantized incl. embeddings; int8 per-channel scales ignored",
-            "prefill: 2 x params x prompt FLOPs at peak (attention's context-dependent FLOPs not counted)",
-            "decode: all weights + every sequence's KV cache at the full context read once per step, at peak "
-            "bandwidth (or compute-bound at 2 x params x concurrency FLOPs, whichever is slower)",
+            "prefill: 2 x (attention + MLP projection params) x prompt + 2 x vocab x hidden (last-token logits) FLOPs "
+            "at peak (attention's context-dependent FLOPs not counted)",
+            "decode: all weights (an untied embedding table: one row) + every sequence's KV cache at the full "
+            "context read once per step, at peak bandwidth (or compute-bound at 2 x projection params x concurrency "
+            "FLOPs, whichever is slower)",
             "GPU peaks are dense datasheet figures (not sparsity); fp32 runs at TF32 rate, int8 as W8A8, int4 as "
             "weight-only fp16 matmuls" if gpu else "cpu: measured fp32 onnxruntime MatMul rate for every precision"],
         "warnings": []}
@@ -299,7 +337,8 @@ def measure_artifact(info: dict, config: DecoderConfig, dev: dict, context: int)
     result = engine.generate(ids, max_new_tokens=17, stop_token_ids=())
     measured = statistics.median(result.timings.itl_s)
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[info["kv_dtype"]]
-    weights = info.get("weight_bytes") or weight_bytes(count_params(config)["total"])[info["dtype"]]
+    counts = count_params(config)
+    weights = decode_weight_bytes(info.get("weight_bytes") or weight_bytes(counts["total"])[info["dtype"]], config, counts)
     predicted = (weights + kv_token * (n + 9)) / dev["bandwidth"]
     return {"prompt_tokens": n, "steps": len(result.timings.itl_s), "measured_s": measured, "predicted_s": predicted,
             "ratio": measured / predicted, "dtypes": f"{info['dtype']} weights, {info['kv_dtype']} KV (the artifact's)"}
@@ -331,16 +370,17 @@ def render(p: dict, console) -> None:
     head = f"head {pc['lm_head'] / 1e6:.0f}M" if pc["lm_head"] else "head tied"
     table.add_row("parameters", f"{pc['total'] / 1e9:.3f} B", f"embed {pc['embedding'] / 1e6:.0f}M, attn "
                   f"{pc['attention'] / 1e6:.0f}M, mlp {pc['mlp'] / 1e6:.0f}M, {head}")
-    chosen = None if p["weights_from"] == AS_BUILT else i["precision"]
+    chosen = None if p["weights_from"] in (AS_BUILT, RECIPE_QUANTIZE) else i["precision"]
     for name, size in p["weight_bytes"].items():
         label = "int4 (no scales)" if name == "int4_no_scales" else name
         table.add_row(f"weights {label}", _gb(size), "params x " + (
             f"{0.5 + INT4_SCALE_BYTES / INT4_BLOCK} B" if name == "int4" else f"{WEIGHT_BYTES.get(name, 0.5)} B")
             + (" (chosen)" if chosen == name else ""), style="bold" if chosen == name else None)
-    if p["weights_from"] == AS_BUILT:
-        table.add_row("weights as built", _gb(p["weights"]), f"{AS_BUILT} (chosen)", style="bold")
+    if p["weights_from"] in (AS_BUILT, RECIPE_QUANTIZE):
+        label = "weights as built" if p["weights_from"] == AS_BUILT else f"weights {i['precision']} as the recipe stores them"
+        table.add_row(label, _gb(p["weights"]), f"{p['weights_from']} (chosen)", style="bold")
     table.add_section()
-    table.add_row("KV cache / token", f"{kv['bytes_per_token'] / 1024:,.1f} KiB", "2 x layers x kv_heads x head_dim"
+    table.add_row("KV cache / token", f"{kv['bytes_per_token'] / 1024:,.2f} KiB", "2 x layers x kv_heads x head_dim"
                   f" x {KV_BYTES[i['kv_dtype']]} B")
     table.add_row("KV cache / request", _gb(kv["per_request"]), f"x context {i['context']}")
     table.add_row("KV cache total", _gb(kv["total"]), f"x concurrency {i['concurrency']}")
