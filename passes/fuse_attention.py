@@ -112,9 +112,11 @@ def _scores(softmax: gs.Node) -> tuple[gs.Node, float] | SkipReason:
     return SkipReason("Softmax input does not come from MatMul(q, kT) through scale and mask")
 
 
-def _value_matmul(softmax: gs.Node) -> gs.Node | SkipReason:
+def _value_matmul(softmax: gs.Node, graph_outputs: set[str]) -> gs.Node | SkipReason:
     tensor = softmax.outputs[0]
     while True:
+        if tensor.name in graph_outputs:  # the fused node would not produce it: the unfused attention would stay
+            return SkipReason(f"the attention probabilities '{tensor.name}' are a graph output")
         consumers = tensor.outputs
         if len(consumers) != 1:
             return SkipReason(f"Softmax output has {len(consumers)} consumers, expected the value MatMul only")
@@ -224,12 +226,12 @@ def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tenso
     return chain[-1], writer, writer.inputs[0]
 
 
-def match(softmax: gs.Node) -> Match | SkipReason:
+def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | SkipReason:
     scores = _scores(softmax)
     if isinstance(scores, SkipReason):
         return scores
     qk, scale = scores
-    pv = _value_matmul(softmax)
+    pv = _value_matmul(softmax, graph_outputs)
     if isinstance(pv, SkipReason):
         return pv
     o_proj = _o_proj(pv)
@@ -340,7 +342,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     nodes_before = len(graph.nodes)
     layers, matches = [], []
     for softmax in [n for n in graph.nodes if n.op == "Softmax"]:
-        found = match(softmax)
+        found = match(softmax, {t.name for t in graph.outputs})
         if isinstance(found, SkipReason):
             layers.append({"layer": layer_name(softmax), "fused": False, "reason": str(found)})
         elif options.max_rewrites is not None and len(matches) >= options.max_rewrites:

@@ -90,12 +90,14 @@ def fold_query_scale(graph: onnx.GraphProto, node: onnx.NodeProto, scale: float,
     query = node.input[0]
     packed = len(node.input) > 2 and not node.input[1] and not node.input[2]
     producer = next((n for n in graph.node if query in n.output), None)
-    consumers = sum(name == query for n in graph.node for name in n.input)
+    # A graph output is a reader too: scaling the weight would change what it returns.
+    consumers = sum(name == query for n in graph.node for name in n.input) + sum(o.name == query for o in graph.output)
     initializers = {t.name: t for t in graph.initializer}
     weight = None
     if producer is not None and producer.op_type == "MatMul" and producer.domain == "" and consumers == 1:
         candidate = initializers.get(producer.input[1])
-        readers = sum(name == producer.input[1] for n in graph.node for name in n.input)
+        readers = sum(name == producer.input[1] for n in graph.node for name in n.input) + \
+            sum(o.name == producer.input[1] for o in graph.output)
         if candidate is not None and len(candidate.dims) == 2 and readers == 1:
             weight = candidate
     if weight is not None and (weight.dims[1] == query_width or packed):

@@ -230,3 +230,24 @@ def test_the_pass_leaves_its_input_untouched(decoder_graphs):
     assert model.SerializeToString() == before
     assert [o.domain for o in fused.opset_import].count("aotlm") == 1
     assert "aotlm" not in [o.domain for o in lowered.opset_import]
+
+
+def test_a_query_that_is_a_graph_output_keeps_its_value(decoder_graphs):
+    """The q projection's output is also a graph output: folding the softmax scale into its weight would change
+    what the graph returns, so a Mul scales q instead."""
+    fused = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())[0]
+    attention = next(n for n in fused.graph.node if n.op_type == "FlashAttention")
+    fused.graph.output.append(onnx.helper.make_tensor_value_info(attention.input[0], onnx.TensorProto.FLOAT, None))
+    _, report = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"mul": 1, "weight": CONFIG.num_layers - 1}
+
+
+def test_attention_probabilities_that_are_a_graph_output_are_not_fused_away(decoder_graphs):
+    model = onnx.ModelProto()
+    model.CopyFrom(decoder_graphs["prefill"])
+    softmax = next(n for n in model.graph.node if n.op_type == "Softmax")
+    model.graph.output.append(onnx.helper.make_tensor_value_info(softmax.output[0], onnx.TensorProto.FLOAT, None))
+    _, report = fuse_attention.run(model, fuse_attention.Options())
+    unfused = [layer for layer in report["layers"] if not layer["fused"]]
+    assert len(unfused) == 1 and "are a graph output" in unfused[0]["reason"]
+    assert report["fused"] == CONFIG.num_layers - 1
