@@ -318,6 +318,9 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
             "GPU peaks are dense datasheet figures (not sparsity); fp32 runs at TF32 rate, int8 as W8A8, int4 as "
             "weight-only fp16 matmuls" if gpu else "cpu: measured fp32 onnxruntime MatMul rate for every precision"],
         "warnings": []}
+    if info["kind"] == "artifact" and context > (info.get("context") or context):
+        result["warnings"].append(f"context {context} exceeds this artifact's cache ({info['context']} tokens): it "
+                                  f"serves at most {info['context']}; rebuild with a larger export.max_context")
     if info["kind"] == "artifact" and not gpu and measure and info["backend"] != "onnxruntime":
         result["warnings"].append(f"not timed: this artifact's {info['backend']} engines run on a GPU, not on cpu")
     elif info["kind"] == "artifact" and not gpu and measure:

@@ -216,3 +216,16 @@ def test_a_tensorrt_artifact_is_planned_on_cpu_but_not_timed(tmp_path, fake_cpu,
     result = plan(str(tmp_path), device="cpu")
     assert "measured" not in result and any("tensorrt engines run on a GPU" in w for w in result["warnings"])
     assert result["inputs"]["precision"] == "fp16" and result["inputs"]["kv_dtype"] == "fp16"
+
+
+def test_a_context_past_an_artifacts_cache_is_warned_about(tmp_path):
+    manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x", "recipe": {"export": {"dtype": "float32"}},
+                "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+                                     "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                                     "max_position_embeddings": 256}},
+                "kv_cache": {"max_context": 128, "dtype": "float32"},
+                "tokenizer": {}, "engines": {}, "backend": {"name": "onnxruntime"}, "files": {}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert any("exceeds this artifact's cache (128 tokens)" in w
+               for w in plan(str(tmp_path), device="H100", context=200)["warnings"])
+    assert plan(str(tmp_path), device="H100", context=128)["warnings"] == []
