@@ -25,6 +25,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
+from passes.attention_mask_probe import check_masks
 from passes.errors import PassError
 
 THROUGH_CACHE_READ = {"Transpose", "Unsqueeze", "Reshape", "Expand", "Slice", "Identity", "Cast"}
@@ -53,6 +54,7 @@ class Match:
     key_writer: gs.Node | None  # the ScatterElements that wrote present_key (disconnected on rewrite)
     value_writer: gs.Node | None
     o_proj: gs.Node
+    mask: gs.Tensor | None  # the additive mask, checked by running it (passes/attention_mask_probe.py)
     num_heads: int
     kv_num_heads: int
     scale: float
@@ -86,15 +88,15 @@ def layer_name(node: gs.Node) -> str:
     return f"layers.{found.group(1)}" if found else (node.name or "attention")
 
 
-def _scores(softmax: gs.Node) -> tuple[gs.Node, float] | SkipReason:
-    """Softmax input back to MatMul(q, kT): through Add(mask) and Mul/Div by a scalar; returns (MatMul, scale)."""
-    tensor, scale = softmax.inputs[0], 1.0
+def _scores(softmax: gs.Node) -> tuple[gs.Node, float, gs.Tensor | None] | SkipReason:
+    """Softmax input back to MatMul(q, kT): through Add(mask) and Mul/Div by a scalar; returns (MatMul, scale, mask)."""
+    tensor, scale, mask = softmax.inputs[0], 1.0, None
     for _ in range(4):
         node = producer(tensor)
         if node is None:
             break
         if node.op == "MatMul":
-            return node, scale
+            return node, scale, mask
         if node.op in ("Mul", "Div"):
             values = [constant(t) for t in node.inputs]
             scalar = next((v for v in values if v is not None and v.size == 1), None)
@@ -105,6 +107,7 @@ def _scores(softmax: gs.Node) -> tuple[gs.Node, float] | SkipReason:
         elif node.op == "Add":  # the mask: continue along the operand that leads to the scores
             tensor = next((t for t in node.inputs if producer(t) is not None and producer(t).op in ("Mul", "Div", "MatMul")),
                           node.inputs[0])
+            mask = next(t for t in node.inputs if t is not tensor)
         elif node.op in ("Cast", "Identity"):
             tensor = node.inputs[0]
         else:
@@ -230,7 +233,7 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
     scores = _scores(softmax)
     if isinstance(scores, SkipReason):
         return scores
-    qk, scale = scores
+    qk, scale, mask = scores
     pv = _value_matmul(softmax, graph_outputs)
     if isinstance(pv, SkipReason):
         return pv
@@ -264,7 +267,7 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
     if q_width % head_dim or k_width % head_dim or k_width != v_width:
         return SkipReason(f"projection widths q={q_width} k={k_width} v={v_width} do not fit head_dim {head_dim}")
     return Match(layer_name(o_proj), query, key_tensor, value_tensor, past_key, past_value, key_writer, value_writer,
-                 o_proj, q_width // head_dim, k_width // head_dim, scale, inv_freq, scaling)
+                 o_proj, mask, q_width // head_dim, k_width // head_dim, scale, inv_freq, scaling)
 
 
 class SharedInputs:
@@ -351,6 +354,17 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             matches.append(found)
             layers.append({"layer": found.layer, "fused": True, "num_heads": found.num_heads,
                            "kv_num_heads": found.kv_num_heads, "cache": found.past_key is not None})
+    # The fused node masks causally: a mask that computes more (a window, a bias) keeps its layer unfused.
+    verdicts = check_masks(graph, [found.mask for found in matches if found.mask is not None])
+    for found, layer in zip(matches, [layer for layer in layers if layer["fused"]]):
+        verdict = verdicts.get(found.mask.name) if found.mask is not None else None
+        if verdict is not None and verdict.startswith("unchecked"):
+            layer["mask"] = verdict
+        elif verdict is not None:
+            layer.update({"fused": False, "reason": verdict})
+            layer.pop("num_heads"), layer.pop("kv_num_heads"), layer.pop("cache")
+    matches = [found for found in matches if found.mask is None or found.mask.name not in verdicts
+               or verdicts[found.mask.name] is None or verdicts[found.mask.name].startswith("unchecked")]
     unfused = [layer for layer in layers if not layer["fused"]]
     if options.required and (unfused or not layers):
         first = unfused[0] if unfused else {"layer": "graph", "reason": "no Softmax (attention) found"}

@@ -186,7 +186,14 @@ def hf_traced():
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
                          attn_implementation="eager", use_cache=False)
     model = LlamaForCausalLM(config).eval()
+    ids, mask = torch.randint(0, 300, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits.numpy()
+    return trace_hf(model, ids, mask), ids.numpy(), mask.numpy(), expected
 
+
+def trace_hf(model, ids, mask) -> onnx.ModelProto:
+    """A transformers causal LM's logits, traced with torch.onnx (TorchScript, opset 21) and cleaned up."""
     class LogitsOnly(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -195,16 +202,42 @@ def hf_traced():
         def forward(self, input_ids, attention_mask):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
-    ids, mask = torch.randint(0, 300, (2, 7)), torch.ones(2, 7, dtype=torch.long)
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(LogitsOnly(), (ids, mask), buffer, dynamo=False, opset_version=21,
                           input_names=["input_ids", "attention_mask"], output_names=["logits"],
                           dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"}})
-    with torch.no_grad():
-        expected = model(ids, attention_mask=mask).logits.numpy()
-    return cleanup.run(onnx.load_from_string(buffer.getvalue()), cleanup.Options())[0], ids.numpy(), mask.numpy(), expected
+    return cleanup.run(onnx.load_from_string(buffer.getvalue()), cleanup.Options())[0]
+
+
+def test_a_sliding_window_mask_is_not_fused_as_causal_attention():
+    """Mistral with a 3-token window: its traced mask hides keys a causal mask keeps. The probe runs the mask and
+    keeps the layers unfused (before, both were reported fused and the logits changed by 0.4)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                           sliding_window=3, attn_implementation="eager", use_cache=False)
+    model = trace_hf(MistralForCausalLM(config).eval(), torch.randint(0, 300, (1, 9)), torch.ones(1, 9, dtype=torch.long))
+    _, report = fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=128))
+    assert report["fused"] == 0 and {layer["reason"] for layer in report["layers"]} == {
+        "the additive mask hides keys at or before the query that a causal mask keeps (e.g. a sliding window)"}
+    with pytest.raises(PassError, match="sliding window"):
+        fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=128, required=True))
+
+
+def test_the_probe_tells_causal_masks_from_biases_and_windows():
+    from passes.attention_mask_probe import _judge
+
+    causal = np.triu(np.full((6, 6), -np.inf), 1)[None, None]
+    assert _judge(causal, 6) is None
+    assert "bias" in _judge(causal + np.tril(np.arange(6)[None, :] - np.arange(6)[:, None] * 0.5), 6)
+    window = causal.copy()
+    window[..., 5, 0] = -np.inf
+    assert "sliding window" in _judge(window, 6)
+    assert "not causal" in _judge(np.zeros((1, 1, 6, 6)), 6)
 
 
 @pytest.mark.parametrize("target", LOWERINGS)
