@@ -32,8 +32,7 @@ import onnxruntime as ort
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
+from generate import REPO, RESULTS, write_result  # noqa: E402  (benchmarks/ is on the path when run as a script)
 WARMUP_STEPS = 10
 ELEMENT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
 
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--contexts", default="64,590", help="cached tokens before the timed steps, comma separated")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--out", type=Path, default=RESULTS / "decode_profile.json")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/decode_profile.json)")
     args = parser.parse_args(argv)
     args.artifacts = [Path(a) for a in args.artifacts.split(",") if a]
     for artifact in args.artifacts:
@@ -169,9 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "contexts": contexts, "steps": args.steps, "threads": args.threads,
                            "warmup_steps": WARMUP_STEPS},
               "onnxruntime": ort.__version__, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {args.out}")
+    console.print(f"wrote {write_result('decode_profile.json', report, args.out)}")
     return report
 
 

@@ -104,7 +104,8 @@ def test_tiny_recipe_plans():
     assert result["memory"]["fits"] and result["bounds"]["decode_tokens_per_s"] > 0
 
 
-def test_artifact_manifest_and_cpu_measurement_wiring(tmp_path, fake_cpu, monkeypatch):
+def tiny_float_artifact(folder) -> str:
+    """A manifest alone (no engines): what plan reads of an fp32 artifact of a tiny model with a 128-token cache."""
     manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x",
                 "recipe": {"export": {"dtype": "float32"}},
                 "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
@@ -112,7 +113,12 @@ def test_artifact_manifest_and_cpu_measurement_wiring(tmp_path, fake_cpu, monkey
                                      "max_position_embeddings": 256}},
                 "kv_cache": {"max_context": 128, "dtype": "float32"},
                 "tokenizer": {}, "engines": {}, "backend": {"name": "onnxruntime"}, "files": {}}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return str(folder)
+
+
+def test_artifact_manifest_and_cpu_measurement_wiring(tmp_path, fake_cpu, monkeypatch):
+    tiny_float_artifact(tmp_path)
     gpu = plan(str(tmp_path), device="A100")
     assert gpu["model"]["source"]["kind"] == "artifact" and gpu["inputs"]["context"] == 128
     assert "measured" not in gpu
@@ -219,13 +225,7 @@ def test_a_tensorrt_artifact_is_planned_on_cpu_but_not_timed(tmp_path, fake_cpu,
 
 
 def test_a_context_past_an_artifacts_cache_is_warned_about(tmp_path):
-    manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x", "recipe": {"export": {"dtype": "float32"}},
-                "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
-                                     "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-                                     "max_position_embeddings": 256}},
-                "kv_cache": {"max_context": 128, "dtype": "float32"},
-                "tokenizer": {}, "engines": {}, "backend": {"name": "onnxruntime"}, "files": {}}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    test_artifact = tiny_float_artifact(tmp_path)
     assert any("exceeds this artifact's cache (128 tokens)" in w
-               for w in plan(str(tmp_path), device="H100", context=200)["warnings"])
-    assert plan(str(tmp_path), device="H100", context=128)["warnings"] == []
+               for w in plan(test_artifact, device="H100", context=200)["warnings"])
+    assert plan(test_artifact, device="H100", context=128)["warnings"] == []
