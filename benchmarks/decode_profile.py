@@ -32,7 +32,8 @@ import onnxruntime as ort
 from rich.console import Console
 from rich.table import Table
 
-from generate import REPO, RESULTS, write_result  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from generate import REPO, RESULTS, write_result  # benchmarks/ is on the path when run as a script
+
 WARMUP_STEPS = 10
 ELEMENT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
 
