@@ -356,15 +356,17 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                            "kv_num_heads": found.kv_num_heads, "cache": found.past_key is not None})
     # The fused node masks causally: a mask that computes more (a window, a bias) keeps its layer unfused.
     verdicts = check_masks(graph, [found.mask for found in matches if found.mask is not None])
-    for found, layer in zip(matches, [layer for layer in layers if layer["fused"]]):
+    kept = []
+    for found, layer in zip(matches, [layer for layer in layers if layer["fused"]]):  # the same order
         verdict = verdicts.get(found.mask.name) if found.mask is not None else None
-        if verdict is not None and verdict.startswith("unchecked"):
-            layer["mask"] = verdict
-        elif verdict is not None:
-            layer.update({"fused": False, "reason": verdict})
-            layer.pop("num_heads"), layer.pop("kv_num_heads"), layer.pop("cache")
-    matches = [found for found in matches if found.mask is None or found.mask.name not in verdicts
-               or verdicts[found.mask.name] is None or verdicts[found.mask.name].startswith("unchecked")]
+        if verdict is None or verdict.startswith("unchecked"):
+            kept.append(found)
+            if verdict:
+                layer["mask"] = verdict
+        else:
+            layer.clear()
+            layer.update({"layer": found.layer, "fused": False, "reason": verdict})
+    matches = kept
     unfused = [layer for layer in layers if not layer["fused"]]
     if options.required and (unfused or not layers):
         first = unfused[0] if unfused else {"layer": "graph", "reason": "no Softmax (attention) found"}
