@@ -41,7 +41,7 @@ def check_masks(graph: gs.Graph, masks: list[gs.Tensor]) -> dict[str, str | None
     probe.outputs = [tensors[mask.name] for mask in unique]
     for output in probe.outputs:
         output.dtype = output.dtype or np.float32
-    probe.cleanup()
+    probe.cleanup(remove_unused_graph_inputs=True)
     try:
         feeds = {value.name: _feed(value, length) for value in probe.inputs}
         model = gs.export_onnx(probe, do_type_check=False)
