@@ -155,7 +155,8 @@ def parse_recipe(data: Any, origin: str = "<dict>", base_dir: str | os.PathLike 
         if not NAME_PATTERN.fullmatch(recipe.name):
             raise _Invalid("name", f"{_show(recipe.name)} must match ^{NAME_PATTERN.pattern}$ "
                                    f"(it names the folder artifacts/<name>/)")
-        return dataclasses.replace(recipe, model=_check_model(recipe.model, base_dir))
+        return dataclasses.replace(recipe, model=_check_model(recipe.model, base_dir),
+                                   passes=tuple(_with_calibration_path(spec, base_dir) for spec in recipe.passes))
     except _Invalid as e:
         where = f"{e.path}: " if e.path else ""
         raise RecipeError(f"{origin}: {where}{e.message}") from None
@@ -298,6 +299,16 @@ def _check_model(model: ModelSpec, base_dir: str | os.PathLike | None) -> ModelS
     if not model.path:
         raise _Invalid("model.path", "must not be empty (use null for the default)")
     return dataclasses.replace(model, path=_resolve(model.path, base_dir))
+
+
+def _with_calibration_path(spec, base_dir: str | os.PathLike | None):
+    """A pass's calibration text file, resolved as the model path is (the current folder, else the recipe's)."""
+    calibration = getattr(spec.options, "calibration", None)
+    text = getattr(calibration, "text", None)
+    if not text or text == "pydoc" or base_dir is None:
+        return spec
+    options = dataclasses.replace(spec.options, calibration=dataclasses.replace(calibration, text=_resolve(text, base_dir)))
+    return dataclasses.replace(spec, options=options)
 
 
 def _resolve(path: str, base_dir: str | os.PathLike | None) -> str:

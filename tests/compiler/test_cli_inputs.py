@@ -230,3 +230,16 @@ def test_a_sliding_window_shorter_than_the_context_is_refused(capsys, tmp_path):
                       f"passes: [cleanup]\n")
     status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
     assert status == 2 and "sliding window of 64 tokens" in output and "export.max_context to 64" in output, output
+
+
+def test_a_relative_calibration_text_is_found_beside_the_recipe(tmp_path, monkeypatch):
+    from compiler.recipe import load_recipe
+
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "notes.txt").write_text("some text\n")
+    recipe = tiny_recipe(tmp_path / "recipes", "  - pack_projections",
+                         "  - pack_projections\n  - quantize:\n      calibration: {text: notes.txt, length: 32}")
+    monkeypatch.chdir(tmp_path)  # not the recipe's folder
+    spec = load_recipe(recipe).passes[-1]
+    assert spec.options.calibration.text == str(tmp_path / "recipes" / "notes.txt")
+    assert load_recipe(TINY).passes[0].name == "cleanup"  # recipes without calibration are unchanged
