@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from compiler.accuracy import evaluate_against_float, quantization_summary
+from compiler.accuracy import evaluate_against_float, held_out_tokens, quantization_summary
 from compiler.artifact import staged_folder, tool_versions, write_manifest
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
@@ -54,18 +54,24 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
                          f"implement; set export.max_context to {window} or less (attention within the window is "
                          f"exact)")
     passes = resolve_passes(recipe.passes, loaded.tokenizer_json, say)  # before the slow export: bad text fails fast
+    # The float graph just before quantization (of weights or of the KV cache) is the accuracy report's reference:
+    # the passes run in two parts. The report runs the artifact through onnxruntime's evaluator; a TensorRT
+    # artifact is measured with `aotlm eval` on its GPU instead.
+    first_quantize = next((i for i, spec in enumerate(passes) if spec.name in QUANTIZING_PASSES), len(passes))
+    report_accuracy = first_quantize < len(passes) and recipe.accuracy.enabled and recipe.backend.name == "onnxruntime"
+    if report_accuracy:  # its held-out text, checked before the export rather than after the whole build
+        calibration = passes[first_quantize].options.calibration
+        held_out, source = held_out_tokens(calibration.text if calibration else BUILTIN, loaded.tokenizer_json,
+                                           recipe.accuracy.max_tokens)
+        if len(held_out) < 2:
+            raise BuildError(f"accuracy report: its held-out text ({source}) has {len(held_out)} token(s), and scoring "
+                             f"needs at least 2; give a longer calibration.text or set accuracy.enabled: false")
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
     graphs = export_graphs(decoder, recipe.export.max_context, recipe.export.opset, recipe.export.prefill_logits,
                            progress=say, dtype=recipe.export.dtype)
     del decoder
-    # The float graph just before quantization (of weights or of the KV cache) is the accuracy report's reference:
-    # run the passes in two parts.
-    first_quantize = next((i for i, spec in enumerate(passes) if spec.name in QUANTIZING_PASSES), len(passes))
     graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say)
-    # The report runs the artifact through onnxruntime's evaluator; a TensorRT artifact is measured with
-    # `aotlm eval` on its GPU instead.
-    report_accuracy = first_quantize < len(passes) and recipe.accuracy.enabled and recipe.backend.name == "onnxruntime"
     float_decode = graphs["decode"] if report_accuracy else None
     graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say)
     pass_results += more_results
