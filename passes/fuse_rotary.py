@@ -90,10 +90,13 @@ def _positions(graph: gs.Graph, cos: gs.Node) -> gs.Tensor | SkipReason:
     frontier, seen = [cos.inputs[0]], set()
     while frontier:  # breadth-first: the nearest int64 [B, S] tensor under Cos
         tensor = frontier.pop(0)
-        if constant(tensor) is None and tensor.dtype == np.int64 and tensor.shape is not None and len(tensor.shape) == 2:
+        if (constant(tensor) is None and tensor.dtype == np.int64 and tensor.shape is not None and len(tensor.shape) == 2
+                and tensor.name != "attention_mask"):  # which tokens are real, not where they are
             return tensor
         upstream = producer(tensor)
-        if upstream is not None and id(upstream) not in seen:
+        # Shape reads only its input's shape (a dynamo trace sizes the positions from attention_mask's): its input
+        # holds no positions.
+        if upstream is not None and id(upstream) not in seen and upstream.op != "Shape":
             seen.add(id(upstream))
             frontier.extend(upstream.inputs)
     return SkipReason("rotary: no position_ids input and no int64 [B, S] positions tensor under Cos")

@@ -71,3 +71,41 @@ def test_hugging_face_positions_are_found_under_cos(hf_traced):  # noqa: F811
     assert report["rewrites"] == ROTARIES and op_counts(fused)["RotaryEmbedding"] == ROTARIES
     session = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, {"input_ids": ids, "attention_mask": mask})[0], expected, atol=1e-5)
+
+
+def test_positions_sized_from_the_attention_mask_are_not_taken_from_its_values():
+    """A dynamo-style trace: no position_ids input, positions = Range(0, Shape(attention_mask)[1]) as [1, S, 1]. The
+    mask is read for its shape only; taking it as the positions (it is the nearest int64 [B, S] tensor) changed the
+    output by 3.5. The subgraph is left alone (rank-3 positions are not the op's), and the graph computes the same."""
+    from onnx import TensorProto as TP
+    from onnx import helper as oh
+    from onnx import numpy_helper as nh
+
+    s, d = 6, 4
+    constants = {"inv_freq": np.array([1.0, 0.1], np.float32), "one_s": np.array(1, np.int64),
+                 "zero_s": np.array(0, np.int64), "ax02": np.array([0, 2], np.int64), "half": np.array([d // 2]),
+                 "end": np.array([d]), "start": np.array([0]), "last": np.array([-1]), "ax1": np.array([1])}
+    nodes = [oh.make_node("Shape", ["attention_mask"], ["mask_shape"]),
+             oh.make_node("Gather", ["mask_shape", "one_s"], ["seq"], axis=0),
+             oh.make_node("Range", ["zero_s", "seq", "one_s"], ["arange"]),
+             oh.make_node("Unsqueeze", ["arange", "ax02"], ["pos3"]), oh.make_node("Cast", ["pos3"], ["posf"], to=TP.FLOAT),
+             oh.make_node("Mul", ["posf", "inv_freq"], ["freqs"]),
+             oh.make_node("Concat", ["freqs", "freqs"], ["angles"], axis=-1), oh.make_node("Cos", ["angles"], ["cos3"]),
+             oh.make_node("Sin", ["angles"], ["sin3"]), oh.make_node("Unsqueeze", ["cos3", "ax1"], ["cos"]),
+             oh.make_node("Unsqueeze", ["sin3", "ax1"], ["sin"]),
+             oh.make_node("Slice", ["t", "half", "end", "last"], ["t2"]), oh.make_node("Neg", ["t2"], ["neg"]),
+             oh.make_node("Slice", ["t", "start", "half", "last"], ["t1"]),
+             oh.make_node("Concat", ["neg", "t1"], ["rot"], axis=-1), oh.make_node("Mul", ["t", "cos"], ["tc"]),
+             oh.make_node("Mul", ["rot", "sin"], ["rs"]), oh.make_node("Add", ["tc", "rs"], ["y"])]
+    graph = oh.make_graph(nodes, "rotary", [oh.make_tensor_value_info("t", TP.FLOAT, [1, 1, s, d]),
+                                            oh.make_tensor_value_info("attention_mask", TP.INT64, ["b", "s"])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, [1, 1, s, d])],
+                          [nh.from_array(np.asarray(v, np.int64 if v.dtype.kind == "i" else v.dtype), k)
+                           for k, v in constants.items()])
+    model = onnx.shape_inference.infer_shapes(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)]))
+    fused, _ = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    assert not any(n.op_type == "RotaryEmbedding" and "attention_mask" in n.input for n in fused.graph.node)
+    feed = {"t": np.random.default_rng(0).standard_normal((1, 1, s, d)).astype(np.float32),
+            "attention_mask": np.ones((1, s), np.int64)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
+    np.testing.assert_allclose(run(fused), run(model), atol=1e-5)
