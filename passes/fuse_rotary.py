@@ -28,6 +28,7 @@ import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
 from passes.fuse_attention import SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer
+from passes.opset import raise_opset, unchanged
 
 OPSET = 23
 
@@ -167,10 +168,6 @@ def rewrite(graph: gs.Graph, found: Match, tables: Tables) -> None:
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     graph = gs.import_onnx(model)
-    # graphsurgeon keeps the model's own opset_import list: copy it, raising the default domain (pure pass).
-    graph.import_domains = [onnx.helper.make_opsetid(o.domain, max(o.version, OPSET) if o.domain in ("", "ai.onnx")
-                                                     else o.version) for o in model.opset_import]
-    graph.opset = max(graph.opset, OPSET)
     nodes_before = len(graph.nodes)
     past_key = next((t for t in graph.inputs if t.name == "past_key_values.0.key"), None)
     rows = options.rotary_cache_length or (past_key.shape[2] if past_key is not None and past_key.shape else None)
@@ -183,11 +180,14 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             skipped.append({"node": add.name, "layer": layer_name(add), "reason": f"max_rewrites={options.max_rewrites}"})
         else:
             matches.append(found)
+    report = {"rewrites": len(matches), "skipped": skipped}
+    if not matches:  # nothing to rewrite: the graph, opset included, stays as it was
+        return unchanged(model), {**report, "nodes": {"before": nodes_before, "after": nodes_before}}
+    raise_opset(graph, model, OPSET, "fuse_rotary")
     tables = Tables(graph)
     for found in matches:
         rewrite(graph, found, tables)
     graph.cleanup().toposort()
     fused = gs.export_onnx(graph)
     fused.ir_version = max(fused.ir_version, 10)  # opset 23 needs IR version 10
-    return fused, {"rewrites": len(matches), "skipped": skipped,
-                   "nodes": {"before": nodes_before, "after": len(fused.graph.node)}}
+    return fused, {**report, "nodes": {"before": nodes_before, "after": len(fused.graph.node)}}

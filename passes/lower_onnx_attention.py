@@ -22,6 +22,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
+from passes.opset import raise_opset, unchanged
 
 OPSET = 23
 
@@ -113,13 +114,15 @@ def lower(shared: Shared, node: gs.Node, index: int) -> None:
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     graph = gs.import_onnx(model)
-    graph.import_domains = [onnx.helper.make_opsetid(o.domain, max(o.version, OPSET) if o.domain in ("", "ai.onnx") else o.version)
-                            for o in model.opset_import if o.domain != op.DOMAIN]
-    graph.opset = max(graph.opset, OPSET)
-    shared = Shared(graph)
     nodes = [n for n in graph.nodes if n.domain == op.DOMAIN and n.op == op.OP_TYPE]
     if options.max_rewrites is not None:
         nodes = nodes[: options.max_rewrites]
+    if not nodes:  # nothing to lower: the graph, opset included, stays as it was
+        return unchanged(model), {"lowered": 0, "target": "ai.onnx Attention-23 + RotaryEmbedding-23 + ScatterElements",
+                                  "left_unlowered": 0}
+    raise_opset(graph, model, OPSET, "lower_onnx_attention")
+    graph.import_domains = [o for o in graph.import_domains if o.domain != op.DOMAIN]
+    shared = Shared(graph)
     for index, node in enumerate(nodes):
         lower(shared, node, index)
     graph.cleanup().toposort()

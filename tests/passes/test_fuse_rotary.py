@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 
 from passes import fuse_rotary
 from tests.passes.test_fuse_attention import (CONFIG, decoder_graphs, generate_logits, hf_traced,  # noqa: F401 (fixtures)
@@ -109,3 +110,27 @@ def test_positions_sized_from_the_attention_mask_are_not_taken_from_its_values()
             "attention_mask": np.ones((1, s), np.int64)}
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
     np.testing.assert_allclose(run(fused), run(model), atol=1e-5)
+
+
+def test_an_old_opset_is_kept_when_nothing_is_rewritten_and_refused_when_it_would_be(decoder_graphs):  # noqa: F811
+    """Raising opset 17 to 23 in place would make a ReduceMean's `axes` attribute invalid: refused, with the fix."""
+    from onnx import helper as oh
+
+    from passes import lower_onnx_attention
+    from passes.errors import PassError
+
+    reduce = oh.make_graph([oh.make_node("ReduceMean", ["x"], ["y"], axes=[-1], keepdims=1)], "g",
+                           [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+                           [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 1])])
+    old = oh.make_model(reduce, opset_imports=[oh.make_opsetid("", 17)])
+    for out, _ in (fuse_rotary.run(old, fuse_rotary.Options(rotary_cache_length=8)),
+                   lower_onnx_attention.run(old, lower_onnx_attention.Options())):
+        assert [o.version for o in out.opset_import if o.domain == ""] == [17]
+        ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"])
+    unfused = onnx.ModelProto()
+    unfused.CopyFrom(decoder_graphs["prefill"])
+    for opset in unfused.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = 17
+    with pytest.raises(PassError, match="this graph is at opset 17; export it at opset 18 or later"):
+        fuse_rotary.run(unfused, fuse_rotary.Options())

@@ -1,0 +1,36 @@
+"""Raising a graph's default-domain opset for a pass that emits newer operators (RotaryEmbedding-23, Attention-23).
+
+The rest of the graph keeps its nodes as they are: that is exact from opset 18 on, since the operators whose inputs
+changed (ReduceMean and the other reductions took `axes` as an attribute before 18) read the same from 18 to 23.
+An older graph is refused rather than silently made invalid.
+"""
+from __future__ import annotations
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from passes.errors import PassError
+
+EXACT_FROM = 18  # the oldest opset whose nodes mean the same at 23
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def raise_opset(graph: gs.Graph, model: onnx.ModelProto, opset: int, pass_name: str) -> None:
+    """Set `graph` (imported from `model`) to at least `opset` in the default domain; other domains keep theirs."""
+    current = default_opset(model)
+    if current < EXACT_FROM:
+        raise PassError(f"{pass_name} emits opset-{opset} operators, and this graph is at opset {current}; export it at "
+                        f"opset {EXACT_FROM} or later (export.opset), or convert it with onnx.version_converter first")
+    graph.import_domains = [onnx.helper.make_opsetid(o.domain, max(o.version, opset) if o.domain in ("", "ai.onnx")
+                                                     else o.version) for o in model.opset_import]
+    graph.opset = max(graph.opset, opset)
+
+
+def unchanged(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` (passes return a new model and never mutate their input)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
