@@ -308,8 +308,9 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
                    "decode_bound": "bandwidth" if memory_s >= compute_s else "compute"},
         "assumptions": [
             f"decimal GB (1e9 bytes), as vendors publish memory sizes; usable = {headroom:.0%} of device memory",
-            f"int4: one fp16 scale per {INT4_BLOCK} weights (+{INT4_SCALE_BYTES / INT4_BLOCK} B/param), all tensors "
-            "quantized incl. embeddings; int8 per-channel scales ignored",
+            f"the table's precision rows: int4 with one fp16 scale per {INT4_BLOCK} weights (+{INT4_SCALE_BYTES / INT4_BLOCK} "
+            "B/param), all tensors quantized incl. embeddings, int8 per-channel scales ignored; an artifact's or a "
+            "quantized recipe's own row counts what it stores",
             "prefill: 2 x (attention + MLP projection params) x prompt + 2 x vocab x hidden (last-token logits) FLOPs "
             "at peak (attention's context-dependent FLOPs not counted)",
             "decode: all weights (an untied embedding table: one row) + every sequence's KV cache at the full "

@@ -20,15 +20,15 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens: {self.max_new_tokens!r} must be an integer >= 1")
         if not _is_real(self.temperature) or not self.temperature >= 0:  # `not >=` also refuses NaN
             raise RequestError(f"temperature: {self.temperature!r} must be a number >= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_integer(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k: {self.top_k!r} must be an integer >= 0 (0 = no limit)")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p: {self.top_p!r} must be a number in (0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_integer(self.seed):
             raise RequestError(f"seed: {self.seed!r} must be an integer or None")
         # A bare string is one stop string, as in vLLM's and OpenAI's `stop` (not a tuple of its characters).
         stops = (self.stop_strings,) if isinstance(self.stop_strings, str) else self.stop_strings
@@ -39,7 +39,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_strings", tuple(stops))
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
-            if not isinstance(ids, (list, tuple, set, frozenset)) or not all(_is_int(i) for i in ids):
+            if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_integer(i) for i in ids):
                 raise RequestError(f"stop_token_ids: {ids!r} must be a list of token ids, or None for the model's "
                                    f"end-of-sequence tokens")
             object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
@@ -62,7 +62,7 @@ def sampling_params(params: SamplingParams | None, keywords: dict) -> SamplingPa
         raise RequestError(f"{error}; sampling options are {', '.join(SamplingParams.__dataclass_fields__)}") from None
 
 
-def _is_int(value) -> bool:
+def is_integer(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 

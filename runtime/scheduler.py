@@ -40,7 +40,7 @@ import numpy as np
 from runtime.engine import GenerationResult, Timings, last_token_logits
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
-from runtime.sampling import Sampler, SamplingParams, _is_int, sampling_params
+from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
 from runtime.tokenizer import StreamDecoder, cut_at_stop
 
 BATCHING = ("continuous", "static")
@@ -123,7 +123,7 @@ class Scheduler:
         if batching not in BATCHING:
             raise RequestError(f"batching: {batching!r} is not one of {', '.join(BATCHING)}")
         for name, value in (("slots", slots), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and (not is_integer(value) or value < 1):
                 raise RequestError(f"{name}: {value!r} must be an integer >= 1")
         self.engine = engine
         self.slots, self.batching, self.max_queue, self.prefill_chunk = slots, batching, max_queue, prefill_chunk
