@@ -43,7 +43,7 @@ def check_masks(graph: gs.Graph, masks: list[gs.Tensor]) -> dict[str, str | None
         output.dtype = output.dtype or np.float32
     probe.cleanup(remove_unused_graph_inputs=True)
     try:
-        feeds = {value.name: _feed(value, length) for value in probe.inputs}
+        feeds = {value.name: probe_feed(value, length) for value in probe.inputs}
         model = gs.export_onnx(probe, do_type_check=False)
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -55,7 +55,8 @@ def check_masks(graph: gs.Graph, masks: list[gs.Tensor]) -> dict[str, str | None
     return {mask.name: _judge(np.asarray(value, dtype=np.float64), length) for mask, value in zip(unique, values)}
 
 
-def _feed(value: gs.Variable, length: int) -> np.ndarray:
+def probe_feed(value: gs.Variable, length: int) -> np.ndarray:
+    """A graph input for a batch-1 probe of `length` tokens at positions 0.., all valid, with an empty past."""
     dtype = np.dtype(value.dtype) if value.dtype is not None else np.dtype(np.int64)
     if value.name == "input_ids":
         return np.zeros((1, length), dtype)

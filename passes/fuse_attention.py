@@ -13,7 +13,10 @@ Anchored on each Softmax; the pattern, as traced from the canonical decoder or f
 The fused node reads the three projections' outputs and the cache buffers, applies rotary itself from
 cos/sin tables built from the graph's inv_freq, writes the caches in place and feeds o_proj. The mask subgraph,
 the scatter writes and the rotary math become dead and are removed. `match` returns a Match or a SkipReason,
-so every attention that is not fused says which check failed, per layer, in the report.
+so every attention that is not fused says which check failed, per layer, in the report. Two checks run what
+the structure cannot show: each additive mask on a long probe (passes/attention_mask_probe.py: a window or a
+bias stays unfused) and each matched block on random q/k/v against the op's reference
+(passes/attention_block_probe.py: e.g. query heads that read other kv heads than h // (H/KV) stay unfused).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
+from passes.attention_block_probe import check_blocks
 from passes.attention_mask_probe import check_masks
 from passes.errors import PassError
 
@@ -338,6 +342,21 @@ def rewrite(graph: gs.Graph, match: Match, shared: SharedInputs) -> None:
     match.o_proj.inputs[0] = output
 
 
+def _keep_checked(matches: list[Match], layers: list[dict], check: str, verdicts: list[str | None]) -> list[Match]:
+    """The matches whose probe verdict is None or "unchecked: ..." (noted in their layer's report as `check`); the
+    others' layers become unfused, the verdict their reason. `layers` lists the fused ones in the matches' order."""
+    kept = []
+    for found, layer, verdict in zip(matches, [layer for layer in layers if layer["fused"]], verdicts, strict=True):
+        if verdict is None or verdict.startswith("unchecked"):
+            kept.append(found)
+            if verdict:
+                layer[check] = verdict
+        else:
+            layer.clear()
+            layer.update({"layer": found.layer, "fused": False, "reason": verdict})
+    return kept
+
+
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     graph = gs.import_onnx(model)
     # graphsurgeon keeps the model's own opset_import list and appends to it on export: copy it (pure pass).
@@ -354,19 +373,12 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             matches.append(found)
             layers.append({"layer": found.layer, "fused": True, "num_heads": found.num_heads,
                            "kv_num_heads": found.kv_num_heads, "cache": found.past_key is not None})
-    # The fused node masks causally: a mask that computes more (a window, a bias) keeps its layer unfused.
-    verdicts = check_masks(graph, [found.mask for found in matches if found.mask is not None])
-    kept = []
-    for found, layer in zip(matches, [layer for layer in layers if layer["fused"]]):  # the same order
-        verdict = verdicts.get(found.mask.name) if found.mask is not None else None
-        if verdict is None or verdict.startswith("unchecked"):
-            kept.append(found)
-            if verdict:
-                layer["mask"] = verdict
-        else:
-            layer.clear()
-            layer.update({"layer": found.layer, "fused": False, "reason": verdict})
-    matches = kept
+    # The fused node masks causally: a mask that computes more (a window, a bias) keeps its layer unfused; then
+    # each remaining block must compute the node's output on a probe (which kv head each query head reads, ...).
+    mask_verdicts = check_masks(graph, [found.mask for found in matches if found.mask is not None])
+    matches = _keep_checked(matches, layers, "mask", [mask_verdicts.get(found.mask.name) if found.mask is not None
+                                                      else None for found in matches])
+    matches = _keep_checked(matches, layers, "block", check_blocks(graph, matches))
     unfused = [layer for layer in layers if not layer["fused"]]
     if options.required and (unfused or not layers):
         first = unfused[0] if unfused else {"layer": "graph", "reason": "no Softmax (attention) found"}

@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 import torch
@@ -284,3 +285,53 @@ def test_attention_probabilities_that_are_a_graph_output_are_not_fused_away(deco
     unfused = [layer for layer in report["layers"] if not layer["fused"]]
     assert len(unfused) == 1 and "are a graph output" in unfused[0]["reason"]
     assert report["fused"] == CONFIG.num_layers - 1
+
+
+def test_a_repeat_that_gives_query_heads_other_kv_heads_is_not_fused(monkeypatch):
+    """transformers' Llama with kv heads repeated as [rep, kv]: query head h reads kv head h % KV. The graph
+    passes every structural check; the block probe runs it and keeps it unfused (before the probe both layers
+    were fused and the logits changed by 0.45)."""
+    import transformers.models.llama.modeling_llama as modeling_llama
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def repeat_kv_tiled(hidden, n_rep):
+        batch, kv_heads, length, head_dim = hidden.shape
+        return hidden[:, None].expand(batch, n_rep, kv_heads, length, head_dim).reshape(
+            batch, n_rep * kv_heads, length, head_dim)
+
+    monkeypatch.setattr(modeling_llama, "repeat_kv", repeat_kv_tiled)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         attn_implementation="eager", use_cache=False)
+    model = LlamaForCausalLM(config).eval()
+    ids, mask = torch.randint(0, 300, (1, 7)), torch.ones(1, 7, dtype=torch.long)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits.numpy()
+    traced = trace_hf(model, ids, mask)
+    fused, report = fuse_attention.run(traced, fuse_attention.Options(rotary_cache_length=128))
+    assert report["fused"] == 0 and {layer["reason"] for layer in report["layers"]} == {
+        "query head h reads kv head h % 2 (kv heads repeated as [rep, kv]); FlashAttention's reads h // 2"}
+    logits = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+    with pytest.raises(PassError, match=r"layers.0: query head h reads kv head h % 2"):
+        fuse_attention.run(traced, fuse_attention.Options(rotary_cache_length=128, required=True))
+
+
+def test_the_block_probe_compares_against_the_reference(decoder_graphs):
+    """A block's probe output equal to FlashAttention's reference passes, one changed value does not; the
+    project's own prefill block passes when run."""
+    from passes import attention_block_probe as probe
+
+    graph = gs.import_onnx(decoder_graphs["prefill"])
+    found = fuse_attention.match(next(node for node in graph.nodes if node.op == "Softmax"))
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, probe.PROBE_TOKENS, probe._width(found, t))).astype(np.float32)
+               for t in (found.query, found.key, found.value))
+    expected = probe._reference(found, q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    assert probe._judge(found, expected.astype(np.float32), q, k, v) is None
+    wrong = expected.copy()
+    wrong[0, 3, 5] += 0.05
+    assert "computes something else than FlashAttention" in probe._judge(found, wrong, q, k, v)
+    assert probe.check_blocks(graph, [found]) == [None]

@@ -1,0 +1,136 @@
+"""Check, by running it, that each matched attention block computes what `aotlm.FlashAttention` computes.
+
+`fuse_attention` matches a block by its structure: projections, rotary, cache reads, scaled scores, softmax,
+weighted sum. Some differences do not show in that structure. The clearest is which kv head a query head reads:
+FlashAttention's query head h reads kv head h // (H/KV) (passes/flash_attention_op.py), as Llama's `repeat_kv`
+lays the copies out ([kv, rep]); a repeat laid out as [rep, kv] passes through the same Unsqueeze, Expand and
+Reshape nodes and maps head h to kv head h % KV. A transpose or slice on the way to the products can change the
+meaning the same way.
+
+So the block is evaluated: the part of the graph between the q/k/v projections' outputs and the o projection's
+input is cut out (the projections' outputs become inputs) and run with onnxruntime on random q, k and v for a
+probe sequence (batch 1, PROBE_TOKENS tokens at positions 0.., an attention_mask of ones, an empty past). Its
+output must equal `flash_attention_op.reference` under the matched heads, scale and rotary. A block the probe
+cannot run (it needs inputs the probe cannot make) is reported as unchecked.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from passes import flash_attention_op as op
+from passes.attention_mask_probe import probe_feed
+
+PROBE_TOKENS = 8
+TOLERANCE = 1e-3  # of the reference's largest magnitude; a float32 block agrees to ~1e-6
+REDUCED_PRECISION_TOLERANCE = 5e-2  # float16 / bfloat16 blocks (bfloat16 rounds the probe's inputs by ~4e-3)
+
+
+def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
+    """Per match, in order: None when the block computes FlashAttention's output, a reason when not, or "unchecked: ..."."""
+    import onnxruntime as ort  # the pass observes the graph with onnxruntime's kernels, as the mask probe does
+
+    if not matches:
+        return []
+    rng = np.random.default_rng(0)
+    probe = graph.copy()  # shares the weights; the cleanup keeps only what the blocks need
+    tensors = probe.tensors()
+    projected, outputs = {}, []
+
+    def cut(tensor: gs.Tensor, width: int) -> None:  # the tensor becomes computed from a float32 probe input
+        if tensor.name in projected:
+            return
+        tensor = tensors[tensor.name]
+        tensor.inputs.clear()
+        shape = (PROBE_TOKENS, width) if tensor.shape is not None and len(tensor.shape) == 2 else (1, PROBE_TOKENS, width)
+        fed = gs.Variable(f"{tensor.name}.probe", dtype=np.float32, shape=list(shape))
+        probe.layer(op="Cast", inputs=[fed], outputs=[tensor], attrs={"to": _element_type(tensor.dtype)})
+        projected[tensor.name] = (fed, rng.standard_normal(shape).astype(np.float32))
+
+    for found in matches:
+        for tensor in (found.query, found.key, found.value):
+            cut(tensor, _width(found, tensor))
+            # The projection's input too: the heads' Reshape often reads its shape (Shape(x)), and x would pull
+            # in every layer before it; its values are not read once the projection's output is cut.
+            projection = _projection_matmul(tensor)
+            if projection is not None:
+                cut(projection.inputs[0], int(projection.inputs[1].values.shape[0]))
+        output = tensors[found.o_proj.inputs[0].name]
+        outputs.append(probe.layer(op="Cast", inputs=[output], outputs=[gs.Variable(f"{output.name}.probe", np.float32)],
+                                   attrs={"to": onnx.TensorProto.FLOAT})[0])
+    probe.inputs = [*probe.inputs, *(fed for fed, _ in projected.values())]
+    probe.outputs = outputs
+    probe.cleanup(remove_unused_graph_inputs=True)
+    try:
+        fed = {value.name: values for value, values in projected.values()}
+        feeds = {value.name: fed[value.name] if value.name in fed else probe_feed(value, PROBE_TOKENS)
+                 for value in probe.inputs}
+        model = gs.export_onnx(probe, do_type_check=False)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        values = session.run([output.name for output in outputs], feeds)
+    except Exception as error:  # an input the probe cannot make, or onnxruntime refusing the cut-out graph
+        reason = f"unchecked: the block could not be evaluated ({str(error).strip().splitlines()[0][:160]})"
+        return [reason] * len(matches)
+    return [_judge(found, value, *(projected[t.name][1] for t in (found.query, found.key, found.value)),
+                   reduced_precision=_element_type(found.query.dtype) != onnx.TensorProto.FLOAT)
+            for found, value in zip(matches, values)]
+
+
+def _element_type(dtype) -> int:
+    if dtype is None:
+        return onnx.TensorProto.FLOAT
+    return dtype if isinstance(dtype, int) else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def _projection_matmul(tensor: gs.Tensor) -> gs.Node | None:
+    """The MatMul (by a constant weight) whose output, or output + bias, is `tensor`."""
+    node = tensor.inputs[0] if tensor.inputs else None
+    if node is not None and node.op == "Add":
+        node = next((t.inputs[0] for t in node.inputs if t.inputs and t.inputs[0].op == "MatMul"), None)
+    if node is None or node.op != "MatMul" or not isinstance(node.inputs[1], gs.Constant):
+        return None
+    return node
+
+
+def _width(found, tensor: gs.Tensor) -> int:
+    heads = found.num_heads if tensor is found.query else found.kv_num_heads
+    return heads * 2 * found.inv_freq.size
+
+
+def _judge(found, output: np.ndarray, query: np.ndarray, key: np.ndarray, value: np.ndarray,
+           reduced_precision: bool = False) -> str | None:
+    heads, kv_heads, head_dim = found.num_heads, found.kv_num_heads, 2 * found.inv_freq.size
+    tolerance = REDUCED_PRECISION_TOLERANCE if reduced_precision else TOLERANCE
+    query, key, value = (x.reshape(1, PROBE_TOKENS, -1).astype(np.float64) for x in (query, key, value))
+    expected = _reference(found, query, key, value)
+    output = np.asarray(output, dtype=np.float64)
+    if output.size != expected.size:
+        return (f"the attention block's output has shape {list(output.shape)} on a {PROBE_TOKENS}-token probe, not "
+                f"[1, {PROBE_TOKENS}, {heads * head_dim}]")
+    output = output.reshape(expected.shape)
+    error = np.abs(output - expected).max() / max(1.0, np.abs(expected).max())
+    if error <= tolerance:
+        return None
+    group = heads // kv_heads
+    if group > 1:  # the common other layout: query head h reads kv head h % KV
+        order = np.arange(heads).reshape(group, kv_heads).T.reshape(-1)  # new head h' = (h % KV) * group + h // KV
+        permuted = query.reshape(1, PROBE_TOKENS, heads, head_dim)[:, :, order].reshape(query.shape)
+        modulo = _reference(found, permuted, key, value).reshape(1, PROBE_TOKENS, heads, head_dim)
+        modulo = modulo[:, :, np.argsort(order)].reshape(expected.shape)
+        if np.abs(output - modulo).max() / max(1.0, np.abs(modulo).max()) <= tolerance:
+            return (f"query head h reads kv head h % {kv_heads} (kv heads repeated as [rep, kv]); FlashAttention's "
+                    f"reads h // {group}")
+    return (f"the attention block computes something else than FlashAttention with the matched {heads} heads, "
+            f"{kv_heads} kv heads, scale {found.scale:.4g} and rotary (largest difference {error:.2g} on a probe)")
+
+
+def _reference(found, query: np.ndarray, key: np.ndarray, value: np.ndarray) -> np.ndarray:
+    kv_heads, head_dim = found.kv_num_heads, 2 * found.inv_freq.size
+    cos, sin = op.rotary_tables(found.inv_freq, PROBE_TOKENS, found.rotary_scaling)
+    empty = np.zeros((1, kv_heads, PROBE_TOKENS, head_dim))
+    output, _, _ = op.reference(query, key, value, empty, empty, np.array([PROBE_TOKENS - 1]), PROBE_TOKENS, cos, sin,
+                                found.num_heads, kv_heads, found.scale)
+    return output
