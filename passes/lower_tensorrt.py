@@ -48,7 +48,8 @@ Engine build: import the plugin definitions before parsing, TensorRT >= 10.15 (R
 QDP plugins since 10.9) and PreviewFeature.ALIASED_PLUGIN_IO_10_03 for the aliased outputs.
 
 `attention: onnx_attention` delegates to lower_onnx_attention (Attention-23, explicit mask; TensorRT >= 10.14): the
-cache rows are written by ScatterElements into new present outputs, not in place.
+cache rows are written by ScatterElements into new present outputs, not in place, so the TensorRT backend's recipe
+check refuses it (its runtime binds each present output to its past buffer); the form stays for plain ONNX graphs.
 
 `attention: trt_native` uses TensorRT 11's ONNX custom ops, per node:
 
@@ -251,7 +252,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                          "layers": [{"node": n.name, "form": "onnx_attention", "splits": 1} for n in chosen],
                          "plugins": {"namespace": None, "names": []},
                          "note": "TensorRT >= 10.14 parses Attention-23; the cache rows are written by ScatterElements "
-                                 "into new present outputs (not in place): the runtime copies them back or rebinds"}
+                                 "into new present outputs (not in place), which the TensorRT backend refuses"}
     decode = model.graph.name == "decode"
     graph = gs.import_onnx(model)
     nodes = [n for n in graph.nodes if n.domain == op.DOMAIN and n.op == op.OP_TYPE][: len(chosen)]

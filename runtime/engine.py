@@ -219,7 +219,8 @@ class Engine:
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                arrival: float | None = None, block: bool = False, **sampling) -> "RequestHandle":
         """Queue a request for continuous batching; returns a RequestHandle at once (iterate it for text pieces,
-        `.result()`, `.cancel()`). Thread-safe. Starts a default scheduler (8 slots) on first use."""
+        `.result()`, `.cancel()`). Thread-safe. Starts a default scheduler (8 slots, or the engines' max batch
+        if smaller) on first use."""
         with self._scheduler_lock:
             scheduler = self._scheduler or self.start_scheduler()
         return scheduler.submit(prompt, params, arrival=arrival, block=block, **sampling)

@@ -194,13 +194,15 @@ def decode_logits_for(source) -> LogitsFor:
     """Logits for every position of a chunk, run through the decode graph as a fresh sequence.
 
     Batch 1, positions 0..n-1, attention mask of ones [1, n]: the graph attends only to the n new tokens, so
-    whatever the cache held before is ignored (and overwritten). `source` is an Engine, whose batch-1 cache each
-    chunk then holds as a request would (other threads' generate/stream wait), or a bare OnnxRuntimeBackend that
-    nothing else runs on.
+    whatever the cache held before is ignored (and overwritten). An engine that takes fewer tokens per decode
+    call (TensorRT's decode_max_tokens) gets the chunk in pieces of that many, each attending to the cached
+    pieces before it: the same logits. `source` is an Engine, whose batch-1 cache each chunk then holds as a
+    request would (other threads' generate/stream wait), or a bare OnnxRuntimeBackend that nothing else runs on.
     """
     hold = getattr(source, "batch_one", None)
     backend = source.backend if hold is not None else source
     max_context = backend.kv_spec["max_context"]
+    piece = getattr(backend, "max_decode_tokens", None) or max_context
 
     def logits_for(token_ids: np.ndarray) -> np.ndarray:
         length = len(token_ids)
@@ -208,11 +210,15 @@ def decode_logits_for(source) -> LogitsFor:
             raise EvaluationError(f"a chunk of {length} tokens does not fit this artifact's max context "
                                   f"({max_context}); use a window of at most {max_context}")
         input_ids = np.asarray(token_ids, dtype=np.int64)[None]  # [1, n]
-        positions = np.arange(length, dtype=np.int64)[None]  # [1, n]
-        mask = np.ones((1, length), dtype=np.int64)  # [1, total = n]: nothing cached counts
+        pieces = []
         with hold() if hold is not None else contextlib.nullcontext():
             backend.allocate_cache(batch=1)  # a no-op when batch 1 is bound already; run() rebinds the logits
-            logits = backend.run("decode", input_ids, positions, mask)  # [1, n, vocab]
-            return np.asarray(logits[0], dtype=np.float32)
+            for start in range(0, length, piece):
+                end = min(start + piece, length)
+                positions = np.arange(start, end, dtype=np.int64)[None]  # [1, end - start]
+                mask = np.ones((1, end), dtype=np.int64)  # [1, total]: this piece and the ones before it
+                logits = backend.run("decode", input_ids[:, start:end], positions, mask)  # [1, end - start, vocab]
+                pieces.append(np.array(logits[0], dtype=np.float32))  # a copy: the backend reuses its logits array
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     return logits_for

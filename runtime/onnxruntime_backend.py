@@ -85,6 +85,9 @@ class OnnxRuntimeBackend:
             self.step_logits[phase] = {}
         self.past_names = [i.name for i in self.sessions["decode"].get_inputs() if i.name in self.present_for_past]
         self.cache: KVCache | None = None
+        # onnxruntime runs any batch and any number of tokens per decode call (TensorRT's engines have limits)
+        self.max_batch: int | None = None
+        self.max_decode_tokens: int | None = None
 
     def allocate_cache(self, batch: int) -> KVCache:
         """Allocate (once per batch size) and bind the cache to both graphs' past inputs and present outputs."""

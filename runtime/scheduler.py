@@ -44,6 +44,7 @@ from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_param
 from runtime.tokenizer import StreamDecoder, cut_at_stop
 
 BATCHING = ("continuous", "static")
+DEFAULT_SLOTS = 8
 _END = object()  # the last item of a handle's piece queue
 
 
@@ -113,18 +114,35 @@ class _Sequence:
         return self.prefilled + max(len(self.token_times) - 1, 0)
 
 
+def _check_engine_limits(backend, slots: int, prefill_chunk: int | None) -> None:
+    """TensorRT's engines run at most max_batch rows and max_decode_tokens tokens per decode call (onnxruntime:
+    no limit, None); a later prompt chunk runs through the decode engine."""
+    if backend.max_batch is not None and slots > backend.max_batch:
+        raise RequestError(f"slots: {slots}, but this artifact's engines run at most {backend.max_batch} sequences "
+                           f"per step; use slots <= {backend.max_batch}, or rebuild with export.max_batch: {slots}")
+    if prefill_chunk is not None and backend.max_decode_tokens is not None and prefill_chunk > backend.max_decode_tokens:
+        raise RequestError(f"prefill_chunk: {prefill_chunk}, but this artifact's decode engine takes at most "
+                           f"{backend.max_decode_tokens} tokens per call; use prefill_chunk <= "
+                           f"{backend.max_decode_tokens}, or rebuild with backend.tensorrt.decode_max_tokens: "
+                           f"{prefill_chunk}")
+
+
 class Scheduler:
     """slots: sequences in the cache at once (its memory: slots x max context x the manifest's KV bytes per token);
     batching: "continuous" or "static"; max_queue: requests allowed to wait for a slot; prefill_chunk: prompt
-    tokens prefilled per step while others decode (None: whole prompts); idle_exit_s: the worker's idle life."""
+    tokens prefilled per step while others decode (None: whole prompts); idle_exit_s: the worker's idle life.
+    slots defaults to 8, or fewer when the engines run fewer sequences per step (TensorRT's export.max_batch)."""
 
-    def __init__(self, engine, *, slots: int = 8, batching: str = "continuous", max_queue: int = 256,
+    def __init__(self, engine, *, slots: int | None = None, batching: str = "continuous", max_queue: int = 256,
                  prefill_chunk: int | None = None, idle_exit_s: float = 1.0):
+        if slots is None:  # the default, within what the engines run per step
+            slots = min(DEFAULT_SLOTS, engine.backend.max_batch or DEFAULT_SLOTS)
         if batching not in BATCHING:
             raise RequestError(f"batching: {batching!r} is not one of {', '.join(BATCHING)}")
         for name, value in (("slots", slots), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if value is not None and (not is_integer(value) or value < 1):
                 raise RequestError(f"{name}: {value!r} must be an integer >= 1")
+        _check_engine_limits(engine.backend, slots, prefill_chunk)
         self.engine = engine
         self.slots, self.batching, self.max_queue, self.prefill_chunk = slots, batching, max_queue, prefill_chunk
         self.idle_exit_s = idle_exit_s

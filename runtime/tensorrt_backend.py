@@ -76,6 +76,10 @@ class TensorRTBackend:
         decode = self.engines["decode"]
         names = [decode.get_tensor_name(i) for i in range(decode.num_io_tensors)]
         self.past_names = [name for name in names if name in self.present_for_past]
+        # The decode engine's optimization profile bounds its rows (export.max_batch) and its tokens per call
+        # (backend.tensorrt.decode_max_tokens): the scheduler and evaluation read these limits.
+        largest = decode.get_tensor_profile_shape("input_ids", 0)[2]  # [min, opt, max] shapes of profile 0
+        self.max_batch, self.max_decode_tokens = int(largest[0]), int(largest[1])
         self.cache: DeviceCache | None = None
         self.last_device_ms = 0.0
 

@@ -41,6 +41,16 @@ def check_recipe(recipe) -> None:
     if "fuse_attention" in names and "lower_tensorrt" not in names and "lower_onnx_attention" not in names:
         raise BuildError("passes: fuse_attention leaves aotlm.FlashAttention nodes; add lower_tensorrt after it")
     for index, spec in enumerate(recipe.passes):
+        # Attention-23 lowering writes the cache with ScatterElements into new present outputs; the TensorRT runtime
+        # binds each present output to its past buffer, which TensorRT documents only for aliased plugin outputs
+        # and TRT_KVCacheUpdate, so this form is refused rather than run on an unverified aliasing.
+        if spec.name == "lower_onnx_attention" or (spec.name == "lower_tensorrt" and
+                                                   spec.options.attention == "onnx_attention"):
+            key = "lower_onnx_attention" if spec.name == "lower_onnx_attention" else "lower_tensorrt.attention"
+            raise BuildError(f"passes[{index}].{key}: Attention-23 writes the KV cache with ScatterElements into new "
+                             f"outputs, not in place as the TensorRT runtime binds it; use lower_tensorrt with "
+                             f"attention: plugin (default) or trt_native for backend tensorrt")
+    for index, spec in enumerate(recipe.passes):
         if spec.name in ("fuse_rms_norm", "fuse_silu"):
             raise BuildError(f"passes[{index}]: {spec.name} emits onnxruntime-only ops; TensorRT fuses these "
                              f"patterns itself: remove it for backend tensorrt")
@@ -193,4 +203,19 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, alia
     timing_cache_path.write_bytes(timing_cache)
     backend = backend_section(trt.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability(),
                               plugins, spec, timing_cache_path)
+    warning = plugin_leak_warning(trt.__version__, plugins)
+    if warning:
+        say(f"warning: {warning}")
+        backend["warnings"] = [warning]
     return {"engines": engines, "backend": backend}
+
+
+def plugin_leak_warning(version: str, plugins: list[str]) -> str | None:
+    """TensorRT 11.1 and 11.2.1 leak CUDA modules of ahead-of-time Python plugins on every new input shape
+    (NVIDIA/TensorRT#4849, open): prefill sees a new prompt length on almost every request."""
+    release = tuple(version.split(".")[:3])
+    if plugins and (release[:2] == ("11", "1") or release == ("11", "2", "1")):
+        return (f"TensorRT {version} leaks GPU memory with ahead-of-time Python plugins on each new input shape "
+                f"(NVIDIA/TensorRT#4849): a long-running server's memory grows with every new prompt length; use "
+                f"another TensorRT release or lower_tensorrt attention: trt_native")
+    return None

@@ -46,11 +46,24 @@ def test_the_tensorrt_recipe_passes_the_checks():
     (["cleanup"], {"dtype": "float32"}, "export.dtype: float32 for backend tensorrt"),
     (["cleanup", {"quantize": {"bits": 4, "block_size": 64, "lowering": "dequantize_linear", "full_range": True}}],
      {}, "quantize.full_range: true gives negative scales"),
+    (["cleanup", {"fuse_attention": {}}, {"lower_tensorrt": {"attention": "onnx_attention"}}], {},
+     "passes[2].lower_tensorrt.attention: Attention-23 writes the KV cache with ScatterElements"),
+    (["cleanup", {"fuse_attention": {}}, "lower_onnx_attention"], {}, "passes[2].lower_onnx_attention: Attention-23"),
 ])
 def test_what_tensorrt_cannot_build_is_refused_with_the_key(passes, export, message):
     with pytest.raises(BuildError) as error:
         tensorrt_backend.check_recipe(recipe_with(passes, **export))
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("version, plugins, warned", [
+    ("11.1.0.3", ["flash_attention"], True), ("11.2.1", ["flash_attention"], True), ("11.2.0", ["flash_attention"], False),
+    ("10.15.1", ["flash_attention"], False), ("11.1.0", [], False),
+])
+def test_tensorrt_releases_that_leak_plugin_modules_are_named_at_build(version, plugins, warned):
+    warning = tensorrt_backend.plugin_leak_warning(version, plugins)
+    assert (warning is not None) == warned
+    assert warning is None or "NVIDIA/TensorRT#4849" in warning and version in warning
 
 
 def test_int8_per_channel_and_int4_block_128_are_accepted():

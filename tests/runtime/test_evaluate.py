@@ -86,6 +86,26 @@ def test_decode_logits_match_torch_for_a_whole_chunk(tiny_engine, tiny_reference
                                atol=1e-4)
 
 
+def test_an_engine_with_fewer_tokens_per_decode_call_gets_the_chunk_in_pieces(tiny_artifact, tiny_reference, tokens):
+    """TensorRT's decode engine takes at most decode_max_tokens per call (its profile); evaluation then feeds a
+    chunk in pieces, each attending to the cached ones before it. Here onnxruntime's backend is given that limit
+    (before, a window wider than the limit went to the engine whole and failed its profile)."""
+    from runtime.onnxruntime_backend import OnnxRuntimeBackend
+    from runtime.manifest import read_manifest
+
+    decoder, _ = tiny_reference
+    backend = OnnxRuntimeBackend(tiny_artifact, read_manifest(tiny_artifact))
+    calls = []
+    run = backend.run
+    backend.run = lambda phase, ids, *rest: calls.append(ids.shape[1]) or run(phase, ids, *rest)
+    for limit, expected_calls in ((7, [7] * 7 + [1]), (1, [1] * 50)):
+        calls.clear()
+        backend.max_decode_tokens = limit
+        np.testing.assert_allclose(decode_logits_for(backend)(tokens[:50]), torch_logits_for(decoder)(tokens[:50]),
+                                   atol=1e-4)
+        assert calls == expected_calls
+
+
 def test_single_window_perplexity_equals_torch_mean_nll(tiny_engine, tiny_reference, tokens):
     decoder, _ = tiny_reference
     chunk = tokens[:60]

@@ -243,6 +243,26 @@ def test_bad_scheduler_options_are_refused(engine, options, message):
         engine.start_scheduler(**options)
 
 
+def test_a_scheduler_stays_within_the_rows_and_tokens_the_engines_run(engine, monkeypatch):
+    """TensorRT's engines run at most export.max_batch rows and decode_max_tokens tokens per decode call (their
+    optimization profile; onnxruntime's: no limit). Slots or prompt chunks beyond them are refused at start with
+    the fix, and the default slots shrink to fit (before, the first step over the limit failed inside TensorRT)."""
+    monkeypatch.setattr(engine.backend, "max_batch", 4)
+    monkeypatch.setattr(engine.backend, "max_decode_tokens", 16)
+    with pytest.raises(RequestError, match=r"slots: 6, but this artifact's engines run at most 4 sequences per step; "
+                                           r"use slots <= 4, or rebuild with export.max_batch: 6"):
+        engine.start_scheduler(slots=6)
+    with pytest.raises(RequestError, match=r"prefill_chunk: 32, but .* at most 16 tokens per call; use prefill_chunk "
+                                           r"<= 16, or rebuild with backend.tensorrt.decode_max_tokens: 32"):
+        engine.start_scheduler(slots=2, prefill_chunk=32)
+    assert engine.start_scheduler().slots == 4
+    engine.start_scheduler(slots=2, prefill_chunk=16)
+    requests = [([1] + list(range(3, 63)), 5), ([1, 9, 10], 30)]  # a 61-token prompt is chunked while one decodes
+    handles = [engine.submit(prompt, max_new_tokens=n, stop_token_ids=()) for prompt, n in requests]
+    alone = [engine.generate(prompt, max_new_tokens=n, stop_token_ids=()).token_ids for prompt, n in requests]
+    assert [handle.result().token_ids for handle in handles] == alone
+
+
 def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
     """Eight mixed-length prompts submitted at once land in neighbouring slots: one right-padded prefill run
     (the same prefill start for all), and still each request's alone tokens."""

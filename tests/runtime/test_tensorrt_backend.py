@@ -86,3 +86,24 @@ def test_tensorrt_greedy_tokens_equal_onnxruntime(tensorrt_tiny, tiny_engine):
     reference = tiny_engine.generate([1, 5, 9, 200], max_new_tokens=8)
     assert ours.token_ids == reference.token_ids
     assert engine.backend.last_device_ms > 0
+
+
+@needs_gpu
+def test_tensorrt_scheduler_and_evaluation_stay_within_the_engine_profile(tensorrt_tiny, tiny_engine):
+    """max_batch 4 and decode_max_tokens 1 in this build: the default scheduler takes 4 slots (batched steps at row
+    offsets), 5 slots are refused, and evaluation feeds a window one token per decode call."""
+    from runtime import Engine, RequestError
+    from runtime.evaluate import decode_logits_for
+
+    engine = Engine.load(tensorrt_tiny)
+    assert (engine.backend.max_batch, engine.backend.max_decode_tokens) == (4, 1)
+    with pytest.raises(RequestError, match="at most 4 sequences per step"):
+        engine.start_scheduler(slots=5)
+    prompts = [[1, 5, 9, 200], [1, 7], [1, 30, 31, 32, 33, 34], [1, 8, 8], [1, 2, 3]]
+    ours = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6, stop_token_ids=())]
+    assert engine._scheduler.slots == 4
+    assert ours == [r.token_ids for r in tiny_engine.generate(prompts, max_new_tokens=6, stop_token_ids=())]
+    tokens = np.array([1, 17, 99, 4, 250, 31, 8, 5, 6, 7], dtype=np.int64)
+    got, want = decode_logits_for(engine)(tokens), decode_logits_for(tiny_engine)(tokens)
+    assert np.abs(got - want).max() < 2e-2, f"evaluation logits: max |diff| {np.abs(got - want).max():.3e}"
+    engine.close()
