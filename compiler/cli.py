@@ -6,6 +6,7 @@ would. Bad input exits with status 2 and one line naming the problem; tracebacks
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -19,6 +20,8 @@ from rich.table import Table
 from compiler.errors import check_output_file
 
 console = Console(stderr=True)  # progress and tables on stderr; generated text alone on stdout
+DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
+DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
 
 
 def _build(args) -> None:
@@ -66,8 +69,10 @@ def _run(args) -> None:
                         f"{timings.output_tokens} output tokens ({generation.result.finish_reason})")
     for column in ("TTFT ms", "prefill ms", "TPOT ms", "decode tok/s", "E2E ms"):
         table.add_column(column, justify="right")
-    table.add_row(f"{1e3 * timings.ttft_s:.1f}", f"{1e3 * timings.prefill_s:.1f}", f"{1e3 * timings.tpot_s:.2f}",
-                  f"{timings.tokens_per_s:.1f}", f"{1e3 * timings.e2e_s:.1f}")
+    decoded = timings.output_tokens >= 2  # TPOT and decode speed need a token after the first
+    table.add_row(f"{1e3 * timings.ttft_s:.1f}", f"{1e3 * timings.prefill_s:.1f}",
+                  f"{1e3 * timings.tpot_s:.2f}" if decoded else "-", f"{timings.tokens_per_s:.1f}" if decoded else "-",
+                  f"{1e3 * timings.e2e_s:.1f}")
     console.print(table)
 
 
@@ -153,7 +158,11 @@ def _bench(args) -> None:
         from compiler.frontend.config import DecoderConfig
         from compiler.plan import count_params, cpu_device, prefill_flops
 
-        sizes = bench.parse_sizes(args.prompt_lengths if args.phase == "prefill" else args.contexts, max_context)
+        option, given, default = (("--prompt-lengths", args.prompt_lengths, DEFAULT_PROMPT_LENGTHS)
+                                  if args.phase == "prefill" else ("--contexts", args.contexts, DEFAULT_CONTEXTS))
+        # a prefill of C tokens needs C < max context; a decode at context C also its warm-up and timed steps
+        largest = max_context - 1 if args.phase == "prefill" else max_context - bench.DECODE_WARMUP_STEPS - args.steps
+        sizes = bench.parse_sizes(given, max_context, option) if given else bench.sizes_that_fit(default, largest)
         device = cpu_device()  # measured once per machine, cached under ~/.cache/aotlm/
         peaks = {"flops": device["fp32"], "bandwidth": device["bandwidth"], "device": device["name"]}
         config = DecoderConfig.from_dict(manifest["model"]["config"])
@@ -384,7 +393,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
     run.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = all)")
-    run.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
+    run.add_argument("--seed", type=_nonnegative_int, default=None, help="sampling seed, for reproducible samples")
     run.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="end the text before this string (repeatable; the model's end-of-sequence tokens always stop)")
     run.add_argument("--threads", type=_nonnegative_int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
@@ -419,7 +428,7 @@ def parser() -> argparse.ArgumentParser:
                        help="all at once; closed loop of --concurrency clients; Poisson at --rate req/s")
     bench.add_argument("--concurrency", type=int, default=1, help="clients for --arrival concurrency: each sends its next request when the last one ends")
     bench.add_argument("--rate", type=float, default=None, help="requests/s for --arrival poisson")
-    bench.add_argument("--seed", type=int, default=0, help="lengths and Poisson arrivals")
+    bench.add_argument("--seed", type=_nonnegative_int, default=0, help="lengths and Poisson arrivals")
     bench.add_argument("--prompt-tokens", default="128", help="N, or LOW:HIGH drawn uniformly (default: 128)")
     bench.add_argument("--output-tokens", default="64", help="N, or LOW:HIGH drawn uniformly (default: 64)")
     bench.add_argument("--prompt-file", default=None, help="text cut into prompts (default: Python's pydoc topics)")
@@ -439,8 +448,10 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench-<name>[-<phase>].json)")
     bench.add_argument("--phase", choices=("prefill", "decode"), default=None,
                        help="time the prefill or decode graph alone instead of serving a workload")
-    bench.add_argument("--prompt-lengths", default="128,512,1024", help="--phase prefill: prompt lengths")
-    bench.add_argument("--contexts", default="64,512,1024,2000", help="--phase decode: cached tokens")
+    bench.add_argument("--prompt-lengths", default=None,
+                       help=f"--phase prefill: prompt lengths (default: those of {DEFAULT_PROMPT_LENGTHS} that fit)")
+    bench.add_argument("--contexts", default=None,
+                       help=f"--phase decode: cached tokens (default: those of {DEFAULT_CONTEXTS} that fit)")
     bench.add_argument("--batch", type=int, default=1, help="--phase: sequences per graph run")
     bench.add_argument("--runs", type=int, default=5, help="--phase prefill: timed runs per length (median)")
     bench.add_argument("--steps", type=int, default=32, help="--phase decode: timed steps per context")
@@ -461,7 +472,7 @@ def parser() -> argparse.ArgumentParser:
 def _nonnegative_int(text: str) -> int:
     value = int(text)
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 (the default) or more")
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
     return value
 
 
@@ -496,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     except _Terminated:
         console.print("[yellow]terminated[/yellow]")
         return 143
+    except BrokenPipeError:  # stdout's reader left (`aotlm run ... | head`): stop quietly, as a killed writer would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
+        return 141
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")
         return 130

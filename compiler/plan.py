@@ -106,7 +106,7 @@ def cpu_device(remeasure: bool = False) -> dict:
             pass  # a read-only home only costs a re-measurement next time
     m = cache[key]
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"name": f"cpu {key} (measured {m['measured']}; --remeasure to redo)", "memory": memory,
+    return {"name": f"cpu {key} (measured {m['measured']}; `aotlm plan SOURCE --remeasure` redoes it)", "memory": memory,
             "bandwidth": m["bandwidth"], "fp32": m["fp32_flops"], "measured": True}
 
 

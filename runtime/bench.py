@@ -81,16 +81,22 @@ def check_baselines(names: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def parse_sizes(text: str, max_context: int) -> list[int]:
-    """'128,512' -> [128, 512]; each must be >= 1 and below the max context."""
+def parse_sizes(text: str, max_context: int, option: str = "sizes") -> list[int]:
+    """'128,512' -> [128, 512]; each must be >= 1 and below the max context. `option` names the flag in errors."""
     try:
         sizes = [int(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
-        raise BenchError(f"{text!r}: give comma-separated token counts, e.g. 128,512") from None
+        raise BenchError(f"{option} {text!r}: give comma-separated token counts, e.g. 128,512") from None
     bad = [size for size in sizes if not 1 <= size < max_context]
     if not sizes or bad:
-        raise BenchError(f"sizes {text!r}: each must be >= 1 and below this artifact's max context ({max_context})")
+        raise BenchError(f"{option} {text!r}: each must be >= 1 and below this artifact's max context ({max_context})")
     return sizes
+
+
+def sizes_that_fit(defaults: str, largest: int) -> list[int]:
+    """The default sizes up to `largest` (what the artifact's max context leaves room for); `largest` itself when
+    none of them fit (a small artifact)."""
+    return [size for size in parse_sizes(defaults, 1 << 62) if size <= largest] or [max(largest, 1)]
 
 
 def read_prompt_file(path: str | None) -> str | None:
@@ -334,8 +340,11 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
 
 
 # -- the graphs alone ---------------------------------------------------------------------------------------------
+DECODE_WARMUP_STEPS = 4
+
+
 def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], *, batch: int = 1, runs: int = 5,
-               steps: int = 32, warmup: int = 4, flops_for, peaks: dict) -> list[dict]:
+               steps: int = 32, warmup: int = DECODE_WARMUP_STEPS, flops_for, peaks: dict) -> list[dict]:
     """Prefill: median of `runs` runs (after one warm-up) per prompt length; achieved FLOP/s = flops_for(tokens) / s.
     Decode: the cache filled with C real tokens by one prefill, `warmup` steps, then `steps` timed steps (graph +
     greedy choice) per context C; achieved (manifest weight bytes + KV bytes/token x C x batch) / step, bytes/s.

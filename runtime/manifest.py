@@ -32,6 +32,10 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     """Load manifest.json and check its format and version; raises ArtifactError."""
     folder = Path(artifact_dir)
     path = folder / MANIFEST_FILE
+    if folder.is_file():
+        fix = (f"it looks like a recipe: build it with `aotlm build {folder}` (or size it with `aotlm plan {folder}`)"
+               if folder.suffix in (".yaml", ".yml") else "an artifact is the folder `aotlm build RECIPE` writes")
+        raise ArtifactError(f"{folder}: a file, not an artifact folder; {fix}")
     if not folder.is_dir():
         raise ArtifactError(f"{folder}: not an artifact folder (no such directory); build one with `aotlm build RECIPE`")
     if not path.is_file():

@@ -28,8 +28,8 @@ class SamplingParams:
             raise RequestError(f"top_k: {self.top_k!r} must be an integer >= 0 (0 = no limit)")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p: {self.top_p!r} must be a number in (0, 1]")
-        if self.seed is not None and not is_integer(self.seed):
-            raise RequestError(f"seed: {self.seed!r} must be an integer or None")
+        if self.seed is not None and (not is_integer(self.seed) or self.seed < 0):  # numpy's generators take >= 0
+            raise RequestError(f"seed: {self.seed!r} must be an integer >= 0 or None")
         # A bare string is one stop string, as in vLLM's and OpenAI's `stop` (not a tuple of its characters).
         stops = (self.stop_strings,) if isinstance(self.stop_strings, str) else self.stop_strings
         if not isinstance(stops, (list, tuple)) or not all(isinstance(stop, str) for stop in stops):

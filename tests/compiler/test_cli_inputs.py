@@ -256,3 +256,52 @@ def test_a_held_out_text_too_short_for_the_accuracy_report_is_refused_before_the
     monkeypatch.setattr("compiler.build.export_graphs", lambda *a, **k: (_ for _ in ()).throw(SystemExit("reached")))
     with pytest.raises(SystemExit, match="reached"):  # without the report, the build goes on to the export
         main(["build", str(tmp_path / "off.yaml"), "--output", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_a_negative_seed_is_a_usage_error(capsys, tiny_artifact, command):
+    """numpy's generators take seeds >= 0 (before: a ValueError traceback, even for greedy decoding)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, str(tiny_artifact), *(["--prompt", "hi"] if command == "run" else []), "--seed", "-1"])
+    assert exit_info.value.code == 2 and "-1 is negative; give 0 or more" in capsys.readouterr().err
+
+
+def test_bench_phase_errors_name_the_flag_and_default_sizes_fit_a_small_artifact(capsys, tiny_artifact, tmp_path):
+    """The tiny artifact's max context is 128: the default decode contexts (64, 512, ...) keep 64, the prefill
+    lengths none, so the largest that fits is timed (before: an error naming no flag, for the defaults)."""
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "decode", "--contexts", "16,500",
+                             "--out", tmp_path / "a.json")
+    assert status == 2 and "--contexts '16,500': each must be >= 1 and below" in output, output
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "decode", "--steps", "2", "--runs", "1",
+                             "--out", tmp_path / "decode.json")
+    assert status == 0, output
+    assert [row["context"] for row in json.loads((tmp_path / "decode.json").read_text())["rows"]] == [64]
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "prefill", "--runs", "1",
+                             "--out", tmp_path / "prefill.json")
+    assert status == 0, output
+    assert [row["prompt_tokens"] for row in json.loads((tmp_path / "prefill.json").read_text())["rows"]] == [127]
+
+
+def test_inspect_on_a_recipe_file_says_what_to_do_with_it(capsys):
+    status, output = run_cli(capsys, "inspect", TINY)
+    assert status == 2 and "a file, not an artifact folder; it looks like a recipe: build it with `aotlm build" in output
+
+
+def test_run_into_a_closed_pipe_stops_quietly(tiny_artifact):
+    """`aotlm run ... | head -c 5`: the reader leaves early (before: a BrokenPipeError traceback, status 1)."""
+    import subprocess
+    import sys
+
+    command = (f"{sys.executable} -m compiler.cli run {tiny_artifact} --prompt hello --max-new-tokens 60 "
+               f"--threads 1 | head -c 5")
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert result.stdout == "hello" and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 141, result.stderr
+
+
+def test_run_with_one_output_token_shows_no_tpot(capsys, tiny_artifact):
+    status, output = run_cli(capsys, "run", tiny_artifact, "--prompt", "hello", "--max-new-tokens", "1")
+    row = next(line for line in output.splitlines() if line.count("│") >= 5 and "ms" not in line and "TTFT" not in line)
+    cells = [cell.strip() for cell in row.split("│")[1:-1]]
+    assert status == 0 and cells[2] == "-" and cells[3] == "-", output

@@ -30,7 +30,7 @@ def engine(tiny_engine):
     (dict(max_new_tokens=True), "max_new_tokens: True must be an integer"),
     (dict(temperature=float("nan")), "temperature: nan must be a number >= 0"),
     (dict(top_p=float("nan")), r"top_p: nan must be a number in \(0, 1\]"),
-    (dict(seed=1.5), "seed: 1.5 must be an integer or None"),
+    (dict(seed=1.5), "seed: 1.5 must be an integer >= 0 or None"), (dict(seed=-1), "seed: -1 must be an integer >= 0"),
     (dict(temprature=0.5), "unexpected keyword argument 'temprature'; sampling options are max_new_tokens"),
 ])
 def test_bad_sampling_options_are_refused_before_anything_runs(engine, options, message):
