@@ -9,6 +9,7 @@ mask, logits) are rebound.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -62,8 +63,25 @@ class KVCache:
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize * len(self.buffers)
 
 
+def check_version(built: str | None, installed: str) -> None:
+    """An onnxruntime older than the one that built the graphs may lack their operators (com.microsoft contrib ops
+    gain inputs and types release by release): refused with the fix. A newer one runs them."""
+    if built and _release(installed) < _release(built):
+        raise ArtifactError(f"this artifact was built with onnxruntime {built}, and {installed} is installed (older); "
+                            f"install onnxruntime>={built}, or rebuild the artifact here (`aotlm build RECIPE`)")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    numbers = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))  # "1.33.0rc1" / "1.33.0.dev2026" -> 1, 33, 0
+        numbers.append(int(digits or 0))
+    return tuple(numbers)
+
+
 class OnnxRuntimeBackend:
     def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None):
+        check_version(manifest["backend"].get("version"), ort.__version__)
         self.manifest = manifest
         settings = manifest["backend"].get("session", {})
         self.kv_spec = manifest["kv_cache"]

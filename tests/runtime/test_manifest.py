@@ -46,9 +46,37 @@ def test_unknown_format_version_is_refused(artifact_copy):
         Engine.load(artifact_copy)
 
 
+def test_an_artifact_from_a_newer_onnxruntime_is_refused_and_an_older_one_runs(artifact_copy):
+    """The graphs may use operators an older onnxruntime lacks: refused at load with the fix, not at the first
+    step as an onnxruntime error."""
+    import onnxruntime
+
+    manifest_path = artifact_copy / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for built, refused in (("99.1.0", True), ("1.0.0", False), (onnxruntime.__version__, False)):
+        manifest["backend"]["version"] = built
+        manifest_path.write_text(json.dumps(manifest))
+        if refused:
+            with pytest.raises(ArtifactError, match=rf"built with onnxruntime 99.1.0, and {onnxruntime.__version__} is "
+                                                    rf"installed \(older\); install onnxruntime>=99.1.0, or rebuild"):
+                Engine.load(artifact_copy)
+        else:
+            Engine.load(artifact_copy).close()
+
+
+def test_onnxruntime_versions_compare_by_release():
+    from runtime.onnxruntime_backend import _release
+
+    assert _release("1.33.0rc1") == (1, 33, 0) and _release("1.32.0+cpu") == (1, 32, 0)
+    assert _release("1.9.0") < _release("1.32.0")
+
+
 def test_not_an_artifact(tmp_path):
     with pytest.raises(ArtifactError, match="no such directory"):
         Engine.load(tmp_path / "nope")
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    with pytest.raises(ArtifactError, match="a file, not an artifact folder; it looks like a recipe"):
+        Engine.load(tmp_path / "recipe.yaml")
     with pytest.raises(ArtifactError, match="no manifest.json"):
         Engine.load(tmp_path)
     (tmp_path / "manifest.json").write_text("{not json")
