@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
 from passes.errors import PassError
 
 MICROSOFT_DOMAIN = "com.microsoft"
-KEPT_ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved")
+KEPT_ATTRIBUTES = ("num_heads", "kv_num_heads", "do_rotary", "rotary_interleaved")
 DECODE_KERNELS = ("gemm", "flash")
 
 
@@ -42,77 +42,75 @@ class Options:
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     if options.decode_kernel not in DECODE_KERNELS:
         raise PassError(f"decode_kernel: {options.decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
-    lowered = onnx.ModelProto()
-    lowered.CopyFrom(model)
-    graph = lowered.graph
+    graph = gs.import_onnx(model)
+    # graphsurgeon keeps the model's own opset_import list and appends to it on export: copy it (pure pass).
+    graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
     decode_gemm = graph.name == "decode" and options.decode_kernel == "gemm"
-    count, scale_folds = 0, {}
-    table_widths = {t.name: t.dims[-1] for t in graph.initializer if len(t.dims) == 2}
-    for node in list(graph.node):
-        if node.domain != op.DOMAIN or node.op_type != op.OP_TYPE:
-            continue
-        if options.max_rewrites is not None and count >= options.max_rewrites:
-            break
-        head_dim = 2 * table_widths.get(node.input[op.INPUTS.index("cos_cache")], 0)
-        if head_dim % 16:
-            raise PassError(f"{node.name}: onnxruntime's GroupQueryAttention needs head_dim % 16 == 0, "
-                            f"this model has head_dim {head_dim}; leave lower_onnxruntime out of the recipe")
-        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        scale = float(attributes.get("scale") or head_dim ** -0.5)
-        query_width = int(attributes["num_heads"]) * head_dim
-        node.op_type, node.domain = "GroupQueryAttention", MICROSOFT_DOMAIN
-        kept = [a for a in node.attribute if a.name in KEPT_ATTRIBUTES and a.name != "scale"]
-        del node.attribute[:]
-        node.attribute.extend(kept)
-        fold = fold_query_scale(graph, node, scale, query_width)
+    nodes = [n for n in graph.nodes if n.domain == op.DOMAIN and n.op == op.OP_TYPE]
+    chosen = nodes if options.max_rewrites is None else nodes[: options.max_rewrites]
+    scale_folds = {}
+    graph_outputs = {t.name for t in graph.outputs}
+    for node in chosen:
+        head_dim = _head_dim(node)
+        scale = float(node.attrs.get("scale") or head_dim ** -0.5)
+        fold = fold_query_scale(graph, node, scale, int(node.attrs["num_heads"]) * head_dim, graph_outputs)
         scale_folds[fold] = scale_folds.get(fold, 0) + 1
-        node.attribute.append(onnx.helper.make_attribute("scale", 1.0 if fold != "none" else scale))
+        node.op, node.domain = "GroupQueryAttention", MICROSOFT_DOMAIN
+        node.attrs = {name: node.attrs[name] for name in KEPT_ATTRIBUTES if name in node.attrs}
+        node.attrs["scale"] = 1.0 if fold != "none" else scale
         if decode_gemm and fold != "none":
-            node.attribute.append(onnx.helper.make_attribute("qk_output", 1))
-            del node.output[len(op.OUTPUTS):]
-            node.output.append(f"{node.name}/unused_qk")  # never read: it only selects the GEMM path
-        count += 1
-    remaining = sum(1 for n in graph.node if n.domain == op.DOMAIN)
-    imports = [o for o in lowered.opset_import if o.domain != op.DOMAIN or remaining]
-    if count and not any(o.domain == MICROSOFT_DOMAIN for o in imports):
-        imports.append(onnx.helper.make_opsetid(MICROSOFT_DOMAIN, 1))
-    del lowered.opset_import[:]
-    lowered.opset_import.extend(imports)
+            node.attrs["qk_output"] = 1
+            while len(node.outputs) > len(op.OUTPUTS):
+                node.outputs.pop()
+            node.outputs.append(gs.Variable(f"{node.name}/unused_qk"))  # never read: it only selects the GEMM path
+    remaining = len(nodes) - len(chosen)
+    if not remaining:
+        graph.import_domains = [o for o in graph.import_domains if o.domain != op.DOMAIN]
+    if chosen and not any(o.domain == MICROSOFT_DOMAIN for o in graph.import_domains):
+        graph.import_domains.append(onnx.helper.make_opsetid(MICROSOFT_DOMAIN, 1))
+    graph.cleanup().toposort()
     kernel = "gemm" if decode_gemm and "none" not in scale_folds else "flash"
-    return lowered, {"lowered": count, "target": f"{MICROSOFT_DOMAIN}.GroupQueryAttention", "left_unlowered": remaining,
-                     "phase_graph": graph.name, "attention_kernel": kernel, "scale_folded_into": scale_folds}
+    return gs.export_onnx(graph), {"lowered": len(chosen), "target": f"{MICROSOFT_DOMAIN}.GroupQueryAttention",
+                                   "left_unlowered": remaining, "phase_graph": graph.name, "attention_kernel": kernel,
+                                   "scale_folded_into": scale_folds}
 
 
-def fold_query_scale(graph: onnx.GraphProto, node: onnx.NodeProto, scale: float, query_width: int) -> str:
+def _head_dim(node: gs.Node) -> int:
+    cos = node.inputs[op.INPUTS.index("cos_cache")]  # [positions, head_dim / 2], maybe through a Cast (float16)
+    width = cos.shape[-1] if cos.shape else None
+    if not isinstance(width, int):
+        raise PassError(f"{node.name}: the rotary table's width (head_dim / 2) is not known; run shape inference "
+                        f"(the cleanup pass) before lower_onnxruntime")
+    head_dim = 2 * width
+    if head_dim % 16:
+        raise PassError(f"{node.name}: onnxruntime's GroupQueryAttention needs head_dim % 16 == 0, "
+                        f"this model has head_dim {head_dim}; leave lower_onnxruntime out of the recipe")
+    return head_dim
+
+
+def fold_query_scale(graph: gs.Graph, node: gs.Node, scale: float, query_width: int, graph_outputs: set[str]) -> str:
     """Multiply the node's query by `scale` upstream; returns where: "weight", "mul" or "none" (left in the op).
 
     A packed q/k/v input (key and value empty) can only take it in the weight's first query_width columns."""
-    query = node.input[0]
-    packed = len(node.input) > 2 and not node.input[1] and not node.input[2]
-    producer = next((n for n in graph.node if query in n.output), None)
+    query = node.inputs[0]
+    packed = len(node.inputs) > 2 and node.inputs[1].is_empty() and node.inputs[2].is_empty()
+    producer = query.inputs[0] if query.inputs else None
     # A graph output is a reader too: scaling the weight would change what it returns.
-    consumers = sum(name == query for n in graph.node for name in n.input) + sum(o.name == query for o in graph.output)
-    initializers = {t.name: t for t in graph.initializer}
-    weight = None
-    if producer is not None and producer.op_type == "MatMul" and producer.domain == "" and consumers == 1:
-        candidate = initializers.get(producer.input[1])
-        readers = sum(name == producer.input[1] for n in graph.node for name in n.input) + \
-            sum(o.name == producer.input[1] for o in graph.output)
-        if candidate is not None and len(candidate.dims) == 2 and readers == 1:
-            weight = candidate
-    if weight is not None and (weight.dims[1] == query_width or packed):
-        values = numpy_helper.to_array(weight).copy()
+    sole_reader = len(query.outputs) == 1 and query.name not in graph_outputs
+    weight = producer.inputs[1] if producer is not None and producer.op == "MatMul" and producer.domain in ("", None) \
+        else None
+    if (sole_reader and isinstance(weight, gs.Constant) and len(weight.shape) == 2 and len(weight.outputs) == 1
+            and weight.name not in graph_outputs and (weight.shape[1] == query_width or packed)):
+        values = np.array(weight.values)  # a copy: the input model's weight is left as it was
         values[:, :query_width] *= np.asarray(scale, values.dtype)
-        weight.CopyFrom(numpy_helper.from_array(values, weight.name))
+        weight.values = values
         return "weight"
     if packed:
         return "none"
-    table = initializers.get(node.input[op.INPUTS.index("cos_cache")])  # the rotary tables are in the graph's type
-    dtype = np.float32 if table is None else onnx.helper.tensor_dtype_to_np_dtype(table.data_type)
-    factor = numpy_helper.from_array(np.asarray(scale, dtype=dtype), f"{node.name}/query_scale")
-    graph.initializer.append(factor)
-    scaled = f"{node.name}/scaled_query"
-    position = list(graph.node).index(node)
-    graph.node.insert(position, onnx.helper.make_node("Mul", [query, factor.name], [scaled], name=f"{node.name}/query_scale"))
-    node.input[0] = scaled
+    table = node.inputs[op.INPUTS.index("cos_cache")]  # the rotary tables are in the graph's type
+    dtype = np.dtype(table.dtype) if table.dtype is not None and not isinstance(table.dtype, int) else np.float32
+    factor = gs.Constant(f"{node.name}/query_scale", np.asarray(scale, dtype=dtype))
+    scaled = graph.layer(op="Mul", name=f"{node.name}/query_scale", inputs=[query, factor],
+                         outputs=[gs.Variable(f"{node.name}/scaled_query", dtype=query.dtype)])[0]
+    node.inputs[0] = scaled
     return "mul"

@@ -1,0 +1,88 @@
+"""lower_onnxruntime: FlashAttention -> com.microsoft.GroupQueryAttention, the softmax scale folded into the query,
+and the decode graph's GEMM path; parity through onnxruntime (the fused graphs come from tests/passes/test_fuse_attention.py)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from compiler.export import export_graphs
+from compiler.frontend.model import build_decoder
+from compiler.frontend.random_init import random_model
+from passes import cleanup, fuse_attention, lower_onnxruntime
+from passes.errors import PassError
+from tests.passes.test_fuse_attention import (CONFIG, MAX_CONTEXT, decoder_graphs, fuse_and_lower,  # noqa: F401
+                                              generate_logits)
+
+
+def test_the_folded_scale_is_shared_by_both_phases_and_flash_keeps_the_default_path(decoder_graphs):
+    lowered = {phase: fuse_and_lower(model)[2] for phase, model in decoder_graphs.items()}
+    def folded_q_weights(model):  # per layer, the weight of the MatMul that feeds the attention's query
+        initializers = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+        producers = {out: n for n in model.graph.node for out in n.output}
+        return [initializers[producers[n.input[0]].input[1]] for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+
+    # The artifact stores a weight once when both graphs hold the same bytes: the fold must not split them.
+    prefill, decode = folded_q_weights(lowered["prefill"]), folded_q_weights(lowered["decode"])
+    assert len(prefill) == len(decode) == CONFIG.num_layers
+    for a, b in zip(prefill, decode):
+        np.testing.assert_array_equal(a, b)
+    unscaled = {t.name: onnx.numpy_helper.to_array(t) for t in decoder_graphs["decode"].graph.initializer}
+    # the q projection times 1/sqrt(head_dim) = 1/4 here, a power of two: exact
+    assert any(np.array_equal(decode[0], w * np.float32(CONFIG.head_dim ** -0.5)) for w in unscaled.values()
+               if w.shape == decode[0].shape)
+    assert not any(np.array_equal(decode[0], w) for w in unscaled.values())
+    flash = {phase: lower_onnxruntime.run(fuse_attention.run(model, fuse_attention.Options())[0],
+                                          lower_onnxruntime.Options(decode_kernel="flash"))
+             for phase, model in decoder_graphs.items()}
+    assert flash["decode"][1]["attention_kernel"] == "flash"
+    assert not any(a.name == "qk_output" for n in flash["decode"][0].graph.node for a in n.attribute)
+    for gemm_logits, flash_logits in zip(generate_logits(lowered), generate_logits({p: m for p, (m, _) in flash.items()})):
+        np.testing.assert_allclose(gemm_logits, flash_logits, atol=1e-5)
+    with pytest.raises(PassError, match="decode_kernel: 'fast' is not one of gemm, flash"):
+        lower_onnxruntime.run(decoder_graphs["decode"], lower_onnxruntime.Options(decode_kernel="fast"))
+
+
+def test_a_query_that_is_not_a_plain_projection_is_scaled_by_a_mul(decoder_graphs):
+    """A q projection weight read twice (here: by an extra MatMul that feeds nothing) is left alone: a Mul scales q."""
+    fused = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())[0]
+    attention = next(n for n in fused.graph.node if n.op_type == "FlashAttention")
+    projection = next(n for n in fused.graph.node if attention.input[0] in n.output)
+    fused.graph.node.append(onnx.helper.make_node("MatMul", [projection.input[0], projection.input[1]], ["extra"]))
+    before = {t.name: onnx.numpy_helper.to_array(t) for t in fused.graph.initializer}[projection.input[1]]
+    lowered, report = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"mul": 1, "weight": CONFIG.num_layers - 1}
+    after = {t.name: onnx.numpy_helper.to_array(t) for t in lowered.graph.initializer}[projection.input[1]]
+    np.testing.assert_array_equal(after, before)
+    lowered_attention = next(n for n in lowered.graph.node if n.name == attention.name)
+    mul = next(n for n in lowered.graph.node if n.op_type == "Mul" and n.output[0] == lowered_attention.input[0])
+    assert mul.input[0] == projection.output[0]
+    factor = {t.name: onnx.numpy_helper.to_array(t) for t in lowered.graph.initializer}[mul.input[1]]
+    assert factor == np.float32(CONFIG.head_dim ** -0.5)
+
+
+def test_a_query_that_is_a_graph_output_keeps_its_value(decoder_graphs):
+    """The q projection's output is also a graph output: folding the softmax scale into its weight would change
+    what the graph returns, so a Mul scales q instead."""
+    fused = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())[0]
+    attention = next(n for n in fused.graph.node if n.op_type == "FlashAttention")
+    fused.graph.output.append(onnx.helper.make_tensor_value_info(attention.input[0], onnx.TensorProto.FLOAT, None))
+    _, report = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"mul": 1, "weight": CONFIG.num_layers - 1}
+
+
+def test_a_float16_graph_folds_the_scale_with_the_head_dim_of_its_cast_tables():
+    """In a float16 graph the rotary tables reach the node through a Cast; head_dim comes from their shape (before:
+    from initializers only, so it read 0 here: the head_dim check could not fire, and the fold fell back to a Mul)."""
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    prefill = cleanup.run(export_graphs(decoder, MAX_CONTEXT, dtype="float16")["prefill"], cleanup.Options())[0]
+    fused = fuse_attention.run(prefill, fuse_attention.Options(required=True))[0]
+    lowered, report = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"weight": CONFIG.num_layers}
+    before = {t.name: onnx.numpy_helper.to_array(t) for t in fused.graph.initializer}
+    after = {t.name: onnx.numpy_helper.to_array(t) for t in lowered.graph.initializer}
+    attention = next(n for n in lowered.graph.node if n.op_type == "GroupQueryAttention")
+    projection = next(n for n in lowered.graph.node if attention.input[0] in n.output)
+    np.testing.assert_array_equal(after[projection.input[1]],
+                                  before[projection.input[1]] * np.float16(CONFIG.head_dim ** -0.5))
+    assert next(a.f for a in attention.attribute if a.name == "scale") == 1.0
