@@ -320,6 +320,11 @@ def _write_json(path: str | None, payload: dict) -> None:
         console.print(f"wrote {escape(str(out))}", highlight=False)
 
 
+def _window_shown(window: int, tokens: int) -> str:
+    """The window the evaluation used: a text shorter than --window is one window of all its tokens."""
+    return str(window) if tokens >= window else f"{tokens} (the whole text; --window {window})"
+
+
 def _eval(args) -> None:
     check_output_file(args.json, "--json")
     artifact = _ArtifactInfo(args.artifact)
@@ -329,8 +334,8 @@ def _eval(args) -> None:
     table = Table(title=f"perplexity on {args.text} ({len(token_ids)} tokens, no BOS)")
     for column in ("artifact", "MiB", "tokens scored", "window", "stride", "perplexity"):
         table.add_column(column, justify="left" if column == "artifact" else "right")
-    table.add_row(artifact.name, f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored), str(window), str(stride),
-                  f"{result.perplexity:.4f}")
+    table.add_row(artifact.name, f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored),
+                  _window_shown(window, len(token_ids)), str(stride), f"{result.perplexity:.4f}")
     console.print(table)
     _write_json(args.json, {"artifact": str(args.artifact), "name": artifact.name, "bytes": artifact.bytes,
                             "text": args.text, "tokens": len(token_ids), **result.to_dict()})
@@ -348,7 +353,8 @@ def _compare(args) -> None:
     window, stride = _window_and_stride(args, min(reference.max_context, candidate.max_context))
     token_ids = _evaluation_tokens(args, reference)
     result = _score(args, candidate, reference, token_ids, window, stride)
-    table = Table(title=f"{args.text}: {result.tokens_scored} tokens scored, window {window}, stride {stride}; "
+    table = Table(title=f"{args.text}: {result.tokens_scored} tokens scored, window "
+                        f"{_window_shown(window, len(token_ids))}, stride {stride}; "
                         f"B against A (KL(A || B), nats per token)")
     for column in ("", "artifact", "MiB", "perplexity", "top-1 agreement", "mean KL"):
         table.add_column(column, justify="left" if column in ("", "artifact") else "right")

@@ -207,6 +207,12 @@ def test_cli_eval_prints_and_writes_perplexity(tiny_artifact, tiny_engine, text_
     assert written["perplexity"] == pytest.approx(direct.perplexity, rel=1e-6)
 
 
+def test_cli_eval_shows_the_window_it_used_on_a_short_text(tiny_artifact, text_file, capsys, monkeypatch):
+    monkeypatch.setattr(cli.console, "width", 300)
+    assert cli.main(["eval", str(tiny_artifact), "--text", str(text_file), "--max-tokens", "30", "--window", "40"]) == 0
+    assert "30 (the whole text; --window 40)" in capsys.readouterr().err
+
+
 def test_cli_eval_builtin_text_and_default_window(tiny_artifact, tmp_path):
     out = tmp_path / "eval.json"
     assert cli.main(["eval", str(tiny_artifact), "--text", "builtin:pydoc-held-out", "--max-tokens", "140",
