@@ -17,9 +17,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from compiler.errors import check_output_file
+from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
+from compiler.console import console
+from compiler.errors import check_output_file, nonnegative_int, positive_float
 
-console = Console(stderr=True)  # progress and tables on stderr; generated text alone on stdout
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
 
@@ -241,150 +242,6 @@ def _bench(args) -> None:
     console.print("wrote " + ", ".join(map(str, written)), highlight=False)
 
 
-class _ArtifactInfo:
-    """One artifact to evaluate: its folder and manifest, read (cheaply) before any graph is loaded."""
-
-    def __init__(self, path: str):
-        from runtime.manifest import check_files, read_manifest
-
-        self.path = path
-        self.manifest = read_manifest(path)  # a folder that is not an artifact fails here, in one line
-        check_files(path, self.manifest)  # a missing or cut file, before any of them is read
-        self.name = self.manifest["name"]
-        self.max_context = self.manifest["kv_cache"]["max_context"]
-        self.bytes = sum(record["bytes"] for record in self.manifest["files"].values())
-        self.tokenizer_file = Path(path) / self.manifest["tokenizer"]["file"]
-
-
-def _evaluation_tokens(args, artifact: _ArtifactInfo) -> list[int]:
-    """The text (a file, or builtin:NAME) as token ids without BOS, its first --max-tokens; >= 2 or an error."""
-    from runtime.evaluate import EvaluationError, builtin_text, encode_text
-    from runtime.tokenizer import TextTokenizer
-
-    source = args.text
-    if source.startswith("builtin:"):
-        text = builtin_text(source.removeprefix("builtin:"))
-    else:
-        try:
-            text = Path(source).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise EvaluationError(f"--text {source}: no such file") from None
-        except (OSError, UnicodeDecodeError) as error:
-            raise EvaluationError(f"--text {source}: cannot read it ({error})") from None
-    if args.max_tokens < 2:
-        raise EvaluationError(f"--max-tokens must be >= 2 (one token of context, one scored), got {args.max_tokens}")
-    token_ids = encode_text(TextTokenizer(artifact.tokenizer_file), text)[: args.max_tokens]
-    if len(token_ids) < 2:
-        raise EvaluationError(f"--text {source}: {len(token_ids)} token(s); scoring needs at least 2")
-    return token_ids
-
-
-def _window_and_stride(args, max_context: int) -> tuple[int, int]:
-    """--window (default 512, at most the max context) and --stride (default window / 2), checked."""
-    from runtime.evaluate import EvaluationError, window_spans
-
-    window = min(512, max_context) if args.window is None else args.window
-    if window > max_context:
-        raise EvaluationError(f"--window {window} exceeds the artifact's max context ({max_context})")
-    stride = max(1, window // 2) if args.stride is None else args.stride
-    window_spans(0, window, stride)  # checks window >= 2 and 1 <= stride <= window
-    return window, stride
-
-
-def _score(args, candidate: _ArtifactInfo, reference: _ArtifactInfo | None, token_ids: list[int], window: int, stride: int):
-    """Run the sliding-window evaluation with a progress bar over windows."""
-    from rich.progress import Progress
-
-    from runtime import Engine
-    from runtime.evaluate import decode_logits_for, evaluate, window_spans
-
-    def load(scored: _ArtifactInfo):
-        return decode_logits_for(Engine.load(scored.path, intra_op_threads=args.threads))
-
-    model = load(candidate)
-    reference_logits = load(reference) if reference is not None else None
-    with Progress(console=console) as progress:
-        label = candidate.name if reference is None else f"{reference.name} vs {candidate.name}"
-        task = progress.add_task(f"scoring {label}", total=len(window_spans(len(token_ids), window, stride)))
-        return evaluate(token_ids, model, window=window, stride=stride, reference_logits_for=reference_logits,
-                        on_window=lambda done, total: progress.update(task, completed=done))
-
-
-def _write_json(path: str | None, payload: dict) -> None:
-    import json
-
-    if path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(payload, indent=2) + "\n")
-        console.print(f"wrote {escape(str(out))}", highlight=False)
-
-
-def _window_shown(window: int, tokens: int) -> str:
-    """The window the evaluation used: a text shorter than --window is one window of all its tokens."""
-    return str(window) if tokens >= window else f"{tokens} (the whole text; --window {window})"
-
-
-def _eval(args) -> None:
-    check_output_file(args.json, "--json")
-    artifact = _ArtifactInfo(args.artifact)
-    window, stride = _window_and_stride(args, artifact.max_context)
-    token_ids = _evaluation_tokens(args, artifact)
-    result = _score(args, artifact, None, token_ids, window, stride)
-    table = Table(title=f"perplexity on {args.text} ({len(token_ids)} tokens, no BOS)")
-    for column in ("artifact", "MiB", "tokens scored", "window", "stride", "perplexity"):
-        table.add_column(column, justify="left" if column == "artifact" else "right")
-    table.add_row(artifact.name, f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored),
-                  _window_shown(window, len(token_ids)), str(stride), f"{result.perplexity:.4f}")
-    console.print(table)
-    _write_json(args.json, {"artifact": str(args.artifact), "name": artifact.name, "bytes": artifact.bytes,
-                            "text": args.text, "tokens": len(token_ids), **result.to_dict()})
-
-
-def _compare(args) -> None:
-    from runtime.evaluate import EvaluationError
-
-    check_output_file(args.json, "--json")
-    reference, candidate = _ArtifactInfo(args.reference), _ArtifactInfo(args.candidate)
-    if reference.tokenizer_file.read_bytes() != candidate.tokenizer_file.read_bytes():
-        raise EvaluationError(f"{args.reference} and {args.candidate} have different tokenizers "
-                              f"({reference.tokenizer_file.name} differs); compare needs the same tokens and "
-                              f"vocabulary")
-    window, stride = _window_and_stride(args, min(reference.max_context, candidate.max_context))
-    token_ids = _evaluation_tokens(args, reference)
-    result = _score(args, candidate, reference, token_ids, window, stride)
-    table = Table(title=f"{args.text}: {result.tokens_scored} tokens scored, window "
-                        f"{_window_shown(window, len(token_ids))}, stride {stride}; "
-                        f"B against A (KL(A || B), nats per token)")
-    for column in ("", "artifact", "MiB", "perplexity", "top-1 agreement", "mean KL"):
-        table.add_column(column, justify="left" if column in ("", "artifact") else "right")
-    table.add_row("A", reference.name, f"{reference.bytes / 2**20:.2f}", f"{result.reference_perplexity:.4f}", "", "")
-    table.add_row("B", candidate.name, f"{candidate.bytes / 2**20:.2f}", f"{result.perplexity:.4f}",
-                  f"{result.top1_agreement:.2%}", f"{result.mean_kl:.6f}")
-    console.print(table)
-    describe = lambda scored, path, perplexity, nll: {  # noqa: E731
-        "artifact": str(path), "name": scored.name, "bytes": scored.bytes, "perplexity": perplexity, "mean_nll": nll}
-    _write_json(args.json, {
-        "text": args.text, "tokens": len(token_ids), "tokens_scored": result.tokens_scored, "windows": result.windows,
-        "window": window, "stride": stride,
-        "reference": describe(reference, args.reference, result.reference_perplexity, result.reference_mean_nll),
-        "candidate": describe(candidate, args.candidate, result.perplexity, result.mean_nll),
-        "top1_agreement": result.top1_agreement, "mean_kl_nats": result.mean_kl,
-        "kl_direction": "KL(reference || candidate)",
-    })
-
-
-def _add_evaluation_options(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--text", required=True,
-                         help="UTF-8 text file, or builtin:pydoc-held-out (the last ~10%% of Python's docs)")
-    command.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens (default: 4096)")
-    command.add_argument("--window", type=int, default=None,
-                         help="tokens per window (default: 512, or the max context if smaller)")
-    command.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
-    command.add_argument("--json", default=None, metavar="OUT", help="also write the results to this JSON file")
-    command.add_argument("--threads", type=_nonnegative_int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
-
-
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="aotlm", description="Ahead-of-time compiler for language-model inference")
     commands = root.add_subparsers(dest="command", required=True)
@@ -399,10 +256,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
     run.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = all)")
-    run.add_argument("--seed", type=_nonnegative_int, default=None, help="sampling seed, for reproducible samples")
+    run.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed, for reproducible samples")
     run.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="end the text before this string (repeatable; the model's end-of-sequence tokens always stop)")
-    run.add_argument("--threads", type=_nonnegative_int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
+    run.add_argument("--threads", type=nonnegative_int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
     run.set_defaults(handler=_run)
     inspect = commands.add_parser("inspect", help="summarize an artifact's manifest")
     inspect.add_argument("artifact", help="an artifact folder")
@@ -434,16 +291,16 @@ def parser() -> argparse.ArgumentParser:
                        help="all at once; closed loop of --concurrency clients; Poisson at --rate req/s")
     bench.add_argument("--concurrency", type=int, default=1, help="clients for --arrival concurrency: each sends its next request when the last one ends")
     bench.add_argument("--rate", type=float, default=None, help="requests/s for --arrival poisson")
-    bench.add_argument("--seed", type=_nonnegative_int, default=0, help="lengths and Poisson arrivals")
+    bench.add_argument("--seed", type=nonnegative_int, default=0, help="lengths and Poisson arrivals")
     bench.add_argument("--prompt-tokens", default="128", help="N, or LOW:HIGH drawn uniformly (default: 128)")
     bench.add_argument("--output-tokens", default="64", help="N, or LOW:HIGH drawn uniformly (default: 64)")
     bench.add_argument("--prompt-file", default=None, help="text cut into prompts (default: Python's pydoc topics)")
     bench.add_argument("--warmup", type=int, default=1, help="requests served first and excluded (default: 1)")
-    bench.add_argument("--slo-ttft-ms", type=_positive_float, default=None, help="goodput: TTFT limit")
-    bench.add_argument("--slo-tpot-ms", type=_positive_float, default=None, help="goodput: TPOT limit")
+    bench.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="goodput: TTFT limit")
+    bench.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="goodput: TPOT limit")
     bench.add_argument("--baseline", action="append", default=None,
                        help="also serve the workload with transformers or onnxruntime-genai (repeatable)")
-    bench.add_argument("--threads", type=_nonnegative_int, default=None, help="intra-op threads for every backend (default: all cores)")
+    bench.add_argument("--threads", type=nonnegative_int, default=None, help="intra-op threads for every backend (default: all cores)")
     bench.add_argument("--batching", action="append", choices=("continuous", "static"), default=None,
                        help="the scheduler's batching (default: continuous); repeat to serve with both and compare")
     bench.add_argument("--slots", type=int, default=None,
@@ -464,29 +321,15 @@ def parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=_bench)
     evaluate = commands.add_parser("eval", help="perplexity of an artifact on a text (sliding windows)")
     evaluate.add_argument("artifact", help="an artifact folder")
-    _add_evaluation_options(evaluate)
-    evaluate.set_defaults(handler=_eval)
+    add_evaluation_options(evaluate)
+    evaluate.set_defaults(handler=eval_command)
     compare = commands.add_parser("compare", help="perplexity of two artifacts, and B's top-1 agreement and KL "
                                                   "against A")
     compare.add_argument("reference", metavar="A", help="the reference artifact")
     compare.add_argument("candidate", metavar="B", help="the artifact compared against A (same tokenizer)")
-    _add_evaluation_options(compare)
-    compare.set_defaults(handler=_compare)
+    add_evaluation_options(compare)
+    compare.set_defaults(handler=compare_command)
     return root
-
-
-def _nonnegative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
-    return value
 
 
 class _Terminated(KeyboardInterrupt):

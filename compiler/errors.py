@@ -1,4 +1,5 @@
 """Errors the compiler raises for bad input: the command line prints their message, never a traceback."""
+import argparse
 
 
 class BuildError(Exception):
@@ -42,3 +43,19 @@ def _check_writable_ancestor(folder, path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {ancestor} is a file, not a folder; choose another path")
     if not os.access(ancestor, os.W_OK):
         raise UsageError(f"{flag} {path}: {ancestor} is not writable; choose another path")
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value

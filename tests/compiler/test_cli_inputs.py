@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from compiler import cli
+from compiler import cli, cli_evaluate
 from compiler.artifact import staged_folder
 from compiler.cli import main
 
@@ -116,7 +116,7 @@ def test_compare_names_a_missing_tokenizer(capsys, tiny_artifact, damaged):
 
 
 def test_output_files_are_checked_before_the_work(capsys, tiny_artifact, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "_score", lambda *a: pytest.fail("scored before checking --json"))
+    monkeypatch.setattr(cli_evaluate, "_score", lambda *a: pytest.fail("scored before checking --json"))
     blocker = tmp_path / "afile"
     blocker.write_text("x")
     for argv in (("eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--json", tmp_path),
