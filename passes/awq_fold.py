@@ -1,4 +1,6 @@
-"""Where AWQ's input scaling goes: the MatMuls of a group read x / s, so 1/s must be applied before them.
+"""AWQ's input scales per group of MatMuls that read one activation: one search for the group
+(`search_awq_scales`), then where the scaling goes (`fold_awq_scales`): the MatMuls read x / s, so 1/s must be
+applied before them.
 
 Folded into the op that produces x when it is linear per channel and feeds only the group (free at run time):
 
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+
+from passes.calibration import digest
+from passes.quantize_algorithms import awq_search
 
 NORMALIZATION_GAMMA_INPUT = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2}
 ATTENTION_OPS = ("GroupQueryAttention", "FlashAttention")  # same inputs: query, key, value, ... (packed: key = value = "")
@@ -172,3 +177,40 @@ def _split_columns(split: gs.Node, part: gs.Variable, size: int) -> slice | None
     if int(sizes.values[index]) != size:
         return None
     return slice(start, start + size)
+
+
+def search_awq_scales(targets: list, statistics, memo: dict) -> None:
+    """Set each AWQ target's input scales: one search per group of targets that read the same activation, so that
+    1/s folds once into what produces it; per-layer overrides may give the group's members different formats."""
+    groups: dict[str, list] = {}
+    for target in targets:
+        if target.settings.method in ("awq", "awq_gptq") and not target.shared_table:
+            groups.setdefault(target.input_name, []).append(target)
+    for index, group in enumerate(groups.values(), 1):
+        if index % max(1, len(groups) // 4) == 0 and statistics.calibration is not None:
+            statistics.calibration.say(f"awq: scale search {index}/{len(groups)} input groups")
+        values = attention_value_tie(group[0].activation)  # o_proj: tied scales fold into the values, no Mul
+        tie = values.tie if values is not None else None
+        formats = [(t.settings.bits, t.settings.block_size, t.settings.symmetric, t.settings.full_range) for t in group]
+        key = ("awq", tie, *formats, *(digest(t.weight) for t in group))
+        if key not in memo:
+            stats = statistics(group[0])
+            bits, blocks, symmetric, full_range = (list(values) for values in zip(*formats))
+            memo[key] = awq_search([t.weight.astype(np.float32) for t in group], stats.hessian, stats.mean_abs,
+                                   bits, blocks, symmetric, tie, full_range)
+        scales, record = memo[key]
+        for target in group:
+            target.input_scales = scales
+            target.scaling = f"alpha={record['alpha']:.2f}"
+
+
+def fold_awq_scales(graph: gs.Graph, targets: list) -> None:
+    """After every search (which must see the unscaled weights), apply each group's 1/s before its MatMuls."""
+    groups: dict[str, list] = {}
+    for target in targets:
+        if target.input_scales is not None:
+            groups.setdefault(target.input_name, []).append(target)
+    for group in groups.values():
+        how = apply_input_scales(graph, group[0].activation, [t.node for t in group], group[0].input_scales)
+        for target in group:
+            target.scaling += f", {how}"

@@ -13,6 +13,7 @@ dynamic axes 1 (batch) or 0 (a past length), so a graph with an empty-past contr
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -165,3 +166,33 @@ def _feeds(session, sample: np.ndarray) -> dict[str, np.ndarray]:
         shape = [dim if isinstance(dim, int) else (1 if axis == 0 else 0) for axis, dim in enumerate(graph_input.shape)]
         feeds[graph_input.name] = np.zeros(shape, ZERO_FEED_TYPES[graph_input.type])
     return {name: value for name, value in feeds.items() if name in {i.name for i in session.get_inputs()}}
+
+
+def digest(*arrays: np.ndarray) -> str:
+    """A content key for memoised results (scale searches, quantized weights) shared by both phases' graphs."""
+    hasher = hashlib.sha1()
+    for array in arrays:
+        hasher.update(np.ascontiguousarray(array).tobytes())
+        hasher.update(str(array.shape).encode())
+    return hasher.hexdigest()
+
+
+class Statistics:
+    """E[x xᵀ] and E|x| per activation, collected on first use for every target at once (one pass over the data).
+    Targets are passes/quantize.py's: anything with an `input_name` (the activation its MatMul reads)."""
+
+    def __init__(self, model: onnx.ModelProto, targets: list, calibration: CalibrationSet | None):
+        self.model, self.targets, self.calibration = model, targets, calibration
+        self.stats = None
+
+    def __call__(self, target):
+        if self.calibration is None:
+            return None
+        if self.stats is None:
+            names = list(dict.fromkeys(t.input_name for t in self.targets))
+            say = self.calibration.say
+            say(f"calibration: running the float graph on {self.calibration.samples} samples of "
+                f"{self.calibration.length} tokens, {len(names)} weight inputs")
+            self.stats = collect_statistics(self.model, names, self.calibration, progress=lambda done, total: say(
+                f"calibration: sample {done}/{total}") if done == total or done % max(1, total // 8) == 0 else None)
+        return self.stats[target.input_name]

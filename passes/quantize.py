@@ -38,10 +38,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from passes.awq_fold import apply_input_scales, attention_value_tie
-from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics
+from passes.awq_fold import fold_awq_scales, search_awq_scales
+from passes.calibration import CalibrationSet, CalibrationSpec, Statistics, digest
 from passes.errors import PassError
-from passes.quantize_algorithms import awq_search, quantize_clipped, quantize_gptq, relative_output_error
+from passes.quantize_algorithms import quantize_clipped, quantize_gptq, relative_output_error
 from passes.quantized_lowering_dq import rewrite_dequantize_linear
 from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, for_matmulnbits, matmulnbits_constants,
                                            rewrite_gather_block_quantized, rewrite_matmulnbits)
@@ -259,71 +259,6 @@ def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[
 
 
 # -- calibration -------------------------------------------------------------------------------------------
-def digest(*arrays: np.ndarray) -> str:
-    hasher = hashlib.sha1()
-    for array in arrays:
-        hasher.update(np.ascontiguousarray(array).tobytes())
-        hasher.update(str(array.shape).encode())
-    return hasher.hexdigest()
-
-
-class Statistics:
-    """E[x xᵀ] and E|x| per activation, collected on first use for every target at once (one pass over the data)."""
-
-    def __init__(self, model: onnx.ModelProto, targets: list[Target], calibration: CalibrationSet | None):
-        self.model, self.targets, self.calibration = model, targets, calibration
-        self.stats = None
-
-    def __call__(self, target: Target):
-        if self.calibration is None:
-            return None
-        if self.stats is None:
-            names = list(dict.fromkeys(t.input_name for t in self.targets))
-            say = self.calibration.say
-            say(f"calibration: running the float graph on {self.calibration.samples} samples of "
-                f"{self.calibration.length} tokens, {len(names)} weight inputs")
-            self.stats = collect_statistics(self.model, names, self.calibration, progress=lambda done, total: say(
-                f"calibration: sample {done}/{total}") if done == total or done % max(1, total // 8) == 0 else None)
-        return self.stats[target.input_name]
-
-
-def search_awq_scales(targets: list[Target], statistics: Statistics, memo: dict) -> None:
-    """Set each AWQ target's input scales: one search per group of targets that read the same activation, so that
-    1/s folds once into what produces it; per-layer overrides may give the group's members different formats."""
-    groups: dict[str, list[Target]] = {}
-    for target in targets:
-        if target.settings.method in ("awq", "awq_gptq") and not target.shared_table:
-            groups.setdefault(target.input_name, []).append(target)
-    for index, group in enumerate(groups.values(), 1):
-        if index % max(1, len(groups) // 4) == 0 and statistics.calibration is not None:
-            statistics.calibration.say(f"awq: scale search {index}/{len(groups)} input groups")
-        values = attention_value_tie(group[0].activation)  # o_proj: tied scales fold into the values, no Mul
-        tie = values.tie if values is not None else None
-        formats = [(t.settings.bits, t.settings.block_size, t.settings.symmetric, t.settings.full_range) for t in group]
-        key = ("awq", tie, *formats, *(digest(t.weight) for t in group))
-        if key not in memo:
-            stats = statistics(group[0])
-            bits, blocks, symmetric, full_range = (list(values) for values in zip(*formats))
-            memo[key] = awq_search([t.weight.astype(np.float32) for t in group], stats.hessian, stats.mean_abs,
-                                   bits, blocks, symmetric, tie, full_range)
-        scales, record = memo[key]
-        for target in group:
-            target.input_scales = scales
-            target.scaling = f"alpha={record['alpha']:.2f}"
-
-
-def fold_awq_scales(graph: gs.Graph, targets: list[Target]) -> None:
-    """After every search (which must see the unscaled weights), apply each group's 1/s before its MatMuls."""
-    groups: dict[str, list[Target]] = {}
-    for target in targets:
-        if target.input_scales is not None:
-            groups.setdefault(target.input_name, []).append(target)
-    for group in groups.values():
-        how = apply_input_scales(graph, group[0].activation, [t.node for t in group], group[0].input_scales)
-        for target in group:
-            target.scaling += f", {how}"
-
-
 def quantize_target(target: Target, statistics: Statistics, memo: dict,
                     act_order: bool = False) -> tuple[QuantizedWeight, float | None]:
     """The target's quantized weight and its relative output error (None without calibration data).
