@@ -7,8 +7,11 @@ This is the form TensorRT and plain-ONNX backends read (onnxruntime's own loweri
 `passes/quantize.py`). DequantizeLinear computes y = (x - zero_point) * scale along [K, N], the MatMul's own
 layout, so the codes are stored transposed back from the representation's [N, K]:
 
-    one block along K (INT8 per channel):  scale [N],          axis=1                  (per-axis form)
-    blocks along K (INT4 blocked):         scale [K/block, N], axis=0, block_size=block (blocked form, opset 21)
+    INT8 per channel (one block along K):  scale [N],          axis=1                  (per-axis form)
+    INT4, and INT8 in blocks along K:      scale [K/block, N], axis=0, block_size=block (blocked form, opset 21)
+
+INT4 takes the blocked form even when one block spans K (a small layer): TensorRT reads INT4 weights only with
+per-block scales ("supported block sizes are {64, 128}"), never per channel.
 
 Symmetric weights are stored signed (codes - midpoint: INT8 for 8 bits, INT4 for 4) with no zero-point tensor,
 since the signed types' default zero point is 0; asymmetric weights are stored unsigned (UINT8 / UINT4) with a
@@ -48,9 +51,14 @@ def packed_tensor(name: str, values: np.ndarray) -> onnx.TensorProto:
     return onnx.numpy_helper.from_array(np.ascontiguousarray(values), name)
 
 
+def per_axis(qw: QuantizedWeight) -> bool:
+    """INT8 per channel takes DequantizeLinear's per-axis form; everything else its blocked form."""
+    return qw.bits == 8 and qw.blocks == 1
+
+
 def per_block_layout(values: np.ndarray, qw: QuantizedWeight) -> np.ndarray:
     """[N, blocks] -> the layout DequantizeLinear reads along [K, N]: [N] per axis, [blocks, N] blocked."""
-    return values[:, 0] if qw.blocks == 1 else values.T
+    return values[:, 0] if per_axis(qw) else values.T
 
 
 def dequantize_linear_inputs(qw: QuantizedWeight, weight_name: str,
@@ -65,7 +73,7 @@ def dequantize_linear_inputs(qw: QuantizedWeight, weight_name: str,
     if qw.zero_points is not None:
         zero_points = per_block_layout(qw.zero_points, qw).astype(UNSIGNED[qw.bits])
         tensors.append(packed_tensor(f"{weight_name}_zero_point", zero_points))
-    attrs = {"axis": 1} if qw.blocks == 1 else {"axis": 0, "block_size": qw.block_size}
+    attrs = {"axis": 1} if per_axis(qw) else {"axis": 0, "block_size": qw.block_size}
     return tensors, attrs
 
 

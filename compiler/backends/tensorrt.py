@@ -78,6 +78,23 @@ def check_recipe(recipe) -> None:
                          "use float16 or bfloat16")
 
 
+def check_graphs(graphs: dict[str, onnx.ModelProto]) -> None:
+    """What the passes produced that TensorRT cannot read, refused before the engine build: an INT4 weight whose
+    blocks are not 64 or 128 long (quantize shrinks the block of a layer whose K is shorter than the recipe's)."""
+    int4 = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
+    for phase, model in graphs.items():
+        types = {t.name: t.data_type for t in model.graph.initializer}
+        for node in model.graph.node:
+            if node.op_type != "DequantizeLinear" or types.get(node.input[0]) not in int4:
+                continue
+            block = next((a.i for a in node.attribute if a.name == "block_size"), None)
+            if block not in INT4_BLOCK_SIZES:
+                raise BuildError(f"{phase} graph, {node.name}: INT4 weights in blocks of {block or 'a whole axis'}; "
+                                 f"TensorRT reads INT4 only in blocks of {' or '.join(map(str, INT4_BLOCK_SIZES))} "
+                                 f"(this layer's input is shorter than the recipe's block): give it bits: 8 or skip: "
+                                 f"true with a quantize override")
+
+
 def _quantize_choices(options):
     yield "", options.bits, options.block_size, options.symmetric
     for number, override in enumerate(options.overrides):
@@ -179,6 +196,7 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, alia
                   output_root: Path, progress=None) -> dict:
     """Build <phase>.engine into folder; returns the manifest's engines and backend sections."""
     say = progress or (lambda line: None)
+    check_graphs(graphs)
     trt, torch = _tensorrt()
     spec = recipe.backend.tensorrt
     plugins = sorted({op for model in graphs.values() for op in plugin_ops(model)})

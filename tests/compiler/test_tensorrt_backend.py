@@ -8,6 +8,7 @@ import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from compiler.backends import tensorrt as tensorrt_backend
@@ -152,6 +153,24 @@ def test_quantized_weights_reach_tensorrt_as_dequantize_linear_in_the_graph_type
     assert len(dequantized) == len(matmuls) == 7 * loaded.config.num_layers + 1  # q k v o gate up down; lm_head
     assert {onnx.TensorProto.DataType.Name(initializers[n.input[1]].data_type) for n in dequantized} == {scale_type}
     assert {onnx.TensorProto.DataType.Name(initializers[n.input[0]].data_type) for n in dequantized} == {"INT4"}
+    # blocked even where one block spans K (hidden 64): TensorRT reads INT4 only with per-block scales of 64 / 128
+    assert {next(a.i for a in n.attribute if a.name == "block_size") for n in dequantized} == {64}
+    tensorrt_backend.check_graphs(graphs)
+
+
+def test_int4_blocks_tensorrt_cannot_read_are_refused_before_the_engine_build():
+    import ml_dtypes
+    import onnx
+
+    codes = onnx.numpy_helper.from_array(np.zeros((32, 8), ml_dtypes.int4), "w_q4")
+    scale = onnx.numpy_helper.from_array(np.ones((1, 8), np.float16), "w_scale")
+    node = onnx.helper.make_node("DequantizeLinear", ["w_q4", "w_scale"], ["w"], name="layers.0/down_proj_dq", axis=0,
+                                 block_size=32)
+    graph = onnx.helper.make_graph([node], "decode", [], [onnx.helper.make_tensor_value_info(
+        "w", onnx.TensorProto.FLOAT16, [32, 8])], initializer=[codes, scale])
+    with pytest.raises(BuildError, match=r"decode graph, layers.0/down_proj_dq: INT4 weights in blocks of 32; "
+                                         r"TensorRT reads INT4 only in blocks of 64 or 128"):
+        tensorrt_backend.check_graphs({"decode": onnx.helper.make_model(graph)})
 
 
 def test_a_float16_graph_for_onnxruntime_is_refused_before_the_export(tmp_path):

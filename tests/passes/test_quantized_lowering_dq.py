@@ -27,6 +27,7 @@ FORMATS = {  # name: (bits, block_size or None for per channel, symmetric)
     "int4_block32_sym": (4, 32, True),
     "int4_block128_sym": (4, 128, True),
     "int4_block32_asym": (4, 32, False),
+    "int4_one_block": (4, K, True),  # a block as long as K: still the blocked form (TensorRT reads INT4 no other way)
 }
 
 
@@ -104,7 +105,7 @@ def test_constants_are_stored_in_their_bit_width(name):
                       (4, False): onnx.TensorProto.UINT4}
     assert codes.data_type == expected_types[bits, symmetric]
     assert len(codes.raw_data) == K * N * bits // 8  # INT4: really packed two per byte
-    scale_shape = [N] if block_size is None else [K // block_size, N]
+    scale_shape = [N] if block_size is None else [K // block_size, N]  # INT4 with one block: [1, N]
     assert list(tensors["W_scale"].dims) == scale_shape
     zero_point_bytes = 0
     if not symmetric:
@@ -115,6 +116,16 @@ def test_constants_are_stored_in_their_bit_width(name):
     else:
         assert "W_zero_point" not in tensors  # signed codes: the default zero point 0 needs no tensor
     assert stored == [K * N * bits // 8 + int(np.prod(scale_shape)) * 4 + zero_point_bytes]
+
+
+@pytest.mark.parametrize("name, attributes", [("int8_per_channel", {"axis": 1}),
+                                              ("int4_one_block", {"axis": 0, "block_size": K}),
+                                              ("int4_block32_sym", {"axis": 0, "block_size": 32})])
+def test_int8_per_channel_is_per_axis_and_int4_is_always_blocked(name, attributes):
+    bits, block_size, symmetric = FORMATS[name]
+    model, _, _ = lower(matmul_model(random_weight()), bits, block_size or K, symmetric)
+    node = next(n for n in model.graph.node if n.op_type == "DequantizeLinear")
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} == attributes
 
 
 def test_int4_codes_are_signed_and_low_nibble_first():
