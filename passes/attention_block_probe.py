@@ -20,7 +20,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
-from passes.attention_mask_probe import probe_feed
+from passes.attention_mask_probe import probe_feed, run_cut
 
 PROBE_TOKENS = 8
 TOLERANCE = 1e-3  # of the reference's largest magnitude; a float32 block agrees to ~1e-6
@@ -29,8 +29,6 @@ REDUCED_PRECISION_TOLERANCE = 5e-2  # float16 / bfloat16 blocks (bfloat16 rounds
 
 def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
     """Per match, in order: None when the block computes FlashAttention's output, a reason when not, or "unchecked: ..."."""
-    import onnxruntime as ort  # the pass observes the graph with onnxruntime's kernels, as the mask probe does
-
     if not matches:
         return []
     rng = np.random.default_rng(0)
@@ -61,19 +59,10 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
                                    attrs={"to": onnx.TensorProto.FLOAT})[0])
     probe.inputs = [*probe.inputs, *(fed for fed, _ in projected.values())]
     probe.outputs = outputs
-    probe.cleanup(remove_unused_graph_inputs=True)
-    try:
-        fed = {value.name: values for value, values in projected.values()}
-        feeds = {value.name: fed[value.name] if value.name in fed else probe_feed(value, PROBE_TOKENS)
-                 for value in probe.inputs}
-        model = gs.export_onnx(probe, do_type_check=False)
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        values = session.run([output.name for output in outputs], feeds)
-    except Exception as error:  # an input the probe cannot make, or onnxruntime refusing the cut-out graph
-        reason = f"unchecked: the block could not be evaluated ({str(error).strip().splitlines()[0][:160]})"
-        return [reason] * len(matches)
+    fed = {value.name: values for value, values in projected.values()}
+    values = run_cut(probe, lambda value: fed[value.name] if value.name in fed else probe_feed(value, PROBE_TOKENS))
+    if isinstance(values, str):
+        return [f"unchecked: the block could not be evaluated ({values})"] * len(matches)
     return [_judge(found, value, *(projected[t.name][1] for t in (found.query, found.key, found.value)),
                    reduced_precision=_element_type(found.query.dtype) != onnx.TensorProto.FLOAT)
             for found, value in zip(matches, values)]

@@ -13,7 +13,6 @@ L is not seen.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 PROBE_TOKENS = 512  # when the graph's cache length is dynamic
@@ -30,8 +29,6 @@ def probe_length(graph: gs.Graph) -> int:
 
 def check_masks(graph: gs.Graph, masks: list[gs.Tensor]) -> dict[str, str | None]:
     """Per mask tensor name: None when it is the causal rule, a reason when not, or "unchecked: ..."."""
-    import onnxruntime as ort  # the pass observes the graph with onnxruntime's kernels, as calibration does
-
     unique = list({mask.name: mask for mask in masks}.values())
     if not unique:
         return {}
@@ -41,18 +38,29 @@ def check_masks(graph: gs.Graph, masks: list[gs.Tensor]) -> dict[str, str | None
     probe.outputs = [tensors[mask.name] for mask in unique]
     for output in probe.outputs:
         output.dtype = output.dtype or np.float32
+    values = run_cut(probe, lambda value: probe_feed(value, length))
+    if isinstance(values, str):
+        reason = f"unchecked: the mask could not be evaluated ({values})"
+        return {mask.name: reason for mask in unique}
+    return {mask.name: _judge(np.asarray(value, dtype=np.float64), length) for mask, value in zip(unique, values)}
+
+
+def run_cut(probe: gs.Graph, feed) -> list[np.ndarray] | str:
+    """Run a graph cut out for a probe (its outputs set; `feed(input) -> array` for each input it keeps) with
+    onnxruntime; the outputs' values, or why it could not run (the error's first line: an input the probe cannot
+    make, or onnxruntime refusing the cut-out graph)."""
+    import onnxruntime as ort  # the passes observe graphs with onnxruntime's kernels, as calibration does
+
     probe.cleanup(remove_unused_graph_inputs=True)
     try:
-        feeds = {value.name: probe_feed(value, length) for value in probe.inputs}
+        feeds = {value.name: feed(value) for value in probe.inputs}
         model = gs.export_onnx(probe, do_type_check=False)
         options = ort.SessionOptions()
         options.log_severity_level = 3
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        values = session.run([mask.name for mask in unique], feeds)
-    except Exception as error:  # an input the probe cannot make, or onnxruntime refusing the cut-out graph
-        reason = f"unchecked: the mask could not be evaluated ({str(error).strip().splitlines()[0][:160]})"
-        return {mask.name: reason for mask in unique}
-    return {mask.name: _judge(np.asarray(value, dtype=np.float64), length) for mask, value in zip(unique, values)}
+        return session.run([output.name for output in probe.outputs], feeds)
+    except Exception as error:  # noqa: BLE001 - any failure means "unchecked", said in the report
+        return str(error).strip().splitlines()[0][:160]
 
 
 def probe_feed(value: gs.Variable, length: int) -> np.ndarray:

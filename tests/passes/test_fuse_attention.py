@@ -134,17 +134,22 @@ def test_a_broken_layer_is_reported_and_can_fail_the_build(decoder_graphs):
 @pytest.fixture(scope="module")
 def hf_traced():
     """transformers' LlamaForCausalLM (tiny, random, eager attention, no cache) traced with torch.onnx."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                         attn_implementation="eager", use_cache=False)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama()
     ids, mask = torch.randint(0, 300, (2, 7)), torch.ones(2, 7, dtype=torch.long)
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits.numpy()
     return trace_hf(model, ids, mask), ids.numpy(), mask.numpy(), expected
+
+
+def tiny_llama():
+    """transformers' LlamaForCausalLM: 2 layers, 4 query heads over 2 kv heads, random weights, eager attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         attn_implementation="eager", use_cache=False)
+    return LlamaForCausalLM(config).eval()
 
 
 def trace_hf(model, ids, mask) -> onnx.ModelProto:
@@ -236,7 +241,6 @@ def test_a_repeat_that_gives_query_heads_other_kv_heads_is_not_fused(monkeypatch
     passes every structural check; the block probe runs it and keeps it unfused (before the probe both layers
     were fused and the logits changed by 0.45)."""
     import transformers.models.llama.modeling_llama as modeling_llama
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     def repeat_kv_tiled(hidden, n_rep):
         batch, kv_heads, length, head_dim = hidden.shape
@@ -245,10 +249,7 @@ def test_a_repeat_that_gives_query_heads_other_kv_heads_is_not_fused(monkeypatch
 
     monkeypatch.setattr(modeling_llama, "repeat_kv", repeat_kv_tiled)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                         attn_implementation="eager", use_cache=False)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama()
     ids, mask = torch.randint(0, 300, (1, 7)), torch.ones(1, 7, dtype=torch.long)
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits.numpy()
