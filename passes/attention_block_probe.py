@@ -112,7 +112,7 @@ def _judge(found, output: np.ndarray, query: np.ndarray, key: np.ndarray, value:
         if np.abs(output - modulo).max() / max(1.0, np.abs(modulo).max()) <= tolerance:
             return (f"query head h reads kv head h % {kv_heads} (kv heads repeated as [rep, kv]); FlashAttention's "
                     f"reads h // {group}")
-    return (f"the attention block computes something else than FlashAttention with the matched {heads} heads, "
+    return (f"the attention block computes something other than FlashAttention with the matched {heads} heads, "
             f"{kv_heads} kv heads, scale {found.scale:.4g} and rotary (largest difference {error:.2g} on a probe)")
 
 

@@ -278,5 +278,5 @@ def test_the_block_probe_compares_against_the_reference(decoder_graphs):
     assert probe._judge(found, expected.astype(np.float32), q, k, v) is None
     wrong = expected.copy()
     wrong[0, 3, 5] += 0.05
-    assert "computes something else than FlashAttention" in probe._judge(found, wrong, q, k, v)
+    assert "computes something other than FlashAttention" in probe._judge(found, wrong, q, k, v)
     assert probe.check_blocks(graph, [found]) == [None]
