@@ -87,6 +87,37 @@ def walk_up(tensor: gs.Tensor, through: set[str]) -> tuple[gs.Tensor, gs.Node | 
     return tensor, node
 
 
+def scalar_factor(node: gs.Node) -> float | None:
+    """The factor a Mul by a constant scalar (or a Div by one) applies; None for any other node."""
+    values = [constant(t) for t in node.inputs] if node.op in ("Mul", "Div") else []
+    if node.op == "Mul":
+        scalar = next((v for v in values if v is not None and v.size == 1), None)
+        return None if scalar is None or all(v is not None for v in values) else float(scalar)
+    if node.op == "Div" and values[0] is None and values[1] is not None and values[1].size == 1:
+        return 1.0 / float(values[1])
+    return None
+
+
+def scaled_operand(node: gs.Node) -> gs.Tensor:
+    return next(t for t in node.inputs if constant(t) is None)
+
+
+def walk_up_scaled(tensor: gs.Tensor, through: set[str]) -> tuple[gs.Tensor, float]:
+    """walk_up, also through scalings by constants (an exporter may scale q and k by sqrt(scale) each before
+    their product); returns the tensor reached and the product of the factors passed."""
+    factor, node = 1.0, producer(tensor)
+    while node is not None:
+        if node.op in through:
+            tensor = node.inputs[0]
+        elif scalar_factor(node) is not None:
+            factor *= scalar_factor(node)
+            tensor = scaled_operand(node)
+        else:
+            break
+        node = producer(tensor)
+    return tensor, factor
+
+
 def layer_name(node: gs.Node) -> str:
     found = re.search(r"layers[./_](\d+)", node.name or "")
     return f"layers.{found.group(1)}" if found else (node.name or "attention")
@@ -125,6 +156,10 @@ def _value_matmul(softmax: gs.Node, graph_outputs: set[str]) -> gs.Node | SkipRe
         if tensor.name in graph_outputs:  # the fused node would not produce it: the unfused attention would stay
             return SkipReason(f"the attention probabilities '{tensor.name}' are a graph output")
         consumers = tensor.outputs
+        guard = _nan_guard(tensor)
+        if guard is not None:  # Where(IsNaN(p), 0, p): zero rows whose keys are all masked (torch's SDPA export)
+            tensor = guard.outputs[0]
+            continue
         if len(consumers) != 1:
             return SkipReason(f"Softmax output has {len(consumers)} consumers, expected the value MatMul only")
         if consumers[0].op in ("Cast", "Identity", "Dropout"):
@@ -133,6 +168,19 @@ def _value_matmul(softmax: gs.Node, graph_outputs: set[str]) -> gs.Node | SkipRe
         if consumers[0].op != "MatMul" or consumers[0].inputs[0] is not tensor:
             return SkipReason(f"Softmax output feeds {consumers[0].op} '{consumers[0].name}', not the value MatMul")
         return consumers[0]
+
+
+def _nan_guard(probabilities: gs.Tensor) -> gs.Node | None:
+    """The Where of Where(IsNaN(p), 0, p) when that is all that reads p."""
+    readers = {node.op: node for node in probabilities.outputs}
+    if len(probabilities.outputs) != 2 or set(readers) != {"IsNaN", "Where"}:
+        return None
+    where, isnan = readers["Where"], readers["IsNaN"]
+    zero = constant(where.inputs[1])
+    if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not probabilities or zero is None or zero.size != 1 \
+            or float(zero) != 0.0:
+        return None
+    return where
 
 
 def _o_proj(value_matmul: gs.Node) -> gs.Node | SkipReason:
@@ -163,8 +211,14 @@ def _projection(tensor: gs.Tensor) -> tuple[gs.Tensor, int] | SkipReason:
 
 
 def parse_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
-    """Parse rotary(t) = t*cos + Concat(-t2, t1)*sin; returns (t, cos)."""
+    """Parse rotary(t) = t*cos + Concat(-t2, t1)*sin, or ONNX RotaryEmbedding(t, cos, sin) (rotate-half, all
+    of t rotated, positions already in cos); returns (t, cos)."""
     add = producer(tensor)
+    if add is not None and add.op == "RotaryEmbedding":
+        if add.attrs.get("interleaved", 0) or add.attrs.get("rotary_embedding_dim", 0) or len(add.inputs) > 3:
+            return SkipReason(f"RotaryEmbedding '{add.name}' is interleaved, partial or indexed by position_ids; "
+                              f"FlashAttention rotates all of each head, rotate-half, at the token's position")
+        return add.inputs[0], add.inputs[1]
     if add is None or add.op != "Add" or not all(producer(t) is not None and producer(t).op == "Mul" for t in add.inputs):
         return SkipReason(f"no rotary embedding (Add of two Muls) at '{tensor.name}'")
     for rotate_mul, cos_mul in (add.inputs[0].inputs[0], add.inputs[1].inputs[0]), (add.inputs[1].inputs[0], add.inputs[0].inputs[0]):
@@ -212,25 +266,35 @@ def parse_inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
     return SkipReason("rotary: no inv_freq constant under Cos")
 
 
-def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tensor | None] | SkipReason:
-    """Up from the attention's K or V operand to the new keys/values; returns (new, cache writer, past buffer).
+def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tensor | None, float] | SkipReason:
+    """Up from the attention's K or V operand to the new keys/values; returns (new, cache writer, past buffer,
+    the product of the constant scalings passed on the way).
 
     Decode reads the cache after ScatterElements wrote it; prefill reads the new keys directly while a
     ScatterElements beside the attention writes them: look for the writer among the consumers on the way up.
     """
-    chain = [tensor]
+    chain, factor = [tensor], 1.0
     node = producer(tensor)
-    while node is not None and node.op in THROUGH_CACHE_READ | {"ScatterElements"}:
-        tensor = node.inputs[2] if node.op == "ScatterElements" else node.inputs[0]
+    while node is not None and (node.op in THROUGH_CACHE_READ | {"ScatterElements"} or scalar_factor(node) is not None):
+        if node.op in ("Mul", "Div"):
+            factor *= scalar_factor(node)
+            tensor = scaled_operand(node)
+        else:
+            tensor = node.inputs[2] if node.op == "ScatterElements" else node.inputs[0]
         chain.append(tensor)
         node = producer(tensor)
+    if node is not None and node.op == "Concat" and any(not t.inputs and not isinstance(t, gs.Constant)
+                                                        for t in node.inputs):
+        return SkipReason(f"the cache grows by Concat(past, new) at '{node.name}' (a dynamic cache); FlashAttention "
+                          f"writes a preallocated cache in place (ScatterElements into a fixed-size past buffer, as "
+                          f"aotlm's export traces it)")
     writers = [n for t in chain for n in t.outputs if n.op == "ScatterElements" and n.inputs[2] is t]
     if not writers:
-        return chain[-1], None, None
+        return chain[-1], None, None, factor
     writer = writers[0]
     if producer(writer.inputs[0]) is not None:
         return SkipReason(f"cache write '{writer.name}' does not update a graph input buffer")
-    return chain[-1], writer, writer.inputs[0]
+    return chain[-1], writer, writer.inputs[0], factor
 
 
 def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | SkipReason:
@@ -244,13 +308,16 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
     o_proj = _o_proj(pv)
     if isinstance(o_proj, SkipReason):
         return o_proj
-    q_rotated, _ = walk_up(qk.inputs[0], THROUGH_CACHE_READ)
+    q_rotated, q_factor = walk_up_scaled(qk.inputs[0], THROUGH_CACHE_READ)
     key = _cache_write(qk.inputs[1])
     value = _cache_write(pv.inputs[1])
     for found in (key, value):
         if isinstance(found, SkipReason):
             return found
-    (k_new, key_writer, past_key), (v_new, value_writer, past_value) = key, value
+    (k_new, key_writer, past_key, k_factor), (v_new, value_writer, past_value, v_factor) = key, value
+    if v_factor != 1.0:
+        return SkipReason(f"the values are scaled by {v_factor:g} before the weighted sum")
+    scale *= q_factor * k_factor  # scores = (a q) . (b k) = a b (q . k)
     if (past_key is None) != (past_value is None):
         return SkipReason("only one of the key and value caches is written")
     parts = [parse_rotary(q_rotated), parse_rotary(k_new)]
@@ -373,6 +440,11 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             matches.append(found)
             layers.append({"layer": found.layer, "fused": True, "num_heads": found.num_heads,
                            "kv_num_heads": found.kv_num_heads, "cache": found.past_key is not None})
+    for node in [n for n in graph.nodes if n.op == "Attention" and n.domain in ("", None, "ai.onnx")]:
+        layers.append({"layer": layer_name(node), "fused": False,
+                       "reason": f"'{node.name}' is an ONNX Attention op (torch's SDPA exported at opset 23): "
+                                 f"fuse_attention matches attention spelled out as MatMul, Softmax, MatMul; export "
+                                 f"with attn_implementation='eager' or a lower opset"})
     # The fused node masks causally: a mask that computes more (a window, a bias) keeps its layer unfused; then
     # each remaining block must compute the node's output on a probe (which kv head each query head reads, ...).
     mask_verdicts = check_masks(graph, [found.mask for found in matches if found.mask is not None])
@@ -391,5 +463,9 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     if matches and not any(o.domain == op.DOMAIN for o in graph.import_domains):
         graph.import_domains.append(onnx.helper.make_opsetid(op.DOMAIN, op.VERSION))
     fused = gs.export_onnx(graph)
+    # seqlens_k comes from each attention_mask row's sum, as the runtime right-pads; a graph that also handled left
+    # padding (transformers' masks do) gives wrong rows for a left-padded batch once fused: say so.
+    padding = "right: each attention_mask row is ones, then zeros (a left-padded row gives wrong outputs)"
     return fused, {"fused": len(matches), "unfused": len(unfused), "layers": layers,
+                   **({"padding": padding} if matches else {}),
                    "nodes": {"before": nodes_before, "after": len(fused.graph.node)}}

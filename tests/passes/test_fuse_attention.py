@@ -142,13 +142,13 @@ def hf_traced():
     return trace_hf(model, ids, mask), ids.numpy(), mask.numpy(), expected
 
 
-def tiny_llama():
-    """transformers' LlamaForCausalLM: 2 layers, 4 query heads over 2 kv heads, random weights, eager attention."""
+def tiny_llama(attention: str = "eager"):
+    """transformers' LlamaForCausalLM: 2 layers, 4 query heads over 2 kv heads, random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                         attn_implementation="eager", use_cache=False)
+                         attn_implementation=attention, use_cache=False)
     return LlamaForCausalLM(config).eval()
 
 
@@ -280,3 +280,59 @@ def test_the_block_probe_compares_against_the_reference(decoder_graphs):
     wrong[0, 3, 5] += 0.05
     assert "computes something other than FlashAttention" in probe._judge(found, wrong, q, k, v)
     assert probe.check_blocks(graph, [found]) == [None]
+
+
+def export_dynamo(model, ids, mask, opset: int) -> onnx.ModelProto:
+    """torch.onnx's dynamo exporter (torch's default), logits only, batch and sequence dynamic, cleaned up."""
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    batch, sequence = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("sequence", min=1, max=64)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(LogitsOnly(), (ids, mask), dynamo=True, opset_version=opset,
+                                    input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                                    dynamic_shapes={"input_ids": {0: batch, 1: sequence},
+                                                    "attention_mask": {0: batch, 1: sequence}})
+    return cleanup.run(program.model_proto, cleanup.Options())[0]
+
+
+@pytest.mark.parametrize("attention, opset", [("sdpa", 18), ("eager", 23)])
+def test_dynamo_exported_attention_fuses_and_keeps_the_logits(attention, opset):
+    """torch.onnx's dynamo exporter spells attention differently from the TorchScript one: at opset 18 SDPA scales
+    q and k by sqrt(scale) each before their product and guards the probabilities with Where(IsNaN(p), 0, p); at
+    opset 23 the rotary is ONNX's RotaryEmbedding op. Each fuses (before: 0 of 2 layers) and the logits hold."""
+    torch.manual_seed(0)
+    model = tiny_llama(attention)
+    ids, mask = torch.randint(0, 300, (2, 7)), torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits.numpy()
+    fused, report, lowered, _ = fuse_and_lower(export_dynamo(model, ids, mask, opset), rotary_cache_length=128)
+    assert report["fused"] == 2 and report["unfused"] == 0, report
+    assert report["padding"].startswith("right")
+    assert op_counts(fused)["Softmax"] == 0 and op_counts(fused)["RotaryEmbedding"] == 0
+    logits = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+    np.testing.assert_allclose(logits[0], expected[0], atol=1e-5)
+    np.testing.assert_allclose(logits[1, :4], expected[1, :4], atol=1e-5)  # the right-padded row's valid tokens
+
+
+def test_an_onnx_attention_op_is_reported_not_silently_skipped():
+    """torch's SDPA exported at opset 23 is one ONNX Attention op per layer: no Softmax to anchor on. The report
+    lists the layer with the reason (before: an empty report; required: true said 'no Softmax found')."""
+    q, k, v = (onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1, 4, 5, 16]) for name in "qkv")
+    output = onnx.helper.make_tensor_value_info("o", onnx.TensorProto.FLOAT, [1, 4, 5, 16])
+    node = onnx.helper.make_node("Attention", ["q", "k", "v"], ["o"], name="node_scaled_dot_product_attention",
+                                 is_causal=1)
+    graph = onnx.helper.make_graph([node], "main_graph", [q, k, v], [output])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 23)])
+    _, report = fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=128))
+    assert report["fused"] == 0 and report["unfused"] == 1
+    assert "'node_scaled_dot_product_attention' is an ONNX Attention op" in report["layers"][0]["reason"]
+    with pytest.raises(PassError, match="is an ONNX Attention op"):
+        fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=128, required=True))
