@@ -20,6 +20,17 @@ TOKENIZER_FILE = "tokenizer.json"
 QUANTIZING_PASSES = ("quantize", "quantize_kv_cache")  # the accuracy report compares against the graph before them
 
 
+def check_tokenizer_fits(tokenizer_json: str, vocab_size: int) -> None:
+    """A tokenizer whose ids reach past the embedding table builds, then fails at the first prompt that uses them:
+    refuse it here. (A tokenizer smaller than the table is common: tables are padded to a round size.)"""
+    from tokenizers import Tokenizer
+
+    tokens = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    if tokens > vocab_size:
+        raise BuildError(f"the tokenizer has {tokens} tokens, but the model's vocab_size is {vocab_size}: ids from "
+                         f"{vocab_size} on would index past the embedding table; use the model's own tokenizer.json")
+
+
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:
     """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input."""
     say = progress or (lambda message: None)
@@ -48,6 +59,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
     if loaded.tokenizer_json is None:
         raise BuildError("the model source has no tokenizer (tokenizer.json); add one beside the weights")
+    check_tokenizer_fits(loaded.tokenizer_json, loaded.config.vocab_size)
     window = loaded.config.sliding_window
     if window is not None and recipe.export.max_context > window:
         raise BuildError(f"the model attends within a sliding window of {window} tokens, which the decoder does not "

@@ -250,10 +250,16 @@ class Engine:
         return Generation(self._run(prompt_ids, params, received, tokenize_s))
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids: a string is tokenized, ids are checked against the vocabulary."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+        """The prompt's token ids: a string is tokenized; either way the ids are checked against the vocabulary."""
         vocab = self.manifest["model"]["config"]["vocab_size"]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            bad = next((token for token in ids if not 0 <= token < vocab), None)
+            if bad is not None:  # an artifact built before the build checked its tokenizer against the model
+                raise RequestError(f"the tokenizer gave id {bad}, outside this model's vocabulary (0..{vocab - 1}): "
+                                   f"the artifact's tokenizer does not match its model; rebuild it with the model's "
+                                   f"own tokenizer")
+            return ids
         try:
             ids = [int(token) for token in prompt]
         except (TypeError, ValueError):

@@ -64,6 +64,12 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             f"{origin}: model_type {model_type!r} is not supported; the compiler supports "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
         )
+    if model_type in ("llama", "mistral") and hf.get("attention_bias"):
+        raise BuildError(f"{origin}: attention_bias: true ({model_type}) puts a bias on o_proj too, which the decoder "
+                         f"does not implement (it takes q/k/v biases only, as in qwen2).")
+    if hf.get("mlp_bias"):
+        raise BuildError(f"{origin}: mlp_bias: true (biases on the MLP projections) is not supported; the decoder's "
+                         f"MLP projections have no bias.")
     if hf.get("hidden_act", "silu") != "silu":
         raise BuildError(f"{origin}: hidden_act {hf['hidden_act']!r} is not supported; the MLP is SiLU-gated.")
     # transformers 5 moved rope_theta and rope_scaling into rope_parameters; read either spelling. A rope_scaling
@@ -99,13 +105,24 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
         raise BuildError(f"{origin}: invalid model config: {error}")
 
 
+QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default
+
+
 def _sliding_window(hf: dict, model_type: str) -> int | None:
-    """The attention window in tokens, when the model uses one (Mistral's sliding_window; Qwen2's with
-    use_sliding_window); None for full attention."""
+    """The attention window in tokens, when any layer uses one (Mistral's sliding_window; Qwen2's with
+    use_sliding_window, on layers from max_window_layers on, or as layer_types says); None for full attention."""
     window = hf.get("sliding_window")
     if window is None or (model_type == "qwen2" and not hf.get("use_sliding_window", False)):
         return None
-    return int(window)
+    layers = int(hf.get("num_hidden_layers", 0))
+    layer_types = hf.get("layer_types")
+    if isinstance(layer_types, list):
+        sliding = "sliding_attention" in layer_types
+    elif model_type == "qwen2":  # transformers: layer i slides when i >= max_window_layers (default 28)
+        sliding = int(hf.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS)) < layers
+    else:
+        sliding = True
+    return int(window) if sliding else None
 
 
 def _eos_ids(*values) -> tuple[int, ...]:

@@ -305,3 +305,28 @@ def test_run_with_one_output_token_shows_no_tpot(capsys, tiny_artifact):
     row = next(line for line in output.splitlines() if line.count("│") >= 5 and "ms" not in line and "TTFT" not in line)
     cells = [cell.strip() for cell in row.split("│")[1:-1]]
     assert status == 0 and cells[2] == "-" and cells[3] == "-", output
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_build_and_at_the_prompt(capsys, tmp_path, tiny_artifact):
+    """A 300-token model given a 512-token tokenizer: before, the build passed and the first prompt using a high id
+    ended in an onnxruntime Gather traceback."""
+    from compiler.frontend.random_init import random_model
+    from runtime import Engine, RequestError
+    from tests.compiler.test_frontend import TINY, write_hf_folder
+
+    small = dataclasses.replace(TINY, vocab_size=300)
+    write_hf_folder(tmp_path / "m", small, random_model(small, 0).state_dict)
+    (tmp_path / "m" / "tokenizer.json").write_text((tiny_artifact / "tokenizer.json").read_text())  # 512 tokens
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: big-tokenizer\nmodel: {{source: hf, path: {tmp_path / 'm'}}}\nexport: {{max_context: 64}}\n"
+                      f"passes: [cleanup]\n")
+    status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
+    assert status == 2 and "the tokenizer has 512 tokens, but the model's vocab_size is 300" in output, output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    # an artifact built before this check: its manifest's vocabulary is smaller than its tokenizer's ids
+    damaged = shutil.copytree(tiny_artifact, tmp_path / "old")
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    manifest["model"]["config"]["vocab_size"] = 3
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RequestError, match=r"the tokenizer gave id \d+, outside this model's vocabulary \(0..2\)"):
+        Engine.load(damaged).generate("hello there", max_new_tokens=2)

@@ -362,14 +362,32 @@ def test_rope_scaling_beside_rope_parameters_is_read_and_refused(tmp_path):
 
 @pytest.mark.parametrize("overrides, window", [
     (dict(model_type="mistral", sliding_window=8), 8), (dict(model_type="mistral", sliding_window=None), None),
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8), 8),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0), 8),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8), None),  # max_window_layers 28 > 2 layers
     (dict(model_type="qwen2", use_sliding_window=False, sliding_window=8), None),
+    # Qwen2 slides only on layers i >= max_window_layers, or where layer_types says so (TINY has 2 layers)
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2), None),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), 8),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8,
+          layer_types=["full_attention", "full_attention"]), None),
+    (dict(model_type="mistral", sliding_window=8, layer_types=["full_attention", "sliding_attention"]), 8),
 ])
 def test_a_sliding_window_is_read(tmp_path, overrides, window):
     config = dataclasses.replace(TINY, architecture=overrides["model_type"],
                                  attention_bias=overrides["model_type"] == "qwen2")
     write_hf_folder(tmp_path / "m", config, random_model(config, 0).state_dict, **overrides)
     assert load_hf_folder(str(tmp_path / "m")).config.sliding_window == window
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(attention_bias=True), "attention_bias: true \\(llama\\) puts a bias on o_proj too"),
+    (dict(mlp_bias=True), "mlp_bias: true \\(biases on the MLP projections\\) is not supported"),
+])
+def test_llama_biases_the_decoder_lacks_are_refused_by_their_config_key(tmp_path, overrides, message):
+    """Before: 'the weights do not fit the model config' (the o_proj / MLP biases were the unused tensors)."""
+    write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict, **overrides)
+    with pytest.raises(BuildError, match=message):
+        load_hf_folder(str(tmp_path / "m"))
 
 
 def test_the_safetensors_index_names_the_files_and_a_missing_shard(tmp_path):
