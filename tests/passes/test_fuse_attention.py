@@ -152,20 +152,23 @@ def tiny_llama(attention: str = "eager"):
     return LlamaForCausalLM(config).eval()
 
 
+class LogitsOnly(torch.nn.Module):
+    """A transformers causal LM as (input_ids, attention_mask) -> logits, without its cache: what is exported."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
 def trace_hf(model, ids, mask) -> onnx.ModelProto:
     """A transformers causal LM's logits, traced with torch.onnx (TorchScript, opset 21) and cleaned up."""
-    class LogitsOnly(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(LogitsOnly(), (ids, mask), buffer, dynamo=False, opset_version=21,
+        torch.onnx.export(LogitsOnly(model), (ids, mask), buffer, dynamo=False, opset_version=21,
                           input_names=["input_ids", "attention_mask"], output_names=["logits"],
                           dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"}})
     return cleanup.run(onnx.load_from_string(buffer.getvalue()), cleanup.Options())[0]
@@ -284,18 +287,10 @@ def test_the_block_probe_compares_against_the_reference(decoder_graphs):
 
 def export_dynamo(model, ids, mask, opset: int) -> onnx.ModelProto:
     """torch.onnx's dynamo exporter (torch's default), logits only, batch and sequence dynamic, cleaned up."""
-    class LogitsOnly(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
     batch, sequence = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("sequence", min=1, max=64)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(LogitsOnly(), (ids, mask), dynamo=True, opset_version=opset,
+        program = torch.onnx.export(LogitsOnly(model), (ids, mask), dynamo=True, opset_version=opset,
                                     input_names=["input_ids", "attention_mask"], output_names=["logits"],
                                     dynamic_shapes={"input_ids": {0: batch, 1: sequence},
                                                     "attention_mask": {0: batch, 1: sequence}})
