@@ -122,6 +122,11 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise BuildError(f"{path}: rope scaling {scaling!r} is not supported by the canonical decoder (plain RoPE).")
+    # llama.cpp reads a factor without a type as linear scaling (and the pre-2024 key rope.scale_linear too)
+    factor = _field(reader, f"{arch}.rope.scaling.factor", _field(reader, f"{arch}.rope.scale_linear"))
+    if scaling is None and factor not in (None, 0, 1, 0.0, 1.0):
+        raise BuildError(f"{path}: rope scaling factor {factor} (linear, as llama.cpp reads it) is not supported by the "
+                         f"canonical decoder (plain RoPE).")
     hidden, heads = int(required("embedding_length")), int(required("attention.head_count"))
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # some files store one count per layer
@@ -253,7 +258,7 @@ PRE_TOKENIZER_SPLITS = {
 # the same with a Digits(individual_digits) pre-tokenizer. (transformers' GGUF converter skips this step;
 # it changes nothing for SmolLM2, whose vocabulary has no multi-digit tokens.)
 DIGIT_SPLIT_PRE_TYPES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
-TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4  # llama.cpp's llama_token_type
+TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4  # llama.cpp's llama_token_type
 
 
 def tokenizer_json_from_gguf(field, path: str) -> str:
@@ -275,6 +280,14 @@ def tokenizer_json_from_gguf(field, path: str) -> str:
     vocab = {respell(token): index for index, token in enumerate(tokens)}
     # A merge is "left right"; split at the first space after position 0, as llama.cpp does.
     raw_merges = field("tokenizer.ggml.merges") or []
+    # Only merges make a byte-level BPE produce its multi-byte tokens: without them every word splits into bytes.
+    # A vocabulary of mostly such tokens with no merges is an incomplete file (llama.cpp refuses it too); a
+    # byte-only vocabulary with a few placeholders (a random test tokenizer) needs none.
+    normal = [t for t, kind in zip(tokens, token_types or [TOKEN_TYPE_NORMAL] * len(tokens)) if kind == TOKEN_TYPE_NORMAL]
+    if not raw_merges and sum(len(respell(t)) > 1 for t in normal) > len(normal) // 2:
+        raise BuildError(f"{path}: the GGUF's gpt2 tokenizer has no tokenizer.ggml.merges for its "
+                         f"{len(normal)}-token vocabulary; the file is incomplete: convert the model again, or use "
+                         f"its Hugging Face folder (with tokenizer.json)")
     broken = next((m for m in raw_merges if m.find(" ", 1) < 0), None)
     if broken is not None:
         raise BuildError(f"tokenizer.ggml.merges holds {broken!r}, not 'left right'; the GGUF's tokenizer is damaged: "

@@ -56,7 +56,8 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{part}.{kind}"
 
 
-def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: str, tokenizer_model="gpt2"):
+def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: str, tokenizer_model="gpt2",
+               merges: bool = True, extra: dict | None = None):
     writer = gguf.GGUFWriter(str(path), config.architecture)
     writer.add_name("tiny test model")
     writer.add_block_count(config.num_layers)
@@ -70,6 +71,8 @@ def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: st
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for key, value in (extra or {}).items():  # more float metadata, e.g. rope scaling keys
+        writer.add_float32(key, value)
     tokenizer = json.loads(tokenizer_json)
     vocab = tokenizer["model"]["vocab"]
     specials = {added["content"] for added in tokenizer["added_tokens"] if added["special"]}
@@ -78,6 +81,8 @@ def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: st
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in specials else 1 for t in tokens])  # 3: control
+    if merges:  # convert_hf_to_gguf writes the key even when the list is empty
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_ids[0])
     permuted = config.architecture == "llama"  # convert_hf_to_gguf permutes in LlamaModel only
@@ -231,6 +236,38 @@ def test_unsupported_gguf_tokenizer_model_is_named(tmp_path):
     write_gguf(tmp_path / "spm.gguf", TINY, original.state_dict, original.tokenizer_json, tokenizer_model="llama")
     with pytest.raises(BuildError, match=r"tokenizer model 'llama' is not supported"):
         load_gguf(str(tmp_path / "spm.gguf"))
+
+
+def _gguf(path, original):
+    write_gguf(path, TINY, original.state_dict, original.tokenizer_json)
+    return path
+
+
+def test_a_gguf_tokenizer_without_merges_and_a_bare_rope_factor_are_refused(tmp_path):
+    """llama.cpp refuses a gpt2 tokenizer with no merges key (here it tokenized every word byte by byte), and reads
+    a rope scaling factor without a type as linear scaling (here it was ignored)."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    bpe = HFTokenizer(models.BPE())  # 600 tokens, most of them merged: they need the merges
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(list(topics.values())[:200], trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    config = dataclasses.replace(TINY, vocab_size=bpe.get_vocab_size(), bos_token_id=0, eos_token_ids=(0,))
+    weights = random_model(config, seed=0).state_dict
+    for merges in (True, False):
+        write_gguf(tmp_path / f"bpe-{merges}.gguf", config, weights, bpe.to_str(), merges=merges)
+    assert load_gguf(str(tmp_path / "bpe-True.gguf")).config.vocab_size == config.vocab_size
+    with pytest.raises(BuildError, match=r"gpt2 tokenizer has no tokenizer.ggml.merges for its 600-token vocabulary"):
+        load_gguf(str(tmp_path / "bpe-False.gguf"))
+    original = random_model(TINY, seed=0)  # bytes and placeholders only: no merges needed, none written
+    assert load_gguf(str(_gguf(tmp_path / "bytes.gguf", original))).config == TINY
+    for key in ("rope.scaling.factor", "rope.scale_linear"):
+        path = tmp_path / f"{key}.gguf"
+        write_gguf(path, TINY, original.state_dict, original.tokenizer_json, extra={f"llama.{key}": 4.0})
+        with pytest.raises(BuildError, match=r"rope scaling factor 4.0 \(linear, as llama.cpp reads it\)"):
+            load_gguf(str(path))
 
 
 def test_missing_paths_and_files_are_named(tmp_path):
