@@ -90,6 +90,10 @@ def _inspect(args) -> None:
     kv = manifest["kv_cache"]
     console.print(f"kv cache: {kv['layout']} {kv.get('dtype', 'float32')}, max context {kv['max_context']}, "
                   f"{kv['bytes_per_token'] / 1024:.2f} KiB per token")
+    quantized = [r for r in manifest["passes"] if r["name"] == "quantize" and r["phase"] == "decode"]
+    dtype = manifest.get("recipe", {}).get("export", {}).get("dtype", "float32")
+    console.print(f"weights: {_quantized_formats(quantized[0]['report']) if quantized else dtype + ' (not quantized)'}",
+                  highlight=False)
     backend = manifest["backend"]
     console.print(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}")
     engines = Table(title="engines")
@@ -120,6 +124,23 @@ def _inspect(args) -> None:
     for name, record in manifest["files"].items():
         files.add_row(name, f"{record['bytes'] / 2**20:.2f}")
     console.print(files)
+
+
+def _quantized_formats(report: dict) -> str:
+    """One line from a quantize report: how many MatMuls in which format, the embedding, bytes before -> after."""
+    formats: dict[str, int] = {}
+    for layer in report.get("layers", []):
+        kind = (f"{layer['method']} int{layer['bits']} block {layer['block_size']}"  # INT8 per channel: a block of K
+                f"{'' if layer.get('symmetric', True) else ' asymmetric'}")
+        formats[kind] = formats.get(kind, 0) + 1
+    parts = [f"{count} x {kind}" for kind, count in formats.items()] or ["none quantized"]
+    embedding = report.get("embedding", {})
+    if embedding.get("quantized"):
+        parts.append(f"embedding int{embedding['bits']} block {embedding['block_size']}")
+    totals = report.get("totals", {})
+    if "weight_bytes_before" in totals:
+        parts.append(f"{totals['weight_bytes_before'] / 2**20:.1f} -> {totals['weight_bytes_after'] / 2**20:.1f} MiB")
+    return "; ".join(parts)
 
 
 def _plan(args) -> None:

@@ -101,6 +101,7 @@ def test_run_and_inspect(capsys, tiny_artifact):
     assert status == 0 and "TTFT ms" in output and "TPOT ms" in output
     status, output = run_cli(capsys, "inspect", str(tiny_artifact), "--verify")
     assert status == 0 and "sha256 verified" in output and "decode.onnx" in output
+    assert "weights: float32 (not quantized)" in output
 
 
 def test_run_stops_before_a_stop_string(capsys, tiny_artifact):

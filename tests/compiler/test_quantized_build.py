@@ -71,6 +71,19 @@ def test_manifest_reports_calibration_sizes_and_held_out_accuracy(quantized_arti
     assert len(engine.generate("Hello", max_new_tokens=5).token_ids) == 5
 
 
+def test_inspect_says_in_which_formats_the_weights_are(quantized_artifact, capsys, monkeypatch):
+    from compiler import cli
+
+    monkeypatch.setattr(cli.console, "width", 300)
+    assert cli.main(["inspect", str(quantized_artifact)]) == 0
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("weights:"))
+    manifest = json.loads((quantized_artifact / "manifest.json").read_text())
+    report = next(p["report"] for p in manifest["passes"] if p["name"] == "quantize" and p["phase"] == "decode")
+    eight = sum(layer["bits"] == 8 for layer in report["layers"])
+    assert f"{len(report['layers']) - eight} x awq int4 block" in line and f"{eight} x awq int8 block 128" in line  # per channel: one block of K
+    assert "embedding int" in line and "MiB" in line, line
+
+
 def test_bits_other_than_4_or_8_are_named_in_the_recipe(tiny_recipe):
     bad = {"quantize": {**QUANTIZE["quantize"], "bits": 3}}
     with pytest.raises(RecipeError, match=r"passes\[\d+\]\.quantize\.bits: 3 is not one of 4, 8"):
