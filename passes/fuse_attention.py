@@ -118,6 +118,12 @@ def walk_up_scaled(tensor: gs.Tensor, through: set[str]) -> tuple[gs.Tensor, flo
     return tensor, factor
 
 
+def numbered(name: str, index: int) -> str:
+    """A layer's name for the report and the fused node: "layers.N" from the graph's names, else "attention.<index>"
+    (exporters that name nodes by op, node_Softmax_157, or not at all)."""
+    return name if re.fullmatch(r"layers\.\d+", name) else f"attention.{index}"
+
+
 def layer_name(node: gs.Node) -> str:
     found = re.search(r"layers[./_](\d+)", node.name or "")
     return f"layers.{found.group(1)}" if found else (node.name or "attention")
@@ -430,18 +436,21 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
     nodes_before = len(graph.nodes)
     layers, matches = [], []
-    for softmax in [n for n in graph.nodes if n.op == "Softmax"]:
+    for index, softmax in enumerate([n for n in graph.nodes if n.op == "Softmax"]):
         found = match(softmax, {t.name for t in graph.outputs})
         if isinstance(found, SkipReason):
-            layers.append({"layer": layer_name(softmax), "fused": False, "reason": str(found)})
-        elif options.max_rewrites is not None and len(matches) >= options.max_rewrites:
+            layers.append({"layer": numbered(layer_name(softmax), index), "node": softmax.name, "fused": False,
+                           "reason": str(found)})
+            continue
+        found.layer = numbered(found.layer, index)  # it names the fused node and its output: must be unique
+        if options.max_rewrites is not None and len(matches) >= options.max_rewrites:
             layers.append({"layer": found.layer, "fused": False, "reason": f"max_rewrites={options.max_rewrites}"})
         else:
             matches.append(found)
             layers.append({"layer": found.layer, "fused": True, "num_heads": found.num_heads,
                            "kv_num_heads": found.kv_num_heads, "cache": found.past_key is not None})
-    for node in [n for n in graph.nodes if n.op == "Attention" and n.domain in ("", None, "ai.onnx")]:
-        layers.append({"layer": layer_name(node), "fused": False,
+    for index, node in enumerate([n for n in graph.nodes if n.op == "Attention" and n.domain in ("", None, "ai.onnx")]):
+        layers.append({"layer": numbered(layer_name(node), index), "node": node.name, "fused": False,
                        "reason": f"'{node.name}' is an ONNX Attention op (torch's SDPA exported at opset 23): "
                                  f"fuse_attention matches attention spelled out as MatMul, Softmax, MatMul; export "
                                  f"with attn_implementation='eager' or a lower opset"})

@@ -309,6 +309,7 @@ def test_dynamo_exported_attention_fuses_and_keeps_the_logits(attention, opset):
         expected = model(ids, attention_mask=mask).logits.numpy()
     fused, report, lowered, _ = fuse_and_lower(export_dynamo(model, ids, mask, opset), rotary_cache_length=128)
     assert report["fused"] == 2 and report["unfused"] == 0, report
+    assert [layer["layer"] for layer in report["layers"]] == ["attention.0", "attention.1"]  # nodes: node_Softmax_N
     assert report["padding"].startswith("right")
     assert op_counts(fused)["Softmax"] == 0 and op_counts(fused)["RotaryEmbedding"] == 0
     logits = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"]).run(
@@ -331,3 +332,20 @@ def test_an_onnx_attention_op_is_reported_not_silently_skipped():
     assert "'node_scaled_dot_product_attention' is an ONNX Attention op" in report["layers"][0]["reason"]
     with pytest.raises(PassError, match="is an ONNX Attention op"):
         fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=128, required=True))
+
+
+def test_a_graph_without_node_names_fuses_into_distinct_nodes(decoder_graphs):
+    """Every layer's fused node and output are named from the layer; with no node names to read them from, each
+    was called "attention" (two nodes, one output name: an invalid graph). Now attention.0, attention.1, ..."""
+    model = onnx.ModelProto()
+    model.CopyFrom(decoder_graphs["decode"])
+    for node in model.graph.node:
+        node.name = ""
+    fused, report, lowered, _ = fuse_and_lower(model)
+    assert report["fused"] == CONFIG.num_layers
+    assert [layer["layer"] for layer in report["layers"]] == [f"attention.{i}" for i in range(CONFIG.num_layers)]
+    onnx.checker.check_model(lowered)
+    unnamed, named = generate_logits({"prefill": fuse_and_lower(decoder_graphs["prefill"])[2], "decode": lowered}), \
+        generate_logits({phase: fuse_and_lower(graph)[2] for phase, graph in decoder_graphs.items()})
+    for a, b in zip(unnamed, named):
+        np.testing.assert_allclose(a, b, atol=1e-6)
