@@ -17,6 +17,7 @@ from compiler.pipeline import check_passes, run_pipeline
 from compiler.recipe import Recipe
 
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # Jinja, as transformers saves it
 QUANTIZING_PASSES = ("quantize", "quantize_kv_cache")  # the accuracy report compares against the graph before them
 
 
@@ -97,6 +98,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         else:
             sections = onnxruntime_backend.write_engines(graphs, folder, recipe.backend, aliases)
         (folder / TOKENIZER_FILE).write_text(loaded.tokenizer_json)
+        if loaded.chat_template is not None:
+            (folder / CHAT_TEMPLATE_FILE).write_text(loaded.chat_template, encoding="utf-8")
         manifest = {"kv_cache": kv_cache, **sections}
         accuracy = {}
         if report_accuracy:
@@ -113,7 +116,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
             "tools": tool_versions(),
             "model": {"config": loaded.config.to_dict(), "source": loaded.source},
             "tokenizer": {"file": TOKENIZER_FILE, "bos_token_id": loaded.config.bos_token_id,
-                          "eos_token_ids": list(loaded.config.eos_token_ids)},
+                          "eos_token_ids": list(loaded.config.eos_token_ids),
+                          "chat_template": CHAT_TEMPLATE_FILE if loaded.chat_template is not None else None},
             "kv_cache": kv_cache,
             **sections,
             "passes": [vars(result) for result in pass_results],

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.console import console
-from compiler.errors import check_output_file, nonnegative_int, positive_float
+from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
@@ -58,9 +58,17 @@ def _run(args) -> None:
     from runtime import Engine
 
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
-    generation = engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    if args.chat is not None:  # the reply alone: the prompt is the template's formatting of the messages
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}]
+        prompt, shown = engine.chat_prompt_ids(messages), ""
+    else:
+        if args.system:
+            raise UsageError("--system goes with --chat (a system message for the chat template)")
+        prompt, shown = args.prompt, args.prompt
+    generation = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(shown)
     for piece in generation:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -272,7 +280,11 @@ def parser() -> argparse.ArgumentParser:
     build.set_defaults(handler=_build)
     run = commands.add_parser("run", help="generate from an artifact, then print timings")
     run.add_argument("artifact", help="an artifact folder (built by `aotlm build`)")
-    run.add_argument("--prompt", required=True, help="the text to continue")
+    given = run.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the text to continue")
+    given.add_argument("--chat", metavar="MESSAGE",
+                       help="a user message, formatted by the model's chat template; prints the assistant's reply")
+    run.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     run.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")

@@ -184,6 +184,28 @@ class Engine:
         tokenizer = TextTokenizer(folder / tokenizer_info["file"], tokenizer_info.get("bos_token_id"))
         return cls(folder, manifest, backend, tokenizer)
 
+    # -- chat ---------------------------------------------------------------------------------------------
+    def chat_prompt_ids(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt's token ids for chat messages ([{"role": "user", "content": "..."}, ...]), rendered by the
+        model's chat template (runtime/chat.py); pass them to generate / stream / submit like any prompt."""
+        from runtime import chat
+
+        file = self.manifest["tokenizer"].get("chat_template")
+        if not file:
+            raise RequestError(f"{self.manifest['name']} has no chat template (its model source carried none); "
+                               f"format the prompt yourself and pass it as text")
+        token_text = self.tokenizer.tokenizer.id_to_token
+        bos, eos = self.manifest["tokenizer"].get("bos_token_id"), self.manifest["tokenizer"].get("eos_token_ids")
+        text = chat.render((Path(self.artifact_dir) / file).read_text(encoding="utf-8"), messages,
+                           add_generation_prompt=add_generation_prompt,
+                           bos_token=token_text(bos) if bos is not None else None,
+                           eos_token=token_text(eos[0]) if eos else None)
+        return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, **sampling) -> GenerationResult:
+        """One chat turn to the end: the assistant's reply to `messages` (see chat_prompt_ids)."""
+        return self.generate(self.chat_prompt_ids(messages), params, **sampling)
+
     # -- requests ---------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
                  *, arrival: float | None = None, **sampling) -> GenerationResult | list[GenerationResult]:

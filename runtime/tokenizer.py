@@ -16,9 +16,10 @@ class TextTokenizer:
             raise ArtifactError(f"{path}: cannot read the tokenizer ({error}); rebuild the artifact") from None
         self.bos_token_id = bos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        # The tokenizer.json's post-processor adds BOS when the model wants one; add nothing by hand.
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # The tokenizer.json's post-processor adds BOS when the model wants one; add nothing by hand. A chat
+        # template writes its special tokens itself: add_special_tokens=False there.
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -73,3 +73,4 @@ class LoadedModel:
     state_dict: dict
     tokenizer_json: str | None  # the contents of a tokenizers' tokenizer.json, when the source has one
     source: dict  # what was loaded, for the manifest: kind, path, file sha256/size, ...
+    chat_template: str | None = None  # the model's Jinja chat template (instruct models), when the source has one

@@ -66,6 +66,7 @@ def load_gguf(path: str, progress: bool | None = None) -> LoadedModel:
         config=config,
         state_dict=state_dict,
         tokenizer_json=tokenizer_json,
+        chat_template=_field(reader, "tokenizer.chat_template"),
         source={
             "kind": "gguf",
             "path": path,

@@ -47,13 +47,31 @@ def load_hf_folder(path: str) -> LoadedModel:
     if os.path.isfile(tokenizer_path):
         with open(tokenizer_path, encoding="utf-8") as handle:
             tokenizer_json = handle.read()
-    files = [config_path, *weight_paths] + ([tokenizer_path] if tokenizer_json is not None else [])
+    chat_template, template_path = _chat_template(folder)
+    files = [config_path, *weight_paths] + ([tokenizer_path] if tokenizer_json is not None else []) + (
+        [template_path] if template_path else [])
     return LoadedModel(
         config=config,
         state_dict=state_dict,
         tokenizer_json=tokenizer_json,
+        chat_template=chat_template,
         source={"kind": "hf", "path": folder, "files": [_file_record(folder, f) for f in files]},
     )
+
+
+def _chat_template(folder: str) -> tuple[str | None, str | None]:
+    """The chat template and the file it came from: chat_template.jinja (transformers >= 4.43 saves it there), else
+    tokenizer_config.json's chat_template (a string, or named templates: the one called "default")."""
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            return handle.read(), path
+    path = os.path.join(folder, "tokenizer_config.json")
+    template = _read_json(path).get("chat_template") if os.path.isfile(path) else None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return (template, path) if isinstance(template, str) and template else (None, None)
 
 
 def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderConfig:

@@ -74,7 +74,10 @@ def write_hf_folder(loaded: LoadedModel, folder: str | Path) -> Path:
     _write_json(folder / "generation_config.json", generation)
     if loaded.tokenizer_json is not None:
         (folder / "tokenizer.json").write_text(loaded.tokenizer_json, encoding="utf-8")
-        _write_json(folder / "tokenizer_config.json", _tokenizer_config(loaded.tokenizer_json, config))
+        tokenizer_config = _tokenizer_config(loaded.tokenizer_json, config)
+        if loaded.chat_template is not None:
+            tokenizer_config["chat_template"] = loaded.chat_template
+        _write_json(folder / "tokenizer_config.json", tokenizer_config)
     return folder
 
 

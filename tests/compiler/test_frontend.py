@@ -57,7 +57,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: str, tokenizer_model="gpt2",
-               merges: bool = True, extra: dict | None = None):
+               merges: bool = True, extra: dict | None = None, chat_template: str | None = None):
     writer = gguf.GGUFWriter(str(path), config.architecture)
     writer.add_name("tiny test model")
     writer.add_block_count(config.num_layers)
@@ -73,6 +73,8 @@ def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: st
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     for key, value in (extra or {}).items():  # more float metadata, e.g. rope scaling keys
         writer.add_float32(key, value)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     tokenizer = json.loads(tokenizer_json)
     vocab = tokenizer["model"]["vocab"]
     specials = {added["content"] for added in tokenizer["added_tokens"] if added["special"]}
@@ -448,3 +450,22 @@ def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
     (tmp_path / "m" / "config.json").write_text("[1, 2]")
     with pytest.raises(BuildError, match="expected a JSON object, found a list"):
         load_hf_folder(str(tmp_path / "m"))
+
+
+def test_the_chat_template_is_read_from_gguf_and_hf_folders(tmp_path):
+    original = random_model(TINY, seed=0)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    write_gguf(tmp_path / "plain.gguf", TINY, original.state_dict, original.tokenizer_json)
+    assert load_gguf(str(tmp_path / "plain.gguf")).chat_template is None
+    write_gguf(tmp_path / "chat.gguf", TINY, original.state_dict, original.tokenizer_json, chat_template=template)
+    assert load_gguf(str(tmp_path / "chat.gguf")).chat_template == template
+    folder = tmp_path / "hf"
+    write_hf_folder(folder, TINY, original.state_dict)
+    (folder / "tokenizer.json").write_text(original.tokenizer_json)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": template}]}))
+    assert load_hf_folder(str(folder)).chat_template == template  # named templates: the default one
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # transformers >= 4.43 saves it here
+    loaded = load_hf_folder(str(folder))
+    assert loaded.chat_template == "{{ messages[0]['content'] }}"
+    assert "chat_template.jinja" in [record["name"] for record in loaded.source["files"]]

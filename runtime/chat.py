@@ -1,0 +1,57 @@
+"""Chat messages -> the prompt an instruct model was trained on, rendered by the model's own Jinja chat template.
+
+The template comes with the model (a GGUF's tokenizer.chat_template, a Hugging Face folder's chat_template.jinja or
+tokenizer_config.json) and is rendered the way transformers' apply_chat_template renders it: a sandboxed Jinja
+environment with trim_blocks and lstrip_blocks and the loop-controls extension, `raise_exception`, `strftime_now`,
+a `tojson` that keeps non-ASCII text, and the special tokens' text as bos_token / eos_token. The text is then
+tokenized without adding special tokens: the template writes them (so BOS is never doubled).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+from runtime.errors import ArtifactError, RequestError
+
+
+def render(template: str, messages, *, add_generation_prompt: bool = True, bos_token: str | None = None,
+           eos_token: str | None = None) -> str:
+    """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); RequestError for bad messages or a
+    template that refuses them (its raise_exception), ArtifactError for a template that does not parse."""
+    check_messages(messages)
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+    environment.filters["tojson"] = _tojson
+    environment.globals.update(raise_exception=_raise_exception,
+                               strftime_now=lambda format: datetime.now().strftime(format))
+    try:
+        compiled = environment.from_string(template)
+    except jinja2.TemplateError as error:
+        raise ArtifactError(f"the artifact's chat template does not parse ({error}); rebuild it from the model") from None
+    try:
+        return compiled.render(messages=[dict(message) for message in messages],
+                               add_generation_prompt=add_generation_prompt, bos_token=bos_token or "",
+                               eos_token=eos_token or "", tools=None, documents=None)
+    except jinja2.TemplateError as error:  # raise_exception's RequestError passes through as it is
+        raise RequestError(f"the chat template could not render these messages ({error})") from None
+
+
+def check_messages(messages) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
+                not isinstance(message.get("content"), str):
+            raise RequestError(f"messages[{index}] must be a dict with a string 'role' and a string 'content', "
+                               f"got {message!r}")
+
+
+def _raise_exception(message: str):
+    raise RequestError(f"the chat template refused these messages: {message}")
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -1,0 +1,104 @@
+"""Chat: messages rendered by the model's own template as transformers renders them, tokenized without extra
+special tokens; the template travels from the model source into the artifact."""
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import pytest
+
+from compiler.build import build
+from compiler.frontend import default_gguf_path, load_model
+from compiler.frontend.hf_writer import write_hf_folder
+from runtime import ArtifactError, Engine, RequestError
+from runtime.chat import render
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, what is 2+2?"},
+            {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3+3?"}]
+SHORT = [{"role": "system", "content": "Hi"}, {"role": "user", "content": "2+2?"}]  # fits the tiny model's 128 tokens
+# A Llama-3-style template: bos_token, a loop with a conditional, raise_exception, whitespace control
+LLAMA3_STYLE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] not in ['system', 'user', "
+                "'assistant'] %}{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+                "{{ '<|start|>' + message['role'] + '\\n\\n' + message['content'] | trim + '<|end|>' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|start|>assistant\\n\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def smollm2_template() -> str:
+    """The default model's own template, from its GGUF (SmolLM2-135M-Instruct: ChatML with a default system turn)."""
+    return gguf.GGUFReader(default_gguf_path()).fields["tokenizer.chat_template"].contents()
+
+
+@pytest.mark.parametrize("template", ["smollm2", "llama3-style"])
+def test_rendering_equals_transformers_apply_chat_template(template, smollm2_template):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    text = smollm2_template if template == "smollm2" else LLAMA3_STYLE
+    for messages in (MESSAGES, MESSAGES[1:2]):
+        for add_generation_prompt in (True, False):
+            ours = render(text, messages, add_generation_prompt=add_generation_prompt, bos_token="<s>",
+                          eos_token="</s>")
+            theirs = render_jinja_template([messages], chat_template=text, add_generation_prompt=add_generation_prompt,
+                                           bos_token="<s>", eos_token="</s>")[0][0]
+            assert ours == theirs
+    if template == "smollm2":  # a user turn alone gets the model's default system turn and the assistant's header
+        rendered = render(text, MESSAGES[1:2])
+        assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([], "non-empty list"), ("hello", "non-empty list"), ([{"role": "user"}], r"messages\[0\] must be a dict"),
+    ([{"role": "user", "content": 3}], r"messages\[0\]"), ([{"role": "tool", "content": "x"}], "unknown role tool"),
+])
+def test_bad_messages_are_request_errors(messages, match):
+    with pytest.raises(RequestError, match=match):
+        render(LLAMA3_STYLE, messages)
+
+
+def test_a_template_that_does_not_parse_is_an_artifact_error():
+    with pytest.raises(ArtifactError, match="chat template does not parse"):
+        render("{% for %}", MESSAGES)
+
+
+@pytest.fixture(scope="module")
+def chat_artifact(tiny_recipe, tmp_path_factory):
+    """The tiny model written as a Hugging Face folder with a chat template in tokenizer_config.json, then built."""
+    folder = tmp_path_factory.mktemp("chat")
+    loaded = load_model(tiny_recipe.model.source, tiny_recipe.model.path, tiny_recipe.model.config,
+                        tiny_recipe.model.seed)
+    write_hf_folder(dataclasses.replace(loaded, chat_template=LLAMA3_STYLE), folder / "hf")
+    recipe = dataclasses.replace(tiny_recipe, name="tiny-chat", model=dataclasses.replace(
+        tiny_recipe.model, source="hf", path=str(folder / "hf"), config=None))
+    return build(recipe, folder / "out"), folder / "hf"
+
+
+def test_the_template_reaches_the_artifact_and_prompts_tokenize_as_transformers_does(chat_artifact):
+    from transformers import AutoTokenizer
+
+    artifact, hf_folder = chat_artifact
+    engine = Engine.load(artifact)
+    assert engine.manifest["tokenizer"]["chat_template"] == "chat_template.jinja"
+    assert (artifact / "chat_template.jinja").read_text() == LLAMA3_STYLE
+    reference = AutoTokenizer.from_pretrained(str(hf_folder))
+    expected = reference.apply_chat_template(SHORT, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    ids = engine.chat_prompt_ids(SHORT)
+    assert ids == list(expected) and ids.count(engine.manifest["tokenizer"]["bos_token_id"]) == 1  # one BOS
+    reply = engine.chat(SHORT, max_new_tokens=6, stop_token_ids=())
+    assert reply.token_ids == engine.generate(ids, max_new_tokens=6, stop_token_ids=()).token_ids
+
+
+def test_an_artifact_without_a_template_says_so(tiny_engine):
+    with pytest.raises(RequestError, match="has no chat template"):
+        tiny_engine.chat_prompt_ids(MESSAGES)
+
+
+def test_cli_chat_prints_the_reply_only(chat_artifact, capsys):
+    from compiler.cli import main
+
+    artifact, _ = chat_artifact
+    assert main(["run", str(artifact), "--chat", "2+2?", "--system", "Hi", "--max-new-tokens", "4"]) == 0
+    engine = Engine.load(artifact)
+    reply = engine.chat(SHORT, max_new_tokens=4)
+    assert capsys.readouterr().out == reply.text + "\n"
+    assert main(["run", str(artifact), "--prompt", "hi", "--system", "x"]) == 2
