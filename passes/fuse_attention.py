@@ -87,14 +87,19 @@ def walk_up(tensor: gs.Tensor, through: set[str]) -> tuple[gs.Tensor, gs.Node | 
     return tensor, node
 
 
+def as_float(value: np.ndarray) -> float:
+    """A one-element constant of any shape ([], [1], [1, 1]) as a float (numpy 2 refuses float() on shape [1])."""
+    return float(np.asarray(value).reshape(-1)[0])
+
+
 def scalar_factor(node: gs.Node) -> float | None:
     """The factor a Mul by a constant scalar (or a Div by one) applies; None for any other node."""
     values = [constant(t) for t in node.inputs] if node.op in ("Mul", "Div") else []
     if node.op == "Mul":
         scalar = next((v for v in values if v is not None and v.size == 1), None)
-        return None if scalar is None or all(v is not None for v in values) else float(scalar)
+        return None if scalar is None or all(v is not None for v in values) else as_float(scalar)
     if node.op == "Div" and values[0] is None and values[1] is not None and values[1].size == 1:
-        return 1.0 / float(values[1])
+        return 1.0 / as_float(values[1])
     return None
 
 
@@ -143,7 +148,7 @@ def _scores(softmax: gs.Node) -> tuple[gs.Node, float, gs.Tensor | None] | SkipR
             scalar = next((v for v in values if v is not None and v.size == 1), None)
             if scalar is None:
                 return SkipReason(f"{node.op} before Softmax is not a scaling by a constant")
-            scale = scale * float(scalar) if node.op == "Mul" else scale / float(scalar)
+            scale = scale * as_float(scalar) if node.op == "Mul" else scale / as_float(scalar)
             tensor = node.inputs[0] if values[0] is None else node.inputs[1]
         elif node.op == "Add":  # the mask: continue along the operand that leads to the scores
             tensor = next((t for t in node.inputs if producer(t) is not None and producer(t).op in ("Mul", "Div", "MatMul")),
@@ -184,7 +189,7 @@ def _nan_guard(probabilities: gs.Tensor) -> gs.Node | None:
     where, isnan = readers["Where"], readers["IsNaN"]
     zero = constant(where.inputs[1])
     if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not probabilities or zero is None or zero.size != 1 \
-            or float(zero) != 0.0:
+            or as_float(zero) != 0.0:
         return None
     return where
 
@@ -221,7 +226,10 @@ def parse_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
     of t rotated, positions already in cos); returns (t, cos)."""
     add = producer(tensor)
     if add is not None and add.op == "RotaryEmbedding":
-        if add.attrs.get("interleaved", 0) or add.attrs.get("rotary_embedding_dim", 0) or len(add.inputs) > 3:
+        width = add.inputs[0].shape[-1] if add.inputs[0].shape and len(add.inputs[0].shape) == 4 else None
+        partial = add.attrs.get("rotary_embedding_dim", 0) not in (0, width)
+        indexed = len(add.inputs) > 3 and not add.inputs[3].is_empty()
+        if add.attrs.get("interleaved", 0) or partial or indexed:
             return SkipReason(f"RotaryEmbedding '{add.name}' is interleaved, partial or indexed by position_ids; "
                               f"FlashAttention rotates all of each head, rotate-half, at the token's position")
         return add.inputs[0], add.inputs[1]
@@ -250,7 +258,7 @@ def parse_inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
         if node.op == "Mul":
             scalar = next((constant(t) for t in node.inputs if constant(t) is not None and constant(t).size == 1), None)
             if scalar is not None:
-                scaling *= float(scalar)
+                scaling *= as_float(scalar)
             tensor = next(t for t in node.inputs if constant(t) is None)
         elif node.op in ("Unsqueeze", "Cast", "Identity", "Transpose", "Gather", "Slice", "Expand", "Reshape"):
             tensor = node.inputs[0]
@@ -449,7 +457,8 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             matches.append(found)
             layers.append({"layer": found.layer, "fused": True, "num_heads": found.num_heads,
                            "kv_num_heads": found.kv_num_heads, "cache": found.past_key is not None})
-    for index, node in enumerate([n for n in graph.nodes if n.op == "Attention" and n.domain in ("", None, "ai.onnx")]):
+    for index, node in enumerate([n for n in graph.nodes if n.op == "Attention" and n.domain in ("", None, "ai.onnx")],
+                                 start=len(layers)):
         layers.append({"layer": numbered(layer_name(node), index), "node": node.name, "fused": False,
                        "reason": f"'{node.name}' is an ONNX Attention op (torch's SDPA exported at opset 23): "
                                  f"fuse_attention matches attention spelled out as MatMul, Softmax, MatMul; export "

@@ -349,3 +349,25 @@ def test_a_graph_without_node_names_fuses_into_distinct_nodes(decoder_graphs):
         generate_logits({phase: fuse_and_lower(graph)[2] for phase, graph in decoder_graphs.items()})
     for a, b in zip(unnamed, named):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("operand", [0, 1])
+def test_a_scaling_by_a_one_element_constant_of_shape_1_is_read(decoder_graphs, operand):
+    """q or k scaled by a constant of shape [1] (not []) before their product: numpy 2 refuses float() on it, and
+    the pass crashed with a TypeError. The factor (here 0.5) moves into the fused node's scale (which the block
+    probe then checks: a wrong scale would leave the layers unfused)."""
+    graph = gs.import_onnx(decoder_graphs["prefill"])
+    for softmax in [n for n in graph.nodes if n.op == "Softmax"]:
+        product = fuse_attention._scores(softmax)[0]
+        source = product.inputs[operand]
+        scaled = gs.Variable(f"{source.name}_halved", dtype=source.dtype)
+        graph.nodes.append(gs.Node("Mul", inputs=[source, gs.Constant(f"{source.name}_half", np.full((1,), 0.5,
+                                                                                                     np.float32))],
+                                   outputs=[scaled]))
+        product.inputs[operand] = scaled
+    graph.toposort()
+    model = gs.export_onnx(graph)
+    fused, report = fuse_attention.run(model, fuse_attention.Options(required=True))
+    assert report["fused"] == CONFIG.num_layers
+    scales = [a.f for n in fused.graph.node if n.op_type == "FlashAttention" for a in n.attribute if a.name == "scale"]
+    assert scales == pytest.approx([0.5 * CONFIG.head_dim ** -0.5] * CONFIG.num_layers)
