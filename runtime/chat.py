@@ -23,20 +23,37 @@ def render(template: str, messages, *, add_generation_prompt: bool = True, bos_t
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+                                                extensions=["jinja2.ext.loopcontrols", _generation_block()])
     environment.filters["tojson"] = _tojson
     environment.globals.update(raise_exception=_raise_exception,
                                strftime_now=lambda format: datetime.now().strftime(format))
     try:
         compiled = environment.from_string(template)
     except jinja2.TemplateError as error:
-        raise ArtifactError(f"the artifact's chat template does not parse ({error}); rebuild it from the model") from None
+        raise ArtifactError(f"the artifact's chat template does not parse ({error})") from None
     try:
         return compiled.render(messages=[dict(message) for message in messages],
                                add_generation_prompt=add_generation_prompt, bos_token=bos_token or "",
                                eos_token=eos_token or "", tools=None, documents=None)
     except jinja2.TemplateError as error:  # raise_exception's RequestError passes through as it is
         raise RequestError(f"the chat template could not render these messages ({error})") from None
+
+
+def _generation_block():
+    """{% generation %}...{% endgeneration %}: transformers marks assistant text with it for training masks
+    (return_assistant_tokens_mask); for rendering it is a no-op around its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationBlock
 
 
 def check_messages(messages) -> None:

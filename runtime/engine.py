@@ -194,12 +194,15 @@ class Engine:
         if not file:
             raise RequestError(f"{self.manifest['name']} has no chat template (its model source carried none); "
                                f"format the prompt yourself and pass it as text")
-        token_text = self.tokenizer.tokenizer.id_to_token
-        bos, eos = self.manifest["tokenizer"].get("bos_token_id"), self.manifest["tokenizer"].get("eos_token_ids")
+        # The template's bos_token / eos_token: the text the model's tokenizer_config names, as transformers passes
+        # it; else the config's ids spelled by the tokenizer (GGUF files, as llama.cpp reads them).
+        info, token_text = self.manifest["tokenizer"], self.tokenizer.tokenizer.id_to_token
+        named = info.get("template_tokens") or {}
+        bos, eos = info.get("bos_token_id"), info.get("eos_token_ids")
         text = chat.render((Path(self.artifact_dir) / file).read_text(encoding="utf-8"), messages,
                            add_generation_prompt=add_generation_prompt,
-                           bos_token=token_text(bos) if bos is not None else None,
-                           eos_token=token_text(eos[0]) if eos else None)
+                           bos_token=named.get("bos_token", token_text(bos) if bos is not None else None),
+                           eos_token=named.get("eos_token", token_text(eos[0]) if eos else None))
         return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, **sampling) -> GenerationResult:

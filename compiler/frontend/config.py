@@ -74,3 +74,6 @@ class LoadedModel:
     tokenizer_json: str | None  # the contents of a tokenizers' tokenizer.json, when the source has one
     source: dict  # what was loaded, for the manifest: kind, path, file sha256/size, ...
     chat_template: str | None = None  # the model's Jinja chat template (instruct models), when the source has one
+    # the text the template gets as bos_token / eos_token when the source names it (tokenizer_config.json: it may
+    # differ from the config's ids, as in Llama 3.1 whose template ends turns with <|eot_id|>)
+    template_tokens: dict = field(default_factory=dict)

@@ -47,7 +47,7 @@ def load_hf_folder(path: str) -> LoadedModel:
     if os.path.isfile(tokenizer_path):
         with open(tokenizer_path, encoding="utf-8") as handle:
             tokenizer_json = handle.read()
-    chat_template, template_path = _chat_template(folder)
+    chat_template, template_path, template_tokens = _chat_template(folder)
     files = [config_path, *weight_paths] + ([tokenizer_path] if tokenizer_json is not None else []) + (
         [template_path] if template_path else [])
     return LoadedModel(
@@ -55,23 +55,32 @@ def load_hf_folder(path: str) -> LoadedModel:
         state_dict=state_dict,
         tokenizer_json=tokenizer_json,
         chat_template=chat_template,
+        template_tokens=template_tokens,
         source={"kind": "hf", "path": folder, "files": [_file_record(folder, f) for f in files]},
     )
 
 
-def _chat_template(folder: str) -> tuple[str | None, str | None]:
-    """The chat template and the file it came from: chat_template.jinja (transformers >= 4.43 saves it there), else
-    tokenizer_config.json's chat_template (a string, or named templates: the one called "default")."""
+def _chat_template(folder: str) -> tuple[str | None, str | None, dict]:
+    """The chat template, the file it came from, and the bos/eos text tokenizer_config.json gives the template:
+    chat_template.jinja (transformers >= 4.43 saves it there), else tokenizer_config.json's chat_template (a
+    string, or named templates: the one called "default")."""
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    tokenizer_config = _read_json(config_path) if os.path.isfile(config_path) else {}
+    tokens = {}
+    for name in ("bos_token", "eos_token"):
+        value = tokenizer_config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value  # a serialized AddedToken
+        if isinstance(value, str):
+            tokens[name] = value
     path = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as handle:
-            return handle.read(), path
-    path = os.path.join(folder, "tokenizer_config.json")
-    template = _read_json(path).get("chat_template") if os.path.isfile(path) else None
+            return handle.read(), path, tokens
+    template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                         None)
-    return (template, path) if isinstance(template, str) and template else (None, None)
+    return (template, config_path, tokens) if isinstance(template, str) and template else (None, None, {})
 
 
 def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderConfig:

@@ -463,8 +463,11 @@ def test_the_chat_template_is_read_from_gguf_and_hf_folders(tmp_path):
     write_hf_folder(folder, TINY, original.state_dict)
     (folder / "tokenizer.json").write_text(original.tokenizer_json)
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": template}]}))
-    assert load_hf_folder(str(folder)).chat_template == template  # named templates: the default one
+        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": template}],
+        "bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>"}))
+    named = load_hf_folder(str(folder))
+    assert named.chat_template == template  # named templates: the default one
+    assert named.template_tokens == {"bos_token": "<s>", "eos_token": "</s>"}  # a serialized AddedToken too
     (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # transformers >= 4.43 saves it here
     loaded = load_hf_folder(str(folder))
     assert loaded.chat_template == "{{ messages[0]['content'] }}"

@@ -3,6 +3,7 @@ special tokens; the template travels from the model source into the artifact."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import gguf
 import pytest
@@ -55,6 +56,18 @@ def test_bad_messages_are_request_errors(messages, match):
         render(LLAMA3_STYLE, messages)
 
 
+def test_a_generation_block_renders_its_body_as_transformers_does():
+    """{% generation %} marks assistant text for transformers' training masks; it was refused as an unknown tag."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}{% generation %}"
+                "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    assert render(template, MESSAGES) == render_jinja_template([MESSAGES], chat_template=template,
+                                                               add_generation_prompt=True)[0][0]
+    assert "<|assistant|>4.<|user|>" in render(template, MESSAGES)  # trim_blocks drops the newline after a tag
+
+
 def test_a_template_that_does_not_parse_is_an_artifact_error():
     with pytest.raises(ArtifactError, match="chat template does not parse"):
         render("{% for %}", MESSAGES)
@@ -62,11 +75,16 @@ def test_a_template_that_does_not_parse_is_an_artifact_error():
 
 @pytest.fixture(scope="module")
 def chat_artifact(tiny_recipe, tmp_path_factory):
-    """The tiny model written as a Hugging Face folder with a chat template in tokenizer_config.json, then built."""
+    """The tiny model written as a Hugging Face folder with a chat template in tokenizer_config.json, then built.
+    Its tokenizer_config names other bos/eos tokens than config.json's ids (as Llama 3.1's eos <|eot_id|>, or
+    DeepSeek-R1-Distill-Qwen's bos): the template must get the tokenizer's, as transformers gives them."""
     folder = tmp_path_factory.mktemp("chat")
     loaded = load_model(tiny_recipe.model.source, tiny_recipe.model.path, tiny_recipe.model.config,
                         tiny_recipe.model.seed)
     write_hf_folder(dataclasses.replace(loaded, chat_template=LLAMA3_STYLE), folder / "hf")
+    settings = json.loads((folder / "hf" / "tokenizer_config.json").read_text())
+    settings.update(bos_token="A", eos_token="B")  # config.json: ids 1 and 2
+    (folder / "hf" / "tokenizer_config.json").write_text(json.dumps(settings))
     recipe = dataclasses.replace(tiny_recipe, name="tiny-chat", model=dataclasses.replace(
         tiny_recipe.model, source="hf", path=str(folder / "hf"), config=None))
     return build(recipe, folder / "out"), folder / "hf"
@@ -83,7 +101,8 @@ def test_the_template_reaches_the_artifact_and_prompts_tokenize_as_transformers_
     expected = reference.apply_chat_template(SHORT, add_generation_prompt=True, tokenize=True)
     expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
     ids = engine.chat_prompt_ids(SHORT)
-    assert ids == list(expected) and ids.count(engine.manifest["tokenizer"]["bos_token_id"]) == 1  # one BOS
+    assert ids == list(expected) and ids[0] == engine.tokenizer.tokenizer.token_to_id("A")  # the tokenizer's BOS
+    assert engine.manifest["tokenizer"]["template_tokens"] == {"bos_token": "A", "eos_token": "B"}
     reply = engine.chat(SHORT, max_new_tokens=6, stop_token_ids=())
     assert reply.token_ids == engine.generate(ids, max_new_tokens=6, stop_token_ids=()).token_ids
 
