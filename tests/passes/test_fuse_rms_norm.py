@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from passes import cleanup, fuse_rms_norm
+from tests.passes.test_fuse_attention import LogitsOnly
 
 TOLERANCE = 1e-5  # fused kernels sum in another order; anything above this is a wrong rewrite
 NORM_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal")
@@ -128,20 +129,12 @@ def test_hugging_face_llama_norms_fused_with_parity(tmp_path):
             if name.endswith("norm.weight"):
                 parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
 
-    class Logits(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids, attention_mask):
-            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
     input_ids = torch.randint(0, config.vocab_size, (2, 5))
     attention_mask = torch.ones(2, 5, dtype=torch.long)
     path = tmp_path / "llama.onnx"
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(Logits(model), (input_ids, attention_mask), str(path), dynamo=False, opset_version=21,
+        torch.onnx.export(LogitsOnly(model), (input_ids, attention_mask), str(path), dynamo=False, opset_version=21,
                           input_names=["input_ids", "attention_mask"], output_names=["logits"],
                           dynamic_axes={name: {0: "batch", 1: "sequence"}
                                         for name in ("input_ids", "attention_mask", "logits")})
