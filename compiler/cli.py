@@ -102,6 +102,9 @@ def _inspect(args) -> None:
     dtype = manifest.get("recipe", {}).get("export", {}).get("dtype", "float32")
     console.print(f"weights: {_quantized_formats(quantized[0]['report']) if quantized else dtype + ' (not quantized)'}",
                   highlight=False)
+    template = manifest["tokenizer"].get("chat_template")
+    console.print(f"chat template: {template + ' (aotlm run --chat, Engine.chat)' if template else 'none'}",
+                  highlight=False)
     backend = manifest["backend"]
     console.print(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}")
     engines = Table(title="engines")

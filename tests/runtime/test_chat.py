@@ -107,9 +107,14 @@ def test_the_template_reaches_the_artifact_and_prompts_tokenize_as_transformers_
     assert reply.token_ids == engine.generate(ids, max_new_tokens=6, stop_token_ids=()).token_ids
 
 
-def test_an_artifact_without_a_template_says_so(tiny_engine):
+def test_an_artifact_without_a_template_says_so(tiny_engine, tiny_artifact, chat_artifact, capsys):
+    from compiler.cli import main
+
     with pytest.raises(RequestError, match="has no chat template"):
         tiny_engine.chat_prompt_ids(MESSAGES)
+    for artifact, shown in ((tiny_artifact, "chat template: none"), (chat_artifact[0], "chat template: chat_template")):
+        assert main(["inspect", str(artifact)]) == 0
+        assert shown in capsys.readouterr().err
 
 
 def test_cli_chat_prints_the_reply_only(chat_artifact, capsys):
