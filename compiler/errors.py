@@ -1,5 +1,7 @@
 """Errors the compiler raises for bad input: the command line prints their message, never a traceback."""
 import argparse
+import os
+from pathlib import Path
 
 
 class BuildError(Exception):
@@ -16,8 +18,6 @@ class UsageError(BuildError):
 
 def check_output_file(path: str | None, flag: str) -> None:
     """Raise UsageError unless `path` can be written as a file: checked before the work, not after it."""
-    from pathlib import Path
-
     if not path:
         return
     if Path(path).is_dir():
@@ -27,15 +27,11 @@ def check_output_file(path: str | None, flag: str) -> None:
 
 def check_output_folder(path: str, flag: str) -> None:
     """Raise UsageError unless `path` is, or can be made, a writable folder."""
-    from pathlib import Path
-
     _check_writable_ancestor(Path(path), path, flag)
 
 
 def _check_writable_ancestor(folder, path: str, flag: str) -> None:
     """The nearest existing folder at or above `folder` must be a writable folder (the rest gets created)."""
-    import os
-
     ancestor = folder
     while not ancestor.exists():
         ancestor = ancestor.parent

@@ -50,11 +50,10 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
     for found in matches:
         for tensor in (found.query, found.key, found.value):
             cut(tensor, _width(found, tensor))
-            # The projection's input too: the heads' Reshape often reads its shape (Shape(x)), and x would pull
-            # in every layer before it; its values are not read once the projection's output is cut.
-            projection = _projection_matmul(tensor)
-            if projection is not None:
-                cut(projection.inputs[0], int(projection.inputs[1].values.shape[0]))
+        # The projections' input too: the heads' Reshape often reads its shape (Shape(x)), and x would pull in
+        # every layer before it; its values are not read once the projections' outputs are cut.
+        for activation, width in found.activations:
+            cut(activation, width)
         output = tensors[found.o_proj.inputs[0].name]
         outputs.append(gs.Variable(f"{output.name}.probe", np.float32))
         probe.nodes.append(gs.Node("Cast", inputs=[output], outputs=[outputs[-1]], attrs={"to": onnx.TensorProto.FLOAT}))
@@ -73,16 +72,6 @@ def _element_type(dtype) -> int:
     if dtype is None:
         return onnx.TensorProto.FLOAT
     return dtype if isinstance(dtype, int) else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-
-
-def _projection_matmul(tensor: gs.Tensor) -> gs.Node | None:
-    """The MatMul (by a constant weight) whose output, or output + bias, is `tensor`."""
-    node = tensor.inputs[0] if tensor.inputs else None
-    if node is not None and node.op == "Add":
-        node = next((t.inputs[0] for t in node.inputs if t.inputs and t.inputs[0].op == "MatMul"), None)
-    if node is None or node.op != "MatMul" or not isinstance(node.inputs[1], gs.Constant):
-        return None
-    return node
 
 
 def _width(found, tensor: gs.Tensor) -> int:

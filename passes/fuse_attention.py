@@ -64,6 +64,7 @@ class Match:
     scale: float
     inv_freq: np.ndarray
     rotary_scaling: float
+    activations: tuple = ()  # per q, k, v projection: (its input x, K of x @ W), for the block probe
 
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:
@@ -208,8 +209,9 @@ def _o_proj(value_matmul: gs.Node) -> gs.Node | SkipReason:
     return SkipReason("attention output does not reach an output projection (MatMul by a weight)")
 
 
-def _projection(tensor: gs.Tensor) -> tuple[gs.Tensor, int] | SkipReason:
-    """From a [B, heads, S, D] tensor up to the projection output [B, S, heads*D]; returns it and its width."""
+def _projection(tensor: gs.Tensor) -> tuple[gs.Tensor, int, tuple[gs.Tensor, int]] | SkipReason:
+    """From a [B, heads, S, D] tensor up to the projection output [B, S, heads*D]; returns it, its width and the
+    projection's input with its width (the activation x and K of x @ W)."""
     tensor, node = walk_up(tensor, THROUGH_HEAD_SPLIT)
     if node is not None and node.op == "Add" and any(constant(t) is not None for t in node.inputs):
         matmul = next((producer(t) for t in node.inputs if producer(t) is not None), None)  # q/k/v bias (Qwen2)
@@ -218,7 +220,7 @@ def _projection(tensor: gs.Tensor) -> tuple[gs.Tensor, int] | SkipReason:
     weight = constant(matmul.inputs[1]) if matmul is not None and matmul.op == "MatMul" else None
     if weight is None or weight.ndim != 2:
         return SkipReason(f"no projection MatMul with a constant weight above '{tensor.name}'")
-    return tensor, int(weight.shape[1])
+    return tensor, int(weight.shape[1]), (matmul.inputs[0], int(weight.shape[0]))
 
 
 def parse_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
@@ -347,12 +349,13 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
     for projection in projections:
         if isinstance(projection, SkipReason):
             return projection
-    (query, q_width), (key_tensor, k_width), (value_tensor, v_width) = projections
+    (query, q_width, _), (key_tensor, k_width, _), (value_tensor, v_width, _) = projections
     head_dim = 2 * inv_freq.size
     if q_width % head_dim or k_width % head_dim or k_width != v_width:
         return SkipReason(f"projection widths q={q_width} k={k_width} v={v_width} do not fit head_dim {head_dim}")
     return Match(layer_name(o_proj), query, key_tensor, value_tensor, past_key, past_value, key_writer, value_writer,
-                 o_proj, mask, q_width // head_dim, k_width // head_dim, scale, inv_freq, scaling)
+                 o_proj, mask, q_width // head_dim, k_width // head_dim, scale, inv_freq, scaling,
+                 tuple(projection[2] for projection in projections))
 
 
 class SharedInputs:

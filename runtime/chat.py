@@ -8,6 +8,7 @@ tokenized without adding special tokens: the template writes them (so BOS is nev
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 
@@ -20,6 +21,20 @@ def render(template: str, messages, *, add_generation_prompt: bool = True, bos_t
     template that refuses them (its raise_exception), ArtifactError for a template that does not parse."""
     check_messages(messages)
     import jinja2
+
+    compiled = _compiled(template)
+    try:
+        return compiled.render(messages=[dict(message) for message in messages],
+                               add_generation_prompt=add_generation_prompt, bos_token=bos_token or "",
+                               eos_token=eos_token or "", tools=None, documents=None)
+    except jinja2.TemplateError as error:  # raise_exception's RequestError passes through as it is
+        raise RequestError(f"the chat template could not render these messages ({error})") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+    """The template compiled once (transformers caches it too): every chat request renders the same one."""
+    import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -28,15 +43,9 @@ def render(template: str, messages, *, add_generation_prompt: bool = True, bos_t
     environment.globals.update(raise_exception=_raise_exception,
                                strftime_now=lambda format: datetime.now().strftime(format))
     try:
-        compiled = environment.from_string(template)
+        return environment.from_string(template)
     except jinja2.TemplateError as error:
         raise ArtifactError(f"the artifact's chat template does not parse ({error})") from None
-    try:
-        return compiled.render(messages=[dict(message) for message in messages],
-                               add_generation_prompt=add_generation_prompt, bos_token=bos_token or "",
-                               eos_token=eos_token or "", tools=None, documents=None)
-    except jinja2.TemplateError as error:  # raise_exception's RequestError passes through as it is
-        raise RequestError(f"the chat template could not render these messages ({error})") from None
 
 
 def _generation_block():

@@ -161,6 +161,7 @@ class Engine:
         self._scheduler_lock = threading.Lock()  # two first submits from two threads start one scheduler
         self._batch_one = threading.Lock()  # stream/generate: one sequence at a time on the batch-1 cache
         self._batch_one_owner: int | None = None  # the thread inside it
+        self._chat_template: str | None = None  # the artifact's chat template, read on first use
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None) -> "Engine":
@@ -199,7 +200,9 @@ class Engine:
         info, token_text = self.manifest["tokenizer"], self.tokenizer.tokenizer.id_to_token
         named = info.get("template_tokens") or {}
         bos, eos = info.get("bos_token_id"), info.get("eos_token_ids")
-        text = chat.render((Path(self.artifact_dir) / file).read_text(encoding="utf-8"), messages,
+        if self._chat_template is None:  # read once: every chat request renders it
+            self._chat_template = (Path(self.artifact_dir) / file).read_text(encoding="utf-8")
+        text = chat.render(self._chat_template, messages,
                            add_generation_prompt=add_generation_prompt,
                            bos_token=named.get("bos_token", token_text(bos) if bos is not None else None),
                            eos_token=named.get("eos_token", token_text(eos[0]) if eos else None))
@@ -279,17 +282,16 @@ class Engine:
         vocab = self.manifest["model"]["config"]["vocab_size"]
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-            bad = next((token for token in ids if not 0 <= token < vocab), None)
-            if bad is not None:  # an artifact built before the build checked its tokenizer against the model
-                raise RequestError(f"the tokenizer gave id {bad}, outside this model's vocabulary (0..{vocab - 1}): "
-                                   f"the artifact's tokenizer does not match its model; rebuild it with the model's "
-                                   f"own tokenizer")
-            return ids
-        try:
-            ids = [int(token) for token in prompt]
-        except (TypeError, ValueError):
-            raise RequestError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+        else:
+            try:
+                ids = [int(token) for token in prompt]
+            except (TypeError, ValueError):
+                raise RequestError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}") \
+                    from None
         bad = next((token for token in ids if not 0 <= token < vocab), None)
+        if bad is not None and isinstance(prompt, str):  # an artifact built before the build checked its tokenizer
+            raise RequestError(f"the tokenizer gave id {bad}, outside this model's vocabulary (0..{vocab - 1}): the "
+                               f"artifact's tokenizer does not match its model; rebuild it with the model's own tokenizer")
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside this model's vocabulary (0..{vocab - 1})")
         return ids
