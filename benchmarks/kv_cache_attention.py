@@ -1,5 +1,6 @@
 """One onnxruntime GroupQueryAttention node with a float32 or an int8 KV cache: why quantize_kv_cache keeps the
-float flash kernel in prefill and the int8 cache in decode.
+float flash kernel in prefill and the int8 cache in decode; and rotary inside the node or in two RotaryEmbedding
+nodes before it: why lower_onnxruntime keeps it inside (its `rotary` option).
 
     .venv/bin/python benchmarks/kv_cache_attention.py [--threads 2] [--runs 50]
 
@@ -7,8 +8,10 @@ SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64, a 2048-token cach
 Prefill: a whole prompt, no past, on the float flash kernel (past and present of the prompt's length, as the
 prefill graph runs it after the pass) against the int8 cache buffer (onnxruntime's quantized path). Decode: one
 query over `context` cached tokens, past and present sharing one buffer, float (on the GEMM path, as
-lower_onnxruntime sets it: scale 1, qk_output) against the same with an int8 per-channel cache. Medians of --runs runs. A table on the
-console, JSON in benchmarks/results/kv_cache_attention.json (--out).
+lower_onnxruntime sets it: scale 1, qk_output) against the same with an int8 per-channel cache. The third
+column is the float32 node with do_rotary 0 after com.microsoft.RotaryEmbedding on q and k (lower_onnxruntime's
+`rotary: separate`), timed as the three nodes. Medians of --runs runs. A table on the console, JSON in
+benchmarks/results/kv_cache_attention.json (--out).
 """
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 INT8_ATTRIBUTES = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
 
 
-def attention_model(queries: int, cache: str, shared: bool, decode_gemm: bool) -> bytes:
-    """One node. cache: "float32" | "int8"; shared: past/present are the 2048-token buffer (else no past)."""
+def attention_model(queries: int, cache: str, shared: bool, decode_gemm: bool, rotary_separate: bool = False) -> bytes:
+    """One node. cache: "float32" | "int8"; shared: past/present are the 2048-token buffer (else no past);
+    rotary_separate: q and k rotated by RotaryEmbedding nodes at input `positions` first (do_rotary 0)."""
     value = helper.make_tensor_value_info
     element = TensorProto.INT8 if cache == "int8" else TensorProto.FLOAT
     inputs = [value("q", TensorProto.FLOAT, [1, queries, HEADS * HEAD_DIM]),
@@ -38,7 +42,15 @@ def attention_model(queries: int, cache: str, shared: bool, decode_gemm: bool) -
               value("seqlens_k", TensorProto.INT32, [1]), value("total", TensorProto.INT32, []),
               value("cos", TensorProto.FLOAT, [CACHE, HEAD_DIM // 2]), value("sin", TensorProto.FLOAT, [CACHE, HEAD_DIM // 2])]
     names = ["q", "k", "v", "past_key" if shared else "", "past_value" if shared else "", "seqlens_k", "total", "cos", "sin"]
-    attributes = {"num_heads": HEADS, "kv_num_heads": KV_HEADS, "do_rotary": 1}
+    attributes = {"num_heads": HEADS, "kv_num_heads": KV_HEADS, "do_rotary": 0 if rotary_separate else 1}
+    nodes = []
+    if rotary_separate:
+        inputs.append(value("positions", TensorProto.INT64, [1, queries]))
+        for name, heads in (("q", HEADS), ("k", KV_HEADS)):
+            nodes.append(helper.make_node("RotaryEmbedding", [name, "positions", "cos", "sin"], [f"{name}_rotated"],
+                                          domain="com.microsoft", num_heads=heads))
+        names[:2] = ["q_rotated", "k_rotated"]
+        names[7:9] = ["", ""]
     outputs = ["out", "present_key", "present_value"]
     if shared:
         inputs += [value("past_key", element, [1, KV_HEADS, CACHE, HEAD_DIM]), value("past_value", element, [1, KV_HEADS, CACHE, HEAD_DIM])]
@@ -49,18 +61,19 @@ def attention_model(queries: int, cache: str, shared: bool, decode_gemm: bool) -
     if decode_gemm:
         attributes.update(scale=1.0, qk_output=1)
         outputs.append("qk")
-    node = helper.make_node("GroupQueryAttention", names, outputs, domain="com.microsoft", **attributes)
+    nodes.append(helper.make_node("GroupQueryAttention", names, outputs, domain="com.microsoft", **attributes))
     types = {"present_key": element if shared else TensorProto.FLOAT, "present_value": element if shared else TensorProto.FLOAT}
-    graph = helper.make_graph([node], "attention", inputs,
+    graph = helper.make_graph(nodes, "attention", inputs,
                               [value(name, types.get(name, TensorProto.FLOAT), None) for name in outputs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     return model.SerializeToString()
 
 
-def time_node(queries: int, context: int, cache: str, shared: bool, decode_gemm: bool, threads: int, runs: int) -> float:
+def time_node(queries: int, context: int, cache: str, shared: bool, decode_gemm: bool, threads: int, runs: int,
+              rotary_separate: bool = False) -> float:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    session = ort.InferenceSession(attention_model(queries, cache, shared, decode_gemm), options,
+    session = ort.InferenceSession(attention_model(queries, cache, shared, decode_gemm, rotary_separate), options,
                                    providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     angles = np.arange(CACHE)[:, None] * (1e4 ** (-np.arange(HEAD_DIM // 2) / (HEAD_DIM // 2)))[None]
@@ -71,6 +84,8 @@ def time_node(queries: int, context: int, cache: str, shared: bool, decode_gemm:
     binding.bind_cpu_input("total", np.array(context, np.int32))
     binding.bind_cpu_input("cos", np.cos(angles).astype(np.float32))
     binding.bind_cpu_input("sin", np.sin(angles).astype(np.float32))
+    if rotary_separate:  # the new tokens' positions: after the cached ones
+        binding.bind_cpu_input("positions", np.arange(context - queries, context, dtype=np.int64)[None])
     buffers = []
     if shared:  # one buffer bound as past and present, as the runtime binds the cache
         dtype = np.int8 if cache == "int8" else np.float32
@@ -111,17 +126,23 @@ def main(argv: list[str] | None = None) -> dict:
         prefill_runs = max(3, args.runs // 10)
         rows.append({"phase": "prefill", "tokens": prompt,
                      "float_ms": 1e3 * time_node(prompt, prompt, "float32", False, False, args.threads, prefill_runs),
-                     "int8_ms": 1e3 * time_node(prompt, prompt, "int8", True, False, args.threads, prefill_runs)})
+                     "int8_ms": 1e3 * time_node(prompt, prompt, "int8", True, False, args.threads, prefill_runs),
+                     "rotary_separate_ms": 1e3 * time_node(prompt, prompt, "float32", False, False, args.threads,
+                                                           prefill_runs, rotary_separate=True)})
     for context in (int(c) for c in args.contexts.split(",")):
         rows.append({"phase": "decode", "tokens": context,
                      "float_ms": 1e3 * time_node(1, context, "float32", True, True, args.threads, args.runs),
-                     "int8_ms": 1e3 * time_node(1, context, "int8", True, True, args.threads, args.runs)})
+                     "int8_ms": 1e3 * time_node(1, context, "int8", True, True, args.threads, args.runs),
+                     "rotary_separate_ms": 1e3 * time_node(1, context, "float32", True, True, args.threads, args.runs,
+                                                           rotary_separate=True)})
     table = Table(title=f"one GroupQueryAttention node, SmolLM2-135M shapes, {args.threads} threads (medians)")
-    for column in ("phase", "prompt / context", "float32 cache ms", "int8 cache ms", "int8 / float32"):
+    for column in ("phase", "prompt / context", "float32 cache ms", "int8 cache ms", "int8 / float32",
+                   "rotary separate ms", "separate / inside"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(row["phase"], str(row["tokens"]), f"{row['float_ms']:.3f}", f"{row['int8_ms']:.3f}",
-                      f"{row['int8_ms'] / row['float_ms']:.2f}x")
+                      f"{row['int8_ms'] / row['float_ms']:.2f}x", f"{row['rotary_separate_ms']:.3f}",
+                      f"{row['rotary_separate_ms'] / row['float_ms']:.2f}x")
     Console().print(table)
     result = {"threads": args.threads, "runs": args.runs, "onnxruntime": ort.__version__, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,9 +16,15 @@ of onnxruntime's CPU kernel path:
   vectorised M=1 kernel (it needs alpha == 1). Measured on the 2-core CPU, one layer at 2047 cached tokens:
   368 µs flash, 167 µs GEMM path (README). The prefill graph keeps the flash kernel, faster there.
   "flash": onnxruntime's default path in both graphs.
+- rotary "inside" (default): the op rotates q and k itself (do_rotary=1) from the cos/sin tables.
+  "separate": two com.microsoft.RotaryEmbedding nodes rotate q and k before it (do_rotary=0), at the positions
+  the op's meaning gives (0..S-1 for a first prompt, else after the cached tokens), computed once per graph from
+  seqlens_k and total_sequence_length. Inside was as fast or faster in
+  `benchmarks/kv_cache_attention.py` (README), so it stays the default; separate is there to measure.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,17 +37,21 @@ from passes.errors import PassError
 MICROSOFT_DOMAIN = "com.microsoft"
 KEPT_ATTRIBUTES = ("num_heads", "kv_num_heads", "do_rotary", "rotary_interleaved")
 DECODE_KERNELS = ("gemm", "flash")
+ROTARY_PLACES = ("inside", "separate")
 
 
 @dataclass(frozen=True)
 class Options:
     max_rewrites: int | None = None
     decode_kernel: str = "gemm"  # "gemm" | "flash": onnxruntime's CPU path for the decode graph's attention
+    rotary: str = "inside"  # "inside" | "separate": rotate q and k in the attention op or in RotaryEmbedding nodes
 
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     if options.decode_kernel not in DECODE_KERNELS:
         raise PassError(f"decode_kernel: {options.decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
+    if options.rotary not in ROTARY_PLACES:
+        raise PassError(f"rotary: {options.rotary!r} is not one of {', '.join(ROTARY_PLACES)}")
     graph = gs.import_onnx(model)
     # graphsurgeon keeps the model's own opset_import list and appends to it on export: copy it (pure pass).
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
@@ -50,6 +60,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     chosen = nodes if options.max_rewrites is None else nodes[: options.max_rewrites]
     scale_folds = {}
     graph_outputs = {t.name for t in graph.outputs}
+    positions: dict[tuple[str, str], gs.Variable] = {}
     for node in chosen:
         head_dim = _head_dim(node)
         scale = float(node.attrs.get("scale") or head_dim ** -0.5)
@@ -58,6 +69,8 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         node.op, node.domain = "GroupQueryAttention", MICROSOFT_DOMAIN
         node.attrs = {name: node.attrs[name] for name in KEPT_ATTRIBUTES if name in node.attrs}
         node.attrs["scale"] = 1.0 if fold != "none" else scale
+        if options.rotary == "separate":
+            rotate_before(graph, node, positions)
         if decode_gemm and fold != "none":
             node.attrs["qk_output"] = 1
             while len(node.outputs) > len(op.OUTPUTS):
@@ -72,7 +85,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     kernel = "gemm" if decode_gemm and "none" not in scale_folds else "flash"
     return gs.export_onnx(graph), {"lowered": len(chosen), "target": f"{MICROSOFT_DOMAIN}.GroupQueryAttention",
                                    "left_unlowered": remaining, "phase_graph": graph.name, "attention_kernel": kernel,
-                                   "scale_folded_into": scale_folds}
+                                   "scale_folded_into": scale_folds, "rotary": options.rotary}
 
 
 def _head_dim(node: gs.Node) -> int:
@@ -114,3 +127,48 @@ def fold_query_scale(graph: gs.Graph, node: gs.Node, scale: float, query_width: 
                          outputs=[gs.Variable(f"{node.name}/scaled_query", dtype=query.dtype)])[0]
     node.inputs[0] = scaled
     return "mul"
+
+
+def rotate_before(graph: gs.Graph, node: gs.Node, positions: dict) -> None:
+    """q and k through com.microsoft.RotaryEmbedding before the node, which then gets do_rotary=0 and no tables.
+
+    The positions, [B, S] int64, are shared by every
+    node that reads the same seqlens_k and total_sequence_length (the layers of one graph see the same tokens)."""
+    heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
+    if node.inputs[1].is_empty():
+        raise PassError(f"{node.name}: q, k and v come packed in one input; rotary 'separate' rotates q and k "
+                        f"apart, so run lower_onnxruntime before pack_projections or keep rotary 'inside'")
+    seqlens, total = node.inputs[op.INPUTS.index("seqlens_k")], node.inputs[op.INPUTS.index("total_sequence_length")]
+    key = (seqlens.name, total.name)
+    if key not in positions:
+        positions[key] = _positions(graph, node.inputs[0], seqlens, total, f"{node.name}/rotary_positions")
+    cos, sin = node.inputs[op.INPUTS.index("cos_cache")], node.inputs[op.INPUTS.index("sin_cache")]
+    interleaved = int(node.attrs.get("rotary_interleaved", 0))
+    for index, count, part in ((0, heads, "query"), (1, kv_heads, "key")):
+        rotated = gs.Variable(f"{node.name}/rotated_{part}", dtype=node.inputs[index].dtype)
+        graph.layer(op="RotaryEmbedding", name=f"{node.name}/rotary_{part}", domain=MICROSOFT_DOMAIN,
+                    inputs=[node.inputs[index], positions[key], cos, sin], outputs=[rotated],
+                    attrs={"num_heads": count, "interleaved": interleaved})
+        node.inputs[index] = rotated
+    while len(node.inputs) > op.INPUTS.index("cos_cache"):  # graphsurgeon's input list has no slice deletion
+        node.inputs.pop()
+    node.attrs["do_rotary"] = 0
+
+
+def _positions(graph: gs.Graph, query: gs.Tensor, seqlens: gs.Tensor, total: gs.Tensor, name: str) -> gs.Variable:
+    """position_ids [B, S] of the op's meaning: i for a first prompt (S == total), else seqlens_k + 1 - S + i."""
+    count = itertools.count()
+
+    def step(op_type, inputs, attrs=None, dtype=np.int64):
+        index = next(count)
+        output = gs.Variable(f"{name}/{op_type}_{index}", dtype=dtype)
+        return graph.layer(op=op_type, name=f"{name}/{op_type}_{index}", inputs=inputs, attrs=attrs or {},
+                           outputs=[output])[0]
+    shape = step("Shape", [query], {"start": 1, "end": 2})  # [S]
+    length = step("Squeeze", [shape, gs.Constant(f"{name}/axis0", np.array([0], np.int64))])  # S, a scalar
+    zero, one = gs.Constant(f"{name}/zero", np.array(0, np.int64)), gs.Constant(f"{name}/one", np.array(1, np.int64))
+    first_prompt = step("Equal", [length, step("Cast", [total], {"to": onnx.TensorProto.INT64})], dtype=np.bool_)
+    after_cache = step("Sub", [step("Add", [step("Cast", [seqlens], {"to": onnx.TensorProto.INT64}), one]), length])
+    start = step("Where", [first_prompt, zero, after_cache])  # [B]
+    offsets = step("Range", [zero, length, one])  # [S]
+    return step("Add", [step("Unsqueeze", [start, gs.Constant(f"{name}/axis1", np.array([1], np.int64))]), offsets])

@@ -11,7 +11,7 @@ from compiler.frontend.model import build_decoder
 from compiler.frontend.random_init import random_model
 from passes import cleanup, fuse_attention, lower_onnxruntime
 from passes.errors import PassError
-from tests.passes.test_fuse_attention import (CONFIG, MAX_CONTEXT, decoder_graphs, fuse_and_lower,  # noqa: F401
+from tests.passes.test_fuse_attention import (CONFIG, MAX_CONTEXT, decoder_graphs, fuse_and_lower, op_counts,  # noqa: F401,E501
                                               generate_logits)
 
 
@@ -86,3 +86,25 @@ def test_a_float16_graph_folds_the_scale_with_the_head_dim_of_its_cast_tables():
     np.testing.assert_array_equal(after[projection.input[1]],
                                   before[projection.input[1]] * np.float16(CONFIG.head_dim ** -0.5))
     assert next(a.f for a in attention.attribute if a.name == "scale") == 1.0
+
+
+def test_rotary_separate_rotates_q_and_k_before_the_op_with_the_same_logits(decoder_graphs):
+    """rotary "separate": com.microsoft.RotaryEmbedding on q and k at the op's positions (0..S-1 in the prompt,
+    after the cache in decode, per row), do_rotary 0; logits and written cache equal the inside-rotary graphs'."""
+    inside = {phase: fuse_and_lower(model)[2] for phase, model in decoder_graphs.items()}
+    separate = {}
+    for phase, model in decoder_graphs.items():
+        fused = fuse_attention.run(model, fuse_attention.Options())[0]
+        separate[phase], report = lower_onnxruntime.run(fused, lower_onnxruntime.Options(rotary="separate"))
+        assert report["rotary"] == "separate"
+        added = op_counts(separate[phase]) - op_counts(inside[phase])
+        # two rotations a layer; the positions once a graph (Shape, Squeeze, Cast x2, Equal, Add x2, Sub, Where,
+        # Range, Unsqueeze)
+        assert added["RotaryEmbedding"] == 2 * CONFIG.num_layers and added["Range"] == added["Where"] == 1, added
+        for node in (n for n in separate[phase].graph.node if n.op_type == "GroupQueryAttention"):
+            assert onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "do_rotary")) == 0
+            assert len(node.input) == 7  # no cos/sin tables
+    for a, b in zip(generate_logits(inside), generate_logits(separate)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(PassError, match="rotary: 'outside' is not one of inside, separate"):
+        lower_onnxruntime.run(decoder_graphs["decode"], lower_onnxruntime.Options(rotary="outside"))
