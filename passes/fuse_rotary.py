@@ -27,7 +27,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
-from passes.fuse_attention import SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer
+from passes.graph_patterns import SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer
 from passes.opset import raise_opset, unchanged
 
 OPSET = 23

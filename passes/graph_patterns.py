@@ -1,0 +1,143 @@
+"""Pattern pieces shared by the passes that read traced attention: walking up a graph through shape-only ops
+and constant scalings, reading constants, naming layers, and parsing a rotary embedding back to its input,
+its cos table and the inv_freq under it (fuse_attention, fuse_rotary).
+
+Every parser returns what it found or a SkipReason saying which check failed, for the passes' reports.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+
+class SkipReason(str):
+    """Why an attention block was not fused: the first check that failed."""
+
+
+def producer(tensor: gs.Tensor) -> gs.Node | None:
+    return tensor.inputs[0] if tensor.inputs else None
+
+
+def constant(tensor: gs.Tensor) -> np.ndarray | None:
+    if isinstance(tensor, gs.Constant):
+        return np.asarray(tensor.values)
+    node = producer(tensor)
+    if node is not None and node.op == "Constant":
+        return np.asarray(node.attrs["value"].values)
+    return None
+
+
+def walk_up(tensor: gs.Tensor, through: set[str]) -> tuple[gs.Tensor, gs.Node | None]:
+    """Follow first inputs up through shape-only ops; returns the tensor reached and its producer."""
+    node = producer(tensor)
+    while node is not None and node.op in through:
+        tensor, node = node.inputs[0], producer(node.inputs[0])
+    return tensor, node
+
+
+def as_float(value: np.ndarray) -> float:
+    """A one-element constant of any shape ([], [1], [1, 1]) as a float (numpy 2 refuses float() on shape [1])."""
+    return float(np.asarray(value).reshape(-1)[0])
+
+
+def scalar_factor(node: gs.Node) -> float | None:
+    """The factor a Mul by a constant scalar (or a Div by one) applies; None for any other node."""
+    values = [constant(t) for t in node.inputs] if node.op in ("Mul", "Div") else []
+    if node.op == "Mul":
+        scalar = next((v for v in values if v is not None and v.size == 1), None)
+        return None if scalar is None or all(v is not None for v in values) else as_float(scalar)
+    if node.op == "Div" and values[0] is None and values[1] is not None and values[1].size == 1:
+        return 1.0 / as_float(values[1])
+    return None
+
+
+def scaled_operand(node: gs.Node) -> gs.Tensor:
+    return next(t for t in node.inputs if constant(t) is None)
+
+
+def walk_up_scaled(tensor: gs.Tensor, through: set[str]) -> tuple[gs.Tensor, float]:
+    """walk_up, also through scalings by constants (an exporter may scale q and k by sqrt(scale) each before
+    their product); returns the tensor reached and the product of the factors passed."""
+    factor, node = 1.0, producer(tensor)
+    while node is not None:
+        if node.op in through:
+            tensor = node.inputs[0]
+        elif scalar_factor(node) is not None:
+            factor *= scalar_factor(node)
+            tensor = scaled_operand(node)
+        else:
+            break
+        node = producer(tensor)
+    return tensor, factor
+
+
+def numbered(name: str, index: int) -> str:
+    """A layer's name for the report and the fused node: "layers.N" from the graph's names, else "attention.<index>"
+    (exporters that name nodes by op, node_Softmax_157, or not at all)."""
+    return name if re.fullmatch(r"layers\.\d+", name) else f"attention.{index}"
+
+
+def layer_name(node: gs.Node) -> str:
+    found = re.search(r"layers[./_](\d+)", node.name or "")
+    return f"layers.{found.group(1)}" if found else (node.name or "attention")
+
+
+def parse_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
+    """Parse rotary(t) = t*cos + Concat(-t2, t1)*sin, or ONNX RotaryEmbedding(t, cos, sin) (rotate-half, all
+    of t rotated, positions already in cos); returns (t, cos)."""
+    add = producer(tensor)
+    if add is not None and add.op == "RotaryEmbedding":
+        width = add.inputs[0].shape[-1] if add.inputs[0].shape and len(add.inputs[0].shape) == 4 else None
+        partial = add.attrs.get("rotary_embedding_dim", 0) not in (0, width)
+        indexed = len(add.inputs) > 3 and not add.inputs[3].is_empty()
+        if add.attrs.get("interleaved", 0) or partial or indexed:
+            return SkipReason(f"RotaryEmbedding '{add.name}' is interleaved, partial or indexed by position_ids; "
+                              f"FlashAttention rotates all of each head, rotate-half, at the token's position")
+        return add.inputs[0], add.inputs[1]
+    if add is None or add.op != "Add" or not all(producer(t) is not None and producer(t).op == "Mul" for t in add.inputs):
+        return SkipReason(f"no rotary embedding (Add of two Muls) at '{tensor.name}'")
+    for rotate_mul, cos_mul in (add.inputs[0].inputs[0], add.inputs[1].inputs[0]), (add.inputs[1].inputs[0], add.inputs[0].inputs[0]):
+        concat = next((producer(t) for t in rotate_mul.inputs if producer(t) is not None and producer(t).op == "Concat"), None)
+        if concat is None or producer(concat.inputs[0]) is None or producer(concat.inputs[0]).op != "Neg":
+            continue
+        negated_slice = producer(producer(concat.inputs[0]).inputs[0])
+        if negated_slice is None or negated_slice.op != "Slice":
+            continue
+        source = negated_slice.inputs[0]
+        if source not in cos_mul.inputs:
+            return SkipReason("rotary: the cos term does not multiply the tensor being rotated")
+        cos = cos_mul.inputs[1] if cos_mul.inputs[0] is source else cos_mul.inputs[0]
+        return source, cos
+    return SkipReason("rotary: no rotate-half term Concat(Neg(Slice(t)), Slice(t))")
+
+
+def parse_inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
+    """Find Cos above the cos table, the scalar scaling on the way, and the inv_freq constant under it."""
+    scaling, tensor = 1.0, cos
+    node = producer(tensor)
+    while node is not None and node.op != "Cos":
+        if node.op == "Mul":
+            scalar = next((constant(t) for t in node.inputs if constant(t) is not None and constant(t).size == 1), None)
+            if scalar is not None:
+                scaling *= as_float(scalar)
+            tensor = next(t for t in node.inputs if constant(t) is None)
+        elif node.op in ("Unsqueeze", "Cast", "Identity", "Transpose", "Gather", "Slice", "Expand", "Reshape"):
+            tensor = node.inputs[0]
+        else:
+            return SkipReason(f"rotary: cos table comes from {node.op}, not Cos")
+        node = producer(tensor)
+    if node is None:
+        return SkipReason("rotary: cos table is not computed from positions in the graph")
+    frontier, seen = [node.inputs[0]], set()
+    while frontier:  # breadth-first: the nearest float constant that is not a scalar is inv_freq
+        tensor = frontier.pop(0)
+        value = constant(tensor)
+        if value is not None and value.size > 1 and value.dtype.kind == "f":
+            return value.reshape(-1).astype(np.float32), scaling
+        upstream = producer(tensor)
+        if upstream is not None and id(upstream) not in seen:
+            seen.add(id(upstream))
+            frontier.extend(upstream.inputs)
+    return SkipReason("rotary: no inv_freq constant under Cos")
