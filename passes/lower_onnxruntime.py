@@ -132,8 +132,8 @@ def fold_query_scale(graph: gs.Graph, node: gs.Node, scale: float, query_width: 
 def rotate_before(graph: gs.Graph, node: gs.Node, positions: dict) -> None:
     """q and k through com.microsoft.RotaryEmbedding before the node, which then gets do_rotary=0 and no tables.
 
-    The positions, [B, S] int64, are shared by every
-    node that reads the same seqlens_k and total_sequence_length (the layers of one graph see the same tokens)."""
+    The positions, [B, S] int64, are shared by every node that reads the same seqlens_k and total_sequence_length
+    (the layers of one graph see the same tokens)."""
     heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
     if node.inputs[1].is_empty():
         raise PassError(f"{node.name}: q, k and v come packed in one input; rotary 'separate' rotates q and k "

@@ -108,3 +108,8 @@ def test_rotary_separate_rotates_q_and_k_before_the_op_with_the_same_logits(deco
         np.testing.assert_allclose(a, b, atol=1e-5)
     with pytest.raises(PassError, match="rotary: 'outside' is not one of inside, separate"):
         lower_onnxruntime.run(decoder_graphs["decode"], lower_onnxruntime.Options(rotary="outside"))
+    packed = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())[0]
+    for node in (n for n in packed.graph.node if n.op_type == "FlashAttention"):
+        node.input[1] = node.input[2] = ""  # q, k and v in one input (a hand-made graph: no pass packs this op)
+    with pytest.raises(PassError, match="come packed in one input; rotary 'separate' rotates q and k apart"):
+        lower_onnxruntime.run(packed, lower_onnxruntime.Options(rotary="separate"))
