@@ -58,6 +58,7 @@ def _run(args) -> None:
     from runtime import Engine
 
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
+    received = time.perf_counter()  # TTFT counts from here: a chat template's rendering is inside it
     if args.chat is not None:  # the reply alone: the prompt is the template's formatting of the messages
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}]
@@ -67,7 +68,8 @@ def _run(args) -> None:
             raise UsageError("--system goes with --chat (a system message for the chat template)")
         prompt, shown = args.prompt, args.prompt
     generation = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
+                               arrival=received)
     sys.stdout.write(shown)
     for piece in generation:
         sys.stdout.write(piece)
@@ -181,6 +183,8 @@ def _bench(args) -> None:
 
     manifest = read_manifest(args.artifact)  # a folder that is not an artifact fails here, in one line
     name, max_context = manifest["name"], manifest["kv_cache"]["max_context"]
+    if not args.out:  # the default path, under the current folder, is checked before the work as a given one is
+        args.out = f"benchmarks/results/bench-{name}{'-' + args.phase if args.phase else ''}.json"
     check_output_file(args.out, "--out")
     threads = args.threads or os.cpu_count()
     text = bench.read_prompt_file(args.prompt_file)
@@ -210,7 +214,7 @@ def _bench(args) -> None:
         console.print(bench.phase_table(args.phase, rows, peaks), width=None if console.is_terminal else 160)
         console.print(f"[dim]peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads[/dim]",
                       highlight=False)
-        out = Path(args.out or f"benchmarks/results/bench-{name}-{args.phase}.json")
+        out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         settings = {"artifact": str(args.artifact), "phase": args.phase, "batch": args.batch, "runs": args.runs,
                     "steps": args.steps, "threads": threads}
@@ -225,10 +229,14 @@ def _bench(args) -> None:
     slo = {key: value for key, value in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms))
            if value is not None}
     modes = list(dict.fromkeys(args.batching or ["continuous"]))  # several: served one after another, compared
-    slots = args.slots if args.slots is not None else args.concurrency if args.arrival == "concurrency" else 8
+    slots = args.slots if args.slots is not None else workload.concurrency if args.arrival == "concurrency" else 8
     for flag, value in (("--slots", slots), ("--prefill-chunk", args.prefill_chunk)):
         if value is not None and value < 1:  # checked before the progress bar starts drawing
             raise bench.BenchError(f"{flag} must be >= 1, got {value}")
+    if manifest["backend"]["name"] == "onnxruntime":  # the scheduler's slot cache, in this machine's memory
+        from runtime.onnxruntime_backend import check_slot_memory
+
+        check_slot_memory(slots, manifest["kv_cache"]["bytes_per_token"] * max_context)
     queue_room = len(workload.requests) + len(workload.warmup)  # every request may wait: none is refused
     loaders = {("aotlm" if len(modes) == 1 else f"aotlm-{mode}"): (lambda mode=mode: bench.ScheduledServer(
         Engine.load(args.artifact, intra_op_threads=threads), mode, slots, queue_room, args.prefill_chunk))
@@ -267,11 +275,11 @@ def _bench(args) -> None:
                    f"{name}: {built.get('dtype', 'float32')} weights, {built.get('kv_dtype', 'float32')} cache[/dim]",
                    highlight=False)
     try:
-        written = bench.write_outputs(result, Path(args.out or f"benchmarks/results/bench-{name}.json"))
+        written = bench.write_outputs(result, Path(args.out))
     except bench.BenchError as error:  # no matplotlib: the JSON is written, the plots are not
-        console.print(f"[yellow]warning:[/yellow] {error}", highlight=False)
+        console.print(f"[yellow]warning:[/yellow] {escape(str(error))}", highlight=False)
         return
-    console.print("wrote " + ", ".join(map(str, written)), highlight=False)
+    console.print("wrote " + escape(", ".join(map(str, written))), highlight=False)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -325,7 +333,8 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--requests", type=int, default=32, help="requests in the workload (default 32)")
     bench.add_argument("--arrival", choices=("all", "concurrency", "poisson"), default="all",
                        help="all at once; closed loop of --concurrency clients; Poisson at --rate req/s")
-    bench.add_argument("--concurrency", type=int, default=1, help="clients for --arrival concurrency: each sends its next request when the last one ends")
+    bench.add_argument("--concurrency", type=int, default=None,
+                       help="clients for --arrival concurrency (default 1): each sends its next request when the last one ends")
     bench.add_argument("--rate", type=float, default=None, help="requests/s for --arrival poisson")
     bench.add_argument("--seed", type=nonnegative_int, default=0, help="lengths and Poisson arrivals")
     bench.add_argument("--prompt-tokens", default="128", help="N, or LOW:HIGH drawn uniformly (default: 128)")

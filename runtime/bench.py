@@ -124,12 +124,16 @@ def text_token_ids(encode: Callable[[str], list[int]], count: int, text: str | N
 
 
 def make_workload(encode: Callable[[str], list[int]], *, max_context: int, requests: int, arrival: str = "all",
-                  concurrency: int = 1, rate: float | None = None, prompt_tokens: str | tuple = "128",
+                  concurrency: int | None = None, rate: float | None = None, prompt_tokens: str | tuple = "128",
                   output_tokens: str | tuple = "64", warmup: int = 0, seed: int = 0,
                   text: str | None = None) -> Workload:
-    """Prompts are consecutive cuts of the text's tokens; lengths and Poisson gaps come from `seed`."""
+    """Prompts are consecutive cuts of the text's tokens; lengths and Poisson gaps come from `seed`.
+    concurrency: clients of the closed loop (arrival "concurrency", default 1); refused with the other arrivals."""
     if arrival not in ARRIVALS:
         raise BenchError(f"unknown arrival {arrival!r}; known: {', '.join(ARRIVALS)}")
+    if concurrency is not None and arrival != "concurrency":
+        raise BenchError(f"--concurrency applies to --arrival concurrency, not {arrival}")
+    concurrency = 1 if concurrency is None else concurrency
     for bad, message in ((requests < 1 or warmup < 0, "--requests must be >= 1 and --warmup >= 0"),
                          (concurrency < 1, f"--concurrency must be >= 1, got {concurrency}"),
                          (arrival == "concurrency" and concurrency > requests,
@@ -281,7 +285,10 @@ def compare_table(result: dict):
 
     summaries = {name: entry["summary"] for name, entry in result["backends"].items()}
     ref_name, ref = next(iter(summaries.items()))
-    table = Table(title=f"{ref['requests']} requests per backend: same prompt ids, output lengths and arrivals")
+    # A closed loop sends a client's next request when its last one ends: the send times follow each backend.
+    sent = {"all": ", the same send times", "poisson": ", the same send times",
+            "concurrency": ", each sent as its client's last request ended"}.get(result["settings"].get("arrival"), "")
+    table = Table(title=f"{ref['requests']} requests per backend: same prompt ids and output lengths{sent}")
     for column in ("backend", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "out tok/s",
                    f"TTFT p50 / {ref_name}", f"TPOT p50 / {ref_name}", f"tok/s / {ref_name}"):
         table.add_column(column, justify="left" if column == "backend" else "right")
@@ -314,6 +321,8 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
         for name, entry in backends.items():
             values = np.sort([t[f"{metric.lower()}_ms"] for t in entry["traces"] if t[f"{metric.lower()}_ms"] is not None])
             axis.step(values, np.arange(1, values.size + 1) / max(values.size, 1), where="post", label=name)
+        if not any(t[f"{metric.lower()}_ms"] is not None for entry in backends.values() for t in entry["traces"]):
+            axis.text(0.5, 0.5, f"no {metric}: every output had one token", ha="center", transform=axis.transAxes)
         axis.set(xlabel=f"{metric} (ms)", ylabel="fraction of requests", ylim=(0, 1.02), title=f"{metric} CDF")
         axis.grid(alpha=0.3)
         axis.legend()

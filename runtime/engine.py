@@ -16,6 +16,7 @@ scheduler (runtime/scheduler.py: continuous batching over a slot-based KV cache)
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +34,15 @@ from runtime.tokenizer import TextTokenizer, cut_at_stop
 if TYPE_CHECKING:
     from runtime.scheduler import RequestHandle, Scheduler
 
+
+
+def received_at(arrival: float | None, now: float) -> float:
+    """When a request was received: `arrival` (a time.perf_counter reading) if given and not later than now."""
+    if arrival is None:
+        return now
+    if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not math.isfinite(arrival):
+        raise RequestError(f"arrival: {arrival!r} must be a finite time.perf_counter() reading")
+    return min(float(arrival), now)
 
 @dataclass
 class Timings:
@@ -209,8 +219,10 @@ class Engine:
         return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, **sampling) -> GenerationResult:
-        """One chat turn to the end: the assistant's reply to `messages` (see chat_prompt_ids)."""
-        return self.generate(self.chat_prompt_ids(messages), params, **sampling)
+        """One chat turn to the end: the assistant's reply to `messages` (see chat_prompt_ids). Its timings count
+        from this call: rendering the template and tokenizing are inside TTFT."""
+        received = time.perf_counter()
+        return self.generate(self.chat_prompt_ids(messages), params, arrival=received, **sampling)
 
     # -- requests ---------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
@@ -271,7 +283,7 @@ class Engine:
         """
         params = sampling_params(params, sampling)
         started = time.perf_counter()
-        received = started if arrival is None else min(arrival, started)
+        received = received_at(arrival, started)
         prompt_ids = self.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids)

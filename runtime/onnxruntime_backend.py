@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from runtime.errors import ArtifactError
+from runtime.errors import ArtifactError, RequestError
 
 OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -163,6 +163,29 @@ def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, input_ids: 
     return logits
 
 
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_slot_memory(slots: int, bytes_per_slot: int) -> None:
+    """Refuse a slot cache larger than the memory available now: fail at once, not after filling the machine."""
+    available = available_memory_bytes()
+    needed = slots * bytes_per_slot
+    if available is not None and needed > available:
+        raise RequestError(f"slots: {slots} need {needed / 2**30:.1f} GiB of KV cache ({bytes_per_slot / 2**20:.1f} MiB a "
+                           f"slot), and this machine has {available / 2**30:.1f} GiB available; use at most "
+                           f"{available // bytes_per_slot} slots, or build with a smaller export.max_context or an int8 "
+                           f"cache (quantize_kv_cache)")
+
+
 class SlotCache:
     """The KV cache of the scheduler (runtime/scheduler.py): `slots` sequences, one slot each, allocated once.
 
@@ -178,6 +201,7 @@ class SlotCache:
         self.backend = backend
         self.slots = slots
         shape = tuple(slots if dim == "batch" else dim for dim in backend.kv_spec["shape"])
+        check_slot_memory(slots, int(np.prod(shape[1:])) * np.dtype(backend.cache_dtype).itemsize * len(backend.past_names))
         self.arrays = [np.empty(shape, dtype=backend.cache_dtype) for _ in backend.past_names]
         for array in self.arrays:
             array.fill(0)  # touch every page now, so resident memory does not creep up as slots fill

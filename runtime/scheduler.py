@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from runtime.engine import GenerationResult, Timings, last_token_logits
+from runtime.engine import GenerationResult, Timings, last_token_logits, received_at
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
 from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
@@ -160,7 +160,7 @@ class Scheduler:
         """Queue a request; returns its handle at once. block=True waits for room instead of refusing."""
         params = sampling_params(params, sampling)
         started = time.perf_counter()
-        received = started if arrival is None else min(arrival, started)
+        received = received_at(arrival, started)
         prompt_ids = self.engine.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids, params)

@@ -153,11 +153,35 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
     (["--phase", "decode", "--baseline", "transformers"], "does not apply to --phase"),
     (["--slots", "0", "--prompt-tokens", "8"], "--slots must be >= 1, got 0"),
     (["--prefill-chunk", "0", "--prompt-tokens", "8"], "--prefill-chunk must be >= 1, got 0"),
+    (["--concurrency", "4"], "--concurrency applies to --arrival concurrency, not all"),
+    (["--arrival", "poisson", "--rate", "2", "--concurrency", "2"], "--concurrency applies to --arrival concurrency, not poisson"),
+    (["--slots", "100000000", "--prompt-tokens", "8"], "slots: 100000000 need"),  # was numpy's ArrayMemoryError
 ])
 def test_cli_bad_input_one_line_exit_2(tiny_artifact, capsys, args, message):
     assert cli.main(["bench", str(tiny_artifact), *args]) == 2
     err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines at the terminal width
     assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_cli_default_output_path_is_checked_before_the_work(tiny_artifact, tmp_path, capsys, monkeypatch):
+    """Without --out the JSON goes to benchmarks/results/ under the current folder: an unusable one is refused
+    first (it was a traceback after the whole workload ran), in both modes."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks").write_text("a file where the folder should be")
+    for args in ([], ["--phase", "prefill", "--prompt-lengths", "8"]):
+        assert cli.main(["bench", str(tiny_artifact), "--requests", "1", *args]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.startswith("error: --out benchmarks/results/bench-") and "Traceback" not in err, err
+
+
+def test_cli_prints_written_paths_as_given(tiny_artifact, tmp_path, capsys):
+    """A path with brackets is text, not rich markup (it was a MarkupError, or a wrong path printed)."""
+    out = tmp_path / "m[/]x" / "[bold]r.json"
+    assert cli.main(["bench", str(tiny_artifact), "--requests", "2", "--prompt-tokens", "8", "--output-tokens", "3",
+                     "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    printed = (captured.out + captured.err).replace("\n", "")  # rich wraps a long line at the console's width
+    assert out.exists() and f"wrote {out}" in printed, printed
 
 
 def test_cli_not_an_artifact(tmp_path, capsys):

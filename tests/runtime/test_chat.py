@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import gguf
 import pytest
@@ -105,6 +106,16 @@ def test_the_template_reaches_the_artifact_and_prompts_tokenize_as_transformers_
     assert engine.manifest["tokenizer"]["template_tokens"] == {"bos_token": "A", "eos_token": "B"}
     reply = engine.chat(SHORT, max_new_tokens=6, stop_token_ids=())
     assert reply.token_ids == engine.generate(ids, max_new_tokens=6, stop_token_ids=()).token_ids
+
+
+def test_chat_timings_count_the_template_rendering(chat_artifact, monkeypatch):
+    """TTFT includes tokenization (Timings); for a chat turn that is rendering the template too."""
+    from runtime import chat
+
+    render = chat.render
+    monkeypatch.setattr(chat, "render", lambda *a, **k: (time.sleep(0.2), render(*a, **k))[1])
+    reply = Engine.load(chat_artifact[0]).chat(SHORT, max_new_tokens=2)
+    assert reply.timings.ttft_s >= 0.2
 
 
 def test_an_artifact_without_a_template_says_so(tiny_engine, tiny_artifact, chat_artifact, capsys):

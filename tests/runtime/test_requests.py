@@ -41,6 +41,15 @@ def test_bad_sampling_options_are_refused_before_anything_runs(engine, options, 
     assert engine._scheduler is None or not any(engine._scheduler._running)
 
 
+@pytest.mark.parametrize("arrival", [float("nan"), float("inf"), "now", True])
+def test_an_arrival_that_is_not_a_time_is_refused_before_anything_runs(engine, arrival):
+    """It was taken, and the whole generation ran before the trace refused its timestamps."""
+    for send in (engine.stream, engine.submit):
+        with pytest.raises(RequestError, match="arrival: .* must be a finite time.perf_counter"):
+            send(PROMPT, arrival=arrival, max_new_tokens=2)
+    assert engine.generate(PROMPT, arrival=time.perf_counter() - 1.0, max_new_tokens=2).timings.ttft_s >= 1.0
+
+
 def test_params_and_keywords_together_are_refused(engine):
     with pytest.raises(RequestError, match="either as params or as keywords, not both .*max_new_tokens"):
         engine.generate(PROMPT, SamplingParams(max_new_tokens=3), max_new_tokens=7)
