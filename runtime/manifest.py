@@ -53,16 +53,49 @@ def read_manifest(artifact_dir: str | Path) -> dict:
             f"rebuild it with this aotlm (`aotlm build RECIPE`) or use the aotlm that built it"
         )
     missing = [key for key, kind in REQUIRED_SECTIONS.items() if not isinstance(manifest.get(key), kind)]
+    missing = missing or [key for key, kind in REQUIRED_FIELDS.items() if not isinstance(_field(manifest, key), kind)]
+    missing = missing or [f"files.{name}" for name, record in manifest["files"].items() if not isinstance(record, dict)
+                          or not isinstance(record.get("bytes"), int) or not isinstance(record.get("sha256"), str)]
     if missing:
         raise ArtifactError(f"{path}: the manifest lacks {', '.join(missing)} (or has the wrong type); the file was "
                             f"edited or cut short: rebuild the artifact")
     return manifest
 
 
+# Fields below the sections that the runtime and `aotlm inspect` read, as dotted paths.
+REQUIRED_FIELDS = {"created": str, "passes": list, "model.config": dict, "model.config.vocab_size": int,
+                   "model.source": dict, "tokenizer.file": str, "tokenizer.eos_token_ids": list,
+                   "kv_cache.shape": list, "kv_cache.max_context": int, "kv_cache.bytes_per_token": int,
+                   "kv_cache.layout": list, "engines.prefill.file": str, "engines.decode.file": str,
+                   "backend.name": str, "backend.version": str}
+
+
+def _field(manifest: dict, dotted: str):
+    value = manifest
+    for key in dotted.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def referenced_files(manifest: dict) -> list[str]:
+    """The files the manifest's sections point at: engines, tokenizer, chat template, shared weights."""
+    named = [engine["file"] for engine in manifest["engines"].values() if isinstance(engine, dict) and "file" in engine]
+    named += [manifest["tokenizer"]["file"], manifest["tokenizer"].get("chat_template"),
+              (manifest["backend"].get("weights") or {}).get("file")]
+    return [name for name in named if name]
+
+
 def check_files(artifact_dir: str | Path, manifest: dict, verify_hashes: bool = False) -> None:
-    """Every listed file must exist with its recorded size (and sha256 when verify_hashes)."""
+    """Every listed file must exist with its recorded size (and sha256 when verify_hashes); every file in the
+    folder, and every file the manifest's sections name, must be listed (the build lists every file it writes)."""
     folder = Path(artifact_dir)
-    for name, record in manifest.get("files", {}).items():
+    listed = manifest.get("files", {})
+    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    unlisted = [name for name in present + referenced_files(manifest) if name not in listed]
+    if unlisted:
+        raise ArtifactError(f"{folder / unlisted[0]}: not in the manifest's files, so its size and sha256 cannot be "
+                            f"checked (the manifest or the folder was edited); rebuild the artifact")
+    for name, record in listed.items():
         path = folder / name
         if not path.is_file():
             raise ArtifactError(f"{path}: file listed in the manifest is missing; rebuild the artifact")

@@ -99,3 +99,42 @@ def test_manifest_describes_the_artifact(tiny_artifact):
     fusion = next(r for r in manifest["passes"] if r["name"] == "fuse_attention")
     assert fusion["report"]["fused"] == 2 and all(layer["fused"] for layer in fusion["report"]["layers"])
     assert set(manifest["files"]) == {"prefill.onnx", "decode.onnx", "weights.bin", "tokenizer.json"}
+
+
+def _edit_manifest(folder, edit):
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda m: m["files"]["weights.bin"].pop("bytes"), "files.weights.bin"),
+    (lambda m: m["files"].__setitem__("weights.bin", "565248"), "files.weights.bin"),
+    (lambda m: m["files"]["weights.bin"].__setitem__("bytes", "565248"), "files.weights.bin"),
+    (lambda m: m["files"]["weights.bin"].pop("sha256"), "files.weights.bin"),
+    (lambda m: m["engines"]["decode"].pop("file"), "engines.decode.file"),
+    (lambda m: m.__setitem__("engines", {}), "engines.prefill.file"),
+    (lambda m: m["backend"].__setitem__("version", 1), "backend.version"),
+    (lambda m: m["backend"].pop("name"), "backend.name"),
+    (lambda m: m["tokenizer"].pop("eos_token_ids"), "tokenizer.eos_token_ids"),
+    (lambda m: m["kv_cache"].pop("max_context"), "kv_cache.max_context"),
+    (lambda m: m["model"]["config"].pop("vocab_size"), "model.config.vocab_size"),
+    (lambda m: m.pop("created"), "created"),
+])
+def test_a_manifest_missing_a_field_its_readers_use_is_refused_by_name(artifact_copy, edit, named):
+    """Only the top-level sections were checked: these were KeyError / TypeError / AttributeError tracebacks."""
+    _edit_manifest(artifact_copy, edit)
+    with pytest.raises(ArtifactError, match=rf"the manifest lacks (.*, )?{named}(, .*)? \(or has the wrong type\)"):
+        Engine.load(artifact_copy)
+
+
+def test_a_file_the_manifest_does_not_list_is_refused(artifact_copy):
+    """weights.bin dropped from `files` and then cut: nothing checked it, and onnxruntime failed inside its loader."""
+    _edit_manifest(artifact_copy, lambda m: m["files"].pop("weights.bin"))
+    (artifact_copy / "weights.bin").write_bytes(b"\0" * 4096)
+    with pytest.raises(ArtifactError, match="weights.bin: not in the manifest's files"):
+        Engine.load(artifact_copy)
+    (artifact_copy / "weights.bin").unlink()  # gone too: the graphs' external data is still named by the manifest
+    with pytest.raises(ArtifactError, match="weights.bin: not in the manifest's files"):
+        Engine.load(artifact_copy)
