@@ -48,7 +48,12 @@ def staged_folder(final_dir: Path):
         if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
             retired = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old-{os.getpid()}-", dir=final_dir.parent))
             os.replace(final_dir, retired / final_dir.name)
-            os.replace(staging, final_dir)
+            try:
+                os.replace(staging, final_dir)
+            except BaseException:  # the old artifact goes back (a stop between the renames: see remove_abandoned)
+                os.replace(retired / final_dir.name, final_dir)
+                shutil.rmtree(retired, ignore_errors=True)
+                raise
             shutil.rmtree(retired, ignore_errors=True)
         else:
             os.replace(staging, final_dir)
@@ -58,12 +63,17 @@ def staged_folder(final_dir: Path):
 
 
 def remove_abandoned(final_dir: Path) -> list[Path]:
-    """Remove the temporary folders of earlier builds of final_dir whose process is gone; returns them."""
+    """Remove the temporary folders of earlier builds of final_dir whose process is gone; returns them.
+
+    A build stopped between its two renames left the old artifact in `.NAME.old-*/NAME` and nothing at final_dir:
+    that artifact is put back first, not removed."""
     removed = []
     for kind in ("partial", "old"):
         for folder in final_dir.parent.glob(f".{final_dir.name}.{kind}-*"):
             pid = folder.name.removeprefix(f".{final_dir.name}.{kind}-").split("-")[0]
             if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+                if kind == "old" and (folder / final_dir.name).is_dir() and not final_dir.exists():
+                    os.replace(folder / final_dir.name, final_dir)
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder)
     return removed

@@ -1,6 +1,7 @@
 """One build: recipe -> model -> two ONNX graphs -> passes -> backend engines -> artifact folder."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -40,6 +41,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     if final_dir.exists() and not final_dir.is_dir():
         raise BuildError(f"{final_dir} is a file; the artifact is a folder of that name: move the file or change the "
                          f"recipe's name")
+    if final_dir.is_dir() and not os.access(final_dir, os.W_OK | os.X_OK):  # the swap moves it: checked first
+        raise BuildError(f"{final_dir}: an artifact this build would replace, and it is not writable by you; fix its "
+                         f"permissions, remove it, or build into another --output folder")
     check_passes(recipe.passes)
     if recipe.backend.name == "tensorrt":
         tensorrt_backend.check_recipe(recipe)  # before anything slow
@@ -50,6 +54,11 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         raise BuildError(f"export.dtype: {recipe.export.dtype!r} with backend onnxruntime: its CPU runtime keeps a "
                          f"float32 KV cache; use float32 (float16/bfloat16 are for backend tensorrt)")
     for index, spec in enumerate(recipe.passes):  # calibration runs the graphs, whose cache holds max_context tokens
+        rotary_rows = getattr(spec.options, "rotary_cache_length", None)
+        if rotary_rows is not None and rotary_rows < recipe.export.max_context:
+            raise BuildError(f"passes[{index}] ({spec.name}): rotary_cache_length {rotary_rows} is below "
+                             f"export.max_context ({recipe.export.max_context}): later positions would have no rotary "
+                             f"angles; set it to at least {recipe.export.max_context}, or leave it out (the default)")
         calibration = getattr(spec.options, "calibration", None)
         if calibration is not None and calibration.length > recipe.export.max_context:
             raise BuildError(f"passes[{index}] ({spec.name}): calibration.length {calibration.length} exceeds "

@@ -385,6 +385,15 @@ def _terminated(signum, frame) -> None:
     raise _Terminated
 
 
+def _chain(error: BaseException):
+    """The error and the ones it was raised from or while handling."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def main(argv: list[str] | None = None) -> int:
     from compiler.errors import BuildError
     from runtime.errors import AotlmRuntimeError
@@ -407,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")
         return 130
+    except ImportError as error:  # a signal inside a module's initialisation surfaces as its ImportError
+        stop = next((e for e in _chain(error) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too
+        if stop is None:
+            raise
+        terminated = isinstance(stop, _Terminated)
+        console.print("[yellow]terminated[/yellow]" if terminated else "[yellow]interrupted[/yellow]")
+        return 143 if terminated else 130
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)

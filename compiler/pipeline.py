@@ -26,6 +26,18 @@ DUMP_EXTERNAL_DATA_BYTES = 100 << 20
 RUNTIME_DEFINED_DEFAULT_DOMAIN_OPS = {"SimplifiedLayerNormalization"}
 # Passes that refuse a graph they have already rewritten.
 RUN_ONCE = ("quantize", "quantize_kv_cache")
+ATTENTION_LOWERINGS = ("lower_onnxruntime", "lower_onnx_attention", "lower_tensorrt")
+# (pass, a pass it must not come after, unless a lowering lies between (True) or in any case (False), the fix)
+ORDER_RULES = (
+    ("quantize", "fuse_attention", True,
+     "its calibration and the accuracy report run the graph in onnxruntime, which cannot run aotlm.FlashAttention; "
+     "list quantize after the attention lowering (lower_onnxruntime)"),
+    ("fuse_attention", "fuse_rotary", False,
+     "fuse_attention reads the rotary math that fuse_rotary replaces; list fuse_rotary after fuse_attention (it then "
+     "rotates what fuse_attention left unfused)"),
+    ("fuse_attention", "pack_projections", False,
+     "fuse_attention reads each projection's own MatMul; list pack_projections after the attention lowering"),
+)
 
 
 @dataclass
@@ -87,13 +99,28 @@ def check_passes(passes: Sequence) -> None:
     for index, spec in enumerate(passes):
         entry = lookup_pass(spec.name)
         if spec.name in RUN_ONCE and spec.name in names[:index]:
+            per_layer = ", with overrides for per-layer settings" if spec.name == "quantize" else ""
             raise BuildError(f"passes[{index}]: {spec.name} is listed twice (the second would find nothing left to do); "
-                             f"use one, with overrides for per-layer settings")
+                             f"use one{per_layer}")
+        _check_order(names, index)
+        options = _options_for(spec, entry)
         if entry.check is not None:
             try:
-                entry.check(_options_for(spec, entry))
+                entry.check(options)
             except PassError as error:
                 raise BuildError(f"passes[{index}] ({spec.name}): {error}") from None
+        if getattr(options, "max_rewrites", None) is not None and options.max_rewrites < 0:
+            raise BuildError(f"passes[{index}].{spec.name}.max_rewrites: {options.max_rewrites} must be >= 0 "
+                             f"(or null: every match)")
+
+
+def _check_order(names: Sequence[str], index: int) -> None:
+    for later, earlier, unless_lowered, fix in ORDER_RULES:
+        if names[index] != later or earlier not in names[:index]:
+            continue
+        at = names.index(earlier)
+        if not (unless_lowered and any(name in ATTENTION_LOWERINGS for name in names[at:index])):
+            raise BuildError(f"passes[{index}] ({later}) comes after passes[{at}] ({earlier}): {fix}")
 
 
 def lookup_pass(name: str) -> PassEntry:

@@ -49,7 +49,8 @@ class ExportSpec:
     max_context: int = field(default=2048, metadata={"min": 2})  # KV-cache tokens: prompt + generated
     # float32 for onnxruntime on CPU; float16/bfloat16 for TensorRT (strongly typed: the graph's types decide)
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    opset: int = field(default=21, metadata={"min": 21})
+    # 23: the newest opset torch 2.13's exporter writes (the pinned torch); above it the export fails late
+    opset: int = field(default=21, metadata={"min": 21, "max": 23, "note": "aotlm exports opsets 21 to 23"})
     prefill_logits: Literal["last", "all"] = "last"
     max_batch: int = field(default=1, metadata={"min": 1})
 
@@ -209,6 +210,8 @@ def _build(cls: type, value: Any, path: str) -> Any:
             v = _coerce(value[name], hints[name], sub)
             if "min" in f.metadata and v is not None and v < f.metadata["min"]:
                 raise _Invalid(sub, f"{_show(v)} must be >= {f.metadata['min']}")
+            if "max" in f.metadata and v is not None and v > f.metadata["max"]:
+                raise _Invalid(sub, f"{_show(v)} must be <= {f.metadata['max']}")
         except _Invalid as e:
             if "note" in f.metadata and e.path == sub:
                 e.message += f" ({f.metadata['note']})"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -43,8 +44,8 @@ ROTARY_PLACES = ("inside", "separate")
 @dataclass(frozen=True)
 class Options:
     max_rewrites: int | None = None
-    decode_kernel: str = "gemm"  # "gemm" | "flash": onnxruntime's CPU path for the decode graph's attention
-    rotary: str = "inside"  # "inside" | "separate": rotate q and k in the attention op or in RotaryEmbedding nodes
+    decode_kernel: Literal["gemm", "flash"] = "gemm"  # onnxruntime's CPU path for the decode graph's attention
+    rotary: Literal["inside", "separate"] = "inside"  # rotate q and k in the attention op, or in RotaryEmbedding nodes
 
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:

@@ -33,6 +33,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes.cleanup import tensor_nbytes
+from passes.errors import PassError
 
 STANDARD_DOMAINS = {"", "ai.onnx"}
 SPLIT_SIZES_AS_INPUT_OPSET = 13  # before opset 13, Split took its sizes as an attribute
@@ -63,10 +64,15 @@ class Match:
         return [int(weight.shape[1]) for weight in self.weights]
 
 
+def check_options(options: Options) -> None:
+    """What needs no graph to refuse (the pipeline calls this before the export)."""
+    if options.min_group < 2:
+        raise PassError(f"min_group: {options.min_group} must be >= 2 (a group of one packs nothing)")
+
+
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     """Returns a copy of `model` with sibling projections packed, and a report of what was packed or refused."""
-    if options.min_group < 2:
-        raise ValueError(f"pack_projections.min_group: {options.min_group} is below 2")
+    check_options(options)
     graph = gs.import_onnx(model)
     graph_io = GraphIO({value.name for value in model.graph.input}, {value.name for value in model.graph.output})
     report: dict = {"packed": [], "skipped": [], "weight_bytes": {"before": _weight_bytes(model)}}

@@ -73,6 +73,14 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                         f"recipe")
     for node in nodes:
         check_cache_io(graph, node)
+    read = {past.name for node in nodes for past in pasts_of(node)}
+    other = [t.name for t in graph.inputs if t.name not in read and t.dtype is not None and t.shape is not None
+             and len(t.shape) == 4 and np.dtype(t.dtype).kind == "f"]
+    if other:  # a cache half int8, half float matches no one dtype in the manifest, and no runtime buffer
+        raise PassError(f"{', '.join(other[:4])}{' ...' if len(other) > 4 else ''}: KV-cache inputs that no "
+                        f"GroupQueryAttention reads (a layer lowered otherwise, or left unfused); quantize_kv_cache "
+                        f"stores onnxruntime's cache for every layer or none: lower every layer with lower_onnxruntime, "
+                        f"or leave quantize_kv_cache out")
     key = ("kv_cache_scales", options.bits, options.granularity, options.headroom)
     memo = options.calibration.memo
     if key not in memo:

@@ -35,7 +35,8 @@ PASSES: dict[str, PassEntry] = {
                                 "aotlm.FlashAttention -> RotaryEmbedding + TensorRT plugins (flash_attention; flash_decode + "
                                 "flash_combine in decode), or Attention-23, or TRT_Attention + TRT_KVCacheUpdate"),
     "pack_projections": PassEntry(pack_projections.run, pack_projections.Options,
-                                  "sibling MatMuls on one activation (q/k/v, gate/up) -> one MatMul + Split"),
+                                  "sibling MatMuls on one activation (q/k/v, gate/up) -> one MatMul + Split",
+                                  pack_projections.check_options),
     "fuse_rms_norm": PassEntry(fuse_rms_norm.run, fuse_rms_norm.Options,
                                "RMSNorm (+ residual Add) -> onnxruntime's (Skip)SimplifiedLayerNormalization"),
     "quantize": PassEntry(quantize.run, quantize.Options,

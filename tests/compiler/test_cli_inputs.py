@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from compiler import cli, cli_evaluate
-from compiler.artifact import staged_folder
+from compiler.artifact import remove_abandoned, staged_folder
 from compiler.cli import main
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-random.yaml"
@@ -158,6 +158,20 @@ def test_a_terminated_build_removes_its_temporary_folder(capsys, tmp_path, monke
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.parametrize("stop, status, said", [(KeyboardInterrupt, 130, "interrupted"), (cli._Terminated, 143, "terminated")])
+def test_a_signal_while_a_module_initialises_is_an_interrupt_not_a_traceback(capsys, monkeypatch, stop, status, said):
+    """onnxruntime's import turns a Ctrl-C or SIGTERM during its initialisation into an ImportError."""
+    def importing(args):
+        try:
+            raise stop()
+        except KeyboardInterrupt:
+            raise ImportError("initialization failed")
+
+    monkeypatch.setattr(cli, "_run", importing)
+    code, output = run_cli(capsys, "run", "artifact", "--prompt", "x")
+    assert code == status and said in output and "Traceback" not in output
+
+
 def test_a_build_removes_what_a_killed_build_left_and_spares_a_running_one(tmp_path):
     final = tmp_path / "tiny-random"
     abandoned = tmp_path / ".tiny-random.partial-999999999-abc"  # no such process
@@ -167,6 +181,26 @@ def test_a_build_removes_what_a_killed_build_left_and_spares_a_running_one(tmp_p
     with staged_folder(final) as folder:
         (folder / "manifest.json").write_text("{}")
     assert not abandoned.exists() and running.exists() and (final / "manifest.json").exists()
+
+
+def test_a_stop_between_the_swaps_renames_puts_the_old_artifact_back(tmp_path):
+    """Stopped after the old artifact moved aside and before the new one moved in: the next build restores it
+    (it deleted it, with the rest of the abandoned folder)."""
+    final = tmp_path / "tiny-random"
+    old = tmp_path / ".tiny-random.old-999999999-abc" / "tiny-random"  # no such process
+    old.mkdir(parents=True)
+    (old / "manifest.json").write_text("{}")
+    remove_abandoned(final)
+    assert (final / "manifest.json").read_text() == "{}" and not old.parent.exists()
+
+
+def test_an_artifact_this_build_cannot_replace_is_refused_first(capsys, tmp_path, monkeypatch):
+    (tmp_path / "out" / "tiny-random").mkdir(parents=True)
+    access = os.access  # the artifact as a user without write permission on it sees it
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "tiny-random" and access(path, mode))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "an artifact this build would replace, and it is not writable by you" in output, output
 
 
 def test_a_key_given_twice_in_a_recipe_is_refused(capsys, tmp_path):
@@ -180,6 +214,17 @@ def test_a_key_given_twice_in_a_recipe_is_refused(capsys, tmp_path):
     ("  - pack_projections", "  - pack_projections\n  - quantize:\n      max_rewrites: -3", "max_rewrites=-3 must be >= 0"),
     ("max_position_embeddings: 256", "max_position_embeddings: 256\n    architecture: gpt2",
      "architecture: 'gpt2' is not one of llama, mistral, qwen2"),
+    # below: each was found only after the export (a traceback, or an error without the key), or never
+    ("  - pack_projections", "  - pack_projections:\n      min_group: 1", "min_group: 1 must be >= 2"),
+    ("  - lower_onnxruntime ", "  - lower_onnxruntime: {rotary: sideways} ", "'sideways' is not one of"),
+    ("  - cleanup", "  - cleanup\n  - fuse_silu: {max_rewrites: -1}", "passes[1].fuse_silu.max_rewrites: -1 must be >= 0"),
+    ("      required: true ", "      rotary_cache_length: 16\n      required: true ",
+     "rotary_cache_length 16 is below export.max_context (128)"),
+    ("  - lower_onnxruntime ", "  - quantize: {bits: 4, method: rtn}\n  - lower_onnxruntime ",
+     "passes[2] (quantize) comes after passes[1] (fuse_attention): its calibration and the accuracy report"),
+    ("  - cleanup", "  - cleanup\n  - fuse_rotary", "passes[2] (fuse_attention) comes after passes[1] (fuse_rotary)"),
+    ("  - cleanup", "  - cleanup\n  - pack_projections",
+     "passes[2] (fuse_attention) comes after passes[1] (pack_projections)"),
 ])
 def test_more_recipe_values_are_refused_before_the_export(capsys, tmp_path, monkeypatch, old, new, message):
     monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))

@@ -104,6 +104,22 @@ def test_tiny_recipe_plans():
     assert result["memory"]["fits"] and result["bounds"]["decode_tokens_per_s"] > 0
 
 
+def with_required_fields(manifest: dict) -> dict:
+    """The fields every manifest has (runtime/manifest.py refuses one without them) that plan does not read."""
+    defaults = {"created": "2026-11-30T00:00:00+00:00", "passes": [], "model": {"source": {"kind": "random"}},
+                "tokenizer": {"file": "tokenizer.json", "eos_token_ids": [2]},
+                "kv_cache": {"shape": ["batch", 2, 128, 16], "bytes_per_token": 512,
+                             "layout": ["batch", "kv_heads", "max_context", "head_dim"]},
+                "engines": {"prefill": {"file": "prefill.onnx"}, "decode": {"file": "decode.onnx"}},
+                "backend": {"name": "onnxruntime", "version": "1.32.0"}}
+    for key, value in defaults.items():
+        if isinstance(value, dict):
+            manifest[key] = {**value, **manifest.get(key, {})}
+        else:
+            manifest.setdefault(key, value)
+    return manifest
+
+
 def tiny_float_artifact(folder) -> str:
     """A manifest alone (no engines): what plan reads of an fp32 artifact of a tiny model with a 128-token cache."""
     manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x",
@@ -113,7 +129,7 @@ def tiny_float_artifact(folder) -> str:
                                      "max_position_embeddings": 256}},
                 "kv_cache": {"max_context": 128, "dtype": "float32"},
                 "tokenizer": {}, "engines": {}, "backend": {"name": "onnxruntime"}, "files": {}}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "manifest.json").write_text(json.dumps(with_required_fields(manifest)))
     return str(folder)
 
 
@@ -178,7 +194,7 @@ def test_a_quantized_artifact_is_planned_as_built(tmp_path, fake_cpu, monkeypatc
                                      "max_position_embeddings": 256}},
                 "backend": {"weights": {"file": "weights.bin", "bytes": 40_000}}, "tokenizer": {}, "engines": {}, "files": {},
                 "kv_cache": {"max_context": 128, "dtype": "int8"}}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "manifest.json").write_text(json.dumps(with_required_fields(manifest)))
     monkeypatch.setattr(plan_module, "measure_artifact", lambda info, config, dev, context: {
         "prompt_tokens": 1, "steps": 1, "measured_s": 1.0, "predicted_s": 1.0, "ratio": 1.0, "dtypes": ""})
     built = plan(str(tmp_path), device="cpu")
@@ -217,7 +233,7 @@ def test_a_tensorrt_artifact_is_planned_on_cpu_but_not_timed(tmp_path, fake_cpu,
                                      "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
                                      "max_position_embeddings": 256}},
                 "kv_cache": {"max_context": 128, "dtype": "float16"}}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "manifest.json").write_text(json.dumps(with_required_fields(manifest)))
     monkeypatch.setattr(plan_module, "measure_artifact", lambda *args: pytest.fail("a TensorRT artifact was timed"))
     result = plan(str(tmp_path), device="cpu")
     assert "measured" not in result and any("tensorrt engines run on a GPU" in w for w in result["warnings"])

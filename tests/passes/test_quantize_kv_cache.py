@@ -13,7 +13,7 @@ from compiler.export import export_graphs, io_names
 from compiler.frontend.config import DecoderConfig
 from compiler.frontend.model import build_decoder
 from compiler.frontend.random_init import random_model
-from passes import cleanup, fuse_attention, lower_onnxruntime, quantize_kv_cache
+from passes import cleanup, fuse_attention, lower_onnx_attention, lower_onnxruntime, quantize_kv_cache
 from passes.calibration import CalibrationSet, CalibrationSpec
 from passes.errors import PassError
 
@@ -191,6 +191,19 @@ def test_a_graph_without_group_query_attention_is_refused_naming_the_order(lower
                                fuse_attention.Options())[0]
     with pytest.raises(PassError, match="after lower_onnxruntime"):
         quantize_kv_cache.run(fused, quantize_kv_cache.Options(calibration=calibration_set()))
+
+
+def test_a_layer_lowered_to_another_attention_op_is_refused_by_its_cache(lowered_graphs):
+    """Layer 0 on GroupQueryAttention, layer 1 on ONNX Attention: the pass turned layer 0's cache to int8 and left
+    layer 1's float, an artifact whose runtime failed in onnxruntime at the first prompt."""
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    fused = fuse_attention.run(cleanup.run(export_graphs(decoder, MAX_CONTEXT)["decode"], cleanup.Options())[0],
+                               fuse_attention.Options())[0]
+    mixed = lower_onnxruntime.run(fused, lower_onnxruntime.Options(max_rewrites=1))[0]
+    mixed = lower_onnx_attention.run(mixed, lower_onnx_attention.Options())[0]
+    with pytest.raises(PassError, match=r"past_key_values.1.key, past_key_values.1.value: KV-cache inputs that no "
+                                        r"GroupQueryAttention reads"):
+        quantize_kv_cache.run(mixed, quantize_kv_cache.Options(calibration=calibration_set()))
 
 
 def test_bad_options_and_a_second_run_are_clear_errors(quantized, lowered_graphs):
