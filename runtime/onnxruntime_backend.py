@@ -63,6 +63,28 @@ class KVCache:
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize * len(self.buffers)
 
 
+ORT_ELEMENT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
+                     "tensor(int32)": "int32", "tensor(int8)": "int8"}  # as the manifest spells them
+
+
+def check_io(session: ort.InferenceSession, engine: dict, path: Path) -> None:
+    """The graph's inputs and outputs must be the manifest's I/O spec: names, order, element types, ranks and fixed
+    sizes (symbolic ones as None) (a graph swapped for another would otherwise fail inside onnxruntime at the first step)."""
+    for kind, values in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
+        spec = engine.get(kind)
+        if not isinstance(spec, list):
+            continue  # an older manifest without the spec: nothing to compare
+        found = [(v.name, ORT_ELEMENT_TYPES.get(v.type, v.type), [d if isinstance(d, int) else None for d in v.shape])
+                 for v in values]
+        expected = [(s.get("name"), s.get("dtype"), [d if isinstance(d, int) else None for d in s.get("shape", [])])
+                    for s in spec]
+        mismatch = next((pair for pair in zip(found, expected) if pair[0] != pair[1]), None)
+        if len(found) != len(expected) or mismatch:
+            got, want = mismatch or (len(found), len(expected))
+            raise ArtifactError(f"{path}: the graph's {kind} differ from the manifest's I/O spec (graph {got}, manifest "
+                                f"{want}): the file is not the engine the manifest describes; rebuild the artifact")
+
+
 def check_version(built: str | None, installed: str) -> None:
     """An onnxruntime older than the one that built the graphs may lack their operators (com.microsoft contrib ops
     gain inputs and types release by release): refused with the fix. A newer one runs them."""
@@ -98,6 +120,7 @@ class OnnxRuntimeBackend:
                 session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
             except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
                 raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({error})") from None
+            check_io(session, engine, path)
             self.sessions[phase] = session
             self.bindings[phase] = session.io_binding()
             self.step_logits[phase] = {}

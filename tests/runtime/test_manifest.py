@@ -138,3 +138,11 @@ def test_a_file_the_manifest_does_not_list_is_refused(artifact_copy):
     (artifact_copy / "weights.bin").unlink()  # gone too: the graphs' external data is still named by the manifest
     with pytest.raises(ArtifactError, match="weights.bin: not in the manifest's files"):
         Engine.load(artifact_copy)
+
+
+def test_an_engine_file_that_is_another_graph_is_refused_by_its_io(artifact_copy):
+    """decode pointed at prefill.onnx: same input names, another logits rank; it failed in onnxruntime's Gather."""
+    _edit_manifest(artifact_copy, lambda m: m["engines"]["decode"].__setitem__("file", "prefill.onnx"))
+    with pytest.raises(ArtifactError, match=r"prefill.onnx: the graph's outputs differ from the manifest's I/O spec "
+                                            r"\(graph \('logits', 'float32', \[None, 512\]\), manifest"):
+        Engine.load(artifact_copy)
