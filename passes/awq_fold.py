@@ -59,6 +59,8 @@ def attention_value_tie(activation: gs.Variable) -> ValueColumns | None:
     value = producer.inputs[2] if len(producer.inputs) > 2 else None
     packed = value is None or not value.name  # GroupQueryAttention reading packed q/k/v from its query input
     source = producer.inputs[0] if packed else value
+    if not packed and len(source.outputs) == 1 and source.inputs and source.inputs[0].op == "Split":
+        return _split_value_columns(source, heads, kv_heads)  # v as the last part of a packed projection
     if len(source.outputs) != 1 or not source.inputs or source.inputs[0].op != "MatMul":
         return None
     weight = source.inputs[0].inputs[1]
@@ -70,6 +72,26 @@ def attention_value_tie(activation: gs.Variable) -> ValueColumns | None:
         return None
     columns = slice(width - kv_heads * head_dim, width)  # packed: [q | k | v]; else all of v_proj
     return ValueColumns(weight, columns, kv_heads, heads // kv_heads, head_dim)
+
+
+def _split_value_columns(value: gs.Variable, heads: int, kv_heads: int) -> ValueColumns | None:
+    """v as the last output of a Split (last axis) of a MatMul that only the Split reads: pack_projections' q/k/v
+    when the attention reads q and k rotated apart (lower_onnxruntime's rotary "separate")."""
+    split = value.inputs[0]
+    packed = split.inputs[0]
+    sizes = split.inputs[1] if len(split.inputs) > 1 else None
+    axis, rank = split.attrs.get("axis", 0), len(packed.shape) if packed.shape is not None else None
+    if (split.outputs[-1] is not value or (axis != -1 and axis != (rank or 0) - 1) or len(packed.outputs) != 1
+            or not packed.inputs or packed.inputs[0].op != "MatMul" or not isinstance(sizes, gs.Constant)):
+        return None
+    weight = packed.inputs[0].inputs[1]
+    if not (isinstance(weight, gs.Constant) and len(weight.outputs) == 1 and weight.values.ndim == 2):
+        return None
+    width, value_width = weight.values.shape[1], int(np.asarray(sizes.values)[-1])
+    head_dim, remainder = divmod(value_width, kv_heads)
+    if remainder or head_dim == 0:
+        return None
+    return ValueColumns(weight, slice(width - value_width, width), kv_heads, heads // kv_heads, head_dim)
 
 
 def apply_input_scales(graph: gs.Graph, activation: gs.Variable, group: list[gs.Node], scales: np.ndarray) -> str:

@@ -13,7 +13,7 @@ import pytest
 from compiler.export import export_graphs
 from compiler.frontend.model import build_decoder
 from compiler.frontend.random_init import random_model
-from passes import cleanup, fuse_rms_norm, fuse_silu, pack_projections, quantize
+from passes import cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnxruntime, pack_projections, quantize
 from passes.awq_fold import apply_input_scales, attention_value_tie
 from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics, draw_samples
 from passes.errors import PassError
@@ -101,12 +101,18 @@ def run_graph(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
-def test_awq_folds_are_exact_in_float(fused_graphs, packed):
+@pytest.mark.parametrize("packed, rotary", [(False, "inside"), (True, "inside"), (True, "separate")],
+                         ids=["separate", "packed", "packed-rotary-separate"])
+def test_awq_folds_are_exact_in_float(fused_graphs, decoder_graphs, packed, rotary):  # noqa: F811
     """Scale every group's input by 1/s and its weights by s, without quantizing: the model must not change.
     Packed: q/k/v and gate/up are one MatMul + Split each (pack_projections), so down_proj's 1/s goes into the
-    up columns of the packed gate/up weight."""
+    up columns of the packed gate/up weight. With rotary "separate" the attention reads v from that Split (it
+    took the packed input before): o_proj's tied scales still fold into v's columns."""
     model = fused_graphs["prefill"]
+    if rotary == "separate":
+        fused = fuse_attention.run(decoder_graphs["prefill"], fuse_attention.Options(required=True))[0]
+        model = lower_onnxruntime.run(fused, lower_onnxruntime.Options(rotary="separate"))[0]
+        model = fuse_silu.run(fuse_rms_norm.run(model, fuse_rms_norm.Options())[0], fuse_silu.Options())[0]
     if packed:
         model = pack_projections.run(model, pack_projections.Options())[0]
     graph = gs.import_onnx(model)
