@@ -41,7 +41,8 @@ def _evaluation_tokens(args, artifact: _ArtifactInfo) -> list[int]:
         text = builtin_text(source.removeprefix("builtin:"))
     else:
         try:
-            text = Path(source).read_text(encoding="utf-8")
+            with open(source, encoding="utf-8-sig", newline="") as handle:  # CRLF scored as written; no BOM
+                text = handle.read()
         except FileNotFoundError:
             raise EvaluationError(f"--text {source}: no such file") from None
         except (OSError, UnicodeDecodeError) as error:

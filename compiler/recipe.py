@@ -153,6 +153,9 @@ def parse_recipe(data: Any, origin: str = "<dict>", base_dir: str | os.PathLike 
             raise _Invalid("", f"a recipe must be a mapping of sections ({sections}), got {_show(data)}")
         # A section left empty in YAML (`export:` with nothing under it) reads as null: it means the defaults.
         recipe = _build(Recipe, {k: v for k, v in data.items() if v is not None}, "")
+        if recipe.accuracy.stride > recipe.accuracy.window:  # as `aotlm eval` refuses --stride > --window
+            raise _Invalid("accuracy.stride", f"{recipe.accuracy.stride} must be <= accuracy.window "
+                                              f"({recipe.accuracy.window}): windows would skip tokens")
         if not NAME_PATTERN.fullmatch(recipe.name):
             raise _Invalid("name", f"{_show(recipe.name)} must match ^{NAME_PATTERN.pattern}$ "
                                    f"(it names the folder artifacts/<name>/)")

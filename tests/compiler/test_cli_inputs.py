@@ -127,6 +127,34 @@ def test_output_files_are_checked_before_the_work(capsys, tiny_artifact, tmp_pat
         assert status == 2 and ("is a folder" in output or "is a file, not a folder" in output), output
 
 
+def test_an_output_file_inside_an_artifact_is_refused(capsys, tiny_artifact, monkeypatch):
+    """The runtime refuses an artifact holding a file its manifest does not list: eval --json there made the
+    artifact unloadable (and --json .../manifest.json replaced its manifest), with status 0."""
+    monkeypatch.setattr(cli_evaluate, "_score", lambda *a: pytest.fail("scored before checking --json"))
+    for target in (tiny_artifact / "eval.json", tiny_artifact / "manifest.json", tiny_artifact / "runs" / "x.json"):
+        for argv in (("eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--json", target),
+                     ("bench", tiny_artifact, "--phase", "decode", "--contexts", "16", "--out", target)):
+            status, output = run_cli(capsys, *argv)
+            assert status == 2 and "inside the artifact folder" in output, output
+    assert not (tiny_artifact / "eval.json").exists() and not (tiny_artifact / "runs").exists()
+
+
+def test_an_eval_text_is_scored_as_written(capsys, tiny_artifact, tmp_path):
+    """CRLF line ends are the file's text (read_text turned them into LF); a UTF-8 byte-order mark is not text."""
+    plain, crlf, bom = tmp_path / "plain.txt", tmp_path / "crlf.txt", tmp_path / "bom.txt"
+    text = "The quick brown fox\njumps over the lazy dog.\n" * 4
+    plain.write_bytes(text.encode())
+    crlf.write_bytes(text.replace("\n", "\r\n").encode())
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    scored = {}
+    for path in (plain, crlf, bom):
+        out = tmp_path / f"{path.stem}.json"
+        assert run_cli(capsys, "eval", tiny_artifact, "--text", path, "--json", out)[0] == 0
+        scored[path.stem] = json.loads(out.read_text())
+    assert {**scored["bom"], "text": None} == {**scored["plain"], "text": None}  # the same tokens and numbers
+    assert scored["crlf"]["tokens"] > scored["plain"]["tokens"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--phase", "decode", "--contexts", "16", "--steps", "0"), "--steps must be >= 1, got 0"),
     (("--phase", "prefill", "--prompt-lengths", "16", "--runs", "0"), "--runs must be >= 1, got 0"),

@@ -151,6 +151,7 @@ def test_relative_model_path(tmp_path, monkeypatch):
     (gguf(export={"max_context": 1}), "export.max_context: 1 must be >= 2"),
     (gguf(export={"opset": 17}), "export.opset: 17 must be >= 21"),
     (gguf(export={"opset": 25}), "export.opset: 25 must be <= 23 (aotlm exports opsets 21 to 23)"),  # was a 253-line trace
+    (gguf(accuracy={"window": 64, "stride": 100}), "accuracy.stride: 100 must be <= accuracy.window (64)"),  # was clamped
     (gguf(export={"max_batch": 0}), "export.max_batch: 0 must be >= 1"),
     (gguf(export={"prefill_logits": "first"}), "export.prefill_logits: 'first' is not one of last, all"),
     (gguf(export={"dtype": "float8"}),
