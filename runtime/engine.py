@@ -29,7 +29,7 @@ from runtime.errors import ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
 from runtime.sampling import Sampler, SamplingParams, sampling_params
-from runtime.tokenizer import TextTokenizer, cut_at_stop
+from runtime.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
     from runtime.scheduler import RequestHandle, Scheduler
@@ -287,6 +287,7 @@ class Engine:
         prompt_ids = self.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids)
+        self.check_stop_ids(params)
         return Generation(self._run(prompt_ids, params, received, tokenize_s))
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -307,6 +308,13 @@ class Engine:
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside this model's vocabulary (0..{vocab - 1})")
         return ids
+
+    def check_stop_ids(self, params: SamplingParams) -> None:
+        """Stop token ids must be ids of this model's vocabulary (one outside it could never stop anything)."""
+        vocab = self.manifest["model"]["config"]["vocab_size"]
+        bad = next((token for token in params.stop_token_ids or () if not 0 <= token < vocab), None)
+        if bad is not None:
+            raise RequestError(f"stop_token_ids: {bad} is outside this model's vocabulary (0..{vocab - 1})")
 
     def _check_fits(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -381,7 +389,7 @@ class Engine:
         tail = decoder.finish()  # text held back in case it began a stop string
         if tail:
             yield tail
-        text = cut_at_stop(self.tokenizer.decode(output), params.stop_strings)  # as streamed
+        text = decoder.streamed_text  # what was streamed: ends before a stop string
         trace = RequestTrace(
             arrival=received, prefill_start=prefill_start, first_token=token_times[0], token_times=token_times,
             finish=time.perf_counter(), prompt_tokens=len(prompt_ids), output_tokens=len(token_times),

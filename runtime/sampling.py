@@ -22,8 +22,8 @@ class SamplingParams:
     def __post_init__(self):
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens: {self.max_new_tokens!r} must be an integer >= 1")
-        if not _is_real(self.temperature) or not self.temperature >= 0:  # `not >=` also refuses NaN
-            raise RequestError(f"temperature: {self.temperature!r} must be a number >= 0 (0 = greedy)")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < float("inf"):  # `not` also refuses NaN
+            raise RequestError(f"temperature: {self.temperature!r} must be a finite number >= 0 (0 = greedy)")
         if not is_integer(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k: {self.top_k!r} must be an integer >= 0 (0 = no limit)")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -41,7 +41,7 @@ from runtime.engine import GenerationResult, Timings, last_token_logits, receive
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
 from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
-from runtime.tokenizer import StreamDecoder, cut_at_stop
+from runtime.tokenizer import StreamDecoder
 
 BATCHING = ("continuous", "static")
 DEFAULT_SLOTS = 8
@@ -164,6 +164,7 @@ class Scheduler:
         prompt_ids = self.engine.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids, params)
+        self.engine.check_stop_ids(params)
         stop_ids = self.engine.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids), prompt_ids, params, Sampler(params),
                              frozenset(stop_ids), self.engine.tokenizer.stream_decoder(params.stop_strings), received,
@@ -372,7 +373,10 @@ class Scheduler:
         sequence.handle._future.set_result(result)
 
     def _result(self, sequence: _Sequence, reason: str) -> GenerationResult:
-        text = cut_at_stop(self.engine.tokenizer.decode(sequence.output), sequence.params.stop_strings)  # as streamed
+        tail = sequence.decoder.finish()  # text held back in case it began a stop string
+        if tail:
+            sequence.handle._pieces.put(tail)
+        text = sequence.decoder.streamed_text  # what was streamed: ends before a stop string
         timings = None
         if sequence.token_times:
             trace = RequestTrace(
@@ -380,9 +384,6 @@ class Scheduler:
                 token_times=sequence.token_times, finish=time.perf_counter(), prompt_tokens=len(sequence.prompt_ids),
                 output_tokens=len(sequence.token_times), prefill_end=sequence.prefill_end)
             timings = Timings(trace, sequence.tokenize_s)
-        tail = sequence.decoder.finish()  # text held back in case it began a stop string
-        if tail:
-            sequence.handle._pieces.put(tail)
         return GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings)
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:

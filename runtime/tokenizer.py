@@ -53,6 +53,14 @@ class StreamDecoder:
         self.text = ""  # all decoded text, kept only to look for stop strings
         self.emitted = 0  # text[:emitted] was returned; no stop string starts before it
         self.stopped = False
+        self.pieces: list[str] = []  # everything returned: the result's text is their join
+
+    @property
+    def streamed_text(self) -> str:
+        """The text returned so far (after `finish()`, the whole text). A result's text is this, so that it equals
+        the stream even where decoding all tokens at once differs: a byte-fallback tokenizer turns a whole run of
+        byte tokens into U+FFFD when the run ends inside a character, complete characters before it included."""
+        return "".join(self.pieces)
 
     def push(self, token_id: int) -> str:
         """The text this token makes safe to show ("" while it is held back, and after a stop string)."""
@@ -63,15 +71,17 @@ class StreamDecoder:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             piece = full[len(prefix) :]
-        if not self.stop_strings:  # nothing to hold back: the decode loop keeps no copy of the text
+        if not self.stop_strings:  # nothing to hold back or search
+            self.pieces.append(piece)
             return piece
         self.text += piece
-        return self._release()
+        piece = self._release()
+        self.pieces.append(piece)
+        return piece
 
     def finish(self) -> str:
         """The rest of the text once generation has ended without a stop string ("" after one): the tail held back in
-        case it began a stop string, and tokens that end inside a UTF-8 sequence (decoded as U+FFFD, as the
-        result's text has them), so the streamed pieces join to the result's text."""
+        case it began a stop string, and tokens that end inside a UTF-8 sequence (decoded as U+FFFD)."""
         if self.stopped:
             return ""
         prefix = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
@@ -79,11 +89,13 @@ class StreamDecoder:
         pending = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.tokens)
         if not self.stop_strings:
+            self.pieces.append(pending)
             return pending
         self.text += pending
         piece = self._release()
         if not self.stopped:  # nothing more can complete a stop string
             piece, self.emitted = piece + self.text[self.emitted :], len(self.text)
+        self.pieces.append(piece)
         return piece
 
     def _release(self) -> str:

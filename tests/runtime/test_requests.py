@@ -28,7 +28,10 @@ def engine(tiny_engine):
     (dict(top_k=2.5), "top_k: 2.5 must be an integer"),
     (dict(max_new_tokens=None), "max_new_tokens: None must be an integer"),
     (dict(max_new_tokens=True), "max_new_tokens: True must be an integer"),
-    (dict(temperature=float("nan")), "temperature: nan must be a number >= 0"),
+    (dict(temperature=float("nan")), "temperature: nan must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature: inf must be a finite number >= 0"),  # top_k stopped limiting
+    (dict(stop_token_ids=[10**9]), "stop_token_ids: 1000000000 is outside this model's vocabulary"),
+    (dict(stop_token_ids=[-5]), "stop_token_ids: -5 is outside this model's vocabulary"),
     (dict(top_p=float("nan")), r"top_p: nan must be a number in \(0, 1\]"),
     (dict(seed=1.5), "seed: 1.5 must be an integer >= 0 or None"), (dict(seed=-1), "seed: -1 must be an integer >= 0"),
     (dict(temprature=0.5), "unexpected keyword argument 'temprature'; sampling options are max_new_tokens"),

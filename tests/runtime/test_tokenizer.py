@@ -3,8 +3,9 @@ result's text does; a tail that may begin one is held back, and released when it
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers
 
-from runtime.tokenizer import StreamDecoder, cut_at_stop
+from runtime.tokenizer import StreamDecoder, TextTokenizer, cut_at_stop
 
 
 class PieceTokenizer:
@@ -80,3 +81,62 @@ def test_overlapping_stops_cut_the_stream_and_the_result_alike():
     stops = ("unused_351", "D<|unu")  # the second starts earlier but is listed later
     given, stopped, tail = stream(pieces, stops)
     assert stopped and "".join(given) + tail == cut_at_stop("".join(pieces), stops) == "xy"
+
+
+def byte_fallback_tokenizer(folder) -> TextTokenizer:
+    """Llama 2 / Mistral style: SentencePiece BPE with byte_fallback, its decoder Replace + ByteFallback + Fuse +
+    Strip; ASCII letters are tokens, every other character falls back to its UTF-8 bytes."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for char in "▁" + "abcdefghijklmnopqrstuvwxyzL":
+        vocab[char] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return TextTokenizer(folder / "tokenizer.json")
+
+
+def test_a_byte_fallback_stream_keeps_whole_characters_and_is_the_results_text(tmp_path):
+    """Cut inside the last character, decoding every token at once turns the whole run of byte tokens into U+FFFD,
+    complete characters before it included; the result's text was that, and differed from the stream. It is now
+    the stream (StreamDecoder.streamed_text), which keeps them."""
+    tokenizer = byte_fallback_tokenizer(tmp_path)
+    ids = tokenizer.encode("Le café 中文😀", add_special_tokens=False)
+    for cut in range(1, len(ids) + 1):
+        for stops in ((), ("zz",)):
+            decoder = tokenizer.stream_decoder(stops)
+            pieces = [decoder.push(token) for token in ids[:cut]] + [decoder.finish()]
+            assert "".join(pieces) == decoder.streamed_text
+    decoder = tokenizer.stream_decoder(())
+    for token in ids[:-1]:  # the emoji's last byte never came
+        decoder.push(token)
+    decoder.finish()
+    assert decoder.streamed_text.startswith("Le café 中文") and decoder.streamed_text.endswith("\ufffd")
+    assert "中文" not in tokenizer.decode(ids[:-1])  # why the result's text is the stream, not one decode
+
+
+def test_results_equal_their_streams_with_a_byte_fallback_tokenizer(tiny_artifact, tmp_path):
+    """End to end, through Engine.stream and the scheduler: the tiny model sampling random ids, most of them byte
+    tokens of this tokenizer, ends runs inside characters all the time (50 of 120 requests differed before)."""
+    import hashlib
+    import json
+    import shutil
+
+    from runtime import Engine
+
+    artifact = shutil.copytree(tiny_artifact, tmp_path / "artifact")
+    byte_fallback_tokenizer(tmp_path)
+    shutil.copy(tmp_path / "tokenizer.json", artifact / "tokenizer.json")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    data = (artifact / "tokenizer.json").read_bytes()
+    manifest["files"]["tokenizer.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    engine = Engine.load(artifact)
+    options = dict(max_new_tokens=12, temperature=1.5, stop_token_ids=())
+    for seed in range(12):
+        generation = engine.stream([1, 40, 41], seed=seed, **options)
+        assert "".join(generation) == generation.result.text
+        handle = engine.submit([1, 40, 41], seed=seed, **options)
+        assert "".join(handle) == handle.result().text == generation.result.text
+    engine.close()
