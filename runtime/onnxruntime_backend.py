@@ -69,7 +69,8 @@ ORT_ELEMENT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "
 
 def check_io(session: ort.InferenceSession, engine: dict, path: Path) -> None:
     """The graph's inputs and outputs must be the manifest's I/O spec: names, order, element types, ranks and fixed
-    sizes (symbolic ones as None) (a graph swapped for another would otherwise fail inside onnxruntime at the first step)."""
+    sizes (symbolic sizes are not compared). A graph swapped for another would otherwise fail inside onnxruntime at
+    the first step."""
     for kind, values in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
         spec = engine.get(kind)
         if not isinstance(spec, list):

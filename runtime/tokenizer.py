@@ -71,12 +71,11 @@ class StreamDecoder:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             piece = full[len(prefix) :]
-        if not self.stop_strings:  # nothing to hold back or search
+        if self.stop_strings:  # held back while it may begin a stop string
+            self.text += piece
+            piece = self._release()
+        if piece:
             self.pieces.append(piece)
-            return piece
-        self.text += piece
-        piece = self._release()
-        self.pieces.append(piece)
         return piece
 
     def finish(self) -> str:
@@ -88,14 +87,14 @@ class StreamDecoder:
         full = self.tokenizer.decode(self.tokens[self.prefix_offset :])
         pending = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.tokens)
-        if not self.stop_strings:
-            self.pieces.append(pending)
-            return pending
-        self.text += pending
-        piece = self._release()
-        if not self.stopped:  # nothing more can complete a stop string
-            piece, self.emitted = piece + self.text[self.emitted :], len(self.text)
-        self.pieces.append(piece)
+        piece = pending
+        if self.stop_strings:
+            self.text += pending
+            piece = self._release()
+            if not self.stopped:  # nothing more can complete a stop string
+                piece, self.emitted = piece + self.text[self.emitted :], len(self.text)
+        if piece:
+            self.pieces.append(piece)
         return piece
 
     def _release(self) -> str:
