@@ -26,12 +26,12 @@ DUMP_EXTERNAL_DATA_BYTES = 100 << 20
 RUNTIME_DEFINED_DEFAULT_DOMAIN_OPS = {"SimplifiedLayerNormalization"}
 # Passes that refuse a graph they have already rewritten.
 RUN_ONCE = ("quantize", "quantize_kv_cache")
-ATTENTION_LOWERINGS = ("lower_onnxruntime", "lower_onnx_attention", "lower_tensorrt")
-# (pass, a pass it must not come after, unless a lowering lies between (True) or in any case (False), the fix)
+ONNXRUNTIME_LOWERINGS = ("lower_onnxruntime", "lower_onnx_attention")  # their graphs run in onnxruntime
+# (pass, a pass it must not come after, unless such a lowering lies between (True) or in any case (False), the fix)
 ORDER_RULES = (
     ("quantize", "fuse_attention", True,
-     "its calibration and the accuracy report run the graph in onnxruntime, which cannot run aotlm.FlashAttention; "
-     "list quantize after the attention lowering (lower_onnxruntime)"),
+     "its calibration and the accuracy report run the graph in onnxruntime, which cannot run aotlm.FlashAttention "
+     "(nor TensorRT's plugins); list quantize before fuse_attention, or after lower_onnxruntime"),
     ("fuse_attention", "fuse_rotary", False,
      "fuse_attention reads the rotary math that fuse_rotary replaces; list fuse_rotary after fuse_attention (it then "
      "rotates what fuse_attention left unfused)"),
@@ -119,7 +119,7 @@ def _check_order(names: Sequence[str], index: int) -> None:
         if names[index] != later or earlier not in names[:index]:
             continue
         at = names.index(earlier)
-        if not (unless_lowered and any(name in ATTENTION_LOWERINGS for name in names[at:index])):
+        if not (unless_lowered and any(name in ONNXRUNTIME_LOWERINGS for name in names[at:index])):
             raise BuildError(f"passes[{index}] ({later}) comes after passes[{at}] ({earlier}): {fix}")
 
 
