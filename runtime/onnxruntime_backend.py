@@ -89,6 +89,9 @@ def check_io(session: ort.InferenceSession, engine: dict, path: Path) -> None:
 def check_version(built: str | None, installed: str) -> None:
     """An onnxruntime older than the one that built the graphs may lack their operators (com.microsoft contrib ops
     gain inputs and types release by release): refused with the fix. A newer one runs them."""
+    if built is not None and not (built[:1].isdigit() and "." in built):  # "abc" read as 0.0.0: anything passed
+        raise ArtifactError(f"backend.version {built!r} in the manifest is not an onnxruntime version; the manifest "
+                            f"was edited: rebuild the artifact")
     if built and _release(installed) < _release(built):
         raise ArtifactError(f"this artifact was built with onnxruntime {built}, and {installed} is installed (older); "
                             f"install onnxruntime>={built}, or rebuild the artifact here (`aotlm build RECIPE`)")
