@@ -34,8 +34,6 @@ from runtime.tokenizer import TextTokenizer
 if TYPE_CHECKING:
     from runtime.scheduler import RequestHandle, Scheduler
 
-
-
 def received_at(arrival: float | None, now: float) -> float:
     """When a request was received: `arrival` (a time.perf_counter reading) if given and not later than now."""
     if arrival is None:
@@ -43,6 +41,7 @@ def received_at(arrival: float | None, now: float) -> float:
     if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not math.isfinite(arrival):
         raise RequestError(f"arrival: {arrival!r} must be a finite time.perf_counter() reading")
     return min(float(arrival), now)
+
 
 @dataclass
 class Timings:
@@ -286,13 +285,11 @@ class Engine:
         received = received_at(arrival, started)
         prompt_ids = self.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
-        self._check_fits(prompt_ids)
-        self.check_stop_ids(params)
+        self._check_request(prompt_ids, params)
         return Generation(self._run(prompt_ids, params, received, tokenize_s))
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids: a string is tokenized; either way the ids are checked against the vocabulary."""
-        vocab = self.manifest["model"]["config"]["vocab_size"]
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
@@ -301,7 +298,7 @@ class Engine:
             except (TypeError, ValueError):
                 raise RequestError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}") \
                     from None
-        bad = next((token for token in ids if not 0 <= token < vocab), None)
+        bad, vocab = self._outside_vocabulary(ids), self.manifest["model"]["config"]["vocab_size"]
         if bad is not None and isinstance(prompt, str):  # an artifact built before the build checked its tokenizer
             raise RequestError(f"the tokenizer gave id {bad}, outside this model's vocabulary (0..{vocab - 1}): the "
                                f"artifact's tokenizer does not match its model; rebuild it with the model's own tokenizer")
@@ -309,14 +306,17 @@ class Engine:
             raise RequestError(f"prompt token id {bad} is outside this model's vocabulary (0..{vocab - 1})")
         return ids
 
-    def check_stop_ids(self, params: SamplingParams) -> None:
-        """Stop token ids must be ids of this model's vocabulary (one outside it could never stop anything)."""
+    def _outside_vocabulary(self, ids) -> int | None:
+        """The first id that is not a row of this model's embedding table, or None."""
         vocab = self.manifest["model"]["config"]["vocab_size"]
-        bad = next((token for token in params.stop_token_ids or () if not 0 <= token < vocab), None)
-        if bad is not None:
-            raise RequestError(f"stop_token_ids: {bad} is outside this model's vocabulary (0..{vocab - 1})")
+        return next((token for token in ids if not 0 <= token < vocab), None)
 
-    def _check_fits(self, prompt_ids: list[int]) -> None:
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What the batch-1 path and the scheduler both refuse before running anything."""
+        bad = self._outside_vocabulary(params.stop_token_ids or ())
+        if bad is not None:  # it could never stop anything
+            raise RequestError(f"stop_token_ids: {bad} is outside this model's vocabulary "
+                               f"(0..{self.manifest['model']['config']['vocab_size'] - 1})")
         if not prompt_ids:
             raise RequestError("the prompt is empty: give at least one token")
         if len(prompt_ids) > self.max_context:  # a prompt that fills the cache still gets the token its prefill samples

@@ -164,7 +164,6 @@ class Scheduler:
         prompt_ids = self.engine.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids, params)
-        self.engine.check_stop_ids(params)
         stop_ids = self.engine.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids), prompt_ids, params, Sampler(params),
                              frozenset(stop_ids), self.engine.tokenizer.stream_decoder(params.stop_strings), received,
@@ -191,7 +190,7 @@ class Scheduler:
         return free if self.batching == "continuous" or free == self.slots else 0
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.engine._check_fits(prompt_ids)  # empty, or a prompt alone longer than the cache
+        self.engine._check_request(prompt_ids, params)  # stop ids; empty, or a prompt alone longer than the cache
         needed = len(prompt_ids) + params.max_new_tokens - 1
         if needed > self.engine.max_context:
             raise RequestError(
