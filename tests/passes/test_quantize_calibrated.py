@@ -177,6 +177,38 @@ def test_calibrated_decoder_matches_float_and_both_phases_share_codes(fused_grap
     assert worst < 0.3
 
 
+def test_int8_recipe_settings_calibrated_beat_rtn_and_both_phases_share_codes(fused_graphs):
+    """recipes/smollm2-135m-int8.yaml's quantize settings (AWQ + act-order GPTQ, 8 bits per channel, the tied table
+    quantized, int8 activations per block of 16) on the packed graphs, against the same settings by RTN."""
+    data = calibration()
+    packed = {phase: pack_projections.run(model, pack_projections.Options())[0]
+              for phase, model in fused_graphs.items()}
+    settings = dict(bits=8, embedding="quantized", accuracy_level=4, int8_kernel_block=16, calibration=data)
+    quantized, reports = {}, {}
+    for phase, model in packed.items():
+        options = quantize.Options(method="awq_gptq", gptq_act_order=True, **settings)
+        quantized[phase], reports[phase] = quantize.run(model, options)
+    rtn = {phase: quantize.run(model, quantize.Options(method="rtn", **settings)) for phase, model in packed.items()}
+    mean = reports["decode"]["totals"]["mean_relative_output_error"]
+    rtn_mean = rtn["decode"][1]["totals"]["mean_relative_output_error"]
+    print(f"int8 awq_gptq: mean relative layer output error {mean:.3e} vs rtn {rtn_mean:.3e}")
+    assert mean < 0.8 * rtn_mean
+    assert op_counts(quantized["decode"])["MatMulNBits"] == 9  # (q+k+v, o, gate+up, down) x 2 layers + lm_head
+    assert op_counts(quantized["decode"]).get("Mul", 0) == op_counts(packed["decode"]).get("Mul", 0)  # all folded
+    blobs = {phase: {onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer
+                     if t.name.endswith("_q8") and "_gather_" not in t.name}  # MatMulNBits' codes
+             for phase, m in quantized.items()}
+    assert len(blobs["decode"]) == 9 and blobs["decode"] == blobs["prefill"]
+    # Logits only: the last entry is the cache, whose value rows AWQ's o_proj fold scales by design.
+    float_logits = generate_logits(packed)[:-1]
+    worst = {name: max(float(np.abs(q - f).max() / np.abs(f).max())
+                       for q, f in zip(generate_logits(graphs), float_logits))
+             for name, graphs in (("awq_gptq", quantized), ("rtn", {p: m for p, (m, _) in rtn.items()}))}
+    print(f"int8: worst relative logit difference vs float {worst}")
+    # Measured 0.023 (RTN 0.014) on this random 2-layer model; a wrong fold or code moves logits by O(1).
+    assert worst["awq_gptq"] < 0.05
+
+
 def test_a_calibrated_shared_table_keeps_one_set_of_codes_for_both_uses():
     """awq_gptq on a tied lm_head whose table the quantized embedding gathers: no AWQ input scales (the gather
     could not undo them), GPTQ on E[x xᵀ] / mean(diag) + I, and the gather still reads exactly lm_head's codes."""
@@ -306,7 +338,7 @@ def test_a_padded_quantized_embedding_still_shares_the_lm_head_codes():
     assert report["totals"]["graph_bytes_after"] < packed_table + 96 * 3 * 4 + weight.nbytes / 4
 
 
-@pytest.mark.parametrize("name", ["int4_b32_sym", "int4_b128_sym", "int4_b32_asym"])
+@pytest.mark.parametrize("name", ["int4_b32_sym", "int4_b128_sym", "int4_b32_asym", "int8_channel"])
 def test_gptq_act_order_keeps_the_format_and_does_not_lose_to_plain_gptq(name):
     """Act-order (channels by decreasing E[x²], block scales fixed first) on uneven, correlated activations."""
     bits, block_size, symmetric = FORMATS[name]
@@ -317,8 +349,9 @@ def test_gptq_act_order_keeps_the_format_and_does_not_lose_to_plain_gptq(name):
     print(f"{name}: gptq {errors[0]:.3e}, act-order {errors[1]:.3e}")
     assert ordered.codes.shape == plain.codes.shape and ordered.scales.shape == plain.scales.shape
     assert ordered.codes.max() < 2**bits
-    # Here a few channels carry most of E[x²]: rounded first, their error is spread over all the others.
-    assert errors[1] < 0.5 * errors[0]
+    # Here a few channels carry most of E[x²]: rounded first, their error is spread over all the others
+    # (measured: 4-bit ratios below 0.5; 8 bits per channel 0.59, where plain GPTQ's error is already small).
+    assert errors[1] < (0.5 if bits == 4 else 0.7) * errors[0]
 
 
 def test_scale_refit_recovers_the_scales_of_weights_that_are_exactly_on_a_grid():
