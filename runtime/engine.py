@@ -34,6 +34,7 @@ from runtime.tokenizer import TextTokenizer
 if TYPE_CHECKING:
     from runtime.scheduler import RequestHandle, Scheduler
 
+
 def received_at(arrival: float | None, now: float) -> float:
     """When a request was received: `arrival` (a time.perf_counter reading) if given and not later than now."""
     if arrival is None:

@@ -28,12 +28,6 @@ class TextTokenizer:
         return StreamDecoder(self, stop_strings)
 
 
-def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
-    """The text before the earliest occurrence of any stop string (vLLM's and OpenAI's rule), as streamed."""
-    starts = [start for start in (text.find(stop) for stop in stop_strings if stop) if start >= 0]
-    return text[: min(starts)] if starts else text
-
-
 class StreamDecoder:
     """Turns tokens arriving one by one into text pieces, holding back incomplete UTF-8 sequences, and with stop
     strings, everything from the first stop string on.

@@ -10,7 +10,7 @@ import pytest
 
 from runtime import RequestError, SamplingParams
 from runtime.sampling import Sampler
-from runtime.tokenizer import cut_at_stop
+from tests.runtime.test_tokenizer import cut_at_stop
 
 PROMPT = [1, 17, 42, 99, 7]
 

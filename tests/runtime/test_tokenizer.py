@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
 
-from runtime.tokenizer import StreamDecoder, TextTokenizer, cut_at_stop
+from runtime.tokenizer import StreamDecoder, TextTokenizer
+
+
+def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    """The reference rule the streams must follow: the text before the earliest occurrence of any stop string
+    (vLLM's and OpenAI's rule)."""
+    starts = [start for start in (text.find(stop) for stop in stop_strings if stop) if start >= 0]
+    return text[: min(starts)] if starts else text
 
 
 class PieceTokenizer:
