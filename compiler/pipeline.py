@@ -37,6 +37,9 @@ ORDER_RULES = (
      "rotates what fuse_attention left unfused)"),
     ("fuse_attention", "pack_projections", False,
      "fuse_attention reads each projection's own MatMul; list pack_projections after the attention lowering"),
+    ("quantize", "skip_unused_rows", False,
+     "its calibration must see every row of the last layer, which skip_unused_rows drops from the prefill graph; "
+     "list skip_unused_rows after quantize (last)"),
 )
 
 

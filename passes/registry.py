@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_rotary, fuse_silu, lower_onnx_attention,
-                    lower_onnxruntime, lower_tensorrt, pack_projections, quantize, quantize_kv_cache)
+                    lower_onnxruntime, lower_tensorrt, pack_projections, quantize, quantize_kv_cache, skip_unused_rows)
 
 
 @dataclass(frozen=True)
@@ -45,4 +45,6 @@ PASSES: dict[str, PassEntry] = {
     "quantize_kv_cache": PassEntry(quantize_kv_cache.run, quantize_kv_cache.Options,
                                    "GroupQueryAttention's KV cache -> int8 with calibrated per-channel scales",
                                    quantize_kv_cache.check_settings),
+    "skip_unused_rows": PassEntry(skip_unused_rows.run, skip_unused_rows.Options,
+                                  "prefill's last layer after attention runs only on the rows whose logits it returns"),
 }

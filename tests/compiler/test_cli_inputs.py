@@ -313,7 +313,7 @@ def test_a_relative_calibration_text_is_found_beside_the_recipe(tmp_path, monkey
     recipe = tiny_recipe(tmp_path / "recipes", "  - pack_projections",
                          "  - pack_projections\n  - quantize:\n      calibration: {text: notes.txt, length: 32}")
     monkeypatch.chdir(tmp_path)  # not the recipe's folder
-    spec = load_recipe(recipe).passes[-1]
+    spec = next(p for p in load_recipe(recipe).passes if p.name == "quantize")
     assert spec.options.calibration.text == str(tmp_path / "recipes" / "notes.txt")
     assert load_recipe(TINY).passes[0].name == "cleanup"  # recipes without calibration are unchanged
 

@@ -10,7 +10,8 @@ import pytest
 from compiler.errors import RecipeError
 from compiler.frontend.config import DecoderConfig
 from compiler.recipe import BackendSpec, ExportSpec, PassSpec, Recipe, load_recipe, parse_recipe
-from passes import cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnxruntime, pack_projections
+from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnxruntime, pack_projections,
+                    skip_unused_rows)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +47,8 @@ def test_smollm2_recipe():
                         PassSpec("lower_onnxruntime", lower_onnxruntime.Options()),
                         PassSpec("fuse_rms_norm", fuse_rms_norm.Options()),
                         PassSpec("fuse_silu", fuse_silu.Options()),
-                        PassSpec("pack_projections", pack_projections.Options()))
+                        PassSpec("pack_projections", pack_projections.Options()),
+                        PassSpec("skip_unused_rows", skip_unused_rows.Options()))
     assert r.backend == BackendSpec(name="onnxruntime", intra_op_threads=0, graph_optimization_level="all")
 
 
@@ -59,7 +61,7 @@ def test_tiny_random_recipe():
                                            bos_token_id=1, eos_token_ids=(2,))
     assert r.export.max_context == 128
     assert [p.name for p in r.passes] == ["cleanup", "fuse_attention", "lower_onnxruntime", "fuse_rms_norm",
-                                            "fuse_silu", "pack_projections"]
+                                            "fuse_silu", "pack_projections", "skip_unused_rows"]
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random"])
