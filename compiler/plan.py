@@ -229,9 +229,13 @@ def count_params(c: DecoderConfig) -> dict:
 
 
 def prefill_flops(counts: dict, config: DecoderConfig, tokens: int) -> float:
-    """Matmul FLOPs of a prefill: every token through attention and MLP projections, the output projection for the
-    last token only (the artifact computes last-position logits); the embedding is a lookup, attention scores excluded."""
-    return 2 * (counts["attention"] + counts["mlp"]) * tokens + 2 * config.vocab_size * config.hidden_size
+    """Matmul FLOPs of a prefill: every token through attention and MLP projections but for the last layer's o_proj
+    and MLP, which need the last token only (skip_unused_rows), as does the output projection (the artifact computes
+    last-position logits); the embedding is a lookup, attention scores excluded."""
+    h = config.hidden_size
+    last_layer_rows_only = h * config.num_heads * config.head_dim + 3 * h * config.intermediate_size
+    return (2 * (counts["attention"] + counts["mlp"]) * tokens - 2 * last_layer_rows_only * (tokens - 1)
+            + 2 * config.vocab_size * h)
 
 
 def weight_bytes(params: int) -> dict:
@@ -311,8 +315,9 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
             f"the table's precision rows: int4 with one fp16 scale per {INT4_BLOCK} weights (+{INT4_SCALE_BYTES / INT4_BLOCK} "
             "B/param), all tensors quantized incl. embeddings, int8 per-channel scales ignored; an artifact's or a "
             "quantized recipe's own row counts what it stores",
-            "prefill: 2 x (attention + MLP projection params) x prompt + 2 x vocab x hidden (last-token logits) FLOPs "
-            "at peak (attention's context-dependent FLOPs not counted)",
+            "prefill: 2 x (attention + MLP projection params) x prompt, less the last layer's o_proj and MLP for all but "
+            "the last token, + 2 x vocab x hidden (last-token logits) FLOPs at peak (attention's context-dependent "
+            "FLOPs not counted)",
             "decode: all weights (an untied embedding table: one row) + every sequence's KV cache at the full "
             "context read once per step, at peak bandwidth (or compute-bound at 2 x projection params x concurrency "
             "FLOPs, whichever is slower)",

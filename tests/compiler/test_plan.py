@@ -66,9 +66,12 @@ def test_llama3_8b_kv_cache_and_max_concurrency_on_h100(llama3):
     assert bounds["decode_token_s"] == pytest.approx((read + kv_per_token * 8192) / 3.35e12)
     assert bounds["decode_step_s"] == pytest.approx((read + kv_per_token * 8192 * 64) / 3.35e12)
     assert bounds["decode_tokens_per_s"] == pytest.approx(64 / bounds["decode_step_s"])
-    # matmul FLOPs: every token through the projections (params less embedding and lm_head), lm_head once
+    # matmul FLOPs: every token through the projections (params less embedding and lm_head), but the last layer's
+    # o_proj (4096 x 4096) and MLP (3 x 4096 x 14336) for the last token only (skip_unused_rows), lm_head once
     projections = 8_030_261_248 - 2 * 128256 * 4096 - (2 * 32 + 1) * 4096
-    assert bounds["prefill_s"] == pytest.approx((2 * projections * 512 + 2 * 128256 * 4096) / 989e12)
+    last_layer_rows_only = 4096 * 4096 + 3 * 4096 * 14336
+    assert bounds["prefill_s"] == pytest.approx(
+        (2 * projections * 512 - 2 * last_layer_rows_only * 511 + 2 * 128256 * 4096) / 989e12)
 
 
 def test_precision_picks_the_compute_peak(llama3):
