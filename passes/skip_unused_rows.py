@@ -117,14 +117,18 @@ def row_inputs(node: gs.Node, invariant: dict) -> list[gs.Tensor] | str:
 
 
 def find_selection(graph: gs.Graph) -> tuple[gs.Node, gs.Node] | str:
-    found = []
+    found, shapeless = [], []
     for node in graph.nodes:
         if node.op != "Gather" or node.attrs.get("axis", 0) != 0 or not node.inputs[0].inputs:
             continue
         flatten = node.inputs[0].inputs[0]
-        source = flatten.inputs[0] if flatten.op == "Flatten" else None
-        if source is not None and flatten.attrs.get("axis", 1) == 2 and len(source.shape or ()) == 3:
-            found.append((node, flatten))
+        if flatten.op != "Flatten" or flatten.attrs.get("axis", 1) != 2:
+            continue
+        source = flatten.inputs[0]
+        (found if source.shape is not None and len(source.shape) == 3 else shapeless).append((node, flatten))
+    if not found and shapeless:
+        return (f"{shapeless[0][1].inputs[0].name}, whose rows {shapeless[0][0].name} selects, has no known 3-D shape; "
+                f"run cleanup (shape inference) before this pass")
     if not found:
         return "no row selection (Gather of Flatten(t, axis 2)): the graph returns every position's logits"
     if len(found) > 1:

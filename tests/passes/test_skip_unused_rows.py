@@ -123,3 +123,12 @@ def test_rows_mixed_along_the_sequence_stop_the_move_with_a_reason(decoder_graph
 def test_a_recipe_that_quantizes_after_skipping_is_refused():
     with pytest.raises(BuildError, match=r"passes\[1\] \(quantize\) comes after passes\[0\] \(skip_unused_rows\)"):
         check_passes([PassSpec("skip_unused_rows", skip_unused_rows.Options()), PassSpec("quantize", quantize.Options())])
+
+
+def test_a_graph_without_shapes_is_left_with_the_fix(decoder_graphs):  # noqa: F811
+    model = onnx.ModelProto()
+    model.CopyFrom(run_passes(decoder_graphs["prefill"], DEFAULT_RECIPE_PASSES))
+    del model.graph.value_info[:]  # as before cleanup's shape inference
+    result, report = skip_unused_rows.run(model, skip_unused_rows.Options())
+    assert not report["applied"] and "run cleanup (shape inference)" in report["reason"], report
+    assert result is model
