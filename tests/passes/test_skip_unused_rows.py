@@ -14,7 +14,7 @@ from compiler.frontend.random_init import random_model
 from compiler.pipeline import check_passes
 from compiler.recipe import PassSpec
 from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnxruntime, pack_projections, quantize,
-                    skip_unused_rows)
+                    quantize_kv_cache, skip_unused_rows)
 from tests.passes.test_fuse_attention import CONFIG, MAX_CONTEXT, decoder_graphs, generate_logits, op_counts  # noqa: F401
 
 DEFAULT_RECIPE_PASSES = (fuse_attention, lower_onnxruntime, fuse_rms_norm, fuse_silu, pack_projections)
@@ -132,3 +132,20 @@ def test_a_graph_without_shapes_is_left_with_the_fix(decoder_graphs):  # noqa: F
     result, report = skip_unused_rows.run(model, skip_unused_rows.Options())
     assert not report["applied"] and "run cleanup (shape inference)" in report["reason"], report
     assert result is model
+
+
+def test_int8_kv_cache_graph_skips_and_generates_the_same():
+    """After quantize_kv_cache the prefill graph writes int8 codes after its attention; the rows move above the
+    attention's output as before, and logits and the int8 cache stay the same."""
+    from tests.passes.test_quantize_kv_cache import calibration_set, run_steps
+
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    options = quantize_kv_cache.Options(calibration=calibration_set())
+    graphs = {phase: quantize_kv_cache.run(run_passes(cleanup.run(model, cleanup.Options())[0], DEFAULT_RECIPE_PASSES),
+                                           options)[0]
+              for phase, model in export_graphs(decoder, MAX_CONTEXT).items()}
+    skipped, reports = skip(graphs)
+    assert [m["op"] for m in reports["prefill"]["moved"]] == POST_ATTENTION
+    (logits_before, caches_before), (logits_after, caches_after) = run_steps(graphs, np.int8), run_steps(skipped, np.int8)
+    for before, after in zip(logits_before + caches_before, logits_after + caches_after):
+        np.testing.assert_array_equal(after, before)
