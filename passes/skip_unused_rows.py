@@ -7,23 +7,27 @@ selection works row by row, so the selection can move up to the attention's outp
 keeps every row: it writes every token's keys and values into the cache. llama.cpp does the same in its graphs
 (`inp_out_ids`, applied in the last layer).
 
-    before                                              after
-    attn ─► MatMul(o) ─► SkipNorm ─► MLP ─► Add ─► t     attn ─► Flatten ─► Gather(rows) ─► Unsqueeze ─► MatMul(o) ─► ...
-    residual ─────────────┘                │             residual ─► Flatten ─► Gather(rows) ─► Unsqueeze ─┘   ... ─► Add
-    t ─► Flatten(axis 2) ─► Gather(rows) ─► ...          Add ─► Squeeze(axis 0) ─► (what read the old Gather)
-    t ─► Shape ─► (computes rows)                        residual ─► Shape ─► (computes rows, from the same B, S)
+    before:
+    attn ─► MatMul(o) ─► SkipNorm ─► MLP ─► Add ─► t ─► Flatten(axis 2) ─► Gather(rows) ─► final norm ─► lm_head
+    residual ─────────────┘                 │           t ─► Shape ─► (computes rows from B and S)
+
+    after:
+    attn     ─► Flatten ─► Gather(rows) ─► Unsqueeze ─► MatMul(o) ─► SkipNorm ─► MLP ─► Add ─► t
+    residual ─► Flatten ─► Gather(rows) ─► Unsqueeze ─────────────────┘                   │
+    t ─► Squeeze(axis 0) ─► final norm ─► lm_head;   residual ─► Shape ─► (rows, from the same B and S)
 
 The selection is what torch.onnx emits for `x[arange(B), last]`: Gather(axis 0) of Flatten(t, axis 2) [B·S, H]
 by 1-D flat row indices. The moved nodes ("moved") are the producers of t, walking up, that work row by row and
 whose outputs nothing else reads; where that walk stops (the attention's output, the residual stream, which the
 attention's input norm also reads), each tensor is selected with the same rows ("frontier"). Selected
-tensors are [1, R, X]: a batch of one with R = B rows, so 3-D kernels (MatMulNBits, SkipSimplifiedLayerNormalization)
-take them as they are. The Shape nodes that compute the row indices from t read a frontier tensor instead,
-which has the same first two dimensions (checked).
+tensors are [1, R, X]: a batch of one with R = B rows, so 3-D kernels (MatMulNBits,
+SkipSimplifiedLayerNormalization) take them as they are. The Shape nodes that compute the row indices from t
+read a frontier tensor instead, which has the same first two dimensions (checked).
 
-Row-wise here: MatMul / MatMulNBits / Gemm-free products by a weight that does not depend on the inputs; the
+Row-wise here: MatMul / MatMulNBits products by a weight that does not depend on the inputs; the
 (Skip)(Simplified)LayerNormalization family over the last axis; Split over the last axis; elementwise ops whose
-other inputs are constants of rank <= 1 or rows themselves; unary activations and casts.
+other inputs are constants of rank <= 1 or rows themselves; reductions over the last axis (keepdims); unary
+activations and casts.
 
 Must run after `quantize` (its calibration must see every row of the last layer) and is meant to run last.
 Graphs without such a selection (decode, or prefill with prefill_logits: all) are returned unchanged, with the
@@ -94,7 +98,9 @@ def row_inputs(node: gs.Node, invariant: dict) -> list[gs.Tensor] | str:
         allowed = node.inputs[:2] if node.op.startswith("Skip") else node.inputs[:1]
         return varying if all(t in allowed for t in varying) else f"{node.op} with a varying weight or bias"
     if node.op == "Split":
-        return [node.inputs[0]] if last_axis(node, 0) and varying == [node.inputs[0]] else "a Split not over the last axis"
+        if not last_axis(node, 0) or varying != [node.inputs[0]]:
+            return "a Split not over the last axis (-1), or with varying sizes"
+        return varying
     if node.op in ELEMENTWISE:
         constants = [t for t in present if t not in varying]
         if any(len(t.shape or ()) > 1 for t in constants):
@@ -257,7 +263,8 @@ def matmul_flops(node: gs.Node) -> int:
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
     graph = gs.import_onnx(model)
-    graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]  # keep input intact
+    # graphsurgeon appends to the model's own opset_import list on export: copy it (pure pass)
+    graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
     nodes_before = len(graph.nodes)
     found = match(graph)
     if isinstance(found, str):

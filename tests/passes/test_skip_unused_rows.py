@@ -122,7 +122,8 @@ def test_rows_mixed_along_the_sequence_stop_the_move_with_a_reason(decoder_graph
 
 def test_a_recipe_that_quantizes_after_skipping_is_refused():
     with pytest.raises(BuildError, match=r"passes\[1\] \(quantize\) comes after passes\[0\] \(skip_unused_rows\)"):
-        check_passes([PassSpec("skip_unused_rows", skip_unused_rows.Options()), PassSpec("quantize", quantize.Options())])
+        check_passes([PassSpec("skip_unused_rows", skip_unused_rows.Options()),
+                      PassSpec("quantize", quantize.Options())])
 
 
 def test_a_graph_without_shapes_is_left_with_the_fix(decoder_graphs):  # noqa: F811
@@ -146,6 +147,7 @@ def test_int8_kv_cache_graph_skips_and_generates_the_same():
               for phase, model in export_graphs(decoder, MAX_CONTEXT).items()}
     skipped, reports = skip(graphs)
     assert [m["op"] for m in reports["prefill"]["moved"]] == POST_ATTENTION
-    (logits_before, caches_before), (logits_after, caches_after) = run_steps(graphs, np.int8), run_steps(skipped, np.int8)
+    logits_before, caches_before = run_steps(graphs, np.int8)
+    logits_after, caches_after = run_steps(skipped, np.int8)
     for before, after in zip(logits_before + caches_before, logits_after + caches_after):
         np.testing.assert_array_equal(after, before)
