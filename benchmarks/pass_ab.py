@@ -1,0 +1,153 @@
+"""Does a pass change prefill time? A recipe built with and without one pass, prefill graphs timed alternately.
+
+    .venv/bin/python benchmarks/pass_ab.py [--recipe recipes/smollm2-135m.yaml] [--without skip_unused_rows]
+        [--prompt-lengths 128,512,1024] [--runs 40] [--threads N] [--out F]
+
+Builds the recipe twice under benchmarks/results/pass_ab/ (rebuilt when the recipe or the compiler's source
+changed): as it is, and with the pass named by --without left out. For each prompt length both prefill graphs
+run on the same real prompt (Python's docs), batch 1, through onnxruntime directly with the KV cache bound
+once as past and present, as the runtime binds it: one warm-up each, then --runs timed runs each, alternating
+which goes first. Prints, per length, both medians, the ratio of medians (with / without), the ratio of the
+fastest runs, and the largest logit difference between the two (0 for a pass that changes no logit).
+On a shared 2-core VM a few percent is within the run-to-run spread: read the ratio next to the run count.
+Writes benchmarks/results/pass_ab.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import REPO, machine_info, prompt_token_ids, versions, write_result  # noqa: E402
+from quantization import compiler_source_digest  # noqa: E402
+
+from compiler.build import build  # noqa: E402
+from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
+
+OUT = REPO / "benchmarks" / "results" / "pass_ab"
+
+
+def built(recipe, console: Console) -> Path:
+    """The recipe's artifact under OUT, rebuilt when missing or built from another recipe or compiler source."""
+    folder, source = OUT / recipe.name, OUT / f"{recipe.name}.source-sha256"
+    manifest = folder / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text())["recipe"] == json.loads(json.dumps(recipe.to_dict())) \
+            and source.is_file() and source.read_text() == compiler_source_digest():
+        return folder
+    console.log(f"building {recipe.name}")
+    started = time.perf_counter()
+    build(recipe, OUT, progress=lambda message: console.log(f"  {recipe.name}: {message}"))
+    source.write_text(compiler_source_digest())
+    console.log(f"built {recipe.name} in {time.perf_counter() - started:.0f} s")
+    return folder
+
+
+class Prefill:
+    """One artifact's prefill graph in onnxruntime, its cache bound once as past and present."""
+
+    def __init__(self, folder: Path, threads: int):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(os.fspath(folder / manifest["engines"]["prefill"]["file"]), options,
+                                            providers=["CPUExecutionProvider"])
+        kv = manifest["kv_cache"]
+        dtype = np.int8 if kv["dtype"] == "int8" else np.float32
+        shape = [1 if d == "batch" else d for d in kv["shape"]]
+        self.caches = {name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype))
+                       for name in kv["output_aliases_input"].values()}
+        self.binding = self.session.io_binding()
+        for name, value in self.caches.items():
+            self.binding.bind_ortvalue_input(name, value)
+        for output, name in kv["output_aliases_input"].items():
+            self.binding.bind_ortvalue_output(output, self.caches[name])
+        self.binding.bind_output("logits")
+
+    def prompt(self, ids: list[int]) -> None:
+        length = len(ids)
+        self.binding.bind_cpu_input("input_ids", np.array([ids], np.int64))
+        self.binding.bind_cpu_input("position_ids", np.arange(length, dtype=np.int64)[None])
+        self.binding.bind_cpu_input("attention_mask", np.ones((1, length), np.int64))
+
+    def run(self) -> float:
+        started = time.perf_counter()
+        self.session.run_with_iobinding(self.binding)
+        return time.perf_counter() - started
+
+    def logits(self) -> np.ndarray:
+        return self.binding.copy_outputs_to_cpu()[0]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", type=Path, default=REPO / "recipes" / "smollm2-135m.yaml")
+    parser.add_argument("--without", default="skip_unused_rows", help="the pass left out of the baseline build")
+    parser.add_argument("--prompt-lengths", default="128,512,1024")
+    parser.add_argument("--runs", type=int, default=40, help="timed runs per graph and length")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/pass_ab.json)")
+    args = parser.parse_args(argv)
+    console = Console()
+    lengths = [int(n) for n in args.prompt_lengths.split(",")]
+    recipe = load_recipe(args.recipe)
+    if args.without not in [p.name for p in recipe.passes]:
+        raise SystemExit(f"{args.recipe}: lists no pass {args.without!r} to leave out "
+                         f"(it lists {', '.join(p.name for p in recipe.passes)})")
+    with_pass = dataclasses.replace(recipe, name=f"{recipe.name}-with-{args.without}",
+                                    accuracy=AccuracySpec(enabled=False))
+    without = dataclasses.replace(with_pass, name=f"{recipe.name}-without-{args.without}",
+                                  passes=tuple(p for p in recipe.passes if p.name != args.without))
+    folders = {"without": built(without, console), "with": built(with_pass, console)}
+    graphs = {kind: Prefill(folder, args.threads) for kind, folder in folders.items()}
+    prompt = prompt_token_ids(folders["with"], json.loads((folders["with"] / "manifest.json").read_text()), max(lengths))
+
+    results = {}
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("prefill A/B", total=len(lengths) * args.runs)
+        for length in lengths:
+            for graph in graphs.values():
+                graph.prompt(prompt[:length])
+                graph.run()  # warm-up
+            difference = float(np.abs(graphs["with"].logits() - graphs["without"].logits()).max())
+            seconds = {kind: [] for kind in graphs}
+            for run in range(args.runs):
+                for kind in (("without", "with") if run % 2 == 0 else ("with", "without")):
+                    seconds[kind].append(graphs[kind].run())
+                progress.advance(task)
+            median = {kind: statistics.median(values) for kind, values in seconds.items()}
+            results[str(length)] = {
+                "median_ms": {kind: 1e3 * value for kind, value in median.items()},
+                "min_ms": {kind: 1e3 * min(values) for kind, values in seconds.items()},
+                "ratio_of_medians": median["with"] / median["without"],
+                "ratio_of_minima": min(seconds["with"]) / min(seconds["without"]),
+                "logits_max_difference": difference,
+                "run_ms": {kind: [1e3 * s for s in values] for kind, values in seconds.items()}}
+
+    table = Table(title=f"prefill, {recipe.name}: with / without {args.without} (batch 1, {args.runs} alternating runs each)")
+    for column in ("prompt tokens", "without ms", "with ms", "with / without", "fastest runs", "logits max diff"):
+        table.add_column(column, justify="right")
+    for length, r in results.items():
+        table.add_row(length, f"{r['median_ms']['without']:.1f}", f"{r['median_ms']['with']:.1f}",
+                      f"{r['ratio_of_medians']:.3f}", f"{r['ratio_of_minima']:.3f}", f"{r['logits_max_difference']:.1e}")
+    console.print(table)
+    report = {"settings": {"recipe": str(args.recipe), "without": args.without, "prompt_lengths": lengths,
+                           "runs": args.runs, "threads": args.threads, "artifacts": {k: str(v) for k, v in folders.items()}},
+              "machine": machine_info(), "versions": versions(), "results": results}
+    console.print(f"wrote {write_result('pass_ab.json', report, args.out)}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
