@@ -31,27 +31,11 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate import REPO, machine_info, prompt_token_ids, versions, write_result  # noqa: E402
-from quantization import compiler_source_digest  # noqa: E402
+from quantization import built_recipe  # noqa: E402
 
-from compiler.build import build  # noqa: E402
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "pass_ab"
-
-
-def built(recipe, console: Console) -> Path:
-    """The recipe's artifact under OUT, rebuilt when missing or built from another recipe or compiler source."""
-    folder, source = OUT / recipe.name, OUT / f"{recipe.name}.source-sha256"
-    manifest = folder / "manifest.json"
-    if manifest.is_file() and json.loads(manifest.read_text())["recipe"] == json.loads(json.dumps(recipe.to_dict())) \
-            and source.is_file() and source.read_text() == compiler_source_digest():
-        return folder
-    console.log(f"building {recipe.name}")
-    started = time.perf_counter()
-    build(recipe, OUT, progress=lambda message: console.log(f"  {recipe.name}: {message}"))
-    source.write_text(compiler_source_digest())
-    console.log(f"built {recipe.name} in {time.perf_counter() - started:.0f} s")
-    return folder
 
 
 class Prefill:
@@ -109,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     accuracy=AccuracySpec(enabled=False))
     without = dataclasses.replace(with_pass, name=f"{recipe.name}-without-{args.without}",
                                   passes=tuple(p for p in recipe.passes if p.name != args.without))
-    folders = {"without": built(without, console), "with": built(with_pass, console)}
+    folders = {"without": built_recipe(without, OUT, console), "with": built_recipe(with_pass, OUT, console)}
     graphs = {kind: Prefill(folder, args.threads) for kind, folder in folders.items()}
     prompt = prompt_token_ids(folders["with"], json.loads((folders["with"] / "manifest.json").read_text()), max(lengths))
 

@@ -113,20 +113,25 @@ def compiler_source_digest() -> str:
 
 
 def built(name: str, console: Console) -> Path:
-    """The variant's artifact, rebuilt when missing, or when its recipe or the compiler's source changed."""
-    recipe = variant_recipe(name)
-    folder = OUT / recipe.name
+    """The variant's artifact under OUT (see built_recipe)."""
+    return built_recipe(variant_recipe(name), OUT, console, label=name)
+
+
+def built_recipe(recipe, root: Path, console: Console, label: str | None = None) -> Path:
+    """root/<recipe name>, rebuilt when missing, or when its recipe or the compiler's source changed."""
+    label = label or recipe.name
+    folder = root / recipe.name
     manifest = folder / "manifest.json"
-    source = OUT / f"{recipe.name}.source-sha256"  # beside the artifact, not in it: its manifest lists its files
+    source = root / f"{recipe.name}.source-sha256"  # beside the artifact, not in it: its manifest lists its files
     digest = compiler_source_digest()
     if manifest.is_file() and json.loads(manifest.read_text())["recipe"] == json.loads(json.dumps(recipe.to_dict())) \
             and source.is_file() and source.read_text() == digest:
         return folder
-    console.log(f"building {name}")
+    console.log(f"building {label}")
     started = time.perf_counter()
-    build(recipe, OUT, progress=lambda message: console.log(f"  {name}: {message}"))
+    build(recipe, root, progress=lambda message: console.log(f"  {label}: {message}"))
     source.write_text(digest)
-    console.log(f"built {name} in {time.perf_counter() - started:.0f} s")
+    console.log(f"built {label} in {time.perf_counter() - started:.0f} s")
     return folder
 
 
