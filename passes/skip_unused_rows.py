@@ -22,11 +22,13 @@ whose outputs nothing else reads; where that walk stops (the attention's output,
 attention's input norm also reads), each tensor is selected with the same rows ("frontier"). Selected
 tensors are [1, R, X]: a batch of one with R = B rows, so 3-D kernels (MatMulNBits,
 SkipSimplifiedLayerNormalization) take them as they are. The Shape nodes that compute the row indices from t
-read a frontier tensor instead, which has the same first two dimensions (checked).
+read a frontier tensor instead. Every frontier tensor must have t's batch and sequence dimensions, known and
+equal (or be the first output of an attention op whose query has them): a tensor broadcast along the sequence,
+such as [B, 1, X], has no per-token rows to select.
 
-Row-wise here: MatMul / MatMulNBits products by a weight that does not depend on the inputs; the
+Row-wise here: MatMul (a 2-D weight) / MatMulNBits products by a weight that does not depend on the inputs; the
 (Skip)(Simplified)LayerNormalization family over the last axis; Split over the last axis; elementwise ops whose
-other inputs are constants of rank <= 1 or rows themselves; reductions over the last axis (keepdims); unary
+other inputs are constants of known rank <= 1 or rows themselves; reductions over the last axis (keepdims); unary
 activations and casts.
 
 Must run after `quantize` (its calibration must see every row of the last layer) and is meant to run last.
@@ -52,6 +54,7 @@ UNARY = {"QuickGelu", "Sigmoid", "Relu", "Tanh", "Gelu", "FastGelu", "Erf", "Cas
 REDUCTIONS = {"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2"}  # kept as rows over the last axis
 # Outputs [B, S, ...] of these ops have the batch and sequence of their query input, even where no shape is known.
 SEQUENCE_KEEPING = {"GroupQueryAttention", "MultiHeadAttention", "Attention", "FlashAttention"}
+SQUEEZE_AXES_AS_INPUT_OPSET = 13
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,9 @@ def is_invariant(tensor: gs.Tensor, memo: dict) -> bool:
 
 
 def last_axis(node: gs.Node, default: int = -1) -> bool:
-    return node.attrs.get("axis", default) == -1
+    """The node's axis is its first input's last: -1, or rank - 1 where the rank is known."""
+    axis, rank = node.attrs.get("axis", default), len(node.inputs[0].shape or ())
+    return axis == -1 or (rank > 0 and axis == rank - 1)
 
 
 def row_inputs(node: gs.Node, invariant: dict) -> list[gs.Tensor] | str:
@@ -91,20 +96,24 @@ def row_inputs(node: gs.Node, invariant: dict) -> list[gs.Tensor] | str:
     present = [t for t in node.inputs if t.name]
     varying = [t for t in present if not is_invariant(t, invariant)]
     if node.op in PRODUCTS:
-        return [node.inputs[0]] if varying == [node.inputs[0]] else "a product whose weight depends on the inputs"
+        if varying != [node.inputs[0]]:
+            return "a product whose weight depends on the inputs"
+        if node.op == "MatMul" and len(node.inputs[1].shape or ()) != 2:  # [G, K, N] would pair rows with batches
+            return "a MatMul whose weight is not known to be 2-D"
+        return varying
     if node.op in NORMS:
         if not last_axis(node):
-            return f"{node.op} over axis {node.attrs.get('axis')}, not the last"
+            return f"{node.op} over axis {node.attrs.get('axis')}, not known to be the last"
         allowed = node.inputs[:2] if node.op.startswith("Skip") else node.inputs[:1]
         return varying if all(t in allowed for t in varying) else f"{node.op} with a varying weight or bias"
     if node.op == "Split":
         if not last_axis(node, 0) or varying != [node.inputs[0]]:
-            return "a Split not over the last axis (-1), or with varying sizes"
+            return "a Split not known to be over the last axis, or with varying sizes"
         return varying
     if node.op in ELEMENTWISE:
         constants = [t for t in present if t not in varying]
-        if any(len(t.shape or ()) > 1 for t in constants):
-            return f"{node.op} with a constant of rank > 1 (it could vary along the sequence)"
+        if any(t.shape is None or len(t.shape) > 1 for t in constants):
+            return f"{node.op} with a constant of rank > 1 or of unknown shape (it could vary along the sequence)"
         return varying
     if node.op in UNARY:
         return varying
@@ -125,10 +134,10 @@ def row_inputs(node: gs.Node, invariant: dict) -> list[gs.Tensor] | str:
 def find_selection(graph: gs.Graph) -> tuple[gs.Node, gs.Node] | str:
     found, shapeless = [], []
     for node in graph.nodes:
-        if node.op != "Gather" or node.attrs.get("axis", 0) != 0 or not node.inputs[0].inputs:
+        if node.op != "Gather" or node.attrs.get("axis", 0) not in (0, -2) or not node.inputs[0].inputs:
             continue
         flatten = node.inputs[0].inputs[0]
-        if flatten.op != "Flatten" or flatten.attrs.get("axis", 1) != 2:
+        if flatten.op != "Flatten" or flatten.attrs.get("axis", 1) not in (2, -1):  # -1 of a 3-D input is 2
             continue
         source = flatten.inputs[0]
         (found if source.shape is not None and len(source.shape) == 3 else shapeless).append((node, flatten))
@@ -148,8 +157,12 @@ def match(graph: gs.Graph) -> Match | str:
         return selection
     gather, flatten = selection
     rows, t = gather.inputs[1], flatten.inputs[0]
-    if len(rows.shape or ()) != 1:
+    if rows.shape is None:
+        return f"the selection's row indices {rows.name} have no known shape; run cleanup (shape inference) first"
+    if len(rows.shape) != 1:
         return f"the selection's row indices {rows.name} are not 1-D"
+    if any(d is None for d in t.shape[:2]):
+        return f"{t.name}'s batch and sequence dimensions are unknown; run cleanup (shape inference) first"
     shape_readers = [n for n in t.outputs if n is not flatten]
     if any(n.op != "Shape" for n in shape_readers) or len(flatten.outputs[0].outputs) != 1:
         return f"{t.name} is read by more than the selection and Shape nodes"
@@ -174,7 +187,7 @@ def match(graph: gs.Graph) -> Match | str:
         candidates[id(node)] = node
         queue.extend(i.inputs[0] for i in inputs if i.inputs)
     if id(t.inputs[0]) not in candidates:
-        return f"{t.inputs[0].name} ({t.inputs[0].op}), which computes the selected rows: {reasons[id(t.inputs[0])]}"
+        return f"{label(t.inputs[0])}, which computes the selected rows: {reasons[id(t.inputs[0])]}"
     # Keep only nodes whose outputs nothing outside reads; dropping one may expose its producers, so repeat.
     allowed_outside = {id(flatten), *map(id, shape_readers)}
     changed = True
@@ -205,6 +218,10 @@ def match(graph: gs.Graph) -> Match | str:
     return Match(gather, flatten, rows, moved, frontier, shape_readers)
 
 
+def label(node: gs.Node) -> str:
+    return f"{node.name} ({node.op})" if node.name else f"the {node.op} computing {node.outputs[0].name}"
+
+
 def uses_batch_and_sequence_only(shape: gs.Node) -> bool:
     """Every reader of the Shape takes dimension 0 or 1 with a constant Gather index."""
     for reader in shape.outputs[0].outputs:
@@ -215,10 +232,13 @@ def uses_batch_and_sequence_only(shape: gs.Node) -> bool:
 
 
 def same_rows(tensor: gs.Tensor, t: gs.Tensor) -> bool:
-    if tensor.shape is not None and len(tensor.shape) == 3:
-        return list(tensor.shape[:2]) == list(t.shape[:2])
+    """True when `tensor` is [B, S, X] with t's B and S: equal known dimensions (an unknown one matches nothing),
+    or the first output of an attention op whose query has them."""
+    if tensor.shape is not None:
+        return len(tensor.shape) == 3 and all(a is not None and a == b for a, b in zip(tensor.shape[:2], t.shape[:2]))
     producer = tensor.inputs[0] if tensor.inputs else None
-    return producer is not None and producer.op in SEQUENCE_KEEPING and tensor is producer.outputs[0]
+    return (producer is not None and producer.op in SEQUENCE_KEEPING and tensor is producer.outputs[0]
+            and same_rows(producer.inputs[0], t))
 
 
 def rewrite(graph: gs.Graph, found: Match) -> None:
@@ -254,8 +274,8 @@ def matmul_flops(node: gs.Node) -> int:
         return 2 * int(node.attrs["K"]) * int(node.attrs["N"])
     if node.op == "MatMul":
         weight = node.inputs[1]
-        while not isinstance(weight, gs.Constant) and weight.inputs:  # e.g. DequantizeLinear(codes)
-            weight = weight.inputs[0].inputs[0]
+        while not isinstance(weight, gs.Constant) and weight.inputs and weight.inputs[0].inputs:
+            weight = weight.inputs[0].inputs[0]  # e.g. DequantizeLinear(codes); a Constant node ends the walk
         if isinstance(weight, gs.Constant) and len(weight.shape) == 2:
             return 2 * int(np.prod(weight.shape))
     return 0
@@ -266,7 +286,10 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     # graphsurgeon appends to the model's own opset_import list on export: copy it (pure pass)
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
     nodes_before = len(graph.nodes)
-    found = match(graph)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    found = match(graph) if opset >= SQUEEZE_AXES_AS_INPUT_OPSET else (
+        f"opset {opset}: the inserted Squeeze/Unsqueeze take their axes as an input from opset "
+        f"{SQUEEZE_AXES_AS_INPUT_OPSET}")
     if isinstance(found, str):
         return model, {"applied": False, "reason": found, "moved": [], "frontier": [],
                        "nodes": {"before": nodes_before, "after": nodes_before}}

@@ -151,3 +151,76 @@ def test_int8_kv_cache_graph_skips_and_generates_the_same():
     logits_after, caches_after = run_steps(skipped, np.int8)
     for before, after in zip(logits_before + caches_before, logits_after + caches_after):
         np.testing.assert_array_equal(after, before)
+
+
+# -- hand-built graphs: t = f(x, ...) [B, S, H], then the selection torch.onnx emits for x[arange(B), S - 1] --------
+H = 4
+
+
+def selection_model(nodes, initializers, inputs, shapes: dict) -> onnx.ModelProto:
+    tail = [onnx.helper.make_node("Shape", ["t"], ["shape"]),
+            onnx.helper.make_node("Gather", ["shape", "zero"], ["batch"], axis=0),
+            onnx.helper.make_node("Gather", ["shape", "one"], ["sequence"], axis=0),
+            onnx.helper.make_node("Range", ["zero", "batch", "one"], ["row_starts"]),
+            onnx.helper.make_node("Mul", ["row_starts", "sequence"], ["flat_starts"]),
+            onnx.helper.make_node("Sub", ["sequence", "one"], ["last"]),
+            onnx.helper.make_node("Add", ["flat_starts", "last"], ["rows"]),
+            onnx.helper.make_node("Flatten", ["t"], ["flat"], axis=2),
+            onnx.helper.make_node("Gather", ["flat", "rows"], ["out"], axis=0)]
+    constants = [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", 0), ("one", 1))]
+    value = onnx.helper.make_tensor_value_info
+    graph = onnx.helper.make_graph(nodes + tail, "g", [value(n, onnx.TensorProto.FLOAT, s) for n, s in inputs],
+                                   [value("out", onnx.TensorProto.FLOAT, None)], initializers + constants)
+    graph.value_info.extend([value(n, onnx.TensorProto.FLOAT, s) for n, s in shapes.items()] +
+                            [value("rows", onnx.TensorProto.INT64, ["rows"])])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17),
+                                                        onnx.helper.make_opsetid("com.microsoft", 1)])
+
+
+def weight(*shape) -> onnx.TensorProto:
+    return onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal(shape).astype(np.float32), "W")
+
+
+def test_a_hand_built_row_wise_graph_skips_and_computes_the_same():
+    """The control for the refusals below: LayerNormalization over axis 2 (the last of 3), then a 2-D weight."""
+    nodes = [onnx.helper.make_node("LayerNormalization", ["x", "gamma"], ["normed"], axis=2),
+             onnx.helper.make_node("MatMul", ["normed", "W"], ["t"])]
+    gamma = onnx.numpy_helper.from_array(np.full(H, 1.5, np.float32), "gamma")
+    model = selection_model(nodes, [weight(H, H), gamma], [("x", ["batch", "sequence", H])],
+                            {"normed": ["batch", "sequence", H], "t": ["batch", "sequence", H]})
+    result, report = skip_unused_rows.run(model, skip_unused_rows.Options())
+    assert report["applied"] and [m["op"] for m in report["moved"]] == ["LayerNormalization", "MatMul"], report
+    x = {"x": np.random.default_rng(1).standard_normal((2, 3, H)).astype(np.float32)}
+    outputs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
+               for m in (model, result)]
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("attention over a query averaged along the sequence", "a (where the selection would move to) is not known"),
+    ("a weight batched as [2, K, N]", "a MatMul whose weight is not known to be 2-D"),
+    ("a constant of unknown shape", "Add with a constant of rank > 1 or of unknown shape"),
+    ("unknown batch and sequence dimensions", "run cleanup (shape inference) first"),
+])
+def test_graphs_whose_rows_cannot_be_proven_per_token_are_left_alone(case, reason):
+    """Each of these once applied and then failed in onnxruntime or changed the output (a review's repros)."""
+    known = ["batch", "sequence", H]
+    if case.startswith("attention"):
+        nodes = [onnx.helper.make_node("ReduceMean", ["x"], ["q"], axes=[1], keepdims=1),
+                 onnx.helper.make_node("MultiHeadAttention", ["q", "x", "x"], ["a"], domain="com.microsoft",
+                                       num_heads=1),
+                 onnx.helper.make_node("Add", ["x", "a"], ["y"]), onnx.helper.make_node("MatMul", ["y", "W"], ["t"])]
+        model = selection_model(nodes, [weight(H, H)], [("x", known)], {"y": known, "t": known})
+    elif case.startswith("a weight"):
+        model = selection_model([onnx.helper.make_node("MatMul", ["x", "W"], ["t"])], [weight(2, H, H)],
+                                [("x", [2, "sequence", H])], {"t": [2, "sequence", H]})
+    elif case.startswith("a constant"):
+        nodes = [onnx.helper.make_node("Identity", ["W"], ["c"]), onnx.helper.make_node("Add", ["x", "c"], ["t"])]
+        model = selection_model(nodes, [weight(1, 3, H)], [("x", ["batch", 3, H])], {"t": ["batch", 3, H]})
+    else:
+        nodes = [onnx.helper.make_node("Add", ["x", "y"], ["s"]), onnx.helper.make_node("MatMul", ["s", "W"], ["t"])]
+        unknown = [None, None, H]
+        model = selection_model(nodes, [weight(H, H)], [("x", unknown), ("y", unknown)], {"s": unknown, "t": unknown})
+    result, report = skip_unused_rows.run(model, skip_unused_rows.Options())
+    assert not report["applied"] and reason in report["reason"], report
+    assert result is model
