@@ -5,9 +5,9 @@
 
 Builds the recipe twice under benchmarks/results/pass_ab/ (rebuilt when the recipe or the compiler's source
 changed): as it is, and with the pass named by --without left out. For each prompt length both prefill graphs
-run on the same real prompt (Python's docs), batch 1, through onnxruntime directly with the KV cache bound
-once as past and present, as the runtime binds it: one warm-up each, then --runs timed runs each, alternating
-which goes first. Prints, per length, both medians, the ratio of medians (with / without), the ratio of the
+run on the same real prompt (Python's docs), batch 1, through the runtime's onnxruntime backend (the KV cache
+bound once as past and present; phases.py's prefill timing): one warm-up each, then --runs timed runs each,
+alternating which goes first. Prints, per length, both medians, the ratio of medians (with / without), the ratio of the
 fastest runs, and the largest logit difference between the two (0 for a pass that changes no logit).
 On a shared 2-core VM a few percent is within the run-to-run spread: read the ratio next to the run count.
 Writes benchmarks/results/pass_ab.json.
@@ -20,58 +20,21 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate import REPO, machine_info, prompt_token_ids, versions, write_result  # noqa: E402
+from phases import AotlmPhases  # noqa: E402
 from quantization import built_recipe  # noqa: E402
 
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "pass_ab"
-
-
-class Prefill:
-    """One artifact's prefill graph in onnxruntime, its cache bound once as past and present."""
-
-    def __init__(self, folder: Path, threads: int):
-        manifest = json.loads((folder / "manifest.json").read_text())
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(os.fspath(folder / manifest["engines"]["prefill"]["file"]), options,
-                                            providers=["CPUExecutionProvider"])
-        kv = manifest["kv_cache"]
-        dtype = np.int8 if kv["dtype"] == "int8" else np.float32
-        shape = [1 if d == "batch" else d for d in kv["shape"]]
-        self.caches = {name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype))
-                       for name in kv["output_aliases_input"].values()}
-        self.binding = self.session.io_binding()
-        for name, value in self.caches.items():
-            self.binding.bind_ortvalue_input(name, value)
-        for output, name in kv["output_aliases_input"].items():
-            self.binding.bind_ortvalue_output(output, self.caches[name])
-        self.binding.bind_output("logits")
-
-    def prompt(self, ids: list[int]) -> None:
-        length = len(ids)
-        self.binding.bind_cpu_input("input_ids", np.array([ids], np.int64))
-        self.binding.bind_cpu_input("position_ids", np.arange(length, dtype=np.int64)[None])
-        self.binding.bind_cpu_input("attention_mask", np.ones((1, length), np.int64))
-
-    def run(self) -> float:
-        started = time.perf_counter()
-        self.session.run_with_iobinding(self.binding)
-        return time.perf_counter() - started
-
-    def logits(self) -> np.ndarray:
-        return self.binding.copy_outputs_to_cpu()[0]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -94,21 +57,20 @@ def main(argv: list[str] | None = None) -> dict:
     without = dataclasses.replace(with_pass, name=f"{recipe.name}-without-{args.without}",
                                   passes=tuple(p for p in recipe.passes if p.name != args.without))
     folders = {"without": built_recipe(without, OUT, console), "with": built_recipe(with_pass, OUT, console)}
-    graphs = {kind: Prefill(folder, args.threads) for kind, folder in folders.items()}
+    graphs = {kind: AotlmPhases(kind, folder, args.threads) for kind, folder in folders.items()}
     prompt = prompt_token_ids(folders["with"], json.loads((folders["with"] / "manifest.json").read_text()), max(lengths))
 
     results = {}
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("prefill A/B", total=len(lengths) * args.runs)
         for length in lengths:
-            for graph in graphs.values():
-                graph.prompt(prompt[:length])
-                graph.run()  # warm-up
-            difference = float(np.abs(graphs["with"].logits() - graphs["without"].logits()).max())
+            ids = prompt[:length]
+            logits = {kind: graph.timed_prefill(ids)[1] for kind, graph in graphs.items()}  # also the warm-up
+            difference = float(np.abs(logits["with"] - logits["without"]).max())
             seconds = {kind: [] for kind in graphs}
             for run in range(args.runs):
                 for kind in (("without", "with") if run % 2 == 0 else ("with", "without")):
-                    seconds[kind].append(graphs[kind].run())
+                    seconds[kind].append(graphs[kind].prefill(ids))
                 progress.advance(task)
             median = {kind: statistics.median(values) for kind, values in seconds.items()}
             results[str(length)] = {

@@ -74,9 +74,9 @@ class AotlmPhases:
         self.mask = np.ones((1, self.max_context), dtype=np.int64)
 
     def prefill(self, prompt_ids: list[int]) -> float:
-        return self._prefill(prompt_ids)[0]
+        return self.timed_prefill(prompt_ids)[0]
 
-    def _prefill(self, prompt_ids: list[int]) -> tuple[float, np.ndarray]:
+    def timed_prefill(self, prompt_ids: list[int]) -> tuple[float, np.ndarray]:
         length = len(prompt_ids)
         ids = np.array([prompt_ids], dtype=np.int64)
         positions = np.arange(length, dtype=np.int64)[None]
@@ -88,7 +88,7 @@ class AotlmPhases:
         length = len(prompt_ids)
         if length + WARMUP_STEPS + steps > self.max_context:
             raise SystemExit(f"{self.name}: context {length} + {WARMUP_STEPS + steps} steps exceed max context {self.max_context}")
-        _, logits = self._prefill(prompt_ids)  # fill the cache with the context's real keys and values
+        _, logits = self.timed_prefill(prompt_ids)  # fill the cache with the context's real keys and values
         token = int(np.argmax(logits[0]))
         times = []
         for step in range(WARMUP_STEPS + steps):
