@@ -3,7 +3,8 @@
 Passes only rewrite. This module does the cross-cutting work around each one, as LLVM's pass manager
 and its instrumentation do: it looks the pass up in the registry, times it, checks the result
 (onnx.checker, graph inputs and outputs kept), optionally dumps the intermediate graph, and collects
-the reports as JSON-ready dicts for the manifest.
+the reports as JSON-ready dicts for the manifest. A pass whose options have a `phases` field runs on those
+phases' graphs only (the others keep theirs, and their report says why): passes do not know which graph they get.
 """
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ ORDER_RULES = (
      "rotates what fuse_attention left unfused)"),
     ("fuse_attention", "pack_projections", False,
      "fuse_attention reads each projection's own MatMul; list pack_projections after the attention lowering"),
+    ("quantize", "dequantize_weights", False,
+     "dequantize_weights rewrites the MatMulNBits that quantize emits; list it after quantize"),
+    ("skip_unused_rows", "dequantize_weights", False,
+     "skip_unused_rows moves products by constant weights, and dequantize_weights computes theirs; list "
+     "dequantize_weights after skip_unused_rows (last)"),
     ("quantize", "skip_unused_rows", False,
      "its calibration must see every row of the last layer, which skip_unused_rows drops from the prefill graph; "
      "list skip_unused_rows after quantize (last)"),
@@ -75,6 +81,12 @@ def run_pipeline(
         options = _options_for(spec, entry)
         for phase in list(graphs):
             model = graphs[phase]
+            phases = getattr(options, "phases", None)
+            if phases is not None and phase not in phases:
+                results.append(PassResult(spec.name, phase, 0.0, {"applied": False, "reason": (
+                    f"runs on {', '.join(phases)} only (its phases option)")}, len(model.graph.node),
+                    len(model.graph.node)))
+                continue
             say(f"[{index + 1}/{len(entries)}] {spec.name} ({phase})")
             started = time.perf_counter()
             try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_rotary, fuse_silu, lower_onnx_attention,
+from passes import (cleanup, dequantize_weights, fuse_attention, fuse_rms_norm, fuse_rotary, fuse_silu, lower_onnx_attention,
                     lower_onnxruntime, lower_tensorrt, pack_projections, quantize, quantize_kv_cache, skip_unused_rows)
 
 
@@ -22,6 +22,9 @@ class PassEntry:
 
 PASSES: dict[str, PassEntry] = {
     "cleanup": PassEntry(cleanup.run, cleanup.Options, "constant folding, dead nodes, shape inference, shared initializers"),
+    "dequantize_weights": PassEntry(dequantize_weights.run, dequantize_weights.Options,
+                                    "MatMulNBits -> float MatMul over a weight ONNX ops unpack from the same codes "
+                                    "(folded when the session loads; for prefill)", dequantize_weights.check_options),
     "fuse_attention": PassEntry(fuse_attention.run, fuse_attention.Options,
                                 "each attention block -> one aotlm.FlashAttention node (rotary and KV-cache writes inside)"),
     "fuse_rotary": PassEntry(fuse_rotary.run, fuse_rotary.Options,

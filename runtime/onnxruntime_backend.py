@@ -36,12 +36,21 @@ def cache_dtype(kv_spec: dict) -> type:
     return CACHE_DTYPES[dtype]
 
 
-def session_options(settings: dict, intra_op_threads: int | None) -> ort.SessionOptions:
+def session_options(settings: dict, intra_op_threads: int | None, config: dict | None = None,
+                    where: str = "manifest") -> ort.SessionOptions:
+    """The backend's session settings, plus `config`: an engine's session config entries (manifest
+    engines.<phase>.session_config, recorded by the passes that need them, e.g. dequantize_weights)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = OPTIMIZATION_LEVELS[settings.get("graph_optimization_level", "all")]
     threads = settings.get("intra_op_threads", 0) if intra_op_threads is None else intra_op_threads
     options.intra_op_num_threads = threads
     options.log_severity_level = 3  # warnings about unused initializers etc. are ours to report, not ORT's
+    if config is not None and not (isinstance(config, dict) and all(
+            isinstance(key, str) and isinstance(value, str) for key, value in config.items())):
+        raise ArtifactError(f"{where}: session_config must map onnxruntime config keys to strings, got {config!r}; "
+                            f"the manifest was edited: rebuild the artifact")
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
     return options
 
 
@@ -118,7 +127,8 @@ class OnnxRuntimeBackend:
         self.bindings: dict[str, ort.IOBinding] = {}
         self.step_logits: dict[str, dict] = {}  # per phase: run_bound's reused logits arrays
         for phase, engine in manifest["engines"].items():
-            options = session_options(settings, intra_op_threads)
+            options = session_options(settings, intra_op_threads, engine.get("session_config"),
+                                      f"manifest engines.{phase}")
             path = Path(artifact_dir) / engine["file"]
             try:
                 session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])

@@ -2,7 +2,8 @@
 
 Both graphs reference one `weights.bin` (external data, page-aligned offsets) in which each distinct
 tensor content is stored once, so the weights both graphs use take disk space once. Small tensors stay
-inside the graphs.
+inside the graphs. Session config entries a pass recorded in a graph (passes/session_config.py) go into that
+engine's manifest entry, `session_config`, which the runtime sets on the engine's session.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import onnx
 from onnx import numpy_helper
 
 from compiler.errors import BuildError
+from passes.session_config import session_config
 
 WEIGHTS_FILE = "weights.bin"
 INLINE_LIMIT_BYTES = 1024  # tensors smaller than this stay in the .onnx file
@@ -112,6 +114,9 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, backend_spec
     for phase, model in graphs.items():
         onnx.save_model(model, folder / f"{phase}.onnx")
         engines[phase] = {"file": f"{phase}.onnx", "backend": "onnxruntime", **io_spec(model, aliases)}
+        config = session_config(model)  # entries a pass needs this engine's session to have
+        if config:
+            engines[phase]["session_config"] = config
     backend = {
         "name": "onnxruntime",
         "version": onnxruntime.__version__,

@@ -106,3 +106,43 @@ def test_calibration_text_too_short_fails_before_any_artifact(tiny_recipe, tmp_p
                                                          "calibration": dataclasses.asdict(missing)}})
     with pytest.raises(BuildError, match="calibration.text: .*nope.txt' is neither 'pydoc'"):
         build(recipe, tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def float_prefill_artifact(tiny_recipe, tmp_path_factory):
+    """INT4 (RTN, float activations) with dequantize_weights on the prefill graph, as the quantized recipes run it."""
+    data = quantized_recipe(tiny_recipe, {"quantize": {"bits": 4, "block_size": 32, "embedding": "quantized"}},
+                            name="tiny-int4-float-prefill").to_dict()
+    data["passes"].append({"dequantize_weights": {"phases": ["prefill"]}})
+    return build(parse_recipe(data, origin="test"), tmp_path_factory.mktemp("float-prefill"))
+
+
+def external_tensors(model_path) -> set[tuple[str, str]]:
+    import onnx
+
+    model = onnx.load(model_path, load_external_data=False)
+    return {(entry["offset"], entry["length"]) for entry in
+            ({e.key: e.value for e in t.external_data} for t in model.graph.initializer) if entry}
+
+
+def test_prefill_computes_in_float_from_the_decode_graphs_codes(float_prefill_artifact):
+    manifest = json.loads((float_prefill_artifact / "manifest.json").read_text())
+    assert manifest["engines"]["prefill"]["session_config"] == {"session.disable_quant_qdq": "1"}
+    assert "session_config" not in manifest["engines"]["decode"]
+    reports = {p["phase"]: p["report"] for p in manifest["passes"] if p["name"] == "dequantize_weights"}
+    assert reports["prefill"]["applied"] and len(reports["prefill"]["rewritten"]) == 8  # 2 layers x 4 products
+    assert not reports["decode"]["applied"]
+    # The prefill graph adds no weight bytes: every tensor it reads from weights.bin, the decode graph reads too.
+    prefill, decode = (external_tensors(float_prefill_artifact / f"{phase}.onnx") for phase in ("prefill", "decode"))
+    assert prefill and prefill <= decode
+
+    # Prefill (float products over the dequantized codes) and the decode graph (MatMulNBits, float activations at
+    # accuracy level 0) compute the same logits for the same prompt from an empty cache.
+    engine = Engine.load(float_prefill_artifact)
+    ids = np.array([[1, 5, 9, 14, 200, 7]], np.int64)
+    positions, mask = np.arange(6)[None], np.ones((1, 6), np.int64)
+    engine.backend.allocate_cache(1)
+    from_prefill = engine.backend.run("prefill", ids, positions, mask)[0].copy()
+    from_decode = engine.backend.run("decode", ids, positions, mask)[0, -1]
+    np.testing.assert_allclose(from_prefill, from_decode, rtol=0, atol=1e-4)
+    assert len(engine.generate("Hello", max_new_tokens=5).token_ids) == 5

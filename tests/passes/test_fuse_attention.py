@@ -24,6 +24,7 @@ from compiler.frontend.random_init import random_model
 from compiler.pipeline import run_pipeline
 from passes import cleanup, fuse_attention, lower_onnx_attention, lower_onnxruntime
 from passes.errors import PassError
+from passes.session_config import session_config
 
 MAX_CONTEXT = 32
 CONFIG = DecoderConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -49,10 +50,18 @@ def fuse_and_lower(model, lowering=lower_onnxruntime, **options):
     return fused, report, lowered, lowering_report
 
 
+def session_for(model: onnx.ModelProto) -> ort.InferenceSession:
+    """A session with the config entries passes recorded in the graph (as the runtime sets them)."""
+    options = ort.SessionOptions()
+    for key, value in session_config(model).items():
+        options.add_session_config_entry(key, value)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
 def generate_logits(graphs: dict) -> list[np.ndarray]:
     """A right-padded batch of two prompts, then three decode steps with per-row lengths."""
     inputs, _ = io_names(CONFIG)
-    sessions = {p: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for p, m in graphs.items()}
+    sessions = {p: session_for(m) for p, m in graphs.items()}
     rows, width = [[1, 5, 9, 14, 200, 7], [1, 77, 3]], 6
     mask_for = lambda lengths: np.array([[1] * n + [0] * (max(lengths) - n) for n in lengths])  # noqa: E731
     caches = [np.zeros((2, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float32)] * (2 * CONFIG.num_layers)
