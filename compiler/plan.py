@@ -178,6 +178,7 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
             "backend": manifest.get("backend", {}).get("name", "onnxruntime"),
             # weight quantization decides the precision, not the export dtype
             "dtype": quantized_dtypes(recipe.get("passes", [])).get("dtype", export_dtype),
+            "float_prefill": quantized_dtypes(recipe.get("passes", [])).get("float_prefill", False),
             "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
                 kv.get("dtype", "float32"), "fp32")}
     weights = manifest.get("backend", {}).get("weights", {}).get("bytes")
@@ -197,6 +198,8 @@ def quantized_dtypes(passes: list) -> dict:
                 found["dtype"], found["quantize"] = f"int{bits}", options
             elif name == "quantize_kv_cache" and bits == 8:
                 found["kv_dtype"] = "int8"
+            elif name == "dequantize_weights" and "prefill" in (options or {}).get("phases", ["prefill"]):
+                found["float_prefill"] = True  # the prefill session holds float copies of the products
     return found
 
 
@@ -283,6 +286,10 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     else:
         w = weights[precision]
     step_bytes = decode_weight_bytes(w, config, params)
+    # dequantize_weights on prefill: its session folds the layers' products to float32 (the lm_head stays quantized)
+    float_prefill = 4 * (params["attention"] + params["mlp"]) if info.get("float_prefill") and precision in (
+        "int4", "int8") else 0
+    resident = w + float_prefill
     products = params["attention"] + params["mlp"] + config.vocab_size * config.hidden_size
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
     kv_request, kv_total = kv_token * context, kv_token * context * concurrency
@@ -303,8 +310,9 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         "params": params, "weight_bytes": weights, "weights": w,
         "weights_from": AS_BUILT if as_built else RECIPE_QUANTIZE if from_recipe else f"params x {precision} bytes",
         "kv": {"bytes_per_token": kv_token, "per_request": kv_request, "total": kv_total},
-        "memory": {"total": w + kv_total, "usable": usable, "fits": w + kv_total <= usable,
-                   "max_concurrency": max(0, int((usable - w) // kv_request)), "not_counted": NOT_COUNTED},
+        "memory": {"total": resident + kv_total, "usable": usable, "fits": resident + kv_total <= usable,
+                   "prefill_float_weights": float_prefill,
+                   "max_concurrency": max(0, int((usable - resident) // kv_request)), "not_counted": NOT_COUNTED},
         "bounds": {"prefill_s": prefill_flops(params, config, prompt) / peak,
                    "decode_token_s": (step_bytes + kv_request) / dev["bandwidth"],
                    "decode_step_s": max(memory_s, compute_s),
@@ -388,6 +396,9 @@ def render(p: dict, console) -> None:
     if p["weights_from"] in (AS_BUILT, RECIPE_QUANTIZE):
         label = "weights as built" if p["weights_from"] == AS_BUILT else f"weights {i['precision']} as the recipe stores them"
         table.add_row(label, _gb(p["weights"]), f"{p['weights_from']} (chosen)", style="bold")
+    if mem["prefill_float_weights"]:
+        table.add_row("prefill's float weights", _gb(mem["prefill_float_weights"]), "dequantize_weights: attention + "
+                      "MLP params x 4 B, folded when the prefill session loads")
     table.add_section()
     table.add_row("KV cache / token", f"{kv['bytes_per_token'] / 1024:,.2f} KiB", "2 x layers x kv_heads x head_dim"
                   f" x {KV_BYTES[i['kv_dtype']]} B")

@@ -227,6 +227,15 @@ def test_a_quantized_recipe_defaults_to_its_precisions(tmp_path):
     assert result["weights_from"] == "the recipe's quantize options"
     float_recipe = plan(str(TINY_RECIPE), device="H100")  # no quantize pass: the device's default
     assert float_recipe["inputs"]["precision"] == "fp16" and float_recipe["inputs"]["kv_dtype"] == "fp16"
+    assert result["memory"]["prefill_float_weights"] == 0
+
+    # dequantize_weights on prefill: that session also holds the layers' products in float32
+    recipe.write_text(text.replace("  - skip_unused_rows", "  - skip_unused_rows\n  - dequantize_weights: "
+                                                           "{phases: [prefill]}"))
+    float_prefill = plan(str(recipe), device="H100")
+    assert float_prefill["memory"]["prefill_float_weights"] == 4 * (counts["attention"] + counts["mlp"])
+    assert float_prefill["memory"]["total"] == pytest.approx(result["memory"]["total"] + 4 * (counts["attention"]
+                                                                                            + counts["mlp"]))
 
 
 def test_a_tensorrt_artifact_is_planned_on_cpu_but_not_timed(tmp_path, fake_cpu, monkeypatch):
