@@ -13,11 +13,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import pass_ab  # noqa: E402
 
 
-def test_tiny_recipe_with_and_without_skip_unused_rows(monkeypatch, tmp_path):
+def test_tiny_recipe_with_and_without_skip_unused_rows(monkeypatch, tmp_path, tiny_artifact):
+    reference = ["--reference", str(tiny_artifact), "--reference-prompts", "3", "--reference-tokens", "16"]
     monkeypatch.setattr(pass_ab, "OUT", tmp_path / "builds")
     out = tmp_path / "ab.json"
     result = pass_ab.main(["--recipe", str(TINY_RECIPE), "--prompt-lengths", "5,12", "--runs", "3",
-                           "--threads", "1", "--out", str(out)])
+                           "--threads", "1", "--load-runs", "1", "--out", str(out)] + reference)
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(result["results"]))
     for length in ("5", "12"):
         r = result["results"][length]
@@ -28,6 +29,13 @@ def test_tiny_recipe_with_and_without_skip_unused_rows(monkeypatch, tmp_path):
                                                        "manifest.json").read_text())["recipe"]["passes"]]
              for kind in ("with", "without")}
     assert names["with"] == names["without"] + ["skip_unused_rows"]
+    # Against the tiny artifact (the same recipe and weights) both variants' distributions are the reference's
+    for kind in ("with", "without"):
+        assert result["reference"][kind]["mean_kl"] == pytest.approx(0, abs=1e-9)
+        assert result["reference"][kind]["top1_agreement"] == 1.0
+    for kind in ("with", "without"):  # Engine.load measured in a fresh process
+        cost = result["loading"][kind]
+        assert cost["seconds"] > 0 and 0 < cost["resident_mb"] <= cost["peak_resident_mb"] and cost["files_mb"] > 0
 
 
 def test_a_pass_the_recipe_does_not_list_is_refused_before_any_build(tmp_path, monkeypatch):
