@@ -132,18 +132,23 @@ def reference_distance(graphs: dict, reference: AotlmPhases, windows: int, token
     `windows` windows of held-out text (runtime.evaluate's held-out part of Python's docs)."""
     from runtime.evaluate import builtin_text, encode_text
 
+    tokenizer_file = lambda engine: engine.artifact_dir / engine.manifest["tokenizer"]["file"]  # noqa: E731
+    for kind, graph in graphs.items():
+        if tokenizer_file(graph.engine).read_bytes() != tokenizer_file(reference.engine).read_bytes():
+            raise SystemExit(f"--reference {reference.engine.artifact_dir}: another tokenizer than the {kind} build's")
     text = encode_text(reference.engine.tokenizer, builtin_text("pydoc-held-out"))
     step = max(1, (len(text) - tokens) // max(1, windows - 1))
     starts = [i * step for i in range(windows) if i * step + tokens <= len(text)]
     if len(starts) < windows:
         raise SystemExit(f"the held-out text has {len(text)} tokens: too few for {windows} windows of {tokens}")
     log_softmax = lambda x: x - x.max() - np.log(np.exp(x - x.max()).sum())  # noqa: E731
+    last = lambda logits: (logits[0, -1] if logits.ndim == 3 else logits[0]).astype(np.float64)  # prefill_logits: all
     found = {kind: {"kl": [], "top1": []} for kind in graphs}
     for start in starts:
         ids = text[start:start + tokens]
-        expected = log_softmax(reference.timed_prefill(ids)[1][0].astype(np.float64))
+        expected = log_softmax(last(reference.timed_prefill(ids)[1]))
         for kind, graph in graphs.items():
-            got = log_softmax(graph.timed_prefill(ids)[1][0].astype(np.float64))
+            got = log_softmax(last(graph.timed_prefill(ids)[1]))
             found[kind]["kl"].append(float((np.exp(expected) * (expected - got)).sum()))
             found[kind]["top1"].append(float(got.argmax() == expected.argmax()))
     return {kind: {"mean_kl": statistics.fmean(f["kl"]), "top1_agreement": statistics.fmean(f["top1"])}

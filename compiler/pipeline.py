@@ -19,6 +19,7 @@ import onnx
 from compiler.errors import BuildError
 from passes.errors import PassError
 from passes.registry import PASSES, PassEntry
+from passes.session_config import record_session_config, session_config
 
 # Above this a dumped graph keeps its weights in a side file: one .onnx must stay under protobuf's 2 GiB,
 # and small files open faster in viewers such as Netron.
@@ -94,6 +95,10 @@ def run_pipeline(
             except PassError as error:
                 raise BuildError(f"pass '{spec.name}' ({phase}): {error}") from None
             seconds = time.perf_counter() - started
+            if session_config(model) and not session_config(new_model):
+                # Most passes rebuild the model through onnx-graphsurgeon, which drops metadata: the session
+                # settings an earlier pass recorded (passes/session_config.py) go on with the graph.
+                record_session_config(new_model, model, {})
             report = to_json(report, f"pass '{spec.name}' ({phase}) report")
             if check:
                 check_pass_result(spec.name, phase, model, new_model, report)

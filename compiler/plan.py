@@ -198,7 +198,7 @@ def quantized_dtypes(passes: list) -> dict:
                 found["dtype"], found["quantize"] = f"int{bits}", options
             elif name == "quantize_kv_cache" and bits == 8:
                 found["kv_dtype"] = "int8"
-            elif name == "dequantize_weights" and "prefill" in (options or {}).get("phases", ["prefill"]):
+            elif name == "dequantize_weights":  # on prefill only (its options refuse decode)
                 found["float_prefill"] = True  # the prefill session holds float copies of the products
     return found
 
@@ -288,7 +288,7 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     step_bytes = decode_weight_bytes(w, config, params)
     # dequantize_weights on prefill: its session folds the layers' products to float32 (the lm_head stays quantized)
     float_prefill = 4 * (params["attention"] + params["mlp"]) if info.get("float_prefill") and precision in (
-        "int4", "int8") else 0
+        "int4", "int8") and info.get("backend") == "onnxruntime" else 0  # (its MatMulNBits only: onnxruntime's)
     resident = w + float_prefill
     products = params["attention"] + params["mlp"] + config.vocab_size * config.hidden_size
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]

@@ -23,8 +23,9 @@ the manifest's engine entry, and the runtime applies it to that engine's session
 optimizations (graph_optimization_level basic or above; the default is all).
 
 Kept as they are, with the reason in the report:
-- products whose activation is known to be 2-D, [rows, K]: the prefill graph's lm_head after the last-token
-  selection, which reads one row per sequence and is bound by its weight's bytes, where 4 or 8 bits win;
+- products whose activation is known to be 2-D, [rows, K], in a graph whose `logits` output is 2-D (one row per
+  sequence): the prefill graph's lm_head after the last-token selection, which is bound by its weight's bytes,
+  where 4 or 8 bits win (with prefill_logits: all the lm_head reads every token and is rewritten);
 - nodes with a g_idx input (groups out of order; aotlm does not emit them) or an input that is not a constant.
 
 Numerics: the product runs in float over scale x (code - zero point), the quantized model's own definition
@@ -60,6 +61,10 @@ def check_options(options: Options) -> None:
     if not options.phases or len(set(options.phases)) != len(options.phases):
         raise PassError(f"phases: {list(options.phases)} must name each of {', '.join(PHASES)} at most once, and one "
                         f"at least (the pass is meant for prefill: phases: [prefill])")
+    if "decode" in options.phases:
+        raise PassError("phases: decode reads every weight at every step, and in float32 that is the fp32 model's "
+                        "step with a slower load: run dequantize_weights on prefill only (phases: [prefill]), or "
+                        "build without quantize")
 
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
@@ -68,8 +73,10 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     nodes_before = len(graph.nodes)
     opset = default_opset(model)
     rewritten, kept, float_bytes = [], [], 0
+    # prefill with prefill_logits: last returns [batch, vocab]; with "all" its 2-D lm_head input is every token's row
+    selected_rows = any(out.name == "logits" and out.shape is not None and len(out.shape) == 2 for out in graph.outputs)
     for node in [n for n in graph.nodes if n.domain == MICROSOFT_DOMAIN and n.op == "MatMulNBits"]:
-        reason = _keep_reason(node, opset)
+        reason = _keep_reason(node, opset, selected_rows)
         if reason:
             kept.append({"node": node.name, "reason": reason})
             continue
@@ -88,7 +95,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     return result, report
 
 
-def _keep_reason(node: gs.Node, opset: int) -> str | None:
+def _keep_reason(node: gs.Node, opset: int, selected_rows: bool) -> str | None:
     inputs = node.inputs
     if len(inputs) > 4 and _present(inputs[4]):
         return "has a g_idx input (groups out of order), which aotlm's quantize does not emit"
@@ -96,9 +103,9 @@ def _keep_reason(node: gs.Node, opset: int) -> str | None:
         if _present(tensor) and not isinstance(tensor, gs.Constant):
             return f"its {name} input is computed, not a constant: nothing to fold"
     activation = inputs[0]
-    if activation.shape is not None and len(activation.shape) == 2:
-        return (f"2-D activation {list(activation.shape)}: one row per sequence (the selected rows), bound by the "
-                f"weight's bytes, where the integer kernel reads fewer")
+    if selected_rows and activation.shape is not None and len(activation.shape) == 2:
+        return (f"2-D activation {list(activation.shape)} in a graph whose logits are one row per sequence: the "
+                f"selected rows, bound by the weight's bytes, where the integer kernel reads fewer")
     bits, block_size, k, n = (int(node.attrs[a]) for a in ("bits", "block_size", "K", "N"))
     if bits not in (4, 8):
         return f"bits {bits}: only 4 and 8 are unpacked"
@@ -118,7 +125,6 @@ def rewrite(graph: gs.Graph, node: gs.Node) -> int:
     bias = node.inputs[5] if len(node.inputs) > 5 and _present(node.inputs[5]) else None
     blocks = -(-k // block_size)
     prefix = node.name or node.outputs[0].name
-    dtype = np.dtype(scales.dtype)
     # [N, blocks, block] uint8 codes -> [blocks * block, N], transposed while each element is one byte, not four
     codes = _unpacked(graph, prefix, blob, bits, [n, blocks * block_size])
     codes = _op(graph, "Transpose", f"{prefix}_codes_kn", [codes], perm=[1, 0])
@@ -148,7 +154,7 @@ def rewrite(graph: gs.Graph, node: gs.Node) -> int:
     else:
         product = _op(graph, "MatMul", f"{prefix}_float", [activation, weight])
         graph.nodes.append(gs.Node("Add", name=f"{prefix}_bias", inputs=[product, bias], outputs=[output]))
-    return k * n * dtype.itemsize
+    return k * n * 4  # onnxruntime's CPU provider holds them in float32 (float16 graphs get Casts around the MatMul)
 
 
 def _unpacked(graph: gs.Graph, prefix: str, packed: gs.Tensor, bits: int, shape: list[int]) -> gs.Tensor:

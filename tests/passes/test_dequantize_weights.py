@@ -13,7 +13,7 @@ import pytest
 from compiler.errors import BuildError
 from compiler.pipeline import check_passes, run_pipeline
 from compiler.recipe import PassSpec
-from passes import dequantize_weights, quantize, skip_unused_rows
+from passes import dequantize_weights, fuse_silu, quantize, skip_unused_rows
 from passes.errors import PassError
 from passes.session_config import session_config
 from tests.passes.test_fuse_attention import decoder_graphs, generate_logits  # noqa: F401
@@ -70,7 +70,7 @@ def test_the_float_product_is_the_formats_own_weight(name, tmp_path):
     quantized, _ = quantize.run(matmul_model(weight), quantize.Options(**FORMATS[name]))
     rewritten, report = dequantize_weights.run(quantized, dequantize_weights.Options())
     assert report["applied"] and report["rewritten"] == ["proj_q" + str(FORMATS[name]["bits"])]
-    assert report["float_weight_bytes_at_load"] == 80 * 48 * 4
+    assert report["float_weight_bytes_at_load"] == 80 * 48 * 4  # float32
     assert op_counts(rewritten)["MatMulNBits"] == 0 and op_counts(rewritten)["DequantizeLinear"] == 1
     # The codes stay in the very initializers MatMulNBits read (a decode graph shares them by name); the new
     # constants are shapes, masks and shifts.
@@ -103,16 +103,29 @@ def test_without_the_session_config_onnxruntime_does_not_fold_it(k, left, tmp_pa
     assert dict(op_counts(onnx.load(tmp_path / "optimized.onnx"))) == left
 
 
-def test_a_two_d_activation_keeps_its_integer_kernel():
-    weight = random_weight(k=64, n=48)
-    model = matmul_model(weight)
+def test_a_two_d_activation_keeps_its_integer_kernel_where_logits_are_one_row_per_sequence():
+    model = matmul_model(random_weight(k=64, n=48))
     for value in (*model.graph.input, *model.graph.output):
         del value.type.tensor_type.shape.dim[0]  # [3, K]: a product on selected rows, like the prefill lm_head
+    model.graph.output[0].name = model.graph.node[0].output[0] = "logits"  # [3, N]: one row per sequence
     quantized, _ = quantize.run(model, quantize.Options(bits=4, block_size=32))
     result, report = dequantize_weights.run(quantized, dequantize_weights.Options())
     assert result is quantized and not report["applied"]
-    assert "2-D activation [3, 64]" in report["kept"][0]["reason"]
+    assert "2-D activation [3, 64] in a graph whose logits are one row per sequence" in report["kept"][0]["reason"]
     assert report["reason"] == "no MatMulNBits to rewrite"
+    # With 3-D logits (prefill_logits: all) a 2-D lm_head input is every token's row: rewritten
+    every_row = onnx.ModelProto()
+    every_row.CopyFrom(quantized)
+    every_row.graph.output[0].type.tensor_type.shape.dim.insert(0, onnx.TensorShapeProto.Dimension(dim_value=1))
+    assert dequantize_weights.run(every_row, dequantize_weights.Options())[1]["applied"]
+
+
+def test_session_settings_survive_the_passes_after_it():
+    model = matmul_model(random_weight(k=64, n=48))
+    quantize_spec = PassSpec("quantize", quantize.Options(bits=4, block_size=32))
+    graphs, _ = run_pipeline({"prefill": model}, [quantize_spec, PassSpec("dequantize_weights", dequantize_weights.Options()),
+                                                  PassSpec("fuse_silu", fuse_silu.Options())])  # rebuilds the graph
+    assert session_config(graphs["prefill"]) == {"session.disable_quant_qdq": "1"}
 
 
 def prefill_only(passes):
@@ -149,3 +162,5 @@ def test_pass_orders_and_options_that_would_do_nothing_are_refused():
     for phases in ((), ("prefill", "prefill")):
         with pytest.raises(PassError, match="at most once, and one at least"):
             dequantize_weights.check_options(dequantize_weights.Options(phases=phases))
+    with pytest.raises(PassError, match="decode reads every weight at every step"):
+        dequantize_weights.check_options(dequantize_weights.Options(phases=("prefill", "decode")))
