@@ -174,11 +174,11 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
     recipe = manifest.get("recipe", {})
     export_dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
         recipe.get("export", {}).get("dtype", "float32"), "fp32")
+    quantized = quantized_dtypes(recipe.get("passes", []))
     info = {"kind": "artifact", "path": str(folder), "context": kv.get("max_context"),
             "backend": manifest.get("backend", {}).get("name", "onnxruntime"),
             # weight quantization decides the precision, not the export dtype
-            "dtype": quantized_dtypes(recipe.get("passes", [])).get("dtype", export_dtype),
-            "float_prefill": quantized_dtypes(recipe.get("passes", [])).get("float_prefill", False),
+            "dtype": quantized.get("dtype", export_dtype), "float_prefill": quantized.get("float_prefill", False),
             "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
                 kv.get("dtype", "float32"), "fp32")}
     weights = manifest.get("backend", {}).get("weights", {}).get("bytes")
