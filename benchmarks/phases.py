@@ -25,9 +25,8 @@ Load averages are recorded before and after.
 
 Bytes a decode step must read (each aotlm artifact): manifest backend.weights.bytes + kv_cache.bytes_per_token x C;
 achieved GB/s = those bytes / median step time (a lower bound on traffic: activations and logits not counted).
-The floor is those bytes at this machine's measured memory bandwidth (`aotlm plan`'s cpu figure, a copy, cached
-under ~/.cache/aotlm/): an estimate, not a hard bound, but the model's weight products alone reach ~80% of it
-(benchmarks/matmul_limits.py), so a whole step near it is out of reach.
+The floor is those bytes at this machine's measured read bandwidth (`aotlm plan`'s cpu figure: every core summing
+its part of a 512 MiB array, cached under ~/.cache/aotlm/): an estimate, not a hard bound.
 Writes benchmarks/results/phases.json.
 """
 from __future__ import annotations
@@ -318,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown backends {sorted(unknown)}; known: {', '.join(BACKENDS)}")
     if not args.contexts or not args.prompt_lengths:
         parser.error("give at least one context and one prompt length")
-    bandwidth = cpu_device()["bandwidth"]  # measured once per machine (a numpy copy), then cached
+    bandwidth = cpu_device()["bandwidth"]  # measured once per machine (all cores reading), then cached
     load_before = os.getloadavg()
 
     artifacts = {UNFUSED: args.unfused_artifact, FUSED: args.fused_artifact}

@@ -169,6 +169,31 @@ def test_cpu_measurement_is_cached(llama3, fake_cpu):
     # the untied embedding table is gathered (one row), not read
 
 
+def test_a_figure_cached_by_the_copy_measurement_is_measured_again(llama3, fake_cpu):
+    """Before, the cache held one thread's copy rate (read + written bytes) under a key without "-read"; decode
+    steps came out faster than that "bound". Such an entry must not be reused."""
+    stale = {f"{plan_module.socket.gethostname()}-{plan_module.os.cpu_count()}cpu-ort": {**FAKE_CPU, "bandwidth": 1.0}}
+    plan_module.CACHE_FILE.parent.mkdir(parents=True)
+    plan_module.CACHE_FILE.write_text(json.dumps(stale))
+    result = plan(llama3, device="cpu", context=1024)
+    assert len(fake_cpu) == 1 and result["device"]["bandwidth_Bps"] == 10e9
+
+
+def test_read_bandwidth_reads_the_whole_array_on_every_thread(monkeypatch):
+    import threading
+
+    import numpy as np
+
+    seen = []  # (thread, elements) per np.max call
+    real_max = np.max
+    monkeypatch.setattr(np, "max", lambda part: seen.append((threading.get_ident(), part.size)) or real_max(part))
+    size = 3 * 2**20
+    assert plan_module.read_bandwidth(3, size) > 0
+    assert len(seen) == 12  # a warm-up, then best of 3; three parts each time
+    assert sum(elements for _, elements in seen[:3]) == size // 4  # every float32 of the array, once per pass
+    assert len({thread for thread, _ in seen}) == 3  # on three threads
+
+
 def test_cli_prints_the_table(capsys):
     assert main(["plan", str(TINY_RECIPE), "--device", "H100"]) == 0
     err = capsys.readouterr().err
