@@ -10,7 +10,7 @@ from compiler.artifact import staged_folder, tool_versions, write_manifest
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
-from compiler.errors import BuildError, check_output_folder
+from compiler.errors import BuildError, check_output_folder, is_artifact_folder
 from compiler.export import cache_dtype, export_graphs, kv_cache_spec
 from compiler.frontend import load_model
 from compiler.frontend.model import build_decoder
@@ -41,6 +41,17 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     if final_dir.exists() and not final_dir.is_dir():
         raise BuildError(f"{final_dir} is a file; the artifact is a folder of that name: move the file or change the "
                          f"recipe's name")
+    inside = next((folder for folder in (Path(output_root).resolve(), *Path(output_root).resolve().parents)
+                   if is_artifact_folder(folder)), None)
+    if inside is not None:  # --output artifacts/smollm2-135m, meant as the artifact itself: it would break that one
+        raise BuildError(f"--output {output_root}: {'is' if inside == Path(output_root).resolve() else 'is inside'} the "
+                         f"artifact folder {inside}; --output is the folder that receives <name>/ (e.g. artifacts), "
+                         f"and an artifact holds only what its manifest lists")
+    if final_dir.is_dir() and any(final_dir.iterdir()) and not is_artifact_folder(final_dir):
+        # The build replaces final_dir whole: never a folder it did not make (a model's own files, say).
+        raise BuildError(f"{final_dir} exists and is not an aotlm artifact (no aotlm manifest.json), and this build "
+                         f"would replace it with the artifact: move it, build into another --output folder, or change "
+                         f"the recipe's name")
     if final_dir.is_dir() and not os.access(final_dir, os.W_OK | os.X_OK):  # the swap moves it: checked first
         raise BuildError(f"{final_dir}: an artifact this build would replace, and it is not writable by you; fix its "
                          f"permissions, remove it, or build into another --output folder")
@@ -59,6 +70,10 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
             raise BuildError(f"passes[{index}] ({spec.name}): rotary_cache_length {rotary_rows} is below "
                              f"export.max_context ({recipe.export.max_context}): later positions would have no rotary "
                              f"angles; set it to at least {recipe.export.max_context}, or leave it out (the default)")
+        if rotary_rows is not None and rotary_rows > recipe.export.max_context:  # 1e8 rows ran for minutes, then stored
+            raise BuildError(f"passes[{index}] ({spec.name}): rotary_cache_length {rotary_rows} exceeds "
+                             f"export.max_context ({recipe.export.max_context}): rows past it are never read, only "
+                             f"computed and stored; leave it out (the default is export.max_context)")
         calibration = getattr(spec.options, "calibration", None)
         if calibration is not None and calibration.length > recipe.export.max_context:
             raise BuildError(f"passes[{index}] ({spec.name}): calibration.length {calibration.length} exceeds "

@@ -22,14 +22,14 @@ def check_output_file(path: str | None, flag: str) -> None:
         return
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name, e.g. {Path(path) / 'results.json'}")
-    artifact = next((folder for folder in Path(path).resolve().parents if _is_artifact(folder)), None)
+    artifact = next((folder for folder in Path(path).resolve().parents if is_artifact_folder(folder)), None)
     if artifact is not None:  # its manifest lists every file: another one there makes the runtime refuse it
         raise UsageError(f"{flag} {path}: inside the artifact folder {artifact}, which must hold only what its "
                          f"manifest lists; write it elsewhere")
     _check_writable_ancestor(Path(path).parent, path, flag)
 
 
-def _is_artifact(folder: Path) -> bool:
+def is_artifact_folder(folder: Path) -> bool:
     """An aotlm artifact folder: its manifest.json begins with the artifact format (the build writes it first)."""
     try:
         with open(folder / "manifest.json", "rb") as manifest:

@@ -91,6 +91,30 @@ def test_an_output_path_inside_a_file_is_refused_before_the_export(capsys, tmp_p
     assert status == 2 and "tiny-random is a file; the artifact is a folder" in text
 
 
+def test_a_folder_that_is_not_an_artifact_is_never_replaced(capsys, tmp_path, monkeypatch):
+    """The build swaps <output>/<name> for the new artifact: a folder of the user's own files there (the model it
+    builds from, say) is refused before the export, and left as it was."""
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    own = tmp_path / "out" / "tiny-random"
+    own.mkdir(parents=True)
+    (own / "config.json").write_text("{}")
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "exists and is not an aotlm artifact" in text, text
+    assert [p.name for p in own.iterdir()] == ["config.json"]
+
+
+def test_an_artifact_folder_as_output_is_refused(capsys, tiny_artifact, tmp_path, monkeypatch):
+    """--output names the folder that receives <name>/; an artifact given there would get a stray folder inside it,
+    which its manifest does not list (the runtime then refuses it)."""
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_artifact, copy)
+    for output in (copy, copy / "sub"):
+        status, text = run_cli(capsys, "build", TINY, "--output", output)
+        assert status == 2 and f"the artifact folder {copy}" in text and "receives <name>/" in text, text
+    assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in tiny_artifact.iterdir())
+
+
 @pytest.fixture
 def damaged(tiny_artifact, tmp_path):
     copy = tmp_path / "copy"
@@ -248,6 +272,8 @@ def test_a_key_given_twice_in_a_recipe_is_refused(capsys, tmp_path):
     ("  - cleanup", "  - cleanup\n  - fuse_silu: {max_rewrites: -1}", "passes[1].fuse_silu.max_rewrites: -1 must be >= 0"),
     ("      required: true ", "      rotary_cache_length: 16\n      required: true ",
      "rotary_cache_length 16 is below export.max_context (128)"),
+    ("      required: true ", "      rotary_cache_length: 100000000\n      required: true ",
+     "rotary_cache_length 100000000 exceeds export.max_context (128)"),  # was minutes of table-building, then stored
     ("  - lower_onnxruntime ", "  - quantize: {bits: 4, method: rtn}\n  - lower_onnxruntime ",
      "passes[2] (quantize) comes after passes[1] (fuse_attention): its calibration and the accuracy report"),
     ("  - cleanup", "  - cleanup\n  - fuse_rotary", "passes[2] (fuse_attention) comes after passes[1] (fuse_rotary)"),
