@@ -145,11 +145,9 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
             raise BenchError(message)
     prompt = prompt_tokens if isinstance(prompt_tokens, tuple) else parse_range(prompt_tokens, "--prompt-tokens")
     output = output_tokens if isinstance(output_tokens, tuple) else parse_range(output_tokens, "--output-tokens")
-    if prompt[1] >= max_context:
-        raise BenchError(f"a prompt of {prompt[1]} tokens does not fit this artifact's max context ({max_context})")
-    if prompt[1] + output[1] > max_context:
-        raise BenchError(f"prompt ({prompt[1]}) + output ({output[1]}) tokens exceed this artifact's max context "
-                         f"({max_context})")
+    if prompt[1] + output[1] - 1 > max_context:  # the engine's rule: the last output token is never fed back
+        raise BenchError(f"--prompt-tokens ({prompt[1]}) + --output-tokens ({output[1]}) need {prompt[1] + output[1] - 1} "
+                         f"cache positions (prompt + output - 1); this artifact's max context is {max_context}")
     # The measured requests' lengths and the warm-up's come from separate streams, and the measured prompts are the
     # text's first cuts: --warmup does not change what is measured.
     measured_rng, warmup_rng = np.random.default_rng([seed, 1]), np.random.default_rng([seed, 2])
@@ -366,7 +364,6 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
     for flag, value in (("--batch", batch), ("--runs", runs), ("--steps", steps)):
         if value < 1:
             raise BenchError(f"{flag} must be >= 1, got {value}")
-    mask = np.ones((batch, limit), dtype=np.int64)
 
     def run(graph: str, ids: np.ndarray, start: int) -> tuple[float, np.ndarray]:  # -> seconds, next tokens
         positions = np.tile(np.arange(start, start + ids.shape[1], dtype=np.int64), (batch, 1))
@@ -377,7 +374,8 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
 
     rows = []
     with engine.batch_one():  # the engine's own cache: its generate/stream calls wait meanwhile
-        backend.allocate_cache(batch=batch)
+        backend.allocate_cache(batch=batch)  # first: it refuses a batch whose cache the memory cannot hold
+        mask = np.ones((batch, limit), dtype=np.int64)
         try:
             for size in sizes:
                 prompt = np.array([prompt_ids[:size]] * batch, dtype=np.int64)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -176,6 +177,12 @@ class Engine:
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None) -> "Engine":
         """Check the manifest (format version, file sizes; sha256 too if verify) and open both graphs."""
+        if not isinstance(artifact_dir, (str, Path)):
+            raise ArtifactError(f"artifact_dir must be a path (str or pathlib.Path), got {type(artifact_dir).__name__}")
+        if intra_op_threads is not None and (isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int)
+                                             or intra_op_threads < 0):
+            raise RequestError(f"intra_op_threads must be an integer >= 0 (0: onnxruntime's default) or None, got "
+                               f"{intra_op_threads!r}")
         folder = Path(artifact_dir)
         manifest = read_manifest(folder)
         check_files(folder, manifest, verify_hashes=verify)
@@ -232,7 +239,7 @@ class Engine:
         A list of prompts (strings or token-id lists) runs through the scheduler (continuous batching, see
         `submit`), each with the same sampling options; returns their results in order.
         """
-        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], (int, np.integer)):
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple, np.ndarray)):
             params = sampling_params(params, sampling)
             handles = []
             try:
@@ -293,12 +300,19 @@ class Engine:
         """The prompt's token ids: a string is tokenized; either way the ids are checked against the vocabulary."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (bytes, bytearray)):  # iterating them gives byte values, not token ids
+            raise RequestError(f"the prompt is {type(prompt).__name__}; decode it to str first (e.g. prompt.decode())")
         else:
             try:
-                ids = [int(token) for token in prompt]
-            except (TypeError, ValueError):
+                tokens = list(prompt)
+            except TypeError:
                 raise RequestError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}") \
                     from None
+            # operator.index: Python and numpy integers pass; 3.7 is refused, where int() would quietly make it 3
+            bad = next((t for t in tokens if isinstance(t, bool) or not hasattr(type(t), "__index__")), None)
+            if bad is not None:
+                raise RequestError(f"prompt token ids must be integers; got {bad!r} ({type(bad).__name__})")
+            ids = [operator.index(token) for token in tokens]
         bad, vocab = self._outside_vocabulary(ids), self.manifest["model"]["config"]["vocab_size"]
         if bad is not None and isinstance(prompt, str):  # an artifact built before the build checked its tokenizer
             raise RequestError(f"the tokenizer gave id {bad}, outside this model's vocabulary (0..{vocab - 1}): the "

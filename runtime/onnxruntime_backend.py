@@ -149,6 +149,8 @@ class OnnxRuntimeBackend:
         if self.cache is not None and self.cache.batch == batch:
             return self.cache
         shape = tuple(batch if dim == "batch" else dim for dim in self.kv_spec["shape"])
+        check_slot_memory(batch, int(np.prod(shape[1:])) * np.dtype(self.cache_dtype).itemsize * len(self.past_names),
+                          what="batch")
         self.cache = KVCache(self.past_names, shape, self.cache_dtype)
         for binding in self.bindings.values():
             binding.clear_binding_outputs()
@@ -212,15 +214,16 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_slot_memory(slots: int, bytes_per_slot: int) -> None:
-    """Refuse a slot cache larger than the memory available now: fail at once, not after filling the machine."""
+def check_slot_memory(slots: int, bytes_per_slot: int, what: str = "slots") -> None:
+    """Refuse a cache of `slots` sequences larger than the memory available now: fail at once with the largest count
+    that fits, not after filling the machine (or with onnxruntime's bad_alloc). `what`: the setting, for the message."""
     available = available_memory_bytes()
     needed = slots * bytes_per_slot
     if available is not None and needed > available:
-        raise RequestError(f"slots: {slots} need {needed / 2**30:.1f} GiB of KV cache ({bytes_per_slot / 2**20:.1f} MiB a "
-                           f"slot), and this machine has {available / 2**30:.1f} GiB available; use at most "
-                           f"{available // bytes_per_slot} slots, or build with a smaller export.max_context or an int8 "
-                           f"cache (quantize_kv_cache)")
+        raise RequestError(f"{what}: {slots} sequences need {needed / 2**30:.1f} GiB of KV cache "
+                           f"({bytes_per_slot / 2**20:.1f} MiB each), and this machine has {available / 2**30:.1f} GiB "
+                           f"available; use at most {available // bytes_per_slot}, or build with a smaller "
+                           f"export.max_context or an int8 cache (quantize_kv_cache)")
 
 
 class SlotCache:

@@ -145,9 +145,10 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
     (["--arrival", "concurrency", "--concurrency", "5", "--requests", "4"], "exceeds --requests 4"),
     (["--arrival", "concurrency", "--concurrency", "0"], "--concurrency must be >= 1"),
     (["--baseline", "vllm"], "known baselines: transformers, onnxruntime-genai"),
-    (["--prompt-tokens", "128"], "max context (128)"),
-    (["--prompt-tokens", "64:200"], "max context (128)"),
-    (["--prompt-tokens", "100", "--output-tokens", "64"], "exceed this artifact's max context"),
+    (["--prompt-tokens", "128"], "(128) + --output-tokens (64) need 191 cache positions"),
+    (["--prompt-tokens", "64:200"], "max context is 128"),
+    (["--prompt-tokens", "100", "--output-tokens", "64"], "need 163 cache positions (prompt + output - 1)"),
+    (["--prompt-tokens", "128", "--output-tokens", "2"], "max context is 128"),
     (["--prompt-tokens", "abc"], "not a token count"),
     (["--phase", "prefill", "--prompt-lengths", "128"], "max context (128)"),
     (["--phase", "decode", "--baseline", "transformers"], "does not apply to --phase"),
@@ -155,7 +156,8 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
     (["--prefill-chunk", "0", "--prompt-tokens", "8"], "--prefill-chunk must be >= 1, got 0"),
     (["--concurrency", "4"], "--concurrency applies to --arrival concurrency, not all"),
     (["--arrival", "poisson", "--rate", "2", "--concurrency", "2"], "--concurrency applies to --arrival concurrency, not poisson"),
-    (["--slots", "100000000", "--prompt-tokens", "8"], "slots: 100000000 need"),  # was numpy's ArrayMemoryError
+    (["--slots", "100000000", "--prompt-tokens", "8"], "slots: 100000000 sequences need"),  # was numpy's ArrayMemoryError
+    (["--phase", "decode", "--contexts", "16", "--batch", "100000000"], "batch: 100000000 sequences need"),  # was bad_alloc
 ])
 def test_cli_bad_input_one_line_exit_2(tiny_artifact, capsys, args, message):
     assert cli.main(["bench", str(tiny_artifact), *args]) == 2

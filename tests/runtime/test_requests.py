@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from runtime import RequestError, SamplingParams
+from runtime import ArtifactError, Engine, RequestError, SamplingParams
 from runtime.sampling import Sampler
 from tests.runtime.test_tokenizer import cut_at_stop
 
@@ -65,6 +65,33 @@ def test_a_bare_stop_string_is_one_stop_string(engine):
     stop = text[6:9]
     assert SamplingParams(stop_strings=stop).stop_strings == (stop,)
     assert engine.generate(PROMPT, max_new_tokens=24, stop_token_ids=(), stop_strings=stop).text == text[:text.find(stop)]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (b"hello", "the prompt is bytes; decode it to str first"),  # was run as the byte values 104, 101, ...
+    (np.array([3.7, 4.2]), r"prompt token ids must be integers; got np.float64\(3.7\)|got 3.7"),  # was 3, 4
+    ([1.0, 2.5], r"prompt token ids must be integers; got 1.0 \(float\)"),  # was taken for a list of prompts
+    ([5, True], r"prompt token ids must be integers; got True \(bool\)"),
+])
+def test_prompts_that_are_not_text_or_integer_ids_are_refused(engine, prompt, message):
+    with pytest.raises(RequestError, match=message):
+        engine.generate(prompt, max_new_tokens=2)
+    with pytest.raises(RequestError, match=message):
+        engine.submit(prompt, max_new_tokens=2)
+
+
+def test_numpy_integer_ids_are_token_ids(engine):
+    ids = engine.prompt_ids(PROMPT)
+    assert engine.generate(np.array(ids), max_new_tokens=3).token_ids == engine.generate(ids, max_new_tokens=3).token_ids
+
+
+@pytest.mark.parametrize("artifact, threads, message", [
+    (None, None, "artifact_dir must be a path"), ("x", -1, "intra_op_threads must be an integer >= 0"),
+    ("x", "2", "intra_op_threads must be an integer >= 0"),
+])
+def test_engine_load_arguments_are_checked_first(artifact, threads, message):
+    with pytest.raises((RequestError, ArtifactError), match=message):
+        Engine.load(artifact, intra_op_threads=threads)
 
 
 @pytest.mark.parametrize("prompt, bad", [([5, 100000], 100000), ([5, -1], -1)])
