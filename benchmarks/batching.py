@@ -2,13 +2,17 @@
 static batching under Poisson arrivals.
 
     .venv/bin/python benchmarks/batching.py [--artifact artifacts/smollm2-135m] [--concurrency 1,4,8,16]
-        [--rate 2.0] [--poisson-requests 64] [--slots 16]
+        [--rate auto|R] [--load 1.5] [--poisson-requests 64] [--slots 16]
 
 Part 1 (closed loop): N clients each send a request (128-token prompt of Python's documentation, 64 greedy new
 tokens, stop tokens disabled) and the next as soon as theirs finishes; the scheduler has N slots; 4N requests.
 Part 2 (open loop): requests arrive as a Poisson process at --rate per second, prompts of 128 tokens, output
 lengths drawn uniformly from 16..256 (same draws and arrival times for both modes), served by a 16-slot
 scheduler with batching "static" (fixed batches run to completion) and then "continuous".
+--rate auto (default) offers --load (1.5) times what part 1 served at its highest concurrency: its output
+tokens/s over the mean output length, in requests/s. Below capacity both modes serve what arrives and their
+throughputs match whatever the batching; a fixed rate saturated the slow VMs this ran on but left a faster one
+idle half the time (2/s there: 1.05x). Over capacity the queue grows in both modes and throughput is capacity.
 Both use runtime.bench (the code behind `aotlm bench`): same workloads, same metrics (vLLM's definitions).
 Writes benchmarks/results/batching.json (+ TTFT/TPOT CDF and timeline plots of part 2).
 """
@@ -44,11 +48,25 @@ def ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def poisson_rate(args, closed: dict) -> tuple[float, str]:
+    """Part 2's arrival rate (requests/s) and how it was chosen: --rate as given, or --load x part 1's capacity."""
+    if args.rate != "auto":
+        return float(args.rate), "--rate"
+    top = max(closed)
+    low, high = bench.parse_range(args.poisson_output_tokens, "--poisson-output-tokens")
+    capacity = closed[top]["summary"]["output_tokens_per_s"] / ((low + high) / 2)
+    note = "" if top >= args.slots else f"; part 1 stopped below the {args.slots} slots, so this underestimates it"
+    return args.load * capacity, (f"--rate auto: {args.load} x {capacity:.2f} requests/s, part 1's output tokens/s at "
+                                  f"concurrency {top} over the mean output of {(low + high) / 2:g} tokens{note}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
     parser.add_argument("--concurrency", default="1,4,8,16")
-    parser.add_argument("--rate", type=float, default=2.0)
+    parser.add_argument("--rate", default="auto", help="Poisson requests per second, or auto (see --load)")
+    parser.add_argument("--load", type=float, default=1.5,
+                        help="with --rate auto: the rate offered, as a multiple of part 1's capacity")
     parser.add_argument("--poisson-requests", type=int, default=64)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prompt-tokens", default="128")
@@ -59,6 +77,15 @@ def main(argv: list[str] | None = None) -> dict:
                         help="JSON path (default: benchmarks/results/batching.json); the Poisson run's JSON and plots "
                              "go beside it, named <stem>-poisson*")
     args = parser.parse_args(argv)
+    if args.rate != "auto":
+        try:
+            valid = float(args.rate) > 0
+        except ValueError:
+            valid = False
+        if not valid:
+            parser.error(f"--rate: {args.rate!r} is neither a positive number of requests per second nor auto")
+    if not args.load > 0:
+        parser.error(f"--load: {args.load} must be positive")
     console = Console(width=None if sys.stdout.isatty() else 160)
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
     encode, max_context = engine.tokenizer.encode, engine.max_context
@@ -73,12 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
             started = time.perf_counter()
             traces = serve(engine, workload, "continuous", level, progress, f"concurrency {level}")
             closed[level] = {"wall_s": time.perf_counter() - started, **bench.report({}, {"run": traces})["backends"]["run"]}
+        rate, rate_source = poisson_rate(args, closed)
+        console.log(f"Poisson arrivals: {rate:.2f} requests/s ({rate_source})")
         workload = bench.make_workload(encode, max_context=max_context, requests=args.poisson_requests,
-                                       arrival="poisson", rate=args.rate, prompt_tokens=args.prompt_tokens,
+                                       arrival="poisson", rate=rate, prompt_tokens=args.prompt_tokens,
                                        output_tokens=args.poisson_output_tokens,
                                        warmup=1, seed=0)
         for mode in ("static", "continuous"):
-            open_loop[mode] = serve(engine, workload, mode, args.slots, progress, f"poisson {args.rate}/s {mode}")
+            open_loop[mode] = serve(engine, workload, mode, args.slots, progress, f"poisson {rate:.2f}/s {mode}")
 
     single = closed[levels[0]]["summary"]["output_tokens_per_s"]
     table = Table(title=f"closed loop: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, N clients, "
@@ -92,12 +121,13 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{s['output_tokens_per_s'] / single:.2f}x", ms(s["ttft_ms"]["median"]),
                       ms(s["tpot_ms"]["median"]), ms(s["tpot_ms"]["p99"]))
     console.print(table)
-    poisson = bench.report({"arrival": "poisson", "rate": args.rate, "slots": args.slots,
+    poisson = bench.report({"arrival": "poisson", "rate": rate, "rate_source": rate_source, "slots": args.slots,
                             **workload.settings()}, open_loop)
     console.print(bench.compare_table(poisson))
     result = {"settings": {**{k: str(v) for k, v in vars(args).items()}, "decoding": "greedy, stop tokens disabled"},
               "machine": machine_info(), "versions": versions(),
               "closed_loop": {str(level): {"wall_s": e["wall_s"], "summary": e["summary"]} for level, e in closed.items()},
+              "poisson_rate": {"requests_per_s": rate, "source": rate_source},
               "poisson": {mode: entry["summary"] for mode, entry in poisson["backends"].items()}}
     out = args.out or RESULTS / "batching.json"
     written = bench.write_outputs(poisson, out.with_name(f"{out.stem}-poisson.json"))
