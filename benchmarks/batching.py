@@ -5,7 +5,8 @@ static batching under Poisson arrivals.
         [--rate auto|R] [--load 1.5] [--poisson-requests 64] [--slots 16]
 
 Part 1 (closed loop): N clients each send a request (128-token prompt of Python's documentation, 64 greedy new
-tokens, stop tokens disabled) and the next as soon as theirs finishes; the scheduler has N slots; 4N requests.
+tokens, stop tokens disabled) and the next as soon as theirs finishes; the scheduler has N slots; 4N requests, at
+least --min-requests (16): with 4 the single stream ran ~3 s, and two runs' single-stream TPOT differed by a third.
 Part 2 (open loop): requests arrive as a Poisson process at --rate per second, prompts of 128 tokens, output
 lengths drawn uniformly from 16..256 (same draws and arrival times for both modes), served by a 16-slot
 scheduler with batching "static" (fixed batches run to completion) and then "continuous".
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prompt-tokens", default="128")
     parser.add_argument("--new-tokens", default="64", help="closed loop's output tokens")
+    parser.add_argument("--min-requests", type=int, default=16, help="closed loop: requests per level, at least")
     parser.add_argument("--poisson-output-tokens", default="16:256")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None,
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"--rate: {args.rate!r} is neither a positive number of requests per second nor auto")
     if not args.load > 0:
         parser.error(f"--load: {args.load} must be positive")
+    if args.min_requests < 1:
+        parser.error(f"--min-requests: {args.min_requests} must be >= 1")
     console = Console(width=None if sys.stdout.isatty() else 160)
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
     encode, max_context = engine.tokenizer.encode, engine.max_context
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     closed, open_loop = {}, {}
     with Progress(console=console) as progress:
         for level in levels:
-            workload = bench.make_workload(encode, max_context=max_context, requests=4 * level, arrival="concurrency",
+            workload = bench.make_workload(encode, max_context=max_context, requests=max(4 * level, args.min_requests),
+                                           arrival="concurrency",
                                            concurrency=level, prompt_tokens=args.prompt_tokens,
                                            output_tokens=args.new_tokens, warmup=1)
             started = time.perf_counter()
