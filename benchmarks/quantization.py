@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from runtime import Engine
 
-    tokenizer = Engine.load(artifacts["fp32"]).tokenizer
+    tokenizer = Engine.load(artifacts["fp32"], huge_pages=False).tokenizer  # only its tokenizer
     tokens = np.array(encode_text(tokenizer, builtin_text("pydoc-held-out"))[:args.eval_tokens])
     spans = window_spans(len(tokens), args.window, args.stride)
     prompt_ids = prompt_token_ids(artifacts["fp32"], manifest, args.prompt_tokens)

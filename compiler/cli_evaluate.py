@@ -75,7 +75,8 @@ def _score(args, candidate: _ArtifactInfo, reference: _ArtifactInfo | None, toke
     from runtime.evaluate import decode_logits_for, evaluate, window_spans
 
     def load(scored: _ArtifactInfo):
-        return decode_logits_for(Engine.load(scored.path, intra_op_threads=args.threads))
+        # Scoring runs multi-token windows, bound by arithmetic, not by reading the weights: no huge pages.
+        return decode_logits_for(Engine.load(scored.path, intra_op_threads=args.threads, huge_pages=False))
 
     model = load(candidate)
     reference_logits = load(reference) if reference is not None else None

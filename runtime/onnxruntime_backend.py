@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.errors import ArtifactError, RequestError
+from runtime.huge_pages import advise
 
 OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -126,6 +127,7 @@ class OnnxRuntimeBackend:
         self.sessions: dict[str, ort.InferenceSession] = {}
         self.bindings: dict[str, ort.IOBinding] = {}
         self.step_logits: dict[str, dict] = {}  # per phase: run_bound's reused logits arrays
+        self.huge_pages = False  # set by Engine.load(huge_pages=True): the slot cache asks for them too
         for phase, engine in manifest["engines"].items():
             options = session_options(settings, intra_op_threads, engine.get("session_config"),
                                       f"manifest engines.{phase}")
@@ -244,6 +246,8 @@ class SlotCache:
         check_slot_memory(slots, int(np.prod(shape[1:])) * np.dtype(backend.cache_dtype).itemsize * len(backend.past_names))
         self.arrays = [np.empty(shape, dtype=backend.cache_dtype) for _ in backend.past_names]
         for array in self.arrays:
+            if backend.huge_pages:  # before the first touch: its page faults then take 2 MiB pages
+                advise(array)
             array.fill(0)  # touch every page now, so resident memory does not creep up as slots fill
         self._bindings: dict[tuple[str, int, int], tuple[ort.IOBinding, list[ort.OrtValue], dict]] = {}
 

@@ -1,0 +1,90 @@
+"""runtime/huge_pages.py: large memory ends up on 2 MiB pages where the kernel allows it, contents untouched, and
+the engine's tokens do not depend on it. Skipped where the kernel has no transparent huge pages (the report then
+says why, and that is tested too)."""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from runtime import Engine
+from runtime import huge_pages
+
+THP = huge_pages.thp_mode() in ("always", "madvise")
+needs_thp = pytest.mark.skipif(not THP, reason=f"the kernel's transparent huge pages are {huge_pages.thp_mode()}")
+
+
+def huge_bytes(array: np.ndarray) -> int:
+    return huge_pages.huge_bytes_in(array.ctypes.data, array.ctypes.data + array.nbytes)
+
+
+def fresh_touched(megabytes: int) -> np.ndarray:
+    """A new private anonymous mapping, never advised, filled: on 4 KiB pages (THP mode madvise), whatever earlier
+    tests did to the process's other mappings."""
+    buffer = mmap.mmap(-1, megabytes * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    array = np.frombuffer(buffer, dtype=np.float64)
+    array[:] = np.arange(array.size)
+    return array
+
+
+@needs_thp
+def test_collapse_moves_a_touched_array_onto_huge_pages_and_keeps_its_values():
+    values = fresh_touched(48)
+    before = values.copy()
+    report = huge_pages.collapse_large_mappings()
+    assert report["mappings"] >= 1 and report["bytes"] >= 32 * 2**20, report
+    if huge_pages.thp_mode() == "madvise" and report["collapsed"] == 0:
+        pytest.skip(f"MADV_COLLAPSE refused here: {report.get('errors')}")  # a kernel before 6.1
+    assert huge_bytes(values) >= 32 * 2**20
+    np.testing.assert_array_equal(values, before)
+
+
+@needs_thp
+def test_mappings_that_existed_before_are_left_alone():
+    """Engine.load collapses what appeared while it loaded, not the caller's own memory."""
+    values = fresh_touched(48)
+    if huge_pages.thp_mode() == "madvise":
+        assert huge_bytes(values) == 0
+    huge_pages.collapse_large_mappings(exclude=set(huge_pages.private_anonymous_mappings(0)))
+    if huge_pages.thp_mode() == "madvise":
+        assert huge_bytes(values) == 0
+    report = huge_pages.collapse_large_mappings()  # the control: not excluded, it is collapsed
+    if report["collapsed"]:
+        assert huge_bytes(values) >= 32 * 2**20
+
+
+@needs_thp
+def test_an_advised_array_faults_in_on_huge_pages():
+    array = np.empty(32 * 2**20, dtype=np.uint8)
+    assert huge_pages.advise(array)
+    array.fill(1)
+    assert huge_bytes(array) >= 16 * 2**20
+
+
+def test_a_kernel_without_huge_pages_is_reported_not_fatal(monkeypatch, tmp_path):
+    off = tmp_path / "enabled"
+    off.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "THP_MODE_FILE", off)
+    report = huge_pages.collapse_large_mappings()
+    assert report["skipped"] == "the kernel's transparent huge pages are off (never)" and report["collapsed"] == 0
+    assert not huge_pages.advise(np.empty(8 * 2**20, dtype=np.uint8))
+    monkeypatch.setattr(huge_pages, "THP_MODE_FILE", tmp_path / "absent")
+    assert huge_pages.collapse_large_mappings()["skipped"] == "the kernel has no transparent huge pages"
+
+
+def test_tokens_do_not_depend_on_huge_pages(tiny_artifact):
+    prompt = [1, 17, 42, 99, 7]
+    plain = Engine.load(tiny_artifact, huge_pages=False)
+    assert plain.huge_pages is None and not plain.backend.huge_pages
+    huge = Engine.load(tiny_artifact)
+    assert huge.huge_pages is not None and huge.backend.huge_pages
+    for engine in (plain, huge):
+        engine.start_scheduler(slots=2)  # the slot cache: advised before its first touch in the second engine
+    try:
+        expected = plain.generate(prompt, max_new_tokens=8).token_ids
+        assert huge.generate(prompt, max_new_tokens=8).token_ids == expected
+        assert [r.token_ids for r in huge.generate([prompt, prompt], max_new_tokens=8)] == [expected, expected]
+    finally:
+        plain.close()
+        huge.close()
