@@ -6,8 +6,9 @@
 Each backend gets the same weights (the artifact's recipe `model` section, loaded with compiler.frontend and
 written once as a Hugging Face folder under benchmarks/results/cache/), the same prompt token ids (Python's
 own documentation, pydoc_data.topics, cut to exactly --prompt-tokens), batch 1 and greedy decoding that
-never stops early, so every run makes exactly --new-tokens tokens. One warm-up run, then --repeats timed
-runs; the run with the median end-to-end time is reported. Backends run one after another, never at once.
+never stops early, so every run makes exactly --new-tokens tokens. All backends are loaded first; one warm-up
+run each, then --repeats rounds, each running every backend once (never two at once) in an order that rotates
+from round to round; per backend the run with the median end-to-end time is reported.
 
 Metrics (vLLM's definitions): TTFT = request start -> first new token chosen; TPOT = (E2E - TTFT) / (M - 1);
 ITL = gaps between consecutive new tokens; decode tok/s = 1 / TPOT. Prefill = the prompt's forward pass
@@ -191,19 +192,33 @@ def prompt_token_ids(artifact: Path, manifest: dict, count: int) -> list[int]:
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
-def measure(backend, prompt_ids: list[int], new_tokens: int, repeats: int, progress: Progress, task) -> dict:
-    for _ in range(WARMUP_RUNS):
-        backend.run(prompt_ids, new_tokens)
-        progress.advance(task)
-    runs = []
-    for _ in range(repeats):
-        runs.append(backend.run(prompt_ids, new_tokens))
-        progress.advance(task)
-    for run in runs:
-        if len(run.token_ids) != new_tokens:
-            raise RuntimeError(f"{backend.name} made {len(run.token_ids)} tokens, not {new_tokens}")
-    median = sorted(runs, key=lambda run: run.token_times_s[-1])[len(runs) // 2]
-    return {"median": median.metrics(), "runs": [run.metrics() for run in runs], "token_ids": median.token_ids}
+def measure_all(backends: dict, prompt_ids: list[int], new_tokens: int, repeats: int, progress: Progress,
+                tasks: dict) -> dict:
+    """Per backend name: the median run's metrics, every run's, and the median run's tokens.
+
+    The repeats are interleaved: repeat r runs every backend once, in an order rotated by r. These shared 2-core
+    VMs change speed by a third from one minute to the next (single-stream TPOT 10.4 against 13.9 ms in two runs
+    of the same build); backends measured one after another compared the machine's moods as much as themselves."""
+    names = list(backends)
+    for name in names:
+        for _ in range(WARMUP_RUNS):
+            backends[name].run(prompt_ids, new_tokens)
+            progress.advance(tasks[name])
+    runs: dict[str, list] = {name: [] for name in names}
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            runs[name].append(backends[name].run(prompt_ids, new_tokens))
+            progress.advance(tasks[name])
+    results = {}
+    for name, made in runs.items():
+        for run in made:
+            if len(run.token_ids) != new_tokens:
+                raise RuntimeError(f"{name} made {len(run.token_ids)} tokens, not {new_tokens}")
+        median = sorted(made, key=lambda run: run.token_times_s[-1])[len(made) // 2]
+        results[name] = {"median": median.metrics(), "runs": [run.metrics() for run in made],
+                         "token_ids": median.token_ids}
+    return results
 
 
 def agreement(results: dict) -> dict:
@@ -275,15 +290,16 @@ def main(argv: list[str] | None = None) -> dict:
               Transformers.name: lambda: Transformers(hf_folder, args.threads),
               Genai.name: lambda: Genai(genai_folder, args.threads)}
 
-    results = {}
+    backends, setup_s = {}, {}
     with Progress(console=console) as progress:
-        for name in ["aotlm", *baselines]:
-            task = progress.add_task(f"{name:18}", total=WARMUP_RUNS + args.repeats)
+        for name in ["aotlm", *baselines]:  # all loaded at once (~2 GB for the default model): runs interleave
             setup_started = time.perf_counter()
-            backend = makers[name]()
-            setup_s = time.perf_counter() - setup_started
-            results[name] = {"setup_s": setup_s, **measure(backend, prompt_ids, args.new_tokens, args.repeats, progress, task)}
-            del backend  # free its weights before the next backend loads
+            backends[name] = makers[name]()
+            setup_s[name] = time.perf_counter() - setup_started
+        tasks = {name: progress.add_task(f"{name:18}", total=WARMUP_RUNS + args.repeats) for name in backends}
+        measured = measure_all(backends, prompt_ids, args.new_tokens, args.repeats, progress, tasks)
+    results = {name: {"setup_s": setup_s[name], **measured[name]} for name in backends}
+    del backends
 
     render(results, console)
     agree = agreement(results)

@@ -9,7 +9,8 @@ into benchmarks/results/quantization/ (the build's own accuracy report is skippe
 variant the same way). Per variant:
   size      bytes of the artifact's engine files (graphs + weights.bin); genai: its model folder's .onnx + data
   TTFT/TPOT batch 1, a --prompt-tokens prompt of Python's documentation, --new-tokens greedy tokens, median of
-            --repeats runs after a warm-up (benchmarks/generate.py's harness)
+            --repeats runs after a warm-up, every variant and genai loaded at once and their runs interleaved
+            (benchmarks/generate.py's measure_all)
   perplexity on the held-out 10% of Python's documentation (`builtin:pydoc-held-out`, never used to calibrate),
             first --eval-tokens tokens, sliding windows (runtime.evaluate.window_spans)
   top-1     agreement of the next-token argmax with the fp32 artifact on the same scored positions
@@ -35,7 +36,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
-from generate import REPO, Aotlm, Genai, machine_info, measure, prepare_folders, prompt_token_ids, versions, write_result  # noqa: E402
+from generate import REPO, Aotlm, Genai, machine_info, measure_all, prepare_folders, prompt_token_ids, versions, write_result  # noqa: E402
 
 from compiler.build import build  # noqa: E402
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
@@ -228,21 +229,23 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_ids = prompt_token_ids(artifacts["fp32"], manifest, args.prompt_tokens)
     results, reference_argmax = {}, None
     with Progress(console=console) as progress:
-        for name in names + ([GENAI_INT4] if genai_folder else []):
-            task = progress.add_task(f"{name:24}", total=1 + args.repeats)
+        # Timing first, every variant loaded and the repeats interleaved (generate.measure_all); then accuracy.
+        backends = {name: Aotlm(artifacts[name], args.threads) for name in names}
+        if genai_folder:
+            backends[GENAI_INT4] = Genai(genai_folder, args.threads)
+        tasks = {name: progress.add_task(f"{name:24}", total=1 + args.repeats) for name in backends}
+        timings = measure_all(backends, prompt_ids, args.new_tokens, args.repeats, progress, tasks)
+        for name in list(backends):
             if name == GENAI_INT4:
-                backend, size = Genai(genai_folder, args.threads), folder_bytes(genai_folder)
-                logits_for = genai_logits_for(genai_folder, args.threads)
+                size, logits_for = folder_bytes(genai_folder), genai_logits_for(genai_folder, args.threads)
             else:
-                backend, size = Aotlm(artifacts[name], args.threads), folder_bytes(artifacts[name])
                 from runtime.evaluate import decode_logits_for
-                logits_for = decode_logits_for(backend.engine)
-            timing = measure(backend, prompt_ids, args.new_tokens, args.repeats, progress, task)
+                size, logits_for = folder_bytes(artifacts[name]), decode_logits_for(backends[name].engine)
             accuracy = score(logits_for, tokens, spans, reference_argmax)
             if name == "fp32":
                 reference_argmax = accuracy["argmax"]
-            del accuracy["argmax"], backend, logits_for
-            results[name] = {"bytes": size, **timing["median"], **accuracy, "runs": timing["runs"]}
+            del accuracy["argmax"], backends[name], logits_for  # free its weights before the next one is scored
+            results[name] = {"bytes": size, **timings[name]["median"], **accuracy, "runs": timings[name]["runs"]}
 
     render(results, console)
     report = {"settings": {**vars(args), "eval_text": "builtin:pydoc-held-out", "spans": len(spans),

@@ -1,0 +1,44 @@
+"""benchmarks/generate.py's measure_all: the repeats interleave the backends in an order that rotates, each
+backend's median run is its own, and a backend that makes the wrong number of tokens is an error."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import generate  # noqa: E402
+
+
+class Progress:
+    def advance(self, task) -> None:
+        pass
+
+
+class Fake:
+    def __init__(self, name: str, log: list, seconds: list[float], tokens: int = 3):
+        self.name, self.log, self.seconds, self.tokens = name, log, iter(seconds), tokens
+
+    def run(self, prompt_ids, new_tokens):
+        self.log.append(self.name)
+        end = next(self.seconds)
+        return generate.Run(prefill_s=0.1, token_times_s=[end / 2, end * 3 / 4, end][: self.tokens],
+                            token_ids=[1, 2, 3][: self.tokens])
+
+
+def test_runs_interleave_with_a_rotating_order_and_medians_are_per_backend():
+    log = []
+    backends = {"a": Fake("a", log, [9.0, 1.0, 2.0, 3.0]), "b": Fake("b", log, [9.0, 6.0, 4.0, 5.0]),
+                "c": Fake("c", log, [9.0, 7.0, 8.0, 9.0])}
+    result = generate.measure_all(backends, [1], 3, 3, Progress(), {name: None for name in backends})
+    assert log == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]  # warm-ups, then rotated rounds
+    assert [result[name]["median"]["e2e_ms"] for name in "abc"] == [2000.0, 5000.0, 8000.0]
+    assert all(len(result[name]["runs"]) == 3 for name in "abc")
+
+
+def test_a_backend_that_stops_early_is_an_error():
+    backends = {"ok": Fake("ok", [], [1.0, 1.0]), "short": Fake("short", [], [1.0, 1.0], tokens=2)}
+    with pytest.raises(RuntimeError, match="short made 2 tokens, not 3"):
+        generate.measure_all(backends, [1], 3, 1, Progress(), {name: None for name in backends})
