@@ -177,18 +177,24 @@ class Engine:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None,
-             huge_pages: bool = True) -> "Engine":
+             huge_pages: bool = True, spin_after_run: bool = False) -> "Engine":
         """Check the manifest (format version, file sizes; sha256 too if verify) and open both graphs.
 
         huge_pages: then put the memory onnxruntime allocated while loading (its weights) on 2 MiB pages
         (runtime/huge_pages.py: decode steps 5-8% faster, load 0.5-2.4 s longer for the default model's INT4 and
-        fp32 builds); `engine.huge_pages` reports what was done."""
+        fp32 builds); `engine.huge_pages` reports what was done.
+        spin_after_run: let onnxruntime's threads spin on after each run, its default. Off here: the prefill and
+        decode sessions each have a thread pool on the same cores, and one spinning after its run slows the other
+        (runtime/onnxruntime_backend.py, STOP_SPINNING_AFTER_RUN)."""
         if not isinstance(artifact_dir, (str, Path)):
             raise ArtifactError(f"artifact_dir must be a path (str or pathlib.Path), got {type(artifact_dir).__name__}")
         if intra_op_threads is not None and (isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int)
                                              or intra_op_threads < 0):
             raise RequestError(f"intra_op_threads must be an integer >= 0 (0: onnxruntime's default) or None, got "
                                f"{intra_op_threads!r}")
+        for name, value in (("huge_pages", huge_pages), ("spin_after_run", spin_after_run)):
+            if not isinstance(value, bool):
+                raise RequestError(f"{name} must be True or False, got {value!r}")
         folder = Path(artifact_dir)
         manifest = read_manifest(folder)
         check_files(folder, manifest, verify_hashes=verify)
@@ -204,7 +210,7 @@ class Engine:
         elif backend_name == "onnxruntime":
             from runtime.onnxruntime_backend import OnnxRuntimeBackend
 
-            backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads)
+            backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spin_after_run)
         else:
             raise ArtifactError(f"{folder}: built for backend {backend_name!r}; this runtime runs 'onnxruntime' and "
                                 f"'tensorrt' artifacts")

@@ -37,10 +37,19 @@ def cache_dtype(kv_spec: dict) -> type:
     return CACHE_DTYPES[dtype]
 
 
+# onnxruntime's intra-op threads keep spinning for a while after a run returns, waiting for more work. An engine
+# has two sessions (prefill and decode), each with its own pool on the same cores: after a 512-token prefill its
+# pool's spinning thread took a core from the decode steps that followed (their first 10 tokens 8-10 ms against
+# 5.3-6.2 after, INT4 on 2 cores), and the scheduler, which alternates the two, served 9% more tokens/s with the
+# spinning stopped (benchmarks/thread_spinning.py). Stopped at the end of each run, it still spins during a run.
+STOP_SPINNING_AFTER_RUN = "session.force_spinning_stop"
+
+
 def session_options(settings: dict, intra_op_threads: int | None, config: dict | None = None,
-                    where: str = "manifest") -> ort.SessionOptions:
+                    where: str = "manifest", spin_after_run: bool = False) -> ort.SessionOptions:
     """The backend's session settings, plus `config`: an engine's session config entries (manifest
-    engines.<phase>.session_config, recorded by the passes that need them, e.g. dequantize_weights)."""
+    engines.<phase>.session_config, recorded by the passes that need them, e.g. dequantize_weights).
+    spin_after_run: leave onnxruntime's threads spinning after a run (its default); see STOP_SPINNING_AFTER_RUN."""
     options = ort.SessionOptions()
     options.graph_optimization_level = OPTIMIZATION_LEVELS[settings.get("graph_optimization_level", "all")]
     threads = settings.get("intra_op_threads", 0) if intra_op_threads is None else intra_op_threads
@@ -50,6 +59,8 @@ def session_options(settings: dict, intra_op_threads: int | None, config: dict |
             isinstance(key, str) and isinstance(value, str) for key, value in config.items())):
         raise ArtifactError(f"{where}: session_config must map onnxruntime config keys to strings, got {config!r}; "
                             f"the manifest was edited: rebuild the artifact")
+    if not spin_after_run and STOP_SPINNING_AFTER_RUN not in (config or {}):  # an engine's own entry wins
+        options.add_session_config_entry(STOP_SPINNING_AFTER_RUN, "1")
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
     return options
@@ -116,7 +127,8 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 class OnnxRuntimeBackend:
-    def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None):
+    def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None,
+                 spin_after_run: bool = False):
         check_version(manifest["backend"].get("version"), ort.__version__)
         self.manifest = manifest
         settings = manifest["backend"].get("session", {})
@@ -130,7 +142,7 @@ class OnnxRuntimeBackend:
         self.huge_pages = False  # set by Engine.load(huge_pages=True): the slot cache asks for them too
         for phase, engine in manifest["engines"].items():
             options = session_options(settings, intra_op_threads, engine.get("session_config"),
-                                      f"manifest engines.{phase}")
+                                      f"manifest engines.{phase}", spin_after_run)
             path = Path(artifact_dir) / engine["file"]
             try:
                 session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])

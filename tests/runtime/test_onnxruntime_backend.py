@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.errors import ArtifactError
-from runtime.onnxruntime_backend import session_options
+from runtime.onnxruntime_backend import STOP_SPINNING_AFTER_RUN, session_options
 
 
 def test_an_engines_session_config_entries_are_set_on_its_session_options():
@@ -22,3 +22,33 @@ def test_a_malformed_session_config_is_refused_naming_the_engine(config):
     with pytest.raises(ArtifactError, match=r"manifest engines\.prefill: session_config must map onnxruntime config "
                                             r"keys to strings.*rebuild the artifact"):
         session_options({}, None, config, "manifest engines.prefill")
+
+
+def test_sessions_stop_spinning_after_each_run_unless_asked_or_the_engine_says_otherwise():
+    assert session_options({}, None).get_session_config_entry(STOP_SPINNING_AFTER_RUN) == "1"
+    with pytest.raises(Exception):  # left unset: onnxruntime's default, spinning on after a run
+        session_options({}, None, spin_after_run=True).get_session_config_entry(STOP_SPINNING_AFTER_RUN)
+    recorded = session_options({}, None, {STOP_SPINNING_AFTER_RUN: "0"})  # an engine's own entry wins
+    assert recorded.get_session_config_entry(STOP_SPINNING_AFTER_RUN) == "0"
+
+
+def test_an_engine_opens_its_sessions_with_the_spinning_setting(tiny_artifact, monkeypatch):
+    import runtime.onnxruntime_backend as backend
+
+    seen = []
+    real = backend.session_options
+
+    def recording(*args, **keywords):
+        seen.append(real(*args, **keywords))
+        return seen[-1]
+
+    monkeypatch.setattr(backend, "session_options", recording)
+    from runtime import Engine
+
+    Engine.load(tiny_artifact, huge_pages=False)
+    Engine.load(tiny_artifact, huge_pages=False, spin_after_run=True)
+    stopped = [o.get_session_config_entry(STOP_SPINNING_AFTER_RUN) == "1" for o in seen[:2]]
+    assert len(seen) == 4 and all(stopped)  # prefill and decode, then the second engine's two
+    for options in seen[2:]:
+        with pytest.raises(Exception):
+            options.get_session_config_entry(STOP_SPINNING_AFTER_RUN)

@@ -94,6 +94,12 @@ def test_engine_load_arguments_are_checked_first(artifact, threads, message):
         Engine.load(artifact, intra_op_threads=threads)
 
 
+@pytest.mark.parametrize("flag", ["huge_pages", "spin_after_run"])
+def test_engine_load_flags_must_be_booleans(flag):
+    with pytest.raises(RequestError, match=f"{flag} must be True or False, got 'no'"):
+        Engine.load("x", **{flag: "no"})  # a non-empty string would have read as True
+
+
 @pytest.mark.parametrize("prompt, bad", [([5, 100000], 100000), ([5, -1], -1)])
 def test_token_ids_outside_the_vocabulary_are_refused(engine, prompt, bad):
     vocab = engine.manifest["model"]["config"]["vocab_size"]

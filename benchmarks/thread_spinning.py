@@ -1,0 +1,182 @@
+"""Engine.load(spin_after_run=False), the default, against True (onnxruntime's own default): whether an engine's
+intra-op threads keep spinning after a run returns, while its prefill and decode sessions share the cores.
+
+    .venv/bin/python benchmarks/thread_spinning.py [--artifacts artifacts/smollm2-135m,artifacts/smollm2-135m-int4]
+        [--repeats 3] [--prompt 512] [--new-tokens 128] [--requests 64] [--request-prompt 128]
+        [--request-outputs 16:256] [--slots 16] [--threads N] [--out PATH]
+
+Each artifact is loaded twice in one process, once per arm; each measurement below runs in both arms back to back
+(the order flips every repeat, and a pause of --pause seconds comes before each run, so that a pool still spinning
+from the other arm's last run has stopped):
+  single stream  a --prompt-token prompt of Python's documentation, --new-tokens greedy tokens (Engine.generate):
+                 TTFT, TPOT, and the mean gap before each of the first --early tokens against the mean of the rest
+                 (right after the prefill, its pool's spinning thread competes with the decode steps);
+  scheduler      --requests requests submitted at once (--request-prompt-token prompts, output lengths drawn from
+                 --request-outputs with seed 0, the same in both arms) to a --slots-slot scheduler, continuous and then
+                 static batching:
+                 output tokens/s from the first submit to the last result (prefills and decode steps alternate).
+Medians over the repeats, a table on the console, JSON in benchmarks/results/thread_spinning.json (--out) and a plot
+beside it of the mean gap by token index, both arms.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import REPO, RESULTS, machine_info, prompt_token_ids, versions, write_result  # noqa: E402
+
+from runtime import Engine  # noqa: E402
+from runtime.bench import BenchError, parse_range  # noqa: E402
+from runtime.manifest import read_manifest  # noqa: E402
+
+ARMS = {"stop after run": False, "spin after run": True}  # label: Engine.load's spin_after_run
+
+
+def single_stream(engine: Engine, prompt_ids: list[int], new_tokens: int, early: int) -> dict:
+    timings = engine.generate(prompt_ids, max_new_tokens=new_tokens, stop_token_ids=()).timings
+    gaps_ms = 1e3 * np.diff(timings.token_times_s)
+    return {"ttft_ms": 1e3 * timings.ttft_s, "tpot_ms": 1e3 * timings.tpot_s, "gaps_ms": gaps_ms.tolist(),
+            "early_gap_ms": float(gaps_ms[:early].mean()), "later_gap_ms": float(gaps_ms[early:].mean())}
+
+
+def scheduler_workload(text_ids: list[int], requests: int, prompt_tokens: int, outputs: tuple[int, int]) \
+        -> list[tuple[list[int], int]]:
+    """(prompt ids, output tokens) per request: windows of the text one token apart, lengths drawn with seed 0."""
+    if len(text_ids) < prompt_tokens + requests - 1:
+        raise ValueError(f"{len(text_ids)} text tokens for {requests} prompts of {prompt_tokens}")
+    lengths = np.random.default_rng(0).integers(outputs[0], outputs[1] + 1, requests)
+    return [(text_ids[i:i + prompt_tokens], int(n)) for i, n in enumerate(lengths)]
+
+
+def scheduled(engine: Engine, workload, batching: str, slots: int) -> float:
+    """Output tokens/s of the whole workload through a fresh scheduler of `slots` slots."""
+    engine.start_scheduler(slots=slots, batching=batching, max_queue=len(workload))
+    started = time.perf_counter()
+    handles = [engine.submit(ids, max_new_tokens=n, stop_token_ids=()) for ids, n in workload]
+    made = sum(len(handle.result().token_ids) for handle in handles)
+    seconds = time.perf_counter() - started
+    if made != sum(n for _, n in workload):
+        raise RuntimeError(f"the scheduler made {made} tokens, not {sum(n for _, n in workload)}")
+    return made / seconds
+
+
+def measure(artifact: Path, args, console: Console) -> dict:
+    manifest = read_manifest(artifact)
+    engines = {label: Engine.load(artifact, intra_op_threads=args.threads, spin_after_run=spin)
+               for label, spin in ARMS.items()}
+    prompt_ids = prompt_token_ids(artifact, manifest, args.prompt)
+    text_ids = prompt_token_ids(artifact, manifest, args.request_prompt + args.requests)
+    workload = scheduler_workload(text_ids, args.requests, args.request_prompt, args.request_outputs)
+    for engine in engines.values():  # warm-up: first runs allocate and fault in pages
+        single_stream(engine, prompt_ids, 8, 1)
+    runs = {label: [] for label in engines}
+    for repeat in range(args.repeats):
+        order = list(engines)[:: 1 if repeat % 2 == 0 else -1]
+        made = {label: {} for label in engines}
+        for kind in ("single", "continuous", "static"):  # both arms back to back: the machine drifts over minutes
+            for label in order:
+                time.sleep(args.pause)
+                made[label][kind] = single_stream(engines[label], prompt_ids, args.new_tokens, args.early) \
+                    if kind == "single" else scheduled(engines[label], workload, kind, args.slots)
+        for label in engines:
+            runs[label].append(made[label])
+            console.log(f"{artifact.name} repeat {repeat + 1}/{args.repeats} {label}: TPOT "
+                        f"{made[label]['single']['tpot_ms']:.2f} ms, continuous {made[label]['continuous']:.1f} "
+                        f"tokens/s")
+    for engine in engines.values():
+        engine.close()
+    return {"artifact": str(artifact), "runs": runs, "median": {label: summary(made) for label, made in runs.items()}}
+
+
+def summary(runs: list[dict]) -> dict:
+    median = lambda values: float(np.median(values))  # noqa: E731
+    return {"ttft_ms": median([r["single"]["ttft_ms"] for r in runs]),
+            "tpot_ms": median([r["single"]["tpot_ms"] for r in runs]),
+            "early_gap_ms": median([r["single"]["early_gap_ms"] for r in runs]),
+            "later_gap_ms": median([r["single"]["later_gap_ms"] for r in runs]),
+            "continuous_tokens_per_s": median([r["continuous"] for r in runs]),
+            "static_tokens_per_s": median([r["static"] for r in runs])}
+
+
+def render(results: list[dict], args, console: Console) -> None:
+    table = Table(title=f"onnxruntime threads after a run: stopped (default) vs spinning, medians of {args.repeats} "
+                        f"alternating repeats")
+    columns = (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), (f"gap, first {args.early} ms", "early_gap_ms"),
+               ("gap, later ms", "later_gap_ms"), ("continuous tok/s", "continuous_tokens_per_s"),
+               ("static tok/s", "static_tokens_per_s"))
+    for heading in ("artifact", "threads after a run", *(name for name, _ in columns)):
+        table.add_column(heading, justify="left" if heading in ("artifact", "threads after a run") else "right")
+    for result in results:
+        stopped, spinning = (result["median"][label] for label in ARMS)
+        for label, values in result["median"].items():
+            table.add_row(Path(result["artifact"]).name, label, *(f"{values[key]:.2f}" for _, key in columns))
+        table.add_row("", "stopped / spinning", *(f"{stopped[key] / spinning[key]:.2f}x" for _, key in columns),
+                      style="bold")
+    console.print(table)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for axis, result in zip(axes[0], results):
+        for label, runs in result["runs"].items():
+            gaps = np.mean([run["single"]["gaps_ms"] for run in runs], axis=0)
+            axis.plot(np.arange(2, len(gaps) + 2), gaps, label=label)
+        axis.set(title=Path(result["artifact"]).name, xlabel="output token", ylabel="gap before it, ms (mean)")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifacts", default=",".join(str(REPO / "artifacts" / name) for name in
+                                                        ("smollm2-135m", "smollm2-135m-int4")))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--early", type=int, default=10, help="decode gaps counted as right after the prefill")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--request-prompt", type=int, default=128, help="scheduler requests' prompt tokens")
+    parser.add_argument("--request-outputs", default="16:256", help="scheduler requests' output tokens, LOW:HIGH")
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--pause", type=float, default=0.5, help="seconds before each run")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", type=Path, default=RESULTS / "thread_spinning.json")
+    args = parser.parse_args(argv)
+    console = console or Console()
+    artifacts = [Path(a) for a in args.artifacts.split(",") if a]
+    for artifact in artifacts:
+        if not (artifact / "manifest.json").is_file():
+            raise SystemExit(f"{artifact}: not an artifact; build it first (aotlm build recipes/{artifact.name}.yaml)")
+    if args.new_tokens <= args.early:
+        raise SystemExit(f"--new-tokens ({args.new_tokens}) must exceed --early ({args.early})")
+    try:
+        args.request_outputs = parse_range(args.request_outputs, "--request-outputs")
+    except BenchError as error:
+        raise SystemExit(str(error)) from None
+    results = [measure(artifact, args, console) for artifact in artifacts]
+    render(results, args, console)
+    report = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "machine": machine_info(), "versions": versions(), "results": results}
+    path = write_result("thread_spinning.json", report, args.out)
+    plot(results, path.with_suffix(".png"))
+    console.print(f"wrote {path} and {path.with_suffix('.png')}", markup=False)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""benchmarks/thread_spinning.py on the tiny artifact: both arms run the same work (every request's tokens made,
+the same prompt), the JSON holds the table's medians, and the plot is written."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import thread_spinning  # noqa: E402
+
+
+def test_both_arms_on_the_tiny_artifact(tiny_artifact, tmp_path):
+    out = tmp_path / "spin.json"
+    report = thread_spinning.main(["--artifacts", str(tiny_artifact), "--repeats", "2", "--prompt", "24",
+                                   "--new-tokens", "12", "--early", "4", "--requests", "6", "--request-prompt", "8",
+                                   "--request-outputs", "4:20", "--slots", "3",
+                                   "--pause", "0", "--threads", "1", "--out", str(out)], console=Console(quiet=True))
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert out.with_suffix(".png").stat().st_size > 0
+    (result,) = report["results"]
+    assert set(result["runs"]) == set(thread_spinning.ARMS)
+    for runs in result["runs"].values():
+        assert len(runs) == 2
+        for run in runs:
+            assert len(run["single"]["gaps_ms"]) == 11  # 12 tokens: 11 gaps
+            assert run["continuous"] > 0 and run["static"] > 0
+    for label, median in result["median"].items():
+        runs = result["runs"][label]
+        assert median["tpot_ms"] == pytest.approx(np.median([run["single"]["tpot_ms"] for run in runs]))
+        assert median["static_tokens_per_s"] == pytest.approx(np.median([run["static"] for run in runs]))
+
+
+def test_the_workload_is_fixed_and_within_its_lengths():
+    ids = list(range(1000, 1400))
+    first = thread_spinning.scheduler_workload(ids, 20, 128, (16, 256))
+    assert first == thread_spinning.scheduler_workload(ids, 20, 128, (16, 256)) and len(first) == 20
+    assert all(len(prompt) == 128 and 16 <= n <= 256 for prompt, n in first)
+    assert len({tuple(prompt) for prompt, _ in first}) == 20  # different prompts
+    with pytest.raises(ValueError, match="100 text tokens for 20 prompts of 128"):
+        thread_spinning.scheduler_workload(ids[:100], 20, 128, (16, 256))
+
+
+def test_too_few_new_tokens_for_the_early_window_is_refused(tiny_artifact, tmp_path):
+    with pytest.raises(SystemExit, match="--new-tokens \\(4\\) must exceed --early \\(10\\)"):
+        thread_spinning.main(["--artifacts", str(tiny_artifact), "--new-tokens", "4", "--out", str(tmp_path / "s.json")],
+                             console=Console(quiet=True))
+
+
+def test_a_bad_output_range_is_refused(tiny_artifact, tmp_path):
+    with pytest.raises(SystemExit, match="--request-outputs: '9:3' needs 1 <= LOW <= HIGH"):
+        thread_spinning.main(["--artifacts", str(tiny_artifact), "--request-outputs", "9:3",
+                              "--out", str(tmp_path / "s.json")], console=Console(quiet=True))
