@@ -166,7 +166,9 @@ def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple
         console.log(f"building onnxruntime-genai's fp32 CPU model: {genai_folder}")
         command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder),
                    "-o", str(genai_folder), "-p", "fp32", "-e", "cpu", "-c", str(cache / "builder-cache")]
-        built = subprocess.run(command, capture_output=True, text=True)
+        # cwd: `python -m` puts the working directory first on sys.path, and the builder's own `quantization`
+        # module lost to benchmarks/quantization.py when run from benchmarks/ (ImportError: QuantConfig)
+        built = subprocess.run(command, capture_output=True, text=True, cwd=cache)
         if built.returncode:  # its progress bars are noise, but on failure its output is the diagnosis
             raise SystemExit(f"onnxruntime-genai's builder failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}")
     return hf_folder, genai_folder

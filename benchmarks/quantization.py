@@ -62,6 +62,11 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "int4-awq_gptq_act-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "gptq_act_order": True}),
     "int4-awq_gptq_act-b128": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128,
                                                           "gptq_act_order": True}),
+    # block 64: half block 32's scales, and K = 576 is 9 whole blocks (block 128 pads its fifth from 64 to 128)
+    "int4-awq_gptq_act-b64": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 64, "gptq_act_order": True}),
+    "int4-awq_gptq_act-b64-head32": ("smollm2-135m-int4.yaml", {
+        "method": "awq_gptq", "block_size": 64, "gptq_act_order": True,
+        "overrides": (Override("model.embed_tokens.weight", block_size=32),)}),
     # block 128 with a zero point per block (asymmetric): 16 levels over each block's own [min, max]
     "int4-awq_gptq_act-b128-asym": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128,
                                                                "gptq_act_order": True, "symmetric": False}),
@@ -144,7 +149,7 @@ def genai_int4(hf_folder: Path, console: Console) -> Path:
         console.log(f"building {GENAI_INT4}: {folder}")
         command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(folder),
                    "-p", "int4", "-e", "cpu", "-c", str(hf_folder.parent / "builder-cache")]
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True, cwd=hf_folder.parent)  # as generate.py's
         if done.returncode:
             raise SystemExit(f"onnxruntime-genai's builder failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return folder
