@@ -39,9 +39,10 @@ def cache_dtype(kv_spec: dict) -> type:
 
 # onnxruntime's intra-op threads keep spinning for a while after a run returns, waiting for more work. An engine
 # has two sessions (prefill and decode), each with its own pool on the same cores: after a 512-token prefill its
-# pool's spinning thread took a core from the decode steps that followed (their first 10 tokens 8-10 ms against
-# 5.3-6.2 after, INT4 on 2 cores), and the scheduler, which alternates the two, served 9% more tokens/s with the
-# spinning stopped (benchmarks/thread_spinning.py). Stopped at the end of each run, it still spins during a run.
+# pool's spinning thread took a core from the decode steps that followed (the first 10 gaps 9.2-10.9 ms against
+# 6.1-7.7 stopped, INT4 on 2 cores), and the scheduler, which alternates the two, served 7-23% more tokens/s with
+# INT4 weights (fp32: 0-8%) with the spinning stopped (benchmarks/thread_spinning.py, README). Stopped when a run
+# returns, the pool still spins during a run.
 STOP_SPINNING_AFTER_RUN = "session.force_spinning_stop"
 
 
