@@ -5,9 +5,11 @@ intra-op threads keep spinning after a run returns, while its prefill and decode
         [--repeats 3] [--prompt 512] [--new-tokens 128] [--requests 64] [--request-prompt 128]
         [--request-outputs 16:256] [--slots 16] [--threads N] [--out PATH]
 
-Each artifact is loaded twice in one process, once per arm; each measurement below runs in both arms back to back
-(the order flips every repeat, and a pause of --pause seconds comes before each run, so that a pool still spinning
-from the other arm's last run has stopped):
+Each artifact is loaded twice in one process, once per arm, both without huge pages (Engine.load's huge_pages: how
+much of an engine's memory the kernel collapses varies from one load to the next, by about what is measured here),
+and each arm serves a short single stream and scheduler workload first. Each measurement below then runs in both
+arms back to back (the order flips every repeat, and a pause of --pause seconds comes before each run, so that a
+pool still spinning from the other arm's last run has stopped):
   single stream  a --prompt-token prompt of Python's documentation, --new-tokens greedy tokens (Engine.generate):
                  TTFT, TPOT, and the mean gap before each of the first --early tokens against the mean of the rest
                  (right after the prefill, its pool's spinning thread competes with the decode steps);
@@ -68,15 +70,39 @@ def scheduled(engine: Engine, workload, batching: str, slots: int) -> float:
     return made / seconds
 
 
-def measure(artifact: Path, args, console: Console) -> dict:
+def check_artifact(artifact: Path, args) -> dict:
+    """The artifact's manifest, if both workloads fit it; else a SystemExit saying what to change."""
+    if not (artifact / "manifest.json").is_file():
+        raise SystemExit(f"{artifact}: not an artifact; build it first (aotlm build recipes/{artifact.name}.yaml)")
     manifest = read_manifest(artifact)
-    engines = {label: Engine.load(artifact, intra_op_threads=args.threads, spin_after_run=spin)
+    if manifest["backend"]["name"] != "onnxruntime":  # TensorRT has no intra-op pools: both arms would be one
+        raise SystemExit(f"{artifact}: a {manifest['backend']['name']} artifact; the setting is onnxruntime's")
+    context = manifest["kv_cache"]["max_context"]
+    for what, needed in (("--prompt + --new-tokens - 1", args.prompt + args.new_tokens - 1),
+                         ("--request-prompt + the longest --request-outputs - 1",
+                          args.request_prompt + args.request_outputs[1] - 1)):
+        if needed > context:
+            raise SystemExit(f"{artifact}: {what} = {needed} cache positions, above its max context {context}")
+    return manifest
+
+
+def measure(artifact: Path, manifest: dict, args, console: Console) -> dict:
+    engines = {label: Engine.load(artifact, intra_op_threads=args.threads, huge_pages=False, spin_after_run=spin)
                for label, spin in ARMS.items()}
+    try:
+        return measure_engines(artifact, manifest, engines, args, console)
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def measure_engines(artifact: Path, manifest: dict, engines: dict, args, console: Console) -> dict:
     prompt_ids = prompt_token_ids(artifact, manifest, args.prompt)
     text_ids = prompt_token_ids(artifact, manifest, args.request_prompt + args.requests)
     workload = scheduler_workload(text_ids, args.requests, args.request_prompt, args.request_outputs)
-    for engine in engines.values():  # warm-up: first runs allocate and fault in pages
+    for engine in engines.values():  # warm-up: first runs allocate, fault in pages, make the batched bindings
         single_stream(engine, prompt_ids, 8, 1)
+        scheduled(engine, workload[:args.slots], "continuous", args.slots)
     runs = {label: [] for label in engines}
     for repeat in range(args.repeats):
         order = list(engines)[:: 1 if repeat % 2 == 0 else -1]
@@ -91,8 +117,6 @@ def measure(artifact: Path, args, console: Console) -> dict:
             console.log(f"{artifact.name} repeat {repeat + 1}/{args.repeats} {label}: TPOT "
                         f"{made[label]['single']['tpot_ms']:.2f} ms, continuous {made[label]['continuous']:.1f} "
                         f"tokens/s")
-    for engine in engines.values():
-        engine.close()
     return {"artifact": str(artifact), "runs": runs, "median": {label: summary(made) for label, made in runs.items()}}
 
 
@@ -158,17 +182,20 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS / "thread_spinning.json")
     args = parser.parse_args(argv)
     console = console or Console()
-    artifacts = [Path(a) for a in args.artifacts.split(",") if a]
-    for artifact in artifacts:
-        if not (artifact / "manifest.json").is_file():
-            raise SystemExit(f"{artifact}: not an artifact; build it first (aotlm build recipes/{artifact.name}.yaml)")
+    for name in ("repeats", "prompt", "early", "requests", "request_prompt", "slots"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.threads < 0:
+        raise SystemExit(f"--threads must be at least 0 (0: onnxruntime's default), got {args.threads}")
     if args.new_tokens <= args.early:
         raise SystemExit(f"--new-tokens ({args.new_tokens}) must exceed --early ({args.early})")
     try:
         args.request_outputs = parse_range(args.request_outputs, "--request-outputs")
     except BenchError as error:
         raise SystemExit(str(error)) from None
-    results = [measure(artifact, args, console) for artifact in artifacts]
+    artifacts = [Path(a) for a in args.artifacts.split(",") if a]
+    manifests = [check_artifact(artifact, args) for artifact in artifacts]  # all of them before any slow work
+    results = [measure(artifact, manifest, args, console) for artifact, manifest in zip(artifacts, manifests)]
     render(results, args, console)
     report = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "machine": machine_info(), "versions": versions(), "results": results}

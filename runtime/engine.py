@@ -185,7 +185,8 @@ class Engine:
         fp32 builds); `engine.huge_pages` reports what was done.
         spin_after_run: let onnxruntime's threads spin on after each run, its default. Off here: the prefill and
         decode sessions each have a thread pool on the same cores, and one spinning after its run slows the other
-        (runtime/onnxruntime_backend.py, STOP_SPINNING_AFTER_RUN). Both flags apply to onnxruntime artifacts only."""
+        (runtime/onnxruntime_backend.py, STOP_SPINNING_AFTER_RUN); an engine whose manifest session_config sets
+        that key keeps its own value. Both flags apply to onnxruntime artifacts only."""
         if not isinstance(artifact_dir, (str, Path)):
             raise ArtifactError(f"artifact_dir must be a path (str or pathlib.Path), got {type(artifact_dir).__name__}")
         if intra_op_threads is not None and (isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int)

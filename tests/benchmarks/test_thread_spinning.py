@@ -15,12 +15,28 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import thread_spinning  # noqa: E402
 
 
-def test_both_arms_on_the_tiny_artifact(tiny_artifact, tmp_path):
+def test_both_arms_on_the_tiny_artifact(tiny_artifact, tmp_path, monkeypatch):
+    import runtime.onnxruntime_backend as backend
+
+    stops = []  # per session opened: whether it stops spinning after a run
+    real = backend.session_options
+
+    def recording(*args, **keywords):
+        options = real(*args, **keywords)
+        try:
+            stops.append(options.get_session_config_entry(backend.STOP_SPINNING_AFTER_RUN) == "1")
+        except RuntimeError:  # never set: onnxruntime's default, spinning on
+            stops.append(False)
+        return options
+
+    monkeypatch.setattr(backend, "session_options", recording)
     out = tmp_path / "spin.json"
     report = thread_spinning.main(["--artifacts", str(tiny_artifact), "--repeats", "2", "--prompt", "24",
                                    "--new-tokens", "12", "--early", "4", "--requests", "6", "--request-prompt", "8",
                                    "--request-outputs", "4:20", "--slots", "3",
                                    "--pause", "0", "--threads", "1", "--out", str(out)], console=Console(quiet=True))
+    assert stops == [True, True, False, False]  # the first arm's prefill and decode sessions, then the second's
+    assert list(thread_spinning.ARMS.values()) == [False, True]
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert out.with_suffix(".png").stat().st_size > 0
     (result,) = report["results"]
@@ -56,3 +72,18 @@ def test_a_bad_output_range_is_refused(tiny_artifact, tmp_path):
     with pytest.raises(SystemExit, match="--request-outputs: '9:3' needs 1 <= LOW <= HIGH"):
         thread_spinning.main(["--artifacts", str(tiny_artifact), "--request-outputs", "9:3",
                               "--out", str(tmp_path / "s.json")], console=Console(quiet=True))
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["--early", "0"], "--early must be at least 1, got 0"),
+    (["--threads", "-1"], "--threads must be at least 0"),
+    (["--prompt", "120", "--new-tokens", "20"], "--prompt \\+ --new-tokens - 1 = 139 cache positions, above its max "
+                                                "context 128"),
+    (["--prompt", "8", "--new-tokens", "12", "--request-prompt", "100", "--request-outputs", "10:40"],
+     "the longest --request-outputs - 1 = 139"),
+])
+def test_bad_settings_are_refused_before_any_work(tiny_artifact, tmp_path, arguments, message):
+    with pytest.raises(SystemExit, match=message):
+        thread_spinning.main(["--artifacts", str(tiny_artifact), *arguments, "--out", str(tmp_path / "s.json")],
+                             console=Console(quiet=True))

@@ -26,7 +26,7 @@ def test_a_malformed_session_config_is_refused_naming_the_engine(config):
 
 def test_sessions_stop_spinning_after_each_run_unless_asked_or_the_engine_says_otherwise():
     assert session_options({}, None).get_session_config_entry(STOP_SPINNING_AFTER_RUN) == "1"
-    with pytest.raises(Exception):  # left unset: onnxruntime's default, spinning on after a run
+    with pytest.raises(RuntimeError, match="does not have configuration with key"):  # unset: spinning on after a run
         session_options({}, None, spin_after_run=True).get_session_config_entry(STOP_SPINNING_AFTER_RUN)
     recorded = session_options({}, None, {STOP_SPINNING_AFTER_RUN: "0"})  # an engine's own entry wins
     assert recorded.get_session_config_entry(STOP_SPINNING_AFTER_RUN) == "0"
@@ -50,5 +50,5 @@ def test_an_engine_opens_its_sessions_with_the_spinning_setting(tiny_artifact, m
     stopped = [o.get_session_config_entry(STOP_SPINNING_AFTER_RUN) == "1" for o in seen[:2]]
     assert len(seen) == 4 and all(stopped)  # prefill and decode, then the second engine's two
     for options in seen[2:]:
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError, match="does not have configuration with key"):
             options.get_session_config_entry(STOP_SPINNING_AFTER_RUN)
