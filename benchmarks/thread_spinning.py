@@ -11,7 +11,7 @@ and each arm serves a short single stream and scheduler workload first. Each mea
 arms back to back (the order flips every repeat, and a pause of --pause seconds comes before each run, so that a
 pool still spinning from the other arm's last run has stopped):
   single stream  a --prompt-token prompt of Python's documentation, --new-tokens greedy tokens (Engine.generate):
-                 TTFT, TPOT, and the mean gap before each of the first --early tokens against the mean of the rest
+                 TTFT, TPOT, and the mean of the first --early gaps between output tokens against that of the rest
                  (right after the prefill, its pool's spinning thread competes with the decode steps);
   scheduler      --requests requests submitted at once (--request-prompt-token prompts, output lengths drawn from
                  --request-outputs with seed 0, the same in both arms) to a --slots-slot scheduler, continuous and then
