@@ -64,9 +64,7 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
                                                           "gptq_act_order": True}),
     # block 64: half block 32's scales, and K = 576 is 9 whole blocks (block 128 pads its fifth from 64 to 128)
     "int4-awq_gptq_act-b64": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 64, "gptq_act_order": True}),
-    "int4-awq_gptq_act-b64-head32": ("smollm2-135m-int4.yaml", {
-        "method": "awq_gptq", "block_size": 64, "gptq_act_order": True,
-        "overrides": (Override("model.embed_tokens.weight", block_size=32),)}),
+    "int4-awq_gptq_act-b64-head32": ("smollm2-135m-int4-b64.yaml", {}),  # ... the table in blocks of 32: the recipe
     # block 128 with a zero point per block (asymmetric): 16 levels over each block's own [min, max]
     "int4-awq_gptq_act-b128-asym": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128,
                                                                "gptq_act_order": True, "symmetric": False}),

@@ -56,3 +56,23 @@ def tiny_engine(tiny_artifact):
     from runtime import Engine
 
     return Engine.load(tiny_artifact)
+
+
+@pytest.fixture
+def opened_sessions_stop_spinning(monkeypatch) -> list[bool]:
+    """Per onnxruntime session the runtime opens from now on, in order: whether it stops spinning after a run."""
+    import runtime.onnxruntime_backend as backend
+
+    stops: list[bool] = []
+    real = backend.session_options
+
+    def recording(*args, **keywords):
+        options = real(*args, **keywords)
+        try:
+            stops.append(options.get_session_config_entry(backend.STOP_SPINNING_AFTER_RUN) == "1")
+        except RuntimeError:  # never set: onnxruntime's default, spinning on after a run
+            stops.append(False)
+        return options
+
+    monkeypatch.setattr(backend, "session_options", recording)
+    return stops

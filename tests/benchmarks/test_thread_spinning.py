@@ -15,27 +15,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import thread_spinning  # noqa: E402
 
 
-def test_both_arms_on_the_tiny_artifact(tiny_artifact, tmp_path, monkeypatch):
-    import runtime.onnxruntime_backend as backend
-
-    stops = []  # per session opened: whether it stops spinning after a run
-    real = backend.session_options
-
-    def recording(*args, **keywords):
-        options = real(*args, **keywords)
-        try:
-            stops.append(options.get_session_config_entry(backend.STOP_SPINNING_AFTER_RUN) == "1")
-        except RuntimeError:  # never set: onnxruntime's default, spinning on
-            stops.append(False)
-        return options
-
-    monkeypatch.setattr(backend, "session_options", recording)
+def test_both_arms_on_the_tiny_artifact(tiny_artifact, tmp_path, opened_sessions_stop_spinning):
     out = tmp_path / "spin.json"
     report = thread_spinning.main(["--artifacts", str(tiny_artifact), "--repeats", "2", "--prompt", "24",
                                    "--new-tokens", "12", "--early", "4", "--requests", "6", "--request-prompt", "8",
                                    "--request-outputs", "4:20", "--slots", "3",
                                    "--pause", "0", "--threads", "1", "--out", str(out)], console=Console(quiet=True))
-    assert stops == [True, True, False, False]  # the first arm's prefill and decode sessions, then the second's
+    assert opened_sessions_stop_spinning == [True, True, False, False]  # the first arm's prefill and decode sessions, then the second's
     assert list(thread_spinning.ARMS.values()) == [False, True]
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert out.with_suffix(".png").stat().st_size > 0

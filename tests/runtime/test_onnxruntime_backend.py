@@ -32,23 +32,9 @@ def test_sessions_stop_spinning_after_each_run_unless_asked_or_the_engine_says_o
     assert recorded.get_session_config_entry(STOP_SPINNING_AFTER_RUN) == "0"
 
 
-def test_an_engine_opens_its_sessions_with_the_spinning_setting(tiny_artifact, monkeypatch):
-    import runtime.onnxruntime_backend as backend
-
-    seen = []
-    real = backend.session_options
-
-    def recording(*args, **keywords):
-        seen.append(real(*args, **keywords))
-        return seen[-1]
-
-    monkeypatch.setattr(backend, "session_options", recording)
+def test_an_engine_opens_its_sessions_with_the_spinning_setting(tiny_artifact, opened_sessions_stop_spinning):
     from runtime import Engine
 
     Engine.load(tiny_artifact, huge_pages=False)
     Engine.load(tiny_artifact, huge_pages=False, spin_after_run=True)
-    stopped = [o.get_session_config_entry(STOP_SPINNING_AFTER_RUN) == "1" for o in seen[:2]]
-    assert len(seen) == 4 and all(stopped)  # prefill and decode, then the second engine's two
-    for options in seen[2:]:
-        with pytest.raises(RuntimeError, match="does not have configuration with key"):
-            options.get_session_config_entry(STOP_SPINNING_AFTER_RUN)
+    assert opened_sessions_stop_spinning == [True, True, False, False]  # prefill and decode, then the second's two
