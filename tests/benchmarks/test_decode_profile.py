@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO
@@ -30,3 +31,23 @@ def test_a_context_past_the_cache_is_refused(tiny_artifact, tmp_path):
     with pytest.raises(SystemExit, match="exceed its cache"):
         decode_profile.main(["--artifacts", str(tiny_artifact), "--no-genai", "--contexts", "120", "--steps", "4",
                              "--out", str(tmp_path / "p.json")])
+
+
+def test_the_bound_cache_is_written_in_every_row(tiny_artifact):
+    """Never-written zeros would be the kernel's shared zero page, read faster than a real cache is."""
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    config = manifest["model"]["config"]
+    graph = decode_profile.DecodeGraph("tiny", tiny_artifact / "decode.onnx", config["num_kv_heads"],
+                                       config["head_dim"], None, 1)
+    assert len(graph.buffers) == 2 * config["num_layers"]
+    for buffer in graph.buffers:
+        values = buffer.numpy()
+        assert values.shape[2] == graph.capacity
+        assert np.all(np.any(values != 0, axis=-1)), "a cache row left all zeros"
+
+
+def test_written_buffers_keep_the_cache_type():
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float16, np.int8):
+        values = decode_profile.written_cache_buffer((1, 2, 8, 16), dtype, rng)
+        assert values.dtype == dtype and np.count_nonzero(values) > 0.9 * values.size
