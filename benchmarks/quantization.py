@@ -83,6 +83,10 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     # fp32 and the int4 recipe with an int8 KV cache (quantize_kv_cache in the recipe): a quarter of the cache bytes
     "fp32-kv8": ("smollm2-135m-kv8.yaml", {}),
     "int4-awq_gptq_act-b32-kv8": ("smollm2-135m-int4-kv8.yaml", {"method": "awq_gptq", "gptq_act_order": True}),
+    # ... and with the projections in blocks of 64 or 128, the table in blocks of 32
+    **{f"int4-awq_gptq_act-b{block}-head32-kv8": ("smollm2-135m-int4-kv8.yaml", {
+        "method": "awq_gptq", "block_size": block, "gptq_act_order": True,
+        "overrides": (Override("model.embed_tokens.weight", block_size=32),)}) for block in (64, 128)},
 }
 DEFAULT_VARIANTS = ("fp32", "int8", "int8-rtn", "int4-rtn-b32", "int4-rtn-b128", "int4-awq_gptq_act-b32",
                     "int4-awq_gptq_act-b128", "int4-awq_gptq_act-b128-asym", "int4-awq_gptq_act-b128-head32",

@@ -1,24 +1,25 @@
-"""Engine.load(spin_after_run=False), the default, against True (onnxruntime's own default): whether an engine's
-intra-op threads keep spinning after a run returns, while its prefill and decode sessions share the cores.
+"""Engine.load(spin_after_run=False), the default, against ["decode"] (the prefill session stops, the decode
+session spins on) and True (onnxruntime's own default for both): whether an engine's intra-op threads keep
+spinning after a run returns, while its prefill and decode sessions share the cores.
 
     .venv/bin/python benchmarks/thread_spinning.py [--artifacts artifacts/smollm2-135m,artifacts/smollm2-135m-int4]
         [--repeats 3] [--prompt 512] [--new-tokens 128] [--requests 64] [--request-prompt 128]
         [--request-outputs 16:256] [--slots 16] [--threads N] [--out PATH]
 
-Each artifact is loaded twice in one process, once per arm, both without huge pages (Engine.load's huge_pages: how
+Each artifact is loaded once per arm in one process, each without huge pages (Engine.load's huge_pages: how
 much of an engine's memory the kernel collapses varies from one load to the next, by about what is measured here),
-and each arm serves a short single stream and scheduler workload first. Each measurement below then runs in both
-arms back to back (the order flips every repeat, and a pause of --pause seconds comes before each run, so that a
+and each arm serves a short single stream and scheduler workload first. Each measurement below then runs in every
+arm back to back (the order rotates every repeat, and a pause of --pause seconds comes before each run, so that a
 pool still spinning from the other arm's last run has stopped):
   single stream  a --prompt-token prompt of Python's documentation, --new-tokens greedy tokens (Engine.generate):
                  TTFT, TPOT, and the mean of the first --early gaps between output tokens against that of the rest
                  (right after the prefill, its pool's spinning thread competes with the decode steps);
   scheduler      --requests requests submitted at once (--request-prompt-token prompts, output lengths drawn from
-                 --request-outputs with seed 0, the same in both arms) to a --slots-slot scheduler, continuous and then
+                 --request-outputs with seed 0, the same in every arm) to a --slots-slot scheduler, continuous and then
                  static batching:
                  output tokens/s from the first submit to the last result (prefills and decode steps alternate).
 Medians over the repeats, a table on the console, JSON in benchmarks/results/thread_spinning.json (--out) and a plot
-beside it of the mean gap by token index, both arms.
+beside it of the mean gap by token index, every arm.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from runtime import Engine  # noqa: E402
 from runtime.bench import BenchError, parse_range  # noqa: E402
 from runtime.manifest import read_manifest  # noqa: E402
 
-ARMS = {"stop after run": False, "spin after run": True}  # label: Engine.load's spin_after_run
+# label: Engine.load's spin_after_run; the last arm is what the table's ratios divide by
+ARMS = {"stop after run": False, "decode spins on": ["decode"], "spin after run": True}
 
 
 def single_stream(engine: Engine, prompt_ids: list[int], new_tokens: int, early: int) -> dict:
@@ -75,8 +77,10 @@ def check_artifact(artifact: Path, args) -> dict:
     if not (artifact / "manifest.json").is_file():
         raise SystemExit(f"{artifact}: not an artifact; build it first (aotlm build recipes/{artifact.name}.yaml)")
     manifest = read_manifest(artifact)
-    if manifest["backend"]["name"] != "onnxruntime":  # TensorRT has no intra-op pools: both arms would be one
+    if manifest["backend"]["name"] != "onnxruntime":  # TensorRT has no intra-op pools: the arms would be one
         raise SystemExit(f"{artifact}: a {manifest['backend']['name']} artifact; the setting is onnxruntime's")
+    if set(manifest["engines"]) != {"prefill", "decode"}:
+        raise SystemExit(f"{artifact}: engines {', '.join(manifest['engines'])}; the arms name prefill and decode")
     context = manifest["kv_cache"]["max_context"]
     for what, needed in (("--prompt + --new-tokens - 1", args.prompt + args.new_tokens - 1),
                          ("--request-prompt + the longest --request-outputs - 1",
@@ -105,9 +109,10 @@ def measure_engines(artifact: Path, manifest: dict, engines: dict, args, console
         scheduled(engine, workload[:args.slots], "continuous", args.slots)
     runs = {label: [] for label in engines}
     for repeat in range(args.repeats):
-        order = list(engines)[:: 1 if repeat % 2 == 0 else -1]
+        labels = list(engines)
+        order = labels[repeat % len(labels):] + labels[:repeat % len(labels)]
         made = {label: {} for label in engines}
-        for kind in ("single", "continuous", "static"):  # both arms back to back: the machine drifts over minutes
+        for kind in ("single", "continuous", "static"):  # the arms back to back: the machine drifts over minutes
             for label in order:
                 time.sleep(args.pause)
                 made[label][kind] = single_stream(engines[label], prompt_ids, args.new_tokens, args.early) \
@@ -131,19 +136,21 @@ def summary(runs: list[dict]) -> dict:
 
 
 def render(results: list[dict], args, console: Console) -> None:
-    table = Table(title=f"onnxruntime threads after a run: stopped (default) vs spinning, medians of {args.repeats} "
-                        f"alternating repeats")
+    table = Table(title=f"onnxruntime threads after a run: stopped (default), decode only spinning, both spinning; "
+                        f"medians of {args.repeats} rotating repeats")
     columns = (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), (f"gap, first {args.early} ms", "early_gap_ms"),
                ("gap, later ms", "later_gap_ms"), ("continuous tok/s", "continuous_tokens_per_s"),
                ("static tok/s", "static_tokens_per_s"))
     for heading in ("artifact", "threads after a run", *(name for name, _ in columns)):
         table.add_column(heading, justify="left" if heading in ("artifact", "threads after a run") else "right")
     for result in results:
-        stopped, spinning = (result["median"][label] for label in ARMS)
+        *others, base = ARMS
         for label, values in result["median"].items():
             table.add_row(Path(result["artifact"]).name, label, *(f"{values[key]:.2f}" for _, key in columns))
-        table.add_row("", "stopped / spinning", *(f"{stopped[key] / spinning[key]:.2f}x" for _, key in columns),
-                      style="bold")
+        for label in others:
+            arm, spinning = result["median"][label], result["median"][base]
+            table.add_row("", f"{label} / {base}", *(f"{arm[key] / spinning[key]:.2f}x" for _, key in columns),
+                          style="bold")
     console.print(table)
 
 

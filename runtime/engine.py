@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -177,14 +177,15 @@ class Engine:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None,
-             huge_pages: bool = True, spin_after_run: bool = False) -> "Engine":
+             huge_pages: bool = True, spin_after_run: bool | Collection[str] = False) -> "Engine":
         """Check the manifest (format version, file sizes; sha256 too if verify) and open both graphs.
 
         huge_pages: then put the memory onnxruntime allocated while loading (its weights) on 2 MiB pages
         (runtime/huge_pages.py: decode steps 5-8% faster, load 0.5-2.4 s longer for the default model's INT4 and
         fp32 builds); `engine.huge_pages` reports what was done.
-        spin_after_run: let onnxruntime's threads spin on after each run, its default. Off here: the prefill and
-        decode sessions each have a thread pool on the same cores, and one spinning after its run slows the other
+        spin_after_run: let onnxruntime's threads spin on after each run, its default: True for both sessions,
+        or the phases ("prefill", "decode") whose sessions keep spinning. Off here: the prefill and decode sessions
+        each have a thread pool on the same cores, and one spinning after its run slows the other
         (runtime/onnxruntime_backend.py, STOP_SPINNING_AFTER_RUN); an engine whose manifest session_config sets
         that key keeps its own value. Both flags apply to onnxruntime artifacts only."""
         if not isinstance(artifact_dir, (str, Path)):
@@ -193,12 +194,21 @@ class Engine:
                                              or intra_op_threads < 0):
             raise RequestError(f"intra_op_threads must be an integer >= 0 (0: onnxruntime's default) or None, got "
                                f"{intra_op_threads!r}")
-        for name, value in (("huge_pages", huge_pages), ("spin_after_run", spin_after_run)):
-            if not isinstance(value, bool):
-                raise RequestError(f"{name} must be True or False, got {value!r}")
+        if not isinstance(huge_pages, bool):
+            raise RequestError(f"huge_pages must be True or False, got {huge_pages!r}")
+        if not (isinstance(spin_after_run, bool) or isinstance(spin_after_run, (list, tuple, set, frozenset))
+                and all(isinstance(phase, str) for phase in spin_after_run)):
+            raise RequestError(f"spin_after_run must be True, False or a list of phases (\"prefill\", \"decode\"), "
+                               f"got {spin_after_run!r}")
         folder = Path(artifact_dir)
         manifest = read_manifest(folder)
         check_files(folder, manifest, verify_hashes=verify)
+        phases = list(manifest["engines"])
+        spinning_phases = set(phases if spin_after_run is True else () if spin_after_run is False else spin_after_run)
+        unknown = sorted(spinning_phases - set(phases))
+        if unknown:
+            raise RequestError(f"spin_after_run names {', '.join(map(repr, unknown))}, not a phase of this artifact "
+                               f"({', '.join(phases)})")
         backend_name = manifest["backend"]["name"]
         if huge_pages and backend_name == "onnxruntime":  # TensorRT's weights live in GPU memory
             from runtime.huge_pages import collapse_large_mappings, private_anonymous_mappings
@@ -211,7 +221,7 @@ class Engine:
         elif backend_name == "onnxruntime":
             from runtime.onnxruntime_backend import OnnxRuntimeBackend
 
-            backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spin_after_run)
+            backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spinning_phases)
         else:
             raise ArtifactError(f"{folder}: built for backend {backend_name!r}; this runtime runs 'onnxruntime' and "
                                 f"'tensorrt' artifacts")

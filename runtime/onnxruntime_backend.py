@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import Collection
 
 import numpy as np
 import onnxruntime as ort
@@ -129,7 +130,8 @@ def _release(version: str) -> tuple[int, ...]:
 
 class OnnxRuntimeBackend:
     def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None,
-                 spin_after_run: bool = False):
+                 spinning_phases: Collection[str] = ()):
+        """spinning_phases: the phases whose sessions' threads keep spinning after a run (STOP_SPINNING_AFTER_RUN)."""
         check_version(manifest["backend"].get("version"), ort.__version__)
         self.manifest = manifest
         settings = manifest["backend"].get("session", {})
@@ -143,7 +145,7 @@ class OnnxRuntimeBackend:
         self.huge_pages = False  # set by Engine.load(huge_pages=True): the slot cache asks for them too
         for phase, engine in manifest["engines"].items():
             options = session_options(settings, intra_op_threads, engine.get("session_config"),
-                                      f"manifest engines.{phase}", spin_after_run)
+                                      f"manifest engines.{phase}", phase in spinning_phases)
             path = Path(artifact_dir) / engine["file"]
             try:
                 session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])

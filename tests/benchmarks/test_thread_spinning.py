@@ -1,4 +1,4 @@
-"""benchmarks/thread_spinning.py on the tiny artifact: both arms run the same work (every request's tokens made,
+"""benchmarks/thread_spinning.py on the tiny artifact: every arm runs the same work (every request's tokens made,
 the same prompt), the JSON holds the table's medians, and the plot is written."""
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import thread_spinning  # noqa: E402
 
 
-def test_both_arms_on_the_tiny_artifact(tiny_artifact, tmp_path, opened_sessions_stop_spinning):
+def test_every_arm_on_the_tiny_artifact(tiny_artifact, tmp_path, opened_sessions_stop_spinning):
     out = tmp_path / "spin.json"
     report = thread_spinning.main(["--artifacts", str(tiny_artifact), "--repeats", "2", "--prompt", "24",
                                    "--new-tokens", "12", "--early", "4", "--requests", "6", "--request-prompt", "8",
                                    "--request-outputs", "4:20", "--slots", "3",
                                    "--pause", "0", "--threads", "1", "--out", str(out)], console=Console(quiet=True))
-    assert opened_sessions_stop_spinning == [True, True, False, False]  # the first arm's prefill and decode sessions, then the second's
-    assert list(thread_spinning.ARMS.values()) == [False, True]
+    # per arm its prefill and decode sessions: both stop; the prefill stops, the decode spins on; both spin on
+    assert opened_sessions_stop_spinning == [True, True, True, False, False, False]
+    assert list(thread_spinning.ARMS.values()) == [False, ["decode"], True]
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert out.with_suffix(".png").stat().st_size > 0
     (result,) = report["results"]

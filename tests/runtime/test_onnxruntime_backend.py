@@ -35,6 +35,9 @@ def test_sessions_stop_spinning_after_each_run_unless_asked_or_the_engine_says_o
 def test_an_engine_opens_its_sessions_with_the_spinning_setting(tiny_artifact, opened_sessions_stop_spinning):
     from runtime import Engine
 
-    Engine.load(tiny_artifact, huge_pages=False)
+    Engine.load(tiny_artifact, huge_pages=False, spin_after_run=False)
     Engine.load(tiny_artifact, huge_pages=False, spin_after_run=True)
-    assert opened_sessions_stop_spinning == [True, True, False, False]  # prefill and decode, then the second's two
+    Engine.load(tiny_artifact, huge_pages=False, spin_after_run=["decode"])
+    Engine.load(tiny_artifact, huge_pages=False, spin_after_run=("prefill",))
+    # per engine: its prefill session, then its decode session
+    assert opened_sessions_stop_spinning == [True, True, False, False, True, False, False, True]

@@ -94,10 +94,18 @@ def test_engine_load_arguments_are_checked_first(artifact, threads, message):
         Engine.load(artifact, intra_op_threads=threads)
 
 
-@pytest.mark.parametrize("flag", ["huge_pages", "spin_after_run"])
-def test_engine_load_flags_must_be_booleans(flag):
-    with pytest.raises(RequestError, match=f"{flag} must be True or False, got 'no'"):
-        Engine.load("x", **{flag: "no"})  # a non-empty string would have read as True
+def test_engine_load_flags_must_be_booleans():
+    with pytest.raises(RequestError, match="huge_pages must be True or False, got 'no'"):
+        Engine.load("x", huge_pages="no")  # a non-empty string would have read as True
+    for value in ("no", "decode", 1, [1]):  # a bare phase name too: a list says which phases
+        with pytest.raises(RequestError, match=r"spin_after_run must be True, False or a list of phases"):
+            Engine.load("x", spin_after_run=value)
+
+
+def test_spin_after_run_names_phases_of_the_artifact(tiny_artifact):
+    with pytest.raises(RequestError, match=r"spin_after_run names 'decoder', not a phase of this artifact "
+                                           r"\(prefill, decode\)"):
+        Engine.load(tiny_artifact, huge_pages=False, spin_after_run=["decoder"])
 
 
 @pytest.mark.parametrize("prompt, bad", [([5, 100000], 100000), ([5, -1], -1)])
