@@ -22,3 +22,11 @@ def test_each_variant_is_a_recipe_whose_settings_serialize(name):
     for key, value in settings["quantize"].items():  # what the JSON says is what the recipe builds
         built = getattr(quantize, key)
         assert (value == [dict(vars(o)) for o in built]) if key == "overrides" else value == built
+
+
+def test_paired_ratio_divides_each_repeat_by_the_same_repeat_of_the_reference():
+    runs = [{"tpot_ms": 2.0}, {"tpot_ms": 4.0}, {"tpot_ms": 9.0}]
+    reference = [{"tpot_ms": 1.0}, {"tpot_ms": 4.0}, {"tpot_ms": 3.0}]  # medians 4 / 3 would say 1.33x
+    assert quantization.paired_ratio(runs, reference, "tpot_ms") == 2.0  # ratios 2, 1, 3
+    with pytest.raises(ValueError):  # a repeat missing on one side: no pairing
+        quantization.paired_ratio(runs[:2], reference, "tpot_ms")
