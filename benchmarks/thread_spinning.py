@@ -10,7 +10,7 @@ Each artifact is loaded once per arm in one process, each without huge pages (En
 much of an engine's memory the kernel collapses varies from one load to the next, by about what is measured here),
 and each arm serves a short single stream and scheduler workload first. Each measurement below then runs in every
 arm back to back (the order rotates every repeat, and a pause of --pause seconds comes before each run, so that a
-pool still spinning from the other arm's last run has stopped):
+pool still spinning from the previous arm's last run has stopped):
   single stream  a --prompt-token prompt of Python's documentation, --new-tokens greedy tokens (Engine.generate):
                  TTFT, TPOT, and the mean of the first --early gaps between output tokens against that of the rest
                  (right after the prefill, its pool's spinning thread competes with the decode steps);
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     manifests = [check_artifact(artifact, args) for artifact in artifacts]  # all of them before any slow work
     results = [measure(artifact, manifest, args, console) for artifact, manifest in zip(artifacts, manifests)]
     render(results, args, console)
-    report = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    report = {"settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "arms": ARMS},
               "machine": machine_info(), "versions": versions(), "results": results}
     path = write_result("thread_spinning.json", report, args.out)
     plot(results, path.with_suffix(".png"))

@@ -184,7 +184,7 @@ class Engine:
         (runtime/huge_pages.py: decode steps 5-8% faster, load 0.5-2.4 s longer for the default model's INT4 and
         fp32 builds); `engine.huge_pages` reports what was done.
         spin_after_run: let onnxruntime's threads spin on after each run, its default: True for both sessions,
-        or the phases ("prefill", "decode") whose sessions keep spinning. Off here: the prefill and decode sessions
+        or a list of the phases ("prefill", "decode") whose sessions keep spinning (a bare string is refused). Off here: the prefill and decode sessions
         each have a thread pool on the same cores, and one spinning after its run slows the other
         (runtime/onnxruntime_backend.py, STOP_SPINNING_AFTER_RUN); an engine whose manifest session_config sets
         that key keeps its own value. Both flags apply to onnxruntime artifacts only."""
@@ -202,13 +202,13 @@ class Engine:
                                f"got {spin_after_run!r}")
         folder = Path(artifact_dir)
         manifest = read_manifest(folder)
-        check_files(folder, manifest, verify_hashes=verify)
-        phases = list(manifest["engines"])
+        phases = list(manifest["engines"])  # checked before check_files, which may hash every file
         spinning_phases = set(phases if spin_after_run is True else () if spin_after_run is False else spin_after_run)
         unknown = sorted(spinning_phases - set(phases))
         if unknown:
             raise RequestError(f"spin_after_run names {', '.join(map(repr, unknown))}, not a phase of this artifact "
                                f"({', '.join(phases)})")
+        check_files(folder, manifest, verify_hashes=verify)
         backend_name = manifest["backend"]["name"]
         if huge_pages and backend_name == "onnxruntime":  # TensorRT's weights live in GPU memory
             from runtime.huge_pages import collapse_large_mappings, private_anonymous_mappings
@@ -221,7 +221,7 @@ class Engine:
         elif backend_name == "onnxruntime":
             from runtime.onnxruntime_backend import OnnxRuntimeBackend
 
-            backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spinning_phases)
+            backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spinning_phases=spinning_phases)
         else:
             raise ArtifactError(f"{folder}: built for backend {backend_name!r}; this runtime runs 'onnxruntime' and "
                                 f"'tensorrt' artifacts")

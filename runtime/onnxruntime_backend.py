@@ -129,7 +129,7 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 class OnnxRuntimeBackend:
-    def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None,
+    def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None, *,
                  spinning_phases: Collection[str] = ()):
         """spinning_phases: the phases whose sessions' threads keep spinning after a run (STOP_SPINNING_AFTER_RUN)."""
         check_version(manifest["backend"].get("version"), ort.__version__)

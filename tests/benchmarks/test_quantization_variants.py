@@ -30,3 +30,16 @@ def test_paired_ratio_divides_each_repeat_by_the_same_repeat_of_the_reference():
     assert quantization.paired_ratio(runs, reference, "tpot_ms") == 2.0  # ratios 2, 1, 3
     with pytest.raises(ValueError):  # a repeat missing on one side: no pairing
         quantization.paired_ratio(runs[:2], reference, "tpot_ms")
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_the_int8_cache_variants_are_what_their_names_say(block):
+    recipe = quantization.variant_recipe(f"int4-awq_gptq_act-b{block}-head32-kv8")
+    names = [p.name for p in recipe.passes]
+    assert names.index("quantize") < names.index("quantize_kv_cache")
+    (quantize,) = (p.options for p in recipe.passes if p.name == "quantize")
+    assert (quantize.bits, quantize.block_size, quantize.method, quantize.gptq_act_order) == (4, block, "awq_gptq", True)
+    assert [(o.pattern, o.block_size) for o in quantize.overrides] == [("model.embed_tokens.weight", 32)]
+    # the same as its float-cache twin but for the cache pass
+    twin = quantization.variant_recipe(f"int4-awq_gptq_act-b{block}-head32")
+    assert [p for p in recipe.passes if p.name != "quantize_kv_cache"] == list(twin.passes)

@@ -25,6 +25,7 @@ def test_every_arm_on_the_tiny_artifact(tiny_artifact, tmp_path, opened_sessions
     assert opened_sessions_stop_spinning == [True, True, True, False, False, False]
     assert list(thread_spinning.ARMS.values()) == [False, ["decode"], True]
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["settings"]["arms"] == thread_spinning.ARMS  # which setting each label stood for
     assert out.with_suffix(".png").stat().st_size > 0
     (result,) = report["results"]
     assert set(result["runs"]) == set(thread_spinning.ARMS)

@@ -94,7 +94,7 @@ def test_engine_load_arguments_are_checked_first(artifact, threads, message):
         Engine.load(artifact, intra_op_threads=threads)
 
 
-def test_engine_load_flags_must_be_booleans():
+def test_engine_load_flags_are_type_checked():
     with pytest.raises(RequestError, match="huge_pages must be True or False, got 'no'"):
         Engine.load("x", huge_pages="no")  # a non-empty string would have read as True
     for value in ("no", "decode", 1, [1]):  # a bare phase name too: a list says which phases
