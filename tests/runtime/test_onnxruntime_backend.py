@@ -41,3 +41,10 @@ def test_an_engine_opens_its_sessions_with_the_spinning_setting(tiny_artifact, o
     Engine.load(tiny_artifact, huge_pages=False, spin_after_run=("prefill",))
     # per engine: its prefill session, then its decode session
     assert opened_sessions_stop_spinning == [True, True, False, False, True, False, False, True]
+
+
+def test_aotlm_run_keeps_only_the_decode_session_spinning(tiny_artifact, opened_sessions_stop_spinning, capsys):
+    from compiler.cli import main
+
+    assert main(["run", str(tiny_artifact), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    assert opened_sessions_stop_spinning == [True, False]  # one request: prefill stops, decode spins on
