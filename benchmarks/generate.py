@@ -164,14 +164,21 @@ def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple
         os.replace(cache / "hf.partial", hf_folder)
     if want_genai and not (genai_folder / "genai_config.json").is_file():
         console.log(f"building onnxruntime-genai's fp32 CPU model: {genai_folder}")
-        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder),
-                   "-o", str(genai_folder), "-p", "fp32", "-e", "cpu", "-c", str(cache / "builder-cache")]
-        # cwd: `python -m` puts the working directory first on sys.path, and the builder's own `quantization`
-        # module lost to benchmarks/quantization.py when run from benchmarks/ (ImportError: QuantConfig)
-        built = subprocess.run(command, capture_output=True, text=True, cwd=cache)
-        if built.returncode:  # its progress bars are noise, but on failure its output is the diagnosis
-            raise SystemExit(f"onnxruntime-genai's builder failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}")
+        build_genai_model(hf_folder, genai_folder, "fp32")
     return hf_folder, genai_folder
+
+
+def build_genai_model(hf_folder: Path, folder: Path, precision: str) -> None:
+    """onnxruntime-genai's own CPU build of a Hugging Face folder (its builder's defaults for `precision`) into
+    `folder`; the builder's cache sits beside the Hugging Face folder."""
+    cache = hf_folder.parent
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(folder),
+               "-p", precision, "-e", "cpu", "-c", str(cache / "builder-cache")]
+    # cwd: `python -m` puts the working directory first on sys.path, and the builder's own `quantization`
+    # module lost to benchmarks/quantization.py when run from benchmarks/ (ImportError: QuantConfig)
+    built = subprocess.run(command, capture_output=True, text=True, cwd=cache)
+    if built.returncode:  # its progress bars are noise, but on failure its output is the diagnosis
+        raise SystemExit(f"onnxruntime-genai's builder failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}")
 
 
 def prompt_token_ids(artifact: Path, manifest: dict, count: int) -> list[int]:

@@ -27,7 +27,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
-from generate import REPO, Aotlm, Genai, machine_info, measure_all, prepare_folders, prompt_token_ids, versions, write_result  # noqa: E402
+from generate import (REPO, Aotlm, Genai, build_genai_model, machine_info, measure_all, prepare_folders,  # noqa: E402
+                      prompt_token_ids, versions, write_result)
 
 from compiler.build import build  # noqa: E402
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
@@ -152,11 +152,7 @@ def genai_int4(hf_folder: Path, console: Console) -> Path:
     folder = hf_folder.parent / "genai-int4-cpu"
     if not (folder / "genai_config.json").is_file():
         console.log(f"building {GENAI_INT4}: {folder}")
-        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(folder),
-                   "-p", "int4", "-e", "cpu", "-c", str(hf_folder.parent / "builder-cache")]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=hf_folder.parent)  # as generate.py's
-        if done.returncode:
-            raise SystemExit(f"onnxruntime-genai's builder failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        build_genai_model(hf_folder, folder, "int4")
     return folder
 
 

@@ -43,7 +43,8 @@ def cache_dtype(kv_spec: dict) -> type:
 # pool's spinning thread took a core from the decode steps that followed (the first 10 gaps 9.2-10.9 ms against
 # 6.1-7.7 stopped, INT4 on 2 cores), and the scheduler, which alternates the two, served 7-23% more tokens/s with
 # INT4 weights (fp32: 0-8%) with the spinning stopped (benchmarks/thread_spinning.py, README). Stopped when a run
-# returns, the pool still spins during a run.
+# returns, the pool still spins during a run. One stream alone (decode after decode) gains from a decode pool left
+# spinning (TPOT 3-5% lower): Engine.load(spin_after_run=["decode"]), which `aotlm run` uses.
 STOP_SPINNING_AFTER_RUN = "session.force_spinning_stop"
 
 
