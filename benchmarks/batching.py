@@ -2,20 +2,27 @@
 static batching under Poisson arrivals.
 
     .venv/bin/python benchmarks/batching.py [--artifact artifacts/smollm2-135m] [--concurrency 1,4,8,16]
-        [--rate auto|R] [--load 1.5] [--poisson-requests 64] [--slots 16]
+        [--rounds 3] [--rate auto|R] [--load 1.5] [--poisson-requests 64] [--slots 16]
 
 Part 1 (closed loop): N clients each send a request (128-token prompt of Python's documentation, 64 greedy new
 tokens, stop tokens disabled) and the next as soon as theirs finishes; the scheduler has N slots; 4N requests, at
 least --min-requests (16): with 4 the single stream ran ~3 s, and two runs' single-stream TPOT differed by a third.
 Part 2 (open loop): requests arrive as a Poisson process at --rate per second, prompts of 128 tokens, output
 lengths drawn uniformly from 16..256 (same draws and arrival times for both modes), served by a 16-slot
-scheduler with batching "static" (fixed batches run to completion) and then "continuous".
+scheduler with batching "static" (fixed batches run to completion) and with "continuous".
 --rate auto (default) offers --load (1.5) times what part 1 served at its highest concurrency: its output
 tokens/s over the mean output length, in requests/s. Below capacity both modes serve what arrives and their
 throughputs match whatever the batching; a fixed rate saturated the slow VMs this ran on but left a faster one
 idle half the time (2/s there: 1.05x). Over capacity the queue grows in both modes and throughput is capacity.
 Both use runtime.bench (the code behind `aotlm bench`): same workloads, same metrics (vLLM's definitions).
-Writes benchmarks/results/batching.json (+ TTFT/TPOT CDF and timeline plots of part 2).
+--rounds (3) runs all of it that many times, interleaved: each round runs every concurrency level (in an order
+rotated by one level per round) and then both Poisson modes (static first in odd rounds, continuous first in even
+ones), so a ratio's two numbers come from the same round. The shared 2-core hosts this ran on drift by a third in
+single-stream speed from one minute to the next, and part 1 used to run its levels one after another: the single
+stream and 16 clients then met different machines. Ratios are paired: the median over rounds of each round's
+ratio. The rate (--rate auto) comes from the first round; every round serves the same Poisson workload.
+Writes benchmarks/results/batching.json (+ part 2's JSON, TTFT/TPOT CDF and timeline plots, of its median round:
+the round whose continuous/static ratio is the median).
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from rich.console import Console
 from rich.progress import Progress
@@ -61,10 +70,24 @@ def poisson_rate(args, closed: dict) -> tuple[float, str]:
                                   f"concurrency {top} over the mean output of {(low + high) / 2:g} tokens{note}")
 
 
+def paired(values: list[float], references: list[float]) -> dict:
+    """Round-by-round ratios and their median: both numbers of a ratio come from the same round, minutes apart at
+    most, so a host that drifts between rounds moves both."""
+    ratios = [value / reference for value, reference in zip(values, references)]
+    return {"median": float(np.median(ratios)), "rounds": ratios}
+
+
+def median_round(values: list[float]) -> int:
+    """The index of the round whose value is the median (the upper one of an even count)."""
+    return sorted(range(len(values)), key=values.__getitem__)[len(values) // 2]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
     parser.add_argument("--concurrency", default="1,4,8,16")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times every measurement runs, interleaved (see the module's docstring)")
     parser.add_argument("--rate", default="auto", help="Poisson requests per second, or auto (see --load)")
     parser.add_argument("--load", type=float, default=1.5,
                         help="with --rate auto: the rate offered, as a multiple of part 1's capacity")
@@ -90,54 +113,117 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--load: {args.load} must be positive")
     if args.min_requests < 1:
         parser.error(f"--min-requests: {args.min_requests} must be >= 1")
+    if args.rounds < 1:
+        parser.error(f"--rounds: {args.rounds} must be >= 1")
     console = Console(width=None if sys.stdout.isatty() else 160)
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
     encode, max_context = engine.tokenizer.encode, engine.max_context
     levels = [int(level) for level in args.concurrency.split(",")]
-
-    closed, open_loop = {}, {}
+    modes = ["static", "continuous"]
+    closed: dict[int, list[dict]] = {level: [] for level in levels}
+    open_loop: dict[str, list[list]] = {mode: [] for mode in modes}
+    orders, rate, rate_source, workload = [], None, None, None
     with Progress(console=console) as progress:
-        for level in levels:
-            workload = bench.make_workload(encode, max_context=max_context, requests=max(4 * level, args.min_requests),
-                                           arrival="concurrency",
-                                           concurrency=level, prompt_tokens=args.prompt_tokens,
-                                           output_tokens=args.new_tokens, warmup=1)
-            started = time.perf_counter()
-            traces = serve(engine, workload, "continuous", level, progress, f"concurrency {level}")
-            closed[level] = {"wall_s": time.perf_counter() - started, **bench.report({}, {"run": traces})["backends"]["run"]}
-        rate, rate_source = poisson_rate(args, closed)
-        console.log(f"Poisson arrivals: {rate:.2f} requests/s ({rate_source})")
-        workload = bench.make_workload(encode, max_context=max_context, requests=args.poisson_requests,
-                                       arrival="poisson", rate=rate, prompt_tokens=args.prompt_tokens,
-                                       output_tokens=args.poisson_output_tokens,
-                                       warmup=1, seed=0)
-        for mode in ("static", "continuous"):
-            open_loop[mode] = serve(engine, workload, mode, args.slots, progress, f"poisson {rate:.2f}/s {mode}")
+        for round_index in range(args.rounds):
+            shift = round_index % len(levels)
+            level_order = levels[shift:] + levels[:shift]
+            mode_order = modes if round_index % 2 == 0 else modes[::-1]
+            orders.append({"closed_loop": level_order, "poisson": mode_order})
+            label = f"round {round_index + 1}/{args.rounds}"
+            for level in level_order:
+                closed_workload = bench.make_workload(
+                    encode, max_context=max_context, requests=max(4 * level, args.min_requests),
+                    arrival="concurrency", concurrency=level, prompt_tokens=args.prompt_tokens,
+                    output_tokens=args.new_tokens, warmup=1)
+                started = time.perf_counter()
+                traces = serve(engine, closed_workload, "continuous", level, progress, f"{label} concurrency {level}")
+                closed[level].append({"wall_s": time.perf_counter() - started,
+                                      **bench.report({}, {"run": traces})["backends"]["run"]})
+            if workload is None:  # the first round's closed loop sets the rate; every round then serves the same
+                rate, rate_source = poisson_rate(args, {level: runs[0] for level, runs in closed.items()})
+                console.log(f"Poisson arrivals: {rate:.2f} requests/s ({rate_source})")
+                workload = bench.make_workload(encode, max_context=max_context, requests=args.poisson_requests,
+                                               arrival="poisson", rate=rate, prompt_tokens=args.prompt_tokens,
+                                               output_tokens=args.poisson_output_tokens, warmup=1, seed=0)
+            for mode in mode_order:
+                open_loop[mode].append(serve(engine, workload, mode, args.slots, progress,
+                                             f"{label} poisson {rate:.2f}/s {mode}"))
 
-    single = closed[levels[0]]["summary"]["output_tokens_per_s"]
-    table = Table(title=f"closed loop: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, N clients, "
-                        f"N slots (continuous)")
-    for column in ("concurrency", "requests", "out tok/s", f"vs concurrency {levels[0]}", "TTFT p50 ms", "TPOT p50 ms",
-                   "TPOT p99 ms"):
-        table.add_column(column, justify="right")
-    for level, entry in closed.items():
-        s = entry["summary"]
-        table.add_row(str(level), str(s["requests"]), f"{s['output_tokens_per_s']:.1f}",
-                      f"{s['output_tokens_per_s'] / single:.2f}x", ms(s["ttft_ms"]["median"]),
-                      ms(s["tpot_ms"]["median"]), ms(s["tpot_ms"]["p99"]))
-    console.print(table)
-    poisson = bench.report({"arrival": "poisson", "rate": rate, "rate_source": rate_source, "slots": args.slots,
-                            **workload.settings()}, open_loop)
-    console.print(bench.compare_table(poisson))
+    def tokens_per_s(summary: dict) -> float:
+        return summary["output_tokens_per_s"]
+
+    first = levels[0]
+    vs_first = {level: paired([tokens_per_s(e["summary"]) for e in runs],
+                              [tokens_per_s(e["summary"]) for e in closed[first]]) for level, runs in closed.items()}
+    render_closed(console, args, closed, vs_first, first)
+    settings = {"arrival": "poisson", "rate": rate, "rate_source": rate_source, "slots": args.slots,
+                **workload.settings()}
+    reports = [bench.report(settings, {mode: open_loop[mode][r] for mode in modes}) for r in range(args.rounds)]
+    summaries = {mode: [report["backends"][mode]["summary"] for report in reports] for mode in modes}
+    continuous_over_static = {
+        "output_tokens_per_s": paired([tokens_per_s(s) for s in summaries["continuous"]],
+                                      [tokens_per_s(s) for s in summaries["static"]]),
+        "ttft_p99": paired([s["ttft_ms"]["p99"] for s in summaries["continuous"]],
+                           [s["ttft_ms"]["p99"] for s in summaries["static"]])}
+    shown = median_round(continuous_over_static["output_tokens_per_s"]["rounds"])
+    console.print(bench.compare_table(reports[shown]))
+    render_open(console, summaries, continuous_over_static, shown)
     result = {"settings": {**{k: str(v) for k, v in vars(args).items()}, "decoding": "greedy, stop tokens disabled"},
-              "machine": machine_info(), "versions": versions(),
-              "closed_loop": {str(level): {"wall_s": e["wall_s"], "summary": e["summary"]} for level, e in closed.items()},
+              "machine": machine_info(), "versions": versions(), "orders": orders,
+              "closed_loop": {str(level): {**median_entry(runs), "rounds": runs_without_traces(runs)}
+                              for level, runs in closed.items()},
+              "closed_loop_vs_first_level": {str(level): ratios for level, ratios in vs_first.items()},
               "poisson_rate": {"requests_per_s": rate, "source": rate_source},
-              "poisson": {mode: entry["summary"] for mode, entry in poisson["backends"].items()}}
+              "poisson": {mode: {**summaries[mode][shown], "rounds": summaries[mode]} for mode in modes},
+              "poisson_continuous_over_static": continuous_over_static,
+              "poisson_plotted_round": shown + 1}
     out = args.out or RESULTS / "batching.json"
-    written = bench.write_outputs(poisson, out.with_name(f"{out.stem}-poisson.json"))
+    written = bench.write_outputs(reports[shown], out.with_name(f"{out.stem}-poisson.json"))
     console.print(f"wrote {write_result('batching.json', result, out)}, " + ", ".join(map(str, written)))
     return result
+
+
+def median_entry(runs: list[dict]) -> dict:
+    """The closed loop's median round (by output tokens/s): its wall time and summary."""
+    entry = runs[median_round([e["summary"]["output_tokens_per_s"] for e in runs])]
+    return {"wall_s": entry["wall_s"], "summary": entry["summary"]}
+
+
+def runs_without_traces(runs: list[dict]) -> list[dict]:
+    return [{"wall_s": e["wall_s"], "summary": e["summary"]} for e in runs]
+
+
+def rounds_cell(values: list[float], fmt: str) -> str:
+    return " / ".join(format(v, fmt) for v in values)
+
+
+def render_closed(console: Console, args, closed: dict, vs_first: dict, first: int) -> None:
+    table = Table(title=f"closed loop: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, N clients, "
+                        f"N slots (continuous), {args.rounds} rounds")
+    for column in ("concurrency", "requests", "out tok/s (median)", "per round", f"vs concurrency {first} (paired)",
+                   "per round", "TTFT p50 ms", "TPOT p50 ms", "TPOT p99 ms"):
+        table.add_column(column, justify="right")
+    for level, runs in closed.items():
+        s = median_entry(runs)["summary"]
+        per_round = [e["summary"]["output_tokens_per_s"] for e in runs]
+        table.add_row(str(level), str(s["requests"]), f"{np.median(per_round):.1f}", rounds_cell(per_round, ".1f"),
+                      f"{vs_first[level]['median']:.2f}x", rounds_cell(vs_first[level]["rounds"], ".2f"),
+                      ms(s["ttft_ms"]["median"]), ms(s["tpot_ms"]["median"]), ms(s["tpot_ms"]["p99"]))
+    table.caption = ("median round's latencies; 'paired': the median over rounds of that round's tokens/s over the "
+                     f"same round's at concurrency {first}")
+    console.print(table)
+
+
+def render_open(console: Console, summaries: dict, continuous_over_static: dict, shown: int) -> None:
+    table = Table(title=f"Poisson arrivals, every round (the table above is round {shown + 1}, the median round)")
+    for column in ("", "static", "continuous", "continuous / static (paired median)", "per round"):
+        table.add_column(column, justify="right")
+    for label, key, get in (("out tok/s", "output_tokens_per_s", lambda s: s["output_tokens_per_s"]),
+                            ("TTFT p99 ms", "ttft_p99", lambda s: s["ttft_ms"]["p99"])):
+        table.add_row(label, rounds_cell([get(s) for s in summaries["static"]], ".1f"),
+                      rounds_cell([get(s) for s in summaries["continuous"]], ".1f"),
+                      f"{continuous_over_static[key]['median']:.2f}x", rounds_cell(continuous_over_static[key]["rounds"], ".2f"))
+    console.print(table)
 
 
 if __name__ == "__main__":

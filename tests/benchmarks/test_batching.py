@@ -1,5 +1,5 @@
 """benchmarks/batching.py at a tiny size: the closed loop and both Poisson runs are served and written where asked,
-also when every request makes one token (no TPOT exists then)."""
+also when every request makes one token (no TPOT exists then); rounds interleave and their ratios are paired."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ import batching  # noqa: E402
 def test_one_token_requests_and_an_output_path(tiny_artifact, tmp_path):
     out = tmp_path / "b.json"
     result = batching.main(["--artifact", str(tiny_artifact), "--concurrency", "1,2", "--new-tokens", "1",
-                            "--poisson-requests", "3", "--slots", "2", "--prompt-tokens", "8",
+                            "--rounds", "1", "--poisson-requests", "3", "--slots", "2", "--prompt-tokens", "8",
                             "--poisson-output-tokens", "2:4", "--rate", "50", "--out", str(out)])
     assert json.loads(out.read_text())["closed_loop"] == json.loads(json.dumps(result["closed_loop"]))
     assert result["closed_loop"]["1"]["summary"]["tpot_ms"]["median"] is None  # one token each: no TPOT
@@ -26,16 +26,46 @@ def test_one_token_requests_and_an_output_path(tiny_artifact, tmp_path):
 
 def test_auto_rate_offers_a_multiple_of_the_closed_loop_capacity(tiny_artifact, tmp_path):
     result = batching.main(["--artifact", str(tiny_artifact), "--concurrency", "1,2", "--new-tokens", "2",
-                            "--poisson-requests", "3", "--slots", "2", "--prompt-tokens", "8",
+                            "--rounds", "2", "--poisson-requests", "3", "--slots", "2", "--prompt-tokens", "8",
                             "--poisson-output-tokens", "2:4", "--load", "2", "--out", str(tmp_path / "b.json")])
-    capacity = result["closed_loop"]["2"]["summary"]["output_tokens_per_s"] / 3  # mean output of 2:4
+    first_round = result["closed_loop"]["2"]["rounds"][0]  # the first round sets the rate for every round
+    capacity = first_round["summary"]["output_tokens_per_s"] / 3  # mean output of 2:4
     assert result["poisson_rate"]["requests_per_s"] == pytest.approx(2 * capacity)
     assert "concurrency 2" in result["poisson_rate"]["source"]
 
 
-@pytest.mark.parametrize("flags", [["--rate", "0"], ["--rate", "fast"], ["--load", "-1"]])
+@pytest.mark.parametrize("flags", [["--rate", "0"], ["--rate", "fast"], ["--load", "-1"], ["--rounds", "0"]])
 def test_bad_rates_are_refused_before_anything_runs(flags, capsys):
     with pytest.raises(SystemExit) as exit_info:
         batching.main(["--artifact", "/nonexistent", *flags])
     assert exit_info.value.code == 2
     assert flags[0] in capsys.readouterr().err
+
+
+def test_rounds_interleave_and_ratios_are_paired(tiny_artifact, tmp_path):
+    result = batching.main(["--artifact", str(tiny_artifact), "--concurrency", "1,2", "--new-tokens", "2",
+                            "--rounds", "3", "--poisson-requests", "3", "--slots", "2", "--prompt-tokens", "8",
+                            "--poisson-output-tokens", "2:4", "--rate", "50", "--out", str(tmp_path / "b.json")])
+    assert [order["closed_loop"] for order in result["orders"]] == [[1, 2], [2, 1], [1, 2]]
+    assert [order["poisson"] for order in result["orders"]] == [["static", "continuous"], ["continuous", "static"],
+                                                                ["static", "continuous"]]
+    single, pair = ([r["summary"]["output_tokens_per_s"] for r in result["closed_loop"][level]["rounds"]]
+                    for level in ("1", "2"))
+    ratios = result["closed_loop_vs_first_level"]["2"]
+    assert ratios["rounds"] == pytest.approx([p / s for p, s in zip(pair, single)])
+    assert ratios["median"] == pytest.approx(sorted(ratios["rounds"])[1])
+    assert result["closed_loop_vs_first_level"]["1"]["rounds"] == pytest.approx([1.0, 1.0, 1.0])
+    static, continuous = ([s["output_tokens_per_s"] for s in result["poisson"][mode]["rounds"]]
+                          for mode in ("static", "continuous"))
+    per_round = result["poisson_continuous_over_static"]["output_tokens_per_s"]["rounds"]
+    assert per_round == pytest.approx([c / s for c, s in zip(continuous, static)])
+    shown = result["poisson_plotted_round"] - 1  # the median round's summaries are the top-level ones
+    assert sorted(per_round)[1] == pytest.approx(per_round[shown])
+    assert result["poisson"]["static"]["output_tokens_per_s"] == static[shown]
+    assert len(json.loads((tmp_path / "b-poisson.json").read_text())["backends"]["static"]["traces"]) == 3
+
+
+def test_paired_ratios_and_the_median_round():
+    assert batching.paired([10.0, 30.0, 20.0], [5.0, 10.0, 20.0]) == {"median": 2.0, "rounds": [2.0, 3.0, 1.0]}
+    assert batching.median_round([3.0, 1.0, 2.0]) == 2
+    assert batching.median_round([4.0, 1.0]) == 0  # even count: the upper of the two middle values
