@@ -18,7 +18,8 @@ the median run counts.
 
 Noise: the 2-core VMs this runs on are shared, so the backends are interleaved -- for each context every
 backend is measured in turn (the order rotates from one repeat to the next) -- and the whole sweep is repeated
---repeats times; reported numbers are medians over the repeats. Each measurement also records how many cores
+--repeats times; reported times are medians over the repeats, and ratios are paired: the median over repeats of
+each repeat's ratio (its two numbers measured minutes apart at most). Each measurement also records how many cores
 everything else on the machine kept busy meanwhile (/proc/stat minus this process, steal included); above
 --max-other-cores it waits and measures again (up to --retries times, keeping the least contended attempt).
 Load averages are recorded before and after.
@@ -235,17 +236,40 @@ def summarize(raw: dict, args, manifests: dict, bandwidth: float) -> dict:
     return {"decode": decode, "prefill": prefill}
 
 
-def ratio(results: dict, top: str, bottom: str, key) -> str:
-    if top in results and bottom in results:
-        return f"{results[top][key]['median_ms'] / results[bottom][key]['median_ms']:.2f}x"
-    return "-"
+def paired(results: dict, top: str, bottom: str, key, bottom_key=None) -> float | None:
+    """The median over repeats of top / bottom in the same repeat (a repeat measures every backend in turn, so the
+    two come from the same minutes; the host drifts between repeats). bottom_key: another key of the same backend
+    (the context growth)."""
+    if top not in results or bottom not in results:
+        return None
+    tops = results[top][key]["repeats"]
+    bottoms = results[bottom][key if bottom_key is None else bottom_key]["repeats"]
+    return float(np.median([t["median_ms"] / b["median_ms"] for t, b in zip(tops, bottoms)]))
+
+
+def paired_ratios(summary: dict, contexts: list[int], prompt_lengths: list[int]) -> dict:
+    decode, prefill = summary["decode"], summary["prefill"]
+    lo, hi = contexts[0], contexts[-1]
+    return {
+        "decode": {ctx: {"fused_vs_unfused": paired(decode, FUSED, UNFUSED, ctx),
+                         "fused_vs_genai": paired(decode, FUSED, GENAI, ctx)} for ctx in contexts},
+        "prefill": {length: {"fused_vs_unfused": paired(prefill, FUSED, UNFUSED, length),
+                             "fused_vs_genai": paired(prefill, FUSED, GENAI, length)} for length in prompt_lengths},
+        "decode_growth": {name: paired(decode, name, name, hi, bottom_key=lo) for name in decode},
+    }
+
+
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def render(summary: dict, args, console: Console, bandwidth: float) -> list[str]:
     decode, prefill = summary["decode"], summary["prefill"]
+    pairs = paired_ratios(summary, args.contexts, args.prompt_lengths)
     names = list(decode)
     table = Table(title=f"decode, ms per token (median over {args.repeats} repeats of {args.steps} steps; batch 1); "
                         f"floor = bytes read / this machine's {bandwidth / 1e9:.1f} GB/s")
+    table.caption = "fused/unfused, fused/genai: the median over repeats of each repeat's ratio (paired)"
     table.add_column("context", justify="right")
     for name in names:
         table.add_column(f"{name} ms", justify="right")
@@ -261,7 +285,7 @@ def render(summary: dict, args, console: Console, bandwidth: float) -> list[str]
         row = [str(ctx)]
         for name in names:
             row += [f"{decode[name][ctx]['median_ms']:.2f}", f"{decode[name][ctx]['p90_ms']:.2f}"]
-        row += [ratio(decode, FUSED, UNFUSED, ctx), ratio(decode, FUSED, GENAI, ctx)]
+        row += [ratio(pairs["decode"][ctx]["fused_vs_unfused"]), ratio(pairs["decode"][ctx]["fused_vs_genai"])]
         if FUSED in decode:
             entry = decode[FUSED][ctx]
             row += [f"{entry['bytes_read'] / 1e6:.0f}", f"{entry['achieved_gb_per_s']:.1f}", f"{entry['floor_ms']:.2f}",
@@ -270,10 +294,12 @@ def render(summary: dict, args, console: Console, bandwidth: float) -> list[str]
     console.print(table)
     lo, hi = args.contexts[0], args.contexts[-1]
     growth = ", ".join(f"{name} {decode[name][hi]['median_ms'] / decode[name][lo]['median_ms']:.2f}x" for name in names)
-    lines = [f"decode ms ctx{hi} / ctx{lo}: {growth}"]
-    console.print(lines[0])
+    growth_paired = ", ".join(f"{name} {ratio(value)}" for name, value in pairs["decode_growth"].items())
+    lines = [f"decode ms ctx{hi} / ctx{lo}: {growth}", f"paired (median of the repeats' ratios): {growth_paired}"]
+    console.print("\n".join(lines))
 
     table = Table(title=f"prefill (median over {args.repeats} repeats of the median of {args.prefill_runs} runs; batch 1)")
+    table.caption = "ratios paired, as in the decode table"
     table.add_column("prompt tokens", justify="right")
     for name in names:
         table.add_column(f"{name} ms", justify="right")
@@ -284,7 +310,7 @@ def render(summary: dict, args, console: Console, bandwidth: float) -> list[str]
         row = [str(length)]
         for name in names:
             row += [f"{prefill[name][length]['median_ms']:.1f}", f"{prefill[name][length]['tokens_per_s']:.0f}"]
-        row += [ratio(prefill, FUSED, UNFUSED, length), ratio(prefill, FUSED, GENAI, length)]
+        row += [ratio(pairs["prefill"][length]["fused_vs_unfused"]), ratio(pairs["prefill"][length]["fused_vs_genai"])]
         table.add_row(*row)
     console.print(table)
     return lines
@@ -371,7 +397,9 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": versions(), "setup_s": setup_s, "sweep_s": sweep_s,
         "decode": {name: {str(k): v for k, v in by.items()} for name, by in summary["decode"].items()},
         "prefill": {name: {str(k): v for k, v in by.items()} for name, by in summary["prefill"].items()},
-        "decode_growth": lines[0], "contention": contention,
+        "decode_growth": lines[0], "decode_growth_paired": lines[1], "contention": contention,
+        "paired": {phase: {str(k): v for k, v in by.items()} for phase, by in
+                   paired_ratios(summary, args.contexts, args.prompt_lengths).items()},
     }
     console.print(f"wrote {write_result('phases.json', report, args.out)}")
     return report

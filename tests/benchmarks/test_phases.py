@@ -30,7 +30,23 @@ def test_floor_is_the_bytes_at_the_measured_bandwidth():
     lines = phases.render(summary, args, console, bandwidth=20e9)
     text = console.export_text()
     assert "20.0 GB/s" in text and "fused/floor" in text and f"{at64['floor_ms']:.2f}" in text
-    assert lines == ["decode ms ctx2000 / ctx64: aotlm-fused 1.50x"]
+    assert lines == ["decode ms ctx2000 / ctx64: aotlm-fused 1.50x", "paired (median of the repeats' ratios): aotlm-fused 1.50x"]
+
+
+def test_ratios_pair_each_repeat_with_the_same_repeat():
+    """A host that slows down between repeats: the ratios of the medians mislead, the per-repeat ratios do not."""
+    def runs(*ms):
+        return [{"median_ms": m, "p90_ms": m} for m in ms]
+    raw = {"decode": {phases.FUSED: {64: runs(10.0, 20.0, 40.0), 2000: runs(12.0, 24.0, 48.0)},
+                      phases.GENAI: {64: runs(25.0, 12.5, 100.0), 2000: runs(30.0, 15.0, 120.0)}},
+           "prefill": {phases.FUSED: {128: runs(80.0, 160.0, 320.0)}, phases.GENAI: {128: runs(100.0, 100.0, 400.0)}}}
+    args = Namespace(repeats=3, steps=4, prefill_runs=1, contexts=[64, 2000], prompt_lengths=[128])
+    summary = phases.summarize(raw, args, {}, bandwidth=20e9)
+    pairs = phases.paired_ratios(summary, args.contexts, args.prompt_lengths)
+    assert pairs["decode"][64]["fused_vs_genai"] == pytest.approx(0.4)  # of 0.4, 1.6, 0.4; the medians' ratio: 20/25
+    assert pairs["decode"][64]["fused_vs_unfused"] is None  # no unfused backend measured
+    assert pairs["prefill"][128]["fused_vs_genai"] == pytest.approx(0.8)  # of 0.8, 1.6, 0.8; the medians': 160/100
+    assert pairs["decode_growth"] == {phases.FUSED: pytest.approx(1.2), phases.GENAI: pytest.approx(1.2)}
 
 
 def test_a_context_beyond_the_artifact_is_refused_before_any_measurement(tiny_artifact, tmp_path, monkeypatch):
