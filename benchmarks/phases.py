@@ -45,8 +45,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
-from generate import (REPO, Genai, machine_info, prepare_folders, prompt_token_ids, versions,  # noqa: E402
-                      write_result)
+from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, prepare_folders, prompt_token_ids,  # noqa: E402
+                      versions, write_result)
 
 from compiler.plan import cpu_device  # noqa: E402
 
@@ -68,7 +68,8 @@ class AotlmPhases:
         from runtime import Engine
 
         self.name = name
-        self.engine = Engine.load(artifact, intra_op_threads=threads)  # allocates and binds the cache once
+        # allocates and binds the cache once; the decode session spins on between steps, as in `aotlm run`
+        self.engine = Engine.load(artifact, intra_op_threads=threads, spin_after_run=SINGLE_STREAM_SPIN)
         self.backend = self.engine.backend
         self.max_context = self.engine.max_context
         self.mask = np.ones((1, self.max_context), dtype=np.int64)

@@ -10,7 +10,7 @@ variant the same way). Per variant:
   size      bytes of the artifact's engine files (graphs + weights.bin); genai: its model folder's .onnx + data
   TTFT/TPOT batch 1, a --prompt-tokens prompt of Python's documentation, --new-tokens greedy tokens, median of
             --repeats runs after a warm-up, every variant and genai loaded at once and their runs interleaved
-            (benchmarks/generate.py's measure_all)
+            (benchmarks/generate.py's measure_all), each artifact loaded as `aotlm run` loads it (decode spinning)
   perplexity on the held-out 10% of Python's documentation (`builtin:pydoc-held-out`, never used to calibrate),
             first --eval-tokens tokens, sliding windows (runtime.evaluate.window_spans)
   top-1     agreement of the next-token argmax with the fp32 artifact on the same scored positions
