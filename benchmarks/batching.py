@@ -2,7 +2,7 @@
 static batching under Poisson arrivals.
 
     .venv/bin/python benchmarks/batching.py [--artifact artifacts/smollm2-135m] [--concurrency 1,4,8,16]
-        [--rounds 3] [--rate auto|R] [--load 1.5] [--poisson-requests 64] [--slots 16]
+        [--rounds 4] [--rate auto|R] [--load 1.5] [--poisson-requests 64] [--slots 16]
 
 Part 1 (closed loop): N clients each send a request (128-token prompt of Python's documentation, 64 greedy new
 tokens, stop tokens disabled) and the next as soon as theirs finishes; the scheduler has N slots; 4N requests, at
@@ -15,14 +15,16 @@ tokens/s over the mean output length, in requests/s. Below capacity both modes s
 throughputs match whatever the batching; a fixed rate saturated the slow VMs this ran on but left a faster one
 idle half the time (2/s there: 1.05x). Over capacity the queue grows in both modes and throughput is capacity.
 Both use runtime.bench (the code behind `aotlm bench`): same workloads, same metrics (vLLM's definitions).
---rounds (3) runs all of it that many times, interleaved: each round runs every concurrency level (in an order
-rotated by one level per round) and then both Poisson modes (static first in odd rounds, continuous first in even
-ones), so a ratio's two numbers come from the same round. The shared 2-core hosts this ran on drift by a third in
-single-stream speed from one minute to the next, and part 1 used to run its levels one after another: the single
-stream and 16 clients then met different machines. Ratios are paired: the median over rounds of each round's
-ratio. The rate (--rate auto) comes from the first round; every round serves the same Poisson workload.
+--rounds (4) runs all of it that many times, interleaved: each round runs every concurrency level and then both
+Poisson modes, in the order given in rounds 1 and 4 (1, 4, 8, 16; static, continuous) and reversed in rounds 2 and
+3 (ABBA, repeated for more rounds), so a ratio's two numbers come from the same round and, over four rounds, a host
+that speeds up or slows down steadily favours neither side. The shared 2-core hosts this ran on drift by a third
+in single-stream speed from one minute to the next, and part 1 used to run its levels one after another: the
+single stream and 16 clients then met different machines. Ratios are paired: the median over rounds of each
+round's ratio (numpy's: the mean of the middle two for an even count). The rate (--rate auto) comes from the first
+round; every round serves the same Poisson workload.
 Writes benchmarks/results/batching.json (+ part 2's JSON, TTFT/TPOT CDF and timeline plots, of its median round:
-the round whose continuous/static ratio is the median).
+the round whose continuous/static ratio is the median, the upper of the middle two for an even count).
 """
 from __future__ import annotations
 
@@ -72,9 +74,15 @@ def poisson_rate(args, closed: dict) -> tuple[float, str]:
 
 def paired(values: list[float], references: list[float]) -> dict:
     """Round-by-round ratios and their median: both numbers of a ratio come from the same round, minutes apart at
-    most, so a host that drifts between rounds moves both."""
+    most, so a host that is faster in one round than in another moves both (the ABBA order, `run_order`, balances
+    a steady drift within rounds)."""
     ratios = [value / reference for value, reference in zip(values, references)]
     return {"median": float(np.median(ratios)), "rounds": ratios}
+
+
+def run_order(items: list, round_index: int) -> list:
+    """ABBA: the given order in rounds 1 and 4 (indices 0 and 3), reversed in rounds 2 and 3, and so on."""
+    return list(items) if round_index % 4 in (0, 3) else list(items)[::-1]
 
 
 def median_round(values: list[float]) -> int:
@@ -86,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
     parser.add_argument("--concurrency", default="1,4,8,16")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=4,
                         help="times every measurement runs, interleaved (see the module's docstring)")
     parser.add_argument("--rate", default="auto", help="Poisson requests per second, or auto (see --load)")
     parser.add_argument("--load", type=float, default=1.5,
@@ -125,9 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     orders, rate, rate_source, workload = [], None, None, None
     with Progress(console=console) as progress:
         for round_index in range(args.rounds):
-            shift = round_index % len(levels)
-            level_order = levels[shift:] + levels[:shift]
-            mode_order = modes if round_index % 2 == 0 else modes[::-1]
+            level_order, mode_order = run_order(levels, round_index), run_order(modes, round_index)
             orders.append({"closed_loop": level_order, "poisson": mode_order})
             label = f"round {round_index + 1}/{args.rounds}"
             for level in level_order:
@@ -158,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     render_closed(console, args, closed, vs_first, first)
     settings = {"arrival": "poisson", "rate": rate, "rate_source": rate_source, "slots": args.slots,
                 **workload.settings()}
-    reports = [bench.report(settings, {mode: open_loop[mode][r] for mode in modes}) for r in range(args.rounds)]
+    reports = [bench.report({**settings, "round": r + 1}, {mode: open_loop[mode][r] for mode in modes})
+               for r in range(args.rounds)]
     summaries = {mode: [report["backends"][mode]["summary"] for report in reports] for mode in modes}
     continuous_over_static = {
         "output_tokens_per_s": paired([tokens_per_s(s) for s in summaries["continuous"]],
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                               for level, runs in closed.items()},
               "closed_loop_vs_first_level": {str(level): ratios for level, ratios in vs_first.items()},
               "poisson_rate": {"requests_per_s": rate, "source": rate_source},
-              "poisson": {mode: {**summaries[mode][shown], "rounds": summaries[mode]} for mode in modes},
+              "poisson": {mode: {"summary": summaries[mode][shown], "rounds": summaries[mode]} for mode in modes},
               "poisson_continuous_over_static": continuous_over_static,
               "poisson_plotted_round": shown + 1}
     out = args.out or RESULTS / "batching.json"
@@ -209,7 +216,8 @@ def render_closed(console: Console, args, closed: dict, vs_first: dict, first: i
         table.add_row(str(level), str(s["requests"]), f"{np.median(per_round):.1f}", rounds_cell(per_round, ".1f"),
                       f"{vs_first[level]['median']:.2f}x", rounds_cell(vs_first[level]["rounds"], ".2f"),
                       ms(s["ttft_ms"]["median"]), ms(s["tpot_ms"]["median"]), ms(s["tpot_ms"]["p99"]))
-    table.caption = ("median round's latencies; 'paired': the median over rounds of that round's tokens/s over the "
+    table.caption = ("the median round's requests and latencies (the upper middle one for an even count); 'paired': "
+                     "the median over rounds of that round's tokens/s over the "
                      f"same round's at concurrency {first}")
     console.print(table)
 

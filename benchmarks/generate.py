@@ -9,7 +9,7 @@ own documentation, pydoc_data.topics, cut to exactly --prompt-tokens), batch 1 a
 never stops early, so every run makes exactly --new-tokens tokens. All backends are loaded first; one warm-up
 run each, then --repeats rounds, each running every backend once (never two at once) in an order that rotates
 from round to round; per backend the run with the median end-to-end time is reported. aotlm's sessions are
-opened as `aotlm run` opens them (SINGLE_STREAM_SPIN: the decode session keeps its threads spinning).
+opened with `aotlm run`'s thread setting (SINGLE_STREAM_SPIN: the decode session keeps its threads spinning).
 
 Metrics (vLLM's definitions): TTFT = request start -> first new token chosen; TPOT = (E2E - TTFT) / (M - 1);
 ITL = gaps between consecutive new tokens; decode tok/s = 1 / TPOT. Prefill = the prompt's forward pass
@@ -41,9 +41,10 @@ RESULTS = REPO / "benchmarks" / "results"
 WARMUP_RUNS = 1
 AGREE_TOKENS = 32  # greedy tokens every backend must share
 TOOLS = ("aotlm", "torch", "transformers", "onnxruntime", "onnxruntime-genai", "numpy", "tokenizers")
-# Batch-1 runs open aotlm's sessions as `aotlm run` does (compiler/cli.py): the decode session's threads spin on
-# between steps, as onnxruntime's default (which onnxruntime-genai keeps) has both sessions' threads do. Paired,
-# that took single-stream TPOT to 0.95-0.97x of the scheduler's setting (README, "Threads after a run").
+# Batch-1 runs give aotlm's sessions `aotlm run`'s thread setting (compiler/cli.py): the decode session's threads
+# spin on between steps. onnxruntime's default, which onnxruntime-genai's one session keeps, spins on after every
+# run. Paired, it took single-stream TPOT to 0.95-0.97x of Engine.load's default (README, "Threads after a run").
+# (Huge pages stay on, Engine.load's default, where `aotlm run` turns them off to load faster.)
 SINGLE_STREAM_SPIN = ["decode"]
 
 
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "settings": {"artifact": str(args.artifact), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                      "repeats": args.repeats, "warmup_runs": WARMUP_RUNS, "threads": args.threads, "batch": 1,
+                     "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
                      "decoding": "greedy, stop tokens disabled", "prompt_source": "pydoc_data.topics (sorted, joined)",
                      "hf_folder": str(hf_folder) if hf_folder else None, "genai_folder": str(genai_folder) if Genai.name in baselines else None},
         "machine": machine_info(), "versions": versions(),

@@ -68,7 +68,7 @@ class AotlmPhases:
         from runtime import Engine
 
         self.name = name
-        # allocates and binds the cache once; the decode session spins on between steps, as in `aotlm run`
+        # allocates and binds the cache once; the decode session spins on between steps (`aotlm run`'s setting)
         self.engine = Engine.load(artifact, intra_op_threads=threads, spin_after_run=SINGLE_STREAM_SPIN)
         self.backend = self.engine.backend
         self.max_context = self.engine.max_context
@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {"contexts": args.contexts, "prompt_lengths": args.prompt_lengths, "steps": args.steps,
                      "warmup_steps": WARMUP_STEPS, "repeats": args.repeats, "prefill_runs": args.prefill_runs,
                      "prefill_warmups": PREFILL_WARMUPS, "threads": args.threads, "batch": 1, "backends": names,
+                     "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
                      "artifacts": {name: str(path) for name, path in artifacts.items() if name in names},
                      "genai_folder": str(genai_folder) if genai_folder else None, "genai_max_length": GENAI_MAX_LENGTH,
                      "prompt_source": "pydoc_data.topics (sorted, joined)", "interleaved": True,

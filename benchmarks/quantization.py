@@ -10,7 +10,7 @@ variant the same way). Per variant:
   size      bytes of the artifact's engine files (graphs + weights.bin); genai: its model folder's .onnx + data
   TTFT/TPOT batch 1, a --prompt-tokens prompt of Python's documentation, --new-tokens greedy tokens, median of
             --repeats runs after a warm-up, every variant and genai loaded at once and their runs interleaved
-            (benchmarks/generate.py's measure_all), each artifact loaded as `aotlm run` loads it (decode spinning)
+            (benchmarks/generate.py's measure_all), with `aotlm run`'s thread setting (decode spinning)
   perplexity on the held-out 10% of Python's documentation (`builtin:pydoc-held-out`, never used to calibrate),
             first --eval-tokens tokens, sliding windows (runtime.evaluate.window_spans)
   top-1     agreement of the next-token argmax with the fp32 artifact on the same scored positions
@@ -37,8 +37,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
-from generate import (REPO, Aotlm, Genai, build_genai_model, machine_info, measure_all, prepare_folders,  # noqa: E402
-                      prompt_token_ids, versions, write_result)
+from generate import (REPO, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info, measure_all,  # noqa: E402
+                      prepare_folders, prompt_token_ids, versions, write_result)
 
 from compiler.build import build  # noqa: E402
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["tpot_vs_genai_paired"] = paired_ratio(result["runs"], results[GENAI_INT4]["runs"], "tpot_ms")
     render(results, console)
     report = {"settings": {**vars(args), "eval_text": "builtin:pydoc-held-out", "spans": len(spans),
+                           "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
                            "variants": {n: variant_settings(n) for n in names}},
               "machine": machine_info(), "versions": versions(), "results": results}
     console.print(f"wrote {write_result(args.out, report)}")

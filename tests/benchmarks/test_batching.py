@@ -42,30 +42,42 @@ def test_bad_rates_are_refused_before_anything_runs(flags, capsys):
     assert flags[0] in capsys.readouterr().err
 
 
-def test_rounds_interleave_and_ratios_are_paired(tiny_artifact, tmp_path):
+def test_rounds_interleave_abba_and_ratios_are_paired(tiny_artifact, tmp_path, monkeypatch):
+    served = []  # (concurrency or mode, slots) in the order the runs happened
+    real_serve = batching.serve
+
+    def recording_serve(engine, workload, mode, slots, progress, label):
+        served.append(label.split()[-1])
+        return real_serve(engine, workload, mode, slots, progress, label)
+
+    monkeypatch.setattr(batching, "serve", recording_serve)
     result = batching.main(["--artifact", str(tiny_artifact), "--concurrency", "1,2", "--new-tokens", "2",
-                            "--rounds", "3", "--poisson-requests", "3", "--slots", "2", "--prompt-tokens", "8",
+                            "--rounds", "4", "--poisson-requests", "3", "--slots", "2", "--prompt-tokens", "8",
                             "--poisson-output-tokens", "2:4", "--rate", "50", "--out", str(tmp_path / "b.json")])
-    assert [order["closed_loop"] for order in result["orders"]] == [[1, 2], [2, 1], [1, 2]]
-    assert [order["poisson"] for order in result["orders"]] == [["static", "continuous"], ["continuous", "static"],
-                                                                ["static", "continuous"]]
+    forward, backward = ["1", "2", "static", "continuous"], ["2", "1", "continuous", "static"]
+    assert served == forward + backward + backward + forward  # ABBA: a steady drift favours neither side
+    assert [order["closed_loop"] for order in result["orders"]] == [[1, 2], [2, 1], [2, 1], [1, 2]]
     single, pair = ([r["summary"]["output_tokens_per_s"] for r in result["closed_loop"][level]["rounds"]]
                     for level in ("1", "2"))
     ratios = result["closed_loop_vs_first_level"]["2"]
     assert ratios["rounds"] == pytest.approx([p / s for p, s in zip(pair, single)])
-    assert ratios["median"] == pytest.approx(sorted(ratios["rounds"])[1])
-    assert result["closed_loop_vs_first_level"]["1"]["rounds"] == pytest.approx([1.0, 1.0, 1.0])
+    middle = sorted(ratios["rounds"])[1:3]
+    assert ratios["median"] == pytest.approx(sum(middle) / 2)  # numpy's median of an even count
+    assert result["closed_loop_vs_first_level"]["1"]["rounds"] == pytest.approx([1.0] * 4)
     static, continuous = ([s["output_tokens_per_s"] for s in result["poisson"][mode]["rounds"]]
                           for mode in ("static", "continuous"))
     per_round = result["poisson_continuous_over_static"]["output_tokens_per_s"]["rounds"]
     assert per_round == pytest.approx([c / s for c, s in zip(continuous, static)])
-    shown = result["poisson_plotted_round"] - 1  # the median round's summaries are the top-level ones
-    assert sorted(per_round)[1] == pytest.approx(per_round[shown])
-    assert result["poisson"]["static"]["output_tokens_per_s"] == static[shown]
-    assert len(json.loads((tmp_path / "b-poisson.json").read_text())["backends"]["static"]["traces"]) == 3
+    shown = result["poisson_plotted_round"] - 1  # the upper middle round's summaries are the top-level ones
+    assert sorted(per_round)[2] == pytest.approx(per_round[shown])
+    assert result["poisson"]["static"]["summary"]["output_tokens_per_s"] == static[shown]
+    written = json.loads((tmp_path / "b-poisson.json").read_text())
+    assert written["settings"]["round"] == shown + 1
+    assert written["backends"]["static"]["summary"]["output_tokens_per_s"] == pytest.approx(static[shown])
 
 
 def test_paired_ratios_and_the_median_round():
     assert batching.paired([10.0, 30.0, 20.0], [5.0, 10.0, 20.0]) == {"median": 2.0, "rounds": [2.0, 3.0, 1.0]}
     assert batching.median_round([3.0, 1.0, 2.0]) == 2
     assert batching.median_round([4.0, 1.0]) == 0  # even count: the upper of the two middle values
+    assert [batching.run_order([1, 2, 3], r) for r in range(5)] == [[1, 2, 3], [3, 2, 1], [3, 2, 1], [1, 2, 3], [1, 2, 3]]

@@ -55,3 +55,15 @@ def test_a_context_beyond_the_artifact_is_refused_before_any_measurement(tiny_ar
         with pytest.raises(SystemExit):
             phases.main(["--backends", phases.FUSED, "--fused-artifact", str(tiny_artifact), *sizes,
                          "--out", str(tmp_path / "p.json")])
+
+
+def test_the_report_holds_the_paired_ratios_of_its_own_repeats(tiny_artifact, tmp_path):
+    report = phases.main(["--backends", phases.FUSED, "--fused-artifact", str(tiny_artifact), "--contexts", "8,16",
+                          "--prompt-lengths", "8", "--steps", "2", "--repeats", "2", "--prefill-runs", "1",
+                          "--out", str(tmp_path / "p.json")])
+    repeats = {ctx: [r["median_ms"] for r in report["decode"][phases.FUSED][ctx]["repeats"]] for ctx in ("8", "16")}
+    growth = sorted(hi / lo for hi, lo in zip(repeats["16"], repeats["8"]))
+    assert report["paired"]["decode_growth"][phases.FUSED] == pytest.approx(sum(growth) / 2)
+    assert report["paired"]["decode"]["8"] == {"fused_vs_unfused": None, "fused_vs_genai": None}
+    assert report["settings"]["aotlm_spin_after_run"] == ["decode"]
+    assert report["decode_growth_paired"].startswith("paired")
