@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from passes import (cleanup, dequantize_weights, fuse_attention, fuse_rms_norm, fuse_rotary, fuse_silu, lower_onnx_attention,
-                    lower_onnxruntime, lower_tensorrt, pack_projections, quantize, quantize_kv_cache, skip_unused_rows)
+                    lower_onnxruntime, lower_tensorrt, pack_projections, quantize, quantize_kv_cache, skip_unused_rows,
+                    slice_packed_weights)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ PASSES: dict[str, PassEntry] = {
     "quantize_kv_cache": PassEntry(quantize_kv_cache.run, quantize_kv_cache.Options,
                                    "GroupQueryAttention's KV cache -> int8 with calibrated per-channel scales",
                                    quantize_kv_cache.check_settings),
+    "slice_packed_weights": PassEntry(slice_packed_weights.run, slice_packed_weights.Options,
+                                      "packed MatMul + Split -> a MatMul per part over its columns of the weight "
+                                      "(sliced when the session loads; for prefill)", slice_packed_weights.check_options),
     "skip_unused_rows": PassEntry(skip_unused_rows.run, skip_unused_rows.Options,
                                   "prefill's last layer after attention runs only on the rows whose logits it returns"),
 }

@@ -11,7 +11,7 @@ from compiler.errors import RecipeError
 from compiler.frontend.config import DecoderConfig
 from compiler.recipe import BackendSpec, ExportSpec, PassSpec, Recipe, load_recipe, parse_recipe
 from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnxruntime, pack_projections,
-                    skip_unused_rows)
+                    skip_unused_rows, slice_packed_weights)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,8 @@ def test_smollm2_recipe():
                         PassSpec("fuse_rms_norm", fuse_rms_norm.Options()),
                         PassSpec("fuse_silu", fuse_silu.Options()),
                         PassSpec("pack_projections", pack_projections.Options()),
-                        PassSpec("skip_unused_rows", skip_unused_rows.Options()))
+                        PassSpec("skip_unused_rows", skip_unused_rows.Options()),
+                        PassSpec("slice_packed_weights", slice_packed_weights.Options(phases=("prefill",))))
     assert r.backend == BackendSpec(name="onnxruntime", intra_op_threads=0, graph_optimization_level="all")
 
 
