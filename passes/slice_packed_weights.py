@@ -31,6 +31,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes.errors import PassError
+from passes.pack_projections import export_like
 
 PHASES = ("prefill", "decode")
 STANDARD_DOMAINS = {"", "ai.onnx"}
@@ -75,12 +76,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         report["nodes"] = {"before": nodes_before, "after": nodes_before}
         return model, report
     graph.cleanup().toposort()  # drops the packed MatMuls and the Splits
-    result = gs.export_onnx(graph, do_type_check=False)
-    for name in ("doc_string", "domain", "model_version"):
-        setattr(result, name, getattr(model, name))
-    result.metadata_props.extend(model.metadata_props)
-    del result.graph.input[:]  # gs drops inputs that are also initializers; this pass never changes the inputs
-    result.graph.input.extend(model.graph.input)
+    result = export_like(graph, model)
     report["nodes"] = {"before": nodes_before, "after": len(result.graph.node)}
     return result, report
 
