@@ -37,15 +37,16 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from compiler.artifact import tool_versions  # noqa: E402
+from runtime.engine import SINGLE_STREAM_SPIN as ENGINE_SINGLE_STREAM_SPIN  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 WARMUP_RUNS = 1
 AGREE_TOKENS = 32  # greedy tokens every backend must share
 TOOLS = ("aotlm", "torch", "transformers", "onnxruntime", "onnxruntime-genai", "numpy", "tokenizers")
-# Batch-1 runs give aotlm's sessions `aotlm run`'s thread setting (compiler/cli.py): the decode session's threads
-# spin on between steps. onnxruntime's default, which onnxruntime-genai's one session keeps, spins on after every
-# run. Paired, it took single-stream TPOT to 0.95-0.97x of Engine.load's default (README, "Threads after a run").
-# (Huge pages stay on, Engine.load's default, where `aotlm run` turns them off to load faster.)
-SINGLE_STREAM_SPIN = ["decode"]
+# Batch-1 runs give aotlm's sessions `aotlm run`'s thread setting (runtime.engine.SINGLE_STREAM_SPIN): the decode
+# session's threads spin on between steps. onnxruntime's default, which onnxruntime-genai's one session keeps, spins
+# on after every run. (Huge pages stay on, Engine.load's default, where `aotlm run` turns them off to load faster.)
+# A list: what the results' JSON settings record.
+SINGLE_STREAM_SPIN = list(ENGINE_SINGLE_STREAM_SPIN)
 
 
 @dataclass

@@ -56,11 +56,13 @@ def _build(args) -> None:
 
 def _run(args) -> None:
     from runtime import Engine
+    from runtime.engine import SINGLE_STREAM_SPIN
 
     # One request: rebuilding the weights on huge pages (seconds) would cost more than its faster steps save. Its
     # decode session keeps spinning between steps (no scheduler alternates it with prefills here): single-stream
     # TPOT 0.95-0.97x with it, paired over 12-30 rounds (README, "Threads after a run").
-    engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False, spin_after_run=["decode"])
+    engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
+                         spin_after_run=SINGLE_STREAM_SPIN)
     received = time.perf_counter()  # TTFT counts from here: a chat template's rendering is inside it
     if args.chat is not None:  # the reply alone: the prompt is the template's formatting of the messages
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

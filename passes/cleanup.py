@@ -32,7 +32,7 @@ ONNX_DOMAINS = {"", "ai.onnx"}
 SUB_BYTE_BITS = {name: bits for name, bits in
                  [("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)]
                  if hasattr(onnx.TensorProto, name)}
-# Initializers up to this size keep their values during shape inference (see _inferred_value_info).
+# Initializers up to this size keep their values during shape inference (see inferred_value_info).
 SHAPE_DATA_MAX_BYTES = 64 << 10
 
 
@@ -51,7 +51,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     report: dict = {"dead_nodes_removed": 0, "nodes_folded": 0, "constants_folded": 0,
                     "initializers_deduplicated": 0}
     # Shapes let folding size its results (the threshold) and fold Shape ops of static tensors.
-    shapes = _inferred_value_info(model, report) if options.infer_shapes and options.fold_constants else []
+    shapes = inferred_value_info(model, report) if options.infer_shapes and options.fold_constants else []
     graph = _import(model, shapes)
     nodes_before = len(graph.nodes)
     graph.cleanup()  # keeps unused graph inputs (remove_unused_graph_inputs=False)
@@ -68,7 +68,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     result = _export(graph, model)
     del graph
     if options.infer_shapes:
-        inferred = _inferred_value_info(result, report)
+        inferred = inferred_value_info(result, report)
         del result.graph.value_info[:]  # `result` is our own copy: what ONNX infers replaces what gs exported
         result.graph.value_info.extend(inferred)
     _restore_graph_inputs(result, model)
@@ -82,12 +82,17 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
 def _import(model: onnx.ModelProto, shapes: list[onnx.ValueInfoProto]) -> gs.Graph:
     graph = gs.import_onnx(model)
     _detach_attribute_tensors(graph)
+    apply_shapes(graph, shapes)
+    return graph.toposort()  # fold_constants requires topological order
+
+
+def apply_shapes(graph: gs.Graph, shapes: list[onnx.ValueInfoProto]) -> None:
+    """Give the graph's computed tensors the types and shapes of `shapes` (inferred_value_info's)."""
     tensors = graph.tensors()
     for value in shapes:
         tensor = tensors.get(value.name)
         if isinstance(tensor, gs.Variable) and value.type.HasField("tensor_type"):
             tensor.dtype, tensor.shape = get_onnx_tensor_dtype(value), get_onnx_tensor_shape(value)
-    return graph.toposort()  # fold_constants requires topological order
 
 
 def _detach_attribute_tensors(graph: gs.Graph) -> None:
@@ -186,7 +191,7 @@ def _rewire_consumers(duplicate: gs.Tensor, keep: gs.Tensor) -> None:
                 node.inputs[index] = keep
 
 
-def _inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.ValueInfoProto]:
+def inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.ValueInfoProto]:
     """ONNX shape inference (with data propagation) run on the graph without its large weights.
 
     infer_shapes takes the model as bytes and returns a new one: on the whole model that is several copies
@@ -212,6 +217,15 @@ def _inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.Valu
         report["shape_inference_skipped"] = str(error).splitlines()[0]
         return list(model.graph.value_info)
     return list(inferred.graph.value_info)
+
+
+def export_like(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
+    """`graph` as a ModelProto with `model`'s metadata and graph inputs, for a pass that never changes the inputs
+    (graphsurgeon drops the inputs that are also initializers)."""
+    result = _export(graph, model)
+    del result.graph.input[:]
+    result.graph.input.extend(model.graph.input)
+    return result
 
 
 def _export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:

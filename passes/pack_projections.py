@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from passes.cleanup import tensor_nbytes
+from passes.cleanup import export_like, tensor_nbytes
 from passes.errors import PassError
 
 STANDARD_DOMAINS = {"", "ai.onnx"}
@@ -94,17 +94,6 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     result = export_like(graph, model)
     report["weight_bytes"]["after"] = _weight_bytes(result)
     return result, report
-
-
-def export_like(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
-    """`graph` as a ModelProto with `model`'s metadata and graph inputs (for passes that never change the inputs)."""
-    result = gs.export_onnx(graph, do_type_check=False)
-    for name in ("doc_string", "domain", "model_version"):
-        setattr(result, name, getattr(model, name))
-    result.metadata_props.extend(model.metadata_props)
-    del result.graph.input[:]  # gs drops inputs that are also initializers; keep the model's, names and order
-    result.graph.input.extend(model.graph.input)
-    return result
 
 
 def _feed_packed_qkv(attention: gs.Node) -> bool:

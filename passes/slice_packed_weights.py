@@ -30,8 +30,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from passes.cleanup import apply_shapes, export_like, inferred_value_info
 from passes.errors import PassError
-from passes.pack_projections import export_like
 
 PHASES = ("prefill", "decode")
 STANDARD_DOMAINS = {"", "ai.onnx"}
@@ -53,8 +53,9 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     check_options(options)
     graph = gs.import_onnx(model)
     if any(_weight_shape_unknown(split) for split in graph.nodes if split.op == "Split"):
-        # a computed weight (dequantize_weights' chain) carries no shape unless inferred; the sizes must be checked
-        graph = gs.import_onnx(onnx.shape_inference.infer_shapes(model))
+        # a computed weight (dequantize_weights' chain) carries no shape unless inferred; the sizes must be checked.
+        # cleanup's inference runs on the graph without its large weights (no copies of them, no 2 GB limit)
+        apply_shapes(graph, inferred_value_info(model, {}))
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
     nodes_before = len(graph.nodes)
     graph_outputs = {tensor.name for tensor in graph.outputs}

@@ -35,6 +35,10 @@ from runtime.tokenizer import TextTokenizer
 if TYPE_CHECKING:
     from runtime.scheduler import RequestHandle, Scheduler
 
+# Engine.load's spin_after_run for one stream at a time, no scheduler (`aotlm run`, the batch-1 benchmarks): the
+# decode session's threads keep spinning between its steps (TPOT 3-5% lower, paired; README "Threads after a run").
+SINGLE_STREAM_SPIN = ("decode",)
+
 
 def received_at(arrival: float | None, now: float) -> float:
     """When a request was received: `arrival` (a time.perf_counter reading) if given and not later than now."""
