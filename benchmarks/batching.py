@@ -2,7 +2,7 @@
 static batching under Poisson arrivals.
 
     .venv/bin/python benchmarks/batching.py [--artifact artifacts/smollm2-135m] [--concurrency 1,4,8,16]
-        [--rounds 4] [--rate auto|R] [--load 1.5] [--poisson-requests 64] [--slots 16]
+        [--rounds 4] [--rate auto|R] [--load 3] [--poisson-requests 128] [--slots 16]
 
 Part 1 (closed loop): N clients each send a request (128-token prompt of Python's documentation, 64 greedy new
 tokens, stop tokens disabled) and the next as soon as theirs finishes; the scheduler has N slots; 4N requests, at
@@ -10,10 +10,16 @@ least --min-requests (16): with 4 the single stream ran ~3 s, and two runs' sing
 Part 2 (open loop): requests arrive as a Poisson process at --rate per second, prompts of 128 tokens, output
 lengths drawn uniformly from 16..256 (same draws and arrival times for both modes), served by a 16-slot
 scheduler with batching "static" (fixed batches run to completion) and with "continuous".
---rate auto (default) offers --load (1.5) times what part 1 served at its highest concurrency: its output
+--rate auto (default) offers --load (3) times what part 1 served at its highest concurrency: its output
 tokens/s over the mean output length, in requests/s. Below capacity both modes serve what arrives and their
 throughputs match whatever the batching; a fixed rate saturated the slow VMs this ran on but left a faster one
 idle half the time (2/s there: 1.05x). Over capacity the queue grows in both modes and throughput is capacity.
+At --load 1.5 (the default until session 25) requests queued for only 29-52% of a continuous run (session 24's
+four plotted rounds; static: 78-86%): the first draws came sparse, it served what arrived, and its tokens/s
+measured the arrival rate and the drain more than its capacity. Each mode's "queued share" (the part of its
+run, first arrival to last finish, during which some request waited for a slot) is reported, with a warning
+below one half. --poisson-requests (128, 64 until session 25) makes the final drain, where the last requests
+finish with slots idle in either mode, a smaller part of the run.
 Both use runtime.bench (the code behind `aotlm bench`): same workloads, same metrics (vLLM's definitions).
 --rounds (4) runs all of it that many times, interleaved: each round runs every concurrency level and then both
 Poisson modes, in the order given in rounds 1 and 4 (1, 4, 8, 16; static, continuous) and reversed in rounds 2 and
@@ -80,6 +86,22 @@ def paired(values: list[float], references: list[float]) -> dict:
     return {"median": float(np.median(ratios)), "rounds": ratios}
 
 
+def queued_share(traces: list) -> float:
+    """The part of a run (first arrival to last finish) during which at least one request waited for a slot.
+
+    Near 1, the server was the bottleneck throughout and its tokens/s is its capacity; near 0, it served requests
+    as they came, and its tokens/s is the arrival rate. A continuous scheduler admits at the start of its next
+    iteration, so even an idle one shows waits of up to one step."""
+    waits = sorted((t.arrival, t.prefill_start) for t in traces)
+    span = max(t.finish for t in traces) - waits[0][0]
+    covered, reach = 0.0, waits[0][0]
+    for start, end in waits:  # the union of the waiting intervals
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered / span if span > 0 else 0.0
+
+
 def run_order(items: list, round_index: int) -> list:
     """ABBA: the given order in rounds 1 and 4 (indices 0 and 3), reversed in rounds 2 and 3, and so on."""
     return list(items) if round_index % 4 in (0, 3) else list(items)[::-1]
@@ -97,9 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=4,
                         help="times every measurement runs, interleaved (see the module's docstring)")
     parser.add_argument("--rate", default="auto", help="Poisson requests per second, or auto (see --load)")
-    parser.add_argument("--load", type=float, default=1.5,
+    parser.add_argument("--load", type=float, default=3.0,
                         help="with --rate auto: the rate offered, as a multiple of part 1's capacity")
-    parser.add_argument("--poisson-requests", type=int, default=64)
+    parser.add_argument("--poisson-requests", type=int, default=128)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prompt-tokens", default="128")
     parser.add_argument("--new-tokens", default="64", help="closed loop's output tokens")
@@ -167,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     reports = [bench.report({**settings, "round": r + 1}, {mode: open_loop[mode][r] for mode in modes})
                for r in range(args.rounds)]
     summaries = {mode: [report["backends"][mode]["summary"] for report in reports] for mode in modes}
+    queued = {mode: [queued_share(traces) for traces in open_loop[mode]] for mode in modes}
     continuous_over_static = {
         "output_tokens_per_s": paired([tokens_per_s(s) for s in summaries["continuous"]],
                                       [tokens_per_s(s) for s in summaries["static"]]),
@@ -174,14 +197,19 @@ def main(argv: list[str] | None = None) -> dict:
                            [s["ttft_ms"]["p99"] for s in summaries["static"]])}
     shown = median_round(continuous_over_static["output_tokens_per_s"]["rounds"])
     console.print(bench.compare_table(reports[shown]))
-    render_open(console, summaries, continuous_over_static, shown)
+    render_open(console, summaries, queued, continuous_over_static, shown)
+    if min(queued["continuous"]) < 0.5:
+        console.print(f"[bold yellow]warning:[/] requests queued for only {min(queued['continuous']):.0%} of a "
+                      "continuous run: it served what arrived, so its tokens/s is the arrival rate, not its capacity; "
+                      "raise --load or --rate")
     result = {"settings": {**{k: str(v) for k, v in vars(args).items()}, "decoding": "greedy, stop tokens disabled"},
               "machine": machine_info(), "versions": versions(), "orders": orders,
               "closed_loop": {str(level): {**median_entry(runs), "rounds": runs_without_traces(runs)}
                               for level, runs in closed.items()},
               "closed_loop_vs_first_level": {str(level): ratios for level, ratios in vs_first.items()},
               "poisson_rate": {"requests_per_s": rate, "source": rate_source},
-              "poisson": {mode: {"summary": summaries[mode][shown], "rounds": summaries[mode]} for mode in modes},
+              "poisson": {mode: {"summary": summaries[mode][shown], "rounds": summaries[mode],
+                                 "queued_share": queued[mode]} for mode in modes},
               "poisson_continuous_over_static": continuous_over_static,
               "poisson_plotted_round": shown + 1}
     out = args.out or RESULTS / "batching.json"
@@ -222,7 +250,7 @@ def render_closed(console: Console, args, closed: dict, vs_first: dict, first: i
     console.print(table)
 
 
-def render_open(console: Console, summaries: dict, continuous_over_static: dict, shown: int) -> None:
+def render_open(console: Console, summaries: dict, queued: dict, continuous_over_static: dict, shown: int) -> None:
     table = Table(title=f"Poisson arrivals, every round (the table above is round {shown + 1}, the median round)")
     for column in ("", "static", "continuous", "continuous / static (paired median)", "per round"):
         table.add_column(column, justify="right")
@@ -231,6 +259,9 @@ def render_open(console: Console, summaries: dict, continuous_over_static: dict,
         table.add_row(label, rounds_cell([get(s) for s in summaries["static"]], ".1f"),
                       rounds_cell([get(s) for s in summaries["continuous"]], ".1f"),
                       f"{continuous_over_static[key]['median']:.2f}x", rounds_cell(continuous_over_static[key]["rounds"], ".2f"))
+    table.add_row("queued share", rounds_cell(queued["static"], ".0%"), rounds_cell(queued["continuous"], ".0%"), "", "")
+    table.caption = ("queued share: the part of the run during which some request waited for a slot (near 100%: "
+                     "tokens/s is the server's capacity)")
     console.print(table)
 
 

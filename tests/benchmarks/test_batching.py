@@ -71,6 +71,9 @@ def test_rounds_interleave_abba_and_ratios_are_paired(tiny_artifact, tmp_path, m
     shown = result["poisson_plotted_round"] - 1  # the upper middle round's summaries are the top-level ones
     assert sorted(per_round)[2] == pytest.approx(per_round[shown])
     assert result["poisson"]["static"]["summary"]["output_tokens_per_s"] == static[shown]
+    for mode in ("static", "continuous"):  # one share per round, each a part of its run
+        assert len(result["poisson"][mode]["queued_share"]) == 4
+        assert all(0.0 <= share <= 1.0 for share in result["poisson"][mode]["queued_share"])
     written = json.loads((tmp_path / "b-poisson.json").read_text())
     assert written["settings"]["round"] == shown + 1
     assert written["backends"]["static"]["summary"]["output_tokens_per_s"] == pytest.approx(static[shown])
@@ -81,3 +84,12 @@ def test_paired_ratios_and_the_median_round():
     assert batching.median_round([3.0, 1.0, 2.0]) == 2
     assert batching.median_round([4.0, 1.0]) == 0  # even count: the upper of the two middle values
     assert [batching.run_order([1, 2, 3], r) for r in range(5)] == [[1, 2, 3], [3, 2, 1], [3, 2, 1], [1, 2, 3], [1, 2, 3]]
+
+
+def test_queued_share_is_the_union_of_the_waits_over_the_run():
+    from types import SimpleNamespace as Trace
+    traces = [Trace(arrival=0.0, prefill_start=2.0, finish=5.0),   # waited 0-2
+              Trace(arrival=1.0, prefill_start=3.0, finish=6.0),   # 1-3 overlaps: together 0-3
+              Trace(arrival=7.0, prefill_start=7.0, finish=10.0)]  # no wait; the run spans 0-10
+    assert batching.queued_share(traces) == pytest.approx(0.3)
+    assert batching.queued_share(traces[2:]) == 0.0
