@@ -10,7 +10,10 @@ Why: pack_projections gives gate/up one MatMul, which decode wants (a step over 
 of two). Prefill multiplies hundreds or thousands of rows, and the Split then copies the packed product's
 [tokens, 2 x intermediate] output apart: in SmolLM2-135M's prefill of 16 prompts of 128 tokens the Splits took 3.4%
 of the profiled time, and the graph rewritten this way ran 0.905x the packed one's time (paired, 24 runs; one
-512-token prompt 0.98x, within noise; scratch, session 24). Recipes run it with `phases: [prefill]`.
+512-token prompt 0.98x, within noise; scratch, session 24). Recipes run it with `phases: [prefill]`. The quantized
+recipes do not: after dequantize_weights the float weight it slices is folded at load and then freed, and freed
+memory stays in glibc's heap. The INT4 build's engine held 1195 MB against 733 for a 0.92-0.93x batched prefill
+(session 25); trimming the heap gave the memory back but left the holed heap off huge pages (README).
 
 The weight stays the one initializer the decode graph reads, so the artifact does not grow: each Slice reads only
 constants, and onnxruntime's constant folding cuts the column blocks once, when the session loads (the fp32 prefill
