@@ -2,7 +2,7 @@
 builds of the default model, beside onnxruntime-genai's int4 build of the same weights.
 
     .venv/bin/python benchmarks/quantization.py [--prompt-tokens 512] [--new-tokens 128] [--repeats 3]
-        [--eval-tokens 4096] [--window 512] [--stride 256] [--variants fp32,int8,...] [--out quantization.json]
+        [--eval-tokens 4096] [--window 512] [--stride 256] [--variants fp32,int8,...] [--out quantization.json (a bare name: under benchmarks/results/)]
 
 Each variant is a recipe under recipes/ with a few quantize options changed (VARIANTS), built once
 into benchmarks/results/quantization/ (the build's own accuracy report is skipped: this script measures every
@@ -37,7 +37,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
-from generate import (REPO, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info, measure_all,  # noqa: E402
+from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info, measure_all,  # noqa: E402
                       prepare_folders, prompt_token_ids, versions, write_result)
 
 from compiler.build import build  # noqa: E402
@@ -95,6 +95,14 @@ DEFAULT_VARIANTS = ("fp32", "int8", "int8-rtn", "int4-rtn-b32", "int4-rtn-b128",
                     "int4-awq_gptq_act-b128", "int4-awq_gptq_act-b128-asym", "int4-awq_gptq_act-b128-head32",
                     "int4-awq_gptq_act-b128-head16")
 GENAI_INT4 = "onnxruntime-genai-int4"
+
+
+def out_path(out: str) -> Path:
+    """--out as a path, the way the other benchmarks take it, except that a bare file name (no folder) still goes
+    under benchmarks/results/, where this script has always written it: `--out benchmarks/results/q.json` once
+    landed in benchmarks/results/benchmarks/results/."""
+    path = Path(out)
+    return RESULTS / path if path.parent == Path(".") else path
 
 
 def variant_recipe(name: str):
@@ -208,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--no-genai", action="store_true")
-    parser.add_argument("--out", default="quantization.json", help="file name under benchmarks/results/")
+    parser.add_argument("--out", default="quantization.json",
+                        help="JSON path; a bare file name goes under benchmarks/results/ (see out_path)")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
     names = [n for n in args.variants.split(",") if n]
@@ -261,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
                            "variants": {n: variant_settings(n) for n in names}},
               "machine": machine_info(), "versions": versions(), "results": results}
-    console.print(f"wrote {write_result(args.out, report)}")
+    console.print(f"wrote {write_result('quantization.json', report, out_path(args.out))}")
     return report
 
 

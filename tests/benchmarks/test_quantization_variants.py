@@ -43,3 +43,9 @@ def test_the_int8_cache_variants_are_what_their_names_say(block):
     # the same as its float-cache twin but for the cache pass
     twin = quantization.variant_recipe(f"int4-awq_gptq_act-b{block}-head32")
     assert [p for p in recipe.passes if p.name != "quantize_kv_cache"] == list(twin.passes)
+
+
+def test_out_is_a_path_and_a_bare_name_goes_under_results(tmp_path):
+    assert quantization.out_path("q.json") == REPO / "benchmarks" / "results" / "q.json"
+    assert quantization.out_path(str(tmp_path / "q.json")) == tmp_path / "q.json"
+    assert quantization.out_path("benchmarks/results/q.json").as_posix() == "benchmarks/results/q.json"  # not nested
