@@ -259,7 +259,7 @@ def render_open(console: Console, summaries: dict, queued: dict, continuous_over
         table.add_row(label, rounds_cell([get(s) for s in summaries["static"]], ".1f"),
                       rounds_cell([get(s) for s in summaries["continuous"]], ".1f"),
                       f"{continuous_over_static[key]['median']:.2f}x", rounds_cell(continuous_over_static[key]["rounds"], ".2f"))
-    table.add_row("queued share", rounds_cell(queued["static"], ".0%"), rounds_cell(queued["continuous"], ".0%"), "", "")
+    table.add_row("queued share", *(rounds_cell(queued[mode], ".0%") for mode in ("static", "continuous")), "", "")
     table.caption = ("queued share: the part of the run during which some request waited for a slot (near 100%: "
                      "tokens/s is the server's capacity)")
     console.print(table)

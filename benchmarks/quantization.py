@@ -2,7 +2,8 @@
 builds of the default model, beside onnxruntime-genai's int4 build of the same weights.
 
     .venv/bin/python benchmarks/quantization.py [--prompt-tokens 512] [--new-tokens 128] [--repeats 3]
-        [--eval-tokens 4096] [--window 512] [--stride 256] [--variants fp32,int8,...] [--out quantization.json (a bare name: under benchmarks/results/)]
+        [--eval-tokens 4096] [--window 512] [--stride 256] [--variants fp32,int8,...]
+        [--out quantization.json (a path; a bare file name goes under benchmarks/results/)]
 
 Each variant is a recipe under recipes/ with a few quantize options changed (VARIANTS), built once
 into benchmarks/results/quantization/ (the build's own accuracy report is skipped: this script measures every
