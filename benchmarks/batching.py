@@ -16,9 +16,9 @@ throughputs match whatever the batching; a fixed rate saturated the slow VMs thi
 idle half the time (2/s there: 1.05x). Over capacity the queue grows in both modes and throughput is capacity.
 At --load 1.5 (the default until session 25) requests queued for only 29-52% of a continuous run (session 24's
 four plotted rounds; static: 78-86%): the first draws came sparse, it served what arrived, and its tokens/s
-measured the arrival rate and the drain more than its capacity. Each mode's "queued share" (the part of its
-run, first arrival to last finish, during which some request waited for a slot) is reported, with a warning
-below one half. --poisson-requests (128, 64 until session 25) makes the final drain, where the last requests
+measured the arrival rate and the drain more than its capacity. Each mode's "queued share" (runtime.metrics.queued_share:
+the part of its run, first arrival to last finish, during which some request waited for a slot) is reported,
+with a warning below one half. --poisson-requests (128, 64 until session 25) makes the final drain, where the last requests
 finish with slots idle in either mode, a smaller part of the run.
 Both use runtime.bench (the code behind `aotlm bench`): same workloads, same metrics (vLLM's definitions).
 --rounds (4) runs all of it that many times, interleaved: each round runs every concurrency level and then both
@@ -84,22 +84,6 @@ def paired(values: list[float], references: list[float]) -> dict:
     a steady drift within rounds)."""
     ratios = [value / reference for value, reference in zip(values, references)]
     return {"median": float(np.median(ratios)), "rounds": ratios}
-
-
-def queued_share(traces: list) -> float:
-    """The part of a run (first arrival to last finish) during which at least one request waited for a slot.
-
-    Near 1, the server was the bottleneck throughout and its tokens/s is its capacity; near 0, it served requests
-    as they came, and its tokens/s is the arrival rate. A continuous scheduler admits at the start of its next
-    iteration, so even an idle one shows waits of up to one step."""
-    waits = sorted((t.arrival, t.prefill_start) for t in traces)
-    span = max(t.finish for t in traces) - waits[0][0]
-    covered, reach = 0.0, waits[0][0]
-    for start, end in waits:  # the union of the waiting intervals
-        if end > reach:
-            covered += end - max(start, reach)
-            reach = end
-    return covered / span if span > 0 else 0.0
 
 
 def run_order(items: list, round_index: int) -> list:
@@ -189,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     reports = [bench.report({**settings, "round": r + 1}, {mode: open_loop[mode][r] for mode in modes})
                for r in range(args.rounds)]
     summaries = {mode: [report["backends"][mode]["summary"] for report in reports] for mode in modes}
-    queued = {mode: [queued_share(traces) for traces in open_loop[mode]] for mode in modes}
+    queued = {mode: [s["queued_share"] for s in summaries[mode]] for mode in modes}
     continuous_over_static = {
         "output_tokens_per_s": paired([tokens_per_s(s) for s in summaries["continuous"]],
                                       [tokens_per_s(s) for s in summaries["static"]]),

@@ -288,15 +288,16 @@ def compare_table(result: dict):
             "concurrency": ", each sent as its client's last request ended"}.get(result["settings"].get("arrival"), "")
     table = Table(title=f"{ref['requests']} requests per backend: same prompt ids and output lengths{sent}")
     for column in ("backend", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "out tok/s",
-                   f"TTFT p50 / {ref_name}", f"TPOT p50 / {ref_name}", f"tok/s / {ref_name}"):
+                   "queued", f"TTFT p50 / {ref_name}", f"TPOT p50 / {ref_name}", f"tok/s / {ref_name}"):
         table.add_column(column, justify="left" if column == "backend" else "right")
     for name, s in summaries.items():
         cells = [s[f"{m}_ms"][stat] for m in ("ttft", "tpot", "e2e") for stat in ("median", "p99")]
         ratios = [s[f"{m}_ms"]["median"] / ref[f"{m}_ms"]["median"] if s[f"{m}_ms"]["median"] and ref[f"{m}_ms"][
             "median"] else None for m in ("ttft", "tpot")] + [s["output_tokens_per_s"] / ref["output_tokens_per_s"]]
         table.add_row(name, *("-" if c is None else f"{c:.{2 if c < 10 else 1}f}" for c in cells), f"{s['output_tokens_per_s']:.1f}",
-                      *("-" if r is None else f"{r:.2f}x" for r in ratios))
-    table.caption = "latencies in ms (p50 = median); a ratio > 1 is slower for latencies, faster for tok/s"
+                      f"{s['queued_share']:.0%}", *("-" if r is None else f"{r:.2f}x" for r in ratios))
+    table.caption = ("latencies in ms (p50 = median); a ratio > 1 is slower for latencies, faster for tok/s; queued: the "
+                     "part of the run some request waited (high in both: tok/s compares capacities)")
     return table
 
 

@@ -29,6 +29,11 @@ Choices, stated:
 - Throughput over the benchmark duration, by default first arrival -> last finish: output tokens/s, total
   (prompt + output) tokens/s, requests/s. Goodput: requests/s (and the fraction of requests) meeting every
   given SLO, `slo={"ttft_ms": .., "tpot_ms": .., "e2e_ms": ..}`, a request meets a limit when metric <= limit.
+- queued_share (ours, not vLLM's): the part of first arrival -> last finish during which at least one request
+  had arrived and not begun its prefill. Near 1 the server was the bottleneck throughout, and tokens/s is its
+  capacity; well below 1 it served requests as they came, and tokens/s is the arrival rate. Two servers compared
+  on throughput are compared on capacity only if both shares are high (benchmarks/batching.py once compared a
+  continuous scheduler that had queued for 29-52% of its runs).
 """
 from __future__ import annotations
 
@@ -122,6 +127,20 @@ def _stats_ms(seconds: Sequence[float]) -> dict:
             "p95": float(p95), "p99": float(p99), "max": float(values.max())}
 
 
+def queued_share(traces: Sequence[RequestTrace]) -> float:
+    """The part of first arrival -> last finish during which some request waited (the union of their `queue`
+    intervals). A scheduler that admits at the start of its next iteration shows waits of up to one step even
+    when it has room."""
+    waits = sorted((t.arrival, t.prefill_start) for t in traces)
+    span = max(t.finish for t in traces) - waits[0][0]
+    covered, reach = 0.0, waits[0][0]
+    for start, end in waits:
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered / span if span > 0 else 0.0
+
+
 def summarize(traces: Sequence[RequestTrace], duration: float | None = None, slo: dict | None = None) -> dict:
     """Latency statistics (ms), throughput and optional goodput over a benchmark's requests.
 
@@ -151,6 +170,7 @@ def summarize(traces: Sequence[RequestTrace], duration: float | None = None, slo
         "requests_per_s": len(traces) / duration,
         "output_tokens_per_s": output_tokens / duration,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / duration,
+        "queued_share": queued_share(traces),
     }
     summary.update({f"{name}_ms": _stats_ms(samples[name]) for name in LATENCY_METRICS})
     if slo is not None:
@@ -187,7 +207,8 @@ def format_table(summary: dict):
         table.add_row(name.upper() if name in ("ttft", "tpot", "itl", "e2e") else name, str(stats["count"]),
                       *(cell(stats[stat]) for stat in STATS))
     caption = (f"{summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tok/s, "
-               f"{summary['total_tokens_per_s']:.1f} total tok/s")
+               f"{summary['total_tokens_per_s']:.1f} total tok/s; requests queued {summary['queued_share']:.0%} "
+               "of the run")
     if "goodput" in summary:
         goodput = summary["goodput"]
         limits = ", ".join(f"{key} <= {value:g}" for key, value in goodput["slo"].items())

@@ -85,11 +85,3 @@ def test_paired_ratios_and_the_median_round():
     assert batching.median_round([4.0, 1.0]) == 0  # even count: the upper of the two middle values
     assert [batching.run_order([1, 2, 3], r) for r in range(5)] == [[1, 2, 3], [3, 2, 1], [3, 2, 1], [1, 2, 3], [1, 2, 3]]
 
-
-def test_queued_share_is_the_union_of_the_waits_over_the_run():
-    from types import SimpleNamespace as Trace
-    traces = [Trace(arrival=0.0, prefill_start=2.0, finish=5.0),  # waited 0-2
-              Trace(arrival=1.0, prefill_start=3.0, finish=6.0),  # 1-3 overlaps: together 0-3
-              Trace(arrival=7.0, prefill_start=7.0, finish=10.0)]  # no wait; the run spans 0-10
-    assert batching.queued_share(traces) == pytest.approx(0.3)
-    assert batching.queued_share(traces[2:]) == 0.0

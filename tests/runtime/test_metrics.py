@@ -5,7 +5,7 @@ import pytest
 from rich.console import Console
 
 from runtime.engine import Timings
-from runtime.metrics import RequestTrace, format_table, summarize
+from runtime.metrics import RequestTrace, format_table, queued_share, summarize
 
 
 def trace(arrival, prefill_start, token_times, finish, prompt_tokens=4, **extra) -> RequestTrace:
@@ -96,6 +96,16 @@ def test_throughput_over_first_arrival_to_last_finish():
     assert itl["count"] == 6 and itl["mean"] == pytest.approx(400 / 6)
     assert itl["median"] == pytest.approx(50.0) and itl["p90"] == pytest.approx(100.0)
     assert "goodput" not in s
+
+
+def test_queued_share_is_the_union_of_the_waits_over_the_run():
+    waits = [trace(0.0, 2.0, [2.5], finish=5.0),  # waited 0-2
+             trace(1.0, 3.0, [3.5], finish=6.0),  # 1-3 overlaps it: together 0-3
+             trace(7.0, 7.0, [7.5], finish=10.0)]  # no wait; the run spans 0-10
+    assert queued_share(waits) == pytest.approx(0.3)
+    assert summarize(waits)["queued_share"] == pytest.approx(0.3)
+    assert queued_share(waits[2:]) == 0.0
+    assert summarize(three_requests())["queued_share"] == pytest.approx(0.05)  # 0.5-0.6 of 0-2
 
 
 def test_given_duration_overrides():
