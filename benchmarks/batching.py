@@ -16,10 +16,10 @@ throughputs match whatever the batching; a fixed rate saturated the slow VMs thi
 idle half the time (2/s there: 1.05x). Over capacity the queue grows in both modes and throughput is capacity.
 At --load 1.5 (the default until session 25) requests queued for only 29-52% of a continuous run (session 24's
 four plotted rounds; static: 78-86%): the first draws came sparse, it served what arrived, and its tokens/s
-measured the arrival rate and the drain more than its capacity. Each mode's "queued share" (runtime.metrics.queued_share:
-the part of its run, first arrival to last finish, during which some request waited for a slot) is reported,
-with a warning below one half. --poisson-requests (128, 64 until session 25) makes the final drain, where the last requests
-finish with slots idle in either mode, a smaller part of the run.
+measured the arrival rate and the drain more than its capacity. Each mode's "queued share"
+(runtime.metrics.queued_share: the part of its run, first arrival to last finish, during which some request
+waited for a slot) is reported, with a warning below one half. --poisson-requests (128, 64 until session 25)
+makes the final drain, where the last requests finish with slots idle in either mode, a smaller part of the run.
 Both use runtime.bench (the code behind `aotlm bench`): same workloads, same metrics (vLLM's definitions).
 --rounds (4) runs all of it that many times, interleaved: each round runs every concurrency level and then both
 Poisson modes, in the order given in rounds 1 and 4 (1, 4, 8, 16; static, continuous) and reversed in rounds 2 and
@@ -47,7 +47,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import REPO, RESULTS, machine_info, versions, write_result  # noqa: E402
+from generate import REPO, RESULTS, machine_info, paired_median, versions, write_result  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
 
@@ -82,8 +82,8 @@ def paired(values: list[float], references: list[float]) -> dict:
     """Round-by-round ratios and their median: both numbers of a ratio come from the same round, minutes apart at
     most, so a host that is faster in one round than in another moves both (the ABBA order, `run_order`, balances
     a steady drift within rounds)."""
-    ratios = [value / reference for value, reference in zip(values, references)]
-    return {"median": float(np.median(ratios)), "rounds": ratios}
+    return {"median": paired_median(values, references),
+            "rounds": [value / reference for value, reference in zip(values, references)]}
 
 
 def run_order(items: list, round_index: int) -> list:

@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 from rich.console import Console
@@ -336,6 +337,12 @@ def main(argv: list[str] | None = None) -> dict:
     }
     console.print(f"wrote {write_result('generate.json', report, args.out)}")
     return report
+
+
+def paired_median(values: Sequence[float], references: Sequence[float]) -> float:
+    """The median of value i / reference i: each pair measured in the same repeat or round, minutes apart at most,
+    so the host's drift between repeats (a third in single-stream speed) moves both numbers of a ratio."""
+    return float(np.median([value / reference for value, reference in zip(values, references, strict=True)]))
 
 
 def write_result(name: str, report: dict, out: Path | None = None) -> Path:

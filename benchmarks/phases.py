@@ -45,8 +45,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
-from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, prepare_folders, prompt_token_ids,  # noqa: E402
-                      versions, write_result)
+from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, paired_median, prepare_folders,  # noqa: E402
+                      prompt_token_ids, versions, write_result)
 
 from compiler.plan import cpu_device  # noqa: E402
 
@@ -245,7 +245,7 @@ def paired(results: dict, top: str, bottom: str, key, bottom_key=None) -> float 
         return None
     tops = results[top][key]["repeats"]
     bottoms = results[bottom][key if bottom_key is None else bottom_key]["repeats"]
-    return float(np.median([t["median_ms"] / b["median_ms"] for t, b in zip(tops, bottoms)]))
+    return paired_median([t["median_ms"] for t in tops], [b["median_ms"] for b in bottoms])
 
 
 def paired_ratios(summary: dict, contexts: list[int], prompt_lengths: list[int]) -> dict:
@@ -264,9 +264,9 @@ def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def render(summary: dict, args, console: Console, bandwidth: float) -> list[str]:
+def render(summary: dict, pairs: dict, args, console: Console, bandwidth: float) -> list[str]:
+    """The decode and prefill tables; pairs: paired_ratios(summary, ...). Returns the context-growth lines."""
     decode, prefill = summary["decode"], summary["prefill"]
-    pairs = paired_ratios(summary, args.contexts, args.prompt_lengths)
     names = list(decode)
     table = Table(title=f"decode, ms per token (median over {args.repeats} repeats of {args.steps} steps; batch 1); "
                         f"floor = bytes read / this machine's {bandwidth / 1e9:.1f} GB/s")
@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
     sweep_s = time.perf_counter() - started
     load_after = os.getloadavg()
     summary = summarize(raw, args, manifests, bandwidth)
-    lines = render(summary, args, console, bandwidth)
+    pairs = paired_ratios(summary, args.contexts, args.prompt_lengths)
+    lines = render(summary, pairs, args, console, bandwidth)
     measured = [r for phase in raw.values() for by in phase.values() for repeats in by.values() for r in repeats]
     retried = sum(r["attempts"] > 1 for r in measured)
     contended = sum(r["contended"] for r in measured)
@@ -400,8 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
         "decode": {name: {str(k): v for k, v in by.items()} for name, by in summary["decode"].items()},
         "prefill": {name: {str(k): v for k, v in by.items()} for name, by in summary["prefill"].items()},
         "decode_growth": lines[0], "decode_growth_paired": lines[1], "contention": contention,
-        "paired": {phase: {str(k): v for k, v in by.items()} for phase, by in
-                   paired_ratios(summary, args.contexts, args.prompt_lengths).items()},
+        "paired": {phase: {str(k): v for k, v in by.items()} for phase, by in pairs.items()},
     }
     console.print(f"wrote {write_result('phases.json', report, args.out)}")
     return report

@@ -38,8 +38,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
-from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info, measure_all,  # noqa: E402
-                      prepare_folders, prompt_token_ids, versions, write_result)
+from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info,  # noqa: E402
+                      measure_all, paired_median, prepare_folders, prompt_token_ids, versions, write_result)
 
 from compiler.build import build  # noqa: E402
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
@@ -279,7 +279,7 @@ def paired_ratio(runs: list[dict], reference_runs: list[dict], key: str) -> floa
     """The median over repeats of run r's `key` over the reference's run r. measure_all runs every backend once per
     repeat, back to back, so each pair saw the same minute of the host; its speed drifts by more than the
     differences measured here from one minute to the next."""
-    return float(np.median([run[key] / reference[key] for run, reference in zip(runs, reference_runs, strict=True)]))
+    return paired_median([run[key] for run in runs], [reference[key] for reference in reference_runs])
 
 
 def render(results: dict, console: Console) -> None:

@@ -27,7 +27,8 @@ def test_floor_is_the_bytes_at_the_measured_bandwidth():
     assert at64["of_floor"] == pytest.approx(30.0 / at64["floor_ms"])
     assert at2000["floor_ms"] == pytest.approx((500_000_000 + 46_080 * 2000) / 20e9 * 1e3)
     console = Console(record=True, width=250)
-    lines = phases.render(summary, args, console, bandwidth=20e9)
+    pairs = phases.paired_ratios(summary, args.contexts, args.prompt_lengths)
+    lines = phases.render(summary, pairs, args, console, bandwidth=20e9)
     text = console.export_text()
     assert "20.0 GB/s" in text and "fused/floor" in text and f"{at64['floor_ms']:.2f}" in text
     assert lines == ["decode ms ctx2000 / ctx64: aotlm-fused 1.50x", "paired (median of the repeats' ratios): aotlm-fused 1.50x"]
