@@ -26,7 +26,8 @@ Kept as they are, with the reason in the report:
 - products whose activation is known to be 2-D, [rows, K], in a graph whose `logits` output is 2-D (one row per
   sequence): the prefill graph's lm_head after the last-token selection, which is bound by its weight's bytes,
   where 4 or 8 bits win (with prefill_logits: all the lm_head reads every token and is rewritten);
-- nodes with a g_idx input (groups out of order; aotlm does not emit them) or an input that is not a constant.
+- nodes with a g_idx input (groups out of order; aotlm does not emit them) or an input computed from a graph input.
+  Inputs computed from constants only are rewritten: slice_packed_weights' Slices of a packed gate/up's codes.
 
 Numerics: the product runs in float over scale x (code - zero point), the quantized model's own definition
 (passes/quantized_weights.py); MatMulNBits with accuracy_level 4 also rounds the activations to int8, which the
@@ -43,6 +44,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes.errors import PassError
+from passes.graph_patterns import computed_from_constants
 from passes.opset import default_opset
 from passes.session_config import record_session_config
 
@@ -100,8 +102,8 @@ def _keep_reason(node: gs.Node, opset: int, selected_rows: bool) -> str | None:
     if len(inputs) > 4 and _present(inputs[4]):
         return "has a g_idx input (groups out of order), which aotlm's quantize does not emit"
     for tensor, name in zip(inputs[1:4], ("B", "scales", "zero_points")):
-        if _present(tensor) and not isinstance(tensor, gs.Constant):
-            return f"its {name} input is computed, not a constant: nothing to fold"
+        if _present(tensor) and not computed_from_constants(tensor):  # constants, or slice_packed_weights' Slices
+            return f"its {name} input is computed from a graph input: nothing to fold"
     activation = inputs[0]
     if selected_rows and activation.shape is not None and len(activation.shape) == 2:
         return (f"2-D activation {list(activation.shape)} in a graph whose logits are one row per sequence: the "
@@ -112,7 +114,7 @@ def _keep_reason(node: gs.Node, opset: int, selected_rows: bool) -> str | None:
     if opset < BLOCKED_DEQUANTIZE_OPSET:
         return f"opset {opset}: DequantizeLinear takes blocks from opset {BLOCKED_DEQUANTIZE_OPSET}"
     expected = [n, -(-k // block_size), block_size * bits // 8]
-    if list(inputs[1].shape) != expected:
+    if inputs[1].shape is None or list(inputs[1].shape) != expected:
         return f"B is {list(inputs[1].shape)}, not {expected} as K, N, bits and block_size say"
     return None
 

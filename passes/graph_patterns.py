@@ -1,6 +1,7 @@
 """Pattern pieces shared by the passes that read traced attention: walking up a graph through shape-only ops
 and constant scalings, reading constants, naming layers, and parsing a rotary embedding back to its input,
-its cos table and the inv_freq under it (fuse_attention, fuse_rotary).
+its cos table and the inv_freq under it (fuse_attention, fuse_rotary); and whether a tensor is computed from
+constants only (slice_packed_weights, dequantize_weights).
 
 Every parser returns what it found or a SkipReason saying which check failed, for the passes' reports.
 """
@@ -27,6 +28,16 @@ def constant(tensor: gs.Tensor) -> np.ndarray | None:
     if node is not None and node.op == "Constant":
         return np.asarray(node.attrs["value"].values)
     return None
+
+
+def computed_from_constants(tensor: gs.Tensor) -> bool:
+    """True when `tensor` is a constant, or every input of the subgraph that computes it is one: onnxruntime's
+    constant folding then computes it once, when the session loads."""
+    if isinstance(tensor, gs.Constant):
+        return True
+    if not tensor.inputs:  # a graph input
+        return False
+    return all(computed_from_constants(t) for t in tensor.inputs[0].inputs if t.name)
 
 
 def walk_up(tensor: gs.Tensor, through: set[str]) -> tuple[gs.Tensor, gs.Node | None]:

@@ -9,12 +9,20 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from compiler.errors import BuildError
 from compiler.export import export_graphs
 from compiler.frontend.model import build_decoder
 from compiler.frontend.random_init import random_model
-from passes import cleanup, pack_projections, slice_packed_weights
+from compiler.pipeline import check_passes, run_pipeline
+from compiler.recipe import PassSpec
+from passes import cleanup, dequantize_weights, pack_projections, quantize, skip_unused_rows, slice_packed_weights
 from passes.errors import PassError
+from passes.session_config import session_config
+from tests.passes.test_dequantize_weights import FORMATS, prefill_only, session
+from tests.passes.test_fuse_attention import decoder_graphs, generate_logits  # noqa: F401
 from tests.passes.test_pack_projections import MAX_CONTEXT, decoder_feeds, run_ort, tiny_config
+from tests.passes.test_quantize import random_weight
+from tests.passes.test_skip_unused_rows import DEFAULT_RECIPE_PASSES, run_passes
 
 OPTIONS = slice_packed_weights.Options()
 
@@ -85,6 +93,81 @@ def test_a_weight_computed_from_constants_is_sliced_after_it_and_matches():
     expected, got = run_ort(model, x), run_ort(sliced, x)
     for name in ("y0", "y1"):
         np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6)
+
+
+def packed_quantized(options: dict) -> onnx.ModelProto:
+    """x [2, 3, 80] -> MatMulNBits(W [80, 48] in `options`' format) -> Split(20, 28) -> y0, y1. K = 80 is 2.5 blocks
+    of 32: a padded last block, and with zero points an odd block count (a padding nibble per column)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["packed"], name="packed_matmul"),
+             helper.make_node("Split", ["packed", "sizes"], ["y0", "y1"], name="split", axis=-1)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 80])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3, width]) for name, width in (("y0", 20), ("y1", 28))],
+        [numpy_helper.from_array(random_weight(k=80, n=48), "w"), numpy_helper.from_array(np.int64([20, 28]), "sizes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return quantize.run(model, quantize.Options(**options))[0]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_quantized_packed_product_is_cut_in_its_codes_and_each_part_folds_to_float(name, tmp_path):
+    quantized = packed_quantized(FORMATS[name])
+    sliced, report = slice_packed_weights.run(quantized, OPTIONS)
+    (node,) = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+    assert report["rewritten"] == [{"node": node.name, "widths": [20, 28]}]
+    per_column = 3 if "zero-points" in name else 2  # B, scales (, zero points): each cut once per part
+    assert op_counts(sliced) == Counter({"MatMulNBits": 2, "Slice": 2 * per_column})
+    big = lambda model: {t.name: t for t in model.graph.initializer if numpy_helper.to_array(t).nbytes > 64}  # noqa: E731
+    assert big(sliced) == big(quantized)  # the same codes: no new weights, the decode graph's stay shared
+    x = {"x": np.random.default_rng(3).standard_normal((2, 3, 80)).astype(np.float32)}
+    expected, got = run_ort(quantized, x), run_ort(sliced, x)
+    for output in ("y0", "y1"):
+        np.testing.assert_allclose(got[output], expected[output], rtol=0, atol=1e-5, err_msg=output)
+
+    # dequantize_weights then unpacks each part's own codes; onnxruntime folds the Slices with the rest
+    floats, float_report = dequantize_weights.run(sliced, dequantize_weights.Options())
+    assert len(float_report["rewritten"]) == 2 and float_report["float_weight_bytes_at_load"] == 80 * 48 * 4
+    optimized = tmp_path / "optimized.onnx"
+    folded = session(floats, session_config(floats), optimized).run(None, x)
+    assert dict(op_counts(onnx.load(optimized))) == {"MatMul": 2}  # nothing left to compute at a run
+    packed_floats = dequantize_weights.run(quantized, dequantize_weights.Options())[0]
+    reference = session(packed_floats, session_config(packed_floats)).run(None, x)
+    for output, expected_part, got_part in zip(("y0", "y1"), reference, folded):
+        np.testing.assert_allclose(got_part, expected_part, rtol=0, atol=1e-5, err_msg=output)
+
+
+def test_in_an_int4_decoder_prefill_cuts_gate_up_codes_and_generates_the_same_logits(decoder_graphs):  # noqa: F811
+    fused = {phase: run_passes(model, DEFAULT_RECIPE_PASSES) for phase, model in decoder_graphs.items()}
+    quantized, _ = run_pipeline(fused, prefill_only([(quantize, quantize.Options(bits=4, block_size=32)),
+                                                     (skip_unused_rows, skip_unused_rows.Options())]))
+    dequantize = (dequantize_weights, dequantize_weights.Options())
+    reference, _ = run_pipeline(quantized, prefill_only([dequantize]))
+    graphs, results = run_pipeline(quantized, prefill_only([(slice_packed_weights, OPTIONS), dequantize]))
+    sliced = next(r.report for r in results if r.name == "slice_packed_weights" and r.phase == "prefill")
+    assert [len(entry["widths"]) for entry in sliced["rewritten"]] == [2, 2]  # gate/up of both layers
+    assert op_counts(graphs["prefill"])["Split"] == 0 and graphs["decode"] is reference["decode"]
+    floats = next(r.report for r in results if r.name == "dequantize_weights" and r.phase == "prefill")
+    assert len(floats["rewritten"]) == 10  # 2 layers x (q/k/v, o_proj, gate, up, down_proj); the lm_head is kept
+    for expected, got in zip(generate_logits(reference), generate_logits(graphs)):  # prefill, then decode steps
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+def test_a_matmulnbits_whose_codes_come_from_a_graph_input_is_kept():
+    quantized = packed_quantized(FORMATS["int4-symmetric-full-range"])
+    (node,) = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+    scales = next(t for t in quantized.graph.initializer if t.name == node.input[2])
+    quantized.graph.initializer.remove(scales)
+    quantized.graph.input.append(helper.make_tensor_value_info(scales.name, scales.data_type, list(scales.dims)))
+    result, report = slice_packed_weights.run(quantized, OPTIONS)
+    assert result is quantized and not report["applied"]
+    assert "scales is computed from a graph input" in report["kept"][0]["reason"]
+
+
+def test_after_dequantize_weights_the_pass_is_refused():
+    specs = [PassSpec("quantize", quantize.Options()), PassSpec("dequantize_weights", dequantize_weights.Options()),
+             PassSpec("slice_packed_weights", OPTIONS)]
+    with pytest.raises(BuildError, match="list slice_packed_weights before dequantize_weights"):
+        check_passes(specs)
+    check_passes([specs[0], specs[2], specs[1]])  # the order the quantized recipes use
 
 
 @pytest.mark.parametrize("case, reason", [
