@@ -47,7 +47,7 @@ ORDER_RULES = (
     ("slice_packed_weights", "dequantize_weights", False,
      "after dequantize_weights it would cut the packed float weights folded at load, whose freed blocks stay in the "
      "heap (the INT4 engine held 1195 MB, not 733); list slice_packed_weights before dequantize_weights, which then "
-     "unpacks each part's 4-bit codes"),
+     "unpacks each part's 4- or 8-bit codes"),
     ("quantize", "skip_unused_rows", False,
      "its calibration must see every row of the last layer, which skip_unused_rows drops from the prefill graph; "
      "list skip_unused_rows after quantize (last)"),

@@ -9,9 +9,10 @@
 Why: prefill is bound by arithmetic, and onnxruntime's MatMulNBits runs a long prompt slower than a float MatMul
 (it rounds the activations to int8 per block and runs integer dot products tuned for a few rows: on SmolLM2-135M
 a 512-token prefill took 1532 ms with INT8 MatMulNBits and 1179 ms with INT4, against 891 ms in fp32). Every
-input of the new ops is a constant, so onnxruntime's constant folding builds each float weight once, when the
-session loads. The file keeps only the integer codes: the new ops read the very initializers the decode graph's
-MatMulNBits read, so the artifact stores them once and does not grow. The price is paid at load: the session holds
+input of the new ops is computed from constants only, so onnxruntime's constant folding builds each float weight
+once, when the session loads. The file keeps only the integer codes: the new ops read the very initializers the
+decode graph's MatMulNBits read (or slice_packed_weights' Slices of them), so the artifact stores them once and does
+not grow. The price is paid at load: the session holds
 these products in float32 (4 bytes a parameter, in onnxruntime's packed form), as an fp32 session does, and takes
 seconds to build them. Decode, bound by the bytes each step reads, keeps the integer kernels: recipes run this pass with
 `phases: [prefill]` (the pipeline runs a pass whose options have `phases` on those graphs only).
@@ -115,7 +116,7 @@ def _keep_reason(node: gs.Node, opset: int, selected_rows: bool) -> str | None:
         return f"opset {opset}: DequantizeLinear takes blocks from opset {BLOCKED_DEQUANTIZE_OPSET}"
     expected = [n, -(-k // block_size), block_size * bits // 8]
     if inputs[1].shape is None or list(inputs[1].shape) != expected:
-        return f"B is {list(inputs[1].shape)}, not {expected} as K, N, bits and block_size say"
+        return f"B is {inputs[1].shape}, not {expected} as K, N, bits and block_size say"
     return None
 
 

@@ -1,7 +1,7 @@
-"""Pattern pieces shared by the passes that read traced attention: walking up a graph through shape-only ops
-and constant scalings, reading constants, naming layers, and parsing a rotary embedding back to its input,
-its cos table and the inv_freq under it (fuse_attention, fuse_rotary); and whether a tensor is computed from
-constants only (slice_packed_weights, dequantize_weights).
+"""Pattern pieces shared by passes: walking up a graph through shape-only ops and constant scalings, reading
+constants, naming layers, and parsing a rotary embedding back to its input, its cos table and the inv_freq under it
+(fuse_attention, fuse_rotary); and whether a tensor is computed from constants only (slice_packed_weights,
+dequantize_weights).
 
 Every parser returns what it found or a SkipReason saying which check failed, for the passes' reports.
 """
@@ -37,7 +37,12 @@ def computed_from_constants(tensor: gs.Tensor) -> bool:
         return True
     if not tensor.inputs:  # a graph input
         return False
-    return all(computed_from_constants(t) for t in tensor.inputs[0].inputs if t.name)
+    node = tensor.inputs[0]
+    if node.op == "Constant":
+        return True
+    if not node.inputs or any(isinstance(value, gs.Graph) for value in node.attrs.values()):
+        return False  # a source such as RandomNormal (not folded), or a subgraph that may read outer values
+    return all(computed_from_constants(t) for t in node.inputs if t.name)
 
 
 def walk_up(tensor: gs.Tensor, through: set[str]) -> tuple[gs.Tensor, gs.Node | None]:

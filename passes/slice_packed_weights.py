@@ -47,8 +47,9 @@ from passes.graph_patterns import computed_from_constants
 PHASES = ("prefill", "decode")
 STANDARD_DOMAINS = {"", "ai.onnx"}
 MICROSOFT_DOMAIN = "com.microsoft"
-# MatMulNBits(A, B [N, blocks, bytes], scales [N * blocks], zero_points [N * bytes], g_idx [K], bias [N]):
-# the inputs whose rows are output columns, by position
+# MatMulNBits(A, B [N, blocks, bytes], scales [N * blocks] or [N, blocks], zero_points [N * bytes] or [N, bytes]
+# (uint8, packed) or [N * blocks] (scales' type), g_idx [K], bias [N]): the inputs laid out by output column first,
+# by position
 NBITS_INPUTS = {1: "B", 2: "scales", 3: "zero_points", 5: "bias"}
 PER_COLUMN_POSITIONS = tuple(NBITS_INPUTS)
 
@@ -137,7 +138,8 @@ def _float_columns(matmul: gs.Node) -> int | str:
 
 
 def _quantized_columns(node: gs.Node) -> int | str:
-    """N, when every per-column input (B, scales, zero points, bias) is constant with N (or a multiple) rows."""
+    """N, when every per-column input (B, scales, zero points, bias) is computed from constants only and holds the
+    rows MatMulNBits' layout gives N columns."""
     if len(node.inputs) > 4 and _present(node.inputs[4]):
         return "the MatMulNBits has a g_idx input (groups out of order), which aotlm's quantize does not emit"
     columns = int(node.attrs["N"])
@@ -145,10 +147,22 @@ def _quantized_columns(node: gs.Node) -> int | str:
         name = NBITS_INPUTS[position]
         if not computed_from_constants(tensor):
             return f"the MatMulNBits' {name} is computed from a graph input: a Slice of it would run at every step"
-        if tensor.shape is None or not tensor.shape or not isinstance(tensor.shape[0], int) \
-                or tensor.shape[0] % columns:
-            return f"the MatMulNBits' {name} has shape {tensor.shape}, not {columns} columns' rows first"
+        rows = _rows_per_column(node, position, tensor)
+        if tensor.shape is None or not tensor.shape or tensor.shape[0] != columns * rows:
+            return (f"the MatMulNBits' {name} has shape {tensor.shape}, not {columns * rows} rows first "
+                    f"({rows} per column for N = {columns})")
     return columns
+
+
+def _rows_per_column(node: gs.Node, position: int, tensor: gs.Tensor) -> int:
+    """Rows of a per-column input that belong to one output column: 1 where the input is [N, ...]; a flat scales or
+    float zero points input holds each column's blocks in a row, a flat uint8 zero points input its padded bytes."""
+    if position in (1, 5) or tensor.shape is None or len(tensor.shape) != 1:
+        return 1
+    blocks = -(-int(node.attrs["K"]) // int(node.attrs["block_size"]))
+    if position == 3 and tensor.dtype == np.uint8:  # packed, each column padded to whole bytes
+        return -(-blocks * int(node.attrs["bits"]) // 8)
+    return blocks
 
 
 def _weight_shape_unknown(split: gs.Node) -> bool:
@@ -172,8 +186,8 @@ def _rewrite(graph: gs.Graph, split: gs.Node, product: gs.Node, widths: list[int
         else:  # each per-column input's rows for these columns; the activation and omitted inputs as they are
             inputs = list(product.inputs)
             for position, tensor in _per_column_inputs(product):
-                rows_per_column = tensor.shape[0] // int(product.attrs["N"])
-                inputs[position] = _sliced(graph, tensor, 0, start * rows_per_column, width * rows_per_column,
+                rows = _rows_per_column(product, position, tensor)
+                inputs[position] = _sliced(graph, tensor, 0, start * rows, width * rows,
                                            f"{name}_{NBITS_INPUTS[position]}")
             graph.nodes.append(gs.Node("MatMulNBits", name, domain=product.domain, attrs={**product.attrs, "N": width},
                                        inputs=inputs, outputs=[part]))

@@ -95,9 +95,10 @@ def test_a_weight_computed_from_constants_is_sliced_after_it_and_matches():
         np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6)
 
 
-def packed_quantized(options: dict) -> onnx.ModelProto:
+def packed_quantized(options: dict, flat: bool = False, bias: bool = False) -> onnx.ModelProto:
     """x [2, 3, 80] -> MatMulNBits(W [80, 48] in `options`' format) -> Split(20, 28) -> y0, y1. K = 80 is 2.5 blocks
-    of 32: a padded last block, and with zero points an odd block count (a padding nibble per column)."""
+    of 32: a padded last block, and with zero points an odd block count (a padding nibble per column). flat: scales
+    and zero points in the spec's 1-D layout (aotlm's quantize writes [N, blocks] and [N, bytes]); bias: a bias [N]."""
     nodes = [helper.make_node("MatMul", ["x", "w"], ["packed"], name="packed_matmul"),
              helper.make_node("Split", ["packed", "sizes"], ["y0", "y1"], name="split", axis=-1)]
     graph = helper.make_graph(
@@ -105,17 +106,30 @@ def packed_quantized(options: dict) -> onnx.ModelProto:
         [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3, width]) for name, width in (("y0", 20), ("y1", 28))],
         [numpy_helper.from_array(random_weight(k=80, n=48), "w"), numpy_helper.from_array(np.int64([20, 28]), "sizes")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    return quantize.run(model, quantize.Options(**options))[0]
+    quantized = quantize.run(model, quantize.Options(**options))[0]
+    (node,) = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+    initializers = {t.name: t for t in quantized.graph.initializer}
+    for name in node.input[2:4] if flat else ():
+        initializers[name].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(initializers[name]).reshape(-1), name))
+    if bias:
+        quantized.graph.initializer.append(numpy_helper.from_array(np.linspace(-1, 1, 48, dtype=np.float32), "bias"))
+        node.input.extend([""] * (5 - len(node.input)) + ["bias"])  # zero points (if absent) and g_idx omitted
+    return quantized
 
 
+LAYOUTS = {"as-quantize-writes": {}, "flat-with-bias": {"flat": True, "bias": True}}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", FORMATS)
-def test_a_quantized_packed_product_is_cut_in_its_codes_and_each_part_folds_to_float(name, tmp_path):
-    quantized = packed_quantized(FORMATS[name])
+def test_a_quantized_packed_product_is_cut_in_its_codes_and_each_part_folds_to_float(name, layout, tmp_path):
+    quantized = packed_quantized(FORMATS[name], **LAYOUTS[layout])
     sliced, report = slice_packed_weights.run(quantized, OPTIONS)
     (node,) = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
     assert report["rewritten"] == [{"node": node.name, "widths": [20, 28]}]
-    per_column = 3 if "zero-points" in name else 2  # B, scales (, zero points): each cut once per part
-    assert op_counts(sliced) == Counter({"MatMulNBits": 2, "Slice": 2 * per_column})
+    per_column = len([i for i in (1, 2, 3, 5) if i < len(node.input) and node.input[i]])  # B, scales, (zp, bias)
+    assert per_column == 2 + ("zero-points" in name) + ("bias" in layout)
+    assert op_counts(sliced) == Counter({"MatMulNBits": 2, "Slice": 2 * per_column})  # each cut once per part
     big = lambda model: {t.name: t for t in model.graph.initializer if numpy_helper.to_array(t).nbytes > 64}  # noqa: E731
     assert big(sliced) == big(quantized)  # the same codes: no new weights, the decode graph's stay shared
     x = {"x": np.random.default_rng(3).standard_normal((2, 3, 80)).astype(np.float32)}
@@ -128,11 +142,24 @@ def test_a_quantized_packed_product_is_cut_in_its_codes_and_each_part_folds_to_f
     assert len(float_report["rewritten"]) == 2 and float_report["float_weight_bytes_at_load"] == 80 * 48 * 4
     optimized = tmp_path / "optimized.onnx"
     folded = session(floats, session_config(floats), optimized).run(None, x)
-    assert dict(op_counts(onnx.load(optimized))) == {"MatMul": 2}  # nothing left to compute at a run
+    left = op_counts(onnx.load(optimized))
+    assert left["MatMul"] + left["Gemm"] == 2 and not {"Slice", "DequantizeLinear", "MatMulNBits", "BitShift"} & set(left)
     packed_floats = dequantize_weights.run(quantized, dequantize_weights.Options())[0]
     reference = session(packed_floats, session_config(packed_floats)).run(None, x)
     for output, expected_part, got_part in zip(("y0", "y1"), reference, folded):
         np.testing.assert_allclose(got_part, expected_part, rtol=0, atol=1e-5, err_msg=output)
+
+
+def test_a_matmulnbits_with_rows_its_layout_does_not_give_is_kept():
+    quantized = packed_quantized(FORMATS["int4-symmetric-full-range"], flat=True)
+    (node,) = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+    scales = next(t for t in quantized.graph.initializer if t.name == node.input[2])
+    scales.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scales)[:48 * 2], scales.name))  # 2 blocks, not 3
+    result, report = slice_packed_weights.run(quantized, OPTIONS)
+    assert result is quantized and "scales has shape [96], not 144 rows first (3 per column" in report["kept"][0]["reason"]
+    node.input.extend(["", "order"][len(node.input) - 3:])  # a g_idx input
+    quantized.graph.initializer.append(numpy_helper.from_array(np.arange(80, dtype=np.int32) // 32, "order"))
+    assert "g_idx" in slice_packed_weights.run(quantized, OPTIONS)[1]["kept"][0]["reason"]
 
 
 def test_in_an_int4_decoder_prefill_cuts_gate_up_codes_and_generates_the_same_logits(decoder_graphs):  # noqa: F811
