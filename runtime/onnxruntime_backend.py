@@ -142,7 +142,7 @@ class OnnxRuntimeBackend:
         self.present_for_past = {past: present for present, past in aliases.items()}
         self.sessions: dict[str, ort.InferenceSession] = {}
         self.bindings: dict[str, ort.IOBinding] = {}
-        self.step_logits: dict[str, dict] = {}  # per phase: run_bound's reused logits arrays
+        self.steps: dict[str, StepBuffers] = {}  # per phase: what run_bound reuses between decode steps
         self.huge_pages = False  # set by Engine.load(huge_pages=True): the slot cache asks for them too
         for phase, engine in manifest["engines"].items():
             options = session_options(settings, intra_op_threads, engine.get("session_config"),
@@ -155,7 +155,7 @@ class OnnxRuntimeBackend:
             check_io(session, engine, path)
             self.sessions[phase] = session
             self.bindings[phase] = session.io_binding()
-            self.step_logits[phase] = {}
+            self.steps[phase] = StepBuffers()
         self.past_names = [i.name for i in self.sessions["decode"].get_inputs() if i.name in self.present_for_past]
         self.cache: KVCache | None = None
         # onnxruntime runs any batch and any number of tokens per decode call (TensorRT's engines have limits)
@@ -170,8 +170,9 @@ class OnnxRuntimeBackend:
         check_slot_memory(batch, int(np.prod(shape[1:])) * np.dtype(self.cache_dtype).itemsize * len(self.past_names),
                           what="batch")
         self.cache = KVCache(self.past_names, shape, self.cache_dtype)
-        for binding in self.bindings.values():
+        for phase, binding in self.bindings.items():
             binding.clear_binding_outputs()
+            self.steps[phase] = StepBuffers()  # what it had bound is gone
             # logits first: get_outputs() lists outputs in binding order; onnxruntime allocates it per run
             binding.bind_output("logits", "cpu")
             for name, buffer in zip(self.cache.past_names, self.cache.buffers):
@@ -182,41 +183,77 @@ class OnnxRuntimeBackend:
     def run(self, phase: str, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """One step over the bound cache. Arrays are int64 [batch, sequence] / [batch, total]; returns logits."""
         return run_bound(self.sessions[phase], self.bindings[phase], input_ids, position_ids, attention_mask,
-                         self.step_logits[phase])
+                         self.steps[phase])
 
     def allocate_slots(self, slots: int) -> "SlotCache":
         """A cache of `slots` sequences for the scheduler, beside (not replacing) the batch-1 cache."""
         return SlotCache(self, slots)
 
 
+class StepBuffers:
+    """What run_bound keeps with one binding between single-token steps (decode): per input shape, one logits array
+    onnxruntime writes into and one array each for input_ids and position_ids, bound once and then overwritten in
+    place (onnxruntime reads a bound numpy array's own memory at every run). Each bind is a call into onnxruntime,
+    and a step's first calls run with the CPU's caches cold from the weights the run streamed: on the INT4 build
+    (scratch, session 26) binding logits, ids and positions anew took 125-140 us a step outside the run, against
+    58-69 us with only the mask (its length changes every step) bound anew."""
+
+    def __init__(self):
+        self.logits: dict[tuple, np.ndarray] = {}  # by input_ids' shape
+        self.inputs: dict[tuple, np.ndarray] = {}  # by (name, shape)
+        self.bound: dict[str, np.ndarray | None] = {}  # name -> the array bound now (None: somebody else's)
+
+    def bind_logits(self, binding: ort.IOBinding, shape: tuple) -> np.ndarray | None:
+        logits = self.logits.get(shape)
+        if logits is None:
+            # A binding keeps the logits OrtValue of its last run, and onnxruntime refuses to write another shape into
+            # it (a decode step after a multi-token chunk): ask for a fresh one. Rebinding by name keeps the logits
+            # the first output.
+            binding.bind_output("logits", "cpu")
+            self.bound["logits"] = None
+        elif self.bound.get("logits") is not logits:
+            binding.bind_output("logits", "cpu", element_type=logits.dtype, shape=logits.shape,
+                                buffer_ptr=logits.ctypes.data)
+            self.bound["logits"] = logits
+        return logits
+
+    def bind_input(self, binding: ort.IOBinding, name: str, values: np.ndarray) -> None:
+        array = self.inputs.get((name, values.shape))
+        if array is None:
+            array = self.inputs[(name, values.shape)] = np.empty(values.shape, np.int64)
+        np.copyto(array, values)
+        if self.bound.get(name) is not array:
+            binding.bind_cpu_input(name, array)
+            self.bound[name] = array
+
+
 def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, input_ids: np.ndarray, position_ids: np.ndarray,
-              attention_mask: np.ndarray, step_logits: dict | None = None) -> np.ndarray:
+              attention_mask: np.ndarray, step: StepBuffers | None = None) -> np.ndarray:
     """Bind the per-step inputs and run over whatever cache the binding already holds; returns the logits.
 
-    step_logits: a dict the caller keeps with this binding. Single-token steps (decode) then write their logits
-    into one array per input shape, reused: the returned array is valid until the next single-token run of the
-    same shape on this binding (every caller samples from it at once). That spares asking onnxruntime for all of
-    the binding's outputs (the cache buffers too) just to reach the logits, ~0.1-0.2 ms a step here.
+    step: the StepBuffers the caller keeps with this binding. Single-token steps (decode) then reuse its arrays (see
+    StepBuffers): the returned logits are valid until the next single-token run of the same shape on this binding
+    (every caller samples from them at once). That also spares asking onnxruntime for all of the binding's outputs
+    (the cache buffers too) just to reach the logits, ~0.1-0.2 ms a step here.
     """
-    reuse = step_logits is not None and input_ids.shape[1] == 1
-    logits = step_logits.get(input_ids.shape) if reuse else None
-    if logits is not None:
-        binding.bind_output("logits", "cpu", element_type=logits.dtype, shape=logits.shape,
-                            buffer_ptr=logits.ctypes.data)
+    reuse = step is not None and input_ids.shape[1] == 1
+    logits = step.bind_logits(binding, input_ids.shape) if reuse else None
+    if reuse:
+        step.bind_input(binding, "input_ids", input_ids)
+        step.bind_input(binding, "position_ids", position_ids)
     else:
-        # A binding keeps the logits OrtValue of its last run, and onnxruntime refuses to write another shape into
-        # it (a decode step after a multi-token chunk): ask for a fresh one. Rebinding by name keeps the logits
-        # the first output.
+        if step is not None:  # these bindings now hold the caller's arrays and a logits output of onnxruntime's
+            step.bound.clear()
         binding.bind_output("logits", "cpu")
-    binding.bind_cpu_input("input_ids", input_ids)
-    binding.bind_cpu_input("position_ids", position_ids)
+        binding.bind_cpu_input("input_ids", input_ids)
+        binding.bind_cpu_input("position_ids", position_ids)
     binding.bind_cpu_input("attention_mask", attention_mask)
     session.run_with_iobinding(binding)
     if logits is not None:
         return logits
     logits = binding.get_outputs()[0].numpy()
     if reuse:  # from the next step of this shape on, onnxruntime writes straight into it
-        step_logits[input_ids.shape] = np.empty_like(logits)
+        step.logits[input_ids.shape] = np.empty_like(logits)
     return logits
 
 
@@ -265,7 +302,7 @@ class SlotCache:
             if backend.huge_pages:  # before the first touch: its page faults then take 2 MiB pages
                 advise(array)
             array.fill(0)  # touch every page now, so resident memory does not creep up as slots fill
-        self._bindings: dict[tuple[str, int, int], tuple[ort.IOBinding, list[ort.OrtValue], dict]] = {}
+        self._bindings: dict[tuple[str, int, int], tuple[ort.IOBinding, list[ort.OrtValue], StepBuffers]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -286,6 +323,6 @@ class SlotCache:
             for name, view in zip(self.backend.past_names, views):
                 binding.bind_ortvalue_input(name, view)
                 binding.bind_ortvalue_output(self.backend.present_for_past[name], view)
-            self._bindings[key] = (binding, views, {})
-        binding, _, step_logits = self._bindings[key]
-        return run_bound(self.backend.sessions[phase], binding, input_ids, position_ids, attention_mask, step_logits)
+            self._bindings[key] = (binding, views, StepBuffers())
+        binding, _, step = self._bindings[key]
+        return run_bound(self.backend.sessions[phase], binding, input_ids, position_ids, attention_mask, step)

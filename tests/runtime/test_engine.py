@@ -68,6 +68,30 @@ def test_single_token_steps_reuse_one_logits_array_and_stay_exact(tiny_engine, t
         np.testing.assert_allclose(logits[0, -1], full_recompute_logits(decoder, tokens), atol=1e-4)
         returned.append(logits)
     assert returned[1] is returned[3] is returned[4] and returned[2] is not returned[1]  # the 1st learns the shape
+    # ids and positions went into arrays bound once and overwritten in place (exact above: onnxruntime read them)
+    step = backend.steps["decode"]
+    assert step.bound["input_ids"] is step.inputs[("input_ids", (1, 1))]
+    assert step.bound["logits"] is returned[4]
+
+
+def test_a_new_cache_rebinds_what_decode_steps_reuse(tiny_engine, tiny_reference):
+    """allocate_cache clears the bindings' outputs: the next steps must bind their logits and inputs again."""
+    decoder, _ = tiny_reference
+    backend = tiny_engine.backend
+    # a new cache each time; the third is not run, so the last batch-1 steps find what the second's bound
+    for batch, steps in ((2, True), (1, True), (2, False), (1, True)):
+        backend.allocate_cache(batch=batch)
+        if not steps:
+            continue
+        tokens = PROMPTS[1][:]
+        ids = np.array([tokens] * batch)
+        backend.run("prefill", ids, np.tile(np.arange(len(tokens)), (batch, 1)), np.ones((batch, len(tokens)), np.int64))
+        for token in (5, 6):
+            tokens.append(token)
+            logits = backend.run("decode", np.full((batch, 1), token), np.full((batch, 1), len(tokens) - 1),
+                                 np.ones((batch, len(tokens)), np.int64))
+            for row in range(batch):
+                np.testing.assert_allclose(logits[row, -1], full_recompute_logits(decoder, tokens), atol=1e-4)
 
 
 def test_cache_is_bound_once_and_written_in_place(tiny_engine, tiny_reference):
