@@ -194,10 +194,10 @@ class StepBuffers:
     """What run_bound keeps with one binding between single-token steps (decode): per input shape, one logits array
     onnxruntime writes into and one array each for input_ids and position_ids, bound once and then overwritten in
     place (onnxruntime reads a bound numpy array's own memory at every run). Each bind is a call into onnxruntime,
-    and a step's first calls run far slower than the same calls timed alone (1-4 us each; presumably the caches
-    are cold from the weights the run streamed): on the INT4 build
-    (scratch, session 26) binding logits, ids and positions anew took 125-140 us a step outside the run, against
-    58-69 us with only the mask (its length changes every step) bound anew."""
+    and right after a run these calls take far longer than when timed alone (1-4 us each; presumably the caches are
+    cold from the weights the run streamed): on the INT4 build (scratch, session 26) a bare loop of steps spent
+    125-140 us a step outside the run binding all four inputs anew, 58-69 us binding only the mask (its length
+    changes every step)."""
 
     def __init__(self):
         self.logits: dict[tuple, np.ndarray] = {}  # by input_ids' shape
