@@ -1,4 +1,5 @@
-"""slice_packed_weights: a packed projection's MatMul + Split -> one MatMul per part, over its columns of the weight.
+"""slice_packed_weights: a packed projection's MatMul (or MatMulNBits) + Split -> one product per part, over its
+columns of the weight (of the quantized codes).
 
     x ─► MatMul(W [K, N1+N2]) ─► Split(last axis; N1, N2) ─┬─► gate
                                                            └─► up
