@@ -50,8 +50,8 @@ PASSES: dict[str, PassEntry] = {
                                    "GroupQueryAttention's KV cache -> int8 with calibrated per-channel scales",
                                    quantize_kv_cache.check_settings),
     "slice_packed_weights": PassEntry(slice_packed_weights.run, slice_packed_weights.Options,
-                                      "packed MatMul + Split -> a MatMul per part over its columns of the weight "
-                                      "(sliced when the session loads; for prefill)", slice_packed_weights.check_options),
+                                      "packed MatMul or MatMulNBits + Split -> a product per part over its columns of "
+                                      "the weight or codes (sliced when the session loads; for prefill)", slice_packed_weights.check_options),
     "skip_unused_rows": PassEntry(skip_unused_rows.run, skip_unused_rows.Options,
                                   "prefill's last layer after attention runs only on the rows whose logits it returns"),
 }
