@@ -45,7 +45,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes.errors import PassError
-from passes.graph_patterns import computed_from_constants
+from passes.graph_patterns import computed_from_constants, is_present
 from passes.opset import default_opset
 from passes.session_config import record_session_config
 
@@ -100,10 +100,10 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
 
 def _keep_reason(node: gs.Node, opset: int, selected_rows: bool) -> str | None:
     inputs = node.inputs
-    if len(inputs) > 4 and _present(inputs[4]):
+    if len(inputs) > 4 and is_present(inputs[4]):
         return "has a g_idx input (groups out of order), which aotlm's quantize does not emit"
     for tensor, name in zip(inputs[1:4], ("B", "scales", "zero_points")):
-        if _present(tensor) and not computed_from_constants(tensor):  # constants, or slice_packed_weights' Slices
+        if is_present(tensor) and not computed_from_constants(tensor):  # constants, or slice_packed_weights' Slices
             return f"its {name} input is computed from a graph input: nothing to fold"
     activation = inputs[0]
     if selected_rows and activation.shape is not None and len(activation.shape) == 2:
@@ -124,8 +124,8 @@ def rewrite(graph: gs.Graph, node: gs.Node) -> int:
     """Replaces MatMulNBits `node` by MatMul over its dequantized [K, N] weight; returns the weight's float bytes."""
     bits, block_size, k, n = (int(node.attrs[a]) for a in ("bits", "block_size", "K", "N"))
     activation, blob, scales = node.inputs[:3]
-    zero_points = node.inputs[3] if len(node.inputs) > 3 and _present(node.inputs[3]) else None
-    bias = node.inputs[5] if len(node.inputs) > 5 and _present(node.inputs[5]) else None
+    zero_points = node.inputs[3] if len(node.inputs) > 3 and is_present(node.inputs[3]) else None
+    bias = node.inputs[5] if len(node.inputs) > 5 and is_present(node.inputs[5]) else None
     blocks = -(-k // block_size)
     prefix = node.name or node.outputs[0].name
     # [N, blocks, block] uint8 codes -> [blocks * block, N], transposed while each element is one byte, not four
@@ -171,10 +171,6 @@ def _unpacked(graph: gs.Graph, prefix: str, packed: gs.Tensor, bits: int, shape:
     nibbles = _op(graph, "BitwiseAnd", f"{prefix}_nibbles",
                   [shifted, gs.Constant(f"{prefix}_mask", np.array(15, np.uint8))])
     return _op(graph, "Reshape", f"{prefix}_unpacked", [nibbles, _ints(f"{prefix}_unpacked_shape", shape)])
-
-
-def _present(tensor: gs.Tensor) -> bool:
-    return not (isinstance(tensor, gs.Variable) and tensor.name == "")  # "" is an omitted optional input
 
 
 def _op(graph: gs.Graph, op: str, name: str, inputs: list, **attrs) -> gs.Variable:

@@ -1,7 +1,7 @@
 """Pattern pieces shared by passes: walking up a graph through shape-only ops and constant scalings, reading
 constants, naming layers, and parsing a rotary embedding back to its input, its cos table and the inv_freq under it
-(fuse_attention, fuse_rotary); and whether a tensor is computed from constants only (slice_packed_weights,
-dequantize_weights).
+(fuse_attention, fuse_rotary); and whether an optional input is present or a tensor is computed from constants only
+(slice_packed_weights, dequantize_weights).
 
 Every parser returns what it found or a SkipReason saying which check failed, for the passes' reports.
 """
@@ -28,6 +28,11 @@ def constant(tensor: gs.Tensor) -> np.ndarray | None:
     if node is not None and node.op == "Constant":
         return np.asarray(node.attrs["value"].values)
     return None
+
+
+def is_present(tensor: gs.Tensor) -> bool:
+    """False for an omitted optional input (an unnamed Variable)."""
+    return not (isinstance(tensor, gs.Variable) and tensor.name == "")
 
 
 def computed_from_constants(tensor: gs.Tensor) -> bool:

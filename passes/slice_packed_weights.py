@@ -43,7 +43,7 @@ import onnx_graphsurgeon as gs
 
 from passes.cleanup import apply_shapes, export_like, inferred_value_info
 from passes.errors import PassError
-from passes.graph_patterns import computed_from_constants
+from passes.graph_patterns import computed_from_constants, is_present
 
 PHASES = ("prefill", "decode")
 STANDARD_DOMAINS = {"", "ai.onnx"}
@@ -141,7 +141,7 @@ def _float_columns(matmul: gs.Node) -> int | str:
 def _quantized_columns(node: gs.Node) -> int | str:
     """N, when every per-column input (B, scales, zero points, bias) is computed from constants only and holds the
     rows MatMulNBits' layout gives N columns."""
-    if len(node.inputs) > 4 and _present(node.inputs[4]):
+    if len(node.inputs) > 4 and is_present(node.inputs[4]):
         return "the MatMulNBits has a g_idx input (groups out of order), which aotlm's quantize does not emit"
     columns = int(node.attrs["N"])
     for position, tensor in _per_column_inputs(node):
@@ -210,8 +210,4 @@ def _sliced(graph: gs.Graph, tensor: gs.Tensor, axis: int, start: int, width: in
 def _per_column_inputs(node: gs.Node) -> list[tuple[int, gs.Tensor]]:
     """MatMulNBits' inputs laid out by output column first: (position, tensor) for B, scales, zero points, bias."""
     return [(position, node.inputs[position]) for position in PER_COLUMN_POSITIONS
-            if position < len(node.inputs) and _present(node.inputs[position])]
-
-
-def _present(tensor: gs.Tensor) -> bool:
-    return not (isinstance(tensor, gs.Variable) and tensor.name == "")  # "" is an omitted optional input
+            if position < len(node.inputs) and is_present(node.inputs[position])]

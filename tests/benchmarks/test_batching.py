@@ -84,4 +84,3 @@ def test_paired_ratios_and_the_median_round():
     assert batching.median_round([3.0, 1.0, 2.0]) == 2
     assert batching.median_round([4.0, 1.0]) == 0  # even count: the upper of the two middle values
     assert [batching.run_order([1, 2, 3], r) for r in range(5)] == [[1, 2, 3], [3, 2, 1], [3, 2, 1], [1, 2, 3], [1, 2, 3]]
-
