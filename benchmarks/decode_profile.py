@@ -1,9 +1,10 @@
 """Where a decode step's time goes, per operator type, for artifacts and for onnxruntime-genai's model of the same weights.
 
     .venv/bin/python benchmarks/decode_profile.py [--artifacts A,B] [--genai FOLDER] [--contexts 64,590]
-                                                  [--steps 30] [--threads N] [--out F]
+                                                  [--rows 1] [--steps 30] [--threads N] [--out F]
 
-Each decode graph runs as its runtime runs it: batch 1, the KV cache bound once as the past input and the aliased
+Each decode graph runs as its runtime runs it: batch 1 (--rows: sequences per step, as the scheduler's batched
+steps run them, every row at the same context), the KV cache bound once as the past input and the aliased
 present output (one buffer, updated in place), one token per step. The cache first holds `context` tokens of
 random values, written into every row of the buffer: attention's arithmetic does not depend on the values, but its
 memory traffic depends on the pages having been written. A never-written buffer of zeros (np.zeros) maps every
@@ -55,8 +56,8 @@ class DecodeGraph:
     """One decode graph with its cache bound: past_key_values.* as input, present.* as the same buffer's output."""
 
     def __init__(self, name: str, path: Path, kv_heads: int, head_dim: int, capacity: int | None, threads: int,
-                 profile_prefix: str | None = None):
-        self.name = name
+                 profile_prefix: str | None = None, rows: int = 1):
+        self.name, self.rows = name, rows
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
@@ -73,7 +74,7 @@ class DecodeGraph:
                 continue
             length = value.shape[2] if isinstance(value.shape[2], int) else capacity  # ours: the max context
             buffer = ort.OrtValue.ortvalue_from_numpy(
-                written_cache_buffer((1, kv_heads, length, head_dim), ELEMENT_TYPES[value.type], rng))
+                written_cache_buffer((rows, kv_heads, length, head_dim), ELEMENT_TYPES[value.type], rng))
             self.buffers.append(buffer)
             self.binding.bind_ortvalue_input(value.name, buffer)
             self.binding.bind_ortvalue_output(value.name.replace("past_key_values.", "present."), buffer)
@@ -81,26 +82,28 @@ class DecodeGraph:
         self.binding.bind_output("logits", "cpu")
 
     def step(self, length: int) -> float:
-        """One token at position `length` (the cache holds `length` tokens before it); returns seconds."""
-        self.binding.bind_cpu_input("input_ids", np.array([[42]], np.int64))
-        self.binding.bind_cpu_input("attention_mask", np.ones((1, length + 1), np.int64))
+        """One token per row at position `length` (the cache holds `length` tokens before it); returns seconds."""
+        self.binding.bind_cpu_input("input_ids", np.full((self.rows, 1), 42, np.int64))
+        self.binding.bind_cpu_input("attention_mask", np.ones((self.rows, length + 1), np.int64))
         if "position_ids" in self.inputs:
-            self.binding.bind_cpu_input("position_ids", np.array([[length]], np.int64))
+            self.binding.bind_cpu_input("position_ids", np.full((self.rows, 1), length, np.int64))
         started = time.perf_counter()
         self.session.run_with_iobinding(self.binding)
         return time.perf_counter() - started
 
 
-def measure(name: str, path: Path, kv_heads: int, head_dim: int, context: int, steps: int, threads: int) -> dict:
+def measure(name: str, path: Path, kv_heads: int, head_dim: int, context: int, steps: int, threads: int,
+            rows: int = 1) -> dict:
     """Plain median step ms, and the profiled ms per step of each operator type."""
     capacity = context + WARMUP_STEPS + steps + 1
-    plain = DecodeGraph(name, path, kv_heads, head_dim, capacity, threads)
+    plain = DecodeGraph(name, path, kv_heads, head_dim, capacity, threads, rows=rows)
     if plain.capacity < capacity:
         raise SystemExit(f"{name}: context {context} + {WARMUP_STEPS + steps} steps exceed its cache ({plain.capacity})")
     times = [plain.step(context + step) for step in range(WARMUP_STEPS + steps)][WARMUP_STEPS:]
     del plain
     with tempfile.TemporaryDirectory() as folder:
-        profiled = DecodeGraph(name, path, kv_heads, head_dim, capacity, threads, profile_prefix=f"{folder}/profile")
+        profiled = DecodeGraph(name, path, kv_heads, head_dim, capacity, threads, profile_prefix=f"{folder}/profile",
+                               rows=rows)
         for step in range(WARMUP_STEPS + steps):
             profiled.step(context + step)
         events = json.loads(Path(profiled.session.end_profiling()).read_text())
@@ -110,7 +113,7 @@ def measure(name: str, path: Path, kv_heads: int, head_dim: int, context: int, s
             per_op[event["args"]["op_name"]] += event["dur"]  # microseconds
     runs = WARMUP_STEPS + steps
     ops = {op: micros / 1e3 / runs for op, micros in per_op.most_common()}
-    return {"graph": name, "path": str(path), "context": context, "step_ms": 1e3 * float(np.median(times)),
+    return {"graph": name, "path": str(path), "rows": rows, "context": context, "step_ms": 1e3 * float(np.median(times)),
             "profiled_sum_ms": sum(ops.values()), "ops_ms": ops}
 
 
@@ -135,10 +138,10 @@ def graphs_to_profile(args) -> list[tuple[str, Path, int, int]]:
 
 
 def render(rows: list[dict], console: Console, threads: int, steps: int) -> None:
-    for context in sorted({row["context"] for row in rows}):
-        at = [row for row in rows if row["context"] == context]
-        table = Table(title=f"decode step at context {context}: ms per step by operator type (onnxruntime profiler, "
-                            f"{steps} steps, {threads} threads)")
+    for batch, context in sorted({(row["rows"], row["context"]) for row in rows}):
+        at = [row for row in rows if (row["rows"], row["context"]) == (batch, context)]
+        table = Table(title=f"decode step of {batch} row{'s' if batch > 1 else ''} at context {context}: ms per step by "
+                            f"operator type (onnxruntime profiler, {steps} steps, {threads} threads)")
         table.add_column("operator")
         for row in at:
             table.add_column(row["graph"], justify="right")
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="an onnxruntime-genai model folder (default: the cached int4 CPU build, if any)")
     parser.add_argument("--no-genai", action="store_true", help="profile the artifacts only")
     parser.add_argument("--contexts", default="64,590", help="cached tokens before the timed steps, comma separated")
+    parser.add_argument("--rows", default="1", help="sequences per step (batched decode), comma separated")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/decode_profile.json)")
@@ -170,20 +174,22 @@ def main(argv: list[str] | None = None) -> dict:
     if args.genai is not None and not (args.genai / "genai_config.json").is_file():
         parser.error(f"{args.genai}: no genai_config.json (run benchmarks/quantization.py once to build genai's int4)")
     contexts = [int(c) for c in args.contexts.split(",") if c]
-    if args.steps < 1 or not contexts or min(contexts) < 1:
-        parser.error("--steps and every context must be >= 1")
+    batches = [int(r) for r in args.rows.split(",") if r]
+    if args.steps < 1 or not contexts or min(contexts) < 1 or not batches or min(batches) < 1:
+        parser.error("--steps, every context and every --rows value must be >= 1")
     console = Console(width=None if sys.stdout.isatty() else 160)
 
     rows = []
     graphs = graphs_to_profile(args)
     with console.status("profiling") as status:
-        for context in contexts:
-            for name, path, kv_heads, head_dim in graphs:
-                status.update(f"profiling {name} at context {context}")
-                rows.append(measure(name, path, kv_heads, head_dim, context, args.steps, args.threads))
+        for batch in batches:
+            for context in contexts:
+                for name, path, kv_heads, head_dim in graphs:
+                    status.update(f"profiling {name}, {batch} rows at context {context}")
+                    rows.append(measure(name, path, kv_heads, head_dim, context, args.steps, args.threads, batch))
     render(rows, console, args.threads, args.steps)
     report = {"settings": {"artifacts": [str(a) for a in args.artifacts], "genai": str(args.genai) if args.genai else None,
-                           "contexts": contexts, "steps": args.steps, "threads": args.threads,
+                           "contexts": contexts, "rows": batches, "steps": args.steps, "threads": args.threads,
                            "warmup_steps": WARMUP_STEPS},
               "onnxruntime": ort.__version__, "rows": rows}
     console.print(f"wrote {write_result('decode_profile.json', report, args.out)}")

@@ -51,3 +51,26 @@ def test_written_buffers_keep_the_cache_type():
     for dtype in (np.float32, np.float16, np.int8):
         values = decode_profile.written_cache_buffer((1, 2, 8, 16), dtype, rng)
         assert values.dtype == dtype and np.count_nonzero(values) > 0.9 * values.size
+
+
+def test_batched_steps_run_every_row(tiny_artifact, tmp_path):
+    """--rows profiles the scheduler's batched steps: one buffer row, one token and one logits row per sequence."""
+    report = decode_profile.main(["--artifacts", str(tiny_artifact), "--no-genai", "--contexts", "8", "--rows", "1,3",
+                                  "--steps", "3", "--threads", "1", "--out", str(tmp_path / "p.json")])
+    assert [(row["rows"], row["context"]) for row in report["rows"]] == [(1, 8), (3, 8)]
+    assert report["settings"]["rows"] == [1, 3]
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    config = manifest["model"]["config"]
+    graph = decode_profile.DecodeGraph("tiny", tiny_artifact / "decode.onnx", config["num_kv_heads"],
+                                       config["head_dim"], None, 1, rows=3)
+    assert all(buffer.numpy().shape[0] == 3 for buffer in graph.buffers)
+    graph.step(8)
+    logits = graph.binding.copy_outputs_to_cpu()[-1]  # bound last, after the presents
+    assert logits.shape[:2] == (3, 1) and np.all(np.isfinite(logits))
+    assert not np.allclose(logits[0], logits[1]), "rows over different caches gave the same logits"
+
+
+def test_rows_below_one_are_refused(tiny_artifact, tmp_path):
+    with pytest.raises(SystemExit):
+        decode_profile.main(["--artifacts", str(tiny_artifact), "--no-genai", "--rows", "0",
+                             "--out", str(tmp_path / "p.json")])
