@@ -11,8 +11,9 @@ defaults are SmolLM2-135M's shapes, as the default artifact packs them (425 MB o
 in 4 bits (blocks of 32) and 8 bits (blocks of 16), as the INT4 and INT8 recipes lower them (--accuracy-level
 changes the activations' type). --rows is the
 number of sequences in a step: 1 is batch-1 decode, 16 a 16-row batched decode step. The default rows show
-onnxruntime's fp32 kernel (MLAS) working in tiles of 12 rows on AVX-512: 16 rows take two passes over each
-weight panel, as 24 do (session 27 on this host: 27.2 ms at 12 rows, 35.6 at 16, 36.4 at 24; 17.7 at 1).
+onnxruntime's fp32 kernel (MLAS) working in tiles of rows: 12 on AVX-512, 6 with AVX2/FMA3, 4 with AVX (its
+sgemm.cpp says so). On AVX-512, 16 rows take two passes over each weight panel, as 24 do (session 27: 27.2 ms at
+12 rows, 35.6 at 16, 36.4 at 24; 17.7 at 1); with FMA3, 16 rows take three, as 18 do.
 
 Per format and rows: median time of --runs runs after warm-up, the weight bytes read, GB/s (those bytes / time),
 that as a fraction of this machine's measured bandwidth (`aotlm plan`'s cpu figure), and GFLOP/s (2 x rows x
