@@ -79,7 +79,7 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "int4-awq_gptq_act-b128-head16": ("smollm2-135m-int4.yaml", {
         "method": "awq_gptq", "block_size": 128, "gptq_act_order": True,
         "overrides": (Override("model.embed_tokens.weight", block_size=16),)}),
-    # int8 round to nearest with one kind of projection kept float: where its +0.35% comes from (README)
+    # int8 round to nearest with one kind of projection kept float: where its +0.35% comes from (benchmarks/RESULTS.md)
     **{f"int8-rtn-float-{kind}": ("smollm2-135m-int8-rtn.yaml", {"overrides": (Override(pattern, skip=True),)})
        for kind, pattern in (("lm_head", "*lm_head*"), ("qkv", "*q_proj+k_proj+v_proj*"), ("o", "*o_proj*"),
                              ("gate_up", "*gate_proj+up_proj*"), ("down", "*down_proj*"))},

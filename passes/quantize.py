@@ -10,7 +10,7 @@ Methods (settings per layer: the pass's options, then the first `overrides` entr
         range clipped to the ratio that minimises its output error (AWQ's auto-clip);
   gptq  rounding with error compensation from the calibration Hessian E[x xᵀ];
   awq_gptq  AWQ's scales and folds, then GPTQ's rounding of the scaled weights (the best of the four on the
-        default model, README).
+        default model: benchmarks/RESULTS.md, "Quantization").
 Every weight goes through the one representation (`passes.quantized_weights.QuantizedWeight`) and is then
 lowered per backend: `com.microsoft.MatMulNBits` for onnxruntime, `DequantizeLinear` feeding MatMul for
 TensorRT and plain ONNX (passes/quantized_lowering_*.py). INT4 uses blocks of `block_size` along K; INT8 is
