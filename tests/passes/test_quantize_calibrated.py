@@ -153,7 +153,9 @@ def test_calibrated_decoder_matches_float_and_both_phases_share_codes(fused_grap
     for phase, model in fused_graphs.items():
         options = quantize.Options(bits=4, block_size=32, method=method, calibration=data)
         quantized[phase], reports[phase] = quantize.run(model, options)
-    rtn_report = quantize.run(fused_graphs["decode"], quantize.Options(bits=4, block_size=32, calibration=data))[1]
+    rtn = {phase: quantize.run(model, quantize.Options(bits=4, block_size=32, calibration=data))
+           for phase, model in fused_graphs.items()}
+    rtn_report = rtn["decode"][1]
     report = reports["decode"]
     assert op_counts(quantized["decode"])["MatMulNBits"] == 15  # 7 projections x 2 layers + lm_head
     assert report["calibration"]["samples"] == 8 and report["calibration"]["tokens"] == 8 * 24
@@ -170,11 +172,16 @@ def test_calibrated_decoder_matches_float_and_both_phases_share_codes(fused_grap
     blobs = {phase: {onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer if t.name.endswith("_q4")}
              for phase, m in quantized.items()}
     assert len(blobs["decode"]) == 15 and blobs["decode"] == blobs["prefill"]
-    worst = max(float(np.abs(q - f).max() / np.abs(f).max())
-                for q, f in zip(generate_logits(quantized), generate_logits(fused_graphs)))
-    print(f"{method}: worst relative logit/cache difference vs float {worst:.3g}")
-    # RTN measures 0.20 here (4-bit weights of a random 2-layer model); a wrong fold or code moves logits by O(1).
-    assert worst < 0.3
+    def worst_difference(graphs: dict) -> float:
+        return max(float(np.abs(q - f).max() / np.abs(f).max())
+                   for q, f in zip(generate_logits(graphs), generate_logits(fused_graphs)))
+
+    worst, rtn_worst = worst_difference(quantized), worst_difference({p: m for p, (m, _) in rtn.items()})
+    print(f"{method}: worst relative logit/cache difference vs float {worst:.3g} (rtn {rtn_worst:.3g})")
+    # Measured: awq 0.183, gptq 0.168, rtn 0.162 (4-bit weights of a random 2-layer model). The calibrated methods
+    # lower the layers' output error on calibration data (above), not this worst element of held-out logits, so
+    # the bound is RTN's own difference with a margin; a wrong fold or code moves logits by O(1).
+    assert worst < 1.25 * rtn_worst
 
 
 def test_int8_recipe_settings_calibrated_beat_rtn_and_both_phases_share_codes(fused_graphs):

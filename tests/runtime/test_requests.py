@@ -170,12 +170,19 @@ def test_a_burst_into_free_slots_is_not_refused_as_a_full_queue(engine):
     assert {len(handle.result(timeout=120).token_ids) for handle in handles} == {100}
 
 
-def test_a_list_with_one_refused_prompt_runs_none_of_it(engine):
-    engine.start_scheduler(slots=2)
+def test_a_list_with_one_refused_prompt_runs_none_of_it(engine, monkeypatch):
+    scheduler = engine.start_scheduler(slots=2)
+    run = scheduler.cache.run
+    scheduler.cache.run = lambda *args: time.sleep(0.005) or run(*args)  # 40 tokens take >= 0.2 s: not done first
+    accepted = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda *args, **kw: accepted.append(submit(*args, **kw)) or accepted[-1])
     too_long = [1] * engine.max_context
     with pytest.raises(RequestError, match="max context"):
         engine.generate([PROMPT, too_long], max_new_tokens=40)
-    scheduler = engine._scheduler
+    assert len(accepted) == 1  # the first prompt was accepted, then cancelled when the second was refused
+    result = accepted[0].result(timeout=60)
+    assert result.finish_reason == "cancelled" and len(result.token_ids) < 40
     for _ in range(200):  # the accepted first prompt is cancelled; the worker frees its slot at its next step
         if not any(scheduler._running) and not scheduler._waiting:
             break

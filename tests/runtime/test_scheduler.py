@@ -257,11 +257,24 @@ def test_a_scheduler_stays_within_the_rows_and_tokens_the_engines_run(engine, mo
                                            r"<= 16, or rebuild with backend.tensorrt.decode_max_tokens: 32"):
         engine.start_scheduler(slots=2, prefill_chunk=32)
     assert engine.start_scheduler().slots == 4
-    engine.start_scheduler(slots=2, prefill_chunk=16)
-    requests = [([1] + list(range(3, 63)), 5), ([1, 9, 10], 30)]  # a 61-token prompt is chunked while one decodes
-    handles = [engine.submit(prompt, max_new_tokens=n, stop_token_ids=()) for prompt, n in requests]
-    alone = [engine.generate(prompt, max_new_tokens=n, stop_token_ids=()).token_ids for prompt, n in requests]
-    assert [handle.result().token_ids for handle in handles] == alone
+    scheduler = slowed(engine.start_scheduler(slots=2, prefill_chunk=16), seconds=0.01)
+    calls = []  # (graph, tokens per row) of every graph run
+    run = scheduler.cache.run
+    scheduler.cache.run = lambda phase, rows, ids, *rest: calls.append((phase, ids.shape[1])) or run(phase, rows, ids,
+                                                                                                         *rest)
+    short, long = ([1, 9, 10], 30), ([1] + list(range(3, 63)), 5)
+    alone = [engine.generate(prompt, max_new_tokens=n, stop_token_ids=()).token_ids for prompt, n in (short, long)]
+    first = scheduler.submit(short[0], max_new_tokens=short[1], stop_token_ids=())
+    deadline = time.monotonic() + 30
+    while not scheduler._running[0] or scheduler._running[0].next_token is None:  # until it decodes (30 steps of
+        assert time.monotonic() < deadline, "the short request never started decoding"  # >= 10 ms: it still
+        time.sleep(0.001)                                                                 # does when the long comes)
+    second = scheduler.submit(long[0], max_new_tokens=long[1], stop_token_ids=())
+    assert [first.result(timeout=60).token_ids, second.result(timeout=60).token_ids] == alone
+    # The 61-token prompt arrived while the short request decoded: 16 tokens through the prefill graph, then
+    # chunks of 16, 16 and 13 through the decode graph at batch 1, between the short request's steps.
+    chunks = [(phase, tokens) for phase, tokens in calls if tokens > 1 or phase == "prefill"]
+    assert chunks == [("prefill", 3), ("prefill", 16), ("decode", 16), ("decode", 16), ("decode", 13)], chunks
 
 
 def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
@@ -275,4 +288,4 @@ def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
     results = [handle.result(timeout=60) for handle in handles]
     assert [r.token_ids for r in results] == expected
     starts = {r.timings.trace.prefill_start for r in results}
-    assert len(starts) < len(results), "no two requests shared a prefill run"
+    assert len(starts) == 1, "the eight queued requests did not share one prefill run"
