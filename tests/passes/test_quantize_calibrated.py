@@ -71,6 +71,32 @@ def test_calibration_statistics_equal_the_activations_second_moment():
     np.testing.assert_allclose(stats.mean_abs, np.abs(rows).mean(axis=0), rtol=1e-6)
 
 
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+def test_the_reported_layer_error_is_what_the_lowered_graph_computes_on_the_calibration_rows(method):
+    """The report's relative_output_error, E‖xΔW‖²/E‖xW‖² from the calibration statistics, against the quantized
+    graph itself run over the calibration samples (Gather -> MatMul: its input rows are known table rows)."""
+    rng = np.random.default_rng(0)
+    table = (rng.standard_normal((50, 64)) * np.exp(rng.standard_normal(64))).astype(np.float32)  # uneven channels
+    weight = rng.standard_normal((64, 8)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "input_ids"], ["x"]),
+         onnx.helper.make_node("MatMul", ["x", "W"], ["y"], name="proj")], "g",
+        [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, [1, None])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        initializer=[onnx.numpy_helper.from_array(table, "table"), onnx.numpy_helper.from_array(weight, "W")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    tokens = draw_samples(rng.integers(0, 50, 1000), samples=6, length=20, seed=3)
+    quantized, report = quantize.run(model, quantize.Options(
+        bits=4, block_size=32, method=method, calibration=CalibrationSet(samples=6, length=20, token_ids=tokens)))
+    session = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"])
+    computed = np.concatenate([session.run(None, {"input_ids": sample[None]})[0][0] for sample in tokens])
+    exact = table[tokens.reshape(-1)].astype(np.float64) @ weight
+    measured = np.sum((computed - exact) ** 2) / np.sum(exact ** 2)
+    (layer,) = report["layers"]
+    assert layer["node"] == "proj" and layer["method"] == method
+    np.testing.assert_allclose(layer["relative_output_error"], measured, rtol=1e-4)  # measured: within 1e-6
+
+
 def test_calibration_text_too_short_for_the_samples_is_a_clear_error():
     with pytest.raises(PassError, match=r"calibration text has 100 tokens: too short for 8 samples of 16 tokens \(128\)"):
         draw_samples(np.arange(100), samples=8, length=16, seed=0)
