@@ -35,7 +35,7 @@ def _build(args) -> None:
 
     def progress(message: str) -> None:
         now = time.perf_counter()
-        console.log(f"[dim]+{now - last[0]:5.1f}s[/dim] {message}")
+        console.log(f"[dim]+{now - last[0]:5.1f}s[/dim] {escape(message)}")  # paths, names: not markup
         last[0] = now
 
     with console.status(f"building {recipe.name}"):
@@ -51,7 +51,7 @@ def _build(args) -> None:
         from compiler.accuracy import format_accuracy
 
         console.print(format_accuracy(manifest["accuracy"]), highlight=False)
-    console.print(f"[green]built[/green] {path} in {time.perf_counter() - started:.1f} s")
+    console.print(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s")
 
 
 def _run(args) -> None:
@@ -81,7 +81,7 @@ def _run(args) -> None:
         sys.stdout.flush()
     sys.stdout.write("\n")
     timings = generation.result.timings
-    table = Table(title=f"{engine.manifest['name']}: {timings.prompt_tokens} prompt tokens, "
+    table = Table(title=f"{escape(engine.manifest['name'])}: {timings.prompt_tokens} prompt tokens, "
                         f"{timings.output_tokens} output tokens ({generation.result.finish_reason})")
     for column in ("TTFT ms", "prefill ms", "TPOT ms", "decode tok/s", "E2E ms"):
         table.add_column(column, justify="right")
@@ -98,10 +98,12 @@ def _inspect(args) -> None:
     manifest = read_manifest(args.artifact)
     check_files(args.artifact, manifest, verify_hashes=args.verify)
     config = manifest["model"]["config"]
-    console.print(f"[bold]{manifest['name']}[/bold]  format v{manifest['format_version']}, built {manifest['created']}")
+    console.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}, built {manifest['created']}",
+                  highlight=False)
     console.print(f"model: {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
                   f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}; "
-                  f"source {manifest['model']['source'].get('kind')} {manifest['model']['source'].get('path', '')}")
+                  f"source {manifest['model']['source'].get('kind')} {escape(str(manifest['model']['source'].get('path', '')))}",
+                  highlight=False)
     kv = manifest["kv_cache"]
     console.print(f"kv cache: {kv['layout']} {kv.get('dtype', 'float32')}, max context {kv['max_context']}, "
                   f"{kv['bytes_per_token'] / 1024:.2f} KiB per token")
@@ -110,17 +112,17 @@ def _inspect(args) -> None:
     console.print(f"weights: {_quantized_formats(quantized[0]['report']) if quantized else dtype + ' (not quantized)'}",
                   highlight=False)
     template = manifest["tokenizer"].get("chat_template")
-    console.print(f"chat template: {template + ' (aotlm run --chat, Engine.chat)' if template else 'none'}",
+    console.print(f"chat template: {escape(template) + ' (aotlm run --chat, Engine.chat)' if template else 'none'}",
                   highlight=False)
     backend = manifest["backend"]
-    console.print(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}")
+    console.print(escape(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}"), highlight=False)
     engines = Table(title="engines")
     for column in ("phase", "file", "inputs", "outputs"):
         engines.add_column(column)
     for phase, engine in manifest["engines"].items():
         describe = lambda items: ", ".join(f"{i['name']}{i['shape']}" for i in items[:3]) + (  # noqa: E731
             f" (+{len(items) - 3} kv)" if len(items) > 3 else "")
-        engines.add_row(phase, engine["file"], describe(engine["inputs"]), describe(engine["outputs"]))
+        engines.add_row(*map(escape, (phase, engine["file"], describe(engine["inputs"]), describe(engine["outputs"]))))
     console.print(engines)
     passes = Table(title="passes")
     for column in ("pass", "phase", "seconds", "summary"):
@@ -130,7 +132,7 @@ def _inspect(args) -> None:
         flat = {**report, **report.get("totals", {})}  # quantize keeps its counts under totals
         summary = ", ".join(f"{k}={v}" for k, v in flat.items() if isinstance(v, (int, str))
                             or (isinstance(v, float) and not k.endswith("error")))[:100]
-        passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", summary)
+        passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", escape(summary))
     console.print(passes)
     if "accuracy" in manifest:
         from compiler.accuracy import format_accuracy
@@ -140,7 +142,7 @@ def _inspect(args) -> None:
     files.add_column("file")
     files.add_column("MiB", justify="right")
     for name, record in manifest["files"].items():
-        files.add_row(name, f"{record['bytes'] / 2**20:.2f}")
+        files.add_row(escape(name), f"{record['bytes'] / 2**20:.2f}")
     console.print(files)
 
 

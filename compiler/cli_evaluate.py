@@ -108,10 +108,10 @@ def eval_command(args) -> None:
     window, stride = _window_and_stride(args, artifact.max_context)
     token_ids = _evaluation_tokens(args, artifact)
     result = _score(args, artifact, None, token_ids, window, stride)
-    table = Table(title=f"perplexity on {args.text} ({len(token_ids)} tokens, no BOS)")
+    table = Table(title=f"perplexity on {escape(args.text)} ({len(token_ids)} tokens, no BOS)")
     for column in ("artifact", "MiB", "tokens scored", "window", "stride", "perplexity"):
         table.add_column(column, justify="left" if column == "artifact" else "right")
-    table.add_row(artifact.name, f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored),
+    table.add_row(escape(artifact.name), f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored),
                   _window_shown(window, len(token_ids)), str(stride), f"{result.perplexity:.4f}")
     console.print(table)
     _write_json(args.json, {"artifact": str(args.artifact), "name": artifact.name, "bytes": artifact.bytes,
@@ -130,13 +130,13 @@ def compare_command(args) -> None:
     window, stride = _window_and_stride(args, min(reference.max_context, candidate.max_context))
     token_ids = _evaluation_tokens(args, reference)
     result = _score(args, candidate, reference, token_ids, window, stride)
-    table = Table(title=f"{args.text}: {result.tokens_scored} tokens scored, window "
+    table = Table(title=f"{escape(args.text)}: {result.tokens_scored} tokens scored, window "
                         f"{_window_shown(window, len(token_ids))}, stride {stride}; "
                         f"B against A (KL(A || B), nats per token)")
     for column in ("", "artifact", "MiB", "perplexity", "top-1 agreement", "mean KL"):
         table.add_column(column, justify="left" if column in ("", "artifact") else "right")
-    table.add_row("A", reference.name, f"{reference.bytes / 2**20:.2f}", f"{result.reference_perplexity:.4f}", "", "")
-    table.add_row("B", candidate.name, f"{candidate.bytes / 2**20:.2f}", f"{result.perplexity:.4f}",
+    table.add_row("A", escape(reference.name), f"{reference.bytes / 2**20:.2f}", f"{result.reference_perplexity:.4f}", "", "")
+    table.add_row("B", escape(candidate.name), f"{candidate.bytes / 2**20:.2f}", f"{result.perplexity:.4f}",
                   f"{result.top1_agreement:.2%}", f"{result.mean_kl:.6f}")
     console.print(table)
     describe = lambda scored, path, perplexity, nll: {  # noqa: E731

@@ -179,6 +179,32 @@ def test_an_eval_text_is_scored_as_written(capsys, tiny_artifact, tmp_path):
     assert scored["crlf"]["tokens"] > scored["plain"]["tokens"]
 
 
+def test_paths_that_look_like_markup_are_printed_as_they_are(capsys, tiny_artifact, tmp_path, monkeypatch):
+    """Rich reads "[/x]" as a closing tag: printed as markup, a finished build, eval or compare ended in a
+    MarkupError (and eval's --json was never written)."""
+    folder = tmp_path / "w[/x]"  # a folder "w[" holding "x]"
+    artifact = folder / "tiny[bold]"
+    shutil.copytree(tiny_artifact, artifact)
+    text = folder / "notes[/x].txt"
+    text.parent.mkdir()
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 4)
+    status, output = run_cli(capsys, "inspect", artifact)
+    assert status == 0 and "Traceback" not in output, output
+    out = folder / "eval.json"
+    status, output = run_cli(capsys, "eval", artifact, "--text", text, "--json", out)
+    squashed = lambda printed: "".join(printed.split())  # noqa: E731  (a table wraps its title to its width)
+    assert status == 0 and str(text) in squashed(output) and json.loads(out.read_text())["text"] == str(text), output
+    status, output = run_cli(capsys, "compare", artifact, tiny_artifact, "--text", text)
+    assert status == 0 and str(text) in squashed(output), output
+
+    def build(recipe, output, progress):  # the CLI's printing only: a real build of this recipe is tested elsewhere
+        progress(f"writing engines into {artifact} [/x]")
+        return artifact
+    monkeypatch.setattr("compiler.build.build", build)
+    status, output = run_cli(capsys, "build", TINY, "--output", folder)
+    assert status == 0 and f"built {artifact}" in output and "[/x]" in output, output
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--phase", "decode", "--contexts", "16", "--steps", "0"), "--steps must be >= 1, got 0"),
     (("--phase", "prefill", "--prompt-lengths", "16", "--runs", "0"), "--runs must be >= 1, got 0"),
