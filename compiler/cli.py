@@ -19,7 +19,7 @@ from rich.table import Table
 
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.console import console
-from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float
+from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
@@ -310,7 +310,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed, for reproducible samples")
     run.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="end the text before this string (repeatable; the model's end-of-sequence tokens always stop)")
-    run.add_argument("--threads", type=nonnegative_int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
+    run.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")
     run.set_defaults(handler=_run)
     inspect = commands.add_parser("inspect", help="summarize an artifact's manifest")
     inspect.add_argument("artifact", help="an artifact folder")
@@ -352,7 +352,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="goodput: TPOT limit")
     bench.add_argument("--baseline", action="append", default=None,
                        help="also serve the workload with transformers or onnxruntime-genai (repeatable)")
-    bench.add_argument("--threads", type=nonnegative_int, default=None, help="intra-op threads for every backend (default: all cores)")
+    bench.add_argument("--threads", type=thread_count, default=None, help="intra-op threads for every backend (default: all cores)")
     bench.add_argument("--batching", action="append", choices=("continuous", "static"), default=None,
                        help="the scheduler's batching (default: continuous); repeat to serve with both and compare")
     bench.add_argument("--slots", type=int, default=None,

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from compiler.console import console
-from compiler.errors import check_output_file, nonnegative_int
+from compiler.errors import check_output_file, nonnegative_int, thread_count
 
 
 class _ArtifactInfo:
@@ -159,4 +159,4 @@ def add_evaluation_options(command: argparse.ArgumentParser) -> None:
                          help="tokens per window (default: 512, or the max context if smaller)")
     command.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
     command.add_argument("--json", default=None, metavar="OUT", help="also write the results to this JSON file")
-    command.add_argument("--threads", type=nonnegative_int, default=None, help="onnxruntime intra-op threads (default: artifact's)")
+    command.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")

@@ -62,6 +62,17 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def thread_count(text: str) -> int:
+    """An argparse type: intra-op threads, 0 (onnxruntime's default) up to the machine's cores. More
+    threads than cores only contend (each spins on a core while a run lasts); thousands hang the process."""
+    value = nonnegative_int(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"{value} is more than the {cores} cores this machine has; give at most "
+                                         f"{cores}, or 0 for onnxruntime's default")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
     value = float(text)

@@ -16,8 +16,10 @@ scheduler (runtime/scheduler.py: continuous batching over a slot-based KV cache)
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import operator
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -200,6 +202,10 @@ class Engine:
                                              or intra_op_threads < 0):
             raise RequestError(f"intra_op_threads must be an integer >= 0 (0: onnxruntime's default) or None, got "
                                f"{intra_op_threads!r}")
+        cores = os.cpu_count() or 1
+        if intra_op_threads is not None and intra_op_threads > cores:  # they only contend; thousands hang
+            raise RequestError(f"intra_op_threads: {intra_op_threads} is more than the {cores} cores this machine has; "
+                               f"give at most {cores}, or 0 for onnxruntime's default")
         if not isinstance(huge_pages, bool):
             raise RequestError(f"huge_pages must be True or False, got {huge_pages!r}")
         if not (isinstance(spin_after_run, bool) or isinstance(spin_after_run, (list, tuple, set, frozenset))
@@ -292,10 +298,17 @@ class Engine:
     def start_scheduler(self, **options) -> "Scheduler":
         """(Re)start the scheduler that `submit` uses: slots, batching, max_queue, prefill_chunk (runtime/scheduler.py).
 
-        A running scheduler is closed first (its unfinished requests fail); its cache is freed with it.
+        Bad options are refused with a RequestError before anything stops. Otherwise a running scheduler is closed
+        first (its unfinished requests fail); its cache is freed with it.
         """
         from runtime.scheduler import Scheduler  # here: runtime.scheduler imports this module's result types
 
+        known = [name for name in inspect.signature(Scheduler.checked_slots).parameters if name != "engine"]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise RequestError(f"start_scheduler: unknown option {', '.join(map(repr, unknown))}; the options are "
+                               f"{', '.join(known)}")
+        Scheduler.checked_slots(self, **options)
         self.close()
         self._scheduler = Scheduler(self, **options)
         return self._scheduler

@@ -135,14 +135,8 @@ class Scheduler:
 
     def __init__(self, engine, *, slots: int | None = None, batching: str = "continuous", max_queue: int = 256,
                  prefill_chunk: int | None = None, idle_exit_s: float = 1.0):
-        if slots is None:  # the default, within what the engines run per step
-            slots = min(DEFAULT_SLOTS, engine.backend.max_batch or DEFAULT_SLOTS)
-        if batching not in BATCHING:
-            raise RequestError(f"batching: {batching!r} is not one of {', '.join(BATCHING)}")
-        for name, value in (("slots", slots), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
-            if value is not None and (not is_integer(value) or value < 1):
-                raise RequestError(f"{name}: {value!r} must be an integer >= 1")
-        _check_engine_limits(engine.backend, slots, prefill_chunk)
+        slots = self.checked_slots(engine, slots=slots, batching=batching, max_queue=max_queue,
+                                   prefill_chunk=prefill_chunk)
         self.engine = engine
         self.slots, self.batching, self.max_queue, self.prefill_chunk = slots, batching, max_queue, prefill_chunk
         self.idle_exit_s = idle_exit_s
@@ -153,6 +147,23 @@ class Scheduler:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._ids = itertools.count()
+
+    @staticmethod
+    def checked_slots(engine, *, slots: int | None = None, batching: str = "continuous", max_queue: int = 256,
+                      prefill_chunk: int | None = None, idle_exit_s: float = 1.0) -> int:
+        """Refuse bad options with a RequestError (Engine.start_scheduler checks them before it closes the running
+        scheduler); returns the slots, the default resolved: 8, within what the engines run per step."""
+        if slots is None:
+            slots = min(DEFAULT_SLOTS, engine.backend.max_batch or DEFAULT_SLOTS)
+        if batching not in BATCHING:
+            raise RequestError(f"batching: {batching!r} is not one of {', '.join(BATCHING)}")
+        for name, value in (("slots", slots), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
+            if value is not None and (not is_integer(value) or value < 1):
+                raise RequestError(f"{name}: {value!r} must be an integer >= 1")
+        if not isinstance(idle_exit_s, (int, float)) or not idle_exit_s >= 0:
+            raise RequestError(f"idle_exit_s: {idle_exit_s!r} must be a number of seconds >= 0")
+        _check_engine_limits(engine.backend, slots, prefill_chunk)
+        return slots
 
     # -- the front: any thread ------------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

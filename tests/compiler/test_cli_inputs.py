@@ -314,6 +314,7 @@ def test_more_recipe_values_are_refused_before_the_export(capsys, tmp_path, monk
 
 @pytest.mark.parametrize("argv, message", [
     (("--threads", "-1"), "-1 is negative"),
+    (("--threads", "100000"), "100000 is more than the"),  # it started ~8,500 threads and took 16 GB
     (("--slo-ttft-ms", "-1"), "-1 must be a finite number > 0"),
     (("--slo-ttft-ms", "inf"), "inf must be a finite number > 0"),
 ])

@@ -238,10 +238,17 @@ def test_close_fails_unfinished_requests_and_refuses_new_ones(engine):
     (dict(slots=0), "slots: 0 must be an integer >= 1"), (dict(batching="dynamic"), "not one of continuous, static"),
     (dict(max_queue=0), "max_queue: 0 must be an integer >= 1"),
     (dict(prefill_chunk=0), "prefill_chunk: 0 must be an integer >= 1"), (dict(slots=2.5), "slots: 2.5 must be an integer"),
+    (dict(slotz=2), r"start_scheduler: unknown option 'slotz'; the options are slots, batching, max_queue, "
+                    r"prefill_chunk, idle_exit_s"),
+    (dict(idle_exit_s=-1), r"idle_exit_s: -1 must be a number of seconds >= 0"),
 ])
-def test_bad_scheduler_options_are_refused(engine, options, message):
+def test_bad_scheduler_options_are_refused_and_the_running_scheduler_serves_on(engine, options, message):
+    running = slowed(engine.start_scheduler(slots=2))
+    handle = engine.submit([1, 5, 9], max_new_tokens=20, stop_token_ids=())
     with pytest.raises(RequestError, match=message):
         engine.start_scheduler(**options)
+    assert engine._scheduler is running  # refused before anything stopped: the request in flight completes
+    assert handle.result(timeout=60).finish_reason == "length"
 
 
 def test_a_scheduler_stays_within_the_rows_and_tokens_the_engines_run(engine, monkeypatch):
