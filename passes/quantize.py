@@ -131,8 +131,22 @@ def check_settings(settings: Settings | Options, where: str = "quantize") -> Non
                         f"(e.g. 32, 64, 128)")
 
 
+def check_int8_options(bits: int, block_size: int | None, symmetric: bool | None, where: str) -> None:
+    """INT8 here is one symmetric scale per output channel: a block size or zero points would be dropped unsaid."""
+    if bits != 8:
+        return
+    if block_size is not None:
+        raise PassError(f"{where}: block_size={block_size} with bits=8: INT8 has one scale per output channel, no "
+                        f"blocks; drop block_size (int8_kernel_block sets how finely MatMulNBits rounds activations)")
+    if symmetric is False:
+        raise PassError(f"{where}: symmetric=false with bits=8: INT8 is symmetric per output channel (no zero "
+                        f"points); drop symmetric, or use bits=4 for zero points")
+
+
 def check_options(options: Options) -> None:
     check_settings(options)
+    check_int8_options(options.bits, None if options.block_size == Options.block_size else options.block_size,
+                       options.symmetric, "quantize")
     if options.accuracy_level not in (0, 1, 2, 3, 4):
         raise PassError(f"quantize: accuracy_level={options.accuracy_level}: MatMulNBits takes 0 (unset), 1 (fp32), "
                         f"2 (fp16), 3 (bf16) or 4 (int8 activations)")
@@ -147,7 +161,9 @@ def check_options(options: Options) -> None:
                         f"{MAX_BLOCK} (e.g. 32)")
     for index, override in enumerate(options.overrides):
         merged = settings_with(base_settings(options), override, full_range_wanted(options))
-        check_settings(merged, f"quantize: overrides[{index}] ({override.pattern!r})")
+        where = f"quantize: overrides[{index}] ({override.pattern!r})"
+        check_settings(merged, where)
+        check_int8_options(merged.bits, override.block_size, override.symmetric, where)
 
 
 def full_range_wanted(options: Options) -> bool:

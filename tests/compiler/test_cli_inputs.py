@@ -63,6 +63,11 @@ def test_a_model_config_out_of_range_is_refused_by_name(capsys, tmp_path, old, n
 @pytest.mark.parametrize("option, message", [
     ("block_size: 48", "passes[6] (quantize): quantize: block_size=48"),
     ("int8_kernel_block: 48", "passes[6] (quantize): quantize: int8_kernel_block=48"),
+    # INT8 is one symmetric scale per output channel: these were dropped without a word
+    ("bits: 8\n      block_size: 7", "quantize: block_size=7 with bits=8: INT8 has one scale per output channel"),
+    ("bits: 8\n      symmetric: false", "quantize: symmetric=false with bits=8: INT8 is symmetric per output channel"),
+    ("overrides: [{pattern: '*lm_head*', bits: 8, block_size: 64}]",
+     "quantize: overrides[0] ('*lm_head*'): block_size=64 with bits=8"),
 ])
 def test_bad_pass_options_are_refused_before_the_export(capsys, tmp_path, monkeypatch, option, message):
     recipe = tiny_recipe(tmp_path, "  - pack_projections", f"  - pack_projections\n  - quantize:\n      {option}")
