@@ -23,6 +23,12 @@ from compiler.errors import UsageError, check_output_file, nonnegative_int, posi
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
+# bench flags that apply to one kind of run only, with their defaults (argparse's are None: "given" is not None)
+BENCH_SERVED = {"requests": 32, "arrival": "all", "concurrency": None, "rate": None, "prompt_tokens": "128",
+                "output_tokens": "64", "warmup": 1, "slo_ttft_ms": None, "slo_tpot_ms": None, "batching": None,
+                "slots": None, "prefill_chunk": None}
+BENCH_PHASE = {"prompt-lengths": ("prefill", None), "runs": ("prefill", 5), "contexts": ("decode", None),
+               "steps": ("decode", 32), "batch": (None, 1)}  # None: both phases
 
 
 def _build(args) -> None:
@@ -176,6 +182,30 @@ def _plan(args) -> None:
         render(result, console)
 
 
+def _check_bench_flags(args) -> None:
+    """Refuse flags the chosen kind of run would ignore (they used to exit 0 as if used), then fill defaults."""
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    given = lambda names: [flag(n) for n in names if getattr(args, n.replace("-", "_")) is not None]  # noqa: E731
+    if args.phase:
+        served = given(BENCH_SERVED)
+        if served:
+            raise UsageError(f"{', '.join(served)}: {'they shape' if len(served) > 1 else 'it shapes'} a served "
+                             f"workload and {'do' if len(served) > 1 else 'does'} not apply to --phase {args.phase}; "
+                             f"drop {'them' if len(served) > 1 else 'it'}, or drop --phase")
+        other = given([name for name, (phase, _) in BENCH_PHASE.items() if phase not in (None, args.phase)])
+        if other:
+            raise UsageError(f"{', '.join(other)}: for --phase {'decode' if args.phase == 'prefill' else 'prefill'} "
+                             f"only, not --phase {args.phase}")
+    else:
+        phase_only = given(BENCH_PHASE)
+        if phase_only:
+            raise UsageError(f"{', '.join(phase_only)}: for --phase prefill or decode (timing one graph), not a served "
+                             f"workload; add --phase, or drop {'them' if len(phase_only) > 1 else 'it'}")
+    for name, default in [*BENCH_SERVED.items(), *((n, d) for n, (_, d) in BENCH_PHASE.items())]:
+        if getattr(args, name.replace("-", "_")) is None:
+            setattr(args, name.replace("-", "_"), default)
+
+
 def _bench(args) -> None:
     import json
     import os
@@ -188,6 +218,7 @@ def _bench(args) -> None:
     from runtime.metrics import format_table
     from runtime.tokenizer import TextTokenizer
 
+    _check_bench_flags(args)
     manifest = read_manifest(args.artifact)  # a folder that is not an artifact fails here, in one line
     name, max_context = manifest["name"], manifest["kv_cache"]["max_context"]
     if not args.out:  # the default path, under the current folder, is checked before the work as a given one is
@@ -337,17 +368,17 @@ def parser() -> argparse.ArgumentParser:
     plan.set_defaults(handler=_plan)
     bench = commands.add_parser("bench", help="serve a workload (or time prefill/decode) and report vLLM-style metrics")
     bench.add_argument("artifact", help="an artifact folder")
-    bench.add_argument("--requests", type=int, default=32, help="requests in the workload (default 32)")
-    bench.add_argument("--arrival", choices=("all", "concurrency", "poisson"), default="all",
-                       help="all at once; closed loop of --concurrency clients; Poisson at --rate req/s")
+    bench.add_argument("--requests", type=int, default=None, help="requests in the workload (default 32)")
+    bench.add_argument("--arrival", choices=("all", "concurrency", "poisson"), default=None,
+                       help="(default) all at once; closed loop of --concurrency clients; Poisson at --rate req/s")
     bench.add_argument("--concurrency", type=int, default=None,
                        help="clients for --arrival concurrency (default 1): each sends its next request when the last one ends")
     bench.add_argument("--rate", type=float, default=None, help="requests/s for --arrival poisson")
     bench.add_argument("--seed", type=nonnegative_int, default=0, help="lengths and Poisson arrivals")
-    bench.add_argument("--prompt-tokens", default="128", help="N, or LOW:HIGH drawn uniformly (default: 128)")
-    bench.add_argument("--output-tokens", default="64", help="N, or LOW:HIGH drawn uniformly (default: 64)")
+    bench.add_argument("--prompt-tokens", default=None, help="N, or LOW:HIGH drawn uniformly (default: 128)")
+    bench.add_argument("--output-tokens", default=None, help="N, or LOW:HIGH drawn uniformly (default: 64)")
     bench.add_argument("--prompt-file", default=None, help="text cut into prompts (default: Python's pydoc topics)")
-    bench.add_argument("--warmup", type=int, default=1, help="requests served first and excluded (default: 1)")
+    bench.add_argument("--warmup", type=int, default=None, help="requests served first and excluded (default: 1)")
     bench.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="goodput: TTFT limit")
     bench.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="goodput: TPOT limit")
     bench.add_argument("--baseline", action="append", default=None,
@@ -367,9 +398,9 @@ def parser() -> argparse.ArgumentParser:
                        help=f"--phase prefill: prompt lengths (default: those of {DEFAULT_PROMPT_LENGTHS} that fit)")
     bench.add_argument("--contexts", default=None,
                        help=f"--phase decode: cached tokens (default: those of {DEFAULT_CONTEXTS} that fit)")
-    bench.add_argument("--batch", type=int, default=1, help="--phase: sequences per graph run")
-    bench.add_argument("--runs", type=int, default=5, help="--phase prefill: timed runs per length (median)")
-    bench.add_argument("--steps", type=int, default=32, help="--phase decode: timed steps per context")
+    bench.add_argument("--batch", type=int, default=None, help="--phase: sequences per graph run (default 1)")
+    bench.add_argument("--runs", type=int, default=None, help="--phase prefill: timed runs per length, median (default 5)")
+    bench.add_argument("--steps", type=int, default=None, help="--phase decode: timed steps per context (default 32)")
     bench.set_defaults(handler=_bench)
     evaluate = commands.add_parser("eval", help="perplexity of an artifact on a text (sliding windows)")
     evaluate.add_argument("artifact", help="an artifact folder")

@@ -329,6 +329,21 @@ def test_bench_refuses_negative_threads_or_limits_as_usage_errors(capsys, tiny_a
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (("--batch", "4"), "--batch: for --phase prefill or decode (timing one graph), not a served workload"),
+    (("--steps", "0"), "--steps: for --phase prefill or decode"),
+    (("--phase", "prefill", "--requests", "5", "--slots", "2"),
+     "--requests, --slots: they shape a served workload and do not apply to --phase prefill"),
+    (("--phase", "decode", "--prompt-tokens", "500"), "--prompt-tokens: it shapes a served workload"),
+    (("--phase", "decode", "--runs", "3"), "--runs: for --phase prefill only, not --phase decode"),
+    (("--phase", "prefill", "--contexts", "16"), "--contexts: for --phase decode only, not --phase prefill"),
+])
+def test_bench_refuses_flags_the_kind_of_run_would_ignore(capsys, tiny_artifact, tmp_path, argv, message):
+    """These exited 0 as if used."""
+    status, output = run_cli(capsys, "bench", tiny_artifact, *argv, "--out", tmp_path / "b.json")
+    assert status == 2 and message in output and not (tmp_path / "b.json").exists(), output
+
+
 def test_bench_refuses_an_infinite_rate(capsys, tiny_artifact, tmp_path):
     status, output = run_cli(capsys, "bench", tiny_artifact, "--requests", "2", "--arrival", "poisson", "--rate", "inf",
                              "--out", tmp_path / "b.json")
@@ -403,7 +418,7 @@ def test_bench_phase_errors_name_the_flag_and_default_sizes_fit_a_small_artifact
     status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "decode", "--contexts", "16,500",
                              "--out", tmp_path / "a.json")
     assert status == 2 and "--contexts '16,500': each must be >= 1 and below" in output, output
-    status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "decode", "--steps", "2", "--runs", "1",
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "decode", "--steps", "2",
                              "--out", tmp_path / "decode.json")
     assert status == 0, output
     assert [row["context"] for row in json.loads((tmp_path / "decode.json").read_text())["rows"]] == [64]

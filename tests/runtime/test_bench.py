@@ -131,10 +131,10 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
     import compiler.plan
 
     monkeypatch.setattr(compiler.plan, "cpu_device", lambda: {"fp32": 1e11, "bandwidth": 1e10, "name": "fake"})
-    for phase, flag, sizes in (("prefill", "--prompt-lengths", "8,16"), ("decode", "--contexts", "8,16")):
+    for phase, flags in (("prefill", ["--prompt-lengths", "8,16", "--runs", "2"]),
+                         ("decode", ["--contexts", "8,16", "--steps", "4"])):
         path = tmp_path / f"{phase}.json"
-        assert cli.main(["bench", str(tiny_artifact), "--phase", phase, flag, sizes, "--steps", "4", "--runs", "2",
-                         "--out", str(path)]) == 0
+        assert cli.main(["bench", str(tiny_artifact), "--phase", phase, *flags, "--out", str(path)]) == 0
         assert len(json.loads(path.read_text())["rows"]) == 2
 
 
@@ -170,8 +170,8 @@ def test_cli_default_output_path_is_checked_before_the_work(tiny_artifact, tmp_p
     first (it was a traceback after the whole workload ran), in both modes."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "benchmarks").write_text("a file where the folder should be")
-    for args in ([], ["--phase", "prefill", "--prompt-lengths", "8"]):
-        assert cli.main(["bench", str(tiny_artifact), "--requests", "1", *args]) == 2
+    for args in (["--requests", "1"], ["--phase", "prefill", "--prompt-lengths", "8"]):
+        assert cli.main(["bench", str(tiny_artifact), *args]) == 2
         err = " ".join(capsys.readouterr().err.split())
         assert err.startswith("error: --out benchmarks/results/bench-") and "Traceback" not in err, err
 
