@@ -56,6 +56,14 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     missing = missing or [key for key, kind in REQUIRED_FIELDS.items() if not isinstance(_field(manifest, key), kind)]
     missing = missing or [f"files.{name}" for name, record in manifest["files"].items() if not isinstance(record, dict)
                           or not isinstance(record.get("bytes"), int) or not isinstance(record.get("sha256"), str)]
+    missing = missing or [f"passes[{index}]" for index, record in enumerate(manifest["passes"])
+                          if not isinstance(record, dict) or any(not isinstance(record.get(key), kind) for key, kind in
+                                                                 PASS_RECORD.items())]
+    shape = [] if missing else manifest["kv_cache"]["shape"]
+    sizes_ok = lambda sizes: all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)  # noqa: E731
+    if not missing and not (len(shape) == 4 and (isinstance(shape[0], str) or sizes_ok(shape[:1]))
+                            and sizes_ok(shape[1:])):  # [batch (may be named), kv_heads, max_context, head_dim]
+        missing = ["kv_cache.shape as [batch, kv_heads, max_context, head_dim]"]
     if missing:
         raise ArtifactError(f"{path}: the manifest lacks {', '.join(missing)} (or has the wrong type); the file was "
                             f"edited or cut short: rebuild the artifact")
@@ -67,7 +75,9 @@ REQUIRED_FIELDS = {"created": str, "passes": list, "model.config": dict, "model.
                    "model.source": dict, "tokenizer.file": str, "tokenizer.eos_token_ids": list,
                    "kv_cache.shape": list, "kv_cache.max_context": int, "kv_cache.bytes_per_token": int,
                    "kv_cache.layout": list, "engines.prefill.file": str, "engines.decode.file": str,
-                   "backend.name": str, "backend.version": str}
+                   "engines.prefill.inputs": list, "engines.prefill.outputs": list, "engines.decode.inputs": list,
+                   "engines.decode.outputs": list, "backend.name": str, "backend.version": str}
+PASS_RECORD = {"name": str, "phase": str, "seconds": (int, float), "report": dict}  # each entry of "passes"
 
 
 def _field(manifest: dict, dotted: str):

@@ -54,8 +54,15 @@ def session_options(settings: dict, intra_op_threads: int | None, config: dict |
     engines.<phase>.session_config, recorded by the passes that need them, e.g. dequantize_weights).
     spin_after_run: leave onnxruntime's threads spinning after a run (its default); see STOP_SPINNING_AFTER_RUN."""
     options = ort.SessionOptions()
-    options.graph_optimization_level = OPTIMIZATION_LEVELS[settings.get("graph_optimization_level", "all")]
+    level = settings.get("graph_optimization_level", "all")
+    if level not in OPTIMIZATION_LEVELS:
+        raise ArtifactError(f"manifest backend.session.graph_optimization_level: {level!r} is not one of "
+                            f"{', '.join(OPTIMIZATION_LEVELS)}; the manifest was edited: rebuild the artifact")
+    options.graph_optimization_level = OPTIMIZATION_LEVELS[level]
     threads = settings.get("intra_op_threads", 0) if intra_op_threads is None else intra_op_threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ArtifactError(f"manifest backend.session.intra_op_threads: {threads!r} must be an integer >= 0; the "
+                            f"manifest was edited: rebuild the artifact")
     options.intra_op_num_threads = threads
     options.log_severity_level = 3  # warnings about unused initializers etc. are ours to report, not ORT's
     if config is not None and not (isinstance(config, dict) and all(

@@ -124,11 +124,26 @@ def _edit_manifest(folder, edit):
     (lambda m: m["kv_cache"].pop("max_context"), "kv_cache.max_context"),
     (lambda m: m["model"]["config"].pop("vocab_size"), "model.config.vocab_size"),
     (lambda m: m.pop("created"), "created"),
+    # these reached `aotlm inspect` (KeyError) or onnxruntime (invalid rank) before they were checked
+    (lambda m: m["engines"]["decode"].pop("inputs"), "engines.decode.inputs"),
+    (lambda m: m["passes"].append({"name": "x"}), r"passes\[\d+\]"),
+    (lambda m: m["kv_cache"].__setitem__("shape", [1]), r"kv_cache.shape as \[batch, kv_heads, max_context, head_dim\]"),
 ])
 def test_a_manifest_missing_a_field_its_readers_use_is_refused_by_name(artifact_copy, edit, named):
     """Only the top-level sections were checked: these were KeyError / TypeError / AttributeError tracebacks."""
     _edit_manifest(artifact_copy, edit)
     with pytest.raises(ArtifactError, match=rf"the manifest lacks (.*, )?{named}(, .*)? \(or has the wrong type\)"):
+        Engine.load(artifact_copy)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"graph_optimization_level": "ultra"}, r"graph_optimization_level: 'ultra' is not one of .*rebuild the artifact"),
+    ({"intra_op_threads": -2}, r"intra_op_threads: -2 must be an integer >= 0"),
+])
+def test_edited_session_settings_are_named(artifact_copy, setting, message):
+    """An unknown optimization level was a KeyError from inside the backend."""
+    _edit_manifest(artifact_copy, lambda m: m["backend"].setdefault("session", {}).update(setting))
+    with pytest.raises(ArtifactError, match=message):
         Engine.load(artifact_copy)
 
 
