@@ -63,7 +63,10 @@ def _window_and_stride(args, max_context: int) -> tuple[int, int]:
     if window > max_context:
         raise EvaluationError(f"--window {window} exceeds the artifact's max context ({max_context})")
     stride = max(1, window // 2) if args.stride is None else args.stride
-    window_spans(0, window, stride)  # checks window >= 2 and 1 <= stride <= window
+    try:
+        window_spans(0, window, stride)  # checks window >= 2 and 1 <= stride <= window
+    except EvaluationError as error:
+        raise EvaluationError(f"--window {window} --stride {stride}: {error}") from None
     return window, stride
 
 

@@ -127,6 +127,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_recipe(path: str | os.PathLike) -> Recipe:
     """Read and validate a recipe file; every problem raises one RecipeError."""
     p = Path(path)
+    if p.is_dir():
+        raise RecipeError(f"{path}: a folder, not a recipe file; give the YAML file, e.g. recipes/smollm2-135m.yaml")
     if not p.is_file():
         raise RecipeError(f"recipe not found: {path}")
     try:

@@ -113,7 +113,8 @@ def text_token_ids(encode: Callable[[str], list[int]], count: int, text: str | N
 
         text = "\n\n".join(topics[name] for name in sorted(topics))
     if not text.strip():
-        raise BenchError("the prompt text is empty")
+        raise BenchError("the prompt text is empty (--prompt-file): give a file with some text, or drop the flag for "
+                         "Python's documentation")
     characters = 8 * count  # tokenize only what is needed; ~4 characters per token in English
     while True:
         ids = encode(text[:characters])
@@ -134,7 +135,8 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
     if concurrency is not None and arrival != "concurrency":
         raise BenchError(f"--concurrency applies to --arrival concurrency, not {arrival}")
     concurrency = 1 if concurrency is None else concurrency
-    for bad, message in ((requests < 1 or warmup < 0, "--requests must be >= 1 and --warmup >= 0"),
+    for bad, message in ((requests < 1, f"--requests must be >= 1, got {requests}"),
+                         (warmup < 0, f"--warmup must be >= 0, got {warmup}"),
                          (concurrency < 1, f"--concurrency must be >= 1, got {concurrency}"),
                          (arrival == "concurrency" and concurrency > requests,
                           f"--concurrency {concurrency} exceeds --requests {requests}: some clients would send nothing"),

@@ -59,6 +59,9 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     missing = missing or [f"passes[{index}]" for index, record in enumerate(manifest["passes"])
                           if not isinstance(record, dict) or any(not isinstance(record.get(key), kind) for key, kind in
                                                                  PASS_RECORD.items())]
+    eos = [] if missing else manifest["tokenizer"]["eos_token_ids"]
+    if not missing and not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in eos):
+        missing = ["tokenizer.eos_token_ids as token ids"]
     shape = [] if missing else manifest["kv_cache"]["shape"]
     sizes_ok = lambda sizes: all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)  # noqa: E731
     if not missing and not (len(shape) == 4 and (isinstance(shape[0], str) or sizes_ok(shape[:1]))

@@ -169,6 +169,8 @@ class Scheduler:
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                arrival: float | None = None, block: bool = False, **sampling) -> RequestHandle:
         """Queue a request; returns its handle at once. block=True waits for room instead of refusing."""
+        if not isinstance(block, bool):  # a string such as "no" would read as True
+            raise RequestError(f"block must be True or False, got {block!r}")
         params = sampling_params(params, sampling)
         started = time.perf_counter()
         received = received_at(arrival, started)

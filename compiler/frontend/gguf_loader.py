@@ -46,6 +46,9 @@ def load_gguf(path: str, progress: bool | None = None) -> LoadedModel:
     progress: show a progress bar while dequantizing; None shows one when stderr is a terminal.
     """
     path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise BuildError(f"{path}: a folder, not a GGUF file; model.path names the .gguf file itself (a Hugging Face "
+                         f"folder is model.source: hf)")
     if not os.path.isfile(path):
         raise BuildError(f"GGUF file not found: {path}. Check the model path in the recipe.")
     reader = _open_reader(path)

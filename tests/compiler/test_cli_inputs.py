@@ -344,6 +344,26 @@ def test_bench_refuses_flags_the_kind_of_run_would_ignore(capsys, tiny_artifact,
     assert status == 2 and message in output and not (tmp_path / "b.json").exists(), output
 
 
+def test_messages_name_the_flag_or_what_the_path_is(capsys, tiny_artifact, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    gguf_folder = tmp_path / "model.gguf"
+    gguf_folder.mkdir()
+    recipe = tmp_path / "gguf.yaml"
+    recipe.write_text(f"name: g\nmodel:\n  source: gguf\n  path: {gguf_folder}\n")
+    for argv, message in [
+        (("build", tmp_path), "a folder, not a recipe file; give the YAML file"),
+        (("build", recipe, "--output", tmp_path / "out"), "a folder, not a GGUF file; model.path names the .gguf"),
+        (("bench", tiny_artifact, "--warmup", "-1", "--out", tmp_path / "b.json"), "--warmup must be >= 0, got -1"),
+        (("bench", tiny_artifact, "--prompt-file", empty, "--prompt-tokens", "8", "--out", tmp_path / "b.json"),
+         "the prompt text is empty (--prompt-file)"),
+        (("eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--window", "16", "--stride", "0"),
+         "--window 16 --stride 0: stride must be between 1 and the window (16)"),
+    ]:
+        status, output = run_cli(capsys, *argv)
+        assert status == 2 and message in output and "Traceback" not in output, (argv, output)
+
+
 def test_bench_refuses_an_infinite_rate(capsys, tiny_artifact, tmp_path):
     status, output = run_cli(capsys, "bench", tiny_artifact, "--requests", "2", "--arrival", "poisson", "--rate", "inf",
                              "--out", tmp_path / "b.json")

@@ -127,6 +127,7 @@ def _edit_manifest(folder, edit):
     # these reached `aotlm inspect` (KeyError) or onnxruntime (invalid rank) before they were checked
     (lambda m: m["engines"]["decode"].pop("inputs"), "engines.decode.inputs"),
     (lambda m: m["passes"].append({"name": "x"}), r"passes\[\d+\]"),
+    (lambda m: m["tokenizer"].__setitem__("eos_token_ids", ["x"]), "tokenizer.eos_token_ids as token ids"),
     (lambda m: m["kv_cache"].__setitem__("shape", [1]), r"kv_cache.shape as \[batch, kv_heads, max_context, head_dim\]"),
 ])
 def test_a_manifest_missing_a_field_its_readers_use_is_refused_by_name(artifact_copy, edit, named):

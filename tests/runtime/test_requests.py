@@ -53,6 +53,11 @@ def test_an_arrival_that_is_not_a_time_is_refused_before_anything_runs(engine, a
     assert engine.generate(PROMPT, arrival=time.perf_counter() - 1.0, max_new_tokens=2).timings.ttft_s >= 1.0
 
 
+def test_submit_block_must_be_a_bool(engine):
+    with pytest.raises(RequestError, match="block must be True or False, got 'yes'"):
+        engine.submit(PROMPT, max_new_tokens=2, block="yes")
+
+
 def test_params_and_keywords_together_are_refused(engine):
     with pytest.raises(RequestError, match="either as params or as keywords, not both .*max_new_tokens"):
         engine.generate(PROMPT, SamplingParams(max_new_tokens=3), max_new_tokens=7)
