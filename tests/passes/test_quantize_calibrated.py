@@ -51,18 +51,22 @@ def test_awq_and_gptq_lower_the_layer_output_error_below_rtn(name):
     assert gptq_weight.codes.max() < 2 ** bits and gptq_weight.scales.shape == (96, 256 // block_size)
 
 
-def test_calibration_statistics_equal_the_activations_second_moment():
-    """Gather(table, ids) -> MatMul: the MatMul's input rows are table rows, so E[x xᵀ] is known exactly."""
-    rng = np.random.default_rng(0)
-    table = rng.standard_normal((50, 16)).astype(np.float32)
+def gather_matmul(table: np.ndarray, weight: np.ndarray) -> onnx.ModelProto:
+    """Gather(table, input_ids) -> MatMul "proj": the MatMul's input rows are known table rows."""
     graph = onnx.helper.make_graph(
         [onnx.helper.make_node("Gather", ["table", "input_ids"], ["x"]),
          onnx.helper.make_node("MatMul", ["x", "W"], ["y"], name="proj")], "g",
         [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, [1, None])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
-        initializer=[onnx.numpy_helper.from_array(table, "table"),
-                     onnx.numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "W")])
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+        initializer=[onnx.numpy_helper.from_array(table, "table"), onnx.numpy_helper.from_array(weight, "W")])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+
+
+def test_calibration_statistics_equal_the_activations_second_moment():
+    """Gather(table, ids) -> MatMul: the MatMul's input rows are table rows, so E[x xᵀ] is known exactly."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((50, 16)).astype(np.float32)
+    model = gather_matmul(table, rng.standard_normal((16, 8)).astype(np.float32))
     tokens = draw_samples(rng.integers(0, 50, 1000), samples=6, length=20, seed=3)
     stats = collect_statistics(model, ["x"], CalibrationSet(samples=6, length=20, token_ids=tokens))["x"]
     rows = table[tokens.reshape(-1)].astype(np.float64)
@@ -78,13 +82,7 @@ def test_the_reported_layer_error_is_what_the_lowered_graph_computes_on_the_cali
     rng = np.random.default_rng(0)
     table = (rng.standard_normal((50, 64)) * np.exp(rng.standard_normal(64))).astype(np.float32)  # uneven channels
     weight = rng.standard_normal((64, 8)).astype(np.float32)
-    graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("Gather", ["table", "input_ids"], ["x"]),
-         onnx.helper.make_node("MatMul", ["x", "W"], ["y"], name="proj")], "g",
-        [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, [1, None])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
-        initializer=[onnx.numpy_helper.from_array(table, "table"), onnx.numpy_helper.from_array(weight, "W")])
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    model = gather_matmul(table, weight)
     tokens = draw_samples(rng.integers(0, 50, 1000), samples=6, length=20, seed=3)
     quantized, report = quantize.run(model, quantize.Options(
         bits=4, block_size=32, method=method, calibration=CalibrationSet(samples=6, length=20, token_ids=tokens)))
