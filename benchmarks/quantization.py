@@ -60,6 +60,8 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "int4-rtn-b128": ("smollm2-135m-int4-rtn.yaml", {"block_size": 128}),
     "int4-awq-b32": ("smollm2-135m-int4.yaml", {"method": "awq"}),
     "int4-awq-b128": ("smollm2-135m-int4.yaml", {"method": "awq", "block_size": 128}),
+    "int4-gptq-b32": ("smollm2-135m-int4.yaml", {"method": "gptq", "gptq_act_order": False}),
+    "int4-gptq_act-b32": ("smollm2-135m-int4.yaml", {"method": "gptq", "gptq_act_order": True}),
     "int4-awq_gptq-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "gptq_act_order": False}),
     "int4-awq_gptq-b128": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "block_size": 128, "gptq_act_order": False}),
     "int4-awq_gptq_act-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "gptq_act_order": True}),
