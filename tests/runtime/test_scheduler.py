@@ -269,11 +269,11 @@ def test_a_scheduler_stays_within_the_rows_and_tokens_the_engines_run(engine, mo
     run = scheduler.cache.run
     scheduler.cache.run = lambda phase, rows, ids, *rest: calls.append((phase, ids.shape[1])) or run(phase, rows, ids,
                                                                                                          *rest)
-    short, long = ([1, 9, 10], 30), ([1] + list(range(3, 63)), 5)
+    short, long = ([1, 9, 10], 100), ([1] + list(range(3, 63)), 5)  # 100 steps of >= 10 ms: still decoding
     alone = [engine.generate(prompt, max_new_tokens=n, stop_token_ids=()).token_ids for prompt, n in (short, long)]
     first = scheduler.submit(short[0], max_new_tokens=short[1], stop_token_ids=())
     deadline = time.monotonic() + 30
-    while not scheduler._running[0] or scheduler._running[0].next_token is None:  # until it decodes (30 steps of
+    while not scheduler._running[0] or scheduler._running[0].next_token is None:  # until it decodes (100 steps of
         assert time.monotonic() < deadline, "the short request never started decoding"  # >= 10 ms: it still
         time.sleep(0.001)                                                                 # does when the long comes)
     second = scheduler.submit(long[0], max_new_tokens=long[1], stop_token_ids=())
