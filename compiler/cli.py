@@ -27,7 +27,7 @@ DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
 BENCH_SERVED = {"requests": 32, "arrival": "all", "concurrency": None, "rate": None, "prompt_tokens": "128",
                 "output_tokens": "64", "warmup": 1, "slo_ttft_ms": None, "slo_tpot_ms": None, "batching": None,
                 "slots": None, "prefill_chunk": None}
-BENCH_PHASE = {"prompt-lengths": ("prefill", None), "runs": ("prefill", 5), "contexts": ("decode", None),
+BENCH_PHASE = {"prompt_lengths": ("prefill", None), "runs": ("prefill", 5), "contexts": ("decode", None),
                "steps": ("decode", 32), "batch": (None, 1)}  # None: both phases
 
 
@@ -185,7 +185,7 @@ def _plan(args) -> None:
 def _check_bench_flags(args) -> None:
     """Refuse flags the chosen kind of run would ignore (they used to exit 0 as if used), then fill defaults."""
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
-    given = lambda names: [flag(n) for n in names if getattr(args, n.replace("-", "_")) is not None]  # noqa: E731
+    given = lambda names: [flag(n) for n in names if getattr(args, n) is not None]  # noqa: E731
     if args.phase:
         served = given(BENCH_SERVED)
         if served:
@@ -202,8 +202,8 @@ def _check_bench_flags(args) -> None:
             raise UsageError(f"{', '.join(phase_only)}: for --phase prefill or decode (timing one graph), not a served "
                              f"workload; add --phase, or drop {'them' if len(phase_only) > 1 else 'it'}")
     for name, default in [*BENCH_SERVED.items(), *((n, d) for n, (_, d) in BENCH_PHASE.items())]:
-        if getattr(args, name.replace("-", "_")) is None:
-            setattr(args, name.replace("-", "_"), default)
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def _bench(args) -> None:

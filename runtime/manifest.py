@@ -59,13 +59,13 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     missing = missing or [f"passes[{index}]" for index, record in enumerate(manifest["passes"])
                           if not isinstance(record, dict) or any(not isinstance(record.get(key), kind) for key, kind in
                                                                  PASS_RECORD.items())]
-    eos = [] if missing else manifest["tokenizer"]["eos_token_ids"]
-    if not missing and not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in eos):
+    integers = lambda values, least: all(isinstance(n, int) and not isinstance(n, bool) and n >= least  # noqa: E731
+                                         for n in values)
+    if not missing and not integers(manifest["tokenizer"]["eos_token_ids"], 0):
         missing = ["tokenizer.eos_token_ids as token ids"]
     shape = [] if missing else manifest["kv_cache"]["shape"]
-    sizes_ok = lambda sizes: all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)  # noqa: E731
-    if not missing and not (len(shape) == 4 and (isinstance(shape[0], str) or sizes_ok(shape[:1]))
-                            and sizes_ok(shape[1:])):  # [batch (may be named), kv_heads, max_context, head_dim]
+    if not missing and not (len(shape) == 4 and (isinstance(shape[0], str) or integers(shape[:1], 1))
+                            and integers(shape[1:], 1)):  # [batch (may be named), kv_heads, max_context, head_dim]
         missing = ["kv_cache.shape as [batch, kv_heads, max_context, head_dim]"]
     if missing:
         raise ArtifactError(f"{path}: the manifest lacks {', '.join(missing)} (or has the wrong type); the file was "

@@ -136,7 +136,7 @@ class Scheduler:
     def __init__(self, engine, *, slots: int | None = None, batching: str = "continuous", max_queue: int = 256,
                  prefill_chunk: int | None = None, idle_exit_s: float = 1.0):
         slots = self.checked_slots(engine, slots=slots, batching=batching, max_queue=max_queue,
-                                   prefill_chunk=prefill_chunk)
+                                   prefill_chunk=prefill_chunk, idle_exit_s=idle_exit_s)
         self.engine = engine
         self.slots, self.batching, self.max_queue, self.prefill_chunk = slots, batching, max_queue, prefill_chunk
         self.idle_exit_s = idle_exit_s
