@@ -174,6 +174,21 @@ def aotlm_server(engine) -> Serve:
     return serve
 
 
+def _trace_or_error(handle) -> RequestTrace | BaseException:
+    """A finished handle's trace, or the error to raise in the main thread. Never raises: an exception inside a
+    done-callback is logged and dropped by concurrent.futures, and run_workload would then wait forever."""
+    try:
+        error = handle.exception()
+        if error is not None:
+            return error
+        timings = handle.result().timings
+        if timings is None or timings.trace is None:
+            return BenchError(f"request {handle.id} ended without timings (it made no token: cancelled before its first?)")
+        return timings.trace
+    except BaseException as error:  # noqa: BLE001 -- handed to the main thread, which raises it
+        return error
+
+
 class ScheduledServer:
     """Serves through the engine's scheduler: `submit` returns at once, the trace comes back through `on_done`."""
 
@@ -184,7 +199,7 @@ class ScheduledServer:
 
     def submit(self, prompt_ids: list[int], output_tokens: int, arrival: float, on_done: OnDone) -> None:
         handle = self.scheduler.submit(prompt_ids, max_new_tokens=output_tokens, stop_token_ids=(), arrival=arrival)
-        handle.add_done_callback(lambda h: on_done(h.exception() or h.result().timings.trace))
+        handle.add_done_callback(lambda h: on_done(_trace_or_error(h)))
 
     def __call__(self, prompt_ids: list[int], output_tokens: int, arrival: float) -> RequestTrace:
         """One request, waited for (the warm-up)."""
@@ -288,7 +303,12 @@ def compare_table(result: dict):
     # A closed loop sends a client's next request when its last one ends: the send times follow each backend.
     sent = {"all": ", the same send times", "poisson": ", the same send times",
             "concurrency": ", each sent as its client's last request ended"}.get(result["settings"].get("arrival"), "")
-    table = Table(title=f"{ref['requests']} requests per backend: same prompt ids and output lengths{sent}")
+    # aotlm serves through its scheduler; the baselines have no scheduler here and serve one request at a time, so
+    # their TTFT includes waiting for the requests before them and their TPOT is a one-row step's.
+    slots = result["settings"].get("slots")
+    peers = [name for name in summaries if not name.startswith("aotlm")]
+    served = f"; aotlm: {slots} slots, {', '.join(peers)}: one request at a time" if slots and peers else ""
+    table = Table(title=f"{ref['requests']} requests per backend: same prompt ids and output lengths{sent}{served}")
     for column in ("backend", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "out tok/s",
                    "queued", f"TTFT p50 / {ref_name}", f"TPOT p50 / {ref_name}", f"tok/s / {ref_name}"):
         table.add_column(column, justify="left" if column == "backend" else "right")

@@ -105,6 +105,9 @@ def test_report_json_and_plots(tiny_engine, encode, tmp_path):
     assert len(entry["traces"]) == 4 and entry["traces"][0]["output_tokens"] == 5
     assert len(entry["traces"][0]["token_times"]) == 5 and min(t["arrival"] for t in entry["traces"]) == 0.0
     assert bench.compare_table(result).row_count == 2
+    assert "one request at a time" not in bench.compare_table(result).title  # no slots recorded: nothing to say
+    peers = bench.report({"slots": 4, **w.settings()}, {"aotlm": runs["aotlm"], "transformers": runs["again"]})
+    assert bench.compare_table(peers).title.endswith("; aotlm: 4 slots, transformers: one request at a time")
 
 
 def test_time_phase(tiny_engine):
@@ -247,3 +250,44 @@ def test_the_warm_up_does_not_change_the_measured_requests():
                                  warmup=warmup, text=text) for warmup in (0, 1, 3)]
     assert [len(load.warmup) for load in loads] == [0, 1, 3]
     assert loads[0].requests == loads[1].requests == loads[2].requests
+
+
+class _FinishedHandle:
+    """A scheduler handle already done when its callback is added (as concurrent.futures runs it at once)."""
+
+    def __init__(self, request_id, result=None, error=None):
+        self.id, self._result, self._error = request_id, result, error
+
+    def add_done_callback(self, callback):
+        callback(self)
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+@pytest.mark.parametrize("handle, message", [
+    (lambda i: _FinishedHandle(i, result=type("Result", (), {"timings": None})()), "ended without timings"),
+    (lambda i: _FinishedHandle(i, error=RuntimeError("worker failed")), "worker failed")])
+def test_a_request_that_ends_without_a_trace_is_raised_not_waited_for(encode, handle, message):
+    import threading
+
+    server = object.__new__(bench.ScheduledServer)  # its scheduler replaced: no engine needed
+    server.scheduler = type("Scheduler", (), {"submit": lambda self, ids, **kw: handle(0)})()
+    outcome = []
+
+    def serve():
+        try:
+            run_workload(server, workload(encode, requests=2, arrival="all"))
+        except Exception as error:  # noqa: BLE001 -- what the main thread raised
+            outcome.append(error)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "run_workload waited for a trace that never came"
+    assert len(outcome) == 1 and message in str(outcome[0])
