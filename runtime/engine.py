@@ -292,7 +292,12 @@ class Engine:
                 for handle in handles:
                     handle.cancel()
                 raise
-            return [handle.result() for handle in handles]
+            try:
+                return [handle.result() for handle in handles]
+            except BaseException:  # one failed, or the caller was interrupted: the rest stop too
+                for handle in handles:
+                    handle.cancel()
+                raise
         return self.stream(prompt, params, arrival=arrival, **sampling).wait()
 
     def start_scheduler(self, **options) -> "Scheduler":
@@ -309,23 +314,32 @@ class Engine:
             raise RequestError(f"start_scheduler: unknown option {', '.join(map(repr, unknown))}; the options are "
                                f"{', '.join(known)}")
         Scheduler.checked_slots(self, **options)
-        self.close()
-        self._scheduler = Scheduler(self, **options)
-        return self._scheduler
+        self.close()  # first: its slot cache is freed before the new one is allocated
+        scheduler = Scheduler(self, **options)
+        with self._scheduler_lock:
+            displaced, self._scheduler = self._scheduler, scheduler
+        if displaced is not None:  # another thread started one meanwhile: never left running unreferenced
+            displaced.close()
+        return scheduler
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                arrival: float | None = None, block: bool = False, **sampling) -> "RequestHandle":
         """Queue a request for continuous batching; returns a RequestHandle at once (iterate it for text pieces,
         `.result()`, `.cancel()`). Thread-safe. Starts a default scheduler (8 slots, or the engines' max batch
         if smaller) on first use."""
-        with self._scheduler_lock:
-            scheduler = self._scheduler or self.start_scheduler()
+        from runtime.scheduler import Scheduler
+
+        with self._scheduler_lock:  # a scheduler closed directly (Scheduler.close()) is replaced by a default one
+            scheduler = self._scheduler
+            if scheduler is None or scheduler.closed:
+                scheduler = self._scheduler = Scheduler(self)
         return scheduler.submit(prompt, params, arrival=arrival, block=block, **sampling)
 
     def close(self) -> None:
         """Stop the scheduler, if one runs (its worker thread and slot cache)."""
-        scheduler, self._scheduler = self._scheduler, None
-        if scheduler is not None:
+        with self._scheduler_lock:
+            scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:  # after the lock: its worker's done-callbacks may submit while it stops
             scheduler.close()
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

@@ -64,6 +64,8 @@ class RequestHandle:
         self.cancelled = False
 
     def __iter__(self) -> Iterator[str]:
+        """The text pieces as they arrive. Leaving the loop early does not stop the request (the handle is its
+        result too, and `next(iter(handle))` waits for the first piece): call cancel() to free its slot."""
         while (piece := self._pieces.get()) is not _END:
             yield piece
         self._pieces.put(_END)  # a later iteration ends at once instead of waiting forever
@@ -219,8 +221,13 @@ class Scheduler:
             waiting = next((s for s in self._waiting if s.handle is handle), None)
             if waiting is not None:  # never admitted: leaves the queue now, making room
                 self._waiting.remove(waiting)
-                self._finish(waiting, "cancelled")
                 self._lock.notify_all()
+        if waiting is not None:  # after the lock: done-callbacks run here and may wait on other requests
+            self._finish(waiting, "cancelled")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Refuse new requests, fail the waiting and running ones with a RequestError, stop the worker."""
@@ -234,20 +241,25 @@ class Scheduler:
     # -- the worker thread -------------------------------------------------------------------------------------
     def _work(self) -> None:
         while True:
+            unfinished: list[_Sequence] = []
             with self._lock:
                 busy = lambda: self._waiting or any(self._running)  # noqa: E731
                 if not self._closed and not busy():
                     self._lock.wait_for(lambda: self._waiting or self._closed, timeout=self.idle_exit_s)
                 if self._closed:
-                    closed = RequestError("the scheduler was closed before this request finished")
-                    for sequence in [*self._waiting, *filter(None, self._running)]:
-                        self._fail(sequence, closed)
+                    unfinished = [*self._waiting, *filter(None, self._running)]
                     self._waiting.clear()
-                if self._closed or not busy():
+                stop = self._closed or not busy()
+                if stop:
                     self._worker = None  # under the lock: a submit after this starts a new worker
-                    return
-                self._admit()
-                self._lock.notify_all()  # room in the queue for blocked submitters
+                else:
+                    self._admit()
+                    self._lock.notify_all()  # room in the queue for blocked submitters
+            if stop:  # failed after the lock is released: their done-callbacks may call into the scheduler
+                closed = RequestError("the scheduler was closed before this request finished")
+                for sequence in unfinished:
+                    self._fail(sequence, closed)
+                return
             try:
                 self._step()
             except Exception as error:  # a graph failed: fail the running requests, keep serving the rest
@@ -284,6 +296,8 @@ class Scheduler:
                 start = sequence.prefilled
                 remaining = len(sequence.prompt_ids) - start
                 count = remaining if budget is None else min(budget, remaining)
+                if start > 0 and self.engine.backend.max_decode_tokens is not None:  # the decode graph takes it:
+                    count = min(count, self.engine.backend.max_decode_tokens)  # TensorRT's profile bounds a call
                 budget = None if budget is None else budget - count
                 ids = np.array([sequence.prompt_ids[start:start + count]], dtype=np.int64)
                 positions = np.arange(start, start + count, dtype=np.int64)[None]

@@ -19,6 +19,7 @@ exist and checks the compatibility rules everywhere.
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,9 @@ class TensorRTBackend:
         self.max_batch, self.max_decode_tokens = int(largest[0]), int(largest[1])
         self.cache: DeviceCache | None = None
         self.last_device_ms = 0.0
+        # One step at a time over all caches: the one-request cache and the scheduler's share the per-phase
+        # execution contexts and the stream, and a context is not safe to bind from two threads at once.
+        self.run_lock = threading.Lock()
 
     # -- the cache --------------------------------------------------------------------------------------
     def allocate_cache(self, batch: int) -> "DeviceCache":
@@ -138,6 +142,11 @@ class DeviceCache:
 
     def run(self, phase: str, rows: tuple[int, int], input_ids: np.ndarray, position_ids: np.ndarray,
             attention_mask: np.ndarray) -> np.ndarray:
+        with self.backend.run_lock:
+            return self._run(phase, rows, input_ids, position_ids, attention_mask)
+
+    def _run(self, phase: str, rows: tuple[int, int], input_ids: np.ndarray, position_ids: np.ndarray,
+             attention_mask: np.ndarray) -> np.ndarray:
         backend, torch = self.backend, self.backend.torch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graphed = phase == "decode" and backend.cuda_graphs and input_ids.shape[1] == 1

@@ -296,3 +296,82 @@ def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
     assert [r.token_ids for r in results] == expected
     starts = {r.timings.trace.prefill_start for r in results}
     assert len(starts) == 1, "the eight queued requests did not share one prefill run"
+
+
+def test_the_rest_of_a_chunked_prompt_stays_within_the_decode_graphs_tokens(engine, monkeypatch):
+    """A prompt chunked while another request decoded: once that request finishes, the rest of the prompt is no
+    longer chunked by prefill_chunk, but it still goes through the decode graph, which TensorRT bounds to
+    decode_max_tokens per call. Before, the whole rest went in one call (here 36 tokens against a bound of 16)."""
+    monkeypatch.setattr(engine.backend, "max_decode_tokens", 16)
+    scheduler = slowed(engine.start_scheduler(slots=2, prefill_chunk=16), seconds=0.05)
+    calls = []  # (graph, tokens per row, whether the short request had finished)
+    run = scheduler.cache.run
+    short, long = [1, 9, 10], [1] + list(range(3, 102))  # 5 new tokens; a 100-token prompt
+    alone_tokens = [alone(engine, short, 5), alone(engine, long, 3)]
+    first = scheduler.submit(short, max_new_tokens=5, stop_token_ids=())
+    scheduler.cache.run = lambda phase, rows, ids, *rest: calls.append((phase, ids.shape[1], first.done())) or run(
+        phase, rows, ids, *rest)
+    deadline = time.monotonic() + 30
+    while not scheduler._running[0] or scheduler._running[0].next_token is None:
+        assert time.monotonic() < deadline, "the short request never started decoding"
+        time.sleep(0.001)
+    second = scheduler.submit(long, max_new_tokens=3, stop_token_ids=())
+    assert [first.result(timeout=60).token_ids, second.result(timeout=60).token_ids] == alone_tokens
+    short_prefill, *chunks = [(phase, tokens, done) for phase, tokens, done in calls if tokens > 1]
+    assert short_prefill == ("prefill", 3, False), calls
+    assert chunks[0][:2] == ("prefill", 16) and sum(tokens for _, tokens, _ in chunks) == 100, chunks
+    assert any(done for _, _, done in chunks), f"the short request never finished mid-prompt: {chunks}"
+    assert max(tokens for phase, tokens, _ in chunks if phase == "decode") <= 16, chunks
+
+
+def test_a_done_callback_that_waits_on_another_request_does_not_block_the_scheduler(engine):
+    """cancel() of a waiting request, and close(), complete handles after releasing the scheduler's lock, so a
+    callback may wait on a running request or submit another (it used to block the worker forever)."""
+    scheduler = slowed(engine.start_scheduler(slots=1), seconds=0.01)
+    first = engine.submit([1, 2, 3], max_new_tokens=40, stop_token_ids=())
+    next(iter(first))
+    queued = engine.submit([1, 4], max_new_tokens=3)
+    queued.add_done_callback(lambda _: first.result(timeout=60))
+    canceller = threading.Thread(target=queued.cancel, daemon=True)
+    canceller.start()
+    assert len(first.result(timeout=60).token_ids) == 40
+    canceller.join(timeout=60)
+    assert not canceller.is_alive() and queued.result(timeout=1).finish_reason == "cancelled"
+    resubmitted = []
+    running = engine.submit([1, 5], max_new_tokens=100, stop_token_ids=())
+    next(iter(running))
+    running.add_done_callback(lambda _: resubmitted.append(engine.submit([1, 6], max_new_tokens=2)))
+    closer = threading.Thread(target=scheduler.close, daemon=True)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive(), "close() blocked on a done-callback"
+    with pytest.raises(RequestError, match="closed before this request finished"):
+        running.result(timeout=1)
+    assert len(resubmitted) == 1 and resubmitted[0].result(timeout=60).finish_reason in ("length", "stop")
+
+
+def test_submit_after_the_scheduler_was_closed_directly_starts_a_new_one(engine):
+    closed = engine.start_scheduler(slots=2)
+    closed.close()
+    result = engine.submit([1, 2], max_new_tokens=3, stop_token_ids=()).result(timeout=60)
+    assert result.token_ids == alone(engine, [1, 2], 3) and engine._scheduler is not closed
+
+
+def test_generate_a_list_interrupted_cancels_the_requests_left(engine, monkeypatch):
+    from runtime.scheduler import RequestHandle
+
+    slowed(engine.start_scheduler(slots=1), seconds=0.01)
+    handles = []
+    submit = engine._scheduler.submit
+    monkeypatch.setattr(engine._scheduler, "submit", lambda *a, **kw: handles.append(submit(*a, **kw)) or handles[-1])
+    real_result = RequestHandle.result
+
+    def interrupted(self, timeout=None):  # the caller's Ctrl-C while waiting for the first result
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RequestHandle, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([[1, 2, 3], [1, 4], [1, 5]], max_new_tokens=60, stop_token_ids=())
+    monkeypatch.setattr(RequestHandle, "result", real_result)
+    assert len(handles) == 3
+    assert [h.result(timeout=60).finish_reason for h in handles] == ["cancelled"] * 3

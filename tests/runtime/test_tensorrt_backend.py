@@ -107,3 +107,28 @@ def test_tensorrt_scheduler_and_evaluation_stay_within_the_engine_profile(tensor
     got, want = decode_logits_for(engine)(tokens), decode_logits_for(tiny_engine)(tokens)
     assert np.abs(got - want).max() < 2e-2, f"evaluation logits: max |diff| {np.abs(got - want).max():.3e}"
     engine.close()
+
+
+@needs_gpu
+def test_tensorrt_one_request_and_the_scheduler_at_once_give_their_own_tokens(tensorrt_tiny, tiny_engine):
+    """The one-request cache and the scheduler's share the engines' execution contexts: steps from two threads must
+    not bind over each other (the backend's run_lock), so each request's tokens equal its onnxruntime reference."""
+    import threading
+
+    from runtime import Engine
+
+    engine = Engine.load(tensorrt_tiny)
+    prompts = [[1, 30 + i, 31, 32, 33, 34, 35, 36] for i in range(4)]
+    alone = [1, 5, 9, 200, 7, 7]
+    want = [r.token_ids for r in tiny_engine.generate(prompts, max_new_tokens=12, stop_token_ids=())]
+    want_alone = tiny_engine.generate(alone, max_new_tokens=12, stop_token_ids=()).token_ids
+    got_alone = []
+    for _ in range(3):
+        handles = [engine.submit(p, max_new_tokens=12, stop_token_ids=()) for p in prompts]
+        thread = threading.Thread(target=lambda: got_alone.append(
+            engine.generate(alone, max_new_tokens=12, stop_token_ids=()).token_ids))
+        thread.start()
+        assert [h.result(timeout=120).token_ids for h in handles] == want
+        thread.join(timeout=120)
+    assert got_alone == [want_alone] * 3
+    engine.close()
