@@ -60,8 +60,10 @@ class Run:
 
     def metrics(self) -> dict:
         ttft, e2e = self.token_times_s[0], self.token_times_s[-1]
-        tpot = (e2e - ttft) / (len(self.token_times_s) - 1) if len(self.token_times_s) > 1 else 0.0
-        itl_ms = 1e3 * np.diff(self.token_times_s) if len(self.token_times_s) > 1 else np.zeros(1)
+        if len(self.token_times_s) < 2:  # main() refuses --new-tokens < 2: a run this short has no gaps to time
+            raise ValueError(f"a run of {len(self.token_times_s)} token(s) has no TPOT or ITL")
+        tpot = (e2e - ttft) / (len(self.token_times_s) - 1)
+        itl_ms = 1e3 * np.diff(self.token_times_s)
         return {
             "ttft_ms": 1e3 * ttft, "prefill_ms": 1e3 * self.prefill_s, "tpot_ms": 1e3 * tpot, "e2e_ms": 1e3 * e2e,
             **{f"itl_p{q}_ms": float(np.percentile(itl_ms, q)) for q in (50, 95, 99)},
@@ -298,7 +300,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     manifest = json.loads((args.artifact / "manifest.json").read_text())
     max_context = manifest["kv_cache"]["max_context"]
-    if args.prompt_tokens + args.new_tokens > max_context:
+    if args.new_tokens < 2:  # TPOT and ITL are gaps between output tokens: one token has none
+        parser.error(f"--new-tokens must be >= 2 (TPOT and ITL need two tokens), got {args.new_tokens}")
+    if args.prompt_tokens < 1:
+        parser.error(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+    if args.prompt_tokens + args.new_tokens > max_context:  # genai's generator takes prompt + new tokens
         parser.error(f"--prompt-tokens + --new-tokens must fit the artifact's max context ({max_context})")
     prompt_ids = prompt_token_ids(args.artifact, manifest, args.prompt_tokens)
     # The baselines' weights folders (written once, cached): none without baselines.

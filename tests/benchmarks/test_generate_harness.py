@@ -42,3 +42,19 @@ def test_a_backend_that_stops_early_is_an_error():
     backends = {"ok": Fake("ok", [], [1.0, 1.0]), "short": Fake("short", [], [1.0, 1.0], tokens=2)}
     with pytest.raises(RuntimeError, match="short made 2 tokens, not 3"):
         generate.measure_all(backends, [1], 3, 1, Progress(), {name: None for name in backends})
+
+
+def test_one_token_has_no_tpot_and_is_refused():
+    """TPOT and ITL are gaps between output tokens: a one-token run used to report TPOT 0 and ITL 0 (and a
+    division by zero in the table); now the run refuses to make up those numbers, and main() refuses the flag."""
+    assert generate.Run(0.1, [0.2, 0.3], [1, 2]).metrics()["tpot_ms"] == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="no TPOT or ITL"):
+        generate.Run(0.1, [0.2], [1]).metrics()
+
+
+@pytest.mark.parametrize("flags, message", [(["--new-tokens", "1"], "--new-tokens must be >= 2"),
+                                            (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1")])
+def test_main_refuses_runs_too_short_to_time(tiny_artifact, capsys, flags, message):
+    with pytest.raises(SystemExit) as stopped:
+        generate.main(["--artifact", str(tiny_artifact), "--baselines", "", *flags])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
