@@ -292,7 +292,8 @@ def _bench(args) -> None:
             runs[backend] = bench.run_workload(serve, workload, on_done=lambda task=task: progress.advance(task))
             getattr(serve, "close", lambda: None)()  # stop a scheduler's worker thread
             del serve  # free its weights before the next backend loads
-    settings = {"artifact": str(args.artifact), "threads": threads, "backends": list(runs), "batching": modes,
+    settings = {"artifact": str(args.artifact), "threads": threads, "backends": list(runs), "baselines": baselines,
+                "batching": modes,
                 "slots": slots, "prefill_chunk": args.prefill_chunk,
                 "prompt_source": args.prompt_file or "pydoc_data.topics (sorted, joined)",
                 "decoding": "greedy, stop tokens disabled", "slo": slo or None, "prompt_tokens_asked": args.prompt_tokens,

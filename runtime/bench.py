@@ -306,7 +306,7 @@ def compare_table(result: dict):
     # aotlm serves through its scheduler; the baselines have no scheduler here and serve one request at a time, so
     # their TTFT includes waiting for the requests before them and their TPOT is a one-row step's.
     slots = result["settings"].get("slots")
-    peers = [name for name in summaries if not name.startswith("aotlm")]
+    peers = [name for name in result["settings"].get("baselines") or () if name in summaries]
     served = f"; aotlm: {slots} slots, {', '.join(peers)}: one request at a time" if slots and peers else ""
     table = Table(title=f"{ref['requests']} requests per backend: same prompt ids and output lengths{sent}{served}")
     for column in ("backend", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "out tok/s",

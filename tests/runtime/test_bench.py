@@ -106,8 +106,11 @@ def test_report_json_and_plots(tiny_engine, encode, tmp_path):
     assert len(entry["traces"][0]["token_times"]) == 5 and min(t["arrival"] for t in entry["traces"]) == 0.0
     assert bench.compare_table(result).row_count == 2
     assert "one request at a time" not in bench.compare_table(result).title  # no slots recorded: nothing to say
-    peers = bench.report({"slots": 4, **w.settings()}, {"aotlm": runs["aotlm"], "transformers": runs["again"]})
+    peers = bench.report({"slots": 4, "baselines": ["transformers"], **w.settings()},
+                         {"aotlm": runs["aotlm"], "transformers": runs["again"]})
     assert bench.compare_table(peers).title.endswith("; aotlm: 4 slots, transformers: one request at a time")
+    modes = bench.report({"slots": 4, "baselines": [], **w.settings()}, {"static": runs["aotlm"], "continuous": runs["again"]})
+    assert "one request at a time" not in bench.compare_table(modes).title  # both served by the scheduler
 
 
 def test_time_phase(tiny_engine):
