@@ -9,6 +9,7 @@ pass's own report (measured on the calibration data).
 from __future__ import annotations
 
 import copy
+import platform
 import tempfile
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.calibration import split_text
 from compiler.errors import BuildError
 from compiler.export import cache_dtype
-from runtime.evaluate import EvaluationError, decode_logits_for, evaluate
+from runtime.evaluate import EvaluationError, decode_logits_for, evaluate, tokens_fingerprint
 from runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 
@@ -30,12 +31,20 @@ def held_out_tokens(calibration_text: str, tokenizer_json: str, max_tokens: int)
     return np.asarray(ids, np.int64), source["source"].replace("first 90%", "last 10% (held out)")
 
 
+def report_window_and_stride(window: int, stride: int, max_context: int) -> tuple[int, int]:
+    """The recipe's window and stride, the window cut to the max context. A cut window keeps at least half of it
+    as context, as `aotlm eval`'s default stride does: the recipe's stride (256 by default) could otherwise equal
+    the cut window and leave the scored tokens of every window after the first one token of context."""
+    if window <= max_context:
+        return window, stride
+    return max_context, min(stride, max(1, max_context // 2))
+
+
 def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manifest: dict, spec, calibration_text: str,
                            tokenizer_json: str, backend_spec, progress) -> dict:
     """Perplexity of the float graph and of the built artifact, top-1 agreement and KL(float || quantized)."""
     tokens, source = held_out_tokens(calibration_text, tokenizer_json, spec.max_tokens)
-    window = min(spec.window, manifest["kv_cache"]["max_context"])
-    stride = min(spec.stride, window)
+    window, stride = report_window_and_stride(spec.window, spec.stride, manifest["kv_cache"]["max_context"])
     with tempfile.TemporaryDirectory(prefix="aotlm-float-") as folder:
         reference_graph = copy.deepcopy(float_decode)  # the writer moves weights out of the graph it is given
         sections = onnxruntime_backend.write_engines({"decode": reference_graph}, Path(folder), backend_spec,
@@ -52,7 +61,8 @@ def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manife
         except EvaluationError as error:
             raise BuildError(f"accuracy report: {error}") from None
         del reference, quantized
-    return {"text": source, "tokens": int(len(tokens)), **result.to_dict(),
+    return {"text": source, "tokens": int(len(tokens)), "tokens_sha256": tokens_fingerprint(tokens),
+            "python": platform.python_version(), **result.to_dict(),
             "perplexity_increase": result.perplexity / result.reference_perplexity - 1}
 
 

@@ -55,6 +55,24 @@ def _evaluation_tokens(args, artifact: _ArtifactInfo) -> list[int]:
     return token_ids
 
 
+def _warn_if_not_the_report_text(args, artifact: _ArtifactInfo, token_ids: list[int]) -> None:
+    """builtin:pydoc-held-out is Python's documentation, which changes between Python releases: say so when this
+    Python's text is not the one the artifact's build report scored (their perplexities are then not comparable)."""
+    import platform
+
+    from runtime.evaluate import tokens_fingerprint
+
+    held_out = (artifact.manifest.get("accuracy") or {}).get("held_out") or {}
+    recorded, count = held_out.get("tokens_sha256"), held_out.get("tokens")
+    if args.text != "builtin:pydoc-held-out" or not recorded or not count or "pydoc" not in str(held_out.get("text")):
+        return
+    if len(token_ids) >= count and tokens_fingerprint(token_ids[:count]) == recorded:
+        return
+    console.print(f"[yellow]warning:[/yellow] this Python's ({platform.python_version()}) built-in documentation text "
+                  f"is not the one {escape(artifact.name)}'s build report scored (Python {held_out.get('python')}): "
+                  f"compare this perplexity with the report's only when both come from the same text", highlight=False)
+
+
 def _window_and_stride(args, max_context: int) -> tuple[int, int]:
     """--window (default 512, at most the max context) and --stride (default window / 2), checked."""
     from runtime.evaluate import EvaluationError, window_spans
@@ -110,6 +128,7 @@ def eval_command(args) -> None:
     artifact = _ArtifactInfo(args.artifact)
     window, stride = _window_and_stride(args, artifact.max_context)
     token_ids = _evaluation_tokens(args, artifact)
+    _warn_if_not_the_report_text(args, artifact, token_ids)
     result = _score(args, artifact, None, token_ids, window, stride)
     table = Table(title=f"perplexity on {escape(args.text)} ({len(token_ids)} tokens, no BOS)")
     for column in ("artifact", "MiB", "tokens scored", "window", "stride", "perplexity"):
@@ -117,8 +136,11 @@ def eval_command(args) -> None:
     table.add_row(escape(artifact.name), f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored),
                   _window_shown(window, len(token_ids)), str(stride), f"{result.perplexity:.4f}")
     console.print(table)
+    from runtime.evaluate import tokens_fingerprint
+
     _write_json(args.json, {"artifact": str(args.artifact), "name": artifact.name, "bytes": artifact.bytes,
-                            "text": args.text, "tokens": len(token_ids), **result.to_dict()})
+                            "text": args.text, "tokens": len(token_ids), "tokens_sha256": tokens_fingerprint(token_ids),
+                            **result.to_dict()})
 
 
 def compare_command(args) -> None:
@@ -132,6 +154,8 @@ def compare_command(args) -> None:
                               f"vocabulary")
     window, stride = _window_and_stride(args, min(reference.max_context, candidate.max_context))
     token_ids = _evaluation_tokens(args, reference)
+    for artifact in (reference, candidate):
+        _warn_if_not_the_report_text(args, artifact, token_ids)
     result = _score(args, candidate, reference, token_ids, window, stride)
     table = Table(title=f"{escape(args.text)}: {result.tokens_scored} tokens scored, window "
                         f"{_window_shown(window, len(token_ids))}, stride {stride}; "
@@ -144,8 +168,11 @@ def compare_command(args) -> None:
     console.print(table)
     describe = lambda scored, path, perplexity, nll: {  # noqa: E731
         "artifact": str(path), "name": scored.name, "bytes": scored.bytes, "perplexity": perplexity, "mean_nll": nll}
+    from runtime.evaluate import tokens_fingerprint
+
     _write_json(args.json, {
-        "text": args.text, "tokens": len(token_ids), "tokens_scored": result.tokens_scored, "windows": result.windows,
+        "text": args.text, "tokens": len(token_ids), "tokens_sha256": tokens_fingerprint(token_ids),
+        "tokens_scored": result.tokens_scored, "windows": result.windows,
         "window": window, "stride": stride,
         "reference": describe(reference, args.reference, result.reference_perplexity, result.reference_mean_nll),
         "candidate": describe(candidate, args.candidate, result.perplexity, result.mean_nll),

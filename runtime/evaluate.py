@@ -62,6 +62,14 @@ def builtin_text(name: str) -> str:
     return held_out if name == "pydoc-held-out" else calibration
 
 
+def tokens_fingerprint(token_ids) -> str:
+    """A short hash of token ids: two evaluations scored the same tokens iff these match. Python's documentation
+    (the built-in texts) differs from one Python release to the next, so the build's report records it."""
+    import hashlib
+
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).hexdigest()[:16]
+
+
 def encode_text(tokenizer, text: str) -> list[int]:
     """Token ids of `text` with no special tokens added (no BOS): evaluation scores the text itself.
 
@@ -164,10 +172,11 @@ def evaluate(token_ids, logits_for: LogitsFor, *, window: int, stride: int,
         chunk = tokens[start:end]
         scored = slice(first_scored - 1 - start, end - 1 - start)  # row i predicts token start + i + 1
         targets = tokens[first_scored:end]
-        logits = _checked(logits_for(chunk), len(chunk))[scored]
+        logits = _finite(_checked(logits_for(chunk), len(chunk))[scored], "the model", start, first_scored)
         reference = None
         if reference_logits_for is not None:
-            reference = _checked(reference_logits_for(chunk), len(chunk))[scored]
+            reference = _finite(_checked(reference_logits_for(chunk), len(chunk))[scored], "the reference", start,
+                                first_scored)
         totals.add(logits, targets, reference)
         if on_window is not None:
             on_window(done, len(spans))
@@ -181,6 +190,18 @@ def evaluate(token_ids, logits_for: LogitsFor, *, window: int, stride: int,
         top1_agreement=totals.agree / totals.count if compared else None,
         mean_kl=totals.kl / totals.count if compared else None,
     )
+
+
+def _finite(logits: np.ndarray, whose: str, start: int, first_scored: int) -> np.ndarray:
+    """A NaN or infinite logit would turn the perplexity and KL into NaN without a word (and count in top-1)."""
+    bad = ~np.isfinite(logits).all(axis=-1)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise EvaluationError(f"{whose}'s logits are NaN or infinite at position {first_scored + row - 1} (predicting "
+                              f"token {first_scored + row}; the window from token {start}; {int(bad.sum())} such "
+                              f"row(s) there): the engine overflowed or failed; "
+                              f"a float16 engine may need float32 or bfloat16 (export.dtype)")
+    return logits
 
 
 def _checked(logits: np.ndarray, length: int) -> np.ndarray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from compiler.errors import BuildError, RecipeError
 from compiler.recipe import parse_recipe
 from passes.calibration import CalibrationSpec
 from runtime import Engine
-from runtime.evaluate import builtin_text, decode_logits_for, encode_text, evaluate
+from runtime.evaluate import builtin_text, decode_logits_for, encode_text, evaluate, tokens_fingerprint
 
 QUANTIZE = {"quantize": {"bits": 4, "block_size": 32, "method": "awq", "embedding": "quantized",
                          "calibration": {"text": "pydoc", "samples": 4, "length": 64, "seed": 1},
@@ -56,6 +57,7 @@ def test_manifest_reports_calibration_sizes_and_held_out_accuracy(quantized_arti
     accuracy = manifest["accuracy"]
     held_out = accuracy["held_out"]
     assert held_out["tokens"] == 400 and held_out["window"] == 64 and "held out" in held_out["text"]
+    assert held_out["python"] == platform.python_version()  # the built-in text is this Python's documentation
     assert 0 <= held_out["top1_agreement"] <= 1 and held_out["mean_kl"] > 0
     assert held_out["perplexity_increase"] == pytest.approx(held_out["perplexity"] / held_out["reference_perplexity"] - 1)
     assert accuracy["quantization"]["totals"]["graph_bytes_after"] < accuracy["quantization"]["totals"]["graph_bytes_before"] / 3
@@ -65,6 +67,7 @@ def test_manifest_reports_calibration_sizes_and_held_out_accuracy(quantized_arti
     # The manifest's numbers are `aotlm eval`'s: same runtime evaluation, same held-out text, window and stride.
     engine = Engine.load(quantized_artifact)
     tokens = np.array(encode_text(engine.tokenizer, builtin_text("pydoc-held-out"))[:400])
+    assert held_out["tokens_sha256"] == tokens_fingerprint(tokens)
     again = evaluate(tokens, decode_logits_for(engine.backend), window=64, stride=32)
     assert again.perplexity == pytest.approx(held_out["perplexity"], rel=1e-6)
     # The float reference is the unquantized tiny model's decode graph: its perplexity is the tiny artifact's.

@@ -303,3 +303,47 @@ def test_evaluating_an_engine_takes_turns_with_its_generations(tiny_engine, toke
     assert not errors
     assert generated == [alone_tokens] * 6
     assert [result.perplexity for result in together] == [alone.perplexity] * 3
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_a_nan_or_infinite_logit_is_an_error_not_a_nan_perplexity(poison):
+    vocab, tokens = 7, np.arange(12) % 7
+
+    def logits_for(chunk):
+        logits = np.zeros((len(chunk), vocab), np.float32)
+        logits[5, 3] = poison  # row 5 of the first window predicts token 6
+        return logits
+
+    with pytest.raises(EvaluationError, match=r"the model's logits are NaN or infinite at position 5 \(predicting token 6; the window from token 0"):
+        evaluate(tokens, logits_for, window=12, stride=6)
+    with pytest.raises(EvaluationError, match="the reference's logits are NaN or infinite"):
+        evaluate(tokens, lambda chunk: np.zeros((len(chunk), vocab)), window=12, stride=6, reference_logits_for=logits_for)
+
+
+def test_the_build_reports_window_cut_to_the_context_keeps_half_as_context():
+    from compiler.accuracy import report_window_and_stride
+
+    assert report_window_and_stride(512, 256, 2048) == (512, 256)  # fits: the recipe's own
+    assert report_window_and_stride(64, 64, 128) == (64, 64)  # fits: even a stride equal to the window
+    assert report_window_and_stride(512, 256, 128) == (128, 64)  # was (128, 128): one token of context
+    assert report_window_and_stride(512, 256, 300) == (300, 150)  # was (300, 256): 44 tokens of context
+    assert report_window_and_stride(512, 32, 128) == (128, 32)  # a smaller stride stands
+
+
+def test_eval_warns_when_this_pythons_builtin_text_is_not_the_reports(capsys):
+    from types import SimpleNamespace
+
+    from compiler.cli_evaluate import _warn_if_not_the_report_text
+    from runtime.evaluate import tokens_fingerprint
+
+    ids = list(range(100, 160))
+    report = {"text": "pydoc_data.topics (Python's documentation), last 10% (held out)", "tokens": 50,
+              "tokens_sha256": tokens_fingerprint(ids[:50]), "python": "3.11.7"}
+    artifact = SimpleNamespace(name="int4", manifest={"accuracy": {"held_out": report}})
+    builtin, other_file = SimpleNamespace(text="builtin:pydoc-held-out"), SimpleNamespace(text="notes.txt")
+    _warn_if_not_the_report_text(builtin, artifact, ids)  # the same first 50 tokens: silent
+    _warn_if_not_the_report_text(other_file, artifact, ids[::-1])  # not the built-in text: nothing to compare
+    assert capsys.readouterr().err == ""
+    _warn_if_not_the_report_text(builtin, artifact, ids[1:])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "is not the one int4's build report scored (Python 3.11.7)" in err
