@@ -11,3 +11,8 @@ class ArtifactError(AotlmRuntimeError):
 
 class RequestError(AotlmRuntimeError):
     """A generation request cannot be served as asked (e.g. the prompt does not fit the max context)."""
+
+
+class ModelOutputError(AotlmRuntimeError):
+    """The model's logits for a step cannot be sampled (NaN, or every entry -inf): the artifact is broken, not
+    the request; the scheduler fails only the request that met it."""

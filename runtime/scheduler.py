@@ -17,7 +17,8 @@ one background worker thread owns the cache and runs every graph (started on dem
      position and mask length; a row that is not decoding writes one throw-away key/value at its next free
      position, which its next prefill overwrites before anything reads it;
   4. sample per request (its own Sampler and seed), check its stops, hand text to its handle; a request that
-     finishes frees its slot at once, a cancelled one at the start of the next iteration.
+     finishes frees its slot at once, a cancelled one at the start of the next iteration. A request whose
+     sampling fails (NaN logits in its row) fails alone; a graph run that fails fails every running request.
 batching="static" admits only when every slot is free: fixed batches run to completion (for comparison).
 
 Capacity: a request needs prompt + max_new_tokens - 1 cache positions (the last token is never fed back); one
@@ -312,7 +313,7 @@ class Scheduler:
                 sequence.prefilled += count
                 if sequence.prefilled == len(sequence.prompt_ids):
                     sequence.prefill_end = time.perf_counter()
-                    self._accept(sequence, sequence.sampler(logits))
+                    self._take(sequence, logits)
             if budget == 0:
                 break
 
@@ -345,7 +346,7 @@ class Scheduler:
             for row, sequence in enumerate(run):
                 sequence.prefill_start, sequence.prefill_end = started, ended
                 sequence.prefilled = len(sequence.prompt_ids)
-                self._accept(sequence, sequence.sampler(logits[row]))
+                self._take(sequence, logits[row])
 
     def _decode(self) -> None:
         """One decode step for every decoding sequence, batched over the prefix of slots that holds them all."""
@@ -364,7 +365,16 @@ class Scheduler:
         logits = self.cache.run("decode", (0, batch), ids, lengths[:, None], mask)  # [batch, 1, vocab]
         for slot in rows:
             sequence = self._running[slot]
-            self._accept(sequence, sequence.sampler(logits[slot, -1]))
+            self._take(sequence, logits[slot, -1])
+
+    def _take(self, sequence: _Sequence, logits: np.ndarray) -> None:
+        """Sample this sequence's next token from its row of logits and accept it. An error here (its logits are
+        NaN, its text fails to decode) is its own: it fails this request alone, and the rest of the batch, whose
+        rows are fine, goes on; only a failing graph run fails every running request (in _work)."""
+        try:
+            self._accept(sequence, sequence.sampler(logits))
+        except Exception as error:
+            self._fail(sequence, error)
 
     def _accept(self, sequence: _Sequence, token: int) -> None:
         """A sampled token: record it, stream its text, stop or keep decoding (the stops of Engine.stream)."""

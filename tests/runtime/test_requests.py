@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from runtime import ArtifactError, Engine, RequestError, SamplingParams
+from runtime import ArtifactError, Engine, ModelOutputError, RequestError, SamplingParams
 from runtime.sampling import Sampler
 from tests.runtime.test_tokenizer import cut_at_stop
 
@@ -127,6 +127,20 @@ def test_token_ids_outside_the_vocabulary_are_refused(engine, prompt, bad):
 def test_a_tiny_temperature_samples_the_argmax_instead_of_nan():
     logits = np.random.default_rng(0).normal(size=512).astype(np.float32)
     assert Sampler(SamplingParams(temperature=1e-310, seed=0))(logits) == int(np.argmax(logits))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logits_that_cannot_be_sampled_are_a_model_output_error(temperature):
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=0))
+    logits = np.zeros(512, dtype=np.float32)
+    logits[[3, 7]] = np.nan
+    with pytest.raises(ModelOutputError, match="logits contain NaN at 2 of 512 vocabulary entries"):
+        sampler(logits)  # greedy would have returned token 3, the first NaN
+    with pytest.raises(ModelOutputError, match="every logit is -inf"):
+        sampler(np.full(512, -np.inf, dtype=np.float32))
+    logits = np.full(512, -np.inf, dtype=np.float32)
+    logits[9] = 1.0  # -inf elsewhere is a mask, not an error
+    assert sampler(logits) == 9
 
 
 def test_overlapping_stop_strings_cut_result_and_stream_at_the_earliest(engine):

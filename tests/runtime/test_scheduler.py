@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from runtime import RequestError
+from runtime import ModelOutputError, RequestError
 from runtime.metrics import summarize
 
 
@@ -220,6 +220,29 @@ def test_a_failing_graph_fails_running_requests_and_serving_goes_on(engine, monk
         list(handle)
     assert engine.submit([1, 2, 3], max_new_tokens=4, stop_token_ids=()).result(timeout=30).token_ids == alone(
         engine, [1, 2, 3], 4)
+
+
+def test_nan_logits_in_one_row_fail_that_request_alone(engine, monkeypatch):
+    scheduler = engine.start_scheduler(slots=2)
+    run = scheduler.cache.run
+    decodes = []
+
+    def nan_in_slot_one(phase, rows, *args):
+        logits = run(phase, rows, *args)
+        if phase == "decode" and rows == (0, 2):
+            decodes.append(rows)
+            if len(decodes) == 2:  # both are decoding: poison the second slot's row only
+                logits = logits.copy()
+                logits[1] = np.nan
+        return logits
+
+    monkeypatch.setattr(scheduler.cache, "run", nan_in_slot_one)
+    with scheduler._lock:  # submitted together: admitted in one iteration, into slots 0 and 1
+        healthy = engine.submit([1, 2, 3], max_new_tokens=8, stop_token_ids=())
+        poisoned = engine.submit([1, 4, 5, 6], max_new_tokens=8, stop_token_ids=())
+    with pytest.raises(ModelOutputError, match="logits contain NaN"):
+        poisoned.result(timeout=30)
+    assert healthy.result(timeout=30).token_ids == alone(engine, [1, 2, 3], 8)
 
 
 def test_close_fails_unfinished_requests_and_refuses_new_ones(engine):
