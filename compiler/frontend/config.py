@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 # Architectures whose weights map onto the canonical decoder. Checked by every loader.
@@ -34,8 +35,12 @@ class DecoderConfig:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.head_dim % 2:  # rotary embedding turns pairs of channels
             raise ValueError(f"head_dim: {self.head_dim} must be even (rotary embedding rotates pairs of channels)")
-        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
-            raise ValueError(f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must be > 0")
+        if not 0 < self.rope_theta < math.inf or not 0 < self.rms_norm_eps < math.inf:  # `not`: NaN fails too
+            raise ValueError(f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must be finite "
+                             f"and > 0")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window: {self.sliding_window} must be >= 1 (tokens a query attends back), "
+                             f"or null for the whole context")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture: {self.architecture!r} is not one of {', '.join(SUPPORTED_ARCHITECTURES)} "
                              f"(the Llama family, which the canonical decoder implements)")

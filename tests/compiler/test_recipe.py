@@ -182,10 +182,37 @@ def test_relative_model_path(tmp_path, monkeypatch):
     (random_model(tie_word_embeddings=1), "model.config.tie_word_embeddings: expected true or false, got 1"),
     (random_model(rope_theta="big"), "model.config.rope_theta: expected a number, got 'big'"),
     (random_model(num_kv_heads=3), "model.config: num_heads (4) must be a multiple of num_kv_heads (3)"),
+    # Infinite numbers built artifacts whose logits were all NaN (an inf epsilon zeroes every norm).
+    (random_model(rms_norm_eps=float("inf")), "model.config.rms_norm_eps: expected a finite number, got inf"),
+    (random_model(rope_theta=float("nan")), "model.config.rope_theta: expected a finite number, got nan"),
+    (random_model(rope_theta=10**400), "model.config.rope_theta: expected a number, got 1000"),
+    (gguf(passes=[{"quantize_kv_cache": {"headroom": float("inf")}}]),
+     "passes[0].quantize_kv_cache.headroom: expected a finite number, got inf"),
+    (random_model(sliding_window=0), "model.config: sliding_window: 0 must be >= 1"),  # was "max_context to 0 or less"
+    ({"name": "x", "model": {"source": "random", "config": TINY_CONFIG, "seed": 2**64}},
+     "model.seed: 18446744073709551616 must be <= 18446744073709551615"),  # was a torch overflow traceback
+    ({"name": "a" * 201, "model": {"source": "gguf"}}, "name: 201 characters; at most 200"),  # mkdtemp failed late
     ([1, 2], "a recipe must be a mapping of sections"),
 ])
 def test_errors(data, expected):
     assert expected in error_of(data)
+
+
+def test_the_longest_name_and_seed_are_accepted():
+    assert parse_recipe({"name": "a" * 200, "model": {"source": "gguf"}}).name == "a" * 200
+    recipe = parse_recipe({"name": "x", "model": {"source": "random", "config": TINY_CONFIG, "seed": 2**64 - 1}})
+    assert recipe.model.seed == 2**64 - 1
+
+
+def test_yaml_merge_keys_are_read_as_yaml_defines_them(tmp_path):
+    f = tmp_path / "x.yaml"  # the duplicate-key check had refused `<<` as a tag it could not construct
+    f.write_text("name: x\nexport: &common {max_context: 256, opset: 21}\n"
+                 "model: {source: gguf}\naccuracy: {<<: {max_tokens: 512, window: 128}, stride: 64}\n")
+    recipe = load_recipe(f)
+    assert (recipe.accuracy.max_tokens, recipe.accuracy.window, recipe.accuracy.stride) == (512, 128, 64)
+    f.write_text("name: x\nmodel: {source: gguf}\naccuracy: {<<: {window: 128}, window: 64, window: 32}\n")
+    with pytest.raises(RecipeError, match="key 'window' is given twice"):
+        load_recipe(f)
 
 
 def test_error_starts_with_file_path(tmp_path):
