@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 from importlib import metadata
@@ -69,9 +70,12 @@ def remove_abandoned(final_dir: Path) -> list[Path]:
     that artifact is put back first, not removed."""
     removed = []
     for kind in ("partial", "old"):
+        # Anchored to the whole name mkdtemp makes: `.a.old-*` also globs the staging folder of a build named
+        # `a.old-999-b`, whose "pid" 999 would read as dead while that build runs.
+        pattern = re.compile(rf"\.{re.escape(final_dir.name)}\.{kind}-(\d+)-[a-z0-9_]+")
         for folder in final_dir.parent.glob(f".{final_dir.name}.{kind}-*"):
-            pid = folder.name.removeprefix(f".{final_dir.name}.{kind}-").split("-")[0]
-            if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            match = pattern.fullmatch(folder.name)
+            if folder.is_dir() and match and not _alive(int(match.group(1))):
                 if kind == "old" and (folder / final_dir.name).is_dir() and not final_dir.exists():
                     os.replace(folder / final_dir.name, final_dir)
                 shutil.rmtree(folder, ignore_errors=True)

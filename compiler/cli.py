@@ -64,6 +64,14 @@ def _run(args) -> None:
     from runtime import Engine
     from runtime.engine import SINGLE_STREAM_SPIN
 
+    sampling_only = [flag for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                                              ("--seed", args.seed is not None)) if given]
+    if args.temperature == 0 and sampling_only:  # greedy ignores them: the user would believe they sampled
+        raise UsageError(f"{', '.join(sampling_only)}: {'they shape' if len(sampling_only) > 1 else 'it shapes'} "
+                         f"sampling, but --temperature 0 (the default) decodes greedily; add --temperature > 0")
+    if args.system and args.chat is None:
+        raise UsageError("--system goes with --chat (a system message for the chat template)")
+
     # One request: rebuilding the weights on huge pages (seconds) would cost more than its faster steps save. Its
     # decode session keeps spinning between steps (no scheduler alternates it with prefills here): single-stream
     # TPOT 0.95-0.97x with it, paired over 12-30 rounds (README, "Threads after a run").
@@ -75,8 +83,6 @@ def _run(args) -> None:
             {"role": "user", "content": args.chat}]
         prompt, shown = engine.chat_prompt_ids(messages), ""
     else:
-        if args.system:
-            raise UsageError("--system goes with --chat (a system message for the chat template)")
         prompt, shown = args.prompt, args.prompt
     generation = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),

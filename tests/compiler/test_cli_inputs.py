@@ -266,6 +266,14 @@ def test_a_build_removes_what_a_killed_build_left_and_spares_a_running_one(tmp_p
     assert not abandoned.exists() and running.exists() and (final / "manifest.json").exists()
 
 
+def test_a_running_build_whose_name_looks_like_an_abandoned_folder_is_spared(tmp_path):
+    """The glob `.a.old-*` also matches the staging folder of a build of recipe `a.old-999999999-b`; read
+    loosely, its "pid" 999999999 was dead and the running build's folder was removed."""
+    lookalike = tmp_path / f".a.old-999999999-b.partial-{os.getpid()}-xyz"
+    lookalike.mkdir()
+    assert remove_abandoned(tmp_path / "a") == [] and lookalike.exists()
+
+
 def test_a_stop_between_the_swaps_renames_puts_the_old_artifact_back(tmp_path):
     """Stopped after the old artifact moved aside and before the new one moved in: the next build restores it
     (it deleted it, with the rest of the abandoned folder)."""
@@ -342,6 +350,20 @@ def test_bench_refuses_flags_the_kind_of_run_would_ignore(capsys, tiny_artifact,
     """These exited 0 as if used."""
     status, output = run_cli(capsys, "bench", tiny_artifact, *argv, "--out", tmp_path / "b.json")
     assert status == 2 and message in output and not (tmp_path / "b.json").exists(), output
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--seed", "1"), "--seed: it shapes sampling, but --temperature 0 (the default) decodes greedily"),
+    (("--top-k", "50", "--top-p", "0.9"), "--top-k, --top-p: they shape sampling"),
+    (("--system", "be brief"), "--system goes with --chat"),
+])
+def test_run_refuses_sampling_flags_greedy_decoding_would_ignore(capsys, tiny_artifact, argv, message):
+    """`--top-k 50 --seed 1` and `--seed 2` exited 0 with the same greedy text."""
+    status, output = run_cli(capsys, "run", tiny_artifact, "--prompt", "hi", *argv)
+    assert status == 2 and message in output, output
+    status, output = run_cli(capsys, "run", tiny_artifact, "--prompt", "hi", "--max-new-tokens", "2",
+                             "--temperature", "0.7", "--seed", "1", "--top-k", "50")
+    assert status == 0, output
 
 
 def test_messages_name_the_flag_or_what_the_path_is(capsys, tiny_artifact, tmp_path):
