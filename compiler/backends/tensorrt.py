@@ -20,6 +20,7 @@ tested on CPU in tests/compiler/test_tensorrt_backend.py.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -76,6 +77,14 @@ def check_recipe(recipe) -> None:
     if recipe.export.dtype == "float32":
         raise BuildError("export.dtype: float32 for backend tensorrt builds a float32/TF32 engine (strong typing); "
                          "use float16 or bfloat16")
+    spec = recipe.backend.tensorrt
+    if spec.decode_max_tokens > recipe.export.max_context:  # a decode call's tokens all go into the cache
+        raise BuildError(f"backend.tensorrt.decode_max_tokens: {spec.decode_max_tokens} is more than "
+                         f"export.max_context ({recipe.export.max_context}); give at most {recipe.export.max_context}")
+    cache = Path(spec.timing_cache)
+    if not spec.timing_cache or cache.is_absolute() or ".." in cache.parts or cache.name in ("", "."):
+        raise BuildError(f"backend.tensorrt.timing_cache: {spec.timing_cache!r} must be a file name relative to the "
+                         f"output folder, without '..' (e.g. tensorrt-timing.cache): the build writes it there")
 
 
 def check_graphs(graphs: dict[str, onnx.ModelProto]) -> None:
@@ -205,6 +214,8 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, alia
     engines_io = {phase: io_spec(model, aliases) for phase, model in graphs.items()}
     profiles = optimization_profiles(engines_io, recipe.export.max_batch, recipe.export.max_context, spec)
     timing_cache_path = Path(output_root) / spec.timing_cache
+    if timing_cache_path.is_dir():  # before the engine builds (minutes), not when the cache is written after them
+        raise BuildError(f"backend.tensorrt.timing_cache: {timing_cache_path} is a folder; name a file")
     timing_cache = timing_cache_path.read_bytes() if timing_cache_path.is_file() else b""
     logger = trt.Logger(trt.Logger.WARNING)
     engines = {}
@@ -218,7 +229,11 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, alia
             engines[phase] = {"file": f"{phase}.engine", "backend": "tensorrt", **engines_io[phase],
                               "profile": profiles[phase]}
     timing_cache_path.parent.mkdir(parents=True, exist_ok=True)
-    timing_cache_path.write_bytes(timing_cache)
+    # Shared by every build under the output root: written whole or not at all (a build killed mid-write would
+    # leave a truncated cache that the next build's create_timing_cache reads).
+    partial = timing_cache_path.with_name(f".{timing_cache_path.name}.partial-{os.getpid()}")
+    partial.write_bytes(timing_cache)
+    os.replace(partial, timing_cache_path)
     backend = backend_section(trt.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability(),
                               plugins, spec, timing_cache_path)
     warning = plugin_leak_warning(trt.__version__, plugins)

@@ -5,6 +5,7 @@ Building engines needs tensorrt and a GPU: tests/runtime/test_tensorrt_backend.p
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,6 +56,23 @@ def test_what_tensorrt_cannot_build_is_refused_with_the_key(passes, export, mess
     with pytest.raises(BuildError) as error:
         tensorrt_backend.check_recipe(recipe_with(passes, **export))
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"decode_max_tokens": 4096}, "backend.tensorrt.decode_max_tokens: 4096 is more than export.max_context (2048)"),
+    ({"timing_cache": ""}, "backend.tensorrt.timing_cache: '' must be a file name relative to the output folder"),
+    ({"timing_cache": "."}, "timing_cache: '.' must be a file name"),  # the output folder itself: written after
+    ({"timing_cache": "/tmp/x.cache"}, "timing_cache: '/tmp/x.cache' must be a file name"),  # the engine builds
+    ({"timing_cache": "../x.cache"}, "timing_cache: '../x.cache' must be a file name"),
+])
+def test_tensorrt_settings_that_would_fail_after_the_engine_builds_are_refused_first(settings, message):
+    data = load_recipe(TENSORRT_RECIPE).to_dict()
+    data["export"]["max_context"] = 2048
+    data["backend"]["tensorrt"].update(settings)
+    with pytest.raises(BuildError, match=re.escape(message)):
+        tensorrt_backend.check_recipe(parse_recipe(data))
+    data["backend"]["tensorrt"].update(decode_max_tokens=2048, timing_cache="caches/tensorrt-timing.cache")
+    tensorrt_backend.check_recipe(parse_recipe(data))  # the largest decode call and a subfolder are fine
 
 
 @pytest.mark.parametrize("version, plugins, warned", [
