@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from pathlib import Path
 from typing import Collection
 
@@ -63,6 +64,12 @@ def session_options(settings: dict, intra_op_threads: int | None, config: dict |
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ArtifactError(f"manifest backend.session.intra_op_threads: {threads!r} must be an integer >= 0; the "
                             f"manifest was edited: rebuild the artifact")
+    cores = os.cpu_count() or 1
+    if threads > cores:  # the recipe's count, set for the build machine: more threads than cores only contend
+        warnings.warn(f"the artifact's recipe sets backend.intra_op_threads: {threads}, more than the {cores} cores "
+                      f"this machine has; running with {cores} (pass intra_op_threads / --threads to choose)",
+                      RuntimeWarning, stacklevel=2)
+        threads = cores
     options.intra_op_num_threads = threads
     options.log_severity_level = 3  # warnings about unused initializers etc. are ours to report, not ORT's
     if config is not None and not (isinstance(config, dict) and all(

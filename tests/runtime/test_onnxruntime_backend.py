@@ -48,3 +48,12 @@ def test_aotlm_run_keeps_only_the_decode_session_spinning(tiny_artifact, opened_
 
     assert main(["run", str(tiny_artifact), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
     assert opened_sessions_stop_spinning == [True, False]  # one request: prefill stops, decode spins on
+
+
+def test_a_recipes_thread_count_above_this_machines_cores_runs_with_the_cores(monkeypatch):
+    """An artifact built with backend.intra_op_threads for a bigger machine: more threads than cores only contend
+    (thousands hang), as Engine.load refuses for an explicit count; the manifest's is capped, with a warning."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    with pytest.warns(RuntimeWarning, match="backend.intra_op_threads: 16, more than the 2 cores"):
+        assert session_options({"intra_op_threads": 16}, None).intra_op_num_threads == 2
+    assert session_options({"intra_op_threads": 2}, None).intra_op_num_threads == 2
