@@ -83,8 +83,9 @@ def _window_and_stride(args, max_context: int) -> tuple[int, int]:
     stride = max(1, window // 2) if args.stride is None else args.stride
     try:
         window_spans(0, window, stride)  # checks window >= 2 and 1 <= stride <= window
-    except EvaluationError as error:
-        raise EvaluationError(f"--window {window} --stride {stride}: {error}") from None
+    except EvaluationError as error:  # name only the flags the user gave: a default stride is not theirs
+        given = f"--window {window}" + ("" if args.stride is None else f" --stride {stride}")
+        raise EvaluationError(f"{given}: {error}") from None
     return window, stride
 
 

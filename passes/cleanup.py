@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -43,7 +43,7 @@ class Options:
     infer_shapes: bool = True
     # Folding an Expand or Tile of a constant can create a tensor far larger than the subgraph computing it;
     # results above this size are left to be computed at inference time.
-    fold_size_threshold_bytes: int = 1 << 20
+    fold_size_threshold_bytes: int = field(default=1 << 20, metadata={"min": 0})  # < 0 silently folded nothing
 
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:

@@ -147,6 +147,8 @@ def test_relative_model_path(tmp_path, monkeypatch):
     (gguf(passes=[{"cleanup": {"fold_constants": "yes"}}]),
      "passes[0].cleanup.fold_constants: expected true or false, got 'yes'"),
     (gguf(passes=[{"cleanup": [1]}]), "passes[0].cleanup: expected a mapping, got a list"),
+    (gguf(passes=[{"cleanup": {"fold_size_threshold_bytes": -5}}]),
+     "passes[0].cleanup.fold_size_threshold_bytes: -5 must be >= 0"),  # had silently folded nothing
     (gguf(passes=[{"cleanup": {}, "x": {}}]), "passes[0]: expected a pass name or a one-key mapping"),
     (gguf(passes="cleanup"), "passes: expected a list, got 'cleanup'"),
     (gguf(export={"max_context": True}), "export.max_context: expected an integer, got true"),
