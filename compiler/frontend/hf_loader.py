@@ -23,6 +23,10 @@ ATTENTION_BIAS_DEFAULT = {"llama": False, "mistral": False, "qwen2": True}
 
 def load_hf_folder(path: str) -> LoadedModel:
     folder = os.path.abspath(path)
+    if os.path.isfile(folder):
+        hint = " (a GGUF file is model.source: gguf)" if folder.endswith(".gguf") else ""
+        raise BuildError(f"{folder}: a file, not a folder; model.path names the Hugging Face model folder (with "
+                         f"config.json and the safetensors weights){hint}")
     if not os.path.isdir(folder):
         raise BuildError(f"Hugging Face model folder not found: {folder}. Check the model path in the recipe.")
     config_path = os.path.join(folder, "config.json")

@@ -281,6 +281,8 @@ def test_missing_paths_and_files_are_named(tmp_path):
         load_gguf(str(tmp_path / "junk.gguf"))
     with pytest.raises(BuildError, match="folder not found"):
         load_hf_folder(str(tmp_path / "no-folder"))
+    with pytest.raises(BuildError, match=r"junk.gguf: a file, not a folder; .* \(a GGUF file is model.source: gguf\)"):
+        load_hf_folder(str(tmp_path / "junk.gguf"))  # was "folder not found", for a file that is there
     (tmp_path / "empty").mkdir()
     with pytest.raises(BuildError, match="config.json is missing"):
         load_hf_folder(str(tmp_path / "empty"))
