@@ -153,6 +153,10 @@ def compare_command(args) -> None:
         raise EvaluationError(f"{args.reference} and {args.candidate} have different tokenizers "
                               f"({reference.tokenizer_file.name} differs); compare needs the same tokens and "
                               f"vocabulary")
+    vocabularies = [artifact.manifest["model"]["config"]["vocab_size"] for artifact in (reference, candidate)]
+    if vocabularies[0] != vocabularies[1]:  # from the manifests, before either model loads and scoring starts
+        raise EvaluationError(f"{args.reference} scores {vocabularies[0]} vocabulary entries and {args.candidate} "
+                              f"{vocabularies[1]}; top-1 agreement and KL need the same vocabulary")
     window, stride = _window_and_stride(args, min(reference.max_context, candidate.max_context))
     token_ids = _evaluation_tokens(args, reference)
     for artifact in (reference, candidate):

@@ -279,6 +279,18 @@ def test_cli_compare_errors(tiny_artifact, text_file, tmp_path, capsys):
     assert "not an artifact" in one_line_error(capsys)
 
 
+def test_cli_compare_refuses_another_vocabulary_before_loading_either(tiny_artifact, text_file, tmp_path, capsys,
+                                                                       monkeypatch):
+    other = shutil.copytree(tiny_artifact, tmp_path / "padded")  # same tokenizer, a padded vocabulary
+    manifest = json.loads((other / "manifest.json").read_text())
+    vocab = manifest["model"]["config"]["vocab_size"]
+    manifest["model"]["config"]["vocab_size"] = vocab + 64
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr("runtime.Engine.load", lambda *a, **k: pytest.fail("an artifact was loaded"))
+    assert cli.main(["compare", str(tiny_artifact), str(other), "--text", str(text_file)]) == 2
+    assert f"scores {vocab} vocabulary entries and {other} {vocab + 64}" in one_line_error(capsys)
+
+
 def test_evaluating_an_engine_takes_turns_with_its_generations(tiny_engine, tokens):
     """decode_logits_for(engine) holds the engine's batch-1 cache per chunk: a generation in another thread
     neither sees the evaluation's keys in its cache nor writes into the evaluation's."""
