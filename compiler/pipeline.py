@@ -84,13 +84,15 @@ def run_pipeline(
 
     for index, (spec, entry) in enumerate(entries):
         options = _options_for(spec, entry)
-        for phase in list(graphs):
+        ran: dict[str, PassResult] = {}  # reported in the graphs' order, whichever phase ran first
+        first = getattr(entry, "runs_first_on", ())
+        for phase in sorted(graphs, key=lambda name: name not in first):  # stable: the rest keep their order
             model = graphs[phase]
             phases = getattr(options, "phases", None)
             if phases is not None and phase not in phases:
-                results.append(PassResult(spec.name, phase, 0.0, {"applied": False, "reason": (
+                ran[phase] = PassResult(spec.name, phase, 0.0, {"applied": False, "reason": (
                     f"runs on {', '.join(phases)} only (its phases option)")}, len(model.graph.node),
-                    len(model.graph.node)))
+                    len(model.graph.node))
                 continue
             say(f"[{index + 1}/{len(entries)}] {spec.name} ({phase})")
             started = time.perf_counter()
@@ -110,9 +112,10 @@ def run_pipeline(
                 dump_model(new_model, os.path.join(dump_dir, f"{index:02d}-{spec.name}-{phase}.onnx"))
             result = PassResult(spec.name, phase, seconds, report,
                                 nodes_before=len(model.graph.node), nodes_after=len(new_model.graph.node))
-            results.append(result)
+            ran[phase] = result
             graphs[phase] = new_model
             say(f"{spec.name} ({phase}): {seconds:.2f} s, nodes {result.nodes_before} -> {result.nodes_after}")
+        results.extend(ran[phase] for phase in graphs)
     return graphs, results
 
 

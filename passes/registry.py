@@ -19,6 +19,10 @@ class PassEntry:
     options_type: type
     summary: str
     check: Callable | None = None  # check(options) raises PassError for options that need no graph to refuse
+    # Phases whose graph the pipeline gives this pass first. A pass that shares its calibration results between
+    # phases computes them on the first graph it gets: quantize must see decode's, whose lm_head reads every
+    # token's hidden state; prefill's (prefill_logits: last) reads one row per sample (64, for a 576-wide layer).
+    runs_first_on: tuple[str, ...] = ()
 
 
 PASSES: dict[str, PassEntry] = {
@@ -45,7 +49,7 @@ PASSES: dict[str, PassEntry] = {
                                "RMSNorm (+ residual Add) -> onnxruntime's (Skip)SimplifiedLayerNormalization"),
     "quantize": PassEntry(quantize.run, quantize.Options,
                           "MatMul weights -> INT4 blocked / INT8 per channel (rtn, awq, gptq) as MatMulNBits or DequantizeLinear",
-                          quantize.check_options),
+                          quantize.check_options, runs_first_on=("decode",)),
     "quantize_kv_cache": PassEntry(quantize_kv_cache.run, quantize_kv_cache.Options,
                                    "GroupQueryAttention's KV cache -> int8 with calibrated per-channel scales",
                                    quantize_kv_cache.check_settings),

@@ -64,6 +64,17 @@ def test_runs_every_pass_on_every_phase_in_order():
     assert "cleanup" in table and "4 -> 2" in table
 
 
+def test_a_pass_that_runs_first_on_decode_gets_it_first_and_is_reported_in_the_graphs_order(monkeypatch):
+    seen = []
+    monkeypatch.setitem(PASSES, "decode_first", PassEntry(lambda model, options: (seen.append(model) or model, {}),
+                                                          NoOptions, "test-only pass", runs_first_on=("decode",)))
+    graphs = {"prefill": make_phase("p"), "decode": make_phase("d")}
+    _, results = run_pipeline(graphs, [Spec("decode_first", NoOptions()), Spec("cleanup")])
+    assert [model.graph.output[0].name for model in seen] == ["d", "p"]
+    assert [(result.name, result.phase) for result in results] == [
+        ("decode_first", "prefill"), ("decode_first", "decode"), ("cleanup", "prefill"), ("cleanup", "decode")]
+
+
 def test_unknown_pass_lists_the_known_ones():
     with pytest.raises(BuildError, match="unknown pass 'fuse_everything'.*cleanup"):
         run_pipeline(phases(), [Spec("cleanup"), Spec("fuse_everything")])

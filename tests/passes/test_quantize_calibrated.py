@@ -208,6 +208,32 @@ def test_calibrated_decoder_matches_float_and_both_phases_share_codes(fused_grap
     assert worst < 1.25 * rtn_worst
 
 
+def test_the_pipeline_calibrates_on_the_decode_graph_where_lm_head_reads_every_token(fused_graphs, monkeypatch):
+    """The prefill graph (prefill_logits: last) gives lm_head and the final norm one row per sample; the phases
+    share their results, computed on the first graph quantize gets: the pipeline gives it decode's first."""
+    from compiler.pipeline import run_pipeline
+    from passes import calibration as calibration_module
+
+    collected = []
+    collect = calibration_module.collect_statistics
+
+    def recording(model, names, data, progress=None):
+        stats = collect(model, names, data, progress)
+        collected.append({name: stats[name].rows for name in names})
+        return stats
+
+    monkeypatch.setattr(calibration_module, "collect_statistics", recording)
+    spec = type("Spec", (), {"name": "quantize", "options": quantize.Options(
+        bits=4, block_size=32, method="gptq", calibration=calibration(), embedding="quantized")})()
+    graphs, results = run_pipeline(fused_graphs, [spec])
+    assert [result.phase for result in results] == list(fused_graphs)  # reported in the graphs' order
+    # One pass over the data (prefill reuses every result), every activation on all 8 x 24 tokens: lm_head's
+    # input had 8 rows on the prefill graph.
+    assert len(collected) == 1 and set(collected[0].values()) == {8 * 24}
+    heads = [[layer for layer in result.report["layers"] if "lm_head" in layer["node"]] for result in results]
+    assert len(heads[0]) == 1 and heads[0] == heads[1]  # prefill reports decode's error, not its own 8 rows'
+
+
 def test_int8_recipe_settings_calibrated_beat_rtn_and_both_phases_share_codes(fused_graphs):
     """recipes/smollm2-135m-int8.yaml's quantize settings (AWQ + act-order GPTQ, 8 bits per channel, the tied table
     quantized, int8 activations per block of 16) on the packed graphs, against the same settings by RTN."""
