@@ -48,6 +48,9 @@ ORDER_RULES = (
      "after dequantize_weights it would cut the packed float weights folded at load, whose freed blocks stay in the "
      "heap (the INT4 engine held 1195 MB, not 733); list slice_packed_weights before dequantize_weights, which then "
      "unpacks each part's 4- or 8-bit codes"),
+    ("quantize", "quantize_kv_cache", False,
+     "AWQ folds input scales into the value projection, so the cache would hold values divided by scales the int8 "
+     "cache's were not calibrated on; list quantize_kv_cache after quantize"),
     ("quantize", "skip_unused_rows", False,
      "its calibration must see every row of the last layer, which skip_unused_rows drops from the prefill graph; "
      "list skip_unused_rows after quantize (last)"),

@@ -28,7 +28,7 @@ from passes.errors import PassError
 IN_MEMORY_LIMIT = 1 << 30
 TOKEN_INPUTS = {"input_ids", "position_ids", "attention_mask"}
 # Other inputs (the KV cache: float, or int8 after quantize_kv_cache) are fed zeros of their type.
-ZERO_FEED_TYPES = {"tensor(float)": np.float32, "tensor(int8)": np.int8}
+ZERO_FEED_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ def sample_outputs(model: onnx.ModelProto, names: list[str], calibration: Calibr
     known_outputs = {o.name for o in probed.graph.output}
     for name in names:
         if name not in known_outputs:
-            probed.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+            # Untyped: onnxruntime gives it the tensor's own type (a float16 graph's activations are float16).
+            probed.graph.output.append(onnx.ValueInfoProto(name=name))
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 3

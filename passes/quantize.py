@@ -263,8 +263,9 @@ def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[
         if k % block_size:
             blocks = -(-k // block_size)
             target.note = f"K={k} padded to {blocks} blocks of {block_size} (the last holds {k % block_size} values)"
-        if options.embedding == "quantized" and any(c.op == "Gather" for c in weight.outputs) \
-                and settings.method != "rtn":
+        # (Only where the table is quantized: the dequantize_linear lowering keeps it float, quantize_embedding.)
+        if options.embedding == "quantized" and options.lowering == "matmulnbits" \
+                and any(c.op == "Gather" for c in weight.outputs) and settings.method != "rtn":
             # The table is also gathered as the embedding: no input scales (the gather could not undo them), and
             # the codes must fit a row lookup as well as the lm_head's inputs (quantize_target, shared_table).
             target.shared_table = True

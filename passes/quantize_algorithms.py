@@ -107,6 +107,8 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
     h = np.zeros((k, k))
     h[:true_k, :true_k] = hessian
     dead = np.diag(h) == 0  # an input that is always 0: its weights cannot matter, quantize them as 0
+    if dead[:true_k].all():  # no data at all (the mean damping below would be NaN): nothing to weigh the error by
+        return quantize_rtn(weight, bits, block_size, symmetric, full_range)
     damping = damp * np.mean(np.diag(h)[~dead])
     h[dead, dead] = 1.0
     work[:, dead] = 0.0

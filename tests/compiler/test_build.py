@@ -68,6 +68,9 @@ def test_bad_recipes_get_one_line_errors(capsys, tmp_path, recipe_text, expected
     ("cleanup, fuse_attention, lower_tensorrt", "passes[2]: lower_tensorrt emits TensorRT plugin nodes"),
     ("cleanup, fuse_attention, quantize_kv_cache, lower_onnxruntime",
      "passes[2]: quantize_kv_cache rewrites onnxruntime's GroupQueryAttention; list it after"),
+    ("cleanup, fuse_attention, lower_onnxruntime, quantize_kv_cache, quantize",
+     "passes[4] (quantize) comes after passes[3] (quantize_kv_cache): AWQ folds input scales into the value "
+     "projection"),
 ])
 def test_pass_orders_onnxruntime_cannot_run_are_refused_before_the_export(capsys, tmp_path, passes, expected):
     path = tmp_path / "recipe.yaml"

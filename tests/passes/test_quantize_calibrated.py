@@ -288,6 +288,11 @@ def test_a_calibrated_shared_table_keeps_one_set_of_codes_for_both_uses():
     print(f"shared table: lm_head relative output error {head['relative_output_error']:.3e} (rtn "
           f"{rtn['relative_output_error']:.3e})")
     assert head["relative_output_error"] < rtn["relative_output_error"]
+    # The dequantize_linear lowering keeps the table float: lm_head is then an ordinary layer (AWQ scales, plain
+    # E[x xᵀ]); it had been quantized as the shared table that report said was not quantized.
+    _, dq_report = quantize.run(model, dataclasses.replace(options, lowering="dequantize_linear"))
+    dq_head = next(layer for layer in dq_report["layers"] if layer["node"] == head["node"])
+    assert dq_report["embedding"]["quantized"] is False and dq_head["note"] is None and dq_head["awq"] is not None
 
 
 def test_overrides_set_per_layer_settings_and_unmatched_patterns_fail(fused_graphs):
@@ -366,6 +371,27 @@ def test_gptq_pads_a_partial_last_block_like_rtn():
     assert np.all(qw.codes[:, 80:] == 8)  # padding encodes 0
     rtn = quantize_rtn(weight, 4, 32, symmetric=True)
     assert relative_output_error(weight, dequantize(qw), hessian) <= relative_output_error(weight, dequantize(rtn), hessian)
+
+
+def test_calibration_runs_a_float16_graph():
+    """Probed activations were declared float32, which onnxruntime refused for a float16 graph's tensors
+    ("calibration: onnxruntime cannot run the float graph")."""
+    from tests.passes.test_fuse_attention import CONFIG as config
+
+    model = export_graphs(build_decoder(config, random_model(config, seed=0).state_dict), 32, dtype="float16")["prefill"]
+    model = cleanup.run(model, cleanup.Options())[0]
+    data = calibration(samples=2, length=8)
+    _, report = quantize.run(model, quantize.Options(bits=4, block_size=32, method="gptq", calibration=data))
+    errors = [layer["relative_output_error"] for layer in report["layers"]]
+    assert errors and all(np.isfinite(errors))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_on_an_input_that_was_always_zero_is_round_to_nearest_not_nan(act_order):
+    weight, _, _ = correlated_layer(k=64, n=16, rows=256)
+    qw = quantize_gptq(weight, np.zeros((64, 64)), 4, 32, symmetric=True, act_order=act_order)  # scales were NaN
+    rtn = quantize_rtn(weight, 4, 32, symmetric=True)
+    assert np.isfinite(qw.scales).all() and np.array_equal(dequantize(qw), dequantize(rtn))
 
 
 @pytest.mark.parametrize("name", FORMATS)
