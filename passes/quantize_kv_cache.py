@@ -235,7 +235,9 @@ def calibrate(model: onnx.ModelProto, pasts: list[str], presents: list[str], opt
     scales = {}
     for past, peak in peaks.items():
         peak = peak if options.granularity == "per_channel" else peak.max(keepdims=True)
-        scales[past] = (np.maximum(options.headroom * peak, np.finfo(np.float32).tiny) / CODE_MAX).astype(np.float32)
+        # Floored after the division: tiny / 127 is subnormal, whose reciprocal (decode's GroupQueryAttention
+        # multiplies by it) is inf, and 0 x inf wrote code 127 where prefill wrote 0 for a channel always 0.
+        scales[past] = np.maximum(options.headroom * peak / CODE_MAX, np.finfo(np.float32).tiny).astype(np.float32)
     squared_error = dict.fromkeys(pasts, 0.0)
     squared = dict.fromkeys(pasts, 0.0)
     for rows in written("round-off"):

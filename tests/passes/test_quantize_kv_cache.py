@@ -258,3 +258,21 @@ def test_bad_options_and_a_second_run_are_clear_errors(quantized, lowered_graphs
     for phase in ("prefill", "decode"):
         with pytest.raises(PassError, match="already INT8, not float; list quantize_kv_cache once"):
             quantize_kv_cache.run(quantized[phase][0], quantize_kv_cache.Options(calibration=calibration_set()))
+
+
+def test_a_channel_that_is_always_zero_gets_code_zero_from_both_phases():
+    """A value channel that calibration saw only as 0 (its v_proj row is 0): its scale was tiny / 127, a subnormal
+    whose reciprocal is inf, and decode's GroupQueryAttention wrote code 127 (0 x inf) where prefill wrote 0."""
+    state = random_model(CONFIG, seed=0).state_dict
+    state["model.layers.0.self_attn.v_proj.weight"][3, :] = 0  # kv head 0, channel 3
+    graphs = {}
+    for phase, model in export_graphs(build_decoder(CONFIG, state), MAX_CONTEXT).items():
+        model = fuse_attention.run(cleanup.run(model, cleanup.Options())[0], fuse_attention.Options(required=True))[0]
+        graphs[phase] = lower_onnxruntime.run(model, lower_onnxruntime.Options())[0]
+    options = quantize_kv_cache.Options(calibration=calibration_set())
+    quantized_graphs = {phase: quantize_kv_cache.run(model, options)[0] for phase, model in graphs.items()}
+    scale = initializer(quantized_graphs["decode"], "past_key_values.0.value.kv_scale").reshape(-1)[3]
+    assert scale == np.finfo(np.float32).tiny  # the smallest normal float32, not a subnormal
+    logits, caches = run_steps(quantized_graphs, np.int8)
+    value = caches[1]  # layer 0's value cache: 6 prompt rows from prefill, then 4 written by decode steps
+    assert np.all(value[0, 0, :10, 3] == 0) and all(np.isfinite(step).all() for step in logits)
