@@ -5,6 +5,8 @@ and its instrumentation do: it looks the pass up in the registry, times it, chec
 (onnx.checker, graph inputs and outputs kept), optionally dumps the intermediate graph, and collects
 the reports as JSON-ready dicts for the manifest. A pass whose options have a `phases` field runs on those
 phases' graphs only (the others keep theirs, and their report says why): passes do not know which graph they get.
+A pass registered with `runs_first_on` gets those phases' graphs first (quantize: decode, whose lm_head reads
+every token, so the calibration results both phases share come from all of them); reports keep the graphs' order.
 """
 from __future__ import annotations
 
