@@ -90,7 +90,7 @@ def run_pipeline(
     for index, (spec, entry) in enumerate(entries):
         options = _options_for(spec, entry)
         ran: dict[str, PassResult] = {}  # reported in the graphs' order, whichever phase ran first
-        first = getattr(entry, "runs_first_on", ())
+        first = entry.runs_first_on
         for phase in sorted(graphs, key=lambda name: name not in first):  # stable: the rest keep their order
             model = graphs[phase]
             phases = getattr(options, "phases", None)
