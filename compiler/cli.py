@@ -33,9 +33,11 @@ BENCH_PHASE = {"prompt_lengths": ("prefill", None), "runs": ("prefill", 5), "con
 
 def _build(args) -> None:
     from compiler.build import build
-    from compiler.recipe import load_recipe
+    from compiler.recipe import ignored_settings, load_recipe
 
     recipe = load_recipe(args.recipe)
+    for warning in ignored_settings(recipe):
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     started = time.perf_counter()
     last = [started]
 

@@ -113,6 +113,29 @@ class Recipe:
         return d
 
 
+def ignored_settings(recipe: Recipe) -> list[str]:
+    """Settings this recipe changes from their defaults that its backend never reads, one line each.
+
+    They are warnings, not errors: a recipe may keep one backend's settings while it builds for the other. But a
+    user who sets them expects an effect, and a build that takes them silently says nothing was wrong."""
+    backend, ignored = recipe.backend, []
+    if backend.name != "tensorrt":
+        changed = [f.name for f in dataclasses.fields(TensorRTSpec)
+                   if getattr(backend.tensorrt, f.name) != getattr(TensorRTSpec(), f.name)]
+        if changed:
+            ignored.append(f"backend.tensorrt ({', '.join(changed)}): applies to backend tensorrt only; this recipe "
+                           f"builds for {backend.name}")
+        if recipe.export.max_batch != ExportSpec().max_batch:
+            ignored.append(f"export.max_batch: {recipe.export.max_batch} bounds TensorRT's optimization profiles; "
+                           f"{backend.name}'s engines take any number of sequences per step, so it has no effect")
+    else:
+        for key in ("intra_op_threads", "graph_optimization_level"):
+            if getattr(backend, key) != getattr(BackendSpec(), key):
+                ignored.append(f"backend.{key}: {getattr(backend, key)!r} is an onnxruntime session setting; "
+                               f"backend tensorrt never reads it")
+    return ignored
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load, except that a key given twice in one mapping is an error: YAML would keep the last silently."""
 

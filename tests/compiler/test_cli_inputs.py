@@ -76,6 +76,14 @@ def test_bad_pass_options_are_refused_before_the_export(capsys, tmp_path, monkey
     assert status == 2 and message in output, output
 
 
+def test_build_warns_of_settings_its_backend_ignores_before_the_export(capsys, tmp_path, monkeypatch):
+    recipe = tiny_recipe(tmp_path, "export:", "export:\n  max_batch: 4")
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    (tmp_path / "out").write_text("x")  # the build stops at its first check; the warning came before it
+    status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
+    assert status == 2 and "warning: export.max_batch: 4 bounds TensorRT's optimization profiles" in output, output
+
+
 def test_a_pass_that_runs_once_listed_twice_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
     recipe = tiny_recipe(tmp_path, "  - pack_projections", "  - pack_projections\n  - quantize\n  - quantize")
     monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))

@@ -9,7 +9,7 @@ import pytest
 
 from compiler.errors import RecipeError
 from compiler.frontend.config import DecoderConfig
-from compiler.recipe import BackendSpec, ExportSpec, PassSpec, Recipe, load_recipe, parse_recipe
+from compiler.recipe import BackendSpec, ExportSpec, PassSpec, Recipe, ignored_settings, load_recipe, parse_recipe
 from passes import (cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnxruntime, pack_projections,
                     skip_unused_rows, slice_packed_weights)
 
@@ -70,6 +70,29 @@ def test_shipped_recipes_round_trip(name):
     r = load_recipe(REPO / f"recipes/{name}.yaml")
     d = json.loads(json.dumps(r.to_dict()))  # what the manifest stores
     assert parse_recipe(d) == r
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_recipes_set_nothing_their_backend_ignores(path):
+    assert ignored_settings(load_recipe(path)) == []
+
+
+@pytest.mark.parametrize("sections, expected", [
+    ({"backend": {"tensorrt": {"workspace_gib": 16, "cuda_graphs": False}}},
+     ["backend.tensorrt (workspace_gib, cuda_graphs): applies to backend tensorrt only; this recipe builds for "
+      "onnxruntime"]),
+    ({"export": {"max_batch": 8}},
+     ["export.max_batch: 8 bounds TensorRT's optimization profiles; onnxruntime's engines take any number of "
+      "sequences per step, so it has no effect"]),
+    ({"backend": {"name": "tensorrt", "intra_op_threads": 2, "tensorrt": {"workspace_gib": 16}},
+      "export": {"max_batch": 8}},
+     ["backend.intra_op_threads: 2 is an onnxruntime session setting; backend tensorrt never reads it"]),
+    ({"backend": {"tensorrt": {"workspace_gib": 8}}, "export": {"max_batch": 1}}, []),  # the defaults, spelled out
+])
+def test_settings_the_backend_never_reads_are_named(sections, expected):
+    recipe = parse_recipe(gguf(**sections))
+    assert ignored_settings(recipe) == expected
+    assert ignored_settings(parse_recipe(json.loads(json.dumps(recipe.to_dict())))) == expected  # a manifest's copy
 
 
 # --- defaults and values ----------------------------------------------------------------------------
