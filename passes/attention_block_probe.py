@@ -21,6 +21,7 @@ import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
 from passes.attention_mask_probe import probe_feed, run_cut
+from passes.probe_precision import as_float32, element_type
 
 PROBE_TOKENS = 8
 TOLERANCE = 1e-3  # of the reference's largest magnitude; a float32 block agrees to ~1e-6
@@ -44,7 +45,7 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
         shape = (PROBE_TOKENS, width) if tensor.shape is not None and len(tensor.shape) == 2 else (1, PROBE_TOKENS, width)
         fed = gs.Variable(f"{tensor.name}.probe", dtype=np.float32, shape=list(shape))
         # gs.Node, not probe.layer: layer() walks the whole graph per call (seconds over 180 cuts on SmolLM2)
-        probe.nodes.append(gs.Node("Cast", inputs=[fed], outputs=[tensor], attrs={"to": _element_type(tensor.dtype)}))
+        probe.nodes.append(gs.Node("Cast", inputs=[fed], outputs=[tensor], attrs={"to": element_type(tensor.dtype)}))
         projected[tensor.name] = (fed, rng.standard_normal(shape).astype(np.float32))
 
     for found in matches:
@@ -60,18 +61,13 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
     probe.inputs = [*probe.inputs, *(fed for fed, _ in projected.values())]
     probe.outputs = outputs
     fed = {value.name: values for value, values in projected.values()}
+    as_float32(probe)  # onnxruntime's CPU kernels lack bfloat16 Mul and Where: the same math in float32
     values = run_cut(probe, lambda value: fed[value.name] if value.name in fed else probe_feed(value, PROBE_TOKENS))
     if isinstance(values, str):
         return [f"unchecked: the block could not be evaluated ({values})"] * len(matches)
     return [_judge(found, value, *(projected[t.name][1] for t in (found.query, found.key, found.value)),
-                   reduced_precision=_element_type(found.query.dtype) != onnx.TensorProto.FLOAT)
+                   reduced_precision=element_type(found.query.dtype) != onnx.TensorProto.FLOAT)
             for found, value in zip(matches, values)]
-
-
-def _element_type(dtype) -> int:
-    if dtype is None:
-        return onnx.TensorProto.FLOAT
-    return dtype if isinstance(dtype, int) else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
 def _width(found, tensor: gs.Tensor) -> int:

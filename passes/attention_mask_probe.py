@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from passes.probe_precision import as_float32
+
 PROBE_TOKENS = 512  # when the graph's cache length is dynamic
 MASKED = -1e4  # at most this on a masked key (exporters use finfo.min or -inf)
 
@@ -38,6 +40,7 @@ def check_masks(graph: gs.Graph, masks: list[gs.Tensor]) -> dict[str, str | None
     probe.outputs = [tensors[mask.name] for mask in unique]
     for output in probe.outputs:
         output.dtype = output.dtype or np.float32
+    as_float32(probe)  # onnxruntime's CPU kernels lack bfloat16 Where and Add: the same math in float32
     values = run_cut(probe, lambda value: probe_feed(value, length))
     if isinstance(values, str):
         reason = f"unchecked: the mask could not be evaluated ({values})"

@@ -14,7 +14,8 @@ cos_cache/sin_cache [rows, D/2] are built from the inv_freq constant under Cos (
 rows = option `rotary_cache_length`, else the KV cache's max context (`past_key_values.0.key` dim 2). positions
 [B, S] int64: the graph input `position_ids`, else the int64 [B, S] tensor the Cos computation reads (expanded
 to t's batch when it has batch 1). Every `Add(Mul, Mul(Concat, .))` is a candidate; one that fails a check stays
-as it is and is listed in the report with its reason. The Cos/Sin math goes when no other node reads it.
+as it is and is listed in the report with its reason. The last check runs each match on a probe
+(passes/rotary_probe.py): t's layout, the sin operand and positions scaled on the way to Cos show only there. The Cos/Sin math goes when no other node reads it.
 
 Pure: the input ModelProto is never mutated. The default opset becomes >= 23 and the IR version >= 10.
 """
@@ -29,6 +30,7 @@ import onnx_graphsurgeon as gs
 from passes import flash_attention_op as op
 from passes.graph_patterns import SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer
 from passes.opset import raise_opset, unchanged
+from passes.rotary_probe import check_rotaries
 
 OPSET = 23
 
@@ -172,14 +174,17 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     past_key = next((t for t in graph.inputs if t.name == "past_key_values.0.key"), None)
     rows = options.rotary_cache_length or (past_key.shape[2] if past_key is not None and past_key.shape else None)
     matches, skipped = [], []
-    for add in [n for n in graph.nodes if is_candidate(n)]:
-        found = match(graph, add, rows)
-        if isinstance(found, SkipReason):
-            skipped.append({"node": add.name, "layer": layer_name(add), "reason": str(found)})
-        elif options.max_rewrites is not None and len(matches) >= options.max_rewrites:
-            skipped.append({"node": add.name, "layer": layer_name(add), "reason": f"max_rewrites={options.max_rewrites}"})
+    found = [(add, match(graph, add, rows)) for add in graph.nodes if is_candidate(add)]
+    structural = [m for _, m in found if not isinstance(m, SkipReason)]
+    verdicts = dict(zip(map(id, structural), check_rotaries(graph, structural)))  # what the structure cannot show
+    for add, result in found:
+        reason = str(result) if isinstance(result, SkipReason) else verdicts[id(result)]
+        if reason is None and options.max_rewrites is not None and len(matches) >= options.max_rewrites:
+            reason = f"max_rewrites={options.max_rewrites}"
+        if reason is not None:
+            skipped.append({"node": add.name, "layer": layer_name(add), "reason": reason})
         else:
-            matches.append(found)
+            matches.append(result)
     report = {"rewrites": len(matches), "skipped": skipped}
     if not matches:  # nothing to rewrite: the graph, opset included, stays as it was
         return unchanged(model), {**report, "nodes": {"before": nodes_before, "after": nodes_before}}

@@ -183,21 +183,35 @@ def trace_hf(model, ids, mask) -> onnx.ModelProto:
     return cleanup.run(onnx.load_from_string(buffer.getvalue()), cleanup.Options())[0]
 
 
-def test_a_sliding_window_mask_is_not_fused_as_causal_attention():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sliding_window_mask_is_not_fused_as_causal_attention(dtype):
     """Mistral with a 3-token window: its traced mask hides keys a causal mask keeps. The probe runs the mask and
-    keeps the layers unfused (before, both were reported fused and the logits changed by 0.4)."""
+    keeps the layers unfused (before, both were reported fused and the logits changed by 0.4). In bfloat16 the probe
+    runs the same math in float32: onnxruntime's CPU has no bfloat16 Where (before, both layers were fused, noted
+    "unchecked", and `required` passed)."""
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
     config = MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
                            sliding_window=3, attn_implementation="eager", use_cache=False)
-    model = trace_hf(MistralForCausalLM(config).eval(), torch.randint(0, 300, (1, 9)), torch.ones(1, 9, dtype=torch.long))
+    model = trace_hf(MistralForCausalLM(config).eval().to(dtype), torch.randint(0, 300, (1, 9)),
+                     torch.ones(1, 9, dtype=torch.long))
     _, report = fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=128))
     assert report["fused"] == 0 and {layer["reason"] for layer in report["layers"]} == {
         "the additive mask hides keys at or before the query that a causal mask keeps (e.g. a sliding window)"}
     with pytest.raises(PassError, match="sliding window"):
         fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=128, required=True))
+
+
+def test_bfloat16_blocks_are_checked_by_the_probes_not_left_unchecked():
+    """The project's own bfloat16 export (TensorRT's dtype): every block fused, and both probes ran (before, each
+    layer's report said "mask: unchecked ..." and "block: unchecked ...": no bfloat16 Where or Mul on the CPU)."""
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    for phase, model in export_graphs(decoder, MAX_CONTEXT, dtype="bfloat16").items():
+        _, report = fuse_attention.run(cleanup.run(model, cleanup.Options())[0], fuse_attention.Options(required=True))
+        assert report["fused"] == CONFIG.num_layers, (phase, report)
+        assert not [layer for layer in report["layers"] if "mask" in layer or "block" in layer], (phase, report)
 
 
 def test_the_probe_tells_causal_masks_from_biases_and_windows():

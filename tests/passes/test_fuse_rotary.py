@@ -134,3 +134,72 @@ def test_an_old_opset_is_kept_when_nothing_is_rewritten_and_refused_when_it_woul
             opset.version = 17
     with pytest.raises(PassError, match="this graph is at opset 17; export it at opset 18 or later"):
         fuse_rotary.run(unfused, fuse_rotary.Options())
+
+
+def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, negate_sin: bool = False,
+                 s: int = 6, heads: int = 2, d: int = 8) -> tuple[onnx.ModelProto, tuple[int, ...]]:
+    """One rotate-half rotary of t (fixed shapes), as transformers traces it; variants whose math differs from
+    RotaryEmbedding's in ways its nodes do not show: t laid out [B, S, heads, D] (cos unsqueezed at axis 2, as
+    `apply_rotary_pos_emb(..., unsqueeze_dim=2)`), positions divided before the Mul by inv_freq (linear position
+    scaling), or Neg(sin) (the inverse rotation)."""
+    from onnx import TensorProto as TP
+    from onnx import helper as oh
+    from onnx import numpy_helper as nh
+
+    shape = (1, s, heads, d) if layout == "BSHD" else (1, heads, s, d)
+    constants = {"inv_freq": 1.0 / 10000 ** (np.arange(0, d, 2, dtype=np.float32) / d), "last": np.array([-1]),
+                 "heads_axis": np.array([2 if layout == "BSHD" else 1]), "start": np.array([0]),
+                 "half": np.array([d // 2]), "end": np.array([d]), "divisor": np.array(position_divisor or 1.0, np.float32)}
+    nodes = [oh.make_node("Cast", ["position_ids"], ["p0"], to=TP.FLOAT),
+             oh.make_node("Div" if position_divisor else "Identity", ["p0", "divisor"][:2 if position_divisor else 1], ["p"]),
+             oh.make_node("Unsqueeze", ["p", "last"], ["pu"]), oh.make_node("Mul", ["pu", "inv_freq"], ["freqs"]),
+             oh.make_node("Concat", ["freqs", "freqs"], ["angles"], axis=-1), oh.make_node("Cos", ["angles"], ["c"]),
+             oh.make_node("Sin", ["angles"], ["s0"]), oh.make_node("Unsqueeze", ["c", "heads_axis"], ["cos"]),
+             oh.make_node("Unsqueeze", ["s0", "heads_axis"], ["s1"]),
+             oh.make_node("Neg" if negate_sin else "Identity", ["s1"], ["sin"]),
+             oh.make_node("Slice", ["t", "start", "half", "last"], ["t1"]),
+             oh.make_node("Slice", ["t", "half", "end", "last"], ["t2"]), oh.make_node("Neg", ["t2"], ["neg"]),
+             oh.make_node("Concat", ["neg", "t1"], ["rot"], axis=-1), oh.make_node("Mul", ["t", "cos"], ["tc"]),
+             oh.make_node("Mul", ["rot", "sin"], ["rs"]), oh.make_node("Add", ["tc", "rs"], ["y"], name="layers.0.rotary")]
+    graph = oh.make_graph(nodes, "rotary", [oh.make_tensor_value_info("t", TP.FLOAT, shape),
+                                            oh.make_tensor_value_info("position_ids", TP.INT64, [1, s])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, shape)],
+                          [nh.from_array(np.asarray(v, np.int64 if v.dtype.kind == "i" else v.dtype), k)
+                           for k, v in constants.items()])
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)]), shape
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ({}, None),
+    ({"position_divisor": 4.0}, "computes something other than RotaryEmbedding"),
+    ({"negate_sin": True}, "computes something other than RotaryEmbedding"),
+    ({"layout": "BSHD", "s": 4, "heads": 4}, "computes something other than RotaryEmbedding"),  # shapes alike
+    ({"layout": "BSHD", "s": 5, "heads": 2}, "could not be checked by running it"),
+])
+def test_a_rotary_is_fused_only_when_a_probe_shows_it_computes_rotary_embedding(variant, expected):
+    """Before the probe, the last four were fused: the next three changed the output (this test's parity check
+    failed), and the fifth failed in onnxruntime at run time."""
+    model, shape = rotary_graph(**variant)
+    fused, report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    feed = {"t": np.random.default_rng(1).standard_normal(shape).astype(np.float32),
+            "position_ids": np.arange(shape[2 if variant.get("layout") != "BSHD" else 1])[None]}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
+    np.testing.assert_allclose(run(fused), run(model), atol=1e-5)
+    if expected is None:
+        assert report["rewrites"] == 1 and report["skipped"] == [], report
+    else:
+        assert report["rewrites"] == 0 and op_counts(fused)["RotaryEmbedding"] == 0
+        assert [s["layer"] for s in report["skipped"]] == ["layers.0"] and expected in report["skipped"][0]["reason"]
+
+
+def test_bfloat16_rotaries_are_checked_in_float32_and_fused(decoder_graphs):  # noqa: F811
+    from compiler.export import export_graphs
+    from compiler.frontend.model import build_decoder
+    from compiler.frontend.random_init import random_model
+    from passes import cleanup
+    from tests.passes.test_fuse_attention import MAX_CONTEXT
+
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    for phase, model in export_graphs(decoder, MAX_CONTEXT, dtype="bfloat16").items():
+        fused, report = fuse_rotary.run(cleanup.run(model, cleanup.Options())[0], fuse_rotary.Options())
+        assert report["rewrites"] == ROTARIES and report["skipped"] == [], (phase, report)

@@ -1,0 +1,86 @@
+"""Check, by running it, that each rotary `fuse_rotary` matched computes what its RotaryEmbedding node would.
+
+The match reads the structure: the rotate-half Slices, Neg and Concat, and the cos operand's way up to Cos and
+the inv_freq constant. Some differences do not show there:
+- t's layout: a rotary applied before the heads' transpose (t [B, S, heads, D], cos unsqueezed at axis 2, as
+  transformers' `apply_rotary_pos_emb(..., unsqueeze_dim=2)` does) has the same nodes, but RotaryEmbedding reads
+  a 4-D input as [B, heads, S, D];
+- the sin operand, which the match does not parse: Neg(sin) there is the inverse rotation;
+- the positions' way to Cos: linear position scaling divides them (`position_ids / factor`) below the Mul by
+  inv_freq, where the breadth-first search for inv_freq steps over it.
+
+So each match is evaluated: the graph between t and the rotated output is cut out (t becomes a probe input; the
+positions come from attention_mask_probe's feeds: batch 1, positions 0.., an empty past) and run with onnxruntime on
+random t [1, heads, PROBE_TOKENS, D]. Its output must equal the rotation RotaryEmbedding applies with the matched
+inv_freq and scaling. A rotary the probe cannot run is not fused (fusing unchecked math could change results).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from passes import flash_attention_op as op
+from passes.attention_mask_probe import probe_feed, run_cut
+from passes.probe_precision import as_float32, element_type
+
+PROBE_TOKENS = 7
+PROBE_HEADS = 3  # when t's heads dimension is not fixed: any count unlike PROBE_TOKENS, so a layout mix-up shows
+TOLERANCE = 1e-4  # of the largest magnitude; float32 agrees to ~1e-7
+
+
+def check_rotaries(graph: gs.Graph, matches: list) -> list[str | None]:
+    """Per match, in order: None when it computes RotaryEmbedding's rotation, else why it stays unfused."""
+    if not matches:
+        return []
+    rng = np.random.default_rng(0)
+    probe = graph.copy()  # shares the weights; the cleanup keeps only what the rotaries need
+    tensors = probe.tensors()
+    tokens = _fixed(matches[0].source, 2) or PROBE_TOKENS  # a graph of fixed shapes takes only its own sizes
+    fed, sources, outputs = {}, {}, []  # fed: probe input name -> values; sources: t's name -> the same values
+    for index, found in enumerate(matches):
+        source = tensors[found.source.name]
+        if source.name not in sources:
+            shape = (1, _fixed(source, 1) or PROBE_HEADS, tokens, 2 * found.inv_freq.size)
+            value = gs.Variable(f"{source.name}.probe", dtype=np.float32, shape=list(shape))
+            source.inputs.clear()
+            probe.inputs = [t for t in probe.inputs if t is not source]  # t may be a graph input: now computed
+            probe.nodes.append(gs.Node("Cast", inputs=[value], outputs=[source], attrs={"to": element_type(source.dtype)}))
+            fed[value.name] = sources[source.name] = rng.standard_normal(shape).astype(np.float32)
+            probe.inputs.append(value)
+        output = gs.Variable(f"rotary_probe_output_{index}", np.float32)
+        probe.nodes.append(gs.Node("Cast", inputs=[tensors[found.add.outputs[0].name]], outputs=[output],
+                                   attrs={"to": onnx.TensorProto.FLOAT}))
+        outputs.append(output)
+    probe.outputs = outputs
+    as_float32(probe)  # onnxruntime's CPU kernels lack bfloat16 Mul and Add: the same math in float32
+    values = run_cut(probe, lambda value: fed[value.name] if value.name in fed else probe_feed(value, tokens))
+    if isinstance(values, str):
+        return [f"rotary: could not be checked by running it ({values}); left unfused"] * len(matches)
+    return [_judge(found, np.asarray(value, np.float64), sources[found.source.name]) for found, value in zip(matches, values)]
+
+
+def _fixed(tensor: gs.Tensor, axis: int) -> int | None:
+    shape = tensor.shape
+    return shape[axis] if shape is not None and len(shape) > axis and isinstance(shape[axis], int) else None
+
+
+def expected_rotation(t: np.ndarray, inv_freq: np.ndarray, scaling: float) -> np.ndarray:
+    """RotaryEmbedding (rotate-half, interleaved=0) of t [B, heads, S, D] at positions 0..S-1."""
+    cos, sin = op.rotary_tables(inv_freq, t.shape[2], scaling)
+    half = t.shape[-1] // 2
+    first, second = t[..., :half].astype(np.float64), t[..., half:].astype(np.float64)
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def _judge(found, output: np.ndarray, t: np.ndarray) -> str | None:
+    expected = expected_rotation(t, found.inv_freq, found.scaling)
+    if output.shape != expected.shape:
+        return (f"rotary: gives shape {list(output.shape)} for t {list(expected.shape)} on a probe: t is not laid out "
+                f"[B, heads, S, D] (RotaryEmbedding's layout)")
+    error = np.abs(output - expected).max() / max(1.0, np.abs(expected).max())
+    if error > TOLERANCE:
+        return (f"rotary: computes something other than RotaryEmbedding with the matched inv_freq and scaling "
+                f"{found.scaling:.4g} (largest difference {error:.2g} on a probe; e.g. a scaled position, a negated "
+                f"sin, or t laid out [B, S, heads, D])")
+    return None
