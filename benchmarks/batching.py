@@ -47,7 +47,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import REPO, RESULTS, machine_info, paired_median, versions, write_result  # noqa: E402
+from generate import (REPO, RESULTS, artifact_manifest, machine_info, paired_median, require_at_least_one,  # noqa: E402
+                      versions, write_result)
 
 from runtime import Engine, bench  # noqa: E402
 
@@ -129,10 +130,35 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--min-requests: {args.min_requests} must be >= 1")
     if args.rounds < 1:
         parser.error(f"--rounds: {args.rounds} must be >= 1")
+    require_at_least_one(parser, args, "--poisson-requests", "--slots")
+    try:
+        levels = [int(level) for level in args.concurrency.split(",")]
+    except ValueError:
+        parser.error(f"--concurrency: {args.concurrency!r} is not comma-separated counts, e.g. 1,4,8,16")
+    if min(levels) < 1 or len(set(levels)) != len(levels):
+        parser.error(f"--concurrency: {args.concurrency!r}: each level must be >= 1 and given once")
+    artifact_manifest(parser, args.artifact)
     console = Console(width=None if sys.stdout.isatty() else 160)
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
     encode, max_context = engine.tokenizer.encode, engine.max_context
-    levels = [int(level) for level in args.concurrency.split(",")]
+
+    def closed_loop_workload(level: int) -> bench.Workload:
+        return bench.make_workload(
+            encode, max_context=max_context, requests=max(4 * level, args.min_requests), arrival="concurrency",
+            concurrency=level, prompt_tokens=args.prompt_tokens, output_tokens=args.new_tokens, warmup=1)
+
+    def poisson_workload(rate: float) -> bench.Workload:
+        return bench.make_workload(encode, max_context=max_context, requests=args.poisson_requests,
+                                   arrival="poisson", rate=rate, prompt_tokens=args.prompt_tokens,
+                                   output_tokens=args.poisson_output_tokens, warmup=1, seed=0)
+
+    try:  # part 2's workload is made after part 1 has run for minutes: every workload is checked now
+        for level in levels:
+            closed_loop_workload(level)
+        poisson_workload(1.0)
+    except bench.BenchError as error:  # its flags are bench's: say which of this script's they are
+        parser.error(f"{error} (here: --prompt-tokens with --new-tokens for the closed loop, "
+                     f"--poisson-output-tokens for the Poisson part)")
     modes = ["static", "continuous"]
     closed: dict[int, list[dict]] = {level: [] for level in levels}
     open_loop: dict[str, list[list]] = {mode: [] for mode in modes}
@@ -143,10 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
             orders.append({"closed_loop": level_order, "poisson": mode_order})
             label = f"round {round_index + 1}/{args.rounds}"
             for level in level_order:
-                closed_workload = bench.make_workload(
-                    encode, max_context=max_context, requests=max(4 * level, args.min_requests),
-                    arrival="concurrency", concurrency=level, prompt_tokens=args.prompt_tokens,
-                    output_tokens=args.new_tokens, warmup=1)
+                closed_workload = closed_loop_workload(level)
                 started = time.perf_counter()
                 traces = serve(engine, closed_workload, "continuous", level, progress, f"{label} concurrency {level}")
                 # the scheduler's start, the warm-up request and the close included: not the served run's duration
@@ -155,9 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
             if workload is None:  # the first round's closed loop sets the rate; every round then serves the same
                 rate, rate_source = poisson_rate(args, {level: runs[0] for level, runs in closed.items()})
                 console.log(f"Poisson arrivals: {rate:.2f} requests/s ({rate_source})")
-                workload = bench.make_workload(encode, max_context=max_context, requests=args.poisson_requests,
-                                               arrival="poisson", rate=rate, prompt_tokens=args.prompt_tokens,
-                                               output_tokens=args.poisson_output_tokens, warmup=1, seed=0)
+                workload = poisson_workload(rate)
             for mode in mode_order:
                 open_loop[mode].append(serve(engine, workload, mode, args.slots, progress,
                                              f"{label} poisson {rate:.2f}/s {mode}"))
@@ -189,7 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
                       "raise --load or --rate")
     result = {"settings": {**{k: str(v) for k, v in vars(args).items()}, "decoding": "greedy, stop tokens disabled"},
               "machine": machine_info(), "versions": versions(), "orders": orders,
-              "closed_loop": {str(level): {**median_entry(runs), "rounds": runs_without_traces(runs)}
+              "closed_loop": {str(level): {**median_entry(runs), "rounds": runs_without_traces(runs),
+                                           # the table's "out tok/s (median)": of an even count, the middle two's mean
+                                           "output_tokens_per_s_median": median_tokens_per_s(runs)}
                               for level, runs in closed.items()},
               "closed_loop_vs_first_level": {str(level): ratios for level, ratios in vs_first.items()},
               "poisson_rate": {"requests_per_s": rate, "source": rate_source},
@@ -209,6 +232,10 @@ def median_entry(runs: list[dict]) -> dict:
     return {"wall_with_setup_s": entry["wall_with_setup_s"], "summary": entry["summary"]}
 
 
+def median_tokens_per_s(runs: list[dict]) -> float:
+    return float(np.median([e["summary"]["output_tokens_per_s"] for e in runs]))
+
+
 def runs_without_traces(runs: list[dict]) -> list[dict]:
     return [{"wall_with_setup_s": e["wall_with_setup_s"], "summary": e["summary"]} for e in runs]
 
@@ -226,7 +253,7 @@ def render_closed(console: Console, args, closed: dict, vs_first: dict, first: i
     for level, runs in closed.items():
         s = median_entry(runs)["summary"]
         per_round = [e["summary"]["output_tokens_per_s"] for e in runs]
-        table.add_row(str(level), str(s["requests"]), f"{np.median(per_round):.1f}", rounds_cell(per_round, ".1f"),
+        table.add_row(str(level), str(s["requests"]), f"{median_tokens_per_s(runs):.1f}", rounds_cell(per_round, ".1f"),
                       f"{vs_first[level]['median']:.2f}x", rounds_cell(vs_first[level]["rounds"], ".2f"),
                       ms(s["ttft_ms"]["median"]), ms(s["tpot_ms"]["median"]), ms(s["tpot_ms"]["p99"]))
     table.caption = ("the median round's requests and latencies (the upper middle one for an even count); 'paired': "

@@ -37,6 +37,7 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
+from arguments import artifact_manifest, require_at_least_one  # noqa: E402,F401 (the scripts' shared checks)
 from compiler.artifact import tool_versions  # noqa: E402
 from runtime.engine import SINGLE_STREAM_SPIN as ENGINE_SINGLE_STREAM_SPIN  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
@@ -298,8 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
             console.log(f"[yellow]skipping {Genai.name}: {error}")
             baselines.remove(Genai.name)
 
-    manifest = json.loads((args.artifact / "manifest.json").read_text())
+    manifest = artifact_manifest(parser, args.artifact)
     max_context = manifest["kv_cache"]["max_context"]
+    require_at_least_one(parser, args, "--repeats")
     if args.new_tokens < 2:  # TPOT and ITL are gaps between output tokens: one token has none
         parser.error(f"--new-tokens must be >= 2 (TPOT and ITL need two tokens), got {args.new_tokens}")
     if args.prompt_tokens < 1:

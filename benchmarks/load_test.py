@@ -34,6 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from runtime import Engine, RequestError  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling arguments.py, run from anywhere
+from arguments import artifact_manifest, require_at_least_one  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 MAX_RSS_GROWTH = 0.05
 
@@ -168,8 +171,11 @@ def judge(engine: Engine, requests: list[dict], ledger: Ledger, cancel: set[int]
 
 
 def latency_summary(ledger: Ledger) -> dict | None:
-    """Output tokens/s over first arrival -> last finish; TTFT and TPOT p50/p99 in ms (vLLM's definitions)."""
-    timed = ~np.isnan(ledger.times[:, 0])
+    """Output tokens/s over first arrival -> last finish; TTFT and TPOT p50/p99 in ms (vLLM's definitions), over
+    the requests that finished (length, stop or the context's end): a cancelled one's partial tokens, its TTFT and
+    its cancel time would count as served work (vLLM counts successful requests only)."""
+    finished = np.isin(ledger.finish, [FINISH.index(reason) for reason in ("length", "stop", "max_context")])
+    timed = ~np.isnan(ledger.times[:, 0]) & finished
     if not timed.any():
         return None
     times, tokens = ledger.times[timed], ledger.tokens[timed]
@@ -197,7 +203,16 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "load-test.json"))
     args = parser.parse_args(argv)
+    require_at_least_one(parser, args, "--requests", "--concurrency")
+    if args.slots is not None and args.slots < 1:
+        parser.error(f"--slots must be >= 1, got {args.slots}")
+    if not 0 <= args.cancel_fraction <= 1:
+        parser.error(f"--cancel-fraction must be in [0, 1], got {args.cancel_fraction}")
+    if args.check < 0 or not args.timeout > 0:
+        parser.error(f"--check must be >= 0 and --timeout > 0, got {args.check} and {args.timeout}")
     console = console or Console(stderr=True)
+    if args.artifact:
+        artifact_manifest(parser, Path(args.artifact))
     artifact = Path(args.artifact) if args.artifact else tiny_artifact()
     engine = Engine.load(artifact, intra_op_threads=args.threads)
     slots = args.slots or args.concurrency

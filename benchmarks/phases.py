@@ -45,8 +45,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
-from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, paired_median, prepare_folders,  # noqa: E402
-                      prompt_token_ids, versions, write_result)
+from generate import (REPO, SINGLE_STREAM_SPIN, Genai, artifact_manifest, machine_info, paired_median,  # noqa: E402
+                      prepare_folders, prompt_token_ids, require_at_least_one, versions, write_result)
 
 from compiler.plan import cpu_device  # noqa: E402
 
@@ -318,7 +318,15 @@ def render(summary: dict, pairs: dict, args, console: Console, bandwidth: float)
 
 
 def int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
+    """Comma-separated token counts, each once: a count given twice was measured twice per repeat under one key, and
+    the paired ratios failed on the uneven lists after the whole sweep."""
+    try:
+        values = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated token counts, e.g. 64,512") from None
+    if any(value < 1 for value in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: each count must be >= 1 and given once")
+    return values
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -344,17 +352,18 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown backends {sorted(unknown)}; known: {', '.join(BACKENDS)}")
     if not args.contexts or not args.prompt_lengths:
         parser.error("give at least one context and one prompt length")
+    require_at_least_one(parser, args, "--steps", "--repeats", "--prefill-runs")
     bandwidth = cpu_device()["bandwidth"]  # measured once per machine (all cores reading), then cached
     load_before = os.getloadavg()
 
     artifacts = {UNFUSED: args.unfused_artifact, FUSED: args.fused_artifact}
-    manifests = {name: json.loads((artifacts[name] / "manifest.json").read_text()) for name in names if name in artifacts}
+    manifests = {name: artifact_manifest(parser, artifacts[name]) for name in names if name in artifacts}
     for name, manifest in manifests.items():  # before any measurement: a sweep takes minutes
         limit = manifest["kv_cache"]["max_context"]
         if max(args.contexts) + WARMUP_STEPS + args.steps > limit or max(args.prompt_lengths) > limit:
             parser.error(f"{name} ({artifacts[name]}) holds {limit} tokens: every context + {WARMUP_STEPS + args.steps} "
                          f"decode steps, and every prompt length, must fit")
-    reference = json.loads((args.fused_artifact / "manifest.json").read_text())  # prompt tokens, genai's weights
+    reference = artifact_manifest(parser, args.fused_artifact)  # prompt tokens, genai's weights
     prompt_ids = prompt_token_ids(args.fused_artifact, reference, max(args.contexts + args.prompt_lengths))
     genai_folder = None
     if GENAI in names:

@@ -39,12 +39,13 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
 from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info,  # noqa: E402
-                      measure_all, paired_median, prepare_folders, prompt_token_ids, versions, write_result)
+                      measure_all, paired_median, prepare_folders, prompt_token_ids, require_at_least_one, versions,
+                      write_result)
 
 from compiler.build import build  # noqa: E402
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
 from passes.quantize import Override  # noqa: E402
-from runtime.evaluate import builtin_text, encode_text, log_softmax, window_spans  # noqa: E402
+from runtime.evaluate import EvaluationError, builtin_text, encode_text, log_softmax, window_spans  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "quantization"
 VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
@@ -230,6 +231,15 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    require_at_least_one(parser, args, "--prompt-tokens", "--repeats")  # every check here comes before the builds
+    if args.new_tokens < 2:  # TPOT is the mean gap between output tokens: one token has none
+        parser.error(f"--new-tokens must be >= 2 (TPOT needs two tokens), got {args.new_tokens}")
+    if args.eval_tokens < 2:
+        parser.error(f"--eval-tokens must be >= 2 (perplexity scores each token after the first), got {args.eval_tokens}")
+    try:
+        window_spans(args.eval_tokens, args.window, args.stride)
+    except EvaluationError as error:
+        parser.error(f"--window/--stride: {error}")
     if not args.no_genai and importlib.util.find_spec("onnxruntime_genai") is None:  # before minutes of builds
         parser.error(f"{GENAI_INT4} is a baseline here and onnxruntime-genai is not installed: "
                      f"pip install 'aotlm[bench]', or pass --no-genai")

@@ -84,3 +84,23 @@ def test_paired_ratios_and_the_median_round():
     assert batching.median_round([3.0, 1.0, 2.0]) == 2
     assert batching.median_round([4.0, 1.0]) == 0  # even count: the upper of the two middle values
     assert [batching.run_order([1, 2, 3], r) for r in range(5)] == [[1, 2, 3], [3, 2, 1], [3, 2, 1], [1, 2, 3], [1, 2, 3]]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--poisson-requests", "0"], "--poisson-requests must be >= 1, got 0"),
+    (["--concurrency", "0"], "each level must be >= 1 and given once"),
+    (["--concurrency", "1,1"], "each level must be >= 1 and given once"),
+    (["--poisson-output-tokens", "4:900"], "--poisson-output-tokens for the Poisson part"),  # cannot fit 128 tokens
+])
+def test_the_poisson_part_is_checked_before_the_closed_loop_runs(tiny_artifact, flags, message, capsys, monkeypatch):
+    """These failed with a traceback after part 1 had served every closed-loop level."""
+    monkeypatch.setattr(batching, "serve", lambda *a: pytest.fail("served before the arguments were checked"))
+    with pytest.raises(SystemExit) as exit_info:
+        batching.main(["--artifact", str(tiny_artifact), "--prompt-tokens", "8", "--new-tokens", "2", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_tables_median_tokens_per_s_is_in_the_json_too():
+    runs = [{"wall_with_setup_s": 1.0, "summary": {"output_tokens_per_s": v}} for v in (10.0, 40.0, 20.0, 30.0)]
+    assert batching.median_tokens_per_s(runs) == 25.0  # the table's; median_entry's round is the upper one (30)
+    assert batching.median_entry(runs)["summary"]["output_tokens_per_s"] == 30.0

@@ -53,8 +53,16 @@ def test_one_token_has_no_tpot_and_is_refused():
 
 
 @pytest.mark.parametrize("flags, message", [(["--new-tokens", "1"], "--new-tokens must be >= 2"),
-                                            (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1")])
+                                            (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1"),
+                                            (["--repeats", "0"], "--repeats must be >= 1, got 0")])
 def test_main_refuses_runs_too_short_to_time(tiny_artifact, capsys, flags, message):
     with pytest.raises(SystemExit) as stopped:
         generate.main(["--artifact", str(tiny_artifact), "--baselines", "", *flags])
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_missing_artifact_is_a_usage_error(tmp_path, capsys):
+    """It was a FileNotFoundError traceback from reading manifest.json."""
+    with pytest.raises(SystemExit) as stopped:
+        generate.main(["--artifact", str(tmp_path / "none"), "--baselines", ""])
+    assert stopped.value.code == 2 and "not an artifact folder (no such directory)" in capsys.readouterr().err

@@ -68,3 +68,18 @@ def test_the_report_holds_the_paired_ratios_of_its_own_repeats(tiny_artifact, tm
     assert report["paired"]["decode"]["8"] == {"fused_vs_unfused": None, "fused_vs_genai": None}
     assert report["settings"]["aotlm_spin_after_run"] == ["decode"]
     assert report["decode_growth_paired"].startswith("paired")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--contexts", "64,512,512"], "each count must be >= 1 and given once"),
+    (["--prompt-lengths", "0"], "each count must be >= 1 and given once"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--prefill-runs", "0"], "--prefill-runs must be >= 1, got 0"),
+])
+def test_bad_sizes_are_refused_before_any_measurement(tiny_artifact, flags, message, capsys, monkeypatch):
+    """A context given twice failed on uneven lists after the whole sweep; --steps 0 at the first measurement."""
+    monkeypatch.setattr(phases, "run_sweeps", lambda *a: pytest.fail("measured before checking the arguments"))
+    with pytest.raises(SystemExit) as stopped:
+        phases.main(["--backends", phases.FUSED, "--fused-artifact", str(tiny_artifact), *flags])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err

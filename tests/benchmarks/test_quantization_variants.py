@@ -49,3 +49,18 @@ def test_out_is_a_path_and_a_bare_name_goes_under_results(tmp_path):
     assert quantization.out_path("q.json") == REPO / "benchmarks" / "results" / "q.json"
     assert quantization.out_path(str(tmp_path / "q.json")) == tmp_path / "q.json"
     assert quantization.out_path("benchmarks/results/q.json").as_posix() == "benchmarks/results/q.json"  # not nested
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--new-tokens", "1"], "--new-tokens must be >= 2"),
+    (["--eval-tokens", "0"], "--eval-tokens must be >= 2"),
+    (["--window", "1"], "--window/--stride: window must be >= 2 tokens"),
+    (["--stride", "600"], "--window/--stride: stride must be between 1 and the window (512)"),
+])
+def test_bad_sizes_are_refused_before_any_variant_is_built(flags, message, capsys, monkeypatch):
+    """They failed after every build and all the timing (an IndexError, a ZeroDivisionError)."""
+    monkeypatch.setattr(quantization, "built", lambda *a: pytest.fail("built before the arguments were checked"))
+    with pytest.raises(SystemExit) as stopped:
+        quantization.main(["--variants", "fp32", "--no-genai", *flags])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err

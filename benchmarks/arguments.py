@@ -1,0 +1,26 @@
+"""Argument checks the benchmark scripts share: bad input is a usage error before any measurement, not a
+traceback after minutes of it."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from runtime.errors import ArtifactError
+from runtime.manifest import read_manifest
+
+
+def artifact_manifest(parser: argparse.ArgumentParser, artifact: Path) -> dict:
+    """The artifact's manifest, or the script's usage error naming the folder and the fix (a missing folder was a
+    FileNotFoundError traceback)."""
+    try:
+        return read_manifest(artifact)
+    except ArtifactError as error:
+        parser.error(str(error))
+
+
+def require_at_least_one(parser: argparse.ArgumentParser, args, *flags: str) -> None:
+    """Counts a measurement cannot be made without (--repeats 0 left nothing to take a median of, after minutes)."""
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
