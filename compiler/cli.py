@@ -26,7 +26,7 @@ DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
 # bench flags that apply to one kind of run only, with their defaults (argparse's are None: "given" is not None)
 BENCH_SERVED = {"requests": 32, "arrival": "all", "concurrency": None, "rate": None, "prompt_tokens": "128",
                 "output_tokens": "64", "warmup": 1, "slo_ttft_ms": None, "slo_tpot_ms": None, "batching": None,
-                "slots": None, "prefill_chunk": None}
+                "slots": None, "prefill_chunk": None, "seed": 0}
 BENCH_PHASE = {"prompt_lengths": ("prefill", None), "runs": ("prefill", 5), "contexts": ("decode", None),
                "steps": ("decode", 32), "batch": (None, 1)}  # None: both phases
 
@@ -383,7 +383,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=int, default=None,
                        help="clients for --arrival concurrency (default 1): each sends its next request when the last one ends")
     bench.add_argument("--rate", type=float, default=None, help="requests/s for --arrival poisson")
-    bench.add_argument("--seed", type=nonnegative_int, default=0, help="lengths and Poisson arrivals")
+    bench.add_argument("--seed", type=nonnegative_int, default=None, help="lengths and Poisson arrivals (default 0)")
     bench.add_argument("--prompt-tokens", default=None, help="N, or LOW:HIGH drawn uniformly (default: 128)")
     bench.add_argument("--output-tokens", default=None, help="N, or LOW:HIGH drawn uniformly (default: 64)")
     bench.add_argument("--prompt-file", default=None, help="text cut into prompts (default: Python's pydoc topics)")

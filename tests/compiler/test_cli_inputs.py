@@ -351,6 +351,7 @@ def test_bench_refuses_negative_threads_or_limits_as_usage_errors(capsys, tiny_a
     (("--phase", "prefill", "--requests", "5", "--slots", "2"),
      "--requests, --slots: they shape a served workload and do not apply to --phase prefill"),
     (("--phase", "decode", "--prompt-tokens", "500"), "--prompt-tokens: it shapes a served workload"),
+    (("--phase", "prefill", "--seed", "7"), "--seed: it shapes a served workload"),
     (("--phase", "decode", "--runs", "3"), "--runs: for --phase prefill only, not --phase decode"),
     (("--phase", "prefill", "--contexts", "16"), "--contexts: for --phase decode only, not --phase prefill"),
 ])
