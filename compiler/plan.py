@@ -376,6 +376,10 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     if info["kind"] == "artifact" and context > (info.get("context") or context):
         result["warnings"].append(f"context {context} exceeds this artifact's cache ({info['context']} tokens): it "
                                   f"serves at most {info['context']}; rebuild with a larger export.max_context")
+    elif info["kind"].startswith("recipe") and context > (info.get("context") or context):  # sized past what it builds
+        result["warnings"].append(f"context {context} exceeds the recipe's export.max_context ({info['context']}): "
+                                  f"its artifact would serve at most {info['context']} tokens; raise "
+                                  f"export.max_context to {context} to build what this plan sizes")
     if info["kind"] == "artifact" and not gpu and measure and info["backend"] != "onnxruntime":
         result["warnings"].append(f"not timed: this artifact's {info['backend']} engines run on a GPU, not on cpu")
     elif info["kind"] == "artifact" and not gpu and measure:

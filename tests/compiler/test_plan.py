@@ -282,3 +282,11 @@ def test_a_context_past_an_artifacts_cache_is_warned_about(tmp_path):
     assert any("exceeds this artifact's cache (128 tokens)" in w
                for w in plan(test_artifact, device="H100", context=200)["warnings"])
     assert plan(test_artifact, device="H100", context=128)["warnings"] == []
+
+
+def test_a_context_past_a_recipes_max_context_is_warned_about():
+    recipe = str(TINY_RECIPE)  # export.max_context 128
+    assert [w for w in plan(recipe, device="H100", context=200)["warnings"] if "export.max_context" in w] == [
+        "context 200 exceeds the recipe's export.max_context (128): its artifact would serve at most 128 tokens; "
+        "raise export.max_context to 200 to build what this plan sizes"]
+    assert plan(recipe, device="H100", context=128)["warnings"] == []
