@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as 
 from generate import (REPO, SINGLE_STREAM_SPIN, Genai, artifact_manifest, machine_info, paired_median,  # noqa: E402
                       prepare_folders, prompt_token_ids, require_at_least_one, versions, write_result)
 
-from compiler.plan import cpu_device  # noqa: E402
+from compiler.plan import busy_cpu_s, cpu_device, own_cpu_s  # noqa: E402
 
 WARMUP_STEPS = 4
 PREFILL_WARMUPS = 1
@@ -141,28 +141,15 @@ class GenaiPhases:
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy (steal included: the hypervisor gave the time elsewhere)."""
-    with open("/proc/stat") as stat:
-        fields = [int(x) for x in stat.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 def guarded(measure, args, label: str, console: Console) -> dict:
     """Run measure() -> dict; when other processes (or steal) kept more than --max-other-cores busy on average
     meanwhile, wait and measure again, up to --retries times. The result records the contention it ran under."""
     attempts = []
     for attempt in range(args.retries + 1):
-        wall, busy, own = time.perf_counter(), busy_cpu_s(), own_cpu_s()
+        wall, busy, own = time.perf_counter(), busy_cpu_s() or 0.0, own_cpu_s()
         result = measure()
         wall = time.perf_counter() - wall
-        others = max(0.0, (busy_cpu_s() - busy) - (own_cpu_s() - own)) / wall
+        others = max(0.0, ((busy_cpu_s() or 0.0) - busy) - (own_cpu_s() - own)) / wall  # 0 without /proc/stat
         result["other_cores"] = others  # mean cores used by everything else during the measurement
         attempts.append(result)
         if others <= args.max_other_cores:

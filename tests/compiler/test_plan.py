@@ -156,6 +156,27 @@ def test_artifact_manifest_and_cpu_measurement_wiring(tmp_path, fake_cpu, monkey
     assert result["measured"]["ratio"] == 2.0
 
 
+def test_a_cpu_measurement_taken_under_load_is_used_once_not_cached(llama3, fake_cpu, monkeypatch):
+    """A bandwidth measured while a build ran (15.4 GB/s, where decode steps read 29.6) was cached for good."""
+    monkeypatch.setattr(plan_module, "measure_cpu", lambda: fake_cpu.append(1) or {**FAKE_CPU, "other_cores": 1.2})
+    result = plan(llama3, device="cpu", context=1024)
+    assert "other processes kept 1.20 cores busy meanwhile" in result["device"]["name"]
+    plan(llama3, device="cpu", context=1024)
+    assert len(fake_cpu) == 2 and not plan_module.CACHE_FILE.exists()  # measured again, nothing cached
+    monkeypatch.setattr(plan_module, "measure_cpu", lambda: fake_cpu.append(1) or {**FAKE_CPU, "other_cores": 0.02})
+    plan(llama3, device="cpu", context=1024)
+    plan(llama3, device="cpu", context=1024)
+    assert len(fake_cpu) == 3 and plan_module.CACHE_FILE.exists()
+
+
+def test_measure_cpu_reports_the_load_of_other_processes(monkeypatch):
+    monkeypatch.setattr(plan_module, "_measure_cpu", lambda: dict(FAKE_CPU))
+    busy = iter([100.0, 103.0])  # the machine spent 3 CPU seconds busy meanwhile, this process ~0 of them
+    monkeypatch.setattr(plan_module, "busy_cpu_s", lambda: next(busy))
+    measured = plan_module.measure_cpu()
+    assert measured["bandwidth"] == FAKE_CPU["bandwidth"] and measured["other_cores"] > 2.0
+
+
 def test_cpu_measurement_is_cached(llama3, fake_cpu):
     first = plan(llama3, device="cpu", context=1024)
     assert first["device"]["bandwidth_Bps"] == 10e9 and first["device"]["peak_flops"] == 100e9
