@@ -372,6 +372,10 @@ class Engine:
             except TypeError:
                 raise RequestError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}") \
                     from None
+            if any(isinstance(t, np.ndarray) for t in tokens):  # input_ids [1, n], as tokenizers hand them out
+                raise RequestError(f"the prompt must be one flat list of token ids; got a "
+                                   f"{np.asarray(prompt).ndim}-D array: pass ids[0] for one prompt, or a list of "
+                                   f"prompts for a batch")
             # operator.index: Python and numpy integers pass; 3.7 is refused, where int() would quietly make it 3
             bad = next((t for t in tokens if isinstance(t, bool) or not hasattr(type(t), "__index__")), None)
             if bad is not None:

@@ -67,6 +67,12 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     if not missing and not (len(shape) == 4 and (isinstance(shape[0], str) or integers(shape[:1], 1))
                             and integers(shape[1:], 1)):  # [batch (may be named), kv_heads, max_context, head_dim]
         missing = ["kv_cache.shape as [batch, kv_heads, max_context, head_dim]"]
+    if not missing and shape[2] != manifest["kv_cache"]["max_context"]:  # the graphs' buffers are shape[2] long
+        missing = [f"kv_cache.max_context equal to kv_cache.shape[2] ({shape[2]}), not "
+                   f"{manifest['kv_cache']['max_context']}"]
+    missing = missing or [f"engines.{phase}.{side} as a list of mappings" for phase in ("prefill", "decode")
+                          for side in ("inputs", "outputs")
+                          if not all(isinstance(entry, dict) for entry in manifest["engines"][phase][side])]
     if missing:
         raise ArtifactError(f"{path}: the manifest lacks {', '.join(missing)} (or has the wrong type); the file was "
                             f"edited or cut short: rebuild the artifact")
@@ -77,7 +83,7 @@ def read_manifest(artifact_dir: str | Path) -> dict:
 REQUIRED_FIELDS = {"created": str, "passes": list, "model.config": dict, "model.config.vocab_size": int,
                    "model.source": dict, "tokenizer.file": str, "tokenizer.eos_token_ids": list,
                    "kv_cache.shape": list, "kv_cache.max_context": int, "kv_cache.bytes_per_token": int,
-                   "kv_cache.layout": list, "engines.prefill.file": str, "engines.decode.file": str,
+                   "kv_cache.layout": list, "kv_cache.output_aliases_input": dict, "engines.prefill.file": str, "engines.decode.file": str,
                    "engines.prefill.inputs": list, "engines.prefill.outputs": list, "engines.decode.inputs": list,
                    "engines.decode.outputs": list, "backend.name": str, "backend.version": str}
 PASS_RECORD = {"name": str, "phase": str, "seconds": (int, float), "report": dict}  # each entry of "passes"

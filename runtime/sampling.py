@@ -78,7 +78,7 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
-        """logits: [vocab] float32 -> token id. NaN logits, or all -inf, raise a ModelOutputError: greedy would
+        """logits: [vocab] float32 -> token id. NaN or +inf logits, or all -inf, raise a ModelOutputError: greedy would
         pick an arbitrary token (argmax returns the first NaN) and sampling would fail inside numpy."""
         _check_samplable(logits)
         if self.params.greedy:
@@ -114,3 +114,7 @@ def _check_samplable(logits: np.ndarray) -> None:
     if largest == -np.inf:
         raise ModelOutputError("every logit is -inf: no token can be sampled; the artifact's graphs mask the whole "
                                "vocabulary")
+    if largest == np.inf:  # an overflow: greedy would return it, sampling would compute inf - inf
+        raise ModelOutputError(f"the model's logits are +inf at {int(np.isposinf(logits).sum())} of {logits.size} "
+                               f"vocabulary entries: the artifact's graphs overflow (rebuild it, or check with "
+                               f"`aotlm eval`)")

@@ -14,6 +14,10 @@ class TextTokenizer:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # tokenizers raises a bare Exception on a bad file
             raise ArtifactError(f"{path}: cannot read the tokenizer ({error}); rebuild the artifact") from None
+        # Some tokenizer.json files ship with truncation or padding set: a long prompt would be cut without a word
+        # (the model answering another prompt, no context error), a short one padded. A prompt is encoded whole.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         self.bos_token_id = bos_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -129,6 +129,11 @@ def _edit_manifest(folder, edit):
     (lambda m: m["passes"].append({"name": "x"}), r"passes\[\d+\]"),
     (lambda m: m["tokenizer"].__setitem__("eos_token_ids", ["x"]), "tokenizer.eos_token_ids as token ids"),
     (lambda m: m["kv_cache"].__setitem__("shape", [1]), r"kv_cache.shape as \[batch, kv_heads, max_context, head_dim\]"),
+    # a KeyError / AttributeError in the backend; a cache longer than its buffers failed inside onnxruntime
+    (lambda m: m["kv_cache"].pop("output_aliases_input"), "kv_cache.output_aliases_input"),
+    (lambda m: m["kv_cache"].__setitem__("output_aliases_input", []), "kv_cache.output_aliases_input"),
+    (lambda m: m["kv_cache"].__setitem__("max_context", 4096), r"kv_cache.max_context equal to kv_cache.shape\[2\] \(128\), not 4096"),
+    (lambda m: m["engines"]["decode"]["inputs"].__setitem__(0, "input_ids"), "engines.decode.inputs as a list of mappings"),
 ])
 def test_a_manifest_missing_a_field_its_readers_use_is_refused_by_name(artifact_copy, edit, named):
     """Only the top-level sections were checked: these were KeyError / TypeError / AttributeError tracebacks."""

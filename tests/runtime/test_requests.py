@@ -77,6 +77,7 @@ def test_a_bare_stop_string_is_one_stop_string(engine):
     (np.array([3.7, 4.2]), r"prompt token ids must be integers; got np.float64\(3.7\)|got 3.7"),  # was 3, 4
     ([1.0, 2.5], r"prompt token ids must be integers; got 1.0 \(float\)"),  # was taken for a list of prompts
     ([5, True], r"prompt token ids must be integers; got True \(bool\)"),
+    (np.array([[1, 17, 42]]), r"one flat list of token ids; got a 2-D array: pass ids\[0\]"),  # a numpy TypeError
 ])
 def test_prompts_that_are_not_text_or_integer_ids_are_refused(engine, prompt, message):
     with pytest.raises(RequestError, match=message):
@@ -138,6 +139,10 @@ def test_logits_that_cannot_be_sampled_are_a_model_output_error(temperature):
         sampler(logits)  # greedy would have returned token 3, the first NaN
     with pytest.raises(ModelOutputError, match="every logit is -inf"):
         sampler(np.full(512, -np.inf, dtype=np.float32))
+    logits = np.zeros(512, dtype=np.float32)
+    logits[5] = np.inf  # greedy returned 5; sampling computed inf - inf and failed inside numpy
+    with pytest.raises(ModelOutputError, match=r"logits are \+inf at 1 of 512 vocabulary entries"):
+        sampler(logits)
     logits = np.full(512, -np.inf, dtype=np.float32)
     logits[9] = 1.0  # -inf elsewhere is a mask, not an error
     assert sampler(logits) == 9

@@ -147,3 +147,15 @@ def test_results_equal_their_streams_with_a_byte_fallback_tokenizer(tiny_artifac
         handle = engine.submit([1, 40, 41], seed=seed, **options)
         assert "".join(handle) == handle.result().text == generation.result.text
     engine.close()
+
+
+def test_a_tokenizer_file_that_truncates_or_pads_encodes_prompts_whole(tmp_path):
+    """Hugging Face tokenizer.json files may set truncation and padding; a long prompt was cut to max_length."""
+    tokenizer = byte_fallback_tokenizer(tmp_path).tokenizer
+    text = "Le café " * 8
+    whole = tokenizer.encode(text, add_special_tokens=False).ids
+    tokenizer.enable_truncation(max_length=4)
+    tokenizer.enable_padding(length=64)
+    tokenizer.save(str(tmp_path / "cutting.json"))
+    assert len(Tokenizer.from_file(str(tmp_path / "cutting.json")).encode(text, add_special_tokens=False).ids) == 64
+    assert TextTokenizer(tmp_path / "cutting.json").encode(text, add_special_tokens=False) == whole
