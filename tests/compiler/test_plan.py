@@ -112,7 +112,7 @@ def with_required_fields(manifest: dict) -> dict:
     defaults = {"created": "2026-11-30T00:00:00+00:00", "passes": [], "model": {"source": {"kind": "random"}},
                 "tokenizer": {"file": "tokenizer.json", "eos_token_ids": [2]},
                 "kv_cache": {"shape": ["batch", 2, 128, 16], "bytes_per_token": 512,
-                             "layout": ["batch", "kv_heads", "max_context", "head_dim"]},
+                             "layout": ["batch", "kv_heads", "max_context", "head_dim"], "output_aliases_input": {}},
                 "engines": {phase: {"file": f"{phase}.onnx", "inputs": [], "outputs": []} for phase in ("prefill", "decode")},
                 "backend": {"name": "onnxruntime", "version": "1.32.0"}}
     for key, value in defaults.items():
