@@ -254,6 +254,9 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# llama.cpp's LLAMA3 pre-tokenizer type (llama-vocab.cpp): its BPE takes a word that is in the vocabulary whole
+# (ignore_merges, as Llama 3's tokenizer.json says), and it adds BOS unless the file's add_bos_token says not to.
+LLAMA3_PRE_TYPES = ("llama3", "llama-v3", "llama-bpe", "falcon3")
 PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
@@ -297,7 +300,8 @@ def tokenizer_json_from_gguf(field, path: str) -> str:
         raise BuildError(f"tokenizer.ggml.merges holds {broken!r}, not 'left right'; the GGUF's tokenizer is damaged: "
                          f"use the model's Hugging Face folder (with tokenizer.json) instead")
     merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in raw_merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    llama3 = field("tokenizer.ggml.pre") in LLAMA3_PRE_TYPES
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=llama3))
     tokenizer.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
     tokenizer.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|> ...) are matched whole and are special; user-defined ones are matched whole
@@ -308,7 +312,8 @@ def tokenizer_json_from_gguf(field, path: str) -> str:
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
     bos = field("tokenizer.ggml.bos_token_id")
-    if field("tokenizer.ggml.add_bos_token") and bos is not None:
+    add_bos = field("tokenizer.ggml.add_bos_token")
+    if (llama3 if add_bos is None else add_bos) and bos is not None:
         if not 0 <= int(bos) < len(tokens):
             raise BuildError(f"tokenizer.ggml.bos_token_id {bos} is outside the GGUF's {len(tokens)} tokens; the file "
                              f"is damaged: use the model's Hugging Face folder (with tokenizer.json) instead")

@@ -474,3 +474,24 @@ def test_the_chat_template_is_read_from_gguf_and_hf_folders(tmp_path):
     loaded = load_hf_folder(str(folder))
     assert loaded.chat_template == "{{ messages[0]['content'] }}"
     assert "chat_template.jinja" in [record["name"] for record in loaded.source["files"]]
+
+
+@pytest.mark.parametrize("pre, add_bos, expected", [
+    ("llama-bpe", None, (["<|begin_of_text|>", "abc"], True)),  # llama.cpp's LLAMA3 type: whole words, BOS
+    ("llama-bpe", False, (["abc"], False)),  # the file's add_bos_token decides when it is there
+    ("default", None, (["ab", "c"], False)),
+])
+def test_a_llama3_gguf_tokenizer_takes_vocabulary_words_whole_and_adds_bos(pre, add_bos, expected):
+    """llama.cpp (and Llama 3's tokenizer.json) set ignore_merges and add BOS for the llama3 pre-tokenizers; the
+    loader split 'abc' into ['ab', 'c'] and added no BOS when the file had no add_bos_token key."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from compiler.frontend.gguf_loader import tokenizer_json_from_gguf
+    from compiler.frontend.random_init import bytes_to_unicode
+
+    tokens = [*bytes_to_unicode().values(), "ab", "abc", "<|begin_of_text|>"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * (len(tokens) - 1) + [3], "tokenizer.ggml.merges": ["a b"],
+            "tokenizer.ggml.bos_token_id": len(tokens) - 1, "tokenizer.ggml.add_bos_token": add_bos}
+    encoded = HFTokenizer.from_str(tokenizer_json_from_gguf(meta.get, "x.gguf")).encode("abc")
+    assert (encoded.tokens, encoded.ids[0] == len(tokens) - 1) == expected
