@@ -58,7 +58,11 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     report["dead_nodes_removed"] = nodes_before - len(graph.nodes)
 
     if options.fold_constants:
-        graph = _fold_constants(graph, lambda: _import(model, shapes), options.fold_size_threshold_bytes, report)
+        # An initializer that is also a graph input is a default the caller may override (older exporters write
+        # them; graphsurgeon imports it as a constant): folding through it would bake the default in.
+        overridable = {value.name for value in model.graph.input} & {t.name for t in model.graph.initializer}
+        graph = _fold_constants(graph, lambda: _import(model, shapes), options.fold_size_threshold_bytes, report,
+                                overridable)
     if options.deduplicate_initializers:
         first_seen = {tensor.name: index for index, tensor in enumerate(model.graph.initializer)}
         report["initializers_deduplicated"] = deduplicate_initializers(graph, first_seen)
@@ -112,7 +116,8 @@ def _detach_attribute_tensors(graph: gs.Graph) -> None:
                 value._values = LazyValues(own)
 
 
-def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_threshold: int, report: dict) -> gs.Graph:
+def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_threshold: int, report: dict,
+                    overridable: set[str] = frozenset()) -> gs.Graph:
     """Folds what depends only on constants; on an evaluation error folds nothing and says why in the report."""
     variables = {name for name, tensor in graph.tensors().items() if isinstance(tensor, gs.Variable)}
     nodes_before = len(graph.nodes)
@@ -121,7 +126,8 @@ def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_thre
     onnxruntime.set_default_logger_severity(3)
     try:
         graph.fold_constants(size_threshold=size_threshold, error_ok=False,
-                             should_exclude_node=lambda node: (node.domain or "") not in ONNX_DOMAINS)
+                             should_exclude_node=lambda node: (node.domain or "") not in ONNX_DOMAINS
+                             or any(tensor.name in overridable for tensor in node.inputs))
     except Exception as error:  # onnxruntime raises many types; any of them means "not folded"
         # fold_constants edits the graph before it evaluates, so start again from the unfolded model.
         report["fold_skipped"] = f"onnxruntime could not evaluate the constant subgraph: {error}"

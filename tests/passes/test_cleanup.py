@@ -180,3 +180,20 @@ def test_custom_domain_nodes_are_kept_and_do_not_block_folding():
     assert report["nodes_folded"] == 1
     assert report["ops_changed"] == {"Add": {"before": 2, "after": 1}}
     onnx.checker.check_model(cleaned)
+
+
+def test_an_overridable_initializer_is_not_folded_into_its_readers():
+    """y = x * (scale + 1), scale an initializer (3) and a graph input (a default the caller may override): folding
+    baked the default in, so a fed scale of 10 gave 4 and leaving scale out failed as a missing input."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["scale", "one"], ["s1"]), helper.make_node("Mul", ["x", "s1"], ["y"])], "defaults",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("scale", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        initializer=[numpy_helper.from_array(np.full(2, 3.0, np.float32), "scale"),
+                     numpy_helper.from_array(np.full(2, 1.0, np.float32), "one")])
+    cleaned, _ = cleanup.run(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), cleanup.Options())
+    session = ort.InferenceSession(cleaned.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.ones(2, np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x, "scale": np.full(2, 10.0, np.float32)})[0], [11, 11])
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], [4, 4])
