@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.new_tokens < 2:  # TPOT is the mean gap between output tokens: one token has none
         parser.error(f"--new-tokens must be >= 2 (TPOT needs two tokens), got {args.new_tokens}")
     if args.eval_tokens < 2:
-        parser.error(f"--eval-tokens must be >= 2 (perplexity scores each token after the first), got {args.eval_tokens}")
+        parser.error(f"--eval-tokens must be >= 2 (perplexity scores each token after the first), "
+                     f"got {args.eval_tokens}")
     try:
         window_spans(args.eval_tokens, args.window, args.stride)
     except EvaluationError as error:

@@ -15,7 +15,8 @@ rows = option `rotary_cache_length`, else the KV cache's max context (`past_key_
 [B, S] int64: the graph input `position_ids`, else the int64 [B, S] tensor the Cos computation reads (expanded
 to t's batch when it has batch 1). Every `Add(Mul, Mul(Concat, .))` is a candidate; one that fails a check stays
 as it is and is listed in the report with its reason. The last check runs each match on a probe
-(passes/rotary_probe.py): t's layout, the sin operand and positions scaled on the way to Cos show only there. The Cos/Sin math goes when no other node reads it.
+(passes/rotary_probe.py): t's layout, the sin operand and positions scaled on the way to Cos show only there.
+The Cos/Sin math goes when no other node reads it.
 
 Pure: the input ModelProto is never mutated. The default opset becomes >= 23 and the IR version >= 10.
 """

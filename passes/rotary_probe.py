@@ -46,7 +46,8 @@ def check_rotaries(graph: gs.Graph, matches: list) -> list[str | None]:
             value = gs.Variable(f"{source.name}.probe", dtype=np.float32, shape=list(shape))
             source.inputs.clear()
             probe.inputs = [t for t in probe.inputs if t is not source]  # t may be a graph input: now computed
-            probe.nodes.append(gs.Node("Cast", inputs=[value], outputs=[source], attrs={"to": element_type(source.dtype)}))
+            probe.nodes.append(gs.Node("Cast", inputs=[value], outputs=[source],
+                                       attrs={"to": element_type(source.dtype)}))
             fed[value.name] = sources[source.name] = rng.standard_normal(shape).astype(np.float32)
             probe.inputs.append(value)
         output = gs.Variable(f"rotary_probe_output_{index}", np.float32)

@@ -83,7 +83,8 @@ def read_manifest(artifact_dir: str | Path) -> dict:
 REQUIRED_FIELDS = {"created": str, "passes": list, "model.config": dict, "model.config.vocab_size": int,
                    "model.source": dict, "tokenizer.file": str, "tokenizer.eos_token_ids": list,
                    "kv_cache.shape": list, "kv_cache.max_context": int, "kv_cache.bytes_per_token": int,
-                   "kv_cache.layout": list, "kv_cache.output_aliases_input": dict, "engines.prefill.file": str, "engines.decode.file": str,
+                   "kv_cache.layout": list, "kv_cache.output_aliases_input": dict, "engines.prefill.file": str,
+                   "engines.decode.file": str,
                    "engines.prefill.inputs": list, "engines.prefill.outputs": list, "engines.decode.inputs": list,
                    "engines.decode.outputs": list, "backend.name": str, "backend.version": str}
 PASS_RECORD = {"name": str, "phase": str, "seconds": (int, float), "report": dict}  # each entry of "passes"
