@@ -47,8 +47,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import (REPO, RESULTS, artifact_manifest, machine_info, paired_median, require_at_least_one,  # noqa: E402
-                      versions, write_result)
+from generate import REPO, RESULTS, machine_info, paired_median, versions, write_result  # noqa: E402
+from arguments import artifact_manifest, require_at_least_one  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
 

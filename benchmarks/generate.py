@@ -37,7 +37,7 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
-from arguments import artifact_manifest, require_at_least_one  # noqa: E402,F401 (the scripts' shared checks)
+from arguments import artifact_manifest, require_at_least_one  # noqa: E402
 from compiler.artifact import tool_versions  # noqa: E402
 from runtime.engine import SINGLE_STREAM_SPIN as ENGINE_SINGLE_STREAM_SPIN  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"

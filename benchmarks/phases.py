@@ -45,8 +45,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
-from generate import (REPO, SINGLE_STREAM_SPIN, Genai, artifact_manifest, machine_info, paired_median,  # noqa: E402
-                      prepare_folders, prompt_token_ids, require_at_least_one, versions, write_result)
+from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, paired_median, prepare_folders,  # noqa: E402
+                      prompt_token_ids, versions, write_result)
+from arguments import artifact_manifest, require_at_least_one  # noqa: E402
 
 from compiler.plan import busy_cpu_s, cpu_device, own_cpu_s  # noqa: E402
 

@@ -39,8 +39,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
 from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info,  # noqa: E402
-                      measure_all, paired_median, prepare_folders, prompt_token_ids, require_at_least_one, versions,
-                      write_result)
+                      measure_all, paired_median, prepare_folders, prompt_token_ids, versions, write_result)
+from arguments import require_at_least_one  # noqa: E402
 
 from compiler.build import build  # noqa: E402
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402

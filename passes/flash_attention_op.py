@@ -47,8 +47,8 @@ def rotary_tables(inv_freq: np.ndarray, positions: int, scaling: float = 1.0) ->
     return (np.cos(angles) * scaling).astype(np.float32), (np.sin(angles) * scaling).astype(np.float32)
 
 
-def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    # x [S, heads, D]; cos/sin [S, D/2]
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    # x [..., S, heads, D]; cos/sin [S, D/2]: rotate-half, as RotaryEmbedding (interleaved=0) computes it
     half = x.shape[-1] // 2
     first, second = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
@@ -76,7 +76,7 @@ def reference(query, key, value, past_key, past_value, seqlens_k, total_sequence
         k = key[b].reshape(length, kv_num_heads, head_dim).astype(np.float64)
         v = value[b].reshape(length, kv_num_heads, head_dim).astype(np.float64)
         cos, sin = cos_cache[np.clip(positions, 0, None)], sin_cache[np.clip(positions, 0, None)]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         present_key[b][:, positions[valid]] = k[valid].transpose(1, 0, 2)
         present_value[b][:, positions[valid]] = v[valid].transpose(1, 0, 2)
         for i in np.flatnonzero(valid):

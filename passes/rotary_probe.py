@@ -72,9 +72,8 @@ def _fixed(tensor: gs.Tensor, axis: int) -> int | None:
 def expected_rotation(t: np.ndarray, inv_freq: np.ndarray, scaling: float) -> np.ndarray:
     """RotaryEmbedding (rotate-half, interleaved=0) of t [B, heads, S, D] at positions 0..S-1."""
     cos, sin = op.rotary_tables(inv_freq, t.shape[2], scaling)
-    half = t.shape[-1] // 2
-    first, second = t[..., :half].astype(np.float64), t[..., half:].astype(np.float64)
-    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    by_position = t.astype(np.float64).transpose(0, 2, 1, 3)  # [B, S, heads, D], the reference's layout
+    return op.rotate(by_position, cos, sin).transpose(0, 2, 1, 3)
 
 
 def _judge(found, output: np.ndarray, t: np.ndarray, tolerance: float) -> str | None:
