@@ -257,12 +257,21 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
             "backend": manifest.get("backend", {}).get("name", "onnxruntime"),
             # weight quantization decides the precision, not the export dtype
             "dtype": quantized.get("dtype", export_dtype), "float_prefill": quantized.get("float_prefill", False),
+            **({"quantize": _as_quantized(quantized["quantize"], manifest)} if "quantize" in quantized else {}),
             "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
                 kv.get("dtype", "float32"), "fp32")}
     weights = manifest.get("backend", {}).get("weights", {}).get("bytes")
     if weights:  # what a decode step really reads: codes, scales and zero points, any layer kept in float
         info["weight_bytes"] = weights
     return DecoderConfig.from_dict(manifest["model"]["config"]), info
+
+
+def _as_quantized(options: dict, manifest: dict) -> dict:
+    """The quantize options with `embedding` as the build did it: the pass keeps a table float it has no kernel for
+    (its report says why), whatever the recipe asked."""
+    reports = [record.get("report", {}) for record in manifest.get("passes", []) if record.get("name") == "quantize"]
+    done = [report["embedding"].get("quantized") for report in reports if isinstance(report.get("embedding"), dict)]
+    return options | {"embedding": "quantized" if any(done) else "float"} if done else options
 
 
 def quantized_dtypes(passes: list) -> dict:
@@ -286,18 +295,28 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
     recipe's block, at most the power of two holding K; INT8 on MatMulNBits: per int8_kernel_block, else per
     channel), a zero point per block when asymmetric, the norms in float, and the embedding table in float unless
     `embedding: quantized` (a tied table then also serves the lm_head)."""
+    products = counts["attention"] + counts["mlp"] + config.vocab_size * config.hidden_size  # lm_head, tied or not
+    return (products * _quantized_bytes_per_param(config, options, scale_bytes)
+            + gathered_table_bytes(counts, config, options, scale_bytes) + counts["norms"] * scale_bytes)
+
+
+def _quantized_bytes_per_param(config: DecoderConfig, options: dict, scale_bytes: int) -> float:
     bits, block = options.get("bits", 4), options.get("block_size", INT4_BLOCK)
     if bits == 8:
         block = options.get("int8_kernel_block") or config.hidden_size
     block = min(block, max(16, 1 << (config.hidden_size - 1).bit_length()))
-    per_param = bits / 8 + scale_bytes / block + (0.5 / block if bits == 4 and not options.get("symmetric", True) else 0)
-    products = counts["attention"] + counts["mlp"] + config.vocab_size * config.hidden_size  # lm_head, tied or not
-    table = counts["embedding"]
-    if options.get("embedding", "float") == "quantized":
-        stored_table = 0 if config.tie_word_embeddings else table * per_param  # tied: the lm_head's codes, shared
-    else:
-        stored_table = table * 4  # float32, gathered as is
-    return products * per_param + stored_table + counts["norms"] * 4
+    return bits / 8 + scale_bytes / block + (0.5 / block if bits == 4 and not options.get("symmetric", True) else 0)
+
+
+def gathered_table_bytes(counts: dict, config: DecoderConfig, options: dict, float_bytes: int) -> float:
+    """Stored bytes of the embedding table beyond what the lm_head's product holds: the table a decode step gathers
+    one row per sequence of and never reads whole. Float (the dtype of the activations) unless `embedding: quantized`
+    on MatMulNBits, whose tied table is the lm_head's own codes (nothing more stored) and whose untied one is
+    quantized alike; a float table beside a quantized tied lm_head is stored twice, once in each form."""
+    if options.get("embedding", "float") == "quantized" and options.get("lowering", "matmulnbits") == "matmulnbits":
+        return 0 if config.tie_word_embeddings else counts["embedding"] * _quantized_bytes_per_param(
+            config, options, float_bytes)
+    return counts["embedding"] * float_bytes
 
 
 def count_params(c: DecoderConfig) -> dict:
@@ -324,9 +343,14 @@ def weight_bytes(params: int) -> dict:
     return sizes | {"int4": params * (0.5 + INT4_SCALE_BYTES / INT4_BLOCK), "int4_no_scales": params * 0.5}
 
 
-def decode_weight_bytes(weights: float, config: DecoderConfig, counts: dict) -> float:
-    """The weight bytes a decode step reads: all, but for an untied embedding table, of which it gathers one row per
-    sequence (a tied table is read whole, as the lm_head). The table's share is its share of the parameters."""
+def decode_weight_bytes(weights: float, config: DecoderConfig, counts: dict, quantize: dict | None = None,
+                        float_bytes: int = 4) -> float:
+    """The weight bytes a decode step reads: all, but for the embedding table a step only gathers rows from (an
+    untied table; a float one beside a quantized lm_head). Quantized weights (`quantize`: the recipe's options)
+    subtract that table's stored bytes, which a float table makes a larger share than of the parameters;
+    float weights, of one precision, its share of the parameters."""
+    if quantize is not None:
+        return weights - gathered_table_bytes(counts, config, quantize, float_bytes)
     return weights if config.tie_word_embeddings else weights * (1 - counts["embedding"] / counts["total"])
 
 
@@ -357,13 +381,15 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     weights = weight_bytes(params["total"])
     as_built = info["kind"] == "artifact" and precision == info["dtype"] and "weight_bytes" in info
     from_recipe = not as_built and "quantize" in info and precision == info.get("dtype")
+    float_bytes = 4 if info.get("backend") == "onnxruntime" else 2  # CPU graphs keep float32 scales; GPU ones fp16
+    quantize = info.get("quantize") if as_built or from_recipe else None
     if as_built:
         w = info["weight_bytes"]
-    elif from_recipe:  # onnxruntime's CPU graphs keep float32 scales; GPU graphs the fp16 activations' type
-        w = quantized_weight_bytes(params, config, info["quantize"], 4 if info.get("backend") == "onnxruntime" else 2)
+    elif from_recipe:
+        w = quantized_weight_bytes(params, config, quantize, float_bytes)
     else:
         w = weights[precision]
-    step_bytes = decode_weight_bytes(w, config, params)
+    step_bytes = decode_weight_bytes(w, config, params, quantize, float_bytes)
     # dequantize_weights on prefill: its session folds the layers' products to float32 (the lm_head stays quantized)
     float_prefill = 4 * (params["attention"] + params["mlp"]) if info.get("float_prefill") and precision in (
         "int4", "int8") and info.get("backend") == "onnxruntime" else 0  # (its MatMulNBits only: onnxruntime's)
@@ -404,7 +430,8 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
             "prefill: 2 x (attention + MLP projection params) x prompt, less the last layer's o_proj and MLP for all but "
             "the last token, + 2 x vocab x hidden (last-token logits) FLOPs at peak (attention's context-dependent "
             "FLOPs not counted)",
-            "decode: all weights (an untied embedding table: one row) + every sequence's KV cache at the full "
+            "decode: all weights (an embedding table not shared with the lm_head: one row, at its stored size) + "
+            "every sequence's KV cache at the full "
             "context read once per step, at peak bandwidth (or compute-bound at 2 x projection params x concurrency "
             "FLOPs, whichever is slower)",
             "GPU peaks are dense datasheet figures (not sparsity); fp32 runs at TF32 rate, int8 as W8A8, int4 as "
@@ -437,7 +464,9 @@ def measure_artifact(info: dict, config: DecoderConfig, dev: dict, context: int)
     measured = statistics.median(result.timings.itl_s)
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[info["kv_dtype"]]
     counts = count_params(config)
-    weights = decode_weight_bytes(info.get("weight_bytes") or weight_bytes(counts["total"])[info["dtype"]], config, counts)
+    as_built = info.get("weight_bytes")
+    weights = decode_weight_bytes(as_built or weight_bytes(counts["total"])[info["dtype"]], config, counts,
+                                  info.get("quantize") if as_built else None)
     predicted = (weights + kv_token * (n + 9)) / dev["bandwidth"]
     return {"prompt_tokens": n, "steps": len(result.timings.itl_s), "measured_s": measured, "predicted_s": predicted,
             "ratio": measured / predicted, "dtypes": f"{info['dtype']} weights, {info['kv_dtype']} KV (the artifact's)"}

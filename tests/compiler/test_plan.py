@@ -241,16 +241,18 @@ def test_a_quantized_artifact_is_planned_as_built(tmp_path, fake_cpu, monkeypatc
                 "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
                                      "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
                                      "max_position_embeddings": 256}},
-                "backend": {"weights": {"file": "weights.bin", "bytes": 40_000}}, "tokenizer": {}, "engines": {}, "files": {},
+                "backend": {"weights": {"file": "weights.bin", "bytes": 200_000}}, "tokenizer": {}, "engines": {}, "files": {},
                 "kv_cache": {"max_context": 128, "dtype": "int8"}}
     (tmp_path / "manifest.json").write_text(json.dumps(with_required_fields(manifest)))
     monkeypatch.setattr(plan_module, "measure_artifact", lambda info, config, dev, context: {
         "prompt_tokens": 1, "steps": 1, "measured_s": 1.0, "predicted_s": 1.0, "ratio": 1.0, "dtypes": ""})
     built = plan(str(tmp_path), device="cpu")
     assert built["inputs"]["precision"] == "int4" and built["inputs"]["kv_dtype"] == "int8"
-    assert built["weights"] == 40_000 and built["weights_from"] == "the artifact's weights file"
+    assert built["weights"] == 200_000 and built["weights_from"] == "the artifact's weights file"
     assert built["kv"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 1
-    read = 40_000 * (1 - 512 * 64 / built["params"]["total"])  # less the untied embedding table's share
+    # Less the untied table a step gathers one row of, as stored: float32 (embedding: float, the default), 65% of
+    # these bytes though 28% of the parameters (a share of the parameters made the bound 1.9x too high).
+    read = 200_000 - 512 * 64 * 4
     assert built["bounds"]["decode_token_s"] == pytest.approx((read + 128 * 128) / 10e9)  # + one request's int8 cache
     asked = plan(str(tmp_path), device="cpu", precision="fp32", kv_dtype="fp16")  # explicit choices still win
     assert asked["weights"] == asked["weight_bytes"]["fp32"] == 4 * asked["params"]["total"]
@@ -271,6 +273,19 @@ def test_a_quantized_recipe_defaults_to_its_precisions(tmp_path):
     products = counts["attention"] + counts["mlp"] + 512 * 64  # the untied lm_head
     assert result["weights"] == pytest.approx(products * (0.5 + 4 / 16) + counts["embedding"] * 4 + counts["norms"] * 4)
     assert result["weights_from"] == "the recipe's quantize options"
+    # A decode step reads all of them but the float table, of which it gathers one row (not its share of the params)
+    one_request = result["kv"]["per_request"]
+    assert result["bounds"]["decode_token_s"] == pytest.approx(
+        (result["weights"] - counts["embedding"] * 4 + one_request) / result["device"]["bandwidth_Bps"])
+    recipe.write_text(text.replace("method: rtn}", "method: rtn, embedding: quantized}"))
+    quantized_table = plan(str(recipe), device="H100")  # untied: the table in 4 bits too, still only gathered
+    assert quantized_table["weights"] == pytest.approx(result["weights"] - counts["embedding"] * (4 - 0.75))
+    assert quantized_table["bounds"]["decode_token_s"] == pytest.approx(result["bounds"]["decode_token_s"])
+    recipe.write_text(text.replace("tie_word_embeddings: false", "tie_word_embeddings: true"))
+    tied = plan(str(recipe), device="H100")  # the lm_head in 4 bits, and beside it the float table, only gathered
+    assert tied["bounds"]["decode_token_s"] == pytest.approx(
+        (tied["weights"] - counts["embedding"] * 4 + one_request) / result["device"]["bandwidth_Bps"])
+    recipe.write_text(text)
     float_recipe = plan(str(TINY_RECIPE), device="H100")  # no quantize pass: the device's default
     assert float_recipe["inputs"]["precision"] == "fp16" and float_recipe["inputs"]["kv_dtype"] == "fp16"
     assert result["memory"]["prefill_float_weights"] == 0
