@@ -31,12 +31,16 @@ class _ArtifactInfo:
         self.tokenizer_file = Path(path) / self.manifest["tokenizer"]["file"]
 
 
-def _evaluation_tokens(args, artifact: _ArtifactInfo) -> list[int]:
-    """The text (a file, or builtin:NAME) as token ids without BOS, its first --max-tokens; >= 2 or an error."""
+def _evaluation_tokens(args, artifacts: list[_ArtifactInfo]) -> list[int]:
+    """The text (a file, or builtin:NAME) as token ids without BOS, its first --max-tokens; >= 2 or an error. Only
+    as much of the text is tokenized as that needs, and as the artifacts' build reports scored of it (to tell
+    whether this is their text: `_warn_if_not_the_report_text`)."""
     from runtime.evaluate import EvaluationError, builtin_text, encode_text
     from runtime.tokenizer import TextTokenizer
 
     source = args.text
+    if args.max_tokens < 2:
+        raise EvaluationError(f"--max-tokens must be >= 2 (one token of context, one scored), got {args.max_tokens}")
     if source.startswith("builtin:"):
         text = builtin_text(source.removeprefix("builtin:"))
     else:
@@ -47,27 +51,37 @@ def _evaluation_tokens(args, artifact: _ArtifactInfo) -> list[int]:
             raise EvaluationError(f"--text {source}: no such file") from None
         except (OSError, UnicodeDecodeError) as error:
             raise EvaluationError(f"--text {source}: cannot read it ({error})") from None
-    if args.max_tokens < 2:
-        raise EvaluationError(f"--max-tokens must be >= 2 (one token of context, one scored), got {args.max_tokens}")
-    token_ids = encode_text(TextTokenizer(artifact.tokenizer_file), text)[: args.max_tokens]
+    reported = [_report_tokens(args, artifact)[1] for artifact in artifacts]
+    ids = encode_text(TextTokenizer(artifacts[0].tokenizer_file), text, max([args.max_tokens, *reported]))
+    for artifact in artifacts:
+        _warn_if_not_the_report_text(args, artifact, ids)
+    token_ids = ids[: args.max_tokens]
     if len(token_ids) < 2:
         raise EvaluationError(f"--text {source}: {len(token_ids)} token(s); scoring needs at least 2")
     return token_ids
 
 
+def _report_tokens(args, artifact: _ArtifactInfo) -> tuple[str | None, int]:
+    """The fingerprint and count of the tokens the build report scored, when --text is that report's text."""
+    held_out = (artifact.manifest.get("accuracy") or {}).get("held_out") or {}
+    recorded, count = held_out.get("tokens_sha256"), held_out.get("tokens")
+    if args.text != "builtin:pydoc-held-out" or not recorded or not count or "pydoc" not in str(held_out.get("text")):
+        return None, 0
+    return recorded, int(count)
+
+
 def _warn_if_not_the_report_text(args, artifact: _ArtifactInfo, token_ids: list[int]) -> None:
     """builtin:pydoc-held-out is Python's documentation, which changes between Python releases: say so when this
-    Python's text is not the one the artifact's build report scored (their perplexities are then not comparable)."""
+    Python's text is not the one the artifact's build report scored (their perplexities are then not comparable).
+    `token_ids` holds at least as many of the text's tokens as the report scored, where the text has them."""
     import platform
 
     from runtime.evaluate import tokens_fingerprint
 
-    held_out = (artifact.manifest.get("accuracy") or {}).get("held_out") or {}
-    recorded, count = held_out.get("tokens_sha256"), held_out.get("tokens")
-    if args.text != "builtin:pydoc-held-out" or not recorded or not count or "pydoc" not in str(held_out.get("text")):
+    recorded, count = _report_tokens(args, artifact)
+    if not recorded or (len(token_ids) >= count and tokens_fingerprint(token_ids[:count]) == recorded):
         return
-    if len(token_ids) >= count and tokens_fingerprint(token_ids[:count]) == recorded:
-        return
+    held_out = artifact.manifest["accuracy"]["held_out"]
     console.print(f"[yellow]warning:[/yellow] this Python's ({platform.python_version()}) built-in documentation text "
                   f"is not the one {escape(artifact.name)}'s build report scored (Python {held_out.get('python')}): "
                   f"compare this perplexity with the report's only when both come from the same text", highlight=False)
@@ -120,16 +134,15 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 
 def _window_shown(window: int, tokens: int) -> str:
-    """The window the evaluation used: a text shorter than --window is one window of all its tokens."""
-    return str(window) if tokens >= window else f"{tokens} (the whole text; --window {window})"
+    """The window the evaluation used: fewer tokens than --window (a short text, or --max-tokens) are one window."""
+    return str(window) if tokens >= window else f"{tokens} (all the tokens scored; --window {window})"
 
 
 def eval_command(args) -> None:
     check_output_file(args.json, "--json")
     artifact = _ArtifactInfo(args.artifact)
     window, stride = _window_and_stride(args, artifact.max_context)
-    token_ids = _evaluation_tokens(args, artifact)
-    _warn_if_not_the_report_text(args, artifact, token_ids)
+    token_ids = _evaluation_tokens(args, [artifact])
     result = _score(args, artifact, None, token_ids, window, stride)
     table = Table(title=f"perplexity on {escape(args.text)} ({len(token_ids)} tokens, no BOS)")
     for column in ("artifact", "MiB", "tokens scored", "window", "stride", "perplexity"):
@@ -158,9 +171,7 @@ def compare_command(args) -> None:
         raise EvaluationError(f"{args.reference} scores {vocabularies[0]} vocabulary entries and {args.candidate} "
                               f"{vocabularies[1]}; top-1 agreement and KL need the same vocabulary")
     window, stride = _window_and_stride(args, min(reference.max_context, candidate.max_context))
-    token_ids = _evaluation_tokens(args, reference)
-    for artifact in (reference, candidate):
-        _warn_if_not_the_report_text(args, artifact, token_ids)
+    token_ids = _evaluation_tokens(args, [reference, candidate])  # the same tokenizer (checked above)
     result = _score(args, candidate, reference, token_ids, window, stride)
     table = Table(title=f"{escape(args.text)}: {result.tokens_scored} tokens scored, window "
                         f"{_window_shown(window, len(token_ids))}, stride {stride}; "
