@@ -135,7 +135,7 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 def _window_shown(window: int, tokens: int) -> str:
     """The window the evaluation used: fewer tokens than --window (a short text, or --max-tokens) are one window."""
-    return str(window) if tokens >= window else f"{tokens} (all the tokens scored; --window {window})"
+    return str(window) if tokens >= window else f"{tokens} (all of them; --window {window})"
 
 
 def eval_command(args) -> None:

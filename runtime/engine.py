@@ -284,6 +284,7 @@ class Engine:
         """
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple, np.ndarray)):
             params = sampling_params(params, sampling)
+            arrival = time.perf_counter() if arrival is None else arrival  # a later prompt's wait for room counts
             handles = []
             try:
                 for one in prompt:
@@ -313,7 +314,11 @@ class Engine:
         if unknown:
             raise RequestError(f"start_scheduler: unknown option {', '.join(map(repr, unknown))}; the options are "
                                f"{', '.join(known)}")
-        Scheduler.checked_slots(self, **options)
+        slots = Scheduler.checked_slots(self, **options)
+        check_memory = getattr(self.backend, "check_slots", None)  # onnxruntime's host memory (TensorRT: none)
+        if check_memory is not None:  # before the running scheduler stops; its cache will be freed for this one
+            running = self._scheduler
+            check_memory(slots, reclaimable=running.cache.nbytes if running is not None and running.cache else 0)
         self.close()  # first: its slot cache is freed before the new one is allocated
         scheduler = Scheduler(self, **options)
         with self._scheduler_lock:

@@ -176,13 +176,22 @@ class OnnxRuntimeBackend:
         self.max_batch: int | None = None
         self.max_decode_tokens: int | None = None
 
+    @property
+    def bytes_per_sequence(self) -> int:
+        """KV cache bytes of one sequence at the max context (every layer's key and value)."""
+        return int(np.prod(self.kv_spec["shape"][1:])) * np.dtype(self.cache_dtype).itemsize * len(self.past_names)
+
+    def check_slots(self, slots: int, reclaimable: int = 0) -> None:
+        """Refuse a slot cache that does not fit in memory, counting `reclaimable` bytes (a cache about to be freed)
+        as available: called before a running scheduler is closed to make room for the new one."""
+        check_slot_memory(slots, self.bytes_per_sequence, reclaimable=reclaimable)
+
     def allocate_cache(self, batch: int) -> KVCache:
         """Allocate (once per batch size) and bind the cache to both graphs' past inputs and present outputs."""
         if self.cache is not None and self.cache.batch == batch:
             return self.cache
         shape = tuple(batch if dim == "batch" else dim for dim in self.kv_spec["shape"])
-        check_slot_memory(batch, int(np.prod(shape[1:])) * np.dtype(self.cache_dtype).itemsize * len(self.past_names),
-                          what="batch")
+        check_slot_memory(batch, self.bytes_per_sequence, what="batch")
         self.cache = KVCache(self.past_names, shape, self.cache_dtype)
         for phase, binding in self.bindings.items():
             binding.clear_binding_outputs()
@@ -284,10 +293,12 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_slot_memory(slots: int, bytes_per_slot: int, what: str = "slots") -> None:
-    """Refuse a cache of `slots` sequences larger than the memory available now: fail at once with the largest count
-    that fits, not after filling the machine (or with onnxruntime's bad_alloc). `what`: the setting, for the message."""
+def check_slot_memory(slots: int, bytes_per_slot: int, what: str = "slots", reclaimable: int = 0) -> None:
+    """Refuse a cache of `slots` sequences larger than the memory available now (+ `reclaimable`, about to be freed):
+    fail at once with the largest count that fits, not after filling the machine (or with onnxruntime's bad_alloc).
+    `what`: the setting, for the message."""
     available = available_memory_bytes()
+    available = None if available is None else available + reclaimable
     needed = slots * bytes_per_slot
     if available is not None and needed > available:
         raise RequestError(f"{what}: {slots} sequences need {needed / 2**30:.1f} GiB of KV cache "
@@ -311,7 +322,7 @@ class SlotCache:
         self.backend = backend
         self.slots = slots
         shape = tuple(slots if dim == "batch" else dim for dim in backend.kv_spec["shape"])
-        check_slot_memory(slots, int(np.prod(shape[1:])) * np.dtype(backend.cache_dtype).itemsize * len(backend.past_names))
+        check_slot_memory(slots, backend.bytes_per_sequence)
         self.arrays = [np.empty(shape, dtype=backend.cache_dtype) for _ in backend.past_names]
         for array in self.arrays:
             if backend.huge_pages:  # before the first touch: its page faults then take 2 MiB pages

@@ -7,7 +7,7 @@
 
 The front is thread-safe and blocking, not asyncio: `submit` may be called from any thread and returns at once;
 one background worker thread owns the cache and runs every graph (started on demand, it exits after
-`idle_exit_s` with nothing to do). Each iteration of the worker (`_step`):
+`idle_exit_s` with nothing to do; math.inf: never). Each iteration of the worker (`_step`):
   1. admit waiting requests into free slots, lowest slot first, so the busy slots stay packed at the front;
   2. prefill admitted requests straight into their slots' rows of the cache: whole prompts of requests in
      neighbouring slots as one right-padded batch, others alone (batch 1); with
@@ -28,6 +28,7 @@ requests full (`max_queue`), unless submitted with block=True. An accepted reque
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
@@ -163,8 +164,10 @@ class Scheduler:
         for name, value in (("slots", slots), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if value is not None and (not is_integer(value) or value < 1):
                 raise RequestError(f"{name}: {value!r} must be an integer >= 1")
-        if not isinstance(idle_exit_s, (int, float)) or not idle_exit_s >= 0:
-            raise RequestError(f"idle_exit_s: {idle_exit_s!r} must be a number of seconds >= 0")
+        if isinstance(idle_exit_s, bool) or not isinstance(idle_exit_s, (int, float)) or not idle_exit_s >= 0 or (
+                threading.TIMEOUT_MAX < idle_exit_s < math.inf):  # inf: never; a finite wait past it overflows
+            raise RequestError(f"idle_exit_s: {idle_exit_s!r} must be a number of seconds from 0 to "
+                               f"{threading.TIMEOUT_MAX:.0f}, or math.inf (the worker never exits)")
         _check_engine_limits(engine.backend, slots, prefill_chunk)
         return slots
 
@@ -238,15 +241,38 @@ class Scheduler:
             self._lock.notify_all()
         if worker is not None and worker is not threading.current_thread():
             worker.join()
+        if worker is None:  # else the worker frees it as it exits (close() may run on it, from a done-callback)
+            self.cache = None  # handles keep the scheduler alive; its slot cache must not outlive close()
 
     # -- the worker thread -------------------------------------------------------------------------------------
     def _work(self) -> None:
+        """Serve until idle or closed. Whatever stops it otherwise (a done-callback raising SystemExit, say) fails
+        every request it held, so that none waits forever, and lets a later submit start a new worker."""
+        try:
+            self._serve()
+        except BaseException as error:
+            with self._lock:
+                self._worker = None
+                unfinished = [*self._waiting, *filter(None, self._running)]
+                self._waiting.clear()
+                self._lock.notify_all()
+            stopped = RequestError(f"the scheduler's worker thread stopped ({error!r}) before this request finished")
+            for sequence in unfinished:
+                if not sequence.handle.done():
+                    self._fail(sequence, stopped)
+            raise
+        finally:
+            if self._closed:
+                self.cache = None
+
+    def _serve(self) -> None:
+        idle_wait = None if self.idle_exit_s == math.inf else self.idle_exit_s
         while True:
             unfinished: list[_Sequence] = []
             with self._lock:
                 busy = lambda: self._waiting or any(self._running)  # noqa: E731
                 if not self._closed and not busy():
-                    self._lock.wait_for(lambda: self._waiting or self._closed, timeout=self.idle_exit_s)
+                    self._lock.wait_for(lambda: self._waiting or self._closed, timeout=idle_wait)
                 if self._closed:
                     unfinished = [*self._waiting, *filter(None, self._running)]
                     self._waiting.clear()

@@ -210,7 +210,7 @@ def test_cli_eval_prints_and_writes_perplexity(tiny_artifact, tiny_engine, text_
 def test_cli_eval_shows_the_window_it_used_on_a_short_text(tiny_artifact, text_file, capsys, monkeypatch):
     monkeypatch.setattr(cli.console, "width", 300)
     assert cli.main(["eval", str(tiny_artifact), "--text", str(text_file), "--max-tokens", "30", "--window", "40"]) == 0
-    assert "30 (all the tokens scored; --window 40)" in capsys.readouterr().err
+    assert "30 (all of them; --window 40)" in capsys.readouterr().err
 
 
 def test_cli_eval_builtin_text_and_default_window(tiny_artifact, tmp_path):

@@ -263,7 +263,9 @@ def test_close_fails_unfinished_requests_and_refuses_new_ones(engine):
     (dict(prefill_chunk=0), "prefill_chunk: 0 must be an integer >= 1"), (dict(slots=2.5), "slots: 2.5 must be an integer"),
     (dict(slotz=2), r"start_scheduler: unknown option 'slotz'; the options are slots, batching, max_queue, "
                     r"prefill_chunk, idle_exit_s"),
-    (dict(idle_exit_s=-1), r"idle_exit_s: -1 must be a number of seconds >= 0"),
+    (dict(idle_exit_s=-1), r"idle_exit_s: -1 must be a number of seconds from 0 to \d+, or math.inf"),
+    (dict(idle_exit_s=1e12), r"idle_exit_s: 1000000000000.0 must be a number of seconds from 0 to"),  # overflowed
+    (dict(slots=10**9), r"slots: 1000000000 sequences need .* GiB of KV cache"),  # closed the running one, then refused
 ])
 def test_bad_scheduler_options_are_refused_and_the_running_scheduler_serves_on(engine, options, message):
     running = slowed(engine.start_scheduler(slots=2))
@@ -398,3 +400,53 @@ def test_generate_a_list_interrupted_cancels_the_requests_left(engine, monkeypat
     monkeypatch.setattr(RequestHandle, "result", real_result)
     assert len(handles) == 3
     assert [h.result(timeout=60).finish_reason for h in handles] == ["cancelled"] * 3
+
+
+def test_a_worker_that_never_idles_out_serves_on(engine):
+    """idle_exit_s=math.inf (never exit) made the idle worker's wait overflow: the thread died, and every later
+    request waited forever."""
+    import math
+
+    engine.start_scheduler(slots=2, idle_exit_s=math.inf)
+    assert engine.submit([1, 2], max_new_tokens=3, stop_token_ids=()).result(timeout=30).finish_reason == "length"
+    time.sleep(0.05)  # the worker is idle now, waiting
+    assert engine.submit([1, 3], max_new_tokens=3, stop_token_ids=()).result(timeout=30).finish_reason == "length"
+    assert engine._scheduler._worker.is_alive()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # re-raised there, as it should
+def test_a_worker_stopped_by_a_base_exception_fails_its_requests_and_a_new_one_serves(engine):
+    """A done-callback raising SystemExit passes Future's `except Exception` and stopped the worker thread: the
+    requests behind it waited forever, and no submit started another worker."""
+    scheduler = slowed(engine.start_scheduler(slots=1))
+    first = engine.submit([1, 2], max_new_tokens=5, stop_token_ids=())
+    behind = engine.submit([1, 3], max_new_tokens=5, stop_token_ids=())  # waits for the one slot
+    first.add_done_callback(lambda _: (_ for _ in ()).throw(SystemExit(1)))
+    assert first.result(timeout=30).finish_reason == "length"
+    with pytest.raises(RequestError, match=r"worker thread stopped \(SystemExit\(1\)\)"):
+        behind.result(timeout=30)
+    assert scheduler.submit([1, 4], max_new_tokens=2, stop_token_ids=()).result(timeout=30).finish_reason == "length"
+
+
+def test_a_closed_schedulers_slot_cache_is_freed_though_its_handles_are_kept(engine):
+    """Handles refer to their scheduler: held by a caller, they kept each closed scheduler's whole slot cache."""
+    kept = [engine.submit([1, 2], max_new_tokens=2, stop_token_ids=())]
+    kept[0].result(timeout=30)
+    first = engine._scheduler
+    engine.start_scheduler(slots=2)  # closes the first
+    kept.append(engine.submit([1, 2], max_new_tokens=2, stop_token_ids=()))
+    kept[1].result(timeout=30)
+    engine.close()
+    assert first.cache is None and kept[1]._scheduler.cache is None
+
+
+def test_generate_a_list_counts_each_requests_wait_for_room_from_the_call(engine):
+    """More prompts than slots + queue: each submit waits for room, and a later prompt's arrival was taken after
+    that wait, so its TTFT left the wait out."""
+    slowed(engine.start_scheduler(slots=1, max_queue=1), 0.005)
+    called = time.perf_counter()
+    results = engine.generate([[1, 2 + i] for i in range(4)], max_new_tokens=4, stop_token_ids=())
+    for result in results:
+        trace = result.timings.trace
+        assert called <= trace.arrival <= results[0].timings.trace.prefill_start  # all from the call
+        assert trace.first_token - trace.arrival == pytest.approx(result.timings.ttft_s)
