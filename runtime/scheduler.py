@@ -13,6 +13,9 @@ one background worker thread owns the cache and runs every graph (started on dem
      neighbouring slots as one right-padded batch, others alone (batch 1); with
      `prefill_chunk` at most that many prompt tokens per iteration while other requests are decoding, so a long
      prompt does not stall their tokens (onnxruntime's GroupQueryAttention takes a chunk after a past at batch 1);
+     chunks happen only while others decode, so with an int8 KV cache (quantize_kv_cache) a prompt's greedy tokens
+     can depend on the load: a later chunk reads the earlier ones' keys and values rounded to int8, a whole
+     prompt attends to its own in float (a rounding difference, ~2e-3 in the tiny model's logits);
   3. one batched decode step over slots 0..k-1 (k = the highest decoding slot + 1), each row with its own
      position and mask length; a row that is not decoding writes one throw-away key/value at its next free
      position, which its next prefill overwrites before anything reads it;
