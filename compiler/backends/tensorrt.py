@@ -77,6 +77,10 @@ def check_recipe(recipe) -> None:
     if recipe.export.dtype == "float32":
         raise BuildError("export.dtype: float32 for backend tensorrt builds a float32/TF32 engine (strong typing); "
                          "use float16 or bfloat16")
+    if "lower_tensorrt" not in names:  # the exported graph writes its cache as Attention-23 does (above)
+        raise BuildError("passes: backend tensorrt needs fuse_attention, then lower_tensorrt: without them the decode "
+                         "graph writes the KV cache with ScatterElements into new outputs, not in place as the "
+                         "TensorRT runtime binds it (see recipes/smollm2-135m-tensorrt.yaml)")
     spec = recipe.backend.tensorrt
     if spec.decode_max_tokens > recipe.export.max_context:  # a decode call's tokens all go into the cache
         raise BuildError(f"backend.tensorrt.decode_max_tokens: {spec.decode_max_tokens} is more than "

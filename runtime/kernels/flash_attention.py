@@ -159,7 +159,7 @@ def attention_kernel(Q, K, V, K_CACHE, V_CACHE, SEQLENS_K, TOTAL, seq_len, max_c
     # the group's first query head writes this block's new rows of its kv head into the cache
     if head % GROUP == 0:
         positions = start + rows
-        write = (row_valid & (positions < max_context))[:, None]
+        write = (row_valid & (positions >= 0) & (positions < max_context))[:, None]  # -1: an empty mask row
         source = ((b64 * seq_len + rows[:, None]) * KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
         target = cache + positions[:, None] * HEAD_DIM + dims[None, :]
         tl.store(K_CACHE_OUT + target, tl.load(K + source, mask=write, other=0.0), mask=write)

@@ -51,6 +51,8 @@ def test_the_tensorrt_recipe_passes_the_checks():
     (["cleanup", {"fuse_attention": {}}, {"lower_tensorrt": {"attention": "onnx_attention"}}], {},
      "passes[2].lower_tensorrt.attention: Attention-23 writes the KV cache with ScatterElements"),
     (["cleanup", {"fuse_attention": {}}, "lower_onnx_attention"], {}, "passes[2].lower_onnx_attention: Attention-23"),
+    (["cleanup"], {}, "backend tensorrt needs fuse_attention, then lower_tensorrt"),  # was accepted: ScatterElements
+    (["cleanup", "fuse_rotary"], {}, "backend tensorrt needs fuse_attention, then lower_tensorrt"),
 ])
 def test_what_tensorrt_cannot_build_is_refused_with_the_key(passes, export, message):
     with pytest.raises(BuildError) as error:
@@ -86,8 +88,9 @@ def test_tensorrt_releases_that_leak_plugin_modules_are_named_at_build(version, 
 
 
 def test_int8_per_channel_and_int4_block_128_are_accepted():
-    tensorrt_backend.check_recipe(recipe_with(["cleanup", {"quantize": {"bits": 8, "lowering": "dequantize_linear"}}]))
-    tensorrt_backend.check_recipe(recipe_with(["cleanup", {"quantize": {
+    lowered = ["cleanup", {"fuse_attention": {}}, "lower_tensorrt"]
+    tensorrt_backend.check_recipe(recipe_with([*lowered, {"quantize": {"bits": 8, "lowering": "dequantize_linear"}}]))
+    tensorrt_backend.check_recipe(recipe_with([*lowered, {"quantize": {
         "bits": 4, "block_size": 128, "lowering": "dequantize_linear"}}]))
 
 

@@ -111,6 +111,18 @@ def test_decode_rows_of_one_token_span_two_programs():
     run_and_check(launch_decode, make_inputs(6, [20, 33], 34, torch.float16, (6, 2, 16)))
 
 
+@KERNELS
+def test_a_row_with_nothing_cached_or_new_writes_no_cache_row(launch):
+    """seqlens_k -1 (an all-zero mask row) in a decode step puts its token at position -1: the general kernel wrote
+    it there, into the last row of the plane before it (another kv head's, or another sequence's)."""
+    inputs = make_inputs(1, [5, -1], 6, torch.float16, (4, 2, 16))
+    before = {name: inputs[name].clone() for name in ("k_cache", "v_cache")}
+    launch(*inputs.values())
+    for name in before:
+        changed = (inputs[name] != before[name]).any(dim=-1).nonzero().tolist()  # [b, kv head, position] rows
+        assert changed == [[0, 0, 5], [0, 1, 5]], f"{name}: rows written {changed}"
+
+
 @pytest.mark.parametrize("launch", [launch_general, launch_decode], ids=["general", "decode-split"])
 def test_fp16_with_fp32_dots(launch):
     run_and_check(launch, make_inputs(3, [16, 40], 41, torch.float16, (4, 2, 16)), dot_in_fp32=True)
