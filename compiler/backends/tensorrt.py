@@ -168,7 +168,18 @@ def _network_flags(trt) -> int:
     return flags
 
 
-def _build_one(trt, logger, onnx_path: Path, profile: dict, spec, timing_cache_bytes: bytes):
+def attach_timing_cache(config, cached: bytes, say) -> None:
+    """Start from the kept timing cache, or from an empty one when TensorRT refuses it (set_timing_cache returns
+    False: a cache from another TensorRT version or GPU, ignore_mismatch being off); the build then rewrites it."""
+    if config.set_timing_cache(config.create_timing_cache(cached), ignore_mismatch=False):
+        return
+    if cached:
+        say("TensorRT: the kept timing cache is from another TensorRT version or GPU; starting an empty one")
+    if not cached or not config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False):
+        raise BuildError("TensorRT refused an empty timing cache; its log above says why")
+
+
+def _build_one(trt, logger, onnx_path: Path, profile: dict, spec, timing_cache_bytes: bytes, say):
     builder = trt.Builder(logger)
     network = builder.create_network(_network_flags(trt))
     parser = trt.OnnxParser(network, logger)
@@ -184,8 +195,7 @@ def _build_one(trt, logger, onnx_path: Path, profile: dict, spec, timing_cache_b
         optimization.set_shape(name, low, opt, high)
     if config.add_optimization_profile(optimization) < 0:  # -1: TensorRT found the profile invalid (logged above)
         raise BuildError(f"TensorRT refused the optimization profile of {onnx_path.name}: {profile}")
-    cache = config.create_timing_cache(timing_cache_bytes)
-    config.set_timing_cache(cache, ignore_mismatch=False)
+    attach_timing_cache(config, timing_cache_bytes, say)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise BuildError(f"TensorRT could not build an engine from {onnx_path.name}; its log above says why")
@@ -228,7 +238,7 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, alia
             onnx_path = Path(scratch) / f"{phase}.onnx"  # external data beside it: parse_from_file resolves it
             onnx.save_model(model, onnx_path, save_as_external_data=True, location=f"{phase}.weights")
             say(f"TensorRT: building the {phase} engine (profile {profiles[phase]})")
-            plan, timing_cache = _build_one(trt, logger, onnx_path, profiles[phase], spec, timing_cache)
+            plan, timing_cache = _build_one(trt, logger, onnx_path, profiles[phase], spec, timing_cache, say)
             (folder / f"{phase}.engine").write_bytes(plan)
             engines[phase] = {"file": f"{phase}.engine", "backend": "tensorrt", **engines_io[phase],
                               "profile": profiles[phase]}

@@ -202,3 +202,27 @@ def test_a_float16_graph_for_onnxruntime_is_refused_before_the_export(tmp_path):
     with pytest.raises(BuildError, match="export.dtype: 'float16' with backend onnxruntime: .* use float32"):
         build(parse_recipe(data), tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_timing_cache_tensorrt_refuses_is_replaced_by_an_empty_one():
+    """set_timing_cache returns False for a cache of another TensorRT version or GPU (ignore_mismatch off): its
+    return was ignored, and the build went on with no cache attached."""
+    class Config:  # IBuilderConfig's two timing-cache calls, refusing any cache made from other bytes than b""
+        def __init__(self):
+            self.attached = []
+
+        def create_timing_cache(self, data):
+            return bytes(data)
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            assert ignore_mismatch is False
+            self.attached.append(cache)
+            return cache == b""
+
+    said = []
+    config = Config()
+    tensorrt_backend.attach_timing_cache(config, b"from another GPU", said.append)
+    assert config.attached == [b"from another GPU", b""] and "another TensorRT version or GPU" in said[0]
+    fresh = Config()
+    tensorrt_backend.attach_timing_cache(fresh, b"", said.append)  # a first build: no word
+    assert fresh.attached == [b""] and len(said) == 1
