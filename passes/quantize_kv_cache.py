@@ -151,7 +151,10 @@ def write_codes_after(graph: gs.Graph, node: gs.Node, scales: list[np.ndarray]) 
     kernel; its quantized-cache path is 4-5x slower there) and returns them; the nodes after it round them to
     the codes the decode graph reads and pad them to the cache's length, straight into the bound present buffer:
 
-        GroupQueryAttention ─► present_float ─► Div(scale) ─► Round ─► Clip(-128, 127) ─► Cast(int8) ─► Pad ─► present
+        GroupQueryAttention ─► present_float ─► Mul(1/scale) ─► Round ─► Clip(-128, 127) ─► Cast(int8) ─► Pad ─► present
+
+    Mul by the float32 reciprocal, not Div by the scale: onnxruntime's decode kernel quantizes x * (1/scale), and
+    at a half-code boundary the two round to codes one apart (415 of 3200 boundary keys in a review's probe).
     """
     _, kv_heads, max_context, head_dim = cache_shape(pasts_of(node)[0])
     for index in PAST_INPUTS:
@@ -167,8 +170,8 @@ def write_codes_after(graph: gs.Graph, node: gs.Node, scales: list[np.ndarray]) 
         exact = gs.Variable(f"{step}_float", dtype=np.float32)  # [batch, kv_heads, prompt, head_dim], keys after rotary
         node.outputs[index] = exact
         broadcast = (1, kv_heads, 1, head_dim) if scale.size > 1 else (1,)
-        scale_constant = gs.Constant(f"{step}_scale", scale.reshape(broadcast))
-        scaled = graph.layer(op="Div", name=f"{step}_Div", inputs=[exact, scale_constant], outputs=[f"{step}_scaled"])
+        inverse = gs.Constant(f"{step}_inverse_scale", reciprocal(scale).reshape(broadcast))
+        scaled = graph.layer(op="Mul", name=f"{step}_Mul", inputs=[exact, inverse], outputs=[f"{step}_scaled"])
         rounded = graph.layer(op="Round", name=f"{step}_Round", inputs=scaled, outputs=[f"{step}_rounded"])
         clipped = graph.layer(op="Clip", name=f"{step}_Clip", inputs=[*rounded, low, high], outputs=[f"{step}_clipped"])
         codes = graph.layer(op="Cast", name=f"{step}_Cast", inputs=clipped, outputs=[f"{step}_codes"],
@@ -179,6 +182,11 @@ def write_codes_after(graph: gs.Graph, node: gs.Node, scales: list[np.ndarray]) 
         pads = graph.layer(op="Concat", name=f"{step}_Concat", inputs=[pads_before, *tail, pads_after],
                            outputs=[f"{step}_pads"], attrs={"axis": 0})
         graph.layer(op="Pad", name=f"{step}_Pad", inputs=[*codes, *pads], outputs=[present])  # zeros after the prompt
+
+
+def reciprocal(scale: np.ndarray) -> np.ndarray:
+    """1/scale in float32, as onnxruntime's GroupQueryAttention computes it before it multiplies."""
+    return (np.float32(1) / scale.astype(np.float32)).astype(np.float32)
 
 
 def cache_shape(past: gs.Variable) -> tuple:
@@ -210,6 +218,9 @@ def check_settings(options: Options) -> None:
         raise PassError(f"prefill_attention: {options.prefill_attention!r} is not one of float, int8")
     if not options.headroom >= 1.0:
         raise PassError(f"headroom: {options.headroom} must be >= 1 (the scales cover headroom x the calibration peak)")
+    if options.headroom > CODE_MAX:
+        raise PassError(f"headroom: {options.headroom} puts the calibration peak below code 1 of {CODE_MAX}, so "
+                        f"nearly every key and value would be stored as 0; use a headroom near 1.5")
 
 
 def calibrate(model: onnx.ModelProto, pasts: list[str], presents: list[str], options: Options) -> tuple[dict, dict]:
@@ -238,12 +249,15 @@ def calibrate(model: onnx.ModelProto, pasts: list[str], presents: list[str], opt
         # Floored after the division: tiny / 127 is subnormal, whose reciprocal (decode's GroupQueryAttention
         # multiplies by it) is inf, and 0 x inf wrote code 127 where prefill wrote 0 for a channel always 0.
         scales[past] = np.maximum(options.headroom * peak / CODE_MAX, np.finfo(np.float32).tiny).astype(np.float32)
+        if not np.isfinite(scales[past]).all():  # decode would read 0 x inf = NaN for every cached value
+            raise PassError(f"{past}: the float graph wrote keys or values that are not finite on the calibration "
+                            f"text (peak {float(peak.max())}), so no int8 scale covers them; check the model's weights")
     squared_error = dict.fromkeys(pasts, 0.0)
     squared = dict.fromkeys(pasts, 0.0)
     for rows in written("round-off"):
         for past, values in rows.items():
             scale = np.broadcast_to(scales[past], (values.shape[0] * values.shape[2],)).reshape(values.shape[0], 1, -1)
-            restored = np.clip(np.round(values / scale), -CODE_MAX - 1, CODE_MAX) * scale
+            restored = np.clip(np.round(values * reciprocal(scale)), -CODE_MAX - 1, CODE_MAX) * scale
             squared_error[past] += float(np.sum((values - restored) ** 2, dtype=np.float64))
             squared[past] += float(np.sum(values ** 2, dtype=np.float64))
     errors = {past: squared_error[past] / max(squared[past], 1e-30) for past in pasts}

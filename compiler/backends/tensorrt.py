@@ -52,6 +52,9 @@ def check_recipe(recipe) -> None:
                              f"outputs, not in place as the TensorRT runtime binds it; use lower_tensorrt with "
                              f"attention: plugin (default) or trt_native for backend tensorrt")
     for index, spec in enumerate(recipe.passes):
+        if spec.name == "quantize_kv_cache":
+            raise BuildError(f"passes[{index}]: quantize_kv_cache stores onnxruntime's int8 GroupQueryAttention cache, "
+                             f"which TensorRT cannot run: remove it for backend tensorrt")
         if spec.name in ("fuse_rms_norm", "fuse_silu"):
             raise BuildError(f"passes[{index}]: {spec.name} emits onnxruntime-only ops; TensorRT fuses these "
                              f"patterns itself: remove it for backend tensorrt")

@@ -53,6 +53,9 @@ def test_the_tensorrt_recipe_passes_the_checks():
     (["cleanup", {"fuse_attention": {}}, "lower_onnx_attention"], {}, "passes[2].lower_onnx_attention: Attention-23"),
     (["cleanup"], {}, "backend tensorrt needs fuse_attention, then lower_tensorrt"),  # was accepted: ScatterElements
     (["cleanup", "fuse_rotary"], {}, "backend tensorrt needs fuse_attention, then lower_tensorrt"),
+    (["cleanup", {"fuse_attention": {}}, "lower_tensorrt",  # was refused only inside the pass, after the export
+      {"quantize_kv_cache": {"calibration": {"text": "pydoc", "samples": 2, "length": 16, "seed": 0}}}], {},
+     "passes[3]: quantize_kv_cache stores onnxruntime's int8 GroupQueryAttention cache"),
 ])
 def test_what_tensorrt_cannot_build_is_refused_with_the_key(passes, export, message):
     with pytest.raises(BuildError) as error:
