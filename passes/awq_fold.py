@@ -214,7 +214,8 @@ def search_awq_scales(targets: list, statistics, memo: dict) -> None:
         values = attention_value_tie(group[0].activation)  # o_proj: tied scales fold into the values, no Mul
         tie = values.tie if values is not None else None
         formats = [(t.settings.bits, t.settings.block_size, t.settings.symmetric, t.settings.full_range) for t in group]
-        key = ("awq", tie, *formats, *(digest(t.weight) for t in group))
+        # The layers are in the key: equal weights in two layers (a depth-upscaled model) get their own search.
+        key = ("awq", tie, *formats, *(t.layer for t in group), *(digest(t.weight) for t in group))
         if key not in memo:
             stats = statistics(group[0])
             bits, blocks, symmetric, full_range = (list(values) for values in zip(*formats))

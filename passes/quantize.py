@@ -106,6 +106,7 @@ class Target:
     input_scales: np.ndarray | None = None  # AWQ's s: the node reads x / s and quantizes diag(s) W
     scaling: str = ""
     shared_table: bool = False  # a tied lm_head whose table the quantized embedding gathers too
+    layer: str = ""  # the node's name (or output's): the same in both phases' graphs, unlike their weights' names
 
     @property
     def activation(self) -> gs.Variable:
@@ -259,7 +260,8 @@ def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[
         if options.max_rewrites is not None and len(targets) >= options.max_rewrites:
             skipped.append({"node": node.name, "reason": f"max_rewrites={options.max_rewrites}"})
             continue
-        target = Target(node, weight, replace(settings, block_size=block_size), input_name=node.inputs[0].name)
+        target = Target(node, weight, replace(settings, block_size=block_size), input_name=node.inputs[0].name,
+                        layer=node.name or node.outputs[0].name)
         if k % block_size:
             blocks = -(-k // block_size)
             target.note = f"K={k} padded to {blocks} blocks of {block_size} (the last holds {k % block_size} values)"
@@ -283,7 +285,9 @@ def quantize_target(target: Target, statistics: Statistics, memo: dict,
     settings = target.settings
     weight = target.weight.astype(np.float32)
     scales = target.input_scales
-    key = ("weight", settings, act_order, target.shared_table, digest(weight),
+    # The layer is in the key: two layers with equal weights (a depth-upscaled model) see different inputs, so
+    # GPTQ's Hessian and the reported error are their own. The phases share results through the layer's name.
+    key = ("weight", target.layer, settings, act_order, target.shared_table, digest(weight),
            None if scales is None else digest(scales))
     if key not in memo:
         stats = statistics(target)
@@ -334,7 +338,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     search_awq_scales(targets, statistics, memo)
     fold_awq_scales(graph, targets)
 
-    layers, lowered_ort, lowered_dq = [], {}, {}
+    layers, lowered_ort, lowered_dq, names_dq, names = [], {}, {}, {}, set()
     say = calibration.say if calibration is not None else (lambda message: None)
     for index, target in enumerate(targets, 1):
         qw, error = quantize_target(target, statistics, memo, options.gptq_act_order)
@@ -342,20 +346,25 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             say(f"quantize: {index}/{len(targets)} weights ({target.settings.method})")
         dtype = target.constant.values.dtype
         activation = target.activation
+        # Nodes whose quantized weights are equal share one set of constants (stored once, counted at the first);
+        # a float weight quantized two ways (an override, each layer's own GPTQ Hessian or AWQ scales) gets two.
+        content = digest_quantized(qw)
         if options.lowering == "matmulnbits":
-            key = id(qw)
-            bytes_after = 0  # a weight shared by several nodes is stored once, counted at its first node
-            if key not in lowered_ort:
+            bytes_after = 0
+            if content not in lowered_ort:
                 layout = for_matmulnbits(qw, options.int8_kernel_block)
-                lowered_ort[key] = layout, matmulnbits_constants(target.constant.name, layout, dtype)
-                bytes_after = sum(int(c.values.nbytes) for c in lowered_ort[key][1])
-            layout, constants = lowered_ort[key]
+                name = unique_name(target.constant.name, names)
+                lowered_ort[content] = layout, matmulnbits_constants(name, layout, dtype)
+                bytes_after = sum(int(c.values.nbytes) for c in lowered_ort[content][1])
+            layout, constants = lowered_ort[content]
             rewrite_matmulnbits(graph, target.node, activation, layout, constants, options.accuracy_level)
         else:
             matmul = as_matmul(graph, target)
-            settings = target.settings  # in the name: one weight quantized two ways (overrides) stays two tensors
-            name = f"{target.constant.name}_{settings.method}_b{qw.block_size}{'s' if settings.symmetric else 'a'}"
-            bytes_after = rewrite_dequantize_linear(graph, matmul, qw, name, dtype, lowered_dq)
+            if content not in names_dq:
+                settings = target.settings
+                names_dq[content] = unique_name(f"{target.constant.name}_{settings.method}_b{qw.block_size}"
+                                                f"{'s' if settings.symmetric else 'a'}", names)
+            bytes_after = rewrite_dequantize_linear(graph, matmul, qw, names_dq[content], dtype, lowered_dq)
         layers.append({"node": target.node.name, "method": target.settings.method, "bits": qw.bits,
                        "bytes_before": int(target.constant.values.nbytes), "bytes_after": bytes_after,
                        "block_size": qw.block_size, "symmetric": qw.zero_points is None,
@@ -428,6 +437,21 @@ def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options,
     rewrite_gather_block_quantized(graph, gather, qw, table.values.dtype)
     return {"quantized": True, "node": gather.name, "kernel": "com.microsoft.GatherBlockQuantized",
             "bits": qw.bits, "block_size": qw.block_size, "shares_codes_with": tied.node.name if tied else None}
+
+
+def digest_quantized(qw: QuantizedWeight) -> str:
+    zero_points = () if qw.zero_points is None else (qw.zero_points,)
+    return digest(qw.codes, qw.scales, *zero_points, np.array([qw.bits, qw.block_size, qw.k, qw.n]))
+
+
+def unique_name(base: str, taken: set) -> str:
+    """base, or base.2, base.3...: two different constants under one name would leave one of them in the graph."""
+    name, count = base, 1
+    while name in taken:
+        count += 1
+        name = f"{base}.{count}"
+    taken.add(name)
+    return name
 
 
 def unique_initializer_bytes(model: onnx.ModelProto) -> int:

@@ -52,12 +52,13 @@ def rewrite_matmulnbits(graph: gs.Graph, node: gs.Node, activation: gs.Variable,
                         constants: list[gs.Constant], accuracy_level: int) -> None:
     """Replace `node` (a MatMul, or a Gemm already known to compute activation @ W) by MatMulNBits."""
     output = node.outputs[0]
+    name = f"{node.name or output.name}_q{qw.bits}"  # an unnamed MatMul: two nodes named "_q4" fail the checker
     node.outputs.clear()
     node.inputs.clear()
     attrs = {"K": qw.k, "N": qw.n, "bits": qw.bits, "block_size": qw.block_size}
     if accuracy_level:
         attrs["accuracy_level"] = accuracy_level
-    graph.nodes.append(gs.Node("MatMulNBits", name=f"{node.name}_q{qw.bits}", domain=MICROSOFT_DOMAIN,
+    graph.nodes.append(gs.Node("MatMulNBits", name=name, domain=MICROSOFT_DOMAIN,
                                attrs=attrs, inputs=[activation, *constants], outputs=[output]))
 
 

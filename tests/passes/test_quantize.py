@@ -249,3 +249,53 @@ def test_the_lm_head_is_selected_by_its_name(decoder_graphs):  # noqa: F811
         bits=4, overrides=(quantize.Override("*lm_head*", bits=8),)))
     head = [layer for layer in report["layers"] if "lm_head" in layer["node"]]
     assert [(layer["node"], layer["bits"]) for layer in head] == [(LM_HEAD, 8)]
+
+
+def two_readers_model(weight: np.ndarray, names=("first", "second")) -> onnx.ModelProto:
+    """x -> MatMul(x, W) -> a and x -> MatMul(x, W) -> b: one float weight read by two nodes."""
+    k, n = weight.shape
+    nodes = [onnx.helper.make_node("MatMul", ["x", "W"], [output], name=name) for output, name in zip("ab", names)]
+    graph = onnx.helper.make_graph(nodes, "two_readers", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, k])],
+                                   [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, [2, 3, n]) for o in "ab"],
+                                   [onnx.numpy_helper.from_array(weight, "W")])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("lowering", ["matmulnbits", "dequantize_linear"])
+def test_one_weight_quantized_two_ways_keeps_both_forms(lowering):
+    """An override gives the second reader of W zero points: the two forms were both named W_q4 / W_scales, and
+    graphsurgeon kept one, so the symmetric node read the asymmetric codes (differences of 13.9 in outputs of ~40)."""
+    weight = random_weight(k=128, n=16)
+    model = two_readers_model(weight)
+    override = (quantize.Override("second", symmetric=False),)
+    quantized, report = quantize.run(model, quantize.Options(bits=4, block_size=32, lowering=lowering,
+                                                             overrides=override))
+    names = [t.name for t in quantized.graph.initializer]
+    assert len(names) == len(set(names)) and all(layer["bytes_after"] > 0 for layer in report["layers"])
+    onnx.checker.check_model(quantized)
+    x = np.random.default_rng(1).standard_normal((2, 3, 128)).astype(np.float32)
+    exact = ort.SessionOptions()  # as stored: onnxruntime's optimizer would fuse DequantizeLinear into int8 products
+    exact.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    first, second = ort.InferenceSession(quantized.SerializeToString(), exact,
+                                         providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    full_range = lowering == "matmulnbits"  # the default for MatMulNBits (its signed codes reach -8)
+    np.testing.assert_allclose(first, x @ dequantize(quantize_rtn(weight, 4, 32, True, full_range)), atol=1e-3)
+    np.testing.assert_allclose(second, x @ dequantize(quantize_rtn(weight, 4, 32, False)), atol=1e-3)
+
+
+@pytest.mark.parametrize("lowering", ["matmulnbits", "dequantize_linear"])
+def test_one_weight_quantized_the_same_way_by_two_nodes_is_stored_once(lowering):
+    quantized, report = quantize.run(two_readers_model(random_weight(k=128, n=16)),
+                                     quantize.Options(bits=4, block_size=32, lowering=lowering))
+    first, second = report["layers"]
+    assert first["bytes_after"] > 0 and second["bytes_after"] == 0
+    assert len(quantized.graph.initializer) == len({t.name for t in quantized.graph.initializer})
+    assert quantize.unique_initializer_bytes(quantized) == first["bytes_after"]
+
+
+def test_unnamed_matmuls_get_distinct_node_names():
+    """ONNX allows unnamed nodes; both became MatMulNBits named "_q4", which the checker refuses."""
+    quantized, _ = quantize.run(two_readers_model(random_weight(k=64, n=16), names=("", "")),
+                                quantize.Options(bits=4, block_size=16))
+    assert sorted(n.name for n in quantized.graph.node) == ["a_q4", "b_q4"]
+    onnx.checker.check_model(quantized)
