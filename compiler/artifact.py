@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import json
 import os
 import platform
@@ -37,49 +38,86 @@ def tool_versions(names=TRACKED_TOOLS) -> dict:
 def staged_folder(final_dir: Path):
     """Yield an empty temporary folder beside final_dir; on success it replaces final_dir atomically.
 
-    The temporary folder's name carries the builder's process id, so that a later build removes what a killed
-    one (SIGKILL, power loss: no chance to clean up) left behind, and leaves a running one's alone."""
+    The build holds an exclusive lock (flock) on its temporary folders while it runs. The kernel releases it when
+    the process ends, however it ends, so a later build removes what a killed one (SIGKILL, power loss) left
+    behind and leaves a running one's alone, whatever the process ids say: builds in two containers that share
+    the folder have separate pid spaces, and a container's build gets the same pid every time."""
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(final_dir)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.partial-{os.getpid()}-", dir=final_dir.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
-    try:
-        yield staging
-        if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
-            retired = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.old-{os.getpid()}-", dir=final_dir.parent))
-            os.replace(final_dir, retired / final_dir.name)
-            try:
-                os.replace(staging, final_dir)
-            except BaseException:  # the old artifact goes back (a stop between the renames: see remove_abandoned)
-                os.replace(retired / final_dir.name, final_dir)
+    with contextlib.ExitStack() as held:
+        staging = _locked_folder(final_dir, "partial", held)
+        staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
+        try:
+            yield staging
+            if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
+                retired = _locked_folder(final_dir, "old", held)
+                os.replace(final_dir, retired / final_dir.name)
+                try:
+                    os.replace(staging, final_dir)
+                except BaseException:  # the old artifact goes back (a stop between the renames: see remove_abandoned)
+                    os.replace(retired / final_dir.name, final_dir)
+                    shutil.rmtree(retired, ignore_errors=True)
+                    raise
                 shutil.rmtree(retired, ignore_errors=True)
-                raise
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, final_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+            else:
+                os.replace(staging, final_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def _locked_folder(final_dir: Path, kind: str, held: contextlib.ExitStack) -> Path:
+    """A new `.NAME.KIND-PID-XXXX` folder beside final_dir, locked until `held` closes."""
+    while True:
+        folder = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.{kind}-{os.getpid()}-", dir=final_dir.parent))
+        lock = _try_lock(folder)
+        if lock is not None:
+            held.callback(os.close, lock)
+            return folder
+        # Another build's remove_abandoned locked it between mkdtemp and here, and removes it: make another.
+
+
+def _try_lock(folder: Path) -> int | None:
+    """An open descriptor holding an exclusive lock on folder, or None while another process holds one.
+    On a filesystem without locks, the process id in the folder's name decides, as before locks."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        return None
+    except OSError:  # ENOLCK / EOPNOTSUPP
+        os.close(descriptor)
+        match = re.search(r"-(\d+)-[a-z0-9_]+$", folder.name)
+        return None if match and _alive(int(match.group(1))) else -1
+    return descriptor
 
 
 def remove_abandoned(final_dir: Path) -> list[Path]:
-    """Remove the temporary folders of earlier builds of final_dir whose process is gone; returns them.
+    """Remove the temporary folders of earlier builds of final_dir that no running build holds; returns them.
 
     A build stopped between its two renames left the old artifact in `.NAME.old-*/NAME` and nothing at final_dir:
     that artifact is put back first, not removed."""
     removed = []
     for kind in ("partial", "old"):
         # Anchored to the whole name mkdtemp makes: `.a.old-*` also globs the staging folder of a build named
-        # `a.old-999-b`, whose "pid" 999 would read as dead while that build runs.
+        # `a.old-999-b`.
         pattern = re.compile(rf"\.{re.escape(final_dir.name)}\.{kind}-(\d+)-[a-z0-9_]+")
         for folder in final_dir.parent.glob(f".{final_dir.name}.{kind}-*"):
-            match = pattern.fullmatch(folder.name)
-            if folder.is_dir() and match and not _alive(int(match.group(1))):
+            if not (folder.is_dir() and pattern.fullmatch(folder.name)):
+                continue
+            lock = _try_lock(folder)
+            if lock is None:  # a running build's
+                continue
+            try:
                 if kind == "old" and (folder / final_dir.name).is_dir() and not final_dir.exists():
                     os.replace(folder / final_dir.name, final_dir)
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder)
+            finally:
+                if lock >= 0:
+                    os.close(lock)
     return removed
 
 
@@ -96,7 +134,7 @@ def _alive(pid: int) -> bool:
 def write_manifest(folder: Path, manifest: dict) -> dict:
     """Add format fields, creation time and every file's size + sha256, then write manifest.json."""
     files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST_FILE):
         files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     full = {
         "format": FORMAT,

@@ -38,6 +38,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     say = progress or (lambda message: None)
     final_dir = Path(output_root) / recipe.name
     check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
+    if final_dir.is_symlink() and not final_dir.exists():  # exists() follows links: the rename would fail at the end
+        raise BuildError(f"{final_dir} is a link to {os.readlink(final_dir)}, which does not exist; remove the link or "
+                         f"change the recipe's name")
     if final_dir.exists() and not final_dir.is_dir():
         raise BuildError(f"{final_dir} is a file; the artifact is a folder of that name: move the file or change the "
                          f"recipe's name")
@@ -47,14 +50,14 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         raise BuildError(f"--output {output_root}: {'is' if inside == Path(output_root).resolve() else 'is inside'} the "
                          f"artifact folder {inside}; --output is the folder that receives <name>/ (e.g. artifacts), "
                          f"and an artifact holds only what its manifest lists")
+    if final_dir.is_dir() and not os.access(final_dir, os.R_OK | os.W_OK | os.X_OK):  # the swap moves it: checked first
+        raise BuildError(f"{final_dir}: an artifact this build would replace, and it is not readable and writable by "
+                         f"you; fix its permissions, remove it, or build into another --output folder")
     if final_dir.is_dir() and any(final_dir.iterdir()) and not is_artifact_folder(final_dir):
         # The build replaces final_dir whole: never a folder it did not make (a model's own files, say).
         raise BuildError(f"{final_dir} exists and is not an aotlm artifact (no aotlm manifest.json), and this build "
                          f"would replace it with the artifact: move it, build into another --output folder, or change "
                          f"the recipe's name")
-    if final_dir.is_dir() and not os.access(final_dir, os.W_OK | os.X_OK):  # the swap moves it: checked first
-        raise BuildError(f"{final_dir}: an artifact this build would replace, and it is not writable by you; fix its "
-                         f"permissions, remove it, or build into another --output folder")
     check_passes(recipe.passes)
     if recipe.backend.name == "tensorrt":
         tensorrt_backend.check_recipe(recipe)  # before anything slow

@@ -47,6 +47,9 @@ def _check_writable_ancestor(folder, path: str, flag: str) -> None:
     """The nearest existing folder at or above `folder` must be a writable folder (the rest gets created)."""
     ancestor = folder
     while not ancestor.exists():
+        if ancestor.is_symlink():  # mkdir would fail on it after the whole export
+            raise UsageError(f"{flag} {path}: {ancestor} is a link to {os.readlink(ancestor)}, which does not exist; "
+                             f"mount or create its target, or choose another path")
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise UsageError(f"{flag} {path}: {ancestor} is a file, not a folder; choose another path")

@@ -44,6 +44,8 @@ def read_manifest(artifact_dir: str | Path) -> dict:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ArtifactError(f"{path}: unreadable manifest ({error}); rebuild the artifact") from None
+    except OSError as error:  # another user's artifact, say
+        raise ArtifactError(f"{path}: cannot be read ({error.strerror}); fix the folder's permissions") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path}: not an aotlm manifest (format field missing); rebuild the artifact")
     version = manifest.get("format_version")
@@ -110,7 +112,8 @@ def check_files(artifact_dir: str | Path, manifest: dict, verify_hashes: bool = 
     folder, and every file the manifest's sections name, must be listed (the build lists every file it writes)."""
     folder = Path(artifact_dir)
     listed = manifest.get("files", {})
-    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")  # sub/manifest.json is a stray file
+                     if p.is_file() and p != folder / MANIFEST_FILE)
     unlisted = [name for name in present + referenced_files(manifest) if name not in listed]
     if unlisted:
         raise ArtifactError(f"{folder / unlisted[0]}: not in the manifest's files, so its size and sha256 cannot be "
@@ -125,5 +128,12 @@ def check_files(artifact_dir: str | Path, manifest: dict, verify_hashes: bool = 
                 f"{path}: {size} bytes, but the manifest records {record['bytes']} (truncated or modified); "
                 f"rebuild the artifact"
             )
-        if verify_hashes and sha256_file(path) != record["sha256"]:
+        if verify_hashes and _sha256_or_refuse(path) != record["sha256"]:
             raise ArtifactError(f"{path}: sha256 differs from the manifest (file modified); rebuild the artifact")
+
+
+def _sha256_or_refuse(path: Path) -> str:
+    try:
+        return sha256_file(path)
+    except OSError as error:
+        raise ArtifactError(f"{path}: cannot be read ({error.strerror}); fix the folder's permissions") from None

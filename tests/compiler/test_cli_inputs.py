@@ -4,6 +4,7 @@ output paths are checked before the work they would receive."""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -102,6 +103,19 @@ def test_an_output_path_inside_a_file_is_refused_before_the_export(capsys, tmp_p
     (tmp_path / "out" / "tiny-random").write_text("x")
     status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
     assert status == 2 and "tiny-random is a file; the artifact is a folder" in text
+
+
+def test_dangling_links_as_output_or_artifact_are_refused_before_the_export(capsys, tmp_path, monkeypatch):
+    """`--output` a link to an unmounted disk failed in mkdir, and <output>/<name> a dangling link failed in the final
+    rename, each with a traceback after the whole build."""
+    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    (tmp_path / "unmounted").symlink_to(tmp_path / "mnt" / "disk")
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "unmounted")
+    assert status == 2 and "unmounted is a link to" in text and "which does not exist" in text, text
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tiny-random").symlink_to(tmp_path / "gone")
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "tiny-random is a link to" in text and "remove the link" in text, text
 
 
 def test_a_folder_that_is_not_an_artifact_is_never_replaced(capsys, tmp_path, monkeypatch):
@@ -263,15 +277,30 @@ def test_a_signal_while_a_module_initialises_is_an_interrupt_not_a_traceback(cap
     assert code == status and said in output and "Traceback" not in output
 
 
+def locked(folder: Path) -> int:
+    """What a running build holds on its temporary folder (closing the descriptor releases it)."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return descriptor
+
+
 def test_a_build_removes_what_a_killed_build_left_and_spares_a_running_one(tmp_path):
+    """Whether a build runs is its lock, not its process id: a build in another container (another pid space) was
+    deleted as it wrote, and a killed build's folder whose pid a container gives every build stayed forever."""
     final = tmp_path / "tiny-random"
-    abandoned = tmp_path / ".tiny-random.partial-999999999-abc"  # no such process
-    running = tmp_path / f".tiny-random.partial-{os.getpid()}-def"
+    abandoned = tmp_path / f".tiny-random.partial-{os.getpid()}-abc"  # a live pid, but nobody holds it
+    running = tmp_path / ".tiny-random.partial-999999999-def"  # no such pid here, but locked by a build elsewhere
     for folder in (abandoned, running):
         folder.mkdir()
-    with staged_folder(final) as folder:
-        (folder / "manifest.json").write_text("{}")
+    lock = locked(running)
+    try:
+        with staged_folder(final) as folder:
+            (folder / "manifest.json").write_text("{}")
+            assert remove_abandoned(final) == []  # this build holds its own folder while it writes
+    finally:
+        os.close(lock)
     assert not abandoned.exists() and running.exists() and (final / "manifest.json").exists()
+    assert remove_abandoned(final) == [running] and not running.exists()  # released: that build was killed
 
 
 def test_a_running_build_whose_name_looks_like_an_abandoned_folder_is_spared(tmp_path):
@@ -299,7 +328,7 @@ def test_an_artifact_this_build_cannot_replace_is_refused_first(capsys, tmp_path
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "tiny-random" and access(path, mode))
     monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
     status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
-    assert status == 2 and "an artifact this build would replace, and it is not writable by you" in output, output
+    assert status == 2 and "an artifact this build would replace, and it is not readable and writable by you" in output, output
 
 
 def test_a_key_given_twice_in_a_recipe_is_refused(capsys, tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +162,28 @@ def test_a_file_the_manifest_does_not_list_is_refused(artifact_copy):
         Engine.load(artifact_copy)
     (artifact_copy / "weights.bin").unlink()  # gone too: the graphs' external data is still named by the manifest
     with pytest.raises(ArtifactError, match="weights.bin: not in the manifest's files"):
+        Engine.load(artifact_copy)
+
+
+def test_a_manifest_json_in_a_subfolder_is_a_stray_file(artifact_copy):
+    """Files named manifest.json were left out wherever they were, so sub/manifest.json loaded unchecked."""
+    (artifact_copy / "sub").mkdir()
+    (artifact_copy / "sub" / "manifest.json").write_text("{}")
+    with pytest.raises(ArtifactError, match="sub/manifest.json: not in the manifest's files"):
+        Engine.load(artifact_copy)
+
+
+def test_a_manifest_that_cannot_be_read_is_named(artifact_copy, monkeypatch):
+    """Another user's artifact: the PermissionError came out of read_manifest as a traceback."""
+    read_text = Path.read_text
+
+    def refused(path, *args, **kwargs):
+        if path.name == "manifest.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    with pytest.raises(ArtifactError, match=r"manifest.json: cannot be read \(Permission denied\); fix the folder"):
         Engine.load(artifact_copy)
 
 
