@@ -32,6 +32,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from passes.cleanup import export_like
+from passes.graph_patterns import unique_name
+
 MICROSOFT_DOMAIN = "com.microsoft"
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
@@ -67,13 +70,14 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     report: dict = {"fused": 0, "fused_with_skip": 0, "skipped": [], "skip_form_declined": []}
     graph_outputs = {tensor.name for tensor in graph.outputs}
     taken_names = {node.name for node in graph.nodes}
+    graph_inputs = {value.name for value in model.graph.input}
     candidates = [node for node in graph.nodes if node.op == "ReduceMean" and _square_input(node) is not None]
     for reduce_mean in candidates:
         if options.max_rewrites is not None and report["fused"] + report["fused_with_skip"] >= options.max_rewrites:
             reason = f"max_rewrites: {options.max_rewrites} reached"
             report["skipped"].append({"node": reduce_mean.name, "reason": reason})
             continue
-        found = match(reduce_mean, graph_outputs)
+        found = match(reduce_mean, graph_outputs, graph_inputs)
         if isinstance(found, Skip):
             report["skipped"].append({"node": found.node, "reason": found.reason})
             continue
@@ -84,15 +88,12 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         rewrite(graph, found, residual, graph_outputs, taken_names)
         report["fused_with_skip" if residual is not None else "fused"] += 1
     graph.cleanup().toposort()  # the disconnected pattern nodes (and Casts nothing reads now) go
-    result = gs.export_onnx(graph, do_type_check=False)
-    for field in ("doc_string", "domain", "model_version"):
-        setattr(result, field, getattr(model, field))
-    result.metadata_props.extend(model.metadata_props)
+    result = export_like(graph, model)  # keeps an initializer that is also a graph input (an overridable default)
     report["nodes"] = {"before": nodes_before, "after": len(result.graph.node)}
     return result, report
 
 
-def match(reduce_mean: gs.Node, graph_outputs: set[str]) -> Match | Skip:
+def match(reduce_mean: gs.Node, graph_outputs: set[str], graph_inputs: frozenset[str] = frozenset()) -> Match | Skip:
     """Walks forward from the ReduceMean of a square to the weight Mul; the first failed check is the Skip."""
     def skip(reason: str) -> Skip:
         return Skip(reduce_mean.name, reason)
@@ -112,7 +113,7 @@ def match(reduce_mean: gs.Node, graph_outputs: set[str]) -> Match | Skip:
 
     add_eps = _only_consumer(reduce_mean, "Add", graph_outputs)
     epsilon = _constant_operand(add_eps, reduce_mean.outputs[0]) if add_eps is not None else None
-    if epsilon is None or epsilon.size != 1:
+    if epsilon is None or not _scalar(epsilon):  # a [1, 1, 1, 1] epsilon would broadcast a rank-3 norm to rank 4
         return skip("no_epsilon: ReduceMean is not followed by Add(scalar constant)")
     sqrt = _only_consumer(add_eps, "Sqrt", graph_outputs)
     if sqrt is None:
@@ -142,6 +143,8 @@ def match(reduce_mean: gs.Node, graph_outputs: set[str]) -> Match | Skip:
     weight = _other_operand(weight_mul, (cast_back or normalized).outputs[0])
     if not isinstance(weight, gs.Constant):
         return skip("weight_not_constant: the scale of the final Mul is not an initializer")
+    if weight.name in graph_inputs:  # fused, the value fed for it would be ignored
+        return skip("weight_is_graph_input: the scale is an initializer that the graph's caller may override")
     hidden = x.shape[-1] if x.shape else None
     if not isinstance(hidden, int) or tuple(weight.shape) != (hidden,):
         return skip(f"weight_shape: weight {tuple(weight.shape)} vs last dim of the input {hidden}")
@@ -171,7 +174,7 @@ def rewrite(graph: gs.Graph, found: Match, residual: gs.Node | None, graph_outpu
     for node in found.nodes:
         node.inputs.clear()
         node.outputs.clear()
-    name = _unique_name(f"{prefix}/{op}", taken_names)
+    name = unique_name(f"{prefix}/{op}", taken_names)
     graph.nodes.append(gs.Node(op, name=name, domain=domain, attrs=attrs, inputs=inputs, outputs=outputs))
 
 
@@ -195,8 +198,10 @@ def _residual_add(found: Match, graph_outputs: set[str]) -> gs.Node | Skip | Non
     a, b = add.inputs
     if isinstance(a, gs.Constant) or isinstance(b, gs.Constant):
         return Skip(add.name, "constant_operand: a bias Add is not a residual")
-    if a.shape is None or b.shape is None or list(a.shape) != list(b.shape) or len(a.shape) not in (2, 3):
-        return Skip(add.name, f"shapes: {a.shape} + {b.shape}; the kernel needs equal 2-D or 3-D shapes")
+    if not _same_known_shape(a.shape, b.shape) or len(a.shape) not in (2, 3):
+        # An unknown dimension (None) may differ at run time: the Add would broadcast, the kernel would not.
+        return Skip(add.name, f"shapes: {a.shape} + {b.shape}; the kernel needs equal 2-D or 3-D shapes, known to "
+                              f"be equal (sizes or the same named dimension)")
     if not (a.dtype == b.dtype == found.weight.dtype):
         return Skip(add.name, f"dtypes: {a.dtype} + {b.dtype} with weight {found.weight.dtype}")
     return add
@@ -212,7 +217,7 @@ def _square_input(reduce_mean: gs.Node) -> gs.Tensor | None:
         return square.inputs[0]
     if square.op == "Pow" and len(square.inputs) == 2:
         exponent = _constant_value(square.inputs[1])
-        if exponent is not None and exponent.size == 1 and float(exponent.reshape(-1)[0]) == 2.0:
+        if exponent is not None and _scalar(exponent) and float(exponent.reshape(-1)[0]) == 2.0:
             return square.inputs[0]
     return None
 
@@ -272,16 +277,19 @@ def _constant_value(tensor: gs.Tensor) -> np.ndarray | None:
 
 def _is_constant_one(tensor: gs.Tensor) -> bool:
     value = _constant_value(tensor)
-    return value is not None and value.size == 1 and float(value.reshape(-1)[0]) == 1.0
+    return value is not None and _scalar(value) and float(value.reshape(-1)[0]) == 1.0
+
+
+def _scalar(value: np.ndarray) -> bool:
+    """One value of rank 0 or 1: it broadcasts without raising the rank of what it meets."""
+    return value.size == 1 and value.ndim <= 1
+
+
+def _same_known_shape(a, b) -> bool:
+    return (a is not None and b is not None and len(a) == len(b)
+            and all(isinstance(x, (int, str)) and x == y for x, y in zip(a, b)))
 
 
 def _ids(nodes) -> set[int]:
     return {id(node) for node in nodes}
 
-
-def _unique_name(name: str, taken: set[str]) -> str:
-    candidate, index = name, 1
-    while candidate in taken:
-        candidate, index = f"{name}_{index}", index + 1
-    taken.add(candidate)
-    return candidate

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import onnx
 import onnx_graphsurgeon as gs
 
+from passes.cleanup import export_like
+from passes.graph_patterns import unique_name
+
 MICROSOFT_DOMAIN = "com.microsoft"
 
 
@@ -41,10 +44,11 @@ def match(sigmoid: gs.Node) -> Match | str:
     return Match(sigmoid, mul, x)
 
 
-def rewrite(graph: gs.Graph, found: Match) -> None:
+def rewrite(graph: gs.Graph, found: Match, taken_names: set[str]) -> None:
     output = found.mul.outputs[0]
     found.mul.outputs.clear()
-    graph.nodes.append(gs.Node("QuickGelu", name=f"{found.sigmoid.name}_silu", domain=MICROSOFT_DOMAIN,
+    name = unique_name(f"{found.sigmoid.name or output.name}_silu", taken_names)  # unnamed Sigmoids: not all "_silu"
+    graph.nodes.append(gs.Node("QuickGelu", name=name, domain=MICROSOFT_DOMAIN,
                                attrs={"alpha": 1.0}, inputs=[found.x], outputs=[output]))
 
 
@@ -53,6 +57,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]  # keep input intact
     nodes_before = len(graph.nodes)
     fused, skipped = 0, []
+    taken_names = {node.name for node in graph.nodes}
     for sigmoid in [n for n in graph.nodes if n.op == "Sigmoid"]:
         found = match(sigmoid)
         if isinstance(found, str):
@@ -60,10 +65,10 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         elif options.max_rewrites is not None and fused >= options.max_rewrites:
             skipped.append({"node": sigmoid.name, "reason": f"max_rewrites={options.max_rewrites}"})
         else:
-            rewrite(graph, found)
+            rewrite(graph, found, taken_names)
             fused += 1
     if fused and not any(o.domain == MICROSOFT_DOMAIN for o in graph.import_domains):
         graph.import_domains.append(onnx.helper.make_opsetid(MICROSOFT_DOMAIN, 1))
     graph.cleanup().toposort()
-    result = gs.export_onnx(graph)
+    result = export_like(graph, model)  # keeps an initializer that is also a graph input (an overridable default)
     return result, {"fused": fused, "skipped": skipped, "nodes": {"before": nodes_before, "after": len(result.graph.node)}}

@@ -162,3 +162,12 @@ def parse_inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
             seen.add(id(upstream))
             frontier.extend(upstream.inputs)
     return SkipReason("rotary: no inv_freq constant under Cos")
+
+
+def unique_name(name: str, taken: set[str]) -> str:
+    """name, or name_1, name_2...: the first not in taken (which it joins). ONNX refuses two nodes of one name."""
+    candidate, index = name, 1
+    while candidate in taken:
+        candidate, index = f"{name}_{index}", index + 1
+    taken.add(candidate)
+    return candidate

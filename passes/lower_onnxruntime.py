@@ -33,6 +33,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
+from passes.cleanup import export_like
 from passes.errors import PassError
 
 MICROSOFT_DOMAIN = "com.microsoft"
@@ -61,11 +62,13 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     chosen = nodes if options.max_rewrites is None else nodes[: options.max_rewrites]
     scale_folds = {}
     graph_outputs = {t.name for t in graph.outputs}
+    graph_inputs = {value.name for value in model.graph.input}  # gs leaves out initializers listed as inputs
     positions: dict[tuple[str, str], gs.Variable] = {}
     for node in chosen:
         head_dim = _head_dim(node)
         scale = float(node.attrs.get("scale") or head_dim ** -0.5)
-        fold = fold_query_scale(graph, node, scale, int(node.attrs["num_heads"]) * head_dim, graph_outputs)
+        fold = fold_query_scale(graph, node, scale, int(node.attrs["num_heads"]) * head_dim, graph_outputs,
+                                graph_inputs)
         scale_folds[fold] = scale_folds.get(fold, 0) + 1
         node.op, node.domain = "GroupQueryAttention", MICROSOFT_DOMAIN
         node.attrs = {name: node.attrs[name] for name in KEPT_ATTRIBUTES if name in node.attrs}
@@ -84,7 +87,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         graph.import_domains.append(onnx.helper.make_opsetid(MICROSOFT_DOMAIN, 1))
     graph.cleanup().toposort()
     kernel = "gemm" if decode_gemm and "none" not in scale_folds else "flash"
-    return gs.export_onnx(graph), {"lowered": len(chosen), "target": f"{MICROSOFT_DOMAIN}.GroupQueryAttention",
+    return export_like(graph, model), {"lowered": len(chosen), "target": f"{MICROSOFT_DOMAIN}.GroupQueryAttention",
                                    "left_unlowered": remaining, "phase_graph": graph.name, "attention_kernel": kernel,
                                    "scale_folded_into": scale_folds, "rotary": options.rotary}
 
@@ -102,7 +105,8 @@ def _head_dim(node: gs.Node) -> int:
     return head_dim
 
 
-def fold_query_scale(graph: gs.Graph, node: gs.Node, scale: float, query_width: int, graph_outputs: set[str]) -> str:
+def fold_query_scale(graph: gs.Graph, node: gs.Node, scale: float, query_width: int, graph_outputs: set[str],
+                     graph_inputs: set[str] = frozenset()) -> str:
     """Multiply the node's query by `scale` upstream; returns where: "weight", "mul" or "none" (left in the op).
 
     A packed q/k/v input (key and value empty) can only take it in the weight's first query_width columns."""
@@ -113,8 +117,10 @@ def fold_query_scale(graph: gs.Graph, node: gs.Node, scale: float, query_width: 
     sole_reader = len(query.outputs) == 1 and query.name not in graph_outputs
     weight = producer.inputs[1] if producer is not None and producer.op == "MatMul" and producer.domain in ("", None) \
         else None
+    # A weight that is also a graph input (an overridable default) stays as the caller may feed it.
     if (sole_reader and isinstance(weight, gs.Constant) and len(weight.shape) == 2 and len(weight.outputs) == 1
-            and weight.name not in graph_outputs and (weight.shape[1] == query_width or packed)):
+            and weight.name not in graph_outputs and weight.name not in graph_inputs
+            and (weight.shape[1] == query_width or packed)):
         values = np.array(weight.values)  # a copy: the input model's weight is left as it was
         values[:, :query_width] *= np.asarray(scale, values.dtype)
         weight.values = values

@@ -58,6 +58,7 @@ class Match:
     weights: list[gs.Constant]
     bias_adds: list[gs.Node] = field(default_factory=list)  # empty, or one Add per MatMul, same order
     biases: list[gs.Constant] = field(default_factory=list)
+    biases_left: str | None = None  # why biases that some members have were not packed
 
     @property
     def widths(self) -> list[int]:
@@ -86,7 +87,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             continue
         rewrite(graph, found, taken_names)
         report["packed"].append({"nodes": [node.name for node in found.matmuls], "widths": found.widths,
-                                 "biases_packed": bool(found.biases)})
+                                 "biases_packed": bool(found.biases), "biases_left": found.biases_left})
     report["qkv_into_attention"] = sum(_feed_packed_qkv(node) for node in list(graph.nodes)
                                        if node.op == "GroupQueryAttention")
     graph.cleanup().toposort()  # drops the original MatMuls, Adds and their weights (and bypassed Splits)
@@ -142,6 +143,9 @@ def match(siblings: list[gs.Node], graph_io: GraphIO, min_group: int, skipped: l
     bias_pairs = [_constant_bias_add(node, int(weight.shape[1]), graph_io) for node, weight in zip(members, weights)]
     if all(pair is not None for pair in bias_pairs):
         found.bias_adds, found.biases = [add for add, _ in bias_pairs], [bias for _, bias in bias_pairs]
+    elif any(pair is not None for pair in bias_pairs):
+        found.biases_left = (f"{sum(pair is not None for pair in bias_pairs)} of {len(members)} products have a "
+                             f"constant bias Add of their own; the Adds stay after the Split")
     return found
 
 

@@ -45,6 +45,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from passes.cleanup import export_like
+
 PRODUCTS = {"MatMul", "MatMulNBits"}  # the row input first, a weight second
 NORMS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
          "SkipLayerNormalization"}
@@ -295,7 +297,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                        "nodes": {"before": nodes_before, "after": nodes_before}}
     rewrite(graph, found)
     graph.cleanup().toposort()
-    result = gs.export_onnx(graph)
+    result = export_like(graph, model)  # keeps an initializer that is also a graph input (an overridable default)
     return result, {
         "applied": True, "reason": None,
         "moved": [{"node": n.name, "op": n.op} for n in found.moved],

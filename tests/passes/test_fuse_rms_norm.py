@@ -249,6 +249,44 @@ def test_broken_pattern_is_skipped_with_reason(broken, reason):
     assert max_difference(model, fused, feeds_for(model)) == 0.0
 
 
+def test_a_residual_of_unknown_equal_looking_dimensions_is_not_taken_for_equal_shapes():
+    """Both operands [None, None, 8]: unknown sizes compared equal, and the skip form returned (1, 3, 8) where the
+    graph's broadcasting Add gives (2, 3, 8)."""
+    model = rms_norm_model(residual=True)
+    for value in (*model.graph.input, *model.graph.output, *model.graph.value_info):
+        for dim in value.type.tensor_type.shape.dim[:2]:
+            dim.Clear()  # unknown: neither a size nor a name
+    fused, report = fuse(model)
+    assert (report["fused"], report["fused_with_skip"]) == (1, 0)
+    assert "known to be equal" in report["skip_form_declined"][0]["reason"]
+    rng = np.random.default_rng(3)
+    feeds = {"a": rng.standard_normal((1, 3, HIDDEN)).astype(np.float32),
+             "b": rng.standard_normal((2, 3, HIDDEN)).astype(np.float32)}
+    assert run_ort(fused, feeds)[0].shape == (2, 3, HIDDEN) and max_difference(model, fused, feeds) <= TOLERANCE
+
+
+def test_an_epsilon_of_higher_rank_is_not_taken_for_a_scalar():
+    """An epsilon shaped [1, 1, 1, 1] broadcasts the rank-3 norm to rank 4, which the fused node would not."""
+    model = rms_norm_model()
+    eps = next(t for t in model.graph.initializer if t.name == "eps")
+    eps.CopyFrom(numpy_helper.from_array(np.full((1, 1, 1, 1), EPSILON, np.float32), "eps"))
+    del model.graph.output[0].type.tensor_type.shape.dim[:]
+    fused, report = fuse(model)
+    assert report["fused"] == 0 and report["skipped"][0]["reason"].startswith("no_epsilon")
+
+
+def test_a_weight_that_is_also_a_graph_input_stays_overridable():
+    """An initializer listed as a graph input (an overridable default): the pass baked it into the fused node and
+    the export dropped the input, so feeding it failed ("Invalid input name: weight")."""
+    model = rms_norm_model()
+    model.graph.input.append(helper.make_tensor_value_info("weight", TensorProto.FLOAT, [HIDDEN]))
+    fused, report = fuse(model)
+    assert report["fused"] == 0 and report["skipped"][0]["reason"].startswith("weight_is_graph_input")
+    assert [i.name for i in fused.graph.input] == ["a", "weight"]
+    feeds = {**feeds_for(rms_norm_model()), "weight": np.full(HIDDEN, 2.0, np.float32)}
+    assert max_difference(model, fused, feeds) == 0.0
+
+
 def test_registered():
     from passes.registry import PASSES
 

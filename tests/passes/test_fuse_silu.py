@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from passes import fuse_silu
@@ -36,3 +37,24 @@ def test_a_sigmoid_that_is_not_silu_is_left_with_a_reason():
 def test_max_rewrites(decoder_graphs, limit):  # noqa: F811
     _, report = fuse_silu.run(decoder_graphs["decode"], fuse_silu.Options(max_rewrites=limit))
     assert report["fused"] == limit and report["skipped"][0]["reason"] == f"max_rewrites={limit}"
+
+
+def test_unnamed_sigmoids_get_distinct_names_and_an_overridable_input_stays():
+    """Two unnamed Sigmoids both became QuickGelu "_silu", which onnxruntime refuses; and an initializer that is also
+    a graph input (an overridable default) was dropped from the inputs by the export."""
+    tensor = lambda name: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2])  # noqa: E731
+    nodes = [onnx.helper.make_node("Add", ["x", "bias"], ["h"]),
+             onnx.helper.make_node("Sigmoid", ["h"], ["s1"]), onnx.helper.make_node("Mul", ["h", "s1"], ["y1"]),
+             onnx.helper.make_node("Sigmoid", ["x"], ["s2"]), onnx.helper.make_node("Mul", ["x", "s2"], ["y2"])]
+    graph = onnx.helper.make_graph(nodes, "g", [tensor("x"), tensor("bias")], [tensor("y1"), tensor("y2")],
+                                   [onnx.numpy_helper.from_array(np.array([0.5, -1.0], np.float32), "bias")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    result, report = fuse_silu.run(model, fuse_silu.Options())
+    assert report["fused"] == 2 and sorted(n.name for n in result.graph.node if n.op_type == "QuickGelu") == [
+        "y1_silu", "y2_silu"]
+    assert [i.name for i in result.graph.input] == ["x", "bias"]
+    feeds = {"x": np.array([0.3, -2.0], np.float32), "bias": np.array([1.0, 2.0], np.float32)}
+    expected, fused = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+                       for m in (model, result))
+    for a, b in zip(expected, fused):
+        np.testing.assert_allclose(b, a, atol=1e-6)

@@ -71,6 +71,21 @@ def test_a_query_that_is_a_graph_output_keeps_its_value(decoder_graphs):
     assert report["scale_folded_into"] == {"mul": 1, "weight": CONFIG.num_layers - 1}
 
 
+def test_a_query_weight_that_is_also_a_graph_input_stays_overridable(decoder_graphs):
+    """An initializer listed as a graph input (an overridable default): the scale was folded into it as into a
+    constant, and the export dropped the input."""
+    fused = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())[0]
+    attention = next(n for n in fused.graph.node if n.op_type == "FlashAttention")
+    projection = next(n for n in fused.graph.node if attention.input[0] in n.output)
+    weight = next(t for t in fused.graph.initializer if t.name == projection.input[1])
+    fused.graph.input.append(onnx.helper.make_tensor_value_info(weight.name, weight.data_type, list(weight.dims)))
+    lowered, report = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"mul": 1, "weight": CONFIG.num_layers - 1}
+    assert [i.name for i in lowered.graph.input] == [i.name for i in fused.graph.input]
+    after = {t.name: onnx.numpy_helper.to_array(t) for t in lowered.graph.initializer}[weight.name]
+    np.testing.assert_array_equal(after, onnx.numpy_helper.to_array(weight))
+
+
 def test_a_float16_graph_folds_the_scale_with_the_head_dim_of_its_cast_tables():
     """In a float16 graph the rotary tables reach the node through a Cast; head_dim comes from their shape (before:
     from initializers only, so it read 0 here: the head_dim check could not fire, and the fold fell back to a Mul)."""

@@ -136,6 +136,25 @@ def test_sibling_with_non_constant_weight_is_skipped_with_a_reason():
     assert_same_outputs(run_ort(model, feeds), run_ort(packed, feeds))
 
 
+def test_a_bias_on_some_siblings_only_stays_after_the_split_with_the_reason():
+    rng = np.random.default_rng(3)
+    weights = [numpy_helper.from_array(rng.standard_normal((4, n)).astype(np.float32), f"w_{name}")
+               for name, n in (("a", 3), ("b", 2))]
+    bias = numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "bias_a")
+    nodes = [helper.make_node("MatMul", ["x", "w_a"], ["a0"], name="matmul_a"),
+             helper.make_node("Add", ["a0", "bias_a"], ["a"], name="bias_add_a"),
+             helper.make_node("MatMul", ["x", "w_b"], ["b"], name="matmul_b")]
+    graph = helper.make_graph(nodes, "siblings", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["batch", n]) for o, n in (("a", 3), ("b", 2))],
+                              [*weights, bias])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    packed, report = pack_projections.run(model, pack_projections.Options())
+    (entry,) = report["packed"]
+    assert not entry["biases_packed"] and entry["biases_left"].startswith("1 of 2 products have a constant bias Add")
+    feeds = {"x": rng.standard_normal((3, 4)).astype(np.float32)}
+    assert_same_outputs(run_ort(model, feeds), run_ort(packed, feeds))
+
+
 def test_attention_takes_the_packed_qkv_and_the_split_goes_away():
     """After lower_onnxruntime, packing q/k/v feeds GroupQueryAttention the packed tensor (key, value empty)."""
     from tests.passes import test_fuse_attention as fused  # its tiny config, lowering and logits harness
