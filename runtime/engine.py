@@ -416,7 +416,16 @@ class Engine:
     def _run(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
         """One request on the batch-1 cache (see `batch_one`); waiting for it counts in the TTFT, as queueing."""
         with self.batch_one():
-            return (yield from self._generate(prompt_ids, params, received, tokenize_s))
+            steps = self._generate(prompt_ids, params, received, tokenize_s)
+            while True:
+                # The stream's owner is the thread that resumes it now: a stream handed to another thread (a
+                # server's thread pool) leaves the first free to start another, and binds the one that iterates.
+                self._batch_one_owner = threading.get_ident()
+                try:
+                    piece = next(steps)
+                except StopIteration as done:
+                    return done.value
+                yield piece
 
     @contextlib.contextmanager
     def batch_one(self) -> Iterator:
@@ -477,6 +486,8 @@ class Engine:
         tail = decoder.finish()  # text held back in case it began a stop string
         if tail:
             yield tail
+        if decoder.stopped:  # the last token completed a stop string inside a UTF-8 character, held back till now
+            finish_reason = "stop"
         text = decoder.streamed_text  # what was streamed: ends before a stop string
         trace = RequestTrace(
             arrival=received, prefill_start=prefill_start, first_token=token_times[0], token_times=token_times,

@@ -441,6 +441,8 @@ class Scheduler:
         tail = sequence.decoder.finish()  # text held back in case it began a stop string
         if tail:
             sequence.handle._pieces.put(tail)
+        if sequence.decoder.stopped and reason in ("length", "max_context"):  # the stop ended inside a character
+            reason = "stop"
         text = sequence.decoder.streamed_text  # what was streamed: ends before a stop string
         timings = None
         if sequence.token_times:

@@ -100,3 +100,22 @@ def test_decode_with_cache_equals_full_recompute(engine, hf_model):
         with torch.no_grad():
             recomputed = hf_model(torch.tensor([tokens])).logits[0, -1].numpy()
         assert float(np.abs(ours[0, -1] - recomputed).max()) < 1e-3
+
+
+def test_a_stop_string_completed_inside_a_character_at_the_last_token_finishes_as_stop(engine):
+    """SmolLM2 has tokens that end inside a UTF-8 character (' ' + the first byte of 'В'). When such a token
+    completes a stop string and is also the last one max_new_tokens allows, the stop shows only once the decoder
+    finishes: the text was cut at it, but finish_reason said "length" (both in generate and the scheduler)."""
+    prompt = "Вопрос: Как дела?\nОтвет: Хорошо.\nВопрос: Что это?\nОтвет:"
+    free = engine.generate(prompt, max_new_tokens=40, stop_token_ids=())
+    decode = engine.tokenizer.decode
+    partial = [k for k, token in enumerate(free.token_ids)
+               if decode([token]).endswith("\ufffd") and "\n" in decode(free.token_ids[:k])]
+    assert partial, f"no token ending inside a character after a newline in {free.text!r}"
+    last = partial[0]
+    before = decode(free.token_ids[: last + 1])[:-1]
+    stop = before[before.rfind("\n") + 1:]  # completed by the partial token's leading bytes
+    results = [engine.generate(prompt, max_new_tokens=last + 1, stop_token_ids=(), stop_strings=stop),
+               engine.submit(prompt, max_new_tokens=last + 1, stop_token_ids=(), stop_strings=stop).result()]
+    for result in results:
+        assert (result.finish_reason, result.text) == ("stop", free.text[: free.text.index(stop)])
