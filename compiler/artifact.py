@@ -19,6 +19,7 @@ from pathlib import Path
 
 from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, sha256_file
 
+NO_LOCKS = -1  # _try_lock on a filesystem without locks (some network filesystems)
 TRACKED_TOOLS = ("aotlm", "torch", "onnx", "onnxscript", "onnx-graphsurgeon", "onnxruntime", "gguf", "tokenizers",
                  "tensorrt", "triton")
 
@@ -72,15 +73,16 @@ def _locked_folder(final_dir: Path, kind: str, held: contextlib.ExitStack) -> Pa
     while True:
         folder = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.{kind}-{os.getpid()}-", dir=final_dir.parent))
         lock = _try_lock(folder)
-        if lock is not None:
+        if lock is None:  # another build's remove_abandoned locked it after mkdtemp, and removes it: make another
+            continue
+        if lock != NO_LOCKS:
             held.callback(os.close, lock)
-            return folder
-        # Another build's remove_abandoned locked it between mkdtemp and here, and removes it: make another.
+        return folder
 
 
 def _try_lock(folder: Path) -> int | None:
-    """An open descriptor holding an exclusive lock on folder, or None while another process holds one.
-    On a filesystem without locks, the process id in the folder's name decides, as before locks."""
+    """An open descriptor holding an exclusive lock on folder, None while another process holds one, or NO_LOCKS
+    on a filesystem that has none."""
     descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -89,8 +91,7 @@ def _try_lock(folder: Path) -> int | None:
         return None
     except OSError:  # ENOLCK / EOPNOTSUPP
         os.close(descriptor)
-        match = re.search(r"-(\d+)-[a-z0-9_]+$", folder.name)
-        return None if match and _alive(int(match.group(1))) else -1
+        return NO_LOCKS
     return descriptor
 
 
@@ -105,10 +106,12 @@ def remove_abandoned(final_dir: Path) -> list[Path]:
         # `a.old-999-b`.
         pattern = re.compile(rf"\.{re.escape(final_dir.name)}\.{kind}-(\d+)-[a-z0-9_]+")
         for folder in final_dir.parent.glob(f".{final_dir.name}.{kind}-*"):
-            if not (folder.is_dir() and pattern.fullmatch(folder.name)):
+            match = pattern.fullmatch(folder.name)
+            if not (folder.is_dir() and match):
                 continue
             lock = _try_lock(folder)
-            if lock is None:  # a running build's
+            # A running build's; without locks, the process id in the name decides (unreliable across containers).
+            if lock is None or (lock == NO_LOCKS and _alive(int(match.group(1)))):
                 continue
             try:
                 if kind == "old" and (folder / final_dir.name).is_dir() and not final_dir.exists():
@@ -116,7 +119,7 @@ def remove_abandoned(final_dir: Path) -> list[Path]:
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder)
             finally:
-                if lock >= 0:
+                if lock != NO_LOCKS:
                     os.close(lock)
     return removed
 

@@ -41,6 +41,7 @@ import onnx_graphsurgeon as gs
 from passes.awq_fold import fold_awq_scales, search_awq_scales
 from passes.calibration import CalibrationSet, CalibrationSpec, Statistics, digest
 from passes.errors import PassError
+from passes.graph_patterns import unique_name
 from passes.quantize_algorithms import quantize_clipped, quantize_gptq, relative_output_error
 from passes.quantized_lowering_dq import rewrite_dequantize_linear
 from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, for_matmulnbits, matmulnbits_constants,
@@ -347,7 +348,8 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         dtype = target.constant.values.dtype
         activation = target.activation
         # Nodes whose quantized weights are equal share one set of constants (stored once, counted at the first);
-        # a float weight quantized two ways (an override, each layer's own GPTQ Hessian or AWQ scales) gets two.
+        # a float weight quantized two ways (an override, each layer's own GPTQ Hessian or AWQ scales) gets two,
+        # named apart: under one name graphsurgeon would keep one of them.
         content = digest_quantized(qw)
         if options.lowering == "matmulnbits":
             bytes_after = 0
@@ -442,16 +444,6 @@ def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options,
 def digest_quantized(qw: QuantizedWeight) -> str:
     zero_points = () if qw.zero_points is None else (qw.zero_points,)
     return digest(qw.codes, qw.scales, *zero_points, np.array([qw.bits, qw.block_size, qw.k, qw.n]))
-
-
-def unique_name(base: str, taken: set) -> str:
-    """base, or base.2, base.3...: two different constants under one name would leave one of them in the graph."""
-    name, count = base, 1
-    while name in taken:
-        count += 1
-        name = f"{base}.{count}"
-    taken.add(name)
-    return name
 
 
 def unique_initializer_bytes(model: onnx.ModelProto) -> int:

@@ -4,6 +4,7 @@ output paths are checked before the work they would receive."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -301,6 +302,22 @@ def test_a_build_removes_what_a_killed_build_left_and_spares_a_running_one(tmp_p
         os.close(lock)
     assert not abandoned.exists() and running.exists() and (final / "manifest.json").exists()
     assert remove_abandoned(final) == [running] and not running.exists()  # released: that build was killed
+
+
+def test_without_locks_the_process_id_in_the_name_decides(tmp_path, monkeypatch):
+    """A filesystem without flock (ENOLCK): builds still run, and the pid tells running from killed, as before."""
+    def no_locks(descriptor, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    final = tmp_path / "tiny-random"
+    killed = tmp_path / ".tiny-random.partial-999999999-abc"
+    running = tmp_path / f".tiny-random.partial-{os.getpid()}-def"
+    for folder in (killed, running):
+        folder.mkdir()
+    with staged_folder(final) as folder:
+        (folder / "manifest.json").write_text("{}")
+    assert not killed.exists() and running.exists() and (final / "manifest.json").exists()
 
 
 def test_a_running_build_whose_name_looks_like_an_abandoned_folder_is_spared(tmp_path):
