@@ -24,7 +24,8 @@ everything else on the machine kept busy meanwhile (/proc/stat minus this proces
 --max-other-cores it waits and measures again (up to --retries times, keeping the least contended attempt).
 Load averages are recorded before and after.
 
-Bytes a decode step must read (each aotlm artifact): manifest backend.weights.bytes + kv_cache.bytes_per_token x C;
+Bytes a decode step must read (each aotlm artifact): the weights a step reads (`aotlm plan`'s count: not an embedding
+table it only gathers rows from) + kv_cache.bytes_per_token x C;
 achieved GB/s = those bytes / median step time (a lower bound on traffic: activations and logits not counted).
 The floor is those bytes at this machine's measured read bandwidth (`aotlm plan`'s cpu figure: every core summing
 its part of a 512 MiB array, cached under ~/.cache/aotlm/): an estimate, not a hard bound.
@@ -49,7 +50,7 @@ from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, paired_medi
                       prompt_token_ids, versions, write_result)
 from arguments import artifact_manifest, require_at_least_one  # noqa: E402
 
-from compiler.plan import busy_cpu_s, cpu_device, own_cpu_s  # noqa: E402
+from compiler.plan import artifact_step_weight_bytes, busy_cpu_s, cpu_device, own_cpu_s  # noqa: E402
 
 WARMUP_STEPS = 4
 PREFILL_WARMUPS = 1
@@ -198,7 +199,7 @@ def run_sweeps(backends: dict, prompt_ids: list[int], args, progress: Progress, 
     return {"decode": decode, "prefill": prefill}
 
 
-def summarize(raw: dict, args, manifests: dict, bandwidth: float) -> dict:
+def summarize(raw: dict, args, manifests: dict, bandwidth: float, step_weights: dict) -> dict:
     decode, prefill = {}, {}
     for name, by_ctx in raw["decode"].items():
         decode[name] = {}
@@ -209,7 +210,7 @@ def summarize(raw: dict, args, manifests: dict, bandwidth: float) -> dict:
             entry["tokens_per_s"] = 1e3 / entry["median_ms"]
             if name in manifests:
                 manifest = manifests[name]
-                weights = manifest["backend"]["weights"]["bytes"]
+                weights = step_weights[name]  # an embedding table a step only gathers rows from is left out
                 kv = manifest["kv_cache"]["bytes_per_token"] * ctx
                 entry.update(weights_bytes=weights, kv_bytes=kv, bytes_read=weights + kv,
                              achieved_gb_per_s=(weights + kv) / (entry["median_ms"] / 1e3) / 1e9,
@@ -370,7 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
         raw = run_sweeps(backends, prompt_ids, args, progress, console)
     sweep_s = time.perf_counter() - started
     load_after = os.getloadavg()
-    summary = summarize(raw, args, manifests, bandwidth)
+    summary = summarize(raw, args, manifests, bandwidth,
+                        {name: artifact_step_weight_bytes(artifacts[name]) for name in manifests})
     pairs = paired_ratios(summary, args.contexts, args.prompt_lengths)
     lines = render(summary, pairs, args, console, bandwidth)
     measured = [r for phase in raw.values() for by in phase.values() for repeats in by.values() for r in repeats]

@@ -354,6 +354,15 @@ def decode_weight_bytes(weights: float, config: DecoderConfig, counts: dict, qua
     return weights if config.tie_word_embeddings else weights * (1 - counts["embedding"] / counts["total"])
 
 
+def artifact_step_weight_bytes(folder: str | Path) -> float:
+    """The weight bytes one decode step of a built artifact reads: its stored weights less an embedding table the
+    step only gathers rows from (what `plan` predicts from; `bench --phase decode` and benchmarks/phases.py divide
+    it by the step's time)."""
+    config, info = _from_artifact(Path(folder))
+    counts = count_params(config)
+    return decode_weight_bytes(info["weight_bytes"], config, counts, info.get("quantize"))
+
+
 def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: str | None = None,
          context: int | None = None, concurrency: int = 1, prompt: int | None = None, headroom: float = 0.9,
          remeasure: bool = False, measure: bool = True) -> dict:

@@ -374,10 +374,13 @@ DECODE_WARMUP_STEPS = 4
 
 
 def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], *, batch: int = 1, runs: int = 5,
-               steps: int = 32, warmup: int = DECODE_WARMUP_STEPS, flops_for, peaks: dict) -> list[dict]:
+               steps: int = 32, warmup: int = DECODE_WARMUP_STEPS, flops_for, peaks: dict,
+               weight_bytes_per_step: float | None = None) -> list[dict]:
     """Prefill: median of `runs` runs (after one warm-up) per prompt length; achieved FLOP/s = flops_for(tokens) / s.
     Decode: the cache filled with C real tokens by one prefill, `warmup` steps, then `steps` timed steps (graph +
-    greedy choice) per context C; achieved (manifest weight bytes + KV bytes/token x C x batch) / step, bytes/s.
+    greedy choice) per context C; achieved (weight_bytes_per_step + KV bytes/token x C x batch) / step, bytes/s.
+    weight_bytes_per_step: what a step reads of the weights (`compiler.plan.artifact_step_weight_bytes`: an
+    embedding table it only gathers rows from left out); the manifest's whole weights file when not given.
     `peaks`: this machine's {"flops": .., "bandwidth": ..}, measured by the caller."""
     backend, limit, manifest = engine.backend, engine.max_context, engine.manifest
     extra = 0 if phase == "prefill" else warmup + steps
@@ -416,7 +419,8 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
                     elapsed, tokens = run("decode", tokens, size + step)
                     times += [elapsed] if step >= warmup else []
                 seconds = float(np.median(times))
-                moved = manifest["backend"]["weights"]["bytes"] + manifest["kv_cache"]["bytes_per_token"] * size * batch
+                weights = manifest["backend"]["weights"]["bytes"] if weight_bytes_per_step is None else weight_bytes_per_step
+                moved = weights + manifest["kv_cache"]["bytes_per_token"] * size * batch
                 rows.append({"context": size, "batch": batch, "median_ms": 1e3 * seconds,
                              "p90_ms": 1e3 * float(np.percentile(times, 90)), "tokens_per_s": batch / seconds,
                              "bytes_per_step": moved, "bytes_per_s": moved / seconds,
@@ -443,5 +447,6 @@ def phase_table(phase: str, rows: list[dict], peaks: dict):
         table.add_row(*(format(row[key] * scale if scale != 1 else row[key], spec) for _, key, scale, spec in columns))
     table.caption = ("FLOPs = the projections' matmuls for every prompt token + the output projection for the last "
                      "(as `aotlm plan` counts them; attention scores not counted)" if prefill else
-                     "bytes = manifest weights + KV bytes/token x context, per step (activations not counted)")
+                     "bytes = the weights a step reads (as `aotlm plan` counts them: not an embedding table it only "
+                     "gathers rows from) + KV bytes/token x context, per step (activations not counted)")
     return table

@@ -142,6 +142,17 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
         path = tmp_path / f"{phase}.json"
         assert cli.main(["bench", str(tiny_artifact), "--phase", phase, *flags, "--out", str(path)]) == 0
         assert len(json.loads(path.read_text())["rows"]) == 2
+    # The tiny model is untied: a step gathers one row of its embedding table, so the bytes it reads are plan's
+    # count, not the whole weights file (which had been counted, 1.3x here).
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    config = compiler.plan.DecoderConfig.from_dict(manifest["model"]["config"])
+    counts = compiler.plan.count_params(config)
+    weights = manifest["backend"]["weights"]["bytes"]
+    assert not config.tie_word_embeddings
+    step = compiler.plan.artifact_step_weight_bytes(tiny_artifact)
+    assert step == pytest.approx(weights * (1 - counts["embedding"] / counts["total"]))
+    first = json.loads((tmp_path / "decode.json").read_text())["rows"][0]
+    assert first["bytes_per_step"] == pytest.approx(step + manifest["kv_cache"]["bytes_per_token"] * 8)
 
 
 @pytest.mark.parametrize("args, message", [
