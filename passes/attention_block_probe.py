@@ -10,8 +10,10 @@ meaning the same way.
 So the block is evaluated: the part of the graph between the q/k/v projections' outputs and the o projection's
 input is cut out (the projections' outputs become inputs) and run with onnxruntime on random q, k and v for a
 probe sequence (batch 1, PROBE_TOKENS tokens at positions 0.., an attention_mask of ones, an empty past). Its
-output must equal `flash_attention_op.reference` under the matched heads, scale and rotary. A block the probe
-cannot run (it needs inputs the probe cannot make) is reported as unchecked.
+output must equal `flash_attention_op.reference` under the matched heads, scale and rotary, and so must the cache
+it writes (rows 0..PROBE_TOKENS-1 of each present buffer hold the rotated keys and the values, the rest stays as it
+was): a prefill reads its new keys directly, so a write at other rows shows in the cache only. A block the probe
+cannot run (it needs inputs the probe cannot make) is reported as unchecked, and stays unfused.
 """
 from __future__ import annotations
 
@@ -55,19 +57,28 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
         # every layer before it; its values are not read once the projections' outputs are cut.
         for activation, width in found.activations:
             cut(activation, width)
-        output = tensors[found.o_proj.inputs[0].name]
-        outputs.append(gs.Variable(f"{output.name}.probe", np.float32))
-        probe.nodes.append(gs.Node("Cast", inputs=[output], outputs=[outputs[-1]], attrs={"to": onnx.TensorProto.FLOAT}))
+        written = [writer.outputs[0] for writer in (found.key_writer, found.value_writer) if writer is not None]
+        for output in (tensors[found.o_proj.inputs[0].name], *(tensors[present.name] for present in written)):
+            outputs.append(gs.Variable(f"{output.name}.probe", np.float32))
+            probe.nodes.append(gs.Node("Cast", inputs=[output], outputs=[outputs[-1]],
+                                       attrs={"to": onnx.TensorProto.FLOAT}))
     probe.inputs = [*probe.inputs, *(fed for fed, _ in projected.values())]
     probe.outputs = outputs
     fed = {value.name: values for value, values in projected.values()}
     as_float32(probe)  # onnxruntime's CPU kernels lack bfloat16 Mul and Where: the same math in float32
     values = run_cut(probe, lambda value: fed[value.name] if value.name in fed else probe_feed(value, PROBE_TOKENS))
+    if isinstance(values, str) and len(matches) > 1:  # one block the probe cannot run: judge the others alone
+        return [check_blocks(graph, [found])[0] for found in matches]
     if isinstance(values, str):
-        return [f"unchecked: the block could not be evaluated ({values})"] * len(matches)
-    return [_judge(found, value, *(projected[t.name][1] for t in (found.query, found.key, found.value)),
-                   reduced_precision=element_type(found.query.dtype) != onnx.TensorProto.FLOAT)
-            for found, value in zip(matches, values)]
+        return [f"unchecked: the block could not be evaluated ({values})"]
+    verdicts, values = [], iter(values)
+    for found in matches:
+        output = next(values)
+        presents = [next(values) for writer in (found.key_writer, found.value_writer) if writer is not None]
+        verdicts.append(_judge(found, output, *(projected[t.name][1] for t in (found.query, found.key, found.value)),
+                               reduced_precision=element_type(found.query.dtype) != onnx.TensorProto.FLOAT,
+                               presents=presents))
+    return verdicts
 
 
 def _width(found, tensor: gs.Tensor) -> int:
@@ -76,11 +87,15 @@ def _width(found, tensor: gs.Tensor) -> int:
 
 
 def _judge(found, output: np.ndarray, query: np.ndarray, key: np.ndarray, value: np.ndarray,
-           reduced_precision: bool = False) -> str | None:
+           reduced_precision: bool = False, presents: list[np.ndarray] = ()) -> str | None:
     heads, kv_heads, head_dim = found.num_heads, found.kv_num_heads, 2 * found.inv_freq.size
     tolerance = REDUCED_PRECISION_TOLERANCE if reduced_precision else TOLERANCE
     query, key, value = (x.reshape(1, PROBE_TOKENS, -1).astype(np.float64) for x in (query, key, value))
-    expected = _reference(found, query, key, value)
+    expected, *written = _reference(found, query, key, value)
+    for kind, present, reference in zip(("key", "value"), presents, written):
+        reason = _judge_cache(kind, np.asarray(present, dtype=np.float64), reference, tolerance)
+        if reason:
+            return reason
     output = np.asarray(output, dtype=np.float64)
     if output.size != expected.size:
         return (f"the attention block's output has shape {list(output.shape)} on a {PROBE_TOKENS}-token probe, not "
@@ -93,7 +108,7 @@ def _judge(found, output: np.ndarray, query: np.ndarray, key: np.ndarray, value:
     if group > 1:  # the common other layout: query head h reads kv head h % KV
         order = np.arange(heads).reshape(group, kv_heads).T.reshape(-1)  # new head h' = (h % KV) * group + h // KV
         permuted = query.reshape(1, PROBE_TOKENS, heads, head_dim)[:, :, order].reshape(query.shape)
-        modulo = _reference(found, permuted, key, value).reshape(1, PROBE_TOKENS, heads, head_dim)
+        modulo = _reference(found, permuted, key, value)[0].reshape(1, PROBE_TOKENS, heads, head_dim)
         modulo = modulo[:, :, np.argsort(order)].reshape(expected.shape)
         if np.abs(output - modulo).max() / max(1.0, np.abs(modulo).max()) <= tolerance:
             return (f"query head h reads kv head h % {kv_heads} (kv heads repeated as [rep, kv]); FlashAttention's "
@@ -106,6 +121,18 @@ def _reference(found, query: np.ndarray, key: np.ndarray, value: np.ndarray) -> 
     kv_heads, head_dim = found.kv_num_heads, 2 * found.inv_freq.size
     cos, sin = op.rotary_tables(found.inv_freq, PROBE_TOKENS, found.rotary_scaling)
     empty = np.zeros((1, kv_heads, PROBE_TOKENS, head_dim))
-    output, _, _ = op.reference(query, key, value, empty, empty, np.array([PROBE_TOKENS - 1]), PROBE_TOKENS, cos, sin,
-                                found.num_heads, kv_heads, found.scale)
-    return output
+    return op.reference(query, key, value, empty, empty, np.array([PROBE_TOKENS - 1]), PROBE_TOKENS, cos, sin,
+                        found.num_heads, kv_heads, found.scale)
+
+
+def _judge_cache(kind: str, present: np.ndarray, reference: np.ndarray, tolerance: float) -> str | None:
+    """The buffer the block wrote ([1, KV, M, D], written over zeros) against the op's rows 0..PROBE_TOKENS-1."""
+    if present.ndim != 4 or present.shape[:2] != reference.shape[:2] or present.shape[3] != reference.shape[3] \
+            or present.shape[2] < PROBE_TOKENS:
+        return (f"the {kind} cache the block writes has shape {list(present.shape)}, not [1, {reference.shape[1]}, "
+                f"max context, {reference.shape[3]}]")
+    error = np.abs(present[:, :, :PROBE_TOKENS] - reference).max() / max(1.0, np.abs(reference).max())
+    if error > tolerance or np.any(present[:, :, PROBE_TOKENS:]):
+        return (f"the block writes the {kind} cache elsewhere than FlashAttention does (rows 0..{PROBE_TOKENS - 1} "
+                f"for a {PROBE_TOKENS}-token first prompt; largest difference {error:.2g} on a probe)")
+    return None

@@ -3,12 +3,17 @@
 `aotlm.FlashAttention` masks causally (query at position p sees keys j <= p) over each sequence's valid length
 (passes/flash_attention_op.py). A traced graph's mask subgraph may compute more: a sliding window, a bias
 (ALiBi), bidirectional attention. Its structure varies with the exporter, so instead of matching it, the mask is
-evaluated: the subgraph that computes it is cut out and run with onnxruntime on a probe sequence (batch 1,
-positions 0..L-1, an attention_mask of ones, an empty past), and every query row must be 0 on keys j <= i and
-at most -1e4 (or -inf) after. A mask that the probe cannot run (it needs other inputs) is reported as unchecked.
+evaluated: the subgraph that computes it is cut out and run with onnxruntime on a probe sequence (positions
+0..L-1, an attention_mask of ones, an empty past; batch 1, or the graph's fixed batch), and every query row must be
+0 on keys j <= i and at most -1e4 (or -inf) after. A mask that the probe cannot run (it needs other inputs) is
+reported as unchecked, and its layer stays unfused.
 
-The probe length L is the graph's cache length when fixed (the project's export), else 512: a window longer than
-L is not seen.
+Where the block reads its keys back from the cache (a decode graph), a second probe puts queries after cached
+tokens: DECODE_QUERIES new tokens at positions L-S..L-1 of L valid ones. Query i must see keys j <= L-S+i: a mask
+aligned top-left (j <= i, the usual is_causal mistake) agrees with the first probe, where S == L, and not here.
+
+The probe length L is the graph's cache length when fixed (the project's export), else the rotary table length the
+pass was given (`rotary_cache_length`), else 512: a window longer than L is not seen.
 """
 from __future__ import annotations
 
@@ -17,35 +22,54 @@ import onnx_graphsurgeon as gs
 
 from passes.probe_precision import as_float32
 
-PROBE_TOKENS = 512  # when the graph's cache length is dynamic
+PROBE_TOKENS = 512  # when the graph's cache length is dynamic and no rotary table length is given
+DECODE_CONTEXT, DECODE_QUERIES = 8, 3  # the second probe: 3 new tokens after 5 cached
 MASKED = -1e4  # at most this on a masked key (exporters use finfo.min or -inf)
 
 TOKEN_INPUTS = ("input_ids", "position_ids", "attention_mask")
 
 
-def probe_length(graph: gs.Graph) -> int:
+def cache_length(graph: gs.Graph) -> int | None:
     past = next((t for t in graph.inputs if t.name.startswith("past_key_values.")), None)
     fixed = past.shape[2] if past is not None and past.shape and len(past.shape) == 4 else None
-    return int(fixed) if isinstance(fixed, int) and fixed > 0 else PROBE_TOKENS
+    return int(fixed) if isinstance(fixed, int) and fixed > 0 else None
 
 
-def check_masks(graph: gs.Graph, masks: list[gs.Tensor]) -> dict[str, str | None]:
-    """Per mask tensor name: None when it is the causal rule, a reason when not, or "unchecked: ..."."""
+def probe_length(graph: gs.Graph, rotary_rows: int | None = None) -> int:
+    return cache_length(graph) or rotary_rows or PROBE_TOKENS
+
+
+def check_masks(graph: gs.Graph, masks: list[gs.Tensor], reading_cache: list[gs.Tensor] = (),
+                length: int | None = None) -> dict[str, str | None]:
+    """Per mask tensor name: None when it is the causal rule, a reason when not, or "unchecked: ...".
+    reading_cache: the masks of blocks that read their keys from the cache, also probed with queries after
+    cached tokens. length: the rotary table length, the probe's when the graph's cache length is not fixed."""
     unique = list({mask.name: mask for mask in masks}.values())
     if not unique:
         return {}
-    length = probe_length(graph)
+    length = probe_length(graph, length)
+    verdicts = _evaluate(graph, unique, lambda value: probe_feed(value, length), lambda mask: _judge(mask, length))
+    decode = [mask for mask in {mask.name: mask for mask in reading_cache}.values() if verdicts[mask.name] is None]
+    if decode and (cache_length(graph) or 0) >= DECODE_CONTEXT:
+        later = _evaluate(graph, decode, lambda value: probe_feed(value, DECODE_CONTEXT, DECODE_QUERIES),
+                          lambda mask: _judge(mask, DECODE_CONTEXT, DECODE_QUERIES))
+        verdicts.update(later)
+    return verdicts
+
+
+def _evaluate(graph: gs.Graph, masks: list[gs.Tensor], feed, judge) -> dict[str, str | None]:
     probe = graph.copy()  # shares the weights; the cleanup below keeps only what the masks need
     tensors = probe.tensors()
-    probe.outputs = [tensors[mask.name] for mask in unique]
+    probe.outputs = [tensors[mask.name] for mask in masks]
     for output in probe.outputs:
         output.dtype = output.dtype or np.float32
     as_float32(probe)  # onnxruntime's CPU kernels lack bfloat16 Where and Add: the same math in float32
-    values = run_cut(probe, lambda value: probe_feed(value, length))
+    values = run_cut(probe, feed)
+    if isinstance(values, str) and len(masks) > 1:  # one mask the probe cannot run: judge the others alone
+        return {name: verdict for mask in masks for name, verdict in _evaluate(graph, [mask], feed, judge).items()}
     if isinstance(values, str):
-        reason = f"unchecked: the mask could not be evaluated ({values})"
-        return {mask.name: reason for mask in unique}
-    return {mask.name: _judge(np.asarray(value, dtype=np.float64), length) for mask, value in zip(unique, values)}
+        return {masks[0].name: f"unchecked: the mask could not be evaluated ({values})"}
+    return {mask.name: judge(np.asarray(value, dtype=np.float64)) for mask, value in zip(masks, values)}
 
 
 def run_cut(probe: gs.Graph, feed) -> list[np.ndarray] | str:
@@ -66,33 +90,49 @@ def run_cut(probe: gs.Graph, feed) -> list[np.ndarray] | str:
         return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
 
 
-def probe_feed(value: gs.Variable, length: int) -> np.ndarray:
-    """A graph input for a batch-1 probe of `length` tokens at positions 0.., all valid, with an empty past."""
+def probe_feed(value: gs.Variable, length: int, queries: int | None = None) -> np.ndarray:
+    """A graph input for a probe of `length` valid tokens whose last `queries` (all by default) are new, at
+    positions 0..; batch 1, or the input's own when fixed. The past buffer holds zeros (only its shape is read)."""
     dtype = np.dtype(value.dtype) if value.dtype is not None else np.dtype(np.int64)
+    batch = value.shape[0] if value.shape and isinstance(value.shape[0], int) and value.shape[0] > 0 else 1
+    queries = length if queries is None else queries
     if value.name == "input_ids":
-        return np.zeros((1, length), dtype)
+        return np.zeros((batch, queries), dtype)
     if value.name == "position_ids":
-        return np.arange(length, dtype=dtype)[None]
+        return np.repeat(np.arange(length - queries, length, dtype=dtype)[None], batch, axis=0)
     if value.name == "attention_mask":
-        return np.ones((1, length), dtype)
+        return np.ones((batch, length), dtype)
     if value.name.startswith("past_key_values."):  # an empty past, or the fixed buffer (only its shape is read)
-        shape = [dim if isinstance(dim, int) else (1 if axis == 0 else 0) for axis, dim in enumerate(value.shape)]
+        shape = [dim if isinstance(dim, int) else (batch if axis == 0 else 0) for axis, dim in enumerate(value.shape)]
         return np.zeros(shape, dtype)
     raise ValueError(f"no probe value for input {value.name!r}")
 
 
-def _judge(mask: np.ndarray, length: int) -> str | None:
-    if mask.size % (length * length) or mask.shape[-1] != length:
-        return f"the additive mask has shape {list(mask.shape)} for a {length}-token probe, not [..., {length}, {length}]"
-    rows = mask.reshape(-1, length, length)
-    visible = np.tril(np.ones((length, length), dtype=bool))
+def _judge(mask: np.ndarray, length: int, queries: int | None = None) -> str | None:
+    """The mask of `queries` new tokens (all `length` by default) at positions length-queries.. against the causal
+    rule; a key axis wider than `length` (the whole cache buffer) holds keys no query may see."""
+    queries = length if queries is None else queries
+    if mask.ndim < 2 or mask.shape[-2] != queries or mask.shape[-1] < length:
+        return (f"the additive mask has shape {list(mask.shape)} for a probe of {queries} queries over {length} "
+                f"keys, not [..., {queries}, {length}]")
+    keys = mask.shape[-1]
+    rows = mask.reshape(-1, queries, keys)
+    position = np.arange(length - queries, length)[:, None]
+    visible = np.arange(keys)[None, :] <= position
     kept = rows[:, visible]
+    if np.any(kept <= MASKED) and queries < length:
+        return (f"the additive mask hides keys at or before the query for queries after cached tokens ({length - queries} "
+                f"cached, {queries} new): aligned top-left, as is_causal does, or a sliding window")
     if np.any(kept <= MASKED):
         return "the additive mask hides keys at or before the query that a causal mask keeps (e.g. a sliding window)"
     if np.any(np.abs(kept) > 1e-3):
         return "the additive mask adds values on keys a causal mask keeps (a bias, e.g. ALiBi)"
     hidden = rows[:, ~visible]
     if hidden.size and np.any(hidden > MASKED):
+        if queries < length:
+            return (f"the additive mask is not causal for queries after cached tokens: with {length - queries} "
+                    f"cached and {queries} new, some query sees a later key or misses an earlier one (a mask "
+                    f"aligned top-left, as is_causal does)")
         return "the additive mask is not causal: some query sees a later key"
     return None
 

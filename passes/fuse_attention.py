@@ -63,6 +63,7 @@ class Match:
     inv_freq: np.ndarray
     rotary_scaling: float
     activations: tuple = ()  # per q, k, v projection: (its input x, K of x @ W), for the block probe
+    reads_cache: bool = False  # the scores read the keys back from the written cache (a decode graph)
 
 
 def _scores(softmax: gs.Node) -> tuple[gs.Node, float, gs.Tensor | None] | SkipReason:
@@ -184,6 +185,19 @@ def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tenso
     return chain[-1], writer, writer.inputs[0], factor
 
 
+def _reads_written_cache(tensor: gs.Tensor, writer: gs.Node | None) -> bool:
+    """Whether the walk up from the scores' key operand passes the cache writer's output (decode), not beside it."""
+    if writer is None:
+        return False
+    node = producer(tensor)
+    while node is not None and (node.op in THROUGH_CACHE_READ | {"ScatterElements"} or scalar_factor(node) is not None):
+        if node is writer:
+            return True
+        tensor = scaled_operand(node) if node.op in ("Mul", "Div") else node.inputs[0]
+        node = producer(tensor)
+    return False
+
+
 def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | SkipReason:
     scores = _scores(softmax)
     if isinstance(scores, SkipReason):
@@ -226,7 +240,7 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
         return SkipReason(f"projection widths q={q_width} k={k_width} v={v_width} do not fit head_dim {head_dim}")
     return Match(layer_name(o_proj), query, key_tensor, value_tensor, past_key, past_value, key_writer, value_writer,
                  o_proj, mask, q_width // head_dim, k_width // head_dim, scale, inv_freq, scaling,
-                 tuple(projection[2] for projection in projections))
+                 tuple(projection[2] for projection in projections), _reads_written_cache(qk.inputs[1], key_writer))
 
 
 class SharedInputs:
@@ -298,14 +312,13 @@ def rewrite(graph: gs.Graph, match: Match, shared: SharedInputs) -> None:
 
 
 def _keep_checked(matches: list[Match], layers: list[dict], check: str, verdicts: list[str | None]) -> list[Match]:
-    """The matches whose probe verdict is None or "unchecked: ..." (noted in their layer's report as `check`); the
-    others' layers become unfused, the verdict their reason. `layers` lists the fused ones in the matches' order."""
+    """The matches whose probe verdict is None; the others' layers become unfused, the verdict their reason (an
+    "unchecked: ..." one too: a block the probe could not run may compute anything, e.g. a sliding window in a
+    graph of fixed batch 2). `layers` lists the fused ones in the matches' order."""
     kept = []
     for found, layer, verdict in zip(matches, [layer for layer in layers if layer["fused"]], verdicts, strict=True):
-        if verdict is None or verdict.startswith("unchecked"):
+        if verdict is None:
             kept.append(found)
-            if verdict:
-                layer[check] = verdict
         else:
             layer.clear()
             layer.update({"layer": found.layer, "fused": False, "reason": verdict})
@@ -339,7 +352,10 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                                  f"with attn_implementation='eager' or a lower opset"})
     # The fused node masks causally: a mask that computes more (a window, a bias) keeps its layer unfused; then
     # each remaining block must compute the node's output on a probe (which kv head each query head reads, ...).
-    mask_verdicts = check_masks(graph, [found.mask for found in matches if found.mask is not None])
+    mask_verdicts = check_masks(graph, [found.mask for found in matches if found.mask is not None],
+                                reading_cache=[found.mask for found in matches if found.mask is not None
+                                               and found.reads_cache],
+                                length=options.rotary_cache_length)
     matches = _keep_checked(matches, layers, "mask", [mask_verdicts.get(found.mask.name) if found.mask is not None
                                                       else None for found in matches])
     matches = _keep_checked(matches, layers, "block", check_blocks(graph, matches))

@@ -300,7 +300,7 @@ def test_the_block_probe_compares_against_the_reference(decoder_graphs):
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, probe.PROBE_TOKENS, probe._width(found, t))).astype(np.float32)
                for t in (found.query, found.key, found.value))
-    expected = probe._reference(found, q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    expected = probe._reference(found, q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))[0]
     assert probe._judge(found, expected.astype(np.float32), q, k, v) is None
     wrong = expected.copy()
     wrong[0, 3, 5] += 0.05
@@ -394,3 +394,68 @@ def test_a_scaling_by_a_one_element_constant_of_shape_1_is_read(decoder_graphs, 
     assert report["fused"] == CONFIG.num_layers
     scales = [a.f for n in fused.graph.node if n.op_type == "FlashAttention" for a in n.attribute if a.name == "scale"]
     assert scales == pytest.approx([0.5 * CONFIG.head_dim ** -0.5] * CONFIG.num_layers)
+
+
+def test_a_prefill_that_writes_its_cache_at_other_rows_is_not_fused(decoder_graphs):
+    """Layer 0's prefill cache writes moved one row on: the attention output is the same (prefill reads its new keys
+    directly), so only the written cache shows it. Before, the block was fused and wrote rows 0.. anyway."""
+    shifted = onnx.ModelProto()
+    shifted.CopyFrom(decoder_graphs["prefill"])
+    shifted.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.int64), "one_row_on"))
+    for node in [n for n in shifted.graph.node if n.op_type == "ScatterElements" and "layers.0" in n.name]:
+        later = f"{node.name}/later_rows"
+        shifted.graph.node.insert(0, onnx.helper.make_node("Add", [node.input[1], "one_row_on"], [later]))
+        node.input[1] = later
+    shifted = gs.export_onnx(gs.import_onnx(shifted).toposort())
+    _, report = fuse_attention.run(shifted, fuse_attention.Options())
+    assert report["fused"] == CONFIG.num_layers - 1
+    assert report["layers"][0]["reason"].startswith("the block writes the key cache elsewhere than FlashAttention does")
+
+
+def test_a_decode_mask_aligned_top_left_is_not_fused(decoder_graphs, monkeypatch):
+    """A decode graph whose mask lets query i see keys j <= i (is_causal's alignment) rather than j <= its position:
+    the two agree when queries and keys are as many, as in the first probe. Before, it was fused and a decode step
+    after 4 cached tokens changed the logits by 0.43."""
+    import compiler.frontend.model as model_module
+
+    def top_left(position_ids, attention_mask, dtype):
+        keys, queries = torch.arange(attention_mask.shape[1]), torch.arange(position_ids.shape[1])
+        visible = (keys.view(1, 1, -1) <= queries.view(1, -1, 1)) & (attention_mask.unsqueeze(1) > 0)
+        return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None]
+
+    monkeypatch.setattr(model_module, "visibility_bias", top_left)
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    decode = cleanup.run(export_graphs(decoder, MAX_CONTEXT)["decode"], cleanup.Options())[0]
+    _, report = fuse_attention.run(decode, fuse_attention.Options())
+    assert report["fused"] == 0 and "aligned top-left" in report["layers"][0]["reason"]
+    assert fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())[1]["fused"] == CONFIG.num_layers
+
+
+def test_a_mask_the_probe_cannot_evaluate_stays_unfused(decoder_graphs):
+    """A mask that also reads an input the probe cannot make: "unchecked" had counted as fused, and `required`
+    passed a block that may compute anything (a window in a graph of fixed batch 2, say)."""
+    graph = gs.import_onnx(decoder_graphs["decode"])
+    softmax = next(node for node in graph.nodes if node.op == "Softmax")
+    extra = gs.Variable("mask_offset", np.float32, [1])
+    graph.inputs.append(extra)
+    mask_add = softmax.inputs[0].inputs[0]
+    moved = graph.layer(op="Add", inputs=[mask_add.inputs[1], extra], outputs=["offset_mask"])[0]
+    mask_add.inputs[1] = moved
+    _, report = fuse_attention.run(gs.export_onnx(graph.toposort()), fuse_attention.Options())
+    assert report["fused"] == CONFIG.num_layers - 1
+    assert report["layers"][0]["reason"].startswith("unchecked: the mask could not be evaluated")
+
+
+def test_a_window_longer_than_512_tokens_is_probed_over_the_rotary_table_length():
+    """Mistral, window 600, dynamic axes: the probe ran 512 tokens, saw a causal mask and fused; at 700 tokens the
+    fused logits differed by 0.027. The probe now runs the rotary table's length, the context the graph is built
+    for."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                           sliding_window=600, attn_implementation="eager", use_cache=False)
+    model = trace_hf(MistralForCausalLM(config).eval(), torch.randint(0, 300, (1, 9)), torch.ones(1, 9, dtype=torch.long))
+    _, report = fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=1024))
+    assert report["fused"] == 0 and "sliding window" in report["layers"][0]["reason"]
