@@ -91,9 +91,10 @@ class PhaseGraph(nn.Module):
 
 def example_inputs(config: DecoderConfig, max_context: int, phase: str, batch: int = 2,
                    dtype: torch.dtype = torch.float32) -> tuple:
-    # Sizes other than 1, so no exporter can mistake a dynamic axis for a constant 1.
-    sequence = 5 if phase == "prefill" else 2
-    total = sequence if phase == "prefill" else 7
+    # Sizes other than 1, so no exporter can mistake a dynamic axis for a constant 1; and within the cache (a
+    # max_context of 2 to 6 wrote the example past its rows).
+    total = min(5 if phase == "prefill" else 7, max_context)
+    sequence = total if phase == "prefill" else max(1, min(2, total - 1))
     start = total - sequence
     positions = torch.arange(start, total).expand(batch, sequence).contiguous()
     cache = torch.zeros(batch, config.num_kv_heads, max_context, config.head_dim, dtype=dtype)

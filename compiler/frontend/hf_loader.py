@@ -120,7 +120,7 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),
-            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_theta=_rope_theta(hf, rope, origin),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # 1e-6: transformers' default for all three
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
@@ -137,12 +137,22 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
 
 
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default
+MISTRAL_WINDOW = 4096  # transformers' MistralConfig default, when config.json has no sliding_window key
+
+
+def _rope_theta(hf: dict, rope: dict, origin: str) -> float:
+    """rope_theta from the top level (transformers < 5) or rope_parameters / rope_scaling (5, which prefers it)."""
+    top, nested = hf.get("rope_theta"), rope.get("rope_theta")
+    if top is not None and nested is not None and float(top) != float(nested):
+        raise BuildError(f"{origin}: rope_theta {top} and rope_parameters.rope_theta {nested} disagree (transformers 5 "
+                         f"reads the second, earlier versions the first); keep the one the model was trained with")
+    return float(nested if nested is not None else top if top is not None else 10000.0)
 
 
 def _sliding_window(hf: dict, model_type: str) -> int | None:
     """The attention window in tokens, when any layer uses one (Mistral's sliding_window; Qwen2's with
     use_sliding_window, on layers from max_window_layers on, or as layer_types says); None for full attention."""
-    window = hf.get("sliding_window")
+    window = hf.get("sliding_window", MISTRAL_WINDOW if model_type == "mistral" else None)  # null: no window
     if window is None or (model_type == "qwen2" and not hf.get("use_sliding_window", False)):
         return None
     layers = int(hf.get("num_hidden_layers", 0))

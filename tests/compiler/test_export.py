@@ -115,3 +115,21 @@ def test_half_precision_export_fuses_and_keeps_float32_rotary(dtype):
     logits, _ = run(session, caches, np.array(tokens), np.arange(n)[None], np.ones((1, n), np.int64))
     difference = np.abs(logits.astype(np.float32) - expected).max()
     assert difference < 1e-2, f"float16 graph vs float32 decoder: max |diff| {difference:.2e}"
+
+
+@pytest.mark.parametrize("max_context", [2, 4, 6])
+def test_a_small_max_context_exports_and_decodes(max_context):
+    """The example inputs traced 5 prompt and 7 decode tokens into the cache whatever its size: a max_context of 2
+    to 6, which the recipe allows, failed the export ("index 4 is out of bounds")."""
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=3).state_dict)
+    sessions = {phase: ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+                for phase, model in export_graphs(decoder, max_context).items()}
+    tokens = [1, 5, 9, 14, 200, 7][:max_context]
+    caches = [np.zeros((1, CONFIG.num_kv_heads, max_context, CONFIG.head_dim), np.float32)] * (2 * CONFIG.num_layers)
+    prompt = len(tokens) - 1
+    logits, caches = run(sessions["prefill"], caches, np.array([tokens[:prompt]]), np.arange(prompt)[None],
+                         np.ones((1, prompt), np.int64))
+    np.testing.assert_allclose(logits.reshape(1, -1), recompute(decoder, [tokens[:prompt]]), atol=1e-5)  # the last's
+    logits, _ = run(sessions["decode"], caches, np.array([tokens[prompt:]]), np.array([[prompt]]),
+                    np.ones((1, len(tokens)), np.int64))
+    np.testing.assert_allclose(logits[:, -1], recompute(decoder, [tokens]), atol=1e-5)

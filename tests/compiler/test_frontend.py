@@ -420,6 +420,27 @@ def test_a_sliding_window_is_read(tmp_path, overrides, window):
     assert load_hf_folder(str(tmp_path / "m")).config.sliding_window == window
 
 
+def test_a_mistral_config_without_a_sliding_window_key_has_transformers_default_window(tmp_path):
+    """MistralConfig defaults sliding_window to 4096: a config.json without the key had loaded with no window, so the
+    build's window check was skipped (an explicit null still means none)."""
+    config = dataclasses.replace(TINY, architecture="mistral")
+    write_hf_folder(tmp_path / "m", config, random_model(config, 0).state_dict, model_type="mistral")
+    path = tmp_path / "m" / "config.json"
+    data = json.loads(path.read_text())
+    data.pop("sliding_window", None)
+    path.write_text(json.dumps(data))
+    assert load_hf_folder(str(tmp_path / "m")).config.sliding_window == 4096
+
+
+def test_two_rope_thetas_that_disagree_are_refused(tmp_path):
+    """transformers 5 reads rope_parameters.rope_theta, earlier versions the top-level one: the loader took the
+    top-level 10000 where transformers 5 ran 1e6 (logits 4.3e-3 apart)."""
+    write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict, rope_theta=10000.0,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    with pytest.raises(BuildError, match=r"rope_theta 10000.0 and rope_parameters.rope_theta 1000000.0 disagree"):
+        load_hf_folder(str(tmp_path / "m"))
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(attention_bias=True), "attention_bias: true \\(llama\\) puts a bias on o_proj too"),
     (dict(mlp_bias=True), "mlp_bias: true \\(biases on the MLP projections\\) is not supported"),
