@@ -23,11 +23,12 @@ from compiler.errors import BuildError
 from compiler.export import cache_dtype
 from runtime.evaluate import EvaluationError, decode_logits_for, evaluate, tokens_fingerprint
 from runtime.onnxruntime_backend import OnnxRuntimeBackend
+from runtime.tokenizer import whole_text
 
 
 def held_out_tokens(calibration_text: str, tokenizer_json: str, max_tokens: int) -> tuple[np.ndarray, str]:
     _, held_out, source = split_text(calibration_text)
-    ids = Tokenizer.from_str(tokenizer_json).encode(held_out, add_special_tokens=False).ids[:max_tokens]
+    ids = whole_text(Tokenizer.from_str(tokenizer_json)).encode(held_out, add_special_tokens=False).ids[:max_tokens]
     return np.asarray(ids, np.int64), source["source"].replace("first 90%", "last 10% (held out)")
 
 

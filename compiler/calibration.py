@@ -17,15 +17,17 @@ from compiler.errors import BuildError
 from passes.calibration import CalibrationSet, CalibrationSpec, draw_samples
 from passes.errors import PassError
 from runtime.evaluate import split_held_out, split_pydoc_text
+from runtime.tokenizer import whole_text
 
 BUILTIN = "pydoc"
+BUILTIN_SOURCE = "pydoc_data.topics (Python's documentation)"  # how reports name the built-in text
 
 
 def split_text(spec_text: str) -> tuple[str, str, dict]:
     """(calibration part, held-out part, where it came from) of the recipe's `calibration.text`."""
     if spec_text == BUILTIN:
         calibration, held_out = split_pydoc_text()
-        return calibration, held_out, {"source": "pydoc_data.topics (Python's documentation), first 90%"}
+        return calibration, held_out, {"source": f"{BUILTIN_SOURCE}, first 90%"}
     path = Path(spec_text).expanduser()
     if not path.is_file():
         raise BuildError(f"calibration.text: {spec_text!r} is neither 'pydoc' (the built-in text) nor a text file")
@@ -40,7 +42,7 @@ def split_text(spec_text: str) -> tuple[str, str, dict]:
 def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> CalibrationSet:
     """The spec's text tokenized (no special tokens) and cut into its samples."""
     calibration, _, source = split_text(spec.text)
-    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer = whole_text(Tokenizer.from_str(tokenizer_json))
     token_ids = np.asarray(tokenizer.encode(calibration, add_special_tokens=False).ids, np.int64)
     try:
         samples = draw_samples(token_ids, spec.samples, spec.length, spec.seed)

@@ -8,16 +8,22 @@ from tokenizers import Tokenizer
 from runtime.errors import ArtifactError
 
 
+def whole_text(tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` set to encode a text whole. Some tokenizer.json files ship with truncation or padding set: a long
+    prompt would be cut without a word (the model answering another prompt, no context error), a short one padded;
+    so would the build's calibration and held-out texts."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
 class TextTokenizer:
     def __init__(self, path: str | Path, bos_token_id: int | None = None):
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # tokenizers raises a bare Exception on a bad file
             raise ArtifactError(f"{path}: cannot read the tokenizer ({error}); rebuild the artifact") from None
-        # Some tokenizer.json files ship with truncation or padding set: a long prompt would be cut without a word
-        # (the model answering another prompt, no context error), a short one padded. A prompt is encoded whole.
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
+        self.tokenizer = whole_text(self.tokenizer)
         self.bos_token_id = bos_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
