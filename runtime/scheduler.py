@@ -21,7 +21,8 @@ one background worker thread owns the cache and runs every graph (started on dem
      position, which its next prefill overwrites before anything reads it;
   4. sample per request (its own Sampler and seed), check its stops, hand text to its handle; a request that
      finishes frees its slot at once, a cancelled one at the start of the next iteration. A request whose
-     sampling fails (NaN logits in its row) fails alone; a graph run that fails fails every running request.
+     sampling fails (NaN logits in its row) fails alone; a graph run that fails fails the requests in it (a prompt's
+     prefill: that request; a decode step: the decoding ones), and the rest go on.
 batching="static" admits only when every slot is free: fixed batches run to completion (for comparison).
 
 Capacity: a request needs prompt + max_new_tokens - 1 cache positions (the last token is never fed back); one
@@ -258,6 +259,7 @@ class Scheduler:
                 self._worker = None
                 unfinished = [*self._waiting, *filter(None, self._running)]
                 self._waiting.clear()
+                self._running = [None] * len(self._running)  # a worker a submit starts now must not serve them
                 self._lock.notify_all()
             stopped = RequestError(f"the scheduler's worker thread stopped ({error!r}) before this request finished")
             for sequence in unfinished:
@@ -292,7 +294,7 @@ class Scheduler:
                 return
             try:
                 self._step()
-            except Exception as error:  # a graph failed: fail the running requests, keep serving the rest
+            except Exception as error:  # outside any graph run (those fail their own requests): fail the running
                 for sequence in filter(None, self._running):
                     self._fail(sequence, error)
 
@@ -336,9 +338,13 @@ class Scheduler:
                 if sequence.prefill_start is None:
                     sequence.prefill_start = time.perf_counter()
                 if start == 0:  # the prefill graph (no past): the last position's logits
-                    logits = last_token_logits(self.cache.run("prefill", rows, ids, positions, mask), [count])[0]
+                    logits = self._graph_run([sequence], lambda: last_token_logits(
+                        self.cache.run("prefill", rows, ids, positions, mask), [count])[0])
                 else:  # a chunk after a past: the decode graph at batch 1, logits [1, count, vocab]
-                    logits = self.cache.run("decode", rows, ids, positions, mask)[0, -1]
+                    logits = self._graph_run([sequence], lambda: self.cache.run("decode", rows, ids, positions,
+                                                                                mask)[0, -1])
+                if logits is None:  # the run failed this request
+                    break
                 sequence.prefilled += count
                 if sequence.prefilled == len(sequence.prompt_ids):
                     sequence.prefill_end = time.perf_counter()
@@ -369,8 +375,10 @@ class Scheduler:
             positions = np.tile(np.arange(width, dtype=np.int64), (len(run), 1))
             mask = (positions < lengths[:, None]).astype(np.int64)  # right padded
             started = time.perf_counter()
-            logits = last_token_logits(self.cache.run("prefill", (run[0].slot, run[-1].slot + 1), ids, positions, mask),
-                                       lengths)  # [B, vocab]
+            logits = self._graph_run(run, lambda: last_token_logits(self.cache.run(
+                "prefill", (run[0].slot, run[-1].slot + 1), ids, positions, mask), lengths))  # [B, vocab]
+            if logits is None:
+                continue
             ended = time.perf_counter()
             for row, sequence in enumerate(run):
                 sequence.prefill_start, sequence.prefill_end = started, ended
@@ -391,15 +399,28 @@ class Scheduler:
                 lengths[slot] = sequence.length
                 ids[slot, 0] = 0 if sequence.next_token is None else sequence.next_token
         mask = (np.arange(lengths.max() + 1)[None] <= lengths[:, None]).astype(np.int64)  # right padded
-        logits = self.cache.run("decode", (0, batch), ids, lengths[:, None], mask)  # [batch, 1, vocab]
+        decoding = [self._running[slot] for slot in rows]  # mid-prefill rows' throw-away writes do not fail them
+        logits = self._graph_run(decoding, lambda: self.cache.run("decode", (0, batch), ids, lengths[:, None], mask))
+        if logits is None:
+            return
         for slot in rows:
             sequence = self._running[slot]
             self._take(sequence, logits[slot, -1])
 
+    def _graph_run(self, sequences: list[_Sequence], run):
+        """run(), a graph run over these sequences' cache rows; if it raises, it fails them alone and returns None:
+        the other requests' rows were not in it, and they go on (a long prompt's out-of-memory prefill, say)."""
+        try:
+            return run()
+        except Exception as error:
+            for sequence in sequences:
+                self._fail(sequence, error)
+            return None
+
     def _take(self, sequence: _Sequence, logits: np.ndarray) -> None:
         """Sample this sequence's next token from its row of logits and accept it. An error here (its logits are
         NaN, its text fails to decode) is its own: it fails this request alone, and the rest of the batch, whose
-        rows are fine, goes on; only a failing graph run fails every running request (in _work)."""
+        rows are fine, goes on; a failing graph run fails the requests in it (_graph_run)."""
         try:
             self._accept(sequence, sequence.sampler(logits))
         except Exception as error:

@@ -222,6 +222,26 @@ def test_a_failing_graph_fails_running_requests_and_serving_goes_on(engine, monk
         engine, [1, 2, 3], 4)
 
 
+def test_a_failing_prefill_fails_its_request_alone(engine, monkeypatch):
+    """B's prefill fails (out of memory on a long prompt, say) while A decodes in another slot: A had been failed too,
+    though its cache rows were not in B's run."""
+    scheduler = engine.start_scheduler(slots=2)
+    run = scheduler.cache.run
+
+    def failing_for_b(phase, rows, ids, *args):
+        if phase == "prefill" and 77 in ids:
+            raise RuntimeError("prefill of B failed")
+        return run(phase, rows, ids, *args)
+
+    monkeypatch.setattr(scheduler.cache, "run", failing_for_b)
+    first = engine.submit([1, 2, 3], max_new_tokens=12, stop_token_ids=())
+    next(iter(first))  # A is decoding
+    second = engine.submit([1, 77, 3], max_new_tokens=4, stop_token_ids=())
+    with pytest.raises(RuntimeError, match="prefill of B failed"):
+        second.result(timeout=30)
+    assert first.result(timeout=30).token_ids == alone(engine, [1, 2, 3], 12)
+
+
 def test_nan_logits_in_one_row_fail_that_request_alone(engine, monkeypatch):
     scheduler = engine.start_scheduler(slots=2)
     run = scheduler.cache.run
