@@ -34,6 +34,11 @@ SUB_BYTE_BITS = {name: bits for name, bits in
                  if hasattr(onnx.TensorProto, name)}
 # Initializers up to this size keep their values during shape inference (see inferred_value_info).
 SHAPE_DATA_MAX_BYTES = 64 << 10
+# Ops whose output is a fresh sample each run: folding would freeze one sample into the graph.
+RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"}
+# graphsurgeon's shape folding runs these on int tensors cast to float and back (TensorRT's shape tensors), its
+# constants cast to int: exact only for whole constants that nothing else reads (_guard_cast_elision).
+CAST_ELISION_OPS = {"Add", "Sub", "Mul", "Div", "Max", "Min", "Equal", "Greater", "Less", "Concat"}
 
 
 @dataclass(frozen=True)
@@ -50,19 +55,19 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     """Returns a cleaned copy of `model` and a report of what changed, in numbers."""
     report: dict = {"dead_nodes_removed": 0, "nodes_folded": 0, "constants_folded": 0,
                     "initializers_deduplicated": 0}
+    # An initializer that is also a graph input is a default the caller may override (older exporters write
+    # them). Cleaned as a plain input, nothing reads its default: not folding, sharing nor shape inference.
+    overridable = {value.name for value in model.graph.input} & {t.name for t in model.graph.initializer}
+    source = _without_initializers(model, overridable) if overridable else model
     # Shapes let folding size its results (the threshold) and fold Shape ops of static tensors.
-    shapes = inferred_value_info(model, report) if options.infer_shapes and options.fold_constants else []
-    graph = _import(model, shapes)
+    shapes = inferred_value_info(source, report) if options.infer_shapes and options.fold_constants else []
+    graph = _import(source, shapes)
     nodes_before = len(graph.nodes)
     graph.cleanup()  # keeps unused graph inputs (remove_unused_graph_inputs=False)
     report["dead_nodes_removed"] = nodes_before - len(graph.nodes)
 
     if options.fold_constants:
-        # An initializer that is also a graph input is a default the caller may override (older exporters write
-        # them; graphsurgeon imports it as a constant): folding through it would bake the default in.
-        overridable = {value.name for value in model.graph.input} & {t.name for t in model.graph.initializer}
-        graph = _fold_constants(graph, lambda: _import(model, shapes), options.fold_size_threshold_bytes, report,
-                                overridable)
+        graph = _fold_constants(graph, lambda: _import(source, shapes), options.fold_size_threshold_bytes, report)
     if options.deduplicate_initializers:
         first_seen = {tensor.name: index for index, tensor in enumerate(model.graph.initializer)}
         report["initializers_deduplicated"] = deduplicate_initializers(graph, first_seen)
@@ -75,6 +80,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         inferred = inferred_value_info(result, report)
         del result.graph.value_info[:]  # `result` is our own copy: what ONNX infers replaces what gs exported
         result.graph.value_info.extend(inferred)
+    result.graph.initializer.extend(t for t in model.graph.initializer if t.name in overridable)  # the defaults
     _restore_graph_inputs(result, model)
     _require_same_io(model, result)
     report.update(_compare(_summarize(model), _summarize(result)))
@@ -86,8 +92,90 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
 def _import(model: onnx.ModelProto, shapes: list[onnx.ValueInfoProto]) -> gs.Graph:
     graph = gs.import_onnx(model)
     _detach_attribute_tensors(graph)
+    _float32_constant_attributes(graph)
+    _shape_ranges_as_slices(graph)
     apply_shapes(graph, shapes)
     return graph.toposort()  # fold_constants requires topological order
+
+
+def _without_initializers(model: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
+    """`model` without the initializers `names` (they stay graph inputs); a copy, since the input is never mutated."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    kept = [tensor for tensor in copy.graph.initializer if tensor.name not in names]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    return copy
+
+
+def _float32_constant_attributes(graph: gs.Graph) -> None:
+    """Constant(value_float[s]) as a float32 `value`: graphsurgeon reads the attribute as a float64 array, so the
+    folded initializer was DOUBLE and onnxruntime refused the graph (Mul bound to float and double)."""
+    for node in graph.nodes:
+        for value in node.attrs.values():
+            if isinstance(value, gs.Graph):
+                _float32_constant_attributes(value)
+        for key in ("value_float", "value_floats"):
+            if node.op == "Constant" and key in node.attrs:
+                values = np.asarray(node.attrs.pop(key), dtype=np.float32)
+                node.attrs["value"] = gs.Constant(f"{node.outputs[0].name}_value", values)
+
+
+def _shape_ranges_as_slices(graph: gs.Graph) -> None:
+    """Shape(x, start, end) as Slice(Shape(x)): graphsurgeon's shape folding reads Shape as the whole shape and
+    ignores start and end (Shape(start=1) of a static [2, 3, 4, 5] folded to [2, 3, 4, 5]); it folds the Slice
+    right."""
+    for node in list(graph.nodes):
+        if node.op != "Shape" or not ({"start", "end"} & set(node.attrs)):
+            continue
+        start, end = node.attrs.pop("start", 0), node.attrs.pop("end", None)
+        whole = gs.Variable(f"{node.outputs[0].name}_whole_shape", np.int64)
+        part = node.outputs[0]
+        node.outputs = [whole]
+        bounds = [gs.Constant(f"{part.name}_{what}", np.array([value], np.int64))
+                  for what, value in (("starts", start), ("ends", np.iinfo(np.int64).max if end is None else end),
+                                      ("axes", 0))]
+        graph.nodes.append(gs.Node("Slice", name=f"{node.name}_range", inputs=[whole, *bounds], outputs=[part]))
+
+
+def _guard_cast_elision(graph: gs.Graph) -> list[gs.Node]:
+    """Before graphsurgeon's shape folding: an Identity after each op its cast elision would get wrong (a constant
+    that is not whole, y = int(float(x) * 0.5) became x * 0; or one another node reads too, which it retypes in
+    place), so that its pattern no longer matches. Returns them, for _unguard after the folding."""
+    guards = []
+    for node in list(graph.nodes):
+        if node.op not in CAST_ELISION_OPS or not any(
+                producer.op == "Cast" for tensor in node.inputs for producer in tensor.inputs):
+            continue
+        constants = [tensor for tensor in node.inputs if isinstance(tensor, gs.Constant)]
+        unsafe = any(len(tensor.outputs) > 1 or not _whole(tensor) for tensor in constants)
+        if not unsafe:
+            continue
+        for output in node.outputs:
+            if output.outputs and all(consumer.op == "Cast" for consumer in output.outputs):
+                guarded = gs.Variable(f"{output.name}_guarded", output.dtype, output.shape)
+                for consumer in list(output.outputs):
+                    consumer.inputs[consumer.inputs.index(output)] = guarded
+                guards.append(gs.Node("Identity", name=f"{output.name}_guard", inputs=[output], outputs=[guarded]))
+                graph.nodes.append(guards[-1])
+    return guards
+
+
+def _whole(tensor: gs.Constant) -> bool:
+    values = np.asarray(tensor.values)
+    return values.dtype.kind in "iub" or bool(np.all(np.isfinite(values) & (values == np.round(values))))
+
+
+def _unguard(graph: gs.Graph, guards: list[gs.Node]) -> None:
+    """Remove the Identity nodes _guard_cast_elision put in (those folding left): their readers read their input."""
+    for guard in guards:
+        if not guard.inputs or not guard.outputs:
+            continue
+        source, guarded = guard.inputs[0], guard.outputs[0]
+        for consumer in list(guarded.outputs):
+            consumer.inputs[consumer.inputs.index(guarded)] = source
+        guard.inputs.clear()
+        guard.outputs.clear()
 
 
 def apply_shapes(graph: gs.Graph, shapes: list[onnx.ValueInfoProto]) -> None:
@@ -116,24 +204,25 @@ def _detach_attribute_tensors(graph: gs.Graph) -> None:
                 value._values = LazyValues(own)
 
 
-def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_threshold: int, report: dict,
-                    overridable: set[str] = frozenset()) -> gs.Graph:
+def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_threshold: int, report: dict) -> gs.Graph:
     """Folds what depends only on constants; on an evaluation error folds nothing and says why in the report."""
     variables = {name for name, tensor in graph.tensors().items() if isinstance(tensor, gs.Variable)}
     nodes_before = len(graph.nodes)
     import onnxruntime  # graphsurgeon evaluates with it; its optimizer warnings are noise in a build log
 
     onnxruntime.set_default_logger_severity(3)
+    guards = _guard_cast_elision(graph)
     try:
         graph.fold_constants(size_threshold=size_threshold, error_ok=False,
                              should_exclude_node=lambda node: (node.domain or "") not in ONNX_DOMAINS
-                             or any(tensor.name in overridable for tensor in node.inputs))
+                             or node.op in RANDOM_OPS)
     except Exception as error:  # onnxruntime raises many types; any of them means "not folded"
         # fold_constants edits the graph before it evaluates, so start again from the unfolded model.
         report["fold_skipped"] = f"onnxruntime could not evaluate the constant subgraph: {error}"
         graph = unfolded()
         graph.cleanup()
         return graph
+    _unguard(graph, guards)
     graph.cleanup()  # the folded subgraphs are now dead
     report["nodes_folded"] = nodes_before - len(graph.nodes)
     report["constants_folded"] = sum(1 for name, tensor in graph.tensors().items()

@@ -197,3 +197,85 @@ def test_an_overridable_initializer_is_not_folded_into_its_readers():
     x = np.ones(2, np.float32)
     np.testing.assert_array_equal(session.run(None, {"x": x, "scale": np.full(2, 10.0, np.float32)})[0], [11, 11])
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], [4, 4])
+
+
+def small_model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    value = lambda name, kind, shape: helper.make_tensor_value_info(name, kind, shape)  # noqa: E731
+    graph = helper.make_graph(nodes, "small", [value(*i) for i in inputs], [value(*o) for o in outputs],
+                              list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def same_outputs(model: onnx.ModelProto, feeds: dict) -> None:
+    cleaned, _ = cleanup.run(model, cleanup.Options())
+    for before, after in zip(run_ort(model, feeds), run_ort(cleaned, feeds), strict=True):
+        np.testing.assert_array_equal(after, before)
+
+
+def test_overridable_defaults_are_neither_shared_nor_dropped_nor_read_by_shape_inference():
+    """Initializers also listed as graph inputs: `scale` was deduplicated with the equal `bias` (then the bias read a
+    fed scale), an unused one became a required input, and a Reshape target's default was folded into Shape."""
+    model = small_model(
+        [helper.make_node("Mul", ["x", "scale"], ["y"]), helper.make_node("Add", ["x", "bias"], ["z"]),
+         helper.make_node("Reshape", ["w", "target"], ["r"]), helper.make_node("Shape", ["r"], ["s"])],
+        [("x", TensorProto.FLOAT, [2]), ("scale", TensorProto.FLOAT, [2]), ("unused", TensorProto.FLOAT, [2]),
+         ("w", TensorProto.FLOAT, [6]), ("target", TensorProto.INT64, [2])],
+        [("y", TensorProto.FLOAT, [2]), ("z", TensorProto.FLOAT, [2]), ("s", TensorProto.INT64, [2])],
+        [numpy_helper.from_array(np.full(2, 3.0, np.float32), "scale"),
+         numpy_helper.from_array(np.full(2, 3.0, np.float32), "bias"),
+         numpy_helper.from_array(np.ones(2, np.float32), "unused"),
+         numpy_helper.from_array(np.array([2, 3], np.int64), "target")])
+    x, w = np.ones(2, np.float32), np.zeros(6, np.float32)
+    same_outputs(model, {"x": x, "w": w})  # the defaults
+    same_outputs(model, {"x": x, "w": w, "scale": np.full(2, 10.0, np.float32), "target": np.array([3, 2])})
+
+
+def test_random_ops_are_not_folded_into_one_sample():
+    model = small_model([helper.make_node("RandomUniform", [], ["noise"], shape=[4], dtype=TensorProto.FLOAT),
+                         helper.make_node("Add", ["x", "noise"], ["y"])],
+                        [("x", TensorProto.FLOAT, [4])], [("y", TensorProto.FLOAT, [4])])
+    cleaned, _ = cleanup.run(model, cleanup.Options())
+    session = ort.InferenceSession(cleaned.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert len({tuple(session.run(None, {"x": np.zeros(4, np.float32)})[0]) for _ in range(4)}) > 1
+
+
+def test_int_arithmetic_in_float_with_a_fractional_or_shared_constant_keeps_its_meaning():
+    """graphsurgeon's cast elision made y = int(float(x) * 0.5) into x * int(0.5) = 0, and retyped a constant that
+    a float Mul also read (onnxruntime then refused the graph)."""
+    model = small_model([helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+                         helper.make_node("Mul", ["xf", "half"], ["hf"]),
+                         helper.make_node("Cast", ["hf"], ["y"], to=TensorProto.INT64),
+                         helper.make_node("Mul", ["f", "two"], ["g"]),
+                         helper.make_node("Cast", ["x"], ["xf2"], to=TensorProto.FLOAT),
+                         helper.make_node("Mul", ["xf2", "two"], ["df"]),
+                         helper.make_node("Cast", ["df"], ["d"], to=TensorProto.INT64)],
+                        [("x", TensorProto.INT64, [3]), ("f", TensorProto.FLOAT, [3])],
+                        [("y", TensorProto.INT64, [3]), ("g", TensorProto.FLOAT, [3]), ("d", TensorProto.INT64, [3])],
+                        [numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+                         numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    same_outputs(model, {"x": np.array([7, 8, 100], np.int64), "f": np.ones(3, np.float32)})
+
+
+def test_shape_start_and_end_are_kept_when_folded():
+    """Shape(x, start=1) of a static [2, 3, 4, 5] folded to the whole shape."""
+    model = small_model([helper.make_node("Shape", ["x"], ["y"], start=1),
+                         helper.make_node("Shape", ["x"], ["s"], start=1, end=3),
+                         helper.make_node("Gather", ["s", "zero"], ["z"], axis=0),
+                         helper.make_node("Shape", ["x"], ["w"], start=-1)],
+                        [("x", TensorProto.FLOAT, [2, 3, 4, 5])],
+                        [("y", TensorProto.INT64, [3]), ("z", TensorProto.INT64, []), ("w", TensorProto.INT64, [1])],
+                        [numpy_helper.from_array(np.array(0, np.int64), "zero")])
+    cleaned, _ = cleanup.run(model, cleanup.Options())
+    assert len(cleaned.graph.node) == 0  # all static: folded
+    same_outputs(model, {"x": np.zeros((2, 3, 4, 5), np.float32)})
+
+
+def test_constant_value_floats_fold_to_float32():
+    """graphsurgeon read value_float[s] as float64: the folded initializers were DOUBLE beside a float Mul."""
+    model = small_model([helper.make_node("Constant", [], ["c"], value_float=2.0),
+                         helper.make_node("Constant", [], ["d"], value_floats=[1.0, 2.0]),
+                         helper.make_node("Mul", ["x", "c"], ["xc"]), helper.make_node("Add", ["xc", "d"], ["y"])],
+                        [("x", TensorProto.FLOAT, [2])], [("y", TensorProto.FLOAT, [2])])
+    cleaned, _ = cleanup.run(model, cleanup.Options())
+    assert {tensor.data_type for tensor in cleaned.graph.initializer} == {TensorProto.FLOAT}
+    same_outputs(model, {"x": np.ones(2, np.float32)})
