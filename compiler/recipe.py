@@ -25,7 +25,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Hashable, Literal, Mapping
 
 import yaml
 
@@ -144,6 +144,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # `? [a, b]`: before PyYAML's own check, `in seen` raised TypeError
+                raise yaml.constructor.ConstructorError(None, None, f"a {type(key).__name__} as a key: keys are names",
+                                                        key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping",
                                                         key_node.start_mark)
@@ -168,6 +171,8 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         raise RecipeError(f"{path}: invalid YAML{where}: {problem}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: cannot read: {e}") from None
+    except (ValueError, RecursionError) as e:  # an integer of thousands of digits; thousands of nested brackets
+        raise RecipeError(f"{path}: invalid YAML: {str(e).splitlines()[0][:200]}") from None
     return parse_recipe(data, origin=str(path), base_dir=p.parent)
 
 

@@ -276,3 +276,16 @@ def test_top_level_not_a_mapping(tmp_path, text, got):
     f.write_text(text)
     with pytest.raises(RecipeError, match=f"^{f}: a recipe must be a mapping of sections .*got {got}$"):
         load_recipe(f)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("export:\n  ? [max_context]\n  : 128\n", "a list as a key: keys are names"),  # was TypeError: unhashable
+    ("export:\n  max_context: " + "9" * 5001 + "\n", "invalid YAML: Exceeds the limit"),  # was ValueError
+    ("name: " + "[" * 3000 + "\n", "invalid YAML"),  # was RecursionError
+])
+def test_yaml_that_pyyaml_chokes_on_is_one_line(tmp_path, text, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(RecipeError) as error:
+        load_recipe(f)
+    assert message in str(error.value) and "\n" not in str(error.value)
