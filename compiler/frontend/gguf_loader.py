@@ -138,6 +138,10 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
             raise BuildError(f"{path}: per-layer kv head counts {sorted(set(kv_heads))} are not supported.")
         kv_heads = kv_heads[0]
     head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
+    rotated = _field(reader, f"{arch}.rope.dimension_count")
+    if rotated and int(rotated) != int(head_dim or hidden // heads):  # partial rotary was loaded as full
+        raise BuildError(f"{path}: rope.dimension_count {rotated} of head size {head_dim or hidden // heads}: a rotary "
+                         f"on part of each head is not supported by the canonical decoder (it rotates every channel).")
     tensor_names = {tensor.name for tensor in reader.tensors}
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     # llama.cpp requires the token list and the embedding rows to agree; files without a tokenizer still load.

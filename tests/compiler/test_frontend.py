@@ -57,7 +57,8 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: str, tokenizer_model="gpt2",
-               merges: bool = True, extra: dict | None = None, chat_template: str | None = None):
+               merges: bool = True, extra: dict | None = None, chat_template: str | None = None,
+               rotary_dimensions: int | None = None):
     writer = gguf.GGUFWriter(str(path), config.architecture)
     writer.add_name("tiny test model")
     writer.add_block_count(config.num_layers)
@@ -67,7 +68,7 @@ def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: st
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_key_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(rotary_dimensions or config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -231,6 +232,14 @@ def test_rope_scaling_is_refused_not_ignored(tmp_path):
     write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict, rope_parameters=rope)
     with pytest.raises(BuildError, match=r"rope scaling 'llama3' is not supported"):
         load_hf_folder(str(tmp_path / "m"))
+
+
+def test_a_gguf_rotary_on_part_of_each_head_is_refused(tmp_path):
+    """rope.dimension_count 8 of head size 16 (a partial rotary) loaded as a rotary over every channel."""
+    original = random_model(TINY, seed=3)
+    write_gguf(tmp_path / "partial.gguf", TINY, original.state_dict, original.tokenizer_json, rotary_dimensions=8)
+    with pytest.raises(BuildError, match=r"rope.dimension_count 8 of head size 16: a rotary on part of each head"):
+        load_gguf(str(tmp_path / "partial.gguf"))
 
 
 def test_unsupported_gguf_tokenizer_model_is_named(tmp_path):
