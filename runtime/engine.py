@@ -178,7 +178,8 @@ class Engine:
         self._scheduler: Scheduler | None = None  # continuous batching, started by submit / start_scheduler
         self._scheduler_lock = threading.Lock()  # two first submits from two threads start one scheduler
         self._batch_one = threading.Lock()  # stream/generate: one sequence at a time on the batch-1 cache
-        self._batch_one_owner: int | None = None  # the thread inside it
+        # The threads (objects: a finished thread's id is given to the next one) that resumed the request inside it.
+        self._batch_one_threads: set[threading.Thread] = set()
         self._chat_template: str | None = None  # the artifact's chat template, read on first use
 
     @classmethod
@@ -418,9 +419,10 @@ class Engine:
         with self.batch_one():
             steps = self._generate(prompt_ids, params, received, tokenize_s)
             while True:
-                # The stream's owner is the thread that resumes it now: a stream handed to another thread (a
-                # server's thread pool) leaves the first free to start another, and binds the one that iterates.
-                self._batch_one_owner = threading.get_ident()
+                # Every thread that resumes the stream is bound to it until it ends: one that took it over and
+                # starts another request inside its loop is refused (it would wait on itself), as is one it was
+                # handed back to.
+                self._batch_one_threads.add(threading.current_thread())
                 try:
                     piece = next(steps)
                 except StopIteration as done:
@@ -432,19 +434,20 @@ class Engine:
         """Hold the batch-1 cache, which holds one sequence; yields the backend.
 
         `stream`, `generate(prompt)` and runtime.evaluate.decode_logits_for(engine) run inside it: requests from
-        other threads wait their turn, and a second use started in the thread that still iterates a stream is
-        refused, since interleaving the two would mix their caches. The scheduler's slot cache is separate."""
-        me = threading.get_ident()
-        if self._batch_one_owner == me:
+        other threads wait their turn, and a second use started in a thread that has resumed a stream still open
+        is refused (interleaving the two would mix their caches; waiting, it would wait on itself). The scheduler's
+        slot cache is separate."""
+        me = threading.current_thread()
+        if me in self._batch_one_threads:
             raise RequestError("this thread is still iterating another stream of this engine (one sequence at a time "
                                "on its batch-1 cache): finish or close that stream first, or use engine.submit / "
                                "engine.generate([...]) for concurrent requests")
         with self._batch_one:
-            self._batch_one_owner = me
+            self._batch_one_threads = {me}
             try:
                 yield self.backend
             finally:
-                self._batch_one_owner = None
+                self._batch_one_threads = set()
 
     def _generate(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
         sampler = Sampler(params)

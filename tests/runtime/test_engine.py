@@ -198,52 +198,38 @@ def test_requests_from_several_threads_take_turns_on_the_batch_one_cache(tiny_en
     assert results == alone
 
 
-def test_a_stream_belongs_to_the_thread_that_last_resumed_it(tiny_engine):
-    """The owner was the thread that started the stream: (a) a thread that took it over and started another
-    request inside its loop hung on the cache instead of being refused; (b) the thread that started it and handed
-    it on was refused instead of waiting its turn."""
+def test_a_stream_belongs_to_every_thread_that_resumed_it(tiny_engine):
+    """A stream started here and taken over by a worker: the owner had been this thread only, so the worker, which
+    started another request inside its loop, hung on its own cache instead of being refused. Every thread that
+    resumed it is refused until it ends (this one too, handed it back: it would wait on itself); a thread that
+    never touched it waits its turn."""
     options = dict(max_new_tokens=8, stop_token_ids=())
-    alone = tiny_engine.generate([1, 5, 9], **options).token_ids
-
-    # (a) started in a worker, resumed by the thread under test, which then asks for another request
+    expected = tiny_engine.generate([2, 6], **options).token_ids
     handed = iter(tiny_engine.stream([1, 5, 9], **options))
-    started = threading.Thread(target=next, args=(handed,))
-    started.start()
-    started.join()
+    next(handed)
     outcome = []
+
+    def request():
+        try:
+            outcome.append(tiny_engine.generate([2, 6], **options).token_ids)
+        except RequestError as error:
+            outcome.append(str(error))
 
     def take_over():
         next(handed)
-        try:
-            tiny_engine.generate([2, 6], **options)
-            outcome.append("ran")
-        except RequestError as error:
-            outcome.append(str(error))
+        request()
 
     taker = threading.Thread(target=take_over, daemon=True)
     taker.start()
     taker.join(timeout=20)
     assert not taker.is_alive(), "the thread iterating the stream hung on its own cache"
-    assert "still iterating another stream" in outcome[0]
-    handed.close()
-
-    # (b) started here, resumed by a worker: this thread waits its turn and runs
-    mine = iter(tiny_engine.stream([1, 5, 9], **options))
-    next(mine)
-    resumed, go = threading.Event(), threading.Event()
-
-    def finish():
-        next(mine)
-        resumed.set()
-        go.wait()
-        list(mine)
-
-    worker = threading.Thread(target=finish)
-    worker.start()
-    resumed.wait()
-    threading.Timer(0.2, go.set).start()
-    assert tiny_engine.generate([1, 5, 9], **options).token_ids == alone  # waited for the worker's stream to end
-    worker.join()
+    request()  # handed back here
+    assert ["still iterating another stream" in str(result) for result in outcome] == [True, True]
+    waiter = threading.Thread(target=request)  # never touched it: waits for the stream to end
+    waiter.start()
+    list(handed)
+    waiter.join(timeout=20)
+    assert outcome[-1] == expected
 
 
 def test_interleaving_two_streams_in_one_thread_is_refused(tiny_engine):
