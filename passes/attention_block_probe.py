@@ -22,10 +22,10 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
-from passes.attention_mask_probe import probe_feed, run_cut
+from passes.attention_mask_probe import cache_length, probe_feed, run_cut
 from passes.probe_precision import as_float32, element_type
 
-PROBE_TOKENS = 8
+PROBE_TOKENS = 8  # or the cache length, when it is shorter
 TOLERANCE = 1e-3  # of the reference's largest magnitude; a float32 block agrees to ~1e-6
 REDUCED_PRECISION_TOLERANCE = 5e-2  # float16 / bfloat16 blocks (bfloat16 rounds the probe's inputs by ~4e-3)
 
@@ -34,6 +34,8 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
     """Per match, in order: None when the block computes FlashAttention's output, a reason when not, or "unchecked: ..."."""
     if not matches:
         return []
+    tokens = min(PROBE_TOKENS, cache_length(graph) or PROBE_TOKENS)  # a 4-row cache takes 4 probe tokens
+    batch = fixed_batch(graph)
     rng = np.random.default_rng(0)
     probe = graph.copy()  # shares the weights; the cleanup keeps only what the blocks need
     tensors = probe.tensors()
@@ -44,11 +46,13 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
             return
         tensor = tensors[tensor.name]
         tensor.inputs.clear()
-        shape = (PROBE_TOKENS, width) if tensor.shape is not None and len(tensor.shape) == 2 else (1, PROBE_TOKENS, width)
+        two_d = tensor.shape is not None and len(tensor.shape) == 2
+        shape = (batch * tokens, width) if two_d else (batch, tokens, width)
         fed = gs.Variable(f"{tensor.name}.probe", dtype=np.float32, shape=list(shape))
         # gs.Node, not probe.layer: layer() walks the whole graph per call (seconds over 180 cuts on SmolLM2)
         probe.nodes.append(gs.Node("Cast", inputs=[fed], outputs=[tensor], attrs={"to": element_type(tensor.dtype)}))
-        projected[tensor.name] = (fed, rng.standard_normal(shape).astype(np.float32))
+        row = rng.standard_normal((1, tokens, width)).astype(np.float32)  # every sequence of the batch the same
+        projected[tensor.name] = (fed, np.repeat(row, batch, axis=0).reshape(shape), row)
 
     for found in matches:
         for tensor in (found.query, found.key, found.value):
@@ -62,11 +66,11 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
             outputs.append(gs.Variable(f"{output.name}.probe", np.float32))
             probe.nodes.append(gs.Node("Cast", inputs=[output], outputs=[outputs[-1]],
                                        attrs={"to": onnx.TensorProto.FLOAT}))
-    probe.inputs = [*probe.inputs, *(fed for fed, _ in projected.values())]
+    probe.inputs = [*probe.inputs, *(fed for fed, _, _ in projected.values())]
     probe.outputs = outputs
-    fed = {value.name: values for value, values in projected.values()}
+    fed = {value.name: values for value, values, _ in projected.values()}
     as_float32(probe)  # onnxruntime's CPU kernels lack bfloat16 Mul and Where: the same math in float32
-    values = run_cut(probe, lambda value: fed[value.name] if value.name in fed else probe_feed(value, PROBE_TOKENS))
+    values = run_cut(probe, lambda value: fed[value.name] if value.name in fed else probe_feed(value, tokens))
     if isinstance(values, str) and len(matches) > 1:  # one block the probe cannot run: judge the others alone
         return [check_blocks(graph, [found])[0] for found in matches]
     if isinstance(values, str):
@@ -75,10 +79,22 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
     for found in matches:
         output = next(values)
         presents = [next(values) for writer in (found.key_writer, found.value_writer) if writer is not None]
-        verdicts.append(_judge(found, output, *(projected[t.name][1] for t in (found.query, found.key, found.value)),
-                               reduced_precision=element_type(found.query.dtype) != onnx.TensorProto.FLOAT,
-                               presents=presents))
+        sequences = np.asarray(output).reshape(batch, -1)
+        verdict = None
+        for row in range(batch):  # each sequence got the same q, k and v: each must give the reference's output
+            verdict = verdict or _judge(found, sequences[row], *(projected[t.name][2] for t in
+                                                                 (found.query, found.key, found.value)),
+                                        reduced_precision=element_type(found.query.dtype) != onnx.TensorProto.FLOAT,
+                                        presents=[np.asarray(p)[row:row + 1] for p in presents], tokens=tokens)
+        verdicts.append(verdict)
     return verdicts
+
+
+def fixed_batch(graph: gs.Graph) -> int:
+    """The batch size input_ids fixes, else 1."""
+    ids = next((t for t in graph.inputs if t.name == "input_ids"), None)
+    size = ids.shape[0] if ids is not None and ids.shape else None
+    return size if isinstance(size, int) and size > 0 else 1
 
 
 def _width(found, tensor: gs.Tensor) -> int:
@@ -87,19 +103,19 @@ def _width(found, tensor: gs.Tensor) -> int:
 
 
 def _judge(found, output: np.ndarray, query: np.ndarray, key: np.ndarray, value: np.ndarray,
-           reduced_precision: bool = False, presents: list[np.ndarray] = ()) -> str | None:
+           reduced_precision: bool = False, presents: list[np.ndarray] = (), tokens: int = PROBE_TOKENS) -> str | None:
     heads, kv_heads, head_dim = found.num_heads, found.kv_num_heads, 2 * found.inv_freq.size
     tolerance = REDUCED_PRECISION_TOLERANCE if reduced_precision else TOLERANCE
-    query, key, value = (x.reshape(1, PROBE_TOKENS, -1).astype(np.float64) for x in (query, key, value))
-    expected, *written = _reference(found, query, key, value)
+    query, key, value = (x.reshape(1, tokens, -1).astype(np.float64) for x in (query, key, value))
+    expected, *written = _reference(found, query, key, value, tokens)
     for kind, present, reference in zip(("key", "value"), presents, written):
-        reason = _judge_cache(kind, np.asarray(present, dtype=np.float64), reference, tolerance)
+        reason = _judge_cache(kind, np.asarray(present, dtype=np.float64), reference, tolerance, tokens)
         if reason:
             return reason
     output = np.asarray(output, dtype=np.float64)
     if output.size != expected.size:
-        return (f"the attention block's output has shape {list(output.shape)} on a {PROBE_TOKENS}-token probe, not "
-                f"[1, {PROBE_TOKENS}, {heads * head_dim}]")
+        return (f"the attention block's output has shape {list(output.shape)} on a {tokens}-token probe, not "
+                f"[1, {tokens}, {heads * head_dim}]")
     output = output.reshape(expected.shape)
     error = np.abs(output - expected).max() / max(1.0, np.abs(expected).max())
     if error <= tolerance:
@@ -107,8 +123,8 @@ def _judge(found, output: np.ndarray, query: np.ndarray, key: np.ndarray, value:
     group = heads // kv_heads
     if group > 1:  # the common other layout: query head h reads kv head h % KV
         order = np.arange(heads).reshape(group, kv_heads).T.reshape(-1)  # new head h' = (h % KV) * group + h // KV
-        permuted = query.reshape(1, PROBE_TOKENS, heads, head_dim)[:, :, order].reshape(query.shape)
-        modulo = _reference(found, permuted, key, value)[0].reshape(1, PROBE_TOKENS, heads, head_dim)
+        permuted = query.reshape(1, tokens, heads, head_dim)[:, :, order].reshape(query.shape)
+        modulo = _reference(found, permuted, key, value, tokens)[0].reshape(1, tokens, heads, head_dim)
         modulo = modulo[:, :, np.argsort(order)].reshape(expected.shape)
         if np.abs(output - modulo).max() / max(1.0, np.abs(modulo).max()) <= tolerance:
             return (f"query head h reads kv head h % {kv_heads} (kv heads repeated as [rep, kv]); FlashAttention's "
@@ -117,22 +133,23 @@ def _judge(found, output: np.ndarray, query: np.ndarray, key: np.ndarray, value:
             f"{kv_heads} kv heads, scale {found.scale:.4g} and rotary (largest difference {error:.2g} on a probe)")
 
 
-def _reference(found, query: np.ndarray, key: np.ndarray, value: np.ndarray) -> np.ndarray:
+def _reference(found, query: np.ndarray, key: np.ndarray, value: np.ndarray, tokens: int = PROBE_TOKENS):
     kv_heads, head_dim = found.kv_num_heads, 2 * found.inv_freq.size
-    cos, sin = op.rotary_tables(found.inv_freq, PROBE_TOKENS, found.rotary_scaling)
-    empty = np.zeros((1, kv_heads, PROBE_TOKENS, head_dim))
-    return op.reference(query, key, value, empty, empty, np.array([PROBE_TOKENS - 1]), PROBE_TOKENS, cos, sin,
+    cos, sin = op.rotary_tables(found.inv_freq, tokens, found.rotary_scaling)
+    empty = np.zeros((1, kv_heads, tokens, head_dim))
+    return op.reference(query, key, value, empty, empty, np.array([tokens - 1]), tokens, cos, sin,
                         found.num_heads, kv_heads, found.scale)
 
 
-def _judge_cache(kind: str, present: np.ndarray, reference: np.ndarray, tolerance: float) -> str | None:
-    """The buffer the block wrote ([1, KV, M, D], written over zeros) against the op's rows 0..PROBE_TOKENS-1."""
+def _judge_cache(kind: str, present: np.ndarray, reference: np.ndarray, tolerance: float,
+                 tokens: int = PROBE_TOKENS) -> str | None:
+    """The buffer the block wrote ([1, KV, M, D], written over zeros) against the op's rows 0..tokens-1."""
     if present.ndim != 4 or present.shape[:2] != reference.shape[:2] or present.shape[3] != reference.shape[3] \
-            or present.shape[2] < PROBE_TOKENS:
+            or present.shape[2] < tokens:
         return (f"the {kind} cache the block writes has shape {list(present.shape)}, not [1, {reference.shape[1]}, "
                 f"max context, {reference.shape[3]}]")
-    error = np.abs(present[:, :, :PROBE_TOKENS] - reference).max() / max(1.0, np.abs(reference).max())
-    if error > tolerance or np.any(present[:, :, PROBE_TOKENS:]):
-        return (f"the block writes the {kind} cache elsewhere than FlashAttention does (rows 0..{PROBE_TOKENS - 1} "
-                f"for a {PROBE_TOKENS}-token first prompt; largest difference {error:.2g} on a probe)")
+    error = np.abs(present[:, :, :tokens] - reference).max() / max(1.0, np.abs(reference).max())
+    if error > tolerance or np.any(present[:, :, tokens:]):
+        return (f"the block writes the {kind} cache elsewhere than FlashAttention does (rows 0..{tokens - 1} "
+                f"for a {tokens}-token first prompt; largest difference {error:.2g} on a probe)")
     return None

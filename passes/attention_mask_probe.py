@@ -50,9 +50,11 @@ def check_masks(graph: gs.Graph, masks: list[gs.Tensor], reading_cache: list[gs.
     length = probe_length(graph, length)
     verdicts = _evaluate(graph, unique, lambda value: probe_feed(value, length), lambda mask: _judge(mask, length))
     decode = [mask for mask in {mask.name: mask for mask in reading_cache}.values() if verdicts[mask.name] is None]
-    if decode and (cache_length(graph) or 0) >= DECODE_CONTEXT:
-        later = _evaluate(graph, decode, lambda value: probe_feed(value, DECODE_CONTEXT, DECODE_QUERIES),
-                          lambda mask: _judge(mask, DECODE_CONTEXT, DECODE_QUERIES))
+    context = min(DECODE_CONTEXT, cache_length(graph) or 0)  # a smaller cache: fewer cached tokens, still 1 or more
+    if decode and context >= 2:
+        queries = min(DECODE_QUERIES, context - 1)
+        later = _evaluate(graph, decode, lambda value: probe_feed(value, context, queries),
+                          lambda mask: _judge(mask, context, queries))
         verdicts.update(later)
     return verdicts
 

@@ -311,7 +311,7 @@ def rewrite(graph: gs.Graph, match: Match, shared: SharedInputs) -> None:
     match.o_proj.inputs[0] = output
 
 
-def _keep_checked(matches: list[Match], layers: list[dict], check: str, verdicts: list[str | None]) -> list[Match]:
+def _keep_checked(matches: list[Match], layers: list[dict], verdicts: list[str | None]) -> list[Match]:
     """The matches whose probe verdict is None; the others' layers become unfused, the verdict their reason (an
     "unchecked: ..." one too: a block the probe could not run may compute anything, e.g. a sliding window in a
     graph of fixed batch 2). `layers` lists the fused ones in the matches' order."""
@@ -356,9 +356,9 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                                 reading_cache=[found.mask for found in matches if found.mask is not None
                                                and found.reads_cache],
                                 length=options.rotary_cache_length)
-    matches = _keep_checked(matches, layers, "mask", [mask_verdicts.get(found.mask.name) if found.mask is not None
-                                                      else None for found in matches])
-    matches = _keep_checked(matches, layers, "block", check_blocks(graph, matches))
+    matches = _keep_checked(matches, layers, [mask_verdicts.get(found.mask.name) if found.mask is not None
+                                              else None for found in matches])
+    matches = _keep_checked(matches, layers, check_blocks(graph, matches))
     unfused = [layer for layer in layers if not layer["fused"]]
     if options.required and (unfused or not layers):
         first = unfused[0] if unfused else {"layer": "graph", "reason": "no Softmax (attention) found"}

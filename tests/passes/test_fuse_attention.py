@@ -459,3 +459,19 @@ def test_a_window_longer_than_512_tokens_is_probed_over_the_rotary_table_length(
     model = trace_hf(MistralForCausalLM(config).eval(), torch.randint(0, 300, (1, 9)), torch.ones(1, 9, dtype=torch.long))
     _, report = fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=1024))
     assert report["fused"] == 0 and "sliding window" in report["layers"][0]["reason"]
+
+
+def test_graphs_of_a_fixed_batch_and_a_small_cache_are_probed_at_their_sizes():
+    """The block probe fed batch 1 and wrote 8 tokens: a graph of fixed batch 2, or of a 4-token cache, could not be
+    run and, now that an unchecked block stays unfused, fused nothing."""
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    for max_context, batch in ((4, None), (MAX_CONTEXT, 2)):
+        for phase, model in export_graphs(decoder, max_context).items():
+            if batch is not None:
+                for value in model.graph.input:
+                    dim = value.type.tensor_type.shape.dim[0]
+                    dim.Clear()
+                    dim.dim_value = batch
+            model = cleanup.run(model, cleanup.Options())[0]
+            _, report = fuse_attention.run(model, fuse_attention.Options(required=True))
+            assert report["fused"] == CONFIG.num_layers, (max_context, batch, phase)
