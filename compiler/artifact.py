@@ -81,9 +81,12 @@ def _locked_folder(final_dir: Path, kind: str, held: contextlib.ExitStack) -> Pa
 
 
 def _try_lock(folder: Path) -> int | None:
-    """An open descriptor holding an exclusive lock on folder, None while another process holds one, or NO_LOCKS
-    on a filesystem that has none."""
-    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    """An open descriptor holding an exclusive lock on folder; None while another process holds one, or when the
+    folder is gone (another build removed it meanwhile) or not ours to open; NO_LOCKS on a filesystem without."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return None
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -92,6 +95,9 @@ def _try_lock(folder: Path) -> int | None:
     except OSError:  # ENOLCK / EOPNOTSUPP
         os.close(descriptor)
         return NO_LOCKS
+    if os.fstat(descriptor).st_nlink == 0:  # locked after its remover released it: removed
+        os.close(descriptor)
+        return None
     return descriptor
 
 

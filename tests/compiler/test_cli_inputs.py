@@ -320,6 +320,25 @@ def test_without_locks_the_process_id_in_the_name_decides(tmp_path, monkeypatch)
     assert not killed.exists() and running.exists() and (final / "manifest.json").exists()
 
 
+def test_a_folder_another_build_removes_meanwhile_is_not_locked(tmp_path, monkeypatch):
+    """Two builds of one name: a folder the other removed between the glob and the open raised FileNotFoundError
+    (in remove_abandoned, or while the finished build swapped itself in, throwing it away); one removed between
+    the open and the lock was taken as locked."""
+    from compiler import artifact
+
+    assert artifact._try_lock(tmp_path / ".tiny-random.partial-1-gone") is None
+    folder = tmp_path / ".tiny-random.partial-1-late"
+    folder.mkdir()
+    flock = fcntl.flock
+
+    def removed_first(descriptor, operation):
+        folder.rmdir()  # the other build's rmtree, just before this lock
+        return flock(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", removed_first)
+    assert artifact._try_lock(folder) is None
+
+
 def test_a_running_build_whose_name_looks_like_an_abandoned_folder_is_spared(tmp_path):
     """The glob `.a.old-*` also matches the staging folder of a build of recipe `a.old-999999999-b`; read
     loosely, its "pid" 999999999 was dead and the running build's folder was removed."""
