@@ -316,10 +316,12 @@ def inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.Value
 
 def export_like(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
     """`graph` as a ModelProto with `model`'s metadata and graph inputs, for a pass that never changes the inputs
-    (graphsurgeon drops the inputs that are also initializers)."""
+    (graphsurgeon drops the inputs that are also initializers). An input whose initializer the pass no longer
+    needs is left out rather than left without its default (the pipeline's I/O check then names it)."""
     result = _export(graph, model)
+    present = {value.name for value in result.graph.input} | {tensor.name for tensor in result.graph.initializer}
     del result.graph.input[:]
-    result.graph.input.extend(model.graph.input)
+    result.graph.input.extend(value for value in model.graph.input if value.name in present)
     return result
 
 

@@ -113,6 +113,10 @@ def match(reduce_mean: gs.Node, graph_outputs: set[str], graph_inputs: frozenset
 
     add_eps = _only_consumer(reduce_mean, "Add", graph_outputs)
     epsilon = _constant_operand(add_eps, reduce_mean.outputs[0]) if add_eps is not None else None
+    constants = [square.inputs[1], add_eps.inputs[0], add_eps.inputs[1]] if add_eps is not None else []
+    if any(tensor.name in graph_inputs for tensor in constants):  # baked into the fused node, a fed value is ignored
+        return skip("constant_is_graph_input: the exponent or epsilon is an initializer that the graph's caller may "
+                    "override")
     if epsilon is None or not _scalar(epsilon):  # a [1, 1, 1, 1] epsilon would broadcast a rank-3 norm to rank 4
         return skip("no_epsilon: ReduceMean is not followed by Add(scalar constant)")
     sqrt = _only_consumer(add_eps, "Sqrt", graph_outputs)
@@ -128,6 +132,9 @@ def match(reduce_mean: gs.Node, graph_outputs: set[str], graph_inputs: frozenset
     else:
         if after_sqrt.op == "Div" and not _is_constant_one(after_sqrt.inputs[0]):
             return skip("no_reciprocal: Div after Sqrt is neither Div(1, .) nor Div(x, .)")
+        if after_sqrt.op == "Div" and after_sqrt.inputs[0].name in graph_inputs:
+            return skip("constant_is_graph_input: the 1 of Div(1, .) is an initializer that the graph's caller may "
+                        "override")
         normalized = _only_consumer(after_sqrt, "Mul", graph_outputs)
         if normalized is None or _other_operand(normalized, after_sqrt.outputs[0]) is not x:
             return skip("normalized_input_differs: 1/rms does not multiply the tensor that was squared")

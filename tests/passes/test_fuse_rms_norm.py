@@ -292,3 +292,15 @@ def test_registered():
 
     assert PASSES["fuse_rms_norm"].run is fuse_rms_norm.run
     assert PASSES["fuse_rms_norm"].options_type is fuse_rms_norm.Options
+
+
+def test_an_epsilon_that_is_also_a_graph_input_stays_overridable():
+    """The epsilon was baked into the fused node's attribute and its input left without a default."""
+    model = rms_norm_model()
+    model.graph.input.append(helper.make_tensor_value_info("eps", TensorProto.FLOAT, []))
+    fused, report = fuse(model)
+    assert report["fused"] == 0 and report["skipped"][0]["reason"].startswith("constant_is_graph_input")
+    assert [i.name for i in fused.graph.input] == ["a", "eps"]
+    feeds = feeds_for(rms_norm_model())
+    for fed in ({}, {"eps": np.array(1.0, np.float32)}):
+        assert max_difference(model, fused, {**feeds, **fed}) == 0.0
