@@ -257,7 +257,8 @@ def _bench(args) -> None:
             rows = bench.time_phase(engine, args.phase, sizes, prompt_ids, batch=args.batch, runs=args.runs,
                                     steps=args.steps, peaks=peaks,
                                     flops_for=lambda tokens: prefill_flops(counts, config, tokens),
-                                    weight_bytes_per_step=artifact_step_weight_bytes(args.artifact))
+                                    weight_bytes_per_step=(artifact_step_weight_bytes(args.artifact)
+                                                           if args.phase == "decode" else None))
         console.print(bench.phase_table(args.phase, rows, peaks), width=None if console.is_terminal else 160)
         console.print(f"[dim]peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads[/dim]",
                       highlight=False)

@@ -254,6 +254,7 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
         recipe.get("export", {}).get("dtype", "float32"), "fp32")
     quantized = quantized_dtypes(recipe.get("passes", []))
     info = {"kind": "artifact", "path": str(folder), "context": kv.get("max_context"),
+            "float_bytes": 4 if export_dtype == "fp32" else 2,  # activations, and the scales stored in their type
             "backend": manifest.get("backend", {}).get("name", "onnxruntime"),
             # weight quantization decides the precision, not the export dtype
             "dtype": quantized.get("dtype", export_dtype), "float_prefill": quantized.get("float_prefill", False),
@@ -354,13 +355,15 @@ def decode_weight_bytes(weights: float, config: DecoderConfig, counts: dict, qua
     return weights if config.tie_word_embeddings else weights * (1 - counts["embedding"] / counts["total"])
 
 
-def artifact_step_weight_bytes(folder: str | Path) -> float:
+def artifact_step_weight_bytes(folder: str | Path) -> float | None:
     """The weight bytes one decode step of a built artifact reads: its stored weights less an embedding table the
     step only gathers rows from (what `plan` predicts from; `bench --phase decode` and benchmarks/phases.py divide
-    it by the step's time)."""
+    it by the step's time). None when the manifest records no weights file (TensorRT engines hold theirs)."""
     config, info = _from_artifact(Path(folder))
+    if "weight_bytes" not in info:
+        return None
     counts = count_params(config)
-    return decode_weight_bytes(info["weight_bytes"], config, counts, info.get("quantize"))
+    return decode_weight_bytes(info["weight_bytes"], config, counts, info.get("quantize"), info["float_bytes"])
 
 
 def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: str | None = None,

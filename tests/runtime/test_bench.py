@@ -153,6 +153,10 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
     assert step == pytest.approx(weights * (1 - counts["embedding"] / counts["total"]))
     first = json.loads((tmp_path / "decode.json").read_text())["rows"][0]
     assert first["bytes_per_step"] == pytest.approx(step + manifest["kv_cache"]["bytes_per_token"] * 8)
+    del manifest["backend"]["weights"]  # as a TensorRT artifact's: its engines hold the weights
+    (tmp_path / "engine-weights").mkdir()
+    (tmp_path / "engine-weights" / "manifest.json").write_text(json.dumps(manifest))
+    assert compiler.plan.artifact_step_weight_bytes(tmp_path / "engine-weights") is None  # was a KeyError
 
 
 @pytest.mark.parametrize("args, message", [
