@@ -91,8 +91,9 @@ class PhaseGraph(nn.Module):
 
 def example_inputs(config: DecoderConfig, max_context: int, phase: str, batch: int = 2,
                    dtype: torch.dtype = torch.float32) -> tuple:
-    # Sizes other than 1, so no exporter can mistake a dynamic axis for a constant 1; and within the cache (a
-    # max_context of 2 to 6 wrote the example past its rows).
+    # Sizes other than 1 where the cache allows (from max_context 3), so no exporter can mistake a dynamic axis
+    # for a constant 1 (the axes are named dynamic too); and within the cache (a max_context of 2 to 6 wrote the
+    # example past its rows).
     total = min(5 if phase == "prefill" else 7, max_context)
     sequence = total if phase == "prefill" else max(1, min(2, total - 1))
     start = total - sequence

@@ -34,6 +34,7 @@ import onnx_graphsurgeon as gs
 
 from passes.cleanup import export_like, tensor_nbytes
 from passes.errors import PassError
+from passes.graph_patterns import unique_name
 
 STANDARD_DOMAINS = {"", "ai.onnx"}
 SPLIT_SIZES_AS_INPUT_OPSET = 13  # before opset 13, Split took its sizes as an attribute
@@ -183,11 +184,7 @@ def rewrite(graph: gs.Graph, found: Match, taken_names: set[str]) -> None:
     prefix = _common_name([node.name or weight.name for node, weight in zip(found.matmuls, found.weights)])
 
     def name(suffix: str) -> str:
-        unique, count = prefix + suffix, 1
-        while unique in taken_names:
-            unique, count = f"{prefix}{suffix}_{count}", count + 1
-        taken_names.add(unique)
-        return unique
+        return unique_name(prefix + suffix, taken_names)
 
     dtype = found.weights[0].dtype
     shape = None if found.activation.shape is None else [*found.activation.shape[:-1], sum(found.widths)]
