@@ -13,7 +13,8 @@ tokens: DECODE_QUERIES new tokens at positions L-S..L-1 of L valid ones. Query i
 aligned top-left (j <= i, the usual is_causal mistake) agrees with the first probe, where S == L, and not here.
 
 The probe length L is the graph's cache length when fixed (the project's export), else the rotary table length the
-pass was given (`rotary_cache_length`), else 512: a window longer than L is not seen.
+pass was given (`rotary_cache_length`), else 512, and at most 8192 (an L x L mask of 32768 tokens takes 4 GB): a
+window of L tokens or more is not seen.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import onnx_graphsurgeon as gs
 from passes.probe_precision import as_float32
 
 PROBE_TOKENS = 512  # when the graph's cache length is dynamic and no rotary table length is given
+MAX_PROBE_TOKENS = 8192
 DECODE_CONTEXT, DECODE_QUERIES = 8, 3  # the second probe: 3 new tokens after 5 cached
 MASKED = -1e4  # at most this on a masked key (exporters use finfo.min or -inf)
 
@@ -36,7 +38,7 @@ def cache_length(graph: gs.Graph) -> int | None:
 
 
 def probe_length(graph: gs.Graph, rotary_rows: int | None = None) -> int:
-    return cache_length(graph) or rotary_rows or PROBE_TOKENS
+    return min(cache_length(graph) or rotary_rows or PROBE_TOKENS, MAX_PROBE_TOKENS)
 
 
 def check_masks(graph: gs.Graph, masks: list[gs.Tensor], reading_cache: list[gs.Tensor] = (),
