@@ -70,7 +70,7 @@ def staged_folder(final_dir: Path):
 
 def _locked_folder(final_dir: Path, kind: str, held: contextlib.ExitStack) -> Path:
     """A new `.NAME.KIND-PID-XXXX` folder beside final_dir, locked until `held` closes."""
-    while True:
+    for _ in range(100):
         folder = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.{kind}-{os.getpid()}-", dir=final_dir.parent))
         lock = _try_lock(folder)
         if lock is None:  # another build's remove_abandoned locked it after mkdtemp, and removes it: make another
@@ -78,6 +78,7 @@ def _locked_folder(final_dir: Path, kind: str, held: contextlib.ExitStack) -> Pa
         if lock != NO_LOCKS:
             held.callback(os.close, lock)
         return folder
+    raise OSError(f"{final_dir.parent}: 100 new temporary folders could not be locked or were removed at once")
 
 
 def _try_lock(folder: Path) -> int | None:

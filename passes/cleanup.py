@@ -99,13 +99,26 @@ def _import(model: onnx.ModelProto, shapes: list[onnx.ValueInfoProto]) -> gs.Gra
 
 
 def _without_initializers(model: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
-    """`model` without the initializers `names` (they stay graph inputs); a copy, since the input is never mutated."""
+    """`model` without the initializers `names` (they stay graph inputs): a copy, since the input is never mutated,
+    that copies each kept weight once (a whole-model copy, then the kept ones again, took 3x the weights)."""
     copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    kept = [tensor for tensor in copy.graph.initializer if tensor.name not in names]
-    del copy.graph.initializer[:]
-    copy.graph.initializer.extend(kept)
+    for field, value in model.ListFields():
+        if field.name != "graph":
+            _copy_field(copy, field, value)
+    for field, value in model.graph.ListFields():
+        if field.name != "initializer":
+            _copy_field(copy.graph, field, value)
+    copy.graph.initializer.extend(tensor for tensor in model.graph.initializer if tensor.name not in names)
     return copy
+
+
+def _copy_field(target, field, value) -> None:
+    if hasattr(value, "extend"):  # a repeated field
+        getattr(target, field.name).extend(value)
+    elif hasattr(value, "CopyFrom"):  # a message
+        getattr(target, field.name).CopyFrom(value)
+    else:
+        setattr(target, field.name, value)
 
 
 def _float32_constant_attributes(graph: gs.Graph) -> None:
@@ -126,6 +139,9 @@ def _shape_ranges_as_slices(graph: gs.Graph) -> None:
     ignores start and end (Shape(start=1) of a static [2, 3, 4, 5] folded to [2, 3, 4, 5]); it folds the Slice
     right."""
     for node in list(graph.nodes):
+        for value in node.attrs.values():
+            if isinstance(value, gs.Graph):
+                _shape_ranges_as_slices(value)
         if node.op != "Shape" or not ({"start", "end"} & set(node.attrs)):
             continue
         start, end = node.attrs.pop("start", 0), node.attrs.pop("end", None)
@@ -135,7 +151,7 @@ def _shape_ranges_as_slices(graph: gs.Graph) -> None:
         bounds = [gs.Constant(f"{part.name}_{what}", np.array([value], np.int64))
                   for what, value in (("starts", start), ("ends", np.iinfo(np.int64).max if end is None else end),
                                       ("axes", 0))]
-        graph.nodes.append(gs.Node("Slice", name=f"{node.name}_range", inputs=[whole, *bounds], outputs=[part]))
+        graph.nodes.append(gs.Node("Slice", name=f"{part.name}_range", inputs=[whole, *bounds], outputs=[part]))
 
 
 def _guard_cast_elision(graph: gs.Graph) -> list[gs.Node]:
@@ -144,12 +160,16 @@ def _guard_cast_elision(graph: gs.Graph) -> list[gs.Node]:
     place), so that its pattern no longer matches. Returns them, for _unguard after the folding."""
     guards = []
     for node in list(graph.nodes):
+        for value in node.attrs.values():
+            if isinstance(value, gs.Graph):  # fold_constants elides in subgraphs too
+                guards += _guard_cast_elision(value)
         if node.op not in CAST_ELISION_OPS or not any(
                 producer.op == "Cast" for tensor in node.inputs for producer in tensor.inputs):
             continue
-        constants = [tensor for tensor in node.inputs if isinstance(tensor, gs.Constant)]
-        unsafe = any(len(tensor.outputs) > 1 or not _whole(tensor) for tensor in constants)
-        if not unsafe:
+        # Safe only when every operand not cast from int is a whole constant (an initializer or a Constant node's)
+        # that nothing else reads: graphsurgeon recasts it in place.
+        others = [tensor for tensor in node.inputs if not any(p.op == "Cast" for p in tensor.inputs)]
+        if all(_sole_whole_constant(tensor) for tensor in others):
             continue
         for output in node.outputs:
             if output.outputs and all(consumer.op == "Cast" for consumer in output.outputs):
@@ -161,8 +181,18 @@ def _guard_cast_elision(graph: gs.Graph) -> list[gs.Node]:
     return guards
 
 
-def _whole(tensor: gs.Constant) -> bool:
-    values = np.asarray(tensor.values)
+def _sole_whole_constant(tensor: gs.Tensor) -> bool:
+    """A constant (an initializer, or a Constant node's output) of whole numbers that only one node reads."""
+    if len(tensor.outputs) != 1:
+        return False
+    if isinstance(tensor, gs.Constant):
+        values = tensor.values
+    elif len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant" and isinstance(
+            tensor.inputs[0].attrs.get("value"), gs.Constant):
+        values = tensor.inputs[0].attrs["value"].values
+    else:
+        return False
+    values = np.asarray(values)
     return values.dtype.kind in "iub" or bool(np.all(np.isfinite(values) & (values == np.round(values))))
 
 
@@ -212,6 +242,7 @@ def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_thre
 
     onnxruntime.set_default_logger_severity(3)
     guards = _guard_cast_elision(graph)
+    graph.toposort()  # graphsurgeon folds in a few passes over the node list: a guard out of order stops a chain
     try:
         graph.fold_constants(size_threshold=size_threshold, error_ok=False,
                              should_exclude_node=lambda node: (node.domain or "") not in ONNX_DOMAINS
@@ -316,12 +347,15 @@ def inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.Value
 
 def export_like(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
     """`graph` as a ModelProto with `model`'s metadata and graph inputs, for a pass that never changes the inputs
-    (graphsurgeon drops the inputs that are also initializers). An input whose initializer the pass no longer
-    needs is left out rather than left without its default (the pipeline's I/O check then names it)."""
+    (graphsurgeon drops the inputs that are also initializers, and the initializers nothing reads any more: an
+    overridable default keeps its input and gets its value back from `model`)."""
     result = _export(graph, model)
     present = {value.name for value in result.graph.input} | {tensor.name for tensor in result.graph.initializer}
+    result.graph.initializer.extend(tensor for tensor in model.graph.initializer
+                                    if tensor.name not in present and tensor.name in
+                                    {value.name for value in model.graph.input})
     del result.graph.input[:]
-    result.graph.input.extend(value for value in model.graph.input if value.name in present)
+    result.graph.input.extend(model.graph.input)
     return result
 
 

@@ -419,12 +419,15 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
                     elapsed, tokens = run("decode", tokens, size + step)
                     times += [elapsed] if step >= warmup else []
                 seconds = float(np.median(times))
-                weights = manifest["backend"]["weights"]["bytes"] if weight_bytes_per_step is None else weight_bytes_per_step
-                moved = weights + manifest["kv_cache"]["bytes_per_token"] * size * batch
+                weights = weight_bytes_per_step
+                if weights is None:  # the whole weights file; unknown where the engines hold the weights (TensorRT)
+                    weights = ((manifest["backend"].get("weights") or {}).get("bytes"))
+                moved = None if weights is None else weights + manifest["kv_cache"]["bytes_per_token"] * size * batch
                 rows.append({"context": size, "batch": batch, "median_ms": 1e3 * seconds,
                              "p90_ms": 1e3 * float(np.percentile(times, 90)), "tokens_per_s": batch / seconds,
-                             "bytes_per_step": moved, "bytes_per_s": moved / seconds,
-                             "fraction_of_peak": moved / seconds / peaks["bandwidth"], "steps_ms": [1e3 * t for t in times]})
+                             "bytes_per_step": moved, "bytes_per_s": None if moved is None else moved / seconds,
+                             "fraction_of_peak": None if moved is None else moved / seconds / peaks["bandwidth"],
+                             "steps_ms": [1e3 * t for t in times]})
         finally:
             backend.allocate_cache(batch=1)  # the engine's own requests run at batch 1
     return rows
@@ -444,7 +447,8 @@ def phase_table(phase: str, rows: list[dict], peaks: dict):
     for header, *_ in columns:
         table.add_column(header, justify="right")
     for row in rows:
-        table.add_row(*(format(row[key] * scale if scale != 1 else row[key], spec) for _, key, scale, spec in columns))
+        table.add_row(*("-" if row[key] is None else format(row[key] * scale if scale != 1 else row[key], spec)
+                        for _, key, scale, spec in columns))
     table.caption = ("FLOPs = the projections' matmuls for every prompt token + the output projection for the last "
                      "(as `aotlm plan` counts them; attention scores not counted)" if prefill else
                      "bytes = the weights a step reads (as `aotlm plan` counts them: not an embedding table it only "

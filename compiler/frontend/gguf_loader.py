@@ -137,11 +137,11 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
         if len(set(kv_heads)) != 1:
             raise BuildError(f"{path}: per-layer kv head counts {sorted(set(kv_heads))} are not supported.")
         kv_heads = kv_heads[0]
-    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
+    head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // heads  # llama.cpp's n_embd_head_k
     rotated = _field(reader, f"{arch}.rope.dimension_count")
-    if rotated and int(rotated) != int(head_dim or hidden // heads):  # partial rotary was loaded as full
-        raise BuildError(f"{path}: rope.dimension_count {rotated} of head size {head_dim or hidden // heads}: a rotary "
-                         f"on part of each head is not supported by the canonical decoder (it rotates every channel).")
+    if rotated and int(rotated) != int(head_dim):  # a partial rotary had loaded as a full one
+        raise BuildError(f"{path}: rope.dimension_count {rotated} of head size {head_dim}: a rotary on part of each "
+                         f"head is not supported by the canonical decoder (it rotates every channel).")
     tensor_names = {tensor.name for tensor in reader.tensors}
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     # llama.cpp requires the token list and the embedding rows to agree; files without a tokenizer still load.
@@ -157,7 +157,7 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
             num_layers=int(required("block_count")),
             num_heads=heads,
             num_kv_heads=int(kv_heads),
-            head_dim=int(head_dim) if head_dim else hidden // heads,
+            head_dim=int(head_dim),
             rope_theta=_as_float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
             rms_norm_eps=_as_float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings="output.weight" not in tensor_names,

@@ -279,3 +279,49 @@ def test_constant_value_floats_fold_to_float32():
     cleaned, _ = cleanup.run(model, cleanup.Options())
     assert {tensor.data_type for tensor in cleaned.graph.initializer} == {TensorProto.FLOAT}
     same_outputs(model, {"x": np.ones(2, np.float32)})
+
+
+def test_unnamed_shape_ranges_of_dynamic_tensors_and_in_branches_keep_their_meaning():
+    """The Slices replacing Shape(start, end) were all named "_range" for unnamed Shapes (onnxruntime refused the
+    graph once they stayed, over a dynamic input), and Shapes inside an If branch still folded to the whole shape."""
+    cases = [dict(start=-3, end=-1), dict(start=1, end=100), dict(start=3, end=1)]
+    model = small_model([helper.make_node("Shape", ["x"], [f"s{i}"], **bounds) for i, bounds in enumerate(cases)],
+                        [("x", TensorProto.FLOAT, ["a", 3, "b", 5])], [(f"s{i}", TensorProto.INT64, None)
+                                                                       for i in range(len(cases))])
+    same_outputs(model, {"x": np.zeros((2, 3, 4, 5), np.float32)})
+    then = helper.make_graph([helper.make_node("Shape", ["x"], ["t"], start=1)], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.INT64, None)])
+    other = helper.make_graph([helper.make_node("Shape", ["x"], ["e"], start=2)], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.INT64, None)])
+    branches = small_model([helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)],
+                           [("x", TensorProto.FLOAT, [2, 3, 4, 5]), ("cond", TensorProto.BOOL, [])],
+                           [("y", TensorProto.INT64, None)])
+    same_outputs(branches, {"x": np.zeros((2, 3, 4, 5), np.float32), "cond": np.array(True)})
+
+
+@pytest.mark.parametrize("half", ["initializer", "constant_node"])
+def test_cast_elision_is_kept_off_a_fractional_constant_however_it_is_given(half):
+    """The guard looked at initializers only: a Constant node's 0.5 still turned int(float(x) * 0.5) into 0."""
+    nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["xf", "half"], ["hf"]),
+             helper.make_node("Cast", ["hf"], ["y"], to=TensorProto.INT64)]
+    initializers = [numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+    if half == "constant_node":
+        nodes.insert(0, helper.make_node("Constant", [], ["half"], value_float=0.5))
+        initializers = []
+    model = small_model(nodes, [("x", TensorProto.INT64, [3])], [("y", TensorProto.INT64, [3])], initializers)
+    same_outputs(model, {"x": np.array([7, 8, 100], np.int64)})
+
+
+def test_export_like_gives_an_unused_overridable_default_its_value_back():
+    """A pass whose graphsurgeon cleanup dropped an unused default's initializer dropped its input too (the build
+    then failed: "changed the graph's inputs"), or, before that, left the input without its default."""
+    from passes import fuse_silu
+
+    model = small_model([helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["y"])],
+                        [("x", TensorProto.FLOAT, [2]), ("unused", TensorProto.FLOAT, [2])],
+                        [("y", TensorProto.FLOAT, [2])], [numpy_helper.from_array(np.ones(2, np.float32), "unused")])
+    fused, _ = fuse_silu.run(model, fuse_silu.Options())
+    assert [value.name for value in fused.graph.input] == ["x", "unused"]
+    assert "unused" in {tensor.name for tensor in fused.graph.initializer}
+    np.testing.assert_allclose(run_ort(fused, {"x": np.ones(2, np.float32)})[0], run_ort(model, {"x": np.ones(2, np.float32)})[0])

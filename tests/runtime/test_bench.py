@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 from compiler import cli
 from runtime import bench
@@ -125,6 +126,19 @@ def test_time_phase(tiny_engine):
     assert tiny_engine.generate([5, 6], max_new_tokens=2).token_ids  # the batch-1 cache is back
     with pytest.raises(BenchError, match="max context"):
         bench.time_phase(tiny_engine, "decode", [120], list(range(130)), flops_for=lambda tokens: 2.0 * tokens, peaks=peaks)
+
+
+def test_time_phase_decode_without_a_weights_file(tiny_engine, monkeypatch):
+    """A TensorRT artifact's engines hold the weights (no backend.weights): decode timing raised KeyError; now the
+    bytes columns are left empty."""
+    monkeypatch.delitem(tiny_engine.manifest["backend"], "weights")
+    peaks = {"flops": 1e11, "bandwidth": 1e10}
+    rows = bench.time_phase(tiny_engine, "decode", [8], list(range(3, 20)), steps=2, flops_for=lambda tokens: 1.0,
+                            peaks=peaks)
+    assert rows[0]["bytes_per_step"] is None and rows[0]["median_ms"] > 0
+    console = Console(record=True, width=200)
+    console.print(bench.phase_table("decode", rows, peaks))
+    assert " - " in console.export_text()
 
 
 def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
