@@ -351,9 +351,9 @@ def export_like(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
     overridable default keeps its input and gets its value back from `model`)."""
     result = _export(graph, model)
     present = {value.name for value in result.graph.input} | {tensor.name for tensor in result.graph.initializer}
+    inputs = {value.name for value in model.graph.input}
     result.graph.initializer.extend(tensor for tensor in model.graph.initializer
-                                    if tensor.name not in present and tensor.name in
-                                    {value.name for value in model.graph.input})
+                                    if tensor.name in inputs and tensor.name not in present)
     del result.graph.input[:]
     result.graph.input.extend(model.graph.input)
     return result
