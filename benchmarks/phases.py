@@ -210,8 +210,7 @@ def summarize(raw: dict, args, manifests: dict, bandwidth: float, step_weights: 
             entry["tokens_per_s"] = 1e3 / entry["median_ms"]
             if name in manifests:
                 manifest = manifests[name]
-                weights = step_weights.get(name)  # an embedding table a step only gathers rows from is left out
-                weights = manifest["backend"]["weights"]["bytes"] if weights is None else weights
+                weights = step_weights[name]  # an embedding table a step only gathers rows from is left out
                 kv = manifest["kv_cache"]["bytes_per_token"] * ctx
                 entry.update(weights_bytes=weights, kv_bytes=kv, bytes_read=weights + kv,
                              achieved_gb_per_s=(weights + kv) / (entry["median_ms"] / 1e3) / 1e9,

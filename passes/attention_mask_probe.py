@@ -135,8 +135,7 @@ def _judge(mask: np.ndarray, length: int, queries: int | None = None) -> str | N
     if hidden.size and np.any(hidden > MASKED):
         if queries < length:
             return (f"the additive mask is not causal for queries after cached tokens: with {length - queries} "
-                    f"cached and {queries} new, some query sees a later key or misses an earlier one (a mask "
-                    f"aligned top-left, as is_causal does)")
+                    f"cached and {queries} new, some query sees a later key")
         return "the additive mask is not causal: some query sees a later key"
     return None
 

@@ -154,9 +154,9 @@ def _projection(tensor: gs.Tensor) -> tuple[gs.Tensor, int, tuple[gs.Tensor, int
     return tensor, int(weight.shape[1]), (matmul.inputs[0], int(weight.shape[0]))
 
 
-def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tensor | None, float] | SkipReason:
+def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tensor | None, float, bool] | SkipReason:
     """Up from the attention's K or V operand to the new keys/values; returns (new, cache writer, past buffer,
-    the product of the constant scalings passed on the way).
+    the product of the constant scalings passed on the way, whether the operand reads the written cache).
 
     Decode reads the cache after ScatterElements wrote it; prefill reads the new keys directly while a
     ScatterElements beside the attention writes them: look for the writer among the consumers on the way up.
@@ -178,24 +178,11 @@ def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tenso
                           f"aotlm's export traces it)")
     writers = [n for t in chain for n in t.outputs if n.op == "ScatterElements" and n.inputs[2] is t]
     if not writers:
-        return chain[-1], None, None, factor
+        return chain[-1], None, None, factor, False
     writer = writers[0]
     if producer(writer.inputs[0]) is not None:
         return SkipReason(f"cache write '{writer.name}' does not update a graph input buffer")
-    return chain[-1], writer, writer.inputs[0], factor
-
-
-def _reads_written_cache(tensor: gs.Tensor, writer: gs.Node | None) -> bool:
-    """Whether the walk up from the scores' key operand passes the cache writer's output (decode), not beside it."""
-    if writer is None:
-        return False
-    node = producer(tensor)
-    while node is not None and (node.op in THROUGH_CACHE_READ | {"ScatterElements"} or scalar_factor(node) is not None):
-        if node is writer:
-            return True
-        tensor = scaled_operand(node) if node.op in ("Mul", "Div") else node.inputs[0]
-        node = producer(tensor)
-    return False
+    return chain[-1], writer, writer.inputs[0], factor, any(t is writer.outputs[0] for t in chain)
 
 
 def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | SkipReason:
@@ -215,7 +202,7 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
     for found in (key, value):
         if isinstance(found, SkipReason):
             return found
-    (k_new, key_writer, past_key, k_factor), (v_new, value_writer, past_value, v_factor) = key, value
+    (k_new, key_writer, past_key, k_factor, reads_cache), (v_new, value_writer, past_value, v_factor, _) = key, value
     if v_factor != 1.0:
         return SkipReason(f"the values are scaled by {v_factor:g} before the weighted sum")
     scale *= q_factor * k_factor  # scores = (a q) . (b k) = a b (q . k)
@@ -240,7 +227,7 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
         return SkipReason(f"projection widths q={q_width} k={k_width} v={v_width} do not fit head_dim {head_dim}")
     return Match(layer_name(o_proj), query, key_tensor, value_tensor, past_key, past_value, key_writer, value_writer,
                  o_proj, mask, q_width // head_dim, k_width // head_dim, scale, inv_freq, scaling,
-                 tuple(projection[2] for projection in projections), _reads_written_cache(qk.inputs[1], key_writer))
+                 tuple(projection[2] for projection in projections), reads_cache)
 
 
 class SharedInputs:

@@ -383,6 +383,8 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
     embedding table it only gathers rows from left out); the manifest's whole weights file when not given.
     `peaks`: this machine's {"flops": .., "bandwidth": ..}, measured by the caller."""
     backend, limit, manifest = engine.backend, engine.max_context, engine.manifest
+    if weight_bytes_per_step is None:  # the whole weights file; unknown where the engines hold them (TensorRT)
+        weight_bytes_per_step = (manifest["backend"].get("weights") or {}).get("bytes")
     extra = 0 if phase == "prefill" else warmup + steps
     for size in sizes:
         if size < 1 or size + extra > limit or size > len(prompt_ids):
@@ -419,10 +421,8 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
                     elapsed, tokens = run("decode", tokens, size + step)
                     times += [elapsed] if step >= warmup else []
                 seconds = float(np.median(times))
-                weights = weight_bytes_per_step
-                if weights is None:  # the whole weights file; unknown where the engines hold the weights (TensorRT)
-                    weights = ((manifest["backend"].get("weights") or {}).get("bytes"))
-                moved = None if weights is None else weights + manifest["kv_cache"]["bytes_per_token"] * size * batch
+                moved = (None if weight_bytes_per_step is None else
+                         weight_bytes_per_step + manifest["kv_cache"]["bytes_per_token"] * size * batch)
                 rows.append({"context": size, "batch": batch, "median_ms": 1e3 * seconds,
                              "p90_ms": 1e3 * float(np.percentile(times, 90)), "tokens_per_s": batch / seconds,
                              "bytes_per_step": moved, "bytes_per_s": None if moved is None else moved / seconds,

@@ -45,7 +45,7 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ArtifactError(f"{path}: unreadable manifest ({error}); rebuild the artifact") from None
     except OSError as error:  # another user's artifact, say
-        raise ArtifactError(f"{path}: cannot be read ({error.strerror}); fix the folder's permissions") from None
+        raise _unreadable(path, error) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path}: not an aotlm manifest (format field missing); rebuild the artifact")
     version = manifest.get("format_version")
@@ -136,4 +136,8 @@ def _sha256_or_refuse(path: Path) -> str:
     try:
         return sha256_file(path)
     except OSError as error:
-        raise ArtifactError(f"{path}: cannot be read ({error.strerror}); fix the folder's permissions") from None
+        raise _unreadable(path, error) from None
+
+
+def _unreadable(path: Path, error: OSError) -> ArtifactError:
+    return ArtifactError(f"{path}: cannot be read ({error.strerror}); fix the folder's permissions")
