@@ -111,9 +111,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     graphs = export_graphs(decoder, recipe.export.max_context, recipe.export.opset, recipe.export.prefill_logits,
                            progress=say, dtype=recipe.export.dtype)
     del decoder
-    graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say)
+    graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say, consume=True)
     float_decode = graphs["decode"] if report_accuracy else None
-    graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say)
+    graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say, consume=True)
     pass_results += more_results
     kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, cache_dtype(graphs, recipe.export.dtype))
 

@@ -325,24 +325,33 @@ def inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.Value
     small initializers stay, since data propagation reads their values (Reshape targets, Slice bounds).
     A graph ONNX cannot type gets no shapes, and the reason goes in the report.
     """
-    skeleton = onnx.ModelProto(ir_version=model.ir_version)
-    skeleton.opset_import.extend(model.opset_import)
-    skeleton.functions.extend(model.functions)
-    graph = skeleton.graph
-    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
-        getattr(graph, field).extend(getattr(model.graph, field))
-    input_names = {value.name for value in model.graph.input}
-    for tensor in model.graph.initializer:
-        if tensor_nbytes(tensor) <= SHAPE_DATA_MAX_BYTES:
-            graph.initializer.append(tensor)
-        elif tensor.name not in input_names:  # an initializer listed as an input is typed there already
-            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    skeleton = without_large_weights(model, SHAPE_DATA_MAX_BYTES)
     try:
         inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as error:
         report["shape_inference_skipped"] = str(error).splitlines()[0]
         return list(model.graph.value_info)
     return list(inferred.graph.value_info)
+
+
+def without_large_weights(model: onnx.ModelProto, max_bytes: int) -> onnx.ModelProto:
+    """The model's graph with every initializer above `max_bytes` as a typed graph input instead: what shape
+    inference and onnx.checker read of a weight is its type and shape, and the skeleton serializes without the
+    weights (a model of 2 GiB or more cannot be serialized at all: protobuf's limit)."""
+    skeleton = onnx.ModelProto(ir_version=model.ir_version)
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    graph = skeleton.graph
+    graph.name = model.graph.name
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(graph, field).extend(getattr(model.graph, field))
+    input_names = {value.name for value in model.graph.input}
+    for tensor in model.graph.initializer:
+        if tensor_nbytes(tensor) <= max_bytes:
+            graph.initializer.append(tensor)
+        elif tensor.name not in input_names:  # an initializer listed as an input is typed there already
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    return skeleton
 
 
 def export_like(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
