@@ -27,6 +27,9 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     architecture: str = "llama"
     sliding_window: int | None = None  # tokens a query attends back (Mistral, Qwen2); None = the whole context
+    # Per rotary frequency (head_dim / 2 of them), the number its inverse frequency is divided by: llama.cpp's
+    # rope_freqs tensor, which is how Llama 3.1+'s "llama3" rope scaling reaches the decoder. None = plain RoPE.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -38,6 +41,11 @@ class DecoderConfig:
         if not 0 < self.rope_theta < math.inf or not 0 < self.rms_norm_eps < math.inf:  # `not`: NaN fails too
             raise ValueError(f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must be finite "
                              f"and > 0")
+        factors = self.rope_freq_factors
+        if factors is not None and (len(factors) != self.head_dim // 2 or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < math.inf for f in factors)):
+            raise ValueError(f"rope_freq_factors: {len(factors)} values; it needs head_dim / 2 = {self.head_dim // 2} "
+                             f"finite numbers > 0 (one per rotary frequency), or null for plain RoPE")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window: {self.sliding_window} must be >= 1 (tokens a query attends back), "
                              f"or null for the whole context")
@@ -55,13 +63,18 @@ class DecoderConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.rope_freq_factors is not None:
+            d["rope_freq_factors"] = list(self.rope_freq_factors)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderConfig":
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("rope_freq_factors") is not None:
+            d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
         return cls(**d)
+
 
 
 @dataclass

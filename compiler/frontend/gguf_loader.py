@@ -143,6 +143,7 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
         raise BuildError(f"{path}: rope.dimension_count {rotated} of head size {head_dim}: a rotary on part of each "
                          f"head is not supported by the canonical decoder (it rotates every channel).")
     tensor_names = {tensor.name for tensor in reader.tensors}
+    rope_freqs = _rope_freq_factors(reader, int(head_dim), path)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     # llama.cpp requires the token list and the embedding rows to agree; files without a tokenizer still load.
     vocab_size = len(tokens) if tokens else int(embed.shape[-1]) if embed is not None else 0
@@ -166,9 +167,27 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
             architecture=arch,
+            rope_freq_factors=rope_freqs,
         )
     except ValueError as error:  # DecoderConfig's own consistency checks
         raise BuildError(f"{path}: inconsistent GGUF metadata: {error}")
+
+
+ROPE_FREQS = "rope_freqs.weight"  # per-frequency divisors of the rotary angles (Llama 3.1+'s rope scaling)
+
+
+def _rope_freq_factors(reader, head_dim: int, path: str) -> tuple[float, ...] | None:
+    """The rope_freqs tensor's values, which llama.cpp divides each rotary frequency by; None when absent."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    from gguf.quants import dequantize
+
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
+    if values.size != head_dim // 2 or not np.all(np.isfinite(values) & (values > 0)):
+        raise BuildError(f"{path}: {ROPE_FREQS} holds {values.size} values; it needs head_dim / 2 = {head_dim // 2} "
+                         f"finite numbers > 0 (one divisor per rotary frequency)")
+    return tuple(float(value) for value in values)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -201,12 +220,12 @@ def _read_tensors(reader, config: DecoderConfig, path: str, progress: bool | Non
 
     show = sys.stderr.isatty() if progress is None else progress
     expected = expected_shapes(config)
-    tensors = list(reader.tensors)
+    tensors = [tensor for tensor in reader.tensors if tensor.name != ROPE_FREQS]  # read into the config
     unknown = [tensor.name for tensor in tensors if hf_tensor_name(tensor.name) is None]
     if unknown:  # checked before dequantizing anything, so a foreign file fails fast
         raise BuildError(
             f"{path}: tensors the Llama-family decoder cannot use: {', '.join(unknown[:5])}"
-            f"{' ...' if len(unknown) > 5 else ''} (e.g. rope_freqs means RoPE scaling, which is not supported)."
+            f"{' ...' if len(unknown) > 5 else ''}."
         )
     state_dict = {}
     for tensor in track(tensors, description="Dequantizing GGUF tensors", disable=not show, transient=True):

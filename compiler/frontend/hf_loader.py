@@ -9,6 +9,7 @@ import dataclasses
 import glob
 import hashlib
 import json
+import math
 import os
 
 import torch
@@ -108,8 +109,9 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
     parameters, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
     rope = {**parameters, **scaling}
     rope_type = (scaling or parameters).get("rope_type", (scaling or parameters).get("type", "default"))
-    if rope_type != "default":
-        raise BuildError(f"{origin}: rope scaling {rope_type!r} is not supported; the decoder uses plain RoPE.")
+    if rope_type not in ("default", "llama3"):
+        raise BuildError(f"{origin}: rope scaling {rope_type!r} is not supported; the decoder takes plain RoPE and "
+                         f"Llama 3.1's 'llama3' scaling.")
     try:
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         return DecoderConfig(
@@ -129,11 +131,47 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             eos_token_ids=_eos_ids(hf.get("eos_token_id"), generation.get("eos_token_id")),
             architecture=model_type,
             sliding_window=_sliding_window(hf, model_type),
+            rope_freq_factors=llama3_rope_factors(rope, int(hf.get("head_dim") or hidden // heads),
+                                                  _rope_theta(hf, rope, origin), origin)
+            if rope_type == "llama3" else None,
         )
     except KeyError as error:
         raise BuildError(f"{origin}: required key {error.args[0]!r} is missing.")
     except (TypeError, ValueError) as error:
         raise BuildError(f"{origin}: invalid model config: {error}")
+
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def llama3_rope_factors(rope: dict, head_dim: int, theta: float, origin: str) -> tuple[float, ...]:
+    """Llama 3.1's rope scaling as one divisor per rotary frequency (what llama.cpp stores as rope_freqs).
+
+    Wavelengths (2 pi / inverse frequency) up to original_max_position_embeddings / high_freq_factor keep their
+    frequency; those beyond original_max_position_embeddings / low_freq_factor are slowed by `factor`; in between,
+    the inverse frequency moves smoothly from one to the other with original_max_position_embeddings / wavelength.
+    """
+    missing = [key for key in LLAMA3_ROPE_KEYS if not isinstance(rope.get(key), (int, float))
+               or isinstance(rope.get(key), bool)]
+    if missing:
+        raise BuildError(f"{origin}: rope scaling 'llama3' needs numbers for {', '.join(LLAMA3_ROPE_KEYS)}; "
+                         f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing or not a number")
+    factor, low, high, original = (float(rope[key]) for key in LLAMA3_ROPE_KEYS)
+    if not (factor >= 1 and 0 < low < high and original > 0) or not all(map(math.isfinite, (factor, high, original))):
+        raise BuildError(f"{origin}: rope scaling 'llama3' with factor {factor}, low_freq_factor {low}, high_freq_factor "
+                         f"{high}, original_max_position_embeddings {original}: it needs factor >= 1 and "
+                         f"0 < low_freq_factor < high_freq_factor, all finite")
+    factors = []
+    for index in range(head_dim // 2):
+        wavelength = 2 * math.pi * theta ** (2 * index / head_dim)
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:  # inverse frequency (1 - s) / factor + s of the plain one, s from 0 (long) to 1 (short wavelengths)
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)
 
 
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default

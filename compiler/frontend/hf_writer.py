@@ -61,6 +61,9 @@ def write_hf_folder(loaded: LoadedModel, folder: str | Path) -> Path:
     config = loaded.config
     if config.architecture not in HF_ARCHITECTURES:
         raise ValueError(f"architecture {config.architecture!r}: known ones are {', '.join(HF_ARCHITECTURES)}")
+    if config.rope_freq_factors is not None:  # transformers takes llama3's four parameters, not the divisors
+        raise ValueError("rope_freq_factors (per-frequency rotary divisors, e.g. from a GGUF's rope_freqs) have no "
+                         "Hugging Face config.json spelling; write the original model's folder instead")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {

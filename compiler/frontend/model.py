@@ -148,6 +148,8 @@ class Decoder(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+        if config.rope_freq_factors is not None:  # Llama 3.1+'s "llama3" scaling, as llama.cpp applies rope_freqs
+            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
         # A plain attribute, not a buffer: Module.to(float16) must not round the rotary frequencies (at position
         # 2000 a float16 inv_freq is off by up to a radian). The trace embeds it as a float32 constant.
         self.inv_freq = inv_freq

@@ -58,7 +58,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: str, tokenizer_model="gpt2",
                merges: bool = True, extra: dict | None = None, chat_template: str | None = None,
-               rotary_dimensions: int | None = None):
+               rotary_dimensions: int | None = None, rope_freqs: tuple | None = None):
     writer = gguf.GGUFWriter(str(path), config.architecture)
     writer.add_name("tiny test model")
     writer.add_block_count(config.num_layers)
@@ -96,13 +96,16 @@ def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: st
         elif permuted and ".k_proj." in name:
             array = llama_cpp_permute(array, config.num_heads, config.num_kv_heads)
         writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(array, dtype=np.float32))
+    rope_freqs = rope_freqs or config.rope_freq_factors
+    if rope_freqs is not None:  # as convert_hf_to_gguf writes Llama 3.1's rope scaling
+        writer.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def hf_llama(config: DecoderConfig, state_dict: dict):
+def hf_llama(config: DecoderConfig, state_dict: dict, rope_scaling: dict | None = None):
     """transformers' LlamaForCausalLM (eager attention) holding state_dict; checks every name maps."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -113,6 +116,7 @@ def hf_llama(config: DecoderConfig, state_dict: dict):
         rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings,
         max_position_embeddings=config.max_position_embeddings, attention_bias=config.attention_bias,
         bos_token_id=config.bos_token_id, eos_token_id=list(config.eos_token_ids), attn_implementation="eager",
+        **({"rope_scaling": rope_scaling} if rope_scaling else {}),
     )
     try:  # skip transformers' random init: every weight is overwritten below, and init costs seconds at 49k vocab
         from transformers.initialization import no_init_weights
@@ -227,11 +231,69 @@ def test_unsupported_hf_model_type_is_named(tmp_path):
         load_hf_folder(str(tmp_path / "m"))
 
 
-def test_rope_scaling_is_refused_not_ignored(tmp_path):
-    rope = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}
-    write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict, rope_parameters=rope)
-    with pytest.raises(BuildError, match=r"rope scaling 'llama3' is not supported"):
+# Llama 3.1+'s rope scaling, sized so that the tiny head's 8 frequencies (theta 50000) fall in all three bands:
+# wavelength 6.3 < 32 / 4 (kept), 24.3 (smoothed), 94 and up > 32 / 1 (divided by 8).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_llama3_rope_scaling_gives_transformers_logits(tmp_path, key):
+    """Llama 3.1, 3.2 and 3.3 scale RoPE per frequency ("llama3"); the loader refused them. It now reads the four
+    parameters into one divisor per frequency (llama.cpp's rope_freqs), and the decoder's logits over 64 positions
+    match transformers' LlamaForCausalLM with the same scaling, and not those of plain RoPE."""
+    from compiler.frontend.model import build_decoder
+
+    original = random_model(TINY, seed=4)
+    for name, weight in original.state_dict.items():  # sharper attention, so that the rotary angles show in the logits
+        if ".q_proj." in name or ".k_proj." in name:
+            weight.mul_(4.0)
+    rope = {**LLAMA3_ROPE, "rope_theta": TINY.rope_theta} if key == "rope_parameters" else LLAMA3_ROPE
+    write_hf_folder(tmp_path / "m", TINY, original.state_dict, **{key: rope})
+    loaded = load_hf_folder(str(tmp_path / "m"))
+    factors = loaded.config.rope_freq_factors
+    assert factors[0] == 1.0 and 1.0 < factors[1] < 8.0 and factors[2:] == (8.0,) * 6
+    assert loaded.config == dataclasses.replace(TINY, rope_freq_factors=factors)
+
+    ids = torch.from_numpy(np.random.default_rng(0).integers(3, TINY.vocab_size, (1, 64)))
+    reference = hf_llama(TINY, original.state_dict, rope_scaling=LLAMA3_ROPE)
+    plain = hf_llama(TINY, original.state_dict)
+    decoder = build_decoder(loaded.config, loaded.state_dict)
+    empty = [torch.zeros(1, TINY.num_kv_heads, 64, TINY.head_dim)] * TINY.num_layers
+    with torch.no_grad():
+        expected, unscaled = reference(ids).logits[0], plain(ids).logits[0]
+        ours = decoder(ids, torch.arange(64)[None], torch.ones(1, 64, dtype=torch.long), empty, empty,
+                       attend_to_cache=False, logits="all")[0][0]
+    np.testing.assert_allclose(ours.numpy(), expected.numpy(), atol=2e-5)
+    assert (ours - unscaled).abs().max() > 1e-2  # the scaling changes these logits: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "linear", "factor": 4.0}, r"rope scaling 'linear' is not supported; the decoder takes plain RoPE "
+                                             r"and Llama 3.1's 'llama3' scaling"),
+    ({"rope_type": "yarn", "factor": 4.0}, r"rope scaling 'yarn' is not supported"),
+    ({**LLAMA3_ROPE, "low_freq_factor": None}, r"'llama3' needs numbers for .*; low_freq_factor is missing"),
+    ({"rope_type": "llama3", "factor": 8.0}, r"low_freq_factor, high_freq_factor, original_max_position_embeddings "
+                                             r"are missing"),
+    ({**LLAMA3_ROPE, "high_freq_factor": 0.5}, r"0 < low_freq_factor < high_freq_factor"),
+])
+def test_other_rope_scalings_and_incomplete_llama3_parameters_are_refused(tmp_path, rope, message):
+    write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict, rope_scaling=rope)
+    with pytest.raises(BuildError, match=message):
         load_hf_folder(str(tmp_path / "m"))
+
+
+def test_a_gguf_rope_freqs_tensor_becomes_the_rotary_divisors(tmp_path):
+    """convert_hf_to_gguf writes Llama 3.1's rope scaling as a rope_freqs tensor; it had been refused as a tensor
+    the decoder cannot use. It now loads into the config (and not into the weights); a wrong length is named."""
+    scaled = dataclasses.replace(TINY, rope_freq_factors=(1.0, 2.5) + (8.0,) * 6)
+    original = random_model(scaled, seed=3)
+    write_gguf(tmp_path / "scaled.gguf", scaled, original.state_dict, original.tokenizer_json)
+    loaded = load_gguf(str(tmp_path / "scaled.gguf"))
+    assert loaded.config == scaled and sorted(loaded.state_dict) == sorted(original.state_dict)
+    write_gguf(tmp_path / "wrong.gguf", TINY, original.state_dict, original.tokenizer_json, rope_freqs=(1.0,) * 4)
+    with pytest.raises(BuildError, match=r"rope_freqs.weight holds 4 values; it needs head_dim / 2 = 8"):
+        load_gguf(str(tmp_path / "wrong.gguf"))
 
 
 def test_a_gguf_rotary_on_part_of_each_head_is_refused(tmp_path):
@@ -525,3 +587,21 @@ def test_a_llama3_gguf_tokenizer_takes_vocabulary_words_whole_and_adds_bos(pre, 
             "tokenizer.ggml.bos_token_id": len(tokens) - 1, "tokenizer.ggml.add_bos_token": add_bos}
     encoded = HFTokenizer.from_str(tokenizer_json_from_gguf(meta.get, "x.gguf")).encode("abc")
     assert (encoded.tokens, encoded.ids[0] == len(tokens) - 1) == expected
+
+
+def test_rotary_divisors_round_trip_through_the_manifest_and_a_recipe():
+    """The manifest keeps the config as a dict (a list for the divisors); a random-init recipe may give them."""
+    import yaml
+
+    from compiler.recipe import RecipeError, parse_recipe
+
+    scaled = dataclasses.replace(TINY, rope_freq_factors=(1.0, 2.0) + (8.0,) * 6)
+    assert DecoderConfig.from_dict(json.loads(json.dumps(scaled.to_dict()))) == scaled
+    assert DecoderConfig.from_dict({k: v for k, v in TINY.to_dict().items() if k != "rope_freq_factors"}) == TINY
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny-random.yaml")) as handle:
+        recipe = yaml.safe_load(handle)
+    recipe["model"]["config"]["rope_freq_factors"] = [1, 2, 4, 8, 8, 8, 8, 8]
+    assert parse_recipe(recipe).model.config.rope_freq_factors == (1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0)
+    recipe["model"]["config"]["rope_freq_factors"] = [1, 2]
+    with pytest.raises(RecipeError, match=r"rope_freq_factors: 2 values; it needs head_dim / 2 = 8 finite numbers"):
+        parse_recipe(recipe)

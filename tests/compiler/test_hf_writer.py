@@ -74,3 +74,12 @@ def test_transformers_loads_the_folder_and_matches_the_canonical_decoder(tmp_pat
         theirs = model(torch.tensor([token_ids])).logits
     max_difference = (ours - theirs).abs().max().item()
     assert max_difference < 1e-4, f"logits differ by up to {max_difference:.2e}"
+
+
+def test_per_frequency_rotary_divisors_are_refused_not_dropped(tmp_path):
+    """transformers' config spells Llama 3.1's scaling by its four parameters, which a GGUF's rope_freqs divisors do
+    not give back: writing the folder without them would hand other tools a model with plain RoPE."""
+    config = dataclasses.replace(TINY, rope_freq_factors=(1.0, 2.0) + (8.0,) * 6)
+    with pytest.raises(ValueError, match=r"rope_freq_factors .* have no Hugging Face config.json spelling"):
+        write_hf_folder(random_model(config, seed=0), tmp_path / "m")
+    assert not (tmp_path / "m").exists()

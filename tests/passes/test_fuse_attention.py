@@ -6,6 +6,7 @@ torch.onnx (eager attention, no cache) where attention is spelled differently (r
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import warnings
 
@@ -475,3 +476,24 @@ def test_graphs_of_a_fixed_batch_and_a_small_cache_are_probed_at_their_sizes():
             model = cleanup.run(model, cleanup.Options())[0]
             _, report = fuse_attention.run(model, fuse_attention.Options(required=True))
             assert report["fused"] == CONFIG.num_layers, (max_context, batch, phase)
+
+
+def test_llama3_scaled_rotary_frequencies_fuse_and_keep_the_logits():
+    """Llama 3.1+'s rope scaling divides each rotary frequency by its own factor. The pass reads the frequencies
+    from the graph, so the fused and lowered graphs' rotary tables carry the divided ones: their logits and cache
+    rows match the unfused graphs', which differ from plain RoPE's."""
+    scaled = dataclasses.replace(CONFIG, rope_freq_factors=(1.0, 1.7, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0))
+    weights = random_model(CONFIG, seed=0).state_dict
+    for name, weight in weights.items():  # sharper attention, so that the rotary angles show in the logits
+        if ".q_proj." in name or ".k_proj." in name:
+            weight.mul_(4.0)
+    graphs = {}
+    for config in (CONFIG, scaled):
+        exported = export_graphs(build_decoder(config, weights), MAX_CONTEXT)
+        graphs[config] = {phase: cleanup.run(model, cleanup.Options())[0] for phase, model in exported.items()}
+    lowered = {phase: fuse_and_lower(model, required=True)[2] for phase, model in graphs[scaled].items()}
+    fused_logits, unfused_logits = generate_logits(lowered), generate_logits(graphs[scaled])
+    for fused, reference in zip(fused_logits, unfused_logits):
+        np.testing.assert_allclose(fused, reference, atol=1e-5)
+    plain_logits = generate_logits(graphs[CONFIG])
+    assert max(np.abs(a - b).max() for a, b in zip(unfused_logits[:-1], plain_logits[:-1])) > 1e-2
