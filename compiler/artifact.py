@@ -51,6 +51,7 @@ def staged_folder(final_dir: Path):
         staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
         try:
             yield staging
+            sync_to_disk(staging)
             if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
                 retired = _locked_folder(final_dir, "old", held)
                 os.replace(final_dir, retired / final_dir.name)
@@ -63,9 +64,31 @@ def staged_folder(final_dir: Path):
                 shutil.rmtree(retired, ignore_errors=True)
             else:
                 os.replace(staging, final_dir)
+            _sync_folder(final_dir.parent)  # the rename itself
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+
+def sync_to_disk(folder: Path) -> None:
+    """Flush every file under folder, and the folders, to disk. The rename that publishes an artifact can reach the
+    disk before the data the files were written with: after a power loss the artifact would be in place with empty
+    or partial files (the manifest's hashes catch that only when a load verifies)."""
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+        elif path.is_dir() and not path.is_symlink():
+            _sync_folder(path)
+    _sync_folder(Path(folder))
+
+
+def _sync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _locked_folder(final_dir: Path, kind: str, held: contextlib.ExitStack) -> Path:

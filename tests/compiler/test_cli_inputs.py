@@ -592,3 +592,32 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_build_and_at_the_p
     (damaged / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(RequestError, match=r"the tokenizer gave id \d+, outside this model's vocabulary \(0..2\)"):
         Engine.load(damaged).generate("hello there", max_new_tokens=2)
+
+
+def test_every_file_and_folder_is_flushed_to_disk_before_the_rename_publishes_them(tmp_path, monkeypatch):
+    """Without fsync, a power loss after the rename could leave the artifact in place with empty files: the rename
+    may reach the disk before their data. Every file and folder is synced first, and the parent after the rename."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(descriptor):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
+        fsync(descriptor)
+
+    def recording_replace(source, target):
+        events.append(("replace", str(source), str(target)))
+        replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    final = tmp_path / "artifact"
+    with staged_folder(final) as folder:
+        (folder / "weights.bin").write_bytes(b"\0" * 64)
+        (folder / "sub").mkdir()
+        (folder / "sub" / "manifest.json").write_text("{}")
+        staging = str(folder)
+    renamed = next(index for index, event in enumerate(events) if event[0] == "replace")
+    synced_before = {event[1] for event in events[:renamed]}
+    assert synced_before == {staging, f"{staging}/weights.bin", f"{staging}/sub", f"{staging}/sub/manifest.json"}
+    assert events[renamed] == ("replace", staging, str(final))
+    assert events[renamed + 1:] == [("fsync", str(tmp_path))]
