@@ -163,6 +163,8 @@ def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple
     key = hashlib.sha256(json.dumps([model_section, manifest["model"]["source"]], sort_keys=True).encode()).hexdigest()
     cache = RESULTS / "cache" / f"{manifest['name']}-{key[:12]}"
     hf_folder, genai_folder = cache / "hf", cache / "genai-fp32-cpu"
+    if model_section["source"] == "hf":  # the model's own folder: its config says what ours may not (llama3 rope)
+        hf_folder = Path(model_section["path"])
     if not (hf_folder / "config.json").is_file():
         from compiler.frontend import load_model
         from compiler.frontend.config import DecoderConfig

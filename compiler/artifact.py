@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -14,6 +15,7 @@ import platform
 import re
 import shutil
 import tempfile
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -64,7 +66,11 @@ def staged_folder(final_dir: Path):
                 shutil.rmtree(retired, ignore_errors=True)
             else:
                 os.replace(staging, final_dir)
-            _sync_folder(final_dir.parent)  # the rename itself
+            try:  # the rename itself; the artifact is in place already, so a failure here only warns
+                _sync_folder(final_dir.parent)
+            except OSError as error:
+                warnings.warn(f"{final_dir.parent}: could not flush the folder to disk after the rename ({error}); "
+                              f"the artifact is in place", RuntimeWarning, stacklevel=3)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -77,16 +83,29 @@ def sync_to_disk(folder: Path) -> None:
     for path in sorted(Path(folder).rglob("*")):
         if path.is_file() and not path.is_symlink():
             with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
+                _fsync(handle.fileno())
         elif path.is_dir() and not path.is_symlink():
             _sync_folder(path)
     _sync_folder(Path(folder))
 
 
+# fsync errors that mean "this filesystem does not sync that" (some FUSE and network mounts refuse folders), as
+# coreutils' sync treats them: nothing more can be done, and the build goes on.
+UNSYNCABLE = {errno.EINVAL, errno.EBADF, errno.EROFS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EISDIR}
+
+
+def _fsync(descriptor: int) -> None:
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in UNSYNCABLE:
+            raise
+
+
 def _sync_folder(folder: Path) -> None:
     descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(descriptor)
+        _fsync(descriptor)
     finally:
         os.close(descriptor)
 

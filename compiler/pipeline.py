@@ -11,6 +11,7 @@ every token, so the calibration results both phases share come from all of them)
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import numpy as np
 import onnx
 
 from compiler.errors import BuildError
-from passes.cleanup import SHAPE_DATA_MAX_BYTES, without_large_weights
+from passes.cleanup import SHAPE_DATA_MAX_BYTES, tensor_nbytes
 from passes.errors import PassError
 from passes.registry import PASSES, PassEntry
 from passes.session_config import record_session_config, session_config
@@ -83,7 +84,8 @@ def run_pipeline(
     """Runs each pass (anything with `.name` and `.options`) over every phase; returns the graphs and one result
     per (pass, phase), in the order they ran. Raises BuildError when a pass is unknown or its result fails a check.
     consume=True replaces each graph in `graphs` itself (a dict) as its passes run, so the caller's dict does not
-    keep a copy of every weight alive through the build; the returned dict is then `graphs`."""
+    keep a copy of every weight alive through the build; the returned dict is then `graphs`. When a pass fails, that
+    dict is left with each graph as far as it got (the build that passes it stops there)."""
     say = progress or (lambda line: None)
     # Look every pass up before running any, so a typo in the last pass does not cost a long build.
     entries = [(spec, lookup_pass(spec.name)) for spec in passes]
@@ -188,9 +190,7 @@ def check_pass_result(name: str, phase: str, before: onnx.ModelProto, after: onn
     """Raises BuildError, naming the pass and phase, when `after` is not a valid model or lost its I/O names."""
     if not isinstance(after, onnx.ModelProto):
         raise BuildError(f"pass '{name}' ({phase}) returned a {type(after).__name__}, not an onnx.ModelProto")
-    # The checker serializes the model: it gets the graph without its large weights (their types and shapes stay),
-    # which a model of 2 GiB or more needs (protobuf's limit) and which spares copying every weight per pass.
-    skeleton = without_large_weights(after, SHAPE_DATA_MAX_BYTES)
+    skeleton = checkable_copy(after, name, phase)
     # onnxruntime defines a few ops in the default ONNX domain that the checker has no schema for: check them
     # as if they were in a custom domain (whose nodes it accepts).
     for node in skeleton.graph.node:
@@ -212,6 +212,72 @@ def check_pass_result(name: str, phase: str, before: onnx.ModelProto, after: onn
             raise BuildError(
                 f"pass '{name}' changed the {phase} graph's {kind}s from {names_before} to {names_after}; "
                 f"a pass that means to must say changes_io: True in its report")
+
+
+TYPED_DATA_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
+ONE_VALUE_PER_ELEMENT_FIELDS = ("float_data", "int64_data", "double_data", "uint64_data")  # complex: two
+COMPLEX_TYPES = (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128)
+
+
+def checkable_copy(model: onnx.ModelProto, name: str = "?", phase: str = "?") -> onnx.ModelProto:
+    """What onnx.checker needs of `model`, without the data of its large weights. The checker serializes what it
+    checks: a model of 2 GiB or more cannot be (protobuf's limit), and copying every weight per pass is slow. Every
+    field is copied but the large initializers, which go in as empty stubs of the same name and type (so duplicate
+    names, undefined types and where initializers may stand are checked as before); what the checker would have
+    checked of their data (one data field, of the length the dims say) is checked here."""
+    skeleton = onnx.ModelProto()
+    _copy_fields(model, skeleton, skip="graph")
+    _copy_fields(model.graph, skeleton.graph, skip="initializer")
+    for tensor in model.graph.initializer:
+        try:
+            size = tensor_nbytes(tensor)
+        except (KeyError, ValueError):  # a type tensor_nbytes does not know (UNDEFINED): the checker names it
+            size = None
+        if size is None or size <= SHAPE_DATA_MAX_BYTES or tensor.data_location == onnx.TensorProto.EXTERNAL:
+            skeleton.graph.initializer.append(tensor)
+            continue
+        skeleton.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=[0])
+        typed = [field for field in TYPED_DATA_FIELDS if len(getattr(tensor, field))]
+        if len(typed) + tensor.HasField("raw_data") != 1:
+            fields = (["raw_data"] if tensor.HasField("raw_data") else []) + typed
+            raise BuildError(f"pass '{name}' produced an invalid {phase} graph: initializer {tensor.name!r} has "
+                             f"{len(fields)} data fields ({', '.join(fields) or 'none'}); it needs exactly one")
+        values, per_element = (len(getattr(tensor, typed[0])), 2 if tensor.data_type in COMPLEX_TYPES else 1) \
+            if typed and typed[0] in ONE_VALUE_PER_ELEMENT_FIELDS else (None, 1)
+        if values is not None and values < per_element * math.prod(tensor.dims):
+            raise BuildError(f"pass '{name}' produced an invalid {phase} graph: initializer {tensor.name!r} holds {values} "
+                             f"{typed[0]} values, and its dims {list(tensor.dims)} need {per_element * math.prod(tensor.dims)}")
+        if tensor.HasField("raw_data") and _raw_data_length(tensor) != size:
+            raise BuildError(f"pass '{name}' produced an invalid {phase} graph: initializer {tensor.name!r} holds "
+                             f"{_raw_data_length(tensor)} bytes of raw_data, and its dims {list(tensor.dims)} and type "
+                             f"need {size}")
+    return skeleton
+
+
+def _copy_fields(source, target, skip: str) -> None:
+    for field in source.DESCRIPTOR.fields:
+        if field.name == skip:
+            continue
+        value = getattr(source, field.name)
+        if field.is_repeated:
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            if source.HasField(field.name):
+                getattr(target, field.name).CopyFrom(value)
+        elif source.HasField(field.name) if field.has_presence else value:
+            setattr(target, field.name, value)
+
+
+def _raw_data_length(tensor: onnx.TensorProto) -> int:
+    """len(tensor.raw_data) without copying the bytes into Python: the serialized size of the tensor less that of
+    the same tensor without them, less the field's tag and length prefix."""
+    header = onnx.TensorProto()
+    _copy_fields(tensor, header, skip="raw_data")  # a large tensor's one data field is raw_data (checked above)
+    payload = tensor.ByteSize() - header.ByteSize() - 1  # 1: raw_data's tag (field 9)
+    length_prefix = 1
+    while payload - length_prefix >= 1 << (7 * length_prefix):  # the varint holding the length
+        length_prefix += 1
+    return payload - length_prefix
 
 
 def to_json(value, where: str):

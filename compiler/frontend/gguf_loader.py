@@ -183,7 +183,10 @@ def _rope_freq_factors(reader, head_dim: int, path: str) -> tuple[float, ...] | 
         return None
     from gguf.quants import dequantize
 
-    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
+    try:
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
+    except NotImplementedError as error:
+        raise BuildError(f"{path}: cannot read {ROPE_FREQS} ({tensor.tensor_type.name}): {error}")
     if values.size != head_dim // 2 or not np.all(np.isfinite(values) & (values > 0)):
         raise BuildError(f"{path}: {ROPE_FREQS} holds {values.size} values; it needs head_dim / 2 = {head_dim // 2} "
                          f"finite numbers > 0 (one divisor per rotary frequency)")

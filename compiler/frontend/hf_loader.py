@@ -131,7 +131,8 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             eos_token_ids=_eos_ids(hf.get("eos_token_id"), generation.get("eos_token_id")),
             architecture=model_type,
             sliding_window=_sliding_window(hf, model_type),
-            rope_freq_factors=llama3_rope_factors(rope, int(hf.get("head_dim") or hidden // heads),
+            rope_freq_factors=llama3_rope_factors(_llama3_parameters(hf, rope, origin),
+                                                  int(hf.get("head_dim") or hidden // heads),
                                                   _rope_theta(hf, rope, origin), origin)
             if rope_type == "llama3" else None,
         )
@@ -142,6 +143,17 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
 
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _llama3_parameters(hf: dict, rope: dict, origin: str) -> dict:
+    """The rope scaling's parameters; transformers 5 takes original_max_position_embeddings from the top level of
+    config.json when it is there: refused when the two disagree, as rope_theta is."""
+    top, nested = hf.get("original_max_position_embeddings"), rope.get("original_max_position_embeddings")
+    if top is not None and nested is not None and top != nested:
+        raise BuildError(f"{origin}: original_max_position_embeddings {top} and the rope scaling's {nested} disagree "
+                         f"(transformers 5 reads the first, earlier versions the second); keep the one the model was "
+                         f"trained with")
+    return {**rope, "original_max_position_embeddings": nested if nested is not None else top}
 
 
 def llama3_rope_factors(rope: dict, head_dim: int, theta: float, origin: str) -> tuple[float, ...]:

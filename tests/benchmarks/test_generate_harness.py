@@ -66,3 +66,17 @@ def test_a_missing_artifact_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         generate.main(["--artifact", str(tmp_path / "none"), "--baselines", ""])
     assert stopped.value.code == 2 and "not an artifact folder (no such directory)" in capsys.readouterr().err
+
+
+def test_a_hugging_face_source_is_compared_from_its_own_folder(tmp_path, monkeypatch):
+    """The harness rewrote every model's weights as a folder through hf_writer, which cannot spell a Llama 3.1
+    rope scaling (it refuses it): an `hf` source's own folder is what transformers and genai load now."""
+    from rich.console import Console
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setattr(generate, "RESULTS", tmp_path / "results")
+    manifest = {"name": "llama", "recipe": {"model": {"source": "hf", "path": str(folder)}}, "model": {"source": {}}}
+    hf_folder, _ = generate.prepare_folders(manifest, Console(quiet=True), want_genai=False)
+    assert hf_folder == folder and not (tmp_path / "results").exists()

@@ -621,3 +621,31 @@ def test_every_file_and_folder_is_flushed_to_disk_before_the_rename_publishes_th
     assert synced_before == {staging, f"{staging}/weights.bin", f"{staging}/sub", f"{staging}/sub/manifest.json"}
     assert events[renamed] == ("replace", staging, str(final))
     assert events[renamed + 1:] == [("fsync", str(tmp_path))]
+
+
+def test_a_filesystem_that_refuses_to_sync_folders_still_builds_and_a_late_sync_error_only_warns(tmp_path, monkeypatch):
+    """Some mounts refuse fsync on a folder (EINVAL): every build had failed at its very end. An error flushing the
+    parent after the rename had reported a failed build whose new artifact was already in place."""
+    fsync = os.fsync
+    final = tmp_path / "artifact"
+
+    def refuse_folders(descriptor):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{descriptor}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", refuse_folders)
+    with staged_folder(final) as folder:
+        (folder / "manifest.json").write_text("first")
+    assert (final / "manifest.json").read_text() == "first"
+
+    def fail_on_the_parent(descriptor):
+        if os.readlink(f"/proc/self/fd/{descriptor}") == str(tmp_path):
+            raise OSError(errno.EIO, "Input/output error")
+        fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fail_on_the_parent)
+    with pytest.warns(RuntimeWarning, match=r"could not flush the folder to disk after the rename .*in place"):
+        with staged_folder(final) as folder:
+            (folder / "manifest.json").write_text("second")
+    assert (final / "manifest.json").read_text() == "second"

@@ -283,6 +283,32 @@ def test_other_rope_scalings_and_incomplete_llama3_parameters_are_refused(tmp_pa
         load_hf_folder(str(tmp_path / "m"))
 
 
+def test_a_top_level_original_context_that_disagrees_with_the_rope_scalings_is_refused(tmp_path):
+    """transformers 5 takes original_max_position_embeddings from config.json's top level over the rope scaling's:
+    a folder where they disagreed loaded with the nested one, and rotary frequencies up to 2x off. One given only at
+    the top level is used."""
+    write_hf_folder(tmp_path / "a", TINY, random_model(TINY, 0).state_dict, rope_scaling=LLAMA3_ROPE,
+                    original_max_position_embeddings=64)
+    with pytest.raises(BuildError, match=r"original_max_position_embeddings 64 and the rope scaling's 32 disagree"):
+        load_hf_folder(str(tmp_path / "a"))
+    nested_only = {key: value for key, value in LLAMA3_ROPE.items() if key != "original_max_position_embeddings"}
+    write_hf_folder(tmp_path / "b", TINY, random_model(TINY, 0).state_dict, rope_scaling=nested_only,
+                    original_max_position_embeddings=32)
+    write_hf_folder(tmp_path / "c", TINY, random_model(TINY, 0).state_dict, rope_scaling=LLAMA3_ROPE)
+    assert load_hf_folder(str(tmp_path / "b")).config == load_hf_folder(str(tmp_path / "c")).config
+
+
+def test_a_gguf_rope_freqs_of_a_type_gguf_cannot_read_is_named(tmp_path):
+    import types
+
+    from compiler.frontend.gguf_loader import _rope_freq_factors
+
+    tensor = types.SimpleNamespace(name="rope_freqs.weight", data=np.full(8, 2, np.int32),
+                                   tensor_type=gguf.GGMLQuantizationType.I32)
+    with pytest.raises(BuildError, match=r"x.gguf: cannot read rope_freqs.weight \(I32\)"):
+        _rope_freq_factors(types.SimpleNamespace(tensors=[tensor]), 16, "x.gguf")
+
+
 def test_a_gguf_rope_freqs_tensor_becomes_the_rotary_divisors(tmp_path):
     """convert_hf_to_gguf writes Llama 3.1's rope scaling as a rope_freqs tensor; it had been refused as a tensor
     the decoder cannot use. It now loads into the config (and not into the weights); a wrong length is named."""

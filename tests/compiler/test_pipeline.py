@@ -221,3 +221,47 @@ def test_a_replaced_graph_is_freed_before_the_next_pass(monkeypatch):
             gc.enable()
     assert len(left_behind) == 6 and alive_at_next_pass == [False] * 15
     assert result is graphs and len(graphs["decode"].graph.node) == 4  # consume: the caller's dict holds the results
+
+
+def with_large_weight(corrupt) -> onnx.ModelProto:
+    """y = x + W, W a 320 KB initializer (above what the check keeps whole), then corrupted by `corrupt(model)`."""
+    graph = helper.make_graph([helper.make_node("Add", ["x", "W"], ["y"])], "phase",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 20000])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 20000])],
+                              [numpy_helper.from_array(np.ones((4, 20000), np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    corrupt(model)
+    return model
+
+
+def _half_raw_data(model):
+    weight = model.graph.initializer[0]
+    weight.raw_data = weight.raw_data[:len(weight.raw_data) // 2]
+
+
+def _short_float_data(model):
+    weight = model.graph.initializer[0]
+    weight.ClearField("raw_data")
+    weight.float_data.extend([1.0] * 10)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (_half_raw_data, r"initializer 'W' holds 160000 bytes of raw_data, and its dims \[4, 20000\] and type need 320000"),
+    (_short_float_data, r"initializer 'W' holds 10 float_data values, and its dims \[4, 20000\] need 80000"),
+    (lambda model: model.graph.initializer[0].float_data.extend([1.0]), r"'W' has 2 data fields \(raw_data, float_data\)"),
+    (lambda model: model.graph.initializer.append(numpy_helper.from_array(np.ones(4, np.float32), "W")),
+     r"W initializer name is not unique"),
+    (lambda model: model.metadata_props.extend([onnx.StringStringEntryProto(key="k", value=v) for v in "12"]),
+     r"duplicate keys in metadata_props"),
+    (lambda model: setattr(model.graph.initializer[0], "data_type", TensorProto.UNDEFINED),
+     r"setting data_type field \(tensor name: W\) to UNDEFINED is not allowed"),
+    (lambda model: setattr(model, "ir_version", 3), r"W in initializer but not in graph input"),
+], ids=["raw-data-short", "float-data-short", "two-data-fields", "duplicate-name", "duplicate-metadata", "undefined-type",
+        "ir3-initializer-not-an-input"])
+def test_what_the_checker_found_in_large_weights_is_still_found(corrupt, message):
+    """The check leaves the data of large weights out of what it hands onnx.checker; what the checker read of them
+    (one data field, of the length the dims need; unique names; a defined type) is still refused, by pass and phase."""
+    model = with_large_weight(corrupt)
+    with pytest.raises(BuildError, match=r"pass 'rewrite' produced an invalid decode graph: .*" + message):
+        pipeline.check_pass_result("rewrite", "decode", model, model, {})
+    pipeline.check_pass_result("rewrite", "decode", *[with_large_weight(lambda model: None)] * 2, {})  # the intact one
