@@ -242,11 +242,12 @@ def checkable_copy(model: onnx.ModelProto, name: str = "?", phase: str = "?") ->
             fields = (["raw_data"] if tensor.HasField("raw_data") else []) + typed
             raise BuildError(f"pass '{name}' produced an invalid {phase} graph: initializer {tensor.name!r} has "
                              f"{len(fields)} data fields ({', '.join(fields) or 'none'}); it needs exactly one")
-        values, per_element = (len(getattr(tensor, typed[0])), 2 if tensor.data_type in COMPLEX_TYPES else 1) \
-            if typed and typed[0] in ONE_VALUE_PER_ELEMENT_FIELDS else (None, 1)
-        if values is not None and values < per_element * math.prod(tensor.dims):
-            raise BuildError(f"pass '{name}' produced an invalid {phase} graph: initializer {tensor.name!r} holds {values} "
-                             f"{typed[0]} values, and its dims {list(tensor.dims)} need {per_element * math.prod(tensor.dims)}")
+        if typed and typed[0] in ONE_VALUE_PER_ELEMENT_FIELDS:
+            values = len(getattr(tensor, typed[0]))
+            needed = (2 if tensor.data_type in COMPLEX_TYPES else 1) * math.prod(tensor.dims)
+            if values < needed:
+                raise BuildError(f"pass '{name}' produced an invalid {phase} graph: initializer {tensor.name!r} holds "
+                                 f"{values} {typed[0]} values, and its dims {list(tensor.dims)} need {needed}")
         if tensor.HasField("raw_data") and _raw_data_length(tensor) != size:
             raise BuildError(f"pass '{name}' produced an invalid {phase} graph: initializer {tensor.name!r} holds "
                              f"{_raw_data_length(tensor)} bytes of raw_data, and its dims {list(tensor.dims)} and type "

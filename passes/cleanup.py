@@ -336,8 +336,8 @@ def inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.Value
 
 def without_large_weights(model: onnx.ModelProto, max_bytes: int) -> onnx.ModelProto:
     """The model's graph with every initializer above `max_bytes` as a typed graph input instead: what shape
-    inference and onnx.checker read of a weight is its type and shape, and the skeleton serializes without the
-    weights (a model of 2 GiB or more cannot be serialized at all: protobuf's limit)."""
+    inference reads of a weight is its type and shape, and the skeleton serializes without the weights (a model of
+    2 GiB or more cannot be serialized at all: protobuf's limit)."""
     skeleton = onnx.ModelProto(ir_version=model.ir_version)
     skeleton.opset_import.extend(model.opset_import)
     skeleton.functions.extend(model.functions)

@@ -170,8 +170,8 @@ def llama3_rope_factors(rope: dict, head_dim: int, theta: float, origin: str) ->
                          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing or not a number")
     factor, low, high, original = (float(rope[key]) for key in LLAMA3_ROPE_KEYS)
     if not (factor >= 1 and 0 < low < high and original > 0) or not all(map(math.isfinite, (factor, high, original))):
-        raise BuildError(f"{origin}: rope scaling 'llama3' with factor {factor}, low_freq_factor {low}, high_freq_factor "
-                         f"{high}, original_max_position_embeddings {original}: it needs factor >= 1 and "
+        raise BuildError(f"{origin}: rope scaling 'llama3' with factor {factor}, low_freq_factor {low}, "
+                         f"high_freq_factor {high}, original_max_position_embeddings {original}: it needs factor >= 1 and "
                          f"0 < low_freq_factor < high_freq_factor, all finite")
     factors = []
     for index in range(head_dim // 2):
