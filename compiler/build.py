@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
 from compiler.errors import BuildError, check_output_folder, is_artifact_folder
-from compiler.export import cache_dtype, export_graphs, kv_cache_spec
+from compiler.export import cache_dtype, kv_cache_spec, load_traced, trace_graphs
 from compiler.frontend import load_model
 from compiler.frontend.model import build_decoder
 from compiler.pipeline import check_passes, run_pipeline
@@ -108,9 +109,11 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
                              f"needs at least 2; give a longer calibration.text or set accuracy.enabled: false")
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
-    graphs = export_graphs(decoder, recipe.export.max_context, recipe.export.opset, recipe.export.prefill_logits,
-                           progress=say, dtype=recipe.export.dtype)
-    del decoder
+    with tempfile.TemporaryDirectory(prefix="aotlm-trace-") as traced:
+        paths = trace_graphs(decoder, recipe.export.max_context, Path(traced), recipe.export.opset,
+                             recipe.export.prefill_logits, progress=say, dtype=recipe.export.dtype)
+        del decoder  # its weights are in the traced files now: not held beside the graphs read back from them
+        graphs = {phase: load_traced(path, loaded.config) for phase, path in paths.items()}
     graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say, consume=True)
     float_decode = graphs["decode"] if report_accuracy else None
     graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say, consume=True)

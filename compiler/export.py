@@ -122,7 +122,14 @@ def _dynamic_axes(config: DecoderConfig, phase: str, prefill_logits: str) -> dic
 
 
 def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, prefill_logits: str) -> onnx.ModelProto:
-    """Trace one phase with torch.onnx's TorchScript exporter.
+    """One phase's graph, traced and read back (see trace_phase and load_traced)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = trace_phase(decoder, phase, max_context, opset, prefill_logits, Path(folder))
+        return load_traced(path, decoder.config)
+
+
+def trace_phase(decoder: Decoder, phase: str, max_context: int, opset: int, prefill_logits: str, folder: Path) -> Path:
+    """Trace one phase with torch.onnx's TorchScript exporter into folder/<phase>.onnx; returns the path.
 
     Why not dynamo=True: on this 2-core machine it took ~150 s per graph for SmolLM2-135M against ~17 s here.
     The fusion passes match what this exporter emits (and a dynamo-style spelling where it differs).
@@ -131,9 +138,9 @@ def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pre
     inputs, outputs = io_names(config)
     module = PhaseGraph(decoder, phase, prefill_logits).eval()
     axes = _dynamic_axes(config, phase, prefill_logits)
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), torch.no_grad():
+    path = Path(folder) / f"{phase}.onnx"
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        path = Path(tmp) / f"{phase}.onnx"
         try:
             torch.onnx.export(
                 module, example_inputs(config, max_context, phase, dtype=module.dtype), str(path), dynamo=False, opset_version=opset,
@@ -142,7 +149,12 @@ def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pre
         except Exception as error:  # the exporter's own errors are long; keep the first line and the phase
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise BuildError(f"export of the {phase} graph failed: {first_line}") from error
-        model = onnx.load(str(path), load_external_data=True)
+    return path
+
+
+def load_traced(path: Path, config: DecoderConfig) -> onnx.ModelProto:
+    """A traced phase's graph read back, with Hugging Face weight names and a named, shared lm_head."""
+    model = onnx.load(str(path), load_external_data=True)
     for initializer in model.graph.initializer:  # PhaseGraph's "decoder." prefix -> Hugging Face names
         initializer.name = initializer.name.removeprefix("decoder.")
     for node in model.graph.node:  # outputs too: the exporter shares equal weights through Identity nodes
@@ -150,7 +162,7 @@ def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pre
         node.output[:] = [name.removeprefix("decoder.") for name in node.output]
     _share_tied_lm_head(model, config)
     _name_lm_head(model, config)
-    model.graph.name = phase  # lowering passes that differ by phase (lower_tensorrt's decode split) read it
+    model.graph.name = Path(path).stem  # lowering passes that differ by phase (lower_tensorrt's decode split) read it
     return model
 
 
@@ -193,6 +205,15 @@ def export_graphs(decoder: Decoder, max_context: int, opset: int = 21, prefill_l
     """Both phases' graphs; dtype float16/bfloat16 casts the decoder first, in place (weights, activations, KV cache;
     RMSNorm and the rotary angles are computed in float32 inside). TensorRT >= 11 takes precision from the
     graph's types (strong typing), so a float16 engine starts from a float16 graph."""
+    with tempfile.TemporaryDirectory() as folder:
+        paths = trace_graphs(decoder, max_context, Path(folder), opset, prefill_logits, progress, dtype)
+        return {phase: load_traced(path, decoder.config) for phase, path in paths.items()}
+
+
+def trace_graphs(decoder: Decoder, max_context: int, folder: Path, opset: int = 21, prefill_logits: str = "last",
+                 progress=None, dtype: str = "float32") -> dict[str, Path]:
+    """Both phases traced into folder (export_graphs' work up to reading them back): a caller that drops the
+    decoder before load_traced holds its weights and the graphs' at once no more (a build's peak memory)."""
     if dtype not in DTYPES:
         raise BuildError(f"export.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     decoder = decoder.to(DTYPES[dtype])
@@ -201,9 +222,12 @@ def export_graphs(decoder: Decoder, max_context: int, opset: int = 21, prefill_l
             f"export.max_context: {max_context} exceeds the model's max_position_embeddings "
             f"({decoder.config.max_position_embeddings}); lower it in the recipe"
         )
-    graphs = {}
+    paths = {}
     for phase in PHASES:
         if progress:
             progress(f"tracing the {phase} graph")
-        graphs[phase] = export_phase(decoder, phase, max_context, opset, prefill_logits)
-    return graphs
+        # A folder each: the exporter may keep weights in side files named after the tensors (it did for a 1.5 GB
+        # model), and the two graphs' files share names ("onnx__MatMul_607") but not contents.
+        (Path(folder) / phase).mkdir()
+        paths[phase] = trace_phase(decoder, phase, max_context, opset, prefill_logits, Path(folder) / phase)
+    return paths

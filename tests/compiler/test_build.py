@@ -31,7 +31,7 @@ def test_failure_while_writing_leaves_nothing_and_keeps_the_old_artifact(tiny_re
         raise BuildError("disk full (simulated)")
 
     monkeypatch.setattr(build_module.onnxruntime_backend, "write_engines", broken_writer)
-    monkeypatch.setattr(build_module, "export_graphs", lambda *a, **k: {})  # skip the slow trace
+    monkeypatch.setattr(build_module, "trace_graphs", lambda *a, **k: {})  # skip the slow trace
     monkeypatch.setattr(build_module, "run_pipeline", lambda graphs, passes, **settings: (graphs, []))
     with pytest.raises(BuildError, match="simulated"):
         build_module.build(tiny_recipe, output_root)

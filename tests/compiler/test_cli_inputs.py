@@ -508,14 +508,14 @@ def test_a_relative_calibration_text_is_found_beside_the_recipe(tmp_path, monkey
 
 
 def test_a_held_out_text_too_short_for_the_accuracy_report_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("compiler.build.export_graphs", lambda *a, **k: pytest.fail("exported"))
+    monkeypatch.setattr("compiler.build.trace_graphs", lambda *a, **k: pytest.fail("exported"))
     (tmp_path / "one.txt").write_text("abcdefghij")  # 9 byte tokens calibrate, the last 10% holds 1
     recipe = tiny_recipe(tmp_path, "  - pack_projections", "  - pack_projections\n  - quantize:\n      calibration: "
                          f"{{text: {tmp_path / 'one.txt'}, samples: 1, length: 8}}")
     status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
     assert status == 2 and "accuracy report: its held-out text" in output and "accuracy.enabled: false" in output, output
     (tmp_path / "off.yaml").write_text(recipe.read_text() + "accuracy: {enabled: false}\n")
-    monkeypatch.setattr("compiler.build.export_graphs", lambda *a, **k: (_ for _ in ()).throw(SystemExit("reached")))
+    monkeypatch.setattr("compiler.build.trace_graphs", lambda *a, **k: (_ for _ in ()).throw(SystemExit("reached")))
     with pytest.raises(SystemExit, match="reached"):  # without the report, the build goes on to the export
         main(["build", str(tmp_path / "off.yaml"), "--output", str(tmp_path / "out")])
 

@@ -1,6 +1,8 @@
 """The exported prefill/decode graphs, run in onnxruntime, against the torch canonical decoder."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -133,3 +135,25 @@ def test_a_small_max_context_exports_and_decodes(max_context):
     logits, _ = run(sessions["decode"], caches, np.array([tokens[prompt:]]), np.array([[prompt]]),
                     np.ones((1, len(tokens)), np.int64))
     np.testing.assert_allclose(logits[:, -1], recompute(decoder, [tokens]), atol=1e-5)
+
+
+def test_the_two_phases_are_traced_into_folders_of_their_own(tmp_path, monkeypatch):
+    """The exporter may keep weights in side files named after the tensors (it did for a 1.5 GB model), and the
+    two graphs' files share names but not contents: traced into one folder, the decode trace overwrote the prefill's
+    "onnx__MatMul_607" with a tensor a quarter its size, which the pass check then caught. The stand-in exporter
+    here writes one such side file per trace, holding its phase's name."""
+    from compiler.export import load_traced, trace_graphs
+
+    export = torch.onnx.export
+
+    def export_with_a_side_file(module, args, path, **options):
+        export(module, args, path, **options)
+        (Path(path).parent / "onnx__MatMul_607").write_text(Path(path).stem)
+
+    monkeypatch.setattr(torch.onnx, "export", export_with_a_side_file)
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    paths = trace_graphs(decoder, 16, tmp_path)
+    assert {phase: (path.parent / "onnx__MatMul_607").read_text() for phase, path in paths.items()} == {
+        "prefill": "prefill", "decode": "decode"}
+    graphs = {phase: load_traced(path, CONFIG) for phase, path in paths.items()}
+    assert [model.graph.name for model in graphs.values()] == ["prefill", "decode"]
