@@ -121,13 +121,6 @@ def _dynamic_axes(config: DecoderConfig, phase: str, prefill_logits: str) -> dic
     return axes
 
 
-def export_phase(decoder: Decoder, phase: str, max_context: int, opset: int, prefill_logits: str) -> onnx.ModelProto:
-    """One phase's graph, traced and read back (see trace_phase and load_traced)."""
-    with tempfile.TemporaryDirectory() as folder:
-        path = trace_phase(decoder, phase, max_context, opset, prefill_logits, Path(folder))
-        return load_traced(path, decoder.config)
-
-
 def trace_phase(decoder: Decoder, phase: str, max_context: int, opset: int, prefill_logits: str, folder: Path) -> Path:
     """Trace one phase with torch.onnx's TorchScript exporter into folder/<phase>.onnx; returns the path.
 
@@ -212,8 +205,9 @@ def export_graphs(decoder: Decoder, max_context: int, opset: int = 21, prefill_l
 
 def trace_graphs(decoder: Decoder, max_context: int, folder: Path, opset: int = 21, prefill_logits: str = "last",
                  progress=None, dtype: str = "float32") -> dict[str, Path]:
-    """Both phases traced into folder (export_graphs' work up to reading them back): a caller that drops the
-    decoder before load_traced holds its weights and the graphs' at once no more (a build's peak memory)."""
+    """Both phases traced into files under folder, each phase in its own subfolder: export_graphs without reading
+    them back, so that a caller can free the decoder first and never hold its weights beside the graphs' (the
+    build's peak memory)."""
     if dtype not in DTYPES:
         raise BuildError(f"export.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     decoder = decoder.to(DTYPES[dtype])

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from compiler.errors import BuildError
-from passes.cleanup import SHAPE_DATA_MAX_BYTES, tensor_nbytes
+from passes.cleanup import SHAPE_DATA_MAX_BYTES, copy_fields, tensor_nbytes, without_any_initializers
 from passes.errors import PassError
 from passes.registry import PASSES, PassEntry
 from passes.session_config import record_session_config, session_config
@@ -225,9 +225,7 @@ def checkable_copy(model: onnx.ModelProto, name: str = "?", phase: str = "?") ->
     field is copied but the large initializers, which go in as empty stubs of the same name and type (so duplicate
     names, undefined types and where initializers may stand are checked as before); what the checker would have
     checked of their data (one data field, of the length the dims say) is checked here."""
-    skeleton = onnx.ModelProto()
-    _copy_fields(model, skeleton, skip="graph")
-    _copy_fields(model.graph, skeleton.graph, skip="initializer")
+    skeleton = without_any_initializers(model)
     for tensor in model.graph.initializer:
         try:
             size = tensor_nbytes(tensor)
@@ -255,25 +253,11 @@ def checkable_copy(model: onnx.ModelProto, name: str = "?", phase: str = "?") ->
     return skeleton
 
 
-def _copy_fields(source, target, skip: str) -> None:
-    for field in source.DESCRIPTOR.fields:
-        if field.name == skip:
-            continue
-        value = getattr(source, field.name)
-        if field.is_repeated:
-            getattr(target, field.name).extend(value)
-        elif field.message_type is not None:
-            if source.HasField(field.name):
-                getattr(target, field.name).CopyFrom(value)
-        elif source.HasField(field.name) if field.has_presence else value:
-            setattr(target, field.name, value)
-
-
 def _raw_data_length(tensor: onnx.TensorProto) -> int:
     """len(tensor.raw_data) without copying the bytes into Python: the serialized size of the tensor less that of
     the same tensor without them, less the field's tag and length prefix."""
     header = onnx.TensorProto()
-    _copy_fields(tensor, header, skip="raw_data")  # a large tensor's one data field is raw_data (checked above)
+    copy_fields(tensor, header, skip="raw_data")  # a large tensor's one data field is raw_data (checked above)
     payload = tensor.ByteSize() - header.ByteSize() - 1  # 1: raw_data's tag (field 9)
     length_prefix = 1
     while payload - length_prefix >= 1 << (7 * length_prefix):  # the varint holding the length

@@ -101,24 +101,33 @@ def _import(model: onnx.ModelProto, shapes: list[onnx.ValueInfoProto]) -> gs.Gra
 def _without_initializers(model: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
     """`model` without the initializers `names` (they stay graph inputs): a copy, since the input is never mutated,
     that copies each kept weight once (a whole-model copy, then the kept ones again, took 3x the weights)."""
-    copy = onnx.ModelProto()
-    for field, value in model.ListFields():
-        if field.name != "graph":
-            _copy_field(copy, field, value)
-    for field, value in model.graph.ListFields():
-        if field.name != "initializer":
-            _copy_field(copy.graph, field, value)
+    copy = without_any_initializers(model)
     copy.graph.initializer.extend(tensor for tensor in model.graph.initializer if tensor.name not in names)
     return copy
 
 
-def _copy_field(target, field, value) -> None:
-    if hasattr(value, "extend"):  # a repeated field
-        getattr(target, field.name).extend(value)
-    elif hasattr(value, "CopyFrom"):  # a message
-        getattr(target, field.name).CopyFrom(value)
-    else:
-        setattr(target, field.name, value)
+def without_any_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of every field of `model` but its graph's initializers, which the caller adds as it needs."""
+    copy = onnx.ModelProto()
+    copy_fields(model, copy, skip="graph")
+    copy_fields(model.graph, copy.graph, skip="initializer")
+    return copy
+
+
+def copy_fields(source, target, skip: str) -> None:
+    """Copy every field of protobuf message `source` that is set into `target`, but `skip` (never read: a tensor's
+    raw_data is not copied into Python)."""
+    for field in source.DESCRIPTOR.fields:
+        if field.name == skip:
+            continue
+        value = getattr(source, field.name)
+        if field.is_repeated:
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            if source.HasField(field.name):
+                getattr(target, field.name).CopyFrom(value)
+        elif source.HasField(field.name) if field.has_presence else value:
+            setattr(target, field.name, value)
 
 
 def _float32_constant_attributes(graph: gs.Graph) -> None:
@@ -325,33 +334,19 @@ def inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.Value
     small initializers stay, since data propagation reads their values (Reshape targets, Slice bounds).
     A graph ONNX cannot type gets no shapes, and the reason goes in the report.
     """
-    skeleton = without_large_weights(model, SHAPE_DATA_MAX_BYTES)
+    skeleton = without_any_initializers(model)
+    input_names = {value.name for value in model.graph.input}
+    for tensor in model.graph.initializer:
+        if tensor_nbytes(tensor) <= SHAPE_DATA_MAX_BYTES:
+            skeleton.graph.initializer.append(tensor)
+        elif tensor.name not in input_names:  # an initializer listed as an input is typed there already
+            skeleton.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
     try:
         inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as error:
         report["shape_inference_skipped"] = str(error).splitlines()[0]
         return list(model.graph.value_info)
     return list(inferred.graph.value_info)
-
-
-def without_large_weights(model: onnx.ModelProto, max_bytes: int) -> onnx.ModelProto:
-    """The model's graph with every initializer above `max_bytes` as a typed graph input instead: what shape
-    inference reads of a weight is its type and shape, and the skeleton serializes without the weights (a model of
-    2 GiB or more cannot be serialized at all: protobuf's limit)."""
-    skeleton = onnx.ModelProto(ir_version=model.ir_version)
-    skeleton.opset_import.extend(model.opset_import)
-    skeleton.functions.extend(model.functions)
-    graph = skeleton.graph
-    graph.name = model.graph.name
-    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
-        getattr(graph, field).extend(getattr(model.graph, field))
-    input_names = {value.name for value in model.graph.input}
-    for tensor in model.graph.initializer:
-        if tensor_nbytes(tensor) <= max_bytes:
-            graph.initializer.append(tensor)
-        elif tensor.name not in input_names:  # an initializer listed as an input is typed there already
-            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
-    return skeleton
 
 
 def export_like(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:

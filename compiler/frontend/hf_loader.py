@@ -114,6 +114,7 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
                          f"Llama 3.1's 'llama3' scaling.")
     try:
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        head_dim, theta = int(hf.get("head_dim") or hidden // heads), _rope_theta(hf, rope, origin)
         return DecoderConfig(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
@@ -121,8 +122,8 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            rope_theta=_rope_theta(hf, rope, origin),
+            head_dim=head_dim,
+            rope_theta=theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # 1e-6: transformers' default for all three
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
@@ -131,9 +132,7 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             eos_token_ids=_eos_ids(hf.get("eos_token_id"), generation.get("eos_token_id")),
             architecture=model_type,
             sliding_window=_sliding_window(hf, model_type),
-            rope_freq_factors=llama3_rope_factors(_llama3_parameters(hf, rope, origin),
-                                                  int(hf.get("head_dim") or hidden // heads),
-                                                  _rope_theta(hf, rope, origin), origin)
+            rope_freq_factors=llama3_rope_factors(_llama3_parameters(hf, rope, origin), head_dim, theta, origin)
             if rope_type == "llama3" else None,
         )
     except KeyError as error:
