@@ -2,8 +2,8 @@
 
 This module owns the GGUF-specific knowledge: reading `{arch}.*` metadata into a DecoderConfig,
 dequantizing every tensor to float32 in PyTorch's (out, in) layout, renaming llama.cpp's tensor names to
-Hugging Face Llama names, undoing llama.cpp's row permutation of the Q/K projections, and rebuilding a
-`tokenizers` tokenizer.json from the `tokenizer.ggml.*` metadata (byte-level BPE, model "gpt2", only).
+Hugging Face Llama names, and undoing llama.cpp's row permutation of the Q/K projections. The tokenizer.json
+comes from the `tokenizer.ggml.*` metadata (compiler/frontend/gguf_tokenizer.py).
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import sys
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from compiler.errors import BuildError
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
-from compiler.frontend.random_init import bytes_to_unicode, check_state_dict, expected_shapes
+from compiler.frontend.gguf_tokenizer import tokenizer_json_from_gguf
+from compiler.frontend.random_init import check_state_dict, expected_shapes
 
 # llama.cpp tensor name -> Hugging Face name (global tensors, then per-block ones under blk.N.).
 GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -267,100 +267,3 @@ def _sha256(path: str) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-# --- tokenizer -------------------------------------------------------------------------------------------
-# How llama.cpp splits text before BPE, by tokenizer.ggml.pre (llama-vocab.cpp; the same regexes transformers'
-# GGUF converter uses). A pre type not listed splits with GPT-2's regex, as in transformers.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# llama.cpp's LLAMA3 pre-tokenizer type (llama-vocab.cpp): its BPE takes a word that is in the vocabulary whole
-# (ignore_merges, as Llama 3's tokenizer.json says), and it adds BOS unless the file's add_bos_token says not to.
-LLAMA3_PRE_TYPES = ("llama3", "llama-v3", "llama-bpe", "falcon3")
-PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
-}
-# These split every digit off first ("\p{N}"), then apply GPT-2's regex: SmolLM2's own tokenizer.json does
-# the same with a Digits(individual_digits) pre-tokenizer. (transformers' GGUF converter skips this step;
-# it changes nothing for SmolLM2, whose vocabulary has no multi-digit tokens.)
-DIGIT_SPLIT_PRE_TYPES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
-TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4  # llama.cpp's llama_token_type
-
-
-def tokenizer_json_from_gguf(field, path: str) -> str:
-    """tokenizer.json text for the byte-level BPE tokenizer a GGUF describes; field(key) reads metadata."""
-    model = field("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise BuildError(
-            f"{path}: GGUF tokenizer model {model!r} is not supported; only 'gpt2' (byte-level BPE, as in "
-            f"SmolLM2, Llama 3, Qwen2) is. Use the model's Hugging Face folder (with tokenizer.json) instead."
-        )
-    tokens, token_types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type") or []
-    spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
-
-    def respell(token: str) -> str:
-        # A token stored as raw text instead of byte-level symbols is spelled out byte by byte, like transformers.
-        return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
-
-    vocab = {respell(token): index for index, token in enumerate(tokens)}
-    # A merge is "left right"; split at the first space after position 0, as llama.cpp does.
-    raw_merges = field("tokenizer.ggml.merges") or []
-    # Only merges make a byte-level BPE produce its multi-byte tokens: without them every word splits into bytes.
-    # A vocabulary of mostly such tokens with no merges is an incomplete file (llama.cpp refuses it too); a
-    # byte-only vocabulary with a few placeholders (a random test tokenizer) needs none.
-    normal = [t for t, kind in zip(tokens, token_types or [TOKEN_TYPE_NORMAL] * len(tokens)) if kind == TOKEN_TYPE_NORMAL]
-    if not raw_merges and sum(len(respell(t)) > 1 for t in normal) > len(normal) // 2:
-        raise BuildError(f"{path}: the GGUF's gpt2 tokenizer has no tokenizer.ggml.merges for its "
-                         f"{len(normal)}-token vocabulary; the file is incomplete: convert the model again, or use "
-                         f"its Hugging Face folder (with tokenizer.json)")
-    broken = next((m for m in raw_merges if m.find(" ", 1) < 0), None)
-    if broken is not None:
-        raise BuildError(f"tokenizer.ggml.merges holds {broken!r}, not 'left right'; the GGUF's tokenizer is damaged: "
-                         f"use the model's Hugging Face folder (with tokenizer.json) instead")
-    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in raw_merges]
-    llama3 = field("tokenizer.ggml.pre") in LLAMA3_PRE_TYPES
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=llama3))
-    tokenizer.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
-    tokenizer.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|> ...) are matched whole and are special; user-defined ones are matched whole
-    # but decode like text. A "control" token outside the byte alphabet is a llama.cpp mislabel: skipped.
-    typed = list(zip(tokens, token_types))
-    control = [t for t, kind in typed if kind == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
-    user_defined = [t for t, kind in typed if kind == TOKEN_TYPE_USER_DEFINED and t in vocab]
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
-    bos = field("tokenizer.ggml.bos_token_id")
-    add_bos = field("tokenizer.ggml.add_bos_token")
-    if (llama3 if add_bos is None else add_bos) and bos is not None:
-        if not 0 <= int(bos) < len(tokens):
-            raise BuildError(f"tokenizer.ggml.bos_token_id {bos} is outside the GGUF's {len(tokens)} tokens; the file "
-                             f"is damaged: use the model's Hugging Face folder (with tokenizer.json) instead")
-        bos_token = respell(tokens[bos])
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, int(bos))]
-        )
-    else:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    return tokenizer.to_str()
-
-
-def _pre_tokenizer(pre_type: str | None):
-    if pre_type in PRE_TOKENIZER_SPLITS:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre_type]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre_type in DIGIT_SPLIT_PRE_TYPES:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return byte_level

@@ -58,7 +58,10 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: str, tokenizer_model="gpt2",
                merges: bool = True, extra: dict | None = None, chat_template: str | None = None,
-               rotary_dimensions: int | None = None, rope_freqs: tuple | None = None):
+               rotary_dimensions: int | None = None, rope_freqs: tuple | None = None,
+               sentencepiece: dict | None = None):
+    """sentencepiece: a 'llama' (SentencePiece) tokenizer's metadata (tokens, scores, token_type, ...), written
+    instead of the byte-level one tokenizer_json describes."""
     writer = gguf.GGUFWriter(str(path), config.architecture)
     writer.add_name("tiny test model")
     writer.add_block_count(config.num_layers)
@@ -76,16 +79,10 @@ def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: st
         writer.add_float32(key, value)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-    tokenizer = json.loads(tokenizer_json)
-    vocab = tokenizer["model"]["vocab"]
-    specials = {added["content"] for added in tokenizer["added_tokens"] if added["special"]}
-    tokens = sorted(vocab, key=vocab.get)
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in specials else 1 for t in tokens])  # 3: control
-    if merges:  # convert_hf_to_gguf writes the key even when the list is empty
-        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    if sentencepiece is not None:
+        write_sentencepiece_metadata(writer, sentencepiece)
+    else:
+        write_byte_level_metadata(writer, tokenizer_json, tokenizer_model, merges)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_ids[0])
     permuted = config.architecture == "llama"  # convert_hf_to_gguf permutes in LlamaModel only
@@ -103,6 +100,31 @@ def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: st
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_sentencepiece_metadata(writer, metadata: dict) -> None:
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(metadata["tokenizer.ggml.tokens"])
+    if "tokenizer.ggml.scores" in metadata:
+        writer.add_token_scores(metadata["tokenizer.ggml.scores"])
+    writer.add_token_types(metadata["tokenizer.ggml.token_type"])
+    if "tokenizer.ggml.unknown_token_id" in metadata:
+        writer.add_unk_token_id(metadata["tokenizer.ggml.unknown_token_id"])
+    if "tokenizer.ggml.add_space_prefix" in metadata:
+        writer.add_add_space_prefix(metadata["tokenizer.ggml.add_space_prefix"])
+
+
+def write_byte_level_metadata(writer, tokenizer_json: str, tokenizer_model: str, merges: bool) -> None:
+    tokenizer = json.loads(tokenizer_json)
+    vocab = tokenizer["model"]["vocab"]
+    specials = {added["content"] for added in tokenizer["added_tokens"] if added["special"]}
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])  # 3: control
+    if merges:  # convert_hf_to_gguf writes the key even when the list is empty
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
 
 
 def hf_llama(config: DecoderConfig, state_dict: dict, rope_scaling: dict | None = None):
@@ -332,9 +354,9 @@ def test_a_gguf_rotary_on_part_of_each_head_is_refused(tmp_path):
 
 def test_unsupported_gguf_tokenizer_model_is_named(tmp_path):
     original = random_model(TINY, seed=0)
-    write_gguf(tmp_path / "spm.gguf", TINY, original.state_dict, original.tokenizer_json, tokenizer_model="llama")
-    with pytest.raises(BuildError, match=r"tokenizer model 'llama' is not supported"):
-        load_gguf(str(tmp_path / "spm.gguf"))
+    write_gguf(tmp_path / "ugm.gguf", TINY, original.state_dict, original.tokenizer_json, tokenizer_model="t5")
+    with pytest.raises(BuildError, match=r"tokenizer model 't5' is not supported; 'gpt2' .* and 'llama' "):
+        load_gguf(str(tmp_path / "ugm.gguf"))
 
 
 def _gguf(path, original):
@@ -604,7 +626,7 @@ def test_a_llama3_gguf_tokenizer_takes_vocabulary_words_whole_and_adds_bos(pre, 
     loader split 'abc' into ['ab', 'c'] and added no BOS when the file had no add_bos_token key."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from compiler.frontend.gguf_loader import tokenizer_json_from_gguf
+    from compiler.frontend.gguf_tokenizer import tokenizer_json_from_gguf
     from compiler.frontend.random_init import bytes_to_unicode
 
     tokens = [*bytes_to_unicode().values(), "ab", "abc", "<|begin_of_text|>"]
