@@ -452,7 +452,7 @@ class Engine:
     def _generate(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
         sampler = Sampler(params)
         stop_ids = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
-        decoder = self.tokenizer.stream_decoder(params.stop_strings)
+        decoder = self.tokenizer.stream_decoder(params.stop_strings, prompt_ids)
         self.backend.allocate_cache(batch=1)
         length = len(prompt_ids)
         mask = np.ones((1, self.max_context), dtype=np.int64)  # every cached row is real: one view per step

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from tokenizers import Tokenizer
 
@@ -34,8 +35,15 @@ class TextTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def stream_decoder(self, stop_strings: tuple[str, ...] = ()) -> "StreamDecoder":
-        return StreamDecoder(self, stop_strings)
+    def stream_decoder(self, stop_strings: tuple[str, ...] = (), prompt_ids: Sequence[int] = ()) -> "StreamDecoder":
+        """A decoder for the tokens generated after prompt_ids, whose last tokens it reads as context."""
+        return StreamDecoder(self, stop_strings, context=prompt_ids[-CONTEXT_TOKENS:] if prompt_ids else ())
+
+
+# Prompt tokens a stream decoder reads before the generated ones (vLLM reads 5): a SentencePiece tokenizer (Llama 2,
+# Mistral) decodes a text's first "▁word" without its space, so the first generated word would lose the space that
+# separates it from the prompt ("is" + "Paris"); decoded after the prompt's last tokens, it keeps it (" Paris").
+CONTEXT_TOKENS = 5
 
 
 class StreamDecoder:
@@ -48,11 +56,12 @@ class StreamDecoder:
     ends some other way. `stopped` turns true when a stop string has appeared.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stop_strings: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: TextTokenizer, stop_strings: tuple[str, ...] = (), context: Sequence[int] = ()):
+        """context: token ids before the first pushed one (the prompt's last ones), read but never returned."""
         self.tokenizer = tokenizer
-        self.tokens: list[int] = []
+        self.tokens: list[int] = list(context)
         self.prefix_offset = 0  # start of the window re-decoded for context (spaces depend on it)
-        self.read_offset = 0  # tokens before this were already decoded into `text`
+        self.read_offset = len(self.tokens)  # tokens before this were already decoded into `text`
         self.stop_strings = tuple(stop for stop in stop_strings if stop)
         self.text = ""  # all decoded text, kept only to look for stop strings
         self.emitted = 0  # text[:emitted] was returned; no stop string starts before it

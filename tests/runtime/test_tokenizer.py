@@ -159,3 +159,19 @@ def test_a_tokenizer_file_that_truncates_or_pads_encodes_prompts_whole(tmp_path)
     tokenizer.save(str(tmp_path / "cutting.json"))
     assert len(Tokenizer.from_file(str(tmp_path / "cutting.json")).encode(text, add_special_tokens=False).ids) == 64
     assert TextTokenizer(tmp_path / "cutting.json").encode(text, add_special_tokens=False) == whole
+
+
+def test_the_first_generated_word_keeps_the_space_after_the_prompt(tmp_path):
+    """A SentencePiece tokenizer decodes a text's first "▁word" without its space: the tokens of " the end" streamed
+    after the prompt "to" gave "the end", so prompt + text read "tothe end". The decoder now reads the prompt's last
+    tokens first (as vLLM does), and gives " the end"; text that does not start with a space is unchanged."""
+    tokenizer = byte_fallback_tokenizer(tmp_path)
+    prompt = tokenizer.encode("go to")
+    for continuation in (" the end", "day é"):
+        ids = tokenizer.encode(continuation, add_special_tokens=False)[1:]  # less the "▁" the normalizer put first
+        texts = []
+        for context in (prompt, ()):
+            decoder = tokenizer.stream_decoder((), context)
+            texts.append("".join(decoder.push(token) for token in ids) + decoder.finish())
+            assert texts[-1] == decoder.streamed_text
+        assert texts == [continuation, continuation.lstrip()]  # without the prompt: the old text
