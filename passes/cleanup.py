@@ -26,6 +26,8 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
+from passes.graph_export import export_onnx
+
 # The standard op domains: only their ops are folded (onnxruntime may not run aotlm or com.microsoft ops).
 ONNX_DOMAINS = {"", "ai.onnx"}
 # Sub-byte element types: ONNX packs them, so numpy's itemsize (1) would overstate their size.
@@ -365,7 +367,7 @@ def export_like(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _export(graph: gs.Graph, original: onnx.ModelProto) -> onnx.ModelProto:
     # do_type_check=False: an output the original left untyped stays untyped rather than failing the export.
-    result = gs.export_onnx(graph, do_type_check=False)
+    result = export_onnx(graph, do_type_check=False)
     # gs carries opsets, IR version and producer; the rest of the model's own fields are copied here.
     result.doc_string = original.doc_string
     result.domain = original.domain

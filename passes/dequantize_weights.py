@@ -45,6 +45,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes.errors import PassError
+from passes.graph_export import export_onnx
 from passes.graph_patterns import computed_from_constants, is_present
 from passes.opset import default_opset
 from passes.session_config import record_session_config
@@ -92,7 +93,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         report["nodes"] = {"before": nodes_before, "after": nodes_before}
         return model, report
     graph.cleanup().toposort()
-    result = gs.export_onnx(graph)
+    result = export_onnx(graph)
     report["session_config"] = record_session_config(result, model, SESSION_CONFIG)
     report["nodes"] = {"before": nodes_before, "after": len(result.graph.node)}
     return result, report

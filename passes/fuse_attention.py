@@ -31,6 +31,7 @@ from passes import flash_attention_op as op
 from passes.attention_block_probe import check_blocks
 from passes.attention_mask_probe import check_masks
 from passes.errors import PassError
+from passes.graph_export import export_onnx
 from passes.graph_patterns import (SkipReason, as_float, constant, layer_name, numbered, parse_inv_freq, parse_rotary,
                                     producer, scalar_factor, scaled_operand, walk_up, walk_up_scaled)
 
@@ -357,7 +358,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     graph.cleanup().toposort()
     if matches and not any(o.domain == op.DOMAIN for o in graph.import_domains):
         graph.import_domains.append(onnx.helper.make_opsetid(op.DOMAIN, op.VERSION))
-    fused = gs.export_onnx(graph)
+    fused = export_onnx(graph)
     # seqlens_k comes from each attention_mask row's sum, as the runtime right-pads; a graph that also handled left
     # padding (transformers' masks do) gives wrong rows for a left-padded batch once fused: say so.
     padding = "right: each attention_mask row is ones, then zeros (a left-padded row gives wrong outputs)"

@@ -29,6 +29,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
+from passes.graph_export import export_onnx
 from passes.graph_patterns import SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer
 from passes.opset import raise_opset, unchanged
 from passes.rotary_probe import check_rotaries
@@ -194,6 +195,6 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     for found in matches:
         rewrite(graph, found, tables)
     graph.cleanup().toposort()
-    fused = gs.export_onnx(graph)
+    fused = export_onnx(graph)
     fused.ir_version = max(fused.ir_version, 10)  # opset 23 needs IR version 10
     return fused, {**report, "nodes": {"before": nodes_before, "after": len(fused.graph.node)}}

@@ -22,6 +22,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
+from passes.graph_export import export_onnx
 from passes.opset import raise_opset, unchanged
 
 OPSET = 23
@@ -129,7 +130,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     remaining = sum(1 for n in graph.nodes if n.domain == op.DOMAIN)
     if remaining:
         graph.import_domains.append(onnx.helper.make_opsetid(op.DOMAIN, op.VERSION))
-    lowered = gs.export_onnx(graph)
+    lowered = export_onnx(graph)
     lowered.ir_version = max(lowered.ir_version, 10)  # opset 23 needs IR version 10
     return lowered, {"lowered": len(nodes), "target": "ai.onnx Attention-23 + RotaryEmbedding-23 + ScatterElements",
                      "left_unlowered": remaining}

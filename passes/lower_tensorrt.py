@@ -87,6 +87,7 @@ import onnx_graphsurgeon as gs
 from passes import flash_attention_op as op
 from passes import lower_onnx_attention
 from passes.errors import PassError
+from passes.graph_export import export_onnx
 from passes.lower_onnx_attention import OPSET, Shared
 
 ATTENTION_TARGETS = ("plugin", "onnx_attention", "trt_native")
@@ -274,7 +275,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     graph.opset = max(graph.opset, OPSET)
     graph.import_domains = [onnx.helper.make_opsetid("", graph.opset)] + [
         onnx.helper.make_opsetid(d, v) for d, v in domains.items()]
-    lowered = gs.export_onnx(graph)
+    lowered = export_onnx(graph)
     lowered.ir_version = max(lowered.ir_version, 10)  # opset 23 needs IR version 10
     native = options.attention == "trt_native"
     return lowered, {

@@ -41,6 +41,7 @@ import onnx_graphsurgeon as gs
 from passes.awq_fold import fold_awq_scales, search_awq_scales
 from passes.calibration import CalibrationSet, CalibrationSpec, Statistics, digest
 from passes.errors import PassError
+from passes.graph_export import export_onnx
 from passes.graph_patterns import unique_name
 from passes.quantize_algorithms import quantize_clipped, quantize_gptq, relative_output_error
 from passes.quantized_lowering_dq import rewrite_dequantize_linear
@@ -378,7 +379,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             and not any(o.domain == MICROSOFT_DOMAIN for o in graph.import_domains):
         graph.import_domains.append(onnx.helper.make_opsetid(MICROSOFT_DOMAIN, 1))
     graph.cleanup().toposort()
-    result = gs.export_onnx(graph)
+    result = export_onnx(graph)
     errors = [layer["relative_output_error"] for layer in layers if layer["relative_output_error"] is not None]
     totals = {"weight_bytes_before": sum(layer["bytes_before"] for layer in layers),
               "weight_bytes_after": sum(layer["bytes_after"] for layer in layers),

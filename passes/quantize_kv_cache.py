@@ -37,6 +37,7 @@ from onnx import TensorProto
 
 from passes.calibration import CalibrationSet, CalibrationSpec, sample_outputs
 from passes.errors import PassError
+from passes.graph_export import export_onnx
 
 GQA = ("com.microsoft", "GroupQueryAttention")
 PAST_INPUTS = (3, 4)  # GroupQueryAttention's past_key, past_value
@@ -106,7 +107,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         layers.append({"layer": node.name, "key_scale": _range(node_scales[0]), "value_scale": _range(node_scales[1]),
                        "key_error": errors[pasts[0].name], "value_error": errors[pasts[1].name]})
     graph.cleanup(remove_unused_graph_inputs=False).toposort()  # prefill's past inputs stay: the I/O contract
-    result = gs.export_onnx(graph)
+    result = export_onnx(graph)
     return result, {
         "quantized_layers": len(nodes), "dtype": "int8", "granularity": options.granularity, "headroom": options.headroom,
         "prefill_attention": options.prefill_attention if graph.name == "prefill" else None,
