@@ -7,6 +7,8 @@ the reports as JSON-ready dicts for the manifest. A pass whose options have a `p
 phases' graphs only (the others keep theirs, and their report says why): passes do not know which graph they get.
 A pass registered with `runs_first_on` gets those phases' graphs first (quantize: decode, whose lm_head reads
 every token, so the calibration results both phases share come from all of them); reports keep the graphs' order.
+The passes run pass by pass over all phases, or, for a large model (spill_dir), phase by phase with the graphs not in
+work kept on disk.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -26,6 +29,8 @@ from passes.errors import PassError
 from passes.registry import PASSES, PassEntry
 from passes.session_config import record_session_config, session_config
 
+# Initializers above this go to the side file when a graph is spilled (run_pipeline's spill_dir).
+SPILL_ABOVE_BYTES = 1024
 # Above this a dumped graph keeps its weights in a side file: one .onnx must stay under protobuf's 2 GiB,
 # and small files open faster in viewers such as Netron.
 DUMP_EXTERNAL_DATA_BYTES = 100 << 20
@@ -80,12 +85,21 @@ def run_pipeline(
     dump_dir: str | None = None,
     progress: Callable[[str], None] | None = None,
     consume: bool = False,
+    spill_dir: str | os.PathLike | None = None,
 ) -> tuple[dict[str, onnx.ModelProto], list[PassResult]]:
     """Runs each pass (anything with `.name` and `.options`) over every phase; returns the graphs and one result
-    per (pass, phase), in the order they ran. Raises BuildError when a pass is unknown or its result fails a check.
+    per (pass, phase), pass by pass, each pass's in the graphs' order. Raises BuildError when a pass is unknown or its
+    result fails a check.
     consume=True replaces each graph in `graphs` itself (a dict) as its passes run, so the caller's dict does not
     keep a copy of every weight alive through the build; the returned dict is then `graphs`. When a pass fails, that
-    dict is left with each graph as far as it got (the build that passes it stops there)."""
+    dict is left with each graph as far as it got (the build that passes it stops there).
+    spill_dir (with consume=True): run the passes one phase at a time, the other phases' graphs in files there, so
+    that one phase's graph is in memory, not all (they hold the same weights, each its own copy): a phase's graph is
+    read back once, runs every pass, and is written there again while the next phase runs. A graph may come in
+    spilled already (the path spill_graph returned); the returned graphs are all in memory. The passes see the same
+    graphs either way: they are pure, and a phase a pass wants first (runs_first_on) runs all its passes first."""
+    if spill_dir is not None and not consume:
+        raise TypeError("run_pipeline(spill_dir=...) replaces the graphs as it goes: pass consume=True")
     say = progress or (lambda line: None)
     # Look every pass up before running any, so a typo in the last pass does not cost a long build.
     entries = [(spec, lookup_pass(spec.name)) for spec in passes]
@@ -93,50 +107,98 @@ def run_pipeline(
         graphs = dict(graphs)
     elif not isinstance(graphs, dict):
         raise TypeError("run_pipeline(consume=True) replaces the graphs in place: pass a dict")
-    results: list[PassResult] = []
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
 
-    for index, (spec, entry) in enumerate(entries):
-        options = _options_for(spec, entry)
-        ran: dict[str, PassResult] = {}  # reported in the graphs' order, whichever phase ran first
-        first = entry.runs_first_on
-        for phase in sorted(graphs, key=lambda name: name not in first):  # stable: the rest keep their order
-            model = graphs[phase]
-            phases = getattr(options, "phases", None)
-            if phases is not None and phase not in phases:
-                ran[phase] = PassResult(spec.name, phase, 0.0, {"applied": False, "reason": (
-                    f"runs on {', '.join(phases)} only (its phases option)")}, len(model.graph.node),
-                    len(model.graph.node))
-                continue
-            say(f"[{index + 1}/{len(entries)}] {spec.name} ({phase})")
-            started = time.perf_counter()
-            try:
-                new_model, report = entry.run(model, options)
-            except PassError as error:
-                raise BuildError(f"pass '{spec.name}' ({phase}): {error}") from None
-            seconds = time.perf_counter() - started
-            if session_config(model) and not session_config(new_model):
-                # Most passes rebuild the model through onnx-graphsurgeon, which drops metadata: the session
-                # settings an earlier pass recorded (passes/session_config.py) go on with the graph.
-                record_session_config(new_model, model, {})
-            report = to_json(report, f"pass '{spec.name}' ({phase}) report")
-            if check:
-                check_pass_result(spec.name, phase, model, new_model, report)
-            if dump_dir:
-                dump_model(new_model, os.path.join(dump_dir, f"{index:02d}-{spec.name}-{phase}.onnx"))
-            result = PassResult(spec.name, phase, seconds, report,
-                                nodes_before=len(model.graph.node), nodes_after=len(new_model.graph.node))
-            ran[phase] = result
-            graphs[phase] = new_model
-            del model, new_model
-            # graphsurgeon's graphs are reference cycles (nodes and tensors point at each other) that hold the
-            # previous model's weights: left to the cycle collector, which large buffers do not prompt, a
-            # 1.8 GB model's build grew by a copy of its weights per pass (18 GB at the end, not 7).
+    options = [_options_for(spec, entry) for spec, entry in entries]
+    ran: dict[tuple[int, str], PassResult] = {}
+    if spill_dir is None or len(graphs) < 2:
+        for index, (spec, entry) in enumerate(entries):
+            for phase in _first_on(graphs, entry.runs_first_on):
+                graphs[phase], ran[index, phase] = _run_pass(index, entries, options, phase, _unspilled(graphs[phase]),
+                                                             check, dump_dir, say)
+    else:
+        # Phase by phase: each graph is read back once, runs every pass, and goes back to disk while the next runs.
+        # A phase a pass wants first (runs_first_on) runs all its passes first.
+        wanted = {phase for _, entry in entries for phase in entry.runs_first_on}
+        if len(wanted) > 1:
+            raise BuildError(f"passes want different phases first ({', '.join(sorted(wanted))}); they cannot run one "
+                             f"phase at a time")
+        order = _first_on(graphs, tuple(wanted))
+        for phase in order:
+            model = _unspilled(graphs[phase])
+            for index in range(len(entries)):
+                model, ran[index, phase] = _run_pass(index, entries, options, phase, model, check, dump_dir, say)
+                graphs[phase] = model  # consume: as far as it got, should a later pass fail
+            if phase != order[-1]:
+                graphs[phase] = spill_graph(model, Path(spill_dir) / phase)
+            del model
             gc.collect()
-            say(f"{spec.name} ({phase}): {seconds:.2f} s, nodes {result.nodes_before} -> {result.nodes_after}")
-        results.extend(ran[phase] for phase in graphs)
-    return graphs, results
+    for phase in graphs:
+        graphs[phase] = _unspilled(graphs[phase])
+    # reported pass by pass, each in the graphs' order, whichever phase ran first
+    return graphs, [ran[index, phase] for index in range(len(entries)) for phase in graphs]
+
+
+def _first_on(graphs: Mapping, first: tuple[str, ...]) -> list[str]:
+    return sorted(graphs, key=lambda name: name not in first)  # stable: the rest keep their order
+
+
+def _run_pass(index: int, entries: list, options: list, phase: str, model: onnx.ModelProto, check: bool,
+              dump_dir: str | None, say) -> tuple[onnx.ModelProto, PassResult]:
+    """Pass `index` on one phase's graph: the new graph (or `model`, where the pass does not run on this phase) and
+    its result."""
+    spec, entry = entries[index]
+    phases = getattr(options[index], "phases", None)
+    if phases is not None and phase not in phases:
+        return model, PassResult(spec.name, phase, 0.0, {"applied": False, "reason": (
+            f"runs on {', '.join(phases)} only (its phases option)")}, len(model.graph.node), len(model.graph.node))
+    say(f"[{index + 1}/{len(entries)}] {spec.name} ({phase})")
+    started = time.perf_counter()
+    try:
+        new_model, report = entry.run(model, options[index])
+    except PassError as error:
+        raise BuildError(f"pass '{spec.name}' ({phase}): {error}") from None
+    seconds = time.perf_counter() - started
+    if session_config(model) and not session_config(new_model):
+        # Most passes rebuild the model through onnx-graphsurgeon, which drops metadata: the session
+        # settings an earlier pass recorded (passes/session_config.py) go on with the graph.
+        record_session_config(new_model, model, {})
+    report = to_json(report, f"pass '{spec.name}' ({phase}) report")
+    if check:
+        check_pass_result(spec.name, phase, model, new_model, report)
+    if dump_dir:
+        dump_model(new_model, os.path.join(dump_dir, f"{index:02d}-{spec.name}-{phase}.onnx"))
+    result = PassResult(spec.name, phase, seconds, report,
+                        nodes_before=len(model.graph.node), nodes_after=len(new_model.graph.node))
+    del model
+    # graphsurgeon's graphs are reference cycles (nodes and tensors point at each other) that hold the
+    # previous model's weights: left to the cycle collector, which large buffers do not prompt, a
+    # 1.8 GB model's build grew by a copy of its weights per pass (18 GB at the end, not 7).
+    gc.collect()
+    say(f"{spec.name} ({phase}): {seconds:.2f} s, nodes {result.nodes_before} -> {result.nodes_after}")
+    return new_model, result
+
+
+def spill_graph(model: onnx.ModelProto, folder: Path) -> Path:
+    """Write `model` (taking its data: onnx moves it out as it writes) to folder/graph.onnx with its weights in a
+    side file; returns the path to read it back from."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path, data = folder / "graph.onnx", folder / "graph.data"
+    data.unlink(missing_ok=True)  # onnx appends to an existing data file
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
+                    size_threshold=SPILL_ABOVE_BYTES, convert_attribute=False)
+    return path
+
+
+def _unspilled(graph: onnx.ModelProto | Path) -> onnx.ModelProto:
+    if not isinstance(graph, Path):
+        return graph
+    model = onnx.load(str(graph), load_external_data=True)
+    for tensor in model.graph.initializer:  # as it was before the spill (onnx sets the default explicitly)
+        if tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.DEFAULT:
+            tensor.ClearField("data_location")
+    return model
 
 
 def check_passes(passes: Sequence) -> None:

@@ -265,3 +265,46 @@ def test_what_the_checker_found_in_large_weights_is_still_found(corrupt, message
     with pytest.raises(BuildError, match=r"pass 'rewrite' produced an invalid decode graph: .*" + message):
         pipeline.check_pass_result("rewrite", "decode", model, model, {})
     pipeline.check_pass_result("rewrite", "decode", *[with_large_weight(lambda model: None)] * 2, {})  # the intact one
+
+
+def phases_with_weights() -> dict[str, onnx.ModelProto]:
+    graphs = {}
+    for phase in ("prefill", "decode"):
+        model = make_phase()
+        model.graph.name = phase
+        weight = numpy_helper.from_array(np.arange(3 * 512, dtype=np.float32).reshape(3, 512), "w")  # 6 KB
+        model.graph.initializer.append(weight)
+        model.graph.node.append(helper.make_node("MatMul", ["y", "w"], ["z"]))
+        model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [512]))
+        graphs[phase] = model
+    return graphs
+
+
+def test_a_spilling_pipeline_runs_phase_by_phase_with_the_other_graph_on_disk(tmp_path, monkeypatch):
+    """spill_dir: one phase's graph in memory at a time. Each phase runs every pass in turn (decode first, as
+    quantize's runs_first_on asks), the other waiting in spill_dir; the graphs and reports are those of the pass by
+    pass run."""
+    seen = []
+
+    def probe(model, options):
+        others = [path.parent.name for path in tmp_path.glob("*/graph.data")]
+        seen.append((model.graph.name, sorted(others)))
+        return model, {}
+
+    register(monkeypatch, "probe", probe)
+    monkeypatch.setitem(PASSES, "probe_decode_first", PassEntry(probe, NoOptions, "test-only", runs_first_on=("decode",)))
+    specs = [Spec("cleanup", cleanup.Options()), Spec("probe"), Spec("probe_decode_first")]
+    reference, reference_results = run_pipeline(phases_with_weights(), specs)
+    assert seen == [("prefill", []), ("decode", []), ("decode", []), ("prefill", [])]
+    seen.clear()
+    graphs = phases_with_weights()
+    graphs["prefill"] = pipeline.spill_graph(graphs["prefill"], tmp_path / "prefill")  # spilled already: taken as is
+    spilled, results = run_pipeline(graphs, specs, consume=True, spill_dir=tmp_path)
+    assert seen == [("decode", ["prefill"])] * 2 + [("prefill", ["decode", "prefill"])] * 2  # decode's, written back
+    assert spilled is graphs and list(spilled) == ["prefill", "decode"]
+    assert {phase: model.SerializeToString() for phase, model in spilled.items()} == \
+        {phase: model.SerializeToString() for phase, model in reference.items()}
+    assert [(r.name, r.phase, r.report, r.nodes_before, r.nodes_after) for r in results] == \
+        [(r.name, r.phase, r.report, r.nodes_before, r.nodes_after) for r in reference_results]
+    with pytest.raises(TypeError, match="consume=True"):
+        run_pipeline(phases_with_weights(), specs, spill_dir=tmp_path)
