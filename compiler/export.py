@@ -153,7 +153,7 @@ def load_traced(path: Path, config: DecoderConfig) -> onnx.ModelProto:
     for node in model.graph.node:  # outputs too: the exporter shares equal weights through Identity nodes
         node.input[:] = [name.removeprefix("decoder.") for name in node.input]
         node.output[:] = [name.removeprefix("decoder.") for name in node.output]
-    _share_tied_lm_head(model, config)
+    _drop_zero_lm_head_bias(model, config)
     _name_lm_head(model, config)
     model.graph.name = Path(path).stem  # lowering passes that differ by phase (lower_tensorrt's decode split) read it
     return model
@@ -170,26 +170,33 @@ def _name_lm_head(model: onnx.ModelProto, config: DecoderConfig) -> None:
             return
 
 
-def _share_tied_lm_head(model: onnx.ModelProto, config: DecoderConfig) -> None:
-    """Make a tied lm_head read the embedding table itself: MatMul(x, E^T copy) -> Gemm(x, E, transB=1).
-
-    The TorchScript exporter folds the transpose into a second vocab x hidden initializer (113 MB for
-    SmolLM2-135M in fp32); Gemm reads the stored table, so the artifact holds it once.
-    """
+def _drop_zero_lm_head_bias(model: onnx.ModelProto, config: DecoderConfig) -> None:
+    """A tied lm_head is traced as Gemm(x, table, zeros, transB=1) (the decoder's forward says why): drop the zeros,
+    and the Constant node that made them when nothing else reads it."""
     if not config.tie_word_embeddings:
         return
-    initializers = {t.name: t for t in model.graph.initializer}
-    embedding = numpy_helper.to_array(initializers["model.embed_tokens.weight"])
-    for index, node in enumerate(model.graph.node):
-        weight = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if weight is None or tuple(weight.dims) != embedding.shape[::-1]:
+    constants = {node.output[0]: node for node in model.graph.node if node.op_type == "Constant" and node.output}
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "Gemm" or len(node.input) != 3 or node.input[1] != "model.embed_tokens.weight":
             continue
-        if not np.array_equal(numpy_helper.to_array(weight), embedding.T):
+        bias = node.input[2]
+        made_by = constants.get(bias)
+        if made_by is not None:
+            value = next((numpy_helper.to_array(a.t) for a in made_by.attribute if a.name == "value"), None)
+        else:
+            value = numpy_helper.to_array(initializers[bias]) if bias in initializers else None
+        if value is None or value.shape != (config.vocab_size,) or np.any(value):
             continue
-        gemm = onnx.helper.make_node("Gemm", [node.input[0], "model.embed_tokens.weight"], list(node.output),
-                                     name=node.name + "_tied", transB=1)
-        model.graph.node[index].CopyFrom(gemm)
-        model.graph.initializer.remove(weight)
+        del node.input[2]
+        kept = [a for a in node.attribute if a.name not in ("alpha", "beta") or onnx.helper.get_attribute_value(a) != 1.0]
+        del node.attribute[:]
+        node.attribute.extend(kept)  # alpha 1 and beta (without a bias) say nothing: the traced lm_head's plain Gemm
+        if not any(bias in other.input for other in model.graph.node):
+            if made_by is not None:
+                model.graph.node.remove(made_by)
+            elif bias in initializers:
+                model.graph.initializer.remove(initializers[bias])
         return
 
 

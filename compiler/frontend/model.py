@@ -173,9 +173,13 @@ class Decoder(nn.Module):
             last = (attention_mask.sum(-1) - 1).clamp(min=0)  # [B]: index of each row's last valid token
             x = x[torch.arange(x.shape[0]), last]  # [B, hidden]
         x = self.model.norm(x)
-        # On 2-D input the exporter emits Gemm(transB) over the weight as stored; on 3-D input it would store a
-        # transposed copy, which for a tied embedding is a second vocab x hidden matrix in the artifact.
-        logits = F.linear(x.reshape(-1, x.shape[-1]), self.lm_head_weight())
+        weight = self.lm_head_weight()
+        # A tied table is also the embedding: the TorchScript exporter writes Gemm(x, table, bias, transB=1) over it
+        # as stored only for a 2-D product with a bias; without one it folds a transposed copy into the graph, a
+        # second vocab x hidden matrix (1.05 GB for Llama-3.2-1B) that the build then held and compared against the
+        # table. load_traced drops the zero bias again.
+        bias = torch.zeros(weight.shape[0], dtype=weight.dtype) if self.config.tie_word_embeddings else None
+        logits = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
         return logits.reshape(*x.shape[:-1], logits.shape[-1]), new_keys, new_values
 
 
