@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 
 class SkipReason(str):
@@ -19,6 +20,13 @@ class SkipReason(str):
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:
     return tensor.inputs[0] if tensor.inputs else None
+
+
+def uncached_values(constant: gs.Constant) -> np.ndarray:
+    """A constant's values, read without keeping them in it: `Constant.values` keeps an array read from the model
+    (one more copy of that weight, until the graph is collected after the pass), which a pass that only reads a
+    weight to build another does not need."""
+    return constant._values.load() if isinstance(constant._values, LazyValues) else constant.values
 
 
 def constant(tensor: gs.Tensor) -> np.ndarray | None:

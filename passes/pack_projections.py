@@ -34,7 +34,7 @@ import onnx_graphsurgeon as gs
 
 from passes.cleanup import export_like, tensor_nbytes
 from passes.errors import PassError
-from passes.graph_patterns import unique_name
+from passes.graph_patterns import uncached_values, unique_name
 
 STANDARD_DOMAINS = {"", "ai.onnx"}
 SPLIT_SIZES_AS_INPUT_OPSET = 13  # before opset 13, Split took its sizes as an attribute
@@ -96,6 +96,19 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     result = export_like(graph, model)
     report["weight_bytes"]["after"] = _weight_bytes(result)
     return result, report
+
+
+def _packed(weights: list[gs.Constant]) -> np.ndarray:
+    """The weights side by side, [K, sum of widths], each read into place and dropped: the pass holds the packed
+    weight and one part at a time, not every part beside it (a copy of the packed weights more, kept in the
+    constants until the graph is collected, had Llama-3.2-1B's build peak here)."""
+    packed = np.empty((weights[0].shape[0], sum(int(w.shape[1]) for w in weights)), dtype=weights[0].dtype)
+    start = 0
+    for weight in weights:
+        part = uncached_values(weight)
+        packed[:, start:start + part.shape[1]] = part
+        start += part.shape[1]
+    return packed
 
 
 def _feed_packed_qkv(attention: gs.Node) -> bool:
@@ -188,7 +201,7 @@ def rewrite(graph: gs.Graph, found: Match, taken_names: set[str]) -> None:
 
     dtype = found.weights[0].dtype
     shape = None if found.activation.shape is None else [*found.activation.shape[:-1], sum(found.widths)]
-    packed_weight = gs.Constant(name(".packed_weight"), np.concatenate([w.values for w in found.weights], axis=1))
+    packed_weight = gs.Constant(name(".packed_weight"), _packed(found.weights))
     packed = gs.Variable(name(".packed_output"), dtype=dtype, shape=shape)
     graph.nodes.append(gs.Node("MatMul", name(".packed_MatMul"), inputs=[found.activation, packed_weight],
                                outputs=[packed]))
