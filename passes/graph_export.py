@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 STUB_ABOVE_BYTES = 1 << 16  # smaller constants are exported as graphsurgeon does it: their copies are cheap
@@ -21,7 +21,10 @@ STUB_ABOVE_BYTES = 1 << 16  # smaller constants are exported as graphsurgeon doe
 def export_onnx(graph: gs.Graph, **kwargs) -> onnx.ModelProto:
     """gs.export_onnx(graph, **kwargs), with large constants' data copied once. `graph` is left as it was."""
     stubbed: dict[str, tuple[gs.Constant, object]] = {}
-    for tensor in graph.tensors().values():
+    # A constant that a subgraph (If, Loop) reads too is exported there as well, outside model.graph.initializer,
+    # where no stub would be filled in: a graph with subgraphs goes through gs as it is (aotlm's graphs have none).
+    has_subgraphs = any(isinstance(value, gs.Graph) for node in graph.nodes for value in node.attrs.values())
+    for tensor in () if has_subgraphs else graph.tensors().values():
         stub = _stub(tensor)
         if stub is not None:
             stubbed[tensor.name] = (tensor, tensor._values)
@@ -39,14 +42,15 @@ def export_onnx(graph: gs.Graph, **kwargs) -> onnx.ModelProto:
 
 
 def _stub(tensor) -> onnx.TensorProto | None:
-    """An empty TensorProto of the constant's name and shape, or None where it is exported as gs does."""
+    """An empty TensorProto of the constant's name, type and shape, or None where it is exported as gs does. (The
+    type shows where the constant is also a graph output: its value_info is made from it.)"""
     if not isinstance(tensor, gs.Constant):
         return None
     values = tensor._values
     if isinstance(values, LazyValues) and isinstance(values.tensor, onnx.TensorProto):
         data_type = values.tensor.data_type
     elif isinstance(values, np.ndarray) and values.dtype != object:
-        data_type = onnx.TensorProto.UINT8  # any type: the stub's data is never read
+        data_type = dtype_to_onnx(tensor.export_dtype)
     else:
         return None
     if values.nbytes <= STUB_ABOVE_BYTES:

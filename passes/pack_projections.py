@@ -102,10 +102,11 @@ def _packed(weights: list[gs.Constant]) -> np.ndarray:
     """The weights side by side, [K, sum of widths], each read into place and dropped: the pass holds the packed
     weight and one part at a time, not every part beside it (a copy of the packed weights more, kept in the
     constants until the graph is collected, had Llama-3.2-1B's build peak here)."""
-    packed = np.empty((weights[0].shape[0], sum(int(w.shape[1]) for w in weights)), dtype=weights[0].dtype)
-    start = 0
+    packed, start = None, 0
     for weight in weights:
         part = uncached_values(weight)
+        if packed is None:  # the part's own numpy type (gs names bfloat16 by its ONNX number, which numpy refuses)
+            packed = np.empty((part.shape[0], sum(int(w.shape[1]) for w in weights)), dtype=part.dtype)
         packed[:, start:start + part.shape[1]] = part
         start += part.shape[1]
     return packed

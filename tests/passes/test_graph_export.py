@@ -96,3 +96,26 @@ def test_it_holds_the_weights_once_more_not_twice():
     weights_mb = 20 * 1024 * 4096 * 4 / 2**20
     assert grown["graphsurgeon"] > 1.7 * weights_mb, grown  # the two copies this module avoids
     assert grown["lean"] < 1.3 * weights_mb and grown["pass"] < 1.3 * weights_mb, grown
+
+
+def test_constants_in_subgraphs_and_constant_outputs_export_as_graphsurgeon_exports_them():
+    """A large constant read inside an If branch too had been exported there as the empty stub; a large array constant
+    that is also a graph output had its stub's type in the output's value_info."""
+    big = gs.Constant("big", np.ones((200, 200), np.float32))
+    x, cond = gs.Variable("x", np.float32, (200, 200)), gs.Variable("cond", np.bool_, ())
+    branches = {}
+    for key, op in (("then_branch", "Add"), ("else_branch", "Sub")):
+        out = gs.Variable(f"{op}_out", np.float32, (200, 200))
+        branches[key] = gs.Graph(nodes=[gs.Node(op, inputs=[x, big], outputs=[out])], outputs=[out])
+    product, chosen = gs.Variable("m", np.float32, (200, 200)), gs.Variable("out", np.float32, (200, 200))
+    with_if = gs.Graph(nodes=[gs.Node("Mul", inputs=[x, big], outputs=[product]),
+                              gs.Node("If", inputs=[cond], outputs=[chosen], attrs=branches)],
+                       inputs=[x, cond], outputs=[chosen, product], opset=17)
+    assert export_onnx(with_if).SerializeToString() == gs.export_onnx(with_if).SerializeToString()
+    also_output = gs.Constant("c", np.ones((200, 200), np.float32))
+    copied = gs.Variable("copy", np.float32, (200, 200))
+    outputs = gs.Graph(nodes=[gs.Node("Identity", inputs=[x], outputs=[copied])], inputs=[x],
+                       outputs=[copied, also_output], opset=17)
+    ours = export_onnx(outputs)
+    assert ours.SerializeToString() == gs.export_onnx(outputs).SerializeToString()
+    assert ours.graph.output[1].type.tensor_type.elem_type == TensorProto.FLOAT

@@ -211,3 +211,24 @@ def test_packing_holds_the_packed_weights_and_the_new_model_not_the_parts_too():
                                  cwd=root).stdout.split()[-1])
     weights_mb = 3 * 64
     assert grown < 2.5 * weights_mb, grown
+
+
+def test_bfloat16_weights_pack():
+    """export.dtype bfloat16 (TensorRT recipes): the packed weight had been allocated with graphsurgeon's dtype,
+    which for bfloat16 is the ONNX type number, and the pass failed with a numpy TypeError."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal((8, width)).astype(ml_dtypes.bfloat16) for width in (8, 4, 4)]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"], name=f"/p{i}/MatMul") for i in range(3)]
+    model = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [1, 8])],
+        [helper.make_tensor_value_info(f"y{i}", TensorProto.BFLOAT16, [1, p.shape[1]]) for i, p in enumerate(parts)],
+        initializer=[numpy_helper.from_array(p, f"w{i}") for i, p in enumerate(parts)]),
+        opset_imports=[helper.make_opsetid("", 21)])
+    packed, report = pack_projections.run(model, pack_projections.Options())
+    assert len(report["packed"]) == 1
+    weight = next(t for t in packed.graph.initializer if t.name.endswith("packed_weight"))
+    assert weight.data_type == TensorProto.BFLOAT16
+    np.testing.assert_array_equal(numpy_helper.to_array(weight).astype(np.float32),
+                                  np.concatenate(parts, axis=1).astype(np.float32))
