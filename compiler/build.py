@@ -20,8 +20,9 @@ from compiler.recipe import Recipe
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # Jinja, as transformers saves it
-# Above this (the model's weights, as loaded) the passes keep one phase's graph in memory at a time: a 1.25 GB model
-# built at a peak of 5.1 GB with both held (scratch, session 36), and the default model (539 MB) gains nothing from it.
+# Above this (the model's weights, as loaded) the passes before quantization keep one phase's graph in memory at a
+# time: a 1.25 GB model's passes peaked at 5.1 GB with both held, 3.4 GB one at a time (scratch, session 36); the
+# default model (539 MB) gains nothing from it.
 SPILL_ABOVE_WEIGHT_BYTES = 1 << 30
 QUANTIZING_PASSES = ("quantize", "quantize_kv_cache")  # the accuracy report compares against the graph before them
 
@@ -113,23 +114,24 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     weight_bytes = sum(tensor.nbytes for tensor in loaded.state_dict.values())
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
-    with tempfile.TemporaryDirectory(prefix="aotlm-trace-") as traced, \
-            tempfile.TemporaryDirectory(prefix="aotlm-spill-") as spill:
-        paths = trace_graphs(decoder, recipe.export.max_context, Path(traced), recipe.export.opset,
-                             recipe.export.prefill_logits, progress=say, dtype=recipe.export.dtype)
-        del decoder  # its weights are in the traced files now: not held beside the graphs read back from them
-        # A large model's passes hold one phase's graph at a time, the other on disk (run_pipeline's spill_dir).
+    with tempfile.TemporaryDirectory(prefix="aotlm-spill-") as spill:
+        # A large model's passes before quantization hold one phase's graph at a time, the other on disk (run_pipeline's
+        # spill_dir). Not the quantizing ones: quantize_kv_cache calibrates on the phase that runs first, and one
+        # phase at a time would change which.
         spill_dir = Path(spill) if weight_bytes > SPILL_ABOVE_WEIGHT_BYTES else None
-        if spill_dir is not None:
-            say(f"the weights take {weight_bytes / 1e9:.2f} GB: the passes run one phase at a time, the other phase's "
-                f"graph waiting on disk")
-        graphs = {phase: load_traced(path, loaded.config) for phase, path in paths.items()} if spill_dir is None else \
-            {phase: spill_graph(load_traced(path, loaded.config), spill_dir / phase) for phase, path in paths.items()}
+        with tempfile.TemporaryDirectory(prefix="aotlm-trace-") as traced:
+            paths = trace_graphs(decoder, recipe.export.max_context, Path(traced), recipe.export.opset,
+                                 recipe.export.prefill_logits, progress=say, dtype=recipe.export.dtype)
+            del decoder  # its weights are in the traced files now: not held beside the graphs read back from them
+            if spill_dir is not None:
+                say(f"the weights take {weight_bytes / 1e9:.2f} GB: the passes before quantization run one phase at a "
+                    f"time, the other phase's graph waiting on disk")
+            graphs = {phase: load_traced(path, loaded.config) if spill_dir is None else
+                      spill_graph(load_traced(path, loaded.config), spill_dir / phase) for phase, path in paths.items()}
         graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say, consume=True,
                                             spill_dir=spill_dir)
-        float_decode = graphs["decode"] if report_accuracy else None
-        graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say, consume=True,
-                                            spill_dir=spill_dir)
+    float_decode = graphs["decode"] if report_accuracy else None
+    graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say, consume=True)
     pass_results += more_results
     kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, cache_dtype(graphs, recipe.export.dtype))
 

@@ -96,8 +96,10 @@ def run_pipeline(
     spill_dir (with consume=True): run the passes one phase at a time, the other phases' graphs in files there, so
     that one phase's graph is in memory, not all (they hold the same weights, each its own copy): a phase's graph is
     read back once, runs every pass, and is written there again while the next phase runs. A graph may come in
-    spilled already (the path spill_graph returned); the returned graphs are all in memory. The passes see the same
-    graphs either way: they are pure, and a phase a pass wants first (runs_first_on) runs all its passes first."""
+    spilled already (the path spill_graph returned); the returned graphs are all in memory. A phase a pass wants first
+    (runs_first_on) runs all its passes first. Only for passes that share nothing between phases: they see the same
+    graphs either way, but a pass that keeps state from one phase for the next (quantize_kv_cache's calibration)
+    would see the phases in another order."""
     if spill_dir is not None and not consume:
         raise TypeError("run_pipeline(spill_dir=...) replaces the graphs as it goes: pass consume=True")
     say = progress or (lambda line: None)
@@ -192,12 +194,15 @@ def spill_graph(model: onnx.ModelProto, folder: Path) -> Path:
 
 
 def _unspilled(graph: onnx.ModelProto | Path) -> onnx.ModelProto:
+    """A spilled graph read back whole; its files go (they would hold a copy of the weights on disk to the end)."""
     if not isinstance(graph, Path):
         return graph
     model = onnx.load(str(graph), load_external_data=True)
     for tensor in model.graph.initializer:  # as it was before the spill (onnx sets the default explicitly)
         if tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.DEFAULT:
             tensor.ClearField("data_location")
+    graph.unlink()
+    (graph.parent / "graph.data").unlink(missing_ok=True)
     return model
 
 

@@ -178,7 +178,8 @@ class Decoder(nn.Module):
         # as stored only for a 2-D product with a bias; without one it folds a transposed copy into the graph, a
         # second vocab x hidden matrix (1.05 GB for Llama-3.2-1B) that the build then held and compared against the
         # table. load_traced drops the zero bias again.
-        bias = torch.zeros(weight.shape[0], dtype=weight.dtype) if self.config.tie_word_embeddings else None
+        bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device) if self.config.tie_word_embeddings \
+            else None
         logits = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
         return logits.reshape(*x.shape[:-1], logits.shape[-1]), new_keys, new_values
 

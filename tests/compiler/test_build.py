@@ -177,8 +177,9 @@ def test_an_artifact_whose_prefill_returns_every_position_generates_the_same_tok
 
 def test_a_large_models_build_runs_the_passes_one_phase_at_a_time_and_writes_the_same_files(tiny_recipe, tiny_artifact,
                                                                                              tmp_path, monkeypatch):
-    """Above SPILL_ABOVE_WEIGHT_BYTES the passes hold one phase's graph at a time, the other on disk (a 1.25 GB
-    model's build peaked at 4.1 GB instead of 5.1): the artifact's files are the very bytes of a build that holds both."""
+    """Above SPILL_ABOVE_WEIGHT_BYTES the passes before quantization hold one phase's graph at a time, the other on
+    disk (a 1.25 GB model's passes peaked at 3.4 GB instead of 5.1): the artifact's files are the very bytes of a build
+    that holds both."""
     import json
 
     import compiler.build as build_module
@@ -188,7 +189,7 @@ def test_a_large_models_build_runs_the_passes_one_phase_at_a_time_and_writes_the
     said = []
     spilled = json.loads((build(tiny_recipe, tmp_path, progress=said.append) / "manifest.json").read_text())
     held = json.loads((tiny_artifact / "manifest.json").read_text())
-    assert any("the passes run one phase at a time" in line for line in said)
+    assert any("run one phase at a time" in line for line in said)
     assert spilled["files"] == held["files"]
     assert [(p["name"], p["phase"], p["report"]) for p in spilled["passes"]] == \
         [(p["name"], p["phase"], p["report"]) for p in held["passes"]]
