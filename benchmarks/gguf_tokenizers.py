@@ -3,12 +3,13 @@
     .venv/bin/python benchmarks/gguf_tokenizers.py [--models DIR | --sdist FILE] [--version V] [--out F]
 
 llama.cpp tests its tokenizers on vocabulary-only GGUF files (models/ggml-vocab-<name>.gguf) with texts
-(<name>.gguf.inp, separated by `__ggml_vocab_test__` lines) and the token ids llama.cpp gives them (<name>.gguf.out,
-one line per text; test-tokenizer-0 encodes without BOS and without parsing special tokens). Those files ship in the
+(<name>.gguf.inp, separated by `__ggml_vocab_test__` lines) and the token ids they must give (<name>.gguf.out, one
+line per text, written by the model's own Hugging Face tokenizer in llama.cpp's convert_hf_to_gguf_update.py, which
+llama.cpp's test-tokenizer-0 checks itself against, encoding without BOS and without parsing special tokens). Those files ship in the
 llama-cpp-python source distribution on PyPI: by default this script downloads it (`pip download`, no build, ~77 MB,
 kept under benchmarks/results/cache/) and reads them from there; --sdist uses a downloaded one, --models a folder of
 such files. Per vocabulary: its architecture and tokenizer type, and how many texts aotlm's tokenizer.json encodes to
-llama.cpp's ids (or the error that refuses it). A table on the console, JSON in
+the expected ids (or the error that refuses it). A table on the console, JSON in
 benchmarks/results/gguf_tokenizers.json (--out).
 """
 from __future__ import annotations
@@ -37,8 +38,9 @@ CACHE = REPO / "benchmarks" / "results" / "cache" / "llama-cpp-python"
 
 
 def read_vectors(vocab: Path) -> list[tuple[str, list[int]]]:
-    """(text, llama.cpp's ids) pairs of a vocabulary's .inp and .out files."""
-    texts = Path(f"{vocab}.inp").read_text(encoding="utf-8").split(SEPARATOR)
+    """(text, expected ids) pairs of a vocabulary's .inp and .out files."""
+    with open(f"{vocab}.inp", encoding="utf-8", newline="") as handle:  # a text's own "\r" stays one
+        texts = handle.read().split(SEPARATOR)
     lines = Path(f"{vocab}.out").read_text(encoding="utf-8").split("\n")
     if texts and texts[-1] == "":  # the .inp ends with a separator (its texts " " and "" are texts like any other)
         texts = texts[:-1]
@@ -87,7 +89,10 @@ def models_from_sdist(sdist: Path, into: Path) -> Path:
             raise SystemExit(f"{sdist}: no vendor/llama.cpp/models/{VOCAB_PREFIX}* files; is it llama-cpp-python's sdist?")
         for member in members:
             member.name = Path(member.name).name  # flat, and nothing outside `into`
-            archive.extract(member, into, filter="data")
+            if hasattr(tarfile, "data_filter"):  # Python 3.10.12 / 3.11.4 and later
+                archive.extract(member, into, filter="data")
+            else:  # a regular file under its base name: nothing it names can land outside `into`
+                archive.extract(member, into)
     return into
 
 

@@ -134,6 +134,7 @@ def _sentencepiece_tokenizer(field, path: str) -> Tokenizer:
     ranked = sorted(((-score, vocab[piece], piece[:cut], piece[cut:]) for piece, score in normal.items()
                      for cut in range(1, len(piece)) if piece[:cut] in normal and piece[cut:] in normal),
                     key=lambda merge: merge[:2])
+    _check_scores_rank_pieces([(merge[0], merge[1]) for merge in ranked], path)
     unknown = field("tokenizer.ggml.unknown_token_id")
     if unknown is None:
         unknown = next((i for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_UNKNOWN), None)
@@ -155,6 +156,26 @@ def _sentencepiece_tokenizer(field, path: str) -> Tokenizer:
     _add_marked_tokens(tokenizer, tokens, token_types, vocab)
     _add_bos(tokenizer, field, tokens, default=True)  # llama.cpp adds BOS for SPM vocabularies unless told not to
     return tokenizer
+
+
+# Among pieces of equal score llama.cpp merges the leftmost pair; merges ranked by a list cannot do that. Llama 2's
+# vocabulary has 15 such pieces of 29612 that merges make (and tokenizes llama.cpp's test texts the same); a file
+# whose scores do not rank its pieces (gguf-py writes -1000 for every piece of a vocabulary converted from a
+# tokenizer.json) would tokenize otherwise.
+MAX_TIED_PIECES = 0.01
+
+
+def _check_scores_rank_pieces(ranked: list[tuple[float, int]], path: str) -> None:
+    pieces = dict((piece, score) for score, piece in ranked)  # piece id -> -score, each merged piece once
+    counts: dict[float, int] = {}
+    for score in pieces.values():
+        counts[score] = counts.get(score, 0) + 1
+    tied = sum(count for count in counts.values() if count > 1)
+    if tied > MAX_TIED_PIECES * len(pieces):
+        raise BuildError(f"{path}: {tied} of the {len(pieces)} pieces its SentencePiece merges make share a score with "
+                         f"another (the file's scores do not rank them, as when a vocabulary is converted from a "
+                         f"tokenizer.json): llama.cpp merges the leftmost pair among equal scores, which this "
+                         f"tokenizer cannot reproduce. Use the model's Hugging Face folder (with tokenizer.json).")
 
 
 def _add_marked_tokens(tokenizer: Tokenizer, tokens: list, token_types: list, vocab: dict,

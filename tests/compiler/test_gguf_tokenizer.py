@@ -158,3 +158,13 @@ def test_an_unknown_pre_tokenizer_type_is_refused():
     with pytest.raises(BuildError, match=r"pre-tokenizer type 'tekken' \(tokenizer.ggml.pre\) is not supported.*"
                                          r"Supported: .*deepseek-coder.*Hugging Face folder"):
         _pre_tokenizer("tekken", "x.gguf")
+
+
+def test_scores_that_do_not_rank_the_pieces_are_refused(sentencepiece_model):
+    """gguf-py writes -1000 for every piece of a vocabulary converted from a tokenizer.json; llama.cpp then merges
+    the leftmost pair among equal scores, which merges ranked by a list cannot reproduce: refused, not guessed."""
+    processor, space_prefix = sentencepiece_model
+    metadata = gguf_metadata(processor, space_prefix)
+    flat = {**metadata, "tokenizer.ggml.scores": [-1000.0] * len(metadata["tokenizer.ggml.scores"])}
+    with pytest.raises(BuildError, match=r"share a score with another .* leftmost pair"):
+        rebuilt(flat)

@@ -175,3 +175,16 @@ def test_the_first_generated_word_keeps_the_space_after_the_prompt(tmp_path):
             texts.append("".join(decoder.push(token) for token in ids) + decoder.finish())
             assert texts[-1] == decoder.streamed_text
         assert texts == [continuation, continuation.lstrip()]  # without the prompt: the old text
+
+
+def test_a_prompt_ending_inside_a_character_keeps_the_generated_text(tmp_path):
+    """Prompt ids ending with the first two bytes of 中 (byte fallback), then the model generates its third byte and
+    "ab": the context's text ended in U+FFFD, the full text did not, and the stream lost "\\ufffdab" but for "b"."""
+    tokenizer = byte_fallback_tokenizer(tmp_path)
+    first_two, third = [3 + 0xE4, 3 + 0xB8], 3 + 0xAD
+    prompt = tokenizer.encode("go", add_special_tokens=True) + first_two
+    generated = [third, *tokenizer.encode("ab", add_special_tokens=False)[1:]]  # less the space prefix's "▁"
+    decoder = tokenizer.stream_decoder((), prompt)
+    text = "".join(decoder.push(token) for token in generated) + decoder.finish()
+    alone = tokenizer.stream_decoder((), ())
+    assert text == "".join(alone.push(token) for token in generated) + alone.finish() == "\ufffdab"
