@@ -9,6 +9,8 @@ llama.cpp would give the model:
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from compiler.errors import BuildError
@@ -119,7 +121,8 @@ def _sentencepiece_tokenizer(field, path: str) -> Tokenizer:
     adjacent pair whose joined piece scores highest merges first, as SentencePiece's BPE does; a character with no
     piece becomes its UTF-8 bytes' <0xXX> tokens. `tokenizers` ranks merges by their order, so the merges are every
     split of a normal piece into two normal pieces, by the joined piece's score (ties between different pieces of equal
-    score, which Llama's distinct scores do not have, go by id, where SentencePiece takes the leftmost pair)."""
+    score go by id, where SentencePiece and llama.cpp take the leftmost pair: a few are harmless, a file of many is
+    refused, _check_scores_rank_pieces)."""
     tokens, scores, token_types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.scores"), \
         field("tokenizer.ggml.token_type")
     if scores is None or len(scores) != len(tokens) or (token_types is not None and len(token_types) != len(tokens)):
@@ -167,10 +170,7 @@ MAX_TIED_PIECES = 0.01
 
 def _check_scores_rank_pieces(ranked: list[tuple[float, int]], path: str) -> None:
     pieces = dict((piece, score) for score, piece in ranked)  # piece id -> -score, each merged piece once
-    counts: dict[float, int] = {}
-    for score in pieces.values():
-        counts[score] = counts.get(score, 0) + 1
-    tied = sum(count for count in counts.values() if count > 1)
+    tied = sum(count for count in Counter(pieces.values()).values() if count > 1)
     if tied > MAX_TIED_PIECES * len(pieces):
         raise BuildError(f"{path}: {tied} of the {len(pieces)} pieces its SentencePiece merges make share a score with "
                          f"another (the file's scores do not rank them, as when a vocabulary is converted from a "
