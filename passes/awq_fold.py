@@ -64,9 +64,9 @@ def attention_value_tie(activation: gs.Variable) -> ValueColumns | None:
     if len(source.outputs) != 1 or not source.inputs or source.inputs[0].op != "MatMul":
         return None
     weight = source.inputs[0].inputs[1]
-    if not (isinstance(weight, gs.Constant) and len(weight.outputs) == 1 and weight.values.ndim == 2):
+    if not (isinstance(weight, gs.Constant) and len(weight.outputs) == 1 and len(weight.shape) == 2):
         return None
-    width = weight.values.shape[1]
+    width = weight.shape[1]
     head_dim, remainder = divmod(width, heads + 2 * kv_heads if packed else kv_heads)
     if remainder or head_dim == 0:
         return None
@@ -85,9 +85,9 @@ def _split_value_columns(value: gs.Variable, heads: int, kv_heads: int) -> Value
             or not packed.inputs or packed.inputs[0].op != "MatMul" or not isinstance(sizes, gs.Constant)):
         return None
     weight = packed.inputs[0].inputs[1]
-    if not (isinstance(weight, gs.Constant) and len(weight.outputs) == 1 and weight.values.ndim == 2):
+    if not (isinstance(weight, gs.Constant) and len(weight.outputs) == 1 and len(weight.shape) == 2):
         return None
-    width, value_width = weight.values.shape[1], int(np.asarray(sizes.values)[-1])
+    width, value_width = weight.shape[1], int(np.asarray(sizes.values)[-1])
     head_dim, remainder = divmod(value_width, kv_heads)
     if remainder or head_dim == 0:
         return None

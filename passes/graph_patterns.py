@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
@@ -27,6 +28,14 @@ def uncached_values(constant: gs.Constant) -> np.ndarray:
     (one more copy of that weight, until the graph is collected after the pass), which a pass that only reads a
     weight to build another does not need."""
     return constant._values.load() if isinstance(constant._values, LazyValues) else constant.values
+
+
+def constant_type(constant: gs.Constant) -> np.dtype:
+    """A constant's numpy type, without reading its values (graphsurgeon's dtype names bfloat16 by its ONNX number)."""
+    values = constant._values
+    if isinstance(values, LazyValues):
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(values.tensor.data_type))
+    return np.asarray(values).dtype
 
 
 def constant(tensor: gs.Tensor) -> np.ndarray | None:

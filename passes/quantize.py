@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -42,7 +43,7 @@ from passes.awq_fold import fold_awq_scales, search_awq_scales
 from passes.calibration import CalibrationSet, CalibrationSpec, Statistics, digest
 from passes.errors import PassError
 from passes.graph_export import export_onnx
-from passes.graph_patterns import unique_name
+from passes.graph_patterns import constant_type, uncached_values, unique_name
 from passes.quantize_algorithms import quantize_clipped, quantize_gptq, relative_output_error
 from passes.quantized_lowering_dq import rewrite_dequantize_linear
 from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, for_matmulnbits, matmulnbits_constants,
@@ -117,7 +118,7 @@ class Target:
     @property
     def weight(self) -> np.ndarray:
         """[K, N], as MatMul's B."""
-        values = self.constant.values
+        values = uncached_values(self.constant)  # read when needed: kept in the constant, every weight stayed in memory
         return values.T if self.node.op == "Gemm" else values
 
 
@@ -224,9 +225,9 @@ def weight_of(node: gs.Node) -> gs.Constant | str:
     weight = node.inputs[1]
     if not isinstance(weight, gs.Constant):
         return "B is not a constant weight"
-    values = weight.values
-    if values.ndim != 2 or values.dtype.type not in FLOAT_TYPES:
-        return f"B is {values.ndim}-D {values.dtype}, not a 2-D float weight"
+    ndim, dtype = len(weight.shape), constant_type(weight)
+    if ndim != 2 or dtype.type not in FLOAT_TYPES:
+        return f"B is {ndim}-D {dtype}, not a 2-D float weight"
     activation = node.inputs[0]
     if activation.shape is not None and len(activation.shape) < 2:
         return "A is 1-D; MatMulNBits needs A of rank >= 2"
@@ -254,7 +255,7 @@ def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[
         weight = weight_of(node)
         settings = settings_for(node, options) if isinstance(weight, gs.Constant) else weight
         if isinstance(settings, Settings):
-            k = weight.values.shape[1 if node.op == "Gemm" else 0]
+            k = weight.shape[1 if node.op == "Gemm" else 0]
             block_size = block_size_for(settings, k)
         if isinstance(settings, str):
             skipped.append({"node": node.name, "reason": settings})
@@ -346,7 +347,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         qw, error = quantize_target(target, statistics, memo, options.gptq_act_order)
         if index == len(targets) or index % max(1, len(targets) // 8) == 0:
             say(f"quantize: {index}/{len(targets)} weights ({target.settings.method})")
-        dtype = target.constant.values.dtype
+        dtype = constant_type(target.constant)
         activation = target.activation
         # Nodes whose quantized weights are equal share one set of constants (stored once, counted at the first);
         # a float weight quantized two ways (an override, each layer's own GPTQ Hessian or AWQ scales) gets two,
@@ -369,7 +370,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                                                 f"{'s' if settings.symmetric else 'a'}", names)
             bytes_after = rewrite_dequantize_linear(graph, matmul, qw, names_dq[content], dtype, lowered_dq)
         layers.append({"node": target.node.name, "method": target.settings.method, "bits": qw.bits,
-                       "bytes_before": int(target.constant.values.nbytes), "bytes_after": bytes_after,
+                       "bytes_before": math.prod(target.constant.shape) * dtype.itemsize, "bytes_after": bytes_after,
                        "block_size": qw.block_size, "symmetric": qw.zero_points is None,
                        "full_range": target.settings.full_range,
                        "relative_output_error": error, "awq": target.scaling or None, "note": target.note or None,
@@ -415,7 +416,7 @@ def as_matmul(graph: gs.Graph, target: Target) -> gs.Node:
 
 def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options, memo: dict) -> dict:
     gathers = [n for n in graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant)
-               and n.inputs[0].values.ndim == 2 and n.inputs[0].values.dtype.type in FLOAT_TYPES]
+               and len(n.inputs[0].shape) == 2 and constant_type(n.inputs[0]).type in FLOAT_TYPES]
     if not gathers:
         return {"quantized": False, "reason": "no Gather on a constant float table"}
     gather = gathers[0]
@@ -427,17 +428,17 @@ def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options,
                 "reason": "the dequantize_linear lowering keeps the table float (no quantized-gather kernel)"}
     tied = next((t for t in targets if t.constant is table and t.node.op == "Gemm"), None)
     settings = tied.settings if tied else replace(base_settings(options), method="rtn")
-    hidden = table.values.shape[1]
+    hidden = table.shape[1]
     if hidden * settings.bits % 8:
         return {"quantized": False, "node": gather.name,
                 "reason": f"hidden size {hidden} x {settings.bits} bits is not whole bytes per row"}
     if tied:
         qw, _ = quantize_target(tied, lambda _: None, memo, options.gptq_act_order)  # a memo hit: lm_head's codes
     else:
-        qw = quantize_rtn(table.values.T.astype(np.float32), settings.bits, block_size_for(settings, hidden),
+        qw = quantize_rtn(uncached_values(table).T.astype(np.float32), settings.bits, block_size_for(settings, hidden),
                           settings.symmetric, settings.full_range)
     qw = for_matmulnbits(qw, options.int8_kernel_block)  # the same blocks as the tied lm_head: its bytes, shared
-    rewrite_gather_block_quantized(graph, gather, qw, table.values.dtype)
+    rewrite_gather_block_quantized(graph, gather, qw, constant_type(table))
     return {"quantized": True, "node": gather.name, "kernel": "com.microsoft.GatherBlockQuantized",
             "bits": qw.bits, "block_size": qw.block_size, "shares_codes_with": tied.node.name if tied else None}
 
