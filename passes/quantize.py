@@ -118,7 +118,7 @@ class Target:
     @property
     def weight(self) -> np.ndarray:
         """[K, N], as MatMul's B."""
-        values = uncached_values(self.constant)  # read when needed: kept in the constant, every weight stayed in memory
+        values = uncached_values(self.constant)  # read each time, not kept in the constant to the pass's end
         return values.T if self.node.op == "Gemm" else values
 
 
