@@ -1,10 +1,6 @@
 """passes/graph_export.export_onnx: the model graphsurgeon's export_onnx returns, with large weights copied once."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,8 +8,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
 from passes.graph_export import STUB_ABOVE_BYTES, export_onnx
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.peak_memory import peak_growth_mb
 
 
 def model_with_weights() -> onnx.ModelProto:
@@ -65,34 +60,21 @@ def test_it_holds_the_weights_once_more_not_twice():
     """Exporting a graph of 320 MB of weights read from a model: graphsurgeon's own export raised the peak resident
     memory by about two copies (make_graph, then make_model), this one, and a pass that exports through it, by about
     one. Measured in fresh processes."""
-    script = textwrap.dedent("""
+    setup = """
         import sys
-        import numpy as np, onnx, onnx_graphsurgeon as gs
-        from onnx import TensorProto, helper, numpy_helper
+        import onnx_graphsurgeon as gs
         from passes.graph_export import export_onnx
-        model = helper.make_model(helper.make_graph(
-            [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(20)], "g",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
-            [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(20)]))
-        for i in range(20):  # straight into the model: building it never holds a second copy
-            model.graph.initializer.add().CopyFrom(numpy_helper.from_array(np.full((1024, 4096), i, np.float32), f"w{i}"))
-        def peak_kb():  # this process's own high-water mark (ru_maxrss also counts the parent it was forked from)
-            return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
-
+        model = matmul_model(20, 1024, 4096)
         imported = gs.import_onnx(model)
-        before = peak_kb()
+    """
+    measured = """
         if sys.argv[1] == "pass":  # a whole pass, which reads the model and exports its result through cleanup
             from passes import fuse_silu
             exported = fuse_silu.run(model, fuse_silu.Options())
         else:
             exported = (export_onnx if sys.argv[1] == "lean" else gs.export_onnx)(imported)
-        print((peak_kb() - before) / 1024)
-    """)
-    grown = {}
-    for kind in ("lean", "pass", "graphsurgeon"):
-        output = subprocess.run([sys.executable, "-c", script, kind], capture_output=True, text=True, check=True,
-                                cwd=REPO)
-        grown[kind] = float(output.stdout.split()[-1])
+    """
+    grown = {kind: peak_growth_mb(setup, measured, kind) for kind in ("lean", "pass", "graphsurgeon")}
     weights_mb = 20 * 1024 * 4096 * 4 / 2**20
     assert grown["graphsurgeon"] > 1.7 * weights_mb, grown  # the two copies this module avoids
     assert grown["lean"] < 1.3 * weights_mb and grown["pass"] < 1.3 * weights_mb, grown

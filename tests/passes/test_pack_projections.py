@@ -179,36 +179,12 @@ def test_packing_holds_the_packed_weights_and_the_new_model_not_the_parts_too():
     """Three 64 MB sibling weights, in a fresh process: the pass had read every part into its constant (kept there
     until the graph was collected), so its peak rose by three copies of the weights (parts, packed, new model); it
     now rises by about two, reading one part at a time into the packed weight."""
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
+    from tests.peak_memory import peak_growth_mb
 
-    script = textwrap.dedent("""
-        import numpy as np
-        from onnx import TensorProto, helper, numpy_helper
-        from passes import pack_projections
-
-        def peak_kb():
-            return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
-
-        names = ["q", "k", "v"]
-        model = helper.make_model(helper.make_graph(
-            [helper.make_node("MatMul", ["x", f"w_{n}"], [n], name=f"/{n}_proj/MatMul") for n in names], "g",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
-            [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 16384]) for n in names]),
-            opset_imports=[helper.make_opsetid("", 21)])
-        for index, n in enumerate(names):
-            model.graph.initializer.add().CopyFrom(
-                numpy_helper.from_array(np.full((1024, 16384), index, np.float32), f"w_{n}"))
-        before = peak_kb()
+    grown = peak_growth_mb("from passes import pack_projections\nmodel = matmul_model(3, 1024, 16384)", """
         packed, report = pack_projections.run(model, pack_projections.Options())
         assert len(report["packed"]) == 1 and len(packed.graph.initializer) == 2, report  # the weight and split sizes
-        print((peak_kb() - before) / 1024)
     """)
-    root = Path(__file__).resolve().parents[2]
-    grown = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                                 cwd=root).stdout.split()[-1])
     weights_mb = 3 * 64
     assert grown < 2.5 * weights_mb, grown
 

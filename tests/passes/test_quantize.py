@@ -305,33 +305,10 @@ def test_quantizing_reads_each_weight_when_it_needs_it_not_all_at_once():
     """Six 32 MB weights, in a fresh process: the pass had read every weight into its constant to check its rank and
     type (kept there to the pass's end), so its peak rose by a copy of all of them on top of the new model; it now
     reads one at a time."""
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
+    from tests.peak_memory import peak_growth_mb
 
-    script = textwrap.dedent("""
-        import numpy as np
-        from onnx import TensorProto, helper, numpy_helper
-        from passes import quantize
-
-        def peak_kb():
-            return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
-
-        model = helper.make_model(helper.make_graph(
-            [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"], name=f"/p{i}/MatMul") for i in range(6)], "g",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2048])],
-            [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, 4096]) for i in range(6)]),
-            opset_imports=[helper.make_opsetid("", 21)])
-        rng = np.random.default_rng(0)
-        for i in range(6):
-            model.graph.initializer.add().CopyFrom(
-                numpy_helper.from_array(rng.standard_normal((2048, 4096), np.float32), f"w{i}"))
-        before = peak_kb()
+    grown = peak_growth_mb("from passes import quantize\nmodel = matmul_model(6, 2048, 4096, random=True)", """
         result, report = quantize.run(model, quantize.Options(bits=4, block_size=32, method="rtn", embedding="float"))
         assert len(report["layers"]) == 6, report
-        print((peak_kb() - before) / 1024)
     """)
-    grown = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                                 cwd=Path(__file__).resolve().parents[2]).stdout.split()[-1])
     assert grown < 6 * 32, grown  # 139 MB (331 MB before) over 192 MB of float weights
