@@ -22,17 +22,16 @@ def render(template: str, messages, *, add_generation_prompt: bool = True, bos_t
     check_messages(messages)
     import jinja2
 
-    compiled = _compiled(template)
     try:
-        return compiled.render(messages=[dict(message) for message in messages],
-                               add_generation_prompt=add_generation_prompt, bos_token=bos_token or "",
-                               eos_token=eos_token or "", tools=None, documents=None)
+        return compiled(template).render(messages=[dict(message) for message in messages],
+                                         add_generation_prompt=add_generation_prompt, bos_token=bos_token or "",
+                                         eos_token=eos_token or "", tools=None, documents=None)
     except jinja2.TemplateError as error:  # raise_exception's RequestError passes through as it is
         raise RequestError(f"the chat template could not render these messages ({error})") from None
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(template: str):
+def compiled(template: str):
     """The template compiled once (transformers caches it too): every chat request renders the same one."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment

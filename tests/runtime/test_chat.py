@@ -137,3 +137,31 @@ def test_cli_chat_prints_the_reply_only(chat_artifact, capsys):
     reply = engine.chat(SHORT, max_new_tokens=4)
     assert capsys.readouterr().out == reply.text + "\n"
     assert main(["run", str(artifact), "--prompt", "hi", "--system", "x"]) == 2
+
+
+def test_load_compiles_the_template_so_the_first_chat_request_does_not(chat_artifact):
+    """Importing Jinja and compiling the template took ~20 ms: inside the first chat request's TTFT when done then."""
+    from runtime import chat
+
+    chat.compiled.cache_clear()
+    engine = Engine.load(chat_artifact[0])
+    assert chat.compiled.cache_info().currsize == 1
+    engine.chat(SHORT, max_new_tokens=1)
+    assert chat.compiled.cache_info().misses == 1  # the request found it compiled
+
+
+@pytest.mark.parametrize("broken, match", [(b"{% for %}", "chat template does not parse"),
+                                           (b"\xff\xfe{{ x }}", "chat template is not UTF-8")])
+def test_a_broken_template_fails_chat_requests_not_the_load(chat_artifact, tmp_path, broken, match):
+    """An edited template (same size, so the load's size check passes) must not stop plain prompts from running."""
+    import shutil
+
+    artifact = shutil.copytree(chat_artifact[0], tmp_path / "artifact")
+    template = artifact / "chat_template.jinja"
+    template.write_bytes(broken.ljust(template.stat().st_size, b" "))
+    engine = Engine.load(artifact)
+    assert engine.generate("hello", max_new_tokens=2).token_ids == Engine.load(chat_artifact[0]).generate(
+        "hello", max_new_tokens=2).token_ids
+    for _ in range(2):  # the second request is told too, not handed a half-prepared template
+        with pytest.raises(ArtifactError, match=match):
+            engine.chat(SHORT, max_new_tokens=2)
