@@ -88,7 +88,8 @@ def _run(args) -> None:
         prompt, shown = args.prompt, args.prompt
     generation = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
-                               arrival=received)
+                               repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                               frequency_penalty=args.frequency_penalty, arrival=received)
     sys.stdout.write(shown)
     for piece in generation:
         sys.stdout.write(piece)
@@ -350,6 +351,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
     run.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = all)")
     run.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed, for reproducible samples")
+    run.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                     help="divide the positive logits of tokens in the prompt or output by P, multiply negative ones "
+                          "(transformers' and vLLM's; 1 = none; greedy decoding too)")
+    run.add_argument("--presence-penalty", type=float, default=0.0, metavar="A",
+                     help="subtract A from the logits of tokens the output holds (OpenAI's; -2..2, 0 = none)")
+    run.add_argument("--frequency-penalty", type=float, default=0.0, metavar="A",
+                     help="subtract A per occurrence in the output (OpenAI's; -2..2, 0 = none)")
     run.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="end the text before this string (repeatable; the model's end-of-sequence tokens always stop)")
     run.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")

@@ -471,7 +471,7 @@ class Engine:
                 self._batch_one_threads = set()
 
     def _generate(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
-        sampler = Sampler(params)
+        sampler = Sampler(params, prompt_ids)
         stop_ids = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
         decoder = self.tokenizer.stream_decoder(params.stop_strings, prompt_ids)
         self.backend.allocate_cache(batch=1)

@@ -1,6 +1,8 @@
-"""Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling with a seed."""
+"""Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling with a seed, after the
+repetition, presence and frequency penalties if a request asks for them (as vLLM applies them: penalties first)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +20,13 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's end-of-sequence tokens
     stop_strings: tuple[str, ...] = ()
+    # Penalties on tokens already seen, greedy decoding included. repetition_penalty is transformers' and vLLM's
+    # (the CTRL paper's): every token of the prompt and the output has a positive logit divided by it, a negative
+    # one multiplied. presence_penalty and frequency_penalty are OpenAI's: subtracted from the logit of each token
+    # the output holds, once and per occurrence. The defaults leave logits as they are.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -28,6 +37,12 @@ class SamplingParams:
             raise RequestError(f"top_k: {self.top_k!r} must be an integer >= 0 (0 = no limit)")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p: {self.top_p!r} must be a number in (0, 1]")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
+            raise RequestError(f"repetition_penalty: {self.repetition_penalty!r} must be a finite number > 0 "
+                               f"(1 = none, above 1 discourages repeating)")
+        for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's and vLLM's range
+            if not _is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name}: {getattr(self, name)!r} must be a number in [-2, 2] (0 = none)")
         if self.seed is not None and (not is_integer(self.seed) or self.seed < 0):  # numpy's generators take >= 0
             raise RequestError(f"seed: {self.seed!r} must be an integer >= 0 or None")
         # A bare string is one stop string, as in vLLM's and OpenAI's `stop` (not a tuple of its characters).
@@ -47,6 +62,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def sampling_params(params: SamplingParams | None, keywords: dict) -> SamplingParams:
@@ -71,16 +90,43 @@ def _is_real(value) -> bool:
 
 
 class Sampler:
-    """One per request, so a seed makes that request's samples reproducible whatever else runs."""
+    """One per request, so a seed makes that request's samples reproducible whatever else runs. It remembers the
+    tokens it returned (and the prompt's) for the penalties."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        # Only a penalized request keeps its history: the ids seen (prompt and output) and the output's counts.
+        self._seen: set[int] = set(prompt_ids) if params.penalized else set()
+        self._output_counts: dict[int, int] = {}
 
     def __call__(self, logits: np.ndarray) -> int:
-        """logits: [vocab] float32 -> token id. NaN or +inf logits, or all -inf, raise a ModelOutputError: greedy would
-        pick an arbitrary token (argmax returns the first NaN) and sampling would fail inside numpy."""
+        """logits: [vocab] float32 -> token id, remembered as the output's next token. NaN or +inf logits, or all
+        -inf, raise a ModelOutputError: greedy would pick an arbitrary token (argmax returns the first NaN) and
+        sampling would fail inside numpy."""
         _check_samplable(logits)
+        if not self.params.penalized:
+            return self._choose(logits)
+        token = self._choose(self._penalize(logits))
+        self._seen.add(token)
+        self._output_counts[token] = self._output_counts.get(token, 0) + 1
+        return token
+
+    def _penalize(self, logits: np.ndarray) -> np.ndarray:
+        """The logits after the penalties, in a copy (the row belongs to the step's output). Costs what the seen
+        tokens number, not the vocabulary."""
+        params, logits = self.params, logits.copy()
+        if params.repetition_penalty != 1.0 and self._seen:
+            seen = np.fromiter(self._seen, dtype=np.int64, count=len(self._seen))
+            values = logits[seen]
+            logits[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        if self._output_counts and (params.presence_penalty or params.frequency_penalty):
+            ids = np.fromiter(self._output_counts, dtype=np.int64, count=len(self._output_counts))
+            counts = np.fromiter(self._output_counts.values(), dtype=np.float32, count=len(ids))
+            logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+        return logits
+
+    def _choose(self, logits: np.ndarray) -> int:
         if self.params.greedy:
             return int(np.argmax(logits))
         # Shift before dividing: the largest logit becomes 0, so a tiny temperature gives -inf elsewhere, not inf - inf.

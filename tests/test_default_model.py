@@ -76,6 +76,19 @@ def test_greedy_tokens_equal_transformers(engine, hf_model):
         assert ours == theirs, f"{prompt!r}: {engine.tokenizer.decode(ours)!r} != {engine.tokenizer.decode(theirs)!r}"
 
 
+def test_greedy_tokens_with_a_repetition_penalty_equal_transformers(engine, hf_model):
+    changed = 0
+    for prompt in PROMPTS:
+        prompt_ids = engine.tokenizer.encode(prompt)
+        ours = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, stop_token_ids=(), repetition_penalty=1.3)
+        with torch.no_grad():
+            theirs = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       repetition_penalty=1.3)[0, len(prompt_ids):].tolist()
+        assert ours.token_ids == theirs, f"{prompt!r}: {ours.text!r} != {engine.tokenizer.decode(theirs)!r}"
+        changed += ours.token_ids != engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, stop_token_ids=()).token_ids
+    assert changed == len(PROMPTS)  # the penalty changed every prompt's continuation: the comparison covers it
+
+
 def test_last_position_logits_within_1e_3(engine, hf_model):
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)

@@ -1,0 +1,96 @@
+"""Repetition, presence and frequency penalties (runtime/sampling.py): transformers' repetition penalty and
+OpenAI's presence / frequency formula, on every path a request takes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import RequestError
+from runtime.sampling import Sampler, SamplingParams
+
+
+def steps(vocab: int, count: int, seed: int = 0) -> np.ndarray:
+    """Logit rows whose top tokens repeat from row to row (a few large entries), so that penalties change picks."""
+    rng = np.random.default_rng(seed)
+    rows = rng.normal(0, 1, size=(count, vocab)).astype(np.float32)
+    rows[:, :4] += np.float32(3.0)  # tokens 0..3 lead every row: unpenalized greedy repeats them
+    rows[:, 4] = -rows[:, 4] ** 2 - 1  # one always-negative logit: multiplied, not divided
+    return rows
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_repetition_penalty_equals_transformers(penalty):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    prompt = [4, 9, 9, 17]
+    sampler = Sampler(SamplingParams(repetition_penalty=penalty), prompt)
+    history, changed = list(prompt), 0
+    for row in steps(32, 24):
+        theirs = processor(torch.tensor([history]), torch.tensor(row[None]).clone())[0].numpy()
+        np.testing.assert_allclose(sampler._penalize(row), theirs, rtol=1e-6)
+        token = sampler(row)
+        assert token == int(np.argmax(theirs))
+        changed += token != int(np.argmax(row))
+        history.append(token)
+    assert changed > 0  # the penalty changed picks: the comparison covers it
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    """logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty, over the output only."""
+    sampler = Sampler(SamplingParams(presence_penalty=0.25, frequency_penalty=0.5), prompt_ids=[1])
+    for token in (2, 2, 3):
+        forced = np.zeros(6, dtype=np.float32)
+        forced[token] = 100.0
+        assert sampler(forced) == token
+    flat = np.zeros(6, dtype=np.float32)
+    np.testing.assert_array_equal(sampler._penalize(flat), [0, 0, -1.25, -0.75, 0, 0])  # the prompt's 1: untouched
+    assert not flat.any()  # the step's row is not written to
+    assert sampler(flat) == 0
+
+
+def test_unpenalized_requests_keep_no_history():
+    sampler = Sampler(SamplingParams(), prompt_ids=list(range(1000)))
+    row = steps(16, 1)[0]
+    assert sampler(row) == sampler(row) == int(np.argmax(row))
+    assert not sampler._seen and not sampler._output_counts
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(repetition_penalty=0.0), "repetition_penalty: 0.0 must be a finite number > 0"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty: nan must be a finite number > 0"),
+    (dict(repetition_penalty="1.2"), "repetition_penalty: '1.2' must be a finite number > 0"),
+    (dict(presence_penalty=2.5), r"presence_penalty: 2.5 must be a number in \[-2, 2\]"),
+    (dict(frequency_penalty=float("-inf")), r"frequency_penalty: -inf must be a number in \[-2, 2\]"),
+])
+def test_bad_penalties_are_refused(options, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**options)
+
+
+def test_penalized_requests_under_batching_make_their_alone_tokens(tiny_engine):
+    """The history is per request: a batch neighbour's tokens never penalize another row."""
+    cases = [dict(repetition_penalty=1.5), dict(presence_penalty=1.0, frequency_penalty=0.7),
+             dict(repetition_penalty=1.2, temperature=0.9, seed=4), {}]
+    prompt = [1, 30, 31, 32, 30]
+    try:
+        expected = [tiny_engine.generate(prompt, max_new_tokens=24, stop_token_ids=(), **case).token_ids
+                    for case in cases]
+        assert len({tuple(tokens) for tokens in expected}) == len(cases)  # each setting changed the tokens
+        handles = [tiny_engine.submit(prompt, max_new_tokens=24, stop_token_ids=(), **case) for case in cases]
+        assert [handle.result(timeout=60).token_ids for handle in handles] == expected
+    finally:
+        tiny_engine.close()
+
+
+def test_cli_run_passes_the_penalties(tiny_artifact, capsys):
+    from compiler.cli import main
+    from runtime import Engine
+
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "12",
+                 "--repetition-penalty", "1.6", "--frequency-penalty", "0.5"]) == 0
+    expected = Engine.load(tiny_artifact).generate("hello", max_new_tokens=12, repetition_penalty=1.6,
+                                                   frequency_penalty=0.5)
+    assert capsys.readouterr().out == "hello" + expected.text + "\n"
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--presence-penalty", "3"]) == 2
