@@ -12,7 +12,8 @@ one background worker thread owns the cache and runs every graph (started on dem
   2. prefill admitted requests straight into their slots' rows of the cache: whole prompts of requests in
      neighbouring slots as one right-padded batch, others alone (batch 1); with
      `prefill_chunk` at most that many prompt tokens per iteration while other requests are decoding, so a long
-     prompt does not stall their tokens (onnxruntime's GroupQueryAttention takes a chunk after a past at batch 1);
+     prompt does not stall their tokens (onnxruntime's GroupQueryAttention takes a chunk after a past at batch 1;
+     the rest of a chunked prompt goes on in chunks of that size when nothing decodes any more);
      chunks happen only while others decode, so with an int8 KV cache (quantize_kv_cache) a prompt's greedy tokens
      can depend on the load: a later chunk reads the earlier ones' keys and values rounded to int8, a whole
      prompt attends to its own in float (a rounding difference, ~2e-3 in the tiny model's logits);
@@ -329,8 +330,11 @@ class Scheduler:
                 start = sequence.prefilled
                 remaining = len(sequence.prompt_ids) - start
                 count = remaining if budget is None else min(budget, remaining)
-                if start > 0 and self.engine.backend.max_decode_tokens is not None:  # the decode graph takes it:
-                    count = min(count, self.engine.backend.max_decode_tokens)  # TensorRT's profile bounds a call
+                if start > 0:  # the decode graph takes the rest of a chunked prompt, in chunks however idle the
+                    # slots: its runs over many tokens hold memory that grows faster than their count (the default
+                    # model's onnxruntime arena: +177 MB after 250 tokens, +1.5 GB after 1000), and TensorRT's
+                    # profile bounds its tokens per call (to no fewer than prefill_chunk: _check_engine_limits)
+                    count = min(count, self.prefill_chunk)
                 budget = None if budget is None else budget - count
                 ids = np.array([sequence.prompt_ids[start:start + count]], dtype=np.int64)
                 positions = np.arange(start, start + count, dtype=np.int64)[None]

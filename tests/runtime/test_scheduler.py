@@ -343,12 +343,15 @@ def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
     assert len(starts) == 1, "the eight queued requests did not share one prefill run"
 
 
-def test_the_rest_of_a_chunked_prompt_stays_within_the_decode_graphs_tokens(engine, monkeypatch):
-    """A prompt chunked while another request decoded: once that request finishes, the rest of the prompt is no
-    longer chunked by prefill_chunk, but it still goes through the decode graph, which TensorRT bounds to
-    decode_max_tokens per call. Before, the whole rest went in one call (here 36 tokens against a bound of 16)."""
-    monkeypatch.setattr(engine.backend, "max_decode_tokens", 16)
-    scheduler = slowed(engine.start_scheduler(slots=2, prefill_chunk=16), seconds=0.05)
+@pytest.mark.parametrize("max_decode_tokens, prefill_chunk", [(16, 16), (None, 16), (32, 12)])
+def test_the_rest_of_a_chunked_prompt_stays_within_the_decode_graphs_tokens(engine, monkeypatch, max_decode_tokens,
+                                                                             prefill_chunk):
+    """A prompt chunked while another request decoded: once that request finishes, the rest of the prompt still
+    goes through the decode graph, in chunks of at most prefill_chunk tokens, and of at most decode_max_tokens
+    where TensorRT bounds a call (onnxruntime: None). Before, the whole rest went in one call (here 36 tokens):
+    onnxruntime's decode runs over many tokens hold memory faster than their count grows (+1.5 GB for 1000)."""
+    monkeypatch.setattr(engine.backend, "max_decode_tokens", max_decode_tokens)
+    scheduler = slowed(engine.start_scheduler(slots=2, prefill_chunk=prefill_chunk), seconds=0.05)
     calls = []  # (graph, tokens per row, whether the short request had finished)
     run = scheduler.cache.run
     short, long = [1, 9, 10], [1] + list(range(3, 102))  # 5 new tokens; a 100-token prompt
@@ -364,9 +367,9 @@ def test_the_rest_of_a_chunked_prompt_stays_within_the_decode_graphs_tokens(engi
     assert [first.result(timeout=60).token_ids, second.result(timeout=60).token_ids] == alone_tokens
     short_prefill, *chunks = [(phase, tokens, done) for phase, tokens, done in calls if tokens > 1]
     assert short_prefill == ("prefill", 3, False), calls
-    assert chunks[0][:2] == ("prefill", 16) and sum(tokens for _, tokens, _ in chunks) == 100, chunks
+    assert chunks[0][:2] == ("prefill", prefill_chunk) and sum(tokens for _, tokens, _ in chunks) == 100, chunks
     assert any(done for _, _, done in chunks), f"the short request never finished mid-prompt: {chunks}"
-    assert max(tokens for phase, tokens, _ in chunks if phase == "decode") <= 16, chunks
+    assert max(tokens for phase, tokens, _ in chunks if phase == "decode") == prefill_chunk, chunks
 
 
 def test_a_done_callback_that_waits_on_another_request_does_not_block_the_scheduler(engine):
