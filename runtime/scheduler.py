@@ -33,6 +33,7 @@ requests full (`max_queue`), unless submitted with block=True. An accepted reque
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import queue
 import threading
@@ -53,6 +54,38 @@ from runtime.tokenizer import StreamDecoder
 BATCHING = ("continuous", "static")
 DEFAULT_SLOTS = 8
 _END = object()  # the last item of a handle's piece queue
+LOGGER = logging.getLogger(__name__)
+
+
+class _CallbackThread:
+    """Runs requests' done-callbacks in order on a thread of their own, started when one is due and ending when none
+    is. Not on the worker, which completes the requests: a callback that waits on another request (its result, a
+    generate, a blocking submit) waited on the worker itself, and serving stopped for good. A callback's exception
+    is logged, as concurrent.futures logs it, and the next one runs."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._due: deque[Callable[[], None]] = deque()
+        self._thread: threading.Thread | None = None
+
+    def call(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._due.append(callback)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="aotlm-callbacks", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._due:
+                    self._thread = None  # under the lock: a call after this starts a new thread
+                    return
+                callback = self._due.popleft()
+            try:
+                callback()
+            except BaseException:  # SystemExit too: it would end this thread with callbacks still due
+                LOGGER.exception("a request's done-callback raised")
 
 
 class RequestHandle:
@@ -93,8 +126,12 @@ class RequestHandle:
         self._scheduler._cancel(self)
 
     def add_done_callback(self, callback: Callable[["RequestHandle"], None]) -> None:
-        """callback(handle) once the result (or error) is set; from the worker thread, or at once if done."""
-        self._future.add_done_callback(lambda _: callback(self))
+        """callback(handle) once the result (or error) is set: at once in this thread if it is, else on the
+        scheduler's callback thread (never its worker: a callback may wait on other requests)."""
+        if self._future.done():
+            callback(self)
+        else:
+            self._future.add_done_callback(lambda _: self._scheduler._callbacks.call(lambda: callback(self)))
 
 
 @dataclass(eq=False)
@@ -154,6 +191,7 @@ class Scheduler:
         self._waiting: deque[_Sequence] = deque()
         self._lock = threading.Condition()  # guards _waiting, _worker, _closed
         self._worker: threading.Thread | None = None
+        self._callbacks = _CallbackThread()
         self._closed = False
         self._ids = itertools.count()
 

@@ -395,6 +395,10 @@ def test_a_done_callback_that_waits_on_another_request_does_not_block_the_schedu
     assert not closer.is_alive(), "close() blocked on a done-callback"
     with pytest.raises(RequestError, match="closed before this request finished"):
         running.result(timeout=1)
+    deadline = time.monotonic() + 30  # the callback runs on the callback thread
+    while not resubmitted:
+        assert time.monotonic() < deadline, "the done-callback never ran"
+        time.sleep(0.01)
     assert len(resubmitted) == 1 and resubmitted[0].result(timeout=60).finish_reason in ("length", "stop")
 
 
@@ -439,16 +443,57 @@ def test_a_worker_that_never_idles_out_serves_on(engine):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # re-raised there, as it should
 def test_a_worker_stopped_by_a_base_exception_fails_its_requests_and_a_new_one_serves(engine):
-    """A done-callback raising SystemExit passes Future's `except Exception` and stopped the worker thread: the
-    requests behind it waited forever, and no submit started another worker."""
+    """A BaseException (SystemExit) passes every `except Exception` and stops the worker thread: the requests behind
+    it waited forever, and no submit started another worker."""
     scheduler = slowed(engine.start_scheduler(slots=1))
+    run, calls = scheduler.cache.run, []
+
+    def exit_on_the_fourth_run(*args):
+        calls.append(args[0])
+        if len(calls) == 4:
+            raise SystemExit(1)
+        return run(*args)
+
+    scheduler.cache.run = exit_on_the_fourth_run
     first = engine.submit([1, 2], max_new_tokens=5, stop_token_ids=())
     behind = engine.submit([1, 3], max_new_tokens=5, stop_token_ids=())  # waits for the one slot
+    for handle in (first, behind):
+        with pytest.raises(RequestError, match=r"worker thread stopped \(SystemExit\(1\)\)"):
+            handle.result(timeout=30)
+    assert scheduler.submit([1, 4], max_new_tokens=2, stop_token_ids=()).result(timeout=30).finish_reason == "length"
+
+
+def test_a_done_callback_that_waits_on_the_scheduler_runs_off_its_worker(engine, caplog):
+    """Done-callbacks ran on the worker thread, which completes requests: one that waited on another request
+    (here a follow-up generate, as a server chains requests) waited on the worker itself, and nothing was served
+    again. They run on a thread of their own now; one that raises (SystemExit too) is logged, and serving goes on."""
+    engine.start_scheduler(slots=2)
+    threads, follow_ups = [], []
+
+    def follow_up(handle):
+        threads.append(threading.current_thread().name)
+        follow_ups.append(engine.generate([handle.result().token_ids[-3:]], max_new_tokens=3, stop_token_ids=()))
+
+    first = engine.submit([1, 5, 6], max_new_tokens=4, stop_token_ids=())
+    first.add_done_callback(follow_up)
     first.add_done_callback(lambda _: (_ for _ in ()).throw(SystemExit(1)))
     assert first.result(timeout=30).finish_reason == "length"
-    with pytest.raises(RequestError, match=r"worker thread stopped \(SystemExit\(1\)\)"):
-        behind.result(timeout=30)
-    assert scheduler.submit([1, 4], max_new_tokens=2, stop_token_ids=()).result(timeout=30).finish_reason == "length"
+    other = engine.submit([1, 7], max_new_tokens=2, stop_token_ids=())
+    assert other.result(timeout=30).token_ids == alone(engine, [1, 7], 2)
+    deadline = time.monotonic() + 30
+    while not follow_ups:
+        assert time.monotonic() < deadline, "the follow-up request never finished"
+        time.sleep(0.01)
+    assert follow_ups[0][0].token_ids == alone(engine, first.result().token_ids[-3:], 3)
+    assert threads == ["aotlm-callbacks"]
+    done_already = []
+    first.add_done_callback(lambda _: done_already.append(threading.current_thread().name))  # at once, here
+    assert done_already == [threading.current_thread().name]
+    deadline = time.monotonic() + 30
+    while "done-callback raised" not in caplog.text:
+        assert time.monotonic() < deadline, "the raising callback was not logged"
+        time.sleep(0.01)
+    assert engine.submit([1, 8], max_new_tokens=2, stop_token_ids=()).result(timeout=30).finish_reason == "length"
 
 
 def test_a_closed_schedulers_slot_cache_is_freed_though_its_handles_are_kept(engine):
