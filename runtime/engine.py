@@ -366,7 +366,7 @@ class Engine:
         """Stop the scheduler, if one runs (its worker thread and slot cache)."""
         with self._scheduler_lock:
             scheduler, self._scheduler = self._scheduler, None
-        if scheduler is not None:  # after the lock: its worker's done-callbacks may submit while it stops
+        if scheduler is not None:  # after the lock: its requests' done-callbacks may submit while it stops
             scheduler.close()
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

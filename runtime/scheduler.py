@@ -283,9 +283,9 @@ class Scheduler:
             self._closed = True
             worker = self._worker
             self._lock.notify_all()
-        if worker is not None and worker is not threading.current_thread():
+        if worker is not None:  # no user code runs on it (done-callbacks have their own thread): it cannot be us
             worker.join()
-        if worker is None:  # else the worker frees it as it exits (close() may run on it, from a done-callback)
+        if worker is None:  # else the worker freed it as it exited
             self.cache = None  # handles keep the scheduler alive; its slot cache must not outlive close()
 
     # -- the worker thread -------------------------------------------------------------------------------------
