@@ -40,6 +40,13 @@ if TYPE_CHECKING:
 # Engine.load's spin_after_run for one stream at a time, no scheduler (`aotlm run`, the batch-1 benchmarks): the
 # decode session's threads keep spinning between its steps (TPOT 3-5% lower, paired; README "Threads after a run").
 SINGLE_STREAM_SPIN = ("decode",)
+# Prefix caching (Engine.load(prefix_caching=True)): the rest of a prompt after a reused prefix runs through the
+# decode graph, which returns every position's logits and whose onnxruntime arena grows faster than the tokens of a
+# run (the default model: +177 MB after 250, +1.5 GB after 1000), so it goes in runs of at most this many.
+PREFIX_REST_TOKENS = 256
+# A prefix is reused when it holds at least this many tokens, and at least half as many as the rest of the prompt:
+# the decode graph computes the rest more slowly than the prefill graph would (the lm_head over every position).
+PREFIX_MIN_TOKENS = 16
 
 
 def received_at(arrival: float | None, now: float) -> float:
@@ -109,14 +116,20 @@ class Timings:
 
     @property
     def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens computed per second of prefill (a cached prefix is not computed)."""
         return self.trace.prefill_tokens_per_s or 0.0
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """The prompt's first tokens reused from the cache (Engine.load(prefix_caching=True)); 0 otherwise."""
+        return self.trace.cached_prompt_tokens
 
     def summary(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
             "ttft_ms": 1e3 * self.ttft_s, "prefill_ms": 1e3 * self.prefill_s, "tpot_ms": 1e3 * self.tpot_s,
             "e2e_ms": 1e3 * self.e2e_s, "queue_ms": 1e3 * self.trace.queue, "decode_tokens_per_s": self.tokens_per_s,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s, "cached_prompt_tokens": self.cached_prompt_tokens,
         }
 
 
@@ -181,10 +194,16 @@ class Engine:
         # The threads (objects: a finished thread's id is given to the next one) that resumed the request inside it.
         self._batch_one_threads: set[threading.Thread] = set()
         self._chat_template: str | None = None  # the artifact's chat template, read by load (prepare_chat)
+        self.prefix_caching = False  # set by Engine.load: see _reusable_prefix
+        # What the batch-1 cache holds after the last request: (the cache, the backend's run count then, the token
+        # ids whose keys and values fill its first rows). Any other run on it (evaluation, a benchmark) changes
+        # the count, and then nothing is reused.
+        self._cached_ids: tuple[object, int, list[int]] | None = None
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None,
-             huge_pages: bool = True, spin_after_run: bool | Collection[str] = False) -> "Engine":
+             huge_pages: bool = True, spin_after_run: bool | Collection[str] = False,
+             prefix_caching: bool = False) -> "Engine":
         """Check the manifest (format version, file sizes; sha256 too if verify) and open both graphs.
 
         huge_pages: then put the memory onnxruntime allocated while loading (its weights) on 2 MiB pages
@@ -196,7 +215,12 @@ class Engine:
         its run slows the other (runtime/onnxruntime_backend.py, STOP_SPINNING_AFTER_RUN). ["decode"] suits one
         stream at a time (TPOT 3-5% lower, `aotlm run` uses it), not the scheduler, which runs prefills between
         decode steps. An engine whose manifest session_config sets that key keeps its own value. Both flags apply
-        to onnxruntime artifacts only."""
+        to onnxruntime artifacts only.
+        prefix_caching: a request on the batch-1 path (generate, stream, chat) whose prompt begins with the tokens
+        the previous one left in the cache (its prompt and output: the next turn of a chat) prefills only the rest
+        (result.timings.cached_prompt_tokens says how many it reused). Off by default: repeated prompts would then
+        time a cache hit, not a prefill, and the rest's logits come from the decode graph, equal to a whole
+        prefill's within float rounding, not bit for bit."""
         if not isinstance(artifact_dir, (str, Path)):
             raise ArtifactError(f"artifact_dir must be a path (str or pathlib.Path), got {type(artifact_dir).__name__}")
         if intra_op_threads is not None and (isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int)
@@ -207,8 +231,9 @@ class Engine:
         if intra_op_threads is not None and intra_op_threads > cores:  # they only contend; thousands hang
             raise RequestError(f"intra_op_threads: {intra_op_threads} is more than the {cores} cores this machine has; "
                                f"give at most {cores}, or 0 for onnxruntime's default")
-        if not isinstance(huge_pages, bool):
-            raise RequestError(f"huge_pages must be True or False, got {huge_pages!r}")
+        for name, flag in (("huge_pages", huge_pages), ("prefix_caching", prefix_caching)):
+            if not isinstance(flag, bool):
+                raise RequestError(f"{name} must be True or False, got {flag!r}")
         if not (isinstance(spin_after_run, bool) or isinstance(spin_after_run, (list, tuple, set, frozenset))
                 and all(isinstance(phase, str) for phase in spin_after_run)):
             raise RequestError(f"spin_after_run must be True, False or a list of phases (\"prefill\", \"decode\"), "
@@ -241,6 +266,7 @@ class Engine:
         tokenizer_info = manifest["tokenizer"]
         tokenizer = TextTokenizer(folder / tokenizer_info["file"], tokenizer_info.get("bos_token_id"))
         engine = cls(folder, manifest, backend, tokenizer)
+        engine.prefix_caching = prefix_caching
         try:
             engine.prepare_chat()
         except ArtifactError:  # a broken template fails chat requests (chat_prompt_ids says why), not the load
@@ -470,6 +496,39 @@ class Engine:
             finally:
                 self._batch_one_threads = set()
 
+    def _reusable_prefix(self, prompt_ids: list[int]) -> int:
+        """How many of the prompt's first tokens the batch-1 cache holds already, if reusing them is worth it; 0
+        when prefix caching is off, the cache was used otherwise since, or the common prefix is short. The prompt's
+        last token always runs: its logits choose the first output token."""
+        if not self.prefix_caching or self._cached_ids is None:
+            return 0
+        cache, runs, ids = self._cached_ids
+        if cache is not self.backend.cache or runs != self.backend.runs:
+            return 0
+        limit = min(len(ids), len(prompt_ids) - 1)
+        differs = np.flatnonzero(np.asarray(ids[:limit]) != np.asarray(prompt_ids[:limit]))
+        common = int(differs[0]) if differs.size else limit
+        rest = len(prompt_ids) - common
+        return common if common >= PREFIX_MIN_TOKENS and 2 * common >= rest else 0
+
+    def _prefill_rest(self, prompt_ids: list[int], start: int, mask: np.ndarray, written: list[int]) -> np.ndarray:
+        """The prompt after its first `start` tokens (held in the cache) through the decode graph, in runs of at
+        most PREFIX_REST_TOKENS (and the engine's decode_max_tokens); the last position's logits [vocab]."""
+        step = min(PREFIX_REST_TOKENS, self.backend.max_decode_tokens or PREFIX_REST_TOKENS)
+        while start < len(prompt_ids):
+            end = min(start + step, len(prompt_ids))
+            logits = self.backend.run("decode", np.array([prompt_ids[start:end]], dtype=np.int64),
+                                      np.arange(start, end, dtype=np.int64)[None], mask[:, :end])
+            self._remember(written, prompt_ids[start:end])
+            start = end
+        return logits[0, -1]
+
+    def _remember(self, written: list[int], ids: Sequence[int]) -> None:
+        """A run on the batch-1 cache wrote `ids` after `written`: record it (with prefix caching only)."""
+        if self.prefix_caching:
+            written.extend(ids)
+            self._cached_ids = (self.backend.cache, self.backend.runs, written)
+
     def _generate(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
         sampler = Sampler(params, prompt_ids)
         stop_ids = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
@@ -477,15 +536,22 @@ class Engine:
         self.backend.allocate_cache(batch=1)
         length = len(prompt_ids)
         mask = np.ones((1, self.max_context), dtype=np.int64)  # every cached row is real: one view per step
+        reused = self._reusable_prefix(prompt_ids)
+        written = list(prompt_ids[:reused])  # the ids whose keys and values the cache holds, in order
 
         prefill_start = time.perf_counter()
-        logits = self.backend.run("prefill", np.array([prompt_ids], dtype=np.int64),
-                                  np.arange(length, dtype=np.int64)[None], mask[:, :length])
+        if reused:
+            logits = self._prefill_rest(prompt_ids, reused, mask, written)
+        else:
+            logits = last_token_logits(self.backend.run("prefill", np.array([prompt_ids], dtype=np.int64),
+                                                        np.arange(length, dtype=np.int64)[None], mask[:, :length]),
+                                       [length])[0]
+            self._remember(written, prompt_ids)
         prefill_end = time.perf_counter()
         output: list[int] = []
         token_times: list[float] = []
         finish_reason = "length"
-        token = sampler(last_token_logits(logits, [length])[0])
+        token = sampler(logits)
         while True:
             token_times.append(time.perf_counter())  # absolute; the trace derives the rest
             if token in stop_ids:
@@ -505,6 +571,7 @@ class Engine:
                 break
             logits = self.backend.run("decode", np.array([[token]], dtype=np.int64),
                                       np.array([[length]], dtype=np.int64), mask[:, : length + 1])
+            self._remember(written, (token,))
             length += 1
             token = sampler(logits[0, -1])
         tail = decoder.finish()  # text held back in case it began a stop string
@@ -516,7 +583,7 @@ class Engine:
         trace = RequestTrace(
             arrival=received, prefill_start=prefill_start, first_token=token_times[0], token_times=token_times,
             finish=time.perf_counter(), prompt_tokens=len(prompt_ids), output_tokens=len(token_times),
-            prefill_end=prefill_end,
+            prefill_end=prefill_end, cached_prompt_tokens=reused,
         )
         timings = Timings(trace, tokenize_s)
         return GenerationResult(text, output, prompt_ids, finish_reason, timings)

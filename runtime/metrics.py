@@ -61,6 +61,7 @@ class RequestTrace:
     output_tokens: int  # every token produced, a final stop token included; == len(token_times)
     prefill_end: float | None = None  # the prefill graph run returned (before sampling the first token)
     decode_step_s: list[float] | None = None  # optional per-step decode durations (seconds)
+    cached_prompt_tokens: int = 0  # the prompt's first tokens found in the cache (prefix caching): not prefilled
 
     def __post_init__(self) -> None:
         if self.output_tokens < 1 or len(self.token_times) != self.output_tokens:
@@ -99,8 +100,8 @@ class RequestTrace:
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
-        seconds = self.prefill_seconds
-        return self.prompt_tokens / seconds if seconds > 0 else None
+        seconds = self.prefill_seconds  # over the tokens computed: a cached prefix is not
+        return (self.prompt_tokens - self.cached_prompt_tokens) / seconds if seconds > 0 else None
 
     @property
     def decode_seconds_per_step(self) -> float | None:

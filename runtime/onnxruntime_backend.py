@@ -172,6 +172,7 @@ class OnnxRuntimeBackend:
             self.steps[phase] = StepBuffers()
         self.past_names = [i.name for i in self.sessions["decode"].get_inputs() if i.name in self.present_for_past]
         self.cache: KVCache | None = None
+        self.runs = 0  # graph runs on the batch-1 cache, failed ones too: what it holds changed (prefix caching)
         # onnxruntime runs any batch and any number of tokens per decode call (TensorRT's engines have limits)
         self.max_batch: int | None = None
         self.max_decode_tokens: int | None = None
@@ -205,6 +206,7 @@ class OnnxRuntimeBackend:
 
     def run(self, phase: str, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """One step over the bound cache. Arrays are int64 [batch, sequence] / [batch, total]; returns logits."""
+        self.runs += 1
         return run_bound(self.sessions[phase], self.bindings[phase], input_ids, position_ids, attention_mask,
                          self.steps[phase])
 

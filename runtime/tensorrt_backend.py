@@ -82,6 +82,7 @@ class TensorRTBackend:
         largest = decode.get_tensor_profile_shape("input_ids", 0)[2]  # [min, opt, max] shapes of profile 0
         self.max_batch, self.max_decode_tokens = int(largest[0]), int(largest[1])
         self.cache: DeviceCache | None = None
+        self.runs = 0  # graph runs on the batch-1 cache, failed ones too: what it holds changed (prefix caching)
         self.last_device_ms = 0.0
         # One step at a time over all caches: the one-request cache and the scheduler's share the per-phase
         # execution contexts and the stream, and a context is not safe to bind from two threads at once.
@@ -99,6 +100,7 @@ class TensorRTBackend:
 
     def run(self, phase: str, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         cache = self.cache or self.allocate_cache(input_ids.shape[0])
+        self.runs += 1
         return cache.run(phase, (0, input_ids.shape[0]), input_ids, position_ids, attention_mask)
 
 

@@ -89,6 +89,23 @@ def test_greedy_tokens_with_a_repetition_penalty_equal_transformers(engine, hf_m
     assert changed == len(PROMPTS)  # the penalty changed every prompt's continuation: the comparison covers it
 
 
+def test_a_chat_with_prefix_caching_makes_the_tokens_of_whole_prefills(engine, default_artifact):
+    """Each turn's prompt holds the previous turn's prompt and reply: with prefix caching only the new part runs (the
+    decode graph, in pieces), and the replies equal those of whole prefills."""
+    from runtime import Engine
+
+    cached = Engine.load(default_artifact, prefix_caching=True, huge_pages=False)
+    messages, replies = [], []
+    for question in ("What is a lighthouse?", "Who keeps it?", "Why is its light red?"):
+        messages.append({"role": "user", "content": question})
+        ours = cached.chat(messages, max_new_tokens=24, stop_token_ids=())
+        theirs = engine.generate(cached.chat_prompt_ids(messages), max_new_tokens=24, stop_token_ids=())
+        assert ours.token_ids == theirs.token_ids, f"{question!r}: {ours.text!r} != {theirs.text!r}"
+        replies.append(ours)
+        messages.append({"role": "assistant", "content": ours.text})
+    assert [r.timings.cached_prompt_tokens > 0 for r in replies] == [False, True, True]
+
+
 def test_last_position_logits_within_1e_3(engine, hf_model):
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
