@@ -1,0 +1,150 @@
+"""What prefix caching saves: a multi-turn chat's TTFT per turn with and without it, and where reusing stops paying.
+
+    .venv/bin/python benchmarks/prefix_caching.py [--artifact artifacts/smollm2-135m] [--turns 6]
+        [--message-tokens 48] [--reply-tokens 32] [--repeats 3] [--sweep-length 512]
+
+1. A chat (the artifact's template) of --turns user messages, each about --message-tokens tokens of Python's
+   documentation, each answered with --reply-tokens greedy tokens (stop tokens off, so replies are that long). Two
+   engines of the same artifact run it turn by turn, one with Engine.load(prefix_caching=True): each turn's prompt
+   holds every earlier turn, which the cached engine finds in its cache. Per turn: the prompt's tokens, the tokens
+   reused, both TTFTs (medians over --repeats conversations) and whether the replies are equal.
+2. The raw cost behind the reuse rule (runtime/engine.py, PREFIX_MIN_TOKENS): for a --sweep-length prompt whose
+   first P tokens are cached, the rest through the decode graph (in pieces of PREFIX_REST_TOKENS) against a
+   whole prefill, for several P.
+Writes benchmarks/results/prefix_caching.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arguments import artifact_manifest, require_at_least_one  # noqa: E402
+from generate import REPO, machine_info, versions, write_result  # noqa: E402
+
+from runtime import Engine, bench  # noqa: E402
+from runtime.engine import PREFIX_REST_TOKENS, last_token_logits  # noqa: E402
+
+
+def messages_for(encode, turns: int, tokens: int) -> list[list[int]]:
+    """`turns` consecutive pieces of Python's documentation, `tokens` token ids each, one per user message."""
+    ids = bench.text_token_ids(encode, turns * tokens)
+    return [ids[i * tokens:(i + 1) * tokens] for i in range(turns)]
+
+
+def conversation(engines: dict[str, Engine], messages: list[str], reply_tokens: int) -> list[dict]:
+    """One chat, turn by turn on every engine; the replies of the first engine continue the chat."""
+    history, rows = [], []
+    for message in messages:
+        history.append({"role": "user", "content": message})
+        row = {}
+        for name, engine in engines.items():
+            result = engine.chat(history, max_new_tokens=reply_tokens, stop_token_ids=())
+            row[name] = {"ttft_ms": 1e3 * result.timings.ttft_s, "cached": result.timings.cached_prompt_tokens,
+                         "prompt_tokens": result.timings.prompt_tokens, "token_ids": result.token_ids}
+        rows.append(row)
+        reply = engines["plain"].tokenizer.decode(row["plain"]["token_ids"])
+        history.append({"role": "assistant", "content": reply})
+    return rows
+
+
+def sweep(engine: Engine, prompt: list[int], prefixes: list[int], repeats: int) -> list[dict]:
+    """Per cached prefix P: the rest through the decode graph after P prefilled tokens, against a whole prefill."""
+    backend, n = engine.backend, len(prompt)
+    ids = np.array([prompt], dtype=np.int64)
+    ones = np.ones((1, n), dtype=np.int64)
+    whole_times, rows = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        last_token_logits(backend.run("prefill", ids, np.arange(n)[None], ones), [n])
+        whole_times.append(time.perf_counter() - started)
+    for prefix in prefixes:
+        times = []
+        for _ in range(repeats):
+            backend.run("prefill", ids[:, :prefix], np.arange(prefix)[None], ones[:, :prefix])  # the cached part
+            started = time.perf_counter()
+            for start in range(prefix, n, PREFIX_REST_TOKENS):
+                end = min(start + PREFIX_REST_TOKENS, n)
+                backend.run("decode", ids[:, start:end], np.arange(start, end)[None], ones[:, :end])
+            times.append(time.perf_counter() - started)
+        rows.append({"prefix": prefix, "rest": n - prefix, "rest_ms": 1e3 * statistics.median(times),
+                     "whole_prefill_ms": 1e3 * statistics.median(whole_times)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--message-tokens", type=int, default=48)
+    parser.add_argument("--reply-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sweep-length", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/prefix_caching.json)")
+    args = parser.parse_args(argv)
+    require_at_least_one(parser, args, "--turns", "--message-tokens", "--reply-tokens", "--repeats", "--sweep-length")
+    manifest = artifact_manifest(parser, args.artifact)
+    if not manifest["tokenizer"].get("chat_template"):
+        parser.error(f"{args.artifact}: the artifact has no chat template; this benchmark runs a chat")
+    if args.sweep_length >= manifest["kv_cache"]["max_context"]:
+        parser.error(f"--sweep-length must be below the artifact's max context ({manifest['kv_cache']['max_context']})")
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    engines = {"plain": Engine.load(args.artifact, intra_op_threads=args.threads),
+               "cached": Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=True)}
+    encode, decode = engines["plain"].tokenizer.encode, engines["plain"].tokenizer.decode
+    messages = [decode(ids) for ids in messages_for(encode, args.turns, args.message_tokens)]
+    runs = []
+    for repeat in range(args.repeats):
+        console.print(f"conversation {repeat + 1}/{args.repeats}")
+        for engine in engines.values():  # warm, and the cache no longer holds the last conversation's turns
+            engine.generate("warm up", max_new_tokens=4)
+        runs.append(conversation(engines, messages, args.reply_tokens))
+    turns = []
+    for turn in range(args.turns):
+        plain = [run[turn]["plain"] for run in runs]
+        cached = [run[turn]["cached"] for run in runs]
+        turns.append({"turn": turn + 1, "prompt_tokens": plain[0]["prompt_tokens"],
+                      "cached_tokens": statistics.median(r["cached"] for r in cached),
+                      "ttft_plain_ms": statistics.median(r["ttft_ms"] for r in plain),
+                      "ttft_cached_ms": statistics.median(r["ttft_ms"] for r in cached),
+                      "replies_equal": all(p["token_ids"] == c["token_ids"] for p, c in zip(plain, cached))})
+    table = Table(title=f"{args.turns}-turn chat, {args.reply_tokens}-token replies: TTFT, medians of {args.repeats}")
+    for column in ("turn", "prompt tokens", "reused", "TTFT ms, whole prefill", "TTFT ms, prefix cached", "ratio",
+                   "replies equal"):
+        table.add_column(column, justify="right")
+    for row in turns:
+        table.add_row(str(row["turn"]), str(row["prompt_tokens"]), f"{row['cached_tokens']:g}",
+                      f"{row['ttft_plain_ms']:.1f}", f"{row['ttft_cached_ms']:.1f}",
+                      f"{row['ttft_cached_ms'] / row['ttft_plain_ms']:.2f}x", "yes" if row["replies_equal"] else "NO")
+    console.print(table)
+    prompt = bench.text_token_ids(encode, args.sweep_length)
+    prefixes = sorted({p for p in (8, 16, 32, 64, 128, 171, 256, 384, args.sweep_length - 1) if p < args.sweep_length})
+    console.print(f"sweep: a {args.sweep_length}-token prompt, cached prefixes {prefixes}")
+    costs = sweep(engines["plain"], prompt, prefixes, args.repeats)
+    table = Table(title=f"the rest after a cached prefix (decode graph, pieces of {PREFIX_REST_TOKENS}) against a "
+                        f"whole {args.sweep_length}-token prefill, medians of {args.repeats}")
+    for column in ("cached prefix", "rest", "rest ms", "whole prefill ms", "ratio"):
+        table.add_column(column, justify="right")
+    for row in costs:
+        table.add_row(str(row["prefix"]), str(row["rest"]), f"{row['rest_ms']:.1f}", f"{row['whole_prefill_ms']:.1f}",
+                      f"{row['rest_ms'] / row['whole_prefill_ms']:.2f}x")
+    console.print(table)
+    result = {"settings": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
+              "versions": versions(), "turns": turns, "sweep": costs,
+              "runs": [[{name: {k: v for k, v in r.items() if k != "token_ids"} for name, r in row.items()}
+                        for row in run] for run in runs]}
+    console.print(f"wrote {write_result('prefix_caching.json', result, args.out)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
