@@ -231,7 +231,8 @@ def decode_logits_for(source) -> LogitsFor:
     Batch 1, positions 0..n-1, attention mask of ones [1, n]: the graph attends only to the n new tokens, so
     whatever the cache held before is ignored (and overwritten). An engine that takes fewer tokens per decode
     call (TensorRT's decode_max_tokens) gets the chunk in pieces of that many, each attending to the cached
-    pieces before it: the same logits. `source` is an Engine, whose batch-1 cache each chunk then holds as a
+    pieces before it: the same logits up to rounding (INT4 MatMulNBits takes another kernel for one row than for
+    many: +0.08% perplexity one token at a time, README "Accuracy"). `source` is an Engine, whose batch-1 cache each chunk then holds as a
     request would (other threads' generate/stream wait), or a bare OnnxRuntimeBackend that nothing else runs on.
     """
     hold = getattr(source, "batch_one", None)
