@@ -240,7 +240,7 @@ def _bench(args) -> None:
         raise bench.BenchError("--baseline compares served workloads; it does not apply to --phase")
     if args.phase:
         from compiler.frontend.config import DecoderConfig
-        from compiler.plan import artifact_step_weight_bytes, count_params, cpu_device, prefill_flops
+        from compiler.plan import artifact_step_weight_bytes, count_params, cpu_device, prefill_flops, prefill_shape
 
         option, given, default = (("--prompt-lengths", args.prompt_lengths, DEFAULT_PROMPT_LENGTHS)
                                   if args.phase == "prefill" else ("--contexts", args.contexts, DEFAULT_CONTEXTS))
@@ -257,7 +257,8 @@ def _bench(args) -> None:
         with console.status(f"timing {args.phase} at {', '.join(map(str, sizes))}"):
             rows = bench.time_phase(engine, args.phase, sizes, prompt_ids, batch=args.batch, runs=args.runs,
                                     steps=args.steps, peaks=peaks,
-                                    flops_for=lambda tokens: prefill_flops(counts, config, tokens),
+                                    flops_for=lambda tokens: prefill_flops(counts, config, tokens,
+                                                                           prefill_shape(manifest.get("recipe", {}))),
                                     weight_bytes_per_step=(artifact_step_weight_bytes(args.artifact)
                                                            if args.phase == "decode" else None))
         console.print(bench.phase_table(args.phase, rows, peaks), width=None if console.is_terminal else 160)

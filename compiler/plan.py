@@ -210,8 +210,10 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
             config = _gguf_config(spec.path or default_gguf_path())
         else:
             config = _hf_config(Path(spec.path) / "config.json")
+        resolved = recipe.to_dict()
         return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context,
-                        "backend": recipe.backend.name, **quantized_dtypes(recipe.to_dict()["passes"])}
+                        "backend": recipe.backend.name, "prefill": prefill_shape(resolved),
+                        **quantized_dtypes(resolved["passes"])}
     if p.is_file() and p.suffix == ".gguf":
         return _gguf_config(str(p)), {"kind": "gguf", "path": str(p)}
     if p.is_file() and p.suffix == ".json":
@@ -253,7 +255,7 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
     export_dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
         recipe.get("export", {}).get("dtype", "float32"), "fp32")
     quantized = quantized_dtypes(recipe.get("passes", []))
-    info = {"kind": "artifact", "path": str(folder), "context": kv.get("max_context"),
+    info = {"kind": "artifact", "path": str(folder), "context": kv.get("max_context"), "prefill": prefill_shape(recipe),
             "float_bytes": 4 if export_dtype == "fp32" else 2,  # activations, and the scales stored in their type
             "backend": manifest.get("backend", {}).get("name", "onnxruntime"),
             # weight quantization decides the precision, not the export dtype
@@ -329,14 +331,28 @@ def count_params(c: DecoderConfig) -> dict:
     return counts | {"total": sum(counts.values())}
 
 
-def prefill_flops(counts: dict, config: DecoderConfig, tokens: int) -> float:
-    """Matmul FLOPs of a prefill: every token through attention and MLP projections but for the last layer's o_proj
-    and MLP, which need the last token only (skip_unused_rows), as does the output projection (the artifact computes
-    last-position logits); the embedding is a lookup, attention scores excluded."""
+def prefill_flops(counts: dict, config: DecoderConfig, tokens: int, shape: dict | None = None) -> float:
+    """FLOPs of a prefill of `tokens` tokens: every token through the attention and MLP projections, but for the last
+    layer's o_proj and MLP when skip_unused_rows runs them on the last token only; causal attention, each query
+    against the keys up to its own (scores and weighted sum: 2 x 2 x head_dim x its position, per head and layer);
+    the output projection for the last position, or every one with export.prefill_logits: all. The embedding is a
+    lookup. `shape`: prefill_shape's, the default recipe's (skip_unused_rows, last-position logits) when None."""
+    shape = shape or {"skip_unused_rows": True, "prefill_logits": "last"}
     h = config.hidden_size
     last_layer_rows_only = h * config.num_heads * config.head_dim + 3 * h * config.intermediate_size
-    return (2 * (counts["attention"] + counts["mlp"]) * tokens - 2 * last_layer_rows_only * (tokens - 1)
-            + 2 * config.vocab_size * h)
+    skipped = 2 * last_layer_rows_only * (tokens - 1) if shape["skip_unused_rows"] else 0
+    attention = 2 * config.num_layers * config.num_heads * config.head_dim * tokens * (tokens + 1)
+    logits_rows = tokens if shape["prefill_logits"] == "all" else 1
+    return 2 * (counts["attention"] + counts["mlp"]) * tokens - skipped + attention + 2 * config.vocab_size * h * logits_rows
+
+
+def prefill_shape(recipe: dict) -> dict:
+    """What a recipe's (or a manifest's recorded recipe's) prefill computes: whether skip_unused_rows cuts the last
+    layer to the returned rows, and which positions' logits it returns."""
+    names = {name for entry in recipe.get("passes", []) if isinstance(entry, dict) for name in entry}
+    names |= {entry for entry in recipe.get("passes", []) if isinstance(entry, str)}
+    return {"skip_unused_rows": "skip_unused_rows" in names,
+            "prefill_logits": recipe.get("export", {}).get("prefill_logits", "last")}
 
 
 def weight_bytes(params: int) -> dict:
@@ -429,7 +445,7 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         "memory": {"total": resident + kv_total, "usable": usable, "fits": resident + kv_total <= usable,
                    "prefill_float_weights": float_prefill,
                    "max_concurrency": max(0, int((usable - resident) // kv_request)), "not_counted": NOT_COUNTED},
-        "bounds": {"prefill_s": prefill_flops(params, config, prompt) / peak,
+        "bounds": {"prefill_s": prefill_flops(params, config, prompt, info.get("prefill")) / peak,
                    "decode_token_s": (step_bytes + kv_request) / dev["bandwidth"],
                    "decode_step_s": max(memory_s, compute_s),
                    "decode_tokens_per_s": concurrency / max(memory_s, compute_s),
@@ -440,8 +456,10 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
             "B/param), all tensors quantized incl. embeddings, int8 per-channel scales ignored; an artifact's or a "
             "quantized recipe's own row counts what it stores",
             "prefill: 2 x (attention + MLP projection params) x prompt, less the last layer's o_proj and MLP for all but "
-            "the last token, + 2 x vocab x hidden (last-token logits) FLOPs at peak (attention's context-dependent "
-            "FLOPs not counted)",
+            "the last token (skip_unused_rows), + causal attention's 2 x layers x heads x head_dim x prompt x (prompt "
+            "+ 1), + 2 x vocab x hidden per returned logits row, FLOPs at peak"
+            + ("" if "prefill" in info else " (a model without a recipe: the default recipe's last-position logits "
+                                            "and skip_unused_rows)"),
             "decode: all weights (an embedding table not shared with the lm_head: one row, at its stored size) + "
             "every sequence's KV cache at the full "
             "context read once per step, at peak bandwidth (or compute-bound at 2 x projection params x concurrency "
@@ -532,7 +550,8 @@ def render(p: dict, console) -> None:
                   "workspace")
     table.add_row("max concurrency", str(mem["max_concurrency"]), "(usable - weights) / KV per request")
     table.add_section()
-    table.add_row("prefill >=", _t(b["prefill_s"]), f"matmul FLOPs of {i['prompt']} tokens / peak FLOP/s")
+    table.add_row("prefill >=", _t(b["prefill_s"]),
+                  f"FLOPs of {i['prompt']} tokens (projections + causal attention) / peak FLOP/s")
     table.add_row("decode / token (1 seq) >=", _t(b["decode_token_s"]), "(weights + 1 request's KV) / bandwidth")
     table.add_row("decode / step (batch) >=", _t(b["decode_step_s"]),
                   f"{b['decode_bound']}-bound, {i['concurrency']} sequence" + "s" * (i["concurrency"] > 1))

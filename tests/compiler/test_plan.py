@@ -66,12 +66,33 @@ def test_llama3_8b_kv_cache_and_max_concurrency_on_h100(llama3):
     assert bounds["decode_token_s"] == pytest.approx((read + kv_per_token * 8192) / 3.35e12)
     assert bounds["decode_step_s"] == pytest.approx((read + kv_per_token * 8192 * 64) / 3.35e12)
     assert bounds["decode_tokens_per_s"] == pytest.approx(64 / bounds["decode_step_s"])
-    # matmul FLOPs: every token through the projections (params less embedding and lm_head), but the last layer's
-    # o_proj (4096 x 4096) and MLP (3 x 4096 x 14336) for the last token only (skip_unused_rows), lm_head once
+    # FLOPs: every token through the projections (params less embedding and lm_head), but the last layer's o_proj
+    # (4096 x 4096) and MLP (3 x 4096 x 14336) for the last token only (skip_unused_rows), lm_head once; causal
+    # attention: query i against i keys, scores and weighted sum 2 x 128 FLOPs each per key, 32 heads, 32 layers
     projections = 8_030_261_248 - 2 * 128256 * 4096 - (2 * 32 + 1) * 4096
     last_layer_rows_only = 4096 * 4096 + 3 * 4096 * 14336
+    attention = 32 * 32 * sum(4 * 128 * i for i in range(1, 513))
     assert bounds["prefill_s"] == pytest.approx(
-        (2 * projections * 512 - 2 * last_layer_rows_only * 511 + 2 * 128256 * 4096) / 989e12)
+        (2 * projections * 512 - 2 * last_layer_rows_only * 511 + attention + 2 * 128256 * 4096) / 989e12)
+    long = plan(llama3, device="H100", precision="fp16", kv_dtype="fp16", context=8192, prompt=8192)["bounds"]
+    attention_8k = 32 * 32 * 4 * 128 * 8192 * 8193 // 2  # 13.7% of the FLOPs at 8192 tokens, left out before
+    assert long["prefill_s"] == pytest.approx(
+        (2 * projections * 8192 - 2 * last_layer_rows_only * 8191 + attention_8k + 2 * 128256 * 4096) / 989e12)
+
+
+def test_the_prefill_bound_follows_what_the_recipe_computes(tmp_path):
+    """Without skip_unused_rows every token runs the last layer's o_proj and MLP; with prefill_logits: all, the
+    lm_head runs on every position. Both had been counted as the default recipe computes them."""
+    text = TINY_RECIPE.read_text()
+    unskipped, all_logits = tmp_path / "unskipped.yaml", tmp_path / "all-logits.yaml"
+    unskipped.write_text(text.replace("  - skip_unused_rows ", "  # skip_unused_rows "))
+    all_logits.write_text(text.replace("max_context: 128", "max_context: 128\n  prefill_logits: all"))
+    flops = {name: (lambda r: r["bounds"]["prefill_s"] * r["device"]["peak_flops"])(plan(str(path), device="H100",
+                                                                                         prompt=100))
+             for name, path in (("default", TINY_RECIPE), ("unskipped", unskipped), ("all", all_logits))}
+    last_layer_rows_only = 64 * 4 * 16 + 3 * 64 * 128  # o_proj and the MLP of the tiny config
+    assert flops["unskipped"] - flops["default"] == pytest.approx(2 * last_layer_rows_only * 99)
+    assert flops["all"] - flops["default"] == pytest.approx(2 * 512 * 64 * 99)  # the lm_head on 99 more rows
 
 
 def test_precision_picks_the_compute_peak(llama3):
