@@ -142,6 +142,16 @@ class GenerationResult:
     timings: Timings | None  # None only for a request cancelled before its first token
 
 
+def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
+    """How many of the prompt's first tokens to take from a cache holding `cached_ids`: their common prefix, but
+    never the prompt's last token (its logits choose the first output token), and 0 unless the prefix holds at
+    least PREFIX_MIN_TOKENS and at least half as many as the rest of the prompt."""
+    limit = min(len(cached_ids), len(prompt_ids) - 1)
+    differs = np.flatnonzero(np.asarray(cached_ids[:limit]) != np.asarray(prompt_ids[:limit]))
+    common = int(differs[0]) if differs.size else limit
+    return common if common >= PREFIX_MIN_TOKENS and 2 * common >= len(prompt_ids) - common else 0
+
+
 def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
     """[batch, vocab]: each row's logits at its last prompt token. A prefill graph returns just those ("last", the
     default) or every position's, [batch, sequence, vocab] (a recipe's export.prefill_logits: all)."""
@@ -216,9 +226,10 @@ class Engine:
         stream at a time (TPOT 3-5% lower, `aotlm run` uses it), not the scheduler, which runs prefills between
         decode steps. An engine whose manifest session_config sets that key keeps its own value. Both flags apply
         to onnxruntime artifacts only.
-        prefix_caching: a request on the batch-1 path (generate, stream, chat) whose prompt begins with the tokens
-        the previous one left in the cache (its prompt and output: the next turn of a chat) prefills only the rest
-        (result.timings.cached_prompt_tokens says how many it reused). Off by default: repeated prompts would then
+        prefix_caching: a request whose prompt begins with the tokens a previous one left in the cache (its prompt
+        and output: the next turn of a chat) prefills only the rest (result.timings.cached_prompt_tokens says how
+        many it reused): on the batch-1 path (generate, stream, chat) after the request before, and in the
+        scheduler's slots (submit) after the request that left a free slot. Off by default: repeated prompts would then
         time a cache hit, not a prefill, and the rest's logits come from the decode graph, equal to a whole
         prefill's within float rounding, not bit for bit."""
         if not isinstance(artifact_dir, (str, Path)):
@@ -497,19 +508,14 @@ class Engine:
                 self._batch_one_threads = set()
 
     def _reusable_prefix(self, prompt_ids: list[int]) -> int:
-        """How many of the prompt's first tokens the batch-1 cache holds already, if reusing them is worth it; 0
-        when prefix caching is off, the cache was used otherwise since, or the common prefix is short. The prompt's
-        last token always runs: its logits choose the first output token."""
+        """How many of the prompt's first tokens the batch-1 cache holds already, if reusing them is worth it (see
+        reusable_prefix); 0 when prefix caching is off or the cache was used otherwise since."""
         if not self.prefix_caching or self._cached_ids is None:
             return 0
         cache, runs, ids = self._cached_ids
         if cache is not self.backend.cache or runs != self.backend.runs:
             return 0
-        limit = min(len(ids), len(prompt_ids) - 1)
-        differs = np.flatnonzero(np.asarray(ids[:limit]) != np.asarray(prompt_ids[:limit]))
-        common = int(differs[0]) if differs.size else limit
-        rest = len(prompt_ids) - common
-        return common if common >= PREFIX_MIN_TOKENS and 2 * common >= rest else 0
+        return reusable_prefix(ids, prompt_ids)
 
     def _prefill_rest(self, prompt_ids: list[int], start: int, mask: np.ndarray, written: list[int]) -> np.ndarray:
         """The prompt after its first `start` tokens (held in the cache) through the decode graph, in runs of at

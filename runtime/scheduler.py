@@ -45,7 +45,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from runtime.engine import GenerationResult, Timings, last_token_logits, received_at
+from runtime.engine import (PREFIX_REST_TOKENS, GenerationResult, Timings, last_token_logits, received_at,
+                            reusable_prefix)
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
 from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
@@ -148,6 +149,7 @@ class _Sequence:
     tokenize_s: float
     slot: int | None = None
     prefilled: int = 0  # prompt tokens in the cache
+    cached: int = 0  # of them, found in its slot at admission (prefix caching)
     next_token: int | None = None  # sampled, not yet fed back: set while the sequence is decoding
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
@@ -188,6 +190,11 @@ class Scheduler:
         self.idle_exit_s = idle_exit_s
         self.cache = engine.backend.allocate_slots(slots)  # once: requests only take and free slots
         self._running: list[_Sequence | None] = [None] * slots  # by slot; touched by the worker thread only
+        # Prefix caching (Engine.load(prefix_caching=True)): per free slot, the token ids whose keys and values its
+        # rows hold from the request that left it; None for a slot in use or holding nothing known. Worker only.
+        self._slot_ids: list[list[int] | None] = [None] * slots
+        self._slot_released = [0] * slots  # when each slot's prefix was left, in releases counted
+        self._releases = itertools.count(1)
         self._waiting: deque[_Sequence] = deque()
         self._lock = threading.Condition()  # guards _waiting, _worker, _closed
         self._worker: threading.Thread | None = None
@@ -300,6 +307,7 @@ class Scheduler:
                 unfinished = [*self._waiting, *filter(None, self._running)]
                 self._waiting.clear()
                 self._running = [None] * len(self._running)  # a worker a submit starts now must not serve them
+                self._slot_ids = [None] * len(self._slot_ids)  # what the rows hold is not known now
                 self._lock.notify_all()
             stopped = RequestError(f"the scheduler's worker thread stopped ({error!r}) before this request finished")
             for sequence in unfinished:
@@ -342,13 +350,20 @@ class Scheduler:
         """Move waiting requests into free slots (the lock is held). Static: only into an empty cache."""
         if self.batching == "static" and any(self._running):
             return
-        for slot in range(self.slots):
-            if not self._waiting:
-                break
-            if self._running[slot] is None:
-                sequence = self._waiting.popleft()
-                sequence.slot = slot
-                self._running[slot] = sequence
+        free = [slot for slot in range(self.slots) if self._running[slot] is None]
+        while self._waiting and free:
+            sequence = self._waiting.popleft()
+            slot, reused = free[0], 0  # the lowest: busy slots stay packed at the front
+            if self.engine.prefix_caching:  # the slot that holds most of this prompt's start, if any holds enough;
+                # else the lowest holding nothing, else the one left longest ago (its prefix the least likely wanted)
+                reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids), -s) for s in free
+                                    if self._slot_ids[s]), default=(0, -slot))
+                slot = -slot if reused else min(free, key=lambda s: (self._slot_ids[s] is not None,
+                                                                     self._slot_released[s], s))
+            free.remove(slot)
+            sequence.slot, sequence.prefilled, sequence.cached = slot, reused, reused
+            self._slot_ids[slot] = None  # its rows are the sequence's now
+            self._running[slot] = sequence
 
     def _step(self) -> None:
         for sequence in filter(None, self._running):
@@ -368,11 +383,13 @@ class Scheduler:
                 start = sequence.prefilled
                 remaining = len(sequence.prompt_ids) - start
                 count = remaining if budget is None else min(budget, remaining)
-                if start > 0:  # the decode graph takes the rest of a chunked prompt, in chunks however idle the
-                    # slots: its runs over many tokens hold memory that grows faster than their count (the default
-                    # model's onnxruntime arena: +177 MB after 250 tokens, +1.5 GB after 1000), and TensorRT's
-                    # profile bounds its tokens per call (to no fewer than prefill_chunk: _check_engine_limits)
-                    count = min(count, self.prefill_chunk)
+                if start > 0:  # the decode graph takes the rest of a chunked prompt (or of one after a cached
+                    # prefix), in pieces however idle the slots: its runs over many tokens hold memory that grows
+                    # faster than their count (the default model's onnxruntime arena: +177 MB after 250 tokens,
+                    # +1.5 GB after 1000), and TensorRT's profile bounds its tokens per call (to no fewer than
+                    # prefill_chunk: _check_engine_limits)
+                    count = min(count, self.prefill_chunk or PREFIX_REST_TOKENS,
+                                self.engine.backend.max_decode_tokens or count)
                 budget = None if budget is None else budget - count
                 ids = np.array([sequence.prompt_ids[start:start + count]], dtype=np.int64)
                 positions = np.arange(start, start + count, dtype=np.int64)[None]
@@ -441,6 +458,8 @@ class Scheduler:
             if sequence is not None:  # decoding, or mid-prefill (a throw-away write its next chunk overwrites)
                 lengths[slot] = sequence.length
                 ids[slot, 0] = 0 if sequence.next_token is None else sequence.next_token
+            elif self._slot_ids[slot]:  # free, holding a prefix: its throw-away write goes after it
+                lengths[slot] = len(self._slot_ids[slot])
         mask = (np.arange(lengths.max() + 1)[None] <= lengths[:, None]).astype(np.int64)  # right padded
         decoding = [self._running[slot] for slot in rows]  # mid-prefill rows' throw-away writes do not fail them
         logits = self._graph_run(decoding, lambda: self.cache.run("decode", (0, batch), ids, lengths[:, None], mask))
@@ -486,9 +505,14 @@ class Scheduler:
             return self._finish(sequence, "length")
         sequence.next_token = token  # fed back at position `length` by the next decode step
 
-    def _release(self, sequence: _Sequence) -> None:
+    def _release(self, sequence: _Sequence, failed: bool = False) -> None:
         if sequence.slot is not None and self._running[sequence.slot] is sequence:
             self._running[sequence.slot] = None
+            if self.engine.prefix_caching and not failed:  # what its rows hold, for a later prompt that begins so;
+                # short of the last position, where a decode step's throw-away write for a free row goes
+                held = (sequence.prompt_ids + sequence.output)[:min(sequence.length, self.engine.max_context - 1)]
+                self._slot_ids[sequence.slot] = held
+                self._slot_released[sequence.slot] = next(self._releases)
         sequence.next_token = None
 
     def _finish(self, sequence: _Sequence, reason: str) -> None:
@@ -513,11 +537,12 @@ class Scheduler:
             trace = RequestTrace(
                 arrival=sequence.arrival, prefill_start=sequence.prefill_start, first_token=sequence.token_times[0],
                 token_times=sequence.token_times, finish=time.perf_counter(), prompt_tokens=len(sequence.prompt_ids),
-                output_tokens=len(sequence.token_times), prefill_end=sequence.prefill_end)
+                output_tokens=len(sequence.token_times), prefill_end=sequence.prefill_end,
+                cached_prompt_tokens=sequence.cached)
             timings = Timings(trace, sequence.tokenize_s)
         return GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings)
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
-        self._release(sequence)
+        self._release(sequence, failed=True)  # a failed run may have written its rows partly
         sequence.handle._pieces.put(_END)
         sequence.handle._future.set_exception(error)

@@ -111,3 +111,85 @@ def test_a_failed_run_ends_the_reuse(cached, monkeypatch):
 def test_prefix_caching_must_be_a_bool(tiny_artifact):
     with pytest.raises(RequestError, match="prefix_caching must be True or False, got 'yes'"):
         Engine.load(tiny_artifact, prefix_caching="yes")
+
+
+# -- the scheduler's slots -------------------------------------------------------------------------------------
+def test_scheduled_conversations_find_their_turns_in_the_slots_they_left(cached, tiny_engine):
+    """Three chats of three turns through 4 slots, each turn submitted when the last one finished: a turn lands in
+    the slot its previous turn left, reuses what it holds, and makes the tokens a whole prefill makes."""
+    rng = np.random.default_rng(1)
+    chats = [[1] + rng.integers(3, 500, size=24).tolist() for _ in range(3)]
+    expected_cached, results = [], []
+    try:
+        cached.start_scheduler(slots=4)
+        for turn in range(3):
+            handles = [cached.submit(prompt, max_new_tokens=5, stop_token_ids=()) for prompt in chats]
+            done = [handle.result(timeout=60) for handle in handles]
+            results.append(done)
+            expected_cached.append([0] * 3 if turn == 0 else [len(p) + 5 - 1 for p in previous])
+            previous = [r.prompt_token_ids for r in done]
+            chats = [r.prompt_token_ids + r.token_ids + rng.integers(3, 500, size=6).tolist() for r in done]
+    finally:
+        cached.close()
+    assert [[r.timings.cached_prompt_tokens for r in done] for done in results] == expected_cached
+    for done in results:
+        assert [r.token_ids for r in done] == [tiny_engine.generate(r.prompt_token_ids, max_new_tokens=5,
+                                                                    stop_token_ids=()).token_ids for r in done]
+
+
+def test_a_free_slots_prefix_survives_other_rows_decode_steps(cached, tiny_engine):
+    """A decode step runs every row up to the highest decoding slot; a free row writes a throw-away key and value.
+    It went to position 0 of a free slot, which would spoil the prefix it holds; it goes after the prefix now."""
+    first = [1] + list(range(30, 60))
+    try:
+        scheduler = cached.start_scheduler(slots=2)
+        done = cached.submit(first, max_new_tokens=3, stop_token_ids=()).result(timeout=60)  # leaves slot 0
+        held = [array[0, :, :len(first) + 2].copy() for array in scheduler.cache.arrays]
+        long = cached.submit([1, 7, 8], max_new_tokens=60, stop_token_ids=())  # slot 1: decode steps over 0..1
+        assert long.result(timeout=60).finish_reason == "length"
+        assert scheduler._running == [None, None] and scheduler._slot_ids[0] is not None  # slot 0 kept its prefix
+        for before, array in zip(held, scheduler.cache.arrays):
+            np.testing.assert_array_equal(array[0, :, :len(first) + 2], before)
+        follow_up = first + done.token_ids + [9, 10]
+        again = cached.submit(follow_up, max_new_tokens=8, stop_token_ids=())
+        result = again.result(timeout=60)
+        assert long.result().token_ids == tiny_engine.generate([1, 7, 8], max_new_tokens=60,
+                                                               stop_token_ids=()).token_ids
+    finally:
+        cached.close()
+    assert result.timings.cached_prompt_tokens == len(first) + 2  # the prompt and the two outputs fed back
+    assert result.token_ids == tiny_engine.generate(follow_up, max_new_tokens=8, stop_token_ids=()).token_ids
+
+
+def test_a_request_that_failed_leaves_no_prefix(cached, monkeypatch):
+    prompt = [1] + list(range(30, 60))
+    try:
+        scheduler = cached.start_scheduler(slots=1)
+        run = scheduler.cache.run
+        calls = []
+
+        def fail_the_second_decode_step(phase, *args):
+            calls.append(phase)
+            if calls.count("decode") == 2:
+                raise RuntimeError("out of memory")
+            return run(phase, *args)
+
+        scheduler.cache.run = fail_the_second_decode_step
+        with pytest.raises(RuntimeError, match="out of memory"):
+            cached.submit(prompt, max_new_tokens=5, stop_token_ids=()).result(timeout=60)
+        assert scheduler._slot_ids == [None]
+        scheduler.cache.run = run
+        again = cached.submit(prompt + [5], max_new_tokens=2, stop_token_ids=()).result(timeout=60)
+    finally:
+        cached.close()
+    assert again.timings.cached_prompt_tokens == 0
+
+
+def test_the_scheduler_reuses_nothing_without_prefix_caching(tiny_engine):
+    prompt = [1] + list(range(30, 60))
+    try:
+        first = tiny_engine.submit(prompt, max_new_tokens=3, stop_token_ids=()).result(timeout=60)
+        again = tiny_engine.submit(prompt + first.token_ids, max_new_tokens=3, stop_token_ids=()).result(timeout=60)
+    finally:
+        tiny_engine.close()
+    assert again.timings.cached_prompt_tokens == 0 and tiny_engine._scheduler is None
