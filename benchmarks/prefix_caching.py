@@ -1,14 +1,16 @@
 """What prefix caching saves: a multi-turn chat's TTFT per turn with and without it, and where reusing stops paying.
 
     .venv/bin/python benchmarks/prefix_caching.py [--artifact artifacts/smollm2-135m] [--turns 6]
-        [--message-tokens 48] [--reply-tokens 32] [--repeats 3] [--sweep-length 512]
+        [--message-tokens 48] [--reply-tokens 32] [--repeats 3] [--chats 8] [--slots 8] [--sweep-length 512]
 
 1. A chat (the artifact's template) of --turns user messages, each about --message-tokens tokens of Python's
    documentation, each answered with --reply-tokens greedy tokens (stop tokens off, so replies are that long). Two
    engines of the same artifact run it turn by turn, one with Engine.load(prefix_caching=True): each turn's prompt
    holds every earlier turn, which the cached engine finds in its cache. Per turn: the prompt's tokens, the tokens
    reused, both TTFTs (medians over --repeats conversations) and whether the replies are equal.
-2. The raw cost behind the reuse rule (runtime/engine.py, PREFIX_MIN_TOKENS): for a --sweep-length prompt whose
+2. --chats chats at once, each a client submitting its next turn when its reply is in, through the scheduler's
+   --slots slots, on each engine: TTFT by turn, tokens reused, output tokens/s.
+3. The raw cost behind the reuse rule (runtime/engine.py, PREFIX_MIN_TOKENS): for a --sweep-length prompt whose
    first P tokens are cached, the rest through the decode graph (in pieces of PREFIX_REST_TOKENS) against a
    whole prefill, for several P.
 Writes benchmarks/results/prefix_caching.json.
@@ -56,6 +58,41 @@ def conversation(engines: dict[str, Engine], messages: list[str], reply_tokens: 
     return rows
 
 
+def scheduled_chats(engine: Engine, chats: list[list[str]], reply_tokens: int, slots: int) -> dict:
+    """Every chat a client thread of its own, submitting its next turn when the last one's reply is in, all through
+    the engine's scheduler: TTFT by turn (the median over chats), what was reused, output tokens/s."""
+    import threading
+
+    engine.start_scheduler(slots=slots)
+    results: list[list] = [[] for _ in chats]
+
+    def client(index: int) -> None:
+        history = []
+        for message in chats[index]:
+            history.append({"role": "user", "content": message})
+            result = engine.submit(engine.chat_prompt_ids(history), max_new_tokens=reply_tokens,
+                                   stop_token_ids=()).result()
+            results[index].append(result)
+            history.append({"role": "assistant", "content": result.text})
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(chats))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    engine.close()
+    turns = len(chats[0])
+    return {"ttft_ms_by_turn": [1e3 * statistics.median(r[turn].timings.ttft_s for r in results) for turn in range(turns)],
+            "cached_by_turn": [statistics.median(r[turn].timings.cached_prompt_tokens for r in results)
+                               for turn in range(turns)],
+            "prompt_tokens_by_turn": [statistics.median(r[turn].timings.prompt_tokens for r in results)
+                                      for turn in range(turns)],
+            "output_tokens_per_s": sum(len(x.token_ids) for r in results for x in r) / wall, "wall_s": wall,
+            "replies": [[x.token_ids for x in r] for r in results]}
+
+
 def sweep(engine: Engine, prompt: list[int], prefixes: list[int], repeats: int) -> list[dict]:
     """Per cached prefix P: the rest through the decode graph after P prefilled tokens, against a whole prefill."""
     backend, n = engine.backend, len(prompt)
@@ -88,10 +125,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep-length", type=int, default=512)
+    parser.add_argument("--chats", type=int, default=8, help="concurrent chats through the scheduler")
+    parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/prefix_caching.json)")
     args = parser.parse_args(argv)
-    require_at_least_one(parser, args, "--turns", "--message-tokens", "--reply-tokens", "--repeats", "--sweep-length")
+    require_at_least_one(parser, args, "--turns", "--message-tokens", "--reply-tokens", "--repeats", "--sweep-length",
+                         "--chats", "--slots")
     manifest = artifact_manifest(parser, args.artifact)
     if not manifest["tokenizer"].get("chat_template"):
         parser.error(f"{args.artifact}: the artifact has no chat template; this benchmark runs a chat")
@@ -126,6 +166,23 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['ttft_plain_ms']:.1f}", f"{row['ttft_cached_ms']:.1f}",
                       f"{row['ttft_cached_ms'] / row['ttft_plain_ms']:.2f}x", "yes" if row["replies_equal"] else "NO")
     console.print(table)
+    pieces = [decode(ids) for ids in messages_for(encode, args.chats * args.turns, args.message_tokens)]
+    chats = [pieces[i * args.turns:(i + 1) * args.turns] for i in range(args.chats)]
+    scheduled = {}
+    for name, engine in engines.items():
+        console.print(f"{args.chats} concurrent chats through {args.slots} slots: {name}")
+        scheduled[name] = scheduled_chats(engine, chats, args.reply_tokens, args.slots)
+    table = Table(title=f"{args.chats} chats at once, {args.turns} turns each, through the scheduler ({args.slots} "
+                        f"slots): TTFT by turn, the median over chats")
+    for column in ("turn", "prompt tokens", "reused", "TTFT ms, whole prefill", "TTFT ms, prefix cached"):
+        table.add_column(column, justify="right")
+    plain, cached = scheduled["plain"], scheduled["cached"]
+    for turn in range(args.turns):
+        table.add_row(str(turn + 1), f"{plain['prompt_tokens_by_turn'][turn]:g}", f"{cached['cached_by_turn'][turn]:g}",
+                      f"{plain['ttft_ms_by_turn'][turn]:.0f}", f"{cached['ttft_ms_by_turn'][turn]:.0f}")
+    console.print(table)
+    console.print(f"output tokens/s: {plain['output_tokens_per_s']:.1f} whole prefill, {cached['output_tokens_per_s']:.1f}"
+                  f" prefix cached; replies equal: {plain['replies'] == cached['replies']}")
     prompt = bench.text_token_ids(encode, args.sweep_length)
     prefixes = sorted({p for p in (8, 16, 32, 64, 128, 171, 256, 384, args.sweep_length - 1) if p < args.sweep_length})
     console.print(f"sweep: a {args.sweep_length}-token prompt, cached prefixes {prefixes}")
@@ -140,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(table)
     result = {"settings": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
               "versions": versions(), "turns": turns, "sweep": costs,
+              "scheduled": {name: {k: v for k, v in r.items() if k != "replies"} | {
+                  "replies_equal": r["replies"] == scheduled["plain"]["replies"]} for name, r in scheduled.items()},
               "runs": [[{name: {k: v for k, v in r.items() if k != "token_ids"} for name, r in row.items()}
                         for row in run] for run in runs]}
     console.print(f"wrote {write_result('prefix_caching.json', result, args.out)}")
