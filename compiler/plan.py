@@ -351,8 +351,9 @@ def prefill_shape(recipe: dict) -> dict:
     layer to the returned rows, and which positions' logits it returns."""
     names = {name for entry in recipe.get("passes", []) if isinstance(entry, dict) for name in entry}
     names |= {entry for entry in recipe.get("passes", []) if isinstance(entry, str)}
-    return {"skip_unused_rows": "skip_unused_rows" in names,
-            "prefill_logits": recipe.get("export", {}).get("prefill_logits", "last")}
+    logits = recipe.get("export", {}).get("prefill_logits", "last")
+    # the pass moves the last layer to the returned rows; with every position returned it changes nothing
+    return {"skip_unused_rows": "skip_unused_rows" in names and logits == "last", "prefill_logits": logits}
 
 
 def weight_bytes(params: int) -> dict:

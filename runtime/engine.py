@@ -22,6 +22,7 @@ import operator
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Iterator, Sequence
@@ -142,14 +143,19 @@ class GenerationResult:
     timings: Timings | None  # None only for a request cancelled before its first token
 
 
-def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
+def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], rest_per_run: int | None = None) -> int:
     """How many of the prompt's first tokens to take from a cache holding `cached_ids`: their common prefix, but
     never the prompt's last token (its logits choose the first output token), and 0 unless the prefix holds at
-    least PREFIX_MIN_TOKENS and at least half as many as the rest of the prompt."""
+    least PREFIX_MIN_TOKENS and at least half as many as the rest of the prompt. rest_per_run: the tokens one
+    decode call takes where the engine bounds it (TensorRT's decode_max_tokens, 1 by default): the rest must fit
+    one call, or a prefill of the whole prompt is the faster."""
     limit = min(len(cached_ids), len(prompt_ids) - 1)
     differs = np.flatnonzero(np.asarray(cached_ids[:limit]) != np.asarray(prompt_ids[:limit]))
     common = int(differs[0]) if differs.size else limit
-    return common if common >= PREFIX_MIN_TOKENS and 2 * common >= len(prompt_ids) - common else 0
+    rest = len(prompt_ids) - common
+    if rest_per_run is not None and rest > rest_per_run:
+        return 0
+    return common if common >= PREFIX_MIN_TOKENS and 2 * common >= rest else 0
 
 
 def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
@@ -208,7 +214,7 @@ class Engine:
         # What the batch-1 cache holds after the last request: (the cache, the backend's run count then, the token
         # ids whose keys and values fill its first rows). Any other run on it (evaluation, a benchmark) changes
         # the count, and then nothing is reused.
-        self._cached_ids: tuple[object, int, list[int]] | None = None
+        self._cached_ids: tuple[weakref.ref, int, list[int]] | None = None
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None,
@@ -301,8 +307,9 @@ class Engine:
         path = Path(self.artifact_dir) / file
         try:
             text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise ArtifactError(f"{path}: the chat template is not UTF-8 text ({error}); rebuild the artifact") from None
+        except (UnicodeDecodeError, OSError) as error:
+            raise ArtifactError(f"{path}: the chat template cannot be read as UTF-8 text ({error}); rebuild the "
+                                f"artifact") from None
         self._chat_template = text  # read once: every chat request renders it
         chat.compiled(text)
 
@@ -513,9 +520,9 @@ class Engine:
         if not self.prefix_caching or self._cached_ids is None:
             return 0
         cache, runs, ids = self._cached_ids
-        if cache is not self.backend.cache or runs != self.backend.runs:
+        if cache() is not self.backend.cache or runs != self.backend.runs:
             return 0
-        return reusable_prefix(ids, prompt_ids)
+        return reusable_prefix(ids, prompt_ids, self.backend.max_decode_tokens)
 
     def _prefill_rest(self, prompt_ids: list[int], start: int, mask: np.ndarray, written: list[int]) -> np.ndarray:
         """The prompt after its first `start` tokens (held in the cache) through the decode graph, in runs of at
@@ -533,7 +540,8 @@ class Engine:
         """A run on the batch-1 cache wrote `ids` after `written`: record it (with prefix caching only)."""
         if self.prefix_caching:
             written.extend(ids)
-            self._cached_ids = (self.backend.cache, self.backend.runs, written)
+            # a weak reference: a cache the backend replaced (another batch size) is freed, not kept for this
+            self._cached_ids = (weakref.ref(self.backend.cache), self.backend.runs, written)
 
     def _generate(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
         sampler = Sampler(params, prompt_ids)

@@ -119,11 +119,16 @@ class Sampler:
         if params.repetition_penalty != 1.0 and self._seen:
             seen = np.fromiter(self._seen, dtype=np.int64, count=len(self._seen))
             values = logits[seen]
-            logits[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+            with np.errstate(over="ignore"):  # an overflow is refused below, with the reason
+                logits[seen] = np.where(values > 0, values / params.repetition_penalty,
+                                        values * params.repetition_penalty)
         if self._output_counts and (params.presence_penalty or params.frequency_penalty):
             ids = np.fromiter(self._output_counts, dtype=np.int64, count=len(self._output_counts))
             counts = np.fromiter(self._output_counts.values(), dtype=np.float32, count=len(ids))
             logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+        if logits.max() == np.inf:  # a finite logit divided by a tiny penalty
+            raise RequestError(f"repetition_penalty: {params.repetition_penalty!r} overflows the logits of tokens "
+                               f"already seen to infinity; use a penalty nearer 1")
         return logits
 
     def _choose(self, logits: np.ndarray) -> int:

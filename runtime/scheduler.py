@@ -76,6 +76,16 @@ class _CallbackThread:
                 self._thread = threading.Thread(target=self._run, name="aotlm-callbacks", daemon=True)
                 self._thread.start()
 
+    def call_in_turn(self, callback: Callable[[], None]) -> None:
+        """Run it now, in this thread, unless callbacks are due or running: then after them, on the thread (a
+        handle's callbacks run in the order they were added, as concurrent.futures runs them)."""
+        with self._lock:
+            idle = self._thread is None
+        if idle:
+            callback()
+        else:
+            self.call(callback)
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -127,10 +137,11 @@ class RequestHandle:
         self._scheduler._cancel(self)
 
     def add_done_callback(self, callback: Callable[["RequestHandle"], None]) -> None:
-        """callback(handle) once the result (or error) is set: at once in this thread if it is, else on the
-        scheduler's callback thread (never its worker: a callback may wait on other requests)."""
+        """callback(handle) once the result (or error) is set: on the scheduler's callback thread (never its worker:
+        a callback may wait on other requests), or at once in this thread if the result is set and no callback is
+        due. One handle's callbacks run in the order they were added."""
         if self._future.done():
-            callback(self)
+            self._scheduler._callbacks.call_in_turn(lambda: callback(self))
         else:
             self._future.add_done_callback(lambda _: self._scheduler._callbacks.call(lambda: callback(self)))
 
@@ -356,9 +367,10 @@ class Scheduler:
             slot, reused = free[0], 0  # the lowest: busy slots stay packed at the front
             if self.engine.prefix_caching:  # the slot that holds most of this prompt's start, if any holds enough;
                 # else the lowest holding nothing, else the one left longest ago (its prefix the least likely wanted)
-                reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids), -s) for s in free
-                                    if self._slot_ids[s]), default=(0, -slot))
-                slot = -slot if reused else min(free, key=lambda s: (self._slot_ids[s] is not None,
+                rest_per_run = self.engine.backend.max_decode_tokens
+                reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids, rest_per_run), -s)
+                                    for s in free if self._slot_ids[s]), default=(0, -slot))
+                slot = -slot if reused else min(free, key=lambda s: (bool(self._slot_ids[s]),
                                                                      self._slot_released[s], s))
             free.remove(slot)
             sequence.slot, sequence.prefilled, sequence.cached = slot, reused, reused
@@ -511,7 +523,7 @@ class Scheduler:
             if self.engine.prefix_caching and not failed:  # what its rows hold, for a later prompt that begins so;
                 # short of the last position, where a decode step's throw-away write for a free row goes
                 held = (sequence.prompt_ids + sequence.output)[:min(sequence.length, self.engine.max_context - 1)]
-                self._slot_ids[sequence.slot] = held
+                self._slot_ids[sequence.slot] = held or None
                 self._slot_released[sequence.slot] = next(self._releases)
         sequence.next_token = None
 

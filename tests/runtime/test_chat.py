@@ -151,7 +151,7 @@ def test_load_compiles_the_template_so_the_first_chat_request_does_not(chat_arti
 
 
 @pytest.mark.parametrize("broken, match", [(b"{% for %}", "chat template does not parse"),
-                                           (b"\xff\xfe{{ x }}", "chat template is not UTF-8")])
+                                           (b"\xff\xfe{{ x }}", "chat template cannot be read as UTF-8")])
 def test_a_broken_template_fails_chat_requests_not_the_load(chat_artifact, tmp_path, broken, match):
     """An edited template (same size, so the load's size check passes) must not stop plain prompts from running."""
     import shutil

@@ -93,19 +93,52 @@ def test_a_stream_left_early_leaves_what_it_wrote(cached, tiny_engine):
 
 
 def test_a_failed_run_ends_the_reuse(cached, monkeypatch):
+    """A run that fails inside onnxruntime may have written part of the rows: it still counts as a run."""
+    import runtime.onnxruntime_backend as backend_module
+
     prompt = [1] + list(range(60, 100))
     cached.generate(prompt, max_new_tokens=3, stop_token_ids=())
-    run = cached.backend.run
+    run_bound = backend_module.run_bound
 
     def failing(*args):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(cached.backend, "run", failing)
+    monkeypatch.setattr(backend_module, "run_bound", failing)
     with pytest.raises(RuntimeError):
         cached.generate(prompt + list(range(5, 25)), max_new_tokens=3, stop_token_ids=())
-    monkeypatch.setattr(cached.backend, "run", run)
-    cached.backend.runs += 1  # what the failed run did to the count (the stand-in above does not)
+    monkeypatch.setattr(backend_module, "run_bound", run_bound)
     assert cached.generate(prompt, max_new_tokens=3, stop_token_ids=()).timings.cached_prompt_tokens == 0
+
+
+def test_a_replaced_cache_is_freed_not_kept_by_the_record(cached):
+    """The record held the batch-1 cache itself: after the backend allocated another batch size, the old cache
+    (GPU memory on TensorRT) stayed alive until the next request."""
+    import gc
+    import weakref
+
+    cached.generate([1] + list(range(60, 100)), max_new_tokens=3, stop_token_ids=())
+    old = weakref.ref(cached.backend.cache)
+    cached.backend.allocate_cache(batch=4)
+    gc.collect()
+    assert old() is None
+    assert cached.generate([1] + list(range(60, 100)), max_new_tokens=3,
+                           stop_token_ids=()).timings.cached_prompt_tokens == 0
+
+
+def test_an_engine_that_bounds_its_decode_calls_reuses_only_a_rest_of_one_call(cached, monkeypatch):
+    """TensorRT's decode engine takes decode_max_tokens per call, 1 by default: a rest of many tokens would run as
+    many calls, slower than one prefill of the whole prompt."""
+    from runtime.engine import reusable_prefix
+
+    cached_ids = list(range(100))
+    assert reusable_prefix(cached_ids, cached_ids[:60] + [7] * 5) == 60
+    assert reusable_prefix(cached_ids, cached_ids[:60] + [7] * 5, rest_per_run=4) == 0
+    assert reusable_prefix(cached_ids, cached_ids[:60] + [7] * 4, rest_per_run=4) == 60
+    monkeypatch.setattr(cached.backend, "max_decode_tokens", 1)
+    prompt = [1] + list(range(60, 100))
+    cached.generate(prompt, max_new_tokens=3, stop_token_ids=())
+    assert cached.generate(prompt, max_new_tokens=3, stop_token_ids=()).timings.cached_prompt_tokens == 40
+    assert cached.generate(prompt + [5, 6], max_new_tokens=3, stop_token_ids=()).timings.cached_prompt_tokens == 0
 
 
 def test_prefix_caching_must_be_a_bool(tiny_artifact):

@@ -69,6 +69,14 @@ def test_bad_penalties_are_refused(options, message):
         SamplingParams(**options)
 
 
+def test_a_penalty_that_overflows_the_logits_is_a_request_error():
+    """Any finite penalty > 0 is accepted, but a tiny one divides a positive logit to infinity: numpy then failed
+    inside its sampling ("probabilities contain NaN")."""
+    sampler = Sampler(SamplingParams(repetition_penalty=1e-39, temperature=1.0, seed=0), prompt_ids=[0, 1])
+    with pytest.raises(RequestError, match="repetition_penalty: 1e-39 overflows the logits"):
+        sampler(np.array([1.0, 2.0, 0.5], dtype=np.float32))
+
+
 def test_penalized_requests_under_batching_make_their_alone_tokens(tiny_engine):
     """The history is per request: a batch neighbour's tokens never penalize another row."""
     cases = [dict(repetition_penalty=1.5), dict(presence_penalty=1.0, frequency_penalty=0.7),

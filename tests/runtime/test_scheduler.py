@@ -402,6 +402,25 @@ def test_a_done_callback_that_waits_on_another_request_does_not_block_the_schedu
     assert len(resubmitted) == 1 and resubmitted[0].result(timeout=60).finish_reason in ("length", "stop")
 
 
+def test_a_handles_callbacks_run_in_the_order_they_were_added(engine):
+    """One added after the result was set ran at once, in the caller's thread, ahead of one added before it that
+    was still due on the callback thread behind another request's slow callback."""
+    engine.start_scheduler(slots=2)
+    order = []
+    first = engine.submit([1, 2], max_new_tokens=2, stop_token_ids=())
+    first.add_done_callback(lambda _: time.sleep(0.5))
+    second = engine.submit([1, 3], max_new_tokens=2, stop_token_ids=())
+    second.add_done_callback(lambda _: order.append("added first"))
+    second.result(timeout=30)
+    first.result(timeout=30)
+    second.add_done_callback(lambda _: order.append("added second"))
+    deadline = time.monotonic() + 30
+    while len(order) < 2:
+        assert time.monotonic() < deadline, order
+        time.sleep(0.01)
+    assert order == ["added first", "added second"]
+
+
 def test_submit_after_the_scheduler_was_closed_directly_starts_a_new_one(engine):
     closed = engine.start_scheduler(slots=2)
     closed.close()
