@@ -141,6 +141,9 @@ class GenerationResult:
     prompt_token_ids: list[int]
     finish_reason: str  # "stop" (stop token or string), "length" (max_new_tokens), "max_context", "cancelled"
     timings: Timings | None  # None only for a request cancelled before its first token
+    # With the logprobs sampling option: one {token id: log-probability} per token of token_ids (itself first,
+    # then the likeliest alternatives); None without it.
+    logprobs: list[dict[int, float]] | None = None
 
 
 def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], rest_per_run: int | None = None) -> int:
@@ -600,4 +603,5 @@ class Engine:
             prefill_end=prefill_end, cached_prompt_tokens=reused,
         )
         timings = Timings(trace, tokenize_s)
-        return GenerationResult(text, output, prompt_ids, finish_reason, timings)
+        return GenerationResult(text, output, prompt_ids, finish_reason, timings,
+                                sampler.logprobs[:len(output)] if params.logprobs is not None else None)

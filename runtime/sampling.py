@@ -11,6 +11,9 @@ import numpy.random  # noqa: F401  numpy 2 loads it on first use (~20 ms): here,
 from runtime.errors import ModelOutputError, RequestError
 
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 32
@@ -27,6 +30,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Log-probabilities in the result (GenerationResult.logprobs), as vLLM's and OpenAI's `logprobs`: None = none;
+    # N >= 0 = each output token's own and its N likeliest alternatives', from the model's distribution (the raw
+    # logits: before penalties, temperature, top-k and top-p, as vLLM returns them by default).
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -43,6 +50,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's and vLLM's range
             if not _is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name}: {getattr(self, name)!r} must be a number in [-2, 2] (0 = none)")
+        if self.logprobs is not None and (not is_integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs: {self.logprobs!r} must be an integer in 0..{MAX_LOGPROBS} (the alternatives "
+                               f"per token beside the chosen one), or None")
         if self.seed is not None and (not is_integer(self.seed) or self.seed < 0):  # numpy's generators take >= 0
             raise RequestError(f"seed: {self.seed!r} must be an integer >= 0 or None")
         # A bare string is one stop string, as in vLLM's and OpenAI's `stop` (not a tuple of its characters).
@@ -99,6 +109,8 @@ class Sampler:
         # Only a penalized request keeps its history: the ids seen (prompt and output) and the output's counts.
         self._seen: set[int] = set(prompt_ids) if params.penalized else set()
         self._output_counts: dict[int, int] = {}
+        # With params.logprobs: per token returned, {token id: log-probability} for it and its alternatives.
+        self.logprobs: list[dict[int, float]] = []
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits: [vocab] float32 -> token id, remembered as the output's next token. NaN or +inf logits, or all
@@ -106,10 +118,13 @@ class Sampler:
         sampling would fail inside numpy."""
         _check_samplable(logits)
         if not self.params.penalized:
-            return self._choose(logits)
-        token = self._choose(self._penalize(logits))
-        self._seen.add(token)
-        self._output_counts[token] = self._output_counts.get(token, 0) + 1
+            token = self._choose(logits)
+        else:
+            token = self._choose(self._penalize(logits))
+            self._seen.add(token)
+            self._output_counts[token] = self._output_counts.get(token, 0) + 1
+        if self.params.logprobs is not None:
+            self.logprobs.append(_logprobs(logits, token, self.params.logprobs))
         return token
 
     def _penalize(self, logits: np.ndarray) -> np.ndarray:
@@ -152,6 +167,21 @@ class Sampler:
             kept[keep] = probs[keep]
             probs = kept / kept.sum()
         return int(self.rng.choice(probs.size, p=probs))
+
+
+def _logprobs(logits: np.ndarray, token: int, alternatives: int) -> dict[int, float]:
+    """{token: its log-probability} and the `alternatives` likeliest tokens' (float64 log-softmax), likeliest first,
+    the chosen token first of all; -inf logits (masked tokens) have -inf."""
+    values = logits.astype(np.float64)
+    shifted = values - values.max()
+    log_probs = shifted - np.log(np.exp(shifted).sum())
+    chosen = {token: float(log_probs[token])}
+    if alternatives == 0:
+        return chosen
+    top = np.argpartition(-log_probs, alternatives - 1)[:alternatives] if alternatives < log_probs.size else \
+        np.arange(log_probs.size)
+    top = top[np.argsort(-log_probs[top], kind="stable")]
+    return chosen | {int(i): float(log_probs[i]) for i in top}
 
 
 def _check_samplable(logits: np.ndarray) -> None:

@@ -552,7 +552,8 @@ class Scheduler:
                 output_tokens=len(sequence.token_times), prefill_end=sequence.prefill_end,
                 cached_prompt_tokens=sequence.cached)
             timings = Timings(trace, sequence.tokenize_s)
-        return GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings)
+        logprobs = sequence.sampler.logprobs[:len(sequence.output)] if sequence.params.logprobs is not None else None
+        return GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings, logprobs)
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         self._release(sequence, failed=True)  # a failed run may have written its rows partly

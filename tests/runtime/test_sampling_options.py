@@ -1,5 +1,5 @@
-"""Repetition, presence and frequency penalties (runtime/sampling.py): transformers' repetition penalty and
-OpenAI's presence / frequency formula, on every path a request takes."""
+"""Sampling options beyond temperature, top-k and top-p, on every path a request takes: the repetition penalty
+(transformers'), presence and frequency penalties (OpenAI's formula), and log-probabilities in the result."""
 from __future__ import annotations
 
 import numpy as np
@@ -102,3 +102,37 @@ def test_cli_run_passes_the_penalties(tiny_artifact, capsys):
                                                    frequency_penalty=0.5)
     assert capsys.readouterr().out == "hello" + expected.text + "\n"
     assert main(["run", str(tiny_artifact), "--prompt", "hello", "--presence-penalty", "3"]) == 2
+
+
+# -- logprobs --------------------------------------------------------------------------------------------------
+def test_logprobs_are_the_models_log_softmax_at_each_output_token(tiny_engine):
+    """Checked against the same artifact's logits for the whole sequence, teacher-forced through evaluation's
+    path (one decode run over prompt + output), and its log-softmax."""
+    from runtime.evaluate import decode_logits_for, log_softmax
+
+    prompt = [1, 30, 31, 32, 30]
+    try:
+        for run in (lambda **k: tiny_engine.generate(prompt, **k),
+                    lambda **k: tiny_engine.submit(prompt, **k).result(timeout=60)):
+            result = run(max_new_tokens=12, stop_token_ids=(), logprobs=3, temperature=0.8, seed=5,
+                         repetition_penalty=1.3)
+            full = np.array(prompt + result.token_ids)
+            expected = log_softmax(decode_logits_for(tiny_engine)(full))[len(prompt) - 1:-1]  # rows predicting outputs
+            assert len(result.logprobs) == len(result.token_ids) == 12
+            for row, token, got in zip(expected, result.token_ids, result.logprobs):
+                top = [int(i) for i in np.argsort(-row, kind="stable")[:3]]
+                assert list(got) == [token] + [i for i in top if i != token]  # the chosen first, then the top 3
+                np.testing.assert_allclose([got[i] for i in got], [row[i] for i in got], atol=1e-4)
+    finally:
+        tiny_engine.close()
+
+
+def test_logprobs_stop_where_the_tokens_do_and_are_off_by_default(tiny_engine):
+    prompt = [1, 30, 31, 32, 30]
+    free = tiny_engine.generate(prompt, max_new_tokens=10, stop_token_ids=(), logprobs=0)
+    assert [list(entry) for entry in free.logprobs] == [[token] for token in free.token_ids]
+    stopped = tiny_engine.generate(prompt, max_new_tokens=10, stop_token_ids=(free.token_ids[4],), logprobs=0)
+    assert stopped.finish_reason == "stop" and stopped.logprobs == free.logprobs[:4]  # none for the stop token
+    assert tiny_engine.generate(prompt, max_new_tokens=3, stop_token_ids=()).logprobs is None
+    with pytest.raises(RequestError, match=r"logprobs: 21 must be an integer in 0..20"):
+        SamplingParams(logprobs=21)
