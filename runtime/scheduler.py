@@ -25,6 +25,9 @@ one background worker thread owns the cache and runs every graph (started on dem
      sampling fails (NaN logits in its row) fails alone; a graph run that fails fails the requests in it (a prompt's
      prefill: that request; a decode step: the decoding ones), and the rest go on.
 batching="static" admits only when every slot is free: fixed batches run to completion (for comparison).
+With Engine.load(prefix_caching=True), a slot a request leaves keeps a record of the tokens its rows hold; a new
+request goes to the free slot holding most of its prompt's start and prefills only the rest (engine.reusable_prefix
+says when that pays), through the decode graph as a chunk after a past.
 
 Capacity: a request needs prompt + max_new_tokens - 1 cache positions (the last token is never fed back); one
 that can never fit is refused at submit with a RequestError, as is a request that finds the queue of waiting
