@@ -67,7 +67,8 @@ def _run(args) -> None:
     from runtime.engine import SINGLE_STREAM_SPIN
 
     sampling_only = [flag for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
-                                              ("--seed", args.seed is not None)) if given]
+                                              ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
+                     if given]
     if args.temperature == 0 and sampling_only:  # greedy ignores them: the user would believe they sampled
         raise UsageError(f"{', '.join(sampling_only)}: {'they shape' if len(sampling_only) > 1 else 'it shapes'} "
                          f"sampling, but --temperature 0 (the default) decodes greedily; add --temperature > 0")
@@ -87,7 +88,8 @@ def _run(args) -> None:
     else:
         prompt, shown = args.prompt, args.prompt
     generation = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop),
+                               top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                               stop_strings=tuple(args.stop),
                                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                                frequency_penalty=args.frequency_penalty, arrival=received)
     sys.stdout.write(shown)
@@ -351,6 +353,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
     run.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = all)")
+    run.add_argument("--min-p", type=float, default=0.0,
+                     help="sample among tokens at least this fraction as likely as the likeliest (0 = all)")
     run.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed, for reproducible samples")
     run.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
                      help="divide the positive logits of tokens in the prompt or output by P, multiply negative ones "

@@ -34,6 +34,7 @@ class SamplingParams:
     # N >= 0 = each output token's own and its N likeliest alternatives', from the model's distribution (the raw
     # logits: before penalties, temperature, top-k and top-p, as vLLM returns them by default).
     logprobs: int | None = None
+    min_p: float = 0.0  # keep tokens at least this fraction as likely as the likeliest (after top-k, top-p), 0 = all
 
     def __post_init__(self):
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -53,6 +54,8 @@ class SamplingParams:
         if self.logprobs is not None and (not is_integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs: {self.logprobs!r} must be an integer in 0..{MAX_LOGPROBS} (the alternatives "
                                f"per token beside the chosen one), or None")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p: {self.min_p!r} must be a number in [0, 1] (0 = no limit)")
         if self.seed is not None and (not is_integer(self.seed) or self.seed < 0):  # numpy's generators take >= 0
             raise RequestError(f"seed: {self.seed!r} must be an integer >= 0 or None")
         # A bare string is one stop string, as in vLLM's and OpenAI's `stop` (not a tuple of its characters).
@@ -149,6 +152,12 @@ class Sampler:
     def _choose(self, logits: np.ndarray) -> int:
         if self.params.greedy:
             return int(np.argmax(logits))
+        probs = self.distribution(logits)
+        return int(self.rng.choice(probs.size, p=probs))
+
+    def distribution(self, logits: np.ndarray) -> np.ndarray:
+        """The probabilities sampling draws from (float64): softmax at the temperature, then top-k, top-p and min-p,
+        each renormalized, in transformers' order."""
         # Shift before dividing: the largest logit becomes 0, so a tiny temperature gives -inf elsewhere, not inf - inf.
         logits = logits.astype(np.float64)
         with np.errstate(over="ignore"):
@@ -166,7 +175,10 @@ class Sampler:
             kept = np.zeros_like(probs)
             kept[keep] = probs[keep]
             probs = kept / kept.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+        if self.params.min_p > 0.0:  # after top-k and top-p, as transformers' MinPLogitsWarper runs
+            probs = np.where(probs >= self.params.min_p * probs.max(), probs, 0.0)
+            probs /= probs.sum()
+        return probs
 
 
 def _logprobs(logits: np.ndarray, token: int, alternatives: int) -> dict[int, float]:

@@ -104,6 +104,37 @@ def test_cli_run_passes_the_penalties(tiny_artifact, capsys):
     assert main(["run", str(tiny_artifact), "--prompt", "hello", "--presence-penalty", "3"]) == 2
 
 
+# -- the sampling distribution ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("options", [dict(temperature=0.7), dict(temperature=1.0, top_k=5),
+                                     dict(temperature=1.3, top_p=0.8), dict(temperature=0.9, min_p=0.05),
+                                     dict(temperature=1.1, top_k=12, top_p=0.9, min_p=0.1)])
+def test_the_distribution_sampled_from_equals_transformers_warpers(options):
+    """Temperature, then top-k, top-p and min-p, as transformers' generate chains its logits warpers."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = [TemperatureLogitsWarper(options["temperature"])]
+    if "top_k" in options:
+        warpers.append(TopKLogitsWarper(options["top_k"]))
+    if "top_p" in options:
+        warpers.append(TopPLogitsWarper(options["top_p"]))
+    if "min_p" in options:
+        warpers.append(MinPLogitsWarper(options["min_p"]))
+    sampler = Sampler(SamplingParams(seed=0, **options))
+    for row in np.random.default_rng(3).normal(0, 2, size=(20, 64)):
+        scores = torch.tensor(row[None], dtype=torch.float64)
+        for warper in warpers:
+            scores = warper(torch.zeros((1, 1), dtype=torch.long), scores)
+        theirs = torch.softmax(scores, dim=-1)[0].numpy()
+        np.testing.assert_allclose(sampler.distribution(row), theirs, rtol=1e-9, atol=1e-12)
+    kept = (sampler.distribution(row) > 0).sum()
+    assert kept < 64 or options == dict(temperature=0.7)  # each filter removed tokens: the comparison covers it
+
+
+def test_min_p_is_refused_outside_0_1():
+    with pytest.raises(RequestError, match=r"min_p: 1.5 must be a number in \[0, 1\]"):
+        SamplingParams(min_p=1.5)
+
+
 # -- logprobs --------------------------------------------------------------------------------------------------
 def test_logprobs_are_the_models_log_softmax_at_each_output_token(tiny_engine):
     """Checked against the same artifact's logits for the whole sequence, teacher-forced through evaluation's
@@ -136,3 +167,15 @@ def test_logprobs_stop_where_the_tokens_do_and_are_off_by_default(tiny_engine):
     assert tiny_engine.generate(prompt, max_new_tokens=3, stop_token_ids=()).logprobs is None
     with pytest.raises(RequestError, match=r"logprobs: 21 must be an integer in 0..20"):
         SamplingParams(logprobs=21)
+
+
+def test_cli_run_passes_min_p_and_refuses_it_with_greedy_decoding(tiny_artifact, capsys):
+    from compiler.cli import main
+    from runtime import Engine
+
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "12", "--temperature", "0.9",
+                 "--min-p", "0.2", "--seed", "3"]) == 0
+    expected = Engine.load(tiny_artifact).generate("hello", max_new_tokens=12, temperature=0.9, min_p=0.2, seed=3)
+    assert capsys.readouterr().out == "hello" + expected.text + "\n"
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--min-p", "0.2"]) == 2
+    assert "--min-p: it shapes sampling, but --temperature 0" in capsys.readouterr().err
