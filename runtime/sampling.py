@@ -1,5 +1,6 @@
-"""Choosing the next token from logits: greedy, or temperature / top-k / top-p sampling with a seed, after the
-repetition, presence and frequency penalties if a request asks for them (as vLLM applies them: penalties first)."""
+"""Choosing the next token from logits: greedy, or temperature / top-k / top-p / min-p sampling with a seed, after the
+repetition, presence and frequency penalties if a request asks for them (as vLLM applies them: penalties first);
+and, if asked, each chosen token's log-probability and its likeliest alternatives'."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -157,7 +158,9 @@ class Sampler:
 
     def distribution(self, logits: np.ndarray) -> np.ndarray:
         """The probabilities sampling draws from (float64): softmax at the temperature, then top-k, top-p and min-p,
-        each renormalized, in transformers' order."""
+        each renormalized, in transformers' order; greedy decoding's is all on the likeliest token."""
+        if self.params.greedy:
+            return np.eye(1, logits.size, int(np.argmax(logits)), dtype=np.float64)[0]
         # Shift before dividing: the largest logit becomes 0, so a tiny temperature gives -inf elsewhere, not inf - inf.
         logits = logits.astype(np.float64)
         with np.errstate(over="ignore"):
@@ -190,9 +193,12 @@ def _logprobs(logits: np.ndarray, token: int, alternatives: int) -> dict[int, fl
     chosen = {token: float(log_probs[token])}
     if alternatives == 0:
         return chosen
-    top = np.argpartition(-log_probs, alternatives - 1)[:alternatives] if alternatives < log_probs.size else \
-        np.arange(log_probs.size)
-    top = top[np.argsort(-log_probs[top], kind="stable")]
+    if alternatives < log_probs.size:  # every token as likely as the k-th, so that ties go to the lower id
+        cut = -np.partition(-log_probs, alternatives - 1)[alternatives - 1]
+        candidates = np.flatnonzero(log_probs >= cut)
+    else:
+        candidates = np.arange(log_probs.size)
+    top = candidates[np.lexsort((candidates, -log_probs[candidates]))][:alternatives]
     return chosen | {int(i): float(log_probs[i]) for i in top}
 
 

@@ -130,6 +130,15 @@ def test_the_distribution_sampled_from_equals_transformers_warpers(options):
     assert kept < 64 or options == dict(temperature=0.7)  # each filter removed tokens: the comparison covers it
 
 
+def test_logprobs_alternatives_that_tie_go_to_the_lower_token_id_and_greedy_is_one_token():
+    from runtime.sampling import _logprobs
+
+    logits = np.array([0.0, 1.0, 3.0, 3.0, 3.0, 2.0], dtype=np.float32)
+    assert list(_logprobs(logits, 5, 2)) == [5, 2, 3]  # of the three tied at 3.0, the two lowest ids
+    assert list(_logprobs(logits, 0, 10)) == [0, 2, 3, 4, 5, 1]  # more than the vocabulary: all of it, by rank
+    np.testing.assert_array_equal(Sampler(SamplingParams()).distribution(logits), [0, 0, 1, 0, 0, 0])
+
+
 def test_min_p_is_refused_outside_0_1():
     with pytest.raises(RequestError, match=r"min_p: 1.5 must be a number in \[0, 1\]"):
         SamplingParams(min_p=1.5)
