@@ -26,7 +26,7 @@ DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
 # bench flags that apply to one kind of run only, with their defaults (argparse's are None: "given" is not None)
 BENCH_SERVED = {"requests": 32, "arrival": "all", "concurrency": None, "rate": None, "prompt_tokens": "128",
                 "output_tokens": "64", "warmup": 1, "slo_ttft_ms": None, "slo_tpot_ms": None, "batching": None,
-                "slots": None, "prefill_chunk": None, "seed": 0}
+                "slots": None, "prefill_chunk": None, "seed": 0, "shared_prefix": 0, "prefix_caching": False}
 BENCH_PHASE = {"prompt_lengths": ("prefill", None), "runs": ("prefill", 5), "contexts": ("decode", None),
                "steps": ("decode", 32), "batch": (None, 1)}  # None: both phases
 
@@ -277,7 +277,8 @@ def _bench(args) -> None:
     workload = bench.make_workload(
         tokenizer.encode, max_context=max_context, requests=args.requests, arrival=args.arrival,
         concurrency=args.concurrency, rate=args.rate, prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens, warmup=args.warmup, seed=args.seed, text=text)
+        output_tokens=args.output_tokens, warmup=args.warmup, seed=args.seed, text=text,
+        shared_prefix=args.shared_prefix)
     slo = {key: value for key, value in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms))
            if value is not None}
     modes = list(dict.fromkeys(args.batching or ["continuous"]))  # several: served one after another, compared
@@ -291,8 +292,8 @@ def _bench(args) -> None:
         check_slot_memory(slots, manifest["kv_cache"]["bytes_per_token"] * max_context)
     queue_room = len(workload.requests) + len(workload.warmup)  # every request may wait: none is refused
     loaders = {("aotlm" if len(modes) == 1 else f"aotlm-{mode}"): (lambda mode=mode: bench.ScheduledServer(
-        Engine.load(args.artifact, intra_op_threads=threads), mode, slots, queue_room, args.prefill_chunk))
-        for mode in modes}
+        Engine.load(args.artifact, intra_op_threads=threads, prefix_caching=args.prefix_caching), mode, slots,
+        queue_room, args.prefill_chunk)) for mode in modes}
     if baselines:  # benchmarks/baselines.py (generate.py's model setup): a source checkout with the bench extras
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
         import baselines as peers
@@ -308,7 +309,7 @@ def _bench(args) -> None:
             del serve  # free its weights before the next backend loads
     settings = {"artifact": str(args.artifact), "threads": threads, "backends": list(runs), "baselines": baselines,
                 "batching": modes,
-                "slots": slots, "prefill_chunk": args.prefill_chunk,
+                "slots": slots, "prefill_chunk": args.prefill_chunk, "prefix_caching": args.prefix_caching,
                 "prompt_source": args.prompt_file or "pydoc_data.topics (sorted, joined)",
                 "decoding": "greedy, stop tokens disabled", "slo": slo or None, "prompt_tokens_asked": args.prompt_tokens,
                 "output_tokens_asked": args.output_tokens, **workload.settings()}
@@ -415,6 +416,10 @@ def parser() -> argparse.ArgumentParser:
                             "--arrival concurrency, else 8)")
     bench.add_argument("--prefill-chunk", type=int, default=None,
                        help="prefill at most this many prompt tokens per step while others decode (default: whole)")
+    bench.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                       help="every prompt begins with the same N tokens, as a system prompt (default 0)")
+    bench.add_argument("--prefix-caching", action="store_true", default=None,
+                       help="serve with Engine.load(prefix_caching=True): a prompt's cached start is not prefilled")
     bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench-<name>[-<phase>].json)")
     bench.add_argument("--phase", choices=("prefill", "decode"), default=None,
                        help="time the prefill or decode graph alone instead of serving a workload")

@@ -53,9 +53,11 @@ class Workload:
     rate: float | None
     seed: int
     offsets: list[float] | None  # poisson: seconds after the start when each request arrives
+    shared_prefix: int = 0  # tokens every prompt begins with (a system prompt), before its own text
 
     def settings(self) -> dict:
         return {"requests": len(self.requests), "warmup": len(self.warmup), "arrival": self.arrival,
+                "shared_prefix_tokens": self.shared_prefix,
                 "concurrency": self.concurrency if self.arrival == "concurrency" else None,
                 "rate": self.rate if self.arrival == "poisson" else None, "seed": self.seed,
                 "prompt_tokens": [len(r.prompt_ids) for r in self.requests],
@@ -127,9 +129,11 @@ def text_token_ids(encode: Callable[[str], list[int]], count: int, text: str | N
 def make_workload(encode: Callable[[str], list[int]], *, max_context: int, requests: int, arrival: str = "all",
                   concurrency: int | None = None, rate: float | None = None, prompt_tokens: str | tuple = "128",
                   output_tokens: str | tuple = "64", warmup: int = 0, seed: int = 0,
-                  text: str | None = None) -> Workload:
+                  text: str | None = None, shared_prefix: int = 0) -> Workload:
     """Prompts are consecutive cuts of the text's tokens; lengths and Poisson gaps come from `seed`.
-    concurrency: clients of the closed loop (arrival "concurrency", default 1); refused with the other arrivals."""
+    concurrency: clients of the closed loop (arrival "concurrency", default 1); refused with the other arrivals.
+    shared_prefix: every prompt begins with the text's first that many tokens (as a system prompt would), then its
+    own cut of the text after them; --prompt-tokens counts the cut alone."""
     if arrival not in ARRIVALS:
         raise BenchError(f"unknown arrival {arrival!r}; known: {', '.join(ARRIVALS)}")
     if concurrency is not None and arrival != "concurrency":
@@ -137,6 +141,7 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
     concurrency = 1 if concurrency is None else concurrency
     for bad, message in ((requests < 1, f"--requests must be >= 1, got {requests}"),
                          (warmup < 0, f"--warmup must be >= 0, got {warmup}"),
+                         (shared_prefix < 0, f"--shared-prefix must be >= 0, got {shared_prefix}"),
                          (concurrency < 1, f"--concurrency must be >= 1, got {concurrency}"),
                          (arrival == "concurrency" and concurrency > requests,
                           f"--concurrency {concurrency} exceeds --requests {requests}: some clients would send nothing"),
@@ -147,9 +152,11 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
             raise BenchError(message)
     prompt = prompt_tokens if isinstance(prompt_tokens, tuple) else parse_range(prompt_tokens, "--prompt-tokens")
     output = output_tokens if isinstance(output_tokens, tuple) else parse_range(output_tokens, "--output-tokens")
-    if prompt[1] + output[1] - 1 > max_context:  # the engine's rule: the last output token is never fed back
-        raise BenchError(f"--prompt-tokens ({prompt[1]}) + --output-tokens ({output[1]}) need {prompt[1] + output[1] - 1} "
-                         f"cache positions (prompt + output - 1); this artifact's max context is {max_context}")
+    if shared_prefix + prompt[1] + output[1] - 1 > max_context:  # the engine's rule: the last output token is never
+        prefix = f"--shared-prefix ({shared_prefix}) + " if shared_prefix else ""  # fed back
+        raise BenchError(f"{prefix}--prompt-tokens ({prompt[1]}) + --output-tokens ({output[1]}) need "
+                         f"{shared_prefix + prompt[1] + output[1] - 1} cache positions (prompt + output - 1); this "
+                         f"artifact's max context is {max_context}")
     # The measured requests' lengths and the warm-up's come from separate streams, and the measured prompts are the
     # text's first cuts: --warmup does not change what is measured.
     measured_rng, warmup_rng = np.random.default_rng([seed, 1]), np.random.default_rng([seed, 2])
@@ -158,14 +165,15 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
     output_lengths = np.concatenate([measured_rng.integers(output[0], output[1] + 1, size=requests),
                                      warmup_rng.integers(output[0], output[1] + 1, size=warmup)])
     total = requests + warmup
-    ids = text_token_ids(encode, int(prompt_lengths.sum()), text)
+    ids = text_token_ids(encode, shared_prefix + int(prompt_lengths.sum()), text)
+    prefix, ids = ids[:shared_prefix], ids[shared_prefix:]
     cuts = np.concatenate([[0], np.cumsum(prompt_lengths)])
-    made = [Request(ids[cuts[i]:cuts[i + 1]], int(output_lengths[i])) for i in range(total)]
+    made = [Request(prefix + ids[cuts[i]:cuts[i + 1]], int(output_lengths[i])) for i in range(total)]
     offsets = None
     if arrival == "poisson":
         gaps = np.random.default_rng([seed, 0]).exponential(1.0 / rate, size=requests)
         offsets = np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist()
-    return Workload(made[:requests], made[requests:], arrival, concurrency, rate, seed, offsets)
+    return Workload(made[:requests], made[requests:], arrival, concurrency, rate, seed, offsets, shared_prefix)
 
 
 def aotlm_server(engine) -> Serve:

@@ -168,6 +168,7 @@ def summarize(traces: Sequence[RequestTrace], duration: float | None = None, slo
     summary = {
         "requests": len(traces), "duration_s": float(duration),
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "cached_prompt_tokens": sum(t.cached_prompt_tokens for t in traces),  # reused from the cache, not prefilled
         "requests_per_s": len(traces) / duration,
         "output_tokens_per_s": output_tokens / duration,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / duration,
@@ -198,8 +199,11 @@ def format_table(summary: dict):
     def cell(value) -> str:
         return "-" if value is None else f"{value:.2f}"
 
+    cached = summary.get("cached_prompt_tokens")
     table = Table(title=f"{summary['requests']} requests in {summary['duration_s']:.2f} s "
-                        f"({summary['prompt_tokens']} prompt and {summary['output_tokens']} output tokens in all)")
+                        f"({summary['prompt_tokens']} prompt"
+                        f"{f' ({cached} reused from the cache)' if cached else ''} and "
+                        f"{summary['output_tokens']} output tokens in all)")
     table.add_column("metric (ms)")
     for column in ("count", *STATS):
         table.add_column(column, justify="right")

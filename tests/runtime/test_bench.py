@@ -173,6 +173,30 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
     assert compiler.plan.artifact_step_weight_bytes(tmp_path / "engine-weights") is None  # was a KeyError
 
 
+def test_a_shared_prefix_starts_every_prompt_and_prefix_caching_reuses_it(tiny_artifact, encode, tmp_path, capsys):
+    """--shared-prefix N: every prompt begins with the same N tokens (a system prompt), then its own cut of the
+    text; with --prefix-caching a request finds them in the slot another one left, and the summary counts them."""
+    plain = make_workload(encode, max_context=128, requests=6, prompt_tokens="8:16", output_tokens="4")
+    shared = make_workload(encode, max_context=128, requests=6, prompt_tokens="8:16", output_tokens="4",
+                           shared_prefix=40)
+    prefix = shared.requests[0].prompt_ids[:40]
+    assert all(r.prompt_ids[:40] == prefix for r in shared.requests + shared.warmup)
+    assert [len(r.prompt_ids) - 40 for r in shared.requests] == [len(r.prompt_ids) for r in plain.requests]
+    assert shared.settings()["shared_prefix_tokens"] == 40
+    summaries = {}
+    for flags in ([], ["--prefix-caching"]):
+        out = tmp_path / f"bench{len(flags)}.json"
+        assert cli.main(["bench", str(tiny_artifact), "--requests", "8", "--arrival", "concurrency", "--concurrency",
+                         "1", "--prompt-tokens", "8:16", "--output-tokens", "4", "--shared-prefix", "40", *flags,
+                         "--out", str(out)]) == 0
+        result = json.loads(out.read_text())
+        summaries[bool(flags)] = result["backends"]["aotlm"]["summary"]
+        assert result["settings"]["prefix_caching"] is bool(flags)
+    assert summaries[False]["cached_prompt_tokens"] == 0
+    assert summaries[True]["cached_prompt_tokens"] >= 8 * 40  # one client: each request finds the last one's slot
+    assert "reused from the cache" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--arrival", "poisson", "--rate", "0"], "--rate must be a finite number > 0"),
     (["--arrival", "poisson", "--rate", "-2"], "--rate must be a finite number > 0"),
@@ -193,6 +217,10 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
     (["--arrival", "poisson", "--rate", "2", "--concurrency", "2"], "--concurrency applies to --arrival concurrency, not poisson"),
     (["--slots", "100000000", "--prompt-tokens", "8"], "slots: 100000000 sequences need"),  # was numpy's ArrayMemoryError
     (["--phase", "decode", "--contexts", "16", "--batch", "100000000"], "batch: 100000000 sequences need"),  # was bad_alloc
+    (["--shared-prefix", "60", "--prompt-tokens", "8"], "--shared-prefix (60) + --prompt-tokens (8) + --output-tokens "
+                                                        "(64) need 131 cache positions"),
+    (["--shared-prefix", "-1"], "--shared-prefix must be >= 0, got -1"),
+    (["--phase", "decode", "--prefix-caching"], "--prefix-caching: it shapes a served workload"),
 ])
 def test_cli_bad_input_one_line_exit_2(tiny_artifact, capsys, args, message):
     assert cli.main(["bench", str(tiny_artifact), *args]) == 2
