@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from compiler.cli_chat import add_chat_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.console import console
 from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count
@@ -368,6 +369,7 @@ def parser() -> argparse.ArgumentParser:
                      help="end the text before this string (repeatable; the model's end-of-sequence tokens always stop)")
     run.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")
     run.set_defaults(handler=_run)
+    add_chat_parser(commands)
     inspect = commands.add_parser("inspect", help="summarize an artifact's manifest")
     inspect.add_argument("artifact", help="an artifact folder")
     inspect.add_argument("--verify", action="store_true", help="also check every file's sha256")

@@ -165,3 +165,42 @@ def test_a_broken_template_fails_chat_requests_not_the_load(chat_artifact, tmp_p
     for _ in range(2):  # the second request is told too, not handed a half-prepared template
         with pytest.raises(ArtifactError, match=match):
             engine.chat(SHORT, max_new_tokens=2)
+
+
+def test_cli_chat_talks_turn_by_turn_from_the_cache(chat_artifact, monkeypatch, capsys):
+    """`aotlm chat`: one reply per line, each equal to Engine.chat on the conversation so far; the second turn finds
+    the first in the cache (prefix caching), and /exit ends it. (The tiny model's tokenizer spends a token or two a
+    character: two short turns fill most of its 128-token context.)"""
+    import io
+
+    from compiler.cli import main
+
+    artifact, _ = chat_artifact
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n\nok\n/exit\nnever read\n"))
+    assert main(["chat", str(artifact), "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    engine, messages, expected = Engine.load(artifact), [], []
+    for question in ("hi", "ok"):
+        messages.append({"role": "user", "content": question})
+        reply = engine.chat(messages, max_new_tokens=3)
+        expected.append(reply.text)
+        messages.append({"role": "assistant", "content": reply.text})
+    err = " ".join(err.split())
+    assert "dropped" not in err
+    assert out == "".join(text + "\n" for text in expected)
+    cached = [int(part.split(" of ")[0].rsplit(" ", 1)[-1]) for part in err.split("TTFT")[1:]]
+    assert len(cached) == 2 and cached[0] == 0 and cached[1] > 0, err
+
+
+def test_cli_chat_drops_the_oldest_exchanges_to_fit_the_context(chat_artifact, monkeypatch, capsys):
+    import io
+
+    from compiler.cli import main
+
+    artifact, _ = chat_artifact
+    lines = "".join(f"message {i} " + "word " * 12 + "\n" for i in range(6))  # ~30 tokens each; the context is 128
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines + "x " * 200 + "\n"))
+    assert main(["chat", str(artifact), "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 6  # a reply per message; the last, too long alone, got none
+    assert "dropped the oldest exchange" in err and "does not fit the context (128 tokens)" in err

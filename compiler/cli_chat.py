@@ -1,0 +1,95 @@
+"""`aotlm chat ARTIFACT`: a conversation on the terminal (or a pipe), one line per user message.
+
+Each reply streams to stdout as it is decoded; a line on stderr gives its TTFT, how many prompt tokens came from the
+cache (the engine runs with prefix caching: a turn prefills only what the last turn did not leave in the cache),
+and its TPOT. When the conversation no longer fits the artifact's context with room for a reply, its oldest turns
+are dropped (said on stderr). An empty line is skipped; /exit, /quit or the end of input ends the chat.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.markup import escape
+
+from compiler.console import console
+from compiler.errors import UsageError, nonnegative_int, positive_float, thread_count
+
+EXIT_COMMANDS = ("/exit", "/quit")
+
+
+def add_chat_parser(commands) -> None:
+    chat = commands.add_parser("chat", help="talk with an instruct model, turn by turn (prefix caching on)")
+    chat.add_argument("artifact", help="an artifact folder whose model has a chat template")
+    chat.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--top-p", type=positive_float, default=1.0, help="sample within this probability mass")
+    chat.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed, for reproducible replies")
+    chat.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                      help="discourage repeating tokens of the conversation (1 = none)")
+    chat.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads")
+    chat.set_defaults(handler=chat_command)
+
+
+def chat_command(args) -> None:
+    from runtime import Engine
+    from runtime.engine import SINGLE_STREAM_SPIN
+
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
+                         spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True)
+    if not engine.manifest["tokenizer"].get("chat_template"):
+        raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    seed=args.seed, repetition_penalty=args.repetition_penalty)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    turns: list[dict] = []  # user and assistant messages, oldest first
+    while (line := _read_line()) is not None:
+        text = line.strip()
+        if not text:
+            continue
+        if text in EXIT_COMMANDS:
+            break
+        received = time.perf_counter()  # the turn's TTFT counts from here: rendering and tokenizing are in it
+        turns.append({"role": "user", "content": text})
+        prompt = _fitting_prompt(engine, system, turns, args.max_new_tokens)
+        if prompt is None:
+            turns.pop()
+            console.print(f"[yellow]that message alone does not fit the context ({engine.max_context} tokens) with "
+                          f"room for a reply; send a shorter one[/yellow]")
+            continue
+        generation = engine.stream(prompt, arrival=received, **sampling)
+        for piece in generation:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        result = generation.result
+        turns.append({"role": "assistant", "content": result.text})
+        timings = result.timings
+        console.print(f"[dim]TTFT {1e3 * timings.ttft_s:.1f} ms, {timings.cached_prompt_tokens} of "
+                      f"{timings.prompt_tokens} prompt tokens from the cache, TPOT {1e3 * timings.tpot_s:.2f} ms, "
+                      f"{len(result.token_ids)} tokens ({escape(result.finish_reason)})[/dim]", highlight=False)
+
+
+def _read_line() -> str | None:
+    """The next user message, or None at the end of input; a prompt marker on a terminal."""
+    if sys.stdin.isatty():
+        console.print("[bold]>[/bold] ", end="")
+    line = sys.stdin.readline()
+    return line if line else None
+
+
+def _fitting_prompt(engine, system: list[dict], turns: list[dict], max_new_tokens: int) -> list[int] | None:
+    """The prompt's token ids, dropping the oldest exchanges (and saying so) until it leaves room for the reply; None
+    when the last message alone does not fit."""
+    room = min(max_new_tokens, engine.max_context // 2)  # a long --max-new-tokens must not crowd out every turn
+    while True:
+        ids = engine.chat_prompt_ids(system + turns)
+        if len(ids) + room <= engine.max_context:
+            return ids
+        if len(turns) <= 1:
+            return None
+        del turns[:2]  # the oldest user message and its reply
+        console.print("[dim]dropped the oldest exchange to fit the context[/dim]")
