@@ -322,6 +322,8 @@ def _bench(args) -> None:
         wide.print(table)
     if len(runs) > 1:
         wide.print(bench.compare_table(result))
+    if baselines and args.prefix_caching:
+        wide.print(f"[dim]aotlm served with prefix caching; {', '.join(baselines)} without it[/dim]", highlight=False)
     if baselines:  # a quantized artifact against float peers: say so beside the numbers
         from compiler.plan import quantized_dtypes
 

@@ -33,7 +33,7 @@ def add_chat_parser(commands) -> None:
 
 
 def chat_command(args) -> None:
-    from runtime import Engine
+    from runtime import Engine, RequestError
     from runtime.engine import SINGLE_STREAM_SPIN
 
     if args.max_new_tokens < 1:
@@ -54,16 +54,21 @@ def chat_command(args) -> None:
             break
         received = time.perf_counter()  # the turn's TTFT counts from here: rendering and tokenizing are in it
         turns.append({"role": "user", "content": text})
-        prompt = _fitting_prompt(engine, system, turns, args.max_new_tokens)
-        if prompt is None:
+        try:
+            prompt = _fitting_prompt(engine, system, turns, args.max_new_tokens)
+            if prompt is None:
+                turns.pop()
+                console.print(f"[yellow]that message alone does not fit the context ({engine.max_context} tokens) "
+                              f"with room for a reply; send a shorter one[/yellow]")
+                continue
+            generation = engine.stream(prompt, arrival=received, **sampling)
+            for piece in generation:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except RequestError as error:  # this message cannot be served (not UTF-8, say): the conversation goes on
             turns.pop()
-            console.print(f"[yellow]that message alone does not fit the context ({engine.max_context} tokens) with "
-                          f"room for a reply; send a shorter one[/yellow]")
+            console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False)
             continue
-        generation = engine.stream(prompt, arrival=received, **sampling)
-        for piece in generation:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
         sys.stdout.write("\n")
         result = generation.result
         turns.append({"role": "assistant", "content": result.text})
@@ -85,6 +90,8 @@ def _fitting_prompt(engine, system: list[dict], turns: list[dict], max_new_token
     """The prompt's token ids, dropping the oldest exchanges (and saying so) until it leaves room for the reply; None
     when the last message alone does not fit."""
     room = min(max_new_tokens, engine.max_context // 2)  # a long --max-new-tokens must not crowd out every turn
+    if len(engine.chat_prompt_ids(system + turns[-1:])) + room > engine.max_context:
+        return None  # before dropping anything: the conversation stays as it was
     while True:
         ids = engine.chat_prompt_ids(system + turns)
         if len(ids) + room <= engine.max_context:

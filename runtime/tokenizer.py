@@ -6,7 +6,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from runtime.errors import ArtifactError
+from runtime.errors import ArtifactError, RequestError
 
 
 def whole_text(tokenizer: Tokenizer) -> Tokenizer:
@@ -30,6 +30,13 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer.json's post-processor adds BOS when the model wants one; add nothing by hand. A chat
         # template writes its special tokens itself: add_special_tokens=False there.
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:  # a lone surrogate: bytes read with surrogateescape (a pipe, argv)
+                raise RequestError(f"the text is not valid Unicode at character {error.start} "
+                                   f"({text[error.start]!r}, a lone surrogate: bytes that were not UTF-8); give "
+                                   f"UTF-8 text") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:

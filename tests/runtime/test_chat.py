@@ -192,6 +192,26 @@ def test_cli_chat_talks_turn_by_turn_from_the_cache(chat_artifact, monkeypatch, 
     assert len(cached) == 2 and cached[0] == 0 and cached[1] > 0, err
 
 
+def test_cli_chat_keeps_the_conversation_through_a_refused_message(chat_artifact, monkeypatch, capsys):
+    """A message too long alone dropped the earlier exchanges before it was refused, and text that is not UTF-8
+    (a pipe's stray bytes, read with surrogateescape) ended the chat with the tokenizer's TypeError."""
+    import io
+
+    from compiler.cli import main
+
+    artifact, _ = chat_artifact
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n" + "x " * 200 + "\nbad \udcff byte\nok\n"))
+    assert main(["chat", str(artifact), "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    err = " ".join(err.split())
+    assert "does not fit the context" in err and "not valid Unicode at character" in err and "dropped" not in err
+    engine, first = Engine.load(artifact), [{"role": "user", "content": "hi"}]
+    reply = engine.chat(first, max_new_tokens=3).text
+    second = engine.chat(first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "ok"}],
+                         max_new_tokens=3).text
+    assert out == f"{reply}\n{second}\n"  # the turn after the refused ones still holds the first exchange
+
+
 def test_cli_chat_drops_the_oldest_exchanges_to_fit_the_context(chat_artifact, monkeypatch, capsys):
     import io
 

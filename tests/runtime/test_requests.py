@@ -213,3 +213,14 @@ def test_a_list_with_one_refused_prompt_runs_none_of_it(engine, monkeypatch):
             break
         time.sleep(0.01)
     assert not any(scheduler._running) and not scheduler._waiting
+
+
+def test_text_that_is_not_unicode_is_a_request_error(tiny_engine, capsys):
+    """Bytes that were not UTF-8, read with surrogateescape (a pipe, argv), left lone surrogates that the
+    tokenizer refused with a TypeError traceback."""
+    from compiler.cli import main
+
+    with pytest.raises(RequestError, match=r"not valid Unicode at character 1 \('\\udcff', a lone surrogate"):
+        tiny_engine.generate("a\udcffb", max_new_tokens=2)
+    assert main(["run", str(tiny_engine.artifact_dir), "--prompt", "a\udcffb"]) == 2
+    assert "not valid Unicode" in capsys.readouterr().err
