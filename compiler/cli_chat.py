@@ -35,6 +35,7 @@ def add_chat_parser(commands) -> None:
 def chat_command(args) -> None:
     from runtime import Engine, RequestError
     from runtime.engine import SINGLE_STREAM_SPIN
+    from runtime.sampling import SamplingParams
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -42,8 +43,8 @@ def chat_command(args) -> None:
                          spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True)
     if not engine.manifest["tokenizer"].get("chat_template"):
         raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    seed=args.seed, repetition_penalty=args.repetition_penalty)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed, repetition_penalty=args.repetition_penalty)  # bad values: now, once
     system = [{"role": "system", "content": args.system}] if args.system else []
     turns: list[dict] = []  # user and assistant messages, oldest first
     while (line := _read_line()) is not None:
@@ -61,7 +62,7 @@ def chat_command(args) -> None:
                 console.print(f"[yellow]that message alone does not fit the context ({engine.max_context} tokens) "
                               f"with room for a reply; send a shorter one[/yellow]")
                 continue
-            generation = engine.stream(prompt, arrival=received, **sampling)
+            generation = engine.stream(prompt, sampling, arrival=received)
             for piece in generation:
                 sys.stdout.write(piece)
                 sys.stdout.flush()

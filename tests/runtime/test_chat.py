@@ -224,3 +224,14 @@ def test_cli_chat_drops_the_oldest_exchanges_to_fit_the_context(chat_artifact, m
     out, err = capsys.readouterr()
     assert out.count("\n") == 6  # a reply per message; the last, too long alone, got none
     assert "dropped the oldest exchange" in err and "does not fit the context (128 tokens)" in err
+
+
+def test_cli_chat_refuses_bad_sampling_options_before_reading(chat_artifact, monkeypatch, capsys):
+    import io
+
+    from compiler.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", str(chat_artifact[0]), "--temperature", "-1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "temperature: -1.0 must be a finite number >= 0" in err
