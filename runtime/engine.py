@@ -146,6 +146,14 @@ class GenerationResult:
     logprobs: list[dict[int, float]] | None = None
 
 
+def rest_piece_tokens(backend, limit: int | None = None) -> int:
+    """Tokens per decode-graph run for the rest of a prompt after a past (a later chunk, or the rest after a cached
+    prefix): at most `limit` (PREFIX_REST_TOKENS when None), and at most the engine's decode_max_tokens where it
+    bounds a call (TensorRT)."""
+    limit = limit or PREFIX_REST_TOKENS
+    return min(limit, backend.max_decode_tokens or limit)
+
+
 def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], rest_per_run: int | None = None) -> int:
     """How many of the prompt's first tokens to take from a cache holding `cached_ids`: their common prefix, but
     never the prompt's last token (its logits choose the first output token), and 0 unless the prefix holds at
@@ -530,7 +538,7 @@ class Engine:
     def _prefill_rest(self, prompt_ids: list[int], start: int, mask: np.ndarray, written: list[int]) -> np.ndarray:
         """The prompt after its first `start` tokens (held in the cache) through the decode graph, in runs of at
         most PREFIX_REST_TOKENS (and the engine's decode_max_tokens); the last position's logits [vocab]."""
-        step = min(PREFIX_REST_TOKENS, self.backend.max_decode_tokens or PREFIX_REST_TOKENS)
+        step = rest_piece_tokens(self.backend)
         while start < len(prompt_ids):
             end = min(start + step, len(prompt_ids))
             logits = self.backend.run("decode", np.array([prompt_ids[start:end]], dtype=np.int64),

@@ -48,7 +48,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from runtime.engine import (PREFIX_REST_TOKENS, GenerationResult, Timings, last_token_logits, received_at,
+from runtime.engine import (GenerationResult, Timings, last_token_logits, received_at, rest_piece_tokens,
                             reusable_prefix)
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
@@ -403,8 +403,7 @@ class Scheduler:
                     # faster than their count (the default model's onnxruntime arena: +177 MB after 250 tokens,
                     # +1.5 GB after 1000), and TensorRT's profile bounds its tokens per call (to no fewer than
                     # prefill_chunk: _check_engine_limits)
-                    count = min(count, self.prefill_chunk or PREFIX_REST_TOKENS,
-                                self.engine.backend.max_decode_tokens or count)
+                    count = min(count, rest_piece_tokens(self.engine.backend, self.prefill_chunk))
                 budget = None if budget is None else budget - count
                 ids = np.array([sequence.prompt_ids[start:start + count]], dtype=np.int64)
                 positions = np.arange(start, start + count, dtype=np.int64)[None]
