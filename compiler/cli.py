@@ -90,7 +90,7 @@ def _run(args) -> None:
         prompt, shown = args.prompt, args.prompt
     generation = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                               stop_strings=tuple(args.stop),
+                               stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos,
                                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                                frequency_penalty=args.frequency_penalty, arrival=received)
     sys.stdout.write(shown)
@@ -368,7 +368,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--frequency-penalty", type=float, default=0.0, metavar="A",
                      help="subtract A per occurrence in the output (OpenAI's; -2..2, 0 = none)")
     run.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="end the text before this string (repeatable; the model's end-of-sequence tokens always stop)")
+                     help="end the text before this string (repeatable; the model's end-of-sequence tokens stop too, "
+                          "unless --ignore-eos)")
+    run.add_argument("--ignore-eos", action="store_true",
+                     help="go on past the model's end-of-sequence tokens, to --max-new-tokens or a --stop string "
+                          "(vLLM's ignore_eos: a fixed output length to time)")
     run.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")
     run.set_defaults(handler=_run)
     add_chat_parser(commands)

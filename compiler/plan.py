@@ -491,7 +491,7 @@ def measure_artifact(info: dict, config: DecoderConfig, dev: dict, context: int)
     engine = Engine.load(info["path"])
     n = max(1, min(context, engine.max_context) - 17)
     ids = [(7919 * i + 13) % config.vocab_size for i in range(n)]
-    result = engine.generate(ids, max_new_tokens=17, stop_token_ids=())
+    result = engine.generate(ids, max_new_tokens=17, ignore_eos=True)
     measured = statistics.median(result.timings.itl_s)
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[info["kv_dtype"]]
     counts = count_params(config)

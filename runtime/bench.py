@@ -178,7 +178,7 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
 
 def aotlm_server(engine) -> Serve:
     def serve(prompt_ids: list[int], output_tokens: int, arrival: float) -> RequestTrace:
-        return engine.generate(prompt_ids, max_new_tokens=output_tokens, stop_token_ids=(), arrival=arrival).timings.trace
+        return engine.generate(prompt_ids, max_new_tokens=output_tokens, ignore_eos=True, arrival=arrival).timings.trace
     return serve
 
 
@@ -206,12 +206,12 @@ class ScheduledServer:
                                                 prefill_chunk=prefill_chunk)
 
     def submit(self, prompt_ids: list[int], output_tokens: int, arrival: float, on_done: OnDone) -> None:
-        handle = self.scheduler.submit(prompt_ids, max_new_tokens=output_tokens, stop_token_ids=(), arrival=arrival)
+        handle = self.scheduler.submit(prompt_ids, max_new_tokens=output_tokens, ignore_eos=True, arrival=arrival)
         handle.add_done_callback(lambda h: on_done(_trace_or_error(h)))
 
     def __call__(self, prompt_ids: list[int], output_tokens: int, arrival: float) -> RequestTrace:
         """One request, waited for (the warm-up)."""
-        return self.scheduler.submit(prompt_ids, max_new_tokens=output_tokens, stop_token_ids=(),
+        return self.scheduler.submit(prompt_ids, max_new_tokens=output_tokens, ignore_eos=True,
                                      arrival=arrival).result().timings.trace
 
     def close(self) -> None:

@@ -556,7 +556,7 @@ class Engine:
 
     def _generate(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
         sampler = Sampler(params, prompt_ids)
-        stop_ids = set(self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids)
+        stop_ids = params.stop_ids(self.eos_token_ids)
         decoder = self.tokenizer.stream_decoder(params.stop_strings, prompt_ids)
         self.backend.allocate_cache(batch=1)
         length = len(prompt_ids)

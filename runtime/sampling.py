@@ -36,6 +36,9 @@ class SamplingParams:
     # logits: before penalties, temperature, top-k and top-p, as vLLM returns them by default).
     logprobs: int | None = None
     min_p: float = 0.0  # keep tokens at least this fraction as likely as the likeliest (after top-k, top-p), 0 = all
+    # vLLM's ignore_eos: go on past the model's end-of-sequence tokens, to max_new_tokens or a stop string (output
+    # lengths fixed for a benchmark). Stop ids given in stop_token_ids still stop.
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -66,12 +69,22 @@ class SamplingParams:
         if any(not stop for stop in stops):
             raise RequestError("stop_strings: an empty string would stop before any text; remove it")
         object.__setattr__(self, "stop_strings", tuple(stops))
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):  # a string such as "false" would read as True
+            raise RequestError(f"ignore_eos: {self.ignore_eos!r} must be True or False")
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
             if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_integer(i) for i in ids):
                 raise RequestError(f"stop_token_ids: {ids!r} must be a list of token ids, or None for the model's "
                                    f"end-of-sequence tokens")
             object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+
+    def stop_ids(self, eos_token_ids: Sequence[int]) -> frozenset[int]:
+        """The token ids that end the request: stop_token_ids if given, else the model's end-of-sequence tokens
+        unless ignore_eos."""
+        if self.stop_token_ids is not None:
+            return frozenset(self.stop_token_ids)
+        return frozenset() if self.ignore_eos else frozenset(eos_token_ids)
 
     @property
     def greedy(self) -> bool:

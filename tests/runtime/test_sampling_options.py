@@ -188,3 +188,55 @@ def test_cli_run_passes_min_p_and_refuses_it_with_greedy_decoding(tiny_artifact,
     assert capsys.readouterr().out == "hello" + expected.text + "\n"
     assert main(["run", str(tiny_artifact), "--prompt", "hello", "--min-p", "0.2"]) == 2
     assert "--min-p: it shapes sampling, but --temperature 0" in capsys.readouterr().err
+
+
+# -- ignore_eos ------------------------------------------------------------------------------------------------
+def _eos_at_third_token(engine, prompt, count: int) -> list[int]:
+    """Make the engine's end-of-sequence token the third of its greedy tokens for `prompt` (the first that differs
+    from the two before it), so that a request stops there unless it ignores end-of-sequence tokens."""
+    tokens = engine.generate(prompt, max_new_tokens=count, stop_token_ids=()).token_ids
+    eos = next(token for index, token in enumerate(tokens) if index >= 2 and token not in tokens[:index])
+    engine.eos_token_ids = (eos,)
+    return tokens
+
+
+def test_ignore_eos_generates_past_the_models_end_of_sequence_tokens(tiny_engine):
+    prompt = [1, 30, 31, 32, 30]
+    eos_before = tiny_engine.eos_token_ids
+    try:
+        tokens = _eos_at_third_token(tiny_engine, prompt, 16)
+        stopped = tokens[:tokens.index(tiny_engine.eos_token_ids[0])]
+        for run in (tiny_engine.generate, lambda *a, **k: tiny_engine.submit(*a, **k).result(timeout=60)):
+            plain = run(prompt, max_new_tokens=16)
+            assert (plain.token_ids, plain.finish_reason) == (stopped, "stop")
+            ignoring = run(prompt, max_new_tokens=16, ignore_eos=True)
+            assert (ignoring.token_ids, ignoring.finish_reason) == (tokens, "length")
+            # stop ids the request names still stop it
+            named = run(prompt, max_new_tokens=16, ignore_eos=True, stop_token_ids=[tokens[5]])
+            assert named.token_ids == tokens[:tokens.index(tokens[5])]
+    finally:
+        tiny_engine.eos_token_ids = eos_before
+        tiny_engine.close()
+
+
+def test_ignore_eos_must_be_a_bool():
+    with pytest.raises(RequestError, match="ignore_eos: 'false' must be True or False"):
+        SamplingParams(ignore_eos="false")
+    assert SamplingParams(ignore_eos=np.bool_(True)).ignore_eos is True
+
+
+def test_cli_run_ignore_eos(tiny_artifact, capsys, monkeypatch):
+    from compiler.cli import main
+    from runtime import Engine
+
+    engine = Engine.load(tiny_artifact)
+    tokens = _eos_at_third_token(engine, "hello", 12)
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *args, **kwargs: engine))
+    stopped_ids = tokens[:tokens.index(engine.eos_token_ids[0])]
+    stopped = engine.tokenizer.decode(stopped_ids)
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "hello" + stopped + "\n" and f"{len(stopped_ids) + 1} output tokens (stop)" in out.err  # the end token counts
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "12", "--ignore-eos"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "hello" + engine.tokenizer.decode(tokens) + "\n" and "12 output tokens (length)" in out.err
