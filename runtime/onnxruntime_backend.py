@@ -336,6 +336,12 @@ class SlotCache:
     def nbytes(self) -> int:
         return sum(array.nbytes for array in self.arrays)
 
+    def copy_prefix(self, source: int, target: int, tokens: int) -> None:
+        """Copy the keys and values of slot `source`'s first `tokens` positions into slot `target` (prefix sharing
+        between requests, runtime/scheduler.py); the OrtValues bound over these arrays see it at once."""
+        for array in self.arrays:
+            array[target, :, :tokens] = array[source, :, :tokens]
+
     def views(self, start: int, stop: int) -> list[ort.OrtValue]:
         """OrtValues over rows start:stop of every buffer, sharing the numpy memory (no copy)."""
         return [ort.OrtValue.ortvalue_from_numpy(array[start:stop]) for array in self.arrays]

@@ -27,7 +27,9 @@ one background worker thread owns the cache and runs every graph (started on dem
 batching="static" admits only when every slot is free: fixed batches run to completion (for comparison).
 With Engine.load(prefix_caching=True), a slot a request leaves keeps a record of the tokens its rows hold; a new
 request goes to the free slot holding most of its prompt's start and prefills only the rest (engine.reusable_prefix
-says when that pays), through the decode graph as a chunk after a past.
+says when that pays), through the decode graph as a chunk after a past. A prompt's start that another slot holds (a
+running request's, or a free slot's record) is copied into the request's slot instead of computed; requests admitted
+together that share a start (a system prompt) wait for the first one's prefill and copy from it (_share_prefixes).
 
 Capacity: a request needs prompt + max_new_tokens - 1 cache positions (the last token is never fed back); one
 that can never fit is refused at submit with a RequestError, as is a request that finds the queue of waiting
@@ -174,6 +176,12 @@ class _Sequence:
     def length(self) -> int:
         """Tokens in the cache = the position the next fed token is written at."""
         return self.prefilled + max(len(self.token_times) - 1, 0)
+
+
+def _held_ids(sequence: _Sequence) -> list[int]:
+    """The token ids whose keys and values the sequence's cache rows hold, in order: its prompt as far as prefilled,
+    then its output but the last token (sampled, not fed back yet)."""
+    return (sequence.prompt_ids + sequence.output)[:sequence.length]
 
 
 def _check_engine_limits(backend, slots: int, prefill_chunk: int | None) -> None:
@@ -383,15 +391,49 @@ class Scheduler:
         for sequence in filter(None, self._running):
             if sequence.handle.cancelled:
                 self._finish(sequence, "cancelled")
+        waiting = self._share_prefixes() if self.engine.prefix_caching else set()
         decoding = any(s is not None and s.next_token is not None for s in self._running)
-        self._prefill(budget=self.prefill_chunk if self.prefill_chunk and decoding else None)
+        self._prefill(budget=self.prefill_chunk if self.prefill_chunk and decoding else None, deferred=waiting)
         self._decode()
 
-    def _prefill(self, budget: int | None) -> None:
-        """Prefill admitted requests, first come first served, at most `budget` prompt tokens in all (None: all)."""
+    def _share_prefixes(self) -> set[_Sequence]:
+        """Prefix caching across slots: a request about to be prefilled whose prompt begins with what another slot
+        holds (a running request's prompt and output so far, or a free slot's record), beyond what its own slot
+        held, gets those rows copied into its slot and prefills only the rest: requests that share a system prompt
+        compute it once, however many arrive together. One whose prompt shares more with a request admitted before
+        it that is not prefilled yet waits for that prefill (the returned set: not prefilled this iteration) and
+        copies from it at the next. Copying the keys and values of P tokens costs what reading them does; computing
+        them costs a prefill."""
+        rest_per_run = self.engine.backend.max_decode_tokens
+        deferred: set[_Sequence] = set()
+        pending = sorted((s for s in self._running if s is not None and s.prefill_start is None),
+                         key=lambda s: s.handle.id)
+        for sequence in pending:
+            shared, donor = sequence.prefilled, None
+            for slot, other in enumerate(self._running):
+                held = self._slot_ids[slot] if other is None else _held_ids(other)
+                if other is sequence or not held:
+                    continue
+                common = reusable_prefix(held, sequence.prompt_ids, rest_per_run)
+                if common > shared:
+                    shared, donor = common, slot
+            if donor is not None:
+                self.cache.copy_prefix(donor, sequence.slot, shared)
+                sequence.prefilled = sequence.cached = shared
+            if any(other is not sequence and other not in deferred and other.handle.id < sequence.handle.id
+                   and other.prefilled < len(other.prompt_ids)
+                   and reusable_prefix(other.prompt_ids, sequence.prompt_ids, rest_per_run) > shared
+                   for other in filter(None, self._running)):
+                deferred.add(sequence)
+        return deferred
+
+    def _prefill(self, budget: int | None, deferred: set[_Sequence] = frozenset()) -> None:
+        """Prefill admitted requests, first come first served, at most `budget` prompt tokens in all (None: all);
+        not the `deferred` ones (waiting for another's prefill to share, _share_prefixes)."""
         if budget is None:
-            self._prefill_together()
-        prefilling = [s for s in self._running if s is not None and s.prefilled < len(s.prompt_ids)]
+            self._prefill_together(deferred)
+        prefilling = [s for s in self._running
+                      if s is not None and s.prefilled < len(s.prompt_ids) and s not in deferred]
         for sequence in sorted(prefilling, key=lambda s: s.handle.id):
             while sequence.prefilled < len(sequence.prompt_ids) and budget != 0:
                 start = sequence.prefilled
@@ -425,14 +467,14 @@ class Scheduler:
             if budget == 0:
                 break
 
-    def _prefill_together(self) -> None:
+    def _prefill_together(self, deferred: set[_Sequence]) -> None:
         """Whole prompts of requests admitted into neighbouring slots, as one right-padded prefill batch.
 
         One graph run over B prompts multiplies bigger matrices than B runs of one (and stalls the decoding
         requests once, not B times); each row's mask covers its own prompt, and the prefill graph returns each
         row's logits at its last real token. Slots must be neighbours: the batch is a contiguous block of rows.
         """
-        fresh = [s for s in self._running if s is not None and s.prefilled == 0]
+        fresh = [s for s in self._running if s is not None and s.prefilled == 0 and s not in deferred]
         runs: list[list[_Sequence]] = []
         for sequence in fresh:  # in slot order
             if runs and runs[-1][-1].slot + 1 == sequence.slot:
@@ -523,7 +565,7 @@ class Scheduler:
             self._running[sequence.slot] = None
             if self.engine.prefix_caching and not failed:  # what its rows hold, for a later prompt that begins so;
                 # short of the last position, where a decode step's throw-away write for a free row goes
-                held = (sequence.prompt_ids + sequence.output)[:min(sequence.length, self.engine.max_context - 1)]
+                held = _held_ids(sequence)[:self.engine.max_context - 1]
                 self._slot_ids[sequence.slot] = held or None
                 self._slot_released[sequence.slot] = next(self._releases)
         sequence.next_token = None

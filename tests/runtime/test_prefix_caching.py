@@ -226,3 +226,90 @@ def test_the_scheduler_reuses_nothing_without_prefix_caching(tiny_engine):
     finally:
         tiny_engine.close()
     assert again.timings.cached_prompt_tokens == 0 and tiny_engine._scheduler is None
+
+
+# -- prefix sharing between the scheduler's requests ------------------------------------------------------------
+def _burst(engine: Engine, prompts: list[list[int]], **sampling) -> list:
+    """Submit every prompt while the worker is held, so that they are admitted in one iteration."""
+    scheduler = engine._scheduler
+    with scheduler._lock:  # the worker takes it at the start of each iteration
+        handles = [engine.submit(prompt, stop_token_ids=(), **sampling) for prompt in prompts]
+    return handles
+
+
+def _prompts_sharing(prefix_length: int, tails: int, tail_length: int, seed: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    shared = [1] + rng.integers(3, 500, size=prefix_length - 1).tolist()
+    return [shared + [100 + tail] + rng.integers(3, 500, size=tail_length - 1).tolist() for tail in range(tails)]
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_requests_that_arrive_together_compute_their_shared_prefix_once(cached, tiny_engine, batching):
+    """Four prompts that share a 40-token start, submitted together: the first is prefilled whole, the other three
+    wait one iteration, copy its keys and values for those 40 positions and prefill only their own 6 tokens. Each
+    makes the tokens it makes alone."""
+    prompts = _prompts_sharing(40, 4, 6)
+    try:
+        scheduler = cached.start_scheduler(slots=4, batching=batching)
+        run, computed = scheduler.cache.run, []
+        scheduler.cache.run = lambda phase, rows, ids, *rest: (computed.append((phase, ids.shape)),
+                                                               run(phase, rows, ids, *rest))[1]
+        results = [handle.result(timeout=60) for handle in _burst(cached, prompts, max_new_tokens=5)]
+    finally:
+        cached.close()
+    assert [r.timings.cached_prompt_tokens for r in results] == [0, 40, 40, 40]
+    prompt_tokens = sum(shape[0] * shape[1] for phase, shape in computed if shape[1] > 1 or phase == "prefill")
+    assert prompt_tokens == 46 + 3 * 6  # not 4 x 46
+    for result in results:
+        alone = tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5, stop_token_ids=())
+        assert result.token_ids == alone.token_ids
+    try:  # without prefix caching, each is prefilled whole
+        tiny_engine.start_scheduler(slots=4, batching=batching)
+        plain = [handle.result(timeout=60) for handle in _burst(tiny_engine, prompts, max_new_tokens=5)]
+    finally:
+        tiny_engine.close()
+    assert [r.timings.cached_prompt_tokens for r in plain] == [0] * 4
+    assert [r.token_ids for r in plain] == [r.token_ids for r in results]
+
+
+def test_a_running_requests_rows_are_shared_with_a_request_that_begins_the_same(cached, tiny_engine):
+    first, second = _prompts_sharing(36, 2, 8, seed=5)
+    try:
+        scheduler = cached.start_scheduler(slots=2)
+        copies = []
+        copy = scheduler.cache.copy_prefix
+        scheduler.cache.copy_prefix = lambda *args: (copies.append(args), copy(*args))[1]
+        long = cached.submit(first, max_new_tokens=80, stop_token_ids=())
+        next(iter(long))  # decoding: its rows hold its prompt
+        later = _burst(cached, [second], max_new_tokens=6)[0].result(timeout=60)
+        assert long.result(timeout=60).finish_reason == "length"
+    finally:
+        cached.close()
+    assert copies == [(0, 1, 36)]  # from the running request's slot, not a slot it left
+    assert later.timings.cached_prompt_tokens == 36
+    assert later.token_ids == tiny_engine.generate(second, max_new_tokens=6, stop_token_ids=()).token_ids
+    assert long.result().token_ids == tiny_engine.generate(first, max_new_tokens=80, stop_token_ids=()).token_ids
+
+
+def test_a_request_waiting_for_a_prefill_that_fails_prefills_its_own(cached, tiny_engine):
+    prompts = _prompts_sharing(40, 2, 6, seed=7)
+    try:
+        scheduler = cached.start_scheduler(slots=2)
+        run = scheduler.cache.run
+        calls = []
+
+        def fail_the_first_prefill(phase, *args):
+            calls.append(phase)
+            if calls == ["prefill"]:
+                raise RuntimeError("out of memory")
+            return run(phase, *args)
+
+        scheduler.cache.run = fail_the_first_prefill
+        failing, waiting = _burst(cached, prompts, max_new_tokens=5)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            failing.result(timeout=60)
+        result = waiting.result(timeout=60)
+    finally:
+        cached.close()
+    assert result.timings.cached_prompt_tokens == 0
+    assert result.token_ids == tiny_engine.generate(prompts[1], max_new_tokens=5, stop_token_ids=()).token_ids
