@@ -313,3 +313,23 @@ def test_a_request_waiting_for_a_prefill_that_fails_prefills_its_own(cached, tin
         cached.close()
     assert result.timings.cached_prompt_tokens == 0
     assert result.token_ids == tiny_engine.generate(prompts[1], max_new_tokens=5, stop_token_ids=()).token_ids
+
+
+def test_samples_of_one_prompt_submitted_together_prefill_it_once(cached, tiny_engine):
+    """Parallel sampling (vLLM's n) is n requests of one prompt with their own seeds: the first prefills it, the
+    others copy all but its last token, which they run through the decode graph for their first logits."""
+    prompt = _prompts_sharing(30, 1, 4, seed=11)[0]
+    try:
+        cached.start_scheduler(slots=4)
+        scheduler = cached._scheduler
+        with scheduler._lock:
+            handles = [cached.submit(prompt, max_new_tokens=8, temperature=0.9, seed=seed, stop_token_ids=())
+                       for seed in range(4)]
+        results = [handle.result(timeout=60) for handle in handles]
+    finally:
+        cached.close()
+    assert [r.timings.cached_prompt_tokens for r in results] == [0] + [len(prompt) - 1] * 3
+    for seed, result in enumerate(results):
+        alone = tiny_engine.generate(prompt, max_new_tokens=8, temperature=0.9, seed=seed, stop_token_ids=())
+        assert result.token_ids == alone.token_ids
+    assert len({tuple(r.token_ids) for r in results}) > 1  # the seeds differ
