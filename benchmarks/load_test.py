@@ -2,12 +2,16 @@
 
     .venv/bin/python benchmarks/load_test.py [--artifact DIR] [--requests 1000] [--concurrency 32] [--slots N]
         [--batching continuous|static] [--cancel-fraction 0.0] [--check 16] [--seed 0] [--out PATH]
+        [--prefix-caching] [--shared-prefixes K]
 
 Without --artifact, builds recipes/tiny-random.yaml once under benchmarks/results/cache/ (seconds). A closed loop
 keeps --concurrency requests in flight through `Engine.submit`: each completion lets the next request in. Prompts
 of 4..48 random token ids, 1..48 output tokens, half greedy, half sampled with their own seed; stop tokens
 disabled, so a complete output has exactly the tokens asked. --cancel-fraction of the requests are cancelled
-after their first token and must end "cancelled" (or complete, if they finished first). Counted:
+after their first token and must end "cancelled" (or complete, if they finished first). --prefix-caching serves
+with Engine.load(prefix_caching=True), and --shared-prefixes K starts each prompt with one of K random 24-token
+prefixes (then 4..24 tokens of its own), so that requests find their starts in other slots, running or left; the
+greedy requests checked are then re-served alone on an engine without prefix caching. Counted:
     lost         submitted, but no result by the deadline (--timeout)
     errors       refused at submit, or failed
     incomplete   a result that is not "length" with every asked token (or not "cancelled", for a cancelled one)
@@ -62,11 +66,18 @@ def tiny_artifact() -> Path:
     return folder / "tiny-random"
 
 
-def make_requests(count: int, vocab: int, max_context: int, seed: int) -> list[dict]:
+SHARED_PREFIX_TOKENS = 24
+
+
+def make_requests(count: int, vocab: int, max_context: int, seed: int, shared_prefixes: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(3, vocab, size=SHARED_PREFIX_TOKENS).tolist() for _ in range(shared_prefixes)]
     requests = []
     for index in range(count):
-        prompt = rng.integers(3, vocab, size=int(rng.integers(4, 49))).tolist()
+        if prefixes:
+            prompt = prefixes[index % len(prefixes)] + rng.integers(3, vocab, size=int(rng.integers(4, 25))).tolist()
+        else:
+            prompt = rng.integers(3, vocab, size=int(rng.integers(4, 49))).tolist()
         output = min(int(rng.integers(1, 49)), max_context + 1 - len(prompt))
         sampling = {} if index % 2 == 0 else {"temperature": 0.9, "top_k": 40, "seed": index}
         requests.append({"prompt": prompt, "max_new_tokens": output, "sampling": sampling})
@@ -91,6 +102,7 @@ class Ledger:
     def __init__(self, count: int, checked: list[int]):
         self.finish = np.zeros(count, dtype=np.int8)  # index into FINISH
         self.tokens = np.zeros(count, dtype=np.int32)  # produced, a final stop token included
+        self.cached = np.zeros(count, dtype=np.int32)  # prompt tokens taken from the cache (prefix caching)
         self.times = np.full((count, 4), np.nan)  # arrival, first token, last token, finish (perf_counter seconds)
         self.rss = np.zeros(count + 1, dtype=np.int64)  # resident bytes when n requests had completed
         self.token_ids: dict[int, list[int] | None] = dict.fromkeys(checked)  # re-served alone afterwards
@@ -111,6 +123,7 @@ class Ledger:
                 if result.timings is not None:
                     trace = result.timings.trace
                     self.tokens[index] = trace.output_tokens
+                    self.cached[index] = trace.cached_prompt_tokens
                     self.times[index] = trace.arrival, trace.first_token, trace.token_times[-1], trace.finish
                 if index in self.token_ids:
                     self.token_ids[index] = result.token_ids
@@ -156,6 +169,7 @@ def run(engine: Engine, requests: list[dict], ledger: Ledger, *, concurrency: in
 
 
 def judge(engine: Engine, requests: list[dict], ledger: Ledger, cancel: set[int]) -> dict:
+    """engine: serves the checked requests alone (the batch-1 path), the reference for their tokens."""
     finish = [FINISH[code] for code in ledger.finish]
     asked = [r["max_new_tokens"] for r in requests]
     complete = lambda i: finish[i] == "length" and ledger.tokens[i] == asked[i]  # noqa: E731
@@ -201,6 +215,9 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every result")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-caching", action="store_true", help="serve with Engine.load(prefix_caching=True)")
+    parser.add_argument("--shared-prefixes", type=int, default=0, metavar="K",
+                        help=f"prompts begin with one of K {SHARED_PREFIX_TOKENS}-token prefixes (default 0: none)")
     parser.add_argument("--out", default=str(RESULTS / "load-test.json"))
     args = parser.parse_args(argv)
     require_at_least_one(parser, args, "--requests", "--concurrency")
@@ -208,24 +225,28 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
         parser.error(f"--slots must be >= 1, got {args.slots}")
     if not 0 <= args.cancel_fraction <= 1:
         parser.error(f"--cancel-fraction must be in [0, 1], got {args.cancel_fraction}")
+    if args.shared_prefixes < 0:
+        parser.error(f"--shared-prefixes must be >= 0, got {args.shared_prefixes}")
     if args.check < 0 or not args.timeout > 0:
         parser.error(f"--check must be >= 0 and --timeout > 0, got {args.check} and {args.timeout}")
     console = console or Console(stderr=True)
     if args.artifact:
         artifact_manifest(parser, Path(args.artifact))
     artifact = Path(args.artifact) if args.artifact else tiny_artifact()
-    engine = Engine.load(artifact, intra_op_threads=args.threads)
+    engine = Engine.load(artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching)
     slots = args.slots or args.concurrency
     engine.start_scheduler(slots=slots, batching=args.batching, max_queue=args.concurrency)
     vocab = engine.manifest["model"]["config"]["vocab_size"]
-    requests = make_requests(args.requests, vocab, engine.max_context, args.seed)
+    requests = make_requests(args.requests, vocab, engine.max_context, args.seed, args.shared_prefixes)
     rng = np.random.default_rng([args.seed, 1])
     cancel = set(np.flatnonzero(rng.random(args.requests) < args.cancel_fraction).tolist())
     greedy = [i for i, r in enumerate(requests) if not r["sampling"] and i not in cancel]
     ledger = Ledger(args.requests, greedy[:args.check])
     with console.status(f"{args.requests} requests at concurrency {args.concurrency} on {slots} slots"):
         seconds = run(engine, requests, ledger, concurrency=args.concurrency, cancel=cancel, timeout=args.timeout)
-    verdict = judge(engine, requests, ledger, cancel)  # before close(), which fails whatever is still pending
+    # the reference: the batch-1 path, without prefix caching (whose reuse is what is checked)
+    alone = Engine.load(artifact, intra_op_threads=args.threads) if args.prefix_caching else engine
+    verdict = judge(alone, requests, ledger, cancel)  # before close(), which fails whatever is still pending
     engine.close()
     rss_from = min(100, max(1, args.requests // 10))
     rss_start, rss_end = int(ledger.rss[rss_from]), int(ledger.rss[ledger.completed])
@@ -236,13 +257,15 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     report = {
         "settings": {"artifact": str(artifact), "requests": args.requests, "concurrency": args.concurrency,
                      "slots": slots, "batching": args.batching, "cancel_fraction": args.cancel_fraction,
-                     "seed": args.seed, "threads": args.threads},
+                     "seed": args.seed, "threads": args.threads, "prefix_caching": args.prefix_caching,
+                     "shared_prefixes": args.shared_prefixes},
         **{key: len(value) if isinstance(value, list) else value for key, value in verdict.items()},
         "lost_requests": verdict["lost"], "error_requests": verdict["errors"],
         "incomplete_requests": verdict["incomplete"], "mismatched_requests": verdict["mismatched"],
         "errors_seen": sorted(set(ledger.errors))[:5],
         "rss_from_request": rss_from, "rss_start_bytes": rss_start, "rss_end_bytes": rss_end, "rss_growth": growth,
         "rss_curve_bytes": {n: int(ledger.rss[n]) for n in range(step, ledger.completed + 1, step)},
+        "cached_prompt_tokens": int(ledger.cached.sum()), "prompt_tokens": sum(len(r["prompt"]) for r in requests),
         "duration_s": seconds, "summary": latency_summary(ledger), "passed": passed,
     }
     console.print(table(report))
@@ -267,7 +290,8 @@ def table(report: dict) -> Table:
             (f"mismatched of {report['checked']} checked", report["mismatched"], "0"),
             (f"RSS at request {report['rss_from_request']}", mib(report["rss_start_bytes"]), ""),
             ("RSS at the last", mib(report["rss_end_bytes"]), ""),
-            ("RSS growth", "-" if growth is None else f"{100 * growth:+.2f}%", f"< {100 * MAX_RSS_GROWTH:.0f}%")]
+            ("RSS growth", "-" if growth is None else f"{100 * growth:+.2f}%", f"< {100 * MAX_RSS_GROWTH:.0f}%"),
+            ("prompt tokens from the cache", f"{report['cached_prompt_tokens']} of {report['prompt_tokens']}", "")]
     if report["summary"]:
         summary = report["summary"]
         rows += [("output tok/s", f"{summary['output_tokens_per_s']:.0f}", ""),

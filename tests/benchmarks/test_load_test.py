@@ -28,6 +28,22 @@ def test_load_test_small(tiny_artifact, tmp_path):
     assert json.loads(out.read_text())["settings"]["requests"] == 100
 
 
+def test_load_test_small_with_prefix_sharing(tiny_artifact, tmp_path):
+    """Prompts that begin with one of 3 shared prefixes, served with prefix caching: requests copy their starts from
+    other slots (running ones, or ones left), some are cancelled, and the greedy ones checked make the tokens the
+    batch-1 path makes without prefix caching."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import load_test
+
+    report = load_test.main(["--artifact", str(tiny_artifact), "--requests", "100", "--concurrency", "8",
+                             "--cancel-fraction", "0.1", "--check", "12", "--prefix-caching", "--shared-prefixes", "3",
+                             "--out", str(tmp_path / "load.json")], console=Console(quiet=True))
+    assert (report["lost"], report["errors"], report["incomplete"], report["mismatched"]) == (0, 0, 0, 0)
+    assert report["checked"] == 12 and report["cancelled"] >= 1
+    # most requests after the first few find their 24-token prefix somewhere (16 is the least worth reusing)
+    assert report["cached_prompt_tokens"] >= 24 * 60, report["cached_prompt_tokens"]
+
+
 def test_requests_without_a_result_by_the_deadline_count_as_lost(tiny_artifact, tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import load_test
@@ -45,6 +61,7 @@ def test_bad_sizes_are_usage_errors_before_anything_runs(capsys, tmp_path):
     for flags, message in ((["--requests", "0"], "--requests must be >= 1, got 0"),
                            (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
                            (["--cancel-fraction", "2"], "--cancel-fraction must be in [0, 1]"),
+                           (["--shared-prefixes", "-1"], "--shared-prefixes must be >= 0, got -1"),
                            (["--artifact", str(tmp_path / "none")], "not an artifact folder (no such directory)")):
         with pytest.raises(SystemExit) as stopped:
             load_test.main([*flags, "--timeout", "1"], console=Console(quiet=True))
