@@ -482,6 +482,10 @@ class Engine:
         if bad is not None:  # it could never stop anything
             raise RequestError(f"stop_token_ids: {bad} is outside this model's vocabulary "
                                f"(0..{self.manifest['model']['config']['vocab_size'] - 1})")
+        bad = self._outside_vocabulary(token for token, _ in params.logit_bias or ())
+        if bad is not None:
+            raise RequestError(f"logit_bias: token {bad} is outside this model's vocabulary "
+                               f"(0..{self.manifest['model']['config']['vocab_size'] - 1})")
         if not prompt_ids:
             raise RequestError("the prompt is empty: give at least one token")
         if len(prompt_ids) > self.max_context:  # a prompt that fills the cache still gets the token its prefill samples

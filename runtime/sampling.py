@@ -39,6 +39,10 @@ class SamplingParams:
     # vLLM's ignore_eos: go on past the model's end-of-sequence tokens, to max_new_tokens or a stop string (output
     # lengths fixed for a benchmark). Stop ids given in stop_token_ids still stop.
     ignore_eos: bool = False
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to those logits before the penalties (vLLM's order);
+    # -100 all but bans a token, 100 all but forces it. Token ids may be ints or, as in OpenAI's JSON, digit strings.
+    # Stored as ((id, bias), ...) sorted by id. Log-probabilities stay the model's own, as for the penalties.
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -72,6 +76,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):  # a string such as "false" would read as True
             raise RequestError(f"ignore_eos: {self.ignore_eos!r} must be True or False")
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
             if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_integer(i) for i in ids):
@@ -93,6 +98,29 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range
+
+
+def _checked_logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
+    if bias is None or isinstance(bias, tuple) and not bias:
+        return None
+    if isinstance(bias, tuple):  # the stored form, from dataclasses.replace: checked again below
+        bias = dict(bias)
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias: {bias!r} must be a dict of token id -> bias (e.g. {{50256: -100}})")
+    checked = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.strip().isdigit():  # OpenAI's JSON keys
+            token = int(token)
+        if not is_integer(token) or token < 0:
+            raise RequestError(f"logit_bias: key {token!r} must be a token id (an integer >= 0)")
+        if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias: {value!r} for token {token} must be a number in "
+                               f"[-{MAX_LOGIT_BIAS:.0f}, {MAX_LOGIT_BIAS:.0f}]")
+        checked[int(token)] = float(value)
+    return tuple(sorted(checked.items())) or None
 
 
 def sampling_params(params: SamplingParams | None, keywords: dict) -> SamplingParams:
@@ -128,16 +156,23 @@ class Sampler:
         self._output_counts: dict[int, int] = {}
         # With params.logprobs: per token returned, {token id: log-probability} for it and its alternatives.
         self.logprobs: list[dict[int, float]] = []
+        bias = params.logit_bias or ()
+        self._bias_ids = np.array([token for token, _ in bias], dtype=np.int64)
+        self._bias_values = np.array([value for _, value in bias], dtype=np.float32)
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits: [vocab] float32 -> token id, remembered as the output's next token. NaN or +inf logits, or all
         -inf, raise a ModelOutputError: greedy would pick an arbitrary token (argmax returns the first NaN) and
         sampling would fail inside numpy."""
         _check_samplable(logits)
+        biased = logits
+        if self._bias_ids.size:  # in a copy: the row belongs to the step's output, and logprobs are the model's
+            biased = logits.copy()
+            biased[self._bias_ids] += self._bias_values
         if not self.params.penalized:
-            token = self._choose(logits)
+            token = self._choose(biased)
         else:
-            token = self._choose(self._penalize(logits))
+            token = self._choose(self._penalize(biased))
             self._seen.add(token)
             self._output_counts[token] = self._output_counts.get(token, 0) + 1
         if self.params.logprobs is not None:

@@ -240,3 +240,54 @@ def test_cli_run_ignore_eos(tiny_artifact, capsys, monkeypatch):
     assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "12", "--ignore-eos"]) == 0
     out = capsys.readouterr()
     assert out.out == "hello" + engine.tokenizer.decode(tokens) + "\n" and "12 output tokens (length)" in out.err
+
+
+# -- logit_bias ------------------------------------------------------------------------------------------------
+def test_logit_bias_is_added_before_the_penalties_and_leaves_logprobs_the_models():
+    row = steps(64, 1)[0]
+    bias = {2: 3.0, 40: -100.0, 7: 1.5}
+    params = SamplingParams(temperature=0.8, top_k=20, logit_bias={str(k): v for k, v in bias.items()},
+                            repetition_penalty=1.4, logprobs=0)
+    biased = row.copy()
+    for token, value in bias.items():
+        biased[token] += np.float32(value)
+    seen = [2, 5]
+    expected = biased.copy()  # vLLM's order: the bias, then the penalty on the biased logits
+    expected[seen] = np.where(expected[seen] > 0, expected[seen] / 1.4, expected[seen] * 1.4)
+    sampler = Sampler(params, prompt_ids=seen)
+    reference = Sampler(SamplingParams(temperature=0.8, top_k=20))
+    np.testing.assert_allclose(sampler.distribution(sampler._penalize(biased)), reference.distribution(expected))
+    token = sampler(row)
+    np.testing.assert_array_equal(row, steps(64, 1)[0])  # the step's row is not changed in place
+    raw = row.astype(np.float64) - row.max()
+    assert sampler.logprobs[0][token] == pytest.approx(raw[token] - np.log(np.exp(raw).sum()))  # unbiased
+    assert Sampler(SamplingParams(logit_bias={40: 100})).__call__(row) == 40  # greedy: forced
+    assert Sampler(SamplingParams(logit_bias={int(np.argmax(row)): -100})).__call__(row) != int(np.argmax(row))
+
+
+@pytest.mark.parametrize("bias, message", [([3], "must be a dict of token id -> bias"),
+                                           ({"x": 1}, "key 'x' must be a token id"),
+                                           ({3: 100.5}, "100.5 for token 3 must be a number in \\[-100, 100\\]"),
+                                           ({3: float("nan")}, "nan for token 3"), ({True: 1}, "key True")])
+def test_bad_logit_biases_are_refused(bias, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_on_both_paths(tiny_engine):
+    prompt = [1, 30, 31, 32, 30]
+    plain = tiny_engine.generate(prompt, max_new_tokens=10, stop_token_ids=()).token_ids
+    banned = {token: -100 for token in set(plain)}
+    try:
+        alone = tiny_engine.generate(prompt, max_new_tokens=10, stop_token_ids=(), logit_bias=banned)
+        batched = [tiny_engine.submit(prompt, max_new_tokens=10, stop_token_ids=(), **options)
+                   for options in (dict(logit_bias=banned), {})]
+        assert [handle.result(timeout=60).token_ids for handle in batched] == [alone.token_ids, plain]
+    finally:
+        tiny_engine.close()
+    assert not set(alone.token_ids) & set(plain)
+    vocab = tiny_engine.manifest["model"]["config"]["vocab_size"]
+    for run in (tiny_engine.generate, tiny_engine.submit):
+        with pytest.raises(RequestError, match=f"logit_bias: token {vocab} is outside this model's vocabulary"):
+            run(prompt, logit_bias={vocab: 1})
+    tiny_engine.close()
