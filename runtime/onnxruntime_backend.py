@@ -336,11 +336,11 @@ class SlotCache:
     def nbytes(self) -> int:
         return sum(array.nbytes for array in self.arrays)
 
-    def copy_prefix(self, source: int, target: int, tokens: int) -> None:
-        """Copy the keys and values of slot `source`'s first `tokens` positions into slot `target` (prefix sharing
-        between requests, runtime/scheduler.py); the OrtValues bound over these arrays see it at once."""
+    def copy_rows(self, source: int, target: int, start: int, stop: int) -> None:
+        """Copy the keys and values of slot `source`'s positions start:stop into slot `target` (prefix sharing between
+        requests, runtime/scheduler.py); the OrtValues bound over these arrays see it at once."""
         for array in self.arrays:
-            array[target, :, :tokens] = array[source, :, :tokens]
+            array[target, :, start:stop] = array[source, :, start:stop]
 
     def views(self, start: int, stop: int) -> list[ort.OrtValue]:
         """OrtValues over rows start:stop of every buffer, sharing the numpy memory (no copy)."""

@@ -29,7 +29,8 @@ With Engine.load(prefix_caching=True), a slot a request leaves keeps a record of
 request goes to the free slot holding most of its prompt's start and prefills only the rest (engine.reusable_prefix
 says when that pays), through the decode graph as a chunk after a past. A prompt's start that another slot holds (a
 running request's, or a free slot's record) is copied into the request's slot instead of computed; requests admitted
-together that share a start (a system prompt) wait for the first one's prefill and copy from it (_share_prefixes).
+together that share a start (a system prompt) wait for the first one's prefill and copy from it, and the requests
+admitted after a waiting one wait with it, so that none overtakes it (_share_prefixes).
 
 Capacity: a request needs prompt + max_new_tokens - 1 cache positions (the last token is never fed back); one
 that can never fit is refused at submit with a RequestError, as is a request that finds the queue of waiting
@@ -50,8 +51,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from runtime.engine import (GenerationResult, Timings, last_token_logits, received_at, rest_piece_tokens,
-                            reusable_prefix)
+from runtime.engine import (PREFIX_MIN_TOKENS, GenerationResult, Timings, last_token_logits, received_at,
+                            rest_piece_tokens, reusable_prefix)
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
 from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
@@ -400,10 +401,13 @@ class Scheduler:
         """Prefix caching across slots: a request about to be prefilled whose prompt begins with what another slot
         holds (a running request's prompt and output so far, or a free slot's record), beyond what its own slot
         held, gets those rows copied into its slot and prefills only the rest: requests that share a system prompt
-        compute it once, however many arrive together. One whose prompt shares more with a request admitted before
-        it that is not prefilled yet waits for that prefill (the returned set: not prefilled this iteration) and
-        copies from it at the next. Copying the keys and values of P tokens costs what reading them does; computing
-        them costs a prefill."""
+        compute it once, however many arrive together. Copying the keys and values of P tokens costs what reading
+        them does; computing them costs a prefill.
+
+        Returns the requests not to prefill this iteration: one whose prompt shares at least PREFIX_MIN_TOKENS more
+        with a request admitted before it that is still being prefilled waits for that prefill, to copy from it at
+        the next iteration; and so do the requests admitted after it, so that none overtakes it (first come, first
+        served, as without sharing)."""
         rest_per_run = self.engine.backend.max_decode_tokens
         deferred: set[_Sequence] = set()
         pending = sorted((s for s in self._running if s is not None and s.prefill_start is None),
@@ -418,12 +422,15 @@ class Scheduler:
                 if common > shared:
                     shared, donor = common, slot
             if donor is not None:
-                self.cache.copy_prefix(donor, sequence.slot, shared)
+                if self._graph_run([sequence], lambda: self.cache.copy_rows(
+                        donor, sequence.slot, sequence.prefilled, shared) or True) is None:
+                    continue  # the copy failed this request alone
                 sequence.prefilled = sequence.cached = shared
-            if any(other is not sequence and other not in deferred and other.handle.id < sequence.handle.id
-                   and other.prefilled < len(other.prompt_ids)
-                   and reusable_prefix(other.prompt_ids, sequence.prompt_ids, rest_per_run) > shared
-                   for other in filter(None, self._running)):
+            if deferred or any(
+                    other is not sequence and other.handle.id < sequence.handle.id
+                    and other.prefilled < len(other.prompt_ids)
+                    and reusable_prefix(other.prompt_ids, sequence.prompt_ids, rest_per_run) >= shared + PREFIX_MIN_TOKENS
+                    for other in filter(None, self._running)):
                 deferred.add(sequence)
         return deferred
 

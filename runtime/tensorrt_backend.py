@@ -120,12 +120,12 @@ class DeviceCache:
     def nbytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers)
 
-    def copy_prefix(self, source: int, target: int, tokens: int) -> None:
-        """Copy the keys and values of row `source`'s first `tokens` positions into row `target` (prefix sharing
-        between the scheduler's requests), on the stream the engines run on, so it lands before the next run."""
+    def copy_rows(self, source: int, target: int, start: int, stop: int) -> None:
+        """Copy the keys and values of row `source`'s positions start:stop into row `target` (prefix sharing between
+        the scheduler's requests), on the stream the engines run on, so it lands before the next run."""
         with self.backend.run_lock, self.backend.torch.cuda.stream(self.backend.stream):
             for buffer in self.buffers:
-                buffer[target, :, :tokens].copy_(buffer[source, :, :tokens])
+                buffer[target, :, start:stop].copy_(buffer[source, :, start:stop])
 
     def _bind(self, phase: str, context, rows: tuple[int, int], inputs: dict) -> object:
         """Set the shape and address of every input (cache views included) of one step on `context`, then the

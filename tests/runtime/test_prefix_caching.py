@@ -277,15 +277,15 @@ def test_a_running_requests_rows_are_shared_with_a_request_that_begins_the_same(
     try:
         scheduler = cached.start_scheduler(slots=2)
         copies = []
-        copy = scheduler.cache.copy_prefix
-        scheduler.cache.copy_prefix = lambda *args: (copies.append(args), copy(*args))[1]
+        copy = scheduler.cache.copy_rows
+        scheduler.cache.copy_rows = lambda *args: (copies.append(args), copy(*args))[1]
         long = cached.submit(first, max_new_tokens=80, stop_token_ids=())
         next(iter(long))  # decoding: its rows hold its prompt
         later = _burst(cached, [second], max_new_tokens=6)[0].result(timeout=60)
         assert long.result(timeout=60).finish_reason == "length"
     finally:
         cached.close()
-    assert copies == [(0, 1, 36)]  # from the running request's slot, not a slot it left
+    assert copies == [(0, 1, 0, 36)]  # from the running request's slot, not a slot it left
     assert later.timings.cached_prompt_tokens == 36
     assert later.token_ids == tiny_engine.generate(second, max_new_tokens=6, stop_token_ids=()).token_ids
     assert long.result().token_ids == tiny_engine.generate(first, max_new_tokens=80, stop_token_ids=()).token_ids
@@ -333,3 +333,76 @@ def test_samples_of_one_prompt_submitted_together_prefill_it_once(cached, tiny_e
         alone = tiny_engine.generate(prompt, max_new_tokens=8, temperature=0.9, seed=seed, stop_token_ids=())
         assert result.token_ids == alone.token_ids
     assert len({tuple(r.token_ids) for r in results}) > 1  # the seeds differ
+
+
+def test_a_request_waiting_to_share_is_not_overtaken_and_waits_only_for_a_worthwhile_gain(cached, tiny_engine):
+    """A (S + 5 tokens) is prefilled first; B (S + 15) waits for it to copy S; D (unrelated, admitted after B) waits
+    too rather than being prefilled before B's rest. C shares only 8 tokens more with B than with A: it does not wait
+    for B's rest (under PREFIX_MIN_TOKENS), and copies S from A."""
+    rng = np.random.default_rng(13)
+    shared = [1] + rng.integers(3, 500, size=29).tolist()
+    extra = rng.integers(3, 500, size=8).tolist()
+    a = shared + [200] + rng.integers(3, 500, size=4).tolist()
+    b = shared + extra + [201] + rng.integers(3, 500, size=6).tolist()
+    c = shared + extra + [202] + rng.integers(3, 500, size=6).tolist()
+    d = [2] + rng.integers(3, 500, size=40).tolist()
+    try:
+        cached.start_scheduler(slots=4)
+        results = [handle.result(timeout=60) for handle in _burst(cached, [a, b, d, c], max_new_tokens=4)]
+    finally:
+        cached.close()
+    assert [r.timings.cached_prompt_tokens for r in results] == [0, 30, 0, 30]
+    first_token = [r.timings.trace.first_token for r in results]
+    assert first_token[0] < first_token[1] < first_token[2]  # D after B
+    for result in results:
+        assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=4,
+                                                        stop_token_ids=()).token_ids
+
+
+def test_a_copy_that_fails_fails_its_request_alone(cached, tiny_engine):
+    prompts = _prompts_sharing(40, 3, 6, seed=17)
+    try:
+        scheduler = cached.start_scheduler(slots=3)
+        copy, copies = scheduler.cache.copy_rows, []
+
+        def fail_the_first_copy(*args):
+            copies.append(args)
+            if len(copies) == 1:
+                raise RuntimeError("device lost")
+            return copy(*args)
+
+        scheduler.cache.copy_rows = fail_the_first_copy
+        first, failing, third = _burst(cached, prompts, max_new_tokens=5)
+        with pytest.raises(RuntimeError, match="device lost"):
+            failing.result(timeout=60)
+        done = [first.result(timeout=60), third.result(timeout=60)]
+    finally:
+        cached.close()
+    assert [r.timings.cached_prompt_tokens for r in done] == [0, 40]
+    for result in done:
+        assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5,
+                                                        stop_token_ids=()).token_ids
+
+
+def test_sharing_with_a_prompt_prefilled_in_chunks(cached, tiny_engine):
+    """While another request decodes, prompts are prefilled 8 tokens per iteration: the followers copy the first
+    one's rows as its chunks land (only the rows they lack each time) and wait for the rest of the shared start."""
+    prompts = _prompts_sharing(40, 3, 6, seed=19)
+    busy = [2] + list(range(60, 70))
+    try:
+        scheduler = cached.start_scheduler(slots=4, prefill_chunk=8)
+        copy, copies = scheduler.cache.copy_rows, []
+        scheduler.cache.copy_rows = lambda *args: (copies.append(args), copy(*args))[1]
+        long = cached.submit(busy, max_new_tokens=100, stop_token_ids=())
+        next(iter(long))  # decoding: the prompts below are prefilled in chunks
+        results = [handle.result(timeout=60) for handle in _burst(cached, prompts, max_new_tokens=5)]
+        long.result(timeout=60)
+    finally:
+        cached.close()
+    assert [r.timings.cached_prompt_tokens for r in results] == [0, 40, 40]
+    for target in (2, 3):  # each follower's copies tile 0..40 without overlap
+        spans = [(start, stop) for source, slot, start, stop in copies if slot == target]
+        assert spans == [(0, 16), (16, 24), (24, 32), (32, 40)]  # 16 is the least worth taking, then each chunk
+    for result in results:
+        assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5,
+                                                        stop_token_ids=()).token_ids
