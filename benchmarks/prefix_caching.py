@@ -10,7 +10,7 @@
    reused, both TTFTs (medians over --repeats conversations) and whether the replies are equal.
 2. --chats chats at once, each a client submitting its next turn when its reply is in, through the scheduler's
    --slots slots, on each engine: TTFT by turn, tokens reused, output tokens/s.
-3. The raw cost behind the reuse rule (runtime/engine.py, PREFIX_MIN_TOKENS): for a --sweep-length prompt whose
+3. The raw cost behind the reuse rule (runtime/prefix_cache.py, PREFIX_MIN_TOKENS): for a --sweep-length prompt whose
    first P tokens are cached, the rest through the decode graph (in pieces of PREFIX_REST_TOKENS) against a
    whole prefill, for several P.
 Writes benchmarks/results/prefix_caching.json.
@@ -33,7 +33,8 @@ from arguments import artifact_manifest, require_at_least_one  # noqa: E402
 from generate import REPO, machine_info, versions, write_result  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
-from runtime.engine import PREFIX_REST_TOKENS, last_token_logits  # noqa: E402
+from runtime.engine import last_token_logits  # noqa: E402
+from runtime.prefix_cache import PREFIX_REST_TOKENS  # noqa: E402
 
 
 def messages_for(encode, turns: int, tokens: int) -> list[list[int]]:

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import operator
 import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 
@@ -32,141 +30,18 @@ import numpy as np
 from runtime.errors import ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
+from runtime.prefix_cache import rest_piece_tokens, reusable_prefix
+from runtime.results import GenerationResult, Timings, received_at
 from runtime.sampling import Sampler, SamplingParams, sampling_params
 from runtime.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
-    from runtime.scheduler import RequestHandle, Scheduler
+    from runtime.request_handle import RequestHandle
+    from runtime.scheduler import Scheduler
 
 # Engine.load's spin_after_run for one stream at a time, no scheduler (`aotlm run`, the batch-1 benchmarks): the
 # decode session's threads keep spinning between its steps (TPOT 3-5% lower, paired; README "Threads after a run").
 SINGLE_STREAM_SPIN = ("decode",)
-# Prefix caching (Engine.load(prefix_caching=True)): the rest of a prompt after a reused prefix runs through the
-# decode graph, which returns every position's logits and whose onnxruntime arena grows faster than the tokens of a
-# run (the default model: +177 MB after 250, +1.5 GB after 1000), so it goes in runs of at most this many.
-PREFIX_REST_TOKENS = 256
-# A prefix is reused when it holds at least this many tokens, and at least half as many as the rest of the prompt:
-# the decode graph computes the rest more slowly than the prefill graph would (the lm_head over every position).
-PREFIX_MIN_TOKENS = 16
-
-
-def received_at(arrival: float | None, now: float) -> float:
-    """When a request was received: `arrival` (a time.perf_counter reading) if given and not later than now."""
-    if arrival is None:
-        return now
-    if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not math.isfinite(arrival):
-        raise RequestError(f"arrival: {arrival!r} must be a finite time.perf_counter() reading")
-    return min(float(arrival), now)
-
-
-@dataclass
-class Timings:
-    """One request's timings, all derived from its `trace` (runtime/metrics.py holds the formulas, vLLM's).
-
-    Seconds; `*_s` latencies count from the moment `stream()` was called. tpot = (e2e - ttft) / (output tokens - 1),
-    reported as 0.0 for a one-token output (the trace says None). e2e ends at the last output token.
-    """
-
-    trace: RequestTrace
-    tokenize_s: float = 0.0
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.trace.prompt_tokens
-
-    @property
-    def output_tokens(self) -> int:
-        """Every token the model produced, a final stop token included."""
-        return self.trace.output_tokens
-
-    @property
-    def prefill_s(self) -> float:
-        """Prefill graph run (compute + logits), excluding tokenization and sampling."""
-        return self.trace.prefill_seconds
-
-    @property
-    def ttft_s(self) -> float:
-        """Request received -> first output token chosen (tokenization and prefill included)."""
-        return self.trace.ttft
-
-    @property
-    def e2e_s(self) -> float:
-        """Request received -> last output token chosen."""
-        return self.trace.e2e
-
-    @property
-    def token_times_s(self) -> list[float]:
-        """One per output token, seconds since the request was received."""
-        arrival = self.trace.arrival
-        return [t - arrival for t in self.trace.token_times]
-
-    @property
-    def itl_s(self) -> list[float]:
-        """Inter-token latencies: gaps between consecutive output tokens."""
-        return self.trace.itl
-
-    @property
-    def tpot_s(self) -> float:
-        tpot = self.trace.tpot
-        return 0.0 if tpot is None else tpot
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Output tokens per second of decode (after the first token); 0 for one-token outputs."""
-        return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """Prompt tokens computed per second of prefill (a cached prefix is not computed)."""
-        return self.trace.prefill_tokens_per_s or 0.0
-
-    @property
-    def cached_prompt_tokens(self) -> int:
-        """The prompt's first tokens reused from the cache (Engine.load(prefix_caching=True)); 0 otherwise."""
-        return self.trace.cached_prompt_tokens
-
-    def summary(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-            "ttft_ms": 1e3 * self.ttft_s, "prefill_ms": 1e3 * self.prefill_s, "tpot_ms": 1e3 * self.tpot_s,
-            "e2e_ms": 1e3 * self.e2e_s, "queue_ms": 1e3 * self.trace.queue, "decode_tokens_per_s": self.tokens_per_s,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s, "cached_prompt_tokens": self.cached_prompt_tokens,
-        }
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    finish_reason: str  # "stop" (stop token or string), "length" (max_new_tokens), "max_context", "cancelled"
-    timings: Timings | None  # None only for a request cancelled before its first token
-    # With the logprobs sampling option: one {token id: log-probability} per token of token_ids (itself first,
-    # then the likeliest alternatives); None without it.
-    logprobs: list[dict[int, float]] | None = None
-
-
-def rest_piece_tokens(backend, limit: int | None = None) -> int:
-    """Tokens per decode-graph run for the rest of a prompt after a past (a later chunk, or the rest after a cached
-    prefix): at most `limit` (PREFIX_REST_TOKENS when None), and at most the engine's decode_max_tokens where it
-    bounds a call (TensorRT)."""
-    limit = limit or PREFIX_REST_TOKENS
-    return min(limit, backend.max_decode_tokens or limit)
-
-
-def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], rest_per_run: int | None = None) -> int:
-    """How many of the prompt's first tokens to take from a cache holding `cached_ids`: their common prefix, but
-    never the prompt's last token (its logits choose the first output token), and 0 unless the prefix holds at
-    least PREFIX_MIN_TOKENS and at least half as many as the rest of the prompt. rest_per_run: the tokens one
-    decode call takes where the engine bounds it (TensorRT's decode_max_tokens, 1 by default): the rest must fit
-    one call, or a prefill of the whole prompt is the faster."""
-    limit = min(len(cached_ids), len(prompt_ids) - 1)
-    differs = np.flatnonzero(np.asarray(cached_ids[:limit]) != np.asarray(prompt_ids[:limit]))
-    common = int(differs[0]) if differs.size else limit
-    rest = len(prompt_ids) - common
-    if rest_per_run is not None and rest > rest_per_run:
-        return 0
-    return common if common >= PREFIX_MIN_TOKENS and 2 * common >= rest else 0
 
 
 def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
@@ -384,7 +259,7 @@ class Engine:
         Bad options are refused with a RequestError before anything stops. Otherwise a running scheduler is closed
         first (its unfinished requests fail); its cache is freed with it.
         """
-        from runtime.scheduler import Scheduler  # here: runtime.scheduler imports this module's result types
+        from runtime.scheduler import Scheduler  # here: runtime.scheduler imports this module
 
         known = [name for name in inspect.signature(Scheduler.checked_slots).parameters if name != "engine"]
         unknown = sorted(set(options) - set(known))

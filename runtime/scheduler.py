@@ -26,7 +26,7 @@ one background worker thread owns the cache and runs every graph (started on dem
      prefill: that request; a decode step: the decoding ones), and the rest go on.
 batching="static" admits only when every slot is free: fixed batches run to completion (for comparison).
 With Engine.load(prefix_caching=True), a slot a request leaves keeps a record of the tokens its rows hold; a new
-request goes to the free slot holding most of its prompt's start and prefills only the rest (engine.reusable_prefix
+request goes to the free slot holding most of its prompt's start and prefills only the rest (runtime/prefix_cache.py
 says when that pays), through the decode graph as a chunk after a past. A prompt's start that another slot holds (a
 running request's, or a free slot's record) is copied into the request's slot instead of computed; requests admitted
 together that share a start (a system prompt) wait for the first one's prefill and copy from it, and the requests
@@ -39,117 +39,26 @@ requests full (`max_queue`), unless submitted with block=True. An accepted reque
 from __future__ import annotations
 
 import itertools
-import logging
 import math
-import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from runtime.engine import (PREFIX_MIN_TOKENS, GenerationResult, Timings, last_token_logits, received_at,
-                            rest_piece_tokens, reusable_prefix)
+from runtime.engine import last_token_logits
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
+from runtime.prefix_cache import PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix
+from runtime.request_handle import END, CallbackThread, RequestHandle
+from runtime.results import GenerationResult, Timings, received_at
 from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
 from runtime.tokenizer import StreamDecoder
 
 BATCHING = ("continuous", "static")
 DEFAULT_SLOTS = 8
-_END = object()  # the last item of a handle's piece queue
-LOGGER = logging.getLogger(__name__)
-
-
-class _CallbackThread:
-    """Runs requests' done-callbacks in order on a thread of their own, started when one is due and ending when none
-    is. Not on the worker, which completes the requests: a callback that waits on another request (its result, a
-    generate, a blocking submit) waited on the worker itself, and serving stopped for good. A callback's exception
-    is logged, as concurrent.futures logs it, and the next one runs."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._due: deque[Callable[[], None]] = deque()
-        self._thread: threading.Thread | None = None
-
-    def call(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            self._due.append(callback)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="aotlm-callbacks", daemon=True)
-                self._thread.start()
-
-    def call_in_turn(self, callback: Callable[[], None]) -> None:
-        """Run it now, in this thread, unless callbacks are due or running: then after them, on the thread (a
-        handle's callbacks run in the order they were added, as concurrent.futures runs them)."""
-        with self._lock:
-            idle = self._thread is None
-        if idle:
-            callback()
-        else:
-            self.call(callback)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._due:
-                    self._thread = None  # under the lock: a call after this starts a new thread
-                    return
-                callback = self._due.popleft()
-            try:
-                callback()
-            except BaseException:  # SystemExit too: it would end this thread with callbacks still due
-                LOGGER.exception("a request's done-callback raised")
-
-
-class RequestHandle:
-    """One submitted request. Iterate (one consumer) for its text pieces; `result()` waits for the whole result.
-
-    A cancelled request's result has finish_reason "cancelled", the tokens made so far, and timings None when it
-    made none. A request that failed (the graph raised) raises that error from `result()` and from iteration.
-    """
-
-    def __init__(self, scheduler: "Scheduler", request_id: int, prompt_token_ids: list[int]):
-        self.id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self._scheduler = scheduler
-        self._pieces: queue.SimpleQueue = queue.SimpleQueue()
-        self._future: Future = Future()
-        self.cancelled = False
-
-    def __iter__(self) -> Iterator[str]:
-        """The text pieces as they arrive. Leaving the loop early does not stop the request (the handle is its
-        result too, and `next(iter(handle))` waits for the first piece): call cancel() to free its slot."""
-        while (piece := self._pieces.get()) is not _END:
-            yield piece
-        self._pieces.put(_END)  # a later iteration ends at once instead of waiting forever
-        self._future.result()  # raises the request's error, if it failed
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        return self._future.result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The error the request failed with (after waiting for it), or None."""
-        return self._future.exception(timeout)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def cancel(self) -> None:
-        """Stop the request: a waiting one leaves the queue now, a running one frees its slot at the next step."""
-        self._scheduler._cancel(self)
-
-    def add_done_callback(self, callback: Callable[["RequestHandle"], None]) -> None:
-        """callback(handle) once the result (or error) is set: on the scheduler's callback thread (never its worker:
-        a callback may wait on other requests), or at once in this thread if the result is set and no callback is
-        due. One handle's callbacks run in the order they were added."""
-        if self._future.done():
-            self._scheduler._callbacks.call_in_turn(lambda: callback(self))
-        else:
-            self._future.add_done_callback(lambda _: self._scheduler._callbacks.call(lambda: callback(self)))
 
 
 @dataclass(eq=False)
@@ -221,7 +130,7 @@ class Scheduler:
         self._waiting: deque[_Sequence] = deque()
         self._lock = threading.Condition()  # guards _waiting, _worker, _closed
         self._worker: threading.Thread | None = None
-        self._callbacks = _CallbackThread()
+        self._callbacks = CallbackThread()
         self._closed = False
         self._ids = itertools.count()
 
@@ -584,7 +493,7 @@ class Scheduler:
         except Exception as error:  # the slot is free already: the handle must still complete
             self._fail(sequence, error)
             return
-        sequence.handle._pieces.put(_END)
+        sequence.handle._pieces.put(END)
         sequence.handle._future.set_result(result)
 
     def _result(self, sequence: _Sequence, reason: str) -> GenerationResult:
@@ -607,5 +516,5 @@ class Scheduler:
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         self._release(sequence, failed=True)  # a failed run may have written its rows partly
-        sequence.handle._pieces.put(_END)
+        sequence.handle._pieces.put(END)
         sequence.handle._future.set_exception(error)

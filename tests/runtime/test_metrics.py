@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from runtime.engine import Timings
+from runtime.results import Timings
 from runtime.metrics import RequestTrace, format_table, queued_share, summarize
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import runtime.engine
+import runtime.prefix_cache
 from runtime import Engine, RequestError
 
 
@@ -35,7 +36,7 @@ def test_each_turn_reuses_the_previous_turns_tokens_and_makes_the_same_tokens(ca
 
 
 def test_the_rest_runs_in_bounded_pieces_and_its_logits_equal_a_whole_prefill(cached, tiny_engine, monkeypatch):
-    monkeypatch.setattr(runtime.engine, "PREFIX_REST_TOKENS", 4)
+    monkeypatch.setattr(runtime.prefix_cache, "PREFIX_REST_TOKENS", 4)
     calls = []
     run = cached.backend.run
     monkeypatch.setattr(cached.backend, "run", lambda phase, ids, *rest: calls.append((phase, ids.shape[1])) or run(
@@ -128,7 +129,7 @@ def test_a_replaced_cache_is_freed_not_kept_by_the_record(cached):
 def test_an_engine_that_bounds_its_decode_calls_reuses_only_a_rest_of_one_call(cached, monkeypatch):
     """TensorRT's decode engine takes decode_max_tokens per call, 1 by default: a rest of many tokens would run as
     many calls, slower than one prefill of the whole prompt."""
-    from runtime.engine import reusable_prefix
+    from runtime.prefix_cache import reusable_prefix
 
     cached_ids = list(range(100))
     assert reusable_prefix(cached_ids, cached_ids[:60] + [7] * 5) == 60

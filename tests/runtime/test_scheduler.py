@@ -429,7 +429,7 @@ def test_submit_after_the_scheduler_was_closed_directly_starts_a_new_one(engine)
 
 
 def test_generate_a_list_interrupted_cancels_the_requests_left(engine, monkeypatch):
-    from runtime.scheduler import RequestHandle
+    from runtime.request_handle import RequestHandle
 
     slowed(engine.start_scheduler(slots=1), seconds=0.01)
     handles = []

@@ -1,0 +1,105 @@
+"""What a request returns: its text and tokens, why it ended, and its timings (derived from the raw trace that
+runtime/metrics.py aggregates)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from runtime.errors import RequestError
+from runtime.metrics import RequestTrace
+
+
+def received_at(arrival: float | None, now: float) -> float:
+    """When a request was received: `arrival` (a time.perf_counter reading) if given and not later than now."""
+    if arrival is None:
+        return now
+    if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not math.isfinite(arrival):
+        raise RequestError(f"arrival: {arrival!r} must be a finite time.perf_counter() reading")
+    return min(float(arrival), now)
+
+
+@dataclass
+class Timings:
+    """One request's timings, all derived from its `trace` (runtime/metrics.py holds the formulas, vLLM's).
+
+    Seconds; `*_s` latencies count from the moment `stream()` was called. tpot = (e2e - ttft) / (output tokens - 1),
+    reported as 0.0 for a one-token output (the trace says None). e2e ends at the last output token.
+    """
+
+    trace: RequestTrace
+    tokenize_s: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.trace.prompt_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        """Every token the model produced, a final stop token included."""
+        return self.trace.output_tokens
+
+    @property
+    def prefill_s(self) -> float:
+        """Prefill graph run (compute + logits), excluding tokenization and sampling."""
+        return self.trace.prefill_seconds
+
+    @property
+    def ttft_s(self) -> float:
+        """Request received -> first output token chosen (tokenization and prefill included)."""
+        return self.trace.ttft
+
+    @property
+    def e2e_s(self) -> float:
+        """Request received -> last output token chosen."""
+        return self.trace.e2e
+
+    @property
+    def token_times_s(self) -> list[float]:
+        """One per output token, seconds since the request was received."""
+        arrival = self.trace.arrival
+        return [t - arrival for t in self.trace.token_times]
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latencies: gaps between consecutive output tokens."""
+        return self.trace.itl
+
+    @property
+    def tpot_s(self) -> float:
+        tpot = self.trace.tpot
+        return 0.0 if tpot is None else tpot
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens per second of decode (after the first token); 0 for one-token outputs."""
+        return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens computed per second of prefill (a cached prefix is not computed)."""
+        return self.trace.prefill_tokens_per_s or 0.0
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """The prompt's first tokens reused from the cache (Engine.load(prefix_caching=True)); 0 otherwise."""
+        return self.trace.cached_prompt_tokens
+
+    def summary(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "ttft_ms": 1e3 * self.ttft_s, "prefill_ms": 1e3 * self.prefill_s, "tpot_ms": 1e3 * self.tpot_s,
+            "e2e_ms": 1e3 * self.e2e_s, "queue_ms": 1e3 * self.trace.queue, "decode_tokens_per_s": self.tokens_per_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s, "cached_prompt_tokens": self.cached_prompt_tokens,
+        }
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str  # "stop" (stop token or string), "length" (max_new_tokens), "max_context", "cancelled"
+    timings: Timings | None  # None only for a request cancelled before its first token
+    # With the logprobs sampling option: one {token id: log-probability} per token of token_ids (itself first,
+    # then the likeliest alternatives); None without it.
+    logprobs: list[dict[int, float]] | None = None
