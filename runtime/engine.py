@@ -53,26 +53,50 @@ def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
 
 
 class Generation:
-    """Iterate to receive text pieces as tokens arrive; `.result` is set once iteration ends.
+    """An iterator of text pieces as tokens are decoded; `.result` is set when it ends (iterate to the end, or wait()).
 
-    Ending a loop over it early (break) closes the request and frees the cache; it then has no result."""
+    It holds the batch-1 cache, one sequence at a time, until it ends, is closed (`close()`, or leaving a `with`
+    block) or is garbage-collected. A loop left early (break) leaves it open, to resume like any Python iterator
+    (`next(generation)` for the first piece, then `for piece in generation` reads on); a loop over a stream nothing
+    else refers to (`for piece in engine.stream(...)`) frees the cache when it ends. A closed stream has no result."""
 
     def __init__(self, pieces: Iterator[str]):
         self._pieces = pieces
         self.result: GenerationResult | None = None
         self._closed = False
+        self._error: BaseException | None = None
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> str:
         if self.result is not None:  # read to the end already: nothing more to yield
-            return
+            raise StopIteration
+        if self._error is not None:
+            raise self._error
         if self._closed:
-            raise RequestError("this stream was closed before it finished (a loop over it ended early), so it has "
-                               "no result; iterate it to the end, or call wait(), to get one")
+            raise RequestError("this stream was closed before it finished, so it has no result; iterate it to the "
+                               "end, or call wait(), before closing it")
         try:
-            self.result = yield from self._pieces
-        except GeneratorExit:
-            self._closed = True
+            return next(self._pieces)
+        except StopIteration as done:
+            self.result = done.value
+            raise StopIteration from None
+        except BaseException as error:  # the request failed (its generator is finished): say so at every call
+            self._error = error
             raise
+
+    def close(self) -> None:
+        """End the request now if it has not ended, freeing the batch-1 cache (it then has no result)."""
+        if self.result is None and not self._closed:
+            self._closed = True
+            self._pieces.close()
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def wait(self) -> GenerationResult:
         for _ in self:
@@ -298,6 +322,13 @@ class Engine:
             scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:  # after the lock: its requests' done-callbacks may submit while it stops
             scheduler.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """`with Engine.load(...) as engine:` stops its scheduler at the end of the block (close())."""
+        self.close()
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                arrival: float | None = None, **sampling) -> Generation:

@@ -88,6 +88,7 @@ def test_a_stream_left_early_leaves_what_it_wrote(cached, tiny_engine):
     for index, _ in enumerate(stream):
         if index == 3:
             break
+    stream.close()  # a loop left early leaves it open; closed, it frees the cache
     result = cached.generate(prompt + [7, 8], max_new_tokens=4, stop_token_ids=())
     assert result.timings.cached_prompt_tokens == len(prompt)  # the prompt; its outputs differ from 7, 8
     assert result.token_ids == tiny_engine.generate(prompt + [7, 8], max_new_tokens=4, stop_token_ids=()).token_ids

@@ -164,11 +164,58 @@ def test_a_finished_stream_keeps_its_result_and_a_closed_one_says_it_has_none(en
     first = generation.wait()
     assert generation.wait() is first and list(generation) == [] and generation.result is first
     closed = engine.stream(PROMPT, max_new_tokens=6)
-    for _ in closed:
-        break
+    next(closed)
+    closed.close()
     with pytest.raises(RequestError, match="closed before it finished"):
         closed.wait()
     assert engine.generate(PROMPT, max_new_tokens=6).token_ids == first.token_ids  # the cache was freed
+
+
+def test_a_stream_read_in_parts_goes_on_where_it_stopped(engine):
+    """`next(iter(stream))` then a loop over it (the first piece timed apart, say) read the whole reply; it closed the
+    request when the iterator the first call made was dropped, and the loop then failed."""
+    whole = engine.generate(PROMPT, max_new_tokens=8, stop_token_ids=())
+    generation = engine.stream(PROMPT, max_new_tokens=8, stop_token_ids=())
+    first = next(iter(generation))
+    for piece in generation:  # a loop left early leaves it open
+        break
+    rest = list(generation)
+    assert first + piece + "".join(rest) == whole.text and generation.result.token_ids == whole.token_ids
+
+
+def test_a_stream_is_closed_by_its_with_block_or_when_dropped(engine):
+    with engine.stream(PROMPT, max_new_tokens=8) as generation:
+        next(generation)
+    assert generation.result is None
+    with pytest.raises(RequestError, match="closed before it finished"):
+        list(generation)
+    for _ in engine.stream(PROMPT, max_new_tokens=8):  # nothing else refers to it: freed after the loop
+        break
+    assert len(engine.generate(PROMPT, max_new_tokens=3, stop_token_ids=()).token_ids) == 3  # same thread: not refused
+    kept = engine.stream(PROMPT, max_new_tokens=8)
+    next(kept)
+    with pytest.raises(RequestError, match="finish or close that stream first"):
+        engine.generate(PROMPT, max_new_tokens=3)
+    kept.close()
+    assert len(engine.generate(PROMPT, max_new_tokens=3, stop_token_ids=()).token_ids) == 3
+
+
+def test_a_failed_stream_raises_its_error_again(engine, monkeypatch):
+    run = engine.backend.run
+    calls = []
+
+    def fail_the_second_decode_step(phase, *args):
+        calls.append(phase)
+        if calls.count("decode") == 2:
+            raise RuntimeError("out of memory")
+        return run(phase, *args)
+
+    monkeypatch.setattr(engine.backend, "run", fail_the_second_decode_step)
+    generation = engine.stream(PROMPT, max_new_tokens=8, stop_token_ids=())
+    with pytest.raises(RuntimeError, match="out of memory"):
+        list(generation)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        generation.wait()
 
 
 def test_a_handle_iterated_twice_ends_at_once_the_second_time(engine):
@@ -224,3 +271,11 @@ def test_text_that_is_not_unicode_is_a_request_error(tiny_engine, capsys):
         tiny_engine.generate("a\udcffb", max_new_tokens=2)
     assert main(["run", str(tiny_engine.artifact_dir), "--prompt", "a\udcffb"]) == 2
     assert "not valid Unicode" in capsys.readouterr().err
+
+
+def test_an_engine_in_a_with_block_stops_its_scheduler_at_the_end(tiny_artifact):
+    with Engine.load(tiny_artifact) as engine:
+        handle = engine.submit(PROMPT, max_new_tokens=3, stop_token_ids=())
+        assert len(handle.result(timeout=60).token_ids) == 3
+        scheduler = engine._scheduler
+    assert engine._scheduler is None and scheduler.closed
