@@ -94,9 +94,14 @@ def _run(args) -> None:
                                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                                frequency_penalty=args.frequency_penalty, arrival=received)
     sys.stdout.write(shown)
-    for piece in generation:
-        sys.stdout.write(piece)
+    try:
+        for piece in generation:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # the notice (stderr) goes on a line of its own, not after the text on a terminal
+        sys.stdout.write("\n")
         sys.stdout.flush()
+        raise
     sys.stdout.write("\n")
     timings = generation.result.timings
     table = Table(title=f"{escape(engine.manifest['name'])}: {timings.prompt_tokens} prompt tokens, "
@@ -108,6 +113,12 @@ def _run(args) -> None:
                   f"{1e3 * timings.tpot_s:.2f}" if decoded else "-", f"{timings.tokens_per_s:.1f}" if decoded else "-",
                   f"{1e3 * timings.e2e_s:.1f}")
     console.print(table)
+    if generation.result.finish_reason == "max_context":  # the batch-1 path runs to the cache's end, not refusing
+        console.print(f"[yellow]note:[/yellow] stopped at the artifact's max context ({engine.max_context} tokens: "
+                      f"{timings.prompt_tokens} prompt + {len(generation.result.token_ids)} generated) before "
+                      f"--max-new-tokens {args.max_new_tokens}; ask for at most "
+                      f"{engine.max_context + 1 - timings.prompt_tokens}, shorten the prompt, or rebuild with a "
+                      f"larger export.max_context", highlight=False)
 
 
 def _inspect(args) -> None:

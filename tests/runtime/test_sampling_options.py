@@ -291,3 +291,25 @@ def test_logit_bias_on_both_paths(tiny_engine):
         with pytest.raises(RequestError, match=f"logit_bias: token {vocab} is outside this model's vocabulary"):
             run(prompt, logit_bias={vocab: 1})
     tiny_engine.close()
+
+
+def test_cli_run_says_when_the_context_ended_the_reply_and_ends_its_line_when_interrupted(tiny_artifact, capsys,
+                                                                                          monkeypatch):
+    from compiler.cli import main
+    from runtime import Engine
+
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "500", "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert "(max_context)" in err and "note: stopped at the artifact's max context (128 tokens" in err
+    assert "ask for at most" in err
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "5"]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+    def interrupted(self, *args, **kwargs):
+        yield "some text"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "stream", interrupted)
+    assert main(["run", str(tiny_artifact), "--prompt", "hello"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "hellosome text\n" and "interrupted" in out.err
