@@ -19,6 +19,7 @@ from rich.table import Table
 
 from compiler.cli_chat import add_chat_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
+from compiler.cli_sampling import add_sampling_options, sampling_options
 from compiler.console import console
 from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count
 
@@ -67,12 +68,7 @@ def _run(args) -> None:
     from runtime import Engine
     from runtime.engine import SINGLE_STREAM_SPIN
 
-    sampling_only = [flag for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
-                                              ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
-                     if given]
-    if args.temperature == 0 and sampling_only:  # greedy ignores them: the user would believe they sampled
-        raise UsageError(f"{', '.join(sampling_only)}: {'they shape' if len(sampling_only) > 1 else 'it shapes'} "
-                         f"sampling, but --temperature 0 (the default) decodes greedily; add --temperature > 0")
+    sampling = sampling_options(args)  # flags greedy decoding would ignore are refused before loading
     if args.system and args.chat is None:
         raise UsageError("--system goes with --chat (a system message for the chat template)")
 
@@ -88,11 +84,7 @@ def _run(args) -> None:
         prompt, shown = engine.chat_prompt_ids(messages), ""
     else:
         prompt, shown = args.prompt, args.prompt
-    generation = engine.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                               stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos,
-                               repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                               frequency_penalty=args.frequency_penalty, arrival=received)
+    generation = engine.stream(prompt, arrival=received, **sampling)
     sys.stdout.write(shown)
     try:
         for piece in generation:
@@ -365,25 +357,7 @@ def parser() -> argparse.ArgumentParser:
                        help="a user message, formatted by the model's chat template; prints the assistant's reply")
     run.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     run.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
-    run.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = all)")
-    run.add_argument("--min-p", type=float, default=0.0,
-                     help="sample among tokens at least this fraction as likely as the likeliest (0 = all)")
-    run.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed, for reproducible samples")
-    run.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
-                     help="divide the positive logits of tokens in the prompt or output by P, multiply negative ones "
-                          "(transformers' and vLLM's; 1 = none; greedy decoding too)")
-    run.add_argument("--presence-penalty", type=float, default=0.0, metavar="A",
-                     help="subtract A from the logits of tokens the output holds (OpenAI's; -2..2, 0 = none)")
-    run.add_argument("--frequency-penalty", type=float, default=0.0, metavar="A",
-                     help="subtract A per occurrence in the output (OpenAI's; -2..2, 0 = none)")
-    run.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="end the text before this string (repeatable; the model's end-of-sequence tokens stop too, "
-                          "unless --ignore-eos)")
-    run.add_argument("--ignore-eos", action="store_true",
-                     help="go on past the model's end-of-sequence tokens, to --max-new-tokens or a --stop string "
-                          "(vLLM's ignore_eos: a fixed output length to time)")
+    add_sampling_options(run)
     run.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")
     run.set_defaults(handler=_run)
     add_chat_parser(commands)

@@ -13,7 +13,8 @@ import time
 from rich.markup import escape
 
 from compiler.console import console
-from compiler.errors import UsageError, nonnegative_int, positive_float, thread_count
+from compiler.cli_sampling import add_sampling_options, sampling_options
+from compiler.errors import UsageError, thread_count
 
 EXIT_COMMANDS = ("/exit", "/quit")
 
@@ -23,11 +24,7 @@ def add_chat_parser(commands) -> None:
     chat.add_argument("artifact", help="an artifact folder whose model has a chat template")
     chat.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
     chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    chat.add_argument("--top-p", type=positive_float, default=1.0, help="sample within this probability mass")
-    chat.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed, for reproducible replies")
-    chat.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
-                      help="discourage repeating tokens of the conversation (1 = none)")
+    add_sampling_options(chat)
     chat.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads")
     chat.set_defaults(handler=chat_command)
 
@@ -36,15 +33,16 @@ def chat_command(args) -> None:
     from runtime import Engine, RequestError
     from runtime.engine import SINGLE_STREAM_SPIN
     from runtime.sampling import SamplingParams
+    from runtime.tokenizer import check_unicode
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    options = sampling_options(args)  # flags greedy decoding would ignore: refused before loading
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
                          spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True)
     if not engine.manifest["tokenizer"].get("chat_template"):
         raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              seed=args.seed, repetition_penalty=args.repetition_penalty)  # bad values: now, once
+    sampling = SamplingParams(**options)  # bad values: now, once
     system = [{"role": "system", "content": args.system}] if args.system else []
     turns: list[dict] = []  # user and assistant messages, oldest first
     while (line := _read_line()) is not None:
@@ -54,6 +52,11 @@ def chat_command(args) -> None:
         if text in EXIT_COMMANDS:
             break
         received = time.perf_counter()  # the turn's TTFT counts from here: rendering and tokenizing are in it
+        try:
+            check_unicode(text, "the message")  # where in it, not where in the rendered conversation
+        except RequestError as error:
+            console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False)
+            continue
         turns.append({"role": "user", "content": text})
         try:
             prompt = _fitting_prompt(engine, system, turns, args.max_new_tokens)

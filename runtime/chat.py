@@ -13,6 +13,7 @@ import json
 from datetime import datetime
 
 from runtime.errors import ArtifactError, RequestError
+from runtime.tokenizer import check_unicode
 
 
 def render(template: str, messages, *, add_generation_prompt: bool = True, bos_token: str | None = None,
@@ -72,6 +73,7 @@ def check_messages(messages) -> None:
                 not isinstance(message.get("content"), str):
             raise RequestError(f"messages[{index}] must be a dict with a string 'role' and a string 'content', "
                                f"got {message!r}")
+        check_unicode(message["content"], f"messages[{index}]['content']")  # its own position, not the prompt's
 
 
 def _raise_exception(message: str):

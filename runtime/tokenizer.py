@@ -18,6 +18,16 @@ def whole_text(tokenizer: Tokenizer) -> Tokenizer:
     return tokenizer
 
 
+def check_unicode(text: str, what: str = "the text") -> None:
+    """Refuse a lone surrogate (bytes read with surrogateescape from a pipe or argv, that were not UTF-8), naming where
+    it is in `what`: the tokenizer would fail on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(f"{what} is not valid Unicode at character {error.start} ({text[error.start]!r}, a lone "
+                           f"surrogate: bytes that were not UTF-8); give UTF-8 text") from None
+
+
 class TextTokenizer:
     def __init__(self, path: str | Path, bos_token_id: int | None = None):
         try:
@@ -31,12 +41,7 @@ class TextTokenizer:
         # The tokenizer.json's post-processor adds BOS when the model wants one; add nothing by hand. A chat
         # template writes its special tokens itself: add_special_tokens=False there.
         if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as error:  # a lone surrogate: bytes read with surrogateescape (a pipe, argv)
-                raise RequestError(f"the text is not valid Unicode at character {error.start} "
-                                   f"({text[error.start]!r}, a lone surrogate: bytes that were not UTF-8); give "
-                                   f"UTF-8 text") from None
+            check_unicode(text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:

@@ -204,8 +204,11 @@ def test_cli_chat_keeps_the_conversation_through_a_refused_message(chat_artifact
     assert main(["chat", str(artifact), "--max-new-tokens", "3"]) == 0
     out, err = capsys.readouterr()
     err = " ".join(err.split())
-    assert "does not fit the context" in err and "not valid Unicode at character" in err and "dropped" not in err
+    assert "does not fit the context" in err and "dropped" not in err
+    assert "the message is not valid Unicode at character 4" in err  # in the message, not in the prompt
     engine, first = Engine.load(artifact), [{"role": "user", "content": "hi"}]
+    with pytest.raises(RequestError, match=r"messages\[1\]\['content'\] is not valid Unicode at character 2"):
+        engine.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": "ok\udcff"}])
     reply = engine.chat(first, max_new_tokens=3).text
     second = engine.chat(first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "ok"}],
                          max_new_tokens=3).text
@@ -235,3 +238,22 @@ def test_cli_chat_refuses_bad_sampling_options_before_reading(chat_artifact, mon
     assert main(["chat", str(chat_artifact[0]), "--temperature", "-1"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "temperature: -1.0 must be a finite number >= 0" in err
+
+
+def test_cli_chat_takes_run_s_sampling_options_and_refuses_the_same_ones(chat_artifact, monkeypatch, capsys):
+    """`aotlm chat --top-p 0.5` (or --seed) without a temperature decoded greedily in silence, where `aotlm run`
+    refuses it; chat lacked --top-k, --min-p, --stop and the OpenAI penalties."""
+    import io
+
+    from compiler.cli import main
+
+    artifact, _ = chat_artifact
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", str(artifact), "--top-p", "0.5", "--seed", "3"]) == 2
+    assert "--top-p, --seed: they shape sampling, but --temperature 0" in capsys.readouterr().err
+    options = dict(temperature=0.9, top_k=20, min_p=0.05, seed=3, presence_penalty=0.5, frequency_penalty=0.3)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", str(artifact), "--max-new-tokens", "6", "--temperature", "0.9", "--top-k", "20",
+                 "--min-p", "0.05", "--seed", "3", "--presence-penalty", "0.5", "--frequency-penalty", "0.3"]) == 0
+    expected = Engine.load(artifact).chat([{"role": "user", "content": "hi"}], max_new_tokens=6, **options)
+    assert capsys.readouterr().out == expected.text + "\n"

@@ -1,0 +1,41 @@
+"""The sampling options `aotlm run` and `aotlm chat` share: one set of flags, one check, one mapping to
+runtime.sampling.SamplingParams' keywords (whose own checks refuse bad values before anything runs)."""
+from __future__ import annotations
+
+from compiler.errors import UsageError, nonnegative_int
+
+
+def add_sampling_options(parser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = all)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="sample among tokens at least this fraction as likely as the likeliest (0 = all)")
+    parser.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed, for reproducible samples")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                        help="divide the positive logits of tokens in the prompt or output by P, multiply negative "
+                             "ones (transformers' and vLLM's; 1 = none; greedy decoding too)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, metavar="A",
+                        help="subtract A from the logits of tokens the output holds (OpenAI's; -2..2, 0 = none)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, metavar="A",
+                        help="subtract A per occurrence in the output (OpenAI's; -2..2, 0 = none)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end the text before this string (repeatable; the model's end-of-sequence tokens stop "
+                             "too, unless --ignore-eos)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="go on past the model's end-of-sequence tokens, to --max-new-tokens or a --stop string "
+                             "(vLLM's ignore_eos: a fixed output length to time)")
+
+
+def sampling_options(args) -> dict:
+    """SamplingParams' keywords from the flags, after refusing flags that greedy decoding would silently ignore."""
+    sampling_only = [flag for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                                              ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
+                     if given]
+    if args.temperature == 0 and sampling_only:  # greedy ignores them: the user would believe they sampled
+        raise UsageError(f"{', '.join(sampling_only)}: {'they shape' if len(sampling_only) > 1 else 'it shapes'} "
+                         f"sampling, but --temperature 0 (the default) decodes greedily; add --temperature > 0")
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos)
