@@ -6,6 +6,7 @@ would. Bad input exits with status 2 and one line naming the problem; tracebacks
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ from compiler.console import console
 from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
+INSPECT_SUMMARY_CHARACTERS = 240  # a pass's summary in `aotlm inspect`'s table; --json prints the whole report
 DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
 # bench flags that apply to one kind of run only, with their defaults (argparse's are None: "given" is not None)
 BENCH_SERVED = {"requests": 32, "arrival": "all", "concurrency": None, "rate": None, "prompt_tokens": "128",
@@ -62,6 +64,13 @@ def _build(args) -> None:
 
         console.print(format_accuracy(manifest["accuracy"]), highlight=False)
     console.print(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s")
+
+
+def _shortened(text: str, limit: int = INSPECT_SUMMARY_CHARACTERS) -> str:
+    """At most `limit` characters, cut after a whole word and marked as cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(",") + " …"
 
 
 def _run(args) -> None:
@@ -118,6 +127,9 @@ def _inspect(args) -> None:
 
     manifest = read_manifest(args.artifact)
     check_files(args.artifact, manifest, verify_hashes=args.verify)
+    if args.json:  # everything, pass reports whole: for a script, or a person reading what the table shortens
+        sys.stdout.write(json.dumps(manifest, indent=2) + "\n")
+        return
     config = manifest["model"]["config"]
     console.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}, built {manifest['created']}",
                   highlight=False)
@@ -145,15 +157,15 @@ def _inspect(args) -> None:
             f" (+{len(items) - 3} kv)" if len(items) > 3 else "")
         engines.add_row(*map(escape, (phase, engine["file"], describe(engine["inputs"]), describe(engine["outputs"]))))
     console.print(engines)
-    passes = Table(title="passes")
+    passes = Table(title="passes", caption="whole reports: aotlm inspect --json")
     for column in ("pass", "phase", "seconds", "summary"):
         passes.add_column(column)
     for result in manifest["passes"]:
         report = result["report"]
         flat = {**report, **report.get("totals", {})}  # quantize keeps its counts under totals
         summary = ", ".join(f"{k}={v}" for k, v in flat.items() if isinstance(v, (int, str))
-                            or (isinstance(v, float) and not k.endswith("error")))[:100]
-        passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", escape(summary))
+                            or (isinstance(v, float) and not k.endswith("error")))
+        passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", escape(_shortened(summary)))
     console.print(passes)
     if "accuracy" in manifest:
         from compiler.accuracy import format_accuracy
@@ -364,6 +376,7 @@ def parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="summarize an artifact's manifest")
     inspect.add_argument("artifact", help="an artifact folder")
     inspect.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    inspect.add_argument("--json", action="store_true", help="print the whole manifest (every pass report) as JSON")
     inspect.set_defaults(handler=_inspect)
     plan = commands.add_parser("plan", help="memory and lower-bound latency of a model on a device")
     plan.add_argument("source", help="a recipe (.yaml), a Hugging Face config.json (or its folder), a .gguf file, "

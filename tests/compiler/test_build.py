@@ -107,6 +107,22 @@ def test_run_and_inspect(capsys, tiny_artifact):
     assert "weights: float32 (not quantized)" in output
 
 
+def test_inspect_json_prints_the_whole_manifest_and_the_table_marks_what_it_shortens(capsys, tiny_artifact):
+    """Summaries were cut at 100 characters mid-word, with no mark and no way to see the rest."""
+    import json
+
+    from compiler.cli import _shortened, main
+
+    assert main(["inspect", str(tiny_artifact), "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    assert manifest == json.loads((tiny_artifact / "manifest.json").read_text())
+    long = "fused=30, padding=right: each attention_mask row is ones, then zeros " * 5
+    assert _shortened("fused=30") == "fused=30"
+    cut = _shortened(long, 60)
+    kept = cut[:-2]
+    assert cut.endswith(" …") and long.startswith(kept) and len(kept) <= 60 and long[len(kept)] in " ,"  # whole words
+
+
 def test_run_stops_before_a_stop_string(capsys, tiny_artifact):
     from runtime import Engine
 
