@@ -28,6 +28,14 @@ REQUIRED_SECTIONS = {"name": str, "model": dict, "tokenizer": dict, "kv_cache": 
                      "backend": dict, "files": dict}
 
 
+def _artifacts_inside(folder: Path, shown: int = 6) -> list[Path]:
+    """The artifact folders directly inside `folder` (`aotlm build`'s --output, artifacts/ by default), a few."""
+    try:
+        return sorted(child for child in folder.iterdir() if (child / MANIFEST_FILE).is_file())[:shown]
+    except OSError:
+        return []
+
+
 def read_manifest(artifact_dir: str | Path) -> dict:
     """Load manifest.json and check its format and version; raises ArtifactError."""
     folder = Path(artifact_dir)
@@ -39,7 +47,10 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     if not folder.is_dir():
         raise ArtifactError(f"{folder}: not an artifact folder (no such directory); build one with `aotlm build RECIPE`")
     if not path.is_file():
-        raise ArtifactError(f"{folder}: not an artifact (no {MANIFEST_FILE}); build one with `aotlm build RECIPE`")
+        inside = _artifacts_inside(folder)
+        fix = (f"it holds artifacts: give one of {', '.join(map(str, inside))}" if inside
+               else "build one with `aotlm build RECIPE`")
+        raise ArtifactError(f"{folder}: not an artifact (no {MANIFEST_FILE}); {fix}")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -130,10 +130,31 @@ def sampling_params(params: SamplingParams | None, keywords: dict) -> SamplingPa
                            f"(got params and {', '.join(sorted(keywords))})")
     if params is not None and not isinstance(params, SamplingParams):
         raise RequestError(f"params: expected a SamplingParams, got {type(params).__name__}")
-    try:
-        return params or SamplingParams(**keywords)
-    except TypeError as error:  # an unknown keyword
-        raise RequestError(f"{error}; sampling options are {', '.join(SamplingParams.__dataclass_fields__)}") from None
+    unknown = [name for name in keywords if name not in SamplingParams.__dataclass_fields__]
+    if unknown:
+        hints = "; ".join(f"{name!r}: {_unknown_option_hint(name)}" for name in unknown)
+        raise RequestError(f"unknown sampling option {hints}; the options are "
+                           f"{', '.join(SamplingParams.__dataclass_fields__)}")
+    return params or SamplingParams(**keywords)
+
+
+# Other APIs' names for options this one spells otherwise (OpenAI's and vLLM's), or does not have.
+OPTION_ALIASES = {
+    "max_tokens": "did you mean max_new_tokens?", "max_completion_tokens": "did you mean max_new_tokens?",
+    "stop": "did you mean stop_strings (text) or stop_token_ids (ids)?",
+    "top_logprobs": "did you mean logprobs (the alternatives per token)?",
+    "n": "there is no n: submit the prompt n times with their own seeds (with prefix caching it is prefilled once)",
+    "best_of": "there is no best_of: submit the prompt n times with their own seeds and keep the best",
+}
+
+
+def _unknown_option_hint(name: str) -> str:
+    import difflib
+
+    if name in OPTION_ALIASES:
+        return OPTION_ALIASES[name]
+    close = difflib.get_close_matches(name, SamplingParams.__dataclass_fields__, n=1)
+    return f"did you mean {close[0]}?" if close else "not an option"
 
 
 def is_integer(value) -> bool:

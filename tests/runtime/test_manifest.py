@@ -81,7 +81,14 @@ def test_not_an_artifact(tmp_path):
     (tmp_path / "recipe.yaml").write_text("name: x\n")
     with pytest.raises(ArtifactError, match="a file, not an artifact folder; it looks like a recipe"):
         Engine.load(tmp_path / "recipe.yaml")
-    with pytest.raises(ArtifactError, match="no manifest.json"):
+    with pytest.raises(ArtifactError, match="no manifest.json\\); build one with"):
+        Engine.load(tmp_path)
+    for name in ("model-b", "model-a"):  # the folder artifacts are built into, given instead of one of them
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(ArtifactError, match=f"no manifest.json\\); it holds artifacts: give one of "
+                                            f"{tmp_path / 'model-a'}, {tmp_path / 'model-b'}$"):
         Engine.load(tmp_path)
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(ArtifactError, match="unreadable manifest"):

@@ -34,7 +34,13 @@ def engine(tiny_engine):
     (dict(stop_token_ids=[-5]), "stop_token_ids: -5 is outside this model's vocabulary"),
     (dict(top_p=float("nan")), r"top_p: nan must be a number in \(0, 1\]"),
     (dict(seed=1.5), "seed: 1.5 must be an integer >= 0 or None"), (dict(seed=-1), "seed: -1 must be an integer >= 0"),
-    (dict(temprature=0.5), "unexpected keyword argument 'temprature'; sampling options are max_new_tokens"),
+    (dict(temprature=0.5), "unknown sampling option 'temprature': did you mean temperature\\?; the options are "
+                           "max_new_tokens"),
+    # other APIs' names (OpenAI's, vLLM's) say what this one calls them
+    (dict(max_tokens=5), "'max_tokens': did you mean max_new_tokens\\?"),
+    (dict(stop="\n"), "'stop': did you mean stop_strings \\(text\\) or stop_token_ids \\(ids\\)\\?"),
+    (dict(n=4), "'n': there is no n: submit the prompt n times with their own seeds"),
+    (dict(frobnicate=1), "'frobnicate': not an option; the options are"),
 ])
 def test_bad_sampling_options_are_refused_before_anything_runs(engine, options, message):
     with pytest.raises(RequestError, match=message):
