@@ -206,7 +206,10 @@ def test_a_shared_prefix_starts_every_prompt_and_prefix_caching_reuses_it(tiny_a
     (["--baseline", "vllm"], "known baselines: transformers, onnxruntime-genai"),
     (["--prompt-tokens", "128"], "(128) + --output-tokens (64) need 191 cache positions"),
     (["--prompt-tokens", "64:200"], "max context is 128"),
-    (["--prompt-tokens", "100", "--output-tokens", "64"], "need 163 cache positions (prompt + output - 1)"),
+    (["--prompt-tokens", "100", "--output-tokens", "64"], "need 163 cache positions (prompt + output - 1); this "
+                                                          "artifact's max context is 128; ask for --output-tokens 29 "
+                                                          "or fewer with these prompts"),
+    (["--prompt-tokens", "130", "--output-tokens", "4"], "ask for prompts of at most 128 tokens"),
     (["--prompt-tokens", "128", "--output-tokens", "2"], "max context is 128"),
     (["--prompt-tokens", "abc"], "not a token count"),
     (["--phase", "prefill", "--prompt-lengths", "128"], "max context (128)"),
