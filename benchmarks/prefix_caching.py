@@ -11,8 +11,8 @@
 2. --chats chats at once, each a client submitting its next turn when its reply is in, through the scheduler's
    --slots slots, on each engine: TTFT by turn, tokens reused, output tokens/s.
 3. The raw cost behind the reuse rule (runtime/prefix_cache.py, PREFIX_MIN_TOKENS): for a --sweep-length prompt whose
-   first P tokens are cached, the rest through the decode graph (in pieces of PREFIX_REST_TOKENS) against a
-   whole prefill, for several P.
+   first P tokens are cached, the rest through the decode graph (in pieces of PREFIX_REST_TOKENS) and, where the
+   artifact's prefill graph takes a past, through it in one run, against a whole prefill, for several P.
 Writes benchmarks/results/prefix_caching.json.
 """
 from __future__ import annotations
@@ -95,26 +95,43 @@ def scheduled_chats(engine: Engine, chats: list[list[str]], reply_tokens: int, s
 
 
 def sweep(engine: Engine, prompt: list[int], prefixes: list[int], repeats: int) -> list[dict]:
-    """Per cached prefix P: the rest through the decode graph after P prefilled tokens, against a whole prefill."""
+    """Per cached prefix P: the rest after P prefilled tokens through the decode graph (in pieces), and through the
+    prefill graph in one run where the artifact's takes a past (engines.prefill.takes_past), against a whole
+    prefill; the three interleaved within each repeat."""
     backend, n = engine.backend, len(prompt)
     ids = np.array([prompt], dtype=np.int64)
     ones = np.ones((1, n), dtype=np.int64)
-    whole_times, rows = [], []
-    for _ in range(repeats):
+
+    def timed(run) -> float:
         started = time.perf_counter()
-        last_token_logits(backend.run("prefill", ids, np.arange(n)[None], ones), [n])
-        whole_times.append(time.perf_counter() - started)
+        run()
+        return time.perf_counter() - started
+
+    def decode_rest(prefix: int) -> None:
+        for start in range(prefix, n, PREFIX_REST_TOKENS):
+            end = min(start + PREFIX_REST_TOKENS, n)
+            backend.run("decode", ids[:, start:end], np.arange(start, end)[None], ones[:, :end])
+
+    def prefill_rest(prefix: int) -> None:
+        backend.run("prefill", ids[:, prefix:], np.arange(prefix, n)[None], ones)
+
+    def cache_prefix(prefix: int) -> None:
+        backend.run("prefill", ids[:, :prefix], np.arange(prefix)[None], ones[:, :prefix])
+
+    whole = lambda: last_token_logits(backend.run("prefill", ids, np.arange(n)[None], ones), [n])  # noqa: E731
+    rows = []
     for prefix in prefixes:
-        times = []
+        times: dict[str, list[float]] = {"decode": [], "prefill": [], "whole": []}
         for _ in range(repeats):
-            backend.run("prefill", ids[:, :prefix], np.arange(prefix)[None], ones[:, :prefix])  # the cached part
-            started = time.perf_counter()
-            for start in range(prefix, n, PREFIX_REST_TOKENS):
-                end = min(start + PREFIX_REST_TOKENS, n)
-                backend.run("decode", ids[:, start:end], np.arange(start, end)[None], ones[:, :end])
-            times.append(time.perf_counter() - started)
-        rows.append({"prefix": prefix, "rest": n - prefix, "rest_ms": 1e3 * statistics.median(times),
-                     "whole_prefill_ms": 1e3 * statistics.median(whole_times)})
+            times["whole"].append(timed(whole))
+            cache_prefix(prefix)
+            times["decode"].append(timed(lambda: decode_rest(prefix)))
+            if backend.prefill_takes_past:
+                cache_prefix(prefix)
+                times["prefill"].append(timed(lambda: prefill_rest(prefix)))
+        rows.append({"prefix": prefix, "rest": n - prefix, "rest_ms": 1e3 * statistics.median(times["decode"]),
+                     "rest_prefill_graph_ms": 1e3 * statistics.median(times["prefill"]) if times["prefill"] else None,
+                     "whole_prefill_ms": 1e3 * statistics.median(times["whole"])})
     return rows
 
 
@@ -188,13 +205,17 @@ def main(argv: list[str] | None = None) -> dict:
     prefixes = sorted({p for p in (8, 16, 32, 64, 128, 171, 256, 384, args.sweep_length - 1) if p < args.sweep_length})
     console.print(f"sweep: a {args.sweep_length}-token prompt, cached prefixes {prefixes}")
     costs = sweep(engines["plain"], prompt, prefixes, args.repeats)
-    table = Table(title=f"the rest after a cached prefix (decode graph, pieces of {PREFIX_REST_TOKENS}) against a "
-                        f"whole {args.sweep_length}-token prefill, medians of {args.repeats}")
-    for column in ("cached prefix", "rest", "rest ms", "whole prefill ms", "ratio"):
+    table = Table(title=f"the rest after a cached prefix against a whole {args.sweep_length}-token prefill: through the "
+                        f"decode graph (pieces of {PREFIX_REST_TOKENS}) and the prefill graph (one run, where it takes "
+                        f"a past), medians of {args.repeats}")
+    for column in ("cached prefix", "rest", "decode graph ms", "ratio", "prefill graph ms", "ratio",
+                   "whole prefill ms"):
         table.add_column(column, justify="right")
     for row in costs:
-        table.add_row(str(row["prefix"]), str(row["rest"]), f"{row['rest_ms']:.1f}", f"{row['whole_prefill_ms']:.1f}",
-                      f"{row['rest_ms'] / row['whole_prefill_ms']:.2f}x")
+        whole, by_prefill = row["whole_prefill_ms"], row["rest_prefill_graph_ms"]
+        table.add_row(str(row["prefix"]), str(row["rest"]), f"{row['rest_ms']:.1f}", f"{row['rest_ms'] / whole:.2f}x",
+                      "-" if by_prefill is None else f"{by_prefill:.1f}",
+                      "-" if by_prefill is None else f"{by_prefill / whole:.2f}x", f"{whole:.1f}")
     console.print(table)
     result = {"settings": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
               "versions": versions(), "turns": turns, "sweep": costs,

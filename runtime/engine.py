@@ -443,11 +443,19 @@ class Engine:
         cache, runs, ids = self._cached_ids
         if cache() is not self.backend.cache or runs != self.backend.runs:
             return 0
-        return reusable_prefix(ids, prompt_ids, self.backend.max_decode_tokens)
+        return reusable_prefix(ids, prompt_ids, self.backend)
 
     def _prefill_rest(self, prompt_ids: list[int], start: int, mask: np.ndarray, written: list[int]) -> np.ndarray:
-        """The prompt after its first `start` tokens (held in the cache) through the decode graph, in runs of at
-        most PREFIX_REST_TOKENS (and the engine's decode_max_tokens); the last position's logits [vocab]."""
+        """The prompt after its first `start` tokens (held in the cache); the last position's logits [vocab]. Through
+        the prefill graph in one run where it takes a past (backend.prefill_takes_past: the same logits as a whole
+        prefill's), else through the decode graph in runs of at most PREFIX_REST_TOKENS (and the engine's
+        decode_max_tokens), which computes the lm_head at every position."""
+        if self.backend.prefill_takes_past:
+            end = len(prompt_ids)
+            logits = self.backend.run("prefill", np.array([prompt_ids[start:]], dtype=np.int64),
+                                      np.arange(start, end, dtype=np.int64)[None], mask[:, :end])
+            self._remember(written, prompt_ids[start:])
+            return last_token_logits(logits, [end - start])[0]
         step = rest_piece_tokens(self.backend)
         while start < len(prompt_ids):
             end = min(start + step, len(prompt_ids))

@@ -173,6 +173,9 @@ class OnnxRuntimeBackend:
         self.past_names = [i.name for i in self.sessions["decode"].get_inputs() if i.name in self.present_for_past]
         self.cache: KVCache | None = None
         self.runs = 0  # graph runs on the batch-1 cache, failed ones too: what it holds changed (prefix caching)
+        # The prefill graph runs a chunk after cached tokens (the rest of a prompt whose start is cached) where the
+        # build found it attends to the cache (manifest engines.prefill.takes_past; compiler/backends/onnxruntime.py)
+        self.prefill_takes_past = manifest["engines"].get("prefill", {}).get("takes_past") is True
         # onnxruntime runs any batch and any number of tokens per decode call (TensorRT's engines have limits)
         self.max_batch: int | None = None
         self.max_decode_tokens: int | None = None

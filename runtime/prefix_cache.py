@@ -7,11 +7,15 @@ from typing import Sequence
 
 import numpy as np
 
-# The rest of a prompt after a reused prefix runs through the decode graph, which returns every position's logits and whose onnxruntime arena grows faster than the tokens of a
-# run (the default model: +177 MB after 250, +1.5 GB after 1000), so it goes in runs of at most this many.
+# The rest of a prompt after a reused prefix runs through the prefill graph in one run where it takes a past
+# (backend.prefill_takes_past), else through the decode graph, which returns every position's logits and whose
+# onnxruntime arena grows faster than the tokens of a run (the default model: +177 MB after 250, +1.5 GB after
+# 1000), so there it goes in runs of at most this many.
 PREFIX_REST_TOKENS = 256
-# A prefix is reused when it holds at least this many tokens, and at least half as many as the rest of the prompt:
-# the decode graph computes the rest more slowly than the prefill graph would (the lm_head over every position).
+# A prefix is reused when it holds at least this many tokens. Through the decode graph the rest must also be at most
+# twice the prefix: it computes the rest more slowly than the prefill graph would (the lm_head over every position;
+# a 512-token prompt's rest after 128 cached tokens took 0.95x a whole prefill, after 8 1.28x). Through the prefill
+# graph any prefix pays (after 8 cached tokens 0.97x, after 128 0.76x: benchmarks/prefix_caching.py).
 PREFIX_MIN_TOKENS = 16
 
 
@@ -23,16 +27,22 @@ def rest_piece_tokens(backend, limit: int | None = None) -> int:
     return min(limit, backend.max_decode_tokens or limit)
 
 
-def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], rest_per_run: int | None = None) -> int:
+def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], backend=None) -> int:
     """How many of the prompt's first tokens to take from a cache holding `cached_ids`: their common prefix, but
     never the prompt's last token (its logits choose the first output token), and 0 unless the prefix holds at
-    least PREFIX_MIN_TOKENS and at least half as many as the rest of the prompt. rest_per_run: the tokens one
-    decode call takes where the engine bounds it (TensorRT's decode_max_tokens, 1 by default): the rest must fit
-    one call, or a prefill of the whole prompt is the faster."""
+    least PREFIX_MIN_TOKENS. Where the rest runs through the decode graph (`backend` None, or its prefill graph
+    takes no past), also 0 unless the prefix holds at least half as many as the rest, and unless the rest fits one
+    decode call where the engine bounds it (TensorRT's decode_max_tokens, 1 by default): else a prefill of the
+    whole prompt is the faster."""
     limit = min(len(cached_ids), len(prompt_ids) - 1)
     differs = np.flatnonzero(np.asarray(cached_ids[:limit]) != np.asarray(prompt_ids[:limit]))
     common = int(differs[0]) if differs.size else limit
+    if common < PREFIX_MIN_TOKENS:
+        return 0
+    if backend is not None and backend.prefill_takes_past:
+        return common
     rest = len(prompt_ids) - common
+    rest_per_run = None if backend is None else backend.max_decode_tokens
     if rest_per_run is not None and rest > rest_per_run:
         return 0
-    return common if common >= PREFIX_MIN_TOKENS and 2 * common >= rest else 0
+    return common if 2 * common >= rest else 0

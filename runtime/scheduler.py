@@ -12,8 +12,9 @@ one background worker thread owns the cache and runs every graph (started on dem
   2. prefill admitted requests straight into their slots' rows of the cache: whole prompts of requests in
      neighbouring slots as one right-padded batch, others alone (batch 1); with
      `prefill_chunk` at most that many prompt tokens per iteration while other requests are decoding, so a long
-     prompt does not stall their tokens (onnxruntime's GroupQueryAttention takes a chunk after a past at batch 1;
-     the rest of a chunked prompt goes on in chunks of that size when nothing decodes any more);
+     prompt does not stall their tokens (onnxruntime's GroupQueryAttention takes a chunk after a past at batch 1).
+     A chunk after a past runs through the prefill graph where it takes one (backend.prefill_takes_past), the rest
+     in one run once nothing decodes; else through the decode graph, the rest in chunks of that size;
      chunks happen only while others decode, so with an int8 KV cache (quantize_kv_cache) a prompt's greedy tokens
      can depend on the load: a later chunk reads the earlier ones' keys and values rounded to int8, a whole
      prompt attends to its own in float (a rounding difference, ~2e-3 in the tiny model's logits);
@@ -27,7 +28,7 @@ one background worker thread owns the cache and runs every graph (started on dem
 batching="static" admits only when every slot is free: fixed batches run to completion (for comparison).
 With Engine.load(prefix_caching=True), a slot a request leaves keeps a record of the tokens its rows hold; a new
 request goes to the free slot holding most of its prompt's start and prefills only the rest (runtime/prefix_cache.py
-says when that pays), through the decode graph as a chunk after a past. A prompt's start that another slot holds (a
+says when that pays), as a chunk after a past (above). A prompt's start that another slot holds (a
 running request's, or a free slot's record) is copied into the request's slot instead of computed; requests admitted
 together that share a start (a system prompt) wait for the first one's prefill and copy from it, and the requests
 admitted after a waiting one wait with it, so that none overtakes it (_share_prefixes).
@@ -287,8 +288,8 @@ class Scheduler:
             slot, reused = free[0], 0  # the lowest: busy slots stay packed at the front
             if self.engine.prefix_caching:  # the slot that holds most of this prompt's start, if any holds enough;
                 # else the lowest holding nothing, else the one left longest ago (its prefix the least likely wanted)
-                rest_per_run = self.engine.backend.max_decode_tokens
-                reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids, rest_per_run), -s)
+                backend = self.engine.backend
+                reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids, backend), -s)
                                     for s in free if self._slot_ids[s]), default=(0, -slot))
                 slot = -slot if reused else min(free, key=lambda s: (bool(self._slot_ids[s]),
                                                                      self._slot_released[s], s))
@@ -317,7 +318,7 @@ class Scheduler:
         with a request admitted before it that is still being prefilled waits for that prefill, to copy from it at
         the next iteration; and so do the requests admitted after it, so that none overtakes it (first come, first
         served, as without sharing)."""
-        rest_per_run = self.engine.backend.max_decode_tokens
+        backend = self.engine.backend
         deferred: set[_Sequence] = set()
         pending = sorted((s for s in self._running if s is not None and s.prefill_start is None),
                          key=lambda s: s.handle.id)
@@ -327,7 +328,7 @@ class Scheduler:
                 held = self._slot_ids[slot] if other is None else _held_ids(other)
                 if other is sequence or not held:
                     continue
-                common = reusable_prefix(held, sequence.prompt_ids, rest_per_run)
+                common = reusable_prefix(held, sequence.prompt_ids, backend)
                 if common > shared:
                     shared, donor = common, slot
             if donor is not None:
@@ -338,7 +339,7 @@ class Scheduler:
             if deferred or any(
                     other is not sequence and other.handle.id < sequence.handle.id
                     and other.prefilled < len(other.prompt_ids)
-                    and reusable_prefix(other.prompt_ids, sequence.prompt_ids, rest_per_run) >= shared + PREFIX_MIN_TOKENS
+                    and reusable_prefix(other.prompt_ids, sequence.prompt_ids, backend) >= shared + PREFIX_MIN_TOKENS
                     for other in filter(None, self._running)):
                 deferred.add(sequence)
         return deferred
@@ -355,11 +356,12 @@ class Scheduler:
                 start = sequence.prefilled
                 remaining = len(sequence.prompt_ids) - start
                 count = remaining if budget is None else min(budget, remaining)
-                if start > 0:  # the decode graph takes the rest of a chunked prompt (or of one after a cached
+                after_past = start > 0 and not self.engine.backend.prefill_takes_past
+                if after_past:  # the decode graph takes the rest of a chunked prompt (or of one after a cached
                     # prefix), in pieces however idle the slots: its runs over many tokens hold memory that grows
                     # faster than their count (the default model's onnxruntime arena: +177 MB after 250 tokens,
                     # +1.5 GB after 1000), and TensorRT's profile bounds its tokens per call (to no fewer than
-                    # prefill_chunk: _check_engine_limits)
+                    # prefill_chunk: _check_engine_limits). A prefill graph that takes a past runs it instead.
                     count = min(count, rest_piece_tokens(self.engine.backend, self.prefill_chunk))
                 budget = None if budget is None else budget - count
                 ids = np.array([sequence.prompt_ids[start:start + count]], dtype=np.int64)
@@ -368,7 +370,7 @@ class Scheduler:
                 rows = (sequence.slot, sequence.slot + 1)
                 if sequence.prefill_start is None:
                     sequence.prefill_start = time.perf_counter()
-                if start == 0:  # the prefill graph (no past): the last position's logits
+                if not after_past:  # the prefill graph (after a past where it takes one): the last position's logits
                     logits = self._graph_run([sequence], lambda: last_token_logits(
                         self.cache.run("prefill", rows, ids, positions, mask), [count])[0])
                 else:  # a chunk after a past: the decode graph at batch 1, logits [1, count, vocab]

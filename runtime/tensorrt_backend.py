@@ -81,6 +81,7 @@ class TensorRTBackend:
         # (backend.tensorrt.decode_max_tokens): the scheduler and evaluation read these limits.
         largest = decode.get_tensor_profile_shape("input_ids", 0)[2]  # [min, opt, max] shapes of profile 0
         self.max_batch, self.max_decode_tokens = int(largest[0]), int(largest[1])
+        self.prefill_takes_past = False  # not built or checked for it: a prompt's rest after a past runs the decode engine
         self.cache: DeviceCache | None = None
         self.runs = 0  # graph runs on the batch-1 cache, failed ones too: what it holds changed (prefix caching)
         self.last_device_ms = 0.0

@@ -104,6 +104,20 @@ def io_spec(model: onnx.ModelProto, aliases: dict[str, str]) -> dict:
     }
 
 
+def takes_past(model: onnx.ModelProto, aliases: dict[str, str]) -> bool:
+    """Whether this prefill graph runs a chunk after cached tokens (the rest of a prompt whose start is cached, a
+    later chunk of a long one), as the decode graph does but with the last position's logits only: when every
+    layer's attention is onnxruntime's GroupQueryAttention reading the graph's own cache inputs, it attends to the
+    past the mask covers, and the export's last-token index leaves the past out (compiler/frontend/model.py). An
+    int8 cache's prefill (quantize_kv_cache) keeps a float cache of the prompt alone, and an unfused graph attends
+    to the run's own tokens: neither does."""
+    past_inputs = set(aliases.values())
+    attention = [node for node in model.graph.node
+                 if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft"]
+    read = {name for node in attention for name in node.input[3:5]}
+    return bool(attention) and 2 * len(attention) == len(past_inputs) and read == past_inputs
+
+
 def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, backend_spec, aliases: dict[str, str]) -> dict:
     """Write <phase>.onnx + weights.bin into folder; returns the manifest's engines and backend sections."""
     import onnxruntime
@@ -117,6 +131,8 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, backend_spec
         config = session_config(model)  # entries a pass needs this engine's session to have
         if config:
             engines[phase]["session_config"] = config
+    if "prefill" in engines:
+        engines["prefill"]["takes_past"] = takes_past(graphs["prefill"], aliases)
     backend = {
         "name": "onnxruntime",
         "version": onnxruntime.__version__,

@@ -170,7 +170,11 @@ class Decoder(nn.Module):
             new_keys.append(key_cache)
             new_values.append(value_cache)
         if logits == "last":
-            last = (attention_mask.sum(-1) - 1).clamp(min=0)  # [B]: index of each row's last valid token
+            # [B]: index of each row's last valid token among this run's: the mask covers a past too when the graph
+            # runs a chunk after cached tokens (onnxruntime's GroupQueryAttention reads them), so its width minus the
+            # run's length is subtracted (0 for a whole prompt)
+            past = attention_mask.shape[-1] - input_ids.shape[-1]
+            last = (attention_mask.sum(-1) - 1 - past).clamp(min=0)
             x = x[torch.arange(x.shape[0]), last]  # [B, hidden]
         x = self.model.norm(x)
         weight = self.lm_head_weight()

@@ -169,6 +169,18 @@ def test_every_attention_lowering_generates_the_same_tokens(tiny_recipe, tiny_ar
         tokens = {name: engine.generate(prompt, max_new_tokens=20, stop_token_ids=()).token_ids
                   for name, engine in engines.items()}
         assert tokens["default"] == tokens["unfused"] == tokens["onnx-attention"], tokens
+    # Only GroupQueryAttention reading the cache inputs attends to a past in the prefill graph: the others' prefix
+    # caching runs the rest through the decode graph, and each makes the same tokens as a whole prefill
+    assert {name: engine.manifest["engines"]["prefill"]["takes_past"] for name, engine in engines.items()} == {
+        "default": True, "unfused": False, "onnx-attention": False}
+    prompt, follow_up = [1] + list(range(40, 70)), list(range(200, 210))
+    for name, engine in engines.items():
+        cached = Engine.load(engine.artifact_dir, prefix_caching=True)
+        first = cached.generate(prompt, max_new_tokens=4, stop_token_ids=()).token_ids
+        result = cached.generate(prompt + first + follow_up, max_new_tokens=6, stop_token_ids=())
+        assert result.timings.cached_prompt_tokens == len(prompt) + 3, name
+        assert result.token_ids == engine.generate(prompt + first + follow_up, max_new_tokens=6,
+                                                   stop_token_ids=()).token_ids, name
 
 
 def test_an_artifact_whose_prefill_returns_every_position_generates_the_same_tokens(tiny_recipe, tiny_artifact,
@@ -181,6 +193,13 @@ def test_an_artifact_whose_prefill_returns_every_position_generates_the_same_tok
                                  export=dataclasses.replace(tiny_recipe.export, prefill_logits="all"))
     every, last = Engine.load(build_module.build(recipe, tmp_path)), Engine.load(tiny_artifact)
     assert every.manifest["engines"]["prefill"]["outputs"][0]["shape"] == ["batch", "sequence", 512]
+    assert every.manifest["engines"]["prefill"]["takes_past"] is True  # a rest after a past: its last row's logits
+    prompt = [1] + list(range(40, 70))
+    cached = Engine.load(every.artifact_dir, prefix_caching=True)
+    longer = prompt + cached.generate(prompt, max_new_tokens=2, stop_token_ids=()).token_ids + [5, 6, 7, 8]
+    rest = cached.generate(longer, max_new_tokens=5, stop_token_ids=())
+    assert rest.timings.cached_prompt_tokens == len(prompt) + 1
+    assert rest.token_ids == last.generate(longer, max_new_tokens=5, stop_token_ids=()).token_ids
     prompts = [[1, 17, 300, 42, 9], [1, 5, 6], [1, 7, 8, 9, 10, 11, 12]]  # one right-padded prefill batch of 3
     alone = every.generate(prompts[0], max_new_tokens=6, stop_token_ids=())
     assert alone.token_ids == last.generate(prompts[0], max_new_tokens=6, stop_token_ids=()).token_ids

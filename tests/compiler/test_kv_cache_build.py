@@ -39,6 +39,8 @@ def kv8_engine(kv8_artifact):
 
 def test_manifest_records_an_int8_cache_and_its_accuracy(kv8_artifact, tiny_artifact):
     manifest = json.loads((kv8_artifact / "manifest.json").read_text())
+    # its prefill attends to the prompt alone, in float: a rest after a cached prefix runs the decode graph
+    assert manifest["engines"]["prefill"]["takes_past"] is False
     float_manifest = json.loads((tiny_artifact / "manifest.json").read_text())
     assert manifest["kv_cache"]["dtype"] == "int8"
     assert manifest["kv_cache"]["bytes_per_token"] * 4 == float_manifest["kv_cache"]["bytes_per_token"]

@@ -35,7 +35,13 @@ def test_each_turn_reuses_the_previous_turns_tokens_and_makes_the_same_tokens(ca
     assert ours[1].timings.summary()["cached_prompt_tokens"] == expected[1]
 
 
-def test_the_rest_runs_in_bounded_pieces_and_its_logits_equal_a_whole_prefill(cached, tiny_engine, monkeypatch):
+@pytest.mark.parametrize("prefill_takes_past", [True, False])
+def test_the_rest_runs_after_the_cached_prefix_and_its_logits_equal_a_whole_prefill(cached, tiny_engine, monkeypatch,
+                                                                                      prefill_takes_past):
+    """A prefill graph that takes a past (the build checks it: manifest engines.prefill.takes_past) runs the rest in one
+    run and gives a whole prefill's logits; else the decode graph runs it in bounded pieces, equal within rounding."""
+    assert cached.manifest["engines"]["prefill"]["takes_past"] is True  # fused, float cache: the tiny recipe's
+    monkeypatch.setattr(cached.backend, "prefill_takes_past", prefill_takes_past)
     monkeypatch.setattr(runtime.prefix_cache, "PREFIX_REST_TOKENS", 4)
     calls = []
     run = cached.backend.run
@@ -43,15 +49,20 @@ def test_the_rest_runs_in_bounded_pieces_and_its_logits_equal_a_whole_prefill(ca
         phase, ids, *rest))
     prompt = [1] + list(range(100, 140))
     cached.generate(prompt, max_new_tokens=1, stop_token_ids=())
-    longer = prompt + list(range(200, 211))  # 11 more: pieces of 4, 4 and 3
+    longer = prompt + list(range(200, 211))  # 11 more: pieces of 4, 4 and 3 through the decode graph
     calls.clear()
     written: list[int] = list(longer[:len(prompt)])
     mask = np.ones((1, cached.max_context), dtype=np.int64)
     ours = cached._prefill_rest(longer, len(prompt), mask, written)
-    assert calls == [("decode", 4), ("decode", 4), ("decode", 3)]
     whole = tiny_engine.backend.run("prefill", np.array([longer]), np.arange(len(longer))[None],
                                     np.ones((1, len(longer)), dtype=np.int64))
-    np.testing.assert_allclose(ours, runtime.engine.last_token_logits(whole, [len(longer)])[0], atol=1e-5)
+    whole = runtime.engine.last_token_logits(whole, [len(longer)])[0]
+    if prefill_takes_past:
+        assert calls == [("prefill", 11)]
+        np.testing.assert_allclose(ours, whole, rtol=0, atol=1e-6)
+    else:
+        assert calls == [("decode", 4), ("decode", 4), ("decode", 3)]
+        np.testing.assert_allclose(ours, whole, atol=1e-5)
 
 
 def test_the_same_prompt_again_runs_only_its_last_token(cached, tiny_engine):
@@ -63,13 +74,17 @@ def test_the_same_prompt_again_runs_only_its_last_token(cached, tiny_engine):
                                                                       stop_token_ids=()).token_ids
 
 
-@pytest.mark.parametrize("prefix, rest", [(10, 5), (20, 50)])
-def test_a_short_prefix_is_not_worth_reusing(cached, prefix, rest):
-    """Fewer than PREFIX_MIN_TOKENS, or less than half the rest: the prefill graph computes it faster."""
+@pytest.mark.parametrize("prefix, rest, prefill_takes_past, reused", [
+    (10, 5, True, 0), (10, 5, False, 0),  # fewer than PREFIX_MIN_TOKENS: not worth it either way
+    (20, 50, False, 0),  # less than half the rest, through the decode graph: a whole prefill is faster
+    (20, 50, True, 20),  # through the prefill graph, any prefix pays
+])
+def test_which_prefixes_are_worth_reusing(cached, monkeypatch, prefix, rest, prefill_takes_past, reused):
+    monkeypatch.setattr(cached.backend, "prefill_takes_past", prefill_takes_past)
     common = [1] + list(range(300, 300 + prefix - 1))
     cached.generate(common + [5, 6], max_new_tokens=2, stop_token_ids=())
     result = cached.generate(common + list(range(7, 7 + rest)), max_new_tokens=2, stop_token_ids=())
-    assert result.timings.cached_prompt_tokens == 0
+    assert result.timings.cached_prompt_tokens == reused
 
 
 def test_any_other_run_on_the_cache_ends_the_reuse(cached, tiny_engine):
@@ -130,13 +145,17 @@ def test_a_replaced_cache_is_freed_not_kept_by_the_record(cached):
 def test_an_engine_that_bounds_its_decode_calls_reuses_only_a_rest_of_one_call(cached, monkeypatch):
     """TensorRT's decode engine takes decode_max_tokens per call, 1 by default: a rest of many tokens would run as
     many calls, slower than one prefill of the whole prompt."""
+    from types import SimpleNamespace
+
     from runtime.prefix_cache import reusable_prefix
 
     cached_ids = list(range(100))
+    bounded = SimpleNamespace(max_decode_tokens=4, prefill_takes_past=False)
     assert reusable_prefix(cached_ids, cached_ids[:60] + [7] * 5) == 60
-    assert reusable_prefix(cached_ids, cached_ids[:60] + [7] * 5, rest_per_run=4) == 0
-    assert reusable_prefix(cached_ids, cached_ids[:60] + [7] * 4, rest_per_run=4) == 60
+    assert reusable_prefix(cached_ids, cached_ids[:60] + [7] * 5, bounded) == 0
+    assert reusable_prefix(cached_ids, cached_ids[:60] + [7] * 4, bounded) == 60
     monkeypatch.setattr(cached.backend, "max_decode_tokens", 1)
+    monkeypatch.setattr(cached.backend, "prefill_takes_past", False)  # as TensorRT's
     prompt = [1] + list(range(60, 100))
     cached.generate(prompt, max_new_tokens=3, stop_token_ids=())
     assert cached.generate(prompt, max_new_tokens=3, stop_token_ids=()).timings.cached_prompt_tokens == 40
