@@ -157,6 +157,10 @@ def _inspect(args) -> None:
             f" (+{len(items) - 3} kv)" if len(items) > 3 else "")
         engines.add_row(*map(escape, (phase, engine["file"], describe(engine["inputs"]), describe(engine["outputs"]))))
     console.print(engines)
+    if "prefill" in manifest["engines"]:
+        takes_past = manifest["engines"]["prefill"].get("takes_past") is True
+        console.print("prefill after cached tokens: " + ("yes (a prompt's rest after a cached prefix, and later chunks, "
+                      "run through the prefill graph)" if takes_past else "no (they run through the decode graph)"))
     passes = Table(title="passes", caption="whole reports: aotlm inspect --json")
     for column in ("pass", "phase", "seconds", "summary"):
         passes.add_column(column)

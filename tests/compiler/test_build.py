@@ -105,6 +105,7 @@ def test_run_and_inspect(capsys, tiny_artifact):
     status, output = run_cli(capsys, "inspect", str(tiny_artifact), "--verify")
     assert status == 0 and "sha256 verified" in output and "decode.onnx" in output
     assert "weights: float32 (not quantized)" in output
+    assert "prefill after cached tokens: yes" in " ".join(output.split())
 
 
 def test_inspect_json_prints_the_whole_manifest_and_the_table_marks_what_it_shortens(capsys, tiny_artifact):
