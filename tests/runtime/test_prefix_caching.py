@@ -8,6 +8,7 @@ import pytest
 import runtime.engine
 import runtime.prefix_cache
 from runtime import Engine, RequestError
+from tests.runtime.faults import failing_run
 
 
 @pytest.fixture
@@ -220,15 +221,7 @@ def test_a_request_that_failed_leaves_no_prefix(cached, monkeypatch):
     try:
         scheduler = cached.start_scheduler(slots=1)
         run = scheduler.cache.run
-        calls = []
-
-        def fail_the_second_decode_step(phase, *args):
-            calls.append(phase)
-            if calls.count("decode") == 2:
-                raise RuntimeError("out of memory")
-            return run(phase, *args)
-
-        scheduler.cache.run = fail_the_second_decode_step
+        scheduler.cache.run = failing_run(run, "decode", at=2)
         with pytest.raises(RuntimeError, match="out of memory"):
             cached.submit(prompt, max_new_tokens=5, stop_token_ids=()).result(timeout=60)
         assert scheduler._slot_ids == [None]
@@ -316,16 +309,7 @@ def test_a_request_waiting_for_a_prefill_that_fails_prefills_its_own(cached, tin
     prompts = _prompts_sharing(40, 2, 6, seed=7)
     try:
         scheduler = cached.start_scheduler(slots=2)
-        run = scheduler.cache.run
-        calls = []
-
-        def fail_the_first_prefill(phase, *args):
-            calls.append(phase)
-            if calls == ["prefill"]:
-                raise RuntimeError("out of memory")
-            return run(phase, *args)
-
-        scheduler.cache.run = fail_the_first_prefill
+        scheduler.cache.run = failing_run(scheduler.cache.run, "prefill", at=1)
         failing, waiting = _burst(cached, prompts, max_new_tokens=5)
         with pytest.raises(RuntimeError, match="out of memory"):
             failing.result(timeout=60)

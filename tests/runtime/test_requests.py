@@ -10,6 +10,7 @@ import pytest
 
 from runtime import ArtifactError, Engine, ModelOutputError, RequestError, SamplingParams
 from runtime.sampling import Sampler
+from tests.runtime.faults import failing_run
 from tests.runtime.test_tokenizer import cut_at_stop
 
 PROMPT = [1, 17, 42, 99, 7]
@@ -207,16 +208,7 @@ def test_a_stream_is_closed_by_its_with_block_or_when_dropped(engine):
 
 
 def test_a_failed_stream_raises_its_error_again(engine, monkeypatch):
-    run = engine.backend.run
-    calls = []
-
-    def fail_the_second_decode_step(phase, *args):
-        calls.append(phase)
-        if calls.count("decode") == 2:
-            raise RuntimeError("out of memory")
-        return run(phase, *args)
-
-    monkeypatch.setattr(engine.backend, "run", fail_the_second_decode_step)
+    monkeypatch.setattr(engine.backend, "run", failing_run(engine.backend.run, "decode", at=2))
     generation = engine.stream(PROMPT, max_new_tokens=8, stop_token_ids=())
     with pytest.raises(RuntimeError, match="out of memory"):
         list(generation)

@@ -344,42 +344,11 @@ def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
     assert len(starts) == 1, "the eight queued requests did not share one prefill run"
 
 
-@pytest.mark.parametrize("max_decode_tokens, prefill_chunk", [(16, 16), (None, 16), (32, 12)])
-def test_the_rest_of_a_chunked_prompt_stays_within_the_decode_graphs_tokens(engine, monkeypatch, max_decode_tokens,
-                                                                             prefill_chunk):
-    """A prompt chunked while another request decoded: once that request finishes, the rest of the prompt still
-    goes through the decode graph, in chunks of at most prefill_chunk tokens, and of at most decode_max_tokens
-    where TensorRT bounds a call (onnxruntime: None). Before, the whole rest went in one call (here 36 tokens):
-    onnxruntime's decode runs over many tokens hold memory faster than their count grows (+1.5 GB for 1000)."""
-    monkeypatch.setattr(engine.backend, "max_decode_tokens", max_decode_tokens)
-    monkeypatch.setattr(engine.backend, "prefill_takes_past", False)  # the decode graph's path (TensorRT's)
+def prompt_chunked_behind_a_decode(engine, prefill_chunk: int) -> list[tuple[str, int, bool]]:
+    """A 100-token prompt submitted while a short request decodes (5 tokens, every run slowed by 50 ms), with
+    prefill_chunk; both must make their alone tokens. Returns the graph runs over more than one token per row:
+    (graph, tokens per row, whether the short request had finished)."""
     scheduler = slowed(engine.start_scheduler(slots=2, prefill_chunk=prefill_chunk), seconds=0.05)
-    calls = []  # (graph, tokens per row, whether the short request had finished)
-    run = scheduler.cache.run
-    short, long = [1, 9, 10], [1] + list(range(3, 102))  # 5 new tokens; a 100-token prompt
-    alone_tokens = [alone(engine, short, 5), alone(engine, long, 3)]
-    first = scheduler.submit(short, max_new_tokens=5, stop_token_ids=())
-    scheduler.cache.run = lambda phase, rows, ids, *rest: calls.append((phase, ids.shape[1], first.done())) or run(
-        phase, rows, ids, *rest)
-    deadline = time.monotonic() + 30
-    while not scheduler._running[0] or scheduler._running[0].next_token is None:
-        assert time.monotonic() < deadline, "the short request never started decoding"
-        time.sleep(0.001)
-    second = scheduler.submit(long, max_new_tokens=3, stop_token_ids=())
-    assert [first.result(timeout=60).token_ids, second.result(timeout=60).token_ids] == alone_tokens
-    short_prefill, *chunks = [(phase, tokens, done) for phase, tokens, done in calls if tokens > 1]
-    assert short_prefill == ("prefill", 3, False), calls
-    assert chunks[0][:2] == ("prefill", prefill_chunk) and sum(tokens for _, tokens, _ in chunks) == 100, chunks
-    assert any(done for _, _, done in chunks), f"the short request never finished mid-prompt: {chunks}"
-    assert max(tokens for phase, tokens, _ in chunks if phase == "decode") == prefill_chunk, chunks
-
-
-def test_a_prefill_graph_that_takes_a_past_runs_every_chunk_of_a_prompt(engine):
-    """Where the build found the prefill graph attends to a past (engines.prefill.takes_past), a prompt chunked
-    while another request decodes goes on through it, not the decode graph (which computes the lm_head at every
-    position), and its rest in one run once nothing decodes; the tokens are the ones it makes alone."""
-    assert engine.backend.prefill_takes_past
-    scheduler = slowed(engine.start_scheduler(slots=2, prefill_chunk=16), seconds=0.05)
     calls = []
     run = scheduler.cache.run
     short, long = [1, 9, 10], [1] + list(range(3, 102))
@@ -393,7 +362,31 @@ def test_a_prefill_graph_that_takes_a_past_runs_every_chunk_of_a_prompt(engine):
         time.sleep(0.001)
     second = scheduler.submit(long, max_new_tokens=3, stop_token_ids=())
     assert [first.result(timeout=60).token_ids, second.result(timeout=60).token_ids] == alone_tokens
-    chunks = [(phase, tokens, done) for phase, tokens, done in calls if tokens > 1][1:]  # after the short's prefill
+    return [(phase, tokens, done) for phase, tokens, done in calls if tokens > 1]
+
+
+@pytest.mark.parametrize("max_decode_tokens, prefill_chunk", [(16, 16), (None, 16), (32, 12)])
+def test_the_rest_of_a_chunked_prompt_stays_within_the_decode_graphs_tokens(engine, monkeypatch, max_decode_tokens,
+                                                                             prefill_chunk):
+    """A prompt chunked while another request decoded: once that request finishes, the rest of the prompt still
+    goes through the decode graph, in chunks of at most prefill_chunk tokens, and of at most decode_max_tokens
+    where TensorRT bounds a call (onnxruntime: None). Before, the whole rest went in one call (here 36 tokens):
+    onnxruntime's decode runs over many tokens hold memory faster than their count grows (+1.5 GB for 1000)."""
+    monkeypatch.setattr(engine.backend, "max_decode_tokens", max_decode_tokens)
+    monkeypatch.setattr(engine.backend, "prefill_takes_past", False)  # the decode graph's path (TensorRT's)
+    short_prefill, *chunks = prompt_chunked_behind_a_decode(engine, prefill_chunk)
+    assert short_prefill == ("prefill", 3, False), calls
+    assert chunks[0][:2] == ("prefill", prefill_chunk) and sum(tokens for _, tokens, _ in chunks) == 100, chunks
+    assert any(done for _, _, done in chunks), f"the short request never finished mid-prompt: {chunks}"
+    assert max(tokens for phase, tokens, _ in chunks if phase == "decode") == prefill_chunk, chunks
+
+
+def test_a_prefill_graph_that_takes_a_past_runs_every_chunk_of_a_prompt(engine):
+    """Where the build found the prefill graph attends to a past (engines.prefill.takes_past), a prompt chunked
+    while another request decodes goes on through it, not the decode graph (which computes the lm_head at every
+    position), and its rest in one run once nothing decodes; the tokens are the ones it makes alone."""
+    assert engine.backend.prefill_takes_past
+    chunks = prompt_chunked_behind_a_decode(engine, 16)[1:]  # after the short request's prefill
     assert {phase for phase, _, _ in chunks} == {"prefill"} and sum(tokens for _, tokens, _ in chunks) == 100, chunks
     assert all(tokens == 16 for _, tokens, done in chunks[:-1] if not done), chunks  # chunks while it decoded
     assert chunks[-1][2] and chunks[-1][1] <= 100 - 16, chunks  # then the rest at once
