@@ -2,7 +2,8 @@
 
 I/O of both graphs (names recorded in the manifest by `kv_cache_spec`):
   inputs   input_ids [batch, sequence] int64, position_ids [batch, sequence] int64,
-           attention_mask [batch, total] int64 (1 = a real token; prefill: total == sequence),
+           attention_mask [batch, total] int64 (1 = a real token; total = cached + new tokens: prefill of a whole
+           prompt, total == sequence; a chunk after cached tokens, more),
            past_key_values.{i}.key / .value [batch, kv_heads, max_context, head_dim] float32 (int8 after
            the quantize_kv_cache pass)
   outputs  logits: prefill [batch, vocab] at each row's last valid token ("last") or [batch, sequence, vocab]
@@ -112,7 +113,10 @@ def io_names(config: DecoderConfig) -> tuple[list[str], list[str]]:
 
 def _dynamic_axes(config: DecoderConfig, phase: str, prefill_logits: str) -> dict:
     inputs, outputs = io_names(config)
-    total = "sequence" if phase == "prefill" else "total"
+    # The mask's width is its own dimension in both graphs: the prefill graph also runs a chunk after cached tokens
+    # (runtime: engines.prefill.takes_past), when the mask covers them too. Declared equal to the input's length, an
+    # optimizer may take one's shape for the other's, and the chunk would be read as a first prompt.
+    total = "total"
     last_only = phase == "prefill" and prefill_logits == "last"
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
             "attention_mask": {0: "batch", 1: total},

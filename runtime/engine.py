@@ -145,9 +145,10 @@ class Engine:
         prefix_caching: a request whose prompt begins with the tokens a previous one left in the cache (its prompt
         and output: the next turn of a chat) prefills only the rest (result.timings.cached_prompt_tokens says how
         many it reused): on the batch-1 path (generate, stream, chat) after the request before, and in the
-        scheduler's slots (submit) after the request that left a free slot. Off by default: repeated prompts would then
-        time a cache hit, not a prefill, and the rest's logits come from the decode graph, equal to a whole
-        prefill's within float rounding, not bit for bit."""
+        scheduler's slots (submit) after the request that left a free slot. The rest runs through the prefill graph
+        where the artifact's takes a past (its logits then equal a whole prefill's), else through the decode graph
+        (equal within float rounding). Off by default: repeated prompts would then time a cache hit, not a
+        prefill."""
         if not isinstance(artifact_dir, (str, Path)):
             raise ArtifactError(f"artifact_dir must be a path (str or pathlib.Path), got {type(artifact_dir).__name__}")
         if intra_op_threads is not None and (isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int)

@@ -14,8 +14,9 @@ import numpy as np
 PREFIX_REST_TOKENS = 256
 # A prefix is reused when it holds at least this many tokens. Through the decode graph the rest must also be at most
 # twice the prefix: it computes the rest more slowly than the prefill graph would (the lm_head over every position;
-# a 512-token prompt's rest after 128 cached tokens took 0.95x a whole prefill, after 8 1.28x). Through the prefill
-# graph any prefix pays (after 8 cached tokens 0.97x, after 128 0.76x: benchmarks/prefix_caching.py).
+# a 512-token prompt's rest after 128 cached tokens took 0.93x a whole prefill, after 8 1.30x). Through the prefill
+# graph a prefix pays or breaks even (of 512: after 8 cached tokens 0.97x, after 128 0.72x, benchmarks/
+# prefix_caching.py; after 16 of 1024 and 2000, 0.99-1.02x: a review's scratch runs).
 PREFIX_MIN_TOKENS = 16
 
 

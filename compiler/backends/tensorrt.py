@@ -7,7 +7,7 @@ Attention arrives lowered by `passes/lower_tensorrt.py` to the project's Triton 
 Quantized weights arrive as DequantizeLinear -> MatMul (`quantize` with `lowering: dequantize_linear`).
 
 One optimization profile per engine, from the recipe (`optimization_profiles`):
-    prefill  batch 1..max_batch (opt 1), sequence 1..max_context (opt prefill_opt_tokens), mask width = sequence
+    prefill  batch 1..max_batch (opt 1), sequence 1..max_context (opt prefill_opt_tokens), mask width the same
     decode   batch 1..max_batch (opt max_batch), sequence 1..decode_max_tokens (opt 1), mask width 1..max_context
              (opt max_context: the runtime binds a full-width mask so a decode step has one shape, for CUDA graphs)
     caches   [batch, kv_heads, max_context, head_dim]: only the batch varies.
@@ -122,8 +122,9 @@ def _quantize_choices(options):
 
 def optimization_profiles(engines_io: dict[str, dict], max_batch: int, max_context: int, spec) -> dict[str, dict]:
     """Per phase, per input: [min, opt, max] shapes. engines_io is the manifest's io spec per phase."""
-    ranges = {
-        "prefill": {"batch": (1, 1, max_batch), "sequence": (1, min(spec.prefill_opt_tokens, max_context), max_context)},
+    prompt = (1, min(spec.prefill_opt_tokens, max_context), max_context)
+    ranges = {  # the prefill mask's width ("total") is the prompt's: the runtime runs no chunk after a past on it
+        "prefill": {"batch": (1, 1, max_batch), "sequence": prompt, "total": prompt},
         "decode": {"batch": (1, max_batch, max_batch), "sequence": (1, 1, spec.decode_max_tokens),
                    "total": (1, max_context, max_context)},
     }

@@ -137,7 +137,8 @@ class DecoderBody(nn.Module):
 class Decoder(nn.Module):
     """forward(input_ids [B,T], position_ids [B,T], attention_mask [B,L], caches) -> logits, caches.
 
-    attend_to_cache=False is prefill (no past: L == T); True is decode (L = cached + new tokens).
+    attend_to_cache=False is prefill as traced (no past: L == T; once its attention is lowered to onnxruntime's
+    GroupQueryAttention it also takes a chunk after cached tokens, L = cached + new); True is decode (L = cached + new).
     logits: "last" gives [B, V] at each row's last valid token (prefill), "all" gives [B, T, V].
     """
 
@@ -173,6 +174,7 @@ class Decoder(nn.Module):
             # [B]: index of each row's last valid token among this run's: the mask covers a past too when the graph
             # runs a chunk after cached tokens (onnxruntime's GroupQueryAttention reads them), so its width minus the
             # run's length is subtracted (0 for a whole prompt)
+            # (one row's past: with a past, a batch of one, as the runtime runs a chunk; a right-padded batch has none)
             past = attention_mask.shape[-1] - input_ids.shape[-1]
             last = (attention_mask.sum(-1) - 1 - past).clamp(min=0)
             x = x[torch.arange(x.shape[0]), last]  # [B, hidden]
