@@ -171,10 +171,10 @@ class Decoder(nn.Module):
             new_keys.append(key_cache)
             new_values.append(value_cache)
         if logits == "last":
-            # [B]: index of each row's last valid token among this run's: the mask covers a past too when the graph
-            # runs a chunk after cached tokens (onnxruntime's GroupQueryAttention reads them), so its width minus the
-            # run's length is subtracted (0 for a whole prompt)
-            # (one row's past: with a past, a batch of one, as the runtime runs a chunk; a right-padded batch has none)
+            # [B]: index of each row's last valid token among this run's. When the graph runs a chunk after cached
+            # tokens (onnxruntime's GroupQueryAttention reads them), the mask covers them too: its width minus the
+            # run's length is subtracted. That is one row's past: the runtime runs such a chunk at batch 1, and a
+            # right-padded batch of whole prompts has none.
             past = attention_mask.shape[-1] - input_ids.shape[-1]
             last = (attention_mask.sum(-1) - 1 - past).clamp(min=0)
             x = x[torch.arange(x.shape[0]), last]  # [B, hidden]
