@@ -356,8 +356,8 @@ class Scheduler:
                 start = sequence.prefilled
                 remaining = len(sequence.prompt_ids) - start
                 count = remaining if budget is None else min(budget, remaining)
-                after_past = start > 0 and not self.engine.backend.prefill_takes_past
-                if after_past:  # the decode graph takes the rest of a chunked prompt (or of one after a cached
+                by_decode_graph = start > 0 and not self.engine.backend.prefill_takes_past
+                if by_decode_graph:  # the decode graph takes the rest of a chunked prompt (or of one after a cached
                     # prefix), in pieces however idle the slots: its runs over many tokens hold memory that grows
                     # faster than their count (the default model's onnxruntime arena: +177 MB after 250 tokens,
                     # +1.5 GB after 1000), and TensorRT's profile bounds its tokens per call (to no fewer than
@@ -370,7 +370,7 @@ class Scheduler:
                 rows = (sequence.slot, sequence.slot + 1)
                 if sequence.prefill_start is None:
                     sequence.prefill_start = time.perf_counter()
-                if not after_past:  # the prefill graph (after a past where it takes one): the last position's logits
+                if not by_decode_graph:  # the prefill graph (after a past where it takes one): the last row's logits
                     logits = self._graph_run([sequence], lambda: last_token_logits(
                         self.cache.run("prefill", rows, ids, positions, mask), [count])[0])
                 else:  # a chunk after a past: the decode graph at batch 1, logits [1, count, vocab]
