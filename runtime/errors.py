@@ -13,6 +13,11 @@ class RequestError(AotlmRuntimeError):
     """A generation request cannot be served as asked (e.g. the prompt does not fit the max context)."""
 
 
+class QueueFullError(RequestError):
+    """The scheduler's queue of waiting requests is full: the request was refused now, and may succeed later (an HTTP
+    server answers 503, not 400)."""
+
+
 class ModelOutputError(AotlmRuntimeError):
     """The model's logits for a step cannot be sampled (NaN, or every entry -inf): the artifact is broken, not
     the request; the scheduler fails only the request that met it."""

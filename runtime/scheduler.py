@@ -50,7 +50,7 @@ from typing import Sequence
 import numpy as np
 
 from runtime.engine import last_token_logits
-from runtime.errors import RequestError
+from runtime.errors import QueueFullError, RequestError
 from runtime.metrics import RequestTrace
 from runtime.prefix_cache import PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix
 from runtime.request_handle import END, CallbackThread, RequestHandle
@@ -173,7 +173,7 @@ class Scheduler:
         with self._lock:
             while not self._closed and len(self._waiting) >= self.max_queue + self._free_slots():
                 if not block:
-                    raise RequestError(f"the request queue is full ({self.max_queue} waiting for {self.slots} busy "
+                    raise QueueFullError(f"the request queue is full ({self.max_queue} waiting for {self.slots} busy "
                                        f"slots); retry later, submit with block=True, or raise max_queue")
                 self._lock.wait()
             if self._closed:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from runtime import ModelOutputError, RequestError
+from runtime import ModelOutputError, QueueFullError, RequestError
 from runtime.metrics import summarize
 
 
@@ -163,7 +163,7 @@ def test_cancel_a_waiting_request_removes_it_from_the_queue(engine):
     first = engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
     next(iter(first))
     queued = engine.submit([1, 4], max_new_tokens=3)
-    with pytest.raises(RequestError, match="queue is full"):
+    with pytest.raises(QueueFullError, match="queue is full"):
         engine.submit([1, 5], max_new_tokens=3)
     queued.cancel()
     result = queued.result(timeout=1)
