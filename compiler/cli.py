@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from compiler.cli_chat import add_chat_parser
+from compiler.cli_serve import add_serve_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.cli_sampling import add_sampling_options, sampling_options
 from compiler.console import console
@@ -377,6 +378,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")
     run.set_defaults(handler=_run)
     add_chat_parser(commands)
+    add_serve_parser(commands)
     inspect = commands.add_parser("inspect", help="summarize an artifact's manifest")
     inspect.add_argument("artifact", help="an artifact folder")
     inspect.add_argument("--verify", action="store_true", help="also check every file's sha256")

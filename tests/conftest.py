@@ -51,6 +51,14 @@ def tiny_reference(tiny_recipe):
     return build_decoder(loaded.config, loaded.state_dict), loaded
 
 
+@pytest.fixture(scope="session")
+def chat_artifact(tiny_recipe, tmp_path_factory):
+    """(artifact, Hugging Face folder) of the tiny model with a chat template (tests/runtime/chat_artifact.py)."""
+    from tests.runtime.chat_artifact import build_chat_artifact
+
+    return build_chat_artifact(tiny_recipe, tmp_path_factory.mktemp("chat"))
+
+
 @pytest.fixture
 def tiny_engine(tiny_artifact):
     from runtime import Engine

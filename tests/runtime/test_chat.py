@@ -2,27 +2,19 @@
 special tokens; the template travels from the model source into the artifact."""
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 
 import gguf
 import pytest
 
-from compiler.build import build
-from compiler.frontend import default_gguf_path, load_model
-from compiler.frontend.hf_writer import write_hf_folder
+from compiler.frontend import default_gguf_path
 from runtime import ArtifactError, Engine, RequestError
 from runtime.chat import render
+from tests.runtime.chat_artifact import LLAMA3_STYLE
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, what is 2+2?"},
             {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3+3?"}]
 SHORT = [{"role": "system", "content": "Hi"}, {"role": "user", "content": "2+2?"}]  # fits the tiny model's 128 tokens
-# A Llama-3-style template: bos_token, a loop with a conditional, raise_exception, whitespace control
-LLAMA3_STYLE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] not in ['system', 'user', "
-                "'assistant'] %}{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
-                "{{ '<|start|>' + message['role'] + '\\n\\n' + message['content'] | trim + '<|end|>' }}{% endfor %}"
-                "{% if add_generation_prompt %}{{ '<|start|>assistant\\n\\n' }}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -72,23 +64,6 @@ def test_a_generation_block_renders_its_body_as_transformers_does():
 def test_a_template_that_does_not_parse_is_an_artifact_error():
     with pytest.raises(ArtifactError, match="chat template does not parse"):
         render("{% for %}", MESSAGES)
-
-
-@pytest.fixture(scope="module")
-def chat_artifact(tiny_recipe, tmp_path_factory):
-    """The tiny model written as a Hugging Face folder with a chat template in tokenizer_config.json, then built.
-    Its tokenizer_config names other bos/eos tokens than config.json's ids (as Llama 3.1's eos <|eot_id|>, or
-    DeepSeek-R1-Distill-Qwen's bos): the template must get the tokenizer's, as transformers gives them."""
-    folder = tmp_path_factory.mktemp("chat")
-    loaded = load_model(tiny_recipe.model.source, tiny_recipe.model.path, tiny_recipe.model.config,
-                        tiny_recipe.model.seed)
-    write_hf_folder(dataclasses.replace(loaded, chat_template=LLAMA3_STYLE), folder / "hf")
-    settings = json.loads((folder / "hf" / "tokenizer_config.json").read_text())
-    settings.update(bos_token="A", eos_token="B")  # config.json: ids 1 and 2
-    (folder / "hf" / "tokenizer_config.json").write_text(json.dumps(settings))
-    recipe = dataclasses.replace(tiny_recipe, name="tiny-chat", model=dataclasses.replace(
-        tiny_recipe.model, source="hf", path=str(folder / "hf"), config=None))
-    return build(recipe, folder / "out"), folder / "hf"
 
 
 def test_the_template_reaches_the_artifact_and_prompts_tokenize_as_transformers_does(chat_artifact):

@@ -1,0 +1,71 @@
+"""`aotlm serve ARTIFACT`: OpenAI's completions and chat-completions API over HTTP (runtime/server.py), every
+connection's requests batched together by the scheduler (continuous batching). The first line on stdout is the
+address it listens at; a line per finished request goes to stderr unless --quiet. Ctrl-C stops it."""
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.markup import escape
+
+from compiler.console import console
+from compiler.errors import UsageError, nonnegative_int, thread_count
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = nonnegative_int(text)
+    if value > 65535:
+        raise ValueError(text)
+    return value
+
+
+def add_serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="serve an artifact over HTTP: OpenAI's completions and chat API")
+    serve.add_argument("artifact", help="an artifact folder (built by `aotlm build`)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    serve.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free one)")
+    serve.add_argument("--model-name", default=None, help="the model's name in the API (default: the artifact's name)")
+    serve.add_argument("--slots", type=int, default=None,
+                       help="sequences decoded together, each with a max-context KV cache slot (default 8)")
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="requests waiting for a slot at most; beyond them the server answers 503 (default 256)")
+    serve.add_argument("--prefill-chunk", type=int, default=None,
+                       help="prefill at most this many prompt tokens per step while others decode (default: whole)")
+    serve.add_argument("--prefix-caching", action="store_true",
+                       help="a prompt whose start a slot already holds (a system prompt, a chat's earlier turns, n "
+                            "samples of one prompt) prefills only the rest")
+    serve.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads")
+    serve.add_argument("--quiet", action="store_true", help="no line per request on stderr")
+    serve.set_defaults(handler=serve_command)
+
+
+def serve_command(args) -> None:
+    from runtime import Engine
+    from runtime.server import ApiServer
+
+    if args.model_name is not None and not args.model_name.strip():
+        raise UsageError("--model-name: give a non-empty name (the API's `model` field)")
+    engine = Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching)
+    scheduler = engine.start_scheduler(slots=args.slots, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
+    try:
+        server = ApiServer(engine, args.host, args.port, model_name=args.model_name,
+                           log=None if args.quiet else _log_line)
+    except OSError as error:  # the port is taken, the address is not this machine's, ...
+        engine.close()
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}; choose another --port "
+                         f"(0: any free one) or --host") from None
+    print(f"serving {server.model_name} at {server.url}/v1", flush=True)
+    console.print(escape(f"{scheduler.slots} slots, {scheduler.max_queue} may wait; max context "
+                         f"{engine.max_context} tokens; POST /v1/completions, /v1/chat/completions; Ctrl-C stops"),
+                  highlight=False)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        engine.close()
+
+
+def _log_line(line: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)

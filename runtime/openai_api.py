@@ -1,0 +1,348 @@
+"""OpenAI's completions and chat-completions API over the engine: request bodies checked and turned into prompts and
+SamplingParams, results turned into response bodies and streamed chunks. Plain dicts in and out; runtime/server.py
+carries them over HTTP.
+
+The fields are OpenAI's, plus vLLM's sampling extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids).
+Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
+- temperature defaults to 1 (the engine's own default is greedy); max_tokens to 16 for completions, and to what
+  the context leaves after the prompt for chat;
+- n samples of a prompt are n requests, seeded seed, seed + 1, ... when a seed is given (with prefix caching the
+  shared prompt is prefilled once);
+- finish_reason is "stop" or "length"; a reply the max context cut short is "length" too.
+A field the server cannot honour (tools, a non-text response_format, best_of, suffix, logprobs while streaming) is
+refused with a 400 that names it, never silently ignored; so is a field it does not know.
+Every response also carries "timings": per choice, the request's server-side timings (Timings.summary(): queue,
+TTFT, prefill, TPOT, E2E in ms, cached prompt tokens). It is not in OpenAI's schema; its clients ignore it.
+"""
+from __future__ import annotations
+
+import difflib
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from runtime.errors import RequestError
+from runtime.results import GenerationResult
+from runtime.sampling import MAX_LOGPROBS, SamplingParams, is_integer
+
+MAX_CHOICES = 128  # n times the prompts of one request: each is a scheduler request
+# The API's sampling fields that map one to one onto SamplingParams (the API name -> the engine's).
+SAMPLING_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+}
+COMMON_FIELDS = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user", *SAMPLING_FIELDS}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+NOT_SUPPORTED = {
+    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported", "function_call": "function calls are not supported",
+    "parallel_tool_calls": "tool calls are not supported",
+    "best_of": "send n requests and keep the best", "suffix": "insertion (suffix) is not supported",
+}
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class ApiError(Exception):
+    """A request the API refuses: its HTTP status and OpenAI's error body."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass
+class Choice:
+    """One request the scheduler runs for an API request: the index-th choice of the response."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ParsedRequest:
+    chat: bool
+    choices: list[Choice]  # n per prompt: choice i samples prompt i // n
+    prompts: list[list[int]]
+    prompt_texts: list[str]  # per prompt, for echo
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    echo: bool = False
+    logprobs: int | None = None  # alternatives per token in the response, None = no logprobs
+
+
+def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
+    """Check a request body (a JSON object) and turn it into the scheduler requests it asks for; ApiError says what is
+    wrong, naming the field as the API spells it."""
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name in NOT_SUPPORTED:
+            raise ApiError(f"{name}: {NOT_SUPPORTED[name]} by this server", param=name)
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ApiError(f"unrecognized request field {name!r}{hint}", param=name)
+    fields = {name: value for name, value in body.items() if value is not None}  # null = not given, as in OpenAI's
+    model = fields.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(f"the model {model!r} does not exist; this server serves {model_name!r}", status=404,
+                       kind="not_found_error", param="model")
+    stream = _flag(fields, "stream")
+    options = fields.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise ApiError(f"stream_options: {options!r} must be an object with include_usage", param="stream_options")
+    if options is not None and not stream:
+        raise ApiError("stream_options: only with stream: true", param="stream_options")
+    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    logprobs = _chat_logprobs(fields) if chat else _completion_logprobs(fields)
+    if logprobs is not None and stream:
+        raise ApiError("logprobs while streaming are not supported by this server; ask without stream",
+                       param="logprobs")
+    echo = _flag(fields, "echo")
+    if echo and logprobs is not None:
+        raise ApiError("echo with logprobs would need the prompt's log-probabilities, which this server does not "
+                       "compute; ask for one of them", param="echo")
+    # The prompt last: rendering and tokenizing cost more than the checks above.
+    if chat:
+        prompts = [_chat_prompt(engine, fields)]
+        texts = [""]
+    else:
+        prompts, texts = _completion_prompts(engine, fields)
+    n = fields.get("n", 1)
+    if not is_integer(n) or not 1 <= n <= MAX_CHOICES // len(prompts):
+        raise ApiError(f"n: {n!r} must be an integer in 1..{MAX_CHOICES // len(prompts)} (at most {MAX_CHOICES} "
+                       f"choices per request)", param="n")
+    choices = []
+    for prompt_index, prompt_ids in enumerate(prompts):
+        params = _sampling(engine, fields, prompt_ids, chat, logprobs)
+        for sample in range(n):
+            seeded = params if params.seed is None else replace(params, seed=params.seed + sample)
+            choices.append(Choice(prompt_index * n + sample, prompt_ids, seeded))
+    return ParsedRequest(chat, choices, prompts, texts, n, stream, include_usage, echo, logprobs)
+
+
+def _flag(fields: dict, name: str, shown: str | None = None) -> bool:
+    value = fields.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(f"{shown or name}: {value!r} must be true or false", param=shown or name)
+    return value
+
+
+def _completion_prompts(engine, fields: dict) -> tuple[list[list[int]], list[str]]:
+    """OpenAI's prompt: a string, a list of token ids, or a list of either (one choice each)."""
+    prompt = fields.get("prompt")
+    if prompt is None:
+        raise ApiError("prompt: required (a string, a list of token ids, or a list of those)", param="prompt")
+    one = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_integer(t) for t in prompt))
+    prompts = [prompt] if one else prompt
+    if not isinstance(prompts, list) or not prompts or not all(
+            isinstance(p, str) or (isinstance(p, list) and all(is_integer(t) for t in p)) for p in prompts):
+        raise ApiError("prompt: must be a string, a list of token ids, or a non-empty list of those", param="prompt")
+    if len(prompts) > MAX_CHOICES:
+        raise ApiError(f"prompt: {len(prompts)} prompts, at most {MAX_CHOICES} per request", param="prompt")
+    ids = [_checked(lambda p=p: engine.prompt_ids(p), "prompt") for p in prompts]
+    texts = [p if isinstance(p, str) else engine.tokenizer.decode(i) for p, i in zip(prompts, ids)]
+    return ids, texts
+
+
+def _chat_prompt(engine, fields: dict) -> list[int]:
+    messages = fields.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages: required, a non-empty list of {role, content} objects", param="messages")
+    fmt = fields.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(f"response_format: {fmt!r}: only {{'type': 'text'}} is supported by this server",
+                       param="response_format")
+    flat = []
+    for position, message in enumerate(messages):
+        if isinstance(message, dict) and isinstance(message.get("content"), list):  # content parts: text only
+            parts = message["content"]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in parts):
+                raise ApiError(f"messages[{position}].content: only text parts ({{type: text, text: ...}}) are "
+                               f"supported by this server", param="messages")
+            message = {**message, "content": "".join(part["text"] for part in parts)}
+        flat.append(message)
+    return _checked(lambda: engine.chat_prompt_ids(flat), "messages")
+
+
+def _completion_logprobs(fields: dict) -> int | None:
+    value = fields.get("logprobs")
+    if value is not None and (not is_integer(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise ApiError(f"logprobs: {value!r} must be an integer in 0..{MAX_LOGPROBS}", param="logprobs")
+    return value
+
+
+def _chat_logprobs(fields: dict) -> int | None:
+    wanted = _flag(fields, "logprobs")
+    top = fields.get("top_logprobs")
+    if top is not None and (not is_integer(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise ApiError(f"top_logprobs: {top!r} must be an integer in 0..{MAX_LOGPROBS}", param="top_logprobs")
+    if top is not None and not wanted:
+        raise ApiError("top_logprobs: only with logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs: int | None) -> SamplingParams:
+    options = {engine_name: fields[name] for name, engine_name in SAMPLING_FIELDS.items() if name in fields}
+    options.setdefault("temperature", 1.0)  # OpenAI's default; the engine's is greedy
+    if options.get("top_k") == -1:  # vLLM's "no limit"
+        options["top_k"] = 0
+    if "stop" in fields:
+        options["stop_strings"] = fields["stop"]
+    if chat and "max_tokens" in fields and "max_completion_tokens" in fields:
+        raise ApiError("give max_completion_tokens or max_tokens, not both", param="max_tokens")
+    max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
+    room = engine.max_context + 1 - len(prompt_ids)  # the last token is never fed back
+    if max_tokens is None:
+        max_tokens = max(room, 1) if chat else COMPLETION_MAX_TOKENS
+    options["max_new_tokens"] = max_tokens
+    options["logprobs"] = logprobs
+    try:
+        params = SamplingParams(**options)
+    except RequestError as error:
+        raise _api_error(error, chat) from None
+    if params.max_new_tokens > room:
+        name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+        raise ApiError(f"{name}: the prompt has {len(prompt_ids)} tokens and this model's context is "
+                       f"{engine.max_context}: at most {max(room, 0)} tokens can follow it, {params.max_new_tokens} "
+                       f"were asked for", param=name)
+    _checked(lambda: engine._check_request(prompt_ids, params), None)
+    return params
+
+
+# The engine's names in its messages -> the API's.
+ENGINE_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop"}
+
+
+def _api_error(error: RequestError, chat: bool) -> ApiError:
+    message = str(error)
+    field = message.split(":", 1)[0]
+    if field == "logprobs" and chat:
+        field = "top_logprobs"
+    field = ENGINE_NAMES.get(field, field)
+    if ":" in message and field != message.split(":", 1)[0]:
+        message = field + ":" + message.split(":", 1)[1]
+    return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else None)
+
+
+def _checked(call, param: str | None):
+    try:
+        return call()
+    except RequestError as error:
+        raise ApiError(str(error), param=param) from None
+
+
+# -- responses -----------------------------------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return "stop" if result.finish_reason == "stop" else "length"  # "max_context": the context cut it short
+
+
+def usage(request: ParsedRequest, results: list[GenerationResult]) -> dict:
+    """Prompt tokens count once per prompt (as OpenAI's n does); completion tokens are every token the model produced,
+    a final stop token included (the engine's output_tokens, vLLM's count)."""
+    completion = sum(r.timings.output_tokens if r.timings else 0 for r in results)
+    cached = sum(r.timings.cached_prompt_tokens for r in results[::request.n] if r.timings)
+    prompt_tokens = sum(map(len, request.prompts))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def timings(result: GenerationResult) -> dict | None:
+    return None if result.timings is None else {k: round(v, 3) if isinstance(v, float) else v
+                                                for k, v in result.timings.summary().items()}
+
+
+def response(engine, request: ParsedRequest, request_id: str, model_name: str,
+             results: list[GenerationResult]) -> dict:
+    """The whole (not streamed) response body; results in choice order."""
+    choices = []
+    for choice, result in zip(request.choices, results):
+        if request.chat:
+            logprobs = None if request.logprobs is None else _chat_logprobs_body(engine, result, request.logprobs)
+            entry = {"index": choice.index, "message": {"role": "assistant", "content": result.text},
+                     "logprobs": logprobs, "finish_reason": finish_reason(result)}
+        else:
+            prefix = request.prompt_texts[choice.index // request.n] if request.echo else ""
+            logprobs = None if request.logprobs is None else _completion_logprobs_body(engine, result, request.logprobs)
+            entry = {"index": choice.index, "text": prefix + result.text, "logprobs": logprobs,
+                     "finish_reason": finish_reason(result)}
+        choices.append(entry)
+    return {"id": request_id, "object": "chat.completion" if request.chat else "text_completion",
+            "created": int(time.time()), "model": model_name, "choices": choices,
+            "usage": usage(request, results), "timings": [timings(result) for result in results]}
+
+
+def chunk(request: ParsedRequest, request_id: str, model_name: str, created: int, index: int, text: str | None,
+          result: GenerationResult | None = None, first: bool = False) -> dict:
+    """One streamed chunk of choice `index`: its next text piece, or (result given) its end."""
+    end = result is not None
+    if request.chat:
+        delta = {"role": "assistant", "content": ""} if first else ({} if end else {"content": text})
+        entry = {"index": index, "delta": delta, "logprobs": None,
+                 "finish_reason": finish_reason(result) if end else None}
+    else:
+        entry = {"index": index, "text": "" if end else text, "logprobs": None,
+                 "finish_reason": finish_reason(result) if end else None}
+    body = {"id": request_id, "object": "chat.completion.chunk" if request.chat else "text_completion",
+            "created": created, "model": model_name, "choices": [entry]}
+    if end:
+        body["timings"] = timings(result)
+    return body
+
+
+def usage_chunk(request: ParsedRequest, request_id: str, model_name: str, created: int,
+                results: list[GenerationResult]) -> dict:
+    return {"id": request_id, "object": "chat.completion.chunk" if request.chat else "text_completion",
+            "created": created, "model": model_name, "choices": [], "usage": usage(request, results)}
+
+
+def _token_text(engine, token: int) -> str:
+    return engine.tokenizer.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
+    """The `count` likeliest of a result's logprobs entry (the chosen token first, then the likeliest): OpenAI's
+    top_logprobs, which hold the chosen token only where it is among them."""
+    return sorted(entry.items(), key=lambda item: -item[1])[:count]
+
+
+def _completion_logprobs_body(engine, result: GenerationResult, count: int) -> dict:
+    """OpenAI's completions logprobs: per token its text, log-probability, alternatives and offset in the text."""
+    tokens, offsets, offset = [], [], 0
+    for token in result.token_ids:
+        tokens.append(_token_text(engine, token))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens,
+            "token_logprobs": [entry[token] for token, entry in zip(result.token_ids, result.logprobs)],
+            "top_logprobs": [{_token_text(engine, alt): logprob for alt, logprob in _top(entry, count)}
+                             for entry in result.logprobs],
+            "text_offset": offsets}
+
+
+def _chat_logprobs_body(engine, result: GenerationResult, count: int) -> dict:
+    """OpenAI's chat logprobs: per token its text, bytes, log-probability and the likeliest alternatives."""
+    def described(token: int, logprob: float) -> dict:
+        text = _token_text(engine, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token, entry in zip(result.token_ids, result.logprobs):
+        content.append({**described(token, entry[token]),
+                        "top_logprobs": [described(alt, lp) for alt, lp in _top(entry, count)]})
+    return {"content": content}

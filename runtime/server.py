@@ -1,0 +1,271 @@
+"""An HTTP server speaking OpenAI's completions and chat-completions API (runtime/openai_api.py) over the engine's
+scheduler, so that OpenAI's client libraries, curl, and serving benchmarks (vLLM's `vllm bench serve --backend
+openai`) can use an artifact. `aotlm serve ARTIFACT` runs it.
+
+    GET  /health                 200 while serving
+    GET  /v1/models              the one model served
+    POST /v1/completions         prompt -> text
+    POST /v1/chat/completions    messages -> the assistant's reply (the model's chat template)
+
+Python's http.server, one thread per connection (ThreadingHTTPServer). A request's thread submits its choices to the
+scheduler (thread-safe: its one worker runs every graph, batching the requests of all connections together) and
+waits on their handles. A streamed response is server-sent events: a chunk per text piece and one at each choice's
+end, then `data: [DONE]`; the connection closes after it. A client that goes away cancels its requests: noticed
+within POLL_S while waiting, or at the next write; the scheduler frees their slots at its next step.
+Latencies count from the moment the request's headers were read: its body, template and tokenization are in TTFT.
+Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an unknown path, 503 with
+Retry-After when the scheduler's queue is full, 500 when a request fails while running.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import select
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+from urllib.parse import urlsplit
+
+from runtime import openai_api
+from runtime.errors import QueueFullError, RequestError
+from runtime.openai_api import ApiError, ParsedRequest
+from runtime.results import GenerationResult
+
+MAX_BODY_BYTES = 16 << 20
+POLL_S = 0.25  # how often a waiting request's thread looks whether its client is still there
+ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+
+
+class ApiServer(ThreadingHTTPServer):
+    """Serves `engine` (whose scheduler the caller may start with its own options; else submit starts a default one)
+    at (host, port); port 0 picks a free one (see `url`). log: called with one line per finished request."""
+
+    daemon_threads = True  # a connection still open does not keep the process alive at exit
+    block_on_close = False
+
+    def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.engine = engine
+        self.model_name = model_name or engine.manifest["name"]
+        self.log = log or (lambda line: None)
+        self.created = int(time.time())
+        super().__init__((host, port), _Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> threading.Thread:
+        """Serve on a thread of its own (tests, notebooks); stop with shutdown() then server_close()."""
+        thread = threading.Thread(target=self.serve_forever, name="aotlm-server", daemon=True)
+        thread.start()
+        return thread
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive between requests; a stream ends its connection
+    server: ApiServer
+
+    def version_string(self) -> str:  # the Server header: http.server's adds Python's version
+        return "aotlm"
+
+    def log_message(self, format, *args) -> None:  # http.server's own access log: ours goes through server.log
+        pass
+
+    # -- routes ----------------------------------------------------------------------------------------------------
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path == "/health":
+            self._send_json(200, {"status": "ok"})
+        elif path in ("/v1/models", "/models"):
+            self._send_json(200, {"object": "list", "data": [{
+                "id": self.server.model_name, "object": "model", "created": self.server.created,
+                "owned_by": "aotlm", "max_model_len": self.server.engine.max_context}]})
+        elif path in ROUTES:
+            self._send_error(ApiError(f"{path} takes POST", status=405))
+        else:
+            self._send_error(_not_found(path))
+
+    def do_POST(self) -> None:
+        arrival = time.perf_counter()
+        path = urlsplit(self.path).path
+        if path not in ROUTES:
+            self._read_body()  # drained, so that the connection can serve the next request
+            self._send_error(ApiError(f"{path} takes GET", status=405) if path in ("/health", "/v1/models")
+                             else _not_found(path))
+            return
+        try:
+            request = openai_api.parse(self.server.engine, self._read_json(), chat=ROUTES[path],
+                                       model_name=self.server.model_name)
+            handles = self._submit(request, arrival)
+        except ApiError as error:
+            self._send_error(error)
+            return
+        request_id = openai_api.new_id(request.chat)
+        if request.stream:
+            self._stream(request, request_id, handles)
+        else:
+            self._respond(request, request_id, handles)
+
+    # -- requests ----------------------------------------------------------------------------------------------------
+    def _submit(self, request: ParsedRequest, arrival: float) -> list:
+        handles = []
+        try:
+            for choice in request.choices:
+                handles.append(self.server.engine.submit(choice.prompt_ids, choice.params, arrival=arrival))
+        except RequestError as error:  # all of the request's choices run, or none
+            for handle in handles:
+                handle.cancel()
+            if isinstance(error, QueueFullError):
+                raise ApiError(str(error), status=503, kind="service_unavailable") from None
+            raise ApiError(str(error)) from None
+        return handles
+
+    def _respond(self, request: ParsedRequest, request_id: str, handles: list) -> None:
+        results = []
+        for handle in handles:
+            while True:
+                try:
+                    results.append(handle.result(timeout=POLL_S))
+                    break
+                except TimeoutError:
+                    if self._client_gone():
+                        return self._cancel(handles, "client went away")
+                except Exception as error:  # the request failed in the scheduler (a graph run raised)
+                    self._cancel(handles)
+                    return self._send_error(ApiError(f"the request failed: {error}", 500, "server_error"))
+        body = openai_api.response(self.server.engine, request, request_id, self.server.model_name, results)
+        self._send_json(200, body)
+        self._log(200, request, results)
+
+    def _stream(self, request: ParsedRequest, request_id: str, handles: list) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the stream's end is the connection's: no length to give
+        self.end_headers()
+        self.close_connection = True
+        created, model = int(time.time()), self.server.model_name
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        for position, handle in enumerate(handles):
+            threading.Thread(target=_pump, args=(position, handle, events), daemon=True,
+                             name=f"aotlm-stream-{request_id[-8:]}-{position}").start()
+        results: list[GenerationResult | None] = [None] * len(handles)
+        try:
+            for choice in request.choices:
+                if request.chat or request.echo:  # chat: the role first, as OpenAI's streams; echo: the prompt
+                    text = request.prompt_texts[choice.index // request.n] if request.echo else None
+                    self._send_event(openai_api.chunk(request, request_id, model, created, choice.index, text,
+                                                      first=request.chat))
+            while any(result is None for result in results):
+                try:
+                    position, item = events.get(timeout=POLL_S)
+                except queue.Empty:
+                    if self._client_gone():
+                        return self._cancel(handles, "client went away")
+                    continue
+                index = request.choices[position].index
+                if isinstance(item, BaseException):
+                    self._cancel(handles)
+                    self._send_event(ApiError(f"the request failed: {item}", 500, "server_error").body())
+                    break
+                if isinstance(item, GenerationResult):
+                    results[position] = item
+                    self._send_event(openai_api.chunk(request, request_id, model, created, index, None, item))
+                elif item:
+                    self._send_event(openai_api.chunk(request, request_id, model, created, index, item))
+            else:
+                if request.include_usage:
+                    self._send_event(openai_api.usage_chunk(request, request_id, model, created, results))
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            return self._cancel(handles, "client went away")
+        if all(results):
+            self._log(200, request, results)
+
+    def _cancel(self, handles: list, reason: str | None = None) -> None:
+        for handle in handles:
+            handle.cancel()
+        if reason:
+            self.server.log(f"{self.command} {self.path}: {reason}; its {len(handles)} request(s) cancelled")
+
+    def _client_gone(self) -> bool:
+        """The client closed its end: its socket reads as ended (nothing it sends is read while we wait)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    # -- bodies --------------------------------------------------------------------------------------------------
+    def _read_body(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            if self.headers.get("Transfer-Encoding"):
+                self.close_connection = True
+                raise ApiError("send the body with a Content-Length (chunked request bodies are not read)", 411)
+            return b""
+        if not length.isdigit():
+            self.close_connection = True
+            raise ApiError(f"Content-Length: {length!r} is not a number of bytes")
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True  # the body is not read: the connection cannot serve another request
+            raise ApiError(f"the request body has {int(length)} bytes, at most {MAX_BODY_BYTES} are read", 413)
+        return self.rfile.read(int(length))
+
+    def _read_json(self):
+        raw = self._read_body()
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ApiError(f"the request body is not JSON: {error}") from None
+
+    def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _send_error(self, error: ApiError) -> None:
+        headers = {"Retry-After": "1"} if error.status == 503 else None
+        self._send_json(error.status, error.body(), headers)
+        self.server.log(f"{self.command} {self.path} {error.status}: {error}")
+
+    def _send_event(self, body: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(body, ensure_ascii=False).encode("utf-8") + b"\n\n")
+        self.wfile.flush()
+
+    def _log(self, status: int, request: ParsedRequest, results: list[GenerationResult]) -> None:
+        first = results[0].timings
+        usage = openai_api.usage(request, results)
+        line = (f"{self.command} {self.path} {status}: {usage['prompt_tokens']} prompt tokens "
+                f"({usage['prompt_tokens_details']['cached_tokens']} cached), {usage['completion_tokens']} out")
+        if first is not None:
+            line += f", TTFT {1e3 * first.ttft_s:.1f} ms, TPOT {1e3 * first.tpot_s:.2f} ms"
+        self.server.log(line + (f" (choice 0 of {len(results)})" if len(results) > 1 else ""))
+
+
+def _pump(position: int, handle, events: queue.SimpleQueue) -> None:
+    """A handle's pieces, then its result (or its error), into the stream's queue, tagged with its position."""
+    try:
+        for piece in handle:
+            events.put((position, piece))
+        events.put((position, handle.result()))
+    except BaseException as error:  # the request failed: the stream says so
+        events.put((position, error))
+
+
+def _not_found(path: str) -> ApiError:
+    return ApiError(f"no route {path}; this server has /v1/completions, /v1/chat/completions, /v1/models and /health",
+                    status=404, kind="not_found_error")

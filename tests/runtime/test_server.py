@@ -1,0 +1,310 @@
+"""The HTTP server (runtime/server.py) and OpenAI's API mapping (runtime/openai_api.py), over real sockets against the
+tiny model: responses equal the engine's own results, streams join to the whole text, bad requests get OpenAI's
+error bodies with the field named, and a client that leaves cancels its requests."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime import Engine
+from runtime.server import ApiServer
+from tests.runtime.faults import failing_run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def serve(engine, **scheduler) -> tuple[ApiServer, list[str]]:
+    if scheduler:
+        engine.start_scheduler(**scheduler)
+    lines: list[str] = []
+    server = ApiServer(engine, port=0, log=lines.append)
+    server.start()
+    return server, lines
+
+
+def stop(server: ApiServer) -> None:
+    server.shutdown()
+    server.server_close()
+    server.engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_artifact):
+    server, lines = serve(Engine.load(tiny_artifact), slots=4)
+    yield server
+    stop(server)
+
+
+@pytest.fixture(scope="module")
+def chat_served(chat_artifact):
+    server, lines = serve(Engine.load(chat_artifact[0]), slots=2)
+    yield server
+    stop(server)
+
+
+def request(server: ApiServer, method: str, path: str, body=None, raw: bytes | None = None):
+    """(status, headers, parsed JSON body) of one request on a fresh connection."""
+    connection = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+    return response.status, dict(response.getheaders()), json.loads(payload)
+
+
+def post(server, path, body):
+    return request(server, "POST", path, body)
+
+
+def events(server: ApiServer, path: str, body: dict) -> tuple[dict, list[dict], bool]:
+    """A streamed request: (headers, its events' JSON bodies, whether it ended with [DONE])."""
+    connection = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    connection.request("POST", path, body=json.dumps({**body, "stream": True}).encode())
+    response = connection.getresponse()
+    assert response.status == 200
+    lines = response.read().decode().split("\n\n")
+    connection.close()
+    data = [line.removeprefix("data: ") for line in lines if line]
+    assert all(line.startswith("data: ") for line in lines if line)
+    done = data[-1] == "[DONE]"
+    return dict(response.getheaders()), [json.loads(d) for d in data if d != "[DONE]"], done
+
+
+def test_a_greedy_completion_is_the_engines_own_result(served):
+    status, _, body = post(served, "/v1/completions", {"prompt": "Hello world", "max_tokens": 8, "temperature": 0})
+    expected = served.engine.generate("Hello world", max_new_tokens=8)
+    assert status == 200
+    assert body["object"] == "text_completion" and body["model"] == served.engine.manifest["name"]
+    (choice,) = body["choices"]
+    assert (choice["index"], choice["text"]) == (0, expected.text)
+    assert choice["finish_reason"] == {"stop": "stop"}.get(expected.finish_reason, "length")
+    assert body["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+    assert body["usage"]["completion_tokens"] == expected.timings.output_tokens
+    assert body["usage"]["total_tokens"] == len(expected.prompt_token_ids) + expected.timings.output_tokens
+    (timings,) = body["timings"]
+    assert timings["output_tokens"] == expected.timings.output_tokens and 0 < timings["ttft_ms"] <= timings["e2e_ms"]
+
+
+def test_prompts_and_n_samples_each_get_a_choice_seeded_in_turn(served):
+    prompts = ["Once upon", [1, 30, 31, 32]]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 0.9, "seed": 5, "ignore_eos": True}
+    status, _, response = post(served, "/v1/completions", body)
+    assert status == 200
+    texts = [choice["text"] for choice in sorted(response["choices"], key=lambda c: c["index"])]
+    expected = [served.engine.generate(prompt, max_new_tokens=6, temperature=0.9, seed=5 + sample,
+                                       ignore_eos=True).text for prompt in prompts for sample in range(2)]
+    assert texts == expected and len(set(texts)) > 1
+    assert response["usage"]["prompt_tokens"] == len(served.engine.prompt_ids("Once upon")) + 4  # once per prompt
+    assert response["usage"]["completion_tokens"] == 4 * 6
+
+
+def test_a_streamed_completion_joins_to_the_whole_text_then_gives_its_usage(served):
+    body = {"prompt": "The keeper", "max_tokens": 12, "temperature": 0, "echo": True}
+    _, _, whole = post(served, "/v1/completions", body)
+    headers, chunks, done = events(served, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert done and headers["Content-Type"] == "text/event-stream"
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["text"] and text.startswith("The keeper")
+    ends = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(ends) == 1 and ends[0]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert ends[0]["timings"]["output_tokens"] == whole["usage"]["completion_tokens"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]} and chunks[0]["object"] == "text_completion"
+
+
+def test_completion_logprobs_are_the_engines(served):
+    status, _, body = post(served, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0,
+                                                        "logprobs": 2})
+    expected = served.engine.generate("Hello", max_new_tokens=4, logprobs=2)
+    logprobs = body["choices"][0]["logprobs"]
+    assert status == 200 and len(logprobs["tokens"]) == len(expected.token_ids)
+    assert logprobs["token_logprobs"] == pytest.approx([e[t] for t, e in zip(expected.token_ids, expected.logprobs)])
+    for top, entry in zip(logprobs["top_logprobs"], expected.logprobs):  # greedy: the chosen token is the likeliest
+        assert len(top) <= 2 and max(top.values()) == pytest.approx(max(entry.values()))
+    assert logprobs["text_offset"][0] == 0 and "".join(logprobs["tokens"]) == body["choices"][0]["text"]
+
+
+def test_a_chat_reply_is_engine_chat_streamed_or_whole(chat_served):
+    messages = [{"role": "system", "content": "Hi"}, {"role": "user", "content": [{"type": "text", "text": "2+"},
+                                                                                     {"type": "text", "text": "2?"}]}]
+    flat = [messages[0], {"role": "user", "content": "2+2?"}]
+    expected = chat_served.engine.chat(flat, max_new_tokens=6, logprobs=1)
+    status, _, body = post(chat_served, "/v1/chat/completions", {"messages": messages, "max_tokens": 6,
+                                                                 "temperature": 0, "logprobs": True, "top_logprobs": 1})
+    assert status == 200 and body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert [t["logprob"] for t in choice["logprobs"]["content"]] == pytest.approx(
+        [e[t] for t, e in zip(expected.token_ids, expected.logprobs)])
+    assert all(len(t["top_logprobs"]) == 1 for t in choice["logprobs"]["content"])
+    _, chunks, done = events(chat_served, "/v1/chat/completions", {"messages": flat, "max_tokens": 6,
+                                                                   "temperature": 0})
+    assert done and chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+def test_chat_max_tokens_defaults_to_the_rest_of_the_context(chat_served):
+    messages = [{"role": "user", "content": "2+2?"}]
+    room = chat_served.engine.max_context + 1 - len(chat_served.engine.chat_prompt_ids(messages))
+    status, _, body = post(chat_served, "/v1/chat/completions", {"messages": messages, "temperature": 0,
+                                                                 "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == room
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_on_a_model_without_a_template_says_so(served):
+    status, _, body = post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "no chat template" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, status, param, message", [
+    ("/v1/completions", {"prompt": "x", "max_tokns": 3}, 400, "max_tokns", "did you mean max_tokens?"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of", "send n requests"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools",
+     "tool calls are not supported"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "prompt: required"),
+    ("/v1/completions", {"prompt": [1.5, 2]}, 400, "prompt", "list of token ids"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt", "outside this model's vocabulary"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "n: 0 must be an integer in 1..128"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "temperature: -1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: 0 must be"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 500}, 400, "max_tokens", "at most 128 tokens can follow"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "stop: an empty string"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "logprobs": 1}, 400, "logprobs", "ask without stream"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "must be true or false"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "only with stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "only with logprobs: true"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages: required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages", "only text parts"),
+])
+def test_a_bad_request_gets_openais_error_naming_the_field(served, path, body, status, param, message):
+    answered, _, response = post(served, path, body)
+    assert answered == status
+    assert response["error"]["param"] == param and message in response["error"]["message"]
+    assert response["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
+    status, _, body = request(served, "POST", "/v1/completions", raw=b"{not json")
+    assert status == 400 and "not JSON" in body["error"]["message"]
+    status, _, body = request(served, "POST", "/v1/completions", raw=b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    assert request(served, "GET", "/v1/completions")[0] == 405
+    status, _, body = request(served, "POST", "/v2/generate", {})
+    assert status == 404 and "/v1/chat/completions" in body["error"]["message"]
+    status, _, body = request(served, "GET", "/v1/models")
+    assert status == 200 and body["data"][0]["id"] == served.model_name
+    assert body["data"][0]["max_model_len"] == served.engine.max_context
+    assert request(served, "GET", "/health")[:3:2] == (200, {"status": "ok"})
+
+
+def test_one_connection_serves_request_after_request(served):
+    connection = http.client.HTTPConnection(*served.server_address[:2], timeout=60)
+    for text in ("one", "two"):
+        connection.request("POST", "/v1/completions", body=json.dumps({"prompt": text, "max_tokens": 2}))
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["choices"]
+    connection.close()
+
+
+@pytest.fixture
+def slow_server(tiny_artifact):
+    """One slot, a queue of one, every graph run 50 ms or more: a request stays running while the test acts."""
+    engine = Engine.load(tiny_artifact)
+    server, lines = serve(engine, slots=1, max_queue=1)
+    scheduler = engine._scheduler
+    run = scheduler.cache.run
+    scheduler.cache.run = lambda *args: (time.sleep(0.05), run(*args))[1]
+    yield server, lines
+    stop(server)
+
+
+def test_a_full_queue_is_503_with_retry_after(slow_server):
+    server, _ = slow_server
+    running = server.engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    next(iter(running))
+    waiting = server.engine.submit([1, 2], max_new_tokens=2)
+    status, headers, body = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 503 and headers["Retry-After"] == "1" and "queue is full" in body["error"]["message"]
+    assert body["error"]["type"] == "service_unavailable"
+    running.cancel()
+    assert waiting.result(timeout=30).finish_reason == "length"
+
+
+def wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_cancels_its_request_and_frees_the_slot(slow_server, stream):
+    server, lines = slow_server
+    connection = socket.create_connection(server.server_address[:2])
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 100, "ignore_eos": True, "stream": stream}).encode()
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    scheduler = server.engine._scheduler
+    assert wait_for(lambda: scheduler._running[0] is not None)
+    received = b""
+    while stream and b"data: " not in received:  # the first event came: the request is streaming
+        received += connection.recv(4096)
+    connection.close()
+    assert wait_for(lambda: any("client went away" in line for line in lines), 3.0)
+    assert wait_for(lambda: scheduler._running[0] is None, 3.0)  # long before its 100 tokens' end (>= 5 s)
+    assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_that_fails_while_running_is_500_and_the_server_goes_on(served, monkeypatch, stream):
+    cache = served.engine._scheduler.cache
+    monkeypatch.setattr(cache, "run", failing_run(cache.run, "decode", 2, "out of memory"))
+    body = {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True}
+    if stream:
+        _, chunks, done = events(served, "/v1/completions", body)
+        assert done and "out of memory" in chunks[-1]["error"]["message"] and chunks[-1]["error"]["code"] == 500
+    else:
+        status, _, response = post(served, "/v1/completions", body)
+        assert status == 500 and "out of memory" in response["error"]["message"]
+    monkeypatch.undo()
+    assert post(served, "/v1/completions", body)[0] == 200
+
+
+def test_aotlm_serve_prints_its_address_serves_and_stops_on_ctrl_c(tiny_artifact):
+    process = subprocess.Popen([sys.executable, "-m", "compiler.cli", "serve", str(tiny_artifact), "--port", "0"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        first = process.stdout.readline()
+        assert first.startswith(f"serving {Engine.load(tiny_artifact).manifest['name']} at http://127.0.0.1:")
+        host, port = first.split("http://")[1].removesuffix("/v1\n").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi", "max_tokens": 3}))
+        assert connection.getresponse().status == 200
+        connection.close()
+        taken = subprocess.run([sys.executable, "-m", "compiler.cli", "serve", str(tiny_artifact), "--port", port],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert taken.returncode == 2 and "cannot listen on 127.0.0.1:" + port in taken.stderr
+        assert "Traceback" not in taken.stderr
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, errors = process.communicate(timeout=60)
+    assert process.returncode == 130 and "Traceback" not in errors
+    assert "POST /v1/completions 200:" in errors
