@@ -217,7 +217,10 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         raise ApiError(f"{name}: the prompt has {len(prompt_ids)} tokens and this model's context is "
                        f"{engine.max_context}: at most {max(room, 0)} tokens can follow it, {params.max_new_tokens} "
                        f"were asked for", param=name)
-    _checked(lambda: engine._check_request(prompt_ids, params), None)
+    try:  # what submit would refuse (stop ids or logit_bias outside the vocabulary...), before any choice runs
+        engine._check_request(prompt_ids, params)
+    except RequestError as error:
+        raise _api_error(error, chat, default="messages" if chat else "prompt") from None
     return params
 
 
@@ -225,7 +228,8 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
 ENGINE_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop"}
 
 
-def _api_error(error: RequestError, chat: bool) -> ApiError:
+def _api_error(error: RequestError, chat: bool, default: str | None = None) -> ApiError:
+    """The engine's message ("max_new_tokens: 0 must be ...") with the field named as the API names it."""
     message = str(error)
     field = message.split(":", 1)[0]
     if field == "logprobs" and chat:
@@ -233,7 +237,7 @@ def _api_error(error: RequestError, chat: bool) -> ApiError:
     field = ENGINE_NAMES.get(field, field)
     if ":" in message and field != message.split(":", 1)[0]:
         message = field + ":" + message.split(":", 1)[1]
-    return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else None)
+    return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else default)
 
 
 def _checked(call, param: str | None):
