@@ -8,9 +8,11 @@ Python's documentation, greedy, stop tokens ignored so every request makes exact
 - in process: runtime.bench's ScheduledServer, the engine's scheduler with C slots; metrics from the engine's own
   traces (vLLM's definitions, runtime/metrics.py).
 - HTTP: `aotlm serve --slots C` in a process of its own (started here on a free port), the clients in this one:
-  streamed /v1/completions requests over http.client, timed as vLLM's `bench serve` times them: TTFT = request sent
-  -> first streamed text, E2E = -> last streamed text, TPOT = (E2E - TTFT) / (output tokens - 1) with the output
-  tokens the server's usage counts. The server's own timings (each stream's last chunk carries them) beside.
+  streamed /v1/completions requests over http.client: TTFT = request sent -> first streamed text, E2E = -> last
+  streamed text, TPOT = (E2E - TTFT) / (output tokens - 1) with the output tokens the server's usage counts. (vLLM's
+  `bench serve` times the first and last chunks that carry choices: the same first chunk here, and a last one, the
+  choice's end, sent right after the last text.) The server's own timings (each stream's last chunk carries them)
+  beside.
 Rounds alternate the order of the two (ABBA), and ratios are paired per round (generate.paired_median).
 Prints a table; writes benchmarks/results/http_serving.json.
 """
@@ -199,8 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
                           median("ttft_ms", "median"), median("ttft_ms", "p99"), median("tpot_ms", "median"), server,
                           f"{ratio:.3f}x" if mode == "http" else "")
     console.print(table)
-    result = {"artifact": manifest["name"], "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "machine": machine_info(), "versions": versions(), "runs": {str(k): v for k, v in runs.items()}}
+    settings = {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()}
+    result = {"artifact": manifest["name"], "settings": settings, "machine": machine_info(), "versions": versions(),
+              "runs": {str(level): run for level, run in runs.items()}}
     path = write_result("http_serving.json", result, args.out)
     console.print(f"wrote {path}")
     return result

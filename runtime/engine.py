@@ -304,6 +304,11 @@ class Engine:
             displaced.close()
         return scheduler
 
+    @property
+    def scheduler(self) -> "Scheduler | None":
+        """The scheduler that `submit` uses now; None before the first submit or start_scheduler, and after close."""
+        return self._scheduler
+
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                arrival: float | None = None, block: bool = False, **sampling) -> "RequestHandle":
         """Queue a request for continuous batching; returns a RequestHandle at once (iterate it for text pieces,

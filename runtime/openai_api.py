@@ -83,15 +83,17 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for name in body:
-        if name in NOT_SUPPORTED:
+    fields = {name: value for name, value in body.items() if value is not None}  # null = not given, as in OpenAI's
+    for name in fields:
+        if name in NOT_SUPPORTED and not (name == "best_of" and fields[name] == 1):  # one of one: what it does anyway
             raise ApiError(f"{name}: {NOT_SUPPORTED[name]} by this server", param=name)
-        if name not in known:
+        if name not in known and name not in NOT_SUPPORTED:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ApiError(f"unrecognized request field {name!r}{hint}", param=name)
-    fields = {name: value for name, value in body.items() if value is not None}  # null = not given, as in OpenAI's
     model = fields.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(f"model: {model!r} must be a string (the name /v1/models lists)", param="model")
     if model is not None and model != model_name:
         raise ApiError(f"the model {model!r} does not exist; this server serves {model_name!r}", status=404,
                        kind="not_found_error", param="model")
@@ -200,6 +202,9 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         options["top_k"] = 0
     if "stop" in fields:
         options["stop_strings"] = fields["stop"]
+    ids = options.get("stop_token_ids")
+    if isinstance(ids, list) and not options.get("ignore_eos"):  # vLLM's: they stop besides end-of-sequence
+        options["stop_token_ids"] = [*ids, *(token for token in engine.eos_token_ids if token not in ids)]
     if chat and "max_tokens" in fields and "max_completion_tokens" in fields:
         raise ApiError("give max_completion_tokens or max_tokens, not both", param="max_tokens")
     max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
@@ -293,14 +298,16 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str,
 
 def chunk(request: ParsedRequest, request_id: str, model_name: str, created: int, index: int, text: str | None,
           result: GenerationResult | None = None, first: bool = False) -> dict:
-    """One streamed chunk of choice `index`: its next text piece, or (result given) its end."""
+    """One streamed chunk of choice `index`: its next text piece, or (result given) its end. A chat choice's first
+    chunk also carries the role; the server sends it with the first piece, not before (a client times its first
+    token at the first chunk, as vLLM's benchmark does)."""
     end = result is not None
     if request.chat:
-        delta = {"role": "assistant", "content": ""} if first else ({} if end else {"content": text})
-        entry = {"index": index, "delta": delta, "logprobs": None,
+        delta = {} if end and not first else {"content": text or ""}
+        entry = {"index": index, "delta": {"role": "assistant", **delta} if first else delta, "logprobs": None,
                  "finish_reason": finish_reason(result) if end else None}
     else:
-        entry = {"index": index, "text": "" if end else text, "logprobs": None,
+        entry = {"index": index, "text": text or "", "logprobs": None,
                  "finish_reason": finish_reason(result) if end else None}
     body = {"id": request_id, "object": "chat.completion.chunk" if request.chat else "text_completion",
             "created": created, "model": model_name, "choices": [entry]}
@@ -315,7 +322,24 @@ def usage_chunk(request: ParsedRequest, request_id: str, model_name: str, create
             "created": created, "model": model_name, "choices": [], "usage": usage(request, results)}
 
 
+CONTEXT_TOKENS = 4  # the tokens before one that decoding it in context reads
+
+
+def _token_texts(engine, token_ids: list[int]) -> list[str]:
+    """Each token's text as it reads in the output: decoded after the tokens before it, so that a tokenizer that
+    drops a word's leading space when it decodes a token alone (SentencePiece's) keeps it, and the texts join to
+    the output's. A token that ends inside a UTF-8 character has the text it completes, or "" until then."""
+    decode = lambda ids: engine.tokenizer.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    texts = []
+    for position in range(len(token_ids)):
+        before = token_ids[max(0, position - CONTEXT_TOKENS):position]
+        prefix, whole = decode(before).rstrip("\ufffd"), decode(before + [token_ids[position]])
+        texts.append(whole[len(prefix):].rstrip("\ufffd") if whole.startswith(prefix) else whole)
+    return texts
+
+
 def _token_text(engine, token: int) -> str:
+    """An alternative token's text, decoded alone (it was not output: it has no context)."""
     return engine.tokenizer.tokenizer.decode([token], skip_special_tokens=False)
 
 
@@ -327,11 +351,10 @@ def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
 
 def _completion_logprobs_body(engine, result: GenerationResult, count: int) -> dict:
     """OpenAI's completions logprobs: per token its text, log-probability, alternatives and offset in the text."""
-    tokens, offsets, offset = [], [], 0
-    for token in result.token_ids:
-        tokens.append(_token_text(engine, token))
+    tokens, offsets, offset = _token_texts(engine, result.token_ids), [], 0
+    for text in tokens:
         offsets.append(offset)
-        offset += len(tokens[-1])
+        offset += len(text)
     return {"tokens": tokens,
             "token_logprobs": [entry[token] for token, entry in zip(result.token_ids, result.logprobs)],
             "top_logprobs": [{_token_text(engine, alt): logprob for alt, logprob in _top(entry, count)}
@@ -341,12 +364,11 @@ def _completion_logprobs_body(engine, result: GenerationResult, count: int) -> d
 
 def _chat_logprobs_body(engine, result: GenerationResult, count: int) -> dict:
     """OpenAI's chat logprobs: per token its text, bytes, log-probability and the likeliest alternatives."""
-    def described(token: int, logprob: float) -> dict:
-        text = _token_text(engine, token)
+    def described(text: str, logprob: float) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     content = []
-    for token, entry in zip(result.token_ids, result.logprobs):
-        content.append({**described(token, entry[token]),
-                        "top_logprobs": [described(alt, lp) for alt, lp in _top(entry, count)]})
+    for token, text, entry in zip(result.token_ids, _token_texts(engine, result.token_ids), result.logprobs):
+        content.append({**described(text, entry[token]),
+                        "top_logprobs": [described(_token_text(engine, alt), lp) for alt, lp in _top(entry, count)]})
     return {"content": content}

@@ -112,7 +112,8 @@ def _checked_logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
         raise RequestError(f"logit_bias: {bias!r} must be a dict of token id -> bias (e.g. {{50256: -100}})")
     checked = {}
     for token, value in bias.items():
-        if isinstance(token, str) and token.strip().isdigit():  # OpenAI's JSON keys
+        if isinstance(token, str) and token.strip().isascii() and token.strip().isdigit():  # OpenAI's JSON keys
+            # (ASCII: "²" is a digit to str.isdigit, not to int())
             token = int(token)
         if not is_integer(token) or token < 0:
             raise RequestError(f"logit_bias: key {token!r} must be a token id (an integer >= 0)")

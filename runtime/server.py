@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import queue
-import select
 import socket
 import threading
 import time
+from concurrent.futures import TimeoutError as ResultTimeout  # the built-in TimeoutError only from Python 3.11
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import urlsplit
@@ -35,6 +35,7 @@ from runtime.results import GenerationResult
 
 MAX_BODY_BYTES = 16 << 20
 POLL_S = 0.25  # how often a waiting request's thread looks whether its client is still there
+SOCKET_TIMEOUT_S = 60.0  # a body that stops arriving, an idle keep-alive connection, a stream nobody reads
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 
 
@@ -44,6 +45,7 @@ class ApiServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a connection still open does not keep the process alive at exit
     block_on_close = False
+    request_queue_size = 1024  # the listen backlog (socketserver's 5 drops a benchmark's burst of connections)
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
                  log: Callable[[str], None] | None = None):
@@ -67,6 +69,7 @@ class ApiServer(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive between requests; a stream ends its connection
+    timeout = SOCKET_TIMEOUT_S
     server: ApiServer
 
     def version_string(self) -> str:  # the Server header: http.server's adds Python's version
@@ -92,26 +95,39 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         arrival = time.perf_counter()
         path = urlsplit(self.path).path
-        if path not in ROUTES:
-            self._read_body()  # drained, so that the connection can serve the next request
-            self._send_error(ApiError(f"{path} takes GET", status=405) if path in ("/health", "/v1/models")
-                             else _not_found(path))
-            return
+        handles: list = []
         try:
+            if path not in ROUTES:
+                self._read_body()  # drained, so that the connection can serve the next request
+                raise (ApiError(f"{path} takes GET", status=405) if path in ("/health", "/v1/models")
+                       else _not_found(path))
             request = openai_api.parse(self.server.engine, self._read_json(), chat=ROUTES[path],
                                        model_name=self.server.model_name)
             handles = self._submit(request, arrival)
+            request_id = openai_api.new_id(request.chat)
+            if request.stream:
+                self._stream(request, request_id, handles)
+            else:
+                self._respond(request, request_id, handles)
         except ApiError as error:
             self._send_error(error)
-            return
-        request_id = openai_api.new_id(request.chat)
-        if request.stream:
-            self._stream(request, request_id, handles)
-        else:
-            self._respond(request, request_id, handles)
+        except OSError:  # the client went away, or stopped reading for SOCKET_TIMEOUT_S: nobody to answer
+            self.close_connection = True
+            self._cancel(handles, "client went away" if handles else None)
+        except Exception as error:  # noqa: BLE001 -- a bug or a broken artifact: said to the client, not a traceback
+            self._send_error(ApiError(f"{type(error).__name__}: {error}", 500, "server_error"))
+        finally:
+            for handle in handles:  # whatever ended this request's response ends its requests too
+                if not handle.done():
+                    handle.cancel()
 
     # -- requests ----------------------------------------------------------------------------------------------------
     def _submit(self, request: ParsedRequest, arrival: float) -> list:
+        scheduler = self.server.engine.scheduler
+        if scheduler is not None and len(request.choices) > scheduler.slots + scheduler.max_queue:
+            raise ApiError(f"{len(request.choices)} choices (prompts x n), but this server holds at most "
+                           f"{scheduler.slots + scheduler.max_queue} requests at once ({scheduler.slots} slots, "
+                           f"{scheduler.max_queue} waiting); ask for fewer", param="n")
         handles = []
         try:
             for choice in request.choices:
@@ -131,7 +147,7 @@ class _Handler(BaseHTTPRequestHandler):
                 try:
                     results.append(handle.result(timeout=POLL_S))
                     break
-                except TimeoutError:
+                except ResultTimeout:
                     if self._client_gone():
                         return self._cancel(handles, "client went away")
                 except Exception as error:  # the request failed in the scheduler (a graph run raised)
@@ -154,36 +170,35 @@ class _Handler(BaseHTTPRequestHandler):
             threading.Thread(target=_pump, args=(position, handle, events), daemon=True,
                              name=f"aotlm-stream-{request_id[-8:]}-{position}").start()
         results: list[GenerationResult | None] = [None] * len(handles)
-        try:
-            for choice in request.choices:
-                if request.chat or request.echo:  # chat: the role first, as OpenAI's streams; echo: the prompt
-                    text = request.prompt_texts[choice.index // request.n] if request.echo else None
-                    self._send_event(openai_api.chunk(request, request_id, model, created, choice.index, text,
-                                                      first=request.chat))
-            while any(result is None for result in results):
-                try:
-                    position, item = events.get(timeout=POLL_S)
-                except queue.Empty:
-                    if self._client_gone():
-                        return self._cancel(handles, "client went away")
-                    continue
-                index = request.choices[position].index
-                if isinstance(item, BaseException):
-                    self._cancel(handles)
-                    self._send_event(ApiError(f"the request failed: {item}", 500, "server_error").body())
-                    break
-                if isinstance(item, GenerationResult):
-                    results[position] = item
-                    self._send_event(openai_api.chunk(request, request_id, model, created, index, None, item))
-                elif item:
-                    self._send_event(openai_api.chunk(request, request_id, model, created, index, item))
+        started: set[int] = set()  # choices whose first chunk (the role; echo: the prompt) went out
+        while any(result is None for result in results):
+            try:
+                position, item = events.get(timeout=POLL_S)
+            except queue.Empty:
+                if self._client_gone():
+                    return self._cancel(handles, "client went away")
+                continue
+            if isinstance(item, BaseException):
+                self._cancel(handles)
+                self._send_event(ApiError(f"the request failed: {item}", 500, "server_error").body())
+                break
+            if isinstance(item, str) and not item:
+                continue
+            choice, first = request.choices[position], position not in started
+            started.add(position)
+            text = request.prompt_texts[choice.index // request.n] if first and request.echo else ""
+            if isinstance(item, GenerationResult):
+                results[position] = item
+                self._send_event(openai_api.chunk(request, request_id, model, created, choice.index, text, item,
+                                                  first=first))
             else:
-                if request.include_usage:
-                    self._send_event(openai_api.usage_chunk(request, request_id, model, created, results))
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            return self._cancel(handles, "client went away")
+                self._send_event(openai_api.chunk(request, request_id, model, created, choice.index, text + item,
+                                                  first=first))
+        else:
+            if request.include_usage:
+                self._send_event(openai_api.usage_chunk(request, request_id, model, created, results))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
         if all(results):
             self._log(200, request, results)
 
@@ -194,10 +209,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.log(f"{self.command} {self.path}: {reason}; its {len(handles)} request(s) cancelled")
 
     def _client_gone(self) -> bool:
-        """The client closed its end: its socket reads as ended (nothing it sends is read while we wait)."""
+        """The client closed its end: its socket reads as ended. A peek that does not wait (select() cannot watch a
+        descriptor numbered 1024 or more); nothing the client sends meanwhile is consumed. A client that only
+        shut down its sending side reads as gone too."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:  # nothing to read: still there
+            return False
         except OSError:
             return True
 
@@ -209,9 +227,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 raise ApiError("send the body with a Content-Length (chunked request bodies are not read)", 411)
             return b""
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit() and len(length) <= 12):
             self.close_connection = True
-            raise ApiError(f"Content-Length: {length!r} is not a number of bytes")
+            raise ApiError(f"Content-Length: {length[:20]!r} is not a number of bytes")
         if int(length) > MAX_BODY_BYTES:
             self.close_connection = True  # the body is not read: the connection cannot serve another request
             raise ApiError(f"the request body has {int(length)} bytes, at most {MAX_BODY_BYTES} are read", 413)
@@ -221,8 +239,8 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self._read_body()
         try:
             return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ApiError(f"the request body is not JSON: {error}") from None
+        except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, a 5000-digit number, nesting 10^5 deep
+            raise ApiError(f"the request body is not JSON that can be read: {str(error)[:200]}") from None
 
     def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body, ensure_ascii=False).encode("utf-8")
@@ -230,11 +248,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:  # the body was not read (too long, no length): the connection ends here
+                self.send_header("Connection", "close")
             for name, value in (headers or {}).items():
                 self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # the client left, or stopped reading
             self.close_connection = True
 
     def _send_error(self, error: ApiError) -> None:

@@ -149,7 +149,8 @@ def test_a_chat_reply_is_engine_chat_streamed_or_whole(chat_served):
     assert all(len(t["top_logprobs"]) == 1 for t in choice["logprobs"]["content"])
     _, chunks, done = events(chat_served, "/v1/chat/completions", {"messages": flat, "max_tokens": 6,
                                                                    "temperature": 0})
-    assert done and chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    first_piece = chunks[0]["choices"][0]["delta"]  # the role comes with the first text, not before it
+    assert done and first_piece["role"] == "assistant" and first_piece["content"]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected.text
     assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
 
@@ -174,6 +175,7 @@ def test_chat_on_a_model_without_a_template_says_so(served):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools",
      "tool calls are not supported"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ("/v1/completions", {"prompt": "x", "model": 3}, 400, "model", "must be a string"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "prompt: required"),
     ("/v1/completions", {"prompt": [1.5, 2]}, 400, "prompt", "list of token ids"),
     ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt", "outside this model's vocabulary"),
@@ -202,6 +204,63 @@ def test_a_bad_request_gets_openais_error_naming_the_field(served, path, body, s
     assert response["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
+@pytest.mark.parametrize("raw, message", [
+    (b"[" * 100_000, "not JSON that can be read"),  # nesting too deep for the parser
+    (b'{"prompt": "x", "n": ' + b"1" * 5000 + b"}", "not JSON that can be read"),  # past int()'s digits
+    ('{"prompt": "x", "logit_bias": {"\u00b2": 1}}'.encode(), "logit_bias: key"),  # a digit to isdigit, not to int
+])
+def test_bodies_that_break_the_parsers_are_400s_and_the_server_goes_on(served, raw, message):
+    status, _, body = request(served, "POST", "/v1/completions", raw=raw)
+    assert status == 400 and message in body["error"]["message"]
+    assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+
+
+def test_null_fields_are_not_given_and_best_of_one_is_one(served):
+    body = {"prompt": "x", "max_tokens": 2, "suffix": None, "tools": None, "seed": None, "best_of": 1}
+    assert post(served, "/v1/completions", body)[0] == 200
+
+
+def test_more_choices_than_the_server_ever_holds_is_a_400_not_a_503(slow_server):
+    server, _ = slow_server  # 1 slot, 1 waiting: a request of 3 choices could never be admitted whole
+    status, _, body = post(server, "/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "n" and "at most 2 requests at once" in body["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1})[0] == 200
+
+
+def test_stop_token_ids_stop_besides_the_end_of_sequence_tokens_as_in_vllm(served):
+    from runtime.openai_api import parse
+
+    engine, name = served.engine, served.model_name
+    (choice,) = parse(engine, {"prompt": "x", "stop_token_ids": [7]}, chat=False, model_name=name).choices
+    assert set(choice.params.stop_token_ids) == {7, *engine.eos_token_ids}
+    (choice,) = parse(engine, {"prompt": "x", "stop_token_ids": [7], "ignore_eos": True}, chat=False,
+                      model_name=name).choices
+    assert choice.params.stop_token_ids == (7,)
+
+
+def test_an_error_outside_the_api_is_a_500_with_its_message(chat_served, monkeypatch):
+    from runtime import ArtifactError
+
+    def broken(messages):
+        raise ArtifactError("the chat template cannot be read")
+
+    monkeypatch.setattr(chat_served.engine, "chat_prompt_ids", broken)
+    status, _, body = post(chat_served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 500 and "chat template cannot be read" in body["error"]["message"]
+
+
+def test_a_body_that_stops_arriving_times_out_and_the_server_goes_on(served, monkeypatch):
+    import runtime.server
+
+    monkeypatch.setattr(runtime.server._Handler, "timeout", 0.5)
+    connection = socket.create_connection(served.server_address[:2])
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    connection.settimeout(30)
+    assert connection.recv(4096) == b""  # the server closed it
+    connection.close()
+    assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+
+
 def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
     status, _, body = request(served, "POST", "/v1/completions", raw=b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
@@ -210,6 +269,14 @@ def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
     assert request(served, "GET", "/v1/completions")[0] == 405
     status, _, body = request(served, "POST", "/v2/generate", {})
     assert status == 404 and "/v1/chat/completions" in body["error"]["message"]
+    connection = http.client.HTTPConnection(*served.server_address[:2], timeout=60)
+    connection.putrequest("POST", "/v2/generate")
+    connection.putheader("Transfer-Encoding", "chunked")
+    connection.endheaders()
+    response = connection.getresponse()  # not a traceback and a dropped connection
+    assert response.status == 411 and response.getheader("Connection") == "close"
+    assert "Content-Length" in json.loads(response.read())["error"]["message"]
+    connection.close()
     status, _, body = request(served, "GET", "/v1/models")
     assert status == 200 and body["data"][0]["id"] == served.model_name
     assert body["data"][0]["max_model_len"] == served.engine.max_context
