@@ -78,6 +78,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args) -> None:  # http.server's own access log: ours goes through server.log
         pass
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except OSError:  # reset between requests (a client that left without reading its last response): no one
+            self.close_connection = True  # to answer, and not the server's error to print
+
     # -- routes ----------------------------------------------------------------------------------------------------
     def do_GET(self) -> None:
         path = urlsplit(self.path).path

@@ -261,6 +261,17 @@ def test_a_body_that_stops_arriving_times_out_and_the_server_goes_on(served, mon
     assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
 
 
+def test_a_client_that_leaves_without_reading_its_response_is_no_error(served, capfd):
+    connection = socket.create_connection(served.server_address[:2])
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    connection.settimeout(30)
+    assert connection.recv(1, socket.MSG_PEEK)  # the response arrived; closing with it unread resets the connection
+    connection.close()
+    assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+    assert "Traceback" not in capfd.readouterr().err  # socketserver printed the reset as the server's error
+
+
 def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
     status, _, body = request(served, "POST", "/v1/completions", raw=b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
