@@ -216,6 +216,12 @@ class Scheduler:
     def closed(self) -> bool:
         return self._closed
 
+    def counts(self) -> tuple[int, int]:
+        """(requests in a slot, requests waiting for one) now; from any thread (a server's /metrics)."""
+        with self._lock:
+            waiting = len(self._waiting)
+        return sum(sequence is not None for sequence in self._running), waiting
+
     def close(self) -> None:
         """Refuse new requests, fail the waiting and running ones with a RequestError, stop the worker."""
         with self._lock:

@@ -4,6 +4,7 @@ openai`) can use an artifact. `aotlm serve ARTIFACT` runs it.
 
     GET  /health                 200 while serving
     GET  /v1/models              the one model served
+    GET  /metrics                Prometheus' text format: latencies, tokens, requests, load (runtime/server_metrics.py)
     POST /v1/completions         prompt -> text
     POST /v1/chat/completions    messages -> the assistant's reply (the model's chat template)
 
@@ -32,6 +33,7 @@ from runtime import openai_api
 from runtime.errors import QueueFullError, RequestError
 from runtime.openai_api import ApiError, ParsedRequest
 from runtime.results import GenerationResult
+from runtime.server_metrics import ServerMetrics
 
 MAX_BODY_BYTES = 16 << 20
 POLL_S = 0.25  # how often a waiting request's thread looks whether its client is still there
@@ -53,6 +55,7 @@ class ApiServer(ThreadingHTTPServer):
         self.model_name = model_name or engine.manifest["name"]
         self.log = log or (lambda line: None)
         self.created = int(time.time())
+        self.metrics = ServerMetrics()
         super().__init__((host, port), _Handler)
 
     @property
@@ -89,6 +92,9 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         if path == "/health":
             self._send_json(200, {"status": "ok"})
+        elif path == "/metrics":
+            text = self.server.metrics.render(self.server.model_name, self.server.engine.scheduler).encode()
+            self._send(200, text, "text/plain; version=0.0.4; charset=utf-8")
         elif path in ("/v1/models", "/models"):
             self._send_json(200, {"object": "list", "data": [{
                 "id": self.server.model_name, "object": "model", "created": self.server.created,
@@ -105,7 +111,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if path not in ROUTES:
                 self._read_body()  # drained, so that the connection can serve the next request
-                raise (ApiError(f"{path} takes GET", status=405) if path in ("/health", "/v1/models")
+                raise (ApiError(f"{path} takes GET", status=405) if path in ("/health", "/v1/models", "/metrics")
                        else _not_found(path))
             request = openai_api.parse(self.server.engine, self._read_json(), chat=ROUTES[path],
                                        model_name=self.server.model_name)
@@ -161,10 +167,11 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._send_error(ApiError(f"the request failed: {error}", 500, "server_error"))
         body = openai_api.response(self.server.engine, request, request_id, self.server.model_name, results)
         self._send_json(200, body)
-        self._log(200, request, results)
+        self._finished(request, results)
 
     def _stream(self, request: ParsedRequest, request_id: str, handles: list) -> None:
         self.send_response(200)
+        self.server.metrics.answered(self._route(), 200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")  # the stream's end is the connection's: no length to give
@@ -206,7 +213,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
         if all(results):
-            self._log(200, request, results)
+            self._finished(request, results)
 
     def _cancel(self, handles: list, reason: str | None = None) -> None:
         for handle in handles:
@@ -249,10 +256,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(f"the request body is not JSON that can be read: {str(error)[:200]}") from None
 
     def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        self._send(status, json.dumps(body, ensure_ascii=False).encode("utf-8"), "application/json", headers)
+
+    def _send(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
+        self.server.metrics.answered(self._route(), status)
         try:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             if self.close_connection:  # the body was not read (too long, no length): the connection ends here
                 self.send_header("Connection", "close")
@@ -263,6 +273,11 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # the client left, or stopped reading
             self.close_connection = True
 
+    def _route(self) -> str:
+        """The path as /metrics labels it: one of the server's, else "other" (any path would be a label value)."""
+        path = urlsplit(self.path).path
+        return path if path in (*ROUTES, "/health", "/v1/models", "/models", "/metrics") else "other"
+
     def _send_error(self, error: ApiError) -> None:
         headers = {"Retry-After": "1"} if error.status == 503 else None
         self._send_json(error.status, error.body(), headers)
@@ -272,10 +287,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: " + json.dumps(body, ensure_ascii=False).encode("utf-8") + b"\n\n")
         self.wfile.flush()
 
-    def _log(self, status: int, request: ParsedRequest, results: list[GenerationResult]) -> None:
+    def _finished(self, request: ParsedRequest, results: list[GenerationResult]) -> None:
+        """Into /metrics, and a line in the log."""
+        for result in results:
+            self.server.metrics.finished(result)
         first = results[0].timings
         usage = openai_api.usage(request, results)
-        line = (f"{self.command} {self.path} {status}: {usage['prompt_tokens']} prompt tokens "
+        line = (f"{self.command} {self.path} 200: {usage['prompt_tokens']} prompt tokens "
                 f"({usage['prompt_tokens_details']['cached_tokens']} cached), {usage['completion_tokens']} out")
         if first is not None:
             line += f", TTFT {1e3 * first.ttft_s:.1f} ms, TPOT {1e3 * first.tpot_s:.2f} ms"

@@ -272,6 +272,56 @@ def test_a_client_that_leaves_without_reading_its_response_is_no_error(served, c
     assert "Traceback" not in capfd.readouterr().err  # socketserver printed the reset as the server's error
 
 
+def scrape(server) -> dict[str, float]:
+    """/metrics as {series with its labels: value}, after checking the text format's shape."""
+    connection = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain; version=0.0.4")
+    series = {}
+    for line in response.read().decode().splitlines():
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            series[name] = float(value)
+    connection.close()
+    return series
+
+
+def test_metrics_count_what_the_server_served(tiny_artifact):
+    server, _ = serve(Engine.load(tiny_artifact), slots=2)
+    try:
+        assert scrape(server)['aotlm:generation_tokens_total{model_name="tiny-random"}'] == 0
+        bodies = [post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3, "n": 2, "ignore_eos": True})[2],
+                  post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1})[2]]
+        events(server, "/v1/completions", {"prompt": "y", "max_tokens": 2, "ignore_eos": True})
+        post(server, "/v1/completions", {"prompt": "x", "n": 0})
+        series = scrape(server)
+    finally:
+        stop(server)
+    label = 'model_name="tiny-random"'
+    assert series[f"aotlm:generation_tokens_total{{{label}}}"] == sum(
+        body["usage"]["completion_tokens"] for body in bodies) + 2
+    assert series[f'aotlm:http_requests_total{{{label},route="/v1/completions",status="200"}}'] == 3
+    assert series[f'aotlm:http_requests_total{{{label},route="/v1/completions",status="400"}}'] == 1
+    assert series[f"aotlm:time_to_first_token_seconds_count{{{label}}}"] == 4  # one per choice
+    assert series[f"aotlm:time_per_output_token_seconds_count{{{label}}}"] == 3  # the one-token request has none
+    buckets = [v for k, v in series.items() if k.startswith("aotlm:e2e_request_latency_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == 4  # cumulative, +Inf last
+    assert series[f"aotlm:kv_cache_slots{{{label}}}"] == 2 and series[f"aotlm:num_requests_running{{{label}}}"] == 0
+
+
+def test_metrics_show_the_requests_running_and_waiting(slow_server):
+    server, _ = slow_server
+    running = server.engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    next(iter(running))
+    waiting = server.engine.submit([1, 2], max_new_tokens=2)
+    series = scrape(server)
+    running.cancel()
+    waiting.cancel()
+    label = 'model_name="tiny-random"'
+    assert (series[f"aotlm:num_requests_running{{{label}}}"], series[f"aotlm:num_requests_waiting{{{label}}}"]) == (1, 1)
+
+
 def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
     status, _, body = request(served, "POST", "/v1/completions", raw=b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
