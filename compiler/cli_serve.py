@@ -3,6 +3,7 @@ connection's requests batched together by the scheduler (continuous batching). T
 address it listens at; a line per finished request goes to stderr unless --quiet. Ctrl-C stops it."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -37,6 +38,9 @@ def add_serve_parser(commands) -> None:
                        help="a prompt whose start a slot already holds (a system prompt, a chat's earlier turns, n "
                             "samples of one prompt) prefills only the rest")
     serve.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads")
+    serve.add_argument("--api-key", default=None,
+                       help="ask /v1 requests for 'Authorization: Bearer KEY' (default: $AOTLM_API_KEY, which keeps "
+                            "the key out of the process list; unset: no key)")
     serve.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     serve.set_defaults(handler=serve_command)
 
@@ -47,19 +51,22 @@ def serve_command(args) -> None:
 
     if args.model_name is not None and not args.model_name.strip():
         raise UsageError("--model-name: give a non-empty name (the API's `model` field)")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("AOTLM_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key / AOTLM_API_KEY: empty; give a key, or leave both unset to serve without one")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching)
     scheduler = engine.start_scheduler(slots=args.slots, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     try:
         server = ApiServer(engine, args.host, args.port, model_name=args.model_name,
-                           log=None if args.quiet else _log_line)
+                           log=None if args.quiet else _log_line, api_key=api_key)
     except OSError as error:  # the port is taken, the address is not this machine's, ...
         engine.close()
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}; choose another --port "
                          f"(0: any free one) or --host") from None
     print(f"serving {server.model_name} at {server.url}/v1", flush=True)
     console.print(escape(f"{scheduler.slots} slots, {scheduler.max_queue} may wait; max context "
-                         f"{engine.max_context} tokens; POST /v1/completions, /v1/chat/completions; Ctrl-C stops"),
-                  highlight=False)
+                         f"{engine.max_context} tokens; POST /v1/completions, /v1/chat/completions; "
+                         f"{'API key required; ' if api_key else ''}Ctrl-C stops"), highlight=False)
     try:
         server.serve_forever()
     finally:

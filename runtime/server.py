@@ -14,11 +14,14 @@ waits on their handles. A streamed response is server-sent events: a chunk per t
 end, then `data: [DONE]`; the connection closes after it. A client that goes away cancels its requests: noticed
 within POLL_S while waiting, or at the next write; the scheduler frees their slots at its next step.
 Latencies count from the moment the request's headers were read: its body, template and tokenization are in TTFT.
+With an api_key, the /v1 routes ask for it as OpenAI's clients send it (`Authorization: Bearer KEY`; else 401);
+/health and /metrics stay open, as vLLM leaves them.
 Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an unknown path, 503 with
 Retry-After when the scheduler's queue is full, 500 when a request fails while running.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import queue
 import socket
@@ -50,8 +53,9 @@ class ApiServer(ThreadingHTTPServer):
     request_queue_size = 1024  # the listen backlog (socketserver's 5 drops a benchmark's burst of connections)
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, api_key: str | None = None):
         self.engine = engine
+        self.api_key = api_key
         self.model_name = model_name or engine.manifest["name"]
         self.log = log or (lambda line: None)
         self.created = int(time.time())
@@ -90,6 +94,8 @@ class _Handler(BaseHTTPRequestHandler):
     # -- routes ----------------------------------------------------------------------------------------------------
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
+        if not self._authorized(path):
+            return
         if path == "/health":
             self._send_json(200, {"status": "ok"})
         elif path == "/metrics":
@@ -108,6 +114,8 @@ class _Handler(BaseHTTPRequestHandler):
         arrival = time.perf_counter()
         path = urlsplit(self.path).path
         handles: list = []
+        if not self._authorized(path):
+            return
         try:
             if path not in ROUTES:
                 self._read_body()  # drained, so that the connection can serve the next request
@@ -132,6 +140,19 @@ class _Handler(BaseHTTPRequestHandler):
             for handle in handles:  # whatever ended this request's response ends its requests too
                 if not handle.done():
                     handle.cancel()
+
+    def _authorized(self, path: str) -> bool:
+        """Whether the request may go on; else it was answered 401 (its body unread: the connection ends)."""
+        key = self.server.api_key
+        if key is None or not path.startswith("/v1/"):
+            return True
+        given = self.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return True
+        self.close_connection = True
+        self._send_error(ApiError("a missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
+                                  "the server's key", 401, "authentication_error"))
+        return False
 
     # -- requests ----------------------------------------------------------------------------------------------------
     def _submit(self, request: ParsedRequest, arrival: float) -> list:

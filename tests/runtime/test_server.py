@@ -322,6 +322,26 @@ def test_metrics_show_the_requests_running_and_waiting(slow_server):
     assert (series[f"aotlm:num_requests_running{{{label}}}"], series[f"aotlm:num_requests_waiting{{{label}}}"]) == (1, 1)
 
 
+def test_an_api_key_guards_the_v1_routes_not_health_or_metrics(tiny_artifact):
+    engine = Engine.load(tiny_artifact)
+    server = ApiServer(engine, port=0, api_key="s3cret")
+    server.start()
+    try:
+        body = json.dumps({"prompt": "x", "max_tokens": 1})
+        answers = []
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cret"}):
+            connection = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+            connection.request("POST", "/v1/completions", body=body, headers=headers)
+            response = connection.getresponse()
+            answers.append((response.status, json.loads(response.read()).get("error", {}).get("type")))
+            connection.close()
+        assert answers == [(401, "authentication_error"), (401, "authentication_error"), (200, None)]
+        assert request(server, "GET", "/v1/models")[0] == 401
+        assert request(server, "GET", "/health")[0] == 200
+    finally:
+        stop(server)
+
+
 def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
     status, _, body = request(served, "POST", "/v1/completions", raw=b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
