@@ -78,6 +78,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive between requests; a stream ends its connection
     timeout = SOCKET_TIMEOUT_S
     server: ApiServer
+    _streaming = False  # the response under way is a stream: its headers are out
 
     def version_string(self) -> str:  # the Server header: http.server's adds Python's version
         return "aotlm"
@@ -130,16 +131,27 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._respond(request, request_id, handles)
         except ApiError as error:
-            self._send_error(error)
+            self._fail(error)
         except OSError:  # the client went away, or stopped reading for SOCKET_TIMEOUT_S: nobody to answer
             self.close_connection = True
             self._cancel(handles, "client went away" if handles else None)
         except Exception as error:  # noqa: BLE001 -- a bug or a broken artifact: said to the client, not a traceback
-            self._send_error(ApiError(f"{type(error).__name__}: {error}", 500, "server_error"))
+            self._fail(ApiError(f"{type(error).__name__}: {error}", 500, "server_error"))
         finally:
             for handle in handles:  # whatever ended this request's response ends its requests too
                 if not handle.done():
                     handle.cancel()
+
+    def _fail(self, error: ApiError) -> None:
+        """Answer with the error: as a response, or as a stream's last event once the stream has begun."""
+        if not self._streaming:
+            return self._send_error(error)
+        self.server.log(f"{self.command} {self.path}: the stream ended with {error}")
+        try:
+            self._send_event(error.body())
+            self.wfile.write(b"data: [DONE]\n\n")
+        except OSError:
+            pass
 
     def _authorized(self, path: str) -> bool:
         """Whether the request may go on; else it was answered 401 (its body unread: the connection ends)."""
@@ -198,6 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")  # the stream's end is the connection's: no length to give
         self.end_headers()
         self.close_connection = True
+        self._streaming = True
         created, model = int(time.time()), self.server.model_name
         events: queue.SimpleQueue = queue.SimpleQueue()
         for position, handle in enumerate(handles):

@@ -238,6 +238,18 @@ def test_stop_token_ids_stop_besides_the_end_of_sequence_tokens_as_in_vllm(serve
     assert choice.params.stop_token_ids == (7,)
 
 
+def test_an_error_inside_a_stream_ends_it_with_an_error_event(served, monkeypatch):
+    import runtime.openai_api
+
+    def broken(*args, **keywords):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(runtime.openai_api, "chunk", broken)
+    _, chunks, done = events(served, "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+    assert done and chunks == [{"error": {"message": "KeyError: 'a bug'", "type": "server_error", "param": None,
+                                          "code": 500}}]
+
+
 def test_an_error_outside_the_api_is_a_500_with_its_message(chat_served, monkeypatch):
     from runtime import ArtifactError
 
