@@ -24,6 +24,7 @@ from __future__ import annotations
 import hmac
 import json
 import queue
+import select
 import socket
 import threading
 import time
@@ -256,13 +257,19 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.log(f"{self.command} {self.path}: {reason}; its {len(handles)} request(s) cancelled")
 
     def _client_gone(self) -> bool:
-        """The client closed its end: its socket reads as ended. A peek that does not wait (select() cannot watch a
-        descriptor numbered 1024 or more); nothing the client sends meanwhile is consumed. A client that only
-        shut down its sending side reads as gone too."""
-        try:
-            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:  # nothing to read: still there
+        """The client closed its end: its socket reads as ended. poll() rather than a non-blocking recv(): a socket
+        with a timeout waits that long inside recv() whatever its flags (60 s here, then a TimeoutError that would
+        read as gone), and poll(), unlike select(), watches descriptors numbered 1024 or more. The peek consumes
+        nothing the client sends meanwhile. A client that only shut down its sending side reads as gone too."""
+        watcher = select.poll()
+        watcher.register(self.connection, select.POLLIN)
+        events = watcher.poll(0)
+        if not events:  # nothing to read: still there
             return False
+        if events[0][1] & (select.POLLERR | select.POLLNVAL):
+            return True
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
 

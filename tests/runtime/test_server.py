@@ -397,6 +397,24 @@ def slow_server(tiny_artifact):
     stop(server)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_that_runs_for_many_waits_is_answered(slow_server, stream):
+    """A 0.35 s step makes each wait for the next token outlast the server's 0.25 s look at its client; the look
+    must not wait on the socket (its 60 s timeout, then a TimeoutError) and read the silence as a client gone."""
+    server, lines = slow_server
+    slowed = server.engine.scheduler.cache.run
+    server.engine.scheduler.cache.run = lambda *args: (time.sleep(0.3), slowed(*args))[1]  # 0.35 s a step
+    body = {"prompt": "x", "max_tokens": 4, "ignore_eos": True}
+    started = time.monotonic()
+    if stream:
+        _, chunks, done = events(server, "/v1/completions", body)
+        assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        status, _, response = post(server, "/v1/completions", body)
+        assert status == 200 and response["usage"]["completion_tokens"] == 4
+    assert time.monotonic() - started < 20 and not any("went away" in line for line in lines)
+
+
 def test_a_full_queue_is_503_with_retry_after(slow_server):
     server, _ = slow_server
     running = server.engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
