@@ -1,6 +1,8 @@
 """`aotlm serve ARTIFACT`: OpenAI's completions and chat-completions API over HTTP (runtime/server.py), every
 connection's requests batched together by the scheduler (continuous batching). The first line on stdout is the
-address it listens at; a line per finished request goes to stderr unless --quiet. Ctrl-C stops it."""
+address it listens at; a line per finished request goes to stderr unless --quiet. Ctrl-C or SIGTERM stops it
+gracefully: no new requests (503), those under way finish for up to --shutdown-timeout seconds, then the rest are
+stopped with a 503 (a stream: an error event and [DONE]) rather than cut off."""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,14 @@ from rich.markup import escape
 
 from compiler.console import console
 from compiler.errors import UsageError, nonnegative_int, thread_count
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise ValueError(text)
+    return value
 
 
 def port_number(text: str) -> int:
@@ -41,6 +51,9 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--api-key", default=None,
                        help="ask /v1 requests for 'Authorization: Bearer KEY' (default: $AOTLM_API_KEY, which keeps "
                             "the key out of the process list; unset: no key)")
+    serve.add_argument("--shutdown-timeout", type=seconds, default=30.0,
+                       help="on Ctrl-C or SIGTERM, seconds the requests under way may take to finish before they are "
+                            "stopped (default 30; 0: stop them at once)")
     serve.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     serve.set_defaults(handler=serve_command)
 
@@ -69,9 +82,28 @@ def serve_command(args) -> None:
                          f"{'API key required; ' if api_key else ''}Ctrl-C stops"), highlight=False)
     try:
         server.serve_forever()
-    finally:
-        server.server_close()
-        engine.close()
+    finally:  # Ctrl-C or SIGTERM (compiler/cli.py raises it as a KeyboardInterrupt), or a bug in the server loop
+        _stop_gracefully(server, engine, args.shutdown_timeout)
+
+
+def _stop_gracefully(server, engine, timeout_s: float) -> None:
+    """No new connections or requests; those under way finish for up to timeout_s (a second Ctrl-C: at once), and
+    closing the engine stops the rest, whose clients then hear why: a load balancer's drain, not a cut."""
+    server.server_close()
+    if server.under_way:
+        console.print(escape(f"stopping: {server.under_way} request(s) under way may finish for up to {timeout_s:g} s "
+                             f"(Ctrl-C again: stop them now)"), highlight=False)
+    try:
+        left = server.drain(timeout_s)
+    except KeyboardInterrupt:
+        left = server.under_way
+    engine.close()  # fails what is left: a 503, or a stream's error event and [DONE]
+    if left:
+        console.print(escape(f"stopped {left} request(s) before they finished"), highlight=False)
+        try:
+            server.drain(5.0)  # time for those answers to go out
+        except KeyboardInterrupt:
+            pass
 
 
 def _log_line(line: str) -> None:

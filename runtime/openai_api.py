@@ -34,12 +34,14 @@ SAMPLING_FIELDS = {
 }
 COMMON_FIELDS = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                               "add_generation_prompt"}  # vLLM's: false continues the last message's turn
 NOT_SUPPORTED = {
     "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
     "functions": "function calls are not supported", "function_call": "function calls are not supported",
     "parallel_tool_calls": "tool calls are not supported",
     "best_of": "send n requests and keep the best", "suffix": "insertion (suffix) is not supported",
+    "min_tokens": "holding back the end of text is not supported; ignore_eos: true gives exactly max_tokens",
 }
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -175,7 +177,11 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
                                f"supported by this server", param="messages")
             message = {**message, "content": "".join(part["text"] for part in parts)}
         flat.append(message)
-    return _checked(lambda: engine.chat_prompt_ids(flat), "messages")
+    add_generation_prompt = fields.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise ApiError(f"add_generation_prompt: {add_generation_prompt!r} must be true or false",
+                       param="add_generation_prompt")
+    return _checked(lambda: engine.chat_prompt_ids(flat, add_generation_prompt), "messages")
 
 
 def _completion_logprobs(fields: dict) -> int | None:

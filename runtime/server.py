@@ -61,6 +61,9 @@ class ApiServer(ThreadingHTTPServer):
         self.log = log or (lambda line: None)
         self.created = int(time.time())
         self.metrics = ServerMetrics()
+        self.closing = False  # drain() began: requests get 503, /health says so (load balancers look elsewhere)
+        self._under_way = 0  # POSTs being answered
+        self._under_way_changed = threading.Condition()
         super().__init__((host, port), _Handler)
 
     @property
@@ -73,6 +76,35 @@ class ApiServer(ThreadingHTTPServer):
         thread = threading.Thread(target=self.serve_forever, name="aotlm-server", daemon=True)
         thread.start()
         return thread
+
+    @property
+    def under_way(self) -> int:
+        """Requests (POSTs) being answered now."""
+        return self._under_way
+
+    def drain(self, timeout_s: float) -> int:
+        """A graceful stop's wait, once serve_forever() has returned (Ctrl-C) or shutdown(): from now on a request
+        on a connection still open gets 503 and /health 503; wait up to timeout_s for the requests under way to be
+        answered. Returns how many still are. Closing the engine then fails those: a non-streamed one gets 503, a
+        stream an error event and [DONE]; drain() again (briefly) lets their answers go out."""
+        deadline = time.monotonic() + timeout_s
+        with self._under_way_changed:
+            self.closing = True
+            while self._under_way and (left := deadline - time.monotonic()) > 0:
+                self._under_way_changed.wait(left)
+            return self._under_way
+
+    def _admit(self) -> bool:
+        with self._under_way_changed:
+            if self.closing:
+                return False
+            self._under_way += 1
+            return True
+
+    def _answered(self) -> None:
+        with self._under_way_changed:
+            self._under_way -= 1
+            self._under_way_changed.notify_all()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -99,9 +131,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized(path):
             return
         if path == "/health":
-            self._send_json(200, {"status": "ok"})
+            self._send_json(*((503, {"status": "shutting down"}) if self.server.closing else (200, {"status": "ok"})))
         elif path == "/metrics":
-            text = self.server.metrics.render(self.server.model_name, self.server.engine.scheduler).encode()
+            text = self.server.metrics.render(self.server.model_name, self.server.engine.scheduler,
+                                             self.server.under_way).encode()
             self._send(200, text, "text/plain; version=0.0.4; charset=utf-8")
         elif path in ("/v1/models", "/models"):
             self._send_json(200, {"object": "list", "data": [{
@@ -117,6 +150,10 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         handles: list = []
         if not self._authorized(path):
+            return
+        if not self.server._admit():
+            self.close_connection = True
+            self._send_error(_SHUTTING_DOWN)
             return
         try:
             if path not in ROUTES:
@@ -142,6 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
             for handle in handles:  # whatever ended this request's response ends its requests too
                 if not handle.done():
                     handle.cancel()
+            self.server._answered()
 
     def _fail(self, error: ApiError) -> None:
         """Answer with the error: as a response, or as a stream's last event once the stream has begun."""
@@ -181,8 +219,13 @@ class _Handler(BaseHTTPRequestHandler):
         except RequestError as error:  # all of the request's choices run, or none
             for handle in handles:
                 handle.cancel()
+            if self.server.closing:  # the engine closed under a request admitted just before the stop
+                raise _SHUTTING_DOWN from None
             if isinstance(error, QueueFullError):
-                raise ApiError(str(error), status=503, kind="service_unavailable") from None
+                scheduler = self.server.engine.scheduler  # None before the first submit started a default one
+                raise ApiError(f"the server is full: {scheduler.max_queue} requests wait for its {scheduler.slots} "
+                               f"busy slots; retry later, or start it with a larger --max-queue (or --slots)",
+                               status=503, kind="service_unavailable") from None
             raise ApiError(str(error)) from None
         return handles
 
@@ -195,10 +238,11 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 except ResultTimeout:
                     if self._client_gone():
+                        self.server.metrics.answered(self._route(), 499)  # nginx's "client closed request"
                         return self._cancel(handles, "client went away")
-                except Exception as error:  # the request failed in the scheduler (a graph run raised)
+                except Exception as error:  # the request failed in the scheduler (a graph run raised; a stop)
                     self._cancel(handles)
-                    return self._send_error(ApiError(f"the request failed: {error}", 500, "server_error"))
+                    return self._send_error(self._failure(error))
         body = openai_api.response(self.server.engine, request, request_id, self.server.model_name, results)
         self._send_json(200, body)
         self._finished(request, results)
@@ -228,7 +272,7 @@ class _Handler(BaseHTTPRequestHandler):
                 continue
             if isinstance(item, BaseException):
                 self._cancel(handles)
-                self._send_event(ApiError(f"the request failed: {item}", 500, "server_error").body())
+                self._send_event(self._failure(item).body())
                 break
             if isinstance(item, str) and not item:
                 continue
@@ -255,6 +299,12 @@ class _Handler(BaseHTTPRequestHandler):
             handle.cancel()
         if reason:
             self.server.log(f"{self.command} {self.path}: {reason}; its {len(handles)} request(s) cancelled")
+
+    def _failure(self, error: BaseException) -> ApiError:
+        """What a request that failed in the scheduler tells its client: a stop's (retry elsewhere), else 500."""
+        if self.server.closing:
+            return _SHUTTING_DOWN
+        return ApiError(f"the request failed: {error}", 500, "server_error")
 
     def _client_gone(self) -> bool:
         """The client closed its end: its socket reads as ended. poll() rather than a non-blocking recv(): a socket
@@ -334,11 +384,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.metrics.finished(result)
         first = results[0].timings
         usage = openai_api.usage(request, results)
-        line = (f"{self.command} {self.path} 200: {usage['prompt_tokens']} prompt tokens "
+        line = (f"{self.command} {self.path} 200: {_count(usage['prompt_tokens'], 'prompt token')} "
                 f"({usage['prompt_tokens_details']['cached_tokens']} cached), {usage['completion_tokens']} out")
+        if len(results) > 1:
+            line += f" over {len(results)} choices"
         if first is not None:
-            line += f", TTFT {1e3 * first.ttft_s:.1f} ms, TPOT {1e3 * first.tpot_s:.2f} ms"
-        self.server.log(line + (f" (choice 0 of {len(results)})" if len(results) > 1 else ""))
+            line += (f"; {'choice 0: ' if len(results) > 1 else ''}TTFT {1e3 * first.ttft_s:.1f} ms, "
+                     f"TPOT {1e3 * first.tpot_s:.2f} ms")
+        self.server.log(line)
 
 
 def _pump(position: int, handle, events: queue.SimpleQueue) -> None:
@@ -349,6 +402,14 @@ def _pump(position: int, handle, events: queue.SimpleQueue) -> None:
         events.put((position, handle.result()))
     except BaseException as error:  # the request failed: the stream says so
         events.put((position, error))
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+_SHUTTING_DOWN = ApiError("the server is shutting down and takes no more requests; send this one again, to another "
+                          "replica or once the server is back", status=503, kind="service_unavailable")
 
 
 def _not_found(path: str) -> ApiError:

@@ -67,15 +67,18 @@ class ServerMetrics:
             if trace.tpot is not None:
                 self._histograms["time_per_output_token_seconds"].observe(trace.tpot)
 
-    def render(self, model_name: str, scheduler) -> str:
-        """The exposition text; scheduler: the engine's (its gauges), or None before the first request."""
+    def render(self, model_name: str, scheduler, in_progress: int = 0) -> str:
+        """The exposition text; scheduler: the engine's (its gauges), or None before the first request;
+        in_progress: the server's requests being answered."""
         label = f'model_name="{_escaped(model_name)}"'
         lines = []
         running, waiting = scheduler.counts() if scheduler is not None else (0, 0)
         for name, value, text in (("num_requests_running", running, "Requests in a KV-cache slot."),
                                   ("num_requests_waiting", waiting, "Requests waiting for a slot."),
                                   ("kv_cache_slots", scheduler.slots if scheduler is not None else 0,
-                                   "Sequences the scheduler's KV cache holds at once.")):
+                                   "Sequences the scheduler's KV cache holds at once."),
+                                  ("http_requests_in_progress", in_progress,
+                                   "HTTP requests (POSTs) being answered, bodies still arriving included.")):
             lines += [f"# HELP aotlm:{name} {text}", f"# TYPE aotlm:{name} gauge", f"aotlm:{name}{{{label}}} {value}"]
         with self._lock:
             lines += ["# HELP aotlm:http_requests_total HTTP requests answered, by route and status.",

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -164,6 +165,17 @@ def test_chat_max_tokens_defaults_to_the_rest_of_the_context(chat_served):
     assert body["choices"][0]["finish_reason"] == "length"
 
 
+def test_chat_without_the_generation_prompt_continues_the_last_turn(chat_served):
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}]
+    prompt = chat_served.engine.chat_prompt_ids(messages, add_generation_prompt=False)
+    assert len(prompt) < len(chat_served.engine.chat_prompt_ids(messages))
+    expected = chat_served.engine.generate(prompt, max_new_tokens=4, ignore_eos=True)
+    status, _, body = post(chat_served, "/v1/chat/completions", {
+        "messages": messages, "add_generation_prompt": False, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert status == 200 and body["usage"]["prompt_tokens"] == len(prompt)
+    assert body["choices"][0]["message"]["content"] == expected.text
+
+
 def test_chat_on_a_model_without_a_template_says_so(served):
     status, _, body = post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 400 and "no chat template" in body["error"]["message"]
@@ -172,6 +184,9 @@ def test_chat_on_a_model_without_a_template_says_so(served):
 @pytest.mark.parametrize("path, body, status, param, message", [
     ("/v1/completions", {"prompt": "x", "max_tokns": 3}, 400, "max_tokns", "did you mean max_tokens?"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of", "send n requests"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 4}, 400, "min_tokens", "ignore_eos: true gives exactly"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": 1}, 400,
+     "add_generation_prompt", "must be true or false"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools",
      "tool calls are not supported"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
@@ -253,7 +268,7 @@ def test_an_error_inside_a_stream_ends_it_with_an_error_event(served, monkeypatc
 def test_an_error_outside_the_api_is_a_500_with_its_message(chat_served, monkeypatch):
     from runtime import ArtifactError
 
-    def broken(messages):
+    def broken(messages, add_generation_prompt=True):
         raise ArtifactError("the chat template cannot be read")
 
     monkeypatch.setattr(chat_served.engine, "chat_prompt_ids", broken)
@@ -284,9 +299,10 @@ def test_a_client_that_leaves_without_reading_its_response_is_no_error(served, c
     assert "Traceback" not in capfd.readouterr().err  # socketserver printed the reset as the server's error
 
 
-def scrape(server) -> dict[str, float]:
-    """/metrics as {series with its labels: value}, after checking the text format's shape."""
-    connection = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+def scrape(address) -> dict[str, float]:
+    """/metrics of the server at address (host, port) as {series with its labels: value}, after checking the text
+    format's shape."""
+    connection = http.client.HTTPConnection(*address[:2], timeout=60)
     connection.request("GET", "/metrics")
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain; version=0.0.4")
@@ -302,12 +318,12 @@ def scrape(server) -> dict[str, float]:
 def test_metrics_count_what_the_server_served(tiny_artifact):
     server, _ = serve(Engine.load(tiny_artifact), slots=2)
     try:
-        assert scrape(server)['aotlm:generation_tokens_total{model_name="tiny-random"}'] == 0
+        assert scrape(server.server_address)['aotlm:generation_tokens_total{model_name="tiny-random"}'] == 0
         bodies = [post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3, "n": 2, "ignore_eos": True})[2],
                   post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1})[2]]
         events(server, "/v1/completions", {"prompt": "y", "max_tokens": 2, "ignore_eos": True})
         post(server, "/v1/completions", {"prompt": "x", "n": 0})
-        series = scrape(server)
+        series = scrape(server.server_address)
     finally:
         stop(server)
     label = 'model_name="tiny-random"'
@@ -327,7 +343,7 @@ def test_metrics_show_the_requests_running_and_waiting(slow_server):
     running = server.engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
     next(iter(running))
     waiting = server.engine.submit([1, 2], max_new_tokens=2)
-    series = scrape(server)
+    series = scrape(server.server_address)
     running.cancel()
     waiting.cancel()
     label = 'model_name="tiny-random"'
@@ -421,7 +437,7 @@ def test_a_full_queue_is_503_with_retry_after(slow_server):
     next(iter(running))
     waiting = server.engine.submit([1, 2], max_new_tokens=2)
     status, headers, body = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-    assert status == 503 and headers["Retry-After"] == "1" and "queue is full" in body["error"]["message"]
+    assert status == 503 and headers["Retry-After"] == "1" and "--max-queue" in body["error"]["message"]
     assert body["error"]["type"] == "service_unavailable"
     running.cancel()
     assert waiting.result(timeout=30).finish_reason == "length"
@@ -451,6 +467,10 @@ def test_a_client_that_leaves_cancels_its_request_and_frees_the_slot(slow_server
     assert wait_for(lambda: any("client went away" in line for line in lines), 3.0)
     assert wait_for(lambda: scheduler._running[0] is None, 3.0)  # long before its 100 tokens' end (>= 5 s)
     assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    answered = {status: scrape(server.server_address).get(
+        f'aotlm:http_requests_total{{model_name="tiny-random",route="/v1/completions",status="{status}"}}', 0)
+        for status in ("200", "499")}
+    assert answered == ({"200": 2, "499": 0} if stream else {"200": 1, "499": 1})  # a stream's 200 went out first
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -489,3 +509,98 @@ def test_aotlm_serve_prints_its_address_serves_and_stops_on_ctrl_c(tiny_artifact
         _, errors = process.communicate(timeout=60)
     assert process.returncode == 130 and "Traceback" not in errors
     assert "POST /v1/completions 200:" in errors
+
+
+def in_thread(function, *args) -> list:
+    """Start function(*args) on a thread; the returned list gets its result (or error) when it ends."""
+    outcome: list = []
+
+    def call():
+        try:
+            outcome.append(function(*args))
+        except BaseException as error:  # noqa: BLE001 -- the test asserts on it
+            outcome.append(error)
+    threading.Thread(target=call, daemon=True).start()
+    return outcome
+
+
+def test_a_graceful_stop_finishes_the_requests_under_way_and_refuses_new_ones(slow_server):
+    server, _ = slow_server
+    idle = http.client.HTTPConnection(*server.server_address[:2], timeout=60)  # kept open across the stop
+    idle.request("GET", "/health")
+    assert idle.getresponse().read() and server.under_way == 0
+    streamed = in_thread(events, server, "/v1/completions", {"prompt": "x", "max_tokens": 12, "ignore_eos": True})
+    answered = in_thread(post, server, "/v1/completions", {"prompt": "y", "max_tokens": 12, "ignore_eos": True})
+    assert wait_for(lambda: server.under_way == 2)
+    server.shutdown()
+    left = in_thread(server.drain, 60)
+    assert wait_for(lambda: server.closing) and not left  # still waiting: ~24 steps of 50 ms to go
+    idle.request("GET", "/health")
+    health = idle.getresponse()
+    assert health.status == 503 and json.loads(health.read()) == {"status": "shutting down"}
+    idle.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 2}))
+    refused = idle.getresponse()
+    assert refused.status == 503 and "shutting down" in json.loads(refused.read())["error"]["message"]
+    idle.close()
+    assert wait_for(lambda: left, 60) and left == [0]
+    _, chunks, done = streamed[0]
+    assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    status, _, body = answered[0]
+    assert status == 200 and body["usage"]["completion_tokens"] == 12
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_a_stop_outlasts_are_told_to_retry(slow_server, stream):
+    server, lines = slow_server
+    body = {"prompt": "x", "max_tokens": 100, "ignore_eos": True}
+    outcome = in_thread(events if stream else post, server, "/v1/completions", body)
+    assert wait_for(lambda: server.engine.scheduler.counts()[0] == 1)
+    server.shutdown()
+    assert server.drain(0.2) == 1
+    server.engine.close()
+    assert server.drain(30) == 0 and wait_for(lambda: outcome)
+    if stream:
+        _, chunks, done = outcome[0]
+        assert done and chunks[-1]["error"]["code"] == 503 and "shutting down" in chunks[-1]["error"]["message"]
+    else:
+        status, _, response = outcome[0]
+        assert status == 503 and "send this one again" in response["error"]["message"]
+
+
+def test_aotlm_serve_on_sigterm_answers_the_request_under_way_then_exits(tiny_artifact):
+    """A request whose body is still arriving when SIGTERM comes is under way: the stop waits for it and answers it
+    (a stop that cut it off would leave the client a closed connection), then the process exits 143."""
+    process = subprocess.Popen([sys.executable, "-m", "compiler.cli", "serve", str(tiny_artifact), "--port", "0",
+                                "--shutdown-timeout", "60"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        host, port = process.stdout.readline().split("http://")[1].removesuffix("/v1\n").split(":")
+        body = json.dumps({"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}).encode()
+        client = socket.create_connection((host, int(port)), timeout=60)
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                       + body[:5])
+        label = 'aotlm:http_requests_in_progress{model_name="tiny-random"}'
+        assert wait_for(lambda: scrape((host, int(port)))[label] == 1)
+        process.send_signal(signal.SIGTERM)
+        stderr_lines = iter(process.stderr.readline, "")
+        assert any(line.startswith("stopping: 1 request(s) under way") for line in stderr_lines)
+        client.sendall(body[5:])
+        response = http.client.HTTPResponse(client)
+        response.begin()
+        assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 3
+        client.close()
+        assert process.wait(timeout=60) == 143
+        errors = process.stderr.read()
+    finally:
+        process.kill()
+        process.communicate()
+    assert "terminated" in errors and "Traceback" not in errors and "stopped" not in errors
+
+
+def test_the_log_line_of_a_request_counts_its_tokens_and_says_whose_timings_it_shows(slow_server):
+    server, lines = slow_server
+    post(server, "/v1/completions", {"prompt": [5], "max_tokens": 2, "ignore_eos": True})
+    post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 2, "ignore_eos": True})
+    assert lines[0].startswith("POST /v1/completions 200: 1 prompt token (0 cached), 2 out; TTFT ")
+    assert lines[1].startswith("POST /v1/completions 200: 2 prompt tokens (0 cached), 4 out over 2 choices; "
+                               "choice 0: TTFT ")
