@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from rich.markup import escape
@@ -51,9 +52,9 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--api-key", default=None,
                        help="ask /v1 requests for 'Authorization: Bearer KEY' (default: $AOTLM_API_KEY, which keeps "
                             "the key out of the process list; unset: no key)")
-    serve.add_argument("--shutdown-timeout", type=seconds, default=30.0,
+    serve.add_argument("--shutdown-timeout", type=seconds, default=25.0,
                        help="on Ctrl-C or SIGTERM, seconds the requests under way may take to finish before they are "
-                            "stopped (default 30; 0: stop them at once)")
+                            "stopped (default 25, inside Kubernetes' 30 s grace before its SIGKILL; 0: at once)")
     serve.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     serve.set_defaults(handler=serve_command)
 
@@ -89,21 +90,38 @@ def serve_command(args) -> None:
 def _stop_gracefully(server, engine, timeout_s: float) -> None:
     """No new connections or requests; those under way finish for up to timeout_s (a second Ctrl-C: at once), and
     closing the engine stops the rest, whose clients then hear why: a load balancer's drain, not a cut."""
-    server.server_close()
-    if server.under_way:
-        console.print(escape(f"stopping: {server.under_way} request(s) under way may finish for up to {timeout_s:g} s "
-                             f"(Ctrl-C again: stop them now)"), highlight=False)
     try:
-        left = server.drain(timeout_s)
+        server.server_close()
+        if server.under_way:
+            console.print(escape(f"stopping: {server.under_way} request(s) under way may finish for up to "
+                                 f"{timeout_s:g} s (Ctrl-C again: stop them now)"), highlight=False)
+        server.drain(timeout_s)
+    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: stop them now
+        pass
+    finally:
+        _close(engine)
+    stopped = server.under_way  # told to retry (a 503, a stream's error event) as their threads wake
+    if stopped:
+        console.print(escape(f"stopped {stopped} request(s) before they finished; their clients are told to send "
+                             f"them again"), highlight=False)
+    try:
+        cut = server.drain(5.0) if stopped else 0  # time for those answers to go out
     except KeyboardInterrupt:
-        left = server.under_way
-    engine.close()  # fails what is left: a 503, or a stream's error event and [DONE]
-    if left:
-        console.print(escape(f"stopped {left} request(s) before they finished"), highlight=False)
+        cut = server.under_way
+    if cut:  # a body still arriving, a client that does not read: the process's exit ends their connections
+        console.print(escape(f"{cut} connection(s) still busy are closed without an answer"), highlight=False)
+
+
+def _close(engine) -> None:
+    """engine.close() through more Ctrl-Cs: it waits for the graph run under way (onnxruntime cannot stop one), and
+    leaving it would let that run go on while the interpreter exits."""
+    closer = threading.Thread(target=engine.close, name="aotlm-close")
+    closer.start()
+    while closer.is_alive():
         try:
-            server.drain(5.0)  # time for those answers to go out
+            closer.join()
         except KeyboardInterrupt:
-            pass
+            console.print("finishing the step under way", highlight=False)
 
 
 def _log_line(line: str) -> None:

@@ -35,14 +35,19 @@ SAMPLING_FIELDS = {
 COMMON_FIELDS = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                               "add_generation_prompt"}  # vLLM's: false continues the last message's turn
-NOT_SUPPORTED = {
-    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported", "function_call": "function calls are not supported",
-    "parallel_tool_calls": "tool calls are not supported",
-    "best_of": "send n requests and keep the best", "suffix": "insertion (suffix) is not supported",
-    "min_tokens": "holding back the end of text is not supported; ignore_eos: true gives exactly max_tokens",
+                               "add_generation_prompt"}  # vLLM's: false ends the prompt with the last message
+NOT_SUPPORTED = {  # field -> why it is refused, said after "{field}: "
+    "tools": "tool calls are not supported by this server",
+    "tool_choice": "tool calls are not supported by this server",
+    "functions": "function calls are not supported by this server",
+    "function_call": "function calls are not supported by this server",
+    "parallel_tool_calls": "tool calls are not supported by this server",
+    "best_of": "above 1 is not supported by this server; ask for n choices and keep the best yourself",
+    "suffix": "insertion (suffix) is not supported by this server",
+    "min_tokens": "holding back the end of text is not supported by this server; ignore_eos: true gives exactly "
+                  "max_tokens",
 }
+HARMLESS = {"best_of": 1, "min_tokens": 0}  # values of refused fields that ask for what the server does anyway
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
@@ -87,8 +92,9 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
     fields = {name: value for name, value in body.items() if value is not None}  # null = not given, as in OpenAI's
     for name in fields:
-        if name in NOT_SUPPORTED and not (name == "best_of" and fields[name] == 1):  # one of one: what it does anyway
-            raise ApiError(f"{name}: {NOT_SUPPORTED[name]} by this server", param=name)
+        if name in NOT_SUPPORTED and not (name in HARMLESS and type(fields[name]) is int
+                                        and fields[name] == HARMLESS[name]):
+            raise ApiError(f"{name}: {NOT_SUPPORTED[name]}", param=name)
         if name not in known and name not in NOT_SUPPORTED:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""

@@ -91,7 +91,7 @@ class ApiServer(ThreadingHTTPServer):
         with self._under_way_changed:
             self.closing = True
             while self._under_way and (left := deadline - time.monotonic()) > 0:
-                self._under_way_changed.wait(left)
+                self._under_way_changed.wait(min(left, 60.0))  # a wait beyond threading.TIMEOUT_MAX overflows
             return self._under_way
 
     def _admit(self) -> bool:
@@ -153,7 +153,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not self.server._admit():
             self.close_connection = True
-            self._send_error(_SHUTTING_DOWN)
+            self._send_error(_shutting_down())
             return
         try:
             if path not in ROUTES:
@@ -176,10 +176,12 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as error:  # noqa: BLE001 -- a bug or a broken artifact: said to the client, not a traceback
             self._fail(ApiError(f"{type(error).__name__}: {error}", 500, "server_error"))
         finally:
-            for handle in handles:  # whatever ended this request's response ends its requests too
-                if not handle.done():
-                    handle.cancel()
-            self.server._answered()
+            try:
+                for handle in handles:  # whatever ended this request's response ends its requests too
+                    if not handle.done():
+                        handle.cancel()
+            finally:
+                self.server._answered()
 
     def _fail(self, error: ApiError) -> None:
         """Answer with the error: as a response, or as a stream's last event once the stream has begun."""
@@ -207,25 +209,32 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- requests ----------------------------------------------------------------------------------------------------
     def _submit(self, request: ParsedRequest, arrival: float) -> list:
-        scheduler = self.server.engine.scheduler
+        engine = self.server.engine
+        # The running scheduler's own submit: once a stop closed it, it refuses, where engine.submit would start a
+        # fresh default one (a KV cache allocated, a request run) under a server that is going away.
+        scheduler = engine.scheduler
+        if scheduler is None and self.server.closing:
+            raise _shutting_down()
         if scheduler is not None and len(request.choices) > scheduler.slots + scheduler.max_queue:
             raise ApiError(f"{len(request.choices)} choices (prompts x n), but this server holds at most "
                            f"{scheduler.slots + scheduler.max_queue} requests at once ({scheduler.slots} slots, "
                            f"{scheduler.max_queue} waiting); ask for fewer", param="n")
+        submit = engine.submit if scheduler is None else scheduler.submit  # None: the first starts a default one
         handles = []
         try:
             for choice in request.choices:
-                handles.append(self.server.engine.submit(choice.prompt_ids, choice.params, arrival=arrival))
+                handles.append(submit(choice.prompt_ids, choice.params, arrival=arrival))
         except RequestError as error:  # all of the request's choices run, or none
             for handle in handles:
                 handle.cancel()
-            if self.server.closing:  # the engine closed under a request admitted just before the stop
-                raise _SHUTTING_DOWN from None
+            if self.server.closing:  # the engine closed under a request admitted before the stop
+                raise _shutting_down() from None
             if isinstance(error, QueueFullError):
-                scheduler = self.server.engine.scheduler  # None before the first submit started a default one
-                raise ApiError(f"the server is full: {scheduler.max_queue} requests wait for its {scheduler.slots} "
-                               f"busy slots; retry later, or start it with a larger --max-queue (or --slots)",
-                               status=503, kind="service_unavailable") from None
+                held = scheduler or engine.scheduler
+                room = (f"{held.max_queue} requests wait for its {held.slots} busy slots" if held
+                        else "its queue is full")
+                raise ApiError(f"the server is full: {room}; retry later, or start it with a larger --max-queue (or "
+                               f"--slots)", status=503, kind="service_unavailable") from None
             raise ApiError(str(error)) from None
         return handles
 
@@ -302,8 +311,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _failure(self, error: BaseException) -> ApiError:
         """What a request that failed in the scheduler tells its client: a stop's (retry elsewhere), else 500."""
-        if self.server.closing:
-            return _SHUTTING_DOWN
+        if self.server.closing and isinstance(error, RequestError):  # the scheduler closed under it
+            return _shutting_down()
         return ApiError(f"the request failed: {error}", 500, "server_error")
 
     def _client_gone(self) -> bool:
@@ -408,8 +417,9 @@ def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
-_SHUTTING_DOWN = ApiError("the server is shutting down and takes no more requests; send this one again, to another "
-                          "replica or once the server is back", status=503, kind="service_unavailable")
+def _shutting_down() -> ApiError:
+    return ApiError("the server is shutting down and takes no more requests; send this one again, to another replica "
+                    "or once the server is back", status=503, kind="service_unavailable")
 
 
 def _not_found(path: str) -> ApiError:

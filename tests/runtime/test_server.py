@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,7 @@ def test_chat_max_tokens_defaults_to_the_rest_of_the_context(chat_served):
     assert body["choices"][0]["finish_reason"] == "length"
 
 
-def test_chat_without_the_generation_prompt_continues_the_last_turn(chat_served):
+def test_chat_without_the_generation_prompt_ends_the_prompt_with_the_last_message(chat_served):
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}]
     prompt = chat_served.engine.chat_prompt_ids(messages, add_generation_prompt=False)
     assert len(prompt) < len(chat_served.engine.chat_prompt_ids(messages))
@@ -183,7 +184,7 @@ def test_chat_on_a_model_without_a_template_says_so(served):
 
 @pytest.mark.parametrize("path, body, status, param, message", [
     ("/v1/completions", {"prompt": "x", "max_tokns": 3}, 400, "max_tokns", "did you mean max_tokens?"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of", "send n requests"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of", "best_of: above 1 is not supported"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 4}, 400, "min_tokens", "ignore_eos: true gives exactly"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": 1}, 400,
      "add_generation_prompt", "must be true or false"),
@@ -231,7 +232,7 @@ def test_bodies_that_break_the_parsers_are_400s_and_the_server_goes_on(served, r
 
 
 def test_null_fields_are_not_given_and_best_of_one_is_one(served):
-    body = {"prompt": "x", "max_tokens": 2, "suffix": None, "tools": None, "seed": None, "best_of": 1}
+    body = {"prompt": "x", "max_tokens": 2, "suffix": None, "tools": None, "seed": None, "best_of": 1, "min_tokens": 0}
     assert post(served, "/v1/completions", body)[0] == 200
 
 
@@ -511,17 +512,17 @@ def test_aotlm_serve_prints_its_address_serves_and_stops_on_ctrl_c(tiny_artifact
     assert "POST /v1/completions 200:" in errors
 
 
-def in_thread(function, *args) -> list:
-    """Start function(*args) on a thread; the returned list gets its result (or error) when it ends."""
-    outcome: list = []
+def in_thread(function, *args) -> Future:
+    """function(*args) on a thread of its own; the future's result() is its return value, or raises its error."""
+    future: Future = Future()
 
     def call():
         try:
-            outcome.append(function(*args))
-        except BaseException as error:  # noqa: BLE001 -- the test asserts on it
-            outcome.append(error)
+            future.set_result(function(*args))
+        except BaseException as error:  # noqa: BLE001 -- result() raises it in the test
+            future.set_exception(error)
     threading.Thread(target=call, daemon=True).start()
-    return outcome
+    return future
 
 
 def test_a_graceful_stop_finishes_the_requests_under_way_and_refuses_new_ones(slow_server):
@@ -529,12 +530,12 @@ def test_a_graceful_stop_finishes_the_requests_under_way_and_refuses_new_ones(sl
     idle = http.client.HTTPConnection(*server.server_address[:2], timeout=60)  # kept open across the stop
     idle.request("GET", "/health")
     assert idle.getresponse().read() and server.under_way == 0
-    streamed = in_thread(events, server, "/v1/completions", {"prompt": "x", "max_tokens": 12, "ignore_eos": True})
-    answered = in_thread(post, server, "/v1/completions", {"prompt": "y", "max_tokens": 12, "ignore_eos": True})
+    streamed = in_thread(events, server, "/v1/completions", {"prompt": "x", "max_tokens": 40, "ignore_eos": True})
+    answered = in_thread(post, server, "/v1/completions", {"prompt": "y", "max_tokens": 40, "ignore_eos": True})
     assert wait_for(lambda: server.under_way == 2)
     server.shutdown()
     left = in_thread(server.drain, 60)
-    assert wait_for(lambda: server.closing) and not left  # still waiting: ~24 steps of 50 ms to go
+    assert wait_for(lambda: server.closing) and not left.done()  # ~80 steps of 50 ms to go, one slot
     idle.request("GET", "/health")
     health = idle.getresponse()
     assert health.status == 503 and json.loads(health.read()) == {"status": "shutting down"}
@@ -542,11 +543,11 @@ def test_a_graceful_stop_finishes_the_requests_under_way_and_refuses_new_ones(sl
     refused = idle.getresponse()
     assert refused.status == 503 and "shutting down" in json.loads(refused.read())["error"]["message"]
     idle.close()
-    assert wait_for(lambda: left, 60) and left == [0]
-    _, chunks, done = streamed[0]
+    assert left.result(timeout=60) == 0
+    _, chunks, done = streamed.result(timeout=10)
     assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"
-    status, _, body = answered[0]
-    assert status == 200 and body["usage"]["completion_tokens"] == 12
+    status, _, body = answered.result(timeout=10)
+    assert status == 200 and body["usage"]["completion_tokens"] == 40
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -558,20 +559,41 @@ def test_requests_a_stop_outlasts_are_told_to_retry(slow_server, stream):
     server.shutdown()
     assert server.drain(0.2) == 1
     server.engine.close()
-    assert server.drain(30) == 0 and wait_for(lambda: outcome)
+    assert server.drain(30) == 0
     if stream:
-        _, chunks, done = outcome[0]
+        _, chunks, done = outcome.result(timeout=10)
         assert done and chunks[-1]["error"]["code"] == 503 and "shutting down" in chunks[-1]["error"]["message"]
     else:
-        status, _, response = outcome[0]
+        status, _, response = outcome.result(timeout=10)
         assert status == 503 and "send this one again" in response["error"]["message"]
 
 
-def test_aotlm_serve_on_sigterm_answers_the_request_under_way_then_exits(tiny_artifact):
-    """A request whose body is still arriving when SIGTERM comes is under way: the stop waits for it and answers it
-    (a stop that cut it off would leave the client a closed connection), then the process exits 143."""
+def test_a_request_whose_body_outlasts_the_stop_is_told_to_retry_not_run(slow_server):
+    """Its body arrives after the engine closed: a 503, not a fresh scheduler started to run it (engine.submit
+    would start one)."""
+    server, _ = slow_server
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    client = socket.create_connection(server.server_address[:2], timeout=60)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
+    assert wait_for(lambda: server.under_way == 1)
+    server.shutdown()
+    assert server.drain(0) == 1
+    server.engine.close()
+    client.sendall(body[5:])
+    response = http.client.HTTPResponse(client)
+    response.begin()
+    assert response.status == 503 and "shutting down" in json.loads(response.read())["error"]["message"]
+    client.close()
+    assert server.drain(10) == 0 and server.engine.scheduler is None
+
+
+@pytest.mark.parametrize("timeout, status", [(60, 200), (0, 503)])
+def test_aotlm_serve_on_sigterm_waits_for_the_request_under_way_then_exits(tiny_artifact, timeout, status):
+    """A request whose body is still arriving when SIGTERM comes is under way: the stop waits --shutdown-timeout for
+    it and answers it (a stop that cut it off would leave the client a closed connection); past the timeout, it
+    gets a 503 saying to send it again. Then the process exits 143."""
     process = subprocess.Popen([sys.executable, "-m", "compiler.cli", "serve", str(tiny_artifact), "--port", "0",
-                                "--shutdown-timeout", "60"], cwd=REPO, stdout=subprocess.PIPE,
+                                "--shutdown-timeout", str(timeout)], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         host, port = process.stdout.readline().split("http://")[1].removesuffix("/v1\n").split(":")
@@ -582,25 +604,28 @@ def test_aotlm_serve_on_sigterm_answers_the_request_under_way_then_exits(tiny_ar
         label = 'aotlm:http_requests_in_progress{model_name="tiny-random"}'
         assert wait_for(lambda: scrape((host, int(port)))[label] == 1)
         process.send_signal(signal.SIGTERM)
-        stderr_lines = iter(process.stderr.readline, "")
-        assert any(line.startswith("stopping: 1 request(s) under way") for line in stderr_lines)
+        said = "stopping: 1 request(s) under way" if timeout else "stopped 1 request(s) before they finished"
+        assert any(line.startswith(said) for line in iter(process.stderr.readline, ""))
         client.sendall(body[5:])
         response = http.client.HTTPResponse(client)
         response.begin()
-        assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 3
+        answer = json.loads(response.read())
+        assert response.status == status
+        assert answer["usage"]["completion_tokens"] == 3 if status == 200 else "send this one again" in str(answer)
         client.close()
         assert process.wait(timeout=60) == 143
         errors = process.stderr.read()
     finally:
         process.kill()
         process.communicate()
-    assert "terminated" in errors and "Traceback" not in errors and "stopped" not in errors
+    assert "terminated" in errors and "Traceback" not in errors and "without an answer" not in errors
 
 
 def test_the_log_line_of_a_request_counts_its_tokens_and_says_whose_timings_it_shows(slow_server):
     server, lines = slow_server
     post(server, "/v1/completions", {"prompt": [5], "max_tokens": 2, "ignore_eos": True})
     post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 2, "ignore_eos": True})
+    assert wait_for(lambda: len(lines) == 2)  # each line is written after its response went out
     assert lines[0].startswith("POST /v1/completions 200: 1 prompt token (0 cached), 2 out; TTFT ")
     assert lines[1].startswith("POST /v1/completions 200: 2 prompt tokens (0 cached), 4 out over 2 choices; "
                                "choice 0: TTFT ")
