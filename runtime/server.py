@@ -2,7 +2,7 @@
 scheduler, so that OpenAI's client libraries, curl, and serving benchmarks (vLLM's `vllm bench serve --backend
 openai`) can use an artifact. `aotlm serve ARTIFACT` runs it.
 
-    GET  /health                 200 while serving
+    GET  /health                 200 while serving, 503 once a stop began (drain)
     GET  /v1/models              the one model served
     GET  /metrics                Prometheus' text format: latencies, tokens, requests, load (runtime/server_metrics.py)
     POST /v1/completions         prompt -> text
@@ -17,7 +17,9 @@ Latencies count from the moment the request's headers were read: its body, templ
 With an api_key, the /v1 routes ask for it as OpenAI's clients send it (`Authorization: Bearer KEY`; else 401);
 /health and /metrics stay open, as vLLM leaves them.
 Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an unknown path, 503 with
-Retry-After when the scheduler's queue is full, 500 when a request fails while running.
+Retry-After when the scheduler's queue is full or the server is stopping, 500 when a request fails while running.
+A graceful stop (drain(), after serve_forever returned) refuses new requests and waits for those under way; closing
+the engine then fails the rest, and they are told to send the request again.
 """
 from __future__ import annotations
 
