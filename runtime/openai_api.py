@@ -9,8 +9,8 @@ Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
 - n samples of a prompt are n requests, seeded seed, seed + 1, ... when a seed is given (with prefix caching the
   shared prompt is prefilled once);
 - finish_reason is "stop" or "length"; a reply the max context cut short is "length" too.
-A field the server cannot honour (tools, a non-text response_format, best_of, suffix, logprobs while streaming) is
-refused with a 400 that names it, never silently ignored; so is a field it does not know.
+A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix, min_tokens, echo with
+logprobs) is refused with a 400 that names it, never silently ignored; so is a field it does not know.
 Every response also carries "timings": per choice, the request's server-side timings (Timings.summary(): queue,
 TTFT, prefill, TPOT, E2E in ms, cached prompt tokens). It is not in OpenAI's schema; its clients ignore it.
 """
@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from runtime.errors import RequestError
+from runtime.request_handle import LoggedPiece
 from runtime.results import GenerationResult
 from runtime.sampling import MAX_LOGPROBS, SamplingParams, is_integer
 
@@ -113,9 +114,6 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
         raise ApiError("stream_options: only with stream: true", param="stream_options")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     logprobs = _chat_logprobs(fields) if chat else _completion_logprobs(fields)
-    if logprobs is not None and stream:
-        raise ApiError("logprobs while streaming are not supported by this server; ask without stream",
-                       param="logprobs")
     echo = _flag(fields, "echo")
     if echo and logprobs is not None:
         raise ApiError("echo with logprobs would need the prompt's log-probabilities, which this server does not "
@@ -293,13 +291,13 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str,
     """The whole (not streamed) response body; results in choice order."""
     choices = []
     for choice, result in zip(request.choices, results):
+        logprobs = (None if request.logprobs is None
+                    else logprobs_body(engine, request, result.token_ids, result.logprobs))
         if request.chat:
-            logprobs = None if request.logprobs is None else _chat_logprobs_body(engine, result, request.logprobs)
             entry = {"index": choice.index, "message": {"role": "assistant", "content": result.text},
                      "logprobs": logprobs, "finish_reason": finish_reason(result)}
         else:
             prefix = request.prompt_texts[choice.index // request.n] if request.echo else ""
-            logprobs = None if request.logprobs is None else _completion_logprobs_body(engine, result, request.logprobs)
             entry = {"index": choice.index, "text": prefix + result.text, "logprobs": logprobs,
                      "finish_reason": finish_reason(result)}
         choices.append(entry)
@@ -309,23 +307,53 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str,
 
 
 def chunk(request: ParsedRequest, request_id: str, model_name: str, created: int, index: int, text: str | None,
-          result: GenerationResult | None = None, first: bool = False) -> dict:
-    """One streamed chunk of choice `index`: its next text piece, or (result given) its end. A chat choice's first
-    chunk also carries the role; the server sends it with the first piece, not before (a client times its first
-    token at the first chunk, as vLLM's benchmark does)."""
+          result: GenerationResult | None = None, first: bool = False, logprobs: dict | None = None) -> dict:
+    """One streamed chunk of choice `index`: its next text piece, or (result given) its end; logprobs: its tokens'
+    (logprobs_body). A chat choice's first chunk also carries the role; the server sends it with the first piece,
+    not before (a client times its first token at the first chunk, as vLLM's benchmark does)."""
     end = result is not None
     if request.chat:
         delta = {} if end and not first else {"content": text or ""}
-        entry = {"index": index, "delta": {"role": "assistant", **delta} if first else delta, "logprobs": None,
+        entry = {"index": index, "delta": {"role": "assistant", **delta} if first else delta, "logprobs": logprobs,
                  "finish_reason": finish_reason(result) if end else None}
     else:
-        entry = {"index": index, "text": text or "", "logprobs": None,
+        entry = {"index": index, "text": text or "", "logprobs": logprobs,
                  "finish_reason": finish_reason(result) if end else None}
     body = {"id": request_id, "object": "chat.completion.chunk" if request.chat else "text_completion",
             "created": created, "model": model_name, "choices": [entry]}
     if end:
         body["timings"] = timings(result)
     return body
+
+
+class StreamLogprobs:
+    """One streamed choice's logprobs, chunk by chunk: each piece's tokens (a LoggedPiece's), then at its end those
+    of the result beyond them (a stop string's tokens, whose text never streamed). Joined, they are the whole
+    response's logprobs."""
+
+    def __init__(self, engine, request: ParsedRequest):
+        self.engine, self.request = engine, request
+        self.token_ids: list[int] = []  # the choice's tokens so far: context for the next ones' texts
+        self.text_offset = 0
+
+    def of_piece(self, piece: str) -> dict | None:
+        if self.request.logprobs is None or not isinstance(piece, LoggedPiece):
+            return None
+        return self._body(piece.token_ids, piece.logprobs)
+
+    def of_end(self, result: GenerationResult) -> dict | None:
+        start = len(self.token_ids)
+        if self.request.logprobs is None or len(result.token_ids) <= start:
+            return None
+        return self._body(result.token_ids[start:], result.logprobs[start:])
+
+    def _body(self, token_ids, entries) -> dict:
+        start = len(self.token_ids)
+        self.token_ids.extend(token_ids)
+        body = logprobs_body(self.engine, self.request, self.token_ids, entries, start, self.text_offset)
+        if not self.request.chat and body["tokens"]:
+            self.text_offset = body["text_offset"][-1] + len(body["tokens"][-1])
+        return body
 
 
 def usage_chunk(request: ParsedRequest, request_id: str, model_name: str, created: int,
@@ -337,13 +365,14 @@ def usage_chunk(request: ParsedRequest, request_id: str, model_name: str, create
 CONTEXT_TOKENS = 4  # the tokens before one that decoding it in context reads
 
 
-def _token_texts(engine, token_ids: list[int]) -> list[str]:
-    """Each token's text as it reads in the output: decoded after the tokens before it, so that a tokenizer that
-    drops a word's leading space when it decodes a token alone (SentencePiece's) keeps it, and the texts join to
-    the output's. A token that ends inside a UTF-8 character has the text it completes, or "" until then."""
+def _token_texts(engine, token_ids: list[int], start: int = 0) -> list[str]:
+    """The texts of token_ids[start:] as they read in the output: each decoded after the tokens before it, so that a
+    tokenizer that drops a word's leading space when it decodes a token alone (SentencePiece's) keeps it, and the
+    texts join to the output's. A token that ends inside a UTF-8 character has the text it completes, or "" until
+    then."""
     decode = lambda ids: engine.tokenizer.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     texts = []
-    for position in range(len(token_ids)):
+    for position in range(start, len(token_ids)):
         before = token_ids[max(0, position - CONTEXT_TOKENS):position]
         prefix, whole = decode(before).rstrip("\ufffd"), decode(before + [token_ids[position]])
         texts.append(whole[len(prefix):].rstrip("\ufffd") if whole.startswith(prefix) else whole)
@@ -361,26 +390,27 @@ def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:count]
 
 
-def _completion_logprobs_body(engine, result: GenerationResult, count: int) -> dict:
-    """OpenAI's completions logprobs: per token its text, log-probability, alternatives and offset in the text."""
-    tokens, offsets, offset = _token_texts(engine, result.token_ids), [], 0
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens,
-            "token_logprobs": [entry[token] for token, entry in zip(result.token_ids, result.logprobs)],
+def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries, start: int = 0,
+                  text_offset: int = 0) -> dict:
+    """The logprobs of output tokens token_ids[start:] (entries: theirs, in order) in the request's format: chat's
+    content list, or completions' parallel lists. The tokens before start read as context for their texts (a
+    stream's earlier chunks); text_offset: where the first one's text begins in the choice's text."""
+    count = request.logprobs
+    texts = _token_texts(engine, token_ids, start)
+    chosen = token_ids[start:]
+    if request.chat:
+        def described(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**described(text, entry[token]),
+                             "top_logprobs": [described(_token_text(engine, alt), logprob)
+                                              for alt, logprob in _top(entry, count)]}
+                            for token, text, entry in zip(chosen, texts, entries)]}
+    offsets = []
+    for text in texts:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": texts, "token_logprobs": [entry[token] for token, entry in zip(chosen, entries)],
             "top_logprobs": [{_token_text(engine, alt): logprob for alt, logprob in _top(entry, count)}
-                             for entry in result.logprobs],
+                             for entry in entries],
             "text_offset": offsets}
-
-
-def _chat_logprobs_body(engine, result: GenerationResult, count: int) -> dict:
-    """OpenAI's chat logprobs: per token its text, bytes, log-probability and the likeliest alternatives."""
-    def described(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    content = []
-    for token, text, entry in zip(result.token_ids, _token_texts(engine, result.token_ids), result.logprobs):
-        content.append({**described(text, entry[token]),
-                        "top_logprobs": [described(_token_text(engine, alt), lp) for alt, lp in _top(entry, count)]})
-    return {"content": content}

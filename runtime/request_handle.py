@@ -58,6 +58,22 @@ class CallbackThread:
                 LOGGER.exception("a request's done-callback raised")
 
 
+class LoggedPiece(str):
+    """A text piece of a request that asked for logprobs, with the ids and logprobs entries of the output tokens
+    sampled since the previous piece. The pieces' token_ids are the first of the result's token_ids; the result
+    holds any after them (tokens whose text never streamed: a stop string's). Text held back (a multi-byte
+    character, a possible stop string) comes out with a later token's piece, so a piece's text and its tokens may
+    be a few tokens apart."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[dict[int, float], ...]
+
+    def __new__(cls, text: str, token_ids, logprobs) -> "LoggedPiece":
+        piece = super().__new__(cls, text)
+        piece.token_ids, piece.logprobs = tuple(token_ids), tuple(logprobs)
+        return piece
+
+
 class RequestHandle:
     """One submitted request. Iterate (one consumer) for its text pieces; `result()` waits for the whole result.
 

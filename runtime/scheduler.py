@@ -53,7 +53,7 @@ from runtime.engine import last_token_logits
 from runtime.errors import QueueFullError, RequestError
 from runtime.metrics import RequestTrace
 from runtime.prefix_cache import PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix
-from runtime.request_handle import END, CallbackThread, RequestHandle
+from runtime.request_handle import END, CallbackThread, LoggedPiece, RequestHandle
 from runtime.results import GenerationResult, Timings, received_at
 from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
 from runtime.tokenizer import StreamDecoder
@@ -82,6 +82,14 @@ class _Sequence:
     token_times: list[float] = field(default_factory=list)
     prefill_start: float | None = None
     prefill_end: float | None = None
+    logged: int = 0  # output tokens whose logprobs went out with a piece (a request with logprobs)
+
+    def piece(self, text: str) -> str:
+        """The text piece to stream; with logprobs, carrying the tokens sampled since the last piece."""
+        if self.params.logprobs is None:
+            return text
+        start, self.logged = self.logged, len(self.output)
+        return LoggedPiece(text, self.output[start:], self.sampler.logprobs[start:self.logged])
 
     @property
     def length(self) -> int:
@@ -477,7 +485,7 @@ class Scheduler:
         sequence.output.append(token)
         piece = sequence.decoder.push(token)
         if piece:
-            sequence.handle._pieces.put(piece)
+            sequence.handle._pieces.put(sequence.piece(piece))
         if sequence.decoder.stopped:  # a stop string: the text ends before it
             return self._finish(sequence, "stop")
         if len(sequence.output) >= params.max_new_tokens:
@@ -507,7 +515,7 @@ class Scheduler:
     def _result(self, sequence: _Sequence, reason: str) -> GenerationResult:
         tail = sequence.decoder.finish()  # text held back in case it began a stop string
         if tail:
-            sequence.handle._pieces.put(tail)
+            sequence.handle._pieces.put(sequence.piece(tail))
         if sequence.decoder.stopped and reason in ("length", "max_context"):  # the stop ended inside a character
             reason = "stop"
         text = sequence.decoder.streamed_text  # what was streamed: ends before a stop string

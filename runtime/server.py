@@ -274,6 +274,7 @@ class _Handler(BaseHTTPRequestHandler):
                              name=f"aotlm-stream-{request_id[-8:]}-{position}").start()
         results: list[GenerationResult | None] = [None] * len(handles)
         started: set[int] = set()  # choices whose first chunk (the role; echo: the prompt) went out
+        logprobs = [openai_api.StreamLogprobs(self.server.engine, request) for _ in handles]
         while any(result is None for result in results):
             try:
                 position, item = events.get(timeout=POLL_S)
@@ -293,10 +294,10 @@ class _Handler(BaseHTTPRequestHandler):
             if isinstance(item, GenerationResult):
                 results[position] = item
                 self._send_event(openai_api.chunk(request, request_id, model, created, choice.index, text, item,
-                                                  first=first))
+                                                  first=first, logprobs=logprobs[position].of_end(item)))
             else:
                 self._send_event(openai_api.chunk(request, request_id, model, created, choice.index, text + item,
-                                                  first=first))
+                                                  first=first, logprobs=logprobs[position].of_piece(item)))
         else:
             if request.include_usage:
                 self._send_event(openai_api.usage_chunk(request, request_id, model, created, results))

@@ -557,3 +557,18 @@ def test_generate_a_list_counts_each_requests_wait_for_room_from_the_call(engine
         trace = result.timings.trace
         assert called <= trace.arrival <= results[0].timings.trace.prefill_start  # all from the call
         assert trace.first_token - trace.arrival == pytest.approx(result.timings.ttft_s)
+
+
+def test_pieces_of_a_request_with_logprobs_carry_their_tokens(engine):
+    from runtime import LoggedPiece
+
+    handle = engine.submit([5, 6, 7], max_new_tokens=10, ignore_eos=True, logprobs=1, temperature=0.8, seed=3)
+    pieces = list(handle)
+    result = handle.result()
+    assert pieces and all(isinstance(piece, LoggedPiece) for piece in pieces)
+    assert "".join(pieces) == result.text
+    carried = [token for piece in pieces for token in piece.token_ids]
+    assert carried and carried == result.token_ids[:len(carried)]  # the rest, if any, made no text to stream
+    assert [entry for piece in pieces for entry in piece.logprobs] == result.logprobs[:len(carried)]
+    plain = engine.submit([5, 6, 7], max_new_tokens=4, ignore_eos=True)
+    assert not any(isinstance(piece, LoggedPiece) for piece in plain)

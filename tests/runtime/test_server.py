@@ -136,6 +136,42 @@ def test_completion_logprobs_are_the_engines(served):
     assert logprobs["text_offset"][0] == 0 and "".join(logprobs["tokens"]) == body["choices"][0]["text"]
 
 
+def streamed_logprobs(chunks: list[dict], chat: bool) -> dict:
+    """A stream's logprobs joined into the whole response's shape (each chunk holds its own tokens')."""
+    parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    if chat:
+        return {"content": [token for part in parts for token in part["content"]]}
+    return {key: [value for part in parts for value in part[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_streamed_logprobs_join_to_the_whole_responses(served, stop):
+    """Greedy, so both runs sample the same tokens. With a stop string that is a later token's whole text, that
+    token's text never streams: its logprobs come with the last chunk, as in the whole response."""
+    body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    if stop:
+        tokens = post(served, "/v1/completions", body)[2]["choices"][0]["logprobs"]["tokens"]
+        stop_at = next(i for i in range(3, 12) if tokens[i] and tokens[i] not in "".join(tokens[:i + 1])[:-1])
+        body["stop"] = tokens[stop_at]
+    status, _, whole = post(served, "/v1/completions", body)
+    _, chunks, done = events(served, "/v1/completions", body)
+    expected = whole["choices"][0]["logprobs"]
+    assert status == 200 and done and streamed_logprobs(chunks, chat=False) == expected
+    assert len(expected["tokens"]) == whole["usage"]["completion_tokens"]
+    if stop:
+        assert whole["choices"][0]["finish_reason"] == "stop" and len(expected["tokens"]) == stop_at + 1
+        assert chunks[-1]["choices"][0]["logprobs"]["tokens"][-1] == body["stop"]  # with any held back before it
+
+
+def test_streamed_chat_logprobs_join_to_the_whole_responses(chat_served):
+    body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 8, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2, "ignore_eos": True}
+    whole = post(chat_served, "/v1/chat/completions", body)[2]["choices"][0]["logprobs"]
+    _, chunks, done = events(chat_served, "/v1/chat/completions", body)
+    assert done and len(whole["content"]) == 8 and streamed_logprobs(chunks, chat=True) == whole
+
+
 def test_a_chat_reply_is_engine_chat_streamed_or_whole(chat_served):
     messages = [{"role": "system", "content": "Hi"}, {"role": "user", "content": [{"type": "text", "text": "2+"},
                                                                                      {"type": "text", "text": "2?"}]}]
@@ -203,7 +239,6 @@ def test_chat_on_a_model_without_a_template_says_so(served):
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: 0 must be"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 500}, 400, "max_tokens", "at most 128 tokens can follow"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "stop: an empty string"),
-    ("/v1/completions", {"prompt": "x", "stream": True, "logprobs": 1}, 400, "logprobs", "ask without stream"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "must be true or false"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "only with stream"),
