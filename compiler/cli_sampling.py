@@ -25,6 +25,9 @@ def add_sampling_options(parser) -> None:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="go on past the model's end-of-sequence tokens, to --max-new-tokens or a --stop string "
                              "(vLLM's ignore_eos: a fixed output length to time)")
+    parser.add_argument("--min-new-tokens", type=nonnegative_int, default=0, metavar="N",
+                        help="no end-of-sequence token before N new tokens (vLLM's min_tokens; --stop strings still "
+                             "stop)")
 
 
 def sampling_options(args) -> dict:
@@ -38,4 +41,4 @@ def sampling_options(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos)
+                stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens)

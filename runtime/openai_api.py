@@ -2,15 +2,16 @@
 SamplingParams, results turned into response bodies and streamed chunks. Plain dicts in and out; runtime/server.py
 carries them over HTTP.
 
-The fields are OpenAI's, plus vLLM's sampling extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids).
+The fields are OpenAI's, plus vLLM's sampling extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
+min_tokens).
 Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
 - temperature defaults to 1 (the engine's own default is greedy); max_tokens to 16 for completions, and to what
   the context leaves after the prompt for chat;
 - n samples of a prompt are n requests, seeded seed, seed + 1, ... when a seed is given (with prefix caching the
   shared prompt is prefilled once);
 - finish_reason is "stop" or "length"; a reply the max context cut short is "length" too.
-A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix, min_tokens, echo with
-logprobs) is refused with a 400 that names it, never silently ignored; so is a field it does not know.
+A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix, echo with logprobs) is
+refused with a 400 that names it, never silently ignored; so is a field it does not know.
 Every response also carries "timings": per choice, the request's server-side timings (Timings.summary(): queue,
 TTFT, prefill, TPOT, E2E in ms, cached prompt tokens). It is not in OpenAI's schema; its clients ignore it.
 """
@@ -32,6 +33,7 @@ SAMPLING_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias", "top_k": "top_k", "min_p": "min_p",
     "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+    "min_tokens": "min_new_tokens",
 }
 COMMON_FIELDS = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
@@ -45,10 +47,8 @@ NOT_SUPPORTED = {  # field -> why it is refused, said after "{field}: "
     "parallel_tool_calls": "tool calls are not supported by this server",
     "best_of": "above 1 is not supported by this server; ask for n choices and keep the best yourself",
     "suffix": "insertion (suffix) is not supported by this server",
-    "min_tokens": "holding back the end of text is not supported by this server; ignore_eos: true gives exactly "
-                  "max_tokens",
 }
-HARMLESS = {"best_of": 1, "min_tokens": 0}  # values of refused fields that ask for what the server does anyway
+HARMLESS = {"best_of": 1}  # values of refused fields that ask for what the server does anyway
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
@@ -240,7 +240,7 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
 
 
 # The engine's names in its messages -> the API's.
-ENGINE_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop"}
+ENGINE_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop", "min_new_tokens": "min_tokens"}
 
 
 def _api_error(error: RequestError, chat: bool, default: str | None = None) -> ApiError:

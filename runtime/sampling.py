@@ -3,7 +3,7 @@ repetition, presence and frequency penalties if a request asks for them (as vLLM
 and, if asked, each chosen token's log-probability and its likeliest alternatives'."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +43,9 @@ class SamplingParams:
     # -100 all but bans a token, 100 all but forces it. Token ids may be ints or, as in OpenAI's JSON, digit strings.
     # Stored as ((id, bias), ...) sorted by id. Log-probabilities stay the model's own, as for the penalties.
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    # vLLM's min_tokens: the stop token ids (the model's end-of-sequence tokens, or stop_token_ids) cannot be sampled
+    # before this many output tokens (their logits are -inf until then); stop strings still stop. 0 = no minimum.
+    min_new_tokens: int = 0
 
     def __post_init__(self):
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -59,6 +62,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's and vLLM's range
             if not _is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name}: {getattr(self, name)!r} must be a number in [-2, 2] (0 = none)")
+        if not is_integer(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise RequestError(f"min_new_tokens: {self.min_new_tokens!r} must be an integer from 0 to the most new "
+                               f"tokens asked for ({self.max_new_tokens})")
         if self.logprobs is not None and (not is_integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs: {self.logprobs!r} must be an integer in 0..{MAX_LOGPROBS} (the alternatives "
                                f"per token beside the chosen one), or None")
@@ -170,8 +176,11 @@ class Sampler:
     """One per request, so a seed makes that request's samples reproducible whatever else runs. It remembers the
     tokens it returned (and the prompt's) for the penalties."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), stop_ids: Iterable[int] = ()):
+        """stop_ids: the ids that end the request (params.stop_ids), held back for params.min_new_tokens samples."""
         self.params = params
+        self.sampled = 0
+        self._held_ids = np.array(sorted(stop_ids) if params.min_new_tokens else [], dtype=np.int64)
         self.rng = np.random.default_rng(params.seed)
         # Only a penalized request keeps its history: the ids seen (prompt and output) and the output's counts.
         self._seen: set[int] = set(prompt_ids) if params.penalized else set()
@@ -191,6 +200,10 @@ class Sampler:
         if self._bias_ids.size:  # in a copy: the row belongs to the step's output, and logprobs are the model's
             biased = logits.copy()
             biased[self._bias_ids] += self._bias_values
+        if self._held_ids.size and self.sampled < self.params.min_new_tokens:
+            biased = biased.copy() if biased is logits else biased
+            biased[self._held_ids] = -np.inf
+        self.sampled += 1
         if not self.params.penalized:
             token = self._choose(biased)
         else:

@@ -219,6 +219,32 @@ def test_ignore_eos_generates_past_the_models_end_of_sequence_tokens(tiny_engine
         tiny_engine.close()
 
 
+def test_min_new_tokens_holds_back_the_stop_tokens_then_lets_them_stop():
+    logits = np.array([0.0, 0.0, 5.0, 1.0], dtype=np.float32)  # the stop token 2 is the likeliest
+    sampler = Sampler(SamplingParams(min_new_tokens=2, logprobs=0), stop_ids={2})
+    assert [sampler(logits) for _ in range(3)] == [3, 3, 2]
+    assert sampler.logprobs[0][3] == pytest.approx(1.0 - np.log(np.exp(logits).sum()))  # the model's, unmasked
+    with pytest.raises(RequestError, match=r"min_new_tokens: 5 must be an integer from 0 to the most new tokens "
+                                           r"asked for \(4\)"):
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+
+
+def test_min_new_tokens_on_both_paths(tiny_engine):
+    prompt = [1, 30, 31, 32, 30]
+    eos_before = tiny_engine.eos_token_ids
+    try:
+        tokens = _eos_at_third_token(tiny_engine, prompt, 16)
+        eos = tiny_engine.eos_token_ids[0]
+        end = tokens.index(eos)
+        alone = tiny_engine.generate(prompt, max_new_tokens=16, min_new_tokens=end + 3)
+        batched = tiny_engine.submit(prompt, max_new_tokens=16, min_new_tokens=end + 3).result(timeout=60)
+    finally:
+        tiny_engine.eos_token_ids = eos_before
+        tiny_engine.close()
+    assert batched.token_ids == alone.token_ids and len(alone.token_ids) >= end + 3
+    assert alone.token_ids[:end] == tokens[:end] and eos not in alone.token_ids[:end + 3]
+
+
 def test_ignore_eos_must_be_a_bool():
     with pytest.raises(RequestError, match="ignore_eos: 'false' must be True or False"):
         SamplingParams(ignore_eos="false")
@@ -240,6 +266,22 @@ def test_cli_run_ignore_eos(tiny_artifact, capsys, monkeypatch):
     assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "12", "--ignore-eos"]) == 0
     out = capsys.readouterr()
     assert out.out == "hello" + engine.tokenizer.decode(tokens) + "\n" and "12 output tokens (length)" in out.err
+
+
+def test_cli_run_min_new_tokens(tiny_artifact, capsys, monkeypatch):
+    from compiler.cli import main
+    from runtime import Engine
+
+    engine = Engine.load(tiny_artifact)
+    tokens = _eos_at_third_token(engine, "hello", 12)
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *args, **kwargs: engine))
+    end = tokens.index(engine.eos_token_ids[0])
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "12",
+                 "--min-new-tokens", str(end + 2)]) == 0
+    assert f"{end + 1} output tokens (stop)" not in capsys.readouterr().err  # the end token came no earlier
+    assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "4", "--min-new-tokens", "5"]) == 2
+    said = " ".join(capsys.readouterr().err.split())  # rich wraps it at the terminal's width
+    assert "min_new_tokens: 5 must be an integer from 0 to the most new tokens asked for (4)" in said
 
 
 # -- logit_bias ------------------------------------------------------------------------------------------------

@@ -221,7 +221,8 @@ def test_chat_on_a_model_without_a_template_says_so(served):
 @pytest.mark.parametrize("path, body, status, param, message", [
     ("/v1/completions", {"prompt": "x", "max_tokns": 3}, 400, "max_tokns", "did you mean max_tokens?"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of", "best_of: above 1 is not supported"),
-    ("/v1/completions", {"prompt": "x", "min_tokens": 4}, 400, "min_tokens", "ignore_eos: true gives exactly"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 4}, 400, "min_tokens",
+     "min_tokens: 4 must be an integer from 0 to the most new tokens asked for (2)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": 1}, 400,
      "add_generation_prompt", "must be true or false"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools",
@@ -264,6 +265,16 @@ def test_bodies_that_break_the_parsers_are_400s_and_the_server_goes_on(served, r
     status, _, body = request(served, "POST", "/v1/completions", raw=raw)
     assert status == 400 and message in body["error"]["message"]
     assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+
+
+def test_min_tokens_holds_back_the_stop_token_ids(served):
+    body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    tokens = served.engine.generate(served.engine.prompt_ids("Hello"), max_new_tokens=8, ignore_eos=True).token_ids
+    stop = {**body, "stop_token_ids": [tokens[1]]}
+    assert post(served, "/v1/completions", stop)[2]["usage"]["completion_tokens"] == 2  # the stop token counts
+    held = post(served, "/v1/completions", {**stop, "min_tokens": 4})[2]
+    assert held["usage"]["completion_tokens"] >= 4 and held["choices"][0]["text"].startswith(
+        served.engine.tokenizer.decode(tokens[:1]))
 
 
 def test_null_fields_are_not_given_and_best_of_one_is_one(served):
