@@ -26,8 +26,8 @@ def add_sampling_options(parser) -> None:
                         help="go on past the model's end-of-sequence tokens, to --max-new-tokens or a --stop string "
                              "(vLLM's ignore_eos: a fixed output length to time)")
     parser.add_argument("--min-new-tokens", type=nonnegative_int, default=0, metavar="N",
-                        help="no end-of-sequence token before N new tokens (vLLM's min_tokens; --stop strings still "
-                             "stop)")
+                        help="no end-of-sequence token, and no --stop string ending, within the first N new tokens "
+                             "(vLLM's min_tokens)")
 
 
 def sampling_options(args) -> dict:

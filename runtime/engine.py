@@ -479,9 +479,9 @@ class Engine:
             self._cached_ids = (weakref.ref(self.backend.cache), self.backend.runs, written)
 
     def _generate(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
+        sampler = Sampler(params, prompt_ids, self.eos_token_ids)
         stop_ids = params.stop_ids(self.eos_token_ids)
-        sampler = Sampler(params, prompt_ids, stop_ids)
-        decoder = self.tokenizer.stream_decoder(params.stop_strings, prompt_ids)
+        decoder = self.tokenizer.stream_decoder(params.stop_strings, prompt_ids, params.min_new_tokens)
         self.backend.allocate_cache(batch=1)
         length = len(prompt_ids)
         mask = np.ones((1, self.max_context), dtype=np.int64)  # every cached row is real: one view per step

@@ -328,8 +328,8 @@ def chunk(request: ParsedRequest, request_id: str, model_name: str, created: int
 
 class StreamLogprobs:
     """One streamed choice's logprobs, chunk by chunk: each piece's tokens (a LoggedPiece's), then at its end those
-    of the result beyond them (a stop string's tokens, whose text never streamed). Joined, they are the whole
-    response's logprobs."""
+    of the result beyond them (the last steps', when they released no text). Joined, they are the whole response's
+    logprobs. A chunk with no tokens has none (null)."""
 
     def __init__(self, engine, request: ParsedRequest):
         self.engine, self.request = engine, request
@@ -337,7 +337,7 @@ class StreamLogprobs:
         self.text_offset = 0
 
     def of_piece(self, piece: str) -> dict | None:
-        if self.request.logprobs is None or not isinstance(piece, LoggedPiece):
+        if self.request.logprobs is None or not isinstance(piece, LoggedPiece) or not piece.token_ids:
             return None
         return self._body(piece.token_ids, piece.logprobs)
 

@@ -59,11 +59,11 @@ class CallbackThread:
 
 
 class LoggedPiece(str):
-    """A text piece of a request that asked for logprobs, with the ids and logprobs entries of the output tokens
-    sampled since the previous piece. The pieces' token_ids are the first of the result's token_ids; the result
-    holds any after them (tokens whose text never streamed: a stop string's). Text held back (a multi-byte
-    character, a possible stop string) comes out with a later token's piece, so a piece's text and its tokens may
-    be a few tokens apart."""
+    """A text piece of a scheduler request (submit) that asked for logprobs, with the ids and logprobs entries of the
+    output tokens sampled since the previous piece. The pieces' token_ids are the first of the result's token_ids;
+    the result holds any after them (the last steps' when they released no text, as a stop string's last token
+    may). Text held back (a multi-byte character, a possible stop string) comes out with a later token's piece, so
+    a piece's text and its tokens may be a few tokens apart."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[dict[int, float], ...]
@@ -72,6 +72,9 @@ class LoggedPiece(str):
         piece = super().__new__(cls, text)
         piece.token_ids, piece.logprobs = tuple(token_ids), tuple(logprobs)
         return piece
+
+    def __reduce__(self):  # copy and pickle call __new__ with these (str's own would pass the text alone)
+        return LoggedPiece, (str(self), self.token_ids, self.logprobs)
 
 
 class RequestHandle:

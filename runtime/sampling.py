@@ -3,7 +3,7 @@ repetition, presence and frequency penalties if a request asks for them (as vLLM
 and, if asked, each chosen token's log-probability and its likeliest alternatives'."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,8 +43,8 @@ class SamplingParams:
     # -100 all but bans a token, 100 all but forces it. Token ids may be ints or, as in OpenAI's JSON, digit strings.
     # Stored as ((id, bias), ...) sorted by id. Log-probabilities stay the model's own, as for the penalties.
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
-    # vLLM's min_tokens: the stop token ids (the model's end-of-sequence tokens, or stop_token_ids) cannot be sampled
-    # before this many output tokens (their logits are -inf until then); stop strings still stop. 0 = no minimum.
+    # vLLM's min_tokens: no stop token id nor end-of-sequence token is sampled (their logits are -inf), and no stop
+    # string ends the text, before this many output tokens. 0 = no minimum.
     min_new_tokens: int = 0
 
     def __post_init__(self):
@@ -176,11 +176,13 @@ class Sampler:
     """One per request, so a seed makes that request's samples reproducible whatever else runs. It remembers the
     tokens it returned (and the prompt's) for the penalties."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), stop_ids: Iterable[int] = ()):
-        """stop_ids: the ids that end the request (params.stop_ids), held back for params.min_new_tokens samples."""
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), eos_token_ids: Sequence[int] = ()):
+        """eos_token_ids: the model's; for params.min_new_tokens samples, they and the request's stop ids are held
+        back (vLLM's min_tokens holds the end-of-sequence tokens back under ignore_eos too)."""
         self.params = params
         self.sampled = 0
-        self._held_ids = np.array(sorted(stop_ids) if params.min_new_tokens else [], dtype=np.int64)
+        held = params.stop_ids(eos_token_ids) | set(eos_token_ids) if params.min_new_tokens else ()
+        self._held_ids = np.array(sorted(held), dtype=np.int64)
         self.rng = np.random.default_rng(params.seed)
         # Only a penalized request keeps its history: the ids seen (prompt and output) and the output's counts.
         self._seen: set[int] = set(prompt_ids) if params.penalized else set()
@@ -203,6 +205,9 @@ class Sampler:
         if self._held_ids.size and self.sampled < self.params.min_new_tokens:
             biased = biased.copy() if biased is logits else biased
             biased[self._held_ids] = -np.inf
+            if biased.max() == -np.inf:  # argmax would pick a held-back token, sampling would fail in numpy
+                raise RequestError(f"min_new_tokens: every token this request may sample is a stop or "
+                                   f"end-of-sequence token; lower min_new_tokens to {self.sampled}")
         self.sampled += 1
         if not self.params.penalized:
             token = self._choose(biased)

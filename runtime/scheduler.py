@@ -174,10 +174,10 @@ class Scheduler:
         prompt_ids = self.engine.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids, params)
-        stop_ids = params.stop_ids(self.engine.eos_token_ids)
+        eos = self.engine.eos_token_ids
+        decoder = self.engine.tokenizer.stream_decoder(params.stop_strings, prompt_ids, params.min_new_tokens)
         sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids), prompt_ids, params,
-                             Sampler(params, prompt_ids, stop_ids), stop_ids,
-                             self.engine.tokenizer.stream_decoder(params.stop_strings, prompt_ids), received, tokenize_s)
+                             Sampler(params, prompt_ids, eos), params.stop_ids(eos), decoder, received, tokenize_s)
         with self._lock:
             while not self._closed and len(self._waiting) >= self.max_queue + self._free_slots():
                 if not block:

@@ -2,6 +2,8 @@
 (transformers'), presence and frequency penalties (OpenAI's formula), and log-probabilities in the result."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -220,13 +222,20 @@ def test_ignore_eos_generates_past_the_models_end_of_sequence_tokens(tiny_engine
 
 
 def test_min_new_tokens_holds_back_the_stop_tokens_then_lets_them_stop():
-    logits = np.array([0.0, 0.0, 5.0, 1.0], dtype=np.float32)  # the stop token 2 is the likeliest
-    sampler = Sampler(SamplingParams(min_new_tokens=2, logprobs=0), stop_ids={2})
-    assert [sampler(logits) for _ in range(3)] == [3, 3, 2]
+    logits = np.array([0.0, 4.0, 5.0, 1.0], dtype=np.float32)  # the end token 2 is the likeliest, then 1
+    sampler = Sampler(SamplingParams(min_new_tokens=2, logprobs=0, stop_token_ids=[1]), eos_token_ids=[2])
+    assert [sampler(logits) for _ in range(3)] == [3, 3, 2]  # the stop id held back as well, then the end token
     assert sampler.logprobs[0][3] == pytest.approx(1.0 - np.log(np.exp(logits).sum()))  # the model's, unmasked
+    ignoring = Sampler(SamplingParams(min_new_tokens=1, ignore_eos=True), eos_token_ids=[2])
+    assert [ignoring(logits) for _ in range(2)] == [1, 2]  # as vLLM: held back under ignore_eos too
     with pytest.raises(RequestError, match=r"min_new_tokens: 5 must be an integer from 0 to the most new tokens "
                                            r"asked for \(4\)"):
         SamplingParams(max_new_tokens=4, min_new_tokens=5)
+    with pytest.raises(RequestError, match="min_new_tokens: True must be an integer"):
+        SamplingParams(min_new_tokens=True)
+    cornered = Sampler(SamplingParams(min_new_tokens=1, stop_token_ids=[0, 1, 3]), eos_token_ids=[2])
+    with pytest.raises(RequestError, match="every token this request may sample is a stop"):
+        cornered(logits)
 
 
 def test_min_new_tokens_on_both_paths(tiny_engine):
@@ -241,8 +250,8 @@ def test_min_new_tokens_on_both_paths(tiny_engine):
     finally:
         tiny_engine.eos_token_ids = eos_before
         tiny_engine.close()
-    assert batched.token_ids == alone.token_ids and len(alone.token_ids) >= end + 3
-    assert alone.token_ids[:end] == tokens[:end] and eos not in alone.token_ids[:end + 3]
+    assert batched.token_ids == alone.token_ids and len(alone.token_ids) >= end + 3  # without: `end` tokens
+    assert alone.token_ids[:end] == tokens[:end]
 
 
 def test_ignore_eos_must_be_a_bool():
@@ -268,6 +277,19 @@ def test_cli_run_ignore_eos(tiny_artifact, capsys, monkeypatch):
     assert out.out == "hello" + engine.tokenizer.decode(tokens) + "\n" and "12 output tokens (length)" in out.err
 
 
+def test_min_new_tokens_keeps_stop_strings_from_ending_the_first_tokens_on_both_paths(tiny_engine):
+    prompt = [1, 30, 31, 32, 30]
+    whole = tiny_engine.generate(prompt, max_new_tokens=12, ignore_eos=True).text
+    stop = whole[len(whole) // 3:len(whole) // 3 + 3]
+    try:
+        for run in (tiny_engine.generate, lambda *a, **k: tiny_engine.submit(*a, **k).result(timeout=60)):
+            assert len(run(prompt, max_new_tokens=12, ignore_eos=True, stop_strings=[stop]).text) < len(whole)
+            held = run(prompt, max_new_tokens=12, ignore_eos=True, stop_strings=[stop], min_new_tokens=12)
+            assert (held.text, held.finish_reason) == (whole, "length")
+    finally:
+        tiny_engine.close()
+
+
 def test_cli_run_min_new_tokens(tiny_artifact, capsys, monkeypatch):
     from compiler.cli import main
     from runtime import Engine
@@ -278,7 +300,8 @@ def test_cli_run_min_new_tokens(tiny_artifact, capsys, monkeypatch):
     end = tokens.index(engine.eos_token_ids[0])
     assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "12",
                  "--min-new-tokens", str(end + 2)]) == 0
-    assert f"{end + 1} output tokens (stop)" not in capsys.readouterr().err  # the end token came no earlier
+    counted = re.search(r"(\d+) output tokens", capsys.readouterr().err)
+    assert counted and int(counted[1]) >= end + 2  # without: end + 1, the end token counted
     assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "4", "--min-new-tokens", "5"]) == 2
     said = " ".join(capsys.readouterr().err.split())  # rich wraps it at the terminal's width
     assert "min_new_tokens: 5 must be an integer from 0 to the most new tokens asked for (4)" in said

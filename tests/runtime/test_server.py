@@ -158,10 +158,12 @@ def test_streamed_logprobs_join_to_the_whole_responses(served, stop):
     _, chunks, done = events(served, "/v1/completions", body)
     expected = whole["choices"][0]["logprobs"]
     assert status == 200 and done and streamed_logprobs(chunks, chat=False) == expected
+    assert sum(bool(c["choices"][0]["logprobs"]) for c in chunks[:-1]) > 1  # each piece's own, not all at the end
     assert len(expected["tokens"]) == whole["usage"]["completion_tokens"]
     if stop:
         assert whole["choices"][0]["finish_reason"] == "stop" and len(expected["tokens"]) == stop_at + 1
-        assert chunks[-1]["choices"][0]["logprobs"]["tokens"][-1] == body["stop"]  # with any held back before it
+        # the stop's last token released no text: its logprobs (with any held back before it) end the stream
+        assert chunks[-1]["choices"][0]["logprobs"]["tokens"][-1] == body["stop"]
 
 
 def test_streamed_chat_logprobs_join_to_the_whole_responses(chat_served):

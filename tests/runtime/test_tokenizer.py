@@ -54,6 +54,23 @@ def test_streamed_text_ends_before_the_first_stop(pieces, stops, given, stopped,
     assert "".join(given) + tail == text
 
 
+@pytest.mark.parametrize("pieces, stops, min_tokens, given, stopped", [
+    (["a\n", "b", "\nc", "d"], ("\n",), 1, ["a\n", "b", ""], True),  # the first token's "\n" is not a stop
+    (["a\n", "\n", "b\n"], ("\n",), 2, ["a\n", "\n", "b"], True),  # nor the second's, with 2
+    (["xa", "b"], ("ab",), 1, ["x", ""], True),  # a stop that ends in a later token's text counts
+    (["a\n\n", "Y"], ("\n\nX", "\n"), 1, ["a", "\n\nY"], False),  # a short stop inside a held tail does not
+    (["a\n", "b"], ("\n",), 0, ["a"], True),  # 0: every stop counts
+])
+def test_min_tokens_lets_no_stop_string_end_within_the_first_tokens(pieces, stops, min_tokens, given, stopped):
+    decoder = StreamDecoder(PieceTokenizer(pieces), stops, min_tokens=min_tokens)
+    pushed = []
+    for token in range(len(pieces)):
+        pushed.append(decoder.push(token))
+        if decoder.stopped:
+            break
+    assert (pushed, decoder.stopped) == (given, stopped)
+
+
 class ByteTokenizer:
     """Token i decodes to pieces[i] as bytes, joined and decoded with U+FFFD for incomplete UTF-8 (byte-level BPE)."""
 
