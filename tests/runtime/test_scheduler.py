@@ -5,6 +5,7 @@ recompute in test_engine.py. Timings are never asserted, only the order of event
 """
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
@@ -570,5 +571,7 @@ def test_pieces_of_a_request_with_logprobs_carry_their_tokens(engine):
     carried = [token for piece in pieces for token in piece.token_ids]
     assert carried and carried == result.token_ids[:len(carried)]  # the rest, if any, made no text to stream
     assert [entry for piece in pieces for entry in piece.logprobs] == result.logprobs[:len(carried)]
+    kept = pickle.loads(pickle.dumps(pieces[0]))
+    assert (kept, kept.token_ids, kept.logprobs) == (pieces[0], pieces[0].token_ids, pieces[0].logprobs)
     plain = engine.submit([5, 6, 7], max_new_tokens=4, ignore_eos=True)
     assert not any(isinstance(piece, LoggedPiece) for piece in plain)
