@@ -233,17 +233,26 @@ class Engine:
         if not file:
             raise RequestError(f"{self.manifest['name']} has no chat template (its model source carried none); "
                                f"format the prompt yourself and pass it as text")
-        # The template's bos_token / eos_token: the text the model's tokenizer_config names, as transformers passes
-        # it; else the config's ids spelled by the tokenizer (GGUF files, as llama.cpp reads them).
+        self.prepare_chat()  # load did this, unless the template is broken: then this says why
+        text = chat.render(self._chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           **self.special_token_texts())
+        return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def special_token_texts(self) -> dict[str, str | None]:
+        """{"bos_token": text, "eos_token": text} as a chat template reads them: the text the model's tokenizer_config
+        names, as transformers passes it; else the config's ids spelled by the tokenizer (GGUF files, as llama.cpp
+        reads them); None where the model has none."""
         info, token_text = self.manifest["tokenizer"], self.tokenizer.tokenizer.id_to_token
         named = info.get("template_tokens") or {}
         bos, eos = info.get("bos_token_id"), info.get("eos_token_ids")
-        self.prepare_chat()  # load did this, unless the template is broken: then this says why
-        text = chat.render(self._chat_template, messages,
-                           add_generation_prompt=add_generation_prompt,
-                           bos_token=named.get("bos_token", token_text(bos) if bos is not None else None),
-                           eos_token=named.get("eos_token", token_text(eos[0]) if eos else None))
-        return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
+        return {"bos_token": named.get("bos_token", token_text(bos) if bos is not None else None),
+                "eos_token": named.get("eos_token", token_text(eos[0]) if eos else None)}
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text, None if the artifact has none (ArtifactError if it cannot be read)."""
+        self.prepare_chat()
+        return self._chat_template
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, **sampling) -> GenerationResult:
         """One chat turn to the end: the assistant's reply to `messages` (see chat_prompt_ids). Its timings count

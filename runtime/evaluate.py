@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from runtime.errors import RequestError
+from runtime.sampling import _logprobs
 
 LogitsFor = Callable[[np.ndarray], np.ndarray]  # token ids [n] -> logits [n, vocab], row i predicts token i + 1
 CALIBRATION_FRACTION = 0.9  # of pydoc's characters; the held-out part starts at the next paragraph boundary
@@ -235,26 +236,51 @@ def decode_logits_for(source) -> LogitsFor:
     many: +0.08% perplexity one token at a time, README "Accuracy"). `source` is an Engine, whose batch-1 cache each chunk then holds as a
     request would (other threads' generate/stream wait), or a bare OnnxRuntimeBackend that nothing else runs on.
     """
-    hold = getattr(source, "batch_one", None)
-    backend = source.backend if hold is not None else source
-    max_context = backend.kv_spec["max_context"]
-    piece = getattr(backend, "max_decode_tokens", None) or max_context
-
     def logits_for(token_ids: np.ndarray) -> np.ndarray:
-        length = len(token_ids)
-        if not 1 <= length <= max_context:
-            raise EvaluationError(f"a chunk of {length} tokens does not fit this artifact's max context "
-                                  f"({max_context}); use a window of at most {max_context}")
-        input_ids = np.asarray(token_ids, dtype=np.int64)[None]  # [1, n]
-        pieces = []
-        with hold() if hold is not None else contextlib.nullcontext():
-            backend.allocate_cache(batch=1)  # a no-op when batch 1 is bound already; run() rebinds the logits
-            for start in range(0, length, piece):
-                end = min(start + piece, length)
-                positions = np.arange(start, end, dtype=np.int64)[None]  # [1, end - start]
-                mask = np.ones((1, end), dtype=np.int64)  # [1, total]: this piece and the ones before it
-                logits = backend.run("decode", input_ids[:, start:end], positions, mask)  # [1, end - start, vocab]
-                pieces.append(np.array(logits[0], dtype=np.float32))  # a copy: the backend reuses its logits array
+        pieces = list(decode_logit_pieces(source, token_ids))
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     return logits_for
+
+
+def decode_logit_pieces(source, token_ids, piece_tokens: int | None = None):
+    """decode_logits_for's logits a piece of positions at a time ([piece, vocab] float32 arrays, in order), for a
+    caller that reduces each piece before the next (a long chunk's logits at once take length x vocab floats).
+    piece_tokens: at most this many positions a piece (default: the engine's decode_max_tokens, else all). It holds
+    an Engine's batch-1 cache until iterated to the end or closed."""
+    hold = getattr(source, "batch_one", None)
+    backend = source.backend if hold is not None else source
+    max_context = backend.kv_spec["max_context"]
+    piece = min(filter(None, (getattr(backend, "max_decode_tokens", None), piece_tokens, max_context)))
+    length = len(token_ids)
+    if not 1 <= length <= max_context:
+        raise EvaluationError(f"a chunk of {length} tokens does not fit this artifact's max context "
+                              f"({max_context}); use a window of at most {max_context}")
+    input_ids = np.asarray(token_ids, dtype=np.int64)[None]  # [1, n]
+    with hold() if hold is not None else contextlib.nullcontext():
+        backend.allocate_cache(batch=1)  # a no-op when batch 1 is bound already; run() rebinds the logits
+        for start in range(0, length, piece):
+            end = min(start + piece, length)
+            positions = np.arange(start, end, dtype=np.int64)[None]  # [1, end - start]
+            mask = np.ones((1, end), dtype=np.int64)  # [1, total]: this piece and the ones before it
+            logits = backend.run("decode", input_ids[:, start:end], positions, mask)  # [1, end - start, vocab]
+            yield np.array(logits[0], dtype=np.float32)  # a copy: the backend reuses its logits array
+
+
+PROMPT_PIECE_TOKENS = 128  # positions whose logits prompt_logprobs holds at once (128 x vocab floats)
+
+
+def prompt_logprobs(source, token_ids, alternatives: int) -> list[dict[int, float] | None]:
+    """Per prompt token, its log-probability given the tokens before it and the `alternatives` likeliest tokens'
+    there, in a result's logprobs form ({token: log-probability}, the token first); None for the first token, which
+    nothing predicts (OpenAI's and vLLM's prompt logprobs: what lm-evaluation-harness scores choices with). From
+    the decode graph's logits (decode_logits_for), a piece at a time."""
+    token_ids = [int(token) for token in token_ids]
+    entries: list[dict[int, float] | None] = [None]
+    position = 0
+    for logits in decode_logit_pieces(source, token_ids, PROMPT_PIECE_TOKENS):
+        for row in logits:  # row i predicts token i + 1; the last row predicts what follows the prompt
+            position += 1
+            if position < len(token_ids):
+                entries.append(_logprobs(row, token_ids[position], alternatives))
+    return entries

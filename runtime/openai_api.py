@@ -115,9 +115,9 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     logprobs = _chat_logprobs(fields) if chat else _completion_logprobs(fields)
     echo = _flag(fields, "echo")
-    if echo and logprobs is not None:
-        raise ApiError("echo with logprobs would need the prompt's log-probabilities, which this server does not "
-                       "compute; ask for one of them", param="echo")
+    if echo and logprobs is not None and stream:
+        raise ApiError("echo with logprobs (the prompt's log-probabilities) is answered whole, not streamed; ask "
+                       "without stream", param="echo")
     # The prompt last: rendering and tokenizing cost more than the checks above.
     if chat:
         prompts = [_chat_prompt(engine, fields)]
@@ -286,13 +286,19 @@ def timings(result: GenerationResult) -> dict | None:
                                                 for k, v in result.timings.summary().items()}
 
 
-def response(engine, request: ParsedRequest, request_id: str, model_name: str,
-             results: list[GenerationResult]) -> dict:
-    """The whole (not streamed) response body; results in choice order."""
+def response(engine, request: ParsedRequest, request_id: str, model_name: str, results: list[GenerationResult],
+             prompt_logprobs: list[list] | None = None) -> dict:
+    """The whole (not streamed) response body; results in choice order. prompt_logprobs: per prompt, its tokens'
+    (runtime.evaluate.prompt_logprobs), which an echo's logprobs begin with, as OpenAI's and vLLM's do."""
     choices = []
     for choice, result in zip(request.choices, results):
-        logprobs = (None if request.logprobs is None
-                    else logprobs_body(engine, request, result.token_ids, result.logprobs))
+        logprobs = None
+        if request.logprobs is not None and request.echo:
+            prompt = choice.index // request.n
+            logprobs = logprobs_body(engine, request, request.prompts[prompt] + result.token_ids,
+                                     prompt_logprobs[prompt] + list(result.logprobs))
+        elif request.logprobs is not None:
+            logprobs = logprobs_body(engine, request, result.token_ids, result.logprobs)
         if request.chat:
             entry = {"index": choice.index, "message": {"role": "assistant", "content": result.text},
                      "logprobs": logprobs, "finish_reason": finish_reason(result)}
@@ -410,7 +416,9 @@ def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries,
     for text in texts:
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": texts, "token_logprobs": [entry[token] for token, entry in zip(chosen, entries)],
-            "top_logprobs": [{_token_text(engine, alt): logprob for alt, logprob in _top(entry, count)}
+    return {"tokens": texts,  # an echo's first token has None: nothing predicts it
+            "token_logprobs": [None if entry is None else entry[token] for token, entry in zip(chosen, entries)],
+            "top_logprobs": [None if entry is None else {_token_text(engine, alt): logprob
+                                                         for alt, logprob in _top(entry, count)}
                              for entry in entries],
             "text_offset": offsets}

@@ -7,6 +7,7 @@ openai`) can use an artifact. `aotlm serve ARTIFACT` runs it.
     GET  /metrics                Prometheus' text format: latencies, tokens, requests, load (runtime/server_metrics.py)
     POST /v1/completions         prompt -> text
     POST /v1/chat/completions    messages -> the assistant's reply (the model's chat template)
+    POST /tokenize, /detokenize; GET /tokenizer_info: vLLM's tokenizer routes (runtime/tokenizer_api.py)
 
 Python's http.server, one thread per connection (ThreadingHTTPServer). A request's thread submits its choices to the
 scheduler (thread-safe: its one worker runs every graph, batching the requests of all connections together) and
@@ -14,8 +15,8 @@ waits on their handles. A streamed response is server-sent events: a chunk per t
 end, then `data: [DONE]`; the connection closes after it. A client that goes away cancels its requests: noticed
 within POLL_S while waiting, or at the next write; the scheduler frees their slots at its next step.
 Latencies count from the moment the request's headers were read: its body, template and tokenization are in TTFT.
-With an api_key, the /v1 routes ask for it as OpenAI's clients send it (`Authorization: Bearer KEY`; else 401);
-/health and /metrics stay open, as vLLM leaves them.
+With an api_key, the /v1 and tokenizer routes ask for it as OpenAI's clients send it (`Authorization: Bearer KEY`;
+else 401); /health and /metrics stay open, as vLLM leaves them.
 Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an unknown path, 503 with
 Retry-After when the scheduler's queue is full or the server is stopping, 500 when a request fails while running.
 A graceful stop (drain(), after serve_forever returned) refuses new requests and waits for those under way; closing
@@ -35,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import urlsplit
 
-from runtime import openai_api
+from runtime import evaluate, openai_api, tokenizer_api
 from runtime.errors import QueueFullError, RequestError
 from runtime.openai_api import ApiError, ParsedRequest
 from runtime.results import GenerationResult
@@ -45,6 +46,9 @@ MAX_BODY_BYTES = 16 << 20
 POLL_S = 0.25  # how often a waiting request's thread looks whether its client is still there
 SOCKET_TIMEOUT_S = 60.0  # a body that stops arriving, an idle keep-alive connection, a stream nobody reads
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+TOKENIZER_ROUTES = {"/tokenize": tokenizer_api.tokenize, "/detokenize": tokenizer_api.detokenize}  # vLLM's, POST
+GET_ROUTES = ("/health", "/v1/models", "/models", "/metrics", "/tokenizer_info")
+KEYED_ROUTES = (*TOKENIZER_ROUTES, "/tokenizer_info")  # beside /v1/*: with an API key, they ask for it
 
 
 class ApiServer(ThreadingHTTPServer):
@@ -138,11 +142,13 @@ class _Handler(BaseHTTPRequestHandler):
             text = self.server.metrics.render(self.server.model_name, self.server.engine.scheduler,
                                              self.server.under_way).encode()
             self._send(200, text, "text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/tokenizer_info":
+            self._send_json(200, tokenizer_api.tokenizer_info(self.server.engine))
         elif path in ("/v1/models", "/models"):
             self._send_json(200, {"object": "list", "data": [{
                 "id": self.server.model_name, "object": "model", "created": self.server.created,
                 "owned_by": "aotlm", "max_model_len": self.server.engine.max_context}]})
-        elif path in ROUTES:
+        elif path in ROUTES or path in TOKENIZER_ROUTES:
             self._send_error(ApiError(f"{path} takes POST", status=405))
         else:
             self._send_error(_not_found(path))
@@ -158,10 +164,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(_shutting_down())
             return
         try:
+            if path in TOKENIZER_ROUTES:
+                return self._send_json(200, TOKENIZER_ROUTES[path](self.server.engine, self._read_json(),
+                                                                   self.server.model_name))
             if path not in ROUTES:
                 self._read_body()  # drained, so that the connection can serve the next request
-                raise (ApiError(f"{path} takes GET", status=405) if path in ("/health", "/v1/models", "/metrics")
-                       else _not_found(path))
+                raise (ApiError(f"{path} takes GET", status=405) if path in GET_ROUTES else _not_found(path))
             request = openai_api.parse(self.server.engine, self._read_json(), chat=ROUTES[path],
                                        model_name=self.server.model_name)
             handles = self._submit(request, arrival)
@@ -199,7 +207,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _authorized(self, path: str) -> bool:
         """Whether the request may go on; else it was answered 401 (its body unread: the connection ends)."""
         key = self.server.api_key
-        if key is None or not path.startswith("/v1/"):
+        if key is None or not (path.startswith("/v1/") or path in KEYED_ROUTES):
             return True
         given = self.headers.get("Authorization", "")
         if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
@@ -241,6 +249,11 @@ class _Handler(BaseHTTPRequestHandler):
         return handles
 
     def _respond(self, request: ParsedRequest, request_id: str, handles: list) -> None:
+        prompt_logprobs = None
+        if request.echo and request.logprobs is not None:  # how lm-evaluation-harness scores a continuation
+            # on this thread (the engine's batch-1 cache) while the scheduler generates the choices
+            prompt_logprobs = [evaluate.prompt_logprobs(self.server.engine, ids, request.logprobs)
+                               for ids in request.prompts]
         results = []
         for handle in handles:
             while True:
@@ -254,7 +267,8 @@ class _Handler(BaseHTTPRequestHandler):
                 except Exception as error:  # the request failed in the scheduler (a graph run raised; a stop)
                     self._cancel(handles)
                     return self._send_error(self._failure(error))
-        body = openai_api.response(self.server.engine, request, request_id, self.server.model_name, results)
+        body = openai_api.response(self.server.engine, request, request_id, self.server.model_name, results,
+                                   prompt_logprobs)
         self._send_json(200, body)
         self._finished(request, results)
 
@@ -379,7 +393,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self) -> str:
         """The path as /metrics labels it: one of the server's, else "other" (any path would be a label value)."""
         path = urlsplit(self.path).path
-        return path if path in (*ROUTES, "/health", "/v1/models", "/models", "/metrics") else "other"
+        return path if path in (*ROUTES, *TOKENIZER_ROUTES, *GET_ROUTES) else "other"
 
     def _send_error(self, error: ApiError) -> None:
         headers = {"Retry-After": "1"} if error.status == 503 else None
@@ -426,5 +440,5 @@ def _shutting_down() -> ApiError:
 
 
 def _not_found(path: str) -> ApiError:
-    return ApiError(f"no route {path}; this server has /v1/completions, /v1/chat/completions, /v1/models and /health",
-                    status=404, kind="not_found_error")
+    return ApiError(f"no route {path}; this server has /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    f"/metrics, /tokenize, /detokenize and /tokenizer_info", status=404, kind="not_found_error")

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runtime import Engine
@@ -164,6 +165,33 @@ def test_streamed_logprobs_join_to_the_whole_responses(served, stop):
         assert whole["choices"][0]["finish_reason"] == "stop" and len(expected["tokens"]) == stop_at + 1
         # the stop's last token released no text: its logprobs (with any held back before it) end the stream
         assert chunks[-1]["choices"][0]["logprobs"]["tokens"][-1] == body["stop"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(served):
+    """lm-eval's local-completions loglikelihood request: prompts as token ids, echo, logprobs 1, max_tokens 1; it
+    sums token_logprobs[context length:-1] and calls the continuation greedy where each is its top_logprobs' max."""
+    from runtime.evaluate import decode_logits_for, log_softmax
+
+    prompts = [[1, 40, 41, 42, 43, 44], [1, 50, 51, 52]]
+    body = {"prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
+    status, _, response = post(served, "/v1/completions", body)
+    assert status == 200
+    for prompt, choice in zip(prompts, sorted(response["choices"], key=lambda c: c["index"])):
+        logprobs = choice["logprobs"]
+        expected = log_softmax(decode_logits_for(served.engine)(np.array(prompt)))  # row i predicts token i + 1
+        scored = [expected[i - 1, prompt[i]] for i in range(1, len(prompt))]
+        assert len(logprobs["token_logprobs"]) == len(prompt) + 1 and logprobs["token_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:-1] == pytest.approx(scored, abs=1e-4)
+        greedy = [max(top.values()) == lp for lp, top in zip(logprobs["token_logprobs"][1:-1],
+                                                             logprobs["top_logprobs"][1:-1])]
+        assert greedy == [expected[i - 1].argmax() == prompt[i] for i in range(1, len(prompt))]
+        assert logprobs["top_logprobs"][0] is None and len(logprobs["tokens"]) == len(prompt) + 1
+        # the generated token's entry is the scheduler's own, as without echo
+        alone = post(served, "/v1/completions", {**body, "prompt": prompt, "echo": False})[2]["choices"][0]
+        assert logprobs["token_logprobs"][-1] == pytest.approx(alone["logprobs"]["token_logprobs"][0], abs=1e-4)
+        assert choice["text"] == served.engine.tokenizer.decode(prompt) + alone["text"]
+    status, _, refused = post(served, "/v1/completions", {**body, "stream": True})
+    assert status == 400 and "ask without stream" in refused["error"]["message"]
 
 
 def test_streamed_chat_logprobs_join_to_the_whole_responses(chat_served):
@@ -414,9 +442,46 @@ def test_an_api_key_guards_the_v1_routes_not_health_or_metrics(tiny_artifact):
             connection.close()
         assert answers == [(401, "authentication_error"), (401, "authentication_error"), (200, None)]
         assert request(server, "GET", "/v1/models")[0] == 401
+        assert request(server, "GET", "/tokenizer_info")[0] == 401 and post(server, "/tokenize", {"prompt": "x"})[0] == 401
         assert request(server, "GET", "/health")[0] == 200
     finally:
         stop(server)
+
+
+def test_the_tokenizer_routes_split_text_as_the_server_does(chat_served):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, as lm-evaluation-harness' remote tokenizer calls them."""
+    engine = chat_served.engine
+    status, _, body = post(chat_served, "/tokenize", {"prompt": "The keeper", "add_special_tokens": False,
+                                                      "return_token_strs": True})
+    ids = engine.tokenizer.encode("The keeper", add_special_tokens=False)
+    assert status == 200 and body["tokens"] == ids and body["count"] == len(ids)
+    assert body["max_model_len"] == engine.max_context
+    assert body["token_strs"] == [engine.tokenizer.tokenizer.id_to_token(token) for token in ids]
+    assert post(chat_served, "/tokenize", {"prompt": "The keeper"})[2]["tokens"] == engine.prompt_ids("The keeper")
+    messages = [{"role": "user", "content": "2+2?"}]
+    assert post(chat_served, "/tokenize", {"messages": messages})[2]["tokens"] == engine.chat_prompt_ids(messages)
+    assert post(chat_served, "/detokenize", {"tokens": ids})[2] == {"prompt": "The keeper"}
+    status, _, info = request(chat_served, "GET", "/tokenizer_info")
+    assert status == 200 and info["chat_template"] == (chat_served.engine.artifact_dir / "chat_template.jinja").read_text()
+    # the template's own names (this artifact's tokenizer_config names other tokens than config.json's ids)
+    assert (info["bos_token"], info["eos_token"], info["eos_token_ids"]) == ("A", "B", list(engine.eos_token_ids))
+    for path, body, param, message in [
+            ("/tokenize", {"prompt": "x", "messages": messages}, "prompt", "one of them"),
+            ("/tokenize", {"promt": "x"}, "promt", "did you mean prompt?"),
+            ("/tokenize", {"prompt": 3}, "prompt", "must be a string"),
+            ("/detokenize", {"tokens": [10 ** 9]}, "tokens", "outside this model's vocabulary"),
+            ("/detokenize", {"tokens": "1 2"}, "tokens", "a list of token ids")]:
+        status, _, refused = post(chat_served, path, body)
+        assert (status, refused["error"]["param"]) == (400, param) and message in refused["error"]["message"]
+    assert request(chat_served, "GET", "/tokenize")[0] == 405 and post(chat_served, "/tokenizer_info", {})[0] == 405
+
+
+def test_the_end_tokens_text_tokenizes_to_its_id(served):
+    """How lm-evaluation-harness' remote tokenizer finds the end-of-sequence id: /tokenize of its text."""
+    info = request(served, "GET", "/tokenizer_info")[2]
+    assert (info["chat_template"], info["eos_token"]) == (None, "</s>")
+    eos = post(served, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})[2]["tokens"]
+    assert eos == [served.engine.eos_token_ids[0]] == info["eos_token_ids"]
 
 
 def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
