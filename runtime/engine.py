@@ -508,12 +508,12 @@ class Engine:
         prefill_end = time.perf_counter()
         output: list[int] = []
         token_times: list[float] = []
-        finish_reason = "length"
+        finish_reason, stop_token = "length", None
         token = sampler(logits)
         while True:
             token_times.append(time.perf_counter())  # absolute; the trace derives the rest
             if token in stop_ids:
-                finish_reason = "stop"
+                finish_reason, stop_token = "stop", token
                 break
             output.append(token)
             piece = decoder.push(token)
@@ -544,5 +544,7 @@ class Engine:
             prefill_end=prefill_end, cached_prompt_tokens=reused,
         )
         timings = Timings(trace, tokenize_s)
+        logged = params.logprobs is not None
         return GenerationResult(text, output, prompt_ids, finish_reason, timings,
-                                sampler.logprobs[:len(output)] if params.logprobs is not None else None)
+                                sampler.logprobs[:len(output)] if logged else None, stop_token,
+                                sampler.logprobs[len(output)] if logged and stop_token is not None else None)

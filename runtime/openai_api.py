@@ -10,8 +10,10 @@ Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
 - n samples of a prompt are n requests, seeded seed, seed + 1, ... when a seed is given (with prefix caching the
   shared prompt is prefilled once);
 - finish_reason is "stop" or "length"; a reply the max context cut short is "length" too.
-A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix, echo with logprobs) is
-refused with a 400 that names it, never silently ignored; so is a field it does not know.
+A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix, echo with logprobs in
+a stream) is refused with a 400 that names it, never silently ignored; so is a field it does not know.
+Logprobs cover every completion token usage counts, a final stop token included (vLLM's); with echo, the prompt's
+tokens first (the first one's null: nothing predicts it).
 Every response also carries "timings": per choice, the request's server-side timings (Timings.summary(): queue,
 TTFT, prefill, TPOT, E2E in ms, cached prompt tokens). It is not in OpenAI's schema; its clients ignore it.
 """
@@ -171,6 +173,16 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
     if fmt is not None and fmt != {"type": "text"}:
         raise ApiError(f"response_format: {fmt!r}: only {{'type': 'text'}} is supported by this server",
                        param="response_format")
+    flat = flat_messages(messages)
+    add_generation_prompt = fields.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise ApiError(f"add_generation_prompt: {add_generation_prompt!r} must be true or false",
+                       param="add_generation_prompt")
+    return _checked(lambda: engine.chat_prompt_ids(flat, add_generation_prompt), "messages")
+
+
+def flat_messages(messages: list) -> list:
+    """Messages whose content is a list of parts, with the text parts joined (the only kind this server reads)."""
     flat = []
     for position, message in enumerate(messages):
         if isinstance(message, dict) and isinstance(message.get("content"), list):  # content parts: text only
@@ -181,11 +193,7 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
                                f"supported by this server", param="messages")
             message = {**message, "content": "".join(part["text"] for part in parts)}
         flat.append(message)
-    add_generation_prompt = fields.get("add_generation_prompt", True)
-    if not isinstance(add_generation_prompt, bool):
-        raise ApiError(f"add_generation_prompt: {add_generation_prompt!r} must be true or false",
-                       param="add_generation_prompt")
-    return _checked(lambda: engine.chat_prompt_ids(flat, add_generation_prompt), "messages")
+    return flat
 
 
 def _completion_logprobs(fields: dict) -> int | None:
@@ -293,12 +301,12 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str, r
     choices = []
     for choice, result in zip(request.choices, results):
         logprobs = None
-        if request.logprobs is not None and request.echo:
-            prompt = choice.index // request.n
-            logprobs = logprobs_body(engine, request, request.prompts[prompt] + result.token_ids,
-                                     prompt_logprobs[prompt] + list(result.logprobs))
-        elif request.logprobs is not None:
-            logprobs = logprobs_body(engine, request, result.token_ids, result.logprobs)
+        if request.logprobs is not None:
+            token_ids, entries = _scored_output(result)
+            if request.echo:
+                prompt = choice.index // request.n
+                token_ids, entries = request.prompts[prompt] + token_ids, prompt_logprobs[prompt] + entries
+            logprobs = logprobs_body(engine, request, token_ids, entries)
         if request.chat:
             entry = {"index": choice.index, "message": {"role": "assistant", "content": result.text},
                      "logprobs": logprobs, "finish_reason": finish_reason(result)}
@@ -310,6 +318,15 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str, r
     return {"id": request_id, "object": "chat.completion" if request.chat else "text_completion",
             "created": int(time.time()), "model": model_name, "choices": choices,
             "usage": usage(request, results), "timings": [timings(result) for result in results]}
+
+
+def _scored_output(result: GenerationResult) -> tuple[list[int], list[dict]]:
+    """The output tokens whose logprobs the API reports, with their entries: token_ids, then the stop token that
+    ended the request if one did (vLLM's output ids and logprobs hold it; usage counts it), so that an echo's
+    entries are the prompt's and each completion token's (lm-evaluation-harness drops the last)."""
+    if result.stop_token_id is None:
+        return list(result.token_ids), list(result.logprobs)
+    return [*result.token_ids, result.stop_token_id], [*result.logprobs, result.stop_token_logprobs]
 
 
 def chunk(request: ParsedRequest, request_id: str, model_name: str, created: int, index: int, text: str | None,
@@ -334,8 +351,8 @@ def chunk(request: ParsedRequest, request_id: str, model_name: str, created: int
 
 class StreamLogprobs:
     """One streamed choice's logprobs, chunk by chunk: each piece's tokens (a LoggedPiece's), then at its end those
-    of the result beyond them (the last steps', when they released no text). Joined, they are the whole response's
-    logprobs. A chunk with no tokens has none (null)."""
+    of the result beyond them (the last steps', when they released no text, and the stop token). Joined, they are
+    the whole response's logprobs. A chunk with no tokens has none (null)."""
 
     def __init__(self, engine, request: ParsedRequest):
         self.engine, self.request = engine, request
@@ -348,10 +365,11 @@ class StreamLogprobs:
         return self._body(piece.token_ids, piece.logprobs)
 
     def of_end(self, result: GenerationResult) -> dict | None:
-        start = len(self.token_ids)
-        if self.request.logprobs is None or len(result.token_ids) <= start:
+        if self.request.logprobs is None:
             return None
-        return self._body(result.token_ids[start:], result.logprobs[start:])
+        token_ids, entries = _scored_output(result)
+        start = len(self.token_ids)
+        return self._body(token_ids[start:], entries[start:]) if len(token_ids) > start else None
 
     def _body(self, token_ids, entries) -> dict:
         start = len(self.token_ids)

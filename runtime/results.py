@@ -103,3 +103,8 @@ class GenerationResult:
     # With the logprobs sampling option: one {token id: log-probability} per token of token_ids (itself first,
     # then the likeliest alternatives); None without it.
     logprobs: list[dict[int, float]] | None = None
+    # The stop token (an end-of-sequence token or one of stop_token_ids) that ended the request: sampled and counted
+    # in the timings' output tokens, but not part of token_ids or the text; None if none did. With logprobs, its
+    # entry (an API reports the token's log-probability as vLLM does).
+    stop_token_id: int | None = None
+    stop_token_logprobs: dict[int, float] | None = None

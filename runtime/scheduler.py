@@ -83,6 +83,7 @@ class _Sequence:
     prefill_start: float | None = None
     prefill_end: float | None = None
     logged: int = 0  # output tokens whose logprobs went out with a piece (a request with logprobs)
+    stop_token: int | None = None  # the stop token that ended it (not in output)
 
     def piece(self, text: str) -> str:
         """The text piece to stream; with logprobs, carrying the tokens sampled since the last piece."""
@@ -481,6 +482,7 @@ class Scheduler:
         sequence.next_token = None
         params = sequence.params
         if token in sequence.stop_ids:
+            sequence.stop_token = token
             return self._finish(sequence, "stop")
         sequence.output.append(token)
         piece = sequence.decoder.push(token)
@@ -527,8 +529,11 @@ class Scheduler:
                 output_tokens=len(sequence.token_times), prefill_end=sequence.prefill_end,
                 cached_prompt_tokens=sequence.cached)
             timings = Timings(trace, sequence.tokenize_s)
-        logprobs = sequence.sampler.logprobs[:len(sequence.output)] if sequence.params.logprobs is not None else None
-        return GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings, logprobs)
+        logged, ended_by = sequence.params.logprobs is not None, sequence.stop_token
+        logprobs = sequence.sampler.logprobs[:len(sequence.output)] if logged else None
+        stop_entry = sequence.sampler.logprobs[len(sequence.output)] if logged and ended_by is not None else None
+        return GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings, logprobs, ended_by,
+                                stop_entry)
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         self._release(sequence, failed=True)  # a failed run may have written its rows partly

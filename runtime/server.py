@@ -143,7 +143,11 @@ class _Handler(BaseHTTPRequestHandler):
                                              self.server.under_way).encode()
             self._send(200, text, "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/tokenizer_info":
-            self._send_json(200, tokenizer_api.tokenizer_info(self.server.engine))
+            try:
+                info = tokenizer_api.tokenizer_info(self.server.engine)
+            except Exception as error:  # noqa: BLE001 -- a broken chat template: said, not a dropped connection
+                return self._send_error(ApiError(f"{type(error).__name__}: {error}", 500, "server_error"))
+            self._send_json(200, info)
         elif path in ("/v1/models", "/models"):
             self._send_json(200, {"object": "list", "data": [{
                 "id": self.server.model_name, "object": "model", "created": self.server.created,
@@ -252,8 +256,12 @@ class _Handler(BaseHTTPRequestHandler):
         prompt_logprobs = None
         if request.echo and request.logprobs is not None:  # how lm-evaluation-harness scores a continuation
             # on this thread (the engine's batch-1 cache) while the scheduler generates the choices
-            prompt_logprobs = [evaluate.prompt_logprobs(self.server.engine, ids, request.logprobs)
-                               for ids in request.prompts]
+            prompt_logprobs = []
+            for ids in request.prompts:  # up to 128 prompts: a client that left stops the rest
+                if self._client_gone():
+                    self.server.metrics.answered(self._route(), 499)
+                    return self._cancel(handles, "client went away")
+                prompt_logprobs.append(evaluate.prompt_logprobs(self.server.engine, ids, request.logprobs))
         results = []
         for handle in handles:
             while True:

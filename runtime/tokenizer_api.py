@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 
 from runtime.errors import RequestError
-from runtime.openai_api import ApiError
+from runtime.openai_api import ApiError, flat_messages
 from runtime.sampling import is_integer
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
@@ -35,7 +35,8 @@ def tokenize(engine, body, model_name: str) -> dict:
         else:
             if not isinstance(fields["messages"], list) or not fields["messages"]:
                 raise ApiError("messages: a non-empty list of {role, content} objects", param="messages")
-            ids = engine.chat_prompt_ids(fields["messages"], _flag(fields, "add_generation_prompt", True))
+            generation_prompt = _flag(fields, "add_generation_prompt", True)
+            ids = engine.chat_prompt_ids(flat_messages(fields["messages"]), generation_prompt)
     except RequestError as error:
         raise ApiError(str(error), param="messages" if "messages" in fields else "prompt") from None
     answer = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": None}
@@ -72,6 +73,8 @@ def _fields(body, known: set[str], model_name: str) -> dict:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             raise ApiError(f"unrecognized request field {name!r}{f'; did you mean {close[0]}?' if close else ''}",
                            param=name)
+    if not isinstance(fields.get("model", ""), str):
+        raise ApiError(f"model: {fields['model']!r} must be a string (the name /v1/models lists)", param="model")
     if fields.get("model", model_name) != model_name:
         raise ApiError(f"the model {fields['model']!r} does not exist; this server serves {model_name!r}", status=404,
                        kind="not_found_error", param="model")

@@ -167,11 +167,14 @@ def test_streamed_logprobs_join_to_the_whole_responses(served, stop):
         assert chunks[-1]["choices"][0]["logprobs"]["tokens"][-1] == body["stop"]
 
 
-def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(served):
+def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(served, monkeypatch):
     """lm-eval's local-completions loglikelihood request: prompts as token ids, echo, logprobs 1, max_tokens 1; it
-    sums token_logprobs[context length:-1] and calls the continuation greedy where each is its top_logprobs' max."""
+    sums token_logprobs[context length:-1] and calls the continuation greedy where each is its top_logprobs' max.
+    The prompt runs in pieces of 4 positions here, against the expected logits' one piece."""
+    from runtime import evaluate
     from runtime.evaluate import decode_logits_for, log_softmax
 
+    monkeypatch.setattr(evaluate, "PROMPT_PIECE_TOKENS", 4)
     prompts = [[1, 40, 41, 42, 43, 44], [1, 50, 51, 52]]
     body = {"prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
     status, _, response = post(served, "/v1/completions", body)
@@ -192,6 +195,21 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(serv
         assert choice["text"] == served.engine.tokenizer.decode(prompt) + alone["text"]
     status, _, refused = post(served, "/v1/completions", {**body, "stream": True})
     assert status == 400 and "ask without stream" in refused["error"]["message"]
+
+
+@pytest.mark.parametrize("echo", [True, False])
+def test_logprobs_end_with_the_stop_token_that_usage_counts(served, echo):
+    """A request the end-of-sequence token ends at once (biased to it) has one completion token and no text: its
+    logprobs hold that token, as vLLM's do, so that lm-eval's [context:-1] still drops only the generated one."""
+    prompt = [1, 40, 41, 42, 43]
+    body = {"prompt": prompt, "max_tokens": 1, "logprobs": 1, "echo": echo, "logit_bias": {"2": 100}}
+    choice_body = post(served, "/v1/completions", body)[2]
+    logprobs, choice = choice_body["choices"][0]["logprobs"], choice_body["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice_body["usage"]["completion_tokens"] == 1
+    assert len(logprobs["token_logprobs"]) == (len(prompt) if echo else 0) + 1
+    assert logprobs["tokens"][-1] == "</s>" and logprobs["token_logprobs"][-1] < 0
+    _, chunks, _ = events(served, "/v1/completions", {**body, "echo": False})
+    assert streamed_logprobs(chunks, chat=False)["tokens"] == ["</s>"]
 
 
 def test_streamed_chat_logprobs_join_to_the_whole_responses(chat_served):
@@ -443,6 +461,11 @@ def test_an_api_key_guards_the_v1_routes_not_health_or_metrics(tiny_artifact):
         assert answers == [(401, "authentication_error"), (401, "authentication_error"), (200, None)]
         assert request(server, "GET", "/v1/models")[0] == 401
         assert request(server, "GET", "/tokenizer_info")[0] == 401 and post(server, "/tokenize", {"prompt": "x"})[0] == 401
+        connection = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        connection.request("POST", "/tokenize", body=json.dumps({"prompt": "x"}),
+                           headers={"Authorization": "Bearer s3cret"})
+        assert connection.getresponse().status == 200
+        connection.close()
         assert request(server, "GET", "/health")[0] == 200
     finally:
         stop(server)
@@ -460,6 +483,8 @@ def test_the_tokenizer_routes_split_text_as_the_server_does(chat_served):
     assert post(chat_served, "/tokenize", {"prompt": "The keeper"})[2]["tokens"] == engine.prompt_ids("The keeper")
     messages = [{"role": "user", "content": "2+2?"}]
     assert post(chat_served, "/tokenize", {"messages": messages})[2]["tokens"] == engine.chat_prompt_ids(messages)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "2?"}]}]
+    assert post(chat_served, "/tokenize", {"messages": parts})[2]["tokens"] == engine.chat_prompt_ids(messages)
     assert post(chat_served, "/detokenize", {"tokens": ids})[2] == {"prompt": "The keeper"}
     status, _, info = request(chat_served, "GET", "/tokenizer_info")
     assert status == 200 and info["chat_template"] == (chat_served.engine.artifact_dir / "chat_template.jinja").read_text()
