@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 
 import numpy as np
 
+from runtime import evaluate
 from runtime.errors import ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
@@ -494,11 +495,17 @@ class Engine:
         self.backend.allocate_cache(batch=1)
         length = len(prompt_ids)
         mask = np.ones((1, self.max_context), dtype=np.int64)  # every cached row is real: one view per step
-        reused = self._reusable_prefix(prompt_ids)
+        scored = params.prompt_logprobs is not None  # every position's logits: no prefix reused, no prefill graph
+        reused = 0 if scored else self._reusable_prefix(prompt_ids)
         written = list(prompt_ids[:reused])  # the ids whose keys and values the cache holds, in order
 
         prefill_start = time.perf_counter()
-        if reused:
+        prompt_entries = None
+        if scored:  # the decode graph fills the cache as a prefill would (evaluate.decode_logit_pieces)
+            pieces = evaluate.decode_logit_pieces(self.backend, prompt_ids, evaluate.PROMPT_PIECE_TOKENS)
+            prompt_entries, logits = evaluate.scored_prompt(pieces, prompt_ids, params.prompt_logprobs)
+            self._remember(written, prompt_ids)
+        elif reused:
             logits = self._prefill_rest(prompt_ids, reused, mask, written)
         else:
             logits = last_token_logits(self.backend.run("prefill", np.array([prompt_ids], dtype=np.int64),
@@ -547,4 +554,5 @@ class Engine:
         logged = params.logprobs is not None
         return GenerationResult(text, output, prompt_ids, finish_reason, timings,
                                 sampler.logprobs[:len(output)] if logged else None, stop_token,
-                                sampler.logprobs[len(output)] if logged and stop_token is not None else None)
+                                sampler.logprobs[len(output)] if logged and stop_token is not None else None,
+                                prompt_entries)

@@ -274,13 +274,20 @@ def prompt_logprobs(source, token_ids, alternatives: int) -> list[dict[int, floa
     """Per prompt token, its log-probability given the tokens before it and the `alternatives` likeliest tokens'
     there, in a result's logprobs form ({token: log-probability}, the token first); None for the first token, which
     nothing predicts (OpenAI's and vLLM's prompt logprobs: what lm-evaluation-harness scores choices with). From
-    the decode graph's logits (decode_logits_for), a piece at a time."""
+    the decode graph's logits (decode_logits_for), a piece at a time. A request's own (SamplingParams'
+    prompt_logprobs) come from the same pass that prefills it."""
     token_ids = [int(token) for token in token_ids]
+    return scored_prompt(decode_logit_pieces(source, token_ids, PROMPT_PIECE_TOKENS), token_ids, alternatives)[0]
+
+
+def scored_prompt(pieces, token_ids: list[int], alternatives: int) -> tuple[list[dict[int, float] | None], np.ndarray]:
+    """(prompt_logprobs' entries, the last position's logits [vocab]) from the prompt's logit pieces in order."""
     entries: list[dict[int, float] | None] = [None]
-    position = 0
-    for logits in decode_logit_pieces(source, token_ids, PROMPT_PIECE_TOKENS):
+    position, last = 0, None
+    for logits in pieces:
         for row in logits:  # row i predicts token i + 1; the last row predicts what follows the prompt
             position += 1
             if position < len(token_ids):
                 entries.append(_logprobs(row, token_ids[position], alternatives))
-    return entries
+        last = logits[-1]
+    return entries, last

@@ -294,18 +294,17 @@ def timings(result: GenerationResult) -> dict | None:
                                                 for k, v in result.timings.summary().items()}
 
 
-def response(engine, request: ParsedRequest, request_id: str, model_name: str, results: list[GenerationResult],
-             prompt_logprobs: list[list] | None = None) -> dict:
-    """The whole (not streamed) response body; results in choice order. prompt_logprobs: per prompt, its tokens'
-    (runtime.evaluate.prompt_logprobs), which an echo's logprobs begin with, as OpenAI's and vLLM's do."""
+def response(engine, request: ParsedRequest, request_id: str, model_name: str,
+             results: list[GenerationResult]) -> dict:
+    """The whole (not streamed) response body; results in choice order. An echo's logprobs begin with the prompt's
+    (its results' prompt_logprobs), as OpenAI's and vLLM's do."""
     choices = []
     for choice, result in zip(request.choices, results):
         logprobs = None
         if request.logprobs is not None:
             token_ids, entries = _scored_output(result)
             if request.echo:
-                prompt = choice.index // request.n
-                token_ids, entries = request.prompts[prompt] + token_ids, prompt_logprobs[prompt] + entries
+                token_ids, entries = result.prompt_token_ids + token_ids, result.prompt_logprobs + entries
             logprobs = logprobs_body(engine, request, token_ids, entries)
         if request.chat:
             entry = {"index": choice.index, "message": {"role": "assistant", "content": result.text},

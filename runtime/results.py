@@ -108,3 +108,5 @@ class GenerationResult:
     # entry (an API reports the token's log-probability as vLLM does).
     stop_token_id: int | None = None
     stop_token_logprobs: dict[int, float] | None = None
+    # With the prompt_logprobs sampling option: per prompt token, its entry as in logprobs (None for the first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

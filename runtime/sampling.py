@@ -43,6 +43,10 @@ class SamplingParams:
     # -100 all but bans a token, 100 all but forces it. Token ids may be ints or, as in OpenAI's JSON, digit strings.
     # Stored as ((id, bias), ...) sorted by id. Log-probabilities stay the model's own, as for the penalties.
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    # vLLM's prompt_logprobs: N >= 0 puts in result.prompt_logprobs, per prompt token, its log-probability given the
+    # tokens before it and its N likeliest alternatives' (None for the first token). The prompt then runs through
+    # the decode graph, which computes every position's logits; on the batch-1 path (generate(prompt), stream) only.
+    prompt_logprobs: int | None = None
     # vLLM's min_tokens: no stop token id nor end-of-sequence token is sampled (their logits are -inf), and no stop
     # string ends the text, before this many output tokens. 0 = no minimum.
     min_new_tokens: int = 0
@@ -65,6 +69,10 @@ class SamplingParams:
         if not is_integer(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise RequestError(f"min_new_tokens: {self.min_new_tokens!r} must be an integer from 0 to the most new "
                                f"tokens asked for ({self.max_new_tokens})")
+        if self.prompt_logprobs is not None and (not is_integer(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"prompt_logprobs: {self.prompt_logprobs!r} must be an integer in 0..{MAX_LOGPROBS}, "
+                               f"or None")
         if self.logprobs is not None and (not is_integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs: {self.logprobs!r} must be an integer in 0..{MAX_LOGPROBS} (the alternatives "
                                f"per token beside the chosen one), or None")

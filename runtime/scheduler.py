@@ -175,6 +175,9 @@ class Scheduler:
         prompt_ids = self.engine.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids, params)
+        if params.prompt_logprobs is not None:  # its prefill graph returns the last position's logits only
+            raise RequestError("prompt_logprobs: computed on the batch-1 path only (engine.generate(prompt) or "
+                               "engine.stream, whose prompt runs through the decode graph); not by the scheduler")
         eos = self.engine.eos_token_ids
         decoder = self.engine.tokenizer.stream_decoder(params.stop_strings, prompt_ids, params.min_new_tokens)
         sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids), prompt_ids, params,

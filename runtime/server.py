@@ -32,11 +32,12 @@ import socket
 import threading
 import time
 from concurrent.futures import TimeoutError as ResultTimeout  # the built-in TimeoutError only from Python 3.11
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import urlsplit
 
-from runtime import evaluate, openai_api, tokenizer_api
+from runtime import openai_api, tokenizer_api
 from runtime.errors import QueueFullError, RequestError
 from runtime.openai_api import ApiError, ParsedRequest
 from runtime.results import GenerationResult
@@ -176,8 +177,10 @@ class _Handler(BaseHTTPRequestHandler):
                 raise (ApiError(f"{path} takes GET", status=405) if path in GET_ROUTES else _not_found(path))
             request = openai_api.parse(self.server.engine, self._read_json(), chat=ROUTES[path],
                                        model_name=self.server.model_name)
-            handles = self._submit(request, arrival)
             request_id = openai_api.new_id(request.chat)
+            if request.echo and request.logprobs is not None:  # the prompt's logprobs: the batch-1 path
+                return self._score(request, request_id, arrival)
+            handles = self._submit(request, arrival)
             if request.stream:
                 self._stream(request, request_id, handles)
             else:
@@ -252,16 +255,27 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(str(error)) from None
         return handles
 
+    def _score(self, request: ParsedRequest, request_id: str, arrival: float) -> None:
+        """Echo with logprobs, how lm-evaluation-harness scores a continuation: each choice on the engine's batch-1
+        path (engine.generate with prompt_logprobs), whose one pass through the decode graph gives every prompt
+        position's logits and fills the cache the choice then decodes from. Choices of all connections take turns
+        on that cache; a client that leaves stops the choices not yet run."""
+        results = []
+        for choice in request.choices:
+            if self._client_gone():
+                self.server.metrics.answered(self._route(), 499)
+                return self.server.log(f"{self.command} {self.path}: client went away; "
+                                       f"{len(request.choices) - len(results)} choice(s) not run")
+            params = replace(choice.params, prompt_logprobs=request.logprobs)
+            try:
+                results.append(self.server.engine.generate(choice.prompt_ids, params, arrival=arrival))
+            except Exception as error:  # a graph run raised
+                return self._send_error(self._failure(error))
+        self._send_json(200, openai_api.response(self.server.engine, request, request_id, self.server.model_name,
+                                                 results))
+        self._finished(request, results)
+
     def _respond(self, request: ParsedRequest, request_id: str, handles: list) -> None:
-        prompt_logprobs = None
-        if request.echo and request.logprobs is not None:  # how lm-evaluation-harness scores a continuation
-            # on this thread (the engine's batch-1 cache) while the scheduler generates the choices
-            prompt_logprobs = []
-            for ids in request.prompts:  # up to 128 prompts: a client that left stops the rest
-                if self._client_gone():
-                    self.server.metrics.answered(self._route(), 499)
-                    return self._cancel(handles, "client went away")
-                prompt_logprobs.append(evaluate.prompt_logprobs(self.server.engine, ids, request.logprobs))
         results = []
         for handle in handles:
             while True:
@@ -275,8 +289,7 @@ class _Handler(BaseHTTPRequestHandler):
                 except Exception as error:  # the request failed in the scheduler (a graph run raised; a stop)
                     self._cancel(handles)
                     return self._send_error(self._failure(error))
-        body = openai_api.response(self.server.engine, request, request_id, self.server.model_name, results,
-                                   prompt_logprobs)
+        body = openai_api.response(self.server.engine, request, request_id, self.server.model_name, results)
         self._send_json(200, body)
         self._finished(request, results)
 

@@ -254,6 +254,29 @@ def test_min_new_tokens_on_both_paths(tiny_engine):
     assert alone.token_ids[:end] == tokens[:end]
 
 
+def test_prompt_logprobs_come_from_the_pass_that_prefills_the_prompt(tiny_artifact):
+    from runtime import Engine
+    from runtime.evaluate import prompt_logprobs
+
+    engine = Engine.load(tiny_artifact, prefix_caching=True)
+    prompt = [1, *range(30, 54)]
+    engine.generate(prompt, max_new_tokens=6, ignore_eos=True)
+    plain = engine.generate(prompt, max_new_tokens=6, ignore_eos=True)
+    assert plain.prompt_logprobs is None and plain.timings.cached_prompt_tokens > 0  # a prefix from the first run
+    scored = engine.generate(prompt, max_new_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    assert scored.token_ids == plain.token_ids and scored.timings.cached_prompt_tokens == 0
+    expected = prompt_logprobs(engine, prompt, 2)
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(prompt)
+    for entry, reference, token in zip(scored.prompt_logprobs[1:], expected[1:], prompt[1:]):
+        assert list(entry) == list(reference) and entry[token] == pytest.approx(reference[token], abs=1e-5)
+        assert next(iter(entry)) == token and len(entry) in (2, 3)  # the token, then the 2 likeliest
+    with pytest.raises(RequestError, match="prompt_logprobs: computed on the batch-1 path only"):
+        engine.submit(prompt, prompt_logprobs=1)
+    with pytest.raises(RequestError, match="prompt_logprobs: -1 must be an integer in 0..20"):
+        SamplingParams(prompt_logprobs=-1)
+    engine.close()
+
+
 def test_ignore_eos_must_be_a_bool():
     with pytest.raises(RequestError, match="ignore_eos: 'false' must be True or False"):
         SamplingParams(ignore_eos="false")

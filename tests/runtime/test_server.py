@@ -189,7 +189,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(serv
                                                              logprobs["top_logprobs"][1:-1])]
         assert greedy == [expected[i - 1].argmax() == prompt[i] for i in range(1, len(prompt))]
         assert logprobs["top_logprobs"][0] is None and len(logprobs["tokens"]) == len(prompt) + 1
-        # the generated token's entry is the scheduler's own, as without echo
+        # the generated token's entry (from the prompt's decode-graph pass) is the scheduler's, as without echo
         alone = post(served, "/v1/completions", {**body, "prompt": prompt, "echo": False})[2]["choices"][0]
         assert logprobs["token_logprobs"][-1] == pytest.approx(alone["logprobs"]["token_logprobs"][0], abs=1e-4)
         assert choice["text"] == served.engine.tokenizer.decode(prompt) + alone["text"]
