@@ -501,7 +501,8 @@ class Engine:
 
         prefill_start = time.perf_counter()
         prompt_entries = None
-        if scored:  # the decode graph fills the cache as a prefill would (evaluate.decode_logit_pieces)
+        if scored:  # the decode graph fills the cache as a prefill would (evaluate.decode_logit_pieces); the prefill
+            # time (TTFT) then holds every position's lm_head and log-softmax
             pieces = evaluate.decode_logit_pieces(self.backend, prompt_ids, evaluate.PROMPT_PIECE_TOKENS)
             prompt_entries, logits = evaluate.scored_prompt(pieces, prompt_ids, params.prompt_logprobs)
             self._remember(written, prompt_ids)

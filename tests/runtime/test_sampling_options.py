@@ -254,17 +254,26 @@ def test_min_new_tokens_on_both_paths(tiny_engine):
     assert alone.token_ids[:end] == tokens[:end]
 
 
-def test_prompt_logprobs_come_from_the_pass_that_prefills_the_prompt(tiny_artifact):
-    from runtime import Engine
+def test_prompt_logprobs_come_from_the_pass_that_prefills_the_prompt(tiny_artifact, monkeypatch):
+    """The pass runs in pieces of 4 positions here; the tokens decoded after it, and their logprobs, are the ones a
+    prefill gives, and a later request reuses the cache it left."""
+    from runtime import Engine, evaluate
     from runtime.evaluate import prompt_logprobs
 
+    monkeypatch.setattr(evaluate, "PROMPT_PIECE_TOKENS", 4)
     engine = Engine.load(tiny_artifact, prefix_caching=True)
     prompt = [1, *range(30, 54)]
-    engine.generate(prompt, max_new_tokens=6, ignore_eos=True)
-    plain = engine.generate(prompt, max_new_tokens=6, ignore_eos=True)
+    options = dict(max_new_tokens=8, ignore_eos=True, logprobs=1)
+    engine.generate(prompt, **options)
+    plain = engine.generate(prompt, **options)
     assert plain.prompt_logprobs is None and plain.timings.cached_prompt_tokens > 0  # a prefix from the first run
-    scored = engine.generate(prompt, max_new_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    scored = engine.generate(prompt, **options, prompt_logprobs=2)
     assert scored.token_ids == plain.token_ids and scored.timings.cached_prompt_tokens == 0
+    for ours, prefilled in zip(scored.logprobs, plain.logprobs):
+        assert list(ours) == list(prefilled) and list(ours.values()) == pytest.approx(list(prefilled.values()),
+                                                                                      abs=1e-4)
+    after = engine.generate(prompt, **options)  # reuses what the scored request left in the cache
+    assert after.timings.cached_prompt_tokens > 0 and after.token_ids == plain.token_ids
     expected = prompt_logprobs(engine, prompt, 2)
     assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(prompt)
     for entry, reference, token in zip(scored.prompt_logprobs[1:], expected[1:], prompt[1:]):

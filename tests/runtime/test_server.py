@@ -197,6 +197,25 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(serv
     assert status == 400 and "ask without stream" in refused["error"]["message"]
 
 
+def test_a_scoring_request_a_stop_outlasts_is_told_to_retry(tiny_artifact, monkeypatch):
+    """Echo with logprobs runs on the batch-1 path, which closing the engine does not stop: an overdue drain does."""
+    server, _ = serve(Engine.load(tiny_artifact), slots=1)
+    run = server.engine.backend.run
+    monkeypatch.setattr(server.engine.backend, "run", lambda *args: (time.sleep(0.15), run(*args))[1])
+    body = {"prompt": [1, 40, 41], "max_tokens": 30, "logprobs": 1, "echo": True, "ignore_eos": True}
+    outcome = in_thread(post, server, "/v1/completions", body)
+    try:
+        assert wait_for(lambda: server.under_way == 1)
+        server.shutdown()
+        assert server.drain(0.3) == 1 and server.overdue
+        server.engine.close()
+        assert server.drain(10) == 0
+        status, _, response = outcome.result(timeout=10)
+        assert status == 503 and "send this one again" in response["error"]["message"]
+    finally:
+        stop(server)
+
+
 @pytest.mark.parametrize("echo", [True, False])
 def test_logprobs_end_with_the_stop_token_that_usage_counts(served, echo):
     """A request the end-of-sequence token ends at once (biased to it) has one completion token and no text: its
