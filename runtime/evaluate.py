@@ -267,21 +267,15 @@ def decode_logit_pieces(source, token_ids, piece_tokens: int | None = None):
             yield np.array(logits[0], dtype=np.float32)  # a copy: the backend reuses its logits array
 
 
-PROMPT_PIECE_TOKENS = 128  # positions whose logits prompt_logprobs holds at once (128 x vocab floats)
-
-
-def prompt_logprobs(source, token_ids, alternatives: int) -> list[dict[int, float] | None]:
-    """Per prompt token, its log-probability given the tokens before it and the `alternatives` likeliest tokens'
-    there, in a result's logprobs form ({token: log-probability}, the token first); None for the first token, which
-    nothing predicts (OpenAI's and vLLM's prompt logprobs: what lm-evaluation-harness scores choices with). From
-    the decode graph's logits (decode_logits_for), a piece at a time. A request's own (SamplingParams'
-    prompt_logprobs) come from the same pass that prefills it."""
-    token_ids = [int(token) for token in token_ids]
-    return scored_prompt(decode_logit_pieces(source, token_ids, PROMPT_PIECE_TOKENS), token_ids, alternatives)[0]
+PROMPT_PIECE_TOKENS = 128  # positions whose logits a prompt_logprobs request holds at once (128 x vocab floats)
 
 
 def scored_prompt(pieces, token_ids: list[int], alternatives: int) -> tuple[list[dict[int, float] | None], np.ndarray]:
-    """(prompt_logprobs' entries, the last position's logits [vocab]) from the prompt's logit pieces in order."""
+    """(prompt_logprobs' entries, the last position's logits [vocab]) from the prompt's logit pieces in order: per
+    prompt token, its log-probability given the tokens before it and the `alternatives` likeliest tokens' there, in
+    a result's logprobs form ({token: log-probability}, the token first); None for the first token, which nothing
+    predicts (OpenAI's and vLLM's prompt logprobs: what lm-evaluation-harness scores choices with). Engine's
+    batch-1 path calls it for a request's SamplingParams.prompt_logprobs."""
     entries: list[dict[int, float] | None] = [None]
     position, last = 0, None
     for logits in pieces:

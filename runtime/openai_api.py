@@ -90,33 +90,16 @@ class ParsedRequest:
 def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     """Check a request body (a JSON object) and turn it into the scheduler requests it asks for; ApiError says what is
     wrong, naming the field as the API spells it."""
-    if not isinstance(body, dict):
-        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
-    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    fields = {name: value for name, value in body.items() if value is not None}  # null = not given, as in OpenAI's
-    for name in fields:
-        if name in NOT_SUPPORTED and not (name in HARMLESS and type(fields[name]) is int
-                                        and fields[name] == HARMLESS[name]):
-            raise ApiError(f"{name}: {NOT_SUPPORTED[name]}", param=name)
-        if name not in known and name not in NOT_SUPPORTED:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ApiError(f"unrecognized request field {name!r}{hint}", param=name)
-    model = fields.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(f"model: {model!r} must be a string (the name /v1/models lists)", param="model")
-    if model is not None and model != model_name:
-        raise ApiError(f"the model {model!r} does not exist; this server serves {model_name!r}", status=404,
-                       kind="not_found_error", param="model")
-    stream = _flag(fields, "stream")
+    fields = request_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, model_name, NOT_SUPPORTED)
+    stream = flag(fields, "stream")
     options = fields.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise ApiError(f"stream_options: {options!r} must be an object with include_usage", param="stream_options")
     if options is not None and not stream:
         raise ApiError("stream_options: only with stream: true", param="stream_options")
-    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    include_usage = flag(options or {}, "include_usage", "stream_options.include_usage")
     logprobs = _chat_logprobs(fields) if chat else _completion_logprobs(fields)
-    echo = _flag(fields, "echo")
+    echo = flag(fields, "echo")
     if echo and logprobs is not None and stream:
         raise ApiError("echo with logprobs (the prompt's log-probabilities) is answered whole, not streamed; ask "
                        "without stream", param="echo")
@@ -139,10 +122,35 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     return ParsedRequest(chat, choices, prompts, texts, n, stream, include_usage, echo, logprobs)
 
 
-def _flag(fields: dict, name: str, shown: str | None = None) -> bool:
-    value = fields.get(name, False)
-    if value is None:
-        return False
+def request_fields(body, known: set[str], model_name: str, refused: dict[str, str] | None = None) -> dict:
+    """A body's fields, null ones left out (not given, as in OpenAI's), after refusing what is not an object, a
+    field the server refuses (`refused`: field -> why), one it does not know, and another model's name."""
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    refused = refused or {}
+    fields = {name: value for name, value in body.items() if value is not None}
+    for name in fields:
+        if name in refused and not (name in HARMLESS and type(fields[name]) is int
+                                    and fields[name] == HARMLESS[name]):
+            raise ApiError(f"{name}: {refused[name]}", param=name)
+        if name not in known and name not in refused:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ApiError(f"unrecognized request field {name!r}{hint}", param=name)
+    model = fields.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(f"model: {model!r} must be a string (the name /v1/models lists)", param="model")
+    if model is not None and model != model_name:
+        raise ApiError(f"the model {model!r} does not exist; this server serves {model_name!r}", status=404,
+                       kind="not_found_error", param="model")
+    return fields
+
+
+def flag(fields: dict, name: str, shown: str | None = None, default: bool = False) -> bool:
+    """A true/false field (absent: default); shown: its name in the message, when nested."""
+    value = fields.get(name)
+    if value is None:  # absent, or null (a nested object's nulls are still in it)
+        return default
     if not isinstance(value, bool):
         raise ApiError(f"{shown or name}: {value!r} must be true or false", param=shown or name)
     return value
@@ -174,10 +182,7 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
         raise ApiError(f"response_format: {fmt!r}: only {{'type': 'text'}} is supported by this server",
                        param="response_format")
     flat = flat_messages(messages)
-    add_generation_prompt = fields.get("add_generation_prompt", True)
-    if not isinstance(add_generation_prompt, bool):
-        raise ApiError(f"add_generation_prompt: {add_generation_prompt!r} must be true or false",
-                       param="add_generation_prompt")
+    add_generation_prompt = flag(fields, "add_generation_prompt", default=True)
     return _checked(lambda: engine.chat_prompt_ids(flat, add_generation_prompt), "messages")
 
 
@@ -204,7 +209,7 @@ def _completion_logprobs(fields: dict) -> int | None:
 
 
 def _chat_logprobs(fields: dict) -> int | None:
-    wanted = _flag(fields, "logprobs")
+    wanted = flag(fields, "logprobs")
     top = fields.get("top_logprobs")
     if top is not None and (not is_integer(top) or not 0 <= top <= MAX_LOGPROBS):
         raise ApiError(f"top_logprobs: {top!r} must be an integer in 0..{MAX_LOGPROBS}", param="top_logprobs")
