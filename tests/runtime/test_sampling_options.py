@@ -137,6 +137,13 @@ def test_logprobs_alternatives_that_tie_go_to_the_lower_token_id_and_greedy_is_o
 
     logits = np.array([0.0, 1.0, 3.0, 3.0, 3.0, 2.0], dtype=np.float32)
     assert list(_logprobs(logits, 5, 2)) == [5, 2, 3]  # of the three tied at 3.0, the two lowest ids
+    assert list(_logprobs(logits, 5, 1)) == [5, 2]  # one alternative (argmax's path): the lowest id too
+    wide = np.random.default_rng(0).standard_normal(49152).astype(np.float32) * 4  # a real vocabulary's width
+    reference = wide.astype(np.float64) - wide.max()
+    reference -= np.log(np.exp(reference).sum())
+    entry = _logprobs(wide, 7, 3)
+    assert list(entry)[1:] == list(np.argsort(-reference, kind="stable")[:3])
+    assert [entry[t] for t in entry] == pytest.approx([reference[t] for t in entry], abs=1e-7)
     assert list(_logprobs(logits, 0, 10)) == [0, 2, 3, 4, 5, 1]  # more than the vocabulary: all of it, by rank
     np.testing.assert_array_equal(Sampler(SamplingParams()).distribution(logits), [0, 0, 1, 0, 0, 0])
 
@@ -280,8 +287,6 @@ def test_prompt_logprobs_come_from_the_pass_that_prefills_the_prompt(tiny_artifa
         likeliest = [int(t) for t in np.argsort(-expected[position], kind="stable")[:2]]
         assert list(entry) == [token, *(t for t in likeliest if t != token)]  # the token, then the 2 likeliest
         assert list(entry.values()) == pytest.approx([expected[position, t] for t in entry], abs=1e-5)
-    with pytest.raises(RequestError, match="prompt_logprobs: computed on the batch-1 path only"):
-        engine.submit(prompt, prompt_logprobs=1)
     with pytest.raises(RequestError, match="prompt_logprobs: -1 must be an integer in 0..20"):
         SamplingParams(prompt_logprobs=-1)
     engine.close()
