@@ -277,11 +277,16 @@ def scored_prompt(pieces, token_ids: list[int], alternatives: int) -> tuple[list
     predicts (OpenAI's and vLLM's prompt logprobs: what lm-evaluation-harness scores choices with). Engine's
     batch-1 path calls it for a request's SamplingParams.prompt_logprobs."""
     entries: list[dict[int, float] | None] = [None]
-    position, last = 0, None
+    start, last = 0, None
     for logits in pieces:
-        for row in logits:  # row i predicts token i + 1; the last row predicts what follows the prompt
-            position += 1
-            if position < len(token_ids):
-                entries.append(_logprobs(row, token_ids[position], alternatives))
-        last = logits[-1]
+        entries += prompt_entries(logits, token_ids, start, alternatives)
+        start, last = start + len(logits), logits[-1]
     return entries, last
+
+
+def prompt_entries(logits: np.ndarray, token_ids: list[int], start: int, alternatives: int) -> list[dict[int, float]]:
+    """scored_prompt's entries for one piece: logits [n, vocab] of positions start..start + n - 1, row i predicting
+    token start + i + 1 (a row at the prompt's last position predicts what follows it: no entry). The scheduler
+    scores a prompt piece by piece with it."""
+    return [_logprobs(row, token_ids[start + i + 1], alternatives)
+            for i, row in enumerate(logits) if start + i + 1 < len(token_ids)]

@@ -115,7 +115,7 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
                        f"choices per request)", param="n")
     choices = []
     for prompt_index, prompt_ids in enumerate(prompts):
-        params = _sampling(engine, fields, prompt_ids, chat, logprobs)
+        params = _sampling(engine, fields, prompt_ids, chat, logprobs, echo)
         for sample in range(n):
             seeded = params if params.seed is None else replace(params, seed=params.seed + sample)
             choices.append(Choice(prompt_index * n + sample, prompt_ids, seeded))
@@ -218,7 +218,8 @@ def _chat_logprobs(fields: dict) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs: int | None) -> SamplingParams:
+def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs: int | None,
+              echo: bool) -> SamplingParams:
     options = {engine_name: fields[name] for name, engine_name in SAMPLING_FIELDS.items() if name in fields}
     options.setdefault("temperature", 1.0)  # OpenAI's default; the engine's is greedy
     if options.get("top_k") == -1:  # vLLM's "no limit"
@@ -236,6 +237,8 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         max_tokens = max(room, 1) if chat else COMPLETION_MAX_TOKENS
     options["max_new_tokens"] = max_tokens
     options["logprobs"] = logprobs
+    if echo and logprobs is not None:  # the prompt's logprobs too, as lm-evaluation-harness scores a continuation
+        options["prompt_logprobs"] = logprobs
     try:
         params = SamplingParams(**options)
     except RequestError as error:

@@ -45,7 +45,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     # vLLM's prompt_logprobs: N >= 0 puts in result.prompt_logprobs, per prompt token, its log-probability given the
     # tokens before it and its N likeliest alternatives' (None for the first token). The prompt then runs through
-    # the decode graph, which computes every position's logits; on the batch-1 path (generate(prompt), stream) only.
+    # the decode graph, which computes every position's logits (the batch-1 path and the scheduler both; there, no
+    # cached prefix is reused for it).
     prompt_logprobs: int | None = None
     # vLLM's min_tokens: no stop token id nor end-of-sequence token is sampled (their logits are -inf), and no stop
     # string ends the text, before this many output tokens. 0 = no minimum.

@@ -25,6 +25,9 @@ one background worker thread owns the cache and runs every graph (started on dem
      finishes frees its slot at once, a cancelled one at the start of the next iteration. A request whose
      sampling fails (NaN logits in its row) fails alone; a graph run that fails fails the requests in it (a prompt's
      prefill: that request; a decode step: the decoding ones), and the rest go on.
+A request with prompt_logprobs (SamplingParams: every prompt token's log-probability, how lm-evaluation-harness
+scores) prefills through the decode graph, which gives every position's logits, in pieces of PROMPT_PIECE_TOKENS
+(reduced to entries piece by piece), alone and from its first token: it reuses no cached prefix.
 batching="static" admits only when every slot is free: fixed batches run to completion (for comparison).
 With Engine.load(prefix_caching=True), a slot a request leaves keeps a record of the tokens its rows hold; a new
 request goes to the free slot holding most of its prompt's start and prefills only the rest (runtime/prefix_cache.py
@@ -49,6 +52,7 @@ from typing import Sequence
 
 import numpy as np
 
+from runtime import evaluate
 from runtime.engine import last_token_logits
 from runtime.errors import QueueFullError, RequestError
 from runtime.metrics import RequestTrace
@@ -84,6 +88,13 @@ class _Sequence:
     prefill_end: float | None = None
     logged: int = 0  # output tokens whose logprobs went out with a piece (a request with logprobs)
     stop_token: int | None = None  # the stop token that ended it (not in output)
+    # With prompt_logprobs: the prompt tokens' entries so far (the first None), filled piece by piece as the decode
+    # graph prefills the prompt; None for a request without.
+    prompt_entries: list[dict[int, float] | None] | None = None
+
+    @property
+    def scored(self) -> bool:
+        return self.prompt_entries is not None
 
     def piece(self, text: str) -> str:
         """The text piece to stream; with logprobs, carrying the tokens sampled since the last piece."""
@@ -175,13 +186,11 @@ class Scheduler:
         prompt_ids = self.engine.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_fits(prompt_ids, params)
-        if params.prompt_logprobs is not None:  # its prefill graph returns the last position's logits only
-            raise RequestError("prompt_logprobs: computed on the batch-1 path only (engine.generate(prompt) or "
-                               "engine.stream, whose prompt runs through the decode graph); not by the scheduler")
         eos = self.engine.eos_token_ids
         decoder = self.engine.tokenizer.stream_decoder(params.stop_strings, prompt_ids, params.min_new_tokens)
         sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids), prompt_ids, params,
-                             Sampler(params, prompt_ids, eos), params.stop_ids(eos), decoder, received, tokenize_s)
+                             Sampler(params, prompt_ids, eos), params.stop_ids(eos), decoder, received, tokenize_s,
+                             prompt_entries=None if params.prompt_logprobs is None else [None])
         with self._lock:
             while not self._closed and len(self._waiting) >= self.max_queue + self._free_slots():
                 if not block:
@@ -305,10 +314,11 @@ class Scheduler:
             sequence = self._waiting.popleft()
             slot, reused = free[0], 0  # the lowest: busy slots stay packed at the front
             if self.engine.prefix_caching:  # the slot that holds most of this prompt's start, if any holds enough;
-                # else the lowest holding nothing, else the one left longest ago (its prefix the least likely wanted)
+                # else the lowest holding nothing, else the one left longest ago (its prefix the least likely wanted).
+                # A scored prompt reuses nothing: every position's logits are wanted.
                 backend = self.engine.backend
                 reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids, backend), -s)
-                                    for s in free if self._slot_ids[s]), default=(0, -slot))
+                                    for s in free if self._slot_ids[s] and not sequence.scored), default=(0, -slot))
                 slot = -slot if reused else min(free, key=lambda s: (bool(self._slot_ids[s]),
                                                                      self._slot_released[s], s))
             free.remove(slot)
@@ -338,7 +348,7 @@ class Scheduler:
         served, as without sharing)."""
         backend = self.engine.backend
         deferred: set[_Sequence] = set()
-        pending = sorted((s for s in self._running if s is not None and s.prefill_start is None),
+        pending = sorted((s for s in self._running if s is not None and s.prefill_start is None and not s.scored),
                          key=lambda s: s.handle.id)
         for sequence in pending:
             shared, donor = sequence.prefilled, None
@@ -374,8 +384,10 @@ class Scheduler:
                 start = sequence.prefilled
                 remaining = len(sequence.prompt_ids) - start
                 count = remaining if budget is None else min(budget, remaining)
-                by_decode_graph = start > 0 and not self.engine.backend.prefill_takes_past
-                if by_decode_graph:  # the decode graph takes the rest of a chunked prompt (or of one after a cached
+                by_decode_graph = sequence.scored or (start > 0 and not self.engine.backend.prefill_takes_past)
+                if sequence.scored:  # every position's logits, PROMPT_PIECE_TOKENS rows of them at a time
+                    count = min(count, rest_piece_tokens(self.engine.backend, evaluate.PROMPT_PIECE_TOKENS))
+                elif by_decode_graph:  # the decode graph takes the rest of a chunked prompt (or of one after a cached
                     # prefix), in pieces however idle the slots: its runs over many tokens hold memory that grows
                     # faster than their count (the default model's onnxruntime arena: +177 MB after 250 tokens,
                     # +1.5 GB after 1000), and TensorRT's profile bounds its tokens per call (to no fewer than
@@ -391,9 +403,9 @@ class Scheduler:
                 if not by_decode_graph:  # the prefill graph (after a past where it takes one): the last row's logits
                     logits = self._graph_run([sequence], lambda: last_token_logits(
                         self.cache.run("prefill", rows, ids, positions, mask), [count])[0])
-                else:  # a chunk after a past: the decode graph at batch 1, logits [1, count, vocab]
-                    logits = self._graph_run([sequence], lambda: self.cache.run("decode", rows, ids, positions,
-                                                                                mask)[0, -1])
+                else:  # a scored piece, or a chunk after a past: the decode graph at batch 1, logits [1, count, vocab]
+                    logits = self._graph_run([sequence], lambda: self._decode_piece(sequence, rows, ids, positions,
+                                                                                    mask))
                 if logits is None:  # the run failed this request
                     break
                 sequence.prefilled += count
@@ -403,6 +415,15 @@ class Scheduler:
             if budget == 0:
                 break
 
+    def _decode_piece(self, sequence: _Sequence, rows, ids, positions, mask) -> np.ndarray:
+        """A prompt piece through the decode graph; the last position's logits. A scored prompt's rows become its
+        prompt tokens' entries first (evaluate.prompt_entries)."""
+        logits = self.cache.run("decode", rows, ids, positions, mask)[0]  # [count, vocab]
+        if sequence.scored:
+            sequence.prompt_entries += evaluate.prompt_entries(logits, sequence.prompt_ids, int(positions[0, 0]),
+                                                               sequence.params.prompt_logprobs)
+        return logits[-1]
+
     def _prefill_together(self, deferred: set[_Sequence]) -> None:
         """Whole prompts of requests admitted into neighbouring slots, as one right-padded prefill batch.
 
@@ -410,7 +431,8 @@ class Scheduler:
         requests once, not B times); each row's mask covers its own prompt, and the prefill graph returns each
         row's logits at its last real token. Slots must be neighbours: the batch is a contiguous block of rows.
         """
-        fresh = [s for s in self._running if s is not None and s.prefilled == 0 and s not in deferred]
+        fresh = [s for s in self._running
+                 if s is not None and s.prefilled == 0 and s not in deferred and not s.scored]
         runs: list[list[_Sequence]] = []
         for sequence in fresh:  # in slot order
             if runs and runs[-1][-1].slot + 1 == sequence.slot:
@@ -535,8 +557,9 @@ class Scheduler:
         logged, ended_by = sequence.params.logprobs is not None, sequence.stop_token
         logprobs = sequence.sampler.logprobs[:len(sequence.output)] if logged else None
         stop_entry = sequence.sampler.logprobs[len(sequence.output)] if logged and ended_by is not None else None
+        scored = sequence.prompt_entries if sequence.prefilled == len(sequence.prompt_ids) else None  # cancelled
         return GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings, logprobs, ended_by,
-                                stop_entry)
+                                stop_entry, scored)
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         self._release(sequence, failed=True)  # a failed run may have written its rows partly

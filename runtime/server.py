@@ -11,18 +11,18 @@ openai`) can use an artifact. `aotlm serve ARTIFACT` runs it.
 
 Python's http.server, one thread per connection (ThreadingHTTPServer). A request's thread submits its choices to the
 scheduler (thread-safe: its one worker runs every graph, batching the requests of all connections together) and
-waits on their handles; echo with logprobs (the prompt's log-probabilities) runs on the engine's batch-1 path
-instead (engine.stream with prompt_logprobs), such requests taking turns there. A streamed response is server-sent
+waits on their handles (echo with logprobs, how lm-evaluation-harness scores, too: the scheduler's prompt_logprobs).
+A streamed response is server-sent
 events: a chunk per text piece and one at each choice's end, then `data: [DONE]`; the connection closes after it. A
 client that goes away cancels its requests: noticed within POLL_S while waiting, or at the next write; the scheduler
-frees their slots at its next step (a batch-1 choice stops at its next step, not while it waits for its turn).
+frees their slots at its next step.
 Latencies count from the moment the request's headers were read: its body, template and tokenization are in TTFT.
 With an api_key, the /v1 and tokenizer routes ask for it as OpenAI's clients send it (`Authorization: Bearer KEY`;
 else 401); /health and /metrics stay open, as vLLM leaves them.
 Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an unknown path, 503 with
 Retry-After when the scheduler's queue is full or the server is stopping, 500 when a request fails while running.
 A graceful stop (drain(), after serve_forever returned) refuses new requests and waits for those under way; closing
-the engine then fails the rest (batch-1 ones stop at their next step), and they are told to send the request again.
+the engine then fails the rest, and they are told to send the request again.
 """
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ import socket
 import threading
 import time
 from concurrent.futures import TimeoutError as ResultTimeout  # the built-in TimeoutError only from Python 3.11
-from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import urlsplit
@@ -71,7 +70,6 @@ class ApiServer(ThreadingHTTPServer):
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.closing = False  # drain() began: requests get 503, /health says so (load balancers look elsewhere)
-        self.overdue = False  # a drain ran out of time: requests on the batch-1 path stop too (engine.close does not)
         self._under_way = 0  # POSTs being answered
         self._under_way_changed = threading.Condition()
         super().__init__((host, port), _Handler)
@@ -96,14 +94,12 @@ class ApiServer(ThreadingHTTPServer):
         """A graceful stop's wait, once serve_forever() has returned (Ctrl-C) or shutdown(): from now on a request
         on a connection still open gets 503 and /health 503; wait up to timeout_s for the requests under way to be
         answered. Returns how many still are. Closing the engine then fails those: a non-streamed one gets 503, a
-        stream an error event and [DONE]; those on the batch-1 path (echo with logprobs) stop at their next step
-        with a 503 (`overdue`); drain() again (briefly) lets their answers go out."""
+        stream an error event and [DONE]; drain() again (briefly) lets their answers go out."""
         deadline = time.monotonic() + timeout_s
         with self._under_way_changed:
             self.closing = True
             while self._under_way and (left := deadline - time.monotonic()) > 0:
                 self._under_way_changed.wait(min(left, 60.0))  # a wait beyond threading.TIMEOUT_MAX overflows
-            self.overdue = self.overdue or self._under_way > 0
             return self._under_way
 
     def _admit(self) -> bool:
@@ -183,8 +179,6 @@ class _Handler(BaseHTTPRequestHandler):
             request = openai_api.parse(self.server.engine, self._read_json(), chat=ROUTES[path],
                                        model_name=self.server.model_name)
             request_id = openai_api.new_id(request.chat)
-            if request.echo and request.logprobs is not None:  # the prompt's logprobs: the batch-1 path
-                return self._score(request, request_id, arrival)
             handles = self._submit(request, arrival)
             if request.stream:
                 self._stream(request, request_id, handles)
@@ -259,33 +253,6 @@ class _Handler(BaseHTTPRequestHandler):
                                f"--slots)", status=503, kind="service_unavailable") from None
             raise ApiError(str(error)) from None
         return handles
-
-    def _score(self, request: ParsedRequest, request_id: str, arrival: float) -> None:
-        """Echo with logprobs, how lm-evaluation-harness scores a continuation: each choice on the engine's batch-1
-        path (engine.stream with prompt_logprobs), whose one pass through the decode graph gives every prompt
-        position's logits and fills the cache the choice then decodes from. Such choices of all connections take
-        turns on that cache, beside the scheduler. Between its steps (not while it waits for its turn) a choice
-        stops when its client left, or when a graceful stop ran out of time (drain): then a 503 says to retry."""
-        results = []
-        for choice in request.choices:
-            params = replace(choice.params, prompt_logprobs=request.logprobs)
-            try:
-                with self.server.engine.stream(choice.prompt_ids, params, arrival=arrival) as generation:
-                    for _ in generation:
-                        if self.server.overdue:
-                            return self._send_error(_shutting_down())
-                        if self._client_gone():
-                            self.server.metrics.answered(self._route(), 499)
-                            return self.server.log(f"{self.command} {self.path}: client went away; its "
-                                                   f"{len(request.choices) - len(results)} choice(s) stopped")
-                results.append(generation.result)
-            except Exception as error:  # a graph run raised
-                return self._send_error(self._failure(error))
-            if self.server.overdue:
-                return self._send_error(_shutting_down())
-        self._send_json(200, openai_api.response(self.server.engine, request, request_id, self.server.model_name,
-                                                 results))
-        self._finished(request, results)
 
     def _respond(self, request: ParsedRequest, request_id: str, handles: list) -> None:
         results = []

@@ -575,3 +575,53 @@ def test_pieces_of_a_request_with_logprobs_carry_their_tokens(engine):
     assert (kept, kept.token_ids, kept.logprobs) == (pieces[0], pieces[0].token_ids, pieces[0].logprobs)
     plain = engine.submit([5, 6, 7], max_new_tokens=4, ignore_eos=True)
     assert not any(isinstance(piece, LoggedPiece) for piece in plain)
+
+
+@pytest.mark.parametrize("prefix_caching, prefill_chunk", [(False, None), (False, 5), (True, None)])
+def test_scored_prompts_amid_other_requests_match_the_batch_one_path(tiny_artifact, monkeypatch, prefix_caching,
+                                                                      prefill_chunk):
+    """prompt_logprobs through the scheduler: the prompt's decode-graph pieces (4 positions here, fewer where a chunk
+    budget cuts them) give the entries and tokens the batch-1 path gives, while other requests decode beside them;
+    with prefix caching a scored prompt reuses nothing, and a later request reuses what it left."""
+    from runtime import Engine, evaluate
+
+    monkeypatch.setattr(evaluate, "PROMPT_PIECE_TOKENS", 4)
+    engine = Engine.load(tiny_artifact, prefix_caching=prefix_caching)
+    try:
+        scored_prompts = [[1, *range(30, 53)], [1, *range(60, 71)], [1, *range(30, 45)]]  # the third: a prefix of the first
+        options = dict(max_new_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+        expected = [engine.generate(prompt, **options) for prompt in scored_prompts]
+        slowed(engine.start_scheduler(slots=3, prefill_chunk=prefill_chunk))
+        others = [engine.submit(prompt, max_new_tokens=n, stop_token_ids=()) for prompt, n in mixed_requests(4)]
+        handles = [engine.submit(prompt, **options) for prompt in scored_prompts]
+        [handle.result(timeout=60) for handle in others]
+        for handle, reference in zip(handles, expected):
+            result = handle.result(timeout=60)
+            assert result.token_ids == reference.token_ids and result.timings.cached_prompt_tokens == 0
+            assert len(result.prompt_logprobs) == len(reference.prompt_logprobs) and result.prompt_logprobs[0] is None
+            for ours, theirs in zip(result.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
+                assert list(ours) == list(theirs)  # the prompt token, then the two likeliest others
+                assert list(ours.values()) == pytest.approx(list(theirs.values()), abs=1e-5)
+            assert [list(e) for e in result.logprobs] == [list(e) for e in reference.logprobs]
+        if prefix_caching:  # the scored requests' slots hold their prompts: a plain request takes the first's start
+            again = engine.submit(scored_prompts[0], max_new_tokens=6, ignore_eos=True).result(timeout=60)
+            assert again.timings.cached_prompt_tokens > 0 and again.token_ids == expected[0].token_ids
+    finally:
+        engine.close()
+
+
+def test_a_scored_request_cancelled_in_its_prompt_has_no_prompt_logprobs(engine, monkeypatch):
+    from runtime import evaluate
+    from tests.runtime.test_server import wait_for
+
+    monkeypatch.setattr(evaluate, "PROMPT_PIECE_TOKENS", 2)
+    scheduler = slowed(engine.start_scheduler(slots=2, prefill_chunk=2), 0.05)
+    running = engine.submit([1, 5, 6], max_new_tokens=60, ignore_eos=True)  # decoding: the chunk budget applies
+    next(iter(running))
+    scored = engine.submit([1, *range(40, 80)], max_new_tokens=4, prompt_logprobs=1)
+    assert wait_for(lambda: scheduler.counts() == (2, 0))
+    time.sleep(0.2)  # a few of its 20 pieces
+    scored.cancel()
+    result = scored.result(timeout=30)
+    assert result.finish_reason == "cancelled" and result.prompt_logprobs is None
+    assert running.result(timeout=60).finish_reason == "length"

@@ -21,6 +21,7 @@ import pytest
 from runtime import Engine
 from runtime.server import ApiServer
 from tests.runtime.faults import failing_run
+from tests.runtime.test_scheduler import slowed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -197,21 +198,48 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(serv
     assert status == 400 and "ask without stream" in refused["error"]["message"]
 
 
-def test_a_scoring_request_a_stop_outlasts_is_told_to_retry(tiny_artifact, monkeypatch):
-    """Echo with logprobs runs on the batch-1 path, which closing the engine does not stop: an overdue drain does."""
+def test_a_scoring_request_a_stop_outlasts_is_told_to_retry(tiny_artifact):
+    """Echo with logprobs runs in the scheduler like any request: closing the engine after a drain fails it, and
+    its client hears why."""
     server, _ = serve(Engine.load(tiny_artifact), slots=1)
-    run = server.engine.backend.run
-    monkeypatch.setattr(server.engine.backend, "run", lambda *args: (time.sleep(0.15), run(*args))[1])
+    slowed(server.engine.scheduler, 0.15)
     body = {"prompt": [1, 40, 41], "max_tokens": 30, "logprobs": 1, "echo": True, "ignore_eos": True}
     outcome = in_thread(post, server, "/v1/completions", body)
     try:
         assert wait_for(lambda: server.under_way == 1)
         server.shutdown()
-        assert server.drain(0.3) == 1 and server.overdue
+        assert server.drain(0.3) == 1
         server.engine.close()
         assert server.drain(10) == 0
         status, _, response = outcome.result(timeout=10)
         assert status == 503 and "send this one again" in response["error"]["message"]
+    finally:
+        stop(server)
+
+
+def test_scoring_requests_share_decode_steps_with_other_requests(tiny_artifact):
+    """Scoring requests from several clients are in the scheduler's slots at once, beside a plain request: more than
+    one request decodes in a step (the batch-1 path would have run them one after another)."""
+    server, _ = serve(Engine.load(tiny_artifact), slots=4)
+    scheduler = slowed(server.engine.scheduler, 0.01)
+    most = [0]
+    step = scheduler._decode
+
+    def counted_decode():
+        most[0] = max(most[0], sum(s is not None and s.next_token is not None for s in scheduler._running))
+        step()
+
+    scheduler._decode = counted_decode
+    body = {"max_tokens": 12, "logprobs": 1, "echo": True, "ignore_eos": True, "temperature": 0}
+    try:
+        outcomes = [in_thread(post, server, "/v1/completions", {**body, "prompt": [1, *range(40 + i, 50 + i)]})
+                    for i in range(3)]
+        plain = post(server, "/v1/completions", {**body, "prompt": [1, 7, 8], "echo": False})
+        assert plain[0] == 200
+        for outcome in outcomes:
+            status, _, response = outcome.result(timeout=60)
+            assert status == 200 and len(response["choices"][0]["logprobs"]["token_logprobs"]) == 11 + 12
+        assert most[0] >= 2
     finally:
         stop(server)
 
