@@ -383,7 +383,7 @@ class StreamLogprobs:
         self.token_ids.extend(token_ids)
         body = logprobs_body(self.engine, self.request, self.token_ids, entries, start, self.text_offset)
         if not self.request.chat and body["tokens"]:
-            self.text_offset = body["text_offset"][-1] + len(body["tokens"][-1])
+            self.text_offset = body["text_offset"][-1] + _width(self.engine, token_ids[-1], body["tokens"][-1])
         return body
 
 
@@ -415,6 +415,13 @@ def _token_text(engine, token: int) -> str:
     return engine.tokenizer.tokenizer.decode([token], skip_special_tokens=False)
 
 
+def _width(engine, token: int, text: str) -> int:
+    """How far a token moves text_offset: the length of its text, or 0 for a special token (BOS, say), whose text
+    the choice's text leaves out (an echo, an output: decoded without special tokens), so that each offset points
+    into the choice's text."""
+    return 0 if token in engine.tokenizer.special_ids else len(text)
+
+
 def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
     """The `count` likeliest of a result's logprobs entry (the chosen token first, then the likeliest): OpenAI's
     top_logprobs, which hold the chosen token only where it is among them."""
@@ -438,9 +445,9 @@ def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries,
                                               for alt, logprob in _top(entry, count)]}
                             for token, text, entry in zip(chosen, texts, entries)]}
     offsets = []
-    for text in texts:
+    for token, text in zip(chosen, texts):
         offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset += _width(engine, token, text)
     return {"tokens": texts,  # an echo's first token has None: nothing predicts it
             "token_logprobs": [None if entry is None else entry[token] for token, entry in zip(chosen, entries)],
             "top_logprobs": [None if entry is None else {_token_text(engine, alt): logprob

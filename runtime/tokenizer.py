@@ -1,6 +1,7 @@
 """Text <-> token ids with the artifact's tokenizer.json (Hugging Face `tokenizers`), and streaming detokenization."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Sequence
 
@@ -46,6 +47,11 @@ class TextTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of special tokens (BOS, EOS, chat markers): decode leaves their text out."""
+        return frozenset(i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special)
 
     def stream_decoder(self, stop_strings: tuple[str, ...] = (), prompt_ids: Sequence[int] = (),
                        min_tokens: int = 0) -> "StreamDecoder":

@@ -138,6 +138,26 @@ def test_completion_logprobs_are_the_engines(served):
     assert logprobs["text_offset"][0] == 0 and "".join(logprobs["tokens"]) == body["choices"][0]["text"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_point_into_the_choices_text_past_special_tokens(served, stream):
+    """A special token (the BOS an id prompt begins with, in an echo; the end-of-sequence token that ends the
+    output) is in the tokens, not in the text: it takes no width, and every other token's offset finds its text."""
+    assert {1, 2} <= served.engine.tokenizer.special_ids
+    body = {"prompt": [1, 40, 41, 42], "max_tokens": 8, "logprobs": 1, "min_tokens": 3, "logit_bias": {"2": 100}}
+    if stream:  # no echo in a stream with logprobs: the stop token ends it
+        _, chunks, _ = events(served, "/v1/completions", {**body, "stream": True})
+        logprobs = streamed_logprobs(chunks, chat=False)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    else:
+        choice = post(served, "/v1/completions", {**body, "echo": True})[2]["choices"][0]
+        logprobs, text = choice["logprobs"], choice["text"]
+        assert logprobs["tokens"][0] == "<s>"
+    assert logprobs["tokens"][-1] == "</s>" and logprobs["text_offset"][-1] == len(text)
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
+        if token not in ("<s>", "</s>"):
+            assert text[offset:offset + len(token)] == token
+
+
 def streamed_logprobs(chunks: list[dict], chat: bool) -> dict:
     """A stream's logprobs joined into the whole response's shape (each chunk holds its own tokens')."""
     parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
