@@ -10,8 +10,7 @@ Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
 - n samples of a prompt are n requests, seeded seed, seed + 1, ... when a seed is given (with prefix caching the
   shared prompt is prefilled once);
 - finish_reason is "stop" or "length"; a reply the max context cut short is "length" too.
-A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix, echo with logprobs in
-a stream) is refused with a 400 that names it, never silently ignored; so is a field it does not know.
+A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix) is refused with a 400 that names it, never silently ignored; so is a field it does not know.
 Logprobs cover every completion token usage counts, a final stop token included (vLLM's); with echo, the prompt's
 tokens first (the first one's null: nothing predicts it).
 Every response also carries "timings": per choice, the request's server-side timings (Timings.summary(): queue,
@@ -100,9 +99,6 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     include_usage = flag(options or {}, "include_usage", "stream_options.include_usage")
     logprobs = _chat_logprobs(fields) if chat else _completion_logprobs(fields)
     echo = flag(fields, "echo")
-    if echo and logprobs is not None and stream:
-        raise ApiError("echo with logprobs (the prompt's log-probabilities) is answered whole, not streamed; ask "
-                       "without stream", param="echo")
     # The prompt last: rendering and tokenizing cost more than the checks above.
     if chat:
         prompts = [_chat_prompt(engine, fields)]
@@ -359,26 +355,36 @@ def chunk(request: ParsedRequest, request_id: str, model_name: str, created: int
 class StreamLogprobs:
     """One streamed choice's logprobs, chunk by chunk: each piece's tokens (a LoggedPiece's), then at its end those
     of the result beyond them (the last steps', when they released no text, and the stop token). Joined, they are
-    the whole response's logprobs. A chunk with no tokens has none (null)."""
+    the whole response's logprobs. A chunk with no tokens has none (null). With echo, the first chunk, which
+    carries the prompt's text, begins with the prompt's tokens (the handle's prompt_logprobs)."""
 
-    def __init__(self, engine, request: ParsedRequest):
-        self.engine, self.request = engine, request
-        self.token_ids: list[int] = []  # the choice's tokens so far: context for the next ones' texts
-        self.text_offset = 0
+    def __init__(self, engine, request: ParsedRequest, handle):
+        self.engine, self.request, self.handle = engine, request, handle
+        self.token_ids: list[int] = []  # the tokens sent so far (an echo's prompt first): context for the next ones'
+        self.sent = 0  # output tokens whose entries went out
+        self.echo_pending = request.echo  # the prompt's tokens are still to go out, with the first chunk
+        self.text_offset = 0  # where the next token's text begins in the choice's text
 
     def of_piece(self, piece: str) -> dict | None:
-        if self.request.logprobs is None or not isinstance(piece, LoggedPiece) or not piece.token_ids:
+        if self.request.logprobs is None:
             return None
-        return self._body(piece.token_ids, piece.logprobs)
+        logged = isinstance(piece, LoggedPiece)
+        return self._body(piece.token_ids if logged else [], piece.logprobs if logged else [],
+                          self.handle.prompt_logprobs)
 
     def of_end(self, result: GenerationResult) -> dict | None:
         if self.request.logprobs is None:
             return None
         token_ids, entries = _scored_output(result)
-        start = len(self.token_ids)
-        return self._body(token_ids[start:], entries[start:]) if len(token_ids) > start else None
+        return self._body(token_ids[self.sent:], entries[self.sent:], result.prompt_logprobs)
 
-    def _body(self, token_ids, entries) -> dict:
+    def _body(self, token_ids, entries, prompt_entries) -> dict | None:
+        self.sent += len(token_ids)
+        if self.echo_pending:
+            self.echo_pending = False
+            token_ids, entries = [*self.handle.prompt_token_ids, *token_ids], [*prompt_entries, *entries]
+        if not token_ids:
+            return None
         start = len(self.token_ids)
         self.token_ids.extend(token_ids)
         body = logprobs_body(self.engine, self.request, self.token_ids, entries, start, self.text_offset)

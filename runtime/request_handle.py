@@ -87,6 +87,9 @@ class RequestHandle:
     def __init__(self, scheduler: "Scheduler", request_id: int, prompt_token_ids: list[int]):
         self.id = request_id
         self.prompt_token_ids = prompt_token_ids
+        # With the prompt_logprobs option: the prompt tokens' entries (result.prompt_logprobs), set once the prompt
+        # is scored, before its first text piece is handed out (a stream that echoes the prompt sends them first).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self._scheduler = scheduler
         self._pieces: queue.SimpleQueue = queue.SimpleQueue()
         self._future: Future = Future()

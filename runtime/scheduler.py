@@ -411,6 +411,7 @@ class Scheduler:
                 sequence.prefilled += count
                 if sequence.prefilled == len(sequence.prompt_ids):
                     sequence.prefill_end = time.perf_counter()
+                    sequence.handle.prompt_logprobs = sequence.prompt_entries  # None unless scored
                     self._take(sequence, logits)
             if budget == 0:
                 break

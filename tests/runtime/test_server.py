@@ -214,8 +214,21 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(serv
         alone = post(served, "/v1/completions", {**body, "prompt": prompt, "echo": False})[2]["choices"][0]
         assert logprobs["token_logprobs"][-1] == pytest.approx(alone["logprobs"]["token_logprobs"][0], abs=1e-4)
         assert choice["text"] == served.engine.tokenizer.decode(prompt) + alone["text"]
-    status, _, refused = post(served, "/v1/completions", {**body, "stream": True})
-    assert status == 400 and "ask without stream" in refused["error"]["message"]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 6])
+def test_a_streamed_echo_with_logprobs_joins_to_the_whole_response(served, max_tokens):
+    """The first chunk carries the prompt's text and its tokens' logprobs; joined, the chunks are the whole
+    response's text and logprobs (the stop token's too)."""
+    body = {"prompt": [1, 40, 41, 42, 43], "max_tokens": max_tokens, "logprobs": 2, "echo": True, "temperature": 0,
+            "min_tokens": 2 if max_tokens > 1 else 0, "logit_bias": {"2": 30}}
+    whole = post(served, "/v1/completions", body)[2]["choices"][0]
+    _, chunks, done = events(served, "/v1/completions", {**body, "stream": True})
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert done and "".join(texts) == whole["text"] and texts[0].startswith(served.engine.tokenizer.decode(body["prompt"]))
+    first = next(c["choices"][0]["logprobs"] for c in chunks if c["choices"])
+    assert first["token_logprobs"][0] is None and len(first["tokens"]) >= len(body["prompt"]) + 1  # and an output's
+    assert streamed_logprobs(chunks, chat=False) == whole["logprobs"]
 
 
 def test_a_scoring_request_a_stop_outlasts_is_told_to_retry(tiny_artifact):
