@@ -34,7 +34,8 @@ request goes to the free slot holding most of its prompt's start and prefills on
 says when that pays), as a chunk after a past (above). A prompt's start that another slot holds (a
 running request's, or a free slot's record) is copied into the request's slot instead of computed; requests admitted
 together that share a start (a system prompt) wait for the first one's prefill and copy from it, and the requests
-admitted after a waiting one wait with it, so that none overtakes it (_share_prefixes).
+admitted after a waiting one wait with it, so that none overtakes it (_share_prefixes). A scored prompt
+(prompt_logprobs) neither copies nor waits to copy, but waits with those admitted before it.
 
 Capacity: a request needs prompt + max_new_tokens - 1 cache positions (the last token is never fed back); one
 that can never fit is refused at submit with a RequestError, as is a request that finds the queue of waiting
@@ -345,16 +346,17 @@ class Scheduler:
         Returns the requests not to prefill this iteration: one whose prompt shares at least PREFIX_MIN_TOKENS more
         with a request admitted before it that is still being prefilled waits for that prefill, to copy from it at
         the next iteration; and so do the requests admitted after it, so that none overtakes it (first come, first
-        served, as without sharing)."""
+        served, as without sharing). A scored request (prompt_logprobs) copies nothing, as it computes every
+        position's logits, and so waits only behind a waiting request admitted before it."""
         backend = self.engine.backend
         deferred: set[_Sequence] = set()
-        pending = sorted((s for s in self._running if s is not None and s.prefill_start is None and not s.scored),
+        pending = sorted((s for s in self._running if s is not None and s.prefill_start is None),
                          key=lambda s: s.handle.id)
         for sequence in pending:
             shared, donor = sequence.prefilled, None
             for slot, other in enumerate(self._running):
                 held = self._slot_ids[slot] if other is None else _held_ids(other)
-                if other is sequence or not held:
+                if other is sequence or not held or sequence.scored:  # a scored prompt computes every position
                     continue
                 common = reusable_prefix(held, sequence.prompt_ids, backend)
                 if common > shared:
@@ -364,7 +366,7 @@ class Scheduler:
                         donor, sequence.slot, sequence.prefilled, shared) or True) is None:
                     continue  # the copy failed this request alone
                 sequence.prefilled = sequence.cached = shared
-            if deferred or any(
+            if deferred or not sequence.scored and any(
                     other is not sequence and other.handle.id < sequence.handle.id
                     and other.prefilled < len(other.prompt_ids)
                     and reusable_prefix(other.prompt_ids, sequence.prompt_ids, backend) >= shared + PREFIX_MIN_TOKENS

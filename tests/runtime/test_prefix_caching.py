@@ -364,6 +364,50 @@ def test_a_request_waiting_to_share_is_not_overtaken_and_waits_only_for_a_worthw
                                                         stop_token_ids=()).token_ids
 
 
+def test_a_scored_request_copies_nothing_and_waits_behind_one_admitted_before_it(cached, tiny_engine):
+    """A (S + 5) is prefilled first; B (S + 15) waits for it to copy S; D, scored (prompt_logprobs), shares S as well
+    and is admitted after B: it copies nothing (it computes every position) and does not overtake B."""
+    rng = np.random.default_rng(13)
+    shared = [1] + rng.integers(3, 500, size=29).tolist()
+    a = shared + [200] + rng.integers(3, 500, size=4).tolist()
+    b = shared + rng.integers(3, 500, size=8).tolist() + [201] + rng.integers(3, 500, size=6).tolist()
+    d = shared + [203] + rng.integers(3, 500, size=9).tolist()
+    try:
+        scheduler = cached.start_scheduler(slots=3)
+        with scheduler._lock:  # admitted in one iteration
+            handles = [cached.submit(a, max_new_tokens=4, stop_token_ids=()),
+                       cached.submit(b, max_new_tokens=4, stop_token_ids=()),
+                       cached.submit(d, max_new_tokens=4, stop_token_ids=(), prompt_logprobs=1)]
+        results = [handle.result(timeout=60) for handle in handles]
+    finally:
+        cached.close()
+    assert [r.timings.cached_prompt_tokens for r in results] == [0, 30, 0]
+    assert results[1].timings.trace.prefill_start < results[2].timings.trace.prefill_start  # D after B
+    expected = tiny_engine.generate(d, max_new_tokens=4, stop_token_ids=(), prompt_logprobs=1)
+    assert results[2].token_ids == expected.token_ids and len(results[2].prompt_logprobs) == len(d)
+    assert [list(e) for e in results[2].prompt_logprobs[1:]] == [list(e) for e in expected.prompt_logprobs[1:]]
+
+
+def test_a_scored_prompt_whose_piece_fails_leaves_no_prefix(cached, monkeypatch):
+    from runtime import evaluate
+
+    monkeypatch.setattr(evaluate, "PROMPT_PIECE_TOKENS", 8)
+    prompt = [1] + list(range(30, 60))
+    try:
+        scheduler = cached.start_scheduler(slots=1)
+        run = scheduler.cache.run
+        scheduler.cache.run = failing_run(run, "decode", at=2)  # the prompt's second piece of 8
+        handle = cached.submit(prompt, max_new_tokens=5, stop_token_ids=(), prompt_logprobs=1)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            handle.result(timeout=60)
+        assert scheduler._slot_ids == [None] and handle.prompt_logprobs is None
+        scheduler.cache.run = run
+        again = cached.submit(prompt + [5], max_new_tokens=2, stop_token_ids=()).result(timeout=60)
+    finally:
+        cached.close()
+    assert again.timings.cached_prompt_tokens == 0 and len(again.token_ids) == 2
+
+
 def test_a_copy_that_fails_fails_its_request_alone(cached, tiny_engine):
     prompts = _prompts_sharing(40, 3, 6, seed=17)
     try:
