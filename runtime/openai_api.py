@@ -307,9 +307,11 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str,
         logprobs = None
         if request.logprobs is not None:
             token_ids, entries = _scored_output(result)
+            echo = None
             if request.echo:
                 token_ids, entries = result.prompt_token_ids + token_ids, result.prompt_logprobs + entries
-            logprobs = logprobs_body(engine, request, token_ids, entries)
+                echo = (request.prompt_texts[choice.index // request.n], len(result.prompt_token_ids))
+            logprobs = logprobs_body(engine, request, token_ids, entries, echo=echo)
         if request.chat:
             entry = {"index": choice.index, "message": {"role": "assistant", "content": result.text},
                      "logprobs": logprobs, "finish_reason": finish_reason(result)}
@@ -358,8 +360,8 @@ class StreamLogprobs:
     the whole response's logprobs. A chunk with no tokens has none (null). With echo, the first chunk, which
     carries the prompt's text, begins with the prompt's tokens (the handle's prompt_logprobs)."""
 
-    def __init__(self, engine, request: ParsedRequest, handle):
-        self.engine, self.request, self.handle = engine, request, handle
+    def __init__(self, engine, request: ParsedRequest, handle, echo_text: str = ""):
+        self.engine, self.request, self.handle, self.echo_text = engine, request, handle, echo_text
         self.token_ids: list[int] = []  # the tokens sent so far (an echo's prompt first): context for the next ones'
         self.sent = 0  # output tokens whose entries went out
         self.echo_pending = request.echo  # the prompt's tokens are still to go out, with the first chunk
@@ -380,14 +382,18 @@ class StreamLogprobs:
 
     def _body(self, token_ids, entries, prompt_entries) -> dict | None:
         self.sent += len(token_ids)
+        echo = None
         if self.echo_pending:
             self.echo_pending = False
+            echo = (self.echo_text, len(self.handle.prompt_token_ids))
             token_ids, entries = [*self.handle.prompt_token_ids, *token_ids], [*prompt_entries, *entries]
         if not token_ids:
             return None
         start = len(self.token_ids)
         self.token_ids.extend(token_ids)
-        body = logprobs_body(self.engine, self.request, self.token_ids, entries, start, self.text_offset)
+        body = logprobs_body(self.engine, self.request, self.token_ids, entries, start, self.text_offset, echo)
+        # A chunk ends with an output token (the first one too: it goes out with the first piece, or at the end
+        # with the stop token), so the echo does not bear on the next offset.
         if not self.request.chat and body["tokens"]:
             self.text_offset = body["text_offset"][-1] + _width(self.engine, token_ids[-1], body["tokens"][-1])
         return body
@@ -421,11 +427,14 @@ def _token_text(engine, token: int) -> str:
     return engine.tokenizer.tokenizer.decode([token], skip_special_tokens=False)
 
 
-def _width(engine, token: int, text: str) -> int:
+def _width(engine, token: int, text: str, shown: str | None = None, offset: int = 0) -> int:
     """How far a token moves text_offset: the length of its text, or 0 for a special token (BOS, say), whose text
-    the choice's text leaves out (an echo, an output: decoded without special tokens), so that each offset points
-    into the choice's text."""
-    return 0 if token in engine.tokenizer.special_ids else len(text)
+    the choice's text leaves out (an output, an echo of ids: decoded without special tokens), so that each offset
+    points into the choice's text. shown: an echoed prompt's text, where a prompt string may spell a special
+    token ("</s>"): there it keeps its width."""
+    if token not in engine.tokenizer.special_ids or (shown is not None and shown.startswith(text, offset)):
+        return len(text)
+    return 0
 
 
 def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
@@ -435,10 +444,11 @@ def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
 
 
 def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries, start: int = 0,
-                  text_offset: int = 0) -> dict:
+                  text_offset: int = 0, echo: tuple[str, int] | None = None) -> dict:
     """The logprobs of output tokens token_ids[start:] (entries: theirs, in order) in the request's format: chat's
     content list, or completions' parallel lists. The tokens before start read as context for their texts (a
-    stream's earlier chunks); text_offset: where the first one's text begins in the choice's text."""
+    stream's earlier chunks); text_offset: where the first one's text begins in the choice's text. echo: (the
+    prompt's text as echoed, how many of token_ids, from the first, are the prompt's)."""
     count = request.logprobs
     texts = _token_texts(engine, token_ids, start)
     chosen = token_ids[start:]
@@ -451,9 +461,10 @@ def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries,
                                               for alt, logprob in _top(entry, count)]}
                             for token, text, entry in zip(chosen, texts, entries)]}
     offsets = []
-    for token, text in zip(chosen, texts):
+    for position, (token, text) in enumerate(zip(chosen, texts), start):
         offsets.append(text_offset)
-        text_offset += _width(engine, token, text)
+        echoed = echo is not None and position < echo[1]
+        text_offset += _width(engine, token, text, echo[0] if echoed else None, text_offset)
     return {"tokens": texts,  # an echo's first token has None: nothing predicts it
             "token_logprobs": [None if entry is None else entry[token] for token, entry in zip(chosen, entries)],
             "top_logprobs": [None if entry is None else {_token_text(engine, alt): logprob

@@ -288,7 +288,9 @@ class _Handler(BaseHTTPRequestHandler):
                              name=f"aotlm-stream-{request_id[-8:]}-{position}").start()
         results: list[GenerationResult | None] = [None] * len(handles)
         started: set[int] = set()  # choices whose first chunk (the role; echo: the prompt) went out
-        logprobs = [openai_api.StreamLogprobs(self.server.engine, request, handle) for handle in handles]
+        logprobs = [openai_api.StreamLogprobs(self.server.engine, request, handle,
+                                              request.prompt_texts[choice.index // request.n] if request.echo else "")
+                    for choice, handle in zip(request.choices, handles)]
         while any(result is None for result in results):
             try:
                 position, item = events.get(timeout=POLL_S)

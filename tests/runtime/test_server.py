@@ -139,23 +139,28 @@ def test_completion_logprobs_are_the_engines(served):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_text_offsets_point_into_the_choices_text_past_special_tokens(served, stream):
-    """A special token (the BOS an id prompt begins with, in an echo; the end-of-sequence token that ends the
-    output) is in the tokens, not in the text: it takes no width, and every other token's offset finds its text."""
+@pytest.mark.parametrize("prompt", [[1, 40, 41, 42], "Hi</s> there"])
+def test_text_offsets_point_into_the_choices_text_past_special_tokens(served, stream, prompt):
+    """A special token the choice's text leaves out (the BOS an id prompt begins with; the end-of-sequence token
+    that ends the output) takes no width; one a prompt string spells ("</s>") is in the echoed text and keeps it.
+    Every other token's offset finds its text."""
     assert {1, 2} <= served.engine.tokenizer.special_ids
-    body = {"prompt": [1, 40, 41, 42], "max_tokens": 8, "logprobs": 1, "min_tokens": 3, "logit_bias": {"2": 100}}
-    if stream:  # no echo in a stream with logprobs: the stop token ends it
+    body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "min_tokens": 3, "logit_bias": {"2": 100}, "echo": True}
+    if stream:
         _, chunks, _ = events(served, "/v1/completions", {**body, "stream": True})
         logprobs = streamed_logprobs(chunks, chat=False)
         text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     else:
-        choice = post(served, "/v1/completions", {**body, "echo": True})[2]["choices"][0]
+        choice = post(served, "/v1/completions", body)[2]["choices"][0]
         logprobs, text = choice["logprobs"], choice["text"]
-        assert logprobs["tokens"][0] == "<s>"
-    assert logprobs["tokens"][-1] == "</s>" and logprobs["text_offset"][-1] == len(text)
-    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
-        if token not in ("<s>", "</s>"):
-            assert text[offset:offset + len(token)] == token
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    assert tokens[-1] == "</s>" and offsets[-1] == len(text)  # the stop token
+    for token, offset, following in zip(tokens, offsets, offsets[1:]):
+        assert text.startswith(token, offset) or (token in ("<s>", "</s>") and following == offset)
+    if isinstance(prompt, str):
+        assert text.startswith(prompt) and text.startswith("</s>", offsets[tokens.index("</s>")])
+    else:
+        assert tokens[0] == "<s>" and offsets[:2] == [0, 0]
 
 
 def streamed_logprobs(chunks: list[dict], chat: bool) -> dict:
