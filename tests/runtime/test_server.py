@@ -145,7 +145,8 @@ def test_text_offsets_point_into_the_choices_text_past_special_tokens(served, st
     that ends the output) takes no width; one a prompt string spells ("</s>") is in the echoed text and keeps it.
     Every other token's offset finds its text."""
     assert {1, 2} <= served.engine.tokenizer.special_ids
-    body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "min_tokens": 3, "logit_bias": {"2": 100}, "echo": True}
+    body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "min_tokens": 3, "logit_bias": {"2": 100}, "echo": True,
+            "temperature": 0}  # greedy: the same tokens every run
     if stream:
         _, chunks, _ = events(served, "/v1/completions", {**body, "stream": True})
         logprobs = streamed_logprobs(chunks, chat=False)
