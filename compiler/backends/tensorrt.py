@@ -21,6 +21,7 @@ tested on CPU in tests/compiler/test_tensorrt_backend.py.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -84,6 +85,12 @@ def check_recipe(recipe) -> None:
         raise BuildError("passes: backend tensorrt needs fuse_attention, then lower_tensorrt: without them the decode "
                          "graph writes the KV cache with ScatterElements into new outputs, not in place as the "
                          "TensorRT runtime binds it (see recipes/smollm2-135m-tensorrt.yaml)")
+    if recipe.export.max_context % 8:  # each scheduler slot's cache view must start where TensorRT takes an address
+        lower, upper = recipe.export.max_context // 8 * 8, recipe.export.max_context // 8 * 8 + 8
+        raise BuildError(f"export.max_context: {recipe.export.max_context} for backend tensorrt must be a multiple of "
+                         f"8 ({max(lower, 8)} or {upper}): a slot of the scheduler's KV cache starts slots x "
+                         f"max_context x kv_heads x head_dim x 2 bytes in, and TensorRT takes only 256-byte aligned "
+                         f"tensor addresses")
     spec = recipe.backend.tensorrt
     if spec.decode_max_tokens > recipe.export.max_context:  # a decode call's tokens all go into the cache
         raise BuildError(f"backend.tensorrt.decode_max_tokens: {spec.decode_max_tokens} is more than "
@@ -109,6 +116,25 @@ def check_graphs(graphs: dict[str, onnx.ModelProto]) -> None:
                                  f"TensorRT reads INT4 only in blocks of {' or '.join(map(str, INT4_BLOCK_SIZES))} "
                                  f"(this layer's input is shorter than the recipe's block): give it bits: 8 or skip: "
                                  f"true with a quantize override")
+
+
+# The oldest TensorRT whose ONNX parser reads what the lowering emits: RotaryEmbedding-23 (plugin attention) since
+# 10.15, TRT_Attention / TRT_KVCacheUpdate (trt_native) since 11.0.
+OP_RELEASES = {("", "RotaryEmbedding"): (10, 15), ("trt", "TRT_Attention"): (11, 0),
+               ("trt", "TRT_KVCacheUpdate"): (11, 0)}
+
+
+def check_release(version: str, graphs: dict[str, onnx.ModelProto]) -> None:
+    """Refuse, before any engine build, a TensorRT older than the ops in the graphs need (its parser would fail on
+    them with a message about an unknown op, or the builder on a missing preview feature)."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    needed = [(OP_RELEASES[node.domain, node.op_type], node.op_type) for model in graphs.values()
+              for node in model.graph.node if (node.domain, node.op_type) in OP_RELEASES]
+    if needed:
+        floor, op = max(needed)
+        if release < floor:
+            raise BuildError(f"TensorRT {version} cannot read the graphs' {op} nodes: they need TensorRT "
+                             f"{floor[0]}.{floor[1]} or newer; install a newer tensorrt (the gpu extra)")
 
 
 def _quantize_choices(options):
@@ -175,11 +201,13 @@ def _network_flags(trt) -> int:
 def attach_timing_cache(config, cached: bytes, say) -> None:
     """Start from the kept timing cache, or from an empty one when TensorRT refuses it (set_timing_cache returns
     False: a cache from another TensorRT version or GPU, ignore_mismatch being off); the build then rewrites it."""
-    if config.set_timing_cache(config.create_timing_cache(cached), ignore_mismatch=False):
+    kept = config.create_timing_cache(cached)  # None where TensorRT cannot read the bytes at all
+    if kept is not None and config.set_timing_cache(kept, ignore_mismatch=False):
         return
     if cached:
         say("TensorRT: the kept timing cache is from another TensorRT version or GPU; starting an empty one")
-    if not cached or not config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False):
+    empty = config.create_timing_cache(b"") if cached else None
+    if not cached or empty is None or not config.set_timing_cache(empty, ignore_mismatch=False):
         raise BuildError("TensorRT refused an empty timing cache; its log above says why")
 
 
@@ -221,10 +249,12 @@ def require_tensorrt() -> None:
 
 def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, aliases: dict[str, str],
                   output_root: Path, progress=None) -> dict:
-    """Build <phase>.engine into folder; returns the manifest's engines and backend sections."""
+    """Build <phase>.engine into folder; returns the manifest's engines and backend sections. The graphs are
+    consumed: saving them for the parser moves their weights out to files that are gone afterwards."""
     say = progress or (lambda line: None)
     check_graphs(graphs)
     trt, torch = _tensorrt()
+    check_release(trt.__version__, graphs)
     spec = recipe.backend.tensorrt
     plugins = sorted({op for model in graphs.values() for op in plugin_ops(model)})
     if plugins:

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from compiler.backends import tensorrt as tensorrt_backend
@@ -17,6 +18,7 @@ from compiler.backends.onnxruntime import io_spec
 from compiler.errors import BuildError
 from compiler.recipe import load_recipe, parse_recipe
 from tests.conftest import REPO
+from tests.passes.test_fuse_attention import decoder_graphs  # noqa: F401  (a fixture)
 
 TENSORRT_RECIPE = REPO / "recipes" / "smollm2-135m-tensorrt.yaml"
 
@@ -53,6 +55,8 @@ def test_the_tensorrt_recipe_passes_the_checks():
     (["cleanup", {"fuse_attention": {}}, "lower_onnx_attention"], {}, "passes[2].lower_onnx_attention: Attention-23"),
     (["cleanup"], {}, "backend tensorrt needs fuse_attention, then lower_tensorrt"),  # was accepted: ScatterElements
     (["cleanup", "fuse_rotary"], {}, "backend tensorrt needs fuse_attention, then lower_tensorrt"),
+    (None, {"max_context": 2001}, "export.max_context: 2001 for backend tensorrt must be a multiple of 8 (2000 or "
+                                  "2008)"),  # a slot view 3 x 64 x 2 x 2001 bytes in: not 256-byte aligned
     (["cleanup", {"fuse_attention": {}}, "lower_tensorrt",  # was refused only inside the pass, after the export
       {"quantize_kv_cache": {"calibration": {"text": "pydoc", "samples": 2, "length": 16, "seed": 0}}}], {},
      "passes[3]: quantize_kv_cache stores onnxruntime's int8 GroupQueryAttention cache"),
@@ -229,3 +233,29 @@ def test_a_timing_cache_tensorrt_refuses_is_replaced_by_an_empty_one():
     fresh = Config()
     tensorrt_backend.attach_timing_cache(fresh, b"", said.append)  # a first build: no word
     assert fresh.attached == [b""] and len(said) == 1
+
+    class Unreadable(Config):  # create_timing_cache gives None for bytes it cannot read at all
+        def create_timing_cache(self, data):
+            return None if data else b""
+
+    unreadable = Unreadable()
+    tensorrt_backend.attach_timing_cache(unreadable, b"truncated", said.append)
+    assert unreadable.attached == [b""] and "starting an empty one" in said[-1]
+
+
+@pytest.mark.parametrize("attention, oldest", [("plugin", "10.15"), ("trt_native", "11.0")])
+def test_a_tensorrt_too_old_for_the_lowered_ops_is_refused_before_the_build(decoder_graphs, attention, oldest):
+    from passes import fuse_attention, lower_tensorrt
+
+    graphs = {}
+    for phase, source in decoder_graphs.items():
+        model = onnx.ModelProto()
+        model.CopyFrom(source)  # the fixture's graphs are shared with other tests
+        model.graph.name = phase
+        fused = fuse_attention.run(model, fuse_attention.Options())[0]
+        graphs[phase] = lower_tensorrt.run(fused, lower_tensorrt.Options(attention=attention))[0]
+    older = {"10.15": "10.14.1.48", "11.0": "10.16.0"}[oldest]
+    with pytest.raises(BuildError, match=rf"TensorRT {older} cannot read .* need TensorRT {oldest} or newer"):
+        tensorrt_backend.check_release(older, graphs)
+    tensorrt_backend.check_release(f"{oldest}.0.1", graphs)
+    tensorrt_backend.check_release("12.0.0", graphs)
