@@ -19,6 +19,7 @@ exist and checks the compatibility rules everywhere.
 """
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -112,6 +113,12 @@ class DeviceCache:
         torch = backend.torch
         self.backend, self.rows = backend, rows
         shape = tuple(rows if dim == "batch" else dim for dim in backend.kv_spec["shape"])
+        row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=backend.dtype).element_size()
+        if rows > 1 and row_bytes % 256:  # rows lo:hi are bound at lo whole rows in (an artifact built before the
+            # build checked this: compiler/backends/tensorrt.py check_cache_rows)
+            raise ArtifactError(f"a sequence's KV cache rows take {row_bytes} bytes, not a multiple of 256: the "
+                                f"scheduler's slots would start at addresses TensorRT refuses; rebuild the artifact "
+                                f"(the build now names a max_context that fits)")
         with torch.cuda.stream(backend.stream):  # zeroed on the stream the engines then read and write them on
             self.buffers = [torch.zeros(shape, dtype=backend.dtype, device="cuda") for _ in backend.past_names]
         self.max_context = backend.kv_spec["max_context"]
@@ -139,15 +146,15 @@ class DeviceCache:
             if not context.set_input_shape(name, tuple(tensor.shape)):  # False: outside the engine's profile
                 raise ValueError(f"{phase} engine: input {name} shape {tuple(tensor.shape)} is outside the "
                                  f"optimization profile it was built with ({_profile_shapes(engine, name)})")
-            context.set_tensor_address(name, tensor.data_ptr())
+            _bind_address(context, name, tensor.data_ptr())
         for name, view in caches.items():
-            context.set_tensor_address(backend.present_for_past[name], view.data_ptr())  # aliased: in place
+            _bind_address(context, backend.present_for_past[name], view.data_ptr())  # aliased: in place
         shape = tuple(context.get_tensor_shape("logits"))  # known once every input shape is set
         if any(dim < 0 for dim in shape):
             raise RuntimeError(f"TensorRT {phase}: logits shape {shape} is not determined by the input shapes")
         logits = torch.empty(shape, dtype=_torch_dtype(torch, backend.trt, engine.get_tensor_dtype("logits")),
                              device="cuda")
-        context.set_tensor_address("logits", logits.data_ptr())
+        _bind_address(context, "logits", logits.data_ptr())
         return logits
 
     def run(self, phase: str, rows: tuple[int, int], input_ids: np.ndarray, position_ids: np.ndarray,
@@ -209,3 +216,11 @@ def _torch_dtype(torch, trt, dtype):
     table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
              trt.int32: torch.int32, trt.int64: torch.int64, trt.bool: torch.bool, trt.int8: torch.int8}
     return table[dtype]
+
+
+def _bind_address(context, name: str, address: int) -> None:
+    """set_tensor_address returns False for an address it refuses (misaligned, an unknown name): the context would
+    keep its previous binding, another step's tensor."""
+    if not context.set_tensor_address(name, address):
+        raise RuntimeError(f"TensorRT refused the address {address:#x} for tensor {name} (it wants 256-byte "
+                           f"alignment)")

@@ -20,6 +20,7 @@ tested on CPU in tests/compiler/test_tensorrt_backend.py.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
@@ -85,12 +86,6 @@ def check_recipe(recipe) -> None:
         raise BuildError("passes: backend tensorrt needs fuse_attention, then lower_tensorrt: without them the decode "
                          "graph writes the KV cache with ScatterElements into new outputs, not in place as the "
                          "TensorRT runtime binds it (see recipes/smollm2-135m-tensorrt.yaml)")
-    if recipe.export.max_context % 8:  # each scheduler slot's cache view must start where TensorRT takes an address
-        lower, upper = recipe.export.max_context // 8 * 8, recipe.export.max_context // 8 * 8 + 8
-        raise BuildError(f"export.max_context: {recipe.export.max_context} for backend tensorrt must be a multiple of "
-                         f"8 ({max(lower, 8)} or {upper}): a slot of the scheduler's KV cache starts slots x "
-                         f"max_context x kv_heads x head_dim x 2 bytes in, and TensorRT takes only 256-byte aligned "
-                         f"tensor addresses")
     spec = recipe.backend.tensorrt
     if spec.decode_max_tokens > recipe.export.max_context:  # a decode call's tokens all go into the cache
         raise BuildError(f"backend.tensorrt.decode_max_tokens: {spec.decode_max_tokens} is more than "
@@ -102,10 +97,12 @@ def check_recipe(recipe) -> None:
 
 
 def check_graphs(graphs: dict[str, onnx.ModelProto]) -> None:
-    """What the passes produced that TensorRT cannot read, refused before the engine build: an INT4 weight whose
-    blocks are not 64 or 128 long (quantize shrinks the block of a layer whose K is shorter than the recipe's)."""
+    """What the passes produced that TensorRT cannot read or bind, refused before the engine build: an INT4 weight
+    whose blocks are not 64 or 128 long (quantize shrinks the block of a layer whose K is shorter than the
+    recipe's), and a KV cache whose sequences do not each start 256-byte aligned (check_cache_rows)."""
     int4 = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
     for phase, model in graphs.items():
+        check_cache_rows(phase, model)
         types = {t.name: t.data_type for t in model.graph.initializer}
         for node in model.graph.node:
             if node.op_type != "DequantizeLinear" or types.get(node.input[0]) not in int4:
@@ -128,13 +125,39 @@ def check_release(version: str, graphs: dict[str, onnx.ModelProto]) -> None:
     """Refuse, before any engine build, a TensorRT older than the ops in the graphs need (its parser would fail on
     them with a message about an unknown op, or the builder on a missing preview feature)."""
     release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    needed = [(OP_RELEASES[node.domain, node.op_type], node.op_type) for model in graphs.values()
-              for node in model.graph.node if (node.domain, node.op_type) in OP_RELEASES]
+    domain = lambda node: "" if node.domain == "ai.onnx" else node.domain  # noqa: E731  (the default's alias)
+    needed = [(OP_RELEASES[domain(node), node.op_type], node.op_type) for model in graphs.values()
+              for node in model.graph.node if (domain(node), node.op_type) in OP_RELEASES]
     if needed:
         floor, op = max(needed)
         if release < floor:
             raise BuildError(f"TensorRT {version} cannot read the graphs' {op} nodes: they need TensorRT "
                              f"{floor[0]}.{floor[1]} or newer; install a newer tensorrt (the gpu extra)")
+
+
+ADDRESS_ALIGNMENT = 256  # bytes: setTensorAddress "must have at least 256-byte alignment"
+
+
+def check_cache_rows(phase: str, model: onnx.ModelProto) -> None:
+    """The scheduler binds rows lo:hi of one cache buffer per layer [slots, kv_heads, max_context, head_dim] as a
+    batch: its address is lo whole rows in, so a row's bytes must be a multiple of TensorRT's address alignment."""
+    for value in model.graph.input:
+        if not value.name.startswith("past_key_values."):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim]
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
+        if len(dims) != 4 or None in dims[1:]:
+            continue  # a symbolic max context is refused by lower_tensorrt, with its reason
+        kv_heads, max_context, head_dim = dims[1:]
+        row = kv_heads * head_dim * itemsize  # bytes per cached position of one sequence
+        if (row * max_context) % ADDRESS_ALIGNMENT:
+            step = ADDRESS_ALIGNMENT // math.gcd(ADDRESS_ALIGNMENT, row)
+            fitting = -(-max_context // step) * step
+            raise BuildError(f"export.max_context: {max_context}: in the {phase} graph a sequence's cache rows take "
+                             f"{kv_heads} x {max_context} x {head_dim} x {itemsize} bytes, not a multiple of "
+                             f"{ADDRESS_ALIGNMENT}, so the scheduler's slots would start at addresses TensorRT "
+                             f"refuses; use a multiple of {step} ({fitting})")
+        return  # every layer's cache has the same shape
 
 
 def _quantize_choices(options):
@@ -205,7 +228,8 @@ def attach_timing_cache(config, cached: bytes, say) -> None:
     if kept is not None and config.set_timing_cache(kept, ignore_mismatch=False):
         return
     if cached:
-        say("TensorRT: the kept timing cache is from another TensorRT version or GPU; starting an empty one")
+        why = "cannot be read" if kept is None else "is from another TensorRT version or GPU"
+        say(f"TensorRT: the kept timing cache {why}; starting an empty one")
     empty = config.create_timing_cache(b"") if cached else None
     if not cached or empty is None or not config.set_timing_cache(empty, ignore_mismatch=False):
         raise BuildError("TensorRT refused an empty timing cache; its log above says why")

@@ -55,8 +55,6 @@ def test_the_tensorrt_recipe_passes_the_checks():
     (["cleanup", {"fuse_attention": {}}, "lower_onnx_attention"], {}, "passes[2].lower_onnx_attention: Attention-23"),
     (["cleanup"], {}, "backend tensorrt needs fuse_attention, then lower_tensorrt"),  # was accepted: ScatterElements
     (["cleanup", "fuse_rotary"], {}, "backend tensorrt needs fuse_attention, then lower_tensorrt"),
-    (None, {"max_context": 2001}, "export.max_context: 2001 for backend tensorrt must be a multiple of 8 (2000 or "
-                                  "2008)"),  # a slot view 3 x 64 x 2 x 2001 bytes in: not 256-byte aligned
     (["cleanup", {"fuse_attention": {}}, "lower_tensorrt",  # was refused only inside the pass, after the export
       {"quantize_kv_cache": {"calibration": {"text": "pydoc", "samples": 2, "length": 16, "seed": 0}}}], {},
      "passes[3]: quantize_kv_cache stores onnxruntime's int8 GroupQueryAttention cache"),
@@ -240,7 +238,23 @@ def test_a_timing_cache_tensorrt_refuses_is_replaced_by_an_empty_one():
 
     unreadable = Unreadable()
     tensorrt_backend.attach_timing_cache(unreadable, b"truncated", said.append)
-    assert unreadable.attached == [b""] and "starting an empty one" in said[-1]
+    assert unreadable.attached == [b""] and "cannot be read; starting an empty one" in said[-1]
+
+
+@pytest.mark.parametrize("kv_heads, max_context, head_dim, refused", [
+    (3, 2001, 64, "use a multiple of 2 (2002)"),  # SmolLM2's: a slot 3 x 2001 x 64 x 2 bytes in, not 256-aligned
+    (3, 2002, 64, None), (8, 2001, 128, None),  # any max_context fits a head of 128 halves
+    (3, 2001, 40, "use a multiple of 16 (2016)"), (3, 2048, 40, None),
+])
+def test_cache_rows_that_would_put_a_slot_off_tensorrts_alignment_are_refused(kv_heads, max_context, head_dim,
+                                                                              refused):
+    past = onnx.helper.make_tensor_value_info("past_key_values.0.key", onnx.TensorProto.FLOAT16,
+                                              ["batch", kv_heads, max_context, head_dim])
+    model = onnx.helper.make_model(onnx.helper.make_graph([], "decode", [past], []))
+    if refused is None:
+        return tensorrt_backend.check_graphs({"decode": model})
+    with pytest.raises(BuildError, match=rf"export.max_context: {max_context}: .* {re.escape(refused)}"):
+        tensorrt_backend.check_graphs({"decode": model})
 
 
 @pytest.mark.parametrize("attention, oldest", [("plugin", "10.15"), ("trt_native", "11.0")])

@@ -28,6 +28,31 @@ def test_an_engine_for_another_version_or_gpu_is_refused_with_the_fix(installed,
     assert message in str(error.value)
 
 
+def test_slot_rows_off_tensorrts_address_alignment_are_refused_before_any_allocation():
+    """An artifact built before the build checked it: the scheduler's rows would start at refused addresses."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from runtime.tensorrt_backend import DeviceCache
+
+    backend = SimpleNamespace(torch=torch, dtype=torch.float16, kv_spec={"shape": ["batch", 3, 2001, 64]})
+    with pytest.raises(ArtifactError, match="cache rows take 768384 bytes, not a multiple of 256.*rebuild"):
+        DeviceCache(backend, rows=4)
+
+
+def test_an_address_tensorrt_refuses_stops_the_step():
+    from runtime.tensorrt_backend import _bind_address
+
+    class Context:  # IExecutionContext.set_tensor_address returns False for an address it refuses
+        def set_tensor_address(self, name, address):
+            return address % 256 == 0
+
+    _bind_address(Context(), "past_key_values.0.key", 4096)
+    with pytest.raises(RuntimeError, match="refused the address 0x1080 for tensor past_key_values.0.key"):
+        _bind_address(Context(), "past_key_values.0.key", 4224)
+
+
 def _tensorrt_and_gpu() -> str | None:
     """Why the engine tests cannot run here, or None when they can."""
     if importlib.util.find_spec("tensorrt") is None:
@@ -40,20 +65,21 @@ def _tensorrt_and_gpu() -> str | None:
 
 
 needs_gpu = pytest.mark.skipif(_tensorrt_and_gpu() is not None, reason=str(_tensorrt_and_gpu()))
-LOGIT_TOLERANCE = 2e-2  # float16 engines against the float32 onnxruntime build
+LOGIT_TOLERANCE = 2e-2  # per logit: float16 engines against the float32 onnxruntime build
 
 
 def assert_greedy_within_rounding(reference, prompt: list[int], tokens: list[int]) -> None:
     """`tokens`, generated greedily by a float16 engine after `prompt`, are the float32 `reference` engine's greedy
-    choices up to rounding: fed the same tokens (teacher forcing), the reference gives each a logit within
-    LOGIT_TOLERANCE of its own largest. Where the reference's top two are closer than that, either may win; a wrong
-    token beyond rounding, or a mixed-up cache, fails. (Asking for equal tokens would fail on such near ties.)"""
+    choices up to rounding: fed the same tokens (teacher forcing), the reference gives each a logit within twice
+    LOGIT_TOLERANCE of its own largest (each of the two logits may be off by that much). Where the reference's top
+    two are closer than that, either may win; a wrong token beyond rounding, or a mixed-up cache, fails. (Asking for
+    equal tokens would fail on such near ties.)"""
     from runtime.evaluate import decode_logits_for
 
     logits = decode_logits_for(reference)(np.array(prompt + tokens, dtype=np.int64))
     for step, token in enumerate(tokens):
         row = logits[len(prompt) - 1 + step]
-        assert row[token] >= row.max() - LOGIT_TOLERANCE, (
+        assert row[token] >= row.max() - 2 * LOGIT_TOLERANCE, (
             f"token {step} ({token}): logit {row[token]:.4f}, the reference's largest {row.max():.4f} "
             f"(token {int(row.argmax())})")
 
@@ -143,7 +169,9 @@ def test_tensorrt_scheduler_and_evaluation_stay_within_the_engine_profile(tensor
 def test_tensorrt_one_request_and_the_scheduler_at_once_give_their_own_tokens(tensorrt_tiny, tiny_engine):
     """The one-request cache and the scheduler's share the engines' execution contexts: steps from two threads must
     not bind over each other (the backend's run_lock), so each request's tokens are its onnxruntime reference's
-    greedy choices (up to rounding), and the same in every round."""
+    greedy choices (up to rounding) in every round; the one request alone, the same batch-1 shapes each time, makes
+    the same tokens every round (the scheduler's batches vary with timing, and TensorRT promises no equality
+    across batch sizes)."""
     import threading
 
     from runtime import Engine
@@ -159,8 +187,8 @@ def test_tensorrt_one_request_and_the_scheduler_at_once_give_their_own_tokens(te
         thread.start()
         rounds.append([h.result(timeout=120).token_ids for h in handles])
         thread.join(timeout=120)
-    assert rounds == [rounds[0]] * 3 and got_alone == [got_alone[0]] * 3 and len(got_alone) == 3
-    for prompt, tokens in [*zip(prompts, rounds[0]), (alone, got_alone[0])]:
+    assert got_alone == [got_alone[0]] * 3 and len(got_alone) == 3
+    for prompt, tokens in [*((p, r[i]) for r in rounds for i, p in enumerate(prompts)), (alone, got_alone[0])]:
         assert len(tokens) == 12
         assert_greedy_within_rounding(tiny_engine, prompt, tokens)
     engine.close()
