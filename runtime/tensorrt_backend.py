@@ -78,6 +78,9 @@ class TensorRTBackend:
         decode = self.engines["decode"]
         names = [decode.get_tensor_name(i) for i in range(decode.num_io_tensors)]
         self.past_names = [name for name in names if name in self.present_for_past]
+        for phase, engine in self.engines.items():
+            check_binding_types(phase, engine, trt, torch, {**dict.fromkeys(STEP_INPUTS, torch.int64),
+                                                            **dict.fromkeys(self.past_names, self.dtype)})
         # The decode engine's optimization profile bounds its rows (export.max_batch) and its tokens per call
         # (backend.tensorrt.decode_max_tokens): the scheduler and evaluation read these limits.
         largest = decode.get_tensor_profile_shape("input_ids", 0)[2]  # [min, opt, max] shapes of profile 0
@@ -210,6 +213,22 @@ def _profile_shapes(engine, name: str) -> str:
         return ", ".join(str(tuple(shape)) for shape in engine.get_tensor_profile_shape(name, 0))
     except Exception:  # noqa: BLE001 - only for a message; the shape error is what matters
         return "profile unavailable"
+
+
+STEP_INPUTS = ("input_ids", "position_ids", "attention_mask")  # bound from the caller's int64 arrays
+
+
+def check_binding_types(phase: str, engine, trt, torch, expected: dict) -> None:
+    """The types the runtime binds (int64 step inputs, the manifest's cache dtype) against the engine's own: a
+    mismatch would be read as other numbers, not refused, at the first step."""
+    names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
+    for name, wanted in expected.items():
+        if name not in names:
+            continue
+        have = _torch_dtype(torch, trt, engine.get_tensor_dtype(name))
+        if have != wanted:
+            raise ArtifactError(f"{phase} engine: tensor {name} is {have}, but the runtime binds {wanted} (its "
+                                f"manifest's record); rebuild the artifact")
 
 
 def _torch_dtype(torch, trt, dtype):

@@ -53,6 +53,37 @@ def test_an_address_tensorrt_refuses_stops_the_step():
         _bind_address(Context(), "past_key_values.0.key", 4224)
 
 
+def test_an_engine_whose_binding_types_differ_from_the_runtimes_is_refused_at_load():
+    from types import SimpleNamespace
+
+    import torch
+
+    from runtime.tensorrt_backend import STEP_INPUTS, check_binding_types
+
+    trt = SimpleNamespace(float32="f32", float16="f16", bfloat16="bf16", int32="i32", int64="i64", bool="b", int8="i8")
+
+    class Engine:  # ICudaEngine's tensor listing and types
+        def __init__(self, types):
+            self.types = types
+            self.num_io_tensors = len(types)
+
+        def get_tensor_name(self, index):
+            return list(self.types)[index]
+
+        def get_tensor_dtype(self, name):
+            return self.types[name]
+
+    expected = {**dict.fromkeys(STEP_INPUTS, torch.int64), "past_key_values.0.key": torch.float16}
+    good = {**dict.fromkeys(STEP_INPUTS, "i64"), "past_key_values.0.key": "f16", "logits": "f32"}
+    check_binding_types("decode", Engine(good), trt, torch, expected)
+    check_binding_types("prefill", Engine({k: v for k, v in good.items() if k != "position_ids"}), trt, torch, expected)
+    with pytest.raises(ArtifactError, match="decode engine: tensor input_ids is torch.int32, but the runtime binds "
+                                            "torch.int64"):
+        check_binding_types("decode", Engine({**good, "input_ids": "i32"}), trt, torch, expected)
+    with pytest.raises(ArtifactError, match="past_key_values.0.key is torch.bfloat16"):
+        check_binding_types("decode", Engine({**good, "past_key_values.0.key": "bf16"}), trt, torch, expected)
+
+
 def _tensorrt_and_gpu() -> str | None:
     """Why the engine tests cannot run here, or None when they can."""
     if importlib.util.find_spec("tensorrt") is None:
