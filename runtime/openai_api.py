@@ -10,7 +10,8 @@ Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
 - n samples of a prompt are n requests, seeded seed, seed + 1, ... when a seed is given (with prefix caching the
   shared prompt is prefilled once);
 - finish_reason is "stop" or "length"; a reply the max context cut short is "length" too.
-A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix) is refused with a 400 that names it, never silently ignored; so is a field it does not know.
+A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix) is refused with a
+400 that names it, never silently ignored; so is a field it does not know.
 Logprobs cover every completion token usage counts, a final stop token included (vLLM's); with echo, the prompt's
 tokens first (the first one's null: nothing predicts it).
 Every response also carries "timings": per choice, the request's server-side timings (Timings.summary(): queue,

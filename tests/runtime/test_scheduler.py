@@ -588,7 +588,8 @@ def test_scored_prompts_amid_other_requests_match_the_batch_one_path(tiny_artifa
     monkeypatch.setattr(evaluate, "PROMPT_PIECE_TOKENS", 4)
     engine = Engine.load(tiny_artifact, prefix_caching=prefix_caching)
     try:
-        scored_prompts = [[1, *range(30, 53)], [1, *range(60, 71)], [1, *range(30, 45)]]  # the third: a prefix of the first
+        # the third: a prefix of the first
+        scored_prompts = [[1, *range(30, 53)], [1, *range(60, 71)], [1, *range(30, 45)]]
         options = dict(max_new_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=2)
         expected = [engine.generate(prompt, **options) for prompt in scored_prompts]
         slowed(engine.start_scheduler(slots=3, prefill_chunk=prefill_chunk))

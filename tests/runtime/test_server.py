@@ -231,7 +231,8 @@ def test_a_streamed_echo_with_logprobs_joins_to_the_whole_response(served, max_t
     whole = post(served, "/v1/completions", body)[2]["choices"][0]
     _, chunks, done = events(served, "/v1/completions", {**body, "stream": True})
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
-    assert done and "".join(texts) == whole["text"] and texts[0].startswith(served.engine.tokenizer.decode(body["prompt"]))
+    assert done and "".join(texts) == whole["text"]
+    assert texts[0].startswith(served.engine.tokenizer.decode(body["prompt"]))
     first = next(c["choices"][0]["logprobs"] for c in chunks if c["choices"])
     assert first["token_logprobs"][0] is None and len(first["tokens"]) >= len(body["prompt"]) + 1  # and an output's
     assert streamed_logprobs(chunks, chat=False) == whole["logprobs"]
