@@ -318,8 +318,9 @@ class Scheduler:
                 # else the lowest holding nothing, else the one left longest ago (its prefix the least likely wanted).
                 # A scored prompt reuses nothing: every position's logits are wanted.
                 backend = self.engine.backend
+                holding = [] if sequence.scored else [s for s in free if self._slot_ids[s]]
                 reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids, backend), -s)
-                                    for s in free if self._slot_ids[s] and not sequence.scored), default=(0, -slot))
+                                    for s in holding), default=(0, -slot))
                 slot = -slot if reused else min(free, key=lambda s: (bool(self._slot_ids[s]),
                                                                      self._slot_released[s], s))
             free.remove(slot)
@@ -354,9 +355,10 @@ class Scheduler:
                          key=lambda s: s.handle.id)
         for sequence in pending:
             shared, donor = sequence.prefilled, None
-            for slot, other in enumerate(self._running):
+            # a scored prompt computes every position: it has no donor
+            for slot, other in () if sequence.scored else enumerate(self._running):
                 held = self._slot_ids[slot] if other is None else _held_ids(other)
-                if other is sequence or not held or sequence.scored:  # a scored prompt computes every position
+                if other is sequence or not held:
                     continue
                 common = reusable_prefix(held, sequence.prompt_ids, backend)
                 if common > shared:
