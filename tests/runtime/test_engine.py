@@ -102,6 +102,10 @@ def test_cache_is_bound_once_and_written_in_place(tiny_engine, tiny_reference):
     result = tiny_engine.generate(prompt, max_new_tokens=5, stop_token_ids=())
     assert tiny_engine.backend.cache is cache
     assert [buffer.data_ptr() for buffer in cache.buffers] == pointers
+    # Each graph's present outputs are the past buffers themselves after its runs (get_outputs()[0] is the logits):
+    # onnxruntime wrote into them, rather than into outputs of its own that something then copied back.
+    for phase, binding in tiny_engine.backend.bindings.items():
+        assert [output.data_ptr() for output in binding.get_outputs()[1:]] == pointers, phase
     # The bound buffer holds the keys torch computes for the same tokens (the last token is not fed back).
     written = prompt + result.token_ids[:-1]
     config = decoder.config

@@ -67,6 +67,8 @@ def test_slot_cache_views_share_memory_and_a_prefill_writes_only_its_slot(engine
     ids, positions, mask = np.array([prompt]), np.arange(5)[None], np.ones((1, 5), dtype=np.int64)
     logits = cache.run("prefill", (1, 2), ids, positions, mask)
     np.testing.assert_array_equal(logits, engine.backend.run("prefill", ids, positions, mask))
+    binding = cache._bindings[("prefill", 1, 2)][0]  # its presents are the slot's views, not outputs copied back
+    assert [output.data_ptr() for output in binding.get_outputs()[1:]] == [a[1:2].ctypes.data for a in cache.arrays]
     batch_one = engine.backend.cache
     for name, array in zip(cache.backend.past_names, cache.arrays):
         expected = batch_one.buffers[batch_one.past_names.index(name)].numpy()
