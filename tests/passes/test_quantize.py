@@ -33,6 +33,24 @@ def random_weight(k=64, n=48, seed=0) -> np.ndarray:
     return weight
 
 
+def expected_scales(weight: np.ndarray, bits: int, block_size: int, symmetric: bool, full_range: bool) -> np.ndarray:
+    """[N, blocks] scales by the formats' definitions, one column's block at a time (an all-zero block: 1)."""
+    k, n = weight.shape
+    scales = np.ones((n, k // block_size))
+    for column in range(n):
+        for block in range(k // block_size):
+            values = weight[block * block_size:(block + 1) * block_size, column].astype(np.float64)
+            if not values.any():
+                continue
+            if symmetric and full_range:  # the largest element, sign kept, is code 0 (-2**(bits-1) steps)
+                scales[column, block] = values[np.abs(values).argmax()] / -2 ** (bits - 1)
+            elif symmetric:
+                scales[column, block] = np.abs(values).max() / (2 ** (bits - 1) - 1)
+            else:  # the range, widened to include 0, over 2**bits - 1 steps
+                scales[column, block] = (max(values.max(), 0) - min(values.min(), 0)) / (2 ** bits - 1)
+    return scales
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_dequantized_weights_are_within_half_a_step(name):
     bits, block_size, symmetric, full_range = FORMATS[name]
@@ -41,6 +59,10 @@ def test_dequantized_weights_are_within_half_a_step(name):
     assert qw.codes.shape == (48, 64) and qw.codes.dtype == np.uint8 and qw.codes.max() < 2 ** bits
     assert qw.scales.shape == (48, 64 // qw.block_size)
     assert (qw.zero_points is None) == symmetric
+    # Each (column, block) has its own scale, computed here block by block from the format's definition: the
+    # half-step bound below uses the code's scales, so one coarse scale for the whole tensor would pass it.
+    np.testing.assert_allclose(qw.scales, expected_scales(weight, bits, qw.block_size, symmetric, full_range),
+                               rtol=1e-6)
     step = np.abs(np.repeat(qw.scales, qw.block_size, axis=1).T)  # [K, N], each element's own |scale|
     error = np.abs(weight - dequantize(qw))
     print(f"{name}: max abs weight error {error.max():.3g}")
