@@ -70,7 +70,9 @@ def attention_model(queries: int, cache: str, shared: bool, decode_gemm: bool, r
 
 
 def time_node(queries: int, context: int, cache: str, shared: bool, decode_gemm: bool, threads: int, runs: int,
-              rotary_separate: bool = False) -> float:
+              rotary_separate: bool = False) -> tuple[float, str]:
+    """The node's median time in seconds over `runs` runs, and the element type of the cache it wrote (its
+    present_key output, "tensor(int8)" for the int8 cache): the row records what was timed."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(attention_model(queries, cache, shared, decode_gemm, rotary_separate), options,
@@ -110,7 +112,8 @@ def time_node(queries: int, context: int, cache: str, shared: bool, decode_gemm:
         started = time.perf_counter()
         session.run_with_iobinding(binding)
         seconds.append(time.perf_counter() - started)
-    return float(np.median(seconds))
+    present_key = next(output for output in session.get_outputs() if output.name == "present_key")
+    return float(np.median(seconds)), present_key.type
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -122,19 +125,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_cache_attention.json")
     args = parser.parse_args(argv)
     rows = []
+
+    def row(phase: str, tokens: int, queries: int, shared: bool, decode_gemm: bool, runs: int) -> dict:
+        """float32 and int8 caches, and the float32 cache with rotary in separate nodes: ms and the cache types."""
+        timings = {"float": time_node(queries, tokens, "float32", shared, decode_gemm, args.threads, runs),
+                   "int8": time_node(queries, tokens, "int8", True, decode_gemm, args.threads, runs),
+                   "rotary_separate": time_node(queries, tokens, "float32", shared, decode_gemm, args.threads, runs,
+                                                rotary_separate=True)}
+        milliseconds = {f"{name}_ms": 1e3 * seconds for name, (seconds, _) in timings.items()}
+        return {"phase": phase, "tokens": tokens, **milliseconds,
+                "cache_types": {name: cache_type for name, (_, cache_type) in timings.items()}}
+
     for prompt in (int(p) for p in args.prompts.split(",")):
-        prefill_runs = max(3, args.runs // 10)
-        rows.append({"phase": "prefill", "tokens": prompt,
-                     "float_ms": 1e3 * time_node(prompt, prompt, "float32", False, False, args.threads, prefill_runs),
-                     "int8_ms": 1e3 * time_node(prompt, prompt, "int8", True, False, args.threads, prefill_runs),
-                     "rotary_separate_ms": 1e3 * time_node(prompt, prompt, "float32", False, False, args.threads,
-                                                           prefill_runs, rotary_separate=True)})
+        rows.append(row("prefill", prompt, prompt, False, False, max(3, args.runs // 10)))
     for context in (int(c) for c in args.contexts.split(",")):
-        rows.append({"phase": "decode", "tokens": context,
-                     "float_ms": 1e3 * time_node(1, context, "float32", True, True, args.threads, args.runs),
-                     "int8_ms": 1e3 * time_node(1, context, "int8", True, True, args.threads, args.runs),
-                     "rotary_separate_ms": 1e3 * time_node(1, context, "float32", True, True, args.threads, args.runs,
-                                                           rotary_separate=True)})
+        rows.append(row("decode", context, 1, True, True, args.runs))
     table = Table(title=f"one GroupQueryAttention node, SmolLM2-135M shapes, {args.threads} threads (medians)")
     for column in ("phase", "prompt / context", "float32 cache ms", "int8 cache ms", "int8 / float32",
                    "rotary separate ms", "separate / inside"):

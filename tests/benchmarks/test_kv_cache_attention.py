@@ -1,5 +1,6 @@
 """benchmarks/kv_cache_attention.py at a tiny size: both caches run through one GroupQueryAttention node in each
-phase, and the JSON holds a row per prompt and context with positive times; the rotary-separate graph it times
+phase (the element type each column's node wrote is recorded), and the JSON holds a row per prompt and context
+with positive times; the rotary-separate graph it times
 computes what the node with rotary inside does."""
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def test_small_run_times_both_caches_in_both_phases(tmp_path):
     assert [(r["phase"], r["tokens"]) for r in rows] == [("prefill", 16), ("decode", 8), ("decode", 40)]
     assert all(r["float_ms"] > 0 and r["int8_ms"] > 0 for r in rows)
     assert all(r["rotary_separate_ms"] > 0 for r in rows)
+    # what each column timed: the int8 column wrote an int8 cache, the others a float one
+    assert all(r["cache_types"] == {"float": "tensor(float)", "int8": "tensor(int8)", "rotary_separate": "tensor(float)"}
+               for r in rows)
 
 
 def test_the_rotary_separate_graph_computes_what_the_node_alone_does():
