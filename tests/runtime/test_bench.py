@@ -117,12 +117,24 @@ def test_report_json_and_plots(tiny_engine, encode, tmp_path):
 def test_time_phase(tiny_engine):
     peaks = {"flops": 1e11, "bandwidth": 1e10}
     rows = bench.time_phase(tiny_engine, "prefill", [8, 32], list(range(3, 40)), runs=2, flops_for=lambda tokens: 2e5 * tokens, peaks=peaks)
-    assert [r["prompt_tokens"] for r in rows] == [8, 32] and all(r["flops_per_s"] > 0 for r in rows)
+    assert [r["prompt_tokens"] for r in rows] == [8, 32]
+    for row in rows:  # the rates follow from the median time: work / seconds, then / the peak
+        seconds = row["median_ms"] / 1e3
+        assert row["median_ms"] == pytest.approx(float(np.median(row["runs_ms"])))
+        assert row["flops_per_s"] == pytest.approx(2e5 * row["prompt_tokens"] / seconds)
+        assert row["tokens_per_s"] == pytest.approx(row["prompt_tokens"] / seconds)
+        assert row["fraction_of_peak"] == pytest.approx(row["flops_per_s"] / peaks["flops"])
     rows = bench.time_phase(tiny_engine, "decode", [8, 40], list(range(3, 50)), batch=2, steps=4, flops_for=lambda tokens: 2e5 * tokens,
                             peaks=peaks)
     weights = tiny_engine.manifest["backend"]["weights"]["bytes"]
     kv = tiny_engine.manifest["kv_cache"]["bytes_per_token"]
     assert rows[1]["bytes_per_step"] == weights + kv * 40 * 2 and len(rows[1]["steps_ms"]) == 4
+    for row in rows:
+        seconds = row["median_ms"] / 1e3
+        assert row["median_ms"] == pytest.approx(float(np.median(row["steps_ms"])))
+        assert row["tokens_per_s"] == pytest.approx(2 / seconds)  # batch 2: two tokens a step
+        assert row["bytes_per_s"] == pytest.approx(row["bytes_per_step"] / seconds)
+        assert row["fraction_of_peak"] == pytest.approx(row["bytes_per_s"] / peaks["bandwidth"])
     assert tiny_engine.generate([5, 6], max_new_tokens=2).token_ids  # the batch-1 cache is back
     with pytest.raises(BenchError, match="max context"):
         bench.time_phase(tiny_engine, "decode", [120], list(range(130)), flops_for=lambda tokens: 2.0 * tokens, peaks=peaks)
