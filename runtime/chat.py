@@ -73,7 +73,8 @@ def check_messages(messages) -> None:
                 not isinstance(message.get("content"), str):
             raise RequestError(f"messages[{index}] must be a dict with a string 'role' and a string 'content', "
                                f"got {message!r}")
-        check_unicode(message["content"], f"messages[{index}]['content']")  # its own position, not the prompt's
+        for key in ("role", "content"):  # each its own position, not the prompt's
+            check_unicode(message[key], f"messages[{index}][{key!r}]")
 
 
 def _raise_exception(message: str):

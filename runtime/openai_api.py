@@ -5,10 +5,10 @@ carries them over HTTP.
 The fields are OpenAI's, plus vLLM's sampling extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
 min_tokens).
 Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
-- temperature defaults to 1 (the engine's own default is greedy); max_tokens to 16 for completions, and to what
-  the context leaves after the prompt for chat;
+- temperature defaults to 1 (the engine's own default is greedy); max_tokens to 16 for completions (or what the
+  context leaves after the prompt, when less), and to what the context leaves for chat;
 - n samples of a prompt are n requests, seeded seed, seed + 1, ... when a seed is given (with prefix caching the
-  shared prompt is prefilled once);
+  shared prompt is prefilled once); any integer is a seed (a negative one is taken modulo 2**64);
 - finish_reason is "stop" or "length"; a reply the max context cut short is "length" too.
 A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix) is refused with a
 400 that names it, never silently ignored; so is a field it does not know.
@@ -219,6 +219,9 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
               echo: bool) -> SamplingParams:
     options = {engine_name: fields[name] for name, engine_name in SAMPLING_FIELDS.items() if name in fields}
     options.setdefault("temperature", 1.0)  # OpenAI's default; the engine's is greedy
+    seed = options.get("seed")
+    if is_integer(seed) and seed < 0:  # any integer is a seed to OpenAI (clients send -1); numpy's take >= 0
+        options["seed"] = seed % 2 ** 64
     if options.get("top_k") == -1:  # vLLM's "no limit"
         options["top_k"] = 0
     if "stop" in fields:
@@ -228,10 +231,16 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         options["stop_token_ids"] = [*ids, *(token for token in engine.eos_token_ids if token not in ids)]
     if chat and "max_tokens" in fields and "max_completion_tokens" in fields:
         raise ApiError("give max_completion_tokens or max_tokens, not both", param="max_tokens")
-    max_tokens = fields.get("max_completion_tokens", fields.get("max_tokens"))
+    max_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"  # as the client sent it
+    max_tokens = fields.get(max_name)
     room = engine.max_context + 1 - len(prompt_ids)  # the last token is never fed back
     if max_tokens is None:
-        max_tokens = max(room, 1) if chat else COMPLETION_MAX_TOKENS
+        if room < 1:  # nothing was asked for: it is the prompt that does not fit
+            prompt_field = "messages" if chat else "prompt"
+            raise ApiError(f"{prompt_field}: the prompt has {len(prompt_ids)} tokens and this model's context is "
+                           f"{engine.max_context}: no token can follow it; shorten the prompt", param=prompt_field)
+        # chat: what the context leaves; completions: OpenAI's 16, or what the context leaves when less
+        max_tokens = room if chat else min(COMPLETION_MAX_TOKENS, room)
     options["max_new_tokens"] = max_tokens
     options["logprobs"] = logprobs
     if echo and logprobs is not None:  # the prompt's logprobs too, as lm-evaluation-harness scores a continuation
@@ -239,30 +248,31 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
     try:
         params = SamplingParams(**options)
     except RequestError as error:
-        raise _api_error(error, chat) from None
+        raise _api_error(error, chat, max_name=max_name) from None
     if params.max_new_tokens > room:
-        name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
-        raise ApiError(f"{name}: the prompt has {len(prompt_ids)} tokens and this model's context is "
+        raise ApiError(f"{max_name}: the prompt has {len(prompt_ids)} tokens and this model's context is "
                        f"{engine.max_context}: at most {max(room, 0)} tokens can follow it, {params.max_new_tokens} "
-                       f"were asked for", param=name)
+                       f"were asked for", param=max_name)
     try:  # what submit would refuse (stop ids or logit_bias outside the vocabulary...), before any choice runs
         engine._check_request(prompt_ids, params)
     except RequestError as error:
-        raise _api_error(error, chat, default="messages" if chat else "prompt") from None
+        raise _api_error(error, chat, default="messages" if chat else "prompt", max_name=max_name) from None
     return params
 
 
-# The engine's names in its messages -> the API's.
-ENGINE_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop", "min_new_tokens": "min_tokens"}
+# The engine's names in its messages -> the API's. max_new_tokens is max_tokens or max_completion_tokens: the one the
+# client sent (_api_error's max_name).
+ENGINE_NAMES = {"stop_strings": "stop", "min_new_tokens": "min_tokens"}
 
 
-def _api_error(error: RequestError, chat: bool, default: str | None = None) -> ApiError:
+def _api_error(error: RequestError, chat: bool, default: str | None = None,
+               max_name: str = "max_tokens") -> ApiError:
     """The engine's message ("max_new_tokens: 0 must be ...") with the field named as the API names it."""
     message = str(error)
     field = message.split(":", 1)[0]
     if field == "logprobs" and chat:
         field = "top_logprobs"
-    field = ENGINE_NAMES.get(field, field)
+    field = max_name if field == "max_new_tokens" else ENGINE_NAMES.get(field, field)
     if ":" in message and field != message.split(":", 1)[0]:
         message = field + ":" + message.split(":", 1)[1]
     return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else default)

@@ -52,6 +52,12 @@ GET_ROUTES = ("/health", "/v1/models", "/models", "/metrics", "/tokenizer_info")
 KEYED_ROUTES = (*TOKENIZER_ROUTES, "/tokenizer_info")  # beside /v1/*: with an API key, they ask for it
 
 
+def json_bytes(body: dict) -> bytes:
+    """A response body as UTF-8 JSON. A lone surrogate (one a client sent, quoted back in an error message) cannot be
+    UTF-8: it goes out as its JSON escape (\\ud800), so that no text in a body can cut the response off."""
+    return json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
+
+
 class ApiServer(ThreadingHTTPServer):
     """Serves `engine` (whose scheduler the caller may start with its own options; else submit starts a default one)
     at (host, port); port 0 picks a free one (see `url`). log: called with one line per finished request."""
@@ -374,7 +380,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(f"the request body is not JSON that can be read: {str(error)[:200]}") from None
 
     def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
-        self._send(status, json.dumps(body, ensure_ascii=False).encode("utf-8"), "application/json", headers)
+        self._send(status, json_bytes(body), "application/json", headers)
 
     def _send(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
         self.server.metrics.answered(self._route(), status)
@@ -402,7 +408,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.log(f"{self.command} {self.path} {error.status}: {error}")
 
     def _send_event(self, body: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(body, ensure_ascii=False).encode("utf-8") + b"\n\n")
+        self.wfile.write(b"data: " + json_bytes(body) + b"\n\n")
         self.wfile.flush()
 
     def _finished(self, request: ParsedRequest, results: list[GenerationResult]) -> None:

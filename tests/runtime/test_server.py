@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from runtime import Engine
-from runtime.server import ApiServer
+from runtime.server import ApiServer, json_bytes
 from tests.runtime.faults import failing_run
 from tests.runtime.test_scheduler import slowed
 
@@ -335,6 +335,49 @@ def test_chat_max_tokens_defaults_to_the_rest_of_the_context(chat_served):
                                                                  "ignore_eos": True})
     assert status == 200 and body["usage"]["completion_tokens"] == room
     assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_max_token_errors_name_the_field_the_client_sent_or_the_prompt(chat_served):
+    """A chat request's max_completion_tokens was reported as max_tokens; a prompt that leaves no room, sent with
+    neither, was reported as asking for too many tokens (1 for chat, 16 for completions) it never asked for."""
+    engine, messages = chat_served.engine, [{"role": "user", "content": "2+2?"}]
+    status, _, body = post(chat_served, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 0})
+    assert status == 400 and body["error"]["param"] == "max_completion_tokens"
+    assert body["error"]["message"].startswith("max_completion_tokens: 0 must be")
+    status, _, body = post(chat_served, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 999})
+    assert status == 400 and body["error"]["param"] == "max_completion_tokens"
+    long = [{"role": "user", "content": "word " * engine.max_context}]
+    status, _, body = post(chat_served, "/v1/chat/completions", {"messages": long})
+    assert status == 400 and body["error"]["param"] == "messages"
+    assert "no token can follow it; shorten the prompt" in body["error"]["message"]
+    status, _, body = post(chat_served, "/v1/completions", {"prompt": [5] * (engine.max_context + 1)})
+    assert status == 400 and body["error"]["param"] == "prompt" and "no token can follow" in body["error"]["message"]
+
+
+def test_a_completion_without_max_tokens_takes_16_or_what_the_context_leaves(chat_served):
+    engine = chat_served.engine
+    room = 9
+    prompt = [5] * (engine.max_context + 1 - room)
+    for ids, expected in (([5, 6], 16), (prompt, room)):
+        status, _, body = post(chat_served, "/v1/completions", {"prompt": ids, "ignore_eos": True, "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == expected
+
+
+def test_a_negative_seed_is_a_seed(chat_served):
+    """OpenAI takes any integer (clients send -1); numpy's generators take >= 0: -1 is 2**64 - 1."""
+    body = {"prompt": "Hello", "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    texts = [post(chat_served, "/v1/completions", {**body, "seed": seed})[2]["choices"][0]["text"]
+             for seed in (-1, 2 ** 64 - 1, -1)]
+    assert texts[0] == texts[1] == texts[2]
+
+
+def test_a_lone_surrogate_in_a_role_is_a_400_not_a_dropped_connection(chat_served):
+    """The template quoted an unknown role back in its error, and a lone surrogate there could not be encoded as
+    UTF-8: the server dropped the connection with no response."""
+    status, _, body = post(chat_served, "/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "x"}]})
+    assert status == 400 and "messages[0]['role'] is not valid Unicode" in body["error"]["message"]
+    # whatever text a body quotes goes out as JSON: a lone surrogate as its escape
+    assert json.loads(json_bytes({"error": "x\ud800y"})) == {"error": "x\ud800y"}
 
 
 def test_chat_without_the_generation_prompt_ends_the_prompt_with_the_last_message(chat_served):
