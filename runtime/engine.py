@@ -255,10 +255,12 @@ class Engine:
         self.prepare_chat()
         return self._chat_template
 
-    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, **sampling) -> GenerationResult:
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, *, arrival: float | None = None,
+             **sampling) -> GenerationResult:
         """One chat turn to the end: the assistant's reply to `messages` (see chat_prompt_ids). Its timings count
-        from this call: rendering the template and tokenizing are inside TTFT."""
-        received = time.perf_counter()
+        from this call, or from `arrival` when earlier (as `stream`'s): rendering the template and tokenizing are
+        inside TTFT."""
+        received = received_at(arrival, time.perf_counter())
         return self.generate(self.chat_prompt_ids(messages), params, arrival=received, **sampling)
 
     # -- requests ---------------------------------------------------------------------------------------

@@ -40,10 +40,13 @@ class CallbackThread:
         handle's callbacks run in the order they were added, as concurrent.futures runs them)."""
         with self._lock:
             idle = self._thread is None
-        if idle:
-            callback()
-        else:
+        if not idle:
             self.call(callback)
+            return
+        try:
+            callback()
+        except Exception:  # logged, as concurrent.futures logs a callback added to a done future
+            LOGGER.exception("a request's done-callback raised")
 
     def _run(self) -> None:
         while True:
@@ -94,6 +97,12 @@ class RequestHandle:
         self._pieces: queue.SimpleQueue = queue.SimpleQueue()
         self._future: Future = Future()
         self.cancelled = False
+        # Callbacks added before the result is set; when it is, they are queued in order, under the lock, so that
+        # one added after that (it sees _fired) is queued or run behind them, never ahead.
+        self._callbacks_lock = threading.Lock()
+        self._waiting_callbacks: list[Callable[[RequestHandle], None]] = []
+        self._fired = False
+        self._future.add_done_callback(self._fire)
 
     def __iter__(self) -> Iterator[str]:
         """The text pieces as they arrive. Leaving the loop early does not stop the request (the handle is its
@@ -120,8 +129,17 @@ class RequestHandle:
     def add_done_callback(self, callback: Callable[["RequestHandle"], None]) -> None:
         """callback(handle) once the result (or error) is set: on the scheduler's callback thread (never its worker:
         a callback may wait on other requests), or at once in this thread if the result is set and no callback is
-        due. One handle's callbacks run in the order they were added."""
-        if self._future.done():
-            self._scheduler._callbacks.call_in_turn(lambda: callback(self))
-        else:
-            self._future.add_done_callback(lambda _: self._scheduler._callbacks.call(lambda: callback(self)))
+        due. One handle's callbacks run in the order they were added. One that raises is logged."""
+        with self._callbacks_lock:
+            if not self._fired:
+                self._waiting_callbacks.append(callback)
+                return
+        self._scheduler._callbacks.call_in_turn(lambda: callback(self))
+
+    def _fire(self, _future: Future) -> None:
+        """The result is set (on the worker): queue the callbacks added so far, in order, on the callback thread."""
+        with self._callbacks_lock:
+            self._fired = True
+            for callback in self._waiting_callbacks:
+                self._scheduler._callbacks.call(lambda callback=callback: callback(self))
+            self._waiting_callbacks.clear()

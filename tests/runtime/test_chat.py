@@ -89,8 +89,13 @@ def test_chat_timings_count_the_template_rendering(chat_artifact, monkeypatch):
 
     render = chat.render
     monkeypatch.setattr(chat, "render", lambda *a, **k: (time.sleep(0.2), render(*a, **k))[1])
-    reply = Engine.load(chat_artifact[0]).chat(SHORT, max_new_tokens=2)
+    engine = Engine.load(chat_artifact[0])
+    reply = engine.chat(SHORT, max_new_tokens=2)
     assert reply.timings.ttft_s >= 0.2
+    # An arrival given (the request was received earlier) counts from then, as generate's does: it was passed to
+    # generate beside chat's own, a TypeError.
+    reply = engine.chat(SHORT, max_new_tokens=2, arrival=time.perf_counter() - 1.0)
+    assert reply.timings.ttft_s >= 1.2
 
 
 def test_an_artifact_without_a_template_says_so(tiny_engine, tiny_artifact, chat_artifact, capsys):

@@ -505,6 +505,36 @@ def test_a_worker_stopped_by_a_base_exception_fails_its_requests_and_a_new_one_s
     assert scheduler.submit([1, 4], max_new_tokens=2, stop_token_ids=()).result(timeout=30).finish_reason == "length"
 
 
+def test_a_callback_added_while_the_result_is_being_set_runs_after_the_earlier_ones(engine, monkeypatch, caplog):
+    """Future.set_result marks the future done before it runs the callbacks added earlier: one added in between
+    saw a done handle and an idle callback thread and ran at once, ahead of them (the sleep widens that window).
+    And one that raised, added to a finished handle, raised into the caller instead of being logged."""
+    import concurrent.futures._base as futures_base
+
+    invoke = futures_base.Future._invoke_callbacks
+    monkeypatch.setattr(futures_base.Future, "_invoke_callbacks", lambda future: time.sleep(0.3) or invoke(future))
+    engine.start_scheduler(slots=2)
+    order = []
+    handle = engine.submit([1, 5, 7], max_new_tokens=3, stop_token_ids=())
+    handle.add_done_callback(lambda _: order.append("added first"))
+    deadline = time.monotonic() + 30
+    while not handle.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    handle.add_done_callback(lambda _: order.append("added second"))
+    while len(order) < 2:
+        assert time.monotonic() < deadline, order
+        time.sleep(0.01)
+    assert order == ["added first", "added second"]
+    monkeypatch.setattr(futures_base.Future, "_invoke_callbacks", invoke)
+    time.sleep(0.05)  # the callback thread has ended, so the next one runs here, at once: it must not raise here
+    handle.add_done_callback(lambda _: 1 / 0)
+    while "ZeroDivisionError" not in caplog.text:
+        assert time.monotonic() < deadline, "the raising callback was not logged"
+        time.sleep(0.01)
+    assert "done-callback raised" in caplog.text
+
+
 def test_a_done_callback_that_waits_on_the_scheduler_runs_off_its_worker(engine, caplog):
     """Done-callbacks ran on the worker thread, which completes requests: one that waited on another request
     (here a follow-up generate, as a server chains requests) waited on the worker itself, and nothing was served
