@@ -36,7 +36,8 @@ def add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="serve an artifact over HTTP: OpenAI's completions and chat API")
     serve.add_argument("artifact", help="an artifact folder (built by `aotlm build`)")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+                       help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every IPv4 "
+                            "interface; an IPv6 address such as ::1, or :: for every interface)")
     serve.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free one)")
     serve.add_argument("--model-name", default=None, help="the model's name in the API (default: the artifact's name)")
     serve.add_argument("--slots", type=int, default=None,

@@ -77,12 +77,14 @@ class ApiServer(ThreadingHTTPServer):
         self.closing = False  # drain() began: requests get 503, /health says so (load balancers look elsewhere)
         self._under_way = 0  # POSTs being answered
         self._under_way_changed = threading.Condition()
+        if ":" in host:  # an IPv6 address ("::" listens on IPv4 too, where the system allows dual-stack sockets)
+            self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def start(self) -> threading.Thread:
         """Serve on a thread of its own (tests, notebooks); stop with shutdown() then server_close()."""
@@ -163,6 +165,36 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(ApiError(f"{path} takes POST", status=405))
         else:
             self._send_error(_not_found(path))
+
+    def do_HEAD(self) -> None:
+        """GET's status and headers without its body (uptime monitors ask /health this way); _send leaves it out."""
+        self.do_GET()
+
+    def do_OPTIONS(self) -> None:
+        """The methods a route takes, in the Allow header (no CORS: browsers' cross-origin requests are not served)."""
+        path = urlsplit(self.path).path
+        if self._drained(path):
+            self._send(204, b"", "text/plain", {"Allow": _allowed(path)})
+
+    def _refuse_method(self) -> None:
+        """PUT, DELETE, PATCH: no route takes them. 405 with the methods it does take, in OpenAI's error body."""
+        path = urlsplit(self.path).path
+        if self._drained(path):
+            self._send_error(ApiError(f"{path} does not take {self.command}; it takes {_allowed(path)}", 405))
+
+    do_PUT = do_DELETE = do_PATCH = _refuse_method
+
+    def _drained(self, path: str) -> bool:
+        """Read the body of a request no route reads (the connection can then serve the next one); False when it
+        was answered already: an unknown path (404) or a body that cannot be read."""
+        try:
+            self._read_body()
+            if _allowed(path) is None:
+                raise _not_found(path)
+        except ApiError as error:
+            self._send_error(error)
+            return False
+        return True
 
     def do_POST(self) -> None:
         arrival = time.perf_counter()
@@ -393,7 +425,8 @@ class _Handler(BaseHTTPRequestHandler):
             for name, value in (headers or {}).items():
                 self.send_header(name, value)
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":  # HEAD: GET's headers, Content-Length included, and no body
+                self.wfile.write(data)
         except OSError:  # the client left, or stopped reading
             self.close_connection = True
 
@@ -404,6 +437,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_error(self, error: ApiError) -> None:
         headers = {"Retry-After": "1"} if error.status == 503 else None
+        if error.status == 405:
+            headers = {"Allow": _allowed(urlsplit(self.path).path)}
         self._send_json(error.status, error.body(), headers)
         self.server.log(f"{self.command} {self.path} {error.status}: {error}")
 
@@ -444,6 +479,13 @@ def _count(number: int, noun: str) -> str:
 def _shutting_down() -> ApiError:
     return ApiError("the server is shutting down and takes no more requests; send this one again, to another replica "
                     "or once the server is back", status=503, kind="service_unavailable")
+
+
+def _allowed(path: str) -> str | None:
+    """The methods a route takes, as an Allow header lists them; None for a path that is no route."""
+    if path in ROUTES or path in TOKENIZER_ROUTES:
+        return "POST, OPTIONS"
+    return "GET, HEAD, OPTIONS" if path in GET_ROUTES else None
 
 
 def _not_found(path: str) -> ApiError:

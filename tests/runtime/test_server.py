@@ -639,6 +639,50 @@ def test_the_end_tokens_text_tokenizes_to_its_id(served):
     assert eos == [served.engine.eos_token_ids[0]] == info["eos_token_ids"]
 
 
+def test_other_methods_get_the_allowed_ones_and_head_gets_the_get_headers(served):
+    """HEAD, OPTIONS, PUT, DELETE and PATCH got http.server's 501 HTML page: now HEAD answers like GET without the
+    body, OPTIONS lists the route's methods, the others get 405 with them (OpenAI's error body), and the
+    connection goes on serving."""
+    connection = http.client.HTTPConnection(*served.server_address[:2], timeout=60)
+
+    def ask(method: str, path: str, body: bytes | None = None):
+        connection.request(method, path, body=body)
+        response = connection.getresponse()
+        return response.status, response.getheader("Allow"), response.getheader("Content-Length"), response.read()
+
+    status, _, length, payload = ask("HEAD", "/health")
+    assert status == 200 and payload == b"" and int(length) == len(b'{"status": "ok"}')
+    assert ask("OPTIONS", "/v1/completions")[:2] == (204, "POST, OPTIONS")
+    assert ask("OPTIONS", "/v1/models")[:2] == (204, "GET, HEAD, OPTIONS")
+    status, allow, _, payload = ask("DELETE", "/v1/models", b'{"a": 1}')  # its body read, not left on the line
+    assert (status, allow) == (405, "GET, HEAD, OPTIONS")
+    assert json.loads(payload)["error"]["message"] == "/v1/models does not take DELETE; it takes GET, HEAD, OPTIONS"
+    assert ask("PUT", "/v1/chat/completions", b"{}")[:2] == (405, "POST, OPTIONS")
+    assert ask("GET", "/v1/completions")[:2] == (405, "POST, OPTIONS")
+    status, _, _, payload = ask("PATCH", "/nowhere")
+    assert status == 404 and "no route /nowhere" in json.loads(payload)["error"]["message"]
+    assert ask("GET", "/health")[0] == 200  # the same connection, still serving
+    connection.close()
+
+
+def test_an_ipv6_address_is_listened_on(tiny_artifact):
+    """--host ::1 failed: the server's socket was IPv4 only ("Address family for hostname not supported")."""
+    try:
+        socket.socket(socket.AF_INET6).close()
+    except OSError as error:
+        pytest.skip(f"this machine has no IPv6 sockets: {error}")
+    server = ApiServer(Engine.load(tiny_artifact), host="::1", port=0)
+    server.start()
+    try:
+        assert server.url == f"http://[::1]:{server.server_address[1]}"
+        connection = http.client.HTTPConnection("::1", server.server_address[1], timeout=60)
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200
+        connection.close()
+    finally:
+        stop(server)
+
+
 def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
     status, _, body = request(served, "POST", "/v1/completions", raw=b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
