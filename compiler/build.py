@@ -32,7 +32,11 @@ def check_tokenizer_fits(tokenizer_json: str, vocab_size: int) -> None:
     refuse it here. (A tokenizer smaller than the table is common: tables are padded to a round size.)"""
     from tokenizers import Tokenizer
 
-    tokens = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    try:
+        tokens = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    except Exception as error:  # noqa: BLE001 -- the library raises a bare Exception on a bad file
+        raise BuildError(f"cannot read the model's tokenizer ({str(error)[:200]}); use the model's own "
+                         f"tokenizer.json") from None
     if tokens > vocab_size:
         raise BuildError(f"the tokenizer has {tokens} tokens, but the model's vocab_size is {vocab_size}: ids from "
                          f"{vocab_size} on would index past the embedding table; use the model's own tokenizer.json")

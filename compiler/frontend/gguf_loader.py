@@ -131,19 +131,21 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
     if scaling is None and factor not in (None, 0, 1, 0.0, 1.0):
         raise BuildError(f"{path}: rope scaling factor {factor} (linear, as llama.cpp reads it) is not supported by the "
                          f"canonical decoder (plain RoPE).")
-    hidden, heads = int(required("embedding_length")), int(required("attention.head_count"))
+    hidden, heads = _count(required("embedding_length"), f"{arch}.embedding_length", path), \
+        _count(required("attention.head_count"), f"{arch}.attention.head_count", path)
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # some files store one count per layer
         if len(set(kv_heads)) != 1:
             raise BuildError(f"{path}: per-layer kv head counts {sorted(set(kv_heads))} are not supported.")
         kv_heads = kv_heads[0]
     head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // heads  # llama.cpp's n_embd_head_k
+    head_dim = _count(head_dim, f"{arch}.attention.key_length", path)
     rotated = _field(reader, f"{arch}.rope.dimension_count")
-    if rotated and int(rotated) != int(head_dim):  # a partial rotary had loaded as a full one
+    if rotated and _count(rotated, f"{arch}.rope.dimension_count", path) != head_dim:  # partial: had loaded as full
         raise BuildError(f"{path}: rope.dimension_count {rotated} of head size {head_dim}: a rotary on part of each "
                          f"head is not supported by the canonical decoder (it rotates every channel).")
     tensor_names = {tensor.name for tensor in reader.tensors}
-    rope_freqs = _rope_freq_factors(reader, int(head_dim), path)
+    rope_freqs = _rope_freq_factors(reader, head_dim, path)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     # llama.cpp requires the token list and the embedding rows to agree; files without a tokenizer still load.
     vocab_size = len(tokens) if tokens else int(embed.shape[-1]) if embed is not None else 0
@@ -158,7 +160,7 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
             num_layers=int(required("block_count")),
             num_heads=heads,
             num_kv_heads=int(kv_heads),
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             rope_theta=_as_float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
             rms_norm_eps=_as_float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings="output.weight" not in tensor_names,
@@ -169,8 +171,15 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
             architecture=arch,
             rope_freq_factors=rope_freqs,
         )
-    except ValueError as error:  # DecoderConfig's own consistency checks
+    except (TypeError, ValueError) as error:  # a value int() cannot read; DecoderConfig's own consistency checks
         raise BuildError(f"{path}: inconsistent GGUF metadata: {error}")
+
+
+def _count(value, key: str, path: str) -> int:
+    """A size the loader divides by or shapes with (heads, widths): an integer >= 1, else a BuildError naming it."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1:
+        return int(value)
+    raise BuildError(f"{path}: GGUF metadata {key} is {value!r}; it must be an integer >= 1.")
 
 
 ROPE_FREQS = "rope_freqs.weight"  # per-frequency divisors of the rotary angles (Llama 3.1+'s rope scaling)

@@ -38,6 +38,11 @@ def load_hf_folder(path: str) -> LoadedModel:
     generation_path = os.path.join(folder, "generation_config.json")
     generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
     config = decoder_config_from_hf(hf_config, generation, config_path)
+    for token_id in ([config.bos_token_id] if config.bos_token_id is not None else []) + list(config.eos_token_ids):
+        if not 0 <= token_id < config.vocab_size:  # an end token the model can never produce: it would never stop
+            raise BuildError(f"{config_path}: special token id {token_id} (bos_token_id / eos_token_id) is outside "
+                             f"the vocabulary (vocab_size {config.vocab_size}); fix the id in config.json or "
+                             f"generation_config.json")
     weight_paths = _weight_files(folder)
     state_dict = _read_safetensors(weight_paths)
     head, table = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
@@ -50,8 +55,7 @@ def load_hf_folder(path: str) -> LoadedModel:
     tokenizer_path = os.path.join(folder, "tokenizer.json")
     tokenizer_json = None
     if os.path.isfile(tokenizer_path):
-        with open(tokenizer_path, encoding="utf-8") as handle:
-            tokenizer_json = handle.read()
+        tokenizer_json = _read_tokenizer(tokenizer_path)
     chat_template, template_path, template_tokens = _chat_template(folder)
     files = [config_path, *weight_paths] + ([tokenizer_path] if tokenizer_json is not None else []) + (
         [template_path] if template_path else [])
@@ -63,6 +67,23 @@ def load_hf_folder(path: str) -> LoadedModel:
         template_tokens=template_tokens,
         source={"kind": "hf", "path": folder, "files": [_file_record(folder, f) for f in files]},
     )
+
+
+def _read_tokenizer(path: str) -> str:
+    """tokenizer.json's text, once the tokenizers library reads it (it raises a bare Exception on a bad file)."""
+    from tokenizers import Tokenizer
+
+    with open(path, "rb") as handle:
+        data = handle.read()
+    if data.startswith(b"version https://git-lfs"):
+        raise BuildError(f"{path}: a Git LFS pointer, not the tokenizer; run `git lfs pull` in the model folder")
+    try:
+        text = data.decode("utf-8")
+        Tokenizer.from_str(text)
+    except Exception as error:  # noqa: BLE001 -- UnicodeDecodeError, or the library's bare Exception
+        raise BuildError(f"{path}: cannot read the tokenizer ({str(error)[:200]}); use the model's own tokenizer.json, "
+                         f"saved by a tokenizers release no newer than this one's") from None
+    return text
 
 
 def _chat_template(folder: str) -> tuple[str | None, str | None, dict]:
@@ -114,6 +135,8 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
                          f"Llama 3.1's 'llama3' scaling.")
     try:
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        if heads < 1:  # divided by just below; DecoderConfig checks the rest
+            raise ValueError(f"num_attention_heads: {heads} must be >= 1")
         head_dim, theta = int(hf.get("head_dim") or hidden // heads), _rope_theta(hf, rope, origin)
         return DecoderConfig(
             vocab_size=int(hf["vocab_size"]),

@@ -412,6 +412,47 @@ def test_missing_paths_and_files_are_named(tmp_path):
         load_hf_folder(str(tmp_path / "empty"))
 
 
+def test_zero_heads_and_unreadable_sizes_are_named_not_a_division_error(tmp_path, monkeypatch):
+    """num_attention_heads 0 (and a GGUF head_count 0 or a string width) stopped at `hidden // heads` with a
+    ZeroDivisionError, or at int() with a ValueError, outside the loaders' messages."""
+    original = random_model(TINY, seed=1)
+    write_hf_folder(tmp_path / "zero", TINY, original.state_dict, num_attention_heads=0, head_dim=None)
+    with pytest.raises(BuildError, match=r"config.json: invalid model config: num_attention_heads: 0 must be >= 1"):
+        load_hf_folder(str(tmp_path / "zero"))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count", lambda writer, count: writer.add_uint32(
+        gguf.Keys.Attention.HEAD_COUNT.format(arch=writer.arch), 0))
+    write_gguf(tmp_path / "zero.gguf", TINY, original.state_dict, original.tokenizer_json)
+    with pytest.raises(BuildError, match=r"zero.gguf: GGUF metadata llama.attention.head_count is 0; it must be an "
+                                         r"integer >= 1"):
+        load_gguf(str(tmp_path / "zero.gguf"))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_embedding_length", lambda writer, width: writer.add_string(
+        gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=writer.arch), "wide"))
+    write_gguf(tmp_path / "text.gguf", TINY, original.state_dict, original.tokenizer_json)
+    with pytest.raises(BuildError, match=r"GGUF metadata llama.embedding_length is 'wide'; it must be an integer"):
+        load_gguf(str(tmp_path / "text.gguf"))
+
+
+def test_a_bad_hf_tokenizer_or_special_token_id_is_named(tmp_path):
+    """A Git LFS pointer or a file the tokenizers library cannot read gave its bare Exception (or a
+    UnicodeDecodeError) as a traceback; an eos_token_id outside the vocabulary built a model that never stopped."""
+    original = random_model(TINY, seed=1)
+    folder = tmp_path / "model"
+    write_hf_folder(folder, TINY, original.state_dict)
+    tokenizer = folder / "tokenizer.json"
+    tokenizer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4a5b\nsize 2104556\n")
+    with pytest.raises(BuildError, match=r"tokenizer.json: a Git LFS pointer, not the tokenizer; run `git lfs pull`"):
+        load_hf_folder(str(folder))
+    for content in (b'{"version": "9.0", "model": {"type": "Unheard"}}', b"\xff\xfe{"):
+        tokenizer.write_bytes(content)
+        with pytest.raises(BuildError, match=r"tokenizer.json: cannot read the tokenizer \(.+\); use the model's own"):
+            load_hf_folder(str(folder))
+    tokenizer.write_text(original.tokenizer_json)
+    write_hf_folder(folder, TINY, original.state_dict, eos_token_id=TINY.vocab_size + 5)
+    with pytest.raises(BuildError, match=rf"special token id {TINY.vocab_size + 5} \(bos_token_id / eos_token_id\) "
+                                         rf"is outside the vocabulary \(vocab_size {TINY.vocab_size}\)"):
+        load_hf_folder(str(folder))
+
+
 def test_bad_random_config_and_source_are_refused():
     with pytest.raises(BuildError, match="vocab_size 100 is too small"):
         random_model(dataclasses.replace(TINY, vocab_size=100), seed=0)
