@@ -6,6 +6,7 @@ would. Bad input exits with status 2 and one line naming the problem; tracebacks
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -248,6 +249,7 @@ def _bench(args) -> None:
     from runtime import Engine, bench
     from runtime.manifest import read_manifest
     from runtime.metrics import format_table
+    from runtime.results import write_json
     from runtime.tokenizer import TextTokenizer
 
     _check_bench_flags(args)
@@ -287,11 +289,9 @@ def _bench(args) -> None:
         console.print(bench.phase_table(args.phase, rows, peaks), width=None if console.is_terminal else 160)
         console.print(f"[dim]peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads[/dim]",
                       highlight=False)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         settings = {"artifact": str(args.artifact), "phase": args.phase, "batch": args.batch, "runs": args.runs,
                     "steps": args.steps, "threads": threads}
-        out.write_text(json.dumps({"settings": settings, "params": params, "peaks": peaks, "rows": rows}, indent=2) + "\n")
+        out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
         console.print(f"wrote {escape(str(out))}")
         return
     tokenizer = TextTokenizer(Path(args.artifact) / manifest["tokenizer"]["file"], manifest["tokenizer"].get("bos_token_id"))
@@ -473,6 +473,18 @@ def _chain(error: BaseException):
         error = error.__cause__ or error.__context__
 
 
+REFUSED_WRITES = {errno.ENOSPC: "free space there, or write elsewhere", errno.EDQUOT: "free space there, or write "
+                  "elsewhere", errno.EROFS: "write elsewhere", errno.EACCES: "check its permissions, or write elsewhere",
+                  errno.EPERM: "check its permissions, or write elsewhere"}
+
+
+def refused_write(error: OSError) -> str:
+    """One line for a write the machine refused, not a traceback after the work. (A build leaves no half-written
+    artifact, nor a JSON output a cut-short file: both are written beside their place, then renamed into it.)"""
+    where = f" ({error.filename})" if error.filename else ""
+    return f"{error.strerror or error}{where}: {REFUSED_WRITES[error.errno]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from compiler.errors import BuildError
     from runtime.errors import AotlmRuntimeError
@@ -495,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")
         return 130
+    except OSError as error:  # the machine refused a write: a full disk, a read-only or forbidden folder
+        if error.errno not in REFUSED_WRITES:
+            raise
+        console.print(f"[red]error:[/red] {escape(refused_write(error))}", highlight=False)
+        return 2
     except ImportError as error:  # a signal inside a module's initialisation surfaces as its ImportError
         stop = next((e for e in _chain(error) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too
         if stop is None:

@@ -127,13 +127,10 @@ def _score(args, candidate: _ArtifactInfo, reference: _ArtifactInfo | None, toke
 
 
 def _write_json(path: str | None, payload: dict) -> None:
-    import json
+    from runtime.results import write_json
 
     if path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(payload, indent=2) + "\n")
-        console.print(f"wrote {escape(str(out))}", highlight=False)
+        console.print(f"wrote {escape(str(write_json(path, payload)))}", highlight=False)
 
 
 def _window_shown(window: int, tokens: int) -> str:

@@ -15,7 +15,6 @@ against peaks the caller passes in (the runtime does not import the compiler). N
 """
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -27,6 +26,7 @@ import numpy as np
 
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace, summarize
+from runtime.results import write_json
 
 ARRIVALS = ("all", "concurrency", "poisson")
 BASELINES = ("transformers", "onnxruntime-genai")  # their runners: benchmarks/baselines.py (a source checkout)
@@ -341,9 +341,7 @@ def compare_table(result: dict):
 
 def write_outputs(result: dict, out: Path) -> list[Path]:
     """The JSON at `out`, then two PNGs beside it: <stem>-cdf.png (TTFT, TPOT) and <stem>-timeline.png."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_json(out, result)
     try:
         import matplotlib
     except ImportError:

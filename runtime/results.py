@@ -1,12 +1,34 @@
 """What a request returns: its text and tokens, why it ended, and its timings (derived from the raw trace that
-runtime/metrics.py aggregates)."""
+runtime/metrics.py aggregates); and results as a JSON file (write_json)."""
 from __future__ import annotations
 
+import json
 import math
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    """Write payload as indented JSON at path (its folder made if missing), whole or not at all: into a temporary file
+    beside it, then renamed over it. A full disk or a refused write raises OSError and leaves no empty or cut-short
+    file (nor the temporary one) behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(payload, indent=2) + "\n")
+        os.chmod(temporary, 0o644)  # mkstemp makes it private; results are meant to be read by others
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return path
 
 
 def received_at(arrival: float | None, now: float) -> float:

@@ -179,6 +179,46 @@ def test_output_files_are_checked_before_the_work(capsys, tiny_artifact, tmp_pat
         assert status == 2 and ("is a folder" in output or "is a file, not a folder" in output), output
 
 
+def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(capsys, tiny_artifact, tmp_path, monkeypatch):
+    """A full disk while writing the engines, or the --json of an evaluation, ended in an OSError traceback after
+    all the work, the evaluation leaving an empty file behind."""
+    def full(graphs, folder, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "weights.bin"))
+
+    monkeypatch.setattr("compiler.build.onnxruntime_backend.write_engines", full)
+    status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "No space left on device" in output and "free space there, or write elsewhere" in output
+    assert "Traceback" not in output and list((tmp_path / "out").iterdir()) == []  # the staging folder is gone
+
+    from runtime import results
+
+    previous = tmp_path / "eval.json"
+    previous.write_text('{"an": "earlier result"}')
+
+    fdopen = os.fdopen
+
+    class FullFile:
+        def __init__(self, descriptor, *args, **kwargs):
+            self.file = fdopen(descriptor, *args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, text):
+            self.file.write(text[:10])  # some of it, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(results.os, "fdopen", FullFile)
+    status, output = run_cli(capsys, "eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--max-tokens", "64",
+                             "--json", previous)
+    assert status == 2 and "No space left on device: free space there" in output and "Traceback" not in output
+    assert previous.read_text() == '{"an": "earlier result"}' and sorted(p.name for p in tmp_path.iterdir()) == [
+        "eval.json", "out"]  # the earlier file whole, no temporary one beside it
+
+
 def test_an_output_file_inside_an_artifact_is_refused(capsys, tiny_artifact, monkeypatch):
     """The runtime refuses an artifact holding a file its manifest does not list: eval --json there made the
     artifact unloadable (and --json .../manifest.json replaced its manifest), with status 0."""
