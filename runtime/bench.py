@@ -64,12 +64,19 @@ class Workload:
                 "output_tokens": [r.output_tokens for r in self.requests], "arrival_offsets_s": self.offsets}
 
 
-def _fitting_lengths(max_context: int, shared_prefix: int, prompt: tuple[int, int]) -> str:
-    """What to ask for instead: outputs that fit the longest prompt, else prompts that leave room for one token."""
-    room = max_context + 1 - shared_prefix - prompt[1]
-    if room >= 1:
-        return f"ask for --output-tokens {room} or fewer with these prompts"
-    return f"ask for prompts of at most {max_context - shared_prefix} tokens (with the shared prefix, the max context)"
+def _fitting_lengths(max_context: int, shared_prefix: int, prompt: tuple[int, int],
+                     output: tuple[int, int]) -> str:
+    """What to ask for instead, each suggestion one that fits (prompt + output - 1 positions after the prefix):
+    outputs that fit the longest prompt, else prompts that fit the longest output, else both together."""
+    if shared_prefix > max_context - 1:  # a one-token prompt and one output token need one position after it
+        return f"--shared-prefix {shared_prefix} leaves no room for the prompts; use at most {max_context - 1}"
+    outputs = max_context + 1 - shared_prefix - prompt[1]
+    if outputs >= 1:
+        return f"ask for --output-tokens {outputs} or fewer with these prompts"
+    prompts = max_context + 1 - shared_prefix - output[1]
+    if prompts >= 1:
+        return f"ask for --prompt-tokens {prompts} or fewer with these output tokens"
+    return f"ask for --prompt-tokens and --output-tokens of at most {max_context + 1 - shared_prefix} together"
 
 
 def parse_range(text: str, what: str) -> tuple[int, int]:
@@ -164,7 +171,8 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
         prefix = f"--shared-prefix ({shared_prefix}) + " if shared_prefix else ""  # fed back
         raise BenchError(f"{prefix}--prompt-tokens ({prompt[1]}) + --output-tokens ({output[1]}) need "
                          f"{shared_prefix + prompt[1] + output[1] - 1} cache positions (prompt + output - 1); this "
-                         f"artifact's max context is {max_context}; {_fitting_lengths(max_context, shared_prefix, prompt)}")
+                         f"artifact's max context is {max_context}; "
+                         f"{_fitting_lengths(max_context, shared_prefix, prompt, output)}")
     # The measured requests' lengths and the warm-up's come from separate streams, and the measured prompts are the
     # text's first cuts: --warmup does not change what is measured.
     measured_rng, warmup_rng = np.random.default_rng([seed, 1]), np.random.default_rng([seed, 2])

@@ -221,7 +221,11 @@ def test_a_shared_prefix_starts_every_prompt_and_prefix_caching_reuses_it(tiny_a
     (["--prompt-tokens", "100", "--output-tokens", "64"], "need 163 cache positions (prompt + output - 1); this "
                                                           "artifact's max context is 128; ask for --output-tokens 29 "
                                                           "or fewer with these prompts"),
-    (["--prompt-tokens", "130", "--output-tokens", "4"], "ask for prompts of at most 128 tokens"),
+    (["--prompt-tokens", "130", "--output-tokens", "4"], "ask for --prompt-tokens 125 or fewer with these output "
+                                                         "tokens"),  # 125 + 4 - 1 = 128 (it said 128, which fails)
+    (["--prompt-tokens", "200", "--output-tokens", "200"], "ask for --prompt-tokens and --output-tokens of at most "
+                                                           "129 together"),
+    (["--shared-prefix", "500"], "--shared-prefix 500 leaves no room for the prompts; use at most 127"),  # said -372
     (["--prompt-tokens", "128", "--output-tokens", "2"], "max context is 128"),
     (["--prompt-tokens", "abc"], "not a token count"),
     (["--phase", "prefill", "--prompt-lengths", "128"], "max context (128)"),
