@@ -94,6 +94,8 @@ def read_manifest(artifact_dir: str | Path) -> dict:
 
 # Fields below the sections that the runtime and `aotlm inspect` read, as dotted paths.
 REQUIRED_FIELDS = {"created": str, "passes": list, "model.config": dict, "model.config.vocab_size": int,
+                   "model.config.architecture": str, "model.config.num_layers": int, "model.config.hidden_size": int,
+                   "model.config.num_heads": int, "model.config.num_kv_heads": int,
                    "model.source": dict, "tokenizer.file": str, "tokenizer.eos_token_ids": list,
                    "kv_cache.shape": list, "kv_cache.max_context": int, "kv_cache.bytes_per_token": int,
                    "kv_cache.layout": list, "kv_cache.output_aliases_input": dict, "engines.prefill.file": str,

@@ -131,6 +131,8 @@ def _edit_manifest(folder, edit):
     (lambda m: m["tokenizer"].pop("eos_token_ids"), "tokenizer.eos_token_ids"),
     (lambda m: m["kv_cache"].pop("max_context"), "kv_cache.max_context"),
     (lambda m: m["model"]["config"].pop("vocab_size"), "model.config.vocab_size"),
+    (lambda m: m["model"]["config"].pop("architecture"), "model.config.architecture"),  # inspect's KeyError
+    (lambda m: m["model"]["config"].__setitem__("num_kv_heads", None), "model.config.num_kv_heads"),
     (lambda m: m.pop("created"), "created"),
     # these reached `aotlm inspect` (KeyError) or onnxruntime (invalid rank) before they were checked
     (lambda m: m["engines"]["decode"].pop("inputs"), "engines.decode.inputs"),
