@@ -42,6 +42,21 @@ def check_tokenizer_fits(tokenizer_json: str, vocab_size: int) -> None:
                          f"{vocab_size} on would index past the embedding table; use the model's own tokenizer.json")
 
 
+def check_chat_template(template: str) -> None:
+    """A chat template that does not parse would build, and every chat request to the artifact would then fail:
+    refuse it here, compiled as the runtime compiles it."""
+    from runtime.chat import compiled
+    from runtime.errors import ArtifactError
+
+    try:
+        compiled(template)
+    except ArtifactError as error:
+        detail = str(error).partition("(")[2].rstrip(")")
+        raise BuildError(f"the model's chat template does not parse ({detail}); fix it where the model keeps it "
+                         f"(chat_template.jinja, tokenizer_config.json's chat_template, or the GGUF's "
+                         f"tokenizer.chat_template), or remove it to build without one") from None
+
+
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:
     """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input."""
     say = progress or (lambda message: None)
@@ -97,6 +112,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     if loaded.tokenizer_json is None:
         raise BuildError("the model source has no tokenizer (tokenizer.json); add one beside the weights")
     check_tokenizer_fits(loaded.tokenizer_json, loaded.config.vocab_size)
+    if loaded.chat_template is not None:
+        check_chat_template(loaded.chat_template)
     window = loaded.config.sliding_window
     if window is not None and recipe.export.max_context > window:
         raise BuildError(f"the model attends within a sliding window of {window} tokens, which the decoder does not "

@@ -19,7 +19,7 @@ from runtime.tokenizer import check_unicode
 def render(template: str, messages, *, add_generation_prompt: bool = True, bos_token: str | None = None,
            eos_token: str | None = None) -> str:
     """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); RequestError for bad messages or a
-    template that refuses them (its raise_exception), ArtifactError for a template that does not parse."""
+    template that refuses them (its raise_exception) or fails on them, ArtifactError for one that does not parse."""
     check_messages(messages)
     import jinja2
 
@@ -29,6 +29,10 @@ def render(template: str, messages, *, add_generation_prompt: bool = True, bos_t
                                          eos_token=eos_token or "", tools=None, documents=None)
     except jinja2.TemplateError as error:  # raise_exception's RequestError passes through as it is
         raise RequestError(f"the chat template could not render these messages ({error})") from None
+    except (RequestError, ArtifactError):
+        raise
+    except Exception as error:  # noqa: BLE001 -- the template's own arithmetic or a filter failed (1 // 0)
+        raise RequestError(f"the chat template failed on these messages ({type(error).__name__}: {error})") from None
 
 
 @functools.lru_cache(maxsize=8)

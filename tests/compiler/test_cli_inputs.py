@@ -93,6 +93,19 @@ def test_a_pass_that_runs_once_listed_twice_is_refused_before_the_export(capsys,
     assert status == 2 and "passes[7]: quantize is listed twice" in output, output
 
 
+def test_a_chat_template_that_does_not_parse_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
+    """It built, and every chat request to the artifact then failed with "rebuild the artifact", which did not help."""
+    from compiler import build
+
+    load = build.load_model
+    monkeypatch.setattr(build, "load_model", lambda *args: dataclasses.replace(load(*args),
+                                                                               chat_template="{% if %}broken"))
+    monkeypatch.setattr(build, "trace_graphs", lambda *a, **k: pytest.fail("exported"))
+    status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "the model's chat template does not parse (" in output, output
+    assert "or remove it to build without one" in output
+
+
 def test_an_output_path_inside_a_file_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
     blocker = tmp_path / "afile"

@@ -66,6 +66,12 @@ def test_a_template_that_does_not_parse_is_an_artifact_error():
         render("{% for %}", MESSAGES)
 
 
+def test_a_template_that_fails_while_rendering_is_a_request_error():
+    """Its own arithmetic failing (not a Jinja error) reached the caller as a ZeroDivisionError traceback."""
+    with pytest.raises(RequestError, match=r"the chat template failed on these messages \(ZeroDivisionError: "):
+        render("{{ messages | length // 0 }}", MESSAGES)
+
+
 def test_the_template_reaches_the_artifact_and_prompts_tokenize_as_transformers_does(chat_artifact):
     from transformers import AutoTokenizer
 
