@@ -45,6 +45,12 @@ from runtime.server_metrics import ServerMetrics
 
 MAX_BODY_BYTES = 16 << 20
 POLL_S = 0.25  # how often a waiting request's thread looks whether its client is still there
+# A body the server refuses unread (413, or chunked: 411) is still arriving when the answer goes out; closing then
+# resets the connection, and a client that writes its whole body before reading (http.client, httpx) sees the reset,
+# not the answer. So the server stops sending, then reads and drops what arrives (a lingering close, as nginx's), for
+# LINGER_S or LINGER_BYTES at most.
+LINGER_S = 5.0
+LINGER_BYTES = 64 << 20
 SOCKET_TIMEOUT_S = 60.0  # a body that stops arriving, an idle keep-alive connection, a stream nobody reads
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 TOKENIZER_ROUTES = {"/tokenize": tokenizer_api.tokenize, "/detokenize": tokenizer_api.detokenize}  # vLLM's, POST
@@ -127,6 +133,7 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = SOCKET_TIMEOUT_S
     server: ApiServer
     _streaming = False  # the response under way is a stream: its headers are out
+    _unread_body = 0  # bytes of a refused body that may still be arriving (read and dropped after the answer)
 
     def version_string(self) -> str:  # the Server header: http.server's adds Python's version
         return "aotlm"
@@ -139,6 +146,25 @@ class _Handler(BaseHTTPRequestHandler):
             super().handle()
         except OSError:  # reset between requests (a client that left without reading its last response): no one
             self.close_connection = True  # to answer, and not the server's error to print
+
+    def finish(self) -> None:
+        super().finish()  # the answer is out (flushed)
+        if self._unread_body:
+            self._linger(self._unread_body)
+
+    def _linger(self, unread: int) -> None:
+        """Stop sending, then read and drop up to `unread` bytes of the refused body (see LINGER_S)."""
+        deadline = time.monotonic() + LINGER_S
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            while unread > 0 and (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(left)
+                chunk = self.connection.recv(min(unread, 1 << 20))
+                if not chunk:  # the client read the answer and closed
+                    return
+                unread -= len(chunk)
+        except OSError:  # it reset, or the time ran out: the connection closes either way
+            pass
 
     # -- routes ----------------------------------------------------------------------------------------------------
     def do_GET(self) -> None:
@@ -394,6 +420,7 @@ class _Handler(BaseHTTPRequestHandler):
         if length is None:
             if self.headers.get("Transfer-Encoding"):
                 self.close_connection = True
+                self._unread_body = LINGER_BYTES  # its length unknown: until the client closes, or LINGER_S
                 raise ApiError("send the body with a Content-Length (chunked request bodies are not read)", 411)
             return b""
         if not (length.isascii() and length.isdigit() and len(length) <= 12):
@@ -401,6 +428,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(f"Content-Length: {length[:20]!r} is not a number of bytes")
         if int(length) > MAX_BODY_BYTES:
             self.close_connection = True  # the body is not read: the connection cannot serve another request
+            self._unread_body = min(int(length), LINGER_BYTES)
             raise ApiError(f"the request body has {int(length)} bytes, at most {MAX_BODY_BYTES} are read", 413)
         return self.rfile.read(int(length))
 

@@ -683,6 +683,21 @@ def test_an_ipv6_address_is_listened_on(tiny_artifact):
         stop(server)
 
 
+def test_a_body_over_the_limit_gets_its_413_even_by_a_client_that_sends_it_all_first(served):
+    """http.client writes the whole body before it reads: the server answered 413 and closed with the body still
+    arriving, and the client got a broken pipe or a reset instead of the answer."""
+    from runtime.server import MAX_BODY_BYTES
+
+    body = json.dumps({"prompt": "a" * (MAX_BODY_BYTES + (1 << 20))}).encode()
+    connection = http.client.HTTPConnection(*served.server_address[:2], timeout=60)
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 413 and response.getheader("Connection") == "close"
+    assert f"at most {MAX_BODY_BYTES} are read" in json.loads(response.read())["error"]["message"]
+    connection.close()
+    assert request(served, "GET", "/health")[0] == 200
+
+
 def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
     status, _, body = request(served, "POST", "/v1/completions", raw=b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
