@@ -3,7 +3,9 @@ so that the dashboards and alerts serving engineers keep for vLLM work here too 
 `aotlm:`). Written out by hand: the format is a few lines of text, and the runtime stays free of a client library.
 
 Per finished choice (one scheduler request) the latencies are the engine's own (runtime/metrics.py, vLLM's
-definitions): TTFT, TPOT (requests of two tokens or more), E2E and queue time, in seconds. Per HTTP request: its
+definitions), in seconds: TTFT, E2E and queue time once per request; every gap between its tokens
+(inter_token_latency_seconds, and again under vLLM's older name for the same gaps, time_per_output_token_seconds);
+its mean gap once per request of two tokens or more (request_time_per_output_token_seconds). Per HTTP request: its
 route and status. Gauges are read when scraped: requests running and waiting, the scheduler's slots.
 """
 from __future__ import annotations
@@ -18,7 +20,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    40.0, 80.0, 160.0, 640.0, 2560.0)
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Time to first token: request received to its first token chosen.",
-    "time_per_output_token_seconds": "Mean time per output token after the first, per request.",
+    "inter_token_latency_seconds": "Time between two consecutive tokens of a request: every gap.",
+    "time_per_output_token_seconds": "The gaps of inter_token_latency_seconds, under vLLM's older name for them.",
+    "request_time_per_output_token_seconds": "Mean time per output token after the first, once per request.",
     "e2e_request_latency_seconds": "Request received to its last token chosen.",
     "request_queue_time_seconds": "Request received to its prefill's start.",
 }
@@ -65,7 +69,10 @@ class ServerMetrics:
             self._histograms["e2e_request_latency_seconds"].observe(trace.e2e)
             self._histograms["request_queue_time_seconds"].observe(trace.queue)
             if trace.tpot is not None:
-                self._histograms["time_per_output_token_seconds"].observe(trace.tpot)
+                self._histograms["request_time_per_output_token_seconds"].observe(trace.tpot)
+            for gap in trace.itl:
+                self._histograms["inter_token_latency_seconds"].observe(gap)
+                self._histograms["time_per_output_token_seconds"].observe(gap)
 
     def render(self, model_name: str, scheduler, in_progress: int = 0) -> str:
         """The exposition text; scheduler: the engine's (its gauges), or None before the first request;

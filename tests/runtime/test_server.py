@@ -557,7 +557,11 @@ def test_metrics_count_what_the_server_served(tiny_artifact):
     assert series[f'aotlm:http_requests_total{{{label},route="/v1/completions",status="200"}}'] == 3
     assert series[f'aotlm:http_requests_total{{{label},route="/v1/completions",status="400"}}'] == 1
     assert series[f"aotlm:time_to_first_token_seconds_count{{{label}}}"] == 4  # one per choice
-    assert series[f"aotlm:time_per_output_token_seconds_count{{{label}}}"] == 3  # the one-token request has none
+    # per request: the one-token request has no mean gap; per gap (as vLLM's time_per_output_token_seconds, which
+    # counted per request here): 2 + 2 (n=2, 3 tokens each) + 0 + 1 (the stream's 2 tokens)
+    assert series[f"aotlm:request_time_per_output_token_seconds_count{{{label}}}"] == 3
+    assert series[f"aotlm:inter_token_latency_seconds_count{{{label}}}"] == 5
+    assert series[f"aotlm:time_per_output_token_seconds_count{{{label}}}"] == 5
     buckets = [v for k, v in series.items() if k.startswith("aotlm:e2e_request_latency_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == 4  # cumulative, +Inf last
     assert series[f"aotlm:kv_cache_slots{{{label}}}"] == 2 and series[f"aotlm:num_requests_running{{{label}}}"] == 0
