@@ -240,9 +240,7 @@ def _check_bench_flags(args) -> None:
 
 
 def _bench(args) -> None:
-    import json
     import os
-    from pathlib import Path
 
     from rich.progress import Progress
 

@@ -6,14 +6,13 @@ Only `runtime/` is used (imported when called), as a deployed artifact would be.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
 
 from compiler.console import console
-from compiler.errors import check_output_file, nonnegative_int, thread_count
+from compiler.errors import check_output_file, thread_count
 
 
 class _ArtifactInfo:

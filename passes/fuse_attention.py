@@ -33,7 +33,8 @@ from passes.attention_mask_probe import check_masks
 from passes.errors import PassError
 from passes.graph_export import export_onnx
 from passes.graph_patterns import (SkipReason, as_float, constant, layer_name, numbered, parse_inv_freq, parse_rotary,
-                                    producer, scalar_factor, scaled_operand, walk_up, walk_up_scaled)
+                                    producer, rotary_table_constants, scalar_factor, scaled_operand, walk_up,
+                                    walk_up_scaled)
 
 THROUGH_CACHE_READ = {"Transpose", "Unsqueeze", "Reshape", "Expand", "Slice", "Identity", "Cast"}
 THROUGH_HEAD_SPLIT = {"Transpose", "Reshape", "Identity"}
@@ -263,18 +264,9 @@ class SharedInputs:
             raise PassError("no rotary table length: the graph has no KV cache; set rotary_cache_length in the recipe")
         dtype = match.query.dtype
         key = (match.inv_freq.tobytes(), match.rotary_scaling, rows, str(dtype))
-        if key not in self.tables:
-            cos, sin = op.rotary_tables(match.inv_freq, rows, match.rotary_scaling)
-            index = len(self.tables)
-            tables = (gs.Constant(f"fa_cos_cache_{index}", cos), gs.Constant(f"fa_sin_cache_{index}", sin))
-            if dtype is not None and dtype != np.float32:  # float16 / bfloat16 graphs: the op's inputs share a type
-                elem_type = dtype if isinstance(dtype, int) else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-                casts = tuple(self.graph.layer(op="Cast", inputs=[table], outputs=[f"{table.name}_cast"],
-                                               attrs={"to": elem_type})[0] for table in tables)
-                for cast, table in zip(casts, tables):
-                    cast.dtype, cast.shape = dtype, list(table.shape)
-                tables = casts
-            self.tables[key] = tables
+        if key not in self.tables:  # float16 / bfloat16 graphs: the op's inputs share a type
+            self.tables[key] = rotary_table_constants(self.graph, f"fa_{len(self.tables)}_", match.inv_freq, rows,
+                                                      match.rotary_scaling, dtype)
         return self.tables[key]
 
 

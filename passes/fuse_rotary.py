@@ -28,9 +28,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from passes import flash_attention_op as op
 from passes.graph_export import export_onnx
-from passes.graph_patterns import SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer
+from passes.graph_patterns import (SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer,
+                                   rotary_table_constants)
 from passes.opset import raise_opset, unchanged
 from passes.rotary_probe import check_rotaries
 
@@ -136,12 +136,12 @@ class Tables:
     def __init__(self, graph: gs.Graph):
         self.graph, self.tables, self.expanded = graph, {}, {}
 
-    def caches(self, found: Match) -> tuple[gs.Constant, gs.Constant]:
-        key = (found.inv_freq.tobytes(), found.scaling, found.rows)
+    def caches(self, found: Match) -> tuple[gs.Tensor, gs.Tensor]:
+        """In the rotated tensor's type: float32 tables in a float16 / bfloat16 graph made one onnxruntime refuses."""
+        key = (found.inv_freq.tobytes(), found.scaling, found.rows, str(found.source.dtype))
         if key not in self.tables:
-            cos, sin = op.rotary_tables(found.inv_freq, found.rows, found.scaling)
-            index = len(self.tables)
-            self.tables[key] = (gs.Constant(f"rotary_cos_cache_{index}", cos), gs.Constant(f"rotary_sin_cache_{index}", sin))
+            self.tables[key] = rotary_table_constants(self.graph, f"rotary_{len(self.tables)}_", found.inv_freq,
+                                                      found.rows, found.scaling, found.source.dtype)
         return self.tables[key]
 
     def positions(self, found: Match) -> gs.Tensor:

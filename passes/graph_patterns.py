@@ -188,3 +188,22 @@ def unique_name(name: str, taken: set[str]) -> str:
         candidate, index = f"{name}_{index}", index + 1
     taken.add(candidate)
     return candidate
+
+
+def rotary_table_constants(graph: gs.Graph, prefix: str, inv_freq: np.ndarray, rows: int, scaling: float,
+                           dtype) -> tuple[gs.Tensor, gs.Tensor]:
+    """cos/sin caches [rows, D/2] (flash_attention_op.rotary_tables) as graph inputs of the rotated tensor's type:
+    float32 constants, each behind a Cast for a float16 / bfloat16 graph (an op's data and caches share one type;
+    numpy has no bfloat16 to store them in). onnxruntime folds the Casts when it loads the graph."""
+    from passes.flash_attention_op import rotary_tables
+
+    cos, sin = rotary_tables(inv_freq, rows, scaling)
+    tables = (gs.Constant(f"{prefix}cos_cache", cos), gs.Constant(f"{prefix}sin_cache", sin))
+    if dtype is None or dtype == np.float32:
+        return tables
+    elem_type = dtype if isinstance(dtype, int) else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    casts = tuple(graph.layer(op="Cast", inputs=[table], outputs=[f"{table.name}_cast"], attrs={"to": elem_type})[0]
+                  for table in tables)
+    for cast, table in zip(casts, tables):
+        cast.dtype, cast.shape = dtype, list(table.shape)
+    return casts

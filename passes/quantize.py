@@ -31,7 +31,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import ml_dtypes

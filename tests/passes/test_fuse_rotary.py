@@ -203,3 +203,25 @@ def test_bfloat16_rotaries_are_checked_in_float32_and_fused(decoder_graphs):  # 
     for phase, model in export_graphs(decoder, MAX_CONTEXT, dtype="bfloat16").items():
         fused, report = fuse_rotary.run(cleanup.run(model, cleanup.Options())[0], fuse_rotary.Options())
         assert report["rewrites"] == ROTARIES and report["skipped"] == [], (phase, report)
+        onnx.checker.check_model(fused, full_check=True)  # the tables in the graph's type (they were float32)
+
+
+def test_float16_rotaries_fuse_into_a_graph_onnxruntime_runs_with_the_same_logits():
+    """The cos/sin tables were float32 beside float16 data: the report said fused, and onnxruntime refused to load
+    the graph ("Type parameter (T) ... bound to different types")."""
+    from compiler.export import export_graphs
+    from compiler.frontend.model import build_decoder
+    from compiler.frontend.random_init import random_model
+    from passes import cleanup
+    from tests.passes.test_fuse_attention import MAX_CONTEXT, io_names
+
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    model = cleanup.run(export_graphs(decoder, MAX_CONTEXT, dtype="float16")["prefill"], cleanup.Options())[0]
+    fused, report = fuse_rotary.run(model, fuse_rotary.Options())
+    assert report["rewrites"] == ROTARIES
+    caches = [np.zeros((1, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float16)] * (2 * CONFIG.num_layers)
+    feed = {"input_ids": np.array([[1, 5, 9, 14, 200, 7]]), "position_ids": np.arange(6)[None],
+            "attention_mask": np.ones((1, 6), np.int64), **dict(zip(io_names(CONFIG)[0][3:], caches))}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)  # noqa: E731
+    for before, after in zip(run(model), run(fused)):  # logits and every cache written
+        np.testing.assert_allclose(after.astype(np.float32), before.astype(np.float32), atol=2e-2)

@@ -378,7 +378,7 @@ def test_the_rest_of_a_chunked_prompt_stays_within_the_decode_graphs_tokens(engi
     monkeypatch.setattr(engine.backend, "max_decode_tokens", max_decode_tokens)
     monkeypatch.setattr(engine.backend, "prefill_takes_past", False)  # the decode graph's path (TensorRT's)
     short_prefill, *chunks = prompt_chunked_behind_a_decode(engine, prefill_chunk)
-    assert short_prefill == ("prefill", 3, False), calls
+    assert short_prefill == ("prefill", 3, False), short_prefill
     assert chunks[0][:2] == ("prefill", prefill_chunk) and sum(tokens for _, tokens, _ in chunks) == 100, chunks
     assert any(done for _, _, done in chunks), f"the short request never finished mid-prompt: {chunks}"
     assert max(tokens for phase, tokens, _ in chunks if phase == "decode") == prefill_chunk, chunks
