@@ -61,6 +61,11 @@ ORDER_RULES = (
     ("quantize", "quantize_kv_cache", False,
      "AWQ folds input scales into the value projection, so the cache would hold values divided by scales the int8 "
      "cache's were not calibrated on; list quantize_kv_cache after quantize"),
+    ("quantize", "slice_packed_weights", False,
+     "slice_packed_weights makes prefill's packed products read column slices of their weight, which quantize does "
+     "not take as constant weights: prefill would keep them float, and an AWQ scale folded into decode's value "
+     "columns would not be in prefill's, so the two graphs would write different values to the cache; list "
+     "slice_packed_weights after quantize (it then cuts the quantized codes)"),
     ("quantize", "skip_unused_rows", False,
      "its calibration must see every row of the last layer, which skip_unused_rows drops from the prefill graph; "
      "list skip_unused_rows after quantize (last)"),

@@ -197,6 +197,16 @@ def test_after_dequantize_weights_the_pass_is_refused():
     check_passes([specs[0], specs[2], specs[1]])  # the order the quantized recipes use
 
 
+def test_quantize_after_the_pass_is_refused():
+    """Prefill's sliced products read Slice(W), not a constant weight: quantize left them float there, and an AWQ
+    scale folded into decode's value columns only made the two graphs write different values to the cache."""
+    specs = [PassSpec("slice_packed_weights", OPTIONS), PassSpec("quantize", quantize.Options())]
+    with pytest.raises(BuildError, match=r"passes\[1\] \(quantize\) comes after passes\[0\] \(slice_packed_weights\)"
+                                         r": slice_packed_weights makes prefill's packed products read column slices"):
+        check_passes(specs)
+    check_passes(specs[::-1])
+
+
 @pytest.mark.parametrize("case, reason", [
     ({"weight_from_input": True}, "computed from a graph input"),
     ({"axis": 1, "sizes": (1, 2)}, "not the last one"),
