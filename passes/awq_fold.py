@@ -47,9 +47,10 @@ class ValueColumns:
         return self.kv_heads, self.group, self.head_dim
 
 
-def attention_value_tie(activation: gs.Variable) -> ValueColumns | None:
+def attention_value_tie(activation: gs.Variable, kept: frozenset = frozenset()) -> ValueColumns | None:
     """When `activation` is an attention node's output and its values come straight from a MatMul whose weight only
-    that MatMul reads (v_proj, or the value columns of pack_projections' packed q/k/v), that weight's columns."""
+    that MatMul reads (v_proj, or the value columns of pack_projections' packed q/k/v), that weight's columns.
+    kept: names of tensors whose values must not change (the graph's outputs): a value tensor among them is not."""
     producer = activation.inputs[0] if activation.inputs else None
     if producer is None or producer.op not in ATTENTION_OPS or producer.outputs[0] is not activation:
         return None
@@ -59,8 +60,10 @@ def attention_value_tie(activation: gs.Variable) -> ValueColumns | None:
     value = producer.inputs[2] if len(producer.inputs) > 2 else None
     packed = value is None or not value.name  # GroupQueryAttention reading packed q/k/v from its query input
     source = producer.inputs[0] if packed else value
+    if source.name in kept:
+        return None
     if not packed and len(source.outputs) == 1 and source.inputs and source.inputs[0].op == "Split":
-        return _split_value_columns(source, heads, kv_heads)  # v as the last part of a packed projection
+        return _split_value_columns(source, heads, kv_heads, kept)  # v as the last part of a packed projection
     if len(source.outputs) != 1 or not source.inputs or source.inputs[0].op != "MatMul":
         return None
     weight = source.inputs[0].inputs[1]
@@ -74,7 +77,7 @@ def attention_value_tie(activation: gs.Variable) -> ValueColumns | None:
     return ValueColumns(weight, columns, kv_heads, heads // kv_heads, head_dim)
 
 
-def _split_value_columns(value: gs.Variable, heads: int, kv_heads: int) -> ValueColumns | None:
+def _split_value_columns(value: gs.Variable, heads: int, kv_heads: int, kept: frozenset) -> ValueColumns | None:
     """v as the last output of a Split (last axis) of a MatMul that only the Split reads: pack_projections' q/k/v
     when the attention reads q and k rotated apart (lower_onnxruntime's rotary "separate")."""
     split = value.inputs[0]
@@ -82,7 +85,8 @@ def _split_value_columns(value: gs.Variable, heads: int, kv_heads: int) -> Value
     sizes = split.inputs[1] if len(split.inputs) > 1 else None
     axis, rank = split.attrs.get("axis", 0), len(packed.shape) if packed.shape is not None else None
     if (split.outputs[-1] is not value or (axis != -1 and axis != (rank or 0) - 1) or len(packed.outputs) != 1
-            or not packed.inputs or packed.inputs[0].op != "MatMul" or not isinstance(sizes, gs.Constant)):
+            or packed.name in kept or not packed.inputs or packed.inputs[0].op != "MatMul"
+            or not isinstance(sizes, gs.Constant)):
         return None
     weight = packed.inputs[0].inputs[1]
     if not (isinstance(weight, gs.Constant) and len(weight.outputs) == 1 and len(weight.shape) == 2):
@@ -99,8 +103,9 @@ def apply_input_scales(graph: gs.Graph, activation: gs.Variable, group: list[gs.
     inverse = (1.0 / scales).astype(np.float32)
     only_group = {id(node) for node in activation.outputs} == {id(node) for node in group}
     producer = activation.inputs[0] if activation.inputs else None
-    if only_group and producer is not None and activation not in graph.outputs:
-        folded = _fold_into_producer(producer, activation, inverse)
+    kept = graph_outputs(graph)
+    if only_group and producer is not None and activation.name not in kept:
+        folded = _fold_into_producer(producer, activation, inverse, kept)
         if folded:
             return folded
     scaled = gs.Variable(f"{activation.name}_awq_scaled", dtype=activation.dtype, shape=activation.shape)
@@ -110,6 +115,11 @@ def apply_input_scales(graph: gs.Graph, activation: gs.Variable, group: list[gs.
     for node in group:
         node.inputs[0] = scaled
     return "Mul inserted before the group"
+
+
+def graph_outputs(graph: gs.Graph) -> frozenset:
+    """Names of the tensors a fold must not rescale: the graph's outputs (a caller reads them as they are)."""
+    return frozenset(tensor.name for tensor in graph.outputs)
 
 
 def _dtype(variable: gs.Variable) -> np.dtype:
@@ -127,16 +137,19 @@ def _keeps_last_axis(reshape: gs.Node, size: int) -> bool:
     return isinstance(shape, gs.Constant) and shape.values.size > 0 and int(shape.values.reshape(-1)[-1]) == size
 
 
-def _fold_into_producer(producer: gs.Node, activation: gs.Variable, inverse: np.ndarray) -> str | None:
+def _fold_into_producer(producer: gs.Node, activation: gs.Variable, inverse: np.ndarray,
+                        kept: frozenset) -> str | None:
+    """Fold 1/s into what produces `activation` (which only the group reads, and no caller: not in `kept`); each
+    tensor the fold rescales on the way must be read only there and not be in `kept` either."""
     size = len(inverse)
     if producer.op in ATTENTION_OPS:
-        return _fold_into_values(activation, inverse)
+        return _fold_into_values(activation, inverse, kept)
     if producer.op == "Reshape" and _keeps_last_axis(producer, size):
         # lm_head reads the final norm through a Reshape to [-1, K]: the channels are the same ones.
         source = producer.inputs[0]
         value_readers = [node for node in source.outputs if node.op != "Shape"]  # Shape reads only the shape
-        if value_readers == [producer] and source.inputs:
-            return _fold_into_producer(source.inputs[0], source, inverse)
+        if value_readers == [producer] and source.inputs and source.name not in kept:
+            return _fold_into_producer(source.inputs[0], source, inverse, kept)
         return None
     gamma_input = NORMALIZATION_GAMMA_INPUT.get(producer.op)
     if gamma_input is not None and producer.outputs[0] is activation:
@@ -153,13 +166,14 @@ def _fold_into_producer(producer: gs.Node, activation: gs.Variable, inverse: np.
             return f"folded into Mul {producer.name!r} (constant operand)"
     for operand in producer.inputs:
         source = operand.inputs[0] if operand.inputs else None
-        if source is None or len(operand.outputs) != 1:
+        if source is None or len(operand.outputs) != 1 or operand.name in kept:
             continue
         columns = slice(0, size)
         if source.op == "Split":  # gate and up packed into one MatMul (pack_projections): up's columns of it
             columns = _split_columns(source, operand, size)
             packed = source.inputs[0]
-            source = packed.inputs[0] if columns is not None and len(packed.outputs) == 1 and packed.inputs else None
+            source = (packed.inputs[0] if columns is not None and len(packed.outputs) == 1 and packed.inputs
+                      and packed.name not in kept else None)
         if source is None or source.op != "MatMul":
             continue
         weight = source.inputs[1]
@@ -175,8 +189,8 @@ def _fold_into_producer(producer: gs.Node, activation: gs.Variable, inverse: np.
     return None
 
 
-def _fold_into_values(activation: gs.Variable, inverse: np.ndarray) -> str | None:
-    values = attention_value_tie(activation)
+def _fold_into_values(activation: gs.Variable, inverse: np.ndarray, kept: frozenset) -> str | None:
+    values = attention_value_tie(activation, kept)
     if values is None or len(inverse) != np.prod(values.tie):
         return None
     tied = inverse.reshape(values.tie)
@@ -201,9 +215,10 @@ def _split_columns(split: gs.Node, part: gs.Variable, size: int) -> slice | None
     return slice(start, start + size)
 
 
-def search_awq_scales(targets: list, statistics, memo: dict) -> None:
+def search_awq_scales(targets: list, statistics, memo: dict, kept: frozenset = frozenset()) -> None:
     """Set each AWQ target's input scales: one search per group of targets that read the same activation, so that
-    1/s folds once into what produces it; per-layer overrides may give the group's members different formats."""
+    1/s folds once into what produces it; per-layer overrides may give the group's members different formats.
+    kept: the graph's outputs (graph_outputs), which no fold may rescale."""
     groups: dict[str, list] = {}
     for target in targets:
         if target.settings.method in ("awq", "awq_gptq") and not target.shared_table:
@@ -211,7 +226,7 @@ def search_awq_scales(targets: list, statistics, memo: dict) -> None:
     for index, group in enumerate(groups.values(), 1):
         if index % max(1, len(groups) // 4) == 0 and statistics.calibration is not None:
             statistics.calibration.say(f"awq: scale search {index}/{len(groups)} input groups")
-        values = attention_value_tie(group[0].activation)  # o_proj: tied scales fold into the values, no Mul
+        values = attention_value_tie(group[0].activation, kept)  # o_proj: tied scales fold into the values, no Mul
         tie = values.tie if values is not None else None
         formats = [(t.settings.bits, t.settings.block_size, t.settings.symmetric, t.settings.full_range) for t in group]
         # The layers are in the key: equal weights in two layers (a depth-upscaled model) get their own search.

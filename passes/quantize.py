@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from passes.awq_fold import fold_awq_scales, search_awq_scales
+from passes.awq_fold import fold_awq_scales, graph_outputs, search_awq_scales
 from passes.calibration import CalibrationSet, CalibrationSpec, Statistics, digest
 from passes.errors import PassError
 from passes.graph_export import export_onnx
@@ -338,7 +338,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                         f"through the build, or pass a passes.calibration.CalibrationSet")
     memo = calibration.memo if calibration is not None else {}
     statistics = Statistics(model, targets, calibration)
-    search_awq_scales(targets, statistics, memo)
+    search_awq_scales(targets, statistics, memo, graph_outputs(graph))
     fold_awq_scales(graph, targets)
 
     layers, lowered_ort, lowered_dq, names_dq, names = [], {}, {}, {}, set()

@@ -9,6 +9,7 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from compiler.export import export_graphs
 from compiler.frontend.model import build_decoder
@@ -168,6 +169,50 @@ def test_awq_folds_are_exact_in_float(fused_graphs, decoder_graphs, packed, rota
     inputs.update({i.name: np.zeros([1] + [d.dim_value for d in i.type.tensor_type.shape.dim[1:]], np.float32)
                    for i in model.graph.input if i.name.startswith("past")})
     np.testing.assert_allclose(run_graph(folded, inputs)[0], run_graph(model, inputs)[0], rtol=1e-4, atol=1e-4)
+
+
+def _fold_graph(returned: str) -> onnx.ModelProto:
+    """embedding x -> Mul(gamma) -> hidden -> Reshape [-1, K] -> lm_head, and a gated down_proj reading
+    Mul(Sigmoid(gate), up) of x; `returned` is also a graph output (a caller reads the last hidden state, say)."""
+    rng = np.random.default_rng(0)
+    k, n, vocab = 16, 8, 30
+    weights = {"table": rng.standard_normal((vocab, k)), "gamma": 1 + 0.1 * rng.standard_normal(k),
+               "head": rng.standard_normal((k, n)), "gate": rng.standard_normal((k, k)),
+               "up": rng.standard_normal((k, k)), "down": rng.standard_normal((k, n)), "shape": np.array([-1, k])}
+    node = helper.make_node
+    nodes = [node("Gather", ["table", "input_ids"], ["x"]), node("Mul", ["x", "gamma"], ["hidden"]),
+             node("Reshape", ["hidden", "shape"], ["rows"]), node("MatMul", ["rows", "head"], ["logits"]),
+             node("MatMul", ["x", "gate"], ["gated"]), node("Sigmoid", ["gated"], ["gate_act"]),
+             node("MatMul", ["x", "up"], ["up_out"]), node("Mul", ["gate_act", "up_out"], ["product"]),
+             node("MatMul", ["product", "down"], ["mlp"])]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("logits", "mlp", returned)]
+    initializers = [numpy_helper.from_array(v.astype(np.int64 if name == "shape" else np.float32), name)
+                    for name, v in weights.items()]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 4])],
+                              outputs, initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("returned", ["hidden", "up_out"])
+def test_awq_folds_leave_a_graph_output_as_it_was(returned):
+    """Folded through the Reshape into the norm's Mul (or into up_proj's columns), 1/s changed `hidden` (`up_out`),
+    a graph output: its caller read values off by up to 113. A Mul goes before the group instead, and every output,
+    the returned tensor included, is what it was."""
+    model = _fold_graph(returned)
+    graph = gs.import_onnx(model)
+    rng = np.random.default_rng(1)
+    folds = {}
+    for reader, node_input in (("rows", "head"), ("product", "down")):  # lm_head's and down_proj's groups
+        group = [node for node in graph.nodes if node.op == "MatMul" and node.inputs[1].name == node_input]
+        scales = np.exp(rng.uniform(-1, 1, 16)).astype(np.float32)
+        group[0].inputs[1] = gs.Constant(f"{node_input}_scaled", group[0].inputs[1].values * scales[:, None])
+        folds[reader] = apply_input_scales(graph, group[0].inputs[0], group, scales)
+    blocked = "rows" if returned == "hidden" else "product"
+    assert folds[blocked] == "Mul inserted before the group", folds
+    folded = gs.export_onnx(graph.cleanup().toposort())
+    feeds = {"input_ids": np.array([[3, 1, 4, 1]])}
+    for after, before in zip(run_graph(folded, feeds), run_graph(model, feeds)):
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
