@@ -113,7 +113,8 @@ def match(reduce_mean: gs.Node, graph_outputs: set[str], graph_inputs: frozenset
 
     add_eps = _only_consumer(reduce_mean, "Add", graph_outputs)
     epsilon = _constant_operand(add_eps, reduce_mean.outputs[0]) if add_eps is not None else None
-    constants = [square.inputs[1], add_eps.inputs[0], add_eps.inputs[1]] if add_eps is not None else []
+    exponent = [square.inputs[1]] if square.op == "Pow" else []  # Mul(x, x) reads x twice: no exponent
+    constants = [*exponent, add_eps.inputs[0], add_eps.inputs[1]] if add_eps is not None else []
     if any(tensor.name in graph_inputs for tensor in constants):  # baked into the fused node, a fed value is ignored
         return skip("constant_is_graph_input: the exponent or epsilon is an initializer that the graph's caller may "
                     "override")

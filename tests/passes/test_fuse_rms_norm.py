@@ -304,3 +304,15 @@ def test_an_epsilon_that_is_also_a_graph_input_stays_overridable():
     feeds = feeds_for(rms_norm_model())
     for fed in ({}, {"eps": np.array(1.0, np.float32)}):
         assert max_difference(model, fused, {**feeds, **fed}) == 0.0
+
+
+def test_a_square_written_as_mul_of_a_graph_input_fuses():
+    """Mul(x, x) on a graph input x (a graph that takes inputs_embeds) was skipped as constant_is_graph_input: its
+    second input, x itself, was taken for a Pow's exponent."""
+    model = rms_norm_model()
+    square = next(node for node in model.graph.node if node.op_type == "Pow")
+    square.op_type, square.input[1] = "Mul", square.input[0]
+    assert square.input[0] in [i.name for i in model.graph.input]
+    fused, report = fuse(model)
+    assert report["fused"] == 1 and report["skipped"] == [], report
+    assert max_difference(model, fused, feeds_for(model)) < 1e-5
