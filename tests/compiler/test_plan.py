@@ -142,6 +142,7 @@ def with_required_fields(manifest: dict) -> dict:
             manifest[key] = {**value, **manifest.get(key, {})}
         else:
             manifest.setdefault(key, value)
+    manifest["model"].get("config", {}).setdefault("architecture", "llama")  # every built config has it
     return manifest
 
 
