@@ -237,10 +237,20 @@ def measure_all(backends: dict, prompt_ids: list[int], new_tokens: int, repeats:
         for run in made:
             if len(run.token_ids) != new_tokens:
                 raise RuntimeError(f"{name} made {len(run.token_ids)} tokens, not {new_tokens}")
-        median = sorted(made, key=lambda run: run.token_times_s[-1])[len(made) // 2]
-        results[name] = {"median": median.metrics(), "runs": [run.metrics() for run in made],
-                         "token_ids": median.token_ids}
+        metrics = [run.metrics() for run in made]
+        # each metric's own median over the repeats (not one run's metrics: the run of median E2E need not have
+        # the median TTFT); ratios between backends are paired per repeat (paired_ratios)
+        results[name] = {"median": {key: float(np.median([m[key] for m in metrics])) for key in metrics[0]},
+                         "runs": metrics, "token_ids": made[0].token_ids}
     return results
+
+
+def paired_ratios(results: dict, reference: str, keys=("tpot_ms", "ttft_ms")) -> dict[str, dict[str, float]]:
+    """Per backend, per key: the median over repeats of its run r over the reference's run r (measure_all runs every
+    backend once per repeat, back to back, so a pair saw the same minute of the host, which drifts by a third)."""
+    runs = results[reference]["runs"]
+    return {name: {key: paired_median([run[key] for run in result["runs"]], [ref[key] for ref in runs]) for key in keys}
+            for name, result in results.items()}
 
 
 def agreement(results: dict) -> dict:
@@ -254,14 +264,14 @@ def agreement(results: dict) -> dict:
 
 
 def render(results: dict, console: Console) -> None:
-    table = Table(title="generation latency (median run)")
+    table = Table(title="generation latency (each metric's median over the repeats; ratios paired per repeat)")
     for column in ("backend", "TTFT ms", "prefill ms", "TPOT ms", "ITL p50 ms", "ITL p95 ms", "ITL p99 ms",
                    "decode tok/s", "TPOT / genai", "TTFT / genai"):
         table.add_column(column, justify="left" if column == "backend" else "right")
-    genai = results.get(Genai.name, {}).get("median")
+    ratios_to_genai = paired_ratios(results, Genai.name) if Genai.name in results else {}
     for name, result in results.items():
         m = result["median"]
-        ratios = [f"{m[k] / genai[k]:.2f}x" if genai else "-" for k in ("tpot_ms", "ttft_ms")]
+        ratios = [f"{ratios_to_genai[name][k]:.2f}x" if ratios_to_genai else "-" for k in ("tpot_ms", "ttft_ms")]
         table.add_row(name, f"{m['ttft_ms']:.1f}", f"{m['prefill_ms']:.1f}", f"{m['tpot_ms']:.2f}",
                       f"{m['itl_p50_ms']:.2f}", f"{m['itl_p95_ms']:.2f}", f"{m['itl_p99_ms']:.2f}",
                       f"{m['decode_tokens_per_s']:.1f}", *ratios)

@@ -36,6 +36,8 @@ def test_runs_interleave_with_a_rotating_order_and_medians_are_per_backend():
     assert log == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]  # warm-ups, then rotated rounds
     assert [result[name]["median"]["e2e_ms"] for name in "abc"] == [2000.0, 5000.0, 8000.0]
     assert all(len(result[name]["runs"]) == 3 for name in "abc")
+    # ratios pair each repeat's runs (b's 6, 4, 5 s over a's 1, 2, 3 s), not one median over another (5 / 2 = 2.5)
+    assert generate.paired_ratios(result, "a", keys=("e2e_ms",))["b"]["e2e_ms"] == pytest.approx(2.0)
 
 
 def test_a_backend_that_stops_early_is_an_error():
