@@ -76,12 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
         task = progress.add_task("prefill A/B", total=len(lengths) * args.runs)
         for length in lengths:
             ids = prompt[:length]
-            logits = {kind: graph.timed_prefill(ids)[1] for kind, graph in graphs.items()}  # also the warm-up
+            logits = {kind: graph.graph_prefill(ids)[1] for kind, graph in graphs.items()}  # also the warm-up
             difference = float(np.abs(logits["with"] - logits["without"]).max())
             seconds = {kind: [] for kind in graphs}
             for run in range(args.runs):
                 for kind in (("without", "with") if run % 2 == 0 else ("with", "without")):
-                    seconds[kind].append(graphs[kind].prefill(ids))
+                    seconds[kind].append(graphs[kind].graph_prefill(ids)[0])
                 progress.advance(task)
             median = {kind: statistics.median(values) for kind, values in seconds.items()}
             results[str(length)] = {
@@ -146,9 +146,9 @@ def reference_distance(graphs: dict, reference: AotlmPhases, windows: int, token
     found = {kind: {"kl": [], "top1": []} for kind in graphs}
     for start in starts:
         ids = text[start:start + tokens]
-        expected = log_softmax(last(reference.timed_prefill(ids)[1]))
+        expected = log_softmax(last(reference.graph_prefill(ids)[1]))
         for kind, graph in graphs.items():
-            got = log_softmax(last(graph.timed_prefill(ids)[1]))
+            got = log_softmax(last(graph.graph_prefill(ids)[1]))
             found[kind]["kl"].append(float((np.exp(expected) * (expected - got)).sum()))
             found[kind]["top1"].append(float(got.argmax() == expected.argmax()))
     return {kind: {"mean_kl": statistics.fmean(f["kl"]), "top1_agreement": statistics.fmean(f["top1"])}

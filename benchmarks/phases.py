@@ -9,12 +9,17 @@ recipe `model` section) and real prompt tokens (Python's docs, pydoc_data.topics
 
 Decode at context C: the cache is filled with C real tokens (aotlm: one prefill-graph run; genai: append_tokens
 on a fresh Generator, max_length 2100), then WARMUP_STEPS decode steps, then --steps timed consecutive steps,
-each one token: forward over the cache + greedy choice of the next token (aotlm: decode graph + argmax; genai:
-generate_next_token). The steps sit at positions C+k, as in real generation. Per measurement: median and p90
+each one token: forward over the cache + greedy choice of the next token (aotlm: the gaps between
+Engine.generate's tokens, which also detokenize and check stops, as a user's tokens do; genai: generate_next_token,
+which does not detokenize). The steps sit at positions C+k, as in real generation. Per measurement: median and p90
 of the step times.
-Prefill of L tokens: one warm-up run, then --prefill-runs timed runs of the prompt's forward pass (aotlm: the
-prefill graph over the bound cache; genai: append_tokens on a fresh Generator, created outside the timing);
-the median run counts.
+Prefill of L tokens: one warm-up run, then --prefill-runs timed runs (aotlm: Engine.generate's TTFT for the ids,
+the prefill graph + the first token's choice; genai: append_tokens on a fresh Generator, created outside the
+timing, which runs the prompt but does not choose a token yet); the median run counts. Both scopes put a little
+more work on aotlm's side (until session 41 aotlm's timed the graphs + argmax alone).
+aotlm's engines load with Engine.load's defaults, huge pages included (its weights on 2 MiB pages, 5-8% off a decode
+step where the kernel's transparent huge pages are in madvise mode); genai's weights stay where it put them.
+The JSON records the mode and what the engines got (settings.huge_pages).
 
 Noise: the 2-core VMs this runs on are shared, so the backends are interleaved -- for each context every
 backend is measured in turn (the order rotates from one repeat to the next) -- and the whole sweep is repeated
@@ -72,38 +77,37 @@ class AotlmPhases:
         self.name = name
         # allocates and binds the cache once; the decode session spins on between steps (`aotlm run`'s setting)
         self.engine = Engine.load(artifact, intra_op_threads=threads, spin_after_run=SINGLE_STREAM_SPIN)
-        self.backend = self.engine.backend
         self.max_context = self.engine.max_context
-        self.mask = np.ones((1, self.max_context), dtype=np.int64)
+
+    def graph_prefill(self, prompt_ids: list[int]) -> tuple[float, np.ndarray]:
+        """The prefill graph alone over the bound cache: (seconds, logits). For A/B of graphs (pass_ab.py), where
+        the engine's work around the graph is the same on both sides."""
+        ids = np.array([prompt_ids], dtype=np.int64)
+        positions = np.arange(len(prompt_ids), dtype=np.int64)[None]
+        mask = np.ones((1, len(prompt_ids)), dtype=np.int64)
+        with self.engine.batch_one():  # the engine's own cache, which its requests use too
+            started = time.perf_counter()
+            logits = self.engine.backend.run("prefill", ids, positions, mask)
+            return time.perf_counter() - started, logits
 
     def prefill(self, prompt_ids: list[int]) -> float:
-        return self.timed_prefill(prompt_ids)[0]
-
-    def timed_prefill(self, prompt_ids: list[int]) -> tuple[float, np.ndarray]:
-        length = len(prompt_ids)
-        ids = np.array([prompt_ids], dtype=np.int64)
-        positions = np.arange(length, dtype=np.int64)[None]
-        started = time.perf_counter()
-        logits = self.backend.run("prefill", ids, positions, self.mask[:, :length])
-        return time.perf_counter() - started, logits
+        """The engine's TTFT for the prompt's ids: prefill graph + the first token's choice, through Engine.generate
+        (the product's path, no tokenization: ids are given)."""
+        result = self.engine.generate(prompt_ids, max_new_tokens=1, stop_token_ids=())
+        return result.timings.ttft_s
 
     def decode(self, prompt_ids: list[int], steps: int) -> list[float]:
+        """The gaps between the engine's tokens after the prompt (Engine.generate's timings): each a decode-graph run
+        over the cache + the sampler's choice + detokenizing + the stop checks, all a user's token costs. Until
+        session 41 this timed the graph + argmax alone, 0.1-0.2 ms a token less (RESULTS.md)."""
         length = len(prompt_ids)
         if length + WARMUP_STEPS + steps > self.max_context:
             raise SystemExit(f"{self.name}: context {length} + {WARMUP_STEPS + steps} steps exceed max context {self.max_context}")
-        _, logits = self.timed_prefill(prompt_ids)  # fill the cache with the context's real keys and values
-        token = int(np.argmax(logits[0]))
-        times = []
-        for step in range(WARMUP_STEPS + steps):
-            started = time.perf_counter()
-            logits = self.backend.run("decode", np.array([[token]], dtype=np.int64),
-                                      np.array([[length]], dtype=np.int64), self.mask[:, : length + 1])
-            token = int(np.argmax(logits[0, -1]))
-            elapsed = time.perf_counter() - started
-            length += 1
-            if step >= WARMUP_STEPS:
-                times.append(elapsed)
-        return times
+        # the first token comes from the prefill; the k-th gap after it is the step at position length + k
+        result = self.engine.generate(prompt_ids, max_new_tokens=WARMUP_STEPS + steps + 1, stop_token_ids=())
+        if len(result.token_ids) != WARMUP_STEPS + steps + 1:
+            raise RuntimeError(f"{self.name}: made {len(result.token_ids)} tokens, not {WARMUP_STEPS + steps + 1}")
+        return result.timings.itl_s[WARMUP_STEPS:]
 
 
 class GenaiPhases:
@@ -394,7 +398,10 @@ def main(argv: list[str] | None = None) -> dict:
                      "prompt_source": "pydoc_data.topics (sorted, joined)", "interleaved": True,
                      "max_other_cores": args.max_other_cores, "retries": args.retries,
                      "machine_bandwidth_bytes_per_s": bandwidth,
-                     "decode_step": "forward over the filled cache + greedy next token; positions C+k"},
+                     "decode_step": "forward over the filled cache + greedy next token; positions C+k",
+                     "aotlm_timing": "Engine.generate: TTFT for prefill, the gaps between tokens for decode",
+                     "huge_pages": {name: backend.engine.huge_pages for name, backend in backends.items()
+                                    if isinstance(backend, AotlmPhases)}},
         "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": load_after},
         "versions": versions(), "setup_s": setup_s, "sweep_s": sweep_s,
         "decode": {name: {str(k): v for k, v in by.items()} for name, by in summary["decode"].items()},
