@@ -55,18 +55,43 @@ def _aligned(start: int, end: int) -> tuple[int, int]:
     return (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
 
 
+GUARD_MAX = 2**20  # a thread stack's guard: an inaccessible mapping this small right below it
+
+
 def private_anonymous_mappings(min_bytes: int = MIN_MAPPING) -> list[tuple[int, int]]:
-    """[start, end) of this process's writable private anonymous mappings (and the heap) of at least min_bytes."""
-    found = []
+    """[start, end) of this process's writable private anonymous mappings (and the heap) of at least min_bytes,
+    thread stacks left out: glibc maps each (onnxruntime's pool threads' 8 MiB) right above an inaccessible guard
+    page, and most of a stack is never touched, so there is nothing to gain and MADV_COLLAPSE refuses them."""
+    found, previous = [], None
     with open("/proc/self/maps", encoding="ascii") as maps:
         for line in maps:
             fields = line.split()
             start, end = (int(x, 16) for x in fields[0].split("-"))
             path = fields[5] if len(fields) > 5 else ""
+            guarded = previous is not None and previous[1] == start and previous[2] == "---p" and \
+                previous[1] - previous[0] <= GUARD_MAX
             if fields[1].startswith("rw") and fields[1].endswith("p") and path in ("", "[heap]") \
-                    and end - start >= min_bytes:
+                    and end - start >= min_bytes and not guarded:
                 found.append((start, end))
+            previous = (start, end, fields[1])
     return found
+
+
+def _outside(ranges: list[tuple[int, int]], excluded: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of `ranges` that no range of `excluded` covers (both [start, end), `excluded` sorted)."""
+    parts = []
+    for start, end in ranges:
+        for low, high in excluded:
+            if high <= start or low >= end:
+                continue
+            if low > start:
+                parts.append((start, low))
+            start = max(start, high)
+            if start >= end:
+                break
+        if start < end:
+            parts.append((start, end))
+    return parts
 
 
 def collapse_large_mappings(min_bytes: int = MIN_MAPPING, exclude: set | None = None) -> dict:
@@ -74,8 +99,10 @@ def collapse_large_mappings(min_bytes: int = MIN_MAPPING, exclude: set | None = 
     thp_mode, mappings, bytes (2 MiB-aligned bytes asked for), collapsed (bytes MADV_COLLAPSE accepted), seconds,
     and skipped (why nothing was done) or errors (errno names of refused calls, counted).
 
-    exclude: mappings (start, end) to leave alone, e.g. those that existed before the engine loaded: the caller's
-    own memory (a test process's GBs, say) is not the engine's to rebuild, and would cost load time."""
+    exclude: address ranges (start, end) to leave alone, e.g. the mappings that existed before the engine loaded:
+    the caller's own memory (a test process's GBs, say) is not the engine's to rebuild, and would cost load time.
+    Compared by address, not as whole mappings: the kernel often merges a new allocation into the mapping beside
+    it, and the merged mapping then holds both, of which only the new part is collapsed."""
     report = {"thp_mode": thp_mode(), "mappings": 0, "bytes": 0, "collapsed": 0, "seconds": 0.0}
     madvise = _madvise()
     if madvise is None or report["thp_mode"] in (None, "never"):
@@ -85,9 +112,7 @@ def collapse_large_mappings(min_bytes: int = MIN_MAPPING, exclude: set | None = 
         return report
     errors: dict[str, int] = {}
     started = time.perf_counter()
-    for start, end in private_anonymous_mappings(min_bytes):
-        if exclude and (start, end) in exclude:
-            continue
+    for start, end in _outside(private_anonymous_mappings(min_bytes), sorted(exclude or ())):
         low, high = _aligned(start, end)
         if high <= low:
             continue
@@ -102,8 +127,9 @@ def collapse_large_mappings(min_bytes: int = MIN_MAPPING, exclude: set | None = 
                 errors[name] = errors.get(name, 0) + 1
     report["seconds"] = time.perf_counter() - started
     if errors:
-        # EINVAL on a kernel before 6.1 (no MADV_COLLAPSE: the mapping is still marked, khugepaged collapses it
-        # later); EAGAIN/ENOMEM when no free 2 MiB pages could be found for part of a mapping.
+        # EINVAL: a kernel before 6.1 (no MADV_COLLAPSE: the mapping is still marked, khugepaged collapses it
+        # later), or a range it will not collapse; EAGAIN/ENOMEM when no free 2 MiB pages could be found for part
+        # of a mapping.
         report["errors"] = errors
     return report
 

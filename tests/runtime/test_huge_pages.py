@@ -73,6 +73,65 @@ def test_mappings_that_existed_before_are_left_alone():
     assert huge_bytes(values) >= 32 * 2**20
 
 
+def test_excluded_ranges_are_cut_out_of_the_mappings_by_address():
+    """A caller's mapping that the engine's allocation merged into: compared as whole (start, end) pairs, the merged
+    mapping no longer matched and the caller's part was collapsed too."""
+    mib = 2**20
+    assert huge_pages._outside([(0, 300 * mib)], [(0, 200 * mib)]) == [(200 * mib, 300 * mib)]  # merged after it
+    assert huge_pages._outside([(0, 300 * mib)], [(100 * mib, 200 * mib)]) == [(0, 100 * mib), (200 * mib, 300 * mib)]
+    assert huge_pages._outside([(0, 300 * mib)], [(400 * mib, 500 * mib)]) == [(0, 300 * mib)]
+    assert huge_pages._outside([(0, 300 * mib)], [(0, 100 * mib), (100 * mib, 300 * mib)]) == []
+
+
+@needs_thp
+def test_a_new_allocation_merged_into_an_existing_mapping_is_collapsed_alone():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size, huge, map_fixed = 32 * 2**20, 2 * 2**20, 0x10
+    flags, protection = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE
+    reserved = libc.mmap(None, 2 * size + huge, 0, flags, -1, 0)  # PROT_NONE: address space for both, unusable
+    old = (reserved + huge - 1) // huge * huge
+    try:
+        assert libc.mmap(old, size, protection, flags | map_fixed, -1, 0) == old
+        ctypes.memset(old, 1, size)  # the caller's memory, before the load
+        existing = huge_pages.private_anonymous_mappings(0)
+        assert libc.mmap(old + size, size, protection, flags | map_fixed, -1, 0) == old + size  # the engine's
+        ctypes.memset(old + size, 2, size)
+        merged = [(start, end) for start, end in huge_pages.private_anonymous_mappings(0) if start <= old < end]
+        if not merged or merged[0][1] < old + 2 * size:
+            pytest.skip("the kernel kept the two mappings apart: nothing merged to test")
+        report = huge_pages.collapse_large_mappings(exclude=set(existing))
+        assert size <= report["bytes"] < 2 * size, report  # the new part (and what else appeared), not old's too
+    finally:
+        libc.munmap(reserved, 2 * size + huge)
+
+
+def test_thread_stacks_are_not_among_the_mappings():
+    """onnxruntime's pool threads' 8 MiB stacks were advised and collapsed: mostly untouched, they cost time, and
+    MADV_COLLAPSE refused them (EINVAL, reported as an old kernel)."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    thread = threading.Thread(target=lambda: (started.set(), release.wait()))
+    thread.start()
+    started.wait()
+    try:
+        lines = [line.split() for line in open("/proc/self/maps")]
+        spans = [tuple(int(x, 16) for x in fields[0].split("-")) for fields in lines]
+        stacks = {spans[i] for i in range(1, len(lines)) if lines[i - 1][1] == "---p" and spans[i - 1][1] == spans[i][0]
+                  and spans[i - 1][1] - spans[i - 1][0] <= huge_pages.GUARD_MAX and lines[i][1] == "rw-p"
+                  and len(lines[i]) == 5 and spans[i][1] - spans[i][0] >= 8 * 2**20 - 2**20}
+        assert stacks, "no thread stack found above a guard page: the check below would say nothing"
+        assert not stacks & set(huge_pages.private_anonymous_mappings(0))
+    finally:
+        release.set()
+        thread.join()
+
+
 @needs_thp
 def test_an_advised_array_faults_in_on_huge_pages():
     array = np.empty(32 * 2**20, dtype=np.uint8)
