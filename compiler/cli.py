@@ -340,6 +340,9 @@ def _bench(args) -> None:
         wide.print(table)
     if len(runs) > 1:
         wide.print(bench.compare_table(result))
+    if len(runs) > 1:  # each backend served once, one after another: a shared host's drift is in the ratios
+        wide.print("[dim]one run per backend, one after another: on a shared machine repeat the command and compare "
+                   "medians (benchmarks/ pair their runs round by round)[/dim]", highlight=False)
     if baselines and args.prefix_caching:
         wide.print(f"[dim]aotlm served with prefix caching; {', '.join(baselines)} without it[/dim]", highlight=False)
     if baselines:  # a quantized artifact against float peers: say so beside the numbers

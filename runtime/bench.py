@@ -310,12 +310,43 @@ def trace_record(trace: RequestTrace, t0: float) -> dict:
 
 
 def report(settings: dict, runs: dict[str, list[RequestTrace]], slo: dict | None = None) -> dict:
-    """{settings, backends: {name: {summary, traces}}}; the first backend is the reference for ratios."""
+    """{settings, machine, backends: {name: {summary, traces}}}; the first backend is the reference for ratios."""
     backends = {}
     for name, traces in runs.items():
         t0 = min(t.arrival for t in traces)
         backends[name] = {"summary": summarize(traces, slo=slo), "traces": [trace_record(t, t0) for t in traces]}
-    return {"settings": settings, "backends": backends}
+    return {"settings": settings, "machine": machine(), "backends": backends}
+
+
+ISA_FLAGS = {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile"}  # MLAS picks kernels by
+
+
+def machine() -> dict:
+    """What a run's numbers depend on besides its settings: the CPU and its vector extensions (onnxruntime's
+    kernels), the huge-pages mode, the Python and onnxruntime versions."""
+    import os
+    import platform
+
+    from runtime.huge_pages import thp_mode
+
+    cpuinfo = {}
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                cpuinfo.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(cpuinfo.get("flags", "").split())
+    try:
+        import onnxruntime
+        runtime_version = onnxruntime.__version__
+    except ImportError:
+        runtime_version = None
+    return {"cpu": cpuinfo.get("model name") or platform.processor(), "cpu_count": os.cpu_count(),
+            "isa_flags": sorted(flags & ISA_FLAGS),
+            "transparent_hugepage": thp_mode(), "platform": platform.platform(), "python": platform.python_version(),
+            "onnxruntime": runtime_version}
 
 
 def compare_table(result: dict):

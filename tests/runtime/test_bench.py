@@ -5,9 +5,11 @@ Timings are never asserted, only their order and the structure they must have (o
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from rich.console import Console
 
@@ -159,6 +161,8 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
     assert cli.main(["bench", str(tiny_artifact), "--requests", "3", "--arrival", "poisson", "--rate", "500",
                      "--prompt-tokens", "8:16", "--output-tokens", "4", "--slo-tpot-ms", "1000", "--out", str(out)]) == 0
     assert out.is_file() and (tmp_path / "b-timeline.png").stat().st_size > 0
+    machine = json.loads(out.read_text())["machine"]  # what the numbers depend on, for whoever reads them later
+    assert machine["cpu_count"] == os.cpu_count() and machine["onnxruntime"] == ort.__version__
     assert "goodput" in capsys.readouterr().err
     import compiler.plan
 
