@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import REPO, RESULTS, machine_info, prompt_token_ids, versions, write_result  # noqa: E402
+from generate import REPO, RESULTS, machine_info, paired_median, prompt_token_ids, versions, write_result  # noqa: E402
 
 from runtime import Engine  # noqa: E402
 from runtime.bench import BenchError, parse_range  # noqa: E402
@@ -137,7 +137,7 @@ def summary(runs: list[dict]) -> dict:
 
 def render(results: list[dict], args, console: Console) -> None:
     table = Table(title=f"onnxruntime threads after a run: stopped (default), decode only spinning, both spinning; "
-                        f"medians of {args.repeats} rotating repeats")
+                        f"medians of {args.repeats} rotating repeats, ratios paired per repeat")
     columns = (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), (f"gap, first {args.early} ms", "early_gap_ms"),
                ("gap, later ms", "later_gap_ms"), ("continuous tok/s", "continuous_tokens_per_s"),
                ("static tok/s", "static_tokens_per_s"))
@@ -147,10 +147,10 @@ def render(results: list[dict], args, console: Console) -> None:
         *others, base = ARMS
         for label, values in result["median"].items():
             table.add_row(Path(result["artifact"]).name, label, *(f"{values[key]:.2f}" for _, key in columns))
-        for label in others:
-            arm, spinning = result["median"][label], result["median"][base]
-            table.add_row("", f"{label} / {base}", *(f"{arm[key] / spinning[key]:.2f}x" for _, key in columns),
-                          style="bold")
+        for label in others:  # paired: each repeat ran every arm back to back
+            ratios = {key: paired_median([summary([run])[key] for run in result["runs"][label]],
+                                         [summary([run])[key] for run in result["runs"][base]]) for _, key in columns}
+            table.add_row("", f"{label} / {base}", *(f"{ratios[key]:.2f}x" for _, key in columns), style="bold")
     console.print(table)
 
 
