@@ -294,20 +294,29 @@ def quantized_dtypes(passes: list) -> dict:
 
 
 def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, scale_bytes: int) -> float:
-    """Bytes of a recipe's quantized weights as the quantize pass stores them: codes, one scale per block (INT4: the
-    recipe's block, at most the power of two holding K; INT8 on MatMulNBits: per int8_kernel_block, else per
-    channel), a zero point per block when asymmetric, the norms in float, and the embedding table in float unless
-    `embedding: quantized` (a tied table then also serves the lm_head)."""
-    products = counts["attention"] + counts["mlp"] + config.vocab_size * config.hidden_size  # lm_head, tied or not
-    return (products * _quantized_bytes_per_param(config, options, scale_bytes)
+    """Bytes of a recipe's quantized weights as the quantize pass stores them: codes, one scale per block of the
+    product's own K (INT4: the recipe's block; INT8 on MatMulNBits: int8_kernel_block, else the channel's scale
+    repeated over the largest power of two <= 256 dividing K, as passes/quantized_lowering_ort.for_matmulnbits
+    stores it; either at most the power of two holding K), a zero point per block when asymmetric, the norms in
+    float, and the embedding table in float unless `embedding: quantized` (a tied table then also serves the
+    lm_head)."""
+    h, q, layers = config.hidden_size, config.num_heads * config.head_dim, config.num_layers
+    o_proj = layers * q * h  # its K is the heads' width; every other product but down_proj reads the hidden size
+    down_proj = layers * config.intermediate_size * h  # K = intermediate_size
+    reading_hidden = counts["attention"] - o_proj + counts["mlp"] - down_proj + config.vocab_size * h  # + lm_head
+    return (reading_hidden * _quantized_bytes_per_param(config, options, scale_bytes)
+            + o_proj * _quantized_bytes_per_param(config, options, scale_bytes, k=q)
+            + down_proj * _quantized_bytes_per_param(config, options, scale_bytes, k=config.intermediate_size)
             + gathered_table_bytes(counts, config, options, scale_bytes) + counts["norms"] * scale_bytes)
 
 
-def _quantized_bytes_per_param(config: DecoderConfig, options: dict, scale_bytes: int) -> float:
+def _quantized_bytes_per_param(config: DecoderConfig, options: dict, scale_bytes: int, k: int | None = None) -> float:
+    """Stored bytes per weight of a product with K = k (default: the hidden size)."""
+    k = k or config.hidden_size
     bits, block = options.get("bits", 4), options.get("block_size", INT4_BLOCK)
     if bits == 8:
-        block = options.get("int8_kernel_block") or config.hidden_size
-    block = min(block, max(16, 1 << (config.hidden_size - 1).bit_length()))
+        block = options.get("int8_kernel_block") or next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 128)
+    block = min(block, max(16, 1 << (k - 1).bit_length()))
     return bits / 8 + scale_bytes / block + (0.5 / block if bits == 4 and not options.get("symmetric", True) else 0)
 
 

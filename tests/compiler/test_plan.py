@@ -322,6 +322,29 @@ def test_a_quantized_recipe_defaults_to_its_precisions(tmp_path):
                                                                                             + counts["mlp"]))
 
 
+def test_int8_scales_are_counted_per_block_of_each_products_own_k(tmp_path):
+    """INT8 without int8_kernel_block was counted as one scale per hidden_size weights. The lowering repeats each
+    channel's scale over the largest power-of-two block <= 256 dividing the product's K (for_matmulnbits), and
+    down_proj's K is intermediate_size: SmolLM2's int8 recipe planned 135.6 MB where 141.8 MB are stored."""
+    import numpy as np
+
+    from passes.quantized_lowering_ort import for_matmulnbits
+    from passes.quantized_weights import quantize_rtn
+
+    stored_block = {k: for_matmulnbits(quantize_rtn(np.ones((k, 8), np.float32), 8, k, True)).block_size
+                    for k in (64, 128)}  # the tiny model's hidden and intermediate sizes, as the pass lowers them
+    assert stored_block == {64: 64, 128: 128}
+    recipe = tmp_path / "tiny-int8.yaml"
+    recipe.write_text(TINY_RECIPE.read_text().replace(
+        "  - pack_projections", "  - pack_projections\n  - quantize: {bits: 8, method: rtn}"))
+    result = plan(str(recipe), device="H100")
+    counts = result["params"]
+    down = 2 * 64 * 128  # two layers' down_proj, K = 128
+    reading_hidden = counts["attention"] + counts["mlp"] - down + 512 * 64  # o_proj's K (4 x 16) is 64 too
+    assert result["weights"] == pytest.approx(reading_hidden * (1 + 4 / stored_block[64]) + down * (
+        1 + 4 / stored_block[128]) + counts["embedding"] * 4 + counts["norms"] * 4)
+
+
 def test_a_tensorrt_artifact_is_planned_on_cpu_but_not_timed(tmp_path, fake_cpu, monkeypatch):
     manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x", "recipe": {"export": {"dtype": "float16"}},
                 "backend": {"name": "tensorrt"}, "tokenizer": {}, "engines": {}, "files": {},
