@@ -24,23 +24,31 @@ from pathlib import Path
 from compiler.errors import BuildError
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig
 
-# Dense peaks (NVIDIA's datasheets mark Tensor Core figures "with sparsity", twice these): memory in decimal
-# bytes as published, bandwidth in bytes/s, fp16 = dense FP16 Tensor FLOP/s, int8 = dense INT8 Tensor OP/s.
+# Dense peaks (NVIDIA's datasheets mark Tensor Core figures "with sparsity", twice these): bandwidth in bytes/s,
+# fp16 = dense FP16 Tensor FLOP/s, int8 = dense INT8 Tensor OP/s. Memory: the total nvidia-smi reports, in bytes
+# (MiB x 2**20). A datasheet's "80 GB" is nearer 80 GiB than 80e9 bytes: the H100's 81,559 MiB are 85.5e9 bytes.
+MIB = 2**20
 DEVICES = {
-    # NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3, 3.35 TB/s, FP16 Tensor 1,979* TFLOPS, INT8 Tensor 3,958* TOPS
-    "H100": dict(name="NVIDIA H100 SXM 80GB", memory=80e9, bandwidth=3.35e12, fp16=989e12, int8=1979e12),
-    # NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e, 4.8 TB/s, the H100 SXM's Tensor Core figures
-    "H200": dict(name="NVIDIA H200 SXM 141GB", memory=141e9, bandwidth=4.8e12, fp16=989e12, int8=1979e12),
-    # NVIDIA A100 datasheet, A100 80GB SXM: 2,039 GB/s, FP16 Tensor 312 (624*) TFLOPS, INT8 624 (1,248*) TOPS
-    "A100": dict(name="NVIDIA A100 SXM 80GB", memory=80e9, bandwidth=2.039e12, fp16=312e12, int8=624e12),
+    # NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3, 3.35 TB/s, FP16 Tensor 1,979* TFLOPS, INT8 Tensor 3,958* TOPS;
+    # nvidia-smi: 81,559 MiB
+    "H100": dict(name="NVIDIA H100 SXM 80GB", memory=81559 * MIB, bandwidth=3.35e12, fp16=989e12, int8=1979e12),
+    # NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e, 4.8 TB/s, the H100 SXM's Tensor Core figures; nvidia-smi:
+    # 143,771 MiB
+    "H200": dict(name="NVIDIA H200 SXM 141GB", memory=143771 * MIB, bandwidth=4.8e12, fp16=989e12, int8=1979e12),
+    # NVIDIA A100 datasheet, A100 80GB SXM: 2,039 GB/s, FP16 Tensor 312 (624*) TFLOPS, INT8 624 (1,248*) TOPS;
+    # nvidia-smi: 81,920 MiB
+    "A100": dict(name="NVIDIA A100 SXM 80GB", memory=81920 * MIB, bandwidth=2.039e12, fp16=312e12, int8=624e12),
     # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, FP16 Tensor 362.05 (733*) TFLOPS, FP8 733 (1,466*) TFLOPS;
-    # INT8 runs at the FP8 rate on Ada (the L40 datasheet lists INT8 = FP8)
-    "L40S": dict(name="NVIDIA L40S 48GB", memory=48e9, bandwidth=0.864e12, fp16=362e12, int8=733e12),
-    # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, FP16 Tensor 242* TFLOPS, INT8 485* TOPS (lists only sparse; / 2)
-    "L4": dict(name="NVIDIA L4 24GB", memory=24e9, bandwidth=0.3e12, fp16=121e12, int8=242.5e12),
+    # INT8 runs at the FP8 rate on Ada (the L40 datasheet lists INT8 = FP8); nvidia-smi: 46,068 MiB (ECC on)
+    "L40S": dict(name="NVIDIA L40S 48GB", memory=46068 * MIB, bandwidth=0.864e12, fp16=362e12, int8=733e12),
+    # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, FP16 Tensor 242* TFLOPS, INT8 485* TOPS (lists only sparse; / 2);
+    # nvidia-smi: 23,034 MiB
+    "L4": dict(name="NVIDIA L4 24GB", memory=23034 * MIB, bandwidth=0.3e12, fp16=121e12, int8=242.5e12),
     # NVIDIA Ada Lovelace whitepaper, RTX 4090: 24 GB GDDR6X, 1,008 GB/s; FP16 Tensor with FP32 accumulate 165.2
-    # (330.4*) TFLOPS (330.3 with FP16 accumulate; frameworks accumulate in FP32), INT8 Tensor 660.6 (1,321.2*) TOPS
-    "RTX4090": dict(name="NVIDIA GeForce RTX 4090", memory=24e9, bandwidth=1.008e12, fp16=165.2e12, int8=660.6e12),
+    # (330.4*) TFLOPS (330.3 with FP16 accumulate; frameworks accumulate in FP32), INT8 Tensor 660.6 (1,321.2*) TOPS;
+    # nvidia-smi: 24,564 MiB
+    "RTX4090": dict(name="NVIDIA GeForce RTX 4090", memory=24564 * MIB, bandwidth=1.008e12, fp16=165.2e12,
+                    int8=660.6e12),
     "cpu": None,  # this machine, measured (measure_cpu) and cached under ~/.cache/aotlm/
 }
 ALIASES = {"h100sxm": "H100", "h100sxm5": "H100", "h200sxm": "H200", "a10080gb": "A100", "a100sxm": "A100",
@@ -405,13 +413,20 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     kv_dtype = kv_dtype or info.get("kv_dtype") or ("fp16" if gpu else "fp32")
     if precision not in WEIGHT_BYTES or kv_dtype not in KV_BYTES:
         raise BuildError(f"precision must be one of {', '.join(WEIGHT_BYTES)}; kv dtype one of {', '.join(KV_BYTES)}")
-    context = (info.get("context") or config.max_position_embeddings) if context is None else context
+    # The build refuses a cache longer than a sliding window (the decoder attends to the whole cache): the default
+    # context is at most the window, and a longer one is refused as the build would.
+    longest = min(config.max_position_embeddings, config.sliding_window or config.max_position_embeddings)
+    context = (info.get("context") or longest) if context is None else context
     prompt = min(512, context) if prompt is None else prompt
     if min(context, concurrency, prompt) < 1:
         raise BuildError("--context, --concurrency and --prompt must be at least 1")
     if context > config.max_position_embeddings:  # an error: the decoder has plain RoPE, no context extension
         raise BuildError(f"context {context} exceeds the model's max_position_embeddings "
                          f"({config.max_position_embeddings}); use --context {config.max_position_embeddings} or less")
+    if config.sliding_window is not None and context > config.sliding_window:
+        raise BuildError(f"context {context} exceeds the model's sliding window ({config.sliding_window} tokens), "
+                         f"which the decoder does not implement (the build refuses such a cache); use --context "
+                         f"{config.sliding_window} or less")
     if prompt > context:
         raise BuildError(f"--prompt {prompt} is longer than the context ({context})")
     dev = cpu_device(remeasure) if not gpu else DEVICES[key]
@@ -440,6 +455,8 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     # (W8A8); fp32 uses TF32 Tensor, half FP16's rate on all of these parts. cpu: measured fp32 matmul for all.
     peak = dev["fp32"] if not gpu else dev["int8"] if precision == "int8" else dev["fp16"] / (1 + (precision == "fp32"))
     memory_s, compute_s = (step_bytes + kv_total) / dev["bandwidth"], 2 * products * concurrency / peak
+    prefill_compute_s = prefill_flops(params, config, prompt, info.get("prefill")) / peak
+    prefill_memory_s = step_bytes / dev["bandwidth"]
     result = {
         "model": {"source": info, "architecture": config.architecture, "layers": config.num_layers,
                   "hidden": config.hidden_size, "heads": config.num_heads, "kv_heads": config.num_kv_heads,
@@ -455,13 +472,16 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         "memory": {"total": resident + kv_total, "usable": usable, "fits": resident + kv_total <= usable,
                    "prefill_float_weights": float_prefill,
                    "max_concurrency": max(0, int((usable - resident) // kv_request)), "not_counted": NOT_COUNTED},
-        "bounds": {"prefill_s": prefill_flops(params, config, prompt, info.get("prefill")) / peak,
+        # prefill reads every weight a step reads at least once too: on a short prompt that, not the FLOPs, bounds it
+        "bounds": {"prefill_s": max(prefill_compute_s, prefill_memory_s), "prefill_flops": prefill_compute_s * peak,
+                   "prefill_bound": "compute" if prefill_compute_s >= prefill_memory_s else "bandwidth",
                    "decode_token_s": (step_bytes + kv_request) / dev["bandwidth"],
                    "decode_step_s": max(memory_s, compute_s),
                    "decode_tokens_per_s": concurrency / max(memory_s, compute_s),
                    "decode_bound": "bandwidth" if memory_s >= compute_s else "compute"},
         "assumptions": [
-            f"decimal GB (1e9 bytes), as vendors publish memory sizes; usable = {headroom:.0%} of device memory",
+            f"device memory as nvidia-smi reports it (MiB), every size shown in decimal GB (1e9 bytes); usable = "
+            f"{headroom:.0%} of it",
             f"the table's precision rows: int4 with one fp16 scale per {INT4_BLOCK} weights (+{INT4_SCALE_BYTES / INT4_BLOCK} "
             "B/param), all tensors quantized incl. embeddings, int8 per-channel scales ignored; an artifact's or a "
             "quantized recipe's own row counts what it stores",
@@ -558,10 +578,13 @@ def render(p: dict, console) -> None:
     fits = "[green]fits[/green]" if mem["fits"] else "[red]does not fit[/red]"
     table.add_row("weights + KV", _gb(mem["total"]), f"{fits} in {_gb(mem['usable'])} usable; excludes activations, "
                   "workspace")
-    table.add_row("max concurrency", str(mem["max_concurrency"]), "(usable - weights) / KV per request")
+    table.add_row("max concurrency", str(mem["max_concurrency"]), "(usable - weights" + (
+        " - prefill's float weights" if mem["prefill_float_weights"] else "") + ") / KV per request")
     table.add_section()
     table.add_row("prefill >=", _t(b["prefill_s"]),
-                  f"FLOPs of {i['prompt']} tokens (projections + causal attention) / peak FLOP/s")
+                  f"FLOPs of {i['prompt']} tokens (projections + causal attention) / peak FLOP/s" if
+                  b["prefill_bound"] == "compute" else f"weights a step reads / bandwidth (bandwidth-bound: the "
+                  f"FLOPs of {i['prompt']} tokens take less)")
     table.add_row("decode / token (1 seq) >=", _t(b["decode_token_s"]), "(weights + 1 request's KV) / bandwidth")
     table.add_row("decode / step (batch) >=", _t(b["decode_step_s"]),
                   f"{b['decode_bound']}-bound, {i['concurrency']} sequence" + "s" * (i["concurrency"] > 1))

@@ -58,8 +58,8 @@ def test_llama3_8b_kv_cache_and_max_concurrency_on_h100(llama3):
     assert result["kv"] == {"bytes_per_token": kv_per_token, "per_request": kv_per_token * 8192,
                             "total": kv_per_token * 8192 * 64}
     weights = 8_030_261_248 * 2
-    usable = 0.9 * 80e9
-    assert result["memory"]["max_concurrency"] == int((usable - weights) // (kv_per_token * 8192)) == 52
+    usable = 0.9 * 81559 * 2**20  # the H100's memory as nvidia-smi reports it (it was taken as 80e9 bytes: 52)
+    assert result["memory"]["max_concurrency"] == int((usable - weights) // (kv_per_token * 8192)) == 56
     assert not result["memory"]["fits"]  # 64 x 1.07 GB of KV + 16 GB of weights > 72 GB
     bounds = result["bounds"]
     read = weights - 128256 * 4096 * 2  # a step gathers one row of the untied embedding table, not all of it
@@ -87,13 +87,36 @@ def test_the_prefill_bound_follows_what_the_recipe_computes(tmp_path):
     unskipped, all_logits = tmp_path / "unskipped.yaml", tmp_path / "all-logits.yaml"
     unskipped.write_text(text.replace("  - skip_unused_rows ", "  # skip_unused_rows "))
     all_logits.write_text(text.replace("max_context: 128", "max_context: 128\n  prefill_logits: all"))
-    flops = {name: (lambda r: r["bounds"]["prefill_s"] * r["device"]["peak_flops"])(plan(str(path), device="H100",
-                                                                                         prompt=100))
+    flops = {name: plan(str(path), device="H100", prompt=100)["bounds"]["prefill_flops"]
              for name, path in (("default", TINY_RECIPE), ("unskipped", unskipped), ("all", all_logits))}
     last_layer_rows_only = 64 * 4 * 16 + 3 * 64 * 128  # o_proj and the MLP of the tiny config
     assert flops["unskipped"] - flops["default"] == pytest.approx(2 * last_layer_rows_only * 99)
     # the lm_head on 99 more rows, and skip_unused_rows, listed, changes nothing when every row is returned
     assert flops["all"] - flops["default"] == pytest.approx(2 * 512 * 64 * 99 + 2 * last_layer_rows_only * 99)
+
+
+def test_a_short_prompts_prefill_is_bounded_by_reading_the_weights(llama3):
+    """Prefill reads every weight a step reads once, whatever its FLOPs: 64 tokens of an 8B model on an H100 take
+    0.88 ms of FLOPs but 4.5 ms to read 15 GB, and the FLOPs alone were shown as the bound."""
+    short = plan(llama3, device="H100", precision="fp16", prompt=64)["bounds"]
+    read = 8_030_261_248 * 2 - 128256 * 4096 * 2  # fp16 weights, less the table a step only gathers from
+    assert short["prefill_flops"] / 989e12 < read / 3.35e12
+    assert short["prefill_s"] == pytest.approx(read / 3.35e12) and short["prefill_bound"] == "bandwidth"
+    long = plan(llama3, device="H100", precision="fp16", prompt=2048)["bounds"]
+    assert long["prefill_s"] == pytest.approx(long["prefill_flops"] / 989e12) and long["prefill_bound"] == "compute"
+
+
+def test_a_sliding_window_bounds_the_context(tmp_path):
+    """A Mistral-like config (32768 positions, a 4096-token window) was planned at 32768: a cache the build refuses
+    (the decoder attends to the whole cache), 8x the KV it can hold."""
+    folder = tmp_path / "mistral"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**LLAMA3_8B, "model_type": "mistral",
+                                                    "max_position_embeddings": 32768, "sliding_window": 4096}))
+    result = plan(str(folder), device="A100")
+    assert result["inputs"]["context"] == 4096
+    with pytest.raises(BuildError, match=r"context 8192 exceeds the model's sliding window \(4096 tokens\)"):
+        plan(str(folder), device="A100", context=8192)
 
 
 def test_precision_picks_the_compute_peak(llama3):
@@ -248,7 +271,7 @@ def test_cli_prints_the_table(capsys):
 def test_cli_json_and_errors(llama3, capsys):
     assert main(["plan", llama3, "--device", "H200", "--precision", "int4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["inputs"]["precision"] == "int4" and result["device"]["memory_bytes"] == 141e9
+    assert result["inputs"]["precision"] == "int4" and result["device"]["memory_bytes"] == 143771 * 2**20
     assert main(["plan", llama3, "--device", "B200"]) == 2
     err = capsys.readouterr().err
     assert "unknown device 'B200'" in err and "RTX4090" in err
