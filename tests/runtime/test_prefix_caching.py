@@ -78,6 +78,7 @@ def test_the_same_prompt_again_runs_only_its_last_token(cached, tiny_engine):
 @pytest.mark.parametrize("prefix, rest, prefill_takes_past, reused", [
     (10, 5, True, 0), (10, 5, False, 0),  # fewer than PREFIX_MIN_TOKENS: not worth it either way
     (20, 50, False, 0),  # less than half the rest, through the decode graph: a whole prefill is faster
+    (20, 30, False, 20),  # at least half the rest: reused through the decode graph too
     (20, 50, True, 20),  # through the prefill graph, any prefix pays
 ])
 def test_which_prefixes_are_worth_reusing(cached, monkeypatch, prefix, rest, prefill_takes_past, reused):

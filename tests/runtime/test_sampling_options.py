@@ -416,3 +416,11 @@ def test_cli_run_says_when_the_context_ended_the_reply_and_ends_its_line_when_in
     assert main(["run", str(tiny_artifact), "--prompt", "hello"]) == 130
     out = capsys.readouterr()
     assert out.out == "hellosome text\n" and "interrupted" in out.err
+
+
+def test_min_p_of_one_keeps_only_the_likeliest_token():
+    """min_p 1 (allowed) keeps the tokens at least as likely as the likeliest: the top one (ties too). A strict
+    comparison kept none, and sampling failed on an all-zero distribution."""
+    logits = np.random.default_rng(3).standard_normal(50)
+    distribution = Sampler(SamplingParams(temperature=1.0, min_p=1.0, seed=0)).distribution(logits)
+    np.testing.assert_array_equal(distribution, np.eye(1, 50, int(np.argmax(logits)))[0])

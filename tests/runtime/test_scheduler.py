@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from runtime import ModelOutputError, QueueFullError, RequestError
+from runtime import Engine, ModelOutputError, QueueFullError, RequestError
 from runtime.metrics import summarize
 
 
@@ -173,6 +173,59 @@ def test_cancel_a_waiting_request_removes_it_from_the_queue(engine):
     assert (result.finish_reason, result.token_ids, result.timings) == ("cancelled", [], None)
     assert engine.submit([1, 5], max_new_tokens=3, stop_token_ids=()).result(timeout=30).token_ids  # room again
     assert len(first.result(timeout=30).token_ids) == 100
+
+
+def test_under_static_batching_free_slots_beside_a_running_batch_are_no_queue_room(engine):
+    """A static batch runs to its end before the next is admitted: its free slots hold no one meanwhile, so the
+    requests sent then all wait in the queue, and max_queue bounds them."""
+    slowed(engine.start_scheduler(slots=2, max_queue=1, batching="static"))
+    first = engine.submit([1, 2, 3], max_new_tokens=60, stop_token_ids=())
+    next(iter(first))  # running, one of the two slots free
+    queued = engine.submit([1, 4], max_new_tokens=3, stop_token_ids=())
+    with pytest.raises(QueueFullError, match="queue is full"):
+        engine.submit([1, 5], max_new_tokens=3, stop_token_ids=())
+    assert queued.result(timeout=30).token_ids == alone(engine, [1, 4], 3)
+    assert len(first.result(timeout=30).token_ids) == 60
+
+
+def test_a_new_prompt_takes_the_slot_whose_prefix_was_left_longest_ago(tiny_artifact):
+    """With every free slot holding a prefix, a prompt that shares none evicts the oldest: the conversation left
+    last keeps its prefix for its next turn."""
+    engine = Engine.load(tiny_artifact, prefix_caching=True)
+    try:
+        engine.start_scheduler(slots=2)
+        older, newer = [1] + list(range(100, 140)), [1] + list(range(200, 240))
+        for prompt in (older, newer):  # one after the other: older's slot is left first
+            first_turn = engine.submit(prompt, max_new_tokens=4, stop_token_ids=()).result(timeout=30)
+        unrelated = engine.submit([1] + list(range(300, 340)), max_new_tokens=4, stop_token_ids=())
+        unrelated.result(timeout=30)
+        follow_up = newer + first_turn.token_ids + [7, 8, 9]
+        result = engine.submit(follow_up, max_new_tokens=4, stop_token_ids=()).result(timeout=30)
+        assert result.timings.cached_prompt_tokens >= len(newer)  # newer's slot survived the unrelated prompt
+        assert result.token_ids == alone(engine, follow_up, 4)
+    finally:
+        engine.close()
+
+
+def test_a_request_that_filled_the_context_leaves_a_record_decode_steps_can_run_beside(tiny_artifact):
+    """A request ending at the max context kept a record of every position. A free row's record sets where a
+    batched decode step writes its throw-away row: past the cache here (onnxruntime refused: cos_cache shorter than
+    total_sequence_length), so the next request, decoding in the other slot, failed."""
+    engine = Engine.load(tiny_artifact, prefix_caching=True)
+    try:
+        engine.start_scheduler(slots=2)
+        prompt = [1] + list(range(50, 110))
+        filled = engine.submit(prompt, max_new_tokens=engine.max_context + 1 - len(prompt),
+                               stop_token_ids=()).result(timeout=60)
+        assert len(prompt) + len(filled.token_ids) - 1 == engine.max_context
+        other = [1] + list(range(300, 320))  # shares nothing: the empty slot, its steps over both rows
+        assert engine.submit(other, max_new_tokens=5, stop_token_ids=()).result(timeout=60).token_ids == alone(
+            engine, other, 5)
+        again = prompt + filled.token_ids[:10]  # and the record is still there to reuse
+        result = engine.submit(again, max_new_tokens=5, stop_token_ids=()).result(timeout=60)
+        assert result.timings.cached_prompt_tokens > 0 and result.token_ids == alone(engine, again, 5)
+    finally:
+        engine.close()
 
 
 def test_full_queue_refuses_and_loses_nothing(engine):

@@ -328,6 +328,50 @@ def test_a_chat_reply_is_engine_chat_streamed_or_whole(chat_served):
     assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
 
 
+def test_usage_counts_cached_prompt_tokens_once_per_prompt(tiny_artifact):
+    """prompt_tokens_details.cached_tokens: the prompt tokens prefix caching reused, counted once per prompt as
+    prompt_tokens are (n choices share the prompt); nothing asserted it before."""
+    server, _ = serve(Engine.load(tiny_artifact, prefix_caching=True), slots=2)
+    try:
+        prompt = [1] + list(range(40, 80))
+        first = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0})[2]
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        body = {"prompt": prompt, "max_tokens": 2, "n": 2, "temperature": 0.8, "seed": 3}
+        second = post(server, "/v1/completions", body)[2]
+        per_choice = [timings["cached_prompt_tokens"] for timings in second["timings"]]
+        assert per_choice[0] > 0 and second["usage"]["prompt_tokens"] == len(prompt)
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == per_choice[0]  # the prompt's, once
+    finally:
+        stop(server)
+
+
+def test_the_engines_max_context_ending_is_length_in_the_api():
+    """OpenAI's finish_reason is "stop" or "length": a reply the max context cut short is "length"."""
+    from runtime import openai_api
+    from runtime.results import GenerationResult
+
+    def ended(reason: str) -> GenerationResult:
+        return GenerationResult("", [5], [1], reason, None)
+
+    assert [openai_api.finish_reason(ended(reason)) for reason in ("max_context", "length", "stop")] == [
+        "length", "length", "stop"]
+
+
+def test_sampled_tokens_get_at_most_the_asked_alternatives(served, chat_served):
+    """A sampled token outside the likeliest N is in its entry besides them: top_logprobs must still list N (the
+    greedy tests never sample one outside them)."""
+    body = {"prompt": "Hello", "max_tokens": 12, "temperature": 2.0, "seed": 7, "logprobs": 1, "ignore_eos": True}
+    logprobs = post(served, "/v1/completions", body)[2]["choices"][0]["logprobs"]
+    assert all(len(alternatives) == 1 for alternatives in logprobs["top_logprobs"])
+    chosen_elsewhere = [token for token, alternatives in zip(logprobs["tokens"], logprobs["top_logprobs"])
+                        if token not in alternatives]
+    assert chosen_elsewhere, "every sampled token was the likeliest: the check above said nothing"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 2.0, "seed": 7,
+            "logprobs": True, "top_logprobs": 1, "ignore_eos": True}
+    content = post(chat_served, "/v1/chat/completions", chat)[2]["choices"][0]["logprobs"]["content"]
+    assert all(len(entry["top_logprobs"]) == 1 for entry in content)
+
+
 def test_chat_max_tokens_defaults_to_the_rest_of_the_context(chat_served):
     messages = [{"role": "user", "content": "2+2?"}]
     room = chat_served.engine.max_context + 1 - len(chat_served.engine.chat_prompt_ids(messages))

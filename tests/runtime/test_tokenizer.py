@@ -205,3 +205,15 @@ def test_a_prompt_ending_inside_a_character_keeps_the_generated_text(tmp_path):
     text = "".join(decoder.push(token) for token in generated) + decoder.finish()
     alone = tokenizer.stream_decoder((), ())
     assert text == "".join(alone.push(token) for token in generated) + alone.finish() == "\ufffdab"
+
+
+def test_a_prompt_ending_inside_a_character_still_gives_its_whole_words_as_context(tmp_path):
+    """Only the incomplete character's bytes leave the context, not the words before them: "▁the" generated after
+    "go to" + two bytes of 中 reads " the", its space kept (decoded alone, a SentencePiece text drops it)."""
+    tokenizer = byte_fallback_tokenizer(tmp_path)
+    prompt = tokenizer.encode("go to", add_special_tokens=True) + [3 + 0xE4, 3 + 0xB8]
+    generated = tokenizer.encode("the", add_special_tokens=False)  # "▁" (the word's space), "t", "h", "e"
+    assert tokenizer.tokenizer.id_to_token(generated[0]) == "▁"
+    decoder = tokenizer.stream_decoder((), prompt)
+    text = "".join(decoder.push(token) for token in generated) + decoder.finish()
+    assert text == " the"
