@@ -702,3 +702,29 @@ def test_a_filesystem_that_refuses_to_sync_folders_still_builds_and_a_late_sync_
         with staged_folder(final) as folder:
             (folder / "manifest.json").write_text("second")
     assert (final / "manifest.json").read_text() == "second"
+
+
+def test_replacing_an_artifact_leaves_only_the_new_one_shared_and_a_failed_swap_puts_the_old_back(tmp_path,
+                                                                                                 monkeypatch):
+    """The old artifact, moved aside for the swap, is removed after it (not left as a hidden full copy), the new
+    one is readable by others (mkdtemp makes it private), and when the second rename fails the old one is put back."""
+    final = tmp_path / "artifact"
+    with staged_folder(final) as folder:
+        (folder / "manifest.json").write_text("first")
+    with staged_folder(final) as folder:
+        (folder / "manifest.json").write_text("second")
+    assert [p.name for p in tmp_path.iterdir()] == ["artifact"]
+    assert (final / "manifest.json").read_text() == "second" and final.stat().st_mode & 0o777 == 0o755
+    replace = os.replace
+
+    def refuse_the_new_one(source, target):
+        if Path(target) == final and ".partial" in str(source):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", refuse_the_new_one)
+    with pytest.raises(OSError, match="cross-device"):
+        with staged_folder(final) as folder:
+            (folder / "manifest.json").write_text("third")
+    assert (final / "manifest.json").read_text() == "second"
+    assert [p.name for p in tmp_path.iterdir()] == ["artifact"]

@@ -85,7 +85,8 @@ def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: st
         write_byte_level_metadata(writer, tokenizer_json, tokenizer_model, merges)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_ids[0])
-    permuted = config.architecture == "llama"  # convert_hf_to_gguf permutes in LlamaModel only
+    permuted = config.architecture in ("llama", "mistral")  # convert_hf_to_gguf permutes in LlamaModel and its
+    # subclass MistralModel
     for name, tensor in state_dict.items():
         array = tensor.numpy()
         if permuted and ".q_proj." in name:
@@ -179,7 +180,13 @@ def test_random_tokenizer_ids_follow_the_config():
     assert (no_specials.token_to_id("<s>"), no_specials.token_to_id("</s>")) == (256, 257)
 
 
-@pytest.mark.parametrize("config", [TINY, TINY_TIED, TINY_QWEN2], ids=["llama", "llama-tied-mha", "qwen2-bias"])
+# Mistral's q/k rows are permuted as Llama's (convert_hf_to_gguf's MistralModel is a LlamaModel); another epsilon
+# than the default, so that reading it is tested.
+TINY_MISTRAL = dataclasses.replace(TINY, architecture="mistral", rms_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("config", [TINY, TINY_TIED, TINY_QWEN2, TINY_MISTRAL],
+                         ids=["llama", "llama-tied-mha", "qwen2-bias", "mistral-eps"])
 def test_gguf_round_trip_restores_every_tensor_exactly(tmp_path, config):
     original = random_model(config, seed=3)
     path = tmp_path / "tiny.gguf"
@@ -228,6 +235,26 @@ def test_hf_folder_loads_sharded_safetensors_and_config(tmp_path):
     assert loaded.config == TINY and loaded.tokenizer_json == original.tokenizer_json
     assert all(torch.equal(loaded.state_dict[k], v) for k, v in original.state_dict.items())
     assert [f["name"] for f in loaded.source["files"]][0] == "config.json"
+
+
+def test_hf_keys_left_out_take_transformers_defaults(tmp_path):
+    """Every test config.json spelled these keys out, so the defaults used when a model's config leaves them out
+    (as many do) were never checked against transformers' own."""
+    from transformers import LlamaConfig
+
+    original = random_model(MHA := dataclasses.replace(TINY, num_kv_heads=4), seed=1)
+    write_hf_folder(tmp_path / "model", MHA, original.state_dict)
+    path = tmp_path / "model" / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("rms_norm_eps", "tie_word_embeddings", "rope_theta", "num_key_value_heads"):
+        del config[key]
+    path.write_text(json.dumps(config))
+    loaded = load_hf_folder(str(tmp_path / "model")).config
+    defaults = LlamaConfig(**config)
+    assert (loaded.rms_norm_eps, loaded.tie_word_embeddings, loaded.num_kv_heads) == (
+        defaults.rms_norm_eps, defaults.tie_word_embeddings, defaults.num_key_value_heads)
+    theta = getattr(defaults, "rope_theta", None) or defaults.rope_parameters["rope_theta"]  # transformers 5 moved it
+    assert loaded.rope_theta == theta
 
 
 def test_hf_qwen2_defaults_to_attention_bias(tmp_path):

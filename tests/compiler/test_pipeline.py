@@ -308,3 +308,14 @@ def test_a_spilling_pipeline_runs_phase_by_phase_with_the_other_graph_on_disk(tm
         [(r.name, r.phase, r.report, r.nodes_before, r.nodes_after) for r in reference_results]
     with pytest.raises(TypeError, match="consume=True"):
         run_pipeline(phases_with_weights(), specs, spill_dir=tmp_path)
+
+
+@pytest.mark.parametrize("name", pipeline.RUN_ONCE)
+def test_a_pass_that_runs_once_listed_twice_is_refused(name):
+    from compiler.recipe import PassSpec
+    from passes.registry import PASSES
+
+    spec = PassSpec(name, PASSES[name].options_type())
+    with pytest.raises(BuildError, match=rf"passes\[1\]: {name} is listed twice"):
+        pipeline.check_passes([spec, spec])
+    assert set(pipeline.RUN_ONCE) == {"quantize", "quantize_kv_cache"}  # each refuses a graph it has rewritten

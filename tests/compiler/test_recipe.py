@@ -102,6 +102,8 @@ def test_defaults_filled():
     assert r == Recipe(name="x", model=r.model)
     assert r.export == ExportSpec(2048, "float32", 21, "last", 1)
     assert r.backend == BackendSpec("onnxruntime", 0, "all")
+    assert (r.accuracy.enabled, r.accuracy.max_tokens, r.accuracy.window, r.accuracy.stride) == (True, 4096, 512, 256)
+    assert parse_recipe(gguf(accuracy={"window": 64, "stride": 64})).accuracy.stride == 64  # a stride of a window
     assert r.passes == (PassSpec("cleanup", cleanup.Options()),)
     d = r.to_dict()
     assert d["model"] == {"source": "gguf", "path": None, "config": None, "seed": 0}
@@ -180,6 +182,9 @@ def test_relative_model_path(tmp_path, monkeypatch):
     (gguf(export={"opset": 17}), "export.opset: 17 must be >= 21"),
     (gguf(export={"opset": 25}), "export.opset: 25 must be <= 23 (aotlm exports opsets 21 to 23)"),  # was a 253-line trace
     (gguf(accuracy={"window": 64, "stride": 100}), "accuracy.stride: 100 must be <= accuracy.window (64)"),  # was clamped
+    ({"name": "x", "model": {"source": "gguf", "path": ""}}, "model.path: must not be empty"),
+    (gguf(backend={"name": "tensorrt", "tensorrt": {"optimization_level": True}}),
+     "backend.tensorrt.optimization_level: true is not one of"),  # YAML's true is not the level 1
     (gguf(export={"max_batch": 0}), "export.max_batch: 0 must be >= 1"),
     (gguf(export={"prefill_logits": "first"}), "export.prefill_logits: 'first' is not one of last, all"),
     (gguf(export={"dtype": "float8"}),

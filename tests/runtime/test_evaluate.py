@@ -159,6 +159,10 @@ def test_kl_matches_its_definition_on_small_logits():
     p_model = np.exp(model) / np.exp(model).sum(-1, keepdims=True)
     assert result.mean_kl == pytest.approx(np.mean((p_ref * np.log(p_ref / p_model)).sum(-1)), rel=1e-12)
     assert result.mean_nll == pytest.approx(-np.mean(np.log(p_model[np.arange(9), tokens[1:]])), rel=1e-12)
+    # the reference's own perplexity, from the reference's probabilities (the report puts the two side by side)
+    assert result.reference_perplexity == pytest.approx(np.exp(-np.mean(np.log(p_ref[np.arange(9), tokens[1:]]))),
+                                                        rel=1e-12)
+    assert result.reference_perplexity != pytest.approx(result.perplexity)
 
 
 def test_log_softmax_is_stable_for_large_logits():

@@ -15,11 +15,24 @@ def artifact_copy(tiny_artifact, tmp_path):
     return shutil.copytree(tiny_artifact, tmp_path / "copy")
 
 
-def test_truncated_file_is_refused_at_load(artifact_copy):
+@pytest.mark.parametrize("edit", [lambda data: data[:-100], lambda data: data + b"\0" * 100],
+                         ids=["truncated", "grown"])
+def test_a_file_of_another_size_is_refused_at_load(artifact_copy, edit):
     weights = artifact_copy / "weights.bin"
-    weights.write_bytes(weights.read_bytes()[:-100])
+    weights.write_bytes(edit(weights.read_bytes()))
     with pytest.raises(ArtifactError, match=r"weights.bin: \d+ bytes, but the manifest records \d+ \(truncated or modified\)"):
         Engine.load(artifact_copy)
+
+
+def test_the_manifests_hashes_are_sha256_of_the_files(tiny_artifact):
+    """Checked against hashlib here: the build and the load share one hashing function, so a tamper test alone
+    would pass with any hash."""
+    import hashlib
+
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    for name, record in manifest["files"].items():
+        assert record["sha256"] == hashlib.sha256((tiny_artifact / name).read_bytes()).hexdigest(), name
+        assert record["bytes"] == (tiny_artifact / name).stat().st_size, name
 
 
 def test_same_size_tampering_is_caught_by_verify(artifact_copy):
@@ -38,12 +51,20 @@ def test_missing_file_is_refused(artifact_copy):
         Engine.load(artifact_copy)
 
 
-def test_unknown_format_version_is_refused(artifact_copy):
+@pytest.mark.parametrize("version", [99, 0, None])
+def test_another_format_version_is_refused(artifact_copy, version):
     manifest_path = artifact_copy / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["format_version"] = 99
+    manifest["format_version"] = version
     manifest_path.write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match="format version 99, but this runtime reads version 1; rebuild"):
+    with pytest.raises(ArtifactError, match=rf"format version {version}, but this runtime reads version 1; rebuild"):
+        Engine.load(artifact_copy)
+
+
+def test_another_format_is_not_an_aotlm_manifest(artifact_copy):
+    manifest_path = artifact_copy / "manifest.json"
+    manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), "format": "other"}))
+    with pytest.raises(ArtifactError, match="not an aotlm manifest"):
         Engine.load(artifact_copy)
 
 
