@@ -325,3 +325,22 @@ def test_export_like_gives_an_unused_overridable_default_its_value_back():
     assert [value.name for value in fused.graph.input] == ["x", "unused"]
     assert "unused" in {tensor.name for tensor in fused.graph.initializer}
     np.testing.assert_allclose(run_ort(fused, {"x": np.ones(2, np.float32)})[0], run_ort(model, {"x": np.ones(2, np.float32)})[0])
+
+
+def test_constants_with_equal_bytes_but_other_types_are_not_merged():
+    """int32 0 and float32 0.0 have the same four bytes: merged, one reader would get the other's type (a graph
+    onnxruntime refuses)."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "zero_float"], ["y"]), helper.make_node("Add", ["n", "zero_int"], ["m"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("n", TensorProto.INT32, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("m", TensorProto.INT32, [2])],
+        [numpy_helper.from_array(np.zeros(1, np.float32), "zero_float"),
+         numpy_helper.from_array(np.zeros(1, np.int32), "zero_int")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    cleaned, report = cleanup.run(model, cleanup.Options())
+    assert report["initializers_deduplicated"] == 0
+    feeds = {"x": np.array([1.5, 2.5], np.float32), "n": np.array([3, 4], np.int32)}
+    for got, expected in zip(run_ort(cleaned, feeds), run_ort(model, feeds)):
+        np.testing.assert_array_equal(got, expected)

@@ -79,6 +79,15 @@ def generate_logits(graphs: dict) -> list[np.ndarray]:
     return collected + [np.stack(caches)[:, :, :, :9]]  # the written cache rows too
 
 
+def rotary_table_shape(model: onnx.ModelProto, name: str) -> list[int]:
+    """The shape of a rotary table input: an initializer's, or through the Cast a float16 graph puts after it."""
+    producers = {output: node for node in model.graph.node for output in node.output}
+    while name in producers and producers[name].op_type == "Cast":
+        name = producers[name].input[0]
+    table = next(t for t in model.graph.initializer if t.name == name)
+    return list(table.dims)
+
+
 def test_every_layer_fuses_and_lowers_to_group_query_attention(decoder_graphs):
     for phase, model in decoder_graphs.items():
         fused, report, lowered, lowering = fuse_and_lower(model)
@@ -94,6 +103,11 @@ def test_every_layer_fuses_and_lowers_to_group_query_attention(decoder_graphs):
         # The softmax scale went into the q projections' weights; the decode graph selects the GEMM kernel path.
         assert lowering["scale_folded_into"] == {"weight": CONFIG.num_layers}
         assert lowering["attention_kernel"] == ("gemm" if phase == "decode" else "flash")
+        # A row of the rotary tables per cache position (the logits below stop at position 9 of 32: a shorter
+        # table would pass them, and fail a decode past its end)
+        for node in (n for n in fused.graph.node if n.op_type == "FlashAttention"):
+            shape = rotary_table_shape(fused, node.input[7])
+            assert shape == [MAX_CONTEXT, CONFIG.head_dim // 2], shape
         for node in (n for n in lowered.graph.node if n.op_type == "GroupQueryAttention"):
             attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert attributes["scale"] == 1.0

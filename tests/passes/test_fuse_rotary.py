@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 
 from passes import fuse_rotary
-from tests.passes.test_fuse_attention import (CONFIG, decoder_graphs, generate_logits, hf_traced,  # noqa: F401 (fixtures)
-                                              op_counts)
+from tests.passes.test_fuse_attention import (CONFIG, MAX_CONTEXT, decoder_graphs, generate_logits, hf_traced,  # noqa: F401 (fixtures)
+                                              op_counts, rotary_table_shape)
 
 ROTARIES = 2 * CONFIG.num_layers  # q and k in every layer
 
@@ -26,6 +26,8 @@ def test_every_rotary_becomes_one_rotary_embedding(decoder_graphs):  # noqa: F81
         assert counts["RotaryEmbedding"] == ROTARIES
         # The Cos/Sin tables were read only by the rotaries, so they go with them; no Neg anywhere else.
         assert counts["Neg"] == counts["Cos"] == counts["Sin"] == 0, (phase, counts)
+        for node in (n for n in fused[phase].graph.node if n.op_type == "RotaryEmbedding"):  # a row per position
+            assert rotary_table_shape(fused[phase], node.input[1]) == [MAX_CONTEXT, CONFIG.head_dim // 2]
         assert report["nodes"]["after"] < report["nodes"]["before"]
         assert fused[phase].ir_version >= 10 and {o.domain: o.version for o in fused[phase].opset_import}[""] >= 23
         onnx.checker.check_model(fused[phase])

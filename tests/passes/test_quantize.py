@@ -334,3 +334,15 @@ def test_quantizing_reads_each_weight_when_it_needs_it_not_all_at_once():
         assert len(report["layers"]) == 6, report
     """)
     assert grown < 6 * 32, grown  # 139 MB (331 MB before) over 192 MB of float weights
+
+
+def test_a_partial_last_block_is_padded_with_zeros_that_do_not_widen_its_scale():
+    """K = 40 in blocks of 32: the last block holds 8 weights and 24 padding. The padding must encode 0 (the
+    midpoint code, symmetric) and leave the block's scale to its own 8 weights; the other tests compare against a
+    reference padded the same way, so they would agree with any padding."""
+    rng = np.random.default_rng(5)
+    weight = (0.06 * rng.standard_normal((40, 6))).astype(np.float32)
+    qw = quantize_rtn(weight, 4, 32, symmetric=True)
+    codes = qw.codes.reshape(6, 2, 32)
+    assert (codes[:, 1, 8:] == 8).all()  # 0 at 4 bits, symmetric: code 8
+    np.testing.assert_allclose(qw.scales[:, 1], np.abs(weight[32:]).max(axis=0) / 7, rtol=1e-6)
