@@ -316,3 +316,28 @@ def test_a_square_written_as_mul_of_a_graph_input_fuses():
     fused, report = fuse(model)
     assert report["fused"] == 1 and report["skipped"] == [], report
     assert max_difference(model, fused, feeds_for(model)) < 1e-5
+
+
+def _set_initializer(model: onnx.ModelProto, name: str, value: float) -> None:
+    tensor = next(t for t in model.graph.initializer if t.name == name)
+    tensor.CopyFrom(numpy_helper.from_array(np.array(value, np.float32), name))
+
+
+def _read_square_elsewhere(model: onnx.ModelProto) -> None:
+    model.graph.output.append(helper.make_tensor_value_info("square", TensorProto.FLOAT, [2, 3, HIDDEN]))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda model: _set_initializer(model, "two", 3.0),  # Pow(x, 3): not a square
+    lambda model: _set_initializer(model, "one", 2.0),  # Div(2, rms): twice the norm
+    _read_square_elsewhere,  # the square is also a graph output: fusing would drop it
+], ids=["cube", "two_over_rms", "square_read_elsewhere"])
+def test_look_alikes_of_rms_norm_are_left_as_they_are(edit):
+    """Each of these passed for an RMSNorm when its check was removed (a mutation audit): nothing asserted them."""
+    model = rms_norm_model()
+    edit(model)
+    fused, report = fuse(model)
+    assert (report["fused"], report["fused_with_skip"]) == (0, 0), report
+    assert op_counts(fused) == op_counts(model)
+    for got, expected in zip(run_ort(fused, feeds_for(model)), run_ort(model, feeds_for(model))):
+        np.testing.assert_array_equal(got, expected)  # NaN where the cube's mean is negative: equal too
