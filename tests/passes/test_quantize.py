@@ -346,3 +346,26 @@ def test_a_partial_last_block_is_padded_with_zeros_that_do_not_widen_its_scale()
     codes = qw.codes.reshape(6, 2, 32)
     assert (codes[:, 1, 8:] == 8).all()  # 0 at 4 bits, symmetric: code 8
     np.testing.assert_allclose(qw.scales[:, 1], np.abs(weight[32:]).max(axis=0) / 7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("attributes, quantized", [({"transB": 1}, True), ({"transB": 1, "alpha": 2.0}, False),
+                                                   ({"transB": 0}, False)])
+def test_a_gemm_is_quantized_only_when_it_is_a_at_b_transposed(attributes, quantized):
+    """A Gemm with alpha 2 computes 2 (A @ Bᵀ): lowered to MatMulNBits, the factor was dropped and the logits
+    halved, with nothing to say so."""
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((16, 64)).astype(np.float32)  # [N, K], as transB reads it
+    if not attributes.get("transB"):
+        weight = np.ascontiguousarray(weight.T)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gemm", ["x", "w"], ["y"], name="lm_head", **attributes)], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 64])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 16])],
+        [onnx.numpy_helper.from_array(weight, "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    result, report = quantize.run(model, quantize.Options(bits=8))
+    assert (report["totals"]["quantized"] == 1) == quantized, report
+    x = {"x": rng.standard_normal((3, 64)).astype(np.float32)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]  # noqa: E731
+    expected = run(model)  # per-channel int8 moves it by well under 2% of its range; alpha 2 dropped: by half
+    np.testing.assert_allclose(run(result), expected, atol=0.02 * np.abs(expected).max())
