@@ -155,6 +155,21 @@ def test_a_broken_layer_is_reported_and_can_fail_the_build(decoder_graphs):
         run_pipeline({"decode": broken}, [Spec()])
 
 
+def test_probabilities_read_by_a_second_node_keep_their_layer_unfused(decoder_graphs):
+    """Layer 1's Softmax also feeds an extra graph output through a Relu: fused, its probabilities would no longer
+    be computed for that reader. The layer stays unfused, said why, and the graph computes what it did."""
+    model = onnx.ModelProto()
+    model.CopyFrom(decoder_graphs["decode"])
+    softmax = next(n for n in model.graph.node if n.op_type == "Softmax" and "layers.1" in n.name)
+    model.graph.node.append(onnx.helper.make_node("Relu", [softmax.output[0]], ["probabilities_read"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("probabilities_read", onnx.TensorProto.FLOAT, None))
+    fused, report = fuse_attention.run(model, fuse_attention.Options())
+    assert report["fused"] == 1 and report["unfused"] == 1
+    assert "Softmax output has 2 consumers" in report["layers"][1]["reason"]
+    assert "probabilities_read" in {o.name for o in fused.graph.output}
+    assert sum(n.op_type == "Softmax" for n in fused.graph.node) == 1  # layer 1's, still computing what Relu reads
+
+
 @pytest.fixture(scope="module")
 def hf_traced():
     """transformers' LlamaForCausalLM (tiny, random, eager attention, no cache) traced with torch.onnx."""
