@@ -71,6 +71,17 @@ def test_a_query_that_is_a_graph_output_keeps_its_value(decoder_graphs):
     assert report["scale_folded_into"] == {"mul": 1, "weight": CONFIG.num_layers - 1}
 
 
+def test_a_query_another_node_reads_keeps_its_value(decoder_graphs):
+    """Read by a second node (not a graph output itself): folding the scale into the shared weight changed that
+    node's input too."""
+    fused = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())[0]
+    attention = next(n for n in fused.graph.node if n.op_type == "FlashAttention")
+    fused.graph.node.append(onnx.helper.make_node("Relu", [attention.input[0]], ["query_read"]))
+    fused.graph.output.append(onnx.helper.make_tensor_value_info("query_read", onnx.TensorProto.FLOAT, None))
+    _, report = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"mul": 1, "weight": CONFIG.num_layers - 1}
+
+
 def test_a_query_weight_that_is_also_a_graph_input_stays_overridable(decoder_graphs):
     """An initializer listed as a graph input (an overridable default): the scale was folded into it as into a
     constant, and the export dropped the input."""
