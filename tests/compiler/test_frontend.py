@@ -721,3 +721,16 @@ def test_rotary_divisors_round_trip_through_the_manifest_and_a_recipe():
     recipe["model"]["config"]["rope_freq_factors"] = [1, 2]
     with pytest.raises(RecipeError, match=r"rope_freq_factors: 2 values; it needs head_dim / 2 = 8 finite numbers"):
         parse_recipe(recipe)
+
+
+def test_a_gguf_reads_end_of_turn_ids_and_defaults_what_it_leaves_out(tmp_path, monkeypatch):
+    """llama.cpp stops at end-of-turn as at end-of-sequence, and takes rope.freq_base 10000 when a file has none;
+    no test wrote an eot id or left the base out."""
+    original = random_model(TINY, seed=0)
+    add_eos = gguf.GGUFWriter.add_eos_token_id
+    monkeypatch.setattr(gguf.GGUFWriter, "add_eos_token_id", lambda writer, token: (
+        add_eos(writer, token), writer.add_eot_token_id(5)))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_freq_base", lambda writer, base: None)
+    write_gguf(tmp_path / "eot.gguf", TINY, original.state_dict, original.tokenizer_json)
+    config = load_gguf(str(tmp_path / "eot.gguf")).config
+    assert config.eos_token_ids == (2, 5) and config.rope_theta == 10000.0
