@@ -323,3 +323,17 @@ def test_prefill_writes_the_code_decode_writes_for_a_value_at_a_rounding_boundar
                  for phase in ("prefill", "decode")]
         differ += int(np.sum(codes[0] != codes[1]))
     assert differ == 0
+
+
+def test_prefill_clips_values_past_the_calibrated_range_to_the_codes_decode_writes():
+    """A value beyond the calibrated range (a prompt unlike the calibration text) is clipped, by prefill's graph as
+    by decode's kernel: to -128 below, 127 above. A clip at -127 below wrote another code in prefill than in decode."""
+    scales = [np.full(16, 0.01, np.float32) for _ in range(2)]
+    key = np.array([-5.0, -1.285, -1.275, 5.0] * 4, np.float32)  # -500, -128.5, -127.5 and 500 codes
+    feed = {"q": np.zeros((1, 1, 32), np.float32), "k": key[None, None], "v": key[None, None],
+            "seqlens_k": np.array([0], np.int32), "total_sequence_length": np.array(1, np.int32),
+            **{f"past_key_values.0.{kind}": np.zeros((1, 1, 8, 16), np.int8) for kind in ("key", "value")}}
+    codes = [single_attention_graph(phase, scales).run(["present.0.key"], feed)[0][0, 0, 0]
+             for phase in ("prefill", "decode")]
+    np.testing.assert_array_equal(codes[0], codes[1])
+    assert codes[0][0] == -128 and codes[0][3] == 127
