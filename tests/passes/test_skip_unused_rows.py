@@ -201,6 +201,7 @@ def test_a_hand_built_row_wise_graph_skips_and_computes_the_same():
     ("a weight batched as [2, K, N]", "a MatMul whose weight is not known to be 2-D"),
     ("a constant of unknown shape", "Add with a constant of rank > 1 or of unknown shape"),
     ("unknown batch and sequence dimensions", "run cleanup (shape inference) first"),
+    ("a constant per position", "Add with a constant of rank > 1"),  # [S, H]: each row its own values
 ])
 def test_graphs_whose_rows_cannot_be_proven_per_token_are_left_alone(case, reason):
     """Each of these once applied and then failed in onnxruntime or changed the output (a review's repros)."""
@@ -214,7 +215,10 @@ def test_graphs_whose_rows_cannot_be_proven_per_token_are_left_alone(case, reaso
     elif case.startswith("a weight"):
         model = selection_model([onnx.helper.make_node("MatMul", ["x", "W"], ["t"])], [weight(2, H, H)],
                                 [("x", [2, "sequence", H])], {"t": [2, "sequence", H]})
-    elif case.startswith("a constant"):
+    elif case == "a constant per position":
+        model = selection_model([onnx.helper.make_node("Add", ["x", "W"], ["t"])], [weight(3, H)],
+                                [("x", ["batch", 3, H])], {"t": ["batch", 3, H]})
+    elif case == "a constant of unknown shape":
         nodes = [onnx.helper.make_node("Identity", ["W"], ["c"]), onnx.helper.make_node("Add", ["x", "c"], ["t"])]
         model = selection_model(nodes, [weight(1, 3, H)], [("x", ["batch", 3, H])], {"t": ["batch", 3, H]})
     else:
@@ -224,3 +228,19 @@ def test_graphs_whose_rows_cannot_be_proven_per_token_are_left_alone(case, reaso
     result, report = skip_unused_rows.run(model, skip_unused_rows.Options())
     assert not report["applied"] and reason in report["reason"], report
     assert result is model
+
+
+def test_a_norm_over_the_sequence_stays_before_the_selection():
+    """LayerNormalization over axis 1 mixes the positions: the selection may move above the MatMul after it, not
+    above the norm (which, moved, would normalize the last row alone)."""
+    nodes = [onnx.helper.make_node("LayerNormalization", ["x", "gamma"], ["normed"], axis=1),
+             onnx.helper.make_node("MatMul", ["normed", "W"], ["t"])]
+    gamma = onnx.numpy_helper.from_array(np.ones((3, H), np.float32), "gamma")
+    model = selection_model(nodes, [weight(H, H), gamma], [("x", ["batch", 3, H])],
+                            {"normed": ["batch", 3, H], "t": ["batch", 3, H]})
+    result, report = skip_unused_rows.run(model, skip_unused_rows.Options())
+    assert [m["op"] for m in report["moved"]] == ["MatMul"] and report["frontier"] == ["normed"], report
+    x = {"x": np.random.default_rng(1).standard_normal((2, 3, H)).astype(np.float32)}
+    outputs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
+               for m in (model, result)]
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
