@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -278,32 +277,13 @@ def render(results: dict, console: Console) -> None:
     console.print(table)
 
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")  # what MLAS picks kernels by
-
-
 def machine_info() -> dict:
-    """The machine a result came from: what explains its numbers (the ISA MLAS's kernels use, the huge-pages mode
-    aotlm's engines collapse their weights under) and the commit that ran."""
-    cpuinfo = {}
-    if os.path.exists("/proc/cpuinfo"):
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            cpuinfo.setdefault(key.strip(), value.strip())  # the first core's
-    flags = set(cpuinfo.get("flags", "").split())
-    return {"cpu_count": os.cpu_count(), "cpu": cpuinfo.get("model name") or platform.processor(),
-            "cpu_family_model": f"{cpuinfo.get('cpu family', '?')}/{cpuinfo.get('model', '?')}",
-            "isa_flags": [flag for flag in ISA_FLAGS if flag in flags],
-            "transparent_hugepage": _read_first_line("/sys/kernel/mm/transparent_hugepage/enabled"),
-            "git_commit": _git_commit(), "platform": platform.platform(), "python": platform.python_version(),
+    """The machine a result came from (runtime.bench.machine: the CPU and the ISA its kernels use, the huge-pages mode
+    aotlm's engines collapse their weights under, versions), the commit that ran and the load."""
+    from runtime.bench import machine
+
+    return {**machine(), "git_commit": _git_commit(),
             "load_average_1_5_15_min": os.getloadavg()}  # at the end: above the thread count means a shared CPU
-
-
-def _read_first_line(path: str) -> str | None:
-    try:
-        with open(path) as handle:
-            return handle.readline().strip()
-    except OSError:
-        return None
 
 
 def _git_commit() -> str | None:

@@ -39,7 +39,6 @@ Writes benchmarks/results/phases.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -320,11 +320,11 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
 
 def _quantized_bytes_per_param(config: DecoderConfig, options: dict, scale_bytes: int, k: int | None = None) -> float:
     """Stored bytes per weight of a product with K = k (default: the hidden size)."""
-    k = k or config.hidden_size
-    bits, block = options.get("bits", 4), options.get("block_size", INT4_BLOCK)
-    if bits == 8:
-        block = options.get("int8_kernel_block") or next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 128)
-    block = min(block, max(16, 1 << (k - 1).bit_length()))
+    from passes.quantized_lowering_ort import kernel_block
+
+    bits = options.get("bits", 4)
+    block = kernel_block(k or config.hidden_size, options.get("int8_kernel_block") if bits == 8 else
+                         options.get("block_size", INT4_BLOCK))
     return bits / 8 + scale_bytes / block + (0.5 / block if bits == 4 and not options.get("symmetric", True) else 0)
 
 

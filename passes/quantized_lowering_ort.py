@@ -20,6 +20,13 @@ from passes.quantized_weights import QuantizedWeight, pack_matmulnbits
 MICROSOFT_DOMAIN = "com.microsoft"
 
 
+def kernel_block(k: int, block: int | None = None) -> int:
+    """The block MatMulNBits stores a K-long product's scales in: `block` (else the largest power of two <= 256
+    dividing K, 128 when none does), no larger than the power of two that holds K."""
+    block = block or next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 128)
+    return min(block, max(16, 1 << (k - 1).bit_length()))
+
+
 def for_matmulnbits(qw: QuantizedWeight, per_channel_block: int | None = None) -> QuantizedWeight:
     """qw in blocks MatMulNBits accepts (a power of two >= 16). INT8 per channel (one block of K, e.g. 576) is
     re-expressed exactly: the channel's scale repeated over power-of-two blocks (per_channel_block, or the largest
@@ -28,8 +35,7 @@ def for_matmulnbits(qw: QuantizedWeight, per_channel_block: int | None = None) -
     per_channel = qw.bits == 8 and -(-qw.k // size) == 1  # INT8 per channel: one block spans K
     if size >= 16 and size & (size - 1) == 0 and not (per_channel and per_channel_block not in (None, size)):
         return qw
-    size = per_channel_block or next((b for b in (256, 128, 64, 32, 16) if qw.k % b == 0), 128)
-    size = min(size, max(16, 1 << (qw.k - 1).bit_length()))  # no block past the power of two that holds K
+    size = kernel_block(qw.k, per_channel_block)
     blocks = -(-qw.k // size)
     fill = (1 << (qw.bits - 1)) if qw.zero_points is None else qw.zero_points  # the code of 0 in each row
     codes = np.empty((qw.n, blocks * size), np.uint8)

@@ -344,6 +344,7 @@ def machine() -> dict:
     except ImportError:
         runtime_version = None
     return {"cpu": cpuinfo.get("model name") or platform.processor(), "cpu_count": os.cpu_count(),
+            "cpu_family_model": f"{cpuinfo.get('cpu family', '?')}/{cpuinfo.get('model', '?')}",
             "isa_flags": sorted(flags & ISA_FLAGS),
             "transparent_hugepage": thp_mode(), "platform": platform.platform(), "python": platform.python_version(),
             "onnxruntime": runtime_version}
