@@ -221,6 +221,7 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
         resolved = recipe.to_dict()
         return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context,
                         "backend": recipe.backend.name, "prefill": prefill_shape(resolved),
+                        "max_batch": recipe.export.max_batch,
                         **quantized_dtypes(resolved["passes"])}
     if p.is_file() and p.suffix == ".gguf":
         return _gguf_config(str(p)), {"kind": "gguf", "path": str(p)}
@@ -271,6 +272,7 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
             **({"quantize": _as_quantized(quantized["quantize"], manifest)} if "quantize" in quantized else {}),
             "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
                 kv.get("dtype", "float32"), "fp32")}
+    info["max_batch"] = recipe.get("export", {}).get("max_batch", 1)
     weights = manifest.get("backend", {}).get("weights", {}).get("bytes")
     if weights:  # what a decode step really reads: codes, scales and zero points, any layer kept in float
         info["weight_bytes"] = weights
@@ -504,6 +506,11 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         result["warnings"].append(f"context {context} exceeds the recipe's export.max_context ({info['context']}): "
                                   f"its artifact would serve at most {info['context']} tokens; raise "
                                   f"export.max_context to {context} to build what this plan sizes")
+    if info.get("backend") == "tensorrt" and concurrency > info.get("max_batch", concurrency):
+        # TensorRT's decode profile bounds the rows of a step: the scheduler refuses more slots than that
+        result["warnings"].append(f"concurrency {concurrency} exceeds export.max_batch ({info['max_batch']}): "
+                                  f"TensorRT's engines run at most {info['max_batch']} sequences per step; rebuild "
+                                  f"with export.max_batch: {concurrency} to serve this many at once")
     if info["kind"] == "artifact" and not gpu and measure and info["backend"] != "onnxruntime":
         result["warnings"].append(f"not timed: this artifact's {info['backend']} engines run on a GPU, not on cpu")
     elif info["kind"] == "artifact" and not gpu and measure:

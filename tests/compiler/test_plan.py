@@ -395,3 +395,18 @@ def test_a_context_past_a_recipes_max_context_is_warned_about():
         "context 200 exceeds the recipe's export.max_context (128): its artifact would serve at most 128 tokens; "
         "raise export.max_context to 200 to build what this plan sizes"]
     assert plan(recipe, device="H100", context=128)["warnings"] == []
+
+
+def test_concurrency_past_a_tensorrt_max_batch_is_warned_about(tmp_path):
+    """TensorRT's decode profile bounds a step's rows (export.max_batch) and the scheduler refuses more slots: a plan
+    sized for more users at once than the engines take must say so. onnxruntime's engines take any number."""
+    head, _ = TINY_RECIPE.read_text().split("passes:")
+    recipe = tmp_path / "tiny-tensorrt.yaml"
+    recipe.write_text(head.replace("  max_context: 128", "  max_context: 128\n  dtype: float16\n  max_batch: 4")
+                      + "passes:\n  - cleanup\n  - fuse_attention\n  - lower_tensorrt\nbackend:\n  name: tensorrt\n")
+    warned = [w for w in plan(str(recipe), device="H100", concurrency=8)["warnings"] if "max_batch" in w]
+    assert warned == ["concurrency 8 exceeds export.max_batch (4): TensorRT's engines run at most 4 sequences per "
+                      "step; rebuild with export.max_batch: 8 to serve this many at once"]
+    assert [w for w in plan(str(recipe), device="H100", concurrency=4)["warnings"] if "max_batch" in w] == []
+    onnxruntime = [w for w in plan(str(TINY_RECIPE), device="H100", concurrency=8)["warnings"] if "max_batch" in w]
+    assert onnxruntime == []
