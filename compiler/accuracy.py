@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import platform
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +27,53 @@ from runtime.onnxruntime_backend import OnnxRuntimeBackend
 from runtime.tokenizer import whole_text
 
 
-def held_out_tokens(calibration_text: str, tokenizer_json: str, max_tokens: int) -> tuple[np.ndarray, str]:
-    _, held_out, source = split_text(calibration_text)
-    ids = whole_text(Tokenizer.from_str(tokenizer_json)).encode(held_out, add_special_tokens=False).ids[:max_tokens]
-    return np.asarray(ids, np.int64), source["source"].replace("first 90%", "last 10% (held out)")
+REPEATED_CHARACTERS = 160  # a held-out run this long found word for word in the calibration part was seen there
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The tokens the accuracy report scores, where they come from, and the first of them whose text starts a run of
+    about REPEATED_CHARACTERS characters also in the calibration part (None: none does). The built-in text's
+    held-out `while` and `with` topics repeat its `compound` topic past about their 10,000th token."""
+    tokens: np.ndarray
+    source: str
+    repeats_calibration_from: int | None
+
+
+def held_out_tokens(calibration_text: str, tokenizer_json: str, max_tokens: int) -> HeldOut:
+    calibration, held_out, source = split_text(calibration_text)
+    encoding = whole_text(Tokenizer.from_str(tokenizer_json)).encode(held_out, add_special_tokens=False)
+    ids, offsets = encoding.ids[:max_tokens], encoding.offsets[:max_tokens]
+    scored_text = held_out[:offsets[-1][1]] if offsets else ""
+    repeated = first_repeated_run(scored_text, calibration)
+    first_token = None if repeated is None else next(k for k, (_, end) in enumerate(offsets) if end > repeated)
+    return HeldOut(np.asarray(ids, np.int64), source["source"].replace("first 90%", "last 10% (held out)"), first_token)
+
+
+def first_repeated_run(text: str, seen: str, length: int = REPEATED_CHARACTERS) -> int | None:
+    """The first position in `text` that starts a run found word for word in `seen`: every run of `length`
+    characters is found, and none shorter than `length - length // 4 + 1`. `seen` is indexed by the hashes of its
+    pieces starting every length // 4 characters (bounded memory for a long calibration file); every run of
+    `length` characters holds one of them whole."""
+    step = max(1, length // 4)
+    piece = length - step + 1
+    indexed = {hash(seen[i:i + piece]) for i in range(0, len(seen) - piece + 1, step)}
+    found = next((i for i in range(len(text) - piece + 1)
+                  if hash(text[i:i + piece]) in indexed and text[i:i + piece] in seen), None)  # no hash collision
+    if found is None:
+        return None
+    start = found  # the piece found starts up to `step` characters into its run: back to where the run starts
+    while start > 0 and text[start - 1:found + piece] in seen:
+        start -= 1
+    return start
+
+
+def repeated_text_warning(held_out: HeldOut) -> str | None:
+    if held_out.repeats_calibration_from is None:
+        return None
+    return (f"accuracy report: from its token {held_out.repeats_calibration_from} on, the held-out text "
+            f"({held_out.source}) repeats the calibration part word for word (a run of {REPEATED_CHARACTERS} characters or so), "
+            f"so it is not unseen text there; set accuracy.max_tokens to {held_out.repeats_calibration_from} or less")
 
 
 def report_window_and_stride(window: int, stride: int, max_context: int) -> tuple[int, int]:
@@ -41,10 +85,10 @@ def report_window_and_stride(window: int, stride: int, max_context: int) -> tupl
     return max_context, min(stride, max(1, max_context // 2))
 
 
-def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manifest: dict, spec, calibration_text: str,
-                           tokenizer_json: str, backend_spec, progress) -> dict:
+def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manifest: dict, spec, held_out: HeldOut,
+                           backend_spec, progress) -> dict:
     """Perplexity of the float graph and of the built artifact, top-1 agreement and KL(float || quantized)."""
-    tokens, source = held_out_tokens(calibration_text, tokenizer_json, spec.max_tokens)
+    tokens = held_out.tokens
     window, stride = report_window_and_stride(spec.window, spec.stride, manifest["kv_cache"]["max_context"])
     with tempfile.TemporaryDirectory(prefix="aotlm-float-") as folder:
         reference_graph = copy.deepcopy(float_decode)  # the writer moves weights out of the graph it is given
@@ -62,8 +106,9 @@ def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manife
         except EvaluationError as error:
             raise BuildError(f"accuracy report: {error}") from None
         del reference, quantized
-    return {"text": source, "tokens": int(len(tokens)), "tokens_sha256": tokens_fingerprint(tokens),
-            "python": platform.python_version(), **result.to_dict(),
+    return {"text": held_out.source, "tokens": int(len(tokens)), "tokens_sha256": tokens_fingerprint(tokens),
+            "python": platform.python_version(), "repeats_calibration_from": held_out.repeats_calibration_from,
+            **result.to_dict(),
             "perplexity_increase": result.perplexity / result.reference_perplexity - 1}
 
 
@@ -109,4 +154,7 @@ def format_accuracy(accuracy: dict, artifact_bytes: int | None = None) -> str:
         lines.append(f"perplexity: float {held_out['reference_perplexity']:.3f} -> quantized {held_out['perplexity']:.3f} "
                      f"({100 * held_out['perplexity_increase']:+.2f}%); top-1 agreement "
                      f"{100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) {held_out['mean_kl']:.4f} nats")
+        if held_out.get("repeats_calibration_from") is not None:
+            lines.append(f"warning: the held-out text repeats the calibration text from its token "
+                         f"{held_out['repeats_calibration_from']} on")
     return "\n".join(lines)

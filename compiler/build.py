@@ -6,7 +6,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compiler.accuracy import evaluate_against_float, held_out_tokens, quantization_summary
+from compiler.accuracy import evaluate_against_float, held_out_tokens, quantization_summary, repeated_text_warning
 from compiler.artifact import staged_folder, tool_versions, write_manifest
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
@@ -127,11 +127,14 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     report_accuracy = first_quantize < len(passes) and recipe.accuracy.enabled and recipe.backend.name == "onnxruntime"
     if report_accuracy:  # its held-out text, checked before the export rather than after the whole build
         calibration = passes[first_quantize].options.calibration
-        held_out, source = held_out_tokens(calibration.text if calibration else BUILTIN, loaded.tokenizer_json,
-                                           recipe.accuracy.max_tokens)
-        if len(held_out) < 2:
-            raise BuildError(f"accuracy report: its held-out text ({source}) has {len(held_out)} token(s), and scoring "
-                             f"needs at least 2; give a longer calibration.text or set accuracy.enabled: false")
+        held_out = held_out_tokens(calibration.text if calibration else BUILTIN, loaded.tokenizer_json,
+                                   recipe.accuracy.max_tokens)
+        if len(held_out.tokens) < 2:
+            raise BuildError(f"accuracy report: its held-out text ({held_out.source}) has {len(held_out.tokens)} "
+                             f"token(s), and scoring needs at least 2; give a longer calibration.text or set "
+                             f"accuracy.enabled: false")
+        if repeated_text_warning(held_out):
+            say(f"warning: {repeated_text_warning(held_out)}")
     weight_bytes = sum(tensor.nbytes for tensor in loaded.state_dict.values())
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
@@ -170,11 +173,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         accuracy = {}
         if report_accuracy:
             say("accuracy report: quantized vs float on held-out text")
-            calibration = passes[first_quantize].options.calibration
             accuracy = {"quantization": quantization_summary([vars(result) for result in pass_results]),
                         "held_out": evaluate_against_float(float_decode, folder, manifest, recipe.accuracy,
-                                                           calibration.text if calibration else BUILTIN,
-                                                           loaded.tokenizer_json, recipe.backend, say)}
+                                                           held_out, recipe.backend, say)}
         say("hashing files and writing the manifest")
         write_manifest(folder, {
             "name": recipe.name,

@@ -728,3 +728,18 @@ def test_replacing_an_artifact_leaves_only_the_new_one_shared_and_a_failed_swap_
             (folder / "manifest.json").write_text("third")
     assert (final / "manifest.json").read_text() == "second"
     assert [p.name for p in tmp_path.iterdir()] == ["artifact"]
+
+
+def test_a_held_out_text_that_repeats_the_calibration_part_is_warned_about_before_the_export(capsys, tmp_path,
+                                                                                            monkeypatch):
+    monkeypatch.setattr("compiler.build.trace_graphs", lambda *a, **k: (_ for _ in ()).throw(SystemExit("reached")))
+    paragraphs = [" ".join(f"word{i}x{j}" for j in range(40)) for i in range(60)]
+    (tmp_path / "notes.txt").write_text("\n\n".join(paragraphs + [paragraphs[3]]))  # the last one copies the 4th
+    recipe = tiny_recipe(tmp_path, "  - pack_projections", "  - pack_projections\n  - quantize:\n      calibration: "
+                         f"{{text: {tmp_path / 'notes.txt'}, samples: 2, length: 32}}")
+    with pytest.raises(SystemExit, match="reached"):
+        main(["build", str(recipe), "--output", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    output = " ".join((captured.out + captured.err).split())
+    assert "warning: accuracy report: from its token" in output and "repeats the calibration part" in output, output
+    assert "set accuracy.max_tokens to" in output

@@ -58,6 +58,7 @@ def test_manifest_reports_calibration_sizes_and_held_out_accuracy(quantized_arti
     held_out = accuracy["held_out"]
     assert held_out["tokens"] == 400 and held_out["window"] == 64 and "held out" in held_out["text"]
     assert held_out["python"] == platform.python_version()  # the built-in text is this Python's documentation
+    assert held_out["repeats_calibration_from"] is None  # its first 400 tokens repeat no run of the calibration part
     assert 0 <= held_out["top1_agreement"] <= 1 and held_out["mean_kl"] > 0
     assert held_out["perplexity_increase"] == pytest.approx(held_out["perplexity"] / held_out["reference_perplexity"] - 1)
     assert accuracy["quantization"]["totals"]["graph_bytes_after"] < accuracy["quantization"]["totals"]["graph_bytes_before"] / 3
