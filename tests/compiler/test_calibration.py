@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from argparse import Namespace
 
-import numpy as np
-
 from compiler import cli_evaluate
 from compiler.accuracy import first_repeated_run, held_out_tokens, repeated_text_warning
 from compiler.calibration import resolve, split_text
