@@ -109,8 +109,12 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     started = time.perf_counter()
     say(f"loading the model ({recipe.model.source})")
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
-    if loaded.tokenizer_json is None:
-        raise BuildError("the model source has no tokenizer (tokenizer.json); add one beside the weights")
+    if loaded.tokenizer_json is None:  # (random-init models make their own)
+        raise BuildError(f"{loaded.source['path']}: no tokenizer.ggml.tokens in its metadata, so no tokenizer; aotlm "
+                         f"reads a GGUF's tokenizer from the file itself: convert the model with its tokenizer "
+                         f"(llama.cpp's convert_hf_to_gguf.py writes one)" if recipe.model.source == "gguf" else
+                         f"{loaded.source['path']}: no tokenizer.json in the folder; add the model's tokenizer.json "
+                         f"beside config.json")
     check_tokenizer_fits(loaded.tokenizer_json, loaded.config.vocab_size)
     if loaded.chat_template is not None:
         check_chat_template(loaded.chat_template)

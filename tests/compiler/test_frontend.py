@@ -203,6 +203,28 @@ def test_gguf_round_trip_restores_every_tensor_exactly(tmp_path, config):
     assert ours.encode(text).ids == reference.encode(text).ids
 
 
+def test_a_model_without_a_tokenizer_loads_but_its_build_is_refused_naming_where_it_belongs(tmp_path, monkeypatch):
+    """A GGUF with no token list takes its vocabulary size from the embedding rows (GGUF stores the shape reversed:
+    [hidden, vocab]); the build then needs a tokenizer, which a GGUF keeps inside and a folder beside config.json."""
+    from compiler.build import build
+    from compiler.recipe import parse_recipe
+
+    original = random_model(TINY, seed=3)  # vocab 300, hidden 64: a reversed shape would read 64
+    monkeypatch.setattr(__name__ + ".write_byte_level_metadata", lambda *args: None)
+    write_gguf(tmp_path / "bare.gguf", TINY, original.state_dict, original.tokenizer_json)
+    loaded = load_gguf(str(tmp_path / "bare.gguf"))
+    assert loaded.tokenizer_json is None and loaded.config.vocab_size == TINY.vocab_size == 300
+    monkeypatch.setattr("compiler.build.trace_graphs", lambda *a, **k: pytest.fail("exported"))
+    with pytest.raises(BuildError, match=r"bare.gguf: no tokenizer.ggml.tokens in its metadata.*convert_hf_to_gguf"):
+        build(parse_recipe({"name": "bare", "model": {"source": "gguf", "path": str(tmp_path / "bare.gguf")}}),
+              tmp_path / "out")
+    write_hf_folder(tmp_path / "folder", TINY, original.state_dict)
+    with pytest.raises(BuildError, match=r"folder: no tokenizer.json in the folder; add the model's tokenizer.json"):
+        build(parse_recipe({"name": "bare", "model": {"source": "hf", "path": str(tmp_path / "folder")}}),
+              tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_llama_cpp_permute_is_not_the_identity():
     # Guards the round trip above from passing vacuously.
     weight = random_model(TINY, seed=3).state_dict["model.layers.0.self_attn.q_proj.weight"].numpy()
