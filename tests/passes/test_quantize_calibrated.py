@@ -18,7 +18,8 @@ from passes import cleanup, fuse_attention, fuse_rms_norm, fuse_silu, lower_onnx
 from passes.awq_fold import apply_input_scales, attention_value_tie
 from passes.calibration import CalibrationSet, CalibrationSpec, collect_statistics, draw_samples
 from passes.errors import PassError
-from passes.quantize_algorithms import awq_search, quantize_gptq, refit_scales, relative_output_error, scaled_dequantized
+from passes.quantize_algorithms import (awq_search, output_error, quantize_gptq, refit_scales, relative_output_error,
+                                        scaled_dequantized)
 from passes.quantized_weights import QuantizedWeight, dequantize, quantize_rtn
 from tests.passes.test_fuse_attention import CONFIG, decoder_graphs, fuse_and_lower, generate_logits, op_counts  # noqa: F401
 
@@ -50,6 +51,48 @@ def test_awq_and_gptq_lower_the_layer_output_error_below_rtn(name):
     assert awq <= rtn and gptq <= rtn
     assert awq < 0.9 * rtn and gptq < 0.9 * rtn  # with salient, correlated channels both win clearly
     assert gptq_weight.codes.max() < 2 ** bits and gptq_weight.scales.shape == (96, 256 // block_size)
+
+
+def spiky_layer(k=64, n=32, rows=2048, seed=1):
+    """Activations where 8 channels are 0 but for rare spikes 100x the typical value (E|x| small, E[x²] large), their
+    E[x xᵀ] and E|x|: the salience E|x| understates them, so the best α is high."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k))
+    spiking = rng.choice(k, 8, replace=False)
+    x[:, spiking] *= 100 * (rng.random((rows, 8)) < 0.02)
+    weight = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    return weight, x.T @ x / rows, np.abs(x).mean(axis=0)
+
+
+def reference_awq_search(weight, hessian, mean_abs, bits, block_size, symmetric):
+    """AWQ's scale search written out: for α in {0, 1/20, ..., 19/20}, s = E|x|^α normalised to √(max s · min s) = 1,
+    the output error of diag(1/s) Q(diag(s) W); returns (every α's error, the best α, its s)."""
+    losses, candidates = [], []
+    for alpha in np.arange(20) / 20:
+        scales = np.maximum(mean_abs, 1e-8) ** alpha
+        scales = (scales / np.sqrt(scales.max() * scales.min())).astype(np.float32)
+        rounded = dequantize(quantize_rtn(weight * scales[:, None], bits, block_size, symmetric))
+        losses.append(output_error(weight, rounded / scales[:, None], hessian))
+        candidates.append((alpha, scales))
+    alpha, scales = candidates[int(np.argmin(losses))]
+    return np.array(losses), alpha, scales
+
+
+@pytest.mark.parametrize("layer, best_alpha", [("correlated", 0.35), ("spiky", 0.85)])
+def test_awq_search_tries_every_alpha_of_the_grid(layer, best_alpha):
+    """The search's α, scales and losses equal a direct search over the whole grid. The layers are chosen so that a
+    narrowed grid shows: correlated channels are best at α = 0.35 (not on a grid of tenths), rare spikes at 0.85
+    (not in the grid's lower half), both far below α = 0 (RTN), the loss the record reports as loss_rtn."""
+    weight, hessian, mean_abs = (correlated_layer(k=64, n=32, rows=2048, seed=1) if layer == "correlated"
+                                 else spiky_layer())
+    scales, record = awq_search([weight], hessian, mean_abs, 4, 32, True)
+    losses, alpha, expected_scales = reference_awq_search(weight, hessian, mean_abs, 4, 32, True)
+    assert alpha == pytest.approx(best_alpha)  # the layer is what this test needs (any other α: at least 2.5% worse)
+    assert record["alpha"] == pytest.approx(alpha)
+    np.testing.assert_allclose(scales, expected_scales, rtol=1e-6)
+    # The search sums the error in float32: equal to the float64 reference within 1e-4.
+    assert record["loss_rtn"] == pytest.approx(losses[0], rel=1e-4)
+    assert record["loss_best"] == pytest.approx(losses.min(), rel=1e-4) and record["loss_best"] < 0.5 * losses[0]
 
 
 def gather_matmul(table: np.ndarray, weight: np.ndarray) -> onnx.ModelProto:
@@ -171,9 +214,10 @@ def test_awq_folds_are_exact_in_float(fused_graphs, decoder_graphs, packed, rota
     np.testing.assert_allclose(run_graph(folded, inputs)[0], run_graph(model, inputs)[0], rtol=1e-4, atol=1e-4)
 
 
-def _fold_graph(returned: str) -> onnx.ModelProto:
+def _fold_graph(returned: str | None = None, read_outside: str | None = None) -> onnx.ModelProto:
     """embedding x -> Mul(gamma) -> hidden -> Reshape [-1, K] -> lm_head, and a gated down_proj reading
-    Mul(Sigmoid(gate), up) of x; `returned` is also a graph output (a caller reads the last hidden state, say)."""
+    Mul(Sigmoid(gate), up) of x; `returned` is also a graph output (a caller reads the last hidden state, say);
+    `read_outside` is also read by a Tanh, a node in no group, whose output "outside" is a graph output too."""
     rng = np.random.default_rng(0)
     k, n, vocab = 16, 8, 30
     weights = {"table": rng.standard_normal((vocab, k)), "gamma": 1 + 0.1 * rng.standard_normal(k),
@@ -185,12 +229,28 @@ def _fold_graph(returned: str) -> onnx.ModelProto:
              node("MatMul", ["x", "gate"], ["gated"]), node("Sigmoid", ["gated"], ["gate_act"]),
              node("MatMul", ["x", "up"], ["up_out"]), node("Mul", ["gate_act", "up_out"], ["product"]),
              node("MatMul", ["product", "down"], ["mlp"])]
-    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("logits", "mlp", returned)]
+    if read_outside is not None:
+        nodes.append(node("Tanh", [read_outside], ["outside"]))
+    names = ["logits", "mlp"] + [name for name in (returned, read_outside and "outside") if name is not None]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in names]
     initializers = [numpy_helper.from_array(v.astype(np.int64 if name == "shape" else np.float32), name)
                     for name, v in weights.items()]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 4])],
                               outputs, initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _scale_both_groups(graph: gs.Graph) -> dict[str, str]:
+    """_fold_graph's lm_head and down_proj read x / s and hold diag(s) W (random s, no rounding): how each 1/s went
+    in, by the group's input (rows, product). The graph computes what it did unless a fold changed another reader."""
+    rng = np.random.default_rng(1)
+    folds = {}
+    for reader, node_input in (("rows", "head"), ("product", "down")):  # lm_head's and down_proj's groups
+        group = [node for node in graph.nodes if node.op == "MatMul" and node.inputs[1].name == node_input]
+        scales = np.exp(rng.uniform(-1, 1, 16)).astype(np.float32)
+        group[0].inputs[1] = gs.Constant(f"{node_input}_scaled", group[0].inputs[1].values * scales[:, None])
+        folds[reader] = apply_input_scales(graph, group[0].inputs[0], group, scales)
+    return folds
 
 
 @pytest.mark.parametrize("returned", ["hidden", "up_out"])
@@ -200,19 +260,70 @@ def test_awq_folds_leave_a_graph_output_as_it_was(returned):
     the returned tensor included, is what it was."""
     model = _fold_graph(returned)
     graph = gs.import_onnx(model)
-    rng = np.random.default_rng(1)
-    folds = {}
-    for reader, node_input in (("rows", "head"), ("product", "down")):  # lm_head's and down_proj's groups
-        group = [node for node in graph.nodes if node.op == "MatMul" and node.inputs[1].name == node_input]
-        scales = np.exp(rng.uniform(-1, 1, 16)).astype(np.float32)
-        group[0].inputs[1] = gs.Constant(f"{node_input}_scaled", group[0].inputs[1].values * scales[:, None])
-        folds[reader] = apply_input_scales(graph, group[0].inputs[0], group, scales)
+    folds = _scale_both_groups(graph)
     blocked = "rows" if returned == "hidden" else "product"
     assert folds[blocked] == "Mul inserted before the group", folds
     folded = gs.export_onnx(graph.cleanup().toposort())
     feeds = {"input_ids": np.array([[3, 1, 4, 1]])}
     for after, before in zip(run_graph(folded, feeds), run_graph(model, feeds)):
         np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("read", ["rows", "hidden", "up_out"])
+def test_awq_folds_leave_what_a_reader_outside_the_group_reads_as_it_was(read):
+    """A Tanh in no group reads lm_head's input itself (`rows`), the norm's output before the Reshape (`hidden`) or
+    up_proj's output inside down_proj's gated input (`up_out`). A fold into what produces it would hand the Tanh
+    values scaled by 1/s; that group gets a Mul instead, the other one still folds, and every output, the Tanh's
+    included, is what it was."""
+    model = _fold_graph(read_outside=read)
+    graph = gs.import_onnx(model)
+    folds = _scale_both_groups(graph)
+    folded = gs.export_onnx(graph.cleanup().toposort())
+    feeds = {"input_ids": np.array([[3, 1, 4, 1]])}
+    for name, after, before in zip(("logits", "mlp", "outside"), run_graph(folded, feeds), run_graph(model, feeds)):
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5, err_msg=name)
+    blocked = "product" if read == "up_out" else "rows"
+    assert folds[blocked] == "Mul inserted before the group", folds
+    assert all(how.startswith("folded into") for reader, how in folds.items() if reader != blocked), folds
+
+
+def norm_with_an_outside_reader() -> tuple[onnx.ModelProto, CalibrationSet]:
+    """input_ids -> Gather -> SimplifiedLayerNormalization(gamma) -> normed, read by q_proj and by `outside`, a MatMul
+    the recipe keeps float (excluded): outside AWQ's group, so folding q_proj's 1/s into gamma would change it."""
+    rng = np.random.default_rng(0)
+    vocab, k = 100, 64
+    table = rng.standard_normal((vocab, k)).astype(np.float32)
+    gamma = np.exp(1.5 * rng.standard_normal(k)).astype(np.float32)  # uneven channels: AWQ's α is well above 0
+    node = helper.make_node
+    graph = helper.make_graph(
+        [node("Gather", ["table", "input_ids"], ["x"], name="embed"),
+         node("SimplifiedLayerNormalization", ["x", "gamma"], ["normed"], name="norm", axis=-1, epsilon=1e-5,
+              stash_type=1),
+         node("MatMul", ["normed", "W_q"], ["q"], name="q_proj"),
+         node("MatMul", ["normed", "W_outside"], ["side"], name="outside")], "norm_with_an_outside_reader",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("q", "side")],
+        [numpy_helper.from_array(values, name) for name, values in (
+            ("table", table), ("gamma", gamma), ("W_q", (rng.standard_normal((k, 32)) / 8).astype(np.float32)),
+            ("W_outside", (rng.standard_normal((k, 16)) / 8).astype(np.float32)))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    tokens = draw_samples(rng.integers(0, vocab, 2000), samples=8, length=20, seed=3)
+    return model, CalibrationSet(samples=8, length=20, token_ids=tokens)
+
+
+def test_awq_does_not_fold_into_a_norm_whose_output_a_layer_outside_the_group_reads():
+    """q_proj's 1/s may go into the norm's gamma only if every reader of the norm's output divides by it; the
+    excluded `outside` MatMul reads it too, so a Mul goes before q_proj and `side` is the float graph's own."""
+    model, data = norm_with_an_outside_reader()
+    quantized, report = quantize.run(model, quantize.Options(bits=4, block_size=32, method="awq", exclude=("outside",),
+                                                             calibration=data))
+    (layer,) = report["layers"]
+    alpha = float(layer["awq"].split(",")[0].removeprefix("alpha="))
+    assert layer["node"] == "q_proj" and alpha > 0, layer  # s is not 1: a fold would show
+    feeds = {"input_ids": data.token_ids[:2].reshape(1, -1)}
+    (_, side), (_, float_side) = run_graph(quantized, feeds), run_graph(model, feeds)
+    np.testing.assert_allclose(side, float_side, rtol=1e-6, atol=1e-6)  # the same float ops on the same values
+    assert layer["awq"].endswith("Mul inserted before the group"), layer
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
@@ -407,6 +518,69 @@ def test_a_spec_without_tokens_is_refused_with_how_to_fix():
     spec_only = quantize.Options(method="gptq", calibration=CalibrationSpec())
     with pytest.raises(PassError, match="got a CalibrationSpec, not tokens: run it through the build"):
         quantize.run(model, spec_only)
+
+
+def test_awq_gptq_rounds_the_scaled_weight_on_the_second_moment_of_the_scaled_input():
+    """awq_gptq: the MatMul reads x / s and holds the rounding of diag(s) W, whose input statistics are
+    E[(x/s)(x/s)ᵀ] = H / (s sᵀ); GPTQ on plain H would weigh each channel's error by the wrong s². The graph must
+    compute x diag(1/s) GPTQ(diag(s) W, H / (s sᵀ)), s being AWQ's search on (H, E|x|)."""
+    rng = np.random.default_rng(0)
+    table = (rng.standard_normal((100, 64)) * np.exp(rng.standard_normal(64))).astype(np.float32)  # uneven channels
+    weight = rng.standard_normal((64, 16)).astype(np.float32)
+    model = gather_matmul(table, weight)
+    tokens = draw_samples(rng.integers(0, 100, 2000), samples=8, length=20, seed=3)
+    data = CalibrationSet(samples=8, length=20, token_ids=tokens)
+    quantized, report = quantize.run(model, quantize.Options(bits=4, block_size=32, method="awq_gptq",
+                                                             calibration=data))
+    stats = collect_statistics(model, ["x"], data)["x"]
+    scales, record = awq_search([weight], stats.hessian, stats.mean_abs, 4, 32, True, full_range=True)
+    rounded = quantize_gptq(weight * scales[:, None], stats.hessian / np.outer(scales, scales), 4, 32, True,
+                            full_range=True)
+    effective = dequantize(rounded) / scales[:, None]
+    session = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"])
+    computed = np.concatenate([session.run(None, {"input_ids": sample[None]})[0][0] for sample in tokens])
+    expected = table[tokens.reshape(-1)].astype(np.float64) @ effective
+    assert record["alpha"] > 0  # s is not 1, so H / (s sᵀ) is not H
+    # float32 kernels: within 1e-5 of the largest output; GPTQ on plain H moves outputs by 5% of it
+    np.testing.assert_allclose(computed, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    (layer,) = report["layers"]
+    assert layer["relative_output_error"] == pytest.approx(relative_output_error(weight, effective, stats.hessian),
+                                                           rel=1e-6)
+
+
+def tied_model_fed_input_ids(vocab=96, hidden=64, seed=0) -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
+    """tied_model read from input_ids [1, L] (what calibration feeds), flattened to the ids its Gather reads."""
+    model, table, weight = tied_model(vocab, hidden, seed)
+    graph = model.graph
+    graph.node.insert(0, onnx.helper.make_node("Reshape", ["input_ids", "flat"], ["ids"], name="flatten"))
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), "flat"))
+    del graph.input[:]
+    graph.input.append(onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, [1, None]))
+    return model, table, weight
+
+
+def test_a_calibrated_shared_table_is_gptq_on_the_normalised_hessian_plus_identity():
+    """The table both the quantized embedding and the tied lm_head read: its rows' own error ‖Δ‖² (the gather) counts
+    as much as lm_head's output error, so GPTQ rounds Eᵀ on H / mean(diag H) + I (H: lm_head's input statistics),
+    without AWQ scales. proj is kept float, so the logits are (Ê[ids] W) Êᵀ with that one rounded table Ê."""
+    model, table, weight = tied_model_fed_input_ids()
+    tokens = draw_samples(np.random.default_rng(0).integers(0, 96, 2000), samples=8, length=20, seed=3)
+    data = CalibrationSet(samples=8, length=20, token_ids=tokens)
+    quantized, report = quantize.run(model, quantize.Options(bits=4, block_size=32, method="awq_gptq",
+                                                             embedding="quantized", exclude=("proj",),
+                                                             calibration=data))
+    hessian = collect_statistics(model, ["h"], data)["h"].hessian
+    shared = hessian / np.mean(np.diag(hessian)) + np.eye(len(hessian))
+    table_q = dequantize(quantize_gptq(table.T.copy(), shared, 4, 32, True, full_range=True)).T  # [V, H]
+    ids = np.array([[0, 7, 95, 7, 40]])
+    expected = (table_q[ids[0]] @ weight) @ table_q.T
+    # float32 kernels: within 1e-5 of the largest logit; a table rounded on H without I moves them by 20%
+    np.testing.assert_allclose(run_graph(quantized, {"input_ids": ids})[0], expected, rtol=0,
+                               atol=1e-5 * np.abs(expected).max())
+    (head,) = report["layers"]
+    assert head["node"] == "lm_head" and head["awq"] is None and report["embedding"]["shares_codes_with"] == "lm_head"
+    assert head["relative_output_error"] == pytest.approx(
+        relative_output_error(table.T, table_q.T, hessian), rel=1e-6)  # reported on lm_head's own H
 
 
 def test_gptq_pads_a_partial_last_block_like_rtn():
