@@ -102,6 +102,28 @@ def test_prefill_can_return_logits_for_every_position():
     np.testing.assert_allclose(logits[0], expected, atol=1e-5)
 
 
+def test_a_key_the_attention_mask_hides_changes_no_other_token():
+    """attention_mask 0 at key 2, inside the prompt (right padding only ever hides keys after every query, where the
+    causal rule hides them anyway): no other token may read it. Its token can be anything without changing any other
+    position's logits, the tokens before it keep the unmasked prompt's logits, and the ones after it do not."""
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=3).state_dict)
+    prefill = export_graphs(decoder, MAX_CONTEXT, prefill_logits="all")["prefill"]
+    session = ort.InferenceSession(prefill.SerializeToString(), providers=["CPUExecutionProvider"])
+    caches = [np.zeros((1, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float32)] * (2 * CONFIG.num_layers)
+    positions, hole = np.arange(6)[None], 2
+
+    def logits_for(tokens, mask):
+        return run(session, caches, np.array([tokens]), positions, np.array([mask]))[0][0]
+
+    hidden = logits_for([1, 5, 9, 14, 200, 7], [1, 1, 0, 1, 1, 1])
+    hidden_other_token = logits_for([1, 5, 123, 14, 200, 7], [1, 1, 0, 1, 1, 1])
+    visible = logits_for([1, 5, 9, 14, 200, 7], [1] * 6)
+    others = [i for i in range(6) if i != hole]
+    np.testing.assert_allclose(hidden_other_token[others], hidden[others], atol=1e-5)
+    np.testing.assert_allclose(hidden[:hole], visible[:hole], atol=1e-5)
+    assert np.abs(hidden[hole + 1:] - visible[hole + 1:]).max(axis=-1).min() > 1e-2  # each later token read it
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_export_fuses_and_keeps_float32_rotary(dtype):
     """TensorRT's graphs are float16/bfloat16 (strong typing). The fusion still fires, the rotary tables reach

@@ -526,3 +526,79 @@ def test_llama3_scaled_rotary_frequencies_fuse_and_keep_the_logits():
         np.testing.assert_allclose(fused, reference, atol=1e-5)
     plain_logits = generate_logits(graphs[CONFIG])
     assert max(np.abs(a - b).max() for a, b in zip(unfused_logits[:-1], plain_logits[:-1])) > 1e-2
+
+
+def guard_probabilities(model: onnx.ModelProto, fill: float) -> onnx.ModelProto:
+    """Every Softmax's output p read through Where(IsNaN(p), fill, p), as torch's SDPA export guards it."""
+    graph = gs.import_onnx(model)
+    for index, softmax in enumerate([n for n in graph.nodes if n.op == "Softmax"]):
+        probabilities = softmax.outputs[0]
+        readers = list(probabilities.outputs)
+        isnan = graph.layer(op="IsNaN", inputs=[probabilities], outputs=[f"guard_{index}_isnan"])[0]
+        guarded = graph.layer(op="Where", inputs=[isnan, gs.Constant(f"guard_{index}_fill", np.array(fill, np.float32)),
+                                                  probabilities], outputs=[f"guard_{index}_probabilities"])[0]
+        guarded.dtype = probabilities.dtype
+        for reader in readers:
+            reader.inputs[reader.inputs.index(probabilities)] = guarded
+    return gs.export_onnx(graph.toposort())
+
+
+@pytest.mark.parametrize("fill", [0.0, 1.0])
+def test_only_a_nan_guard_that_zeroes_the_probabilities_is_fused_through(decoder_graphs, fill):
+    """torch's SDPA export guards the probabilities with Where(IsNaN(p), 0, p): a query whose keys are all masked
+    attends to nothing and outputs 0. The pass steps over that guard. One with another fill computes something else
+    for such a row, so its Where is a second reader of the probabilities and the layers stay unfused (no row of this
+    graph is all masked: only the constant tells the two guards apart, and the probe cannot)."""
+    model = guard_probabilities(decoder_graphs["prefill"], fill)
+    fused, report = fuse_attention.run(model, fuse_attention.Options())
+    if fill == 0.0:
+        assert report["fused"] == CONFIG.num_layers and op_counts(fused)["IsNaN"] == 0, report
+        return
+    assert report["fused"] == 0 and op_counts(fused)["IsNaN"] == CONFIG.num_layers
+    assert {layer["reason"] for layer in report["layers"]} == {
+        "Softmax output has 2 consumers, expected the value MatMul only"}
+
+
+def write_keys_twice(model: onnx.ModelProto, offset: int) -> onnx.ModelProto:
+    """Layer 0's key cache write gets its keys twice, [k; k] along the rows, at their positions and `offset` rows on;
+    the attention reads the first copy (Slice), so the scores still read k."""
+    graph = gs.import_onnx(model)
+    writer = next(n for n in graph.nodes if n.op == "ScatterElements" and n.outputs[0].name == "present.0.key")
+    keys, rows = writer.inputs[2], writer.inputs[1]
+    readers = [n for n in keys.outputs if n is not writer]
+    constants = {name: gs.Constant(f"twice_{name}", np.array(value, np.int64)) for name, value in
+                 (("axis", [2]), ("repeat", [1, 1, 2, 1, 1]), ("shape", [0, 0, -1, CONFIG.head_dim]), ("zero", [0]),
+                  ("offset", offset))}
+    stacked = graph.layer(op="Unsqueeze", inputs=[keys, constants["axis"]], outputs=["twice_unsqueezed"])[0]
+    stacked = graph.layer(op="Expand", inputs=[stacked, constants["repeat"]], outputs=["twice_expanded"])[0]
+    both = graph.layer(op="Reshape", inputs=[stacked, constants["shape"]], outputs=["twice_keys"])[0]  # [B, KV, 2S, D]
+    length = graph.layer(op="Shape", inputs=[keys], outputs=["twice_length"], attrs={"start": 2, "end": 3})[0]
+    first = graph.layer(op="Slice", inputs=[both, constants["zero"], length, constants["axis"]],
+                        outputs=["first_copy"])[0]
+    later = graph.layer(op="Add", inputs=[rows, constants["offset"]], outputs=["twice_later_rows"])[0]
+    both_rows = graph.layer(op="Concat", inputs=[rows, later], outputs=["twice_rows"], attrs={"axis": 2})[0]
+    for tensor in (stacked, both, first):
+        tensor.dtype = keys.dtype
+    both_rows.dtype = later.dtype = rows.dtype
+    writer.inputs[1], writer.inputs[2] = both_rows, both
+    for reader in readers:
+        reader.inputs[reader.inputs.index(keys)] = first
+    return gs.export_onnx(graph.toposort())
+
+
+def test_a_block_that_also_writes_rows_beyond_the_prompt_is_not_fused(decoder_graphs):
+    """Layer 0's prefill writes every key at its position and again 16 rows on. Rows 0.. hold what FlashAttention
+    writes and the attention output is the same: only the rows beyond the prompt, which the fused node would leave
+    as they were, show the difference. The block probe checks them too and keeps the layer unfused."""
+    model = write_keys_twice(decoder_graphs["prefill"], offset=16)
+    inputs, _ = io_names(CONFIG)
+    length = 6
+    caches = [np.zeros((1, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float32)] * (2 * CONFIG.num_layers)
+    feed = {"input_ids": np.array([[1, 5, 9, 14, 200, 7]]), "position_ids": np.arange(length)[None],
+            "attention_mask": np.ones((1, length), np.int64), **dict(zip(inputs[3:], caches))}
+    present_key = session_for(model).run(["present.0.key"], feed)[0]
+    assert np.abs(present_key[:, :, :length]).max() > 0
+    np.testing.assert_array_equal(present_key[:, :, 16:16 + length], present_key[:, :, :length])  # the second copy
+    _, report = fuse_attention.run(model, fuse_attention.Options())
+    assert report["fused"] == CONFIG.num_layers - 1 and report["layers"][1]["fused"], report
+    assert report["layers"][0]["reason"].startswith("the block writes the key cache elsewhere than FlashAttention does")

@@ -139,11 +139,13 @@ def test_an_old_opset_is_kept_when_nothing_is_rewritten_and_refused_when_it_woul
 
 
 def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, negate_sin: bool = False,
-                 s: int = 6, heads: int = 2, d: int = 8) -> tuple[onnx.ModelProto, tuple[int, ...]]:
+                 s: int = 6, heads: int = 2, d: int = 8, positions_counted_from_mask: bool = False,
+                 ) -> tuple[onnx.ModelProto, tuple[int, ...]]:
     """One rotate-half rotary of t (fixed shapes), as transformers traces it; variants whose math differs from
     RotaryEmbedding's in ways its nodes do not show: t laid out [B, S, heads, D] (cos unsqueezed at axis 2, as
     `apply_rotary_pos_emb(..., unsqueeze_dim=2)`), positions divided before the Mul by inv_freq (linear position
-    scaling), or Neg(sin) (the inverse rotation)."""
+    scaling), or Neg(sin) (the inverse rotation). `positions_counted_from_mask`: no position_ids input; the
+    positions are CumSum(attention_mask) - 1, counted in float."""
     from onnx import TensorProto as TP
     from onnx import helper as oh
     from onnx import numpy_helper as nh
@@ -152,7 +154,14 @@ def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, ne
     constants = {"inv_freq": 1.0 / 10000 ** (np.arange(0, d, 2, dtype=np.float32) / d), "last": np.array([-1]),
                  "heads_axis": np.array([2 if layout == "BSHD" else 1]), "start": np.array([0]),
                  "half": np.array([d // 2]), "end": np.array([d]), "divisor": np.array(position_divisor or 1.0, np.float32)}
-    nodes = [oh.make_node("Cast", ["position_ids"], ["p0"], to=TP.FLOAT),
+    if positions_counted_from_mask:
+        constants.update({"mask_axis": np.array(1), "one": np.array(1.0, np.float32)})
+        positions = [oh.make_node("Cast", ["attention_mask"], ["mask"], to=TP.FLOAT),
+                     oh.make_node("CumSum", ["mask", "mask_axis"], ["counted"]),
+                     oh.make_node("Sub", ["counted", "one"], ["p0"])]
+    else:
+        positions = [oh.make_node("Cast", ["position_ids"], ["p0"], to=TP.FLOAT)]
+    nodes = [*positions,
              oh.make_node("Div" if position_divisor else "Identity", ["p0", "divisor"][:2 if position_divisor else 1], ["p"]),
              oh.make_node("Unsqueeze", ["p", "last"], ["pu"]), oh.make_node("Mul", ["pu", "inv_freq"], ["freqs"]),
              oh.make_node("Concat", ["freqs", "freqs"], ["angles"], axis=-1), oh.make_node("Cos", ["angles"], ["c"]),
@@ -164,7 +173,8 @@ def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, ne
              oh.make_node("Concat", ["neg", "t1"], ["rot"], axis=-1), oh.make_node("Mul", ["t", "cos"], ["tc"]),
              oh.make_node("Mul", ["rot", "sin"], ["rs"]), oh.make_node("Add", ["tc", "rs"], ["y"], name="layers.0.rotary")]
     graph = oh.make_graph(nodes, "rotary", [oh.make_tensor_value_info("t", TP.FLOAT, shape),
-                                            oh.make_tensor_value_info("position_ids", TP.INT64, [1, s])],
+                                            oh.make_tensor_value_info("attention_mask" if positions_counted_from_mask
+                                                                      else "position_ids", TP.INT64, [1, s])],
                           [oh.make_tensor_value_info("y", TP.FLOAT, shape)],
                           [nh.from_array(np.asarray(v, np.int64 if v.dtype.kind == "i" else v.dtype), k)
                            for k, v in constants.items()])
@@ -192,6 +202,22 @@ def test_a_rotary_is_fused_only_when_a_probe_shows_it_computes_rotary_embedding(
     else:
         assert report["rewrites"] == 0 and op_counts(fused)["RotaryEmbedding"] == 0
         assert [s["layer"] for s in report["skipped"]] == ["layers.0"] and expected in report["skipped"][0]["reason"]
+
+
+def test_positions_counted_from_the_attention_mask_are_not_taken_as_the_mask_itself():
+    """No position_ids input: the positions are CumSum(attention_mask) - 1, computed in float, so the nearest int64
+    [B, S] tensor under Cos is attention_mask itself. It says which tokens are real, not where they are (all ones
+    here: RotaryEmbedding would rotate every token as position 1); with no int64 positions to give the op, the
+    rotary stays as it is, and the graph computes the same."""
+    model, shape = rotary_graph(positions_counted_from_mask=True)
+    fused, report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    feed = {"t": np.random.default_rng(1).standard_normal(shape).astype(np.float32),
+            "attention_mask": np.ones((1, shape[2]), np.int64)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
+    np.testing.assert_allclose(run(fused), run(model), atol=1e-5)
+    assert report["rewrites"] == 0 and op_counts(fused)["RotaryEmbedding"] == 0
+    assert [s["reason"] for s in report["skipped"]] == [
+        "rotary: no position_ids input and no int64 [B, S] positions tensor under Cos"]
 
 
 def test_bfloat16_rotaries_are_checked_in_float32_and_fused(decoder_graphs):  # noqa: F811
