@@ -166,8 +166,11 @@ def match(graph: gs.Graph) -> Match | str:
     if any(d is None for d in t.shape[:2]):
         return f"{t.name}'s batch and sequence dimensions are unknown; run cleanup (shape inference) first"
     shape_readers = [n for n in t.outputs if n is not flatten]
-    if any(n.op != "Shape" for n in shape_readers) or len(flatten.outputs[0].outputs) != 1:
+    flat = flatten.outputs[0]
+    if any(n.op != "Shape" for n in shape_readers) or len(flat.outputs) != 1:
         return f"{t.name} is read by more than the selection and Shape nodes"
+    if flat.name in {output.name for output in graph.outputs}:  # it would return the selected rows only
+        return f"{flat.name}, every row of {t.name}, is a graph output"
     if any(reader.attrs.get("start", 0) != 0 for reader in shape_readers) or not all(
             uses_batch_and_sequence_only(reader) for reader in shape_readers):
         return f"the row indices read more of {t.name}'s shape than its batch and sequence"

@@ -208,3 +208,112 @@ def test_bfloat16_weights_pack():
     assert weight.data_type == TensorProto.BFLOAT16
     np.testing.assert_array_equal(numpy_helper.to_array(weight).astype(np.float32),
                                   np.concatenate(parts, axis=1).astype(np.float32))
+
+
+# ---- refusals: each guards a check that a mutation audit found untested ------------------------------------------
+
+def projection_model(nodes: list, initializers: list, outputs: dict[str, int],
+                     weight_inputs: tuple[str, ...] = ()) -> onnx.ModelProto:
+    """x [batch, 4] read by the given nodes; `outputs` maps each graph output to its width; `weight_inputs` are
+    initializers also listed as graph inputs (defaults the caller may override)."""
+    shapes = {t.name: list(t.dims) for t in initializers}
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])]
+    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, shapes[name]) for name in weight_inputs]
+    graph = helper.make_graph(nodes, "projections", inputs,
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", width])
+                               for name, width in outputs.items()], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def random_initializer(name: str, *shape: int, dtype=np.float32) -> onnx.TensorProto:
+    rng = np.random.default_rng(sum(map(ord, name)))  # each name its own values
+    return numpy_helper.from_array(rng.standard_normal(shape).astype(dtype), name)
+
+
+def shared_weight_model() -> onnx.ModelProto:
+    """w_a is also read by a MatMul of another activation (y = relu(x)): packing would keep a copy of it."""
+    nodes = [helper.make_node("MatMul", ["x", "w_a"], ["a"], name="matmul_a"),
+             helper.make_node("MatMul", ["x", "w_b"], ["b"], name="matmul_b"),
+             helper.make_node("Relu", ["x"], ["y"]),
+             helper.make_node("MatMul", ["y", "w_a"], ["c"], name="matmul_c")]
+    return projection_model(nodes, [random_initializer("w_a", 4, 3), random_initializer("w_b", 4, 2)],
+                            {"a": 3, "b": 2, "c": 3})
+
+
+def weight_input_model() -> onnx.ModelProto:
+    """w_a is an initializer and a graph input: a value fed for it must still reach matmul_a."""
+    nodes = [helper.make_node("MatMul", ["x", "w_a"], ["a"], name="matmul_a"),
+             helper.make_node("MatMul", ["x", "w_b"], ["b"], name="matmul_b")]
+    return projection_model(nodes, [random_initializer("w_a", 4, 3), random_initializer("w_b", 4, 2)],
+                            {"a": 3, "b": 2}, weight_inputs=("w_a",))
+
+
+@pytest.mark.parametrize("make_model, reason", [(shared_weight_model, "weight_shared"),
+                                                (weight_input_model, "weight_is_graph_input")],
+                         ids=["shared_weight", "weight_is_graph_input"])
+def test_a_weight_that_packing_would_copy_or_freeze_is_refused(make_model, reason):
+    model = make_model()
+
+    packed, report = pack_projections.run(model, pack_projections.Options())
+
+    assert report["packed"] == []
+    assert report["skipped"] == [{"node": "matmul_a", "reason": reason},
+                                 {"node": "matmul_b", "reason": "group_too_small"}]
+    assert report["weight_bytes"]["after"] == report["weight_bytes"]["before"]  # a shared weight packed would grow it
+    assert op_counts(packed) == op_counts(model)
+    feeds = {"x": np.random.default_rng(4).standard_normal((3, 4)).astype(np.float32)}
+    if reason == "weight_is_graph_input":  # an overriding value: packed into a constant, it would be ignored
+        feeds["w_a"] = np.full((4, 3), 2.0, np.float32)
+    assert_same_outputs(run_ort(model, feeds), run_ort(packed, feeds))
+
+
+def test_siblings_of_mixed_weight_dtypes_are_not_packed_together():
+    """A float16 weight beside float32 ones (a graph ill-typed or mid-conversion): one packed weight has one dtype,
+    so the odd one is refused and the other two are packed."""
+    nodes = [helper.make_node("MatMul", ["x", f"w_{name}"], [name], name=f"matmul_{name}") for name in "abc"]
+    model = projection_model(nodes, [random_initializer("w_a", 4, 3), random_initializer("w_b", 4, 2, dtype=np.float16),
+                                     random_initializer("w_c", 4, 2)], {"a": 3, "b": 2, "c": 2})
+
+    packed, report = pack_projections.run(model, pack_projections.Options())
+
+    assert report["skipped"] == [{"node": "matmul_b", "reason": "weight_dtype_mismatch"}]
+    assert [entry["nodes"] for entry in report["packed"]] == [["matmul_a", "matmul_c"]]
+    weight = next(t for t in packed.graph.initializer if t.name.endswith("packed_weight"))
+    assert weight.data_type == TensorProto.FLOAT and list(weight.dims) == [4, 5]
+
+
+def biased_siblings_model(case: str) -> onnx.ModelProto:
+    """
+        x ─┬─► MatMul(w_a) ─► a0 ─► Add(bias_a) ─► a      with one thing that keeps the biases from packing:
+           └─► MatMul(w_b) ─► b0 ─► Add(bias_b) ─► b      a0 a graph output, a0 read by a Relu too, or a bias [1]
+    """
+    nodes = [helper.make_node("MatMul", ["x", "w_a"], ["a0"], name="matmul_a"),
+             helper.make_node("Add", ["a0", "bias_a"], ["a"], name="bias_add_a"),
+             helper.make_node("MatMul", ["x", "w_b"], ["b0"], name="matmul_b"),
+             helper.make_node("Add", ["b0", "bias_b"], ["b"], name="bias_add_b")]
+    outputs = {"a": 3, "b": 2}
+    bias_a_shape = (1,) if case == "bias_broadcast" else (3,)
+    if case == "product_is_graph_output":
+        outputs["a0"] = 3
+    if case == "product_read_elsewhere":
+        nodes.append(helper.make_node("Relu", ["a0"], ["a0_relu"]))
+        outputs["a0_relu"] = 3
+    initializers = [random_initializer("w_a", 4, 3), random_initializer("w_b", 4, 2),
+                    random_initializer("bias_a", *bias_a_shape), random_initializer("bias_b", 2)]
+    return projection_model(nodes, initializers, outputs)
+
+
+@pytest.mark.parametrize("case", ["product_is_graph_output", "product_read_elsewhere", "bias_broadcast"])
+def test_biases_stay_after_the_split_when_packing_them_would_break_the_graph(case):
+    """Packing the biases disconnects each MatMul's own output (another reader would lose it) and concatenates the
+    biases (a [1] bias broadcast over its width would leave the packed bias short): the Adds stay instead."""
+    model = biased_siblings_model(case)
+
+    packed, report = pack_projections.run(model, pack_projections.Options())
+
+    (entry,) = report["packed"]
+    assert entry["nodes"] == ["matmul_a", "matmul_b"] and not entry["biases_packed"]
+    assert entry["biases_left"].startswith("1 of 2 products have a constant bias Add"), entry
+    assert op_counts(packed)["Add"] == 2
+    feeds = {"x": np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)}
+    assert_same_outputs(run_ort(model, feeds), run_ort(packed, feeds))

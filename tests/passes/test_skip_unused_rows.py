@@ -244,3 +244,74 @@ def test_a_norm_over_the_sequence_stays_before_the_selection():
     outputs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
                for m in (model, result)]
     np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
+
+
+def wide_projection(*extra_nodes, outputs=()) -> onnx.ModelProto:
+    """t = x @ W [H, 2H]: t is wider than x, where the selection would move to, so whatever reads t's third dimension
+    would read x's instead. `extra_nodes` are added, `outputs` (name, type, shape) become graph outputs too."""
+    known = ["batch", "sequence", H]
+    nodes = [onnx.helper.make_node("MatMul", ["x", "W"], ["t"]), *extra_nodes]
+    model = selection_model(nodes, [weight(H, 2 * H)], [("x", known)], {"t": ["batch", "sequence", 2 * H]})
+    model.graph.output.extend(onnx.helper.make_tensor_value_info(*output) for output in outputs)
+    return model
+
+
+def width_read_from_shape(start: int, index: int) -> onnx.ModelProto:
+    """A Shape of t read beyond its batch and sequence: dimension 2, as Gather(Shape(t, start), index)."""
+    model = wide_projection(onnx.helper.make_node("Shape", ["t"], ["t_shape"], start=start),
+                            onnx.helper.make_node("Gather", ["t_shape", "index"], ["width"]),
+                            outputs=[("width", onnx.TensorProto.INT64, [])])
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(index, np.int64), "index"))
+    return model
+
+
+def flatten_over_axis_1() -> onnx.ModelProto:
+    """Flatten(t, axis 1) [B, S·2H] gathered by batch: every position of each sequence, not one row per sequence."""
+    model = wide_projection()
+    flatten = next(node for node in model.graph.node if node.op_type == "Flatten")
+    flatten.attribute[0].i = 1
+    rows = next(node for node in model.graph.node if node.output[0] == "rows")
+    rows.CopyFrom(onnx.helper.make_node("Identity", ["row_starts"], ["rows"]))
+    return model
+
+
+def reduction_without_keepdims() -> onnx.ModelProto:
+    """x [1, 4, 4] times its mean over the last axis without keepdims ([1, 4], which broadcasts as [1, 1, 4]): each
+    position is scaled by every position's mean, so the mean is no per-token row."""
+    shape = [1, 4, H]
+    nodes = [onnx.helper.make_node("ReduceMean", ["x"], ["r"], axes=[-1], keepdims=0),
+             onnx.helper.make_node("Mul", ["x", "r"], ["t"])]
+    return selection_model(nodes, [], [("x", shape)], {"r": [1, 4], "t": shape})
+
+
+def mean_over_the_sequence() -> onnx.ModelProto:
+    """x plus its mean over the sequence (keepdims: [B, 1, H]): every row depends on every position."""
+    shape = ["batch", 3, H]
+    nodes = [onnx.helper.make_node("ReduceMean", ["x"], ["m"], axes=[1], keepdims=1),
+             onnx.helper.make_node("Add", ["x", "m"], ["t"])]
+    return selection_model(nodes, [], [("x", shape)], {"m": ["batch", 1, H], "t": shape})
+
+
+@pytest.mark.parametrize("make_model, reason", [
+    (lambda: width_read_from_shape(start=0, index=2), "the row indices read more of t's shape"),
+    (lambda: width_read_from_shape(start=1, index=1), "the row indices read more of t's shape"),  # [S, 2H][1]
+    (flatten_over_axis_1, "no row selection (Gather of Flatten(t, axis 2))"),
+    # The flattened rows are a graph output too: the pass applied (it counted only reader nodes), and that output
+    # came back with B rows for B·S.
+    (lambda: wide_projection(outputs=[("flat", onnx.TensorProto.FLOAT, None)]), "flat, every row of t, is a graph output"),
+    (lambda: wide_projection(onnx.helper.make_node("Identity", ["flat"], ["flat_copy"]),
+                             outputs=[("flat_copy", onnx.TensorProto.FLOAT, None)]),
+     "t is read by more than the selection and Shape nodes"),
+    (reduction_without_keepdims, "r (where the selection would move to) is not known"),
+    (mean_over_the_sequence, "m (where the selection would move to) is not known"),
+], ids=["shape_dim_2", "shape_from_the_sequence", "flatten_over_axis_1", "flattened_rows_a_graph_output",
+        "flattened_rows_read_by_another_node",
+        "reduction_without_keepdims", "mean_over_the_sequence"])
+def test_selections_that_cannot_move_are_refused_with_the_reason(make_model, reason):
+    """Each is refused by one check that a mutation audit found no test for: without it the pass applies, and the
+    moved graph reads x's width for t's, gathers rows of a batch-flattened tensor, changes a graph output's shape, or
+    selects rows before a reduction that mixes them."""
+    model = make_model()
+    result, report = skip_unused_rows.run(model, skip_unused_rows.Options())
+    assert not report["applied"] and reason in report["reason"], report
+    assert result is model
