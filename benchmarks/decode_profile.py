@@ -182,11 +182,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     graphs = graphs_to_profile(args)
     with console.status("profiling") as status:
-        for batch in batches:
-            for context in contexts:
-                for name, path, kv_heads, head_dim in graphs:
-                    status.update(f"profiling {name}, {batch} rows at context {context}")
-                    rows.append(measure(name, path, kv_heads, head_dim, context, args.steps, args.threads, batch))
+        cells = [(batch, context) for batch in batches for context in contexts]
+        for index, (batch, context) in enumerate(cells):
+            measured = {}
+            order = list(enumerate(graphs))
+            for position, (name, path, kv_heads, head_dim) in order[::-1] if index % 2 else order:  # first by turns
+                status.update(f"profiling {name}, {batch} rows at context {context}")
+                measured[position] = measure(name, path, kv_heads, head_dim, context, args.steps, args.threads, batch)
+            rows += [measured[position] for position in range(len(graphs))]  # the table's columns in one order
     render(rows, console, args.threads, args.steps)
     report = {"settings": {"artifacts": [str(a) for a in args.artifacts], "genai": str(args.genai) if args.genai else None,
                            "contexts": contexts, "rows": batches, "steps": args.steps, "threads": args.threads,

@@ -43,13 +43,14 @@ def messages_for(encode, turns: int, tokens: int) -> list[list[int]]:
     return [ids[i * tokens:(i + 1) * tokens] for i in range(turns)]
 
 
-def conversation(engines: dict[str, Engine], messages: list[str], reply_tokens: int) -> list[dict]:
-    """One chat, turn by turn on every engine; the replies of the first engine continue the chat."""
+def conversation(engines: dict[str, Engine], messages: list[str], reply_tokens: int, reverse: bool = False) -> list[dict]:
+    """One chat, turn by turn on every engine (in reverse order if `reverse`, so that alternate repeats put each
+    engine first: the one that runs second finds the caches warm); the plain engine's replies continue the chat."""
     history, rows = [], []
     for message in messages:
         history.append({"role": "user", "content": message})
         row = {}
-        for name, engine in engines.items():
+        for name, engine in (reversed(engines.items()) if reverse else engines.items()):
             result = engine.chat(history, max_new_tokens=reply_tokens, stop_token_ids=())
             row[name] = {"ttft_ms": 1e3 * result.timings.ttft_s, "cached": result.timings.cached_prompt_tokens,
                          "prompt_tokens": result.timings.prompt_tokens, "token_ids": result.token_ids}
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         console.print(f"conversation {repeat + 1}/{args.repeats}")
         for engine in engines.values():  # warm, and the cache no longer holds the last conversation's turns
             engine.generate("warm up", max_new_tokens=4)
-        runs.append(conversation(engines, messages, args.reply_tokens))
+        runs.append(conversation(engines, messages, args.reply_tokens, reverse=repeat % 2 == 1))
     turns = []
     for turn in range(args.turns):
         plain = [run[turn]["plain"] for run in runs]
