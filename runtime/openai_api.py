@@ -322,7 +322,8 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str,
             if request.echo:
                 token_ids, entries = result.prompt_token_ids + token_ids, result.prompt_logprobs + entries
                 echo = (request.prompt_texts[choice.index // request.n], len(result.prompt_token_ids))
-            logprobs = logprobs_body(engine, request, token_ids, entries, echo=echo)
+            output_end = len(token_ids) - 1 - (result.stop_token_id is not None)
+            logprobs = logprobs_body(engine, request, token_ids, entries, echo=echo, output_end=output_end)
         if request.chat:
             entry = {"index": choice.index, "message": {"role": "assistant", "content": result.text},
                      "logprobs": logprobs, "finish_reason": finish_reason(result)}
@@ -377,21 +378,25 @@ class StreamLogprobs:
         self.sent = 0  # output tokens whose entries went out
         self.echo_pending = request.echo  # the prompt's tokens are still to go out, with the first chunk
         self.text_offset = 0  # where the next token's text begins in the choice's text
+        self.output_end: int | None = None  # the output's last token's index in token_ids, once it has ended
 
     def of_piece(self, piece: str) -> dict | None:
         if self.request.logprobs is None:
             return None
         logged = isinstance(piece, LoggedPiece)
         return self._body(piece.token_ids if logged else [], piece.logprobs if logged else [],
-                          self.handle.prompt_logprobs)
+                          self.handle.prompt_logprobs, ends_output=logged and piece.final)
 
     def of_end(self, result: GenerationResult) -> dict | None:
         if self.request.logprobs is None:
             return None
         token_ids, entries = _scored_output(result)
-        return self._body(token_ids[self.sent:], entries[self.sent:], result.prompt_logprobs)
+        return self._body(token_ids[self.sent:], entries[self.sent:], result.prompt_logprobs,
+                          ends_output=result.stop_token_id is None, stop_token=result.stop_token_id is not None)
 
-    def _body(self, token_ids, entries, prompt_entries) -> dict | None:
+    def _body(self, token_ids, entries, prompt_entries, ends_output: bool = False, stop_token: bool = False,
+              ) -> dict | None:
+        """ends_output: the output's last token is token_ids' last, or the one before a stop_token that ends them."""
         self.sent += len(token_ids)
         echo = None
         if self.echo_pending:
@@ -402,7 +407,10 @@ class StreamLogprobs:
             return None
         start = len(self.token_ids)
         self.token_ids.extend(token_ids)
-        body = logprobs_body(self.engine, self.request, self.token_ids, entries, start, self.text_offset, echo)
+        if ends_output or stop_token:  # a stop token's output ended just before it, in this chunk or an earlier one
+            self.output_end = len(self.token_ids) - 1 - stop_token
+        body = logprobs_body(self.engine, self.request, self.token_ids, entries, start, self.text_offset, echo,
+                             self.output_end)
         # A chunk ends with an output token (the first one too: it goes out with the first piece, or at the end
         # with the stop token), so the echo does not bear on the next offset.
         if not self.request.chat and body["tokens"]:
@@ -419,17 +427,21 @@ def usage_chunk(request: ParsedRequest, request_id: str, model_name: str, create
 CONTEXT_TOKENS = 4  # the tokens before one that decoding it in context reads
 
 
-def _token_texts(engine, token_ids: list[int], start: int = 0) -> list[str]:
+def _token_texts(engine, token_ids: list[int], start: int = 0, output_end: int | None = None) -> list[str]:
     """The texts of token_ids[start:] as they read in the output: each decoded after the tokens before it, so that a
     tokenizer that drops a word's leading space when it decodes a token alone (SentencePiece's) keeps it, and the
     texts join to the output's. A token that ends inside a UTF-8 character has the text it completes, or "" until
-    then."""
+    then; but the output's last token (at output_end, once the output has ended) has the U+FFFD its text ends with
+    there, and a stop token after it only its own text."""
     decode = lambda ids: engine.tokenizer.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     texts = []
     for position in range(start, len(token_ids)):
         before = token_ids[max(0, position - CONTEXT_TOKENS):position]
-        prefix, whole = decode(before).rstrip("\ufffd"), decode(before + [token_ids[position]])
-        texts.append(whole[len(prefix):].rstrip("\ufffd") if whole.startswith(prefix) else whole)
+        prefix, whole = decode(before), decode(before + [token_ids[position]])
+        if output_end is None or position <= output_end:  # a character cut short may yet be completed
+            prefix = prefix.rstrip("\ufffd")
+        text = whole[len(prefix):] if whole.startswith(prefix) else whole
+        texts.append(text if position == output_end else text.rstrip("\ufffd"))
     return texts
 
 
@@ -455,13 +467,14 @@ def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
 
 
 def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries, start: int = 0,
-                  text_offset: int = 0, echo: tuple[str, int] | None = None) -> dict:
+                  text_offset: int = 0, echo: tuple[str, int] | None = None, output_end: int | None = None) -> dict:
     """The logprobs of output tokens token_ids[start:] (entries: theirs, in order) in the request's format: chat's
     content list, or completions' parallel lists. The tokens before start read as context for their texts (a
     stream's earlier chunks); text_offset: where the first one's text begins in the choice's text. echo: (the
-    prompt's text as echoed, how many of token_ids, from the first, are the prompt's)."""
+    prompt's text as echoed, how many of token_ids, from the first, are the prompt's). output_end: the index of the
+    output's last token once it has ended (a stop token may follow it)."""
     count = request.logprobs
-    texts = _token_texts(engine, token_ids, start)
+    texts = _token_texts(engine, token_ids, start, output_end)
     chosen = token_ids[start:]
     if request.chat:
         def described(text: str, logprob: float) -> dict:

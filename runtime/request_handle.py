@@ -70,14 +70,15 @@ class LoggedPiece(str):
 
     token_ids: tuple[int, ...]
     logprobs: tuple[dict[int, float], ...]
+    final: bool  # the text held back until generation ended (a character cut short reads U+FFFD there)
 
-    def __new__(cls, text: str, token_ids, logprobs) -> "LoggedPiece":
+    def __new__(cls, text: str, token_ids, logprobs, final: bool = False) -> "LoggedPiece":
         piece = super().__new__(cls, text)
-        piece.token_ids, piece.logprobs = tuple(token_ids), tuple(logprobs)
+        piece.token_ids, piece.logprobs, piece.final = tuple(token_ids), tuple(logprobs), final
         return piece
 
     def __reduce__(self):  # copy and pickle call __new__ with these (str's own would pass the text alone)
-        return LoggedPiece, (str(self), self.token_ids, self.logprobs)
+        return LoggedPiece, (str(self), self.token_ids, self.logprobs, self.final)
 
 
 class RequestHandle:

@@ -97,12 +97,12 @@ class _Sequence:
     def scored(self) -> bool:
         return self.prompt_entries is not None
 
-    def piece(self, text: str) -> str:
+    def piece(self, text: str, final: bool = False) -> str:
         """The text piece to stream; with logprobs, carrying the tokens sampled since the last piece."""
         if self.params.logprobs is None:
             return text
         start, self.logged = self.logged, len(self.output)
-        return LoggedPiece(text, self.output[start:], self.sampler.logprobs[start:self.logged])
+        return LoggedPiece(text, self.output[start:], self.sampler.logprobs[start:self.logged], final)
 
     @property
     def length(self) -> int:
@@ -547,7 +547,7 @@ class Scheduler:
     def _result(self, sequence: _Sequence, reason: str) -> GenerationResult:
         tail = sequence.decoder.finish()  # text held back in case it began a stop string
         if tail:
-            sequence.handle._pieces.put(sequence.piece(tail))
+            sequence.handle._pieces.put(sequence.piece(tail, final=True))
         if sequence.decoder.stopped and reason in ("length", "max_context"):  # the stop ended inside a character
             reason = "stop"
         text = sequence.decoder.streamed_text  # what was streamed: ends before a stop string

@@ -1004,3 +1004,27 @@ def test_the_log_line_of_a_request_counts_its_tokens_and_says_whose_timings_it_s
     assert lines[0].startswith("POST /v1/completions 200: 1 prompt token (0 cached), 2 out; TTFT ")
     assert lines[1].startswith("POST /v1/completions 200: 2 prompt tokens (0 cached), 4 out over 2 choices; "
                                "choice 0: TTFT ")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stopped", [False, True])
+def test_an_output_that_ends_inside_a_character_joins_to_its_text(served, stream, stopped):
+    """Byte 228 (0xE2) begins a 3-byte character; an output that ends on it reads U+FFFD in its text, so its last
+    token's text must show it too, and a stop token after it only its own "</s>" (the U+FFFD had been no token's, or
+    the stop token's, whose offset then found "\ufffd" where its text said "\ufffd</s>")."""
+    body = {"prompt": "Hi", "max_tokens": 2, "logprobs": 1, "logit_bias": {"228": 50}, "temperature": 0,
+            "ignore_eos": True}
+    if stopped:  # 228, then the end-of-sequence token
+        body = {**body, "max_tokens": 4, "min_tokens": 1, "logit_bias": {"228": 50, "2": 100}, "ignore_eos": False}
+    if stream:
+        _, chunks, _ = events(served, "/v1/completions", {**body, "stream": True})
+        logprobs = streamed_logprobs(chunks, chat=False)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    else:
+        choice = post(served, "/v1/completions", body)[2]["choices"][0]
+        logprobs, text = choice["logprobs"], choice["text"]
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    if stopped:
+        assert (text, tokens, offsets) == ("\ufffd", ["\ufffd", "</s>"], [0, 1])
+    else:
+        assert text == "\ufffd\ufffd" and "".join(tokens) == text and offsets == [0, 0], (tokens, text)
