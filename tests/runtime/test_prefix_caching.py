@@ -2,6 +2,8 @@
 holds from the previous request prefills only the rest, and makes the tokens a whole prefill makes."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -79,6 +81,7 @@ def test_the_same_prompt_again_runs_only_its_last_token(cached, tiny_engine):
     (10, 5, True, 0), (10, 5, False, 0),  # fewer than PREFIX_MIN_TOKENS: not worth it either way
     (20, 50, False, 0),  # less than half the rest, through the decode graph: a whole prefill is faster
     (20, 30, False, 20),  # at least half the rest: reused through the decode graph too
+    (20, 40, False, 20),  # exactly half the rest: still reused
     (20, 50, True, 20),  # through the prefill graph, any prefix pays
 ])
 def test_which_prefixes_are_worth_reusing(cached, monkeypatch, prefix, rest, prefill_takes_past, reused):
@@ -147,8 +150,6 @@ def test_a_replaced_cache_is_freed_not_kept_by_the_record(cached):
 def test_an_engine_that_bounds_its_decode_calls_reuses_only_a_rest_of_one_call(cached, monkeypatch):
     """TensorRT's decode engine takes decode_max_tokens per call, 1 by default: a rest of many tokens would run as
     many calls, slower than one prefill of the whole prompt."""
-    from types import SimpleNamespace
-
     from runtime.prefix_cache import reusable_prefix
 
     cached_ids = list(range(100))
@@ -162,6 +163,27 @@ def test_an_engine_that_bounds_its_decode_calls_reuses_only_a_rest_of_one_call(c
     cached.generate(prompt, max_new_tokens=3, stop_token_ids=())
     assert cached.generate(prompt, max_new_tokens=3, stop_token_ids=()).timings.cached_prompt_tokens == 40
     assert cached.generate(prompt + [5, 6], max_new_tokens=3, stop_token_ids=()).timings.cached_prompt_tokens == 0
+
+
+def test_without_a_backend_a_prefix_follows_the_decode_graphs_rule():
+    """reusable_prefix with no backend (its default) judges as for a decode graph: a prefix at least half the rest."""
+    from runtime.prefix_cache import reusable_prefix
+
+    cached_ids = list(range(100))
+    assert reusable_prefix(cached_ids, cached_ids[:20] + [7] * 40) == 20
+    assert reusable_prefix(cached_ids, cached_ids[:20] + [7] * 41) == 0
+    assert reusable_prefix(cached_ids, cached_ids[:20] + [7] * 41, SimpleNamespace(prefill_takes_past=True)) == 20
+
+
+def test_pieces_of_a_rest_stay_within_the_decode_engines_tokens_per_call():
+    """A piece is at most the caller's limit (PREFIX_REST_TOKENS by default) and at most what the decode engine takes
+    per call where it bounds that (TensorRT's decode_max_tokens): a scored prompt's pieces of 128 positions run
+    through it too."""
+    from runtime.prefix_cache import PREFIX_REST_TOKENS, rest_piece_tokens
+
+    unbounded, bounded = SimpleNamespace(max_decode_tokens=None), SimpleNamespace(max_decode_tokens=4)
+    assert rest_piece_tokens(unbounded) == PREFIX_REST_TOKENS and rest_piece_tokens(unbounded, 12) == 12
+    assert rest_piece_tokens(bounded) == rest_piece_tokens(bounded, 128) == 4 and rest_piece_tokens(bounded, 3) == 3
 
 
 def test_prefix_caching_must_be_a_bool(tiny_artifact):

@@ -52,6 +52,19 @@ def test_presence_and_frequency_penalties_follow_openais_formula():
     assert sampler(flat) == 0
 
 
+@pytest.mark.parametrize("penalty, penalized", [(dict(presence_penalty=0.25), [0, 0, -0.25, -0.25, 0, 0]),
+                                                (dict(frequency_penalty=0.5), [0, 0, -1.0, -0.5, 0, 0])])
+def test_presence_or_frequency_penalty_alone_applies(penalty, penalized):
+    """Each is an option of its own: a request that sets only one is penalized by it (the formula test sets both)."""
+    sampler = Sampler(SamplingParams(**penalty), prompt_ids=[1])
+    for token in (2, 2, 3):
+        forced = np.zeros(6, dtype=np.float32)
+        forced[token] = 100.0
+        assert sampler(forced) == token
+    np.testing.assert_array_equal(sampler._penalize(np.zeros(6, dtype=np.float32)), penalized)
+    assert sampler(np.array([0, 0, 0.2, 0, 0, 0], dtype=np.float32)) == 0  # token 2 led, by less than its penalty
+
+
 def test_unpenalized_requests_keep_no_history():
     sampler = Sampler(SamplingParams(), prompt_ids=list(range(1000)))
     row = steps(16, 1)[0]
@@ -146,6 +159,23 @@ def test_logprobs_alternatives_that_tie_go_to_the_lower_token_id_and_greedy_is_o
     assert [entry[t] for t in entry] == pytest.approx([reference[t] for t in entry], abs=1e-7)
     assert list(_logprobs(logits, 0, 10)) == [0, 2, 3, 4, 5, 1]  # more than the vocabulary: all of it, by rank
     np.testing.assert_array_equal(Sampler(SamplingParams()).distribution(logits), [0, 0, 1, 0, 0, 0])
+
+
+def test_top_p_reached_exactly_keeps_no_more_tokens():
+    """The smallest set of likeliest tokens whose mass reaches top_p, as transformers' TopPLogitsWarper keeps: four
+    equally likely tokens (0.25 each, exact in floats) and top_p 0.5 keep two, not three."""
+    from transformers import TopPLogitsWarper
+
+    theirs = TopPLogitsWarper(0.5)(torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 4), dtype=torch.float64))
+    assert int(torch.isfinite(theirs).sum()) == 2
+    distribution = Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=0)).distribution(np.zeros(4))
+    assert sorted(distribution) == [0.0, 0.0, 0.5, 0.5]
+
+
+def test_top_p_of_zero_is_refused():
+    """(0, 1], vLLM's range: the likeliest token alone is greedy decoding (temperature 0) or top_k 1."""
+    with pytest.raises(RequestError, match=r"top_p: 0.0 must be a number in \(0, 1\]"):
+        SamplingParams(top_p=0.0)
 
 
 def test_min_p_is_refused_outside_0_1():

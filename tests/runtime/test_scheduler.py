@@ -400,6 +400,27 @@ def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
     assert len(starts) == 1, "the eight queued requests did not share one prefill run"
 
 
+def test_prompts_admitted_into_slots_apart_are_not_one_batch(engine):
+    """Two prompts admitted together into slots 0 and 2, a request decoding in slot 1 between them: a padded batch
+    runs a contiguous block of rows, which would take in slot 1's, so each is prefilled alone in its own slot."""
+    prompts = [[1, 17, 42, 99], [1, 60, 61, 62, 63, 64]]
+    expected = [alone(engine, prompt, 6) for prompt in prompts]
+    scheduler = slowed(engine.start_scheduler(slots=3), seconds=0.01)
+    with scheduler._lock:  # into slots 0, 1 and 2; the first and the last finish at their first token
+        first, decoding, last = [engine.submit(prompt, max_new_tokens=n, stop_token_ids=())
+                                 for prompt, n in (([1, 2], 1), ([1, 3, 4], 100), ([1, 5], 1))]
+    for finished in (first, last):
+        finished.result(timeout=30)
+    prefill_rows = []
+    run = scheduler.cache.run
+    scheduler.cache.run = lambda phase, rows, *rest: (phase == "prefill" and prefill_rows.append(rows),
+                                                      run(phase, rows, *rest))[1]
+    with scheduler._lock:  # admitted in one iteration, into the free slots 0 and 2
+        handles = [engine.submit(prompt, max_new_tokens=6, stop_token_ids=()) for prompt in prompts]
+    assert [handle.result(timeout=30).token_ids for handle in handles] == expected
+    assert sorted(prefill_rows) == [(0, 1), (2, 3)] and not decoding.done()  # slot 1 was busy throughout
+
+
 def prompt_chunked_behind_a_decode(engine, prefill_chunk: int) -> list[tuple[str, int, bool]]:
     """A 100-token prompt submitted while a short request decodes (5 tokens, every run slowed by 50 ms), with
     prefill_chunk; both must make their alone tokens. Returns the graph runs over more than one token per row:
@@ -446,6 +467,20 @@ def test_a_prefill_graph_that_takes_a_past_runs_every_chunk_of_a_prompt(engine):
     assert {phase for phase, _, _ in chunks} == {"prefill"} and sum(tokens for _, tokens, _ in chunks) == 100, chunks
     assert all(tokens == 16 for _, tokens, done in chunks[:-1] if not done), chunks  # chunks while it decoded
     assert chunks[-1][2] and chunks[-1][1] <= 100 - 16, chunks  # then the rest at once
+
+
+def test_a_prompt_with_nothing_decoding_beside_it_is_prefilled_whole_despite_prefill_chunk(engine):
+    """prefill_chunk bounds a prompt's tokens per iteration only while other requests decode (so that their tokens
+    do not stall): a prompt alone runs in one prefill, however long."""
+    scheduler = engine.start_scheduler(slots=2, prefill_chunk=8)
+    calls = []
+    run = scheduler.cache.run
+    scheduler.cache.run = lambda phase, rows, ids, *rest: calls.append((phase, ids.shape[1])) or run(phase, rows, ids,
+                                                                                                         *rest)
+    prompt = [1] + list(range(3, 43))
+    result = scheduler.submit(prompt, max_new_tokens=3, stop_token_ids=()).result(timeout=30)
+    assert result.token_ids == alone(engine, prompt, 3)
+    assert calls == [("prefill", 41), ("decode", 1), ("decode", 1)]
 
 
 def test_a_done_callback_that_waits_on_another_request_does_not_block_the_scheduler(engine):
@@ -558,6 +593,41 @@ def test_a_worker_stopped_by_a_base_exception_fails_its_requests_and_a_new_one_s
     assert scheduler.submit([1, 4], max_new_tokens=2, stop_token_ids=()).result(timeout=30).finish_reason == "length"
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # re-raised there, as it should
+def test_a_stopped_worker_failing_its_requests_leaves_a_new_workers_request_in_its_slot(engine):
+    """The stopped worker fails its requests after it let go of the lock: a submit may by then have started a new
+    worker that admitted a request into a slot the failed one held. Freeing that slot again would drop the new request,
+    which would never finish."""
+    later_prompt = [1, 4, 5]
+    expected = alone(engine, later_prompt, 20)
+    scheduler = slowed(engine.start_scheduler(slots=1), seconds=0.01)
+    run, calls, later = scheduler.cache.run, [], []
+
+    def exit_on_the_third_run(*args):
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise SystemExit(1)
+        return run(*args)
+
+    fail = scheduler._fail
+
+    def fail_once_a_new_worker_runs_a_request(sequence, error):  # the stopped worker's first failure waits for it
+        if not later:
+            later.append(scheduler.submit(later_prompt, max_new_tokens=20, stop_token_ids=()))
+            deadline = time.monotonic() + 30
+            while scheduler._running[0] is None:  # admitted into slot 0 by the new worker
+                assert time.monotonic() < deadline, "the new worker never admitted the request"
+                time.sleep(0.001)
+        fail(sequence, error)
+
+    scheduler.cache.run = exit_on_the_third_run
+    scheduler._fail = fail_once_a_new_worker_runs_a_request
+    first = engine.submit([1, 2], max_new_tokens=5, stop_token_ids=())
+    with pytest.raises(RequestError, match=r"worker thread stopped \(SystemExit\(1\)\)"):
+        first.result(timeout=30)
+    assert later[0].result(timeout=30).token_ids == expected
+
+
 def test_a_callback_added_while_the_result_is_being_set_runs_after_the_earlier_ones(engine, monkeypatch, caplog):
     """Future.set_result marks the future done before it runs the callbacks added earlier: one added in between
     saw a done handle and an idle callback thread and ran at once, ahead of them (the sleep widens that window).
@@ -660,6 +730,21 @@ def test_pieces_of_a_request_with_logprobs_carry_their_tokens(engine):
     assert (kept, kept.token_ids, kept.logprobs) == (pieces[0], pieces[0].token_ids, pieces[0].logprobs)
     plain = engine.submit([5, 6, 7], max_new_tokens=4, ignore_eos=True)
     assert not any(isinstance(piece, LoggedPiece) for piece in plain)
+
+
+def test_a_stop_tokens_logprobs_come_with_the_result_as_alone(engine):
+    """The stop token is sampled but not output: its entry is the result's stop_token_logprobs (an API reports it, as
+    vLLM does), as on the batch-1 path."""
+    prompt = [1, 30, 31, 32]
+    greedy = alone(engine, prompt, 12)
+    stop = next(token for index, token in enumerate(greedy) if index >= 3 and token not in greedy[:index])
+    options = dict(max_new_tokens=12, stop_token_ids=(stop,), logprobs=2)
+    expected = engine.generate(prompt, **options)
+    result = engine.submit(prompt, **options).result(timeout=30)
+    assert (result.token_ids, result.stop_token_id) == (expected.token_ids, stop) == (greedy[:greedy.index(stop)], stop)
+    entry, reference = result.stop_token_logprobs, expected.stop_token_logprobs
+    assert list(entry) == list(reference) and list(entry)[0] == stop  # itself first, then the likeliest
+    assert list(entry.values()) == pytest.approx(list(reference.values()), abs=1e-5)
 
 
 @pytest.mark.parametrize("prefix_caching, prefill_chunk", [(False, None), (False, 5), (True, None)])
