@@ -28,12 +28,14 @@ def kernel_block(k: int, block: int | None = None) -> int:
 
 
 def for_matmulnbits(qw: QuantizedWeight, per_channel_block: int | None = None) -> QuantizedWeight:
-    """qw in blocks MatMulNBits accepts (a power of two >= 16). INT8 per channel (one block of K, e.g. 576) is
-    re-expressed exactly: the channel's scale repeated over power-of-two blocks (per_channel_block, or the largest
-    <= 256 dividing K), a partial last block padded."""
+    """qw in blocks MatMulNBits accepts (a power of two from 16 to 256). INT8 per channel (one block of K, e.g. 576
+    or 2048) is re-expressed exactly: the channel's scale repeated over power-of-two blocks (per_channel_block, or the
+    largest <= 256 dividing K), a partial last block padded."""
     size = qw.block_size
     per_channel = qw.bits == 8 and -(-qw.k // size) == 1  # INT8 per channel: one block spans K
-    if size >= 16 and size & (size - 1) == 0 and not (per_channel and per_channel_block not in (None, size)):
+    # <= 256 as well: a power-of-two K such as 2048 was kept as one block, against Options.int8_kernel_block's
+    # documented default and the scales compiler/plan.py counts (kernel_block)
+    if 16 <= size <= 256 and size & (size - 1) == 0 and not (per_channel and per_channel_block not in (None, size)):
         return qw
     size = kernel_block(qw.k, per_channel_block)
     blocks = -(-qw.k // size)

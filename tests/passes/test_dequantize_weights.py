@@ -25,6 +25,7 @@ from tests.passes.test_skip_unused_rows import DEFAULT_RECIPE_PASSES, run_passes
 FORMATS = {
     "int4-symmetric-full-range": dict(bits=4, block_size=32),
     "int4-zero-points": dict(bits=4, block_size=32, symmetric=False),
+    "int4-zero-points-block-64": dict(bits=4, block_size=64, symmetric=False),  # 2 blocks: zero points fill a byte
     "int4-block-16": dict(bits=4, block_size=16),
     "int8-per-channel-kernel-block-16": dict(bits=8, int8_kernel_block=16),  # INT8 is symmetric per channel
 }
@@ -118,6 +119,67 @@ def test_a_two_d_activation_keeps_its_integer_kernel_where_logits_are_one_row_pe
     every_row.CopyFrom(quantized)
     every_row.graph.output[0].type.tensor_type.shape.dim.insert(0, onnx.TensorShapeProto.Dimension(dim_value=1))
     assert dequantize_weights.run(every_row, dequantize_weights.Options())[1]["applied"]
+
+
+def with_bias(model: onnx.ModelProto, bias: np.ndarray) -> onnx.ModelProto:
+    """The model's MatMulNBits with a bias input [N] (position 5: zero points, if absent, and g_idx omitted)."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    (node,) = [n for n in result.graph.node if n.op_type == "MatMulNBits"]
+    result.graph.initializer.append(onnx.numpy_helper.from_array(bias, "bias"))
+    node.input.extend([""] * (5 - len(node.input)) + ["bias"])
+    return result
+
+
+def test_a_bias_is_added_to_the_float_product():
+    quantized, _ = quantize.run(matmul_model(random_weight(k=80, n=48)), quantize.Options(bits=4, block_size=32))
+    bias = np.linspace(-1, 1, 48, dtype=np.float32)
+    biased = with_bias(quantized, bias)
+    rewritten, report = dequantize_weights.run(biased, dequantize_weights.Options())
+    assert report["applied"] and op_counts(rewritten)["Add"] == 1
+    x = np.random.default_rng(1).standard_normal((2, 3, 80)).astype(np.float32)
+    folded = session(rewritten, session_config(rewritten)).run(None, {"X": x})[0]
+    np.testing.assert_allclose(folded, x @ decoded_weight(quantized) + bias, rtol=0, atol=1e-5)
+
+
+def set_attribute(name: str, value: int):
+    def edit(model: onnx.ModelProto) -> None:
+        (node,) = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        next(a for a in node.attribute if a.name == name).i = value
+    return edit
+
+
+def add_g_idx(model: onnx.ModelProto) -> None:
+    (node,) = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.arange(80, dtype=np.int32) // 32, "g_idx"))
+    node.input.extend(["", "g_idx"])  # no zero points
+
+
+def scales_as_graph_input(model: onnx.ModelProto) -> None:
+    (node,) = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    scales = next(t for t in model.graph.initializer if t.name == node.input[2])
+    model.graph.initializer.remove(scales)
+    model.graph.input.append(onnx.helper.make_tensor_value_info(scales.name, scales.data_type, list(scales.dims)))
+
+
+def opset_20(model: onnx.ModelProto) -> None:
+    next(o for o in model.opset_import if o.domain == "").version = 20
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (add_g_idx, "has a g_idx input"),
+    (scales_as_graph_input, "its scales input is computed from a graph input"),
+    (set_attribute("bits", 2), "bits 2: only 4 and 8 are unpacked"),
+    (opset_20, "opset 20: DequantizeLinear takes blocks from opset 21"),
+    (set_attribute("block_size", 16), "B is [48, 3, 16], not [48, 5, 8] as K, N, bits and block_size say"),
+])
+def test_what_is_kept_is_reported_with_the_reason(edit, reason):
+    quantized, _ = quantize.run(matmul_model(random_weight(k=80, n=48)), quantize.Options(bits=4, block_size=32))
+    edit(quantized)
+    result, report = dequantize_weights.run(quantized, dequantize_weights.Options())
+    assert result is quantized and not report["applied"]
+    (kept,) = report["kept"]
+    assert kept["node"] == "proj_q4" and reason in kept["reason"]
 
 
 def test_session_settings_survive_the_passes_after_it():

@@ -58,3 +58,42 @@ def test_unnamed_sigmoids_get_distinct_names_and_an_overridable_input_stays():
                        for m in (model, result))
     for a, b in zip(expected, fused):
         np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+def small_model(nodes: list[onnx.NodeProto], outputs: list[str]) -> onnx.ModelProto:
+    """A graph of `nodes` over x [2], each of `outputs` a [2] float."""
+    tensor = lambda name: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2])  # noqa: E731
+    graph = onnx.helper.make_graph(nodes, "g", [tensor("x")], [tensor(name) for name in outputs])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+
+
+def run_both(model: onnx.ModelProto, result: onnx.ModelProto) -> None:
+    feeds = {"x": np.array([0.3, -2.0], np.float32)}
+    expected, fused = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+                       for m in (model, result))
+    for a, b in zip(expected, fused):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+@pytest.mark.parametrize("readers, outputs", [
+    ([onnx.helper.make_node("Add", ["x", "s"], ["z"])], ["z"]),  # x + Sigmoid(x) is no SiLU
+    # x * Sigmoid(x) whose Sigmoid a Neg reads too: fused, the Sigmoid would still run, and QuickGelu besides
+    ([onnx.helper.make_node("Mul", ["x", "s"], ["z"]), onnx.helper.make_node("Neg", ["s"], ["n"])], ["z", "n"]),
+])
+def test_a_sigmoid_not_read_by_exactly_one_mul_is_left_with_a_reason(readers, outputs):
+    model = small_model([onnx.helper.make_node("Sigmoid", ["x"], ["s"], name="gate"), *readers], outputs)
+    result, report = fuse_silu.run(model, fuse_silu.Options())
+    assert report["fused"] == 0 and report["skipped"] == [
+        {"node": "gate", "reason": "the Sigmoid's output does not feed exactly one Mul"}]
+    assert [n.op_type for n in result.graph.node] == [n.op_type for n in model.graph.node]
+
+
+def test_a_fused_name_already_taken_gets_a_suffix():
+    """Sigmoid "act" fuses to "act_silu", which another node already has: onnxruntime refuses two nodes of one name."""
+    model = small_model([onnx.helper.make_node("Sigmoid", ["x"], ["s"], name="act"),
+                         onnx.helper.make_node("Mul", ["x", "s"], ["y"], name="mul"),
+                         onnx.helper.make_node("Neg", ["y"], ["z"], name="act_silu")], ["z"])
+    result, report = fuse_silu.run(model, fuse_silu.Options())
+    assert report["fused"] == 1 and sorted(n.name for n in result.graph.node) == ["act_silu", "act_silu_1"]
+    run_both(model, result)
+

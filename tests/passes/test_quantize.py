@@ -22,6 +22,7 @@ FORMATS = {  # name: (bits, block_size or None for per channel, symmetric, full_
     "int4_block32_sym": (4, 32, True, False),
     "int4_block32_sym_full_range": (4, 32, True, True),
     "int4_block32_asym": (4, 32, False, False),
+    "int4_block16_sym": (4, 16, True, False),  # the smallest block MatMulNBits takes, kept as it is
 }
 
 
@@ -235,6 +236,20 @@ def test_int8_kernel_block_keeps_the_weights_and_sets_the_kernel_block(accuracy_
     assert difference <= (1e-4 if accuracy_level == 0 else 0.05 * np.abs(reference).max())
 
 
+@pytest.mark.parametrize("k, block", [(512, 256), (576, 64), (200, 128)])
+def test_int8_per_channel_is_stored_in_the_largest_power_of_two_block_dividing_k(k, block):
+    """Without int8_kernel_block each channel's scale is repeated over the largest power of two <= 256 dividing K,
+    or over blocks of 128 when none from 16 does (K = 200: two blocks, the last padded); compiler/plan.py counts the
+    stored scales by the same rule. K = 512 had been kept as one block of 512. The weights stay the per-channel ones."""
+    weight = random_weight(k=k, n=16)
+    quantized, _ = quantize.run(matmul_model(weight), quantize.Options(bits=8))
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in quantized.graph.node[0].attribute}
+    assert attrs == {"K": k, "N": 16, "bits": 8, "block_size": block}
+    x = np.random.default_rng(1).standard_normal((2, 3, k)).astype(np.float32)
+    reference = x @ dequantize(quantize_rtn(weight, 8, k, True))  # per channel: one block spans K
+    np.testing.assert_allclose(run_onnxruntime(quantized, x), reference, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("block", [8, 24, 512])
 def test_int8_kernel_block_must_be_a_power_of_two_from_16_to_256(block):
     with pytest.raises(PassError, match=f"int8_kernel_block={block}: MatMulNBits needs a power of two from 16 to 256"):
@@ -369,3 +384,58 @@ def test_a_gemm_is_quantized_only_when_it_is_a_at_b_transposed(attributes, quant
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]  # noqa: E731
     expected = run(model)  # per-channel int8 moves it by well under 2% of its range; alpha 2 dropped: by half
     np.testing.assert_allclose(run(result), expected, atol=0.02 * np.abs(expected).max())
+
+
+def as_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its float32 initializers, inputs and outputs in float16."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    for tensor in result.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.FLOAT:
+            values = onnx.numpy_helper.to_array(tensor).astype(np.float16)
+            tensor.CopyFrom(onnx.numpy_helper.from_array(values, tensor.name))
+    for value in (*result.graph.input, *result.graph.output):
+        if value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    return result
+
+
+def test_a_float16_matmul_gets_float16_scales():
+    """MatMulNBits takes its scales in A's type: float32 scales beside float16 activations fail to load."""
+    weight = random_weight().astype(np.float16)
+    quantized, _ = quantize.run(as_float16(matmul_model(weight.astype(np.float32))), quantize.Options(bits=4))
+    scales = next(t for t in quantized.graph.initializer if t.name.endswith("_scales"))
+    assert scales.data_type == onnx.TensorProto.FLOAT16
+    x = np.random.default_rng(1).standard_normal((2, 3, 64)).astype(np.float16)
+    expected = x.astype(np.float32) @ dequantize(quantize_rtn(weight, 4, 32, True, full_range=True)).astype(np.float16)
+    actual = run_onnxruntime(quantized, x)
+    assert actual.dtype == np.float16
+    difference = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert difference < 2e-3  # float16 accumulation over K = 64
+
+
+def gather_model(table: np.ndarray) -> onnx.ModelProto:
+    """ids -> Gather(E [V, H]) -> x: an embedding without a tied lm_head."""
+    row_type = onnx.helper.np_dtype_to_tensor_dtype(table.dtype)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["E", "ids"], ["x"], name="embed")], "embedding",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [None])],
+        [onnx.helper.make_tensor_value_info("x", row_type, [None, table.shape[1]])],
+        initializer=[onnx.numpy_helper.from_array(table, "E")])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("symmetric, dtype", [(False, np.float32), (True, np.float16)])
+def test_a_quantized_embedding_gathers_the_rows_of_the_numpy_reference(symmetric, dtype):
+    """GatherBlockQuantized over the table's rows (H = 80: 3 blocks of 32, the last padded and sliced off): with zero
+    points (without them the kernel assumes the midpoint, 8) and with float16 scales for a float16 table."""
+    table = random_weight(k=96, n=80).astype(dtype)  # [V, H]; row 0 all positive
+    quantized, report = quantize.run(gather_model(table), quantize.Options(bits=4, symmetric=symmetric,
+                                                                          embedding="quantized"))
+    assert report["embedding"]["kernel"] == "com.microsoft.GatherBlockQuantized"
+    ids = np.array([0, 7, 95, 7])
+    session = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"])
+    rows = session.run(None, {"ids": ids})[0]
+    expected = dequantize(quantize_rtn(table.T.copy(), 4, 32, symmetric, full_range=symmetric)).T[ids].astype(dtype)
+    assert rows.dtype == dtype
+    np.testing.assert_allclose(rows.astype(np.float32), expected.astype(np.float32), rtol=0, atol=1e-3)

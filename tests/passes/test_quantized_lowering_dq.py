@@ -151,8 +151,9 @@ def test_a_shared_weight_is_stored_and_dequantized_once(name):
     np.testing.assert_array_equal(y, z)
 
 
-def test_an_opset_below_21_is_refused():
-    graph = gs.import_onnx(matmul_model(random_weight(), opset=19))
+@pytest.mark.parametrize("opset", [19, 20])
+def test_an_opset_below_21_is_refused(opset):
+    graph = gs.import_onnx(matmul_model(random_weight(), opset=opset))
     qw = quantize_rtn(graph.tensors()["W"].values, 4, 32, True)
     with pytest.raises(ValueError, match="opset >= 21"):
         rewrite_dequantize_linear(graph, graph.nodes[0], qw, "W", np.dtype(np.float32), {})

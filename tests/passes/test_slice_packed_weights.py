@@ -60,12 +60,14 @@ def test_the_decoders_gate_up_splits_become_sliced_matmuls_with_the_same_outputs
         np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-5, err_msg=name)
 
 
-def hand_made(weight_from_input: bool = False, axis: int = -1, extra_reader: bool = False, sizes=(4, 6)):
-    """x [2, 3, 8] -> MatMul(W [8, 10]) -> Split(sizes) -> y0, y1 (+ the packed output as a graph output)."""
+def hand_made(weight_from_input: bool = False, axis: int = -1, extra_reader: bool = False, sizes=(4, 6),
+              reader_node: bool = False, sizes_as_attribute: bool = False):
+    """x [2, 3, 8] -> MatMul(W [8, 10]) -> Split(sizes) -> y0, y1 (+ the packed output as a graph output, or read by a
+    Relu too). sizes_as_attribute: opset 11, where Split takes its sizes as the `split` attribute."""
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((8, 10)).astype(np.float32)
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8])]
-    initializers = [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")]
+    initializers = [] if sizes_as_attribute else [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")]
     nodes = []
     if weight_from_input:
         inputs.append(helper.make_tensor_value_info("scale", TensorProto.FLOAT, [1]))
@@ -74,18 +76,26 @@ def hand_made(weight_from_input: bool = False, axis: int = -1, extra_reader: boo
     else:  # computed from constants only, as dequantize_weights' chain is
         initializers += [numpy_helper.from_array(weight, "w0"), numpy_helper.from_array(np.float32([2.0]), "two")]
         nodes.append(helper.make_node("Mul", ["w0", "two"], ["w"], name="doubled"))
-    nodes += [helper.make_node("MatMul", ["x", "w"], ["packed"], name="packed_matmul"),
-              helper.make_node("Split", ["packed", "sizes"], ["y0", "y1"], name="split", axis=axis)]
-    shapes = {-1: ([2, 3, sizes[0]], [2, 3, sizes[1]]), 1: ([2, 3, 10], [2, 3, 10])}[axis]
+    split = (helper.make_node("Split", ["packed"], ["y0", "y1"], name="split", axis=axis, split=list(sizes))
+             if sizes_as_attribute else
+             helper.make_node("Split", ["packed", "sizes"], ["y0", "y1"], name="split", axis=axis))
+    nodes += [helper.make_node("MatMul", ["x", "w"], ["packed"], name="packed_matmul"), split]
+    last = ([2, 3, sizes[0]], [2, 3, sizes[1]])
+    shapes = {-1: last, 2: last, 1: ([2, 3, 10], [2, 3, 10])}[axis]
     outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in zip(("y0", "y1"), shapes)]
     if extra_reader:
         outputs.append(helper.make_tensor_value_info("packed", TensorProto.FLOAT, [2, 3, 10]))
+    if reader_node:
+        nodes.append(helper.make_node("Relu", ["packed"], ["rectified"], name="reader"))
+        outputs.append(helper.make_tensor_value_info("rectified", TensorProto.FLOAT, [2, 3, 10]))
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializers)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11 if sizes_as_attribute else 17)])
 
 
-def test_a_weight_computed_from_constants_is_sliced_after_it_and_matches():
-    model = hand_made()
+# also the last axis by its positive index, and sizes as the `split` attribute (pack_projections' form before opset 13)
+@pytest.mark.parametrize("case", [{}, {"axis": 2}, {"sizes_as_attribute": True}])
+def test_a_weight_computed_from_constants_is_sliced_after_it_and_matches(case):
+    model = hand_made(**case)
     sliced, report = slice_packed_weights.run(model, OPTIONS)
     assert report["rewritten"] == [{"node": "packed_matmul", "widths": [4, 6]}]
     assert op_counts(sliced) == Counter({"Mul": 1, "Slice": 2, "MatMul": 2})
@@ -162,6 +172,37 @@ def test_a_matmulnbits_with_rows_its_layout_does_not_give_is_kept():
     assert "g_idx" in slice_packed_weights.run(quantized, OPTIONS)[1]["kept"][0]["reason"]
 
 
+def test_float_zero_points_are_cut_by_blocks_not_packed_bytes():
+    """MatMulNBits also takes zero points in the scales' type, one per block ([N * blocks] flat), where uint8 ones are
+    packed two per byte: a column's rows are then its 3 blocks, not its 2 bytes."""
+    quantized = packed_quantized(FORMATS["int4-zero-points"], flat=True)
+    (node,) = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+    zero_points = next(t for t in quantized.graph.initializer if t.name == node.input[3])
+    packed = numpy_helper.to_array(zero_points).reshape(48, -1)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(48, -1)[:, :3]  # low nibble first; the 4th pads
+    zero_points.CopyFrom(numpy_helper.from_array(codes.reshape(-1).astype(np.float32), zero_points.name))
+    sliced, report = slice_packed_weights.run(quantized, OPTIONS)
+    assert report["rewritten"] == [{"node": node.name, "widths": [20, 28]}]
+    x = {"x": np.random.default_rng(3).standard_normal((2, 3, 80)).astype(np.float32)}
+    expected, got = run_ort(quantized, x), run_ort(sliced, x)
+    for output in ("y0", "y1"):
+        np.testing.assert_allclose(got[output], expected[output], rtol=0, atol=1e-5, err_msg=output)
+
+
+def test_a_matmulnbits_whose_scales_are_computed_from_constants_is_cut_after_them():
+    """A per-column input computed from constants has no shape until inferred: the pass infers it, and cuts it."""
+    quantized = packed_quantized(FORMATS["int4-symmetric-full-range"])
+    (node,) = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+    quantized.graph.node.insert(0, helper.make_node("Identity", [node.input[2]], ["scales_copy"], name="copy"))
+    node.input[2] = "scales_copy"
+    sliced, report = slice_packed_weights.run(quantized, OPTIONS)
+    assert report["rewritten"] == [{"node": node.name, "widths": [20, 28]}]
+    x = {"x": np.random.default_rng(3).standard_normal((2, 3, 80)).astype(np.float32)}
+    expected, got = run_ort(quantized, x), run_ort(sliced, x)
+    for output in ("y0", "y1"):
+        np.testing.assert_allclose(got[output], expected[output], rtol=0, atol=1e-5, err_msg=output)
+
+
 def test_in_an_int4_decoder_prefill_cuts_gate_up_codes_and_generates_the_same_logits(decoder_graphs):  # noqa: F811
     fused = {phase: run_passes(model, DEFAULT_RECIPE_PASSES) for phase, model in decoder_graphs.items()}
     quantized, _ = run_pipeline(fused, prefill_only([(quantize, quantize.Options(bits=4, block_size=32)),
@@ -211,6 +252,7 @@ def test_quantize_after_the_pass_is_refused():
     ({"weight_from_input": True}, "computed from a graph input"),
     ({"axis": 1, "sizes": (1, 2)}, "not the last one"),
     ({"extra_reader": True}, "read by more than the Split"),
+    ({"reader_node": True}, "read by more than the Split"),  # sliced, the packed product would run as well
     ({"sizes": (4, 5)}, "do not cut the weight's 10 columns"),
 ])
 def test_what_is_kept_is_reported_with_the_reason(case, reason):
@@ -218,6 +260,13 @@ def test_what_is_kept_is_reported_with_the_reason(case, reason):
     result, report = slice_packed_weights.run(model, OPTIONS)
     assert result is model and not report["applied"]
     assert len(report["kept"]) == 1 and reason in report["kept"][0]["reason"]
+
+
+def test_max_rewrites_stops_after_that_many(packed_prefill):
+    _, packed = packed_prefill
+    _, report = slice_packed_weights.run(packed, slice_packed_weights.Options(max_rewrites=1))
+    assert len(report["rewritten"]) == 1 and report["kept"]
+    assert {entry["reason"] for entry in report["kept"]} == {"max_rewrites_reached"}
 
 
 @pytest.mark.parametrize("phases", [(), ("prefill", "prefill"), ("train",)])
