@@ -107,7 +107,8 @@ def lower(shared: Shared, node: gs.Node, index: int) -> None:
                          f"{name}_keys")
         v = shared.layer("Slice", [_write_cache(shared, past_value, present_value, v, positions, f"{name}_v"), *rows],
                          f"{name}_values")
-    attended = shared.layer("Attention", [q, k, v, mask], f"{name}_attended", scale=float(node.attrs["scale"]))
+    scale = float(node.attrs.get("scale", head_dim ** -0.5))  # the op's default, as its meaning writes it
+    attended = shared.layer("Attention", [q, k, v, mask], f"{name}_attended", scale=scale)
     back = shared.layer("Transpose", [attended], f"{name}_bshd_out", perm=[0, 2, 1, 3])
     shared.graph.nodes.append(gs.Node("Reshape", name=f"{name}_merge_heads",
                                       inputs=[back, _const(f"{name}_merge", [0, 0, heads * head_dim])], outputs=[output]))
@@ -131,6 +132,6 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     if remaining:
         graph.import_domains.append(onnx.helper.make_opsetid(op.DOMAIN, op.VERSION))
     lowered = export_onnx(graph)
-    lowered.ir_version = max(lowered.ir_version, 10)  # opset 23 needs IR version 10
+    lowered.ir_version = max(lowered.ir_version, 10)  # IR 10 with opset 23, as torch.onnx writes it (onnx 1.23 lists 11)
     return lowered, {"lowered": len(nodes), "target": "ai.onnx Attention-23 + RotaryEmbedding-23 + ScatterElements",
                      "left_unlowered": remaining}

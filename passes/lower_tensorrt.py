@@ -276,7 +276,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     graph.import_domains = [onnx.helper.make_opsetid("", graph.opset)] + [
         onnx.helper.make_opsetid(d, v) for d, v in domains.items()]
     lowered = export_onnx(graph)
-    lowered.ir_version = max(lowered.ir_version, 10)  # opset 23 needs IR version 10
+    lowered.ir_version = max(lowered.ir_version, 10)  # IR 10 with opset 23, as torch.onnx writes it (onnx 1.23 lists 11)
     native = options.attention == "trt_native"
     return lowered, {
         "target": "tensorrt: TRT_KVCacheUpdate + TRT_Attention (TensorRT >= 11)" if native else

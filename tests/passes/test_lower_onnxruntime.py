@@ -1,15 +1,18 @@
 """lower_onnxruntime: FlashAttention -> com.microsoft.GroupQueryAttention, the softmax scale folded into the query,
-and the decode graph's GEMM path; parity through onnxruntime (the fused graphs come from tests/passes/test_fuse_attention.py)."""
+and the decode graph's GEMM path; parity through onnxruntime (the fused graphs come from tests/passes/test_fuse_attention.py),
+and one hand-built node against flash_attention_op.reference (scales, packed q/k/v, float16)."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from compiler.export import export_graphs
 from compiler.frontend.model import build_decoder
 from compiler.frontend.random_init import random_model
 from passes import cleanup, fuse_attention, lower_onnxruntime
+from passes import flash_attention_op as op
 from passes.errors import PassError
 from tests.passes.test_fuse_attention import (CONFIG, MAX_CONTEXT, decoder_graphs, fuse_and_lower, op_counts,  # noqa: F401,E501
                                               generate_logits)
@@ -139,3 +142,117 @@ def test_rotary_separate_rotates_q_and_k_before_the_op_with_the_same_logits(deco
         node.input[1] = node.input[2] = ""  # q, k and v in one input (a hand-made graph: no pass packs this op)
     with pytest.raises(PassError, match="come packed in one input; rotary 'separate' rotates q and k apart"):
         lower_onnxruntime.run(packed, lower_onnxruntime.Options(rotary="separate"))
+
+
+# ---- one hand-built FlashAttention node against the op's numpy reference --------------------------------------------
+
+HEADS, KV_HEADS, HEAD_DIM, ROWS, HIDDEN = 4, 2, 16, 16, 32  # ROWS: the cache's max context
+WIDTHS = {"query": HEADS * HEAD_DIM, "key": KV_HEADS * HEAD_DIM, "value": KV_HEADS * HEAD_DIM}
+
+
+def flash_attention_model(scale: float | None = None, dtype=np.float32, head_dim: int = HEAD_DIM,
+                          packed: str | None = None) -> onnx.ModelProto:
+    """A decode graph of one aotlm.FlashAttention node on graph inputs, its rotary tables initializers. packed: None
+    (query, key, value inputs), "input" (q/k/v in one input "qkv") or "weight" (x [B, 1, HIDDEN] times the packed
+    q/k/v weight "qkv_weight", an initializer)."""
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    value_info = lambda name, shape: onnx.helper.make_tensor_value_info(name, elem, shape)  # noqa: E731
+    cos, sin = rotary_tables(head_dim)
+    initializers = [onnx.numpy_helper.from_array(cos.astype(dtype), "cos_cache"),
+                    onnx.numpy_helper.from_array(sin.astype(dtype), "sin_cache")]
+    caches = [value_info(name, [2, KV_HEADS, ROWS, head_dim]) for name in ("past_key", "past_value")]
+    lengths = [onnx.helper.make_tensor_value_info("seqlens_k", onnx.TensorProto.INT32, [2]),
+               onnx.helper.make_tensor_value_info("total_sequence_length", onnx.TensorProto.INT32, [])]
+    nodes, width = [], sum(WIDTHS.values()) * head_dim // HEAD_DIM
+    if packed is None:
+        qkv = [value_info(name, [2, 1, w * head_dim // HEAD_DIM]) for name, w in WIDTHS.items()]
+        attention_inputs = list(WIDTHS)
+    elif packed == "input":
+        qkv, attention_inputs = [value_info("qkv", [2, 1, width])], ["qkv", "", ""]
+    else:
+        qkv, attention_inputs = [value_info("x", [2, 1, HIDDEN])], ["qkv", "", ""]
+        initializers.append(onnx.numpy_helper.from_array(packed_weight().astype(dtype), "qkv_weight"))
+        nodes.append(onnx.helper.make_node("MatMul", ["x", "qkv_weight"], ["qkv"], name="qkv_proj"))
+    attributes = {"num_heads": HEADS, "kv_num_heads": KV_HEADS, "do_rotary": 1, "rotary_interleaved": 0}
+    nodes.append(onnx.helper.make_node(op.OP_TYPE, attention_inputs + list(op.INPUTS[3:]), list(op.OUTPUTS),
+                                       name="attention", domain=op.DOMAIN,
+                                       **attributes, **({} if scale is None else {"scale": scale})))
+    outputs = [value_info("output", [2, 1, HEADS * head_dim]),
+               *(value_info(name, [2, KV_HEADS, ROWS, head_dim]) for name in op.OUTPUTS[1:])]
+    graph = onnx.helper.make_graph(nodes, "decode", qkv + caches + lengths, outputs, initializers)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21),
+                                                        onnx.helper.make_opsetid(op.DOMAIN, op.VERSION)])
+
+
+def rotary_tables(head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    return op.rotary_tables(1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim), ROWS)
+
+
+def packed_weight() -> np.ndarray:
+    return np.random.default_rng(1).standard_normal((HIDDEN, sum(WIDTHS.values()))).astype(np.float32) / HIDDEN ** 0.5
+
+
+def decode_inputs(head_dim: int = HEAD_DIM) -> dict[str, np.ndarray]:
+    """One new token for each of two sequences that hold 6 and 3 cached tokens."""
+    rng = np.random.default_rng(0)
+    seqlens = np.array([6, 3], np.int32)
+    inputs = {name: rng.standard_normal((2, 1, width * head_dim // HEAD_DIM)).astype(np.float32)
+              for name, width in WIDTHS.items()}
+    for name in ("past_key", "past_value"):
+        inputs[name] = np.zeros((2, KV_HEADS, ROWS, head_dim), np.float32)
+        for row, cached in enumerate(seqlens):
+            inputs[name][row, :, :cached] = rng.standard_normal((KV_HEADS, cached, head_dim))
+    return {**inputs, "seqlens_k": seqlens, "total_sequence_length": np.array(7, np.int32)}
+
+
+def expected_output(inputs: dict, scale: float | None, head_dim: int = HEAD_DIM) -> np.ndarray:
+    return op.reference(*(inputs[name] for name in op.INPUTS[:7]), *rotary_tables(head_dim), HEADS, KV_HEADS,
+                        scale)[0]
+
+
+def run_attention(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    return session.run(["output"], {name: value for name, value in feeds.items() if name in names})[0]
+
+
+@pytest.mark.parametrize("scale, dtype", [(0.3, np.float32), (None, np.float32), (0.3, np.float16)],
+                         ids=["scale-0.3", "no-scale-attribute", "float16"])
+def test_the_node_scale_or_its_default_reaches_the_output(scale, dtype):
+    """fuse_attention always writes scale 1/sqrt(head_dim); the op's meaning also allows another one, or none (that
+    default). Here q is a graph input, so a Mul in the graph's type scales it."""
+    lowered, report = lower_onnxruntime.run(flash_attention_model(scale, dtype), lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"mul": 1}
+    inputs = decode_inputs()
+    output = run_attention(lowered, {name: value.astype(dtype) if value.dtype == np.float32 else value
+                                     for name, value in inputs.items()})
+    np.testing.assert_allclose(output, expected_output(inputs, scale), atol=1e-5 if dtype == np.float32 else 1e-2)
+
+
+def test_a_packed_query_takes_the_scale_in_its_query_columns_or_keeps_it_in_the_op():
+    """q, k and v in one tensor (a hand-made graph: no pass packs this op): from a weight, only its query columns
+    take the scale; from a graph input, the op keeps it, and so the decode graph keeps onnxruntime's flash path (its
+    GEMM path is taken for a scale of 1)."""
+    inputs = decode_inputs()
+    x = np.random.default_rng(2).standard_normal((2, 1, HIDDEN)).astype(np.float32)
+    from_weight = dict(zip(WIDTHS, np.split(x @ packed_weight(), np.cumsum(list(WIDTHS.values()))[:-1], axis=-1)))
+    lowered, report = lower_onnxruntime.run(flash_attention_model(0.3, packed="weight"), lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"weight": 1}
+    weight = next(onnx.numpy_helper.to_array(t) for t in lowered.graph.initializer if t.name == "qkv_weight")
+    np.testing.assert_array_equal(weight[:, WIDTHS["query"]:], packed_weight()[:, WIDTHS["query"]:])
+    np.testing.assert_allclose(run_attention(lowered, {**inputs, "x": x}),
+                               expected_output({**inputs, **from_weight}, 0.3), atol=1e-5)
+
+    lowered, report = lower_onnxruntime.run(flash_attention_model(0.3, packed="input"), lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"none": 1} and report["attention_kernel"] == "flash"
+    attention = next(n for n in lowered.graph.node if n.op_type == "GroupQueryAttention")
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}
+    assert attributes["scale"] == pytest.approx(0.3) and "qk_output" not in attributes and len(attention.output) == 3
+    packed = np.concatenate([inputs[name] for name in WIDTHS], axis=-1)
+    np.testing.assert_allclose(run_attention(lowered, {**inputs, "qkv": packed}), expected_output(inputs, 0.3),
+                               atol=1e-5)
+
+
+def test_a_head_dim_onnxruntime_cannot_run_is_refused():
+    with pytest.raises(PassError, match="needs head_dim % 16 == 0, this model has head_dim 8; leave lower_onnxruntime"):
+        lower_onnxruntime.run(flash_attention_model(head_dim=8), lower_onnxruntime.Options())

@@ -79,6 +79,7 @@ def attributes_of(node: onnx.NodeProto) -> dict:
 def test_cache_io_becomes_int8_decode_reads_codes_and_prefill_writes_them(quantized):
     for phase, (model, report) in quantized.items():
         assert report["quantized_layers"] == CONFIG.num_layers and report["dtype"] == "int8"
+        assert report["prefill_attention"] == ("float" if phase == "prefill" else None)  # decode reads codes either way
         cache_io = [v for v in [*model.graph.input, *model.graph.output] if v.name.startswith(("past_key", "present."))]
         assert len(cache_io) == 4 * CONFIG.num_layers
         assert {v.type.tensor_type.elem_type for v in cache_io} == {onnx.TensorProto.INT8}
@@ -253,8 +254,10 @@ def test_a_layer_lowered_to_another_attention_op_is_refused_by_its_cache(lowered
 def test_bad_options_and_a_second_run_are_clear_errors(quantized, lowered_graphs):
     with pytest.raises(PassError, match="bits: 4 is not supported"):
         quantize_kv_cache.run(lowered_graphs["decode"], quantize_kv_cache.Options(bits=4, calibration=calibration_set()))
-    with pytest.raises(PassError, match="headroom: 0.5 must be >= 1"):
-        quantize_kv_cache.run(lowered_graphs["decode"], quantize_kv_cache.Options(headroom=0.5, calibration=calibration_set()))
+    for headroom in (0.5, float("nan")):  # NaN is neither < 1 nor >= 1: the check is written `not >= 1` for it
+        with pytest.raises(PassError, match=f"headroom: {headroom} must be >= 1"):
+            quantize_kv_cache.run(lowered_graphs["decode"],
+                                  quantize_kv_cache.Options(headroom=headroom, calibration=calibration_set()))
     # 1e39 was accepted: the scales overflowed to inf and every decode logit was NaN
     for headroom in (128.0, 1e39):
         with pytest.raises(PassError, match=re.escape(f"headroom: {headroom} puts the calibration peak below code 1")):
@@ -285,14 +288,13 @@ def test_a_channel_that_is_always_zero_gets_code_zero_from_both_phases():
     assert np.all(value[0, 0, :10, 3] == 0) and all(np.isfinite(step).all() for step in logits)
 
 
-def single_attention_graph(phase: str, scales: list[np.ndarray]) -> ort.InferenceSession:
-    """One GroupQueryAttention node (2 heads, 1 kv head of 16 channels, an 8-row cache) with the pass's prefill
-    writer after it, or its decode rewrite, as the runtime would run it."""
+def one_attention_graph(cache_dtype) -> tuple[gs.Graph, gs.Node]:
+    """One GroupQueryAttention node (2 heads, 1 kv head of 16 channels, an 8-row cache) on graph inputs."""
     heads, channels, rows = 2, 16, 8
     f = np.float32
     q, k, v = (gs.Variable(n, f, [1, 1, c]) for n, c in (("q", heads * channels), ("k", channels), ("v", channels)))
-    pasts = [gs.Variable(f"past_key_values.0.{kind}", np.int8, [1, 1, rows, channels]) for kind in ("key", "value")]
-    presents = [gs.Variable(f"present.0.{kind}", np.int8, [1, 1, rows, channels]) for kind in ("key", "value")]
+    pasts = [gs.Variable(f"past_key_values.0.{kind}", cache_dtype, [1, 1, rows, channels]) for kind in ("key", "value")]
+    presents = [gs.Variable(f"present.0.{kind}", cache_dtype, [1, 1, rows, channels]) for kind in ("key", "value")]
     lengths, total = gs.Variable("seqlens_k", np.int32, [1]), gs.Variable("total_sequence_length", np.int32, [])
     node = gs.Node("GroupQueryAttention", "layers.0.FlashAttention", domain="com.microsoft",
                    attrs={"num_heads": heads, "kv_num_heads": 1}, inputs=[q, k, v, *pasts, lengths, total],
@@ -300,6 +302,13 @@ def single_attention_graph(phase: str, scales: list[np.ndarray]) -> ort.Inferenc
     graph = gs.Graph(nodes=[node], inputs=[q, k, v, *pasts, lengths, total], outputs=[node.outputs[0], *presents],
                      opset=21, import_domains=[onnx.helper.make_opsetid("", 21),
                                                onnx.helper.make_opsetid("com.microsoft", 1)])
+    return graph, node
+
+
+def single_attention_graph(phase: str, scales: list[np.ndarray]) -> ort.InferenceSession:
+    """one_attention_graph's node with the pass's prefill writer after it, or its decode rewrite, as the runtime
+    would run it."""
+    graph, node = one_attention_graph(np.int8)
     if phase == "prefill":
         quantize_kv_cache.write_codes_after(graph, node, scales)
     else:
@@ -337,3 +346,70 @@ def test_prefill_clips_values_past_the_calibrated_range_to_the_codes_decode_writ
              for phase in ("prefill", "decode")]
     np.testing.assert_array_equal(codes[0], codes[1])
     assert codes[0][0] == -128 and codes[0][3] == 127
+
+
+def test_one_calibration_set_gives_each_granularity_and_headroom_its_own_scales(lowered_graphs):
+    """The set's memo hands the scales from one phase to the other; runs that shape them otherwise must not share
+    them. Per-tensor scales are the per-channel ones' maximum; headroom 127, the largest allowed, puts the peak at
+    code 1."""
+    calibration = calibration_set()
+
+    def scales(**options) -> dict[str, np.ndarray]:
+        model, _ = quantize_kv_cache.run(lowered_graphs["decode"],
+                                         quantize_kv_cache.Options(calibration=calibration, **options))
+        return {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith(".kv_scale")}
+    per_channel, per_tensor, widest = scales(), scales(granularity="per_tensor"), scales(headroom=127.0)
+    assert len(per_channel) == 2 * CONFIG.num_layers
+    for name, channels in per_channel.items():
+        np.testing.assert_array_equal(per_tensor[name], [channels.max()])
+        np.testing.assert_allclose(widest[name], channels * (127 / 1.5), rtol=1e-6)
+
+
+def test_a_phase_that_names_its_caches_otherwise_is_refused(lowered_graphs):
+    """The decode graph takes the scales prefill calibrated, by past input name: one it does not find is named."""
+    options = quantize_kv_cache.Options(calibration=calibration_set())
+    quantize_kv_cache.run(lowered_graphs["prefill"], options)
+    renamed = gs.import_onnx(lowered_graphs["decode"])
+    next(t for t in renamed.inputs if t.name == "past_key_values.1.value").name = "cache.1.value"
+    with pytest.raises(PassError,
+                       match=re.escape("layers.1.FlashAttention: no calibrated scales for ['cache.1.value']")):
+        quantize_kv_cache.run(gs.export_onnx(renamed), options)
+
+
+def test_keys_that_are_not_finite_on_the_calibration_text_are_refused(lowered_graphs):
+    """An inf in layer 0's k projection: no int8 scale covers its keys, and decode would read NaN for all of them."""
+    broken = onnx.ModelProto()
+    broken.CopyFrom(lowered_graphs["prefill"])
+    attention = next(n for n in broken.graph.node if n.op_type == "GroupQueryAttention")
+    projection = next(n for n in broken.graph.node if attention.input[1] in n.output)
+    weight = next(t for t in broken.graph.initializer if t.name == projection.input[1])
+    values = onnx.numpy_helper.to_array(weight).copy()
+    values[0, 0] = np.inf
+    weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
+    with pytest.raises(PassError,
+                       match="past_key_values.0.key: the float graph wrote keys or values that are not finite"):
+        quantize_kv_cache.run(broken, quantize_kv_cache.Options(calibration=calibration_set()))
+
+
+def test_a_node_whose_cache_the_pass_cannot_store_is_refused_before_calibration():
+    def refusal(edit) -> str:
+        graph, node = one_attention_graph(np.float32)
+        edit(graph, node)
+        with pytest.raises(PassError) as error:
+            quantize_kv_cache.run(gs.export_onnx(graph), quantize_kv_cache.Options(calibration=calibration_set()))
+        return str(error.value)
+
+    def scale_inputs(graph, node):
+        node.inputs.extend([gs.Variable.empty()] * 5 + [gs.Constant(f"{kind}_scale", np.ones(16, np.float32))
+                                                        for kind in ("k", "v")])
+
+    def half_precision(graph, node):
+        for cache in (*node.inputs[3:5], *node.outputs[1:]):
+            cache.dtype = np.float16
+
+    assert refusal(scale_inputs).endswith("already has k_scale/v_scale inputs")
+    assert refusal(lambda graph, node: graph.outputs.remove(node.outputs[1])).endswith(
+        "its present output 'present.0.key' is not a graph output")
+    # It said "already FLOAT16 ...; list quantize_kv_cache once": an int8 cache is refused before this check, so
+    # the advice never fitted.
+    assert refusal(half_precision).startswith("past_key_values.0.key: the KV cache is FLOAT16, not float32")
