@@ -39,6 +39,37 @@ def test_failure_while_writing_leaves_nothing_and_keeps_the_old_artifact(tiny_re
     assert (tiny_artifact / "manifest.json").read_text() == manifest_before
 
 
+def test_the_manifest_lists_every_file_below_the_folder_but_itself_with_size_and_sha256(tmp_path):
+    """The runtime refuses any file the list leaves out: files in subfolders count, and only the folder's own
+    manifest.json is the manifest (a subfolder's is a file like any other)."""
+    import hashlib
+    import json
+
+    from compiler.artifact import write_manifest
+
+    (tmp_path / "weights.bin").write_bytes(b"\1" * 100)
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "decode.engine").write_bytes(b"\2" * 10)
+    (tmp_path / "engines" / "manifest.json").write_text("{}")
+    manifest = write_manifest(tmp_path, {"name": "x"})
+    names = ["engines/decode.engine", "engines/manifest.json", "weights.bin"]
+    assert manifest["files"] == {name: {"bytes": (tmp_path / name).stat().st_size,
+                                        "sha256": hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()}
+                                 for name in names}
+    assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
+
+
+def test_tool_versions_name_a_tool_that_is_not_installed_as_null():
+    """The manifest says which tools were absent (tensorrt on a CPU build), not only which were there."""
+    import platform
+    from importlib import metadata
+
+    from compiler.artifact import tool_versions
+
+    assert tool_versions(("aotlm", "no-such-distribution")) == {
+        "python": platform.python_version(), "aotlm": metadata.version("aotlm"), "no-such-distribution": None}
+
+
 def run_cli(capsys, *argv) -> tuple[int, str]:
     status = main(list(argv))
     captured = capsys.readouterr()

@@ -411,6 +411,38 @@ def test_a_stop_between_the_swaps_renames_puts_the_old_artifact_back(tmp_path):
     assert (final / "manifest.json").read_text() == "{}" and not old.parent.exists()
 
 
+def test_an_abandoned_old_copy_does_not_replace_a_newer_artifact(tmp_path):
+    """The old copy a stopped swap left aside goes back only where nothing is in place: a later build may have put a
+    newer artifact there (a rename onto it would fail, or replace it with the older one)."""
+    final = tmp_path / "tiny-random"
+    final.mkdir()
+    (final / "manifest.json").write_text("newer")
+    old = tmp_path / ".tiny-random.old-999999999-abc"  # no such process
+    (old / "tiny-random").mkdir(parents=True)
+    (old / "tiny-random" / "manifest.json").write_text("older")
+    assert remove_abandoned(final) == [old]
+    assert (final / "manifest.json").read_text() == "newer" and not old.exists()
+
+
+def test_without_locks_another_users_build_is_taken_as_running(tmp_path, monkeypatch):
+    """os.kill(pid, 0) on another user's process raises PermissionError: the process exists, its folder stays."""
+    def no_locks(descriptor, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    kill = os.kill
+
+    def another_users(pid, signal_number):
+        if pid == 999999999:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return kill(pid, signal_number)
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(os, "kill", another_users)
+    theirs = tmp_path / ".tiny-random.partial-999999999-abc"
+    theirs.mkdir()
+    assert remove_abandoned(tmp_path / "tiny-random") == [] and theirs.exists()
+
+
 def test_an_artifact_this_build_cannot_replace_is_refused_first(capsys, tmp_path, monkeypatch):
     (tmp_path / "out" / "tiny-random").mkdir(parents=True)
     access = os.access  # the artifact as a user without write permission on it sees it

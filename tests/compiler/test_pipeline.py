@@ -12,8 +12,10 @@ from onnx import TensorProto, helper, numpy_helper
 from compiler import pipeline
 from compiler.errors import BuildError
 from compiler.pipeline import PassResult, format_reports, run_pipeline
-from passes import cleanup
+from passes import cleanup, fuse_silu
+from passes.errors import PassError
 from passes.registry import PASSES, PassEntry
+from passes.session_config import record_session_config, session_config
 
 
 @dataclass
@@ -119,13 +121,82 @@ def test_custom_domains_pass_the_check(monkeypatch):
         rewritten.CopyFrom(model)
         rewritten.graph.node.append(helper.make_node("FlashAttention", ["x"], ["fused"], domain="aotlm"))
         rewritten.graph.node.append(helper.make_node("MatMulNBits", ["x"], ["quantized"], domain="com.microsoft"))
+        # onnxruntime's own op in the default domain, which the checker has no schema for
+        rewritten.graph.node.append(helper.make_node("SimplifiedLayerNormalization", ["x", "one"], ["normalized"]))
         rewritten.opset_import.extend([helper.make_opsetid("aotlm", 1), helper.make_opsetid("com.microsoft", 1)])
         return rewritten, {"fused": np.int64(1), "scales": np.array([0.5])}
 
     register(monkeypatch, "add_custom_ops", add_custom_ops)
-    _, results = run_pipeline(phases(), [Spec("add_custom_ops")])
+    graphs, results = run_pipeline(phases(), [Spec("add_custom_ops")])
     assert results[0].report == {"fused": 1, "scales": [0.5]}
+    assert graphs["prefill"].graph.node[-1].domain == ""  # checked as com.microsoft, kept where onnxruntime wants it
     assert type(results[0].report["fused"]) is int
+
+
+def test_report_keys_are_strings_as_the_manifests_json_holds_them(monkeypatch):
+    register(monkeypatch, "keyed_report", lambda model, options: (model, {"layers": {0: "fused", np.int64(1): "kept"}}))
+    _, results = run_pipeline(phases(), [Spec("keyed_report")])
+    assert results[0].report == {"layers": {"0": "fused", "1": "kept"}}  # an np.int64 key fails json.dumps
+
+
+def test_a_pass_that_returns_no_model_is_named(monkeypatch):
+    register(monkeypatch, "forgets_the_model", lambda model, options: (None, {}))
+    with pytest.raises(BuildError, match=r"^pass 'forgets_the_model' \(prefill\) returned a NoneType, not an "
+                                         r"onnx.ModelProto$"):
+        run_pipeline(phases(), [Spec("forgets_the_model")])
+
+
+def test_a_renamed_input_fails_like_a_renamed_output(monkeypatch):
+    def rename_input(model, options):
+        renamed = onnx.ModelProto()
+        renamed.CopyFrom(model)
+        renamed.graph.input[0].name = "tokens"
+        for node in renamed.graph.node:
+            node.input[:] = ["tokens" if name == "x" else name for name in node.input]
+        return renamed, {}
+
+    register(monkeypatch, "rename_input", rename_input)
+    with pytest.raises(BuildError, match=r"^pass 'rename_input' changed the prefill graph's inputs from \['x'\] to "
+                                         r"\['tokens'\]; a pass that means to must say changes_io: True"):
+        run_pipeline(phases(), [Spec("rename_input")])
+
+
+@dataclass(frozen=True)
+class PrefillOnly:
+    phases: tuple[str, ...] = ("prefill",)
+
+
+def test_a_pass_with_a_phases_option_runs_on_those_phases_only(monkeypatch):
+    ran_on = []
+    monkeypatch.setitem(PASSES, "prefill_only", PassEntry(
+        lambda model, options: (ran_on.append(model.graph.output[0].name) or model, {"applied": True}),
+        PrefillOnly, "test-only pass"))
+    graphs = {"prefill": make_phase("p"), "decode": make_phase("d")}
+    result, results = run_pipeline(graphs, [Spec("prefill_only", PrefillOnly())])
+    assert ran_on == ["p"] and result["decode"] is graphs["decode"]
+    assert [(r.phase, r.report) for r in results] == [
+        ("prefill", {"applied": True}),
+        ("decode", {"applied": False, "reason": "runs on prefill only (its phases option)"})]
+
+
+def test_session_settings_an_earlier_pass_recorded_outlive_a_pass_that_drops_metadata(monkeypatch):
+    """A pass that rebuilds its model (through onnx-graphsurgeon) returns it without metadata_props: the settings
+    the onnxruntime backend copies into the manifest would be lost."""
+    graphs = phases()
+    for model in graphs.values():
+        record_session_config(model, model, {"session.disable_quant_qdq": "1"})
+    register(monkeypatch, "rebuild", lambda model, options: (make_phase(), {}))  # a fresh model, no metadata
+    result, _ = run_pipeline(graphs, [Spec("rebuild")])
+    assert {phase: session_config(model) for phase, model in result.items()} == {
+        "prefill": {"session.disable_quant_qdq": "1"}, "decode": {"session.disable_quant_qdq": "1"}}
+
+
+def test_the_report_table_left_aligns_text_and_right_aligns_numbers():
+    table = format_reports([PassResult("cleanup", "prefill", 0.5, {}, 4, 2),
+                            PassResult("fuse_attention", "decode", 12.25, {}, 120, 96)])
+    assert table.splitlines() == ["pass            phase    seconds      nodes",
+                                  "cleanup         prefill     0.50     4 -> 2",
+                                  "fuse_attention  decode     12.25  120 -> 96"]
 
 
 def test_unserializable_report_is_a_build_error(monkeypatch):
@@ -267,6 +338,22 @@ def test_what_the_checker_found_in_large_weights_is_still_found(corrupt, message
     pipeline.check_pass_result("rewrite", "decode", *[with_large_weight(lambda model: None)] * 2, {})  # the intact one
 
 
+def test_a_large_weight_kept_in_a_side_file_is_checked_without_its_data(tmp_path, monkeypatch):
+    """A graph loaded without its external data holds a location, not bytes: that is not a missing data field (the
+    checker itself looks for the file, relative to the working folder for a model in memory)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(bytes(4 * 20000 * 4))
+
+    def move_out(model):
+        weight = model.graph.initializer[0]
+        weight.ClearField("raw_data")
+        weight.data_location = TensorProto.EXTERNAL
+        weight.external_data.add(key="location", value="weights.bin")
+
+    model = with_large_weight(move_out)
+    pipeline.check_pass_result("rewrite", "decode", model, model, {})
+
+
 def phases_with_weights() -> dict[str, onnx.ModelProto]:
     graphs = {}
     for phase in ("prefill", "decode"):
@@ -319,3 +406,53 @@ def test_a_pass_that_runs_once_listed_twice_is_refused(name):
     with pytest.raises(BuildError, match=rf"passes\[1\]: {name} is listed twice"):
         pipeline.check_passes([spec, spec])
     assert set(pipeline.RUN_ONCE) == {"quantize", "quantize_kv_cache"}  # each refuses a graph it has rewritten
+
+
+def test_passes_that_want_different_phases_first_cannot_run_one_phase_at_a_time(tmp_path, monkeypatch):
+    for name, first in (("prefill_first", ("prefill",)), ("decode_first", ("decode",))):
+        monkeypatch.setitem(PASSES, name, PassEntry(lambda model, options: (model, {}), NoOptions, "test-only pass",
+                                                    runs_first_on=first))
+    with pytest.raises(BuildError, match=r"^passes want different phases first \(decode, prefill\); they cannot run "
+                                         r"one phase at a time$"):
+        run_pipeline(phases(), [Spec("prefill_first"), Spec("decode_first")], consume=True, spill_dir=tmp_path)
+
+
+def specs(*names):
+    from compiler.recipe import PassSpec
+
+    return [PassSpec(name, PASSES[name].options_type()) for name in names]
+
+
+@pytest.mark.parametrize("names, refused", [
+    # the lowering must lie between fuse_attention and quantize: one before them lowers nothing fuse_attention makes
+    (("lower_onnxruntime", "fuse_attention", "quantize"), "passes[2] (quantize) comes after passes[1] (fuse_attention): "
+                                                          "its calibration and the accuracy report run the graph"),
+    # a rule without the lowering exception holds whatever lies between
+    (("fuse_rotary", "lower_onnxruntime", "fuse_attention"), "passes[2] (fuse_attention) comes after passes[0] "
+                                                             "(fuse_rotary): fuse_attention reads the rotary math"),
+])
+def test_an_order_rule_is_excused_only_by_a_lowering_between_and_only_where_it_says(names, refused):
+    with pytest.raises(BuildError) as error:
+        pipeline.check_passes(specs(*names))
+    assert str(error.value).startswith(refused)
+    pipeline.check_passes(specs("fuse_attention", "lower_onnxruntime", "quantize"))  # lowered between: allowed
+
+
+def test_max_rewrites_zero_is_allowed_and_below_it_is_named():
+    from compiler.recipe import PassSpec
+
+    # 0: the first step of bisecting a parity failure (no rewrite at all)
+    pipeline.check_passes([PassSpec("fuse_silu", fuse_silu.Options(max_rewrites=0))])
+    with pytest.raises(BuildError, match=r"^passes\[1\]\.fuse_silu\.max_rewrites: -1 must be >= 0 \(or null: every "
+                                         r"match\)$"):
+        pipeline.check_passes([*specs("cleanup"), PassSpec("fuse_silu", fuse_silu.Options(max_rewrites=-1))])
+
+
+def test_a_refused_option_names_the_pass_and_its_index(monkeypatch):
+    def refuse(options):
+        raise PassError("bits: 3 is not one of 4, 8")
+
+    monkeypatch.setitem(PASSES, "picky", PassEntry(lambda model, options: (model, {}), NoOptions, "test-only pass",
+                                                   check=refuse))
+    with pytest.raises(BuildError, match=r"^passes\[1\] \(picky\): bits: 3 is not one of 4, 8$"):
+        pipeline.check_passes([*specs("cleanup"), Spec("picky", NoOptions())])

@@ -144,6 +144,20 @@ def test_config_numbers_and_lists():
     assert c.eos_token_ids == (2, 3)
 
 
+def test_a_model_path_under_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # `~` is the user's home, not a folder named `~` in the working one
+    recipe = parse_recipe({"name": "x", "model": {"source": "gguf", "path": "~/models/m.gguf"}})
+    assert recipe.model.path == str(tmp_path / "models" / "m.gguf")
+
+
+@pytest.mark.parametrize("name", ["quantize", "quantize_kv_cache"])
+def test_the_builtin_calibration_text_is_not_resolved_as_a_file(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "r.yaml"
+    f.write_text(f"name: x\nmodel: {{source: gguf}}\npasses:\n  - {name}: {{calibration: {{text: pydoc}}}}\n")
+    assert load_recipe(f).passes[0].options.calibration.text == "pydoc"  # not {tmp_path}/pydoc, which does not exist
+
+
 def test_relative_model_path(tmp_path, monkeypatch):
     recipe_dir, cwd = tmp_path / "recipes", tmp_path / "cwd"
     recipe_dir.mkdir(), cwd.mkdir()
@@ -165,6 +179,7 @@ def test_relative_model_path(tmp_path, monkeypatch):
      "export.max_contxt: unknown key; did you mean 'max_context'? "
      "(known: dtype, max_batch, max_context, opset, prefill_logits)"),
     (gguf(pases=[]), "pases: unknown key; did you mean 'passes'?"),
+    (gguf(export={"max_ctx": 4}), "export.max_ctx: unknown key; did you mean 'max_context'?"),  # a loose typo too
     (gguf(passes=["cleanpu"]), "passes[0]: unknown pass 'cleanpu'; did you mean 'cleanup'? Known passes: cleanup"),
     (gguf(passes=["zzz"]), "passes[0]: unknown pass 'zzz'. Known passes: cleanup"),
     (gguf(passes=["cleanup", {"cleanup": {"fold_constant": True}}]),
@@ -197,6 +212,8 @@ def test_relative_model_path(tmp_path, monkeypatch):
     ({"name": "x"}, "model: missing required key"),
     ({"model": {"source": "gguf"}}, "name: missing required key"),
     ({"name": "Bad Name", "model": {"source": "gguf"}}, "name: 'Bad Name' must match ^[a-z0-9][a-z0-9._-]*$"),
+    # the whole name must match, not a prefix: a slash would put the artifact outside artifacts/
+    ({"name": "a/../../etc", "model": {"source": "gguf"}}, "name: 'a/../../etc' must match ^[a-z0-9][a-z0-9._-]*$"),
     ({"name": "x", "model": {"source": "onnx"}}, "model.source: 'onnx' is not one of gguf, hf, random"),
     ({"name": "x", "model": {"source": "gguf", "config": TINY_CONFIG}},
      "model.config: only allowed with source random (source is 'gguf')"),
@@ -211,6 +228,7 @@ def test_relative_model_path(tmp_path, monkeypatch):
     (random_model(eos_token_ids=[2, "3"]), "model.config.eos_token_ids[1]: expected an integer, got '3'"),
     (random_model(tie_word_embeddings=1), "model.config.tie_word_embeddings: expected true or false, got 1"),
     (random_model(rope_theta="big"), "model.config.rope_theta: expected a number, got 'big'"),
+    (random_model(rope_theta=True), "model.config.rope_theta: expected a number, got true"),  # not 1.0
     (random_model(num_kv_heads=3), "model.config: num_heads (4) must be a multiple of num_kv_heads (3)"),
     # Infinite numbers built artifacts whose logits were all NaN (an inf epsilon zeroes every norm).
     (random_model(rms_norm_eps=float("inf")), "model.config.rms_norm_eps: expected a finite number, got inf"),
@@ -273,6 +291,14 @@ def test_malformed_yaml_one_line(tmp_path):
     message = str(info.value)
     assert message.startswith(f"{f}: invalid YAML at line ") and "column" in message and "\n" not in message
     assert info.value.__cause__ is None and info.value.__suppress_context__  # no yaml traceback chained
+
+
+def test_malformed_yaml_names_the_line_and_column_an_editor_shows(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: x\nmodel: {source: gguf}\nexport: {max_context: 64]\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(f)
+    assert str(info.value) == f"{f}: invalid YAML at line 3, column 25: expected ',' or '}}', but got ']'"  # the `]`
 
 
 @pytest.mark.parametrize("text, got", [("- a\n- b\n", "a list"), ("", "null"), ("just text\n", "'just text'")])

@@ -165,6 +165,12 @@ def _edit_manifest(folder, edit):
     (lambda m: m["kv_cache"].__setitem__("output_aliases_input", []), "kv_cache.output_aliases_input"),
     (lambda m: m["kv_cache"].__setitem__("max_context", 4096), r"kv_cache.max_context equal to kv_cache.shape\[2\] \(128\), not 4096"),
     (lambda m: m["engines"]["decode"]["inputs"].__setitem__(0, "input_ids"), "engines.decode.inputs as a list of mappings"),
+    (lambda m: m["engines"]["prefill"]["outputs"].__setitem__(0, "logits"), "engines.prefill.outputs as a list of mappings"),
+    (lambda m: m["tokenizer"].pop("file"), "tokenizer.file"),  # the file checks read it
+    (lambda m: m["kv_cache"].pop("bytes_per_token"), "kv_cache.bytes_per_token"),  # bench and serve size slots by it
+    (lambda m: m.__setitem__("files", []), "files"),
+    (lambda m: m["tokenizer"].__setitem__("eos_token_ids", [-1]), "tokenizer.eos_token_ids as token ids"),
+    (lambda m: m["kv_cache"]["shape"].__setitem__(1, 0), r"kv_cache.shape as \[batch, kv_heads, max_context, head_dim\]"),
 ])
 def test_a_manifest_missing_a_field_its_readers_use_is_refused_by_name(artifact_copy, edit, named):
     """Only the top-level sections were checked: these were KeyError / TypeError / AttributeError tracebacks."""
@@ -192,6 +198,13 @@ def test_a_file_the_manifest_does_not_list_is_refused(artifact_copy):
         Engine.load(artifact_copy)
     (artifact_copy / "weights.bin").unlink()  # gone too: the graphs' external data is still named by the manifest
     with pytest.raises(ArtifactError, match="weights.bin: not in the manifest's files"):
+        Engine.load(artifact_copy)
+
+
+def test_a_chat_template_the_manifest_names_but_does_not_list_is_refused(artifact_copy):
+    """A file the sections name is checked like one in the folder, whether or not it is there."""
+    _edit_manifest(artifact_copy, lambda m: m["tokenizer"].__setitem__("chat_template", "chat_template.jinja"))
+    with pytest.raises(ArtifactError, match="chat_template.jinja: not in the manifest's files"):
         Engine.load(artifact_copy)
 
 
