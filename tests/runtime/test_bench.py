@@ -4,9 +4,11 @@ Timings are never asserted, only their order and the structure they must have (o
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import onnxruntime as ort
@@ -16,6 +18,7 @@ from rich.console import Console
 from compiler import cli
 from runtime import bench
 from runtime.bench import BenchError, make_workload, run_workload
+from runtime.metrics import RequestTrace, summarize
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +117,85 @@ def test_report_json_and_plots(tiny_engine, encode, tmp_path):
     assert bench.compare_table(peers).title.endswith("; aotlm: 4 slots, transformers: one request at a time")
     modes = bench.report({"slots": 4, "baselines": [], **w.settings()}, {"static": runs["aotlm"], "continuous": runs["again"]})
     assert "one request at a time" not in bench.compare_table(modes).title  # both served by the scheduler
+
+
+def hand_trace(arrival, prefill_start, token_times, finish, **extra) -> RequestTrace:
+    return RequestTrace(arrival=arrival, prefill_start=prefill_start, first_token=token_times[0],
+                        token_times=list(token_times), finish=finish, prompt_tokens=8, output_tokens=len(token_times),
+                        **extra)
+
+
+def test_report_records_each_trace_from_the_first_arrival():
+    """Binary-exact timestamps, the earliest request listed second: its arrival is the run's zero."""
+    later = hand_trace(10.0, 10.25, [11.0, 11.5, 11.75, 12.25, 13.0], 13.5, prefill_end=10.75)
+    earlier = hand_trace(9.0, 9.0, [9.5], 9.75)
+    records = bench.report({}, {"aotlm": [later, earlier]})["backends"]["aotlm"]["traces"]
+    assert records[0] == {"prompt_tokens": 8, "output_tokens": 5, "arrival": 1.0, "prefill_start": 1.25,
+                          "prefill_end": 1.75, "first_token": 2.0, "finish": 4.5,
+                          "token_times": [2.0, 2.5, 2.75, 3.25, 4.0], "ttft_ms": 1000.0, "tpot_ms": 500.0,
+                          "e2e_ms": 3000.0, "queue_ms": 250.0, "prefill_ms": 500.0}
+    assert records[1] == {"prompt_tokens": 8, "output_tokens": 1, "arrival": 0.0, "prefill_start": 0.0,
+                          "prefill_end": None, "first_token": 0.5, "finish": 0.75, "token_times": [0.5],
+                          "ttft_ms": 500.0, "tpot_ms": None, "e2e_ms": 500.0, "queue_ms": 0.0, "prefill_ms": 500.0}
+
+
+def test_compare_table_shows_medians_and_ratios_to_the_first_backend():
+    # TTFT 250, 500, 1500 ms (median 500, mean 750); TPOT 250, 500, 1000 ms; over 4 s
+    fast = [hand_trace(0.0, 0.0, [0.25, 0.5], 0.5), hand_trace(0.0, 0.25, [0.5, 1.0], 1.0),
+            hand_trace(0.0, 0.5, [1.5, 2.5], 4.0)]
+    slow = [hand_trace(2 * t.arrival, 2 * t.prefill_start, [2 * x for x in t.token_times], 2 * t.finish)
+            for t in fast]  # every time doubled: twice the latencies, half the tokens/s
+    result = {"settings": {"arrival": "all"},
+              "backends": {name: {"summary": summarize(traces)} for name, traces in (("fast", fast), ("slow", slow))}}
+    table = bench.compare_table(result)
+    rows = [dict(zip((str(column.header) for column in table.columns), row))
+            for row in zip(*(list(column.cells) for column in table.columns))]
+    assert [row["backend"] for row in rows] == ["fast", "slow"]
+    assert (rows[0]["TTFT p50"], rows[0]["TPOT p50"], rows[0]["E2E p50"]) == ("500.0", "500.0", "1000.0")
+    assert (rows[0]["TTFT p99"], rows[0]["out tok/s"]) == ("1480.0", "1.5")  # 500 + 0.98 x 1000; 6 tokens / 4 s
+    assert (rows[1]["TTFT p50"], rows[1]["out tok/s"]) == ("1000.0", "0.8")
+    assert [rows[1][f"{metric} / fast"] for metric in ("TTFT p50", "TPOT p50", "tok/s")] == ["2.00x", "2.00x", "0.50x"]
+    assert [rows[0][f"{metric} / fast"] for metric in ("TTFT p50", "TPOT p50", "tok/s")] == ["1.00x"] * 3
+
+
+def clocked_engine(monkeypatch, seconds_per_run: list[float]):
+    """A stand-in engine whose graph runs take `seconds_per_run`, in order, on bench's clock (a fake
+    time.perf_counter): time_phase's statistics then have exact answers. Records (graph, positions, mask width)."""
+    clock, durations, runs = [1000.0], iter(seconds_per_run), []
+
+    def run(graph, ids, positions, mask):
+        runs.append((graph, positions.tolist(), mask.shape[1]))
+        clock[0] += next(durations)
+        return np.zeros((*ids.shape, 6), np.float32)  # [batch, seq, vocab]
+
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    backend = SimpleNamespace(run=run, allocate_cache=lambda batch: None)
+    engine = SimpleNamespace(backend=backend, max_context=64, batch_one=contextlib.nullcontext,
+                             manifest={"backend": {"weights": {"bytes": 1000}}, "kv_cache": {"bytes_per_token": 10}})
+    return engine, runs
+
+
+def test_time_phase_prefill_is_the_median_after_a_warm_up_run(monkeypatch):
+    engine, _ = clocked_engine(monkeypatch, [9.0, 1.0, 4.0, 2.0])  # the first run warms up: not counted
+    [row] = bench.time_phase(engine, "prefill", [8], list(range(3, 20)), batch=2, runs=3,
+                             flops_for=lambda tokens: 100.0 * tokens, peaks={"flops": 1e4, "bandwidth": 1.0})
+    assert row["runs_ms"] == [1000.0, 4000.0, 2000.0] and row["median_ms"] == 2000.0
+    assert row["tokens_per_s"] == 8.0  # 2 x 8 tokens in 2 s
+    assert row["flops_per_s"] == 800.0 and row["fraction_of_peak"] == pytest.approx(0.08)
+
+
+def test_time_phase_decode_times_steps_after_the_warm_up_at_their_context(monkeypatch):
+    engine, runs = clocked_engine(monkeypatch, [0.5, 50.0, 50.0, 1.0, 2.0, 3.0, 4.0, 10.0])  # prefill, 2 warm-up, 5
+    [row] = bench.time_phase(engine, "decode", [8], list(range(3, 20)), batch=2, steps=5, warmup=2,
+                             flops_for=lambda tokens: 1.0, peaks={"flops": 1.0, "bandwidth": 100.0})
+    assert row["steps_ms"] == [1000.0, 2000.0, 3000.0, 4000.0, 10000.0]
+    assert row["median_ms"] == 3000.0 and row["p90_ms"] == pytest.approx(7600.0)  # 4 + 0.6 x (10 - 4) s
+    assert row["tokens_per_s"] == pytest.approx(2 / 3)  # batch 2: two tokens a step
+    assert row["bytes_per_step"] == 1000 + 10 * 8 * 2 and row["bytes_per_s"] == pytest.approx(1160 / 3)
+    assert row["fraction_of_peak"] == pytest.approx(1160 / 3 / 100)
+    # the cache holds the 8 prompt tokens; step k feeds position 8 + k and attends to 9 + k
+    assert runs[0] == ("prefill", [list(range(8))] * 2, 8)
+    assert runs[1:] == [("decode", [[8 + k]] * 2, 9 + k) for k in range(7)]
 
 
 def test_time_phase(tiny_engine):

@@ -14,7 +14,7 @@ import torch
 
 from compiler import cli
 from runtime.evaluate import (EvaluationError, builtin_text, decode_logits_for, encode_text, evaluate, log_softmax,
-                              split_pydoc_text, window_spans)
+                              split_held_out, split_pydoc_text, window_spans)
 
 TEXT = ("The lighthouse keeper climbed the stairs each evening, counting the steps as his father had, and "
         "lit the lamp before the sea turned dark. ")
@@ -171,6 +171,26 @@ def test_log_softmax_is_stable_for_large_logits():
     np.testing.assert_allclose(values[1, :2], [np.log(0.5)] * 2)
 
 
+def test_each_piece_of_a_chunk_runs_at_its_own_positions():
+    """Pieces past the first continue the sequence: positions start..end - 1 and a mask over every token so far. The
+    tiny artifact cannot show a wrong position (onnxruntime's GroupQueryAttention derives them from the mask), so a
+    recording backend checks what a TensorRT engine, whose rotary reads position_ids, would be given."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def run(phase, input_ids, positions, mask):
+        calls.append((phase, input_ids.tolist(), positions.tolist(), mask.shape))
+        return np.zeros((1, input_ids.shape[1], 5), np.float32)
+
+    backend = SimpleNamespace(kv_spec={"max_context": 16}, max_decode_tokens=4, run=run,
+                              allocate_cache=lambda batch: None)
+    assert decode_logits_for(backend)(np.arange(10, 20)).shape == (10, 5)
+    assert calls == [("decode", [[10, 11, 12, 13]], [[0, 1, 2, 3]], (1, 4)),
+                     ("decode", [[14, 15, 16, 17]], [[4, 5, 6, 7]], (1, 8)),
+                     ("decode", [[18, 19]], [[8, 9]], (1, 10))]
+
+
 def test_decode_logits_refuse_chunks_longer_than_max_context(tiny_engine):
     with pytest.raises(EvaluationError, match="max context \\(128\\)"):
         decode_logits_for(tiny_engine.backend)(np.ones(129, dtype=np.int64))
@@ -186,6 +206,14 @@ def test_pydoc_text_splits_into_calibration_and_held_out():
     assert builtin_text("pydoc-held-out") == held_out and builtin_text("pydoc-calibration") == calibration
     with pytest.raises(EvaluationError, match="unknown built-in text 'nope'; known: pydoc-held-out"):
         builtin_text("nope")
+
+
+def test_held_out_part_starts_at_a_paragraph_boundary_at_or_after_90_percent():
+    text = "a" * 36 + "\n\nb\n\n"  # 41 characters: 90% is character 36, where a paragraph boundary starts
+    assert split_held_out(text) == ("a" * 36, "\n\nb\n\n")
+    before = "a" * 5 + "\n\n" + "b" * 39  # 46 characters: its boundary, at 5, is before 90% of 50
+    assert split_held_out(before + "\n\ncc") == (before, "\n\ncc")
+    assert split_held_out("x" * 20) == ("x" * 18, "x" * 2)  # none: at 90% exactly
 
 
 # -- the command line ----------------------------------------------------------------------------------------

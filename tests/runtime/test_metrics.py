@@ -1,6 +1,7 @@
 """runtime.metrics on synthetic timestamp traces with hand-computed answers (no model, no timing of real work)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -29,6 +30,11 @@ def test_five_token_request():
     assert sum(t.itl) == t.e2e - t.ttft
     assert t.prefill_seconds == 0.5 and t.prefill_tokens_per_s == 16.0
     assert t.decode_seconds_per_step == 0.5 == t.decode_seconds_per_output_token  # one token per step: tpot
+
+
+def test_prefill_rate_counts_only_the_prompt_tokens_prefilled():
+    t = trace(**FIVE, cached_prompt_tokens=6)  # 6 of the 8 prompt tokens came from the prefix cache
+    assert t.prefill_tokens_per_s == 4.0  # 2 tokens computed in 0.5 s; counting all 8 would claim 16 tok/s
 
 
 def test_recorded_decode_steps_and_prefill_fallback():
@@ -67,6 +73,24 @@ def test_percentiles_use_linear_interpolation(ms, expected):
     stats = summarize(traces)["ttft_ms"]
     assert stats["count"] == len(ms)
     assert {k: stats[k] for k in expected} == pytest.approx(expected)
+
+
+def test_latency_stats_are_numpys_percentiles_in_float64():
+    """Timestamps as time.perf_counter gives them (large, not binary-exact): every statistic is the float64 one, so a
+    summary's max is exactly the slowest request's metric as its trace says (float32 would move it by ~1e-7)."""
+    rng = np.random.default_rng(3)
+    traces = []
+    for arrival in 81234.5678901 + np.cumsum(rng.uniform(0.001, 0.3, size=11)):
+        token_times = (arrival + 0.05 + np.cumsum(rng.uniform(0.002, 0.2, size=4))).tolist()
+        traces.append(trace(float(arrival), float(arrival) + 0.01, token_times, finish=token_times[-1] + 0.01))
+    summary = summarize(traces)
+    for name, values in (("ttft", [t.ttft for t in traces]), ("e2e", [t.e2e for t in traces]),
+                         ("itl", [gap for t in traces for gap in t.itl])):
+        ms = 1e3 * np.array(values, dtype=np.float64)
+        p50, p90, p95, p99 = np.percentile(ms, [50, 90, 95, 99])
+        expected = {"mean": ms.mean(), "median": p50, "p90": p90, "p95": p95, "p99": p99, "max": ms.max()}
+        assert {k: summary[f"{name}_ms"][k] for k in expected} == pytest.approx(expected, rel=1e-12, abs=0)
+        assert summary[f"{name}_ms"]["max"] == 1e3 * max(values)
 
 
 def three_requests() -> list[RequestTrace]:
@@ -108,6 +132,13 @@ def test_queued_share_is_the_union_of_the_waits_over_the_run():
     assert summarize(three_requests())["queued_share"] == pytest.approx(0.05)  # 0.5-0.6 of 0-2
 
 
+def test_queued_share_does_not_depend_on_the_order_of_the_traces():
+    waits = [trace(7.0, 7.0, [7.5], finish=10.0),  # the last to arrive, listed first
+             trace(1.0, 3.0, [3.5], finish=6.0),
+             trace(0.0, 2.0, [2.5], finish=5.0)]
+    assert queued_share(waits) == pytest.approx(0.3)  # waits 0-3 of the run 0-10, as in arrival order
+
+
 def test_given_duration_overrides():
     s = summarize(three_requests(), duration=3.0)
     assert s["requests_per_s"] == 1.0 and s["output_tokens_per_s"] == 3.0 and s["total_tokens_per_s"] == 23.0
@@ -124,6 +155,13 @@ def test_goodput(slo, good):
     assert g["good_requests"] == good
     assert g["fraction"] == pytest.approx(good / 3)
     assert g["requests_per_s"] == pytest.approx(good / 2.0)
+
+
+def test_a_request_exactly_at_its_slo_meets_it():
+    t = trace(0.0, 0.0, [0.25, 0.5, 0.75], finish=1.0)  # ttft 250 ms, tpot 250 ms, e2e 750 ms, binary-exact
+    for slo in ({"ttft_ms": 250}, {"tpot_ms": 250}, {"e2e_ms": 750}, {"ttft_ms": 250, "tpot_ms": 250, "e2e_ms": 750}):
+        assert summarize([t], slo=slo)["goodput"]["good_requests"] == 1, slo  # metric <= limit
+    assert summarize([t], slo={"ttft_ms": 249.9})["goodput"]["good_requests"] == 0
 
 
 def test_errors():

@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -575,12 +576,18 @@ def scrape(address) -> dict[str, float]:
     connection.request("GET", "/metrics")
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain; version=0.0.4")
+    series = exposition_series(response.read().decode())
+    connection.close()
+    return series
+
+
+def exposition_series(text: str) -> dict[str, float]:
+    """Prometheus' text format as {series with its labels: value}."""
     series = {}
-    for line in response.read().decode().splitlines():
+    for line in text.splitlines():
         if not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             series[name] = float(value)
-    connection.close()
     return series
 
 
@@ -609,6 +616,50 @@ def test_metrics_count_what_the_server_served(tiny_artifact):
     buckets = [v for k, v in series.items() if k.startswith("aotlm:e2e_request_latency_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == 4  # cumulative, +Inf last
     assert series[f"aotlm:kv_cache_slots{{{label}}}"] == 2 and series[f"aotlm:num_requests_running{{{label}}}"] == 0
+
+
+def test_metrics_histograms_and_counters_of_hand_made_traces():
+    """Binary-exact timings, some on a bucket's bound (Prometheus' buckets count values <= le) and one past the last
+    bound (+Inf only): every series has a hand-computed value."""
+    from runtime.metrics import RequestTrace
+    from runtime.results import GenerationResult, Timings
+    from runtime.server_metrics import ServerMetrics
+
+    def finished(**trace) -> GenerationResult:
+        trace = RequestTrace(first_token=trace["token_times"][0], output_tokens=len(trace["token_times"]), **trace)
+        return GenerationResult("", [], [], "length", Timings(trace))
+
+    metrics = ServerMetrics()
+    # ttft 0.5 and e2e 1.0 (bounds), queue 0.125, gaps 0.125 and 0.375, tpot 0.25
+    metrics.finished(finished(arrival=0.0, prefill_start=0.125, token_times=[0.5, 0.625, 1.0], finish=1.0,
+                              prompt_tokens=10, cached_prompt_tokens=4))
+    # one token, 3000 s after arrival (past the last bound, 2560): no gap, no tpot, no queue
+    metrics.finished(finished(arrival=0.0, prefill_start=0.0, token_times=[3000.0], finish=3000.0, prompt_tokens=5))
+    metrics.finished(GenerationResult("", [], [], "cancelled", None))  # cancelled before its first token: not counted
+    scheduler = SimpleNamespace(counts=lambda: (3, 5), slots=8)
+    series = exposition_series(metrics.render("m", scheduler))
+
+    def value(name, le=None):
+        return series[f'aotlm:{name}{{model_name="m"' + ("" if le is None else f',le="{le}"') + "}"]
+
+    assert (value("num_requests_running"), value("num_requests_waiting"), value("kv_cache_slots")) == (3, 5, 8)
+    assert (value("prompt_tokens_total"), value("generation_tokens_total"), value("prefix_cache_hit_tokens_total")) \
+        == (15, 4, 4)
+    ttft = "time_to_first_token_seconds"
+    assert [value(f"{ttft}_bucket", le) for le in ("0.25", "0.5", "2560.0", "+Inf")] == [0, 1, 1, 2]
+    assert (value(f"{ttft}_count"), value(f"{ttft}_sum")) == (2, 3000.5)
+    e2e = "e2e_request_latency_seconds"
+    assert [value(f"{e2e}_bucket", le) for le in ("0.75", "1.0", "+Inf")] == [0, 1, 2]
+    assert (value(f"{e2e}_count"), value(f"{e2e}_sum")) == (2, 3001.0)
+    queue = "request_queue_time_seconds"
+    assert [value(f"{queue}_bucket", le) for le in ("0.001", "0.1", "0.25")] == [1, 1, 2]
+    assert value(f"{queue}_sum") == 0.125
+    for gaps in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
+        assert [value(f"{gaps}_bucket", le) for le in ("0.1", "0.25", "0.5")] == [0, 1, 2]
+        assert (value(f"{gaps}_count"), value(f"{gaps}_sum")) == (2, 0.5)
+    tpot = "request_time_per_output_token_seconds"
+    assert [value(f"{tpot}_bucket", le) for le in ("0.1", "0.25")] == [0, 1]
+    assert (value(f"{tpot}_count"), value(f"{tpot}_sum")) == (1, 0.25)
 
 
 def test_metrics_show_the_requests_running_and_waiting(slow_server):
