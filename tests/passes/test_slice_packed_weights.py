@@ -172,6 +172,16 @@ def test_a_matmulnbits_with_rows_its_layout_does_not_give_is_kept():
     assert "g_idx" in slice_packed_weights.run(quantized, OPTIONS)[1]["kept"][0]["reason"]
 
 
+def assert_cut_in_two_and_unchanged(quantized, node_name: str) -> None:
+    """The pass cuts `node_name` into its two readers' widths, and both outputs are what they were."""
+    sliced, report = slice_packed_weights.run(quantized, OPTIONS)
+    assert report["rewritten"] == [{"node": node_name, "widths": [20, 28]}]
+    x = {"x": np.random.default_rng(3).standard_normal((2, 3, 80)).astype(np.float32)}
+    expected, got = run_ort(quantized, x), run_ort(sliced, x)
+    for output in ("y0", "y1"):
+        np.testing.assert_allclose(got[output], expected[output], rtol=0, atol=1e-5, err_msg=output)
+
+
 def test_float_zero_points_are_cut_by_blocks_not_packed_bytes():
     """MatMulNBits also takes zero points in the scales' type, one per block ([N * blocks] flat), where uint8 ones are
     packed two per byte: a column's rows are then its 3 blocks, not its 2 bytes."""
@@ -181,12 +191,7 @@ def test_float_zero_points_are_cut_by_blocks_not_packed_bytes():
     packed = numpy_helper.to_array(zero_points).reshape(48, -1)
     codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(48, -1)[:, :3]  # low nibble first; the 4th pads
     zero_points.CopyFrom(numpy_helper.from_array(codes.reshape(-1).astype(np.float32), zero_points.name))
-    sliced, report = slice_packed_weights.run(quantized, OPTIONS)
-    assert report["rewritten"] == [{"node": node.name, "widths": [20, 28]}]
-    x = {"x": np.random.default_rng(3).standard_normal((2, 3, 80)).astype(np.float32)}
-    expected, got = run_ort(quantized, x), run_ort(sliced, x)
-    for output in ("y0", "y1"):
-        np.testing.assert_allclose(got[output], expected[output], rtol=0, atol=1e-5, err_msg=output)
+    assert_cut_in_two_and_unchanged(quantized, node.name)
 
 
 def test_a_matmulnbits_whose_scales_are_computed_from_constants_is_cut_after_them():
@@ -195,12 +200,7 @@ def test_a_matmulnbits_whose_scales_are_computed_from_constants_is_cut_after_the
     (node,) = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
     quantized.graph.node.insert(0, helper.make_node("Identity", [node.input[2]], ["scales_copy"], name="copy"))
     node.input[2] = "scales_copy"
-    sliced, report = slice_packed_weights.run(quantized, OPTIONS)
-    assert report["rewritten"] == [{"node": node.name, "widths": [20, 28]}]
-    x = {"x": np.random.default_rng(3).standard_normal((2, 3, 80)).astype(np.float32)}
-    expected, got = run_ort(quantized, x), run_ort(sliced, x)
-    for output in ("y0", "y1"):
-        np.testing.assert_allclose(got[output], expected[output], rtol=0, atol=1e-5, err_msg=output)
+    assert_cut_in_two_and_unchanged(quantized, node.name)
 
 
 def test_in_an_int4_decoder_prefill_cuts_gate_up_codes_and_generates_the_same_logits(decoder_graphs):  # noqa: F811

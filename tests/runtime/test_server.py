@@ -148,13 +148,7 @@ def test_text_offsets_point_into_the_choices_text_past_special_tokens(served, st
     assert {1, 2} <= served.engine.tokenizer.special_ids
     body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "min_tokens": 3, "logit_bias": {"2": 100}, "echo": True,
             "temperature": 0}  # greedy: the same tokens every run
-    if stream:
-        _, chunks, _ = events(served, "/v1/completions", {**body, "stream": True})
-        logprobs = streamed_logprobs(chunks, chat=False)
-        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    else:
-        choice = post(served, "/v1/completions", body)[2]["choices"][0]
-        logprobs, text = choice["logprobs"], choice["text"]
+    logprobs, text = completion_logprobs(served, body, stream)
     tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
     assert tokens[-1] == "</s>" and offsets[-1] == len(text)  # the stop token
     for token, offset, following in zip(tokens, offsets, offsets[1:]):
@@ -163,6 +157,15 @@ def test_text_offsets_point_into_the_choices_text_past_special_tokens(served, st
         assert text.startswith(prompt) and text.startswith("</s>", offsets[tokens.index("</s>")])
     else:
         assert tokens[0] == "<s>" and offsets[:2] == [0, 0]
+
+
+def completion_logprobs(served, body: dict, stream: bool) -> tuple[dict, str]:
+    """A completion's (logprobs, text) for `body`: the whole response's, or its stream's joined."""
+    if stream:
+        _, chunks, _ = events(served, "/v1/completions", {**body, "stream": True})
+        return streamed_logprobs(chunks, chat=False), "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    choice = post(served, "/v1/completions", body)[2]["choices"][0]
+    return choice["logprobs"], choice["text"]
 
 
 def streamed_logprobs(chunks: list[dict], chat: bool) -> dict:
@@ -1067,13 +1070,7 @@ def test_an_output_that_ends_inside_a_character_joins_to_its_text(served, stream
             "ignore_eos": True}
     if stopped:  # 228, then the end-of-sequence token
         body = {**body, "max_tokens": 4, "min_tokens": 1, "logit_bias": {"228": 50, "2": 100}, "ignore_eos": False}
-    if stream:
-        _, chunks, _ = events(served, "/v1/completions", {**body, "stream": True})
-        logprobs = streamed_logprobs(chunks, chat=False)
-        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    else:
-        choice = post(served, "/v1/completions", body)[2]["choices"][0]
-        logprobs, text = choice["logprobs"], choice["text"]
+    logprobs, text = completion_logprobs(served, body, stream)
     tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
     if stopped:
         assert (text, tokens, offsets) == ("\ufffd", ["\ufffd", "</s>"], [0, 1])
