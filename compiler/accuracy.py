@@ -72,8 +72,9 @@ def repeated_text_warning(held_out: HeldOut) -> str | None:
     if held_out.repeats_calibration_from is None:
         return None
     return (f"accuracy report: from its token {held_out.repeats_calibration_from} on, the held-out text "
-            f"({held_out.source}) repeats the calibration part word for word (a run of {REPEATED_CHARACTERS} characters or so), "
-            f"so it is not unseen text there; set accuracy.max_tokens to {held_out.repeats_calibration_from} or less")
+            f"({held_out.source}) repeats the calibration part word for word (a run of {REPEATED_CHARACTERS} "
+            f"characters or so), so it is not unseen text there; set accuracy.max_tokens to "
+            f"{held_out.repeats_calibration_from} or less")
 
 
 def report_window_and_stride(window: int, stride: int, max_context: int) -> tuple[int, int]:

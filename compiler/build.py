@@ -137,8 +137,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
             raise BuildError(f"accuracy report: its held-out text ({held_out.source}) has {len(held_out.tokens)} "
                              f"token(s), and scoring needs at least 2; give a longer calibration.text or set "
                              f"accuracy.enabled: false")
-        if repeated_text_warning(held_out):
-            say(f"warning: {repeated_text_warning(held_out)}")
+        if warning := repeated_text_warning(held_out):
+            say(f"warning: {warning}")
     weight_bytes = sum(tensor.nbytes for tensor in loaded.state_dict.values())
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
