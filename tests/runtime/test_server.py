@@ -419,6 +419,58 @@ def test_a_negative_seed_is_a_seed(chat_served):
     assert texts[0] == texts[1] == texts[2]
 
 
+def test_temperature_defaults_to_openais_1_not_the_engines_greedy(served):
+    body = {"prompt": "Hello", "max_tokens": 8, "seed": 3, "ignore_eos": True}
+    text = post(served, "/v1/completions", body)[2]["choices"][0]["text"]
+    sampled = served.engine.generate("Hello", max_new_tokens=8, temperature=1.0, seed=3, ignore_eos=True).text
+    greedy = served.engine.generate("Hello", max_new_tokens=8, ignore_eos=True).text
+    assert text == sampled != greedy
+
+
+def test_top_k_minus_one_is_vllms_no_limit(served):
+    body = {"prompt": "Hello", "max_tokens": 8, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    status, _, limited = post(served, "/v1/completions", {**body, "top_k": -1})
+    assert status == 200 and limited["choices"][0]["text"] == post(served, "/v1/completions", body)[2][
+        "choices"][0]["text"]
+
+
+def test_logprobs_up_to_twenty_alternatives_are_given(served):
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "logprobs": 20}
+    status, _, response = post(served, "/v1/completions", body)
+    tops = response["choices"][0]["logprobs"]["top_logprobs"]
+    # keyed by text, so alternatives that decode alike (bytes of cut characters: U+FFFD) share one key
+    assert status == 200 and len(tops) == 2 and all(1 < len(top) <= 20 for top in tops)
+
+
+def test_echo_gives_each_choice_its_own_prompt(served):
+    """Choice i samples prompt i // n: its echoed text, and the offsets into it (a "</s>" the prompt spells keeps its
+    width), are that prompt's."""
+    prompts = ["Hi there", "Hi</s> there"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
+            "ignore_eos": True}
+    choices = post(served, "/v1/completions", body)[2]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]  # listed in index order, as OpenAI's are
+    for choice in choices:
+        text, logprobs = choice["text"], choice["logprobs"]
+        assert text.startswith(prompts[choice["index"] // 2])
+        for token, offset, following in zip(logprobs["tokens"], logprobs["text_offset"], logprobs["text_offset"][1:]):
+            assert text.startswith(token, offset) or (token == "<s>" and following == offset)
+
+
+def test_chat_logprobs_without_top_logprobs_give_the_chosen_tokens_only(chat_served):
+    body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 3, "temperature": 0, "logprobs": True,
+            "ignore_eos": True}
+    content = post(chat_served, "/v1/chat/completions", body)[2]["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(entry["top_logprobs"] == [] and entry["logprob"] <= 0 for entry in content)
+
+
+def test_chat_with_both_max_tokens_fields_is_told_to_give_one(chat_served):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3}
+    status, _, response = post(chat_served, "/v1/chat/completions", body)
+    assert status == 400 and response["error"]["param"] == "max_tokens"
+    assert "give max_completion_tokens or max_tokens, not both" in response["error"]["message"]
+
+
 def test_a_lone_surrogate_in_a_role_is_a_400_not_a_dropped_connection(chat_served):
     """The template quoted an unknown role back in its error, and a lone surrogate there could not be encoded as
     UTF-8: the server dropped the connection with no response."""
@@ -472,6 +524,14 @@ def test_chat_on_a_model_without_a_template_says_so(served):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs", "only with logprobs: true"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages: required"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "usage": True}},
+     400, "stream_options", "must be an object with include_usage"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_object"}}, 400, "response_format", "only {'type': 'text'} is supported"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 65}, 400, "n", "n: 65 must be an integer in 1..64"),  # per prompt
+    ("/v1/completions", {"prompt": ["x"] * 129}, 400, "prompt", "prompt: 129 prompts, at most 128"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "logprobs: 21 must be an integer in 0..20"),
+    ("/v1/completions", {"prompt": "x", "best_of": True}, 400, "best_of", "best_of: above 1"),  # true is not 1
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages", "only text parts"),
 ])
@@ -871,6 +931,18 @@ def test_a_full_queue_is_503_with_retry_after(slow_server):
     assert body["error"]["type"] == "service_unavailable"
     running.cancel()
     assert waiting.result(timeout=30).finish_reason == "length"
+
+
+def test_a_request_whose_later_choices_find_the_queue_full_runs_none_of_them(slow_server):
+    """All of a request's choices run, or none: the first of two took the one place in the queue, the second found
+    it full; the 503 must not leave the first queued, holding the place and running for no one."""
+    server, _ = slow_server
+    running = server.engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    next(iter(running))
+    status, _, body = post(server, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2})
+    assert status == 503 and body["error"]["type"] == "service_unavailable"
+    assert len(server.engine.scheduler._waiting) == 0
+    running.cancel()
 
 
 def wait_for(condition, seconds: float = 10.0) -> bool:
