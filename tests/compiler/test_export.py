@@ -4,10 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
 
+from compiler.errors import BuildError
 from compiler.export import export_graphs, io_names
 from compiler.frontend.config import DecoderConfig
 from compiler.frontend.random_init import random_model
@@ -53,8 +55,6 @@ def test_tied_embedding_is_stored_once(exported, tmp_path):
     """The lm_head reads the embedding table as stored, Gemm(x, table, transB=1), in the traced files too: the
     exporter had folded a transposed copy into them (1.05 GB for Llama-3.2-1B), which the build then read back,
     compared with the table (two more copies) and removed; a 1.54 GB tied model peaked at 5.4 GB doing that."""
-    import onnx
-
     from compiler.export import trace_graphs
 
     decoder, graphs, _ = exported
@@ -64,6 +64,7 @@ def test_tied_embedding_is_stored_once(exported, tmp_path):
         lm_head = [node for node in model.graph.node if "model.embed_tokens.weight" in node.input[1:]]
         assert [(n.op_type, len(n.input), [(a.name, a.i) for a in n.attribute]) for n in lm_head] == \
             [("Gemm", 2, [("transB", 1)])]
+        assert lm_head[0].name == "/decoder/lm_head/Gemm_tied"  # recipes select it by name ("*lm_head*")
     for path in trace_graphs(decoder, MAX_CONTEXT, tmp_path).values():
         traced = onnx.load(str(path))
         assert [t.name for t in traced.graph.initializer if CONFIG.vocab_size in t.dims] == \
@@ -193,3 +194,56 @@ def test_the_two_phases_are_traced_into_folders_of_their_own(tmp_path, monkeypat
         "prefill": "prefill", "decode": "decode"}
     graphs = {phase: load_traced(path, CONFIG) for phase, path in paths.items()}
     assert [model.graph.name for model in graphs.values()] == ["prefill", "decode"]
+
+
+def declared_shapes(values) -> dict:
+    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+
+
+@pytest.mark.parametrize("prefill_logits", ["last", "all"])
+def test_declared_shapes_name_every_dynamic_axis(exported, prefill_logits):
+    """The runtime, TensorRT's profiles and the manifest read these shapes: a length fixed at the example's (5 prompt
+    tokens) would refuse other prompts, and a mask declared as long as the input would read a chunk after cached
+    tokens as a first prompt."""
+    decoder, graphs, _ = exported
+    if prefill_logits == "all":
+        graphs = export_graphs(decoder, MAX_CONTEXT, prefill_logits="all")
+    cache = ["batch", CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim]
+    logits = {"last": ["batch", CONFIG.vocab_size], "all": ["batch", "sequence", CONFIG.vocab_size]}
+    for phase, model in graphs.items():
+        inputs, outputs = declared_shapes(model.graph.input), declared_shapes(model.graph.output)
+        assert inputs == {"input_ids": ["batch", "sequence"], "position_ids": ["batch", "sequence"],
+                          "attention_mask": ["batch", "total"],
+                          **{f"past_key_values.{i}.{kind}": cache for i in range(2) for kind in ("key", "value")}}
+        assert outputs == {"logits": logits[prefill_logits] if phase == "prefill" else logits["all"],
+                           **{f"present.{i}.{kind}": cache for i in range(2) for kind in ("key", "value")}}
+
+
+def test_kv_cache_spec_sizes_the_buffers_in_their_dtype(exported):
+    """The runtime allocates the cache from this shape and bench sizes slots by bytes_per_token: kv_heads (2, not
+    the 4 query heads) x head_dim per layer, keys and values, at the cache's element size."""
+    from compiler.export import cache_dtype, kv_cache_spec
+
+    spec = kv_cache_spec(CONFIG, MAX_CONTEXT)
+    assert spec["shape"] == ["batch", 2, MAX_CONTEXT, 8] and spec["dtype"] == "float32"
+    assert spec["output_aliases_input"] == {f"present.{i}.{kind}": f"past_key_values.{i}.{kind}"
+                                            for i in range(2) for kind in ("key", "value")}
+    per_element = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+    assert {dtype: kv_cache_spec(CONFIG, MAX_CONTEXT, dtype)["bytes_per_token"] for dtype in per_element} == {
+        dtype: 2 * 2 * 2 * 8 * size for dtype, size in per_element.items()}
+    _, graphs, _ = exported
+    assert cache_dtype(graphs, "float32") == "float32"
+    quantized = onnx.ModelProto()  # the decode graph after quantize_kv_cache: its cache inputs are int8
+    quantized.CopyFrom(graphs["decode"])
+    for value in quantized.graph.input:
+        if value.name.startswith("past_key_values."):
+            value.type.tensor_type.elem_type = onnx.TensorProto.INT8
+    assert cache_dtype({**graphs, "decode": quantized}, "float32") == "int8"
+
+
+def test_an_unknown_dtype_or_a_context_past_the_models_positions_is_refused():
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=3).state_dict)
+    with pytest.raises(BuildError, match=r"export.dtype: 'int8' is not one of float32, float16, bfloat16"):
+        export_graphs(decoder, MAX_CONTEXT, dtype="int8")
+    with pytest.raises(BuildError, match=r"export.max_context: 65 exceeds the model's max_position_embeddings \(64\)"):
+        export_graphs(decoder, CONFIG.max_position_embeddings + 1)

@@ -756,3 +756,78 @@ def test_a_gguf_reads_end_of_turn_ids_and_defaults_what_it_leaves_out(tmp_path, 
     write_gguf(tmp_path / "eot.gguf", TINY, original.state_dict, original.tokenizer_json)
     config = load_gguf(str(tmp_path / "eot.gguf")).config
     assert config.eos_token_ids == (2, 5) and config.rope_theta == 10000.0
+
+
+def test_a_gguf_without_optional_sizes_takes_llama_cpps_defaults(tmp_path, monkeypatch):
+    """llama.cpp's defaults for keys a converter may leave out: head size hidden / heads (not / kv heads), as many
+    kv heads as heads, a 2048-token context; no test file had left them out."""
+    original = random_model(TINY, seed=0)  # hidden 64, 4 heads of 16, 2 kv heads
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_length", lambda writer, length: None)
+    write_gguf(tmp_path / "no-key-length.gguf", TINY, original.state_dict, original.tokenizer_json)
+    assert load_gguf(str(tmp_path / "no-key-length.gguf")).config == TINY
+    mha = dataclasses.replace(TINY, num_kv_heads=4, max_position_embeddings=2048)
+    weights = random_model(mha, seed=0).state_dict
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count_kv", lambda writer, count: None)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_context_length", lambda writer, length: None)
+    write_gguf(tmp_path / "mha.gguf", mha, weights, original.tokenizer_json)
+    loaded = load_gguf(str(tmp_path / "mha.gguf"))
+    assert loaded.config == mha
+    for name, tensor in weights.items():  # K un-permuted by the 4 heads it was permuted by
+        assert torch.equal(loaded.state_dict[name], tensor), name
+
+
+def test_gguf_rope_scaling_none_and_per_layer_kv_heads(tmp_path, monkeypatch):
+    """Metadata llama.cpp accepts as plain: a rope scaling factor of 1 (with no type, or type "none"), and one kv head
+    count per layer when every layer has the same; another scaling type or differing per-layer counts are refused."""
+    original = random_model(TINY, seed=0)
+    write_gguf(tmp_path / "factor-1.gguf", TINY, original.state_dict, original.tokenizer_json,
+               extra={"llama.rope.scaling.factor": 1.0})
+    assert load_gguf(str(tmp_path / "factor-1.gguf")).config == TINY
+    add_name = gguf.GGUFWriter.add_name
+
+    def write(name, scaling, kv_heads):
+        monkeypatch.setattr(gguf.GGUFWriter, "add_name", lambda writer, model_name: (
+            add_name(writer, model_name), writer.add_string("llama.rope.scaling.type", scaling)))
+        monkeypatch.setattr(gguf.GGUFWriter, "add_head_count_kv", lambda writer, count: writer.add_array(
+            gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=writer.arch), kv_heads))
+        write_gguf(tmp_path / name, TINY, original.state_dict, original.tokenizer_json,
+                   extra={"llama.rope.scaling.factor": 1.0})
+        return str(tmp_path / name)
+
+    assert load_gguf(write("plain.gguf", "none", [2, 2])).config == TINY
+    with pytest.raises(BuildError, match=r"per-layer kv head counts \[1, 2\] are not supported"):
+        load_gguf(write("mixed.gguf", "none", [2, 1]))
+    with pytest.raises(BuildError, match=r"rope scaling 'yarn' is not supported"):
+        load_gguf(write("yarn.gguf", "yarn", [2, 2]))
+
+
+def test_a_gguf_rope_freqs_divisor_of_zero_is_refused(tmp_path):
+    """llama.cpp divides each rotary frequency by these: a zero would make an infinite angle, not a model."""
+    original = random_model(TINY, seed=3)
+    write_gguf(tmp_path / "zero.gguf", TINY, original.state_dict, original.tokenizer_json,
+               rope_freqs=(1.0, 0.0) + (8.0,) * 6)
+    with pytest.raises(BuildError, match=r"rope_freqs.weight holds 8 values; it needs .* finite numbers > 0"):
+        load_gguf(str(tmp_path / "zero.gguf"))
+
+
+def test_a_gguf_projection_of_the_wrong_shape_is_named_before_it_is_unpermuted(tmp_path, monkeypatch):
+    """K rows the heads cannot split (30 for 2 kv heads of 16): the un-permute's reshape by heads would raise a bare
+    torch error, so the tensor's shape is checked against the metadata first."""
+    original = random_model(TINY, seed=0)
+    key = "model.layers.0.self_attn.k_proj.weight"
+    weights = {**original.state_dict, key: original.state_dict[key][:30]}
+    monkeypatch.setattr(__name__ + ".llama_cpp_permute", lambda array, n_head, n_head_kv: array)
+    write_gguf(tmp_path / "short.gguf", TINY, weights, original.tokenizer_json)
+    with pytest.raises(BuildError, match=r"short.gguf: tensor blk.0.attn_k.weight has shape \(30, 64\), the metadata "
+                                         r"implies \(32, 64\)"):
+        load_gguf(str(tmp_path / "short.gguf"))
+
+
+def test_a_bias_on_a_global_gguf_tensor_is_not_taken_for_its_weight():
+    """The decoder has no lm_head or embedding bias: output.bias must stay unknown (the load refuses it by name),
+    not be renamed lm_head.weight over the head."""
+    from compiler.frontend.gguf_loader import hf_tensor_name
+
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert [hf_tensor_name(name) for name in ("output.bias", "token_embd.bias", "output_norm.bias")] == [None] * 3
+    assert hf_tensor_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"

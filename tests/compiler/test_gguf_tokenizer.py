@@ -109,6 +109,7 @@ def test_damaged_sentencepiece_metadata_is_named():
         ({"tokenizer.ggml.scores": [0.0] * 5}, r"has 6 tokens and 5 scores and 6 token types"),
         ({"tokenizer.ggml.token_type": [1] * 4}, r"has 6 tokens and 6 scores and 4 token types"),
         ({"tokenizer.ggml.unknown_token_id": 9}, r"unknown_token_id 9 is outside the GGUF's 6 tokens"),
+        ({"tokenizer.ggml.unknown_token_id": 6}, r"unknown_token_id 6 is outside the GGUF's 6 tokens"),
         ({"tokenizer.ggml.bos_token_id": 6}, r"bos_token_id 6 is outside the GGUF's 6 tokens"),
     ]:
         with pytest.raises(BuildError, match=message):
@@ -168,3 +169,36 @@ def test_scores_that_do_not_rank_the_pieces_are_refused(sentencepiece_model):
     flat = {**metadata, "tokenizer.ggml.scores": [-1000.0] * len(metadata["tokenizer.ggml.scores"])}
     with pytest.raises(BuildError, match=r"share a score with another .* leftmost pair"):
         rebuilt(flat)
+
+
+def test_a_control_token_outside_the_byte_alphabet_is_not_matched_whole():
+    """A byte-level vocabulary spells a newline "Ċ"; a raw "\n\n" marked control is a llama.cpp mislabel. Added as a
+    special token it would be cut out of the text whole (and dropped when decoding skips special tokens); a real
+    control token still matches whole."""
+    from compiler.frontend.random_init import bytes_to_unicode
+
+    tokens = [*bytes_to_unicode().values(), "\n\n", "<|im_start|>"]
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.token_type": [1] * (len(tokens) - 2) + [3, 3], "tokenizer.ggml.merges": []}
+    assert rebuilt(metadata).encode("a\n\nb<|im_start|>").tokens == ["a", "Ċ", "Ċ", "b", "<|im_start|>"]
+
+
+def test_a_byte_level_token_stored_as_raw_text_keeps_its_id():
+    """convert_hf_to_gguf may store a token as its text ("日") rather than byte-level symbols ("æĹ¥"); spelled out
+    byte by byte, as transformers does, it is found whole (llama3's ignore_merges) under its own id."""
+    from compiler.frontend.random_init import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe",
+                "tokenizer.ggml.tokens": [*alphabet, "日"], "tokenizer.ggml.merges": []}
+    assert rebuilt(metadata).encode("日").ids == [len(alphabet)]
+
+
+def test_sentencepiece_merges_make_only_normal_pieces():
+    """A piece of another type (here 5, unused) is never the product of a merge in llama.cpp, however high its score:
+    "ab" must stay "▁a" + "b"."""
+    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "▁", "a", "b",
+                                                                            "ab", "▁a"],
+                "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -3.0, -4.0, -5.0, 0.0, -1.0],
+                "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 5, 1], "tokenizer.ggml.add_space_prefix": True}
+    assert rebuilt(metadata).encode("ab", add_special_tokens=False).tokens == ["▁a", "b"]

@@ -410,3 +410,120 @@ def test_concurrency_past_a_tensorrt_max_batch_is_warned_about(tmp_path):
     assert [w for w in plan(str(recipe), device="H100", concurrency=4)["warnings"] if "max_batch" in w] == []
     onnxruntime = [w for w in plan(str(TINY_RECIPE), device="H100", concurrency=8)["warnings"] if "max_batch" in w]
     assert onnxruntime == []
+
+
+def test_many_sequences_make_a_decode_step_compute_bound(llama3):
+    """1024 short sequences: the step's 2 x (projections + lm_head) FLOPs per sequence outlast reading the weights
+    and the caches once; one sequence is bandwidth-bound."""
+    batched = plan(llama3, device="H100", precision="fp16", kv_dtype="fp16", context=128, concurrency=1024)["bounds"]
+    products = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 128256 * 4096  # the embedding: a lookup
+    read = 8_030_261_248 * 2 - 128256 * 4096 * 2 + 131072 * 128 * 1024
+    assert 2 * products * 1024 / 989e12 > read / 3.35e12
+    assert batched["decode_step_s"] == pytest.approx(2 * products * 1024 / 989e12)
+    assert batched["decode_bound"] == "compute"
+    assert batched["decode_tokens_per_s"] == pytest.approx(1024 / batched["decode_step_s"])
+    single = plan(llama3, device="H100", precision="fp16", kv_dtype="fp16", context=128)["bounds"]
+    assert single["decode_bound"] == "bandwidth"
+
+
+def test_weights_larger_than_the_device_fit_no_sequence(llama3):
+    """fp32 Llama 3 8B (32 GB) on a 24 GB L4: no room for any cache, not a negative number of sequences."""
+    result = plan(llama3, device="L4", precision="fp32", context=1024)
+    assert result["memory"]["max_concurrency"] == 0 and not result["memory"]["fits"]
+
+
+def test_a_zero_prompt_or_concurrency_is_refused(llama3):
+    for options in ({"prompt": 0}, {"concurrency": 0}, {"context": 0}):
+        with pytest.raises(BuildError, match="must be at least 1"):
+            plan(llama3, device="H100", **options)
+
+
+def test_qwen2_attention_biases_are_counted(tmp_path):
+    """Qwen2's q, k and v projections carry biases: q + 2 x kv widths per layer."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA3_8B, "model_type": "qwen2", "use_sliding_window": False}))
+    params = plan(str(tmp_path), device="H100", context=1024)["params"]
+    assert params["attention"] == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 4096 + 2 * 1024)
+
+
+def test_a_tied_float_model_reads_its_whole_table_each_step(tmp_path):
+    """A tied table is the lm_head's weight: a decode step reads all of it, unlike an untied embedding table."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA3_8B, "tie_word_embeddings": True}))
+    result = plan(str(tmp_path), device="H100", precision="fp16", kv_dtype="fp16", context=1024)
+    weights = (8_030_261_248 - 128256 * 4096) * 2  # no separate lm_head
+    assert result["weights"] == weights
+    assert result["bounds"]["decode_token_s"] == pytest.approx((weights + 131072 * 1024) / 3.35e12)
+
+
+def test_a_tensorrt_quantized_artifact_counts_half_precision_scales_and_zero_points(tmp_path):
+    """TensorRT engines hold their own weights (no weights file in the manifest): the recipe's options are counted,
+    with float16 scales, norms and table (onnxruntime's graphs keep them float32), and an asymmetric INT4's zero
+    point, half a byte per block."""
+    manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x",
+                "recipe": {"export": {"dtype": "float16"},
+                           "passes": [{"quantize": {"bits": 4, "block_size": 32, "symmetric": False}}]},
+                "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+                                     "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                                     "max_position_embeddings": 256}},
+                "backend": {"name": "tensorrt"}, "tokenizer": {}, "engines": {}, "files": {},
+                "kv_cache": {"max_context": 128, "dtype": "float16"}}
+    (tmp_path / "manifest.json").write_text(json.dumps(with_required_fields(manifest)))
+    result = plan(str(tmp_path), device="H100")
+    counts = result["params"]
+    products = counts["attention"] + counts["mlp"] + 512 * 64  # the untied lm_head
+    assert result["weights_from"] == "the recipe's quantize options"
+    assert result["weights"] == pytest.approx(
+        products * (0.5 + 2 / 32 + 0.5 / 32) + counts["embedding"] * 2 + counts["norms"] * 2)
+
+
+def test_int8_o_proj_scales_follow_the_heads_width(tmp_path):
+    """o_proj's K is heads x head_dim (32 here), not the hidden size (64): its own weights, and int8 scales repeated
+    over a block of 32, not 64."""
+    recipe = tmp_path / "tiny-int8-narrow-heads.yaml"
+    recipe.write_text(TINY_RECIPE.read_text().replace("head_dim: 16", "head_dim: 8").replace(
+        "  - pack_projections", "  - pack_projections\n  - quantize: {bits: 8, method: rtn}"))
+    result = plan(str(recipe), device="H100")
+    counts = result["params"]
+    o_proj, down = 2 * 32 * 64, 2 * 128 * 64
+    assert counts["attention"] == 2 * (2 * 64 * 32 + 2 * 64 * 16)
+    reading_hidden = counts["attention"] - o_proj + counts["mlp"] - down + 512 * 64
+    assert result["weights"] == pytest.approx(reading_hidden * (1 + 4 / 64) + o_proj * (1 + 4 / 32)
+                                              + down * (1 + 4 / 128) + counts["embedding"] * 4 + counts["norms"] * 4)
+
+
+def test_int8_weights_with_a_float_prefill_count_both_and_may_not_fit(tmp_path):
+    """dequantize_weights keeps float32 copies of INT8 products too, and they count against the device's memory."""
+    recipe = tmp_path / "tiny-int8-float-prefill.yaml"
+    recipe.write_text(TINY_RECIPE.read_text().replace(
+        "  - skip_unused_rows", "  - skip_unused_rows\n  - quantize: {bits: 8, method: rtn}\n"
+                                "  - dequantize_weights: {phases: [prefill]}"))
+    result = plan(str(recipe), device="H100")
+    counts = result["params"]
+    float_copies = 4 * (counts["attention"] + counts["mlp"])
+    assert result["inputs"]["precision"] == "int8" and result["memory"]["prefill_float_weights"] == float_copies
+    total = result["weights"] + float_copies + result["kv"]["total"]
+    assert result["memory"]["total"] == pytest.approx(total)
+    # memory that holds the weights and the cache but not the float copies too
+    headroom = (total - float_copies / 2) / (81559 * 2**20)
+    assert not plan(str(recipe), device="H100", headroom=headroom)["memory"]["fits"]
+
+
+def test_a_decode_step_of_a_float16_artifact_skips_its_float16_table(tmp_path):
+    """artifact_step_weight_bytes (what bench divides by a step's time) less the untied table at its stored float16
+    size; a tied table quantized with the lm_head is the head's own codes, read whole."""
+    from compiler.plan import artifact_step_weight_bytes
+
+    manifest = {"format": "aotlm-artifact", "format_version": 1, "name": "x",
+                "recipe": {"export": {"dtype": "float16"}, "passes": [{"quantize": {"bits": 4, "block_size": 32}}]},
+                "model": {"config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+                                     "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                                     "max_position_embeddings": 256}},
+                "backend": {"weights": {"file": "weights.bin", "bytes": 200_000}}, "tokenizer": {}, "engines": {},
+                "files": {}, "kv_cache": {"max_context": 128, "dtype": "float16"}}
+    (tmp_path / "manifest.json").write_text(json.dumps(with_required_fields(manifest)))
+    assert artifact_step_weight_bytes(tmp_path) == 200_000 - 512 * 64 * 2
+    manifest["model"]["config"]["tie_word_embeddings"] = True
+    manifest["recipe"]["passes"] = [{"quantize": {"bits": 4, "block_size": 32, "embedding": "quantized"}}]
+    manifest["passes"] = [{"name": "quantize", "phase": "decode", "seconds": 0.1,
+                           "report": {"embedding": {"quantized": True}}}]
+    (tmp_path / "manifest.json").write_text(json.dumps(with_required_fields(manifest)))
+    assert artifact_step_weight_bytes(tmp_path) == 200_000
