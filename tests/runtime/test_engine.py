@@ -92,6 +92,10 @@ def test_a_new_cache_rebinds_what_decode_steps_reuse(tiny_engine, tiny_reference
                                  np.ones((batch, len(tokens)), np.int64))
             for row in range(batch):
                 np.testing.assert_allclose(logits[row, -1], full_recompute_logits(decoder, tokens), atol=1e-4)
+    # the present outputs are the last cache's buffers, after the logits, not those of a cache it replaced
+    pointers = [buffer.data_ptr() for buffer in backend.cache.buffers]
+    for phase, binding in backend.bindings.items():
+        assert [output.data_ptr() for output in binding.get_outputs()[1:]] == pointers, phase
 
 
 def test_cache_is_bound_once_and_written_in_place(tiny_engine, tiny_reference):
@@ -141,6 +145,8 @@ def test_timings_are_consistent(tiny_engine):
     assert timings.token_times_s == sorted(timings.token_times_s)
     assert timings.tpot_s == pytest.approx((timings.e2e_s - timings.ttft_s) / 7)
     assert len(timings.itl_s) == 7 and sum(timings.itl_s) == pytest.approx(timings.e2e_s - timings.ttft_s)
+    assert all(gap > 0 for gap in timings.itl_s)  # each token stamped when sampled, a decode step after the one before
+    assert 0 < timings.tokenize_s < timings.ttft_s  # a string prompt: its tokenization is timed, inside the TTFT
 
 
 def test_seeded_sampling_is_reproducible(tiny_engine):
@@ -158,6 +164,27 @@ def test_stop_token_ends_generation(tiny_engine):
     result = tiny_engine.generate("abc", max_new_tokens=4, stop_token_ids=(first[1],))
     assert result.finish_reason == "stop"
     assert result.token_ids == first[:1]
+
+
+def test_a_stop_token_sampled_first_ends_generation_with_no_output(tiny_engine):
+    first = tiny_engine.generate("abc", max_new_tokens=4, stop_token_ids=()).token_ids
+    result = tiny_engine.generate("abc", max_new_tokens=4, stop_token_ids=(first[0],))
+    assert (result.token_ids, result.text, result.finish_reason, result.stop_token_id) == ([], "", "stop", first[0])
+
+
+def test_the_models_eos_token_stops_generation_by_default(tiny_engine):
+    eos = tiny_engine.manifest["tokenizer"]["eos_token_ids"][0]
+    result = tiny_engine.generate("abc", max_new_tokens=4, logit_bias={eos: 100})  # greedy then picks EOS first
+    assert (result.token_ids, result.finish_reason, result.stop_token_id) == ([], "stop", eos)
+
+
+def test_generate_runs_on_a_batch_one_cache_after_the_backend_held_another(tiny_engine):
+    """Something else on the backend (an evaluation, a benchmark) may leave a cache of another batch size bound:
+    a request allocates its batch-1 cache again rather than running one sequence over it."""
+    expected = tiny_engine.generate(PROMPTS[0], max_new_tokens=6, stop_token_ids=()).token_ids
+    tiny_engine.backend.allocate_cache(batch=2)
+    assert tiny_engine.generate(PROMPTS[0], max_new_tokens=6, stop_token_ids=()).token_ids == expected
+    assert tiny_engine.backend.cache.batch == 1
 
 
 def test_generation_stops_at_max_context(tiny_engine):

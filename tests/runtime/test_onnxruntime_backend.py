@@ -2,10 +2,15 @@
 the manifest) reach its session, and a malformed one is refused with the fix."""
 from __future__ import annotations
 
+import os
+import warnings
+
+import numpy as np
+import onnxruntime as ort
 import pytest
 
 from runtime.errors import ArtifactError
-from runtime.onnxruntime_backend import STOP_SPINNING_AFTER_RUN, session_options
+from runtime.onnxruntime_backend import STOP_SPINNING_AFTER_RUN, cache_dtype, check_version, session_options
 
 
 def test_an_engines_session_config_entries_are_set_on_its_session_options():
@@ -57,3 +62,69 @@ def test_a_recipes_thread_count_above_this_machines_cores_runs_with_the_cores(mo
     with pytest.warns(RuntimeWarning, match="backend.intra_op_threads: 16, more than the 2 cores"):
         assert session_options({"intra_op_threads": 16}, None).intra_op_num_threads == 2
     assert session_options({"intra_op_threads": 2}, None).intra_op_num_threads == 2
+
+
+def test_an_explicit_thread_count_wins_over_the_recipes_even_zero():
+    """0 asks for onnxruntime's default: it must not fall back to the manifest's count as a falsy value would."""
+    assert session_options({"intra_op_threads": 2}, 0).intra_op_num_threads == 0
+    assert session_options({"intra_op_threads": 2}, 1).intra_op_num_threads == 1
+    assert session_options({}, None).graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+
+
+def test_as_many_threads_as_cores_runs_without_a_warning(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert session_options({"intra_op_threads": 2}, None).intra_op_num_threads == 2
+
+
+def test_engine_load_takes_zero_threads_and_as_many_as_cores(tiny_artifact):
+    from runtime import Engine
+
+    for threads in (0, os.cpu_count()):
+        engine = Engine.load(tiny_artifact, intra_op_threads=threads, huge_pages=False)
+        assert [session.get_session_options().intra_op_num_threads for session in engine.backend.sessions.values()] \
+            == [threads, threads]
+
+
+def test_a_cache_type_this_runtime_does_not_keep_is_refused_with_the_fix():
+    assert cache_dtype({"dtype": "int8"}) is np.int8 and cache_dtype({}) is np.float32
+    with pytest.raises(ArtifactError, match="kv_cache.dtype 'float16'.*rebuild the artifact for backend onnxruntime"):
+        cache_dtype({"dtype": "float16"})
+
+
+def test_an_onnxruntime_older_than_the_builds_is_refused_down_to_the_patch_release():
+    check_version("1.20.1", "1.20.1")
+    check_version("1.20.1", "1.21.0rc1")
+    with pytest.raises(ArtifactError, match="built with onnxruntime 1.20.1, and 1.20.0 is installed"):
+        check_version("1.20.1", "1.20.0")
+
+
+def test_the_cache_counts_every_buffer_of_its_dtype(tiny_engine):
+    backend = tiny_engine.backend
+    cache = backend.cache
+    assert cache.nbytes == sum(buffer.numpy().nbytes for buffer in cache.buffers) == backend.bytes_per_sequence
+    assert {buffer.numpy().dtype for buffer in cache.buffers} == {np.dtype(backend.cache_dtype)}
+
+
+def test_multi_token_logits_are_not_overwritten_by_a_later_run(tiny_engine):
+    """Only single-token steps write into a reused logits array; a chunk's logits are the caller's to keep
+    (runtime/evaluate.py holds every piece's logits of a prompt)."""
+    backend = tiny_engine.backend
+    ones = np.ones((1, 64), dtype=np.int64)
+    backend.run("prefill", np.array([[1, 5]]), np.arange(2)[None], ones[:, :2])
+    chunks, kept = [], []
+    for start, ids in ((2, [7, 8, 9]), (5, [10, 11, 12]), (8, [13, 14, 15])):
+        chunks.append(backend.run("decode", np.array([ids]), np.arange(start, start + 3)[None], ones[:, : start + 3]))
+        kept.append(chunks[-1].copy())  # as this run returned them
+    for logits, copy in zip(chunks, kept):
+        np.testing.assert_array_equal(logits, copy)
+
+
+def test_an_int8_cache_is_sized_by_its_own_element_type(tiny_engine):
+    """The memory checks (check_slots, allocate_cache) count an int8 cache's bytes, a quarter of float32's."""
+    backend = tiny_engine.backend
+    float32_bytes = backend.bytes_per_sequence
+    backend.cache_dtype = np.int8  # what an artifact built with quantize_kv_cache loads with (not run here)
+    assert backend.bytes_per_sequence * 4 == float32_bytes
+    assert backend.allocate_cache(batch=2).nbytes == 2 * backend.bytes_per_sequence

@@ -45,13 +45,11 @@ def stream(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], bool, 
     (["say ", "STOP now"], ("STOP",), ["say ", ""], True, ""),  # the stop inside one piece
     (["one", "two"], (), ["one", "two"], False, ""),  # no stop strings: nothing held back
     (["a", "b"], ("",), ["a", "b"], False, ""),  # an empty stop string matches nothing
+    (["abcdef"], ("cd", "bcde"), ["a"], True, ""),  # two stops in one piece: the earliest start, not the first listed
 ])
 def test_streamed_text_ends_before_the_first_stop(pieces, stops, given, stopped, tail):
     assert stream(pieces, stops) == (given, stopped, tail)
-    text = "".join(pieces)
-    for stop in (s for s in stops if s):  # the result's rule (runtime/engine.py): cut at each stop string in turn
-        text = text.split(stop, 1)[0]
-    assert "".join(given) + tail == text
+    assert "".join(given) + tail == cut_at_stop("".join(pieces), stops)
 
 
 @pytest.mark.parametrize("pieces, stops, min_tokens, given, stopped", [
@@ -90,6 +88,35 @@ def test_a_generation_ending_inside_a_character_streams_what_its_result_holds(st
     assert streamed == "h"  # the incomplete byte is held back while more tokens may complete it
     streamed += decoder.finish()
     assert streamed == tokenizer.decode([0, 1]) == "h\ufffd"
+
+
+def test_a_stop_string_completed_only_at_finish_ends_the_text_before_it():
+    """The last token's text ends inside a character, so push() held it back whole, stop string included; finish()
+    decodes it, finds the stop, and must give nothing from the stop on (the engine then reports finish "stop")."""
+    decoder = StreamDecoder(ByteTokenizer([b"xb\xc3"]), ("b",))
+    assert decoder.push(0) == ""
+    assert (decoder.finish(), decoder.stopped, decoder.streamed_text) == ("x", True, "x")
+
+
+def test_a_prompt_ending_inside_a_four_byte_character_leaves_the_context_whole(monkeypatch):
+    """A byte-level decoder (errors="replace") gives one U+FFFD for 1-3 bytes of a 4-byte character: every one of
+    the prompt's bytes of it leaves the context, so that the stream equals the generated tokens decoded alone."""
+    emoji = "😀".encode()
+    pieces = [b"go", emoji[:1], emoji[1:2], emoji[2:3], emoji[3:], b"a"]
+    tokenizer = TextTokenizer.__new__(TextTokenizer)  # its decode only: the bytes above, as a byte-level BPE's
+    monkeypatch.setattr(tokenizer, "decode", ByteTokenizer(pieces).decode, raising=False)
+    decoder = tokenizer.stream_decoder((), [0, 1, 2, 3])
+    text = "".join(decoder.push(token) for token in (4, 5)) + decoder.finish()
+    assert text == ByteTokenizer(pieces).decode([4, 5]) == "\ufffda"
+
+
+def test_special_tokens_decode_to_no_text(tiny_artifact):
+    tokenizer = TextTokenizer(tiny_artifact / "tokenizer.json")
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    assert 2 in tokenizer.special_ids  # the tiny model's EOS
+    assert tokenizer.decode(ids + [2]) == tokenizer.decode(ids)
+    decoder = tokenizer.stream_decoder()
+    assert "".join(decoder.push(token) for token in ids + [2]) + decoder.finish() == tokenizer.decode(ids)
 
 
 @pytest.mark.parametrize("text, stops, expected", [
@@ -140,9 +167,8 @@ def test_a_byte_fallback_stream_keeps_whole_characters_and_is_the_results_text(t
     assert "中文" not in tokenizer.decode(ids[:-1])  # why the result's text is the stream, not one decode
 
 
-def test_results_equal_their_streams_with_a_byte_fallback_tokenizer(tiny_artifact, tmp_path):
-    """End to end, through Engine.stream and the scheduler: the tiny model sampling random ids, most of them byte
-    tokens of this tokenizer, ends runs inside characters all the time (50 of 120 requests differed before)."""
+def byte_fallback_engine(tiny_artifact, tmp_path):
+    """The tiny artifact with byte_fallback_tokenizer's tokenizer.json in place of its own."""
     import hashlib
     import json
     import shutil
@@ -156,7 +182,13 @@ def test_results_equal_their_streams_with_a_byte_fallback_tokenizer(tiny_artifac
     data = (artifact / "tokenizer.json").read_bytes()
     manifest["files"]["tokenizer.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (artifact / "manifest.json").write_text(json.dumps(manifest))
-    engine = Engine.load(artifact)
+    return Engine.load(artifact)
+
+
+def test_results_equal_their_streams_with_a_byte_fallback_tokenizer(tiny_artifact, tmp_path):
+    """End to end, through Engine.stream and the scheduler: the tiny model sampling random ids, most of them byte
+    tokens of this tokenizer, ends runs inside characters all the time (50 of 120 requests differed before)."""
+    engine = byte_fallback_engine(tiny_artifact, tmp_path)
     options = dict(max_new_tokens=12, temperature=1.5, stop_token_ids=())
     for seed in range(12):
         generation = engine.stream([1, 40, 41], seed=seed, **options)
@@ -217,3 +249,16 @@ def test_a_prompt_ending_inside_a_character_still_gives_its_whole_words_as_conte
     decoder = tokenizer.stream_decoder((), prompt)
     text = "".join(decoder.push(token) for token in generated) + decoder.finish()
     assert text == " the"
+
+
+def test_a_stop_string_found_at_the_end_inside_a_character_is_a_stop(tiny_artifact, tmp_path):
+    """Every token generated is the lead byte of a two-byte character (a logit bias forces it): push() holds all the
+    text back, and only finish() finds the stop string in it; the request still ended on a stop, not on its length."""
+    engine = byte_fallback_engine(tiny_artifact, tmp_path)
+    lead_byte = 3 + 0xC3
+    for stream in (False, True):
+        options = dict(max_new_tokens=3, stop_token_ids=(), logit_bias={lead_byte: 100}, stop_strings=("\ufffd",))
+        generation = engine.stream([1, 40, 41], **options)
+        pieces = list(generation)
+        result = generation.result if stream else engine.generate([1, 40, 41], **options)
+        assert result.token_ids == [lead_byte] * 3 and (pieces, result.text, result.finish_reason) == ([], "", "stop")
