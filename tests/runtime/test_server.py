@@ -117,7 +117,7 @@ def test_a_streamed_completion_joins_to_the_whole_text_then_gives_its_usage(serv
     body = {"prompt": "The keeper", "max_tokens": 12, "temperature": 0, "echo": True}
     _, _, whole = post(served, "/v1/completions", body)
     headers, chunks, done = events(served, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
-    assert done and headers["Content-Type"] == "text/event-stream"
+    assert done and headers["Content-Type"] == "text/event-stream" and headers["Cache-Control"] == "no-cache"
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == whole["choices"][0]["text"] and text.startswith("The keeper")
     ends = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
@@ -125,6 +125,7 @@ def test_a_streamed_completion_joins_to_the_whole_text_then_gives_its_usage(serv
     assert ends[0]["timings"]["output_tokens"] == whole["usage"]["completion_tokens"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
     assert {c["id"] for c in chunks} == {chunks[0]["id"]} and chunks[0]["object"] == "text_completion"
+    assert chunks[0]["id"].startswith("cmpl-") and whole["id"].startswith("cmpl-")  # OpenAI's, chat's chatcmpl-
 
 
 def test_completion_logprobs_are_the_engines(served):
@@ -318,7 +319,7 @@ def test_a_chat_reply_is_engine_chat_streamed_or_whole(chat_served):
     expected = chat_served.engine.chat(flat, max_new_tokens=6, logprobs=1)
     status, _, body = post(chat_served, "/v1/chat/completions", {"messages": messages, "max_tokens": 6,
                                                                  "temperature": 0, "logprobs": True, "top_logprobs": 1})
-    assert status == 200 and body["object"] == "chat.completion"
+    assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     (choice,) = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": expected.text}
     assert [t["logprob"] for t in choice["logprobs"]["content"]] == pytest.approx(
@@ -328,6 +329,7 @@ def test_a_chat_reply_is_engine_chat_streamed_or_whole(chat_served):
                                                                    "temperature": 0})
     first_piece = chunks[0]["choices"][0]["delta"]  # the role comes with the first text, not before it
     assert done and first_piece["role"] == "assistant" and first_piece["content"]
+    assert chunks[0]["id"].startswith("chatcmpl-")
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected.text
     assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
 
@@ -866,6 +868,9 @@ def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
     status, _, body = request(served, "POST", "/v1/completions", raw=b"[1, 2]")
     assert status == 400 and "JSON object" in body["error"]["message"]
     assert request(served, "GET", "/v1/completions")[0] == 405
+    status, headers, body = request(served, "POST", "/health", {})
+    assert status == 405 and headers["Allow"] == "GET, HEAD, OPTIONS"
+    assert "/health takes GET" in body["error"]["message"]
     status, _, body = request(served, "POST", "/v2/generate", {})
     assert status == 404 and "/v1/chat/completions" in body["error"]["message"]
     connection = http.client.HTTPConnection(*served.server_address[:2], timeout=60)
@@ -879,7 +884,41 @@ def test_bodies_and_routes_that_are_not_the_api_are_refused(served):
     status, _, body = request(served, "GET", "/v1/models")
     assert status == 200 and body["data"][0]["id"] == served.model_name
     assert body["data"][0]["max_model_len"] == served.engine.max_context
+    assert request(served, "GET", "/models")[:3:2] == (200, body)  # vLLM's alias, without /v1
     assert request(served, "GET", "/health")[:3:2] == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize("length", ["abc", "-1", "1e3", "\u0661"])
+def test_a_content_length_that_is_not_a_number_of_bytes_is_a_400_and_the_connection_ends(served, length):
+    """Not digits: a 400 naming the header, not a 500 from int() nor a read of -1 bytes (to the end of the stream,
+    which a client that keeps its connection open never gives)."""
+    client = socket.create_connection(served.server_address[:2], timeout=10)
+    client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
+    response = http.client.HTTPResponse(client)
+    response.begin()
+    assert response.status == 400 and response.getheader("Connection") == "close"
+    assert "is not a number of bytes" in json.loads(response.read())["error"]["message"]
+    client.close()
+
+
+def test_a_stream_sends_no_chunk_for_an_empty_piece(served, monkeypatch):
+    """A piece that adds no text (the bytes of a character not all out yet) is no event: the first event carries
+    text (a chat's role comes with it), and none but the end is empty."""
+    import runtime.server
+
+    pump = runtime.server._pump
+
+    def with_empty_pieces(position, handle, events):
+        events.put((position, ""))
+        pump(position, handle, events)
+
+    monkeypatch.setattr(runtime.server, "_pump", with_empty_pieces)
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    _, chunks, done = events(served, "/v1/completions", body)
+    assert done and all(c["choices"][0]["text"] for c in chunks[:-1])
+    whole = post(served, "/v1/completions", body)[2]["choices"][0]["text"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_one_connection_serves_request_after_request(served):
@@ -1043,6 +1082,7 @@ def test_a_graceful_stop_finishes_the_requests_under_way_and_refuses_new_ones(sl
     idle.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 2}))
     refused = idle.getresponse()
     assert refused.status == 503 and "shutting down" in json.loads(refused.read())["error"]["message"]
+    assert refused.getheader("Connection") == "close" and refused.getheader("Retry-After") == "1"
     idle.close()
     assert left.result(timeout=60) == 0
     _, chunks, done = streamed.result(timeout=10)
