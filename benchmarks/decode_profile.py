@@ -183,9 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
     graphs = graphs_to_profile(args)
     with console.status("profiling") as status:
         cells = [(batch, context) for batch in batches for context in contexts]
+        order = list(enumerate(graphs))
         for index, (batch, context) in enumerate(cells):
             measured = {}
-            order = list(enumerate(graphs))
             for position, (name, path, kv_heads, head_dim) in order[::-1] if index % 2 else order:  # first by turns
                 status.update(f"profiling {name}, {batch} rows at context {context}")
                 measured[position] = measure(name, path, kv_heads, head_dim, context, args.steps, args.threads, batch)

@@ -33,8 +33,8 @@ def for_matmulnbits(qw: QuantizedWeight, per_channel_block: int | None = None) -
     largest <= 256 dividing K), a partial last block padded."""
     size = qw.block_size
     per_channel = qw.bits == 8 and -(-qw.k // size) == 1  # INT8 per channel: one block spans K
-    # <= 256 as well: a power-of-two K such as 2048 was kept as one block, against Options.int8_kernel_block's
-    # documented default and the scales compiler/plan.py counts (kernel_block)
+    # kept only in blocks kernel_block could give (16 to 256): an INT8 channel over a power-of-two K > 256 is
+    # re-expressed, as Options.int8_kernel_block's default and compiler/plan.py's count have it
     if 16 <= size <= 256 and size & (size - 1) == 0 and not (per_channel and per_channel_block not in (None, size)):
         return qw
     size = kernel_block(qw.k, per_channel_block)
