@@ -64,3 +64,57 @@ def test_reference_matches_onnxruntime(case):
         np.testing.assert_allclose(output[b, list(rows)], expected[0][b, list(rows)], atol=1e-5)
         np.testing.assert_allclose(present_key[b, :, valid], expected[1][b, :, valid], atol=1e-5)
         np.testing.assert_allclose(present_value[b, :, valid], expected[2][b, :, valid], atol=1e-5)
+
+
+def first_prompt(query, max_context=4):
+    """For reference() on one sequence's first prompt, every row valid, H = 2 query heads over KV = 1: an empty cache,
+    rotary tables that rotate nothing (cos 1, sin 0) and seqlens_k."""
+    batch, length, width = query.shape
+    head_dim = width // 2
+    cache = np.zeros((batch, 1, max_context, head_dim))
+    tables = np.ones((max_context, head_dim // 2)), np.zeros((max_context, head_dim // 2))
+    return cache, tables, np.array([length - 1], np.int32)
+
+
+def test_rotary_tables_scale_both_cos_and_sin():
+    inv_freq = np.array([1.0, 0.25])
+    cos, sin = op.rotary_tables(inv_freq, 3, scaling=2.0)
+    angles = np.arange(3)[:, None] * inv_freq[None, :]
+    np.testing.assert_allclose(cos, 2 * np.cos(angles), rtol=1e-6)
+    np.testing.assert_allclose(sin, 2 * np.sin(angles), rtol=1e-6)
+    assert cos.dtype == sin.dtype == np.float32 and cos.shape == (3, 2)
+
+
+def test_the_scale_argument_is_used_zero_averages_the_visible_values():
+    rng = np.random.default_rng(3)
+    query, key, value = rng.standard_normal((1, 3, 8)), rng.standard_normal((1, 3, 4)), rng.standard_normal((1, 3, 4))
+    cache, tables, seqlens = first_prompt(query)
+    output, _, _ = op.reference(query, key, value, cache, cache, seqlens, 3, *tables, num_heads=2, kv_num_heads=1,
+                                scale=0.0)
+    for i in range(3):  # every visible key weighs the same: the mean of value rows 0..i, for both heads
+        mean = value[0, : i + 1].mean(axis=0)
+        np.testing.assert_allclose(output[0, i], np.concatenate([mean, mean]), atol=1e-12)
+
+
+def test_right_padding_of_a_first_prompt_is_not_written_to_the_cache():
+    rng = np.random.default_rng(4)
+    query, key, value = rng.standard_normal((1, 4, 8)), rng.standard_normal((1, 4, 4)), rng.standard_normal((1, 4, 4))
+    past_key, past_value = rng.standard_normal((1, 1, 6, 4)), rng.standard_normal((1, 1, 6, 4))
+    tables = np.ones((6, 2)), np.zeros((6, 2))
+    _, present_key, present_value = op.reference(query, key, value, past_key, past_value, np.array([1], np.int32), 4,
+                                                 *tables, num_heads=2, kv_num_heads=1)
+    np.testing.assert_allclose(present_key[0, 0, :2], key[0, :2])  # the two valid rows, written
+    np.testing.assert_allclose(present_value[0, 0, :2], value[0, :2])
+    np.testing.assert_array_equal(present_key[0, 0, 2:], past_key[0, 0, 2:])  # padding rows 2, 3: the cache as it was
+    np.testing.assert_array_equal(present_value[0, 0, 2:], past_value[0, 0, 2:])
+
+
+def test_large_scores_give_a_finite_softmax():
+    """Scores of +-1e4 overflow exp() unless the row's maximum is taken out first."""
+    key = np.array([[[100.0, 0.0], [-100.0, 0.0]]])  # [1, 2, KV*D = 2]
+    value = np.array([[[1.0, 2.0], [3.0, 4.0]]])
+    query = np.concatenate([key[:, [0, 0]], key[:, [0, 0]]], axis=-1)  # both rows, both heads, along key 0
+    cache, tables, seqlens = first_prompt(query)
+    output, _, _ = op.reference(query, key, value, cache, cache, seqlens, 2, *tables, num_heads=2, kv_num_heads=1,
+                                scale=1.0)
+    np.testing.assert_allclose(output[0], [[1.0, 2.0, 1.0, 2.0]] * 2)

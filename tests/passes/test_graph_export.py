@@ -101,3 +101,16 @@ def test_constants_in_subgraphs_and_constant_outputs_export_as_graphsurgeon_expo
     ours = export_onnx(outputs)
     assert ours.SerializeToString() == gs.export_onnx(outputs).SerializeToString()
     assert ours.graph.output[1].type.tensor_type.elem_type == TensorProto.FLOAT
+
+
+def test_a_large_constant_output_keeps_its_own_type_whether_new_or_read_from_a_model():
+    """The stub carries the constant's type into the output's value_info: a float16 output must not read FLOAT."""
+    half = numpy_helper.from_array(np.ones((200, 200), np.float16), "read")  # 80 KB, above STUB_ABOVE_BYTES
+    read = gs.import_onnx(helper.make_model(helper.make_graph(
+        [], "g", [], [helper.make_tensor_value_info("read", TensorProto.FLOAT16, [200, 200])], initializer=[half]),
+        opset_imports=[helper.make_opsetid("", 21)]))
+    new = gs.Graph(outputs=[gs.Constant("new", np.ones((200, 200), np.float16))], opset=21)
+    for graph in (read, new):
+        ours = export_onnx(graph)
+        assert ours.SerializeToString() == gs.export_onnx(graph).SerializeToString()
+        assert ours.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT16

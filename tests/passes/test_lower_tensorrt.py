@@ -94,7 +94,12 @@ def test_prefill_gets_one_flash_attention_plugin_per_layer(fused_graphs):
     assert report["layers"] == [{"node": f"layers.{i}.FlashAttention", "form": "flash_attention", "splits": 1}
                                 for i in range(LAYERS)]
     assert report["left_unlowered"] == 0
-    assert report["plugins"]["namespace"] == "aotlm" and report["plugins"]["names"] == ["flash_attention"]
+    assert report["plugins"] == {"namespace": "aotlm", "names": ["flash_attention"], "aot": True,
+                                 "preview_feature": "ALIASED_PLUGIN_IO_10_03"}
+    assert report["target"] == "tensorrt: RotaryEmbedding-23 + aotlm:: plugins (TensorRT >= 10.15)"
+    assert report["phase_graph"] == "prefill" and report["attention"] == "plugin"
+    plugins = [n for n in lowered.graph.node if n.op_type == "flash_attention"]
+    assert len({node.input[6] for node in plugins}) == 1  # one [1] total for every layer
     for index, node in enumerate(n for n in lowered.graph.node if n.op_type == "flash_attention"):
         assert node.domain == "aotlm"
         assert attrs(node) == {"num_heads": HEADS, "kv_num_heads": KV_HEADS, "head_dim": HEAD_DIM,
@@ -239,7 +244,8 @@ def test_max_rewrites_lowers_only_the_first(fused_graphs):
 
 
 def test_a_node_without_cache_is_refused():
-    with pytest.raises(PassError, match=r"layers\.0\.attn: FlashAttention has no KV cache"):
+    with pytest.raises(PassError, match=r"layers\.0\.attn: FlashAttention has no KV cache .* export the graph with "
+                                        r"past_key_values inputs"):
         lower_tensorrt.run(single_attention("prefill", cache=False), lower_tensorrt.Options())
 
 
@@ -248,11 +254,19 @@ def test_a_symbolic_max_context_is_refused_where_the_split_needs_it():
         lower_tensorrt.run(single_attention("decode", max_context="max_context"), lower_tensorrt.Options())
     lowered, _ = lower_tensorrt.run(single_attention("prefill", max_context="max_context"), lower_tensorrt.Options())
     assert op_counts(lowered)["flash_attention"] == 1  # prefill's single kernel needs no static M
+    one_split = lower_tensorrt.Options(decode_kv_splits=1)  # decode without splits: the same single kernel
+    lowered, _ = lower_tensorrt.run(single_attention("decode", max_context="max_context"), one_split)
+    assert op_counts(lowered)["flash_attention"] == 1
+    with pytest.raises(PassError, match=r"layers\.0\.attn: the cache's max context .* must be static"):
+        lower_tensorrt.run(single_attention("prefill", max_context="max_context"),
+                           lower_tensorrt.Options(attention="trt_native"))  # TRT_KVCacheUpdate's cache is static
 
 
 def test_a_head_dim_the_kernels_cannot_tile_is_refused():
-    with pytest.raises(PassError, match=r"layers\.0\.attn: .* head_dim a power of two >= 16, this model has 8"):
-        lower_tensorrt.run(single_attention("prefill", head_dim=8), lower_tensorrt.Options())
+    for head_dim in (8, 24):
+        with pytest.raises(PassError, match=rf"layers\.0\.attn: .* head_dim a power of two >= 16, this model has "
+                                            rf"{head_dim}"):
+            lower_tensorrt.run(single_attention("prefill", head_dim=head_dim), lower_tensorrt.Options())
     native = lower_tensorrt.Options(attention="trt_native")
     lowered, _ = lower_tensorrt.run(single_attention("prefill", head_dim=8), native)
     assert op_counts(lowered)["TRT_Attention"] == 1
@@ -262,6 +276,8 @@ def test_options_are_checked():
     for splits in (0, 3):
         with pytest.raises(ValueError, match="decode_kv_splits: .* power of two"):
             lower_tensorrt.Options(decode_kv_splits=splits)
+    with pytest.raises(ValueError, match="attention: 'flash' is not one of plugin, onnx_attention, trt_native"):
+        lower_tensorrt.Options(attention="flash")
     assert PASSES["lower_tensorrt"].options_type is lower_tensorrt.Options
 
 
@@ -309,7 +325,15 @@ def test_trt_native_writes_and_attends_like_the_op(fused_graphs, phase):
     counts = op_counts(lowered)
     assert counts["TRT_KVCacheUpdate"] == 2 * LAYERS and counts["TRT_Attention"] == LAYERS
     assert counts["FlashAttention"] == 0
-    assert report["plugins"]["names"] == [] and ("trt", 1) in [(o.domain, o.version) for o in lowered.opset_import]
+    assert report["plugins"] == {"namespace": None, "names": [], "aot": False, "preview_feature": None}
+    assert report["target"] == "tensorrt: TRT_KVCacheUpdate + TRT_Attention (TensorRT >= 11)"
+    assert report["phase_graph"] == phase and report["left_unlowered"] == 0
+    assert report["layers"] == [{"node": f"layers.{i}.FlashAttention", "form": "trt_native", "splits": 1}
+                                for i in range(LAYERS)]
+    domains = {o.domain: o.version for o in lowered.opset_import}
+    assert domains.get("trt") == 1 and "aotlm" not in domains  # nothing of the project's domain is left
+    update = next(n for n in lowered.graph.node if n.op_type == "TRT_KVCacheUpdate")
+    assert attrs(update) == {"update_form": b"padded_bhnd", "mode": b"linear", "axis": -2}
     attention = next(n for n in lowered.graph.node if n.op_type == "TRT_Attention")
     assert attrs(attention) == {"query_form": b"padded_bhnd", "kv_form": b"padded_bhnd", "causal_kind": b"lower_right",
                                 "TRT_decomposable": 1}
@@ -326,3 +350,65 @@ def test_trt_native_writes_and_attends_like_the_op(fused_graphs, phase):
             np.testing.assert_allclose(got[0][b], expected[0][b], atol=TOLERANCE)
         for cache, reference in zip(got[1:], expected[1:]):
             np.testing.assert_allclose(cache[b, :, :rows], reference[b, :, :rows], atol=TOLERANCE)
+
+
+def test_a_decode_graph_is_split_eight_ways_by_default_and_only_the_decode_graph_is_split():
+    lowered, report = lower_tensorrt.run(single_attention("decode"), lower_tensorrt.Options())
+    decode = next(n for n in lowered.graph.node if n.op_type == "flash_decode")
+    assert attrs(decode)["kv_splits"] == 8 and attrs(decode)["split_size"] == 2  # ceil(10 / 8)
+    assert report["layers"] == [{"node": "layers.0.attn", "form": "flash_decode+flash_combine", "splits": 8}]
+    lowered, report = lower_tensorrt.run(single_attention("main"), lower_tensorrt.Options())  # not a phase's name
+    assert op_counts(lowered)["flash_attention"] == 1 and report["layers"][0]["splits"] == 1
+
+
+@pytest.mark.parametrize("attention", ["plugin", "trt_native"])
+def test_max_rewrites_zero_lowers_nothing_and_keeps_the_graph_valid(attention):
+    lowered, report = lower_tensorrt.run(single_attention("decode"),
+                                         lower_tensorrt.Options(attention=attention, max_rewrites=0))
+    onnx.checker.check_model(lowered, full_check=True)
+    assert op_counts(lowered) == {"FlashAttention": 1}
+    assert report["lowered"] == 0 and report["left_unlowered"] == 1 and report["layers"] == []
+    assert {o.domain: o.version for o in lowered.opset_import} == {"": 23, "aotlm": 1}
+
+
+def test_max_rewrites_is_passed_on_to_the_onnx_attention_lowering(fused_graphs):
+    options = lower_tensorrt.Options(attention="onnx_attention", max_rewrites=1)
+    lowered, report = lower_tensorrt.run(fused_graphs["decode"], options)
+    counts = op_counts(lowered)
+    assert counts["Attention"] == 1 and counts["FlashAttention"] == LAYERS - 1
+    assert report["layers"] == [{"node": "layers.0.FlashAttention", "form": "onnx_attention", "splits": 1}]
+
+
+def test_a_newer_opset_is_kept_and_an_older_ir_version_raised_to_10():
+    newer = single_attention("prefill")
+    newer.opset_import[0].version = 24
+    lowered, _ = lower_tensorrt.run(newer, lower_tensorrt.Options())
+    assert {o.domain: o.version for o in lowered.opset_import}[""] == 24
+    older = single_attention("prefill")
+    older.ir_version = 8
+    assert lower_tensorrt.run(older, lower_tensorrt.Options())[0].ir_version == 10
+
+
+def test_a_bfloat16_graph_keeps_its_type_in_the_combine_and_the_native_scale():
+    model = single_attention("decode", dtype=TensorProto.BFLOAT16)
+    lowered, _ = lower_tensorrt.run(model, lower_tensorrt.Options())
+    combine = next(n for n in lowered.graph.node if n.op_type == "flash_combine")
+    assert attrs(combine)["out_dtype"] == TensorProto.BFLOAT16
+    native, _ = lower_tensorrt.run(model, lower_tensorrt.Options(attention="trt_native"))
+    onnx.checker.check_model(native, full_check=True)
+    scale = next(n for n in native.graph.node if list(n.input) == ["layers.0.attn_0_scale32"])  # float32 -> T
+    assert attrs(scale)["to"] == TensorProto.BFLOAT16
+
+
+def test_a_flash_attention_op_of_another_domain_is_left_alone():
+    model = single_attention("prefill")
+    aotlm = model.graph.node[0]
+    foreign = helper.make_node("FlashAttention", list(aotlm.input), ["foreign_output"], name="foreign",
+                               domain="com.example")
+    model.graph.node.insert(0, foreign)
+    model.graph.output.append(helper.make_tensor_value_info("foreign_output", TensorProto.FLOAT, None))
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    lowered, report = lower_tensorrt.run(model, lower_tensorrt.Options())
+    assert [layer["node"] for layer in report["layers"]] == ["layers.0.attn"]
+    kept = [(n.domain, n.name) for n in lowered.graph.node if n.op_type == "FlashAttention"]
+    assert kept == [("com.example", "foreign")]
