@@ -57,8 +57,8 @@ def load_hf_folder(path: str) -> LoadedModel:
     if os.path.isfile(tokenizer_path):
         tokenizer_json = _read_tokenizer(tokenizer_path)
     chat_template, template_path, template_tokens = _chat_template(folder)
-    files = [config_path, *weight_paths] + ([tokenizer_path] if tokenizer_json is not None else []) + (
-        [template_path] if template_path else [])
+    files = [config_path, *([generation_path] if os.path.isfile(generation_path) else []), *weight_paths] + (
+        [tokenizer_path] if tokenizer_json is not None else []) + ([template_path] if template_path else [])
     return LoadedModel(
         config=config,
         state_dict=state_dict,

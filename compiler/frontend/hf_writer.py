@@ -49,8 +49,12 @@ def hf_config_dict(config: DecoderConfig) -> dict:
         "use_cache": True,
     }
     if config.architecture in ("mistral", "qwen2"):
-        hf["sliding_window"] = None  # the canonical decoder attends to the whole context
-        hf["use_sliding_window"] = False
+        # The window as read; every layer slides (Qwen2: from layer 0). The build keeps contexts within it, where
+        # the canonical decoder's whole-context attention is the same math.
+        hf["sliding_window"] = config.sliding_window
+        hf["use_sliding_window"] = config.sliding_window is not None
+        if config.architecture == "qwen2":
+            hf["max_window_layers"] = 0
     return hf
 
 

@@ -2,13 +2,21 @@
 the runtime encodes them, and the report's source names the built-in text only when it is that text."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from argparse import Namespace
 
+import numpy as np
+import pytest
+
 from compiler import cli_evaluate
-from compiler.accuracy import first_repeated_run, held_out_tokens, repeated_text_warning
-from compiler.calibration import resolve, split_text
-from passes.calibration import CalibrationSpec
+from compiler.accuracy import (first_repeated_run, format_accuracy, held_out_tokens, quantization_summary,
+                               repeated_text_warning, report_window_and_stride)
+from compiler.calibration import BUILTIN_SOURCE, resolve, resolve_passes, split_text
+from compiler.errors import BuildError
+from compiler.recipe import PassSpec
+from passes.calibration import CalibrationSet, CalibrationSpec
+from runtime.evaluate import split_held_out
 from runtime.tokenizer import TextTokenizer
 
 
@@ -35,6 +43,23 @@ def test_calibration_and_held_out_texts_are_tokenized_whole(tiny_artifact):
         assert found.source["tokens_available"] == len(whole.encode(calibration, add_special_tokens=False)) > 1024
         ids = held_out_tokens("pydoc", tokenizer_json, 400).tokens
         assert list(ids) == whole.encode(held_out, add_special_tokens=False)[:400]
+
+
+BOS_PROCESSOR = {"post_processor": {  # as Llama's tokenizer.json: every encoding with special tokens starts with <s>
+    "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                             {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+    "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}}
+
+
+def test_calibration_text_gets_no_bos_from_a_tokenizer_that_adds_one(tiny_artifact):
+    whole = TextTokenizer(tiny_artifact / "tokenizer.json")
+    calibration, held_out, _ = split_text("pydoc")
+    tokenizer_json = with_settings(tiny_artifact, **BOS_PROCESSOR)
+    found = resolve(CalibrationSpec(text="pydoc", samples=2, length=64, seed=1), tokenizer_json)
+    assert found.source["tokens_available"] == len(whole.encode(calibration, add_special_tokens=False))
+    scored = held_out_tokens("pydoc", tokenizer_json, 5).tokens
+    assert list(scored) == whole.encode(held_out, add_special_tokens=False)[:5]
 
 
 def test_a_calibration_file_whose_path_says_pydoc_is_not_the_builtin_text():
@@ -78,3 +103,96 @@ def test_held_out_text_that_repeats_the_calibration_part_is_named(tiny_artifact,
     # the run starts a few characters early: the paragraph before ends as the one before the original does ("x39")
     assert copied_from - 8 <= repeated.repeats_calibration_from <= copied_from
     assert repeated_text_warning(held_out_tokens(str(text), tokenizer_json, copied_from - 8)) is None
+
+
+def test_split_text_reads_a_file_by_its_path_and_refuses_what_it_cannot_read(tmp_path, monkeypatch):
+    calibration, held_out, source = split_text("pydoc")
+    assert len(calibration) > 9 * len(held_out) > 0 and source == {"source": f"{BUILTIN_SOURCE}, first 90%"}
+    notes = tmp_path / "mypydoc notes.txt"  # "pydoc" in a path is a file like any other
+    paragraphs = [f"paragraph {i} " * 20 for i in range(20)]
+    notes.write_text("\n\n".join(paragraphs), encoding="utf-8")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    calibration, held_out, source = split_text("~/mypydoc notes.txt")
+    assert (calibration, held_out) == split_held_out(notes.read_text(encoding="utf-8"))
+    assert source == {"source": f"{notes.resolve()}, first 90%"}
+    with pytest.raises(BuildError, match=r"calibration.text: '.*' is neither 'pydoc' \(the built-in text\) nor a text "
+                                         r"file"):
+        split_text(str(tmp_path))  # a folder
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 10)
+    with pytest.raises(BuildError, match=r"calibration.text: cannot read .*latin1.txt as UTF-8 text"):
+        split_text(str(tmp_path / "latin1.txt"))
+
+
+def test_one_calibration_set_per_distinct_spec_shared_by_the_passes_that_name_it(tiny_artifact):
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        calibration: CalibrationSpec | None = None
+
+    tokenizer_json = (tiny_artifact / "tokenizer.json").read_text()
+    spec, other = CalibrationSpec(samples=2, length=16, seed=1), CalibrationSpec(samples=2, length=16, seed=2)
+    messages = []
+    passes = resolve_passes((PassSpec("quantize", Options(spec)), PassSpec("cleanup", Options()),
+                             PassSpec("quantize_kv_cache", Options(spec)), PassSpec("quantize", Options(other))),
+                            tokenizer_json, messages.append)
+    first, plain, second, third = (p.options.calibration for p in passes)
+    assert isinstance(first, CalibrationSet) and first is second and third is not first and plain is None
+    assert first.token_ids.shape == (2, 16) and not np.array_equal(first.token_ids, third.token_ids)
+    assert first.source["characters"] == len(split_text("pydoc")[0]) and first.progress == messages.append
+    assert resolve_passes(passes, tokenizer_json)[0].options.calibration is first  # a resolved set stays as it is
+
+
+def test_held_out_tokens_name_the_last_tenth_of_the_text(tiny_artifact):
+    held_out = held_out_tokens("pydoc", (tiny_artifact / "tokenizer.json").read_text(), 50)
+    assert held_out.source == f"{BUILTIN_SOURCE}, last 10% (held out)" and len(held_out.tokens) == 50
+    assert repeated_text_warning(held_out) is None
+
+
+@pytest.mark.parametrize("window, stride, max_context, expected", [
+    (64, 32, 128, (64, 32)), (128, 256, 128, (128, 256)),  # within the context: as the recipe says
+    (512, 256, 128, (128, 64)), (512, 16, 128, (128, 16)), (512, 256, 1, (1, 1)),  # cut: half kept as context
+])
+def test_the_report_window_is_cut_to_the_context_keeping_half_as_context(window, stride, max_context, expected):
+    assert report_window_and_stride(window, stride, max_context) == expected
+
+
+def _layer(node, error):
+    return {"node": node, "method": "awq", "bits": 4, "block_size": 32, "relative_output_error": error, "extra": 1}
+
+
+def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst_layers():
+    totals = {"quantized": 6, "skipped": 1, "weight_bytes_before": 3 * 2**20, "weight_bytes_after": 2**20,
+              "graph_bytes_before": 4 * 2**20, "graph_bytes_after": 2 * 2**20,
+              "mean_relative_output_error": 0.01, "max_relative_output_error": 0.05}
+    decode = {"totals": totals, "embedding": {"quantized": True},
+              "layers": [_layer(f"n{i}", e) for i, e in enumerate([0.01, None, 0.05, 0.02, 0.03, 0.04, 0.005])]}
+    kv = {"dtype": "int8", "granularity": "head", "quantized_layers": 2, "relative_error": {"key_mean": 0.001,
+                                                                                             "value_mean": 0.002}}
+    reports = [{"name": "quantize", "phase": "decode", "report": {**decode, "totals": {}}},  # an earlier run
+               {"name": "quantize", "phase": "decode", "report": decode},
+               {"name": "quantize", "phase": "prefill", "report": {**decode, "totals": {"quantized": 0}}},
+               {"name": "quantize_kv_cache", "phase": "decode", "report": {**kv, "other": 0}}]
+    summary = quantization_summary(reports)
+    assert summary["totals"] == totals and summary["embedding"] == {"quantized": True}
+    assert [layer["node"] for layer in summary["worst_layers"]] == ["n2", "n5", "n4", "n3", "n0"]
+    assert summary["worst_layers"][0] == {k: v for k, v in _layer("n2", 0.05).items() if k != "extra"}
+    assert summary["kv_cache"] == kv
+    assert quantization_summary([]) == {}
+    held_out = {"text": "notes.txt, last 10% (held out)", "tokens_scored": 300, "window": 64, "stride": 32,
+                "reference_perplexity": 10.0, "perplexity": 10.5, "perplexity_increase": 0.05, "top1_agreement": 0.9,
+                "mean_kl": 0.0123, "repeats_calibration_from": 250}
+    assert format_accuracy({"quantization": summary, "held_out": held_out}).splitlines() == [
+        "quantized 6 MatMuls (1 skipped): weights 3.0 MiB -> 1.0 MiB; graph 4.0 MiB -> 2.0 MiB",
+        "layer output error on calibration data (E||xΔW||²/E||xW||²): mean 1.00e-02, max 5.00e-02",
+        "KV cache stored as int8 (head scales, 2 layers): relative round-off on calibration data, keys 1.00e-03, "
+        "values 2.00e-03",
+        "held-out text: notes.txt, last 10% (held out), 300 tokens scored (window 64, stride 32)",
+        "perplexity: float 10.000 -> quantized 10.500 (+5.00%); top-1 agreement 90.00%; mean KL(float || quantized) "
+        "0.0123 nats",
+        "warning: the held-out text repeats the calibration text from its token 250 on"]
+
+
+def test_first_repeated_run_at_the_edges_of_both_texts():
+    seen = "".join(f"<{i:03d}>" for i in range(200)) + "x"  # 1001 characters: the last indexed piece ends the text
+    assert first_repeated_run(seen[300:460], seen, length=160) == 0  # a run that starts the text
+    assert first_repeated_run("|" + seen[-121:], seen, length=160) == 1  # the shortest run found, at seen's end
+    assert first_repeated_run("|" + seen[320:440] + "|", seen, length=160) is None  # 120 characters: too short

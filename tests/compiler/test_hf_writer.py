@@ -24,7 +24,10 @@ TINY = DecoderConfig(
 # Tied embeddings, head_dim * heads != hidden, and two eos ids (the second one only in generation_config).
 TINY_TIED = dataclasses.replace(TINY, num_kv_heads=4, head_dim=8, tie_word_embeddings=True, eos_token_ids=(2, 3))
 TINY_QWEN2 = dataclasses.replace(TINY, architecture="qwen2", attention_bias=True)
-CONFIGS = {"llama": TINY, "llama-tied": TINY_TIED, "qwen2": TINY_QWEN2}
+CONFIGS = {"llama": TINY, "llama-tied": TINY_TIED, "qwen2": TINY_QWEN2,
+           # a window is written as read, so the folder's reader (ours, transformers) attends within it too
+           "mistral-window": dataclasses.replace(TINY, architecture="mistral", sliding_window=64),
+           "qwen2-window": dataclasses.replace(TINY_QWEN2, sliding_window=64)}
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -83,3 +86,25 @@ def test_per_frequency_rotary_divisors_are_refused_not_dropped(tmp_path):
     with pytest.raises(ValueError, match=r"rope_freq_factors .* have no Hugging Face config.json spelling"):
         write_hf_folder(random_model(config, seed=0), tmp_path / "m")
     assert not (tmp_path / "m").exists()
+
+
+def test_the_written_files_hold_what_transformers_reads(tmp_path):
+    from safetensors import safe_open
+
+    from compiler.frontend.hf_writer import hf_config_dict
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    loaded = dataclasses.replace(random_model(TINY_TIED, seed=0), chat_template=template)
+    folder = write_hf_folder(loaded, tmp_path / "hf")
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        assert weights.metadata() == {"format": "pt"}  # transformers checks it
+    assert json.loads((folder / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": [2, 3]}
+    assert json.loads((folder / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "model_max_length": TINY_TIED.max_position_embeddings, "clean_up_tokenization_spaces": False,
+        "chat_template": template}
+    assert load_hf_folder(str(folder)).chat_template == template
+    hf = hf_config_dict(TINY)
+    assert hf["eos_token_id"] == 2  # one end id is a number, as transformers writes it
+    assert hf["rope_theta"] == hf["rope_parameters"]["rope_theta"] == TINY.rope_theta  # both transformers' spellings
+    assert hf["rope_parameters"]["rope_type"] == "default"

@@ -748,3 +748,34 @@ def test_layers_with_equal_weights_are_each_calibrated_on_their_own_inputs(metho
         own, _ = awq_search([weight], statistics["x2"].hessian, statistics["x2"].mean_abs, 4, 32, True, full_range=True)
         np.testing.assert_allclose(initializers["x2_awq_inverse_scales"], 1 / own, rtol=1e-6)
         assert not np.allclose(initializers["x_awq_inverse_scales"], initializers["x2_awq_inverse_scales"])
+
+
+def test_draw_samples_takes_whole_windows_without_overlap_chosen_by_the_seed():
+    tokens = np.arange(70)  # 4 windows of 16, and 6 tokens left over
+    np.testing.assert_array_equal(draw_samples(tokens, 4, 16, seed=0), np.arange(64).reshape(4, 16))  # just enough
+    draws = [draw_samples(tokens, 3, 16, seed=seed) for seed in range(8)]
+    for drawn in draws:
+        starts = drawn[:, 0]
+        assert drawn.dtype == np.int64 and drawn.shape == (3, 16) and list(starts) == sorted(set(starts))
+        assert all(start % 16 == 0 and np.array_equal(row, np.arange(start, start + 16))
+                   for start, row in zip(starts, drawn))
+    assert len({drawn.tobytes() for drawn in draws}) > 1  # the seed chooses which windows
+    np.testing.assert_array_equal(draw_samples(tokens, 3, 16, seed=5), draws[5])  # and the same seed, the same ones
+
+
+def test_calibration_feeds_an_empty_past_to_a_graph_whose_past_length_is_dynamic():
+    """Gather(table, ids) after a past of dynamic length (its batch axis dynamic too): the zero feed has batch 1 and
+    past length 0, so the activation holds this sample's rows only."""
+    table = np.random.default_rng(0).standard_normal((50, 16)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "input_ids"], ["new"]),
+         onnx.helper.make_node("Concat", ["past", "new"], ["x"], axis=1)], "g",
+        [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "length"]),
+         onnx.helper.make_tensor_value_info("past", onnx.TensorProto.FLOAT, ["batch", "past_length", 16])],
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
+        initializer=[onnx.numpy_helper.from_array(table, "table")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    tokens = np.arange(12).reshape(2, 6)
+    stats = collect_statistics(model, ["x"], CalibrationSet(samples=2, length=6, token_ids=tokens))["x"]
+    assert stats.rows == 12
+    np.testing.assert_allclose(stats.mean_abs, np.abs(table[:12]).mean(axis=0), rtol=1e-6)
