@@ -58,6 +58,17 @@ def test_the_tensorrt_recipe_passes_the_checks():
     (["cleanup", {"fuse_attention": {}}, "lower_tensorrt",  # was refused only inside the pass, after the export
       {"quantize_kv_cache": {"calibration": {"text": "pydoc", "samples": 2, "length": 16, "seed": 0}}}], {},
      "passes[3]: quantize_kv_cache stores onnxruntime's int8 GroupQueryAttention cache"),
+    (["cleanup", {"fuse_attention": {}}, "lower_tensorrt", "fuse_silu"], {},
+     "passes[3]: fuse_silu emits onnxruntime-only"),
+    (["cleanup", {"quantize": {"bits": 4, "block_size": 64, "lowering": "dequantize_linear",
+                               "embedding": "quantized"}}],
+     {}, "passes[1].quantize.embedding: quantized needs onnxruntime's GatherBlockQuantized"),
+    (["cleanup", {"quantize": {"bits": 8, "lowering": "dequantize_linear",  # INT4 layers of an INT8 recipe: block 32
+                               "overrides": [{"pattern": "*down_proj*", "bits": 4}]}}],
+     {}, "passes[1].quantize.overrides[0].block_size: 32"),
+    (["cleanup", {"quantize": {"bits": 4, "block_size": 64, "lowering": "dequantize_linear",
+                               "overrides": [{"pattern": "*down_proj*", "symmetric": False}]}}],
+     {}, "passes[1].quantize.overrides[0].symmetric: false"),
 ])
 def test_what_tensorrt_cannot_build_is_refused_with_the_key(passes, export, message):
     with pytest.raises(BuildError) as error:
@@ -97,6 +108,10 @@ def test_int8_per_channel_and_int4_block_128_are_accepted():
     tensorrt_backend.check_recipe(recipe_with([*lowered, {"quantize": {"bits": 8, "lowering": "dequantize_linear"}}]))
     tensorrt_backend.check_recipe(recipe_with([*lowered, {"quantize": {
         "bits": 4, "block_size": 128, "lowering": "dequantize_linear"}}]))
+    # layers an override keeps float are not quantized at all: its block size is never used
+    tensorrt_backend.check_recipe(recipe_with([*lowered, {"quantize": {
+        "bits": 4, "block_size": 64, "lowering": "dequantize_linear",
+        "overrides": [{"pattern": "*lm_head*", "skip": True, "block_size": 32}]}}]))
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +147,9 @@ def test_a_dimension_without_a_range_is_refused(tiny_io):
     odd = {"prefill": {"inputs": [{"name": "input_ids", "shape": ["batch", "beams"]}]}}
     with pytest.raises(BuildError, match="input_ids: dimension 'beams' has no range"):
         tensorrt_backend.optimization_profiles(odd, 1, 64, load_recipe(TENSORRT_RECIPE).backend.tensorrt)
+    unnamed = {"decode": {"inputs": [{"name": "attention_mask", "shape": ["batch", 0]}]}}  # a dynamic dim, no name
+    with pytest.raises(BuildError, match="attention_mask: dimension 0 has no range"):
+        tensorrt_backend.optimization_profiles(unnamed, 1, 64, load_recipe(TENSORRT_RECIPE).backend.tensorrt)
 
 
 def test_manifest_backend_section_records_what_the_runtime_checks():
@@ -140,6 +158,11 @@ def test_manifest_backend_section_records_what_the_runtime_checks():
                                                spec, Path("artifacts/tensorrt-timing.cache"))
     assert section["name"] == "tensorrt" and section["compute_capability"] == "9.0"
     assert section["plugins"] == ["aotlm::flash_attention", "aotlm::flash_decode"]
+    assert section["timing_cache"] == str(Path("artifacts/tensorrt-timing.cache"))
+    assert (section["cuda_graphs"], section["decode_max_tokens"]) == (True, 1)
+    eager = tensorrt_backend.backend_section("10.13.0.35", "NVIDIA H200", (9, 0), [],
+                                             replace(spec, cuda_graphs=False, decode_max_tokens=8), Path("t.cache"))
+    assert (eager["cuda_graphs"], eager["decode_max_tokens"], eager["plugins"]) == (False, 8, [])
     from runtime.tensorrt_backend import check_compatible
 
     check_compatible(section, "10.13.0.35", (9, 0), "NVIDIA H200")  # the machine that built it runs it
@@ -184,17 +207,25 @@ def test_quantized_weights_reach_tensorrt_as_dequantize_linear_in_the_graph_type
     tensorrt_backend.check_graphs(graphs)
 
 
-def test_int4_blocks_tensorrt_cannot_read_are_refused_before_the_engine_build():
+@pytest.mark.parametrize("codes_type, block, refused", [
+    ("int4", 32, "blocks of 32"), ("uint4", 32, "blocks of 32"), ("int4", None, "blocks of a whole axis"),
+    ("int4", 64, None), ("int8", None, None),  # INT8 per channel: any block
+])
+def test_int4_blocks_tensorrt_cannot_read_are_refused_before_the_engine_build(codes_type, block, refused):
     import ml_dtypes
     import onnx
 
-    codes = onnx.numpy_helper.from_array(np.zeros((32, 8), ml_dtypes.int4), "w_q4")
+    dtype = {"int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4, "int8": np.int8}[codes_type]
+    codes = onnx.numpy_helper.from_array(np.zeros((32, 8), dtype), "w_q4")
     scale = onnx.numpy_helper.from_array(np.ones((1, 8), np.float16), "w_scale")
+    blocked = {} if block is None else {"block_size": block}
     node = onnx.helper.make_node("DequantizeLinear", ["w_q4", "w_scale"], ["w"], name="layers.0/down_proj_dq", axis=0,
-                                 block_size=32)
+                                 **blocked)
     graph = onnx.helper.make_graph([node], "decode", [], [onnx.helper.make_tensor_value_info(
         "w", onnx.TensorProto.FLOAT16, [32, 8])], initializer=[codes, scale])
-    with pytest.raises(BuildError, match=r"decode graph, layers.0/down_proj_dq: INT4 weights in blocks of 32; "
+    if refused is None:
+        return tensorrt_backend.check_graphs({"decode": onnx.helper.make_model(graph)})
+    with pytest.raises(BuildError, match=rf"decode graph, layers.0/down_proj_dq: INT4 weights in {refused}; "
                                          r"TensorRT reads INT4 only in blocks of 64 or 128"):
         tensorrt_backend.check_graphs({"decode": onnx.helper.make_model(graph)})
 
@@ -240,6 +271,17 @@ def test_a_timing_cache_tensorrt_refuses_is_replaced_by_an_empty_one():
     tensorrt_backend.attach_timing_cache(unreadable, b"truncated", said.append)
     assert unreadable.attached == [b""] and "cannot be read; starting an empty one" in said[-1]
 
+    class Refusing(Config):  # not even an empty cache: the build must not go on without one
+        def set_timing_cache(self, cache, ignore_mismatch):
+            self.attached.append(cache)
+            return False
+
+    for cached in (b"", b"from another GPU"):
+        refusing = Refusing()
+        with pytest.raises(BuildError, match="TensorRT refused an empty timing cache"):
+            tensorrt_backend.attach_timing_cache(refusing, cached, said.append)
+        assert refusing.attached == ([cached, b""] if cached else [b""])
+
 
 @pytest.mark.parametrize("kv_heads, max_context, head_dim, refused", [
     (3, 2001, 64, "use a multiple of 2 (2002)"),  # SmolLM2's: a slot 3 x 2001 x 64 x 2 bytes in, not 256-aligned
@@ -267,9 +309,23 @@ def test_a_tensorrt_too_old_for_the_lowered_ops_is_refused_before_the_build(deco
         model.CopyFrom(source)  # the fixture's graphs are shared with other tests
         model.graph.name = phase
         fused = fuse_attention.run(model, fuse_attention.Options())[0]
+        assert tensorrt_backend.plugin_ops(fused) == []  # aotlm.FlashAttention is in the namespace, not a plugin
         graphs[phase] = lower_tensorrt.run(fused, lower_tensorrt.Options(attention=attention))[0]
+    plugins = {"plugin": (["flash_attention"], ["flash_combine", "flash_decode"]), "trt_native": ([], [])}[attention]
+    assert (tensorrt_backend.plugin_ops(graphs["prefill"]), tensorrt_backend.plugin_ops(graphs["decode"])) == plugins
     older = {"10.15": "10.14.1.48", "11.0": "10.16.0"}[oldest]
     with pytest.raises(BuildError, match=rf"TensorRT {older} cannot read .* need TensorRT {oldest} or newer"):
         tensorrt_backend.check_release(older, graphs)
     tensorrt_backend.check_release(f"{oldest}.0.1", graphs)
     tensorrt_backend.check_release("12.0.0", graphs)
+
+
+def test_rotary_embedding_in_the_default_domains_alias_needs_the_same_tensorrt():
+    """ai.onnx is the default domain's other name: a RotaryEmbedding-23 node written with it is the same op."""
+    for domain in ("", "ai.onnx"):
+        node = onnx.helper.make_node("RotaryEmbedding", ["x", "cos", "sin", "positions"], ["y"], domain=domain)
+        graphs = {"prefill": onnx.helper.make_model(onnx.helper.make_graph([node], "prefill", [], []))}
+        with pytest.raises(BuildError, match=r"TensorRT 10.14.1.48 cannot read the graphs' RotaryEmbedding nodes: "
+                                             r"they need TensorRT 10.15 or newer"):
+            tensorrt_backend.check_release("10.14.1.48", graphs)
+        tensorrt_backend.check_release("10.15.0.1", graphs)

@@ -166,3 +166,94 @@ def test_tokens_do_not_depend_on_huge_pages(tiny_artifact):
     finally:
         plain.close()
         huge.close()
+
+
+def test_the_report_counts_whole_huge_pages_outside_the_exclusions_and_names_refusals(monkeypatch, tmp_path):
+    """Addresses made up (no call reaches the kernel): which ranges are advised, in what order, and what is counted."""
+    import ctypes
+    import errno
+
+    mib = 2**20
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    monkeypatch.setattr(huge_pages, "THP_MODE_FILE", mode)
+    asked = []
+    monkeypatch.setattr(huge_pages, "private_anonymous_mappings",
+                        lambda min_bytes: asked.append(min_bytes) or [(3 * mib, 13 * mib),  # whole pages 4..12 MiB
+                                                                      (20 * mib, 21 * mib + 5),  # no whole page
+                                                                      (40 * mib, 60 * mib)])
+    calls = []
+
+    def madvise(start, length, advice):
+        calls.append((start // mib, length // mib, advice))
+        if advice == huge_pages.MADV_COLLAPSE and start in (46 * mib, 56 * mib):  # no free huge pages there
+            ctypes.set_errno(errno.EAGAIN)
+            return -1
+        return 0
+
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    report = huge_pages.collapse_large_mappings(min_bytes=4 * mib, exclude=[(50 * mib, 55 * mib), (44 * mib, 46 * mib)])
+    assert asked == [4 * mib]
+    hugepage, collapse = huge_pages.MADV_HUGEPAGE, huge_pages.MADV_COLLAPSE
+    assert (hugepage, collapse) == (14, 25)  # linux/mman.h
+    assert calls == [(start, length, advice) for start, length in ((4, 8), (40, 4), (46, 4), (56, 4))
+                     for advice in (hugepage, collapse)]
+    assert {key: value for key, value in report.items() if key != "seconds"} == {
+        "thp_mode": "madvise", "mappings": 4, "bytes": 20 * mib, "collapsed": 12 * mib, "errors": {"EAGAIN": 2}}
+
+
+def test_an_array_smaller_than_a_huge_page_is_not_advised(monkeypatch, tmp_path):
+    mode = tmp_path / "enabled"
+    mode.write_text("[always] madvise never\n")
+    monkeypatch.setattr(huge_pages, "THP_MODE_FILE", mode)
+    assert huge_pages.thp_mode() == "always"
+    calls = []
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda *args: calls.append(args) or 0)
+    assert not huge_pages.advise(np.empty(2**20, dtype=np.uint8))  # inside one 2 MiB page at most: nothing whole
+    assert calls == []
+    assert huge_pages.advise(np.empty(8 * 2**20, dtype=np.uint8)) and len(calls) == 1
+
+
+def _fake_proc_file(monkeypatch, name: str, text: str) -> None:
+    """/proc/self/<name> read by runtime/huge_pages.py gives `text` (other files open as usual)."""
+    import builtins
+    import io
+
+    real = builtins.open
+    monkeypatch.setattr(huge_pages, "open", lambda path, *args, **keywords: io.StringIO(text)
+                        if path == f"/proc/self/{name}" else real(path, *args, **keywords), raising=False)
+
+
+def test_only_large_writable_private_anonymous_mappings_not_thread_stacks_are_listed(monkeypatch):
+    _fake_proc_file(monkeypatch, "maps", """\
+00400000-00c00000 r-xp 00000000 08:01 1234 /usr/bin/python3
+01000000-02000000 rw-p 00000000 00:00 0 [heap]
+10000000-10800000 rw-p 00000000 00:00 0
+20000000-21000000 rw-s 00000000 00:00 0
+30000000-31000000 r--p 00000000 00:00 0
+40000000-40001000 ---p 00000000 00:00 0
+40001000-40801000 rw-p 00000000 00:00 0
+50000000-50001000 ---p 00000000 00:00 0
+50002000-51002000 rw-p 00000000 00:00 0
+60000000-607ff000 rw-p 00000000 00:00 0
+7ffc0000-7ffd0000 rw-p 00000000 00:00 0 [stack]
+""")
+    # the heap; exactly 8 MiB; 16 MiB after a gap (not right above the ---p page). Not: a file, a shared or read-only
+    # mapping, the 8 MiB right above a guard page (a thread's stack), 8 MiB less a page, the main stack
+    assert huge_pages.private_anonymous_mappings(8 * 2**20) == [
+        (0x01000000, 0x02000000), (0x10000000, 0x10800000), (0x50002000, 0x51002000)]
+
+
+def test_huge_bytes_are_counted_for_the_mappings_a_range_overlaps(monkeypatch):
+    _fake_proc_file(monkeypatch, "smaps", """\
+00400000-00600000 rw-p 00000000 00:00 0
+Size:               2048 kB
+AnonHugePages:      2048 kB
+00600000-00e00000 rw-p 00000000 00:00 0
+Size:               8192 kB
+AnonHugePages:      4096 kB
+VmFlags: rd wr mr mw me ac
+""")
+    assert huge_pages.huge_bytes_in(0x400000, 0x600000) == 2 * 2**20  # ends where the next mapping starts
+    assert huge_pages.huge_bytes_in(0x600000, 0x600001) == 4 * 2**20
+    assert huge_pages.huge_bytes_in(0x500000, 0x700000) == 6 * 2**20

@@ -20,12 +20,19 @@ def test_same_release_and_gpu_generation_run():
     (None, (9, 0), "tensorrt is not installed: install tensorrt==10.13.0.35"),
     ("10.13.0.35", None, "this machine has no CUDA GPU"),
     ("10.14.1.48", (9, 0), "built with TensorRT 10.13.0.35, but 10.14.1.48 is installed"),
+    ("10.13.1.35", (9, 0), "built with TensorRT 10.13.0.35, but 10.13.1.35 is installed"),  # a patch release too
     ("10.13.0.35", (8, 9), "compute capability 9.0 (NVIDIA H200), but this GPU (L4) is 8.9; rebuild"),
 ])
 def test_an_engine_for_another_version_or_gpu_is_refused_with_the_fix(installed, capability, message):
     with pytest.raises(ArtifactError) as error:
         check_compatible(BUILT, installed, capability, "L4")
     assert message in str(error.value)
+
+
+def test_an_engine_for_another_gpu_of_the_same_major_generation_is_refused():
+    built_on_a10 = {**BUILT, "gpu": "NVIDIA A10", "compute_capability": "8.6"}
+    with pytest.raises(ArtifactError, match=r"compute capability 8.6 \(NVIDIA A10\), but this GPU \(L4\) is 8.9"):
+        check_compatible(built_on_a10, "10.13.0.35", (8, 9), "L4")
 
 
 def test_slot_rows_off_tensorrts_address_alignment_are_refused_before_any_allocation():
@@ -39,6 +46,10 @@ def test_slot_rows_off_tensorrts_address_alignment_are_refused_before_any_alloca
     backend = SimpleNamespace(torch=torch, dtype=torch.float16, kv_spec={"shape": ["batch", 3, 2001, 64]})
     with pytest.raises(ArtifactError, match="cache rows take 768384 bytes, not a multiple of 256.*rebuild"):
         DeviceCache(backend, rows=4)
+    # one sequence is bound at row 0 only, the buffer's own (aligned) address: such an artifact still runs one request
+    one = SimpleNamespace(torch=torch, dtype=torch.float16, stream=None, past_names=[],
+                          kv_spec={"shape": ["batch", 3, 2001, 64], "max_context": 2001})  # no layers: nothing is allocated on a GPU here
+    assert (DeviceCache(one, rows=1).rows, DeviceCache(one, rows=1).nbytes) == (1, 0)
 
 
 def test_an_address_tensorrt_refuses_stops_the_step():
@@ -73,6 +84,7 @@ def test_an_engine_whose_binding_types_differ_from_the_runtimes_is_refused_at_lo
         def get_tensor_dtype(self, name):
             return self.types[name]
 
+    assert STEP_INPUTS == ("input_ids", "position_ids", "attention_mask")  # every input a step binds from the host
     expected = {**dict.fromkeys(STEP_INPUTS, torch.int64), "past_key_values.0.key": torch.float16}
     good = {**dict.fromkeys(STEP_INPUTS, "i64"), "past_key_values.0.key": "f16", "logits": "f32"}
     check_binding_types("decode", Engine(good), trt, torch, expected)

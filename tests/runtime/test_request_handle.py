@@ -1,0 +1,93 @@
+"""runtime/request_handle.py on its own: a handle completed by hand (as the scheduler's worker completes it), its
+done-callbacks on the callback thread, and the text pieces that carry tokens. With a scheduler: test_scheduler.py."""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import pickle
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from runtime.request_handle import CallbackThread, LoggedPiece, RequestHandle
+
+
+def handle_of(callbacks: CallbackThread | None = None) -> RequestHandle:
+    scheduler = SimpleNamespace(_callbacks=callbacks or CallbackThread(), _cancel=lambda handle: None)
+    return RequestHandle(scheduler, request_id=7, prompt_token_ids=[1, 2])
+
+
+def test_waiting_on_an_unfinished_request_honours_the_timeout():
+    handle = handle_of()
+    late = threading.Timer(2.0, handle._future.set_result, ["late"])  # a wait that ignored its timeout would end here
+    late.start()
+    try:
+        with pytest.raises(concurrent.futures.TimeoutError):
+            handle.result(timeout=0.01)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            handle.exception(timeout=0.01)
+        assert not handle.done() and handle.cancelled is False
+    finally:
+        late.cancel()
+
+
+def test_callbacks_added_before_the_result_each_run_once_in_order_with_the_handle():
+    handle, ran, finished = handle_of(), [], threading.Event()
+    handle.add_done_callback(lambda h: ran.append(("first", h.id)))
+    handle.add_done_callback(lambda h: ran.append(("second", h.id)))
+    handle.add_done_callback(lambda h: finished.set())
+    handle._future.set_result("done")  # as the worker sets it
+    assert finished.wait(timeout=10)
+    assert ran == [("first", 7), ("second", 7)]
+
+
+def test_a_callback_that_raises_system_exit_does_not_stop_the_ones_after_it(caplog):
+    """SystemExit would end the callback thread with callbacks still due, and no later one would ever run."""
+    callbacks, first, later = CallbackThread(), threading.Event(), threading.Event()
+
+    def leave():
+        raise SystemExit(1)
+
+    for callback in (leave, first.set):
+        callbacks.call(callback)
+    assert first.wait(timeout=10)
+    callbacks.call(later.set)  # after the thread ended (or while it ends): a new one runs it
+    assert later.wait(timeout=10)
+    assert "done-callback raised" in caplog.text and "SystemExit" in caplog.text
+
+
+def test_a_logged_piece_keeps_its_tokens_and_whether_it_is_final_when_copied_or_pickled():
+    piece = LoggedPiece("\ufffd", [5, 6], [{5: -0.5}, {6: -1.0}], final=True)
+    for kept in (copy.copy(piece), copy.deepcopy(piece), pickle.loads(pickle.dumps(piece))):
+        assert type(kept) is LoggedPiece and kept == "\ufffd"
+        assert (kept.token_ids, kept.logprobs, kept.final) == ((5, 6), ({5: -0.5}, {6: -1.0}), True)
+    assert LoggedPiece("a", [1], [{1: 0.0}]).final is False
+
+
+def test_callbacks_queued_while_one_runs_run_after_it_on_the_same_thread():
+    callbacks, ran, second_ran = CallbackThread(), [], threading.Event()
+
+    def first():
+        second_ran.wait(timeout=0.5)  # time for a second thread, if there were one, to run the next callback now
+        ran.append(("first", threading.current_thread()))
+
+    def second():
+        ran.append(("second", threading.current_thread()))
+        second_ran.set()
+
+    callbacks.call(first)
+    callbacks.call(second)  # queued while the first runs (or is about to)
+    assert second_ran.wait(timeout=10)
+    assert [name for name, _ in ran] == ["first", "second"] and ran[0][1] is ran[1][1]
+    assert ran[0][1].name == "aotlm-callbacks"
+
+
+def test_a_callback_run_at_once_that_raises_is_logged_not_raised_into_the_caller(caplog):
+    handle = handle_of()
+    handle._future.set_result("done")
+    ran = []
+    handle.add_done_callback(lambda h: ran.append(threading.current_thread()))  # idle thread: runs here, at once
+    assert ran == [threading.current_thread()]
+    handle.add_done_callback(lambda h: {}["missing"])  # a KeyError, not only the ZeroDivisionError of other tests
+    assert "done-callback raised" in caplog.text and "KeyError: 'missing'" in caplog.text

@@ -1,0 +1,59 @@
+"""runtime/results.py: a request's timings as reported (milliseconds, rates), when a request counts as received, and
+result files written whole or not at all. Synthetic traces with binary-exact times (tests/runtime/test_metrics.py)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from runtime.errors import RequestError
+from runtime.results import Timings, received_at, write_json
+from tests.runtime.test_metrics import FIVE, trace
+
+
+def test_a_requests_summary_is_in_milliseconds_and_tokens_per_second():
+    timings = Timings(trace(**FIVE, cached_prompt_tokens=6))
+    assert timings.token_times_s == [1.0, 1.5, 1.75, 2.25, 3.0]  # since arrival (10.0)
+    assert timings.summary() == {
+        "prompt_tokens": 8, "output_tokens": 5, "ttft_ms": 1000.0, "prefill_ms": 500.0, "tpot_ms": 500.0,
+        "e2e_ms": 3000.0, "queue_ms": 250.0, "decode_tokens_per_s": 2.0,  # 1 / tpot
+        "prefill_tokens_per_s": 4.0,  # the 2 tokens computed in 0.5 s
+        "cached_prompt_tokens": 6,
+    }
+
+
+def test_a_prefill_that_took_no_time_reports_no_rate_rather_than_none():
+    instant = Timings(trace(0.0, 0.0, [0.0], finish=0.0, prefill_end=0.0))
+    assert instant.prefill_tokens_per_s == 0.0 and instant.tokens_per_s == 0.0 and instant.tpot_s == 0.0
+
+
+@pytest.mark.parametrize("arrival, now, received", [
+    (None, 7.5, 7.5), (5.0, 7.5, 5.0), (5, 7.5, 5.0),
+    (9.0, 7.5, 7.5),  # a reading from after the call (another clock): not a negative queueing time
+])
+def test_a_request_is_received_at_its_arrival_if_that_is_not_later_than_now(arrival, now, received):
+    got = received_at(arrival, now)
+    assert got == received and isinstance(got, float)
+
+
+@pytest.mark.parametrize("arrival", [math.nan, math.inf, -math.inf, "7.5", True, [7.5]])
+def test_an_arrival_that_is_not_a_finite_reading_is_refused(arrival):
+    with pytest.raises(RequestError, match=r"arrival: .* must be a finite time\.perf_counter\(\) reading"):
+        received_at(arrival, 7.5)
+
+
+def test_results_are_written_whole_into_a_new_folder_readable_by_others(tmp_path):
+    path = write_json(tmp_path / "new" / "results.json", {"rows": [1, 2], "name": "x"})
+    assert path == tmp_path / "new" / "results.json"
+    assert path.read_text() == '{\n  "rows": [\n    1,\n    2\n  ],\n  "name": "x"\n}\n'
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in path.parent.iterdir()] == ["results.json"]  # the temporary file renamed, not copied
+
+
+def test_a_payload_that_cannot_be_written_leaves_the_old_file_and_no_partial_one(tmp_path):
+    path = write_json(tmp_path / "results.json", {"run": 1})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_json(path, {"run": 2, "tokens": {1, 2}})  # a set: json.dumps refuses it
+    assert json.loads(path.read_text()) == {"run": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
