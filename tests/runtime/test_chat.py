@@ -43,6 +43,7 @@ def test_rendering_equals_transformers_apply_chat_template(template, smollm2_tem
 @pytest.mark.parametrize("messages, match", [
     ([], "non-empty list"), ("hello", "non-empty list"), ([{"role": "user"}], r"messages\[0\] must be a dict"),
     ([{"role": "user", "content": 3}], r"messages\[0\]"), ([{"role": "tool", "content": "x"}], "unknown role tool"),
+    ([{"role": 3, "content": "x"}], r"messages\[0\] must be a dict with a string 'role'"),
 ])
 def test_bad_messages_are_request_errors(messages, match):
     with pytest.raises(RequestError, match=match):
@@ -243,3 +244,29 @@ def test_cli_chat_takes_run_s_sampling_options_and_refuses_the_same_ones(chat_ar
                  "--min-p", "0.05", "--seed", "3", "--presence-penalty", "0.5", "--frequency-penalty", "0.3"]) == 0
     expected = Engine.load(artifact).chat([{"role": "user", "content": "hi"}], max_new_tokens=6, **options)
     assert capsys.readouterr().out == expected.text + "\n"
+
+
+def test_loop_controls_tojson_tools_generation_and_strftime_render_as_transformers_renders_them():
+    """What templates of Llama 3.x, Qwen and others use beyond the basics: {% break %}/{% continue %}, tojson of
+    non-ASCII text with its arguments, `tools is not none`, a {% generation %} block of several statements, and
+    strftime_now; a block tag's indentation dropped (lstrip_blocks); no bos_token given is empty, not "None"."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = ("  {% if true %}{% endif %}{{ bos_token }}{% for m in messages %}"
+                "{% if m['role'] == 'system' %}{% continue %}{% endif %}{{ m | tojson }}"
+                "{% if loop.index > 2 %}{% break %}{% endif %}\n{% endfor %}"
+                "{% if tools is not none %}TOOLS{% endif %}{{ {'b': 1, 'a': 'é<'} | tojson(indent=2) }}"
+                "{% generation %}{{ 'x' }}{% if true %}y{% endif %}{% endgeneration %}{{ strftime_now('%Y-%m-%d') }}")
+    ours = render(template, MESSAGES)
+    assert ours == render_jinja_template([MESSAGES], chat_template=template, add_generation_prompt=True)[0][0]
+    assert ours.startswith('{"role": "user", "content": "Héllo, what is 2+2?"}{"role": "assistant", "content": "4."}'
+                           '{\n  "b": 1,\n  "a": "é<"\n}xy')  # the break: no "And 3+3?"; trim_blocks: no newline
+    assert "TOOLS" not in ours
+
+
+def test_a_template_s_refusal_is_its_own_message_and_a_role_is_checked_as_text():
+    with pytest.raises(RequestError) as refused:
+        render(LLAMA3_STYLE, [{"role": "tool", "content": "x"}])
+    assert str(refused.value) == "the chat template refused these messages: unknown role tool"
+    with pytest.raises(RequestError, match=r"messages\[0\]\['role'\] is not valid Unicode at character 2"):
+        render(LLAMA3_STYLE, [{"role": "us\udcffer", "content": "x"}])

@@ -1,0 +1,177 @@
+"""compiler/cli.py: what `aotlm run`, `inspect`, `bench` and the entry point tell a user, in numbers and lines (bad
+input is tests/compiler/test_cli_inputs.py's)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+
+import pytest
+
+from compiler import cli
+from compiler.cli import _check_bench_flags, _shortened, main, parser
+from tests.compiler.test_cli_inputs import run_cli, wide_console  # noqa: F401 -- wide_console: autouse fixture
+
+
+def test_a_summary_of_exactly_the_limit_is_whole_and_a_cut_one_ends_on_a_word_not_a_comma():
+    assert _shortened("fused=2 layers=30", 17) == "fused=2 layers=30"
+    assert _shortened("fused=2 layers=30", 16) == "fused=2 …"
+    assert _shortened("a=1, b=2, c=3", 9) == "a=1 …"  # the cut "a=1, b=2," ends on its comma
+
+
+def test_inspect_checks_every_file_s_size_and_with_verify_its_sha256(capsys, tiny_artifact, tmp_path):
+    copy = shutil.copytree(tiny_artifact, tmp_path / "copy")
+    data = bytearray((copy / "tokenizer.json").read_bytes())
+    data[-2] ^= 1  # same size, other bytes
+    (copy / "tokenizer.json").write_bytes(bytes(data))
+    assert run_cli(capsys, "inspect", copy)[0] == 0  # sizes only, by default
+    status, output = run_cli(capsys, "inspect", copy, "--verify")
+    assert status == 2 and f"{copy / 'tokenizer.json'}: sha256 differs from the manifest" in output, output
+    (copy / "tokenizer.json").write_bytes(bytes(data[:-1]))
+    status, output = run_cli(capsys, "inspect", copy)
+    assert status == 2 and f"{len(data) - 1} bytes, but the manifest records {len(data)}" in output, output
+
+
+def test_run_s_max_context_note_asks_for_as_many_tokens_as_fit(capsys, tiny_artifact):
+    """The note's "ask for at most N": N tokens run to the end of the context and stop for --max-new-tokens."""
+    status, output = run_cli(capsys, "run", tiny_artifact, "--prompt", "hello", "--max-new-tokens", "500",
+                             "--ignore-eos")
+    prompt_tokens = int(re.search(r"(\d+) prompt tokens", output).group(1))
+    most = int(re.search(r"ask for at most (\d+)", output).group(1))
+    assert status == 0 and most == 128 + 1 - prompt_tokens, output
+    assert f"{prompt_tokens} prompt + {most} generated" in output, output
+    status, output = run_cli(capsys, "run", tiny_artifact, "--prompt", "hello", "--max-new-tokens", most,
+                             "--ignore-eos")
+    assert status == 0 and f"{most} output tokens (length)" in output and "note:" not in output, output
+
+
+def edited_copy(tiny_artifact, tmp_path, edit):
+    """A copy of the tiny artifact whose manifest `edit(manifest)` changed (the manifest is not among its files)."""
+    copy = shutil.copytree(tiny_artifact, tmp_path / "copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_inspect_shows_the_engines_inputs_the_prefill_path_and_each_file_in_mib(capsys, tiny_artifact, tmp_path):
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    status, output = run_cli(capsys, "inspect", tiny_artifact)
+    assert status == 0 and "prefill after cached tokens: yes" in output, output
+    for phase, engine in manifest["engines"].items():
+        inputs = engine["inputs"]
+        third = f"{inputs[2]['name']}{inputs[2]['shape']}"
+        assert f"{third} (+{len(inputs) - 3} kv)" in output, (phase, output)
+    name, record = max(manifest["files"].items(), key=lambda item: item[1]["bytes"])
+    assert record["bytes"] > 2**20 // 10  # MiB and MB differ in the second decimal
+    assert re.search(rf"{re.escape(name)}\s*│\s*{record['bytes'] / 2**20:.2f}\s*│", output), output
+
+    def without_takes_past(manifest):  # an artifact whose prefill graph takes no cache
+        del manifest["engines"]["prefill"]["takes_past"]
+    status, output = run_cli(capsys, "inspect", edited_copy(tiny_artifact, tmp_path, without_takes_past))
+    assert status == 0 and "prefill after cached tokens: no (they run through the decode graph)" in output, output
+
+
+def test_inspect_summarizes_the_decode_graph_s_quantize_report(capsys, tiny_artifact, tmp_path):
+    layers = [{"method": "rtn", "bits": 4, "block_size": 32}] * 3 + [
+        {"method": "rtn", "bits": 8, "block_size": 64, "symmetric": False}]
+    totals = {"matmuls": 4, "weight_bytes_before": 4 * 2**20, "weight_bytes_after": 2**20,
+              "mean_relative_output_error": 0.0123}
+    decode = {"layers": layers, "embedding": {"quantized": True, "bits": 8, "block_size": 64}, "totals": totals}
+
+    def quantized(report):
+        def edit(manifest):  # the prefill graph's report after the decode graph's, and quantizing nothing
+            manifest["accuracy"] = {"held_out": {
+                "text": "builtin:pydoc (last 10%)", "tokens_scored": 300, "window": 64, "stride": 32,
+                "reference_perplexity": 500.0, "perplexity": 510.0, "perplexity_increase": 0.02,
+                "top1_agreement": 0.95, "mean_kl": 0.01}}
+            manifest["passes"] += [{"name": "quantize", "phase": "decode", "seconds": 1.25, "report": report},
+                                   {"name": "quantize", "phase": "prefill", "seconds": 1.0,
+                                    "report": {"layers": [], "totals": {"matmuls": 0}}}]
+        return edit
+
+    status, output = run_cli(capsys, "inspect", edited_copy(tiny_artifact, tmp_path, quantized(decode)))
+    assert status == 0 and ("weights: 3 x rtn int4 block 32; 1 x rtn int8 block 64 asymmetric; embedding int8 block "
+                            "64; 4.0 -> 1.0 MiB\n") in output, output
+    row = next(line for line in output.splitlines() if "quantize" in line and "decode" in line)
+    assert "1.25" in row and "matmuls=4, weight_bytes_before=4194304, weight_bytes_after=1048576" in row, row
+    assert "mean_relative_output_error" not in output  # errors are the report's, in full: inspect --json
+    assert "perplexity: float 500.000 -> quantized 510.000 (+2.00%); top-1 agreement 95.00%" in output, output
+    shutil.rmtree(tmp_path / "copy")
+    status, output = run_cli(capsys, "inspect", edited_copy(tiny_artifact, tmp_path, quantized({"layers": []})))
+    assert status == 0 and "weights: none quantized\n" in output, output
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["run", "a", "--prompt", "x"], "--max-new-tokens"),
+    (["chat", "a"], "--max-new-tokens"),
+    (["serve", "a"], "--port"), (["serve", "a"], "--max-queue"), (["serve", "a"], "--shutdown-timeout"),
+    (["eval", "a", "--text", "t"], "--max-tokens"), (["compare", "a", "b", "--text", "t"], "--max-tokens"),
+    (["bench", "a"], "--requests"), (["bench", "a"], "--seed"), (["bench", "a"], "--warmup"),
+    (["bench", "a"], "--prompt-tokens"), (["bench", "a"], "--output-tokens"), (["bench", "a"], "--batch"),
+    (["bench", "a", "--phase", "prefill"], "--runs"), (["bench", "a", "--phase", "decode"], "--steps"),
+    (["bench", "a", "--phase", "decode"], "--batch"),
+])
+def test_a_flag_left_out_takes_the_default_its_help_states(argv, flag):
+    root = parser()
+    args = root.parse_args(argv)
+    if argv[0] == "bench":
+        _check_bench_flags(args)  # bench fills its defaults once it knows the kind of run
+    command = next(action for action in root._actions if action.dest == "command").choices[argv[0]]
+    action = next(action for action in command._actions if flag in action.option_strings)
+    stated = re.search(r"default:? (\d+(?:\.\d+)?)\b", action.help).group(1)
+    assert float(getattr(args, action.dest)) == float(stated), action.help
+
+
+def test_main_puts_back_the_sigterm_handler_it_found(capsys, tmp_path):
+    """main raises SIGTERM as an interrupt while it runs; a program calling it keeps its own handler after."""
+    def handler(signum, frame):
+        pass
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        assert run_cli(capsys, "inspect", tmp_path)[0] == 2
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("code, filename, said", [
+    (errno.EROFS, "/mnt/ro/out.json", "Read-only file system (/mnt/ro/out.json): write elsewhere"),
+    (errno.EACCES, "/srv/out", "Permission denied (/srv/out): check its permissions, or write elsewhere"),
+    (errno.ENOSPC, None, "No space left on device: free space there, or write elsewhere"),
+])
+def test_a_refused_write_is_one_line_naming_the_file_and_what_to_do(capsys, monkeypatch, code, filename, said):
+    def refused(args):
+        raise OSError(code, os.strerror(code), filename)
+    monkeypatch.setattr(cli, "_inspect", refused)
+    status, output = run_cli(capsys, "inspect", "artifact")
+    assert status == 2 and output == f"error: {said}\n", output
+
+
+def test_other_os_errors_are_not_taken_for_a_refused_write(monkeypatch):
+    def missing(args):
+        raise OSError(errno.ENOENT, "No such file or directory", "x")
+    monkeypatch.setattr(cli, "_inspect", missing)
+    with pytest.raises(FileNotFoundError):
+        main(["inspect", "artifact"])
+
+
+@pytest.mark.parametrize("argv, slots", [((), 8), (("--arrival", "concurrency", "--concurrency", "3"), 3),
+                                         (("--batching", "continuous", "--batching", "continuous"), 8)])
+def test_bench_serves_with_8_slots_or_one_per_client_on_every_core(capsys, tiny_artifact, tmp_path, argv, slots):
+    out = tmp_path / "b.json"
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--requests", "3", "--prompt-tokens", "8",
+                             "--output-tokens", "2", "--warmup", "0", *argv, "--out", out)
+    settings = json.loads(out.read_text())["settings"]
+    assert status == 0 and settings["slots"] == slots and settings["threads"] == os.cpu_count(), output
+    assert settings["backends"] == ["aotlm"] and settings["batching"] == ["continuous"]  # a mode given twice: once
+
+
+def test_bench_s_default_output_names_the_artifact_and_the_phase(capsys, tiny_artifact, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "decode", "--contexts", "16", "--steps", "2")
+    written = tmp_path / "benchmarks" / "results" / "bench-tiny-random-decode.json"
+    assert status == 0 and json.loads(written.read_text())["settings"]["phase"] == "decode", output

@@ -1,0 +1,106 @@
+"""compiler/cli_chat.py: `aotlm chat`'s refusals, its exit commands, its system message, and which turns of a long
+conversation it keeps (the conversation tests against the tiny chat artifact are tests/runtime/test_chat.py's)."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from compiler.cli import main
+from compiler.cli_chat import _fitting_prompt
+
+
+class Characters:
+    """An engine whose chat prompt has a token per character of the messages' contents."""
+    max_context = 100
+
+    def chat_prompt_ids(self, messages):
+        return [0] * sum(len(message["content"]) for message in messages)
+
+
+def said(role: str, length: int) -> dict:
+    return {"role": role, "content": "x" * length}
+
+
+def test_a_reply_s_room_is_max_new_tokens_but_at_most_half_the_context(capsys):
+    for max_new_tokens, fits in ((10, 90), (500, 50)):  # room 10; room 50, not 500
+        assert len(_fitting_prompt(Characters(), [], [said("user", fits)], max_new_tokens)) == fits
+        assert _fitting_prompt(Characters(), [], [said("user", fits + 1)], max_new_tokens) is None
+    assert "dropped" not in capsys.readouterr().err
+
+
+def test_the_oldest_exchange_is_dropped_whole_until_the_prompt_fits_exactly(capsys):
+    system, turns = [said("system", 10)], [said("user", 20), said("assistant", 20), said("user", 50)]
+    ids = _fitting_prompt(Characters(), system, turns, 40)  # 10 + 90 + 40 > 100; 10 + 50 + 40 = 100
+    assert len(ids) == 60 and turns == [said("user", 50)]
+    assert capsys.readouterr().err.count("dropped the oldest exchange") == 1
+    turns = [said("user", 30), said("assistant", 5), said("user", 20)]
+    assert len(_fitting_prompt(Characters(), [], turns, 50)) == 20 and turns == [said("user", 20)]  # not the reply
+
+
+def test_a_last_message_too_long_alone_leaves_the_conversation_as_it_was(capsys):
+    turns = [said("user", 10), said("assistant", 10), said("user", 61)]
+    assert _fitting_prompt(Characters(), [said("system", 0)], turns, 40) is None
+    assert len(turns) == 3 and "dropped" not in capsys.readouterr().err
+
+
+def test_chat_refuses_no_reply_room_and_a_model_without_a_chat_template(capsys, monkeypatch, tiny_artifact):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", str(tiny_artifact), "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["chat", str(tiny_artifact)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "its model has no chat template; use `aotlm run --prompt`" in " ".join(err.split())
+
+
+@pytest.mark.parametrize("command", ["/quit", "  /exit  "])
+def test_chat_s_system_message_leads_every_turn_and_an_exit_command_ends_it(chat_artifact, monkeypatch, capsys,
+                                                                             command):
+    from runtime import Engine
+
+    artifact, _ = chat_artifact
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"2+2?\n{command}\nnever read\n"))
+    assert main(["chat", str(artifact), "--system", "Hi", "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    messages = [{"role": "system", "content": "Hi"}, {"role": "user", "content": "2+2?"}]
+    engine = Engine.load(artifact)
+    reply = engine.chat(messages, max_new_tokens=4)
+    assert out == reply.text + "\n"  # one reply: the line after the command is never read
+    prompt_tokens = len(engine.chat_prompt_ids(messages))
+    assert f"0 of {prompt_tokens} prompt tokens from the cache" in " ".join(err.split()), err
+
+
+def test_a_message_the_engine_refuses_leaves_the_conversation_without_it(chat_artifact, monkeypatch, capsys):
+    from runtime import Engine, RequestError
+
+    artifact, _ = chat_artifact
+    real = Engine.chat_prompt_ids
+
+    def refusing(self, messages, *args, **kwargs):  # as a template's raise_exception refuses a message
+        if messages[-1]["content"] == "refuse me":
+            raise RequestError("the chat template refused these messages: no")
+        return real(self, messages, *args, **kwargs)
+    monkeypatch.setattr(Engine, "chat_prompt_ids", refusing)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nrefuse me\nok\n"))
+    assert main(["chat", str(artifact), "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    err = " ".join(err.split())
+    engine = Engine.load(artifact)
+    first = engine.chat([{"role": "user", "content": "hi"}], max_new_tokens=3).text
+    kept = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first},
+            {"role": "user", "content": "ok"}]
+    assert out.startswith(first + "\n") and "the chat template refused these messages: no" in err, (out, err)
+    assert err.count("TTFT") == 2 and f"of {len(engine.chat_prompt_ids(kept))} prompt tokens from the cache" in \
+        err.split("refused")[1], err
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_prompt_marker_is_shown_on_a_terminal_only(monkeypatch, capsys, terminal):
+    from compiler.cli_chat import _read_line
+
+    class Input(io.StringIO):
+        def isatty(self):
+            return terminal
+    monkeypatch.setattr("sys.stdin", Input("hi\n"))
+    assert _read_line() == "hi\n" and _read_line() is None
+    assert capsys.readouterr().err == ("> > " if terminal else "")

@@ -1,0 +1,75 @@
+"""compiler/cli_evaluate.py: the window and stride `aotlm eval` and `compare` choose and refuse (scoring itself is
+tests/runtime/test_evaluate.py's)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pytest
+
+from compiler import cli_evaluate
+from compiler.cli_evaluate import _window_and_stride, _window_shown
+from runtime.evaluate import EvaluationError
+from tests.compiler.test_cli_inputs import run_cli, wide_console  # noqa: F401 -- wide_console: autouse fixture
+
+
+def window_and_stride(max_context: int, window: int | None = None, stride: int | None = None):
+    return _window_and_stride(argparse.Namespace(window=window, stride=stride), max_context)
+
+
+def test_the_default_window_is_512_or_the_whole_context_and_the_stride_half_of_it():
+    assert window_and_stride(2048) == (512, 256)
+    assert window_and_stride(100) == (100, 50)
+    assert window_and_stride(128, window=128) == (128, 64)
+    assert window_and_stride(128, window=40, stride=40) == (40, 40)
+
+
+def test_a_window_past_the_context_or_too_short_names_only_the_flags_given():
+    with pytest.raises(EvaluationError, match=r"^--window 129 exceeds the artifact's max context \(128\)$"):
+        window_and_stride(128, window=129)
+    with pytest.raises(EvaluationError) as refused:
+        window_and_stride(128, window=1)
+    assert str(refused.value).startswith("--window 1: ") and "--stride" not in str(refused.value)
+
+
+def test_compare_fits_the_window_to_the_smaller_context_of_the_two(capsys, tiny_artifact, tmp_path):
+    smaller = shutil.copytree(tiny_artifact, tmp_path / "smaller")
+    manifest = json.loads((smaller / "manifest.json").read_text())
+    manifest["kv_cache"]["max_context"] = manifest["kv_cache"]["shape"][2] = 64
+    (smaller / "manifest.json").write_text(json.dumps(manifest))
+    for pair in ((tiny_artifact, smaller), (smaller, tiny_artifact)):
+        status, output = run_cli(capsys, "compare", *pair, "--text", "builtin:pydoc-held-out", "--window", "100")
+        assert status == 2 and "--window 100 exceeds the artifact's max context (64)" in output, output
+
+
+def test_the_window_shown_is_the_text_s_length_when_that_is_shorter():
+    assert _window_shown(40, 40) == "40"
+    assert _window_shown(40, 30) == "30 (all of them; --window 40)"
+
+
+class Scored:
+    """An evaluation result with distinct numbers for each field `eval` and `compare` print and write."""
+    tokens_scored, windows, perplexity, mean_nll, reference_perplexity, reference_mean_nll = 49, 3, 12.5, 2.5, 10.0, 2.3
+    top1_agreement, mean_kl = 0.875, 0.0123
+
+    def to_dict(self):
+        return {"tokens_scored": self.tokens_scored, "perplexity": self.perplexity}
+
+
+def test_eval_and_compare_write_each_artifact_s_numbers_under_its_name(capsys, monkeypatch, tiny_artifact, tmp_path):
+    monkeypatch.setattr(cli_evaluate, "_score", lambda *args: Scored())
+    copy = shutil.copytree(tiny_artifact, tmp_path / "copy")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 8)
+    argv = ("--text", text, "--max-tokens", "50", "--window", "32")
+    status, output = run_cli(capsys, "compare", tiny_artifact, copy, *argv, "--json", tmp_path / "compare.json")
+    written = json.loads((tmp_path / "compare.json").read_text())
+    assert status == 0 and "87.50%" in output and "0.012300" in output, output
+    assert (written["window"], written["stride"], written["tokens"], written["tokens_scored"]) == (32, 16, 50, 49)
+    assert (written["reference"]["perplexity"], written["reference"]["mean_nll"]) == (10.0, 2.3)
+    assert (written["candidate"]["perplexity"], written["candidate"]["mean_nll"]) == (12.5, 2.5)
+    assert (written["top1_agreement"], written["mean_kl_nats"]) == (0.875, 0.0123)
+    status, output = run_cli(capsys, "eval", copy, *argv, "--json", tmp_path / "eval.json")
+    alone = json.loads((tmp_path / "eval.json").read_text())
+    assert status == 0 and alone["tokens"] == 50 and alone["tokens_sha256"] == written["tokens_sha256"], output

@@ -1,0 +1,72 @@
+"""compiler/cli_serve.py: `aotlm serve`'s refusals before it loads anything, and the options it hands the engine,
+its scheduler and the HTTP server (serving itself, and the graceful stop, are tests/runtime/test_server.py's)."""
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from compiler import cli_serve
+from compiler.cli import main
+from runtime import Engine
+
+
+class TakenPort:
+    """runtime.server.ApiServer on a port another process holds: records what it was given, then refuses."""
+    given: dict = {}
+
+    def __init__(self, engine, host, port, **keywords):
+        scheduler = engine.scheduler
+        TakenPort.given = dict(engine=engine, host=host, port=port, slots=scheduler.slots,
+                               max_queue=scheduler.max_queue, prefill_chunk=scheduler.prefill_chunk, **keywords)
+        raise OSError(errno.EADDRINUSE, "Address already in use")
+
+
+def test_serve_hands_on_its_options_and_closes_the_engine_when_it_cannot_listen(capsys, monkeypatch, tiny_artifact):
+    monkeypatch.setattr("runtime.server.ApiServer", TakenPort)
+    monkeypatch.setenv("AOTLM_API_KEY", "from-the-environment")
+    assert main(["serve", str(tiny_artifact), "--port", "65535", "--slots", "2", "--max-queue", "7",
+                 "--prefill-chunk", "16", "--prefix-caching", "--model-name", "m", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "cannot listen on 127.0.0.1:65535: Address already in use; choose another --port" in err, err
+    given = TakenPort.given
+    assert {key: given[key] for key in ("host", "port", "slots", "max_queue", "prefill_chunk", "model_name",
+                                        "api_key", "log")} == {
+        "host": "127.0.0.1", "port": 65535, "slots": 2, "max_queue": 7, "prefill_chunk": 16, "model_name": "m",
+        "api_key": "from-the-environment", "log": None}
+    assert given["engine"].prefix_caching is True and given["engine"].scheduler is None  # closed
+    assert main(["serve", str(tiny_artifact), "--host", "::1", "--port", "0", "--api-key", "given"]) == 2
+    given = TakenPort.given
+    assert (given["host"], given["port"], given["slots"], given["max_queue"], given["prefill_chunk"]) == (
+        "::1", 0, 8, 256, None)
+    assert given["api_key"] == "given" and given["log"] is cli_serve._log_line and given["model_name"] is None
+    assert given["engine"].prefix_caching is False
+
+
+@pytest.mark.parametrize("argv, environment, message", [
+    (["--model-name", "  "], None, "--model-name: give a non-empty name"),
+    (["--api-key", ""], None, "--api-key / AOTLM_API_KEY: empty; give a key"),
+    ([], " ", "--api-key / AOTLM_API_KEY: empty; give a key"),
+])
+def test_serve_refuses_an_empty_name_or_key_before_loading(capsys, monkeypatch, tmp_path, argv, environment,
+                                                           message):
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded"))
+    if environment is None:
+        monkeypatch.delenv("AOTLM_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("AOTLM_API_KEY", environment)
+    assert main(["serve", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_takes_ports_0_to_65535_and_finite_shutdown_timeouts_from_0(capsys):
+    assert [cli_serve.port_number(text) for text in ("0", "65535")] == [0, 65535]
+    assert [cli_serve.seconds(text) for text in ("0", "2.5")] == [0.0, 2.5]
+    for flag, value, said in (("--port", "65536", "invalid port_number value: '65536'"),
+                              ("--port", "-1", "-1 is negative; give 0 or more"),
+                              ("--shutdown-timeout", "-1", "invalid seconds value: '-1'"),
+                              ("--shutdown-timeout", "inf", "invalid seconds value: 'inf'"),
+                              ("--shutdown-timeout", "nan", "invalid seconds value: 'nan'")):
+        with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error
+            main(["serve", "artifact", flag, value])
+        assert exit_info.value.code == 2 and f"argument {flag}: {said}" in capsys.readouterr().err
