@@ -20,6 +20,8 @@ from compiler.frontend.random_init import check_state_dict
 
 # transformers' attention_bias default per model type: Qwen2 has q/k/v biases and no config key for them.
 ATTENTION_BIAS_DEFAULT = {"llama": False, "mistral": False, "qwen2": True}
+# transformers' config defaults when config.json has no max_position_embeddings (LlamaConfig, MistralConfig, Qwen2Config)
+MAX_POSITIONS_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
 
 
 def load_hf_folder(path: str) -> LoadedModel:
@@ -149,7 +151,7 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             rope_theta=theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # 1e-6: transformers' default for all three
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
+            max_position_embeddings=int(hf.get("max_position_embeddings") or MAX_POSITIONS_DEFAULT[model_type]),
             attention_bias=bool(hf.get("attention_bias", ATTENTION_BIAS_DEFAULT[model_type])),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf.get("eos_token_id"), generation.get("eos_token_id")),

@@ -977,6 +977,18 @@ def test_hf_config_keys_that_decide_the_model_when_left_out_or_given_twice(tmp_p
         load_hf_folder(str(tmp_path / "headless"))
 
 
+@pytest.mark.parametrize("model_type, positions", [("llama", 2048), ("mistral", 131072), ("qwen2", 32768)])
+def test_a_missing_max_position_embeddings_takes_transformers_default_for_the_architecture(model_type, positions):
+    """The context bound the build checks against: Mistral's 131072 must not read as Llama's 2048."""
+    from compiler.frontend.hf_loader import decoder_config_from_hf
+
+    hf = {"model_type": model_type, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert decoder_config_from_hf(hf, {}, "config.json").max_position_embeddings == positions
+    hf["max_position_embeddings"] = 512  # given: taken as it is
+    assert decoder_config_from_hf(hf, {}, "config.json").max_position_embeddings == 512
+
+
 def test_special_token_text_without_a_chat_template_is_not_kept(tmp_path):
     original = random_model(TINY, seed=1)
     write_hf_folder(tmp_path / "m", TINY, original.state_dict)
