@@ -25,6 +25,18 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "tiny-random.yaml"
 
 
+def edited_copy(artifact: Path, tmp_path: Path, edit, name: str = "copy") -> Path:
+    """A copy of an artifact whose manifest `edit(manifest)` changed in place (the manifest is not among its files)."""
+    import json
+    import shutil
+
+    copy = shutil.copytree(artifact, tmp_path / name)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
 @pytest.fixture(scope="session")
 def tiny_recipe():
     from compiler.recipe import load_recipe

@@ -38,7 +38,8 @@ def load_hf_folder(path: str) -> LoadedModel:
     # The config first: an unsupported architecture is the more useful message than missing weights.
     hf_config = _read_json(config_path)
     generation_path = os.path.join(folder, "generation_config.json")
-    generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+    has_generation = os.path.isfile(generation_path)
+    generation = _read_json(generation_path) if has_generation else {}
     config = decoder_config_from_hf(hf_config, generation, config_path)
     for token_id in ([config.bos_token_id] if config.bos_token_id is not None else []) + list(config.eos_token_ids):
         if not 0 <= token_id < config.vocab_size:  # an end token the model can never produce: it would never stop
@@ -59,7 +60,7 @@ def load_hf_folder(path: str) -> LoadedModel:
     if os.path.isfile(tokenizer_path):
         tokenizer_json = _read_tokenizer(tokenizer_path)
     chat_template, template_path, template_tokens = _chat_template(folder)
-    files = [config_path, *([generation_path] if os.path.isfile(generation_path) else []), *weight_paths] + (
+    files = [config_path, *([generation_path] if has_generation else []), *weight_paths] + (
         [tokenizer_path] if tokenizer_json is not None else []) + ([template_path] if template_path else [])
     return LoadedModel(
         config=config,

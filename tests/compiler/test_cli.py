@@ -14,6 +14,7 @@ import pytest
 from compiler import cli
 from compiler.cli import _check_bench_flags, _shortened, main, parser
 from tests.compiler.test_cli_inputs import run_cli, wide_console  # noqa: F401 -- wide_console: autouse fixture
+from tests.conftest import edited_copy
 
 
 def test_a_summary_of_exactly_the_limit_is_whole_and_a_cut_one_ends_on_a_word_not_a_comma():
@@ -46,15 +47,6 @@ def test_run_s_max_context_note_asks_for_as_many_tokens_as_fit(capsys, tiny_arti
     status, output = run_cli(capsys, "run", tiny_artifact, "--prompt", "hello", "--max-new-tokens", most,
                              "--ignore-eos")
     assert status == 0 and f"{most} output tokens (length)" in output and "note:" not in output, output
-
-
-def edited_copy(tiny_artifact, tmp_path, edit):
-    """A copy of the tiny artifact whose manifest `edit(manifest)` changed (the manifest is not among its files)."""
-    copy = shutil.copytree(tiny_artifact, tmp_path / "copy")
-    manifest = json.loads((copy / "manifest.json").read_text())
-    edit(manifest)
-    (copy / "manifest.json").write_text(json.dumps(manifest))
-    return copy
 
 
 def test_inspect_shows_the_engines_inputs_the_prefill_path_and_each_file_in_mib(capsys, tiny_artifact, tmp_path):

@@ -12,6 +12,7 @@ from compiler import cli_evaluate
 from compiler.cli_evaluate import _window_and_stride, _window_shown
 from runtime.evaluate import EvaluationError
 from tests.compiler.test_cli_inputs import run_cli, wide_console  # noqa: F401 -- wide_console: autouse fixture
+from tests.conftest import edited_copy
 
 
 def window_and_stride(max_context: int, window: int | None = None, stride: int | None = None):
@@ -34,10 +35,10 @@ def test_a_window_past_the_context_or_too_short_names_only_the_flags_given():
 
 
 def test_compare_fits_the_window_to_the_smaller_context_of_the_two(capsys, tiny_artifact, tmp_path):
-    smaller = shutil.copytree(tiny_artifact, tmp_path / "smaller")
-    manifest = json.loads((smaller / "manifest.json").read_text())
-    manifest["kv_cache"]["max_context"] = manifest["kv_cache"]["shape"][2] = 64
-    (smaller / "manifest.json").write_text(json.dumps(manifest))
+    def shorter_context(manifest):
+        manifest["kv_cache"]["max_context"] = manifest["kv_cache"]["shape"][2] = 64
+
+    smaller = edited_copy(tiny_artifact, tmp_path, shorter_context, name="smaller")
     for pair in ((tiny_artifact, smaller), (smaller, tiny_artifact)):
         status, output = run_cli(capsys, "compare", *pair, "--text", "builtin:pydoc-held-out", "--window", "100")
         assert status == 2 and "--window 100 exceeds the artifact's max context (64)" in output, output
