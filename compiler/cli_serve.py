@@ -51,8 +51,8 @@ def add_serve_parser(commands) -> None:
                             "samples of one prompt) prefills only the rest")
     serve.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads")
     serve.add_argument("--api-key", default=None,
-                       help="ask /v1 requests for 'Authorization: Bearer KEY' (default: $AOTLM_API_KEY, which keeps "
-                            "the key out of the process list; unset: no key)")
+                       help="ask /v1 and tokenizer requests for 'Authorization: Bearer KEY' (default: $AOTLM_API_KEY, "
+                            "which keeps the key out of the process list; unset: no key)")
     serve.add_argument("--shutdown-timeout", type=seconds, default=25.0,
                        help="on Ctrl-C or SIGTERM, seconds the requests under way may take to finish before they are "
                             "stopped (default 25, inside Kubernetes' 30 s grace before its SIGKILL; 0: at once)")

@@ -53,7 +53,7 @@ ORDER_RULES = (
      "dequantize_weights rewrites the MatMulNBits that quantize emits; list it after quantize"),
     ("skip_unused_rows", "dequantize_weights", False,
      "skip_unused_rows moves products by constant weights, and dequantize_weights computes theirs; list "
-     "dequantize_weights after skip_unused_rows (last)"),
+     "dequantize_weights after skip_unused_rows"),
     ("slice_packed_weights", "dequantize_weights", False,
      "after dequantize_weights it would cut the packed float weights folded at load, whose freed blocks stay in the "
      "heap (the INT4 engine held 1195 MB, not 733); list slice_packed_weights before dequantize_weights, which then "
@@ -68,7 +68,7 @@ ORDER_RULES = (
      "slice_packed_weights after quantize (it then cuts the quantized codes)"),
     ("quantize", "skip_unused_rows", False,
      "its calibration must see every row of the last layer, which skip_unused_rows drops from the prefill graph; "
-     "list skip_unused_rows after quantize (last)"),
+     "list skip_unused_rows after quantize"),
 )
 
 

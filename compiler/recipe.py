@@ -72,7 +72,7 @@ class TensorRTSpec:
     prefill_opt_tokens: int = field(default=512, metadata={"min": 1})  # the prompt length kernels are tuned for
     decode_max_tokens: int = field(default=1, metadata={"min": 1})  # tokens per decode step (> 1: chunked prefill)
     timing_cache: str = "tensorrt-timing.cache"  # beside the artifacts (relative to the output folder)
-    cuda_graphs: bool = True  # the runtime replays decode steps as CUDA graphs, one per batch size
+    cuda_graphs: bool = True  # the runtime replays decode steps as CUDA graphs, one per range of slots a step runs
 
 
 @dataclass(frozen=True)
