@@ -78,10 +78,13 @@ def _shortened(text: str, limit: int = INSPECT_SUMMARY_CHARACTERS) -> str:
 def _run(args) -> None:
     from runtime import Engine
     from runtime.engine import SINGLE_STREAM_SPIN
+    from runtime.manifest import read_manifest
 
     sampling = sampling_options(args)  # flags greedy decoding would ignore are refused before loading
     if args.system and args.chat is None:
         raise UsageError("--system goes with --chat (a system message for the chat template)")
+    if args.chat is not None and not read_manifest(args.artifact)["tokenizer"].get("chat_template"):
+        raise UsageError(f"{args.artifact}: its model has no chat template; use --prompt for plain text")
 
     # One request: rebuilding the weights on huge pages (seconds) would cost more than its faster steps save. Its
     # decode session keeps spinning between steps (no scheduler alternates it with prefills here): single-stream

@@ -32,16 +32,17 @@ def add_chat_parser(commands) -> None:
 def chat_command(args) -> None:
     from runtime import Engine, RequestError
     from runtime.engine import SINGLE_STREAM_SPIN
+    from runtime.manifest import read_manifest
     from runtime.sampling import SamplingParams
     from runtime.tokenizer import check_unicode
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = sampling_options(args)  # flags greedy decoding would ignore: refused before loading
+    if not read_manifest(args.artifact)["tokenizer"].get("chat_template"):  # before loading seconds of weights
+        raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
                          spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True)
-    if not engine.manifest["tokenizer"].get("chat_template"):
-        raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
     sampling = SamplingParams(**options)  # bad values: now, once
     system = [{"role": "system", "content": args.system}] if args.system else []
     turns: list[dict] = []  # user and assistant messages, oldest first

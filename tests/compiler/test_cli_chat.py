@@ -48,9 +48,16 @@ def test_chat_refuses_no_reply_room_and_a_model_without_a_chat_template(capsys, 
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
     assert main(["chat", str(tiny_artifact), "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+    def load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the manifest said there is no chat template")
+    monkeypatch.setattr("runtime.Engine.load", load)
     assert main(["chat", str(tiny_artifact)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "its model has no chat template; use `aotlm run --prompt`" in " ".join(err.split())
+    assert main(["run", str(tiny_artifact), "--chat", "hi"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "its model has no chat template; use --prompt for plain text" in " ".join(err.split())
 
 
 @pytest.mark.parametrize("command", ["/quit", "  /exit  "])
