@@ -51,6 +51,9 @@ NOT_SUPPORTED = {  # field -> why it is refused, said after "{field}: "
     "suffix": "insertion (suffix) is not supported by this server",
 }
 HARMLESS = {"best_of": 1}  # values of refused fields that ask for what the server does anyway
+# Fields of one endpoint sent to the other, and the field meant there: difflib ties max_completion_tokens with
+# max_tokens and min_tokens (the opposite), and picks min_tokens.
+SAME_FIELD = {"max_completion_tokens": "max_tokens"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
@@ -131,7 +134,8 @@ def request_fields(body, known: set[str], model_name: str, refused: dict[str, st
                                     and fields[name] == HARMLESS[name]):
             raise ApiError(f"{name}: {refused[name]}", param=name)
         if name not in known and name not in refused:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
+            close = ([SAME_FIELD[name]] if SAME_FIELD.get(name) in known
+                     else difflib.get_close_matches(name, sorted(known), n=1))
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ApiError(f"unrecognized request field {name!r}{hint}", param=name)
     model = fields.get("model")
@@ -234,11 +238,11 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
     max_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"  # as the client sent it
     max_tokens = fields.get(max_name)
     room = engine.max_context + 1 - len(prompt_ids)  # the last token is never fed back
+    if room < 1:  # the prompt does not fit, whatever max_tokens asks for: no max_tokens would fix it
+        prompt_field = "messages" if chat else "prompt"
+        raise ApiError(f"{prompt_field}: the prompt has {len(prompt_ids)} tokens and this model's context is "
+                       f"{engine.max_context}: no token can follow it; shorten the prompt", param=prompt_field)
     if max_tokens is None:
-        if room < 1:  # nothing was asked for: it is the prompt that does not fit
-            prompt_field = "messages" if chat else "prompt"
-            raise ApiError(f"{prompt_field}: the prompt has {len(prompt_ids)} tokens and this model's context is "
-                           f"{engine.max_context}: no token can follow it; shorten the prompt", param=prompt_field)
         # chat: what the context leaves; completions: OpenAI's 16, or what the context leaves when less
         max_tokens = room if chat else min(COMPLETION_MAX_TOKENS, room)
     options["max_new_tokens"] = max_tokens
@@ -251,7 +255,7 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         raise _api_error(error, chat, max_name=max_name) from None
     if params.max_new_tokens > room:
         raise ApiError(f"{max_name}: the prompt has {len(prompt_ids)} tokens and this model's context is "
-                       f"{engine.max_context}: at most {max(room, 0)} tokens can follow it, {params.max_new_tokens} "
+                       f"{engine.max_context}: at most {room} tokens can follow it, {params.max_new_tokens} "
                        f"were asked for", param=max_name)
     try:  # what submit would refuse (stop ids or logit_bias outside the vocabulary...), before any choice runs
         engine._check_request(prompt_ids, params)

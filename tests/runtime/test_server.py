@@ -402,6 +402,13 @@ def test_max_token_errors_name_the_field_the_client_sent_or_the_prompt(chat_serv
     assert "no token can follow it; shorten the prompt" in body["error"]["message"]
     status, _, body = post(chat_served, "/v1/completions", {"prompt": [5] * (engine.max_context + 1)})
     assert status == 400 and body["error"]["param"] == "prompt" and "no token can follow" in body["error"]["message"]
+    # Sent with a max_tokens, such a prompt was blamed on it ("max_tokens: ... at most 0 tokens can follow it, 1 were
+    # asked for"), and no max_tokens could fix it
+    for path, body in (("/v1/completions", {"prompt": [5] * (engine.max_context + 1), "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": long, "max_completion_tokens": 1})):
+        status, _, answer = post(chat_served, path, body)
+        assert status == 400 and answer["error"]["param"] == ("messages" if "messages" in body else "prompt")
+        assert "no token can follow it; shorten the prompt" in answer["error"]["message"]
 
 
 def test_a_completion_without_max_tokens_takes_16_or_what_the_context_leaves(chat_served):
@@ -500,6 +507,9 @@ def test_chat_on_a_model_without_a_template_says_so(served):
 
 @pytest.mark.parametrize("path, body, status, param, message", [
     ("/v1/completions", {"prompt": "x", "max_tokns": 3}, 400, "max_tokns", "did you mean max_tokens?"),
+    # the chat API's name, sent to completions: difflib scores min_tokens as close as max_tokens, and picked it
+    ("/v1/completions", {"prompt": "x", "max_completion_tokens": 3}, 400, "max_completion_tokens",
+     "did you mean max_tokens?"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of", "best_of: above 1 is not supported"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 4}, 400, "min_tokens",
      "min_tokens: 4 must be an integer from 0 to the most new tokens asked for (2)"),
