@@ -157,9 +157,10 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
             graphs = {phase: load_traced(path, loaded.config) if spill_dir is None else
                       spill_graph(load_traced(path, loaded.config), spill_dir / phase) for phase, path in paths.items()}
         graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say, consume=True,
-                                            spill_dir=spill_dir)
+                                            spill_dir=spill_dir, numbered=(0, len(passes)))
     float_decode = graphs["decode"] if report_accuracy else None
-    graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say, consume=True)
+    graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say, consume=True,
+                                        numbered=(first_quantize, len(passes)))
     pass_results += more_results
     kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, cache_dtype(graphs, recipe.export.dtype))
 

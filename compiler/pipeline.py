@@ -91,6 +91,7 @@ def run_pipeline(
     progress: Callable[[str], None] | None = None,
     consume: bool = False,
     spill_dir: str | os.PathLike | None = None,
+    numbered: tuple[int, int] | None = None,
 ) -> tuple[dict[str, onnx.ModelProto], list[PassResult]]:
     """Runs each pass (anything with `.name` and `.options`) over every phase; returns the graphs and one result
     per (pass, phase), pass by pass, each pass's in the graphs' order. Raises BuildError when a pass is unknown or its
@@ -104,7 +105,9 @@ def run_pipeline(
     spilled already (the path spill_graph returned); the returned graphs are all in memory. A phase a pass wants first
     (runs_first_on) runs all its passes first. Only for passes that share nothing between phases: they see the same
     graphs either way, but a pass that keeps state from one phase for the next (quantize_kv_cache's calibration)
-    would see the phases in another order."""
+    would see the phases in another order.
+    numbered=(passes before these, passes in all): what the progress lines' "[i/n]" count, for a caller that runs
+    a recipe's passes in more than one call (the build: before and from the first quantizing pass)."""
     if spill_dir is not None and not consume:
         raise TypeError("run_pipeline(spill_dir=...) replaces the graphs as it goes: pass consume=True")
     say = progress or (lambda line: None)
@@ -118,12 +121,13 @@ def run_pipeline(
         os.makedirs(dump_dir, exist_ok=True)
 
     options = [_options_for(spec, entry) for spec, entry in entries]
+    numbered = numbered or (0, len(entries))
     ran: dict[tuple[int, str], PassResult] = {}
     if spill_dir is None or len(graphs) < 2:
         for index, (spec, entry) in enumerate(entries):
             for phase in _first_on(graphs, entry.runs_first_on):
                 graphs[phase], ran[index, phase] = _run_pass(index, entries, options, phase, _unspilled(graphs[phase]),
-                                                             check, dump_dir, say)
+                                                             check, dump_dir, say, numbered)
     else:
         # Phase by phase: each graph is read back once, runs every pass, and goes back to disk while the next runs.
         # A phase a pass wants first (runs_first_on) runs all its passes first.
@@ -135,7 +139,8 @@ def run_pipeline(
         for phase in order:
             model = _unspilled(graphs[phase])
             for index in range(len(entries)):
-                model, ran[index, phase] = _run_pass(index, entries, options, phase, model, check, dump_dir, say)
+                model, ran[index, phase] = _run_pass(index, entries, options, phase, model, check, dump_dir, say,
+                                                     numbered)
                 graphs[phase] = model  # consume: as far as it got, should a later pass fail
             if phase != order[-1]:
                 graphs[phase] = spill_graph(model, Path(spill_dir) / phase)
@@ -152,7 +157,7 @@ def _first_on(graphs: Mapping, first: tuple[str, ...]) -> list[str]:
 
 
 def _run_pass(index: int, entries: list, options: list, phase: str, model: onnx.ModelProto, check: bool,
-              dump_dir: str | None, say) -> tuple[onnx.ModelProto, PassResult]:
+              dump_dir: str | None, say, numbered: tuple[int, int]) -> tuple[onnx.ModelProto, PassResult]:
     """Pass `index` on one phase's graph: the new graph (or `model`, where the pass does not run on this phase) and
     its result."""
     spec, entry = entries[index]
@@ -160,7 +165,7 @@ def _run_pass(index: int, entries: list, options: list, phase: str, model: onnx.
     if phases is not None and phase not in phases:
         return model, PassResult(spec.name, phase, 0.0, {"applied": False, "reason": (
             f"runs on {', '.join(phases)} only (its phases option)")}, len(model.graph.node), len(model.graph.node))
-    say(f"[{index + 1}/{len(entries)}] {spec.name} ({phase})")
+    say(f"[{numbered[0] + index + 1}/{numbered[1]}] {spec.name} ({phase})")
     started = time.perf_counter()
     try:
         new_model, report = entry.run(model, options[index])

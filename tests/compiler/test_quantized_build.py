@@ -44,6 +44,16 @@ def test_long_steps_report_progress(quantized_artifact):
         assert any(message.startswith(expected) for message in BUILD_MESSAGES), (expected, BUILD_MESSAGES)
 
 
+def test_pass_progress_counts_the_recipes_passes_across_the_quantize_split(quantized_artifact, tiny_recipe):
+    """The build runs the passes before the first quantizing one and the rest in two calls: the second's lines
+    counted from 1 again ("[6/6] pack_projections", then "[1/2] quantize")."""
+    names = [spec.name for spec in quantized_recipe(tiny_recipe).passes]
+    started = [message for message in BUILD_MESSAGES if message.startswith("[")]
+    expected = {f"[{index + 1}/{len(names)}] {name} ({phase})" for index, name in enumerate(names)
+                for phase in ("prefill", "decode")}
+    assert set(started) == expected, sorted(set(started) ^ expected)
+
+
 def test_manifest_reports_calibration_sizes_and_held_out_accuracy(quantized_artifact, tiny_artifact):
     manifest = json.loads((quantized_artifact / "manifest.json").read_text())
     report = next(p["report"] for p in manifest["passes"] if p["name"] == "quantize" and p["phase"] == "decode")
