@@ -160,7 +160,7 @@ class Engine:
         if intra_op_threads is not None and intra_op_threads > cores:  # they only contend; thousands hang
             raise RequestError(f"intra_op_threads: {intra_op_threads} is more than the {cores} cores this machine has; "
                                f"give at most {cores}, or 0 for onnxruntime's default")
-        for name, flag in (("huge_pages", huge_pages), ("prefix_caching", prefix_caching)):
+        for name, flag in (("verify", verify), ("huge_pages", huge_pages), ("prefix_caching", prefix_caching)):
             if not isinstance(flag, bool):
                 raise RequestError(f"{name} must be True or False, got {flag!r}")
         if not (isinstance(spin_after_run, bool) or isinstance(spin_after_run, (list, tuple, set, frozenset))

@@ -111,6 +111,8 @@ def test_engine_load_arguments_are_checked_first(artifact, threads, message):
 def test_engine_load_flags_are_type_checked():
     with pytest.raises(RequestError, match="huge_pages must be True or False, got 'no'"):
         Engine.load("x", huge_pages="no")  # a non-empty string would have read as True
+    with pytest.raises(RequestError, match="verify must be True or False, got 'false'"):
+        Engine.load("x", verify="false")  # hashed every file, as verify=True does
     for value in ("no", "decode", 1, [1]):  # a bare phase name too: a list says which phases
         with pytest.raises(RequestError, match=r"spin_after_run must be True, False or a list of phases"):
             Engine.load("x", spin_after_run=value)
