@@ -81,6 +81,8 @@ def _run(args) -> None:
     from runtime.manifest import read_manifest
 
     sampling = sampling_options(args)  # flags greedy decoding would ignore are refused before loading
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.system and args.chat is None:
         raise UsageError("--system goes with --chat (a system message for the chat template)")
     if args.chat is not None and not read_manifest(args.artifact)["tokenizer"].get("chat_template"):
@@ -120,11 +122,12 @@ def _run(args) -> None:
                   f"{1e3 * timings.e2e_s:.1f}")
     console.print(table)
     if generation.result.finish_reason == "max_context":  # the batch-1 path runs to the cache's end, not refusing
-        console.print(f"[yellow]note:[/yellow] stopped at the artifact's max context ({engine.max_context} tokens: "
-                      f"{timings.prompt_tokens} prompt + {len(generation.result.token_ids)} generated) before "
-                      f"--max-new-tokens {args.max_new_tokens}; ask for at most "
-                      f"{engine.max_context + 1 - timings.prompt_tokens}, shorten the prompt, or rebuild with a "
-                      f"larger export.max_context", highlight=False)
+        # prompt + generated is one more than the cache holds: the last token is sampled, never fed back
+        console.print(f"[yellow]note:[/yellow] stopped at the artifact's max context of {engine.max_context} tokens, "
+                      f"where a {timings.prompt_tokens}-token prompt leaves room for "
+                      f"{len(generation.result.token_ids)} new tokens, before --max-new-tokens "
+                      f"{args.max_new_tokens}; ask for at most {engine.max_context + 1 - timings.prompt_tokens}, "
+                      f"shorten the prompt, or rebuild with a larger export.max_context", highlight=False)
 
 
 def _inspect(args) -> None:

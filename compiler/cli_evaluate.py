@@ -89,13 +89,16 @@ def _warn_if_not_the_report_text(args, artifact: _ArtifactInfo, token_ids: list[
                   f"compare this perplexity with the report's only when both come from the same text", highlight=False)
 
 
-def _window_and_stride(args, max_context: int) -> tuple[int, int]:
-    """--window (default 512, at most the max context) and --stride (default window / 2), checked."""
+def _window_and_stride(args, artifacts: list[_ArtifactInfo]) -> tuple[int, int]:
+    """--window (default 512, at most the smallest max context of `artifacts`) and --stride (default window / 2),
+    checked."""
     from runtime.evaluate import EvaluationError, window_spans
 
+    max_context = min(artifact.max_context for artifact in artifacts)
     window = min(512, max_context) if args.window is None else args.window
     if window > max_context:
-        raise EvaluationError(f"--window {window} exceeds the artifact's max context ({max_context})")
+        limiting = next(artifact for artifact in artifacts if artifact.max_context == max_context)
+        raise EvaluationError(f"--window {window} exceeds the max context of {limiting.path} ({max_context})")
     stride = max(1, window // 2) if args.stride is None else args.stride
     try:
         window_spans(0, window, stride)  # checks window >= 2 and 1 <= stride <= window
@@ -137,17 +140,23 @@ def _window_shown(window: int, tokens: int) -> str:
     return str(window) if tokens >= window else f"{tokens} (all of them; --window {window})"
 
 
+def _stride_shown(window: int, stride: int, tokens: int) -> str:
+    """The stride, or "-" where the text is one window and no window follows it."""
+    return str(stride) if tokens > window else "- (one window)"
+
+
 def eval_command(args) -> None:
     check_output_file(args.json, "--json")
     artifact = _ArtifactInfo(args.artifact)
-    window, stride = _window_and_stride(args, artifact.max_context)
+    window, stride = _window_and_stride(args, [artifact])
     token_ids = _evaluation_tokens(args, [artifact])
     result = _score(args, artifact, None, token_ids, window, stride)
     table = Table(title=f"perplexity on {escape(args.text)} ({len(token_ids)} tokens, no BOS)")
     for column in ("artifact", "MiB", "tokens scored", "window", "stride", "perplexity"):
         table.add_column(column, justify="left" if column == "artifact" else "right")
     table.add_row(escape(artifact.name), f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored),
-                  _window_shown(window, len(token_ids)), str(stride), f"{result.perplexity:.4f}")
+                  _window_shown(window, len(token_ids)), _stride_shown(window, stride, len(token_ids)),
+                  f"{result.perplexity:.4f}")
     console.print(table)
     from runtime.evaluate import tokens_fingerprint
 
@@ -169,11 +178,12 @@ def compare_command(args) -> None:
     if vocabularies[0] != vocabularies[1]:  # from the manifests, before either model loads and scoring starts
         raise EvaluationError(f"{args.reference} scores {vocabularies[0]} vocabulary entries and {args.candidate} "
                               f"{vocabularies[1]}; top-1 agreement and KL need the same vocabulary")
-    window, stride = _window_and_stride(args, min(reference.max_context, candidate.max_context))
+    window, stride = _window_and_stride(args, [reference, candidate])
     token_ids = _evaluation_tokens(args, [reference, candidate])  # the same tokenizer (checked above)
     result = _score(args, candidate, reference, token_ids, window, stride)
     table = Table(title=f"{escape(args.text)}: {result.tokens_scored} tokens scored, window "
-                        f"{_window_shown(window, len(token_ids))}, stride {stride}; "
+                        f"{_window_shown(window, len(token_ids))}, "
+                        f"stride {_stride_shown(window, stride, len(token_ids))}; "
                         f"B against A (KL(A || B), nats per token)")
     for column in ("", "artifact", "MiB", "perplexity", "top-1 agreement", "mean KL"):
         table.add_column(column, justify="left" if column in ("", "artifact") else "right")

@@ -9,14 +9,15 @@ import shutil
 import pytest
 
 from compiler import cli_evaluate
-from compiler.cli_evaluate import _window_and_stride, _window_shown
+from compiler.cli_evaluate import _window_and_stride, _window_shown, _stride_shown
 from runtime.evaluate import EvaluationError
 from tests.compiler.test_cli_inputs import run_cli, wide_console  # noqa: F401 -- wide_console: autouse fixture
 from tests.conftest import edited_copy
 
 
 def window_and_stride(max_context: int, window: int | None = None, stride: int | None = None):
-    return _window_and_stride(argparse.Namespace(window=window, stride=stride), max_context)
+    artifact = argparse.Namespace(max_context=max_context, path="A")
+    return _window_and_stride(argparse.Namespace(window=window, stride=stride), [artifact])
 
 
 def test_the_default_window_is_512_or_the_whole_context_and_the_stride_half_of_it():
@@ -27,7 +28,7 @@ def test_the_default_window_is_512_or_the_whole_context_and_the_stride_half_of_i
 
 
 def test_a_window_past_the_context_or_too_short_names_only_the_flags_given():
-    with pytest.raises(EvaluationError, match=r"^--window 129 exceeds the artifact's max context \(128\)$"):
+    with pytest.raises(EvaluationError, match=r"^--window 129 exceeds the max context of A \(128\)$"):
         window_and_stride(128, window=129)
     with pytest.raises(EvaluationError) as refused:
         window_and_stride(128, window=1)
@@ -41,12 +42,14 @@ def test_compare_fits_the_window_to_the_smaller_context_of_the_two(capsys, tiny_
     smaller = edited_copy(tiny_artifact, tmp_path, shorter_context, name="smaller")
     for pair in ((tiny_artifact, smaller), (smaller, tiny_artifact)):
         status, output = run_cli(capsys, "compare", *pair, "--text", "builtin:pydoc-held-out", "--window", "100")
-        assert status == 2 and "--window 100 exceeds the artifact's max context (64)" in output, output
+        assert status == 2 and f"--window 100 exceeds the max context of {smaller} (64)" in " ".join(output.split())
 
 
 def test_the_window_shown_is_the_text_s_length_when_that_is_shorter():
     assert _window_shown(40, 40) == "40"
     assert _window_shown(40, 30) == "30 (all of them; --window 40)"
+    assert _stride_shown(40, 20, 41) == "20"
+    assert _stride_shown(40, 20, 40) == "- (one window)"  # no second window: the stride moved nothing
 
 
 class Scored:

@@ -515,6 +515,7 @@ def test_bench_refuses_flags_the_kind_of_run_would_ignore(capsys, tiny_artifact,
     (("--seed", "1"), "--seed: it shapes sampling, but --temperature 0 (the default) decodes greedily"),
     (("--top-k", "50", "--top-p", "0.9"), "--top-k, --top-p: they shape sampling"),
     (("--system", "be brief"), "--system goes with --chat"),
+    (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1, got 0"),  # was max_new_tokens, the API's name
 ])
 def test_run_refuses_sampling_flags_greedy_decoding_would_ignore(capsys, tiny_artifact, argv, message):
     """`--top-k 50 --seed 1` and `--seed 2` exited 0 with the same greedy text."""
