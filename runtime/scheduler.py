@@ -7,7 +7,8 @@
 
 The front is thread-safe and blocking, not asyncio: `submit` may be called from any thread and returns at once;
 one background worker thread owns the cache and runs every graph (started on demand, it exits after
-`idle_exit_s` with nothing to do; math.inf: never). Each iteration of the worker (`_step`):
+`idle_exit_s` with nothing to do; math.inf: never; at interpreter exit every scheduler is closed, _close_at_exit).
+Each iteration of the worker (`_step`):
   1. admit waiting requests into free slots, lowest slot first, so the busy slots stay packed at the front;
   2. prefill admitted requests straight into their slots' rows of the cache: whole prompts of requests in
      neighbouring slots as one right-padded batch, others alone (batch 1); with
@@ -43,10 +44,13 @@ requests full (`max_queue`), unless submitted with block=True. An accepted reque
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -65,6 +69,22 @@ from runtime.tokenizer import StreamDecoder
 
 BATCHING = ("continuous", "static")
 DEFAULT_SLOTS = 8
+_STARTED: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # every scheduler that started a worker (_close_at_exit)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close every scheduler as the interpreter exits: its worker stops after the step under way, and the requests it
+    held fail, as at close(). The worker is a daemon thread, which must not keep a program alive; but left running, it
+    was still inside a graph run while the interpreter tore down onnxruntime, and the process aborted ("terminate
+    called without an active exception", SIGABRT) instead of exiting: a script that ended, or was stopped with Ctrl-C
+    (engine.generate([...]) interrupted), while its requests ran. Exit handlers run after the non-daemon threads
+    ended, so a thread of the program still waiting on a request had it finish first."""
+    for scheduler in list(_STARTED):
+        scheduler.close()
+
+
+os.register_at_fork(after_in_child=_STARTED.clear)  # a forked child has none of the workers (and maybe a held lock)
 
 
 @dataclass(eq=False)
@@ -204,6 +224,7 @@ class Scheduler:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="aotlm-scheduler", daemon=True)
                 self._worker.start()
+                _STARTED.add(self)
             self._lock.notify_all()
         return sequence.handle
 
