@@ -5,6 +5,8 @@ gracefully: no new requests (503), those under way finish for up to --shutdown-t
 stopped with a 503 (a stream: an error event and [DONE]) rather than cut off."""
 from __future__ import annotations
 
+import argparse
+
 import os
 import sys
 import threading
@@ -28,7 +30,7 @@ def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free one) to 65535."""
     value = nonnegative_int(text)
     if value > 65535:
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port; give 1 to 65535, or 0 for any free one")
     return value
 
 
@@ -79,8 +81,10 @@ def serve_command(args) -> None:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}; choose another --port "
                          f"(0: any free one) or --host") from None
     print(f"serving {server.model_name} at {server.url}/v1", flush=True)
+    chat_route = (", /v1/chat/completions" if engine.manifest["tokenizer"].get("chat_template") else
+                  " (no chat template: /v1/chat/completions refuses)")
     console.print(escape(f"{scheduler.slots} slots, {scheduler.max_queue} may wait; max context "
-                         f"{engine.max_context} tokens; POST /v1/completions, /v1/chat/completions; "
+                         f"{engine.max_context} tokens; POST /v1/completions{chat_route}; "
                          f"{'API key required; ' if api_key else ''}Ctrl-C stops"), highlight=False)
     try:
         server.serve_forever()

@@ -278,8 +278,9 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.server.api_key
         if key is None or not (path.startswith("/v1/") or path in KEYED_ROUTES):
             return True
-        given = self.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
+        # RFC 9110 11.1: the scheme is case-insensitive ("bearer" too); the key is compared in constant time
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
             return True
         self.close_connection = True
         self._send_error(ApiError("a missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
@@ -394,7 +395,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _failure(self, error: BaseException) -> ApiError:
         """What a request that failed in the scheduler tells its client: a stop's (retry elsewhere), else 500."""
         if self.server.closing and isinstance(error, RequestError):  # the scheduler closed under it
-            return _shutting_down()
+            return _shutting_down(under_way=True)
         return ApiError(f"the request failed: {error}", 500, "server_error")
 
     def _client_gone(self) -> bool:
@@ -504,9 +505,12 @@ def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
-def _shutting_down() -> ApiError:
-    return ApiError("the server is shutting down and takes no more requests; send this one again, to another replica "
-                    "or once the server is back", status=503, kind="service_unavailable")
+def _shutting_down(under_way: bool = False) -> ApiError:
+    """A request refused, or (under_way) one accepted but stopped before it finished, as the server stops."""
+    what = ("the server stopped before this request finished (its shutdown timeout ran out)" if under_way else
+            "the server is shutting down and takes no more requests")
+    return ApiError(f"{what}; send this one again, to another replica or once the server is back", status=503,
+                    kind="service_unavailable")
 
 
 def _allowed(path: str) -> str | None:

@@ -62,7 +62,7 @@ def test_serve_refuses_an_empty_name_or_key_before_loading(capsys, monkeypatch, 
 def test_serve_takes_ports_0_to_65535_and_finite_shutdown_timeouts_from_0(capsys):
     assert [cli_serve.port_number(text) for text in ("0", "65535")] == [0, 65535]
     assert [cli_serve.seconds(text) for text in ("0", "2.5")] == [0.0, 2.5]
-    for flag, value, said in (("--port", "65536", "invalid port_number value: '65536'"),
+    for flag, value, said in (("--port", "65536", "65536 is not a TCP port; give 1 to 65535, or 0 for any free one"),
                               ("--port", "-1", "-1 is negative; give 0 or more"),
                               ("--shutdown-timeout", "-1", "invalid seconds value: '-1'"),
                               ("--shutdown-timeout", "inf", "invalid seconds value: 'inf'"),
@@ -70,3 +70,30 @@ def test_serve_takes_ports_0_to_65535_and_finite_shutdown_timeouts_from_0(capsys
         with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error
             main(["serve", "artifact", flag, value])
         assert exit_info.value.code == 2 and f"argument {flag}: {said}" in capsys.readouterr().err
+
+
+class StoppedAtOnce:
+    """runtime.server.ApiServer that listens and is stopped (Ctrl-C) before any request."""
+
+    def __init__(self, engine, host, port, **keywords):
+        self.model_name, self.url, self.under_way = "m", f"http://{host}:{port}", 0
+
+    def serve_forever(self):
+        raise KeyboardInterrupt
+
+    def server_close(self):
+        pass
+
+    def drain(self, timeout_s):
+        return 0
+
+
+def test_serve_lists_the_chat_route_only_for_a_model_with_a_chat_template(capsys, monkeypatch, tiny_artifact,
+                                                                          chat_artifact):
+    """A model without a template had /v1/chat/completions listed, and every chat request then refused."""
+    monkeypatch.setattr("runtime.server.ApiServer", StoppedAtOnce)
+    for artifact, routes in ((chat_artifact[0], "POST /v1/completions, /v1/chat/completions;"),
+                             (tiny_artifact, "POST /v1/completions (no chat template: /v1/chat/completions refuses);")):
+        assert main(["serve", str(artifact), "--port", "0"]) == 130
+        err = " ".join(capsys.readouterr().err.split())
+        assert routes in err, err
