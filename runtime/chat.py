@@ -19,7 +19,11 @@ from runtime.tokenizer import check_unicode
 def render(template: str, messages, *, add_generation_prompt: bool = True, bos_token: str | None = None,
            eos_token: str | None = None) -> str:
     """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); RequestError for bad messages or a
-    template that refuses them (its raise_exception) or fails on them, ArtifactError for one that does not parse."""
+    template that refuses them (its raise_exception) or fails on them, ArtifactError for one that does not parse.
+    A content may be OpenAI's list of text parts ([{"type": "text", "text": ...}, ...]): their texts are joined."""
+    if not isinstance(add_generation_prompt, bool):  # "no" would read as true in the template
+        raise RequestError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
+    messages = flat_messages(messages)
     check_messages(messages)
     import jinja2
 
@@ -67,6 +71,24 @@ def _generation_block():
             return nodes.Scope(body, lineno=lineno)
 
     return GenerationBlock
+
+
+def flat_messages(messages):
+    """`messages` with each content given as a list of parts (OpenAI's form) replaced by its text parts joined;
+    RequestError for a part that is not text. Anything else is left for check_messages."""
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    flat = []
+    for position, message in enumerate(messages):
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            parts = message["content"]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in parts):
+                raise RequestError(f"messages[{position}].content: only text parts ({{type: text, text: ...}}) are "
+                                   f"supported")
+            message = {**message, "content": "".join(part["text"] for part in parts)}
+        flat.append(message)
+    return flat
 
 
 def check_messages(messages) -> None:

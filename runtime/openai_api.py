@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
+from runtime import chat
 from runtime.errors import RequestError
 from runtime.request_handle import LoggedPiece
 from runtime.results import GenerationResult
@@ -189,17 +190,10 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
 
 def flat_messages(messages: list) -> list:
     """Messages whose content is a list of parts, with the text parts joined (the only kind this server reads)."""
-    flat = []
-    for position, message in enumerate(messages):
-        if isinstance(message, dict) and isinstance(message.get("content"), list):  # content parts: text only
-            parts = message["content"]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in parts):
-                raise ApiError(f"messages[{position}].content: only text parts ({{type: text, text: ...}}) are "
-                               f"supported by this server", param="messages")
-            message = {**message, "content": "".join(part["text"] for part in parts)}
-        flat.append(message)
-    return flat
+    try:
+        return chat.flat_messages(messages)
+    except RequestError as error:
+        raise ApiError(f"{error} by this server", param="messages") from None
 
 
 def _completion_logprobs(fields: dict) -> int | None:

@@ -44,10 +44,25 @@ def test_rendering_equals_transformers_apply_chat_template(template, smollm2_tem
     ([], "non-empty list"), ("hello", "non-empty list"), ([{"role": "user"}], r"messages\[0\] must be a dict"),
     ([{"role": "user", "content": 3}], r"messages\[0\]"), ([{"role": "tool", "content": "x"}], "unknown role tool"),
     ([{"role": 3, "content": "x"}], r"messages\[0\] must be a dict with a string 'role'"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"messages\[0\]\.content: only text parts \(\{type: text, text: \.\.\.\}\) are supported$"),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "only text parts"),
 ])
 def test_bad_messages_are_request_errors(messages, match):
     with pytest.raises(RequestError, match=match):
         render(LLAMA3_STYLE, messages)
+
+
+def test_content_given_as_openai_s_text_parts_renders_as_their_joined_text():
+    """The server took them, Engine.chat refused them ("must be a dict with a string 'role' and a string
+    'content'")."""
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    joined = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render(LLAMA3_STYLE, parts) == render(LLAMA3_STYLE, joined)
+    assert parts[0]["content"][0] == {"type": "text", "text": "Be "}  # the caller's messages are left as they were
+    with pytest.raises(RequestError, match="add_generation_prompt must be True or False, got 'no'"):
+        render(LLAMA3_STYLE, joined, add_generation_prompt="no")  # a non-empty string read as true
 
 
 def test_a_generation_block_renders_its_body_as_transformers_does():
