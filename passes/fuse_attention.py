@@ -70,7 +70,7 @@ class Match:
 
 def _scores(softmax: gs.Node) -> tuple[gs.Node, float, gs.Tensor | None] | SkipReason:
     """Softmax input back to MatMul(q, kT): through Add(mask) and Mul/Div by a scalar; returns (MatMul, scale, mask)."""
-    tensor, scale, mask = softmax.inputs[0], 1.0, None
+    tensor, scale, mask, added = softmax.inputs[0], 1.0, None, None
     for _ in range(4):
         node = producer(tensor)
         if node is None:
@@ -85,6 +85,11 @@ def _scores(softmax: gs.Node) -> tuple[gs.Node, float, gs.Tensor | None] | SkipR
             scale = scale * as_float(scalar) if node.op == "Mul" else scale / as_float(scalar)
             tensor = node.inputs[0] if values[0] is None else node.inputs[1]
         elif node.op == "Add":  # the mask: continue along the operand that leads to the scores
+            if added is not None:  # a second additive term (a window mask added after the causal one, a bias): the
+                # mask probe runs one mask only, and the fused node would drop the other unseen
+                return SkipReason(f"the scores get two additive masks or biases before Softmax ('{node.name}' and "
+                                  f"'{added.name}'); FlashAttention applies one causal mask, and the probe checks one")
+            added = node
             tensor = next((t for t in node.inputs if producer(t) is not None and producer(t).op in ("Mul", "Div", "MatMul")),
                           node.inputs[0])
             mask = next(t for t in node.inputs if t is not tensor)

@@ -455,10 +455,14 @@ def test_a_decode_mask_aligned_top_left_is_not_fused(decoder_graphs, monkeypatch
 
     monkeypatch.setattr(model_module, "visibility_bias", top_left)
     decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
-    decode = cleanup.run(export_graphs(decoder, MAX_CONTEXT)["decode"], cleanup.Options())[0]
-    _, report = fuse_attention.run(decode, fuse_attention.Options())
+    graphs = {phase: cleanup.run(model, cleanup.Options())[0] for phase, model in
+              export_graphs(decoder, MAX_CONTEXT).items()}
+    _, report = fuse_attention.run(graphs["decode"], fuse_attention.Options())
     assert report["fused"] == 0 and "aligned top-left" in report["layers"][0]["reason"]
     assert fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())[1]["fused"] == CONFIG.num_layers
+    # The prefill graph reads its new keys only, never cached ones: there the same mask is the causal rule, and
+    # the second probe (queries after cached tokens) is not run on it
+    assert fuse_attention.run(graphs["prefill"], fuse_attention.Options(required=True))[1]["fused"] == CONFIG.num_layers
 
 
 def test_a_mask_the_probe_cannot_evaluate_stays_unfused(decoder_graphs):
@@ -602,3 +606,305 @@ def test_a_block_that_also_writes_rows_beyond_the_prompt_is_not_fused(decoder_gr
     _, report = fuse_attention.run(model, fuse_attention.Options())
     assert report["fused"] == CONFIG.num_layers - 1 and report["layers"][1]["fused"], report
     assert report["layers"][0]["reason"].startswith("the block writes the key cache elsewhere than FlashAttention does")
+
+
+def layer_zero_edited(model: onnx.ModelProto, edit) -> onnx.ModelProto:
+    """The graph with `edit(graph, softmax)` applied to layer 0's attention (its Softmax passed)."""
+    graph = gs.import_onnx(model)
+    edit(graph, next(n for n in graph.nodes if n.op == "Softmax" and "layers.0" in n.name))
+    return gs.export_onnx(graph.cleanup().toposort())
+
+
+def cache_writer(graph: gs.Graph, present: str) -> gs.Node:
+    return next(n for n in graph.nodes if n.op == "ScatterElements" and n.outputs and n.outputs[0].name == present)
+
+
+def scale_values(graph, softmax):
+    weighted_sum = softmax.outputs[0].outputs[0]
+    doubled = graph.layer(op="Mul", inputs=[weighted_sum.inputs[1], gs.Constant("two", np.array(2.0, np.float32))],
+                          outputs=["doubled_values"])[0]
+    doubled.dtype = np.float32
+    weighted_sum.inputs[1] = doubled
+
+
+def scale_scores_by_an_input(graph, softmax):
+    gain = gs.Variable("score_gain", np.float32, [1])
+    graph.inputs.append(gain)
+    gained = graph.layer(op="Mul", inputs=[softmax.inputs[0], gain], outputs=["gained_scores"])[0]
+    gained.dtype = np.float32
+    softmax.inputs[0] = gained
+
+
+def grow_keys_by_concat(graph, softmax):
+    writer = cache_writer(graph, "present.0.key")
+    keys = writer.inputs[2]
+    past = gs.Variable("past_new_keys", np.float32, ["batch", CONFIG.num_kv_heads, "past", CONFIG.head_dim])
+    graph.inputs.append(past)
+    grown = graph.layer(op="Concat", inputs=[past, keys], outputs=["grown_keys"], attrs={"axis": 2})[0]
+    grown.dtype = np.float32
+    for reader in [n for n in keys.outputs if n is not writer and n.op != "Concat"]:
+        reader.inputs[reader.inputs.index(keys)] = grown
+
+
+def write_values_nowhere(graph, softmax):
+    writer = cache_writer(graph, "present.0.value")
+    present = writer.outputs[0]
+    writer.outputs.clear()
+    graph.nodes.append(gs.Node("Identity", inputs=[writer.inputs[0]], outputs=[present]))
+
+
+def write_keys_into_a_computed_buffer(graph, softmax):
+    writer = cache_writer(graph, "present.0.key")
+    copied = graph.layer(op="Identity", inputs=[writer.inputs[0]], outputs=["copied_past_key"])[0]
+    copied.dtype = np.float32
+    writer.inputs[0] = copied
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (scale_values, "the values are scaled by 2 before the weighted sum"),
+    (scale_scores_by_an_input, "Mul before Softmax is not a scaling by a constant"),
+    (grow_keys_by_concat, "the cache grows by Concat(past, new) at "),
+    (write_values_nowhere, "only one of the key and value caches is written"),
+    (write_keys_into_a_computed_buffer, "cache write '/decoder/layers.0/self_attn/ScatterElements' does not update a "
+                                        "graph input buffer"),
+])
+def test_each_structural_refusal_names_its_layer_and_check(decoder_graphs, edit, reason):
+    """Layer 0 edited so that one structural check fails; layer 1 still fuses, and the report and `required` name
+    layer 0 with that check (a value cache left unwritten had fused with an empty present value; the others fell
+    through to a later, vaguer reason)."""
+    model = layer_zero_edited(decoder_graphs["prefill"], edit)
+    _, report = fuse_attention.run(model, fuse_attention.Options())
+    assert report["fused"] == 1 and report["layers"][1]["fused"], report
+    assert report["layers"][0]["layer"] == "layers.0" and report["layers"][0]["reason"].startswith(reason), report
+    with pytest.raises(PassError, match=r"1 attention block\(s\) not fused; first: layers.0: "):
+        fuse_attention.run(model, fuse_attention.Options(required=True))
+
+
+def respell_scores(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each layer's softmax(scores * s + mask) written softmax(Identity(mask + scores / (1 / s))): a division, the
+    mask as Add's first operand, one more step between the product and Softmax."""
+    graph = gs.import_onnx(model)
+    for index, softmax in enumerate([n for n in graph.nodes if n.op == "Softmax"]):
+        add = softmax.inputs[0].inputs[0]
+        scaled, mask = add.inputs
+        multiply = scaled.inputs[0]
+        product, factor = multiply.inputs[0], float(multiply.inputs[1].values)
+        divided = graph.layer(op="Div", inputs=[product, gs.Constant(f"respelled_{index}_divisor",
+                                                                    np.array(1 / factor, np.float32))],
+                              outputs=[f"respelled_{index}_divided"])[0]
+        add.inputs = [mask, divided]
+        passed = graph.layer(op="Identity", inputs=[add.outputs[0]], outputs=[f"respelled_{index}_scores"])[0]
+        divided.dtype = passed.dtype = np.float32
+        softmax.inputs[0] = passed
+    return gs.export_onnx(graph.cleanup().toposort())
+
+
+def test_scores_divided_by_the_scale_with_the_mask_added_first_fuse(decoder_graphs):
+    """A Div by 1/s is a scaling by s (read as 1/s, the graph would stay unfused), the mask may be Add's first
+    operand, and an Identity more fits the walk from Softmax to the product; the logits and cache stay the same."""
+    respelled = {phase: respell_scores(model) for phase, model in decoder_graphs.items()}
+    assert op_counts(respelled["decode"])["Div"] > op_counts(decoder_graphs["decode"])["Div"]
+    fused = {phase: fuse_and_lower(model, required=True) for phase, model in respelled.items()}
+    for phase, (graph, report, _, _) in fused.items():
+        assert report["fused"] == CONFIG.num_layers, (phase, report)
+        scales = [a.f for n in graph.graph.node if n.op_type == "FlashAttention" for a in n.attribute
+                  if a.name == "scale"]
+        assert scales == pytest.approx([CONFIG.head_dim ** -0.5] * CONFIG.num_layers), phase
+    lowered = {phase: outcome[2] for phase, outcome in fused.items()}
+    for reference, result in zip(generate_logits(decoder_graphs), generate_logits(lowered)):
+        np.testing.assert_allclose(result, reference, atol=1e-5)
+
+
+def add_window(model: onnx.ModelProto, window: int) -> onnx.ModelProto:
+    """Each layer's scores get a second additive mask after the causal one: -1e9 on keys more than `window` - 1
+    positions before the query (a sliding window added on its own)."""
+    graph = gs.import_onnx(model)
+    inputs = {t.name: t for t in graph.inputs}
+    const = lambda name, value: gs.Constant(f"window_{name}", np.array(value))  # noqa: E731
+    shape = graph.layer(op="Shape", inputs=[inputs["attention_mask"]], outputs=["window_shape"])[0]
+    length = graph.layer(op="Gather", inputs=[shape, const("one", np.int64(1))], outputs=["window_length"],
+                         attrs={"axis": 0})[0]
+    keys = graph.layer(op="Range", inputs=[const("zero", np.int64(0)), length, const("step", np.int64(1))],
+                       outputs=["window_keys"])[0]
+    positions = graph.layer(op="Unsqueeze", inputs=[inputs["position_ids"], const("axis", np.array([2], np.int64))],
+                            outputs=["window_positions"])[0]
+    first = graph.layer(op="Sub", inputs=[positions, const("width", np.int64(window - 1))], outputs=["window_first"])[0]
+    outside = graph.layer(op="Less", inputs=[keys, first], outputs=["window_outside"])[0]
+    bias = graph.layer(op="Where", inputs=[outside, const("hidden", np.float32(-1e9)), const("kept", np.float32(0))],
+                       outputs=["window_bias_3d"])[0]
+    bias = graph.layer(op="Unsqueeze", inputs=[bias, const("axes", np.array([1, 2], np.int64))],
+                       outputs=["window_bias"])[0]  # [B, 1, 1, T, L] like the causal mask
+    bias.dtype = np.float32
+    for index, softmax in enumerate([n for n in graph.nodes if n.op == "Softmax"]):
+        windowed = graph.layer(op="Add", inputs=[softmax.inputs[0], bias], outputs=[f"window_scores_{index}"])[0]
+        windowed.dtype = np.float32
+        softmax.inputs[0] = windowed
+    return gs.export_onnx(graph.toposort())
+
+
+def test_a_second_additive_mask_is_not_dropped_by_fusion(decoder_graphs):
+    """A 10-token window added to the scores after the causal mask: the mask probe ran only the mask nearest the
+    product (causal), the block probe's 8 tokens cannot see a 10-token window, and both layers fused; the fused
+    graph then attended to every earlier key, and a 14-token prompt's logits changed by 0.09. Now the layers stay
+    unfused and the graph computes what it did."""
+    model = add_window(decoder_graphs["prefill"], window=10)
+    inputs, _ = io_names(CONFIG)
+    length = 14
+    caches = [np.zeros((1, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float32)] * (2 * CONFIG.num_layers)
+    feed = {"input_ids": np.arange(1, length + 1)[None] * 7, "position_ids": np.arange(length)[None],
+            "attention_mask": np.ones((1, length), np.int64), **dict(zip(inputs[3:], caches))}
+    windowed, causal = (session_for(m).run(["logits"], feed)[0] for m in (model, decoder_graphs["prefill"]))
+    assert np.abs(windowed - causal).max() > 1e-2  # the window shows at 14 tokens
+    fused, report = fuse_attention.run(model, fuse_attention.Options())
+    assert report["fused"] == 0, report
+    assert all(layer["reason"].startswith("the scores get two additive masks or biases before Softmax")
+               for layer in report["layers"]), report
+    np.testing.assert_allclose(session_for(fused).run(["logits"], feed)[0], windowed, atol=1e-6)
+    with pytest.raises(PassError, match="layers.0: the scores get two additive masks"):
+        fuse_attention.run(model, fuse_attention.Options(required=True))
+
+
+def test_a_decode_window_wider_than_the_second_probe_is_not_fused(decoder_graphs, monkeypatch):
+    """A decode graph whose mask hides keys 10 or more positions back: the first probe (32 tokens) sees the window;
+    the second one (3 queries after 5 cached tokens) cannot, and its verdict must not replace the first one's."""
+    import compiler.frontend.model as model_module
+
+    def windowed(position_ids, attention_mask, dtype):
+        keys = torch.arange(attention_mask.shape[1]).view(1, 1, -1)
+        visible = (keys <= position_ids.unsqueeze(-1)) & (keys > position_ids.unsqueeze(-1) - 10) \
+            & (attention_mask.unsqueeze(1) > 0)
+        return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None]
+
+    monkeypatch.setattr(model_module, "visibility_bias", windowed)
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    decode = cleanup.run(export_graphs(decoder, MAX_CONTEXT)["decode"], cleanup.Options())[0]
+    _, report = fuse_attention.run(decode, fuse_attention.Options())
+    assert report["fused"] == 0 and {layer["reason"] for layer in report["layers"]} == {
+        "the additive mask hides keys at or before the query that a causal mask keeps (e.g. a sliding window)"}
+
+
+def test_the_mask_probe_judges_every_head_and_the_masked_threshold():
+    from passes.attention_mask_probe import _judge
+
+    causal = np.triu(np.full((6, 6), -np.inf), 1)
+    leaky = np.triu(np.full((6, 6), -1.0), 1)  # later keys only pushed down by 1: they still get weight
+    assert _judge(leaky[None, None], 6) == "the additive mask is not causal: some query sees a later key"
+    assert _judge(np.triu(np.full((6, 6), -1e4), 1)[None, None], 6) is None  # -1e4 counts as masked
+    window = causal.copy()
+    window[5, 0] = -np.inf
+    per_head = np.stack([causal, window])[None]  # [1, 2 heads, 6, 6]: head 1 has a window
+    assert "sliding window" in _judge(per_head, 6)
+    assert "not [..., 6, 6]" in _judge(np.zeros((1, 1, 1, 6)), 6)  # one row for every query: no causal rule
+    # Queries after cached tokens (3 new of 6): a kept key masked by exactly -1e4 is read as the top-left mistake
+    later = np.triu(np.full((6, 6), -np.inf), 1)[3:]
+    later[0, 4] = 0.0  # and a later key visible: query at position 3 sees key 4
+    assert "not causal for queries after cached tokens" in _judge(later[None, None], 6, 3)
+    top_left = np.triu(np.full((3, 6), -1e4), 1)
+    assert "aligned top-left" in _judge(top_left[None, None], 6, 3)
+
+
+def test_a_block_that_caches_keys_other_than_it_reads_is_not_fused(decoder_graphs):
+    """Layer 0's prefill caches its keys halved and reads them halved (the half folds into the scale): the attention
+    output is FlashAttention's with scale/2, but FlashAttention caches the unhalved keys, which a later decode step
+    of the unfused graph would not read. The probe compares the written rows' values and keeps the layer unfused."""
+    def cache_halved_keys(graph, softmax):
+        writer = cache_writer(graph, "present.0.key")
+        keys = writer.inputs[2]
+        halved = graph.layer(op="Mul", inputs=[keys, gs.Constant("half", np.array(0.5, np.float32))],
+                             outputs=["halved_keys"])[0]
+        halved.dtype = np.float32
+        for reader in [n for n in keys.outputs if n.op != "Mul" or n.outputs[0] is not halved]:
+            reader.inputs[reader.inputs.index(keys)] = halved
+
+    _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["prefill"], cache_halved_keys),
+                                   fuse_attention.Options())
+    assert report["fused"] == 1 and report["layers"][1]["fused"], report
+    assert report["layers"][0]["reason"].startswith(
+        "the block writes the key cache elsewhere than FlashAttention does (rows 0..7 for a 8-token first prompt; "
+        "largest difference 0.5")
+
+
+def test_a_value_cache_written_at_other_rows_is_not_fused(decoder_graphs):
+    """Only layer 0's value write moved one row on (its key write as FlashAttention's): the value cache is checked
+    as well as the key cache."""
+    def later_value_rows(graph, softmax):
+        writer = cache_writer(graph, "present.0.value")
+        one = gs.Constant("one_row", np.array(1, np.int64))
+        writer.inputs[1] = graph.layer(op="Add", inputs=[writer.inputs[1], one], outputs=["later_value_rows"])[0]
+        writer.inputs[1].dtype = np.int64
+
+    _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["prefill"], later_value_rows),
+                                   fuse_attention.Options())
+    assert report["fused"] == 1 and report["layers"][1]["fused"], report
+    assert report["layers"][0]["reason"].startswith("the block writes the value cache elsewhere than FlashAttention")
+
+
+def test_a_block_the_probe_cannot_run_leaves_the_other_blocks_checked(decoder_graphs):
+    """Layer 0's key write reads an input the probe cannot make: that block stays unfused as unchecked, and layer 1
+    is probed alone and fused (not every block unchecked because one could not run)."""
+    def offset_rows_by_an_input(graph, softmax):
+        offset = gs.Variable("row_offset", np.int64, [1])
+        graph.inputs.append(offset)
+        writer = cache_writer(graph, "present.0.key")
+        writer.inputs[1] = graph.layer(op="Add", inputs=[writer.inputs[1], offset], outputs=["offset_rows"])[0]
+        writer.inputs[1].dtype = np.int64
+
+    _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["prefill"], offset_rows_by_an_input),
+                                   fuse_attention.Options())
+    assert report["fused"] == 1 and report["layers"][1]["fused"], report
+    assert report["layers"][0]["reason"].startswith("unchecked: the block could not be evaluated")
+
+
+def test_a_float32_block_two_percent_off_the_matched_scale_is_caught(decoder_graphs):
+    """The block probe's float32 tolerance is 1e-3 of the output's magnitude: a scale 2% off the matched one gives a
+    difference of 0.005 there, and is reported (a float16 block's 5e-2 would pass it)."""
+    from passes import attention_block_probe as probe
+
+    graph = gs.import_onnx(decoder_graphs["prefill"])
+    softmax = next(node for node in graph.nodes if node.op == "Softmax")
+    found = fuse_attention.match(softmax)
+    scaling = softmax.inputs[0].inputs[0].inputs[0].inputs[0]  # Softmax <- Add(mask) <- Mul(scale)
+    assert scaling.op == "Mul" and found.scale == pytest.approx(CONFIG.head_dim ** -0.5)
+    scaling.inputs[1].values = np.asarray(scaling.inputs[1].values * 1.02, np.float32)
+    [verdict] = probe.check_blocks(graph, [found])
+    assert verdict is not None and verdict.startswith("the attention block computes something other than")
+
+
+def test_fusion_required_on_a_graph_without_attention_fails():
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
+    model = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]))
+    _, report = fuse_attention.run(model, fuse_attention.Options())
+    assert report["fused"] == 0 and report["layers"] == []
+    with pytest.raises(PassError, match="fusion required but 1 attention block.* first: graph: no Softmax"):
+        fuse_attention.run(model, fuse_attention.Options(required=True))
+
+
+def test_rotary_cache_length_sets_the_table_rows_of_a_graph_with_a_cache(decoder_graphs):
+    """The recipe's rotary_cache_length overrides the cache's max context as the rotary tables' length."""
+    fused, _ = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options(rotary_cache_length=48))
+    for node in (n for n in fused.graph.node if n.op_type == "FlashAttention"):
+        assert rotary_table_shape(fused, node.input[7]) == [48, CONFIG.head_dim // 2]
+
+
+def test_a_rotary_attention_factor_is_kept_in_the_fused_tables():
+    """transformers' YaRN rope multiplies cos and sin by an attention factor (here 1 + 0.1 ln 4 = 1.139). The pass
+    reads it from the graph; the block probe's reference and the fused node's tables both apply it (without it in
+    the tables the fused logits moved by 0.0025; without it in the reference both layers stayed unfused)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+                         attn_implementation="eager", use_cache=False)
+    model = LlamaForCausalLM(config).eval()
+    assert model.model.rotary_emb.attention_scaling == pytest.approx(1.1386, abs=1e-4)
+    ids, mask = torch.randint(0, 300, (1, 9)), torch.ones(1, 9, dtype=torch.long)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits.numpy()
+    _, report, lowered, _ = fuse_and_lower(trace_hf(model, ids, mask), rotary_cache_length=128, required=True)
+    assert report["fused"] == 2
+    logits = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
