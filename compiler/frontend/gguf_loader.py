@@ -18,6 +18,7 @@ import torch
 from compiler.errors import BuildError
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
 from compiler.frontend.gguf_tokenizer import tokenizer_json_from_gguf
+from compiler.frontend.hf_loader import is_lfs_pointer
 from compiler.frontend.random_init import check_state_dict, expected_shapes
 
 # llama.cpp tensor name -> Hugging Face name (global tensors, then per-block ones under blk.N.).
@@ -99,6 +100,8 @@ def _open_reader(path: str):
         def data(self, mapped):
             self._plain_data = mapped.view(np.ndarray)
 
+    if is_lfs_pointer(path):  # the reader's own error says "GGUF magic invalid"
+        raise BuildError(f"{path}: a Git LFS pointer, not the GGUF file; run `git lfs pull` where it was cloned")
     try:
         return PlainArrayReader(path)
     except Exception as error:  # gguf raises ValueError/struct errors for anything that is not GGUF
@@ -152,6 +155,13 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     # llama.cpp stops generation at any end-of-generation token: eos, and end-of-turn / end-of-message if set.
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    for kind, token_id in zip(("bos", "eos", "eot", "eom"), [bos, *eos_ids]):  # as hf_loader refuses one
+        if token_id is not None and vocab_size and not 0 <= token_id < vocab_size:
+            why = "" if kind == "bos" else " (an end token: generation would never stop)"
+            raise BuildError(f"{path}: tokenizer.ggml.{kind}_token_id {token_id} is outside the vocabulary "
+                             f"({vocab_size} tokens){why}; "
+                             f"set the right id with gguf-py's `gguf-set-metadata FILE "
+                             f"tokenizer.ggml.{kind}_token_id ID`, or convert the model again")
     try:
         return DecoderConfig(
             vocab_size=vocab_size,

@@ -22,6 +22,9 @@ from compiler.frontend.random_init import check_state_dict
 ATTENTION_BIAS_DEFAULT = {"llama": False, "mistral": False, "qwen2": True}
 # transformers' config defaults when config.json has no max_position_embeddings (LlamaConfig, MistralConfig, Qwen2Config)
 MAX_POSITIONS_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+# safetensors dtypes read as weights (float8 and integer tensors are a quantized checkpoint's codes)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+LFS_POINTER = b"version https://git-lfs"  # how a Git LFS pointer file starts (the file's place in a clone without LFS)
 
 
 def load_hf_folder(path: str) -> LoadedModel:
@@ -41,6 +44,12 @@ def load_hf_folder(path: str) -> LoadedModel:
     has_generation = os.path.isfile(generation_path)
     generation = _read_json(generation_path) if has_generation else {}
     config = decoder_config_from_hf(hf_config, generation, config_path)
+    quantization = hf_config.get("quantization_config")
+    if quantization:  # its tensors are codes and scales under other names: say so, not which names are missing
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise BuildError(f"{config_path}: quantization_config{f' ({method})' if method else ''}: a pre-quantized "
+                         f"checkpoint, which aotlm does not read; point model.path at the model's float checkpoint "
+                         f"(float32, float16 or bfloat16) and let the recipe's quantize pass quantize it")
     for token_id in ([config.bos_token_id] if config.bos_token_id is not None else []) + list(config.eos_token_ids):
         if not 0 <= token_id < config.vocab_size:  # an end token the model can never produce: it would never stop
             raise BuildError(f"{config_path}: special token id {token_id} (bos_token_id / eos_token_id) is outside "
@@ -78,7 +87,7 @@ def _read_tokenizer(path: str) -> str:
 
     with open(path, "rb") as handle:
         data = handle.read()
-    if data.startswith(b"version https://git-lfs"):
+    if data.startswith(LFS_POINTER):
         raise BuildError(f"{path}: a Git LFS pointer, not the tokenizer; run `git lfs pull` in the model folder")
     try:
         text = data.decode("utf-8")
@@ -126,7 +135,7 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
     if hf.get("mlp_bias"):
         raise BuildError(f"{origin}: mlp_bias: true (biases on the MLP projections) is not supported; the decoder's "
                          f"MLP projections have no bias.")
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
         raise BuildError(f"{origin}: hidden_act {hf['hidden_act']!r} is not supported; the MLP is SiLU-gated.")
     # transformers 5 moved rope_theta and rope_scaling into rope_parameters; read either spelling. A rope_scaling
     # given beside rope_parameters wins, as in transformers.
@@ -154,8 +163,10 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings") or MAX_POSITIONS_DEFAULT[model_type]),
             attention_bias=bool(hf.get("attention_bias", ATTENTION_BIAS_DEFAULT[model_type])),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_eos_ids(hf.get("eos_token_id"), generation.get("eos_token_id")),
+            bos_token_id=_token_id(hf.get("bos_token_id"), "bos_token_id", origin),
+            eos_token_ids=_eos_ids((hf.get("eos_token_id"), origin),
+                                   (generation.get("eos_token_id"), os.path.join(os.path.dirname(origin),
+                                                                                 "generation_config.json"))),
             architecture=model_type,
             sliding_window=_sliding_window(hf, model_type),
             rope_freq_factors=llama3_rope_factors(_llama3_parameters(hf, rope, origin), head_dim, theta, origin)
@@ -241,13 +252,23 @@ def _sliding_window(hf: dict, model_type: str) -> int | None:
     return int(window) if sliding else None
 
 
-def _eos_ids(*values) -> tuple[int, ...]:
-    """config.json's eos ids, then generation_config.json's (chat models often add end-of-turn there)."""
+def _token_id(value, key: str, origin: str) -> int | None:
+    """A special token id as config.json gives it: an integer, or null for none. Anything else is refused by name
+    (a string had reached load_hf_folder's vocabulary range check as a TypeError traceback)."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise BuildError(f"{origin}: {key} {json.dumps(value)} is not a token id; it must be an integer (or null)")
+
+
+def _eos_ids(*values: tuple) -> tuple[int, ...]:
+    """config.json's eos ids, then generation_config.json's (chat models often add end-of-turn there); each
+    value is (eos_token_id: an id, a list of ids or null, the file it came from)."""
     ids: list[int] = []
-    for value in values:
+    for value, origin in values:
         for token_id in value if isinstance(value, list) else [] if value is None else [value]:
-            if int(token_id) not in ids:
-                ids.append(int(token_id))
+            token_id = _token_id(token_id, "eos_token_id", origin)
+            if token_id is not None and token_id not in ids:
+                ids.append(token_id)
     return tuple(ids)
 
 
@@ -269,7 +290,7 @@ def _weight_files(folder: str) -> list[str]:
     if not paths:
         raise BuildError(
             f"{folder}: no *.safetensors files; only safetensors weights are read "
-            f"(convert pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))."
+            f"(load a pytorch_model.bin folder with transformers and save_pretrained it: that writes safetensors)."
         )
     return paths
 
@@ -279,13 +300,27 @@ def _read_safetensors(paths: list[str]) -> dict:
 
     state_dict = {}
     for path in paths:
+        if is_lfs_pointer(path):  # a clone without git-lfs: safetensors' own error says "header too large"
+            raise BuildError(f"{path}: a Git LFS pointer, not the weights; run `git lfs pull` in the model folder")
         try:
             tensors = load_file(path)
         except Exception as error:  # a truncated or foreign file: say which one
             raise BuildError(f"{path}: cannot read safetensors ({error}). Re-download the file.")
-        state_dict.update({name: tensor.float() for name, tensor in tensors.items()})
-    # Old checkpoints saved RoPE's inverse frequencies as a buffer.
-    return {name: t for name, t in state_dict.items() if not name.endswith("rotary_emb.inv_freq")}
+        for name, tensor in tensors.items():
+            if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved RoPE's inverse frequencies as a buffer
+                continue
+            if tensor.dtype not in FLOAT_DTYPES:  # .float() would turn integer codes into plausible-looking weights
+                raise BuildError(f"{path}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; aotlm reads "
+                                 f"float weights (float32, float16 or bfloat16), not a quantized checkpoint's: point "
+                                 f"model.path at the model's float checkpoint")
+            state_dict[name] = tensor.float()
+    return state_dict
+
+
+def is_lfs_pointer(path: str) -> bool:
+    """Whether the file is a Git LFS pointer left where the data should be (a clone without git-lfs)."""
+    with open(path, "rb") as handle:
+        return handle.read(len(LFS_POINTER)) == LFS_POINTER
 
 
 def _read_json(path: str) -> dict:

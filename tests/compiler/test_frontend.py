@@ -9,6 +9,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import re
 
 import gguf
 import numpy as np
@@ -467,6 +468,22 @@ def test_missing_paths_and_files_are_named(tmp_path):
         load_hf_folder(str(tmp_path / "empty"))
 
 
+def test_weights_left_as_git_lfs_pointers_are_named(tmp_path):
+    """A clone without git-lfs leaves pointer files: the tokenizer's was named, but the weights' said "header too
+    large" (safetensors) or "GGUF magic invalid", and "re-download", which clones the same pointers again."""
+    original = random_model(TINY, seed=1)
+    folder = tmp_path / "m"
+    write_hf_folder(folder, TINY, original.state_dict)
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:4a5b\nsize 2104556\n"
+    (folder / "model-00002-of-00002.safetensors").write_text(pointer)
+    with pytest.raises(BuildError, match=r"model-00002-of-00002.safetensors: a Git LFS pointer, not the weights; "
+                                         r"run `git lfs pull`"):
+        load_hf_folder(str(folder))
+    (tmp_path / "model.gguf").write_text(pointer)
+    with pytest.raises(BuildError, match=r"model.gguf: a Git LFS pointer, not the GGUF file; run `git lfs pull`"):
+        load_gguf(str(tmp_path / "model.gguf"))
+
+
 def test_zero_heads_and_unreadable_sizes_are_named_not_a_division_error(tmp_path, monkeypatch):
     """num_attention_heads 0 (and a GGUF head_count 0 or a string width) stopped at `hidden // heads` with a
     ZeroDivisionError, or at int() with a ValueError, outside the loaders' messages."""
@@ -505,6 +522,25 @@ def test_a_bad_hf_tokenizer_or_special_token_id_is_named(tmp_path):
     write_hf_folder(folder, TINY, original.state_dict, eos_token_id=TINY.vocab_size + 5)
     with pytest.raises(BuildError, match=rf"special token id {TINY.vocab_size + 5} \(bos_token_id / eos_token_id\) "
                                          rf"is outside the vocabulary \(vocab_size {TINY.vocab_size}\)"):
+        load_hf_folder(str(folder))
+
+
+@pytest.mark.parametrize("file, key, value", [
+    ("config.json", "bos_token_id", "1"), ("config.json", "bos_token_id", [1]),
+    ("config.json", "eos_token_id", [2, "x"]), ("generation_config.json", "eos_token_id", [2, True])])
+def test_a_special_token_id_that_is_not_an_integer_is_named(tmp_path, file, key, value):
+    """A string bos_token_id reached the vocabulary range check as a TypeError traceback; a string in an eos list
+    said only "invalid literal for int()", naming neither the key nor the file; a boolean passed as id 1."""
+    original = random_model(TINY, seed=1)
+    folder = tmp_path / "model"
+    write_hf_folder(folder, TINY, original.state_dict)
+    (folder / "tokenizer.json").write_text(original.tokenizer_json)
+    if file == "config.json":
+        write_hf_folder(folder, TINY, original.state_dict, **{key: value})
+    else:
+        (folder / file).write_text(json.dumps({key: value}))
+    shown = json.dumps(value if key == "bos_token_id" else value[1])
+    with pytest.raises(BuildError, match=rf"{file}: {key} {re.escape(shown)} is not a token id; it must be an integer"):
         load_hf_folder(str(folder))
 
 
@@ -690,6 +726,12 @@ def test_llama_biases_the_decoder_lacks_are_refused_by_their_config_key(tmp_path
         load_hf_folder(str(tmp_path / "m"))
 
 
+def test_hidden_act_swish_is_silu_as_in_transformers(tmp_path):
+    """transformers' ACT2FN maps "swish" to the same SiLU as "silu"; it was refused as an unsupported activation."""
+    write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict, hidden_act="swish")
+    assert load_hf_folder(str(tmp_path / "m")).config == TINY
+
+
 def test_the_safetensors_index_names_the_files_and_a_missing_shard(tmp_path):
     original = random_model(TINY, seed=1)
     folder = tmp_path / "m"
@@ -785,6 +827,20 @@ def test_a_gguf_reads_end_of_turn_ids_and_defaults_what_it_leaves_out(tmp_path, 
     write_gguf(tmp_path / "eot.gguf", TINY, original.state_dict, original.tokenizer_json)
     config = load_gguf(str(tmp_path / "eot.gguf")).config
     assert config.eos_token_ids == (2, 5) and config.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("kind, ids", [("eos", {"eos_token_ids": (TINY.vocab_size + 5,)}),
+                                        ("bos", {"bos_token_id": TINY.vocab_size})])
+def test_a_gguf_special_token_id_outside_the_vocabulary_is_refused(tmp_path, kind, ids):
+    """A Hugging Face folder's eos id past the vocabulary was refused, a GGUF's built an artifact that never stops
+    (its manifest listed the unreachable id as the only end token)."""
+    original = random_model(TINY, seed=0)
+    write_gguf(tmp_path / "far.gguf", dataclasses.replace(TINY, **ids), original.state_dict, original.tokenizer_json)
+    token_id = next(iter(ids.values()))
+    token_id = token_id[0] if isinstance(token_id, tuple) else token_id
+    with pytest.raises(BuildError, match=rf"far.gguf: tokenizer.ggml.{kind}_token_id {token_id} is outside the "
+                                         rf"vocabulary \({TINY.vocab_size} tokens\).*`gguf-set-metadata FILE"):
+        load_gguf(str(tmp_path / "far.gguf"))
 
 
 def test_a_gguf_without_optional_sizes_takes_llama_cpps_defaults(tmp_path, monkeypatch):
@@ -1013,6 +1069,24 @@ def test_hf_weights_in_half_precision_an_old_rotary_buffer_and_unreadable_files(
     (folder / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(BuildError, match=r"config.json: cannot read JSON \("):
         load_hf_folder(str(folder))
+
+
+def test_a_quantized_hf_checkpoint_is_refused_by_name(tmp_path):
+    """A GPTQ folder was refused with five missing weights and five `qweight`s "the decoder does not use", never
+    saying why; integer weights under the float names (or float8 ones, without their scales) built a model of
+    codes read as floats, without a word."""
+    original = random_model(TINY, seed=1)
+    folder = tmp_path / "m"
+    write_hf_folder(folder, TINY, original.state_dict, quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(BuildError, match=r"config.json: quantization_config \(gptq\): a pre-quantized checkpoint, "
+                                         r"which aotlm does not read; point model.path at the model's float checkpoint"):
+        load_hf_folder(str(folder))
+    name = "model.layers.1.mlp.up_proj.weight"
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        codes = dict(original.state_dict, **{name: (original.state_dict[name] * 100).to(dtype)})
+        write_hf_folder(folder, TINY, codes)
+        with pytest.raises(BuildError, match=rf"tensor {name} is {str(dtype)[6:]}; aotlm reads float weights"):
+            load_hf_folder(str(folder))
 
 
 def test_rms_norm_of_half_precision_activations_sums_squares_in_float32():
