@@ -145,23 +145,29 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
     if rope_type not in ("default", "llama3"):
         raise BuildError(f"{origin}: rope scaling {rope_type!r} is not supported; the decoder takes plain RoPE and "
                          f"Llama 3.1's 'llama3' scaling.")
+    def size(key: str, default=None) -> int:  # a missing required key: the KeyError below names it
+        value = hf[key] if default is None else hf.get(key) or default
+        if not isinstance(value, int) or isinstance(value, bool):  # 64.5 was cut to 64, "64" read as 64
+            raise BuildError(f"{origin}: {key} {json.dumps(value)} must be an integer")
+        return value
+
     try:
-        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        hidden, heads = size("hidden_size"), size("num_attention_heads")
         if heads < 1:  # divided by just below; DecoderConfig checks the rest
             raise ValueError(f"num_attention_heads: {heads} must be >= 1")
-        head_dim, theta = int(hf.get("head_dim") or hidden // heads), _rope_theta(hf, rope, origin)
+        head_dim, theta = size("head_dim", hidden // heads), _rope_theta(hf, rope, origin)
         return DecoderConfig(
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            intermediate_size=size("intermediate_size"),
+            num_layers=size("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            num_kv_heads=size("num_key_value_heads", heads),
             head_dim=head_dim,
             rope_theta=theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # 1e-6: transformers' default for all three
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings") or MAX_POSITIONS_DEFAULT[model_type]),
+            max_position_embeddings=size("max_position_embeddings", MAX_POSITIONS_DEFAULT[model_type]),
             attention_bias=bool(hf.get("attention_bias", ATTENTION_BIAS_DEFAULT[model_type])),
             bos_token_id=_token_id(hf.get("bos_token_id"), "bos_token_id", origin),
             eos_token_ids=_eos_ids((hf.get("eos_token_id"), origin),

@@ -504,6 +504,18 @@ def test_zero_heads_and_unreadable_sizes_are_named_not_a_division_error(tmp_path
         load_gguf(str(tmp_path / "text.gguf"))
 
 
+@pytest.mark.parametrize("key, value, shown", [
+    ("vocab_size", None, "null"), ("hidden_size", 64.5, "64.5"), ("num_hidden_layers", "2", '"2"'),
+    ("num_key_value_heads", True, "true"), ("max_position_embeddings", 64.0, "64.0")])
+def test_a_size_that_is_not_an_integer_is_named(tmp_path, key, value, shown):
+    """null said "int() argument must be a string ... not 'NoneType'" without the key; 64.5 was cut to 64 and "2"
+    read as 2, where transformers fails."""
+    original = random_model(TINY, seed=1)
+    write_hf_folder(tmp_path / "m", TINY, original.state_dict, **{key: value})
+    with pytest.raises(BuildError, match=rf"config.json: {key} {re.escape(shown)} must be an integer$"):
+        load_hf_folder(str(tmp_path / "m"))
+
+
 def test_a_bad_hf_tokenizer_or_special_token_id_is_named(tmp_path):
     """A Git LFS pointer or a file the tokenizers library cannot read gave its bare Exception (or a
     UnicodeDecodeError) as a traceback; an eos_token_id outside the vocabulary built a model that never stopped."""
