@@ -10,9 +10,12 @@ the inv_freq constant. Some differences do not show there:
   inv_freq, where the breadth-first search for inv_freq steps over it.
 
 So each match is evaluated: the graph between t and the rotated output is cut out (t becomes a probe input; the
-positions come from attention_mask_probe's feeds: batch 1, positions 0.., an empty past) and run with onnxruntime on
-random t [1, heads, PROBE_TOKENS, D]. Its output must equal the rotation RotaryEmbedding applies with the matched
-inv_freq and scaling. A rotary the probe cannot run is not fused (fusing unchecked math could change results).
+other inputs come from attention_mask_probe's feeds: batch 1, an empty past) and run with onnxruntime on random
+t [1, heads, PROBE_TOKENS, D]. Its output must equal the rotation RotaryEmbedding applies with the matched inv_freq
+and scaling at the positions the fused node would read (the matched positions tensor, an output of the probe too).
+position_ids holds PROBE_TOKENS positions (its own length when fixed), the last of them PROBE_TOKENS - 1 at least:
+at position 0 every rotation is the identity, so a one-token probe at 0 (a graph of fixed shapes, one token) showed
+nothing. A rotary the probe cannot run is not fused (fusing unchecked math could change results).
 """
 from __future__ import annotations
 
@@ -53,15 +56,26 @@ def check_rotaries(graph: gs.Graph, matches: list) -> list[str | None]:
         output = gs.Variable(f"rotary_probe_output_{index}", np.float32)
         probe.nodes.append(gs.Node("Cast", inputs=[tensors[found.add.outputs[0].name]], outputs=[output],
                                    attrs={"to": onnx.TensorProto.FLOAT}))
-        outputs.append(output)
+        positions = gs.Variable(f"rotary_probe_positions_{index}", np.int64)  # what RotaryEmbedding would read
+        probe.nodes.append(gs.Node("Identity", inputs=[tensors[found.positions.name]], outputs=[positions]))
+        outputs += [output, positions]
     probe.outputs = outputs
     as_float32(probe)  # onnxruntime's CPU kernels lack bfloat16 Mul and Add: the same math in float32
-    values = run_cut(probe, lambda value: fed[value.name] if value.name in fed else probe_feed(value, tokens))
+    values = run_cut(probe, lambda value: fed[value.name] if value.name in fed else _feed(value, tokens))
     if isinstance(values, str):
         return [f"rotary: could not be checked by running it ({values}); left unfused"] * len(matches)
-    return [_judge(found, np.asarray(value, np.float64), sources[found.source.name],
+    return [_judge(found, np.asarray(value, np.float64), sources[found.source.name], np.asarray(positions),
                    TOLERANCE if element_type(found.source.dtype) not in REDUCED else REDUCED_PRECISION_TOLERANCE)
-            for found, value in zip(matches, values)]
+            for found, value, positions in zip(matches, values[0::2], values[1::2])]
+
+
+def _feed(value: gs.Variable, tokens: int) -> np.ndarray:
+    """attention_mask_probe's feed; position_ids: its own length when fixed (else PROBE_TOKENS), ending at
+    position PROBE_TOKENS - 1 or later (a fixed one-token graph gets position 6, not 0)."""
+    if value.name != "position_ids":
+        return probe_feed(value, tokens)
+    length = _fixed(value, 1) or PROBE_TOKENS
+    return probe_feed(value, max(length, PROBE_TOKENS), queries=length)
 
 
 def _fixed(tensor: gs.Tensor, axis: int) -> int | None:
@@ -69,15 +83,25 @@ def _fixed(tensor: gs.Tensor, axis: int) -> int | None:
     return shape[axis] if shape is not None and len(shape) > axis and isinstance(shape[axis], int) else None
 
 
-def expected_rotation(t: np.ndarray, inv_freq: np.ndarray, scaling: float) -> np.ndarray:
-    """RotaryEmbedding (rotate-half, interleaved=0) of t [B, heads, S, D] at positions 0..S-1."""
-    cos, sin = op.rotary_tables(inv_freq, t.shape[2], scaling)
+def expected_rotation(t: np.ndarray, inv_freq: np.ndarray, scaling: float,
+                      positions: np.ndarray | None = None) -> np.ndarray:
+    """RotaryEmbedding (rotate-half, interleaved=0) of t [1, heads, S, D] at `positions` [S] (default 0..S-1)."""
+    positions = np.arange(t.shape[2]) if positions is None else np.asarray(positions, np.int64).reshape(-1)
+    cos, sin = op.rotary_tables(inv_freq, int(positions.max(initial=0)) + 1, scaling)
     by_position = t.astype(np.float64).transpose(0, 2, 1, 3)  # [B, S, heads, D], the reference's layout
-    return op.rotate(by_position, cos, sin).transpose(0, 2, 1, 3)
+    return op.rotate(by_position, cos[positions], sin[positions]).transpose(0, 2, 1, 3)
 
 
-def _judge(found, output: np.ndarray, t: np.ndarray, tolerance: float) -> str | None:
-    expected = expected_rotation(t, found.inv_freq, found.scaling)
+def _judge(found, output: np.ndarray, t: np.ndarray, positions: np.ndarray, tolerance: float) -> str | None:
+    if positions.shape != (t.shape[0], t.shape[2]):
+        return (f"rotary: its positions have shape {list(positions.shape)} for t {list(t.shape)} on a probe, not "
+                f"[B, S]: t is not laid out [B, heads, S, D] (RotaryEmbedding's layout)")
+    if positions.min() < 0:
+        return f"rotary: its positions on a probe are {positions.tolist()}: RotaryEmbedding's tables hold none below 0"
+    if not positions.any():
+        return (f"rotary: could not be checked by running it (its positions on a probe are {positions.tolist()}: "
+                f"at position 0 every rotation is the identity); left unfused")
+    expected = expected_rotation(t, found.inv_freq, found.scaling, positions)
     if output.shape != expected.shape:
         return (f"rotary: gives shape {list(output.shape)} for t {list(expected.shape)} on a probe: t is not laid out "
                 f"[B, heads, S, D] (RotaryEmbedding's layout)")

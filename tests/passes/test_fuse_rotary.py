@@ -42,6 +42,15 @@ def test_max_rewrites_fuses_only_the_first(decoder_graphs):  # noqa: F811
     assert op_counts(fused)["Cos"] == 1  # still read by the three unfused rotaries
 
 
+def test_max_rewrites_does_not_hide_why_a_rotary_was_not_fused(decoder_graphs):  # noqa: F811
+    """Past the first N, a rotary that fails a check is reported with its own reason, not as held back by the limit."""
+    _, report = fuse_rotary.run(swap_rotate_half(decoder_graphs["decode"]), fuse_rotary.Options(max_rewrites=1))
+    reasons = sorted((s["layer"], s["reason"].split(":")[0]) for s in report["skipped"])
+    assert report["rewrites"] == 1 and reasons == [("layers.0", "max_rewrites=1"), ("layers.1", "max_rewrites=1"),
+                                                   ("layers.1", "rotary")], report
+    assert "rotate-half" in next(s["reason"] for s in report["skipped"] if s["reason"].startswith("rotary"))
+
+
 def swap_rotate_half(model: onnx.ModelProto) -> onnx.ModelProto:
     """Concat(Neg(t2), t1) -> Concat(t1, Neg(t2)) in layer 1's first rotary: no longer a rotation."""
     broken = onnx.ModelProto()
@@ -76,10 +85,12 @@ def test_hugging_face_positions_are_found_under_cos(hf_traced):  # noqa: F811
     np.testing.assert_allclose(session.run(None, {"input_ids": ids, "attention_mask": mask})[0], expected, atol=1e-5)
 
 
-def test_positions_sized_from_the_attention_mask_are_not_taken_from_its_values():
+@pytest.mark.parametrize("sized_from", ["attention_mask", "input_ids"])
+def test_positions_sized_from_the_attention_mask_are_not_taken_from_its_values(sized_from):
     """A dynamo-style trace: no position_ids input, positions = Range(0, Shape(attention_mask)[1]) as [1, S, 1]. The
     mask is read for its shape only; taking it as the positions (it is the nearest int64 [B, S] tensor) changed the
-    output by 3.5. The subgraph is left alone (rank-3 positions are not the op's), and the graph computes the same."""
+    output by 3.5. The subgraph is left alone (rank-3 positions are not the op's), and the graph computes the same.
+    Sized from input_ids likewise: the search for positions does not go up through Shape, which reads no values."""
     from onnx import TensorProto as TP
     from onnx import helper as oh
     from onnx import numpy_helper as nh
@@ -88,7 +99,7 @@ def test_positions_sized_from_the_attention_mask_are_not_taken_from_its_values()
     constants = {"inv_freq": np.array([1.0, 0.1], np.float32), "one_s": np.array(1, np.int64),
                  "zero_s": np.array(0, np.int64), "ax02": np.array([0, 2], np.int64), "half": np.array([d // 2]),
                  "end": np.array([d]), "start": np.array([0]), "last": np.array([-1]), "ax1": np.array([1])}
-    nodes = [oh.make_node("Shape", ["attention_mask"], ["mask_shape"]),
+    nodes = [oh.make_node("Shape", [sized_from], ["mask_shape"]),
              oh.make_node("Gather", ["mask_shape", "one_s"], ["seq"], axis=0),
              oh.make_node("Range", ["zero_s", "seq", "one_s"], ["arange"]),
              oh.make_node("Unsqueeze", ["arange", "ax02"], ["pos3"]), oh.make_node("Cast", ["pos3"], ["posf"], to=TP.FLOAT),
@@ -101,15 +112,17 @@ def test_positions_sized_from_the_attention_mask_are_not_taken_from_its_values()
              oh.make_node("Concat", ["neg", "t1"], ["rot"], axis=-1), oh.make_node("Mul", ["t", "cos"], ["tc"]),
              oh.make_node("Mul", ["rot", "sin"], ["rs"]), oh.make_node("Add", ["tc", "rs"], ["y"])]
     graph = oh.make_graph(nodes, "rotary", [oh.make_tensor_value_info("t", TP.FLOAT, [1, 1, s, d]),
-                                            oh.make_tensor_value_info("attention_mask", TP.INT64, ["b", "s"])],
+                                            oh.make_tensor_value_info(sized_from, TP.INT64, ["b", "s"])],
                           [oh.make_tensor_value_info("y", TP.FLOAT, [1, 1, s, d])],
                           [nh.from_array(np.asarray(v, np.int64 if v.dtype.kind == "i" else v.dtype), k)
                            for k, v in constants.items()])
     model = onnx.shape_inference.infer_shapes(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)]))
-    fused, _ = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
-    assert not any(n.op_type == "RotaryEmbedding" and "attention_mask" in n.input for n in fused.graph.node)
+    fused, report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    assert not any(n.op_type == "RotaryEmbedding" and sized_from in n.input for n in fused.graph.node)
+    assert [s["reason"] for s in report["skipped"]] == [
+        "rotary: no position_ids input and no int64 [B, S] positions tensor under Cos"]
     feed = {"t": np.random.default_rng(0).standard_normal((1, 1, s, d)).astype(np.float32),
-            "attention_mask": np.ones((1, s), np.int64)}
+            sized_from: np.array([[1, 5, 9, 14, 200, 7]])}
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
     np.testing.assert_allclose(run(fused), run(model), atol=1e-5)
 
@@ -140,12 +153,17 @@ def test_an_old_opset_is_kept_when_nothing_is_rewritten_and_refused_when_it_woul
 
 def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, negate_sin: bool = False,
                  s: int = 6, heads: int = 2, d: int = 8, positions_counted_from_mask: bool = False,
+                 cos_factor=None, sin_factor=None, dynamic_sequence: bool = False, positions_from_past: bool = False,
                  ) -> tuple[onnx.ModelProto, tuple[int, ...]]:
     """One rotate-half rotary of t (fixed shapes), as transformers traces it; variants whose math differs from
     RotaryEmbedding's in ways its nodes do not show: t laid out [B, S, heads, D] (cos unsqueezed at axis 2, as
     `apply_rotary_pos_emb(..., unsqueeze_dim=2)`), positions divided before the Mul by inv_freq (linear position
     scaling), or Neg(sin) (the inverse rotation). `positions_counted_from_mask`: no position_ids input; the
-    positions are CumSum(attention_mask) - 1, counted in float."""
+    positions are CumSum(attention_mask) - 1, counted in float. `cos_factor` / `sin_factor` (a scalar, or one per
+    channel [D]) multiply the tables after Cos / Sin, as YaRN's attention factor does (`cos = emb.cos() * scaling`).
+    `dynamic_sequence`: the sequence dimension of t, the output and position_ids is named, not fixed.
+    `positions_from_past`: no position_ids input; the positions are past length + 0..s-1, the past length read from
+    the shape of input past_key_values.0.key [1, heads, past, d]."""
     from onnx import TensorProto as TP
     from onnx import helper as oh
     from onnx import numpy_helper as nh
@@ -154,39 +172,62 @@ def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, ne
     constants = {"inv_freq": 1.0 / 10000 ** (np.arange(0, d, 2, dtype=np.float32) / d), "last": np.array([-1]),
                  "heads_axis": np.array([2 if layout == "BSHD" else 1]), "start": np.array([0]),
                  "half": np.array([d // 2]), "end": np.array([d]), "divisor": np.array(position_divisor or 1.0, np.float32)}
-    if positions_counted_from_mask:
+    for name, factor in (("cos_factor", cos_factor), ("sin_factor", sin_factor)):
+        if factor is not None:
+            constants[name] = np.asarray(factor, np.float32)
+    position_input = oh.make_tensor_value_info("position_ids", TP.INT64, [1, "sequence" if dynamic_sequence else s])
+    if positions_from_past:
+        constants.update({"past_axis": np.array(2), "length": np.array(s), "step": np.array(1), "batch_axis": np.array([0])})
+        positions = [oh.make_node("Shape", ["past_key_values.0.key"], ["past_shape"]),
+                     oh.make_node("Gather", ["past_shape", "past_axis"], ["past"], axis=0),
+                     oh.make_node("Add", ["past", "length"], ["stop"]), oh.make_node("Range", ["past", "stop", "step"], ["arange"]),
+                     oh.make_node("Unsqueeze", ["arange", "batch_axis"], ["positions"]),
+                     oh.make_node("Cast", ["positions"], ["p0"], to=TP.FLOAT)]
+        position_input = oh.make_tensor_value_info("past_key_values.0.key", TP.FLOAT, [1, heads, "past", d])
+    elif positions_counted_from_mask:
         constants.update({"mask_axis": np.array(1), "one": np.array(1.0, np.float32)})
         positions = [oh.make_node("Cast", ["attention_mask"], ["mask"], to=TP.FLOAT),
                      oh.make_node("CumSum", ["mask", "mask_axis"], ["counted"]),
                      oh.make_node("Sub", ["counted", "one"], ["p0"])]
+        position_input = oh.make_tensor_value_info("attention_mask", TP.INT64, [1, s])
     else:
         positions = [oh.make_node("Cast", ["position_ids"], ["p0"], to=TP.FLOAT)]
     nodes = [*positions,
              oh.make_node("Div" if position_divisor else "Identity", ["p0", "divisor"][:2 if position_divisor else 1], ["p"]),
              oh.make_node("Unsqueeze", ["p", "last"], ["pu"]), oh.make_node("Mul", ["pu", "inv_freq"], ["freqs"]),
              oh.make_node("Concat", ["freqs", "freqs"], ["angles"], axis=-1), oh.make_node("Cos", ["angles"], ["c"]),
-             oh.make_node("Sin", ["angles"], ["s0"]), oh.make_node("Unsqueeze", ["c", "heads_axis"], ["cos"]),
-             oh.make_node("Unsqueeze", ["s0", "heads_axis"], ["s1"]),
+             oh.make_node("Sin", ["angles"], ["s0"]),
+             oh.make_node("Mul" if cos_factor is not None else "Identity", ["c", "cos_factor"][:1 + (cos_factor is not None)], ["cf"]),
+             oh.make_node("Mul" if sin_factor is not None else "Identity", ["s0", "sin_factor"][:1 + (sin_factor is not None)], ["sf"]),
+             oh.make_node("Unsqueeze", ["cf", "heads_axis"], ["cos"]), oh.make_node("Unsqueeze", ["sf", "heads_axis"], ["s1"]),
              oh.make_node("Neg" if negate_sin else "Identity", ["s1"], ["sin"]),
              oh.make_node("Slice", ["t", "start", "half", "last"], ["t1"]),
              oh.make_node("Slice", ["t", "half", "end", "last"], ["t2"]), oh.make_node("Neg", ["t2"], ["neg"]),
              oh.make_node("Concat", ["neg", "t1"], ["rot"], axis=-1), oh.make_node("Mul", ["t", "cos"], ["tc"]),
              oh.make_node("Mul", ["rot", "sin"], ["rs"]), oh.make_node("Add", ["tc", "rs"], ["y"], name="layers.0.rotary")]
-    graph = oh.make_graph(nodes, "rotary", [oh.make_tensor_value_info("t", TP.FLOAT, shape),
-                                            oh.make_tensor_value_info("attention_mask" if positions_counted_from_mask
-                                                                      else "position_ids", TP.INT64, [1, s])],
-                          [oh.make_tensor_value_info("y", TP.FLOAT, shape)],
+    declared = [dim if not dynamic_sequence or dim != s else "sequence" for dim in shape]
+    graph = oh.make_graph(nodes, "rotary", [oh.make_tensor_value_info("t", TP.FLOAT, declared), position_input],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, declared)],
                           [nh.from_array(np.asarray(v, np.int64 if v.dtype.kind == "i" else v.dtype), k)
-                           for k, v in constants.items()])
+                           for k, v in constants.items()],
+                          value_info=[oh.make_tensor_value_info("positions", TP.INT64, [1, s])] if positions_from_past else None)
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)]), shape
+
+
+ONE_CHANNEL_OFF = np.array([1, 1, 1, 1.001, 1, 1, 1, 1], np.float32)  # a per-channel factor: the match reads no such Mul
 
 
 @pytest.mark.parametrize("variant, expected", [
     ({}, None),
+    ({"cos_factor": 1.139, "sin_factor": 1.139}, None),  # YaRN's attention factor (factor 4): scaling 1.139
+    ({"cos_factor": 1.139}, "computes something other than RotaryEmbedding with the matched inv_freq and scaling 1.139"),
+    ({"position_divisor": 1.001}, "computes something other than RotaryEmbedding"),  # off by ~3e-3
+    ({"cos_factor": ONE_CHANNEL_OFF}, "computes something other than RotaryEmbedding"),  # ~7e-4, in one channel
     ({"position_divisor": 4.0}, "computes something other than RotaryEmbedding"),
     ({"negate_sin": True}, "computes something other than RotaryEmbedding"),
     ({"layout": "BSHD", "s": 4, "heads": 4}, "computes something other than RotaryEmbedding"),  # shapes alike
-    ({"layout": "BSHD", "s": 5, "heads": 2}, "could not be checked by running it"),
+    ({"layout": "BSHD", "s": 5, "heads": 2}, "its positions have shape [1, 5] for t [1, 5, 2, 8] on a probe, not [B, S]"),
+    ({"layout": "BSHD", "s": 5, "heads": 2, "dynamic_sequence": True}, "could not be checked by running it"),
 ])
 def test_a_rotary_is_fused_only_when_a_probe_shows_it_computes_rotary_embedding(variant, expected):
     """Before the probe, the last four were fused: the next three changed the output (this test's parity check
@@ -199,18 +240,61 @@ def test_a_rotary_is_fused_only_when_a_probe_shows_it_computes_rotary_embedding(
     np.testing.assert_allclose(run(fused), run(model), atol=1e-5)
     if expected is None:
         assert report["rewrites"] == 1 and report["skipped"] == [], report
+        assert [n.op_type for n in fused.graph.node] == ["RotaryEmbedding"]  # t has batch 1: no Expand of positions
     else:
         assert report["rewrites"] == 0 and op_counts(fused)["RotaryEmbedding"] == 0
         assert [s["layer"] for s in report["skipped"]] == ["layers.0"] and expected in report["skipped"][0]["reason"]
 
 
-def test_positions_counted_from_the_attention_mask_are_not_taken_as_the_mask_itself():
+@pytest.mark.parametrize("variant, expected", [
+    ({}, None),
+    ({"negate_sin": True}, "computes something other than RotaryEmbedding"),
+    ({"position_divisor": 4.0}, "computes something other than RotaryEmbedding"),
+    ({"cos_factor": 1.139, "sin_factor": 1.139}, None),
+])
+def test_a_one_token_rotary_of_fixed_shapes_is_checked_at_a_position_other_than_0(variant, expected):
+    """A graph of fixed shapes for one token (a decode step): the probe ran it at position 0 only, where cos is 1 and
+    sin 0 whatever the graph computes, so a negated sin or scaled positions were fused and changed the output by
+    1.7 at position 5."""
+    model, shape = rotary_graph(s=1, **variant)
+    fused, report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    t = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    for position in (0, 5, 63):
+        feed = {"t": t, "position_ids": np.array([[position]])}
+        run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731, B023
+        np.testing.assert_allclose(run(fused), run(model), atol=1e-5)
+    if expected is None:
+        assert report["rewrites"] == 1 and report["skipped"] == [], report
+    else:
+        assert report["rewrites"] == 0 and expected in report["skipped"][0]["reason"], report
+
+
+def test_a_one_token_rotary_whose_probe_positions_are_all_0_is_not_fused():
+    """One token at position past length + 0, the past read from the cache input's shape: the probe's past is empty,
+    so its one position is 0, where every rotation is the identity; a negated sin would be fused unseen."""
+    model, shape = rotary_graph(s=1, negate_sin=True, positions_from_past=True)
+    fused, report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    assert report["rewrites"] == 0 and op_counts(fused)["RotaryEmbedding"] == 0
+    assert report["skipped"][0]["reason"].startswith("rotary: could not be checked by running it (its positions on a "
+                                                     "probe are [[0]]")
+    feed = {"t": np.random.default_rng(1).standard_normal(shape).astype(np.float32),
+            "past_key_values.0.key": np.zeros((1, 2, 5, 8), np.float32)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
+    np.testing.assert_allclose(run(fused), run(model), atol=1e-5)
+
+
+@pytest.mark.parametrize("shapes_inferred", [False, True])
+def test_positions_counted_from_the_attention_mask_are_not_taken_as_the_mask_itself(shapes_inferred):
     """No position_ids input: the positions are CumSum(attention_mask) - 1, computed in float, so the nearest int64
     [B, S] tensor under Cos is attention_mask itself. It says which tokens are real, not where they are (all ones
     here: RotaryEmbedding would rotate every token as position 1); with no int64 positions to give the op, the
-    rotary stays as it is, and the graph computes the same."""
+    rotary stays as it is, and the graph computes the same. With shapes inferred (as after cleanup), the float
+    positions [1, S] are not taken either: RotaryEmbedding takes int64 ones."""
     model, shape = rotary_graph(positions_counted_from_mask=True)
+    if shapes_inferred:
+        model = onnx.shape_inference.infer_shapes(model)
     fused, report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    assert fused is not model and report["nodes"] == {"before": len(model.graph.node), "after": len(model.graph.node)}
     feed = {"t": np.random.default_rng(1).standard_normal(shape).astype(np.float32),
             "attention_mask": np.ones((1, shape[2]), np.int64)}
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
@@ -218,6 +302,28 @@ def test_positions_counted_from_the_attention_mask_are_not_taken_as_the_mask_its
     assert report["rewrites"] == 0 and op_counts(fused)["RotaryEmbedding"] == 0
     assert [s["reason"] for s in report["skipped"]] == [
         "rotary: no position_ids input and no int64 [B, S] positions tensor under Cos"]
+
+
+def test_int32_position_ids_are_not_given_to_rotary_embedding():
+    """RotaryEmbedding takes int64 position_ids: fused with int32 ones, onnxruntime refuses the graph."""
+    model, shape = rotary_graph()
+    model.graph.input[1].type.tensor_type.elem_type = onnx.TensorProto.INT32
+    fused, report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    assert report["rewrites"] == 0 and [s["reason"] for s in report["skipped"]] == ["position_ids is int32, not int64"]
+    feed = {"t": np.ones(shape, np.float32), "position_ids": np.arange(shape[2], dtype=np.int32)[None]}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
+    np.testing.assert_array_equal(run(fused), run(model))
+
+
+def test_a_graph_of_an_older_ir_version_is_raised_to_ir_10_with_opset_23():
+    model, shape = rotary_graph()
+    model.ir_version, model.opset_import[0].version = 8, 18
+    fused, report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    assert report["rewrites"] == 1 and fused.ir_version == 10 and fused.opset_import[0].version == 23
+    onnx.checker.check_model(fused)
+    feed = {"t": np.ones(shape, np.float32), "position_ids": np.arange(shape[2])[None]}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
+    np.testing.assert_allclose(run(fused), run(model), atol=1e-6)
 
 
 def test_bfloat16_rotaries_are_checked_in_float32_and_fused(decoder_graphs):  # noqa: F811
