@@ -70,6 +70,8 @@ from runtime.tokenizer import StreamDecoder
 BATCHING = ("continuous", "static")
 DEFAULT_SLOTS = 8
 _STARTED: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # every scheduler that started a worker (_close_at_exit)
+_STARTED_LOCK = threading.Lock()  # _STARTED and _exiting: daemon threads may still submit while the handler runs
+_exiting = False  # set by _close_at_exit: no worker starts after it
 
 
 @atexit.register
@@ -79,12 +81,19 @@ def _close_at_exit() -> None:
     was still inside a graph run while the interpreter tore down onnxruntime, and the process aborted ("terminate
     called without an active exception", SIGABRT) instead of exiting: a script that ended, or was stopped with Ctrl-C
     (engine.generate([...]) interrupted), while its requests ran. Exit handlers run after the non-daemon threads
-    ended, so a thread of the program still waiting on a request had it finish first."""
-    for scheduler in list(_STARTED):
+    ended, so a thread of the program still waiting on a request had it finish first. A daemon thread that submits
+    from here on (a done-callback resubmitting a failed request) is refused, not given a worker that would run graphs
+    during the teardown."""
+    global _exiting
+    with _STARTED_LOCK:
+        _exiting = True
+        started = list(_STARTED)
+    for scheduler in started:
         scheduler.close()
 
 
-os.register_at_fork(after_in_child=_STARTED.clear)  # a forked child has none of the workers (and maybe a held lock)
+if hasattr(os, "register_at_fork"):  # POSIX only: a forked child has none of the workers (and maybe a held lock)
+    os.register_at_fork(after_in_child=_STARTED.clear)
 
 
 @dataclass(eq=False)
@@ -220,11 +229,15 @@ class Scheduler:
                 self._lock.wait()
             if self._closed:
                 raise RequestError("the scheduler is closed; start another with engine.start_scheduler()")
+            if self._worker is None:
+                with _STARTED_LOCK:
+                    if _exiting:
+                        raise RequestError("the program is exiting: no request starts now")
+                    _STARTED.add(self)
             self._waiting.append(sequence)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="aotlm-scheduler", daemon=True)
                 self._worker.start()
-                _STARTED.add(self)
             self._lock.notify_all()
         return sequence.handle
 

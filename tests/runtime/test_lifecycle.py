@@ -16,8 +16,16 @@ from tests.conftest import REPO
 # what the request had become by then; the one registered last runs first and lets the graph runs go on.
 EXIT_WHILE_SERVING = """
     import atexit, os, signal, sys, threading
-    atexit.register(lambda: print("at exit:", repr(handle.exception(timeout=0)) if handle.done() else "running",
-                                  flush=True))
+
+    def report():
+        print("at exit:", repr(handle.exception(timeout=0)) if handle.done() else "running", flush=True)
+        try:  # a daemon thread's late submit (a done-callback resubmitting): no worker may start in the teardown
+            engine.submit([1, 7], max_new_tokens=2)
+            print("late submit: started", flush=True)
+        except Exception as error:
+            print("late submit:", repr(error), flush=True)
+
+    atexit.register(report)
     from runtime import Engine
 
     engine = Engine.load(sys.argv[1])
@@ -50,5 +58,7 @@ def test_a_program_that_ends_while_the_scheduler_serves_stops_its_worker_and_exi
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert "at exit: RequestError('the scheduler was closed before this request finished')" in done.stdout, (
             how, done.stdout, done.stderr[-2000:])
+        assert "late submit: RequestError('the program is exiting: no request starts now')" in done.stdout, (
+            how, done.stdout)
         assert done.returncode == status and "terminate called" not in done.stderr, (how, done.stderr[-2000:])
         assert ("KeyboardInterrupt" in done.stderr) == (how == "ctrl-c")
