@@ -6,7 +6,6 @@ stopped with a 503 (a stream: an error event and [DONE]) rather than cut off."""
 from __future__ import annotations
 
 import argparse
-
 import os
 import sys
 import threading

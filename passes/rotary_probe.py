@@ -94,8 +94,8 @@ def expected_rotation(t: np.ndarray, inv_freq: np.ndarray, scaling: float,
 
 def _judge(found, output: np.ndarray, t: np.ndarray, positions: np.ndarray, tolerance: float) -> str | None:
     if positions.shape != (t.shape[0], t.shape[2]):
-        return (f"rotary: its positions have shape {list(positions.shape)} for t {list(t.shape)} on a probe, not "
-                f"[B, S]: t is not laid out [B, heads, S, D] (RotaryEmbedding's layout)")
+        return (f"rotary: its positions {list(positions.shape)} do not match t {list(t.shape)}'s batch and axis 2 on "
+                f"a probe: t is not laid out [B, heads, S, D] (RotaryEmbedding's layout)")
     if positions.min() < 0:
         return f"rotary: its positions on a probe are {positions.tolist()}: RotaryEmbedding's tables hold none below 0"
     if not positions.any():

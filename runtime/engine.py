@@ -226,8 +226,9 @@ class Engine:
         chat.compiled(text)
 
     def chat_prompt_ids(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The prompt's token ids for chat messages ([{"role": "user", "content": "..."}, ...]), rendered by the
-        model's chat template (runtime/chat.py); pass them to generate / stream / submit like any prompt."""
+        """The prompt's token ids for chat messages ([{"role": "user", "content": "..."}, ...]; a content may also be
+        OpenAI's list of text parts), rendered by the model's chat template (runtime/chat.py); pass them to generate
+        / stream / submit like any prompt."""
         from runtime import chat
 
         file = self.manifest["tokenizer"].get("chat_template")

@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from runtime import chat
+from runtime.chat import flat_messages as text_part_messages
 from runtime.errors import RequestError
 from runtime.request_handle import LoggedPiece
 from runtime.results import GenerationResult
@@ -191,7 +191,7 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
 def flat_messages(messages: list) -> list:
     """Messages whose content is a list of parts, with the text parts joined (the only kind this server reads)."""
     try:
-        return chat.flat_messages(messages)
+        return text_part_messages(messages)
     except RequestError as error:
         raise ApiError(f"{error} by this server", param="messages") from None
 

@@ -394,8 +394,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _failure(self, error: BaseException) -> ApiError:
         """What a request that failed in the scheduler tells its client: a stop's (retry elsewhere), else 500."""
-        if self.server.closing and isinstance(error, RequestError):  # the scheduler closed under it
-            return _shutting_down(under_way=True)
+        scheduler = self.server.engine.scheduler
+        if self.server.closing and isinstance(error, RequestError) and (scheduler is None or scheduler.closed):
+            return _shutting_down(under_way=True)  # the stop closed the scheduler under it: not its own failure
         return ApiError(f"the request failed: {error}", 500, "server_error")
 
     def _client_gone(self) -> bool:

@@ -156,7 +156,8 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
     # llama.cpp stops generation at any end-of-generation token: eos, and end-of-turn / end-of-message if set.
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     for kind, token_id in zip(("bos", "eos", "eot", "eom"), [bos, *eos_ids]):  # as hf_loader refuses one
-        if token_id is not None and vocab_size and not 0 <= token_id < vocab_size:
+        # a value that is not an integer is refused by int() below, inside its BuildError
+        if isinstance(token_id, (int, np.integer)) and vocab_size and not 0 <= token_id < vocab_size:
             why = "" if kind == "bos" else " (an end token: generation would never stop)"
             raise BuildError(f"{path}: tokenizer.ggml.{kind}_token_id {token_id} is outside the vocabulary "
                              f"({vocab_size} tokens){why}; "

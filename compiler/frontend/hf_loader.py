@@ -317,16 +317,20 @@ def _read_safetensors(paths: list[str]) -> dict:
                 continue
             if tensor.dtype not in FLOAT_DTYPES:  # .float() would turn integer codes into plausible-looking weights
                 raise BuildError(f"{path}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; aotlm reads "
-                                 f"float weights (float32, float16 or bfloat16), not a quantized checkpoint's: point "
+                                 f"float weights (float32, float16, bfloat16 or float64), not a quantized checkpoint's: point "
                                  f"model.path at the model's float checkpoint")
             state_dict[name] = tensor.float()
     return state_dict
 
 
 def is_lfs_pointer(path: str) -> bool:
-    """Whether the file is a Git LFS pointer left where the data should be (a clone without git-lfs)."""
-    with open(path, "rb") as handle:
-        return handle.read(len(LFS_POINTER)) == LFS_POINTER
+    """Whether the file is a Git LFS pointer left where the data should be (a clone without git-lfs); False for one
+    that cannot be read, whose reader then says why."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(len(LFS_POINTER)) == LFS_POINTER
+    except OSError:
+        return False
 
 
 def _read_json(path: str) -> dict:

@@ -482,6 +482,10 @@ def test_weights_left_as_git_lfs_pointers_are_named(tmp_path):
     (tmp_path / "model.gguf").write_text(pointer)
     with pytest.raises(BuildError, match=r"model.gguf: a Git LFS pointer, not the GGUF file; run `git lfs pull`"):
         load_gguf(str(tmp_path / "model.gguf"))
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    (folder / "model-00002-of-00002.safetensors").mkdir()  # unreadable: the reader's own refusal, not an OSError
+    with pytest.raises(BuildError, match=r"model-00002-of-00002.safetensors: cannot read safetensors"):
+        load_hf_folder(str(folder))
 
 
 def test_zero_heads_and_unreadable_sizes_are_named_not_a_division_error(tmp_path, monkeypatch):

@@ -226,7 +226,7 @@ ONE_CHANNEL_OFF = np.array([1, 1, 1, 1.001, 1, 1, 1, 1], np.float32)  # a per-ch
     ({"position_divisor": 4.0}, "computes something other than RotaryEmbedding"),
     ({"negate_sin": True}, "computes something other than RotaryEmbedding"),
     ({"layout": "BSHD", "s": 4, "heads": 4}, "computes something other than RotaryEmbedding"),  # shapes alike
-    ({"layout": "BSHD", "s": 5, "heads": 2}, "its positions have shape [1, 5] for t [1, 5, 2, 8] on a probe, not [B, S]"),
+    ({"layout": "BSHD", "s": 5, "heads": 2}, "its positions [1, 5] do not match t [1, 5, 2, 8]'s batch and axis 2"),
     ({"layout": "BSHD", "s": 5, "heads": 2, "dynamic_sequence": True}, "could not be checked by running it"),
 ])
 def test_a_rotary_is_fused_only_when_a_probe_shows_it_computes_rotary_embedding(variant, expected):
