@@ -824,14 +824,18 @@ def test_a_block_that_caches_keys_other_than_it_reads_is_not_fused(decoder_graph
         "largest difference 0.5")
 
 
+def cache_rows_moved(graph, cache: str, addend: gs.Tensor) -> None:
+    """The rows the writer of output `cache` writes, moved by `addend` (an Add before its row indices)."""
+    writer = cache_writer(graph, cache)
+    writer.inputs[1] = graph.layer(op="Add", inputs=[writer.inputs[1], addend], outputs=[f"{cache}_rows_moved"])[0]
+    writer.inputs[1].dtype = np.int64
+
+
 def test_a_value_cache_written_at_other_rows_is_not_fused(decoder_graphs):
     """Only layer 0's value write moved one row on (its key write as FlashAttention's): the value cache is checked
     as well as the key cache."""
     def later_value_rows(graph, softmax):
-        writer = cache_writer(graph, "present.0.value")
-        one = gs.Constant("one_row", np.array(1, np.int64))
-        writer.inputs[1] = graph.layer(op="Add", inputs=[writer.inputs[1], one], outputs=["later_value_rows"])[0]
-        writer.inputs[1].dtype = np.int64
+        cache_rows_moved(graph, "present.0.value", gs.Constant("one_row", np.array(1, np.int64)))
 
     _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["prefill"], later_value_rows),
                                    fuse_attention.Options())
@@ -845,9 +849,7 @@ def test_a_block_the_probe_cannot_run_leaves_the_other_blocks_checked(decoder_gr
     def offset_rows_by_an_input(graph, softmax):
         offset = gs.Variable("row_offset", np.int64, [1])
         graph.inputs.append(offset)
-        writer = cache_writer(graph, "present.0.key")
-        writer.inputs[1] = graph.layer(op="Add", inputs=[writer.inputs[1], offset], outputs=["offset_rows"])[0]
-        writer.inputs[1].dtype = np.int64
+        cache_rows_moved(graph, "present.0.key", offset)
 
     _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["prefill"], offset_rows_by_an_input),
                                    fuse_attention.Options())
