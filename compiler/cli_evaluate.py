@@ -141,7 +141,7 @@ def _window_shown(window: int, tokens: int) -> str:
 
 
 def _stride_shown(window: int, stride: int, tokens: int) -> str:
-    """The stride, or "-" where the text is one window and no window follows it."""
+    """The stride, or "- (one window)" where the text is one window and no window follows it."""
     return str(stride) if tokens > window else "- (one window)"
 
 
