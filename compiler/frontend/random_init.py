@@ -70,6 +70,11 @@ def check_state_dict(config: DecoderConfig, state_dict: dict, origin: str) -> No
         problems.append(f"shapes that do not match the config: {_first(wrong)}")
     if problems:
         raise BuildError(f"{origin}: the weights do not fit the model config; " + "; ".join(problems))
+    # A damaged or badly converted checkpoint: every logit would be NaN, and the build would not say why
+    not_finite = [name for name, tensor in state_dict.items() if not torch.isfinite(tensor).all()]
+    if not_finite:
+        raise BuildError(f"{origin}: NaN or infinite values in {_first(not_finite)}; the checkpoint is damaged or was "
+                         f"converted wrongly: download or convert it again")
 
 
 def _first(items: list[str], count: int = 5) -> str:

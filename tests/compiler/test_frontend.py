@@ -1087,6 +1087,19 @@ def test_hf_weights_in_half_precision_an_old_rotary_buffer_and_unreadable_files(
         load_hf_folder(str(folder))
 
 
+def test_weights_with_nan_or_infinite_values_are_named(tmp_path):
+    """They built an artifact whose every logit was NaN, without a word."""
+    original = random_model(TINY, seed=1)
+    for name, value in (("model.layers.1.mlp.up_proj.weight", float("nan")), ("model.norm.weight", float("inf"))):
+        damaged = {key: tensor.clone() for key, tensor in original.state_dict.items()}
+        damaged[name].view(-1)[3] = value
+        write_hf_folder(tmp_path / name, TINY, damaged)
+        (tmp_path / name / "tokenizer.json").write_text(original.tokenizer_json)
+        with pytest.raises(BuildError, match=rf"NaN or infinite values in {re.escape(name)}; the checkpoint is "
+                                             rf"damaged or was converted wrongly"):
+            load_hf_folder(str(tmp_path / name))
+
+
 def test_a_quantized_hf_checkpoint_is_refused_by_name(tmp_path):
     """A GPTQ folder was refused with five missing weights and five `qweight`s "the decoder does not use", never
     saying why; integer weights under the float names (or float8 ones, without their scales) built a model of
