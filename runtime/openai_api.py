@@ -24,7 +24,6 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from runtime.chat import flat_messages as text_part_messages
 from runtime.errors import RequestError
 from runtime.request_handle import LoggedPiece
 from runtime.results import GenerationResult
@@ -183,17 +182,9 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
     if fmt is not None and fmt != {"type": "text"}:
         raise ApiError(f"response_format: {fmt!r}: only {{'type': 'text'}} is supported by this server",
                        param="response_format")
-    flat = flat_messages(messages)
     add_generation_prompt = flag(fields, "add_generation_prompt", default=True)
-    return _checked(lambda: engine.chat_prompt_ids(flat, add_generation_prompt), "messages")
-
-
-def flat_messages(messages: list) -> list:
-    """Messages whose content is a list of parts, with the text parts joined (the only kind this server reads)."""
-    try:
-        return text_part_messages(messages)
-    except RequestError as error:
-        raise ApiError(f"{error} by this server", param="messages") from None
+    # content given as OpenAI's text parts: the chat template's renderer joins them (runtime/chat.py)
+    return _checked(lambda: engine.chat_prompt_ids(messages, add_generation_prompt), "messages")
 
 
 def _completion_logprobs(fields: dict) -> int | None:

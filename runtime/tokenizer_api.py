@@ -11,7 +11,7 @@ Bodies are checked as runtime/openai_api.py checks the API's: ApiError names the
 from __future__ import annotations
 
 from runtime.errors import RequestError
-from runtime.openai_api import ApiError, flag, flat_messages, request_fields
+from runtime.openai_api import ApiError, flag, request_fields
 from runtime.sampling import is_integer
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
@@ -34,7 +34,7 @@ def tokenize(engine, body, model_name: str) -> dict:
             if not isinstance(fields["messages"], list) or not fields["messages"]:
                 raise ApiError("messages: a non-empty list of {role, content} objects", param="messages")
             generation_prompt = flag(fields, "add_generation_prompt", default=True)
-            ids = engine.chat_prompt_ids(flat_messages(fields["messages"]), generation_prompt)
+            ids = engine.chat_prompt_ids(fields["messages"], generation_prompt)
     except RequestError as error:
         raise ApiError(str(error), param="messages" if "messages" in fields else "prompt") from None
     answer = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": None}
