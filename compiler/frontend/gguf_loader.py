@@ -105,7 +105,24 @@ def _open_reader(path: str):
     try:
         return PlainArrayReader(path)
     except Exception as error:  # gguf raises ValueError/struct errors for anything that is not GGUF
+        if _starts_with_gguf_magic(path):
+            # The header parsed far enough to be GGUF, then the reader ran past the data it found: the usual
+            # cause is a download or copy cut short, whose own error ("cannot reshape ...") says nothing of it.
+            size = os.path.getsize(path)
+            raise BuildError(
+                f"{path} starts as a GGUF file but could not be read to its end ({error}); it holds {size:,} "
+                "bytes, which is probably fewer than its header describes (a download or copy cut short). "
+                "Re-download it, and compare its size or sha256 with the source's."
+            )
         raise BuildError(f"{path} is not a readable GGUF file ({error}). Check the path, or re-download it.")
+
+
+def _starts_with_gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as stream:
+            return stream.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _field(reader, key: str, default=None):

@@ -454,6 +454,12 @@ def test_missing_paths_and_files_are_named(tmp_path):
     with pytest.raises(BuildError, match="not a readable GGUF"):
         (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
         load_gguf(str(tmp_path / "junk.gguf"))
+    whole = _gguf(tmp_path / "whole.gguf", random_model(TINY, seed=0)).read_bytes()
+    for kept in (len(whole) // 2, len(whole) - 1, 200):  # in the tensors' data, its last byte, the header
+        (tmp_path / "cut.gguf").write_bytes(whole[:kept])  # the reader's own words: "cannot reshape ..."
+        with pytest.raises(BuildError, match=rf"cut.gguf starts as a GGUF file but could not be read to its end "
+                                             rf"\(.*\); it holds {kept:,} bytes, .* \(a download or copy cut short\)"):
+            load_gguf(str(tmp_path / "cut.gguf"))
     with pytest.raises(BuildError, match="folder not found"):
         load_hf_folder(str(tmp_path / "no-folder"))
     with pytest.raises(BuildError, match=r"junk.gguf: a file, not a folder; .* \(a GGUF file is model.source: gguf\)"):
