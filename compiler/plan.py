@@ -219,14 +219,17 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
         else:
             config = _hf_config(Path(spec.path) / "config.json")
         resolved = recipe.to_dict()
+        head_warning = _stored_head_warning(config, Path(spec.path) / "config.json") if spec.source == "hf" else []
         return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context,
+                        "warnings": head_warning,
                         "backend": recipe.backend.name, "prefill": prefill_shape(resolved),
                         "max_batch": recipe.export.max_batch,
                         **quantized_dtypes(resolved["passes"])}
     if p.is_file() and p.suffix == ".gguf":
         return _gguf_config(str(p)), {"kind": "gguf", "path": str(p)}
     if p.is_file() and p.suffix == ".json":
-        return _hf_config(p), {"kind": "hf config.json", "path": str(p)}
+        config = _hf_config(p)
+        return config, {"kind": "hf config.json", "path": str(p), "warnings": _stored_head_warning(config, p)}
     raise BuildError(f"{path}: not a recipe (.yaml), a Hugging Face config.json (or a folder with one), "
                      f"a .gguf file or an artifact folder (with manifest.json)")
 
@@ -244,11 +247,29 @@ def _gguf_config(path: str) -> DecoderConfig:
 
 
 def _hf_config(path: Path) -> DecoderConfig:
-    from compiler.frontend.hf_loader import _read_json, decoder_config_from_hf
+    from compiler.frontend.hf_loader import _read_json, decoder_config_from_hf, refuse_quantized_checkpoint
 
     if not path.is_file():
         raise BuildError(f"{path}: config.json not found")
-    return decoder_config_from_hf(_read_json(str(path)), {}, str(path))
+    hf = _read_json(str(path))
+    config = decoder_config_from_hf(hf, {}, str(path))
+    refuse_quantized_checkpoint(hf, str(path))  # the build refuses it: planning it as float weights would mislead
+    return config
+
+
+def _stored_head_warning(config: DecoderConfig, config_path: Path) -> list[str]:
+    """The build unties a tied head whose checkpoint stores its own lm_head.weight unless that equals the table
+    (as transformers does); the plan reads no tensor, so it counts the head tied and says what it would add."""
+    from compiler.frontend.hf_loader import stored_tensor_names
+
+    if not config.tie_word_embeddings:
+        return []
+    names = stored_tensor_names(str(config_path.parent))
+    if not names or "lm_head.weight" not in names:
+        return []
+    return [f"config.json ties the lm_head to the embedding table, but the weights also store lm_head.weight: the "
+            f"build keeps that head untied unless it equals the table, adding "
+            f"{config.vocab_size * config.hidden_size / 1e6:.0f}M parameters this plan does not count"]
 
 
 def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
@@ -498,7 +519,7 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
             "FLOPs, whichever is slower)",
             "GPU peaks are dense datasheet figures (not sparsity); fp32 runs at TF32 rate, int8 as W8A8, int4 as "
             "weight-only fp16 matmuls" if gpu else "cpu: measured fp32 onnxruntime MatMul rate for every precision"],
-        "warnings": []}
+        "warnings": info.pop("warnings", [])}
     if info["kind"] == "artifact" and context > (info.get("context") or context):
         result["warnings"].append(f"context {context} exceeds this artifact's cache ({info['context']} tokens): it "
                                   f"serves at most {info['context']}; rebuild with a larger export.max_context")

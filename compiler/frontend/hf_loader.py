@@ -44,12 +44,7 @@ def load_hf_folder(path: str) -> LoadedModel:
     has_generation = os.path.isfile(generation_path)
     generation = _read_json(generation_path) if has_generation else {}
     config = decoder_config_from_hf(hf_config, generation, config_path)
-    quantization = hf_config.get("quantization_config")
-    if quantization:  # its tensors are codes and scales under other names: say so, not which names are missing
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise BuildError(f"{config_path}: quantization_config{f' ({method})' if method else ''}: a pre-quantized "
-                         f"checkpoint, which aotlm does not read; point model.path at the model's float checkpoint "
-                         f"(float32, float16 or bfloat16) and let the recipe's quantize pass quantize it")
+    refuse_quantized_checkpoint(hf_config, config_path)
     for token_id in ([config.bos_token_id] if config.bos_token_id is not None else []) + list(config.eos_token_ids):
         if not 0 <= token_id < config.vocab_size:  # an end token the model can never produce: it would never stop
             raise BuildError(f"{config_path}: special token id {token_id} (bos_token_id / eos_token_id) is outside "
@@ -79,6 +74,39 @@ def load_hf_folder(path: str) -> LoadedModel:
         template_tokens=template_tokens,
         source={"kind": "hf", "path": folder, "files": [_file_record(folder, f) for f in files]},
     )
+
+
+def refuse_quantized_checkpoint(hf_config: dict, config_path: str) -> None:
+    """A pre-quantized checkpoint's tensors are codes and scales under other names: say so, not which names are
+    missing (the build) or plan it as the float model it is not (`aotlm plan`)."""
+    quantization = hf_config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise BuildError(f"{config_path}: quantization_config{f' ({method})' if method else ''}: a pre-quantized "
+                         f"checkpoint, which aotlm does not read; point model.path at the model's float checkpoint "
+                         f"(float32, float16 or bfloat16) and let the recipe's quantize pass quantize it")
+
+
+def stored_tensor_names(folder: str) -> set[str] | None:
+    """The tensor names a folder's safetensors hold, from the index or the files' headers (no tensor is read);
+    None when the folder has no weights to read (a config.json alone can still be planned)."""
+    from safetensors import safe_open
+
+    try:
+        paths = _weight_files(folder)
+    except BuildError:
+        return None
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        return set(_read_json(index_path)["weight_map"])
+    names = set()
+    for path in paths:
+        try:
+            with safe_open(path, framework="numpy") as handle:
+                names.update(handle.keys())
+        except Exception:  # noqa: BLE001 -- an LFS pointer or a cut file: the build names it; plan reads on
+            return None
+    return names
 
 
 def _read_tokenizer(path: str) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from compiler import plan as plan_module
@@ -527,3 +528,31 @@ def test_a_decode_step_of_a_float16_artifact_skips_its_float16_table(tmp_path):
                            "report": {"embedding": {"quantized": True}}}]
     (tmp_path / "manifest.json").write_text(json.dumps(with_required_fields(manifest)))
     assert artifact_step_weight_bytes(tmp_path) == 200_000
+
+
+def test_a_pre_quantized_checkpoint_is_refused_as_the_build_refuses_it(tmp_path):
+    """A GPTQ folder's config.json describes the float model it was made from: the plan had counted it as that."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA3_8B, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(BuildError, match=r"config.json: quantization_config \(gptq\): a pre-quantized checkpoint"):
+        plan(str(tmp_path), device="H100")
+
+
+def test_a_tied_config_beside_a_stored_head_is_warned_of(tmp_path):
+    """The build unties a tied model whose weights store their own lm_head (unless it equals the table); the plan
+    reads tensor names only, so it counts the head tied and says what it would add."""
+    from safetensors.numpy import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA3_8B, "tie_word_embeddings": True}))
+    assert plan(str(tmp_path), device="H100")["warnings"] == []  # a config alone: nothing stored to see
+    save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "model.safetensors"))
+    assert plan(str(tmp_path), device="H100")["warnings"] == []
+    save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.float32), "lm_head.weight": np.ones((2, 2), np.float32)},
+              str(tmp_path / "model.safetensors"))
+    warnings = plan(str(tmp_path), device="H100")["warnings"]
+    assert len(warnings) == 1 and "also store lm_head.weight" in warnings[0] and "525M parameters" in warnings[0]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "model.safetensors"}}))  # the index is what the build reads by
+    assert plan(str(tmp_path), device="H100")["warnings"] == []
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))  # untied: counted, nothing to warn of
+    (tmp_path / "model.safetensors.index.json").unlink()
+    assert plan(str(tmp_path / "config.json"), device="H100")["warnings"] == []
