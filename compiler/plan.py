@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from compiler.errors import BuildError
+from compiler.frontend import hub_id_hint
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig
 
 # Dense peaks (NVIDIA's datasheets mark Tensor Core figures "with sparsity", twice these): bandwidth in bytes/s,
@@ -200,7 +201,7 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
     """The model config behind a recipe, config.json (or its folder), .gguf file or artifact folder."""
     p = Path(path)
     if not p.exists():
-        raise BuildError(f"{path}: no such file or folder")
+        raise BuildError(f"{path}: no such file or folder.{hub_id_hint(path, 'gguf' if path.endswith('.gguf') else 'hf')}")
     if p.is_dir() and (p / "manifest.json").is_file() or p.name == "manifest.json":
         return _from_artifact(p if p.is_dir() else p.parent)
     if p.is_dir() and (p / "config.json").is_file():
@@ -238,7 +239,7 @@ def _gguf_config(path: str) -> DecoderConfig:
     from compiler.frontend.gguf_loader import _field, _open_reader, _read_config
 
     if not os.path.isfile(path):
-        raise BuildError(f"GGUF file not found: {path}")
+        raise BuildError(f"GGUF file not found: {path}.{hub_id_hint(path, 'gguf')}")
     reader = _open_reader(path)  # metadata and tensor shapes only; nothing is dequantized
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:

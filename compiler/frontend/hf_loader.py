@@ -15,6 +15,7 @@ import os
 import torch
 
 from compiler.errors import BuildError
+from compiler.frontend import hub_id_hint
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
 from compiler.frontend.random_init import check_state_dict
 
@@ -34,7 +35,8 @@ def load_hf_folder(path: str) -> LoadedModel:
         raise BuildError(f"{folder}: a file, not a folder; model.path names the Hugging Face model folder (with "
                          f"config.json and the safetensors weights){hint}")
     if not os.path.isdir(folder):
-        raise BuildError(f"Hugging Face model folder not found: {folder}. Check the model path in the recipe.")
+        raise BuildError(f"Hugging Face model folder not found: {folder}. Check the model path in the recipe."
+                         f"{hub_id_hint(folder, 'hf')}")
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
         raise BuildError(f"{folder}: config.json is missing; a Hugging Face model folder needs config.json.")

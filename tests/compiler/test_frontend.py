@@ -1163,3 +1163,21 @@ def test_build_decoder_refuses_a_state_dict_without_every_weight():
     del state["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"model.layers.1.mlp.up_proj.weight\""):
         build_decoder(TINY, state)
+
+
+def test_a_hub_id_for_a_path_says_aotlm_reads_local_files(tmp_path, monkeypatch):
+    """`model.path: HuggingFaceTB/SmolLM2-135M` said only "folder not found": aotlm never downloads, and the message
+    now says so with the download command; a missing path whose folder exists, or a file name, gets no such guess."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BuildError, match=r"not found: .*SmolLM2-135M\. Check the model path in the recipe\. "
+                                         r"'HuggingFaceTB/SmolLM2-135M' reads like a Hugging Face Hub id: aotlm reads "
+                                         r"local files only, .* `hf download HuggingFaceTB/SmolLM2-135M --local-dir "
+                                         r"models/SmolLM2-135M`\.$"):
+        load_model("hf", str(tmp_path / "HuggingFaceTB" / "SmolLM2-135M"), None, 0)
+    with pytest.raises(BuildError, match=r"'bartowski/SmolLM2-GGUF' reads like a Hugging Face Hub id: .* the \.gguf "
+                                         r"file you want .* `hf download bartowski/SmolLM2-GGUF FILE\.gguf"):
+        load_model("gguf", "bartowski/SmolLM2-GGUF", None, 0)
+    (tmp_path / "models").mkdir()
+    for source, path in (("hf", "models/llama"), ("gguf", "weights/x.gguf"), ("hf", "llama")):
+        with pytest.raises(BuildError, match=r"Check the model path in the recipe\.$"):
+            load_model(source, path, None, 0)

@@ -556,3 +556,16 @@ def test_a_tied_config_beside_a_stored_head_is_warned_of(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))  # untied: counted, nothing to warn of
     (tmp_path / "model.safetensors.index.json").unlink()
     assert plan(str(tmp_path / "config.json"), device="H100")["warnings"] == []
+
+
+def test_a_hub_id_is_answered_with_how_to_download_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BuildError, match=r"HuggingFaceTB/SmolLM2-135M: no such file or folder\. 'HuggingFaceTB/"
+                                         r"SmolLM2-135M' reads like a Hugging Face Hub id: aotlm reads local files only"):
+        plan("HuggingFaceTB/SmolLM2-135M", device="H100")
+    (tmp_path / "r.yaml").write_text("name: r\nmodel: {source: gguf, path: someone/model-GGUF}\n")
+    with pytest.raises(BuildError, match=r"GGUF file not found: .*model-GGUF\. 'someone/model-GGUF' reads like a "
+                                         r"Hugging Face Hub id: .* `hf download someone/model-GGUF FILE\.gguf"):
+        plan(str(tmp_path / "r.yaml"), device="H100")
+    with pytest.raises(BuildError, match=r"x\.gguf: no such file or folder\.$"):
+        plan("models/x.gguf", device="H100")
