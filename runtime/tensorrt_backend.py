@@ -53,9 +53,13 @@ class TensorRTBackend:
     def __init__(self, artifact_dir: Path, manifest: dict):
         try:
             import tensorrt as trt
-            import torch
         except ImportError:
             check_compatible(manifest["backend"], None, None, None)
+        try:
+            import torch
+        except ImportError as error:
+            raise ArtifactError(f"this artifact holds TensorRT engines, whose runtime binds torch CUDA tensors, and "
+                                f"torch is not importable ({error}): install torch with CUDA (the `gpu` extra)") from None
         cuda = torch.cuda.is_available()
         check_compatible(manifest["backend"], trt.__version__, torch.cuda.get_device_capability() if cuda else None,
                          torch.cuda.get_device_name() if cuda else None)
@@ -78,9 +82,10 @@ class TensorRTBackend:
         decode = self.engines["decode"]
         names = [decode.get_tensor_name(i) for i in range(decode.num_io_tensors)]
         self.past_names = [name for name in names if name in self.present_for_past]
+        bound = {**dict.fromkeys(STEP_INPUTS, torch.int64), **dict.fromkeys(self.past_names, self.dtype)}
+        self.input_names = {phase: engine_inputs(phase, engine, trt, bound) for phase, engine in self.engines.items()}
         for phase, engine in self.engines.items():
-            check_binding_types(phase, engine, trt, torch, {**dict.fromkeys(STEP_INPUTS, torch.int64),
-                                                            **dict.fromkeys(self.past_names, self.dtype)})
+            check_binding_types(phase, engine, trt, torch, bound)
         # The decode engine's optimization profile bounds its rows (export.max_batch) and its tokens per call
         # (backend.tensorrt.decode_max_tokens): the scheduler and evaluation read these limits.
         largest = decode.get_tensor_profile_shape("input_ids", 0)[2]  # [min, opt, max] shapes of profile 0
@@ -145,7 +150,9 @@ class DeviceCache:
         engine = backend.engines[phase]
         lo, hi = rows
         caches = {name: buffer[lo:hi] for name, buffer in zip(backend.past_names, self.buffers)}  # contiguous rows
-        for name, tensor in {**inputs, **caches}.items():
+        tensors = {**inputs, **caches}
+        for name in backend.input_names[phase]:
+            tensor = tensors[name]
             if not context.set_input_shape(name, tuple(tensor.shape)):  # False: outside the engine's profile
                 raise ValueError(f"{phase} engine: input {name} shape {tuple(tensor.shape)} is outside the "
                                  f"optimization profile it was built with ({_profile_shapes(engine, name)})")
@@ -216,6 +223,18 @@ def _profile_shapes(engine, name: str) -> str:
 
 
 STEP_INPUTS = ("input_ids", "position_ids", "attention_mask")  # bound from the caller's int64 arrays
+
+
+def engine_inputs(phase: str, engine, trt, bound) -> tuple[str, ...]:
+    """The engine's own inputs, each one the runtime binds (`bound`: step inputs and caches); refused at load if
+    one is not. An ONNX input no node reads (position_ids, once lower_tensorrt derives positions from the mask) may
+    be missing from the engine, and set_input_shape on a name it lacks fails as if the shape were out of profile."""
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    inputs = tuple(name for name in names if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT)
+    unknown = [name for name in inputs if name not in bound]
+    if unknown:
+        raise ArtifactError(f"{phase} engine: inputs {unknown} are not bound by this runtime; rebuild the artifact")
+    return inputs
 
 
 def check_binding_types(phase: str, engine, trt, torch, expected: dict) -> None:

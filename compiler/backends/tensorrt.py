@@ -245,7 +245,9 @@ def _build_one(trt, logger, onnx_path: Path, profile: dict, spec, timing_cache_b
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, spec.workspace_gib << 30)
     config.builder_optimization_level = spec.optimization_level
-    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)  # in-place KV cache in plugins
+    aliased_io = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)  # 10.3-11.1; a later one may drop it
+    if aliased_io is not None:
+        config.set_preview_feature(aliased_io, True)  # in-place KV cache in plugins
     optimization = builder.create_optimization_profile()
     for name, (low, opt, high) in profile.items():
         optimization.set_shape(name, low, opt, high)

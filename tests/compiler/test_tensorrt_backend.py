@@ -329,3 +329,19 @@ def test_rotary_embedding_in_the_default_domains_alias_needs_the_same_tensorrt()
                                              r"they need TensorRT 10.15 or newer"):
             tensorrt_backend.check_release("10.14.1.48", graphs)
         tensorrt_backend.check_release("10.15.0.1", graphs)
+
+
+def test_the_gpu_extra_installs_what_the_tensorrt_path_needs():
+    """The extra allowed tensorrt 10.9, which the lowering's RotaryEmbedding-23 refuses (10.15), and brought no
+    torch, which the TensorRT runtime imports for its CUDA buffers."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from compiler.backends.tensorrt import OP_RELEASES
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    gpu = project["project"]["optional-dependencies"]["gpu"]
+    floor = next(re.fullmatch(r"tensorrt>=(\d+)\.(\d+)", spec) for spec in gpu if spec.startswith("tensorrt"))
+    assert (int(floor[1]), int(floor[2])) >= OP_RELEASES[("", "RotaryEmbedding")]
+    assert any(spec.startswith("torch") for spec in gpu) and any(spec.startswith("triton") for spec in gpu)

@@ -235,3 +235,48 @@ def test_tensorrt_one_request_and_the_scheduler_at_once_give_their_own_tokens(te
         assert len(tokens) == 12
         assert_greedy_within_rounding(tiny_engine, prompt, tokens)
     engine.close()
+
+
+def test_a_missing_torch_is_named_not_reported_as_a_missing_tensorrt(monkeypatch):
+    """One try imported tensorrt and torch: a missing torch said "tensorrt is not installed", whose fix (the gpu
+    extra) brought no torch."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from runtime.tensorrt_backend import TensorRTBackend
+
+    monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__="10.15.1.29"))  # importable
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    manifest = {"backend": {"name": "tensorrt", "version": "10.15.1.29", "compute_capability": "9.0"}}
+    with pytest.raises(ArtifactError, match=r"binds torch CUDA tensors, and torch is not importable .*install torch "
+                                            r"with CUDA \(the `gpu` extra\)"):
+        TensorRTBackend(Path("."), manifest)
+
+
+def test_a_step_binds_only_the_inputs_the_engine_has_and_one_it_lacks_is_refused_at_load():
+    """position_ids is read by no node once lower_tensorrt derives positions from the mask; an engine without it
+    would have been told its shape was "outside the optimization profile" at the first step."""
+    from types import SimpleNamespace
+
+    from runtime.tensorrt_backend import engine_inputs
+
+    trt = SimpleNamespace(TensorIOMode=SimpleNamespace(INPUT="in", OUTPUT="out"))
+
+    class Engine:  # ICudaEngine's I/O listing, position_ids dropped as unused
+        def __init__(self, *extra):
+            self.modes = {"input_ids": "in", "attention_mask": "in", "past_key_values.0.key": "in", "logits": "out",
+                          "present.0.key": "out", **dict.fromkeys(extra, "in")}
+            self.num_io_tensors = len(self.modes)
+
+        def get_tensor_name(self, index):
+            return list(self.modes)[index]
+
+        def get_tensor_mode(self, name):
+            return self.modes[name]
+
+    bound = ("input_ids", "position_ids", "attention_mask", "past_key_values.0.key")
+    assert engine_inputs("decode", Engine(), trt, bound) == ("input_ids", "attention_mask", "past_key_values.0.key")
+    with pytest.raises(ArtifactError, match=r"decode engine: inputs \['cache_position'\] are not bound by this "
+                                            r"runtime; rebuild the artifact"):
+        engine_inputs("decode", Engine("cache_position"), trt, bound)
