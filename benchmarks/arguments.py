@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from compiler.errors import UsageError, check_output_file, thread_count
 from runtime.errors import ArtifactError
 from runtime.manifest import read_manifest
+
+__all__ = ["artifact_manifest", "output_file", "require_at_least_one", "thread_count"]  # thread_count: --threads' type
 
 
 def artifact_manifest(parser: argparse.ArgumentParser, artifact: Path) -> dict:
@@ -15,6 +18,15 @@ def artifact_manifest(parser: argparse.ArgumentParser, artifact: Path) -> dict:
     try:
         return read_manifest(artifact)
     except ArtifactError as error:
+        parser.error(str(error))
+
+
+def output_file(parser: argparse.ArgumentParser, path) -> None:
+    """--out must be writable as a file, checked before the work (a folder was an IsADirectoryError traceback after
+    the whole measurement)."""
+    try:
+        check_output_file(None if path is None else str(path), "--out")
+    except UsageError as error:
         parser.error(str(error))
 
 

@@ -24,6 +24,25 @@ from generate import Genai, Transformers, prepare_folders  # noqa: E402
 from runtime.metrics import RequestTrace  # noqa: E402
 
 NAMES = (Transformers.name, Genai.name)  # == runtime.bench.BASELINES
+REQUIRES = {Transformers.name: (("torch", "transformers"), "the `compiler` and `dev` extras (scripts/bootstrap)"),
+            Genai.name: (("onnxruntime_genai",), "pip install 'aotlm[bench]'")}
+
+
+def check_installed(names) -> None:
+    """Refuse a baseline whose packages are missing before any backend is served (the check in load() came after
+    aotlm had served the whole workload, and exited 1 with nothing written)."""
+    import importlib
+
+    from runtime.bench import BenchError
+
+    for name in names:
+        modules, install = REQUIRES[name]
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as error:
+                raise BenchError(f"--baseline {name}: {module} is not installed ({error}); {install}, or drop "
+                                 f"--baseline {name}") from None
 
 
 def load(name: str, manifest: dict, threads: int, console):

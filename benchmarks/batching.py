@@ -48,7 +48,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate import REPO, RESULTS, machine_info, paired_median, versions, write_result  # noqa: E402
-from arguments import artifact_manifest, require_at_least_one  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
 
@@ -112,11 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", default="64", help="closed loop's output tokens")
     parser.add_argument("--min-requests", type=int, default=16, help="closed loop: requests per level, at least")
     parser.add_argument("--poisson-output-tokens", default="16:256")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default: benchmarks/results/batching.json); the Poisson run's JSON and plots "
                              "go beside it, named <stem>-poisson*")
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
     if args.rate != "auto":
         try:
             valid = float(args.rate) > 0

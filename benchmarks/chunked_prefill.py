@@ -24,15 +24,19 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import REPO, machine_info, versions, write_result  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
+from generate import REPO, RESULTS, machine_info, versions, write_result  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
 
 
+SHORT_PROMPT, LONG_OUTPUT = 32, 16  # the running requests' prompt tokens; the long request's new tokens
+
+
 def workload(encode, decoders: int, decode_tokens: int, long_prompt: int, long_at: float) -> bench.Workload:
-    short = bench.text_token_ids(encode, 32)
+    short = bench.text_token_ids(encode, SHORT_PROMPT)
     long = bench.text_token_ids(encode, long_prompt)
-    requests = [bench.Request(short, decode_tokens) for _ in range(decoders)] + [bench.Request(long, 16)]
+    requests = [bench.Request(short, decode_tokens) for _ in range(decoders)] + [bench.Request(long, LONG_OUTPUT)]
     return bench.Workload(requests=requests, warmup=[bench.Request(short, 4)], arrival="poisson", concurrency=0,
                           rate=None, seed=0, offsets=[0.0] * decoders + [long_at])
 
@@ -72,15 +76,33 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--long-prompt", type=int, default=1536)
     parser.add_argument("--long-at", type=float, default=1.5)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/chunked_prefill.json)")
     args = parser.parse_args(argv)
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be >= 2: the running requests' inter-token gaps are what is measured")
+    require_at_least_one(parser, args, "--decoders", "--long-prompt", "--repeats")
+    if not args.long_at >= 0:
+        parser.error(f"--long-at must be >= 0 seconds, got {args.long_at}")
+    try:
+        chunks = [None if text == "none" else int(text) for text in args.chunks.split(",")]
+    except ValueError:
+        chunks = [0]
+    if not chunks or any(chunk is not None and chunk < 1 for chunk in chunks):
+        parser.error(f"--chunks {args.chunks!r}: give comma-separated token counts >= 1 or none, e.g. none,128,256")
+    limit = artifact_manifest(parser, args.artifact)["kv_cache"]["max_context"]
+    if args.long_prompt + LONG_OUTPUT - 1 > limit:  # the engine's rule: prompt + new tokens - 1 positions
+        parser.error(f"--long-prompt {args.long_prompt} + its {LONG_OUTPUT} new tokens need "
+                     f"{args.long_prompt + LONG_OUTPUT - 1} positions; this artifact's max context is {limit}: use "
+                     f"--long-prompt {limit + 1 - LONG_OUTPUT} or less")
+    if SHORT_PROMPT + args.decode_tokens - 1 > limit:
+        parser.error(f"--decode-tokens {args.decode_tokens} after a {SHORT_PROMPT}-token prompt need "
+                     f"{SHORT_PROMPT + args.decode_tokens - 1} positions; this artifact's max context is {limit}: use "
+                     f"--decode-tokens {limit + 1 - SHORT_PROMPT} or less")
+    output_file(parser, args.out or RESULTS / "chunked_prefill.json")
     console = Console(width=None if sys.stdout.isatty() else 160)
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
     load = workload(engine.tokenizer.encode, args.decoders, args.decode_tokens, args.long_prompt, args.long_at)
-    chunks = [None if text == "none" else int(text) for text in args.chunks.split(",")]
     results: dict[str, list[dict]] = {str(chunk): [] for chunk in chunks}
     for repeat in range(args.repeats):  # settings interleaved, so machine noise spreads over all of them
         for chunk in chunks:

@@ -38,6 +38,7 @@ import onnxruntime as ort
 from rich.console import Console
 from rich.table import Table
 
+from arguments import output_file, thread_count  # noqa: E402
 from generate import REPO, RESULTS, write_result  # benchmarks/ is on the path when run as a script
 
 WARMUP_STEPS = 10
@@ -163,9 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--contexts", default="64,590", help="cached tokens before the timed steps, comma separated")
     parser.add_argument("--rows", default="1", help="sequences per step (batched decode), comma separated")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/decode_profile.json)")
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
     args.artifacts = [Path(a) for a in args.artifacts.split(",") if a]
     for artifact in args.artifacts:
         if not (artifact / "manifest.json").is_file():

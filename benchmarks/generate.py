@@ -8,7 +8,8 @@ written once as a Hugging Face folder under benchmarks/results/cache/), the same
 own documentation, pydoc_data.topics, cut to exactly --prompt-tokens), batch 1 and greedy decoding that
 never stops early, so every run makes exactly --new-tokens tokens. All backends are loaded first; one warm-up
 run each, then --repeats rounds, each running every backend once (never two at once) in an order that rotates
-from round to round; per backend the run with the median end-to-end time is reported. aotlm's sessions are
+from round to round; per backend each metric's own median over the rounds is reported (not one run's metrics), and
+ratios between backends are the median of each round's ratio. aotlm's sessions are
 opened with `aotlm run`'s thread setting (SINGLE_STREAM_SPIN: the decode session keeps its threads spinning).
 
 Metrics (vLLM's definitions): TTFT = request start -> first new token chosen; TPOT = (E2E - TTFT) / (M - 1);
@@ -36,7 +37,7 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
-from arguments import artifact_manifest, require_at_least_one  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
 from compiler.artifact import tool_versions  # noqa: E402
 from runtime.engine import SINGLE_STREAM_SPIN as ENGINE_SINGLE_STREAM_SPIN  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
@@ -252,13 +253,13 @@ def paired_ratios(results: dict, reference: str, keys=("tpot_ms", "ttft_ms")) ->
             for name, result in results.items()}
 
 
-def agreement(results: dict) -> dict:
-    reference = results["aotlm"]["token_ids"][:AGREE_TOKENS]
+def agreement(results: dict, tokens: int = AGREE_TOKENS) -> dict:
+    reference = results["aotlm"]["token_ids"][:tokens]
     report = {}
     for name, result in results.items():
-        tokens = result["token_ids"][:AGREE_TOKENS]
-        first = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
-        report[name] = {"agrees": tokens == reference, "first_difference": first}
+        made = result["token_ids"][:tokens]
+        first = next((i for i, (a, b) in enumerate(zip(reference, made)) if a != b), None)
+        report[name] = {"agrees": made == reference, "first_difference": first}
     return report
 
 
@@ -310,9 +311,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baselines", default="transformers,onnxruntime-genai")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/generate.json)")
     args = parser.parse_args(argv)
+    output_file(parser, args.out or RESULTS / "generate.json")
     console = Console(width=None if sys.stdout.isatty() else 150)  # a pipe gets 80 columns: too few
     baselines = [name for name in args.baselines.split(",") if name]
     unknown = set(baselines) - {Transformers.name, Genai.name}
@@ -353,9 +355,10 @@ def main(argv: list[str] | None = None) -> dict:
     del backends
 
     render(results, console)
-    agree = agreement(results)
+    compared = min(AGREE_TOKENS, args.new_tokens)  # --new-tokens 8 compares 8 tokens, not 32
+    agree = agreement(results, compared)
     same = all(entry["agrees"] for entry in agree.values())
-    console.print(f"first {AGREE_TOKENS} greedy tokens agree across {', '.join(agree)}: {'yes' if same else 'NO'}")
+    console.print(f"first {compared} greedy tokens agree across {', '.join(agree)}: {'yes' if same else 'NO'}")
     for name, entry in agree.items():
         if not entry["agrees"]:
             console.print(f"  {name}: first difference from aotlm at new token {entry['first_difference']}")
@@ -367,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "hf_folder": str(hf_folder) if hf_folder else None, "genai_folder": str(genai_folder) if Genai.name in baselines else None},
         "machine": machine_info(), "versions": versions(),
         "prompt_token_ids": prompt_ids, "results": results,
-        "agreement": {"tokens_compared": AGREE_TOKENS, "all_agree": same, "backends": agree},
+        "agreement": {"tokens_compared": compared, "all_agree": same, "backends": agree},
     }
     console.print(f"wrote {write_result('generate.json', report, args.out)}")
     return report

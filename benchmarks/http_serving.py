@@ -34,7 +34,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import artifact_manifest, require_at_least_one  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
 from generate import REPO, machine_info, paired_median, versions, write_result  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
@@ -151,9 +151,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-tokens", default="128")
     parser.add_argument("--new-tokens", default="64")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
     require_at_least_one(parser, args, "--requests", "--rounds")
     try:
         levels = [int(level) for level in args.concurrency.split(",")]

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arguments import artifact_manifest, output_file, thread_count  # noqa: E402
 from generate import REPO, machine_info, paired_median, prompt_token_ids, versions, write_result  # noqa: E402
 
 WARMUP_STEPS = 4
@@ -89,12 +90,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--contexts", type=int_list, default=[64, 2000])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/huge_pages.json)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--artifact", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--huge", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
     if args.child:
         print(json.dumps(child(args)))
         return {}
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--repeats and --steps must be >= 1, and --contexts must name at least one context")
     artifacts = [REPO / name if not Path(name).is_absolute() else Path(name) for name in args.artifacts.split(",")]
     for artifact in artifacts:
-        limit = json.loads((artifact / "manifest.json").read_text())["kv_cache"]["max_context"]
+        limit = artifact_manifest(parser, artifact)["kv_cache"]["max_context"]
         if max(args.contexts) + WARMUP_STEPS + args.steps > limit or args.prompt > limit:
             parser.error(f"{artifact} holds {limit} tokens: every context + {WARMUP_STEPS + args.steps} steps, and "
                          f"the prompt, must fit")

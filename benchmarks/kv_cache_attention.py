@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +26,10 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 from rich.console import Console
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arguments import output_file, thread_count  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, CACHE = 9, 3, 64, 2048
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -118,12 +123,23 @@ def time_node(queries: int, context: int, cache: str, shared: bool, decode_gemm:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--prompts", default="512,2000")
     parser.add_argument("--contexts", default="64,512,2047")
     parser.add_argument("--out", type=Path, default=RESULTS / "kv_cache_attention.json")
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
+    if args.runs < 1:  # --runs 0 wrote NaN medians as the table and the JSON
+        parser.error(f"--runs must be >= 1, got {args.runs}")
+    try:
+        prompts = [int(p) for p in args.prompts.split(",") if p]
+        contexts = [int(c) for c in args.contexts.split(",") if c]
+    except ValueError:
+        parser.error(f"--prompts {args.prompts!r} / --contexts {args.contexts!r}: give comma-separated token counts")
+    if any(not 1 <= p <= CACHE for p in prompts) or any(not 1 <= c < CACHE for c in contexts):
+        parser.error(f"--prompts must be in 1..{CACHE} and --contexts in 1..{CACHE - 1} (the node's cache holds "
+                     f"{CACHE} tokens), got {args.prompts} and {args.contexts}")
     rows = []
 
     def row(phase: str, tokens: int, queries: int, shared: bool, decode_gemm: bool, runs: int) -> dict:
@@ -136,9 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
         return {"phase": phase, "tokens": tokens, **milliseconds,
                 "cache_types": {name: cache_type for name, (_, cache_type) in timings.items()}}
 
-    for prompt in (int(p) for p in args.prompts.split(",")):
+    for prompt in prompts:
         rows.append(row("prefill", prompt, prompt, False, False, max(3, args.runs // 10)))
-    for context in (int(c) for c in args.contexts.split(",")):
+    for context in contexts:
         rows.append(row("decode", context, 1, True, True, args.runs))
     table = Table(title=f"one GroupQueryAttention node, SmolLM2-135M shapes, {args.threads} threads (medians)")
     for column in ("phase", "prompt / context", "float32 cache ms", "int8 cache ms", "int8 / float32",

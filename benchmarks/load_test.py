@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from runtime import Engine, RequestError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling arguments.py, run from anywhere
-from arguments import artifact_manifest, require_at_least_one  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MAX_RSS_GROWTH = 0.05
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     parser.add_argument("--batching", choices=("continuous", "static"), default="continuous")
     parser.add_argument("--cancel-fraction", type=float, default=0.0, help="requests cancelled after one token")
     parser.add_argument("--check", type=int, default=16, help="greedy requests re-served alone and compared")
-    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's)")
+    parser.add_argument("--threads", type=thread_count, default=None, help="intra-op threads (default: onnxruntime's)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every result")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-caching", action="store_true", help="serve with Engine.load(prefix_caching=True)")
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
                         help=f"prompts begin with one of K {SHARED_PREFIX_TOKENS}-token prefixes (default 0: none)")
     parser.add_argument("--out", default=str(RESULTS / "load-test.json"))
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
     require_at_least_one(parser, args, "--requests", "--concurrency")
     if args.slots is not None and args.slots < 1:
         parser.error(f"--slots must be >= 1, got {args.slots}")

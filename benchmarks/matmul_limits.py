@@ -40,6 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from compiler.plan import cpu_device  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arguments import output_file, thread_count  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = {"fp32": None, "int4": (4, 32), "int8": (8, 16)}  # (bits, block size) of MatMulNBits
 
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--kv-width", type=int, default=192, help="kv heads x head_dim")
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--accuracy-level", type=int, default=4, choices=(0, 1, 2, 3, 4),
                         help="MatMulNBits' accuracy_level: 4 = int8 activations (the recipes'), 0/1 = float")
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="GB/s to compare with (default: this machine's, measured once and cached by aotlm plan)")
     parser.add_argument("--out", type=Path, default=RESULTS / "matmul_limits.json")
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
+    if args.runs < 1:  # --runs 0 wrote NaN medians as the table and the JSON
+        parser.error(f"--runs must be >= 1, got {args.runs}")
     formats = [f for f in args.formats.split(",") if f]
     unknown = set(formats) - set(FORMATS)
     if unknown or not formats:

@@ -34,6 +34,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arguments import output_file, thread_count  # noqa: E402
 from generate import REPO, machine_info, prompt_token_ids, versions, write_result  # noqa: E402
 from phases import AotlmPhases  # noqa: E402
 from quantization import built_recipe  # noqa: E402
@@ -49,13 +50,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--without", default="skip_unused_rows", help="the pass left out of the baseline build")
     parser.add_argument("--prompt-lengths", default="128,512,1024")
     parser.add_argument("--runs", type=int, default=40, help="timed runs per graph and length")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--reference", type=Path, default=None, help="an artifact to measure each variant against")
     parser.add_argument("--reference-prompts", type=int, default=16)
     parser.add_argument("--reference-tokens", type=int, default=256)
     parser.add_argument("--load-runs", type=int, default=3, help="fresh processes per artifact timing Engine.load")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/pass_ab.json)")
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
     console = Console()
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
     recipe = load_recipe(args.recipe)

@@ -52,7 +52,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
 from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, paired_median, prepare_folders,  # noqa: E402
                       prompt_token_ids, versions, write_result)
-from arguments import artifact_manifest, require_at_least_one  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
 
 from compiler.plan import artifact_step_weight_bytes, busy_cpu_s, cpu_device, own_cpu_s  # noqa: E402
 
@@ -331,12 +331,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--fused-artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
     parser.add_argument("--unfused-artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m-unfused")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--max-other-cores", type=float, default=0.25,
                         help="re-measure when other processes kept more cores than this busy on average")
     parser.add_argument("--retries", type=int, default=3, help="re-measurements allowed per contended measurement")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/phases.json)")
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
     console = Console(width=None if sys.stdout.isatty() else 200)
     names = [name for name in args.backends.split(",") if name]
     unknown = set(names) - set(BACKENDS)
@@ -345,6 +346,12 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.contexts or not args.prompt_lengths:
         parser.error("give at least one context and one prompt length")
     require_at_least_one(parser, args, "--steps", "--repeats", "--prefill-runs")
+    if GENAI in names:  # the default backends include it: fail now, not after the other backends load
+        try:
+            import onnxruntime_genai  # noqa: F401
+        except ImportError as error:
+            parser.error(f"{GENAI} is not installed ({error}): pip install 'aotlm[bench]', or leave it out of "
+                         f"--backends (e.g. --backends {FUSED})")
     bandwidth = cpu_device()["bandwidth"]  # measured once per machine (all cores reading), then cached
     load_before = os.getloadavg()
 

@@ -29,7 +29,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import artifact_manifest, require_at_least_one  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
 from generate import REPO, machine_info, prepare_folders, versions, write_result  # noqa: E402
 
 from runtime import Engine  # noqa: E402
@@ -133,9 +133,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--choices", type=int, default=4)
     parser.add_argument("--context-words", type=int, default=40)
     parser.add_argument("--concurrency", type=int, default=4, help="clients sending at once (and scheduler slots)")
-    parser.add_argument("--threads", type=int, default=2, help="transformers' torch threads")
+    parser.add_argument("--threads", type=thread_count, default=2, help="transformers' torch threads")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
     require_at_least_one(parser, args, "--items", "--context-words", "--concurrency")
     if args.choices < 2:
         parser.error(f"--choices must be >= 2 (a right word and a wrong one), got {args.choices}")

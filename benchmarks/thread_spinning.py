@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arguments import output_file, thread_count  # noqa: E402
 from generate import REPO, RESULTS, machine_info, paired_median, prompt_token_ids, versions, write_result  # noqa: E402
 
 from runtime import Engine  # noqa: E402
@@ -185,15 +186,14 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     parser.add_argument("--request-outputs", default="16:256", help="scheduler requests' output tokens, LOW:HIGH")
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--pause", type=float, default=0.5, help="seconds before each run")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=RESULTS / "thread_spinning.json")
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the work, not a traceback after it
     console = console or Console()
     for name in ("repeats", "prompt", "early", "requests", "request_prompt", "slots"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.threads < 0:
-        raise SystemExit(f"--threads must be at least 0 (0: onnxruntime's default), got {args.threads}")
     if args.new_tokens <= args.early:
         raise SystemExit(f"--new-tokens ({args.new_tokens}) must exceed --early ({args.early})")
     try:

@@ -323,6 +323,7 @@ def _bench(args) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
         import baselines as peers
 
+        peers.check_installed(baselines)  # before anything is served: aotlm's run is not lost to a missing peer
         loaders.update({peer: (lambda peer=peer: peers.load(peer, manifest, threads, console)) for peer in baselines})
     runs = {}
     with Progress(console=console) as progress:

@@ -65,7 +65,6 @@ def test_a_bad_output_range_is_refused(tiny_artifact, tmp_path):
 @pytest.mark.parametrize("arguments, message", [
     (["--repeats", "0"], "--repeats must be at least 1, got 0"),
     (["--early", "0"], "--early must be at least 1, got 0"),
-    (["--threads", "-1"], "--threads must be at least 0"),
     (["--prompt", "120", "--new-tokens", "20"], "--prompt \\+ --new-tokens - 1 = 139 cache positions, above its max "
                                                 "context 128"),
     (["--prompt", "8", "--new-tokens", "12", "--request-prompt", "100", "--request-outputs", "10:40"],
