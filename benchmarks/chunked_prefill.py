@@ -9,7 +9,8 @@ new tokens arrives. Unchunked, its whole prefill runs between two decode steps, 
 for it; with `prefill_chunk: N` the scheduler prefills at most N prompt tokens per iteration and decodes the others
 in between. Measured per setting (median over --repeats runs): the running requests' longest inter-token gap and
 p99 ITL, their TPOT, the long request's TTFT, and output tokens/s. Greedy, stop tokens disabled, 8 slots.
-Writes benchmarks/results/chunked_prefill.json.
+Writes benchmarks/results/chunked_prefill.json and, beside it, chunked_prefill-itl.png: the running requests' ITL
+distribution per prefill_chunk.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def measure(engine: Engine, load: bench.Workload, chunk: int | None, long_at: fl
     during = [gap for trace in decoding for gap, at in zip(np.diff(trace.token_times), trace.token_times[1:])
               if long.arrival <= at <= long.first_token + 0.5]  # gaps that end while the long prompt is prefilled
     wall = max(trace.finish for trace in traces) - t0
-    return {"max_itl_ms": 1e3 * float(gaps.max()), "p99_itl_ms": 1e3 * float(np.percentile(gaps, 99)),
+    return {"itl_ms": (1e3 * gaps).tolist(), "max_itl_ms": 1e3 * float(gaps.max()), "p99_itl_ms": 1e3 * float(np.percentile(gaps, 99)),
             "p50_itl_ms": 1e3 * float(np.percentile(gaps, 50)),
             "max_itl_during_long_prefill_ms": 1e3 * float(max(during)) if during else None,
             "tpot_ms": 1e3 * statistics.median(trace.tpot for trace in decoding),
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
         for chunk in chunks:
             console.print(f"repeat {repeat + 1}/{args.repeats}: prefill_chunk {chunk}")
             results[str(chunk)].append(measure(engine, load, chunk, args.long_at))
-    medians = {chunk: {key: median_of([run[key] for run in runs]) for key in runs[0]} for chunk, runs in results.items()}
+    medians = {chunk: {key: median_of([run[key] for run in runs]) for key in runs[0] if key != "itl_ms"}
+               for chunk, runs in results.items()}
     table = Table(title=f"{args.decoders} requests decoding; a {args.long_prompt}-token prompt arrives at "
                         f"{args.long_at} s (medians of {args.repeats})")
     for column in ("prefill_chunk", "max ITL ms", "max ITL during its prefill", "p99 ITL ms", "p50 ITL ms",
@@ -122,7 +124,12 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(table)
     result = {"settings": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
               "versions": versions(), "runs": results, "medians": medians}
-    console.print(f"wrote {write_result('chunked_prefill.json', result, args.out)}")
+    path = write_result("chunked_prefill.json", result, args.out)
+    plot = bench.write_cdf_plot(path.with_name(f"{path.stem}-itl.png"), {
+        f"ITL of the {args.decoders} running requests, every repeat": {
+            f"prefill_chunk {chunk}": [gap for run in runs for gap in run["itl_ms"]] for chunk, runs in results.items()}},
+        "ms")
+    console.print(f"wrote {path}, {plot}")
     return result
 
 

@@ -15,7 +15,8 @@ opened with `aotlm run`'s thread setting (SINGLE_STREAM_SPIN: the decode session
 Metrics (vLLM's definitions): TTFT = request start -> first new token chosen; TPOT = (E2E - TTFT) / (M - 1);
 ITL = gaps between consecutive new tokens; decode tok/s = 1 / TPOT. Prefill = the prompt's forward pass
 alone (aotlm: the prefill graph run; transformers: one separately timed forward; genai: append_tokens).
-Writes benchmarks/results/generate.json.
+Writes benchmarks/results/generate.json (each run's ITLs too) and, beside it, generate-itl.png: the ITL distribution
+per backend.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
 from compiler.artifact import tool_versions  # noqa: E402
+from runtime import bench  # noqa: E402
 from runtime.engine import SINGLE_STREAM_SPIN as ENGINE_SINGLE_STREAM_SPIN  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 WARMUP_RUNS = 1
@@ -241,7 +243,8 @@ def measure_all(backends: dict, prompt_ids: list[int], new_tokens: int, repeats:
         # each metric's own median over the repeats (not one run's metrics: the run of median E2E need not have
         # the median TTFT); ratios between backends are paired per repeat (paired_ratios)
         results[name] = {"median": {key: float(np.median([m[key] for m in metrics])) for key in metrics[0]},
-                         "runs": metrics, "token_ids": made[0].token_ids}
+                         "runs": metrics, "token_ids": made[0].token_ids,
+                         "itl_ms": [(1e3 * np.diff(run.token_times_s)).tolist() for run in made]}  # per run, for plots
     return results
 
 
@@ -372,7 +375,11 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_token_ids": prompt_ids, "results": results,
         "agreement": {"tokens_compared": compared, "all_agree": same, "backends": agree},
     }
-    console.print(f"wrote {write_result('generate.json', report, args.out)}")
+    path = write_result("generate.json", report, args.out)
+    plot = bench.write_cdf_plot(path.with_name(f"{path.stem}-itl.png"), {
+        f"ITL, {args.prompt_tokens}-token prompt, every run's gaps": {
+            name: [gap for run in result["itl_ms"] for gap in run] for name, result in results.items()}}, "ms")
+    console.print(f"wrote {path}, {plot}")
     return report
 
 

@@ -14,7 +14,8 @@ Python's documentation, greedy, stop tokens ignored so every request makes exact
   choice's end, sent right after the last text.) The server's own timings (each stream's last chunk carries them)
   beside.
 Rounds alternate the order of the two (ABBA), and ratios are paired per round (generate.paired_median).
-Prints a table; writes benchmarks/results/http_serving.json.
+Prints a table; writes benchmarks/results/http_serving.json and, beside it, http_serving-ttft.png: each level's TTFT
+distribution in process and over HTTP.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def in_process(engine: Engine, workload, slots: int) -> dict:
     summary = summarize(traces)
     return {"output_tokens": sum(trace.output_tokens for trace in traces),
             "output_tokens_per_s": summary["output_tokens_per_s"], "ttft_ms": summary["ttft_ms"],
-            "tpot_ms": summary["tpot_ms"]}
+            "tpot_ms": summary["tpot_ms"], "ttfts_ms": [1e3 * trace.ttft for trace in traces]}
 
 
 def start_server(artifact: Path, slots: int, threads: int) -> tuple[subprocess.Popen, str, int]:
@@ -127,7 +128,8 @@ def over_http(host: str, port: int, workload, clients: int) -> dict:
             "ttft_ms": ms([r["ttft"] for r in records]),
             "tpot_ms": ms([r["tpot"] for r in records if r["tpot"] is not None]),
             "server_ttft_ms": float(np.median([r["server"]["ttft_ms"] for r in records])),
-            "server_tpot_ms": float(np.median([r["server"]["tpot_ms"] for r in records]))}
+            "server_tpot_ms": float(np.median([r["server"]["tpot_ms"] for r in records])),
+            "ttfts_ms": [1e3 * r["ttft"] for r in records]}
 
 
 def ms(seconds: list[float]) -> dict:
@@ -206,7 +208,11 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"artifact": manifest["name"], "settings": settings, "machine": machine_info(), "versions": versions(),
               "runs": {str(level): run for level, run in runs.items()}}
     path = write_result("http_serving.json", result, args.out)
-    console.print(f"wrote {path}")
+    plot = bench.write_cdf_plot(path.with_name(f"{path.stem}-ttft.png"), {
+        f"TTFT, {level} client{'s' * (level > 1)}, every round": {
+            mode.replace("_", " "): [t for run in runs[level][mode] for t in run["ttfts_ms"]] for mode in runs[level]}
+        for level in levels}, "ms")
+    console.print(f"wrote {path}, {plot}")
     return result
 
 

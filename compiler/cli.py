@@ -293,10 +293,12 @@ def _bench(args) -> None:
         console.print(bench.phase_table(args.phase, rows, peaks), width=None if console.is_terminal else 160)
         console.print(f"[dim]peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads[/dim]",
                       highlight=False)
-        settings = {"artifact": str(args.artifact), "phase": args.phase, "batch": args.batch, "runs": args.runs,
-                    "steps": args.steps, "threads": threads}
+        counted = {"runs": args.runs} if args.phase == "prefill" else {"steps": args.steps}  # what the phase used
+        settings = {"artifact": str(args.artifact), "phase": args.phase, "batch": args.batch, **counted,
+                    "threads": threads}
         out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
-        console.print(f"wrote {escape(str(out))}")
+        plot = bench.write_phase_plot(rows, args.phase, out)
+        console.print(f"wrote {escape(str(out))}, {escape(str(plot))}")
         return
     tokenizer = TextTokenizer(Path(args.artifact) / manifest["tokenizer"]["file"], manifest["tokenizer"].get("bos_token_id"))
     workload = bench.make_workload(

@@ -423,6 +423,39 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     return [out, cdf, timeline]
 
 
+def write_cdf_plot(path: Path, panels: dict[str, dict[str, Sequence[float]]], xlabel: str) -> Path:
+    """One PNG of empirical CDFs: a panel per title, a line per label (values in the unit `xlabel` names). The
+    distributions a table reduces to percentiles; raises BenchError without matplotlib (the bench extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise BenchError(f"the plot {path} needs matplotlib: pip install 'aotlm[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(panels), squeeze=False, figsize=(5.5 * len(panels), 4.2))
+    for axis, (title, series) in zip(axes[0], panels.items()):
+        for label, values in series.items():
+            values = np.sort(np.asarray(values, dtype=float))
+            axis.step(values, np.arange(1, values.size + 1) / max(values.size, 1), where="post",
+                      label=f"{label} ({values.size})")
+        axis.set(xlabel=xlabel, ylabel="fraction", ylim=(0, 1.02), title=title)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)
+
+
+def write_phase_plot(rows: list[dict], phase: str, out: Path) -> Path:
+    """<stem>-steps.png beside `out`: the distribution of each size's timed runs (prefill) or steps (decode)."""
+    key, size, unit = ("runs_ms", "prompt_tokens", "prompt") if phase == "prefill" else ("steps_ms", "context", "context")
+    series = {f"{unit} {row[size]}": row[key] for row in rows}
+    title = f"{phase}, batch {rows[0]['batch']}: " + ("each timed run" if phase == "prefill" else "each timed step")
+    return write_cdf_plot(Path(out).with_name(f"{Path(out).stem}-steps.png"), {title: series}, "ms")
+
+
 # -- the graphs alone ---------------------------------------------------------------------------------------------
 DECODE_WARMUP_STEPS = 4
 

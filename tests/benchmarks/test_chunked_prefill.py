@@ -19,6 +19,9 @@ def test_chunked_prefill_small(tiny_artifact, monkeypatch, tmp_path):
     for medians in result["medians"].values():
         assert medians["max_itl_ms"] >= medians["p99_itl_ms"] >= medians["p50_itl_ms"] > 0
         assert medians["long_ttft_ms"] > 0 and medians["output_tokens_per_s"] > 0
+    for runs in result["runs"].values():  # the gaps the plot draws: 2 requests x 47 gaps, the maximum among them
+        assert len(runs[0]["itl_ms"]) == 2 * 47 and max(runs[0]["itl_ms"]) == runs[0]["max_itl_ms"]
+    assert (tmp_path / "chunked_prefill-itl.png").stat().st_size > 0
 
 
 def test_chunked_prefill_writes_where_asked_and_refuses_one_token_decoders(tiny_artifact, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO
@@ -25,6 +26,9 @@ def test_both_modes_serve_every_token_and_write_the_json(tiny_artifact, tmp_path
         assert local["output_tokens"] == remote["output_tokens"] == 3 * new_tokens
         assert remote["output_tokens_per_s"] > 0 and remote["ttft_ms"]["median"] > 0
         assert (remote["tpot_ms"]["median"] is None) == (new_tokens == 1)
+        assert len(local["ttfts_ms"]) == len(remote["ttfts_ms"]) == 3  # each request's, for the plot
+        assert np.median(remote["ttfts_ms"]) == pytest.approx(remote["ttft_ms"]["median"])
+    assert (tmp_path / "h-ttft.png").stat().st_size > 0
 
 
 def test_a_level_above_the_requests_is_refused_before_anything_runs(capsys):

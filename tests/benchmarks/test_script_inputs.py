@@ -82,6 +82,8 @@ def test_generate_reports_how_many_tokens_it_really_compared(tiny_artifact, tmp_
     report = generate.main(["--artifact", str(tiny_artifact), "--baselines", "", "--prompt-tokens", "8",
                             "--new-tokens", "4", "--repeats", "1", "--threads", "1", "--out", str(tmp_path / "g.json")])
     assert report["agreement"]["tokens_compared"] == 4  # 4 tokens were made: "first 32 agree" was not measured
+    assert [len(gaps) for gaps in report["results"]["aotlm"]["itl_ms"]] == [3]  # one run's 3 gaps, drawn in the plot
+    assert (tmp_path / "g-itl.png").stat().st_size > 0
 
 
 def test_huge_pages_names_a_missing_artifact(tmp_path, capsys):

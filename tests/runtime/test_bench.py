@@ -253,7 +253,10 @@ def test_cli_bench_and_phases(tiny_artifact, tmp_path, monkeypatch, capsys):
                          ("decode", ["--contexts", "8,16", "--steps", "4"])):
         path = tmp_path / f"{phase}.json"
         assert cli.main(["bench", str(tiny_artifact), "--phase", phase, *flags, "--out", str(path)]) == 0
-        assert len(json.loads(path.read_text())["rows"]) == 2
+        written = json.loads(path.read_text())
+        assert len(written["rows"]) == 2 and (tmp_path / f"{phase}-steps.png").stat().st_size > 0
+        assert written["settings"]["runs" if phase == "prefill" else "steps"] == (2 if phase == "prefill" else 4)
+        assert ("steps" if phase == "prefill" else "runs") not in written["settings"]  # a count the phase never used
     # The tiny model is untied: a step gathers one row of its embedding table, so the bytes it reads are plan's
     # count, not the whole weights file (which had been counted, 1.3x here).
     manifest = json.loads((tiny_artifact / "manifest.json").read_text())
