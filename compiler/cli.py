@@ -275,6 +275,10 @@ def _bench(args) -> None:
                                   if args.phase == "prefill" else ("--contexts", args.contexts, DEFAULT_CONTEXTS))
         # a prefill of C tokens needs C < max context; a decode at context C also its warm-up and timed steps
         largest = max_context - 1 if args.phase == "prefill" else max_context - bench.DECODE_WARMUP_STEPS - args.steps
+        if largest < 1:  # no context is left to time at: "decode size 1 does not fit" named a size nobody gave
+            raise bench.BenchError(f"--steps {args.steps} + {bench.DECODE_WARMUP_STEPS} warm-up steps fill this "
+                                   f"artifact's max context ({max_context}) with no context left to time them at; "
+                                   f"give --steps {max_context - bench.DECODE_WARMUP_STEPS - 1} or fewer")
         sizes = bench.parse_sizes(given, max_context, option) if given else bench.sizes_that_fit(default, largest)
         device = cpu_device()  # measured once per machine, cached under ~/.cache/aotlm/
         peaks = {"flops": device["fp32"], "bandwidth": device["bandwidth"], "device": device["name"]}

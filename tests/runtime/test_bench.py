@@ -329,6 +329,9 @@ def test_a_shared_prefix_starts_every_prompt_and_prefix_caching_reuses_it(tiny_a
                                                         "(64) need 131 cache positions"),
     (["--shared-prefix", "-1"], "--shared-prefix must be >= 0, got -1"),
     (["--phase", "decode", "--prefix-caching"], "--prefix-caching: it shapes a served workload"),
+    (["--phase", "decode", "--steps", "200"], "--steps 200 + 4 warm-up steps fill this artifact's max context "
+                                             "(128) with no context left to time them at; give --steps 123 or "
+                                             "fewer"),  # said "decode size 1", a size nobody gave
 ])
 def test_cli_bad_input_one_line_exit_2(tiny_artifact, capsys, args, message):
     assert cli.main(["bench", str(tiny_artifact), *args]) == 2
