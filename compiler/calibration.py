@@ -46,8 +46,9 @@ def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> Calibr
     token_ids = np.asarray(tokenizer.encode(calibration, add_special_tokens=False).ids, np.int64)
     try:
         samples = draw_samples(token_ids, spec.samples, spec.length, spec.seed)
-    except PassError as error:
-        raise BuildError(f"calibration: {error}") from None
+    except PassError as error:  # the count is of the calibration part only: say so, and which text it is
+        raise BuildError(f"calibration: {error} (the calibration part: {source['source']}, {len(calibration)} "
+                         f"characters; the rest is held out for the accuracy report)") from None
     source = {**source, "characters": len(calibration), "tokens_available": int(len(token_ids))}
     return CalibrationSet(**dataclasses.asdict(spec), token_ids=samples, source=source, progress=progress)
 

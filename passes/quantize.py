@@ -163,11 +163,27 @@ def check_options(options: Options) -> None:
     if block is not None and (block < 16 or block > MAX_BLOCK or block & (block - 1)):
         raise PassError(f"quantize: int8_kernel_block={block}: MatMulNBits needs a power of two from 16 to "
                         f"{MAX_BLOCK} (e.g. 32)")
+    layer_settings = [base_settings(options)]
     for index, override in enumerate(options.overrides):
         merged = settings_with(base_settings(options), override, full_range_wanted(options))
         where = f"quantize: overrides[{index}] ({override.pattern!r})"
+        settable = ("bits", "block_size", "symmetric", "method")
+        if not override.skip and all(getattr(override, key) is None for key in settable):
+            raise PassError(f"{where} sets nothing: give bits, block_size, symmetric or method, or skip: true")
         check_settings(merged, where)
         check_int8_options(merged.bits, override.block_size, override.symmetric, where)
+        if not override.skip:
+            layer_settings.append(merged)
+    # Options that no layer's settings use would be dropped unsaid (as a pattern that matches nothing would be).
+    if options.full_range and not any(settings.full_range for settings in layer_settings):
+        raise PassError("quantize: full_range: true applies to symmetric INT4 only, and no layer is symmetric INT4 "
+                        "(bits=8 or symmetric=false); drop full_range")
+    if options.gptq_act_order and not any(s.method in ("gptq", "awq_gptq") for s in layer_settings):
+        raise PassError("quantize: gptq_act_order: true applies to method gptq or awq_gptq, and no layer uses them; "
+                        "drop gptq_act_order or set method")
+    if options.int8_kernel_block is not None and not any(settings.bits == 8 for settings in layer_settings):
+        raise PassError(f"quantize: int8_kernel_block applies to INT8 layers, and every layer is INT4 (its "
+                        f"block_size, {options.block_size}, sets its blocks); drop int8_kernel_block")
 
 
 def full_range_wanted(options: Options) -> bool:
@@ -212,6 +228,17 @@ def check_patterns(candidates: list[gs.Node], options: Options) -> None:
     if unmatched:
         example = f"; names look like {candidates[0].name!r}" if candidates else "; the graph has no MatMul"
         raise PassError(f"quantize: pattern(s) {', '.join(unmatched)} match no MatMul node or weight name{example}")
+
+    # First match wins: an override whose every node is excluded or claimed by an earlier override never applies.
+    def applies_to(index: int, node) -> bool:
+        return (matches(options.overrides[index].pattern, node) and not any(matches(p, node) for p in options.exclude)
+                and not any(matches(earlier.pattern, node) for earlier in options.overrides[:index]))
+
+    never = [f"overrides[{index}] {override.pattern!r}" for index, override in enumerate(options.overrides)
+             if not any(applies_to(index, node) for node in candidates)]
+    if never:
+        raise PassError(f"quantize: {', '.join(never)} never applies: every node it matches is excluded or matched by "
+                        f"an earlier override (the first match wins); put the narrower pattern first")
 
 
 # -- finding targets ---------------------------------------------------------------------------------------

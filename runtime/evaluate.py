@@ -28,6 +28,7 @@ from runtime.sampling import _logprobs
 
 LogitsFor = Callable[[np.ndarray], np.ndarray]  # token ids [n] -> logits [n, vocab], row i predicts token i + 1
 CALIBRATION_FRACTION = 0.9  # of pydoc's characters; the held-out part starts at the next paragraph boundary
+HELD_OUT_BOUNDARY_LIMIT = 0.95  # ...if one starts by here; else at 90% exactly (half the held-out part, at least)
 BUILTIN_TEXTS = ("pydoc-held-out", "pydoc-calibration")
 
 
@@ -38,12 +39,15 @@ class EvaluationError(RequestError, ValueError):
 # -- texts ---------------------------------------------------------------------------------------------------
 def split_held_out(text: str) -> tuple[str, str]:
     """(calibration_part, held_out_part) of a text: the held-out part starts at the first paragraph boundary
-    ("\\n\\n") at or after 90% of the characters; the calibration part is everything before it.
+    ("\\n\\n") at or after 90% of the characters, where one starts by 95% and text follows it (else at 90%
+    exactly); the calibration part is everything before it.
 
     Quantization calibrates on the first part and its build-time report scores the second, so they never overlap.
     """
     boundary = text.find("\n\n", int(CALIBRATION_FRACTION * len(text)))
-    if boundary < 0:  # no paragraph boundary after 90%: split at 90% exactly
+    # No paragraph boundary between 90% and 95% (a text whose only later one is its trailing blank line would hold out
+    # just that line, one scored token): split at 90% exactly.
+    if boundary < 0 or boundary > HELD_OUT_BOUNDARY_LIMIT * len(text) or not text[boundary:].strip():
         boundary = int(CALIBRATION_FRACTION * len(text))
     return text[:boundary], text[boundary:]
 

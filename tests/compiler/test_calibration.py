@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from compiler import cli_evaluate
-from compiler.accuracy import (first_repeated_run, format_accuracy, held_out_tokens, quantization_summary,
+from compiler.accuracy import (HeldOut, first_repeated_run, format_accuracy, held_out_tokens, quantization_summary,
                                repeated_text_warning, report_window_and_stride)
 from compiler.calibration import BUILTIN_SOURCE, resolve, resolve_passes, split_text
 from compiler.errors import BuildError
@@ -196,3 +196,21 @@ def test_first_repeated_run_at_the_edges_of_both_texts():
     assert first_repeated_run(seen[300:460], seen, length=160) == 0  # a run that starts the text
     assert first_repeated_run("|" + seen[-121:], seen, length=160) == 1  # the shortest run found, at seen's end
     assert first_repeated_run("|" + seen[320:440] + "|", seen, length=160) is None  # 120 characters: too short
+
+
+def test_too_short_a_text_says_its_count_is_of_the_calibration_part(tiny_artifact, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("word " * 40)  # 200 characters (and tokens, byte-level): 180 in the calibration part
+    with pytest.raises(BuildError, match=r"has 180 tokens.*\(the calibration part: .*notes.txt, first 90%, 180 "
+                                         r"characters; the rest is held out"):
+        resolve(CalibrationSpec(text=str(notes), samples=4, length=64), (tiny_artifact / "tokenizer.json").read_text())
+
+
+def test_a_repeat_from_the_first_token_does_not_advise_max_tokens_0():
+    warning = repeated_text_warning(HeldOut(np.arange(10), "notes.txt, last 10% (held out)", 0))
+    assert "max_tokens to 0" not in warning  # accuracy.max_tokens must be >= 2: the advice cannot be followed
+    assert "accuracy.enabled: false" in warning
+
+
+def test_a_later_repeat_still_advises_where_to_cut():
+    assert "set accuracy.max_tokens to 7 or less" in repeated_text_warning(HeldOut(np.arange(10), "x", 7))

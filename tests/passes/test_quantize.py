@@ -439,3 +439,61 @@ def test_a_quantized_embedding_gathers_the_rows_of_the_numpy_reference(symmetric
     expected = dequantize(quantize_rtn(table.T.copy(), 4, 32, symmetric, full_range=symmetric)).T[ids].astype(dtype)
     assert rows.dtype == dtype
     np.testing.assert_allclose(rows.astype(np.float32), expected.astype(np.float32), rtol=0, atol=1e-3)
+
+
+# -- options that no layer uses, overrides that never apply: refused, as a pattern matching nothing is --
+def two_matmuls() -> onnx.ModelProto:
+    """x -> MatMul 'gate_proj' (W1) and x -> MatMul 'down_proj' (W2)."""
+    rng = np.random.default_rng(0)
+    weights = {name: rng.standard_normal((64, 32)).astype(np.float32) for name in ("W1", "W2")}
+    nodes = [onnx.helper.make_node("MatMul", ["x", w], [o], name=n)
+             for w, o, n in (("W1", "a", "gate_proj"), ("W2", "b", "down_proj"))]
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 64])],
+        [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, [1, 3, 32]) for o in "ab"],
+        [onnx.numpy_helper.from_array(v, k) for k, v in weights.items()])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+
+
+def test_an_override_shadowed_by_an_earlier_one_is_an_error():
+    # The user wants down_proj in INT8, but "*proj*" matches it first: down_proj silently stays INT4 today.
+    options = quantize.Options(bits=4, overrides=(quantize.Override("*proj*", block_size=16),
+                                                  quantize.Override("down_proj", bits=8)))
+    with pytest.raises(PassError, match=r"overrides\[1\] 'down_proj' never applies"):
+        quantize.run(two_matmuls(), options)
+
+
+def test_an_override_of_excluded_nodes_only_is_an_error():
+    options = quantize.Options(bits=4, exclude=("down_proj",), overrides=(quantize.Override("down_proj", bits=8),))
+    with pytest.raises(PassError, match=r"overrides\[0\] 'down_proj' never applies"):
+        quantize.run(two_matmuls(), options)
+
+
+def test_an_override_that_sets_nothing_is_an_error():
+    with pytest.raises(PassError, match=r"overrides\[0\] \('down_proj'\) sets nothing"):
+        quantize.run(two_matmuls(), quantize.Options(bits=4, overrides=(quantize.Override("down_proj"),)))
+
+
+def test_overrides_that_each_claim_a_node_still_build():
+    options = quantize.Options(bits=4, overrides=(quantize.Override("down_proj", bits=8),
+                                                  quantize.Override("*proj*", block_size=16)))
+    _, report = quantize.run(two_matmuls(), options)
+    assert {layer["node"]: (layer["bits"], layer["block_size"]) for layer in report["layers"]} == \
+        {"gate_proj": (4, 16), "down_proj": (8, 64)}
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(bits=4, symmetric=False, full_range=True), "full_range: true applies to symmetric INT4 only"),
+    (dict(bits=8, full_range=True), "full_range: true applies to symmetric INT4 only"),
+    (dict(bits=4, method="rtn", gptq_act_order=True), "gptq_act_order: true applies to method gptq or awq_gptq"),
+    (dict(bits=4, int8_kernel_block=32), "int8_kernel_block applies to INT8 layers"),
+])
+def test_an_option_no_layer_uses_is_an_error(options, message):
+    with pytest.raises(PassError, match=message):
+        quantize.run(two_matmuls(), quantize.Options(**options))
+
+
+def test_full_range_with_an_int4_symmetric_override_is_accepted():
+    options = quantize.Options(bits=8, full_range=True, overrides=(quantize.Override("gate_proj", bits=4),))
+    _, report = quantize.run(two_matmuls(), options)
+    assert [layer["full_range"] for layer in report["layers"]] == [True, False]

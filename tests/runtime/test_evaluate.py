@@ -439,3 +439,22 @@ def test_eval_with_fewer_tokens_than_the_report_still_recognizes_its_text(tiny_a
     report["tokens_sha256"] = tokens_fingerprint(held_out[1:601])  # another text: still warned about
     assert _evaluation_tokens(args, [artifact]) == held_out[:100]
     assert "is not the one int4's build report scored" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_paragraph_break_only_at_the_end_does_not_leave_a_blank_held_out_part():
+    text = ("A paragraph of notes. " * 5 + "\n\n") * 8  # every paragraph ends with a blank line, the last one too
+    calibration, held_out = split_held_out(text)
+    assert calibration + held_out == text
+    assert held_out.strip(), repr(held_out)  # today: "\n\n", one scored token
+    assert len(held_out) >= 0.05 * len(text)
+
+
+def test_a_paragraph_break_near_the_end_does_not_shrink_the_held_out_part():
+    text = "word " * 2000 + "\n\nThe end.\n"  # the only break after 90% is at 99.9%
+    _, held_out = split_held_out(text)
+    assert len(held_out) >= 0.05 * len(text)
+
+
+def test_the_builtin_split_is_unchanged():
+    calibration, held_out = split_pydoc_text()
+    assert held_out.startswith("\n\n") and 0.90 <= len(calibration) / (len(calibration) + len(held_out)) < 0.901
