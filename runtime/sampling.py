@@ -81,6 +81,11 @@ class SamplingParams:
             raise RequestError(f"min_p: {self.min_p!r} must be a number in [0, 1] (0 = no limit)")
         if self.seed is not None and (not is_integer(self.seed) or self.seed < 0):  # numpy's generators take >= 0
             raise RequestError(f"seed: {self.seed!r} must be an integer >= 0 or None")
+        # numpy integers pass is_integer; keep Python ints, whose arithmetic cannot wrap around (the scheduler's
+        # prompt + max_new_tokens - 1 read np.int32(2**31 - 1) as a negative need and admitted the request)
+        for name in ("max_new_tokens", "top_k", "min_new_tokens", "logprobs", "prompt_logprobs", "seed"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
         # A bare string is one stop string, as in vLLM's and OpenAI's `stop` (not a tuple of its characters).
         stops = (self.stop_strings,) if isinstance(self.stop_strings, str) else self.stop_strings
         if not isinstance(stops, (list, tuple)) or not all(isinstance(stop, str) for stop in stops):

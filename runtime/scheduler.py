@@ -556,6 +556,9 @@ class Scheduler:
             return self._finish(sequence, "stop")
         if len(sequence.output) >= params.max_new_tokens:
             return self._finish(sequence, "length")
+        if sequence.length >= self.engine.max_context:  # submit's capacity check makes this unreachable; should a
+            # request ever get past it, it ends here, not in a decode step whose failure every running request shares
+            return self._finish(sequence, "max_context")
         sequence.next_token = token  # fed back at position `length` by the next decode step
 
     def _release(self, sequence: _Sequence, failed: bool = False) -> None:

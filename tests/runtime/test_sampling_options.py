@@ -454,3 +454,25 @@ def test_min_p_of_one_keeps_only_the_likeliest_token():
     logits = np.random.default_rng(3).standard_normal(50)
     distribution = Sampler(SamplingParams(temperature=1.0, min_p=1.0, seed=0)).distribution(logits)
     np.testing.assert_array_equal(distribution, np.eye(1, 50, int(np.argmax(logits)))[0])
+
+
+INTEGER_OPTIONS = ("max_new_tokens", "top_k", "min_new_tokens", "logprobs", "prompt_logprobs", "seed")
+
+
+def test_numpy_integer_options_are_stored_as_python_ints():
+    """Integer options given as numpy integers (an array's element, a value read by pandas) are stored as Python
+    ints: numpy's fixed-width arithmetic wraps around, and the scheduler's capacity check, prompt + max_new_tokens - 1,
+    read np.int32(2**31 - 1) as a negative need and admitted a request that outgrew its slot (its failing decode
+    step then failed every request decoding beside it)."""
+    params = SamplingParams(max_new_tokens=np.int32(2**31 - 1), top_k=np.int64(5), min_new_tokens=np.uint8(2),
+                            logprobs=np.int16(3), prompt_logprobs=np.int64(1), seed=np.uint64(7))
+    for name in INTEGER_OPTIONS:
+        assert type(getattr(params, name)) is int, name
+    assert params.max_new_tokens == 2**31 - 1
+
+
+@pytest.mark.parametrize("huge", [np.int32(2**31 - 1), np.int64(2**63 - 1)])
+def test_a_numpy_max_new_tokens_past_the_cache_is_refused_at_submit(tiny_engine, huge):
+    with pytest.raises(RequestError, match="max context"):
+        tiny_engine.submit([5, 6, 7], max_new_tokens=huge, ignore_eos=True)
+    tiny_engine.close()

@@ -796,3 +796,19 @@ def test_a_scored_request_cancelled_in_its_prompt_has_no_prompt_logprobs(engine,
     result = scored.result(timeout=30)
     assert result.finish_reason == "cancelled" and result.prompt_logprobs is None
     assert running.result(timeout=60).finish_reason == "length"
+
+
+def test_a_request_that_got_past_the_capacity_check_ends_at_the_cache_not_in_everyones_step(engine, monkeypatch):
+    """Submit's check keeps prompt + max_new_tokens within the cache; should a request ever get past it (a numpy
+    max_new_tokens once wrapped around there), it ends with "max_context" at the cache's end, and the requests
+    decoding beside it keep their own tokens, instead of failing with it in onnxruntime's decode step."""
+    from runtime.scheduler import Scheduler
+
+    scheduler = engine.start_scheduler(slots=2)
+    monkeypatch.setattr(Scheduler, "_check_fits", lambda self, prompt_ids, params: None)
+    overlong = scheduler.submit([1, 5, 6, 7], max_new_tokens=500, stop_token_ids=())
+    other = scheduler.submit([1, 9, 10], max_new_tokens=40, stop_token_ids=())
+    long_result, other_result = overlong.result(), other.result()
+    assert long_result.finish_reason == "max_context"
+    assert len(long_result.token_ids) == engine.max_context - 4 + 1  # the last token is sampled, never fed back
+    assert other_result.token_ids == alone(engine, [1, 9, 10], 40)
