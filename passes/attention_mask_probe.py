@@ -80,16 +80,22 @@ def run_cut(probe: gs.Graph, feed) -> list[np.ndarray] | str:
     """Run a graph cut out for a probe (its outputs set; `feed(input) -> array` for each input it keeps) with
     onnxruntime; the outputs' values, or why it could not run (the error's first line: an input the probe cannot
     make, or onnxruntime refusing the cut-out graph)."""
+    runs = run_cut_many(probe, [feed])
+    return runs if isinstance(runs, str) else runs[0]
+
+
+def run_cut_many(probe: gs.Graph, feeds: list) -> list[list[np.ndarray]] | str:
+    """run_cut for several feeds, one session: per feed, the outputs' values; or why it could not run."""
     import onnxruntime as ort  # the passes observe graphs with onnxruntime's kernels, as calibration does
 
     probe.cleanup(remove_unused_graph_inputs=True)
     try:
-        feeds = {value.name: feed(value) for value in probe.inputs}
         model = gs.export_onnx(probe, do_type_check=False)
         options = ort.SessionOptions()
         options.log_severity_level = 3
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return session.run([output.name for output in probe.outputs], feeds)
+        names = [output.name for output in probe.outputs]
+        return [session.run(names, {value.name: feed(value) for value in probe.inputs}) for feed in feeds]
     except Exception as error:  # noqa: BLE001 - any failure means "unchecked", said in the report
         return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
 

@@ -33,8 +33,9 @@ from passes.attention_mask_probe import check_masks
 from passes.errors import PassError
 from passes.graph_export import export_onnx
 from passes.graph_patterns import (SkipReason, as_float, constant, layer_name, numbered, parse_inv_freq, parse_rotary,
-                                    producer, rotary_table_constants, scalar_factor, scaled_operand, walk_up,
-                                    walk_up_scaled)
+                                    producer, rotary_sin, rotary_table_constants, scalar_factor, scaled_operand,
+                                    walk_up, walk_up_scaled)
+from passes.rotary_probe import check_tables
 
 THROUGH_CACHE_READ = {"Transpose", "Unsqueeze", "Reshape", "Expand", "Slice", "Identity", "Cast"}
 THROUGH_HEAD_SPLIT = {"Transpose", "Reshape", "Identity"}
@@ -66,6 +67,7 @@ class Match:
     rotary_scaling: float
     activations: tuple = ()  # per q, k, v projection: (its input x, K of x @ W), for the block probe
     reads_cache: bool = False  # the scores read the keys back from the written cache (a decode graph)
+    tables: tuple = ()  # per rotated q and k: its (cos, sin) tensors, checked over the probe length
 
 
 def _scores(softmax: gs.Node) -> tuple[gs.Node, float, gs.Tensor | None] | SkipReason:
@@ -219,7 +221,13 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
     for part in parts:
         if isinstance(part, SkipReason):
             return part
-    (q_heads, cos), (k_heads, _) = parts
+    (q_heads, cos), (k_heads, k_cos) = parts
+    tables = []
+    for rotated, table in ((q_rotated, cos), (k_new, k_cos)):
+        sin = rotary_sin(rotated, table)
+        if isinstance(sin, SkipReason):
+            return sin
+        tables.append((table, sin))
     rotary = parse_inv_freq(cos)
     if isinstance(rotary, SkipReason):
         return rotary
@@ -234,7 +242,7 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
         return SkipReason(f"projection widths q={q_width} k={k_width} v={v_width} do not fit head_dim {head_dim}")
     return Match(layer_name(o_proj), query, key_tensor, value_tensor, past_key, past_value, key_writer, value_writer,
                  o_proj, mask, q_width // head_dim, k_width // head_dim, scale, inv_freq, scaling,
-                 tuple(projection[2] for projection in projections), reads_cache)
+                 tuple(projection[2] for projection in projections), reads_cache, tuple(tables))
 
 
 class SharedInputs:
@@ -343,6 +351,12 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                                 length=options.rotary_cache_length)
     matches = _keep_checked(matches, layers, [mask_verdicts.get(found.mask.name) if found.mask is not None
                                               else None for found in matches])
+    # The block probe runs a few positions; the rotary tables the fused node builds serve every position up to the
+    # probe length: the graph's cos and sin must equal them there (a longrope switch at 32 tokens showed past it only)
+    table_verdicts = check_tables(graph, [(cos, sin, found.inv_freq, found.rotary_scaling) for found in matches
+                                          for cos, sin in found.tables], length=options.rotary_cache_length)
+    matches = _keep_checked(matches, layers, [next((v for v in table_verdicts[2 * i:2 * i + 2] if v), None)
+                                              for i in range(len(matches))])
     matches = _keep_checked(matches, layers, check_blocks(graph, matches))
     unfused = [layer for layer in layers if not layer["fused"]]
     if options.required and (unfused or not layers):

@@ -14,8 +14,9 @@ cos_cache/sin_cache [rows, D/2] are built from the inv_freq constant under Cos (
 rows = option `rotary_cache_length`, else the KV cache's max context (`past_key_values.0.key` dim 2). positions
 [B, S] int64: the graph input `position_ids`, else the int64 [B, S] tensor the Cos computation reads (expanded
 to t's batch when it has batch 1). Every `Add(Mul, Mul(Concat, .))` is a candidate; one that fails a check stays
-as it is and is listed in the report with its reason. The last check runs each match on a probe
-(passes/rotary_probe.py): t's layout, the sin operand and positions scaled on the way to Cos show only there.
+as it is and is listed in the report with its reason. The last checks run each match on a probe
+(passes/rotary_probe.py): t's layout, the sin operand and positions scaled on the way to Cos show only there; and the
+graph's cos and sin over the table's rows, where positions clamped or frequencies switched past the probe show.
 The Cos/Sin math goes when no other node reads it.
 
 Pure: the input ModelProto is never mutated. The default opset becomes >= 23 and the IR version >= 10.
@@ -30,9 +31,9 @@ import onnx_graphsurgeon as gs
 
 from passes.graph_export import export_onnx
 from passes.graph_patterns import (SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer,
-                                   rotary_table_constants)
+                                   rotary_sin, rotary_table_constants)
 from passes.opset import raise_opset, unchanged
-from passes.rotary_probe import check_rotaries
+from passes.rotary_probe import check_rotaries, check_tables
 
 OPSET = 23
 
@@ -51,6 +52,7 @@ class Match:
     scaling: float
     positions: gs.Tensor
     rows: int
+    tables: tuple[gs.Tensor, gs.Tensor]  # the graph's cos and sin, checked over every row the fused tables hold
 
 
 def is_candidate(node: gs.Node) -> bool:
@@ -127,7 +129,10 @@ def match(graph: gs.Graph, add: gs.Node, rows: int | None) -> Match | SkipReason
         return positions
     if not isinstance(rows, int):
         return SkipReason("no rotary table length: the graph has no past_key_values.0.key; set rotary_cache_length")
-    return Match(add, source, inv_freq, scaling, positions, rows)
+    sin = rotary_sin(add.outputs[0], cos)
+    if isinstance(sin, SkipReason):
+        return sin
+    return Match(add, source, inv_freq, scaling, positions, rows, (cos, sin))
 
 
 class Tables:
@@ -179,6 +184,11 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     found = [(add, match(graph, add, rows)) for add in graph.nodes if is_candidate(add)]
     structural = [m for _, m in found if not isinstance(m, SkipReason)]
     verdicts = dict(zip(map(id, structural), check_rotaries(graph, structural)))  # what the structure cannot show
+    # The probe runs 7 positions; the tables serve `rows`: positions clamped or frequencies switched past the probe
+    # show only in the graph's own cos and sin over those rows.
+    tabled = [m for m in structural if verdicts[id(m)] is None]
+    table_verdicts = check_tables(graph, [(*m.tables, m.inv_freq, m.scaling) for m in tabled], length=rows)
+    verdicts.update({id(m): verdict for m, verdict in zip(tabled, table_verdicts)})
     for add, result in found:
         reason = str(result) if isinstance(result, SkipReason) else verdicts[id(result)]
         if reason is None and options.max_rewrites is not None and len(matches) >= options.max_rewrites:

@@ -151,6 +151,20 @@ def parse_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
     return SkipReason("rotary: no rotate-half term Concat(Neg(Slice(t)), Slice(t))")
 
 
+def rotary_sin(rotated: gs.Tensor, cos: gs.Tensor) -> gs.Tensor | SkipReason:
+    """The sin operand of a rotary parse_rotary matched: RotaryEmbedding's third input, else the factor beside the
+    rotate-half Concat."""
+    add = producer(rotated)
+    if add.op == "RotaryEmbedding":
+        return add.inputs[2]
+    for term in add.inputs:
+        mul = producer(term)
+        concat = next((t for t in mul.inputs if producer(t) is not None and producer(t).op == "Concat"), None)
+        if concat is not None and cos not in mul.inputs:
+            return next(t for t in mul.inputs if t is not concat)
+    return SkipReason("rotary: no sin operand beside the rotate-half term")
+
+
 def parse_inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
     """Find Cos above the cos table, the scalar scaling on the way, and the inv_freq constant under it."""
     scaling, tensor = 1.0, cos
@@ -168,16 +182,20 @@ def parse_inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
         node = producer(tensor)
     if node is None:
         return SkipReason("rotary: cos table is not computed from positions in the graph")
-    frontier, seen = [node.inputs[0]], set()
+    frontier, seen = [(node.inputs[0], None)], set()
     while frontier:  # breadth-first: the nearest float constant that is not a scalar is inv_freq
-        tensor = frontier.pop(0)
+        tensor, chooser = frontier.pop(0)
         value = constant(tensor)
         if value is not None and value.size > 1 and value.dtype.kind == "f":
+            if chooser is not None:  # e.g. longrope: Where(max(position) + 1 > original, long, short)
+                return SkipReason(f"rotary: the frequencies under Cos are chosen at run time by {chooser.op} "
+                                  f"'{chooser.name}' (e.g. by sequence length); FlashAttention's tables hold one set")
             return value.reshape(-1).astype(np.float32), scaling
         upstream = producer(tensor)
         if upstream is not None and id(upstream) not in seen:
             seen.add(id(upstream))
-            frontier.extend(upstream.inputs)
+            selects = upstream.op in ("Where", "If", "Loop", "Scan")
+            frontier.extend((t, upstream if selects else chooser) for t in upstream.inputs)
     return SkipReason("rotary: no inv_freq constant under Cos")
 
 

@@ -24,7 +24,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
-from passes.attention_mask_probe import probe_feed, run_cut
+from passes.attention_mask_probe import probe_feed, run_cut, run_cut_many
 from passes.probe_precision import REDUCED, as_float32, element_type
 
 PROBE_TOKENS = 7
@@ -110,4 +110,91 @@ def _judge(found, output: np.ndarray, t: np.ndarray, positions: np.ndarray, tole
         return (f"rotary: computes something other than RotaryEmbedding with the matched inv_freq and scaling "
                 f"{found.scaling:.4g} (largest difference {error:.2g} on a probe; e.g. a scaled position, a negated "
                 f"sin, or t laid out [B, S, heads, D])")
+    return None
+
+
+def check_tables(graph: gs.Graph, tables: list[tuple[gs.Tensor, gs.Tensor, np.ndarray, float]],
+                 length: int | None = None) -> list[str | None]:
+    """Per (cos, sin, inv_freq, scaling): None when the graph's cos and sin tensors hold cos/sin(p * inv_freq) *
+    scaling at every position p of the probe, a reason when not.
+
+    The block and rotary probes run a few positions, and inv_freq is found by a search under Cos: frequencies the
+    graph picks by sequence length (longrope's Where(max(position) + 1 > original, long, short), spelled so that the
+    short ones are found), or positions clamped past the probes' last, passed both and were fused, changing outputs
+    from there on. So the tables are evaluated over the mask probe's length (the cache length, else the rotary table
+    length, else 512): the positions the fused tables serve. A graph of fixed sequence width is fed its width at a
+    time through position_ids; one whose positions come from elsewhere is checked only by the other probes."""
+    from passes.attention_mask_probe import probe_length
+
+    if not tables:
+        return []
+    length = probe_length(graph, length)
+    probe = graph.copy()
+    names = list(dict.fromkeys(t.name for cos, sin, _, _ in tables for t in (cos, sin)))
+    tensors = probe.tensors()
+    outputs = []
+    for index, name in enumerate(names):
+        outputs.append(gs.Variable(f"rotary_table_probe_{index}", np.float32))
+        probe.nodes.append(gs.Node("Cast", inputs=[tensors[name]], outputs=[outputs[-1]],
+                                   attrs={"to": onnx.TensorProto.FLOAT}))
+    probe.outputs = outputs
+    as_float32(probe)
+    values = _table_values(probe, length)
+    if values is None:
+        return [None] * len(tables)
+    if isinstance(values, str):
+        return [f"rotary: its cos/sin tables could not be checked by running them ({values}); left unfused"] * len(tables)
+    by_name = dict(zip(names, values))
+    return [_judge_tables(((kind, by_name[tensor.name]) for kind, tensor in (("cos", cos), ("sin", sin))), inv_freq,
+                          scaling, length) for cos, sin, inv_freq, scaling in tables]
+
+
+def _table_values(probe: gs.Graph, length: int) -> list[np.ndarray] | str | None:
+    """The probe's outputs over positions 0..length-1, joined along the position axis (-2): one run when the
+    graph's sequence axis is dynamic, else runs of its fixed width fed as position_ids; None when its width is
+    fixed and it has no position_ids input to move."""
+    probe.cleanup(remove_unused_graph_inputs=True)
+    width = next((_fixed(value, 1) for value in probe.inputs if value.name in ("position_ids", "input_ids")
+                  and _fixed(value, 1)), None)
+    if width is None:
+        return run_cut(probe, lambda value: probe_feed(value, length))
+    if not any(value.name == "position_ids" for value in probe.inputs):
+        return None
+    ends = sorted({*range(width, length + 1, width), length}) if length >= width else [width]
+    def feed(value: gs.Variable, end: int) -> np.ndarray:
+        if value.name == "attention_mask" and _fixed(value, 1):  # a fixed mask: its own width of real tokens
+            return np.ones((value.shape[0] if isinstance(value.shape[0], int) else 1, _fixed(value, 1)), np.int64)
+        return probe_feed(value, end, queries=width)
+
+    runs = run_cut_many(probe, [lambda value, end=end: feed(value, end) for end in ends])
+    if isinstance(runs, str):
+        return runs
+    joined = []
+    for index in range(len(probe.outputs)):
+        parts, covered = [], 0
+        for end, run in zip(ends, runs):  # the last run may overlap the one before: keep its new positions only
+            value = np.asarray(run[index])
+            parts.append(value[..., value.shape[-2] - (end - covered):, :] if value.ndim >= 2 else value)
+            covered = end
+        joined.append(np.concatenate(parts, axis=-2) if all(part.ndim >= 2 for part in parts) else parts[0])
+    return joined
+
+
+def _judge_tables(values, inv_freq: np.ndarray, scaling: float, length: int) -> str | None:
+    expected = dict(zip(("cos", "sin"), op.rotary_tables(inv_freq, length, scaling)))
+    tolerance = (1e-3 + length * 2.4e-7) * max(1.0, abs(scaling))  # float32 angles: p * inv_freq rounds by ~p ulp
+    for kind, value in values:
+        value, table = np.asarray(value, np.float64), expected[kind]
+        half = table.shape[1]
+        if value.ndim < 2 or value.shape[-2] != length or value.shape[-1] not in (half, 2 * half):
+            return (f"rotary: its {kind} table has shape {list(value.shape)} for {length} positions, not "
+                    f"[..., {length}, {2 * half}]")
+        reference = table if value.shape[-1] == half else np.concatenate([table, table], axis=-1)
+        difference = np.abs(value.reshape(-1, length, value.shape[-1]) - reference)
+        by_position = difference.max(axis=(0, 2))
+        if by_position.max() > tolerance:
+            return (f"rotary: its {kind} table differs from {kind}(position * inv_freq) * {scaling:.4g} over {length} "
+                    f"positions, from position {int(np.argmax(by_position > tolerance))} on (largest difference "
+                    f"{by_position.max():.2g}: e.g. frequencies chosen by sequence length, or positions clamped or "
+                    f"scaled)")
     return None

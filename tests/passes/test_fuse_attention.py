@@ -910,3 +910,60 @@ def test_a_rotary_attention_factor_is_kept_in_the_fused_tables():
     logits = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
     np.testing.assert_allclose(logits, expected, atol=1e-5)
+
+
+def test_rotary_frequencies_chosen_by_sequence_length_are_not_fused():
+    """transformers' longrope (Phi-3's rope, here on Llama) exported by dynamo picks its frequencies at run time:
+    Where(max(position) + 1 > 32, long, short). The search for inv_freq under Cos found one branch, and the block
+    probe's 8 positions ran the short one: spelled Where(<= 32, short, long) (the same graph), both layers were fused
+    with the short frequencies and prompts longer than 32 tokens changed their logits by 4e-3. The cos/sin tables
+    are now checked over the probe length (here the 128 rotary rows), and the layers stay unfused."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "factor": 4.0,
+                                       "long_factor": [float(i + 1) for i in range(8)],
+                                       "original_max_position_embeddings": 32},
+                         attn_implementation="eager", use_cache=False)
+    model = export_dynamo(LlamaForCausalLM(config).eval(), torch.randint(0, 300, (1, 7)),
+                          torch.ones(1, 7, dtype=torch.long), 18)
+    graph = gs.import_onnx(model)
+    for where in [n for n in graph.nodes if n.op == "Where" and n.inputs[0].inputs[0].op == "Greater"]:
+        at_most = graph.layer(op="LessOrEqual", inputs=list(where.inputs[0].inputs[0].inputs),
+                              outputs=[f"{where.name}_at_most"])[0]
+        at_most.dtype = np.bool_
+        where.inputs = [at_most, where.inputs[2], where.inputs[1]]
+    swapped = gs.export_onnx(graph.cleanup().toposort())
+    feed = {"input_ids": np.arange(1, 41)[None] * 7, "attention_mask": np.ones((1, 40), np.int64)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
+    expected = run(model)
+    np.testing.assert_allclose(run(swapped), expected, atol=1e-6)  # the same graph, spelled the other way
+    for graph_ in (model, swapped):
+        fused, report = fuse_attention.run(graph_, fuse_attention.Options(rotary_cache_length=128))
+        assert report["fused"] == 0, report
+        np.testing.assert_allclose(run(fused), expected, atol=1e-6)
+    assert all(layer["reason"].startswith("rotary: the frequencies under Cos are chosen at run time by Where")
+               for layer in report["layers"]), report
+
+
+def test_positions_clamped_past_the_block_probe_are_not_fused(hf_traced):
+    """inv_freq is found under Cos and the block probe runs 8 positions: positions clamped at 10 (Min) passed both
+    and fused, the fused node rotating by the true positions (logits off by 0.07 at 33 tokens with q and k
+    weights scaled by 4). The graph's cos and
+    sin tables are now run over the probe length and compared with the fused node's."""
+    graph = gs.import_onnx(hf_traced[0])
+    cast = next(n for n in graph.nodes if n.op == "Cast" and "rotary_emb" in n.name)  # positions, as float
+    clamped = graph.layer(op="Min", inputs=[cast.outputs[0], np.array(10.0, np.float32)], outputs=["clamped"])[0]
+    for node in [n for n in graph.nodes if cast.outputs[0] in n.inputs and n.op != "Min"]:
+        node.inputs = [clamped if t is cast.outputs[0] else t for t in node.inputs]
+    model = gs.export_onnx(graph.cleanup().toposort())
+    feed = {"input_ids": np.arange(1, 34)[None] * 7, "attention_mask": np.ones((1, 33), np.int64)}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]  # noqa: E731
+    expected = run(model)
+    assert np.abs(expected - run(hf_traced[0])).max() > 1e-3  # the clamp changes the model past position 10
+    fused, report = fuse_attention.run(model, fuse_attention.Options(rotary_cache_length=128))
+    assert report["fused"] == 0 and all(layer["reason"].startswith("rotary: its cos table differs from cos(position")
+                                        for layer in report["layers"]), report
+    np.testing.assert_allclose(run(fused), expected, atol=1e-6)

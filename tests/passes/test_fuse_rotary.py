@@ -154,7 +154,7 @@ def test_an_old_opset_is_kept_when_nothing_is_rewritten_and_refused_when_it_woul
 def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, negate_sin: bool = False,
                  s: int = 6, heads: int = 2, d: int = 8, positions_counted_from_mask: bool = False,
                  cos_factor=None, sin_factor=None, dynamic_sequence: bool = False, positions_from_past: bool = False,
-                 ) -> tuple[onnx.ModelProto, tuple[int, ...]]:
+                 position_clamp: float | None = None) -> tuple[onnx.ModelProto, tuple[int, ...]]:
     """One rotate-half rotary of t (fixed shapes), as transformers traces it; variants whose math differs from
     RotaryEmbedding's in ways its nodes do not show: t laid out [B, S, heads, D] (cos unsqueezed at axis 2, as
     `apply_rotary_pos_emb(..., unsqueeze_dim=2)`), positions divided before the Mul by inv_freq (linear position
@@ -163,7 +163,8 @@ def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, ne
     channel [D]) multiply the tables after Cos / Sin, as YaRN's attention factor does (`cos = emb.cos() * scaling`).
     `dynamic_sequence`: the sequence dimension of t, the output and position_ids is named, not fixed.
     `positions_from_past`: no position_ids input; the positions are past length + 0..s-1, the past length read from
-    the shape of input past_key_values.0.key [1, heads, past, d]."""
+    the shape of input past_key_values.0.key [1, heads, past, d]. `position_clamp`: positions past it are read as it
+    (Min), as a table of too few rows would give."""
     from onnx import TensorProto as TP
     from onnx import helper as oh
     from onnx import numpy_helper as nh
@@ -172,6 +173,8 @@ def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, ne
     constants = {"inv_freq": 1.0 / 10000 ** (np.arange(0, d, 2, dtype=np.float32) / d), "last": np.array([-1]),
                  "heads_axis": np.array([2 if layout == "BSHD" else 1]), "start": np.array([0]),
                  "half": np.array([d // 2]), "end": np.array([d]), "divisor": np.array(position_divisor or 1.0, np.float32)}
+    if position_clamp is not None:
+        constants["clamp"] = np.array(position_clamp, np.float32)
     for name, factor in (("cos_factor", cos_factor), ("sin_factor", sin_factor)):
         if factor is not None:
             constants[name] = np.asarray(factor, np.float32)
@@ -193,7 +196,8 @@ def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, ne
     else:
         positions = [oh.make_node("Cast", ["position_ids"], ["p0"], to=TP.FLOAT)]
     nodes = [*positions,
-             oh.make_node("Div" if position_divisor else "Identity", ["p0", "divisor"][:2 if position_divisor else 1], ["p"]),
+             oh.make_node("Div" if position_divisor else "Identity", ["p0", "divisor"][:2 if position_divisor else 1], ["pd"]),
+             oh.make_node("Min" if position_clamp is not None else "Identity", ["pd", "clamp"][:1 + (position_clamp is not None)], ["p"]),
              oh.make_node("Unsqueeze", ["p", "last"], ["pu"]), oh.make_node("Mul", ["pu", "inv_freq"], ["freqs"]),
              oh.make_node("Concat", ["freqs", "freqs"], ["angles"], axis=-1), oh.make_node("Cos", ["angles"], ["c"]),
              oh.make_node("Sin", ["angles"], ["s0"]),
@@ -359,3 +363,17 @@ def test_float16_rotaries_fuse_into_a_graph_onnxruntime_runs_with_the_same_logit
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)  # noqa: E731
     for before, after in zip(run(model), run(fused)):  # logits and every cache written
         np.testing.assert_allclose(after.astype(np.float32), before.astype(np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("dynamic_sequence, s", [(True, 6), (False, 1)])
+def test_positions_clamped_past_the_probe_are_not_fused(dynamic_sequence, s):
+    """The probe rotates positions up to 6; positions clamped at 10 passed it and were fused, the RotaryEmbedding
+    rotating by the true positions from 11 on. The graph's cos and sin are now run over every row of the fused
+    tables (a graph of fixed width fed its width at a time)."""
+    model, shape = rotary_graph(s=s, dynamic_sequence=dynamic_sequence, position_clamp=10.0)
+    fused, report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))
+    assert report["rewrites"] == 0, report
+    assert report["skipped"][0]["reason"].startswith("rotary: its cos table differs from cos(position * inv_freq)")
+    assert "positions, from position 11 on" in report["skipped"][0]["reason"]
+    unclamped, _ = rotary_graph(s=s, dynamic_sequence=dynamic_sequence)
+    assert fuse_rotary.run(unclamped, fuse_rotary.Options(rotary_cache_length=64))[1]["rewrites"] == 1
