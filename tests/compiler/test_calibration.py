@@ -214,3 +214,24 @@ def test_a_repeat_from_the_first_token_does_not_advise_max_tokens_0():
 
 def test_a_later_repeat_still_advises_where_to_cut():
     assert "set accuracy.max_tokens to 7 or less" in repeated_text_warning(HeldOut(np.arange(10), "x", 7))
+
+
+# -- the held-out token a repeat starts at, and the warning's threshold ----------------
+def test_a_repeat_from_the_second_token_does_not_advise_max_tokens_1():
+    """Token 0 is never scored (nothing predicts it): a repeat from token 1 leaves no unseen text at any max_tokens."""
+    warning = repeated_text_warning(HeldOut(np.arange(10), "notes.txt, last 10% (held out)", 1))
+    assert "max_tokens to 1" not in warning and "accuracy.enabled: false" in warning
+    assert "max_tokens to 2 or less" in repeated_text_warning(HeldOut(np.arange(10), "x", 2))
+
+
+def test_the_repeat_starts_at_the_first_token_inside_the_repeated_run(tiny_artifact, tmp_path):
+    """A token that ends where the repeated run starts holds none of it: the warning's token is the next one."""
+    paragraphs = [" ".join(f"word{i}x{j}" for j in range(40)) for i in range(60)]
+    text = tmp_path / "notes.txt"
+    text.write_text("\n\n".join(paragraphs + ["ZQJ", paragraphs[3]]))  # "ZQJ" ends where the copied run starts
+    held_out = split_text(str(text))[1]
+    assert "ZQJ" in held_out
+    tokenizer_json = (tiny_artifact / "tokenizer.json").read_text()
+    before_run = TextTokenizer(tiny_artifact / "tokenizer.json").encode(
+        held_out[:held_out.index("ZQJ") + 3], add_special_tokens=False)
+    assert held_out_tokens(str(text), tokenizer_json, 10**6).repeats_calibration_from == len(before_run)

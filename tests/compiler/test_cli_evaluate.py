@@ -77,3 +77,34 @@ def test_eval_and_compare_write_each_artifact_s_numbers_under_its_name(capsys, m
     status, output = run_cli(capsys, "eval", copy, *argv, "--json", tmp_path / "eval.json")
     alone = json.loads((tmp_path / "eval.json").read_text())
     assert status == 0 and alone["tokens"] == 50 and alone["tokens_sha256"] == written["tokens_sha256"], output
+
+
+# -- which artifact is the reference, and the text as written -------------------------
+def test_compare_scores_the_candidate_against_the_reference_not_the_other_way(monkeypatch):
+    """`compare A B`: B's perplexity is the result's, A's the reference's, and KL is KL(A || B). A self-compare
+    (the only end-to-end compare test) cannot tell the two artifacts apart."""
+    import numpy as np
+
+    from runtime.evaluate import evaluate
+
+    rng = np.random.default_rng(0)
+    tables = {"A": rng.normal(size=(9, 9)), "B": 3 * rng.normal(size=(9, 9))}
+    monkeypatch.setattr("runtime.Engine.load", lambda path, **options: path)
+    monkeypatch.setattr("runtime.evaluate.decode_logits_for", lambda path: lambda ids: tables[path][ids])
+    info = lambda path: argparse.Namespace(path=path, name=path)  # noqa: E731
+    tokens = list(rng.integers(0, 9, size=40))
+    result = cli_evaluate._score(argparse.Namespace(threads=None), info("B"), info("A"), tokens, 16, 8)
+    expected = evaluate(tokens, lambda ids: tables["B"][ids], window=16, stride=8,
+                        reference_logits_for=lambda ids: tables["A"][ids])
+    assert result == expected
+    assert result.perplexity != pytest.approx(result.reference_perplexity)
+
+
+def test_compare_prints_the_reference_s_perplexity_on_its_row(capsys, monkeypatch, tiny_artifact, tmp_path):
+    monkeypatch.setattr(cli_evaluate, "_score", lambda *args: Scored())
+    copy = shutil.copytree(tiny_artifact, tmp_path / "copy")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 8)
+    status, output = run_cli(capsys, "compare", tiny_artifact, copy, "--text", text, "--max-tokens", "50")
+    rows = {line.split("│")[1].strip(): line for line in output.splitlines() if line.count("│") > 3}
+    assert status == 0 and "10.0000" in rows["A"] and "12.5000" in rows["B"], output

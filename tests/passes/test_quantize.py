@@ -497,3 +497,113 @@ def test_full_range_with_an_int4_symmetric_override_is_accepted():
     options = quantize.Options(bits=8, full_range=True, overrides=(quantize.Override("gate_proj", bits=4),))
     _, report = quantize.run(two_matmuls(), options)
     assert [layer["full_range"] for layer in report["layers"]] == [True, False]
+
+
+# -- option checks, overrides and block sizes that no test pinned ----------------------
+@pytest.mark.parametrize("block", [8, 24])
+def test_an_int4_block_size_below_16_or_not_a_power_of_two_is_an_error(block):
+    with pytest.raises(PassError, match=re.escape(f"quantize: block_size={block}: MatMulNBits needs a power of two "
+                                                  f"from 16 to 256")):
+        quantize.run(matmul_model(random_weight()), quantize.Options(bits=4, block_size=block))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(bits=8, block_size=64), "quantize: block_size=64 with bits=8: INT8 has one scale per output channel"),
+    (dict(bits=8, symmetric=False), "quantize: symmetric=false with bits=8: INT8 is symmetric per output channel"),
+    (dict(bits=4, overrides=(quantize.Override("down_proj", bits=8, block_size=64),)),
+     "quantize: overrides[0] ('down_proj'): block_size=64 with bits=8"),
+    (dict(bits=4, overrides=(quantize.Override("down_proj", bits=8, symmetric=False),)),
+     "quantize: overrides[0] ('down_proj'): symmetric=false with bits=8"),
+    (dict(bits=4, overrides=(quantize.Override("down_proj", block_size=24),)),
+     "quantize: overrides[0] ('down_proj'): block_size=24: MatMulNBits needs a power of two"),
+    (dict(accuracy_level=5), "quantize: accuracy_level=5: MatMulNBits takes 0 (unset)"),
+    (dict(max_rewrites=-1), "quantize: max_rewrites=-1 must be >= 0"),
+    # a skipped override's settings are no layer's: full_range is still used by none
+    (dict(bits=8, full_range=True, overrides=(quantize.Override("gate_proj", bits=4, skip=True),)),
+     "quantize: full_range: true applies to symmetric INT4 only"),
+])
+def test_int8_blocks_and_zero_points_and_out_of_range_options_are_errors(options, message):
+    with pytest.raises(PassError, match=re.escape(message)):
+        quantize.run(two_matmuls(), quantize.Options(**options))
+
+
+def test_an_int8_override_of_an_asymmetric_int4_recipe_is_symmetric_per_channel():
+    """bits=8 alone on an override of a symmetric=false recipe: INT8 is symmetric, the layer's zero points dropped."""
+    options = quantize.Options(bits=4, symmetric=False, overrides=(quantize.Override("down_proj", bits=8),))
+    _, report = quantize.run(two_matmuls(), options)
+    layers = {layer["node"]: (layer["bits"], layer["symmetric"], layer["full_range"]) for layer in report["layers"]}
+    assert layers == {"gate_proj": (4, False, False), "down_proj": (8, True, False)}
+
+
+def test_an_int4_override_inherits_the_lowerings_default_full_range():
+    """full_range unset: on for MatMulNBits, for an overridden INT4 layer as for the others."""
+    options = quantize.Options(bits=4, overrides=(quantize.Override("down_proj", block_size=16),))
+    _, report = quantize.run(two_matmuls(), options)
+    assert {layer["node"]: (layer["block_size"], layer["full_range"]) for layer in report["layers"]} == \
+        {"gate_proj": (32, True), "down_proj": (16, True)}
+
+
+def test_an_override_with_skip_keeps_its_layers_float():
+    options = quantize.Options(bits=4, overrides=(quantize.Override("down_proj", skip=True),))
+    quantized, report = quantize.run(two_matmuls(), options)
+    assert [layer["node"] for layer in report["layers"]] == ["gate_proj"]
+    assert report["skipped"] == [{"node": "down_proj", "reason": "kept float by override 'down_proj'"}]
+    assert sorted(n.op_type for n in quantized.graph.node) == ["MatMul", "MatMulNBits"]
+
+
+@pytest.mark.parametrize("limit, quantized", [(0, []), (1, ["gate_proj"]), (2, ["gate_proj", "down_proj"])])
+def test_max_rewrites_quantizes_only_that_many(limit, quantized):
+    result, report = quantize.run(two_matmuls(), quantize.Options(bits=4, max_rewrites=limit))
+    assert [layer["node"] for layer in report["layers"]] == quantized
+    assert report["skipped"] == [{"node": node, "reason": f"max_rewrites={limit}"}
+                                 for node in ("gate_proj", "down_proj") if node not in quantized]
+    assert [n.op_type for n in result.graph.node].count("MatMulNBits") == len(quantized)
+
+
+def test_gptq_act_order_is_accepted_when_an_override_uses_awq_gptq():
+    quantize.check_options(quantize.Options(bits=4, gptq_act_order=True,
+                                            overrides=(quantize.Override("down_proj", method="awq_gptq"),)))
+    quantize.check_options(quantize.Options(bits=4, method="awq_gptq", gptq_act_order=True))
+
+
+def test_a_k_of_16_keeps_one_block_of_16():
+    """K = 16 with blocks of 32: the smallest block MatMulNBits takes (16), not a padded 32."""
+    weight = random_weight(k=16)
+    quantized, report = quantize.run(matmul_model(weight), quantize.Options(bits=4, block_size=32))
+    (layer,) = report["layers"]
+    assert layer["block_size"] == 16 and layer["note"] is None
+    node = next(n for n in quantized.graph.node if n.op_type == "MatMulNBits")
+    assert next(a.i for a in node.attribute if a.name == "block_size") == 16
+
+
+def test_a_gemm_that_transposes_a_or_a_one_d_activation_is_left_float():
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((16, 64)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gemm", ["x", "w"], ["y"], name="lm_head", transA=1, transB=1)], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [64, 3])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 16])],
+        [onnx.numpy_helper.from_array(weight, "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    _, report = quantize.run(model, quantize.Options(bits=8))
+    assert report["skipped"] == [{"node": "lm_head", "reason": "Gemm is not A @ Bᵀ without bias"}]
+    vector = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["X", "W"], ["Y"], name="proj")], "v",
+        [onnx.helper.make_tensor_value_info("X", onnx.TensorProto.FLOAT, [64])],
+        [onnx.helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, [48])],
+        [onnx.numpy_helper.from_array(random_weight(), "W")])
+    _, report = quantize.run(onnx.helper.make_model(vector, opset_imports=[onnx.helper.make_opsetid("", 21)]),
+                             quantize.Options(bits=4))
+    assert report["skipped"] == [{"node": "proj", "reason": "A is 1-D; MatMulNBits needs A of rank >= 2"}]
+
+
+def test_the_report_counts_a_float16_weight_at_two_bytes_a_value():
+    _, report = quantize.run(as_float16(matmul_model(random_weight())), quantize.Options(bits=4))
+    assert report["layers"][0]["bytes_before"] == 64 * 48 * 2 == report["totals"]["weight_bytes_before"]
+
+
+def test_an_embedding_whose_int4_rows_are_not_whole_bytes_stays_float():
+    table = random_weight(k=96, n=17)  # [V, H]: H = 17 at 4 bits is 8.5 bytes a row
+    _, report = quantize.run(gather_model(table), quantize.Options(bits=4, embedding="quantized"))
+    assert report["embedding"] == {"quantized": False, "node": "embed",
+                                   "reason": "hidden size 17 x 4 bits is not whole bytes per row"}

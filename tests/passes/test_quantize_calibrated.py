@@ -779,3 +779,13 @@ def test_calibration_feeds_an_empty_past_to_a_graph_whose_past_length_is_dynamic
     stats = collect_statistics(model, ["x"], CalibrationSet(samples=2, length=6, token_ids=tokens))["x"]
     assert stats.rows == 12
     np.testing.assert_allclose(stats.mean_abs, np.abs(table[:12]).mean(axis=0), rtol=1e-6)
+
+
+# -- the report's totals are the mean and max of its layers' output errors ------------
+def test_the_reports_mean_and_max_output_errors_are_over_its_layers(fused_graphs):
+    _, report = quantize.run(fused_graphs["decode"], quantize.Options(bits=4, block_size=32, calibration=calibration()))
+    errors = np.array([layer["relative_output_error"] for layer in report["layers"]])
+    assert len(errors) == 15 and (errors > 0).all()
+    assert report["totals"]["mean_relative_output_error"] == pytest.approx(errors.mean(), rel=1e-12)
+    assert report["totals"]["max_relative_output_error"] == errors.max()
+    assert report["totals"]["mean_relative_output_error"] != pytest.approx(np.median(errors), rel=1e-9)

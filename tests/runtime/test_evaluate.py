@@ -458,3 +458,78 @@ def test_a_paragraph_break_near_the_end_does_not_shrink_the_held_out_part():
 def test_the_builtin_split_is_unchanged():
     calibration, held_out = split_pydoc_text()
     assert held_out.startswith("\n\n") and 0.90 <= len(calibration) / (len(calibration) + len(held_out)) < 0.901
+
+
+# -- refusals and boundaries of evaluate and split_held_out ---------------------------
+def test_a_reference_with_another_vocabulary_is_refused_by_name():
+    rng = np.random.default_rng(0)
+    model, reference = rng.normal(size=(10, 7)), rng.normal(size=(10, 8))
+    with pytest.raises(EvaluationError, match=r"^the reference's logits have shape \(9, 8\), the model's \(9, 7\): "
+                                              r"top-1 agreement and KL need the same vocabulary$"):
+        evaluate(np.arange(10) % 7, lambda ids: model[: len(ids)], window=10, stride=5,
+                 reference_logits_for=lambda ids: reference[: len(ids)])
+
+
+@pytest.mark.parametrize("count", [0, 1])
+def test_evaluate_refuses_fewer_than_two_tokens(count):
+    with pytest.raises(EvaluationError, match=rf"^the text has {count} token\(s\); scoring needs at least 2$"):
+        evaluate(np.zeros(count, np.int64), lambda ids: np.zeros((len(ids), 5)), window=8, stride=4)
+
+
+@pytest.mark.parametrize("rows", [9, 11])
+def test_logits_with_a_row_per_token_too_many_or_too_few_are_refused(rows):
+    with pytest.raises(EvaluationError, match=rf"^logits_for returned shape \({rows}, 5\); expected \[10, vocab\]$"):
+        evaluate(np.arange(10) % 5, lambda ids: np.zeros((rows, 5)), window=10, stride=5)
+
+
+def test_sliding_window_statistics_match_a_numpy_reference():
+    """Several windows, a stride below the window, and a model whose logits depend on the left context the window
+    gives it: each token's NLL / KL / top-1 must come from the first window that scores it (HF's sliding window)."""
+    rng = np.random.default_rng(3)
+    vocab, n, window, stride = 11, 23, 8, 3
+    tokens = rng.integers(0, vocab, size=n)
+    table_model, table_ref = rng.normal(size=(vocab, vocab)), rng.normal(size=(vocab, vocab))
+
+    def logits(table):  # row i: the chunk's tokens so far, weighted by how far back they are
+        def logits_for(ids):
+            weights = 0.5 ** np.arange(len(ids))[::-1]
+            return np.stack([(table[ids[: i + 1]] * weights[-(i + 1):, None]).sum(0) for i in range(len(ids))])
+        return logits_for
+
+    result = evaluate(tokens, logits(table_model), window=window, stride=stride,
+                      reference_logits_for=logits(table_ref))
+    nll, ref_nll, kl, agree = [], [], [], []
+    for t in range(1, n):  # the first window that holds t after its first position: starts at a multiple of stride
+        start = 0 if t < window else stride * -(-(t - window + 1) // stride)
+        context = tokens[start:t]
+        lm, lr = logits(table_model)(context)[-1], logits(table_ref)(context)[-1]
+        pm, pr = np.exp(lm - lm.max()), np.exp(lr - lr.max())
+        pm, pr = pm / pm.sum(), pr / pr.sum()
+        nll.append(-np.log(pm[tokens[t]]))
+        ref_nll.append(-np.log(pr[tokens[t]]))
+        kl.append((pr * np.log(pr / pm)).sum())
+        agree.append(lm.argmax() == lr.argmax())
+    assert result.tokens_scored == n - 1 and result.windows == len(window_spans(n, window, stride))
+    assert result.mean_nll == pytest.approx(np.mean(nll), rel=1e-12)
+    assert result.perplexity == pytest.approx(np.exp(np.mean(nll)), rel=1e-12)
+    assert result.reference_perplexity == pytest.approx(np.exp(np.mean(ref_nll)), rel=1e-12)
+    assert result.mean_kl == pytest.approx(np.mean(kl), rel=1e-12)
+    assert result.top1_agreement == pytest.approx(np.mean(agree), rel=1e-12)
+
+
+def test_a_paragraph_boundary_at_exactly_95_percent_still_starts_the_held_out_part():
+    text = "a" * 95 + "\n\nbcd"  # 100 characters: the boundary at 95, "by 95%"
+    assert split_held_out(text) == ("a" * 95, "\n\nbcd")
+    assert split_held_out("a" * 96 + "\n\nbc") == ("a" * 90, "a" * 6 + "\n\nbc")  # at 96%: at 90% exactly
+
+
+def test_a_paragraph_boundary_at_exactly_90_percent_starts_the_held_out_part():
+    text = "a" * 90 + "\n\nbb\n\ncccc"  # 100 characters: boundaries at 90 and at 94
+    assert split_held_out(text) == ("a" * 90, "\n\nbb\n\ncccc")
+
+
+def test_a_blank_tail_after_the_last_paragraph_boundary_is_not_the_whole_held_out_part():
+    text = "x" * 92 + "\n\n" + "   \n  \n\t"  # its only boundary (at 92%) leads to whitespace alone
+    calibration, held_out = split_held_out(text)
+    assert calibration + held_out == text and held_out.strip()
+    assert (calibration, held_out) == (text[:91], text[91:])  # at 90% exactly
