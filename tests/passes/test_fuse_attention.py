@@ -192,7 +192,9 @@ def tiny_llama(attention: str = "eager"):
 
 
 class LogitsOnly(torch.nn.Module):
-    """A transformers causal LM as (input_ids, attention_mask) -> logits, without its cache: what is exported."""
+    """A transformers causal LM as (input_ids, attention_mask) -> logits, without its cache: what is exported. Export
+    it in eval mode: torch.onnx restores the wrapper's mode afterwards, and a new module's is training, which would
+    switch the model's dropout on for whatever runs it next."""
 
     def __init__(self, model):
         super().__init__()
@@ -207,7 +209,7 @@ def trace_hf(model, ids, mask) -> onnx.ModelProto:
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(LogitsOnly(model), (ids, mask), buffer, dynamo=False, opset_version=21,
+        torch.onnx.export(LogitsOnly(model).eval(), (ids, mask), buffer, dynamo=False, opset_version=21,
                           input_names=["input_ids", "attention_mask"], output_names=["logits"],
                           dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"}})
     return cleanup.run(onnx.load_from_string(buffer.getvalue()), cleanup.Options())[0]
@@ -343,7 +345,7 @@ def export_dynamo(model, ids, mask, opset: int) -> onnx.ModelProto:
     batch, sequence = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("sequence", min=1, max=64)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(LogitsOnly(model), (ids, mask), dynamo=True, opset_version=opset,
+        program = torch.onnx.export(LogitsOnly(model).eval(), (ids, mask), dynamo=True, opset_version=opset,
                                     input_names=["input_ids", "attention_mask"], output_names=["logits"],
                                     dynamic_shapes={"input_ids": {0: batch, 1: sequence},
                                                     "attention_mask": {0: batch, 1: sequence}})

@@ -138,7 +138,7 @@ def test_hugging_face_llama_norms_fused_with_parity(tmp_path):
     path = tmp_path / "llama.onnx"
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(LogitsOnly(model), (input_ids, attention_mask), str(path), dynamo=False, opset_version=21,
+        torch.onnx.export(LogitsOnly(model).eval(), (input_ids, attention_mask), str(path), dynamo=False, opset_version=21,
                           input_names=["input_ids", "attention_mask"], output_names=["logits"],
                           dynamic_axes={name: {0: "batch", 1: "sequence"}
                                         for name in ("input_ids", "attention_mask", "logits")})
