@@ -54,13 +54,13 @@ VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
     "int8-rtn": ("smollm2-135m-int8-rtn.yaml", {}),
     "int8-acc4-b64": ("smollm2-135m-int8-rtn.yaml", {"int8_kernel_block": None}),  # ... per block of 64 / 256
     "int8-float-act": ("smollm2-135m-int8-rtn.yaml", {"accuracy_level": 0, "int8_kernel_block": None}),
-    "int8-awq": ("smollm2-135m-int8.yaml", {"method": "awq"}),
+    "int8-awq": ("smollm2-135m-int8.yaml", {"method": "awq", "gptq_act_order": False}),  # act-order: GPTQ's
     "int8-gptq": ("smollm2-135m-int8.yaml", {"method": "gptq"}),
     "int8-gptq-no-act-order": ("smollm2-135m-int8.yaml", {"method": "gptq", "gptq_act_order": False}),
     "int4-rtn-b32": ("smollm2-135m-int4-rtn.yaml", {}),
     "int4-rtn-b128": ("smollm2-135m-int4-rtn.yaml", {"block_size": 128}),
-    "int4-awq-b32": ("smollm2-135m-int4.yaml", {"method": "awq"}),
-    "int4-awq-b128": ("smollm2-135m-int4.yaml", {"method": "awq", "block_size": 128}),
+    "int4-awq-b32": ("smollm2-135m-int4.yaml", {"method": "awq", "gptq_act_order": False}),
+    "int4-awq-b128": ("smollm2-135m-int4.yaml", {"method": "awq", "block_size": 128, "gptq_act_order": False}),
     "int4-gptq-b32": ("smollm2-135m-int4.yaml", {"method": "gptq", "gptq_act_order": False}),
     "int4-gptq_act-b32": ("smollm2-135m-int4.yaml", {"method": "gptq", "gptq_act_order": True}),
     "int4-awq_gptq-b32": ("smollm2-135m-int4.yaml", {"method": "awq_gptq", "gptq_act_order": False}),

@@ -15,8 +15,11 @@ import quantization  # noqa: E402
 
 @pytest.mark.parametrize("name", list(quantization.VARIANTS))
 def test_each_variant_is_a_recipe_whose_settings_serialize(name):
+    from compiler.pipeline import check_passes
+
     recipe = quantization.variant_recipe(name)
     assert recipe.name == f"bench-{name}" and not recipe.accuracy.enabled
+    check_passes(recipe.passes)  # what the build checks before its export: a refused variant failed minutes into a run
     settings = json.loads(json.dumps(quantization.variant_settings(name)))
     quantize = next((p.options for p in recipe.passes if p.name == "quantize"), None)
     for key, value in settings["quantize"].items():  # what the JSON says is what the recipe builds
