@@ -201,7 +201,7 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
     """The model config behind a recipe, config.json (or its folder), .gguf file or artifact folder."""
     p = Path(path)
     if not p.exists():
-        raise BuildError(f"{path}: no such file or folder.{hub_id_hint(path, 'gguf' if path.endswith('.gguf') else 'hf')}")
+        raise BuildError(f"{path}: no such file or folder.{hub_id_hint(path, 'hf')}")  # a .gguf path gets no hint
     if p.is_dir() and (p / "manifest.json").is_file() or p.name == "manifest.json":
         return _from_artifact(p if p.is_dir() else p.parent)
     if p.is_dir() and (p / "config.json").is_file():

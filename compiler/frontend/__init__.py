@@ -52,6 +52,8 @@ def default_gguf_path() -> str:
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hugging Face Hub spells repositories
+LOCAL_FOLDERS = ("models", "weights", "checkpoints", "artifacts", "data", "downloads")  # owners no hub id has here
+FILE_SUFFIXES = (".gguf", ".json", ".yaml", ".yml", ".safetensors", ".bin", ".onnx", ".pt", ".pth")
 
 
 def hub_id_hint(path: str, source: str) -> str:
@@ -59,7 +61,7 @@ def hub_id_hint(path: str, source: str) -> str:
     is missing too: words saying aotlm does not download (it builds offline, from local files) and how to get the
     files; else "". (A recipe's relative path that exists nowhere resolves against the working directory.)"""
     given = os.path.relpath(os.path.abspath(path))
-    if (not HUB_ID.fullmatch(given) or given.lower().endswith((".gguf", ".json", ".yaml", ".yml"))
+    if (not HUB_ID.fullmatch(given) or given.lower().endswith(FILE_SUFFIXES) or given.split("/")[0] in LOCAL_FOLDERS
             or os.path.exists(os.path.dirname(os.path.abspath(path)))):
         return ""
     name = given.split("/")[-1]

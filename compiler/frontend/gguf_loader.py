@@ -106,9 +106,14 @@ def _open_reader(path: str):
     try:
         return PlainArrayReader(path)
     except Exception as error:  # gguf raises ValueError/struct errors for anything that is not GGUF
-        if _starts_with_gguf_magic(path):
-            # The header parsed far enough to be GGUF, then the reader ran past the data it found: the usual
-            # cause is a download or copy cut short, whose own error ("cannot reshape ...") says nothing of it.
+        version = _gguf_version(path)
+        if version is not None and version not in gguf.gguf_reader.READER_SUPPORTED_VERSIONS:
+            raise BuildError(f"{path}: GGUF version {version}, which the gguf package here does not read (it reads "
+                             f"versions {', '.join(map(str, gguf.gguf_reader.READER_SUPPORTED_VERSIONS))}); convert "
+                             f"the model again with a current llama.cpp, or upgrade the gguf package")
+        if version is not None:
+            # A GGUF of a version the reader takes, whose reading then ran past the data it found: the usual cause
+            # is a download or copy cut short, whose own error ("cannot reshape ...") says nothing of it.
             size = os.path.getsize(path)
             raise BuildError(
                 f"{path} starts as a GGUF file but could not be read to its end ({error}); it holds {size:,} "
@@ -118,12 +123,17 @@ def _open_reader(path: str):
         raise BuildError(f"{path} is not a readable GGUF file ({error}). Check the path, or re-download it.")
 
 
-def _starts_with_gguf_magic(path: str) -> bool:
+def _gguf_version(path: str) -> int | None:
+    """The version field after GGUF's magic (either byte order), or None for a file that does not start as GGUF."""
     try:
         with open(path, "rb") as stream:
-            return stream.read(4) == b"GGUF"
+            head = stream.read(8)
     except OSError:
-        return False
+        return None
+    if len(head) < 8 or head[:4] != b"GGUF":
+        return None
+    version = int.from_bytes(head[4:], "little")
+    return version if version & 0xFFFF else int.from_bytes(head[4:], "big")  # as the reader tells a big-endian file
 
 
 def _field(reader, key: str, default=None):

@@ -460,6 +460,10 @@ def test_missing_paths_and_files_are_named(tmp_path):
         with pytest.raises(BuildError, match=rf"cut.gguf starts as a GGUF file but could not be read to its end "
                                              rf"\(.*\); it holds {kept:,} bytes, .* \(a download or copy cut short\)"):
             load_gguf(str(tmp_path / "cut.gguf"))
+    (tmp_path / "v1.gguf").write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(64))  # not cut short: too old
+    with pytest.raises(BuildError, match=r"v1.gguf: GGUF version 1, which the gguf package here does not read \(it "
+                                         r"reads versions 2, 3\); convert the model again"):
+        load_gguf(str(tmp_path / "v1.gguf"))
     with pytest.raises(BuildError, match="folder not found"):
         load_hf_folder(str(tmp_path / "no-folder"))
     with pytest.raises(BuildError, match=r"junk.gguf: a file, not a folder; .* \(a GGUF file is model.source: gguf\)"):
@@ -1167,7 +1171,8 @@ def test_build_decoder_refuses_a_state_dict_without_every_weight():
 
 def test_a_hub_id_for_a_path_says_aotlm_reads_local_files(tmp_path, monkeypatch):
     """`model.path: HuggingFaceTB/SmolLM2-135M` said only "folder not found": aotlm never downloads, and the message
-    now says so with the download command; a missing path whose folder exists, or a file name, gets no such guess."""
+    now says so with the download command; a missing path whose folder exists, a usual local folder's (models/,
+    checkpoints/, ...) or a file's name gets no such guess."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(BuildError, match=r"not found: .*SmolLM2-135M\. Check the model path in the recipe\. "
                                          r"'HuggingFaceTB/SmolLM2-135M' reads like a Hugging Face Hub id: aotlm reads "
@@ -1177,7 +1182,8 @@ def test_a_hub_id_for_a_path_says_aotlm_reads_local_files(tmp_path, monkeypatch)
     with pytest.raises(BuildError, match=r"'bartowski/SmolLM2-GGUF' reads like a Hugging Face Hub id: .* the \.gguf "
                                          r"file you want .* `hf download bartowski/SmolLM2-GGUF FILE\.gguf"):
         load_model("gguf", "bartowski/SmolLM2-GGUF", None, 0)
-    (tmp_path / "models").mkdir()
-    for source, path in (("hf", "models/llama"), ("gguf", "weights/x.gguf"), ("hf", "llama")):
+    (tmp_path / "existing").mkdir()
+    for source, path in (("hf", "models/llama"), ("gguf", "weights/x.gguf"), ("hf", "llama"), ("hf", "existing/x"),
+                         ("hf", "checkpoints/step-1000"), ("hf", "someone/model.safetensors")):  # local, or files
         with pytest.raises(BuildError, match=r"Check the model path in the recipe\.$"):
             load_model(source, path, None, 0)
