@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"ITL of the {args.decoders} running requests, every repeat": {
             f"prefill_chunk {chunk}": [gap for run in runs for gap in run["itl_ms"]] for chunk, runs in results.items()}},
         "ms")
-    console.print(f"wrote {path}, {plot}")
+    console.print(f"wrote {path}" + (f", {plot}" if plot else f"; {bench.PLOT_SKIPPED}"), markup=False)
     return result
 
 

@@ -218,7 +218,8 @@ def prompt_token_ids(artifact: Path, manifest: dict, count: int) -> list[int]:
 # -- driver ---------------------------------------------------------------------------------------------------
 def measure_all(backends: dict, prompt_ids: list[int], new_tokens: int, repeats: int, progress: Progress,
                 tasks: dict) -> dict:
-    """Per backend name: the median run's metrics, every run's, and the median run's tokens.
+    """Per backend name: each metric's median over the runs, every run's metrics and ITLs, and the first run's
+    tokens (greedy: every run's are the same).
 
     The repeats are interleaved: repeat r runs every backend once, in an order rotated by r. These shared 2-core
     VMs change speed by a third from one minute to the next (single-stream TPOT 10.4 against 13.9 ms in two runs
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     plot = bench.write_cdf_plot(path.with_name(f"{path.stem}-itl.png"), {
         f"ITL, {args.prompt_tokens}-token prompt, every run's gaps": {
             name: [gap for run in result["itl_ms"] for gap in run] for name, result in results.items()}}, "ms")
-    console.print(f"wrote {path}, {plot}")
+    console.print(f"wrote {path}" + (f", {plot}" if plot else f"; {bench.PLOT_SKIPPED}"), markup=False)
     return report
 
 

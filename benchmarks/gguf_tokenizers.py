@@ -30,6 +30,9 @@ sys.path.insert(0, str(REPO))
 from compiler.errors import BuildError  # noqa: E402
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES  # noqa: E402
 from compiler.frontend.gguf_loader import _field, _open_reader  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arguments import output_file  # noqa: E402
 from compiler.frontend.gguf_tokenizer import tokenizer_json_from_gguf  # noqa: E402
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", default="0.3.36", help="the llama-cpp-python release to download")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gguf_tokenizers.json")
     args = parser.parse_args(argv)
+    output_file(parser, args.out)  # before the download and the tokenizing, not a traceback after them
     if args.models is not None and not args.models.is_dir():
         parser.error(f"--models {args.models}: not a folder")
     if args.sdist is not None and not args.sdist.is_file():

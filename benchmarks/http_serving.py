@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"TTFT, {level} client{'s' * (level > 1)}, every round": {
             mode.replace("_", " "): [t for run in runs[level][mode] for t in run["ttfts_ms"]] for mode in runs[level]}
         for level in levels}, "ms")
-    console.print(f"wrote {path}, {plot}")
+    console.print(f"wrote {path}" + (f", {plot}" if plot else f"; {bench.PLOT_SKIPPED}"), markup=False)
     return result
 
 

@@ -73,7 +73,7 @@ def repeated_text_warning(held_out: HeldOut) -> str | None:
         return None
     if held_out.repeats_calibration_from < 2:  # accuracy.max_tokens is at least 2: no cut leaves unseen text
         return (f"accuracy report: the held-out text ({held_out.source}) repeats the calibration part word for word "
-                f"from its first token, so the report scores no unseen text; give a calibration text whose last "
+                f"from its first scored token, so the report scores no unseen text; give a calibration text whose last "
                 f"10% does not repeat the rest, or set accuracy.enabled: false")
     return (f"accuracy report: from its token {held_out.repeats_calibration_from} on, the held-out text "
             f"({held_out.source}) repeats the calibration part word for word (a run of {REPEATED_CHARACTERS} "

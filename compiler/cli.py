@@ -302,7 +302,7 @@ def _bench(args) -> None:
                     "threads": threads}
         out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
         plot = bench.write_phase_plot(rows, args.phase, out)
-        console.print(f"wrote {escape(str(out))}, {escape(str(plot))}")
+        console.print(f"wrote {escape(str(out))}" + (f", {escape(str(plot))}" if plot else f"; {escape(bench.PLOT_SKIPPED)}"))
         return
     tokenizer = TextTokenizer(Path(args.artifact) / manifest["tokenizer"]["file"], manifest["tokenizer"].get("bos_token_id"))
     workload = bench.make_workload(

@@ -383,27 +383,16 @@ def compare_table(result: dict):
 def write_outputs(result: dict, out: Path) -> list[Path]:
     """The JSON at `out`, then two PNGs beside it: <stem>-cdf.png (TTFT, TPOT) and <stem>-timeline.png."""
     out = write_json(out, result)
-    try:
-        import matplotlib
-    except ImportError:
-        raise BenchError(f"wrote {out}; the plots need matplotlib: pip install 'aotlm[bench]'") from None
-    matplotlib.use("Agg")
+    backends = result["backends"]
+    panels = {f"{metric} CDF (requests)": {name: [t[key] for t in entry["traces"] if t[key] is not None]
+                                           for name, entry in backends.items()}
+              for metric, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"))}  # no TPOT: every output had one token
+    cdf = write_cdf_plot(out.with_name(f"{out.stem}-cdf.png"), panels, "ms")
+    if cdf is None:
+        raise BenchError(f"wrote {out}; {PLOT_SKIPPED}")
     import matplotlib.pyplot as plt
 
-    backends = result["backends"]
-    cdf, timeline = out.with_name(f"{out.stem}-cdf.png"), out.with_name(f"{out.stem}-timeline.png")
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for axis, metric in zip(axes, ("TTFT", "TPOT")):
-        for name, entry in backends.items():
-            values = np.sort([t[f"{metric.lower()}_ms"] for t in entry["traces"] if t[f"{metric.lower()}_ms"] is not None])
-            axis.step(values, np.arange(1, values.size + 1) / max(values.size, 1), where="post", label=name)
-        if not any(t[f"{metric.lower()}_ms"] is not None for entry in backends.values() for t in entry["traces"]):
-            axis.text(0.5, 0.5, f"no {metric}: every output had one token", ha="center", transform=axis.transAxes)
-        axis.set(xlabel=f"{metric} (ms)", ylabel="fraction of requests", ylim=(0, 1.02), title=f"{metric} CDF")
-        axis.grid(alpha=0.3)
-        axis.legend()
-    figure.tight_layout()
-    figure.savefig(cdf, dpi=110)
+    timeline = out.with_name(f"{out.stem}-timeline.png")
     n = max(len(entry["traces"]) for entry in backends.values())
     figure, axes = plt.subplots(len(backends), 1, squeeze=False, figsize=(11, len(backends) * (1.2 + 0.22 * min(n, 60))))
     for axis, (name, entry) in zip(axes[:, 0], backends.items()):
@@ -424,13 +413,17 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     return [out, cdf, timeline]
 
 
-def write_cdf_plot(path: Path, panels: dict[str, dict[str, Sequence[float]]], xlabel: str) -> Path:
+PLOT_SKIPPED = "plot skipped: matplotlib is not installed (pip install 'aotlm[bench]')"
+
+
+def write_cdf_plot(path: Path, panels: dict[str, dict[str, Sequence[float]]], xlabel: str) -> Path | None:
     """One PNG of empirical CDFs: a panel per title, a line per label (values in the unit `xlabel` names). The
-    distributions a table reduces to percentiles; raises BenchError without matplotlib (the bench extra)."""
+    distributions a table reduces to percentiles. None without matplotlib (the bench extra): the results written
+    before it stand, and the caller says the plot was skipped (PLOT_SKIPPED)."""
     try:
         import matplotlib
     except ImportError:
-        raise BenchError(f"the plot {path} needs matplotlib: pip install 'aotlm[bench]'") from None
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -440,6 +433,8 @@ def write_cdf_plot(path: Path, panels: dict[str, dict[str, Sequence[float]]], xl
             values = np.sort(np.asarray(values, dtype=float))
             axis.step(values, np.arange(1, values.size + 1) / max(values.size, 1), where="post",
                       label=f"{label} ({values.size})")
+        if not any(len(values) for values in series.values()):
+            axis.text(0.5, 0.5, "no values", ha="center", transform=axis.transAxes)
         axis.set(xlabel=xlabel, ylabel="fraction", ylim=(0, 1.02), title=title)
         axis.grid(alpha=0.3)
         axis.legend(fontsize="small")
@@ -449,7 +444,7 @@ def write_cdf_plot(path: Path, panels: dict[str, dict[str, Sequence[float]]], xl
     return Path(path)
 
 
-def write_phase_plot(rows: list[dict], phase: str, out: Path) -> Path:
+def write_phase_plot(rows: list[dict], phase: str, out: Path) -> Path | None:
     """<stem>-steps.png beside `out`: the distribution of each size's timed runs (prefill) or steps (decode)."""
     key, size, unit = ("runs_ms", "prompt_tokens", "prompt") if phase == "prefill" else ("steps_ms", "context", "context")
     series = {f"{unit} {row[size]}": row[key] for row in rows}

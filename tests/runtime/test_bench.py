@@ -471,3 +471,21 @@ def test_a_request_that_ends_without_a_trace_is_raised_not_waited_for(encode, ha
     thread.join(timeout=30)
     assert not thread.is_alive(), "run_workload waited for a trace that never came"
     assert len(outcome) == 1 and message in str(outcome[0])
+
+
+def test_phase_timing_without_matplotlib_keeps_its_json_and_says_the_plot_was_skipped(tiny_artifact, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """The step plot needs the bench extra; without it the measurement's JSON stands and the run says so (a
+    BenchError after the work would have read as a failure)."""
+    import sys
+
+    import compiler.plan
+
+    monkeypatch.setattr(compiler.plan, "cpu_device", lambda: {"fp32": 1e11, "bandwidth": 1e10, "name": "fake"})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    path = tmp_path / "decode.json"
+    assert cli.main(["bench", str(tiny_artifact), "--phase", "decode", "--contexts", "8", "--steps", "2",
+                     "--out", str(path)]) == 0
+    output = " ".join(capsys.readouterr().err.split())  # the console writes to stderr
+    assert len(json.loads(path.read_text())["rows"]) == 1 and not (tmp_path / "decode-steps.png").exists()
+    assert "plot skipped: matplotlib is not installed (pip install 'aotlm[bench]')" in output
