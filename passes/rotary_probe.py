@@ -16,6 +16,10 @@ and scaling at the positions the fused node would read (the matched positions te
 position_ids holds PROBE_TOKENS positions (its own length when fixed), the last of them PROBE_TOKENS - 1 at least:
 at position 0 every rotation is the identity, so a one-token probe at 0 (a graph of fixed shapes, one token) showed
 nothing. A rotary the probe cannot run is not fused (fusing unchecked math could change results).
+
+`check_tables` (fuse_attention and fuse_rotary) runs the graph's own cos and sin over every row the fused tables
+will hold, up to MAX_PROBE_TOKENS: the few positions above leave frequencies switched by sequence length
+(longrope) or positions clamped past them unseen.
 """
 from __future__ import annotations
 
@@ -122,8 +126,9 @@ def check_tables(graph: gs.Graph, tables: list[tuple[gs.Tensor, gs.Tensor, np.nd
     graph picks by sequence length (longrope's Where(max(position) + 1 > original, long, short), spelled so that the
     short ones are found), or positions clamped past the probes' last, passed both and were fused, changing outputs
     from there on. So the tables are evaluated over the mask probe's length (the cache length, else the rotary table
-    length, else 512): the positions the fused tables serve. A graph of fixed sequence width is fed its width at a
-    time through position_ids; one whose positions come from elsewhere is checked only by the other probes."""
+    length, else 512; at most MAX_PROBE_TOKENS): the positions the fused tables serve. A graph whose position_ids
+    has a fixed width is fed that width at a time; one of fixed width whose positions cannot be moved that way is
+    left unfused, with the reason."""
     from passes.attention_mask_probe import probe_length
 
     if not tables:
@@ -140,8 +145,6 @@ def check_tables(graph: gs.Graph, tables: list[tuple[gs.Tensor, gs.Tensor, np.nd
     probe.outputs = outputs
     as_float32(probe)
     values = _table_values(probe, length)
-    if values is None:
-        return [None] * len(tables)
     if isinstance(values, str):
         return [f"rotary: its cos/sin tables could not be checked by running them ({values}); left unfused"] * len(tables)
     by_name = dict(zip(names, values))
@@ -149,23 +152,22 @@ def check_tables(graph: gs.Graph, tables: list[tuple[gs.Tensor, gs.Tensor, np.nd
                           scaling, length) for cos, sin, inv_freq, scaling in tables]
 
 
-def _table_values(probe: gs.Graph, length: int) -> list[np.ndarray] | str | None:
-    """The probe's outputs over positions 0..length-1, joined along the position axis (-2): one run when the
-    graph's sequence axis is dynamic, else runs of its fixed width fed as position_ids; None when its width is
-    fixed and it has no position_ids input to move."""
+def _table_values(probe: gs.Graph, length: int) -> list[np.ndarray] | str:
+    """The probe's outputs over positions 0..length-1, joined along the position axis (-2): one run, or, when the
+    graph's position_ids input has a fixed width, runs of that width; a reason when they cannot be had."""
     probe.cleanup(remove_unused_graph_inputs=True)
-    width = next((_fixed(value, 1) for value in probe.inputs if value.name in ("position_ids", "input_ids")
-                  and _fixed(value, 1)), None)
+    width = next((_fixed(value, 1) for value in probe.inputs if value.name == "position_ids"), None)
     if width is None:
         return run_cut(probe, lambda value: probe_feed(value, length))
-    if not any(value.name == "position_ids" for value in probe.inputs):
-        return None
-    ends = sorted({*range(width, length + 1, width), length}) if length >= width else [width]
+    if width > length:
+        return f"its fixed sequence width {width} exceeds the {length} rows the fused tables hold"
+
     def feed(value: gs.Variable, end: int) -> np.ndarray:
         if value.name == "attention_mask" and _fixed(value, 1):  # a fixed mask: its own width of real tokens
             return np.ones((value.shape[0] if isinstance(value.shape[0], int) else 1, _fixed(value, 1)), np.int64)
         return probe_feed(value, end, queries=width)
 
+    ends = sorted({*range(width, length + 1, width), length})
     runs = run_cut_many(probe, [lambda value, end=end: feed(value, end) for end in ends])
     if isinstance(runs, str):
         return runs
@@ -174,9 +176,11 @@ def _table_values(probe: gs.Graph, length: int) -> list[np.ndarray] | str | None
         parts, covered = [], 0
         for end, run in zip(ends, runs):  # the last run may overlap the one before: keep its new positions only
             value = np.asarray(run[index])
-            parts.append(value[..., value.shape[-2] - (end - covered):, :] if value.ndim >= 2 else value)
+            if value.ndim < 2:
+                return f"its tables have shape {list(value.shape)}, no position axis"
+            parts.append(value[..., value.shape[-2] - (end - covered):, :])
             covered = end
-        joined.append(np.concatenate(parts, axis=-2) if all(part.ndim >= 2 for part in parts) else parts[0])
+        joined.append(np.concatenate(parts, axis=-2))
     return joined
 
 
@@ -187,8 +191,9 @@ def _judge_tables(values, inv_freq: np.ndarray, scaling: float, length: int) -> 
         value, table = np.asarray(value, np.float64), expected[kind]
         half = table.shape[1]
         if value.ndim < 2 or value.shape[-2] != length or value.shape[-1] not in (half, 2 * half):
-            return (f"rotary: its {kind} table has shape {list(value.shape)} for {length} positions, not "
-                    f"[..., {length}, {2 * half}]")
+            return (f"rotary: its {kind} table could not be run over the {length} positions the fused tables serve "
+                    f"(shape {list(value.shape)} on the probe, not [..., {length}, {2 * half}]: e.g. a fixed sequence "
+                    f"width with no position_ids input to move); left unfused")
         reference = table if value.shape[-1] == half else np.concatenate([table, table], axis=-1)
         difference = np.abs(value.reshape(-1, length, value.shape[-1]) - reference)
         by_position = difference.max(axis=(0, 2))

@@ -377,3 +377,17 @@ def test_positions_clamped_past_the_probe_are_not_fused(dynamic_sequence, s):
     assert "positions, from position 11 on" in report["skipped"][0]["reason"]
     unclamped, _ = rotary_graph(s=s, dynamic_sequence=dynamic_sequence)
     assert fuse_rotary.run(unclamped, fuse_rotary.Options(rotary_cache_length=64))[1]["rewrites"] == 1
+
+
+def test_tables_that_cannot_be_run_over_every_row_leave_the_rotary_unfused():
+    """A fixed sequence width whose positions come from the past's shape cannot be moved over the 64 rows the fused
+    tables hold, and a width above those rows would index past them: both stay unfused, saying why."""
+    model, _ = rotary_graph(positions_from_past=True)  # 6 tokens, fixed; no position_ids input
+    report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))[1]
+    assert report["rewrites"] == 0 and report["skipped"][0]["reason"].startswith(
+        "rotary: its cos table could not be run over the 64 positions the fused tables serve")
+    model, _ = rotary_graph(s=100)
+    report = fuse_rotary.run(model, fuse_rotary.Options(rotary_cache_length=64))[1]
+    assert report["rewrites"] == 0 and report["skipped"][0]["reason"] == (
+        "rotary: its cos/sin tables could not be checked by running them (its fixed sequence width 100 exceeds the 64 "
+        "rows the fused tables hold); left unfused")
