@@ -65,6 +65,9 @@ class Override:
     skip: bool = False  # keep these layers float
 
 
+OVERRIDABLE = ("bits", "block_size", "symmetric", "method")  # the settings an Override can give its layers
+
+
 @dataclass(frozen=True)
 class Options:
     bits: Literal[4, 8] = 4
@@ -167,14 +170,17 @@ def check_options(options: Options) -> None:
     for index, override in enumerate(options.overrides):
         merged = settings_with(base_settings(options), override, full_range_wanted(options))
         where = f"quantize: overrides[{index}] ({override.pattern!r})"
-        settable = ("bits", "block_size", "symmetric", "method")
-        if not override.skip and all(getattr(override, key) is None for key in settable):
+        if not override.skip and all(getattr(override, key) is None for key in OVERRIDABLE):
             raise PassError(f"{where} sets nothing: give bits, block_size, symmetric or method, or skip: true")
         check_settings(merged, where)
         check_int8_options(merged.bits, override.block_size, override.symmetric, where)
         if not override.skip:
             layer_settings.append(merged)
-    # Options that no layer's settings use would be dropped unsaid (as a pattern that matches nothing would be).
+    check_options_used(options, layer_settings)
+
+
+def check_options_used(options: Options, layer_settings: list[Settings]) -> None:
+    """Options that no layer's settings use would be dropped unsaid, as a pattern that matches nothing would be."""
     if options.full_range and not any(settings.full_range for settings in layer_settings):
         raise PassError("quantize: full_range: true applies to symmetric INT4 only, and no layer is symmetric INT4 "
                         "(bits=8 or symmetric=false); drop full_range")
@@ -196,8 +202,7 @@ def base_settings(options: Options) -> Settings:
 
 
 def settings_with(settings: Settings, override: Override, full_range: bool) -> Settings:
-    changes = {name: getattr(override, name) for name in ("bits", "block_size", "symmetric", "method")
-               if getattr(override, name) is not None}
+    changes = {name: getattr(override, name) for name in OVERRIDABLE if getattr(override, name) is not None}
     merged = replace(settings, **changes)
     return with_full_range(replace(merged, symmetric=merged.symmetric or merged.bits == 8), full_range)  # INT8: symmetric
 
