@@ -14,6 +14,11 @@ output must equal `flash_attention_op.reference` under the matched heads, scale 
 it writes (rows 0..PROBE_TOKENS-1 of each present buffer hold the rotated keys and the values, the rest stays as it
 was): a prefill reads its new keys directly, so a write at other rows shows in the cache only. A block the probe
 cannot run (it needs inputs the probe cannot make) is reported as unchecked, and stays unfused.
+
+A block that reads its keys back from the cache (a decode graph) is probed a second time after cached tokens: a
+decode step (DECODE_QUERIES new token after PROBE_TOKENS - 1 cached ones, random in the past buffers): with an empty
+past the new tokens are the whole context, so a block that reads other rows of the cache than the valid ones (only
+the new tokens' rows, rows shifted by one) agrees with the first probe and not with this one.
 """
 from __future__ import annotations
 
@@ -28,13 +33,19 @@ from passes.probe_precision import as_float32, element_type
 PROBE_TOKENS = 8  # or the cache length, when it is shorter
 TOLERANCE = 1e-3  # of the reference's largest magnitude; a float32 block agrees to ~1e-6
 REDUCED_PRECISION_TOLERANCE = 5e-2  # float16 / bfloat16 blocks (bfloat16 rounds the probe's inputs by ~4e-3)
+DECODE_QUERIES = 1  # the second probe of a block reading its cache: one new token after the others cached
 
 
-def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
-    """Per match, in order: None when the block computes FlashAttention's output, a reason when not, or "unchecked: ..."."""
+def check_blocks(graph: gs.Graph, matches: list, cached: bool = False) -> list[str | None]:
+    """Per match, in order: None when the block computes FlashAttention's output, a reason when not, or "unchecked: ...".
+    cached: the second probe only (DECODE_QUERIES new tokens after cached ones), for blocks that read their cache."""
     if not matches:
         return []
     tokens = min(PROBE_TOKENS, cache_length(graph) or PROBE_TOKENS)  # a 4-row cache takes 4 probe tokens
+    queries = min(DECODE_QUERIES, tokens - 1) if cached else tokens
+    if queries < 1:
+        return [None] * len(matches)  # a one-row cache holds no token before a new one
+    pasts = _random_pasts(matches, tokens - queries, np.random.default_rng(1)) if cached else {}
     batch = fixed_batch(graph)
     rng = np.random.default_rng(0)
     probe = graph.copy()  # shares the weights; the cleanup keeps only what the blocks need
@@ -47,11 +58,11 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
         tensor = tensors[tensor.name]
         tensor.inputs.clear()
         two_d = tensor.shape is not None and len(tensor.shape) == 2
-        shape = (batch * tokens, width) if two_d else (batch, tokens, width)
+        shape = (batch * queries, width) if two_d else (batch, queries, width)
         fed = gs.Variable(f"{tensor.name}.probe", dtype=np.float32, shape=list(shape))
         # gs.Node, not probe.layer: layer() walks the whole graph per call (seconds over 180 cuts on SmolLM2)
         probe.nodes.append(gs.Node("Cast", inputs=[fed], outputs=[tensor], attrs={"to": element_type(tensor.dtype)}))
-        row = rng.standard_normal((1, tokens, width)).astype(np.float32)  # every sequence of the batch the same
+        row = rng.standard_normal((1, queries, width)).astype(np.float32)  # every sequence of the batch the same
         projected[tensor.name] = (fed, np.repeat(row, batch, axis=0).reshape(shape), row)
 
     for found in matches:
@@ -70,11 +81,21 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
     probe.outputs = outputs
     fed = {value.name: values for value, values, _ in projected.values()}
     as_float32(probe)  # onnxruntime's CPU kernels lack bfloat16 Mul and Where: the same math in float32
-    values = run_cut(probe, lambda value: fed[value.name] if value.name in fed else probe_feed(value, tokens))
+
+    def feed(value: gs.Variable) -> np.ndarray:
+        if value.name in fed:
+            return fed[value.name]
+        array = probe_feed(value, tokens, queries)
+        if value.name in pasts:  # the cached rows, the same in each sequence of the batch
+            array[:, :, :pasts[value.name].shape[2]] = pasts[value.name]
+        return array
+
+    values = run_cut(probe, feed)
     if isinstance(values, str) and len(matches) > 1:  # one block the probe cannot run: judge the others alone
-        return [check_blocks(graph, [found])[0] for found in matches]
+        return [check_blocks(graph, [found], cached)[0] for found in matches]
     if isinstance(values, str):
-        return [f"unchecked: the block could not be evaluated ({values})"]
+        after = f" after {tokens - queries} cached tokens" if cached else ""
+        return [f"unchecked: the block could not be evaluated{after} ({values})"]
     verdicts, values = [], iter(values)
     for found in matches:
         output = next(values)
@@ -85,9 +106,27 @@ def check_blocks(graph: gs.Graph, matches: list) -> list[str | None]:
             verdict = verdict or _judge(found, sequences[row], *(projected[t.name][2] for t in
                                                                  (found.query, found.key, found.value)),
                                         reduced_precision=element_type(found.query.dtype) != onnx.TensorProto.FLOAT,
-                                        presents=[np.asarray(p)[row:row + 1] for p in presents], tokens=tokens)
+                                        presents=[np.asarray(p)[row:row + 1] for p in presents], tokens=tokens,
+                                        past=tuple(pasts.get(t.name) for t in (found.past_key, found.past_value)
+                                                   if t is not None) if cached else None)
         verdicts.append(verdict)
+    if not cached:  # the blocks that read their cache, once more after cached tokens
+        reading = [index for index, (found, verdict) in enumerate(zip(matches, verdicts))
+                   if verdict is None and found.reads_cache]
+        for index, verdict in zip(reading, check_blocks(graph, [matches[i] for i in reading], cached=True)):
+            verdicts[index] = verdict
     return verdicts
+
+
+def _random_pasts(matches: list, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per past buffer the matches read: its first `rows` rows, random, [1, KV, rows, D] (float32 values)."""
+    pasts = {}
+    for found in matches:
+        for past in (found.past_key, found.past_value):
+            if past is not None and past.name not in pasts:
+                shape = (1, found.kv_num_heads, rows, 2 * found.inv_freq.size)
+                pasts[past.name] = rng.standard_normal(shape).astype(np.float32)
+    return pasts
 
 
 def fixed_batch(graph: gs.Graph) -> int:
@@ -103,19 +142,23 @@ def _width(found, tensor: gs.Tensor) -> int:
 
 
 def _judge(found, output: np.ndarray, query: np.ndarray, key: np.ndarray, value: np.ndarray,
-           reduced_precision: bool = False, presents: list[np.ndarray] = (), tokens: int = PROBE_TOKENS) -> str | None:
+           reduced_precision: bool = False, presents: list[np.ndarray] = (), tokens: int = PROBE_TOKENS,
+           past: tuple | None = None) -> str | None:
+    """past: the cached rows of the key and value buffers (the second probe), None for the first probe's empty past."""
     heads, kv_heads, head_dim = found.num_heads, found.kv_num_heads, 2 * found.inv_freq.size
     tolerance = REDUCED_PRECISION_TOLERANCE if reduced_precision else TOLERANCE
-    query, key, value = (x.reshape(1, tokens, -1).astype(np.float64) for x in (query, key, value))
-    expected, *written = _reference(found, query, key, value, tokens)
+    queries = query.size // (heads * head_dim)
+    query, key, value = (x.reshape(1, queries, -1).astype(np.float64) for x in (query, key, value))
+    expected, *written = _reference(found, query, key, value, tokens, past)
+    cached = f" after {tokens - queries} cached tokens" if past is not None else ""
     for kind, present, reference in zip(("key", "value"), presents, written):
         reason = _judge_cache(kind, np.asarray(present, dtype=np.float64), reference, tolerance, tokens)
         if reason:
             return reason
     output = np.asarray(output, dtype=np.float64)
     if output.size != expected.size:
-        return (f"the attention block's output has shape {list(output.shape)} on a {tokens}-token probe, not "
-                f"[1, {tokens}, {heads * head_dim}]")
+        return (f"the attention block's output has shape {list(output.shape)} on a {queries}-token probe{cached}, "
+                f"not [1, {queries}, {heads * head_dim}]")
     output = output.reshape(expected.shape)
     error = np.abs(output - expected).max() / max(1.0, np.abs(expected).max())
     if error <= tolerance:
@@ -123,21 +166,27 @@ def _judge(found, output: np.ndarray, query: np.ndarray, key: np.ndarray, value:
     group = heads // kv_heads
     if group > 1:  # the common other layout: query head h reads kv head h % KV
         order = np.arange(heads).reshape(group, kv_heads).T.reshape(-1)  # new head h' = (h % KV) * group + h // KV
-        permuted = query.reshape(1, tokens, heads, head_dim)[:, :, order].reshape(query.shape)
-        modulo = _reference(found, permuted, key, value, tokens)[0].reshape(1, tokens, heads, head_dim)
+        permuted = query.reshape(1, queries, heads, head_dim)[:, :, order].reshape(query.shape)
+        modulo = _reference(found, permuted, key, value, tokens, past)[0].reshape(1, queries, heads, head_dim)
         modulo = modulo[:, :, np.argsort(order)].reshape(expected.shape)
         if np.abs(output - modulo).max() / max(1.0, np.abs(modulo).max()) <= tolerance:
             return (f"query head h reads kv head h % {kv_heads} (kv heads repeated as [rep, kv]); FlashAttention's "
                     f"reads h // {group}")
     return (f"the attention block computes something other than FlashAttention with the matched {heads} heads, "
-            f"{kv_heads} kv heads, scale {found.scale:.4g} and rotary (largest difference {error:.2g} on a probe)")
+            f"{kv_heads} kv heads, scale {found.scale:.4g} and rotary (largest difference {error:.2g} on a probe{cached})")
 
 
-def _reference(found, query: np.ndarray, key: np.ndarray, value: np.ndarray, tokens: int = PROBE_TOKENS):
+def _reference(found, query: np.ndarray, key: np.ndarray, value: np.ndarray, tokens: int = PROBE_TOKENS,
+               past: tuple | None = None):
     kv_heads, head_dim = found.kv_num_heads, 2 * found.inv_freq.size
     cos, sin = op.rotary_tables(found.inv_freq, tokens, found.rotary_scaling)
-    empty = np.zeros((1, kv_heads, tokens, head_dim))
-    return op.reference(query, key, value, empty, empty, np.array([tokens - 1]), tokens, cos, sin,
+    buffers = []
+    for rows in (past or (None, None)):  # [1, KV, tokens, D]: the cached rows, then zeros
+        buffer = np.zeros((1, kv_heads, tokens, head_dim))
+        if rows is not None:
+            buffer[:, :, :rows.shape[2]] = rows
+        buffers.append(buffer)
+    return op.reference(query, key, value, *buffers, np.array([tokens - 1]), tokens, cos, sin,
                         found.num_heads, kv_heads, found.scale)
 
 

@@ -304,6 +304,23 @@ def rewrite(graph: gs.Graph, match: Match, shared: SharedInputs) -> None:
     match.o_proj.inputs[0] = output
 
 
+def _shared_writers(matches: list[Match]) -> list[str | None]:
+    """Per match: a reason when one of its cache writers is another match's too, else None."""
+    owners: dict[int, list[str]] = {}
+    for found in matches:
+        for writer in (found.key_writer, found.value_writer):
+            if writer is not None:
+                owners.setdefault(id(writer), []).append(found.layer)
+    verdicts = []
+    for found in matches:
+        shared = next((writer for writer in (found.key_writer, found.value_writer)
+                       if writer is not None and len(owners[id(writer)]) > 1), None)
+        verdicts.append(None if shared is None else
+                        f"the cache write '{shared.name}' is matched by {', '.join(owners[id(shared)])}: a block reads "
+                        f"keys or values from another layer's cache, which FlashAttention cannot share")
+    return verdicts
+
+
 def _keep_checked(matches: list[Match], layers: list[dict], verdicts: list[str | None]) -> list[Match]:
     """The matches whose probe verdict is None; the others' layers become unfused, the verdict their reason (an
     "unchecked: ..." one too: a block the probe could not run may compute anything, e.g. a sliding window in a
@@ -343,6 +360,9 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                        "reason": f"'{node.name}' is an ONNX Attention op (torch's SDPA exported at opset 23): "
                                  f"fuse_attention matches attention spelled out as MatMul, Softmax, MatMul; export "
                                  f"with attn_implementation='eager' or a lower opset"})
+    # Each fused node takes over its cache writers: a writer two blocks matched (one block reads the keys or values
+    # another layer's cache holds) would be claimed twice, and the block would read another layer's rows.
+    matches = _keep_checked(matches, layers, _shared_writers(matches))
     # The fused node masks causally: a mask that computes more (a window, a bias) keeps its layer unfused; then
     # each remaining block must compute the node's output on a probe (which kv head each query head reads, ...).
     mask_verdicts = check_masks(graph, [found.mask for found in matches if found.mask is not None],

@@ -970,3 +970,45 @@ def test_positions_clamped_past_the_block_probe_are_not_fused(hf_traced):
     assert report["fused"] == 0 and all(layer["reason"].startswith("rotary: its cos table differs from cos(position")
                                         for layer in report["layers"]), report
     np.testing.assert_allclose(run(fused), expected, atol=1e-6)
+
+
+# -- decode graphs whose attention differs only once the cache holds earlier tokens, and blocks sharing a cache --
+def _int64(name, value):
+    return gs.Constant(name, np.array(value, np.int64))
+
+
+def test_a_decode_block_that_reads_only_the_new_tokens_keys_is_not_fused(decoder_graphs):
+    """Layer 0's decode reads rows [total - S, total) of its key cache, not [0, total): with the first probe's empty
+    past the new tokens are the whole context and the two agree; after cached tokens they do not (15% off logits)."""
+    def keys_of_new_rows_only(graph, softmax):
+        read = next(n for n in graph.nodes if n.op == "Slice" and n.inputs[0].name == "present.0.key")
+        positions = next(t for t in graph.inputs if t.name == "position_ids")
+        shape = graph.layer(op="Shape", inputs=[positions], outputs=["positions_shape"])[0]
+        new = graph.layer(op="Slice", inputs=[shape, _int64("s1", [1]), _int64("s2", [2]), _int64("s0", [0])],
+                          outputs=["new_tokens"])[0]
+        start = graph.layer(op="Sub", inputs=[read.inputs[2], new], outputs=["new_rows_start"])[0]
+        for tensor in (shape, new, start):
+            tensor.dtype = np.int64
+        read.inputs[1] = start
+
+    _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["decode"], keys_of_new_rows_only),
+                                   fuse_attention.Options())
+    assert report["fused"] == 1 and report["layers"][1]["fused"], report
+    assert "after 7 cached tokens" in report["layers"][0]["reason"], report
+
+
+def test_the_unedited_decode_graph_still_fuses_every_layer(decoder_graphs):
+    _, report = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())
+    assert report["fused"] == 2 and report["unfused"] == 0, report
+
+
+def test_a_block_reading_another_layers_key_cache_is_refused_not_a_crash(decoder_graphs):
+    """Layer 1 reads layer 0's written key cache: both blocks match layer 0's ScatterElements. Fusing both crashed
+    (IndexError in rewrite: the writer's output already taken); each is reported unfused instead."""
+    graph = gs.import_onnx(decoder_graphs["decode"])
+    read = next(n for n in graph.nodes if n.op == "Slice" and n.inputs[0].name == "present.1.key")
+    read.inputs[0] = next(t for t in graph.outputs if t.name == "present.0.key")
+    model = gs.export_onnx(graph.cleanup().toposort())
+    _, report = fuse_attention.run(model, fuse_attention.Options())
+    assert report["fused"] == 0, report
+    assert all("is matched by layers.0, layers.1" in layer["reason"] for layer in report["layers"]), report
