@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/chunked_prefill.json)")
     args = parser.parse_args(argv)
+    output_file(parser, args.out or RESULTS / "chunked_prefill.json")  # before the work, not a traceback after it
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be >= 2: the running requests' inter-token gaps are what is measured")
     require_at_least_one(parser, args, "--decoders", "--long-prompt", "--repeats")
@@ -101,7 +102,6 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--decode-tokens {args.decode_tokens} after a {SHORT_PROMPT}-token prompt need "
                      f"{SHORT_PROMPT + args.decode_tokens - 1} positions; this artifact's max context is {limit}: use "
                      f"--decode-tokens {limit + 1 - SHORT_PROMPT} or less")
-    output_file(parser, args.out or RESULTS / "chunked_prefill.json")
     console = Console(width=None if sys.stdout.isatty() else 160)
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
     load = workload(engine.tokenizer.encode, args.decoders, args.decode_tokens, args.long_prompt, args.long_at)
