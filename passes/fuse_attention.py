@@ -32,9 +32,9 @@ from passes.attention_block_probe import check_blocks
 from passes.attention_mask_probe import check_masks
 from passes.errors import PassError
 from passes.graph_export import export_onnx
-from passes.graph_patterns import (SkipReason, as_float, constant, layer_name, numbered, parse_inv_freq, parse_rotary,
-                                    producer, rotary_sin, rotary_table_constants, scalar_factor, scaled_operand,
-                                    walk_up, walk_up_scaled)
+from passes.graph_patterns import (SkipReason, as_float, constant, layer_name, numbered, parse_inv_freq,
+                                    parse_rotary_terms, producer, rotary_table_constants, scalar_factor,
+                                    scaled_operand, walk_up, walk_up_scaled)
 from passes.rotary_probe import check_tables
 
 THROUGH_CACHE_READ = {"Transpose", "Unsqueeze", "Reshape", "Expand", "Slice", "Identity", "Cast"}
@@ -217,17 +217,12 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
     scale *= q_factor * k_factor  # scores = (a q) . (b k) = a b (q . k)
     if (past_key is None) != (past_value is None):
         return SkipReason("only one of the key and value caches is written")
-    parts = [parse_rotary(q_rotated), parse_rotary(k_new)]
+    parts = [parse_rotary_terms(q_rotated), parse_rotary_terms(k_new)]
     for part in parts:
         if isinstance(part, SkipReason):
             return part
-    (q_heads, cos), (k_heads, k_cos) = parts
-    tables = []
-    for rotated, table in ((q_rotated, cos), (k_new, k_cos)):
-        sin = rotary_sin(rotated, table)
-        if isinstance(sin, SkipReason):
-            return sin
-        tables.append((table, sin))
+    (q_heads, cos, q_sin), (k_heads, k_cos, k_sin) = parts
+    tables = [(cos, q_sin), (k_cos, k_sin)]
     rotary = parse_inv_freq(cos)
     if isinstance(rotary, SkipReason):
         return rotary

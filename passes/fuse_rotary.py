@@ -30,8 +30,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes.graph_export import export_onnx
-from passes.graph_patterns import (SkipReason, constant, layer_name, parse_inv_freq, parse_rotary, producer,
-                                   rotary_sin, rotary_table_constants)
+from passes.graph_patterns import (SkipReason, constant, layer_name, parse_inv_freq, parse_rotary_terms, producer,
+                                   rotary_table_constants)
 from passes.opset import raise_opset, unchanged
 from passes.rotary_probe import check_rotaries, check_tables
 
@@ -110,10 +110,10 @@ def _positions(graph: gs.Graph, cos: gs.Node) -> gs.Tensor | SkipReason:
 
 
 def match(graph: gs.Graph, add: gs.Node, rows: int | None) -> Match | SkipReason:
-    parsed = parse_rotary(add.outputs[0])
+    parsed = parse_rotary_terms(add.outputs[0])
     if isinstance(parsed, SkipReason):
         return parsed
-    source, cos = parsed
+    source, cos, sin = parsed
     reason = _rotate_half(add, source)
     if reason is not None:
         return reason
@@ -129,9 +129,6 @@ def match(graph: gs.Graph, add: gs.Node, rows: int | None) -> Match | SkipReason
         return positions
     if not isinstance(rows, int):
         return SkipReason("no rotary table length: the graph has no past_key_values.0.key; set rotary_cache_length")
-    sin = rotary_sin(add.outputs[0], cos)
-    if isinstance(sin, SkipReason):
-        return sin
     return Match(add, source, inv_freq, scaling, positions, rows, (cos, sin))
 
 

@@ -125,6 +125,13 @@ def layer_name(node: gs.Node) -> str:
 def parse_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
     """Parse rotary(t) = t*cos + Concat(-t2, t1)*sin, or ONNX RotaryEmbedding(t, cos, sin) (rotate-half, all
     of t rotated, positions already in cos); returns (t, cos)."""
+    terms = parse_rotary_terms(tensor)
+    return terms if isinstance(terms, SkipReason) else terms[:2]
+
+
+def parse_rotary_terms(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor] | SkipReason:
+    """parse_rotary's (t, cos), and the sin operand: RotaryEmbedding's third input, else the rotate-half term's
+    other factor."""
     add = producer(tensor)
     if add is not None and add.op == "RotaryEmbedding":
         width = add.inputs[0].shape[-1] if add.inputs[0].shape and len(add.inputs[0].shape) == 4 else None
@@ -133,7 +140,7 @@ def parse_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
         if add.attrs.get("interleaved", 0) or partial or indexed:
             return SkipReason(f"RotaryEmbedding '{add.name}' is interleaved, partial or indexed by position_ids; "
                               f"FlashAttention rotates all of each head, rotate-half, at the token's position")
-        return add.inputs[0], add.inputs[1]
+        return add.inputs[0], add.inputs[1], add.inputs[2]
     if add is None or add.op != "Add" or not all(producer(t) is not None and producer(t).op == "Mul" for t in add.inputs):
         return SkipReason(f"no rotary embedding (Add of two Muls) at '{tensor.name}'")
     for rotate_mul, cos_mul in (add.inputs[0].inputs[0], add.inputs[1].inputs[0]), (add.inputs[1].inputs[0], add.inputs[0].inputs[0]):
@@ -147,22 +154,9 @@ def parse_rotary(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | SkipReason:
         if source not in cos_mul.inputs:
             return SkipReason("rotary: the cos term does not multiply the tensor being rotated")
         cos = cos_mul.inputs[1] if cos_mul.inputs[0] is source else cos_mul.inputs[0]
-        return source, cos
+        sin = rotate_mul.inputs[1] if rotate_mul.inputs[0] is concat.outputs[0] else rotate_mul.inputs[0]
+        return source, cos, sin
     return SkipReason("rotary: no rotate-half term Concat(Neg(Slice(t)), Slice(t))")
-
-
-def rotary_sin(rotated: gs.Tensor, cos: gs.Tensor) -> gs.Tensor | SkipReason:
-    """The sin operand of a rotary parse_rotary matched: RotaryEmbedding's third input, else the factor beside the
-    rotate-half Concat."""
-    add = producer(rotated)
-    if add.op == "RotaryEmbedding":
-        return add.inputs[2]
-    for term in add.inputs:
-        mul = producer(term)
-        concat = next((t for t in mul.inputs if producer(t) is not None and producer(t).op == "Concat"), None)
-        if concat is not None and cos not in mul.inputs:
-            return next(t for t in mul.inputs if t is not concat)
-    return SkipReason("rotary: no sin operand beside the rotate-half term")
 
 
 def parse_inv_freq(cos: gs.Tensor) -> tuple[np.ndarray, float] | SkipReason:
