@@ -50,7 +50,14 @@ NOT_SUPPORTED = {  # field -> why it is refused, said after "{field}: "
     "best_of": "above 1 is not supported by this server; ask for n choices and keep the best yourself",
     "suffix": "insertion (suffix) is not supported by this server",
 }
-HARMLESS = {"best_of": 1}  # values of refused fields that ask for what the server does anyway
+# OpenAI's own chat fields (its client's chat.completions.create arguments) that this server has nothing for: refused
+# as such, never taken for a typo of a field it has (difflib would offer store -> stream, reasoning_effort ->
+# response_format, web_search_options -> stream_options).
+OPENAI_ONLY = ("store", "metadata", "service_tier", "reasoning_effort", "modalities", "audio", "prediction",
+               "web_search_options", "verbosity", "prompt_cache_key", "prompt_cache_retention", "safety_identifier")
+NOT_SUPPORTED.update({name: "OpenAI's field is not supported by this server" for name in OPENAI_ONLY})
+# Values of refused fields that ask for what the server does anyway (store=False: it keeps nothing).
+HARMLESS = {"best_of": 1, "store": False}
 # Fields of one endpoint sent to the other, and the field meant there: difflib ties max_completion_tokens with
 # max_tokens and min_tokens (the opposite), and picks min_tokens.
 SAME_FIELD = {"max_completion_tokens": "max_tokens"}
@@ -130,7 +137,7 @@ def request_fields(body, known: set[str], model_name: str, refused: dict[str, st
     refused = refused or {}
     fields = {name: value for name, value in body.items() if value is not None}
     for name in fields:
-        if name in refused and not (name in HARMLESS and type(fields[name]) is int
+        if name in refused and not (name in HARMLESS and type(fields[name]) is type(HARMLESS[name])
                                     and fields[name] == HARMLESS[name]):
             raise ApiError(f"{name}: {refused[name]}", param=name)
         if name not in known and name not in refused:
@@ -414,6 +421,7 @@ def usage_chunk(request: ParsedRequest, request_id: str, model_name: str, create
 
 
 CONTEXT_TOKENS = 4  # the tokens before one that decoding it in context reads
+MAX_CHARACTER_TOKENS = 4  # a UTF-8 character has at most 4 bytes: at most this many tokens spell parts of it
 
 
 def _token_texts(engine, token_ids: list[int], start: int = 0, output_end: int | None = None) -> list[str]:
@@ -425,13 +433,28 @@ def _token_texts(engine, token_ids: list[int], start: int = 0, output_end: int |
     decode = lambda ids: engine.tokenizer.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     texts = []
     for position in range(start, len(token_ids)):
-        before = token_ids[max(0, position - CONTEXT_TOKENS):position]
-        prefix, whole = decode(before), decode(before + [token_ids[position]])
+        before, prefix = _context(decode, token_ids, position)
+        whole = decode(before + [token_ids[position]])
         if output_end is None or position <= output_end:  # a character cut short may yet be completed
             prefix = prefix.rstrip("\ufffd")
         text = whole[len(prefix):] if whole.startswith(prefix) else whole
         texts.append(text if position == output_end else text.rstrip("\ufffd"))
     return texts
+
+
+def _context(decode, token_ids: list[int], position: int) -> tuple[list[int], str]:
+    """The tokens token_ids[position]'s text is read after, and their text: the CONTEXT_TOKENS before it, and more
+    (up to a character's bytes) while they begin inside a character. Its cut bytes decode to U+FFFD, and a context
+    that reads only U+FFFD after them (a character still incomplete before the token) would lose them with that
+    character's U+FFFD, putting them into the token's text ("\ufffd🏼" after "👌" in one-byte tokens)."""
+    context_start = max(0, position - CONTEXT_TOKENS)
+    while True:
+        before = token_ids[context_start:position]
+        text = decode(before)
+        if (context_start == 0 or not text.startswith("\ufffd")
+                or len(before) >= CONTEXT_TOKENS + MAX_CHARACTER_TOKENS - 1):
+            return before, text
+        context_start -= 1
 
 
 def _token_text(engine, token: int) -> str:

@@ -4,6 +4,7 @@ openai`) can use an artifact. `aotlm serve ARTIFACT` runs it.
 
     GET  /health                 200 while serving, 503 once a stop began (drain)
     GET  /v1/models              the one model served
+    GET  /v1/models/{model}      that model (OpenAI's retrieve: the client's models.retrieve); another name: 404
     GET  /metrics                Prometheus' text format: latencies, tokens, requests, load (runtime/server_metrics.py)
     POST /v1/completions         prompt -> text
     POST /v1/chat/completions    messages -> the assistant's reply (the model's chat template)
@@ -35,7 +36,7 @@ import time
 from concurrent.futures import TimeoutError as ResultTimeout  # the built-in TimeoutError only from Python 3.11
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from runtime import openai_api, tokenizer_api
 from runtime.errors import QueueFullError, RequestError
@@ -55,6 +56,7 @@ SOCKET_TIMEOUT_S = 60.0  # a body that stops arriving, an idle keep-alive connec
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 TOKENIZER_ROUTES = {"/tokenize": tokenizer_api.tokenize, "/detokenize": tokenizer_api.detokenize}  # vLLM's, POST
 GET_ROUTES = ("/health", "/v1/models", "/models", "/metrics", "/tokenizer_info")
+MODEL_ROUTE = "/v1/models/"  # GET /v1/models/{model}: the id percent-encoded by OpenAI's clients ("org%2Fname")
 KEYED_ROUTES = (*TOKENIZER_ROUTES, "/tokenizer_info")  # beside /v1/*: with an API key, they ask for it
 
 
@@ -184,13 +186,22 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send_error(ApiError(f"{type(error).__name__}: {error}", 500, "server_error"))
             self._send_json(200, info)
         elif path in ("/v1/models", "/models"):
-            self._send_json(200, {"object": "list", "data": [{
-                "id": self.server.model_name, "object": "model", "created": self.server.created,
-                "owned_by": "aotlm", "max_model_len": self.server.engine.max_context}]})
+            self._send_json(200, {"object": "list", "data": [self._model()]})
+        elif path.startswith(MODEL_ROUTE):
+            name, served = unquote(path[len(MODEL_ROUTE):]), self.server.model_name
+            if name != served:
+                return self._send_error(ApiError(f"the model {name!r} does not exist; this server serves {served!r}",
+                                                 404, "not_found_error", param="model"))
+            self._send_json(200, self._model())
         elif path in ROUTES or path in TOKENIZER_ROUTES:
             self._send_error(ApiError(f"{path} takes POST", status=405))
         else:
             self._send_error(_not_found(path))
+
+    def _model(self) -> dict:
+        """The model served, as /v1/models lists it and /v1/models/{model} retrieves it."""
+        return {"id": self.server.model_name, "object": "model", "created": self.server.created, "owned_by": "aotlm",
+                "max_model_len": self.server.engine.max_context}
 
     def do_HEAD(self) -> None:
         """GET's status and headers without its body (uptime monitors ask /health this way); _send leaves it out."""
@@ -238,7 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
                                                                    self.server.model_name))
             if path not in ROUTES:
                 self._read_body()  # drained, so that the connection can serve the next request
-                raise (ApiError(f"{path} takes GET", status=405) if path in GET_ROUTES else _not_found(path))
+                raise (ApiError(f"{path} takes GET", status=405) if _is_get_route(path) else _not_found(path))
             request = openai_api.parse(self.server.engine, self._read_json(), chat=ROUTES[path],
                                        model_name=self.server.model_name)
             request_id = openai_api.new_id(request.chat)
@@ -463,6 +474,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self) -> str:
         """The path as /metrics labels it: one of the server's, else "other" (any path would be a label value)."""
         path = urlsplit(self.path).path
+        if path.startswith(MODEL_ROUTE):
+            return MODEL_ROUTE + "{model}"  # one label, whatever name was asked for
         return path if path in (*ROUTES, *TOKENIZER_ROUTES, *GET_ROUTES) else "other"
 
     def _send_error(self, error: ApiError) -> None:
@@ -518,7 +531,11 @@ def _allowed(path: str) -> str | None:
     """The methods a route takes, as an Allow header lists them; None for a path that is no route."""
     if path in ROUTES or path in TOKENIZER_ROUTES:
         return "POST, OPTIONS"
-    return "GET, HEAD, OPTIONS" if path in GET_ROUTES else None
+    return "GET, HEAD, OPTIONS" if _is_get_route(path) else None
+
+
+def _is_get_route(path: str) -> bool:
+    return path in GET_ROUTES or path.startswith(MODEL_ROUTE)
 
 
 def _not_found(path: str) -> ApiError:

@@ -1205,3 +1205,56 @@ def test_an_output_that_ends_inside_a_character_joins_to_its_text(served, stream
         assert (text, tokens, offsets) == ("\ufffd", ["\ufffd", "</s>"], [0, 1])
     else:
         assert text == "\ufffd\ufffd" and "".join(tokens) == text and offsets == [0, 0], (tokens, text)
+
+
+def test_a_model_is_retrieved_by_its_id_as_openais_client_asks(served):
+    """OpenAI's client.models.retrieve(id) asks GET /v1/models/{id}, the id percent-encoded (a name with a slash reads
+    "org%2Fname"): the model /v1/models lists; another id is a 404 that names the model served."""
+    name = served.engine.manifest["name"]
+    listed = request(served, "GET", "/v1/models")[2]["data"][0]
+    assert request(served, "GET", f"/v1/models/{name}")[::2] == (200, listed)
+    status, _, body = request(served, "GET", "/v1/models/gpt-4")
+    assert (status, body["error"]["type"], body["error"]["param"]) == (404, "not_found_error", "model")
+    assert repr(name) in body["error"]["message"]
+    named = ApiServer(served.engine, port=0, model_name="org/tiny")  # the same engine under a name with a slash
+    named.start()
+    try:
+        status, _, model = request(named, "GET", "/v1/models/org%2Ftiny")
+        assert (status, model["id"], model["object"]) == (200, "org/tiny", "model")
+        assert request(named, "GET", "/v1/models/org/tiny")[::2] == (200, model)  # clients that do not encode it
+    finally:
+        named.shutdown()
+        named.server_close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_texts_join_to_the_text_where_characters_span_many_tokens(served, stream):
+    """The tiny tokenizer spells "👌🏼" in 8 one-byte tokens. A token's text is read after the CONTEXT_TOKENS before
+    it; for 🏼's last byte those begin inside 👌, whose cut bytes decode to U+FFFD: they are not the partial character
+    just before it (stripped as one), so they must not land in its text ("\\ufffd🏼")."""
+    prompt = "👌🏼 é"
+    count = len(served.engine.prompt_ids(prompt))
+    body = {"prompt": prompt, "max_tokens": 1, "logprobs": 0, "echo": True, "temperature": 0}
+    logprobs, text = completion_logprobs(served, body, stream)
+    tokens, offsets = logprobs["tokens"][:count], logprobs["text_offset"][:count]
+    assert "".join(tokens) == prompt and text.startswith(prompt), tokens
+    assert all(text.startswith(token, offset) for token, offset in zip(tokens, offsets))
+
+
+@pytest.mark.parametrize("field, value", [("store", True), ("reasoning_effort", "low"),
+                                          ("web_search_options", {}), ("metadata", {"a": "b"})])
+def test_openais_own_fields_the_server_lacks_are_refused_as_such_not_taken_for_typos(chat_served, field, value):
+    """OpenAI's client has these as arguments of chat.completions.create; a look-alike suggestion ("store: did you
+    mean stream?", "reasoning_effort: did you mean response_format?") would point at another field entirely."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, field: value}
+    status, _, error = post(chat_served, "/v1/chat/completions", body)
+    assert (status, error["error"]["param"]) == (400, field)
+    assert error["error"]["message"] == f"{field}: OpenAI's field is not supported by this server"
+
+
+def test_store_false_asks_for_what_the_server_does_anyway(chat_served):
+    """OpenAI's store=False (keep no copy of the exchange) is what this server does: served, where store=True and
+    store=0 (not the boolean OpenAI takes) are refused."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert post(chat_served, "/v1/chat/completions", {**body, "store": False})[0] == 200
+    assert post(chat_served, "/v1/chat/completions", {**body, "store": 0})[0] == 400
