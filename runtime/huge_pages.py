@@ -63,7 +63,9 @@ def private_anonymous_mappings(min_bytes: int = MIN_MAPPING) -> list[tuple[int, 
     thread stacks left out: glibc maps each (onnxruntime's pool threads' 8 MiB) right above an inaccessible guard
     page, and most of a stack is never touched, so there is nothing to gain and MADV_COLLAPSE refuses them."""
     found, previous = [], None
-    with open("/proc/self/maps", encoding="ascii") as maps:
+    # Each line ends with the mapped file's path as the kernel holds it, in any bytes (an artifact folder named
+    # "modèles" maps its weights from there): only "" and "[heap]" are compared, so undecodable bytes may be replaced.
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
         for line in maps:
             fields = line.split()
             start, end = (int(x, 16) for x in fields[0].split("-"))
@@ -147,7 +149,7 @@ def huge_bytes_in(start: int, end: int) -> int:
     """Bytes of [start, end)'s mappings that are on anonymous huge pages now (/proc/self/smaps), for tests and
     reports: whole mappings are counted where they overlap the range."""
     total, overlapping = 0, False
-    with open("/proc/self/smaps", encoding="ascii") as smaps:
+    with open("/proc/self/smaps", encoding="utf-8", errors="replace") as smaps:  # file paths: any bytes
         for line in smaps:
             head = line.split()[0] if line.strip() else ""
             if "-" in head and not head.endswith(":"):

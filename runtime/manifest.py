@@ -46,7 +46,11 @@ def read_manifest(artifact_dir: str | Path) -> dict:
         raise ArtifactError(f"{folder}: a file, not an artifact folder; {fix}")
     if not folder.is_dir():
         raise ArtifactError(f"{folder}: not an artifact folder (no such directory); build one with `aotlm build RECIPE`")
-    if not path.is_file():
+    try:
+        has_manifest = path.is_file()
+    except OSError as error:  # a folder without search (x) permission: even stat of what it holds is refused
+        raise _unreadable(path, error) from None
+    if not has_manifest:
         inside = _artifacts_inside(folder)
         fix = (f"it holds artifacts: give one of {', '.join(map(str, inside))}" if inside
                else "build one with `aotlm build RECIPE`")
@@ -89,6 +93,10 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     if missing:
         raise ArtifactError(f"{path}: the manifest lacks {', '.join(missing)} (or has the wrong type); the file was "
                             f"edited or cut short: rebuild the artifact")
+    outside = [name for name in manifest["files"] if Path(name).is_absolute() or ".." in Path(name).parts]
+    if outside:  # the engines and tokenizer must be listed here (check_files), so none of them is read from elsewhere
+        raise ArtifactError(f"{path}: files names {outside[0]!r}, outside the artifact folder; an artifact holds every "
+                            f"file it uses: rebuild the artifact")
     return manifest
 
 
@@ -141,6 +149,10 @@ def check_files(artifact_dir: str | Path, manifest: dict, verify_hashes: bool = 
                 f"{path}: {size} bytes, but the manifest records {record['bytes']} (truncated or modified); "
                 f"rebuild the artifact"
             )
+        try:  # opened, not read: onnxruntime blamed the graph whose external data it is, by errno number
+            open(path, "rb").close()
+        except OSError as error:
+            raise _unreadable(path, error) from None
         if verify_hashes and _sha256_or_refuse(path) != record["sha256"]:
             raise ArtifactError(f"{path}: sha256 differs from the manifest (file modified); rebuild the artifact")
 

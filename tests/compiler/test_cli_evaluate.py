@@ -73,7 +73,7 @@ def test_eval_and_compare_write_each_artifact_s_numbers_under_its_name(capsys, m
     assert (written["window"], written["stride"], written["tokens"], written["tokens_scored"]) == (32, 16, 50, 49)
     assert (written["reference"]["perplexity"], written["reference"]["mean_nll"]) == (10.0, 2.3)
     assert (written["candidate"]["perplexity"], written["candidate"]["mean_nll"]) == (12.5, 2.5)
-    assert (written["top1_agreement"], written["mean_kl_nats"]) == (0.875, 0.0123)
+    assert (written["top1_agreement"], written["mean_kl"]) == (0.875, 0.0123)
     status, output = run_cli(capsys, "eval", copy, *argv, "--json", tmp_path / "eval.json")
     alone = json.loads((tmp_path / "eval.json").read_text())
     assert status == 0 and alone["tokens"] == 50 and alone["tokens_sha256"] == written["tokens_sha256"], output
@@ -108,3 +108,20 @@ def test_compare_prints_the_reference_s_perplexity_on_its_row(capsys, monkeypatc
     status, output = run_cli(capsys, "compare", tiny_artifact, copy, "--text", text, "--max-tokens", "50")
     rows = {line.split("│")[1].strip(): line for line in output.splitlines() if line.count("│") > 3}
     assert status == 0 and "10.0000" in rows["A"] and "12.5000" in rows["B"], output
+
+
+def test_eval_and_compare_json_name_kl_alike(capsys, monkeypatch, tiny_artifact, tmp_path):
+    """compare's JSON named KL mean_kl_nats, where eval's JSON (Evaluation.to_dict) and the manifest's accuracy
+    report name it mean_kl: a script reading both found no common key."""
+    import dataclasses
+
+    from runtime.evaluate import Evaluation
+
+    monkeypatch.setattr(cli_evaluate, "_score", lambda *args: Scored())
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 8)
+    status, output = run_cli(capsys, "compare", tiny_artifact, tiny_artifact, "--text", text, "--max-tokens", "50",
+                             "--window", "32", "--json", tmp_path / "compare.json")
+    compared = json.loads((tmp_path / "compare.json").read_text())
+    assert status == 0 and compared["mean_kl"] == 0.0123 and "mean_kl_nats" not in compared, output
+    assert {"mean_kl", "top1_agreement"} <= {field.name for field in dataclasses.fields(Evaluation)}  # eval's keys

@@ -262,7 +262,7 @@ def test_cli_compare_an_artifact_with_a_copy_of_itself(tiny_artifact, text_file,
     err = capsys.readouterr().err
     assert "top-1" in err and "KL" in err
     written = json.loads(out.read_text())
-    assert written["top1_agreement"] == 1.0 and abs(written["mean_kl_nats"]) < 1e-9
+    assert written["top1_agreement"] == 1.0 and abs(written["mean_kl"]) < 1e-9
     assert written["reference"]["perplexity"] == written["candidate"]["perplexity"]
     assert written["tokens_scored"] == 89 and written["kl_direction"] == "KL(reference || candidate)"
 

@@ -257,3 +257,24 @@ VmFlags: rd wr mr mw me ac
     assert huge_pages.huge_bytes_in(0x400000, 0x600000) == 2 * 2**20  # ends where the next mapping starts
     assert huge_pages.huge_bytes_in(0x600000, 0x600001) == 4 * 2**20
     assert huge_pages.huge_bytes_in(0x500000, 0x700000) == 6 * 2**20
+
+
+def test_an_artifact_in_a_folder_with_a_non_ascii_name_loads(tiny_artifact, tmp_path):
+    """/proc/self/maps names each mapped file by its path: read as ASCII, the artifact's own weights.bin under a
+    folder named "modèles ✓" made Engine.load (huge_pages=True, as `aotlm serve` and `bench` load) fail with a
+    UnicodeDecodeError traceback."""
+    import shutil
+
+    copy = shutil.copytree(tiny_artifact, tmp_path / "modèles ✓")
+    engine = Engine.load(copy, huge_pages=True)
+    assert len(engine.generate("hi", max_new_tokens=2, ignore_eos=True).token_ids) == 2
+
+
+def test_mappings_of_files_named_in_any_bytes_are_read(tmp_path):
+    """A path need not be UTF-8 (the kernel keeps bytes): the scan and the smaps count still read every line."""
+    path = os.path.join(os.fsencode(tmp_path), b"caf\xe9.bin")
+    with open(path, "wb") as handle:
+        handle.write(b"\0" * mmap.PAGESIZE)
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ):
+        huge_pages.private_anonymous_mappings()
+        huge_pages.huge_bytes_in(0, 2**64)

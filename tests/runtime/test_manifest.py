@@ -236,3 +236,53 @@ def test_an_engine_file_that_is_another_graph_is_refused_by_its_io(artifact_copy
     with pytest.raises(ArtifactError, match=r"prefill.onnx: the graph's outputs differ from the manifest's I/O spec "
                                             r"\(graph \('logits', 'float32', \[None, 512\]\), manifest"):
         Engine.load(artifact_copy)
+
+
+def test_a_listed_file_that_cannot_be_read_is_named(artifact_copy, monkeypatch):
+    """Another user's weights.bin: sizes matched, and onnxruntime then refused prefill.onnx ("SystemError : 13"),
+    naming neither the file nor the cause (an unreadable tokenizer.json said "rebuild the artifact")."""
+    import builtins
+
+    real_open = builtins.open
+
+    def refused(file, *args, **kwargs):
+        if Path(str(file)).name == "weights.bin":
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refused)
+    with pytest.raises(ArtifactError, match=r"weights.bin: cannot be read \(Permission denied\); fix the folder"):
+        Engine.load(artifact_copy)
+
+
+def test_a_folder_that_cannot_be_searched_is_named(artifact_copy, monkeypatch):
+    """A folder without x permission: stat of its manifest raised a bare PermissionError, which the command line
+    reported as a refused write ("or write elsewhere")."""
+    is_file = Path.is_file
+
+    def refused(path):
+        if path.name == "manifest.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_file(path)
+
+    monkeypatch.setattr(Path, "is_file", refused)
+    with pytest.raises(ArtifactError, match=r"manifest.json: cannot be read \(Permission denied\); fix the folder"):
+        Engine.load(artifact_copy)
+
+
+@pytest.mark.parametrize("outside", [lambda folder: str(folder.parent / "other" / "decode.onnx"),
+                                     lambda folder: "../other/decode.onnx"], ids=["absolute", "parent"])
+def test_a_file_outside_the_artifact_folder_is_refused(artifact_copy, outside):
+    """A manifest pointing decode at another artifact's graph beside the folder, listed with its true size and
+    sha256, loaded it and passed --verify: the folder no longer held what the runtime ran."""
+    shutil.copytree(artifact_copy, artifact_copy.parent / "other")
+    name = outside(artifact_copy)
+
+    def point_decode_outside(manifest):
+        manifest["files"][name] = manifest["files"].pop("decode.onnx")
+        manifest["engines"]["decode"]["file"] = name
+
+    _edit_manifest(artifact_copy, point_decode_outside)
+    (artifact_copy / "decode.onnx").unlink()
+    with pytest.raises(ArtifactError, match=r"manifest.json: files names '.*other/decode.onnx', outside the artifact"):
+        Engine.load(artifact_copy, verify=True)
