@@ -9,8 +9,9 @@ meaning the same way.
 
 So the block is evaluated: the part of the graph between the q/k/v projections' outputs and the o projection's
 input is cut out (the projections' outputs become inputs) and run with onnxruntime on random q, k and v for a
-probe sequence (batch 1, PROBE_TOKENS tokens at positions 0.., an attention_mask of ones, an empty past). Its
-output must equal `flash_attention_op.reference` under the matched heads, scale and rotary, and so must the cache
+probe sequence (PROBE_TOKENS tokens at positions 0.., an attention_mask of ones, an empty past; PROBE_BATCH
+sequences, or the graph's fixed batch, each with its own random q, k, v and cached rows). Each sequence's output must
+equal `flash_attention_op.reference` under the matched heads, scale and rotary, and so must the cache
 it writes (rows 0..PROBE_TOKENS-1 of each present buffer hold the rotated keys and the values, the rest stays as it
 was): a prefill reads its new keys directly, so a write at other rows shows in the cache only. A block the probe
 cannot run (it needs inputs the probe cannot make) is reported as unchecked, and stays unfused.
@@ -34,19 +35,24 @@ PROBE_TOKENS = 8  # or the cache length, when it is shorter
 TOLERANCE = 1e-3  # of the reference's largest magnitude; a float32 block agrees to ~1e-6
 REDUCED_PRECISION_TOLERANCE = 5e-2  # float16 / bfloat16 blocks (bfloat16 rounds the probe's inputs by ~4e-3)
 DECODE_QUERIES = 1  # the second probe of a block reading its cache: one new token after the others cached
+# Sequences per probe when the graph's batch is not fixed, each with its own values: a block that reads another
+# sequence's cache rows (a Slice or Gather on the batch axis) computes the same as FlashAttention on identical ones.
+PROBE_BATCH = 2
 
 
-def check_blocks(graph: gs.Graph, matches: list, cached: bool = False) -> list[str | None]:
+def check_blocks(graph: gs.Graph, matches: list, cached: bool = False, batch: int | None = None) -> list[str | None]:
     """Per match, in order: None when the block computes FlashAttention's output, a reason when not, or "unchecked: ...".
-    cached: the second probe only (DECODE_QUERIES new tokens after cached ones), for blocks that read their cache."""
+    cached: the second probe only (DECODE_QUERIES new tokens after cached ones), for blocks that read their cache.
+    batch: the probe's sequences where the graph does not fix them (default PROBE_BATCH)."""
     if not matches:
         return []
     tokens = min(PROBE_TOKENS, cache_length(graph) or PROBE_TOKENS)  # a 4-row cache takes 4 probe tokens
     queries = min(DECODE_QUERIES, tokens - 1) if cached else tokens
     if queries < 1:
         return [None] * len(matches)  # a one-row cache holds no token before a new one
-    pasts = _random_pasts(matches, tokens - queries, np.random.default_rng(1)) if cached else {}
-    batch = fixed_batch(graph)
+    fixed = fixed_batch(graph)
+    batch = fixed or batch or PROBE_BATCH
+    pasts = _random_pasts(matches, tokens - queries, batch, np.random.default_rng(1)) if cached else {}
     rng = np.random.default_rng(0)
     probe = graph.copy()  # shares the weights; the cleanup keeps only what the blocks need
     tensors = probe.tensors()
@@ -62,8 +68,8 @@ def check_blocks(graph: gs.Graph, matches: list, cached: bool = False) -> list[s
         fed = gs.Variable(f"{tensor.name}.probe", dtype=np.float32, shape=list(shape))
         # gs.Node, not probe.layer: layer() walks the whole graph per call (seconds over 180 cuts on SmolLM2)
         probe.nodes.append(gs.Node("Cast", inputs=[fed], outputs=[tensor], attrs={"to": element_type(tensor.dtype)}))
-        row = rng.standard_normal((1, queries, width)).astype(np.float32)  # every sequence of the batch the same
-        projected[tensor.name] = (fed, np.repeat(row, batch, axis=0).reshape(shape), row)
+        rows = rng.standard_normal((batch, queries, width)).astype(np.float32)  # each sequence its own
+        projected[tensor.name] = (fed, rows.reshape(shape), rows)
 
     for found in matches:
         for tensor in (found.query, found.key, found.value):
@@ -85,14 +91,18 @@ def check_blocks(graph: gs.Graph, matches: list, cached: bool = False) -> list[s
     def feed(value: gs.Variable) -> np.ndarray:
         if value.name in fed:
             return fed[value.name]
-        array = probe_feed(value, tokens, queries)
-        if value.name in pasts:  # the cached rows, the same in each sequence of the batch
+        array = probe_feed(value, tokens, queries, batch)
+        if value.name in pasts:  # the cached rows, each sequence its own
             array[:, :, :pasts[value.name].shape[2]] = pasts[value.name]
         return array
 
     values = run_cut(probe, feed)
+    if isinstance(values, str) and fixed is None and batch > 1:
+        # A graph that runs one sequence only (the dynamo exporter's ONNX RotaryEmbedding with a batch-1 cos table:
+        # onnxruntime wants the table's batch to be x's): probed with one, which cannot show a read of another's rows
+        return check_blocks(graph, matches, cached, batch=1)
     if isinstance(values, str) and len(matches) > 1:  # one block the probe cannot run: judge the others alone
-        return [check_blocks(graph, [found], cached)[0] for found in matches]
+        return [check_blocks(graph, [found], cached, batch)[0] for found in matches]
     if isinstance(values, str):
         after = f" after {tokens - queries} cached tokens" if cached else ""
         return [f"unchecked: the block could not be evaluated{after} ({values})"]
@@ -102,13 +112,17 @@ def check_blocks(graph: gs.Graph, matches: list, cached: bool = False) -> list[s
         presents = [next(values) for writer in (found.key_writer, found.value_writer) if writer is not None]
         sequences = np.asarray(output).reshape(batch, -1)
         verdict = None
-        for row in range(batch):  # each sequence got the same q, k and v: each must give the reference's output
-            verdict = verdict or _judge(found, sequences[row], *(projected[t.name][2] for t in
-                                                                 (found.query, found.key, found.value)),
-                                        reduced_precision=element_type(found.query.dtype) != onnx.TensorProto.FLOAT,
-                                        presents=[np.asarray(p)[row:row + 1] for p in presents], tokens=tokens,
-                                        past=tuple(pasts.get(t.name) for t in (found.past_key, found.past_value)
-                                                   if t is not None) if cached else None)
+        for row in range(batch):  # each sequence must give the reference's output for its own q, k, v and past
+            verdict = _judge(found, sequences[row], *(projected[t.name][2][row:row + 1] for t in
+                                                      (found.query, found.key, found.value)),
+                             reduced_precision=element_type(found.query.dtype) != onnx.TensorProto.FLOAT,
+                             presents=[np.asarray(p)[row:row + 1] for p in presents], tokens=tokens,
+                             past=tuple(pasts[t.name][row:row + 1] for t in (found.past_key, found.past_value)
+                                        if t is not None) if cached else None)
+            if verdict is not None:
+                if row > 0:  # sequence 0 agreed: this one read another sequence's values (a Slice on the batch axis)
+                    verdict += f"; in probe sequence {row} of {batch}, not 0: does it read another sequence's rows?"
+                break
         verdicts.append(verdict)
     if not cached:  # the blocks that read their cache, once more after cached tokens
         reading = [index for index, (found, verdict) in enumerate(zip(matches, verdicts))
@@ -118,22 +132,22 @@ def check_blocks(graph: gs.Graph, matches: list, cached: bool = False) -> list[s
     return verdicts
 
 
-def _random_pasts(matches: list, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Per past buffer the matches read: its first `rows` rows, random, [1, KV, rows, D] (float32 values)."""
+def _random_pasts(matches: list, rows: int, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per past buffer the matches read: its first `rows` rows, random, [batch, KV, rows, D] (float32 values)."""
     pasts = {}
     for found in matches:
         for past in (found.past_key, found.past_value):
             if past is not None and past.name not in pasts:
-                shape = (1, found.kv_num_heads, rows, 2 * found.inv_freq.size)
+                shape = (batch, found.kv_num_heads, rows, 2 * found.inv_freq.size)
                 pasts[past.name] = rng.standard_normal(shape).astype(np.float32)
     return pasts
 
 
-def fixed_batch(graph: gs.Graph) -> int:
-    """The batch size input_ids fixes, else 1."""
+def fixed_batch(graph: gs.Graph) -> int | None:
+    """The batch size input_ids fixes, else None."""
     ids = next((t for t in graph.inputs if t.name == "input_ids"), None)
     size = ids.shape[0] if ids is not None and ids.shape else None
-    return size if isinstance(size, int) and size > 0 else 1
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def _width(found, tensor: gs.Tensor) -> int:

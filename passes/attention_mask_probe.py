@@ -100,11 +100,12 @@ def run_cut_many(probe: gs.Graph, feeds: list) -> list[list[np.ndarray]] | str:
         return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
 
 
-def probe_feed(value: gs.Variable, length: int, queries: int | None = None) -> np.ndarray:
+def probe_feed(value: gs.Variable, length: int, queries: int | None = None, batch: int = 1) -> np.ndarray:
     """A graph input for a probe of `length` valid tokens whose last `queries` (all by default) are new, at
-    positions 0..; batch 1, or the input's own when fixed. The past buffer holds zeros (only its shape is read)."""
+    positions 0..; `batch` sequences, or the input's own batch when fixed. The past buffer holds zeros (only its shape
+    is read)."""
     dtype = np.dtype(value.dtype) if value.dtype is not None else np.dtype(np.int64)
-    batch = value.shape[0] if value.shape and isinstance(value.shape[0], int) and value.shape[0] > 0 else 1
+    batch = value.shape[0] if value.shape and isinstance(value.shape[0], int) and value.shape[0] > 0 else batch
     queries = length if queries is None else queries
     if value.name == "input_ids":
         return np.zeros((batch, queries), dtype)

@@ -139,7 +139,12 @@ def _o_proj(value_matmul: gs.Node) -> gs.Node | SkipReason:
     tensor = value_matmul.outputs[0]
     for _ in range(6):
         if len(tensor.outputs) != 1:
-            break
+            readers = ", ".join(f"{node.op} '{node.name}'" for node in tensor.outputs[:3])
+            hint = ("; TorchScript's export of SDPA attention reads the output's shape this way: export with "
+                    "attn_implementation='eager' or with the dynamo exporter (torch.onnx.export(..., dynamo=True))"
+                    if any(node.op == "Shape" for node in tensor.outputs) else "")
+            return SkipReason(f"the attention output '{tensor.name}' has {len(tensor.outputs)} readers ({readers}) on "
+                              f"the way to the output projection, which FlashAttention's output alone would feed{hint}")
         node = tensor.outputs[0]
         if node.op == "MatMul" and constant(node.inputs[1]) is not None:
             return node
@@ -180,6 +185,10 @@ def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tenso
             tensor = node.inputs[2] if node.op == "ScatterElements" else node.inputs[0]
         chain.append(tensor)
         node = producer(tensor)
+    if node is not None and node.op == "ScatterND":
+        return SkipReason(f"the cache is written by ScatterND '{node.name}' (torch.export's index_copy_, a StaticCache); "
+                          f"FlashAttention's pattern writes it with ScatterElements along the sequence axis, as "
+                          f"aotlm's export and TorchScript's trace of a StaticCache spell it")
     if node is not None and node.op == "Concat" and any(not t.inputs and not isinstance(t, gs.Constant)
                                                         for t in node.inputs):
         return SkipReason(f"the cache grows by Concat(past, new) at '{node.name}' (a dynamic cache); FlashAttention "
@@ -191,6 +200,10 @@ def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tenso
     writer = writers[0]
     if producer(writer.inputs[0]) is not None:
         return SkipReason(f"cache write '{writer.name}' does not update a graph input buffer")
+    reduction = writer.attrs.get("reduction", "none")
+    if reduction != "none":  # the probes' buffers hold zeros at the new rows, where "add" writes what "none" does
+        return SkipReason(f"cache write '{writer.name}' has reduction='{reduction}': it combines the new keys or values "
+                          f"with what the buffer held; FlashAttention overwrites the rows (reduction='none')")
     return chain[-1], writer, writer.inputs[0], factor, any(t is writer.outputs[0] for t in chain)
 
 

@@ -1012,3 +1012,63 @@ def test_a_block_reading_another_layers_key_cache_is_refused_not_a_crash(decoder
     _, report = fuse_attention.run(model, fuse_attention.Options())
     assert report["fused"] == 0, report
     assert all("is matched by layers.0, layers.1" in layer["reason"] for layer in report["layers"]), report
+
+
+def test_a_cache_write_that_adds_to_the_buffer_is_not_fused(decoder_graphs):
+    """Layer 0 writes its caches with ScatterElements(reduction='add') (index_add_ / scatter_add): each written row is
+    the row the buffer held plus the new key or value. The probes write over zeros, where that is an overwrite: both
+    layers were fused and a decode over a reused buffer changed the logits by 0.12. The reduction is now read."""
+    def accumulating_writes(graph, softmax):
+        for cache in ("present.0.key", "present.0.value"):
+            cache_writer(graph, cache).attrs["reduction"] = "add"
+
+    _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["decode"], accumulating_writes),
+                                   fuse_attention.Options())
+    assert report["fused"] == 1 and report["layers"][1]["fused"], report
+    assert "has reduction='add'" in report["layers"][0]["reason"], report
+
+
+def test_a_block_reading_another_sequences_keys_is_not_fused(decoder_graphs):
+    """Layer 0's decode reads sequence 0's key cache for every sequence (a Slice on the batch axis; the MatMul
+    broadcasts it). The block probe gave every sequence the same q, k, v and past, where that changes nothing: both
+    layers were fused and the second sequence's logits changed by 0.07. Each probe sequence gets its own values now."""
+    def first_sequences_keys(graph, softmax):
+        read = next(n for n in graph.nodes if n.op == "Slice" and n.inputs[0].name == "present.0.key")
+        first = graph.layer(op="Slice", inputs=[read.inputs[0], _int64("b0", [0]), _int64("b1", [1]),
+                                                _int64("ax0", [0])], outputs=["first_sequence_keys"])[0]
+        first.dtype = np.float32
+        read.inputs[0] = first
+
+    _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["decode"], first_sequences_keys),
+                                   fuse_attention.Options())
+    assert report["fused"] == 1 and report["layers"][1]["fused"], report
+    assert report["layers"][0]["reason"].startswith("the attention block computes something other than FlashAttention")
+
+
+def test_an_attention_output_read_beside_the_head_merge_names_its_readers(decoder_graphs):
+    """TorchScript's export of SDPA attention also reads the weighted sum's shape (a Shape node) to build the head
+    merge's Reshape: the reason said the output "does not reach an output projection", where it does; it now names
+    the readers and the exports that fuse."""
+    def shape_read_beside(graph, softmax):
+        weighted_sum = softmax.outputs[0].outputs[0].outputs[0]
+        shape = graph.layer(op="Shape", inputs=[weighted_sum], outputs=["weighted_sum_shape"])[0]
+        shape.dtype = np.int64
+        graph.outputs.append(shape)
+
+    _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["decode"], shape_read_beside),
+                                   fuse_attention.Options())
+    assert report["fused"] == 1 and report["layers"][1]["fused"], report
+    reason = report["layers"][0]["reason"]
+    assert "has 2 readers (" in reason and "Shape '" in reason and "attn_implementation='eager'" in reason, reason
+
+
+def test_a_cache_written_by_scatter_nd_is_named(decoder_graphs):
+    """torch.export writes a StaticCache's index_copy_ as ScatterND: the walk up from the keys stopped there and the
+    reason blamed the rotary ("no rotary embedding at 'val_132'"); it now names the ScatterND write."""
+    def scatter_nd_write(graph, softmax):
+        cache_writer(graph, "present.0.key").op = "ScatterND"  # refused by name before anything runs it
+
+    _, report = fuse_attention.run(layer_zero_edited(decoder_graphs["decode"], scatter_nd_write),
+                                   fuse_attention.Options())
+    assert report["fused"] == 1 and report["layers"][1]["fused"], report
+    assert "the cache is written by ScatterND '" in report["layers"][0]["reason"], report
