@@ -20,17 +20,23 @@ def render(template: str, messages, *, add_generation_prompt: bool = True, bos_t
            eos_token: str | None = None) -> str:
     """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); RequestError for bad messages or a
     template that refuses them (its raise_exception) or fails on them, ArtifactError for one that does not parse.
-    A content may be OpenAI's list of text parts ([{"type": "text", "text": ...}, ...]): their texts are joined."""
+    A content may be OpenAI's list of text parts ([{"type": "text", "text": ...}, ...]): a template that loops over a
+    content's parts gets them (as transformers passes them); for any other their texts are joined by newlines (as
+    vLLM and llama.cpp join them). Keys set to None are dropped and a message's `reasoning` (or `thinking`) is also
+    given as `reasoning_content`, as transformers' apply_chat_template does."""
     if not isinstance(add_generation_prompt, bool):  # "no" would read as true in the template
         raise RequestError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
-    messages = flat_messages(messages)
+    messages = flat_messages(messages, separator=None)
     check_messages(messages)
     import jinja2
 
+    template_object = compiled(template)
+    if not takes_parts(template):
+        messages = flat_messages(messages)
+    tokens = {name: text for name, text in (("bos_token", bos_token), ("eos_token", eos_token)) if text is not None}
     try:
-        return compiled(template).render(messages=[dict(message) for message in messages],
-                                         add_generation_prompt=add_generation_prompt, bos_token=bos_token or "",
-                                         eos_token=eos_token or "", tools=None, documents=None)
+        return template_object.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                      documents=None, **tokens)
     except jinja2.TemplateError as error:  # raise_exception's RequestError passes through as it is
         raise RequestError(f"the chat template could not render these messages ({error})") from None
     except (RequestError, ArtifactError):
@@ -73,20 +79,53 @@ def _generation_block():
     return GenerationBlock
 
 
-def flat_messages(messages):
-    """`messages` with each content given as a list of parts (OpenAI's form) replaced by its text parts joined;
-    RequestError for a part that is not text. Anything else is left for check_messages."""
+@functools.lru_cache(maxsize=8)
+def takes_parts(template: str) -> bool:
+    """Whether the template loops over a message's content ({% for part in message['content'] %}, through filters,
+    tests and slices, or over a variable named content): vLLM's test for a template that takes OpenAI's parts
+    ("openai" content format), shortened."""
+    from jinja2 import nodes
+
+    def content(node) -> bool:
+        while isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem) and
+                                                                isinstance(node.arg, nodes.Slice)):
+            node = node.node
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        return (isinstance(node, nodes.Getattr) and node.attr == "content") or \
+            (isinstance(node, nodes.Name) and node.name == "content")
+
+    tree = compiled(template).environment.parse(template)
+    return any(content(loop.iter) for loop in tree.find_all(nodes.For))
+
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' order: the first is the one read
+
+
+def flat_messages(messages, separator: str | None = "\n"):
+    """`messages` as a template gets them: each a copy without its keys set to None (OpenAI clients send
+    "tool_calls": null back), its reasoning under `reasoning_content` and `thinking` too, and a content given as a
+    list of parts (OpenAI's form) replaced by its text parts joined by `separator`, or by the parts as
+    {"type": "text", "text": ...} when `separator` is None; RequestError for a part that is not text. Anything else
+    is left for check_messages."""
     if not isinstance(messages, (list, tuple)):
         return messages
     flat = []
     for position, message in enumerate(messages):
+        if isinstance(message, dict):
+            message = {key: value for key, value in message.items() if value is not None}
+            reasoning = next((message[key] for key in REASONING_KEYS if key in message), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             parts = message["content"]
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in parts):
                 raise RequestError(f"messages[{position}].content: only text parts ({{type: text, text: ...}}) are "
                                    f"supported")
-            message = {**message, "content": "".join(part["text"] for part in parts)}
+            texts = [part["text"] for part in parts]
+            message = {**message, "content": [{"type": "text", "text": text} for text in texts]
+                       if separator is None else separator.join(texts)}
         flat.append(message)
     return flat
 
@@ -95,12 +134,15 @@ def check_messages(messages) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
-                not isinstance(message.get("content"), str):
+                not isinstance(content, (str, list)):  # a list: flat_messages checked its parts
             raise RequestError(f"messages[{index}] must be a dict with a string 'role' and a string 'content', "
                                f"got {message!r}")
-        for key in ("role", "content"):  # each its own position, not the prompt's
-            check_unicode(message[key], f"messages[{index}][{key!r}]")
+        check_unicode(message["role"], f"messages[{index}]['role']")  # each its own position, not the prompt's
+        for part, text in enumerate([content] if isinstance(content, str) else [p["text"] for p in content]):
+            check_unicode(text, f"messages[{index}]['content']" + (f"[{part}]['text']" if isinstance(content, list)
+                                                                   else ""))
 
 
 def _raise_exception(message: str):

@@ -231,7 +231,7 @@ class Engine:
         / stream / submit like any prompt."""
         from runtime import chat
 
-        messages = chat.flat_messages(messages)  # a non-text part is the request's fault, template or not
+        chat.flat_messages(messages)  # a non-text part is the request's fault, template or not
         file = self.manifest["tokenizer"].get("chat_template")
         if not file:
             raise RequestError(f"{self.manifest['name']} has no chat template (its model source carried none); "

@@ -190,7 +190,7 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
         raise ApiError(f"response_format: {fmt!r}: only {{'type': 'text'}} is supported by this server",
                        param="response_format")
     add_generation_prompt = flag(fields, "add_generation_prompt", default=True)
-    # content given as OpenAI's text parts: the chat template's renderer joins them (runtime/chat.py)
+    # content given as OpenAI's text parts: the chat template's renderer passes or joins them (runtime/chat.py)
     return _checked(lambda: engine.chat_prompt_ids(messages, add_generation_prompt), "messages")
 
 

@@ -55,14 +55,65 @@ def test_bad_messages_are_request_errors(messages, match):
 
 def test_content_given_as_openai_s_text_parts_renders_as_their_joined_text():
     """The server took them, Engine.chat refused them ("must be a dict with a string 'role' and a string
-    'content'")."""
+    'content'"). A template that takes text gets the parts' texts a line each, as vLLM and llama.cpp join them (they
+    were joined with nothing: "Be " + "brief." and "2+" + "2?" read as one sentence where vLLM sends two lines)."""
     parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
              {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
-    joined = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    joined = [{"role": "system", "content": "Be \nbrief."}, {"role": "user", "content": "Hi"}]
     assert render(LLAMA3_STYLE, parts) == render(LLAMA3_STYLE, joined)
     assert parts[0]["content"][0] == {"type": "text", "text": "Be "}  # the caller's messages are left as they were
     with pytest.raises(RequestError, match="add_generation_prompt must be True or False, got 'no'"):
         render(LLAMA3_STYLE, joined, add_generation_prompt="no")  # a non-empty string read as true
+
+
+# Gemma 3's template (Llama 4's, Mistral Small 3.1's are alike): a content's parts each trimmed, a system's first part
+GEMMA3_STYLE = ("{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+                "{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+                "{%- set prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+                "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set prefix = '' -%}"
+                "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+                "{{ '<start_of_turn>' + message['role'] + '\n' + (prefix if loop.first else '') }}"
+                "{%- if message['content'] is string -%}{{ message['content'] | trim }}{%- else -%}"
+                "{%- for item in message['content'] -%}{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}"
+                "{%- endif -%}{%- endfor -%}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+                "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+
+def test_a_template_that_loops_over_a_content_s_parts_gets_them_as_transformers_passes_them():
+    """They were joined first: Gemma 3's template then trimmed the joined text, not each part, and its system turn
+    was every part where transformers' (and vLLM's) is the first."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": " world"}]}]
+    ours = render(GEMMA3_STYLE, parts, bos_token="<s>")
+    assert ours == render_jinja_template([parts], chat_template=GEMMA3_STYLE, add_generation_prompt=True,
+                                         bos_token="<s>")[0][0]
+    assert ours == "<s><start_of_turn>user\nBe \n\nHelloworld<end_of_turn>\n<start_of_turn>model\n"
+    with pytest.raises(RequestError, match=r"messages\[1\]\['content'\]\[0\]\['text'\] is not valid Unicode"):
+        render(GEMMA3_STYLE, [parts[0], {"role": "user", "content": [{"type": "text", "text": "x\udcff"}]}])
+
+
+def test_keys_set_to_none_and_reasoning_reach_the_template_as_apply_chat_template_gives_them():
+    """An OpenAI client's reply sent back as it came (message.model_dump(): "tool_calls": None, "refusal": None...)
+    took Llama 3.1's and DeepSeek's tool-call branch (`'tool_calls' in message`) and failed ("object of type
+    'NoneType' has no len()"); transformers drops None keys. A reply's `reasoning` reaches Qwen 3's template as
+    `reasoning_content`, as transformers and vLLM pass it; no bos_token is undefined, not empty, as there."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    template = ("{{ bos_token is defined }}{% for m in messages %}{% if 'tool_calls' in m %}"
+                "{{ m.tool_calls | length }}{% else %}<{{ m.role }}>{{ m.reasoning_content }}|{{ m.content }}"
+                "{% endif %}{% endfor %}")
+    messages = [{"role": "user", "content": "2+2?", "name": None},
+                {"role": "assistant", "content": "4.", "refusal": None, "tool_calls": None, "function_call": None,
+                 "reasoning": "two and two"}]
+    reference = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"x": 0}, unk_token="x")),
+                                        eos_token="x")
+    expected = reference.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                             tokenize=False)
+    assert render(template, messages, eos_token="x") == expected == "False<user>|2+2?<assistant>two and two|4."
+    assert messages[1]["tool_calls"] is None and "reasoning_content" not in messages[1]  # the caller's, untouched
 
 
 def test_a_generation_block_renders_its_body_as_transformers_does():
