@@ -58,8 +58,10 @@ def compiled(template: str):
                                strftime_now=lambda format: datetime.now().strftime(format))
     try:
         return environment.from_string(template)
-    except jinja2.TemplateError as error:
-        raise ArtifactError(f"the artifact's chat template does not parse ({error})") from None
+    except jinja2.TemplateError as error:  # a syntax error's line: str(error) leaves it out (90-line templates)
+        line = getattr(error, "lineno", None)
+        raise ArtifactError(f"the artifact's chat template does not parse ({error}"
+                            f"{f', line {line}' if line else ''})") from None
 
 
 def _generation_block():

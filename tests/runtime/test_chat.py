@@ -131,6 +131,8 @@ def test_a_generation_block_renders_its_body_as_transformers_does():
 def test_a_template_that_does_not_parse_is_an_artifact_error():
     with pytest.raises(ArtifactError, match="chat template does not parse"):
         render("{% for %}", MESSAGES)
+    with pytest.raises(ArtifactError, match=r"does not parse \(.*, line 3\)"):  # where, in a template of many lines
+        render("{{ bos_token }}\n{% if messages %}x{% endif %}\n{% for %}", MESSAGES)
 
 
 def test_a_template_that_fails_while_rendering_is_a_request_error():
