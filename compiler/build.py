@@ -14,6 +14,7 @@ from compiler.calibration import BUILTIN, resolve_passes
 from compiler.errors import BuildError, check_output_folder, is_artifact_folder
 from compiler.export import cache_dtype, kv_cache_spec, load_traced, trace_graphs
 from compiler.frontend import load_model
+from compiler.frontend.hf_loader import missing_tokenizer_message, refuse_folder_without_tokenizer
 from compiler.frontend.model import build_decoder
 from compiler.pipeline import check_passes, run_pipeline, spill_graph
 from compiler.recipe import Recipe
@@ -107,20 +108,22 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
                              f"export.max_context ({recipe.export.max_context}); set calibration.length to at most "
                              f"{recipe.export.max_context}")
     started = time.perf_counter()
+    if recipe.model.source == "hf" and recipe.model.path is not None:
+        refuse_folder_without_tokenizer(recipe.model.path)  # before the weights are read
     say(f"loading the model ({recipe.model.source})")
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
     if loaded.tokenizer_json is None:  # (random-init models make their own)
         raise BuildError(f"{loaded.source['path']}: no tokenizer.ggml.tokens in its metadata, so no tokenizer; aotlm "
                          f"reads a GGUF's tokenizer from the file itself: convert the model with its tokenizer "
                          f"(llama.cpp's convert_hf_to_gguf.py writes one)" if recipe.model.source == "gguf" else
-                         f"{loaded.source['path']}: no tokenizer.json in the folder; add the model's tokenizer.json "
-                         f"beside config.json")
+                         missing_tokenizer_message(loaded.source["path"]))
     check_tokenizer_fits(loaded.tokenizer_json, loaded.config.vocab_size)
     if loaded.chat_template is not None:
         check_chat_template(loaded.chat_template)
     window = loaded.config.sliding_window
     if window is not None and recipe.export.max_context > window:
-        raise BuildError(f"the model attends within a sliding window of {window} tokens, which the decoder does not "
+        raise BuildError(f"the model attends within a sliding window of {window} tokens (its config's "
+                         f"sliding_window), which the decoder does not "
                          f"implement; set export.max_context to {window} or less (attention within the window is "
                          f"exact)")
     passes = resolve_passes(recipe.passes, loaded.tokenizer_json, say)  # before the slow export: bad text fails fast

@@ -23,6 +23,9 @@ from compiler.frontend.random_init import check_state_dict
 ATTENTION_BIAS_DEFAULT = {"llama": False, "mistral": False, "qwen2": True}
 # transformers' config defaults when config.json has no max_position_embeddings (LlamaConfig, MistralConfig, Qwen2Config)
 MAX_POSITIONS_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+# transformers' num_key_value_heads when config.json has no such key: LlamaConfig takes num_attention_heads (plain
+# multi-head attention), MistralConfig 8 and Qwen2Config 32 (an explicit null means num_attention_heads in all three)
+NUM_KV_HEADS_DEFAULT = {"mistral": 8, "qwen2": 32}
 # safetensors dtypes read as weights (float8 and integer tensors are a quantized checkpoint's codes)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 LFS_POINTER = b"version https://git-lfs"  # how a Git LFS pointer file starts (the file's place in a clone without LFS)
@@ -55,6 +58,10 @@ def load_hf_folder(path: str) -> LoadedModel:
     weight_paths = _weight_files(folder)
     state_dict = _read_safetensors(weight_paths)
     head, table = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
+    if config.tie_word_embeddings and head is not None and table is None:
+        # the tied pair's one stored copy saved under the head's name: transformers loads it into both
+        state_dict["model.embed_tokens.weight"] = table = state_dict.pop("lm_head.weight")
+        head = None
     if config.tie_word_embeddings and head is not None:
         if table is not None and head.shape == table.shape and torch.equal(head, table):
             del state_dict["lm_head.weight"]  # some checkpoints save the tied head anyway
@@ -76,6 +83,31 @@ def load_hf_folder(path: str) -> LoadedModel:
         template_tokens=template_tokens,
         source={"kind": "hf", "path": folder, "files": [_file_record(folder, f) for f in files]},
     )
+
+
+def missing_tokenizer_message(folder: str) -> str:
+    """Why a folder without tokenizer.json does not build, and how to get one: many Llama 2 / Mistral 7B era folders
+    ship only SentencePiece's tokenizer.model, which transformers converts."""
+    message = f"{folder}: no tokenizer.json in the folder; add the model's tokenizer.json beside config.json"
+    if os.path.isfile(os.path.join(folder, "tokenizer.model")):
+        message += (f". The folder has tokenizer.model (SentencePiece), which aotlm does not read; transformers "
+                    f"converts it (with the sentencepiece package installed): python -c \"from transformers import "
+                    f"AutoTokenizer; AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}')\"")
+    return message
+
+
+def refuse_folder_without_tokenizer(path: str) -> None:
+    """A build's check, before any weight is read (a 7B model's take minutes and 28 GB as float32): a folder
+    without tokenizer.json is refused. What the loader names first (no folder, no config.json, a config it
+    refuses) is left to it."""
+    folder = os.path.abspath(path)
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path) or os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return
+    hf_config = _read_json(config_path)
+    decoder_config_from_hf(hf_config, {}, config_path)
+    refuse_quantized_checkpoint(hf_config, config_path)
+    raise BuildError(missing_tokenizer_message(folder))
 
 
 def refuse_quantized_checkpoint(hf_config: dict, config_path: str) -> None:
@@ -192,7 +224,8 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             intermediate_size=size("intermediate_size"),
             num_layers=size("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=size("num_key_value_heads", heads),
+            num_kv_heads=size("num_key_value_heads", heads if "num_key_value_heads" in hf
+                              else NUM_KV_HEADS_DEFAULT.get(model_type, heads)),
             head_dim=head_dim,
             rope_theta=theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # 1e-6: transformers' default for all three
@@ -309,7 +342,8 @@ def _eos_ids(*values: tuple) -> tuple[int, ...]:
 
 
 def _weight_files(folder: str) -> list[str]:
-    """The checkpoint's safetensors files: those its index lists, else model*.safetensors, else every *.safetensors
+    """The checkpoint's safetensors files: those its index lists, else model.safetensors (as transformers reads it:
+    a variant beside it, model.fp16.safetensors, is another copy), else model*.safetensors, else every *.safetensors
     (a folder may also hold another format's copy, e.g. Mistral's consolidated.safetensors)."""
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index_path):
@@ -321,6 +355,9 @@ def _weight_files(folder: str) -> list[str]:
         if missing:
             raise BuildError(f"{missing[0]}: listed in model.safetensors.index.json but missing; download it")
         return paths
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
     paths = sorted(glob.glob(os.path.join(folder, "model*.safetensors"))) or \
         sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not paths:
@@ -334,7 +371,7 @@ def _weight_files(folder: str) -> list[str]:
 def _read_safetensors(paths: list[str]) -> dict:
     from safetensors.torch import load_file
 
-    state_dict = {}
+    state_dict, stored_in = {}, {}
     for path in paths:
         if is_lfs_pointer(path):  # a clone without git-lfs: safetensors' own error says "header too large"
             raise BuildError(f"{path}: a Git LFS pointer, not the weights; run `git lfs pull` in the model folder")
@@ -349,6 +386,11 @@ def _read_safetensors(paths: list[str]) -> dict:
                 raise BuildError(f"{path}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; aotlm reads "
                                  f"float weights (float32, float16, bfloat16 or float64), not a quantized checkpoint's: point "
                                  f"model.path at the model's float checkpoint")
+            if name in stored_in:  # two weight sets in one folder: the later file's would win, silently
+                raise BuildError(f"{path}: tensor {name} is also in {os.path.basename(stored_in[name])}: the folder "
+                                 f"holds two copies of the weights; keep one set (or a model.safetensors.index.json "
+                                 f"naming the files to read)")
+            stored_in[name] = path
             state_dict[name] = tensor.float()
     return state_dict
 

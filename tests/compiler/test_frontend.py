@@ -1187,3 +1187,68 @@ def test_a_hub_id_for_a_path_says_aotlm_reads_local_files(tmp_path, monkeypatch)
                          ("hf", "checkpoints/step-1000"), ("hf", "someone/model.safetensors")):  # local, or files
         with pytest.raises(BuildError, match=r"Check the model path in the recipe\.$"):
             load_model(source, path, None, 0)
+
+
+@pytest.mark.parametrize("model_type, heads, kv_heads", [("llama", 32, 32), ("mistral", 32, 8), ("qwen2", 64, 32)])
+def test_a_missing_num_key_value_heads_takes_transformers_default_for_the_architecture(model_type, heads, kv_heads):
+    """MistralConfig defaults num_key_value_heads to 8 and Qwen2Config to 32, not to num_attention_heads as
+    LlamaConfig does: a Mistral folder without the key, which transformers loads, was refused for k/v shapes."""
+    from transformers import AutoConfig
+
+    from compiler.frontend.hf_loader import decoder_config_from_hf
+
+    hf = {"model_type": model_type, "vocab_size": 300, "hidden_size": heads * 4, "intermediate_size": 96,
+          "num_hidden_layers": 2, "num_attention_heads": heads}
+    assert AutoConfig.for_model(**hf).num_key_value_heads == kv_heads  # transformers' own default
+    assert decoder_config_from_hf(hf, {}, "config.json").num_kv_heads == kv_heads
+    hf["num_key_value_heads"] = None  # an explicit null: num_attention_heads, as transformers 4 read it
+    assert decoder_config_from_hf(hf, {}, "config.json").num_kv_heads == heads
+
+
+def test_a_tied_checkpoint_that_stores_only_lm_head_loads_it_as_the_table_as_transformers_does(tmp_path):
+    """transformers fills the tied embedding table from a lone lm_head.weight; the loader said model.embed_tokens.weight
+    was missing."""
+    tied = dataclasses.replace(TINY, tie_word_embeddings=True)
+    original = random_model(tied, seed=3)
+    state = dict(original.state_dict)
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    write_hf_folder(tmp_path / "m", tied, state)
+    loaded = load_hf_folder(str(tmp_path / "m"))
+    assert loaded.config == tied and "lm_head.weight" not in loaded.state_dict
+    assert torch.equal(loaded.state_dict["model.embed_tokens.weight"], original.state_dict["model.embed_tokens.weight"])
+
+
+def test_a_folder_with_only_tokenizer_model_is_refused_before_its_weights_are_read_saying_how_to_convert(
+        tmp_path, monkeypatch):
+    """Llama 2-era folders ship SentencePiece's tokenizer.model and no tokenizer.json: the build read every weight
+    (28 GB as float32 for 7B) and then said to add a tokenizer.json the model does not have."""
+    from compiler.build import build
+    from compiler.recipe import parse_recipe
+
+    write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict)
+    (tmp_path / "m" / "tokenizer.model").write_bytes(b"\n\x00")
+    monkeypatch.setattr("compiler.frontend.hf_loader._read_safetensors", lambda paths: pytest.fail("weights read"))
+    with pytest.raises(BuildError, match=r"m: no tokenizer.json in the folder.*has tokenizer.model \(SentencePiece\).*"
+                                         r"AutoTokenizer.from_pretrained\('.*m'\).save_pretrained"):
+        build(parse_recipe({"name": "spm", "model": {"source": "hf", "path": str(tmp_path / "m")}}), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_safetensors_is_read_alone_and_two_copies_of_a_tensor_are_refused(tmp_path):
+    """A folder with model.safetensors and a variant beside it (model.fp16.safetensors): both were read, and where
+    they named the same tensor the later file's copy won without a word. transformers reads model.safetensors alone;
+    without it, shards that repeat a tensor are refused by name."""
+    original = random_model(TINY, seed=2)
+    folder = tmp_path / "m"
+    write_hf_folder(folder, TINY, original.state_dict)
+    for shard in folder.glob("model-*.safetensors"):
+        shard.unlink()
+    save_file(dict(original.state_dict), str(folder / "model.safetensors"))
+    save_file({name: torch.zeros_like(t) for name, t in original.state_dict.items()},
+              str(folder / "model.zz-fp16.safetensors"))  # sorts after model.safetensors: its zeros won
+    loaded = load_hf_folder(str(folder))
+    assert all(torch.equal(loaded.state_dict[k], v) for k, v in original.state_dict.items())
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    with pytest.raises(BuildError, match=r"model.zz-fp16.safetensors: tensor .* is also in "
+                                         r"model-00001-of-00001.safetensors: the folder holds two copies"):
+        load_hf_folder(str(folder))
