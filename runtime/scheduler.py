@@ -250,11 +250,12 @@ class Scheduler:
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine._check_request(prompt_ids, params)  # stop ids; empty, or a prompt alone longer than the cache
         needed = len(prompt_ids) + params.max_new_tokens - 1
+        most = self.engine.max_context + 1 - len(prompt_ids)  # the last output token is never fed back: no row
         if needed > self.engine.max_context:
             raise RequestError(
                 f"the prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) need {needed} "
                 f"cache positions, but this artifact's max context is {self.engine.max_context}; ask for at most "
-                f"{self.engine.max_context + 1 - len(prompt_ids)} new tokens or shorten the prompt")
+                f"{most} new token{'s' if most != 1 else ''} or shorten the prompt")
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._lock:
