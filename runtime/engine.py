@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 # Engine.load's spin_after_run for one stream at a time, no scheduler (`aotlm run`, the batch-1 benchmarks): the
 # decode session's threads keep spinning between its steps (TPOT 3-5% lower, paired; README "Threads after a run").
 SINGLE_STREAM_SPIN = ("decode",)
+_NO_THREADS: frozenset = frozenset()  # no thread holds the batch-1 cache (Engine._batch_one_threads)
 
 
 def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
@@ -119,7 +120,7 @@ class Engine:
         self._scheduler_lock = threading.Lock()  # two first submits from two threads start one scheduler
         self._batch_one = threading.Lock()  # stream/generate: one sequence at a time on the batch-1 cache
         # The threads (objects: a finished thread's id is given to the next one) that resumed the request inside it.
-        self._batch_one_threads: set[threading.Thread] = set()
+        self._batch_one_threads: set[threading.Thread] | frozenset = _NO_THREADS
         self._chat_template: str | None = None  # the artifact's chat template, read by load (prepare_chat)
         self.prefix_caching = False  # set by Engine.load: see _reusable_prefix
         # What the batch-1 cache holds after the last request: (the cache, the backend's run count then, the token
@@ -421,19 +422,38 @@ class Engine:
             )
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, received: float, tokenize_s: float):
-        """One request on the batch-1 cache (see `batch_one`); waiting for it counts in the TTFT, as queueing."""
-        with self.batch_one():
-            steps = self._generate(prompt_ids, params, received, tokenize_s)
-            while True:
-                # Every thread that resumes the stream is bound to it until it ends: one that took it over and
-                # starts another request inside its loop is refused (it would wait on itself), as is one it was
-                # handed back to.
-                self._batch_one_threads.add(threading.current_thread())
-                try:
-                    piece = next(steps)
-                except StopIteration as done:
-                    return done.value
-                yield piece
+        """One request on the batch-1 cache (see `batch_one`); waiting for it counts in the TTFT, as queueing.
+
+        The lock is taken by a `with` on the lock itself, whose release is C code, not through batch_one(): Ctrl-C
+        raises KeyboardInterrupt at the next Python call, and one that landed in a Python context manager's
+        __exit__ as the request returned (before it released the lock) left the lock held by a finished stream, so
+        every later request waited forever."""
+        me = self._batch_one_caller()
+        with self._batch_one:
+            try:
+                self._batch_one_threads = {me}
+                steps = self._generate(prompt_ids, params, received, tokenize_s)
+                while True:
+                    # Every thread that resumes the stream is bound to it until it ends: one that took it over and
+                    # starts another request inside its loop is refused (it would wait on itself), as is one it was
+                    # handed back to.
+                    self._batch_one_threads.add(threading.current_thread())
+                    try:
+                        piece = next(steps)
+                    except StopIteration as done:
+                        return done.value
+                    yield piece
+            finally:
+                self._batch_one_threads = _NO_THREADS  # a constant: no Python call here for an interrupt to land in
+
+    def _batch_one_caller(self) -> threading.Thread:
+        """This thread, unless it has resumed a stream of this engine still open (see batch_one)."""
+        me = threading.current_thread()
+        if me in self._batch_one_threads:
+            raise RequestError("this thread is still iterating another stream of this engine (one sequence at a time "
+                               "on its batch-1 cache): finish or close that stream first, or use engine.submit / "
+                               "engine.generate([...]) for concurrent requests")
+        return me
 
     @contextlib.contextmanager
     def batch_one(self) -> Iterator:
@@ -443,17 +463,13 @@ class Engine:
         other threads wait their turn, and a second use started in a thread that has resumed a stream still open
         is refused (interleaving the two would mix their caches; waiting, it would wait on itself). The scheduler's
         slot cache is separate."""
-        me = threading.current_thread()
-        if me in self._batch_one_threads:
-            raise RequestError("this thread is still iterating another stream of this engine (one sequence at a time "
-                               "on its batch-1 cache): finish or close that stream first, or use engine.submit / "
-                               "engine.generate([...]) for concurrent requests")
+        me = self._batch_one_caller()
         with self._batch_one:
             self._batch_one_threads = {me}
             try:
                 yield self.backend
             finally:
-                self._batch_one_threads = set()
+                self._batch_one_threads = _NO_THREADS
 
     def _reusable_prefix(self, prompt_ids: list[int]) -> int:
         """How many of the prompt's first tokens the batch-1 cache holds already, if reusing them is worth it (see

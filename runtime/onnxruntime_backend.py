@@ -196,7 +196,8 @@ class OnnxRuntimeBackend:
             return self.cache
         shape = tuple(batch if dim == "batch" else dim for dim in self.kv_spec["shape"])
         check_slot_memory(batch, self.bytes_per_sequence, what="batch")
-        self.cache = KVCache(self.past_names, shape, self.cache_dtype)
+        self.cache = allocate_checked(lambda: KVCache(self.past_names, shape, self.cache_dtype), batch,
+                                      self.bytes_per_sequence, what="batch")
         for phase, binding in self.bindings.items():
             binding.clear_binding_outputs()
             self.steps[phase] = StepBuffers()  # what it had bound is gone
@@ -287,7 +288,14 @@ def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, input_ids: 
 
 
 def available_memory_bytes() -> int | None:
-    """The kernel's estimate of memory available without swapping (Linux's MemAvailable); None where unknown."""
+    """Memory a new allocation may take now: the kernel's estimate of what is available without swapping (Linux's
+    MemAvailable), or less where this process has an address-space limit (`ulimit -v`, `prlimit --as`: RLIMIT_AS),
+    past which an allocation fails whatever the machine has free; None where neither is known."""
+    known = [bytes_ for bytes_ in (_meminfo_available(), _address_space_left()) if bytes_ is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
@@ -298,18 +306,50 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def _address_space_left() -> int | None:
+    """RLIMIT_AS's soft limit less this process's virtual size now; None without a limit (or off Linux)."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            size = int(statm.read().split()[0]) * resource.getpagesize()
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+    return max(limit - size, 0)
+
+
 def check_slot_memory(slots: int, bytes_per_slot: int, what: str = "slots", reclaimable: int = 0) -> None:
     """Refuse a cache of `slots` sequences larger than the memory available now (+ `reclaimable`, about to be freed):
     fail at once with the largest count that fits, not after filling the machine (or with onnxruntime's bad_alloc).
     `what`: the setting, for the message."""
     available = available_memory_bytes()
     available = None if available is None else available + reclaimable
+    if available is not None and slots * bytes_per_slot > available:
+        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, available))
+
+
+def slot_memory_message(slots: int, bytes_per_slot: int, what: str, available: int | None) -> str:
+    """What check_slot_memory and allocate_checked say: the setting, the bytes it needs, and what fits if known."""
     needed = slots * bytes_per_slot
-    if available is not None and needed > available:
-        raise RequestError(f"{what}: {slots} sequences need {needed / 2**30:.1f} GiB of KV cache "
-                           f"({bytes_per_slot / 2**20:.1f} MiB each), and this machine has {available / 2**30:.1f} GiB "
-                           f"available; use at most {available // bytes_per_slot}, or build with a smaller "
-                           f"export.max_context or an int8 cache (quantize_kv_cache)")
+    if available is not None and available < needed:
+        fits = f"this process can allocate {available / 2**30:.1f} GiB now; use at most {available // bytes_per_slot}"
+    else:  # the allocation failed under a limit this process cannot read (a container's cgroup, say)
+        fits = "allocating them ran out of memory; use fewer"
+    return (f"{what}: {slots} sequences need {needed / 2**30:.1f} GiB of KV cache ({bytes_per_slot / 2**20:.1f} MiB "
+            f"each), and {fits}, or build with a smaller export.max_context or an int8 cache (quantize_kv_cache)")
+
+
+def allocate_checked(allocate, slots: int, bytes_per_slot: int, what: str = "slots"):
+    """allocate(), with a failed allocation (numpy's MemoryError names one layer's array) refused as check_slot_memory
+    refuses: the setting, the bytes it needs and what fits. Memory can run out between the check and the allocation,
+    or where the check sees no limit (a cgroup's memory limit is not in MemAvailable)."""
+    try:
+        return allocate()
+    except MemoryError:
+        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, available_memory_bytes())) from None
 
 
 class SlotCache:
@@ -328,7 +368,8 @@ class SlotCache:
         self.slots = slots
         shape = tuple(slots if dim == "batch" else dim for dim in backend.kv_spec["shape"])
         check_slot_memory(slots, backend.bytes_per_sequence)
-        self.arrays = [np.empty(shape, dtype=backend.cache_dtype) for _ in backend.past_names]
+        self.arrays = allocate_checked(lambda: [np.empty(shape, dtype=backend.cache_dtype) for _ in backend.past_names],
+                                       slots, backend.bytes_per_sequence)
         for array in self.arrays:
             if backend.huge_pages:  # before the first touch: its page faults then take 2 MiB pages
                 advise(array)

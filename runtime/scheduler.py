@@ -92,8 +92,21 @@ def _close_at_exit() -> None:
         scheduler.close()
 
 
-if hasattr(os, "register_at_fork"):  # POSIX only: a forked child has none of the workers (and maybe a held lock)
-    os.register_at_fork(after_in_child=_STARTED.clear)
+def _start_over_in_forked_child() -> None:
+    """A forked child (a pre-fork server such as gunicorn, which loads the app and then forks its workers) has only
+    the thread that forked: no scheduler's worker or callback thread, and maybe a lock one of them held then. Each
+    scheduler that had a worker starts over empty, so that the child's first submit starts a worker of its own (its
+    copy named the parent's worker, so none started and every request waited forever). The requests the parent
+    held are the parent's: the child drops its copies of them."""
+    global _STARTED_LOCK
+    _STARTED_LOCK = threading.Lock()
+    for scheduler in list(_STARTED):
+        scheduler._start_over_after_fork()
+    _STARTED.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only
+    os.register_at_fork(after_in_child=_start_over_in_forked_child)
 
 
 @dataclass(eq=False)
@@ -289,6 +302,15 @@ class Scheduler:
             worker.join()
         if worker is None:  # else the worker freed it as it exited
             self.cache = None  # handles keep the scheduler alive; its slot cache must not outlive close()
+
+    def _start_over_after_fork(self) -> None:
+        """In a forked child (_start_over_in_forked_child): no worker, nothing waiting or running, fresh locks."""
+        self._lock = threading.Condition()
+        self._worker = None
+        self._waiting.clear()
+        self._running = [None] * self.slots
+        self._slot_ids = [None] * self.slots  # the parent's requests may have written the rows since their records
+        self._callbacks = CallbackThread()
 
     # -- the worker thread -------------------------------------------------------------------------------------
     def _work(self) -> None:

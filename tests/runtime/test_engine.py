@@ -1,6 +1,7 @@
 """The onnxruntime engine against the torch canonical decoder (full recompute, no cache) on a tiny model."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -270,3 +271,52 @@ def test_interleaving_two_streams_in_one_thread_is_refused(tiny_engine):
         next(iter(tiny_engine.stream("xyz", max_new_tokens=8, stop_token_ids=())))
     first.close()  # a stream given up on frees the cache
     assert tiny_engine.generate("xyz", max_new_tokens=3, stop_token_ids=()).timings.output_tokens == 3
+
+
+def interrupted_at_call(call: int, run) -> bool:
+    """run() with a KeyboardInterrupt raised at its `call`-th Python call (a trace function's "call" event: where
+    Python checks for signals, so where Ctrl-C's KeyboardInterrupt lands); True if it got that far."""
+    calls = 0
+
+    def trace(frame, event, arg):
+        nonlocal calls
+        if event == "call":
+            calls += 1
+            if calls == call:
+                raise KeyboardInterrupt  # raised in the frame being entered; the trace function is then unset
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        run()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(previous)
+    return False
+
+
+def test_ctrl_c_anywhere_in_a_stream_leaves_the_batch_one_cache_to_the_next_request(tiny_engine):
+    """A KeyboardInterrupt that landed in contextlib's __exit__ of the stream's `with batch_one()`, as the request
+    returned and before that released the lock, left the batch-1 cache held by a stream that had ended: every
+    request from another thread then waited forever, and this thread's were refused as "still iterating another
+    stream" (1 stream in ~260-290 under random SIGALRMs). Interrupted at each of its Python calls in turn and then
+    given up on, a stream must leave the cache to the next request."""
+    options = dict(max_new_tokens=3, stop_token_ids=())
+    expected = tiny_engine.generate([1, 5, 9], **options).token_ids
+    call = 0
+    while True:
+        call += 1
+        stream = tiny_engine.stream([1, 5, 9], **options)
+        if not interrupted_at_call(call, lambda: list(stream)):
+            break  # the stream made fewer calls: each one has been interrupted
+        stream.close()  # given up on (a no-op for one that has ended)
+        outcome = []
+        other = threading.Thread(target=lambda: outcome.append(tiny_engine.generate([1, 5, 9], **options).token_ids),
+                                 daemon=True)
+        other.start()
+        other.join(timeout=20)
+        assert outcome == [expected], f"interrupted at Python call {call}: the next request waited on a held cache"
+        assert tiny_engine.generate([1, 5, 9], **options).token_ids == expected, f"call {call}"
+    assert call > 10

@@ -4,6 +4,7 @@ Each test runs a short script in a fresh interpreter on the tiny artifact, since
 """
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -62,3 +63,66 @@ def test_a_program_that_ends_while_the_scheduler_serves_stops_its_worker_and_exi
             how, done.stdout)
         assert done.returncode == status and "terminate called" not in done.stderr, (how, done.stderr[-2000:])
         assert ("KeyboardInterrupt" in done.stderr) == (how == "ctrl-c")
+
+
+# The process may allocate 512 MiB more (RLIMIT_AS, as `ulimit -v` or `prlimit --as` set it), far less than the machine
+# has available; 16384 of the tiny model's 64 KiB slots need 1 GiB.
+SLOTS_PAST_THE_ADDRESS_SPACE_LIMIT = """
+    import resource, sys
+    from runtime import Engine
+
+    engine = Engine.load(sys.argv[1])
+    with open("/proc/self/statm") as statm:
+        size = int(statm.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + 512 * 2**20, resource.RLIM_INFINITY))
+    try:
+        engine.start_scheduler(slots=16384)
+    except Exception as error:
+        print(f"{type(error).__name__}: {error}", flush=True)
+    print("serves on:", engine.generate([[1, 5, 9]], max_new_tokens=3)[0].finish_reason, flush=True)
+"""
+
+
+def test_slots_past_the_process_memory_limit_are_refused_at_start_saying_what_fits(tiny_artifact):
+    """Under a process address-space limit the check read only the machine's MemAvailable: the slot cache's
+    allocation then failed inside numpy ("MemoryError: Unable to allocate 256. MiB for an array with shape (16384,
+    2, 128, 16)": one layer's array, not the slots, their bytes or what fits; `aotlm serve` printed it as a
+    traceback). The limit counts now, and the engine serves on."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SLOTS_PAST_THE_ADDRESS_SPACE_LIMIT), str(tiny_artifact)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert re.search(r"RequestError: slots: 16384 sequences need 1\.0 GiB of KV cache \(0\.1 MiB each\), and this "
+                     r"process can allocate 0\.\d GiB now; use at most \d+", done.stdout), (done.stdout, done.stderr)
+    assert "serves on: length" in done.stdout, done.stderr[-2000:]
+
+
+# A pre-fork server (gunicorn with preload_app) warms the engine up and forks while the scheduler's worker is alive
+# (idle_exit_s=math.inf keeps it so; the default 1 s idle life makes it a race).
+FORK_WHILE_THE_WORKER_LIVES = """
+    import math, os, sys
+    from runtime import Engine
+
+    engine = Engine.load(sys.argv[1])
+    engine.start_scheduler(slots=2, idle_exit_s=math.inf)
+    expected = engine.submit([1, 5, 9], max_new_tokens=4, stop_token_ids=()).result().token_ids
+    pid = os.fork()
+    if pid == 0:
+        try:
+            got = engine.submit([1, 5, 9], max_new_tokens=4, stop_token_ids=()).result(timeout=20).token_ids
+            print("child:", "same tokens" if got == expected else got, flush=True)
+        except BaseException as error:
+            print("child:", repr(error), flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("parent:", "same tokens" if engine.submit([1, 5, 9], max_new_tokens=4, stop_token_ids=()).result(
+        timeout=20).token_ids == expected else "other tokens", flush=True)
+    engine.close()
+"""
+
+
+def test_a_child_forked_while_the_worker_lives_serves_with_a_worker_of_its_own(tiny_artifact):
+    """The child's copy of the scheduler named the parent's worker thread, which a forked child does not have, so no
+    worker started and its requests waited forever (TimeoutError here)."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK_WHILE_THE_WORKER_LIVES), str(tiny_artifact)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "child: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "parent: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
