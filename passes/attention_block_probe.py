@@ -97,12 +97,13 @@ def check_blocks(graph: gs.Graph, matches: list, cached: bool = False, batch: in
         return array
 
     values = run_cut(probe, feed)
-    if isinstance(values, str) and fixed is None and batch > 1:
-        # A graph that runs one sequence only (the dynamo exporter's ONNX RotaryEmbedding with a batch-1 cos table:
-        # onnxruntime wants the table's batch to be x's): probed with one, which cannot show a read of another's rows
-        return check_blocks(graph, matches, cached, batch=1)
     if isinstance(values, str) and len(matches) > 1:  # one block the probe cannot run: judge the others alone
         return [check_blocks(graph, [found], cached, batch)[0] for found in matches]
+    if isinstance(values, str) and fixed is None and batch > 1:
+        # A block that runs one sequence only (the dynamo exporter's ONNX RotaryEmbedding with a batch-1 cos table:
+        # onnxruntime wants the table's batch to be x's): probed with one, which cannot show a read of another's
+        # rows. Block by block (above), so that one such block leaves the others their probe of PROBE_BATCH.
+        return check_blocks(graph, matches, cached, batch=1)
     if isinstance(values, str):
         after = f" after {tokens - queries} cached tokens" if cached else ""
         return [f"unchecked: the block could not be evaluated{after} ({values})"]
@@ -127,7 +128,8 @@ def check_blocks(graph: gs.Graph, matches: list, cached: bool = False, batch: in
     if not cached:  # the blocks that read their cache, once more after cached tokens
         reading = [index for index, (found, verdict) in enumerate(zip(matches, verdicts))
                    if verdict is None and found.reads_cache]
-        for index, verdict in zip(reading, check_blocks(graph, [matches[i] for i in reading], cached=True)):
+        for index, verdict in zip(reading, check_blocks(graph, [matches[i] for i in reading], cached=True,
+                                                           batch=batch)):
             verdicts[index] = verdict
     return verdicts
 

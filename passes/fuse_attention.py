@@ -138,6 +138,8 @@ def _nan_guard(probabilities: gs.Tensor) -> gs.Node | None:
 def _o_proj(value_matmul: gs.Node) -> gs.Node | SkipReason:
     tensor = value_matmul.outputs[0]
     for _ in range(6):
+        if not tensor.outputs:  # a graph output, or nothing
+            break
         if len(tensor.outputs) != 1:
             readers = ", ".join(f"{node.op} '{node.name}'" for node in tensor.outputs[:3])
             hint = ("; TorchScript's export of SDPA attention reads the output's shape this way: export with "

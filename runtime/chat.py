@@ -139,8 +139,8 @@ def check_messages(messages) -> None:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
                 not isinstance(content, (str, list)):  # a list: flat_messages checked its parts
-            raise RequestError(f"messages[{index}] must be a dict with a string 'role' and a string 'content', "
-                               f"got {message!r}")
+            raise RequestError(f"messages[{index}] must be a dict with a string 'role' and a 'content' that is a "
+                               f"string or a list of text parts, got {message!r}")
         check_unicode(message["role"], f"messages[{index}]['role']")  # each its own position, not the prompt's
         for part, text in enumerate([content] if isinstance(content, str) else [p["text"] for p in content]):
             check_unicode(text, f"messages[{index}]['content']" + (f"[{part}]['text']" if isinstance(content, list)

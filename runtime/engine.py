@@ -44,6 +44,23 @@ if TYPE_CHECKING:
 # decode session's threads keep spinning between its steps (TPOT 3-5% lower, paired; README "Threads after a run").
 SINGLE_STREAM_SPIN = ("decode",)
 _NO_THREADS: frozenset = frozenset()  # no thread holds the batch-1 cache (Engine._batch_one_threads)
+_ENGINES: weakref.WeakSet = weakref.WeakSet()  # every engine alive, for _start_over_in_forked_child
+
+
+def _start_over_in_forked_child() -> None:
+    """A forked child has only the thread that forked: a lock another thread held then (a stream on the batch-1
+    cache, a first submit starting the scheduler) is held for good in the child, where its next generate waited
+    forever. Each engine's locks start free; what the batch-1 cache held is not reused (its rows may be half
+    written). The scheduler starts over by its own handler (runtime/scheduler.py)."""
+    for engine in list(_ENGINES):
+        engine._scheduler_lock = threading.Lock()
+        engine._batch_one = threading.Lock()
+        engine._batch_one_threads = _NO_THREADS
+        engine._cached_ids = None
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only
+    os.register_at_fork(after_in_child=_start_over_in_forked_child)
 
 
 def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
@@ -127,6 +144,7 @@ class Engine:
         # ids whose keys and values fill its first rows). Any other run on it (evaluation, a benchmark) changes
         # the count, and then nothing is reused.
         self._cached_ids: tuple[weakref.ref, int, list[int]] | None = None
+        _ENGINES.add(self)
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None,

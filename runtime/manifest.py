@@ -95,7 +95,7 @@ def read_manifest(artifact_dir: str | Path) -> dict:
                             f"edited or cut short: rebuild the artifact")
     outside = [name for name in manifest["files"] if Path(name).is_absolute() or ".." in Path(name).parts]
     if outside:  # the engines and tokenizer must be listed here (check_files), so none of them is read from elsewhere
-        raise ArtifactError(f"{path}: files names {outside[0]!r}, outside the artifact folder; an artifact holds every "
+        raise ArtifactError(f"{path}: its files list names {outside[0]!r}, outside the artifact folder; an artifact holds every "
                             f"file it uses: rebuild the artifact")
     return manifest
 

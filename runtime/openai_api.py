@@ -55,7 +55,8 @@ NOT_SUPPORTED = {  # field -> why it is refused, said after "{field}: "
 # response_format, web_search_options -> stream_options).
 OPENAI_ONLY = ("store", "metadata", "service_tier", "reasoning_effort", "modalities", "audio", "prediction",
                "web_search_options", "verbosity", "prompt_cache_key", "prompt_cache_retention", "safety_identifier")
-NOT_SUPPORTED.update({name: "OpenAI's field is not supported by this server" for name in OPENAI_ONLY})
+NOT_SUPPORTED.update({name: "OpenAI's field is not supported by this server" for name in OPENAI_ONLY},
+                     store="this server keeps no responses: send store false, or leave it out")
 # Values of refused fields that ask for what the server does anyway (store=False: it keeps nothing).
 HARMLESS = {"best_of": 1, "store": False}
 # Fields of one endpoint sent to the other, and the field meant there: difflib ties max_completion_tokens with
@@ -149,9 +150,14 @@ def request_fields(body, known: set[str], model_name: str, refused: dict[str, st
     if model is not None and not isinstance(model, str):
         raise ApiError(f"model: {model!r} must be a string (the name /v1/models lists)", param="model")
     if model is not None and model != model_name:
-        raise ApiError(f"the model {model!r} does not exist; this server serves {model_name!r}", status=404,
-                       kind="not_found_error", param="model")
+        raise unknown_model(model, model_name)
     return fields
+
+
+def unknown_model(name: str, served: str) -> ApiError:
+    """A request for a model this server does not serve (a field, or GET /v1/models/{model}): OpenAI's 404."""
+    return ApiError(f"the model {name!r} does not exist; this server serves {served!r}", status=404,
+                    kind="not_found_error", param="model")
 
 
 def flag(fields: dict, name: str, shown: str | None = None, default: bool = False) -> bool:

@@ -190,8 +190,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path.startswith(MODEL_ROUTE):
             name, served = unquote(path[len(MODEL_ROUTE):]), self.server.model_name
             if name != served:
-                return self._send_error(ApiError(f"the model {name!r} does not exist; this server serves {served!r}",
-                                                 404, "not_found_error", param="model"))
+                return self._send_error(openai_api.unknown_model(name, served))
             self._send_json(200, self._model())
         elif path in ROUTES or path in TOKENIZER_ROUTES:
             self._send_error(ApiError(f"{path} takes POST", status=405))
@@ -539,5 +538,6 @@ def _is_get_route(path: str) -> bool:
 
 
 def _not_found(path: str) -> ApiError:
-    return ApiError(f"no route {path}; this server has /v1/completions, /v1/chat/completions, /v1/models, /health, "
-                    f"/metrics, /tokenize, /detokenize and /tokenizer_info", status=404, kind="not_found_error")
+    return ApiError(f"no route {path}; this server has /v1/completions, /v1/chat/completions, /v1/models, "
+                    f"/v1/models/{{model}}, /health, /metrics, /tokenize, /detokenize and /tokenizer_info", status=404,
+                    kind="not_found_error")

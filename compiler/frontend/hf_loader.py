@@ -342,9 +342,12 @@ def _eos_ids(*values: tuple) -> tuple[int, ...]:
 
 
 def _weight_files(folder: str) -> list[str]:
-    """The checkpoint's safetensors files: those its index lists, else model.safetensors (as transformers reads it:
-    a variant beside it, model.fp16.safetensors, is another copy), else model*.safetensors, else every *.safetensors
-    (a folder may also hold another format's copy, e.g. Mistral's consolidated.safetensors)."""
+    """The checkpoint's safetensors files, in transformers' order: model.safetensors alone (a variant beside it,
+    model.fp16.safetensors, is another copy; a stale index too), else those its index lists, else model*.safetensors,
+    else every *.safetensors (a folder may also hold another format's copy, e.g. Mistral's consolidated.safetensors)."""
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         weight_map = _read_json(index_path).get("weight_map")
@@ -355,9 +358,6 @@ def _weight_files(folder: str) -> list[str]:
         if missing:
             raise BuildError(f"{missing[0]}: listed in model.safetensors.index.json but missing; download it")
         return paths
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
     paths = sorted(glob.glob(os.path.join(folder, "model*.safetensors"))) or \
         sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not paths:

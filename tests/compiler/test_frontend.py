@@ -1236,8 +1236,8 @@ def test_a_folder_with_only_tokenizer_model_is_refused_before_its_weights_are_re
 
 def test_model_safetensors_is_read_alone_and_two_copies_of_a_tensor_are_refused(tmp_path):
     """A folder with model.safetensors and a variant beside it (model.fp16.safetensors): both were read, and where
-    they named the same tensor the later file's copy won without a word. transformers reads model.safetensors alone;
-    without it, shards that repeat a tensor are refused by name."""
+    they named the same tensor the later file's copy won without a word. transformers reads model.safetensors alone
+    (before any index); without it, shards that repeat a tensor are refused by name."""
     original = random_model(TINY, seed=2)
     folder = tmp_path / "m"
     write_hf_folder(folder, TINY, original.state_dict)
@@ -1246,8 +1246,11 @@ def test_model_safetensors_is_read_alone_and_two_copies_of_a_tensor_are_refused(
     save_file(dict(original.state_dict), str(folder / "model.safetensors"))
     save_file({name: torch.zeros_like(t) for name, t in original.state_dict.items()},
               str(folder / "model.zz-fp16.safetensors"))  # sorts after model.safetensors: its zeros won
+    (folder / "model.safetensors.index.json").write_text(json.dumps(  # stale: transformers reads model.safetensors
+        {"weight_map": {name: "model-00001-of-00009.safetensors" for name in original.state_dict}}))
     loaded = load_hf_folder(str(folder))
     assert all(torch.equal(loaded.state_dict[k], v) for k, v in original.state_dict.items())
+    (folder / "model.safetensors.index.json").unlink()
     (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
     with pytest.raises(BuildError, match=r"model.zz-fp16.safetensors: tensor .* is also in "
                                          r"model-00001-of-00001.safetensors: the folder holds two copies"):

@@ -1072,3 +1072,28 @@ def test_a_cache_written_by_scatter_nd_is_named(decoder_graphs):
                                    fuse_attention.Options())
     assert report["fused"] == 1 and report["layers"][1]["fused"], report
     assert "the cache is written by ScatterND '" in report["layers"][0]["reason"], report
+
+
+def test_a_block_the_probe_cannot_run_leaves_the_others_their_two_sequence_probe(decoder_graphs):
+    """Layer 0 takes its batch from an input the probe cannot make; layer 1 reads sequence 0's keys for every
+    sequence. The failed run of both was retried with one sequence before being split by block, so layer 1 was judged
+    on one sequence, where its read cannot show, and fused."""
+    graph = gs.import_onnx(decoder_graphs["prefill"])
+    scores = next(n for n in graph.nodes if n.op == "MatMul" and n.name == "/decoder/layers.1/self_attn/MatMul")
+    first = graph.layer(op="Slice", inputs=[scores.inputs[1], _int64("b0", [0]), _int64("b1", [1]), _int64("ax0", [0])],
+                        outputs=["first_sequence_keys"])[0]
+    first.dtype = np.float32
+    scores.inputs[1] = first
+    concat = next(n for n in graph.nodes if n.name == "/decoder/layers.0/self_attn/Concat_6")
+    extra = gs.Variable("extra_input", np.float32, ["batch", "sequence"])
+    graph.inputs.append(extra)
+    shape = graph.layer(op="Shape", inputs=[extra], outputs=["extra_shape"])[0]
+    shape.dtype = np.int64
+    batch = graph.layer(op="Slice", inputs=[shape, _int64("e0", [0]), _int64("e1", [1]), _int64("ex", [0])],
+                        outputs=["extra_batch"])[0]
+    batch.dtype = np.int64
+    concat.inputs[0] = batch
+    _, report = fuse_attention.run(gs.export_onnx(graph.cleanup().toposort()), fuse_attention.Options())
+    assert report["fused"] == 0, report
+    assert report["layers"][0]["reason"].startswith("unchecked"), report
+    assert "in probe sequence 1 of 2" in report["layers"][1]["reason"], report

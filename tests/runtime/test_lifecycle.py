@@ -126,3 +126,43 @@ def test_a_child_forked_while_the_worker_lives_serves_with_a_worker_of_its_own(t
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "child: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "parent: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+# A thread streams on the batch-1 cache (holding its lock) when the main thread forks.
+FORK_WHILE_A_STREAM_RUNS = """
+    import os, signal, sys, threading, time
+    from runtime import Engine
+
+    engine = Engine.load(sys.argv[1])
+    expected = engine.generate([1, 5, 9], max_new_tokens=3, stop_token_ids=()).token_ids
+    started, forked = threading.Event(), threading.Event()
+
+    def stream():
+        for piece in engine.stream([1, 5, 9], max_new_tokens=6, stop_token_ids=()):
+            started.set()
+            forked.wait()
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    streaming.start()
+    started.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a held lock: the child's generate waits forever
+        got = engine.generate([1, 5, 9], max_new_tokens=3, stop_token_ids=()).token_ids
+        print("child:", "same tokens" if got == expected else got, flush=True)
+        os._exit(0)
+    forked.set()
+    os.waitpid(pid, 0)
+    streaming.join()
+    print("parent:", "same tokens" if engine.generate([1, 5, 9], max_new_tokens=3, stop_token_ids=()).token_ids
+          == expected else "other tokens", flush=True)
+"""
+
+
+def test_a_child_forked_while_a_stream_holds_the_batch_one_cache_generates(tiny_artifact):
+    """The child inherited the batch-1 lock held by the parent's streaming thread, which the child does not have:
+    its generate waited forever (killed by the alarm here)."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK_WHILE_A_STREAM_RUNS), str(tiny_artifact)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "child: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "parent: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])

@@ -284,5 +284,5 @@ def test_a_file_outside_the_artifact_folder_is_refused(artifact_copy, outside):
 
     _edit_manifest(artifact_copy, point_decode_outside)
     (artifact_copy / "decode.onnx").unlink()
-    with pytest.raises(ArtifactError, match=r"manifest.json: files names '.*other/decode.onnx', outside the artifact"):
+    with pytest.raises(ArtifactError, match=r"manifest.json: its files list names '.*other/decode.onnx', outside the artifact"):
         Engine.load(artifact_copy, verify=True)

@@ -1242,7 +1242,7 @@ def test_logprob_texts_join_to_the_text_where_characters_span_many_tokens(served
     assert all(text.startswith(token, offset) for token, offset in zip(tokens, offsets))
 
 
-@pytest.mark.parametrize("field, value", [("store", True), ("reasoning_effort", "low"),
+@pytest.mark.parametrize("field, value", [("service_tier", "auto"), ("reasoning_effort", "low"),
                                           ("web_search_options", {}), ("metadata", {"a": "b"})])
 def test_openais_own_fields_the_server_lacks_are_refused_as_such_not_taken_for_typos(chat_served, field, value):
     """OpenAI's client has these as arguments of chat.completions.create; a look-alike suggestion ("store: did you
@@ -1255,7 +1255,10 @@ def test_openais_own_fields_the_server_lacks_are_refused_as_such_not_taken_for_t
 
 def test_store_false_asks_for_what_the_server_does_anyway(chat_served):
     """OpenAI's store=False (keep no copy of the exchange) is what this server does: served, where store=True and
-    store=0 (not the boolean OpenAI takes) are refused."""
+    store=0 (not the boolean OpenAI takes) are refused, saying what to send."""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     assert post(chat_served, "/v1/chat/completions", {**body, "store": False})[0] == 200
     assert post(chat_served, "/v1/chat/completions", {**body, "store": 0})[0] == 400
+    status, _, error = post(chat_served, "/v1/chat/completions", {**body, "store": True})
+    assert (status, error["error"]["message"]) == (400, "store: this server keeps no responses: send store false, or "
+                                                        "leave it out")
