@@ -227,8 +227,20 @@ def matches(pattern: str, node: gs.Node) -> bool:
 
 
 def check_patterns(candidates: list[gs.Node], options: Options) -> None:
-    """A pattern that matches nothing is a typo or a stale recipe; silently applying the defaults would hide it."""
+    """A pattern that matches nothing is a typo or a stale recipe; silently applying the defaults would hide it. One
+    that names some of a packed MatMul's parts would set the others too (or, missing its name, nothing at all)."""
     patterns = [("exclude", p) for p in options.exclude] + [("overrides", o.pattern) for o in options.overrides]
+    for kind, pattern in patterns:
+        for node in candidates:
+            parts = packed_parts(node)
+            named = [part for part, name in parts if fnmatch.fnmatchcase(name, pattern)]
+            if named and len(named) < len(parts):
+                others = [part for part, _ in parts if part not in named]
+                raise PassError(
+                    f"quantize: {kind} {pattern!r} names {', '.join(named)} of the packed MatMul {node.name!r}, which "
+                    f"also computes {', '.join(others)} (pack_projections joined them; one MatMul takes one "
+                    f"setting): name the packed node (e.g. {'*' + '+'.join(p for p, _ in parts) + '*'!r}) to set "
+                    f"them all, or drop pack_projections from the recipe to set {', '.join(named)} alone")
     unmatched = [f"{kind} {p!r}" for kind, p in patterns if not any(matches(p, n) for n in candidates)]
     if unmatched:
         example = f"; names look like {candidates[0].name!r}" if candidates else "; the graph has no MatMul"
@@ -244,6 +256,17 @@ def check_patterns(candidates: list[gs.Node], options: Options) -> None:
     if never:
         raise PassError(f"quantize: {', '.join(never)} never applies: every node it matches is excluded or matched by "
                         f"an earlier override (the first match wins); put the narrower pattern first")
+
+
+def packed_parts(node: gs.Node) -> list[tuple[str, str]]:
+    """A packed MatMul's parts with the node names they had before pack_projections joined them
+    ('/l.0/attn/q_proj+k_proj.packed_MatMul' -> [('q_proj', '/l.0/attn/q_proj/MatMul'), ('k_proj', ...)]); [] for
+    any other node."""
+    head, _, tail = node.name.rpartition("/")
+    distinct, packed, _ = tail.partition(".packed_")
+    if not packed or "+" not in distinct:
+        return []
+    return [(part, f"{head}/{part}/MatMul") for part in distinct.split("+")]
 
 
 # -- finding targets ---------------------------------------------------------------------------------------

@@ -789,3 +789,18 @@ def test_the_reports_mean_and_max_output_errors_are_over_its_layers(fused_graphs
     assert report["totals"]["mean_relative_output_error"] == pytest.approx(errors.mean(), rel=1e-12)
     assert report["totals"]["max_relative_output_error"] == errors.max()
     assert report["totals"]["mean_relative_output_error"] != pytest.approx(np.median(errors), rel=1e-9)
+
+
+def test_a_pattern_naming_some_parts_of_a_packed_matmul_is_refused(fused_graphs):
+    """pack_projections joins q/k/v into one MatMul named '.../q_proj+k_proj+v_proj.packed_MatMul': '*v_proj*' matched
+    it, and the override set q and k too without a word. A pattern naming the packed node, or every part, is taken."""
+    packed = pack_projections.run(fused_graphs["decode"], pack_projections.Options())[0]
+    with pytest.raises(PassError, match=r"overrides '\*v_proj\*' names v_proj of the packed MatMul "
+                                        r"'/decoder/layers.0/self_attn/q_proj\+k_proj\+v_proj.packed_MatMul', which also "
+                                        r"computes q_proj, k_proj .*'\*q_proj\+k_proj\+v_proj\*'.*drop pack_projections"):
+        quantize.run(packed, quantize.Options(bits=4, overrides=(quantize.Override("*v_proj*", bits=8),)))
+    with pytest.raises(PassError, match=r"exclude '\*/up_proj/\*' names up_proj of the packed MatMul"):
+        quantize.run(packed, quantize.Options(bits=4, exclude=("*/up_proj/*",)))
+    for whole in ("*q_proj+k_proj+v_proj*", "*self_attn*"):
+        _, report = quantize.run(packed, quantize.Options(bits=4, overrides=(quantize.Override(whole, bits=8),)))
+        assert {layer["bits"] for layer in report["layers"] if "v_proj" in layer["node"]} == {8}, whole
