@@ -80,9 +80,9 @@ def _run(args) -> None:
     from runtime.engine import SINGLE_STREAM_SPIN
     from runtime.manifest import read_manifest
 
-    sampling = sampling_options(args)  # flags greedy decoding would ignore are refused before loading
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = sampling_options(args)  # flags greedy decoding would ignore, and bad values, are refused before loading
     if args.system and args.chat is None:
         raise UsageError("--system goes with --chat (a system message for the chat template)")
     if args.chat is not None and not read_manifest(args.artifact)["tokenizer"].get("chat_template"):
@@ -112,8 +112,9 @@ def _run(args) -> None:
         raise
     sys.stdout.write("\n")
     timings = generation.result.timings
-    table = Table(title=f"{escape(engine.manifest['name'])}: {timings.prompt_tokens} prompt tokens, "
-                        f"{timings.output_tokens} output tokens ({generation.result.finish_reason})")
+    count = lambda number, noun: f"{number} {noun}{'' if number == 1 else 's'}"  # noqa: E731
+    table = Table(title=f"{escape(engine.manifest['name'])}: {count(timings.prompt_tokens, 'prompt token')}, "
+                        f"{count(timings.output_tokens, 'output token')} ({generation.result.finish_reason})")
     for column in ("TTFT ms", "prefill ms", "TPOT ms", "decode tok/s", "E2E ms"):
         table.add_column(column, justify="right")
     decoded = timings.output_tokens >= 2  # TPOT and decode speed need a token after the first
@@ -138,25 +139,28 @@ def _inspect(args) -> None:
     if args.json:  # everything, pass reports whole: for a script, or a person reading what the table shortens
         sys.stdout.write(json.dumps(manifest, indent=2) + "\n")
         return
+    # The summary is this command's output: stdout, as --json's (`aotlm inspect A | less`, `> summary.txt`); errors
+    # stay on stderr. The stderr console's width: a terminal's, or the tests' wide one.
+    out = Console(file=sys.stdout, width=console.width)
     config = manifest["model"]["config"]
-    console.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}, built {manifest['created']}",
+    out.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}, built {manifest['created']}",
                   highlight=False)
-    console.print(f"model: {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
+    out.print(f"model: {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
                   f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}; "
                   f"source {manifest['model']['source'].get('kind')} {escape(str(manifest['model']['source'].get('path', '')))}",
                   highlight=False)
     kv = manifest["kv_cache"]
-    console.print(f"kv cache: {kv['layout']} {kv.get('dtype', 'float32')}, max context {kv['max_context']}, "
+    out.print(f"kv cache: {kv['layout']} {kv.get('dtype', 'float32')}, max context {kv['max_context']}, "
                   f"{kv['bytes_per_token'] / 1024:.2f} KiB per token")
     quantized = [r for r in manifest["passes"] if r["name"] == "quantize" and r["phase"] == "decode"]
     dtype = manifest.get("recipe", {}).get("export", {}).get("dtype", "float32")
-    console.print(f"weights: {_quantized_formats(quantized[0]['report']) if quantized else dtype + ' (not quantized)'}",
+    out.print(f"weights: {_quantized_formats(quantized[0]['report']) if quantized else dtype + ' (not quantized)'}",
                   highlight=False)
     template = manifest["tokenizer"].get("chat_template")
-    console.print(f"chat template: {escape(template) + ' (aotlm run --chat, Engine.chat)' if template else 'none'}",
+    out.print(f"chat template: {escape(template) + ' (aotlm run --chat, Engine.chat)' if template else 'none'}",
                   highlight=False)
     backend = manifest["backend"]
-    console.print(escape(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}"), highlight=False)
+    out.print(escape(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}"), highlight=False)
     engines = Table(title="engines")
     for column in ("phase", "file", "inputs", "outputs"):
         engines.add_column(column)
@@ -164,10 +168,10 @@ def _inspect(args) -> None:
         describe = lambda items: ", ".join(f"{i['name']}{i['shape']}" for i in items[:3]) + (  # noqa: E731
             f" (+{len(items) - 3} kv)" if len(items) > 3 else "")
         engines.add_row(*map(escape, (phase, engine["file"], describe(engine["inputs"]), describe(engine["outputs"]))))
-    console.print(engines)
+    out.print(engines)
     if "prefill" in manifest["engines"]:
         takes_past = manifest["engines"]["prefill"].get("takes_past") is True
-        console.print("prefill after cached tokens: " + ("yes (a prompt's rest after a cached prefix, and later chunks, "
+        out.print("prefill after cached tokens: " + ("yes (a prompt's rest after a cached prefix, and later chunks, "
                       "run through the prefill graph)" if takes_past else "no (they run through the decode graph)"))
     passes = Table(title="passes", caption="whole reports: aotlm inspect --json")
     for column in ("pass", "phase", "seconds", "summary"):
@@ -178,17 +182,17 @@ def _inspect(args) -> None:
         summary = ", ".join(f"{k}={v}" for k, v in flat.items() if isinstance(v, (int, str))
                             or (isinstance(v, float) and not k.endswith("error")))
         passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", escape(_shortened(summary)))
-    console.print(passes)
+    out.print(passes)
     if "accuracy" in manifest:
         from compiler.accuracy import format_accuracy
 
-        console.print(format_accuracy(manifest["accuracy"]), highlight=False)
+        out.print(format_accuracy(manifest["accuracy"]), highlight=False)
     files = Table(title="files" + (" (sha256 verified)" if args.verify else " (sizes checked; --verify hashes)"))
     files.add_column("file")
     files.add_column("MiB", justify="right")
     for name, record in manifest["files"].items():
         files.add_row(escape(name), f"{record['bytes'] / 2**20:.2f}")
-    console.print(files)
+    out.print(files)
 
 
 def _quantized_formats(report: dict) -> str:

@@ -3,7 +3,9 @@
 Each reply streams to stdout as it is decoded; a line on stderr gives its TTFT, how many prompt tokens came from the
 cache (the engine runs with prefix caching: a turn prefills only what the last turn did not leave in the cache),
 and its TPOT. When the conversation no longer fits the artifact's context with room for a reply, its oldest turns
-are dropped (said on stderr). An empty line is skipped; /exit, /quit or the end of input ends the chat.
+are dropped (said on stderr). An empty line is skipped; /exit, /quit or the end of input ends the chat. Ctrl-C
+during a reply stops that reply and leaves the message and its partial reply out of the conversation, which goes on;
+Ctrl-C at the prompt ends the chat (exit status 130).
 """
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ EXIT_COMMANDS = ("/exit", "/quit")
 
 
 def add_chat_parser(commands) -> None:
-    chat = commands.add_parser("chat", help="talk with an instruct model, turn by turn (prefix caching on)")
+    chat = commands.add_parser("chat", help="talk with an instruct model, turn by turn (prefix caching on)",
+                                description="A line per message. /exit, /quit or end of input (Ctrl-D) ends the chat; "
+                                            "Ctrl-C stops a reply (the conversation goes on without that exchange), "
+                                            "and at the prompt ends the chat.")
     chat.add_argument("artifact", help="an artifact folder whose model has a chat template")
     chat.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
     chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
@@ -67,9 +72,19 @@ def chat_command(args) -> None:
                               f"with room for a reply; send a shorter one[/yellow]")
                 continue
             generation = engine.stream(prompt, sampling, arrival=received)
-            for piece in generation:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            try:
+                for piece in generation:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            finally:  # an interrupted reply frees the batch-1 cache (its record stays what the cache holds)
+                generation.close()
+        except KeyboardInterrupt:  # Ctrl-C during a reply stops it, not the conversation
+            turns.pop()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            console.print("[yellow]reply stopped; that message is left out of the conversation (Ctrl-C at the "
+                          "prompt, or /exit, ends the chat)[/yellow]", highlight=False)
+            continue
         except RequestError as error:  # this message cannot be served (not UTF-8, say): the conversation goes on
             turns.pop()
             console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False)
@@ -85,9 +100,17 @@ def chat_command(args) -> None:
 
 def _read_line() -> str | None:
     """The next user message, or None at the end of input; a prompt marker on a terminal."""
-    if sys.stdin.isatty():
+    terminal = sys.stdin.isatty()
+    if terminal:
         console.print("[bold]>[/bold] ", end="")
-    line = sys.stdin.readline()
+    try:
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:  # the notice goes on a line of its own, not after the prompt marker
+        if terminal:
+            console.print()
+        raise
+    if not line and terminal:  # Ctrl-D: the shell's prompt on a line of its own
+        console.print()
     return line if line else None
 
 

@@ -31,14 +31,19 @@ def add_sampling_options(parser) -> None:
 
 
 def sampling_options(args) -> dict:
-    """SamplingParams' keywords from the flags, after refusing flags that greedy decoding would silently ignore."""
+    """SamplingParams' keywords from the flags, after refusing flags that greedy decoding would silently ignore and
+    values SamplingParams refuses (a RequestError: one line, exit status 2), before the caller loads the weights."""
     sampling_only = [flag for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
                                               ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
                      if given]
     if args.temperature == 0 and sampling_only:  # greedy ignores them: the user would believe they sampled
         raise UsageError(f"{', '.join(sampling_only)}: {'they shape' if len(sampling_only) > 1 else 'it shapes'} "
                          f"sampling, but --temperature 0 (the default) decodes greedily; add --temperature > 0")
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens)
+    from runtime.sampling import SamplingParams
+
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                   stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens)
+    SamplingParams(**options)  # out-of-range values: refused now, not after seconds of loading weights
+    return options

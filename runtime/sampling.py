@@ -10,6 +10,7 @@ import numpy as np
 import numpy.random  # noqa: F401  numpy 2 loads it on first use (~20 ms): here, not in a request's TTFT
 
 from runtime.errors import ModelOutputError, RequestError
+from runtime.tokenizer import check_unicode
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
@@ -92,6 +93,8 @@ class SamplingParams:
             raise RequestError(f"stop_strings: {self.stop_strings!r} must be a string or a list of strings")
         if any(not stop for stop in stops):
             raise RequestError("stop_strings: an empty string would stop before any text; remove it")
+        for stop in stops:  # bytes that were not UTF-8 (argv, a pipe): decoded text never holds them, so never stops
+            check_unicode(stop, f"stop string {stop!r}")
         object.__setattr__(self, "stop_strings", tuple(stops))
         if not isinstance(self.ignore_eos, (bool, np.bool_)):  # a string such as "false" would read as True
             raise RequestError(f"ignore_eos: {self.ignore_eos!r} must be True or False")

@@ -167,3 +167,36 @@ def test_bench_s_default_output_names_the_artifact_and_the_phase(capsys, tiny_ar
     status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "decode", "--contexts", "16", "--steps", "2")
     written = tmp_path / "benchmarks" / "results" / "bench-tiny-random-decode.json"
     assert status == 0 and json.loads(written.read_text())["settings"]["phase"] == "decode", output
+
+
+@pytest.mark.parametrize("command", [["run", "--prompt", "x"], ["chat"]])
+@pytest.mark.parametrize("flags, said", [
+    (["--temperature", "-1"], "temperature: -1.0 must be a finite number >= 0"),
+    (["--temperature", "1", "--top-p", "0"], "top_p: 0.0 must be a number in (0, 1]"),
+    (["--presence-penalty", "3"], "presence_penalty: 3.0 must be a number in [-2, 2]"),
+    (["--max-new-tokens", "2", "--min-new-tokens", "3"], "min_new_tokens: 3 must be an integer from 0"),
+])
+def test_run_and_chat_refuse_bad_sampling_values_before_loading_the_weights(capsys, monkeypatch, chat_artifact,
+                                                                             command, flags, said):
+    def load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the sampling options were checked")
+    monkeypatch.setattr("runtime.Engine.load", load)
+    status, output = run_cli(capsys, command[0], chat_artifact[0], *command[1:], *flags)
+    assert status == 2 and said in output and "Traceback" not in output, output
+
+
+def test_inspect_s_summary_is_its_output_on_stdout_and_an_error_stays_on_stderr(capsys, tiny_artifact, tmp_path):
+    """`aotlm inspect A > summary.txt` (or `| less`, `| grep`) got nothing: the summary went to stderr."""
+    assert main(["inspect", str(tiny_artifact), "--verify"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "max context" in out and "files (sha256 verified)" in out, (out, err)
+    assert main(["inspect", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "not an artifact" in err
+
+
+def test_a_stop_string_that_is_not_utf8_is_refused_as_a_prompt_is(capsys, tiny_artifact):
+    """`--stop $'\\xff'` (argv read with surrogateescape) was taken and never matched: decoded text holds no lone
+    surrogate, and the same bytes in --prompt or --chat are refused."""
+    status, output = run_cli(capsys, "run", tiny_artifact, "--prompt", "hi", "--stop", "ok\udcff")
+    assert status == 2 and "stop string 'ok\\udcff' is not valid Unicode at character 2" in output, output

@@ -110,4 +110,53 @@ def test_the_prompt_marker_is_shown_on_a_terminal_only(monkeypatch, capsys, term
             return terminal
     monkeypatch.setattr("sys.stdin", Input("hi\n"))
     assert _read_line() == "hi\n" and _read_line() is None
-    assert capsys.readouterr().err == ("> > " if terminal else "")
+    assert capsys.readouterr().err == ("> > \n" if terminal else "")  # the end of input: a line of its own
+
+
+def test_ctrl_c_during_a_reply_stops_it_and_the_conversation_goes_on_without_it(chat_artifact, monkeypatch, capsys):
+    from runtime import Engine
+
+    artifact, _ = chat_artifact
+    real = Engine.stream
+
+    class Interrupted:  # Ctrl-C while the reply's first piece is written: the stream is left suspended
+        def __init__(self, generation):
+            self.generation = generation
+
+        def __iter__(self):
+            yield next(self.generation)
+            raise KeyboardInterrupt
+
+        def close(self):
+            self.generation.close()
+
+    def stream(self, prompt, *args, **kwargs):
+        generation = real(self, prompt, *args, **kwargs)
+        return Interrupted(generation) if self.chat_prompt_ids([{"role": "user", "content": "long"}]) == prompt \
+            else generation
+    monkeypatch.setattr(Engine, "stream", stream)
+    monkeypatch.setattr("sys.stdin", io.StringIO("long\n2+2?\n"))
+    assert main(["chat", str(artifact), "--max-new-tokens", "4"]) == 0  # not 130: the chat went on
+    out, err = capsys.readouterr()
+    engine = Engine.load(artifact)
+    first = next(iter(real(engine, engine.chat_prompt_ids([{"role": "user", "content": "long"}]), max_new_tokens=4)))
+    reply = engine.chat([{"role": "user", "content": "2+2?"}], max_new_tokens=4)  # "long" is not in its prompt
+    assert out == first + "\n" + reply.text + "\n", out
+    err = " ".join(err.split())
+    assert "reply stopped; that message is left out of the conversation" in err and err.count("TTFT") == 1, err
+
+
+@pytest.mark.parametrize("key, status, err", [(KeyboardInterrupt, 130, "> \ninterrupted\n"), ("", 0, "> \n")])
+def test_ctrl_c_or_ctrl_d_at_the_prompt_ends_the_chat_on_a_line_of_its_own(chat_artifact, monkeypatch, capsys, key,
+                                                                            status, err):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+        def readline(self, *args):
+            if key == "":
+                return ""
+            raise key
+    monkeypatch.setattr("sys.stdin", Terminal())
+    assert main(["chat", str(chat_artifact[0])]) == status
+    assert capsys.readouterr().err == err

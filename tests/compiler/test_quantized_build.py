@@ -92,7 +92,7 @@ def test_inspect_says_in_which_formats_the_weights_are(quantized_artifact, capsy
 
     monkeypatch.setattr(cli.console, "width", 300)
     assert cli.main(["inspect", str(quantized_artifact)]) == 0
-    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("weights:"))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("weights:"))
     manifest = json.loads((quantized_artifact / "manifest.json").read_text())
     report = next(p["report"] for p in manifest["passes"] if p["name"] == "quantize" and p["phase"] == "decode")
     eight = sum(layer["bits"] == 8 for layer in report["layers"])

@@ -180,7 +180,7 @@ def test_an_artifact_without_a_template_says_so(tiny_engine, tiny_artifact, chat
         tiny_engine.chat_prompt_ids(MESSAGES)
     for artifact, shown in ((tiny_artifact, "chat template: none"), (chat_artifact[0], "chat template: chat_template")):
         assert main(["inspect", str(artifact)]) == 0
-        assert shown in capsys.readouterr().err
+        assert shown in capsys.readouterr().out
 
 
 def test_cli_chat_prints_the_reply_only(chat_artifact, capsys):
