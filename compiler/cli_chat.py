@@ -43,12 +43,12 @@ def chat_command(args) -> None:
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    options = sampling_options(args)  # flags greedy decoding would ignore: refused before loading
+    options = sampling_options(args)  # flags greedy decoding would ignore, and bad values: refused before loading
     if not read_manifest(args.artifact)["tokenizer"].get("chat_template"):  # before loading seconds of weights
         raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
                          spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True)
-    sampling = SamplingParams(**options)  # bad values: now, once
+    sampling = SamplingParams(**options)  # once for every turn (sampling_options checked the values)
     system = [{"role": "system", "content": args.system}] if args.system else []
     turns: list[dict] = []  # user and assistant messages, oldest first
     while (line := _read_line()) is not None:
@@ -63,7 +63,8 @@ def chat_command(args) -> None:
         except RequestError as error:
             console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False)
             continue
-        turns.append({"role": "user", "content": text})
+        message = {"role": "user", "content": text}
+        turns.append(message)
         try:
             prompt = _fitting_prompt(engine, system, turns, args.max_new_tokens)
             if prompt is None:
@@ -76,10 +77,12 @@ def chat_command(args) -> None:
                 for piece in generation:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
-            finally:  # an interrupted reply frees the batch-1 cache (its record stays what the cache holds)
+            finally:  # an interrupted reply frees the batch-1 cache; the next turn reuses its prefix where the record of
+                # what the cache holds survived (a Ctrl-C inside a graph run leaves the record stale: no reuse)
                 generation.close()
         except KeyboardInterrupt:  # Ctrl-C during a reply stops it, not the conversation
-            turns.pop()
+            if turns and turns[-1] is message:  # not popped yet (the "does not fit" branch pops it first)
+                turns.pop()
             sys.stdout.write("\n")
             sys.stdout.flush()
             console.print("[yellow]reply stopped; that message is left out of the conversation (Ctrl-C at the "

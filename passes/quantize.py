@@ -223,7 +223,12 @@ def names_of(node: gs.Node) -> tuple[str, ...]:
 
 
 def matches(pattern: str, node: gs.Node) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for name in names_of(node))
+    """The node's or its weight's name; a packed MatMul also by its parts' names from before pack_projections, when
+    the pattern names every one of them ('*_proj/MatMul')."""
+    if any(fnmatch.fnmatchcase(name, pattern) for name in names_of(node)):
+        return True
+    parts = packed_parts(node)
+    return bool(parts) and all(fnmatch.fnmatchcase(name, pattern) for _, name in parts)
 
 
 def check_patterns(candidates: list[gs.Node], options: Options) -> None:

@@ -52,8 +52,11 @@ def _start_over_in_forked_child() -> None:
     cache, a first submit starting the scheduler) is held for good in the child, where its next generate waited
     forever. Each engine's locks start free; what the batch-1 cache held is not reused (its rows may be half
     written). The scheduler starts over by its own handler (runtime/scheduler.py)."""
+    me = threading.current_thread()
     for engine in list(_ENGINES):
         engine._scheduler_lock = threading.Lock()
+        if me in engine._batch_one_threads:  # the forking thread's own stream goes on in the child: it holds them
+            continue
         engine._batch_one = threading.Lock()
         engine._batch_one_threads = _NO_THREADS
         engine._cached_ids = None

@@ -160,3 +160,26 @@ def test_ctrl_c_or_ctrl_d_at_the_prompt_ends_the_chat_on_a_line_of_its_own(chat_
     monkeypatch.setattr("sys.stdin", Terminal())
     assert main(["chat", str(chat_artifact[0])]) == status
     assert capsys.readouterr().err == err
+
+
+def test_ctrl_c_as_a_message_too_long_is_refused_keeps_the_exchange_before_it(chat_artifact, monkeypatch, capsys):
+    """The "does not fit" branch had taken the message out already; a Ctrl-C while it said so took out the one
+    before it too (the last reply), leaving two user messages in a row, which alternating templates refuse."""
+    import compiler.cli_chat as cli_chat
+
+    seen, fitting, say = {}, cli_chat._fitting_prompt, cli_chat.console.print
+
+    def fit(engine, system, turns, room):
+        seen["turns"] = turns
+        return None if turns[-1]["content"] == "huge" else fitting(engine, system, turns, room)
+
+    def interrupted(*args, **kwargs):
+        if args and "does not fit" in str(args[0]):
+            raise KeyboardInterrupt  # as if Ctrl-C landed while the refusal was printed
+        return say(*args, **kwargs)
+
+    monkeypatch.setattr(cli_chat, "_fitting_prompt", fit)
+    monkeypatch.setattr(cli_chat.console, "print", interrupted)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nhuge\n"))
+    main(["chat", str(chat_artifact[0]), "--max-new-tokens", "3"])
+    assert [turn["role"] for turn in seen["turns"]] == ["user", "assistant"], seen["turns"]

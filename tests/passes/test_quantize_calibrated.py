@@ -801,6 +801,9 @@ def test_a_pattern_naming_some_parts_of_a_packed_matmul_is_refused(fused_graphs)
         quantize.run(packed, quantize.Options(bits=4, overrides=(quantize.Override("*v_proj*", bits=8),)))
     with pytest.raises(PassError, match=r"exclude '\*/up_proj/\*' names up_proj of the packed MatMul"):
         quantize.run(packed, quantize.Options(bits=4, exclude=("*/up_proj/*",)))
+    _, report = quantize.run(packed, quantize.Options(bits=4, exclude=("*/self_attn/*_proj/MatMul",)))
+    kept = {s["node"].split("/")[-1] for s in report["skipped"] if "layers.0/" in s["node"]}
+    assert kept == {"q_proj+k_proj+v_proj.packed_MatMul", "MatMul"}, kept  # every part named: the packed node too
     for whole in ("*q_proj+k_proj+v_proj*", "*self_attn*"):
         _, report = quantize.run(packed, quantize.Options(bits=4, overrides=(quantize.Override(whole, bits=8),)))
         assert {layer["bits"] for layer in report["layers"] if "v_proj" in layer["node"]} == {8}, whole

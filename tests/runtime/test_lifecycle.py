@@ -166,3 +166,31 @@ def test_a_child_forked_while_a_stream_holds_the_batch_one_cache_generates(tiny_
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "child: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "parent: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+# The main thread itself is iterating a stream when it forks: the child goes on with it.
+FORK_IN_THE_MIDDLE_OF_ITS_OWN_STREAM = """
+    import os, sys
+    from runtime import Engine
+
+    engine = Engine.load(sys.argv[1])
+    expected = engine.generate([1, 5, 9], max_new_tokens=4, stop_token_ids=()).token_ids
+    stream = engine.stream([1, 5, 9], max_new_tokens=4, stop_token_ids=())
+    next(stream)
+    pid = os.fork()
+    if pid == 0:
+        for piece in stream:
+            pass
+        print("child:", "same tokens" if stream.result.token_ids == expected else stream.result.token_ids, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    stream.close()
+"""
+
+
+def test_a_child_forked_in_the_middle_of_its_own_stream_finishes_it(tiny_artifact):
+    """The fork handler reset the batch-1 state of every engine, this thread's open stream too: its next step failed
+    ("'frozenset' object has no attribute 'add'")."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK_IN_THE_MIDDLE_OF_ITS_OWN_STREAM),
+                           str(tiny_artifact)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "child: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
