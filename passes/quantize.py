@@ -49,6 +49,7 @@ from passes.quantized_lowering_dq import rewrite_dequantize_linear
 from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, for_matmulnbits, matmulnbits_constants,
                                            rewrite_gather_block_quantized, rewrite_matmulnbits)
 from passes.quantized_weights import QuantizedWeight, dequantize, quantize_rtn
+from passes.session_config import record_session_config
 
 FLOAT_TYPES = (np.float32, np.float16, ml_dtypes.bfloat16)  # bfloat16: TensorRT graphs
 Method = Literal["rtn", "awq", "gptq", "awq_gptq"]
@@ -450,6 +451,11 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
               "mean_relative_output_error": float(np.mean(errors)) if errors else None,
               "max_relative_output_error": float(np.max(errors)) if errors else None}
     report = {"layers": layers, "skipped": skipped, "embedding": embedding, "totals": totals}
+    if layers and options.lowering == "dequantize_linear":
+        # onnxruntime fuses DequantizeLinear -> MatMul into MatMulNBits, by default at accuracy level 4 (int8
+        # activations, ~0.6% off the float product the graph says): the recipe's level instead, 0 (float) unless set
+        report["session_config"] = record_session_config(
+            result, model, {"session.qdq_matmulnbits_accuracy_level": str(options.accuracy_level)})
     if calibration is not None:
         report["calibration"] = calibration.describe()
     return result, report

@@ -607,3 +607,36 @@ def test_an_embedding_whose_int4_rows_are_not_whole_bytes_stays_float():
     _, report = quantize.run(gather_model(table), quantize.Options(bits=4, embedding="quantized"))
     assert report["embedding"] == {"quantized": False, "node": "embed",
                                    "reason": "hidden size 17 x 4 bits is not whole bytes per row"}
+
+
+def test_the_dequantize_linear_lowering_asks_onnxruntime_for_the_float_product_it_writes():
+    """onnxruntime fuses DequantizeLinear -> MatMul into MatMulNBits at accuracy level 4 by default: int8 activations,
+    1.7 off a largest output of 269 here, where the graph says x @ dequantized W. The lowering now records the
+    session entry that keeps the float product (the recipe's accuracy_level, 0 unless set)."""
+    from passes.session_config import session_config
+
+    rng = np.random.default_rng(0)
+    k, n = 256, 128
+    weight = rng.standard_normal((k, n)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W"], ["y"], name="proj")], "one_projection",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, k])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, n])],
+        initializer=[onnx.numpy_helper.from_array(weight, "W")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    x = rng.standard_normal((4, k)).astype(np.float32) * np.linspace(0.1, 10, k).astype(np.float32)
+
+    def run(quantized, entries):
+        options = ort.SessionOptions()
+        for key, value in entries.items():
+            options.add_session_config_entry(key, value)
+        session = ort.InferenceSession(quantized.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        dequantized = session.run(None, {"x": np.eye(k, dtype=np.float32)})[0].astype(np.float64)  # one-hot rows: exact
+        return np.abs(session.run(None, {"x": x})[0] - x.astype(np.float64) @ dequantized).max()
+
+    quantized, report = quantize.run(model, quantize.Options(bits=4, block_size=32, lowering="dequantize_linear"))
+    assert report["session_config"] == session_config(quantized) == {"session.qdq_matmulnbits_accuracy_level": "0"}
+    assert run(quantized, session_config(quantized)) < 1e-3
+    assert run(quantized, {}) > 0.1  # onnxruntime's default: what the recorded entry is for
+    fast, _ = quantize.run(model, quantize.Options(bits=4, block_size=32, lowering="dequantize_linear", accuracy_level=4))
+    assert session_config(fast) == {"session.qdq_matmulnbits_accuracy_level": "4"}
