@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import REPO
 
 # The program ends (its last line, or Ctrl-C's KeyboardInterrupt) while the worker thread is inside a request: every
@@ -65,6 +67,12 @@ def test_a_program_that_ends_while_the_scheduler_serves_stops_its_worker_and_exi
         assert ("KeyboardInterrupt" in done.stderr) == (how == "ctrl-c")
 
 
+def run_script(script: str, artifact) -> subprocess.CompletedProcess:
+    """`script` (indented, as the constants here are) in a fresh interpreter, the artifact as its argument."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(artifact)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
 # The process may allocate 512 MiB more (RLIMIT_AS, as `ulimit -v` or `prlimit --as` set it), far less than the machine
 # has available; 16384 of the tiny model's 64 KiB slots need 1 GiB.
 SLOTS_PAST_THE_ADDRESS_SPACE_LIMIT = """
@@ -88,8 +96,7 @@ def test_slots_past_the_process_memory_limit_are_refused_at_start_saying_what_fi
     allocation then failed inside numpy ("MemoryError: Unable to allocate 256. MiB for an array with shape (16384,
     2, 128, 16)": one layer's array, not the slots, their bytes or what fits; `aotlm serve` printed it as a
     traceback). The limit counts now, and the engine serves on."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SLOTS_PAST_THE_ADDRESS_SPACE_LIMIT), str(tiny_artifact)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = run_script(SLOTS_PAST_THE_ADDRESS_SPACE_LIMIT, tiny_artifact)
     assert re.search(r"RequestError: slots: 16384 sequences need 1\.0 GiB of KV cache \(0\.1 MiB each\), and this "
                      r"process can allocate 0\.\d GiB now; use at most \d+", done.stdout), (done.stdout, done.stderr)
     assert "serves on: length" in done.stdout, done.stderr[-2000:]
@@ -117,15 +124,6 @@ FORK_WHILE_THE_WORKER_LIVES = """
         timeout=20).token_ids == expected else "other tokens", flush=True)
     engine.close()
 """
-
-
-def test_a_child_forked_while_the_worker_lives_serves_with_a_worker_of_its_own(tiny_artifact):
-    """The child's copy of the scheduler named the parent's worker thread, which a forked child does not have, so no
-    worker started and its requests waited forever (TimeoutError here)."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK_WHILE_THE_WORKER_LIVES), str(tiny_artifact)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert "child: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
-    assert "parent: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
 
 
 # A thread streams on the batch-1 cache (holding its lock) when the main thread forks.
@@ -159,11 +157,13 @@ FORK_WHILE_A_STREAM_RUNS = """
 """
 
 
-def test_a_child_forked_while_a_stream_holds_the_batch_one_cache_generates(tiny_artifact):
-    """The child inherited the batch-1 lock held by the parent's streaming thread, which the child does not have:
-    its generate waited forever (killed by the alarm here)."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK_WHILE_A_STREAM_RUNS), str(tiny_artifact)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("script", [FORK_WHILE_THE_WORKER_LIVES, FORK_WHILE_A_STREAM_RUNS],
+                         ids=["scheduler-worker", "batch-one-stream"])
+def test_a_child_forked_while_another_thread_serves_serves_too(tiny_artifact, script):
+    """A forked child has only the thread that forked. Its copy of the scheduler named the parent's worker thread,
+    so no worker started and its requests waited forever (TimeoutError); it inherited the batch-1 lock held by the
+    parent's streaming thread, and its generate waited forever (killed by the alarm)."""
+    done = run_script(script, tiny_artifact)
     assert "child: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "parent: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
 
@@ -191,6 +191,5 @@ FORK_IN_THE_MIDDLE_OF_ITS_OWN_STREAM = """
 def test_a_child_forked_in_the_middle_of_its_own_stream_finishes_it(tiny_artifact):
     """The fork handler reset the batch-1 state of every engine, this thread's open stream too: its next step failed
     ("'frozenset' object has no attribute 'add'")."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK_IN_THE_MIDDLE_OF_ITS_OWN_STREAM),
-                           str(tiny_artifact)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = run_script(FORK_IN_THE_MIDDLE_OF_ITS_OWN_STREAM, tiny_artifact)
     assert "child: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
