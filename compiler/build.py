@@ -14,7 +14,7 @@ from compiler.calibration import BUILTIN, resolve_passes
 from compiler.errors import BuildError, check_output_folder, is_artifact_folder
 from compiler.export import cache_dtype, kv_cache_spec, load_traced, trace_graphs
 from compiler.frontend import load_model
-from compiler.frontend.hf_loader import missing_tokenizer_message, refuse_folder_without_tokenizer
+from compiler.frontend.hf_loader import config_before_weights, missing_tokenizer_message
 from compiler.frontend.model import build_decoder
 from compiler.pipeline import check_passes, run_pipeline, spill_graph
 from compiler.recipe import Recipe
@@ -56,6 +56,18 @@ def check_chat_template(template: str) -> None:
         raise BuildError(f"the model's chat template does not parse ({detail}); fix it where the model keeps it "
                          f"(chat_template.jinja, tokenizer_config.json's chat_template, or the GGUF's "
                          f"tokenizer.chat_template), or remove it to build without one") from None
+
+
+def check_context_fits(config, max_context: int) -> None:
+    """export.max_context against what the model attends over: its sliding window, its max_position_embeddings."""
+    window = config.sliding_window
+    if window is not None and max_context > window:
+        raise BuildError(f"the model attends within a sliding window of {window} tokens (its config's "
+                         f"sliding_window), which the decoder does not implement; set export.max_context to {window} "
+                         f"or less (attention within the window is exact)")
+    if max_context > config.max_position_embeddings:
+        raise BuildError(f"export.max_context: {max_context} exceeds the model's max_position_embeddings "
+                         f"({config.max_position_embeddings}); lower it in the recipe")
 
 
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:
@@ -109,7 +121,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
                              f"{recipe.export.max_context}")
     started = time.perf_counter()
     if recipe.model.source == "hf" and recipe.model.path is not None:
-        refuse_folder_without_tokenizer(recipe.model.path)  # before the weights are read
+        early = config_before_weights(recipe.model.path)  # a tokenizer.json, and the context: before the weights
+        if early is not None:
+            check_context_fits(early, recipe.export.max_context)
     say(f"loading the model ({recipe.model.source})")
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
     if loaded.tokenizer_json is None:  # (random-init models make their own)
@@ -120,12 +134,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     check_tokenizer_fits(loaded.tokenizer_json, loaded.config.vocab_size)
     if loaded.chat_template is not None:
         check_chat_template(loaded.chat_template)
-    window = loaded.config.sliding_window
-    if window is not None and recipe.export.max_context > window:
-        raise BuildError(f"the model attends within a sliding window of {window} tokens (its config's "
-                         f"sliding_window), which the decoder does not "
-                         f"implement; set export.max_context to {window} or less (attention within the window is "
-                         f"exact)")
+    check_context_fits(loaded.config, recipe.export.max_context)
     passes = resolve_passes(recipe.passes, loaded.tokenizer_json, say)  # before the slow export: bad text fails fast
     # The float graph just before quantization (of weights or of the KV cache) is the accuracy report's reference:
     # the passes run in two parts. The report runs the artifact through onnxruntime's evaluator; a TensorRT

@@ -96,18 +96,20 @@ def missing_tokenizer_message(folder: str) -> str:
     return message
 
 
-def refuse_folder_without_tokenizer(path: str) -> None:
-    """A build's check, before any weight is read (a 7B model's take minutes and 28 GB as float32): a folder
-    without tokenizer.json is refused. What the loader names first (no folder, no config.json, a config it
-    refuses) is left to it."""
+def config_before_weights(path: str) -> DecoderConfig | None:
+    """A build's look at the folder before any weight is read (a 7B model's take minutes and 28 GB as float32): the
+    model's config, for the checks that need only it; a folder without tokenizer.json is refused here. None where
+    the loader names the trouble first (no folder, no config.json)."""
     folder = os.path.abspath(path)
     config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path) or os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        return
+    if not os.path.isfile(config_path):
+        return None
     hf_config = _read_json(config_path)
-    decoder_config_from_hf(hf_config, {}, config_path)
+    config = decoder_config_from_hf(hf_config, {}, config_path)
     refuse_quantized_checkpoint(hf_config, config_path)
-    raise BuildError(missing_tokenizer_message(folder))
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise BuildError(missing_tokenizer_message(folder))
+    return config
 
 
 def refuse_quantized_checkpoint(hf_config: dict, config_path: str) -> None:

@@ -1255,3 +1255,22 @@ def test_model_safetensors_is_read_alone_and_two_copies_of_a_tensor_are_refused(
     with pytest.raises(BuildError, match=r"model.zz-fp16.safetensors: tensor .* is also in "
                                          r"model-00001-of-00001.safetensors: the folder holds two copies"):
         load_hf_folder(str(folder))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"max_position_embeddings": 64}, r"export.max_context: 128 exceeds the model's max_position_embeddings \(64\)"),
+    ({"model_type": "mistral", "sliding_window": 32}, r"a sliding window of 32 tokens .* export.max_context to 32")])
+def test_a_context_the_model_cannot_attend_over_is_refused_before_its_weights_are_read(tmp_path, monkeypatch,
+                                                                                        overrides, message):
+    """Both were refused after every weight was read (minutes for a 7B model): the folder's config says it first."""
+    from compiler.build import build
+    from compiler.recipe import parse_recipe
+
+    original = random_model(TINY, 0)
+    write_hf_folder(tmp_path / "m", TINY, original.state_dict, **overrides)
+    (tmp_path / "m" / "tokenizer.json").write_text(original.tokenizer_json)
+    monkeypatch.setattr("compiler.frontend.hf_loader._read_safetensors", lambda paths: pytest.fail("weights read"))
+    with pytest.raises(BuildError, match=message):
+        build(parse_recipe({"name": "long", "model": {"source": "hf", "path": str(tmp_path / "m")},
+                            "export": {"max_context": 128}}), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
