@@ -12,7 +12,7 @@ from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
 from compiler.errors import BuildError, check_output_folder, is_artifact_folder
-from compiler.export import cache_dtype, kv_cache_spec, load_traced, trace_graphs
+from compiler.export import cache_dtype, check_max_positions, kv_cache_spec, load_traced, trace_graphs
 from compiler.frontend import load_model
 from compiler.frontend.hf_loader import config_before_weights, missing_tokenizer_message
 from compiler.frontend.model import build_decoder
@@ -65,9 +65,7 @@ def check_context_fits(config, max_context: int) -> None:
         raise BuildError(f"the model attends within a sliding window of {window} tokens (its config's "
                          f"sliding_window), which the decoder does not implement; set export.max_context to {window} "
                          f"or less (attention within the window is exact)")
-    if max_context > config.max_position_embeddings:
-        raise BuildError(f"export.max_context: {max_context} exceeds the model's max_position_embeddings "
-                         f"({config.max_position_embeddings}); lower it in the recipe")
+    check_max_positions(config, max_context)
 
 
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:

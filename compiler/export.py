@@ -204,6 +204,13 @@ def _drop_zero_lm_head_bias(model: onnx.ModelProto, config: DecoderConfig) -> No
         return
 
 
+def check_max_positions(config, max_context: int) -> None:
+    """The cache's rows are positions: no more than the model was trained to attend over."""
+    if max_context > config.max_position_embeddings:
+        raise BuildError(f"export.max_context: {max_context} exceeds the model's max_position_embeddings "
+                         f"({config.max_position_embeddings}); lower it in the recipe")
+
+
 def export_graphs(decoder: Decoder, max_context: int, opset: int = 21, prefill_logits: str = "last",
                   progress=None, dtype: str = "float32") -> dict[str, onnx.ModelProto]:
     """Both phases' graphs; dtype float16/bfloat16 casts the decoder first, in place (weights, activations, KV cache;
@@ -222,11 +229,7 @@ def trace_graphs(decoder: Decoder, max_context: int, folder: Path, opset: int = 
     if dtype not in DTYPES:
         raise BuildError(f"export.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     decoder = decoder.to(DTYPES[dtype])
-    if max_context > decoder.config.max_position_embeddings:
-        raise BuildError(
-            f"export.max_context: {max_context} exceeds the model's max_position_embeddings "
-            f"({decoder.config.max_position_embeddings}); lower it in the recipe"
-        )
+    check_max_positions(decoder.config, max_context)
     paths = {}
     for phase in PHASES:
         if progress:

@@ -44,6 +44,7 @@ from passes.calibration import CalibrationSet, CalibrationSpec, Statistics, dige
 from passes.errors import PassError
 from passes.graph_export import export_onnx
 from passes.graph_patterns import constant_type, uncached_values, unique_name
+from passes.pack_projections import packed_parts
 from passes.quantize_algorithms import quantize_clipped, quantize_gptq, relative_output_error
 from passes.quantized_lowering_dq import rewrite_dequantize_linear
 from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, for_matmulnbits, matmulnbits_constants,
@@ -263,16 +264,6 @@ def check_patterns(candidates: list[gs.Node], options: Options) -> None:
         raise PassError(f"quantize: {', '.join(never)} never applies: every node it matches is excluded or matched by "
                         f"an earlier override (the first match wins); put the narrower pattern first")
 
-
-def packed_parts(node: gs.Node) -> list[tuple[str, str]]:
-    """A packed MatMul's parts with the node names they had before pack_projections joined them
-    ('/l.0/attn/q_proj+k_proj.packed_MatMul' -> [('q_proj', '/l.0/attn/q_proj/MatMul'), ('k_proj', ...)]); [] for
-    any other node."""
-    head, _, tail = node.name.rpartition("/")
-    distinct, packed, _ = tail.partition(".packed_")
-    if not packed or "+" not in distinct:
-        return []
-    return [(part, f"{head}/{part}/MatMul") for part in distinct.split("+")]
 
 
 # -- finding targets ---------------------------------------------------------------------------------------
