@@ -372,7 +372,7 @@ def _bench(args) -> None:
     try:
         written = bench.write_outputs(result, Path(args.out))
     except bench.BenchError as error:  # no matplotlib: the JSON is written, the plots are not
-        console.print(f"[yellow]warning:[/yellow] {escape(str(error))}", highlight=False)
+        console.print(f"[yellow]warning:[/yellow] {escape(str(error))}", highlight=False, soft_wrap=True)
         return
     console.print("wrote " + escape(", ".join(map(str, written))), highlight=False)
 
@@ -514,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.handler(args)
     except (BuildError, AotlmRuntimeError) as error:
-        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)  # user text is not markup
+        # User text is not markup; soft_wrap: a long path stays one string to copy or grep, never cut by a newline.
+        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
         return 2
     except _Terminated:
         console.print("[yellow]terminated[/yellow]")
@@ -528,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:  # the machine refused a write: a full disk, a read-only or forbidden folder
         if error.errno not in REFUSED_WRITES:
             raise
-        console.print(f"[red]error:[/red] {escape(refused_write(error))}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(refused_write(error))}", highlight=False, soft_wrap=True)
         return 2
     except ImportError as error:  # a signal inside a module's initialisation surfaces as its ImportError
         stop = next((e for e in _chain(error) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too

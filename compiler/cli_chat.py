@@ -61,7 +61,7 @@ def chat_command(args) -> None:
         try:
             check_unicode(text, "the message")  # where in it, not where in the rendered conversation
         except RequestError as error:
-            console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False)
+            console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False, soft_wrap=True)
             continue
         message = {"role": "user", "content": text}
         turns.append(message)
@@ -90,7 +90,7 @@ def chat_command(args) -> None:
             continue
         except RequestError as error:  # this message cannot be served (not UTF-8, say): the conversation goes on
             turns.pop()
-            console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False)
+            console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False, soft_wrap=True)
             continue
         sys.stdout.write("\n")
         result = generation.result

@@ -92,6 +92,14 @@ def test_bad_recipes_get_one_line_errors(capsys, tmp_path, recipe_text, expected
     assert not (tmp_path / "out").exists()
 
 
+def test_an_error_naming_a_long_path_prints_it_unbroken(capsys, tmp_path):
+    """An error goes to stderr, which a log or a pipe gives 80 columns: rich cut a long path there with a newline,
+    so the path a user copies or greps for was not in the output."""
+    path = tmp_path / ("a_folder_whose_name_is_long_" * 4) / "recipe.yaml"
+    status, output = run_cli(capsys, "build", str(path))
+    assert status == 2 and str(path) in output and output.count("\n") == 1
+
+
 @pytest.mark.parametrize("passes, expected", [
     ("cleanup, fuse_attention", "passes[1]: fuse_attention leaves aotlm.FlashAttention nodes, which onnxruntime "
                                 "cannot run; add lower_onnxruntime after it"),
