@@ -123,7 +123,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         if early is not None:
             check_context_fits(early, recipe.export.max_context)
     say(f"loading the model ({recipe.model.source})")
-    loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed)
+    loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed,
+                        check_config=lambda config: check_context_fits(config, recipe.export.max_context))
     if loaded.tokenizer_json is None:  # (random-init models make their own)
         raise BuildError(f"{loaded.source['path']}: no tokenizer.ggml.tokens in its metadata, so no tokenizer; aotlm "
                          f"reads a GGUF's tokenizer from the file itself: convert the model with its tokenizer "

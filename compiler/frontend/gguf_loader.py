@@ -42,10 +42,12 @@ _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
-def load_gguf(path: str, progress: bool | None = None) -> LoadedModel:
+def load_gguf(path: str, progress: bool | None = None, check_config=None) -> LoadedModel:
     """Read a GGUF file into float32 Hugging Face-named tensors, a DecoderConfig and a tokenizer.json.
 
     progress: show a progress bar while dequantizing; None shows one when stderr is a terminal.
+    check_config: called with the DecoderConfig before any weight is dequantized (the build's context checks), so a
+    file it refuses fails in a second rather than after minutes of dequantizing a large model.
     """
     path = os.path.abspath(path)
     if os.path.isdir(path):
@@ -64,6 +66,8 @@ def load_gguf(path: str, progress: bool | None = None) -> LoadedModel:
     config = _read_config(reader, architecture, tokens, path)
     # The tokenizer first: an unsupported one fails the build before seconds of dequantizing.
     tokenizer_json = tokenizer_json_from_gguf(lambda key: _field(reader, key), path) if tokens else None
+    if check_config is not None:
+        check_config(config)
     state_dict = _read_tensors(reader, config, path, progress)
     check_state_dict(config, state_dict, path)
     file_type = _field(reader, "general.file_type")
@@ -104,7 +108,7 @@ def _open_reader(path: str):
     if is_lfs_pointer(path):  # the reader's own error says "GGUF magic invalid"
         raise BuildError(f"{path}: a Git LFS pointer, not the GGUF file; run `git lfs pull` where it was cloned")
     try:
-        return PlainArrayReader(path)
+        reader = PlainArrayReader(path)
     except Exception as error:  # gguf raises ValueError/struct errors for anything that is not GGUF
         version = _gguf_version(path)
         if version is not None and version not in gguf.gguf_reader.READER_SUPPORTED_VERSIONS:
@@ -121,6 +125,15 @@ def _open_reader(path: str):
                 "Re-download it, and compare its size or sha256 with the source's."
             )
         raise BuildError(f"{path} is not a readable GGUF file ({error}). Check the path, or re-download it.")
+    if reader.byte_order == "S":
+        # The reader takes the header either way, but dequantize reads tensor data in this machine's byte order:
+        # float weights came out as garbage (refused as "NaN or infinite values ... damaged"), and the float16 scales
+        # inside quantized blocks would be read wrongly without a NaN to show it. llama.cpp refuses such a file too.
+        order = "little" if sys.byteorder == "big" else "big"
+        raise BuildError(f"{path}: a {order}-endian GGUF file, and this machine is {sys.byteorder}-endian; convert it "
+                         f"with gguf-py's `gguf-convert-endian {os.path.basename(path)} {sys.byteorder}` (on a copy: "
+                         f"it converts in place), or use a {sys.byteorder}-endian download of the model")
+    return reader
 
 
 def _gguf_version(path: str) -> int | None:
@@ -157,11 +170,13 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise BuildError(f"{path}: rope scaling {scaling!r} is not supported by the canonical decoder (plain RoPE).")
-    # llama.cpp reads a factor without a type as linear scaling (and the pre-2024 key rope.scale_linear too)
+    # llama.cpp reads a factor without a type as linear scaling (and the pre-2024 key rope.scale_linear too); with
+    # type "none" it still divides every position by the factor (its freq_scale does not depend on the type)
     factor = _field(reader, f"{arch}.rope.scaling.factor", _field(reader, f"{arch}.rope.scale_linear"))
-    if scaling is None and factor not in (None, 0, 1, 0.0, 1.0):
-        raise BuildError(f"{path}: rope scaling factor {factor} (linear, as llama.cpp reads it) is not supported by the "
-                         f"canonical decoder (plain RoPE).")
+    if factor not in (None, 0, 1, 0.0, 1.0):
+        given = "" if scaling is None else f", with rope.scaling.type {scaling!r}"
+        raise BuildError(f"{path}: rope scaling factor {factor}{given} (linear, as llama.cpp reads it) is not supported "
+                         f"by the canonical decoder (plain RoPE).")
     hidden, heads = _count(required("embedding_length"), f"{arch}.embedding_length", path), \
         _count(required("attention.head_count"), f"{arch}.attention.head_count", path)
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
@@ -169,12 +184,14 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
         if len(set(kv_heads)) != 1:
             raise BuildError(f"{path}: per-layer kv head counts {sorted(set(kv_heads))} are not supported.")
         kv_heads = kv_heads[0]
-    head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // heads  # llama.cpp's n_embd_head_k
-    head_dim = _count(head_dim, f"{arch}.attention.key_length", path)
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    head_dim = _count(key_length or hidden // heads, f"{arch}.attention.key_length", path)  # llama.cpp's n_embd_head_k
     rotated = _field(reader, f"{arch}.rope.dimension_count")
     if rotated and _count(rotated, f"{arch}.rope.dimension_count", path) != head_dim:  # partial: had loaded as full
-        raise BuildError(f"{path}: rope.dimension_count {rotated} of head size {head_dim}: a rotary on part of each "
-                         f"head is not supported by the canonical decoder (it rotates every channel).")
+        derived = "" if key_length else (f" (embedding_length {hidden} / attention.head_count {heads}: if the head "
+                                         f"count is wrong, fix it with gguf-py's `gguf-set-metadata`)")
+        raise BuildError(f"{path}: rope.dimension_count {rotated} of head size {head_dim}{derived}: a rotary on part "
+                         f"of each head is not supported by the canonical decoder (it rotates every channel).")
     tensor_names = {tensor.name for tensor in reader.tensors}
     rope_freqs = _rope_freq_factors(reader, head_dim, path)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -201,9 +218,10 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
             rope_theta=_as_float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rms_norm_eps=_as_float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            # llama.cpp refuses a file without these two; a default here (transformers' is eps 1e-6) would be a guess
+            rms_norm_eps=_as_float(required("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings="output.weight" not in tensor_names,
-            max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+            max_position_embeddings=int(required("context_length")),
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),

@@ -88,9 +88,9 @@ def _byte_level_tokenizer(field, path: str) -> Tokenizer:
         # A token stored as raw text instead of byte-level symbols is spelled out byte by byte, like transformers.
         return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
 
-    vocab = {respell(token): index for index, token in enumerate(tokens)}
     # A merge is "left right"; split at the first space after position 0, as llama.cpp does.
     raw_merges = field("tokenizer.ggml.merges") or []
+    vocab = _byte_level_vocab(tokens, token_types, respell, raw_merges)
     # Only merges make a byte-level BPE produce its multi-byte tokens: without them every word splits into bytes.
     # A vocabulary of mostly such tokens with no merges is an incomplete file (llama.cpp refuses it too); a
     # byte-only vocabulary with a few placeholders (a random test tokenizer) needs none.
@@ -105,15 +105,47 @@ def _byte_level_tokenizer(field, path: str) -> Tokenizer:
                          f"use the model's Hugging Face folder (with tokenizer.json) instead")
     merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in raw_merges]
     llama3 = field("tokenizer.ggml.pre") in LLAMA3_PRE_TYPES
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=llama3))
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=llama3))
+    except Exception as error:  # noqa: BLE001 -- tokenizers raises a bare Exception ("Token `x` out of vocabulary")
+        raise BuildError(f"{path}: the GGUF's tokenizer.ggml.merges do not fit its tokenizer.ggml.tokens ({error}): "
+                         f"a merge names a piece that is not in the token list, so the file's tokenizer is damaged or "
+                         f"its token list was cut short; convert the model again, or use its Hugging Face folder "
+                         f"(with tokenizer.json)") from None
     tokenizer.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"), path)
     tokenizer.decoder = decoders.ByteLevel()
-    # A "control" token outside the byte alphabet is a llama.cpp mislabel: skipped.
-    _add_marked_tokens(tokenizer, tokens, token_types, vocab, control_usable=lambda token: set(token) <= alphabet)
+    # A control token is matched whole by the text it is stored as (the vocabulary holds that text: _byte_level_vocab);
+    # one kept under its byte-level spelling (a raw "\n\n" marked control is a llama.cpp mislabel) is not.
+    _add_marked_tokens(tokenizer, tokens, token_types, vocab, control_usable=lambda token: token in vocab)
     _add_bos(tokenizer, field, tokens, default=llama3)
     if tokenizer.post_processor is None:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer
+
+
+def _byte_level_vocab(tokens: list, token_types: list, respell, raw_merges: list) -> dict:
+    """token -> id for the byte-level BPE. Normal tokens by their byte-level spelling. Control and user-defined tokens
+    (added tokens: <｜User｜>, <｜begin▁of▁sentence｜>, " <tag>") are stored by convert_hf_to_gguf as the text they
+    stand for, which llama.cpp matches whole in the input and gives back as that text: they keep that text as their key,
+    so that they are matched whole under their own id (spelled byte by byte, <｜User｜> became "<ï½ľUserï½ľ>", which
+    no input produces, and the text was cut into a dozen byte tokens). Kept spelled out: whitespace-only control tokens
+    (a llama.cpp mislabel), a spelling that a merge makes or uses (the merges must find it), and a text another token
+    already has."""
+    merge_symbols = set()
+    for merge in raw_merges:
+        cut = merge.find(" ", 1)
+        if cut > 0:
+            merge_symbols.update((merge[:cut], merge[cut + 1:], merge[:cut] + merge[cut + 1:]))
+    kinds = list(token_types) + [TOKEN_TYPE_NORMAL] * (len(tokens) - len(token_types))
+    spelled = [respell(token) for token in tokens]
+    vocab = {spelling: index for index, spelling in enumerate(spelled)}
+    for index, (token, kind) in enumerate(zip(tokens, kinds)):
+        if (spelled[index] != token and kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED) and token not in vocab
+                and spelled[index] not in merge_symbols and not (kind == TOKEN_TYPE_CONTROL and token.isspace())
+                and vocab.get(spelled[index]) == index):
+            del vocab[spelled[index]]
+            vocab[token] = index
+    return vocab
 
 
 def _sentencepiece_tokenizer(field, path: str) -> Tokenizer:

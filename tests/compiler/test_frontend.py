@@ -447,6 +447,39 @@ def test_a_gguf_tokenizer_without_merges_and_a_bare_rope_factor_are_refused(tmp_
             load_gguf(str(path))
 
 
+def test_a_gguf_rope_factor_with_scaling_type_none_is_refused(tmp_path, monkeypatch):
+    """llama.cpp scales positions by 1 / rope.scaling.factor whatever rope.scaling.type says, "none" included; the
+    loader refused a factor only without a type, and loaded type "none" with factor 4 as plain RoPE."""
+    original = random_model(TINY, seed=0)
+    add_float32 = gguf.GGUFWriter.add_float32
+
+    def with_type_none(writer, key, value):  # write_gguf's extra keys are float32: put the type beside the factor
+        if key.endswith("rope.scaling.factor"):
+            writer.add_string(key.replace("factor", "type"), "none")
+        add_float32(writer, key, value)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_float32", with_type_none)
+    write_gguf(tmp_path / "none.gguf", TINY, original.state_dict, original.tokenizer_json,
+               extra={"llama.rope.scaling.factor": 4.0})
+    with pytest.raises(BuildError, match=r"none.gguf: rope scaling factor 4.0, with rope.scaling.type 'none' \(linear"):
+        load_gguf(str(tmp_path / "none.gguf"))
+    write_gguf(tmp_path / "one.gguf", TINY, original.state_dict, original.tokenizer_json,
+               extra={"llama.rope.scaling.factor": 1.0})
+    assert load_gguf(str(tmp_path / "one.gguf")).config == TINY
+
+
+@pytest.mark.parametrize("method, key", [("add_layer_norm_rms_eps", "llama.attention.layer_norm_rms_epsilon"),
+                                         ("add_context_length", "llama.context_length")])
+def test_a_gguf_without_its_norm_epsilon_or_context_length_is_refused(tmp_path, monkeypatch, method, key):
+    """llama.cpp requires both keys. The loader had guessed 1e-5 and 2048 (transformers guesses eps 1e-6: its logits
+    then differ by 2e-3 on the tiny model, with other greedy tokens)."""
+    original = random_model(TINY, seed=0)
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda writer, value: None)
+    write_gguf(tmp_path / "bare.gguf", TINY, original.state_dict, original.tokenizer_json)
+    with pytest.raises(BuildError, match=rf"bare.gguf: GGUF metadata key {re.escape(key)} is missing"):
+        load_gguf(str(tmp_path / "bare.gguf"))
+
+
 def test_missing_paths_and_files_are_named(tmp_path):
     missing = str(tmp_path / "nowhere.gguf")
     with pytest.raises(BuildError, match="nowhere.gguf"):
@@ -476,6 +509,19 @@ def test_missing_paths_and_files_are_named(tmp_path):
         "num_hidden_layers": 1, "num_attention_heads": 4}))
     with pytest.raises(BuildError, match=r"no \*\.safetensors"):
         load_hf_folder(str(tmp_path / "empty"))
+
+
+def test_a_big_endian_gguf_is_refused_by_name(tmp_path, monkeypatch):
+    """gguf-py writes big-endian files (for s390x); the reader takes their header, but their tensors were read in this
+    machine's byte order: float weights refused as "NaN or infinite values ... damaged", quantized ones wrong."""
+    original = random_model(TINY, seed=0)
+    writer_init = gguf.GGUFWriter.__init__
+    monkeypatch.setattr(gguf.GGUFWriter, "__init__", lambda self, *args, **kwargs: writer_init(
+        self, *args, **{**kwargs, "endianess": gguf.GGUFEndian.BIG}))
+    write_gguf(tmp_path / "big.gguf", TINY, original.state_dict, original.tokenizer_json)
+    with pytest.raises(BuildError, match=r"big.gguf: a big-endian GGUF file, and this machine is little-endian; "
+                                         r"convert it with gguf-py's `gguf-convert-endian big.gguf little`"):
+        load_gguf(str(tmp_path / "big.gguf"))
 
 
 def test_weights_left_as_git_lfs_pointers_are_named(tmp_path):
@@ -871,15 +917,14 @@ def test_a_gguf_special_token_id_outside_the_vocabulary_is_refused(tmp_path, kin
 
 def test_a_gguf_without_optional_sizes_takes_llama_cpps_defaults(tmp_path, monkeypatch):
     """llama.cpp's defaults for keys a converter may leave out: head size hidden / heads (not / kv heads), as many
-    kv heads as heads, a 2048-token context; no test file had left them out."""
+    kv heads as heads; no test file had left them out. (llama.cpp requires context_length: no default.)"""
     original = random_model(TINY, seed=0)  # hidden 64, 4 heads of 16, 2 kv heads
     monkeypatch.setattr(gguf.GGUFWriter, "add_key_length", lambda writer, length: None)
     write_gguf(tmp_path / "no-key-length.gguf", TINY, original.state_dict, original.tokenizer_json)
     assert load_gguf(str(tmp_path / "no-key-length.gguf")).config == TINY
-    mha = dataclasses.replace(TINY, num_kv_heads=4, max_position_embeddings=2048)
+    mha = dataclasses.replace(TINY, num_kv_heads=4)
     weights = random_model(mha, seed=0).state_dict
     monkeypatch.setattr(gguf.GGUFWriter, "add_head_count_kv", lambda writer, count: None)
-    monkeypatch.setattr(gguf.GGUFWriter, "add_context_length", lambda writer, length: None)
     write_gguf(tmp_path / "mha.gguf", mha, weights, original.tokenizer_json)
     loaded = load_gguf(str(tmp_path / "mha.gguf"))
     assert loaded.config == mha
@@ -1274,3 +1319,32 @@ def test_a_context_the_model_cannot_attend_over_is_refused_before_its_weights_ar
         build(parse_recipe({"name": "long", "model": {"source": "hf", "path": str(tmp_path / "m")},
                             "export": {"max_context": 128}}), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_whose_context_is_shorter_than_the_export_is_refused_before_dequantizing(tmp_path, monkeypatch):
+    """A GGUF's context_length was checked against export.max_context after every tensor was dequantized (minutes for
+    a large model); its metadata says it first."""
+    from compiler.build import build
+    from compiler.recipe import parse_recipe
+
+    short = dataclasses.replace(TINY, max_position_embeddings=64)
+    original = random_model(short, 0)
+    write_gguf(tmp_path / "short.gguf", short, original.state_dict, original.tokenizer_json)
+    monkeypatch.setattr("gguf.quants.dequantize", lambda *args: pytest.fail("weights dequantized"))
+    with pytest.raises(BuildError, match=r"export.max_context: 128 exceeds the model's max_position_embeddings \(64\)"):
+        build(parse_recipe({"name": "long", "model": {"source": "gguf", "path": str(tmp_path / "short.gguf")},
+                            "export": {"max_context": 128}}), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_head_count_that_disagrees_with_the_rotary_width_names_both_causes(tmp_path, monkeypatch):
+    """With no key_length, the head size is embedding_length / head_count: a wrong head count read as a rotary on
+    part of each head, which pointed away from the metadata's mistake."""
+    original = random_model(TINY, seed=0)  # hidden 64, 4 heads of 16
+    add_head_count = gguf.GGUFWriter.add_head_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_length", lambda writer, length: None)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count", lambda writer, count: add_head_count(writer, 8))
+    write_gguf(tmp_path / "heads.gguf", TINY, original.state_dict, original.tokenizer_json)
+    with pytest.raises(BuildError, match=r"rope.dimension_count 16 of head size 8 \(embedding_length 64 / "
+                                         r"attention.head_count 8: if the head count is wrong, fix it"):
+        load_gguf(str(tmp_path / "heads.gguf"))

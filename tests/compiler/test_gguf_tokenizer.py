@@ -183,6 +183,42 @@ def test_a_control_token_outside_the_byte_alphabet_is_not_matched_whole():
     assert rebuilt(metadata).encode("a\n\nb<|im_start|>").tokens == ["a", "Ċ", "Ċ", "b", "<|im_start|>"]
 
 
+def test_added_tokens_stored_as_their_text_are_matched_whole_under_their_own_ids():
+    """convert_hf_to_gguf stores added tokens as the text they stand for (DeepSeek-R1-Distill-Qwen's control tokens
+    <｜User｜> and <｜begin▁of▁sentence｜>, a user-defined " <tag>"); llama.cpp matches that text whole. Spelled byte by
+    byte they had been skipped: a chat prompt's <｜User｜> became 11 byte tokens, and BOS read as "<ï½ľbegin...".
+    A whitespace-only control token (a mislabel), whose spelling a merge makes here, keeps its spelling: "ĊĊ"."""
+    from compiler.frontend.random_init import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    added = ["<｜begin▁of▁sentence｜>", "<｜User｜>", " <tag>", "\n\n"]
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-r1-qwen",
+                "tokenizer.ggml.tokens": [*alphabet, *added], "tokenizer.ggml.merges": ["Ċ Ċ"],
+                "tokenizer.ggml.token_type": [1] * len(alphabet) + [3, 3, 4, 3],
+                "tokenizer.ggml.bos_token_id": len(alphabet), "tokenizer.ggml.add_bos_token": True}
+    tokenizer = rebuilt(metadata)
+    bos, user, tag, newlines = range(len(alphabet), len(alphabet) + 4)
+    encoding = tokenizer.encode("<｜User｜>hi <tag>")
+    assert encoding.ids == [bos, user, alphabet.index("h"), alphabet.index("i"), tag]
+    assert encoding.tokens[:2] == ["<｜begin▁of▁sentence｜>", "<｜User｜>"]
+    assert tokenizer.decode(encoding.ids) == "hi <tag>"  # control tokens skipped, the user-defined one kept as text
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == len(metadata["tokenizer.ggml.tokens"])
+    assert tokenizer.encode("a\n\nb", add_special_tokens=False).ids == [alphabet.index("a"), newlines,
+                                                                        alphabet.index("b")]
+
+
+def test_merges_that_name_a_piece_missing_from_the_tokens_are_refused_by_name():
+    """A merge whose parts or product are not tokens (a token list cut short) stopped in tokenizers' own bare
+    Exception, "Error while initializing BPE: Token `ab` out of vocabulary", with no file or key named."""
+    from compiler.frontend.random_init import bytes_to_unicode
+
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+                "tokenizer.ggml.tokens": list(bytes_to_unicode().values()), "tokenizer.ggml.merges": ["a b"]}
+    with pytest.raises(BuildError, match=r"x.gguf: the GGUF's tokenizer.ggml.merges do not fit its "
+                                         r"tokenizer.ggml.tokens \(.*out of vocabulary\).*convert the model again"):
+        rebuilt(metadata)
+
+
 def test_a_byte_level_token_stored_as_raw_text_keeps_its_id():
     """convert_hf_to_gguf may store a token as its text ("日") rather than byte-level symbols ("æĹ¥"); spelled out
     byte by byte, as transformers does, it is found whole (llama3's ignore_merges) under its own id."""
