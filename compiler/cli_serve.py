@@ -94,17 +94,19 @@ def serve_command(args) -> None:
 def _stop_gracefully(server, engine, timeout_s: float) -> None:
     """No new connections or requests; those under way finish for up to timeout_s (a second Ctrl-C: at once), and
     closing the engine stops the rest, whose clients then hear why: a load balancer's drain, not a cut."""
+    stopped = 0  # the requests still under way when the wait ended: closing the engine stops them
     try:
         server.server_close()
         if server.under_way:
             console.print(escape(f"stopping: {server.under_way} request(s) under way may finish for up to "
                                  f"{timeout_s:g} s (Ctrl-C again: stop them now)"), highlight=False)
-        server.drain(timeout_s)
+        stopped = server.drain(timeout_s)
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: stop them now
-        pass
+        stopped = server.under_way
     finally:
         _close(engine)
-    stopped = server.under_way  # told to retry (a 503, a stream's error event) as their threads wake
+    # Counted before the close, not after it: the close wakes their threads, which answer them (told to retry: a 503,
+    # a stream's error event) and leave under_way at once, so a count taken after it missed those already answered.
     if stopped:
         console.print(escape(f"stopped {stopped} request(s) before they finished; their clients are told to send "
                              f"them again"), highlight=False)

@@ -374,7 +374,9 @@ class _Handler(BaseHTTPRequestHandler):
                 continue
             if isinstance(item, BaseException):
                 self._cancel(handles)
-                self._send_event(self._failure(item).body())
+                error = self._failure(item)
+                self.server.log(f"{self.command} {self.path}: the stream ended with {error}")  # as a response's 500
+                self._send_event(error.body())
                 break
             if isinstance(item, str) and not item:
                 continue

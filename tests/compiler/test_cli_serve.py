@@ -97,3 +97,32 @@ def test_serve_lists_the_chat_route_only_for_a_model_with_a_chat_template(capsys
         assert main(["serve", str(artifact), "--port", "0"]) == 130
         err = " ".join(capsys.readouterr().err.split())
         assert routes in err, err
+
+
+class AnsweredOnClose:
+    """runtime.server.ApiServer with two requests under way past the shutdown timeout, whose threads answer (a 503
+    saying to retry) as soon as closing the engine fails them, before the stop looks again."""
+
+    def __init__(self):
+        self.under_way = 2
+
+    def server_close(self):
+        pass
+
+    def drain(self, timeout_s):
+        return self.under_way
+
+
+def test_the_stop_counts_every_request_it_stopped_even_those_answered_at_once(capsys):
+    """The count was read after closing the engine: a request whose thread had answered meanwhile went uncounted
+    (a request and a stream stopped together were logged as "stopped 1 request(s)")."""
+    server = AnsweredOnClose()
+
+    class Closing:
+        def close(self):
+            server.under_way = 0  # the close fails their requests; their threads answer and leave
+
+    cli_serve._stop_gracefully(server, Closing(), 0.1)
+    err = capsys.readouterr().err
+    assert "stopping: 2 request(s) under way" in err
+    assert "stopped 2 request(s) before they finished" in err and "without an answer" not in err

@@ -1042,6 +1042,24 @@ def test_a_request_that_fails_while_running_is_500_and_the_server_goes_on(served
     assert post(served, "/v1/completions", body)[0] == 200
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_that_fails_while_running_leaves_a_line_in_the_log(tiny_artifact, monkeypatch, stream):
+    """A response's 500 was logged and a stream's error event was not: a stream that failed, or that a stop ended,
+    left no trace on stderr."""
+    server, lines = serve(Engine.load(tiny_artifact), slots=1)
+    try:
+        cache = server.engine._scheduler.cache
+        monkeypatch.setattr(cache, "run", failing_run(cache.run, "decode", 2, "out of memory"))
+        body = {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True}
+        if stream:
+            assert "out of memory" in events(server, "/v1/completions", body)[1][-1]["error"]["message"]
+        else:
+            assert post(server, "/v1/completions", body)[0] == 500
+        assert wait_for(lambda: any("out of memory" in line for line in lines), 3.0), lines
+    finally:
+        stop(server)
+
+
 def test_aotlm_serve_prints_its_address_serves_and_stops_on_ctrl_c(tiny_artifact):
     process = subprocess.Popen([sys.executable, "-m", "compiler.cli", "serve", str(tiny_artifact), "--port", "0"],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
