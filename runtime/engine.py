@@ -259,8 +259,16 @@ class Engine:
             raise RequestError(f"{self.manifest['name']} has no chat template (its model source carried none); "
                                f"format the prompt yourself and pass it as text")
         self.prepare_chat()  # load did this, unless the template is broken: then this says why
-        text = chat.render(self._chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           **self.special_token_texts())
+        texts = self.special_token_texts()
+        text = chat.render(self._chat_template, messages, add_generation_prompt=add_generation_prompt, **texts)
+        if self.manifest["model"].get("source", {}).get("kind") == "gguf" and self.tokenizer.encode(""):
+            # A GGUF file means what llama.cpp does with it: its chat code (common/chat.cpp) cuts the BOS text off
+            # the front of the rendered prompt and tokenizes it with add_special, so the prompt starts with BOS
+            # when the file's add_bos_token says so, whether or not the template writes bos_token (TinyLlama's and
+            # ChatML templates do not) -- and once, when it does.
+            if texts["bos_token"] and text.startswith(texts["bos_token"]):
+                text = text[len(texts["bos_token"]):]
+            return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=True))
         return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
 
     def special_token_texts(self) -> dict[str, str | None]:

@@ -152,9 +152,9 @@ def _sentencepiece_tokenizer(field, path: str) -> Tokenizer:
     """llama.cpp's SPM tokenizer: spaces become "▁" (and one is put before the text, add_space_prefix), then the
     adjacent pair whose joined piece scores highest merges first, as SentencePiece's BPE does; a character with no
     piece becomes its UTF-8 bytes' <0xXX> tokens. `tokenizers` ranks merges by their order, so the merges are every
-    split of a normal piece into two normal pieces, by the joined piece's score (ties between different pieces of equal
-    score go by id, where SentencePiece and llama.cpp take the leftmost pair: a few are harmless, a file of many is
-    refused, _check_scores_rank_pieces)."""
+    split of a piece into two pieces (control, user-defined and unknown tokens aside), by the joined piece's score
+    (ties between different pieces of equal score go by id, where SentencePiece and llama.cpp take the leftmost pair:
+    a few are harmless, a file of many is refused, _check_scores_rank_pieces)."""
     tokens, scores, token_types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.scores"), \
         field("tokenizer.ggml.token_type")
     if scores is None or len(scores) != len(tokens) or (token_types is not None and len(token_types) != len(tokens)):
@@ -165,9 +165,13 @@ def _sentencepiece_tokenizer(field, path: str) -> Tokenizer:
                          f"convert the model again, or use its Hugging Face folder (with tokenizer.json)")
     token_types = token_types or [TOKEN_TYPE_NORMAL] * len(tokens)
     vocab = {token: index for index, token in enumerate(tokens)}
-    normal = {token: score for token, score, kind in zip(tokens, scores, token_types) if kind == TOKEN_TYPE_NORMAL}
-    ranked = sorted(((-score, vocab[piece], piece[:cut], piece[cut:]) for piece, score in normal.items()
-                     for cut in range(1, len(piece)) if piece[:cut] in normal and piece[cut:] in normal),
+    # llama.cpp merges two adjacent symbols into whatever token their joined text spells (try_add_bigram looks the
+    # text up whatever its type: an unused or a byte piece too) and keeps it (resegment); only the tokens it cut out
+    # of the text before (control, user-defined, unknown) never occur inside a text it merges.
+    mergeable = {token: score for token, score, kind in zip(tokens, scores, token_types)
+                 if kind not in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN)}
+    ranked = sorted(((-score, vocab[piece], piece[:cut], piece[cut:]) for piece, score in mergeable.items()
+                     for cut in range(1, len(piece)) if piece[:cut] in mergeable and piece[cut:] in mergeable),
                     key=lambda merge: merge[:2])
     _check_scores_rank_pieces([(merge[0], merge[1]) for merge in ranked], path)
     unknown = field("tokenizer.ggml.unknown_token_id")
@@ -212,11 +216,12 @@ def _check_scores_rank_pieces(ranked: list[tuple[float, int]], path: str) -> Non
 
 def _add_marked_tokens(tokenizer: Tokenizer, tokens: list, token_types: list, vocab: dict,
                        control_usable=lambda token: True) -> None:
-    """Control tokens (<|im_start|>, </s> ...) are matched whole and are special; user-defined ones are matched whole
-    but decode like text."""
+    """Control tokens (<|im_start|>, </s> ...) and the unknown token (<unk>) are matched whole and are special, as
+    llama.cpp matches them in a prompt (parse_special) and leaves them out of decoded text; user-defined ones are
+    matched whole but decode like text."""
     typed = list(zip(tokens, token_types))
     tokenizer.add_special_tokens([AddedToken(token, normalized=False, special=True) for token, kind in typed
-                                  if kind == TOKEN_TYPE_CONTROL and control_usable(token)])
+                                  if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN) and control_usable(token)])
     tokenizer.add_tokens([AddedToken(token, normalized=False, special=False) for token, kind in typed
                           if kind == TOKEN_TYPE_USER_DEFINED and token in vocab])
 

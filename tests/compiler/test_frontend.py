@@ -217,8 +217,8 @@ def test_a_model_without_a_tokenizer_loads_but_its_build_is_refused_naming_where
     assert loaded.tokenizer_json is None and loaded.config.vocab_size == TINY.vocab_size == 300
     monkeypatch.setattr("compiler.build.trace_graphs", lambda *a, **k: pytest.fail("exported"))
     with pytest.raises(BuildError, match=r"bare.gguf: no tokenizer.ggml.tokens in its metadata.*convert_hf_to_gguf"):
-        build(parse_recipe({"name": "bare", "model": {"source": "gguf", "path": str(tmp_path / "bare.gguf")}}),
-              tmp_path / "out")
+        build(parse_recipe({"name": "bare", "model": {"source": "gguf", "path": str(tmp_path / "bare.gguf")},
+                            "export": {"max_context": 128}}), tmp_path / "out")  # within its 256 positions
     write_hf_folder(tmp_path / "folder", TINY, original.state_dict)
     with pytest.raises(BuildError, match=r"folder: no tokenizer.json in the folder; add the model's tokenizer.json"):
         build(parse_recipe({"name": "bare", "model": {"source": "hf", "path": str(tmp_path / "folder")}}),

@@ -230,11 +230,62 @@ def test_a_byte_level_token_stored_as_raw_text_keeps_its_id():
     assert rebuilt(metadata).encode("日").ids == [len(alphabet)]
 
 
-def test_sentencepiece_merges_make_only_normal_pieces():
-    """A piece of another type (here 5, unused) is never the product of a merge in llama.cpp, however high its score:
-    "ab" must stay "▁a" + "b"."""
+def test_sentencepiece_merges_make_pieces_of_any_type_as_llama_cpp_does():
+    """llama.cpp's try_add_bigram looks the joined text up whatever the token's type, and resegment keeps the token it
+    finds: an unused piece (type 5, as convert_hf_to_gguf marks sentencepiece's unused pieces and its [PAD] fillers)
+    of the highest score is merged first, "▁ab" becoming "▁" + "ab". Merges had made normal pieces only ("▁a" + "b")."""
     metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "▁", "a", "b",
                                                                             "ab", "▁a"],
                 "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -3.0, -4.0, -5.0, 0.0, -1.0],
                 "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 5, 1], "tokenizer.ggml.add_space_prefix": True}
-    assert rebuilt(metadata).encode("ab", add_special_tokens=False).tokens == ["▁a", "b"]
+    assert rebuilt(metadata).encode("ab", add_special_tokens=False).tokens == ["▁", "ab"]
+
+
+# TinyLlama-1.1B-Chat's template (Zephyr's): no bos_token in it; Llama 2's writes one before each [INST].
+TINYLLAMA_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user|>\n' + "
+                      "message['content'] + eos_token }}{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' "
+                      "+ message['content'] + eos_token }}{% endif %}{% if loop.last and add_generation_prompt %}"
+                      "{{ '<|assistant|>' }}{% endif %}{% endfor %}")
+LLAMA2_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + "
+                   "message['content'].strip() + ' [/INST]' }}{% else %}{{ ' ' + message['content'].strip() + ' ' + "
+                   "eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [TINYLLAMA_TEMPLATE, LLAMA2_TEMPLATE], ids=["no-bos-in-template", "llama2"])
+def test_a_gguf_chat_prompt_starts_with_bos_once_as_llama_cpp_tokenizes_it(tmp_path, sentencepiece_model, template):
+    """llama.cpp cuts a leading BOS text off the rendered chat prompt and tokenizes it with add_special: the prompt
+    starts with BOS when the file's add_bos_token says so. chat_prompt_ids tokenized without special tokens, so a
+    template that does not write bos_token (TinyLlama-Chat's, Zephyr's, ChatML finetunes of Mistral) gave a prompt
+    without BOS."""
+    from compiler.build import build
+    from compiler.recipe import parse_recipe
+    from runtime import Engine
+    from runtime.chat import render
+
+    processor, space_prefix = sentencepiece_model
+    config = dataclasses.replace(TINY, vocab_size=processor.get_piece_size())
+    original = random_model(config, seed=0)
+    path = tmp_path / "spm-chat.gguf"
+    write_gguf(path, config, original.state_dict, original.tokenizer_json, chat_template=template,
+               sentencepiece=gguf_metadata(processor, space_prefix))
+    engine = Engine.load(build(parse_recipe({"name": "spm-chat", "model": {"source": "gguf", "path": str(path)},
+                                             "export": {"max_context": 64}}), tmp_path / "out"))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"}]
+    ids = engine.chat_prompt_ids(messages)
+    text = render(template, messages, bos_token="<s>", eos_token="</s>")
+    assert ids[0] == 1 and ids[1] != 1
+    assert ids == [1] + engine.tokenizer.encode(text.removeprefix("<s>"), add_special_tokens=False)
+    assert ids.count(1) == max(1, text.count("<s>"))  # one BOS per <s> the template writes, at least one
+    engine.close()
+
+
+def test_the_unknown_token_s_text_is_matched_whole_and_decodes_to_nothing_as_in_llama_cpp(sentencepiece_model):
+    """llama.cpp matches a token of type unknown (2) by its text in a prompt, as it does control tokens
+    (tokenizer_st_partition with parse_special), and token_to_piece gives it no text. "<unk>" had been cut into
+    the pieces "<", "unk", ">" and decoded as the text "<unk>"."""
+    processor, space_prefix = sentencepiece_model
+    tokenizer = rebuilt(gguf_metadata(processor, space_prefix))
+    ids = tokenizer.encode("a<unk>b", add_special_tokens=False).ids
+    assert ids == processor.encode("a") + [0] + processor.encode("b")  # the text after it gets the space prefix
+    assert tokenizer.decode(ids) == processor.decode(processor.encode("a")) + (" b" if space_prefix else "b")
