@@ -43,7 +43,7 @@ def _build(args) -> None:
 
     recipe = load_recipe(args.recipe)
     for warning in ignored_settings(recipe):
-        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)
     started = time.perf_counter()
     last = [started]
 
@@ -128,7 +128,8 @@ def _run(args) -> None:
                       f"where a {timings.prompt_tokens}-token prompt leaves room for "
                       f"{len(generation.result.token_ids)} new tokens, before --max-new-tokens "
                       f"{args.max_new_tokens}; ask for at most {engine.max_context + 1 - timings.prompt_tokens}, "
-                      f"shorten the prompt, or rebuild with a larger export.max_context", highlight=False)
+                      f"shorten the prompt, or rebuild with a larger export.max_context", highlight=False,
+                      soft_wrap=True)
 
 
 def _inspect(args) -> None:
@@ -300,13 +301,14 @@ def _bench(args) -> None:
                                                            if args.phase == "decode" else None))
         console.print(bench.phase_table(args.phase, rows, peaks), width=None if console.is_terminal else 160)
         console.print(f"[dim]peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads[/dim]",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
         counted = {"runs": args.runs} if args.phase == "prefill" else {"steps": args.steps}  # what the phase used
         settings = {"artifact": str(args.artifact), "phase": args.phase, "batch": args.batch, **counted,
                     "threads": threads}
         out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
         plot = bench.write_phase_plot(rows, args.phase, out)
-        console.print(f"wrote {escape(str(out))}" + (f", {escape(str(plot))}" if plot else f"; {escape(bench.PLOT_SKIPPED)}"))
+        console.print(f"wrote {escape(str(out))}" + (f", {escape(str(plot))}" if plot else f"; {escape(bench.PLOT_SKIPPED)}"),
+                      soft_wrap=True)
         return
     tokenizer = TextTokenizer(Path(args.artifact) / manifest["tokenizer"]["file"], manifest["tokenizer"].get("bos_token_id"))
     workload = bench.make_workload(
@@ -374,7 +376,7 @@ def _bench(args) -> None:
     except bench.BenchError as error:  # no matplotlib: the JSON is written, the plots are not
         console.print(f"[yellow]warning:[/yellow] {escape(str(error))}", highlight=False, soft_wrap=True)
         return
-    console.print("wrote " + escape(", ".join(map(str, written))), highlight=False)
+    console.print("wrote " + escape(", ".join(map(str, written))), highlight=False, soft_wrap=True)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -70,7 +70,7 @@ def chat_command(args) -> None:
             if prompt is None:
                 turns.pop()
                 console.print(f"[yellow]that message alone does not fit the context ({engine.max_context} tokens) "
-                              f"with room for a reply; send a shorter one[/yellow]")
+                              f"with room for a reply; send a shorter one[/yellow]", highlight=False, soft_wrap=True)
                 continue
             generation = engine.stream(prompt, sampling, arrival=received)
             try:
@@ -86,7 +86,7 @@ def chat_command(args) -> None:
             sys.stdout.write("\n")
             sys.stdout.flush()
             console.print("[yellow]reply stopped; that message is left out of the conversation (Ctrl-C at the "
-                          "prompt, or /exit, ends the chat)[/yellow]", highlight=False)
+                          "prompt, or /exit, ends the chat)[/yellow]", highlight=False, soft_wrap=True)
             continue
         except RequestError as error:  # this message cannot be served (not UTF-8, say): the conversation goes on
             turns.pop()
@@ -96,9 +96,12 @@ def chat_command(args) -> None:
         result = generation.result
         turns.append({"role": "assistant", "content": result.text})
         timings = result.timings
+        # TPOT needs a token after the first (as `aotlm run`'s table shows it): "-" for a one-token reply, not 0.00
+        tpot = f"{1e3 * timings.tpot_s:.2f} ms" if timings.output_tokens >= 2 else "-"
         console.print(f"[dim]TTFT {1e3 * timings.ttft_s:.1f} ms, {timings.cached_prompt_tokens} of "
-                      f"{timings.prompt_tokens} prompt tokens from the cache, TPOT {1e3 * timings.tpot_s:.2f} ms, "
-                      f"{len(result.token_ids)} tokens ({escape(result.finish_reason)})[/dim]", highlight=False)
+                      f"{timings.prompt_tokens} prompt tokens from the cache, TPOT {tpot}, "
+                      f"{len(result.token_ids)} tokens ({escape(result.finish_reason)})[/dim]", highlight=False,
+                      soft_wrap=True)  # one line, as the README says, however narrow the console (80 columns piped)
 
 
 def _read_line() -> str | None:
@@ -130,4 +133,4 @@ def _fitting_prompt(engine, system: list[dict], turns: list[dict], max_new_token
         if len(turns) <= 1:
             return None
         del turns[:2]  # the oldest user message and its reply
-        console.print("[dim]dropped the oldest exchange to fit the context[/dim]")
+        console.print("[dim]dropped the oldest exchange to fit the context[/dim]", soft_wrap=True)

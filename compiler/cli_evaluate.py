@@ -86,7 +86,8 @@ def _warn_if_not_the_report_text(args, artifact: _ArtifactInfo, token_ids: list[
     held_out = artifact.manifest["accuracy"]["held_out"]
     console.print(f"[yellow]warning:[/yellow] this Python's ({platform.python_version()}) built-in documentation text "
                   f"is not the one {escape(artifact.name)}'s build report scored (Python {held_out.get('python')}): "
-                  f"compare this perplexity with the report's only when both come from the same text", highlight=False)
+                  f"compare this perplexity with the report's only when both come from the same text", highlight=False,
+                  soft_wrap=True)
 
 
 def _window_and_stride(args, artifacts: list[_ArtifactInfo]) -> tuple[int, int]:
@@ -132,7 +133,7 @@ def _write_json(path: str | None, payload: dict) -> None:
     from runtime.results import write_json
 
     if path:
-        console.print(f"wrote {escape(str(write_json(path, payload)))}", highlight=False)
+        console.print(f"wrote {escape(str(write_json(path, payload)))}", highlight=False, soft_wrap=True)
 
 
 def _window_shown(window: int, tokens: int) -> str:

@@ -84,7 +84,7 @@ def serve_command(args) -> None:
                   " (no chat template: /v1/chat/completions refuses)")
     console.print(escape(f"{scheduler.slots} slots, {scheduler.max_queue} may wait; max context "
                          f"{engine.max_context} tokens; POST /v1/completions{chat_route}; "
-                         f"{'API key required; ' if api_key else ''}Ctrl-C stops"), highlight=False)
+                         f"{'API key required; ' if api_key else ''}Ctrl-C stops"), highlight=False, soft_wrap=True)
     try:
         server.serve_forever()
     finally:  # Ctrl-C or SIGTERM (compiler/cli.py raises it as a KeyboardInterrupt), or a bug in the server loop
@@ -99,7 +99,7 @@ def _stop_gracefully(server, engine, timeout_s: float) -> None:
         server.server_close()
         if server.under_way:
             console.print(escape(f"stopping: {server.under_way} request(s) under way may finish for up to "
-                                 f"{timeout_s:g} s (Ctrl-C again: stop them now)"), highlight=False)
+                                 f"{timeout_s:g} s (Ctrl-C again: stop them now)"), highlight=False, soft_wrap=True)
         stopped = server.drain(timeout_s)
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: stop them now
         stopped = server.under_way
@@ -109,13 +109,14 @@ def _stop_gracefully(server, engine, timeout_s: float) -> None:
     # a stream's error event) and leave under_way at once, so a count taken after it missed those already answered.
     if stopped:
         console.print(escape(f"stopped {stopped} request(s) before they finished; their clients are told to send "
-                             f"them again"), highlight=False)
+                             f"them again"), highlight=False, soft_wrap=True)
     try:
         cut = server.drain(5.0) if stopped else 0  # time for those answers to go out
     except KeyboardInterrupt:
         cut = server.under_way
     if cut:  # a body still arriving, a client that does not read: the process's exit ends their connections
-        console.print(escape(f"{cut} connection(s) still busy are closed without an answer"), highlight=False)
+        console.print(escape(f"{cut} connection(s) still busy are closed without an answer"), highlight=False,
+                      soft_wrap=True)
 
 
 def _close(engine) -> None:

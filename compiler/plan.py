@@ -575,10 +575,10 @@ def render(p: dict, console) -> None:
     m, i, kv, mem, b = p["model"], p["inputs"], p["kv"], p["memory"], p["bounds"]
     console.print(f"[bold]{Path(m['source']['path']).name}[/bold] ({m['source']['kind']}): {m['architecture']}, "
                   f"{m['layers']} layers, hidden {m['hidden']}, heads {m['heads']}/{m['kv_heads']} kv x "
-                  f"{m['head_dim']}, vocab {m['vocab']}, max positions {m['max_positions']}")
+                  f"{m['head_dim']}, vocab {m['vocab']}, max positions {m['max_positions']}", soft_wrap=True)
     d = p["device"]
     console.print(f"device: {d['name']}: {_gb(d['memory_bytes'])}, {d['bandwidth_Bps'] / 1e9:,.1f} GB/s, "
-                  f"{d['peak_flops'] / 1e12:,.2f} TFLOP/s at {i['precision']}")
+                  f"{d['peak_flops'] / 1e12:,.2f} TFLOP/s at {i['precision']}", soft_wrap=True)
     table = Table(title=f"plan: {i['precision']} weights, {i['kv_dtype']} KV, context {i['context']}, "
                         f"concurrency {i['concurrency']}, prompt {i['prompt']}")
     for column, justify in (("quantity", "left"), ("value", "right"), ("how", "left")):
@@ -627,6 +627,6 @@ def render(p: dict, console) -> None:
         table.add_row("measured / predicted", f"{r['ratio']:.2f}x", "1.0 = at the bandwidth bound")
     console.print(table)
     for note in p["assumptions"]:
-        console.print(f"[dim]- {note}[/dim]", highlight=False)
+        console.print(f"[dim]- {note}[/dim]", highlight=False, soft_wrap=True)
     for warning in p["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)

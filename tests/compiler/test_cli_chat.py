@@ -3,6 +3,7 @@ conversation it keeps (the conversation tests against the tiny chat artifact are
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -183,3 +184,47 @@ def test_ctrl_c_as_a_message_too_long_is_refused_keeps_the_exchange_before_it(ch
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nhuge\n"))
     main(["chat", str(chat_artifact[0]), "--max-new-tokens", "3"])
     assert [turn["role"] for turn in seen["turns"]] == ["user", "assistant"], seen["turns"]
+
+
+def test_each_turn_s_timings_are_one_line_on_stderr_however_narrow_the_console(chat_artifact, monkeypatch, capsys):
+    """The README: "a line on stderr gives its TTFT, the prompt tokens it found in the cache and its TPOT". Piped,
+    rich's console is 80 columns wide and had cut that line (and the notice of a stopped reply) into two, so a
+    script reading stderr line by line got half of it."""
+    import compiler.cli_chat as cli_chat
+    from runtime import Engine
+
+    artifact, _ = chat_artifact
+    monkeypatch.setattr(cli_chat.console, "_width", 30)  # narrower than the line: as an 80-column pipe for longer ones
+    real = Engine.stream
+
+    class Interrupted:
+        def __init__(self, generation):
+            self.generation = generation
+
+        def __iter__(self):
+            yield next(self.generation)
+            raise KeyboardInterrupt
+
+        def close(self):
+            self.generation.close()
+
+    def stream(self, prompt, *args, **kwargs):
+        generation = real(self, prompt, *args, **kwargs)
+        return Interrupted(generation) if self.chat_prompt_ids([{"role": "user", "content": "long"}]) == prompt \
+            else generation
+    monkeypatch.setattr(Engine, "stream", stream)
+    monkeypatch.setattr("sys.stdin", io.StringIO("long\n2+2?\nand 3+3?\n"))
+    assert main(["chat", str(artifact), "--max-new-tokens", "4"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    timings = [line for line in lines if "TTFT" in line]
+    assert len(timings) == 2 and all(re.fullmatch(r"TTFT [\d.]+ ms, \d+ of \d+ prompt tokens from the cache, TPOT "
+                                                  r"(?:[\d.]+ ms|-), \d+ tokens \(\w+\)", line) for line in timings), lines
+    assert any(line.startswith("reply stopped;") and line.endswith("ends the chat)") for line in lines), lines
+
+
+def test_a_one_token_reply_has_no_tpot(chat_artifact, monkeypatch, capsys):
+    """TPOT = (E2E - TTFT) / (output tokens - 1) has no value for one token: `aotlm run` shows "-", chat said 0.00."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("2+2?\n"))
+    assert main(["chat", str(chat_artifact[0]), "--max-new-tokens", "1"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "TPOT -, 1 tokens" in err, err

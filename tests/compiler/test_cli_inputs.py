@@ -73,14 +73,14 @@ def test_a_model_config_out_of_range_is_refused_by_name(capsys, tmp_path, old, n
 ])
 def test_bad_pass_options_are_refused_before_the_export(capsys, tmp_path, monkeypatch, option, message):
     recipe = tiny_recipe(tmp_path, "  - pack_projections", f"  - pack_projections\n  - quantize:\n      {option}")
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
     assert status == 2 and message in output, output
 
 
 def test_build_warns_of_settings_its_backend_ignores_before_the_export(capsys, tmp_path, monkeypatch):
     recipe = tiny_recipe(tmp_path, "export:", "export:\n  max_batch: 4")
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "out").write_text("x")  # the build stops at its first check; the warning came before it
     status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
     assert status == 2 and "warning: export.max_batch: 4 bounds TensorRT's optimization profiles" in output, output
@@ -88,7 +88,7 @@ def test_build_warns_of_settings_its_backend_ignores_before_the_export(capsys, t
 
 def test_a_pass_that_runs_once_listed_twice_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
     recipe = tiny_recipe(tmp_path, "  - pack_projections", "  - pack_projections\n  - quantize\n  - quantize")
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
     assert status == 2 and "passes[7]: quantize is listed twice" in output, output
 
@@ -98,8 +98,8 @@ def test_a_chat_template_that_does_not_parse_is_refused_before_the_export(capsys
     from compiler import build
 
     load = build.load_model
-    monkeypatch.setattr(build, "load_model", lambda *args: dataclasses.replace(load(*args),
-                                                                               chat_template="{% if %}broken"))
+    monkeypatch.setattr(build, "load_model", lambda *args, **kwargs: dataclasses.replace(
+        load(*args, **kwargs), chat_template="{% if %}broken"))
     monkeypatch.setattr(build, "trace_graphs", lambda *a, **k: pytest.fail("exported"))
     status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
     assert status == 2 and "the model's chat template does not parse (" in output, output
@@ -107,7 +107,7 @@ def test_a_chat_template_that_does_not_parse_is_refused_before_the_export(capsys
 
 
 def test_an_output_path_inside_a_file_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     blocker = tmp_path / "afile"
     blocker.write_text("x")
     for output in (blocker, blocker / "sub"):
@@ -122,7 +122,7 @@ def test_an_output_path_inside_a_file_is_refused_before_the_export(capsys, tmp_p
 def test_dangling_links_as_output_or_artifact_are_refused_before_the_export(capsys, tmp_path, monkeypatch):
     """`--output` a link to an unmounted disk failed in mkdir, and <output>/<name> a dangling link failed in the final
     rename, each with a traceback after the whole build."""
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "unmounted").symlink_to(tmp_path / "mnt" / "disk")
     status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "unmounted")
     assert status == 2 and "unmounted is a link to" in text and "which does not exist" in text, text
@@ -135,7 +135,7 @@ def test_dangling_links_as_output_or_artifact_are_refused_before_the_export(caps
 def test_a_folder_that_is_not_an_artifact_is_never_replaced(capsys, tmp_path, monkeypatch):
     """The build swaps <output>/<name> for the new artifact: a folder of the user's own files there (the model it
     builds from, say) is refused before the export, and left as it was."""
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     own = tmp_path / "out" / "tiny-random"
     own.mkdir(parents=True)
     (own / "config.json").write_text("{}")
@@ -147,7 +147,7 @@ def test_a_folder_that_is_not_an_artifact_is_never_replaced(capsys, tmp_path, mo
 def test_an_artifact_folder_as_output_is_refused(capsys, tiny_artifact, tmp_path, monkeypatch):
     """--output names the folder that receives <name>/; an artifact given there would get a stray folder inside it,
     which its manifest does not list (the runtime then refuses it)."""
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     copy = tmp_path / "copy"
     shutil.copytree(tiny_artifact, copy)
     for output in (copy, copy / "sub"):
@@ -447,7 +447,7 @@ def test_an_artifact_this_build_cannot_replace_is_refused_first(capsys, tmp_path
     (tmp_path / "out" / "tiny-random").mkdir(parents=True)
     access = os.access  # the artifact as a user without write permission on it sees it
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "tiny-random" and access(path, mode))
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
     assert status == 2 and "an artifact this build would replace, and it is not readable and writable by you" in output, output
 
@@ -478,7 +478,7 @@ def test_a_key_given_twice_in_a_recipe_is_refused(capsys, tmp_path):
      "passes[2] (fuse_attention) comes after passes[1] (pack_projections)"),
 ])
 def test_more_recipe_values_are_refused_before_the_export(capsys, tmp_path, monkeypatch, old, new, message):
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     status, output = run_cli(capsys, "build", tiny_recipe(tmp_path, old, new), "--output", tmp_path / "out")
     assert status == 2 and message in output, output
 
@@ -559,7 +559,7 @@ def test_bench_refuses_a_rate_without_poisson_arrivals(capsys, tiny_artifact, tm
 
 
 def test_calibration_longer_than_the_cache_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("compiler.build.load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     recipe = tiny_recipe(tmp_path, "  - pack_projections", "  - pack_projections\n  - quantize:\n      calibration: {}")
     status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
     assert status == 2 and "passes[6] (quantize): calibration.length 256 exceeds export.max_context (128)" in output
