@@ -97,6 +97,8 @@ class RequestHandle:
         self._scheduler = scheduler
         self._pieces: queue.SimpleQueue = queue.SimpleQueue()
         self._future: Future = Future()
+        # True once cancel() was called. A request that finished before the cancel reached it keeps its own
+        # finish_reason ("stop", "length"): the result's finish_reason, not this flag, says how it ended.
         self.cancelled = False
         # Callbacks added before the result is set; when it is, they are queued in order, under the lock, so that
         # one added after that (it sees _fired) is queued or run behind them, never ahead.
