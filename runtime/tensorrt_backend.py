@@ -78,7 +78,7 @@ class TensorRTBackend:
             if engine is None:
                 raise ArtifactError(f"{record['file']}: TensorRT could not deserialize this engine; rebuild the artifact")
             self.engines[phase] = engine
-            self.contexts[phase] = engine.create_execution_context()
+            self.contexts[phase] = new_context(engine, phase)
         decode = self.engines["decode"]
         names = [decode.get_tensor_name(i) for i in range(decode.num_io_tensors)]
         self.past_names = [name for name in names if name in self.present_for_past]
@@ -127,7 +127,10 @@ class DeviceCache:
             raise ArtifactError(f"a sequence's KV cache rows take {row_bytes} bytes, not a multiple of 256: the "
                                 f"scheduler's slots would start at addresses TensorRT refuses; rebuild the artifact "
                                 f"(the build now names a max_context that fits)")
-        with torch.cuda.stream(backend.stream):  # zeroed on the stream the engines then read and write them on
+        # Zeroed on the stream the engines read and write them on, and under the step lock: another thread's step
+        # may be capturing a CUDA graph on that stream, and a capture records whatever is queued on its stream, from
+        # any thread (the zero fill would land in that graph and run on every replay, never here).
+        with backend.run_lock, torch.cuda.stream(backend.stream):
             self.buffers = [torch.zeros(shape, dtype=backend.dtype, device="cuda") for _ in backend.past_names]
         self.max_context = backend.kv_spec["max_context"]
         self._graphs: dict[tuple[int, int], tuple] = {}  # (lo, hi) -> (CUDAGraph, static inputs, logits, context)
@@ -192,7 +195,7 @@ class DeviceCache:
                 end.record(backend.stream)
             else:
                 # the bucket's own context when this step will be captured: the graph keeps its shapes and state
-                context = backend.engines[phase].create_execution_context() if graphed else backend.contexts[phase]
+                context = new_context(backend.engines[phase], phase) if graphed else backend.contexts[phase]
                 static = {name: torch.from_numpy(np.ascontiguousarray(array)).to("cuda") for name, array in host.items()}
                 logits = self._bind(phase, context, rows, static)
                 start.record(backend.stream)
@@ -201,17 +204,43 @@ class DeviceCache:
                 end.record(backend.stream)
                 if graphed:  # after one eager run with these shapes, and a sync, capture the bucket's graph
                     backend.stream.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=backend.stream):
-                        captured = context.execute_async_v3(backend.stream.cuda_stream)
-                    if not captured:
-                        raise RuntimeError(f"TensorRT {phase} step could not be captured as a CUDA graph "
-                                           f"(execute_async_v3 returned False); set backend.tensorrt.cuda_graphs: "
-                                           f"false")
-                    self._graphs[rows] = (graph, static, logits, context)
+                    self._graphs[rows] = (capture(torch, backend.stream, context, phase), static, logits, context)
         end.synchronize()
         backend.last_device_ms = start.elapsed_time(end)
         return logits.float().cpu().numpy()
+
+
+def new_context(engine, phase: str):
+    """An execution context, or a clear error: create_execution_context returns None (not an exception) when
+    TensorRT cannot allocate the context's device memory, and the next set_input_shape would fail on None."""
+    context = engine.create_execution_context()
+    if context is None:
+        raise RuntimeError(f"TensorRT could not create a {phase} execution context (its log above says why; usually "
+                           f"GPU memory: each context holds the activation memory of the engine's largest profile "
+                           f"shapes, and each CUDA-graph bucket has its own; set backend.tensorrt.cuda_graphs: false "
+                           f"or a smaller export.max_batch)")
+    return context
+
+
+def capture(torch, stream, context, phase: str):
+    """One enqueue of `context` captured as a CUDA graph on `stream`. A CUDA call that capture forbids (TensorRT
+    returns False, and the invalidated capture makes capture_end raise as the `with` closes, before any return value
+    could be read) is reported either way with the setting that avoids graphs; this step's eager run has already
+    written the cache and its logits stand, so only the graph is lost.
+
+    capture_error_mode thread_local: only this thread's unsafe CUDA calls are refused while it captures; under the
+    default "global" one in another thread (TensorRT freeing a dropped context's memory, a server thread's
+    allocation) fails and invalidates this capture."""
+    graph = torch.cuda.CUDAGraph()
+    advice = f"TensorRT {phase} step could not be captured as a CUDA graph"
+    try:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            captured = context.execute_async_v3(stream.cuda_stream)
+    except RuntimeError as error:
+        raise RuntimeError(f"{advice} ({error}); set backend.tensorrt.cuda_graphs: false") from error
+    if not captured:
+        raise RuntimeError(f"{advice} (execute_async_v3 returned False); set backend.tensorrt.cuda_graphs: false")
+    return graph
 
 
 def _profile_shapes(engine, name: str) -> str:

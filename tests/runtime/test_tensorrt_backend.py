@@ -37,6 +37,7 @@ def test_an_engine_for_another_gpu_of_the_same_major_generation_is_refused():
 
 def test_slot_rows_off_tensorrts_address_alignment_are_refused_before_any_allocation():
     """An artifact built before the build checked it: the scheduler's rows would start at refused addresses."""
+    import threading
     from types import SimpleNamespace
 
     import torch
@@ -47,7 +48,7 @@ def test_slot_rows_off_tensorrts_address_alignment_are_refused_before_any_alloca
     with pytest.raises(ArtifactError, match="cache rows take 768384 bytes, not a multiple of 256.*rebuild"):
         DeviceCache(backend, rows=4)
     # one sequence is bound at row 0 only, the buffer's own (aligned) address: such an artifact still runs one request
-    one = SimpleNamespace(torch=torch, dtype=torch.float16, stream=None, past_names=[],
+    one = SimpleNamespace(torch=torch, dtype=torch.float16, stream=None, past_names=[], run_lock=threading.Lock(),
                           kv_spec={"shape": ["batch", 3, 2001, 64], "max_context": 2001})  # no layers: nothing is allocated on a GPU here
     assert (DeviceCache(one, rows=1).rows, DeviceCache(one, rows=1).nbytes) == (1, 0)
 
@@ -280,3 +281,81 @@ def test_a_step_binds_only_the_inputs_the_engine_has_and_one_it_lacks_is_refused
     with pytest.raises(ArtifactError, match=r"decode engine: inputs \['cache_position'\] are not bound by this "
                                             r"runtime; rebuild the artifact"):
         engine_inputs("decode", Engine("cache_position"), trt, bound)
+
+
+def test_an_execution_context_tensorrt_cannot_create_is_named_not_used_as_none():
+    """create_execution_context returns None when TensorRT cannot allocate the context (GPU memory): the first
+    step then failed with "'NoneType' object has no attribute 'set_input_shape'"."""
+    from runtime.tensorrt_backend import new_context
+
+    class Engine:
+        def __init__(self, context):
+            self.context = context
+
+        def create_execution_context(self):
+            return self.context
+
+    assert new_context(Engine("a context"), "decode") == "a context"
+    with pytest.raises(RuntimeError, match=r"could not create a decode execution context .* backend.tensorrt.cuda_graphs: false"):
+        new_context(Engine(None), "decode")
+
+
+def test_cache_buffers_are_allocated_under_the_step_lock():
+    """The buffers are zeroed on the backend's stream; a step of another thread capturing a CUDA graph on that stream
+    would record the fill into its graph (a capture takes what is queued on its stream from any thread)."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from runtime.tensorrt_backend import DeviceCache
+
+    lock, held = threading.Lock(), []
+
+    def zeros(shape, dtype, device):
+        held.append(lock.locked())
+        return SimpleNamespace(shape=shape)
+
+    torch = SimpleNamespace(empty=lambda shape, dtype: SimpleNamespace(element_size=lambda: 2), zeros=zeros,
+                            cuda=SimpleNamespace(stream=lambda stream: contextlib.nullcontext()))
+    backend = SimpleNamespace(torch=torch, dtype="float16", stream="the backend's stream", run_lock=lock,
+                              past_names=["past_key_values.0.key", "past_key_values.0.value"],
+                              kv_spec={"shape": ["batch", 2, 128, 16], "max_context": 128})
+    DeviceCache(backend, rows=2)
+    assert held == [True, True] and not lock.locked()
+
+
+def test_a_step_that_cannot_be_captured_as_a_cuda_graph_names_the_setting_either_way():
+    """An invalidated capture raises from torch.cuda.graph's exit (capture_end), before the check of
+    execute_async_v3's False was reached: the message naming cuda_graphs: false never showed. The capture refuses
+    only this thread's unsafe calls (thread_local), so another thread's allocation does not invalidate it."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from runtime.tensorrt_backend import capture
+
+    modes = []
+
+    def fake_torch(fail_on_exit):
+        @contextlib.contextmanager
+        def graph(cuda_graph, stream, capture_error_mode):
+            modes.append(capture_error_mode)
+            yield
+            if fail_on_exit:
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return SimpleNamespace(cuda=SimpleNamespace(CUDAGraph=lambda: "graph", graph=graph))
+
+    class Context:
+        def __init__(self, result):
+            self.result = result
+
+        def execute_async_v3(self, stream):
+            return self.result
+
+    stream = SimpleNamespace(cuda_stream=7)
+    assert capture(fake_torch(False), stream, Context(True), "decode") == "graph"
+    with pytest.raises(RuntimeError, match=r"returned False\); set backend.tensorrt.cuda_graphs: false"):
+        capture(fake_torch(False), stream, Context(False), "decode")
+    with pytest.raises(RuntimeError, match=r"\(CUDA error: operation not permitted .*\); set backend.tensorrt."
+                                           r"cuda_graphs: false"):
+        capture(fake_torch(True), stream, Context(False), "decode")
+    assert modes == ["thread_local"] * 3
