@@ -65,7 +65,8 @@ def _build(args) -> None:
         from compiler.accuracy import format_accuracy
 
         console.print(format_accuracy(manifest["accuracy"]), highlight=False)
-    console.print(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s")
+    console.print(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s", highlight=False,
+                  soft_wrap=True)
 
 
 def _shortened(text: str, limit: int = INSPECT_SUMMARY_CHARACTERS) -> str:

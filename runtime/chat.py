@@ -4,7 +4,8 @@ The template comes with the model (a GGUF's tokenizer.chat_template, a Hugging F
 tokenizer_config.json) and is rendered the way transformers' apply_chat_template renders it: a sandboxed Jinja
 environment with trim_blocks and lstrip_blocks and the loop-controls extension, `raise_exception`, `strftime_now`,
 a `tojson` that keeps non-ASCII text, and the special tokens' text as bos_token / eos_token. The text is then
-tokenized without adding special tokens: the template writes them (so BOS is never doubled).
+tokenized without adding special tokens: the template writes them (so BOS is never doubled); a GGUF artifact
+whose file adds BOS gets it as llama.cpp gives it (Engine.chat_prompt_ids).
 """
 from __future__ import annotations
 

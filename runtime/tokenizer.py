@@ -40,7 +40,8 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer.json's post-processor adds BOS when the model wants one; add nothing by hand. A chat
-        # template writes its special tokens itself: add_special_tokens=False there.
+        # template writes its special tokens itself: add_special_tokens=False there (but for a GGUF artifact's BOS,
+        # which Engine.chat_prompt_ids adds as llama.cpp does).
         if isinstance(text, str):
             check_unicode(text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

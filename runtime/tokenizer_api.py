@@ -20,7 +20,8 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 
 def tokenize(engine, body, model_name: str) -> dict:
     """A text's token ids as /v1/completions would run them (add_special_tokens, default true: the tokenizer's BOS),
-    or chat messages' as /v1/chat/completions renders them (the template writes its special tokens)."""
+    or chat messages' as /v1/chat/completions renders them (Engine.chat_prompt_ids: the template writes its special
+    tokens; a GGUF file's BOS as llama.cpp adds it)."""
     fields = request_fields(body, TOKENIZE_FIELDS, model_name)
     special = flag(fields, "add_special_tokens", default=True)
     if ("prompt" in fields) == ("messages" in fields):

@@ -171,12 +171,11 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
     if scaling not in (None, "none"):
         raise BuildError(f"{path}: rope scaling {scaling!r} is not supported by the canonical decoder (plain RoPE).")
     # llama.cpp reads a factor without a type as linear scaling (and the pre-2024 key rope.scale_linear too); with
-    # type "none" it still divides every position by the factor (its freq_scale does not depend on the type)
+    # type "none" it ignores the factor (llama_context: "never scale if scaling type is none"): plain RoPE
     factor = _field(reader, f"{arch}.rope.scaling.factor", _field(reader, f"{arch}.rope.scale_linear"))
-    if factor not in (None, 0, 1, 0.0, 1.0):
-        given = "" if scaling is None else f", with rope.scaling.type {scaling!r}"
-        raise BuildError(f"{path}: rope scaling factor {factor}{given} (linear, as llama.cpp reads it) is not supported "
-                         f"by the canonical decoder (plain RoPE).")
+    if scaling is None and factor not in (None, 0, 1, 0.0, 1.0):
+        raise BuildError(f"{path}: rope scaling factor {factor} (linear, as llama.cpp reads it) is not supported by the "
+                         f"canonical decoder (plain RoPE).")
     hidden, heads = _count(required("embedding_length"), f"{arch}.embedding_length", path), \
         _count(required("attention.head_count"), f"{arch}.attention.head_count", path)
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)

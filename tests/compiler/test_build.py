@@ -92,12 +92,29 @@ def test_bad_recipes_get_one_line_errors(capsys, tmp_path, recipe_text, expected
     assert not (tmp_path / "out").exists()
 
 
-def test_an_error_naming_a_long_path_prints_it_unbroken(capsys, tmp_path):
+def test_an_error_naming_a_long_path_prints_it_unbroken(capsys, tmp_path, monkeypatch):
     """An error goes to stderr, which a log or a pipe gives 80 columns: rich cut a long path there with a newline,
     so the path a user copies or greps for was not in the output."""
+    from compiler.console import console
+
+    monkeypatch.setattr(console, "_width", 80)  # as a pipe gives it, whatever COLUMNS this test runs under
     path = tmp_path / ("a_folder_whose_name_is_long_" * 4) / "recipe.yaml"
     status, output = run_cli(capsys, "build", str(path))
     assert status == 2 and str(path) in output and output.count("\n") == 1
+
+
+def test_the_built_line_prints_a_long_artifact_path_unbroken(capsys, tmp_path, tiny_artifact, monkeypatch):
+    """The build's last line names the artifact; piped, rich's 80 columns cut a long path there with a newline, as
+    they had cut errors' paths."""
+    import shutil
+
+    from compiler.console import console
+
+    monkeypatch.setattr(console, "_width", 80)  # as a pipe gives it, whatever COLUMNS this test runs under
+    artifact = shutil.copytree(tiny_artifact, tmp_path / ("a_folder_whose_name_is_long_" * 4) / "tiny-random")
+    monkeypatch.setattr(build_module, "build", lambda recipe, output, progress=None: artifact)
+    status, output = run_cli(capsys, "build", str(TINY_RECIPE), "--output", str(artifact.parent))
+    assert status == 0 and any(line.startswith(f"built {artifact} in ") for line in output.splitlines()), output
 
 
 @pytest.mark.parametrize("passes, expected", [

@@ -447,9 +447,10 @@ def test_a_gguf_tokenizer_without_merges_and_a_bare_rope_factor_are_refused(tmp_
             load_gguf(str(path))
 
 
-def test_a_gguf_rope_factor_with_scaling_type_none_is_refused(tmp_path, monkeypatch):
-    """llama.cpp scales positions by 1 / rope.scaling.factor whatever rope.scaling.type says, "none" included; the
-    loader refused a factor only without a type, and loaded type "none" with factor 4 as plain RoPE."""
+def test_a_gguf_rope_factor_with_scaling_type_none_loads_as_plain_rope(tmp_path, monkeypatch):
+    """llama.cpp never scales positions when rope.scaling.type is "none", whatever rope.scaling.factor says
+    (llama_context sets rope_freq_scale to 1: "never scale if scaling type is none"); only a factor without a type is
+    linear scaling, which the canonical decoder cannot run."""
     original = random_model(TINY, seed=0)
     add_float32 = gguf.GGUFWriter.add_float32
 
@@ -461,11 +462,12 @@ def test_a_gguf_rope_factor_with_scaling_type_none_is_refused(tmp_path, monkeypa
     monkeypatch.setattr(gguf.GGUFWriter, "add_float32", with_type_none)
     write_gguf(tmp_path / "none.gguf", TINY, original.state_dict, original.tokenizer_json,
                extra={"llama.rope.scaling.factor": 4.0})
-    with pytest.raises(BuildError, match=r"none.gguf: rope scaling factor 4.0, with rope.scaling.type 'none' \(linear"):
-        load_gguf(str(tmp_path / "none.gguf"))
-    write_gguf(tmp_path / "one.gguf", TINY, original.state_dict, original.tokenizer_json,
-               extra={"llama.rope.scaling.factor": 1.0})
-    assert load_gguf(str(tmp_path / "one.gguf")).config == TINY
+    assert load_gguf(str(tmp_path / "none.gguf")).config == TINY
+    monkeypatch.setattr(gguf.GGUFWriter, "add_float32", add_float32)
+    write_gguf(tmp_path / "bare.gguf", TINY, original.state_dict, original.tokenizer_json,
+               extra={"llama.rope.scaling.factor": 4.0})
+    with pytest.raises(BuildError, match=r"bare.gguf: rope scaling factor 4.0 \(linear"):
+        load_gguf(str(tmp_path / "bare.gguf"))
 
 
 @pytest.mark.parametrize("method, key", [("add_layer_norm_rms_eps", "llama.attention.layer_norm_rms_epsilon"),
