@@ -49,7 +49,9 @@ def _build(args) -> None:
 
     def progress(message: str) -> None:
         now = time.perf_counter()
-        console.log(f"[dim]+{now - last[0]:5.1f}s[/dim] {escape(message)}")  # paths, names: not markup
+        # One line per step, however narrow a pipe (console.log's columns cut it in two and named this file's line)
+        console.print(f"[dim]{time.strftime('%H:%M:%S')} +{now - last[0]:5.1f}s[/dim] {escape(message)}",
+                      highlight=False, soft_wrap=True)  # paths, names: not markup
         last[0] = now
 
     with console.status(f"building {recipe.name}"):
