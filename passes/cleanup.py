@@ -43,6 +43,10 @@ RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifor
 CAST_ELISION_OPS = {"Add", "Sub", "Mul", "Div", "Max", "Min", "Equal", "Greater", "Less", "Concat"}
 
 
+# deduplicate_initializers tells same-layout tensors apart by this many bytes from each end before hashing any
+DIGEST_SAMPLE_BYTES = 4096
+
+
 @dataclass(frozen=True)
 class Options:
     fold_constants: bool = True
@@ -292,20 +296,33 @@ def deduplicate_initializers(graph: gs.Graph, first_seen: dict[str, int]) -> int
     for group in by_layout.values():
         if len(group) < 2:
             continue
-        kept: dict[bytes, gs.Constant] = {}
+        # A tensor is hashed in full only when a sample of its bytes (their start and end) matches an earlier one's:
+        # same-layout weights that differ (each layer's) are told apart by the sample, which costs a copy, not a
+        # hash (blake2b of every weight was ~1 s of a SmolLM2-135M build). Equal contents have equal samples, so
+        # the same tensors are kept and rewired as when every one was hashed.
+        first_by_sample: dict[bytes, gs.Constant] = {}
+        kept: dict[bytes, dict[bytes, gs.Constant]] = {}  # sample -> digest -> the tensor kept for those bytes
         for tensor in group:
-            digest = _content_digest(tensor)
-            if digest is None:
+            data = _content_bytes(tensor)
+            if data is None:
                 continue
-            keep = kept.setdefault(digest, tensor)
+            sample = data[:DIGEST_SAMPLE_BYTES] + data[-DIGEST_SAMPLE_BYTES:]
+            first = first_by_sample.setdefault(sample, tensor)
+            if first is tensor:
+                continue
+            by_digest = kept.setdefault(sample, {})
+            if not by_digest:
+                by_digest[_digest(_content_bytes(first))] = first
+            keep = by_digest.setdefault(_digest(data), tensor)
+            del data
             if keep is not tensor:
                 _rewire_consumers(tensor, keep)
                 rewired += 1
     return rewired
 
 
-def _content_digest(tensor: gs.Constant) -> bytes | None:
-    """Hash of the tensor's bytes, or None when they are not at hand (external data, sparse, strings)."""
+def _content_bytes(tensor: gs.Constant) -> bytes | None:
+    """The tensor's bytes, or None when they are not at hand (external data, sparse, strings)."""
     values = tensor._values  # not .values: that would load a lazy weight into numpy and keep the copy
     if isinstance(values, SparseValues):
         return None
@@ -313,11 +330,13 @@ def _content_digest(tensor: gs.Constant) -> bytes | None:
         proto = values.tensor
         if proto.data_location == onnx.TensorProto.EXTERNAL or proto.data_type == onnx.TensorProto.STRING:
             return None
-        data = proto.raw_data if proto.HasField("raw_data") else values.load().tobytes()
-    else:
-        if values.dtype == object:
-            return None
-        data = np.ascontiguousarray(values).tobytes()
+        return proto.raw_data if proto.HasField("raw_data") else values.load().tobytes()
+    if values.dtype == object:
+        return None
+    return np.ascontiguousarray(values).tobytes()
+
+
+def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
 
 

@@ -456,3 +456,33 @@ def test_a_refused_option_names_the_pass_and_its_index(monkeypatch):
                                                    check=refuse))
     with pytest.raises(BuildError, match=r"^passes\[1\] \(picky\): bits: 3 is not one of 4, 8$"):
         pipeline.check_passes([*specs("cleanup"), Spec("picky", NoOptions())])
+
+
+@pytest.mark.parametrize("caller_froze", [False, True])
+def test_objects_from_before_are_frozen_while_the_passes_run_and_thawed_after(monkeypatch, caller_froze):
+    """run_pipeline keeps what existed before it out of the collector's way while the passes run (gc.freeze), and
+    gives it back after, a failing pass too; a caller's own freeze is left as it was."""
+    import gc
+
+    seen = []
+
+    def observe(model, options):
+        seen.append(gc.get_freeze_count())
+        return model, {}
+
+    def fail(model, options):
+        raise PassError("no")
+
+    register(monkeypatch, "observe", observe)
+    register(monkeypatch, "fail", fail)
+    if caller_froze:
+        gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        run_pipeline(phases(), [Spec("observe")])
+        with pytest.raises(BuildError):
+            run_pipeline(phases(), [Spec("fail")])
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    assert seen and all(count > 0 for count in seen)

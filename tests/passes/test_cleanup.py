@@ -627,3 +627,23 @@ def test_a_constant_inside_a_branch_is_folded_without_touching_the_callers_model
     assert model.SerializeToString() == before
     feeds = {"f": np.ones(3, np.float32), "cond": np.array(True)}
     np.testing.assert_array_equal(run_ort(cleaned, feeds)[0], [2, 2, 2])
+
+
+def test_weights_equal_at_both_ends_but_not_between_are_not_merged_and_equal_ones_are():
+    """deduplicate_initializers compares a sample of each weight's bytes (its start and end) before hashing it whole:
+    weights whose samples match but whose middles differ stay apart; equal ones still go to the first of them."""
+    size = 4 * cleanup.DIGEST_SAMPLE_BYTES  # float32: the sample covers half of each weight
+    base = np.arange(size, dtype=np.float32)
+    middle = base.copy()
+    middle[size // 2] = -1.0  # outside both ends' samples
+    weights = {"w0": base, "w1": middle, "w2": base.copy(), "w3": middle.copy()}
+    names = list(weights)
+    nodes = [helper.make_node("Add", ["x", name], [f"y_{name}"]) for name in names]
+    model = small_model(nodes, [("x", TensorProto.FLOAT, [size])], [(f"y_{n}", TensorProto.FLOAT, [size]) for n in names],
+                        [numpy_helper.from_array(array, name) for name, array in weights.items()])
+    cleaned, report = cleanup.run(model, cleanup.Options())
+    assert report["initializers_deduplicated"] == 2
+    assert sorted(tensor.name for tensor in cleaned.graph.initializer) == ["w0", "w1"]
+    readers = {node.output[0]: node.input[1] for node in cleaned.graph.node}
+    assert readers == {"y_w0": "w0", "y_w1": "w1", "y_w2": "w0", "y_w3": "w1"}
+    same_outputs(model, {"x": np.ones(size, np.float32)})
