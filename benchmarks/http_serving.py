@@ -122,13 +122,20 @@ def over_http(host: str, port: int, workload, clients: int) -> dict:
         thread.start()
     for thread in threads:
         thread.join()
+    return aggregate(records)
+
+
+def aggregate(records: list[dict]) -> dict:
+    """A level's numbers from its stream_one records. A one-token output has no TPOT (vLLM leaves it out of its
+    tpots): out of the clients' TPOT, and out of the server's, whose `timings` report it as 0.0 ms."""
     start, end = min(r["sent"] for r in records), max(r["end"] for r in records)
+    server_tpots = [r["server"]["tpot_ms"] for r in records if r["server"]["output_tokens"] > 1]
     return {"output_tokens": sum(r["tokens"] for r in records),
             "output_tokens_per_s": sum(r["tokens"] for r in records) / (end - start),
             "ttft_ms": ms([r["ttft"] for r in records]),
             "tpot_ms": ms([r["tpot"] for r in records if r["tpot"] is not None]),
             "server_ttft_ms": float(np.median([r["server"]["ttft_ms"] for r in records])),
-            "server_tpot_ms": float(np.median([r["server"]["tpot_ms"] for r in records])),
+            "server_tpot_ms": float(np.median(server_tpots)) if server_tpots else None,
             "ttfts_ms": [1e3 * r["ttft"] for r in records]}
 
 

@@ -433,7 +433,8 @@ def parser() -> argparse.ArgumentParser:
                        help="(default) all at once; closed loop of --concurrency clients; Poisson at --rate req/s")
     bench.add_argument("--concurrency", type=int, default=None,
                        help="clients for --arrival concurrency (default 1): each sends its next request when the last one ends")
-    bench.add_argument("--rate", type=float, default=None, help="requests/s for --arrival poisson")
+    bench.add_argument("--rate", type=float, default=None,
+                       help="requests/s for --arrival poisson (the gaps rescaled so that the run realizes it, as vLLM's)")
     bench.add_argument("--seed", type=nonnegative_int, default=None, help="lengths and Poisson arrivals (default 0)")
     bench.add_argument("--prompt-tokens", default=None, help="N, or LOW:HIGH drawn uniformly (default: 128)")
     bench.add_argument("--output-tokens", default=None, help="N, or LOW:HIGH drawn uniformly (default: 64)")
