@@ -60,6 +60,7 @@ def _start_over_in_forked_child() -> None:
         engine._batch_one = threading.Lock()
         engine._batch_one_threads = _NO_THREADS
         engine._cached_ids = None
+        engine._batch_one_epoch += 1  # a stream another thread of the parent had open fails if the child resumes it
 
 
 if hasattr(os, "register_at_fork"):  # POSIX only
@@ -141,6 +142,8 @@ class Engine:
         self._batch_one = threading.Lock()  # stream/generate: one sequence at a time on the batch-1 cache
         # The threads (objects: a finished thread's id is given to the next one) that resumed the request inside it.
         self._batch_one_threads: set[threading.Thread] | frozenset = _NO_THREADS
+        # Counts the forks that took the batch-1 cache from a stream of the parent (_start_over_in_forked_child)
+        self._batch_one_epoch = 0
         self._chat_template: str | None = None  # the artifact's chat template, read by load (prepare_chat)
         self.prefix_caching = False  # set by Engine.load: see _reusable_prefix
         # What the batch-1 cache holds after the last request: (the cache, the backend's run count then, the token
@@ -172,8 +175,11 @@ class Engine:
         where the artifact's takes a past (its logits then equal a whole prefill's), else through the decode graph
         (equal within float rounding). Off by default: repeated prompts would then time a cache hit, not a
         prefill."""
+        if isinstance(artifact_dir, os.PathLike):  # pathlib's pure paths, and any other path object
+            artifact_dir = os.fspath(artifact_dir)
         if not isinstance(artifact_dir, (str, Path)):
-            raise ArtifactError(f"artifact_dir must be a path (str or pathlib.Path), got {type(artifact_dir).__name__}")
+            raise ArtifactError(f"artifact_dir must be a path (str or pathlib.Path), got {type(artifact_dir).__name__}"
+                                + ("; decode it to str first" if isinstance(artifact_dir, bytes) else ""))
         if intra_op_threads is not None and (isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int)
                                              or intra_op_threads < 0):
             raise RequestError(f"intra_op_threads must be an integer >= 0 (0: onnxruntime's default) or None, got "
@@ -215,7 +221,8 @@ class Engine:
             raise ArtifactError(f"{folder}: built for backend {backend_name!r}; this runtime runs 'onnxruntime' and "
                                 f"'tensorrt' artifacts")
         tokenizer_info = manifest["tokenizer"]
-        tokenizer = TextTokenizer(folder / tokenizer_info["file"], tokenizer_info.get("bos_token_id"))
+        tokenizer = TextTokenizer(folder / tokenizer_info["file"], tokenizer_info.get("bos_token_id"),
+                                  manifest["model"]["config"]["vocab_size"])
         engine = cls(folder, manifest, backend, tokenizer)
         engine.prefix_caching = prefix_caching
         try:
@@ -308,8 +315,11 @@ class Engine:
             arrival = time.perf_counter() if arrival is None else arrival  # a later prompt's wait for room counts
             handles = []
             try:
-                for one in prompt:
-                    handles.append(self.submit(one, params, arrival=arrival, block=True))
+                for index, one in enumerate(prompt):
+                    try:
+                        handles.append(self.submit(one, params, arrival=arrival, block=True))
+                    except RequestError as error:  # which of the list (of hundreds, say) it is
+                        raise type(error)(f"prompts[{index}]: {error}") from None
             except BaseException:  # one prompt refused: none of the list runs
                 for handle in handles:
                     handle.cancel()
@@ -402,8 +412,13 @@ class Engine:
         """The prompt's token ids: a string is tokenized; either way the ids are checked against the vocabulary."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (bytes, bytearray)):  # iterating them gives byte values, not token ids
+        elif isinstance(prompt, (bytes, bytearray, memoryview)):  # iterating them gives byte values, not token ids
             raise RequestError(f"the prompt is {type(prompt).__name__}; decode it to str first (e.g. prompt.decode())")
+        elif isinstance(prompt, (dict, set, frozenset)):  # iterating them gives keys, or ids in no given order
+            chat = isinstance(prompt, dict) and "role" in prompt
+            raise RequestError(f"the prompt must be a string or a list of token ids, got a {type(prompt).__name__}"
+                               + ("; for chat messages use engine.chat([message]), or engine.chat_prompt_ids("
+                                  "[message]) as the prompt" if chat else ""))
         else:
             try:
                 tokens = list(prompt)
@@ -411,13 +426,19 @@ class Engine:
                 raise RequestError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}") \
                     from None
             if any(isinstance(t, np.ndarray) for t in tokens):  # input_ids [1, n], as tokenizers hand them out
-                raise RequestError(f"the prompt must be one flat list of token ids; got a "
-                                   f"{np.asarray(prompt).ndim}-D array: pass ids[0] for one prompt, or a list of "
-                                   f"prompts for a batch")
+                arrays = f"{np.ndim(prompt)}-D array" if isinstance(prompt, np.ndarray) else "list of arrays"
+                raise RequestError(f"the prompt must be one flat list of token ids; got a {arrays}: pass ids[0] for "
+                                   f"one prompt, or a list of prompts to engine.generate for a batch")
+            if any(isinstance(t, dict) and "role" in t for t in tokens):
+                raise RequestError("the prompt is a list of chat messages: use engine.chat(messages), or pass "
+                                   "engine.chat_prompt_ids(messages) as the prompt")
             # operator.index: Python and numpy integers pass; 3.7 is refused, where int() would quietly make it 3
-            bad = next((t for t in tokens if isinstance(t, bool) or not hasattr(type(t), "__index__")), None)
-            if bad is not None:
-                raise RequestError(f"prompt token ids must be integers; got {bad!r} ({type(bad).__name__})")
+            position = next((i for i, t in enumerate(tokens) if isinstance(t, bool) or
+                             not hasattr(type(t), "__index__")), None)  # an index: the bad id itself may be None
+            if position is not None:
+                bad = tokens[position]
+                raise RequestError(f"prompt token ids must be integers; got {bad!r} ({type(bad).__name__}) at "
+                                   f"position {position}")
             ids = [operator.index(token) for token in tokens]
         bad, vocab = self._outside_vocabulary(ids), self.manifest["model"]["config"]["vocab_size"]
         if bad is not None and isinstance(prompt, str):  # an artifact built before the build checked its tokenizer
@@ -459,10 +480,15 @@ class Engine:
         every later request waited forever."""
         me = self._batch_one_caller()
         with self._batch_one:
+            epoch = self._batch_one_epoch
             try:
                 self._batch_one_threads = {me}
                 steps = self._generate(prompt_ids, params, received, tokenize_s)
                 while True:
+                    if self._batch_one_epoch != epoch:  # resumed in a forked child, where it is not the cache's
+                        raise RequestError("this stream was started by another thread of the parent process before "
+                                           "os.fork(): a forked child does not go on with it (the cache is the "
+                                           "child's now); start the request again in the child")
                     # Every thread that resumes the stream is bound to it until it ends: one that took it over and
                     # starts another request inside its loop is refused (it would wait on itself), as is one it was
                     # handed back to.
@@ -473,7 +499,8 @@ class Engine:
                         return done.value
                     yield piece
             finally:
-                self._batch_one_threads = _NO_THREADS  # a constant: no Python call here for an interrupt to land in
+                if self._batch_one_epoch == epoch:  # else the child's own requests hold the cache now
+                    self._batch_one_threads = _NO_THREADS  # a constant: no Python call here for an interrupt to land in
 
     def _batch_one_caller(self) -> threading.Thread:
         """This thread, unless it has resumed a stream of this engine still open (see batch_one)."""

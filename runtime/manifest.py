@@ -4,6 +4,7 @@ The manifest is the contract between the compiler and the runtime; this module o
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 from pathlib import Path
@@ -29,11 +30,31 @@ REQUIRED_SECTIONS = {"name": str, "model": dict, "tokenizer": dict, "kv_cache": 
 
 
 def _artifacts_inside(folder: Path, shown: int = 6) -> list[Path]:
-    """The artifact folders directly inside `folder` (`aotlm build`'s --output, artifacts/ by default), a few."""
+    """The artifact folders directly inside `folder` (`aotlm build`'s --output, artifacts/ by default), a few; not a
+    build's hidden temporary folders (.NAME.partial-..., whose manifest is written just before the rename)."""
     try:
-        return sorted(child for child in folder.iterdir() if (child / MANIFEST_FILE).is_file())[:shown]
+        return sorted(child for child in folder.iterdir()
+                      if not child.name.startswith(".") and (child / MANIFEST_FILE).is_file())[:shown]
     except OSError:
         return []
+
+
+def _build_in_progress(folder: Path) -> str | None:
+    """What to say when `folder` is a build's temporary folder, or the artifact a running build will put in place
+    (compiler/artifact.py: staged_folder writes .NAME.partial-PID-XXXX beside it, then renames it to NAME)."""
+    name = folder.name
+    if name.startswith(".") and ".partial-" in name:
+        final = folder.parent / name[1:name.rindex(".partial-")]
+        return (f"{folder}: a build's temporary folder, not an artifact; the build puts the artifact at {final} when it "
+                f"finishes: load that")
+    try:
+        running = next(folder.parent.glob(f".{glob.escape(name)}.partial-*"), None)
+    except OSError:
+        return None
+    if running is not None:
+        return (f"{folder}: no such directory yet: a build of it seems to be running (its temporary folder "
+                f"{running} exists); load it once `aotlm build` finishes")
+    return None
 
 
 def read_manifest(artifact_dir: str | Path) -> dict:
@@ -44,12 +65,16 @@ def read_manifest(artifact_dir: str | Path) -> dict:
         fix = (f"it looks like a recipe: build it with `aotlm build {folder}` (or size it with `aotlm plan {folder}`)"
                if folder.suffix in (".yaml", ".yml") else "an artifact is the folder `aotlm build RECIPE` writes")
         raise ArtifactError(f"{folder}: a file, not an artifact folder; {fix}")
+    building = _build_in_progress(folder) if folder.name else None
     if not folder.is_dir():
-        raise ArtifactError(f"{folder}: not an artifact folder (no such directory); build one with `aotlm build RECIPE`")
+        raise ArtifactError(building or f"{folder}: not an artifact folder (no such directory); build one with "
+                                        f"`aotlm build RECIPE`")
     try:
         has_manifest = path.is_file()
     except OSError as error:  # a folder without search (x) permission: even stat of what it holds is refused
         raise _unreadable(path, error) from None
+    if not has_manifest and building is not None and folder.name.startswith("."):
+        raise ArtifactError(building)
     if not has_manifest:
         inside = _artifacts_inside(folder)
         fix = (f"it holds artifacts: give one of {', '.join(map(str, inside))}" if inside

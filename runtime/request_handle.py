@@ -3,11 +3,15 @@ handles' done-callbacks. The scheduler (runtime/scheduler.py) completes handles 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Callable, Iterator
+
+from runtime.errors import RequestError
 
 if TYPE_CHECKING:
     from runtime.results import GenerationResult
@@ -59,6 +63,13 @@ class CallbackThread:
                 callback()
             except BaseException:  # SystemExit too: it would end this thread with callbacks still due
                 LOGGER.exception("a request's done-callback raised")
+
+
+def _check_timeout(timeout) -> None:
+    """None, or a number of seconds (threading's wait raised "'>' not supported between 'str' and 'int'" for "1")."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or math.isnan(timeout)):
+        raise RequestError(f"timeout: {timeout!r} must be a number of seconds, or None to wait until the request ends")
 
 
 class LoggedPiece(str):
@@ -116,11 +127,24 @@ class RequestHandle:
         self._future.result()  # raises the request's error, if it failed
 
     def result(self, timeout: float | None = None) -> GenerationResult:
-        return self._future.result(timeout)
+        """The result, waiting for it at most `timeout` seconds (None: as long as it takes); TimeoutError after."""
+        _check_timeout(timeout)
+        try:
+            return self._future.result(timeout)
+        except FutureTimeoutError:
+            raise TimeoutError(self._not_done(timeout)) from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error the request failed with (after waiting for it), or None."""
-        return self._future.exception(timeout)
+        _check_timeout(timeout)
+        try:
+            return self._future.exception(timeout)
+        except FutureTimeoutError:
+            raise TimeoutError(self._not_done(timeout)) from None
+
+    def _not_done(self, timeout: float) -> str:  # concurrent.futures' TimeoutError says nothing
+        return (f"request {self.id} has not finished after {timeout} s; wait longer (result(timeout=None) waits "
+                f"until it ends), or cancel() it")
 
     def done(self) -> bool:
         return self._future.done()
@@ -133,11 +157,26 @@ class RequestHandle:
         """callback(handle) once the result (or error) is set: on the scheduler's callback thread (never its worker:
         a callback may wait on other requests), or at once in this thread if the result is set and no callback is
         due. One handle's callbacks run in the order they were added. One that raises is logged."""
+        if not callable(callback):  # else only logged, as a TypeError, once the request ends
+            raise RequestError(f"add_done_callback: callback must be callable (it is called with the handle), got "
+                               f"{type(callback).__name__}")
         with self._callbacks_lock:
             if not self._fired:
                 self._waiting_callbacks.append(callback)
                 return
         self._scheduler._callbacks.call_in_turn(lambda: callback(self))
+
+    def _fail_after_fork(self, error: BaseException) -> None:
+        """In a forked child, for a request of the parent (Scheduler._start_over_after_fork): done with `error`, its
+        iteration ends, and the parent's callbacks do not run here. Fresh objects: a thread of the parent may have
+        held their locks at the fork."""
+        self._future = Future()
+        self._future.set_exception(error)
+        self._pieces = queue.SimpleQueue()
+        self._pieces.put(END)
+        self._callbacks_lock = threading.Lock()
+        self._waiting_callbacks = []
+        self._fired = True
 
     def _fire(self, _future: Future) -> None:
         """The result is set (on the worker): queue the callbacks added so far, in order, on the callback thread."""

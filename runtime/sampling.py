@@ -3,6 +3,7 @@ repetition, presence and frequency penalties if a request asks for them (as vLLM
 and, if asked, each chosen token's log-probability and its likeliest alternatives'."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -154,12 +155,30 @@ def sampling_params(params: SamplingParams | None, keywords: dict) -> SamplingPa
                            f"(got params and {', '.join(sorted(keywords))})")
     if params is not None and not isinstance(params, SamplingParams):
         raise RequestError(f"params: expected a SamplingParams, got {type(params).__name__}")
-    unknown = [name for name in keywords if name not in SamplingParams.__dataclass_fields__]
+    _check_option_names(keywords)
+    return params or SamplingParams(**keywords)
+
+
+def _check_option_names(options: dict) -> None:
+    unknown = [name for name in options if name not in SamplingParams.__dataclass_fields__]
     if unknown:
         hints = "; ".join(f"{name!r}: {_unknown_option_hint(name)}" for name in unknown)
         raise RequestError(f"unknown sampling option {hints}; the options are "
                            f"{', '.join(SamplingParams.__dataclass_fields__)}")
-    return params or SamplingParams(**keywords)
+
+
+def _with_option_hints(init):
+    """SamplingParams(max_tokens=...) raises the RequestError that generate(..., max_tokens=...) raises (which names
+    max_new_tokens), not the dataclass' bare TypeError "unexpected keyword argument"."""
+    @functools.wraps(init)
+    def checked(self, *args, **options):
+        _check_option_names(options)
+        init(self, *args, **options)
+
+    return checked
+
+
+SamplingParams.__init__ = _with_option_hints(SamplingParams.__init__)
 
 
 # Other APIs' names for options this one spells otherwise (OpenAI's and vLLM's), or does not have.

@@ -307,8 +307,13 @@ class Scheduler:
         """In a forked child (_start_over_in_forked_child): no worker, nothing waiting or running, fresh locks."""
         self._lock = threading.Condition()
         self._worker = None
+        orphans = [*self._waiting, *(sequence for sequence in self._running if sequence is not None)]
         self._waiting.clear()
         self._running = [None] * self.slots
+        for sequence in orphans:  # a handle the child holds would wait forever: it fails now, saying why
+            sequence.handle._fail_after_fork(RequestError(
+                "this request was submitted in the parent process before os.fork(): a forked child does not serve "
+                "the parent's requests; submit it again in the child"))
         self._slot_ids = [None] * self.slots  # the parent's requests may have written the rows since their records
         self._callbacks = CallbackThread()
 

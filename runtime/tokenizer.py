@@ -30,24 +30,50 @@ def check_unicode(text: str, what: str = "the text") -> None:
 
 
 class TextTokenizer:
-    def __init__(self, path: str | Path, bos_token_id: int | None = None):
+    def __init__(self, path: str | Path, bos_token_id: int | None = None, vocab_size: int | None = None):
+        """vocab_size: the model's (Engine.load passes its manifest's), which decode checks ids against; the
+        tokenizer's own size when not given."""
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # tokenizers raises a bare Exception on a bad file
             raise ArtifactError(f"{path}: cannot read the tokenizer ({error}); rebuild the artifact") from None
         self.tokenizer = whole_text(self.tokenizer)
         self.bos_token_id = bos_token_id
+        self.vocab_size = vocab_size if vocab_size is not None else self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer.json's post-processor adds BOS when the model wants one; add nothing by hand. A chat
         # template writes its special tokens itself: add_special_tokens=False there (but for a GGUF artifact's BOS,
         # which Engine.chat_prompt_ids adds as llama.cpp does).
-        if isinstance(text, str):
-            check_unicode(text)
+        if not isinstance(text, str):  # tokenizers' own: "TextInputSequence must be str"
+            hint = "; decode it to str first (e.g. text.decode())" if isinstance(text, (bytes, bytearray)) else ""
+            raise RequestError(f"encode: text must be a str, got {type(text).__name__}{hint}")
+        if not isinstance(add_special_tokens, bool):
+            raise RequestError(f"encode: add_special_tokens must be True or False, got {add_special_tokens!r}")
+        check_unicode(text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens left out); RequestError for anything but a list of ids in the
+        vocabulary (tokenizers dropped an id past it without a word, and raised OverflowError for a negative one)."""
+        vocab = self.vocab_size
+        if type(token_ids) is not list or not all(type(t) is int and 0 <= t < vocab for t in token_ids):
+            token_ids = self._checked_ids(token_ids)  # the generation loop's lists of ints skip this
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _checked_ids(self, token_ids) -> list[int]:
+        if isinstance(token_ids, (str, bytes, bytearray)) or not hasattr(token_ids, "__iter__"):
+            raise RequestError(f"decode: token_ids must be a list of token ids (integers), got "
+                               f"{type(token_ids).__name__}")
+        ids = list(token_ids)
+        bad = next((t for t in ids if isinstance(t, bool) or not hasattr(type(t), "__index__")), _NONE)
+        if bad is not _NONE:
+            raise RequestError(f"decode: token ids must be integers; got {bad!r} ({type(bad).__name__})")
+        ids = [int(t) for t in ids]
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"decode: token id {bad} is outside this model's vocabulary (0..{self.vocab_size - 1})")
+        return ids
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
@@ -69,6 +95,9 @@ class TextTokenizer:
 # Mistral) decodes a text's first "▁word" without its space, so the first generated word would lose the space that
 # separates it from the prompt ("is" + "Paris"); decoded after the prompt's last tokens, it keeps it (" Paris").
 CONTEXT_TOKENS = 5
+
+
+_NONE = object()  # next()'s default where None is a value to report
 
 
 class StreamDecoder:

@@ -193,3 +193,76 @@ def test_a_child_forked_in_the_middle_of_its_own_stream_finishes_it(tiny_artifac
     ("'frozenset' object has no attribute 'add'")."""
     done = run_script(FORK_IN_THE_MIDDLE_OF_ITS_OWN_STREAM, tiny_artifact)
     assert "child: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+# The parent forks with a request of its own still running, and the child waits on its handle, or goes on with a
+# stream another thread of the parent had open.
+FORK_WITH_THE_PARENTS_REQUESTS_OPEN = """
+    import math, os, signal, sys, threading
+    from runtime import Engine
+
+    engine = Engine.load(sys.argv[1])
+    scheduler = engine.start_scheduler(slots=1, idle_exit_s=math.inf)
+    held, resume, run, runs = threading.Event(), threading.Event(), scheduler.cache.run, []
+
+    def held_run(*args, **keywords):  # the worker stops at its third graph run until the fork is done
+        runs.append(1)
+        if len(runs) == 3:
+            held.set()
+            resume.wait()
+        return run(*args, **keywords)
+
+    scheduler.cache.run = held_run
+    running = engine.submit([1, 5, 9], max_new_tokens=20, stop_token_ids=())  # one slot: the other one waits
+    waiting = engine.submit([1, 5, 9], max_new_tokens=4, stop_token_ids=())
+    held.wait()
+    started, forked, streams = threading.Event(), threading.Event(), []
+
+    def stream():
+        streams.append(engine.stream([1, 5, 9], max_new_tokens=6, stop_token_ids=()))
+        next(streams[0])
+        started.set()
+        forked.wait()
+
+    threading.Thread(target=stream, daemon=True).start()
+    started.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # iterating a handle of the parent waited forever too
+        for name, handle in (("running", running), ("waiting", waiting)):
+            try:
+                handle.result(timeout=5)  # waited forever
+                print("child:", name, "finished", flush=True)
+            except BaseException as error:
+                print("child:", name, type(error).__name__, error, flush=True)
+        try:
+            list(running)
+        except BaseException as error:
+            print("child: iterating", type(error).__name__, flush=True)
+        try:
+            list(streams[0])
+            print("child: stream finished", flush=True)
+        except BaseException as error:
+            print("child: stream", type(error).__name__, error, flush=True)
+        print("child: own request", engine.generate([1, 5, 9], max_new_tokens=3).finish_reason, flush=True)
+        os._exit(0)
+    forked.set()
+    resume.set()
+    os.waitpid(pid, 0)
+    print("parent:", running.result().finish_reason, waiting.result().finish_reason, flush=True)
+    engine.close()
+"""
+
+
+def test_a_forked_child_refuses_the_parents_open_requests_instead_of_hanging(tiny_artifact):
+    """The child's copies of the parent's handles never completed (result() waited forever), and a stream another
+    thread of the parent had open failed in the child with "'frozenset' object has no attribute 'add'"."""
+    done = run_script(FORK_WITH_THE_PARENTS_REQUESTS_OPEN, tiny_artifact)
+    for name in ("running", "waiting"):
+        assert f"child: {name} RequestError this request was submitted in the parent process before os.fork()" \
+            in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "child: stream RequestError this stream was started by another thread of the parent process" \
+        in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "child: iterating RequestError" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "child: own request length" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "parent: length length" in done.stdout, (done.stdout, done.stderr[-2000:])

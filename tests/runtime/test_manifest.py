@@ -286,3 +286,34 @@ def test_a_file_outside_the_artifact_folder_is_refused(artifact_copy, outside):
     (artifact_copy / "decode.onnx").unlink()
     with pytest.raises(ArtifactError, match=r"manifest.json: its files list names '.*other/decode.onnx', outside the artifact"):
         Engine.load(artifact_copy, verify=True)
+
+
+def test_any_path_object_loads(tiny_artifact):
+    from pathlib import PurePosixPath
+
+    class Where:  # any os.PathLike
+        def __fspath__(self):
+            return str(tiny_artifact)
+
+    for path in (PurePosixPath(tiny_artifact), Where()):  # "artifact_dir must be a path (str or pathlib.Path)"
+        assert Engine.load(path, huge_pages=False).artifact_dir == Path(tiny_artifact)
+    with pytest.raises(ArtifactError, match="artifact_dir must be a path .*got bytes; decode it to str first"):
+        Engine.load(str(tiny_artifact).encode())
+
+
+def test_a_build_under_way_is_named_not_suggested(tmp_path):
+    """A build writes .NAME.partial-PID-XXXX beside NAME, then renames it (compiler/artifact.py). Loading the output
+    folder suggested the temporary folder as an artifact to load; loading NAME before the rename said to build it."""
+    staging = tmp_path / ".tiny.partial-123-abcd"
+    staging.mkdir()
+    (staging / "manifest.json").write_text("{}")  # written just before the rename
+    with pytest.raises(ArtifactError, match=r"not an artifact \(no manifest.json\); build one with") as refused:
+        Engine.load(tmp_path)
+    assert "partial" not in str(refused.value)
+    with pytest.raises(ArtifactError, match=r"tiny: no such directory yet: a build of it seems to be running .*"
+                                            r"load it once `aotlm build` finishes"):
+        Engine.load(tmp_path / "tiny")
+    (staging / "manifest.json").unlink()
+    with pytest.raises(ArtifactError, match=r"a build's temporary folder, not an artifact; the build puts the "
+                                            r"artifact at .*/tiny when it finishes"):
+        Engine.load(staging)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import pickle
+import re
 import threading
 from types import SimpleNamespace
 
@@ -91,3 +92,20 @@ def test_a_callback_run_at_once_that_raises_is_logged_not_raised_into_the_caller
     assert ran == [threading.current_thread()]
     handle.add_done_callback(lambda h: {}["missing"])  # a KeyError, not only the ZeroDivisionError of other tests
     assert "done-callback raised" in caplog.text and "KeyError: 'missing'" in caplog.text
+
+
+def test_a_handles_timeout_and_callback_are_checked_when_given():
+    from runtime import RequestError
+
+    handle = handle_of()
+    for timeout in ("1", True, float("nan"), [1]):  # "1": threading's "'>' not supported between 'str' and 'int'"
+        for wait in (handle.result, handle.exception):
+            with pytest.raises(RequestError, match=re.escape(f"timeout: {timeout!r} must be a number of seconds, or None")):
+                wait(timeout=timeout)
+    with pytest.raises(TimeoutError, match=r"request 7 has not finished after 0.01 s; wait longer"):
+        handle.result(timeout=0.01)  # concurrent.futures' TimeoutError has no message
+    for callback in (5, "print", None):  # was accepted, then logged as a TypeError when the request ended
+        with pytest.raises(RequestError, match="add_done_callback: callback must be callable"):
+            handle.add_done_callback(callback)
+    handle._future.set_result("done")
+    assert handle.result(timeout=0) == "done" and handle.exception(timeout=-1) is None

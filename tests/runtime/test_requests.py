@@ -85,12 +85,26 @@ def test_a_bare_stop_string_is_one_stop_string(engine):
     ([1.0, 2.5], r"prompt token ids must be integers; got 1.0 \(float\)"),  # was taken for a list of prompts
     ([5, True], r"prompt token ids must be integers; got True \(bool\)"),
     (np.array([[1, 17, 42]]), r"one flat list of token ids; got a 2-D array: pass ids\[0\]"),  # a numpy TypeError
+    ([None], r"prompt token ids must be integers; got None \(NoneType\) at position 0"),  # TypeError from index()
+    ([5, 6, None], r"got None \(NoneType\) at position 2"),
+    (memoryview(b"hi"), "the prompt is memoryview; decode it to str first"),  # was run as ids 104, 105
+    ({5, 6}, "must be a string or a list of token ids, got a set"),  # ids in no given order
+    ({"role": "user", "content": "hi"}, r"got a dict; for chat messages use engine.chat\(\[message\]\)"),
+    ([{"role": "user", "content": "hi"}], r"the prompt is a list of chat messages: use engine.chat\(messages\)"),
 ])
 def test_prompts_that_are_not_text_or_integer_ids_are_refused(engine, prompt, message):
     with pytest.raises(RequestError, match=message):
         engine.generate(prompt, max_new_tokens=2)
     with pytest.raises(RequestError, match=message):
         engine.submit(prompt, max_new_tokens=2)
+
+
+def test_a_list_of_arrays_is_a_batch_for_generate_and_refused_by_one_request_calls(engine):
+    prompts = [np.array([1, 2]), np.array([3])]  # building the message raised numpy's "inhomogeneous shape" ValueError
+    assert len(engine.generate(prompts, max_new_tokens=2)) == 2
+    for call in (engine.submit, engine.stream):
+        with pytest.raises(RequestError, match=r"one flat list of token ids; got a list of arrays: pass ids\[0\]"):
+            call(prompts, max_new_tokens=2)
 
 
 def test_numpy_integer_ids_are_token_ids(engine):
@@ -240,6 +254,17 @@ def test_a_burst_into_free_slots_is_not_refused_as_a_full_queue(engine):
         for _ in range(20):  # none of the 100-token requests finishes while these are submitted
             handles.append(engine.submit(PROMPT, max_new_tokens=100, stop_token_ids=()))
     assert {len(handle.result(timeout=120).token_ids) for handle in handles} == {100}
+
+
+@pytest.mark.parametrize("prompts, message", [
+    (["fine", ""], r"prompts\[1\]: the prompt is empty"),
+    ([[1, 2], [3], None], r"prompts\[2\]: the prompt must be a string or a list of token ids, got NoneType"),
+    ([[1, 2], 3], r"prompts\[1\]: the prompt must be a string or a list of token ids, got int"),
+    ([[1, 2], [9999]], r"prompts\[1\]: prompt token id 9999 is outside this model's vocabulary"),
+])
+def test_a_refused_prompt_of_a_list_is_named_by_its_index(engine, prompts, message):
+    with pytest.raises(RequestError, match=message):  # "the prompt is empty": which of a list of hundreds?
+        engine.generate(prompts, max_new_tokens=2)
 
 
 def test_a_list_with_one_refused_prompt_runs_none_of_it(engine, monkeypatch):

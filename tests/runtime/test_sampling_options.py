@@ -476,3 +476,17 @@ def test_a_numpy_max_new_tokens_past_the_cache_is_refused_at_submit(tiny_engine,
     with pytest.raises(RequestError, match="max context"):
         tiny_engine.submit([5, 6, 7], max_new_tokens=huge, ignore_eos=True)
     tiny_engine.close()
+
+
+@pytest.mark.parametrize("options, hint", [
+    (dict(max_tokens=8), "'max_tokens': did you mean max_new_tokens?"),  # OpenAI's name
+    (dict(stop=["\n"]), "'stop': did you mean stop_strings"),
+    (dict(temprature=0.7), "'temprature': did you mean temperature?"),
+])
+def test_sampling_params_built_directly_name_an_unknown_option_as_generate_does(options, hint):
+    """SamplingParams(max_tokens=8) raised the dataclass' TypeError ("unexpected keyword argument 'max_tokens'"), with
+    no hint, where engine.generate(prompt, max_tokens=8) said what this API calls it."""
+    with pytest.raises(RequestError, match=re.escape(f"unknown sampling option {hint}")):
+        SamplingParams(**options)
+    params = SamplingParams(8, top_k=3)  # the rest builds as before
+    assert (params.max_new_tokens, params.top_k) == (8, 3)

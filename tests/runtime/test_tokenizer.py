@@ -262,3 +262,38 @@ def test_a_stop_string_found_at_the_end_inside_a_character_is_a_stop(tiny_artifa
         pieces = list(generation)
         result = generation.result if stream else engine.generate([1, 40, 41], **options)
         assert result.token_ids == [lead_byte] * 3 and (pieces, result.text, result.finish_reason) == ([], "", "stop")
+
+
+@pytest.mark.parametrize("token_ids, message", [
+    ([99999, 100], r"decode: token id 99999 is outside this model's vocabulary \(0\.\.511\)"),  # was dropped: "b"
+    ([-1], r"decode: token id -1 is outside"),  # tokenizers' OverflowError
+    ([2**40], r"decode: token id 1099511627776 is outside"),
+    ("abc", "decode: token_ids must be a list of token ids \\(integers\\), got str"),  # "Can't extract `str` to `Vec`"
+    (None, "decode: token_ids must be a list of token ids"), (5, "decode: token_ids must be a list of token ids"),
+    ([1.0], r"decode: token ids must be integers; got 1.0 \(float\)"),
+    ([[5, 6]], r"decode: token ids must be integers; got \[5, 6\] \(list\)"),
+    ([None], r"decode: token ids must be integers; got None \(NoneType\)"),
+])
+def test_the_engines_tokenizer_refuses_what_is_not_token_ids_naming_it(tiny_engine, token_ids, message):
+    from runtime import RequestError
+
+    with pytest.raises(RequestError, match=message):
+        tiny_engine.tokenizer.decode(token_ids)
+
+
+def test_the_engines_tokenizer_decodes_any_sequence_of_ids_and_encodes_only_text(tiny_engine):
+    import numpy as np
+
+    from runtime import RequestError
+
+    tokenizer = tiny_engine.tokenizer
+    ids = tokenizer.encode("hello")
+    assert tokenizer.decode(np.array(ids)) == tokenizer.decode(tuple(ids)) == tokenizer.decode(ids)
+    assert tokenizer.decode([np.int32(i) for i in ids]) == tokenizer.decode(ids)
+    with pytest.raises(RequestError, match=r"encode: text must be a str, got bytes; decode it to str first"):
+        tokenizer.encode(b"hello")  # was tokenizers' "TextInputSequence must be str"
+    for text in (None, ["a", "b"], 5):
+        with pytest.raises(RequestError, match=f"encode: text must be a str, got {type(text).__name__}"):
+            tokenizer.encode(text)
+    with pytest.raises(RequestError, match="encode: add_special_tokens must be True or False, got 'no'"):
+        tokenizer.encode("hello", add_special_tokens="no")
