@@ -429,14 +429,14 @@ class Engine:
                 arrays = f"{np.ndim(prompt)}-D array" if isinstance(prompt, np.ndarray) else "list of arrays"
                 raise RequestError(f"the prompt must be one flat list of token ids; got a {arrays}: pass ids[0] for "
                                    f"one prompt, or a list of prompts to engine.generate for a batch")
-            if any(isinstance(t, dict) and "role" in t for t in tokens):
-                raise RequestError("the prompt is a list of chat messages: use engine.chat(messages), or pass "
-                                   "engine.chat_prompt_ids(messages) as the prompt")
             # operator.index: Python and numpy integers pass; 3.7 is refused, where int() would quietly make it 3
             position = next((i for i, t in enumerate(tokens) if isinstance(t, bool) or
                              not hasattr(type(t), "__index__")), None)  # an index: the bad id itself may be None
             if position is not None:
                 bad = tokens[position]
+                if isinstance(bad, dict) and "role" in bad:
+                    raise RequestError("the prompt is a list of chat messages: use engine.chat(messages), or pass "
+                                       "engine.chat_prompt_ids(messages) as the prompt")
                 raise RequestError(f"prompt token ids must be integers; got {bad!r} ({type(bad).__name__}) at "
                                    f"position {position}")
             ids = [operator.index(token) for token in tokens]

@@ -65,15 +65,15 @@ def read_manifest(artifact_dir: str | Path) -> dict:
         fix = (f"it looks like a recipe: build it with `aotlm build {folder}` (or size it with `aotlm plan {folder}`)"
                if folder.suffix in (".yaml", ".yml") else "an artifact is the folder `aotlm build RECIPE` writes")
         raise ArtifactError(f"{folder}: a file, not an artifact folder; {fix}")
-    building = _build_in_progress(folder) if folder.name else None
     if not folder.is_dir():
+        building = _build_in_progress(folder) if folder.name else None  # a glob: on the refusals' paths only
         raise ArtifactError(building or f"{folder}: not an artifact folder (no such directory); build one with "
                                         f"`aotlm build RECIPE`")
     try:
         has_manifest = path.is_file()
     except OSError as error:  # a folder without search (x) permission: even stat of what it holds is refused
         raise _unreadable(path, error) from None
-    if not has_manifest and building is not None and folder.name.startswith("."):
+    if not has_manifest and folder.name.startswith(".") and (building := _build_in_progress(folder)) is not None:
         raise ArtifactError(building)
     if not has_manifest:
         inside = _artifacts_inside(folder)

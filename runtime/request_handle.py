@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import TimeoutError as FutureTimeoutError  # the built-in TimeoutError only from 3.11
 from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
 
 from runtime.errors import RequestError
 
@@ -65,11 +68,15 @@ class CallbackThread:
                 LOGGER.exception("a request's done-callback raised")
 
 
-def _check_timeout(timeout) -> None:
-    """None, or a number of seconds (threading's wait raised "'>' not supported between 'str' and 'int'" for "1")."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or math.isnan(timeout)):
+def _check_timeout(timeout) -> float | None:
+    """None, or a number of seconds as a float (threading's wait raised "'>' not supported between 'str' and 'int'"
+    for "1"); numpy's numbers count (an np.int64 worked before this check), and infinity waits as None does
+    (threading's wait raised OverflowError for it)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real) or math.isnan(timeout):
         raise RequestError(f"timeout: {timeout!r} must be a number of seconds, or None to wait until the request ends")
+    return None if math.isinf(timeout) and timeout > 0 else float(timeout)
 
 
 class LoggedPiece(str):
@@ -127,20 +134,21 @@ class RequestHandle:
         self._future.result()  # raises the request's error, if it failed
 
     def result(self, timeout: float | None = None) -> GenerationResult:
-        """The result, waiting for it at most `timeout` seconds (None: as long as it takes); TimeoutError after."""
-        _check_timeout(timeout)
+        """The result, waiting for it at most `timeout` seconds (None: as long as it takes); after that,
+        concurrent.futures.TimeoutError (the built-in TimeoutError from Python 3.11)."""
+        wait = _check_timeout(timeout)
         try:
-            return self._future.result(timeout)
-        except FutureTimeoutError:
-            raise TimeoutError(self._not_done(timeout)) from None
+            return self._future.result(wait)
+        except FutureTimeoutError:  # the same class, with a message: what callers catch (runtime/server.py)
+            raise FutureTimeoutError(self._not_done(timeout)) from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error the request failed with (after waiting for it), or None."""
-        _check_timeout(timeout)
+        wait = _check_timeout(timeout)
         try:
-            return self._future.exception(timeout)
-        except FutureTimeoutError:
-            raise TimeoutError(self._not_done(timeout)) from None
+            return self._future.exception(wait)
+        except FutureTimeoutError:  # the same class, with a message: what callers catch (runtime/server.py)
+            raise FutureTimeoutError(self._not_done(timeout)) from None
 
     def _not_done(self, timeout: float) -> str:  # concurrent.futures' TimeoutError says nothing
         return (f"request {self.id} has not finished after {timeout} s; wait longer (result(timeout=None) waits "

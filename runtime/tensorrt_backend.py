@@ -225,8 +225,8 @@ def new_context(engine, phase: str):
 def capture(torch, stream, context, phase: str):
     """One enqueue of `context` captured as a CUDA graph on `stream`. A CUDA call that capture forbids (TensorRT
     returns False, and the invalidated capture makes capture_end raise as the `with` closes, before any return value
-    could be read) is reported either way with the setting that avoids graphs; this step's eager run has already
-    written the cache and its logits stand, so only the graph is lost.
+    could be read) is reported either way with the setting that avoids graphs. The step then fails, and with it the
+    requests in it (its eager run had already written their cache rows); no graph is kept for the bucket.
 
     capture_error_mode thread_local: only this thread's unsafe CUDA calls are refused while it captures; under the
     default "global" one in another thread (TensorRT freeing a dropped context's memory, a server thread's

@@ -324,7 +324,7 @@ def plugin_leak_warning(version: str, plugins: list[str]) -> str | None:
     the two measured ones included) until a release says it fixed it."""
     release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
     if plugins and release >= (11, 1):
-        measured = release == (11, 1) or version.startswith("11.2.1")
+        measured = release == (11, 1) or tuple(re.findall(r"\d+", version)[:3]) == ("11", "2", "1")
         leaks, known = ("leaks", "") if measured else ("may leak", "; measured on 11.1 and 11.2.1, fixed in none yet")
         return (f"TensorRT {version} {leaks} GPU memory with ahead-of-time Python plugins on each new input shape "
                 f"(NVIDIA/TensorRT#4849, open{known}): a long-running server's memory grows with every new prompt "

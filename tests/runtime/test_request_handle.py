@@ -102,10 +102,46 @@ def test_a_handles_timeout_and_callback_are_checked_when_given():
         for wait in (handle.result, handle.exception):
             with pytest.raises(RequestError, match=re.escape(f"timeout: {timeout!r} must be a number of seconds, or None")):
                 wait(timeout=timeout)
-    with pytest.raises(TimeoutError, match=r"request 7 has not finished after 0.01 s; wait longer"):
+    with pytest.raises(concurrent.futures.TimeoutError, match=r"request 7 has not finished after 0.01 s; wait longer"):
         handle.result(timeout=0.01)  # concurrent.futures' TimeoutError has no message
     for callback in (5, "print", None):  # was accepted, then logged as a TypeError when the request ended
         with pytest.raises(RequestError, match="add_done_callback: callback must be callable"):
             handle.add_done_callback(callback)
     handle._future.set_result("done")
     assert handle.result(timeout=0) == "done" and handle.exception(timeout=-1) is None
+
+
+def test_a_timeout_is_concurrent_futures_timeout_error_which_python_3_10_keeps_apart(monkeypatch):
+    """runtime/server.py polls handle.result(timeout=POLL_S) and catches concurrent.futures.TimeoutError; before
+    Python 3.11 that is not the built-in TimeoutError, so a handle raising the built-in one failed every request
+    that took longer than one poll (its `except Exception` answered an error). Python 3.10's classes, simulated."""
+    import runtime.request_handle as request_handle
+
+    class FuturesTimeoutError(concurrent.futures._base.Error):  # Python 3.10's concurrent.futures.TimeoutError
+        pass
+
+    class Unfinished:
+        def result(self, timeout=None):
+            raise FuturesTimeoutError()
+
+        exception = result
+
+    monkeypatch.setattr(request_handle, "FutureTimeoutError", FuturesTimeoutError)
+    handle = handle_of()
+    handle._future = Unfinished()
+    for wait in (handle.result, handle.exception):
+        with pytest.raises(FuturesTimeoutError, match="request 7 has not finished after 0.25 s"):
+            wait(timeout=0.25)
+
+
+def test_numpy_and_infinite_timeouts_wait_as_numbers_do():
+    """handle.result(timeout=np.int64(1)) waited before the timeout check and was then refused as "not a number";
+    timeout=inf raised OverflowError from threading's wait."""
+    import numpy as np
+
+    handle = handle_of()
+    for timeout in (np.int64(0), np.float32(0.01), np.float64(0.01)):
+        with pytest.raises(concurrent.futures.TimeoutError):
+            handle.result(timeout=timeout)
+    threading.Timer(0.05, handle._future.set_result, ["done"]).start()
+    assert handle.result(timeout=float("inf")) == "done"
