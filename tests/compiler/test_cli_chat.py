@@ -114,13 +114,14 @@ def test_the_prompt_marker_is_shown_on_a_terminal_only(monkeypatch, capsys, term
     assert capsys.readouterr().err == ("> > \n" if terminal else "")  # the end of input: a line of its own
 
 
-def test_ctrl_c_during_a_reply_stops_it_and_the_conversation_goes_on_without_it(chat_artifact, monkeypatch, capsys):
+def interrupt_the_reply_to_long(monkeypatch):
+    """Engine.stream, patched: the reply to the message "long" gets Ctrl-C while its first piece is written (the
+    stream is left suspended); other replies run. Returns the real Engine.stream."""
     from runtime import Engine
 
-    artifact, _ = chat_artifact
     real = Engine.stream
 
-    class Interrupted:  # Ctrl-C while the reply's first piece is written: the stream is left suspended
+    class Interrupted:
         def __init__(self, generation):
             self.generation = generation
 
@@ -136,6 +137,14 @@ def test_ctrl_c_during_a_reply_stops_it_and_the_conversation_goes_on_without_it(
         return Interrupted(generation) if self.chat_prompt_ids([{"role": "user", "content": "long"}]) == prompt \
             else generation
     monkeypatch.setattr(Engine, "stream", stream)
+    return real
+
+
+def test_ctrl_c_during_a_reply_stops_it_and_the_conversation_goes_on_without_it(chat_artifact, monkeypatch, capsys):
+    from runtime import Engine
+
+    artifact, _ = chat_artifact
+    real = interrupt_the_reply_to_long(monkeypatch)
     monkeypatch.setattr("sys.stdin", io.StringIO("long\n2+2?\n"))
     assert main(["chat", str(artifact), "--max-new-tokens", "4"]) == 0  # not 130: the chat went on
     out, err = capsys.readouterr()
@@ -191,28 +200,10 @@ def test_each_turn_s_timings_are_one_line_on_stderr_however_narrow_the_console(c
     rich's console is 80 columns wide and had cut that line (and the notice of a stopped reply) into two, so a
     script reading stderr line by line got half of it."""
     import compiler.cli_chat as cli_chat
-    from runtime import Engine
 
     artifact, _ = chat_artifact
     monkeypatch.setattr(cli_chat.console, "_width", 30)  # narrower than the line: as an 80-column pipe for longer ones
-    real = Engine.stream
-
-    class Interrupted:
-        def __init__(self, generation):
-            self.generation = generation
-
-        def __iter__(self):
-            yield next(self.generation)
-            raise KeyboardInterrupt
-
-        def close(self):
-            self.generation.close()
-
-    def stream(self, prompt, *args, **kwargs):
-        generation = real(self, prompt, *args, **kwargs)
-        return Interrupted(generation) if self.chat_prompt_ids([{"role": "user", "content": "long"}]) == prompt \
-            else generation
-    monkeypatch.setattr(Engine, "stream", stream)
+    interrupt_the_reply_to_long(monkeypatch)
     monkeypatch.setattr("sys.stdin", io.StringIO("long\n2+2?\nand 3+3?\n"))
     assert main(["chat", str(artifact), "--max-new-tokens", "4"]) == 0
     lines = capsys.readouterr().err.splitlines()
