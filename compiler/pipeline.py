@@ -340,17 +340,13 @@ def checkable_copy(model: onnx.ModelProto, name: str = "?", phase: str = "?") ->
             if values < needed:
                 raise BuildError(f"pass '{name}' produced an invalid {phase} graph: initializer {tensor.name!r} holds "
                                  f"{values} {typed[0]} values, and its dims {list(tensor.dims)} need {needed}")
-        if tensor.HasField("raw_data") and (length := _raw_data_length(tensor)) != size:
+        # len() copies the bytes once: upb has no cheaper way (ByteSize() serializes the tensor into a growing buffer,
+        # which took twice the time and twice the bytes)
+        if tensor.HasField("raw_data") and (length := len(tensor.raw_data)) != size:
             raise BuildError(f"pass '{name}' produced an invalid {phase} graph: initializer {tensor.name!r} holds "
                              f"{length} bytes of raw_data, and its dims {list(tensor.dims)} and type "
                              f"need {size}")
     return skeleton
-
-
-def _raw_data_length(tensor: onnx.TensorProto) -> int:
-    """len(tensor.raw_data), which copies the bytes once. protobuf's upb backend has no cheaper way: ByteSize()
-    serializes the message into a growing buffer, which took twice the time and twice the tensor's bytes."""
-    return len(tensor.raw_data)
 
 
 def to_json(value, where: str):

@@ -273,8 +273,7 @@ class Engine:
             # the front of the rendered prompt and tokenizes it with add_special, so the prompt starts with BOS
             # when the file's add_bos_token says so, whether or not the template writes bos_token (TinyLlama's and
             # ChatML templates do not) -- and once, when it does.
-            if texts["bos_token"] and text.startswith(texts["bos_token"]):
-                text = text[len(texts["bos_token"]):]
+            text = text.removeprefix(texts["bos_token"] or "")
             return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=True))
         return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
 

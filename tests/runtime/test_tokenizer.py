@@ -16,13 +16,15 @@ def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
 
 
 class PieceTokenizer:
-    """Token i decodes to pieces[i]: enough for StreamDecoder, which only calls decode()."""
+    """Token i decodes to pieces[i]: enough for StreamDecoder, which only calls decode_unchecked()."""
 
     def __init__(self, pieces: list[str]):
         self.pieces = pieces
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(self.pieces[i] for i in token_ids)
+
+    decode_unchecked = decode
 
 
 def stream(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], bool, str]:
@@ -78,6 +80,8 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return b"".join(self.pieces[i] for i in token_ids).decode("utf-8", errors="replace")
 
+    decode_unchecked = decode
+
 
 @pytest.mark.parametrize("stops", [(), ("zz",)])
 def test_a_generation_ending_inside_a_character_streams_what_its_result_holds(stops):
@@ -103,8 +107,8 @@ def test_a_prompt_ending_inside_a_four_byte_character_leaves_the_context_whole(m
     the prompt's bytes of it leaves the context, so that the stream equals the generated tokens decoded alone."""
     emoji = "😀".encode()
     pieces = [b"go", emoji[:1], emoji[1:2], emoji[2:3], emoji[3:], b"a"]
-    tokenizer = TextTokenizer.__new__(TextTokenizer)  # its decode only: the bytes above, as a byte-level BPE's
-    monkeypatch.setattr(tokenizer, "decode", ByteTokenizer(pieces).decode, raising=False)
+    tokenizer = TextTokenizer.__new__(TextTokenizer)  # its decoding only: the bytes above, as a byte-level BPE's
+    monkeypatch.setattr(tokenizer, "decode_unchecked", ByteTokenizer(pieces).decode, raising=False)
     decoder = tokenizer.stream_decoder((), [0, 1, 2, 3])
     text = "".join(decoder.push(token) for token in (4, 5)) + decoder.finish()
     assert text == ByteTokenizer(pieces).decode([4, 5]) == "\ufffda"
