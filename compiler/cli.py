@@ -23,7 +23,7 @@ from compiler.cli_chat import add_chat_parser
 from compiler.cli_serve import add_serve_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.cli_sampling import add_sampling_options, sampling_options
-from compiler.console import console
+from compiler.console import console, error, message, warning
 from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
@@ -42,16 +42,15 @@ def _build(args) -> None:
     from compiler.recipe import ignored_settings, load_recipe
 
     recipe = load_recipe(args.recipe)
-    for warning in ignored_settings(recipe):
-        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)
+    for text in ignored_settings(recipe):
+        warning(text)
     started = time.perf_counter()
     last = [started]
 
-    def progress(message: str) -> None:
+    def progress(step: str) -> None:
         now = time.perf_counter()
         # One line per step, however narrow a pipe (console.log's columns cut it in two and named this file's line)
-        console.print(f"[dim]{time.strftime('%H:%M:%S')} +{now - last[0]:5.1f}s[/dim] {escape(message)}",
-                      highlight=False, soft_wrap=True)  # paths, names: not markup
+        message(f"[dim]{time.strftime('%H:%M:%S')} +{now - last[0]:5.1f}s[/dim] {escape(step)}")
         last[0] = now
 
     with console.status(f"building {recipe.name}"):
@@ -67,8 +66,7 @@ def _build(args) -> None:
         from compiler.accuracy import format_accuracy
 
         console.print(format_accuracy(manifest["accuracy"]), highlight=False)
-    console.print(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s", highlight=False,
-                  soft_wrap=True)
+    message(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s")
 
 
 def _shortened(text: str, limit: int = INSPECT_SUMMARY_CHARACTERS) -> str:
@@ -127,12 +125,11 @@ def _run(args) -> None:
     console.print(table)
     if generation.result.finish_reason == "max_context":  # the batch-1 path runs to the cache's end, not refusing
         # prompt + generated is one more than the cache holds: the last token is sampled, never fed back
-        console.print(f"[yellow]note:[/yellow] stopped at the artifact's max context of {engine.max_context} tokens, "
-                      f"where a {timings.prompt_tokens}-token prompt leaves room for "
-                      f"{len(generation.result.token_ids)} new tokens, before --max-new-tokens "
-                      f"{args.max_new_tokens}; ask for at most {engine.max_context + 1 - timings.prompt_tokens}, "
-                      f"shorten the prompt, or rebuild with a larger export.max_context", highlight=False,
-                      soft_wrap=True)
+        message(f"[yellow]note:[/yellow] stopped at the artifact's max context of {engine.max_context} tokens, "
+                f"where a {timings.prompt_tokens}-token prompt leaves room for "
+                f"{len(generation.result.token_ids)} new tokens, before --max-new-tokens "
+                f"{args.max_new_tokens}; ask for at most {engine.max_context + 1 - timings.prompt_tokens}, "
+                f"shorten the prompt, or rebuild with a larger export.max_context")
 
 
 def _inspect(args) -> None:
@@ -226,7 +223,7 @@ def _plan(args) -> None:
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
-        render(result, console)
+        render(result)
 
 
 def _check_bench_flags(args) -> None:
@@ -303,15 +300,14 @@ def _bench(args) -> None:
                                     weight_bytes_per_step=(artifact_step_weight_bytes(args.artifact)
                                                            if args.phase == "decode" else None))
         console.print(bench.phase_table(args.phase, rows, peaks), width=None if console.is_terminal else 160)
-        console.print(f"[dim]peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads[/dim]",
-                      highlight=False, soft_wrap=True)
+        shown = f"peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads"
+        message(f"[dim]{escape(shown)}[/dim]")
         counted = {"runs": args.runs} if args.phase == "prefill" else {"steps": args.steps}  # what the phase used
         settings = {"artifact": str(args.artifact), "phase": args.phase, "batch": args.batch, **counted,
                     "threads": threads}
         out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
         plot = bench.write_phase_plot(rows, args.phase, out)
-        console.print(f"wrote {escape(str(out))}" + (f", {escape(str(plot))}" if plot else f"; {escape(bench.PLOT_SKIPPED)}"),
-                      soft_wrap=True)
+        message(escape(f"wrote {out}" + (f", {plot}" if plot else f"; {bench.PLOT_SKIPPED}")))
         return
     tokenizer = TextTokenizer(Path(args.artifact) / manifest["tokenizer"]["file"], manifest["tokenizer"].get("bos_token_id"))
     workload = bench.make_workload(
@@ -376,10 +372,10 @@ def _bench(args) -> None:
                    highlight=False)
     try:
         written = bench.write_outputs(result, Path(args.out))
-    except bench.BenchError as error:  # no matplotlib: the JSON is written, the plots are not
-        console.print(f"[yellow]warning:[/yellow] {escape(str(error))}", highlight=False, soft_wrap=True)
+    except bench.BenchError as problem:  # no matplotlib: the JSON is written, the plots are not
+        warning(str(problem))
         return
-    console.print("wrote " + escape(", ".join(map(str, written))), highlight=False, soft_wrap=True)
+    message("wrote " + escape(", ".join(map(str, written))))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -488,13 +484,13 @@ def _terminated(signum, frame) -> None:
     raise _Terminated
 
 
-def _chain(error: BaseException):
-    """The error and the ones it was raised from or while handling."""
+def _chain(exception: BaseException):
+    """The exception and the ones it was raised from or while handling."""
     seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
+    while exception is not None and id(exception) not in seen:
+        seen.add(id(exception))
+        yield exception
+        exception = exception.__cause__ or exception.__context__
 
 
 REFUSED_WRITES = {errno.ENOSPC: "free space there, or write elsewhere", errno.EDQUOT: "free space there, or write "
@@ -519,9 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.SIG_DFL if previous is None else previous  # None: a handler set outside Python
     try:
         args.handler(args)
-    except (BuildError, AotlmRuntimeError) as error:
-        # User text is not markup; soft_wrap: a long path stays one string to copy or grep, never cut by a newline.
-        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
+    except (BuildError, AotlmRuntimeError) as problem:
+        error(str(problem))  # one line: a long path stays one string to copy or grep (compiler/console.py)
         return 2
     except _Terminated:
         console.print("[yellow]terminated[/yellow]")
@@ -532,13 +527,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")
         return 130
-    except OSError as error:  # the machine refused a write: a full disk, a read-only or forbidden folder
-        if error.errno not in REFUSED_WRITES:
+    except OSError as problem:  # the machine refused a write: a full disk, a read-only or forbidden folder
+        if problem.errno not in REFUSED_WRITES:
             raise
-        console.print(f"[red]error:[/red] {escape(refused_write(error))}", highlight=False, soft_wrap=True)
+        error(refused_write(problem))
         return 2
-    except ImportError as error:  # a signal inside a module's initialisation surfaces as its ImportError
-        stop = next((e for e in _chain(error) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too
+    except ImportError as problem:  # a signal inside a module's initialisation surfaces as its ImportError
+        stop = next((e for e in _chain(problem) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too
         if stop is None:
             raise
         terminated = isinstance(stop, _Terminated)

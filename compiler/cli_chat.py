@@ -14,7 +14,7 @@ import time
 
 from rich.markup import escape
 
-from compiler.console import console
+from compiler.console import console, message
 from compiler.cli_sampling import add_sampling_options, sampling_options
 from compiler.errors import UsageError, thread_count
 
@@ -61,16 +61,16 @@ def chat_command(args) -> None:
         try:
             check_unicode(text, "the message")  # where in it, not where in the rendered conversation
         except RequestError as error:
-            console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False, soft_wrap=True)
+            message(f"[yellow]{escape(str(error))}[/yellow]")
             continue
-        message = {"role": "user", "content": text}
-        turns.append(message)
+        user_message = {"role": "user", "content": text}
+        turns.append(user_message)
         try:
             prompt = _fitting_prompt(engine, system, turns, args.max_new_tokens)
             if prompt is None:
                 turns.pop()
-                console.print(f"[yellow]that message alone does not fit the context ({engine.max_context} tokens) "
-                              f"with room for a reply; send a shorter one[/yellow]", highlight=False, soft_wrap=True)
+                message(f"[yellow]that message alone does not fit the context ({engine.max_context} tokens) "
+                        f"with room for a reply; send a shorter one[/yellow]")
                 continue
             generation = engine.stream(prompt, sampling, arrival=received)
             try:
@@ -81,16 +81,16 @@ def chat_command(args) -> None:
                 # what the cache holds survived (a Ctrl-C inside a graph run leaves the record stale: no reuse)
                 generation.close()
         except KeyboardInterrupt:  # Ctrl-C during a reply stops it, not the conversation
-            if turns and turns[-1] is message:  # not popped yet (the "does not fit" branch pops it first)
+            if turns and turns[-1] is user_message:  # not popped yet (the "does not fit" branch pops it first)
                 turns.pop()
             sys.stdout.write("\n")
             sys.stdout.flush()
-            console.print("[yellow]reply stopped; that message is left out of the conversation (Ctrl-C at the "
-                          "prompt, or /exit, ends the chat)[/yellow]", highlight=False, soft_wrap=True)
+            message("[yellow]reply stopped; that message is left out of the conversation (Ctrl-C at the "
+                    "prompt, or /exit, ends the chat)[/yellow]")
             continue
         except RequestError as error:  # this message cannot be served (not UTF-8, say): the conversation goes on
             turns.pop()
-            console.print(f"[yellow]{escape(str(error))}[/yellow]", highlight=False, soft_wrap=True)
+            message(f"[yellow]{escape(str(error))}[/yellow]")
             continue
         sys.stdout.write("\n")
         result = generation.result
@@ -98,10 +98,9 @@ def chat_command(args) -> None:
         timings = result.timings
         # TPOT needs a token after the first (as `aotlm run`'s table shows it): "-" for a one-token reply, not 0.00
         tpot = f"{1e3 * timings.tpot_s:.2f} ms" if timings.output_tokens >= 2 else "-"
-        console.print(f"[dim]TTFT {1e3 * timings.ttft_s:.1f} ms, {timings.cached_prompt_tokens} of "
-                      f"{timings.prompt_tokens} prompt tokens from the cache, TPOT {tpot}, "
-                      f"{len(result.token_ids)} tokens ({escape(result.finish_reason)})[/dim]", highlight=False,
-                      soft_wrap=True)  # one line, as the README says, however narrow the console (80 columns piped)
+        message(f"[dim]TTFT {1e3 * timings.ttft_s:.1f} ms, {timings.cached_prompt_tokens} of "
+                f"{timings.prompt_tokens} prompt tokens from the cache, TPOT {tpot}, "
+                f"{len(result.token_ids)} tokens ({escape(result.finish_reason)})[/dim]")  # one line, as the README says
 
 
 def _read_line() -> str | None:
@@ -133,4 +132,4 @@ def _fitting_prompt(engine, system: list[dict], turns: list[dict], max_new_token
         if len(turns) <= 1:
             return None
         del turns[:2]  # the oldest user message and its reply
-        console.print("[dim]dropped the oldest exchange to fit the context[/dim]", soft_wrap=True)
+        message("[dim]dropped the oldest exchange to fit the context[/dim]")

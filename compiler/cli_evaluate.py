@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from compiler.console import console
+from compiler.console import console, message, warning
 from compiler.errors import check_output_file, thread_count
 
 
@@ -84,10 +84,9 @@ def _warn_if_not_the_report_text(args, artifact: _ArtifactInfo, token_ids: list[
     if not recorded or (len(token_ids) >= count and tokens_fingerprint(token_ids[:count]) == recorded):
         return
     held_out = artifact.manifest["accuracy"]["held_out"]
-    console.print(f"[yellow]warning:[/yellow] this Python's ({platform.python_version()}) built-in documentation text "
-                  f"is not the one {escape(artifact.name)}'s build report scored (Python {held_out.get('python')}): "
-                  f"compare this perplexity with the report's only when both come from the same text", highlight=False,
-                  soft_wrap=True)
+    warning(f"this Python's ({platform.python_version()}) built-in documentation text is not the one "
+            f"{artifact.name}'s build report scored (Python {held_out.get('python')}): compare this perplexity with "
+            f"the report's only when both come from the same text")
 
 
 def _window_and_stride(args, artifacts: list[_ArtifactInfo]) -> tuple[int, int]:
@@ -133,7 +132,7 @@ def _write_json(path: str | None, payload: dict) -> None:
     from runtime.results import write_json
 
     if path:
-        console.print(f"wrote {escape(str(write_json(path, payload)))}", highlight=False, soft_wrap=True)
+        message(f"wrote {escape(str(write_json(path, payload)))}")
 
 
 def _window_shown(window: int, tokens: int) -> str:

@@ -13,7 +13,7 @@ import time
 
 from rich.markup import escape
 
-from compiler.console import console
+from compiler.console import console, message
 from compiler.errors import UsageError, nonnegative_int, thread_count
 
 
@@ -82,9 +82,8 @@ def serve_command(args) -> None:
     print(f"serving {server.model_name} at {server.url}/v1", flush=True)
     chat_route = (", /v1/chat/completions" if engine.manifest["tokenizer"].get("chat_template") else
                   " (no chat template: /v1/chat/completions refuses)")
-    console.print(escape(f"{scheduler.slots} slots, {scheduler.max_queue} may wait; max context "
-                         f"{engine.max_context} tokens; POST /v1/completions{chat_route}; "
-                         f"{'API key required; ' if api_key else ''}Ctrl-C stops"), highlight=False, soft_wrap=True)
+    message(escape(f"{scheduler.slots} slots, {scheduler.max_queue} may wait; max context {engine.max_context} tokens; "
+                   f"POST /v1/completions{chat_route}; {'API key required; ' if api_key else ''}Ctrl-C stops"))
     try:
         server.serve_forever()
     finally:  # Ctrl-C or SIGTERM (compiler/cli.py raises it as a KeyboardInterrupt), or a bug in the server loop
@@ -98,8 +97,8 @@ def _stop_gracefully(server, engine, timeout_s: float) -> None:
     try:
         server.server_close()
         if server.under_way:
-            console.print(escape(f"stopping: {server.under_way} request(s) under way may finish for up to "
-                                 f"{timeout_s:g} s (Ctrl-C again: stop them now)"), highlight=False, soft_wrap=True)
+            message(escape(f"stopping: {server.under_way} request(s) under way may finish for up to {timeout_s:g} s "
+                           f"(Ctrl-C again: stop them now)"))
         stopped = server.drain(timeout_s)
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: stop them now
         stopped = server.under_way
@@ -108,15 +107,14 @@ def _stop_gracefully(server, engine, timeout_s: float) -> None:
     # Counted before the close, not after it: the close wakes their threads, which answer them (told to retry: a 503,
     # a stream's error event) and leave under_way at once, so a count taken after it missed those already answered.
     if stopped:
-        console.print(escape(f"stopped {stopped} request(s) before they finished; their clients are told to send "
-                             f"them again"), highlight=False, soft_wrap=True)
+        message(escape(f"stopped {stopped} request(s) before they finished; their clients are told to send them "
+                       f"again"))
     try:
         cut = server.drain(5.0) if stopped else 0  # time for those answers to go out
     except KeyboardInterrupt:
         cut = server.under_way
     if cut:  # a body still arriving, a client that does not read: the process's exit ends their connections
-        console.print(escape(f"{cut} connection(s) still busy are closed without an answer"), highlight=False,
-                      soft_wrap=True)
+        message(escape(f"{cut} connection(s) still busy are closed without an answer"))
 
 
 def _close(engine) -> None:

@@ -569,16 +569,19 @@ def _t(s: float) -> str:
     return f"{s * 1e3:,.2f} ms" if s < 1 else f"{s:,.2f} s"
 
 
-def render(p: dict, console) -> None:
+def render(p: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
+    from compiler.console import console, message, warning
+
     m, i, kv, mem, b = p["model"], p["inputs"], p["kv"], p["memory"], p["bounds"]
-    console.print(f"[bold]{Path(m['source']['path']).name}[/bold] ({m['source']['kind']}): {m['architecture']}, "
-                  f"{m['layers']} layers, hidden {m['hidden']}, heads {m['heads']}/{m['kv_heads']} kv x "
-                  f"{m['head_dim']}, vocab {m['vocab']}, max positions {m['max_positions']}", soft_wrap=True)
+    message(f"[bold]{escape(Path(m['source']['path']).name)}[/bold] " + escape(
+        f"({m['source']['kind']}): {m['architecture']}, {m['layers']} layers, hidden {m['hidden']}, heads "
+        f"{m['heads']}/{m['kv_heads']} kv x {m['head_dim']}, vocab {m['vocab']}, max positions {m['max_positions']}"))
     d = p["device"]
-    console.print(f"device: {d['name']}: {_gb(d['memory_bytes'])}, {d['bandwidth_Bps'] / 1e9:,.1f} GB/s, "
-                  f"{d['peak_flops'] / 1e12:,.2f} TFLOP/s at {i['precision']}", soft_wrap=True)
+    message(escape(f"device: {d['name']}: {_gb(d['memory_bytes'])}, {d['bandwidth_Bps'] / 1e9:,.1f} GB/s, "
+                   f"{d['peak_flops'] / 1e12:,.2f} TFLOP/s at {i['precision']}"))
     table = Table(title=f"plan: {i['precision']} weights, {i['kv_dtype']} KV, context {i['context']}, "
                         f"concurrency {i['concurrency']}, prompt {i['prompt']}")
     for column, justify in (("quantity", "left"), ("value", "right"), ("how", "left")):
@@ -627,6 +630,6 @@ def render(p: dict, console) -> None:
         table.add_row("measured / predicted", f"{r['ratio']:.2f}x", "1.0 = at the bandwidth bound")
     console.print(table)
     for note in p["assumptions"]:
-        console.print(f"[dim]- {note}[/dim]", highlight=False, soft_wrap=True)
-    for warning in p["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
+        message(f"[dim]- {escape(note)}[/dim]")
+    for text in p["warnings"]:
+        warning(text)

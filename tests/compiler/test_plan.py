@@ -269,6 +269,14 @@ def test_cli_prints_the_table(capsys):
         assert text in err
 
 
+def test_cli_prints_names_with_brackets_as_written(tmp_path, capsys):
+    """A file name or a warning is not rich markup: "[v3]" had vanished from the source line, as a style tag."""
+    path = tmp_path / "llama[v3].json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    assert main(["plan", str(path), "--device", "H100"]) == 0
+    assert "llama[v3].json (hf config.json):" in capsys.readouterr().err
+
+
 def test_cli_json_and_errors(llama3, capsys):
     assert main(["plan", llama3, "--device", "H200", "--precision", "int4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
