@@ -1,4 +1,5 @@
-"""Trace the canonical decoder to two ONNX graphs: prefill (no past) and decode (KV cache in/out).
+"""Trace the canonical decoder to two ONNX graphs: prefill (a prompt, or a chunk of one: its logits at the last token)
+and decode (a step: every position's logits). Both take the KV cache in and give it out.
 
 I/O of both graphs (names recorded in the manifest by `kv_cache_spec`):
   inputs   input_ids [batch, sequence] int64, position_ids [batch, sequence] int64,

@@ -89,6 +89,9 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path}: not an aotlm manifest (format field missing); rebuild the artifact")
     version = manifest.get("format_version")
+    if isinstance(version, str) and version.strip() == str(FORMAT_VERSION):
+        raise ArtifactError(f"{path}: format_version is the text {version!r}, where a build writes the number "
+                            f"{FORMAT_VERSION}; the manifest was edited: rebuild the artifact")
     if version != FORMAT_VERSION:
         raise ArtifactError(
             f"{path}: artifact format version {version!r}, but this runtime reads version {FORMAT_VERSION}; "
@@ -118,11 +121,37 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     if missing:
         raise ArtifactError(f"{path}: the manifest lacks {', '.join(missing)} (or has the wrong type); the file was "
                             f"edited or cut short: rebuild the artifact")
+    disagreement = _engines_disagree(manifest)
+    if disagreement:
+        raise ArtifactError(f"{path}: {disagreement}; the manifest was edited: rebuild the artifact")
     outside = [name for name in manifest["files"] if Path(name).is_absolute() or ".." in Path(name).parts]
     if outside:  # the engines and tokenizer must be listed here (check_files), so none of them is read from elsewhere
         raise ArtifactError(f"{path}: its files list names {outside[0]!r}, outside the artifact folder; an artifact holds every "
                             f"file it uses: rebuild the artifact")
     return manifest
+
+
+def _engines_disagree(manifest: dict) -> str | None:
+    """Each engine's own record against the sections the backends read: its backend, and which outputs alias which
+    cache inputs (the backend binds kv_cache.output_aliases_input; a map the graphs do not have failed at the first
+    step, inside onnxruntime). The backend's check_io then holds the graphs to these records."""
+    backend, cache_map = manifest["backend"]["name"], manifest["kv_cache"]["output_aliases_input"]
+    for phase in ("prefill", "decode"):
+        engine = manifest["engines"][phase]
+        if engine.get("backend", backend) != backend:
+            return f"engines.{phase}.backend is {engine['backend']!r}, but backend.name is {backend!r}"
+        declared = {o.get("name"): o.get("aliases") for o in engine["outputs"] if o.get("aliases") is not None}
+        flagged = {i.get("name") for i in engine["inputs"] if i.get("kv_cache")}
+        # decode reads and writes every layer's cache; prefill declares no alias the cache map contradicts
+        names = sorted(set(declared) | set(cache_map), key=str) if phase == "decode" else sorted(declared, key=str)
+        for name in names:
+            if declared.get(name) != cache_map.get(name):
+                return (f"engines.{phase} declares output {name!r} aliasing {declared.get(name)!r}, but "
+                        f"kv_cache.output_aliases_input maps it to {cache_map.get(name)!r}")
+        unmarked = sorted(set(declared.values()) - flagged, key=str)
+        if unmarked:
+            return f"engines.{phase}'s input {unmarked[0]!r} is aliased by an output but not marked kv_cache"
+    return None
 
 
 # Fields below the sections that the runtime and `aotlm inspect` read, as dotted paths.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -176,6 +177,35 @@ def test_a_manifest_missing_a_field_its_readers_use_is_refused_by_name(artifact_
     """Only the top-level sections were checked: these were KeyError / TypeError / AttributeError tracebacks."""
     _edit_manifest(artifact_copy, edit)
     with pytest.raises(ArtifactError, match=rf"the manifest lacks (.*, )?{named}(, .*)? \(or has the wrong type\)"):
+        Engine.load(artifact_copy)
+
+
+def _retarget(aliases: dict) -> None:
+    aliases["present.0.key"] = "past_key_values.1.key"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["engines"]["decode"].__setitem__("backend", "tensorrt"),
+     "engines.decode.backend is 'tensorrt', but backend.name is 'onnxruntime'"),
+    # the backend binds this map: a present output bound to another layer's past failed inside onnxruntime
+    (lambda m: _retarget(m["kv_cache"]["output_aliases_input"]),
+     "engines.prefill declares output 'present.0.key' aliasing 'past_key_values.0.key', but "
+     "kv_cache.output_aliases_input maps it to 'past_key_values.1.key'"),
+    (lambda m: m["kv_cache"]["output_aliases_input"].pop("present.1.value"),
+     "engines.prefill declares output 'present.1.value' aliasing 'past_key_values.1.value', but "
+     "kv_cache.output_aliases_input maps it to None"),
+    (lambda m: m["engines"]["decode"]["outputs"][-1].__setitem__("aliases", None),
+     "engines.decode declares output 'present.1.value' aliasing None, but kv_cache.output_aliases_input maps it to "
+     "'past_key_values.1.value'"),
+    (lambda m: m["engines"]["decode"]["inputs"][-1].__setitem__("kv_cache", False),
+     "engines.decode's input 'past_key_values.1.value' is aliased by an output but not marked kv_cache"),
+    (lambda m: m.__setitem__("format_version", "1"), "format_version is the text '1', where a build writes the number 1"),
+])
+def test_engine_records_that_contradict_the_cache_map_are_refused(artifact_copy, edit, message):
+    """The runtime binds kv_cache.output_aliases_input; the engines' own records were written and never read, so an
+    edit that made them disagree loaded, and failed at the first step with onnxruntime's 'Missing Input'."""
+    _edit_manifest(artifact_copy, edit)
+    with pytest.raises(ArtifactError, match=re.escape(message)):
         Engine.load(artifact_copy)
 
 
