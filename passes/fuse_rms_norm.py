@@ -74,7 +74,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     candidates = [node for node in graph.nodes if node.op == "ReduceMean" and _square_input(node) is not None]
     for reduce_mean in candidates:
         if options.max_rewrites is not None and report["fused"] + report["fused_with_skip"] >= options.max_rewrites:
-            reason = f"max_rewrites: {options.max_rewrites} reached"
+            reason = f"max_rewrites={options.max_rewrites}"
             report["skipped"].append({"node": reduce_mean.name, "reason": reason})
             continue
         found = match(reduce_mean, graph_outputs, graph_inputs)

@@ -84,7 +84,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         if found is None:
             continue
         if options.max_rewrites is not None and len(report["packed"]) >= options.max_rewrites:
-            report["skipped"] += [{"node": node.name, "reason": "max_rewrites_reached"} for node in found.matmuls]
+            report["skipped"] += [{"node": node.name, "reason": f"max_rewrites={options.max_rewrites}"} for node in found.matmuls]
             continue
         rewrite(graph, found, taken_names)
         report["packed"].append({"nodes": [node.name for node in found.matmuls], "widths": found.widths,

@@ -84,7 +84,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
             kept.append({"node": split.name, "reason": found})
             continue
         if options.max_rewrites is not None and len(rewritten) >= options.max_rewrites:
-            kept.append({"node": split.name, "reason": "max_rewrites_reached"})
+            kept.append({"node": split.name, "reason": f"max_rewrites={options.max_rewrites}"})
             continue
         product, sizes = found
         _rewrite(graph, split, product, sizes)

@@ -98,7 +98,7 @@ def test_max_rewrites_packs_exactly_one_group(decoder_graphs):
     assert len(report["packed"]) == 1
     assert report["packed"][0]["widths"] == [32, 16, 16]  # the first group in graph order: layer 0's q/k/v
     assert op_counts(packed)["MatMul"] == op_counts(model)["MatMul"] - 2
-    assert [entry["reason"] for entry in report["skipped"]] == ["max_rewrites_reached"] * (2 + 3 + 2)
+    assert [entry["reason"] for entry in report["skipped"]] == ["max_rewrites=1"] * (2 + 3 + 2)
 
 
 def make_sibling_model() -> onnx.ModelProto:
