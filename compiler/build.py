@@ -18,6 +18,7 @@ from compiler.frontend.hf_loader import config_before_weights, missing_tokenizer
 from compiler.frontend.model import build_decoder
 from compiler.pipeline import check_passes, run_pipeline, spill_graph
 from compiler.recipe import Recipe
+from passes.lower_onnxruntime import HEAD_DIM_ADVICE, HEAD_DIM_MULTIPLE
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # Jinja, as transformers saves it
@@ -56,6 +57,13 @@ def check_chat_template(template: str) -> None:
         raise BuildError(f"the model's chat template does not parse ({detail}); fix it where the model keeps it "
                          f"(chat_template.jinja, tokenizer_config.json's chat_template, or the GGUF's "
                          f"tokenizer.chat_template), or remove it to build without one") from None
+
+
+def check_config_fits(config, recipe: Recipe) -> None:
+    """The model's config against the recipe, before the export: the context, and the head size a pass needs."""
+    check_context_fits(config, recipe.export.max_context)
+    if config.head_dim % HEAD_DIM_MULTIPLE and any(spec.name == "lower_onnxruntime" for spec in recipe.passes):
+        raise BuildError(HEAD_DIM_ADVICE.format(head_dim=config.head_dim))
 
 
 def check_context_fits(config, max_context: int) -> None:
@@ -121,10 +129,10 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     if recipe.model.source == "hf" and recipe.model.path is not None:
         early = config_before_weights(recipe.model.path)  # a tokenizer.json, and the context: before the weights
         if early is not None:
-            check_context_fits(early, recipe.export.max_context)
+            check_config_fits(early, recipe)
     say(f"loading the model ({recipe.model.source})")
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed,
-                        check_config=lambda config: check_context_fits(config, recipe.export.max_context))
+                        check_config=lambda config: check_config_fits(config, recipe))
     if loaded.tokenizer_json is None:  # (random-init models make their own)
         raise BuildError(f"{loaded.source['path']}: no tokenizer.ggml.tokens in its metadata, so no tokenizer; aotlm "
                          f"reads a GGUF's tokenizer from the file itself: convert the model with its tokenizer "
@@ -133,7 +141,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     check_tokenizer_fits(loaded.tokenizer_json, loaded.config.vocab_size)
     if loaded.chat_template is not None:
         check_chat_template(loaded.chat_template)
-    check_context_fits(loaded.config, recipe.export.max_context)
+    check_config_fits(loaded.config, recipe)
     passes = resolve_passes(recipe.passes, loaded.tokenizer_json, say)  # before the slow export: bad text fails fast
     # The float graph just before quantization (of weights or of the KV cache) is the accuracy report's reference:
     # the passes run in two parts. The report runs the artifact through onnxruntime's evaluator; a TensorRT

@@ -92,6 +92,14 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                                    "scale_folded_into": scale_folds, "rotary": options.rotary}
 
 
+# onnxruntime's CPU GroupQueryAttention takes head sizes in multiples of 16 (passes/flash_attention_op.py).
+HEAD_DIM_MULTIPLE = 16
+HEAD_DIM_ADVICE = (f"onnxruntime's GroupQueryAttention (lower_onnxruntime) needs a head_dim that is a multiple of "
+                   f"{HEAD_DIM_MULTIPLE}, and this model's is {{head_dim}}: lower the fused attention with "
+                   f"lower_onnx_attention instead (the opset-23 Attention, which onnxruntime runs too), or leave "
+                   f"fuse_attention and lower_onnxruntime out of the recipe")
+
+
 def _head_dim(node: gs.Node) -> int:
     cos = node.inputs[op.INPUTS.index("cos_cache")]  # [positions, head_dim / 2], maybe through a Cast (float16)
     width = cos.shape[-1] if cos.shape else None
@@ -99,9 +107,8 @@ def _head_dim(node: gs.Node) -> int:
         raise PassError(f"{node.name}: the rotary table's width (head_dim / 2) is not known; run shape inference "
                         f"(the cleanup pass) before lower_onnxruntime")
     head_dim = 2 * width
-    if head_dim % 16:
-        raise PassError(f"{node.name}: onnxruntime's GroupQueryAttention needs head_dim % 16 == 0, "
-                        f"this model has head_dim {head_dim}; leave lower_onnxruntime out of the recipe")
+    if head_dim % HEAD_DIM_MULTIPLE:
+        raise PassError(f"{node.name}: {HEAD_DIM_ADVICE.format(head_dim=head_dim)}")
     return head_dim
 
 

@@ -19,7 +19,8 @@ from compiler.frontend import hub_id_hint
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
 from compiler.frontend.random_init import check_state_dict
 
-# transformers' attention_bias default per model type: Qwen2 has q/k/v biases and no config key for them.
+# q/k/v biases per model type. transformers reads config.json's attention_bias for Llama only (where it puts a bias
+# on o_proj too); its Mistral never has them and its Qwen2 always does, whatever that key says.
 ATTENTION_BIAS_DEFAULT = {"llama": False, "mistral": False, "qwen2": True}
 # transformers' config defaults when config.json has no max_position_embeddings (LlamaConfig, MistralConfig, Qwen2Config)
 MAX_POSITIONS_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
@@ -193,7 +194,7 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             f"{origin}: model_type {model_type!r} is not supported; the compiler supports "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
         )
-    if model_type in ("llama", "mistral") and hf.get("attention_bias"):
+    if model_type == "llama" and hf.get("attention_bias"):
         raise BuildError(f"{origin}: attention_bias: true ({model_type}) puts a bias on o_proj too, which the decoder "
                          f"does not implement (it takes q/k/v biases only, as in qwen2).")
     if hf.get("mlp_bias"):
@@ -233,7 +234,7 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # 1e-6: transformers' default for all three
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=size("max_position_embeddings", MAX_POSITIONS_DEFAULT[model_type]),
-            attention_bias=bool(hf.get("attention_bias", ATTENTION_BIAS_DEFAULT[model_type])),
+            attention_bias=ATTENTION_BIAS_DEFAULT[model_type],
             bos_token_id=_token_id(hf.get("bos_token_id"), "bos_token_id", origin),
             eos_token_ids=_eos_ids((hf.get("eos_token_id"), origin),
                                    (generation.get("eos_token_id"), os.path.join(os.path.dirname(origin),

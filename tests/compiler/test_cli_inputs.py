@@ -62,6 +62,34 @@ def test_a_model_config_out_of_range_is_refused_by_name(capsys, tmp_path, old, n
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+def test_a_head_dim_groupqueryattention_cannot_take_is_refused_before_the_export(capsys, tmp_path, monkeypatch):
+    """head_dim 8 (hidden 32, 4 heads: a common tiny test model) was refused only after both graphs were traced, with
+    advice (leave lower_onnxruntime out) that the next build refused in turn: fuse_attention's node needs lowering.
+    The advice it gives now builds, and matches the unlowered graph."""
+    small = tiny_recipe(tmp_path, "head_dim: 16", "head_dim: 8")
+    monkeypatch.setattr("compiler.build.trace_graphs", lambda *a, **k: (_ for _ in ()).throw(AssertionError("traced")))
+    status, output = run_cli(capsys, "build", small, "--output", tmp_path / "out")
+    assert status == 2 and "Traceback" not in output, output
+    assert ("needs a head_dim that is a multiple of 16, and this model's is 8: lower the fused attention with "
+            "lower_onnx_attention instead") in output
+    monkeypatch.undo()
+    monkeypatch.setattr(cli.console, "width", 10_000)
+    text = small.read_text()
+    lowered = tmp_path / "lowered.yaml"
+    lowered.write_text(text.replace("  - lower_onnxruntime ", "  - lower_onnx_attention ", 1))
+    unfused = tmp_path / "unfused.yaml"
+    unfused.write_text(text[:text.index("passes:")] + "passes:\n  - cleanup\n")
+    from runtime import Engine
+
+    tokens = []
+    for recipe, out in ((lowered, tmp_path / "lowered"), (unfused, tmp_path / "unfused")):
+        status, output = run_cli(capsys, "build", recipe, "--output", out)
+        assert status == 0, output
+        engine = Engine.load(out / "tiny-random")
+        tokens.append(engine.generate([5, 6, 7], max_new_tokens=8, ignore_eos=True).token_ids)
+    assert len(tokens[0]) == 8 and tokens[0] == tokens[1]
+
+
 @pytest.mark.parametrize("option, message", [
     ("block_size: 48", "passes[6] (quantize): quantize: block_size=48"),
     ("int8_kernel_block: 48", "passes[6] (quantize): quantize: int8_kernel_block=48"),

@@ -286,6 +286,18 @@ def test_hf_qwen2_defaults_to_attention_bias(tmp_path):
     assert load_hf_folder(str(tmp_path / "qwen")).config == TINY_QWEN2
 
 
+def test_attention_bias_is_read_for_llama_only_as_transformers_reads_it(tmp_path):
+    """transformers' Qwen2 always has q/k/v biases and its Mistral never does, whatever config.json's attention_bias
+    says: the loader refused Qwen2 with the key false ('weights do not fit'; the decoder takes those biases) and
+    Mistral with it true (naming an o_proj bias Mistral does not have)."""
+    write_hf_folder(tmp_path / "qwen", TINY_QWEN2, random_model(TINY_QWEN2, seed=1).state_dict, attention_bias=False)
+    assert load_hf_folder(str(tmp_path / "qwen")).config.attention_bias is True
+    mistral = dataclasses.replace(TINY, architecture="mistral")
+    write_hf_folder(tmp_path / "mistral", mistral, random_model(mistral, seed=1).state_dict, attention_bias=True,
+                    sliding_window=None)
+    assert load_hf_folder(str(tmp_path / "mistral")).config.attention_bias is False
+
+
 # --- errors name what is wrong ----------------------------------------------------------------------------
 def test_unsupported_gguf_architecture_is_named(tmp_path):
     path = tmp_path / "gpt2.gguf"
@@ -790,7 +802,6 @@ def test_two_rope_thetas_that_disagree_are_refused(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (dict(attention_bias=True), "attention_bias: true \\(llama\\) puts a bias on o_proj too"),
     (dict(mlp_bias=True), "mlp_bias: true \\(biases on the MLP projections\\) is not supported"),
-    (dict(model_type="mistral", attention_bias=True), "attention_bias: true \\(mistral\\) puts a bias on o_proj too"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported; the MLP is SiLU-gated"),
 ])
 def test_llama_biases_the_decoder_lacks_are_refused_by_their_config_key(tmp_path, overrides, message):

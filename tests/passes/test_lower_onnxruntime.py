@@ -254,5 +254,6 @@ def test_a_packed_query_takes_the_scale_in_its_query_columns_or_keeps_it_in_the_
 
 
 def test_a_head_dim_onnxruntime_cannot_run_is_refused():
-    with pytest.raises(PassError, match="needs head_dim % 16 == 0, this model has head_dim 8; leave lower_onnxruntime"):
+    with pytest.raises(PassError, match="needs a head_dim that is a multiple of 16, and this model's is 8: lower the "
+                                        "fused attention with lower_onnx_attention instead"):
         lower_onnxruntime.run(flash_attention_model(head_dim=8), lower_onnxruntime.Options())
