@@ -207,9 +207,11 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
     parameters, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
     rope = {**parameters, **scaling}
     rope_type = (scaling or parameters).get("rope_type", (scaling or parameters).get("type", "default"))
+    if rope_type == "dynamic":  # NTK scaling raises theta only past max_position_embeddings, which
+        rope_type = "default"   # export.max_context never exceeds (check_max_positions): plain RoPE up to there
     if rope_type not in ("default", "llama3"):
-        raise BuildError(f"{origin}: rope scaling {rope_type!r} is not supported; the decoder takes plain RoPE and "
-                         f"Llama 3.1's 'llama3' scaling.")
+        raise BuildError(f"{origin}: rope scaling {rope_type!r} is not supported; the decoder takes plain RoPE, "
+                         f"Llama 3.1's 'llama3' scaling, and 'dynamic' (plain RoPE within max_position_embeddings).")
     def size(key: str, default=None) -> int:  # a missing required key: the KeyError below names it
         value = hf[key] if default is None else hf.get(key) or default
         if not isinstance(value, int) or isinstance(value, bool):  # 64.5 was cut to 64, "64" read as 64

@@ -352,9 +352,34 @@ def test_llama3_rope_scaling_gives_transformers_logits(tmp_path, key):
     assert (ours - unscaled).abs().max() > 1e-2  # the scaling changes these logits: the comparison is not vacuous
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 4.0}, {"type": "dynamic", "factor": 2.0}])
+def test_dynamic_rope_scaling_is_plain_rope_over_every_position_an_artifact_holds(tmp_path, rope):
+    """Dynamic NTK scaling raises theta only for sequences past max_position_embeddings, which export.max_context
+    may not exceed: the loader refused such models; it now builds them as plain RoPE, and the logits over all
+    max_position_embeddings positions are transformers' own with the scaling."""
+    from compiler.frontend.model import build_decoder
+
+    original = random_model(TINY, seed=4)
+    for name, weight in original.state_dict.items():  # sharper attention, so that the rotary angles show
+        if ".q_proj." in name or ".k_proj." in name:
+            weight.mul_(4.0)
+    write_hf_folder(tmp_path / "m", TINY, original.state_dict, rope_scaling=rope)
+    loaded = load_hf_folder(str(tmp_path / "m"))
+    assert loaded.config == TINY
+    positions = TINY.max_position_embeddings
+    ids = torch.from_numpy(np.random.default_rng(0).integers(3, TINY.vocab_size, (1, positions)))
+    decoder = build_decoder(loaded.config, loaded.state_dict)
+    empty = [torch.zeros(1, TINY.num_kv_heads, positions, TINY.head_dim)] * TINY.num_layers
+    with torch.no_grad():
+        expected = hf_llama(TINY, original.state_dict, rope_scaling=rope)(ids).logits[0]
+        ours = decoder(ids, torch.arange(positions)[None], torch.ones(1, positions, dtype=torch.long), empty, empty,
+                       attend_to_cache=False, logits="all")[0][0]
+    np.testing.assert_allclose(ours.numpy(), expected.numpy(), atol=2e-5)
+
+
 @pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "linear", "factor": 4.0}, r"rope scaling 'linear' is not supported; the decoder takes plain RoPE "
-                                             r"and Llama 3.1's 'llama3' scaling"),
+    ({"rope_type": "linear", "factor": 4.0}, r"rope scaling 'linear' is not supported; the decoder takes plain RoPE, "
+                                             r"Llama 3.1's 'llama3' scaling, and 'dynamic'"),
     ({"rope_type": "yarn", "factor": 4.0}, r"rope scaling 'yarn' is not supported"),
     ({**LLAMA3_ROPE, "low_freq_factor": None}, r"'llama3' needs numbers for .*; low_freq_factor is missing"),
     ({"rope_type": "llama3", "factor": 8.0}, r"low_freq_factor, high_freq_factor, original_max_position_embeddings "
