@@ -98,17 +98,25 @@ class ParsedRequest:
     logprobs: int | None = None  # alternatives per token in the response, None = no logprobs
 
 
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
+
+
 def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     """Check a request body (a JSON object) and turn it into the scheduler requests it asks for; ApiError says what is
     wrong, naming the field as the API spells it."""
     fields = request_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, model_name, NOT_SUPPORTED)
     stream = flag(fields, "stream")
     options = fields.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise ApiError(f"stream_options: {options!r} must be an object with include_usage", param="stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - STREAM_OPTIONS):
+        raise ApiError(f"stream_options: {options!r} must be an object with include_usage (and include_obfuscation)",
+                       param="stream_options")
     if options is not None and not stream:
         raise ApiError("stream_options: only with stream: true", param="stream_options")
     include_usage = flag(options or {}, "include_usage", "stream_options.include_usage")
+    # OpenAI pads its chunks with random text against side channels unless this is false; this server never pads
+    if flag(options or {}, "include_obfuscation", "stream_options.include_obfuscation", default=False):
+        raise ApiError("stream_options.include_obfuscation: true is not supported: this server does not pad its "
+                       "chunks; send false or leave it out", param="stream_options.include_obfuscation")
     logprobs = _chat_logprobs(fields) if chat else _completion_logprobs(fields)
     echo = flag(fields, "echo")
     # The prompt last: rendering and tokenizing cost more than the checks above.
@@ -123,7 +131,8 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
                        f"choices per request)", param="n")
     choices = []
     for prompt_index, prompt_ids in enumerate(prompts):
-        params = _sampling(engine, fields, prompt_ids, chat, logprobs, echo)
+        params = _sampling(engine, fields, prompt_ids, chat, logprobs, echo,
+                           f"prompt[{prompt_index}]" if len(prompts) > 1 else "the prompt")
         for sample in range(n):
             seeded = params if params.seed is None else replace(params, seed=params.seed + sample)
             choices.append(Choice(prompt_index * n + sample, prompt_ids, seeded))
@@ -218,7 +227,8 @@ def _chat_logprobs(fields: dict) -> int | None:
 
 
 def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs: int | None,
-              echo: bool) -> SamplingParams:
+              echo: bool, prompt_name: str = "the prompt") -> SamplingParams:
+    """prompt_name: which prompt the context messages name (one of a list: "prompt[2]")."""
     options = {engine_name: fields[name] for name, engine_name in SAMPLING_FIELDS.items() if name in fields}
     options.setdefault("temperature", 1.0)  # OpenAI's default; the engine's is greedy
     seed = options.get("seed")
@@ -238,8 +248,8 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
     room = engine.max_context + 1 - len(prompt_ids)  # the last token is never fed back
     if room < 1:  # the prompt does not fit, whatever max_tokens asks for: no max_tokens would fix it
         prompt_field = "messages" if chat else "prompt"
-        raise ApiError(f"{prompt_field}: the prompt has {len(prompt_ids)} tokens and this model's context is "
-                       f"{engine.max_context}: no token can follow it; shorten the prompt", param=prompt_field)
+        raise ApiError(f"{prompt_field}: {prompt_name} has {len(prompt_ids)} tokens and this model's context is "
+                       f"{engine.max_context}: no token can follow it; shorten it", param=prompt_field)
     if max_tokens is None:
         # chat: what the context leaves; completions: OpenAI's 16, or what the context leaves when less
         max_tokens = room if chat else min(COMPLETION_MAX_TOKENS, room)
@@ -252,7 +262,7 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
     except RequestError as error:
         raise _api_error(error, chat, max_name=max_name) from None
     if params.max_new_tokens > room:
-        raise ApiError(f"{max_name}: the prompt has {len(prompt_ids)} tokens and this model's context is "
+        raise ApiError(f"{max_name}: {prompt_name} has {len(prompt_ids)} tokens and this model's context is "
                        f"{engine.max_context}: at most {room} tokens can follow it, {params.max_new_tokens} "
                        f"were asked for", param=max_name)
     try:  # what submit would refuse (stop ids or logit_bias outside the vocabulary...), before any choice runs
@@ -363,6 +373,8 @@ def chunk(request: ParsedRequest, request_id: str, model_name: str, created: int
                  "finish_reason": finish_reason(result) if end else None}
     body = {"id": request_id, "object": "chat.completion.chunk" if request.chat else "text_completion",
             "created": created, "model": model_name, "choices": [entry]}
+    if request.include_usage:  # OpenAI: every chunk but the last, which carries the usage, has it as null
+        body["usage"] = None
     if end:
         body["timings"] = timings(result)
     return body
@@ -468,6 +480,16 @@ def _token_text(engine, token: int) -> str:
     return engine.tokenizer.tokenizer.decode([token], skip_special_tokens=False)
 
 
+def _by_text(engine, ranked: list[tuple[int, float]]) -> dict[str, float]:
+    """Completions' top_logprobs map text -> logprob, most likely first. Tokens that decode alone to the same text
+    (byte tokens that each begin a character: all "\ufffd") share one key, which keeps the likeliest one's logprob;
+    a later, less likely one had overwritten it."""
+    texts: dict[str, float] = {}
+    for token, logprob in ranked:
+        texts.setdefault(_token_text(engine, token), logprob)
+    return texts
+
+
 def _width(engine, token: int, text: str, shown: str | None = None, offset: int = 0) -> int:
     """How far a token moves text_offset: the length of its text, or 0 for a special token (BOS, say), whose text
     the choice's text leaves out (an output, an echo of ids: decoded without special tokens), so that each offset
@@ -509,7 +531,5 @@ def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries,
         text_offset += _width(engine, token, text, echo[0] if echoed else None, text_offset)
     return {"tokens": texts,  # an echo's first token has None: nothing predicts it
             "token_logprobs": [None if entry is None else entry[token] for token, entry in zip(chosen, entries)],
-            "top_logprobs": [None if entry is None else {_token_text(engine, alt): logprob
-                                                         for alt, logprob in _top(entry, count)}
-                             for entry in entries],
+            "top_logprobs": [None if entry is None else _by_text(engine, _top(entry, count)) for entry in entries],
             "text_offset": offsets}

@@ -116,8 +116,11 @@ def test_prompts_and_n_samples_each_get_a_choice_seeded_in_turn(served):
 def test_a_streamed_completion_joins_to_the_whole_text_then_gives_its_usage(served):
     body = {"prompt": "The keeper", "max_tokens": 12, "temperature": 0, "echo": True}
     _, _, whole = post(served, "/v1/completions", body)
-    headers, chunks, done = events(served, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    # include_obfuscation false: what the server does anyway (OpenAI's client sends it when asked to)
+    options = {"include_usage": True, "include_obfuscation": False}
+    headers, chunks, done = events(served, "/v1/completions", {**body, "stream_options": options})
     assert done and headers["Content-Type"] == "text/event-stream" and headers["Cache-Control"] == "no-cache"
+    assert all(c["usage"] is None for c in chunks[:-1])  # OpenAI: null on every chunk before the usage's own
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == whole["choices"][0]["text"] and text.startswith("The keeper")
     ends = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
@@ -138,6 +141,23 @@ def test_completion_logprobs_are_the_engines(served):
     for top, entry in zip(logprobs["top_logprobs"], expected.logprobs):  # greedy: the chosen token is the likeliest
         assert len(top) <= 2 and max(top.values()) == pytest.approx(max(entry.values()))
     assert logprobs["text_offset"][0] == 0 and "".join(logprobs["tokens"]) == body["choices"][0]["text"]
+
+
+def test_alternatives_that_decode_alike_keep_the_likeliest_ones_logprob(served):
+    """Completions key top_logprobs by text, and byte tokens that each begin a character all decode alone to U+FFFD:
+    the last (least likely) of them had overwritten the likeliest one's logprob."""
+    status, _, body = post(served, "/v1/completions", {"prompt": "Hello world", "max_tokens": 4, "temperature": 0,
+                                                        "logprobs": 20})
+    expected = served.engine.generate("Hello world", max_new_tokens=4, logprobs=20)
+    decode = lambda token: served.engine.tokenizer.tokenizer.decode([token], skip_special_tokens=False)  # noqa: E731
+    shared = 0
+    for top, entry in zip(body["choices"][0]["logprobs"]["top_logprobs"], expected.logprobs):
+        likeliest: dict[str, float] = {}
+        for token, logprob in entry.items():
+            likeliest[decode(token)] = max(logprob, likeliest.get(decode(token), -np.inf))
+        shared += len(entry) - len(likeliest)
+        assert top == pytest.approx(likeliest)
+    assert status == 200 and shared > 0  # some alternatives did decode alike
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -399,7 +419,8 @@ def test_max_token_errors_name_the_field_the_client_sent_or_the_prompt(chat_serv
     long = [{"role": "user", "content": "word " * engine.max_context}]
     status, _, body = post(chat_served, "/v1/chat/completions", {"messages": long})
     assert status == 400 and body["error"]["param"] == "messages"
-    assert "no token can follow it; shorten the prompt" in body["error"]["message"]
+    assert body["error"]["message"].startswith("messages: the prompt has")
+    assert "no token can follow it; shorten it" in body["error"]["message"]
     status, _, body = post(chat_served, "/v1/completions", {"prompt": [5] * (engine.max_context + 1)})
     assert status == 400 and body["error"]["param"] == "prompt" and "no token can follow" in body["error"]["message"]
     # Sent with a max_tokens, such a prompt was blamed on it ("max_tokens: ... at most 0 tokens can follow it, 1 were
@@ -408,7 +429,13 @@ def test_max_token_errors_name_the_field_the_client_sent_or_the_prompt(chat_serv
                        ("/v1/chat/completions", {"messages": long, "max_completion_tokens": 1})):
         status, _, answer = post(chat_served, path, body)
         assert status == 400 and answer["error"]["param"] == ("messages" if "messages" in body else "prompt")
-        assert "no token can follow it; shorten the prompt" in answer["error"]["message"]
+        assert "no token can follow it; shorten it" in answer["error"]["message"]
+    # one of a list of prompts: which one
+    context = engine.max_context
+    status, _, body = post(chat_served, "/v1/completions", {"prompt": ["Hi", [5] * (context + 1)]})
+    assert status == 400 and body["error"]["message"].startswith(f"prompt: prompt[1] has {context + 1} tokens")
+    status, _, body = post(chat_served, "/v1/completions", {"prompt": [[5] * context, "Hi"], "max_tokens": 2})
+    assert status == 400 and body["error"]["message"].startswith(f"max_tokens: prompt[0] has {context} tokens")
 
 
 def test_a_completion_without_max_tokens_takes_16_or_what_the_context_leaves(chat_served):
@@ -538,6 +565,8 @@ def test_chat_on_a_model_without_a_template_says_so(served):
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages: required"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "usage": True}},
      400, "stream_options", "must be an object with include_usage"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_obfuscation": True}}, 400,
+     "stream_options.include_obfuscation", "this server does not pad its chunks; send false or leave it out"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
         "type": "json_object"}}, 400, "response_format", "only {'type': 'text'} is supported"),
     ("/v1/completions", {"prompt": ["a", "b"], "n": 65}, 400, "n", "n: 65 must be an integer in 1..64"),  # per prompt
