@@ -42,8 +42,13 @@ ONNXRUNTIME_LOWERINGS = ("lower_onnxruntime", "lower_onnx_attention")  # their g
 # (pass, a pass it must not come after, unless such a lowering lies between (True) or in any case (False), the fix)
 ORDER_RULES = (
     ("quantize", "fuse_attention", True,
-     "its calibration and the accuracy report run the graph in onnxruntime, which cannot run aotlm.FlashAttention "
-     "(nor TensorRT's plugins); list quantize before fuse_attention, or after lower_onnxruntime"),
+     "its calibration and the accuracy report run the graph in onnxruntime, which cannot run aotlm.FlashAttention; "
+     "list quantize after lower_onnxruntime or lower_onnx_attention (with backend tensorrt: after lower_tensorrt, "
+     "method rtn)"),
+    ("fuse_attention", "quantize", False,
+     "fuse_attention matches projections by their constant float weights, which quantize has replaced: no layer "
+     "would fuse; list quantize after the attention's lowering (lower_onnxruntime or lower_onnx_attention; with "
+     "backend tensorrt, lower_tensorrt and method rtn)"),
     ("fuse_attention", "fuse_rotary", False,
      "fuse_attention reads the rotary math that fuse_rotary replaces; list fuse_rotary after fuse_attention (it then "
      "rotates what fuse_attention left unfused)"),
@@ -243,7 +248,7 @@ def check_passes(passes: Sequence) -> None:
             per_layer = ", with overrides for per-layer settings" if spec.name == "quantize" else ""
             raise BuildError(f"passes[{index}]: {spec.name} is listed twice (the second would find nothing left to do); "
                              f"use one{per_layer}")
-        _check_order(names, index)
+        _check_order(passes, index)
         options = _options_for(spec, entry)
         if entry.check is not None:
             try:
@@ -255,13 +260,32 @@ def check_passes(passes: Sequence) -> None:
                              f"(or null: every match)")
 
 
-def _check_order(names: Sequence[str], index: int) -> None:
+def _check_order(passes: Sequence, index: int) -> None:
+    names = [spec.name for spec in passes]
     for later, earlier, unless_lowered, fix in ORDER_RULES:
         if names[index] != later or earlier not in names[:index]:
             continue
         at = names.index(earlier)
-        if not (unless_lowered and any(name in ONNXRUNTIME_LOWERINGS for name in names[at:index])):
-            raise BuildError(f"passes[{index}] ({later}) comes after passes[{at}] ({earlier}): {fix}")
+        between = names[at:index]
+        if unless_lowered and any(name in ONNXRUNTIME_LOWERINGS for name in between):
+            continue
+        if (later, earlier) == ("quantize", "fuse_attention") and "lower_tensorrt" in between:
+            methods = quantize_methods(passes[index])
+            if methods <= {"rtn"}:  # no calibration runs the graph; the accuracy report is onnxruntime's only
+                continue
+            raise BuildError(f"passes[{index}] (quantize) comes after passes[{names.index('lower_tensorrt')}] "
+                             f"(lower_tensorrt) with method {', '.join(sorted(methods - {'rtn'}))}, whose calibration "
+                             f"runs the graph in onnxruntime, which cannot run TensorRT's plugins; use method rtn "
+                             f"for backend tensorrt")
+        raise BuildError(f"passes[{index}] ({later}) comes after passes[{at}] ({earlier}): {fix}")
+
+
+def quantize_methods(spec) -> set[str]:
+    """The methods a quantize pass's layers use: its own and its overrides'."""
+    options = getattr(spec, "options", None)
+    if options is None:
+        return {"rtn"}
+    return {options.method, *(o.method for o in options.overrides if o.method is not None and not o.skip)}
 
 
 def lookup_pass(name: str) -> PassEntry:

@@ -438,6 +438,33 @@ def test_an_order_rule_is_excused_only_by_a_lowering_between_and_only_where_it_s
     pipeline.check_passes(specs("fuse_attention", "lower_onnxruntime", "quantize"))  # lowered between: allowed
 
 
+def test_quantize_before_fuse_attention_is_refused_as_fusing_nothing():
+    """The advice had been "list quantize before fuse_attention": fusion then found no projection with a constant
+    float weight and fused no layer (a build with required: true failed after the export; without it, an unfused
+    artifact came out without a word)."""
+    with pytest.raises(BuildError, match=r"passes\[2\] \(fuse_attention\) comes after passes\[1\] \(quantize\): "
+                                         r"fuse_attention matches projections by their constant float weights"):
+        pipeline.check_passes(specs("cleanup", "quantize", "fuse_attention", "lower_onnxruntime"))
+
+
+def test_with_tensorrt_quantize_follows_lower_tensorrt_when_nothing_calibrates():
+    """Round to nearest runs no graph, so it may follow TensorRT's plugins (the accuracy report is onnxruntime's
+    only); AWQ and GPTQ calibrate in onnxruntime, which cannot run them. Every order had been refused."""
+    from compiler.recipe import PassSpec
+    from passes.quantize import Options, Override
+
+    lowered = specs("cleanup", "fuse_attention", "lower_tensorrt")
+    pipeline.check_passes([*lowered, PassSpec("quantize", Options(bits=8, lowering="dequantize_linear"))])
+    skipped = Override(pattern="*lm_head*", skip=True)
+    pipeline.check_passes([*lowered, PassSpec("quantize", Options(bits=8, lowering="dequantize_linear",
+                                                                  overrides=(skipped,)))])
+    for options in (Options(bits=4, block_size=64, method="awq"),
+                    Options(bits=8, overrides=(Override(pattern="*mlp*", method="gptq"),))):
+        with pytest.raises(BuildError, match=r"passes\[3\] \(quantize\) comes after passes\[2\] \(lower_tensorrt\) "
+                                             r"with method (awq|gptq), whose calibration runs the graph in onnxruntime"):
+            pipeline.check_passes([*lowered, PassSpec("quantize", options)])
+
+
 def test_max_rewrites_zero_is_allowed_and_below_it_is_named():
     from compiler.recipe import PassSpec
 
