@@ -55,13 +55,15 @@ def _build(args) -> None:
 
     with console.status(f"building {recipe.name}"):
         path = build(recipe, args.output, progress=progress)
-    from compiler.pipeline import PassResult, format_reports
+    from compiler.pipeline import PassResult, format_reports, idle_passes
     from runtime.manifest import read_manifest
 
     manifest = read_manifest(path)
     passes = [PassResult(**result) for result in manifest["passes"]]
     if passes:
         console.print(format_reports(passes), highlight=False)
+        for text in idle_passes(passes):
+            warning(text)
     if "accuracy" in manifest:
         from compiler.accuracy import format_accuracy
 

@@ -90,6 +90,16 @@ def test_a_head_dim_groupqueryattention_cannot_take_is_refused_before_the_export
     assert len(tokens[0]) == 8 and tokens[0] == tokens[1]
 
 
+def test_a_listed_pass_that_changed_nothing_is_warned_of_and_a_working_build_has_no_warning(capsys, tmp_path):
+    status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 0 and "warning" not in output
+    twice = tiny_recipe(tmp_path, "  - fuse_rms_norm ", "  - lower_onnxruntime\n  - fuse_rms_norm ")
+    status, output = run_cli(capsys, "build", twice, "--output", tmp_path / "out")
+    assert status == 0, output
+    assert ("warning: passes[3] (lower_onnxruntime) changed nothing in prefill, decode: no aotlm.FlashAttention node "
+            "left to lower") in output
+
+
 @pytest.mark.parametrize("option, message", [
     ("block_size: 48", "passes[6] (quantize): quantize: block_size=48"),
     ("int8_kernel_block: 48", "passes[6] (quantize): quantize: int8_kernel_block=48"),
