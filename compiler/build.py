@@ -130,7 +130,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         early = config_before_weights(recipe.model.path)  # a tokenizer.json, and the context: before the weights
         if early is not None:
             check_config_fits(early, recipe)
-    say(f"loading the model ({recipe.model.source})")
+    say(f"loading the model ({recipe.model.source}" + (f": {recipe.model.path})" if recipe.model.path else ")"))
     loaded = load_model(recipe.model.source, recipe.model.path, recipe.model.config, recipe.model.seed,
                         check_config=lambda config: check_config_fits(config, recipe))
     if loaded.tokenizer_json is None:  # (random-init models make their own)

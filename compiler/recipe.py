@@ -197,7 +197,8 @@ def parse_recipe(data: Any, origin: str = "<dict>", base_dir: str | os.PathLike 
             raise _Invalid("name", f"{len(recipe.name)} characters; at most {NAME_MAX_LENGTH} (it names the folder "
                                    f"artifacts/<name>/ and its staging folder, which must fit a file name)")
         return dataclasses.replace(recipe, model=_check_model(recipe.model, base_dir),
-                                   passes=tuple(_with_calibration_path(spec, base_dir) for spec in recipe.passes))
+                                   passes=tuple(_with_calibration_path(index, spec, base_dir)
+                                                for index, spec in enumerate(recipe.passes)))
     except _Invalid as e:
         where = f"{e.path}: " if e.path else ""
         raise RecipeError(f"{origin}: {where}{e.message}") from None
@@ -343,24 +344,32 @@ def _check_model(model: ModelSpec, base_dir: str | os.PathLike | None) -> ModelS
         return model
     if not model.path:
         raise _Invalid("model.path", "must not be empty (use null for the default)")
-    return dataclasses.replace(model, path=_resolve(model.path, base_dir))
+    return dataclasses.replace(model, path=_resolve(model.path, base_dir, "model.path"))
 
 
-def _with_calibration_path(spec, base_dir: str | os.PathLike | None):
+def _with_calibration_path(index: int, spec, base_dir: str | os.PathLike | None):
     """A pass's calibration text file, resolved as the model path is (the current folder, else the recipe's)."""
     calibration = getattr(spec.options, "calibration", None)
     text = getattr(calibration, "text", None)
     if not text or text == "pydoc" or base_dir is None:
         return spec
-    options = dataclasses.replace(spec.options, calibration=dataclasses.replace(calibration, text=_resolve(text, base_dir)))
+    resolved = _resolve(text, base_dir, f"passes[{index}].{spec.name}.calibration.text")
+    options = dataclasses.replace(spec.options, calibration=dataclasses.replace(calibration, text=resolved))
     return dataclasses.replace(spec, options=options)
 
 
-def _resolve(path: str, base_dir: str | os.PathLike | None) -> str:
-    p = Path(path).expanduser()
-    if not p.is_absolute() and not p.exists() and base_dir is not None and (Path(base_dir) / p).exists():
-        p = Path(base_dir) / p
-    return os.path.abspath(p)
+def _resolve(path: str, base_dir: str | os.PathLike | None, key: str) -> str:
+    """A recipe's path made absolute: ~ and $VARIABLES expanded; a relative one from the current folder, else (where
+    only that holds it) from the recipe's folder. One that names a different file from each is refused: the same
+    recipe would build another model when run from elsewhere."""
+    p = Path(os.path.expandvars(path)).expanduser()
+    if p.is_absolute() or base_dir is None:
+        return os.path.abspath(p)
+    here, beside = Path(os.path.abspath(p)), Path(os.path.abspath(Path(base_dir) / p))
+    if here.exists() and beside.exists() and not os.path.samefile(here, beside):
+        raise _Invalid(key, f"{_show(path)} names {here} (from the current folder) and {beside} (from the recipe's "
+                            f"folder), two different files; write the one you mean as an absolute path")
+    return str(beside if beside.exists() and not here.exists() else here)
 
 
 def _plain(obj: Any) -> Any:

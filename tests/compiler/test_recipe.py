@@ -167,9 +167,38 @@ def test_relative_model_path(tmp_path, monkeypatch):
     monkeypatch.chdir(cwd)
     assert load_recipe(f).model.path == str(recipe_dir / "m.gguf")  # not in cwd: the recipe's folder
     (cwd / "m.gguf").write_bytes(b"")
-    assert load_recipe(f).model.path == str(cwd / "m.gguf")  # cwd first
-    (cwd / "m.gguf").unlink(), (recipe_dir / "m.gguf").unlink()
+    # in both folders, two files: which one the build read had depended on where it ran
+    with pytest.raises(RecipeError, match=rf"model.path: 'm.gguf' names {cwd / 'm.gguf'} \(from the current folder\) "
+                                          rf"and {recipe_dir / 'm.gguf'} \(from the recipe's folder\), two different "
+                                          rf"files; write the one you mean as an absolute path"):
+        load_recipe(f)
+    (recipe_dir / "m.gguf").unlink()
+    assert load_recipe(f).model.path == str(cwd / "m.gguf")  # only in the current folder
+    monkeypatch.chdir(recipe_dir)
+    assert load_recipe(f).model.path == str(recipe_dir / "m.gguf")  # both the same file: no question
+    monkeypatch.chdir(cwd)
+    (cwd / "m.gguf").unlink()
     assert load_recipe(f).model.path == str(cwd / "m.gguf")  # nowhere: cwd, left to the loader to report
+
+
+def test_a_calibration_text_in_both_folders_is_refused_by_its_key(tmp_path, monkeypatch):
+    recipe_dir, cwd = tmp_path / "recipes", tmp_path / "cwd"
+    recipe_dir.mkdir(), cwd.mkdir()
+    (recipe_dir / "notes.txt").write_text("a"), (cwd / "notes.txt").write_text("b")
+    f = recipe_dir / "r.yaml"
+    f.write_text("name: x\nmodel: {source: gguf}\npasses:\n  - cleanup\n"
+                 "  - quantize: {calibration: {text: notes.txt}}\n")
+    monkeypatch.chdir(cwd)
+    with pytest.raises(RecipeError, match=r"passes\[1\].quantize.calibration.text: 'notes.txt' names .* two different"):
+        load_recipe(f)
+
+
+def test_environment_variables_in_a_path_are_expanded(tmp_path, monkeypatch):
+    """`~` was expanded and `$HOME` kept as written: the build looked for a folder named `$HOME`."""
+    monkeypatch.setenv("MODELS", str(tmp_path / "models"))
+    for path in ("$MODELS/m.gguf", "${MODELS}/m.gguf"):
+        recipe = parse_recipe({"name": "x", "model": {"source": "gguf", "path": path}})
+        assert recipe.model.path == str(tmp_path / "models" / "m.gguf")
 
 
 # --- errors -----------------------------------------------------------------------------------------
