@@ -168,7 +168,11 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RecipeError(f"{path}: invalid YAML{where}: {problem}") from None
+        # What was open when it failed (an unclosed quote or bracket): the end of the file alone does not say where
+        began, context = getattr(e, "context_mark", None), getattr(e, "context", None)
+        opened = (f" ({context} at line {began.line + 1}, column {began.column + 1})"
+                  if began and context and (not mark or began.line != mark.line) else "")
+        raise RecipeError(f"{path}: invalid YAML{where}: {problem}{opened}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: cannot read: {e}") from None
     except (ValueError, RecursionError) as e:  # an integer of thousands of digits; thousands of nested brackets
@@ -239,7 +243,8 @@ def _build(cls: type, value: Any, path: str) -> Any:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise _Invalid(_join(path, key), f"unknown key{hint} (known: {', '.join(sorted(fields))})")
+            known = f"(known: {', '.join(sorted(fields))})" if fields else "(it takes no options)"
+            raise _Invalid(_join(path, key), f"unknown key{hint} {known}")
     kwargs = {}
     for name, f in fields.items():
         sub = _join(path, name)
@@ -316,6 +321,12 @@ def _parse_pass(item: Any, path: str) -> PassSpec:
     elif isinstance(item, Mapping) and len(item) == 1:
         ((name, options),) = item.items()
         options = {} if options is None else options
+    elif isinstance(item, Mapping) and any(key in PASSES and item[key] is None for key in item):
+        # `- fuse_attention:` with its options at the name's indent: YAML reads one mapping, the name's value null
+        name = next(key for key in item if key in PASSES and item[key] is None)
+        raise _Invalid(path, f"a mapping with keys {', '.join(map(str, item))}: a pass's options go indented under "
+                             f"its name (`- {name}:` then, on the next line, `    {next(k for k in item if k != name)}: "
+                             f"...`)")
     else:
         raise _Invalid(path, f"expected a pass name or a one-key mapping {{name: {{options}}}}, got {_show(item)}")
     if name not in PASSES:

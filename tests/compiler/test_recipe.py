@@ -270,6 +270,12 @@ def test_environment_variables_in_a_path_are_expanded(tmp_path, monkeypatch):
      "model.seed: 18446744073709551616 must be <= 18446744073709551615"),  # was a torch overflow traceback
     ({"name": "a" * 201, "model": {"source": "gguf"}}, "name: 201 characters; at most 200"),  # mkdtemp failed late
     ([1, 2], "a recipe must be a mapping of sections"),
+    # options written at the name's indent: YAML reads one mapping with both keys ("got a mapping" said no more)
+    (gguf(passes=[{"fuse_attention": None, "required": True}]),
+     "passes[0]: a mapping with keys fuse_attention, required: a pass's options go indented under its name "
+     "(`- fuse_attention:` then, on the next line, `    required: ...`)"),
+    (gguf(passes=[{"skip_unused_rows": {"phases": ["prefill"]}}]),
+     "passes[0].skip_unused_rows.phases: unknown key (it takes no options)"),  # was "(known: )"
 ])
 def test_errors(data, expected):
     assert expected in error_of(data)
@@ -279,6 +285,16 @@ def test_the_longest_name_and_seed_are_accepted():
     assert parse_recipe({"name": "a" * 200, "model": {"source": "gguf"}}).name == "a" * 200
     recipe = parse_recipe({"name": "x", "model": {"source": "random", "config": TINY_CONFIG, "seed": 2**64 - 1}})
     assert recipe.model.seed == 2**64 - 1
+
+
+def test_an_unclosed_quote_is_named_where_it_opens(tmp_path):
+    """PyYAML meets the end of the file: the message named only that place, far from the quote."""
+    f = tmp_path / "x.yaml"
+    f.write_text('name: x\nmodel:\n  source: "gguf\n  path: a\nexport:\n  max_context: 64\n')
+    with pytest.raises(RecipeError) as info:
+        load_recipe(f)
+    assert str(info.value) == (f"{f}: invalid YAML at line 7, column 1: found unexpected end of stream (while "
+                               f"scanning a quoted scalar at line 3, column 11)")
 
 
 def test_yaml_merge_keys_are_read_as_yaml_defines_them(tmp_path):
