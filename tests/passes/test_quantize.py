@@ -561,9 +561,20 @@ def test_max_rewrites_quantizes_only_that_many(limit, quantized):
 
 
 def test_gptq_act_order_is_accepted_when_an_override_uses_awq_gptq():
-    quantize.check_options(quantize.Options(bits=4, gptq_act_order=True,
+    from passes.calibration import CalibrationSpec
+
+    quantize.check_options(quantize.Options(bits=4, gptq_act_order=True, calibration=CalibrationSpec(),
                                             overrides=(quantize.Override("down_proj", method="awq_gptq"),)))
-    quantize.check_options(quantize.Options(bits=4, method="awq_gptq", gptq_act_order=True))
+    quantize.check_options(quantize.Options(bits=4, method="awq_gptq", gptq_act_order=True,
+                                            calibration=CalibrationSpec()))
+
+
+@pytest.mark.parametrize("options", [quantize.Options(bits=4, method="awq"),
+                                     quantize.Options(bits=8, overrides=(quantize.Override("*mlp*", method="gptq"),))])
+def test_a_calibrated_method_without_calibration_is_refused_before_the_export(options):
+    """It was refused only when the pass ran, after the export and the passes before it."""
+    with pytest.raises(PassError, match=r"quantize: method (awq|gptq) needs calibration data: set `calibration`"):
+        quantize.check_options(options)
 
 
 def test_a_k_of_16_keeps_one_block_of_16():
