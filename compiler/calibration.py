@@ -30,7 +30,9 @@ def split_text(spec_text: str) -> tuple[str, str, dict]:
         return calibration, held_out, {"source": f"{BUILTIN_SOURCE}, first 90%"}
     path = Path(spec_text).expanduser()
     if not path.is_file():
-        raise BuildError(f"calibration.text: {spec_text!r} is neither 'pydoc' (the built-in text) nor a text file")
+        found = "a folder" if path.is_dir() else "no such file"
+        raise BuildError(f"calibration.text: {spec_text}: {found}; give a UTF-8 text file, or 'pydoc' for the "
+                         f"built-in text (Python's documentation)")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
@@ -59,11 +61,14 @@ def resolve_passes(passes: tuple, tokenizer_json: str, progress=None) -> tuple:
     scales) identical."""
     resolved: dict[CalibrationSpec, CalibrationSet] = {}
     out = []
-    for spec in passes:
+    for index, spec in enumerate(passes):
         calibration = getattr(spec.options, "calibration", None)
         if calibration is not None and not isinstance(calibration, CalibrationSet):
             if calibration not in resolved:
-                resolved[calibration] = resolve(calibration, tokenizer_json, progress)
+                try:
+                    resolved[calibration] = resolve(calibration, tokenizer_json, progress)
+                except BuildError as error:  # which pass's calibration, as the recipe's other errors say
+                    raise BuildError(f"passes[{index}].{spec.name}.{error}") from None
             spec = dataclasses.replace(spec, options=dataclasses.replace(spec.options, calibration=resolved[calibration]))
         out.append(spec)
     return tuple(out)

@@ -115,9 +115,9 @@ def test_split_text_reads_a_file_by_its_path_and_refuses_what_it_cannot_read(tmp
     calibration, held_out, source = split_text("~/mypydoc notes.txt")
     assert (calibration, held_out) == split_held_out(notes.read_text(encoding="utf-8"))
     assert source == {"source": f"{notes.resolve()}, first 90%"}
-    with pytest.raises(BuildError, match=r"calibration.text: '.*' is neither 'pydoc' \(the built-in text\) nor a text "
-                                         r"file"):
-        split_text(str(tmp_path))  # a folder
+    with pytest.raises(BuildError, match=r"calibration.text: .*: a folder; give a UTF-8 text file, or 'pydoc' for "
+                                         r"the built-in text"):
+        split_text(str(tmp_path))
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 10)
     with pytest.raises(BuildError, match=r"calibration.text: cannot read .*latin1.txt as UTF-8 text"):
         split_text(str(tmp_path / "latin1.txt"))

@@ -118,7 +118,8 @@ def test_calibration_text_too_short_fails_before_any_artifact(tiny_recipe, tmp_p
     missing = dataclasses.replace(CalibrationSpec(), text=str(tmp_path / "nope.txt"), length=32)
     recipe = quantized_recipe(tiny_recipe, {"quantize": {**QUANTIZE["quantize"],
                                                          "calibration": dataclasses.asdict(missing)}})
-    with pytest.raises(BuildError, match="calibration.text: .*nope.txt' is neither 'pydoc'"):
+    with pytest.raises(BuildError, match=r"passes\[\d+\].quantize.calibration.text: .*nope.txt: no such file; give a "
+                                         r"UTF-8 text file, or 'pydoc'"):
         build(recipe, tmp_path / "out")
 
 
