@@ -497,7 +497,8 @@ def _chain(exception: BaseException):
 
 REFUSED_WRITES = {errno.ENOSPC: "free space there, or write elsewhere", errno.EDQUOT: "free space there, or write "
                   "elsewhere", errno.EROFS: "write elsewhere", errno.EACCES: "check its permissions, or write elsewhere",
-                  errno.EPERM: "check its permissions, or write elsewhere"}
+                  errno.EPERM: "check its permissions, or write elsewhere",
+                  errno.ENAMETOOLONG: "shorten the name, or write elsewhere"}
 
 
 def refused_write(error: OSError) -> str:

@@ -1,6 +1,7 @@
 """Errors the compiler raises for bad input: the command line prints their message, never a traceback."""
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -40,7 +41,10 @@ def is_artifact_folder(folder: Path) -> bool:
 
 def check_output_folder(path: str, flag: str) -> None:
     """Raise UsageError unless `path` is, or can be made, a writable folder."""
-    _check_writable_ancestor(Path(path), path, flag)
+    try:
+        _check_writable_ancestor(Path(path), path, flag)
+    except OSError as error:  # a name longer than the file system takes: even asking whether it exists fails
+        raise UsageError(f"{flag} {path}: {error.strerror or error}; choose another path") from None
 
 
 def _check_writable_ancestor(folder, path: str, flag: str) -> None:
@@ -48,13 +52,19 @@ def _check_writable_ancestor(folder, path: str, flag: str) -> None:
     ancestor = folder
     while not ancestor.exists():
         if ancestor.is_symlink():  # mkdir would fail on it after the whole export
-            raise UsageError(f"{flag} {path}: {ancestor} is a link to {os.readlink(ancestor)}, which does not exist; "
-                             f"mount or create its target, or choose another path")
+            raise UsageError(f"{flag} {path}: {ancestor} is a link to {os.readlink(ancestor)}, which leads to no "
+                             f"folder (it does not exist, or the links form a loop); mount or create its target, or "
+                             f"choose another path")
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise UsageError(f"{flag} {path}: {ancestor} is a file, not a folder; choose another path")
     if not os.access(ancestor, os.W_OK):
         raise UsageError(f"{flag} {path}: {ancestor} is not writable; choose another path")
+    try:  # what the permission bits do not tell (/proc takes no folders, even from root): one made and removed
+        os.rmdir(tempfile.mkdtemp(prefix=".aotlm-probe-", dir=ancestor))
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: a folder cannot be made in {ancestor} ({error.strerror or error}); choose "
+                         f"another path") from None
 
 
 def nonnegative_int(text: str) -> int:

@@ -163,7 +163,17 @@ def test_dangling_links_as_output_or_artifact_are_refused_before_the_export(caps
     monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "unmounted").symlink_to(tmp_path / "mnt" / "disk")
     status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "unmounted")
-    assert status == 2 and "unmounted is a link to" in text and "which does not exist" in text, text
+    assert status == 2 and "unmounted is a link to" in text and "which leads to no folder" in text, text
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")  # both exist: "does not exist" would mislead
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "loop_a" / "x")
+    assert status == 2 and "or the links form a loop" in text, text
+    # a name longer than the file system takes: the check itself had raised OSError, a traceback
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / ("x" * 300))
+    assert status == 2 and "File name too long; choose another path" in text and "Traceback" not in text, text
+    if Path("/proc/self").is_dir():  # writable by its permissions, yet it takes no folder: mkdir failed at the end
+        status, text = run_cli(capsys, "build", TINY, "--output", "/proc/aotlm-output")
+        assert status == 2 and "/proc" in text and "choose another path" in text, text  # (not writable, as a user)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "tiny-random").symlink_to(tmp_path / "gone")
     status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
