@@ -53,7 +53,10 @@ def _build(args) -> None:
         message(f"[dim]{time.strftime('%H:%M:%S')} +{now - last[0]:5.1f}s[/dim] {escape(step)}")
         last[0] = now
 
-    with console.status(f"building {recipe.name}"):
+    from compiler.errors import is_artifact_folder
+
+    replacing = is_artifact_folder(Path(args.output) / recipe.name)  # swapped atomically at the end: say so then
+    with console.status(f"building {escape(recipe.name)}"):
         path = build(recipe, args.output, progress=progress)
     from compiler.pipeline import PassResult, format_reports, idle_passes
     from runtime.manifest import read_manifest
@@ -68,7 +71,8 @@ def _build(args) -> None:
         from compiler.accuracy import format_accuracy
 
         console.print(format_accuracy(manifest["accuracy"]), highlight=False)
-    message(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s")
+    replaced = " (it replaced the artifact that was there)" if replacing else ""
+    message(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s{replaced}")
 
 
 def _shortened(text: str, limit: int = INSPECT_SUMMARY_CHARACTERS) -> str:

@@ -92,12 +92,13 @@ def test_a_head_dim_groupqueryattention_cannot_take_is_refused_before_the_export
 
 def test_a_listed_pass_that_changed_nothing_is_warned_of_and_a_working_build_has_no_warning(capsys, tmp_path):
     status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
-    assert status == 0 and "warning" not in output
+    assert status == 0 and "warning" not in output and "replaced" not in output
     twice = tiny_recipe(tmp_path, "  - fuse_rms_norm ", "  - lower_onnxruntime\n  - fuse_rms_norm ")
     status, output = run_cli(capsys, "build", twice, "--output", tmp_path / "out")
     assert status == 0, output
     assert ("warning: passes[3] (lower_onnxruntime) changed nothing in prefill, decode: no aotlm.FlashAttention node "
             "left to lower") in output
+    assert "s (it replaced the artifact that was there)" in output  # swapped in whole; the user is told
 
 
 @pytest.mark.parametrize("option, message", [
