@@ -16,8 +16,9 @@ from compiler.export import cache_dtype, check_max_positions, kv_cache_spec, loa
 from compiler.frontend import load_model
 from compiler.frontend.hf_loader import config_before_weights, missing_tokenizer_message
 from compiler.frontend.model import build_decoder
-from compiler.pipeline import check_passes, run_pipeline, spill_graph
+from compiler.pipeline import run_pipeline, spill_graph
 from compiler.recipe import Recipe
+from compiler.recipe_checks import check_recipe
 from passes.lower_onnxruntime import HEAD_DIM_ADVICE, HEAD_DIM_MULTIPLE
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -101,30 +102,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         raise BuildError(f"{final_dir} exists and is not an aotlm artifact (no aotlm manifest.json), and this build "
                          f"would replace it with the artifact: move it, build into another --output folder, or change "
                          f"the recipe's name")
-    check_passes(recipe.passes)
+    check_recipe(recipe)  # before anything slow: the export takes minutes
     if recipe.backend.name == "tensorrt":
-        tensorrt_backend.check_recipe(recipe)  # before anything slow
         tensorrt_backend.require_tensorrt()
-    if recipe.backend.name == "onnxruntime":
-        onnxruntime_backend.check_recipe(recipe)  # before anything slow
-    if recipe.backend.name == "onnxruntime" and recipe.export.dtype != "float32":
-        raise BuildError(f"export.dtype: {recipe.export.dtype!r} with backend onnxruntime: its CPU runtime keeps a "
-                         f"float32 KV cache; use float32 (float16/bfloat16 are for backend tensorrt)")
-    for index, spec in enumerate(recipe.passes):  # calibration runs the graphs, whose cache holds max_context tokens
-        rotary_rows = getattr(spec.options, "rotary_cache_length", None)
-        if rotary_rows is not None and rotary_rows < recipe.export.max_context:
-            raise BuildError(f"passes[{index}] ({spec.name}): rotary_cache_length {rotary_rows} is below "
-                             f"export.max_context ({recipe.export.max_context}): later positions would have no rotary "
-                             f"angles; set it to at least {recipe.export.max_context}, or leave it out (the default)")
-        if rotary_rows is not None and rotary_rows > recipe.export.max_context:  # 1e8 rows ran for minutes, then stored
-            raise BuildError(f"passes[{index}] ({spec.name}): rotary_cache_length {rotary_rows} exceeds "
-                             f"export.max_context ({recipe.export.max_context}): rows past it are never read, only "
-                             f"computed and stored; leave it out (the default is export.max_context)")
-        calibration = getattr(spec.options, "calibration", None)
-        if calibration is not None and calibration.length > recipe.export.max_context:
-            raise BuildError(f"passes[{index}] ({spec.name}): calibration.length {calibration.length} exceeds "
-                             f"export.max_context ({recipe.export.max_context}); set calibration.length to at most "
-                             f"{recipe.export.max_context}")
     started = time.perf_counter()
     if recipe.model.source == "hf" and recipe.model.path is not None:
         early = config_before_weights(recipe.model.path)  # a tokenizer.json, and the context: before the weights

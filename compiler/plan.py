@@ -209,16 +209,22 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
     if p.is_file() and p.suffix in (".yaml", ".yml"):
         from compiler.recipe import load_recipe
 
+        from compiler.recipe_checks import check_recipe
+
         recipe = load_recipe(p)
+        check_recipe(recipe)  # what the build refuses, refused here too: not sized as if it would build
         spec = recipe.model
         if spec.source == "random":
             config = spec.config
         elif spec.source == "gguf":
             from compiler.frontend import default_gguf_path
+            from compiler.frontend.gguf_loader import check_gguf_path
 
-            config = _gguf_config(spec.path or default_gguf_path())
+            config = _gguf_config(check_gguf_path(spec.path or default_gguf_path()))
         else:
-            config = _hf_config(Path(spec.path) / "config.json")
+            from compiler.frontend.hf_loader import check_hf_folder
+
+            config = _hf_config(Path(check_hf_folder(spec.path)) / "config.json")
         resolved = recipe.to_dict()
         head_warning = _stored_head_warning(config, Path(spec.path) / "config.json") if spec.source == "hf" else []
         return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context,

@@ -42,6 +42,17 @@ _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
+def check_gguf_path(path: str) -> str:
+    """The recipe's GGUF path, absolute, or BuildError saying what it names instead."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise BuildError(f"{path}: a folder, not a GGUF file; model.path names the .gguf file itself (a Hugging Face "
+                         f"folder is model.source: hf)")
+    if not os.path.isfile(path):
+        raise BuildError(f"GGUF file not found: {path}. Check the model path in the recipe.{hub_id_hint(path, 'gguf')}")
+    return path
+
+
 def load_gguf(path: str, progress: bool | None = None, check_config=None) -> LoadedModel:
     """Read a GGUF file into float32 Hugging Face-named tensors, a DecoderConfig and a tokenizer.json.
 
@@ -49,12 +60,7 @@ def load_gguf(path: str, progress: bool | None = None, check_config=None) -> Loa
     check_config: called with the DecoderConfig before any weight is dequantized (the build's context checks), so a
     file it refuses fails in a second rather than after minutes of dequantizing a large model.
     """
-    path = os.path.abspath(path)
-    if os.path.isdir(path):
-        raise BuildError(f"{path}: a folder, not a GGUF file; model.path names the .gguf file itself (a Hugging Face "
-                         f"folder is model.source: hf)")
-    if not os.path.isfile(path):
-        raise BuildError(f"GGUF file not found: {path}. Check the model path in the recipe.{hub_id_hint(path, 'gguf')}")
+    path = check_gguf_path(path)
     reader = _open_reader(path)
     architecture = _field(reader, "general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:

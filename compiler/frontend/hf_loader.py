@@ -32,7 +32,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 LFS_POINTER = b"version https://git-lfs"  # how a Git LFS pointer file starts (the file's place in a clone without LFS)
 
 
-def load_hf_folder(path: str) -> LoadedModel:
+def check_hf_folder(path: str) -> str:
+    """The recipe's model folder, absolute, holding config.json; or BuildError saying what it is instead."""
     folder = os.path.abspath(path)
     if os.path.isfile(folder):
         hint = " (a GGUF file is model.source: gguf)" if folder.endswith(".gguf") else ""
@@ -41,9 +42,14 @@ def load_hf_folder(path: str) -> LoadedModel:
     if not os.path.isdir(folder):
         raise BuildError(f"Hugging Face model folder not found: {folder}. Check the model path in the recipe."
                          f"{hub_id_hint(folder, 'hf')}")
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
+    if not os.path.isfile(os.path.join(folder, "config.json")):
         raise BuildError(f"{folder}: config.json is missing; a Hugging Face model folder needs config.json.")
+    return folder
+
+
+def load_hf_folder(path: str) -> LoadedModel:
+    folder = check_hf_folder(path)
+    config_path = os.path.join(folder, "config.json")
     # The config first: an unsupported architecture is the more useful message than missing weights.
     hf_config = _read_json(config_path)
     generation_path = os.path.join(folder, "generation_config.json")

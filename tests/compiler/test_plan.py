@@ -277,6 +277,34 @@ def test_cli_prints_names_with_brackets_as_written(tmp_path, capsys):
     assert "llama[v3].json (hf config.json):" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("old, new, message", [
+    ("  - lower_onnxruntime ", "  - quantize\n  - lower_onnxruntime ", "passes[2] (quantize) comes after passes[1]"),
+    ("export:\n  max_context: 128", "export:\n  max_context: 128\n  dtype: float16", "export.dtype: 'float16' with"),
+    ("  - pack_projections", "  - pack_projections\n  - quantize: {block_size: 48}", "block_size=48: MatMulNBits"),
+])
+def test_a_recipe_the_build_refuses_is_refused_not_planned(tmp_path, capsys, old, new, message):
+    """plan read the recipe's model and sizes only: it planned INT4 figures for a block size no build takes."""
+    text = TINY_RECIPE.read_text()
+    assert old in text
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text.replace(old, new, 1))
+    assert main(["plan", str(recipe), "--device", "H100"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_recipes_model_path_is_checked_as_the_build_checks_it(tmp_path, capsys):
+    """A folder given as a GGUF file had been "GGUF file not found"; a .gguf given as a Hugging Face folder
+    "<file>/config.json: config.json not found"."""
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    for source, path, message in (("gguf", tmp_path, "a folder, not a GGUF file"),
+                                  ("hf", tmp_path / "model.gguf", "a file, not a folder; model.path names the Hugging "
+                                                                  "Face model folder")):
+        recipe = tmp_path / f"{source}.yaml"
+        recipe.write_text(f"name: x\nmodel: {{source: {source}, path: '{path}'}}\n")
+        assert main(["plan", str(recipe), "--device", "H100"]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_cli_json_and_errors(llama3, capsys):
     assert main(["plan", llama3, "--device", "H200", "--precision", "int4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -502,8 +530,8 @@ def test_int8_o_proj_scales_follow_the_heads_width(tmp_path):
 def test_int8_weights_with_a_float_prefill_count_both_and_may_not_fit(tmp_path):
     """dequantize_weights keeps float32 copies of INT8 products too, and they count against the device's memory."""
     recipe = tmp_path / "tiny-int8-float-prefill.yaml"
-    recipe.write_text(TINY_RECIPE.read_text().replace(
-        "  - skip_unused_rows", "  - skip_unused_rows\n  - quantize: {bits: 8, method: rtn}\n"
+    recipe.write_text(TINY_RECIPE.read_text().replace(  # in the order the build takes
+        "  - skip_unused_rows", "  - quantize: {bits: 8, method: rtn}\n  - skip_unused_rows\n"
                                 "  - dequantize_weights: {phases: [prefill]}"))
     result = plan(str(recipe), device="H100")
     counts = result["params"]
@@ -572,7 +600,8 @@ def test_a_hub_id_is_answered_with_how_to_download_it(tmp_path, monkeypatch):
                                          r"SmolLM2-135M' reads like a Hugging Face Hub id: aotlm reads local files only"):
         plan("HuggingFaceTB/SmolLM2-135M", device="H100")
     (tmp_path / "r.yaml").write_text("name: r\nmodel: {source: gguf, path: someone/model-GGUF}\n")
-    with pytest.raises(BuildError, match=r"GGUF file not found: .*model-GGUF\. 'someone/model-GGUF' reads like a "
+    with pytest.raises(BuildError, match=r"GGUF file not found: .*model-GGUF\. Check the model path in the recipe\. "
+                                         r"'someone/model-GGUF' reads like a "
                                          r"Hugging Face Hub id: .* `hf download someone/model-GGUF FILE\.gguf"):
         plan(str(tmp_path / "r.yaml"), device="H100")
     with pytest.raises(BuildError, match=r"x\.gguf: no such file or folder\.$"):

@@ -1,0 +1,37 @@
+"""What a build refuses in a recipe before anything slow, the model unread: the passes' order and options, what the
+backend cannot build, and values that must agree with export.max_context. `aotlm plan` asks the same, so that it
+never sizes a recipe the build would refuse."""
+from __future__ import annotations
+
+from compiler.backends import onnxruntime as onnxruntime_backend
+from compiler.backends import tensorrt as tensorrt_backend
+from compiler.errors import BuildError
+from compiler.pipeline import check_passes
+from compiler.recipe import Recipe
+
+
+def check_recipe(recipe: Recipe) -> None:
+    """Raises BuildError naming the key and the fix."""
+    check_passes(recipe.passes)
+    if recipe.backend.name == "tensorrt":
+        tensorrt_backend.check_recipe(recipe)
+    if recipe.backend.name == "onnxruntime":
+        onnxruntime_backend.check_recipe(recipe)
+    if recipe.backend.name == "onnxruntime" and recipe.export.dtype != "float32":
+        raise BuildError(f"export.dtype: {recipe.export.dtype!r} with backend onnxruntime: its CPU runtime keeps a "
+                         f"float32 KV cache; use float32 (float16/bfloat16 are for backend tensorrt)")
+    for index, spec in enumerate(recipe.passes):  # calibration runs the graphs, whose cache holds max_context tokens
+        rotary_rows = getattr(spec.options, "rotary_cache_length", None)
+        if rotary_rows is not None and rotary_rows < recipe.export.max_context:
+            raise BuildError(f"passes[{index}] ({spec.name}): rotary_cache_length {rotary_rows} is below "
+                             f"export.max_context ({recipe.export.max_context}): later positions would have no rotary "
+                             f"angles; set it to at least {recipe.export.max_context}, or leave it out (the default)")
+        if rotary_rows is not None and rotary_rows > recipe.export.max_context:  # 1e8 rows ran for minutes, then stored
+            raise BuildError(f"passes[{index}] ({spec.name}): rotary_cache_length {rotary_rows} exceeds "
+                             f"export.max_context ({recipe.export.max_context}): rows past it are never read, only "
+                             f"computed and stored; leave it out (the default is export.max_context)")
+        calibration = getattr(spec.options, "calibration", None)
+        if calibration is not None and calibration.length > recipe.export.max_context:
+            raise BuildError(f"passes[{index}] ({spec.name}): calibration.length {calibration.length} exceeds "
+                             f"export.max_context ({recipe.export.max_context}); set calibration.length to at most "
+                             f"{recipe.export.max_context}")
