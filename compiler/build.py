@@ -12,14 +12,13 @@ from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
 from compiler.errors import BuildError, check_output_folder, is_artifact_folder
-from compiler.export import cache_dtype, check_max_positions, kv_cache_spec, load_traced, trace_graphs
+from compiler.export import cache_dtype, kv_cache_spec, load_traced, trace_graphs
 from compiler.frontend import load_model
 from compiler.frontend.hf_loader import config_before_weights, missing_tokenizer_message
 from compiler.frontend.model import build_decoder
 from compiler.pipeline import run_pipeline, spill_graph
 from compiler.recipe import Recipe
-from compiler.recipe_checks import check_recipe
-from passes.lower_onnxruntime import HEAD_DIM_ADVICE, HEAD_DIM_MULTIPLE
+from compiler.recipe_checks import check_config_fits, check_recipe
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # Jinja, as transformers saves it
@@ -58,23 +57,6 @@ def check_chat_template(template: str) -> None:
         raise BuildError(f"the model's chat template does not parse ({detail}); fix it where the model keeps it "
                          f"(chat_template.jinja, tokenizer_config.json's chat_template, or the GGUF's "
                          f"tokenizer.chat_template), or remove it to build without one") from None
-
-
-def check_config_fits(config, recipe: Recipe) -> None:
-    """The model's config against the recipe, before the export: the context, and the head size a pass needs."""
-    check_context_fits(config, recipe.export.max_context)
-    if config.head_dim % HEAD_DIM_MULTIPLE and any(spec.name == "lower_onnxruntime" for spec in recipe.passes):
-        raise BuildError(HEAD_DIM_ADVICE.format(head_dim=config.head_dim))
-
-
-def check_context_fits(config, max_context: int) -> None:
-    """export.max_context against what the model attends over: its sliding window, its max_position_embeddings."""
-    window = config.sliding_window
-    if window is not None and max_context > window:
-        raise BuildError(f"the model attends within a sliding window of {window} tokens (its config's "
-                         f"sliding_window), which the decoder does not implement; set export.max_context to {window} "
-                         f"or less (attention within the window is exact)")
-    check_max_positions(config, max_context)
 
 
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:

@@ -61,10 +61,11 @@ def _check_writable_ancestor(folder, path: str, flag: str) -> None:
     if not os.access(ancestor, os.W_OK):
         raise UsageError(f"{flag} {path}: {ancestor} is not writable; choose another path")
     try:  # what the permission bits do not tell (/proc takes no folders, even from root): one made and removed
-        os.rmdir(tempfile.mkdtemp(prefix=".aotlm-probe-", dir=ancestor))
+        probe = tempfile.mkdtemp(prefix=".aotlm-probe-", dir=ancestor)
     except OSError as error:
         raise UsageError(f"{flag} {path}: a folder cannot be made in {ancestor} ({error.strerror or error}); choose "
                          f"another path") from None
+    os.rmdir(probe)  # made empty a moment ago by this process
 
 
 def nonnegative_int(text: str) -> int:

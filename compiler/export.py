@@ -1,5 +1,6 @@
-"""Trace the canonical decoder to two ONNX graphs: prefill (a prompt, or a chunk of one: its logits at the last token)
-and decode (a step: every position's logits). Both take the KV cache in and give it out.
+"""Trace the canonical decoder to two ONNX graphs: prefill (a prompt, or a chunk of one; the last token's logits, or
+every position's with prefill_logits "all") and decode (a step: every position's logits). Both take the KV cache in
+and give it out.
 
 I/O of both graphs (names recorded in the manifest by `kv_cache_spec`):
   inputs   input_ids [batch, sequence] int64, position_ids [batch, sequence] int64,
@@ -27,6 +28,7 @@ from torch import nn
 from compiler.errors import BuildError
 from compiler.frontend.config import DecoderConfig
 from compiler.frontend.model import Decoder
+from compiler.recipe_checks import check_max_positions
 
 PHASES = ("prefill", "decode")
 
@@ -203,13 +205,6 @@ def _drop_zero_lm_head_bias(model: onnx.ModelProto, config: DecoderConfig) -> No
             elif bias in initializers:
                 model.graph.initializer.remove(initializers[bias])
         return
-
-
-def check_max_positions(config, max_context: int) -> None:
-    """The cache's rows are positions: no more than the model was trained to attend over."""
-    if max_context > config.max_position_embeddings:
-        raise BuildError(f"export.max_context: {max_context} exceeds the model's max_position_embeddings "
-                         f"({config.max_position_embeddings}); lower it in the recipe")
 
 
 def export_graphs(decoder: Decoder, max_context: int, opset: int = 21, prefill_logits: str = "last",

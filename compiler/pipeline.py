@@ -273,12 +273,14 @@ def _check_order(passes: Sequence, index: int) -> None:
             continue
         if (later, earlier) == ("quantize", "fuse_attention") and "lower_tensorrt" in between:
             methods = quantize_methods(passes[index])
-            if methods <= {"rtn"}:  # no calibration runs the graph; the accuracy report is onnxruntime's only
+            calibrated = getattr(passes[index].options, "calibration", None) is not None
+            if methods <= {"rtn"} and not calibrated:  # no graph runs; the accuracy report is onnxruntime's only
                 continue
+            why = (f"method {', '.join(sorted(methods - {'rtn'}))}, whose calibration" if methods - {"rtn"} else
+                   "calibration set, whose per-layer error report")
             raise BuildError(f"passes[{index}] (quantize) comes after passes[{names.index('lower_tensorrt')}] "
-                             f"(lower_tensorrt) with method {', '.join(sorted(methods - {'rtn'}))}, whose calibration "
-                             f"runs the graph in onnxruntime, which cannot run TensorRT's plugins; use method rtn "
-                             f"for backend tensorrt")
+                             f"(lower_tensorrt) with {why} runs the graph in onnxruntime, which cannot run TensorRT's "
+                             f"plugins; use method rtn without calibration for backend tensorrt")
         raise BuildError(f"passes[{index}] ({later}) comes after passes[{at}] ({earlier}): {fix}")
 
 

@@ -209,7 +209,7 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
     if p.is_file() and p.suffix in (".yaml", ".yml"):
         from compiler.recipe import load_recipe
 
-        from compiler.recipe_checks import check_recipe
+        from compiler.recipe_checks import check_config_fits, check_recipe
 
         recipe = load_recipe(p)
         check_recipe(recipe)  # what the build refuses, refused here too: not sized as if it would build
@@ -225,6 +225,7 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
             from compiler.frontend.hf_loader import check_hf_folder
 
             config = _hf_config(Path(check_hf_folder(spec.path)) / "config.json")
+        check_config_fits(config, recipe)
         resolved = recipe.to_dict()
         head_warning = _stored_head_warning(config, Path(spec.path) / "config.json") if spec.source == "hf" else []
         return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context,

@@ -362,17 +362,24 @@ def _with_calibration_path(index: int, spec, base_dir: str | os.PathLike | None)
     """A pass's calibration text file, resolved as the model path is (the current folder, else the recipe's)."""
     calibration = getattr(spec.options, "calibration", None)
     text = getattr(calibration, "text", None)
-    if not text or text == "pydoc" or base_dir is None:
+    if not text or text == "pydoc":
         return spec
     resolved = _resolve(text, base_dir, f"passes[{index}].{spec.name}.calibration.text")
     options = dataclasses.replace(spec.options, calibration=dataclasses.replace(calibration, text=resolved))
     return dataclasses.replace(spec, options=options)
 
 
+VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")  # $NAME or ${NAME}, as os.path.expandvars reads them
+
+
 def _resolve(path: str, base_dir: str | os.PathLike | None, key: str) -> str:
     """A recipe's path made absolute: ~ and $VARIABLES expanded; a relative one from the current folder, else (where
     only that holds it) from the recipe's folder. One that names a different file from each is refused: the same
     recipe would build another model when run from elsewhere."""
+    unset = [match.group(1) or match.group(2) for match in VARIABLE.finditer(path)
+             if (match.group(1) or match.group(2)) not in os.environ]
+    if unset:  # expandvars would keep "$NAME" as written, and the loader look for a folder of that name
+        raise _Invalid(key, f"{_show(path)}: the environment variable {unset[0]} is not set; set it, or write the path")
     p = Path(os.path.expandvars(path)).expanduser()
     if p.is_absolute() or base_dir is None:
         return os.path.abspath(p)
@@ -380,7 +387,8 @@ def _resolve(path: str, base_dir: str | os.PathLike | None, key: str) -> str:
     if here.exists() and beside.exists() and not os.path.samefile(here, beside):
         raise _Invalid(key, f"{_show(path)} names {here} (from the current folder) and {beside} (from the recipe's "
                             f"folder), two different files; write the one you mean as an absolute path")
-    return str(beside if beside.exists() and not here.exists() else here)
+    # lexists: a broken link beside the recipe is what it names, for the loader to report as such
+    return str(beside if os.path.lexists(beside) and not here.exists() else here)
 
 
 def _plain(obj: Any) -> Any:

@@ -1,6 +1,6 @@
-"""What a build refuses in a recipe before anything slow, the model unread: the passes' order and options, what the
-backend cannot build, and values that must agree with export.max_context. `aotlm plan` asks the same, so that it
-never sizes a recipe the build would refuse."""
+"""What a build refuses in a recipe before anything slow: first with the model unread (the passes' order and options,
+what the backend cannot build, values that must agree with export.max_context), then against the model's config
+(its context, its head size). `aotlm plan` asks the same, so that it never sizes a recipe the build would refuse."""
 from __future__ import annotations
 
 from compiler.backends import onnxruntime as onnxruntime_backend
@@ -8,6 +8,7 @@ from compiler.backends import tensorrt as tensorrt_backend
 from compiler.errors import BuildError
 from compiler.pipeline import check_passes
 from compiler.recipe import Recipe
+from passes.lower_onnxruntime import HEAD_DIM_ADVICE, HEAD_DIM_MULTIPLE
 
 
 def check_recipe(recipe: Recipe) -> None:
@@ -35,3 +36,25 @@ def check_recipe(recipe: Recipe) -> None:
             raise BuildError(f"passes[{index}] ({spec.name}): calibration.length {calibration.length} exceeds "
                              f"export.max_context ({recipe.export.max_context}); set calibration.length to at most "
                              f"{recipe.export.max_context}")
+
+
+def check_config_fits(config, recipe: Recipe) -> None:
+    """The model's config against the recipe: the context it attends over, and the head size a lowering needs."""
+    window = config.sliding_window
+    max_context = recipe.export.max_context
+    if window is not None and max_context > window:
+        raise BuildError(f"the model attends within a sliding window of {window} tokens (its config's "
+                         f"sliding_window), which the decoder does not implement; set export.max_context to {window} "
+                         f"or less (attention within the window is exact)")
+    check_max_positions(config, max_context)
+    names = [spec.name for spec in recipe.passes]
+    lowers_fused = "fuse_attention" in names and "lower_onnxruntime" in names[names.index("fuse_attention"):]
+    if config.head_dim % HEAD_DIM_MULTIPLE and lowers_fused:
+        raise BuildError(HEAD_DIM_ADVICE.format(head_dim=config.head_dim))
+
+
+def check_max_positions(config, max_context: int) -> None:
+    """The cache's rows are positions: no more than the model was trained to attend over."""
+    if max_context > config.max_position_embeddings:
+        raise BuildError(f"export.max_context: {max_context} exceeds the model's max_position_embeddings "
+                         f"({config.max_position_embeddings}); lower it in the recipe")

@@ -203,7 +203,7 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
     if model_type == "llama" and hf.get("attention_bias"):
         raise BuildError(f"{origin}: attention_bias: true ({model_type}) puts a bias on o_proj too, which the decoder "
                          f"does not implement (it takes q/k/v biases only, as in qwen2).")
-    if hf.get("mlp_bias"):
+    if model_type == "llama" and hf.get("mlp_bias"):  # transformers reads it for Llama only, as attention_bias
         raise BuildError(f"{origin}: mlp_bias: true (biases on the MLP projections) is not supported; the decoder's "
                          f"MLP projections have no bias.")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU

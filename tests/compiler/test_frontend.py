@@ -286,7 +286,7 @@ def test_hf_qwen2_defaults_to_attention_bias(tmp_path):
     assert load_hf_folder(str(tmp_path / "qwen")).config == TINY_QWEN2
 
 
-def test_attention_bias_is_read_for_llama_only_as_transformers_reads_it(tmp_path):
+def test_attention_and_mlp_bias_are_read_for_llama_only_as_transformers_reads_them(tmp_path):
     """transformers' Qwen2 always has q/k/v biases and its Mistral never does, whatever config.json's attention_bias
     says: the loader refused Qwen2 with the key false ('weights do not fit'; the decoder takes those biases) and
     Mistral with it true (naming an o_proj bias Mistral does not have)."""
@@ -294,7 +294,7 @@ def test_attention_bias_is_read_for_llama_only_as_transformers_reads_it(tmp_path
     assert load_hf_folder(str(tmp_path / "qwen")).config.attention_bias is True
     mistral = dataclasses.replace(TINY, architecture="mistral")
     write_hf_folder(tmp_path / "mistral", mistral, random_model(mistral, seed=1).state_dict, attention_bias=True,
-                    sliding_window=None)
+                    mlp_bias=True, sliding_window=None)  # mlp_bias too is Llama's only
     assert load_hf_folder(str(tmp_path / "mistral")).config.attention_bias is False
 
 

@@ -463,6 +463,13 @@ def test_with_tensorrt_quantize_follows_lower_tensorrt_when_nothing_calibrates()
         with pytest.raises(BuildError, match=r"passes\[3\] \(quantize\) comes after passes\[2\] \(lower_tensorrt\) "
                                              r"with method (awq|gptq), whose calibration runs the graph in onnxruntime"):
             pipeline.check_passes([*lowered, PassSpec("quantize", options)])
+    # round to nearest with a calibration set runs the graph too, for its per-layer error report
+    from passes.calibration import CalibrationSpec
+
+    rtn_calibrated = Options(bits=8, lowering="dequantize_linear", calibration=CalibrationSpec())
+    with pytest.raises(BuildError, match=r"with calibration set, whose per-layer error report runs the graph in "
+                                         r"onnxruntime"):
+        pipeline.check_passes([*lowered, PassSpec("quantize", rtn_calibrated)])
 
 
 def test_max_rewrites_zero_is_allowed_and_below_it_is_named():

@@ -281,6 +281,8 @@ def test_cli_prints_names_with_brackets_as_written(tmp_path, capsys):
     ("  - lower_onnxruntime ", "  - quantize\n  - lower_onnxruntime ", "passes[2] (quantize) comes after passes[1]"),
     ("export:\n  max_context: 128", "export:\n  max_context: 128\n  dtype: float16", "export.dtype: 'float16' with"),
     ("  - pack_projections", "  - pack_projections\n  - quantize: {block_size: 48}", "block_size=48: MatMulNBits"),
+    ("head_dim: 16", "head_dim: 8", "lower the fused attention with lower_onnx_attention instead"),  # the config's
+    ("  max_context: 128", "  max_context: 512", "export.max_context: 512 exceeds the model's max_position_embeddings"),
 ])
 def test_a_recipe_the_build_refuses_is_refused_not_planned(tmp_path, capsys, old, new, message):
     """plan read the recipe's model and sizes only: it planned INT4 figures for a block size no build takes."""
@@ -517,7 +519,8 @@ def test_int8_o_proj_scales_follow_the_heads_width(tmp_path):
     over a block of 32, not 64."""
     recipe = tmp_path / "tiny-int8-narrow-heads.yaml"
     recipe.write_text(TINY_RECIPE.read_text().replace("head_dim: 16", "head_dim: 8").replace(
-        "  - pack_projections", "  - pack_projections\n  - quantize: {bits: 8, method: rtn}"))
+        "  - pack_projections", "  - pack_projections\n  - quantize: {bits: 8, method: rtn}").replace(
+        "  - lower_onnxruntime ", "  - lower_onnx_attention "))  # GroupQueryAttention takes head_dim 16, 32, ...
     result = plan(str(recipe), device="H100")
     counts = result["params"]
     o_proj, down = 2 * 32 * 64, 2 * 128 * 64

@@ -197,8 +197,25 @@ def test_environment_variables_in_a_path_are_expanded(tmp_path, monkeypatch):
     """`~` was expanded and `$HOME` kept as written: the build looked for a folder named `$HOME`."""
     monkeypatch.setenv("MODELS", str(tmp_path / "models"))
     for path in ("$MODELS/m.gguf", "${MODELS}/m.gguf"):
-        recipe = parse_recipe({"name": "x", "model": {"source": "gguf", "path": path}})
+        recipe = parse_recipe({"name": "x", "model": {"source": "gguf", "path": path},
+                               "passes": [{"quantize": {"calibration": {"text": path.replace("m.gguf", "c.txt")}}}]})
         assert recipe.model.path == str(tmp_path / "models" / "m.gguf")
+        assert recipe.passes[0].options.calibration.text == str(tmp_path / "models" / "c.txt")
+    monkeypatch.delenv("MODELS")
+    assert "model.path: '$MODELS/m.gguf': the environment variable MODELS is not set" in error_of(
+        {"name": "x", "model": {"source": "gguf", "path": "$MODELS/m.gguf"}})
+
+
+def test_a_broken_link_beside_the_recipe_is_the_path_it_names(tmp_path, monkeypatch):
+    """exists() follows links: the recipe's dangling link was passed over for a current-folder path that does not
+    exist either, and the loader named a file the recipe never mentioned."""
+    recipe_dir, cwd = tmp_path / "recipes", tmp_path / "cwd"
+    recipe_dir.mkdir(), cwd.mkdir()
+    (recipe_dir / "m.gguf").symlink_to(tmp_path / "gone.gguf")
+    f = recipe_dir / "r.yaml"
+    f.write_text("name: x\nmodel:\n  source: gguf\n  path: m.gguf\n")
+    monkeypatch.chdir(cwd)
+    assert load_recipe(f).model.path == str(recipe_dir / "m.gguf")
 
 
 # --- errors -----------------------------------------------------------------------------------------
