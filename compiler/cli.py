@@ -190,6 +190,10 @@ def _inspect(args) -> None:
                             or (isinstance(v, float) and not k.endswith("error")))
         passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", escape(_shortened(summary)))
     out.print(passes)
+    from compiler.pipeline import PassResult, idle_passes
+
+    for text in idle_passes([PassResult(**result) for result in manifest["passes"]]):
+        out.print(f"[yellow]warning:[/yellow] {escape(text)}", highlight=False, soft_wrap=True)
     if "accuracy" in manifest:
         from compiler.accuracy import format_accuracy
 

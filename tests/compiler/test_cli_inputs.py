@@ -99,6 +99,8 @@ def test_a_listed_pass_that_changed_nothing_is_warned_of_and_a_working_build_has
     assert ("warning: passes[3] (lower_onnxruntime) changed nothing in prefill, decode: no aotlm.FlashAttention node "
             "left to lower") in output
     assert "s (it replaced the artifact that was there)" in output  # swapped in whole; the user is told
+    status, output = run_cli(capsys, "inspect", tmp_path / "out" / "tiny-random")
+    assert status == 0 and "warning: passes[3] (lower_onnxruntime) changed nothing" in output
 
 
 @pytest.mark.parametrize("option, message", [
