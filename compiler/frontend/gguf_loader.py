@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from importlib import metadata
 import re
 import sys
 
@@ -116,6 +117,12 @@ def _open_reader(path: str):
     try:
         reader = PlainArrayReader(path)
     except Exception as error:  # gguf raises ValueError/struct errors for anything that is not GGUF
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(error))
+        if unknown:  # a whole file whose tensor type this package has no name for: not a download cut short
+            raise BuildError(f"{path}: a tensor is stored as GGML type {unknown.group(1)}, which the gguf package here "
+                             f"({metadata.version('gguf')}) does not know: a type llama.cpp has since removed (such as "
+                             f"Q4_0_4_4, the ARM-repacked Q4_0) or one newer than this package; convert or requantize "
+                             f"the model with a current llama.cpp, or upgrade the gguf package") from None
         version = _gguf_version(path)
         if version is not None and version not in gguf.gguf_reader.READER_SUPPORTED_VERSIONS:
             raise BuildError(f"{path}: GGUF version {version}, which the gguf package here does not read (it reads "
@@ -131,6 +138,12 @@ def _open_reader(path: str):
                 "Re-download it, and compare its size or sha256 with the source's."
             )
         raise BuildError(f"{path} is not a readable GGUF file ({error}). Check the path, or re-download it.")
+    parts = _field(reader, "split.count")
+    if isinstance(parts, int) and parts > 1:  # gguf-split's shards: each holds some tensors, the first the metadata
+        part = _field(reader, "split.no")
+        which = f"part {part + 1} of {parts}" if isinstance(part, int) else f"one of {parts} parts"
+        raise BuildError(f"{path}: {which} of a split GGUF (gguf-split); merge the parts into one file with llama.cpp's "
+                         f"`llama-gguf-split --merge FIRST-PART.gguf MERGED.gguf` and set model.path to it")
     if reader.byte_order == "S":
         # The reader takes the header either way, but dequantize reads tensor data in this machine's byte order:
         # float weights came out as garbage (refused as "NaN or infinite values ... damaged"), and the float16 scales

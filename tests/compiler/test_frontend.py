@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import struct
 import os
 import re
 
@@ -561,6 +562,39 @@ def test_a_big_endian_gguf_is_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(BuildError, match=r"big.gguf: a big-endian GGUF file, and this machine is little-endian; "
                                          r"convert it with gguf-py's `gguf-convert-endian big.gguf little`"):
         load_gguf(str(tmp_path / "big.gguf"))
+
+
+def test_a_tensor_type_the_gguf_package_does_not_know_is_named_not_taken_for_a_cut_download(tmp_path):
+    """Q4_0_4_4 (type 31, ARM-repacked Q4_0, which llama.cpp wrote in 2024 and removed later): the reader's ValueError
+    was read as a file cut short, and a whole file was to be downloaded again."""
+    original = random_model(TINY, seed=0)
+    path = tmp_path / "repacked.gguf"
+    write_gguf(path, TINY, original.state_dict, original.tokenizer_json)
+    blob = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    at = blob.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)  # the tensor's info: name, n_dims, dims
+    at += 4 + 8 * struct.unpack_from("<I", blob, at)[0]
+    struct.pack_into("<I", blob, at, 31)  # its type; the file stays whole
+    path.write_bytes(bytes(blob))
+    with pytest.raises(BuildError, match=r"repacked.gguf: a tensor is stored as GGML type 31, which the gguf package "
+                                         r"here \(.*\) does not know: a type llama.cpp has since removed"):
+        load_gguf(str(path))
+
+
+def test_a_part_of_a_split_gguf_is_named_with_how_to_merge_the_parts(tmp_path, monkeypatch):
+    """gguf-split's shards (NAME-00001-of-0000N.gguf, how large models download): the first was refused as missing
+    tensors, the others as 'GGUF architecture None'."""
+    original = random_model(TINY, seed=0)
+    writer = gguf.GGUFWriter
+    monkeypatch.setattr(gguf, "GGUFWriter", lambda path, arch: writer(path, arch, split_max_tensors=8))
+    write_gguf(tmp_path / "tiny.gguf", TINY, original.state_dict, original.tokenizer_json)
+    parts = sorted(tmp_path.glob("tiny-*-of-*.gguf"))
+    assert len(parts) > 2
+    for number, part in enumerate(parts, 1):
+        with pytest.raises(BuildError, match=rf"{part.name}: part {number} of {len(parts)} of a split GGUF "
+                                             rf"\(gguf-split\); merge the parts into one file with llama.cpp's "
+                                             rf"`llama-gguf-split --merge"):
+            load_gguf(str(part))
 
 
 def test_weights_left_as_git_lfs_pointers_are_named(tmp_path):
