@@ -516,7 +516,9 @@ def test_objects_from_before_are_frozen_while_the_passes_run_and_thawed_after(mo
         run_pipeline(phases(), [Spec("observe")])
         with pytest.raises(BuildError):
             run_pipeline(phases(), [Spec("fail")])
-        assert gc.get_freeze_count() == frozen
+        after = gc.get_freeze_count()
+        # a caller's freeze stays (a frozen object may still die meanwhile: 720338 became 720336 once, under load)
+        assert 0.99 * frozen < after <= frozen if caller_froze else after == 0
     finally:
         gc.unfreeze()
     assert seen and all(count > 0 for count in seen)
