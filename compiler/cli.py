@@ -58,7 +58,8 @@ def _build(args) -> None:
     replacing = is_artifact_folder(Path(args.output) / recipe.name)  # swapped atomically at the end: say so then
     with console.status(f"building {escape(recipe.name)}"):
         path = build(recipe, args.output, progress=progress)
-    from compiler.pipeline import PassResult, format_reports, idle_passes
+    from compiler.pass_reports import format_reports, idle_passes
+    from compiler.pipeline import PassResult
     from runtime.manifest import read_manifest
 
     manifest = read_manifest(path)
@@ -190,7 +191,8 @@ def _inspect(args) -> None:
                             or (isinstance(v, float) and not k.endswith("error")))
         passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", escape(_shortened(summary)))
     out.print(passes)
-    from compiler.pipeline import PassResult, idle_passes
+    from compiler.pass_reports import idle_passes
+    from compiler.pipeline import PassResult
 
     for text in idle_passes([PassResult(**result) for result in manifest["passes"]]):
         out.print(f"[yellow]warning:[/yellow] {escape(text)}", highlight=False, soft_wrap=True)

@@ -1,0 +1,79 @@
+"""The passes' reports as a person reads them after a build (`aotlm build`, `aotlm inspect`): a table of each pass's
+time and node counts, and a line for each listed pass that changed nothing."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from compiler.pipeline import PHASES_OPTION, PassResult
+
+# What each pass counts as its work, read from its report; cleanup always has some. A pass that did none in every phase
+# it ran on is named (idle_passes): its node counts alone cannot tell "nothing to do" from "done".
+WORK = {
+    "fuse_attention": lambda r: r.get("fused", 0),
+    "fuse_rotary": lambda r: r.get("rewrites", 0),
+    "fuse_rms_norm": lambda r: r.get("fused", 0) + r.get("fused_with_skip", 0),
+    "fuse_silu": lambda r: r.get("fused", 0),
+    "lower_onnxruntime": lambda r: r.get("lowered", 0),
+    "lower_onnx_attention": lambda r: r.get("lowered", 0),
+    "lower_tensorrt": lambda r: r.get("lowered", 0),
+    "pack_projections": lambda r: len(r.get("packed", ())),
+    "quantize": lambda r: r.get("totals", {}).get("quantized", 0) + bool(r.get("embedding", {}).get("quantized")),
+    "quantize_kv_cache": lambda r: r.get("quantized_layers", 0),
+    "skip_unused_rows": lambda r: bool(r.get("applied")),
+    "slice_packed_weights": lambda r: bool(r.get("applied")),
+    "dequantize_weights": lambda r: bool(r.get("applied")),
+}
+NOTHING_TO_LOWER = "no aotlm.FlashAttention node left to lower (none fused before it, or an earlier lowering took them)"
+IDLE_HINTS = {  # why a pass with no reason of its own found nothing
+    "fuse_attention": "no attention block left to match (an earlier fuse_attention fused them)",
+    "lower_onnxruntime": NOTHING_TO_LOWER,
+    "lower_onnx_attention": NOTHING_TO_LOWER,
+    "lower_tensorrt": NOTHING_TO_LOWER,
+    "pack_projections": "no projections sharing an input with float weights",
+    "quantize_kv_cache": "no GroupQueryAttention layer",
+}
+
+
+def idle_passes(results: Sequence[PassResult]) -> list[str]:
+    """A line for each listed pass that changed nothing in any phase it ran on, with the first reason its reports
+    give (their layers' or skipped entries'), so that a build does not pass one by in silence."""
+    runs: dict[tuple, list[PassResult]] = {}
+    for result in results:
+        runs.setdefault((result.index, result.name), []).append(result)
+    lines = []
+    for (index, name), ran in runs.items():
+        ran = [r for r in ran if not str(r.report.get("reason") or "").endswith(PHASES_OPTION)]
+        if name not in WORK or not ran or any(WORK[name](r.report) for r in ran):
+            continue
+        reasons = [_first_reason(r.report) for r in ran]
+        reason = next((text for text in reasons if text), IDLE_HINTS.get(name))
+        where = f"passes[{index}] ({name})" if index is not None else name
+        phases = ", ".join(r.phase for r in ran)
+        lines.append(f"{where} changed nothing in {phases}" + (f": {reason}" if reason else ""))
+    return lines
+
+
+def _first_reason(report: dict) -> str | None:
+    if report.get("reason"):
+        return str(report["reason"])
+    for key in ("layers", "skipped", "kept"):
+        entries = report.get(key)
+        if isinstance(entries, list):
+            found = next((e for e in entries if isinstance(e, dict) and e.get("reason")), None)
+            if found is not None:
+                return f"{found.get('layer') or found.get('node') or ''}: {found['reason']}".lstrip(": ")
+    return None
+
+
+def format_reports(results: Sequence[PassResult]) -> str:
+    """A short table: one line per (pass, phase) with its time and node counts before -> after."""
+    rows = [("pass", "phase", "seconds", "nodes")]
+    rows += [(result.name, result.phase, f"{result.seconds:.2f}", f"{result.nodes_before} -> {result.nodes_after}")
+             for result in results]
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
+    lines = []
+    for row in rows:
+        # Text columns left-aligned, numbers right-aligned.
+        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1]), row[2].rjust(widths[2]), row[3].rjust(widths[3])]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,30 @@
+"""compiler/pass_reports.py: which listed passes changed nothing, and why."""
+from __future__ import annotations
+
+from compiler.pass_reports import idle_passes
+from compiler.pipeline import PassResult
+
+
+def test_a_pass_that_changed_nothing_in_any_phase_is_named_with_its_first_reason():
+    """The build's table shows node counts only, which cannot tell "nothing to do" from "done" (a lowering keeps the
+    count): a fuse_attention that fused no layer, or a second lowering, passed in silence."""
+    unfused = {"fused": 0, "layers": [{"layer": "layers.0", "fused": False, "reason": "no projection MatMul"}]}
+    results = [PassResult("fuse_attention", phase, 0.1, unfused, 10, 10, index=1) for phase in ("prefill", "decode")]
+    results += [PassResult("lower_onnxruntime", phase, 0.1, {"lowered": 0}, 10, 10, index=2)
+                for phase in ("prefill", "decode")]
+    # one phase's work is enough, and a phase its `phases` option leaves out does not count as idle
+    results += [PassResult("skip_unused_rows", "prefill", 0.1, {"applied": True}, 10, 12, index=3),
+                PassResult("skip_unused_rows", "decode", 0.0, {"applied": False, "reason": "no row selection"}, 9, 9,
+                           index=3),
+                PassResult("slice_packed_weights", "prefill", 0.1, {"applied": True}, 10, 12, index=4),
+                PassResult("slice_packed_weights", "decode", 0.0,
+                           {"applied": False, "reason": "runs on prefill only (its phases option)"}, 9, 9, index=4),
+                PassResult("cleanup", "prefill", 0.1, {}, 10, 10, index=0)]
+    assert idle_passes(results) == [
+        "passes[1] (fuse_attention) changed nothing in prefill, decode: layers.0: no projection MatMul",
+        "passes[2] (lower_onnxruntime) changed nothing in prefill, decode: no aotlm.FlashAttention node left to lower "
+        "(none fused before it, or an earlier lowering took them)"]
+    # the same pass listed twice: each listing on its own
+    twice = [PassResult("fuse_rms_norm", "decode", 0.1, {"fused": 3}, 10, 7, index=5),
+             PassResult("fuse_rms_norm", "decode", 0.1, {"fused": 0, "skipped": []}, 7, 7, index=6)]
+    assert idle_passes(twice) == ["passes[6] (fuse_rms_norm) changed nothing in decode"]
