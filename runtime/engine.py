@@ -15,6 +15,7 @@ scheduler (runtime/scheduler.py: continuous batching over a slot-based KV cache)
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import operator
@@ -55,6 +56,7 @@ def _start_over_in_forked_child() -> None:
     me = threading.current_thread()
     for engine in list(_ENGINES):
         engine._scheduler_lock = threading.Lock()
+        engine._stepping = False  # a step another thread ran at the fork never ends here: the exit must not wait for it
         if me in engine._batch_one_threads:  # the forking thread's own stream goes on in the child: it holds them
             continue
         engine._batch_one = threading.Lock()
@@ -65,6 +67,33 @@ def _start_over_in_forked_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # POSIX only
     os.register_at_fork(after_in_child=_start_over_in_forked_child)
+
+EXIT_WAIT_S = 30.0  # how long the interpreter's exit waits for a graph run under way on a batch-1 cache
+_exiting = False  # set by _stop_batch_one_at_exit: no batch-1 step starts after it
+
+
+@atexit.register
+def _stop_batch_one_at_exit() -> None:
+    """At the interpreter's exit, let a step under way on a batch-1 cache (a daemon thread's request) finish, and
+    start no other. Left running, a daemon thread's generate was inside onnxruntime as the interpreter tore it down,
+    and the process aborted ("terminate called without an active exception", SIGABRT): the handlers of a
+    ThreadingHTTPServer, whose threads are daemons, say. (The scheduler's worker is stopped by its own handler,
+    runtime/scheduler.py.) _exiting is set before each engine's _stepping is read, and a step sets _stepping before
+    it reads _exiting: either the step sees the exit or the exit sees the step."""
+    global _exiting
+    _exiting = True
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for engine in list(_ENGINES):
+        while engine._stepping and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+def _stop_at_exit() -> None:
+    """A batch-1 step asked for after the exit began: a daemon thread waits for the end of the process (a traceback
+    printed mid-teardown would be all it could give); the main thread (an exit handler's request) is refused."""
+    if threading.current_thread() is threading.main_thread():
+        raise RequestError("the interpreter is exiting: no request runs on the batch-1 cache any more")
+    threading.Event().wait()
 
 
 def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
@@ -140,6 +169,7 @@ class Engine:
         self._scheduler: Scheduler | None = None  # continuous batching, started by submit / start_scheduler
         self._scheduler_lock = threading.Lock()  # two first submits from two threads start one scheduler
         self._batch_one = threading.Lock()  # stream/generate: one sequence at a time on the batch-1 cache
+        self._stepping = False  # a batch-1 step (a graph run) is under way: the interpreter's exit waits for it
         # The threads (objects: a finished thread's id is given to the next one) that resumed the request inside it.
         self._batch_one_threads: set[threading.Thread] | frozenset = _NO_THREADS
         # Counts the forks that took the batch-1 cache from a stream of the parent (_start_over_in_forked_child)
@@ -492,10 +522,16 @@ class Engine:
                     # starts another request inside its loop is refused (it would wait on itself), as is one it was
                     # handed back to.
                     self._batch_one_threads.add(threading.current_thread())
+                    self._stepping = True  # before reading _exiting (see _stop_batch_one_at_exit)
                     try:
+                        if _exiting:
+                            self._stepping = False  # no step: the exit goes on
+                            _stop_at_exit()
                         piece = next(steps)
                     except StopIteration as done:
                         return done.value
+                    finally:
+                        self._stepping = False
                     yield piece
             finally:
                 if self._batch_one_epoch == epoch:  # else the child's own requests hold the cache now

@@ -7,7 +7,8 @@
 
 The front is thread-safe and blocking, not asyncio: `submit` may be called from any thread and returns at once;
 one background worker thread owns the cache and runs every graph (started on demand, it exits after
-`idle_exit_s` with nothing to do; math.inf: never; at interpreter exit every scheduler is closed, _close_at_exit).
+`idle_exit_s` with nothing to do; math.inf: never, and then the running worker keeps its engine alive until
+engine.close(): close it, or use `with Engine.load(...)`; at interpreter exit every scheduler is closed, _close_at_exit).
 Each iteration of the worker (`_step`):
   1. admit waiting requests into free slots, lowest slot first, so the busy slots stay packed at the front;
   2. prefill admitted requests straight into their slots' rows of the cache: whole prompts of requests in
