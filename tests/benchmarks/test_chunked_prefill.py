@@ -24,7 +24,7 @@ def test_chunked_prefill_small(tiny_artifact, monkeypatch, tmp_path):
     assert (tmp_path / "chunked_prefill-itl.png").stat().st_size > 0
 
 
-def test_chunked_prefill_writes_where_asked_and_refuses_one_token_decoders(tiny_artifact, tmp_path):
+def test_chunked_prefill_writes_where_asked_and_refuses_one_token_decoders(tiny_artifact, tmp_path, capsys):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import chunked_prefill
     import pytest
@@ -33,6 +33,9 @@ def test_chunked_prefill_writes_where_asked_and_refuses_one_token_decoders(tiny_
     chunked_prefill.main(["--artifact", str(tiny_artifact), "--chunks", "none", "--decoders", "1", "--decode-tokens",
                           "8", "--long-prompt", "16", "--long-at", "0.01", "--repeats", "1", "--out", str(out)])
     assert out.is_file()
-    with pytest.raises(SystemExit):
-        chunked_prefill.main(["--artifact", str(tiny_artifact), "--decode-tokens", "1", "--out", str(out)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a long prompt that fits: the refusal is the one-token decoders' own
+        chunked_prefill.main(["--artifact", str(tiny_artifact), "--decode-tokens", "1", "--long-prompt", "16",
+                              "--out", str(out)])
+    assert "--decode-tokens must be >= 2" in capsys.readouterr().err
     assert chunked_prefill.median_of([None, 3.0, 5.0]) == 4.0 and chunked_prefill.median_of([None]) is None

@@ -886,8 +886,10 @@ def test_fusion_required_on_a_graph_without_attention_fails():
 
 def test_rotary_cache_length_sets_the_table_rows_of_a_graph_with_a_cache(decoder_graphs):
     """The recipe's rotary_cache_length overrides the cache's max context as the rotary tables' length."""
-    fused, _ = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options(rotary_cache_length=48))
-    for node in (n for n in fused.graph.node if n.op_type == "FlashAttention"):
+    fused, report = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options(rotary_cache_length=48))
+    nodes = [n for n in fused.graph.node if n.op_type == "FlashAttention"]
+    assert report["fused"] == len(nodes) == CONFIG.num_layers  # else the loop below could check nothing
+    for node in nodes:
         assert rotary_table_shape(fused, node.input[7]) == [48, CONFIG.head_dim // 2]
 
 

@@ -276,5 +276,23 @@ def test_mappings_of_files_named_in_any_bytes_are_read(tmp_path):
     with open(path, "wb") as handle:
         handle.write(b"\0" * mmap.PAGESIZE)
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ):
-        huge_pages.private_anonymous_mappings()
+        huge_pages.private_anonymous_mappings()  # the real files, with that line among them: no UnicodeDecodeError
         huge_pages.huge_bytes_in(0, 2**64)
+
+
+def test_the_lines_after_a_path_in_other_bytes_are_read_too(monkeypatch):
+    """The scan must go on past a mapped file whose path is not UTF-8, to the mappings listed after it (the real-file
+    test above shows only that nothing raises)."""
+    import io
+
+    maps = (b"7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"
+            b"7f0000400000-7f0000401000 r--s 00000000 08:01 12 /tmp/caf\xe9.bin\n"
+            b"7f0000600000-7f0000a00000 rw-p 00000000 00:00 0 \n")
+    smaps = (b"7f0000400000-7f0000401000 r--s 00000000 08:01 12 /tmp/caf\xe9.bin\nAnonHugePages:         0 kB\n"
+             b"7f0000600000-7f0000a00000 rw-p 00000000 00:00 0 \nAnonHugePages:      4096 kB\n")
+    files = {"/proc/self/maps": maps, "/proc/self/smaps": smaps}
+    monkeypatch.setattr(huge_pages, "open", lambda path, encoding, errors: io.TextIOWrapper(
+        io.BytesIO(files[path]), encoding=encoding, errors=errors), raising=False)
+    assert huge_pages.private_anonymous_mappings(0) == [(0x7f0000000000, 0x7f0000400000),
+                                                        (0x7f0000600000, 0x7f0000a00000)]
+    assert huge_pages.huge_bytes_in(0x7f0000600000, 0x7f0000a00000) == 4096 * 1024
