@@ -209,6 +209,18 @@ def test_engine_records_that_contradict_the_cache_map_are_refused(artifact_copy,
         Engine.load(artifact_copy)
 
 
+def test_engine_records_from_before_the_aliases_were_recorded_load(artifact_copy):
+    def older(manifest):
+        for engine in manifest["engines"].values():
+            for output in engine["outputs"]:
+                del output["aliases"]
+            for entry in engine["inputs"]:
+                del entry["kv_cache"]
+
+    _edit_manifest(artifact_copy, older)
+    assert len(Engine.load(artifact_copy).generate([1, 5], max_new_tokens=2, ignore_eos=True).token_ids) == 2
+
+
 @pytest.mark.parametrize("setting, message", [
     ({"graph_optimization_level": "ultra"}, r"graph_optimization_level: 'ultra' is not one of .*rebuild the artifact"),
     ({"intra_op_threads": -2}, r"intra_op_threads: -2 must be an integer >= 0"),
