@@ -44,12 +44,7 @@ ONNXRUNTIME_LOWERINGS = ("lower_onnxruntime", "lower_onnx_attention")  # their g
 ORDER_RULES = (
     ("quantize", "fuse_attention", True,
      "its calibration and the accuracy report run the graph in onnxruntime, which cannot run aotlm.FlashAttention; "
-     "list quantize after lower_onnxruntime or lower_onnx_attention (with backend tensorrt: after lower_tensorrt, "
-     "method rtn)"),
-    ("fuse_attention", "quantize", False,
-     "fuse_attention matches projections by their constant float weights, which quantize has replaced: no layer "
-     "would fuse; list quantize after the attention's lowering (lower_onnxruntime or lower_onnx_attention; with "
-     "backend tensorrt, lower_tensorrt and method rtn)"),
+     "list quantize before fuse_attention, or after lower_onnxruntime or lower_onnx_attention"),
     ("fuse_attention", "fuse_rotary", False,
      "fuse_attention reads the rotary math that fuse_rotary replaces; list fuse_rotary after fuse_attention (it then "
      "rotates what fuse_attention left unfused)"),
@@ -281,7 +276,8 @@ def _check_order(passes: Sequence, index: int) -> None:
                    "calibration set, whose per-layer error report")
             raise BuildError(f"passes[{index}] (quantize) comes after passes[{names.index('lower_tensorrt')}] "
                              f"(lower_tensorrt) with {why} runs the graph in onnxruntime, which cannot run TensorRT's "
-                             f"plugins; use method rtn without calibration for backend tensorrt")
+                             f"plugins; list quantize before fuse_attention (it calibrates on the float graph "
+                             f"there), or use method rtn without calibration after lower_tensorrt")
         raise BuildError(f"passes[{index}] ({later}) comes after passes[{at}] ({earlier}): {fix}")
 
 

@@ -34,7 +34,7 @@ from passes.errors import PassError
 from passes.graph_export import export_onnx
 from passes.graph_patterns import (SkipReason, as_float, constant, layer_name, numbered, parse_inv_freq,
                                     parse_rotary_terms, producer, rotary_table_constants, scalar_factor,
-                                    scaled_operand, walk_up, walk_up_scaled)
+                                    scaled_operand, walk_up, walk_up_scaled, weight_shape)
 from passes.rotary_probe import check_tables
 
 THROUGH_CACHE_READ = {"Transpose", "Unsqueeze", "Reshape", "Expand", "Slice", "Identity", "Cast"}
@@ -148,7 +148,7 @@ def _o_proj(value_matmul: gs.Node) -> gs.Node | SkipReason:
             return SkipReason(f"the attention output '{tensor.name}' has {len(tensor.outputs)} readers ({readers}) on "
                               f"the way to the output projection, which FlashAttention's output alone would feed{hint}")
         node = tensor.outputs[0]
-        if node.op == "MatMul" and constant(node.inputs[1]) is not None:
+        if weight_shape(node) is not None:
             return node
         if node.op not in THROUGH_HEAD_SPLIT:
             break
@@ -164,10 +164,10 @@ def _projection(tensor: gs.Tensor) -> tuple[gs.Tensor, int, tuple[gs.Tensor, int
         matmul = next((producer(t) for t in node.inputs if producer(t) is not None), None)  # q/k/v bias (Qwen2)
     else:
         matmul = node
-    weight = constant(matmul.inputs[1]) if matmul is not None and matmul.op == "MatMul" else None
-    if weight is None or weight.ndim != 2:
+    shape = weight_shape(matmul)
+    if shape is None:
         return SkipReason(f"no projection MatMul with a constant weight above '{tensor.name}'")
-    return tensor, int(weight.shape[1]), (matmul.inputs[0], int(weight.shape[0]))
+    return tensor, shape[1], (matmul.inputs[0], shape[0])
 
 
 def _cache_write(tensor: gs.Tensor) -> tuple[gs.Tensor, gs.Node | None, gs.Tensor | None, float, bool] | SkipReason:

@@ -47,6 +47,34 @@ def constant(tensor: gs.Tensor) -> np.ndarray | None:
     return None
 
 
+def weight_shape(node: gs.Node | None) -> tuple[int, int] | None:
+    """(K, N) of a product x @ W by a constant weight: a MatMul by a constant, or by DequantizeLinear of constant
+    codes ([K, N], quantize's dequantize_linear lowering), or onnxruntime's MatMulNBits (its K and N); else None.
+    Shapes only: a weight's values are not read (INT4 codes would be unpacked)."""
+    if node is None:
+        return None
+    if node.op == "MatMulNBits":
+        k, n = node.attrs.get("K"), node.attrs.get("N")
+        return (int(k), int(n)) if isinstance(k, int) and isinstance(n, int) else None
+    if node.op != "MatMul" or len(node.inputs) != 2:
+        return None
+    weight = node.inputs[1]
+    quantized = producer(weight)
+    if quantized is not None and quantized.op == "DequantizeLinear":
+        weight = quantized.inputs[0]
+    shape = _constant_shape(weight)
+    return (int(shape[0]), int(shape[1])) if shape is not None and len(shape) == 2 else None
+
+
+def _constant_shape(tensor: gs.Tensor) -> tuple | None:
+    if isinstance(tensor, gs.Constant):
+        return tuple(tensor.shape)
+    node = producer(tensor)
+    if node is not None and node.op == "Constant":
+        return tuple(node.attrs["value"].shape)
+    return None
+
+
 def is_present(tensor: gs.Tensor) -> bool:
     """False for an omitted optional input (an unnamed Variable)."""
     return not (isinstance(tensor, gs.Variable) and tensor.name == "")

@@ -439,15 +439,6 @@ def test_an_order_rule_is_excused_only_by_a_lowering_between_and_only_where_it_s
     pipeline.check_passes(specs("fuse_attention", "lower_onnxruntime", "quantize"))  # lowered between: allowed
 
 
-def test_quantize_before_fuse_attention_is_refused_as_fusing_nothing():
-    """The advice had been "list quantize before fuse_attention": fusion then found no projection with a constant
-    float weight and fused no layer (a build with required: true failed after the export; without it, an unfused
-    artifact came out without a word)."""
-    with pytest.raises(BuildError, match=r"passes\[2\] \(fuse_attention\) comes after passes\[1\] \(quantize\): "
-                                         r"fuse_attention matches projections by their constant float weights"):
-        pipeline.check_passes(specs("cleanup", "quantize", "fuse_attention", "lower_onnxruntime"))
-
-
 def test_with_tensorrt_quantize_follows_lower_tensorrt_when_nothing_calibrates():
     """Round to nearest runs no graph, so it may follow TensorRT's plugins (the accuracy report is onnxruntime's
     only); AWQ and GPTQ calibrate in onnxruntime, which cannot run them. Every order had been refused."""
@@ -469,8 +460,11 @@ def test_with_tensorrt_quantize_follows_lower_tensorrt_when_nothing_calibrates()
 
     rtn_calibrated = Options(bits=8, lowering="dequantize_linear", calibration=CalibrationSpec())
     with pytest.raises(BuildError, match=r"with calibration set, whose per-layer error report runs the graph in "
-                                         r"onnxruntime"):
+                                         r"onnxruntime.*; list quantize before fuse_attention"):
         pipeline.check_passes([*lowered, PassSpec("quantize", rtn_calibrated)])
+    # calibrated, before the fusion: on the float graph, which onnxruntime runs
+    awq = Options(bits=4, block_size=64, method="awq", lowering="dequantize_linear", calibration=CalibrationSpec())
+    pipeline.check_passes([lowered[0], PassSpec("quantize", awq), *lowered[1:]])
 
 
 def test_max_rewrites_zero_is_allowed_and_below_it_is_named():

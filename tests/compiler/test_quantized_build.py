@@ -161,3 +161,31 @@ def test_prefill_computes_in_float_from_the_decode_graphs_codes(float_prefill_ar
     from_decode = engine.backend.run("decode", ids, positions, mask)[0, -1]
     np.testing.assert_allclose(from_prefill, from_decode, rtol=0, atol=1e-4)
     assert len(engine.generate("Hello", max_new_tokens=5).token_ids) == 5
+
+
+@pytest.mark.parametrize("lowering", ["matmulnbits", "dequantize_linear"])
+def test_quantize_before_fuse_attention_fuses_every_layer_and_gives_the_same_logits(tiny_recipe, tmp_path, lowering):
+    """fuse_attention matched projections by constant float weights only: after quantize (DequantizeLinear ->
+    MatMul, or MatMulNBits) it fused no layer, so a calibrated quantize for TensorRT, which must run before the
+    plugins' lowering, had no order that built. INT8 per channel rounds each column alone, so quantizing before
+    fusion and packing gives the codes quantizing after gives."""
+    quantize = {"quantize": {"bits": 8, "method": "rtn", "lowering": lowering}}
+    after = quantized_recipe(tiny_recipe, quantize, name="after")
+    data = after.to_dict()
+    names = [next(iter(entry)) for entry in data["passes"]]
+    moved = data["passes"].pop(names.index("quantize"))
+    data["passes"].insert(names.index("cleanup") + 1, moved)
+    data.update(name="before", accuracy={"enabled": False})
+    before = parse_recipe(data, origin="test")
+    assert [spec.name for spec in before.passes][:3] == ["cleanup", "quantize", "fuse_attention"]
+    ids = np.random.default_rng(0).integers(3, 512, 40).tolist()
+    logits = []
+    for recipe in (after, before):
+        folder = build(dataclasses.replace(recipe, accuracy=dataclasses.replace(recipe.accuracy, enabled=False)),
+                       tmp_path / recipe.name)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        fused = [p["report"]["fused"] for p in manifest["passes"] if p["name"] == "fuse_attention"]
+        assert fused == [2, 2], fused
+        logits.append(decode_logits_for(Engine.load(folder))(ids))
+    np.testing.assert_allclose(logits[1], logits[0], atol=1e-4)
+    assert (logits[1].argmax(-1) == logits[0].argmax(-1)).all()
