@@ -195,7 +195,7 @@ def _inspect(args) -> None:
     from compiler.pipeline import PassResult
 
     for text in idle_passes([PassResult(**result) for result in manifest["passes"]]):
-        out.print(f"[yellow]warning:[/yellow] {escape(text)}", highlight=False, soft_wrap=True)
+        warning(text, out)
     if "accuracy" in manifest:
         from compiler.accuracy import format_accuracy
 

@@ -12,13 +12,14 @@ from rich.markup import escape
 console = Console(stderr=True)
 
 
-def message(markup: str) -> None:
-    """One line of rich markup, kept whole however narrow the console."""
-    console.print(markup, highlight=False, soft_wrap=True)
+def message(markup: str, out: Console = console) -> None:
+    """One line of rich markup, kept whole however narrow the console (out: stdout's, for a command whose report
+    is its output)."""
+    out.print(markup, highlight=False, soft_wrap=True)
 
 
-def warning(text: str) -> None:
-    message(f"[yellow]warning:[/yellow] {escape(text)}")
+def warning(text: str, out: Console = console) -> None:
+    message(f"[yellow]warning:[/yellow] {escape(text)}", out)
 
 
 def error(text: str) -> None:

@@ -26,6 +26,7 @@ import onnx
 from compiler.errors import BuildError
 from passes.cleanup import SHAPE_DATA_MAX_BYTES, tensor_nbytes, without_any_initializers
 from passes.errors import PassError
+from passes.quantize import methods_used
 from passes.registry import PASSES, PassEntry
 from passes.session_config import record_session_config, session_config
 
@@ -246,8 +247,8 @@ def check_passes(passes: Sequence) -> None:
             per_layer = ", with overrides for per-layer settings" if spec.name == "quantize" else ""
             raise BuildError(f"passes[{index}]: {spec.name} is listed twice (the second would find nothing left to do); "
                              f"use one{per_layer}")
-        _check_order(passes, index)
         options = _options_for(spec, entry)
+        _check_order(names, index, options)
         if entry.check is not None:
             try:
                 entry.check(options)
@@ -258,8 +259,7 @@ def check_passes(passes: Sequence) -> None:
                              f"(or null: every match)")
 
 
-def _check_order(passes: Sequence, index: int) -> None:
-    names = [spec.name for spec in passes]
+def _check_order(names: Sequence[str], index: int, options) -> None:
     for later, earlier, unless_lowered, fix in ORDER_RULES:
         if names[index] != later or earlier not in names[:index]:
             continue
@@ -268,8 +268,8 @@ def _check_order(passes: Sequence, index: int) -> None:
         if unless_lowered and any(name in ONNXRUNTIME_LOWERINGS for name in between):
             continue
         if (later, earlier) == ("quantize", "fuse_attention") and "lower_tensorrt" in between:
-            methods = quantize_methods(passes[index])
-            calibrated = getattr(passes[index].options, "calibration", None) is not None
+            methods = methods_used(options)
+            calibrated = options.calibration is not None
             if methods <= {"rtn"} and not calibrated:  # no graph runs; the accuracy report is onnxruntime's only
                 continue
             why = (f"method {', '.join(sorted(methods - {'rtn'}))}, whose calibration" if methods - {"rtn"} else
@@ -279,14 +279,6 @@ def _check_order(passes: Sequence, index: int) -> None:
                              f"plugins; list quantize before fuse_attention (it calibrates on the float graph "
                              f"there), or use method rtn without calibration after lower_tensorrt")
         raise BuildError(f"passes[{index}] ({later}) comes after passes[{at}] ({earlier}): {fix}")
-
-
-def quantize_methods(spec) -> set[str]:
-    """The methods a quantize pass's layers use: its own and its overrides'."""
-    options = getattr(spec, "options", None)
-    if options is None:
-        return {"rtn"}
-    return {options.method, *(o.method for o in options.overrides if o.method is not None and not o.skip)}
 
 
 def lookup_pass(name: str) -> PassEntry:

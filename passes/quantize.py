@@ -179,10 +179,15 @@ def check_options(options: Options) -> None:
         if not override.skip:
             layer_settings.append(merged)
     check_options_used(options, layer_settings)
-    needs_data = sorted({settings.method for settings in layer_settings} - {"rtn"})
+    needs_data = sorted(methods_used(options) - {"rtn"})
     if needs_data and options.calibration is None:  # before the export, not when the pass meets it
         raise PassError(f"quantize: method {', '.join(needs_data)} needs calibration data: set `calibration` (text, "
                         f"samples, length, seed) in the recipe; the build tokenizes it")
+
+
+def methods_used(options: Options) -> set[str]:
+    """The methods the pass's layers may use: its own, and its overrides' (those that quantize)."""
+    return {options.method, *(o.method for o in options.overrides if o.method is not None and not o.skip)}
 
 
 def check_options_used(options: Options, layer_settings: list[Settings]) -> None:
