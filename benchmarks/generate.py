@@ -84,7 +84,7 @@ class Aotlm:
         self.engine = Engine.load(artifact, intra_op_threads=threads, spin_after_run=SINGLE_STREAM_SPIN)
 
     def run(self, prompt_ids: list[int], new_tokens: int) -> Run:
-        result = self.engine.generate(prompt_ids, max_new_tokens=new_tokens, stop_token_ids=())  # greedy
+        result = self.engine.generate(prompt_ids, max_new_tokens=new_tokens, ignore_eos=True)  # greedy
         timings = result.timings
         return Run(timings.prefill_s, list(timings.token_times_s), list(result.token_ids))
 

@@ -155,7 +155,7 @@ def run(engine: Engine, requests: list[dict], ledger: Ledger, *, concurrency: in
     for index, request in enumerate(requests):
         slots_free.acquire()
         try:
-            handle = engine.submit(request["prompt"], max_new_tokens=request["max_new_tokens"], stop_token_ids=(),
+            handle = engine.submit(request["prompt"], max_new_tokens=request["max_new_tokens"], ignore_eos=True,
                                    **request["sampling"])
         except RequestError as error:
             ledger.refuse(index, error)
@@ -176,7 +176,7 @@ def judge(engine: Engine, requests: list[dict], ledger: Ledger, cancel: set[int]
     cancelled_early = lambda i: i in cancel and finish[i] == "cancelled" and ledger.tokens[i] < asked[i]  # noqa: E731
     done = [i for i, f in enumerate(finish) if f not in ("pending", "error")]
     mismatched = [i for i, ids in ledger.token_ids.items() if ids is not None and ids != engine.generate(
-        requests[i]["prompt"], max_new_tokens=asked[i], stop_token_ids=()).token_ids]
+        requests[i]["prompt"], max_new_tokens=asked[i], ignore_eos=True).token_ids]
     return {"lost": [i for i, f in enumerate(finish) if f == "pending"],
             "errors": [i for i, f in enumerate(finish) if f == "error"],
             "incomplete": [i for i in done if not (complete(i) or cancelled_early(i))],

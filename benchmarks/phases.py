@@ -92,7 +92,7 @@ class AotlmPhases:
     def prefill(self, prompt_ids: list[int]) -> float:
         """The engine's TTFT for the prompt's ids: prefill graph + the first token's choice, through Engine.generate
         (the product's path, no tokenization: ids are given)."""
-        result = self.engine.generate(prompt_ids, max_new_tokens=1, stop_token_ids=())
+        result = self.engine.generate(prompt_ids, max_new_tokens=1, ignore_eos=True)
         return result.timings.ttft_s
 
     def decode(self, prompt_ids: list[int], steps: int) -> list[float]:
@@ -103,7 +103,7 @@ class AotlmPhases:
         if length + WARMUP_STEPS + steps > self.max_context:
             raise SystemExit(f"{self.name}: context {length} + {WARMUP_STEPS + steps} steps exceed max context {self.max_context}")
         # the first token comes from the prefill; the k-th gap after it is the step at position length + k
-        result = self.engine.generate(prompt_ids, max_new_tokens=WARMUP_STEPS + steps + 1, stop_token_ids=())
+        result = self.engine.generate(prompt_ids, max_new_tokens=WARMUP_STEPS + steps + 1, ignore_eos=True)
         if len(result.token_ids) != WARMUP_STEPS + steps + 1:
             raise RuntimeError(f"{self.name}: made {len(result.token_ids)} tokens, not {WARMUP_STEPS + steps + 1}")
         return result.timings.itl_s[WARMUP_STEPS:]

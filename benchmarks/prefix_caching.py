@@ -51,7 +51,7 @@ def conversation(engines: dict[str, Engine], messages: list[str], reply_tokens: 
         history.append({"role": "user", "content": message})
         row = {}
         for name, engine in (reversed(engines.items()) if reverse else engines.items()):
-            result = engine.chat(history, max_new_tokens=reply_tokens, stop_token_ids=())
+            result = engine.chat(history, max_new_tokens=reply_tokens, ignore_eos=True)
             row[name] = {"ttft_ms": 1e3 * result.timings.ttft_s, "cached": result.timings.cached_prompt_tokens,
                          "prompt_tokens": result.timings.prompt_tokens, "token_ids": result.token_ids}
         rows.append(row)
@@ -73,7 +73,7 @@ def scheduled_chats(engine: Engine, chats: list[list[str]], reply_tokens: int, s
         for message in chats[index]:
             history.append({"role": "user", "content": message})
             result = engine.submit(engine.chat_prompt_ids(history), max_new_tokens=reply_tokens,
-                                   stop_token_ids=()).result()
+                                   ignore_eos=True).result()
             results[index].append(result)
             history.append({"role": "assistant", "content": result.text})
 

@@ -46,7 +46,7 @@ ARMS = {"stop after run": False, "decode spins on": ["decode"], "spin after run"
 
 
 def single_stream(engine: Engine, prompt_ids: list[int], new_tokens: int, early: int) -> dict:
-    timings = engine.generate(prompt_ids, max_new_tokens=new_tokens, stop_token_ids=()).timings
+    timings = engine.generate(prompt_ids, max_new_tokens=new_tokens, ignore_eos=True).timings
     gaps_ms = 1e3 * np.diff(timings.token_times_s)
     return {"ttft_ms": 1e3 * timings.ttft_s, "tpot_ms": 1e3 * timings.tpot_s, "gaps_ms": gaps_ms.tolist(),
             "early_gap_ms": float(gaps_ms[:early].mean()), "later_gap_ms": float(gaps_ms[early:].mean())}
@@ -65,7 +65,7 @@ def scheduled(engine: Engine, workload, batching: str, slots: int) -> float:
     """Output tokens/s of the whole workload through a fresh scheduler of `slots` slots."""
     engine.start_scheduler(slots=slots, batching=batching, max_queue=len(workload))
     started = time.perf_counter()
-    handles = [engine.submit(ids, max_new_tokens=n, stop_token_ids=()) for ids, n in workload]
+    handles = [engine.submit(ids, max_new_tokens=n, ignore_eos=True) for ids, n in workload]
     made = sum(len(handle.result().token_ids) for handle in handles)
     seconds = time.perf_counter() - started
     if made != sum(n for _, n in workload):

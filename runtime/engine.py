@@ -484,7 +484,7 @@ class Engine:
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """What the batch-1 path and the scheduler both refuse before running anything."""
-        bad = self._outside_vocabulary(params.stop_token_ids or ())
+        bad = self._outside_vocabulary(params.stop_token_ids)
         if bad is not None:  # it could never stop anything
             raise RequestError(f"stop_token_ids: {bad} is outside this model's vocabulary "
                                f"(0..{self.manifest['model']['config']['vocab_size'] - 1})")

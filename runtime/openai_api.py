@@ -238,9 +238,6 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         options["top_k"] = 0
     if "stop" in fields:
         options["stop_strings"] = fields["stop"]
-    ids = options.get("stop_token_ids")
-    if isinstance(ids, list) and not options.get("ignore_eos"):  # vLLM's: they stop besides end-of-sequence
-        options["stop_token_ids"] = [*ids, *(token for token in engine.eos_token_ids if token not in ids)]
     if chat and "max_tokens" in fields and "max_completion_tokens" in fields:
         raise ApiError("give max_completion_tokens or max_tokens, not both", param="max_tokens")
     max_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"  # as the client sent it

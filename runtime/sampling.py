@@ -24,7 +24,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = no limit
     top_p: float = 1.0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] | None = None  # None = the model's end-of-sequence tokens
+    # Token ids that stop the request besides the model's end-of-sequence tokens (vLLM's: ignore_eos leaves those out)
+    stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     # Penalties on tokens already seen, greedy decoding included. repetition_penalty is transformers' and vLLM's
     # (the CTRL paper's): every token of the prompt and the output has a positive logit divided by it, a negative
@@ -101,19 +102,16 @@ class SamplingParams:
             raise RequestError(f"ignore_eos: {self.ignore_eos!r} must be True or False")
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
-        if self.stop_token_ids is not None:
-            ids = self.stop_token_ids
-            if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_integer(i) for i in ids):
-                raise RequestError(f"stop_token_ids: {ids!r} must be a list of token ids, or None for the model's "
-                                   f"end-of-sequence tokens")
-            object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        ids = () if self.stop_token_ids is None else self.stop_token_ids  # None: vLLM's spelling of none
+        if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_integer(i) for i in ids):
+            raise RequestError(f"stop_token_ids: {ids!r} must be a list of token ids (they stop besides the model's "
+                               f"end-of-sequence tokens; ignore_eos=True leaves those out)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
 
     def stop_ids(self, eos_token_ids: Sequence[int]) -> frozenset[int]:
-        """The token ids that end the request: stop_token_ids if given, else the model's end-of-sequence tokens
-        unless ignore_eos."""
-        if self.stop_token_ids is not None:
-            return frozenset(self.stop_token_ids)
-        return frozenset() if self.ignore_eos else frozenset(eos_token_ids)
+        """The token ids that end the request: stop_token_ids and, unless ignore_eos, the model's end-of-sequence
+        tokens (vLLM's rule)."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
 
     @property
     def greedy(self) -> bool:

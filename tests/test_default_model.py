@@ -70,7 +70,7 @@ def engine(default_artifact):
 def test_greedy_tokens_equal_transformers(engine, hf_model):
     for prompt in PROMPTS:
         prompt_ids = engine.tokenizer.encode(prompt)
-        ours = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, stop_token_ids=()).token_ids
+        ours = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
         with torch.no_grad():
             theirs = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt_ids):].tolist()
         assert ours == theirs, f"{prompt!r}: {engine.tokenizer.decode(ours)!r} != {engine.tokenizer.decode(theirs)!r}"
@@ -80,12 +80,12 @@ def test_greedy_tokens_with_a_repetition_penalty_equal_transformers(engine, hf_m
     changed = 0
     for prompt in PROMPTS:
         prompt_ids = engine.tokenizer.encode(prompt)
-        ours = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, stop_token_ids=(), repetition_penalty=1.3)
+        ours = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.3)
         with torch.no_grad():
             theirs = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                        repetition_penalty=1.3)[0, len(prompt_ids):].tolist()
         assert ours.token_ids == theirs, f"{prompt!r}: {ours.text!r} != {engine.tokenizer.decode(theirs)!r}"
-        changed += ours.token_ids != engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, stop_token_ids=()).token_ids
+        changed += ours.token_ids != engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
     assert changed == len(PROMPTS)  # the penalty changed every prompt's continuation: the comparison covers it
 
 
@@ -98,8 +98,8 @@ def test_a_chat_with_prefix_caching_makes_the_tokens_of_whole_prefills(engine, d
     messages, replies = [], []
     for question in ("What is a lighthouse?", "Who keeps it?", "Why is its light red?"):
         messages.append({"role": "user", "content": question})
-        ours = cached.chat(messages, max_new_tokens=24, stop_token_ids=())
-        theirs = engine.generate(cached.chat_prompt_ids(messages), max_new_tokens=24, stop_token_ids=())
+        ours = cached.chat(messages, max_new_tokens=24, ignore_eos=True)
+        theirs = engine.generate(cached.chat_prompt_ids(messages), max_new_tokens=24, ignore_eos=True)
         assert ours.token_ids == theirs.token_ids, f"{question!r}: {ours.text!r} != {theirs.text!r}"
         replies.append(ours)
         messages.append({"role": "assistant", "content": ours.text})
@@ -120,9 +120,9 @@ def test_last_position_logits_within_1e_3(engine, hf_model):
 
 def test_decode_with_cache_equals_full_recompute(engine, hf_model):
     ids = engine.tokenizer.encode(PROMPTS[0])
-    result = engine.generate(ids, max_new_tokens=8, stop_token_ids=())
+    result = engine.generate(ids, max_new_tokens=8, ignore_eos=True)
     ones = np.ones((1, len(ids) + 8), dtype=np.int64)
-    engine.generate(ids, max_new_tokens=1, stop_token_ids=())  # refill the cache with the prompt
+    engine.generate(ids, max_new_tokens=1, ignore_eos=True)  # refill the cache with the prompt
     tokens = list(ids)
     for token in result.token_ids[:-1]:
         tokens.append(token)
@@ -137,7 +137,7 @@ def test_a_stop_string_completed_inside_a_character_at_the_last_token_finishes_a
     completes a stop string and is also the last one max_new_tokens allows, the stop shows only once the decoder
     finishes: the text was cut at it, but finish_reason said "length" (both in generate and the scheduler)."""
     prompt = "Вопрос: Как дела?\nОтвет: Хорошо.\nВопрос: Что это?\nОтвет:"
-    free = engine.generate(prompt, max_new_tokens=40, stop_token_ids=())
+    free = engine.generate(prompt, max_new_tokens=40, ignore_eos=True)
     decode = engine.tokenizer.decode
     partial = [k for k, token in enumerate(free.token_ids)
                if decode([token]).endswith("\ufffd") and "\n" in decode(free.token_ids[:k])]
@@ -145,7 +145,7 @@ def test_a_stop_string_completed_inside_a_character_at_the_last_token_finishes_a
     last = partial[0]
     before = decode(free.token_ids[: last + 1])[:-1]
     stop = before[before.rfind("\n") + 1:]  # completed by the partial token's leading bytes
-    results = [engine.generate(prompt, max_new_tokens=last + 1, stop_token_ids=(), stop_strings=stop),
-               engine.submit(prompt, max_new_tokens=last + 1, stop_token_ids=(), stop_strings=stop).result()]
+    results = [engine.generate(prompt, max_new_tokens=last + 1, ignore_eos=True, stop_strings=stop),
+               engine.submit(prompt, max_new_tokens=last + 1, ignore_eos=True, stop_strings=stop).result()]
     for result in results:
         assert (result.finish_reason, result.text) == ("stop", free.text[: free.text.index(stop)])

@@ -223,7 +223,7 @@ def test_every_attention_lowering_generates_the_same_tokens(tiny_recipe, tiny_ar
         recipe = dataclasses.replace(tiny_recipe, name=f"tiny-{name}", passes=passes)
         engines[name] = Engine.load(build_module.build(recipe, tmp_path))
     for prompt in ([1, 17, 300, 42, 9], [1, 5]):
-        tokens = {name: engine.generate(prompt, max_new_tokens=20, stop_token_ids=()).token_ids
+        tokens = {name: engine.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids
                   for name, engine in engines.items()}
         assert tokens["default"] == tokens["unfused"] == tokens["onnx-attention"], tokens
     # Only GroupQueryAttention reading the cache inputs attends to a past in the prefill graph: the others' prefix
@@ -233,11 +233,11 @@ def test_every_attention_lowering_generates_the_same_tokens(tiny_recipe, tiny_ar
     prompt, follow_up = [1] + list(range(40, 70)), list(range(200, 210))
     for name, engine in engines.items():
         cached = Engine.load(engine.artifact_dir, prefix_caching=True)
-        first = cached.generate(prompt, max_new_tokens=4, stop_token_ids=()).token_ids
-        result = cached.generate(prompt + first + follow_up, max_new_tokens=6, stop_token_ids=())
+        first = cached.generate(prompt, max_new_tokens=4, ignore_eos=True).token_ids
+        result = cached.generate(prompt + first + follow_up, max_new_tokens=6, ignore_eos=True)
         assert result.timings.cached_prompt_tokens == len(prompt) + 3, name
         assert result.token_ids == engine.generate(prompt + first + follow_up, max_new_tokens=6,
-                                                   stop_token_ids=()).token_ids, name
+                                                   ignore_eos=True).token_ids, name
 
 
 def test_an_artifact_whose_prefill_returns_every_position_generates_the_same_tokens(tiny_recipe, tiny_artifact,
@@ -253,16 +253,16 @@ def test_an_artifact_whose_prefill_returns_every_position_generates_the_same_tok
     assert every.manifest["engines"]["prefill"]["takes_past"] is True  # a rest after a past: its last row's logits
     prompt = [1] + list(range(40, 70))
     cached = Engine.load(every.artifact_dir, prefix_caching=True)
-    longer = prompt + cached.generate(prompt, max_new_tokens=2, stop_token_ids=()).token_ids + [5, 6, 7, 8]
-    rest = cached.generate(longer, max_new_tokens=5, stop_token_ids=())
+    longer = prompt + cached.generate(prompt, max_new_tokens=2, ignore_eos=True).token_ids + [5, 6, 7, 8]
+    rest = cached.generate(longer, max_new_tokens=5, ignore_eos=True)
     assert rest.timings.cached_prompt_tokens == len(prompt) + 1
-    assert rest.token_ids == last.generate(longer, max_new_tokens=5, stop_token_ids=()).token_ids
+    assert rest.token_ids == last.generate(longer, max_new_tokens=5, ignore_eos=True).token_ids
     prompts = [[1, 17, 300, 42, 9], [1, 5, 6], [1, 7, 8, 9, 10, 11, 12]]  # one right-padded prefill batch of 3
-    alone = every.generate(prompts[0], max_new_tokens=6, stop_token_ids=())
-    assert alone.token_ids == last.generate(prompts[0], max_new_tokens=6, stop_token_ids=()).token_ids
-    batched = every.generate(prompts, max_new_tokens=6, stop_token_ids=())
+    alone = every.generate(prompts[0], max_new_tokens=6, ignore_eos=True)
+    assert alone.token_ids == last.generate(prompts[0], max_new_tokens=6, ignore_eos=True).token_ids
+    batched = every.generate(prompts, max_new_tokens=6, ignore_eos=True)
     assert [r.token_ids for r in batched] == [r.token_ids for r in last.generate(prompts, max_new_tokens=6,
-                                                                                  stop_token_ids=())]
+                                                                                  ignore_eos=True)]
     every.close()
     last.close()
 

@@ -87,11 +87,11 @@ def test_scheduler_slots_hold_int8_and_batched_requests_make_their_alone_tokens(
     rng = np.random.default_rng(3)
     requests = [([1] + rng.integers(3, 512, size=int(rng.integers(0, 30))).tolist(), int(rng.integers(1, 20)))
                 for _ in range(8)]
-    expected = [kv8_engine.generate(p, max_new_tokens=n, stop_token_ids=()).token_ids for p, n in requests]
+    expected = [kv8_engine.generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in requests]
     scheduler = kv8_engine.start_scheduler(slots=3, prefill_chunk=prefill_chunk)
     handles = []
     for index, (prompt, n) in enumerate(requests):
-        handles.append(kv8_engine.submit(prompt, max_new_tokens=n, stop_token_ids=()))
+        handles.append(kv8_engine.submit(prompt, max_new_tokens=n, ignore_eos=True))
         time.sleep(0.002 * (index % 3))
     assert [h.result(timeout=60).token_ids for h in handles] == expected
     assert {array.dtype for array in scheduler.cache.arrays} == {np.dtype(np.int8)}

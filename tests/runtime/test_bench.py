@@ -91,7 +91,7 @@ def test_poisson_and_all_arrivals_run(tiny_engine, encode):
 def test_engine_arrival_counts_queueing(tiny_engine):
     arrival = time.perf_counter()
     time.sleep(0.02)
-    trace = tiny_engine.generate([5, 6, 7], max_new_tokens=3, stop_token_ids=(), arrival=arrival).timings.trace
+    trace = tiny_engine.generate([5, 6, 7], max_new_tokens=3, ignore_eos=True, arrival=arrival).timings.trace
     assert trace.arrival == arrival and trace.queue >= 0.02 and trace.ttft >= 0.02
 
 

@@ -154,8 +154,8 @@ def test_the_template_reaches_the_artifact_and_prompts_tokenize_as_transformers_
     ids = engine.chat_prompt_ids(SHORT)
     assert ids == list(expected) and ids[0] == engine.tokenizer.tokenizer.token_to_id("A")  # the tokenizer's BOS
     assert engine.manifest["tokenizer"]["template_tokens"] == {"bos_token": "A", "eos_token": "B"}
-    reply = engine.chat(SHORT, max_new_tokens=6, stop_token_ids=())
-    assert reply.token_ids == engine.generate(ids, max_new_tokens=6, stop_token_ids=()).token_ids
+    reply = engine.chat(SHORT, max_new_tokens=6, ignore_eos=True)
+    assert reply.token_ids == engine.generate(ids, max_new_tokens=6, ignore_eos=True).token_ids
 
 
 def test_chat_timings_count_the_template_rendering(chat_artifact, monkeypatch):

@@ -34,7 +34,7 @@ def reference_greedy(decoder, prompt: list[int], new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_full_recompute(tiny_engine, tiny_reference, prompt):
     decoder, _ = tiny_reference
-    result = tiny_engine.generate(prompt, max_new_tokens=24, stop_token_ids=())
+    result = tiny_engine.generate(prompt, max_new_tokens=24, ignore_eos=True)
     assert result.token_ids == reference_greedy(decoder, prompt, 24)
     assert result.finish_reason == "length"
 
@@ -104,7 +104,7 @@ def test_cache_is_bound_once_and_written_in_place(tiny_engine, tiny_reference):
     cache = tiny_engine.backend.cache
     pointers = [buffer.data_ptr() for buffer in cache.buffers]
     prompt = PROMPTS[0]
-    result = tiny_engine.generate(prompt, max_new_tokens=5, stop_token_ids=())
+    result = tiny_engine.generate(prompt, max_new_tokens=5, ignore_eos=True)
     assert tiny_engine.backend.cache is cache
     assert [buffer.data_ptr() for buffer in cache.buffers] == pointers
     # Each graph's present outputs are the past buffers themselves after its runs (get_outputs()[0] is the logits):
@@ -123,7 +123,7 @@ def test_cache_is_bound_once_and_written_in_place(tiny_engine, tiny_reference):
 
 
 def test_stream_pieces_join_to_the_result_text(tiny_engine):
-    generation = tiny_engine.stream("hello world", max_new_tokens=16, stop_token_ids=())
+    generation = tiny_engine.stream("hello world", max_new_tokens=16, ignore_eos=True)
     pieces = list(generation)
     assert "".join(pieces) == generation.result.text
     assert generation.result.timings.output_tokens == 16
@@ -131,17 +131,17 @@ def test_stream_pieces_join_to_the_result_text(tiny_engine):
 
 
 def test_streamed_text_stops_where_the_result_text_does(tiny_engine):
-    full = tiny_engine.generate("hello world", max_new_tokens=16, stop_token_ids=()).text
+    full = tiny_engine.generate("hello world", max_new_tokens=16, ignore_eos=True).text
     stop = full[len(full) // 2: len(full) // 2 + 2]
     assert stop.strip()  # a visible stop string, so the check below means something
-    generation = tiny_engine.stream("hello world", max_new_tokens=16, stop_token_ids=(), stop_strings=(stop,))
+    generation = tiny_engine.stream("hello world", max_new_tokens=16, ignore_eos=True, stop_strings=(stop,))
     pieces = list(generation)
     assert generation.result.finish_reason == "stop"
     assert "".join(pieces) == generation.result.text == full.split(stop, 1)[0]
 
 
 def test_timings_are_consistent(tiny_engine):
-    timings = tiny_engine.generate("abc", max_new_tokens=8, stop_token_ids=()).timings
+    timings = tiny_engine.generate("abc", max_new_tokens=8, ignore_eos=True).timings
     assert 0 < timings.prefill_s <= timings.ttft_s <= timings.e2e_s
     assert timings.token_times_s == sorted(timings.token_times_s)
     assert timings.tpot_s == pytest.approx((timings.e2e_s - timings.ttft_s) / 7)
@@ -152,23 +152,23 @@ def test_timings_are_consistent(tiny_engine):
 
 def test_seeded_sampling_is_reproducible(tiny_engine):
     sample = lambda seed: tiny_engine.generate("abc", max_new_tokens=12, temperature=1.0, seed=seed,  # noqa: E731
-                                               stop_token_ids=()).token_ids
+                                               ignore_eos=True).token_ids
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
-    greedy = tiny_engine.generate("abc", max_new_tokens=12, stop_token_ids=()).token_ids
+    greedy = tiny_engine.generate("abc", max_new_tokens=12, ignore_eos=True).token_ids
     assert tiny_engine.generate("abc", max_new_tokens=12, temperature=0.7, top_k=1, seed=3,
-                                stop_token_ids=()).token_ids == greedy
+                                ignore_eos=True).token_ids == greedy
 
 
 def test_stop_token_ends_generation(tiny_engine):
-    first = tiny_engine.generate("abc", max_new_tokens=4, stop_token_ids=()).token_ids
+    first = tiny_engine.generate("abc", max_new_tokens=4, ignore_eos=True).token_ids
     result = tiny_engine.generate("abc", max_new_tokens=4, stop_token_ids=(first[1],))
     assert result.finish_reason == "stop"
     assert result.token_ids == first[:1]
 
 
 def test_a_stop_token_sampled_first_ends_generation_with_no_output(tiny_engine):
-    first = tiny_engine.generate("abc", max_new_tokens=4, stop_token_ids=()).token_ids
+    first = tiny_engine.generate("abc", max_new_tokens=4, ignore_eos=True).token_ids
     result = tiny_engine.generate("abc", max_new_tokens=4, stop_token_ids=(first[0],))
     assert (result.token_ids, result.text, result.finish_reason, result.stop_token_id) == ([], "", "stop", first[0])
 
@@ -182,15 +182,15 @@ def test_the_models_eos_token_stops_generation_by_default(tiny_engine):
 def test_generate_runs_on_a_batch_one_cache_after_the_backend_held_another(tiny_engine):
     """Something else on the backend (an evaluation, a benchmark) may leave a cache of another batch size bound:
     a request allocates its batch-1 cache again rather than running one sequence over it."""
-    expected = tiny_engine.generate(PROMPTS[0], max_new_tokens=6, stop_token_ids=()).token_ids
+    expected = tiny_engine.generate(PROMPTS[0], max_new_tokens=6, ignore_eos=True).token_ids
     tiny_engine.backend.allocate_cache(batch=2)
-    assert tiny_engine.generate(PROMPTS[0], max_new_tokens=6, stop_token_ids=()).token_ids == expected
+    assert tiny_engine.generate(PROMPTS[0], max_new_tokens=6, ignore_eos=True).token_ids == expected
     assert tiny_engine.backend.cache.batch == 1
 
 
 def test_generation_stops_at_max_context(tiny_engine):
     prompt = [1] + [65] * (tiny_engine.max_context - 4)
-    result = tiny_engine.generate(prompt, max_new_tokens=50, stop_token_ids=())
+    result = tiny_engine.generate(prompt, max_new_tokens=50, ignore_eos=True)
     assert result.finish_reason == "max_context"
     assert len(prompt) + len(result.token_ids) == tiny_engine.max_context + 1  # the last token is never cached
 
@@ -200,9 +200,9 @@ def test_prompt_longer_than_max_context_is_refused(tiny_engine):
         tiny_engine.generate([5] * 200)
     with pytest.raises(RequestError, match="the prompt has 129 tokens, but this artifact's max context is 128"):
         tiny_engine.generate([5] * 129)
-    full = tiny_engine.generate([5] * 128, max_new_tokens=4, stop_token_ids=())  # fills the cache: one token
+    full = tiny_engine.generate([5] * 128, max_new_tokens=4, ignore_eos=True)  # fills the cache: one token
     assert len(full.token_ids) == 1 and full.finish_reason == "max_context"
-    assert tiny_engine.submit([5] * 128, max_new_tokens=1, stop_token_ids=()).result(timeout=60).token_ids == full.token_ids
+    assert tiny_engine.submit([5] * 128, max_new_tokens=1, ignore_eos=True).result(timeout=60).token_ids == full.token_ids
     tiny_engine.close()
     with pytest.raises(RequestError, match="empty"):
         tiny_engine.generate([])
@@ -216,11 +216,11 @@ def test_bad_sampling_parameters_are_refused(bad):
 
 def test_requests_from_several_threads_take_turns_on_the_batch_one_cache(tiny_engine):
     prompts = [[1, 5 + i, 9, 20 + 3 * i] for i in range(4)]
-    alone = [tiny_engine.generate(p, max_new_tokens=12, stop_token_ids=()).token_ids for p in prompts]
+    alone = [tiny_engine.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in prompts]
     results = [None] * len(prompts)
 
     def run(i):
-        results[i] = tiny_engine.generate(prompts[i], max_new_tokens=12, stop_token_ids=()).token_ids
+        results[i] = tiny_engine.generate(prompts[i], max_new_tokens=12, ignore_eos=True).token_ids
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -235,7 +235,7 @@ def test_a_stream_belongs_to_every_thread_that_resumed_it(tiny_engine):
     started another request inside its loop, hung on its own cache instead of being refused. Every thread that
     resumed it is refused until it ends (this one too, handed it back: it would wait on itself); a thread that
     never touched it waits its turn."""
-    options = dict(max_new_tokens=8, stop_token_ids=())
+    options = dict(max_new_tokens=8, ignore_eos=True)
     expected = tiny_engine.generate([2, 6], **options).token_ids
     handed = iter(tiny_engine.stream([1, 5, 9], **options))
     next(handed)
@@ -265,12 +265,12 @@ def test_a_stream_belongs_to_every_thread_that_resumed_it(tiny_engine):
 
 
 def test_interleaving_two_streams_in_one_thread_is_refused(tiny_engine):
-    first = iter(tiny_engine.stream("abc", max_new_tokens=8, stop_token_ids=()))
+    first = iter(tiny_engine.stream("abc", max_new_tokens=8, ignore_eos=True))
     next(first)
     with pytest.raises(RequestError, match="still iterating another stream"):
-        next(iter(tiny_engine.stream("xyz", max_new_tokens=8, stop_token_ids=())))
+        next(iter(tiny_engine.stream("xyz", max_new_tokens=8, ignore_eos=True)))
     first.close()  # a stream given up on frees the cache
-    assert tiny_engine.generate("xyz", max_new_tokens=3, stop_token_ids=()).timings.output_tokens == 3
+    assert tiny_engine.generate("xyz", max_new_tokens=3, ignore_eos=True).timings.output_tokens == 3
 
 
 def interrupted_at_call(call: int, run) -> bool:
@@ -303,7 +303,7 @@ def test_ctrl_c_anywhere_in_a_stream_leaves_the_batch_one_cache_to_the_next_requ
     request from another thread then waited forever, and this thread's were refused as "still iterating another
     stream" (1 stream in ~260-290 under random SIGALRMs). Interrupted at each of its Python calls in turn and then
     given up on, a stream must leave the cache to the next request."""
-    options = dict(max_new_tokens=3, stop_token_ids=())
+    options = dict(max_new_tokens=3, ignore_eos=True)
     expected = tiny_engine.generate([1, 5, 9], **options).token_ids
     call = 0
     while True:

@@ -41,7 +41,7 @@ EXIT_WHILE_SERVING = """
         return run(*args)
 
     scheduler.cache.run = held_run
-    handle = engine.submit([1] + [7] * 60, max_new_tokens=60, stop_token_ids=())
+    handle = engine.submit([1] + [7] * 60, max_new_tokens=60, ignore_eos=True)
     assert running.wait(30)
     atexit.register(exiting.set)
     if sys.argv[2] == "ctrl-c":
@@ -141,17 +141,17 @@ FORK_WHILE_THE_WORKER_LIVES = """
 
     engine = Engine.load(sys.argv[1])
     engine.start_scheduler(slots=2, idle_exit_s=math.inf)
-    expected = engine.submit([1, 5, 9], max_new_tokens=4, stop_token_ids=()).result().token_ids
+    expected = engine.submit([1, 5, 9], max_new_tokens=4, ignore_eos=True).result().token_ids
     pid = os.fork()
     if pid == 0:
         try:
-            got = engine.submit([1, 5, 9], max_new_tokens=4, stop_token_ids=()).result(timeout=20).token_ids
+            got = engine.submit([1, 5, 9], max_new_tokens=4, ignore_eos=True).result(timeout=20).token_ids
             print("child:", "same tokens" if got == expected else got, flush=True)
         except BaseException as error:
             print("child:", repr(error), flush=True)
         os._exit(0)
     os.waitpid(pid, 0)
-    print("parent:", "same tokens" if engine.submit([1, 5, 9], max_new_tokens=4, stop_token_ids=()).result(
+    print("parent:", "same tokens" if engine.submit([1, 5, 9], max_new_tokens=4, ignore_eos=True).result(
         timeout=20).token_ids == expected else "other tokens", flush=True)
     engine.close()
 """
@@ -163,11 +163,11 @@ FORK_WHILE_A_STREAM_RUNS = """
     from runtime import Engine
 
     engine = Engine.load(sys.argv[1])
-    expected = engine.generate([1, 5, 9], max_new_tokens=3, stop_token_ids=()).token_ids
+    expected = engine.generate([1, 5, 9], max_new_tokens=3, ignore_eos=True).token_ids
     started, forked = threading.Event(), threading.Event()
 
     def stream():
-        for piece in engine.stream([1, 5, 9], max_new_tokens=6, stop_token_ids=()):
+        for piece in engine.stream([1, 5, 9], max_new_tokens=6, ignore_eos=True):
             started.set()
             forked.wait()
 
@@ -177,13 +177,13 @@ FORK_WHILE_A_STREAM_RUNS = """
     pid = os.fork()
     if pid == 0:
         signal.alarm(20)  # a held lock: the child's generate waits forever
-        got = engine.generate([1, 5, 9], max_new_tokens=3, stop_token_ids=()).token_ids
+        got = engine.generate([1, 5, 9], max_new_tokens=3, ignore_eos=True).token_ids
         print("child:", "same tokens" if got == expected else got, flush=True)
         os._exit(0)
     forked.set()
     os.waitpid(pid, 0)
     streaming.join()
-    print("parent:", "same tokens" if engine.generate([1, 5, 9], max_new_tokens=3, stop_token_ids=()).token_ids
+    print("parent:", "same tokens" if engine.generate([1, 5, 9], max_new_tokens=3, ignore_eos=True).token_ids
           == expected else "other tokens", flush=True)
 """
 
@@ -205,8 +205,8 @@ FORK_IN_THE_MIDDLE_OF_ITS_OWN_STREAM = """
     from runtime import Engine
 
     engine = Engine.load(sys.argv[1])
-    expected = engine.generate([1, 5, 9], max_new_tokens=4, stop_token_ids=()).token_ids
-    stream = engine.stream([1, 5, 9], max_new_tokens=4, stop_token_ids=())
+    expected = engine.generate([1, 5, 9], max_new_tokens=4, ignore_eos=True).token_ids
+    stream = engine.stream([1, 5, 9], max_new_tokens=4, ignore_eos=True)
     next(stream)
     pid = os.fork()
     if pid == 0:
@@ -244,13 +244,13 @@ FORK_WITH_THE_PARENTS_REQUESTS_OPEN = """
         return run(*args, **keywords)
 
     scheduler.cache.run = held_run
-    running = engine.submit([1, 5, 9], max_new_tokens=20, stop_token_ids=())  # one slot: the other one waits
-    waiting = engine.submit([1, 5, 9], max_new_tokens=4, stop_token_ids=())
+    running = engine.submit([1, 5, 9], max_new_tokens=20, ignore_eos=True)  # one slot: the other one waits
+    waiting = engine.submit([1, 5, 9], max_new_tokens=4, ignore_eos=True)
     held.wait()
     started, forked, streams = threading.Event(), threading.Event(), []
 
     def stream():
-        streams.append(engine.stream([1, 5, 9], max_new_tokens=6, stop_token_ids=()))
+        streams.append(engine.stream([1, 5, 9], max_new_tokens=6, ignore_eos=True))
         next(streams[0])
         started.set()
         forked.wait()

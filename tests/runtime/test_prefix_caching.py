@@ -22,7 +22,7 @@ def turns(engine: Engine, first: list[int], count: int, seed: int = 0):
     """A conversation: each prompt is the previous prompt, its reply and a new message (10 tokens)."""
     rng, prompt, results = np.random.default_rng(seed), list(first), []
     for _ in range(count):
-        results.append(engine.generate(prompt, max_new_tokens=6, stop_token_ids=()))
+        results.append(engine.generate(prompt, max_new_tokens=6, ignore_eos=True))
         prompt = prompt + results[-1].token_ids + rng.integers(3, 500, size=10).tolist()
     return results
 
@@ -51,7 +51,7 @@ def test_the_rest_runs_after_the_cached_prefix_and_its_logits_equal_a_whole_pref
     monkeypatch.setattr(cached.backend, "run", lambda phase, ids, *rest: calls.append((phase, ids.shape[1])) or run(
         phase, ids, *rest))
     prompt = [1] + list(range(100, 140))
-    cached.generate(prompt, max_new_tokens=1, stop_token_ids=())
+    cached.generate(prompt, max_new_tokens=1, ignore_eos=True)
     longer = prompt + list(range(200, 211))  # 11 more: pieces of 4, 4 and 3 through the decode graph
     calls.clear()
     written: list[int] = list(longer[:len(prompt)])
@@ -70,11 +70,11 @@ def test_the_rest_runs_after_the_cached_prefix_and_its_logits_equal_a_whole_pref
 
 def test_the_same_prompt_again_runs_only_its_last_token(cached, tiny_engine):
     prompt = [1] + list(range(10, 50))
-    first = cached.generate(prompt, max_new_tokens=5, stop_token_ids=())
-    again = cached.generate(prompt, max_new_tokens=5, stop_token_ids=())
+    first = cached.generate(prompt, max_new_tokens=5, ignore_eos=True)
+    again = cached.generate(prompt, max_new_tokens=5, ignore_eos=True)
     assert again.timings.cached_prompt_tokens == len(prompt) - 1
     assert again.token_ids == first.token_ids == tiny_engine.generate(prompt, max_new_tokens=5,
-                                                                      stop_token_ids=()).token_ids
+                                                                      ignore_eos=True).token_ids
 
 
 @pytest.mark.parametrize("prefix, rest, prefill_takes_past, reused", [
@@ -87,31 +87,31 @@ def test_the_same_prompt_again_runs_only_its_last_token(cached, tiny_engine):
 def test_which_prefixes_are_worth_reusing(cached, monkeypatch, prefix, rest, prefill_takes_past, reused):
     monkeypatch.setattr(cached.backend, "prefill_takes_past", prefill_takes_past)
     common = [1] + list(range(300, 300 + prefix - 1))
-    cached.generate(common + [5, 6], max_new_tokens=2, stop_token_ids=())
-    result = cached.generate(common + list(range(7, 7 + rest)), max_new_tokens=2, stop_token_ids=())
+    cached.generate(common + [5, 6], max_new_tokens=2, ignore_eos=True)
+    result = cached.generate(common + list(range(7, 7 + rest)), max_new_tokens=2, ignore_eos=True)
     assert result.timings.cached_prompt_tokens == reused
 
 
 def test_any_other_run_on_the_cache_ends_the_reuse(cached, tiny_engine):
     prompt = [1] + list(range(60, 100))
-    cached.generate(prompt, max_new_tokens=3, stop_token_ids=())
+    cached.generate(prompt, max_new_tokens=3, ignore_eos=True)
     other = [1] + list(range(400, 440))  # as evaluation or a benchmark would, straight on the backend
     cached.backend.run("prefill", np.array([other]), np.arange(len(other))[None], np.ones((1, 41), dtype=np.int64))
-    result = cached.generate(prompt, max_new_tokens=3, stop_token_ids=())
+    result = cached.generate(prompt, max_new_tokens=3, ignore_eos=True)
     assert result.timings.cached_prompt_tokens == 0
-    assert result.token_ids == tiny_engine.generate(prompt, max_new_tokens=3, stop_token_ids=()).token_ids
+    assert result.token_ids == tiny_engine.generate(prompt, max_new_tokens=3, ignore_eos=True).token_ids
 
 
 def test_a_stream_left_early_leaves_what_it_wrote(cached, tiny_engine):
     prompt = [1] + list(range(20, 60))
-    stream = cached.stream(prompt, max_new_tokens=30, stop_token_ids=())
+    stream = cached.stream(prompt, max_new_tokens=30, ignore_eos=True)
     for index, _ in enumerate(stream):
         if index == 3:
             break
     stream.close()  # a loop left early leaves it open; closed, it frees the cache
-    result = cached.generate(prompt + [7, 8], max_new_tokens=4, stop_token_ids=())
+    result = cached.generate(prompt + [7, 8], max_new_tokens=4, ignore_eos=True)
     assert result.timings.cached_prompt_tokens == len(prompt)  # the prompt; its outputs differ from 7, 8
-    assert result.token_ids == tiny_engine.generate(prompt + [7, 8], max_new_tokens=4, stop_token_ids=()).token_ids
+    assert result.token_ids == tiny_engine.generate(prompt + [7, 8], max_new_tokens=4, ignore_eos=True).token_ids
 
 
 def test_a_failed_run_ends_the_reuse(cached, monkeypatch):
@@ -119,7 +119,7 @@ def test_a_failed_run_ends_the_reuse(cached, monkeypatch):
     import runtime.onnxruntime_backend as backend_module
 
     prompt = [1] + list(range(60, 100))
-    cached.generate(prompt, max_new_tokens=3, stop_token_ids=())
+    cached.generate(prompt, max_new_tokens=3, ignore_eos=True)
     run_bound = backend_module.run_bound
 
     def failing(*args):
@@ -127,9 +127,9 @@ def test_a_failed_run_ends_the_reuse(cached, monkeypatch):
 
     monkeypatch.setattr(backend_module, "run_bound", failing)
     with pytest.raises(RuntimeError):
-        cached.generate(prompt + list(range(5, 25)), max_new_tokens=3, stop_token_ids=())
+        cached.generate(prompt + list(range(5, 25)), max_new_tokens=3, ignore_eos=True)
     monkeypatch.setattr(backend_module, "run_bound", run_bound)
-    assert cached.generate(prompt, max_new_tokens=3, stop_token_ids=()).timings.cached_prompt_tokens == 0
+    assert cached.generate(prompt, max_new_tokens=3, ignore_eos=True).timings.cached_prompt_tokens == 0
 
 
 def test_a_replaced_cache_is_freed_not_kept_by_the_record(cached):
@@ -138,13 +138,13 @@ def test_a_replaced_cache_is_freed_not_kept_by_the_record(cached):
     import gc
     import weakref
 
-    cached.generate([1] + list(range(60, 100)), max_new_tokens=3, stop_token_ids=())
+    cached.generate([1] + list(range(60, 100)), max_new_tokens=3, ignore_eos=True)
     old = weakref.ref(cached.backend.cache)
     cached.backend.allocate_cache(batch=4)
     gc.collect()
     assert old() is None
     assert cached.generate([1] + list(range(60, 100)), max_new_tokens=3,
-                           stop_token_ids=()).timings.cached_prompt_tokens == 0
+                           ignore_eos=True).timings.cached_prompt_tokens == 0
 
 
 def test_an_engine_that_bounds_its_decode_calls_reuses_only_a_rest_of_one_call(cached, monkeypatch):
@@ -160,9 +160,9 @@ def test_an_engine_that_bounds_its_decode_calls_reuses_only_a_rest_of_one_call(c
     monkeypatch.setattr(cached.backend, "max_decode_tokens", 1)
     monkeypatch.setattr(cached.backend, "prefill_takes_past", False)  # as TensorRT's
     prompt = [1] + list(range(60, 100))
-    cached.generate(prompt, max_new_tokens=3, stop_token_ids=())
-    assert cached.generate(prompt, max_new_tokens=3, stop_token_ids=()).timings.cached_prompt_tokens == 40
-    assert cached.generate(prompt + [5, 6], max_new_tokens=3, stop_token_ids=()).timings.cached_prompt_tokens == 0
+    cached.generate(prompt, max_new_tokens=3, ignore_eos=True)
+    assert cached.generate(prompt, max_new_tokens=3, ignore_eos=True).timings.cached_prompt_tokens == 40
+    assert cached.generate(prompt + [5, 6], max_new_tokens=3, ignore_eos=True).timings.cached_prompt_tokens == 0
 
 
 def test_without_a_backend_a_prefix_follows_the_decode_graphs_rule():
@@ -201,7 +201,7 @@ def test_scheduled_conversations_find_their_turns_in_the_slots_they_left(cached,
     try:
         cached.start_scheduler(slots=4)
         for turn in range(3):
-            handles = [cached.submit(prompt, max_new_tokens=5, stop_token_ids=()) for prompt in chats]
+            handles = [cached.submit(prompt, max_new_tokens=5, ignore_eos=True) for prompt in chats]
             done = [handle.result(timeout=60) for handle in handles]
             results.append(done)
             expected_cached.append([0] * 3 if turn == 0 else [len(p) + 5 - 1 for p in previous])
@@ -212,7 +212,7 @@ def test_scheduled_conversations_find_their_turns_in_the_slots_they_left(cached,
     assert [[r.timings.cached_prompt_tokens for r in done] for done in results] == expected_cached
     for done in results:
         assert [r.token_ids for r in done] == [tiny_engine.generate(r.prompt_token_ids, max_new_tokens=5,
-                                                                    stop_token_ids=()).token_ids for r in done]
+                                                                    ignore_eos=True).token_ids for r in done]
 
 
 def test_a_free_slots_prefix_survives_other_rows_decode_steps(cached, tiny_engine):
@@ -221,22 +221,22 @@ def test_a_free_slots_prefix_survives_other_rows_decode_steps(cached, tiny_engin
     first = [1] + list(range(30, 60))
     try:
         scheduler = cached.start_scheduler(slots=2)
-        done = cached.submit(first, max_new_tokens=3, stop_token_ids=()).result(timeout=60)  # leaves slot 0
+        done = cached.submit(first, max_new_tokens=3, ignore_eos=True).result(timeout=60)  # leaves slot 0
         held = [array[0, :, :len(first) + 2].copy() for array in scheduler.cache.arrays]
-        long = cached.submit([1, 7, 8], max_new_tokens=60, stop_token_ids=())  # slot 1: decode steps over 0..1
+        long = cached.submit([1, 7, 8], max_new_tokens=60, ignore_eos=True)  # slot 1: decode steps over 0..1
         assert long.result(timeout=60).finish_reason == "length"
         assert scheduler._running == [None, None] and scheduler._slot_ids[0] is not None  # slot 0 kept its prefix
         for before, array in zip(held, scheduler.cache.arrays):
             np.testing.assert_array_equal(array[0, :, :len(first) + 2], before)
         follow_up = first + done.token_ids + [9, 10]
-        again = cached.submit(follow_up, max_new_tokens=8, stop_token_ids=())
+        again = cached.submit(follow_up, max_new_tokens=8, ignore_eos=True)
         result = again.result(timeout=60)
         assert long.result().token_ids == tiny_engine.generate([1, 7, 8], max_new_tokens=60,
-                                                               stop_token_ids=()).token_ids
+                                                               ignore_eos=True).token_ids
     finally:
         cached.close()
     assert result.timings.cached_prompt_tokens == len(first) + 2  # the prompt and the two outputs fed back
-    assert result.token_ids == tiny_engine.generate(follow_up, max_new_tokens=8, stop_token_ids=()).token_ids
+    assert result.token_ids == tiny_engine.generate(follow_up, max_new_tokens=8, ignore_eos=True).token_ids
 
 
 def test_a_request_that_failed_leaves_no_prefix(cached, monkeypatch):
@@ -246,10 +246,10 @@ def test_a_request_that_failed_leaves_no_prefix(cached, monkeypatch):
         run = scheduler.cache.run
         scheduler.cache.run = failing_run(run, "decode", at=2)
         with pytest.raises(RuntimeError, match="out of memory"):
-            cached.submit(prompt, max_new_tokens=5, stop_token_ids=()).result(timeout=60)
+            cached.submit(prompt, max_new_tokens=5, ignore_eos=True).result(timeout=60)
         assert scheduler._slot_ids == [None]
         scheduler.cache.run = run
-        again = cached.submit(prompt + [5], max_new_tokens=2, stop_token_ids=()).result(timeout=60)
+        again = cached.submit(prompt + [5], max_new_tokens=2, ignore_eos=True).result(timeout=60)
     finally:
         cached.close()
     assert again.timings.cached_prompt_tokens == 0
@@ -258,8 +258,8 @@ def test_a_request_that_failed_leaves_no_prefix(cached, monkeypatch):
 def test_the_scheduler_reuses_nothing_without_prefix_caching(tiny_engine):
     prompt = [1] + list(range(30, 60))
     try:
-        first = tiny_engine.submit(prompt, max_new_tokens=3, stop_token_ids=()).result(timeout=60)
-        again = tiny_engine.submit(prompt + first.token_ids, max_new_tokens=3, stop_token_ids=()).result(timeout=60)
+        first = tiny_engine.submit(prompt, max_new_tokens=3, ignore_eos=True).result(timeout=60)
+        again = tiny_engine.submit(prompt + first.token_ids, max_new_tokens=3, ignore_eos=True).result(timeout=60)
     finally:
         tiny_engine.close()
     assert again.timings.cached_prompt_tokens == 0 and tiny_engine._scheduler is None
@@ -270,7 +270,7 @@ def _burst(engine: Engine, prompts: list[list[int]], **sampling) -> list:
     """Submit every prompt while the worker is held, so that they are admitted in one iteration."""
     scheduler = engine._scheduler
     with scheduler._lock:  # the worker takes it at the start of each iteration
-        handles = [engine.submit(prompt, stop_token_ids=(), **sampling) for prompt in prompts]
+        handles = [engine.submit(prompt, ignore_eos=True, **sampling) for prompt in prompts]
     return handles
 
 
@@ -298,7 +298,7 @@ def test_requests_that_arrive_together_compute_their_shared_prefix_once(cached, 
     prompt_tokens = sum(shape[0] * shape[1] for phase, shape in computed if shape[1] > 1 or phase == "prefill")
     assert prompt_tokens == 46 + 3 * 6  # not 4 x 46
     for result in results:
-        alone = tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5, stop_token_ids=())
+        alone = tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5, ignore_eos=True)
         assert result.token_ids == alone.token_ids
     try:  # without prefix caching, each is prefilled whole
         tiny_engine.start_scheduler(slots=4, batching=batching)
@@ -316,7 +316,7 @@ def test_a_running_requests_rows_are_shared_with_a_request_that_begins_the_same(
         copies = []
         copy = scheduler.cache.copy_rows
         scheduler.cache.copy_rows = lambda *args: (copies.append(args), copy(*args))[1]
-        long = cached.submit(first, max_new_tokens=80, stop_token_ids=())
+        long = cached.submit(first, max_new_tokens=80, ignore_eos=True)
         next(iter(long))  # decoding: its rows hold its prompt
         later = _burst(cached, [second], max_new_tokens=6)[0].result(timeout=60)
         assert long.result(timeout=60).finish_reason == "length"
@@ -324,8 +324,8 @@ def test_a_running_requests_rows_are_shared_with_a_request_that_begins_the_same(
         cached.close()
     assert copies == [(0, 1, 0, 36)]  # from the running request's slot, not a slot it left
     assert later.timings.cached_prompt_tokens == 36
-    assert later.token_ids == tiny_engine.generate(second, max_new_tokens=6, stop_token_ids=()).token_ids
-    assert long.result().token_ids == tiny_engine.generate(first, max_new_tokens=80, stop_token_ids=()).token_ids
+    assert later.token_ids == tiny_engine.generate(second, max_new_tokens=6, ignore_eos=True).token_ids
+    assert long.result().token_ids == tiny_engine.generate(first, max_new_tokens=80, ignore_eos=True).token_ids
 
 
 def test_a_request_waiting_for_a_prefill_that_fails_prefills_its_own(cached, tiny_engine):
@@ -340,7 +340,7 @@ def test_a_request_waiting_for_a_prefill_that_fails_prefills_its_own(cached, tin
     finally:
         cached.close()
     assert result.timings.cached_prompt_tokens == 0
-    assert result.token_ids == tiny_engine.generate(prompts[1], max_new_tokens=5, stop_token_ids=()).token_ids
+    assert result.token_ids == tiny_engine.generate(prompts[1], max_new_tokens=5, ignore_eos=True).token_ids
 
 
 def test_samples_of_one_prompt_submitted_together_prefill_it_once(cached, tiny_engine):
@@ -351,14 +351,14 @@ def test_samples_of_one_prompt_submitted_together_prefill_it_once(cached, tiny_e
         cached.start_scheduler(slots=4)
         scheduler = cached._scheduler
         with scheduler._lock:
-            handles = [cached.submit(prompt, max_new_tokens=8, temperature=0.9, seed=seed, stop_token_ids=())
+            handles = [cached.submit(prompt, max_new_tokens=8, temperature=0.9, seed=seed, ignore_eos=True)
                        for seed in range(4)]
         results = [handle.result(timeout=60) for handle in handles]
     finally:
         cached.close()
     assert [r.timings.cached_prompt_tokens for r in results] == [0] + [len(prompt) - 1] * 3
     for seed, result in enumerate(results):
-        alone = tiny_engine.generate(prompt, max_new_tokens=8, temperature=0.9, seed=seed, stop_token_ids=())
+        alone = tiny_engine.generate(prompt, max_new_tokens=8, temperature=0.9, seed=seed, ignore_eos=True)
         assert result.token_ids == alone.token_ids
     assert len({tuple(r.token_ids) for r in results}) > 1  # the seeds differ
 
@@ -384,7 +384,7 @@ def test_a_request_waiting_to_share_is_not_overtaken_and_waits_only_for_a_worthw
     assert first_token[0] < first_token[1] < first_token[2]  # D after B
     for result in results:
         assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=4,
-                                                        stop_token_ids=()).token_ids
+                                                        ignore_eos=True).token_ids
 
 
 def test_a_scored_request_copies_nothing_and_waits_behind_one_admitted_before_it(cached, tiny_engine):
@@ -398,15 +398,15 @@ def test_a_scored_request_copies_nothing_and_waits_behind_one_admitted_before_it
     try:
         scheduler = cached.start_scheduler(slots=3)
         with scheduler._lock:  # admitted in one iteration
-            handles = [cached.submit(a, max_new_tokens=4, stop_token_ids=()),
-                       cached.submit(b, max_new_tokens=4, stop_token_ids=()),
-                       cached.submit(d, max_new_tokens=4, stop_token_ids=(), prompt_logprobs=1)]
+            handles = [cached.submit(a, max_new_tokens=4, ignore_eos=True),
+                       cached.submit(b, max_new_tokens=4, ignore_eos=True),
+                       cached.submit(d, max_new_tokens=4, ignore_eos=True, prompt_logprobs=1)]
         results = [handle.result(timeout=60) for handle in handles]
     finally:
         cached.close()
     assert [r.timings.cached_prompt_tokens for r in results] == [0, 30, 0]
     assert results[1].timings.trace.prefill_start < results[2].timings.trace.prefill_start  # D after B
-    expected = tiny_engine.generate(d, max_new_tokens=4, stop_token_ids=(), prompt_logprobs=1)
+    expected = tiny_engine.generate(d, max_new_tokens=4, ignore_eos=True, prompt_logprobs=1)
     assert results[2].token_ids == expected.token_ids and len(results[2].prompt_logprobs) == len(d)
     assert [list(e) for e in results[2].prompt_logprobs[1:]] == [list(e) for e in expected.prompt_logprobs[1:]]
 
@@ -420,12 +420,12 @@ def test_a_scored_prompt_whose_piece_fails_leaves_no_prefix(cached, monkeypatch)
         scheduler = cached.start_scheduler(slots=1)
         run = scheduler.cache.run
         scheduler.cache.run = failing_run(run, "decode", at=2)  # the prompt's second piece of 8
-        handle = cached.submit(prompt, max_new_tokens=5, stop_token_ids=(), prompt_logprobs=1)
+        handle = cached.submit(prompt, max_new_tokens=5, ignore_eos=True, prompt_logprobs=1)
         with pytest.raises(RuntimeError, match="out of memory"):
             handle.result(timeout=60)
         assert scheduler._slot_ids == [None] and handle.prompt_logprobs is None
         scheduler.cache.run = run
-        again = cached.submit(prompt + [5], max_new_tokens=2, stop_token_ids=()).result(timeout=60)
+        again = cached.submit(prompt + [5], max_new_tokens=2, ignore_eos=True).result(timeout=60)
     finally:
         cached.close()
     assert again.timings.cached_prompt_tokens == 0 and len(again.token_ids) == 2
@@ -453,7 +453,7 @@ def test_a_copy_that_fails_fails_its_request_alone(cached, tiny_engine):
     assert [r.timings.cached_prompt_tokens for r in done] == [0, 40]
     for result in done:
         assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5,
-                                                        stop_token_ids=()).token_ids
+                                                        ignore_eos=True).token_ids
 
 
 def test_sharing_with_a_prompt_prefilled_in_chunks(cached, tiny_engine):
@@ -465,7 +465,7 @@ def test_sharing_with_a_prompt_prefilled_in_chunks(cached, tiny_engine):
         scheduler = cached.start_scheduler(slots=4, prefill_chunk=8)
         copy, copies = scheduler.cache.copy_rows, []
         scheduler.cache.copy_rows = lambda *args: (copies.append(args), copy(*args))[1]
-        long = cached.submit(busy, max_new_tokens=100, stop_token_ids=())
+        long = cached.submit(busy, max_new_tokens=100, ignore_eos=True)
         next(iter(long))  # decoding: the prompts below are prefilled in chunks
         results = [handle.result(timeout=60) for handle in _burst(cached, prompts, max_new_tokens=5)]
         long.result(timeout=60)
@@ -477,4 +477,4 @@ def test_sharing_with_a_prompt_prefilled_in_chunks(cached, tiny_engine):
         assert spans == [(0, 16), (16, 24), (24, 32), (32, 40)]  # 16 is the least worth taking, then each chunk
     for result in results:
         assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5,
-                                                        stop_token_ids=()).token_ids
+                                                        ignore_eos=True).token_ids

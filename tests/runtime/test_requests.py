@@ -73,10 +73,10 @@ def test_params_and_keywords_together_are_refused(engine):
 
 
 def test_a_bare_stop_string_is_one_stop_string(engine):
-    text = engine.generate(PROMPT, max_new_tokens=24, stop_token_ids=()).text
+    text = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).text
     stop = text[6:9]
     assert SamplingParams(stop_strings=stop).stop_strings == (stop,)
-    assert engine.generate(PROMPT, max_new_tokens=24, stop_token_ids=(), stop_strings=stop).text == text[:text.find(stop)]
+    assert engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, stop_strings=stop).text == text[:text.find(stop)]
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -172,13 +172,13 @@ def test_logits_that_cannot_be_sampled_are_a_model_output_error(temperature):
 
 
 def test_overlapping_stop_strings_cut_result_and_stream_at_the_earliest(engine):
-    text = engine.generate(PROMPT, max_new_tokens=24, stop_token_ids=()).text
+    text = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True).text
     stops = (text[8:14], text[5:10])  # the second starts first
     expected = cut_at_stop(text, stops)
     assert expected == text[:5]
-    generation = engine.stream(PROMPT, max_new_tokens=24, stop_token_ids=(), stop_strings=stops)
+    generation = engine.stream(PROMPT, max_new_tokens=24, ignore_eos=True, stop_strings=stops)
     assert "".join(generation) == generation.result.text == expected
-    handle = engine.submit(PROMPT, max_new_tokens=24, stop_token_ids=(), stop_strings=stops)
+    handle = engine.submit(PROMPT, max_new_tokens=24, ignore_eos=True, stop_strings=stops)
     assert "".join(handle) == handle.result(timeout=60).text == expected
 
 
@@ -197,8 +197,8 @@ def test_a_finished_stream_keeps_its_result_and_a_closed_one_says_it_has_none(en
 def test_a_stream_read_in_parts_goes_on_where_it_stopped(engine):
     """`next(iter(stream))` then a loop over it (the first piece timed apart, say) read the whole reply; it closed the
     request when the iterator the first call made was dropped, and the loop then failed."""
-    whole = engine.generate(PROMPT, max_new_tokens=8, stop_token_ids=())
-    generation = engine.stream(PROMPT, max_new_tokens=8, stop_token_ids=())
+    whole = engine.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    generation = engine.stream(PROMPT, max_new_tokens=8, ignore_eos=True)
     first = next(iter(generation))
     for piece in generation:  # a loop left early leaves it open
         break
@@ -214,18 +214,18 @@ def test_a_stream_is_closed_by_its_with_block_or_when_dropped(engine):
         list(generation)
     for _ in engine.stream(PROMPT, max_new_tokens=8):  # nothing else refers to it: freed after the loop
         break
-    assert len(engine.generate(PROMPT, max_new_tokens=3, stop_token_ids=()).token_ids) == 3  # same thread: not refused
+    assert len(engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True).token_ids) == 3  # same thread: not refused
     kept = engine.stream(PROMPT, max_new_tokens=8)
     next(kept)
     with pytest.raises(RequestError, match="finish or close that stream first"):
         engine.generate(PROMPT, max_new_tokens=3)
     kept.close()
-    assert len(engine.generate(PROMPT, max_new_tokens=3, stop_token_ids=()).token_ids) == 3
+    assert len(engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True).token_ids) == 3
 
 
 def test_a_failed_stream_raises_its_error_again(engine, monkeypatch):
     monkeypatch.setattr(engine.backend, "run", failing_run(engine.backend.run, "decode", at=2))
-    generation = engine.stream(PROMPT, max_new_tokens=8, stop_token_ids=())
+    generation = engine.stream(PROMPT, max_new_tokens=8, ignore_eos=True)
     with pytest.raises(RuntimeError, match="out of memory"):
         list(generation)
     with pytest.raises(RuntimeError, match="out of memory"):
@@ -233,14 +233,14 @@ def test_a_failed_stream_raises_its_error_again(engine, monkeypatch):
 
 
 def test_a_handle_iterated_twice_ends_at_once_the_second_time(engine):
-    handle = engine.submit(PROMPT, max_new_tokens=6, stop_token_ids=())
+    handle = engine.submit(PROMPT, max_new_tokens=6, ignore_eos=True)
     pieces = list(handle)
     assert "".join(pieces) == handle.result(timeout=60).text
     assert list(handle) == []
 
 
 def test_cancelling_a_finished_request_changes_nothing(engine):
-    handle = engine.submit(PROMPT, max_new_tokens=4, stop_token_ids=())
+    handle = engine.submit(PROMPT, max_new_tokens=4, ignore_eos=True)
     result = handle.result(timeout=60)
     handle.cancel()
     assert not handle.cancelled and handle.result().finish_reason == "length" and result.token_ids
@@ -249,10 +249,10 @@ def test_cancelling_a_finished_request_changes_nothing(engine):
 def test_a_burst_into_free_slots_is_not_refused_as_a_full_queue(engine):
     engine.start_scheduler(slots=8, max_queue=2)
     # Refused only when 8 run and 2 wait, however many the worker has admitted meanwhile.
-    handles = [engine.submit(PROMPT, max_new_tokens=100, stop_token_ids=()) for _ in range(8 + 2)]
+    handles = [engine.submit(PROMPT, max_new_tokens=100, ignore_eos=True) for _ in range(8 + 2)]
     with pytest.raises(RequestError, match="queue is full"):
         for _ in range(20):  # none of the 100-token requests finishes while these are submitted
-            handles.append(engine.submit(PROMPT, max_new_tokens=100, stop_token_ids=()))
+            handles.append(engine.submit(PROMPT, max_new_tokens=100, ignore_eos=True))
     assert {len(handle.result(timeout=120).token_ids) for handle in handles} == {100}
 
 
@@ -300,7 +300,7 @@ def test_text_that_is_not_unicode_is_a_request_error(tiny_engine, capsys):
 
 def test_an_engine_in_a_with_block_stops_its_scheduler_at_the_end(tiny_artifact):
     with Engine.load(tiny_artifact) as engine:
-        handle = engine.submit(PROMPT, max_new_tokens=3, stop_token_ids=())
+        handle = engine.submit(PROMPT, max_new_tokens=3, ignore_eos=True)
         assert len(handle.result(timeout=60).token_ids) == 3
         scheduler = engine._scheduler
     assert engine._scheduler is None and scheduler.closed

@@ -98,10 +98,10 @@ def test_penalized_requests_under_batching_make_their_alone_tokens(tiny_engine):
              dict(repetition_penalty=1.2, temperature=0.9, seed=4), {}]
     prompt = [1, 30, 31, 32, 30]
     try:
-        expected = [tiny_engine.generate(prompt, max_new_tokens=24, stop_token_ids=(), **case).token_ids
+        expected = [tiny_engine.generate(prompt, max_new_tokens=24, ignore_eos=True, **case).token_ids
                     for case in cases]
         assert len({tuple(tokens) for tokens in expected}) == len(cases)  # each setting changed the tokens
-        handles = [tiny_engine.submit(prompt, max_new_tokens=24, stop_token_ids=(), **case) for case in cases]
+        handles = [tiny_engine.submit(prompt, max_new_tokens=24, ignore_eos=True, **case) for case in cases]
         assert [handle.result(timeout=60).token_ids for handle in handles] == expected
     finally:
         tiny_engine.close()
@@ -193,7 +193,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_output_token(tiny_engine):
     try:
         for run in (lambda **k: tiny_engine.generate(prompt, **k),
                     lambda **k: tiny_engine.submit(prompt, **k).result(timeout=60)):
-            result = run(max_new_tokens=12, stop_token_ids=(), logprobs=3, temperature=0.8, seed=5,
+            result = run(max_new_tokens=12, ignore_eos=True, logprobs=3, temperature=0.8, seed=5,
                          repetition_penalty=1.3)
             full = np.array(prompt + result.token_ids)
             expected = log_softmax(decode_logits_for(tiny_engine)(full))[len(prompt) - 1:-1]  # rows predicting outputs
@@ -208,11 +208,11 @@ def test_logprobs_are_the_models_log_softmax_at_each_output_token(tiny_engine):
 
 def test_logprobs_stop_where_the_tokens_do_and_are_off_by_default(tiny_engine):
     prompt = [1, 30, 31, 32, 30]
-    free = tiny_engine.generate(prompt, max_new_tokens=10, stop_token_ids=(), logprobs=0)
+    free = tiny_engine.generate(prompt, max_new_tokens=10, ignore_eos=True, logprobs=0)
     assert [list(entry) for entry in free.logprobs] == [[token] for token in free.token_ids]
     stopped = tiny_engine.generate(prompt, max_new_tokens=10, stop_token_ids=(free.token_ids[4],), logprobs=0)
     assert stopped.finish_reason == "stop" and stopped.logprobs == free.logprobs[:4]  # none for the stop token
-    assert tiny_engine.generate(prompt, max_new_tokens=3, stop_token_ids=()).logprobs is None
+    assert tiny_engine.generate(prompt, max_new_tokens=3, ignore_eos=True).logprobs is None
     with pytest.raises(RequestError, match=r"logprobs: 21 must be an integer in 0..20"):
         SamplingParams(logprobs=21)
 
@@ -233,7 +233,7 @@ def test_cli_run_passes_min_p_and_refuses_it_with_greedy_decoding(tiny_artifact,
 def _eos_at_third_token(engine, prompt, count: int) -> list[int]:
     """Make the engine's end-of-sequence token the third of its greedy tokens for `prompt` (the first that differs
     from the two before it), so that a request stops there unless it ignores end-of-sequence tokens."""
-    tokens = engine.generate(prompt, max_new_tokens=count, stop_token_ids=()).token_ids
+    tokens = engine.generate(prompt, max_new_tokens=count, ignore_eos=True).token_ids
     eos = next(token for index, token in enumerate(tokens) if index >= 2 and token not in tokens[:index])
     engine.eos_token_ids = (eos,)
     return tokens
@@ -253,6 +253,11 @@ def test_ignore_eos_generates_past_the_models_end_of_sequence_tokens(tiny_engine
             # stop ids the request names still stop it
             named = run(prompt, max_new_tokens=16, ignore_eos=True, stop_token_ids=[tokens[5]])
             assert named.token_ids == tokens[:tokens.index(tokens[5])]
+            # and without ignore_eos they stop besides the end-of-sequence token (vLLM's rule), not instead of it
+            besides = run(prompt, max_new_tokens=16, stop_token_ids=[tokens[5]])
+            end = min(tokens.index(tiny_engine.eos_token_ids[0]), tokens.index(tokens[5]))
+            assert (besides.token_ids, besides.finish_reason) == (tokens[:end], "stop")
+            assert run(prompt, max_new_tokens=16, stop_token_ids=[]).token_ids == stopped
     finally:
         tiny_engine.eos_token_ids = eos_before
         tiny_engine.close()
@@ -409,11 +414,11 @@ def test_bad_logit_biases_are_refused(bias, message):
 
 def test_logit_bias_on_both_paths(tiny_engine):
     prompt = [1, 30, 31, 32, 30]
-    plain = tiny_engine.generate(prompt, max_new_tokens=10, stop_token_ids=()).token_ids
+    plain = tiny_engine.generate(prompt, max_new_tokens=10, ignore_eos=True).token_ids
     banned = {token: -100 for token in set(plain)}
     try:
-        alone = tiny_engine.generate(prompt, max_new_tokens=10, stop_token_ids=(), logit_bias=banned)
-        batched = [tiny_engine.submit(prompt, max_new_tokens=10, stop_token_ids=(), **options)
+        alone = tiny_engine.generate(prompt, max_new_tokens=10, ignore_eos=True, logit_bias=banned)
+        batched = [tiny_engine.submit(prompt, max_new_tokens=10, ignore_eos=True, **options)
                    for options in (dict(logit_bias=banned), {})]
         assert [handle.result(timeout=60).token_ids for handle in batched] == [alone.token_ids, plain]
     finally:

@@ -30,7 +30,7 @@ def mixed_requests(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 def alone(engine, prompt: list[int], max_new_tokens: int, **sampling) -> list[int]:
-    return engine.generate(prompt, max_new_tokens=max_new_tokens, stop_token_ids=(), **sampling).token_ids
+    return engine.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, **sampling).token_ids
 
 
 def slowed(scheduler, seconds: float = 0.002):
@@ -84,7 +84,7 @@ def test_staggered_mixed_requests_make_their_alone_tokens(engine, batching, pref
     slowed(engine.start_scheduler(slots=4, batching=batching, prefill_chunk=prefill_chunk))
     handles = []
     for index, (prompt, n) in enumerate(requests):  # staggered: some arrive while others decode
-        handles.append(engine.submit(prompt, max_new_tokens=n, stop_token_ids=()))
+        handles.append(engine.submit(prompt, max_new_tokens=n, ignore_eos=True))
         time.sleep(0.003 * (index % 3))
     results = [handle.result(timeout=60) for handle in handles]
     assert [r.token_ids for r in results] == expected
@@ -102,33 +102,33 @@ def test_sampling_seeds_and_stops_are_per_request(engine):
              seed=11), {}]
     prompt = [1, 30, 31, 32]
     expected = [alone(engine, prompt, 20, **case) for case in cases]
-    handles = [engine.submit(prompt, max_new_tokens=20, stop_token_ids=(), **case) for case in cases]
+    handles = [engine.submit(prompt, max_new_tokens=20, ignore_eos=True, **case) for case in cases]
     assert [h.result().token_ids for h in handles] == expected
     greedy = expected[-1]
     by_token = engine.submit(prompt, max_new_tokens=20, stop_token_ids=(greedy[3],)).result()
     assert by_token.finish_reason == "stop" and by_token.token_ids == greedy[:3]
     assert by_token.timings.output_tokens == 4  # the stop token counts as produced, not as output
-    text = engine.generate(prompt, max_new_tokens=20, stop_token_ids=()).text
+    text = engine.generate(prompt, max_new_tokens=20, ignore_eos=True).text
     stop = text[len(text) // 2: len(text) // 2 + 2]
-    reference = engine.generate(prompt, max_new_tokens=20, stop_token_ids=(), stop_strings=(stop,))
-    by_string = engine.submit(prompt, max_new_tokens=20, stop_token_ids=(), stop_strings=(stop,)).result()
+    reference = engine.generate(prompt, max_new_tokens=20, ignore_eos=True, stop_strings=(stop,))
+    by_string = engine.submit(prompt, max_new_tokens=20, ignore_eos=True, stop_strings=(stop,)).result()
     assert (by_string.finish_reason, by_string.text, by_string.token_ids) == (
         "stop", reference.text, reference.token_ids)
 
 
 def test_streamed_pieces_join_to_the_text(engine):
-    handle = engine.submit("hello world", max_new_tokens=16, stop_token_ids=())
+    handle = engine.submit("hello world", max_new_tokens=16, ignore_eos=True)
     pieces = list(handle)
     result = handle.result()
-    assert "".join(pieces) == result.text == engine.generate("hello world", max_new_tokens=16, stop_token_ids=()).text
+    assert "".join(pieces) == result.text == engine.generate("hello world", max_new_tokens=16, ignore_eos=True).text
     assert result.timings.output_tokens == 16 and result.prompt_token_ids == handle.prompt_token_ids
 
 
 def test_streamed_pieces_stop_where_the_text_does(engine):
-    full = engine.generate("hello world", max_new_tokens=16, stop_token_ids=()).text
+    full = engine.generate("hello world", max_new_tokens=16, ignore_eos=True).text
     stop = full[len(full) // 2: len(full) // 2 + 2]
     assert stop.strip()
-    handle = engine.submit("hello world", max_new_tokens=16, stop_token_ids=(), stop_strings=(stop,))
+    handle = engine.submit("hello world", max_new_tokens=16, ignore_eos=True, stop_strings=(stop,))
     pieces = list(handle)
     assert handle.result().finish_reason == "stop"
     assert "".join(pieces) == handle.result().text == full.split(stop, 1)[0]
@@ -136,19 +136,19 @@ def test_streamed_pieces_stop_where_the_text_does(engine):
 
 def test_generate_a_list_runs_through_the_scheduler(engine):
     prompts = ["one", [1, 5, 6], "three little words"]
-    expected = [engine.generate(p, max_new_tokens=9, stop_token_ids=()).token_ids for p in prompts]
-    results = engine.generate(prompts, max_new_tokens=9, stop_token_ids=())
+    expected = [engine.generate(p, max_new_tokens=9, ignore_eos=True).token_ids for p in prompts]
+    results = engine.generate(prompts, max_new_tokens=9, ignore_eos=True)
     assert [r.token_ids for r in results] == expected and engine._scheduler is not None
-    assert engine.generate([1, 5, 6], max_new_tokens=9, stop_token_ids=()).token_ids == expected[1]  # ids: one prompt
+    assert engine.generate([1, 5, 6], max_new_tokens=9, ignore_eos=True).token_ids == expected[1]  # ids: one prompt
 
 
 def test_cancel_frees_the_slot_and_others_are_unaffected(engine):
     scheduler = slowed(engine.start_scheduler(slots=2))
     long, other, late = [1, 7, 8, 9], [1, 40, 41], [1, 99]
     expected_other, expected_late = alone(engine, other, 110), alone(engine, late, 5)
-    cancelled = engine.submit(long, max_new_tokens=110, stop_token_ids=())
-    running = engine.submit(other, max_new_tokens=110, stop_token_ids=())
-    waiting = engine.submit(late, max_new_tokens=5, stop_token_ids=())  # no free slot until one is cancelled
+    cancelled = engine.submit(long, max_new_tokens=110, ignore_eos=True)
+    running = engine.submit(other, max_new_tokens=110, ignore_eos=True)
+    waiting = engine.submit(late, max_new_tokens=5, ignore_eos=True)  # no free slot until one is cancelled
     next(iter(cancelled))  # it is running: it made a token
     cancelled.cancel()
     result = cancelled.result(timeout=30)
@@ -163,7 +163,7 @@ def test_cancel_frees_the_slot_and_others_are_unaffected(engine):
 
 def test_cancel_a_waiting_request_removes_it_from_the_queue(engine):
     slowed(engine.start_scheduler(slots=1, max_queue=1))
-    first = engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    first = engine.submit([1, 2, 3], max_new_tokens=100, ignore_eos=True)
     next(iter(first))
     queued = engine.submit([1, 4], max_new_tokens=3)
     with pytest.raises(QueueFullError, match="queue is full"):
@@ -171,7 +171,7 @@ def test_cancel_a_waiting_request_removes_it_from_the_queue(engine):
     queued.cancel()
     result = queued.result(timeout=1)
     assert (result.finish_reason, result.token_ids, result.timings) == ("cancelled", [], None)
-    assert engine.submit([1, 5], max_new_tokens=3, stop_token_ids=()).result(timeout=30).token_ids  # room again
+    assert engine.submit([1, 5], max_new_tokens=3, ignore_eos=True).result(timeout=30).token_ids  # room again
     assert len(first.result(timeout=30).token_ids) == 100
 
 
@@ -179,11 +179,11 @@ def test_under_static_batching_free_slots_beside_a_running_batch_are_no_queue_ro
     """A static batch runs to its end before the next is admitted: its free slots hold no one meanwhile, so the
     requests sent then all wait in the queue, and max_queue bounds them."""
     slowed(engine.start_scheduler(slots=2, max_queue=1, batching="static"))
-    first = engine.submit([1, 2, 3], max_new_tokens=60, stop_token_ids=())
+    first = engine.submit([1, 2, 3], max_new_tokens=60, ignore_eos=True)
     next(iter(first))  # running, one of the two slots free
-    queued = engine.submit([1, 4], max_new_tokens=3, stop_token_ids=())
+    queued = engine.submit([1, 4], max_new_tokens=3, ignore_eos=True)
     with pytest.raises(QueueFullError, match="queue is full"):
-        engine.submit([1, 5], max_new_tokens=3, stop_token_ids=())
+        engine.submit([1, 5], max_new_tokens=3, ignore_eos=True)
     assert queued.result(timeout=30).token_ids == alone(engine, [1, 4], 3)
     assert len(first.result(timeout=30).token_ids) == 60
 
@@ -196,11 +196,11 @@ def test_a_new_prompt_takes_the_slot_whose_prefix_was_left_longest_ago(tiny_arti
         engine.start_scheduler(slots=2)
         older, newer = [1] + list(range(100, 140)), [1] + list(range(200, 240))
         for prompt in (older, newer):  # one after the other: older's slot is left first
-            first_turn = engine.submit(prompt, max_new_tokens=4, stop_token_ids=()).result(timeout=30)
-        unrelated = engine.submit([1] + list(range(300, 340)), max_new_tokens=4, stop_token_ids=())
+            first_turn = engine.submit(prompt, max_new_tokens=4, ignore_eos=True).result(timeout=30)
+        unrelated = engine.submit([1] + list(range(300, 340)), max_new_tokens=4, ignore_eos=True)
         unrelated.result(timeout=30)
         follow_up = newer + first_turn.token_ids + [7, 8, 9]
-        result = engine.submit(follow_up, max_new_tokens=4, stop_token_ids=()).result(timeout=30)
+        result = engine.submit(follow_up, max_new_tokens=4, ignore_eos=True).result(timeout=30)
         assert result.timings.cached_prompt_tokens >= len(newer)  # newer's slot survived the unrelated prompt
         assert result.token_ids == alone(engine, follow_up, 4)
     finally:
@@ -216,13 +216,13 @@ def test_a_request_that_filled_the_context_leaves_a_record_decode_steps_can_run_
         engine.start_scheduler(slots=2)
         prompt = [1] + list(range(50, 110))
         filled = engine.submit(prompt, max_new_tokens=engine.max_context + 1 - len(prompt),
-                               stop_token_ids=()).result(timeout=60)
+                               ignore_eos=True).result(timeout=60)
         assert len(prompt) + len(filled.token_ids) - 1 == engine.max_context
         other = [1] + list(range(300, 320))  # shares nothing: the empty slot, its steps over both rows
-        assert engine.submit(other, max_new_tokens=5, stop_token_ids=()).result(timeout=60).token_ids == alone(
+        assert engine.submit(other, max_new_tokens=5, ignore_eos=True).result(timeout=60).token_ids == alone(
             engine, other, 5)
         again = prompt + filled.token_ids[:10]  # and the record is still there to reuse
-        result = engine.submit(again, max_new_tokens=5, stop_token_ids=()).result(timeout=60)
+        result = engine.submit(again, max_new_tokens=5, ignore_eos=True).result(timeout=60)
         assert result.timings.cached_prompt_tokens > 0 and result.token_ids == alone(engine, again, 5)
     finally:
         engine.close()
@@ -230,14 +230,14 @@ def test_a_request_that_filled_the_context_leaves_a_record_decode_steps_can_run_
 
 def test_full_queue_refuses_and_loses_nothing(engine):
     slowed(engine.start_scheduler(slots=1, max_queue=2))
-    first = engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    first = engine.submit([1, 2, 3], max_new_tokens=100, ignore_eos=True)
     next(iter(first))  # admitted: the two below wait
-    queued = [engine.submit([1, n], max_new_tokens=4, stop_token_ids=()) for n in (10, 11)]
+    queued = [engine.submit([1, n], max_new_tokens=4, ignore_eos=True) for n in (10, 11)]
     with pytest.raises(RequestError, match=r"queue is full \(2 waiting for 1 busy slots\)"):
         engine.submit([1, 12], max_new_tokens=4)
     blocked: list = []
     thread = threading.Thread(target=lambda: blocked.append(engine.submit([1, 12], max_new_tokens=4, block=True,
-                                                                            stop_token_ids=())))
+                                                                            ignore_eos=True)))
     thread.start()  # waits for room instead of refusing
     thread.join(timeout=60)
     results = [h.result(timeout=30) for h in [first, *queued, *blocked]]
@@ -253,7 +253,7 @@ def test_a_request_that_can_never_fit_is_refused_at_submit(engine):
         engine.submit([5] * 200)
     with pytest.raises(RequestError, match="empty"):
         engine.submit([])
-    exact = engine.submit([5] * 100, max_new_tokens=29, stop_token_ids=()).result(timeout=30)  # the last one fits
+    exact = engine.submit([5] * 100, max_new_tokens=29, ignore_eos=True).result(timeout=30)  # the last one fits
     assert len(exact.token_ids) == 29
 
 
@@ -269,12 +269,12 @@ def test_a_failing_graph_fails_running_requests_and_serving_goes_on(engine, monk
         return run(phase, *args)
 
     monkeypatch.setattr(scheduler.cache, "run", flaky)
-    handle = engine.submit([1, 2, 3], max_new_tokens=10, stop_token_ids=())
+    handle = engine.submit([1, 2, 3], max_new_tokens=10, ignore_eos=True)
     with pytest.raises(RuntimeError, match="graph failed"):
         handle.result(timeout=30)
     with pytest.raises(RuntimeError, match="graph failed"):
         list(handle)
-    assert engine.submit([1, 2, 3], max_new_tokens=4, stop_token_ids=()).result(timeout=30).token_ids == alone(
+    assert engine.submit([1, 2, 3], max_new_tokens=4, ignore_eos=True).result(timeout=30).token_ids == alone(
         engine, [1, 2, 3], 4)
 
 
@@ -290,9 +290,9 @@ def test_a_failing_prefill_fails_its_request_alone(engine, monkeypatch):
         return run(phase, rows, ids, *args)
 
     monkeypatch.setattr(scheduler.cache, "run", failing_for_b)
-    first = engine.submit([1, 2, 3], max_new_tokens=12, stop_token_ids=())
+    first = engine.submit([1, 2, 3], max_new_tokens=12, ignore_eos=True)
     next(iter(first))  # A is decoding
-    second = engine.submit([1, 77, 3], max_new_tokens=4, stop_token_ids=())
+    second = engine.submit([1, 77, 3], max_new_tokens=4, ignore_eos=True)
     with pytest.raises(RuntimeError, match="prefill of B failed"):
         second.result(timeout=30)
     assert first.result(timeout=30).token_ids == alone(engine, [1, 2, 3], 12)
@@ -314,8 +314,8 @@ def test_nan_logits_in_one_row_fail_that_request_alone(engine, monkeypatch):
 
     monkeypatch.setattr(scheduler.cache, "run", nan_in_slot_one)
     with scheduler._lock:  # submitted together: admitted in one iteration, into slots 0 and 1
-        healthy = engine.submit([1, 2, 3], max_new_tokens=8, stop_token_ids=())
-        poisoned = engine.submit([1, 4, 5, 6], max_new_tokens=8, stop_token_ids=())
+        healthy = engine.submit([1, 2, 3], max_new_tokens=8, ignore_eos=True)
+        poisoned = engine.submit([1, 4, 5, 6], max_new_tokens=8, ignore_eos=True)
     with pytest.raises(ModelOutputError, match="logits contain NaN"):
         poisoned.result(timeout=30)
     assert healthy.result(timeout=30).token_ids == alone(engine, [1, 2, 3], 8)
@@ -323,7 +323,7 @@ def test_nan_logits_in_one_row_fail_that_request_alone(engine, monkeypatch):
 
 def test_close_fails_unfinished_requests_and_refuses_new_ones(engine):
     scheduler = slowed(engine.start_scheduler(slots=1))
-    handles = [engine.submit([1, n], max_new_tokens=100, stop_token_ids=()) for n in (5, 6)]
+    handles = [engine.submit([1, n], max_new_tokens=100, ignore_eos=True) for n in (5, 6)]
     next(iter(handles[0]))
     scheduler.close()
     for handle in handles:
@@ -345,7 +345,7 @@ def test_close_fails_unfinished_requests_and_refuses_new_ones(engine):
 ])
 def test_bad_scheduler_options_are_refused_and_the_running_scheduler_serves_on(engine, options, message):
     running = slowed(engine.start_scheduler(slots=2))
-    handle = engine.submit([1, 5, 9], max_new_tokens=20, stop_token_ids=())
+    handle = engine.submit([1, 5, 9], max_new_tokens=20, ignore_eos=True)
     with pytest.raises(RequestError, match=message):
         engine.start_scheduler(**options)
     assert engine._scheduler is running  # refused before anything stopped: the request in flight completes
@@ -372,13 +372,13 @@ def test_a_scheduler_stays_within_the_rows_and_tokens_the_engines_run(engine, mo
     scheduler.cache.run = lambda phase, rows, ids, *rest: calls.append((phase, ids.shape[1])) or run(phase, rows, ids,
                                                                                                          *rest)
     short, long = ([1, 9, 10], 100), ([1] + list(range(3, 63)), 5)  # 100 steps of >= 10 ms: still decoding
-    alone = [engine.generate(prompt, max_new_tokens=n, stop_token_ids=()).token_ids for prompt, n in (short, long)]
-    first = scheduler.submit(short[0], max_new_tokens=short[1], stop_token_ids=())
+    alone = [engine.generate(prompt, max_new_tokens=n, ignore_eos=True).token_ids for prompt, n in (short, long)]
+    first = scheduler.submit(short[0], max_new_tokens=short[1], ignore_eos=True)
     deadline = time.monotonic() + 30
     while not scheduler._running[0] or scheduler._running[0].next_token is None:  # until it decodes (100 steps of
         assert time.monotonic() < deadline, "the short request never started decoding"  # >= 10 ms: it still
         time.sleep(0.001)                                                                 # does when the long comes)
-    second = scheduler.submit(long[0], max_new_tokens=long[1], stop_token_ids=())
+    second = scheduler.submit(long[0], max_new_tokens=long[1], ignore_eos=True)
     assert [first.result(timeout=60).token_ids, second.result(timeout=60).token_ids] == alone
     # The 61-token prompt arrived while the short request decoded: 16 tokens through the prefill graph, then
     # chunks of 16, 16 and 13 through the decode graph at batch 1, between the short request's steps.
@@ -393,7 +393,7 @@ def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
     expected = [alone(engine, prompt, new) for prompt, new in requests]
     scheduler = engine.start_scheduler(slots=8)
     with scheduler._lock:  # re-entrant: submit takes it too; the worker waits until all eight are queued
-        handles = [scheduler.submit(prompt, max_new_tokens=new, stop_token_ids=()) for prompt, new in requests]
+        handles = [scheduler.submit(prompt, max_new_tokens=new, ignore_eos=True) for prompt, new in requests]
     results = [handle.result(timeout=60) for handle in handles]
     assert [r.token_ids for r in results] == expected
     starts = {r.timings.trace.prefill_start for r in results}
@@ -407,7 +407,7 @@ def test_prompts_admitted_into_slots_apart_are_not_one_batch(engine):
     expected = [alone(engine, prompt, 6) for prompt in prompts]
     scheduler = slowed(engine.start_scheduler(slots=3), seconds=0.01)
     with scheduler._lock:  # into slots 0, 1 and 2; the first and the last finish at their first token
-        first, decoding, last = [engine.submit(prompt, max_new_tokens=n, stop_token_ids=())
+        first, decoding, last = [engine.submit(prompt, max_new_tokens=n, ignore_eos=True)
                                  for prompt, n in (([1, 2], 1), ([1, 3, 4], 100), ([1, 5], 1))]
     for finished in (first, last):
         finished.result(timeout=30)
@@ -416,7 +416,7 @@ def test_prompts_admitted_into_slots_apart_are_not_one_batch(engine):
     scheduler.cache.run = lambda phase, rows, *rest: (phase == "prefill" and prefill_rows.append(rows),
                                                       run(phase, rows, *rest))[1]
     with scheduler._lock:  # admitted in one iteration, into the free slots 0 and 2
-        handles = [engine.submit(prompt, max_new_tokens=6, stop_token_ids=()) for prompt in prompts]
+        handles = [engine.submit(prompt, max_new_tokens=6, ignore_eos=True) for prompt in prompts]
     assert [handle.result(timeout=30).token_ids for handle in handles] == expected
     assert sorted(prefill_rows) == [(0, 1), (2, 3)] and not decoding.done()  # slot 1 was busy throughout
 
@@ -430,14 +430,14 @@ def prompt_chunked_behind_a_decode(engine, prefill_chunk: int) -> list[tuple[str
     run = scheduler.cache.run
     short, long = [1, 9, 10], [1] + list(range(3, 102))
     alone_tokens = [alone(engine, short, 5), alone(engine, long, 3)]
-    first = scheduler.submit(short, max_new_tokens=5, stop_token_ids=())
+    first = scheduler.submit(short, max_new_tokens=5, ignore_eos=True)
     scheduler.cache.run = lambda phase, rows, ids, *rest: calls.append((phase, ids.shape[1], first.done())) or run(
         phase, rows, ids, *rest)
     deadline = time.monotonic() + 30
     while not scheduler._running[0] or scheduler._running[0].next_token is None:
         assert time.monotonic() < deadline, "the short request never started decoding"
         time.sleep(0.001)
-    second = scheduler.submit(long, max_new_tokens=3, stop_token_ids=())
+    second = scheduler.submit(long, max_new_tokens=3, ignore_eos=True)
     assert [first.result(timeout=60).token_ids, second.result(timeout=60).token_ids] == alone_tokens
     return [(phase, tokens, done) for phase, tokens, done in calls if tokens > 1]
 
@@ -478,7 +478,7 @@ def test_a_prompt_with_nothing_decoding_beside_it_is_prefilled_whole_despite_pre
     scheduler.cache.run = lambda phase, rows, ids, *rest: calls.append((phase, ids.shape[1])) or run(phase, rows, ids,
                                                                                                          *rest)
     prompt = [1] + list(range(3, 43))
-    result = scheduler.submit(prompt, max_new_tokens=3, stop_token_ids=()).result(timeout=30)
+    result = scheduler.submit(prompt, max_new_tokens=3, ignore_eos=True).result(timeout=30)
     assert result.token_ids == alone(engine, prompt, 3)
     assert calls == [("prefill", 41), ("decode", 1), ("decode", 1)]
 
@@ -487,7 +487,7 @@ def test_a_done_callback_that_waits_on_another_request_does_not_block_the_schedu
     """cancel() of a waiting request, and close(), complete handles after releasing the scheduler's lock, so a
     callback may wait on a running request or submit another (it used to block the worker forever)."""
     scheduler = slowed(engine.start_scheduler(slots=1), seconds=0.01)
-    first = engine.submit([1, 2, 3], max_new_tokens=40, stop_token_ids=())
+    first = engine.submit([1, 2, 3], max_new_tokens=40, ignore_eos=True)
     next(iter(first))
     queued = engine.submit([1, 4], max_new_tokens=3)
     queued.add_done_callback(lambda _: first.result(timeout=60))
@@ -497,7 +497,7 @@ def test_a_done_callback_that_waits_on_another_request_does_not_block_the_schedu
     canceller.join(timeout=60)
     assert not canceller.is_alive() and queued.result(timeout=1).finish_reason == "cancelled"
     resubmitted = []
-    running = engine.submit([1, 5], max_new_tokens=100, stop_token_ids=())
+    running = engine.submit([1, 5], max_new_tokens=100, ignore_eos=True)
     next(iter(running))
     running.add_done_callback(lambda _: resubmitted.append(engine.submit([1, 6], max_new_tokens=2)))
     closer = threading.Thread(target=scheduler.close, daemon=True)
@@ -518,9 +518,9 @@ def test_a_handles_callbacks_run_in_the_order_they_were_added(engine):
     was still due on the callback thread behind another request's slow callback."""
     engine.start_scheduler(slots=2)
     order = []
-    first = engine.submit([1, 2], max_new_tokens=2, stop_token_ids=())
+    first = engine.submit([1, 2], max_new_tokens=2, ignore_eos=True)
     first.add_done_callback(lambda _: time.sleep(0.5))
-    second = engine.submit([1, 3], max_new_tokens=2, stop_token_ids=())
+    second = engine.submit([1, 3], max_new_tokens=2, ignore_eos=True)
     second.add_done_callback(lambda _: order.append("added first"))
     second.result(timeout=30)
     first.result(timeout=30)
@@ -535,7 +535,7 @@ def test_a_handles_callbacks_run_in_the_order_they_were_added(engine):
 def test_submit_after_the_scheduler_was_closed_directly_starts_a_new_one(engine):
     closed = engine.start_scheduler(slots=2)
     closed.close()
-    result = engine.submit([1, 2], max_new_tokens=3, stop_token_ids=()).result(timeout=60)
+    result = engine.submit([1, 2], max_new_tokens=3, ignore_eos=True).result(timeout=60)
     assert result.token_ids == alone(engine, [1, 2], 3) and engine._scheduler is not closed
 
 
@@ -553,7 +553,7 @@ def test_generate_a_list_interrupted_cancels_the_requests_left(engine, monkeypat
 
     monkeypatch.setattr(RequestHandle, "result", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        engine.generate([[1, 2, 3], [1, 4], [1, 5]], max_new_tokens=60, stop_token_ids=())
+        engine.generate([[1, 2, 3], [1, 4], [1, 5]], max_new_tokens=60, ignore_eos=True)
     monkeypatch.setattr(RequestHandle, "result", real_result)
     assert len(handles) == 3
     assert [h.result(timeout=60).finish_reason for h in handles] == ["cancelled"] * 3
@@ -565,9 +565,9 @@ def test_a_worker_that_never_idles_out_serves_on(engine):
     import math
 
     engine.start_scheduler(slots=2, idle_exit_s=math.inf)
-    assert engine.submit([1, 2], max_new_tokens=3, stop_token_ids=()).result(timeout=30).finish_reason == "length"
+    assert engine.submit([1, 2], max_new_tokens=3, ignore_eos=True).result(timeout=30).finish_reason == "length"
     time.sleep(0.05)  # the worker is idle now, waiting
-    assert engine.submit([1, 3], max_new_tokens=3, stop_token_ids=()).result(timeout=30).finish_reason == "length"
+    assert engine.submit([1, 3], max_new_tokens=3, ignore_eos=True).result(timeout=30).finish_reason == "length"
     assert engine._scheduler._worker.is_alive()
 
 
@@ -585,12 +585,12 @@ def test_a_worker_stopped_by_a_base_exception_fails_its_requests_and_a_new_one_s
         return run(*args)
 
     scheduler.cache.run = exit_on_the_fourth_run
-    first = engine.submit([1, 2], max_new_tokens=5, stop_token_ids=())
-    behind = engine.submit([1, 3], max_new_tokens=5, stop_token_ids=())  # waits for the one slot
+    first = engine.submit([1, 2], max_new_tokens=5, ignore_eos=True)
+    behind = engine.submit([1, 3], max_new_tokens=5, ignore_eos=True)  # waits for the one slot
     for handle in (first, behind):
         with pytest.raises(RequestError, match=r"worker thread stopped \(SystemExit\(1\)\)"):
             handle.result(timeout=30)
-    assert scheduler.submit([1, 4], max_new_tokens=2, stop_token_ids=()).result(timeout=30).finish_reason == "length"
+    assert scheduler.submit([1, 4], max_new_tokens=2, ignore_eos=True).result(timeout=30).finish_reason == "length"
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # re-raised there, as it should
@@ -613,7 +613,7 @@ def test_a_stopped_worker_failing_its_requests_leaves_a_new_workers_request_in_i
 
     def fail_once_a_new_worker_runs_a_request(sequence, error):  # the stopped worker's first failure waits for it
         if not later:
-            later.append(scheduler.submit(later_prompt, max_new_tokens=20, stop_token_ids=()))
+            later.append(scheduler.submit(later_prompt, max_new_tokens=20, ignore_eos=True))
             deadline = time.monotonic() + 30
             while scheduler._running[0] is None:  # admitted into slot 0 by the new worker
                 assert time.monotonic() < deadline, "the new worker never admitted the request"
@@ -622,7 +622,7 @@ def test_a_stopped_worker_failing_its_requests_leaves_a_new_workers_request_in_i
 
     scheduler.cache.run = exit_on_the_third_run
     scheduler._fail = fail_once_a_new_worker_runs_a_request
-    first = engine.submit([1, 2], max_new_tokens=5, stop_token_ids=())
+    first = engine.submit([1, 2], max_new_tokens=5, ignore_eos=True)
     with pytest.raises(RequestError, match=r"worker thread stopped \(SystemExit\(1\)\)"):
         first.result(timeout=30)
     assert later[0].result(timeout=30).token_ids == expected
@@ -638,7 +638,7 @@ def test_a_callback_added_while_the_result_is_being_set_runs_after_the_earlier_o
     monkeypatch.setattr(futures_base.Future, "_invoke_callbacks", lambda future: time.sleep(0.3) or invoke(future))
     engine.start_scheduler(slots=2)
     order = []
-    handle = engine.submit([1, 5, 7], max_new_tokens=3, stop_token_ids=())
+    handle = engine.submit([1, 5, 7], max_new_tokens=3, ignore_eos=True)
     handle.add_done_callback(lambda _: order.append("added first"))
     deadline = time.monotonic() + 30
     while not handle.done():
@@ -667,13 +667,13 @@ def test_a_done_callback_that_waits_on_the_scheduler_runs_off_its_worker(engine,
 
     def follow_up(handle):
         threads.append(threading.current_thread().name)
-        follow_ups.append(engine.generate([handle.result().token_ids[-3:]], max_new_tokens=3, stop_token_ids=()))
+        follow_ups.append(engine.generate([handle.result().token_ids[-3:]], max_new_tokens=3, ignore_eos=True))
 
-    first = engine.submit([1, 5, 6], max_new_tokens=4, stop_token_ids=())
+    first = engine.submit([1, 5, 6], max_new_tokens=4, ignore_eos=True)
     first.add_done_callback(follow_up)
     first.add_done_callback(lambda _: (_ for _ in ()).throw(SystemExit(1)))
     assert first.result(timeout=30).finish_reason == "length"
-    other = engine.submit([1, 7], max_new_tokens=2, stop_token_ids=())
+    other = engine.submit([1, 7], max_new_tokens=2, ignore_eos=True)
     assert other.result(timeout=30).token_ids == alone(engine, [1, 7], 2)
     deadline = time.monotonic() + 30
     while not follow_ups:
@@ -693,16 +693,16 @@ def test_a_done_callback_that_waits_on_the_scheduler_runs_off_its_worker(engine,
     done_already = []
     first.add_done_callback(lambda _: done_already.append(threading.current_thread().name))
     assert done_already == [threading.current_thread().name]
-    assert engine.submit([1, 8], max_new_tokens=2, stop_token_ids=()).result(timeout=30).finish_reason == "length"
+    assert engine.submit([1, 8], max_new_tokens=2, ignore_eos=True).result(timeout=30).finish_reason == "length"
 
 
 def test_a_closed_schedulers_slot_cache_is_freed_though_its_handles_are_kept(engine):
     """Handles refer to their scheduler: held by a caller, they kept each closed scheduler's whole slot cache."""
-    kept = [engine.submit([1, 2], max_new_tokens=2, stop_token_ids=())]
+    kept = [engine.submit([1, 2], max_new_tokens=2, ignore_eos=True)]
     kept[0].result(timeout=30)
     first = engine._scheduler
     engine.start_scheduler(slots=2)  # closes the first
-    kept.append(engine.submit([1, 2], max_new_tokens=2, stop_token_ids=()))
+    kept.append(engine.submit([1, 2], max_new_tokens=2, ignore_eos=True))
     kept[1].result(timeout=30)
     engine.close()
     assert first.cache is None and kept[1]._scheduler.cache is None
@@ -713,7 +713,7 @@ def test_generate_a_list_counts_each_requests_wait_for_room_from_the_call(engine
     that wait, so its TTFT left the wait out."""
     slowed(engine.start_scheduler(slots=1, max_queue=1), 0.005)
     called = time.perf_counter()
-    results = engine.generate([[1, 2 + i] for i in range(4)], max_new_tokens=4, stop_token_ids=())
+    results = engine.generate([[1, 2 + i] for i in range(4)], max_new_tokens=4, ignore_eos=True)
     for result in results:
         trace = result.timings.trace
         assert called <= trace.arrival <= results[0].timings.trace.prefill_start  # all from the call
@@ -768,7 +768,7 @@ def test_scored_prompts_amid_other_requests_match_the_batch_one_path(tiny_artifa
         options = dict(max_new_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=2)
         expected = [engine.generate(prompt, **options) for prompt in scored_prompts]
         slowed(engine.start_scheduler(slots=3, prefill_chunk=prefill_chunk))
-        others = [engine.submit(prompt, max_new_tokens=n, stop_token_ids=()) for prompt, n in mixed_requests(4)]
+        others = [engine.submit(prompt, max_new_tokens=n, ignore_eos=True) for prompt, n in mixed_requests(4)]
         handles = [engine.submit(prompt, **options) for prompt in scored_prompts]
         [handle.result(timeout=60) for handle in others]
         for handle, reference in zip(handles, expected):
@@ -811,8 +811,8 @@ def test_a_request_that_got_past_the_capacity_check_ends_at_the_cache_not_in_eve
 
     scheduler = engine.start_scheduler(slots=2)
     monkeypatch.setattr(Scheduler, "_check_fits", lambda self, prompt_ids, params: None)
-    overlong = scheduler.submit([1, 5, 6, 7], max_new_tokens=500, stop_token_ids=())
-    other = scheduler.submit([1, 9, 10], max_new_tokens=40, stop_token_ids=())
+    overlong = scheduler.submit([1, 5, 6, 7], max_new_tokens=500, ignore_eos=True)
+    other = scheduler.submit([1, 9, 10], max_new_tokens=40, ignore_eos=True)
     long_result, other_result = overlong.result(), other.result()
     assert long_result.finish_reason == "max_context"
     assert len(long_result.token_ids) == engine.max_context - 4 + 1  # the last token is sampled, never fed back

@@ -621,10 +621,10 @@ def test_stop_token_ids_stop_besides_the_end_of_sequence_tokens_as_in_vllm(serve
 
     engine, name = served.engine, served.model_name
     (choice,) = parse(engine, {"prompt": "x", "stop_token_ids": [7]}, chat=False, model_name=name).choices
-    assert set(choice.params.stop_token_ids) == {7, *engine.eos_token_ids}
+    assert choice.params.stop_ids(engine.eos_token_ids) == {7, *engine.eos_token_ids}
     (choice,) = parse(engine, {"prompt": "x", "stop_token_ids": [7], "ignore_eos": True}, chat=False,
                       model_name=name).choices
-    assert choice.params.stop_token_ids == (7,)
+    assert choice.params.stop_ids(engine.eos_token_ids) == {7}
 
 
 def test_an_error_inside_a_stream_ends_it_with_an_error_event(served, monkeypatch):
@@ -768,7 +768,7 @@ def test_metrics_histograms_and_counters_of_hand_made_traces():
 
 def test_metrics_show_the_requests_running_and_waiting(slow_server):
     server, _ = slow_server
-    running = server.engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    running = server.engine.submit([1, 2, 3], max_new_tokens=100, ignore_eos=True)
     next(iter(running))
     waiting = server.engine.submit([1, 2], max_new_tokens=2)
     series = scrape(server.server_address)
@@ -1004,7 +1004,7 @@ def test_a_request_that_runs_for_many_waits_is_answered(slow_server, stream):
 
 def test_a_full_queue_is_503_with_retry_after(slow_server):
     server, _ = slow_server
-    running = server.engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    running = server.engine.submit([1, 2, 3], max_new_tokens=100, ignore_eos=True)
     next(iter(running))
     waiting = server.engine.submit([1, 2], max_new_tokens=2)
     status, headers, body = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
@@ -1018,7 +1018,7 @@ def test_a_request_whose_later_choices_find_the_queue_full_runs_none_of_them(slo
     """All of a request's choices run, or none: the first of two took the one place in the queue, the second found
     it full; the 503 must not leave the first queued, holding the place and running for no one."""
     server, _ = slow_server
-    running = server.engine.submit([1, 2, 3], max_new_tokens=100, stop_token_ids=())
+    running = server.engine.submit([1, 2, 3], max_new_tokens=100, ignore_eos=True)
     next(iter(running))
     status, _, body = post(server, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2})
     assert status == 503 and body["error"]["type"] == "service_unavailable"

@@ -131,7 +131,7 @@ def assert_greedy_within_rounding(reference, prompt: list[int], tokens: list[int
 def test_the_rounding_check_takes_the_references_own_tokens_and_refuses_another(tiny_engine):
     """The check the GPU tests below compare tokens with, run here on the reference itself."""
     prompt = [1, 5, 9, 200]
-    tokens = tiny_engine.generate(prompt, max_new_tokens=6, stop_token_ids=()).token_ids
+    tokens = tiny_engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids
     assert_greedy_within_rounding(tiny_engine, prompt, tokens)
     from runtime.evaluate import decode_logits_for
 
@@ -181,7 +181,7 @@ def test_tensorrt_greedy_tokens_equal_onnxruntime(tensorrt_tiny, tiny_engine):
     from runtime import Engine
 
     engine = Engine.load(tensorrt_tiny)
-    ours = engine.generate([1, 5, 9, 200], max_new_tokens=8, stop_token_ids=())
+    ours = engine.generate([1, 5, 9, 200], max_new_tokens=8, ignore_eos=True)
     assert len(ours.token_ids) == 8
     assert_greedy_within_rounding(tiny_engine, [1, 5, 9, 200], ours.token_ids)
     assert engine.backend.last_device_ms > 0
@@ -199,7 +199,7 @@ def test_tensorrt_scheduler_and_evaluation_stay_within_the_engine_profile(tensor
     with pytest.raises(RequestError, match="at most 4 sequences per step"):
         engine.start_scheduler(slots=5)
     prompts = [[1, 5, 9, 200], [1, 7], [1, 30, 31, 32, 33, 34], [1, 8, 8], [1, 2, 3]]
-    ours = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6, stop_token_ids=())]
+    ours = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6, ignore_eos=True)]
     assert engine._scheduler.slots == 4 and all(len(tokens) == 6 for tokens in ours)
     for prompt, tokens in zip(prompts, ours):
         assert_greedy_within_rounding(tiny_engine, prompt, tokens)
@@ -225,9 +225,9 @@ def test_tensorrt_one_request_and_the_scheduler_at_once_give_their_own_tokens(te
     alone = [1, 5, 9, 200, 7, 7]
     rounds, got_alone = [], []
     for _ in range(3):
-        handles = [engine.submit(p, max_new_tokens=12, stop_token_ids=()) for p in prompts]
+        handles = [engine.submit(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
         thread = threading.Thread(target=lambda: got_alone.append(
-            engine.generate(alone, max_new_tokens=12, stop_token_ids=()).token_ids))
+            engine.generate(alone, max_new_tokens=12, ignore_eos=True).token_ids))
         thread.start()
         rounds.append([h.result(timeout=120).token_ids for h in handles])
         thread.join(timeout=120)

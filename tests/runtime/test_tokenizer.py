@@ -193,7 +193,7 @@ def test_results_equal_their_streams_with_a_byte_fallback_tokenizer(tiny_artifac
     """End to end, through Engine.stream and the scheduler: the tiny model sampling random ids, most of them byte
     tokens of this tokenizer, ends runs inside characters all the time (50 of 120 requests differed before)."""
     engine = byte_fallback_engine(tiny_artifact, tmp_path)
-    options = dict(max_new_tokens=12, temperature=1.5, stop_token_ids=())
+    options = dict(max_new_tokens=12, temperature=1.5, ignore_eos=True)
     for seed in range(12):
         generation = engine.stream([1, 40, 41], seed=seed, **options)
         assert "".join(generation) == generation.result.text
@@ -261,7 +261,7 @@ def test_a_stop_string_found_at_the_end_inside_a_character_is_a_stop(tiny_artifa
     engine = byte_fallback_engine(tiny_artifact, tmp_path)
     lead_byte = 3 + 0xC3
     for stream in (False, True):
-        options = dict(max_new_tokens=3, stop_token_ids=(), logit_bias={lead_byte: 100}, stop_strings=("\ufffd",))
+        options = dict(max_new_tokens=3, ignore_eos=True, logit_bias={lead_byte: 100}, stop_strings=("\ufffd",))
         generation = engine.stream([1, 40, 41], **options)
         pieces = list(generation)
         result = generation.result if stream else engine.generate([1, 40, 41], **options)
