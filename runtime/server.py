@@ -19,7 +19,8 @@ or at the next write; the scheduler frees their slots at its next step.
 Latencies count from the moment the request's headers were read: its body, template and tokenization are in TTFT.
 With an api_key, the /v1 and tokenizer routes ask for it as OpenAI's clients send it (`Authorization: Bearer KEY`;
 else 401); /health and /metrics stay open, as vLLM leaves them.
-Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an unknown path, 503 with
+Bodies come with a Content-Length or in chunks (runtime/http_body.py; a framing that could be read two ways is refused
+and the connection closed). Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an unknown path, 503 with
 Retry-After when the scheduler's queue is full or the server is stopping, 500 when a request fails while running.
 A graceful stop (drain(), after serve_forever returned) refuses new requests and waits for those under way; closing
 the engine then fails the rest, and they are told to send the request again.
@@ -34,11 +35,12 @@ import socket
 import threading
 import time
 from concurrent.futures import TimeoutError as ResultTimeout  # the built-in TimeoutError only from Python 3.11
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import unquote, urlsplit
 
-from runtime import openai_api, tokenizer_api
+from runtime import http_body, openai_api, tokenizer_api
 from runtime.errors import QueueFullError, RequestError
 from runtime.openai_api import ApiError, ParsedRequest
 from runtime.results import GenerationResult
@@ -46,7 +48,7 @@ from runtime.server_metrics import ServerMetrics
 
 MAX_BODY_BYTES = 16 << 20
 POLL_S = 0.25  # how often a waiting request's thread looks whether its client is still there
-# A body the server refuses unread (413, or chunked: 411) is still arriving when the answer goes out; closing then
+# A body the server refuses unread (413, 401, a stop's 503, one that cannot be framed) is still arriving when the answer goes out; closing then
 # resets the connection, and a client that writes its whole body before reading (http.client, httpx) sees the reset,
 # not the answer. So the server stops sending, then reads and drops what arrives (a lingering close, as nginx's), for
 # LINGER_S or LINGER_BYTES at most.
@@ -173,6 +175,10 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         if not self._authorized(path):
             return
+        try:  # a GET's body (rare) is read and dropped: left unread, it would be read as the next request
+            self._read_body()
+        except ApiError as error:
+            return self._send_error(error)
         if path == "/health":
             self._send_json(*((503, {"status": "shutting down"}) if self.server.closing else (200, {"status": "ok"})))
         elif path == "/metrics":
@@ -220,6 +226,37 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_PUT = do_DELETE = do_PATCH = _refuse_method
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a request line or header it cannot parse, a URL over 64 KiB, too many headers,
+        HTTP/2, a method no server knows: 501) in OpenAI's error body as every other, counted in /metrics, with a
+        status line even where the request line did not parse (http.server answers those as HTTP/0.9: a bare HTML
+        page that HTTP/1.1 clients cannot read). The connection closes: what follows cannot be trusted to start a
+        request."""
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
+            self.request_version = self.protocol_version
+        self.command = getattr(self, "command", None) or ""
+        self.path = getattr(self, "path", "")
+        self._refuse_unread(0)
+        self._send_error(ApiError(message or HTTPStatus(code).phrase, code))
+
+    def handle_expect_100(self) -> bool:
+        """Expect: 100-continue (curl's, for bodies over 1 MiB): a request refused before its body is read (a wrong
+        API key, a stop under way) gets its answer now rather than "100 Continue" and an upload it then drops."""
+        path = urlsplit(self.path).path
+        refusal = self._key_refusal(path) or (_shutting_down() if self.command == "POST" and self.server.closing
+                                              else None)
+        if refusal is None:
+            return super().handle_expect_100()
+        self._refuse_unread(http_body.unread_bytes(self.headers, LINGER_BYTES))
+        self._send_error(refusal)
+        return False
+
+    def _refuse_unread(self, unread: int) -> None:
+        """The answer goes out with the body unread: the connection closes after it, first reading and dropping up to
+        `unread` bytes still arriving (see LINGER_S)."""
+        self.close_connection = True
+        self._unread_body = max(self._unread_body, unread)
+
     def _drained(self, path: str) -> bool:
         """Read the body of a request no route reads (the connection can then serve the next one); False when it
         was answered already: an unknown path (404) or a body that cannot be read."""
@@ -239,7 +276,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized(path):
             return
         if not self.server._admit():
-            self.close_connection = True
+            self._refuse_unread(http_body.unread_bytes(self.headers, LINGER_BYTES))
             self._send_error(_shutting_down())
             return
         try:
@@ -285,17 +322,24 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _authorized(self, path: str) -> bool:
         """Whether the request may go on; else it was answered 401 (its body unread: the connection ends)."""
+        refusal = self._key_refusal(path)
+        if refusal is None:
+            return True
+        self._refuse_unread(http_body.unread_bytes(self.headers, LINGER_BYTES))
+        self._send_error(refusal)
+        return False
+
+    def _key_refusal(self, path: str) -> ApiError | None:
+        """The 401 for a request to a keyed route without the server's API key; None when it may go on."""
         key = self.server.api_key
         if key is None or not (path.startswith("/v1/") or path in KEYED_ROUTES):
-            return True
+            return None
         scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
         # RFC 9110 11.1: the scheme is case-insensitive ("bearer" too); the key is compared in constant time
         if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
-            return True
-        self.close_connection = True
-        self._send_error(ApiError("a missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
-                                  "the server's key", 401, "authentication_error"))
-        return False
+            return None
+        return ApiError("a missing or wrong API key: send the header 'Authorization: Bearer <key>' with the server's "
+                        "key", 401, "authentication_error")
 
     # -- requests ----------------------------------------------------------------------------------------------------
     def _submit(self, request: ParsedRequest, arrival: float) -> list:
@@ -430,21 +474,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- bodies --------------------------------------------------------------------------------------------------
     def _read_body(self) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None:
-            if self.headers.get("Transfer-Encoding"):
-                self.close_connection = True
-                self._unread_body = LINGER_BYTES  # its length unknown: until the client closes, or LINGER_S
-                raise ApiError("send the body with a Content-Length (chunked request bodies are not read)", 411)
-            return b""
-        if not (length.isascii() and length.isdigit() and len(length) <= 12):
-            self.close_connection = True
-            raise ApiError(f"Content-Length: {length[:20]!r} is not a number of bytes")
-        if int(length) > MAX_BODY_BYTES:
-            self.close_connection = True  # the body is not read: the connection cannot serve another request
-            self._unread_body = min(int(length), LINGER_BYTES)
-            raise ApiError(f"the request body has {int(length)} bytes, at most {MAX_BODY_BYTES} are read", 413)
-        return self.rfile.read(int(length))
+        """The body, by its Content-Length or in chunks (runtime/http_body.py); ApiError when it cannot be read, and
+        the connection then closes."""
+        try:
+            return http_body.read_body(self.headers, self.rfile, MAX_BODY_BYTES, LINGER_BYTES)
+        except http_body.BodyError as error:
+            self._refuse_unread(error.unread)
+            raise
 
     def _read_json(self):
         raw = self._read_body()

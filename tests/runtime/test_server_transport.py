@@ -1,0 +1,111 @@
+"""runtime/server.py as an HTTP/1.1 server: one response per request however its body is framed (nothing a client
+sent as a body is read as another request), chunked bodies read, refusals that leave the body unread still reach
+the client, and http.server's own refusals in OpenAI's error body with a status line."""
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+
+import pytest
+
+from runtime import Engine
+from runtime.server import ApiServer
+from tests.runtime.test_server import serve, stop
+
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_artifact):
+    server, _ = serve(Engine.load(tiny_artifact), slots=2)
+    yield server
+    stop(server)
+
+
+def exchange(server: ApiServer, data: bytes) -> bytes:
+    """Everything the server answers to `data` on one connection, until it closes it (or 10 s of silence)."""
+    client = socket.create_connection(server.server_address[:2], timeout=10)
+    client.sendall(data)
+    answer = b""
+    try:
+        while chunk := client.recv(1 << 16):
+            answer += chunk
+    except TimeoutError:
+        pass
+    client.close()
+    return answer
+
+
+def status_lines(answer: bytes) -> list[str]:
+    """The responses' status lines (a response's body ends where the next one's status line begins)."""
+    return [line.decode() for line in re.findall(rb"HTTP/1\.1 \d{3} [^\r\n]*(?=\r\n)", answer)]
+
+
+def test_a_gets_body_is_read_and_dropped_not_answered_as_the_next_request(served):
+    answer = exchange(served, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(SMUGGLED)
+                      + SMUGGLED + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status_lines(answer) == ["HTTP/1.1 200 OK"] * 2
+    assert answer.count(b'{"status": "ok"}') == 2 and b'"object": "list"' not in answer
+
+
+@pytest.mark.parametrize("framing, message", [
+    (b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n", b"not both"),
+    (b"Content-Length: 0\r\nContent-Length: 5\r\n", b"2 different values"),
+])
+def test_a_body_framed_two_ways_is_a_400_and_nothing_after_it_is_served(served, framing, message):
+    answer = exchange(served, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n0\r\n\r\n" + SMUGGLED)
+    assert status_lines(answer) == ["HTTP/1.1 400 Bad Request"]
+    assert message in answer and b"Connection: close" in answer and b'"object": "list"' not in answer
+
+
+def test_a_chunked_body_is_served_as_its_content_length_would_be(served):
+    connection = http.client.HTTPConnection(*served.server_address[:2], timeout=60)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}).encode()
+    connection.request("POST", "/v1/completions", body=iter([body[:7], body[7:]]), encode_chunked=True,
+                       headers={"Transfer-Encoding": "chunked"})
+    response = connection.getresponse()
+    chunked = json.loads(response.read())
+    connection.request("POST", "/v1/completions", body=body)  # the same connection serves the next request
+    response = connection.getresponse()
+    assert response.status == 200
+    assert chunked["choices"][0]["text"] == json.loads(response.read())["choices"][0]["text"]
+    assert chunked["usage"]["completion_tokens"] == 3
+    connection.close()
+
+
+def test_a_refusal_before_the_body_reaches_a_client_that_sends_it_whole(tiny_artifact):
+    """A 401 leaves the body unread: the server reads and drops it before closing, so that http.client, which writes
+    its whole body before it reads, gets the answer and not a reset (a broken pipe, before the fix)."""
+    server = ApiServer(Engine.load(tiny_artifact), port=0, api_key="s3cret")
+    server.start()
+    try:
+        connection = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        connection.request("POST", "/v1/completions", body=b" " * (4 << 20), headers={"Authorization": "Bearer no"})
+        response = connection.getresponse()
+        assert (response.status, json.loads(response.read())["error"]["type"]) == (401, "authentication_error")
+        connection.close()
+        # Expect: 100-continue: the 401 comes at once, not "100 Continue" and then a refusal of the upload
+        answer = exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n"
+                                  b"Expect: 100-continue\r\n\r\n")
+        assert status_lines(answer) == ["HTTP/1.1 401 Unauthorized"] and b"authentication_error" in answer
+    finally:
+        stop(server)
+
+
+@pytest.mark.parametrize("request_line, status", [
+    (b"HELLO", "400 Bad Request"),
+    (b"GET /health HTTP/2.0", "505 HTTP Version Not Supported"),
+    (b"TRACE /health HTTP/1.1", "501 Not Implemented"),
+    (b"GET /" + b"a" * 70000 + b" HTTP/1.1", "414 Request-URI Too Long"),
+])
+def test_http_servers_own_refusals_come_in_openais_error_body_with_a_status_line(served, request_line, status):
+    answer = exchange(served, request_line + b"\r\nHost: x\r\n\r\n")
+    assert status_lines(answer) == [f"HTTP/1.1 {status}"]
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"Content-Type: application/json" in head and b"Connection: close" in head
+    assert json.loads(body)["error"]["code"] == int(status.split()[0])
+    code = status.split()[0]
+    metrics = exchange(served, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").decode()
+    assert re.search(f'aotlm:http_requests_total{{[^}}]*status="{code}"}} 1', metrics)
