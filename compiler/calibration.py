@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from compiler.errors import BuildError
 from passes.calibration import CalibrationSet, CalibrationSpec, draw_samples
 from passes.errors import PassError
-from runtime.evaluate import split_held_out, split_pydoc_text
+from runtime.evaluate import read_text_file, split_held_out, split_pydoc_text
 from runtime.tokenizer import whole_text
 
 BUILTIN = "pydoc"
@@ -34,7 +34,7 @@ def split_text(spec_text: str) -> tuple[str, str, dict]:
         raise BuildError(f"calibration.text: {spec_text}: {found}; give a UTF-8 text file, or 'pydoc' for the "
                          f"built-in text (Python's documentation)")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text_file(path)  # as `aotlm eval --text` reads it: no byte-order mark, CRLF kept
     except (OSError, UnicodeDecodeError) as error:
         raise BuildError(f"calibration.text: cannot read {path} as UTF-8 text: {error}") from None
     calibration, held_out = split_held_out(text)

@@ -34,7 +34,7 @@ def _evaluation_tokens(args, artifacts: list[_ArtifactInfo]) -> list[int]:
     """The text (a file, or builtin:NAME) as token ids without BOS, its first --max-tokens; >= 2 or an error. Only
     as much of the text is tokenized as that needs, and as the artifacts' build reports scored of it (to tell
     whether this is their text: `_warn_if_not_the_report_text`)."""
-    from runtime.evaluate import EvaluationError, builtin_text, encode_text
+    from runtime.evaluate import EvaluationError, builtin_text, encode_text, read_text_file
     from runtime.tokenizer import TextTokenizer
 
     source = args.text
@@ -44,8 +44,7 @@ def _evaluation_tokens(args, artifacts: list[_ArtifactInfo]) -> list[int]:
         text = builtin_text(source.removeprefix("builtin:"))
     else:
         try:
-            with open(source, encoding="utf-8-sig", newline="") as handle:  # CRLF scored as written; no BOM
-                text = handle.read()
+            text = read_text_file(source)  # CRLF scored as written; no byte-order mark
         except FileNotFoundError:
             raise EvaluationError(f"--text {source}: no such file") from None
         except (OSError, UnicodeDecodeError) as error:

@@ -18,6 +18,7 @@ calibration part (for the compiler's quantization) and a held-out part (for eval
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -29,6 +30,7 @@ from runtime.sampling import _logprobs
 LogitsFor = Callable[[np.ndarray], np.ndarray]  # token ids [n] -> logits [n, vocab], row i predicts token i + 1
 CALIBRATION_FRACTION = 0.9  # of pydoc's characters; the held-out part starts at the next paragraph boundary
 HELD_OUT_BOUNDARY_LIMIT = 0.95  # ...if one starts by here; else at 90% exactly (half the held-out part, at least)
+PARAGRAPH_BREAK = re.compile(r"\r?\n\r?\n")
 BUILTIN_TEXTS = ("pydoc-held-out", "pydoc-calibration")
 
 
@@ -44,12 +46,22 @@ def split_held_out(text: str) -> tuple[str, str]:
 
     Quantization calibrates on the first part and its build-time report scores the second, so they never overlap.
     """
-    boundary = text.find("\n\n", int(CALIBRATION_FRACTION * len(text)))
+    found = PARAGRAPH_BREAK.search(text, int(CALIBRATION_FRACTION * len(text)))  # a CRLF file's are \r\n\r\n
+    boundary = found.start() if found else -1
+    if boundary > 0 and text[boundary - 1:boundary + 1] == "\r\n":  # the search began inside a CRLF: its whole break
+        boundary -= 1
     # No paragraph boundary between 90% and 95% (a text whose only later one is its trailing blank line would hold out
     # just that line, one scored token): split at 90% exactly.
     if boundary < 0 or boundary > HELD_OUT_BOUNDARY_LIMIT * len(text) or not text[boundary:].strip():
         boundary = int(CALIBRATION_FRACTION * len(text))
     return text[:boundary], text[boundary:]
+
+
+def read_text_file(path) -> str:
+    """A text file as `aotlm eval --text` and a recipe's calibration.text read it: UTF-8, a byte-order mark dropped,
+    line ends as written (CRLF is scored as CRLF); OSError or UnicodeDecodeError for the caller to word."""
+    with open(path, encoding="utf-8-sig", newline="") as handle:
+        return handle.read()
 
 
 def split_pydoc_text() -> tuple[str, str]:
@@ -159,15 +171,20 @@ class _Totals:
         self.kl = 0.0
 
     def add(self, logits: np.ndarray, targets: np.ndarray, reference: np.ndarray | None) -> None:
+        if reference is not None and reference.shape != logits.shape:
+            raise EvaluationError(f"the reference's logits have shape {reference.shape}, the model's {logits.shape}: "
+                                  f"top-1 agreement and KL need the same vocabulary")
+        for start in range(0, len(targets), EVAL_PIECE_TOKENS):  # float64 copies of a few rows at a time
+            rows = slice(start, start + EVAL_PIECE_TOKENS)
+            self._add(logits[rows], targets[rows], None if reference is None else reference[rows])
+
+    def _add(self, logits: np.ndarray, targets: np.ndarray, reference: np.ndarray | None) -> None:
         rows = np.arange(len(targets))
         log_probs = log_softmax(logits)
         self.count += len(targets)
         self.nll -= float(log_probs[rows, targets].sum())
         if reference is None:
             return
-        if reference.shape != logits.shape:
-            raise EvaluationError(f"the reference's logits have shape {reference.shape}, the model's {logits.shape}: "
-                                  f"top-1 agreement and KL need the same vocabulary")
         reference_log_probs = log_softmax(reference)
         self.reference_nll -= float(reference_log_probs[rows, targets].sum())
         self.agree += int((logits.argmax(axis=-1) == reference.argmax(axis=-1)).sum())
@@ -234,14 +251,14 @@ def decode_logits_for(source) -> LogitsFor:
     """Logits for every position of a chunk, run through the decode graph as a fresh sequence.
 
     Batch 1, positions 0..n-1, attention mask of ones [1, n]: the graph attends only to the n new tokens, so
-    whatever the cache held before is ignored (and overwritten). An engine that takes fewer tokens per decode
-    call (TensorRT's decode_max_tokens) gets the chunk in pieces of that many, each attending to the cached
+    whatever the cache held before is ignored (and overwritten). A chunk goes in pieces of EVAL_PIECE_TOKENS (fewer
+    where the engine takes fewer tokens per decode call: TensorRT's decode_max_tokens), each attending to the cached
     pieces before it: the same logits up to rounding (INT4 MatMulNBits takes another kernel for one row than for
     many: +0.08% perplexity one token at a time, README "Accuracy"). `source` is an Engine, whose batch-1 cache each chunk then holds as a
     request would (other threads' generate/stream wait), or a bare OnnxRuntimeBackend that nothing else runs on.
     """
     def logits_for(token_ids: np.ndarray) -> np.ndarray:
-        pieces = list(decode_logit_pieces(source, token_ids))
+        pieces = list(decode_logit_pieces(source, token_ids, EVAL_PIECE_TOKENS))
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     return logits_for
@@ -271,6 +288,10 @@ def decode_logit_pieces(source, token_ids, piece_tokens: int | None = None):
             yield np.array(logits[0], dtype=np.float32)  # a copy: the backend reuses its logits array
 
 
+# Positions a scoring run puts through the decode graph at once, and whose log-softmax it holds in float64. One run over
+# a whole 2048-token window grew onnxruntime's arena by ~5.8 GiB on SmolLM2-135M (peak 8.1 GiB, against 2.9 GiB in
+# pieces of 256, the same logits); its float64 log-softmax took 2.3 GiB more.
+EVAL_PIECE_TOKENS = 256
 PROMPT_PIECE_TOKENS = 128  # positions whose logits a prompt_logprobs request holds at once (128 x vocab floats)
 
 

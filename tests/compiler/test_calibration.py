@@ -235,3 +235,18 @@ def test_the_repeat_starts_at_the_first_token_inside_the_repeated_run(tiny_artif
     before_run = TextTokenizer(tiny_artifact / "tokenizer.json").encode(
         held_out[:held_out.index("ZQJ") + 3], add_special_tokens=False)
     assert held_out_tokens(str(text), tokenizer_json, 10**6).repeats_calibration_from == len(before_run)
+
+
+def test_a_calibration_file_is_read_as_aotlm_eval_reads_it(tmp_path):
+    """No byte-order mark (it would be a junk token at the calibration text's start), CRLF kept as eval scores it,
+    and the held-out part starting at a CRLF paragraph break, as at an LF one."""
+    from runtime.evaluate import read_text_file
+
+    paragraphs = [f"Paragraph {index} says something about lighthouses." for index in range(40)]
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n\r\n".join(paragraphs).encode())
+    calibration, held_out, _ = split_text(str(path))
+    assert not calibration.startswith("\ufeff") and calibration.startswith("Paragraph 0 ")
+    assert (calibration, held_out) == split_held_out(read_text_file(path))
+    assert held_out.startswith("\r\n\r\nParagraph 36 ") and "\r\n" in calibration
+    assert split_held_out("\n\n".join(paragraphs))[1].startswith("\n\nParagraph 37 ")  # an LF file: shorter
