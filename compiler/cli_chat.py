@@ -3,12 +3,14 @@
 Each reply streams to stdout as it is decoded; a line on stderr gives its TTFT, how many prompt tokens came from the
 cache (the engine runs with prefix caching: a turn prefills only what the last turn did not leave in the cache),
 and its TPOT. When the conversation no longer fits the artifact's context with room for a reply, its oldest turns
-are dropped (said on stderr). An empty line is skipped; /exit, /quit or the end of input ends the chat. Ctrl-C
+are dropped (said on stderr). An empty line is skipped; /exit, /quit or the end of input ends the chat; another command (a line of one
+/word) is said to be unknown, not sent to the model. Ctrl-C
 during a reply stops that reply and leaves the message and its partial reply out of the conversation, which goes on;
 Ctrl-C at the prompt ends the chat (exit status 130).
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -19,6 +21,7 @@ from compiler.cli_sampling import add_sampling_options, sampling_options
 from compiler.errors import UsageError, thread_count
 
 EXIT_COMMANDS = ("/exit", "/quit")
+COMMAND = re.compile(r"/[A-Za-z?]+")  # a line of just this is a command (/help, /clear...), not a message
 
 
 def add_chat_parser(commands) -> None:
@@ -49,6 +52,7 @@ def chat_command(args) -> None:
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
                          spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True)
     sampling = SamplingParams(**options)  # once for every turn (sampling_options checked the values)
+    _undecodable_bytes_kept(sys.stdin)
     system = [{"role": "system", "content": args.system}] if args.system else []
     turns: list[dict] = []  # user and assistant messages, oldest first
     while (line := _read_line()) is not None:
@@ -57,6 +61,10 @@ def chat_command(args) -> None:
             continue
         if text in EXIT_COMMANDS:
             break
+        if COMMAND.fullmatch(text):  # a command this chat does not have, not a message for the model (ollama's rule)
+            message(f"[yellow]unknown command {escape(text)}; {' or '.join(EXIT_COMMANDS)} ends the chat (to send it "
+                    f"to the model, write more than the one word)[/yellow]")
+            continue
         received = time.perf_counter()  # the turn's TTFT counts from here: rendering and tokenizing are in it
         try:
             check_unicode(text, "the message")  # where in it, not where in the rendered conversation
@@ -80,7 +88,9 @@ def chat_command(args) -> None:
             finally:  # an interrupted reply frees the batch-1 cache; the next turn reuses its prefix where the record of
                 # what the cache holds survived (a Ctrl-C inside a graph run leaves the record stale: no reuse)
                 generation.close()
-        except KeyboardInterrupt:  # Ctrl-C during a reply stops it, not the conversation
+        except KeyboardInterrupt as stop:  # Ctrl-C during a reply stops it, not the conversation
+            if type(stop) is not KeyboardInterrupt:  # SIGTERM (cli's _Terminated): the program ends, as at the prompt
+                raise
             if turns and turns[-1] is user_message:  # not popped yet (the "does not fit" branch pops it first)
                 turns.pop()
             sys.stdout.write("\n")
@@ -100,7 +110,17 @@ def chat_command(args) -> None:
         tpot = f"{1e3 * timings.tpot_s:.2f} ms" if timings.output_tokens >= 2 else "-"
         message(f"[dim]TTFT {1e3 * timings.ttft_s:.1f} ms, {timings.cached_prompt_tokens} of "
                 f"{timings.prompt_tokens} prompt tokens from the cache, TPOT {tpot}, "
-                f"{len(result.token_ids)} tokens ({escape(result.finish_reason)})[/dim]")  # one line, as the README says
+                f"{timings.output_tokens} tokens ({escape(result.finish_reason)})[/dim]")  # one line, as the README says
+
+
+def _undecodable_bytes_kept(stream) -> None:
+    """Bytes that are not UTF-8 read as lone surrogates (as Python reads them under the C locale), so that
+    check_unicode names where a message goes wrong: under a UTF-8 locale stdin's errors are strict, and a Latin-1
+    byte was a UnicodeDecodeError from readline, a traceback ending the chat."""
+    try:
+        stream.reconfigure(errors="surrogateescape")
+    except (AttributeError, ValueError, OSError):  # not a text file (a test's StringIO): nothing to undo
+        pass
 
 
 def _read_line() -> str | None:

@@ -114,9 +114,9 @@ def test_the_prompt_marker_is_shown_on_a_terminal_only(monkeypatch, capsys, term
     assert capsys.readouterr().err == ("> > \n" if terminal else "")  # the end of input: a line of its own
 
 
-def interrupt_the_reply_to_long(monkeypatch):
-    """Engine.stream, patched: the reply to the message "long" gets Ctrl-C while its first piece is written (the
-    stream is left suspended); other replies run. Returns the real Engine.stream."""
+def interrupt_the_reply_to_long(monkeypatch, interruption=KeyboardInterrupt):
+    """Engine.stream, patched: the reply to the message "long" gets Ctrl-C (or `interruption`) while its first piece
+    is written (the stream is left suspended); other replies run. Returns the real Engine.stream."""
     from runtime import Engine
 
     real = Engine.stream
@@ -127,7 +127,7 @@ def interrupt_the_reply_to_long(monkeypatch):
 
         def __iter__(self):
             yield next(self.generation)
-            raise KeyboardInterrupt
+            raise interruption
 
         def close(self):
             self.generation.close()
@@ -219,3 +219,32 @@ def test_a_one_token_reply_has_no_tpot(chat_artifact, monkeypatch, capsys):
     assert main(["chat", str(chat_artifact[0]), "--max-new-tokens", "1"]) == 0
     err = " ".join(capsys.readouterr().err.split())
     assert "TPOT -, 1 tokens" in err, err
+
+
+def test_sigterm_during_a_reply_ends_the_chat_as_at_the_prompt(chat_artifact, monkeypatch, capsys):
+    """SIGTERM (a supervisor's stop, `docker stop`) is a KeyboardInterrupt subclass in cli.main: the reply's Ctrl-C
+    handler had caught it too, and the chat went on answering."""
+    from compiler.cli import _Terminated
+
+    interrupt_the_reply_to_long(monkeypatch, _Terminated)
+    monkeypatch.setattr("sys.stdin", io.StringIO("long\n2+2?\n"))
+    assert main(["chat", str(chat_artifact[0]), "--max-new-tokens", "4"]) == 143
+    err = " ".join(capsys.readouterr().err.split())
+    assert "terminated" in err and "TTFT" not in err and "reply stopped" not in err, err
+
+
+def test_an_unknown_command_is_said_not_sent_to_the_model(chat_artifact, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("/help\n/usr/bin holds what?\n"))
+    assert main(["chat", str(chat_artifact[0]), "--max-new-tokens", "2"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "unknown command /help; /exit or /quit ends the chat" in err and err.count("TTFT") == 1, err
+
+
+def test_a_message_that_is_not_utf8_is_refused_under_a_strict_utf8_locale(chat_artifact, monkeypatch, capsys):
+    """Under en_US.UTF-8 stdin's errors are strict: a Latin-1 byte was a UnicodeDecodeError out of readline (a
+    traceback, the chat over) instead of check_unicode's refusal naming the character."""
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9 ok?\n2+2?\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["chat", str(chat_artifact[0]), "--max-new-tokens", "2"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "not valid Unicode at character 3" in err and err.count("TTFT") == 1, err
