@@ -61,6 +61,7 @@ CACHE_FILE = Path.home() / ".cache" / "aotlm" / "cpu.json"
 MAX_OTHER_CORES = 0.25  # mean cores other processes may keep busy while this machine's figures are measured
 AS_BUILT = "the artifact's weights file"  # where an artifact's planned weight bytes come from
 RECIPE_QUANTIZE = "the recipe's quantize options"  # a recipe's: its blocks, scales and embedding choice
+EXPORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # a recipe's export.dtype, as planned
 NOT_COUNTED = "activations, workspace (GEMM/attention scratch), CUDA context / runtime, fragmentation"
 
 
@@ -228,10 +229,12 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
         check_config_fits(config, recipe)
         resolved = recipe.to_dict()
         head_warning = _stored_head_warning(config, Path(spec.path) / "config.json") if spec.source == "hf" else []
+        export_dtype = EXPORT_DTYPES.get(recipe.export.dtype, "fp32")  # as its artifact would be planned
         return config, {"kind": f"recipe ({spec.source})", "path": str(p), "context": recipe.export.max_context,
                         "warnings": head_warning,
                         "backend": recipe.backend.name, "prefill": prefill_shape(resolved),
-                        "max_batch": recipe.export.max_batch,
+                        "max_batch": recipe.export.max_batch, "dtype": export_dtype,
+                        "kv_dtype": "fp16" if export_dtype == "bf16" else export_dtype,
                         **quantized_dtypes(resolved["passes"])}
     if p.is_file() and p.suffix == ".gguf":
         return _gguf_config(str(p)), {"kind": "gguf", "path": str(p)}
@@ -290,8 +293,7 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
         raise BuildError(str(error)) from None
     kv = manifest.get("kv_cache", {})
     recipe = manifest.get("recipe", {})
-    export_dtype = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(
-        recipe.get("export", {}).get("dtype", "float32"), "fp32")
+    export_dtype = EXPORT_DTYPES.get(recipe.get("export", {}).get("dtype", "float32"), "fp32")
     quantized = quantized_dtypes(recipe.get("passes", []))
     info = {"kind": "artifact", "path": str(folder), "context": kv.get("max_context"), "prefill": prefill_shape(recipe),
             "float_bytes": 4 if export_dtype == "fp32" else 2,  # activations, and the scales stored in their type
@@ -477,7 +479,11 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     # dequantize_weights on prefill: its session folds the layers' products to float32 (the lm_head stays quantized)
     float_prefill = 4 * (params["attention"] + params["mlp"]) if info.get("float_prefill") and precision in (
         "int4", "int8") and info.get("backend") == "onnxruntime" else 0  # (its MatMulNBits only: onnxruntime's)
-    resident = w + float_prefill
+    # The prefill and decode engines are two sessions (two TensorRT engines): each holds its own copy of the weights
+    # (onnxruntime prepacks each session's; SmolLM2's fp32 artifact is 1.41 GB resident for 539 MB of weights), the
+    # prefill's float32 copies of the layers' products where dequantize_weights folds them.
+    prefill_copy = float_prefill or w
+    resident = w + prefill_copy
     products = params["attention"] + params["mlp"] + config.vocab_size * config.hidden_size
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
     kv_request, kv_total = kv_token * context, kv_token * context * concurrency
@@ -501,7 +507,7 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         "weights_from": AS_BUILT if as_built else RECIPE_QUANTIZE if from_recipe else f"params x {precision} bytes",
         "kv": {"bytes_per_token": kv_token, "per_request": kv_request, "total": kv_total},
         "memory": {"total": resident + kv_total, "usable": usable, "fits": resident + kv_total <= usable,
-                   "prefill_float_weights": float_prefill,
+                   "prefill_float_weights": float_prefill, "prefill_engine_weights": prefill_copy,
                    "max_concurrency": max(0, int((usable - resident) // kv_request)), "not_counted": NOT_COUNTED},
         # prefill reads every weight a step reads at least once too: on a short prompt that, not the FLOPs, bounds it
         "bounds": {"prefill_s": max(prefill_compute_s, prefill_memory_s), "prefill_flops": prefill_compute_s * peak,
@@ -542,6 +548,9 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
                                   f"with export.max_batch: {concurrency} to serve this many at once")
     if info["kind"] == "artifact" and not gpu and measure and info["backend"] != "onnxruntime":
         result["warnings"].append(f"not timed: this artifact's {info['backend']} engines run on a GPU, not on cpu")
+    elif info["kind"].startswith("recipe") and not gpu and info["backend"] != "onnxruntime":
+        result["warnings"].append(f"this recipe builds {info['backend']} engines, which run on a GPU, not on cpu: "
+                                  f"plan it with --device H100 (or the GPU it will run on)")
     elif info["kind"] == "artifact" and not gpu and measure:
         result["measured"] = measure_artifact(info, config, dev, context)
         if context > (info.get("context") or context):
@@ -609,6 +618,9 @@ def render(p: dict) -> None:
     if mem["prefill_float_weights"]:
         table.add_row("prefill's float weights", _gb(mem["prefill_float_weights"]), "dequantize_weights: attention + "
                       "MLP params x 4 B, folded when the prefill session loads")
+    else:
+        table.add_row("prefill engine's copy", _gb(mem["prefill_engine_weights"]), "the prefill and decode engines "
+                      "each hold the weights")
     table.add_section()
     table.add_row("KV cache / token", f"{kv['bytes_per_token'] / 1024:,.2f} KiB", "2 x layers x kv_heads x head_dim"
                   f" x {KV_BYTES[i['kv_dtype']]} B")
@@ -617,8 +629,8 @@ def render(p: dict) -> None:
     fits = "[green]fits[/green]" if mem["fits"] else "[red]does not fit[/red]"
     table.add_row("weights + KV", _gb(mem["total"]), f"{fits} in {_gb(mem['usable'])} usable; excludes activations, "
                   "workspace")
-    table.add_row("max concurrency", str(mem["max_concurrency"]), "(usable - weights" + (
-        " - prefill's float weights" if mem["prefill_float_weights"] else "") + ") / KV per request")
+    table.add_row("max concurrency", str(mem["max_concurrency"]), "(usable - weights - prefill's " + (
+        "float weights" if mem["prefill_float_weights"] else "copy") + ") / KV per request")
     table.add_section()
     table.add_row("prefill >=", _t(b["prefill_s"]),
                   f"FLOPs of {i['prompt']} tokens (projections + causal attention) / peak FLOP/s" if

@@ -60,8 +60,10 @@ def test_llama3_8b_kv_cache_and_max_concurrency_on_h100(llama3):
                             "total": kv_per_token * 8192 * 64}
     weights = 8_030_261_248 * 2
     usable = 0.9 * 81559 * 2**20  # the H100's memory as nvidia-smi reports it (it was taken as 80e9 bytes: 52)
-    assert result["memory"]["max_concurrency"] == int((usable - weights) // (kv_per_token * 8192)) == 56
-    assert not result["memory"]["fits"]  # 64 x 1.07 GB of KV + 16 GB of weights > 72 GB
+    # the prefill and decode engines each hold the weights (it counted one copy: 56)
+    assert result["memory"]["max_concurrency"] == int((usable - 2 * weights) // (kv_per_token * 8192)) == 41
+    assert result["memory"]["total"] == 2 * weights + kv_per_token * 8192 * 64
+    assert not result["memory"]["fits"]  # 64 x 1.07 GB of KV + 2 x 16 GB of weights > 72 GB
     bounds = result["bounds"]
     read = weights - 128256 * 4096 * 2  # a step gathers one row of the untied embedding table, not all of it
     assert bounds["decode_token_s"] == pytest.approx((read + kv_per_token * 8192) / 3.35e12)
@@ -149,8 +151,21 @@ def test_bad_paths_and_context(llama3, tmp_path):
 def test_tiny_recipe_plans():
     result = plan(str(TINY_RECIPE), device="L4")
     assert result["inputs"]["context"] == 128  # the recipe's export.max_context
-    assert result["kv"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    assert result["kv"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # its export.dtype, float32
     assert result["memory"]["fits"] and result["bounds"]["decode_tokens_per_s"] > 0
+
+
+def test_a_recipe_is_planned_in_its_export_dtype_as_its_artifact_is(tmp_path, tiny_artifact):
+    """The recipe branch took the device's default (fp16 on a GPU) where the recipe says float32, so a recipe and
+    the artifact built from it got different plans; a TensorRT recipe planned on cpu is warned about."""
+    assert plan(str(TINY_RECIPE), device="H100")["inputs"] == {
+        **plan(str(tiny_artifact), device="H100")["inputs"], "precision": "fp32", "kv_dtype": "fp32"}
+    half = tmp_path / "half.yaml"  # float16 is TensorRT's
+    half.write_text(TINY_RECIPE.read_text().replace("export:\n", "export:\n  dtype: float16\n").split("passes:")[0]
+                    + "backend: {name: tensorrt}\npasses: [cleanup, fuse_attention, lower_tensorrt]\n")
+    assert plan(str(half), device="H100")["inputs"]["precision"] == "fp16"
+    assert plan(str(half), device="H100", precision="int8")["inputs"]["precision"] == "int8"  # the flag wins
+    assert any("builds tensorrt engines, which run on a GPU" in w for w in plan(str(half), device="cpu")["warnings"])
 
 
 def with_required_fields(manifest: dict) -> dict:
@@ -371,8 +386,8 @@ def test_a_quantized_recipe_defaults_to_its_precisions(tmp_path):
     assert tied["bounds"]["decode_token_s"] == pytest.approx(
         (tied["weights"] - counts["embedding"] * 4 + one_request) / result["device"]["bandwidth_Bps"])
     recipe.write_text(text)
-    float_recipe = plan(str(TINY_RECIPE), device="H100")  # no quantize pass: the device's default
-    assert float_recipe["inputs"]["precision"] == "fp16" and float_recipe["inputs"]["kv_dtype"] == "fp16"
+    float_recipe = plan(str(TINY_RECIPE), device="H100")  # no quantize pass: its export.dtype
+    assert float_recipe["inputs"]["precision"] == "fp32" and float_recipe["inputs"]["kv_dtype"] == "fp32"
     assert result["memory"]["prefill_float_weights"] == 0
 
     # dequantize_weights on prefill: that session also holds the layers' products in float32
@@ -380,8 +395,9 @@ def test_a_quantized_recipe_defaults_to_its_precisions(tmp_path):
                                                            "{phases: [prefill]}"))
     float_prefill = plan(str(recipe), device="H100")
     assert float_prefill["memory"]["prefill_float_weights"] == 4 * (counts["attention"] + counts["mlp"])
-    assert float_prefill["memory"]["total"] == pytest.approx(result["memory"]["total"] + 4 * (counts["attention"]
-                                                                                            + counts["mlp"]))
+    # the prefill engine's copy is then those float weights, in place of a second copy of the quantized ones
+    assert float_prefill["memory"]["total"] == pytest.approx(result["memory"]["total"] - result["weights"] + 4 * (
+        counts["attention"] + counts["mlp"]))
 
 
 def test_int8_scales_are_counted_per_block_of_each_products_own_k(tmp_path):
