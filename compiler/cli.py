@@ -140,6 +140,7 @@ def _run(args) -> None:
 
 
 def _inspect(args) -> None:
+    from runtime.errors import ArtifactError
     from runtime.manifest import check_files, read_manifest
 
     manifest = read_manifest(args.artifact)
@@ -150,6 +151,19 @@ def _inspect(args) -> None:
     # The summary is this command's output: stdout, as --json's (`aotlm inspect A | less`, `> summary.txt`); errors
     # stay on stderr. The stderr console's width: a terminal's, or the tests' wide one.
     out = Console(file=sys.stdout, width=console.width)
+    try:
+        with out.capture() as summary:  # all or nothing: not half a summary, then an error
+            _summarize(manifest, args.verify, out)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as problem:  # read_manifest checks what the
+        # runtime needs; the summary reads the rest (pass reports, accuracy...), which an edit can break
+        raise ArtifactError(f"{args.artifact}/manifest.json: a field the summary reads is missing or malformed "
+                         f"({type(problem).__name__}: {problem}); rebuild the artifact, or read the manifest as it "
+                         f"is with `aotlm inspect --json`") from None
+    sys.stdout.write(summary.get())
+
+
+def _summarize(manifest: dict, verified: bool, out: Console) -> None:
+    """`aotlm inspect`'s summary of a manifest, printed on `out`."""
     config = manifest["model"]["config"]
     out.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}, built {manifest['created']}",
                   highlight=False)
@@ -200,7 +214,7 @@ def _inspect(args) -> None:
         from compiler.accuracy import format_accuracy
 
         out.print(format_accuracy(manifest["accuracy"]), highlight=False)
-    files = Table(title="files" + (" (sha256 verified)" if args.verify else " (sizes checked; --verify hashes)"))
+    files = Table(title="files" + (" (sha256 verified)" if verified else " (sizes checked; --verify hashes)"))
     files.add_column("file")
     files.add_column("MiB", justify="right")
     for name, record in manifest["files"].items():

@@ -291,6 +291,15 @@ def _from_artifact(folder: Path) -> tuple[DecoderConfig, dict]:
         manifest = read_manifest(folder)
     except AotlmRuntimeError as error:
         raise BuildError(str(error)) from None
+    try:
+        return _artifact_config(folder, manifest)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as problem:  # read_manifest checks what the
+        # runtime needs; the plan reads the recipe and the quantize options too, which an edit can break
+        raise BuildError(f"{folder}/manifest.json: a field the plan reads is missing or malformed "
+                         f"({type(problem).__name__}: {problem}); rebuild the artifact") from None
+
+
+def _artifact_config(folder: Path, manifest: dict) -> tuple[DecoderConfig, dict]:
     kv = manifest.get("kv_cache", {})
     recipe = manifest.get("recipe", {})
     export_dtype = EXPORT_DTYPES.get(recipe.get("export", {}).get("dtype", "float32"), "fp32")

@@ -195,6 +195,28 @@ def test_inspect_s_summary_is_its_output_on_stdout_and_an_error_stays_on_stderr(
     assert out == "" and "not an artifact" in err
 
 
+@pytest.mark.parametrize("damage, raised", [
+    (lambda m: m["engines"]["decode"]["inputs"][0].pop("shape"), "KeyError: 'shape'"),
+    (lambda m: m["passes"][0]["report"].__setitem__("totals", []), "TypeError"),
+    (lambda m: m.__setitem__("recipe", None), "AttributeError"),
+    (lambda m: m.__setitem__("accuracy", {"held_out": {"text": "x"}}), "KeyError"),
+])
+def test_a_damaged_manifest_is_one_error_line_from_inspect_and_plan(capsys, tiny_artifact, tmp_path, damage, raised):
+    """read_manifest checks what the runtime needs; the summary and the plan read more (pass reports, accuracy, the
+    recipe), and an edit there was a traceback, after half a summary."""
+    copy = shutil.copytree(tiny_artifact, tmp_path / "copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    damage(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["inspect", str(copy)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "a field the summary reads is missing or malformed" in err and raised in err, err
+    assert main(["inspect", str(copy), "--json"]) == 0  # the manifest as it is, to see what went wrong
+    if "recipe" in manifest and manifest["recipe"] is None:
+        assert main(["plan", str(copy), "--device", "H100"]) == 2
+        assert "a field the plan reads is missing or malformed" in capsys.readouterr().err
+
+
 def test_a_stop_string_that_is_not_utf8_is_refused_as_a_prompt_is(capsys, tiny_artifact):
     """`--stop $'\\xff'` (argv read with surrogateescape) was taken and never matched: decoded text holds no lone
     surrogate, and the same bytes in --prompt or --chat are refused."""
