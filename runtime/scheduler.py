@@ -193,6 +193,10 @@ class Scheduler:
         self._slot_released = [0] * slots  # when each slot's prefix was left, in releases counted
         self._releases = itertools.count(1)
         self._waiting: deque[_Sequence] = deque()
+        # Tokens as they are made (a server's /metrics counters move every step, as vLLM's do, not at a request's end):
+        # prompt tokens and those of them found in the cache, counted at a request's first token; tokens chosen, a
+        # final stop token included. Written by the worker only.
+        self._token_counts = {"prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "generation_tokens": 0}
         self._lock = threading.Condition()  # guards _waiting, _worker, _closed
         self._worker: threading.Thread | None = None
         self._callbacks = CallbackThread()
@@ -286,6 +290,10 @@ class Scheduler:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def token_counts(self) -> dict[str, int]:
+        """Tokens this scheduler has taken in and made so far (see _token_counts); from any thread."""
+        return dict(self._token_counts)
 
     def counts(self) -> tuple[int, int]:
         """(requests in a slot, requests waiting for one) now; from any thread (a server's /metrics)."""
@@ -574,6 +582,11 @@ class Scheduler:
         sequence.token_times.append(time.perf_counter())
         sequence.next_token = None
         params = sequence.params
+        counts = self._token_counts
+        if len(sequence.token_times) == 1:  # its first token: its whole prompt is in
+            counts["prompt_tokens"] += len(sequence.prompt_ids)
+            counts["prefix_cache_hit_tokens"] += sequence.cached
+        counts["generation_tokens"] += 1
         if token in sequence.stop_ids:
             sequence.stop_token = token
             return self._finish(sequence, "stop")

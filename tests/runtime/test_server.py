@@ -4,6 +4,7 @@ error bodies with the field named, and a client that leaves cancels its requests
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import signal
@@ -740,7 +741,8 @@ def test_metrics_histograms_and_counters_of_hand_made_traces():
     # one token, 3000 s after arrival (past the last bound, 2560): no gap, no tpot, no queue
     metrics.finished(finished(arrival=0.0, prefill_start=0.0, token_times=[3000.0], finish=3000.0, prompt_tokens=5))
     metrics.finished(GenerationResult("", [], [], "cancelled", None))  # cancelled before its first token: not counted
-    scheduler = SimpleNamespace(counts=lambda: (3, 5), slots=8)
+    scheduler = SimpleNamespace(counts=lambda: (3, 5), slots=8, token_counts=lambda: {  # the scheduler's, as made
+        "prompt_tokens": 15, "generation_tokens": 4, "prefix_cache_hit_tokens": 4})
     series = exposition_series(metrics.render("m", scheduler))
 
     def value(name, le=None):
@@ -772,10 +774,16 @@ def test_metrics_show_the_requests_running_and_waiting(slow_server):
     next(iter(running))
     waiting = server.engine.submit([1, 2], max_new_tokens=2)
     series = scrape(server.server_address)
+    made = len(list(itertools.islice(running, 3))) + 1  # pieces of text it streamed: each took a token at least
+    later = scrape(server.server_address)
     running.cancel()
     waiting.cancel()
     label = 'model_name="tiny-random"'
     assert (series[f"aotlm:num_requests_running{{{label}}}"], series[f"aotlm:num_requests_waiting{{{label}}}"]) == (1, 1)
+    # the token counters move while a request runs (vLLM's per step; they had moved only when a request finished)
+    assert series[f"aotlm:prompt_tokens_total{{{label}}}"] == 3
+    assert series[f"aotlm:generation_tokens_total{{{label}}}"] >= 1
+    assert later[f"aotlm:generation_tokens_total{{{label}}}"] >= made == 4
 
 
 def test_an_api_key_guards_the_v1_routes_not_health_or_metrics(tiny_artifact):
