@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -31,7 +32,7 @@ INSPECT_SUMMARY_CHARACTERS = 240  # a pass's summary in `aotlm inspect`'s table;
 DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
 # bench flags that apply to one kind of run only, with their defaults (argparse's are None: "given" is not None)
 BENCH_SERVED = {"requests": 32, "arrival": "all", "concurrency": None, "rate": None, "prompt_tokens": "128",
-                "output_tokens": "64", "warmup": 1, "slo_ttft_ms": None, "slo_tpot_ms": None, "batching": None,
+                "output_tokens": "64", "warmup": 1, "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2e_ms": None, "batching": None,
                 "slots": None, "prefill_chunk": None, "seed": 0, "shared_prefix": 0, "prefix_caching": False}
 BENCH_PHASE = {"prompt_lengths": ("prefill", None), "runs": ("prefill", 5), "contexts": ("decode", None),
                "steps": ("decode", 32), "batch": (None, 1)}  # None: both phases
@@ -293,6 +294,10 @@ def _bench(args) -> None:
     if not args.out:  # the default path, under the current folder, is checked before the work as a given one is
         args.out = f"benchmarks/results/bench-{name}{'-' + args.phase if args.phase else ''}.json"
     check_output_file(args.out, "--out")
+    if not args.phase:  # the plots beside the JSON: a folder by their names was a traceback after the whole run
+        stem = Path(args.out).with_suffix("")
+        for plot in (f"{stem}-cdf.png", f"{stem}-timeline.png"):
+            check_output_file(plot, "--out's plot")
     threads = args.threads or os.cpu_count()
     text = bench.read_prompt_file(args.prompt_file)
     baselines = bench.check_baselines(args.baseline or [])
@@ -329,7 +334,7 @@ def _bench(args) -> None:
         shown = f"peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads"
         message(f"[dim]{escape(shown)}[/dim]")
         counted = {"runs": args.runs} if args.phase == "prefill" else {"steps": args.steps}  # what the phase used
-        settings = {"artifact": str(args.artifact), "phase": args.phase, "batch": args.batch, **counted,
+        settings = {**_run_record(args.artifact), "phase": args.phase, "batch": args.batch, **counted,
                     "threads": threads}
         out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
         plot = bench.write_phase_plot(rows, args.phase, out)
@@ -341,8 +346,8 @@ def _bench(args) -> None:
         concurrency=args.concurrency, rate=args.rate, prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, warmup=args.warmup, seed=args.seed, text=text,
         shared_prefix=args.shared_prefix)
-    slo = {key: value for key, value in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms))
-           if value is not None}
+    slo = {key: value for key, value in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms),
+                                         ("e2e_ms", args.slo_e2e_ms)) if value is not None}
     modes = list(dict.fromkeys(args.batching or ["continuous"]))  # several: served one after another, compared
     slots = args.slots if args.slots is not None else workload.concurrency if args.arrival == "concurrency" else 8
     for flag, value in (("--slots", slots), ("--prefill-chunk", args.prefill_chunk)):
@@ -362,21 +367,32 @@ def _bench(args) -> None:
 
         peers.check_installed(baselines)  # before anything is served: aotlm's run is not lost to a missing peer
         loaders.update({peer: (lambda peer=peer: peers.load(peer, manifest, threads, console)) for peer in baselines})
-    runs = {}
+    runs, failures = {}, {}
     with Progress(console=console) as progress:
         for backend, load in loaders.items():  # one after another, never at once
             task = progress.add_task(f"{backend:18}", total=len(workload.requests) + len(workload.warmup))
             serve = load()
-            runs[backend] = bench.run_workload(serve, workload, on_done=lambda task=task: progress.advance(task))
-            getattr(serve, "close", lambda: None)()  # stop a scheduler's worker thread
-            del serve  # free its weights before the next backend loads
-    settings = {"artifact": str(args.artifact), "threads": threads, "backends": list(runs), "baselines": baselines,
+            failures[backend] = []  # a failed request is counted and said, as vLLM's bench does; the rest is measured
+            try:
+                traces = bench.run_workload(serve, workload, on_done=lambda task=task: progress.advance(task),
+                                            failures=failures[backend])
+            finally:
+                getattr(serve, "close", lambda: None)()  # stop a scheduler's worker thread
+                del serve  # free its weights before the next backend loads
+            runs[backend] = [trace for trace in traces if trace is not None]
+            if failures[backend]:
+                first = failures[backend][0]
+                warning(f"{backend}: {len(failures[backend])} of {len(traces)} requests failed (request "
+                        f"{first['request']}: {first['error']}); the metrics are the completed requests'")
+            if not runs[backend]:
+                raise bench.BenchError(f"{backend}: every request failed; the first: {first['error']}")
+    settings = {**_run_record(args.artifact), "threads": threads, "backends": list(runs), "baselines": baselines,
                 "batching": modes,
                 "slots": slots, "prefill_chunk": args.prefill_chunk, "prefix_caching": args.prefix_caching,
                 "prompt_source": args.prompt_file or "pydoc_data.topics (sorted, joined)",
                 "decoding": "greedy, stop tokens disabled", "slo": slo or None, "prompt_tokens_asked": args.prompt_tokens,
                 "output_tokens_asked": args.output_tokens, **workload.settings()}
-    result = bench.report(settings, runs, slo=slo or None)
+    result = bench.report(settings, runs, slo=slo or None, failures=failures)
     wide = console if console.is_terminal else Console(stderr=True, width=160)  # a pipe would get 80 columns
     for backend, entry in result["backends"].items():
         table = format_table(entry["summary"])
@@ -402,6 +418,39 @@ def _bench(args) -> None:
         warning(str(problem))
         return
     message("wrote " + escape(", ".join(map(str, written))))
+
+
+def _run_record(artifact: str) -> dict:
+    """What a bench JSON needs to say which run it is: when, on which artifact (its folder as given and resolved, its
+    name and manifest's sha256: a rebuild at the same path is another artifact), by which aotlm, and how its numbers
+    are made."""
+    import hashlib
+    from datetime import datetime, timezone
+
+    from runtime.manifest import read_manifest
+
+    manifest = Path(artifact) / "manifest.json"
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "artifact": str(artifact),
+            "artifact_path": str(Path(artifact).resolve()), "artifact_name": read_manifest(artifact)["name"],
+            "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest(), "aotlm": _aotlm_version(),
+            "percentiles": "numpy's linear interpolation", "trace_times": "seconds since the backend's first arrival"}
+
+
+def _aotlm_version() -> str:
+    """The package version, and the commit of a source checkout (with "+dirty" for uncommitted changes)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("aotlm")
+    except PackageNotFoundError:
+        installed = "not installed"
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty=+dirty"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{installed} ({commit})" if commit else installed
 
 
 def parser() -> argparse.ArgumentParser:
@@ -464,6 +513,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=None, help="requests served first and excluded (default: 1)")
     bench.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="goodput: TTFT limit")
     bench.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="goodput: TPOT limit")
+    bench.add_argument("--slo-e2e-ms", type=positive_float, default=None, help="goodput: end-to-end latency limit")
     bench.add_argument("--baseline", action="append", default=None,
                        help="also serve the workload with transformers or onnxruntime-genai (repeatable)")
     bench.add_argument("--threads", type=thread_count, default=None, help="intra-op threads for every backend (default: all cores)")

@@ -244,10 +244,12 @@ class ScheduledServer:
         self.scheduler.close()
 
 
-def run_workload(serve: Serve | ScheduledServer, workload: Workload,
-                 on_done: Callable[[], None] | None = None) -> list[RequestTrace]:
+def run_workload(serve: Serve | ScheduledServer, workload: Workload, on_done: Callable[[], None] | None = None,
+                 failures: list[dict] | None = None) -> list[RequestTrace | None]:
     """Serve the warm-up requests one by one, then the workload (through one worker thread for a blocking server,
-    submitted on arrival to a ScheduledServer); traces in request order."""
+    submitted on arrival to a ScheduledServer); traces in request order. A request that fails raises its error,
+    unless `failures` is given: then it is recorded there ({"request": index, "error": text}, as vLLM's bench
+    counts failed requests), its trace is None, and the run goes on (a closed loop's client sends its next one)."""
     for request in workload.warmup:
         serve(request.prompt_ids, request.output_tokens, time.perf_counter())
         on_done and on_done()
@@ -286,16 +288,19 @@ def run_workload(serve: Serve | ScheduledServer, workload: Workload,
                     send(sent, due)
                     sent += 1
                     continue
-            try:
-                index, result = done.get(timeout=timeout)
+            try:  # a wait past threading.TIMEOUT_MAX overflows (a rate of 1e-10/s): waited in hours, re-checked
+                index, result = done.get(timeout=None if timeout is None else min(timeout, 3600.0))
             except queue.Empty:  # the next Poisson arrival is due
                 continue
-            if isinstance(result, BaseException):
+            if isinstance(result, Exception) and failures is not None:
+                failures.append({"request": index, "error": f"{type(result).__name__}: {result}"})
+            elif isinstance(result, BaseException):
                 raise result
-            if result.output_tokens != requests[index].output_tokens:
-                raise BenchError(f"request {index} made {result.output_tokens} tokens, not the "
-                                 f"{requests[index].output_tokens} asked")
-            traces[index] = result
+            else:
+                if result.output_tokens != requests[index].output_tokens:
+                    raise BenchError(f"request {index} made {result.output_tokens} tokens, not the "
+                                     f"{requests[index].output_tokens} asked")
+                traces[index] = result
             completed += 1
             on_done and on_done()
             if workload.arrival == "concurrency" and sent < len(requests):  # that client sends its next one
@@ -320,12 +325,16 @@ def trace_record(trace: RequestTrace, t0: float) -> dict:
             "e2e_ms": 1e3 * trace.e2e, "queue_ms": 1e3 * trace.queue, "prefill_ms": 1e3 * trace.prefill_seconds}
 
 
-def report(settings: dict, runs: dict[str, list[RequestTrace]], slo: dict | None = None) -> dict:
-    """{settings, machine, backends: {name: {summary, traces}}}; the first backend is the reference for ratios."""
+def report(settings: dict, runs: dict[str, list[RequestTrace]], slo: dict | None = None,
+           failures: dict[str, list[dict]] | None = None) -> dict:
+    """{settings, machine, backends: {name: {summary, traces, failed, errors}}}; the first backend is the reference
+    for ratios. runs: each backend's completed requests' traces; failures: its failed ones (run_workload's)."""
     backends = {}
     for name, traces in runs.items():
         t0 = min(t.arrival for t in traces)
-        backends[name] = {"summary": summarize(traces, slo=slo), "traces": [trace_record(t, t0) for t in traces]}
+        failed = (failures or {}).get(name, [])
+        backends[name] = {"summary": summarize(traces, slo=slo), "failed": len(failed), "errors": failed[:10],
+                          "traces": [trace_record(t, t0) for t in traces]}
     return {"settings": settings, "machine": machine(), "backends": backends}
 
 

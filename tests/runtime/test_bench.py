@@ -5,6 +5,7 @@ Timings are never asserted, only their order and the structure they must have (o
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import time
@@ -16,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from compiler import cli
-from runtime import bench
+from runtime import Engine, bench
 from runtime.bench import BenchError, make_workload, run_workload
 from runtime.metrics import RequestTrace, summarize
 
@@ -489,3 +490,53 @@ def test_phase_timing_without_matplotlib_keeps_its_json_and_says_the_plot_was_sk
     output = " ".join(capsys.readouterr().err.split())  # the console writes to stderr
     assert len(json.loads(path.read_text())["rows"]) == 1 and not (tmp_path / "decode-steps.png").exists()
     assert "plot skipped: matplotlib is not installed (pip install 'aotlm[bench]')" in output
+
+
+def test_a_failed_request_is_counted_and_said_and_the_rest_measured(tiny_artifact, tmp_path, monkeypatch, capsys):
+    """vLLM's bench reports completed and failed requests. One failed graph run (the scheduler fails that request
+    alone) had ended `aotlm bench` with a traceback, every result lost."""
+    from tests.runtime.faults import failing_run
+
+    real_init = bench.ScheduledServer.__init__
+
+    def with_a_failing_prefill(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.scheduler.cache.run = failing_run(self.scheduler.cache.run, "prefill", at=3)  # the 2nd measured one
+
+    monkeypatch.setattr(bench.ScheduledServer, "__init__", with_a_failing_prefill)
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", str(tiny_artifact), "--requests", "6", "--arrival", "concurrency", "--concurrency", "1",
+                     "--prompt-tokens", "8", "--output-tokens", "4", "--slo-e2e-ms", "60000", "--out", str(out)]) == 0
+    entry = json.loads(out.read_text())["backends"]["aotlm"]
+    assert entry["failed"] == 1 and entry["errors"][0]["request"] == 1, entry["errors"]
+    assert "out of memory" in entry["errors"][0]["error"]
+    assert entry["summary"]["requests"] == len(entry["traces"]) == 5
+    assert entry["summary"]["goodput"]["slo"] == {"e2e_ms": 60000.0}  # --slo-e2e-ms, as vLLM's --goodput e2el
+    assert entry["summary"]["goodput"]["good_requests"] == 5
+    assert "aotlm: 1 of 6 requests failed (request 1: RuntimeError" in " ".join(capsys.readouterr().err.split())
+    failures = []  # the API: without `failures`, the error is raised
+    server = bench.ScheduledServer(Engine.load(tiny_artifact), slots=1)
+    try:
+        w = make_workload(lambda text: list(range(3, 40)), max_context=128, requests=3, prompt_tokens="8",
+                          output_tokens="2", warmup=0)
+        traces = run_workload(server, w, failures=failures)  # its 3rd prefill fails
+        assert [trace is None for trace in traces] == [False, False, True] and failures[0]["request"] == 2
+    finally:
+        server.close()
+
+
+def test_a_bench_json_says_when_what_and_by_which_aotlm(tiny_artifact, tmp_path):
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", str(tiny_artifact), "--requests", "2", "--prompt-tokens", "8", "--output-tokens", "2",
+                     "--out", str(out)]) == 0
+    settings = json.loads(out.read_text())["settings"]
+    manifest = (tiny_artifact / "manifest.json").read_bytes()
+    assert settings["manifest_sha256"] == hashlib.sha256(manifest).hexdigest()
+    assert settings["artifact_path"] == str(tiny_artifact.resolve()) and settings["artifact_name"] == "tiny-random"
+    assert settings["date"].endswith("+00:00") and settings["aotlm"] and "linear" in settings["percentiles"]
+
+
+def test_a_plot_path_that_cannot_be_written_is_refused_before_the_run(tiny_artifact, tmp_path, capsys):
+    (tmp_path / "b-cdf.png").mkdir()  # a folder where a plot goes: it was a traceback from PIL after the whole run
+    assert cli.main(["bench", str(tiny_artifact), "--requests", "2", "--out", str(tmp_path / "b.json")]) == 2
+    assert "b-cdf.png: is a folder" in capsys.readouterr().err and not (tmp_path / "b.json").exists()
