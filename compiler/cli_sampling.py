@@ -39,11 +39,21 @@ def sampling_options(args) -> dict:
     if args.temperature == 0 and sampling_only:  # greedy ignores them: the user would believe they sampled
         raise UsageError(f"{', '.join(sampling_only)}: {'they shape' if len(sampling_only) > 1 else 'it shapes'} "
                          f"sampling, but --temperature 0 (the default) decodes greedily; add --temperature > 0")
+    from runtime.errors import RequestError
     from runtime.sampling import SamplingParams
 
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                    stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens)
-    SamplingParams(**options)  # out-of-range values: refused now, not after seconds of loading weights
+    try:
+        SamplingParams(**options)  # out-of-range values: refused now, not after seconds of loading weights
+    except RequestError as error:  # its message names the keyword ("min_p: 2.0 ..."): name the flag given instead
+        keyword, colon, rest = str(error).partition(":")
+        if colon and keyword in options:
+            raise UsageError(f"{FLAGS.get(keyword, '--' + keyword.replace('_', '-'))}:{rest}") from None
+        raise
     return options
+
+
+FLAGS = {"stop_strings": "--stop"}  # SamplingParams' keywords whose flag is not the keyword with dashes

@@ -171,10 +171,11 @@ def test_bench_s_default_output_names_the_artifact_and_the_phase(capsys, tiny_ar
 
 @pytest.mark.parametrize("command", [["run", "--prompt", "x"], ["chat"]])
 @pytest.mark.parametrize("flags, said", [
-    (["--temperature", "-1"], "temperature: -1.0 must be a finite number >= 0"),
-    (["--temperature", "1", "--top-p", "0"], "top_p: 0.0 must be a number in (0, 1]"),
-    (["--presence-penalty", "3"], "presence_penalty: 3.0 must be a number in [-2, 2]"),
-    (["--max-new-tokens", "2", "--min-new-tokens", "3"], "min_new_tokens: 3 must be an integer from 0"),
+    (["--temperature", "-1"], "error: --temperature: -1.0 must be a finite number >= 0"),
+    (["--temperature", "1", "--top-p", "0"], "error: --top-p: 0.0 must be a number in (0, 1]"),  # the flag, not top_p
+    (["--presence-penalty", "3"], "error: --presence-penalty: 3.0 must be a number in [-2, 2]"),
+    (["--max-new-tokens", "2", "--min-new-tokens", "3"], "error: --min-new-tokens: 3 must be an integer from 0"),
+    (["--stop", ""], "error: --stop: an empty string would stop before any text"),
 ])
 def test_run_and_chat_refuse_bad_sampling_values_before_loading_the_weights(capsys, monkeypatch, chat_artifact,
                                                                              command, flags, said):

@@ -377,7 +377,7 @@ def test_cli_run_min_new_tokens(tiny_artifact, capsys, monkeypatch):
     assert counted and int(counted[1]) >= end + 2  # without: end + 1, the end token counted
     assert main(["run", str(tiny_artifact), "--prompt", "hello", "--max-new-tokens", "4", "--min-new-tokens", "5"]) == 2
     said = " ".join(capsys.readouterr().err.split())  # rich wraps it at the terminal's width
-    assert "min_new_tokens: 5 must be an integer from 0 to the most new tokens asked for (4)" in said
+    assert "--min-new-tokens: 5 must be an integer from 0 to the most new tokens asked for (4)" in said
 
 
 # -- logit_bias ------------------------------------------------------------------------------------------------
