@@ -284,6 +284,8 @@ def _api_error(error: RequestError, chat: bool, default: str | None = None,
     field = max_name if field == "max_new_tokens" else ENGINE_NAMES.get(field, field)
     if ":" in message and field != message.split(":", 1)[0]:
         message = field + ":" + message.split(":", 1)[1]
+    if field == "top_k":  # the engine's "0 = no limit"; the API also takes vLLM's -1 for it
+        message = message.replace("(0 = no limit)", "(0 or -1 = no limit)")
     return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else default)
 
 

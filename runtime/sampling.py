@@ -270,6 +270,9 @@ class Sampler:
         if logits.max() == np.inf:  # a finite logit divided by a tiny penalty
             raise RequestError(f"repetition_penalty: {params.repetition_penalty!r} overflows the logits of tokens "
                                f"already seen to infinity; use a penalty nearer 1")
+        if logits.max() == -np.inf:  # every token seen, each multiplied past float32: nothing left to sample
+            raise RequestError(f"repetition_penalty: {params.repetition_penalty!r} drives every token's logit to "
+                               f"-infinity (all of them already seen); use a penalty nearer 1")
         return logits
 
     def _choose(self, logits: np.ndarray) -> int:

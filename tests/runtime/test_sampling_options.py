@@ -90,6 +90,9 @@ def test_a_penalty_that_overflows_the_logits_is_a_request_error():
     sampler = Sampler(SamplingParams(repetition_penalty=1e-39, temperature=1.0, seed=0), prompt_ids=[0, 1])
     with pytest.raises(RequestError, match="repetition_penalty: 1e-39 overflows the logits"):
         sampler(np.array([1.0, 2.0, 0.5], dtype=np.float32))
+    everything_seen = Sampler(SamplingParams(repetition_penalty=1e39, temperature=1.0, seed=0), prompt_ids=[0, 1, 2])
+    with pytest.raises(RequestError, match="drives every token's logit to -infinity"):  # was numpy's ValueError
+        everything_seen(np.array([-1.0, -2.0, -3.0], dtype=np.float32))
 
 
 def test_penalized_requests_under_batching_make_their_alone_tokens(tiny_engine):
