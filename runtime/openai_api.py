@@ -516,11 +516,13 @@ def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries,
     texts = _token_texts(engine, token_ids, start, output_end)
     chosen = token_ids[start:]
     if request.chat:
-        def described(text: str, logprob: float) -> dict:
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        def described(token: int, text: str, logprob: float) -> dict:
+            # bytes: the token's own (OpenAI's "to combine across tokens"), where its text is "" or U+FFFD for a
+            # character it spells only part of
+            return {"token": text, "logprob": logprob, "bytes": list(engine.tokenizer.token_bytes(token))}
 
-        return {"content": [{**described(text, entry[token]),
-                             "top_logprobs": [described(_token_text(engine, alt), logprob)
+        return {"content": [{**described(token, text, entry[token]),
+                             "top_logprobs": [described(alt, _token_text(engine, alt), logprob)
                                               for alt, logprob in _top(entry, count)]}
                             for token, text, entry in zip(chosen, texts, entries)]}
     offsets = []

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import json
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +19,23 @@ def whole_text(tokenizer: Tokenizer) -> Tokenizer:
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from each byte to a printable character (the byte-level BPE alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    mapping, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+BYTE_OF_SYMBOL = {symbol: byte for byte, symbol in bytes_to_unicode().items()}
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: one byte a token
 
 
 def check_unicode(text: str, what: str = "the text") -> None:
@@ -76,6 +95,26 @@ class TextTokenizer:
         if bad is not None:
             raise RequestError(f"decode: token id {bad} is outside this model's vocabulary (0..{self.vocab_size - 1})")
         return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs `bytes`): a character spelled by several tokens has its
+        bytes split among them, where decoding a token alone gives U+FFFD. Byte-level BPE spells bytes as GPT-2's
+        printable characters, SentencePiece's byte fallback as <0xNN> (its word marker is a space); for any other
+        tokenizer, the token decoded alone."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is not None and self._spelling == "byte-level" and all(c in BYTE_OF_SYMBOL for c in piece):
+            return bytes(BYTE_OF_SYMBOL[c] for c in piece)
+        if piece is not None and self._spelling == "byte-fallback":
+            byte = BYTE_TOKEN.fullmatch(piece)
+            return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.cached_property
+    def _spelling(self) -> str | None:
+        """How the vocabulary spells bytes, from its decoder: "byte-level", "byte-fallback" or None."""
+        decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+        kinds = {part.get("type") for part in decoder.get("decoders", [decoder])}
+        return "byte-level" if "ByteLevel" in kinds else "byte-fallback" if "ByteFallback" in kinds else None
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:

@@ -14,7 +14,7 @@ from collections import Counter
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from compiler.errors import BuildError
-from compiler.frontend.random_init import bytes_to_unicode
+from runtime.tokenizer import bytes_to_unicode
 
 # How llama.cpp splits text before byte-level BPE, by tokenizer.ggml.pre (llama-vocab.cpp): each type's regexes
 # run one after another, each cutting every piece so far at its matches (what a Sequence of isolating Splits does).

@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from compiler.errors import BuildError
 from compiler.frontend.config import DecoderConfig, LoadedModel
+from runtime.tokenizer import BYTE_OF_SYMBOL
 
 INIT_STD = 0.02  # the usual Llama initializer range
 NORM_NOISE_STD = 0.1  # norms are 1 + noise, so a graph that drops or misplaces a norm gives different outputs
@@ -150,20 +151,5 @@ def random_tokenizer_json(config: DecoderConfig) -> str:
 
 def _byte_of_symbol(symbol: str) -> int:
     """GPT-2's byte-to-unicode map: printable bytes are themselves, the other 68 are shifted to 256 + n."""
-    return _SYMBOL_TO_BYTE[symbol]
+    return BYTE_OF_SYMBOL[symbol]
 
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from each byte to a printable character (the byte-level BPE alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    mapping, shifted = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            mapping[byte] = chr(byte)
-        else:
-            mapping[byte] = chr(256 + shifted)
-            shifted += 1
-    return mapping
-
-
-_SYMBOL_TO_BYTE = {symbol: byte for byte, symbol in bytes_to_unicode().items()}

@@ -932,7 +932,7 @@ def test_a_llama3_gguf_tokenizer_takes_vocabulary_words_whole_and_adds_bos(pre, 
     from tokenizers import Tokenizer as HFTokenizer
 
     from compiler.frontend.gguf_tokenizer import tokenizer_json_from_gguf
-    from compiler.frontend.random_init import bytes_to_unicode
+    from runtime.tokenizer import bytes_to_unicode
 
     tokens = [*bytes_to_unicode().values(), "ab", "abc", "<|begin_of_text|>"]
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,

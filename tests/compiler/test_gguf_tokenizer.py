@@ -175,7 +175,7 @@ def test_a_control_token_outside_the_byte_alphabet_is_not_matched_whole():
     """A byte-level vocabulary spells a newline "Ċ"; a raw "\n\n" marked control is a llama.cpp mislabel. Added as a
     special token it would be cut out of the text whole (and dropped when decoding skips special tokens); a real
     control token still matches whole."""
-    from compiler.frontend.random_init import bytes_to_unicode
+    from runtime.tokenizer import bytes_to_unicode
 
     tokens = [*bytes_to_unicode().values(), "\n\n", "<|im_start|>"]
     metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
@@ -188,7 +188,7 @@ def test_added_tokens_stored_as_their_text_are_matched_whole_under_their_own_ids
     <｜User｜> and <｜begin▁of▁sentence｜>, a user-defined " <tag>"); llama.cpp matches that text whole. Spelled byte by
     byte they had been skipped: a chat prompt's <｜User｜> became 11 byte tokens, and BOS read as "<ï½ľbegin...".
     A whitespace-only control token (a mislabel), whose spelling a merge makes here, keeps its spelling: "ĊĊ"."""
-    from compiler.frontend.random_init import bytes_to_unicode
+    from runtime.tokenizer import bytes_to_unicode
 
     alphabet = list(bytes_to_unicode().values())
     added = ["<｜begin▁of▁sentence｜>", "<｜User｜>", " <tag>", "\n\n"]
@@ -210,7 +210,7 @@ def test_added_tokens_stored_as_their_text_are_matched_whole_under_their_own_ids
 def test_merges_that_name_a_piece_missing_from_the_tokens_are_refused_by_name():
     """A merge whose parts or product are not tokens (a token list cut short) stopped in tokenizers' own bare
     Exception, "Error while initializing BPE: Token `ab` out of vocabulary", with no file or key named."""
-    from compiler.frontend.random_init import bytes_to_unicode
+    from runtime.tokenizer import bytes_to_unicode
 
     metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
                 "tokenizer.ggml.tokens": list(bytes_to_unicode().values()), "tokenizer.ggml.merges": ["a b"]}
@@ -222,7 +222,7 @@ def test_merges_that_name_a_piece_missing_from_the_tokens_are_refused_by_name():
 def test_a_byte_level_token_stored_as_raw_text_keeps_its_id():
     """convert_hf_to_gguf may store a token as its text ("日") rather than byte-level symbols ("æĹ¥"); spelled out
     byte by byte, as transformers does, it is found whole (llama3's ignore_merges) under its own id."""
-    from compiler.frontend.random_init import bytes_to_unicode
+    from runtime.tokenizer import bytes_to_unicode
 
     alphabet = list(bytes_to_unicode().values())
     metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe",

@@ -503,6 +503,23 @@ def test_chat_logprobs_without_top_logprobs_give_the_chosen_tokens_only(chat_ser
     assert len(content) == 3 and all(entry["top_logprobs"] == [] and entry["logprob"] <= 0 for entry in content)
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own_and_join_to_the_text(chat_served):
+    """OpenAI's `bytes` are the token's own, to be joined across a character's tokens: a token spelling only part of
+    one (its text "") had [] and the one completing it the whole character's bytes."""
+    from runtime.openai_api import logprobs_body
+
+    engine = chat_served.engine
+    ids = engine.tokenizer.encode("ok 😀🌟 中文", add_special_tokens=False)
+    body = logprobs_body(engine, SimpleNamespace(chat=True, logprobs=1), ids, [{token: -0.5} for token in ids])
+    content = body["content"]
+    partial = [entry for entry in content if entry["token"] == ""]
+    assert partial and all(entry["bytes"] for entry in partial)  # bytes where the text is not out yet
+    assert b"".join(bytes(entry["bytes"]) for entry in content).decode() == "ok 😀🌟 中文"
+    assert "".join(entry["token"] for entry in content) == "ok 😀🌟 中文"  # the texts still join to the text
+    for token, entry in zip(ids, content):
+        assert entry["top_logprobs"][0]["bytes"] == entry["bytes"] == list(engine.tokenizer.token_bytes(token))
+
+
 def test_chat_with_both_max_tokens_fields_is_told_to_give_one(chat_served):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3}
     status, _, response = post(chat_served, "/v1/chat/completions", body)

@@ -301,3 +301,25 @@ def test_the_engines_tokenizer_decodes_any_sequence_of_ids_and_encodes_only_text
             tokenizer.encode(text)
     with pytest.raises(RequestError, match="encode: add_special_tokens must be True or False, got 'no'"):
         tokenizer.encode("hello", add_special_tokens="no")
+
+
+def test_a_tokens_bytes_are_its_own_and_join_to_the_texts_bytes(tmp_path, tiny_artifact):
+    """OpenAI's logprobs `bytes`: each token's own, to be joined across the tokens of a character split among them
+    (chat's logprobs gave [] for the first parts and the whole character's bytes at the last)."""
+    text = "Le café 中文😀 ok"
+    for tokenizer in (byte_fallback_tokenizer(tmp_path), TextTokenizer(tiny_artifact / "tokenizer.json")):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        parts = [tokenizer.token_bytes(token) for token in ids]
+        assert any(len(part) and not _is_utf8(part) for part in parts)  # some token spells part of a character
+        joined = b"".join(parts)
+        assert joined.decode() == text or joined.decode() == " " + text  # SentencePiece: the word marker first
+    plain = TextTokenizer(tiny_artifact / "tokenizer.json")
+    assert plain._spelling == "byte-level" and byte_fallback_tokenizer(tmp_path)._spelling == "byte-fallback"
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
