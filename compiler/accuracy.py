@@ -134,32 +134,3 @@ def quantization_summary(pass_reports: list[dict]) -> dict:
     if report is not None:
         summary["kv_cache"] = {k: report[k] for k in ("dtype", "granularity", "quantized_layers", "relative_error")}
     return summary
-
-
-def format_accuracy(accuracy: dict, artifact_bytes: int | None = None) -> str:
-    """The console lines a person reads before deploying."""
-    lines = []
-    totals = accuracy.get("quantization", {}).get("totals")
-    if totals:
-        lines.append(f"quantized {totals['quantized']} MatMuls ({totals['skipped']} skipped): weights "
-                     f"{totals['weight_bytes_before'] / 2**20:.1f} MiB -> {totals['weight_bytes_after'] / 2**20:.1f} MiB; "
-                     f"graph {totals['graph_bytes_before'] / 2**20:.1f} MiB -> {totals['graph_bytes_after'] / 2**20:.1f} MiB")
-        if totals.get("mean_relative_output_error") is not None:
-            lines.append(f"layer output error on calibration data (E||xΔW||²/E||xW||²): mean "
-                         f"{totals['mean_relative_output_error']:.2e}, max {totals['max_relative_output_error']:.2e}")
-    kv_cache = accuracy.get("quantization", {}).get("kv_cache")
-    if kv_cache:
-        lines.append(f"KV cache stored as {kv_cache['dtype']} ({kv_cache['granularity']} scales, "
-                     f"{kv_cache['quantized_layers']} layers): relative round-off on calibration data, keys "
-                     f"{kv_cache['relative_error']['key_mean']:.2e}, values {kv_cache['relative_error']['value_mean']:.2e}")
-    held_out = accuracy.get("held_out")
-    if held_out:
-        lines.append(f"held-out text: {held_out['text']}, {held_out['tokens_scored']} tokens scored "
-                     f"(window {held_out['window']}, stride {held_out['stride']})")
-        lines.append(f"perplexity: float {held_out['reference_perplexity']:.3f} -> quantized {held_out['perplexity']:.3f} "
-                     f"({100 * held_out['perplexity_increase']:+.2f}%); top-1 agreement "
-                     f"{100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) {held_out['mean_kl']:.4f} nats")
-        if held_out.get("repeats_calibration_from") is not None:
-            lines.append(f"warning: the held-out text repeats the calibration text from its token "
-                         f"{held_out['repeats_calibration_from']} on")
-    return "\n".join(lines)

@@ -16,11 +16,10 @@ from tokenizers import Tokenizer
 from compiler.errors import BuildError
 from passes.calibration import CalibrationSet, CalibrationSpec, draw_samples
 from passes.errors import PassError
-from runtime.evaluate import read_text_file, split_held_out, split_pydoc_text
+from runtime.evaluate import BUILTIN_SOURCE, read_text_file, split_held_out, split_pydoc_text
 from runtime.tokenizer import whole_text
 
 BUILTIN = "pydoc"
-BUILTIN_SOURCE = "pydoc_data.topics (Python's documentation)"  # how reports name the built-in text
 
 
 def split_text(spec_text: str) -> tuple[str, str, dict]:

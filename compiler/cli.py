@@ -29,6 +29,9 @@ from compiler.errors import UsageError, check_output_file, nonnegative_int, posi
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 INSPECT_SUMMARY_CHARACTERS = 240  # a pass's summary in `aotlm inspect`'s table; --json prints the whole report
+# The extra that installs a module a command may need beyond the runtime's (pyproject.toml)
+EXTRAS = {**dict.fromkeys(("onnx", "onnxscript", "onnx_graphsurgeon", "torch", "gguf", "safetensors", "yaml"),
+                          "compiler"), "onnxruntime": "cpu", "matplotlib": "bench", "onnxruntime_genai": "bench"}
 DEFAULT_CONTEXTS = "64,512,1024,2000"  # bench --phase decode
 # bench flags that apply to one kind of run only, with their defaults (argparse's are None: "given" is not None)
 BENCH_SERVED = {"requests": 32, "arrival": "all", "concurrency": None, "rate": None, "prompt_tokens": "128",
@@ -59,8 +62,7 @@ def _build(args) -> None:
     replacing = is_artifact_folder(Path(args.output) / recipe.name)  # swapped atomically at the end: say so then
     with console.status(f"building {escape(recipe.name)}"):
         path = build(recipe, args.output, progress=progress)
-    from compiler.pass_reports import format_reports, idle_passes
-    from compiler.pipeline import PassResult
+    from compiler.pass_reports import PassResult, format_accuracy, format_reports, idle_passes
     from runtime.manifest import read_manifest
 
     manifest = read_manifest(path)
@@ -70,8 +72,6 @@ def _build(args) -> None:
         for text in idle_passes(passes):
             warning(text)
     if "accuracy" in manifest:
-        from compiler.accuracy import format_accuracy
-
         console.print(format_accuracy(manifest["accuracy"]), highlight=False)
     replaced = " (it replaced the artifact that was there)" if replacing else ""
     message(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s{replaced}")
@@ -206,14 +206,11 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
                             or (isinstance(v, float) and not k.endswith("error")))
         passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", escape(_shortened(summary)))
     out.print(passes)
-    from compiler.pass_reports import idle_passes
-    from compiler.pipeline import PassResult
+    from compiler.pass_reports import PassResult, format_accuracy, idle_passes
 
     for text in idle_passes([PassResult(**result) for result in manifest["passes"]]):
         warning(text, out)
     if "accuracy" in manifest:
-        from compiler.accuracy import format_accuracy
-
         out.print(format_accuracy(manifest["accuracy"]), highlight=False)
     files = Table(title="files" + (" (sha256 verified)" if verified else " (sizes checked; --verify hashes)"))
     files.add_column("file")
@@ -362,7 +359,11 @@ def _bench(args) -> None:
         Engine.load(args.artifact, intra_op_threads=threads, prefix_caching=args.prefix_caching), mode, slots,
         queue_room, args.prefill_chunk)) for mode in modes}
     if baselines:  # benchmarks/baselines.py (generate.py's model setup): a source checkout with the bench extras
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        checkout = Path(__file__).resolve().parents[1] / "benchmarks"
+        if not (checkout / "baselines.py").is_file():  # an installed package has no benchmarks/
+            raise bench.BenchError(f"--baseline runs from a source checkout of aotlm ({checkout} is not there: "
+                                   f"benchmarks/ is not installed with the package)")
+        sys.path.insert(0, str(checkout))
         import baselines as peers
 
         peers.check_installed(baselines)  # before anything is served: aotlm's run is not lost to a missing peer
@@ -611,6 +612,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ImportError as problem:  # a signal inside a module's initialisation surfaces as its ImportError
         stop = next((e for e in _chain(problem) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too
+        missing = (getattr(problem, "name", None) or "").split(".")[0]
+        if stop is None and isinstance(problem, ModuleNotFoundError) and missing in EXTRAS:
+            # an install with the runtime only (a deployment) running a command that needs more
+            error(f"`aotlm {getattr(args, 'command', '')}` needs {missing}, which is not installed: pip install "
+                  f"'aotlm[{EXTRAS[missing]}]'")
+            return 2
         if stop is None:
             raise
         terminated = isinstance(stop, _Terminated)

@@ -63,7 +63,7 @@ def _report_tokens(args, artifact: _ArtifactInfo) -> tuple[str | None, int]:
     """The fingerprint and count of the tokens the build report scored, when --text is that report's text."""
     held_out = (artifact.manifest.get("accuracy") or {}).get("held_out") or {}
     recorded, count = held_out.get("tokens_sha256"), held_out.get("tokens")
-    from compiler.calibration import BUILTIN_SOURCE
+    from runtime.evaluate import BUILTIN_SOURCE
 
     builtin = str(held_out.get("text")).startswith(BUILTIN_SOURCE)  # a file's path may hold "pydoc" too
     if args.text != "builtin:pydoc-held-out" or not recorded or not count or not builtin:

@@ -1,10 +1,24 @@
 """The passes' reports as a person reads them after a build (`aotlm build`, `aotlm inspect`): a table of each pass's
-time and node counts, and a line for each listed pass that changed nothing."""
+time and node counts, a line for each listed pass that changed nothing, and the accuracy report's lines. Imports
+nothing heavy (no onnx): `aotlm inspect` runs where only the runtime is installed."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
-from compiler.pipeline import PHASES_OPTION, PassResult
+PHASES_OPTION = "(its phases option)"  # the reason given for a phase a pass skips by its `phases` option
+
+
+@dataclass
+class PassResult:
+    name: str
+    phase: str
+    seconds: float
+    report: dict
+    nodes_before: int = 0
+    nodes_after: int = 0
+    index: int | None = None  # its place in the recipe's passes (None: a manifest from before it was recorded)
+
 
 # What each pass counts as its work, read from its report; cleanup always has some. A pass that did none in every phase
 # it ran on is named (idle_passes): its node counts alone cannot tell "nothing to do" from "done".
@@ -76,4 +90,33 @@ def format_reports(results: Sequence[PassResult]) -> str:
         # Text columns left-aligned, numbers right-aligned.
         cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1]), row[2].rjust(widths[2]), row[3].rjust(widths[3])]
         lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def format_accuracy(accuracy: dict, artifact_bytes: int | None = None) -> str:
+    """The console lines a person reads before deploying."""
+    lines = []
+    totals = accuracy.get("quantization", {}).get("totals")
+    if totals:
+        lines.append(f"quantized {totals['quantized']} MatMuls ({totals['skipped']} skipped): weights "
+                     f"{totals['weight_bytes_before'] / 2**20:.1f} MiB -> {totals['weight_bytes_after'] / 2**20:.1f} MiB; "
+                     f"graph {totals['graph_bytes_before'] / 2**20:.1f} MiB -> {totals['graph_bytes_after'] / 2**20:.1f} MiB")
+        if totals.get("mean_relative_output_error") is not None:
+            lines.append(f"layer output error on calibration data (E||xΔW||²/E||xW||²): mean "
+                         f"{totals['mean_relative_output_error']:.2e}, max {totals['max_relative_output_error']:.2e}")
+    kv_cache = accuracy.get("quantization", {}).get("kv_cache")
+    if kv_cache:
+        lines.append(f"KV cache stored as {kv_cache['dtype']} ({kv_cache['granularity']} scales, "
+                     f"{kv_cache['quantized_layers']} layers): relative round-off on calibration data, keys "
+                     f"{kv_cache['relative_error']['key_mean']:.2e}, values {kv_cache['relative_error']['value_mean']:.2e}")
+    held_out = accuracy.get("held_out")
+    if held_out:
+        lines.append(f"held-out text: {held_out['text']}, {held_out['tokens_scored']} tokens scored "
+                     f"(window {held_out['window']}, stride {held_out['stride']})")
+        lines.append(f"perplexity: float {held_out['reference_perplexity']:.3f} -> quantized {held_out['perplexity']:.3f} "
+                     f"({100 * held_out['perplexity_increase']:+.2f}%); top-1 agreement "
+                     f"{100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) {held_out['mean_kl']:.4f} nats")
+        if held_out.get("repeats_calibration_from") is not None:
+            lines.append(f"warning: the held-out text repeats the calibration text from its token "
+                         f"{held_out['repeats_calibration_from']} on")
     return "\n".join(lines)

@@ -16,7 +16,6 @@ import gc
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -24,6 +23,7 @@ import numpy as np
 import onnx
 
 from compiler.errors import BuildError
+from compiler.pass_reports import PHASES_OPTION, PassResult
 from passes.cleanup import SHAPE_DATA_MAX_BYTES, tensor_nbytes, without_any_initializers
 from passes.errors import PassError
 from passes.quantize import methods_used
@@ -39,7 +39,6 @@ DUMP_EXTERNAL_DATA_BYTES = 100 << 20
 RUNTIME_DEFINED_DEFAULT_DOMAIN_OPS = {"SimplifiedLayerNormalization"}
 # Passes that refuse a graph they have already rewritten.
 RUN_ONCE = ("quantize", "quantize_kv_cache")
-PHASES_OPTION = "(its phases option)"  # the reason given for a phase a pass skips by its `phases` option
 ONNXRUNTIME_LOWERINGS = ("lower_onnxruntime", "lower_onnx_attention")  # their graphs run in onnxruntime
 # (pass, a pass it must not come after, unless such a lowering lies between (True) or in any case (False), the fix)
 ORDER_RULES = (
@@ -72,17 +71,6 @@ ORDER_RULES = (
      "its calibration must see every row of the last layer, which skip_unused_rows drops from the prefill graph; "
      "list skip_unused_rows after quantize"),
 )
-
-
-@dataclass
-class PassResult:
-    name: str
-    phase: str
-    seconds: float
-    report: dict
-    nodes_before: int = 0
-    nodes_after: int = 0
-    index: int | None = None  # its place in the recipe's passes (None: a manifest from before it was recorded)
 
 
 def run_pipeline(

@@ -150,7 +150,12 @@ def _measure_cpu() -> dict:
     # The matmul peak is onnxruntime's (MLAS), the kernel artifacts run: numpy's BLAS can be far slower here
     # (e.g. with OPENBLAS_CORETYPE set), which made "lower bounds" above measured prefill times.
     import onnxruntime
-    from onnx import TensorProto, helper, numpy_helper
+    try:
+        from onnx import TensorProto, helper, numpy_helper
+    except ModuleNotFoundError:  # a runtime-only install (a deployment): measured once, where onnx is
+        raise BuildError(f"measuring this machine's matmul peak builds a one-MatMul graph with onnx, which is not "
+                         f"installed: pip install 'aotlm[compiler]' once (the figures are kept in {CACHE_FILE}; a "
+                         f"copy of that file from a machine of this kind does too)") from None
 
     n = 2048
     a, b = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32)
@@ -362,7 +367,7 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
 
 def _quantized_bytes_per_param(config: DecoderConfig, options: dict, scale_bytes: int, k: int | None = None) -> float:
     """Stored bytes per weight of a product with K = k (default: the hidden size)."""
-    from passes.quantized_lowering_ort import kernel_block
+    from passes.quantized_weights import kernel_block  # numpy only: a runtime-only host plans too
 
     bits = options.get("bits", 4)
     block = kernel_block(k or config.hidden_size, options.get("int8_kernel_block") if bits == 8 else

@@ -15,16 +15,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.quantized_weights import QuantizedWeight, pack_matmulnbits
+from passes.quantized_weights import QuantizedWeight, kernel_block, pack_matmulnbits
 
 MICROSOFT_DOMAIN = "com.microsoft"
-
-
-def kernel_block(k: int, block: int | None = None) -> int:
-    """The block MatMulNBits stores a K-long product's scales in: `block` (else the largest power of two <= 256
-    dividing K, 128 when none does), no larger than the power of two that holds K."""
-    block = block or next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 128)
-    return min(block, max(16, 1 << (k - 1).bit_length()))
 
 
 def for_matmulnbits(qw: QuantizedWeight, per_channel_block: int | None = None) -> QuantizedWeight:

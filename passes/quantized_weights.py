@@ -142,3 +142,10 @@ def pack_matmulnbits(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.nd
     blob = pack_low_first(qw.codes.reshape(qw.n, qw.blocks, qw.block_size), qw.bits)
     zero_points = None if qw.zero_points is None else pack_low_first(qw.zero_points, qw.bits)
     return blob, qw.scales, zero_points
+
+
+def kernel_block(k: int, block: int | None = None) -> int:
+    """The block MatMulNBits stores a K-long product's scales in: `block` (else the largest power of two <= 256
+    dividing K, 128 when none does), no larger than the power of two that holds K."""
+    block = block or next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 128)
+    return min(block, max(16, 1 << (k - 1).bit_length()))

@@ -244,7 +244,13 @@ class Engine:
 
             backend = TensorRTBackend(folder, manifest)
         elif backend_name == "onnxruntime":
-            from runtime.onnxruntime_backend import OnnxRuntimeBackend
+            try:
+                from runtime.onnxruntime_backend import OnnxRuntimeBackend
+            except ModuleNotFoundError as missing:
+                if missing.name != "onnxruntime":
+                    raise
+                raise ArtifactError(f"{folder}: its engines run on onnxruntime, which is not installed: pip install "
+                                    f"'aotlm[cpu]' (or 'aotlm[gpu]' on an NVIDIA GPU)") from None
 
             backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spinning_phases=spinning_phases)
         else:

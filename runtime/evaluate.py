@@ -31,6 +31,7 @@ LogitsFor = Callable[[np.ndarray], np.ndarray]  # token ids [n] -> logits [n, vo
 CALIBRATION_FRACTION = 0.9  # of pydoc's characters; the held-out part starts at the next paragraph boundary
 HELD_OUT_BOUNDARY_LIMIT = 0.95  # ...if one starts by here; else at 90% exactly (half the held-out part, at least)
 PARAGRAPH_BREAK = re.compile(r"\r?\n\r?\n")
+BUILTIN_SOURCE = "pydoc_data.topics (Python's documentation)"  # how reports name the built-in text
 BUILTIN_TEXTS = ("pydoc-held-out", "pydoc-calibration")
 
 

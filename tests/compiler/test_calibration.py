@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from compiler import cli_evaluate
-from compiler.accuracy import (HeldOut, first_repeated_run, format_accuracy, held_out_tokens, quantization_summary,
-                               repeated_text_warning, report_window_and_stride)
+from compiler.accuracy import (HeldOut, first_repeated_run, held_out_tokens, quantization_summary, repeated_text_warning,
+                               report_window_and_stride)
+from compiler.pass_reports import format_accuracy
 from compiler.calibration import BUILTIN_SOURCE, resolve, resolve_passes, split_text
 from compiler.errors import BuildError
 from compiler.recipe import PassSpec

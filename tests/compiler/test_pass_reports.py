@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from compiler.pass_reports import idle_passes
-from compiler.pipeline import PassResult
+from compiler.pass_reports import PassResult
 
 
 def test_a_pass_that_changed_nothing_in_any_phase_is_named_with_its_first_reason():

@@ -12,7 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 from compiler import pipeline
 from compiler.errors import BuildError
 from compiler.pass_reports import format_reports
-from compiler.pipeline import PassResult, run_pipeline
+from compiler.pass_reports import PassResult
+from compiler.pipeline import run_pipeline
 from passes import cleanup, fuse_silu
 from passes.errors import PassError
 from passes.registry import PASSES, PassEntry

@@ -39,3 +39,39 @@ def test_a_request_imports_nothing_new(tiny_artifact):
     )
     completed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stdout + completed.stderr
+
+
+BLOCKED = ("onnx", "onnx_graphsurgeon", "onnxscript", "torch", "yaml", "gguf", "safetensors")  # the compiler extra's
+
+
+def _cli_without_the_compiler_extra(*argv: str, home: str) -> subprocess.CompletedProcess:
+    """`aotlm ARGV` in a process where the compiler extra's modules cannot be imported (a runtime-only install)."""
+    script = (
+        "import sys\n"
+        f"for name in {BLOCKED!r}:\n"
+        "    sys.modules[name] = None  # import raises ModuleNotFoundError, as where it is not installed\n"
+        "from compiler.cli import main\n"
+        f"sys.exit(main({list(argv)!r}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "HOME": home, "COLUMNS": "200"})
+
+
+def test_the_runtime_commands_run_without_the_compiler_extra(tiny_artifact, tmp_path):
+    """A deployment installs aotlm[cpu] only: inspect, eval and bench --phase imported onnx through compiler modules
+    (pass reports, calibration's text name, plan's block sizes) and ended in a ModuleNotFoundError traceback."""
+    text = tmp_path / "text.txt"
+    text.write_text("The lighthouse keeper climbed the stairs each evening and lit the lamp. " * 20)
+    for argv in (["inspect", str(tiny_artifact)],
+                 ["run", str(tiny_artifact), "--prompt", "hi", "--max-new-tokens", "3"],
+                 ["eval", str(tiny_artifact), "--text", str(text), "--max-tokens", "100", "--window", "64"],
+                 ["plan", str(tiny_artifact), "--device", "H100"]):
+        completed = _cli_without_the_compiler_extra(*argv, home=str(tmp_path))
+        assert completed.returncode == 0 and "Traceback" not in completed.stderr, (argv, completed.stderr[-2000:])
+    # what needs the extra says so in one line: a build, and the cpu peak measured on a machine without a cache
+    completed = _cli_without_the_compiler_extra("build", str(REPO / "recipes" / "tiny-random.yaml"), "--output",
+                                                str(tmp_path / "built"), home=str(tmp_path))
+    assert completed.returncode == 2 and "pip install 'aotlm[compiler]'" in completed.stderr, completed.stderr[-2000:]
+    completed = _cli_without_the_compiler_extra("bench", str(tiny_artifact), "--phase", "decode", "--contexts", "8",
+                                                "--steps", "2", "--out", str(tmp_path / "d.json"), home=str(tmp_path))
+    assert completed.returncode == 2 and "pip install 'aotlm[compiler]' once" in completed.stderr, completed.stderr
