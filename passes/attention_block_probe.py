@@ -79,7 +79,7 @@ def check_blocks(graph: gs.Graph, matches: list, cached: bool = False, batch: in
         for activation, width in found.activations:
             cut(activation, width)
         written = [writer.outputs[0] for writer in (found.key_writer, found.value_writer) if writer is not None]
-        for output in (tensors[found.o_proj.inputs[0].name], *(tensors[present.name] for present in written)):
+        for output in (tensors[found.attention_output.name], *(tensors[present.name] for present in written)):
             outputs.append(gs.Variable(f"{output.name}.probe", np.float32))
             probe.nodes.append(gs.Node("Cast", inputs=[output], outputs=[outputs[-1]],
                                        attrs={"to": onnx.TensorProto.FLOAT}))

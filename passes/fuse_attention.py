@@ -7,11 +7,12 @@ Anchored on each Softmax; the pattern, as traced from the canonical decoder or f
                                                      Reshape|Transpose)* -> MatMul(q, kT) -> Mul(scale) -> Add(mask)
     x -> v_proj -> Reshape -> Transpose -> [ScatterElements(past_value)] -> [Slice] -> (...)*       -> Softmax
                                                                  MatMul(probs, v) <-------------------'
-                                                                 -> (Transpose|Reshape)* -> o_proj
+                                                                 -> (Transpose|Reshape)* -> [Mul(s)] -> o_proj
     rotary(t) = t * cos + Concat(-t[..., D/2:], t[..., :D/2]) * sin,  cos = Cos(positions * inv_freq) [* scaling]
 
 The fused node reads the three projections' outputs and the cache buffers, applies rotary itself from
-cos/sin tables built from the graph's inv_freq, writes the caches in place and feeds o_proj. The mask subgraph,
+cos/sin tables built from the graph's inv_freq, writes the caches in place and feeds o_proj (or the Mul of AWQ's
+per-channel input scales before it, where quantize ran before fusion). The mask subgraph,
 the scatter writes and the rotary math become dead and are removed. `match` returns a Match or a SkipReason,
 so every attention that is not fused says which check failed, per layer, in the report. Two checks run what
 the structure cannot show: each additive mask on a long probe (passes/attention_mask_probe.py: a window or a
@@ -68,6 +69,14 @@ class Match:
     activations: tuple = ()  # per q, k, v projection: (its input x, K of x @ W), for the block probe
     reads_cache: bool = False  # the scores read the keys back from the written cache (a decode graph)
     tables: tuple = ()  # per rotated q and k: its (cos, sin) tensors, checked over the probe length
+    # The node that reads the heads' merged output, and which of its inputs: o_proj, or AWQ's per-channel Mul before
+    # it (input scales that fold into no producer when quantize runs before fusion), which then reads the fused output
+    output_reader: tuple[gs.Node, int] | None = None
+
+    @property
+    def attention_output(self) -> gs.Tensor:
+        node, index = self.output_reader or (self.o_proj, 0)
+        return node.inputs[index]
 
 
 def _scores(softmax: gs.Node) -> tuple[gs.Node, float, gs.Tensor | None] | SkipReason:
@@ -135,7 +144,8 @@ def _nan_guard(probabilities: gs.Tensor) -> gs.Node | None:
     return where
 
 
-def _o_proj(value_matmul: gs.Node) -> gs.Node | SkipReason:
+def _o_proj(value_matmul: gs.Node) -> tuple[gs.Node, gs.Node, int] | SkipReason:
+    """(o_proj, the node reading the heads' merged output, which input) from the weighted sum's MatMul."""
     tensor = value_matmul.outputs[0]
     for _ in range(6):
         if not tensor.outputs:  # a graph output, or nothing
@@ -149,11 +159,27 @@ def _o_proj(value_matmul: gs.Node) -> gs.Node | SkipReason:
                               f"the way to the output projection, which FlashAttention's output alone would feed{hint}")
         node = tensor.outputs[0]
         if weight_shape(node) is not None:
-            return node
+            return node, node, node.inputs.index(tensor)
+        scaled = _channel_scales_before(node, tensor)
+        if scaled is not None:
+            return scaled, node, node.inputs.index(tensor)
         if node.op not in THROUGH_HEAD_SPLIT:
             break
         tensor = node.outputs[0]
     return SkipReason("attention output does not reach an output projection (MatMul by a weight)")
+
+
+def _channel_scales_before(node: gs.Node, tensor: gs.Tensor) -> gs.Node | None:
+    """The o_proj MatMul when `node` multiplies `tensor` (the heads merged, [.., K]) by constant per-channel scales and
+    feeds only it: AWQ's input scales where quantize ran before fusion and they folded into no producer."""
+    if node.op != "Mul" or len(node.inputs) != 2 or len(node.outputs[0].outputs) != 1:
+        return None
+    scales = constant(node.inputs[1 - node.inputs.index(tensor)])
+    o_proj = node.outputs[0].outputs[0]
+    shape = weight_shape(o_proj)
+    if scales is None or shape is None or scales.size != shape[0] or scales.shape[-1] != shape[0]:
+        return None
+    return o_proj
 
 
 def _projection(tensor: gs.Tensor) -> tuple[gs.Tensor, int, tuple[gs.Tensor, int]] | SkipReason:
@@ -217,9 +243,10 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
     pv = _value_matmul(softmax, graph_outputs)
     if isinstance(pv, SkipReason):
         return pv
-    o_proj = _o_proj(pv)
-    if isinstance(o_proj, SkipReason):
-        return o_proj
+    found_o_proj = _o_proj(pv)
+    if isinstance(found_o_proj, SkipReason):
+        return found_o_proj
+    o_proj, reader, reader_input = found_o_proj
     q_rotated, q_factor = walk_up_scaled(qk.inputs[0], THROUGH_CACHE_READ)
     key = _cache_write(qk.inputs[1])
     value = _cache_write(pv.inputs[1])
@@ -252,7 +279,7 @@ def match(softmax: gs.Node, graph_outputs: set[str] = frozenset()) -> Match | Sk
         return SkipReason(f"projection widths q={q_width} k={k_width} v={v_width} do not fit head_dim {head_dim}")
     return Match(layer_name(o_proj), query, key_tensor, value_tensor, past_key, past_value, key_writer, value_writer,
                  o_proj, mask, q_width // head_dim, k_width // head_dim, scale, inv_freq, scaling,
-                 tuple(projection[2] for projection in projections), reads_cache, tuple(tables))
+                 tuple(projection[2] for projection in projections), reads_cache, tuple(tables), (reader, reader_input))
 
 
 class SharedInputs:
@@ -311,7 +338,8 @@ def rewrite(graph: gs.Graph, match: Match, shared: SharedInputs) -> None:
         inputs=[match.query, match.key, match.value, past_key, past_value, seqlens, total, cos, sin],
         outputs=[output, *presents],
     ))
-    match.o_proj.inputs[0] = output
+    reader, index = match.output_reader
+    reader.inputs[index] = output
 
 
 def _shared_writers(matches: list[Match]) -> list[str | None]:

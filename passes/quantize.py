@@ -335,8 +335,9 @@ def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[
             # The table is also gathered as the embedding: no input scales (the gather could not undo them), and
             # the codes must fit a row lookup as well as the lm_head's inputs (quantize_target, shared_table).
             target.shared_table = True
-            target.note = (f"{settings.method} without input scales, on E[x xᵀ] / mean(diag) + I: the weight is the "
-                           f"quantized embedding table too, whose rows' own error counts as much as lm_head's output's")
+            shared = (f"{settings.method} without input scales, on E[x xᵀ] / mean(diag) + I: the weight is the "
+                      f"quantized embedding table too, whose rows' own error counts as much as lm_head's output's")
+            target.note = "; ".join(filter(None, [target.note, shared]))  # a padded K's note too
         targets.append(target)
     return targets, skipped
 
@@ -481,11 +482,14 @@ def as_matmul(graph: gs.Graph, target: Target) -> gs.Node:
 
 
 def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options, memo: dict) -> dict:
+    # Rows of a constant float table (axis 0: GatherBlockQuantized's gather_axis), the one reading input_ids first: an
+    # imported graph may gather from other tables too (positions, a cos/sin cache), or along another axis
     gathers = [n for n in graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant)
-               and len(n.inputs[0].shape) == 2 and constant_type(n.inputs[0]).type in FLOAT_TYPES]
+               and len(n.inputs[0].shape) == 2 and constant_type(n.inputs[0]).type in FLOAT_TYPES
+               and n.attrs.get("axis", 0) == 0]
     if not gathers:
-        return {"quantized": False, "reason": "no Gather on a constant float table"}
-    gather = gathers[0]
+        return {"quantized": False, "reason": "no Gather of rows from a constant float table"}
+    gather = next((n for n in gathers if n.inputs[1].name == "input_ids"), gathers[0])
     table = gather.inputs[0]
     if options.embedding == "float":
         return {"quantized": False, "node": gather.name, "reason": "embedding: float (the recipe's choice)"}

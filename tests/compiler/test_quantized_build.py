@@ -189,3 +189,33 @@ def test_quantize_before_fuse_attention_fuses_every_layer_and_gives_the_same_log
         logits.append(decode_logits_for(Engine.load(folder))(ids))
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-4)
     assert (logits[1].argmax(-1) == logits[0].argmax(-1)).all()
+
+
+@pytest.mark.parametrize("lowering", ["matmulnbits", "dequantize_linear"])
+def test_awq_before_fuse_attention_fuses_every_layer(tiny_recipe, tmp_path, lowering):
+    """Before fusion AWQ's o_proj input scales fold into no producer: a Mul stays before o_proj, and fuse_attention,
+    which looked for o_proj right after the heads' merge, fused no layer (a required fusion failed the build). The
+    fused node now feeds that Mul: its logits are the unfused graph's, the same quantized weights."""
+    awq = {"quantize": {"bits": 4, "block_size": 32, "method": "awq", "lowering": lowering,
+                        "calibration": {"text": "pydoc", "samples": 2, "length": 32}}}
+    data = quantized_recipe(tiny_recipe, awq, name="awq-first").to_dict()
+    names = [next(iter(entry)) for entry in data["passes"]]
+    moved = data["passes"].pop(names.index("quantize"))
+    data["passes"].insert(names.index("cleanup") + 1, moved)
+    data["accuracy"] = {"enabled": False}
+    fused_recipe = parse_recipe(data, origin="test")
+    unfused = dict(data, name="awq-unfused", passes=[entry for entry in data["passes"] if next(iter(entry)) not in (
+        "fuse_attention", "lower_onnxruntime")])
+    ids = np.random.default_rng(0).integers(3, 512, 40).tolist()
+    logits = []
+    for recipe in (fused_recipe, parse_recipe(unfused, origin="test")):
+        folder = build(recipe, tmp_path / recipe.name)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        reports = [p["report"] for p in manifest["passes"] if p["name"] in ("quantize", "fuse_attention")]
+        logits.append(decode_logits_for(Engine.load(folder))(ids))
+        if recipe is fused_recipe:
+            assert [r["fused"] for r in reports if "fused" in r] == [2, 2]
+            kept = [layer for r in reports if "layers" in r for layer in r["layers"] if "Mul inserted" in
+                    str(layer.get("awq") or "")]
+            assert kept, "no o_proj kept a Mul of input scales: the case this test is for did not arise"
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-4)

@@ -651,3 +651,19 @@ def test_the_dequantize_linear_lowering_asks_onnxruntime_for_the_float_product_i
     assert run(quantized, {}) > 0.1  # onnxruntime's default: what the recorded entry is for
     fast, _ = quantize.run(model, quantize.Options(bits=4, block_size=32, lowering="dequantize_linear", accuracy_level=4))
     assert session_config(fast) == {"session.qdq_matmulnbits_accuracy_level": "4"}
+
+
+def test_only_a_gather_of_rows_is_taken_for_the_embedding():
+    """GatherBlockQuantized gathers rows (gather_axis 0): a Gather along axis 1 (a table read by columns, in an
+    imported graph) was rewritten into one, with another shape and other values, silently."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = np.random.default_rng(0).standard_normal((64, 40)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Gather", ["T", "ids"], ["columns"], axis=1, name="pick_columns")],
+                              "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info("columns", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(table, "T")])
+    model, report = quantize.run(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]),
+                                 quantize.Options(bits=4, block_size=32, embedding="quantized"))
+    assert report["embedding"]["quantized"] is False and "rows" in report["embedding"]["reason"]
+    assert [node.op_type for node in model.graph.node] == ["Gather"]
