@@ -14,11 +14,14 @@ import os
 import platform
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 from importlib import metadata
 from pathlib import Path
 
+from compiler.errors import BuildError, is_artifact_folder
 from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, sha256_file
 
 NO_LOCKS = -1  # _try_lock on a filesystem without locks (some network filesystems)
@@ -50,22 +53,28 @@ def staged_folder(final_dir: Path):
     remove_abandoned(final_dir)
     with contextlib.ExitStack() as held:
         staging = _locked_folder(final_dir, "partial", held)
-        staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
+        staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an artifact is shared as its files are
         try:
             yield staging
             sync_to_disk(staging)
-            if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
-                retired = _locked_folder(final_dir, "old", held)
-                os.replace(final_dir, retired / final_dir.name)
-                try:
-                    os.replace(staging, final_dir)
-                except BaseException:  # the old artifact goes back (a stop between the renames: see remove_abandoned)
-                    os.replace(retired / final_dir.name, final_dir)
+            # One build swaps at a time (another may have built the same name meanwhile), and a signal waits until
+            # the swap is done: between its two renames the path holds no artifact.
+            with _swap_lock(final_dir), _signals_deferred():
+                if final_dir.exists() and not _replaceable(final_dir):  # made while this build ran
+                    raise BuildError(f"{final_dir} appeared during the build and is not an aotlm artifact: it is left "
+                                     f"alone and this build's artifact is not written; move it and build again")
+                if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
+                    retired = _locked_folder(final_dir, "old", held)
+                    os.replace(final_dir, retired / final_dir.name)
+                    try:
+                        os.replace(staging, final_dir)
+                    except BaseException:  # the old artifact goes back
+                        os.replace(retired / final_dir.name, final_dir)
+                        shutil.rmtree(retired, ignore_errors=True)
+                        raise
                     shutil.rmtree(retired, ignore_errors=True)
-                    raise
-                shutil.rmtree(retired, ignore_errors=True)
-            else:
-                os.replace(staging, final_dir)
+                else:
+                    os.replace(staging, final_dir)
             try:  # the rename itself; the artifact is in place already, so a failure here only warns
                 _sync_folder(final_dir.parent)
             except OSError as error:
@@ -74,6 +83,53 @@ def staged_folder(final_dir: Path):
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # read by setting: no call reads it alone (but /proc's, not everywhere)
+    os.umask(mask)
+    return mask
+
+
+def _replaceable(folder: Path) -> bool:
+    """Whether the swap may replace folder: an artifact, or empty."""
+    return is_artifact_folder(folder) or (folder.is_dir() and not any(folder.iterdir()))
+
+
+@contextlib.contextmanager
+def _swap_lock(final_dir: Path):
+    """An exclusive lock on final_dir's parent folder for the swap: another build's swap there (of any name: a swap
+    takes milliseconds) waits. The folder itself, not a lock file beside the artifacts: nothing is left behind."""
+    descriptor = os.open(final_dir.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with contextlib.suppress(OSError):  # a filesystem without locks: as before, unlocked
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def _signals_deferred(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+    """Hold SIGINT, SIGTERM and SIGHUP until the block ends, then act on the first one as its handler would. Blocking
+    them (pthread_sigmask) would not do: Python runs its handlers in the main thread whichever thread the kernel
+    picks, and a build has others (progress display, onnxruntime)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    caught: list[int] = []
+    previous = {number: signal.signal(number, lambda number, frame: caught.append(number)) for number in signals}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)  # Python's (KeyboardInterrupt) or the program's own (aotlm's SIGTERM)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), caught[0])
 
 
 def sync_to_disk(folder: Path) -> None:

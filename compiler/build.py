@@ -76,6 +76,10 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         raise BuildError(f"--output {output_root}: {'is' if inside == Path(output_root).resolve() else 'is inside'} the "
                          f"artifact folder {inside}; --output is the folder that receives <name>/ (e.g. artifacts), "
                          f"and an artifact holds only what its manifest lists")
+    if final_dir.is_dir() and os.path.ismount(final_dir):  # the swap renames it: a mount point cannot be (EBUSY)
+        raise BuildError(f"{final_dir} is a mount point, and the build replaces that folder by renaming a new one over "
+                         f"it, which a mount point refuses: give --output a folder on that volume (e.g. {final_dir}) "
+                         f"so that the artifact is {final_dir / recipe.name}")
     if final_dir.is_dir() and not os.access(final_dir, os.R_OK | os.W_OK | os.X_OK):  # the swap moves it: checked first
         raise BuildError(f"{final_dir}: an artifact this build would replace, and it is not readable and writable by "
                          f"you; fix its permissions, remove it, or build into another --output folder")
@@ -152,7 +156,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
             sections = tensorrt_backend.write_engines(graphs, folder, recipe, aliases, Path(output_root), say)
         else:
             sections = onnxruntime_backend.write_engines(graphs, folder, recipe.backend, aliases)
-        (folder / TOKENIZER_FILE).write_text(loaded.tokenizer_json)
+        (folder / TOKENIZER_FILE).write_text(loaded.tokenizer_json, encoding="utf-8")  # not the locale's: Ġ, Ā...
         if loaded.chat_template is not None:
             (folder / CHAT_TEMPLATE_FILE).write_text(loaded.chat_template, encoding="utf-8")
         manifest = {"kv_cache": kv_cache, **sections}

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,6 +46,9 @@ def _build(args) -> None:
     from compiler.build import build
     from compiler.recipe import ignored_settings, load_recipe
 
+    if not args.output.strip():  # an unset $OUT: it built into the current folder
+        raise UsageError("--output is empty (an unset variable?); give the folder that receives <name>/, e.g. "
+                         "artifacts")
     recipe = load_recipe(args.recipe)
     for text in ignored_settings(recipe):
         warning(text)
@@ -60,8 +64,15 @@ def _build(args) -> None:
     from compiler.errors import is_artifact_folder
 
     replacing = is_artifact_folder(Path(args.output) / recipe.name)  # swapped atomically at the end: say so then
-    with console.status(f"building {escape(recipe.name)}"):
-        path = build(recipe, args.output, progress=progress)
+    try:
+        with console.status(f"building {escape(recipe.name)}"):
+            path = build(recipe, args.output, progress=progress)
+    except OSError as full:  # a write's error names no file: say which disks the build writes
+        if full.errno not in (errno.ENOSPC, errno.EDQUOT) or full.filename:
+            raise
+        raise OSError(full.errno, full.strerror, f"{args.output}, where the artifact is written (replacing one needs "
+                                                 f"room for both), or the temporary folder {tempfile.gettempdir()}, "
+                                                 f"where the graphs are traced (TMPDIR)") from None
     from compiler.pass_reports import PassResult, format_accuracy, format_reports, idle_passes
     from runtime.manifest import read_manifest
 
@@ -553,12 +564,26 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # end the program as Ctrl-C does, cleaning up on the way
+
+
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the program is, so that it unwinds through the build's cleanup as Ctrl-C does."""
+    """SIGTERM or SIGHUP (an ssh session that dropped), raised where the program is, so that it unwinds through the
+    build's cleanup as Ctrl-C does (SIGHUP's default ended a build with its temporary folders left behind)."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__()
+        self.signum = signum
 
 
 def _terminated(signum, frame) -> None:
-    raise _Terminated
+    raise _Terminated(signum)
+
+
+def _stopped_by(stop: _Terminated) -> int:
+    """The exit status of a signal's stop (128 + its number, as a shell reports it), said in a word."""
+    console.print("[yellow]hung up[/yellow]" if stop.signum == signal.SIGHUP else "[yellow]terminated[/yellow]")
+    return 128 + stop.signum
 
 
 def _chain(exception: BaseException):
@@ -584,21 +609,23 @@ def refused_write(error: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from compiler.errors import BuildError
-    from runtime.errors import AotlmRuntimeError
+    try:  # Ctrl-C while the modules load (the first ~0.2 s): a word, not a traceback
+        from compiler.errors import BuildError
+        from runtime.errors import AotlmRuntimeError
 
-    args = parser().parse_args(argv)
+        args = parser().parse_args(argv)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/yellow]")
+        return 130
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
-    previous = signal.signal(signal.SIGTERM, _terminated) if in_main_thread else None
-    previous = signal.SIG_DFL if previous is None else previous  # None: a handler set outside Python
+    previous = {number: signal.signal(number, _terminated) for number in STOP_SIGNALS} if in_main_thread else {}
     try:
         args.handler(args)
     except (BuildError, AotlmRuntimeError) as problem:
         error(str(problem))  # one line: a long path stays one string to copy or grep (compiler/console.py)
         return 2
-    except _Terminated:
-        console.print("[yellow]terminated[/yellow]")
-        return 143
+    except _Terminated as stop:
+        return _stopped_by(stop)
     except BrokenPipeError:  # stdout's reader left (`aotlm run ... | head`): stop quietly, as a killed writer would
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
         return 141
@@ -620,12 +647,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if stop is None:
             raise
-        terminated = isinstance(stop, _Terminated)
-        console.print("[yellow]terminated[/yellow]" if terminated else "[yellow]interrupted[/yellow]")
-        return 143 if terminated else 130
+        if isinstance(stop, _Terminated):
+            return _stopped_by(stop)
+        console.print("[yellow]interrupted[/yellow]")
+        return 130
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
     return 0
 
 if __name__ == "__main__":

@@ -285,3 +285,19 @@ def test_a_large_models_build_runs_the_passes_one_phase_at_a_time_and_writes_the
     assert spilled["files"] == held["files"]
     assert [(p["name"], p["phase"], p["report"]) for p in spilled["passes"]] == \
         [(p["name"], p["phase"], p["report"]) for p in held["passes"]]
+
+
+def test_a_build_under_an_ascii_locale_writes_the_tokenizer_as_utf8(tmp_path):
+    """tokenizer.json was written in the locale's encoding: under LC_ALL=C (no UTF-8 mode) a byte-level vocabulary's
+    Ġ and Ā failed the build at its end with a UnicodeEncodeError traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    completed = subprocess.run([sys.executable, "-m", "compiler.cli", "build", str(TINY_RECIPE), "--output",
+                                str(tmp_path)], cwd=TINY_RECIPE.parents[1], env=env, capture_output=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr.decode(errors="replace")[-2000:]
+    vocabulary = json.loads((tmp_path / "tiny-random" / "tokenizer.json").read_bytes().decode("utf-8"))["model"]["vocab"]
+    assert "Ġ" in "".join(vocabulary)

@@ -18,6 +18,7 @@ import pytest
 from compiler import cli, cli_evaluate
 from compiler.artifact import remove_abandoned, staged_folder
 from compiler.cli import main
+from compiler.errors import BuildError
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-random.yaml"
 
@@ -774,8 +775,8 @@ def test_a_filesystem_that_refuses_to_sync_folders_still_builds_and_a_late_sync_
 
     monkeypatch.setattr(os, "fsync", refuse_folders)
     with staged_folder(final) as folder:
-        (folder / "manifest.json").write_text("first")
-    assert (final / "manifest.json").read_text() == "first"
+        (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "first"}')
+    assert "first" in (final / "manifest.json").read_text()
 
     def fail_on_the_parent(descriptor):
         if os.readlink(f"/proc/self/fd/{descriptor}") == str(tmp_path):
@@ -785,8 +786,8 @@ def test_a_filesystem_that_refuses_to_sync_folders_still_builds_and_a_late_sync_
     monkeypatch.setattr(os, "fsync", fail_on_the_parent)
     with pytest.warns(RuntimeWarning, match=r"could not flush the folder to disk after the rename .*in place"):
         with staged_folder(final) as folder:
-            (folder / "manifest.json").write_text("second")
-    assert (final / "manifest.json").read_text() == "second"
+            (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "second"}')
+    assert "second" in (final / "manifest.json").read_text()
 
 
 def test_replacing_an_artifact_leaves_only_the_new_one_shared_and_a_failed_swap_puts_the_old_back(tmp_path,
@@ -795,11 +796,11 @@ def test_replacing_an_artifact_leaves_only_the_new_one_shared_and_a_failed_swap_
     one is readable by others (mkdtemp makes it private), and when the second rename fails the old one is put back."""
     final = tmp_path / "artifact"
     with staged_folder(final) as folder:
-        (folder / "manifest.json").write_text("first")
+        (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "first"}')
     with staged_folder(final) as folder:
-        (folder / "manifest.json").write_text("second")
+        (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "second"}')
     assert [p.name for p in tmp_path.iterdir()] == ["artifact"]
-    assert (final / "manifest.json").read_text() == "second" and final.stat().st_mode & 0o777 == 0o755
+    assert "second" in (final / "manifest.json").read_text() and final.stat().st_mode & 0o777 == 0o755
     replace = os.replace
 
     def refuse_the_new_one(source, target):
@@ -811,7 +812,7 @@ def test_replacing_an_artifact_leaves_only_the_new_one_shared_and_a_failed_swap_
     with pytest.raises(OSError, match="cross-device"):
         with staged_folder(final) as folder:
             (folder / "manifest.json").write_text("third")
-    assert (final / "manifest.json").read_text() == "second"
+    assert "second" in (final / "manifest.json").read_text()
     assert [p.name for p in tmp_path.iterdir()] == ["artifact"]
 
 
@@ -828,3 +829,83 @@ def test_a_held_out_text_that_repeats_the_calibration_part_is_warned_about_befor
     output = " ".join((captured.out + captured.err).split())
     assert "warning: accuracy report: from its token" in output and "repeats the calibration part" in output, output
     assert "set accuracy.max_tokens to" in output
+
+
+def test_a_folder_made_at_the_path_during_the_build_is_left_alone(tmp_path, monkeypatch):
+    """The check that --output/<name> is an artifact ran at the start only: a folder made there meanwhile (a user's
+    notes) was moved aside by the swap and deleted with the old artifact."""
+    import compiler.artifact as artifact
+
+    final = tmp_path / "artifact"
+    sync = artifact.sync_to_disk
+
+    def someone_writes_there(folder):
+        sync(folder)
+        final.mkdir()
+        (final / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(artifact, "sync_to_disk", someone_writes_there)
+    with pytest.raises(BuildError, match="appeared during the build and is not an aotlm artifact: it is left alone"):
+        with staged_folder(final) as folder:
+            (folder / "manifest.json").write_text('{"format": "aotlm-artifact"}')
+    assert (final / "notes.txt").read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["artifact"]
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_swap_waits_until_the_new_artifact_is_in_place(tmp_path, monkeypatch, number):
+    """Between the swap's two renames the path holds no artifact: a Ctrl-C or SIGTERM there had left it so (the
+    old one hidden in .NAME.old-*) until the next build. The signal now acts once the swap is done."""
+    import compiler.artifact as artifact
+
+    final = tmp_path / "artifact"
+    with staged_folder(final) as folder:
+        (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "old"}')
+    replace = os.replace
+
+    def signalled_after_the_first_rename(source, target):
+        replace(source, target)
+        if ".old-" in str(target):
+            os.kill(os.getpid(), number)
+
+    monkeypatch.setattr(artifact.os, "replace", signalled_after_the_first_rename)
+    previous = signal.signal(signal.SIGTERM, cli._terminated)
+    try:
+        with pytest.raises(KeyboardInterrupt):  # cli._Terminated is one too
+            with staged_folder(final) as folder:
+                (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "new"}')
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert '"new"' in (final / "manifest.json").read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["artifact"]
+
+
+def test_an_empty_output_and_a_mount_point_are_refused(capsys, tmp_path, monkeypatch):
+    status, output = run_cli(capsys, "build", TINY, "--output", "")
+    assert status == 2 and "--output is empty (an unset variable?)" in output, output
+    (tmp_path / "tiny-random").mkdir()
+    monkeypatch.setattr("os.path.ismount", lambda path: Path(path) == tmp_path / "tiny-random")
+    status, output = run_cli(capsys, "build", TINY, "--output", tmp_path)
+    assert status == 2 and "is a mount point" in output and "--output a folder on that volume (e.g. " in output
+
+
+def test_sighup_stops_as_sigterm_does(capsys, monkeypatch):
+    """An ssh session that drops sends SIGHUP, whose default ended a build with its temporary folders left."""
+    def hung_up(args):
+        raise cli._Terminated(signal.SIGHUP)
+
+    monkeypatch.setattr(cli, "_run", hung_up)
+    code, output = run_cli(capsys, "run", "artifact", "--prompt", "x")
+    assert code == 129 and "hung up" in output
+
+
+def test_the_artifact_folder_follows_the_umask_as_its_files_do(tmp_path):
+    """It was 0o755 whatever the umask: under 002 a group-shared tree got a folder its group could not rebuild into,
+    under 077 a world-listable folder of private files."""
+    final = tmp_path / "artifact"
+    mask = os.umask(0o027)
+    try:
+        with staged_folder(final) as folder:
+            (folder / "manifest.json").write_text('{"format": "aotlm-artifact"}')
+    finally:
+        os.umask(mask)
+    assert final.stat().st_mode & 0o777 == 0o750
