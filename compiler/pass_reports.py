@@ -45,6 +45,10 @@ IDLE_HINTS = {  # why a pass with no reason of its own found nothing
     "lower_tensorrt": NOTHING_TO_LOWER,
     "pack_projections": "no projections sharing an input with float weights",
     "quantize_kv_cache": "no GroupQueryAttention layer",
+    "fuse_rms_norm": "no RMSNorm left to fuse (an earlier fuse_rms_norm took them, or the graph has none)",
+    "fuse_silu": "no x * Sigmoid(x) left to fuse (an earlier fuse_silu took them, or the graph has none)",
+    "fuse_rotary": "no rotary embedding left to fuse (fuse_attention folded it into the fused nodes, or an earlier "
+                   "fuse_rotary took them)",
 }
 
 

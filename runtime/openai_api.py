@@ -285,7 +285,8 @@ def _api_error(error: RequestError, chat: bool, default: str | None = None,
     if ":" in message and field != message.split(":", 1)[0]:
         message = field + ":" + message.split(":", 1)[1]
     if field == "top_k":  # the engine's "0 = no limit"; the API also takes vLLM's -1 for it
-        message = message.replace("(0 = no limit)", "(0 or -1 = no limit)")
+        message = message.replace("must be an integer >= 0 (0 = no limit)", "must be -1 or an integer >= 0 (0 or -1 "
+                                                                           "= no limit)")
     return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else default)
 
 

@@ -1,8 +1,7 @@
 """compiler/pass_reports.py: which listed passes changed nothing, and why."""
 from __future__ import annotations
 
-from compiler.pass_reports import idle_passes
-from compiler.pass_reports import PassResult
+from compiler.pass_reports import PassResult, idle_passes
 
 
 def test_a_pass_that_changed_nothing_in_any_phase_is_named_with_its_first_reason():
@@ -27,4 +26,5 @@ def test_a_pass_that_changed_nothing_in_any_phase_is_named_with_its_first_reason
     # the same pass listed twice: each listing on its own
     twice = [PassResult("fuse_rms_norm", "decode", 0.1, {"fused": 3}, 10, 7, index=5),
              PassResult("fuse_rms_norm", "decode", 0.1, {"fused": 0, "skipped": []}, 7, 7, index=6)]
-    assert idle_passes(twice) == ["passes[6] (fuse_rms_norm) changed nothing in decode"]
+    assert idle_passes(twice) == ["passes[6] (fuse_rms_norm) changed nothing in decode: no RMSNorm left to fuse (an "
+                                  "earlier fuse_rms_norm took them, or the graph has none)"]  # with a reason, as said

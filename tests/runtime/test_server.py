@@ -470,7 +470,7 @@ def test_top_k_minus_one_is_vllms_no_limit(served):
     assert status == 200 and limited["choices"][0]["text"] == post(served, "/v1/completions", body)[2][
         "choices"][0]["text"]
     status, _, refused = post(served, "/v1/completions", {**body, "top_k": -2})
-    assert status == 400 and "(0 or -1 = no limit)" in refused["error"]["message"]  # what the API takes, not the engine
+    assert status == 400 and "must be -1 or an integer >= 0 (0 or -1 = no limit)" in refused["error"]["message"]  # what the API takes, not the engine
 
 
 def test_logprobs_up_to_twenty_alternatives_are_given(served):
