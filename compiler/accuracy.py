@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import platform
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 import onnx
 from tokenizers import Tokenizer
 
+from compiler.artifact import scratch_folder
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.calibration import split_text
 from compiler.errors import BuildError
@@ -95,7 +95,7 @@ def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manife
     """Perplexity of the float graph and of the built artifact, top-1 agreement and KL(float || quantized)."""
     tokens = held_out.tokens
     window, stride = report_window_and_stride(spec.window, spec.stride, manifest["kv_cache"]["max_context"])
-    with tempfile.TemporaryDirectory(prefix="aotlm-float-") as folder:
+    with scratch_folder("float") as folder:
         reference_graph = copy.deepcopy(float_decode)  # the writer moves weights out of the graph it is given
         sections = onnxruntime_backend.write_engines({"decode": reference_graph}, Path(folder), backend_spec,
                                                      manifest["kv_cache"]["output_aliases_input"])

@@ -229,6 +229,45 @@ def remove_abandoned(final_dir: Path) -> list[Path]:
     return removed
 
 
+SCRATCH_KINDS = ("trace", "spill", "float", "tensorrt")  # a build's folders in the temporary folder (TMPDIR)
+
+
+@contextlib.contextmanager
+def scratch_folder(kind: str):
+    """A new `aotlm-KIND-*` folder in the temporary folder, locked (flock) while the build uses it and removed after.
+    A build killed outright (SIGKILL, the OOM killer: no cleanup runs) leaves its traces there, a model's weights
+    once or twice over: the next build removes the ones no running build holds (remove_abandoned_scratch)."""
+    assert kind in SCRATCH_KINDS, kind
+    folder = Path(tempfile.mkdtemp(prefix=f"aotlm-{kind}-"))
+    lock = _try_lock(folder)
+    try:
+        yield folder
+    finally:
+        if lock not in (None, NO_LOCKS):
+            os.close(lock)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_abandoned_scratch() -> list[Path]:
+    """Remove the temporary folder's `aotlm-KIND-*` folders that no running build holds; returns them. Another
+    user's are left alone (not ours to remove), and so, on a filesystem without locks, are all."""
+    removed = []
+    root = Path(tempfile.gettempdir())
+    for kind in SCRATCH_KINDS:
+        for folder in root.glob(f"aotlm-{kind}-*"):
+            if not folder.is_dir() or folder.is_symlink() or folder.stat().st_uid != os.getuid():
+                continue
+            lock = _try_lock(folder)
+            if lock is None or lock == NO_LOCKS:  # a running build's, or no way to tell
+                continue
+            try:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+            finally:
+                os.close(lock)
+    return removed
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from pathlib import Path
 
 from compiler.accuracy import evaluate_against_float, held_out_tokens, quantization_summary, repeated_text_warning
-from compiler.artifact import staged_folder, tool_versions, write_manifest
+from compiler.artifact import remove_abandoned_scratch, scratch_folder, staged_folder, tool_versions, write_manifest
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
@@ -127,12 +126,14 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     weight_bytes = sum(tensor.nbytes for tensor in loaded.state_dict.values())
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
-    with tempfile.TemporaryDirectory(prefix="aotlm-spill-") as spill:
+    for folder in remove_abandoned_scratch():  # a killed build's traces: gigabytes for a large model
+        say(f"removed {folder}, left by a build that was killed")
+    with scratch_folder("spill") as spill:
         # A large model's passes before quantization hold one phase's graph at a time, the other on disk (run_pipeline's
         # spill_dir). Not the quantizing ones: quantize_kv_cache calibrates on the phase that runs first, and one
         # phase at a time would change which.
         spill_dir = Path(spill) if weight_bytes > SPILL_ABOVE_WEIGHT_BYTES else None
-        with tempfile.TemporaryDirectory(prefix="aotlm-trace-") as traced:
+        with scratch_folder("trace") as traced:
             paths = trace_graphs(decoder, recipe.export.max_context, Path(traced), recipe.export.opset,
                                  recipe.export.prefill_logits, progress=say, dtype=recipe.export.dtype)
             del decoder  # its weights are in the traced files now: not held beside the graphs read back from them

@@ -23,11 +23,11 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import onnx
 
+from compiler.artifact import scratch_folder
 from compiler.backends.onnxruntime import io_spec
 from compiler.errors import BuildError
 from passes.lower_tensorrt import PLUGIN_NAMESPACE, PLUGIN_OPS
@@ -293,7 +293,7 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, alia
     timing_cache = timing_cache_path.read_bytes() if timing_cache_path.is_file() else b""
     logger = trt.Logger(trt.Logger.WARNING)
     engines = {}
-    with tempfile.TemporaryDirectory(prefix="aotlm-tensorrt-") as scratch:
+    with scratch_folder("tensorrt") as scratch:
         for phase, model in graphs.items():
             onnx_path = Path(scratch) / f"{phase}.onnx"  # external data beside it: parse_from_file resolves it
             onnx.save_model(model, onnx_path, save_as_external_data=True, location=f"{phase}.weights")

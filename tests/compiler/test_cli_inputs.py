@@ -909,3 +909,21 @@ def test_the_artifact_folder_follows_the_umask_as_its_files_do(tmp_path):
     finally:
         os.umask(mask)
     assert final.stat().st_mode & 0o777 == 0o750
+
+
+def test_a_killed_builds_scratch_folders_are_removed_by_the_next_and_a_running_ones_kept(tmp_path, monkeypatch):
+    """Traces went to TemporaryDirectory folders: SIGKILL or the OOM killer left them (a model's weights once or
+    twice over) for good. They are locked while a build runs, and a later build removes those no build holds."""
+    import tempfile
+
+    from compiler.artifact import remove_abandoned_scratch, scratch_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    abandoned = tmp_path / "aotlm-trace-killed"  # what a killed build leaves: nothing holds its lock
+    abandoned.mkdir()
+    (abandoned / "model.onnx").write_bytes(b"x" * 100)
+    (tmp_path / "aotlm-unrelated").mkdir()  # not a build's
+    with scratch_folder("spill") as running:
+        assert remove_abandoned_scratch() == [abandoned]
+        assert running.is_dir() and (tmp_path / "aotlm-unrelated").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aotlm-unrelated"]
