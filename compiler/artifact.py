@@ -238,14 +238,19 @@ def scratch_folder(kind: str):
     A build killed outright (SIGKILL, the OOM killer: no cleanup runs) leaves its traces there, a model's weights
     once or twice over: the next build removes the ones no running build holds (remove_abandoned_scratch)."""
     assert kind in SCRATCH_KINDS, kind
-    folder = Path(tempfile.mkdtemp(prefix=f"aotlm-{kind}-"))
-    lock = _try_lock(folder)
+    for _ in range(100):  # another build's remove_abandoned_scratch may take a folder between mkdtemp and the lock
+        folder = Path(tempfile.mkdtemp(prefix=f"aotlm-{kind}-"))
+        lock = _try_lock(folder)
+        if lock is not None:
+            break
+    else:
+        raise OSError(f"{tempfile.gettempdir()}: 100 new temporary folders could not be locked or were removed at once")
     try:
         yield folder
     finally:
-        if lock not in (None, NO_LOCKS):
+        shutil.rmtree(folder, ignore_errors=True)  # before the lock goes: no other build reads it as abandoned
+        if lock != NO_LOCKS:
             os.close(lock)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_abandoned_scratch() -> list[Path]:
