@@ -45,6 +45,9 @@ ORDER_RULES = (
     ("quantize", "fuse_attention", True,
      "its calibration and the accuracy report run the graph in onnxruntime, which cannot run aotlm.FlashAttention; "
      "list quantize before fuse_attention, or after lower_onnxruntime or lower_onnx_attention"),
+    ("fuse_attention", "lower_tensorrt", False,
+     "lower_tensorrt turns the aotlm.FlashAttention nodes fuse_attention makes into TensorRT's; before it, it finds "
+     "none, and TensorRT's parser cannot read the fused nodes left; list lower_tensorrt after fuse_attention"),
     ("fuse_attention", "fuse_rotary", False,
      "fuse_attention reads the rotary math that fuse_rotary replaces; list fuse_rotary after fuse_attention (it then "
      "rotates what fuse_attention left unfused)"),

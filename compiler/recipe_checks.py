@@ -9,6 +9,7 @@ from compiler.errors import BuildError
 from compiler.pipeline import check_passes
 from compiler.recipe import Recipe
 from passes.lower_onnxruntime import HEAD_DIM_ADVICE, HEAD_DIM_MULTIPLE
+from passes.lower_tensorrt import PLUGIN_HEAD_DIM_ADVICE, PLUGIN_HEAD_DIMS
 
 
 def check_recipe(recipe: Recipe) -> None:
@@ -51,6 +52,12 @@ def check_config_fits(config, recipe: Recipe) -> None:
     lowers_fused = "fuse_attention" in names and "lower_onnxruntime" in names[names.index("fuse_attention"):]
     if config.head_dim % HEAD_DIM_MULTIPLE and lowers_fused:
         raise BuildError(HEAD_DIM_ADVICE.format(head_dim=config.head_dim))
+    if recipe.backend.name == "tensorrt":  # what check_graphs and lower_tensorrt would refuse after the export
+        lowering = next((spec for spec in recipe.passes if spec.name == "lower_tensorrt"), None)
+        if lowering is not None and lowering.options.attention == "plugin" and config.head_dim not in PLUGIN_HEAD_DIMS:
+            raise BuildError(f"passes: lower_tensorrt: {PLUGIN_HEAD_DIM_ADVICE.format(head_dim=config.head_dim)}")
+        itemsize = 4 if recipe.export.dtype == "float32" else 2
+        tensorrt_backend.check_cache_alignment(config.num_kv_heads, max_context, config.head_dim, itemsize)
 
 
 def check_max_positions(config, max_context: int) -> None:

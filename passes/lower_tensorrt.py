@@ -93,6 +93,12 @@ from passes.lower_onnx_attention import OPSET, Shared
 ATTENTION_TARGETS = ("plugin", "onnx_attention", "trt_native")
 TRT_DOMAIN = "trt"  # TensorRT 11's custom ONNX ops (see the docstring for what was confirmed)
 # What runtime/kernels/tensorrt_plugin.py registers (runtime/ cannot import passes/, so it spells them again).
+# The plugin kernels' tiles (tl.dot: at least 16 wide) within the 48 KiB of shared memory an AOT launch gets
+# (runtime/kernels/aot.py): a power of two from 16 to 128.
+PLUGIN_HEAD_DIMS = (16, 32, 64, 128)
+PLUGIN_HEAD_DIM_ADVICE = ("the flash_attention plugin kernels take head_dim 16, 32, 64 or 128 (a power of two whose "
+                          "tiles fit 48 KiB of shared memory), this model has {head_dim}; use lower_tensorrt's "
+                          "attention: trt_native (TensorRT >= 11)")
 PLUGIN_NAMESPACE = "aotlm"
 PLUGIN_OPS = ("flash_attention", "flash_decode", "flash_combine")
 
@@ -232,9 +238,8 @@ def check(node: gs.Node, options: Options, decode: bool) -> None:
         raise PassError(f"{node.name}: FlashAttention has no KV cache (past_key is empty); the TensorRT lowering "
                         "always binds a cache buffer: export the graph with past_key_values inputs")
     head_dim = 2 * node.inputs[op.INPUTS.index("cos_cache")].shape[1]
-    if options.attention == "plugin" and (head_dim < 16 or head_dim & (head_dim - 1)):
-        raise PassError(f"{node.name}: the flash_attention plugin kernels need head_dim a power of two >= 16, this "
-                        f"model has {head_dim}; use attention: onnx_attention or trt_native")
+    if options.attention == "plugin" and head_dim not in PLUGIN_HEAD_DIMS:
+        raise PassError(f"{node.name}: {PLUGIN_HEAD_DIM_ADVICE.format(head_dim=head_dim)}")
     needs_static = options.attention == "trt_native" or (decode and options.decode_kv_splits > 1)
     max_context = past_key.shape[2] if past_key.shape and len(past_key.shape) == 4 else None
     if needs_static and not isinstance(max_context, int):

@@ -103,6 +103,12 @@ def check_graphs(graphs: dict[str, onnx.ModelProto]) -> None:
     int4 = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
     for phase, model in graphs.items():
         check_cache_rows(phase, model)
+        left = next((node for node in model.graph.node if node.domain == PLUGIN_NAMESPACE
+                     and node.op_type not in PLUGIN_OPS), None)
+        if left is not None:  # no TensorRT plugin of that name: the parser would fail with its own message
+            raise BuildError(f"{phase} graph, {left.name}: {left.domain}.{left.op_type} is left, which TensorRT cannot "
+                             f"parse; lower_tensorrt lowers every fused node unless a max_rewrites stops it or it runs "
+                             f"before fuse_attention")
         types = {t.name: t.data_type for t in model.graph.initializer}
         for node in model.graph.node:
             if node.op_type != "DequantizeLinear" or types.get(node.input[0]) not in int4:
@@ -148,16 +154,20 @@ def check_cache_rows(phase: str, model: onnx.ModelProto) -> None:
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
         if len(dims) != 4 or None in dims[1:]:
             continue  # a symbolic max context is refused by lower_tensorrt, with its reason
-        kv_heads, max_context, head_dim = dims[1:]
-        row = kv_heads * head_dim * itemsize  # bytes per cached position of one sequence
-        if (row * max_context) % ADDRESS_ALIGNMENT:
-            step = ADDRESS_ALIGNMENT // math.gcd(ADDRESS_ALIGNMENT, row)
-            fitting = -(-max_context // step) * step
-            raise BuildError(f"export.max_context: {max_context}: in the {phase} graph a sequence's cache rows take "
-                             f"{kv_heads} x {max_context} x {head_dim} x {itemsize} bytes, not a multiple of "
-                             f"{ADDRESS_ALIGNMENT}, so the scheduler's slots would start at addresses TensorRT "
-                             f"refuses; use a multiple of {step} ({fitting})")
+        check_cache_alignment(*dims[1:], itemsize, f"in the {phase} graph ")
         return  # every layer's cache has the same shape
+
+
+def check_cache_alignment(kv_heads: int, max_context: int, head_dim: int, itemsize: int, where: str = "") -> None:
+    """check_cache_rows' arithmetic, also run on the model's config before the export (recipe_checks)."""
+    row = kv_heads * head_dim * itemsize  # bytes per cached position of one sequence
+    if (row * max_context) % ADDRESS_ALIGNMENT:
+        step = ADDRESS_ALIGNMENT // math.gcd(ADDRESS_ALIGNMENT, row)
+        fitting = -(-max_context // step) * step
+        raise BuildError(f"export.max_context: {max_context}: {where}a sequence's cache rows take {kv_heads} x "
+                         f"{max_context} x {head_dim} x {itemsize} bytes, not a multiple of {ADDRESS_ALIGNMENT}, so "
+                         f"the scheduler's slots would start at addresses TensorRT refuses; use a multiple of {step} "
+                         f"({fitting})")
 
 
 def _quantize_choices(options):

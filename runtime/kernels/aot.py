@@ -143,8 +143,10 @@ def flash_attention(element: str, num_heads: int, kv_heads: int, head_dim: int, 
                                   target)
         # Above 48 KiB a kernel must be opted in to more dynamic shared memory (cuFuncSetAttribute), and nothing
         # says TensorRT's AOT launch does that: narrower key tiles instead (128x64 at D128 needs 64 KiB).
-        if compiled.metadata.shared <= SHARED_MEMORY_WITHOUT_OPT_IN or blocks.block_n <= 16:
+        if compiled.metadata.shared <= SHARED_MEMORY_WITHOUT_OPT_IN:
             return _result(compiled, kernels.attention_kernel, constants, blocks.block_m)
+        if blocks.block_n <= 16:
+            raise _too_much_shared_memory("flash_attention", compiled.metadata.shared, num_heads, kv_heads, head_dim)
         blocks = kernels.PrefillBlocks(blocks.block_m, blocks.block_n // 2, blocks.num_warps, blocks.num_stages)
 
 
@@ -153,11 +155,22 @@ def flash_decode(element: str, num_heads: int, kv_heads: int, head_dim: int, sca
     """decode_split_kernel; grid (kv_splits, B * kv_heads, cdiv(S * group, rows_per_program)): a program's rows
     are (new token, head of the group) pairs."""
     blocks = kernels.decode_blocks(head_dim, num_heads // kv_heads)
-    constants = {"NUM_HEADS": num_heads, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "SCALE": scale,
-                 "SPLIT_SIZE": split_size, "NUM_SPLITS": kv_splits, "BLOCK_N": blocks.block_n,
-                 "BLOCK_R": blocks.block_r, "DOT_IN_FP32": False}
-    compiled = compile_kernel(kernels.decode_split_kernel, element, constants, blocks.num_warps, 2, target)
-    return _result(compiled, kernels.decode_split_kernel, constants, blocks.block_r)
+    while True:  # within 48 KiB as flash_attention: narrower key tiles (a large head or head group needs them)
+        constants = {"NUM_HEADS": num_heads, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "SCALE": scale,
+                     "SPLIT_SIZE": split_size, "NUM_SPLITS": kv_splits, "BLOCK_N": blocks.block_n,
+                     "BLOCK_R": blocks.block_r, "DOT_IN_FP32": False}
+        compiled = compile_kernel(kernels.decode_split_kernel, element, constants, blocks.num_warps, 2, target)
+        if compiled.metadata.shared <= SHARED_MEMORY_WITHOUT_OPT_IN:
+            return _result(compiled, kernels.decode_split_kernel, constants, blocks.block_r)
+        if blocks.block_n <= 16:
+            raise _too_much_shared_memory("flash_decode", compiled.metadata.shared, num_heads, kv_heads, head_dim)
+        blocks = kernels.DecodeBlocks(blocks.block_n // 2, blocks.block_r, blocks.num_warps)
+
+
+def _too_much_shared_memory(kernel: str, shared: int, num_heads: int, kv_heads: int, head_dim: int) -> ValueError:
+    return ValueError(f"the {kernel} plugin kernel needs {shared} bytes of shared memory for {num_heads} heads over "
+                      f"{kv_heads} kv heads of head_dim {head_dim}, above the 48 KiB a TensorRT AOT launch gets "
+                      f"without opting in; use lower_tensorrt's attention: trt_native (TensorRT >= 11)")
 
 
 def flash_combine(element: str, num_heads: int, head_dim: int, kv_splits: int,

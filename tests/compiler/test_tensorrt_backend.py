@@ -346,3 +346,36 @@ def test_the_gpu_extra_installs_what_the_tensorrt_path_needs():
     floor = next(re.fullmatch(r"tensorrt>=(\d+)\.(\d+)", spec) for spec in gpu if spec.startswith("tensorrt"))
     assert (int(floor[1]), int(floor[2])) >= OP_RELEASES[("", "RotaryEmbedding")]
     assert any(spec.startswith("torch") for spec in gpu) and any(spec.startswith("triton") for spec in gpu)
+
+
+def test_lower_tensorrt_before_fuse_attention_is_refused_by_the_recipe_checks():
+    """It found no fused node and left FlashAttention for TensorRT's parser, after the export."""
+    from compiler.recipe_checks import check_recipe
+
+    with pytest.raises(BuildError, match="list lower_tensorrt after fuse_attention"):
+        check_recipe(recipe_with(["cleanup", "lower_tensorrt", {"fuse_attention": {}}]))
+
+
+@pytest.mark.parametrize("head_dim, max_context, refused", [
+    (24, 256, "take head_dim 16, 32, 64 or 128"), (256, 256, "take head_dim 16, 32, 64 or 128"),
+    (64, 2001, "use a multiple of 2 (2002)"), (64, 2002, None),
+])
+def test_what_the_plugin_path_refuses_after_the_export_is_refused_before_it(head_dim, max_context, refused):
+    """`aotlm plan` accepted, and the build found out after the export (minutes on a real model): a head the plugin
+    kernels cannot tile, and cache rows off TensorRT's address alignment."""
+    from compiler.recipe_checks import check_config_fits
+
+    config = replace(load_recipe(REPO / "recipes" / "tiny-random.yaml").model.config, num_kv_heads=3, num_heads=3,
+                     head_dim=head_dim, hidden_size=3 * head_dim, max_position_embeddings=4096)
+    recipe = recipe_with(max_context=max_context)
+    if refused is None:
+        return check_config_fits(config, recipe)
+    with pytest.raises(BuildError, match=re.escape(refused)):
+        check_config_fits(config, recipe)
+
+
+def test_a_fused_node_left_in_a_tensorrt_graph_is_refused_before_the_engine_build():
+    node = onnx.helper.make_node("FlashAttention", ["q"], ["o"], domain="aotlm", name="layers.0.FlashAttention")
+    model = onnx.helper.make_model(onnx.helper.make_graph([node], "prefill", [], []))
+    with pytest.raises(BuildError, match="layers.0.FlashAttention: aotlm.FlashAttention is left, which TensorRT"):
+        tensorrt_backend.check_graphs({"prefill": model})

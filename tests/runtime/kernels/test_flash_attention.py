@@ -163,6 +163,14 @@ for element in aot.ELEMENT_TYPES:
             # 16-bit one (320 in the prefill kernel without it)
             assert compiled.ptx.count("ld.global.v4") > 0 and "ld.global.b16" not in compiled.ptx, compiled.name
             print(element, compiled.name, compiled.num_warps, compiled.shared_bytes, "bytes of shared memory")
+# a head group of 64 at head_dim 128 took 80 KiB in decode (its key tiles now narrow to fit); a head of 256 cannot fit
+decode = aot.flash_decode("fp16", 64, 1, 128, 128**-0.5, 8, 256, h200)
+assert decode.shared_bytes <= 48 * 1024, decode.shared_bytes
+try:
+    aot.flash_attention("fp16", 8, 1, 256, 256**-0.5, h200)
+    raise AssertionError("a 98 KiB prefill kernel was handed to TensorRT")
+except ValueError as error:
+    assert "above the 48 KiB a TensorRT AOT launch gets" in str(error), error
 """
 
 
