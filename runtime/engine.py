@@ -127,6 +127,7 @@ class Generation:
         if self._error is not None:
             raise self._error
         if self._closed:
+            self._pieces.close()  # closed from another thread while this one read: its generator ends here
             raise RequestError("this stream was closed before it finished, so it has no result; iterate it to the "
                                "end, or call wait(), before closing it")
         try:
@@ -139,10 +140,14 @@ class Generation:
             raise
 
     def close(self) -> None:
-        """End the request now if it has not ended, freeing the batch-1 cache (it then has no result)."""
+        """End the request now if it has not ended, freeing the batch-1 cache (it then has no result). From another
+        thread while one reads it (a server's watcher of a client that left), the reader's next call ends it."""
         if self.result is None and not self._closed:
             self._closed = True
-            self._pieces.close()
+            try:
+                self._pieces.close()
+            except ValueError:  # "generator already executing": it ends at the reader's next call, which frees the
+                pass  # cache (left held, every later generate waited for as long as anything referred to this)
 
     def __enter__(self) -> "Generation":
         return self

@@ -110,3 +110,21 @@ def test_inspect_and_run_show_the_int8_cache(capsys, kv8_artifact):
     output = captured.out + captured.err
     assert "int8" in output and "0.12 KiB per token" in output  # 2 layers x 2 kv heads x 16 x 2 x 1 byte
     assert main(["run", str(kv8_artifact), "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+
+
+def test_a_scored_prompt_on_an_int8_cache_is_no_prefix_for_another(kv8_artifact):
+    """A prompt_logprobs request fills its rows through the decode graph, whose later rows read the earlier ones as
+    int8 codes: a later request that copied its system prompt from those rows got another greedy reply than alone."""
+    system = list(np.random.default_rng(8).integers(3, 512, 34))
+    follow_up = system + [11, 12, 13, 14, 15, 16]
+    alone = Engine.load(kv8_artifact).generate(follow_up, max_new_tokens=10, ignore_eos=True).token_ids
+    engine = Engine.load(kv8_artifact, prefix_caching=True)
+    engine.start_scheduler(slots=2)
+    try:
+        engine.submit(system + [7, 8, 9], max_new_tokens=1, prompt_logprobs=2).result(timeout=60)
+        result = engine.submit(follow_up, max_new_tokens=10, ignore_eos=True).result(timeout=60)
+        assert result.timings.trace.cached_prompt_tokens == 0 and result.token_ids == alone
+        engine.submit(system + [7, 8, 9], max_new_tokens=1).result(timeout=60)  # a prefilled one is a prefix
+        assert engine.submit(follow_up, max_new_tokens=2).result(timeout=60).timings.trace.cached_prompt_tokens >= 34
+    finally:
+        engine.close()

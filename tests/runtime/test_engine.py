@@ -320,3 +320,39 @@ def test_ctrl_c_anywhere_in_a_stream_leaves_the_batch_one_cache_to_the_next_requ
         assert outcome == [expected], f"interrupted at Python call {call}: the next request waited on a held cache"
         assert tiny_engine.generate([1, 5, 9], **options).token_ids == expected, f"call {call}"
     assert call > 10
+
+
+def test_a_stream_closed_from_another_thread_while_read_frees_the_cache(tiny_artifact):
+    """A server's watcher closes a stream its handler thread reads: close() raised Python's "generator already
+    executing" and left the stream's generator holding the batch-1 cache, so every later generate waited for as
+    long as anything referred to the stream."""
+    import time
+
+    from runtime import Engine
+
+    engine = Engine.load(tiny_artifact)
+    run = engine.backend.run
+    engine.backend.run = lambda *args: (time.sleep(0.02), run(*args))[1]  # the reader is inside a step most of the time
+    stream = engine.stream([5], max_new_tokens=100, ignore_eos=True)
+    read, stopped = threading.Event(), []
+
+    def reader():
+        try:
+            for _ in stream:
+                read.set()
+        except RequestError as error:
+            stopped.append(str(error))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert read.wait(30)
+    time.sleep(0.01)
+    stream.close()  # no ValueError, whichever moment it lands
+    thread.join(30)
+    assert not thread.is_alive() and stopped and "closed before it finished" in stopped[0]
+    after = []
+    generating = threading.Thread(target=lambda: after.append(engine.generate([5], max_new_tokens=2)), daemon=True)
+    generating.start()
+    generating.join(30)  # the stream is still referred to here
+    assert after and len(after[0].token_ids) == 2, "the batch-1 cache stayed held by the closed stream"
+    engine.close()
