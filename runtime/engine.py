@@ -618,6 +618,9 @@ class Engine:
         length = len(prompt_ids)
         mask = np.ones((1, self.max_context), dtype=np.int64)  # every cached row is real: one view per step
         scored = params.prompt_logprobs is not None  # every position's logits: no prefix reused, no prefill graph
+        # An int8 cache's scored prompt: the decode graph's later rows read the earlier ones as int8 codes, where a
+        # prefill attends to them in float, so its rows are no prefix for a later prompt (the scheduler's rule too)
+        recording = not (scored and getattr(self.backend, "cache_dtype", None) is np.int8)
         reused = 0 if scored else self._reusable_prefix(prompt_ids)
         written = list(prompt_ids[:reused])  # the ids whose keys and values the cache holds, in order
 
@@ -627,7 +630,10 @@ class Engine:
             # time (TTFT) then holds every position's lm_head and log-softmax
             pieces = evaluate.decode_logit_pieces(self.backend, prompt_ids, evaluate.PROMPT_PIECE_TOKENS)
             prompt_entries, logits = evaluate.scored_prompt(pieces, prompt_ids, params.prompt_logprobs)
-            self._remember(written, prompt_ids)
+            if recording:
+                self._remember(written, prompt_ids)
+            else:
+                self._cached_ids = None
         elif reused:
             logits = self._prefill_rest(prompt_ids, reused, mask, written)
         else:
@@ -659,7 +665,8 @@ class Engine:
                 break
             logits = self.backend.run("decode", np.array([[token]], dtype=np.int64),
                                       np.array([[length]], dtype=np.int64), mask[:, : length + 1])
-            self._remember(written, (token,))
+            if recording:
+                self._remember(written, (token,))
             length += 1
             token = sampler(logits[0, -1])
         tail = decoder.finish()  # text held back in case it began a stop string

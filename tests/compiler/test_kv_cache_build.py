@@ -128,3 +128,13 @@ def test_a_scored_prompt_on_an_int8_cache_is_no_prefix_for_another(kv8_artifact)
         assert engine.submit(follow_up, max_new_tokens=2).result(timeout=60).timings.trace.cached_prompt_tokens >= 34
     finally:
         engine.close()
+
+
+def test_a_scored_prompt_on_an_int8_cache_is_no_prefix_on_the_batch_one_path_either(kv8_artifact):
+    system = list(np.random.default_rng(8).integers(3, 512, 34))
+    follow_up = system + [11, 12, 13, 14, 15, 16]
+    engine = Engine.load(kv8_artifact, prefix_caching=True)
+    engine.generate(system + [7, 8, 9], max_new_tokens=3, prompt_logprobs=2)
+    assert engine.generate(follow_up, max_new_tokens=2).timings.trace.cached_prompt_tokens == 0
+    engine.generate(system + [7, 8, 9], max_new_tokens=3)  # a prefilled one is a prefix
+    assert engine.generate(follow_up, max_new_tokens=2).timings.trace.cached_prompt_tokens >= 34
