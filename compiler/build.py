@@ -34,12 +34,13 @@ def check_tokenizer_fits(tokenizer_json: str, vocab_size: int) -> None:
     from tokenizers import Tokenizer
 
     try:
-        tokens = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+        # the highest id, not the count: a vocabulary with holes (ids removed, an added token far out) counts fewer
+        tokens = max(Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True).values(), default=-1) + 1
     except Exception as error:  # noqa: BLE001 -- the library raises a bare Exception on a bad file
         raise BuildError(f"cannot read the model's tokenizer ({str(error)[:200]}); use the model's own "
                          f"tokenizer.json") from None
     if tokens > vocab_size:
-        raise BuildError(f"the tokenizer has {tokens} tokens, but the model's vocab_size is {vocab_size}: ids from "
+        raise BuildError(f"the tokenizer's ids reach {tokens - 1}, but the model's vocab_size is {vocab_size}: ids from "
                          f"{vocab_size} on would index past the embedding table; use the model's own tokenizer.json")
 
 

@@ -168,10 +168,25 @@ def _gguf_version(path: str) -> int | None:
     return version if version & 0xFFFF else int.from_bytes(head[4:], "big")  # as the reader tells a big-endian file
 
 
+# Tokens llama.cpp ends generation at by their text, besides the eos / eot / eom ids (llama-vocab.cpp's
+# special_eog_ids, ggerganov/llama.cpp#9606): a Llama-3-Instruct GGUF whose eos is <|end_of_text|> and that has no
+# eot key stops at <|eot_id|> there, and SmolLM2's (eos <|im_end|>) at <|endoftext|> too.
+END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                           "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+
+
+def _end_of_generation_ids(tokens) -> list[int]:
+    return [index for index, text in enumerate(tokens or ()) if text in END_OF_GENERATION_TEXTS]
+
+
 def _field(reader, key: str, default=None):
     """A metadata value as a Python object (str, int, float, list), or default when the key is absent."""
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    try:
+        return default if field is None else field.contents()
+    except UnicodeDecodeError as error:  # llama.cpp loads such a file; gguf-py decodes strictly
+        raise BuildError(f"GGUF metadata {key}: a string that is not UTF-8 ({error}); fix it with gguf-py's "
+                         f"`gguf-set-metadata`, or convert the model again") from None
 
 
 def _as_float(value) -> float:
@@ -242,7 +257,8 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
             max_position_embeddings=int(required("context_length")),
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+            eos_token_ids=tuple(dict.fromkeys([*(int(i) for i in eos_ids if i is not None),
+                                               *_end_of_generation_ids(tokens)])),
             architecture=arch,
             rope_freq_factors=rope_freqs,
         )

@@ -183,8 +183,11 @@ def _chat_template(folder: str) -> tuple[str | None, str | None, dict]:
             tokens[name] = value
     path = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as handle:
-            return handle.read(), path, tokens
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return handle.read(), path, tokens
+        except UnicodeDecodeError as error:
+            raise BuildError(f"{path}: not UTF-8 text ({error}); save the template as UTF-8") from None
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
@@ -211,6 +214,10 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
     # transformers 5 moved rope_theta and rope_scaling into rope_parameters; read either spelling. A rope_scaling
     # given beside rope_parameters wins, as in transformers.
     parameters, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    for name, value in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):  # "rope_scaling": "llama3" was a TypeError from a dict merge
+            raise BuildError(f"{origin}: {name} is {value!r}, not a mapping of its settings (e.g. "
+                             f"{{\"rope_type\": \"llama3\", \"factor\": 8.0, ...}}); fix config.json")
     rope = {**parameters, **scaling}
     rope_type = (scaling or parameters).get("rope_type", (scaling or parameters).get("type", "default"))
     if rope_type == "dynamic":  # NTK scaling raises theta only past max_position_embeddings, which
@@ -364,6 +371,10 @@ def _weight_files(folder: str) -> list[str]:
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise BuildError(f"{index_path}: no weight_map; re-download the model")
+        bad = next((name for name, file in weight_map.items() if not isinstance(file, str) or not file), None)
+        if bad is not None:
+            raise BuildError(f"{index_path}: weight_map[{bad!r}] is {weight_map[bad]!r}, not a file name; re-download "
+                             f"the model")
         paths = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
         missing = [path for path in paths if not os.path.isfile(path)]
         if missing:

@@ -722,7 +722,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_build_and_at_the_p
     recipe.write_text(f"name: big-tokenizer\nmodel: {{source: hf, path: {tmp_path / 'm'}}}\nexport: {{max_context: 64}}\n"
                       f"passes: [cleanup]\n")
     status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
-    assert status == 2 and "the tokenizer has 512 tokens, but the model's vocab_size is 300" in output, output
+    assert status == 2 and "the tokenizer's ids reach 511, but the model's vocab_size is 300" in output, output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     # an artifact built before this check: its manifest's vocabulary is smaller than its tokenizer's ids
     damaged = shutil.copytree(tiny_artifact, tmp_path / "old")

@@ -752,7 +752,8 @@ def test_smollm2_config(smollm2):
     c = smollm2.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
     assert c.vocab_size == 49152 and c.tie_word_embeddings and "lm_head.weight" not in smollm2.state_dict
-    assert (c.bos_token_id, c.eos_token_ids, c.rope_theta, c.rms_norm_eps) == (1, (2,), 100000.0, 1e-5)
+    # <|im_end|> (its eos), and <|endoftext|> as llama.cpp ends generation there too (special_eog_ids, by text)
+    assert (c.bos_token_id, c.eos_token_ids, c.rope_theta, c.rms_norm_eps) == (1, (2, 0), 100000.0, 1e-5)
     assert smollm2.source["file_type"] == "MOSTLY_Q4_1" and len(smollm2.source["sha256"]) == 64
 
 
@@ -958,6 +959,18 @@ def test_rotary_divisors_round_trip_through_the_manifest_and_a_recipe():
     recipe["model"]["config"]["rope_freq_factors"] = [1, 2]
     with pytest.raises(RecipeError, match=r"rope_freq_factors: 2 values; it needs head_dim / 2 = 8 finite numbers"):
         parse_recipe(recipe)
+
+
+def test_a_gguf_ends_generation_at_the_tokens_llama_cpp_ends_it_at_by_their_text(tmp_path):
+    """An early Llama-3-Instruct GGUF: eos <|end_of_text|>, no eot key; llama.cpp stops at <|eot_id|> by its text
+    (llama-vocab.cpp's special_eog_ids), and aotlm generated on to max_new_tokens."""
+    original = random_model(TINY, seed=0)
+    tokenizer = json.loads(original.tokenizer_json)
+    vocab = tokenizer["model"]["vocab"]
+    replaced = max(vocab, key=vocab.get)  # a byte-level vocabulary's last merge: no token a test reads
+    vocab["<|eot_id|>"] = eot = vocab.pop(replaced)
+    write_gguf(tmp_path / "eot.gguf", TINY, original.state_dict, json.dumps(tokenizer), merges=False)
+    assert load_gguf(str(tmp_path / "eot.gguf")).config.eos_token_ids == (2, eot)
 
 
 def test_a_gguf_reads_end_of_turn_ids_and_defaults_what_it_leaves_out(tmp_path, monkeypatch):
@@ -1420,3 +1433,44 @@ def test_a_head_count_that_disagrees_with_the_rotary_width_names_both_causes(tmp
     with pytest.raises(BuildError, match=r"rope.dimension_count 16 of head size 8 \(embedding_length 64 / "
                                          r"attention.head_count 8: if the head count is wrong, fix it"):
         load_gguf(str(tmp_path / "heads.gguf"))
+
+
+def test_damaged_model_files_are_one_error_line_naming_what_to_fix(tmp_path):
+    """Each of these was a traceback from a dict merge, a sort or a decode (a GGUF's after its tensors were read)."""
+    original = random_model(TINY, seed=1)
+
+    def folder(name, **overrides):
+        write_hf_folder(tmp_path / name, TINY, original.state_dict, **overrides)
+        (tmp_path / name / "tokenizer.json").write_text(original.tokenizer_json)
+        return str(tmp_path / name)
+
+    with pytest.raises(BuildError, match=r"rope_scaling is 'llama3', not a mapping of its settings"):
+        load_model("hf", folder("rope", rope_scaling="llama3"), None, 0)
+    damaged = folder("index")
+    (tmp_path / "index" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.norm.weight": None, "lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(BuildError, match=r"weight_map\['model.norm.weight'\] is None, not a file name"):
+        load_model("hf", damaged, None, 0)
+    template = folder("template")
+    (tmp_path / "template" / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
+    with pytest.raises(BuildError, match=r"chat_template.jinja: not UTF-8 text .* save the template as UTF-8"):
+        load_model("hf", template, None, 0)
+    write_gguf(tmp_path / "name.gguf", TINY, original.state_dict, original.tokenizer_json)
+    data = (tmp_path / "name.gguf").read_bytes()
+    at = data.index(b"tiny test model")
+    (tmp_path / "name.gguf").write_bytes(data[:at] + b"\xff" + data[at + 1:])  # llama.cpp loads it
+    with pytest.raises(BuildError, match=r"GGUF metadata general.name: a string that is not UTF-8"):
+        load_gguf(str(tmp_path / "name.gguf"))
+
+
+def test_a_tokenizer_whose_ids_reach_past_the_table_is_refused_though_it_has_fewer_tokens():
+    """The check counted tokens: a vocabulary with holes (an added token far out) passed, then failed at the first
+    prompt that used it."""
+    from compiler.build import check_tokenizer_fits
+
+    tokenizer = json.loads(random_model(TINY, seed=1).tokenizer_json)
+    vocab = tokenizer["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 310  # 300 tokens, ids up to 310
+    check_tokenizer_fits(json.dumps(tokenizer), 311)
+    with pytest.raises(BuildError, match=r"the tokenizer's ids reach 310, but the model's vocab_size is 305"):
+        check_tokenizer_fits(json.dumps(tokenizer), 305)
