@@ -227,18 +227,25 @@ def _add_marked_tokens(tokenizer: Tokenizer, tokens: list, token_types: list, vo
 
 
 def _add_bos(tokenizer: Tokenizer, field, tokens: list, default: bool) -> None:
-    """BOS before the text when the file's add_bos_token says so (default when it is absent)."""
-    bos = field("tokenizer.ggml.bos_token_id")
-    add_bos = field("tokenizer.ggml.add_bos_token")
-    if not (default if add_bos is None else add_bos) or bos is None:
+    """BOS before the text when the file's add_bos_token says so (default when it is absent), and EOS after it when
+    its add_eos_token does (llama.cpp's tokenization with special tokens: embedding models set it)."""
+    added = []
+    for kind, given, fallback, where in (("bos", "add_bos_token", default, "before"),
+                                         ("eos", "add_eos_token", False, "after")):
+        token_id, add = field(f"tokenizer.ggml.{kind}_token_id"), field(f"tokenizer.ggml.{given}")
+        if not (fallback if add is None else add) or token_id is None:
+            continue
+        if not 0 <= int(token_id) < len(tokens):
+            raise BuildError(f"tokenizer.ggml.{kind}_token_id {token_id} is outside the GGUF's {len(tokens)} tokens; "
+                             f"the file is damaged: use the model's Hugging Face folder (with tokenizer.json) instead")
+        added.append((where, tokenizer.id_to_token(int(token_id)), int(token_id)))
+    if not added:
         return
-    if not 0 <= int(bos) < len(tokens):
-        raise BuildError(f"tokenizer.ggml.bos_token_id {bos} is outside the GGUF's {len(tokens)} tokens; the file "
-                         f"is damaged: use the model's Hugging Face folder (with tokenizer.json) instead")
-    bos_token = tokenizer.id_to_token(int(bos))
+    before = " ".join(f"{text} " for where, text, _ in added if where == "before")
+    after = "".join(f" {text}" for where, text, _ in added if where == "after")
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, int(bos))]
-    )
+        single=f"{before}$A{after}", pair=f"{before}$A{after} {before}$B{after}",
+        special_tokens=list(dict.fromkeys((text, token_id) for _, text, token_id in added)))
 
 
 def _pre_tokenizer(pre_type: str | None, path: str):

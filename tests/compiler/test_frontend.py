@@ -1474,3 +1474,18 @@ def test_a_tokenizer_whose_ids_reach_past_the_table_is_refused_though_it_has_few
     check_tokenizer_fits(json.dumps(tokenizer), 311)
     with pytest.raises(BuildError, match=r"the tokenizer's ids reach 310, but the model's vocab_size is 305"):
         check_tokenizer_fits(json.dumps(tokenizer), 305)
+
+
+def test_a_gguf_that_adds_eos_gets_it_after_the_text_as_llama_cpp_tokenizes(tmp_path, monkeypatch):
+    """tokenizer.ggml.add_eos_token was ignored: llama.cpp's tokenization with special tokens appends EOS then."""
+    from tokenizers import Tokenizer
+
+    original = random_model(TINY, seed=0)
+    add_eos = gguf.GGUFWriter.add_eos_token_id
+    monkeypatch.setattr(gguf.GGUFWriter, "add_eos_token_id", lambda writer, token: (
+        add_eos(writer, token), writer.add_add_bos_token(True), writer.add_add_eos_token(True)))
+    write_gguf(tmp_path / "eos.gguf", TINY, original.state_dict, original.tokenizer_json)
+    tokenizer = Tokenizer.from_str(load_gguf(str(tmp_path / "eos.gguf")).tokenizer_json)
+    ids = tokenizer.encode("Hi").ids
+    plain = tokenizer.encode("Hi", add_special_tokens=False).ids
+    assert ids == [TINY.bos_token_id, *plain, TINY.eos_token_ids[0]] and plain
