@@ -457,6 +457,8 @@ def _aotlm_version() -> str:
     except PackageNotFoundError:
         installed = "not installed"
     repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():  # an installed package: a git folder above it would be another project's
+        return installed
     try:
         commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty=+dirty"], capture_output=True,
                                 text=True, timeout=10).stdout.strip()
@@ -618,7 +620,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[yellow]interrupted[/yellow]")
         return 130
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
-    previous = {number: signal.signal(number, _terminated) for number in STOP_SIGNALS} if in_main_thread else {}
+    # a signal ignored where the program started (nohup's SIGHUP) stays ignored
+    previous = {number: signal.signal(number, _terminated) for number in STOP_SIGNALS
+                if signal.getsignal(number) != signal.SIG_IGN} if in_main_thread else {}
     try:
         args.handler(args)
     except (BuildError, AotlmRuntimeError) as problem:

@@ -333,7 +333,8 @@ def report(settings: dict, runs: dict[str, list[RequestTrace]], slo: dict | None
     for name, traces in runs.items():
         t0 = min(t.arrival for t in traces)
         failed = (failures or {}).get(name, [])
-        backends[name] = {"summary": summarize(traces, slo=slo), "failed": len(failed), "errors": failed[:10],
+        backends[name] = {"summary": summarize(traces, slo=slo, failed=len(failed)), "failed": len(failed),
+                          "errors": failed[:10],
                           "traces": [trace_record(t, t0) for t in traces]}
     return {"settings": settings, "machine": machine(), "backends": backends}
 

@@ -142,7 +142,7 @@ class Generation:
     def close(self) -> None:
         """End the request now if it has not ended, freeing the batch-1 cache (it then has no result). From another
         thread while one reads it (a server's watcher of a client that left), the reader's next call ends it."""
-        if self.result is None and not self._closed:
+        if self.result is None:  # again after a close from another thread: that one may not have closed it
             self._closed = True
             try:
                 self._pieces.close()

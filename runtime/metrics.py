@@ -142,11 +142,13 @@ def queued_share(traces: Sequence[RequestTrace]) -> float:
     return covered / span if span > 0 else 0.0
 
 
-def summarize(traces: Sequence[RequestTrace], duration: float | None = None, slo: dict | None = None) -> dict:
-    """Latency statistics (ms), throughput and optional goodput over a benchmark's requests.
+def summarize(traces: Sequence[RequestTrace], duration: float | None = None, slo: dict | None = None,
+              failed: int = 0) -> dict:
+    """Latency statistics (ms), throughput and optional goodput over a benchmark's completed requests.
 
     duration: seconds the benchmark ran (default: first arrival -> last finish).
     slo: {"ttft_ms": .., "tpot_ms": .., "e2e_ms": ..}, any subset; adds summary["goodput"].
+    failed: requests that failed besides these: they meet no SLO (goodput's fraction counts them).
     """
     traces = list(traces)
     if not traces:
@@ -166,7 +168,7 @@ def summarize(traces: Sequence[RequestTrace], duration: float | None = None, slo
         "prefill": [t.prefill_seconds for t in traces],
     }
     summary = {
-        "requests": len(traces), "duration_s": float(duration),
+        "requests": len(traces), "failed": failed, "duration_s": float(duration),
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "cached_prompt_tokens": sum(t.cached_prompt_tokens for t in traces),  # reused from the cache, not prefilled
         "requests_per_s": len(traces) / duration,
@@ -176,11 +178,11 @@ def summarize(traces: Sequence[RequestTrace], duration: float | None = None, slo
     }
     summary.update({f"{name}_ms": _stats_ms(samples[name]) for name in LATENCY_METRICS})
     if slo is not None:
-        summary["goodput"] = _goodput(traces, duration, slo)
+        summary["goodput"] = _goodput(traces, duration, slo, failed)
     return summary
 
 
-def _goodput(traces: list[RequestTrace], duration: float, slo: dict) -> dict:
+def _goodput(traces: list[RequestTrace], duration: float, slo: dict, failed: int = 0) -> dict:
     unknown = sorted(set(slo) - set(SLO_KEYS))
     if unknown or not slo:
         raise ValueError(f"slo keys must be a non-empty subset of {list(SLO_KEYS)}; got {sorted(slo)}")
@@ -188,7 +190,7 @@ def _goodput(traces: list[RequestTrace], duration: float, slo: dict) -> dict:
         "ttft_ms": lambda t: t.ttft, "tpot_ms": lambda t: t.tpot or 0.0, "e2e_ms": lambda t: t.e2e,
     }
     good = sum(all(per_request[key](t) <= limit / 1e3 for key, limit in slo.items()) for t in traces)
-    return {"slo": dict(slo), "good_requests": good, "fraction": good / len(traces),
+    return {"slo": dict(slo), "good_requests": good, "fraction": good / (len(traces) + failed),
             "requests_per_s": good / duration}
 
 
@@ -214,6 +216,8 @@ def format_table(summary: dict):
     caption = (f"{summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tok/s, "
                f"{summary['total_tokens_per_s']:.1f} total tok/s; requests queued {summary['queued_share']:.0%} "
                "of the run")
+    if summary.get("failed"):
+        caption += f"; {summary['failed']} request(s) failed (not in these figures)"
     if "goodput" in summary:
         goodput = summary["goodput"]
         limits = ", ".join(f"{key} <= {value:g}" for key, value in goodput["slo"].items())

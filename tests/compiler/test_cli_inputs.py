@@ -927,3 +927,18 @@ def test_a_killed_builds_scratch_folders_are_removed_by_the_next_and_a_running_o
         assert remove_abandoned_scratch() == [abandoned]
         assert running.is_dir() and (tmp_path / "aotlm-unrelated").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["aotlm-unrelated"]
+
+
+def test_a_sighup_that_nohup_ignores_stays_ignored(capsys, monkeypatch):
+    """main() put its own handler over nohup's SIG_IGN: a build started with nohup ended when the terminal closed."""
+    def hung_up_on(args):
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.05)  # a handler, had one been set, would run here
+
+    monkeypatch.setattr(cli, "_run", hung_up_on)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        code, output = run_cli(capsys, "run", "artifact", "--prompt", "x")
+        assert code == 0 and "hung up" not in output and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)

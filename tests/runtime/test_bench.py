@@ -513,6 +513,7 @@ def test_a_failed_request_is_counted_and_said_and_the_rest_measured(tiny_artifac
     assert entry["summary"]["requests"] == len(entry["traces"]) == 5
     assert entry["summary"]["goodput"]["slo"] == {"e2e_ms": 60000.0}  # --slo-e2e-ms, as vLLM's --goodput e2el
     assert entry["summary"]["goodput"]["good_requests"] == 5
+    assert entry["summary"]["goodput"]["fraction"] == 5 / 6 and entry["summary"]["failed"] == 1  # a failure meets none
     assert "aotlm: 1 of 6 requests failed (request 1: RuntimeError" in " ".join(capsys.readouterr().err.split())
     failures = []  # the API: without `failures`, the error is raised
     server = bench.ScheduledServer(Engine.load(tiny_artifact), slots=1)

@@ -355,4 +355,14 @@ def test_a_stream_closed_from_another_thread_while_read_frees_the_cache(tiny_art
     generating.start()
     generating.join(30)  # the stream is still referred to here
     assert after and len(after[0].token_ids) == 2, "the batch-1 cache stayed held by the closed stream"
+    # a reader that stops and closes it itself (a `with` block, a finally) after another thread's close frees it too
+    stream = engine.stream([5], max_new_tokens=100, ignore_eos=True)
+    next(stream)
+    stream._closed = True  # as another thread's close() leaves it when it lands inside a step
+    stream.close()
+    after.clear()
+    generating = threading.Thread(target=lambda: after.append(engine.generate([5], max_new_tokens=2)), daemon=True)
+    generating.start()
+    generating.join(30)
+    assert after, "the reader's own close() did nothing after another thread's"
     engine.close()
