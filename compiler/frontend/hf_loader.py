@@ -190,8 +190,15 @@ def _chat_template(folder: str) -> tuple[str | None, str | None, dict]:
             raise BuildError(f"{path}: not UTF-8 text ({error}); save the template as UTF-8") from None
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+        named = template
+        template = next((t.get("template") for t in named if isinstance(t, dict) and t.get("name") == "default"),
                         None)
+        names = [t.get("name") for t in named if isinstance(t, dict)]
+        if template is None and names:  # transformers refuses to pick one too ("no default specified")
+            raise BuildError(f"{config_path}: chat_template holds {len(names)} named templates "
+                             f"({', '.join(map(str, names))}) and none named 'default'; save the one chats should use "
+                             f"as chat_template.jinja in the folder (it wins over tokenizer_config.json's, as in "
+                             f"transformers)")
     return (template, config_path, tokens) if isinstance(template, str) and template else (None, None, {})
 
 

@@ -1451,6 +1451,11 @@ def test_damaged_model_files_are_one_error_line_naming_what_to_fix(tmp_path):
         "model.norm.weight": None, "lm_head.weight": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(BuildError, match=r"weight_map\['model.norm.weight'\] is None, not a file name"):
         load_model("hf", damaged, None, 0)
+    named = folder("named")  # transformers: "multiple chat templates with no default specified"
+    (tmp_path / "named" / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "{{ messages }}"}, {"name": "rag", "template": "{{ messages }}"}]}))
+    with pytest.raises(BuildError, match=r"2 named templates \(tool_use, rag\) and none named 'default'"):
+        load_model("hf", named, None, 0)
     template = folder("template")
     (tmp_path / "template" / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
     with pytest.raises(BuildError, match=r"chat_template.jinja: not UTF-8 text .* save the template as UTF-8"):
