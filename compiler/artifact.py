@@ -86,7 +86,11 @@ def staged_folder(final_dir: Path):
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # read by setting: no call reads it alone (but /proc's, not everywhere)
+    """The process's umask: /proc's (Linux 4.7+), else read by setting it back at once (not thread-safe)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as status:
+            return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
@@ -123,7 +127,7 @@ def _signals_deferred(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
         yield
     finally:
         for number, handler in previous.items():
-            signal.signal(number, handler)
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
         if caught:
             handler = previous[caught[0]]
             if callable(handler):
