@@ -172,15 +172,20 @@ def _sync_folder(folder: Path) -> None:
 
 def _locked_folder(final_dir: Path, kind: str, held: contextlib.ExitStack) -> Path:
     """A new `.NAME.KIND-PID-XXXX` folder beside final_dir, locked until `held` closes."""
+    return _new_locked_folder(final_dir.parent, f".{final_dir.name}.{kind}-{os.getpid()}-", held)
+
+
+def _new_locked_folder(parent: Path, prefix: str, held: contextlib.ExitStack) -> Path:
+    """A new folder PREFIX-XXXX in parent, locked until `held` closes."""
     for _ in range(100):
-        folder = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.{kind}-{os.getpid()}-", dir=final_dir.parent))
+        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         lock = _try_lock(folder)
-        if lock is None:  # another build's remove_abandoned locked it after mkdtemp, and removes it: make another
+        if lock is None:  # another build's cleanup locked it after mkdtemp, and removes it: make another
             continue
         if lock != NO_LOCKS:
             held.callback(os.close, lock)
         return folder
-    raise OSError(f"{final_dir.parent}: 100 new temporary folders could not be locked or were removed at once")
+    raise OSError(f"{parent}: 100 new temporary folders could not be locked or were removed at once")
 
 
 def _try_lock(folder: Path) -> int | None:
@@ -242,19 +247,12 @@ def scratch_folder(kind: str):
     A build killed outright (SIGKILL, the OOM killer: no cleanup runs) leaves its traces there, a model's weights
     once or twice over: the next build removes the ones no running build holds (remove_abandoned_scratch)."""
     assert kind in SCRATCH_KINDS, kind
-    for _ in range(100):  # another build's remove_abandoned_scratch may take a folder between mkdtemp and the lock
-        folder = Path(tempfile.mkdtemp(prefix=f"aotlm-{kind}-"))
-        lock = _try_lock(folder)
-        if lock is not None:
-            break
-    else:
-        raise OSError(f"{tempfile.gettempdir()}: 100 new temporary folders could not be locked or were removed at once")
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # before the lock goes: no other build reads it as abandoned
-        if lock != NO_LOCKS:
-            os.close(lock)
+    with contextlib.ExitStack() as held:
+        folder = _new_locked_folder(Path(tempfile.gettempdir()), f"aotlm-{kind}-", held)
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # before the lock goes: no other build reads it as abandoned
 
 
 def remove_abandoned_scratch() -> list[Path]:

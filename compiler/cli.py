@@ -169,8 +169,8 @@ def _inspect(args) -> None:
     except (KeyError, TypeError, AttributeError, ValueError, IndexError) as problem:  # read_manifest checks what the
         # runtime needs; the summary reads the rest (pass reports, accuracy...), which an edit can break
         raise ArtifactError(f"{args.artifact}/manifest.json: a field the summary reads is missing or malformed "
-                         f"({type(problem).__name__}: {problem}); rebuild the artifact, or read the manifest as it "
-                         f"is with `aotlm inspect --json`") from None
+                            f"({type(problem).__name__}: {problem}); rebuild the artifact, or read the manifest as it "
+                            f"is with `aotlm inspect --json`") from None
     sys.stdout.write(summary.get())
 
 

@@ -3,10 +3,10 @@
 Each reply streams to stdout as it is decoded; a line on stderr gives its TTFT, how many prompt tokens came from the
 cache (the engine runs with prefix caching: a turn prefills only what the last turn did not leave in the cache),
 and its TPOT. When the conversation no longer fits the artifact's context with room for a reply, its oldest turns
-are dropped (said on stderr). An empty line is skipped; /exit, /quit or the end of input ends the chat; another command (a line of one
-/word) is said to be unknown, not sent to the model. Ctrl-C
-during a reply stops that reply and leaves the message and its partial reply out of the conversation, which goes on;
-Ctrl-C at the prompt ends the chat (exit status 130).
+are dropped (said on stderr). An empty line is skipped; /exit, /quit or the end of input ends the chat; another
+command (a line of one /word) is said to be unknown, not sent to the model. Ctrl-C during a reply stops that reply
+and leaves the message and its partial reply out of the conversation, which goes on; Ctrl-C at the prompt ends the
+chat (exit status 130); SIGTERM ends it at any point (143).
 """
 from __future__ import annotations
 

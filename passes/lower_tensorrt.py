@@ -42,8 +42,9 @@ total_sequence_length are device tensors read by the kernel, not shape inputs: n
     outputs  0 output T [B,S,H*D] = sum_s exp(lse_s - L) out_s with L = logsumexp_s lse_s (0 if every split is empty)
     attrs    num_heads (INT), head_dim (INT), kv_splits (INT), out_dtype (INT: the ONNX TensorProto type of T; both
              inputs are float32, so the plugin cannot infer T otherwise)
-The kernels (runtime/kernels/flash_attention.py, registered by runtime/kernels/tensorrt_plugin.py) need head_dim 16,
-32, 64 or 128 (PLUGIN_HEAD_DIMS: tiles within 48 KiB of shared memory) and kv_splits a power of two (the combine loads all splits as one tile): refused here otherwise.
+The kernels (runtime/kernels/flash_attention.py, registered by runtime/kernels/tensorrt_plugin.py) need head_dim
+16, 32, 64 or 128 (PLUGIN_HEAD_DIMS: tiles within 48 KiB of shared memory) and kv_splits a power of two (the
+combine loads all splits as one tile): refused here otherwise.
 Engine build: import the plugin definitions before parsing, TensorRT >= 10.15 (RotaryEmbedding in the parser; AOT
 QDP plugins since 10.9) and PreviewFeature.ALIASED_PLUGIN_IO_10_03 for the aliased outputs.
 

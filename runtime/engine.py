@@ -32,7 +32,7 @@ from runtime import evaluate
 from runtime.errors import ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
-from runtime.prefix_cache import rest_piece_tokens, reusable_prefix
+from runtime.prefix_cache import rest_piece_tokens, reusable_prefix, scored_rows_reusable
 from runtime.results import GenerationResult, Timings, received_at
 from runtime.sampling import Sampler, SamplingParams, sampling_params
 from runtime.tokenizer import TextTokenizer
@@ -618,9 +618,7 @@ class Engine:
         length = len(prompt_ids)
         mask = np.ones((1, self.max_context), dtype=np.int64)  # every cached row is real: one view per step
         scored = params.prompt_logprobs is not None  # every position's logits: no prefix reused, no prefill graph
-        # An int8 cache's scored prompt: the decode graph's later rows read the earlier ones as int8 codes, where a
-        # prefill attends to them in float, so its rows are no prefix for a later prompt (the scheduler's rule too)
-        recording = not (scored and getattr(self.backend, "cache_dtype", None) is np.int8)
+        recording = not scored or scored_rows_reusable(self.backend)  # what the cache then holds, for a later prompt
         reused = 0 if scored else self._reusable_prefix(prompt_ids)
         written = list(prompt_ids[:reused])  # the ids whose keys and values the cache holds, in order
 

@@ -236,6 +236,8 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         options["seed"] = seed % 2 ** 64
     if options.get("top_k") == -1:  # vLLM's "no limit"
         options["top_k"] = 0
+    elif is_integer(options.get("top_k")) and options["top_k"] < -1:  # the engine's message would not name -1
+        raise ApiError(f"top_k: {options['top_k']} must be -1 or an integer >= 0 (0 or -1 = no limit)", param="top_k")
     if "stop" in fields:
         options["stop_strings"] = fields["stop"]
     if chat and "max_tokens" in fields and "max_completion_tokens" in fields:
@@ -284,9 +286,6 @@ def _api_error(error: RequestError, chat: bool, default: str | None = None,
     field = max_name if field == "max_new_tokens" else ENGINE_NAMES.get(field, field)
     if ":" in message and field != message.split(":", 1)[0]:
         message = field + ":" + message.split(":", 1)[1]
-    if field == "top_k":  # the engine's "0 = no limit"; the API also takes vLLM's -1 for it
-        message = message.replace("must be an integer >= 0 (0 = no limit)", "must be -1 or an integer >= 0 (0 or -1 "
-                                                                           "= no limit)")
     return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else default)
 
 

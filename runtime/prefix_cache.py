@@ -20,6 +20,13 @@ PREFIX_REST_TOKENS = 256
 PREFIX_MIN_TOKENS = 16
 
 
+def scored_rows_reusable(backend) -> bool:
+    """Whether a scored prompt's rows (prompt_logprobs: filled through the decode graph) may be a later prompt's
+    prefix. Not on an int8 cache: the decode graph's later rows read the earlier ones as int8 codes, where a prefill
+    attends to them in float, and a later request's greedy reply changed with them."""
+    return getattr(backend, "cache_dtype", None) is not np.int8
+
+
 def rest_piece_tokens(backend, limit: int | None = None) -> int:
     """Tokens per decode-graph run for the rest of a prompt after a past (a later chunk, or the rest after a cached
     prefix): at most `limit` (PREFIX_REST_TOKENS when None), and at most the engine's decode_max_tokens where it

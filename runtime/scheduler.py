@@ -62,7 +62,7 @@ from runtime import evaluate
 from runtime.engine import last_token_logits
 from runtime.errors import QueueFullError, RequestError
 from runtime.metrics import RequestTrace
-from runtime.prefix_cache import PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix
+from runtime.prefix_cache import PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix, scored_rows_reusable
 from runtime.request_handle import END, CallbackThread, LoggedPiece, RequestHandle
 from runtime.results import GenerationResult, Timings, received_at
 from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
@@ -191,7 +191,7 @@ class Scheduler:
         # rows hold from the request that left it; None for a slot in use or holding nothing known. Worker only.
         self._slot_ids: list[list[int] | None] = [None] * slots
         self._slot_released = [0] * slots  # when each slot's prefix was left, in releases counted
-        self._int8_cache = getattr(engine.backend, "cache_dtype", None) is np.int8
+        self._scored_rows_reusable = scored_rows_reusable(engine.backend)
         self._releases = itertools.count(1)
         self._waiting: deque[_Sequence] = deque()
         # Tokens as they are made (a server's /metrics counters move every step, as vLLM's do, not at a request's end):
@@ -430,7 +430,9 @@ class Scheduler:
             # a scored prompt computes every position: it has no donor
             for slot, other in () if sequence.scored else enumerate(self._running):
                 held = self._slot_ids[slot] if other is None else _held_ids(other)
-                if other is sequence or not held or (other is not None and other.scored and self._int8_cache):
+                if other is sequence or not held:
+                    continue
+                if other is not None and other.scored and not self._scored_rows_reusable:  # prefix_cache's rule
                     continue
                 common = reusable_prefix(held, sequence.prompt_ids, backend)
                 if common > shared:
@@ -607,9 +609,7 @@ class Scheduler:
     def _release(self, sequence: _Sequence, failed: bool = False) -> None:
         if sequence.slot is not None and self._running[sequence.slot] is sequence:
             self._running[sequence.slot] = None
-            # An int8 cache's scored prompt went through the decode graph, whose later rows read the earlier ones as
-            # int8 codes where a prefill attends to them in float: rows another prompt's reply would then depend on.
-            kept = not (sequence.scored and self._int8_cache)
+            kept = not sequence.scored or self._scored_rows_reusable
             if self.engine.prefix_caching and not failed and kept:  # what its rows hold, for a later prompt that
                 # begins so; short of the last position, where a decode step's throw-away write for a free row goes
                 held = _held_ids(sequence)[:self.engine.max_context - 1]

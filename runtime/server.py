@@ -20,8 +20,9 @@ Latencies count from the moment the request's headers were read: its body, templ
 With an api_key, the /v1 and tokenizer routes ask for it as OpenAI's clients send it (`Authorization: Bearer KEY`;
 else 401); /health and /metrics stay open, as vLLM leaves them.
 Bodies come with a Content-Length or in chunks (runtime/http_body.py; a framing that could be read two ways is refused
-and the connection closed). Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an unknown path, 503 with
-Retry-After when the scheduler's queue is full or the server is stopping, 500 when a request fails while running.
+and the connection closed). Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an
+unknown path, 503 with Retry-After when the scheduler's queue is full or the server is stopping, 500 when a request
+fails while running.
 A graceful stop (drain(), after serve_forever returned) refuses new requests and waits for those under way; closing
 the engine then fails the rest, and they are told to send the request again.
 """
@@ -48,9 +49,9 @@ from runtime.server_metrics import ServerMetrics
 
 MAX_BODY_BYTES = 16 << 20
 POLL_S = 0.25  # how often a waiting request's thread looks whether its client is still there
-# A body the server refuses unread (413, 401, a stop's 503, one that cannot be framed) is still arriving when the answer goes out; closing then
-# resets the connection, and a client that writes its whole body before reading (http.client, httpx) sees the reset,
-# not the answer. So the server stops sending, then reads and drops what arrives (a lingering close, as nginx's), for
+# A body the server refuses unread (413, 401, a stop's 503, one that cannot be framed) is still arriving when the
+# answer goes out; closing then resets the connection, and a client that writes its whole body before reading
+# (http.client, httpx) sees the reset, not the answer. So the server stops sending, then reads and drops what arrives (a lingering close, as nginx's), for
 # LINGER_S or LINGER_BYTES at most.
 LINGER_S = 5.0
 LINGER_BYTES = 64 << 20
