@@ -123,17 +123,17 @@ def without_any_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
 def copy_fields(source, target, skip: str) -> None:
     """Copy every field of protobuf message `source` that is set into `target`, but `skip` (never read: a tensor's
     raw_data is not copied into Python)."""
-    for field in source.DESCRIPTOR.fields:
-        if field.name == skip:
+    for descriptor in source.DESCRIPTOR.fields:
+        if descriptor.name == skip:
             continue
-        value = getattr(source, field.name)
-        if field.is_repeated:
-            getattr(target, field.name).extend(value)
-        elif field.message_type is not None:
-            if source.HasField(field.name):
-                getattr(target, field.name).CopyFrom(value)
-        elif source.HasField(field.name) if field.has_presence else value:
-            setattr(target, field.name, value)
+        value = getattr(source, descriptor.name)
+        if descriptor.is_repeated:
+            getattr(target, descriptor.name).extend(value)
+        elif descriptor.message_type is not None:
+            if source.HasField(descriptor.name):
+                getattr(target, descriptor.name).CopyFrom(value)
+        elif source.HasField(descriptor.name) if descriptor.has_presence else value:
+            setattr(target, descriptor.name, value)
 
 
 def _float32_constant_attributes(graph: gs.Graph) -> None:

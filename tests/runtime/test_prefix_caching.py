@@ -197,14 +197,14 @@ def test_scheduled_conversations_find_their_turns_in_the_slots_they_left(cached,
     the slot its previous turn left, reuses what it holds, and makes the tokens a whole prefill makes."""
     rng = np.random.default_rng(1)
     chats = [[1] + rng.integers(3, 500, size=24).tolist() for _ in range(3)]
-    expected_cached, results = [], []
+    expected_cached, results, previous = [], [], []
     try:
         cached.start_scheduler(slots=4)
         for turn in range(3):
             handles = [cached.submit(prompt, max_new_tokens=5, ignore_eos=True) for prompt in chats]
             done = [handle.result(timeout=60) for handle in handles]
             results.append(done)
-            expected_cached.append([0] * 3 if turn == 0 else [len(p) + 5 - 1 for p in previous])
+            expected_cached.append([len(p) + 5 - 1 for p in previous] if previous else [0] * 3)
             previous = [r.prompt_token_ids for r in done]
             chats = [r.prompt_token_ids + r.token_ids + rng.integers(3, 500, size=6).tolist() for r in done]
     finally:
