@@ -13,7 +13,9 @@ Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
 A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix) is refused with a
 400 that names it, never silently ignored; so is a field it does not know.
 Logprobs cover every completion token usage counts, a final stop token included (vLLM's); with echo, the prompt's
-tokens first (the first one's null: nothing predicts it).
+tokens first (the first one's null: nothing predicts it). Completions' top_logprobs hold the N likeliest and the
+chosen token (OpenAI's "up to logprobs+1 elements"); chat's hold exactly N. Completions' echo with max_tokens 0
+(OpenAI's legacy scoring request) answers the prompt and its logprobs alone.
 Every response also carries "timings": per choice, the request's server-side timings (Timings.summary(): queue,
 TTFT, prefill, TPOT, E2E in ms, cached prompt tokens). It is not in OpenAI's schema; its clients ignore it.
 """
@@ -57,8 +59,19 @@ OPENAI_ONLY = ("store", "metadata", "service_tier", "reasoning_effort", "modalit
                "web_search_options", "verbosity", "prompt_cache_key", "prompt_cache_retention", "safety_identifier")
 NOT_SUPPORTED.update({name: "OpenAI's field is not supported by this server" for name in OPENAI_ONLY},
                      store="this server keeps no responses: send store false, or leave it out")
-# Values of refused fields that ask for what the server does anyway (store=False: it keeps nothing).
-HARMLESS = {"best_of": 1, "store": False}
+# vLLM's extensions beyond the sampling ones this server takes: refused as such, never taken for a typo of a field it
+# has (difflib offered return_tokens_as_token_ids -> stop_token_ids, truncate_prompt_tokens -> max_completion_tokens).
+VLLM_ONLY = ("return_tokens_as_token_ids", "truncate_prompt_tokens", "prompt_logprobs", "length_penalty",
+             "use_beam_search", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+             "add_special_tokens", "allowed_token_ids", "bad_words", "guided_json", "guided_regex", "guided_choice",
+             "guided_grammar", "structured_outputs", "chat_template", "chat_template_kwargs", "documents",
+             "continue_final_message", "priority", "request_id", "logits_processors", "kv_transfer_params")
+NOT_SUPPORTED.update({name: "vLLM's field is not supported by this server" for name in VLLM_ONLY})
+# Values of refused fields that ask for what the server does anyway (store=False: it keeps nothing; tool_choice
+# "none" and parallel_tool_calls false: no tool calls; the text leaves special tokens out and ends before a stop
+# string).
+HARMLESS = {"best_of": 1, "store": False, "tool_choice": "none", "parallel_tool_calls": False,
+            "include_stop_str_in_output": False, "skip_special_tokens": True}
 # Fields of one endpoint sent to the other, and the field meant there: difflib ties max_completion_tokens with
 # max_tokens and min_tokens (the opposite), and picks min_tokens.
 SAME_FIELD = {"max_completion_tokens": "max_tokens"}
@@ -96,6 +109,9 @@ class ParsedRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     echo: bool = False
     logprobs: int | None = None  # alternatives per token in the response, None = no logprobs
+    # Completions' echo with max_tokens 0: the prompt (and its logprobs) alone. The scheduler runs one token to score
+    # the prompt; the answer leaves it out (as_requested).
+    echo_only: bool = False
 
 
 STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
@@ -119,6 +135,9 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
                        "chunks; send false or leave it out", param="stream_options.include_obfuscation")
     logprobs = _chat_logprobs(fields) if chat else _completion_logprobs(fields)
     echo = flag(fields, "echo")
+    echo_only = echo and not chat and is_integer(fields.get("max_tokens")) and fields["max_tokens"] == 0
+    if echo_only:
+        fields = {**fields, "max_tokens": 1}
     # The prompt last: rendering and tokenizing cost more than the checks above.
     if chat:
         prompts = [_chat_prompt(engine, fields)]
@@ -136,7 +155,7 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
         for sample in range(n):
             seeded = params if params.seed is None else replace(params, seed=params.seed + sample)
             choices.append(Choice(prompt_index * n + sample, prompt_ids, seeded))
-    return ParsedRequest(chat, choices, prompts, texts, n, stream, include_usage, echo, logprobs)
+    return ParsedRequest(chat, choices, prompts, texts, n, stream, include_usage, echo, logprobs, echo_only)
 
 
 def request_fields(body, known: set[str], model_name: str, refused: dict[str, str] | None = None) -> dict:
@@ -147,12 +166,10 @@ def request_fields(body, known: set[str], model_name: str, refused: dict[str, st
     refused = refused or {}
     fields = {name: value for name, value in body.items() if value is not None}
     for name in fields:
-        if name in refused and not (name in HARMLESS and type(fields[name]) is type(HARMLESS[name])
-                                    and fields[name] == HARMLESS[name]):
+        if name in refused and not _harmless(name, fields[name]):
             raise ApiError(f"{name}: {refused[name]}", param=name)
         if name not in known and name not in refused:
-            close = ([SAME_FIELD[name]] if SAME_FIELD.get(name) in known
-                     else difflib.get_close_matches(name, sorted(known), n=1))
+            close = _meant(name, known)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ApiError(f"unrecognized request field {name!r}{hint}", param=name)
     model = fields.get("model")
@@ -167,6 +184,28 @@ def unknown_model(name: str, served: str) -> ApiError:
     """A request for a model this server does not serve (a field, or GET /v1/models/{model}): OpenAI's 404."""
     return ApiError(f"the model {name!r} does not exist; this server serves {served!r}", status=404,
                     kind="not_found_error", param="model")
+
+
+def _harmless(name: str, value) -> bool:
+    """A refused field's value asks for what the server does anyway: a number equal to HARMLESS' (JSON does not tell
+    1 from 1.0), or the same true/false or string."""
+    if name not in HARMLESS:
+        return False
+    harmless = HARMLESS[name]
+    if isinstance(harmless, bool) or isinstance(value, bool):
+        return value is harmless
+    if isinstance(harmless, int):
+        return isinstance(value, (int, float)) and value == harmless
+    return value == harmless
+
+
+def _meant(name: str, known: set[str]) -> list[str]:
+    """The known field an unknown one was likely meant as: SAME_FIELD's (also for a near spelling of it), else a close
+    spelling (difflib's; vLLM's own fields never get here: NOT_SUPPORTED names them)."""
+    for other, meant in SAME_FIELD.items():
+        if meant in known and other not in known and (name == other or difflib.get_close_matches(name, [other], n=1, cutoff=0.9)):
+            return [meant]
+    return difflib.get_close_matches(name, sorted(known), n=1)
 
 
 def flag(fields: dict, name: str, shown: str | None = None, default: bool = False) -> bool:
@@ -308,7 +347,7 @@ def finish_reason(result: GenerationResult) -> str:
 def usage(request: ParsedRequest, results: list[GenerationResult]) -> dict:
     """Prompt tokens count once per prompt (as OpenAI's n does); completion tokens are every token the model produced,
     a final stop token included (the engine's output_tokens, vLLM's count)."""
-    completion = sum(r.timings.output_tokens if r.timings else 0 for r in results)
+    completion = 0 if request.echo_only else sum(r.timings.output_tokens if r.timings else 0 for r in results)
     cached = sum(r.timings.cached_prompt_tokens for r in results[::request.n] if r.timings)
     prompt_tokens = sum(map(len, request.prompts))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -326,6 +365,7 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str,
     (its results' prompt_logprobs), as OpenAI's and vLLM's do."""
     choices = []
     for choice, result in zip(request.choices, results):
+        result = as_requested(request, result)
         logprobs = None
         if request.logprobs is not None:
             token_ids, entries = _scored_output(result)
@@ -346,6 +386,15 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str,
     return {"id": request_id, "object": "chat.completion" if request.chat else "text_completion",
             "created": int(time.time()), "model": model_name, "choices": choices,
             "usage": usage(request, results), "timings": [timings(result) for result in results]}
+
+
+def as_requested(request: ParsedRequest, result: GenerationResult) -> GenerationResult:
+    """The result as the request asked for it: an echo-only one's without the token run to score the prompt (no text,
+    tokens or stop token; finish_reason "length", as OpenAI's for max_tokens 0)."""
+    if not request.echo_only:
+        return result
+    return replace(result, text="", token_ids=[], logprobs=None if result.logprobs is None else [],
+                   finish_reason="length", stop_token_id=None, stop_token_logprobs=None)
 
 
 def _scored_output(result: GenerationResult) -> tuple[list[int], list[dict]]:
@@ -500,9 +549,16 @@ def _width(engine, token: int, text: str, shown: str | None = None, offset: int 
 
 
 def _top(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
-    """The `count` likeliest of a result's logprobs entry (the chosen token first, then the likeliest): OpenAI's
+    """The `count` likeliest of a result's logprobs entry (the chosen token first, then the likeliest): chat's
     top_logprobs, which hold the chosen token only where it is among them."""
     return sorted(entry.items(), key=lambda item: -item[1])[:count]
+
+
+def _top_and_chosen(entry: dict[int, float], count: int, chosen: int) -> list[tuple[int, float]]:
+    """Completions' top_logprobs: the `count` likeliest, and the chosen token after them where it is not among them
+    (OpenAI's "the logprob of the sampled token, so there may be up to logprobs+1 elements"; vLLM's too)."""
+    top = _top(entry, count)
+    return top if any(token == chosen for token, _ in top) else [*top, (chosen, entry[chosen])]
 
 
 def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries, start: int = 0,
@@ -532,5 +588,6 @@ def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries,
         text_offset += _width(engine, token, text, echo[0] if echoed else None, text_offset)
     return {"tokens": texts,  # an echo's first token has None: nothing predicts it
             "token_logprobs": [None if entry is None else entry[token] for token, entry in zip(chosen, entries)],
-            "top_logprobs": [None if entry is None else _by_text(engine, _top(entry, count)) for entry in entries],
+            "top_logprobs": [None if entry is None else _by_text(engine, _top_and_chosen(entry, count, token))
+                             for token, entry in zip(chosen, entries)],
             "text_offset": offsets}

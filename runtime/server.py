@@ -423,12 +423,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self.server.log(f"{self.command} {self.path}: the stream ended with {error}")  # as a response's 500
                 self._send_event(error.body())
                 break
-            if isinstance(item, str) and not item:
+            if isinstance(item, str) and (not item or request.echo_only):  # echo-only: the prompt, at the end
                 continue
             choice, first = request.choices[position], position not in started
             started.add(position)
             text = request.prompt_texts[choice.index // request.n] if first and request.echo else ""
             if isinstance(item, GenerationResult):
+                item = openai_api.as_requested(request, item)
                 results[position] = item
                 self._send_event(openai_api.chunk(request, request_id, model, created, choice.index, text, item,
                                                   first=first, logprobs=logprobs[position].of_end(item)))

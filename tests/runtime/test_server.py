@@ -384,15 +384,21 @@ def test_the_engines_max_context_ending_is_length_in_the_api():
         "length", "length", "stop"]
 
 
-def test_sampled_tokens_get_at_most_the_asked_alternatives(served, chat_served):
-    """A sampled token outside the likeliest N is in its entry besides them: top_logprobs must still list N (the
-    greedy tests never sample one outside them)."""
+def test_completions_alternatives_hold_the_sampled_token_and_chats_the_asked_number(served, chat_served):
+    """A sampled token outside the likeliest N: completions' top_logprobs list it after them (OpenAI's "up to
+    logprobs+1 elements", vLLM's), with its own logprob; chat's list exactly N (the greedy tests never sample one
+    outside them)."""
     body = {"prompt": "Hello", "max_tokens": 12, "temperature": 2.0, "seed": 7, "logprobs": 1, "ignore_eos": True}
     logprobs = post(served, "/v1/completions", body)[2]["choices"][0]["logprobs"]
-    assert all(len(alternatives) == 1 for alternatives in logprobs["top_logprobs"])
-    chosen_elsewhere = [token for token, alternatives in zip(logprobs["tokens"], logprobs["top_logprobs"])
-                        if token not in alternatives]
-    assert chosen_elsewhere, "every sampled token was the likeliest: the check above said nothing"
+    # keyed by each token's text alone: byte tokens that begin a character all read U+FFFD there and share one key,
+    # which holds the likeliest one's logprob
+    assert all(logprob in top.values() or "\ufffd" in top
+               for logprob, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"]))
+    sampled_below = [top for top in logprobs["top_logprobs"] if len(top) == 2]
+    assert sampled_below, "every sampled token was the likeliest: the check above said little"
+    assert all(len(top) <= 2 and list(top.values())[0] >= list(top.values())[-1] for top in logprobs["top_logprobs"])
+    none_asked = post(served, "/v1/completions", {**body, "logprobs": 0})[2]["choices"][0]["logprobs"]
+    assert [list(top.values()) for top in none_asked["top_logprobs"]] == [[lp] for lp in none_asked["token_logprobs"]]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 2.0, "seed": 7,
             "logprobs": True, "top_logprobs": 1, "ignore_eos": True}
     content = post(chat_served, "/v1/chat/completions", chat)[2]["choices"][0]["logprobs"]["content"]
@@ -574,7 +580,18 @@ def test_chat_on_a_model_without_a_template_says_so(served):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 300}}, 400, "logit_bias", "must be a number in"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "n: 0 must be an integer in 1..128"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "temperature: -1"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: 0 must be"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: 0 must be"),  # no echo
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_token": 3}, 400,
+     "max_completion_token", "did you mean max_completion_tokens?"),
+    ("/v1/completions", {"prompt": "x", "max_completion_token": 3}, 400, "max_completion_token",
+     "did you mean max_tokens?"),
+    ("/v1/completions", {"prompt": "x", "length_penalty": 1}, 400, "length_penalty",  # not presence_penalty's typo
+     "length_penalty: vLLM's field is not supported by this server"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 3}, 400, "truncate_prompt_tokens",
+     "truncate_prompt_tokens: vLLM's field is not supported by this server"),
+    ("/v1/completions", {"prompt": "x", "best_of": 1.5}, 400, "best_of", "best_of: above 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400,
+     "tool_choice", "tool calls are not supported"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 500}, 400, "max_tokens", "at most 128 tokens can follow"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "stop: an empty string"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "must be true or false"),
@@ -624,9 +641,32 @@ def test_min_tokens_holds_back_the_stop_token_ids(served):
         served.engine.tokenizer.decode(tokens[:1]))
 
 
-def test_null_fields_are_not_given_and_best_of_one_is_one(served):
+def test_null_fields_are_not_given_and_best_of_one_is_one(served, chat_served):
     body = {"prompt": "x", "max_tokens": 2, "suffix": None, "tools": None, "seed": None, "best_of": 1, "min_tokens": 0}
     assert post(served, "/v1/completions", body)[0] == 200
+    assert post(served, "/v1/completions", {**body, "best_of": 1.0})[0] == 200  # JSON's 1.0 is JavaScript's 1
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    for harmless in ({"tool_choice": "none"}, {"parallel_tool_calls": False}, {"skip_special_tokens": True}):
+        assert post(chat_served, "/v1/chat/completions", {**chat, **harmless})[0] == 200, harmless
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_answers_the_prompt_and_its_logprobs_alone(served, stream):
+    """OpenAI's legacy scoring request (vLLM's echo_without_generation): the prompt's text and logprobs, no completion
+    token in the text, the logprobs or the usage, finish_reason "length"."""
+    prompt = [1, 40, 41, 42, 43]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    scored = post(served, "/v1/completions", {**body, "max_tokens": 1})[2]["choices"][0]
+    if stream:
+        _, chunks, done = events(served, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        assert done and len(chunks) == 2 and chunks[-1]["usage"]["completion_tokens"] == 0
+        choice = {**chunks[0]["choices"][0], "logprobs": streamed_logprobs(chunks, chat=False)}
+    else:
+        status, _, response = post(served, "/v1/completions", body)
+        assert status == 200 and response["usage"]["completion_tokens"] == 0
+        choice = response["choices"][0]
+    assert choice["text"] == served.engine.tokenizer.decode(prompt) and choice["finish_reason"] == "length"
+    assert {key: values[:len(prompt)] for key, values in scored["logprobs"].items()} == choice["logprobs"]
 
 
 def test_more_choices_than_the_server_ever_holds_is_a_400_not_a_503(slow_server):
