@@ -71,6 +71,7 @@ def serve_command(args) -> None:
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key / AOTLM_API_KEY: empty; give a key, or leave both unset to serve without one")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching)
+    engine.release_single_stream_cache()  # the server runs every request on the scheduler's slots: room for them
     scheduler = engine.start_scheduler(slots=args.slots, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     try:
         server = ApiServer(engine, args.host, args.port, model_name=args.model_name,

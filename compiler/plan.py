@@ -500,12 +500,17 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     resident = w + prefill_copy
     products = params["attention"] + params["mlp"] + config.vocab_size * config.hidden_size
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
-    kv_request, kv_total = kv_token * context, kv_token * context * concurrency
+    # An artifact's engines (and a recipe's, once built) hold export.max_context rows per sequence whatever a request
+    # uses: memory counts those; a decode step reads only the rows up to `context`.
+    held_context = info.get("context") or context if info["kind"] == "artifact" or info["kind"].startswith(
+        "recipe") else context
+    kv_request, kv_total = kv_token * held_context, kv_token * held_context * concurrency
+    kv_read = kv_token * min(context, held_context)
     usable = headroom * dev["memory"]
     # GPU compute peaks: fp16/bf16 and int4 (weight-only, matmuls in fp16) use FP16 Tensor; int8 uses INT8 Tensor
     # (W8A8); fp32 uses TF32 Tensor, half FP16's rate on all of these parts. cpu: measured fp32 matmul for all.
     peak = dev["fp32"] if not gpu else dev["int8"] if precision == "int8" else dev["fp16"] / (1 + (precision == "fp32"))
-    memory_s, compute_s = (step_bytes + kv_total) / dev["bandwidth"], 2 * products * concurrency / peak
+    memory_s, compute_s = (step_bytes + kv_read * concurrency) / dev["bandwidth"], 2 * products * concurrency / peak
     prefill_compute_s = prefill_flops(params, config, prompt, info.get("prefill")) / peak
     prefill_memory_s = step_bytes / dev["bandwidth"]
     result = {
@@ -519,14 +524,15 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
                    "prompt": prompt, "headroom": headroom},
         "params": params, "weight_bytes": weights, "weights": w,
         "weights_from": AS_BUILT if as_built else RECIPE_QUANTIZE if from_recipe else f"params x {precision} bytes",
-        "kv": {"bytes_per_token": kv_token, "per_request": kv_request, "total": kv_total},
+        "kv": {"bytes_per_token": kv_token, "held_context": held_context, "per_request": kv_request,
+               "total": kv_total, "read_per_step_per_request": kv_read},
         "memory": {"total": resident + kv_total, "usable": usable, "fits": resident + kv_total <= usable,
                    "prefill_float_weights": float_prefill, "prefill_engine_weights": prefill_copy,
                    "max_concurrency": max(0, int((usable - resident) // kv_request)), "not_counted": NOT_COUNTED},
         # prefill reads every weight a step reads at least once too: on a short prompt that, not the FLOPs, bounds it
         "bounds": {"prefill_s": max(prefill_compute_s, prefill_memory_s), "prefill_flops": prefill_compute_s * peak,
                    "prefill_bound": "compute" if prefill_compute_s >= prefill_memory_s else "bandwidth",
-                   "decode_token_s": (step_bytes + kv_request) / dev["bandwidth"],
+                   "decode_token_s": (step_bytes + kv_read) / dev["bandwidth"],
                    "decode_step_s": max(memory_s, compute_s),
                    "decode_tokens_per_s": concurrency / max(memory_s, compute_s),
                    "decode_bound": "bandwidth" if memory_s >= compute_s else "compute"},
@@ -542,9 +548,11 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
             + ("" if "prefill" in info else " (a model without a recipe: the default recipe's last-position logits "
                                             "and skip_unused_rows)"),
             "decode: all weights (an embedding table not shared with the lm_head: one row, at its stored size) + "
-            "every sequence's KV cache at the full "
+            "every sequence's KV cache up to the "
             "context read once per step, at peak bandwidth (or compute-bound at 2 x projection params x concurrency "
             "FLOPs, whichever is slower)",
+            "KV memory: every sequence holds the artifact's (the recipe's) export.max_context rows, whatever the "
+            "context of its requests",
             "GPU peaks are dense datasheet figures (not sparsity); fp32 runs at TF32 rate, int8 as W8A8, int4 as "
             "weight-only fp16 matmuls" if gpu else "cpu: measured fp32 onnxruntime MatMul rate for every precision"],
         "warnings": info.pop("warnings", [])}
@@ -638,7 +646,10 @@ def render(p: dict) -> None:
     table.add_section()
     table.add_row("KV cache / token", f"{kv['bytes_per_token'] / 1024:,.2f} KiB", "2 x layers x kv_heads x head_dim"
                   f" x {KV_BYTES[i['kv_dtype']]} B")
-    table.add_row("KV cache / request", _gb(kv["per_request"]), f"x context {i['context']}")
+    held = kv["held_context"]
+    table.add_row("KV cache / request", _gb(kv["per_request"]), f"x context {held}" + (
+        "" if held == i["context"] else f" (export.max_context: every sequence holds it; a step at context "
+                                        f"{i['context']} reads {_gb(kv['read_per_step_per_request'])})"))
     table.add_row("KV cache total", _gb(kv["total"]), f"x concurrency {i['concurrency']}")
     fits = "[green]fits[/green]" if mem["fits"] else "[red]does not fit[/red]"
     table.add_row("weights + KV", _gb(mem["total"]), f"{fits} in {_gb(mem['usable'])} usable; excludes activations, "

@@ -398,6 +398,18 @@ class Engine:
             displaced.close()
         return scheduler
 
+    def release_single_stream_cache(self) -> int:
+        """Free the batch-1 KV cache that generate and stream run on (allocated at load: one sequence at the max
+        context) where only the scheduler serves, as `aotlm serve`'s; returns the bytes freed. A later generate or
+        stream allocates it again."""
+        with self._batch_one:  # not under a stream of another thread
+            cache = self.backend.cache
+            if cache is None:
+                return 0
+            self.backend.release_cache()
+            self._cached_ids = None
+            return cache.nbytes
+
     @property
     def scheduler(self) -> "Scheduler | None":
         """The scheduler that `submit` uses now; None before the first submit or start_scheduler, and after close."""

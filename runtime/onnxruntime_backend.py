@@ -208,6 +208,14 @@ class OnnxRuntimeBackend:
                 binding.bind_ortvalue_output(self.present_for_past[name], buffer)
         return self.cache
 
+    def release_cache(self) -> None:
+        """Free the batch-1 cache: the bindings let go of its buffers (allocate_cache binds a new one)."""
+        for phase, binding in self.bindings.items():
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            self.steps[phase] = StepBuffers()
+        self.cache = None
+
     def run(self, phase: str, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """One step over the bound cache. Arrays are int64 [batch, sequence] / [batch, total]; returns logits."""
         self.runs += 1
@@ -281,9 +289,11 @@ def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, input_ids: 
     session.run_with_iobinding(binding)
     if logits is not None:
         return logits
-    logits = binding.get_outputs()[0].numpy()
+    logits = binding.get_outputs()[0].numpy()  # holds its own reference to onnxruntime's buffer
     if reuse:  # from the next step of this shape on, onnxruntime writes straight into it
         step.logits[input_ids.shape] = np.empty_like(logits)
+    else:  # let go of it: a slot's binding that sits idle after a scored prompt piece held [1, 128, vocab] floats
+        binding.bind_output("logits", "cpu")  # (48 MiB at SmolLM2's vocabulary) until its next run
     return logits
 
 
@@ -335,11 +345,20 @@ def slot_memory_message(slots: int, bytes_per_slot: int, what: str, available: i
     """What check_slot_memory and allocate_checked say: the setting, the bytes it needs, and what fits if known."""
     needed = slots * bytes_per_slot
     if available is not None and available < needed:
-        fits = f"this process can allocate {available / 2**30:.1f} GiB now; use at most {available // bytes_per_slot}"
+        fits = f"this process can allocate {_binary_size(available)} now; use at most {available // bytes_per_slot}"
     else:  # the allocation failed under a limit this process cannot read (a container's cgroup, say)
         fits = "allocating them ran out of memory; use fewer"
-    return (f"{what}: {slots} sequences need {needed / 2**30:.1f} GiB of KV cache ({bytes_per_slot / 2**20:.1f} MiB "
+    return (f"{what}: {slots} sequences need {_binary_size(needed)} of KV cache ({_binary_size(bytes_per_slot)} "
             f"each), and {fits}, or build with a smaller export.max_context or an int8 cache (quantize_kv_cache)")
+
+
+def _binary_size(count: int) -> str:
+    """Bytes in the largest binary unit that leaves a whole number before the point (a tiny model's 32 KiB read
+    "0.0 MiB")."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift:
+            return f"{count / (1 << shift):.1f} {unit}"
+    return f"{count} B"
 
 
 def allocate_checked(allocate, slots: int, bytes_per_slot: int, what: str = "slots"):

@@ -104,6 +104,11 @@ class TensorRTBackend:
             self.cache = DeviceCache(self, batch)
         return self.cache
 
+    def release_cache(self) -> None:
+        """Free the batch-1 cache (its buffers and the CUDA graphs captured over them) for torch's allocator to reuse."""
+        with self.run_lock:
+            self.cache = None
+
     def allocate_slots(self, slots: int) -> "DeviceCache":
         """The scheduler's cache: rows lo:hi of every buffer are bound as one contiguous batch (no copy)."""
         return DeviceCache(self, slots)

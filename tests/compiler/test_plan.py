@@ -56,8 +56,8 @@ def test_llama3_8b_kv_cache_and_max_concurrency_on_h100(llama3):
     result = plan(llama3, device="H100", precision="fp16", kv_dtype="fp16", context=8192, concurrency=64)
     kv_per_token = 2 * 32 * 8 * 128 * 2
     assert kv_per_token == 131072
-    assert result["kv"] == {"bytes_per_token": kv_per_token, "per_request": kv_per_token * 8192,
-                            "total": kv_per_token * 8192 * 64}
+    assert result["kv"] == {"bytes_per_token": kv_per_token, "held_context": 8192, "per_request": kv_per_token * 8192,
+                            "total": kv_per_token * 8192 * 64, "read_per_step_per_request": kv_per_token * 8192}
     weights = 8_030_261_248 * 2
     usable = 0.9 * 81559 * 2**20  # the H100's memory as nvidia-smi reports it (it was taken as 80e9 bytes: 52)
     # the prefill and decode engines each hold the weights (it counted one copy: 56)
@@ -442,6 +442,21 @@ def test_a_context_past_an_artifacts_cache_is_warned_about(tmp_path):
     assert any("exceeds this artifact's cache (128 tokens)" in w
                for w in plan(test_artifact, device="H100", context=200)["warnings"])
     assert plan(test_artifact, device="H100", context=128)["warnings"] == []
+
+
+@pytest.mark.parametrize("source", ["artifact", "recipe"])
+def test_memory_counts_the_max_context_every_sequence_holds_and_a_step_reads_the_context(tmp_path, source):
+    """A built engine holds export.max_context (128) rows per sequence whatever the requests' context: at --context 32
+    the plan had counted a quarter of the cache the slots allocate, and four times the concurrency that fits."""
+    planned = tiny_float_artifact(tmp_path) if source == "artifact" else str(TINY_RECIPE)
+    short, full = (plan(planned, device="H100", context=c, concurrency=8) for c in (32, 128))
+    token = short["kv"]["bytes_per_token"]
+    assert short["kv"]["per_request"] == full["kv"]["per_request"] == token * 128
+    assert short["memory"]["total"] == full["memory"]["total"]
+    assert short["memory"]["max_concurrency"] == full["memory"]["max_concurrency"]
+    assert short["kv"]["read_per_step_per_request"] == token * 32
+    assert full["bounds"]["decode_token_s"] - short["bounds"]["decode_token_s"] == pytest.approx(
+        token * 96 / full["device"]["bandwidth_Bps"])
 
 
 def test_a_context_past_a_recipes_max_context_is_warned_about():

@@ -366,3 +366,21 @@ def test_a_stream_closed_from_another_thread_while_read_frees_the_cache(tiny_art
     generating.join(30)
     assert after, "the reader's own close() did nothing after another thread's"
     engine.close()
+
+
+def test_a_server_frees_the_single_stream_cache_and_a_later_generate_makes_it_again(tiny_artifact, tiny_engine):
+    """`aotlm serve` runs every request on the scheduler's slots: the batch-1 cache allocated at load (one sequence
+    at the max context, 94 MB of SmolLM2's fp32) sat unused beside them. Freed, the scheduler serves, and a later
+    generate allocates and binds a new one and makes the same tokens."""
+    from runtime import Engine
+
+    prompt = [1, *range(17, 57)]  # past PREFIX_MIN_TOKENS: a second run reuses its cached prefix
+    expected = tiny_engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids
+    with Engine.load(tiny_artifact, prefix_caching=True) as engine:
+        assert engine.release_single_stream_cache() == engine.backend.bytes_per_sequence
+        assert engine.backend.cache is None and engine.release_single_stream_cache() == 0
+        assert all(not binding.get_outputs() for binding in engine.backend.bindings.values())  # nothing held
+        assert engine.submit(prompt, max_new_tokens=6, ignore_eos=True).result(timeout=60).token_ids == expected
+        assert engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids == expected
+        assert engine.backend.cache is not None and engine.backend.cache.batch == 1
+        assert engine.generate(prompt, max_new_tokens=6, ignore_eos=True).timings.cached_prompt_tokens > 0

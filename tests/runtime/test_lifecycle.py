@@ -128,8 +128,8 @@ def test_slots_past_the_process_memory_limit_are_refused_at_start_saying_what_fi
     2, 128, 16)": one layer's array, not the slots, their bytes or what fits; `aotlm serve` printed it as a
     traceback). The limit counts now, and the engine serves on."""
     done = run_script(SLOTS_PAST_THE_ADDRESS_SPACE_LIMIT, tiny_artifact)
-    assert re.search(r"RequestError: slots: 16384 sequences need 1\.0 GiB of KV cache \(0\.1 MiB each\), and this "
-                     r"process can allocate 0\.\d GiB now; use at most \d+", done.stdout), (done.stdout, done.stderr)
+    assert re.search(r"RequestError: slots: 16384 sequences need 1\.0 GiB of KV cache \(64\.0 KiB each\), and this "
+                     r"process can allocate \d+\.\d MiB now; use at most \d+", done.stdout), (done.stdout, done.stderr)
     assert "serves on: length" in done.stdout, done.stderr[-2000:]
 
 

@@ -121,6 +121,21 @@ def test_multi_token_logits_are_not_overwritten_by_a_later_run(tiny_engine):
         np.testing.assert_array_equal(logits, copy)
 
 
+def test_an_idle_binding_lets_go_of_its_last_multi_token_logits(tiny_engine):
+    """A slot's binding that ran a prompt piece (scored, or a chunk on the decode graph) then sits idle: it held the
+    piece's [1, count, vocab] logits until its next run (8 slots after 120-token scored prompts: 180 MiB of
+    SmolLM2's). It lets go after the run; the caller's array stays valid."""
+    cache = tiny_engine.backend.allocate_slots(2)
+    ids, ones = np.array([[1, 5, 6, 7, 8]]), np.ones((1, 6), dtype=np.int64)
+    logits = cache.run("decode", (1, 2), ids, np.arange(5)[None], ones[:, :5])
+    kept = logits.copy()
+    binding = cache._bindings[("decode", 1, 2)][0]
+    assert not binding.get_outputs()[0].is_tensor()  # nothing bound to hold: onnxruntime allocates at the next run
+    step = cache.run("decode", (1, 2), np.array([[9]]), np.array([[5]]), ones)
+    assert step.shape == (1, 1, logits.shape[-1]) and binding.get_outputs()[0].is_tensor()  # single-token: reused
+    np.testing.assert_array_equal(logits, kept)
+
+
 def test_an_int8_cache_is_sized_by_its_own_element_type(tiny_engine):
     """The memory checks (check_slots, allocate_cache) count an int8 cache's bytes, a quarter of float32's."""
     backend = tiny_engine.backend
