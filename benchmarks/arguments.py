@@ -9,7 +9,7 @@ from compiler.errors import UsageError, check_output_file, thread_count
 from runtime.errors import ArtifactError
 from runtime.manifest import read_manifest
 
-__all__ = ["artifact_manifest", "output_file", "require_at_least_one", "thread_count"]  # thread_count: --threads' type
+__all__ = ["artifact_manifest", "count_list", "output_file", "require_at_least_one", "thread_count"]  # thread_count: --threads' type
 
 
 def artifact_manifest(parser: argparse.ArgumentParser, artifact: Path) -> dict:
@@ -36,3 +36,16 @@ def require_at_least_one(parser: argparse.ArgumentParser, args, *flags: str) -> 
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
+
+
+def count_list(text: str) -> list[int]:
+    """An argparse type: comma-separated counts (tokens, rows), each >= 1 and given once. A count given twice was
+    measured twice per repeat under one key, and the paired ratios failed on the uneven lists after the whole sweep;
+    0 rows read no weights yet were reported at 35x the machine's bandwidth."""
+    try:
+        values = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated counts, e.g. 64,512") from None
+    if not values or any(value < 1 for value in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one count; each must be >= 1 and given once")
+    return values

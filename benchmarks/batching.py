@@ -49,6 +49,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate import REPO, RESULTS, machine_info, paired_median, versions, write_result  # noqa: E402
 from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
+from contention import OtherCores, contention_line  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
 
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     modes = ["static", "continuous"]
     closed: dict[int, list[dict]] = {level: [] for level in levels}
     open_loop: dict[str, list[list]] = {mode: [] for mode in modes}
+    open_loop_cores: dict[str, list[float]] = {mode: [] for mode in modes}  # other processes' (contention.py)
     orders, rate, rate_source, workload = [], None, None, None
     with Progress(console=console) as progress:
         for round_index in range(args.rounds):
@@ -172,17 +174,22 @@ def main(argv: list[str] | None = None) -> dict:
             for level in level_order:
                 closed_workload = closed_loop_workload(level)
                 started = time.perf_counter()
-                traces = serve(engine, closed_workload, "continuous", level, progress, f"{label} concurrency {level}")
+                with OtherCores() as others:
+                    traces = serve(engine, closed_workload, "continuous", level, progress,
+                                   f"{label} concurrency {level}")
                 # the scheduler's start, the warm-up request and the close included: not the served run's duration
                 closed[level].append({"wall_with_setup_s": time.perf_counter() - started,
+                                      "other_cores": others.cores,
                                       **bench.report({}, {"run": traces})["backends"]["run"]})
             if workload is None:  # the first round's closed loop sets the rate; every round then serves the same
                 rate, rate_source = poisson_rate(args, {level: runs[0] for level, runs in closed.items()})
                 console.log(f"Poisson arrivals: {rate:.2f} requests/s ({rate_source})")
                 workload = poisson_workload(rate)
             for mode in mode_order:
-                open_loop[mode].append(serve(engine, workload, mode, args.slots, progress,
-                                             f"{label} poisson {rate:.2f}/s {mode}"))
+                with OtherCores() as others:
+                    open_loop[mode].append(serve(engine, workload, mode, args.slots, progress,
+                                                 f"{label} poisson {rate:.2f}/s {mode}"))
+                open_loop_cores[mode].append(others.cores)
 
     def tokens_per_s(summary: dict) -> float:
         return summary["output_tokens_per_s"]
@@ -209,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
         console.print(f"[bold yellow]warning:[/] requests queued for only {min(queued['continuous']):.0%} of a "
                       "continuous run: it served what arrived, so its tokens/s is the arrival rate, not its capacity; "
                       "raise --load or --rate")
+    console.print(contention_line([run["other_cores"] for runs in closed.values() for run in runs]
+                                  + [cores for mode in modes for cores in open_loop_cores[mode]], "runs"))
     result = {"settings": {**{k: str(v) for k, v in vars(args).items()}, "decoding": "greedy, stop tokens disabled"},
               "machine": machine_info(), "versions": versions(), "orders": orders,
               "closed_loop": {str(level): {**median_entry(runs), "rounds": runs_without_traces(runs),
@@ -218,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
               "closed_loop_vs_first_level": {str(level): ratios for level, ratios in vs_first.items()},
               "poisson_rate": {"requests_per_s": rate, "source": rate_source},
               "poisson": {mode: {"summary": summaries[mode][shown], "rounds": summaries[mode],
-                                 "queued_share": queued[mode]} for mode in modes},
+                                 "queued_share": queued[mode], "other_cores": open_loop_cores[mode]}
+                          for mode in modes},
               "poisson_continuous_over_static": continuous_over_static,
               "poisson_plotted_round": shown + 1}
     out = args.out or RESULTS / "batching.json"
@@ -238,7 +248,8 @@ def median_tokens_per_s(runs: list[dict]) -> float:
 
 
 def runs_without_traces(runs: list[dict]) -> list[dict]:
-    return [{"wall_with_setup_s": e["wall_with_setup_s"], "summary": e["summary"]} for e in runs]
+    return [{"wall_with_setup_s": e["wall_with_setup_s"], "other_cores": e["other_cores"], "summary": e["summary"]}
+            for e in runs]
 
 
 def rounds_cell(values: list[float], fmt: str) -> str:

@@ -39,6 +39,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
+from contention import OtherCores, contention_line  # noqa: E402
 from compiler.artifact import tool_versions  # noqa: E402
 from runtime import bench  # noqa: E402
 from runtime.engine import SINGLE_STREAM_SPIN as ENGINE_SINGLE_STREAM_SPIN  # noqa: E402
@@ -230,17 +231,21 @@ def measure_all(backends: dict, prompt_ids: list[int], new_tokens: int, repeats:
             backends[name].run(prompt_ids, new_tokens)
             progress.advance(tasks[name])
     runs: dict[str, list] = {name: [] for name in names}
+    other_cores: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(repeats):
         shift = repeat % len(names)
         for name in names[shift:] + names[:shift]:
-            runs[name].append(backends[name].run(prompt_ids, new_tokens))
+            with OtherCores() as others:
+                runs[name].append(backends[name].run(prompt_ids, new_tokens))
+            other_cores[name].append(others.cores)
             progress.advance(tasks[name])
     results = {}
     for name, made in runs.items():
         for run in made:
             if len(run.token_ids) != new_tokens:
                 raise RuntimeError(f"{name} made {len(run.token_ids)} tokens, not {new_tokens}")
-        metrics = [run.metrics() for run in made]
+        # each run's metrics, and the cores other processes used meanwhile (contention.py)
+        metrics = [{**run.metrics(), "other_cores": cores} for run, cores in zip(made, other_cores[name])]
         # each metric's own median over the repeats (not one run's metrics: the run of median E2E need not have
         # the median TTFT); ratios between backends are paired per repeat (paired_ratios)
         results[name] = {"median": {key: float(np.median([m[key] for m in metrics])) for key in metrics[0]},
@@ -359,6 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
     del backends
 
     render(results, console)
+    console.print(contention_line([run["other_cores"] for result in results.values() for run in result["runs"]],
+                                  "timed runs"))
     compared = min(AGREE_TOKENS, args.new_tokens)  # --new-tokens 8 compares 8 tokens, not 32
     agree = agreement(results, compared)
     same = all(entry["agrees"] for entry in agree.values())

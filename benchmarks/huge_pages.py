@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import artifact_manifest, output_file, thread_count  # noqa: E402
+from arguments import artifact_manifest, count_list, output_file, thread_count  # noqa: E402
 from generate import REPO, machine_info, paired_median, prompt_token_ids, versions, write_result  # noqa: E402
 
 WARMUP_STEPS = 4
@@ -79,15 +79,11 @@ def measure(artifact: Path, huge: bool, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--artifacts", default="artifacts/smollm2-135m,artifacts/smollm2-135m-int4-rtn")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--contexts", type=int_list, default=[64, 2000])
+    parser.add_argument("--contexts", type=count_list, default=[64, 2000])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--threads", type=thread_count, default=os.cpu_count())

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from compiler.plan import cpu_device  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import output_file, thread_count  # noqa: E402
+from arguments import count_list, output_file, thread_count  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = {"fp32": None, "int4": (4, 32), "int8": (8, 16)}  # (bits, block size) of MatMulNBits
@@ -122,7 +122,7 @@ def time_chain(model: bytes, rows: int, hidden: int, threads: int, runs: int) ->
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,12,16,24", help="sequences per step, comma separated")
+    parser.add_argument("--rows", type=count_list, default=[1, 12, 16, 24], help="sequences per step, comma separated")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--hidden", type=int, default=576)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(formats) - set(FORMATS)
     if unknown or not formats:
         parser.error(f"unknown formats {sorted(unknown)}; known: {', '.join(FORMATS)}")
-    row_counts = [int(r) for r in args.rows.split(",") if r]
+    row_counts = args.rows
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else cpu_device()["bandwidth"]
     console = Console(width=None if sys.stdout.isatty() else 140)
 

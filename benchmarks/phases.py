@@ -39,6 +39,7 @@ Writes benchmarks/results/phases.json.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -52,13 +53,15 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
 from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, paired_median, prepare_folders,  # noqa: E402
                       prompt_token_ids, versions, write_result)
-from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
+from arguments import artifact_manifest, count_list, output_file, require_at_least_one, thread_count  # noqa: E402
 
-from compiler.plan import artifact_step_weight_bytes, busy_cpu_s, cpu_device, own_cpu_s  # noqa: E402
+from contention import OTHER_CORES_LIMIT, OtherCores  # noqa: E402
+
+from compiler.plan import artifact_step_weight_bytes, cpu_device  # noqa: E402
 
 WARMUP_STEPS = 4
 PREFILL_WARMUPS = 1
-GENAI_MAX_LENGTH = 2100
+GENAI_MAX_LENGTH = 2100  # every measurement's generator, or the model's context_length where that is less
 UNFUSED, FUSED, GENAI = "aotlm-unfused", "aotlm-fused", Genai.name
 BACKENDS = (UNFUSED, FUSED, GENAI)
 
@@ -115,10 +118,13 @@ class GenaiPhases:
     def __init__(self, genai_folder: Path, threads: int):
         loaded = Genai(genai_folder, threads)  # generate.py's loader: CPU provider, thread count
         self.og, self.model = loaded.og, loaded.model
+        self.max_length = genai_max_length(genai_folder)
 
-    def generator(self):
+    def generator(self, min_length: int = 0):
+        """min_length: the tokens before which end-of-sequence cannot end it (generate_next_token would return at
+        once, and a decode measurement time no-ops as steps)."""
         params = self.og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, max_length=GENAI_MAX_LENGTH, batch_size=1)
+        params.set_search_options(do_sample=False, max_length=self.max_length, min_length=min_length, batch_size=1)
         return self.og.Generator(self.model, params)
 
     def prefill(self, prompt_ids: list[int]) -> float:
@@ -129,9 +135,10 @@ class GenaiPhases:
         return time.perf_counter() - started
 
     def decode(self, prompt_ids: list[int], steps: int) -> list[float]:
-        if len(prompt_ids) + WARMUP_STEPS + steps > GENAI_MAX_LENGTH:
-            raise SystemExit(f"{GENAI}: context {len(prompt_ids)} + {WARMUP_STEPS + steps} steps exceed {GENAI_MAX_LENGTH}")
-        generator = self.generator()
+        total = len(prompt_ids) + WARMUP_STEPS + steps
+        if total > self.max_length:  # main() checks every context first
+            raise SystemExit(f"{GENAI}: context {len(prompt_ids)} + {WARMUP_STEPS + steps} steps exceed {self.max_length}")
+        generator = self.generator(min_length=total)
         generator.append_tokens(np.asarray(prompt_ids, dtype=np.int32))
         # the first generate_next_token only picks from append_tokens' logits; each later one runs the model on
         # the previous token first. The first is among the warm-up steps.
@@ -142,7 +149,15 @@ class GenaiPhases:
             elapsed = time.perf_counter() - started
             if step >= WARMUP_STEPS:
                 times.append(elapsed)
+        if generator.is_done() and len(generator.get_sequence(0)) < total:  # a step that ran nothing was timed
+            raise RuntimeError(f"{GENAI}: stopped at {len(generator.get_sequence(0))} tokens, not {total}")
         return times
+
+
+def genai_max_length(genai_folder: Path) -> int:
+    """GENAI_MAX_LENGTH, or genai's model context_length where less (a Generator refuses a longer max_length)."""
+    config = json.loads((genai_folder / "genai_config.json").read_text())
+    return min(GENAI_MAX_LENGTH, int(config["model"]["context_length"]))
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
@@ -151,11 +166,9 @@ def guarded(measure, args, label: str, console: Console) -> dict:
     meanwhile, wait and measure again, up to --retries times. The result records the contention it ran under."""
     attempts = []
     for attempt in range(args.retries + 1):
-        wall, busy, own = time.perf_counter(), busy_cpu_s() or 0.0, own_cpu_s()
-        result = measure()
-        wall = time.perf_counter() - wall
-        others = max(0.0, ((busy_cpu_s() or 0.0) - busy) - (own_cpu_s() - own)) / wall  # 0 without /proc/stat
-        result["other_cores"] = others  # mean cores used by everything else during the measurement
+        with OtherCores() as other_cores:
+            result = measure()
+        others = result["other_cores"] = other_cores.cores  # mean cores used by everything else meanwhile
         attempts.append(result)
         if others <= args.max_other_cores:
             break
@@ -309,22 +322,10 @@ def render(summary: dict, pairs: dict, args, console: Console, bandwidth: float)
     return lines
 
 
-def int_list(text: str) -> list[int]:
-    """Comma-separated token counts, each once: a count given twice was measured twice per repeat under one key, and
-    the paired ratios failed on the uneven lists after the whole sweep."""
-    try:
-        values = [int(part) for part in text.split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated token counts, e.g. 64,512") from None
-    if any(value < 1 for value in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r}: each count must be >= 1 and given once")
-    return values
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", type=int_list, default=[64, 512, 1024, 2000])
-    parser.add_argument("--prompt-lengths", type=int_list, default=[128, 512, 1024])
+    parser.add_argument("--contexts", type=count_list, default=[64, 512, 1024, 2000])
+    parser.add_argument("--prompt-lengths", type=count_list, default=[128, 512, 1024])
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="times the whole interleaved sweep runs")
     parser.add_argument("--prefill-runs", type=int, default=5, help="timed prefill runs per measurement")
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fused-artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
     parser.add_argument("--unfused-artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m-unfused")
     parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
-    parser.add_argument("--max-other-cores", type=float, default=0.25,
+    parser.add_argument("--max-other-cores", type=float, default=OTHER_CORES_LIMIT,
                         help="re-measure when other processes kept more cores than this busy on average")
     parser.add_argument("--retries", type=int, default=3, help="re-measurements allowed per contended measurement")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/phases.json)")
@@ -367,6 +368,10 @@ def main(argv: list[str] | None = None) -> dict:
     genai_folder = None
     if GENAI in names:
         _, genai_folder = prepare_folders(reference, console, want_genai=True)
+        limit = genai_max_length(genai_folder)
+        if max(args.contexts) + WARMUP_STEPS + args.steps > limit or max(args.prompt_lengths) > limit:
+            parser.error(f"{GENAI}'s generators hold {limit} tokens: every context + {WARMUP_STEPS + args.steps} "
+                         f"decode steps, and every prompt length, must fit")
 
     backends = {}
     setup_s = {}
@@ -400,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "prefill_warmups": PREFILL_WARMUPS, "threads": args.threads, "batch": 1, "backends": names,
                      "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
                      "artifacts": {name: str(path) for name, path in artifacts.items() if name in names},
-                     "genai_folder": str(genai_folder) if genai_folder else None, "genai_max_length": GENAI_MAX_LENGTH,
+                     "genai_folder": str(genai_folder) if genai_folder else None, "genai_max_length": genai_max_length(genai_folder) if genai_folder else None,
                      "prompt_source": "pydoc_data.topics (sorted, joined)", "interleaved": True,
                      "max_other_cores": args.max_other_cores, "retries": args.retries,
                      "machine_bandwidth_bytes_per_s": bandwidth,

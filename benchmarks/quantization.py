@@ -15,8 +15,10 @@ variant the same way). Per variant:
   perplexity on the held-out 10% of Python's documentation (`builtin:pydoc-held-out`, never used to calibrate),
             first --eval-tokens tokens, sliding windows (runtime.evaluate.window_spans)
   top-1     agreement of the next-token argmax with the fp32 artifact on the same scored positions
-The table's TTFT and TPOT are the median run's (by end-to-end time); "paired" is the median over repeats of each
-run's TPOT over genai's in the same repeat, steadier on a host whose speed drifts (paired_ratio).
+The table's TTFT and TPOT are each the median over the repeats of that metric (measure_all: not one run's pair);
+"paired" is the median over repeats of each run's TPOT over genai's in the same repeat, steadier on a host whose
+speed drifts (paired_ratio). Each run records the cores other processes used meanwhile (benchmarks/contention.py),
+and the console counts the contended runs.
 Writes benchmarks/results/quantization.json.
 """
 from __future__ import annotations
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether
 from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info,  # noqa: E402
                       measure_all, paired_median, prepare_folders, prompt_token_ids, versions, write_result)
 from arguments import output_file, require_at_least_one, thread_count  # noqa: E402
+from contention import contention_line  # noqa: E402
 
 from compiler.build import build  # noqa: E402
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
@@ -282,6 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
             for key in ("tpot_ms", "ttft_ms"):
                 result[f"{key[:4]}_vs_genai_paired"] = paired_ratio(result["runs"], results[GENAI_INT4]["runs"], key)
     render(results, console)
+    console.print(contention_line([run["other_cores"] for result in results.values() for run in result["runs"]],
+                                  "timed runs"))
     report = {"settings": {**vars(args), "eval_text": "builtin:pydoc-held-out", "spans": len(spans),
                            "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
                            "variants": {n: variant_settings(n) for n in names}},

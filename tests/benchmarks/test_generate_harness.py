@@ -82,3 +82,21 @@ def test_a_hugging_face_source_is_compared_from_its_own_folder(tmp_path, monkeyp
     manifest = {"name": "llama", "recipe": {"model": {"source": "hf", "path": str(folder)}}, "model": {"source": {}}}
     hf_folder, _ = generate.prepare_folders(manifest, Console(quiet=True), want_genai=False)
     assert hf_folder == folder and not (tmp_path / "results").exists()
+
+
+def test_each_run_records_the_cores_other_processes_used_and_the_console_counts_them(monkeypatch):
+    """generate.py, quantization.py and batching.py recorded only a load average at the end; a run beside another
+    process's work now carries its other_cores (contention.py), and the line counts those above the limit."""
+    import contention
+
+    busy = iter([0.0, 0.0, 0.0, 0.9, 0.0, 0.1, 0.0, 0.0])  # machine-wide CPU seconds, before and after each run
+    monkeypatch.setattr(contention, "busy_cpu_s", lambda: next(busy))
+    monkeypatch.setattr(contention, "own_cpu_s", lambda: 0.0)
+    clock = iter(range(100))
+    monkeypatch.setattr(contention.time, "perf_counter", lambda: float(next(clock)))
+    backends = {"a": Fake("a", [], [1.0, 1.0, 1.0]), "b": Fake("b", [], [1.0, 1.0, 1.0])}
+    result = generate.measure_all(backends, [1], 3, 2, Progress(), {name: None for name in backends})
+    cores = [run["other_cores"] for name in "ab" for run in result[name]["runs"]]
+    # runs in the order a, b, then b, a (rotated), each timed 1 s by the clock
+    assert cores == pytest.approx([0.0, 0.0, 0.9, 0.1])  # a's two runs, then b's
+    assert contention.contention_line(cores, "timed runs").startswith("contention: 1 of 4 timed runs ran beside")

@@ -73,8 +73,8 @@ def test_the_report_holds_the_paired_ratios_of_its_own_repeats(tiny_artifact, tm
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--contexts", "64,512,512"], "each count must be >= 1 and given once"),
-    (["--prompt-lengths", "0"], "each count must be >= 1 and given once"),
+    (["--contexts", "64,512,512"], "each must be >= 1 and given once"),
+    (["--prompt-lengths", "0"], "each must be >= 1 and given once"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--prefill-runs", "0"], "--prefill-runs must be >= 1, got 0"),

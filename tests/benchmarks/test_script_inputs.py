@@ -98,6 +98,9 @@ def test_huge_pages_names_a_missing_artifact(tmp_path, capsys):
     (kv_cache_attention.main, ["--runs", "3", "--prompts", "16", "--contexts", "5000"], "--contexts"),
     (matmul_limits.main, ["--runs", "0", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--kv-width",
                           "32", "--vocab", "256", "--rows", "1", "--bandwidth", "10"], "--runs must be >= 1"),
+    # 0 rows read no weights yet were reported at 35x the bandwidth; "x" was a ValueError traceback
+    (matmul_limits.main, ["--rows", "0", "--runs", "1"], "each must be >= 1 and given once"),
+    (matmul_limits.main, ["--rows", "1,x", "--runs", "1"], "give comma-separated counts"),
 ])
 def test_microbenchmarks_refuse_sizes_they_cannot_measure(main, flags, message, tmp_path, capsys):
     out = tmp_path / "m.json"
