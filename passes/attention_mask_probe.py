@@ -29,10 +29,26 @@ DECODE_CONTEXT, DECODE_QUERIES = 8, 3  # the second probe: 3 new tokens after 5 
 MASKED = -1e4  # at most this on a masked key (exporters use finfo.min or -inf)
 
 TOKEN_INPUTS = ("input_ids", "position_ids", "attention_mask")
+CACHE_WRITERS = ("ScatterElements", "ScatterND", "TensorScatter", "Concat")  # write new keys after the past ones
+
+
+def is_cache_input(value: gs.Tensor) -> bool:
+    """A past key or value buffer: named as this project's and optimum's exports name them, or, whatever its name,
+    a rank-4 float graph input that a cache writer reads (a scatter into the buffer, or a Concat of past and new
+    keys). Only the name was read, and a cache named past.0.key was probed as 512 tokens (the mask then "had the
+    wrong shape") or not at all ("no probe value")."""
+    if value.name.startswith("past_key_values."):
+        return True
+    try:
+        floating = value.dtype is not None and np.dtype(value.dtype).kind == "f"
+    except TypeError:  # an element type numpy does not have (bfloat16): onnx's own
+        floating = "float" in str(value.dtype).lower()
+    rank_4 = value.shape is not None and len(value.shape) == 4
+    return floating and rank_4 and any(node.op in CACHE_WRITERS for node in value.outputs)
 
 
 def cache_length(graph: gs.Graph) -> int | None:
-    past = next((t for t in graph.inputs if t.name.startswith("past_key_values.")), None)
+    past = next((t for t in graph.inputs if is_cache_input(t)), None)
     fixed = past.shape[2] if past is not None and past.shape and len(past.shape) == 4 else None
     return int(fixed) if isinstance(fixed, int) and fixed > 0 else None
 
@@ -113,7 +129,7 @@ def probe_feed(value: gs.Variable, length: int, queries: int | None = None, batc
         return np.repeat(np.arange(length - queries, length, dtype=dtype)[None], batch, axis=0)
     if value.name == "attention_mask":
         return np.ones((batch, length), dtype)
-    if value.name.startswith("past_key_values."):  # an empty past, or the fixed buffer (only its shape is read)
+    if is_cache_input(value):  # an empty past, or the fixed buffer (only its shape is read)
         shape = [dim if isinstance(dim, int) else (batch if axis == 0 else 0) for axis, dim in enumerate(value.shape)]
         return np.zeros(shape, dtype)
     raise ValueError(f"no probe value for input {value.name!r}")

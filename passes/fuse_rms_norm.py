@@ -17,6 +17,9 @@ When x is a residual sum `Add(a, b)` (same shapes, rank 2 or 3) and `skip_fusion
     a, b ─► Add ─► s ─► RMSNorm ─► y          ->   a, b ─► com.microsoft.SkipSimplifiedLayerNormalization(a, b, weight)
             └─► s (next residual, graph output)         ─► outputs (y, "", "", s)    (s only when read elsewhere)
 
+ONNX's own RMSNormalization (opset 23; the dynamo exporter writes it there) over the last axis becomes the same
+fused node, so that its residual Add is taken over too (it was left alone, unreported, and lost that fusion).
+
 Operand order of the commutative Adds and Muls does not matter. A Cast to float before the norm and the Cast
 back after it (Hugging Face's fp16 path; float->float no-ops in fp32 graphs) are absorbed: the kernel computes
 in float (stash_type=1) whatever x's type. Every ReduceMean of a square is a candidate; a candidate that fails
@@ -71,13 +74,17 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     graph_outputs = {tensor.name for tensor in graph.outputs}
     taken_names = {node.name for node in graph.nodes}
     graph_inputs = {value.name for value in model.graph.input}
-    candidates = [node for node in graph.nodes if node.op == "ReduceMean" and _square_input(node) is not None]
+    candidates = [node for node in graph.nodes if (node.op == "ReduceMean" and _square_input(node) is not None)
+                  or (node.op == "RMSNormalization" and node.domain in ("", None, "ai.onnx"))]
     for reduce_mean in candidates:
         if options.max_rewrites is not None and report["fused"] + report["fused_with_skip"] >= options.max_rewrites:
             reason = f"max_rewrites={options.max_rewrites}"
             report["skipped"].append({"node": reduce_mean.name, "reason": reason})
             continue
-        found = match(reduce_mean, graph_outputs, graph_inputs)
+        if reduce_mean.op == "RMSNormalization":
+            found = match_onnx_op(reduce_mean, graph_inputs)
+        else:
+            found = match(reduce_mean, graph_outputs, graph_inputs)
         if isinstance(found, Skip):
             report["skipped"].append({"node": found.node, "reason": found.reason})
             continue
@@ -164,10 +171,37 @@ def match(reduce_mean: gs.Node, graph_outputs: set[str], graph_inputs: frozenset
     return Match(root, weight, float(epsilon.reshape(-1)[0]), weight_mul.outputs[0], tuple(nodes), upcast)
 
 
+def match_onnx_op(node: gs.Node, graph_inputs: frozenset[str] = frozenset()) -> Match | Skip:
+    """ONNX's RMSNormalization(x, scale) over the last axis, computed in float (stash_type 1), with a constant
+    scale of x's type and size: the fused node's meaning exactly."""
+    def skip(reason: str) -> Skip:
+        return Skip(node.name, reason)
+
+    x, weight = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
+    rank = len(x.shape) if x.shape is not None else None
+    axis = int(node.attrs.get("axis", -1))
+    if not (axis == -1 or (rank is not None and axis == rank - 1)):
+        return skip(f"reduce_axis_not_last: RMSNormalization axis {axis}, rank {rank}; the kernel normalizes the last "
+                    f"axis only")
+    if int(node.attrs.get("stash_type", 1)) != 1:
+        return skip("stash_type: RMSNormalization computes in its input's type; the kernel computes in float")
+    if not isinstance(weight, gs.Constant):
+        return skip("weight_not_constant: the scale is not an initializer")
+    if weight.name in graph_inputs:
+        return skip("weight_is_graph_input: the scale is an initializer that the graph's caller may override")
+    hidden = x.shape[-1] if x.shape else None
+    if not isinstance(hidden, int) or tuple(weight.shape) != (hidden,):
+        return skip(f"weight_shape: scale {tuple(weight.shape)} vs last dim of the input {hidden}")
+    if x.dtype is None or x.dtype != weight.dtype:
+        return skip("dtype_mismatch: the scale's type differs from the normalized tensor's")
+    return Match(x, weight, float(node.attrs.get("epsilon", 1e-5)), node.outputs[0], (node,), None)
+
+
 def rewrite(graph: gs.Graph, found: Match, residual: gs.Node | None, graph_outputs: set[str],
             taken_names: set[str]) -> None:
     """Disconnects the pattern (and the residual Add) and inserts the fused node writing the same output."""
-    prefix = found.nodes[1].name.rpartition("/")[0] or found.nodes[1].name
+    anchor = found.nodes[1] if len(found.nodes) > 1 else found.nodes[0]  # the ReduceMean, or RMSNormalization itself
+    prefix = anchor.name.rpartition("/")[0] or anchor.name
     attrs = {"epsilon": found.epsilon}
     if residual is None:
         op, domain, inputs, outputs = "SimplifiedLayerNormalization", None, [found.root, found.weight], [found.output]

@@ -142,15 +142,29 @@ def find_selection(graph: gs.Graph) -> tuple[gs.Node, gs.Node] | str:
         if flatten.op != "Flatten" or flatten.attrs.get("axis", 1) not in (2, -1):  # -1 of a 3-D input is 2
             continue
         source = flatten.inputs[0]
-        (found if source.shape is not None and len(source.shape) == 3 else shapeless).append((node, flatten))
+        if source.shape is None:  # unknown rank: shape inference could still make it a selection of positions
+            shapeless.append((node, flatten))
+        elif len(source.shape) == 3:
+            found.append((node, flatten))
+        # another known rank is no selection of positions (transformers' mask code gathers attention_mask's [B, S])
     if not found and shapeless:
-        return (f"{shapeless[0][1].inputs[0].name}, whose rows {shapeless[0][0].name} selects, has no known 3-D shape; "
+        return (f"{shapeless[0][1].inputs[0].name}, whose rows {shapeless[0][0].name} selects, has no known shape; "
                 f"run cleanup (shape inference) before this pass")
     if not found:
-        return "no row selection (Gather of Flatten(t, axis 2)): the graph returns every position's logits"
+        return "no row selection (Gather of Flatten(t, axis 2)): " + _logits_rows(graph)
     if len(found) > 1:
         return f"{len(found)} row selections ({', '.join(n.name for n, _ in found)}); expected one"
     return found[0]
+
+
+def _logits_rows(graph: gs.Graph) -> str:
+    """What the graph returns, said beside "no row selection": one position's logits selected otherwise (dynamo's
+    GatherND of the last valid token), or every position's."""
+    logits = next((t for t in graph.outputs if t.name == "logits"), graph.outputs[0] if graph.outputs else None)
+    shape = logits.shape if logits is not None else None
+    if shape is not None and len(shape) == 3 and shape[1] == 1:
+        return "the graph returns one position's logits, selected in a way this pass does not read"
+    return "the graph returns every position's logits"
 
 
 def match(graph: gs.Graph) -> Match | str:

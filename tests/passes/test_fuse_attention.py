@@ -123,6 +123,23 @@ def test_lowered_graphs_generate_like_the_unfused_ones(decoder_graphs, target):
         np.testing.assert_allclose(fused, reference, atol=1e-5)
 
 
+def test_a_cache_named_otherwise_is_found_by_what_writes_it(decoder_graphs):
+    """The probes took only inputs named past_key_values.* for the cache: a decode graph whose buffers are named
+    past.0.key (a StaticCache traced by hand) was probed as 512 tokens against a 64-row cache, and every layer stayed
+    unfused "because the mask has shape [1, 1, 512, 64]"."""
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(decoder_graphs["decode"])
+    for value in renamed.graph.input:
+        if value.name.startswith("past_key_values."):
+            new = value.name.replace("past_key_values.", "past.")
+            for node in renamed.graph.node:
+                node.input[:] = [new if name == value.name else name for name in node.input]
+            value.name = new
+    fused, report = fuse_attention.run(renamed, fuse_attention.Options())
+    assert report["fused"] == CONFIG.num_layers, report["layers"]
+    assert {i.name for i in fused.graph.input} >= {"past.0.key", "past.1.value"}
+
+
 def test_max_rewrites_fuses_only_the_first(decoder_graphs):
     fused, report, _, _ = fuse_and_lower(decoder_graphs["decode"], max_rewrites=1)
     assert report["fused"] == 1 and op_counts(fused)["FlashAttention"] == 1

@@ -373,3 +373,52 @@ def test_look_alikes_of_rms_norm_are_left_as_they_are(edit):
     assert op_counts(fused) == op_counts(model)
     for got, expected in zip(run_ort(fused, feeds_for(model)), run_ort(model, feeds_for(model))):
         np.testing.assert_array_equal(got, expected)  # NaN where the cube's mean is negative: equal too
+
+
+def _square_of_two_tensors(model: onnx.ModelProto) -> None:
+    square = next(node for node in model.graph.node if node.op_type == "Pow")
+    square.op_type, square.input[:] = "Mul", ["x", "a"]
+
+
+def _divide_another_tensor(model: onnx.ModelProto) -> None:
+    divide = next(node for node in model.graph.node if node.op_type == "Div")
+    divide.input[0] = "a"  # a / rms(a + b), not x / rms(x)
+
+
+@pytest.mark.parametrize("spelling, edit", [("div", _square_of_two_tensors), ("div_x", _divide_another_tensor)],
+                         ids=["mul_of_two_tensors", "div_of_another_tensor"])
+def test_a_norm_of_one_tensor_scaling_another_is_left_as_it_is(spelling, edit):
+    """Mul(x, a) is no square, and a / rms(x) no norm of x: each fused when its check was removed (a mutation audit:
+    1.08 and 7.35 off), and nothing asserted them."""
+    model = rms_norm_model(spelling, residual=True)
+    edit(model)
+    fused, report = fuse(model)
+    assert (report["fused"], report["fused_with_skip"]) == (0, 0), report
+    assert max_difference(model, fused, feeds_for(model)) == 0.0
+
+
+def onnx_rms_normalization_model(axis: int = -1) -> onnx.ModelProto:
+    """a, b ─► Add ─► x ─► RMSNormalization(x, weight) ─► y (opset 23; the dynamo exporter's spelling there)."""
+    weight = numpy_helper.from_array((1 + 0.1 * np.random.default_rng(1).standard_normal(HIDDEN)).astype(np.float32),
+                                     "weight")
+    nodes = [helper.make_node("Add", ["a", "b"], ["x"]),
+             helper.make_node("RMSNormalization", ["x", "weight"], ["y"], axis=axis, epsilon=EPSILON)]
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "onnx_rms_norm", [value(n, TensorProto.FLOAT, [2, 3, HIDDEN]) for n in "ab"],
+                              [value("y", TensorProto.FLOAT, [2, 3, HIDDEN])], [weight])
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+
+
+def test_onnxs_own_rms_normalization_takes_its_residual_add_too():
+    """Opset 23's RMSNormalization was left alone and unreported: its residual Add was not fused as the spelled-out
+    norms' are."""
+    model = onnx_rms_normalization_model()
+    fused, report = fuse(model)
+    assert report["fused_with_skip"] == 1 and op_counts(fused) == Counter({"SkipSimplifiedLayerNormalization": 1})
+    feeds = feeds_for(model)
+    (y,) = run_ort(fused, feeds)
+    np.testing.assert_allclose(y, numpy_rms_norm(feeds["a"] + feeds["b"], numpy_helper.to_array(
+        model.graph.initializer[0])), atol=1e-5)
+    assert max_difference(model, fused, feeds) < 1e-5
+    _, over_two_axes = fuse(onnx_rms_normalization_model(axis=1))  # normalizes axes 1 and 2: not the kernel's
+    assert over_two_axes["skipped"][0]["reason"].startswith("reduce_axis_not_last")

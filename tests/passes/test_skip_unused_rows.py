@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 
@@ -315,3 +316,31 @@ def test_selections_that_cannot_move_are_refused_with_the_reason(make_model, rea
     result, report = skip_unused_rows.run(model, skip_unused_rows.Options())
     assert not report["applied"] and reason in report["reason"], report
     assert result is model
+
+
+def flatten_gather_graph(source_shape, logits_shape) -> gs.Graph:
+    """Flatten(x, axis -1) gathered on axis 0 (transformers' mask code indexes attention_mask [B, S] so), and a
+    logits output of the given shape computed beside it."""
+    x = gs.Variable("x", np.float32, source_shape)
+    flat, picked = gs.Variable("flat", np.float32, None), gs.Variable("picked", np.float32, None)
+    logits = gs.Variable("logits", np.float32, logits_shape)
+    h = gs.Variable("h", np.float32, logits_shape)
+    nodes = [gs.Node("Flatten", inputs=[x], outputs=[flat], attrs={"axis": -1}),
+             gs.Node("Gather", inputs=[flat, gs.Constant("rows", np.array([0], np.int64))], outputs=[picked],
+                     attrs={"axis": 0}),
+             gs.Node("Relu", inputs=[h], outputs=[logits])]
+    return gs.Graph(nodes=nodes, inputs=[x, h], outputs=[logits, picked])
+
+
+@pytest.mark.parametrize("source_shape, logits_shape, reason", [
+    # a known 2-D source is no selection of positions: it was "no known 3-D shape; run cleanup" after cleanup ran
+    (["batch", "sequence"], ["batch", "sequence", 8], "no row selection (Gather of Flatten(t, axis 2)): the graph "
+                                                      "returns every position's logits"),
+    (None, ["batch", "sequence", 8], "has no known shape; run cleanup (shape inference) before this pass"),
+    # dynamo's last-valid-token GatherND returns one position: not "every position's logits"
+    (["batch", "sequence"], ["batch", 1, 8], "the graph returns one position's logits, selected in a way this pass "
+                                             "does not read"),
+], ids=["known_2d_source", "unknown_rank", "one_position_selected_otherwise"])
+def test_no_selection_is_said_as_what_the_graph_does(source_shape, logits_shape, reason):
+    found = skip_unused_rows.find_selection(flatten_gather_graph(source_shape, logits_shape))
+    assert isinstance(found, str) and reason in found, found
