@@ -181,6 +181,8 @@ def refit_scales(weight: np.ndarray, qw: QuantizedWeight, hessian: np.ndarray) -
         delta = c * np.repeat(scales.T, size, axis=0) - w
         return np.sum((h @ delta) * delta, axis=0)
 
+    # A flipped sign is refused (TensorRT takes positive scales only); the error test guards against the ridge and
+    # round-off only: an exact least-squares solve is never worse.
     better = np.all(np.sign(new) == np.sign(old), axis=1) & (errors(new) < errors(old))
     scales = np.where(better[:, None], new, old).astype(np.float32)
     return QuantizedWeight(qw.codes, scales, qw.zero_points, qw.bits, qw.block_size, qw.k, qw.n)

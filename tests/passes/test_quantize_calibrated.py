@@ -670,6 +670,18 @@ def test_scale_refit_recovers_the_scales_of_weights_that_are_exactly_on_a_grid()
         assert refit.codes is off.codes and refit.zero_points is off.zero_points
 
 
+def test_a_refit_that_would_flip_a_scales_sign_keeps_the_old_scales():
+    """Codes of -W with positive scales: the least-squares fit of W is a negative scale, which TensorRT refuses and
+    the sign guard keeps out (GPTQ's own layers never flip one: a mutation audit found nothing asserted it)."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((64, 8)).astype(np.float32)
+    activations = rng.standard_normal((256, 64))
+    flipped = quantize_rtn(-weight, 4, 32, True)
+    refit = refit_scales(weight, flipped, activations.T @ activations / 256)
+    assert (refit.scales > 0).all()
+    np.testing.assert_array_equal(refit.scales, flipped.scales)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_scale_refit_lowers_the_output_error_keeps_codes_and_signs(name, act_order):

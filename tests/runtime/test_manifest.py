@@ -1,6 +1,7 @@
 """An artifact that is missing, tampered with, truncated or of another format version is refused clearly."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -23,6 +24,16 @@ def test_a_file_of_another_size_is_refused_at_load(artifact_copy, edit):
     weights.write_bytes(edit(weights.read_bytes()))
     with pytest.raises(ArtifactError, match=r"weights.bin: \d+ bytes, but the manifest records \d+ \(truncated or modified\)"):
         Engine.load(artifact_copy)
+
+
+def test_a_file_is_hashed_whole_over_many_chunks(tmp_path):
+    """Every artifact file in the tests is under one 4 MiB read: hashing only the first chunk passed them all (a
+    mutation audit), and --verify would miss damage past 4 MiB of SmolLM2's 539 MB weights."""
+    from runtime.manifest import sha256_file
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 3 + b"tail")
+    assert sha256_file(path, chunk_bytes=7) == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_the_manifests_hashes_are_sha256_of_the_files(tiny_artifact):

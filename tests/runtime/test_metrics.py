@@ -157,6 +157,13 @@ def test_goodput(slo, good):
     assert g["requests_per_s"] == pytest.approx(good / 2.0)
 
 
+def test_failed_requests_count_against_the_goodput_fraction():
+    """A request that failed met no SLO: the fraction is over every request sent (test_bench covered it only end to
+    end)."""
+    g = summarize(three_requests(), slo={"ttft_ms": 200}, failed=1)["goodput"]
+    assert g["good_requests"] == 2 and g["fraction"] == pytest.approx(2 / 4)
+
+
 def test_a_request_exactly_at_its_slo_meets_it():
     t = trace(0.0, 0.0, [0.25, 0.5, 0.75], finish=1.0)  # ttft 250 ms, tpot 250 ms, e2e 750 ms, binary-exact
     for slo in ({"ttft_ms": 250}, {"tpot_ms": 250}, {"e2e_ms": 750}, {"ttft_ms": 250, "tpot_ms": 250, "e2e_ms": 750}):

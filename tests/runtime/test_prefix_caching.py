@@ -478,3 +478,14 @@ def test_sharing_with_a_prompt_prefilled_in_chunks(cached, tiny_engine):
     for result in results:
         assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5,
                                                         ignore_eos=True).token_ids
+
+
+def test_scored_rows_are_reusable_on_a_float_cache_only():
+    """The int8 rule alone (tests/compiler/test_kv_cache_build.py shows why, end to end)."""
+    from types import SimpleNamespace
+
+    from runtime.prefix_cache import scored_rows_reusable
+
+    assert scored_rows_reusable(SimpleNamespace(cache_dtype=np.float32))
+    assert scored_rows_reusable(SimpleNamespace(cache_dtype=np.float16))
+    assert not scored_rows_reusable(SimpleNamespace(cache_dtype=np.int8))

@@ -404,6 +404,10 @@ def test_logit_bias_is_added_before_the_penalties_and_leaves_logprobs_the_models
     assert sampler.logprobs[0][token] == pytest.approx(raw[token] - np.log(np.exp(raw).sum()))  # unbiased
     assert Sampler(SamplingParams(logit_bias={40: 100})).__call__(row) == 40  # greedy: forced
     assert Sampler(SamplingParams(logit_bias={int(np.argmax(row)): -100})).__call__(row) != int(np.argmax(row))
+    # under a penalty too: the sampler penalized the unbiased row and dropped the bias (a mutation audit)
+    assert Sampler(SamplingParams(repetition_penalty=1.3, logit_bias={40: 100}), prompt_ids=[2, 5])(row) == 40
+    top = int(np.argmax(row))
+    assert Sampler(SamplingParams(presence_penalty=0.5, logit_bias={top: -100}), prompt_ids=[2])(row) != top
 
 
 @pytest.mark.parametrize("bias, message", [([3], "must be a dict of token id -> bias"),

@@ -207,6 +207,26 @@ def test_a_new_prompt_takes_the_slot_whose_prefix_was_left_longest_ago(tiny_arti
         engine.close()
 
 
+def test_the_prefix_left_longest_ago_is_evicted_not_the_lowest_slots(tiny_artifact):
+    """Above, the oldest prefix was always slot 0's: evicting the lowest-numbered slot passed it (a mutation audit).
+    Here slot 0's conversation comes back and is newer than slot 1's, so an unrelated prompt must take slot 1."""
+    engine = Engine.load(tiny_artifact, prefix_caching=True)
+    try:
+        engine.start_scheduler(slots=2)
+        chat, other = [1] + list(range(100, 140)), [1] + list(range(200, 240))
+        first = engine.submit(chat, max_new_tokens=4, ignore_eos=True).result(timeout=30)  # slot 0
+        engine.submit(other, max_new_tokens=4, ignore_eos=True).result(timeout=30)  # slot 1
+        second_turn = chat + first.token_ids + [7, 8, 9]
+        second = engine.submit(second_turn, max_new_tokens=4, ignore_eos=True).result(timeout=30)  # slot 0, newest
+        assert second.timings.cached_prompt_tokens > 0
+        engine.submit([1] + list(range(300, 340)), max_new_tokens=4, ignore_eos=True).result(timeout=30)
+        third_turn = second_turn + second.token_ids + [10, 11]
+        third = engine.submit(third_turn, max_new_tokens=4, ignore_eos=True).result(timeout=30)
+        assert third.timings.cached_prompt_tokens >= len(second_turn)
+    finally:
+        engine.close()
+
+
 def test_a_request_that_filled_the_context_leaves_a_record_decode_steps_can_run_beside(tiny_artifact):
     """A request ending at the max context kept a record of every position. A free row's record sets where a
     batched decode step writes its throw-away row: past the cache here (onnxruntime refused: cos_cache shorter than
