@@ -56,6 +56,9 @@ POLL_S = 0.25  # how often a waiting request's thread looks whether its client i
 LINGER_S = 5.0
 LINGER_BYTES = 64 << 20
 SOCKET_TIMEOUT_S = 60.0  # a body that stops arriving, an idle keep-alive connection, a stream nobody reads
+# The request line and headers must arrive within this of the connection's start or its previous response, however
+# they trickle in: the socket timeout alone let a client send a byte every 59 s and hold a thread for ever.
+HEADER_DEADLINE_S = 60.0
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 TOKENIZER_ROUTES = {"/tokenize": tokenizer_api.tokenize, "/detokenize": tokenizer_api.detokenize}  # vLLM's, POST
 GET_ROUTES = ("/health", "/v1/models", "/models", "/metrics", "/tokenizer_info")
@@ -145,6 +148,33 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format, *args) -> None:  # http.server's own access log: ours goes through server.log
         pass
+
+    def handle_one_request(self) -> None:
+        self._headers_late = False
+        watchdog = threading.Timer(HEADER_DEADLINE_S, self._cut_late_headers)
+        watchdog.daemon = True
+        self._header_watchdog = watchdog
+        watchdog.start()
+        try:
+            super().handle_one_request()
+        finally:
+            watchdog.cancel()
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers
+        self._header_watchdog.cancel()  # they are in (or the reading failed): the deadline no longer applies
+        if self._headers_late:  # the cut ended them early: what was read is not the request
+            self.close_connection = True
+            return False
+        return parsed
+
+    def _cut_late_headers(self) -> None:
+        """The header deadline passed: end the connection, whose reading thread then sees it closed."""
+        self._headers_late = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def handle(self) -> None:
         try:

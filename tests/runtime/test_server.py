@@ -722,6 +722,31 @@ def test_a_body_that_stops_arriving_times_out_and_the_server_goes_on(served, mon
     assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
 
 
+def test_headers_that_trickle_in_past_the_deadline_end_the_connection(served, monkeypatch):
+    """A byte of header every half second kept each recv inside the socket timeout, so a client could hold a server
+    thread for ever (slowloris); the request line and headers now have a deadline as a whole."""
+    import runtime.server
+
+    monkeypatch.setattr(runtime.server, "HEADER_DEADLINE_S", 1.0)
+    connection = socket.create_connection(served.server_address[:2])
+    connection.settimeout(0.1)
+    started, closed = time.monotonic(), False
+    for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+        try:
+            connection.sendall(bytes([byte]))
+            closed = connection.recv(4096) == b""
+        except TimeoutError:
+            pass
+        except OSError:  # reset: closed too
+            closed = True
+        if closed or time.monotonic() - started > 10:
+            break
+        time.sleep(0.05)
+    connection.close()
+    assert closed and time.monotonic() - started < 5
+    assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200  # the server goes on
+
+
 def test_a_client_that_leaves_without_reading_its_response_is_no_error(served, capfd):
     connection = socket.create_connection(served.server_address[:2])
     body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
