@@ -495,6 +495,10 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
     for flag, value in (("--batch", batch), ("--runs", runs), ("--steps", steps)):
         if value < 1:
             raise BenchError(f"{flag} must be >= 1, got {value}")
+    largest = getattr(backend, "max_batch", None)
+    if largest is not None and batch > largest:  # TensorRT's profiles bound a run's rows (onnxruntime's: None)
+        raise BenchError(f"--batch {batch} exceeds the {largest} sequences these engines run at once "
+                         f"(export.max_batch); use at most {largest}, or rebuild with a larger max_batch")
 
     def run(graph: str, ids: np.ndarray, start: int) -> tuple[float, np.ndarray]:  # -> seconds, next tokens
         positions = np.tile(np.arange(start, start + ids.shape[1], dtype=np.int64), (batch, 1))

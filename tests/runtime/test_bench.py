@@ -208,6 +208,17 @@ def test_time_phase_decode_times_steps_after_the_warm_up_at_their_context(monkey
     assert runs[1:] == [("decode", [[8 + k]] * 2, 9 + k) for k in range(7)]
 
 
+def test_time_phase_refuses_a_batch_past_the_engines_max_batch(monkeypatch):
+    """TensorRT's optimization profiles bound a run's rows (export.max_batch): --batch past them failed inside
+    TensorRT at the first run."""
+    engine, runs = clocked_engine(monkeypatch, [1.0] * 8)
+    engine.backend.max_batch = 2
+    with pytest.raises(bench.BenchError, match=r"--batch 3 exceeds the 2 sequences these engines run at once"):
+        bench.time_phase(engine, "prefill", [8], list(range(3, 20)), batch=3, runs=1, flops_for=lambda t: 1.0,
+                         peaks={"flops": 1.0, "bandwidth": 1.0})
+    assert runs == []
+
+
 def test_time_phase(tiny_engine):
     peaks = {"flops": 1e11, "bandwidth": 1e10}
     rows = bench.time_phase(tiny_engine, "prefill", [8, 32], list(range(3, 40)), runs=2, flops_for=lambda tokens: 2e5 * tokens, peaks=peaks)
