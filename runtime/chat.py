@@ -18,13 +18,14 @@ from runtime.tokenizer import check_unicode
 
 
 def render(template: str, messages, *, add_generation_prompt: bool = True, bos_token: str | None = None,
-           eos_token: str | None = None) -> str:
+           eos_token: str | None = None, **special_tokens) -> str:
     """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); RequestError for bad messages or a
     template that refuses them (its raise_exception) or fails on them, ArtifactError for one that does not parse.
     A content may be OpenAI's list of text parts ([{"type": "text", "text": ...}, ...]): a template that loops over a
     content's parts gets them (as transformers passes them); for any other their texts are joined by newlines (as
     vLLM and llama.cpp join them). Keys set to None are dropped and a message's `reasoning` (or `thinking`) is also
-    given as `reasoning_content`, as transformers' apply_chat_template does."""
+    given as `reasoning_content`, as transformers' apply_chat_template does. special_tokens: the model's other
+    named ones (unk_token, pad_token, additional_special_tokens), which transformers passes too."""
     if not isinstance(add_generation_prompt, bool):  # "no" would read as true in the template
         raise RequestError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
     messages = flat_messages(messages, separator=None)
@@ -34,7 +35,8 @@ def render(template: str, messages, *, add_generation_prompt: bool = True, bos_t
     template_object = compiled(template)
     if not takes_parts(template):
         messages = flat_messages(messages)
-    tokens = {name: text for name, text in (("bos_token", bos_token), ("eos_token", eos_token)) if text is not None}
+    tokens = {name: text for name, text in {"bos_token": bos_token, "eos_token": eos_token, **special_tokens}.items()
+              if text is not None}
     try:
         return template_object.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
                                       documents=None, **tokens)

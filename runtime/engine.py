@@ -319,13 +319,14 @@ class Engine:
         return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=False))
 
     def special_token_texts(self) -> dict[str, str | None]:
-        """{"bos_token": text, "eos_token": text} as a chat template reads them: the text the model's tokenizer_config
-        names, as transformers passes it; else the config's ids spelled by the tokenizer (GGUF files, as llama.cpp
-        reads them); None where the model has none."""
+        """{"bos_token": text, "eos_token": text, ...} as a chat template reads them: the texts the model's
+        tokenizer_config names (unk_token, pad_token and additional_special_tokens too, where it names them), as
+        transformers passes them; else the config's bos and eos ids spelled by the tokenizer (GGUF files, as
+        llama.cpp reads them); None where the model has none."""
         info, token_text = self.manifest["tokenizer"], self.tokenizer.tokenizer.id_to_token
         named = info.get("template_tokens") or {}
         bos, eos = info.get("bos_token_id"), info.get("eos_token_ids")
-        return {"bos_token": named.get("bos_token", token_text(bos) if bos is not None else None),
+        return {**named, "bos_token": named.get("bos_token", token_text(bos) if bos is not None else None),
                 "eos_token": named.get("eos_token", token_text(eos[0]) if eos else None)}
 
     @property

@@ -35,6 +35,10 @@ def tokenize(engine, body, model_name: str) -> dict:
             if not isinstance(fields["messages"], list) or not fields["messages"]:
                 raise ApiError("messages: a non-empty list of {role, content} objects", param="messages")
             generation_prompt = flag(fields, "add_generation_prompt", default=True)
+            if flag(fields, "add_special_tokens", default=False):  # vLLM's default for messages: false
+                raise ApiError("add_special_tokens: true is not supported with messages: the chat template writes "
+                               "the special tokens (as /v1/chat/completions runs them); send false or leave it out",
+                               param="add_special_tokens")
             ids = engine.chat_prompt_ids(fields["messages"], generation_prompt)
     except RequestError as error:
         raise ApiError(str(error), param="messages" if "messages" in fields else "prompt") from None
@@ -58,6 +62,6 @@ def detokenize(engine, body, model_name: str) -> dict:
 
 def tokenizer_info(engine) -> dict:
     info = engine.manifest["tokenizer"]
-    return {**engine.special_token_texts(), "pad_token": None, "bos_token_id": info.get("bos_token_id"),
+    return {"pad_token": None, **engine.special_token_texts(), "bos_token_id": info.get("bos_token_id"),
             "eos_token_ids": list(info.get("eos_token_ids") or []), "chat_template": engine.chat_template,
             "model_max_length": engine.max_context, "vocab_size": engine.manifest["model"]["config"]["vocab_size"]}

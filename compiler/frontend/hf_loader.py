@@ -170,17 +170,22 @@ def _read_tokenizer(path: str) -> str:
 
 
 def _chat_template(folder: str) -> tuple[str | None, str | None, dict]:
-    """The chat template, the file it came from, and the bos/eos text tokenizer_config.json gives the template:
+    """The chat template, the file it came from, and the special tokens' texts tokenizer_config.json gives the
+    template (bos, eos, unk, pad and the additional ones, as transformers' special_tokens_map passes them):
     chat_template.jinja (transformers >= 4.43 saves it there), else tokenizer_config.json's chat_template (a
     string, or named templates: the one called "default")."""
     config_path = os.path.join(folder, "tokenizer_config.json")
     tokenizer_config = _read_json(config_path) if os.path.isfile(config_path) else {}
+    def text(value):
+        return value.get("content") if isinstance(value, dict) else value  # a serialized AddedToken
+
     tokens = {}
-    for name in ("bos_token", "eos_token"):
-        value = tokenizer_config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value  # a serialized AddedToken
-        if isinstance(value, str):
-            tokens[name] = value
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        if isinstance(text(tokenizer_config.get(name)), str):
+            tokens[name] = text(tokenizer_config.get(name))
+    additional = tokenizer_config.get("additional_special_tokens")
+    if isinstance(additional, list) and all(isinstance(text(value), str) for value in additional):
+        tokens["additional_special_tokens"] = [text(value) for value in additional]
     path = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(path):
         try:

@@ -916,6 +916,12 @@ def test_the_chat_template_is_read_from_gguf_and_hf_folders(tmp_path):
     named = load_hf_folder(str(folder))
     assert named.chat_template == template  # named templates: the default one
     assert named.template_tokens == {"bos_token": "<s>", "eos_token": "</s>"}  # a serialized AddedToken too
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.update(unk_token="<unk>", pad_token={"content": "<pad>"}, additional_special_tokens=["<a>", "<b>"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert load_hf_folder(str(folder)).template_tokens == {  # transformers' special_tokens_map, as templates get it
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "additional_special_tokens": ["<a>", "<b>"]}
     (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # transformers >= 4.43 saves it here
     loaded = load_hf_folder(str(folder))
     assert loaded.chat_template == "{{ messages[0]['content'] }}"

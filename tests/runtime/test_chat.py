@@ -94,6 +94,17 @@ def test_a_template_that_loops_over_a_content_s_parts_gets_them_as_transformers_
         render(GEMMA3_STYLE, [parts[0], {"role": "user", "content": [{"type": "text", "text": "x\udcff"}]}])
 
 
+def test_a_template_reads_the_models_other_special_tokens_as_transformers_passes_them():
+    """Only bos_token and eos_token reached the template: one writing unk_token or pad_token rendered "" there."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = "{{ unk_token }}|{{ pad_token }}|{{ additional_special_tokens[0] }}|{{ eos_token }}"
+    tokens = {"unk_token": "<unk>", "pad_token": "<pad>", "additional_special_tokens": ["<x>"], "eos_token": "</s>"}
+    messages = [{"role": "user", "content": "hi"}]
+    ours = render(template, messages, **tokens)
+    assert ours == render_jinja_template([messages], chat_template=template, **tokens)[0][0] == "<unk>|<pad>|<x>|</s>"
+
+
 def test_keys_set_to_none_and_reasoning_reach_the_template_as_apply_chat_template_gives_them():
     """An OpenAI client's reply sent back as it came (message.model_dump(): "tool_calls": None, "refusal": None...)
     took Llama 3.1's and DeepSeek's tool-call branch (`'tool_calls' in message`) and failed ("object of type

@@ -62,6 +62,14 @@ def test_tokenize_refuses_what_it_cannot_answer_naming_the_field(engine, body, p
     assert error.param == param and message in str(error)
 
 
+def test_tokenize_messages_refuses_add_special_tokens_rather_than_ignoring_it(engine):
+    """vLLM adds the tokenizer's special tokens on top of the template's with true (its default there is false); the
+    field was taken and ignored."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}
+    error = refused(tokenize, engine, body, MODEL)
+    assert error.param == "add_special_tokens" and "not supported with messages" in str(error)
+
+
 def test_a_chat_request_the_template_refuses_names_the_messages(engine):
     """The tiny artifact has no chat template: the engine's RequestError comes back as the messages' fault."""
     error = refused(tokenize, engine, {"messages": [{"role": "user", "content": "hi"}]}, MODEL)
@@ -90,3 +98,9 @@ def test_tokenizer_info_names_the_special_tokens_and_the_limits(engine):
         "vocab_size": manifest["model"]["config"]["vocab_size"]}
     assert manifest["tokenizer"]["bos_token_id"] is not None
     assert engine.max_context != manifest["model"]["config"]["vocab_size"]
+
+
+def test_tokenizer_info_gives_the_pad_token_the_model_names(engine, monkeypatch):
+    """pad_token was always null, though a tokenizer_config.json names one (the build keeps it for templates)."""
+    monkeypatch.setitem(engine.manifest["tokenizer"], "template_tokens", {"pad_token": "<pad>"})
+    assert tokenizer_info(engine)["pad_token"] == "<pad>"
