@@ -40,6 +40,23 @@ def tool_versions(names=TRACKED_TOOLS) -> dict:
     return versions
 
 
+def source_revision() -> dict | None:
+    """The git commit the compiler ran from, and whether its compiler/ or passes/ had changes not committed: an
+    artifact built before a fix (a stop token added to a loader, say) carries the same "aotlm" version as one built
+    after it, and this tells them apart. None outside a git checkout, or without git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                  "compiler", "passes"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "modified": bool(changed.strip())} if re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
 @contextlib.contextmanager
 def staged_folder(final_dir: Path):
     """Yield an empty temporary folder beside final_dir; on success it replaces final_dir atomically.

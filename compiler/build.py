@@ -6,7 +6,8 @@ import time
 from pathlib import Path
 
 from compiler.accuracy import evaluate_against_float, held_out_tokens, quantization_summary, repeated_text_warning
-from compiler.artifact import remove_abandoned_scratch, scratch_folder, staged_folder, tool_versions, write_manifest
+from compiler.artifact import (remove_abandoned_scratch, scratch_folder, source_revision, staged_folder, tool_versions,
+                               write_manifest)
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
@@ -172,7 +173,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
         write_manifest(folder, {
             "name": recipe.name,
             "recipe": recipe.to_dict(),
-            "tools": tool_versions(),
+            "tools": {**tool_versions(), "aotlm_source": source_revision()},
             "model": {"config": loaded.config.to_dict(), "source": loaded.source},
             "tokenizer": {"file": TOKENIZER_FILE, "bos_token_id": loaded.config.bos_token_id,
                           "eos_token_ids": list(loaded.config.eos_token_ids),

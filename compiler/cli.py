@@ -179,6 +179,11 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     config = manifest["model"]["config"]
     out.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}, built {manifest['created']}",
                   highlight=False)
+    source = (manifest.get("tools") or {}).get("aotlm_source")
+    if isinstance(source, dict) and source.get("commit"):  # which compiler built it (older builds: unrecorded)
+        out.print(escape(f"built by aotlm at commit {str(source['commit'])[:12]}"
+                         + (" with uncommitted changes to compiler/ or passes/" if source.get("modified") else "")),
+                  highlight=False)
     out.print(f"model: {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
                   f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}; "
                   f"source {manifest['model']['source'].get('kind')} {escape(str(manifest['model']['source'].get('path', '')))}",

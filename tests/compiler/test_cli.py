@@ -14,7 +14,7 @@ import pytest
 from compiler import cli
 from compiler.cli import _check_bench_flags, _shortened, main, parser
 from tests.compiler.test_cli_inputs import run_cli, wide_console  # noqa: F401 -- wide_console: autouse fixture
-from tests.conftest import edited_copy
+from tests.conftest import REPO, edited_copy
 
 
 def test_a_summary_of_exactly_the_limit_is_whole_and_a_cut_one_ends_on_a_word_not_a_comma():
@@ -65,6 +65,23 @@ def test_inspect_shows_the_engines_inputs_the_prefill_path_and_each_file_in_mib(
         del manifest["engines"]["prefill"]["takes_past"]
     status, output = run_cli(capsys, "inspect", edited_copy(tiny_artifact, tmp_path, without_takes_past))
     assert status == 0 and "prefill after cached tokens: no (they run through the decode graph)" in output, output
+
+
+def test_the_manifest_names_the_commit_that_built_it_and_inspect_says_it(capsys, tiny_artifact):
+    """An artifact built before a loader fix carried the same "aotlm 0.1.0" as one built after it (SmolLM2's stop
+    set gained <|endoftext|>): the commit tells them apart."""
+    import subprocess
+
+    source = json.loads((tiny_artifact / "manifest.json").read_text())["tools"]["aotlm_source"]
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        assert source is None  # no git, or not a checkout: nothing to record
+        return
+    assert source["commit"] == head and isinstance(source["modified"], bool)
+    status, output = run_cli(capsys, "inspect", tiny_artifact)
+    assert status == 0 and f"built by aotlm at commit {head[:12]}" in output, output
 
 
 def test_inspect_summarizes_the_decode_graph_s_quantize_report(capsys, tiny_artifact, tmp_path):
