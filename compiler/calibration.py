@@ -27,17 +27,27 @@ def split_text(spec_text: str) -> tuple[str, str, dict]:
     if spec_text == BUILTIN:
         calibration, held_out = split_pydoc_text()
         return calibration, held_out, {"source": f"{BUILTIN_SOURCE}, first 90%"}
-    path = Path(spec_text).expanduser()
-    if not path.is_file():
-        found = "a folder" if path.is_dir() else "no such file"
-        raise BuildError(f"calibration.text: {spec_text}: {found}; give a UTF-8 text file, or 'pydoc' for the "
-                         f"built-in text (Python's documentation)")
+    path = check_text_file(spec_text)
     try:
         text = read_text_file(path)  # as `aotlm eval --text` reads it: no byte-order mark, CRLF kept
     except (OSError, UnicodeDecodeError) as error:
         raise BuildError(f"calibration.text: cannot read {path} as UTF-8 text: {error}") from None
     calibration, held_out = split_held_out(text)
     return calibration, held_out, {"source": f"{path.resolve()}, first 90%"}
+
+
+def check_text_file(spec_text: str) -> Path:
+    """A recipe's calibration.text that is a path: an existing file (checked before the export, and by `aotlm plan`,
+    which must not size a recipe the build refuses); BuildError saying what is there instead."""
+    path = Path(spec_text).expanduser()
+    if not path.is_file():
+        found = "a folder" if path.is_dir() else "no such file"
+        raise BuildError(f"calibration.text: {spec_text}: {found}; give a UTF-8 text file, or 'pydoc' for the "
+                         f"built-in text (Python's documentation)")
+    if path.stat().st_size == 0:
+        raise BuildError(f"calibration.text: {spec_text}: an empty file; give a UTF-8 text file with the text to "
+                         f"calibrate on, or 'pydoc' for the built-in text (Python's documentation)")
+    return path
 
 
 def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> CalibrationSet:

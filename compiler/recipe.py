@@ -133,6 +133,14 @@ def ignored_settings(recipe: Recipe) -> list[str]:
             if getattr(backend, key) != getattr(BackendSpec(), key):
                 ignored.append(f"backend.{key}: {getattr(backend, key)!r} is an onnxruntime session setting; "
                                f"backend tensorrt never reads it")
+    if recipe.accuracy != AccuracySpec():  # the report runs on onnxruntime, for a recipe that quantizes
+        quantizes = any(spec.name in ("quantize", "quantize_kv_cache") for spec in recipe.passes)
+        if not quantizes:
+            ignored.append("accuracy: the accuracy report compares a quantized build with its float graph, and this "
+                           "recipe has no quantize or quantize_kv_cache pass; drop the section")
+        elif backend.name != "onnxruntime":
+            ignored.append(f"accuracy: the accuracy report runs the graphs in onnxruntime, and this recipe builds for "
+                           f"{backend.name}; score the artifact with `aotlm eval` instead")
     return ignored
 
 
@@ -140,9 +148,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load, except that a key given twice in one mapping is an error: YAML would keep the last silently."""
 
     def construct_mapping(self, node, deep=False):
-        self.flatten_mapping(node)  # YAML merge keys (`<<: *defaults`) first: their keys join this mapping's
+        # The mapping's own keys, before YAML merge keys (`<<: *defaults`) join them: a key given beside a merge
+        # overrides the merged one, which is what `<<` is for (checked after the merge, it read as given twice).
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, Hashable):  # `? [a, b]`: before PyYAML's own check, `in seen` raised TypeError
                 raise yaml.constructor.ConstructorError(None, None, f"a {type(key).__name__} as a key: keys are names",
@@ -172,11 +183,16 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         began, context = getattr(e, "context_mark", None), getattr(e, "context", None)
         opened = (f" ({context} at line {began.line + 1}, column {began.column + 1})"
                   if began and context and (not mark or began.line != mark.line) else "")
-        raise RecipeError(f"{path}: invalid YAML{where}: {problem}{opened}") from None
+        alias = ("; a value that starts with * is a YAML alias: quote glob patterns, e.g. pattern: \"*lm_head*\""
+                 if "alias" in problem or "'*'" in problem else "")
+        raise RecipeError(f"{path}: invalid YAML{where}: {problem}{opened}{alias}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: cannot read: {e}") from None
     except (ValueError, RecursionError) as e:  # an integer of thousands of digits; thousands of nested brackets
         raise RecipeError(f"{path}: invalid YAML: {str(e).splitlines()[0][:200]}") from None
+    if data is None:  # "a recipe must be a mapping ..., got null" said less
+        raise RecipeError(f"{path}: the file is empty (or holds only comments); a recipe needs at least name and "
+                          f"model, e.g. recipes/smollm2-135m.yaml")
     return parse_recipe(data, origin=str(path), base_dir=p.parent)
 
 
@@ -252,8 +268,13 @@ def _build(cls: type, value: Any, path: str) -> Any:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise _Invalid(sub, "missing required key")
             continue
+        given = value[name]
+        if dataclasses.is_dataclass(f.default) and isinstance(given, Mapping):
+            # A section whose default is its own (quantize_kv_cache's calibration: 16 samples): keys left out keep
+            # it, not the section type's (64 samples, when only the seed was given).
+            given = {**_plain(f.default), **given}
         try:
-            v = _coerce(value[name], hints[name], sub)
+            v = _coerce(given, hints[name], sub)
             if "min" in f.metadata and v is not None and v < f.metadata["min"]:
                 raise _Invalid(sub, f"{_show(v)} must be >= {f.metadata['min']}")
             if "max" in f.metadata and v is not None and v > f.metadata["max"]:
@@ -343,6 +364,12 @@ def _check_model(model: ModelSpec, base_dir: str | os.PathLike | None) -> ModelS
             raise _Invalid("model.config", "required when source is random (a mapping of DecoderConfig fields)")
         if model.path is not None:
             raise _Invalid("model.path", f"must be null when source is random, got {_show(model.path)}")
+        config = model.config
+        for key, ids in (("bos_token_id", [config.bos_token_id]), ("eos_token_ids", config.eos_token_ids)):
+            outside = [token for token in ids if token is not None and not 0 <= token < config.vocab_size]
+            if outside:  # here, so that `aotlm plan` refuses it as the build does
+                raise _Invalid(f"model.config.{key}", f"{outside[0]} is outside the vocabulary (0.."
+                                                      f"{config.vocab_size - 1}); set it below vocab_size")
         return model
     if model.config is not None:
         raise _Invalid("model.config", f"only allowed with source random (source is {model.source!r}); "
@@ -362,6 +389,9 @@ def _with_calibration_path(index: int, spec, base_dir: str | os.PathLike | None)
     """A pass's calibration text file, resolved as the model path is (the current folder, else the recipe's)."""
     calibration = getattr(spec.options, "calibration", None)
     text = getattr(calibration, "text", None)
+    if text == "":  # read later as the current folder ("a folder")
+        raise _Invalid(f"passes[{index}].{spec.name}.calibration.text",
+                       "must not be empty (pydoc for the built-in text, or a UTF-8 text file's path)")
     if not text or text == "pydoc":
         return spec
     resolved = _resolve(text, base_dir, f"passes[{index}].{spec.name}.calibration.text")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
+from compiler.calibration import BUILTIN, check_text_file
 from compiler.errors import BuildError
 from compiler.pipeline import check_passes
 from compiler.recipe import Recipe
@@ -33,6 +34,11 @@ def check_recipe(recipe: Recipe) -> None:
                              f"export.max_context ({recipe.export.max_context}): rows past it are never read, only "
                              f"computed and stored; leave it out (the default is export.max_context)")
         calibration = getattr(spec.options, "calibration", None)
+        if calibration is not None and calibration.text != BUILTIN:
+            try:
+                check_text_file(calibration.text)
+            except BuildError as error:
+                raise BuildError(f"passes[{index}].{spec.name}.{error}") from None
         if calibration is not None and calibration.length > recipe.export.max_context:
             raise BuildError(f"passes[{index}] ({spec.name}): calibration.length {calibration.length} exceeds "
                              f"export.max_context ({recipe.export.max_context}); set calibration.length to at most "

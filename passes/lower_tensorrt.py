@@ -101,6 +101,7 @@ PLUGIN_HEAD_DIM_ADVICE = ("the flash_attention plugin kernels take head_dim 16, 
                           "tiles fit 48 KiB of shared memory), this model has {head_dim}; use lower_tensorrt's "
                           "attention: trt_native (TensorRT >= 11)")
 PLUGIN_NAMESPACE = "aotlm"
+DEFAULT_DECODE_KV_SPLITS = 8
 PLUGIN_OPS = ("flash_attention", "flash_decode", "flash_combine")
 
 
@@ -116,15 +117,24 @@ def onnx_type(dtype) -> int:
 @dataclass(frozen=True)
 class Options:
     attention: Literal["plugin", "onnx_attention", "trt_native"] = "plugin"
-    decode_kv_splits: int = 8  # flash-decoding splits of the cache in the decode graph (1 = one flash_attention)
+    # flash-decoding splits of the cache in the plugin's decode graph (1 = one flash_attention); None: 8
+    decode_kv_splits: int | None = None
     max_rewrites: int | None = None
 
     def __post_init__(self):
         if self.attention not in ATTENTION_TARGETS:
             raise ValueError(f"attention: {self.attention!r} is not one of {', '.join(ATTENTION_TARGETS)}")
-        if self.decode_kv_splits < 1 or self.decode_kv_splits & (self.decode_kv_splits - 1):
-            raise ValueError(f"decode_kv_splits: {self.decode_kv_splits} must be a power of two >= 1 "
+        splits = self.decode_kv_splits
+        if splits is not None and self.attention != "plugin":  # it was taken and did nothing
+            raise ValueError(f"decode_kv_splits applies to attention: plugin (its flash-decoding kernels); attention "
+                             f"{self.attention} reads the cache its own way: drop decode_kv_splits")
+        if splits is not None and (splits < 1 or splits & (splits - 1)):
+            raise ValueError(f"decode_kv_splits: {splits} must be a power of two >= 1 "
                              "(flash_combine loads all splits as one tile)")
+
+    @property
+    def kv_splits(self) -> int:
+        return DEFAULT_DECODE_KV_SPLITS if self.decode_kv_splits is None else self.decode_kv_splits
 
 
 class Lowering:
@@ -170,7 +180,7 @@ class Lowering:
         q, k, _, _ = self.rotate(node, name)
         inputs = [q, k, value, past_key, past_value, seqlens, self.total_as_vector(total)]
         node.outputs.clear()
-        splits = self.options.decode_kv_splits if self.decode else 1
+        splits = self.options.kv_splits if self.decode else 1
         if splits == 1:
             self.plugin_node("flash_attention", f"{name}_flash_attention", inputs, [output, present_key, present_value],
                              num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim, scale=scale)
@@ -241,7 +251,7 @@ def check(node: gs.Node, options: Options, decode: bool) -> None:
     head_dim = 2 * node.inputs[op.INPUTS.index("cos_cache")].shape[1]
     if options.attention == "plugin" and head_dim not in PLUGIN_HEAD_DIMS:
         raise PassError(f"{node.name}: {PLUGIN_HEAD_DIM_ADVICE.format(head_dim=head_dim)}")
-    needs_static = options.attention == "trt_native" or (decode and options.decode_kv_splits > 1)
+    needs_static = options.attention == "trt_native" or (decode and options.kv_splits > 1)
     max_context = past_key.shape[2] if past_key.shape and len(past_key.shape) == 4 else None
     if needs_static and not isinstance(max_context, int):
         raise PassError(f"{node.name}: the cache's max context (dim 2 of {past_key.name}, {max_context!r}) must be "

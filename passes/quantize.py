@@ -174,6 +174,10 @@ def check_options(options: Options) -> None:
         where = f"quantize: overrides[{index}] ({override.pattern!r})"
         if not override.skip and all(getattr(override, key) is None for key in OVERRIDABLE):
             raise PassError(f"{where} sets nothing: give bits, block_size, symmetric or method, or skip: true")
+        given = [key for key in OVERRIDABLE if getattr(override, key) is not None]
+        if override.skip and given:  # they were dropped unsaid: the layers stay float
+            raise PassError(f"{where}: skip: true keeps these layers float, so {', '.join(given)} would do nothing; "
+                            f"drop {'it' if len(given) == 1 else 'them'}, or drop skip to quantize them so")
         check_settings(merged, where)
         check_int8_options(merged.bits, override.block_size, override.symmetric, where)
         if not override.skip:
@@ -198,6 +202,9 @@ def check_options_used(options: Options, layer_settings: list[Settings]) -> None
     if options.gptq_act_order and not any(s.method in ("gptq", "awq_gptq") for s in layer_settings):
         raise PassError("quantize: gptq_act_order: true applies to method gptq or awq_gptq, and no layer uses them; "
                         "drop gptq_act_order or set method")
+    if options.int8_kernel_block is not None and options.lowering != "matmulnbits":
+        raise PassError(f"quantize: int8_kernel_block sets MatMulNBits' blocks, and lowering {options.lowering} keeps "
+                        f"INT8 per channel (DequantizeLinear); drop int8_kernel_block")
     if options.int8_kernel_block is not None and not any(settings.bits == 8 for settings in layer_settings):
         raise PassError(f"quantize: int8_kernel_block applies to INT8 layers, and every layer is INT4 (its "
                         f"block_size, {options.block_size}, sets its blocks); drop int8_kernel_block")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -325,6 +326,56 @@ def test_yaml_merge_keys_are_read_as_yaml_defines_them(tmp_path):
         load_recipe(f)
 
 
+def test_a_key_beside_a_merge_overrides_the_merged_one(tmp_path):
+    """What `<<` is for: it was refused as "given twice" (the merged keys were checked as the mapping's own)."""
+    f = tmp_path / "x.yaml"
+    f.write_text("name: x\nmodel: {source: gguf}\naccuracy: {<<: &base {window: 128, max_tokens: 512}, window: 64, "
+                 "stride: 32}\n")
+    recipe = load_recipe(f)
+    assert (recipe.accuracy.window, recipe.accuracy.max_tokens) == (64, 512)
+
+
+def test_a_section_given_in_part_keeps_its_fields_own_defaults():
+    """quantize_kv_cache calibrates on 16 samples by default; giving only its seed took CalibrationSpec's 64."""
+    default = parse_recipe(gguf(passes=["cleanup", "quantize_kv_cache"])).passes[1].options.calibration
+    seeded = parse_recipe(gguf(passes=["cleanup", {"quantize_kv_cache": {"calibration": {"seed": 1}}}]))
+    assert seeded.passes[1].options.calibration == dataclasses.replace(default, seed=1)
+    assert default.samples == 16
+
+
+@pytest.mark.parametrize("sections, expected", [
+    ({"accuracy": {"max_tokens": 100}}, "accuracy: the accuracy report compares a quantized build with its float "
+                                        "graph, and this recipe has no quantize or quantize_kv_cache pass"),
+    ({"accuracy": {"window": 64, "stride": 32}, "passes": ["cleanup", "quantize_kv_cache"],
+      "backend": {"name": "tensorrt"}}, "accuracy: the accuracy report runs the graphs in onnxruntime, and this "
+                                        "recipe builds for tensorrt"),
+])
+def test_an_accuracy_section_no_report_reads_is_named(sections, expected):
+    assert [line for line in ignored_settings(parse_recipe(gguf(**sections))) if line.startswith("accuracy")] == [
+        expected + ("; drop the section" if "no quantize" in expected else "; score the artifact with `aotlm eval` "
+                    "instead")]
+
+
+def test_an_empty_calibration_text_and_special_ids_past_the_vocabulary_are_refused_as_such():
+    message = error_of(gguf(passes=["cleanup", {"quantize": {"method": "awq", "calibration": {"text": ""}}}]))
+    assert "passes[1].quantize.calibration.text: must not be empty" in message  # it said ": : a folder"
+    assert "model.config.bos_token_id: 9999 is outside the vocabulary (0..511)" in error_of(
+        random_model(bos_token_id=9999))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", "the file is empty (or holds only comments)"),
+    ("# only a comment\n", "the file is empty (or holds only comments)"),
+    ("name: x\nmodel: {source: gguf}\npasses:\n  - quantize: {exclude: [*lm_head]}\n",
+     'quote glob patterns, e.g. pattern: "*lm_head*"'),
+])
+def test_an_empty_file_and_an_unquoted_glob_say_what_they_are(tmp_path, text, expected):
+    f = tmp_path / "x.yaml"
+    f.write_text(text)
+    with pytest.raises(RecipeError, match=re.escape(expected)):
+        load_recipe(f)
+
+
 def test_error_starts_with_file_path(tmp_path):
     f = tmp_path / "x.yaml"
     f.write_text("name: x\nmodel:\n  source: gguf\nexport:\n  max_contxt: 4\n")
@@ -363,7 +414,7 @@ def test_malformed_yaml_names_the_line_and_column_an_editor_shows(tmp_path):
     assert str(info.value) == f"{f}: invalid YAML at line 3, column 25: expected ',' or '}}', but got ']'"  # the `]`
 
 
-@pytest.mark.parametrize("text, got", [("- a\n- b\n", "a list"), ("", "null"), ("just text\n", "'just text'")])
+@pytest.mark.parametrize("text, got", [("- a\n- b\n", "a list"), ("just text\n", "'just text'")])
 def test_top_level_not_a_mapping(tmp_path, text, got):
     f = tmp_path / "x.yaml"
     f.write_text(text)

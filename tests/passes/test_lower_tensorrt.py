@@ -278,6 +278,10 @@ def test_options_are_checked():
             lower_tensorrt.Options(decode_kv_splits=splits)
     with pytest.raises(ValueError, match="attention: 'flash' is not one of plugin, onnx_attention, trt_native"):
         lower_tensorrt.Options(attention="flash")
+    for attention in ("trt_native", "onnx_attention"):  # taken, and the graphs came out the same whatever it was
+        with pytest.raises(ValueError, match=f"decode_kv_splits applies to attention: plugin .* attention {attention}"):
+            lower_tensorrt.Options(attention=attention, decode_kv_splits=8)
+    assert lower_tensorrt.Options().kv_splits == 8 and lower_tensorrt.Options(decode_kv_splits=2).kv_splits == 2
     assert PASSES["lower_tensorrt"].options_type is lower_tensorrt.Options
 
 

@@ -518,9 +518,9 @@ def test_an_int4_block_size_below_16_or_not_a_power_of_two_is_an_error(block):
      "quantize: overrides[0] ('down_proj'): block_size=24: MatMulNBits needs a power of two"),
     (dict(accuracy_level=5), "quantize: accuracy_level=5: MatMulNBits takes 0 (unset)"),
     (dict(max_rewrites=-1), "quantize: max_rewrites=-1 must be >= 0"),
-    # a skipped override's settings are no layer's: full_range is still used by none
+    # a skipped override's settings would be no layer's: refused as such before full_range is weighed
     (dict(bits=8, full_range=True, overrides=(quantize.Override("gate_proj", bits=4, skip=True),)),
-     "quantize: full_range: true applies to symmetric INT4 only"),
+     "quantize: overrides[0] ('gate_proj'): skip: true keeps these layers float, so bits would do nothing"),
 ])
 def test_int8_blocks_and_zero_points_and_out_of_range_options_are_errors(options, message):
     with pytest.raises(PassError, match=re.escape(message)):
@@ -541,6 +541,18 @@ def test_an_int4_override_inherits_the_lowerings_default_full_range():
     _, report = quantize.run(two_matmuls(), options)
     assert {layer["node"]: (layer["block_size"], layer["full_range"]) for layer in report["layers"]} == \
         {"gate_proj": (32, True), "down_proj": (16, True)}
+
+
+def test_settings_beside_skip_or_for_another_lowering_are_errors_not_dropped():
+    """skip: true with bits: 8 kept the layers float and dropped the 8 unsaid; int8_kernel_block with
+    lowering dequantize_linear built byte-identical weights whatever it was."""
+    skipped = quantize.Options(bits=4, overrides=(quantize.Override("down_proj", bits=8, skip=True),))
+    with pytest.raises(PassError, match=r"overrides\[0\] \('down_proj'\): skip: true keeps these layers float, so "
+                                        r"bits would do nothing"):
+        quantize.run(two_matmuls(), skipped)
+    dq = quantize.Options(bits=8, int8_kernel_block=16, lowering="dequantize_linear")
+    with pytest.raises(PassError, match="int8_kernel_block sets MatMulNBits' blocks, and lowering dequantize_linear"):
+        quantize.run(two_matmuls(), dq)
 
 
 def test_an_override_with_skip_keeps_its_layers_float():
