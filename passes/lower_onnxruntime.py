@@ -122,15 +122,29 @@ def fold_query_scale(graph: gs.Graph, node: gs.Node, scale: float, query_width: 
     producer = query.inputs[0] if query.inputs else None
     # A graph output is a reader too: scaling the weight would change what it returns.
     sole_reader = len(query.outputs) == 1 and query.name not in graph_outputs
+
+    def own(constant) -> bool:  # read by this product alone; a graph input (an overridable default) stays as fed
+        return (isinstance(constant, gs.Constant) and len(constant.outputs) == 1
+                and constant.name not in graph_outputs and constant.name not in graph_inputs)
+
+    # q = x @ W, or x @ W + b (Qwen2's biased projections: a Mul there kept the query out of the packed q/k/v and
+    # left skip_unused_rows without the query's shape)
+    bias = None
+    if sole_reader and producer is not None and producer.op == "Add" and len(producer.inputs) == 2:
+        product, bias = sorted(producer.inputs, key=lambda tensor: isinstance(tensor, gs.Constant))
+        sole_product = len(product.outputs) == 1 and product.name not in graph_outputs
+        if own(bias) and len(bias.shape) == 1 and sole_product and product.inputs:
+            producer = product.inputs[0]
+        else:
+            producer, bias = None, None
     weight = producer.inputs[1] if producer is not None and producer.op == "MatMul" and producer.domain in ("", None) \
         else None
-    # A weight that is also a graph input (an overridable default) stays as the caller may feed it.
-    if (sole_reader and isinstance(weight, gs.Constant) and len(weight.shape) == 2 and len(weight.outputs) == 1
-            and weight.name not in graph_outputs and weight.name not in graph_inputs
-            and (weight.shape[1] == query_width or packed)):
-        values = np.array(weight.values)  # a copy: the input model's weight is left as it was
-        values[:, :query_width] *= np.asarray(scale, values.dtype)
-        weight.values = values
+    if (sole_reader and own(weight) and len(weight.shape) == 2 and (weight.shape[1] == query_width or packed)
+            and (bias is None or bias.shape[0] == weight.shape[1])):
+        for constant in (weight, *([bias] if bias is not None else [])):
+            values = np.array(constant.values)  # a copy: the input model's weight is left as it was
+            values[..., :query_width] *= np.asarray(scale, values.dtype)
+            constant.values = values
         return "weight"
     if packed:
         return "none"
@@ -138,7 +152,7 @@ def fold_query_scale(graph: gs.Graph, node: gs.Node, scale: float, query_width: 
     dtype = np.dtype(table.dtype) if table.dtype is not None and not isinstance(table.dtype, int) else np.float32
     factor = gs.Constant(f"{node.name}/query_scale", np.asarray(scale, dtype=dtype))
     scaled = graph.layer(op="Mul", name=f"{node.name}/query_scale", inputs=[query, factor],
-                         outputs=[gs.Variable(f"{node.name}/scaled_query", dtype=query.dtype)])[0]
+                         outputs=[gs.Variable(f"{node.name}/scaled_query", dtype=query.dtype, shape=query.shape)])[0]
     node.inputs[0] = scaled
     return "mul"
 
@@ -159,7 +173,8 @@ def rotate_before(graph: gs.Graph, node: gs.Node, positions: dict) -> None:
     cos, sin = node.inputs[op.INPUTS.index("cos_cache")], node.inputs[op.INPUTS.index("sin_cache")]
     interleaved = int(node.attrs.get("rotary_interleaved", 0))
     for index, count, part in ((0, heads, "query"), (1, kv_heads, "key")):
-        rotated = gs.Variable(f"{node.name}/rotated_{part}", dtype=node.inputs[index].dtype)
+        rotated = gs.Variable(f"{node.name}/rotated_{part}", dtype=node.inputs[index].dtype,
+                              shape=node.inputs[index].shape)  # skip_unused_rows reads the rows through it
         graph.layer(op="RotaryEmbedding", name=f"{node.name}/rotary_{part}", domain=MICROSOFT_DOMAIN,
                     inputs=[node.inputs[index], positions[key], cos, sin], outputs=[rotated],
                     attrs={"num_heads": count, "interleaved": interleaved})

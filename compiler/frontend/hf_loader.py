@@ -336,7 +336,10 @@ def _rope_theta(hf: dict, rope: dict, origin: str) -> float:
 
 def _sliding_window(hf: dict, model_type: str) -> int | None:
     """The attention window in tokens, when any layer uses one (Mistral's sliding_window; Qwen2's with
-    use_sliding_window, on layers from max_window_layers on, or as layer_types says); None for full attention."""
+    use_sliding_window, on layers from max_window_layers on, or as layer_types says); None for full attention.
+    transformers' Llama never reads sliding_window: a Llama config that carries one attends to everything."""
+    if model_type not in ("mistral", "qwen2"):
+        return None
     window = hf.get("sliding_window", MISTRAL_WINDOW if model_type == "mistral" else None)  # null: no window
     if window is None or (model_type == "qwen2" and not hf.get("use_sliding_window", False)):
         return None

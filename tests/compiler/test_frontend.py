@@ -830,6 +830,8 @@ def test_rope_scaling_beside_rope_parameters_is_read_and_refused(tmp_path):
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8,
           layer_types=["full_attention", "full_attention"]), None),
     (dict(model_type="mistral", sliding_window=8, layer_types=["full_attention", "sliding_attention"]), 8),
+    # transformers' Llama never reads sliding_window: it attends to everything (the build had refused it)
+    (dict(model_type="llama", sliding_window=8), None),
 ])
 def test_a_sliding_window_is_read(tmp_path, overrides, window):
     config = dataclasses.replace(TINY, architecture=overrides["model_type"],

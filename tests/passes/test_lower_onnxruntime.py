@@ -257,3 +257,48 @@ def test_a_head_dim_onnxruntime_cannot_run_is_refused():
     with pytest.raises(PassError, match="needs a head_dim that is a multiple of 16, and this model's is 8: lower the "
                                         "fused attention with lower_onnx_attention instead"):
         lower_onnxruntime.run(flash_attention_model(head_dim=8), lower_onnxruntime.Options())
+
+
+def test_a_biased_query_projection_takes_the_scale_in_its_weight_and_bias():
+    """Qwen2's q_proj adds a bias: the scale went into a Mul, which kept the query out of the packed q/k/v and, having
+    no shape, left skip_unused_rows nothing to prove (it changed nothing on every Qwen2 model)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from passes import pack_projections
+    from tests.passes.test_fuse_attention import trace_hf
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         attn_implementation="eager", use_cache=False)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # transformers starts biases at 0: they would read as no bias
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.normal_()
+    ids, mask = torch.randint(0, 300, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits.numpy()
+    fused, _ = fuse_attention.run(trace_hf(model, ids, mask), fuse_attention.Options(rotary_cache_length=128))
+    lowered, report = lower_onnxruntime.run(fused, lower_onnxruntime.Options())
+    assert report["scale_folded_into"] == {"weight": 2}, report
+    packed, _ = pack_projections.run(lowered, pack_projections.Options())
+    attention = [node for node in packed.graph.node if node.op_type == "GroupQueryAttention"]
+    assert all(node.input[1] == node.input[2] == "" for node in attention)  # q, k and v packed into one input
+    session = ort.InferenceSession(packed.SerializeToString(), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    np.testing.assert_allclose(logits, expected, atol=1e-4)
+
+
+def test_skip_unused_rows_moves_the_rows_past_separate_rotary(decoder_graphs):
+    """rotary: separate wrote its rotated query without a shape: skip_unused_rows could not prove it row-wise and
+    changed nothing (recipes/smollm2-135m-rotary-separate.yaml lists it)."""
+    from passes import fuse_rms_norm, fuse_silu, pack_projections, skip_unused_rows
+
+    model = fuse_attention.run(decoder_graphs["prefill"], fuse_attention.Options())[0]
+    model = lower_onnxruntime.run(model, lower_onnxruntime.Options(rotary="separate"))[0]
+    for module in (fuse_rms_norm, fuse_silu, pack_projections):
+        model = module.run(model, module.Options())[0]
+    _, report = skip_unused_rows.run(model, skip_unused_rows.Options())
+    assert report["applied"], report
