@@ -34,3 +34,17 @@ def test_the_context_must_fit_the_models_window_and_positions():
     check_config_fits(dataclasses.replace(CONFIG, sliding_window=128), RECIPE)
     with pytest.raises(BuildError, match=r"export.max_context: 128 exceeds the model's max_position_embeddings \(100\)"):
         check_config_fits(dataclasses.replace(CONFIG, max_position_embeddings=100), RECIPE)
+    check_config_fits(dataclasses.replace(CONFIG, max_position_embeddings=128), RECIPE)  # the whole context: fits
+
+
+def test_a_calibration_window_of_the_whole_context_is_accepted():
+    from compiler.recipe import parse_recipe
+    from compiler.recipe_checks import check_recipe
+
+    data = RECIPE.to_dict()
+    data["passes"] = [*data["passes"][:-1], {"quantize": {"method": "awq", "calibration": {"samples": 1,
+                                                                                         "length": 128}}}]
+    check_recipe(parse_recipe(data))  # calibration.length == export.max_context
+    data["passes"][-1]["quantize"]["calibration"]["length"] = 129
+    with pytest.raises(BuildError, match="calibration.length 129 exceeds export.max_context"):
+        check_recipe(parse_recipe(data))

@@ -317,3 +317,31 @@ def test_biases_stay_after_the_split_when_packing_them_would_break_the_graph(cas
     assert op_counts(packed)["Add"] == 2
     feeds = {"x": np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)}
     assert_same_outputs(run_ort(model, feeds), run_ort(packed, feeds))
+
+
+def test_projections_listed_k_before_q_are_packed_in_the_order_attention_reads():
+    """With each k_proj before its q_proj in the node list, packing them into attention's q/k/v input would feed it
+    [k|q|v] for [q|k|v]: the order check keeps that from happening (no test asserted it: a mutation audit). The
+    logits and the cache stay the unpacked graph's."""
+    from tests.passes import test_fuse_attention as fused_tests
+
+    decoder = build_decoder(fused_tests.CONFIG, random_model(fused_tests.CONFIG, seed=0).state_dict)
+    lowered = {phase: fused_tests.fuse_and_lower(cleanup.run(model, cleanup.Options())[0], required=True)[2]
+               for phase, model in export_graphs(decoder, fused_tests.MAX_CONTEXT).items()}
+
+    def k_first(model: onnx.ModelProto) -> onnx.ModelProto:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        nodes = list(model.graph.node)
+        for k in [node for node in nodes if node.op_type == "MatMul" and "k_proj" in node.name]:
+            q = next(node for node in nodes if node.op_type == "MatMul" and node.name == k.name.replace("k_proj",
+                                                                                                      "q_proj"))
+            nodes.remove(k)
+            nodes.insert(nodes.index(q), k)
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        return model
+
+    packed = {phase: pack_projections.run(k_first(model), pack_projections.Options())[0]
+              for phase, model in lowered.items()}
+    for reference, result in zip(fused_tests.generate_logits(lowered), fused_tests.generate_logits(packed)):
+        np.testing.assert_allclose(result, reference, atol=1e-5)

@@ -552,3 +552,14 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_the_run(tiny_artif
     (tmp_path / "b-cdf.png").mkdir()  # a folder where a plot goes: it was a traceback from PIL after the whole run
     assert cli.main(["bench", str(tiny_artifact), "--requests", "2", "--out", str(tmp_path / "b.json")]) == 2
     assert "b-cdf.png: is a folder" in capsys.readouterr().err and not (tmp_path / "b.json").exists()
+
+
+def test_a_workload_that_fills_the_context_exactly_is_accepted():
+    """prompt + output - 1 == max context fits (the last token is never fed back): an off-by-one there refused what
+    its own message then suggested (a mutation audit)."""
+    workload = make_workload(lambda text: list(range(3, 40)), max_context=16, requests=2, prompt_tokens="8",
+                             output_tokens="9", arrival="all")
+    assert [len(request.prompt_ids) for request in workload.requests] == [8, 8]
+    with pytest.raises(BenchError, match="ask for --output-tokens 9 or fewer"):
+        make_workload(lambda text: list(range(3, 40)), max_context=16, requests=2, prompt_tokens="8",
+                      output_tokens="10", arrival="all")

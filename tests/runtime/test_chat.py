@@ -94,6 +94,25 @@ def test_a_template_that_loops_over_a_content_s_parts_gets_them_as_transformers_
         render(GEMMA3_STYLE, [parts[0], {"role": "user", "content": [{"type": "text", "text": "x\udcff"}]}])
 
 
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}<{{ m.role }}>{% for part in m['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ part.text }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% set content = m['content'] %}<{{ m.role }}>{% for part in content %}"
+    "{% if part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endfor %}",
+], ids=["filtered", "through_a_variable"])
+def test_templates_that_loop_over_parts_through_a_filter_or_a_variable_get_the_parts(template):
+    """takes_parts reads the template for a loop over a content: through a filter, or a variable set from it, too.
+    Missed, the content reached the template joined into one string and the loop rendered no text (a mutation
+    audit: the user's words vanished from the prompt)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    assert render(template, parts, add_generation_prompt=False) == "<user>Helloworld"
+
+
+def test_reasoning_content_wins_over_reasoning_as_in_transformers():
+    message = {"role": "assistant", "content": "x", "reasoning_content": "kept", "reasoning": "dropped"}
+    assert render("{% for m in messages %}[{{ m.reasoning_content }}]{% endfor %}", [message]) == "[kept]"
+
+
 def test_a_template_reads_the_models_other_special_tokens_as_transformers_passes_them():
     """Only bos_token and eos_token reached the template: one writing unk_token or pad_token rendered "" there."""
     from transformers.utils.chat_template_utils import render_jinja_template

@@ -70,6 +70,7 @@ def test_a_body_over_the_limit_is_a_413_however_it_is_framed():
     error = refusal(["Transfer-Encoding: chunked"], b"40\r\n" + b"x" * 64 + b"\r\n40\r\n" + b"x" * 64 + b"\r\n0\r\n\r\n")
     assert (error.status, error.unread) == (413, LINGER) and "more than 100 bytes" in str(error)
     assert read(["Transfer-Encoding: chunked"], b"64\r\n" + b"x" * 100 + b"\r\n0\r\n\r\n")[0] == b"x" * 100
+    assert read(["Content-Length: 100"], b"x" * 100)[0] == b"x" * 100  # exactly the limit: read
 
 
 def test_a_content_length_that_is_not_a_number_is_a_400():

@@ -7,6 +7,7 @@ import copy
 import pickle
 import re
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -143,5 +144,9 @@ def test_numpy_and_infinite_timeouts_wait_as_numbers_do():
     for timeout in (np.int64(0), np.float32(0.01), np.float64(0.01)):
         with pytest.raises(concurrent.futures.TimeoutError):
             handle.result(timeout=timeout)
+    started = time.monotonic()
+    with pytest.raises(concurrent.futures.TimeoutError):  # -inf is no wait at all, not "for ever" as +inf is
+        handle.result(timeout=float("-inf"))
+    assert time.monotonic() - started < 5
     threading.Timer(0.05, handle._future.set_result, ["done"]).start()
     assert handle.result(timeout=float("inf")) == "done"
