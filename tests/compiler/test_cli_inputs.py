@@ -865,7 +865,9 @@ def test_a_signal_during_the_swap_waits_until_the_new_artifact_is_in_place(tmp_p
     def signalled_after_the_first_rename(source, target):
         replace(source, target)
         if ".old-" in str(target):
-            os.kill(os.getpid(), number)
+            # to this thread, its handler run before raise_signal returns: os.kill may reach another thread, and
+            # the handler then ran once the main thread looked, at times after the swap (a flaky failure under load)
+            signal.raise_signal(number)
 
     monkeypatch.setattr(artifact.os, "replace", signalled_after_the_first_rename)
     previous = signal.signal(signal.SIGTERM, cli._terminated)
