@@ -54,7 +54,7 @@ class Options:
     infer_shapes: bool = True
     # Folding an Expand or Tile of a constant can create a tensor far larger than the subgraph computing it;
     # results above this size are left to be computed at inference time.
-    fold_size_threshold_bytes: int = field(default=1 << 20, metadata={"min": 0})  # < 0 silently folded nothing
+    fold_size_threshold_bytes: int = field(default=1 << 20, metadata={"min": 0})
 
 
 def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict]:
