@@ -17,6 +17,7 @@ does not hold the model.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import os
@@ -246,6 +247,8 @@ def _show(value: Any) -> str:
         return "a mapping"
     if isinstance(value, (list, tuple)):
         return "a list"
+    if isinstance(value, (datetime.date, datetime.datetime)):  # YAML reads 2024-01-01 as a date
+        return f"the date {value.isoformat()} (quote it for a string)"
     return repr(value)
 
 

@@ -356,6 +356,13 @@ def test_an_accuracy_section_no_report_reads_is_named(sections, expected):
                     "instead")]
 
 
+def test_a_date_is_said_as_yaml_wrote_it():
+    import datetime
+
+    assert error_of({"name": datetime.date(2024, 1, 1), "model": {"source": "gguf"}}) == (
+        "<dict>: name: expected a string, got the date 2024-01-01 (quote it for a string)")  # was datetime.date(...)
+
+
 def test_an_empty_calibration_text_and_special_ids_past_the_vocabulary_are_refused_as_such():
     message = error_of(gguf(passes=["cleanup", {"quantize": {"method": "awq", "calibration": {"text": ""}}}]))
     assert "passes[1].quantize.calibration.text: must not be empty" in message  # it said ": : a folder"
