@@ -103,10 +103,10 @@ def table() -> str:
     entries = []
     fields = {field.name: field for field in dataclasses.fields(Recipe)}
     entries.append(("name", "str", "required", "names the folder artifacts/<name>/"))
+    hints = typing.get_type_hints(Recipe)
     for section in SECTIONS:
-        section_type = next(arg for arg in (typing.get_type_hints(Recipe)[section],) if dataclasses.is_dataclass(arg))
-        entries.append((section, "mapping", default_text(fields[section]).replace("(below)", "(below)"), ""))
-        entries += rows(section_type, section)
+        entries.append((section, "mapping", default_text(fields[section]), ""))
+        entries += rows(hints[section], section)
     for name, entry in sorted(PASSES.items()):
         entries.append((f"passes: {name}", "pass", "", entry.summary))
         entries += rows(entry.options_type, f"{name}")
