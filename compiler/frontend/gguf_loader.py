@@ -43,6 +43,12 @@ _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
+def unknown_type_advice() -> str:
+    return (f"which the gguf package here ({metadata.version('gguf')}) does not know: a type llama.cpp has since "
+            f"removed (such as Q4_0_4_4, the ARM-repacked Q4_0) or one newer than this package; convert or requantize "
+            f"the model with a current llama.cpp, or upgrade the gguf package")
+
+
 def check_gguf_path(path: str) -> str:
     """The recipe's GGUF path, absolute, or BuildError saying what it names instead."""
     path = os.path.abspath(path)
@@ -64,6 +70,9 @@ def load_gguf(path: str, progress: bool | None = None, check_config=None) -> Loa
     path = check_gguf_path(path)
     reader = _open_reader(path)
     architecture = _field(reader, "general.architecture")
+    if architecture is None:  # "architecture None is not supported" said less
+        raise BuildError(f"{path}: GGUF metadata key general.architecture is missing; the file cannot describe a "
+                         f"model (llama.cpp refuses it too); convert the model again with a current llama.cpp")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise BuildError(
             f"{path}: GGUF architecture {architecture!r} is not supported; the compiler supports "
@@ -112,17 +121,26 @@ def _open_reader(path: str):
         def data(self, mapped):
             self._plain_data = mapped.view(np.ndarray)
 
+        def _build_tensors(self, start_offs, fields):
+            known = {member.value for member in gguf.GGMLQuantizationType}
+            for field in fields:  # the package's own error names the type but not the tensor
+                kind = int(field.parts[4][0])
+                if kind not in known:
+                    name = bytes(field.parts[1]).decode("utf-8", "replace")
+                    raise BuildError(f"{path}: tensor {name} is stored as GGML type {kind}, {unknown_type_advice()}")
+            return super()._build_tensors(start_offs, fields)
+
     if is_lfs_pointer(path):  # the reader's own error says "GGUF magic invalid"
         raise BuildError(f"{path}: a Git LFS pointer, not the GGUF file; run `git lfs pull` where it was cloned")
     try:
         reader = PlainArrayReader(path)
+    except BuildError:  # an unknown tensor type, named
+        raise
     except Exception as error:  # gguf raises ValueError/struct errors for anything that is not GGUF
         unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(error))
         if unknown:  # a whole file whose tensor type this package has no name for: not a download cut short
-            raise BuildError(f"{path}: a tensor is stored as GGML type {unknown.group(1)}, which the gguf package here "
-                             f"({metadata.version('gguf')}) does not know: a type llama.cpp has since removed (such as "
-                             f"Q4_0_4_4, the ARM-repacked Q4_0) or one newer than this package; convert or requantize "
-                             f"the model with a current llama.cpp, or upgrade the gguf package") from None
+            raise BuildError(f"{path}: a tensor is stored as GGML type {unknown.group(1)}, "
+                             f"{unknown_type_advice()}") from None
         version = _gguf_version(path)
         if version is not None and version not in gguf.gguf_reader.READER_SUPPORTED_VERSIONS:
             raise BuildError(f"{path}: GGUF version {version}, which the gguf package here does not read (it reads "
@@ -202,21 +220,28 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
         return value
 
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise BuildError(f"{path}: rope scaling {scaling!r} is not supported by the canonical decoder (plain RoPE).")
     # llama.cpp reads a factor without a type as linear scaling (and the pre-2024 key rope.scale_linear too); with
-    # type "none" it ignores the factor (llama_context: "never scale if scaling type is none"): plain RoPE
+    # type "none" it ignores the factor (llama_context: "never scale if scaling type is none"): plain RoPE. Linear
+    # by 1 (the converter writes it for a config's {"type": "linear", "factor": 1.0}) is plain RoPE too.
     factor = _field(reader, f"{arch}.rope.scaling.factor", _field(reader, f"{arch}.rope.scale_linear"))
+    if scaling not in (None, "none") and not (scaling == "linear" and factor in (None, 0, 1, 0.0, 1.0)):
+        raise BuildError(f"{path}: rope scaling {scaling!r} is not supported by the canonical decoder (plain RoPE).")
     if scaling is None and factor not in (None, 0, 1, 0.0, 1.0):
         raise BuildError(f"{path}: rope scaling factor {factor} (linear, as llama.cpp reads it) is not supported by the "
                          f"canonical decoder (plain RoPE).")
-    hidden, heads = _count(required("embedding_length"), f"{arch}.embedding_length", path), \
-        _count(required("attention.head_count"), f"{arch}.attention.head_count", path)
-    kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # some files store one count per layer
-        if len(set(kv_heads)) != 1:
-            raise BuildError(f"{path}: per-layer kv head counts {sorted(set(kv_heads))} are not supported.")
-        kv_heads = kv_heads[0]
+    def per_model(key: str, value):
+        """A count llama.cpp also reads as one per layer (get_key_or_arr): the same for every layer, or refused."""
+        if not isinstance(value, list):
+            return value
+        if len(set(value)) != 1:
+            raise BuildError(f"{path}: per-layer {key} {sorted(set(value))} are not supported (every layer must "
+                             f"have the same).")
+        return value[0]
+
+    hidden = _count(required("embedding_length"), f"{arch}.embedding_length", path)
+    heads = _count(per_model(f"{arch}.attention.head_count", required("attention.head_count")),
+                   f"{arch}.attention.head_count", path)
+    kv_heads = per_model(f"{arch}.attention.head_count_kv", _field(reader, f"{arch}.attention.head_count_kv", heads))
     key_length = _field(reader, f"{arch}.attention.key_length")
     head_dim = _count(key_length or hidden // heads, f"{arch}.attention.key_length", path)  # llama.cpp's n_embd_head_k
     rotated = _field(reader, f"{arch}.rope.dimension_count")
@@ -245,7 +270,7 @@ def _read_config(reader, arch: str, tokens: list | None, path: str) -> DecoderCo
         return DecoderConfig(
             vocab_size=vocab_size,
             hidden_size=hidden,
-            intermediate_size=int(required("feed_forward_length")),
+            intermediate_size=int(per_model(f"{arch}.feed_forward_length", required("feed_forward_length"))),
             num_layers=int(required("block_count")),
             num_heads=heads,
             num_kv_heads=int(kv_heads),
@@ -334,9 +359,14 @@ def _read_tensors(reader, config: DecoderConfig, path: str, progress: bool | Non
     for tensor in track(tensors, description="Dequantizing GGUF tensors", disable=not show, transient=True):
         name = hf_tensor_name(tensor.name)
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            with np.errstate(invalid="ignore", over="ignore"):  # said below, in the file's names, not as a warning
+                values = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as error:
             raise BuildError(f"{path}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {error}")
+        if not np.isfinite(values).all():
+            raise BuildError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) dequantizes to NaN or infinite "
+                             f"values: the file is damaged (a block's scale is not finite); download or convert it "
+                             f"again")
         # GGUF lists dims innermost first (ne0 = columns); PyTorch's (out, in) is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if name in expected and shape != expected[name]:  # checked before the un-permute reshapes it by heads

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from compiler.errors import BuildError
 from compiler.frontend import default_gguf_path, load_model
 from compiler.frontend.config import DecoderConfig
-from compiler.frontend.gguf_loader import BLOCK_TENSOR_NAMES, GLOBAL_TENSOR_NAMES, load_gguf
+from compiler.frontend.gguf_loader import BLOCK_TENSOR_NAMES, GLOBAL_TENSOR_NAMES, hf_tensor_name, load_gguf
 from compiler.frontend.hf_loader import load_hf_folder
 from compiler.frontend.random_init import random_model
 
@@ -61,9 +61,10 @@ def gguf_tensor_name(hf_name: str) -> str:
 def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: str, tokenizer_model="gpt2",
                merges: bool = True, extra: dict | None = None, chat_template: str | None = None,
                rotary_dimensions: int | None = None, rope_freqs: tuple | None = None,
-               sentencepiece: dict | None = None):
+               sentencepiece: dict | None = None, types: dict | None = None):
     """sentencepiece: a 'llama' (SentencePiece) tokenizer's metadata (tokens, scores, token_type, ...), written
-    instead of the byte-level one tokenizer_json describes."""
+    instead of the byte-level one tokenizer_json describes. types: a GGML type per tensor (its GGUF name, e.g.
+    "blk.0.attn_q.weight") that gguf.quants can quantize to, as llama-quantize writes them; float32 otherwise."""
     writer = gguf.GGUFWriter(str(path), config.architecture)
     writer.add_name("tiny test model")
     writer.add_block_count(config.num_layers)
@@ -95,7 +96,12 @@ def write_gguf(path, config: DecoderConfig, state_dict: dict, tokenizer_json: st
             array = llama_cpp_permute(array, config.num_heads, config.num_heads)
         elif permuted and ".k_proj." in name:
             array = llama_cpp_permute(array, config.num_heads, config.num_kv_heads)
-        writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(array, dtype=np.float32))
+        kind = (types or {}).get(gguf_tensor_name(name), gguf.GGMLQuantizationType.F32)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_tensor_name(name), array)
+        else:
+            writer.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
     rope_freqs = rope_freqs or config.rope_freq_factors
     if rope_freqs is not None:  # as convert_hf_to_gguf writes Llama 3.1's rope scaling
         writer.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
@@ -576,9 +582,42 @@ def test_a_tensor_type_the_gguf_package_does_not_know_is_named_not_taken_for_a_c
     at += 4 + 8 * struct.unpack_from("<I", blob, at)[0]
     struct.pack_into("<I", blob, at, 31)  # its type; the file stays whole
     path.write_bytes(bytes(blob))
-    with pytest.raises(BuildError, match=r"repacked.gguf: a tensor is stored as GGML type 31, which the gguf package "
-                                         r"here \(.*\) does not know: a type llama.cpp has since removed"):
+    with pytest.raises(BuildError, match=r"repacked.gguf: tensor blk.0.ffn_up.weight is stored as GGML type 31, which "
+                                         r"the gguf package here \(.*\) does not know: a type llama.cpp has since "
+                                         r"removed"):  # the tensor named too
         load_gguf(str(path))
+
+
+def test_quantized_tensors_load_as_gguf_dequantizes_them_and_q_k_rows_unpermuted(tmp_path):
+    """Every other test writes float32; SmolLM2's Q4_1 file is the only quantized one, and its tests skip without
+    the wheel. Here a mix of llama-quantize's types, tied table and GQA: each tensor must load as exactly what
+    gguf.quants.dequantize gives, its q/k rows un-permuted."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType as T
+
+    config = dataclasses.replace(TINY, tie_word_embeddings=True)
+    original = random_model(config, seed=0)
+    mix = {"token_embd.weight": T.Q8_0, "blk.0.attn_q.weight": T.Q4_0, "blk.0.attn_k.weight": T.Q4_1,
+           "blk.0.attn_v.weight": T.Q5_0, "blk.0.attn_output.weight": T.Q5_1, "blk.0.ffn_gate.weight": T.BF16,
+           "blk.0.ffn_up.weight": T.F16, "blk.1.attn_q.weight": T.Q8_0, "blk.1.attn_k.weight": T.Q5_1}
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, config, original.state_dict, original.tokenizer_json, types=mix)
+    loaded = load_gguf(str(path))
+    reader = gguf.GGUFReader(str(path))
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        expected = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
+                                             dtype=np.float32).reshape(shape))
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            heads = config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads
+            # the inverse of llama_cpp_permute: each head's interleaved rotary pairs back to halves
+            expected = expected.reshape(heads, shape[0] // heads // 2, 2, shape[1]).transpose(1, 2).reshape(shape)
+        assert torch.equal(loaded.state_dict[name], expected), tensor.name
+    assert {tensor.tensor_type for tensor in reader.tensors} >= set(mix.values())
+    # and close to what was quantized: a permutation undone the wrong way would be far off
+    q = loaded.state_dict["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.allclose(q, original.state_dict["model.layers.1.self_attn.q_proj.weight"], atol=0.05)
 
 
 def test_a_part_of_a_split_gguf_is_named_with_how_to_merge_the_parts(tmp_path, monkeypatch):
@@ -1044,8 +1083,9 @@ def test_gguf_rope_scaling_none_and_per_layer_kv_heads(tmp_path, monkeypatch):
         return str(tmp_path / name)
 
     assert load_gguf(write("plain.gguf", "none", [2, 2])).config == TINY
-    with pytest.raises(BuildError, match=r"per-layer kv head counts \[1, 2\] are not supported"):
+    with pytest.raises(BuildError, match=r"per-layer llama.attention.head_count_kv \[1, 2\] are not supported"):
         load_gguf(write("mixed.gguf", "none", [2, 1]))
+    assert load_gguf(write("linear-1.gguf", "linear", [2, 2])).config == TINY  # converters write it for factor 1
     with pytest.raises(BuildError, match=r"rope scaling 'yarn' is not supported"):
         load_gguf(write("yarn.gguf", "yarn", [2, 2]))
 
@@ -1502,3 +1542,34 @@ def test_a_gguf_that_adds_eos_gets_it_after_the_text_as_llama_cpp_tokenizes(tmp_
     ids = tokenizer.encode("Hi").ids
     plain = tokenizer.encode("Hi", add_special_tokens=False).ids
     assert ids == [TINY.bos_token_id, *plain, TINY.eos_token_ids[0]] and plain
+
+
+def test_a_damaged_block_and_a_missing_architecture_are_said_in_the_files_own_names(tmp_path, capfd):
+    """A block whose scale is infinite dequantized with numpy's RuntimeWarning on the console and was refused later
+    under the Hugging Face name; a file without general.architecture read as "architecture None"."""
+    from gguf import GGMLQuantizationType as T
+
+    original = random_model(TINY, seed=0)
+    path = tmp_path / "damaged.gguf"
+    write_gguf(path, TINY, original.state_dict, original.tokenizer_json, types={"blk.0.attn_v.weight": T.Q8_0})
+    blob = bytearray(path.read_bytes())
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight")
+    struct.pack_into("<e", blob, int(tensor.data_offset), float("inf"))  # the first block's float16 scale
+    del reader, tensor
+    path.write_bytes(bytes(blob))
+    with pytest.raises(BuildError, match=r"tensor blk.0.attn_v.weight \(Q8_0\) dequantizes to NaN or infinite"):
+        load_gguf(str(path))
+    assert "RuntimeWarning" not in capfd.readouterr().err
+    add_name = gguf.GGUFWriter.add_name
+    try:  # the writer adds general.architecture itself: take it out of its key-value list
+        def without_architecture(writer, name):
+            add_name(writer, name)
+            for tensors in writer.kv_data:
+                tensors.pop("general.architecture", None)
+        gguf.GGUFWriter.add_name = without_architecture
+        write_gguf(tmp_path / "noarch.gguf", TINY, original.state_dict, original.tokenizer_json)
+    finally:
+        gguf.GGUFWriter.add_name = add_name
+    with pytest.raises(BuildError, match="GGUF metadata key general.architecture is missing"):
+        load_gguf(str(tmp_path / "noarch.gguf"))
