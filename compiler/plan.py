@@ -11,6 +11,7 @@ On `cpu`, an artifact's decode steps are also timed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -55,6 +56,7 @@ DEVICES = {
 ALIASES = {"h100sxm": "H100", "h100sxm5": "H100", "h200sxm": "H200", "a10080gb": "A100", "a100sxm": "A100",
            "4090": "RTX4090", "geforcertx4090": "RTX4090"}
 WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
 KV_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
 INT4_BLOCK, INT4_SCALE_BYTES = 32, 2  # one fp16 scale per 32 weights: +2/32 = 0.0625 bytes per parameter
 CACHE_FILE = Path.home() / ".cache" / "aotlm" / "cpu.json"
@@ -494,10 +496,15 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     float_prefill = 4 * (params["attention"] + params["mlp"]) if info.get("float_prefill") and precision in (
         "int4", "int8") and info.get("backend") == "onnxruntime" else 0  # (its MatMulNBits only: onnxruntime's)
     # The prefill and decode engines are two sessions (two TensorRT engines): each holds its own copy of the weights
-    # (onnxruntime prepacks each session's; SmolLM2's fp32 artifact is 1.41 GB resident for 539 MB of weights), the
-    # prefill's float32 copies of the layers' products where dequantize_weights folds them.
+    # (onnxruntime prepacks each session's), the prefill's float32 copies of the layers' products where
+    # dequantize_weights folds them. On onnxruntime a float tied table is held once more per session: the lm_head's
+    # product is prepacked, and the embedding's Gather reads the table itself (mapped from weights.bin). SmolLM2's fp32
+    # artifact: 2 x (539 + 113) MB counted here, 1.46-1.52 GB resident measured (the rest: onnxruntime's arenas, code).
     prefill_copy = float_prefill or w
-    resident = w + prefill_copy
+    on_onnxruntime = info.get("backend", "tensorrt" if gpu else "onnxruntime") == "onnxruntime"
+    gather_table = params["embedding"] * WEIGHT_BYTES[precision] if (
+        on_onnxruntime and config.tie_word_embeddings and quantize is None and precision in FLOAT_PRECISIONS) else 0
+    resident = w + prefill_copy + 2 * gather_table
     products = params["attention"] + params["mlp"] + config.vocab_size * config.hidden_size
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * KV_BYTES[kv_dtype]
     # An artifact's engines (and a recipe's, once built) hold export.max_context rows per sequence whatever a request
@@ -507,6 +514,8 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     kv_request, kv_total = kv_token * held_context, kv_token * held_context * concurrency
     kv_read = kv_token * min(context, held_context)
     usable = headroom * dev["memory"]
+    # TensorRT's decode profile bounds a step's rows (export.max_batch): the scheduler takes no more slots than that
+    most_rows = info["max_batch"] if info.get("backend") == "tensorrt" and info.get("max_batch") else math.inf
     # GPU compute peaks: fp16/bf16 and int4 (weight-only, matmuls in fp16) use FP16 Tensor; int8 uses INT8 Tensor
     # (W8A8); fp32 uses TF32 Tensor, half FP16's rate on all of these parts. cpu: measured fp32 matmul for all.
     peak = dev["fp32"] if not gpu else dev["int8"] if precision == "int8" else dev["fp16"] / (1 + (precision == "fp32"))
@@ -528,7 +537,9 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
                "total": kv_total, "read_per_step_per_request": kv_read},
         "memory": {"total": resident + kv_total, "usable": usable, "fits": resident + kv_total <= usable,
                    "prefill_float_weights": float_prefill, "prefill_engine_weights": prefill_copy,
-                   "max_concurrency": max(0, int((usable - resident) // kv_request)), "not_counted": NOT_COUNTED},
+                   "gather_tables": 2 * gather_table,
+                   "max_concurrency": max(0, min(int((usable - resident) // kv_request), most_rows)),
+                   "not_counted": NOT_COUNTED},
         # prefill reads every weight a step reads at least once too: on a short prompt that, not the FLOPs, bounds it
         "bounds": {"prefill_s": max(prefill_compute_s, prefill_memory_s), "prefill_flops": prefill_compute_s * peak,
                    "prefill_bound": "compute" if prefill_compute_s >= prefill_memory_s else "bandwidth",
@@ -537,8 +548,8 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
                    "decode_tokens_per_s": concurrency / max(memory_s, compute_s),
                    "decode_bound": "bandwidth" if memory_s >= compute_s else "compute"},
         "assumptions": [
-            f"device memory as nvidia-smi reports it (MiB), every size shown in decimal GB (1e9 bytes); usable = "
-            f"{headroom:.0%} of it",
+            (f"device memory as nvidia-smi reports it (MiB)" if gpu else "memory: the machine's physical memory "
+             "(MemTotal)") + f", every size shown in decimal GB (1e9 bytes); usable = {headroom:.0%} of it",
             f"the table's precision rows: int4 with one fp16 scale per {INT4_BLOCK} weights (+{INT4_SCALE_BYTES / INT4_BLOCK} "
             "B/param), all tensors quantized incl. embeddings, int8 per-channel scales ignored; an artifact's or a "
             "quantized recipe's own row counts what it stores",
@@ -568,6 +579,11 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
         result["warnings"].append(f"concurrency {concurrency} exceeds export.max_batch ({info['max_batch']}): "
                                   f"TensorRT's engines run at most {info['max_batch']} sequences per step; rebuild "
                                   f"with export.max_batch: {concurrency} to serve this many at once")
+    if gpu and info.get("backend") == "onnxruntime":  # its engines are onnxruntime's CPU graphs
+        what = "artifact" if info["kind"] == "artifact" else "recipe"
+        result["warnings"].append(f"this {what} builds onnxruntime CPU graphs, which the runtime runs on cpu, not on "
+                                  f"a GPU: this plan sizes the model for {dev['name']}, not what this {what} serves; "
+                                  f"for a GPU, plan a TensorRT recipe (recipes/smollm2-135m-tensorrt.yaml)")
     if info["kind"] == "artifact" and not gpu and measure and info["backend"] != "onnxruntime":
         result["warnings"].append(f"not timed: this artifact's {info['backend']} engines run on a GPU, not on cpu")
     elif info["kind"].startswith("recipe") and not gpu and info["backend"] != "onnxruntime":
@@ -643,6 +659,9 @@ def render(p: dict) -> None:
     else:
         table.add_row("prefill engine's copy", _gb(mem["prefill_engine_weights"]), "the prefill and decode engines "
                       "each hold the weights")
+    if mem.get("gather_tables"):
+        table.add_row("embedding tables for Gather", _gb(mem["gather_tables"]), "onnxruntime: each session also "
+                      "holds the tied table itself (its lm_head copy is prepacked)")
     table.add_section()
     table.add_row("KV cache / token", f"{kv['bytes_per_token'] / 1024:,.2f} KiB", "2 x layers x kv_heads x head_dim"
                   f" x {KV_BYTES[i['kv_dtype']]} B")
@@ -654,8 +673,10 @@ def render(p: dict) -> None:
     fits = "[green]fits[/green]" if mem["fits"] else "[red]does not fit[/red]"
     table.add_row("weights + KV", _gb(mem["total"]), f"{fits} in {_gb(mem['usable'])} usable; excludes activations, "
                   "workspace")
+    capped = p["model"]["source"].get("backend") == "tensorrt" and p["model"]["source"].get("max_batch")
     table.add_row("max concurrency", str(mem["max_concurrency"]), "(usable - weights - prefill's " + (
-        "float weights" if mem["prefill_float_weights"] else "copy") + ") / KV per request")
+        "float weights" if mem["prefill_float_weights"] else "copy") + ") / KV per request" + (
+        f", at most export.max_batch ({p['model']['source']['max_batch']})" if capped else ""))
     table.add_section()
     table.add_row("prefill >=", _t(b["prefill_s"]),
                   f"FLOPs of {i['prompt']} tokens (projections + causal attention) / peak FLOP/s" if

@@ -1,6 +1,7 @@
 """`aotlm plan`: parameter, weight and KV-cache arithmetic checked by hand; no artifact is built, nothing is timed."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ from compiler import plan as plan_module
 from compiler.cli import main
 from compiler.errors import BuildError
 from compiler.plan import plan
+from compiler.recipe import load_recipe
 from tests.conftest import TINY_RECIPE
 
 LLAMA3_8B = {  # meta-llama/Meta-Llama-3-8B config.json (the keys the mapping reads)
@@ -441,7 +443,7 @@ def test_a_context_past_an_artifacts_cache_is_warned_about(tmp_path):
     test_artifact = tiny_float_artifact(tmp_path)
     assert any("exceeds this artifact's cache (128 tokens)" in w
                for w in plan(test_artifact, device="H100", context=200)["warnings"])
-    assert plan(test_artifact, device="H100", context=128)["warnings"] == []
+    assert [w for w in plan(test_artifact, device="H100", context=128)["warnings"] if "context" in w] == []
 
 
 @pytest.mark.parametrize("source", ["artifact", "recipe"])
@@ -464,7 +466,7 @@ def test_a_context_past_a_recipes_max_context_is_warned_about():
     assert [w for w in plan(recipe, device="H100", context=200)["warnings"] if "export.max_context" in w] == [
         "context 200 exceeds the recipe's export.max_context (128): its artifact would serve at most 128 tokens; "
         "raise export.max_context to 200 to build what this plan sizes"]
-    assert plan(recipe, device="H100", context=128)["warnings"] == []
+    assert [w for w in plan(recipe, device="H100", context=128)["warnings"] if "context" in w] == []
 
 
 def test_concurrency_past_a_tensorrt_max_batch_is_warned_about(tmp_path):
@@ -640,3 +642,35 @@ def test_a_hub_id_is_answered_with_how_to_download_it(tmp_path, monkeypatch):
         plan(str(tmp_path / "r.yaml"), device="H100")
     with pytest.raises(BuildError, match=r"x\.gguf: no such file or folder\.$"):
         plan("models/x.gguf", device="H100")
+
+
+def test_onnxruntime_graphs_planned_on_a_gpu_are_said_to_run_on_cpu(tmp_path):
+    """The README's tour planned the default (onnxruntime, CPU) recipe on an H100 and printed 0.19 ms a token with no
+    word that its engines never run on a GPU."""
+    for source in (str(TINY_RECIPE), tiny_float_artifact(tmp_path)):
+        warnings = plan(source, device="H100")["warnings"]
+        assert any("builds onnxruntime CPU graphs, which the runtime runs on cpu, not on a GPU" in w for w in warnings)
+    assert not any("CPU graphs" in w for w in plan(str(TINY_RECIPE), device="cpu", measure=False)["warnings"])
+
+
+def test_a_tensorrt_recipes_max_concurrency_is_at_most_its_max_batch(tmp_path):
+    head, _ = TINY_RECIPE.read_text().split("passes:")
+    recipe = tmp_path / "tiny-tensorrt.yaml"
+    recipe.write_text(head.replace("  max_context: 128", "  max_context: 128\n  dtype: float16\n  max_batch: 4")
+                      + "passes:\n  - cleanup\n  - fuse_attention\n  - lower_tensorrt\nbackend:\n  name: tensorrt\n")
+    assert plan(str(recipe), device="H100")["memory"]["max_concurrency"] == 4  # memory alone: thousands
+
+
+def test_a_tied_float_table_is_held_once_more_per_onnxruntime_session(tmp_path):
+    """Each session prepacks the lm_head's product and its Gather reads the table itself: SmolLM2's fp32 artifact
+    measured 1.46-1.52 GB resident, and plan counted 2 x 539 MB."""
+    tied = dataclasses.replace(load_recipe(TINY_RECIPE).model.config, tie_word_embeddings=True)
+    config_file = tmp_path / "tied.yaml"
+    text = TINY_RECIPE.read_text().replace("tie_word_embeddings: false", "tie_word_embeddings: true")
+    config_file.write_text(text)
+    result = plan(str(config_file), device="cpu", measure=False)
+    table = tied.vocab_size * tied.hidden_size * 4
+    assert result["memory"]["gather_tables"] == 2 * table
+    assert result["memory"]["total"] == 2 * result["weights"] + 2 * table + result["kv"]["total"]
+    untied = plan(str(TINY_RECIPE), device="cpu", measure=False)
+    assert untied["memory"]["gather_tables"] == 0
