@@ -251,3 +251,22 @@ def test_a_calibration_file_is_read_as_aotlm_eval_reads_it(tmp_path):
     assert (calibration, held_out) == split_held_out(read_text_file(path))
     assert held_out.startswith("\r\n\r\nParagraph 36 ") and "\r\n" in calibration
     assert split_held_out("\n\n".join(paragraphs))[1].startswith("\n\nParagraph 37 ")  # an LF file: shorter
+
+
+def test_a_sample_is_fed_at_positions_from_0_as_the_artifacts_prefill_numbers_it():
+    """Shifted by one, every statistic after the first attention (RoPE) came from activations the artifact never
+    computes, and no test noticed (a mutation audit)."""
+    import types
+
+    import numpy as np
+
+    from passes.calibration import _feeds
+
+    def value(name: str):
+        return types.SimpleNamespace(name=name, type="tensor(int64)", shape=["batch", "sequence"])
+
+    session = types.SimpleNamespace(get_inputs=lambda: [value("input_ids"), value("position_ids"),
+                                                        value("attention_mask")])
+    feeds = _feeds(session, np.arange(100, 106))
+    assert feeds["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5]]
+    assert feeds["input_ids"].tolist() == [[100, 101, 102, 103, 104, 105]]

@@ -125,3 +125,11 @@ def test_eval_and_compare_json_name_kl_alike(capsys, monkeypatch, tiny_artifact,
     compared = json.loads((tmp_path / "compare.json").read_text())
     assert status == 0 and compared["mean_kl"] == 0.0123 and "mean_kl_nats" not in compared, output
     assert {"mean_kl", "top1_agreement"} <= {field.name for field in dataclasses.fields(Evaluation)}  # eval's keys
+
+
+@pytest.mark.parametrize("tokens", ["0", "1"])
+def test_max_tokens_below_2_is_said_as_the_flag_not_the_text(capsys, tiny_artifact, tokens):
+    """Without the flag's own check, --max-tokens 1 was blamed on the text ("1 token(s); scoring needs at least 2"),
+    which holds thousands."""
+    status, output = run_cli(capsys, "eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--max-tokens", tokens)
+    assert status == 2 and f"--max-tokens must be >= 2 (one token of context, one scored), got {tokens}" in output

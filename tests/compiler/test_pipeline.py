@@ -117,6 +117,24 @@ def test_changed_io_names_fail_unless_declared(monkeypatch):
     assert graphs["decode"].graph.output[0].name == "renamed"
 
 
+def test_outputs_reordered_without_saying_so_fail_too():
+    """The same names in another order: the check compared lists, and nothing asserted that (a mutation audit)."""
+    from onnx import TensorProto, helper
+
+    from compiler.pipeline import check_pass_result
+
+    def model(order):
+        value = helper.make_tensor_value_info
+        nodes = [helper.make_node("Identity", ["x"], [name]) for name in ("logits", "present.0.key")]
+        graph = helper.make_graph(nodes, "g", [value("x", TensorProto.FLOAT, [1])],
+                                  [value(name, TensorProto.FLOAT, [1]) for name in order])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+    with pytest.raises(BuildError, match=r"pass 'reorder' changed the decode graph's outputs"):
+        check_pass_result("reorder", "decode", model(["logits", "present.0.key"]), model(["present.0.key", "logits"]),
+                          {})
+
+
 def test_custom_domains_pass_the_check(monkeypatch):
     def add_custom_ops(model, options):
         rewritten = onnx.ModelProto()

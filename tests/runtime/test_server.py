@@ -1400,3 +1400,13 @@ def test_store_false_asks_for_what_the_server_does_anyway(chat_served):
     status, _, error = post(chat_served, "/v1/chat/completions", {**body, "store": True})
     assert (status, error["error"]["message"]) == (400, "store: this server keeps no responses: send store false, or "
                                                         "leave it out")
+
+
+def test_metrics_label_a_models_route_once_whatever_name_was_asked(served):
+    """/v1/models/{model} is one route label: a label per name asked for would let any client grow the metric's
+    series without bound (the comment said so; no test held it: a mutation audit)."""
+    for name in ("tiny-random", "someone-else", "a%2Fb"):
+        request(served, "GET", f"/v1/models/{name}")
+    routes = {key for key in scrape(served.server_address) if key.startswith("aotlm:http_requests_total")}
+    asked = [key for key in routes if "/v1/models/" in key]
+    assert asked and all('route="/v1/models/{model}"' in key for key in asked), asked
