@@ -356,15 +356,50 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
     repeated over the largest power of two <= 256 dividing K, as passes/quantized_lowering_ort.for_matmulnbits
     stores it; either at most the power of two holding K), a zero point per block when asymmetric, the norms in
     float, and the embedding table in float unless `embedding: quantized` (a tied table then also serves the
-    lm_head)."""
-    h, q, layers = config.hidden_size, config.num_heads * config.head_dim, config.num_layers
-    o_proj = layers * q * h  # its K is the heads' width; every other product but down_proj reads the hidden size
-    down_proj = layers * config.intermediate_size * h  # K = intermediate_size
-    reading_hidden = counts["attention"] - o_proj + counts["mlp"] - down_proj + config.vocab_size * h  # + lm_head
-    return (reading_hidden * _quantized_bytes_per_param(config, options, scale_bytes)
-            + o_proj * _quantized_bytes_per_param(config, options, scale_bytes, k=q)
-            + down_proj * _quantized_bytes_per_param(config, options, scale_bytes, k=config.intermediate_size)
-            + gathered_table_bytes(counts, config, options, scale_bytes) + counts["norms"] * scale_bytes)
+    lm_head). Each product takes the settings of the first override whose pattern matches its names (the exported
+    graph's node and weight names, as passes/quantize.py matches them), and float bytes where `exclude` or a `skip`
+    override keeps it float (they had been read as the pass-wide settings)."""
+    total = gathered_table_bytes(counts, config, options, scale_bytes) + counts["norms"] * scale_bytes
+    for names, params, k in _products(config):
+        settings = _product_settings(options, names)
+        total += params * (scale_bytes if settings is None else _quantized_bytes_per_param(config, settings,
+                                                                                           scale_bytes, k=k))
+    return total
+
+
+def _products(config: DecoderConfig):
+    """(names the quantize pass matches patterns against, parameters, K) of every product a decode step runs."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    sizes = {("self_attn", "q_proj"): (h * q, h), ("self_attn", "k_proj"): (h * kv, h),
+             ("self_attn", "v_proj"): (h * kv, h), ("self_attn", "o_proj"): (q * h, q),
+             ("mlp", "gate_proj"): (h * config.intermediate_size, h), ("mlp", "up_proj"): (h * config.intermediate_size, h),
+             ("mlp", "down_proj"): (config.intermediate_size * h, config.intermediate_size)}
+    for layer in range(config.num_layers):
+        for (block, name), (params, k) in sizes.items():
+            yield (f"/decoder/layers.{layer}/{block}/{name}/MatMul", f"model.layers.{layer}.{block}.{name}.weight"), \
+                params, k
+    head = ("/decoder/lm_head/MatMul", "lm_head.weight") + (("model.embed_tokens.weight",)
+                                                            if config.tie_word_embeddings else ())
+    yield head, config.vocab_size * h, h
+
+
+def _product_settings(options: dict, names: tuple[str, ...]) -> dict | None:
+    """The quantize options a product with these names gets: the first matching override's over the pass-wide ones;
+    None when it stays float (excluded, or a skip override)."""
+    import fnmatch
+
+    def named(pattern: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for name in names)
+
+    if any(named(pattern) for pattern in options.get("exclude") or ()):
+        return None
+    for override in options.get("overrides") or ():
+        if named(override.get("pattern", "")):
+            if override.get("skip"):
+                return None
+            given = {key: value for key, value in override.items() if key != "pattern" and value is not None}
+            return {**options, **given}
+    return options
 
 
 def _quantized_bytes_per_param(config: DecoderConfig, options: dict, scale_bytes: int, k: int | None = None) -> float:
@@ -548,7 +583,7 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
                    "decode_tokens_per_s": concurrency / max(memory_s, compute_s),
                    "decode_bound": "bandwidth" if memory_s >= compute_s else "compute"},
         "assumptions": [
-            (f"device memory as nvidia-smi reports it (MiB)" if gpu else "memory: the machine's physical memory "
+            ("device memory as nvidia-smi reports it (MiB)" if gpu else "memory: the machine's physical memory "
              "(MemTotal)") + f", every size shown in decimal GB (1e9 bytes); usable = {headroom:.0%} of it",
             f"the table's precision rows: int4 with one fp16 scale per {INT4_BLOCK} weights (+{INT4_SCALE_BYTES / INT4_BLOCK} "
             "B/param), all tensors quantized incl. embeddings, int8 per-channel scales ignored; an artifact's or a "

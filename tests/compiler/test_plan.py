@@ -674,3 +674,27 @@ def test_a_tied_float_table_is_held_once_more_per_onnxruntime_session(tmp_path):
     assert result["memory"]["total"] == 2 * result["weights"] + 2 * table + result["kv"]["total"]
     untied = plan(str(TINY_RECIPE), device="cpu", measure=False)
     assert untied["memory"]["gather_tables"] == 0
+
+
+def test_a_recipes_weights_follow_its_overrides_and_excludes(tmp_path):
+    """Only the pass-wide bits were read: excluding the MLP (kept float) planned 84 MB for SmolLM2's ~353 MB."""
+    text = TINY_RECIPE.read_text().replace("  - pack_projections", "  - pack_projections\n  - quantize: {bits: 4, "
+                                           "block_size: 16, method: rtn" + "{extra}}")
+    config = load_recipe(TINY_RECIPE).model.config
+    mlp = config.num_layers * 3 * config.hidden_size * config.intermediate_size
+
+    def weights(extra: str) -> float:
+        recipe = tmp_path / "q.yaml"
+        recipe.write_text(text.replace("{extra}", extra))
+        return plan(str(recipe), device="H100")["weights"]
+
+    plain = weights("")
+    int4_per_param = 0.5 + 4 / 16  # codes and a float32 scale per block of 16 (onnxruntime's)
+    assert weights(', exclude: ["*mlp*"]') == pytest.approx(plain + mlp * (4 - int4_per_param))
+    assert weights(', overrides: [{pattern: "*mlp*", skip: true}]') == pytest.approx(plain + mlp * (4 - int4_per_param))
+    assert weights(', overrides: [{pattern: "*mlp*", bits: 8}]') > plain
+    # first match wins, as in the pass: down_proj in INT8 (its K the intermediate size), then gate and up float
+    down = mlp // 3
+    int8_per_param = 1 + 4 / config.intermediate_size  # one float32 scale per channel, kernel block = K here
+    assert weights(', overrides: [{pattern: "*down_proj*", bits: 8}, {pattern: "*mlp*", skip: true}]') == \
+        pytest.approx(plain + 2 * down * (4 - int4_per_param) + down * (int8_per_param - int4_per_param))
