@@ -48,10 +48,16 @@ def source_revision() -> dict | None:
 
     root = Path(__file__).resolve().parents[1]
     try:
+        # aotlm's own checkout: not another project's, whose ignored .venv holds aotlm installed
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        if Path(top).resolve() != root:
+            return None
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
-                                  "compiler", "passes"], capture_output=True, text=True, timeout=10, check=True).stdout
+        changed = subprocess.run(["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain",
+                                  "--untracked-files=no", "--", "compiler", "passes"], capture_output=True, text=True,
+                                 timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": commit, "modified": bool(changed.strip())} if re.fullmatch(r"[0-9a-f]{40}", commit) else None

@@ -359,12 +359,20 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
     lm_head). Each product takes the settings of the first override whose pattern matches its names (the exported
     graph's node and weight names, as passes/quantize.py matches them), and float bytes where `exclude` or a `skip`
     override keeps it float (they had been read as the pass-wide settings)."""
-    total = gathered_table_bytes(counts, config, options, scale_bytes) + counts["norms"] * scale_bytes
+    total, products = counts["norms"] * scale_bytes, 0
+    head_settings = options
     for names, params, k in _products(config):
         settings = _product_settings(options, names)
+        head_settings = settings  # the last product is the lm_head
+        products += params
         total += params * (scale_bytes if settings is None else _quantized_bytes_per_param(config, settings,
                                                                                            scale_bytes, k=k))
-    return total
+    total += (counts["attention"] + counts["mlp"] + counts["lm_head"] + (
+        config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0) - products) * scale_bytes  # biases
+    table = gathered_table_bytes(counts, config, options, scale_bytes)
+    if table == 0 and head_settings is None:  # a tied table shares a quantized lm_head's codes; a float head none
+        table = counts["embedding"] * _quantized_bytes_per_param(config, options, scale_bytes)
+    return total + table
 
 
 def _products(config: DecoderConfig):
@@ -374,11 +382,14 @@ def _products(config: DecoderConfig):
              ("self_attn", "v_proj"): (h * kv, h), ("self_attn", "o_proj"): (q * h, q),
              ("mlp", "gate_proj"): (h * config.intermediate_size, h), ("mlp", "up_proj"): (h * config.intermediate_size, h),
              ("mlp", "down_proj"): (config.intermediate_size * h, config.intermediate_size)}
+    # pack_projections' names too, which the pass matches when it runs after it (patterns such as "*gate_proj+up_proj*")
+    packed = {"self_attn": "q_proj+k_proj+v_proj", "mlp": "gate_proj+up_proj"}
     for layer in range(config.num_layers):
         for (block, name), (params, k) in sizes.items():
-            yield (f"/decoder/layers.{layer}/{block}/{name}/MatMul", f"model.layers.{layer}.{block}.{name}.weight"), \
-                params, k
-    head = ("/decoder/lm_head/MatMul", "lm_head.weight") + (("model.embed_tokens.weight",)
+            group = (f"/decoder/layers.{layer}/{block}/{packed[block]}.packed_MatMul",) if name in packed[block] else ()
+            yield (f"/decoder/layers.{layer}/{block}/{name}/MatMul", f"model.layers.{layer}.{block}.{name}.weight",
+                   *group), params, k
+    head = ("/decoder/lm_head/MatMul", "lm_head.weight") + (("/decoder/lm_head/Gemm_tied", "model.embed_tokens.weight")
                                                             if config.tie_word_embeddings else ())
     yield head, config.vocab_size * h, h
 

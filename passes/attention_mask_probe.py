@@ -48,7 +48,9 @@ def is_cache_input(value: gs.Tensor) -> bool:
 
 
 def cache_length(graph: gs.Graph) -> int | None:
-    past = next((t for t in graph.inputs if is_cache_input(t)), None)
+    # the conventional names first: another rank-4 float input concatenated in the graph is no cache
+    past = next((t for t in graph.inputs if t.name.startswith("past_key_values.")), None) or next(
+        (t for t in graph.inputs if is_cache_input(t)), None)
     fixed = past.shape[2] if past is not None and past.shape and len(past.shape) == 4 else None
     return int(fixed) if isinstance(fixed, int) and fixed > 0 else None
 

@@ -150,7 +150,8 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def handle_one_request(self) -> None:
-        self._headers_late = False
+        self._headers_late = self._headers_in = False
+        self._deadline_lock = threading.Lock()  # the cut and the headers' end: one of them first, never both
         watchdog = threading.Timer(HEADER_DEADLINE_S, self._cut_late_headers)
         watchdog.daemon = True
         self._header_watchdog = watchdog
@@ -163,14 +164,21 @@ class _Handler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         parsed = super().parse_request()  # reads the headers
         self._header_watchdog.cancel()  # they are in (or the reading failed): the deadline no longer applies
-        if self._headers_late:  # the cut ended them early: what was read is not the request
+        with self._deadline_lock:
+            self._headers_in = True
+            late = self._headers_late
+        if late:  # the cut ended them early: what was read is not the request
             self.close_connection = True
             return False
         return parsed
 
     def _cut_late_headers(self) -> None:
-        """The header deadline passed: end the connection, whose reading thread then sees it closed."""
-        self._headers_late = True
+        """The header deadline passed: end the connection, whose reading thread then sees it closed; unless the
+        headers came in meanwhile (cancel() does not stop a timer already firing)."""
+        with self._deadline_lock:
+            if self._headers_in:
+                return
+            self._headers_late = True
         try:
             self.connection.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -258,6 +266,9 @@ class _Handler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = _refuse_method
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        if getattr(self, "_headers_late", False):  # the deadline cut the request short: nothing to answer, no 400
+            self.close_connection = True
+            return
         """http.server's own refusals (a request line or header it cannot parse, a URL over 64 KiB, too many headers,
         HTTP/2, a method no server knows: 501) in OpenAI's error body as every other, counted in /metrics, with a
         status line even where the request line did not parse (http.server answers those as HTTP/0.9: a bare HTML

@@ -84,6 +84,22 @@ def test_the_manifest_names_the_commit_that_built_it_and_inspect_says_it(capsys,
     assert status == 0 and f"built by aotlm at commit {head[:12]}" in output, output
 
 
+def test_an_aotlm_installed_inside_another_projects_checkout_records_no_commit(monkeypatch, tmp_path):
+    """git -C <site-packages> answers for whatever repository holds the folder: another project's, whose ignored
+    .venv has aotlm in it, gave that project's HEAD."""
+    import subprocess
+
+    from compiler.artifact import source_revision
+
+    def other_project(command, **kwargs):
+        if "--show-toplevel" in command:
+            return subprocess.CompletedProcess(command, 0, stdout=f"{tmp_path}\n")
+        raise AssertionError("read another project's commit")
+
+    monkeypatch.setattr(subprocess, "run", other_project)
+    assert source_revision() is None
+
+
 def test_inspect_summarizes_the_decode_graph_s_quantize_report(capsys, tiny_artifact, tmp_path):
     layers = [{"method": "rtn", "bits": 4, "block_size": 32}] * 3 + [
         {"method": "rtn", "bits": 8, "block_size": 64, "symmetric": False}]

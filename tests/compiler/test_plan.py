@@ -693,6 +693,9 @@ def test_a_recipes_weights_follow_its_overrides_and_excludes(tmp_path):
     assert weights(', exclude: ["*mlp*"]') == pytest.approx(plain + mlp * (4 - int4_per_param))
     assert weights(', overrides: [{pattern: "*mlp*", skip: true}]') == pytest.approx(plain + mlp * (4 - int4_per_param))
     assert weights(', overrides: [{pattern: "*mlp*", bits: 8}]') > plain
+    # pack_projections' names, which the pass matches after it (as its own error message suggests writing them)
+    assert weights(', overrides: [{pattern: "*gate_proj+up_proj*", skip: true}]') == pytest.approx(
+        plain + 2 * mlp // 3 * (4 - int4_per_param))
     # first match wins, as in the pass: down_proj in INT8 (its K the intermediate size), then gate and up float
     down = mlp // 3
     int8_per_param = 1 + 4 / config.intermediate_size  # one float32 scale per channel, kernel block = K here

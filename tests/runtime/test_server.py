@@ -728,6 +728,8 @@ def test_headers_that_trickle_in_past_the_deadline_end_the_connection(served, mo
     import runtime.server
 
     monkeypatch.setattr(runtime.server, "HEADER_DEADLINE_S", 1.0)
+    refused = 'aotlm:http_requests_total{model_name="tiny-random",route="other",status="400"}'
+    refused_before = scrape(served.server_address).get(refused, 0)
     connection = socket.create_connection(served.server_address[:2])
     connection.settimeout(0.1)
     started, closed = time.monotonic(), False
@@ -745,6 +747,24 @@ def test_headers_that_trickle_in_past_the_deadline_end_the_connection(served, mo
     connection.close()
     assert closed and time.monotonic() - started < 5
     assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200  # the server goes on
+    # cut inside the headers, it is no request: no 400 was answered or counted (the parser had answered the part)
+    assert scrape(served.server_address).get(refused, 0) == refused_before
+
+
+def test_a_request_line_cut_by_the_deadline_is_no_request(served, monkeypatch):
+    """Half a request line at the deadline: the parser answered the half ("Bad HTTP/0.9 request type", a 400 in the
+    log and /metrics); the cut is no request."""
+    import runtime.server
+
+    monkeypatch.setattr(runtime.server, "HEADER_DEADLINE_S", 0.5)
+    refused = 'aotlm:http_requests_total{model_name="tiny-random",route="other",status="400"}'
+    refused_before = scrape(served.server_address).get(refused, 0)
+    connection = socket.create_connection(served.server_address[:2])
+    connection.sendall(b"POST /v1/completions")
+    connection.settimeout(10)
+    assert connection.recv(4096) == b""  # closed, unanswered
+    connection.close()
+    assert scrape(served.server_address).get(refused, 0) == refused_before
 
 
 def test_a_client_that_leaves_without_reading_its_response_is_no_error(served, capfd):
