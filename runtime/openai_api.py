@@ -136,6 +136,9 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     logprobs = _chat_logprobs(fields) if chat else _completion_logprobs(fields)
     echo = flag(fields, "echo")
     echo_only = echo and not chat and is_integer(fields.get("max_tokens")) and fields["max_tokens"] == 0
+    if echo_only and fields.get("min_tokens", 0) != 0:  # said here: below it reads max_tokens as the 1 run to score
+        raise ApiError(f"min_tokens: {fields['min_tokens']!r} with echo and max_tokens 0, which generate nothing; "
+                       f"leave min_tokens out", param="min_tokens")
     if echo_only:
         fields = {**fields, "max_tokens": 1}
     # The prompt last: rendering and tokenizing cost more than the checks above.

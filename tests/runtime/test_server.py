@@ -667,6 +667,9 @@ def test_echo_with_max_tokens_0_answers_the_prompt_and_its_logprobs_alone(served
         choice = response["choices"][0]
     assert choice["text"] == served.engine.tokenizer.decode(prompt) and choice["finish_reason"] == "length"
     assert {key: values[:len(prompt)] for key, values in scored["logprobs"].items()} == choice["logprobs"]
+    status, _, refused = post(served, "/v1/completions", {**body, "min_tokens": 2})  # it had said "(1)" asked for
+    assert status == 400 and refused["error"]["param"] == "min_tokens" and "generate nothing" in refused["error"][
+        "message"]
 
 
 def test_more_choices_than_the_server_ever_holds_is_a_400_not_a_503(slow_server):
