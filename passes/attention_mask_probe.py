@@ -30,6 +30,7 @@ MASKED = -1e4  # at most this on a masked key (exporters use finfo.min or -inf)
 
 TOKEN_INPUTS = ("input_ids", "position_ids", "attention_mask")
 CACHE_WRITERS = ("ScatterElements", "ScatterND", "TensorScatter", "Concat")  # write new keys after the past ones
+CACHE_WORDS = ("past", "cache", "key", "value")
 
 
 def is_cache_input(value: gs.Tensor) -> bool:
@@ -48,9 +49,12 @@ def is_cache_input(value: gs.Tensor) -> bool:
 
 
 def cache_length(graph: gs.Graph) -> int | None:
-    # the conventional names first: another rank-4 float input concatenated in the graph is no cache
-    past = next((t for t in graph.inputs if t.name.startswith("past_key_values.")), None) or next(
-        (t for t in graph.inputs if is_cache_input(t)), None)
+    # the conventional names first, then a cache's words in the name: another rank-4 float input concatenated in the
+    # graph (prefix embeddings, say) is no cache
+    candidates = [t for t in graph.inputs if is_cache_input(t)]
+    ranked = sorted(candidates, key=lambda t: (not t.name.startswith("past_key_values."),
+                                               not any(word in t.name.lower() for word in CACHE_WORDS)))
+    past = ranked[0] if ranked else None
     fixed = past.shape[2] if past is not None and past.shape and len(past.shape) == 4 else None
     return int(fixed) if isinstance(fixed, int) and fixed > 0 else None
 

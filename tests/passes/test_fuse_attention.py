@@ -1116,3 +1116,19 @@ def test_a_block_the_probe_cannot_run_leaves_the_others_their_two_sequence_probe
     assert report["fused"] == 0, report
     assert report["layers"][0]["reason"].startswith("unchecked"), report
     assert "in probe sequence 1 of 2" in report["layers"][1]["reason"], report
+
+
+def test_the_cache_length_comes_from_the_cache_not_another_concatenated_input():
+    """Found by what writes it, any rank-4 float input a Concat reads could pass for a cache: prefix embeddings
+    concatenated first gave their 7 rows as the probe's length, where the cache holds 128."""
+    from passes.attention_mask_probe import cache_length
+
+    prefix = gs.Variable("prefix_embeddings", np.float32, [1, 1, 7, 64])
+    past = gs.Variable("past.0.key", np.float32, [1, 2, 128, 16])
+    hidden = gs.Variable("hidden", np.float32, None)
+    present = gs.Variable("present.0.key", np.float32, None)
+    new_key = gs.Variable("k", np.float32, [1, 2, 1, 16])
+    nodes = [gs.Node("Concat", inputs=[prefix, prefix], outputs=[hidden], attrs={"axis": 2}),
+             gs.Node("Concat", inputs=[past, new_key], outputs=[present], attrs={"axis": 2})]
+    graph = gs.Graph(nodes=nodes, inputs=[prefix, past, new_key], outputs=[hidden, present])
+    assert cache_length(graph) == 128
