@@ -9,7 +9,8 @@ from compiler.errors import UsageError, check_output_file, thread_count
 from runtime.errors import ArtifactError
 from runtime.manifest import read_manifest
 
-__all__ = ["artifact_manifest", "count_list", "output_file", "require_at_least_one", "thread_count"]  # thread_count: --threads' type
+# thread_count: --threads' type
+__all__ = ["artifact_manifest", "count_list", "output_file", "require_at_least_one", "thread_count"]
 
 
 def artifact_manifest(parser: argparse.ArgumentParser, artifact: Path) -> dict:

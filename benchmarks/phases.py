@@ -344,8 +344,6 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(names) - set(BACKENDS)
     if unknown or not names:
         parser.error(f"unknown backends {sorted(unknown)}; known: {', '.join(BACKENDS)}")
-    if not args.contexts or not args.prompt_lengths:
-        parser.error("give at least one context and one prompt length")
     require_at_least_one(parser, args, "--steps", "--repeats", "--prefill-runs")
     if GENAI in names:  # the default backends include it: fail now, not after the other backends load
         try:
@@ -365,10 +363,10 @@ def main(argv: list[str] | None = None) -> dict:
                          f"decode steps, and every prompt length, must fit")
     reference = artifact_manifest(parser, args.fused_artifact)  # prompt tokens, genai's weights
     prompt_ids = prompt_token_ids(args.fused_artifact, reference, max(args.contexts + args.prompt_lengths))
-    genai_folder = None
+    genai_folder = genai_limit = None
     if GENAI in names:
         _, genai_folder = prepare_folders(reference, console, want_genai=True)
-        limit = genai_max_length(genai_folder)
+        limit = genai_limit = genai_max_length(genai_folder)
         if max(args.contexts) + WARMUP_STEPS + args.steps > limit or max(args.prompt_lengths) > limit:
             parser.error(f"{GENAI}'s generators hold {limit} tokens: every context + {WARMUP_STEPS + args.steps} "
                          f"decode steps, and every prompt length, must fit")
@@ -405,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "prefill_warmups": PREFILL_WARMUPS, "threads": args.threads, "batch": 1, "backends": names,
                      "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
                      "artifacts": {name: str(path) for name, path in artifacts.items() if name in names},
-                     "genai_folder": str(genai_folder) if genai_folder else None, "genai_max_length": genai_max_length(genai_folder) if genai_folder else None,
+                     "genai_folder": str(genai_folder) if genai_folder else None, "genai_max_length": genai_limit,
                      "prompt_source": "pydoc_data.topics (sorted, joined)", "interleaved": True,
                      "max_other_cores": args.max_other_cores, "retries": args.retries,
                      "machine_bandwidth_bytes_per_s": bandwidth,

@@ -206,7 +206,8 @@ def _meant(name: str, known: set[str]) -> list[str]:
     """The known field an unknown one was likely meant as: SAME_FIELD's (also for a near spelling of it), else a close
     spelling (difflib's; vLLM's own fields never get here: NOT_SUPPORTED names them)."""
     for other, meant in SAME_FIELD.items():
-        if meant in known and other not in known and (name == other or difflib.get_close_matches(name, [other], n=1, cutoff=0.9)):
+        near = name == other or difflib.get_close_matches(name, [other], n=1, cutoff=0.9)
+        if meant in known and other not in known and near:
             return [meant]
     return difflib.get_close_matches(name, sorted(known), n=1)
 

@@ -266,14 +266,14 @@ class _Handler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = _refuse_method
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        if getattr(self, "_headers_late", False):  # the deadline cut the request short: nothing to answer, no 400
-            self.close_connection = True
-            return
         """http.server's own refusals (a request line or header it cannot parse, a URL over 64 KiB, too many headers,
         HTTP/2, a method no server knows: 501) in OpenAI's error body as every other, counted in /metrics, with a
         status line even where the request line did not parse (http.server answers those as HTTP/0.9: a bare HTML
         page that HTTP/1.1 clients cannot read). The connection closes: what follows cannot be trusted to start a
         request."""
+        if getattr(self, "_headers_late", False):  # the deadline cut the request short: nothing to answer, no 400
+            self.close_connection = True
+            return
         if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
             self.request_version = self.protocol_version
         self.command = getattr(self, "command", None) or ""
