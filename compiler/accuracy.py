@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from compiler.artifact import scratch_folder
 from compiler.backends import onnxruntime as onnxruntime_backend
-from compiler.calibration import split_text
+from compiler.calibration import held_out_label, split_text
 from compiler.errors import BuildError
 from compiler.export import cache_dtype
 from runtime.evaluate import EvaluationError, decode_logits_for, evaluate, tokens_fingerprint
@@ -47,7 +47,7 @@ def held_out_tokens(calibration_text: str, tokenizer_json: str, max_tokens: int)
     scored_text = held_out[:offsets[-1][1]] if offsets else ""
     repeated = first_repeated_run(scored_text, calibration)
     first_token = None if repeated is None else next(k for k, (_, end) in enumerate(offsets) if end > repeated)
-    return HeldOut(np.asarray(ids, np.int64), source["source"].replace("first 90%", "last 10% (held out)"), first_token)
+    return HeldOut(np.asarray(ids, np.int64), held_out_label(source["source"]), first_token)
 
 
 def first_repeated_run(text: str, seen: str, length: int = REPEATED_CHARACTERS) -> int | None:

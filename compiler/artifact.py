@@ -25,8 +25,9 @@ from compiler.errors import BuildError, is_artifact_folder
 from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, sha256_file
 
 NO_LOCKS = -1  # _try_lock on a filesystem without locks (some network filesystems)
+# numpy computes GPTQ/AWQ (its linalg) and folds constants; ml_dtypes, safetensors, pyyaml read what the build reads
 TRACKED_TOOLS = ("aotlm", "torch", "onnx", "onnxscript", "onnx-graphsurgeon", "onnxruntime", "gguf", "tokenizers",
-                 "tensorrt", "triton")
+                 "numpy", "ml_dtypes", "safetensors", "pyyaml", "tensorrt", "triton")
 
 
 def tool_versions(names=TRACKED_TOOLS) -> dict:
@@ -40,13 +41,15 @@ def tool_versions(names=TRACKED_TOOLS) -> dict:
     return versions
 
 
-def source_revision() -> dict | None:
-    """The git commit the compiler ran from, and whether its compiler/ or passes/ had changes not committed: an
+SOURCE_FOLDERS = ("compiler", "passes", "runtime")  # what a build runs: the calibration split and kernels are runtime's
+
+
+def source_revision(root: Path = Path(__file__).resolve().parents[1]) -> dict | None:
+    """The git commit the compiler ran from, and whether its SOURCE_FOLDERS had changes not committed: an
     artifact built before a fix (a stop token added to a loader, say) carries the same "aotlm" version as one built
     after it, and this tells them apart. None outside a git checkout, or without git."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[1]
     try:
         # aotlm's own checkout: not another project's, whose ignored .venv holds aotlm installed
         top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
@@ -56,7 +59,7 @@ def source_revision() -> dict | None:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()
         changed = subprocess.run(["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain",
-                                  "--untracked-files=no", "--", "compiler", "passes"], capture_output=True, text=True,
+                                  "--untracked-files=no", "--", *SOURCE_FOLDERS], capture_output=True, text=True,
                                  timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None

@@ -8,6 +8,7 @@ the build's perplexity and `aotlm eval`'s are computed on the same text.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,8 @@ from tokenizers import Tokenizer
 from compiler.errors import BuildError
 from passes.calibration import CalibrationSet, CalibrationSpec, draw_samples
 from passes.errors import PassError
-from runtime.evaluate import BUILTIN_SOURCE, read_text_file, split_held_out, split_pydoc_text
+from runtime.evaluate import (BUILTIN_SOURCE, CALIBRATION_FRACTION, read_text_file, split_held_out, split_pydoc_text,
+                              tokens_fingerprint)
 from runtime.tokenizer import whole_text
 
 BUILTIN = "pydoc"
@@ -26,14 +28,23 @@ def split_text(spec_text: str) -> tuple[str, str, dict]:
     """(calibration part, held-out part, where it came from) of the recipe's `calibration.text`."""
     if spec_text == BUILTIN:
         calibration, held_out = split_pydoc_text()
-        return calibration, held_out, {"source": f"{BUILTIN_SOURCE}, first 90%"}
+        return calibration, held_out, {"source": f"{BUILTIN_SOURCE}, {_first_part()}"}
     path = check_text_file(spec_text)
     try:
         text = read_text_file(path)  # as `aotlm eval --text` reads it: no byte-order mark, CRLF kept
     except (OSError, UnicodeDecodeError) as error:
         raise BuildError(f"calibration.text: cannot read {path} as UTF-8 text: {error}") from None
     calibration, held_out = split_held_out(text)
-    return calibration, held_out, {"source": f"{path.resolve()}, first 90%"}
+    return calibration, held_out, {"source": f"{path.resolve()}, {_first_part()}"}
+
+
+def _first_part() -> str:
+    return f"first {CALIBRATION_FRACTION:.0%}"
+
+
+def held_out_label(source: str) -> str:
+    """split_text's source, named as the held-out part of that text."""
+    return source.replace(_first_part(), f"last {1 - CALIBRATION_FRACTION:.0%} (held out)")
 
 
 def check_text_file(spec_text: str) -> Path:
@@ -60,7 +71,11 @@ def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> Calibr
     except PassError as error:  # the count is of the calibration part only: say so, and which text it is
         raise BuildError(f"calibration: {error} (the calibration part: {source['source']}, {len(calibration)} "
                          f"characters; the rest is held out for the accuracy report)") from None
-    source = {**source, "characters": len(calibration), "tokens_available": int(len(token_ids))}
+    # The path (or "pydoc") does not say which text it held when built: a file edited later, or pydoc_data of
+    # another Python release, gives other weights from the same recipe. The hashes tell two such builds apart.
+    source = {**source, "characters": len(calibration), "tokens_available": int(len(token_ids)),
+              "text_sha256": hashlib.sha256(calibration.encode()).hexdigest()[:16],
+              "samples_sha256": tokens_fingerprint(samples)}
     return CalibrationSet(**dataclasses.asdict(spec), token_ids=samples, source=source, progress=progress)
 
 

@@ -89,8 +89,10 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path}: not an aotlm manifest (format field missing); rebuild the artifact")
     version = manifest.get("format_version")
-    if isinstance(version, str) and version.strip() == str(FORMAT_VERSION):
-        raise ArtifactError(f"{path}: format_version is the text {version!r}, where a build writes the number "
+    # true and 1.0 equal 1 in Python, and the text "1" reads as it: a build writes the integer, so each was edited
+    if (isinstance(version, str) and version.strip() == str(FORMAT_VERSION)) or (
+            isinstance(version, (bool, float)) and version == FORMAT_VERSION):
+        raise ArtifactError(f"{path}: format_version is {json.dumps(version)}, where a build writes the number "
                             f"{FORMAT_VERSION}; the manifest was edited: rebuild the artifact")
     if version != FORMAT_VERSION:
         raise ArtifactError(
@@ -140,6 +142,15 @@ def _engines_disagree(manifest: dict) -> str | None:
         engine = manifest["engines"][phase]
         if engine.get("backend", backend) != backend:
             return f"engines.{phase}.backend is {engine['backend']!r}, but backend.name is {backend!r}"
+        # The backends size the cache buffers from kv_cache; a graph whose cache inputs differ failed at its first
+        # step, inside onnxruntime (kv_cache.max_context raised by hand, say: the graphs hold their own length)
+        cache = manifest["kv_cache"]
+        for entry in engine["inputs"]:
+            if entry.get("kv_cache") is True and (entry.get("shape", cache["shape"])[1:] != cache["shape"][1:]
+                                                  or entry.get("dtype", cache["dtype"]) != cache["dtype"]):
+                return (f"engines.{phase}'s cache input {entry.get('name')!r} is {entry.get('dtype')} "
+                        f"{entry.get('shape')}, but kv_cache says {cache['dtype']} {cache['shape']} (a graph's "
+                        f"cache length and heads are fixed when it is built)")
         if not any("aliases" in output for output in engine["outputs"]):
             continue  # written by an aotlm from before the engines recorded their aliases: nothing to compare
         declared = {o.get("name"): o.get("aliases") for o in engine["outputs"] if o.get("aliases") is not None}

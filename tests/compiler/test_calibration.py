@@ -270,3 +270,20 @@ def test_a_sample_is_fed_at_positions_from_0_as_the_artifacts_prefill_numbers_it
     feeds = _feeds(session, np.arange(100, 106))
     assert feeds["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5]]
     assert feeds["input_ids"].tolist() == [[100, 101, 102, 103, 104, 105]]
+
+
+def test_the_calibration_record_tells_apart_texts_of_one_path(tiny_artifact, tmp_path):
+    """The record named the path alone: an edited file (or pydoc of another Python release) gave other weights from
+    the same recipe, and the two manifests said the same."""
+    notes = tmp_path / "notes.txt"
+    tokenizer_json = (tiny_artifact / "tokenizer.json").read_text()
+    spec = CalibrationSpec(text=str(notes), samples=4, length=16, seed=0)
+    notes.write_text("\n\n".join(f"paragraph {i}: " + "some words here " * 8 for i in range(20)))
+    first = resolve(spec, tokenizer_json).describe()
+    assert resolve(spec, tokenizer_json).describe() == first  # the same text: the same record
+    notes.write_text(notes.read_text().swapcase())  # the calibration part changed, the held-out part too
+    second = resolve(spec, tokenizer_json).describe()
+    assert first["text"] == second["text"] and first["characters"] == second["characters"]
+    assert first["text_sha256"] != second["text_sha256"] and first["samples_sha256"] != second["samples_sha256"]
+    other_draw = resolve(dataclasses.replace(spec, seed=1), tokenizer_json).describe()
+    assert other_draw["text_sha256"] == second["text_sha256"] and other_draw["samples_sha256"] != second["samples_sha256"]

@@ -84,6 +84,24 @@ def test_the_manifest_names_the_commit_that_built_it_and_inspect_says_it(capsys,
     assert status == 0 and f"built by aotlm at commit {head[:12]}" in output, output
 
 
+def test_a_change_to_the_runtime_marks_the_source_modified(tmp_path):
+    """The build runs runtime/ code (the calibration split, the TensorRT kernels): a change there changed the
+    weights while the manifest said modified: false."""
+    import subprocess
+
+    from compiler.artifact import source_revision
+
+    clone = tmp_path / "clone"
+    try:
+        subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no git, or this is not a checkout: nothing to record")
+    clean = source_revision(clone)["modified"]
+    evaluate = clone / "runtime" / "evaluate.py"
+    evaluate.write_text(evaluate.read_text().replace("CALIBRATION_FRACTION = 0.9", "CALIBRATION_FRACTION = 0.5"))
+    assert (clean, source_revision(clone)["modified"]) == (False, True)
+
+
 def test_an_aotlm_installed_inside_another_projects_checkout_records_no_commit(monkeypatch, tmp_path):
     """git -C <site-packages> answers for whatever repository holds the folder: another project's, whose ignored
     .venv has aotlm in it, gave that project's HEAD."""

@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runtime import ArtifactError, Engine
@@ -132,6 +133,7 @@ def test_manifest_describes_the_artifact(tiny_artifact):
     manifest = json.loads((tiny_artifact / "manifest.json").read_text())
     assert manifest["recipe"]["name"] == "tiny-random"
     assert manifest["tools"]["onnxruntime"] and manifest["tools"]["torch"]
+    assert manifest["tools"]["numpy"] == np.__version__  # GPTQ and AWQ run in its linear algebra
     assert manifest["model"]["config"]["num_layers"] == 2
     aliases = manifest["kv_cache"]["output_aliases_input"]
     assert aliases["present.1.value"] == "past_key_values.1.value" and len(aliases) == 4
@@ -210,7 +212,17 @@ def _retarget(aliases: dict) -> None:
      "'past_key_values.1.value'"),
     (lambda m: m["engines"]["decode"]["inputs"][-1].__setitem__("kv_cache", False),
      "engines.decode's input 'past_key_values.1.value' is aliased by an output but not marked kv_cache"),
-    (lambda m: m.__setitem__("format_version", "1"), "format_version is the text '1', where a build writes the number 1"),
+    (lambda m: m.__setitem__("format_version", "1"), 'format_version is "1", where a build writes the number 1'),
+    # True == 1 == 1.0 in Python: they loaded, and inspect printed "format vTrue"
+    (lambda m: m.__setitem__("format_version", True), "format_version is true, where a build writes the number 1"),
+    (lambda m: m.__setitem__("format_version", 1.0), "format_version is 1.0, where a build writes the number 1"),
+    # the backends size the cache from kv_cache: a longer max_context (shape too) loaded, then failed in onnxruntime
+    (lambda m: m["kv_cache"].update(max_context=256, shape=["batch", 2, 256, 16]),
+     "engines.prefill's cache input 'past_key_values.0.key' is float32 ['batch', 2, 128, 16], but kv_cache says "
+     "float32 ['batch', 2, 256, 16]"),
+    (lambda m: m["kv_cache"].update(dtype="int8"),
+     "engines.prefill's cache input 'past_key_values.0.key' is float32 ['batch', 2, 128, 16], but kv_cache says "
+     "int8 ['batch', 2, 128, 16]"),
 ])
 def test_engine_records_that_contradict_the_cache_map_are_refused(artifact_copy, edit, message):
     """The runtime binds kv_cache.output_aliases_input; the engines' own records were written and never read, so an
