@@ -396,12 +396,12 @@ def _bench(args) -> None:
             finally:
                 getattr(serve, "close", lambda: None)()  # stop a scheduler's worker thread
                 del serve  # free its weights before the next backend loads
-            runs[backend] = [trace for trace in traces if trace is not None]
+            runs[backend] = traces  # None where a request failed: report keeps each trace's request index
             if failures[backend]:
                 first = failures[backend][0]
                 warning(f"{backend}: {len(failures[backend])} of {len(traces)} requests failed (request "
                         f"{first['request']}: {first['error']}); the metrics are the completed requests'")
-            if not runs[backend]:
+            if all(trace is None for trace in traces):
                 raise bench.BenchError(f"{backend}: every request failed; the first: {first['error']}")
     settings = {**_run_record(args.artifact), "threads": threads, "backends": list(runs), "baselines": baselines,
                 "batching": modes,

@@ -248,18 +248,28 @@ def run_workload(serve: Serve | ScheduledServer, workload: Workload, on_done: Ca
                  failures: list[dict] | None = None) -> list[RequestTrace | None]:
     """Serve the warm-up requests one by one, then the workload (through one worker thread for a blocking server,
     submitted on arrival to a ScheduledServer); traces in request order. A request that fails raises its error,
-    unless `failures` is given: then it is recorded there ({"request": index, "error": text}, as vLLM's bench
-    counts failed requests), its trace is None, and the run goes on (a closed loop's client sends its next one)."""
+    unless `failures` is given: then it is recorded there ({"request": index, "error": text, "arrival": and
+    "failed": perf_counter times}, as vLLM's bench counts failed requests), its trace is None, and the run goes on
+    (a closed loop's client sends its next one); the run's duration counts its time (report)."""
     for request in workload.warmup:
-        serve(request.prompt_ids, request.output_tokens, time.perf_counter())
+        try:
+            serve(request.prompt_ids, request.output_tokens, time.perf_counter())
+        except Exception as error:  # before anything is measured: one line, not the engine's traceback
+            raise BenchError(f"the warm-up request failed ({type(error).__name__}: {error}); nothing was "
+                             f"measured") from error
         on_done and on_done()
     requests, pending, done, stop = workload.requests, queue.Queue(), queue.Queue(), threading.Event()
+    arrivals: list[float | None] = [None] * len(requests)  # a failed request's, which has no trace to hold it
     if isinstance(serve, ScheduledServer):
-        def send(index: int, arrival: float) -> None:
+        def submit(index: int, arrival: float) -> None:
             serve.submit(requests[index].prompt_ids, requests[index].output_tokens, arrival,
                          lambda result: done.put((index, result)))
     else:
-        send = lambda index, arrival: pending.put((index, arrival))  # noqa: E731
+        submit = lambda index, arrival: pending.put((index, arrival))  # noqa: E731
+
+    def send(index: int, arrival: float) -> None:
+        arrivals[index] = arrival
+        submit(index, arrival)
 
     def worker() -> None:
         while (item := pending.get()) is not None and not stop.is_set():
@@ -293,7 +303,8 @@ def run_workload(serve: Serve | ScheduledServer, workload: Workload, on_done: Ca
             except queue.Empty:  # the next Poisson arrival is due
                 continue
             if isinstance(result, Exception) and failures is not None:
-                failures.append({"request": index, "error": f"{type(result).__name__}: {result}"})
+                failures.append({"request": index, "error": f"{type(result).__name__}: {result}",
+                                 "arrival": arrivals[index], "failed": time.perf_counter()})
             elif isinstance(result, BaseException):
                 raise result
             else:
@@ -314,28 +325,37 @@ def run_workload(serve: Serve | ScheduledServer, workload: Workload, on_done: Ca
     return traces
 
 
-def trace_record(trace: RequestTrace, t0: float) -> dict:
-    """A trace as JSON: timestamps in seconds since t0 (the run's first arrival), with its derived metrics."""
+def trace_record(trace: RequestTrace, t0: float, request: int) -> dict:
+    """A trace as JSON: the request's index in the workload, timestamps in seconds since t0 (the run's first
+    arrival), its derived metrics."""
     record = {k: (None if v is None else [t - t0 for t in v] if k == "token_times" else v - t0)
               for k, v in asdict(trace).items() if k in ("arrival", "prefill_start", "prefill_end", "first_token",
                                                           "finish", "token_times")}
-    return {"prompt_tokens": trace.prompt_tokens, "cached_prompt_tokens": trace.cached_prompt_tokens,
+    return {"request": request, "prompt_tokens": trace.prompt_tokens, "cached_prompt_tokens": trace.cached_prompt_tokens,
             "output_tokens": trace.output_tokens, **record,
             "ttft_ms": 1e3 * trace.ttft, "tpot_ms": None if trace.tpot is None else 1e3 * trace.tpot,
             "e2e_ms": 1e3 * trace.e2e, "queue_ms": 1e3 * trace.queue, "prefill_ms": 1e3 * trace.prefill_seconds}
 
 
-def report(settings: dict, runs: dict[str, list[RequestTrace]], slo: dict | None = None,
+def report(settings: dict, runs: dict[str, list[RequestTrace | None]], slo: dict | None = None,
            failures: dict[str, list[dict]] | None = None) -> dict:
     """{settings, machine, backends: {name: {summary, traces, failed, errors}}}; the first backend is the reference
-    for ratios. runs: each backend's completed requests' traces; failures: its failed ones (run_workload's)."""
+    for ratios. runs: each backend's traces in request order (run_workload's: None for a failed request);
+    failures: its failed ones (run_workload's). The duration runs from the first arrival to the last request's end,
+    failed ones included (vLLM's bench: the whole run's wall time): a failure late in the run is part of it."""
     backends = {}
     for name, traces in runs.items():
-        t0 = min(t.arrival for t in traces)
+        completed = [(index, trace) for index, trace in enumerate(traces) if trace is not None]
         failed = (failures or {}).get(name, [])
-        backends[name] = {"summary": summarize(traces, slo=slo, failed=len(failed)), "failed": len(failed),
-                          "errors": failed[:10],
-                          "traces": [trace_record(t, t0) for t in traces]}
+        starts = [t.arrival for _, t in completed] + [f["arrival"] for f in failed if f.get("arrival") is not None]
+        ends = [t.finish for _, t in completed] + [f["failed"] for f in failed if f.get("failed") is not None]
+        t0 = min(starts)
+        errors = [{**f, **{key: f[key] - t0 for key in ("arrival", "failed") if f.get(key) is not None}}
+                  for f in failed[:10]]
+        backends[name] = {"summary": summarize([t for _, t in completed], duration=max(ends) - t0, slo=slo,
+                                               failed=len(failed)),
+                          "failed": len(failed), "errors": errors,
+                          "traces": [trace_record(t, t0, index) for index, t in completed]}
     return {"settings": settings, "machine": machine(), "backends": backends}
 
 

@@ -527,10 +527,11 @@ class Scheduler:
             positions = np.tile(np.arange(width, dtype=np.int64), (len(run), 1))
             mask = (positions < lengths[:, None]).astype(np.int64)  # right padded
             started = time.perf_counter()
-            logits = self._graph_run(run, lambda: last_token_logits(self.cache.run(
-                "prefill", (run[0].slot, run[-1].slot + 1), ids, positions, mask), lengths))  # [B, vocab]
-            if logits is None:
-                continue
+            try:
+                logits = last_token_logits(self.cache.run(
+                    "prefill", (run[0].slot, run[-1].slot + 1), ids, positions, mask), lengths)  # [B, vocab]
+            except Exception:  # noqa: BLE001 - not theirs to fail: _prefill runs each alone next, and what fails then
+                continue  # fails alone (a batch padded to its longest prompt is what ran out of memory, say)
             ended = time.perf_counter()
             for row, sequence in enumerate(run):
                 sequence.prefill_start, sequence.prefill_end = started, ended

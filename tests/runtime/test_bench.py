@@ -131,11 +131,11 @@ def test_report_records_each_trace_from_the_first_arrival():
     later = hand_trace(10.0, 10.25, [11.0, 11.5, 11.75, 12.25, 13.0], 13.5, prefill_end=10.75)
     earlier = hand_trace(9.0, 9.0, [9.5], 9.75)
     records = bench.report({}, {"aotlm": [later, earlier]})["backends"]["aotlm"]["traces"]
-    assert records[0] == {"prompt_tokens": 8, "cached_prompt_tokens": 0, "output_tokens": 5, "arrival": 1.0, "prefill_start": 1.25,
+    assert records[0] == {"request": 0, "prompt_tokens": 8, "cached_prompt_tokens": 0, "output_tokens": 5, "arrival": 1.0, "prefill_start": 1.25,
                           "prefill_end": 1.75, "first_token": 2.0, "finish": 4.5,
                           "token_times": [2.0, 2.5, 2.75, 3.25, 4.0], "ttft_ms": 1000.0, "tpot_ms": 500.0,
                           "e2e_ms": 3000.0, "queue_ms": 250.0, "prefill_ms": 500.0}
-    assert records[1] == {"prompt_tokens": 8, "cached_prompt_tokens": 0, "output_tokens": 1, "arrival": 0.0, "prefill_start": 0.0,
+    assert records[1] == {"request": 1, "prompt_tokens": 8, "cached_prompt_tokens": 0, "output_tokens": 1, "arrival": 0.0, "prefill_start": 0.0,
                           "prefill_end": None, "first_token": 0.5, "finish": 0.75, "token_times": [0.5],
                           "ttft_ms": 500.0, "tpot_ms": None, "e2e_ms": 500.0, "queue_ms": 0.0, "prefill_ms": 500.0}
 
@@ -144,8 +144,8 @@ def test_a_trace_record_says_how_many_prompt_tokens_came_from_the_cache():
     """With --prefix-caching a request's prefill_ms covers only the prompt tokens it computed: its record must say how
     many it reused, as the summary does for the run."""
     trace = hand_trace(0.0, 0.0, [0.5, 0.75], 0.75, cached_prompt_tokens=6)
-    record = bench.trace_record(trace, 0.0)
-    assert record["cached_prompt_tokens"] == 6
+    record = bench.trace_record(trace, 0.0, 3)
+    assert record["cached_prompt_tokens"] == 6 and record["request"] == 3
     assert bench.report({}, {"aotlm": [trace]})["backends"]["aotlm"]["summary"]["cached_prompt_tokens"] == 6
 
 
@@ -522,6 +522,9 @@ def test_a_failed_request_is_counted_and_said_and_the_rest_measured(tiny_artifac
     assert entry["failed"] == 1 and entry["errors"][0]["request"] == 1, entry["errors"]
     assert "out of memory" in entry["errors"][0]["error"]
     assert entry["summary"]["requests"] == len(entry["traces"]) == 5
+    # each record names its request: the failed one's gap had shifted every later record onto the wrong request
+    assert [t["request"] for t in entry["traces"]] == [0, 2, 3, 4, 5]
+    assert 0 < entry["errors"][0]["arrival"] <= entry["errors"][0]["failed"] <= entry["traces"][2]["arrival"]
     assert entry["summary"]["goodput"]["slo"] == {"e2e_ms": 60000.0}  # --slo-e2e-ms, as vLLM's --goodput e2el
     assert entry["summary"]["goodput"]["good_requests"] == 5
     assert entry["summary"]["goodput"]["fraction"] == 5 / 6 and entry["summary"]["failed"] == 1  # a failure meets none
@@ -535,6 +538,37 @@ def test_a_failed_request_is_counted_and_said_and_the_rest_measured(tiny_artifac
         assert [trace is None for trace in traces] == [False, False, True] and failures[0]["request"] == 2
     finally:
         server.close()
+
+
+def test_a_request_failing_last_counts_in_the_runs_duration():
+    """vLLM's bench divides by the whole run's wall time: the duration had ended at the last completed request, so
+    a request that ran 2 s and then failed tripled the throughput."""
+    done = hand_trace(0.0, 0.0, [0.5], 1.0)
+    failure = {"request": 1, "error": "RuntimeError: out of memory", "arrival": 0.5, "failed": 3.0}
+    entry = bench.report({}, {"aotlm": [done, None]}, failures={"aotlm": [failure]})["backends"]["aotlm"]
+    assert entry["summary"]["duration_s"] == 3.0 and entry["summary"]["requests_per_s"] == 1 / 3
+    assert entry["errors"] == [failure] and [t["request"] for t in entry["traces"]] == [0]
+    first_failed = {**failure, "request": 0, "arrival": -1.0}  # the first arrival is the run's zero, failed or not
+    entry = bench.report({}, {"aotlm": [None, done]}, failures={"aotlm": [first_failed]})["backends"]["aotlm"]
+    assert entry["summary"]["duration_s"] == 4.0 and entry["traces"][0]["arrival"] == 1.0
+    assert entry["errors"][0]["arrival"] == 0.0 and entry["errors"][0]["failed"] == 4.0
+
+
+def test_a_failed_warm_up_is_one_line_not_a_traceback(tiny_artifact, tmp_path, monkeypatch, capsys):
+    from tests.runtime.faults import failing_run
+
+    real_init = bench.ScheduledServer.__init__
+
+    def with_a_failing_warm_up(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.scheduler.cache.run = failing_run(self.scheduler.cache.run, "prefill", at=1)
+
+    monkeypatch.setattr(bench.ScheduledServer, "__init__", with_a_failing_warm_up)
+    assert cli.main(["bench", str(tiny_artifact), "--requests", "2", "--prompt-tokens", "8", "--output-tokens", "2",
+                     "--out", str(tmp_path / "b.json")]) == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert "the warm-up request failed (RuntimeError: out of memory); nothing was measured" in error, error
+    assert "Traceback" not in error and not (tmp_path / "b.json").exists()
 
 
 def test_a_bench_json_says_when_what_and_by_which_aotlm(tiny_artifact, tmp_path):

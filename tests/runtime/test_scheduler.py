@@ -318,6 +318,31 @@ def test_a_failing_prefill_fails_its_request_alone(engine, monkeypatch):
     assert first.result(timeout=30).token_ids == alone(engine, [1, 2, 3], 12)
 
 
+def test_a_failing_batched_prefill_fails_only_the_prompt_that_fails_alone(engine, monkeypatch):
+    """Prompts admitted together are prefilled as one batch padded to the longest: its run out of memory failed
+    the short prompts beside the long one, which went through when submitted again."""
+    scheduler = engine.start_scheduler(slots=4)
+    run = scheduler.cache.run
+    batched = []
+
+    def out_of_memory_when_wide(phase, rows, ids, *args):
+        batched.append(phase == "prefill" and ids.shape[0] > 1)
+        if phase == "prefill" and ids.shape[1] >= 60:
+            raise MemoryError("prefill too wide")
+        return run(phase, rows, ids, *args)
+
+    monkeypatch.setattr(scheduler.cache, "run", out_of_memory_when_wide)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [3] * 70]
+    with scheduler._lock:  # submitted together: admitted in one iteration, into slots 0 to 3
+        handles = [engine.submit(p, max_new_tokens=5, ignore_eos=True) for p in prompts]
+    with pytest.raises(MemoryError, match="prefill too wide"):
+        handles[3].result(timeout=30)
+    assert batched[0]  # they were tried as one batch first
+    monkeypatch.setattr(scheduler.cache, "run", run)
+    for prompt, handle in zip(prompts[:3], handles):
+        assert handle.result(timeout=30).token_ids == alone(engine, prompt, 5)
+
+
 def test_nan_logits_in_one_row_fail_that_request_alone(engine, monkeypatch):
     scheduler = engine.start_scheduler(slots=2)
     run = scheduler.cache.run
