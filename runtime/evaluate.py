@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from runtime.errors import RequestError
+from runtime.errors import ModelOutputError, RequestError
 from runtime.sampling import _logprobs
 
 LogitsFor = Callable[[np.ndarray], np.ndarray]  # token ids [n] -> logits [n, vocab], row i predicts token i + 1
@@ -314,5 +314,9 @@ def prompt_entries(logits: np.ndarray, token_ids: list[int], start: int, alterna
     """scored_prompt's entries for one piece: logits [n, vocab] of positions start..start + n - 1, row i predicting
     token start + i + 1 (a row at the prompt's last position predicts what follows it: no entry). The scheduler
     scores a prompt piece by piece with it."""
+    if np.isnan(logits.max()):  # NaN propagates through max: one reduction, as the sampler checks its row
+        row = int(np.isnan(logits).any(axis=-1).argmax())
+        raise ModelOutputError(f"the model's logits contain NaN at prompt position {start + row}; the artifact's "
+                               f"graphs produce non-finite values (rebuild it, or check with `aotlm eval`)")
     return [_logprobs(row, token_ids[start + i + 1], alternatives)
             for i, row in enumerate(logits) if start + i + 1 < len(token_ids)]

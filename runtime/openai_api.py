@@ -565,6 +565,9 @@ def _top_and_chosen(entry: dict[int, float], count: int, chosen: int) -> list[tu
     return top if any(token == chosen for token, _ in top) else [*top, (chosen, entry[chosen])]
 
 
+LOGPROB_FLOOR = -9999.0  # what the API says for a log-probability of -inf (vLLM's serving code clamps to it)
+
+
 def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries, start: int = 0,
                   text_offset: int = 0, echo: tuple[str, int] | None = None, output_end: int | None = None) -> dict:
     """The logprobs of output tokens token_ids[start:] (entries: theirs, in order) in the request's format: chat's
@@ -573,6 +576,9 @@ def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries,
     prompt's text as echoed, how many of token_ids, from the first, are the prompt's). output_end: the index of the
     output's last token once it has ended (a stop token may follow it)."""
     count = request.logprobs
+    # a masked token's -inf is no JSON number (json.dumps writes -Infinity, which strict parsers refuse): vLLM's floor
+    entries = [None if entry is None else {token: max(value, LOGPROB_FLOOR) for token, value in entry.items()}
+               for entry in entries]
     texts = _token_texts(engine, token_ids, start, output_end)
     chosen = token_ids[start:]
     if request.chat:

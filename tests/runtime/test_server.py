@@ -65,7 +65,14 @@ def request(server: ApiServer, method: str, path: str, body=None, raw: bytes | N
     response = connection.getresponse()
     payload = response.read()
     connection.close()
-    return response.status, dict(response.getheaders()), json.loads(payload)
+    return response.status, dict(response.getheaders()), strict_json(payload)
+
+
+def strict_json(text):
+    """JSON as a strict parser (JavaScript's JSON.parse) reads it: NaN and -Infinity are no JSON numbers."""
+    def refuse(constant):
+        raise AssertionError(f"the body holds {constant}, which is not JSON")
+    return json.loads(text, parse_constant=refuse)
 
 
 def post(server, path, body):
@@ -83,7 +90,7 @@ def events(server: ApiServer, path: str, body: dict) -> tuple[dict, list[dict], 
     data = [line.removeprefix("data: ") for line in lines if line]
     assert all(line.startswith("data: ") for line in lines if line)
     done = data[-1] == "[DONE]"
-    return dict(response.getheaders()), [json.loads(d) for d in data if d != "[DONE]"], done
+    return dict(response.getheaders()), [strict_json(d) for d in data if d != "[DONE]"], done
 
 
 def test_a_greedy_completion_is_the_engines_own_result(served):
@@ -246,6 +253,37 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(serv
         alone = post(served, "/v1/completions", {**body, "prompt": prompt, "echo": False})[2]["choices"][0]
         assert logprobs["token_logprobs"][-1] == pytest.approx(alone["logprobs"]["token_logprobs"][0], abs=1e-4)
         assert choice["text"] == served.engine.tokenizer.decode(prompt) + alone["text"]
+
+
+def test_a_masked_tokens_logprob_is_vllms_floor_not_minus_infinity(served, monkeypatch):
+    """json.dumps wrote -Infinity for a token the model masks (logit -inf), which strict JSON parsers refuse."""
+    from runtime import evaluate
+
+    real = evaluate._logprobs
+    monkeypatch.setattr(evaluate, "_logprobs", lambda row, token, alternatives: {
+        k: (-np.inf if k == token else v) for k, v in real(row, token, alternatives).items()})
+    body = {"prompt": [1, 40, 41, 42], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    status, _, response = post(served, "/v1/completions", body)
+    assert status == 200 and response["choices"][0]["logprobs"]["token_logprobs"][1:4] == [-9999.0] * 3
+
+
+def test_nan_logits_at_a_scored_prompt_position_fail_that_request(served, monkeypatch):
+    """NaN logits at a prompt position became NaN logprobs (and a body no strict parser reads); the sampled
+    position's NaN was already an error."""
+    from runtime import evaluate
+
+    real = evaluate.prompt_entries
+
+    def poisoned(logits, *args):
+        logits = logits.copy()
+        logits[1] = np.nan
+        return real(logits, *args)
+
+    monkeypatch.setattr(evaluate, "prompt_entries", poisoned)
+    body = {"prompt": [1, 40, 41, 42, 43], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    status, _, response = post(served, "/v1/completions", body)
+    assert status == 500 and "logits contain NaN at prompt position 1" in response["error"]["message"], response
+    assert post(served, "/v1/completions", {**body, "echo": False})[0] == 200  # the server goes on
 
 
 @pytest.mark.parametrize("max_tokens", [1, 6])
