@@ -138,6 +138,9 @@ def flat_messages(messages, separator: str | None = "\n"):
 def check_messages(messages) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    if all(isinstance(message, (list, tuple)) for message in messages):  # vLLM's LLM.chat takes a list of chats
+        raise RequestError("messages: a list of conversations; a call takes one conversation (a list of "
+                           "{'role': ..., 'content': ...} dicts): for several, submit each one's chat_prompt_ids")
     for index, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \

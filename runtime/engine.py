@@ -301,6 +301,8 @@ class Engine:
         / stream / submit like any prompt."""
         from runtime import chat
 
+        if not isinstance(add_generation_prompt, bool):  # a string such as "no" would read as True
+            raise RequestError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
         chat.flat_messages(messages)  # a non-text part is the request's fault, template or not
         file = self.manifest["tokenizer"].get("chat_template")
         if not file:
@@ -336,12 +338,13 @@ class Engine:
         return self._chat_template
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, *, arrival: float | None = None,
-             **sampling) -> GenerationResult:
-        """One chat turn to the end: the assistant's reply to `messages` (see chat_prompt_ids). Its timings count
-        from this call, or from `arrival` when earlier (as `stream`'s): rendering the template and tokenizing are
-        inside TTFT."""
+             add_generation_prompt: bool = True, **sampling) -> GenerationResult:
+        """One chat turn to the end: the assistant's reply to `messages` (see chat_prompt_ids, which takes
+        add_generation_prompt). Its timings count from this call, or from `arrival` when earlier (as `stream`'s):
+        rendering the template and tokenizing are inside TTFT."""
         received = received_at(arrival, time.perf_counter())
-        return self.generate(self.chat_prompt_ids(messages), params, arrival=received, **sampling)
+        return self.generate(self.chat_prompt_ids(messages, add_generation_prompt), params, arrival=received,
+                             **sampling)
 
     # -- requests ---------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
@@ -403,6 +406,7 @@ class Engine:
         """Free the batch-1 KV cache that generate and stream run on (allocated at load: one sequence at the max
         context) where only the scheduler serves, as `aotlm serve`'s; returns the bytes freed. A later generate or
         stream allocates it again."""
+        self._batch_one_caller()  # a stream this thread holds open would have it wait on itself, for ever
         with self._batch_one:  # not under a stream of another thread
             cache = self.backend.cache
             if cache is None:
@@ -452,6 +456,11 @@ class Engine:
 
         arrival: when the request was received (time.perf_counter), if earlier than this call, e.g. when it
         waited in a queue (runtime/bench.py); the trace's latencies then count from it. Default: now.
+
+        The request runs as the Generation is read: each next piece's decode step starts when the caller asks for
+        it, so time the caller spends between pieces (writing to a slow client, say) counts in the timings' ITL,
+        TPOT and E2E, as in onnxruntime-genai's generator loop. `submit` runs the request on the scheduler's thread,
+        ahead of its reader (as vLLM's engine does): its timings are the engine's alone.
         """
         params = sampling_params(params, sampling)
         started = time.perf_counter()

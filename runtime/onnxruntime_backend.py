@@ -337,6 +337,7 @@ def check_slot_memory(slots: int, bytes_per_slot: int, what: str = "slots", recl
     `what`: the setting, for the message."""
     available = available_memory_bytes()
     available = None if available is None else available + reclaimable
+    slots, bytes_per_slot = int(slots), int(bytes_per_slot)  # Python's: a numpy product wraps
     if available is not None and slots * bytes_per_slot > available:
         raise RequestError(slot_memory_message(slots, bytes_per_slot, what, available))
 

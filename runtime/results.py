@@ -37,7 +37,13 @@ def received_at(arrival: float | None, now: float) -> float:
         return now
     if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not math.isfinite(arrival):
         raise RequestError(f"arrival: {arrival!r} must be a finite time.perf_counter() reading")
-    return min(float(arrival), now)
+    if arrival > now + ARRIVAL_SKEW_S:  # time.time() (seconds since 1970) is far past perf_counter (since boot)
+        raise RequestError(f"arrival: {arrival!r} is {arrival - now:,.0f} s after time.perf_counter() now; give a "
+                           f"time.perf_counter() reading (time.time() is another clock)")
+    return min(float(arrival), now)  # a reading another thread took a moment after this one
+
+
+ARRIVAL_SKEW_S = 1.0  # an arrival this far past now is another clock's reading, not another thread's
 
 
 @dataclass

@@ -13,6 +13,8 @@ import numpy.random  # noqa: F401  numpy 2 loads it on first use (~20 ms): here,
 from runtime.errors import ModelOutputError, RequestError
 from runtime.tokenizer import check_unicode
 
+FLOAT32 = np.finfo(np.float32)  # the logits' type, which the penalties are applied in
+
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
@@ -64,9 +66,12 @@ class SamplingParams:
             raise RequestError(f"top_k: {self.top_k!r} must be an integer >= 0 (0 = no limit)")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p: {self.top_p!r} must be a number in (0, 1]")
-        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
-            raise RequestError(f"repetition_penalty: {self.repetition_penalty!r} must be a finite number > 0 "
-                               f"(1 = none, above 1 discourages repeating)")
+        if not _is_real(self.repetition_penalty) or not (
+                float(FLOAT32.smallest_subnormal) <= self.repetition_penalty <= float(FLOAT32.max)):
+            # the logits are float32: a penalty that is 0 or inf there divided them by 0 (numpy warned) or by inf
+            raise RequestError(f"repetition_penalty: {self.repetition_penalty!r} must be a finite number > 0 within "
+                               f"float32's range ({FLOAT32.smallest_subnormal:.1e} to {FLOAT32.max:.1e}; 1 = none, above 1 "
+                               f"discourages repeating)")
         for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's and vLLM's range
             if not _is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name}: {getattr(self, name)!r} must be a number in [-2, 2] (0 = none)")
@@ -186,6 +191,8 @@ OPTION_ALIASES = {
     "top_logprobs": "did you mean logprobs (the alternatives per token)?",
     "n": "there is no n: submit the prompt n times with their own seeds (with prefix caching it is prefilled once)",
     "best_of": "there is no best_of: submit the prompt n times with their own seeds and keep the best",
+    "sampling_params": "did you mean params (a SamplingParams, vLLM's sampling_params)?",
+    "do_sample": "there is no do_sample: temperature 0 (the default) is greedy, above 0 samples",
 }
 
 

@@ -183,6 +183,8 @@ class Scheduler:
         slots = self.checked_slots(engine, slots=slots, batching=batching, max_queue=max_queue,
                                    prefill_chunk=prefill_chunk, idle_exit_s=idle_exit_s)
         self.engine = engine
+        # Python ints: a numpy int32 max_queue of 2**31 - 1 wrapped in its + 1 (every submit refused as full)
+        max_queue, prefill_chunk = int(max_queue), None if prefill_chunk is None else int(prefill_chunk)
         self.slots, self.batching, self.max_queue, self.prefill_chunk = slots, batching, max_queue, prefill_chunk
         self.idle_exit_s = idle_exit_s
         self.cache = engine.backend.allocate_slots(slots)  # once: requests only take and free slots
@@ -220,6 +222,7 @@ class Scheduler:
                 threading.TIMEOUT_MAX < idle_exit_s < math.inf):  # inf: never; a finite wait past it overflows
             raise RequestError(f"idle_exit_s: {idle_exit_s!r} must be a number of seconds from 0 to "
                                f"{threading.TIMEOUT_MAX:.0f}, or math.inf (the worker never exits)")
+        slots = int(slots)  # a numpy int8 of 100 overflowed in the memory check, an int32 of 300 wrapped past it
         _check_engine_limits(engine.backend, slots, prefill_chunk)
         return slots
 

@@ -186,6 +186,15 @@ def test_the_template_reaches_the_artifact_and_prompts_tokenize_as_transformers_
     assert engine.manifest["tokenizer"]["template_tokens"] == {"bos_token": "A", "eos_token": "B"}
     reply = engine.chat(SHORT, max_new_tokens=6, ignore_eos=True)
     assert reply.token_ids == engine.generate(ids, max_new_tokens=6, ignore_eos=True).token_ids
+    # vLLM's LLM.chat takes add_generation_prompt (and a list of chats); chat called them "not an option"
+    continued = reference.apply_chat_template(SHORT, add_generation_prompt=False, tokenize=True)
+    continued = continued["input_ids"] if hasattr(continued, "keys") else continued
+    reply = engine.chat(SHORT, max_new_tokens=6, ignore_eos=True, add_generation_prompt=False)
+    assert reply.token_ids == engine.generate(list(continued), max_new_tokens=6, ignore_eos=True).token_ids
+    with pytest.raises(RequestError, match="add_generation_prompt must be True or False, got 'no'"):
+        engine.chat(SHORT, add_generation_prompt="no")
+    with pytest.raises(RequestError, match="messages: a list of conversations; a call takes one conversation"):
+        engine.chat([SHORT, SHORT])
 
 
 def test_chat_timings_count_the_template_rendering(chat_artifact, monkeypatch):

@@ -273,6 +273,25 @@ def test_interleaving_two_streams_in_one_thread_is_refused(tiny_engine):
     assert tiny_engine.generate("xyz", max_new_tokens=3, ignore_eos=True).timings.output_tokens == 3
 
 
+def test_freeing_the_single_stream_cache_under_this_threads_open_stream_is_refused(tiny_engine):
+    """It waited for the batch-1 lock this very thread held: for ever."""
+    outcome = []
+
+    def release_under_a_stream():
+        stream = iter(tiny_engine.stream("abc", max_new_tokens=8, ignore_eos=True))
+        next(stream)
+        try:
+            tiny_engine.release_single_stream_cache()
+        except RequestError as error:
+            outcome.append(str(error))
+        stream.close()
+
+    thread = threading.Thread(target=release_under_a_stream, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive() and "still iterating another stream" in outcome[0]
+
+
 def interrupted_at_call(call: int, run) -> bool:
     """run() with a KeyboardInterrupt raised at its `call`-th Python call (a trace function's "call" event: where
     Python checks for signals, so where Ctrl-C's KeyboardInterrupt lands); True if it got that far."""

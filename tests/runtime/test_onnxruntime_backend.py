@@ -143,3 +143,23 @@ def test_an_int8_cache_is_sized_by_its_own_element_type(tiny_engine):
     backend.cache_dtype = np.int8  # what an artifact built with quantize_kv_cache loads with (not run here)
     assert backend.bytes_per_sequence * 4 == float32_bytes
     assert backend.allocate_cache(batch=2).nbytes == 2 * backend.bytes_per_sequence
+
+
+def test_numpy_integer_slot_counts_are_checked_as_python_integers(tiny_engine, monkeypatch):
+    """An int32 count times a sequence's bytes wrapped in numpy (300 of SmolLM2's 90 MiB passed a 21 GiB check), an
+    int8 one raised numpy's OverflowError, and an int32 max_queue of 2**31 - 1 refused every request as full."""
+    from runtime import onnxruntime_backend
+    from runtime.errors import RequestError
+
+    monkeypatch.setattr(onnxruntime_backend, "available_memory_bytes", lambda: 21 << 30)
+    with pytest.raises(RequestError, match="slots: 300 sequences need 26.4 GiB"):
+        onnxruntime_backend.check_slot_memory(np.int32(300), np.int32(94_371_840))
+    with pytest.raises(RequestError, match="slots: 100 sequences need"):
+        onnxruntime_backend.check_slot_memory(np.int8(100), np.int64(1 << 30))
+    monkeypatch.undo()
+    scheduler = tiny_engine.start_scheduler(slots=np.int8(2), max_queue=np.int32(2**31 - 1))
+    try:
+        assert type(scheduler.slots) is int and type(scheduler.max_queue) is int
+        assert len(tiny_engine.submit([1, 5, 6], max_new_tokens=3, ignore_eos=True).result(timeout=30).token_ids) == 3
+    finally:
+        tiny_engine.close()

@@ -41,6 +41,8 @@ def engine(tiny_engine):
     (dict(max_tokens=5), "'max_tokens': did you mean max_new_tokens\\?"),
     (dict(stop="\n"), "'stop': did you mean stop_strings \\(text\\) or stop_token_ids \\(ids\\)\\?"),
     (dict(n=4), "'n': there is no n: submit the prompt n times with their own seeds"),
+    (dict(sampling_params=None), "'sampling_params': did you mean params \\(a SamplingParams, vLLM's sampling_params\\)"),
+    (dict(do_sample=True), "'do_sample': there is no do_sample: temperature 0 \\(the default\\) is greedy"),
     (dict(frobnicate=1), "'frobnicate': not an option; the options are"),
 ])
 def test_bad_sampling_options_are_refused_before_anything_runs(engine, options, message):
@@ -58,6 +60,9 @@ def test_an_arrival_that_is_not_a_time_is_refused_before_anything_runs(engine, a
         with pytest.raises(RequestError, match="arrival: .* must be a finite time.perf_counter"):
             send(PROMPT, arrival=arrival, max_new_tokens=2)
     assert engine.generate(PROMPT, arrival=time.perf_counter() - 1.0, max_new_tokens=2).timings.ttft_s >= 1.0
+    for send in (engine.stream, engine.submit):  # time.time(): another clock, refused before anything runs
+        with pytest.raises(RequestError, match="arrival: .* s after time.perf_counter"):
+            send(PROMPT, arrival=time.time(), max_new_tokens=2)
 
 
 def test_submit_block_must_be_a_bool(engine):

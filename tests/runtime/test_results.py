@@ -30,7 +30,7 @@ def test_a_prefill_that_took_no_time_reports_no_rate_rather_than_none():
 
 @pytest.mark.parametrize("arrival, now, received", [
     (None, 7.5, 7.5), (5.0, 7.5, 5.0), (5, 7.5, 5.0),
-    (9.0, 7.5, 7.5),  # a reading from after the call (another clock): not a negative queueing time
+    (8.25, 7.5, 7.5),  # a reading another thread took just after the call: not a negative queueing time
 ])
 def test_a_request_is_received_at_its_arrival_if_that_is_not_later_than_now(arrival, now, received):
     got = received_at(arrival, now)
@@ -41,6 +41,13 @@ def test_a_request_is_received_at_its_arrival_if_that_is_not_later_than_now(arri
 def test_an_arrival_that_is_not_a_finite_reading_is_refused(arrival):
     with pytest.raises(RequestError, match=r"arrival: .* must be a finite time\.perf_counter\(\) reading"):
         received_at(arrival, 7.5)
+
+
+def test_an_arrival_from_another_clock_is_refused():
+    """time.time() (seconds since 1970) was taken as "now": TTFT lost the queueing time without a word."""
+    with pytest.raises(RequestError, match=r"arrival: 1765000000.0 is 1,764,999,993 s after time.perf_counter\(\) "
+                                           r"now; give a time.perf_counter\(\) reading \(time.time\(\) is another"):
+        received_at(1765000000.0, 7.0)
 
 
 def test_results_are_written_whole_into_a_new_folder_readable_by_others(tmp_path):

@@ -76,6 +76,10 @@ def test_unpenalized_requests_keep_no_history():
     (dict(repetition_penalty=0.0), "repetition_penalty: 0.0 must be a finite number > 0"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty: nan must be a finite number > 0"),
     (dict(repetition_penalty="1.2"), "repetition_penalty: '1.2' must be a finite number > 0"),
+    # 0 and inf once converted to the logits' float32: a divide-by-zero warning, then an inf logit
+    (dict(repetition_penalty=1e-300),
+     "repetition_penalty: 1e-300 must be a finite number > 0 within float32's range \\(1.4e-45"),
+    (dict(repetition_penalty=1e300), "repetition_penalty: 1e\\+300 must be a finite number > 0 within float32's range"),
     (dict(presence_penalty=2.5), r"presence_penalty: 2.5 must be a number in \[-2, 2\]"),
     (dict(frequency_penalty=float("-inf")), r"frequency_penalty: -inf must be a number in \[-2, 2\]"),
 ])
@@ -90,9 +94,9 @@ def test_a_penalty_that_overflows_the_logits_is_a_request_error():
     sampler = Sampler(SamplingParams(repetition_penalty=1e-39, temperature=1.0, seed=0), prompt_ids=[0, 1])
     with pytest.raises(RequestError, match="repetition_penalty: 1e-39 overflows the logits"):
         sampler(np.array([1.0, 2.0, 0.5], dtype=np.float32))
-    everything_seen = Sampler(SamplingParams(repetition_penalty=1e39, temperature=1.0, seed=0), prompt_ids=[0, 1, 2])
+    everything_seen = Sampler(SamplingParams(repetition_penalty=3e38, temperature=1.0, seed=0), prompt_ids=[0, 1, 2])
     with pytest.raises(RequestError, match="drives every token's logit to -infinity"):  # was numpy's ValueError
-        everything_seen(np.array([-1.0, -2.0, -3.0], dtype=np.float32))
+        everything_seen(np.array([-2.0, -3.0, -4.0], dtype=np.float32))
 
 
 def test_penalized_requests_under_batching_make_their_alone_tokens(tiny_engine):
