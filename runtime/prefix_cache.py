@@ -18,6 +18,11 @@ PREFIX_REST_TOKENS = 256
 # graph a prefix pays or breaks even (of 512: after 8 cached tokens 0.97x, after 128 0.72x, benchmarks/
 # prefix_caching.py; after 16 of 1024 and 2000, 0.99-1.02x: a review's scratch runs).
 PREFIX_MIN_TOKENS = 16
+# A prompt piece through the prefill graph holds at least this many tokens unless the whole prompt is shorter: a
+# one-row run takes onnxruntime's matrix-vector kernels, whose sums round otherwise (2e-5 in a logit on the default
+# model, where runs of 2 to 4 rows after a past equal a whole prefill bit for bit), and on INT4 weights the decode
+# graph's 8-bit activations made that a different greedy reply (a repeated prompt, n copies at temperature 0).
+PREFILL_PIECE_MIN_TOKENS = 2
 
 
 def scored_rows_reusable(backend) -> bool:
@@ -37,7 +42,8 @@ def rest_piece_tokens(backend, limit: int | None = None) -> int:
 
 def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], backend=None) -> int:
     """How many of the prompt's first tokens to take from a cache holding `cached_ids`: their common prefix, but
-    never the prompt's last token (its logits choose the first output token), and 0 unless the prefix holds at
+    never the prompt's last token (its logits choose the first output token), nor its last two where the rest runs
+    through the prefill graph (PREFILL_PIECE_MIN_TOKENS), and 0 unless the prefix holds at
     least PREFIX_MIN_TOKENS. Where the rest runs through the decode graph (`backend` None, or its prefill graph
     takes no past), also 0 unless the prefix holds at least half as many as the rest, and unless the rest fits one
     decode call where the engine bounds it (TensorRT's decode_max_tokens, 1 by default): else a prefill of the
@@ -45,9 +51,12 @@ def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], backen
     limit = min(len(cached_ids), len(prompt_ids) - 1)
     differs = np.flatnonzero(np.asarray(cached_ids[:limit]) != np.asarray(prompt_ids[:limit]))
     common = int(differs[0]) if differs.size else limit
+    through_prefill_graph = backend is not None and backend.prefill_takes_past
+    if through_prefill_graph:  # a rest of one token would run as one row (PREFILL_PIECE_MIN_TOKENS)
+        common = min(common, len(prompt_ids) - PREFILL_PIECE_MIN_TOKENS)
     if common < PREFIX_MIN_TOKENS:
         return 0
-    if backend is not None and backend.prefill_takes_past:
+    if through_prefill_graph:
         return common
     rest = len(prompt_ids) - common
     rest_per_run = None if backend is None else backend.max_decode_tokens

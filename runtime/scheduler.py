@@ -62,7 +62,8 @@ from runtime import evaluate
 from runtime.engine import last_token_logits
 from runtime.errors import QueueFullError, RequestError
 from runtime.metrics import RequestTrace
-from runtime.prefix_cache import PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix, scored_rows_reusable
+from runtime.prefix_cache import (PREFILL_PIECE_MIN_TOKENS, PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix,
+                                  scored_rows_reusable)
 from runtime.request_handle import END, CallbackThread, LoggedPiece, RequestHandle
 from runtime.results import GenerationResult, Timings, received_at
 from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
@@ -474,7 +475,12 @@ class Scheduler:
                     # +1.5 GB after 1000), and TensorRT's profile bounds its tokens per call (to no fewer than
                     # prefill_chunk: _check_engine_limits). A prefill graph that takes a past runs it instead.
                     count = min(count, rest_piece_tokens(self.engine.backend, self.prefill_chunk))
-                budget = None if budget is None else budget - count
+                elif remaining > 1:  # through the prefill graph: no piece of one row (PREFILL_PIECE_MIN_TOKENS),
+                    # taken now or left for last, even if the step's budget is passed by a token or two
+                    count = max(count, PREFILL_PIECE_MIN_TOKENS)
+                    if 0 < remaining - count < PREFILL_PIECE_MIN_TOKENS:
+                        count = count - 1 if count > PREFILL_PIECE_MIN_TOKENS else remaining
+                budget = None if budget is None else max(0, budget - count)
                 ids = np.array([sequence.prompt_ids[start:start + count]], dtype=np.int64)
                 positions = np.arange(start, start + count, dtype=np.int64)[None]
                 mask = np.ones((1, start + count), dtype=np.int64)

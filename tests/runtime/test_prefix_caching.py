@@ -68,11 +68,13 @@ def test_the_rest_runs_after_the_cached_prefix_and_its_logits_equal_a_whole_pref
         np.testing.assert_allclose(ours, whole, atol=1e-5)
 
 
-def test_the_same_prompt_again_runs_only_its_last_token(cached, tiny_engine):
+def test_the_same_prompt_again_runs_only_its_last_two_tokens(cached, tiny_engine):
+    """Its last token alone through the prefill graph ran as one row, whose matrix-vector sums round otherwise: on
+    INT4 weights the same greedy prompt sent twice got two replies. Two rows equal a whole prefill's bit for bit."""
     prompt = [1] + list(range(10, 50))
     first = cached.generate(prompt, max_new_tokens=5, ignore_eos=True)
     again = cached.generate(prompt, max_new_tokens=5, ignore_eos=True)
-    assert again.timings.cached_prompt_tokens == len(prompt) - 1
+    assert cached.backend.prefill_takes_past and again.timings.cached_prompt_tokens == len(prompt) - 2
     assert again.token_ids == first.token_ids == tiny_engine.generate(prompt, max_new_tokens=5,
                                                                       ignore_eos=True).token_ids
 
@@ -83,6 +85,7 @@ def test_the_same_prompt_again_runs_only_its_last_token(cached, tiny_engine):
     (20, 30, False, 20),  # at least half the rest: reused through the decode graph too
     (20, 40, False, 20),  # exactly half the rest: still reused
     (20, 50, True, 20),  # through the prefill graph, any prefix pays
+    (20, 1, True, 19), (20, 1, False, 20),  # a rest of one row through the prefill graph takes a cached token too
 ])
 def test_which_prefixes_are_worth_reusing(cached, monkeypatch, prefix, rest, prefill_takes_past, reused):
     monkeypatch.setattr(cached.backend, "prefill_takes_past", prefill_takes_past)
@@ -345,7 +348,7 @@ def test_a_request_waiting_for_a_prefill_that_fails_prefills_its_own(cached, tin
 
 def test_samples_of_one_prompt_submitted_together_prefill_it_once(cached, tiny_engine):
     """Parallel sampling (vLLM's n) is n requests of one prompt with their own seeds: the first prefills it, the
-    others copy all but its last token, which they run through the decode graph for their first logits."""
+    others copy all but its last two tokens, which they run through the prefill graph for their first logits."""
     prompt = _prompts_sharing(30, 1, 4, seed=11)[0]
     try:
         cached.start_scheduler(slots=4)
@@ -356,7 +359,7 @@ def test_samples_of_one_prompt_submitted_together_prefill_it_once(cached, tiny_e
         results = [handle.result(timeout=60) for handle in handles]
     finally:
         cached.close()
-    assert [r.timings.cached_prompt_tokens for r in results] == [0] + [len(prompt) - 1] * 3
+    assert [r.timings.cached_prompt_tokens for r in results] == [0] + [len(prompt) - 2] * 3
     for seed, result in enumerate(results):
         alone = tiny_engine.generate(prompt, max_new_tokens=8, temperature=0.9, seed=seed, ignore_eos=True)
         assert result.token_ids == alone.token_ids

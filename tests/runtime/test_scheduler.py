@@ -468,8 +468,8 @@ def test_prompts_admitted_into_slots_apart_are_not_one_batch(engine):
 
 def prompt_chunked_behind_a_decode(engine, prefill_chunk: int) -> list[tuple[str, int, bool]]:
     """A 100-token prompt submitted while a short request decodes (5 tokens, every run slowed by 50 ms), with
-    prefill_chunk; both must make their alone tokens. Returns the graph runs over more than one token per row:
-    (graph, tokens per row, whether the short request had finished)."""
+    prefill_chunk; both must make their alone tokens. Returns the prefill graph's runs and the decode graph's over
+    more than one token per row: (graph, tokens per row, whether the short request had finished)."""
     scheduler = slowed(engine.start_scheduler(slots=2, prefill_chunk=prefill_chunk), seconds=0.05)
     calls = []
     run = scheduler.cache.run
@@ -484,7 +484,7 @@ def prompt_chunked_behind_a_decode(engine, prefill_chunk: int) -> list[tuple[str
         time.sleep(0.001)
     second = scheduler.submit(long, max_new_tokens=3, ignore_eos=True)
     assert [first.result(timeout=60).token_ids, second.result(timeout=60).token_ids] == alone_tokens
-    return [(phase, tokens, done) for phase, tokens, done in calls if tokens > 1]
+    return [(phase, tokens, done) for phase, tokens, done in calls if tokens > 1 or phase == "prefill"]
 
 
 @pytest.mark.parametrize("max_decode_tokens, prefill_chunk", [(16, 16), (None, 16), (32, 12)])
@@ -512,6 +512,16 @@ def test_a_prefill_graph_that_takes_a_past_runs_every_chunk_of_a_prompt(engine):
     assert {phase for phase, _, _ in chunks} == {"prefill"} and sum(tokens for _, tokens, _ in chunks) == 100, chunks
     assert all(tokens == 16 for _, tokens, done in chunks[:-1] if not done), chunks  # chunks while it decoded
     assert chunks[-1][2] and chunks[-1][1] <= 100 - 16, chunks  # then the rest at once
+
+
+@pytest.mark.parametrize("prefill_chunk", [1, 3])
+def test_no_piece_of_a_chunked_prompt_runs_the_prefill_graph_as_one_row(engine, prefill_chunk):
+    """A one-row run takes matrix-vector kernels that round otherwise: a prompt of 100 in chunks of 3 left its last
+    token alone (and chunks of 1 were all alone), which on INT4 weights changed the greedy reply. A chunk then takes
+    a token or two past prefill_chunk rather than leave one."""
+    chunks = prompt_chunked_behind_a_decode(engine, prefill_chunk)[1:]
+    assert sum(tokens for _, tokens, _ in chunks) == 100 and min(tokens for _, tokens, _ in chunks) >= 2, chunks
+    assert all(tokens <= prefill_chunk + 2 for _, tokens, done in chunks if not done), chunks
 
 
 def test_a_prompt_with_nothing_decoding_beside_it_is_prefilled_whole_despite_prefill_chunk(engine):
