@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 import numpy as np
 
 from runtime import evaluate
-from runtime.errors import ArtifactError, RequestError
+from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
 from runtime.prefix_cache import rest_piece_tokens, reusable_prefix, scored_rows_reusable
@@ -368,8 +368,14 @@ class Engine:
                 for handle in handles:
                     handle.cancel()
                 raise
+            results = []
             try:
-                return [handle.result() for handle in handles]
+                for index, handle in enumerate(handles):
+                    try:
+                        results.append(handle.result())
+                    except AotlmRuntimeError as error:  # which of the list failed, as a refusal says
+                        raise type(error)(f"prompts[{index}]: {error}") from error
+                return results
             except BaseException:  # one failed, or the caller was interrupted: the rest stop too
                 for handle in handles:
                     handle.cancel()

@@ -366,6 +366,23 @@ def test_nan_logits_in_one_row_fail_that_request_alone(engine, monkeypatch):
     assert healthy.result(timeout=30).token_ids == alone(engine, [1, 2, 3], 8)
 
 
+def test_a_list_generate_names_the_prompt_that_failed(engine, monkeypatch):
+    """Refusals at submit said prompts[i]; a failure while running (NaN logits) named none of hundreds."""
+    scheduler = engine.start_scheduler(slots=2)
+    run = scheduler.cache.run
+
+    def nan_for_the_second(phase, rows, ids, *args):
+        logits = run(phase, rows, ids, *args)
+        if phase == "prefill" and 77 in ids:  # its row alone: the two may be prefilled as one batch
+            logits = logits.copy()
+            logits[[77 in row for row in ids]] = np.nan
+        return logits
+
+    monkeypatch.setattr(scheduler.cache, "run", nan_for_the_second)
+    with pytest.raises(ModelOutputError, match=r"^prompts\[1\]: the model's logits contain NaN"):
+        engine.generate([[1, 2, 3], [1, 77, 3]], max_new_tokens=4, ignore_eos=True)
+
+
 def test_close_fails_unfinished_requests_and_refuses_new_ones(engine):
     scheduler = slowed(engine.start_scheduler(slots=1))
     handles = [engine.submit([1, n], max_new_tokens=100, ignore_eos=True) for n in (5, 6)]
