@@ -331,8 +331,8 @@ def trace_record(trace: RequestTrace, t0: float, request: int) -> dict:
     record = {k: (None if v is None else [t - t0 for t in v] if k == "token_times" else v - t0)
               for k, v in asdict(trace).items() if k in ("arrival", "prefill_start", "prefill_end", "first_token",
                                                           "finish", "token_times")}
-    return {"request": request, "prompt_tokens": trace.prompt_tokens, "cached_prompt_tokens": trace.cached_prompt_tokens,
-            "output_tokens": trace.output_tokens, **record,
+    return {"request": request, "prompt_tokens": trace.prompt_tokens,
+            "cached_prompt_tokens": trace.cached_prompt_tokens, "output_tokens": trace.output_tokens, **record,
             "ttft_ms": 1e3 * trace.ttft, "tpot_ms": None if trace.tpot is None else 1e3 * trace.tpot,
             "e2e_ms": 1e3 * trace.e2e, "queue_ms": 1e3 * trace.queue, "prefill_ms": 1e3 * trace.prefill_seconds}
 

@@ -146,8 +146,9 @@ def _engines_disagree(manifest: dict) -> str | None:
         # step, inside onnxruntime (kv_cache.max_context raised by hand, say: the graphs hold their own length)
         cache = manifest["kv_cache"]
         for entry in engine["inputs"]:
-            if entry.get("kv_cache") is True and (entry.get("shape", cache["shape"])[1:] != cache["shape"][1:]
-                                                  or entry.get("dtype", cache["dtype"]) != cache["dtype"]):
+            shape, dtype = entry.get("shape", cache["shape"]), entry.get("dtype", cache["dtype"])
+            if entry.get("kv_cache") is True and (not isinstance(shape, list) or shape[1:] != cache["shape"][1:]
+                                                  or dtype != cache["dtype"]):
                 return (f"engines.{phase}'s cache input {entry.get('name')!r} is {entry.get('dtype')} "
                         f"{entry.get('shape')}, but kv_cache says {cache['dtype']} {cache['shape']} (a graph's "
                         f"cache length and heads are fixed when it is built)")
