@@ -285,8 +285,7 @@ class Sampler:
     def _choose(self, logits: np.ndarray) -> int:
         if self.params.greedy:
             return int(np.argmax(logits))
-        probs = self.distribution(logits)
-        return int(self.rng.choice(probs.size, p=probs))
+        return _draw(self.rng, self.distribution(logits))
 
     def distribution(self, logits: np.ndarray) -> np.ndarray:
         """The probabilities sampling draws from (float64): softmax at the temperature, then top-k, top-p and min-p,
@@ -294,17 +293,19 @@ class Sampler:
         if self.params.greedy:
             return np.eye(1, logits.size, int(np.argmax(logits)), dtype=np.float64)[0]
         # Shift before dividing: the largest logit becomes 0, so a tiny temperature gives -inf elsewhere, not inf - inf.
-        logits = logits.astype(np.float64)
+        raw, logits = logits, logits.astype(np.float64)
+        largest = logits.max()
         with np.errstate(over="ignore"):
-            scaled = (logits - logits.max()) / self.params.temperature
+            scaled = (logits - largest) / self.params.temperature
         if 0 < self.params.top_k < scaled.size:
-            kth_largest = np.partition(scaled, -self.params.top_k)[-self.params.top_k]
+            # scaling is monotone, so the k-th largest scaled value is the k-th largest logit, scaled
+            with np.errstate(over="ignore"):
+                kth_largest = (np.float64(_kth_largest(raw, self.params.top_k)) - largest) / self.params.temperature
             scaled = np.where(scaled < kth_largest, -np.inf, scaled)
         probs = np.exp(scaled)
         probs /= probs.sum()
         if self.params.top_p < 1.0:
-            order = np.argsort(-probs)
-            cumulative = np.cumsum(probs[order])
+            order, cumulative = _likeliest_first(probs, self.params.top_p)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             keep = order[: int(np.searchsorted(cumulative, self.params.top_p)) + 1]
             kept = np.zeros_like(probs)
@@ -314,6 +315,47 @@ class Sampler:
             probs = np.where(probs >= self.params.min_p * probs.max(), probs, 0.0)
             probs /= probs.sum()
         return probs
+
+
+def _draw(rng: np.random.Generator, probs: np.ndarray) -> int:
+    """rng.choice(probs.size, p=probs): the same uniform draw, the same cumulative sums, the same token. numpy's
+    choice also checks p over the whole vocabulary (a Kahan sum, a sign test: ~0.2 ms at 49k entries, per token);
+    distribution's probabilities are normalized already, and the entries top-k, top-p and min-p zeroed add exactly
+    nothing to the cumulative sums, so they are left out."""
+    nonzero = np.flatnonzero(probs) if np.count_nonzero(probs) * 4 < probs.size else None
+    cdf = np.cumsum(probs if nonzero is None else probs[nonzero])
+    cdf /= cdf[-1]
+    index = int(np.searchsorted(cdf, rng.random(), side="right"))
+    return index if nonzero is None else int(nonzero[index])
+
+
+def _kth_largest(values: np.ndarray, k: int):
+    """np.partition(values, -k)[-k], partitioning only the values near the largest (a partition of 49k entries took
+    0.25-0.4 ms a token): the k-th largest of the values at least t is the k-th largest of all once k of them are."""
+    largest = values.max()
+    for spread in (4.0, 16.0, 64.0):
+        near = values[values >= largest - spread]
+        if near.size >= k:
+            return np.partition(near, -k)[-k]
+    return np.partition(values, -k)[-k]
+
+
+def _likeliest_first(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids from the likeliest down and their cumulative probabilities, as far as top_p's mass needs at least:
+    the first entries of argsort(-probs) and of its cumsum. Sorting the whole vocabulary took 2.5 ms a token at 49k
+    entries; the tokens within a factor of the likeliest are few, and a sequential cumsum over them is the full
+    one's first entries exactly, so the same tokens are kept."""
+    likeliest = probs.max()
+    for ratio in (1e-3, 1e-6):
+        candidates = np.flatnonzero(probs >= likeliest * ratio)
+        if candidates.size * 4 > probs.size:  # a flat distribution: sort it all
+            break
+        order = candidates[np.argsort(-probs[candidates], kind="stable")]  # ties: the lower id first
+        cumulative = np.cumsum(probs[order])
+        if cumulative[-1] >= top_p:
+            return order, cumulative
+    order = np.argsort(-probs, kind="stable")
+    return order, np.cumsum(probs[order])
 
 
 def _logprobs(logits: np.ndarray, token: int, alternatives: int) -> dict[int, float]:
@@ -331,7 +373,7 @@ def _logprobs(logits: np.ndarray, token: int, alternatives: int) -> dict[int, fl
         best = int(values.argmax())
         return chosen | {best: float(values[best]) - log_total}
     if alternatives < values.size:  # every token as likely as the k-th, so that ties go to the lower id
-        cut = -np.partition(-values, alternatives - 1)[alternatives - 1]
+        cut = _kth_largest(values, alternatives)
         candidates = np.flatnonzero(values >= cut)
     else:
         candidates = np.arange(values.size)

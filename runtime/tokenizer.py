@@ -156,6 +156,7 @@ class StreamDecoder:
                  min_tokens: int = 0):
         """context: token ids before the first pushed one (the prompt's last ones), read but never returned."""
         self.tokenizer = tokenizer
+        self.skipped_ids = getattr(tokenizer, "special_ids", frozenset())  # decode leaves their text out
         self.min_tokens = min_tokens
         self.pushed = 0
         self.stops_from = 0  # a stop string must end after text[:stops_from] (the first min_tokens tokens' text)
@@ -177,7 +178,9 @@ class StreamDecoder:
 
     def push(self, token_id: int) -> str:
         """The text this token makes safe to show ("" while it is held back, and after a stop string)."""
-        self.tokens.append(token_id)
+        if token_id not in self.skipped_ids:  # decode leaves a special token's text out: the same text
+            # without it, and a run of them (EOS after EOS under ignore_eos) no longer grows the window re-decoded
+            self.tokens.append(token_id)
         self.pushed += 1
         prefix = self.tokenizer.decode_unchecked(self.tokens[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode_unchecked(self.tokens[self.prefix_offset :])

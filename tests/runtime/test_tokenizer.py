@@ -123,6 +123,18 @@ def test_special_tokens_decode_to_no_text(tiny_artifact):
     assert "".join(decoder.push(token) for token in ids + [2]) + decoder.finish() == tokenizer.decode(ids)
 
 
+
+def test_a_run_of_special_tokens_is_not_decoded_again_at_every_token(tiny_artifact):
+    """EOS after EOS (ignore_eos, as `aotlm bench` runs) stayed in the window each push re-decodes: 2000 of them
+    took 4 to 95 us a push, 99 ms for the request. Left out, the text is the same."""
+    tokenizer = TextTokenizer(tiny_artifact / "tokenizer.json")
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    decoder = tokenizer.stream_decoder((), ids[:1])
+    pieces = [decoder.push(token) for token in ids[1:] + [2] * 2000 + ids]
+    assert len(decoder.tokens) <= 2 * len(ids) and decoder.pushed == 2 * len(ids) - 1 + 2000
+    assert "".join(pieces) + decoder.finish() == tokenizer.decode(ids[1:] + [2] + ids)
+
+
 @pytest.mark.parametrize("text, stops, expected", [
     ("abcdef", ("cd", "bcde"), "a"),  # the earliest start wins, whichever stop is listed first
     ("abcdef", ("zz",), "abcdef"), ("abcdef", (), "abcdef"), ("abcabc", ("bc",), "a"),
