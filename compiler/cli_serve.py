@@ -70,6 +70,9 @@ def serve_command(args) -> None:
     api_key = args.api_key if args.api_key is not None else os.environ.get("AOTLM_API_KEY")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key / AOTLM_API_KEY: empty; give a key, or leave both unset to serve without one")
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable()):  # no client could send it
+        raise UsageError("--api-key / AOTLM_API_KEY: use printable ASCII characters only (HTTP headers carry "
+                         "ISO-8859-1, where clients send a key's UTF-8 bytes: no request would ever match it)")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching)
     engine.release_single_stream_cache()  # the server runs every request on the scheduler's slots: room for them
     scheduler = engine.start_scheduler(slots=args.slots, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)

@@ -181,7 +181,7 @@ def cpu_device(remeasure: bool = False) -> dict:
     key = f"{socket.gethostname()}-{os.cpu_count()}cpu-ort-read-quiet"
     try:
         cache = json.loads(CACHE_FILE.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         cache = {}
     note = "`aotlm plan SOURCE --remeasure` redoes it"
     if remeasure or key not in cache:

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 # Engine.load's spin_after_run for one stream at a time, no scheduler (`aotlm run`, the batch-1 benchmarks): the
 # decode session's threads keep spinning between its steps (TPOT 3-5% lower, paired; README "Threads after a run").
 SINGLE_STREAM_SPIN = ("decode",)
+# A text prompt longer than max_context x this many characters is refused untokenized: text averages about 4
+# characters a token, and runs of spaces or symbols a few dozen; no prompt that fits comes near it.
+MAX_CHARACTERS_PER_TOKEN = 256
 _NO_THREADS: frozenset = frozenset()  # no thread holds the batch-1 cache (Engine._batch_one_threads)
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # every engine alive, for _start_over_in_forked_child
 
@@ -303,7 +306,13 @@ class Engine:
 
         if not isinstance(add_generation_prompt, bool):  # a string such as "no" would read as True
             raise RequestError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
-        chat.flat_messages(messages)  # a non-text part is the request's fault, template or not
+        flat = chat.flat_messages(messages)  # a non-text part is the request's fault, template or not
+        if isinstance(flat, (list, tuple)):  # else check_messages says what it is
+            if len(flat) > self.max_context:  # a template marks each message with a token or more
+                raise RequestError(f"messages: {len(flat):,} of them cannot fit this artifact's max context of "
+                                   f"{self.max_context} tokens; send fewer")
+            self._check_text_length(sum(len(m["content"]) for m in flat if isinstance(m, dict)
+                                        and isinstance(m.get("content"), str)), "messages' content")
         file = self.manifest["tokenizer"].get("chat_template")
         if not file:
             raise RequestError(f"{self.manifest['name']} has no chat template (its model source carried none); "
@@ -479,6 +488,7 @@ class Engine:
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids: a string is tokenized; either way the ids are checked against the vocabulary."""
         if isinstance(prompt, str):
+            self._check_text_length(len(prompt), "the prompt")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (bytes, bytearray, memoryview)):  # iterating them gives byte values, not token ids
             raise RequestError(f"the prompt is {type(prompt).__name__}; decode it to str first (e.g. prompt.decode())")
@@ -520,6 +530,15 @@ class Engine:
         """The first id that is not a row of this model's embedding table, or None."""
         vocab = self.manifest["model"]["config"]["vocab_size"]
         return next((token for token in ids if not 0 <= token < vocab), None)
+
+    def _check_text_length(self, characters: int, what: str) -> None:
+        """Refuse text far too long to fit before tokenizing it: tokenizers holds the GIL while it encodes, and a
+        15 MB prompt stalled a server's every thread (its /health too) for 25 s before it was refused."""
+        most = self.max_context * MAX_CHARACTERS_PER_TOKEN
+        if characters > most:
+            raise RequestError(f"{what} has {characters:,} characters: more than {most:,} ({MAX_CHARACTERS_PER_TOKEN} "
+                               f"a token) cannot fit this artifact's max context of {self.max_context} tokens; "
+                               f"shorten it")
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """What the batch-1 path and the scheduler both refuse before running anything."""

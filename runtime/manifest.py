@@ -82,8 +82,8 @@ def read_manifest(artifact_dir: str | Path) -> dict:
         raise ArtifactError(f"{folder}: not an artifact (no {MANIFEST_FILE}); {fix}")
     try:
         manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ArtifactError(f"{path}: unreadable manifest ({error}); rebuild the artifact") from None
+    except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, a 5000-digit number, nesting 10^5 deep
+        raise ArtifactError(f"{path}: unreadable manifest ({str(error)[:200]}); rebuild the artifact") from None
     except OSError as error:  # another user's artifact, say
         raise _unreadable(path, error) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -207,10 +207,15 @@ def check_files(artifact_dir: str | Path, manifest: dict, verify_hashes: bool = 
     if unlisted:
         raise ArtifactError(f"{folder / unlisted[0]}: not in the manifest's files, so its size and sha256 cannot be "
                             f"checked (the manifest or the folder was edited); rebuild the artifact")
+    inside = folder.resolve()
     for name, record in listed.items():
         path = folder / name
         if not path.is_file():
             raise ArtifactError(f"{path}: file listed in the manifest is missing; rebuild the artifact")
+        if not path.resolve().is_relative_to(inside):  # a link to /proc/self/environ (size 0) served the server's
+            # environment as a chat template; the sizes are checked, the hashes only on demand
+            raise ArtifactError(f"{path}: a link to {path.resolve()}, outside the artifact folder; an artifact holds "
+                                f"its own files: copy the file into the folder, or rebuild the artifact")
         size = path.stat().st_size
         if size != record["bytes"]:
             raise ArtifactError(

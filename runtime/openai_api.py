@@ -76,12 +76,18 @@ HARMLESS = {"best_of": 1, "store": False, "tool_choice": "none", "parallel_tool_
 # max_tokens and min_tokens (the opposite), and picks min_tokens.
 SAME_FIELD = {"max_completion_tokens": "max_tokens"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_HINTED_NAME = 64  # characters of an unknown field name worth a "did you mean": no field's name is near longer
+MAX_ERROR_MESSAGE = 2000  # characters: a message quoting what a client sent (a 15 MB message) says its start
 
 
 class ApiError(Exception):
     """A request the API refuses: its HTTP status and OpenAI's error body."""
 
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None):
+        if len(message) > MAX_ERROR_MESSAGE:  # a 15 MB value quoted back made a 30 MB answer and a 30 MB log line
+            message = f"{message[:MAX_ERROR_MESSAGE]}... ({len(message):,} characters in all)"
+        if param is not None and len(param) > MAX_HINTED_NAME:
+            param = param[:MAX_HINTED_NAME] + "..."
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
 
@@ -205,6 +211,8 @@ def _harmless(name: str, value) -> bool:
 def _meant(name: str, known: set[str]) -> list[str]:
     """The known field an unknown one was likely meant as: SAME_FIELD's (also for a near spelling of it), else a close
     spelling (difflib's; vLLM's own fields never get here: NOT_SUPPORTED names them)."""
+    if len(name) > MAX_HINTED_NAME:  # difflib's time grows with the name's length squared (a 15 MB name took 3 s)
+        return []
     for other, meant in SAME_FIELD.items():
         near = name == other or difflib.get_close_matches(name, [other], n=1, cutoff=0.9)
         if meant in known and other not in known and near:

@@ -14,6 +14,7 @@ from runtime.errors import ModelOutputError, RequestError
 from runtime.tokenizer import check_unicode
 
 FLOAT32 = np.finfo(np.float32)  # the logits' type, which the penalties are applied in
+MAX_STOP_STRINGS, MAX_STOP_CHARACTERS = 64, 1000  # per request (OpenAI's API: 4; lm-evaluation-harness sends a few)
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
@@ -100,6 +101,11 @@ class SamplingParams:
             raise RequestError(f"stop_strings: {self.stop_strings!r} must be a string or a list of strings")
         if any(not stop for stop in stops):
             raise RequestError("stop_strings: an empty string would stop before any text; remove it")
+        if len(stops) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARACTERS for stop in stops):
+            # each is looked for after every token, on the thread that steps every request: 900,000 of them made
+            # each step of the whole batch take 0.9 s (OpenAI's API takes 4)
+            raise RequestError(f"stop_strings: {len(stops):,} of up to {max(map(len, stops)):,} characters; give at "
+                               f"most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARACTERS} characters each")
         for stop in stops:  # bytes that were not UTF-8 (argv, a pipe): decoded text never holds them, so never stops
             check_unicode(stop, f"stop string {stop!r}")
         object.__setattr__(self, "stop_strings", tuple(stops))
@@ -139,8 +145,9 @@ def _checked_logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
         raise RequestError(f"logit_bias: {bias!r} must be a dict of token id -> bias (e.g. {{50256: -100}})")
     checked = {}
     for token, value in bias.items():
-        if isinstance(token, str) and token.strip().isascii() and token.strip().isdigit():  # OpenAI's JSON keys
-            # (ASCII: "²" is a digit to str.isdigit, not to int())
+        if isinstance(token, str) and token.strip().isascii() and token.strip().isdigit() and len(token) <= 20:
+            # OpenAI's JSON keys (ASCII: "²" is a digit to str.isdigit, not to int(); 20 characters: past 4300 digits
+            # int() raises, and no vocabulary is that large)
             token = int(token)
         if not is_integer(token) or token < 0:
             raise RequestError(f"logit_bias: key {token!r} must be a token id (an integer >= 0)")
@@ -201,6 +208,8 @@ def _unknown_option_hint(name: str) -> str:
 
     if name in OPTION_ALIASES:
         return OPTION_ALIASES[name]
+    if len(name) > 64:  # difflib's time grows with the length squared; no option's name is near a longer one
+        return "not an option"
     close = difflib.get_close_matches(name, SamplingParams.__dataclass_fields__, n=1)
     return f"did you mean {close[0]}?" if close else "not an option"
 

@@ -63,7 +63,7 @@ ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> cha
 TOKENIZER_ROUTES = {"/tokenize": tokenizer_api.tokenize, "/detokenize": tokenizer_api.detokenize}  # vLLM's, POST
 GET_ROUTES = ("/health", "/v1/models", "/models", "/metrics", "/tokenizer_info")
 MODEL_ROUTE = "/v1/models/"  # GET /v1/models/{model}: the id percent-encoded by OpenAI's clients ("org%2Fname")
-KEYED_ROUTES = (*TOKENIZER_ROUTES, "/tokenizer_info")  # beside /v1/*: with an API key, they ask for it
+KEYED_ROUTES = (*TOKENIZER_ROUTES, "/tokenizer_info", "/models")  # beside /v1/*: with an API key, they ask for it
 
 
 def json_bytes(body: dict) -> bytes:
@@ -85,7 +85,7 @@ class ApiServer(ThreadingHTTPServer):
         self.engine = engine
         self.api_key = api_key
         self.model_name = model_name or engine.manifest["name"]
-        self.log = log or (lambda line: None)
+        self.log = _safe_log(log) if log else (lambda line: None)
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.closing = False  # drain() began: requests get 503, /health says so (load balancers look elsewhere)
@@ -593,6 +593,18 @@ def _pump(position: int, handle, events: queue.SimpleQueue) -> None:
         events.put((position, handle.result()))
     except BaseException as error:  # the request failed: the stream says so
         events.put((position, error))
+
+
+MAX_LOG_LINE = 1000  # characters: a line quoting a client's path or field says its start
+
+
+def _safe_log(log: Callable[[str], None]) -> Callable[[str], None]:
+    """log, given lines without control characters (a request line's escape sequences rewrote the terminal's earlier
+    lines and set its title; http.server's own log escapes them as these do) and cut to MAX_LOG_LINE."""
+    def safe(line: str) -> None:
+        line = line.translate(BaseHTTPRequestHandler._control_char_table)
+        log(line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}... ({len(line):,} characters)")
+    return safe
 
 
 def _count(number: int, noun: str) -> str:

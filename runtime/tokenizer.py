@@ -48,6 +48,18 @@ def check_unicode(text: str, what: str = "the text") -> None:
                            f"surrogate: bytes that were not UTF-8); give UTF-8 text") from None
 
 
+def _is_panic(error: BaseException) -> bool:
+    """tokenizers' Rust panics (a tokenizer.json whose normalizer regex gives up on some text, say) reach Python as
+    pyo3's PanicException, a BaseException: past a server's `except Exception`, they cut the connection without an
+    answer. They are the artifact's tokenizer failing: an ArtifactError (_panic_error), which the answer says."""
+    return type(error).__name__ == "PanicException"
+
+
+def _panic_error(error: BaseException, what: str) -> ArtifactError:
+    return ArtifactError(f"the artifact's tokenizer failed to {what} this text ({str(error)[:200]}); its "
+                         f"tokenizer.json cannot handle it")
+
+
 class TextTokenizer:
     def __init__(self, path: str | Path, bos_token_id: int | None = None, vocab_size: int | None = None):
         """vocab_size: the model's (Engine.load passes its manifest's), which decode checks ids against; the
@@ -70,7 +82,12 @@ class TextTokenizer:
         if not isinstance(add_special_tokens, bool):
             raise RequestError(f"encode: add_special_tokens must be True or False, got {add_special_tokens!r}")
         check_unicode(text)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except BaseException as error:
+            if _is_panic(error):
+                raise _panic_error(error, "encode") from None
+            raise
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (special tokens left out); RequestError for anything but a list of ids in the
@@ -80,7 +97,12 @@ class TextTokenizer:
     def decode_unchecked(self, token_ids: list[int]) -> str:
         """decode without the check, for ids known to be valid: the decode loop's (StreamDecoder), which the model
         sampled or a prompt check passed."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        try:  # no cost unless it raises: the decode loop calls it twice a token
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        except BaseException as error:
+            if _is_panic(error):
+                raise _panic_error(error, "decode") from None
+            raise
 
     def _checked_ids(self, token_ids) -> list[int]:
         if isinstance(token_ids, (str, bytes, bytearray)) or not hasattr(token_ids, "__iter__"):

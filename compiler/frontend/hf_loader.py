@@ -446,8 +446,8 @@ def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise BuildError(f"{path}: cannot read JSON ({error}).")
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: bad JSON or UTF-8, a 5000-digit number
+        raise BuildError(f"{path}: cannot read JSON ({str(error)[:200]}).")
     if not isinstance(data, dict):
         raise BuildError(f"{path}: expected a JSON object, found a {type(data).__name__}.")
     return data

@@ -47,6 +47,8 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_it_cannot_listen(
     (["--model-name", "  "], None, "--model-name: give a non-empty name"),
     (["--api-key", ""], None, "--api-key / AOTLM_API_KEY: empty; give a key"),
     ([], " ", "--api-key / AOTLM_API_KEY: empty; give a key"),
+    # headers arrive as ISO-8859-1, clients send UTF-8: no request could ever match it
+    (["--api-key", "clé-ü"], None, "--api-key / AOTLM_API_KEY: use printable ASCII characters only"),
 ])
 def test_serve_refuses_an_empty_name_or_key_before_loading(capsys, monkeypatch, tmp_path, argv, environment,
                                                            message):

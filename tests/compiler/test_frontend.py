@@ -1273,6 +1273,10 @@ def test_hf_weights_in_half_precision_an_old_rotary_buffer_and_unreadable_files(
     (folder / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(BuildError, match=r"config.json: cannot read JSON \("):
         load_hf_folder(str(folder))
+    for hostile in ("[" * 100_000 + "]" * 100_000, '{"vocab_size": ' + "9" * 5000 + "}"):  # a traceback each
+        (folder / "config.json").write_text(hostile)
+        with pytest.raises(BuildError, match=r"config.json: cannot read JSON \("):
+            load_hf_folder(str(folder))
 
 
 def test_weights_with_nan_or_infinite_values_are_named(tmp_path):

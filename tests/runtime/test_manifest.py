@@ -127,6 +127,10 @@ def test_not_an_artifact(tmp_path):
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(ArtifactError, match="unreadable manifest"):
         Engine.load(tmp_path)
+    for hostile in ("[" * 100_000 + "]" * 100_000, '{"format_version": ' + "9" * 5000 + "}"):  # a traceback each
+        (tmp_path / "manifest.json").write_text(hostile)
+        with pytest.raises(ArtifactError, match="unreadable manifest"):
+            Engine.load(tmp_path)
 
 
 def test_manifest_describes_the_artifact(tiny_artifact):
@@ -384,3 +388,21 @@ def test_a_build_under_way_is_named_not_suggested(tmp_path):
     with pytest.raises(ArtifactError, match=r"a build's temporary folder, not an artifact; the build puts the "
                                             r"artifact at .*/tiny when it finishes"):
         Engine.load(staging)
+
+
+def test_a_listed_file_that_links_outside_the_artifact_is_refused(artifact_copy, tmp_path):
+    """A hostile artifact's chat template linked to /proc/self/environ (size 0, as listed) served the server's
+    environment to every client; a link inside the folder is the folder's own file."""
+    outside = tmp_path / "secret.txt"
+    outside.write_text("")
+    (artifact_copy / "chat_template.jinja").symlink_to(outside)
+    _edit_manifest(artifact_copy, lambda m: (m["tokenizer"].__setitem__("chat_template", "chat_template.jinja"),
+                                             m["files"].__setitem__("chat_template.jinja", {"bytes": 0, "sha256": "x"})))
+    with pytest.raises(ArtifactError, match=r"chat_template.jinja: a link to .*secret.txt, outside the artifact folder"):
+        Engine.load(artifact_copy)
+    (artifact_copy / "chat_template.jinja").unlink()
+    (artifact_copy / "tokenizer.json").rename(artifact_copy / "tokenizer-real.json")
+    (artifact_copy / "tokenizer.json").symlink_to("tokenizer-real.json")  # inside: allowed
+    _edit_manifest(artifact_copy, lambda m: (m["tokenizer"].pop("chat_template"), m["files"].pop("chat_template.jinja"),
+                                             m["files"].__setitem__("tokenizer-real.json", m["files"]["tokenizer.json"])))
+    assert Engine.load(artifact_copy).generate([1, 5], max_new_tokens=2, ignore_eos=True).token_ids

@@ -42,6 +42,9 @@ def engine(tiny_engine):
     (dict(stop="\n"), "'stop': did you mean stop_strings \\(text\\) or stop_token_ids \\(ids\\)\\?"),
     (dict(n=4), "'n': there is no n: submit the prompt n times with their own seeds"),
     (dict(sampling_params=None), "'sampling_params': did you mean params \\(a SamplingParams, vLLM's sampling_params\\)"),
+    # each is looked for after every token, on the thread that steps the whole batch (900,000: 0.9 s a step)
+    (dict(stop_strings=["x"] * 65), "stop_strings: 65 of up to 1 characters; give at most 64 of at most 1000"),
+    (dict(stop_strings=["x" * 1001]), "stop_strings: 1 of up to 1,001 characters; give at most 64"),
     (dict(do_sample=True), "'do_sample': there is no do_sample: temperature 0 \\(the default\\) is greedy"),
     (dict(frobnicate=1), "'frobnicate': not an option; the options are"),
 ])
@@ -309,3 +312,18 @@ def test_an_engine_in_a_with_block_stops_its_scheduler_at_the_end(tiny_artifact)
         assert len(handle.result(timeout=60).token_ids) == 3
         scheduler = engine._scheduler
     assert engine._scheduler is None and scheduler.closed
+
+
+def test_text_far_too_long_for_the_context_is_refused_before_it_is_tokenized(engine, monkeypatch):
+    """tokenizers holds the GIL while it encodes: a 15 MB prompt stalled every thread of a server (its /health too)
+    for 25 s before the context check refused it; 500,000 chat messages took 40 s to render."""
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    most = engine.max_context * 256
+    for send in (engine.stream, engine.submit):
+        with pytest.raises(RequestError, match=rf"the prompt has {most + 1:,} characters: more than {most:,}"):
+            send("a" * (most + 1), max_new_tokens=2)
+    with pytest.raises(RequestError, match=rf"messages: {engine.max_context + 1:,} of them cannot fit"):
+        engine.chat_prompt_ids([{"role": "user", "content": ""}] * (engine.max_context + 1))
+    with pytest.raises(RequestError, match=r"messages' content has .* characters: more than"):
+        engine.chat_prompt_ids([{"role": "user", "content": [{"type": "text", "text": "a" * most}, {"type": "text",
+                                                                                                      "text": "b"}]}])

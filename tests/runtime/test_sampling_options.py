@@ -417,7 +417,9 @@ def test_logit_bias_is_added_before_the_penalties_and_leaves_logprobs_the_models
 @pytest.mark.parametrize("bias, message", [([3], "must be a dict of token id -> bias"),
                                            ({"x": 1}, "key 'x' must be a token id"),
                                            ({3: 100.5}, "100.5 for token 3 must be a number in \\[-100, 100\\]"),
-                                           ({3: float("nan")}, "nan for token 3"), ({True: 1}, "key True")])
+                                           ({3: float("nan")}, "nan for token 3"), ({True: 1}, "key True"),
+                                           # int() raised ValueError past 4300 digits: a 500 with Python's advice
+                                           ({"1" * 5000: 1}, "key '1111.* must be a token id")])
 def test_bad_logit_biases_are_refused(bias, message):
     with pytest.raises(RequestError, match=message):
         SamplingParams(logit_bias=bias)

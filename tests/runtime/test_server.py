@@ -947,7 +947,7 @@ def test_an_api_key_guards_the_v1_routes_not_health_or_metrics(tiny_artifact):
             answers.append((response.status, json.loads(response.read()).get("error", {}).get("type")))
             connection.close()
         assert answers == [(401, "authentication_error")] * 4 + [(200, None)] * 2
-        assert request(server, "GET", "/v1/models")[0] == 401
+        assert request(server, "GET", "/v1/models")[0] == request(server, "GET", "/models")[0] == 401  # its alias
         assert request(server, "GET", "/tokenizer_info")[0] == 401 and post(server, "/tokenize", {"prompt": "x"})[0] == 401
         connection = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
         connection.request("POST", "/tokenize", body=json.dumps({"prompt": "x"}),
@@ -957,6 +957,23 @@ def test_an_api_key_guards_the_v1_routes_not_health_or_metrics(tiny_artifact):
         assert request(server, "GET", "/health")[0] == 200
     finally:
         stop(server)
+
+
+def test_what_a_client_sends_reaches_the_log_escaped_and_cut_and_its_error_cut(tiny_artifact):
+    """A request line's escape sequences went to the terminal raw (ESC[2K ESC[1A rewrote earlier lines); a 15 MB
+    field name came back as a 30 MB error and a 30 MB log line."""
+    server, lines = serve(Engine.load(tiny_artifact))
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=30) as connection:
+            connection.sendall(b"GET /\x1b[2K\x1b[1Afake HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert connection.recv(4096).startswith(b"HTTP/1.1 404")
+        name = "x" * 100_000
+        status, _, body = post(server, "/v1/completions", {"prompt": "hi", name: 1})
+        assert status == 400 and len(body["error"]["message"]) < 2100 and "characters in all" in body["error"]["message"]
+    finally:
+        stop(server)
+    assert any("/\\x1b[2K\\x1b[1Afake 404" in line for line in lines), lines
+    assert all("\x1b" not in line and len(line) < 1100 for line in lines), [line[:200] for line in lines]
 
 
 def test_the_tokenizer_routes_split_text_as_the_server_does(chat_served):

@@ -2,9 +2,12 @@
 result's text does; a tail that may begin one is held back, and released when it turns out not to."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
 
+from runtime.errors import ArtifactError
 from runtime.tokenizer import StreamDecoder, TextTokenizer
 
 
@@ -335,3 +338,15 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_a_tokenizer_panic_is_the_artifacts_error_not_a_base_exception(tiny_artifact, tmp_path):
+    """A normalizer regex that gives up (oniguruma's retry limit) panics in Rust: pyo3's PanicException is a
+    BaseException, which went past the server's `except Exception` and cut the connection without an answer."""
+    data = json.loads((tiny_artifact / "tokenizer.json").read_text())
+    data["normalizer"] = {"type": "Replace", "pattern": {"Regex": "(a+)+$"}, "content": "x"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    tokenizer = TextTokenizer(tmp_path / "tokenizer.json")
+    with pytest.raises(ArtifactError, match="the artifact's tokenizer failed to encode this text"):
+        tokenizer.encode("a" * 40 + "c")
+    assert tokenizer.encode("hello", add_special_tokens=False)  # other text is tokenized
