@@ -25,6 +25,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    return value
+
+
 def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free one) to 65535."""
     value = nonnegative_int(text)
@@ -51,6 +59,9 @@ def add_serve_parser(commands) -> None:
                        help="a prompt whose start a slot already holds (a system prompt, a chat's earlier turns, n "
                             "samples of one prompt) prefills only the rest")
     serve.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads")
+    serve.add_argument("--max-connections", type=positive_int, default=None,
+                       help="connections open at once, a thread each; one more is answered 503 and closed "
+                            "(default 1024)")
     serve.add_argument("--api-key", default=None,
                        help="ask /v1 and tokenizer requests for 'Authorization: Bearer KEY' (default: $AOTLM_API_KEY, "
                             "which keeps the key out of the process list; unset: no key)")
@@ -63,7 +74,7 @@ def add_serve_parser(commands) -> None:
 
 def serve_command(args) -> None:
     from runtime import Engine
-    from runtime.server import ApiServer
+    from runtime.server import MAX_CONNECTIONS, ApiServer
 
     if args.model_name is not None and not args.model_name.strip():
         raise UsageError("--model-name: give a non-empty name (the API's `model` field)")
@@ -78,7 +89,8 @@ def serve_command(args) -> None:
     scheduler = engine.start_scheduler(slots=args.slots, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     try:
         server = ApiServer(engine, args.host, args.port, model_name=args.model_name,
-                           log=None if args.quiet else _log_line, api_key=api_key)
+                           log=None if args.quiet else _log_line, api_key=api_key,
+                           max_connections=args.max_connections or MAX_CONNECTIONS)
     except OSError as error:  # the port is taken, the address is not this machine's, ...
         engine.close()
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}; choose another --port "

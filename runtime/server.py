@@ -42,6 +42,7 @@ from typing import Callable
 from urllib.parse import unquote, urlsplit
 
 from runtime import http_body, openai_api, tokenizer_api
+from runtime.deadlines import Deadlines
 from runtime.errors import QueueFullError, RequestError
 from runtime.openai_api import ApiError, ParsedRequest
 from runtime.results import GenerationResult
@@ -59,6 +60,11 @@ SOCKET_TIMEOUT_S = 60.0  # a body that stops arriving, an idle keep-alive connec
 # The request line and headers must arrive within this of the connection's start or its previous response, however
 # they trickle in: the socket timeout alone let a client send a byte every 59 s and hold a thread for ever.
 HEADER_DEADLINE_S = 60.0
+# A body must arrive within HEADER_DEADLINE_S plus its announced bytes at this rate (a chunked one's count as
+# MAX_BODY_BYTES): a byte every 55 s held a thread for ever; a 16 MiB body may take 256 s more.
+MIN_BODY_BYTES_PER_S = 64 << 10
+MAX_CONNECTIONS = 1024  # open at once; one more is answered 503 and closed (a thread each: 1000 idle ones left none)
+DEADLINES = Deadlines()  # every connection's header and body deadline, on one thread
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 TOKENIZER_ROUTES = {"/tokenize": tokenizer_api.tokenize, "/detokenize": tokenizer_api.detokenize}  # vLLM's, POST
 GET_ROUTES = ("/health", "/v1/models", "/models", "/metrics", "/tokenizer_info")
@@ -81,8 +87,12 @@ class ApiServer(ThreadingHTTPServer):
     request_queue_size = 1024  # the listen backlog (socketserver's 5 drops a benchmark's burst of connections)
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
-                 log: Callable[[str], None] | None = None, api_key: str | None = None):
+                 log: Callable[[str], None] | None = None, api_key: str | None = None,
+                 max_connections: int = MAX_CONNECTIONS):
         self.engine = engine
+        self.max_connections = max_connections
+        self._connections = 0  # open now, each served by a thread of its own
+        self._connections_lock = threading.Lock()
         self.api_key = api_key
         self.model_name = model_name or engine.manifest["name"]
         self.log = _safe_log(log) if log else (lambda line: None)
@@ -105,6 +115,36 @@ class ApiServer(ThreadingHTTPServer):
         thread = threading.Thread(target=self.serve_forever, name="aotlm-server", daemon=True)
         thread.start()
         return thread
+
+    def process_request(self, request, client_address) -> None:
+        """A thread for the connection, unless max_connections are open (or no thread can start): then a 503 it can
+        retry, and the connection closes; the server goes on answering the others."""
+        with self._connections_lock:
+            room = self._connections < self.max_connections
+            self._connections += room
+        if room:
+            try:
+                return super().process_request(request, client_address)
+            except RuntimeError:  # can't start new thread: the process is out of threads or address space
+                self._connection_done()
+        _refuse_connection(request)
+        self.log(f"a connection from {client_address[0]} refused: {self._connections} open, at most "
+                 f"{self.max_connections}")
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connection_done()
+
+    def _connection_done(self) -> None:
+        with self._connections_lock:
+            self._connections -= 1
+
+    @property
+    def open_connections(self) -> int:
+        return self._connections
 
     @property
     def under_way(self) -> int:
@@ -150,20 +190,17 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def handle_one_request(self) -> None:
-        self._headers_late = self._headers_in = False
+        self._headers_late = self._headers_in = self._body_late = False
         self._deadline_lock = threading.Lock()  # the cut and the headers' end: one of them first, never both
-        watchdog = threading.Timer(HEADER_DEADLINE_S, self._cut_late_headers)
-        watchdog.daemon = True
-        self._header_watchdog = watchdog
-        watchdog.start()
+        self._header_deadline = DEADLINES.add(HEADER_DEADLINE_S, self._cut_late_headers)
         try:
             super().handle_one_request()
         finally:
-            watchdog.cancel()
+            DEADLINES.cancel(self._header_deadline)
 
     def parse_request(self) -> bool:
         parsed = super().parse_request()  # reads the headers
-        self._header_watchdog.cancel()  # they are in (or the reading failed): the deadline no longer applies
+        DEADLINES.cancel(self._header_deadline)  # they are in (or the reading failed): the deadline no longer applies
         with self._deadline_lock:
             self._headers_in = True
             late = self._headers_late
@@ -517,13 +554,34 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- bodies --------------------------------------------------------------------------------------------------
     def _read_body(self) -> bytes:
-        """The body, by its Content-Length or in chunks (runtime/http_body.py); ApiError when it cannot be read, and
-        the connection then closes."""
+        """The body, by its Content-Length or in chunks (runtime/http_body.py), within its deadline (see
+        MIN_BODY_BYTES_PER_S); ApiError when it cannot be read, and the connection then closes."""
+        announced = http_body.unread_bytes(self.headers, MAX_BODY_BYTES)
+        allowed = HEADER_DEADLINE_S + announced / MIN_BODY_BYTES_PER_S
+        deadline = DEADLINES.add(allowed, self._cut_slow_body)
         try:
-            return http_body.read_body(self.headers, self.rfile, MAX_BODY_BYTES, LINGER_BYTES)
+            body = http_body.read_body(self.headers, self.rfile, MAX_BODY_BYTES, LINGER_BYTES)
         except http_body.BodyError as error:
             self._refuse_unread(error.unread)
             raise
+        finally:
+            DEADLINES.cancel(deadline)
+        with self._deadline_lock:
+            late = self._body_late
+        if late:  # what was read before the cut is not the body
+            self.close_connection = True
+            raise ApiError(f"the request body did not arrive within {allowed:.0f} s (at least "
+                           f"{MIN_BODY_BYTES_PER_S >> 10} KiB/s after {HEADER_DEADLINE_S:.0f} s)", 408)
+        return body
+
+    def _cut_slow_body(self) -> None:
+        """The body's deadline passed: stop reading (the read under way ends), so that a 408 can still go out."""
+        with self._deadline_lock:
+            self._body_late = True
+        try:
+            self.connection.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
 
     def _read_json(self):
         raw = self._read_body()
@@ -593,6 +651,19 @@ def _pump(position: int, handle, events: queue.SimpleQueue) -> None:
         events.put((position, handle.result()))
     except BaseException as error:  # the request failed: the stream says so
         events.put((position, error))
+
+
+def _refuse_connection(connection) -> None:
+    """A 503 written straight to a connection no thread will serve (at most a moment's wait: it goes into the
+    socket's empty send buffer)."""
+    body = json_bytes({"error": {"message": "the server has too many connections open; retry", "type": "server_error",
+                                 "param": None, "code": 503}})
+    try:
+        connection.settimeout(1.0)
+        connection.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                           b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    except OSError:
+        pass
 
 
 MAX_LOG_LINE = 1000  # characters: a line quoting a client's path or field says its start

@@ -808,6 +808,52 @@ def test_a_request_line_cut_by_the_deadline_is_no_request(served, monkeypatch):
     assert scrape(served.server_address).get(refused, 0) == refused_before
 
 
+def test_a_body_that_trickles_in_past_its_deadline_is_answered_408(served, monkeypatch):
+    """Once the headers were in, a body sent a byte every 55 s held a thread for ever (each read within the socket
+    timeout); the body now has a deadline as a whole, and its refusal still goes out."""
+    import runtime.server
+
+    monkeypatch.setattr(runtime.server, "HEADER_DEADLINE_S", 0.5)
+    connection = socket.create_connection(served.server_address[:2])
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    connection.settimeout(10)
+    answer = b""
+    while chunk := connection.recv(4096):  # to the close
+        answer += chunk
+    connection.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"the request body did not arrive within 1 s" in answer, answer
+    assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+
+
+def test_connections_past_the_limit_get_503_and_each_holds_one_thread(tiny_artifact):
+    """Every connection held a thread and a header-deadline timer thread: 1000 idle ones left the server no thread
+    to start, and it cut /health unanswered. Past max_connections one is refused at once; deadlines share a thread."""
+    server = ApiServer(Engine.load(tiny_artifact), port=0, max_connections=3)
+    server.start()
+    idle = []
+    try:
+        threads = threading.active_count()
+        for _ in range(3):
+            idle.append(socket.create_connection(server.server_address[:2]))
+        deadline = time.monotonic() + 10
+        while server.open_connections < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.open_connections == 3 and threading.active_count() <= threads + 3 + 1  # + the deadlines'
+        extra = socket.create_connection(server.server_address[:2])
+        extra.settimeout(10)
+        answer = extra.recv(4096)
+        extra.close()
+        assert answer.startswith(b"HTTP/1.1 503") and b"too many connections open" in answer, answer
+        idle.pop().close()
+        while server.open_connections > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert request(server, "GET", "/health")[0] == 200
+    finally:
+        for connection in idle:
+            connection.close()
+        stop(server)
+
+
 def test_a_client_that_leaves_without_reading_its_response_is_no_error(served, capfd):
     connection = socket.create_connection(served.server_address[:2])
     body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
