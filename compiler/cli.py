@@ -369,7 +369,8 @@ def _bench(args) -> None:
     if manifest["backend"]["name"] == "onnxruntime":  # the scheduler's slot cache, in this machine's memory
         from runtime.onnxruntime_backend import check_slot_memory
 
-        check_slot_memory(slots, manifest["kv_cache"]["bytes_per_token"] * max_context)
+        check_slot_memory(slots, manifest["kv_cache"]["bytes_per_token"] * max_context,
+                          int8_cache=manifest["kv_cache"]["dtype"] == "int8")
     queue_room = len(workload.requests) + len(workload.warmup)  # every request may wait: none is refused
     loaders = {("aotlm" if len(modes) == 1 else f"aotlm-{mode}"): (lambda mode=mode: bench.ScheduledServer(
         Engine.load(args.artifact, intra_op_threads=threads, prefix_caching=args.prefix_caching), mode, slots,

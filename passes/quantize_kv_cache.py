@@ -86,7 +86,8 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     memo = options.calibration.memo
     if key not in memo:
         memo[key] = calibrate(model, [past.name for n in nodes for past in pasts_of(n)],
-                              [n.outputs[i].name for n in nodes for i in PRESENT_OUTPUTS], options)
+                              [n.outputs[i].name for n in nodes for i in PRESENT_OUTPUTS], options,
+                              {pasts_of(n)[0].name: rotary_pairs(n) for n in nodes if rotary_pairs(n) is not None})
     scales, errors = memo[key]
 
     float_prefill = graph.name == "prefill" and options.prefill_attention == "float"
@@ -224,12 +225,43 @@ def check_settings(options: Options) -> None:
                         f"nearly every key and value would be stored as 0; use a headroom near 1.5")
 
 
-def calibrate(model: onnx.ModelProto, pasts: list[str], presents: list[str], options: Options) -> tuple[dict, dict]:
+def rotary_pairs(node: gs.Node) -> str | None:
+    """How the node's keys were rotated, pairing their channels: "interleaved" (2j, 2j + 1), "halves" (c,
+    c + head_dim / 2: Llama's), or None for keys no rotary turns. By the node itself (do_rotary) or by the
+    com.microsoft.RotaryEmbedding before it (lower_onnxruntime's rotary "separate")."""
+    rotated_by = node.inputs[1].inputs[0] if node.inputs[1].inputs else None
+    if int(node.attrs.get("do_rotary", 0)):
+        interleaved = int(node.attrs.get("rotary_interleaved", 0))
+    elif rotated_by is not None and (rotated_by.domain, rotated_by.op) == ("com.microsoft", "RotaryEmbedding"):
+        interleaved = int(rotated_by.attrs.get("interleaved", 0))
+    else:
+        return None
+    return "interleaved" if interleaved else "halves"
+
+
+def pair_norms(keys: np.ndarray, pairs: str) -> np.ndarray:
+    """Each key channel's pair's largest norm over the rows: keys [kv_heads, rows, head_dim] -> [kv_heads * head_dim].
+    A rotation keeps a pair's norm, so no position turns either channel past it."""
+    first, second = (keys[..., 0::2], keys[..., 1::2]) if pairs == "interleaved" else np.split(keys, 2, axis=-1)
+    norms = np.hypot(first, second).max(axis=1)  # [kv_heads, head_dim / 2]
+    per_channel = np.repeat(norms, 2, axis=-1) if pairs == "interleaved" else np.concatenate([norms, norms], -1)
+    return per_channel.reshape(-1)
+
+
+def calibrate(model: onnx.ModelProto, pasts: list[str], presents: list[str], options: Options,
+              key_pairs: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Per past input name: the scales ([kv_heads * head_dim] or [1], float32) and the relative round-off error.
 
     Two runs over the samples, so that memory holds one sample's cache rows, not all of them: the first finds
     each channel's peak, the second measures the round-off of the scales that came out of it.
+
+    key_pairs: the rotated keys' past names, and how their channels pair (rotary_pairs). Calibration's rows are
+    early positions, where a slow rotary pair (0.07 rad over 256 tokens, SmolLM2's) has barely turned: a pair
+    lying near one axis gave its other channel a scale that keys at positions past 1024 overran 7-fold, clipped
+    (+5.6% perplexity there). A rotated key channel's scale covers at least its pair's norm, which no position
+    exceeds.
     """
+    key_pairs = key_pairs or {}
     calibration = options.calibration
     length = calibration.token_ids.shape[1]
     total = len(calibration.token_ids)
@@ -240,16 +272,22 @@ def calibrate(model: onnx.ModelProto, pasts: list[str], presents: list[str], opt
             yield {past: np.asarray(present[0, :, :length], np.float32) for past, present in zip(pasts, outputs)}
 
     peaks: dict[str, np.ndarray] = {}
+    pair_peaks: dict[str, np.ndarray] = {}
     for rows in written("peaks"):
         for past, values in rows.items():
             peak = np.abs(values).max(axis=1).reshape(-1)  # per kv head and channel
             peaks[past] = peak if past not in peaks else np.maximum(peaks[past], peak)
+            if past in key_pairs:
+                norm = pair_norms(values, key_pairs[past])
+                pair_peaks[past] = norm if past not in pair_peaks else np.maximum(pair_peaks[past], norm)
     scales = {}
     for past, peak in peaks.items():
-        peak = peak if options.granularity == "per_channel" else peak.max(keepdims=True)
+        covered = options.headroom * peak  # headroom above what calibration saw, and at least a turned pair's norm
+        covered = np.maximum(covered, pair_peaks[past]) if past in pair_peaks else covered
+        covered = covered if options.granularity == "per_channel" else covered.max(keepdims=True)
         # Floored after the division: tiny / 127 is subnormal, whose reciprocal (decode's GroupQueryAttention
         # multiplies by it) is inf, and 0 x inf wrote code 127 where prefill wrote 0 for a channel always 0.
-        scales[past] = np.maximum(options.headroom * peak / CODE_MAX, np.finfo(np.float32).tiny).astype(np.float32)
+        scales[past] = np.maximum(covered / CODE_MAX, np.finfo(np.float32).tiny).astype(np.float32)
         if not np.isfinite(scales[past]).all():  # decode would read 0 x inf = NaN for every cached value
             raise PassError(f"{past}: the float graph wrote keys or values that are not finite on the calibration "
                             f"text (peak {float(peak.max())}), so no int8 scale covers them; check the model's weights")

@@ -188,16 +188,17 @@ class OnnxRuntimeBackend:
     def check_slots(self, slots: int, reclaimable: int = 0) -> None:
         """Refuse a slot cache that does not fit in memory, counting `reclaimable` bytes (a cache about to be freed)
         as available: called before a running scheduler is closed to make room for the new one."""
-        check_slot_memory(slots, self.bytes_per_sequence, reclaimable=reclaimable)
+        check_slot_memory(slots, self.bytes_per_sequence, reclaimable=reclaimable,
+                          int8_cache=self.cache_dtype == np.int8)
 
     def allocate_cache(self, batch: int) -> KVCache:
         """Allocate (once per batch size) and bind the cache to both graphs' past inputs and present outputs."""
         if self.cache is not None and self.cache.batch == batch:
             return self.cache
         shape = tuple(batch if dim == "batch" else dim for dim in self.kv_spec["shape"])
-        check_slot_memory(batch, self.bytes_per_sequence, what="batch")
+        check_slot_memory(batch, self.bytes_per_sequence, what="batch", int8_cache=self.cache_dtype == np.int8)
         self.cache = allocate_checked(lambda: KVCache(self.past_names, shape, self.cache_dtype), batch,
-                                      self.bytes_per_sequence, what="batch")
+                                      self.bytes_per_sequence, what="batch", int8_cache=self.cache_dtype == np.int8)
         for phase, binding in self.bindings.items():
             binding.clear_binding_outputs()
             self.steps[phase] = StepBuffers()  # what it had bound is gone
@@ -331,7 +332,8 @@ def _address_space_left() -> int | None:
     return max(limit - size, 0)
 
 
-def check_slot_memory(slots: int, bytes_per_slot: int, what: str = "slots", reclaimable: int = 0) -> None:
+def check_slot_memory(slots: int, bytes_per_slot: int, what: str = "slots", reclaimable: int = 0,
+                      int8_cache: bool = False) -> None:
     """Refuse a cache of `slots` sequences larger than the memory available now (+ `reclaimable`, about to be freed):
     fail at once with the largest count that fits, not after filling the machine (or with onnxruntime's bad_alloc).
     `what`: the setting, for the message."""
@@ -339,18 +341,21 @@ def check_slot_memory(slots: int, bytes_per_slot: int, what: str = "slots", recl
     available = None if available is None else available + reclaimable
     slots, bytes_per_slot = int(slots), int(bytes_per_slot)  # Python's: a numpy product wraps
     if available is not None and slots * bytes_per_slot > available:
-        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, available))
+        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, available, int8_cache))
 
 
-def slot_memory_message(slots: int, bytes_per_slot: int, what: str, available: int | None) -> str:
-    """What check_slot_memory and allocate_checked say: the setting, the bytes it needs, and what fits if known."""
+def slot_memory_message(slots: int, bytes_per_slot: int, what: str, available: int | None,
+                        int8_cache: bool = False) -> str:
+    """What check_slot_memory and allocate_checked say: the setting, the bytes it needs, and what fits if known
+    (int8_cache: the artifact's cache is int8 already, so that is no advice)."""
     needed = slots * bytes_per_slot
     if available is not None and available < needed:
         fits = f"this process can allocate {_binary_size(available)} now; use at most {available // bytes_per_slot}"
     else:  # the allocation failed under a limit this process cannot read (a container's cgroup, say)
         fits = "allocating them ran out of memory; use fewer"
     return (f"{what}: {slots} sequences need {_binary_size(needed)} of KV cache ({_binary_size(bytes_per_slot)} "
-            f"each), and {fits}, or build with a smaller export.max_context or an int8 cache (quantize_kv_cache)")
+            f"each), and {fits}, or build with a smaller export.max_context"
+            + ("" if int8_cache else " or an int8 cache (quantize_kv_cache)"))
 
 
 def _binary_size(count: int) -> str:
@@ -362,14 +367,15 @@ def _binary_size(count: int) -> str:
     return f"{count} B"
 
 
-def allocate_checked(allocate, slots: int, bytes_per_slot: int, what: str = "slots"):
+def allocate_checked(allocate, slots: int, bytes_per_slot: int, what: str = "slots", int8_cache: bool = False):
     """allocate(), with a failed allocation (numpy's MemoryError names one layer's array) refused as check_slot_memory
     refuses: the setting, the bytes it needs and what fits. Memory can run out between the check and the allocation,
     or where the check sees no limit (a cgroup's memory limit is not in MemAvailable)."""
     try:
         return allocate()
     except MemoryError:
-        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, available_memory_bytes())) from None
+        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, available_memory_bytes(),
+                                               int8_cache)) from None
 
 
 class SlotCache:
@@ -387,9 +393,10 @@ class SlotCache:
         self.backend = backend
         self.slots = slots
         shape = tuple(slots if dim == "batch" else dim for dim in backend.kv_spec["shape"])
-        check_slot_memory(slots, backend.bytes_per_sequence)
+        int8_cache = backend.cache_dtype == np.int8
+        check_slot_memory(slots, backend.bytes_per_sequence, int8_cache=int8_cache)
         self.arrays = allocate_checked(lambda: [np.empty(shape, dtype=backend.cache_dtype) for _ in backend.past_names],
-                                       slots, backend.bytes_per_sequence)
+                                       slots, backend.bytes_per_sequence, int8_cache=int8_cache)
         for array in self.arrays:
             if backend.huge_pages:  # before the first touch: its page faults then take 2 MiB pages
                 advise(array)

@@ -163,3 +163,15 @@ def test_numpy_integer_slot_counts_are_checked_as_python_integers(tiny_engine, m
         assert len(tiny_engine.submit([1, 5, 6], max_new_tokens=3, ignore_eos=True).result(timeout=30).token_ids) == 3
     finally:
         tiny_engine.close()
+
+
+def test_the_memory_refusal_advises_an_int8_cache_only_where_the_cache_is_float(monkeypatch):
+    """An artifact with an int8 cache was told to build one."""
+    from runtime import onnxruntime_backend
+    from runtime.errors import RequestError
+
+    monkeypatch.setattr(onnxruntime_backend, "available_memory_bytes", lambda: 1 << 30)
+    for int8_cache, advised in ((False, True), (True, False)):
+        with pytest.raises(RequestError, match="use at most 4, or build with a smaller export.max_context") as refused:
+            onnxruntime_backend.check_slot_memory(100, 256 << 20, int8_cache=int8_cache)
+        assert ("an int8 cache (quantize_kv_cache)" in str(refused.value)) == advised
