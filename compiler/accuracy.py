@@ -113,6 +113,7 @@ def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manife
         del reference, quantized
     return {"text": held_out.source, "tokens": int(len(tokens)), "tokens_sha256": tokens_fingerprint(tokens),
             "python": platform.python_version(), "repeats_calibration_from": held_out.repeats_calibration_from,
+            "max_context": manifest["kv_cache"]["max_context"],
             **result.to_dict(),
             "perplexity_increase": result.perplexity / result.reference_perplexity - 1}
 

@@ -190,6 +190,11 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
         "perplexity: float 10.000 -> quantized 10.500 (+5.00%); top-1 agreement 90.00%; mean KL(float || quantized) "
         "0.0123 nats",
         "warning: the held-out text repeats the calibration text from its token 250 on"]
+    whole = format_accuracy({"quantization": summary, "held_out": {**held_out, "max_context": 64}})
+    assert "note: positions" not in whole  # the window spans the context
+    short = format_accuracy({"quantization": summary, "held_out": {**held_out, "max_context": 2048}})
+    assert ("note: positions 64 to 2047 of the context are not scored here; `aotlm eval ARTIFACT --window 2048` "
+            "scores them") in short
 
 
 def test_first_repeated_run_at_the_edges_of_both_texts():
