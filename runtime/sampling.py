@@ -15,8 +15,6 @@ from runtime.tokenizer import check_unicode
 
 FLOAT32 = np.finfo(np.float32)  # the logits' type, which the penalties are applied in
 MAX_STOP_STRINGS, MAX_STOP_CHARACTERS = 64, 1000  # per request (OpenAI's API: 4; lm-evaluation-harness sends a few)
-
-
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 
@@ -71,8 +69,8 @@ class SamplingParams:
                 float(FLOAT32.smallest_subnormal) <= self.repetition_penalty <= float(FLOAT32.max)):
             # the logits are float32: a penalty that is 0 or inf there divided them by 0 (numpy warned) or by inf
             raise RequestError(f"repetition_penalty: {self.repetition_penalty!r} must be a finite number > 0 within "
-                               f"float32's range ({FLOAT32.smallest_subnormal:.1e} to {FLOAT32.max:.1e}; 1 = none, above 1 "
-                               f"discourages repeating)")
+                               f"float32's range ({FLOAT32.smallest_subnormal:.1e} to {FLOAT32.max:.1e}; 1 = none, "
+                               f"above 1 discourages repeating)")
         for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's and vLLM's range
             if not _is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name}: {getattr(self, name)!r} must be a number in [-2, 2] (0 = none)")

@@ -396,8 +396,9 @@ def test_a_listed_file_that_links_outside_the_artifact_is_refused(artifact_copy,
     outside = tmp_path / "secret.txt"
     outside.write_text("")
     (artifact_copy / "chat_template.jinja").symlink_to(outside)
+    listed = {"bytes": 0, "sha256": "x"}
     _edit_manifest(artifact_copy, lambda m: (m["tokenizer"].__setitem__("chat_template", "chat_template.jinja"),
-                                             m["files"].__setitem__("chat_template.jinja", {"bytes": 0, "sha256": "x"})))
+                                             m["files"].__setitem__("chat_template.jinja", listed)))
     with pytest.raises(ArtifactError, match=r"chat_template.jinja: a link to .*secret.txt, outside the artifact folder"):
         Engine.load(artifact_copy)
     (artifact_copy / "chat_template.jinja").unlink()
