@@ -210,12 +210,12 @@ def check_files(artifact_dir: str | Path, manifest: dict, verify_hashes: bool = 
     inside = folder.resolve()
     for name, record in listed.items():
         path = folder / name
+        target = path.resolve()
+        if path.is_symlink() and target.exists() and not target.is_file():  # a device, a FIFO (opening one blocks)
+            raise ArtifactError(f"{path}: a link to {target}, which is not a regular file; rebuild the artifact")
         if not path.is_file():
             raise ArtifactError(f"{path}: file listed in the manifest is missing; rebuild the artifact")
-        if not path.resolve().is_relative_to(inside):  # a link to /proc/self/environ (size 0) served the server's
-            # environment as a chat template; the sizes are checked, the hashes only on demand
-            raise ArtifactError(f"{path}: a link to {path.resolve()}, outside the artifact folder; an artifact holds "
-                                f"its own files: copy the file into the folder, or rebuild the artifact")
+        linked_out = not target.is_relative_to(inside)  # cp -rs, git-annex, DVC's cache: links to elsewhere
         size = path.stat().st_size
         if size != record["bytes"]:
             raise ArtifactError(
@@ -226,8 +226,12 @@ def check_files(artifact_dir: str | Path, manifest: dict, verify_hashes: bool = 
             open(path, "rb").close()
         except OSError as error:
             raise _unreadable(path, error) from None
-        if verify_hashes and _sha256_or_refuse(path) != record["sha256"]:
-            raise ArtifactError(f"{path}: sha256 differs from the manifest (file modified); rebuild the artifact")
+        # A file linked from outside the folder is hashed at every load: a link to /proc/self/environ (size 0, as
+        # listed) served the server's environment as a chat template, and no hash was asked for
+        if (verify_hashes or linked_out) and _sha256_or_refuse(path) != record["sha256"]:
+            where = f", a link to {target}," if linked_out else ""
+            raise ArtifactError(f"{path}{where}: sha256 differs from the manifest (file modified); rebuild the "
+                                f"artifact")
 
 
 def _sha256_or_refuse(path: Path) -> str:

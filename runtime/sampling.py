@@ -357,11 +357,13 @@ def _likeliest_first(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.nd
         candidates = np.flatnonzero(probs >= likeliest * ratio)
         if candidates.size * 4 > probs.size:  # a flat distribution: sort it all
             break
+        if probs[candidates].sum() < top_p * 0.999:  # short of top_p's mass: no use sorting them (a rounding margin)
+            continue
         order = candidates[np.argsort(-probs[candidates], kind="stable")]  # ties: the lower id first
         cumulative = np.cumsum(probs[order])
         if cumulative[-1] >= top_p:
             return order, cumulative
-    order = np.argsort(-probs, kind="stable")
+    order = np.argsort(-probs)  # quicksort (a stable sort of 49k took 4.6 ms against 3.6): ties in any order
     return order, np.cumsum(probs[order])
 
 

@@ -179,6 +179,9 @@ class ApiServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive between requests; a stream ends its connection
     timeout = SOCKET_TIMEOUT_S
+    # TCP_NODELAY: headers and body go out as two writes, and a stream's events one by one; Nagle's algorithm held
+    # each after the first until the client's delayed ACK (every keep-alive request took 44 ms, /health too)
+    disable_nagle_algorithm = True
     server: ApiServer
     _streaming = False  # the response under way is a stream: its headers are out
     _unread_body = 0  # bytes of a refused body that may still be arriving (read and dropped after the answer)
@@ -562,17 +565,21 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = http_body.read_body(self.headers, self.rfile, MAX_BODY_BYTES, LINGER_BYTES)
         except http_body.BodyError as error:
+            self._refuse_late_body(allowed)  # a chunked body cut short reads as malformed: the cut is the cause
             self._refuse_unread(error.unread)
             raise
         finally:
             DEADLINES.cancel(deadline)
+        self._refuse_late_body(allowed)  # what was read before the cut is not the body
+        return body
+
+    def _refuse_late_body(self, allowed: float) -> None:
         with self._deadline_lock:
             late = self._body_late
-        if late:  # what was read before the cut is not the body
+        if late:
             self.close_connection = True
             raise ApiError(f"the request body did not arrive within {allowed:.0f} s (at least "
                            f"{MIN_BODY_BYTES_PER_S >> 10} KiB/s after {HEADER_DEADLINE_S:.0f} s)", 408)
-        return body
 
     def _cut_slow_body(self) -> None:
         """The body's deadline passed: stop reading (the read under way ends), so that a 408 can still go out."""

@@ -193,8 +193,8 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
     whole = format_accuracy({"quantization": summary, "held_out": {**held_out, "max_context": 64}})
     assert "note: positions" not in whole  # the window spans the context
     short = format_accuracy({"quantization": summary, "held_out": {**held_out, "max_context": 2048}})
-    assert ("note: positions 64 to 2047 of the context are not scored here; `aotlm eval ARTIFACT --window 2048` "
-            "scores them") in short
+    assert ("note: positions 64 to 2047 of the context are not scored here; `aotlm eval ARTIFACT --text "
+            "builtin:pydoc-held-out --window 2048` scores them") in short
 
 
 def test_first_repeated_run_at_the_edges_of_both_texts():

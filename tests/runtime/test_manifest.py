@@ -390,20 +390,29 @@ def test_a_build_under_way_is_named_not_suggested(tmp_path):
         Engine.load(staging)
 
 
-def test_a_listed_file_that_links_outside_the_artifact_is_refused(artifact_copy, tmp_path):
+def test_a_file_linked_from_outside_the_artifact_is_hashed_at_every_load(artifact_copy, tmp_path):
     """A hostile artifact's chat template linked to /proc/self/environ (size 0, as listed) served the server's
-    environment to every client; a link inside the folder is the folder's own file."""
-    outside = tmp_path / "secret.txt"
-    outside.write_text("")
-    (artifact_copy / "chat_template.jinja").symlink_to(outside)
-    listed = {"bytes": 0, "sha256": "x"}
+    environment to every client: the sizes were checked, the hashes only on demand. A link out of the folder (cp -rs,
+    git-annex, DVC) is now hashed at load; a link to a device is refused; a link inside the folder is its own file."""
+    link = artifact_copy / "chat_template.jinja"
+    link.symlink_to("/proc/self/environ")
+    listed = {"bytes": 0, "sha256": "0" * 64}
     _edit_manifest(artifact_copy, lambda m: (m["tokenizer"].__setitem__("chat_template", "chat_template.jinja"),
                                              m["files"].__setitem__("chat_template.jinja", listed)))
-    with pytest.raises(ArtifactError, match=r"chat_template.jinja: a link to .*secret.txt, outside the artifact folder"):
+    with pytest.raises(ArtifactError, match=r"chat_template.jinja, a link to /proc/.*/environ,: sha256 differs"):
         Engine.load(artifact_copy)
-    (artifact_copy / "chat_template.jinja").unlink()
+    link.unlink()
+    link.symlink_to("/dev/null")
+    with pytest.raises(ArtifactError, match=r"chat_template.jinja: a link to /dev/null, which is not a regular file"):
+        Engine.load(artifact_copy)
+    link.unlink()
+    _edit_manifest(artifact_copy, lambda m: (m["tokenizer"].pop("chat_template"), m["files"].pop("chat_template.jinja")))
+    linked = tmp_path / "linked"  # cp -rs: every file a link to the original's
+    linked.mkdir()
+    for file in artifact_copy.iterdir():
+        (linked / file.name).symlink_to(file)
+    assert Engine.load(linked).generate([1, 5], max_new_tokens=2, ignore_eos=True).token_ids
     (artifact_copy / "tokenizer.json").rename(artifact_copy / "tokenizer-real.json")
-    (artifact_copy / "tokenizer.json").symlink_to("tokenizer-real.json")  # inside: allowed
-    _edit_manifest(artifact_copy, lambda m: (m["tokenizer"].pop("chat_template"), m["files"].pop("chat_template.jinja"),
-                                             m["files"].__setitem__("tokenizer-real.json", m["files"]["tokenizer.json"])))
+    (artifact_copy / "tokenizer.json").symlink_to("tokenizer-real.json")  # inside: the folder's own
+    _edit_manifest(artifact_copy, lambda m: m["files"].__setitem__("tokenizer-real.json", m["files"]["tokenizer.json"]))
     assert Engine.load(artifact_copy).generate([1, 5], max_new_tokens=2, ignore_eos=True).token_ids

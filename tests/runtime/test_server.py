@@ -808,14 +808,17 @@ def test_a_request_line_cut_by_the_deadline_is_no_request(served, monkeypatch):
     assert scrape(served.server_address).get(refused, 0) == refused_before
 
 
-def test_a_body_that_trickles_in_past_its_deadline_is_answered_408(served, monkeypatch):
+@pytest.mark.parametrize("framing", [b"Content-Length: 100\r\n\r\n{", b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"])
+def test_a_body_that_trickles_in_past_its_deadline_is_answered_408(served, monkeypatch, framing):
     """Once the headers were in, a body sent a byte every 55 s held a thread for ever (each read within the socket
-    timeout); the body now has a deadline as a whole, and its refusal still goes out."""
+    timeout); the body now has a deadline as a whole, and its refusal still goes out (a chunked one cut short had
+    read as malformed: a 400)."""
     import runtime.server
 
     monkeypatch.setattr(runtime.server, "HEADER_DEADLINE_S", 0.5)
+    monkeypatch.setattr(runtime.server, "MAX_BODY_BYTES", 1024)  # a chunked body's deadline counts the most it may be
     connection = socket.create_connection(served.server_address[:2])
-    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + framing)
     connection.settimeout(10)
     answer = b""
     while chunk := connection.recv(4096):  # to the close
@@ -823,6 +826,18 @@ def test_a_body_that_trickles_in_past_its_deadline_is_answered_408(served, monke
     connection.close()
     assert answer.startswith(b"HTTP/1.1 408") and b"the request body did not arrive within 1 s" in answer, answer
     assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+
+
+def test_answers_go_out_without_waiting_for_the_clients_acknowledgement(served, monkeypatch):
+    """Headers and body are two writes, a stream's events one each: with Nagle's algorithm on, every keep-alive
+    request waited for the client's delayed ACK (44 ms each, /health too)."""
+    from runtime.server import _Handler
+
+    sockets = []
+    setup = _Handler.setup
+    monkeypatch.setattr(_Handler, "setup", lambda self: (setup(self), sockets.append(self.connection)))
+    assert request(served, "GET", "/health")[0] == 200
+    assert sockets and sockets[-1].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
 def test_connections_past_the_limit_get_503_and_each_holds_one_thread(tiny_artifact):
