@@ -833,11 +833,12 @@ def test_answers_go_out_without_waiting_for_the_clients_acknowledgement(served, 
     request waited for the client's delayed ACK (44 ms each, /health too)."""
     from runtime.server import _Handler
 
-    sockets = []
+    nodelay = []
     setup = _Handler.setup
-    monkeypatch.setattr(_Handler, "setup", lambda self: (setup(self), sockets.append(self.connection)))
+    monkeypatch.setattr(_Handler, "setup", lambda self: (setup(self), nodelay.append(
+        self.connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))))
     assert request(served, "GET", "/health")[0] == 200
-    assert sockets and sockets[-1].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    assert nodelay and nodelay[-1]
 
 
 def test_connections_past_the_limit_get_503_and_each_holds_one_thread(tiny_artifact):
