@@ -242,7 +242,8 @@ def _completion_prompts(engine, fields: dict) -> tuple[list[list[int]], list[str
         raise ApiError("prompt: must be a string, a list of token ids, or a non-empty list of those", param="prompt")
     if len(prompts) > MAX_CHOICES:
         raise ApiError(f"prompt: {len(prompts)} prompts, at most {MAX_CHOICES} per request", param="prompt")
-    ids = [_checked(lambda p=p: engine.prompt_ids(p), "prompt") for p in prompts]
+    ids = [_checked(lambda p=p: engine.prompt_ids(p), "prompt", f"prompt[{index}]: " if not one else "")
+           for index, p in enumerate(prompts)]
     texts = [p if isinstance(p, str) else engine.tokenizer.decode(i) for p, i in zip(prompts, ids)]
     return ids, texts
 
@@ -340,11 +341,12 @@ def _api_error(error: RequestError, chat: bool, default: str | None = None,
     return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else default)
 
 
-def _checked(call, param: str | None):
+def _checked(call, param: str | None, which: str = ""):
+    """call(), a RequestError as the API's 400 (`which`: the element of a list it is about, as its message's start)."""
     try:
         return call()
     except RequestError as error:
-        raise ApiError(str(error), param=param) from None
+        raise ApiError(f"{which}{error}", param=param) from None
 
 
 # -- responses -----------------------------------------------------------------------------------------------------

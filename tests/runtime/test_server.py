@@ -481,6 +481,10 @@ def test_max_token_errors_name_the_field_the_client_sent_or_the_prompt(chat_serv
     assert status == 400 and body["error"]["message"].startswith(f"prompt: prompt[1] has {context + 1} tokens")
     status, _, body = post(chat_served, "/v1/completions", {"prompt": [[5] * context, "Hi"], "max_tokens": 2})
     assert status == 400 and body["error"]["message"].startswith(f"max_tokens: prompt[0] has {context} tokens")
+    status, _, body = post(chat_served, "/v1/completions", {"prompt": ["Hi", "a" * (context * 256 + 1)]})
+    assert status == 400 and body["error"]["message"].startswith("prompt[1]: the prompt has"), body  # untokenized
+    status, _, body = post(chat_served, "/v1/completions", {"prompt": [5, 10**9]})
+    assert status == 400 and not body["error"]["message"].startswith("prompt[")  # one prompt: no index
 
 
 def test_a_completion_without_max_tokens_takes_16_or_what_the_context_leaves(chat_served):
