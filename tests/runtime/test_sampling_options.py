@@ -528,7 +528,7 @@ def test_the_fast_paths_draw_what_numpys_full_vocabulary_routines_draw():
             order, cumulative = _likeliest_first(probs, top_p)
             full = np.cumsum(probs[np.argsort(-probs, kind="stable")])
             assert cumulative[-1] >= top_p and np.array_equal(cumulative, full[:cumulative.size])
-            assert np.array_equal(probs[order], -np.sort(-probs)[:order.size])  # likeliest first (ties: any order)
+            assert np.array_equal(order, np.argsort(-probs, kind="stable")[:order.size])  # ties: the lower id first
         sparse = np.where(probs >= np.sort(probs)[-20], probs, 0.0)  # what top-k leaves
         for p in (probs, sparse / sparse.sum()):
             ours, numpys = np.random.default_rng(trial), np.random.default_rng(trial)
@@ -536,8 +536,9 @@ def test_the_fast_paths_draw_what_numpys_full_vocabulary_routines_draw():
 
 
 def test_seeded_samples_are_those_of_the_sampler_before_its_shortcuts():
-    """The tokens a seed gives: the full-vocabulary version of distribution() and rng.choice, written out."""
-    def reference(logits, params, rng):
+    """The tokens a seed gives, and the distribution they are drawn from: the full-vocabulary version of
+    distribution() and rng.choice, written out. Tied tokens at the top_p cut: the lower id kept first."""
+    def reference_distribution(logits, params):
         scaled = (logits.astype(np.float64) - logits.max()) / params.temperature
         if 0 < params.top_k < scaled.size:
             scaled = np.where(scaled < np.partition(scaled, -params.top_k)[-params.top_k], -np.inf, scaled)
@@ -549,11 +550,17 @@ def test_seeded_samples_are_those_of_the_sampler_before_its_shortcuts():
             kept = np.zeros_like(probs)
             kept[keep] = probs[keep]
             probs = kept / kept.sum()
-        return int(rng.choice(probs.size, p=probs))
+        return probs
 
     rows = (np.random.default_rng(1).standard_normal((40, 8192)) * 6).astype(np.float32)
+    rows[20:] = rows[20:].astype(np.float16)  # a half-precision lm_head's logits: ties at the top_p cut are common
+    rows[30:] = (rows[30:] / 6).astype(np.float16)  # and flat ones, sorted whole
+    rows[38:] = 0.0  # every token tied (the cut falls inside the tie), and a few above the rest
+    rows[39, [7, 3000, 5000]] = 2.0
     for options in (dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_k=40),
                     dict(temperature=1.2, top_k=50, top_p=0.95)):
         params = SamplingParams(seed=3, **options)
         sampler, rng = Sampler(params, prompt_ids=[]), np.random.default_rng(3)
-        assert [sampler(row) for row in rows] == [reference(row, params, rng) for row in rows], options
+        expected = [reference_distribution(row, params) for row in rows]
+        assert all(np.array_equal(sampler.distribution(row), probs) for row, probs in zip(rows, expected)), options
+        assert [sampler(row) for row in rows] == [int(rng.choice(p.size, p=p)) for p in expected], options
