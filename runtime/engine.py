@@ -311,7 +311,7 @@ class Engine:
             if len(flat) > self.max_context:  # a template marks each message with a token or more
                 raise RequestError(f"messages: {len(flat):,} of them cannot fit this artifact's max context of "
                                    f"{self.max_context} tokens; send fewer")
-            self._check_text_length(sum(len(m["content"]) for m in flat if isinstance(m, dict)
+            self.check_text_length(sum(len(m["content"]) for m in flat if isinstance(m, dict)
                                         and isinstance(m.get("content"), str)), "messages' content")
         file = self.manifest["tokenizer"].get("chat_template")
         if not file:
@@ -488,7 +488,7 @@ class Engine:
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids: a string is tokenized; either way the ids are checked against the vocabulary."""
         if isinstance(prompt, str):
-            self._check_text_length(len(prompt), "the prompt")
+            self.check_text_length(len(prompt), "the prompt")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (bytes, bytearray, memoryview)):  # iterating them gives byte values, not token ids
             raise RequestError(f"the prompt is {type(prompt).__name__}; decode it to str first (e.g. prompt.decode())")
@@ -531,9 +531,10 @@ class Engine:
         vocab = self.manifest["model"]["config"]["vocab_size"]
         return next((token for token in ids if not 0 <= token < vocab), None)
 
-    def _check_text_length(self, characters: int, what: str) -> None:
-        """Refuse text far too long to fit before tokenizing it: tokenizers holds the GIL while it encodes, and a
-        15 MB prompt stalled a server's every thread (its /health too) for 25 s before it was refused."""
+    def check_text_length(self, characters: int, what: str) -> None:
+        """Refuse text far too long to fit before tokenizing it (MAX_CHARACTERS_PER_TOKEN): tokenizers holds the GIL
+        while it encodes, and a 15 MB prompt stalled a server's every thread (its /health too) for 25 s before it was
+        refused. `what`: the text, as the message names it."""
         most = self.max_context * MAX_CHARACTERS_PER_TOKEN
         if characters > most:
             raise RequestError(f"{what} has {characters:,} characters: more than {most:,} ({MAX_CHARACTERS_PER_TOKEN} "

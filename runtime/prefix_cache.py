@@ -43,11 +43,10 @@ def rest_piece_tokens(backend, limit: int | None = None) -> int:
 def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], backend=None) -> int:
     """How many of the prompt's first tokens to take from a cache holding `cached_ids`: their common prefix, but
     never the prompt's last token (its logits choose the first output token), nor its last two where the rest runs
-    through the prefill graph (PREFILL_PIECE_MIN_TOKENS), and 0 unless the prefix holds at
-    least PREFIX_MIN_TOKENS. Where the rest runs through the decode graph (`backend` None, or its prefill graph
-    takes no past), also 0 unless the prefix holds at least half as many as the rest, and unless the rest fits one
-    decode call where the engine bounds it (TensorRT's decode_max_tokens, 1 by default): else a prefill of the
-    whole prompt is the faster."""
+    through the prefill graph (PREFILL_PIECE_MIN_TOKENS), and 0 unless the prefix holds at least PREFIX_MIN_TOKENS.
+    Where the rest runs through the decode graph (`backend` None, or its prefill graph takes no past), also 0 unless
+    the prefix holds at least half as many as the rest, and unless the rest fits one decode call where the engine
+    bounds it (TensorRT's decode_max_tokens, 1 by default): else a prefill of the whole prompt is the faster."""
     limit = min(len(cached_ids), len(prompt_ids) - 1)
     differs = np.flatnonzero(np.asarray(cached_ids[:limit]) != np.asarray(prompt_ids[:limit]))
     common = int(differs[0]) if differs.size else limit

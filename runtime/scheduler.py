@@ -217,7 +217,7 @@ class Scheduler:
         if batching not in BATCHING:
             raise RequestError(f"batching: {batching!r} is not one of {', '.join(BATCHING)}")
         for name, value in (("slots", slots), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
-            if value is not None and (not is_integer(value) or value < 1):
+            if (value is not None or name == "max_queue") and (not is_integer(value) or value < 1):
                 raise RequestError(f"{name}: {value!r} must be an integer >= 1")
         if isinstance(idle_exit_s, bool) or not isinstance(idle_exit_s, (int, float)) or not idle_exit_s >= 0 or (
                 threading.TIMEOUT_MAX < idle_exit_s < math.inf):  # inf: never; a finite wait past it overflows

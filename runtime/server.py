@@ -89,6 +89,11 @@ class ApiServer(ThreadingHTTPServer):
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
                  log: Callable[[str], None] | None = None, api_key: str | None = None,
                  max_connections: int = MAX_CONNECTIONS):
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise ValueError(f"max_connections: {max_connections!r} must be an integer >= 1")
+        if api_key is not None and not (api_key and api_key.isascii() and api_key.isprintable()):
+            raise ValueError("api_key: give printable ASCII characters (HTTP headers carry ISO-8859-1, where clients "
+                             "send a key's UTF-8 bytes: no request would match it)")
         self.engine = engine
         self.max_connections = max_connections
         self._connections = 0  # open now, each served by a thread of its own
@@ -122,14 +127,18 @@ class ApiServer(ThreadingHTTPServer):
         with self._connections_lock:
             room = self._connections < self.max_connections
             self._connections += room
+            open_now = self._connections
         if room:
             try:
                 return super().process_request(request, client_address)
-            except RuntimeError:  # can't start new thread: the process is out of threads or address space
+            except RuntimeError as error:  # can't start new thread: the process is out of threads or memory
                 self._connection_done()
-        _refuse_connection(request)
-        self.log(f"a connection from {client_address[0]} refused: {self._connections} open, at most "
-                 f"{self.max_connections}")
+                reason = f"no thread could start for it ({error}; {open_now - 1} open)"
+        else:
+            reason = f"{open_now} connections open, at most {self.max_connections} (--max-connections)"
+        _refuse_connection(request, "the server has too many connections open" if not room else
+                           "the server could not start a thread for this connection")
+        self.log(f"a connection from {client_address[0]} refused: {reason}")
         self.shutdown_request(request)
 
     def process_request_thread(self, request, client_address) -> None:
@@ -193,7 +202,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def handle_one_request(self) -> None:
-        self._headers_late = self._headers_in = self._body_late = False
+        self._headers_late = self._headers_in = self._body_late = self._body_in = False
         self._deadline_lock = threading.Lock()  # the cut and the headers' end: one of them first, never both
         self._header_deadline = DEADLINES.add(HEADER_DEADLINE_S, self._cut_late_headers)
         try:
@@ -570,6 +579,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise
         finally:
             DEADLINES.cancel(deadline)
+            with self._deadline_lock:  # a deadline firing from now on finds the body in (cancel may come late)
+                self._body_in = True
         self._refuse_late_body(allowed)  # what was read before the cut is not the body
         return body
 
@@ -582,8 +593,11 @@ class _Handler(BaseHTTPRequestHandler):
                            f"{MIN_BODY_BYTES_PER_S >> 10} KiB/s after {HEADER_DEADLINE_S:.0f} s)", 408)
 
     def _cut_slow_body(self) -> None:
-        """The body's deadline passed: stop reading (the read under way ends), so that a 408 can still go out."""
+        """The body's deadline passed: stop reading (the read under way ends), so that a 408 can still go out;
+        unless the body came in meanwhile (its keep-alive connection then serves the next request)."""
         with self._deadline_lock:
+            if self._body_in:
+                return
             self._body_late = True
         try:
             self.connection.shutdown(socket.SHUT_RD)
@@ -660,11 +674,10 @@ def _pump(position: int, handle, events: queue.SimpleQueue) -> None:
         events.put((position, error))
 
 
-def _refuse_connection(connection) -> None:
+def _refuse_connection(connection, reason: str) -> None:
     """A 503 written straight to a connection no thread will serve (at most a moment's wait: it goes into the
     socket's empty send buffer)."""
-    body = json_bytes({"error": {"message": "the server has too many connections open; retry", "type": "server_error",
-                                 "param": None, "code": 503}})
+    body = json_bytes({"error": {"message": f"{reason}; retry", "type": "server_error", "param": None, "code": 503}})
     try:
         connection.settimeout(1.0)
         connection.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
@@ -674,13 +687,17 @@ def _refuse_connection(connection) -> None:
 
 
 MAX_LOG_LINE = 1000  # characters: a line quoting a client's path or field says its start
+# C0 and C1 control characters as \xNN, a backslash doubled: http.server's own log escapes them so (its table is
+# private, and not in every Python 3.11 release)
+CONTROL_CHARACTERS = str.maketrans({code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7f, 0xa0))}
+                                   | {ord("\\"): "\\\\"})
 
 
 def _safe_log(log: Callable[[str], None]) -> Callable[[str], None]:
     """log, given lines without control characters (a request line's escape sequences rewrote the terminal's earlier
     lines and set its title; http.server's own log escapes them as these do) and cut to MAX_LOG_LINE."""
     def safe(line: str) -> None:
-        line = line.translate(BaseHTTPRequestHandler._control_char_table)
+        line = line.translate(CONTROL_CHARACTERS)
         log(line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}... ({len(line):,} characters)")
     return safe
 

@@ -30,6 +30,7 @@ def tokenize(engine, body, model_name: str) -> dict:
         if "prompt" in fields:
             if not isinstance(fields["prompt"], str):
                 raise ApiError(f"prompt: must be a string, got {type(fields['prompt']).__name__}", param="prompt")
+            engine.check_text_length(len(fields["prompt"]), "the prompt")  # as generation refuses it, untokenized
             ids = engine.tokenizer.encode(fields["prompt"], add_special_tokens=special)
         else:
             if not isinstance(fields["messages"], list) or not fields["messages"]:

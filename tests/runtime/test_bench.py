@@ -131,11 +131,13 @@ def test_report_records_each_trace_from_the_first_arrival():
     later = hand_trace(10.0, 10.25, [11.0, 11.5, 11.75, 12.25, 13.0], 13.5, prefill_end=10.75)
     earlier = hand_trace(9.0, 9.0, [9.5], 9.75)
     records = bench.report({}, {"aotlm": [later, earlier]})["backends"]["aotlm"]["traces"]
-    assert records[0] == {"request": 0, "prompt_tokens": 8, "cached_prompt_tokens": 0, "output_tokens": 5, "arrival": 1.0, "prefill_start": 1.25,
+    assert records[0] == {"request": 0, "prompt_tokens": 8, "cached_prompt_tokens": 0, "output_tokens": 5,
+                          "arrival": 1.0, "prefill_start": 1.25,
                           "prefill_end": 1.75, "first_token": 2.0, "finish": 4.5,
                           "token_times": [2.0, 2.5, 2.75, 3.25, 4.0], "ttft_ms": 1000.0, "tpot_ms": 500.0,
                           "e2e_ms": 3000.0, "queue_ms": 250.0, "prefill_ms": 500.0}
-    assert records[1] == {"request": 1, "prompt_tokens": 8, "cached_prompt_tokens": 0, "output_tokens": 1, "arrival": 0.0, "prefill_start": 0.0,
+    assert records[1] == {"request": 1, "prompt_tokens": 8, "cached_prompt_tokens": 0, "output_tokens": 1,
+                          "arrival": 0.0, "prefill_start": 0.0,
                           "prefill_end": None, "first_token": 0.5, "finish": 0.75, "token_times": [0.5],
                           "ttft_ms": 500.0, "tpot_ms": None, "e2e_ms": 500.0, "queue_ms": 0.0, "prefill_ms": 500.0}
 

@@ -24,3 +24,24 @@ def test_a_deadline_added_while_the_thread_waits_for_a_later_one_fires_first():
     started, done = time.monotonic(), threading.Event()
     deadlines.add(0.05, done.set)
     assert done.wait(10) and time.monotonic() - started < 5 and fired == [] and deadlines.pending() == 1
+
+
+def test_a_cancelled_deadline_lets_go_of_its_action_behind_a_later_one():
+    """cancel() only forgot the token: the heap kept the action (a handler's bound method) until every earlier entry
+    came up, so one idle connection's minute pinned every later connection's handler (3 KB each)."""
+    import gc
+    import weakref
+
+    class Handler:
+        def cut(self):
+            pass
+
+    deadlines = Deadlines()
+    deadlines.add(60.0, lambda: None)  # the idle connection's
+    handlers = [Handler() for _ in range(500)]
+    for handler in handlers:
+        deadlines.cancel(deadlines.add(30.0, handler.cut))
+    alive = [weakref.ref(handler) for handler in handlers]
+    del handlers, handler
+    gc.collect()
+    assert not any(ref() for ref in alive) and deadlines.pending() == 1 and len(deadlines._heap) < 200

@@ -406,7 +406,8 @@ def test_a_file_linked_from_outside_the_artifact_is_hashed_at_every_load(artifac
     with pytest.raises(ArtifactError, match=r"chat_template.jinja: a link to /dev/null, which is not a regular file"):
         Engine.load(artifact_copy)
     link.unlink()
-    _edit_manifest(artifact_copy, lambda m: (m["tokenizer"].pop("chat_template"), m["files"].pop("chat_template.jinja")))
+    _edit_manifest(artifact_copy, lambda m: (m["tokenizer"].pop("chat_template"),
+                                             m["files"].pop("chat_template.jinja")))
     linked = tmp_path / "linked"  # cp -rs: every file a link to the original's
     linked.mkdir()
     for file in artifact_copy.iterdir():

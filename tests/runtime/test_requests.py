@@ -41,7 +41,8 @@ def engine(tiny_engine):
     (dict(max_tokens=5), "'max_tokens': did you mean max_new_tokens\\?"),
     (dict(stop="\n"), "'stop': did you mean stop_strings \\(text\\) or stop_token_ids \\(ids\\)\\?"),
     (dict(n=4), "'n': there is no n: submit the prompt n times with their own seeds"),
-    (dict(sampling_params=None), "'sampling_params': did you mean params \\(a SamplingParams, vLLM's sampling_params\\)"),
+    (dict(sampling_params=None),
+     "'sampling_params': did you mean params \\(a SamplingParams, vLLM's sampling_params\\)"),
     # each is looked for after every token, on the thread that steps the whole batch (900,000: 0.9 s a step)
     (dict(stop_strings=["x"] * 65), "stop_strings: 65 of up to 1 characters; give at most 64 of at most 1000"),
     (dict(stop_strings=["x" * 1001]), "stop_strings: 1 of up to 1,001 characters; give at most 64"),

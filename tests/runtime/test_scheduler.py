@@ -399,6 +399,7 @@ def test_close_fails_unfinished_requests_and_refuses_new_ones(engine):
     (dict(slots=0), "slots: 0 must be an integer >= 1"), (dict(batching="dynamic"), "not one of continuous, static"),
     (dict(max_queue=0), "max_queue: 0 must be an integer >= 1"),
     (dict(prefill_chunk=0), "prefill_chunk: 0 must be an integer >= 1"), (dict(slots=2.5), "slots: 2.5 must be an integer"),
+    (dict(max_queue=None), "max_queue: None must be an integer >= 1"),  # was int(None)'s TypeError
     (dict(slotz=2), r"start_scheduler: unknown option 'slotz'; the options are slots, batching, max_queue, "
                     r"prefill_chunk, idle_exit_s"),
     (dict(idle_exit_s=-1), r"idle_exit_s: -1 must be a number of seconds from 0 to \d+, or math.inf"),

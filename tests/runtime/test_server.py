@@ -999,6 +999,9 @@ def test_metrics_show_the_requests_running_and_waiting(slow_server):
 
 def test_an_api_key_guards_the_v1_routes_not_health_or_metrics(tiny_artifact):
     engine = Engine.load(tiny_artifact)
+    for bad in (dict(api_key="clé"), dict(api_key=""), dict(max_connections=0), dict(max_connections=True)):
+        with pytest.raises(ValueError, match="api_key: give printable ASCII|max_connections: .* must be an integer"):
+            ApiServer(engine, port=0, **bad)  # a key no client can send; a server that refuses every connection
     server = ApiServer(engine, port=0, api_key="s3cret")
     server.start()
     try:
@@ -1035,7 +1038,8 @@ def test_what_a_client_sends_reaches_the_log_escaped_and_cut_and_its_error_cut(t
             assert connection.recv(4096).startswith(b"HTTP/1.1 404")
         name = "x" * 100_000
         status, _, body = post(server, "/v1/completions", {"prompt": "hi", name: 1})
-        assert status == 400 and len(body["error"]["message"]) < 2100 and "characters in all" in body["error"]["message"]
+        message = body["error"]["message"]
+        assert status == 400 and len(message) < 2100 and "characters in all" in message
     finally:
         stop(server)
     assert any("/\\x1b[2K\\x1b[1Afake 404" in line for line in lines), lines
@@ -1066,6 +1070,8 @@ def test_the_tokenizer_routes_split_text_as_the_server_does(chat_served):
             ("/tokenize", {"prompt": "x", "messages": messages}, "prompt", "one of them"),
             ("/tokenize", {"promt": "x"}, "promt", "did you mean prompt?"),
             ("/tokenize", {"prompt": 3}, "prompt", "must be a string"),
+            # tokenized whole, a 4 MB one took 4.3 s of the server's CPU: refused as generation refuses it
+            ("/tokenize", {"prompt": "a" * (chat_served.engine.max_context * 256 + 1)}, "prompt", "characters: more"),
             ("/detokenize", {"tokens": [10 ** 9]}, "tokens", "outside this model's vocabulary"),
             ("/detokenize", {"tokens": "1 2"}, "tokens", "a list of token ids")]:
         status, _, refused = post(chat_served, path, body)

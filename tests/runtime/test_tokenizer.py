@@ -126,7 +126,6 @@ def test_special_tokens_decode_to_no_text(tiny_artifact):
     assert "".join(decoder.push(token) for token in ids + [2]) + decoder.finish() == tokenizer.decode(ids)
 
 
-
 def test_a_run_of_special_tokens_is_not_decoded_again_at_every_token(tiny_artifact):
     """EOS after EOS (ignore_eos, as `aotlm bench` runs) stayed in the window each push re-decodes: 2000 of them
     took 4 to 95 us a push, 99 ms for the request. Left out, the text is the same."""
