@@ -223,14 +223,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _cut_late_headers(self) -> None:
         """The header deadline passed: end the connection, whose reading thread then sees it closed; unless the
-        headers came in meanwhile (cancel() does not stop a timer already firing)."""
+        headers came in meanwhile (a cancel racing with the deadline may come too late)."""
         with self._deadline_lock:
             if self._headers_in:
                 return
             self._headers_late = True
+        self._shut(socket.SHUT_RDWR)
+
+    def _shut(self, how: int) -> None:
         try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
+            self.connection.shutdown(how)
+        except OSError:  # closed already
             pass
 
     def handle(self) -> None:
@@ -599,10 +602,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self._body_in:
                 return
             self._body_late = True
-        try:
-            self.connection.shutdown(socket.SHUT_RD)
-        except OSError:
-            pass
+        self._shut(socket.SHUT_RD)
 
     def _read_json(self):
         raw = self._read_body()
