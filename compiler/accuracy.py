@@ -81,13 +81,15 @@ def repeated_text_warning(held_out: HeldOut) -> str | None:
             f"{held_out.repeats_calibration_from} or less")
 
 
-def report_window_and_stride(window: int, stride: int, max_context: int) -> tuple[int, int]:
-    """The recipe's window and stride, the window cut to the max context. A cut window keeps at least half of it
-    as context, as `aotlm eval`'s default stride does: the recipe's stride (256 by default) could otherwise equal
-    the cut window and leave the scored tokens of every window after the first one token of context."""
-    if window <= max_context:
-        return window, stride
-    return max_context, min(stride, max(1, max_context // 2))
+def report_window_and_stride(window: int, stride: int | None, max_context: int) -> tuple[int, int]:
+    """The recipe's window and stride, the window cut to the max context; no stride given: half the window, as
+    `aotlm eval`'s default (a fixed 256 made a raised window's report three times eval's windows, and another
+    number). A cut window keeps at least half of it as context, as that default does: a given stride could
+    otherwise equal the cut window and leave the scored tokens of every window after the first one token of
+    context."""
+    if window > max_context:
+        window, stride = max_context, None if stride is None else min(stride, max(1, max_context // 2))
+    return window, max(1, window // 2) if stride is None else stride
 
 
 def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manifest: dict, spec, held_out: HeldOut,

@@ -122,8 +122,8 @@ def format_accuracy(accuracy: dict, artifact_bytes: int | None = None) -> str:
                      f"{100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) {held_out['mean_kl']:.4f} nats")
         if held_out.get("max_context", 0) > held_out["window"]:  # an int8 cache's keys clipped past position 1024
             lines.append(f"note: positions {held_out['window']} to {held_out['max_context'] - 1} of the context are "
-                         f"not scored here; `aotlm eval ARTIFACT --text builtin:pydoc-held-out --window "
-                         f"{held_out['max_context']}` scores them (or `aotlm compare` against a float artifact)")
+                         f"not scored here: set accuracy.window: {held_out['max_context']} in the recipe to score them "
+                         f"(a longer window lowers both perplexities: compare the two, not with this report's)")
         if held_out.get("repeats_calibration_from") is not None:
             lines.append(f"warning: the held-out text repeats the calibration text from its token "
                          f"{held_out['repeats_calibration_from']} on")

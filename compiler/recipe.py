@@ -91,7 +91,7 @@ class AccuracySpec:
     enabled: bool = True
     max_tokens: int = field(default=4096, metadata={"min": 2})
     window: int = field(default=512, metadata={"min": 2})  # capped at export.max_context
-    stride: int = field(default=256, metadata={"min": 1})
+    stride: int | None = field(default=None, metadata={"min": 1})  # None = window / 2, as `aotlm eval`'s default
 
 
 def _default_passes() -> tuple[PassSpec, ...]:
@@ -208,7 +208,7 @@ def parse_recipe(data: Any, origin: str = "<dict>", base_dir: str | os.PathLike 
             raise _Invalid("", f"a recipe must be a mapping of sections ({sections}), got {_show(data)}")
         # A section left empty in YAML (`export:` with nothing under it) reads as null: it means the defaults.
         recipe = _build(Recipe, {k: v for k, v in data.items() if v is not None}, "")
-        if recipe.accuracy.stride > recipe.accuracy.window:  # as `aotlm eval` refuses --stride > --window
+        if (recipe.accuracy.stride or 0) > recipe.accuracy.window:  # as `aotlm eval` refuses --stride > --window
             raise _Invalid("accuracy.stride", f"{recipe.accuracy.stride} must be <= accuracy.window "
                                               f"({recipe.accuracy.window}): windows would skip tokens")
         if not NAME_PATTERN.fullmatch(recipe.name):

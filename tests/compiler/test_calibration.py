@@ -151,6 +151,8 @@ def test_held_out_tokens_name_the_last_tenth_of_the_text(tiny_artifact):
 @pytest.mark.parametrize("window, stride, max_context, expected", [
     (64, 32, 128, (64, 32)), (128, 256, 128, (128, 256)),  # within the context: as the recipe says
     (512, 256, 128, (128, 64)), (512, 16, 128, (128, 16)), (512, 256, 1, (1, 1)),  # cut: half kept as context
+    # no stride given: half the window, as `aotlm eval`'s default (a fixed 256 made 9 windows of 2048 where eval has 3)
+    (2048, None, 2048, (2048, 1024)), (512, None, 2048, (512, 256)), (512, None, 128, (128, 64)), (1, None, 1, (1, 1)),
 ])
 def test_the_report_window_is_cut_to_the_context_keeping_half_as_context(window, stride, max_context, expected):
     assert report_window_and_stride(window, stride, max_context) == expected
@@ -193,8 +195,8 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
     whole = format_accuracy({"quantization": summary, "held_out": {**held_out, "max_context": 64}})
     assert "note: positions" not in whole  # the window spans the context
     short = format_accuracy({"quantization": summary, "held_out": {**held_out, "max_context": 2048}})
-    assert ("note: positions 64 to 2047 of the context are not scored here; `aotlm eval ARTIFACT --text "
-            "builtin:pydoc-held-out --window 2048` scores them") in short
+    assert ("note: positions 64 to 2047 of the context are not scored here: set accuracy.window: 2048 in the recipe "
+            "to score them") in short
 
 
 def test_first_repeated_run_at_the_edges_of_both_texts():
