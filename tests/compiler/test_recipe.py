@@ -103,7 +103,8 @@ def test_defaults_filled():
     assert r == Recipe(name="x", model=r.model)
     assert r.export == ExportSpec(2048, "float32", 21, "last", 1)
     assert r.backend == BackendSpec("onnxruntime", 0, "all")
-    assert (r.accuracy.enabled, r.accuracy.max_tokens, r.accuracy.window, r.accuracy.stride) == (True, 4096, 512, None)  # stride: window / 2
+    assert (r.accuracy.enabled, r.accuracy.max_tokens, r.accuracy.window, r.accuracy.stride) == (True, 4096, 512, None)
+    # no stride: window / 2, as `aotlm eval`'s default
     assert parse_recipe(gguf(accuracy={"window": 64, "stride": 64})).accuracy.stride == 64  # a stride of a window
     assert r.passes == (PassSpec("cleanup", cleanup.Options()),)
     d = r.to_dict()
