@@ -34,7 +34,8 @@ class Deadlines:
             if self._thread is None or not self._thread.is_alive():  # started once (again after a fork)
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._changed.notify()
+            elif self._heap[0][1] == token:  # sooner than the one the thread waits for; else its wait ends in time
+                self._changed.notify()
         return token
 
     def cancel(self, token: int) -> None:

@@ -106,14 +106,16 @@ class RequestHandle:
     made none. A request that failed (the graph raised) raises that error from `result()` and from iteration.
     """
 
-    def __init__(self, scheduler: "Scheduler", request_id: int, prompt_token_ids: list[int]):
+    def __init__(self, scheduler: "Scheduler", request_id: int, prompt_token_ids: list[int], pieces=None):
         self.id = request_id
         self.prompt_token_ids = prompt_token_ids
         # With the prompt_logprobs option: the prompt tokens' entries (result.prompt_logprobs), set once the prompt
         # is scored, before its first text piece is handed out (a stream that echoes the prompt sends them first).
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self._scheduler = scheduler
-        self._pieces: queue.SimpleQueue = queue.SimpleQueue()
+        # The text pieces, then END; `pieces` (a queue-like with put(): a server's stream) takes them instead, and
+        # the handle is then not iterated: its consumer reads them there, without a thread to carry them over.
+        self._pieces: queue.SimpleQueue = queue.SimpleQueue() if pieces is None else pieces
         self._future: Future = Future()
         # True once cancel() was called. A request that finished before the cancel reached it keeps its own
         # finish_reason ("stop", "length"): the result's finish_reason, not this flag, says how it ended.

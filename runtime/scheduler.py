@@ -229,8 +229,9 @@ class Scheduler:
 
     # -- the front: any thread ------------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-               arrival: float | None = None, block: bool = False, **sampling) -> RequestHandle:
-        """Queue a request; returns its handle at once. block=True waits for room instead of refusing."""
+               arrival: float | None = None, block: bool = False, pieces=None, **sampling) -> RequestHandle:
+        """Queue a request; returns its handle at once. block=True waits for room instead of refusing. pieces: an
+        object with put() that receives the text pieces and then request_handle.END, instead of the handle."""
         if not isinstance(block, bool):  # a string such as "no" would read as True
             raise RequestError(f"block must be True or False, got {block!r}")
         params = sampling_params(params, sampling)
@@ -241,7 +242,7 @@ class Scheduler:
         self._check_fits(prompt_ids, params)
         eos = self.engine.eos_token_ids
         decoder = self.engine.tokenizer.stream_decoder(params.stop_strings, prompt_ids, params.min_new_tokens)
-        sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids), prompt_ids, params,
+        sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids, pieces), prompt_ids, params,
                              Sampler(params, prompt_ids, eos), params.stop_ids(eos), decoder, received, tokenize_s,
                              prompt_entries=None if params.prompt_logprobs is None else [None])
         with self._lock:

@@ -45,6 +45,7 @@ from runtime import http_body, openai_api, tokenizer_api
 from runtime.deadlines import Deadlines
 from runtime.errors import QueueFullError, RequestError
 from runtime.openai_api import ApiError, ParsedRequest
+from runtime.request_handle import END
 from runtime.results import GenerationResult
 from runtime.server_metrics import ServerMetrics
 
@@ -383,9 +384,10 @@ class _Handler(BaseHTTPRequestHandler):
             request = openai_api.parse(self.server.engine, self._read_json(), chat=ROUTES[path],
                                        model_name=self.server.model_name)
             request_id = openai_api.new_id(request.chat)
-            handles = self._submit(request, arrival)
+            events: queue.SimpleQueue | None = queue.SimpleQueue() if request.stream else None
+            handles = self._submit(request, arrival, events)
             if request.stream:
-                self._stream(request, request_id, handles)
+                self._stream(request, request_id, handles, events)
             else:
                 self._respond(request, request_id, handles)
         except ApiError as error:
@@ -436,7 +438,9 @@ class _Handler(BaseHTTPRequestHandler):
                         "key", 401, "authentication_error")
 
     # -- requests ----------------------------------------------------------------------------------------------------
-    def _submit(self, request: ParsedRequest, arrival: float) -> list:
+    def _submit(self, request: ParsedRequest, arrival: float, events: queue.SimpleQueue | None = None) -> list:
+        """The request's choices, submitted; with `events` (a stream), their pieces go there tagged with their
+        position, then END (the scheduler's thread puts them: no thread per choice carries them over)."""
         engine = self.server.engine
         # The running scheduler's own submit: once a stop closed it, it refuses, where engine.submit would start a
         # fresh default one (a KV cache allocated, a request run) under a server that is going away.
@@ -451,7 +455,8 @@ class _Handler(BaseHTTPRequestHandler):
         handles = []
         try:
             for choice in request.choices:
-                handles.append(submit(choice.prompt_ids, choice.params, arrival=arrival))
+                sink = None if events is None else _Tagged(events, len(handles))
+                handles.append(submit(choice.prompt_ids, choice.params, arrival=arrival, pieces=sink))
         except RequestError as error:  # all of the request's choices run, or none
             for handle in handles:
                 handle.cancel()
@@ -484,7 +489,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, body)
         self._finished(request, results)
 
-    def _stream(self, request: ParsedRequest, request_id: str, handles: list) -> None:
+    def _stream(self, request: ParsedRequest, request_id: str, handles: list, events: queue.SimpleQueue) -> None:
         self.send_response(200)
         self.server.metrics.answered(self._route(), 200)
         self.send_header("Content-Type", "text/event-stream")
@@ -494,27 +499,32 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._streaming = True
         created, model = int(time.time()), self.server.model_name
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        for position, handle in enumerate(handles):
-            threading.Thread(target=_pump, args=(position, handle, events), daemon=True,
-                             name=f"aotlm-stream-{request_id[-8:]}-{position}").start()
         results: list[GenerationResult | None] = [None] * len(handles)
         started: set[int] = set()  # choices whose first chunk (the role; echo: the prompt) went out
         logprobs = [openai_api.StreamLogprobs(self.server.engine, request, handle,
                                               request.prompt_texts[choice.index // request.n] if request.echo else "")
                     for choice, handle in zip(request.choices, handles)]
+        pending: list[bytes] = []  # events not written yet: those ready together go out in one write
         while any(result is None for result in results):
+            if pending and events.empty():  # nothing more ready: out with them before waiting for more
+                self.wfile.write(b"".join(pending))
+                pending.clear()
             try:
                 position, item = events.get(timeout=POLL_S)
             except queue.Empty:
                 if self._client_gone():
                     return self._cancel(handles, "client went away")
                 continue
+            if item is END:  # the choice ended: its result (set right after END), or the error it failed with
+                try:
+                    item = handles[position].result()
+                except BaseException as error:  # noqa: BLE001 -- the request failed: the stream says so
+                    item = error
             if isinstance(item, BaseException):
                 self._cancel(handles)
                 error = self._failure(item)
                 self.server.log(f"{self.command} {self.path}: the stream ended with {error}")  # as a response's 500
-                self._send_event(error.body())
+                pending.append(_event(error.body()))
                 break
             if isinstance(item, str) and (not item or request.echo_only):  # echo-only: the prompt, at the end
                 continue
@@ -524,16 +534,15 @@ class _Handler(BaseHTTPRequestHandler):
             if isinstance(item, GenerationResult):
                 item = openai_api.as_requested(request, item)
                 results[position] = item
-                self._send_event(openai_api.chunk(request, request_id, model, created, choice.index, text, item,
-                                                  first=first, logprobs=logprobs[position].of_end(item)))
+                pending.append(_event(openai_api.chunk(request, request_id, model, created, choice.index, text, item,
+                                                       first=first, logprobs=logprobs[position].of_end(item))))
             else:
-                self._send_event(openai_api.chunk(request, request_id, model, created, choice.index, text + item,
-                                                  first=first, logprobs=logprobs[position].of_piece(item)))
+                pending.append(_event(openai_api.chunk(request, request_id, model, created, choice.index, text + item,
+                                                       first=first, logprobs=logprobs[position].of_piece(item))))
         else:
             if request.include_usage:
-                self._send_event(openai_api.usage_chunk(request, request_id, model, created, results))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+                pending.append(_event(openai_api.usage_chunk(request, request_id, model, created, results)))
+        self.wfile.write(b"".join(pending) + b"data: [DONE]\n\n")
         if all(results):
             self._finished(request, results)
 
@@ -645,8 +654,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.log(f"{self.command} {self.path} {error.status}: {error}")
 
     def _send_event(self, body: dict) -> None:
-        self.wfile.write(b"data: " + json_bytes(body) + b"\n\n")
-        self.wfile.flush()
+        self.wfile.write(_event(body))
 
     def _finished(self, request: ParsedRequest, results: list[GenerationResult]) -> None:
         """Into /metrics, and a line in the log."""
@@ -664,14 +672,22 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.log(line)
 
 
-def _pump(position: int, handle, events: queue.SimpleQueue) -> None:
-    """A handle's pieces, then its result (or its error), into the stream's queue, tagged with its position."""
-    try:
-        for piece in handle:
-            events.put((position, piece))
-        events.put((position, handle.result()))
-    except BaseException as error:  # the request failed: the stream says so
-        events.put((position, error))
+def _event(body: dict) -> bytes:
+    """A server-sent event carrying body."""
+    return b"data: " + json_bytes(body) + b"\n\n"
+
+
+class _Tagged:
+    """A streamed choice's piece queue (RequestHandle's pieces): what the scheduler puts goes into the stream's one
+    queue, tagged with the choice's position."""
+
+    __slots__ = ("events", "position")
+
+    def __init__(self, events: queue.SimpleQueue, position: int):
+        self.events, self.position = events, position
+
+    def put(self, item) -> None:
+        self.events.put((self.position, item))
 
 
 def _refuse_connection(connection, reason: str) -> None:

@@ -1189,13 +1189,13 @@ def test_a_stream_sends_no_chunk_for_an_empty_piece(served, monkeypatch):
     text (a chat's role comes with it), and none but the end is empty."""
     import runtime.server
 
-    pump = runtime.server._pump
+    put = runtime.server._Tagged.put
 
-    def with_empty_pieces(position, handle, events):
-        events.put((position, ""))
-        pump(position, handle, events)
+    def with_empty_pieces(self, item):  # an empty piece before every piece the scheduler hands the stream
+        put(self, "")
+        put(self, item)
 
-    monkeypatch.setattr(runtime.server, "_pump", with_empty_pieces)
+    monkeypatch.setattr(runtime.server._Tagged, "put", with_empty_pieces)
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     _, chunks, done = events(served, "/v1/completions", body)
     assert done and all(c["choices"][0]["text"] for c in chunks[:-1])
