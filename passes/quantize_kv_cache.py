@@ -87,7 +87,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     if key not in memo:
         memo[key] = calibrate(model, [past.name for n in nodes for past in pasts_of(n)],
                               [n.outputs[i].name for n in nodes for i in PRESENT_OUTPUTS], options,
-                              {pasts_of(n)[0].name: rotary_pairs(n) for n in nodes if rotary_pairs(n) is not None})
+                              {pasts_of(n)[0].name: pairs for n in nodes if (pairs := rotary_pairs(n)) is not None})
     scales, errors = memo[key]
 
     float_prefill = graph.name == "prefill" and options.prefill_attention == "float"

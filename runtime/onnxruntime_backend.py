@@ -185,20 +185,25 @@ class OnnxRuntimeBackend:
         """KV cache bytes of one sequence at the max context (every layer's key and value)."""
         return int(np.prod(self.kv_spec["shape"][1:])) * np.dtype(self.cache_dtype).itemsize * len(self.past_names)
 
+    @property
+    def int8_cache(self) -> bool:
+        """The cache is int8 already: the memory refusals do not advise one."""
+        return self.cache_dtype == np.int8
+
     def check_slots(self, slots: int, reclaimable: int = 0) -> None:
         """Refuse a slot cache that does not fit in memory, counting `reclaimable` bytes (a cache about to be freed)
         as available: called before a running scheduler is closed to make room for the new one."""
         check_slot_memory(slots, self.bytes_per_sequence, reclaimable=reclaimable,
-                          int8_cache=self.cache_dtype == np.int8)
+                          int8_cache=self.int8_cache)
 
     def allocate_cache(self, batch: int) -> KVCache:
         """Allocate (once per batch size) and bind the cache to both graphs' past inputs and present outputs."""
         if self.cache is not None and self.cache.batch == batch:
             return self.cache
         shape = tuple(batch if dim == "batch" else dim for dim in self.kv_spec["shape"])
-        check_slot_memory(batch, self.bytes_per_sequence, what="batch", int8_cache=self.cache_dtype == np.int8)
+        check_slot_memory(batch, self.bytes_per_sequence, what="batch", int8_cache=self.int8_cache)
         self.cache = allocate_checked(lambda: KVCache(self.past_names, shape, self.cache_dtype), batch,
-                                      self.bytes_per_sequence, what="batch", int8_cache=self.cache_dtype == np.int8)
+                                      self.bytes_per_sequence, what="batch", int8_cache=self.int8_cache)
         for phase, binding in self.bindings.items():
             binding.clear_binding_outputs()
             self.steps[phase] = StepBuffers()  # what it had bound is gone
@@ -393,10 +398,9 @@ class SlotCache:
         self.backend = backend
         self.slots = slots
         shape = tuple(slots if dim == "batch" else dim for dim in backend.kv_spec["shape"])
-        int8_cache = backend.cache_dtype == np.int8
-        check_slot_memory(slots, backend.bytes_per_sequence, int8_cache=int8_cache)
+        check_slot_memory(slots, backend.bytes_per_sequence, int8_cache=backend.int8_cache)
         self.arrays = allocate_checked(lambda: [np.empty(shape, dtype=backend.cache_dtype) for _ in backend.past_names],
-                                       slots, backend.bytes_per_sequence, int8_cache=int8_cache)
+                                       slots, backend.bytes_per_sequence, int8_cache=backend.int8_cache)
         for array in self.arrays:
             if backend.huge_pages:  # before the first touch: its page faults then take 2 MiB pages
                 advise(array)

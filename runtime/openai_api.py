@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from runtime.errors import RequestError
 from runtime.request_handle import LoggedPiece
 from runtime.results import GenerationResult
-from runtime.sampling import MAX_LOGPROBS, SamplingParams, is_integer
+from runtime.sampling import MAX_HINTED_NAME, MAX_LOGPROBS, SamplingParams, is_integer
 
 MAX_CHOICES = 128  # n times the prompts of one request: each is a scheduler request
 # The API's sampling fields that map one to one onto SamplingParams (the API name -> the engine's).
@@ -76,7 +76,6 @@ HARMLESS = {"best_of": 1, "store": False, "tool_choice": "none", "parallel_tool_
 # max_tokens and min_tokens (the opposite), and picks min_tokens.
 SAME_FIELD = {"max_completion_tokens": "max_tokens"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
-MAX_HINTED_NAME = 64  # characters of an unknown field name worth a "did you mean": no field's name is near longer
 MAX_ERROR_MESSAGE = 2000  # characters: a message quoting what a client sent (a 15 MB message) says its start
 
 

@@ -15,6 +15,7 @@ from runtime.tokenizer import check_unicode
 
 FLOAT32 = np.finfo(np.float32)  # the logits' type, which the penalties are applied in
 MAX_STOP_STRINGS, MAX_STOP_CHARACTERS = 64, 1000  # per request (OpenAI's API: 4; lm-evaluation-harness sends a few)
+MAX_HINTED_NAME = 64  # characters of an unknown option's name worth a "did you mean" (difflib: length squared)
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 
@@ -206,7 +207,7 @@ def _unknown_option_hint(name: str) -> str:
 
     if name in OPTION_ALIASES:
         return OPTION_ALIASES[name]
-    if len(name) > 64:  # difflib's time grows with the length squared; no option's name is near a longer one
+    if len(name) > MAX_HINTED_NAME:  # no option's name is near a longer one
         return "not an option"
     close = difflib.get_close_matches(name, SamplingParams.__dataclass_fields__, n=1)
     return f"did you mean {close[0]}?" if close else "not an option"
