@@ -187,13 +187,15 @@ class ApiServer(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive between requests; a stream ends its connection
+    protocol_version = "HTTP/1.1"  # keep-alive between requests, streams included (their bodies go out chunked)
     timeout = SOCKET_TIMEOUT_S
     # TCP_NODELAY: headers and body go out as two writes, and a stream's events one by one; Nagle's algorithm held
     # each after the first until the client's delayed ACK (every keep-alive request took 44 ms, /health too)
     disable_nagle_algorithm = True
     server: ApiServer
     _streaming = False  # the response under way is a stream: its headers are out
+    _chunked = False  # the stream's body goes out in chunks (HTTP/1.1): its end leaves the connection open
+    _stream_ended = False  # the stream's last part went out: a failure after it (logging) is not the client's
     _unread_body = 0  # bytes of a refused body that may still be arriving (read and dropped after the answer)
 
     def version_string(self) -> str:  # the Server header: http.server's adds Python's version
@@ -204,6 +206,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         self._headers_late = self._headers_in = self._body_late = self._body_in = False
+        # a kept-alive connection's last response may have been a stream
+        self._streaming = self._chunked = self._stream_ended = False
         self._deadline_lock = threading.Lock()  # the cut and the headers' end: one of them first, never both
         self._header_deadline = DEADLINES.add(HEADER_DEADLINE_S, self._cut_late_headers)
         try:
@@ -409,12 +413,15 @@ class _Handler(BaseHTTPRequestHandler):
         """Answer with the error: as a response, or as a stream's last event once the stream has begun."""
         if not self._streaming:
             return self._send_error(error)
+        if self._stream_ended:  # its client has the whole stream: nothing more may go on this connection's
+            self.server.log(f"{self.command} {self.path}: after the stream: {error}")
+            self.close_connection = True
+            return
         self.server.log(f"{self.command} {self.path}: the stream ended with {error}")
         try:
-            self._send_event(error.body())
-            self.wfile.write(b"data: [DONE]\n\n")
+            self._write_stream(_event(error.body()) + b"data: [DONE]\n\n", last=True)
         except OSError:
-            pass
+            self.close_connection = True
 
     def _authorized(self, path: str) -> bool:
         """Whether the request may go on; else it was answered 401 (its body unread: the connection ends)."""
@@ -494,9 +501,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.metrics.answered(self._route(), 200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")  # the stream's end is the connection's: no length to give
+        # No length to give: chunks mark the body's end, so the connection serves the next request, as uvicorn's
+        # streams do; an HTTP/1.0 client (or one that asked to close) reads to the close instead
+        self._chunked = self.request_version == "HTTP/1.1" and not self.close_connection
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
-        self.close_connection = True
         self._streaming = True
         created, model = int(time.time()), self.server.model_name
         results: list[GenerationResult | None] = [None] * len(handles)
@@ -507,12 +520,13 @@ class _Handler(BaseHTTPRequestHandler):
         pending: list[bytes] = []  # events not written yet: those ready together go out in one write
         while any(result is None for result in results):
             if pending and events.empty():  # nothing more ready: out with them before waiting for more
-                self.wfile.write(b"".join(pending))
+                self._write_stream(b"".join(pending))
                 pending.clear()
             try:
                 position, item = events.get(timeout=POLL_S)
             except queue.Empty:
                 if self._client_gone():
+                    self.close_connection = True  # the stream is cut short: what was sent does not end its body
                     return self._cancel(handles, "client went away")
                 continue
             if item is END:  # the choice ended: its result (set right after END), or the error it failed with
@@ -542,7 +556,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             if request.include_usage:
                 pending.append(_event(openai_api.usage_chunk(request, request_id, model, created, results)))
-        self.wfile.write(b"".join(pending) + b"data: [DONE]\n\n")
+        self._write_stream(b"".join(pending) + b"data: [DONE]\n\n", last=True)
         if all(results):
             self._finished(request, results)
 
@@ -653,8 +667,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(error.status, error.body(), headers)
         self.server.log(f"{self.command} {self.path} {error.status}: {error}")
 
-    def _send_event(self, body: dict) -> None:
-        self.wfile.write(_event(body))
+    def _write_stream(self, data: bytes, last: bool = False) -> None:
+        """Part of a stream's body, in one write: a chunk of it when chunked, and after the last part the empty
+        chunk that ends the body."""
+        if self._stream_ended or not (data or last):  # nothing may follow the end; an empty chunk would be it
+            return
+        if self._chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data) + (b"0\r\n\r\n" if last else b"")
+        self._stream_ended = last
+        self.wfile.write(data)
 
     def _finished(self, request: ParsedRequest, results: list[GenerationResult]) -> None:
         """Into /metrics, and a line in the log."""

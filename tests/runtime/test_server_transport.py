@@ -109,3 +109,56 @@ def test_http_servers_own_refusals_come_in_openais_error_body_with_a_status_line
     code = status.split()[0]
     metrics = exchange(served, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").decode()
     assert re.search(f'aotlm:http_requests_total{{[^}}]*status="{code}"}} 1', metrics)
+
+
+def dechunk(data: bytes) -> tuple[bytes, bytes]:
+    """A chunked body's content, and what followed its last chunk on the connection (RFC 9112 7.1)."""
+    content = b""
+    while True:
+        size_line, data = data.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            assert data.startswith(b"\r\n"), data[:40]  # no trailers: the empty line ends the body
+            return content, data[2:]
+        content, data = content + data[:size], data[size:]
+        assert data.startswith(b"\r\n"), data[:40]
+        data = data[2:]
+
+
+def test_a_stream_ends_its_body_in_chunks_and_the_connection_serves_the_next_request(served):
+    """A stream had no length to give and closed its connection: every streamed request paid a new TCP connection
+    (and a client's pool saw it dropped). Its body now goes out chunked, as uvicorn's streams do."""
+    body = json.dumps({"prompt": "Once", "max_tokens": 5, "stream": True, "ignore_eos": True, "temperature": 0}).encode()
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    answer = exchange(served, request + SMUGGLED + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    head, rest = answer.split(b"\r\n\r\n", 1)
+    assert b"Transfer-Encoding: chunked" in head and b"Connection: close" not in head, head
+    stream, after = dechunk(rest)
+    events = [line for line in stream.decode().split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    pieces = [json.loads(event.removeprefix("data: "))["choices"][0]["text"] for event in events[:-1]]
+    assert "".join(pieces) == served.engine.generate("Once", max_new_tokens=5, ignore_eos=True).text
+    assert status_lines(after) == ["HTTP/1.1 200 OK", "HTTP/1.1 200 OK"]  # both, on the same connection
+
+
+def test_streams_and_responses_share_one_kept_alive_connection(served):
+    connection = http.client.HTTPConnection(*served.server_address[:2], timeout=30)
+    sockets = []
+    for stream in (True, False, True):
+        body = {"prompt": "Once", "max_tokens": 3, "stream": stream}
+        connection.request("POST", "/v1/completions", body=json.dumps(body).encode())
+        response = connection.getresponse()
+        payload = response.read()
+        assert response.status == 200 and not response.will_close
+        assert payload.endswith(b"data: [DONE]\n\n") if stream else json.loads(payload)["choices"]
+        sockets.append(connection.sock)
+    connection.close()
+    assert sockets[0] is not None and sockets.count(sockets[0]) == 3  # never reconnected
+
+
+def test_an_http_1_0_stream_reads_to_the_close(served):
+    body = json.dumps({"prompt": "Once", "max_tokens": 3, "stream": True}).encode()
+    answer = exchange(served, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    head, rest = answer.split(b"\r\n\r\n", 1)
+    assert b"Connection: close" in head and b"Transfer-Encoding" not in head, head
+    assert rest.startswith(b"data: ") and rest.endswith(b"data: [DONE]\n\n")  # unframed: the close ends it
