@@ -57,7 +57,8 @@ def add_serve_parser(commands) -> None:
                        help="prefill at most this many prompt tokens per step while others decode (default: whole)")
     serve.add_argument("--prefix-caching", action="store_true",
                        help="a prompt whose start a slot already holds (a system prompt, a chat's earlier turns, n "
-                            "samples of one prompt) prefills only the rest")
+                            "samples of one prompt) prefills only the rest; each free slot keeps one such record "
+                            "(at most --slots), the least recently left overwritten first")
     serve.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads")
     serve.add_argument("--max-connections", type=positive_int, default=None,
                        help="connections open at once, a thread each; one more is answered 503 and closed "

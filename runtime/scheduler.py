@@ -198,9 +198,11 @@ class Scheduler:
         self._releases = itertools.count(1)
         self._waiting: deque[_Sequence] = deque()
         # Tokens as they are made (a server's /metrics counters move every step, as vLLM's do, not at a request's end):
-        # prompt tokens and those of them found in the cache, counted at a request's first token; tokens chosen, a
-        # final stop token included. Written by the worker only.
-        self._token_counts = {"prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "generation_tokens": 0}
+        # prompt tokens, those looked up in the prefix cache and those found there (vLLM's prefix_cache_queries and
+        # _hits, in tokens), counted at a request's first token; tokens chosen, a final stop token included. Written
+        # by the worker only.
+        self._token_counts = {"prompt_tokens": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                              "generation_tokens": 0}
         self._lock = threading.Condition()  # guards _waiting, _worker, _closed
         self._worker: threading.Thread | None = None
         self._callbacks = CallbackThread()
@@ -398,8 +400,13 @@ class Scheduler:
                 holding = [] if sequence.scored else [s for s in free if self._slot_ids[s]]
                 reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids, backend), -s)
                                     for s in holding), default=(0, -slot))
-                slot = -slot if reused else min(free, key=lambda s: (bool(self._slot_ids[s]),
-                                                                     self._slot_released[s], s))
+                unwanted = min(free, key=lambda s: (bool(self._slot_ids[s]), self._slot_released[s], s))
+                # A slot whose record goes well past the shared start (a long conversation, where the prompt shares
+                # only a chat template's header) is kept if another free slot's is less wanted: the request goes
+                # there and copies the shared rows (_share_prefixes), as a block cache would add blocks beside them
+                if reused and len(self._slot_ids[-slot]) > reused + PREFIX_MIN_TOKENS and unwanted != -slot:
+                    reused = 0
+                slot = -slot if reused else unwanted
             free.remove(slot)
             sequence.slot, sequence.prefilled, sequence.cached = slot, reused, reused
             self._slot_ids[slot] = None  # its rows are the sequence's now
@@ -599,7 +606,9 @@ class Scheduler:
         counts = self._token_counts
         if len(sequence.token_times) == 1:  # its first token: its whole prompt is in
             counts["prompt_tokens"] += len(sequence.prompt_ids)
-            counts["prefix_cache_hit_tokens"] += sequence.cached
+            if self.engine.prefix_caching and not sequence.scored:  # a scored prompt does not look (_admit)
+                counts["prefix_cache_queries"] += len(sequence.prompt_ids)
+                counts["prefix_cache_hits"] += sequence.cached
         counts["generation_tokens"] += 1
         if token in sequence.stop_ids:
             sequence.stop_token = token

@@ -30,7 +30,9 @@ HISTOGRAMS = {
 COUNTERS = {  # the scheduler's counts (Scheduler.token_counts), as the tokens are made: a running request's count
     "prompt_tokens_total": "Prompt tokens of requests that made their first token.",
     "generation_tokens_total": "Tokens generated, as they are (a final stop token included).",
-    "prefix_cache_hit_tokens_total": "Prompt tokens reused from the cache instead of prefilled.",
+    # vLLM's names: dashboards take the hit rate as hits / queries
+    "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache (with prefix caching on).",
+    "prefix_cache_hits_total": "Prompt tokens of those found in the cache, reused instead of prefilled.",
 }
 
 

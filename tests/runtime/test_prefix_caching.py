@@ -492,3 +492,30 @@ def test_scored_rows_are_reusable_on_a_float_cache_only():
     assert scored_rows_reusable(SimpleNamespace(cache_dtype=np.float32))
     assert scored_rows_reusable(SimpleNamespace(cache_dtype=np.float16))
     assert not scored_rows_reusable(SimpleNamespace(cache_dtype=np.int8))
+
+
+def test_a_new_chat_sharing_only_a_header_leaves_a_conversations_slot_alone(cached, tiny_engine):
+    """Every chat of one template shares its header (SmolLM2's: 24 tokens). A new chat went to the free slot that
+    held most of its start, a conversation's, and wrote over the conversation while another slot sat empty. It now
+    takes the empty slot, copies the header from the conversation's record, and the conversation's next turn still
+    finds all of it; the counters (vLLM's prefix_cache_queries and _hits, in tokens) say what happened."""
+    rng = np.random.default_rng(5)
+    header = [1] + rng.integers(3, 500, size=19).tolist()
+    conversation = header + rng.integers(3, 500, size=40).tolist()
+    newcomer = header + rng.integers(3, 500, size=8).tolist()
+    try:
+        scheduler = cached.start_scheduler(slots=2)
+        first = cached.submit(conversation, max_new_tokens=5, ignore_eos=True).result(timeout=60)
+        other = cached.submit(newcomer, max_new_tokens=5, ignore_eos=True).result(timeout=60)
+        follow_up = conversation + first.token_ids + [9, 10]
+        again = cached.submit(follow_up, max_new_tokens=5, ignore_eos=True).result(timeout=60)
+        counts = scheduler.token_counts()
+    finally:
+        cached.close()
+    assert other.timings.cached_prompt_tokens == len(header)  # copied from the conversation's record
+    assert again.timings.cached_prompt_tokens == len(conversation) + 5 - 1  # the record is whole
+    for result in (other, again):
+        assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5,
+                                                        ignore_eos=True).token_ids
+    assert counts["prefix_cache_queries"] == len(conversation) + len(newcomer) + len(follow_up)
+    assert counts["prefix_cache_hits"] == len(header) + len(conversation) + 5 - 1

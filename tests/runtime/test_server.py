@@ -953,15 +953,15 @@ def test_metrics_histograms_and_counters_of_hand_made_traces():
     metrics.finished(finished(arrival=0.0, prefill_start=0.0, token_times=[3000.0], finish=3000.0, prompt_tokens=5))
     metrics.finished(GenerationResult("", [], [], "cancelled", None))  # cancelled before its first token: not counted
     scheduler = SimpleNamespace(counts=lambda: (3, 5), slots=8, token_counts=lambda: {  # the scheduler's, as made
-        "prompt_tokens": 15, "generation_tokens": 4, "prefix_cache_hit_tokens": 4})
+        "prompt_tokens": 15, "generation_tokens": 4, "prefix_cache_queries": 10, "prefix_cache_hits": 4})
     series = exposition_series(metrics.render("m", scheduler))
 
     def value(name, le=None):
         return series[f'aotlm:{name}{{model_name="m"' + ("" if le is None else f',le="{le}"') + "}"]
 
     assert (value("num_requests_running"), value("num_requests_waiting"), value("kv_cache_slots")) == (3, 5, 8)
-    assert (value("prompt_tokens_total"), value("generation_tokens_total"), value("prefix_cache_hit_tokens_total")) \
-        == (15, 4, 4)
+    assert (value("prompt_tokens_total"), value("generation_tokens_total"), value("prefix_cache_queries_total"),
+            value("prefix_cache_hits_total")) == (15, 4, 10, 4)
     ttft = "time_to_first_token_seconds"
     assert [value(f"{ttft}_bucket", le) for le in ("0.25", "0.5", "2560.0", "+Inf")] == [0, 1, 1, 2]
     assert (value(f"{ttft}_count"), value(f"{ttft}_sum")) == (2, 3000.5)
