@@ -24,7 +24,7 @@ import onnx
 
 from compiler.errors import BuildError
 from compiler.pass_reports import PHASES_OPTION, PassResult
-from passes.cleanup import SHAPE_DATA_MAX_BYTES, tensor_nbytes, without_any_initializers
+from passes.cleanup import SHAPE_DATA_MAX_BYTES, shape_skeleton, tensor_nbytes, without_any_initializers
 from passes.errors import PassError
 from passes.quantize import methods_used
 from passes.registry import PASSES, PassEntry
@@ -70,6 +70,13 @@ ORDER_RULES = (
      "not take as constant weights: prefill would keep them float, and an AWQ scale folded into decode's value "
      "columns would not be in prefill's, so the two graphs would write different values to the cache; list "
      "slice_packed_weights after quantize (it then cuts the quantized codes)"),
+    ("cleanup", "dequantize_weights", False,
+     "cleanup would fold at build time the unpacking dequantize_weights leaves to the session load, storing each "
+     "weight again as int8 beside its 4-bit codes (an int4 artifact's weights.bin grew 2.7-fold); list cleanup "
+     "before it"),
+    ("cleanup", "slice_packed_weights", False,
+     "cleanup would fold prefill's slices of the packed weights into copies stored beside them; list cleanup "
+     "before it"),
     ("quantize", "skip_unused_rows", False,
      "its calibration must see every row of the last layer, which skip_unused_rows drops from the prefill graph; "
      "list skip_unused_rows after quantize"),
@@ -292,19 +299,16 @@ def check_pass_result(name: str, phase: str, before: onnx.ModelProto, after: onn
     """Raises BuildError, naming the pass and phase, when `after` is not a valid model or lost its I/O names."""
     if not isinstance(after, onnx.ModelProto):
         raise BuildError(f"pass '{name}' ({phase}) returned a {type(after).__name__}, not an onnx.ModelProto")
-    skeleton = checkable_copy(after, name, phase)
-    # onnxruntime defines a few ops in the default ONNX domain that the checker has no schema for: check them
-    # as if they were in a custom domain (whose nodes it accepts).
-    for node in skeleton.graph.node:
-        if not node.domain and node.op_type in RUNTIME_DEFINED_DEFAULT_DOMAIN_OPS:
-            node.domain = "com.microsoft"
+    skeleton = _as_checked(checkable_copy(after, name, phase))
     try:
         # Nodes of domains the checker does not know (aotlm, com.microsoft) pass as long as the model
-        # imports their domain; full_check=False skips shape inference, which cannot type them.
+        # imports their domain; shape inference runs below, on the weights' types and shapes only.
         onnx.checker.check_model(skeleton, full_check=False)
     except onnx.checker.ValidationError as error:
-        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        raise BuildError(f"pass '{name}' produced an invalid {phase} graph: {message}") from None
+        raise BuildError(f"pass '{name}' produced an invalid {phase} graph: {_one_line(error)}") from None
+    shape_error = _shape_error(after)
+    if shape_error and not _shape_error(before):  # a graph whose shapes did not check before is not this pass's
+        raise BuildError(f"pass '{name}' produced a {phase} graph whose shapes do not check: {shape_error}")
     if report.get("changes_io"):
         return
     for kind in ("input", "output"):
@@ -314,6 +318,29 @@ def check_pass_result(name: str, phase: str, before: onnx.ModelProto, after: onn
             raise BuildError(
                 f"pass '{name}' changed the {phase} graph's {kind}s from {names_before} to {names_after}; "
                 f"a pass that means to must say changes_io: True in its report")
+
+
+def _as_checked(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxruntime defines a few ops in the default ONNX domain that onnx has no schema for: checked as if they
+    were in a custom domain (whose nodes the checker accepts and shape inference passes over)."""
+    for node in model.graph.node:
+        if not node.domain and node.op_type in RUNTIME_DEFINED_DEFAULT_DOMAIN_OPS:
+            node.domain = "com.microsoft"
+    return model
+
+
+def _shape_error(model: onnx.ModelProto) -> str | None:
+    """Why strict shape inference refuses `model` (a MatMul of sizes that cannot meet, a Reshape of the wrong
+    count), or None: caught at the pass that made it rather than as onnxruntime's error at the session load."""
+    try:
+        onnx.shape_inference.infer_shapes(_as_checked(shape_skeleton(model)), strict_mode=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as error:
+        return _one_line(error)
+    return None
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 TYPED_DATA_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")

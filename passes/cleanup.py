@@ -347,6 +347,19 @@ def _rewire_consumers(duplicate: gs.Tensor, keep: gs.Tensor) -> None:
                 node.inputs[index] = keep
 
 
+def shape_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` as shape inference needs it: large weights as typed graph inputs, small initializers kept (data
+    propagation reads their values: Reshape targets, Slice bounds)."""
+    skeleton = without_any_initializers(model)
+    input_names = {value.name for value in model.graph.input}
+    for tensor in model.graph.initializer:
+        if tensor_nbytes(tensor) <= SHAPE_DATA_MAX_BYTES:
+            skeleton.graph.initializer.append(tensor)
+        elif tensor.name not in input_names:  # an initializer listed as an input is typed there already
+            skeleton.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    return skeleton
+
+
 def inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.ValueInfoProto]:
     """ONNX shape inference (with data propagation) run on the graph without its large weights.
 
@@ -355,15 +368,8 @@ def inferred_value_info(model: onnx.ModelProto, report: dict) -> list[onnx.Value
     small initializers stay, since data propagation reads their values (Reshape targets, Slice bounds).
     A graph ONNX cannot type gets no shapes, and the reason goes in the report.
     """
-    skeleton = without_any_initializers(model)
-    input_names = {value.name for value in model.graph.input}
-    for tensor in model.graph.initializer:
-        if tensor_nbytes(tensor) <= SHAPE_DATA_MAX_BYTES:
-            skeleton.graph.initializer.append(tensor)
-        elif tensor.name not in input_names:  # an initializer listed as an input is typed there already
-            skeleton.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
     try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(shape_skeleton(model), strict_mode=False, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as error:
         report["shape_inference_skipped"] = str(error).splitlines()[0]
         return list(model.graph.value_info)

@@ -87,7 +87,8 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         float_bytes += rewrite(graph, node)
         rewritten.append(node.name)
     report = {"applied": bool(rewritten), "rewritten": rewritten, "kept": kept,
-              "reason": None if rewritten else "no MatMulNBits to rewrite",
+              "reason": None if rewritten else ("no MatMulNBits to rewrite" if not kept else
+                                                 f"every MatMulNBits left is kept ({len(kept)}: see kept)"),
               "float_weight_bytes_at_load": float_bytes}  # what the session builds (before its packed copies)
     if not rewritten:
         report["nodes"] = {"before": nodes_before, "after": nodes_before}

@@ -38,6 +38,9 @@ from passes.graph_patterns import (SkipReason, as_float, constant, layer_name, n
                                     scaled_operand, walk_up, walk_up_scaled, weight_shape)
 from passes.rotary_probe import check_tables
 
+# Nodes that hold a whole attention: fuse_attention's own and the lowerings' (a graph fused already)
+ALREADY_FUSED_OPS = (op.OP_TYPE, "GroupQueryAttention", "Attention")
+
 THROUGH_CACHE_READ = {"Transpose", "Unsqueeze", "Reshape", "Expand", "Slice", "Identity", "Cast"}
 THROUGH_HEAD_SPLIT = {"Transpose", "Reshape", "Identity"}
 
@@ -418,6 +421,10 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     matches = _keep_checked(matches, layers, check_blocks(graph, matches))
     unfused = [layer for layer in layers if not layer["fused"]]
     if options.required and (unfused or not layers):
+        fused_before = [n for n in graph.nodes if n.op in ALREADY_FUSED_OPS]
+        if not layers and fused_before:  # a graph fused already (fuse_attention listed twice): nothing is unfused
+            raise PassError(f"the attention is fused already ({len(fused_before)} {fused_before[0].op} nodes, e.g. "
+                            f"{fused_before[0].name}); list fuse_attention once in the recipe")
         first = unfused[0] if unfused else {"layer": "graph", "reason": "no Softmax (attention) found"}
         raise PassError(f"fusion required but {len(unfused) or 1} attention block(s) not fused; "
                         f"first: {first['layer']}: {first['reason']}")

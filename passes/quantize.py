@@ -31,6 +31,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -393,8 +394,9 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]  # keep input intact
     quantized = [n for n in graph.nodes if n.op in ("MatMulNBits", "DequantizeLinear", "GatherBlockQuantized")]
     if quantized:  # a second run would find no float weight and quietly quantize nothing
-        raise PassError(f"quantize: the graph's weights are already quantized ({len(quantized)} {quantized[0].op} "
-                        f"nodes, e.g. {quantized[0].name}); list quantize once in the recipe and give layers other "
+        kinds = ", ".join(f"{count} {kind}" for kind, count in Counter(n.op for n in quantized).items())
+        raise PassError(f"quantize: the graph's weights are already quantized ({kinds} nodes, e.g. "
+                        f"{quantized[0].name}); list quantize once in the recipe and give layers other "
                         f"bits with `overrides`")
     targets, skipped = find_targets(graph, options)
     calibration = options.calibration if isinstance(options.calibration, CalibrationSet) else None

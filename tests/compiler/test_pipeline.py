@@ -101,6 +101,29 @@ def test_invalid_model_names_pass_and_phase(monkeypatch):
         run_pipeline(phases(), [Spec("break_graph")])
 
 
+def with_constant(model: onnx.ModelProto, shape: tuple[int, ...]) -> onnx.ModelProto:
+    """`model` with its Add's constant reshaped to `shape` (3 values either way): [3] adds to x's [3]; [3, 1]
+    broadcasts; [1, 3] too; a size that cannot broadcast ([2]) does not check."""
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    values = np.ones(shape, np.float32)
+    changed.graph.node[0].attribute[0].t.CopyFrom(numpy_helper.from_array(values))
+    return changed
+
+
+def test_a_graph_whose_shapes_cannot_check_names_the_pass_that_made_it(monkeypatch):
+    """A pass that gave a weight sizes its product cannot take was accepted (the checker ran without shape
+    inference) and failed as onnxruntime's error at the session load, naming no pass."""
+    register(monkeypatch, "resize_constant", lambda model, options: (with_constant(model, (2,)), {}))
+    with pytest.raises(BuildError, match=r"pass 'resize_constant' produced a prefill graph whose shapes do not "
+                                         r"check: .*Add"):
+        run_pipeline(phases(), [Spec("resize_constant")])
+    # a graph that did not check before the pass is not the pass's doing: it runs on
+    broken = {phase: with_constant(model, (2,)) for phase, model in phases().items()}
+    register(monkeypatch, "identity", lambda model, options: (model, {}))
+    run_pipeline(broken, [Spec("identity")])
+
+
 def test_changed_io_names_fail_unless_declared(monkeypatch):
     def rename_output(model, options):
         return make_phase(output_name="renamed"), {}
@@ -450,6 +473,11 @@ def specs(*names):
     # a rule without the lowering exception holds whatever lies between
     (("fuse_rotary", "lower_onnxruntime", "fuse_attention"), "passes[2] (fuse_attention) comes after passes[0] "
                                                              "(fuse_rotary): fuse_attention reads the rotary math"),
+    # a cleanup after the passes that leave work to the session load would fold it at build, storing weights twice
+    (("cleanup", "quantize", "dequantize_weights", "cleanup"), "passes[3] (cleanup) comes after passes[2] "
+                                                               "(dequantize_weights): cleanup would fold at build"),
+    (("cleanup", "slice_packed_weights", "cleanup"), "passes[2] (cleanup) comes after passes[1] "
+                                                     "(slice_packed_weights): cleanup would fold prefill's slices"),
 ])
 def test_an_order_rule_is_excused_only_by_a_lowering_between_and_only_where_it_says(names, refused):
     with pytest.raises(BuildError) as error:

@@ -172,6 +172,17 @@ def test_a_broken_layer_is_reported_and_can_fail_the_build(decoder_graphs):
         run_pipeline({"decode": broken}, [Spec()])
 
 
+def test_a_required_fusion_of_a_graph_fused_already_says_so(decoder_graphs):
+    """fuse_attention listed twice with required: true said "1 attention block(s) not fused: no Softmax" of a graph
+    whose every block was fused."""
+    fused, _ = fuse_attention.run(decoder_graphs["decode"], fuse_attention.Options())
+    with pytest.raises(PassError, match=r"^the attention is fused already \(2 FlashAttention nodes, .*\); list "
+                                        r"fuse_attention once"):
+        fuse_attention.run(fused, fuse_attention.Options(required=True))
+    _, report = fuse_attention.run(fused, fuse_attention.Options())  # not required: idle, as before
+    assert report["fused"] == 0
+
+
 def test_probabilities_read_by_a_second_node_keep_their_layer_unfused(decoder_graphs):
     """Layer 1's Softmax also feeds an extra graph output through a Relu: fused, its probabilities would no longer
     be computed for that reader. The layer stays unfused, said why, and the graph computes what it did."""

@@ -208,6 +208,19 @@ def test_quantizing_a_quantized_graph_again_is_an_error(lowering):
         quantize.run(once, quantize.Options(bits=8))
 
 
+def test_the_refusal_to_quantize_again_counts_each_kind_of_node():
+    """The refusal gave every quantized node's count under the first one's kind (10 GatherBlockQuantized where a
+    graph held 9 MatMulNBits and 1 GatherBlockQuantized)."""
+    once = onnx.ModelProto()
+    once.CopyFrom(matmul_model(random_weight()))
+    once.graph.node.append(onnx.helper.make_node("GatherBlockQuantized", ["table", "ids", "scales"], ["rows"],
+                                                 name="embed_q4", domain="com.microsoft"))
+    once.graph.node.append(onnx.helper.make_node("MatMulNBits", ["X", "codes", "scales"], ["product"],
+                                                 name="proj_q4", domain="com.microsoft"))
+    with pytest.raises(PassError, match=r"already quantized \(1 GatherBlockQuantized, 1 MatMulNBits nodes"):
+        quantize.run(once, quantize.Options(bits=8))
+
+
 def test_an_exclude_pattern_that_matches_nothing_is_an_error():
     with pytest.raises(PassError, match=re.escape("pattern(s) exclude '*lm_head*' match no MatMul")):
         quantize.run(matmul_model(random_weight()), quantize.Options(exclude=("proj", "*lm_head*")))
