@@ -3,7 +3,6 @@ runtime), read from the source: an import added against them fails here, not in 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
