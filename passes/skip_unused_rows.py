@@ -57,6 +57,7 @@ REDUCTIONS = {"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2"}  # kept 
 # Outputs [B, S, ...] of these ops have the batch and sequence of their query input, even where no shape is known.
 SEQUENCE_KEEPING = {"GroupQueryAttention", "MultiHeadAttention", "Attention", "FlashAttention"}
 SQUEEZE_AXES_AS_INPUT_OPSET = 13
+MOVED_FLATTEN = "_moved_0_flatten"  # how the rewrite names the Flatten of its first frontier tensor (rewrite)
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,9 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
         f"opset {opset}: the inserted Squeeze/Unsqueeze take their axes as an input from opset "
         f"{SQUEEZE_AXES_AS_INPUT_OPSET}")
     if isinstance(found, str):
+        earlier = next((n.name for n in graph.nodes if n.op == "Flatten" and n.name.endswith(MOVED_FLATTEN)), None)
+        if earlier:  # its own rewrite: the selection now reads rows a node outside it also reads
+            found = f"the unused rows are skipped already ({earlier}: an earlier skip_unused_rows); list it once"
         return model, {"applied": False, "reason": found, "moved": [], "frontier": [],
                        "nodes": {"before": nodes_before, "after": nodes_before}}
     rewrite(graph, found)

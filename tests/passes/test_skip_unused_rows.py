@@ -73,6 +73,9 @@ def test_default_passes_then_skip_moves_the_last_layer_after_attention(decoder_g
     assert not reports["decode"]["applied"] and "every position's logits" in reports["decode"]["reason"]
     assert skipped["decode"] is graphs["decode"]
     assert_same_generation(graphs, skipped)
+    again, again_report = skip_unused_rows.run(skipped["prefill"], skip_unused_rows.Options())  # listed twice
+    assert again is skipped["prefill"] and not again_report["applied"]
+    assert again_report["reason"].startswith("the unused rows are skipped already (")  # not "... also read outside"
 
 
 def test_unfused_graph_moves_its_norm_math_too(decoder_graphs):  # noqa: F811
