@@ -44,12 +44,15 @@ BENCH_PHASE = {"prompt_lengths": ("prefill", None), "runs": ("prefill", 5), "con
 
 def _build(args) -> None:
     from compiler.build import build
-    from compiler.recipe import ignored_settings, load_recipe
+    from compiler.recipe import find_recipe, ignored_settings, load_recipe
 
     if not args.output.strip():  # an unset $OUT: it built into the current folder
         raise UsageError("--output is empty (an unset variable?); give the folder that receives <name>/, e.g. "
                          "artifacts")
-    recipe = load_recipe(args.recipe)
+    path = find_recipe(args.recipe)
+    if not Path(args.recipe).is_file():  # a name: say which file it is
+        message(f"recipe {escape(args.recipe)}: {escape(str(path))} (it comes with aotlm)")
+    recipe = load_recipe(path)
     for text in ignored_settings(recipe):
         warning(text)
     started = time.perf_counter()
@@ -179,11 +182,14 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     config = manifest["model"]["config"]
     out.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}, built {manifest['created']}",
                   highlight=False)
-    source = (manifest.get("tools") or {}).get("aotlm_source")
+    tools = manifest.get("tools") or {}
+    source = tools.get("aotlm_source")
+    built_by = f"built by aotlm {tools['aotlm']}" if isinstance(tools.get("aotlm"), str) else ""
     if isinstance(source, dict) and source.get("commit"):  # which compiler built it (older builds: unrecorded)
-        out.print(escape(f"built by aotlm at commit {str(source['commit'])[:12]}"
-                         + (" with uncommitted changes to compiler/ or passes/" if source.get("modified") else "")),
-                  highlight=False)
+        built_by = ((built_by or "built by aotlm") + f" at commit {str(source['commit'])[:12]}"
+                    + (" with uncommitted changes to compiler/, passes/ or runtime/" if source.get("modified") else ""))
+    if built_by:  # a wheel's build records its version and no commit
+        out.print(escape(built_by), highlight=False)
     out.print(f"model: {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
                   f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}; "
                   f"source {manifest['model']['source'].get('kind')} {escape(str(manifest['model']['source'].get('path', '')))}",
@@ -473,11 +479,21 @@ def _aotlm_version() -> str:
     return f"{installed} ({commit})" if commit else installed
 
 
+class _PrintVersion(argparse.Action):
+    """--version, read only when asked for (a checkout's version runs git)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"aotlm {_aotlm_version()}")
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="aotlm", description="Ahead-of-time compiler for language-model inference")
+    root.add_argument("--version", action=_PrintVersion, nargs=0, help="print aotlm's version and exit")
     commands = root.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="build a recipe into artifacts/<name>/")
-    build.add_argument("recipe", help="the recipe YAML file (see recipes/)")
+    build.add_argument("recipe", help="the recipe YAML file, or the name of one that comes with aotlm "
+                                      "(smollm2-135m; an unknown name lists them)")
     build.add_argument("--output", default="artifacts", help="folder that receives <name>/ (default: artifacts)")
     build.set_defaults(handler=_build)
     run = commands.add_parser("run", help="generate from an artifact, then print timings")

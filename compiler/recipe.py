@@ -22,6 +22,7 @@ import difflib
 import math
 import os
 import re
+import sysconfig
 import types
 import typing
 from dataclasses import dataclass, field
@@ -166,13 +167,38 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_recipe(path: str | os.PathLike) -> Recipe:
-    """Read and validate a recipe file; every problem raises one RecipeError."""
+def bundled_recipes() -> dict[str, Path]:
+    """The recipes that come with aotlm, by name: a wheel installs them in <prefix>/share/aotlm/recipes
+    (pyproject's data-files); a source checkout has them in recipes/."""
+    found: dict[str, Path] = {}
+    for folder in (Path(sysconfig.get_path("data")) / "share" / "aotlm" / "recipes",
+                   Path(__file__).resolve().parents[1] / "recipes"):
+        if folder.is_dir():
+            for recipe in sorted(folder.glob("*.yaml")):
+                found.setdefault(recipe.stem, recipe)
+    return found
+
+
+def find_recipe(path: str | os.PathLike) -> Path:
+    """The recipe file `path` names: the file, else the recipe that comes with aotlm of that name (`smollm2-135m`,
+    or `recipes/smollm2-135m.yaml` run from outside a checkout); RecipeError listing them when neither is."""
     p = Path(path)
     if p.is_dir():
         raise RecipeError(f"{path}: a folder, not a recipe file; give the YAML file, e.g. recipes/smollm2-135m.yaml")
-    if not p.is_file():
-        raise RecipeError(f"recipe not found: {path}")
+    if p.is_file():
+        return p
+    bundled = bundled_recipes()
+    named_only = p.parent in (Path("."), Path("recipes")) and p.suffix in ("", ".yaml")
+    if named_only and p.stem in bundled:
+        return bundled[p.stem]
+    listed = ", ".join(bundled) or "none found"
+    raise RecipeError(f"recipe not found: {path}; give a recipe file, or the name of one that comes with aotlm: "
+                      f"{listed}")
+
+
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    """Read and validate a recipe file; every problem raises one RecipeError."""
+    p = path = find_recipe(path)
     try:
         data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:

@@ -258,7 +258,7 @@ class Engine:
                 if missing.name != "onnxruntime":
                     raise
                 raise ArtifactError(f"{folder}: its engines run on onnxruntime, which is not installed: pip install "
-                                    f"'aotlm[cpu]' (or 'aotlm[gpu]' on an NVIDIA GPU)") from None
+                                    f"'aotlm[cpu]' (they run on the CPU, on any machine)") from None
 
             backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spinning_phases=spinning_phases)
         else:
@@ -266,7 +266,8 @@ class Engine:
                                 f"'tensorrt' artifacts")
         tokenizer_info = manifest["tokenizer"]
         tokenizer = TextTokenizer(folder / tokenizer_info["file"], tokenizer_info.get("bos_token_id"),
-                                  manifest["model"]["config"]["vocab_size"])
+                                  manifest["model"]["config"]["vocab_size"],
+                                  (manifest.get("tools") or {}).get("tokenizers"))
         engine = cls(folder, manifest, backend, tokenizer)
         engine.prefix_caching = prefix_caching
         try:

@@ -21,6 +21,26 @@ import onnxruntime as ort
 from runtime.errors import ArtifactError, RequestError
 from runtime.huge_pages import advise
 
+
+def _one_onnxruntime() -> None:
+    """onnxruntime and onnxruntime-gpu install the same `onnxruntime` module: with both, the files of the one
+    installed last overlay the other's, versions mixed (pip warns of neither). Said once, at import."""
+    from importlib import metadata
+
+    installed = []
+    for name in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            installed.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    if len(installed) == 2:
+        warnings.warn(f"both {' and '.join(installed)} are installed, into one `onnxruntime` module; uninstall both "
+                      f"(pip uninstall -y onnxruntime onnxruntime-gpu) and install one: aotlm[cpu] or aotlm[gpu]",
+                      stacklevel=2)
+
+
+_one_onnxruntime()
+
 OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -124,9 +144,21 @@ def check_io(session: ort.InferenceSession, engine: dict, path: Path) -> None:
                                 f"{want}): the file is not the engine the manifest describes; rebuild the artifact")
 
 
+# The oldest onnxruntime whose GroupQueryAttention has the outputs lower_onnxruntime declares (output_qk, 1.23):
+# pyproject's floor. An older one built artifacts that not even it could load.
+MIN_ONNXRUNTIME = "1.23"
+
+
+def check_installed(installed: str) -> None:
+    if _release(installed) < _release(MIN_ONNXRUNTIME):
+        raise ArtifactError(f"onnxruntime {installed} is installed; aotlm's graphs need {MIN_ONNXRUNTIME} or later "
+                            f"(GroupQueryAttention's outputs): pip install -U 'onnxruntime>={MIN_ONNXRUNTIME}'")
+
+
 def check_version(built: str | None, installed: str) -> None:
     """An onnxruntime older than the one that built the graphs may lack their operators (com.microsoft contrib ops
     gain inputs and types release by release): refused with the fix. A newer one runs them."""
+    check_installed(installed)
     if built is not None and not (built[:1].isdigit() and "." in built):  # "abc" read as 0.0.0: anything passed
         raise ArtifactError(f"backend.version {built!r} in the manifest is not an onnxruntime version; the manifest "
                             f"was edited: rebuild the artifact")

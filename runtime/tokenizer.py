@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+import tokenizers
 from tokenizers import Tokenizer
 
 from runtime.errors import ArtifactError, RequestError
@@ -60,14 +61,29 @@ def _panic_error(error: BaseException, what: str) -> ArtifactError:
                          f"tokenizer.json cannot handle it")
 
 
+def _older(installed: str, other: str) -> bool:
+    """Whether release `installed` comes before `other` ("0.19.1" < "0.22.0"); False where either does not parse."""
+    def release(version: str) -> tuple[int, ...] | None:
+        parts = version.split("+")[0].split(".")[:3]
+        return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None
+    mine, theirs = release(installed), release(other)
+    return mine is not None and theirs is not None and mine < theirs
+
+
 class TextTokenizer:
-    def __init__(self, path: str | Path, bos_token_id: int | None = None, vocab_size: int | None = None):
+    def __init__(self, path: str | Path, bos_token_id: int | None = None, vocab_size: int | None = None,
+                 built_with: str | None = None):
         """vocab_size: the model's (Engine.load passes its manifest's), which decode checks ids against; the
-        tokenizer's own size when not given."""
+        tokenizer's own size when not given. built_with: the tokenizers release that wrote the file (the manifest's
+        tools), named when the installed one is older and cannot read it."""
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # tokenizers raises a bare Exception on a bad file
-            raise ArtifactError(f"{path}: cannot read the tokenizer ({error}); rebuild the artifact") from None
+            installed = tokenizers.__version__
+            fix = (f"tokenizers {installed} is installed and {built_with} wrote it: pip install -U "
+                   f"'tokenizers>={built_with}'" if isinstance(built_with, str) and _older(installed, built_with)
+                   else "rebuild the artifact")
+            raise ArtifactError(f"{path}: cannot read the tokenizer ({str(error)[:300]}); {fix}") from None
         self.tokenizer = whole_text(self.tokenizer)
         self.bos_token_id = bos_token_id
         self.vocab_size = vocab_size if vocab_size is not None else self.tokenizer.get_vocab_size(with_added_tokens=True)

@@ -67,7 +67,17 @@ LOWERINGS = ("lower_onnxruntime", "lower_onnx_attention")  # FlashAttention -> o
 
 
 def check_recipe(recipe) -> None:
-    """Pass orders that would build a graph onnxruntime cannot load, refused before the slow export."""
+    """Pass orders that would build a graph onnxruntime cannot load, refused before the slow export; so is an
+    onnxruntime too old to load what the build writes."""
+    import onnxruntime
+
+    from runtime.onnxruntime_backend import check_installed
+    from runtime.errors import ArtifactError
+
+    try:
+        check_installed(onnxruntime.__version__)
+    except ArtifactError as error:
+        raise BuildError(str(error)) from None
     names = [spec.name for spec in recipe.passes]
     if "lower_tensorrt" in names:
         raise BuildError(f"passes[{names.index('lower_tensorrt')}]: lower_tensorrt emits TensorRT plugin nodes, which "

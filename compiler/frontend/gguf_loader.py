@@ -11,6 +11,7 @@ import hashlib
 import os
 from importlib import metadata
 import re
+import struct
 import sys
 
 import numpy as np
@@ -146,6 +147,12 @@ def _open_reader(path: str):
             raise BuildError(f"{path}: GGUF version {version}, which the gguf package here does not read (it reads "
                              f"versions {', '.join(map(str, gguf.gguf_reader.READER_SUPPORTED_VERSIONS))}); convert "
                              f"the model again with a current llama.cpp, or upgrade the gguf package")
+        if version is not None and not isinstance(error, (ValueError, IndexError, struct.error, OverflowError)):
+            # An AttributeError or TypeError: the gguf package and numpy here do not work together (gguf 0.11 with
+            # numpy 2), whatever the file holds
+            raise BuildError(f"{path}: the gguf package {_installed('gguf')} could not read it with numpy "
+                             f"{_installed('numpy')} ({type(error).__name__}: {str(error)[:200]}); pip install -U "
+                             f"gguf (aotlm needs 0.16 or later)") from None
         if version is not None:
             # A GGUF of a version the reader takes, whose reading then ran past the data it found: the usual cause
             # is a download or copy cut short, whose own error ("cannot reshape ...") says nothing of it.
@@ -171,6 +178,13 @@ def _open_reader(path: str):
                          f"with gguf-py's `gguf-convert-endian {os.path.basename(path)} {sys.byteorder}` (on a copy: "
                          f"it converts in place), or use a {sys.byteorder}-endian download of the model")
     return reader
+
+
+def _installed(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 def _gguf_version(path: str) -> int | None:

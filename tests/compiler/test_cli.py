@@ -81,7 +81,32 @@ def test_the_manifest_names_the_commit_that_built_it_and_inspect_says_it(capsys,
         return
     assert source["commit"] == head and isinstance(source["modified"], bool)
     status, output = run_cli(capsys, "inspect", tiny_artifact)
-    assert status == 0 and f"built by aotlm at commit {head[:12]}" in output, output
+    version = json.loads((tiny_artifact / "manifest.json").read_text())["tools"]["aotlm"]
+    assert status == 0 and f"built by aotlm {version} at commit {head[:12]}" in output, output
+
+
+def test_inspect_names_the_aotlm_release_of_a_wheels_build(capsys, tiny_artifact, tmp_path):
+    """A wheel's build records its version and no commit: inspect said nothing of what built it."""
+    import shutil
+
+    copy = tmp_path / "artifact"
+    shutil.copytree(tiny_artifact, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["tools"].update(aotlm="0.1.0", aotlm_source=None)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    status, output = run_cli(capsys, "inspect", copy)
+    assert status == 0 and "built by aotlm 0.1.0\n" in output and "at commit" not in output, output
+
+
+def test_version_prints_the_release(capsys):
+    from importlib.metadata import version
+
+    from compiler.cli import main
+
+    with pytest.raises(SystemExit) as exited:  # argparse's --help and --version exit
+        main(["--version"])
+    output = capsys.readouterr().out
+    assert exited.value.code == 0 and output.startswith(f"aotlm {version('aotlm')}"), output
 
 
 def test_a_change_to_the_runtime_marks_the_source_modified(tmp_path):

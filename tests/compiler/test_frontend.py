@@ -526,7 +526,7 @@ def test_a_gguf_without_its_norm_epsilon_or_context_length_is_refused(tmp_path, 
         load_gguf(str(tmp_path / "bare.gguf"))
 
 
-def test_missing_paths_and_files_are_named(tmp_path):
+def test_missing_paths_and_files_are_named(tmp_path, monkeypatch):
     missing = str(tmp_path / "nowhere.gguf")
     with pytest.raises(BuildError, match="nowhere.gguf"):
         load_model("gguf", missing, None, 0)
@@ -539,6 +539,16 @@ def test_missing_paths_and_files_are_named(tmp_path):
         with pytest.raises(BuildError, match=rf"cut.gguf starts as a GGUF file but could not be read to its end "
                                              rf"\(.*\); it holds {kept:,} bytes, .* \(a download or copy cut short\)"):
             load_gguf(str(tmp_path / "cut.gguf"))
+    # gguf 0.11 under numpy 2 raised AttributeError ('numpy.ndarray' object has no attribute 'newbyteorder') on a
+    # whole file, which was called a download cut short
+    def incompatible(*args, **kwargs):
+        raise AttributeError("'numpy.ndarray' object has no attribute 'newbyteorder'")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf.GGUFReader, "_build_tensors", incompatible)
+        with pytest.raises(BuildError, match=r"whole.gguf: the gguf package .* could not read it with numpy .*"
+                                             r"\(AttributeError: .*newbyteorder'\); pip install -U gguf"):
+            load_gguf(str(tmp_path / "whole.gguf"))
     (tmp_path / "v1.gguf").write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(64))  # not cut short: too old
     with pytest.raises(BuildError, match=r"v1.gguf: GGUF version 1, which the gguf package here does not read \(it "
                                          r"reads versions 2, 3\); convert the model again"):

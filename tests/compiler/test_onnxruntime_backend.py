@@ -4,6 +4,8 @@ shared page-aligned weights file, and the manifest's engines and backend section
 End-to-end builds of the tiny model are in tests/compiler/test_build.py; these use graphs made by hand."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import onnx
 import pytest
@@ -132,3 +134,11 @@ def test_a_prefill_takes_a_past_only_when_every_layers_attention_reads_the_cache
     assert not onnxruntime_backend.takes_past(  # keys from the cache, values from a float copy (int8 cache's prefill)
         _attention_graph(2, lambda i: [f"past_key_values.{i}.key", f"float_past.{i}.value"]), aliases)
     assert not onnxruntime_backend.takes_past(_attention_graph(0, own), {})  # unfused: attends to its own tokens
+
+
+def test_a_build_with_too_old_an_onnxruntime_is_refused_before_the_export(monkeypatch):
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.20.0")
+    with pytest.raises(BuildError, match="onnxruntime 1.20.0 is installed; aotlm's graphs need 1.23"):
+        onnxruntime_backend.check_recipe(SimpleNamespace(passes=[]))

@@ -441,3 +441,23 @@ def test_yaml_that_pyyaml_chokes_on_is_one_line(tmp_path, text, message):
     with pytest.raises(RecipeError) as error:
         load_recipe(f)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_recipe_that_comes_with_aotlm_is_found_by_its_name_from_any_folder(tmp_path, monkeypatch):
+    """A wheel carries no recipes/ folder beside the user's work: `aotlm build smollm2-135m` (or the README's
+    recipes/smollm2-135m.yaml, run elsewhere) finds the recipe installed with aotlm; a file of that path wins."""
+    from compiler.recipe import bundled_recipes, find_recipe
+
+    monkeypatch.chdir(tmp_path)
+    assert {"smollm2-135m", "tiny-random", "smollm2-135m-int4"} <= set(bundled_recipes())
+    for given in ("tiny-random", "recipes/tiny-random.yaml", "tiny-random.yaml"):
+        assert find_recipe(given) == bundled_recipes()["tiny-random"]
+    assert load_recipe("tiny-random").name == "tiny-random"
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "tiny-random.yaml").write_text("name: mine\n")
+    assert find_recipe("recipes/tiny-random.yaml") == Path("recipes/tiny-random.yaml")  # the user's own
+    with pytest.raises(RecipeError, match=r"recipe not found: smollm2-136m; give a recipe file, or the name of one "
+                                          r"that comes with aotlm: .*smollm2-135m, .*tiny-random"):
+        find_recipe("smollm2-136m")
+    with pytest.raises(RecipeError, match="recipe not found: elsewhere/tiny-random.yaml"):  # a path is a path
+        find_recipe("elsewhere/tiny-random.yaml")

@@ -94,10 +94,20 @@ def test_a_cache_type_this_runtime_does_not_keep_is_refused_with_the_fix():
 
 
 def test_an_onnxruntime_older_than_the_builds_is_refused_down_to_the_patch_release():
-    check_version("1.20.1", "1.20.1")
-    check_version("1.20.1", "1.21.0rc1")
-    with pytest.raises(ArtifactError, match="built with onnxruntime 1.20.1, and 1.20.0 is installed"):
-        check_version("1.20.1", "1.20.0")
+    check_version("1.24.1", "1.24.1")
+    check_version("1.24.1", "1.25.0rc1")
+    with pytest.raises(ArtifactError, match="built with onnxruntime 1.24.1, and 1.24.0 is installed"):
+        check_version("1.24.1", "1.24.0")
+
+
+def test_an_onnxruntime_older_than_aotlms_floor_is_refused_whatever_built_the_artifact():
+    """onnxruntime 1.20-1.22 built artifacts that not even they could load (GroupQueryAttention's output_qk came in
+    1.23): the load and the build say which release to install."""
+    with pytest.raises(ArtifactError, match=r"onnxruntime 1.22.0 is installed; aotlm's graphs need 1.23 or later .*"
+                                            r"pip install -U 'onnxruntime>=1.23'"):
+        check_version("1.22.0", "1.22.0")
+    check_version("1.23.0", "1.23.0")
+
 
 
 def test_the_cache_counts_every_buffer_of_its_dtype(tiny_engine):
@@ -175,3 +185,26 @@ def test_the_memory_refusal_advises_an_int8_cache_only_where_the_cache_is_float(
         with pytest.raises(RequestError, match="use at most 4, or build with a smaller export.max_context") as refused:
             onnxruntime_backend.check_slot_memory(100, 256 << 20, int8_cache=int8_cache)
         assert ("an int8 cache (quantize_kv_cache)" in str(refused.value)) == advised
+
+
+def test_both_onnxruntime_packages_installed_is_said_with_the_fix(monkeypatch):
+    """aotlm[cpu,gpu] (or onnxruntime-genai beside aotlm[gpu]) installs onnxruntime and onnxruntime-gpu into one
+    module, mixed, without a word from pip."""
+    from importlib import metadata
+
+    import runtime.onnxruntime_backend as backend
+
+    monkeypatch.setattr(metadata, "version", lambda name: {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}[name])
+    with pytest.warns(UserWarning, match=r"both onnxruntime 1.32.0 and onnxruntime-gpu 1.31.1 are installed.*"
+                                         r"pip uninstall -y onnxruntime onnxruntime-gpu"):
+        backend._one_onnxruntime()
+
+    def cpu_only(name):
+        if name == "onnxruntime-gpu":
+            raise metadata.PackageNotFoundError(name)
+        return "1.32.0"
+
+    monkeypatch.setattr(metadata, "version", cpu_only)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend._one_onnxruntime()

@@ -349,3 +349,18 @@ def test_a_tokenizer_panic_is_the_artifacts_error_not_a_base_exception(tiny_arti
     with pytest.raises(ArtifactError, match="the artifact's tokenizer failed to encode this text"):
         tokenizer.encode("a" * 40 + "c")
     assert tokenizer.encode("hello", add_special_tokens=False)  # other text is tokenized
+
+
+def test_a_tokenizer_file_an_older_tokenizers_cannot_read_names_the_upgrade(tmp_path):
+    """tokenizers 0.19 could not read the files 0.20 and later write, and the error said to rebuild an artifact that
+    was fine: where the manifest's tools name a newer release than the installed one, the fix is the upgrade."""
+    import tokenizers
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"version": "1.0", "model": {"type": "NoSuchModel"}}))
+    with pytest.raises(ArtifactError, match=rf"cannot read the tokenizer \(.+\); tokenizers {tokenizers.__version__} "
+                                            r"is installed and 999.0.0 wrote it: pip install -U 'tokenizers>=999.0.0'"):
+        TextTokenizer(path, built_with="999.0.0")
+    for built_with in (tokenizers.__version__, None, "0.22.0rc1"):  # not older, or not said: the file is at fault
+        with pytest.raises(ArtifactError, match=r"cannot read the tokenizer \(.+\); rebuild the artifact$"):
+            TextTokenizer(path, built_with=built_with)
