@@ -255,13 +255,16 @@ class Scheduler:
                 self._lock.wait()
             if self._closed:
                 raise RequestError("the scheduler is closed; start another with engine.start_scheduler()")
-            if self._worker is None:
+            # A worker that is not alive never started: an interrupt (Ctrl-C in a notebook) came between its
+            # creation and start(), and every later request would wait for it for ever. One that ends sets None.
+            working = self._worker is not None and self._worker.is_alive()
+            if not working:
                 with _STARTED_LOCK:
                     if _exiting:
                         raise RequestError("the program is exiting: no request starts now")
                     _STARTED.add(self)
             self._waiting.append(sequence)
-            if self._worker is None:
+            if not working:
                 self._worker = threading.Thread(target=self._work, name="aotlm-scheduler", daemon=True)
                 self._worker.start()
             self._lock.notify_all()
@@ -315,6 +318,8 @@ class Scheduler:
             self._closed = True
             worker = self._worker
             self._lock.notify_all()
+        if worker is not None and worker.ident is None:  # never started (see submit): it fails what waits, now
+            worker.start()
         if worker is not None:  # no user code runs on it (done-callbacks have their own thread): it cannot be us
             worker.join()
         if worker is None:  # else the worker freed it as it exited

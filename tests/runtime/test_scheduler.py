@@ -890,3 +890,47 @@ def test_a_request_that_got_past_the_capacity_check_ends_at_the_cache_not_in_eve
     assert long_result.finish_reason == "max_context"
     assert len(long_result.token_ids) == engine.max_context - 4 + 1  # the last token is sampled, never fed back
     assert other_result.token_ids == alone(engine, [1, 9, 10], 40)
+
+
+def test_an_engine_that_served_requests_is_freed_when_its_last_reference_goes(tiny_artifact):
+    """A handle's future kept a bound method of the handle among its done-callbacks: a cycle that held the
+    scheduler, the engine and its sessions after close() until a full collection (1.4 GB on the default model;
+    a program that swaps models held both)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()  # the engine must go by reference counting alone
+    try:
+        engine = Engine.load(tiny_artifact)
+        handle = engine.submit("Hi", max_new_tokens=2, ignore_eos=True)
+        handle.add_done_callback(lambda done: None)
+        handle.result(timeout=60)
+        engine.close()
+        gone = weakref.ref(engine)
+        del engine, handle
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+def test_a_worker_interrupted_before_it_started_is_replaced(tiny_engine):
+    """Ctrl-C between the worker's creation and its start() (a notebook's interrupt) left a thread that never ran:
+    every later request waited for ever, and close() raised "cannot join thread before it is started"."""
+    import threading
+
+    scheduler = tiny_engine.start_scheduler(slots=2)
+    try:
+        assert scheduler.submit(tiny_engine.prompt_ids("Hi"), max_new_tokens=2).result(timeout=60)
+        with scheduler._lock:
+            while scheduler._worker is not None:  # the idle worker's exit, else a never-started one could not be
+                scheduler._lock.wait(0.05)        # told from it
+            scheduler._worker = threading.Thread(target=lambda: None)  # created, never started
+        result = scheduler.submit(tiny_engine.prompt_ids("Hi"), max_new_tokens=2, ignore_eos=True).result(timeout=30)
+        assert len(result.token_ids) == 2
+        with scheduler._lock:
+            while scheduler._worker is not None:
+                scheduler._lock.wait(0.05)
+            scheduler._worker = threading.Thread(target=scheduler._work, daemon=True)  # never started, again
+    finally:
+        tiny_engine.close()  # starts it to end, then joins it (joining it unstarted raised RuntimeError)
