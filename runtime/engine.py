@@ -58,7 +58,8 @@ def _start_over_in_forked_child() -> None:
     written). The scheduler starts over by its own handler (runtime/scheduler.py)."""
     me = threading.current_thread()
     for engine in list(_ENGINES):
-        engine._scheduler_lock = threading.Lock()
+        engine._scheduler_lock = threading.Condition()
+        engine._restarting = 0
         engine._stepping = False  # a step another thread ran at the fork never ends here: the exit must not wait for it
         if me in engine._batch_one_threads:  # the forking thread's own stream goes on in the child: it holds them
             continue
@@ -71,8 +72,10 @@ def _start_over_in_forked_child() -> None:
 if hasattr(os, "register_at_fork"):  # POSIX only
     os.register_at_fork(after_in_child=_start_over_in_forked_child)
 
-EXIT_WAIT_S = 30.0  # how long the interpreter's exit waits for a graph run under way on a batch-1 cache
-_exiting = False  # set by _stop_batch_one_at_exit: no batch-1 step starts after it
+EXIT_WAIT_S = 30.0  # how long the interpreter's exit waits for a graph run under way on a batch-1 cache, or a load
+_exiting = False  # set by _stop_batch_one_at_exit: no batch-1 step or load starts after it
+_loads = 0  # Engine.load calls inside the backend (sessions, caches), which the exit waits for as for a step
+_loads_lock = threading.Lock()
 
 
 @atexit.register
@@ -84,19 +87,41 @@ def _stop_batch_one_at_exit() -> None:
     runtime/scheduler.py.) _exiting is set before each engine's _stepping is read, and a step sets _stepping before
     it reads _exiting: either the step sees the exit or the exit sees the step."""
     global _exiting
-    _exiting = True
+    with _loads_lock:
+        _exiting = True
     deadline = time.monotonic() + EXIT_WAIT_S
+    while _loads and time.monotonic() < deadline:  # a daemon thread's load (a server's): it aborted too
+        time.sleep(0.005)
     for engine in list(_ENGINES):
         while engine._stepping and time.monotonic() < deadline:
             time.sleep(0.005)
 
 
-def _stop_at_exit() -> None:
-    """A batch-1 step asked for after the exit began: a daemon thread waits for the end of the process (a traceback
-    printed mid-teardown would be all it could give); the main thread (an exit handler's request) is refused."""
+def _stop_at_exit(refusal: str = "no request runs on the batch-1 cache any more") -> None:
+    """A batch-1 step or a load asked for after the exit began: a daemon thread waits for the end of the process (a
+    traceback printed mid-teardown would be all it could give); the main thread (an exit handler's) is refused."""
     if threading.current_thread() is threading.main_thread():
-        raise RequestError("the interpreter is exiting: no request runs on the batch-1 cache any more")
+        raise RequestError(f"the interpreter is exiting: {refusal}")
     threading.Event().wait()
+
+
+@contextlib.contextmanager
+def _loading():
+    """Engine.load's work inside onnxruntime or TensorRT, which the interpreter's exit waits for: a daemon thread
+    loading the default model as the main thread ended aborted the process (std::bad_alloc, "terminate called
+    without an active exception") 4 times in 16."""
+    global _loads
+    with _loads_lock:
+        refused = _exiting
+        if not refused:
+            _loads += 1
+    if refused:
+        _stop_at_exit("no engine loads any more")
+    try:
+        yield
+    finally:
+        with _loads_lock:
+            _loads -= 1
 
 
 def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
@@ -175,7 +200,8 @@ class Engine:
         self.backend.allocate_cache(batch=1)  # once, here: not inside any request's timing
         self.huge_pages: dict | None = None  # Engine.load's report (runtime/huge_pages.py), None when not asked
         self._scheduler: Scheduler | None = None  # continuous batching, started by submit / start_scheduler
-        self._scheduler_lock = threading.Lock()  # two first submits from two threads start one scheduler
+        self._scheduler_lock = threading.Condition()  # two first submits from two threads start one scheduler
+        self._restarting = 0  # start_scheduler calls under way: submits wait for the scheduler they start
         self._batch_one = threading.Lock()  # stream/generate: one sequence at a time on the batch-1 cache
         self._stepping = False  # a batch-1 step (a graph run) is under way: the interpreter's exit waits for it
         # The threads (objects: a finished thread's id is given to the next one) that resumed the request inside it.
@@ -242,6 +268,13 @@ class Engine:
             raise RequestError(f"spin_after_run names {', '.join(map(repr, unknown))}, not a phase of this artifact "
                                f"({', '.join(phases)})")
         check_files(folder, manifest, verify_hashes=verify)
+        with _loading():
+            return cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching)
+
+    @classmethod
+    def _open(cls, folder: Path, manifest: dict, intra_op_threads: int | None, huge_pages: bool,
+              spinning_phases: set[str], prefix_caching: bool) -> "Engine":
+        """Engine.load's sessions, tokenizer and batch-1 cache, once the manifest and files are checked."""
         backend_name = manifest["backend"]["name"]
         if huge_pages and backend_name == "onnxruntime":  # TensorRT's weights live in GPU memory
             from runtime.huge_pages import collapse_large_mappings, private_anonymous_mappings
@@ -410,10 +443,21 @@ class Engine:
         if check_memory is not None:  # before the running scheduler stops; its cache will be freed for this one
             running = self._scheduler
             check_memory(slots, reclaimable=running.cache.nbytes if running is not None and running.cache else 0)
-        self.close()  # first: its slot cache is freed before the new one is allocated
-        scheduler = Scheduler(self, **options)
+        # Submits from other threads meanwhile wait for the new scheduler: one would otherwise start a default
+        # scheduler (a max-context cache per slot) between the close and the new one, and lose its requests to it
         with self._scheduler_lock:
-            displaced, self._scheduler = self._scheduler, scheduler
+            self._restarting += 1
+        scheduler = None
+        try:
+            self.close()  # first: its slot cache is freed before the new one is allocated
+            scheduler = Scheduler(self, **options)
+        finally:
+            with self._scheduler_lock:
+                self._restarting -= 1
+                displaced = None
+                if scheduler is not None:
+                    displaced, self._scheduler = self._scheduler, scheduler
+                self._scheduler_lock.notify_all()
         if displaced is not None:  # another thread started one meanwhile: never left running unreferenced
             displaced.close()
         return scheduler
@@ -443,11 +487,20 @@ class Engine:
         if smaller) on first use."""
         from runtime.scheduler import Scheduler
 
-        with self._scheduler_lock:  # a scheduler closed directly (Scheduler.close()) is replaced by a default one
-            scheduler = self._scheduler
-            if scheduler is None or scheduler.closed:
-                scheduler = self._scheduler = Scheduler(self)
-        return scheduler.submit(prompt, params, arrival=arrival, block=block, **sampling)
+        for attempt in range(2):
+            with self._scheduler_lock:  # a scheduler closed directly (Scheduler.close()) is replaced by a default one
+                while self._restarting:  # start_scheduler is replacing it: this request goes to the new one
+                    self._scheduler_lock.wait()
+                scheduler = self._scheduler
+                if scheduler is None or scheduler.closed:
+                    scheduler = self._scheduler = Scheduler(self)
+            try:
+                return scheduler.submit(prompt, params, arrival=arrival, block=block, **sampling)
+            except RequestError:
+                # close() (or start_scheduler) on another thread closed it between the lock and the submit: the
+                # request goes to the next one, as a later submit would
+                if attempt or not scheduler.closed:
+                    raise
 
     def close(self) -> None:
         """Stop the scheduler, if one runs (its worker thread and slot cache)."""

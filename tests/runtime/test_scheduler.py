@@ -934,3 +934,45 @@ def test_a_worker_interrupted_before_it_started_is_replaced(tiny_engine):
             scheduler._worker = threading.Thread(target=scheduler._work, daemon=True)  # never started, again
     finally:
         tiny_engine.close()  # starts it to end, then joins it (joining it unstarted raised RuntimeError)
+
+
+def test_submits_during_start_scheduler_wait_for_the_new_scheduler(tiny_artifact, monkeypatch):
+    """start_scheduler closed the old scheduler, then built the new one outside the lock: a submit from another
+    thread in between started a default one (a max-context cache per slot, both caches held at once), whose requests
+    failed when start_scheduler displaced it; a submit that met the closed scheduler was told to start another."""
+    import runtime.scheduler
+
+    created = []
+    original = runtime.scheduler.Scheduler.__init__
+
+    def recording(self, engine, *args, **kwargs):
+        created.append(kwargs.get("slots"))
+        original(self, engine, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.scheduler.Scheduler, "__init__", recording)
+    engine = Engine.load(tiny_artifact)
+    errors, stop = [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            try:
+                engine.submit("Hi", max_new_tokens=2, ignore_eos=True).result(timeout=60)
+            except RequestError as error:
+                errors.append(str(error))
+
+    try:
+        engine.submit("Hi", max_new_tokens=1).result(timeout=60)  # the default scheduler, before the clients
+        clients = [threading.Thread(target=client) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        time.sleep(0.2)
+        engine.start_scheduler(slots=4)
+        time.sleep(0.2)
+        stop.set()
+        for thread in clients:
+            thread.join(60)
+    finally:
+        engine.close()
+    assert created == [None, 4]  # nothing started between the close and the new scheduler
+    # only requests the old scheduler held when it closed fail (documented), never one submitted after
+    assert set(errors) <= {"the scheduler was closed before this request finished"}, errors
