@@ -224,14 +224,24 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
         raise BuildError(f"{origin}: hidden_act {hf['hidden_act']!r} is not supported; the MLP is SiLU-gated.")
     # transformers 5 moved rope_theta and rope_scaling into rope_parameters; read either spelling. A rope_scaling
-    # given beside rope_parameters wins, as in transformers.
+    # given beside rope_parameters replaces it whole in transformers 5 (convert_rope_params_to_dict), and 4.x never
+    # read rope_parameters: what rope_parameters says and rope_scaling does not is dropped (its rope_theta too,
+    # 10000 then), so a config where that changes the model is refused rather than built either way.
     parameters, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
     for name, value in (("rope_parameters", parameters), ("rope_scaling", scaling)):
         if not isinstance(value, dict):  # "rope_scaling": "llama3" was a TypeError from a dict merge
             raise BuildError(f"{origin}: {name} is {value!r}, not a mapping of its settings (e.g. "
                              f"{{\"rope_type\": \"llama3\", \"factor\": 8.0, ...}}); fix config.json")
-    rope = {**parameters, **scaling}
-    rope_type = (scaling or parameters).get("rope_type", (scaling or parameters).get("type", "default"))
+    if parameters and scaling:
+        dropped = {key: value for key, value in parameters.items()  # the type is what rope_scaling is for
+                   if key not in ("type", "rope_type") and scaling.get(key, hf.get(key)) != value}
+        if dropped:
+            raise BuildError(f"{origin}: config.json gives both rope_parameters and rope_scaling, and transformers "
+                             f"reads rope_scaling alone: rope_parameters' {json.dumps(dropped)} would be dropped "
+                             f"(rope_theta {hf.get('rope_theta') or 10000.0} then); keep one of the two, with every "
+                             f"setting the model was trained with")
+    rope = scaling or parameters
+    rope_type = _rope_kind(rope)
     if rope_type == "dynamic":  # NTK scaling raises theta only past max_position_embeddings, which
         rope_type = "default"   # export.max_context never exceeds (check_max_positions): plain RoPE up to there
     if rope_type not in ("default", "llama3"):
@@ -322,7 +332,7 @@ def llama3_rope_factors(rope: dict, head_dim: int, theta: float, origin: str) ->
 
 
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default
-MISTRAL_WINDOW = 4096  # transformers' MistralConfig default, when config.json has no sliding_window key
+MISTRAL_WINDOW = 4096  # transformers' MistralConfig and Qwen2Config default, when config.json has no sliding_window key
 
 
 def _rope_theta(hf: dict, rope: dict, origin: str) -> float:
@@ -334,13 +344,17 @@ def _rope_theta(hf: dict, rope: dict, origin: str) -> float:
     return float(nested if nested is not None else top if top is not None else 10000.0)
 
 
+def _rope_kind(rope: dict) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
 def _sliding_window(hf: dict, model_type: str) -> int | None:
     """The attention window in tokens, when any layer uses one (Mistral's sliding_window; Qwen2's with
     use_sliding_window, on layers from max_window_layers on, or as layer_types says); None for full attention.
     transformers' Llama never reads sliding_window: a Llama config that carries one attends to everything."""
     if model_type not in ("mistral", "qwen2"):
         return None
-    window = hf.get("sliding_window", MISTRAL_WINDOW if model_type == "mistral" else None)  # null: no window
+    window = hf.get("sliding_window", MISTRAL_WINDOW)  # null: no window; left out: 4096, Qwen2Config's default too
     if window is None or (model_type == "qwen2" and not hf.get("use_sliding_window", False)):
         return None
     layers = int(hf.get("num_hidden_layers", 0))

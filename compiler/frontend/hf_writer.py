@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from compiler.frontend.config import DecoderConfig, LoadedModel
+from compiler.frontend.hf_loader import ATTENTION_BIAS_DEFAULT
 
 # config.architecture -> transformers' class name (config.json "architectures")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -23,7 +24,15 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def hf_config_dict(config: DecoderConfig) -> dict:
-    """config.json's contents for `config`, in transformers' names."""
+    """config.json's contents for `config`, in transformers' names. ValueError for a config that transformers'
+    classes cannot express: they would run another model under the same weights (a peer in a benchmark, say)."""
+    biased = ATTENTION_BIAS_DEFAULT[config.architecture]  # as transformers (and so hf_loader) reads them
+    if config.attention_bias != biased:
+        raise ValueError(f"q/k/v biases {'on' if config.attention_bias else 'off'} with architecture "
+                         f"{config.architecture!r}: transformers' {HF_ARCHITECTURES[config.architecture]} "
+                         f"{'always has' if biased else 'has no'} such biases (its Llama adds one to o_proj too), so "
+                         f"a Hugging Face folder would hold another model; use architecture "
+                         f"{'qwen2' if config.attention_bias else 'llama'} for this one")
     eos = list(config.eos_token_ids)
     hf = {
         "architectures": [HF_ARCHITECTURES[config.architecture]],
@@ -68,6 +77,7 @@ def write_hf_folder(loaded: LoadedModel, folder: str | Path) -> Path:
     if config.rope_freq_factors is not None:  # transformers takes llama3's four parameters, not the divisors
         raise ValueError("rope_freq_factors (per-frequency rotary divisors, e.g. from a GGUF's rope_freqs) have no "
                          "Hugging Face config.json spelling; write the original model's folder instead")
+    hf_config = hf_config_dict(config)  # before any file: a config it refuses leaves no folder
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -76,7 +86,7 @@ def write_hf_folder(loaded: LoadedModel, folder: str | Path) -> Path:
         if not (config.tie_word_embeddings and name == "lm_head.weight")
     }
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})  # "pt": transformers checks it
-    _write_json(folder / "config.json", hf_config_dict(config))
+    _write_json(folder / "config.json", hf_config)
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
     _write_json(folder / "generation_config.json", generation)
     if loaded.tokenizer_json is not None:

@@ -901,6 +901,32 @@ def test_a_mistral_config_without_a_sliding_window_key_has_transformers_default_
     assert load_hf_folder(str(tmp_path / "m")).config.sliding_window == 4096
 
 
+def test_a_qwen2_config_that_slides_without_a_sliding_window_key_has_transformers_default_window(tmp_path):
+    """Qwen2Config(use_sliding_window=True) slides 4096 tokens: without the key the loader found no window, so the
+    build's window check passed at a max context past 4096, where transformers then differed."""
+    config = dataclasses.replace(TINY, architecture="qwen2", attention_bias=True)
+    write_hf_folder(tmp_path / "m", config, random_model(config, 0).state_dict, model_type="qwen2",
+                    use_sliding_window=True, max_window_layers=1)
+    path = tmp_path / "m" / "config.json"
+    data = json.loads(path.read_text())
+    data.pop("sliding_window", None)
+    path.write_text(json.dumps(data))
+    assert load_hf_folder(str(tmp_path / "m")).config.sliding_window == 4096
+
+
+def test_rope_parameters_that_rope_scaling_would_drop_are_refused(tmp_path):
+    """transformers reads rope_scaling alone when both are given (5: it replaces rope_parameters; 4.x never read
+    rope_parameters): the loader merged them, keeping rope_parameters' rope_theta 1e6 where transformers ran 10000
+    (logits 0.2 apart)."""
+    write_hf_folder(tmp_path / "m", TINY, random_model(TINY, 0).state_dict, rope_theta=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                    rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(BuildError, match=r"gives both rope_parameters and rope_scaling, and transformers reads "
+                                         r"rope_scaling alone: rope_parameters' \{.*\"rope_theta\": 1000000.0\} "
+                                         r"would be dropped \(rope_theta 10000.0 then\)"):
+        load_hf_folder(str(tmp_path / "m"))
+
+
 def test_two_rope_thetas_that_disagree_are_refused(tmp_path):
     """transformers 5 reads rope_parameters.rope_theta, earlier versions the top-level one: the loader took the
     top-level 10000 where transformers 5 ran 1e6 (logits 4.3e-3 apart)."""
@@ -1225,10 +1251,15 @@ def test_hf_generation_config_adds_end_ids_and_the_source_records_each_file_read
 
 def test_hf_config_keys_that_decide_the_model_when_left_out_or_given_twice(tmp_path):
     original = random_model(TINY, seed=1)
-    # a rope_scaling beside rope_parameters wins key by key, as in transformers
+    # a rope_scaling beside rope_parameters that says the same (rope_theta at the top level) is read as transformers
+    # reads it: rope_scaling's; one whose settings differ is refused (test_rope_parameters_that_rope_scaling_would...)
+    write_hf_folder(tmp_path / "both", TINY, original.state_dict, rope_scaling=LLAMA3_ROPE,
+                    rope_parameters={**LLAMA3_ROPE, "rope_theta": TINY.rope_theta})
+    assert load_hf_folder(str(tmp_path / "both")).config.rope_freq_factors[2:] == (8.0,) * 6
     write_hf_folder(tmp_path / "both", TINY, original.state_dict, rope_scaling=LLAMA3_ROPE,
                     rope_parameters={**LLAMA3_ROPE, "factor": 2.0, "rope_theta": TINY.rope_theta})
-    assert load_hf_folder(str(tmp_path / "both")).config.rope_freq_factors[2:] == (8.0,) * 6
+    with pytest.raises(BuildError, match=r"rope_parameters' \{\"factor\": 2.0\} would be dropped"):
+        load_hf_folder(str(tmp_path / "both"))
     # no tie_word_embeddings key: untied, as transformers' default, so a checkpoint without lm_head is refused
     untied = {name: tensor for name, tensor in original.state_dict.items() if name != "lm_head.weight"}
     write_hf_folder(tmp_path / "headless", TINY, untied)

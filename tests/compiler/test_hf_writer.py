@@ -88,6 +88,18 @@ def test_per_frequency_rotary_divisors_are_refused_not_dropped(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("architecture, bias", [("llama", True), ("mistral", True), ("qwen2", False)])
+def test_biases_the_architecture_cannot_have_are_refused_not_written(tmp_path, architecture, bias):
+    """A random recipe's llama or mistral with q/k/v biases (or a qwen2 without) was written anyway: transformers then
+    dropped the biases (Mistral), added one to o_proj (Llama) or expected them (Qwen2), and a benchmark compared
+    against another model (logits 0.12 apart); aotlm's own loader refused the folder it wrote."""
+    config = dataclasses.replace(TINY, architecture=architecture, attention_bias=bias)
+    with pytest.raises(ValueError, match=rf"q/k/v biases {'on' if bias else 'off'} with architecture "
+                                         rf"'{architecture}'.* use architecture {'qwen2' if bias else 'llama'}"):
+        write_hf_folder(random_model(config, seed=0), tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
 def test_the_written_files_hold_what_transformers_reads(tmp_path):
     from safetensors import safe_open
 
