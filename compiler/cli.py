@@ -522,7 +522,7 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--precision", choices=("fp32", "fp16", "bf16", "int8", "int4"), default=None,
                       help="weight precision (default: an artifact's own, a recipe's quantized one; else fp16 on GPUs, "
                            "fp32 on cpu)")
-    plan.add_argument("--kv-dtype", choices=("fp32", "fp16", "int8"), default=None,
+    plan.add_argument("--kv-dtype", choices=("fp32", "fp16", "bf16", "int8"), default=None,
                       help="KV-cache dtype (default: an artifact's own, a recipe's int8 cache; else fp16 on GPUs, fp32 "
                            "on cpu)")
     plan.add_argument("--context", type=int, default=None,

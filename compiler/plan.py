@@ -57,7 +57,7 @@ ALIASES = {"h100sxm": "H100", "h100sxm5": "H100", "h200sxm": "H200", "a10080gb":
            "4090": "RTX4090", "geforcertx4090": "RTX4090"}
 WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
-KV_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
+KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 INT4_BLOCK, INT4_SCALE_BYTES = 32, 2  # one fp16 scale per 32 weights: +2/32 = 0.0625 bytes per parameter
 CACHE_FILE = Path.home() / ".cache" / "aotlm" / "cpu.json"
 MAX_OTHER_CORES = 0.25  # mean cores other processes may keep busy while this machine's figures are measured
@@ -241,7 +241,7 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
                         "warnings": head_warning,
                         "backend": recipe.backend.name, "prefill": prefill_shape(resolved),
                         "max_batch": recipe.export.max_batch, "dtype": export_dtype,
-                        "kv_dtype": "fp16" if export_dtype == "bf16" else export_dtype,
+                        "kv_dtype": export_dtype,  # the cache keeps the export's float type
                         **quantized_dtypes(resolved["passes"])}
     if p.is_file() and p.suffix == ".gguf":
         return _gguf_config(str(p)), {"kind": "gguf", "path": str(p)}
@@ -317,7 +317,7 @@ def _artifact_config(folder: Path, manifest: dict) -> tuple[DecoderConfig, dict]
             # weight quantization decides the precision, not the export dtype
             "dtype": quantized.get("dtype", export_dtype), "float_prefill": quantized.get("float_prefill", False),
             **({"quantize": _as_quantized(quantized["quantize"], manifest)} if "quantize" in quantized else {}),
-            "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "fp16", "int8": "int8"}.get(
+            "kv_dtype": {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8"}.get(
                 kv.get("dtype", "float32"), "fp32")}
     info["max_batch"] = recipe.get("export", {}).get("max_batch", 1)
     weights = manifest.get("backend", {}).get("weights", {}).get("bytes")

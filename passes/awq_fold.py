@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from passes.calibration import digest
@@ -123,7 +124,12 @@ def graph_outputs(graph: gs.Graph) -> frozenset:
 
 
 def _dtype(variable: gs.Variable) -> np.dtype:
-    return np.dtype(variable.dtype) if variable.dtype is not None else np.dtype(np.float32)
+    """graphsurgeon names bfloat16 by its ONNX number (16), which numpy cannot read."""
+    if variable.dtype is None:
+        return np.dtype(np.float32)
+    if isinstance(variable.dtype, int):
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(variable.dtype))
+    return np.dtype(variable.dtype)
 
 
 def _private_constant(tensor, size: int) -> bool:

@@ -27,6 +27,7 @@ from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
 from passes.graph_export import export_onnx
+from passes.graph_patterns import constant_type
 
 # The standard op domains: only their ops are folded (onnxruntime may not run aotlm or com.microsoft ops).
 ONNX_DOMAINS = {"", "ai.onnx"}
@@ -201,13 +202,15 @@ def _sole_whole_constant(tensor: gs.Tensor) -> bool:
     if len(tensor.outputs) != 1:
         return False
     if isinstance(tensor, gs.Constant):
-        values = tensor.values
+        stored = tensor
     elif len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant" and isinstance(
             tensor.inputs[0].attrs.get("value"), gs.Constant):
-        values = tensor.inputs[0].attrs["value"].values
+        stored = tensor.inputs[0].attrs["value"]
     else:
         return False
-    values = np.asarray(values)
+    if constant_type(stored).kind not in "iubf":  # bfloat16: graphsurgeon would cast its values to read them, and
+        return False                              # warn of it for every weight (a guard is the safe answer)
+    values = np.asarray(stored.values)
     return values.dtype.kind in "iub" or bool(np.all(np.isfinite(values) & (values == np.round(values))))
 
 

@@ -31,6 +31,7 @@ from compiler.artifact import scratch_folder
 from compiler.backends.onnxruntime import io_spec
 from compiler.errors import BuildError
 from passes.lower_tensorrt import PLUGIN_NAMESPACE, PLUGIN_OPS
+from passes.quantize import methods_used
 
 INT4_BLOCK_SIZES = (64, 128)  # TensorRT's INT4 weight-only blocks ("supported block sizes are {64, 128}")
 
@@ -63,6 +64,14 @@ def check_recipe(recipe) -> None:
         if spec.name != "quantize":
             continue
         options = spec.options
+        calibrating = sorted(methods_used(options) - {"rtn"})
+        if recipe.export.dtype == "bfloat16" and (calibrating or options.calibration is not None):
+            # calibration and the accuracy report run the float graph on onnxruntime's CPU kernels, which have none
+            # for bfloat16 arithmetic (it failed after the export, at the first Mul)
+            what = f"method {', '.join(calibrating)}" if calibrating else "a calibration set (the accuracy report)"
+            raise BuildError(f"passes[{index}].quantize: {what} with export.dtype bfloat16: calibration runs the "
+                             f"graph on onnxruntime's CPU kernels, which have no bfloat16 arithmetic; use "
+                             f"export.dtype float16, or method rtn without calibration")
         if options.lowering != "dequantize_linear":
             raise BuildError(f"passes[{index}].quantize.lowering: {options.lowering!r} is onnxruntime's MatMulNBits; "
                              f"use dequantize_linear for backend tensorrt")

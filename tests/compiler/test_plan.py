@@ -437,6 +437,11 @@ def test_a_tensorrt_artifact_is_planned_on_cpu_but_not_timed(tmp_path, fake_cpu,
     result = plan(str(tmp_path), device="cpu")
     assert "measured" not in result and any("tensorrt engines run on a GPU" in w for w in result["warnings"])
     assert result["inputs"]["precision"] == "fp16" and result["inputs"]["kv_dtype"] == "fp16"
+    # a bfloat16 artifact's cache is bfloat16, not "fp16" (the bytes were right, the label was not)
+    manifest["recipe"]["export"]["dtype"] = manifest["kv_cache"]["dtype"] = "bfloat16"
+    (tmp_path / "manifest.json").write_text(json.dumps(with_required_fields(manifest)))
+    result = plan(str(tmp_path), device="cpu")
+    assert (result["inputs"]["precision"], result["inputs"]["kv_dtype"]) == ("bf16", "bf16")
 
 
 def test_a_context_past_an_artifacts_cache_is_warned_about(tmp_path):

@@ -69,6 +69,10 @@ def test_the_tensorrt_recipe_passes_the_checks():
     (["cleanup", {"quantize": {"bits": 4, "block_size": 64, "lowering": "dequantize_linear",
                                "overrides": [{"pattern": "*down_proj*", "symmetric": False}]}}],
      {}, "passes[1].quantize.overrides[0].symmetric: false"),
+    # calibration runs the bfloat16 graph on onnxruntime's CPU kernels: it failed after the export, at the first Mul
+    (["cleanup", {"quantize": {"bits": 8, "lowering": "dequantize_linear", "method": "gptq",
+                               "calibration": {"text": "pydoc", "samples": 2, "length": 16, "seed": 0}}}],
+     {"dtype": "bfloat16"}, "passes[1].quantize: method gptq with export.dtype bfloat16: calibration runs"),
 ])
 def test_what_tensorrt_cannot_build_is_refused_with_the_key(passes, export, message):
     with pytest.raises(BuildError) as error:

@@ -647,3 +647,21 @@ def test_weights_equal_at_both_ends_but_not_between_are_not_merged_and_equal_one
     readers = {node.output[0]: node.input[1] for node in cleaned.graph.node}
     assert readers == {"y_w0": "w0", "y_w1": "w1", "y_w2": "w0", "y_w3": "w1"}
     same_outputs(model, {"x": np.ones(size, np.float32)})
+
+
+def test_a_bfloat16_constant_is_not_read_to_decide_cast_elision(capsys):
+    """graphsurgeon casts a bfloat16 constant's values to read them, and said for every weight of a bfloat16 build
+    that they "will have a different type" (124 times for SmolLM2, none true): its Casts are guarded unread."""
+    import ml_dtypes
+
+    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+             helper.make_node("Mul", ["xb", "factor"], ["product"]),
+             helper.make_node("Cast", ["product"], ["y"], to=TensorProto.INT64)]
+    factor = numpy_helper.from_array(np.array(2.0, ml_dtypes.bfloat16), "factor")
+    model = small_model(nodes, [("x", TensorProto.INT64, [3])], [("y", TensorProto.INT64, [3])], [factor])
+    cleaned, _ = cleanup.run(model, cleanup.Options())
+    captured = capsys.readouterr()
+    assert "casted" not in captured.out + captured.err, captured
+    assert op_counts(cleaned) == Counter(Cast=2, Mul=1)  # guarded: the casts stay
+    stored = next(t for t in cleaned.graph.initializer if t.name == "factor")
+    assert stored.data_type == TensorProto.BFLOAT16

@@ -819,3 +819,14 @@ def test_a_pattern_naming_some_parts_of_a_packed_matmul_is_refused(fused_graphs)
     for whole in ("*q_proj+k_proj+v_proj*", "*self_attn*"):
         _, report = quantize.run(packed, quantize.Options(bits=4, overrides=(quantize.Override(whole, bits=8),)))
         assert {layer["bits"] for layer in report["layers"] if "v_proj" in layer["node"]} == {8}, whole
+
+
+def test_awq_reads_a_bfloat16_activations_type():
+    """graphsurgeon names bfloat16 by its ONNX number (16): AWQ's folded Mul took np.dtype(16), a TypeError from
+    inside the pass."""
+    import ml_dtypes
+
+    from passes.awq_fold import _dtype
+
+    assert _dtype(gs.Variable("x", dtype=onnx.TensorProto.BFLOAT16)) == np.dtype(ml_dtypes.bfloat16)
+    assert _dtype(gs.Variable("x", dtype=np.float16)) == np.float16 and _dtype(gs.Variable("x")) == np.float32
