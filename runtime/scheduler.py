@@ -71,6 +71,9 @@ from runtime.tokenizer import StreamDecoder
 
 BATCHING = ("continuous", "static")
 DEFAULT_SLOTS = 8
+# Prompts of neighbouring slots are prefilled as one right-padded batch only while its rows (longest x count) stay
+# within this many times their real tokens: a long prompt beside short ones is run on its own instead
+PREFILL_BATCH_MAX_ROWS_PER_TOKEN = 1.25
 _STARTED: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # every scheduler that started a worker (_close_at_exit)
 _STARTED_LOCK = threading.Lock()  # _STARTED and _exiting: daemon threads may still submit while the handler runs
 _exiting = False  # set by _close_at_exit: no worker starts after it
@@ -197,6 +200,7 @@ class Scheduler:
         self._scored_rows_reusable = scored_rows_reusable(engine.backend)
         self._releases = itertools.count(1)
         self._waiting: deque[_Sequence] = deque()
+        self._blocked: list[object] = []  # submit(block=True) calls waiting for room, in the order they came
         # Tokens as they are made (a server's /metrics counters move every step, as vLLM's do, not at a request's end):
         # prompt tokens, those looked up in the prefix cache and those found there (vLLM's prefix_cache_queries and
         # _hits, in tokens), counted at a request's first token; tokens chosen, a final stop token included. Written
@@ -244,17 +248,19 @@ class Scheduler:
         self._check_fits(prompt_ids, params)
         eos = self.engine.eos_token_ids
         decoder = self.engine.tokenizer.stream_decoder(params.stop_strings, prompt_ids, params.min_new_tokens)
-        sequence = _Sequence(RequestHandle(self, next(self._ids), prompt_ids, pieces), prompt_ids, params,
+        sequence = _Sequence(RequestHandle(self, -1, prompt_ids, pieces), prompt_ids, params,
                              Sampler(params, prompt_ids, eos), params.stop_ids(eos), decoder, received, tokenize_s,
                              prompt_entries=None if params.prompt_logprobs is None else [None])
         with self._lock:
-            while not self._closed and len(self._waiting) >= self.max_queue + self._free_slots():
+            full = len(self._waiting) >= self.max_queue + self._free_slots()
+            if not self._closed and (full or self._blocked):  # room goes to blocked submitters first, in turn
                 if not block:
-                    raise QueueFullError(f"the request queue is full ({self.max_queue} waiting for {self.slots} busy "
-                                       f"slots); retry later, submit with block=True, or raise max_queue")
-                self._lock.wait()
+                    raise QueueFullError(f"the request queue is full ({self._fullness()}); retry later, submit "
+                                         f"with block=True, or raise max_queue")
+                self._wait_in_turn()
             if self._closed:
                 raise RequestError("the scheduler is closed; start another with engine.start_scheduler()")
+            sequence.handle.id = next(self._ids)  # in the order accepted: prefills and prefix sharing go by it
             # A worker that is not alive never started: an interrupt (Ctrl-C in a notebook) came between its
             # creation and start(), and every later request would wait for it for ever. One that ends sets None.
             working = self._worker is not None and self._worker.is_alive()
@@ -269,6 +275,32 @@ class Scheduler:
                 self._worker.start()
             self._lock.notify_all()
         return sequence.handle
+
+    def _wait_in_turn(self) -> None:
+        """Wait (the lock is held) until this submitter is the first blocked one and there is room: blocked
+        submitters get in in the order they came, and no new one gets ahead of them (notify_all woke every one
+        at once, and whichever ran first took the room)."""
+        ticket = object()
+        self._blocked.append(ticket)
+        try:
+            while not self._closed and (self._blocked[0] is not ticket or
+                                        len(self._waiting) >= self.max_queue + self._free_slots()):
+                self._lock.wait()
+        finally:
+            self._blocked.remove(ticket)
+            self._lock.notify_all()  # the next one's turn
+
+    def fullness(self) -> str:
+        """What fills the queue now, for a refusal (a server's 503)."""
+        with self._lock:
+            return self._fullness()
+
+    def _fullness(self) -> str:
+        """What fills the queue, for its refusal (the lock is held)."""
+        busy = sum(sequence is not None for sequence in self._running)
+        why = "; static batching admits only when the running batch ends" if self.batching == "static" else ""
+        blocked = f", {len(self._blocked)} submitters blocked for room" if self._blocked else ""
+        return f"{len(self._waiting)} waiting, {busy} of {self.slots} slots busy{blocked}{why}"
 
     def _free_slots(self) -> int:
         """Slots the next admission can fill (the lock is held): requests for them are not queueing, only waiting for
@@ -418,9 +450,13 @@ class Scheduler:
             self._running[slot] = sequence
 
     def _step(self) -> None:
-        for sequence in filter(None, self._running):
-            if sequence.handle.cancelled:
-                self._finish(sequence, "cancelled")
+        cancelled = [sequence for sequence in filter(None, self._running) if sequence.handle.cancelled]
+        for sequence in cancelled:
+            self._finish(sequence, "cancelled")
+        if cancelled and self._waiting:  # their slots are free now: a waiting request starts in this step, not the next
+            with self._lock:
+                self._admit()
+                self._lock.notify_all()
         waiting = self._share_prefixes() if self.engine.prefix_caching else set()
         decoding = any(s is not None and s.next_token is not None for s in self._running)
         self._prefill(budget=self.prefill_chunk if self.prefill_chunk and decoding else None, deferred=waiting)
@@ -536,10 +572,15 @@ class Scheduler:
                  if s is not None and s.prefilled == 0 and s not in deferred and not s.scored]
         runs: list[list[_Sequence]] = []
         for sequence in fresh:  # in slot order
-            if runs and runs[-1][-1].slot + 1 == sequence.slot:
-                runs[-1].append(sequence)
-            else:
-                runs.append([sequence])
+            run = runs[-1] if runs else None
+            if run and run[-1].slot + 1 == sequence.slot:
+                lengths = [len(s.prompt_ids) for s in (*run, sequence)]
+                # Padding bounded: seven 8-token prompts beside a 384-token one made an [8 x 384] run, and every
+                # prompt in it (and every decoding request) waited 6.0 s for what takes 0.09 s and 0.64 s alone
+                if max(lengths) * len(lengths) <= PREFILL_BATCH_MAX_ROWS_PER_TOKEN * sum(lengths):
+                    run.append(sequence)
+                    continue
+            runs.append([sequence])
         for run in (r for r in runs if len(r) > 1):
             lengths = np.array([len(s.prompt_ids) for s in run])
             width = int(lengths.max())

@@ -253,7 +253,7 @@ def test_full_queue_refuses_and_loses_nothing(engine):
     first = engine.submit([1, 2, 3], max_new_tokens=100, ignore_eos=True)
     next(iter(first))  # admitted: the two below wait
     queued = [engine.submit([1, n], max_new_tokens=4, ignore_eos=True) for n in (10, 11)]
-    with pytest.raises(RequestError, match=r"queue is full \(2 waiting for 1 busy slots\)"):
+    with pytest.raises(RequestError, match=r"queue is full \(2 waiting, 1 of 1 slots busy\)"):
         engine.submit([1, 12], max_new_tokens=4)
     blocked: list = []
     thread = threading.Thread(target=lambda: blocked.append(engine.submit([1, 12], max_new_tokens=4, block=True,
@@ -450,9 +450,11 @@ def test_a_scheduler_stays_within_the_rows_and_tokens_the_engines_run(engine, mo
 
 
 def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
-    """Eight mixed-length prompts submitted at once land in neighbouring slots: one right-padded prefill run
+    """Eight prompts of near lengths submitted at once land in neighbouring slots: one right-padded prefill run
     (the same prefill start for all), and still each request's alone tokens."""
-    requests = mixed_requests(8, seed=3)
+    rng = np.random.default_rng(3)
+    requests = [([1] + rng.integers(3, 512, size=int(rng.integers(40, 49))).tolist(), int(rng.integers(1, 41)))
+                for _ in range(8)]
     expected = [alone(engine, prompt, new) for prompt, new in requests]
     scheduler = engine.start_scheduler(slots=8)
     with scheduler._lock:  # re-entrant: submit takes it too; the worker waits until all eight are queued
@@ -461,6 +463,24 @@ def test_requests_admitted_together_prefill_as_one_padded_batch(engine):
     assert [r.token_ids for r in results] == expected
     starts = {r.timings.trace.prefill_start for r in results}
     assert len(starts) == 1, "the eight queued requests did not share one prefill run"
+
+
+def test_a_long_prompt_beside_short_ones_is_not_padded_into_their_batch(engine):
+    """Seven 4-token prompts and a 100-token one admitted together were one [8 x 100] run: every short prompt (and
+    every decoding request) waited for 800 rows of work where 128 were real (6 s against 0.09 s on the default
+    model). A batch's rows stay within 1.25 times its tokens: the long prompt runs on its own."""
+    rng = np.random.default_rng(4)
+    prompts = [[1] + rng.integers(3, 512, size=3).tolist() for _ in range(7)] + [[1] * 100]
+    expected = [alone(engine, prompt, 2) for prompt in prompts]
+    scheduler = engine.start_scheduler(slots=8)
+    runs = []
+    run = scheduler.cache.run
+    scheduler.cache.run = lambda phase, rows, ids, *rest: (runs.append((phase, ids.shape)), run(phase, rows, ids,
+                                                                                                   *rest))[1]
+    with scheduler._lock:
+        handles = [scheduler.submit(prompt, max_new_tokens=2, ignore_eos=True) for prompt in prompts]
+    assert [handle.result(timeout=60).token_ids for handle in handles] == expected
+    assert [shape for phase, shape in runs if phase == "prefill"] == [(7, 4), (1, 100)]
 
 
 def test_prompts_admitted_into_slots_apart_are_not_one_batch(engine):
@@ -906,6 +926,10 @@ def test_an_engine_that_served_requests_is_freed_when_its_last_reference_goes(ti
         handle = engine.submit("Hi", max_new_tokens=2, ignore_eos=True)
         handle.add_done_callback(lambda done: None)
         handle.result(timeout=60)
+        callbacks = engine.scheduler._callbacks
+        deadline = time.monotonic() + 10
+        while callbacks._thread is not None and time.monotonic() < deadline:  # its thread ends once idle
+            time.sleep(0.01)
         engine.close()
         gone = weakref.ref(engine)
         del engine, handle
@@ -976,3 +1000,50 @@ def test_submits_during_start_scheduler_wait_for_the_new_scheduler(tiny_artifact
     assert created == [None, 4]  # nothing started between the close and the new scheduler
     # only requests the old scheduler held when it closed fail (documented), never one submitted after
     assert set(errors) <= {"the scheduler was closed before this request finished"}, errors
+
+
+def test_blocked_submitters_get_in_in_the_order_they_blocked_and_no_one_overtakes_them(engine):
+    """notify_all woke every blocked submitter at once and whichever ran first took the room (the first to block
+    came in 8th of 12), and a block=False submit could take room a blocked one waited for."""
+    scheduler = slowed(engine.start_scheduler(slots=1, max_queue=1), seconds=0.005)
+    running = scheduler.submit([1, 2, 3], max_new_tokens=40, ignore_eos=True)
+    queued = scheduler.submit([1, 2, 4], max_new_tokens=2, ignore_eos=True)
+    order, threads = [], []
+
+    def blocked(index):
+        handle = scheduler.submit([1, 5, index], max_new_tokens=1, ignore_eos=True, block=True)
+        order.append((handle.result(timeout=60).timings.trace.prefill_start, index))
+
+    for index in range(6):
+        threads.append(threading.Thread(target=blocked, args=(index,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 10
+        while len(scheduler._blocked) < index + 1 and time.monotonic() < deadline:  # it waits before the next one
+            time.sleep(0.001)
+    assert len(scheduler._blocked) == 6 and not running.done()
+    with pytest.raises(QueueFullError, match=r"6 submitters blocked for room"):  # not ahead of them
+        scheduler.submit([1, 6], max_new_tokens=1)
+    for thread in threads:
+        thread.join(60)
+    queued.result(timeout=60)
+    assert [index for _, index in sorted(order)] == list(range(6))
+
+
+def test_a_cancelled_requests_slot_takes_a_waiting_request_in_the_same_step(engine):
+    """Admission ran before the step's sweep of cancelled requests: a freed slot sat empty for a decode step."""
+    scheduler = slowed(engine.start_scheduler(slots=2), seconds=0.01)
+    runs = []
+    run = scheduler.cache.run
+    scheduler.cache.run = lambda phase, *rest: (runs.append(phase), run(phase, *rest))[1]
+    long = scheduler.submit([1, 2, 3], max_new_tokens=60, ignore_eos=True)
+    cancelled = scheduler.submit([1, 2, 4], max_new_tokens=60, ignore_eos=True)
+    waiting = scheduler.submit([1, 2, 5], max_new_tokens=1, ignore_eos=True)
+    deadline = time.monotonic() + 10
+    while runs.count("decode") < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with scheduler._lock:  # between steps: the cancel is seen at the next one
+        cancelled.cancel()
+        mark = len(runs)
+    waiting.result(timeout=60)
+    assert runs[mark] == "prefill", runs[mark:mark + 3]  # the waiting request's prefill, before any decode
+    long.cancel()
