@@ -471,8 +471,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _shutting_down() from None
             if isinstance(error, QueueFullError):
                 held = scheduler or engine.scheduler
-                room = (f"{held.max_queue} requests wait for its {held.slots} busy slots" if held
-                        else "its queue is full")
+                room = held.fullness() if held else "its queue is full"
                 raise ApiError(f"the server is full: {room}; retry later, or start it with a larger --max-queue (or "
                                f"--slots)", status=503, kind="service_unavailable") from None
             raise ApiError(str(error)) from None
@@ -493,8 +492,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self._cancel(handles)
                     return self._send_error(self._failure(error))
         body = openai_api.response(self.server.engine, request, request_id, self.server.model_name, results)
+        self._finished(request, results, handles)  # first: a client that scrapes /metrics after the answer sees it
         self._send_json(200, body)
-        self._finished(request, results)
 
     def _stream(self, request: ParsedRequest, request_id: str, handles: list, events: queue.SimpleQueue) -> None:
         self.send_response(200)
@@ -556,13 +555,17 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             if request.include_usage:
                 pending.append(_event(openai_api.usage_chunk(request, request_id, model, created, results)))
-        self._write_stream(b"".join(pending) + b"data: [DONE]\n\n", last=True)
         if all(results):
-            self._finished(request, results)
+            self._finished(request, results, handles)  # before the end: the client may scrape /metrics right after
+        self._write_stream(b"".join(pending) + b"data: [DONE]\n\n", last=True)
 
     def _cancel(self, handles: list, reason: str | None = None) -> None:
+        """Cancel the request's handles (a client that left, a choice that failed); each goes into /metrics as it
+        ends: a cancelled one's tokens so far (its TTFT and gaps too: the slow requests users leave are those an
+        SLO must see), a failed one as a failure."""
         for handle in handles:
             handle.cancel()
+            self._count_when_done(handle)
         if reason:
             self.server.log(f"{self.command} {self.path}: {reason}; its {len(handles)} request(s) cancelled")
 
@@ -677,10 +680,18 @@ class _Handler(BaseHTTPRequestHandler):
         self._stream_ended = last
         self.wfile.write(data)
 
-    def _finished(self, request: ParsedRequest, results: list[GenerationResult]) -> None:
+    def _count_when_done(self, handle) -> None:
+        """Into /metrics once, when the scheduler ends it (at once if it has)."""
+        if not getattr(handle, "_counted", False):
+            handle._counted = True
+            handle.add_done_callback(self.server.metrics.ended)
+
+    def _finished(self, request: ParsedRequest, results: list[GenerationResult], handles: list) -> None:
         """Into /metrics, and a line in the log."""
-        for result in results:
-            self.server.metrics.finished(result)
+        for handle, result in zip(handles, results):
+            if not getattr(handle, "_counted", False):
+                handle._counted = True
+                self.server.metrics.finished(result)
         first = results[0].timings
         usage = openai_api.usage(request, results)
         line = (f"{self.command} {self.path} 200: {_count(usage['prompt_tokens'], 'prompt token')} "

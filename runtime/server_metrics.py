@@ -27,6 +27,7 @@ HISTOGRAMS = {
     "e2e_request_latency_seconds": "Request received to its last token chosen.",
     "request_queue_time_seconds": "Request received to its prefill's start.",
 }
+FINISHED_REASONS = {"cancelled": "abort"}  # a result's finish_reason as vLLM's request_success_total labels it
 COUNTERS = {  # the scheduler's counts (Scheduler.token_counts), as the tokens are made: a running request's count
     "prompt_tokens_total": "Prompt tokens of requests that made their first token.",
     "generation_tokens_total": "Tokens generated, as they are (a final stop token included).",
@@ -53,12 +54,26 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._histograms = {name: _Histogram() for name in HISTOGRAMS}
         self._requests: dict[tuple[str, int], int] = {}  # (route, status) -> HTTP requests answered
+        self._finished: dict[str, int] = {}  # finished_reason -> requests (choices) that ended so
+        self._failures = 0  # requests (choices) that failed: a graph run raised, the server stopped
 
     def answered(self, route: str, status: int) -> None:
         with self._lock:
             self._requests[route, status] = self._requests.get((route, status), 0) + 1
 
+    def ended(self, handle) -> None:
+        """A request's outcome, from its handle once done (a done-callback): a failure, or its result."""
+        error = handle.exception()
+        if error is not None:
+            with self._lock:
+                self._failures += 1
+            return
+        self.finished(handle.result())
+
     def finished(self, result: GenerationResult) -> None:
+        reason = FINISHED_REASONS.get(result.finish_reason, result.finish_reason)
+        with self._lock:
+            self._finished[reason] = self._finished.get(reason, 0) + 1
         timings = result.timings
         if timings is None:  # cancelled before its first token
             return
@@ -93,6 +108,14 @@ class ServerMetrics:
             for (route, status), count in sorted(self._requests.items()):
                 lines.append(f'aotlm:http_requests_total{{{label},route="{_escaped(route)}",status="{status}"}} '
                              f'{count}')
+            lines += ["# HELP aotlm:request_success_total Requests (each choice) that ended, by finished_reason "
+                      "(stop, length; abort: cancelled, the client left).",
+                      "# TYPE aotlm:request_success_total counter"]
+            for reason, count in sorted(self._finished.items()):
+                lines.append(f'aotlm:request_success_total{{{label},finished_reason="{_escaped(reason)}"}} {count}')
+            lines += ["# HELP aotlm:request_failure_total Requests (each choice) that failed in the scheduler.",
+                      "# TYPE aotlm:request_failure_total counter", f"aotlm:request_failure_total{{{label}}} "
+                      f"{self._failures}"]
             for name, text in COUNTERS.items():
                 lines += [f"# HELP aotlm:{name} {text}", f"# TYPE aotlm:{name} counter",
                           f"aotlm:{name}{{{label}}} {made.get(name.removesuffix('_total'), 0)}"]

@@ -1250,6 +1250,7 @@ def test_a_full_queue_is_503_with_retry_after(slow_server):
     waiting = server.engine.submit([1, 2], max_new_tokens=2)
     status, headers, body = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert status == 503 and headers["Retry-After"] == "1" and "--max-queue" in body["error"]["message"]
+    assert "the server is full: 1 waiting, 1 of 1 slots busy" in body["error"]["message"], body
     assert body["error"]["type"] == "service_unavailable"
     running.cancel()
     assert waiting.result(timeout=30).finish_reason == "length"
@@ -1295,6 +1296,14 @@ def test_a_client_that_leaves_cancels_its_request_and_frees_the_slot(slow_server
         f'aotlm:http_requests_total{{model_name="tiny-random",route="/v1/completions",status="{status}"}}', 0)
         for status in ("200", "499")}
     assert answered == ({"200": 2, "499": 0} if stream else {"200": 1, "499": 1})  # a stream's 200 went out first
+    # the request the client left still counts: its end (vLLM's abort), its TTFT and gaps (the latency histograms
+    # had left out exactly the requests slow enough for users to give up on)
+    label = 'model_name="tiny-random"'
+    assert wait_for(lambda: scrape(server.server_address).get(
+        f'aotlm:request_success_total{{{label},finished_reason="abort"}}') == 1, 3.0)
+    series = scrape(server.server_address)
+    assert series[f'aotlm:request_success_total{{{label},finished_reason="length"}}'] == 1  # the one after it
+    assert series[f"aotlm:time_to_first_token_seconds_count{{{label}}}"] == 2
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -1326,6 +1335,9 @@ def test_a_request_that_fails_while_running_leaves_a_line_in_the_log(tiny_artifa
         else:
             assert post(server, "/v1/completions", body)[0] == 500
         assert wait_for(lambda: any("out of memory" in line for line in lines), 3.0), lines
+        # a stream's 200 went out before it failed: only the failure counter says so
+        assert wait_for(lambda: scrape(server.server_address).get(
+            'aotlm:request_failure_total{model_name="tiny-random"}') == 1, 3.0)
     finally:
         stop(server)
 
