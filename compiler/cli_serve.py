@@ -69,7 +69,8 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--shutdown-timeout", type=seconds, default=25.0,
                        help="on Ctrl-C or SIGTERM, seconds the requests under way may take to finish before they are "
                             "stopped (default 25, inside Kubernetes' 30 s grace before its SIGKILL; 0: at once)")
-    serve.add_argument("--quiet", action="store_true", help="no line per request on stderr")
+    serve.add_argument("--quiet", action="store_true",
+                       help="no line per answered request on stderr (errors and refusals are still logged)")
     serve.set_defaults(handler=serve_command)
 
 
@@ -90,7 +91,7 @@ def serve_command(args) -> None:
     scheduler = engine.start_scheduler(slots=args.slots, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     try:
         server = ApiServer(engine, args.host, args.port, model_name=args.model_name,
-                           log=None if args.quiet else _log_line, api_key=api_key,
+                           log=_log_line, log_requests=not args.quiet, api_key=api_key,
                            max_connections=args.max_connections or MAX_CONNECTIONS)
     except OSError as error:  # the port is taken, the address is not this machine's, ...
         engine.close()

@@ -35,6 +35,7 @@ import select
 import socket
 import threading
 import time
+import traceback
 from concurrent.futures import TimeoutError as ResultTimeout  # the built-in TimeoutError only from Python 3.11
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -89,7 +90,9 @@ class ApiServer(ThreadingHTTPServer):
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
                  log: Callable[[str], None] | None = None, api_key: str | None = None,
-                 max_connections: int = MAX_CONNECTIONS):
+                 max_connections: int = MAX_CONNECTIONS, log_requests: bool = True):
+        """log: where lines go (stderr for `aotlm serve`): errors, refusals and, with log_requests, one line per
+        answered request (`--quiet` turns those off, as vLLM's --disable-log-requests, and keeps the errors)."""
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ValueError(f"max_connections: {max_connections!r} must be an integer >= 1")
         if api_key is not None and not (api_key and api_key.isascii() and api_key.isprintable()):
@@ -102,6 +105,7 @@ class ApiServer(ThreadingHTTPServer):
         self.api_key = api_key
         self.model_name = model_name or engine.manifest["name"]
         self.log = _safe_log(log) if log else (lambda line: None)
+        self.log_request = self.log if log_requests else (lambda line: None)
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.closing = False  # drain() began: requests get 503, /health says so (load balancers look elsewhere)
@@ -139,6 +143,7 @@ class ApiServer(ThreadingHTTPServer):
             reason = f"{open_now} connections open, at most {self.max_connections} (--max-connections)"
         _refuse_connection(request, "the server has too many connections open" if not room else
                            "the server could not start a thread for this connection")
+        self.metrics.refused_connection()
         self.log(f"a connection from {client_address[0]} refused: {reason}")
         self.shutdown_request(request)
 
@@ -400,6 +405,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._cancel(handles, "client went away" if handles else None)
         except Exception as error:  # noqa: BLE001 -- a bug or a broken artifact: said to the client, not a traceback
+            # the log gets where it came from (the innermost frames, one line): the client, only the message
+            frames = " | ".join(line.strip().replace("\n", " ") for line in
+                                traceback.format_exception(error, limit=-4)[1:-1])
+            self.server.log(f"{self.command} {self.path}: {type(error).__name__}: {str(error)[:300]} at {frames}")
             self._fail(ApiError(f"{type(error).__name__}: {error}", 500, "server_error"))
         finally:
             try:
@@ -492,7 +501,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self._cancel(handles)
                     return self._send_error(self._failure(error))
         body = openai_api.response(self.server.engine, request, request_id, self.server.model_name, results)
-        self._finished(request, results, handles)  # first: a client that scrapes /metrics after the answer sees it
+        self._finished(request, request_id, results, handles)  # first: a client scraping /metrics next sees it
         self._send_json(200, body)
 
     def _stream(self, request: ParsedRequest, request_id: str, handles: list, events: queue.SimpleQueue) -> None:
@@ -556,7 +565,7 @@ class _Handler(BaseHTTPRequestHandler):
             if request.include_usage:
                 pending.append(_event(openai_api.usage_chunk(request, request_id, model, created, results)))
         if all(results):
-            self._finished(request, results, handles)  # before the end: the client may scrape /metrics right after
+            self._finished(request, request_id, results, handles)  # before the end: a client may scrape right after
         self._write_stream(b"".join(pending) + b"data: [DONE]\n\n", last=True)
 
     def _cancel(self, handles: list, reason: str | None = None) -> None:
@@ -686,22 +695,28 @@ class _Handler(BaseHTTPRequestHandler):
             handle._counted = True
             handle.add_done_callback(self.server.metrics.ended)
 
-    def _finished(self, request: ParsedRequest, results: list[GenerationResult], handles: list) -> None:
-        """Into /metrics, and a line in the log."""
+    def _finished(self, request: ParsedRequest, request_id: str, results: list[GenerationResult],
+                  handles: list) -> None:
+        """Into /metrics, and a line in the log: the response's id (to match a user's report), tokens, how each
+        choice ended, and the first choice's queue, TTFT, TPOT (- for one token) and end-to-end times."""
         for handle, result in zip(handles, results):
             if not getattr(handle, "_counted", False):
                 handle._counted = True
                 self.server.metrics.finished(result)
         first = results[0].timings
         usage = openai_api.usage(request, results)
+        ends = ", ".join(sorted({result.finish_reason for result in results}))
         line = (f"{self.command} {self.path} 200: {_count(usage['prompt_tokens'], 'prompt token')} "
-                f"({usage['prompt_tokens_details']['cached_tokens']} cached), {usage['completion_tokens']} out")
+                f"({usage['prompt_tokens_details']['cached_tokens']} cached), {usage['completion_tokens']} out "
+                f"({ends})")
         if len(results) > 1:
             line += f" over {len(results)} choices"
         if first is not None:
-            line += (f"; {'choice 0: ' if len(results) > 1 else ''}TTFT {1e3 * first.ttft_s:.1f} ms, "
-                     f"TPOT {1e3 * first.tpot_s:.2f} ms")
-        self.server.log(line)
+            trace = first.trace
+            tpot = "-" if trace.tpot is None else f"{1e3 * trace.tpot:.2f} ms"
+            line += (f"; {'choice 0: ' if len(results) > 1 else ''}queue {1e3 * trace.queue:.1f} ms, TTFT "
+                     f"{1e3 * first.ttft_s:.1f} ms, TPOT {tpot}, E2E {1e3 * first.e2e_s:.1f} ms")
+        self.server.log_request(f"{line}; {request_id}")
 
 
 def _event(body: dict) -> bytes:

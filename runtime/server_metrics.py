@@ -56,10 +56,15 @@ class ServerMetrics:
         self._requests: dict[tuple[str, int], int] = {}  # (route, status) -> HTTP requests answered
         self._finished: dict[str, int] = {}  # finished_reason -> requests (choices) that ended so
         self._failures = 0  # requests (choices) that failed: a graph run raised, the server stopped
+        self._refused_connections = 0  # at --max-connections, or no thread could start: answered 503 and closed
 
     def answered(self, route: str, status: int) -> None:
         with self._lock:
             self._requests[route, status] = self._requests.get((route, status), 0) + 1
+
+    def refused_connection(self) -> None:
+        with self._lock:
+            self._refused_connections += 1
 
     def ended(self, handle) -> None:
         """A request's outcome, from its handle once done (a done-callback): a failure, or its result."""
@@ -99,6 +104,8 @@ class ServerMetrics:
                                   ("num_requests_waiting", waiting, "Requests waiting for a slot."),
                                   ("kv_cache_slots", scheduler.slots if scheduler is not None else 0,
                                    "Sequences the scheduler's KV cache holds at once."),
+                                  ("kv_cache_usage_perc", running / scheduler.slots if scheduler is not None else 0.0,
+                                   "The KV cache's slots in use, 0 to 1 (vLLM's name; its blocks are slots here)."),
                                   ("http_requests_in_progress", in_progress,
                                    "HTTP requests (POSTs) being answered, bodies still arriving included.")):
             lines += [f"# HELP aotlm:{name} {text}", f"# TYPE aotlm:{name} gauge", f"aotlm:{name}{{{label}}} {value}"]
@@ -115,7 +122,11 @@ class ServerMetrics:
                 lines.append(f'aotlm:request_success_total{{{label},finished_reason="{_escaped(reason)}"}} {count}')
             lines += ["# HELP aotlm:request_failure_total Requests (each choice) that failed in the scheduler.",
                       "# TYPE aotlm:request_failure_total counter", f"aotlm:request_failure_total{{{label}}} "
-                      f"{self._failures}"]
+                      f"{self._failures}",
+                      "# HELP aotlm:http_connections_refused_total Connections answered 503 and closed unread: "
+                      "--max-connections were open, or no thread could start.",
+                      "# TYPE aotlm:http_connections_refused_total counter",
+                      f"aotlm:http_connections_refused_total{{{label}}} {self._refused_connections}"]
             for name, text in COUNTERS.items():
                 lines += [f"# HELP aotlm:{name} {text}", f"# TYPE aotlm:{name} counter",
                           f"aotlm:{name}{{{label}}} {made.get(name.removesuffix('_total'), 0)}"]

@@ -32,15 +32,17 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_it_cannot_listen(
     assert "cannot listen on 127.0.0.1:65535: Address already in use; choose another --port" in err, err
     given = TakenPort.given
     assert {key: given[key] for key in ("host", "port", "slots", "max_queue", "prefill_chunk", "model_name",
-                                        "api_key", "log", "max_connections")} == {
+                                        "api_key", "log_requests", "max_connections")} == {
         "host": "127.0.0.1", "port": 65535, "slots": 2, "max_queue": 7, "prefill_chunk": 16, "model_name": "m",
-        "api_key": "from-the-environment", "log": None, "max_connections": 9}
+        "api_key": "from-the-environment", "log_requests": False, "max_connections": 9}
+    assert given["log"] is cli_serve._log_line  # --quiet keeps errors and refusals
     assert given["engine"].prefix_caching is True and given["engine"].scheduler is None  # closed
     assert main(["serve", str(tiny_artifact), "--host", "::1", "--port", "0", "--api-key", "given"]) == 2
     given = TakenPort.given
     assert (given["host"], given["port"], given["slots"], given["max_queue"], given["prefill_chunk"]) == (
         "::1", 0, 8, 256, None)
     assert given["api_key"] == "given" and given["log"] is cli_serve._log_line and given["model_name"] is None
+    assert given["log_requests"] is True
     from runtime.server import MAX_CONNECTIONS
 
     assert given["max_connections"] == MAX_CONNECTIONS == 1024  # as --help says

@@ -7,6 +7,7 @@ import http.client
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -1484,10 +1485,14 @@ def test_the_log_line_of_a_request_counts_its_tokens_and_says_whose_timings_it_s
     server, lines = slow_server
     post(server, "/v1/completions", {"prompt": [5], "max_tokens": 2, "ignore_eos": True})
     post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 2, "ignore_eos": True})
-    assert wait_for(lambda: len(lines) == 2)  # each line is written after its response went out
-    assert lines[0].startswith("POST /v1/completions 200: 1 prompt token (0 cached), 2 out; TTFT ")
-    assert lines[1].startswith("POST /v1/completions 200: 2 prompt tokens (0 cached), 4 out over 2 choices; "
-                               "choice 0: TTFT ")
+    post(server, "/v1/completions", {"prompt": [5], "max_tokens": 1})
+    assert wait_for(lambda: len(lines) == 3)
+    # what an operator looks for: how each ended, the queue and end-to-end times, and the id a user reports
+    assert re.fullmatch(r"POST /v1/completions 200: 1 prompt token \(0 cached\), 2 out \(length\); queue [\d.]+ "
+                        r"ms, TTFT [\d.]+ ms, TPOT [\d.]+ ms, E2E [\d.]+ ms; cmpl-[0-9a-f]+", lines[0]), lines[0]
+    assert lines[1].startswith("POST /v1/completions 200: 2 prompt tokens (0 cached), 4 out (length) over 2 "
+                               "choices; choice 0: queue ")
+    assert ", TPOT -, " in lines[2]  # one token: no time per output token (it read 0.00 ms)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -1572,3 +1577,34 @@ def test_metrics_label_a_models_route_once_whatever_name_was_asked(served):
     routes = {key for key in scrape(served.server_address) if key.startswith("aotlm:http_requests_total")}
     asked = [key for key in routes if "/v1/models/" in key]
     assert asked and all('route="/v1/models/{model}"' in key for key in asked), asked
+
+
+def test_a_connection_refused_at_max_connections_is_counted_and_a_bug_is_logged_with_its_frames(tiny_artifact,
+                                                                                                 monkeypatch):
+    """A refused connection reached the log only (and --quiet hid it); a 500 from a bug was one line with no place."""
+    import runtime.openai_api
+
+    server, lines = serve(Engine.load(tiny_artifact), slots=1)
+    try:
+        server.max_connections = 1
+        held = socket.create_connection(server.server_address[:2])
+        held.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        held.recv(4096)  # its thread serves it: one connection open
+        refused = socket.create_connection(server.server_address[:2])
+        refused.settimeout(10)
+        assert refused.recv(4096).startswith(b"HTTP/1.1 503")
+        refused.close()
+        held.close()
+        assert wait_for(lambda: server._connections == 0, 5.0)
+        server.max_connections = 8
+        assert scrape(server.server_address)['aotlm:http_connections_refused_total{model_name="tiny-random"}'] == 1
+
+        def broken(*args, **kwargs):
+            raise KeyError("choices")
+
+        monkeypatch.setattr(runtime.openai_api, "response", broken)
+        assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 500
+        line = next(line for line in lines if "KeyError" in line)
+        assert "at File " in line and "in broken" in line, line  # where it was raised, on one line
+    finally:
+        stop(server)
