@@ -116,9 +116,12 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
     first_quantize = next((i for i, spec in enumerate(passes) if spec.name in QUANTIZING_PASSES), len(passes))
     report_accuracy = first_quantize < len(passes) and recipe.accuracy.enabled and recipe.backend.name == "onnxruntime"
     if report_accuracy:  # its held-out text, checked before the export rather than after the whole build
-        calibration = passes[first_quantize].options.calibration
-        held_out = held_out_tokens(calibration.text if calibration else BUILTIN, loaded.tokenizer_json,
-                                   recipe.accuracy.max_tokens)
+        # The first calibrating pass's text (an RTN quantize before a calibrated quantize_kv_cache has none), and
+        # every calibrating pass's text checked for what the held-out part repeats
+        texts = tuple(dict.fromkeys(spec.options.calibration.text for spec in passes
+                                    if getattr(spec.options, "calibration", None) is not None))
+        held_out = held_out_tokens(texts[0] if texts else BUILTIN, loaded.tokenizer_json, recipe.accuracy.max_tokens,
+                                   other_texts=texts[1:])
         if len(held_out.tokens) < 2:
             raise BuildError(f"accuracy report: its held-out text ({held_out.source}) has {len(held_out.tokens)} "
                              f"token(s), and scoring needs at least 2; give a longer calibration.text or set "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,9 @@ from runtime.evaluate import (BUILTIN_SOURCE, CALIBRATION_FRACTION, read_text_fi
 from runtime.tokenizer import whole_text
 
 BUILTIN = "pydoc"
+CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")  # Unicode's Cc, but tab, newlines, form feed
+CONTROL_CHARACTERS_MAX_SHARE = 0.01  # more and a calibration file is taken for binary
+ENCODE_PIECE_CHARACTERS = 1 << 20  # the calibration text is tokenized in pieces of about this many characters
 
 
 def split_text(spec_text: str) -> tuple[str, str, dict]:
@@ -34,8 +38,21 @@ def split_text(spec_text: str) -> tuple[str, str, dict]:
         text = read_text_file(path)  # as `aotlm eval --text` reads it: no byte-order mark, CRLF kept
     except (OSError, UnicodeDecodeError) as error:
         raise BuildError(f"calibration.text: cannot read {path} as UTF-8 text: {error}") from None
+    check_has_text(text, spec_text)
     calibration, held_out = split_held_out(text)
     return calibration, held_out, {"source": f"{path.resolve()}, {_first_part()}"}
+
+
+def check_has_text(text: str, spec_text: str) -> None:
+    """A file of whitespace, or of NUL or other control characters (UTF-8 as far as the decoder goes), holds no text
+    to calibrate on: every sample was one token repeated, and the build went on."""
+    if not text.strip():
+        raise BuildError(f"calibration.text: {spec_text} holds only whitespace; give a UTF-8 text file with the text "
+                         f"to calibrate on, or 'pydoc' for the built-in text (Python's documentation)")
+    control = CONTROL_CHARACTERS.subn("", text)[1]
+    if control > CONTROL_CHARACTERS_MAX_SHARE * len(text):
+        raise BuildError(f"calibration.text: {spec_text} looks binary ({control:,} of its {len(text):,} characters "
+                         f"are control characters such as NUL); give a UTF-8 text file")
 
 
 def _first_part() -> str:
@@ -65,7 +82,7 @@ def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> Calibr
     """The spec's text tokenized (no special tokens) and cut into its samples."""
     calibration, _, source = split_text(spec.text)
     tokenizer = whole_text(Tokenizer.from_str(tokenizer_json))
-    token_ids = np.asarray(tokenizer.encode(calibration, add_special_tokens=False).ids, np.int64)
+    token_ids = encode_in_pieces(tokenizer, calibration)
     try:
         samples = draw_samples(token_ids, spec.samples, spec.length, spec.seed)
     except PassError as error:  # the count is of the calibration part only: say so, and which text it is
@@ -77,6 +94,19 @@ def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> Calibr
               "text_sha256": hashlib.sha256(calibration.encode()).hexdigest()[:16],
               "samples_sha256": tokens_fingerprint(samples)}
     return CalibrationSet(**dataclasses.asdict(spec), token_ids=samples, source=source, progress=progress)
+
+
+def encode_in_pieces(tokenizer: Tokenizer, text: str, piece: int = ENCODE_PIECE_CHARACTERS) -> np.ndarray:
+    """Token ids of `text` (no special tokens), tokenized a piece of about `piece` characters at a time, cut where
+    a paragraph ends: a whole text's Encoding holds strings and offsets for every token (~600 bytes each), so a 20 MB
+    file took 2.9 GB to give 8 bytes a token. A text under `piece` characters (the built-in one) is one piece."""
+    parts, start = [], 0
+    while start < len(text):
+        end = text.find("\n\n", start + piece)
+        end = len(text) if end < 0 else end
+        parts.append(np.asarray(tokenizer.encode(text[start:end], add_special_tokens=False).ids, np.int64))
+        start = end
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def resolve_passes(passes: tuple, tokenizer_json: str, progress=None) -> tuple:

@@ -86,7 +86,9 @@ def _build(args) -> None:
         for text in idle_passes(passes):
             warning(text)
     if "accuracy" in manifest:
-        console.print(format_accuracy(manifest["accuracy"]), highlight=False)
+        # one line per line however narrow a pipe (a grep of CI logs for "perplexity:.*KL"), and not markup: it
+        # names the user's text file
+        console.print(format_accuracy(manifest["accuracy"]), highlight=False, soft_wrap=True, markup=False)
     replaced = " (it replaced the artifact that was there)" if replacing else ""
     message(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s{replaced}")
 
@@ -233,7 +235,7 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     for text in idle_passes([PassResult(**result) for result in manifest["passes"]]):
         warning(text, out)
     if "accuracy" in manifest:
-        out.print(format_accuracy(manifest["accuracy"]), highlight=False)
+        out.print(format_accuracy(manifest["accuracy"]), highlight=False, soft_wrap=True, markup=False)
     files = Table(title="files" + (" (sha256 verified)" if verified else " (sizes checked; --verify hashes)"))
     files.add_column("file")
     files.add_column("MiB", justify="right")

@@ -97,7 +97,7 @@ def format_reports(results: Sequence[PassResult]) -> str:
     return "\n".join(lines)
 
 
-def format_accuracy(accuracy: dict, artifact_bytes: int | None = None) -> str:
+def format_accuracy(accuracy: dict) -> str:
     """The console lines a person reads before deploying."""
     lines = []
     totals = accuracy.get("quantization", {}).get("totals")
@@ -119,7 +119,7 @@ def format_accuracy(accuracy: dict, artifact_bytes: int | None = None) -> str:
                      f"(window {held_out['window']}, stride {held_out['stride']})")
         lines.append(f"perplexity: float {held_out['reference_perplexity']:.3f} -> quantized {held_out['perplexity']:.3f} "
                      f"({100 * held_out['perplexity_increase']:+.2f}%); top-1 agreement "
-                     f"{100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) {held_out['mean_kl']:.4f} nats")
+                     f"{100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) {held_out['mean_kl']:.3g} nats")
         if held_out.get("max_context", 0) > held_out["window"]:  # an int8 cache's keys clipped past position 1024
             lines.append(f"note: positions {held_out['window']} to {held_out['max_context'] - 1} of the context are "
                          f"not scored here: set accuracy.window: {held_out['max_context']} in the recipe to score them "

@@ -268,7 +268,8 @@ def calibrate(model: onnx.ModelProto, pasts: list[str], presents: list[str], opt
 
     def written(run: str):  # per sample: {past name: its rows [kv_heads, length, head_dim]}
         for index, outputs in enumerate(sample_outputs(model, presents, calibration)):
-            calibration.say(f"kv cache calibration ({run}): sample {index + 1}/{total}")
+            if index + 1 == total or (index + 1) % max(1, total // 8) == 0:  # about 8 lines a run, as quantize's
+                calibration.say(f"kv cache calibration ({run}): sample {index + 1}/{total}")
             yield {past: np.asarray(present[0, :, :length], np.float32) for past, present in zip(pasts, outputs)}
 
     peaks: dict[str, np.ndarray] = {}

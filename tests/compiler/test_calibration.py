@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from argparse import Namespace
 
 import numpy as np
@@ -295,3 +296,49 @@ def test_the_calibration_record_tells_apart_texts_of_one_path(tiny_artifact, tmp
     other_draw = resolve(dataclasses.replace(spec, seed=1), tokenizer_json).describe()
     assert other_draw["text_sha256"] == second["text_sha256"]
     assert other_draw["samples_sha256"] != second["samples_sha256"]
+
+
+@pytest.mark.parametrize("content, refusal", [
+    (" \n\t " * 50_000, "holds only whitespace"),
+    ("\x00" * 200_000, "looks binary (200,000 of its 200,000 characters are control characters"),
+    ("text " * 1000 + "\x07" * 100, "looks binary"),
+])
+def test_a_calibration_file_without_text_is_refused(tmp_path, content, refusal):
+    """NUL bytes are UTF-8 and whitespace is text to the decoder: a build calibrated on them (one token repeated in
+    every sample) and succeeded."""
+    path = tmp_path / "calibration.txt"
+    path.write_text(content)
+    with pytest.raises(BuildError, match=rf"calibration.text: {path} {re.escape(refusal)}"):
+        split_text(str(path))
+    path.write_text("text " * 1000 + "\x07" * 10)  # a few control characters in real text: read
+    assert split_text(str(path))[0]
+
+
+def test_a_long_calibration_text_is_tokenized_in_pieces_to_the_same_ids(tiny_artifact, monkeypatch):
+    """The whole text's Encoding holds ~600 bytes a token (a 20 MB file took 2.9 GB for ids of 8 bytes each): the
+    text is tokenized a paragraph-cut piece at a time, and the ids are those of the whole text."""
+    import compiler.calibration as calibration_module
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_artifact / "tokenizer.json"))
+    text = split_text("pydoc")[0][:200_000]
+    pieces = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda part, **kwargs: (pieces.append(len(part)), encode(part, **kwargs))[1],
+                        raising=False)
+    ids = calibration_module.encode_in_pieces(tokenizer, text, piece=20_000)
+    assert len(pieces) >= 9 and max(pieces) < 40_000  # pieces, not the whole text
+    np.testing.assert_array_equal(ids, encode(text, add_special_tokens=False).ids)
+
+
+def test_the_held_out_text_comes_from_the_first_calibrating_pass_and_is_checked_against_every_one(tiny_artifact,
+                                                                                                  tmp_path):
+    """With an RTN quantize first (no calibration set), the report took the built-in text and never looked at the
+    file a later quantize_kv_cache calibrated on, whose calibration part held what the report scored."""
+    tokenizer_json = (tiny_artifact / "tokenizer.json").read_text()
+    held_out = split_text("pydoc")[1]
+    corpus = tmp_path / "corpus.txt"  # the built-in text's held-out part, in the first 90% of a user's corpus
+    corpus.write_text(held_out + "\n\n" + "other words here. " * 2000)
+    checked = held_out_tokens("pydoc", tokenizer_json, 512, other_texts=(str(corpus),))
+    assert checked.repeats_calibration_from == 0
+    assert held_out_tokens("pydoc", tokenizer_json, 512).repeats_calibration_from is None  # alone: not seen

@@ -138,3 +138,20 @@ def test_a_scored_prompt_on_an_int8_cache_is_no_prefix_on_the_batch_one_path_eit
     assert engine.generate(follow_up, max_new_tokens=2).timings.trace.cached_prompt_tokens == 0
     engine.generate(system + [7, 8, 9], max_new_tokens=3)  # a prefilled one is a prefix
     assert engine.generate(follow_up, max_new_tokens=2).timings.trace.cached_prompt_tokens >= 34
+
+
+def test_the_report_scores_the_held_out_part_of_the_text_a_later_pass_calibrated_on(tiny_recipe, tmp_path):
+    """An RTN quantize (no calibration) before a quantize_kv_cache calibrated on the user's file: the report took
+    the built-in text, whose held-out part that file may hold in its calibration part, and never checked it."""
+    from compiler.calibration import split_text
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(split_text("pydoc")[0][-60_000:])
+    data = tiny_recipe.to_dict()
+    passes = [p for p in data["passes"] if (p if isinstance(p, str) else next(iter(p))) != "skip_unused_rows"]
+    kv8 = {"quantize_kv_cache": {"calibration": {"text": str(corpus), "samples": 2, "length": 32, "seed": 1}}}
+    data.update(name="tiny-rtn-kv8", passes=passes + [{"quantize": {"bits": 8, "method": "rtn"}}, kv8],
+                accuracy={"max_tokens": 128, "window": 64, "stride": 32})
+    folder = build(parse_recipe(data, origin="test"), tmp_path / "out")
+    held_out = json.loads((folder / "manifest.json").read_text())["accuracy"]["held_out"]
+    assert held_out["text"].startswith(f"{corpus.resolve()}, last 10%"), held_out["text"]
