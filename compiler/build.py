@@ -60,8 +60,11 @@ def check_chat_template(template: str) -> None:
                          f"tokenizer.chat_template), or remove it to build without one") from None
 
 
-def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) -> Path:
-    """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input."""
+def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, dump_dir: str | Path | None = None
+          ) -> Path:
+    """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input.
+    dump_dir: each pass's output graph, per phase, is also written there (NN-pass-phase.onnx: to bisect a parity
+    failure pass by pass; a large model's graphs take their weights' size each)."""
     say = progress or (lambda message: None)
     final_dir = Path(output_root) / recipe.name
     check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
@@ -148,10 +151,12 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None) 
             graphs = {phase: load_traced(path, loaded.config) if spill_dir is None else
                       spill_graph(load_traced(path, loaded.config), spill_dir / phase) for phase, path in paths.items()}
         graphs, pass_results = run_pipeline(graphs, passes[:first_quantize], progress=say, consume=True,
-                                            spill_dir=spill_dir, numbered=(0, len(passes)))
+                                            spill_dir=spill_dir, numbered=(0, len(passes)),
+                                            dump_dir=None if dump_dir is None else str(dump_dir))
     float_decode = graphs["decode"] if report_accuracy else None
     graphs, more_results = run_pipeline(graphs, passes[first_quantize:], progress=say, consume=True,
-                                        numbered=(first_quantize, len(passes)))
+                                        numbered=(first_quantize, len(passes)),
+                                        dump_dir=None if dump_dir is None else str(dump_dir))
     pass_results += more_results
     kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, cache_dtype(graphs, recipe.export.dtype))
 

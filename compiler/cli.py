@@ -69,7 +69,7 @@ def _build(args) -> None:
     replacing = is_artifact_folder(Path(args.output) / recipe.name)  # swapped atomically at the end: say so then
     try:
         with console.status(f"building {escape(recipe.name)}"):
-            path = build(recipe, args.output, progress=progress)
+            path = build(recipe, args.output, progress=progress, dump_dir=args.dump_passes)
     except OSError as full:  # a write's error names no file: say which disks the build writes
         if full.errno not in (errno.ENOSPC, errno.EDQUOT) or full.filename:
             raise
@@ -497,6 +497,9 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("recipe", help="the recipe YAML file, or the name of one that comes with aotlm "
                                       "(smollm2-135m; an unknown name lists them)")
     build.add_argument("--output", default="artifacts", help="folder that receives <name>/ (default: artifacts)")
+    build.add_argument("--dump-passes", metavar="DIR", default=None,
+                       help="also write each pass's output graph per phase into DIR (NN-pass-phase.onnx), to bisect "
+                            "a parity failure pass by pass; each takes about the weights' size")
     build.set_defaults(handler=_build)
     run = commands.add_parser("run", help="generate from an artifact, then print timings")
     run.add_argument("artifact", help="an artifact folder (built by `aotlm build`)")

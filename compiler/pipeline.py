@@ -2,7 +2,8 @@
 
 Passes only rewrite. This module does the cross-cutting work around each one, as LLVM's pass manager
 and its instrumentation do: it looks the pass up in the registry, times it, checks the result
-(onnx.checker, graph inputs and outputs kept), optionally dumps the intermediate graph, and collects
+(onnx.checker, strict shape inference, graph inputs and outputs kept), optionally dumps the intermediate graph
+(`aotlm build --dump-passes DIR`), and collects
 the reports as JSON-ready dicts for the manifest. A pass whose options have a `phases` field runs on those
 phases' graphs only (the others keep theirs, and their report says why): passes do not know which graph they get.
 A pass registered with `runs_first_on` gets those phases' graphs first (quantize: decode, whose lm_head reads

@@ -58,7 +58,8 @@ SESSION_CONFIG = {"session.disable_quant_qdq": "1"}  # fold DequantizeLinear on 
 
 @dataclass(frozen=True)
 class Options:
-    phases: tuple[Literal["prefill", "decode"], ...] = ("prefill",)  # the graphs it rewrites (the pipeline reads it)
+    # the graphs it rewrites (the pipeline reads it): [prefill] only, the decode graph keeps its integer kernels
+    phases: tuple[Literal["prefill", "decode"], ...] = ("prefill",)
 
 
 def check_options(options: Options) -> None:

@@ -49,7 +49,9 @@ THROUGH_HEAD_SPLIT = {"Transpose", "Reshape", "Identity"}
 class Options:
     required: bool = False  # fail the build when any attention stays unfused
     max_rewrites: int | None = None  # fuse only the first N (bisect a parity failure)
-    rotary_cache_length: int | None = None  # rotary table rows; default: the cache's max context
+    # rotary table rows; default: the cache's max context, the only value a recipe takes (export.max_context); other
+    # values are for graphs without a KV cache, through the pass's API
+    rotary_cache_length: int | None = None
 
 
 @dataclass
@@ -314,7 +316,8 @@ class SharedInputs:
     def rotary(self, match: Match) -> tuple[gs.Constant, gs.Constant]:
         rows = self.table_rows or (match.past_key.shape[2] if match.past_key is not None else None)
         if not isinstance(rows, int):
-            raise PassError("no rotary table length: the graph has no KV cache; set rotary_cache_length in the recipe")
+            raise PassError("no rotary table length: the graph has no KV cache; give rotary_cache_length in the "
+                            "pass's options")
         dtype = match.query.dtype
         key = (match.inv_freq.tobytes(), match.rotary_scaling, rows, str(dtype))
         if key not in self.tables:  # float16 / bfloat16 graphs: the op's inputs share a type

@@ -40,7 +40,8 @@ OPSET = 23
 
 @dataclass(frozen=True)
 class Options:
-    rotary_cache_length: int | None = None  # table rows; default: the KV cache's max context
+    # table rows; default: the KV cache's max context, the only value a recipe takes (export.max_context)
+    rotary_cache_length: int | None = None
     max_rewrites: int | None = None  # fuse only the first N (bisect a parity failure)
 
 
@@ -128,7 +129,8 @@ def match(graph: gs.Graph, add: gs.Node, rows: int | None) -> Match | SkipReason
     if isinstance(positions, SkipReason):
         return positions
     if not isinstance(rows, int):
-        return SkipReason("no rotary table length: the graph has no past_key_values.0.key; set rotary_cache_length")
+        return SkipReason("no rotary table length: the graph has no past_key_values.0.key; give rotary_cache_length in "
+                          "the pass's options")
     return Match(add, source, inv_freq, scaling, positions, rows, (cos, sin))
 
 

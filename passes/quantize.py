@@ -85,7 +85,8 @@ class Options:
     accuracy_level: int = 0     # MatMulNBits' minimum compute precision (0 = unset, 4 = int8 activations)
     # MatMulNBits' block for INT8 per-channel weights (each channel's scale repeated per block: the same weights).
     # With accuracy_level 4 onnxruntime quantizes the activations per block of this length, so a smaller block is
-    # more accurate. None: the largest power of two <= 256 dividing K.
+    # more accurate. None: the largest power of two <= 256 dividing K (128 when none from 16 does), no larger than the
+    # power of two that holds K (quantized_weights.kernel_block).
     int8_kernel_block: int | None = None
     gptq_act_order: bool = False  # gptq / awq_gptq: round channels by decreasing E[x²], block scales fixed first
     # Symmetric INT4 over all 16 codes (scale = the block's largest-magnitude value / -8, as onnxruntime quantizes)

@@ -49,7 +49,7 @@ CODE_MAX = 127
 
 @dataclass(frozen=True)
 class Options:
-    bits: int = 8
+    bits: int = 8  # 8 only: onnxruntime's GroupQueryAttention reads an int8 cache
     granularity: Literal["per_channel", "per_tensor"] = "per_channel"
     # scale = headroom * calibration peak / 127: a value beyond what calibration saw (another prompt's outlier
     # channel) is clipped to ±127 codes, so leave room above the peak, at the price of a coarser step.

@@ -87,6 +87,11 @@ def check_recipe(recipe) -> None:
         if not any(name in LOWERINGS for name in names[last_fusion + 1:]):
             raise BuildError(f"passes[{last_fusion}]: fuse_attention leaves aotlm.FlashAttention nodes, which "
                              f"onnxruntime cannot run; add lower_onnxruntime after it")
+    for index, spec in enumerate(recipe.passes):
+        if spec.name in LOWERINGS and getattr(spec.options, "max_rewrites", None) is not None:
+            raise BuildError(f"passes[{index}].{spec.name}.max_rewrites: a FlashAttention node it leaves unlowered is "
+                             f"one onnxruntime cannot run, so the build would fail at its end; to bisect a parity "
+                             f"failure, limit fuse_attention.max_rewrites instead (unfused layers run as they were)")
     if "quantize_kv_cache" in names:
         index = names.index("quantize_kv_cache")
         if "lower_onnxruntime" not in names[:index]:
@@ -99,7 +104,8 @@ def check_runnable(graphs: dict[str, onnx.ModelProto]) -> None:
     for phase, model in graphs.items():
         for node in model.graph.node:
             if node.domain not in RUNNABLE_DOMAINS:
-                hint = "; lower it with lower_onnxruntime" if node.op_type == "FlashAttention" else ""
+                hint = ("; lower it with lower_onnxruntime (with no max_rewrites)" if node.op_type == "FlashAttention"
+                        else "")
                 raise BuildError(f"{phase} graph: node {node.name or node.op_type} is {node.domain}.{node.op_type}, "
                                  f"which onnxruntime cannot run{hint}")
 

@@ -301,3 +301,17 @@ def test_a_build_under_an_ascii_locale_writes_the_tokenizer_as_utf8(tmp_path):
     assert completed.returncode == 0, completed.stderr.decode(errors="replace")[-2000:]
     vocabulary = json.loads((tmp_path / "tiny-random" / "tokenizer.json").read_bytes().decode("utf-8"))["model"]["vocab"]
     assert "Ġ" in "".join(vocabulary)
+
+
+def test_build_dumps_each_passs_graphs_where_asked(capsys, tmp_path):
+    """The pipeline could dump every pass's graph, but nothing outside the tests turned it on."""
+    import onnx
+
+    status, output = run_cli(capsys, "build", str(TINY_RECIPE), "--output", str(tmp_path / "out"),
+                             "--dump-passes", str(tmp_path / "dumps"))
+    assert status == 0, output
+    dumped = sorted(path.name for path in (tmp_path / "dumps").iterdir())
+    assert dumped[:2] == ["00-cleanup-decode.onnx", "00-cleanup-prefill.onnx"]
+    assert "06-skip_unused_rows-prefill.onnx" in dumped and len(dumped) == 14  # 7 passes x 2 phases
+    last = onnx.load(str(tmp_path / "dumps" / "06-skip_unused_rows-decode.onnx"))
+    assert {node.op_type for node in last.graph.node} >= {"GroupQueryAttention"}
