@@ -330,7 +330,7 @@ def test_paths_that_look_like_markup_are_printed_as_they_are(capsys, tiny_artifa
     status, output = run_cli(capsys, "compare", artifact, tiny_artifact, "--text", text)
     assert status == 0 and str(text) in squashed(output), output
 
-    def build(recipe, output, progress):  # the CLI's printing only: a real build of this recipe is tested elsewhere
+    def build(recipe, output, progress, dump_dir=None):  # the CLI's printing only: a real build of this recipe is tested elsewhere
         progress(f"writing engines into {artifact} [/x]")
         return artifact
     monkeypatch.setattr("compiler.build.build", build)
