@@ -26,6 +26,10 @@ HISTOGRAMS = {
     "request_time_per_output_token_seconds": "Mean time per output token after the first, once per request.",
     "e2e_request_latency_seconds": "Request received to its last token chosen.",
     "request_queue_time_seconds": "Request received to its prefill's start.",
+    # vLLM's request phases: prefill (its start to the prefill run's end), decode (first token to last) and both
+    "request_prefill_time_seconds": "The prefill's start to its end (the prompt's graph runs).",
+    "request_decode_time_seconds": "First token to last.",
+    "request_inference_time_seconds": "The prefill's start to the last token.",
 }
 FINISHED_REASONS = {"cancelled": "abort"}  # a result's finish_reason as vLLM's request_success_total labels it
 COUNTERS = {  # the scheduler's counts (Scheduler.token_counts), as the tokens are made: a running request's count
@@ -87,6 +91,9 @@ class ServerMetrics:
             self._histograms["time_to_first_token_seconds"].observe(trace.ttft)
             self._histograms["e2e_request_latency_seconds"].observe(trace.e2e)
             self._histograms["request_queue_time_seconds"].observe(trace.queue)
+            self._histograms["request_prefill_time_seconds"].observe(trace.prefill_seconds)
+            self._histograms["request_decode_time_seconds"].observe(trace.token_times[-1] - trace.first_token)
+            self._histograms["request_inference_time_seconds"].observe(trace.token_times[-1] - trace.prefill_start)
             if trace.tpot is not None:
                 self._histograms["request_time_per_output_token_seconds"].observe(trace.tpot)
             for gap in trace.itl:

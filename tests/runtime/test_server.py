@@ -978,6 +978,14 @@ def test_metrics_histograms_and_counters_of_hand_made_traces():
     tpot = "request_time_per_output_token_seconds"
     assert [value(f"{tpot}_bucket", le) for le in ("0.1", "0.25")] == [0, 1]
     assert (value(f"{tpot}_count"), value(f"{tpot}_sum")) == (1, 0.25)
+    # vLLM's phases: prefill 0.125 -> 0.5 (no prefill_end: to the first token) and 0 -> 3000; decode 0.5 -> 1.0 and
+    # none; inference 0.125 -> 1.0 and 0 -> 3000
+    assert value("request_prefill_time_seconds_sum") == 0.375 + 3000.0
+    assert value("request_decode_time_seconds_sum") == 0.5
+    assert value("request_inference_time_seconds_sum") == 0.875 + 3000.0
+    assert series['aotlm:request_success_total{model_name="m",finished_reason="length"}'] == 2
+    assert series['aotlm:request_success_total{model_name="m",finished_reason="abort"}'] == 1
+    assert series['aotlm:kv_cache_usage_perc{model_name="m"}'] == 3 / 8
 
 
 def test_metrics_show_the_requests_running_and_waiting(slow_server):
