@@ -68,6 +68,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     say = progress or (lambda message: None)
     final_dir = Path(output_root) / recipe.name
     check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
+    if dump_dir is not None:
+        check_output_folder(dump_dir, "--dump-passes folder")
     if final_dir.is_symlink() and not final_dir.exists():  # exists() follows links: the rename would fail at the end
         raise BuildError(f"{final_dir} is a link to {os.readlink(final_dir)}, which does not exist; remove the link or "
                          f"change the recipe's name")

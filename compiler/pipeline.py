@@ -200,7 +200,7 @@ def _run_pass(index: int, entries: list, options: list, phase: str, model: onnx.
     if check:
         check_pass_result(spec.name, phase, model, new_model, report)
     if dump_dir:
-        dump_model(new_model, os.path.join(dump_dir, f"{index:02d}-{spec.name}-{phase}.onnx"))
+        dump_model(new_model, os.path.join(dump_dir, f"{numbered[0] + index:02d}-{spec.name}-{phase}.onnx"))
     result = PassResult(spec.name, phase, seconds, report, nodes_before=len(model.graph.node),
                         nodes_after=len(new_model.graph.node), index=numbered[0] + index)
     del model

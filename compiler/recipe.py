@@ -168,11 +168,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def bundled_recipes() -> dict[str, Path]:
-    """The recipes that come with aotlm, by name: a wheel installs them in <prefix>/share/aotlm/recipes
-    (pyproject's data-files); a source checkout has them in recipes/."""
+    """The recipes that come with aotlm, by name: a wheel installs them in <scheme's data>/share/aotlm/recipes
+    (pyproject's data-files), which lies a few folders above the package in every install scheme (a venv or
+    --prefix: <prefix>/lib/pythonX.Y/site-packages; --user: ~/.local/...; --target: the target itself); a source
+    checkout has them in recipes/."""
+    package = Path(__file__).resolve().parent
     found: dict[str, Path] = {}
     for folder in (Path(sysconfig.get_path("data")) / "share" / "aotlm" / "recipes",
-                   Path(__file__).resolve().parents[1] / "recipes"):
+                   *(ancestor / "share" / "aotlm" / "recipes" for ancestor in package.parents[:4]),
+                   package.parent / "recipes"):
         if folder.is_dir():
             for recipe in sorted(folder.glob("*.yaml")):
                 found.setdefault(recipe.stem, recipe)

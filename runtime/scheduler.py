@@ -427,6 +427,7 @@ class Scheduler:
         if self.batching == "static" and any(self._running):
             return
         free = [slot for slot in range(self.slots) if self._running[slot] is None]
+        donors: set[int] = set()  # records a request admitted now will copy from: later ones here leave them be
         while self._waiting and free:
             sequence = self._waiting.popleft()
             slot, reused = free[0], 0  # the lowest: busy slots stay packed at the front
@@ -437,12 +438,16 @@ class Scheduler:
                 holding = [] if sequence.scored else [s for s in free if self._slot_ids[s]]
                 reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids, backend), -s)
                                     for s in holding), default=(0, -slot))
-                unwanted = min(free, key=lambda s: (bool(self._slot_ids[s]), self._slot_released[s], s))
+                unwanted = min([s for s in free if s not in donors] or free,
+                               key=lambda s: (bool(self._slot_ids[s]), self._slot_released[s], s))
                 # A slot whose record goes well past the shared start (a long conversation, where the prompt shares
-                # only a chat template's header) is kept if another free slot's is less wanted: the request goes
-                # there and copies the shared rows (_share_prefixes), as a block cache would add blocks beside them
-                if reused and len(self._slot_ids[-slot]) > reused + PREFIX_MIN_TOKENS and unwanted != -slot:
+                # only a chat template's header) is kept if another free slot's is less wanted and one is left for
+                # every request still waiting: the request goes there and copies the shared rows (_share_prefixes),
+                # as a block cache would add blocks beside them
+                if (reused and (len(self._slot_ids[-slot]) > reused + PREFIX_MIN_TOKENS or -slot in donors)
+                        and unwanted != -slot and len(free) - 1 > len(self._waiting)):
                     reused = 0
+                    donors.add(-slot)
                 slot = -slot if reused else unwanted
             free.remove(slot)
             sequence.slot, sequence.prefilled, sequence.cached = slot, reused, reused

@@ -315,3 +315,23 @@ def test_build_dumps_each_passs_graphs_where_asked(capsys, tmp_path):
     assert "06-skip_unused_rows-prefill.onnx" in dumped and len(dumped) == 14  # 7 passes x 2 phases
     last = onnx.load(str(tmp_path / "dumps" / "06-skip_unused_rows-decode.onnx"))
     assert {node.op_type for node in last.graph.node} >= {"GroupQueryAttention"}
+    (tmp_path / "a-file").write_text("")  # refused before the export, not a traceback after it
+    status, output = run_cli(capsys, "build", str(TINY_RECIPE), "--output", str(tmp_path / "out2"),
+                             "--dump-passes", str(tmp_path / "a-file"))
+    assert status == 2 and "--dump-passes folder" in output and "is a file, not a folder" in output, output
+    assert "tracing" not in output
+
+
+def test_dumped_passes_are_numbered_as_the_build_counts_them_across_quantization(tmp_path):
+    """The build runs the passes in two parts (before and from the first quantizing pass): the dumps' numbers
+    restarted at 00 there and interleaved with the first part's."""
+    from compiler.build import build
+    from compiler.recipe import load_recipe, parse_recipe
+
+    data = load_recipe(TINY_RECIPE).to_dict()
+    passes = [p for p in data["passes"] if (p if isinstance(p, str) else next(iter(p))) != "skip_unused_rows"]
+    data.update(passes=passes + [{"quantize": {"bits": 8, "method": "rtn"}}], accuracy={"enabled": False})
+    build(parse_recipe(data, origin="test"), tmp_path / "out", dump_dir=tmp_path / "dumps")
+    numbers = sorted({path.name.split("-")[0] + "-" + path.name.split("-")[1]
+                      for path in (tmp_path / "dumps").iterdir()})
+    assert numbers[-1] == f"{len(passes):02d}-quantize", numbers

@@ -326,9 +326,11 @@ def test_a_long_calibration_text_is_tokenized_in_pieces_to_the_same_ids(tiny_art
     encode = tokenizer.encode
     monkeypatch.setattr(tokenizer, "encode", lambda part, **kwargs: (pieces.append(len(part)), encode(part, **kwargs))[1],
                         raising=False)
-    ids = calibration_module.encode_in_pieces(tokenizer, text, piece=20_000)
-    assert len(pieces) >= 9 and max(pieces) < 40_000  # pieces, not the whole text
-    np.testing.assert_array_equal(ids, encode(text, add_special_tokens=False).ids)
+    for corpus in (text, text.replace("\n\n", "\n"), text.replace("\n", " ")):  # paragraphs; a document a line; one
+        pieces.clear()
+        ids = calibration_module.encode_in_pieces(tokenizer, corpus, piece=20_000)
+        assert len(pieces) >= 5 and max(pieces) <= 40_000  # pieces, not the whole text (one, without blank lines)
+        np.testing.assert_array_equal(ids, encode(corpus, add_special_tokens=False).ids)
 
 
 def test_the_held_out_text_comes_from_the_first_calibrating_pass_and_is_checked_against_every_one(tiny_artifact,

@@ -461,3 +461,20 @@ def test_a_recipe_that_comes_with_aotlm_is_found_by_its_name_from_any_folder(tmp
         find_recipe("smollm2-136m")
     with pytest.raises(RecipeError, match="recipe not found: elsewhere/tiny-random.yaml"):  # a path is a path
         find_recipe("elsewhere/tiny-random.yaml")
+
+
+@pytest.mark.parametrize("layout", ["user/lib/python3.11/site-packages", "target"])
+def test_bundled_recipes_are_found_where_each_install_scheme_puts_them(tmp_path, monkeypatch, layout):
+    """pip install --user puts data files under ~/.local/share, --target under the target: only the interpreter's
+    prefix was searched, and `aotlm build smollm2-135m` found none."""
+    import compiler.recipe as recipe_module
+
+    base = tmp_path / layout.split("/")[0]
+    package = tmp_path / layout / "compiler"
+    package.mkdir(parents=True)
+    (base / "share" / "aotlm" / "recipes").mkdir(parents=True)
+    (base / "share" / "aotlm" / "recipes" / "smollm2-135m.yaml").write_text("name: x\n")
+    monkeypatch.setattr(recipe_module, "__file__", str(package / "recipe.py"))
+    monkeypatch.setattr(recipe_module.sysconfig, "get_path", lambda name: str(tmp_path / "elsewhere"))
+    assert recipe_module.bundled_recipes() == {"smollm2-135m": base / "share" / "aotlm" / "recipes" /
+                                               "smollm2-135m.yaml"}

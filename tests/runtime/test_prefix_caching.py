@@ -519,3 +519,31 @@ def test_a_new_chat_sharing_only_a_header_leaves_a_conversations_slot_alone(cach
                                                         ignore_eos=True).token_ids
     assert counts["prefix_cache_queries"] == len(conversation) + len(newcomer) + len(follow_up)
     assert counts["prefix_cache_hits"] == len(header) + len(conversation) + 5 - 1
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_requests_admitted_together_keep_the_record_one_of_them_copies_from(cached, tiny_engine, slots):
+    """A request sent away from a long record to copy its shared start lost both when a request admitted with it
+    took the record's slot: with room for every waiting request it is sent away and the record kept for the copy
+    (3 slots); without (2 slots), it reuses the record's start in its slot."""
+    rng = np.random.default_rng(6)
+    header = [1] + rng.integers(3, 500, size=19).tolist()
+    conversation = header + rng.integers(3, 500, size=40).tolist()
+    newcomer = header + rng.integers(3, 500, size=8).tolist()
+    unrelated = [1] + rng.integers(3, 500, size=12).tolist()
+    try:
+        cached.start_scheduler(slots=slots)
+        first = cached.submit(conversation, max_new_tokens=5, ignore_eos=True).result(timeout=60)
+        if slots == 3:  # an older record in another slot: the one an unrelated request takes
+            cached.submit([1] + rng.integers(3, 500, size=30).tolist(), max_new_tokens=2).result(timeout=60)
+        handles = _burst(cached, [newcomer, unrelated], max_new_tokens=5)
+        other, _ = [handle.result(timeout=60) for handle in handles]
+        follow_up = conversation + first.token_ids + [9, 10]
+        again = cached.submit(follow_up, max_new_tokens=5, ignore_eos=True).result(timeout=60)
+    finally:
+        cached.close()
+    assert other.timings.cached_prompt_tokens == len(header)  # copied, or reused in place: never lost
+    assert again.timings.cached_prompt_tokens == (len(conversation) + 5 - 1 if slots == 3 else len(header))
+    for result in (other, again):
+        assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5,
+                                                        ignore_eos=True).token_ids

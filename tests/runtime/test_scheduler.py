@@ -1047,3 +1047,46 @@ def test_a_cancelled_requests_slot_takes_a_waiting_request_in_the_same_step(engi
     waiting.result(timeout=60)
     assert runs[mark] == "prefill", runs[mark:mark + 3]  # the waiting request's prefill, before any decode
     long.cancel()
+
+
+def test_a_non_blocking_submit_is_refused_while_blocked_submitters_wait_even_with_room(engine):
+    """Room that frees mid-step is the blocked submitters' before anyone new: a block=False submit is refused."""
+    scheduler = engine.start_scheduler(slots=2, max_queue=4)
+    with scheduler._lock:
+        scheduler._blocked.append(object())  # one waits (its turn comes at the next admission)
+        try:
+            with pytest.raises(QueueFullError, match="1 submitters blocked for room"):
+                scheduler.submit([1, 2], max_new_tokens=1)
+        finally:
+            scheduler._blocked.clear()
+    assert scheduler.submit([1, 2], max_new_tokens=1).result(timeout=60)
+
+
+def test_a_submit_that_meets_a_scheduler_closed_under_it_goes_to_the_next(tiny_artifact):
+    """engine.close() on another thread between Engine.submit's choice of scheduler and its submit: the request
+    failed with "the scheduler is closed; start another", where a later submit starts a default scheduler."""
+    engine = Engine.load(tiny_artifact)
+    try:
+        first = engine.start_scheduler(slots=2)
+        original = type(first).submit
+
+        def closed_under_it(self, *args, **kwargs):
+            if self is first:
+                self.close()
+            return original(self, *args, **kwargs)
+
+        type(first).submit = closed_under_it
+        try:
+            result = engine.submit([1, 2, 3], max_new_tokens=2, ignore_eos=True).result(timeout=60)
+        finally:
+            type(first).submit = original
+        assert len(result.token_ids) == 2 and engine.scheduler is not first
+    finally:
+        engine.close()
+
+
+def test_prefix_cache_queries_count_only_with_prefix_caching(engine):
+    scheduler = engine.start_scheduler(slots=2)
+    scheduler.submit([1] + list(range(3, 40)), max_new_tokens=2).result(timeout=60)
+    counts = scheduler.token_counts()
+    assert counts["prompt_tokens"] == 38 and counts["prefix_cache_queries"] == counts["prefix_cache_hits"] == 0

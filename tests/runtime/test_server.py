@@ -1616,3 +1616,34 @@ def test_a_connection_refused_at_max_connections_is_counted_and_a_bug_is_logged_
         assert "at File " in line and "in broken" in line, line  # where it was raised, on one line
     finally:
         stop(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_metrics_are_recorded_before_its_last_bytes_go_out(served, monkeypatch, stream):
+    """A client that scrapes /metrics right after its answer (a kept-alive stream ends at its last chunk, before the
+    handler returns) must find its request there."""
+    import runtime.server
+
+    counts = []
+    ttft = served.metrics._histograms["time_to_first_token_seconds"]
+    if stream:
+        write = runtime.server._Handler._write_stream
+
+        def watched(self, data, last=False):
+            if last:
+                counts.append(sum(ttft.counts))
+            return write(self, data, last)
+
+        monkeypatch.setattr(runtime.server._Handler, "_write_stream", watched)
+    else:
+        send_json = runtime.server._Handler._send_json
+
+        def watched(self, status, body, headers=None):
+            counts.append(sum(ttft.counts))
+            return send_json(self, status, body, headers)
+
+        monkeypatch.setattr(runtime.server._Handler, "_send_json", watched)
+    before = sum(ttft.counts)
+    body = {"prompt": "x", "max_tokens": 2, "ignore_eos": True}
+    events(served, "/v1/completions", body) if stream else post(served, "/v1/completions", body)
+    assert counts == [before + 1]

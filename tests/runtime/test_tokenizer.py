@@ -364,3 +364,14 @@ def test_a_tokenizer_file_an_older_tokenizers_cannot_read_names_the_upgrade(tmp_
     for built_with in (tokenizers.__version__, None, "0.22.0rc1"):  # not older, or not said: the file is at fault
         with pytest.raises(ArtifactError, match=r"cannot read the tokenizer \(.+\); rebuild the artifact$"):
             TextTokenizer(path, built_with=built_with)
+
+
+def test_the_engine_tells_the_tokenizer_which_release_wrote_its_file(tiny_artifact, monkeypatch):
+    import runtime.engine
+    from runtime import Engine
+
+    seen = []
+    real = runtime.engine.TextTokenizer
+    monkeypatch.setattr(runtime.engine, "TextTokenizer", lambda *args: (seen.append(args[3]), real(*args))[1])
+    Engine.load(tiny_artifact).close()
+    assert seen == [json.loads((tiny_artifact / "manifest.json").read_text())["tools"]["tokenizers"]] and seen[0]
