@@ -148,4 +148,7 @@ def _close(engine) -> None:
 
 
 def _log_line(line: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
+    # one write per line: print() writes the text and its newline apart, and connections' threads interleaved them
+    # (lines glued together, blank lines between)
+    sys.stderr.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+    sys.stderr.flush()

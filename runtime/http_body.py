@@ -55,7 +55,11 @@ def read_body(headers, rfile, max_bytes: int, linger_bytes: int) -> bytes:
     if int(length) > max_bytes:  # not read: the connection cannot serve another request
         raise BodyError(f"the request body has {int(length)} bytes, at most {max_bytes} are read", 413,
                         min(int(length), linger_bytes))
-    return rfile.read(int(length))
+    body = rfile.read(int(length))
+    if len(body) < int(length):  # the client closed before its whole body: what came is not the request (uvicorn's
+        # h11 refuses it too), even where its first part parses as JSON
+        raise BodyError(f"the body ended after {len(body)} of its {int(length)} bytes (Content-Length)", 400, 0)
+    return body
 
 
 def _read_chunks(rfile, max_bytes: int, linger_bytes: int) -> bytes:

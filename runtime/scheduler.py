@@ -300,7 +300,8 @@ class Scheduler:
         busy = sum(sequence is not None for sequence in self._running)
         why = "; static batching admits only when the running batch ends" if self.batching == "static" else ""
         blocked = f", {len(self._blocked)} submitters blocked for room" if self._blocked else ""
-        return f"{len(self._waiting)} waiting, {busy} of {self.slots} slots busy{blocked}{why}"
+        return (f"{len(self._waiting)} of {self.max_queue} queue places taken, {busy} of {self.slots} slots busy"
+                f"{blocked}{why}")
 
     def _free_slots(self) -> int:
         """Slots the next admission can fill (the lock is held): requests for them are not queueing, only waiting for

@@ -474,15 +474,18 @@ class _Handler(BaseHTTPRequestHandler):
                 sink = None if events is None else _Tagged(events, len(handles))
                 handles.append(submit(choice.prompt_ids, choice.params, arrival=arrival, pieces=sink))
         except RequestError as error:  # all of the request's choices run, or none
+            held = scheduler or engine.scheduler
+            # what filled the queue, said before this request's own choices leave it (it read "0 waiting" after)
+            room = held.fullness() if held is not None and isinstance(error, QueueFullError) else "its queue is full"
             for handle in handles:
                 handle.cancel()
             if self.server.closing:  # the engine closed under a request admitted before the stop
                 raise _shutting_down() from None
             if isinstance(error, QueueFullError):
-                held = scheduler or engine.scheduler
-                room = held.fullness() if held else "its queue is full"
-                raise ApiError(f"the server is full: {room}; retry later, or start it with a larger --max-queue (or "
-                               f"--slots)", status=503, kind="service_unavailable") from None
+                choices = (f"its {len(request.choices)} choices need {len(request.choices)} places; "
+                           if len(request.choices) > 1 else "")
+                raise ApiError(f"the server is full: {choices}{room}; retry later, or start it with a larger "
+                               f"--max-queue (or --slots)", status=503, kind="service_unavailable") from None
             raise ApiError(str(error)) from None
         return handles
 

@@ -134,3 +134,26 @@ def test_the_stop_counts_every_request_it_stopped_even_those_answered_at_once(ca
     err = capsys.readouterr().err
     assert "stopping: 2 request(s) under way" in err
     assert "stopped 2 request(s) before they finished" in err and "without an answer" not in err
+
+
+def test_each_log_line_is_one_write(monkeypatch):
+    """print() wrote a line's text and its newline apart: lines of connections' threads came out glued together,
+    with blank lines between."""
+    import io
+    import threading
+
+    writes = []
+
+    class Recording(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(cli_serve.sys, "stderr", Recording())
+    threads = [threading.Thread(target=lambda: [cli_serve._log_line(f"line {i}") for i in range(200)])
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(writes) == 800 and all(text.endswith("\n") and text.count("\n") == 1 for text in writes)

@@ -253,7 +253,7 @@ def test_full_queue_refuses_and_loses_nothing(engine):
     first = engine.submit([1, 2, 3], max_new_tokens=100, ignore_eos=True)
     next(iter(first))  # admitted: the two below wait
     queued = [engine.submit([1, n], max_new_tokens=4, ignore_eos=True) for n in (10, 11)]
-    with pytest.raises(RequestError, match=r"queue is full \(2 waiting, 1 of 1 slots busy\)"):
+    with pytest.raises(RequestError, match=r"queue is full \(2 of 2 queue places taken, 1 of 1 slots busy\)"):
         engine.submit([1, 12], max_new_tokens=4)
     blocked: list = []
     thread = threading.Thread(target=lambda: blocked.append(engine.submit([1, 12], max_new_tokens=4, block=True,

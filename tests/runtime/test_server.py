@@ -1259,10 +1259,21 @@ def test_a_full_queue_is_503_with_retry_after(slow_server):
     waiting = server.engine.submit([1, 2], max_new_tokens=2)
     status, headers, body = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert status == 503 and headers["Retry-After"] == "1" and "--max-queue" in body["error"]["message"]
-    assert "the server is full: 1 waiting, 1 of 1 slots busy" in body["error"]["message"], body
+    assert "the server is full: 1 of 1 queue places taken, 1 of 1 slots busy" in body["error"]["message"], body
     assert body["error"]["type"] == "service_unavailable"
     running.cancel()
     assert waiting.result(timeout=30).finish_reason == "length"
+
+
+def test_a_request_whose_choices_do_not_fit_the_queue_says_so(slow_server):
+    """Its queued choices were withdrawn before the message was made: "full" with 0 waiting."""
+    server, _ = slow_server
+    running = server.engine.submit([1, 2, 3], max_new_tokens=100, ignore_eos=True)
+    next(iter(running))
+    status, _, body = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2})
+    running.cancel()
+    assert status == 503 and ("the server is full: its 2 choices need 2 places; 1 of 1 queue places taken, 1 of 1 "
+                              "slots busy") in body["error"]["message"], body
 
 
 def test_a_request_whose_later_choices_find_the_queue_full_runs_none_of_them(slow_server):

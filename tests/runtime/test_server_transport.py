@@ -162,3 +162,19 @@ def test_an_http_1_0_stream_reads_to_the_close(served):
     head, rest = answer.split(b"\r\n\r\n", 1)
     assert b"Connection: close" in head and b"Transfer-Encoding" not in head, head
     assert rest.startswith(b"data: ") and rest.endswith(b"data: [DONE]\n\n")  # unframed: the close ends it
+
+
+def test_a_body_shorter_than_its_content_length_is_refused_not_run(served):
+    """A client that closed mid-body had what arrived run as the request: a 200 where its start parsed as JSON."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    submitted = served.engine.scheduler.token_counts()["prompt_tokens"]
+    client = socket.create_connection(served.server_address[:2], timeout=10)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body) + 100, body))
+    client.shutdown(socket.SHUT_WR)
+    answer = b""
+    while chunk := client.recv(1 << 16):
+        answer += chunk
+    client.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"the body ended after %d of its %d bytes" % (
+        len(body), len(body) + 100) in answer, answer
+    assert served.engine.scheduler.token_counts()["prompt_tokens"] == submitted  # nothing ran
