@@ -208,6 +208,13 @@ def cpu_device(remeasure: bool = False) -> dict:
 def load_source(path: str) -> tuple[DecoderConfig, dict]:
     """The model config behind a recipe, config.json (or its folder), .gguf file or artifact folder."""
     p = Path(path)
+    if not p.exists() and p.suffix in ("", ".yaml") and p.parent in (Path("."), Path("recipes")):
+        try:  # a recipe that comes with aotlm, by its name, as `aotlm build` finds it (a wheel has no recipes/)
+            from compiler.recipe import bundled_recipes
+        except ImportError:  # the runtime alone: no recipes to plan anyway
+            pass
+        else:
+            p = bundled_recipes().get(p.stem, p)
     if not p.exists():
         raise BuildError(f"{path}: no such file or folder.{hub_id_hint(path, 'hf')}")  # a .gguf path gets no hint
     if p.is_dir() and (p / "manifest.json").is_file() or p.name == "manifest.json":

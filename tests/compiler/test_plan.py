@@ -10,7 +10,7 @@ import pytest
 from compiler import plan as plan_module
 from compiler.cli import main
 from compiler.errors import BuildError
-from compiler.plan import plan
+from compiler.plan import load_source, plan
 from compiler.recipe import load_recipe
 from tests.conftest import TINY_RECIPE
 
@@ -706,3 +706,13 @@ def test_a_recipes_weights_follow_its_overrides_and_excludes(tmp_path):
     int8_per_param = 1 + 4 / config.intermediate_size  # one float32 scale per channel, kernel block = K here
     assert weights(', overrides: [{pattern: "*down_proj*", bits: 8}, {pattern: "*mlp*", skip: true}]') == \
         pytest.approx(plain + 2 * down * (4 - int4_per_param) + down * (int8_per_param - int4_per_param))
+
+
+def test_plan_finds_a_recipe_that_comes_with_aotlm_by_its_name(tmp_path, monkeypatch):
+    """`aotlm build tiny-random` found the bundled recipe from any folder; `aotlm plan` said "no such file"."""
+    monkeypatch.chdir(tmp_path)
+    for given in ("tiny-random", "recipes/tiny-random.yaml"):
+        config, info = load_source(given)
+        assert info["kind"] == "recipe (random)" and info["path"].endswith("tiny-random.yaml")
+    with pytest.raises(BuildError, match="tiny-randum: no such file or folder"):
+        load_source("tiny-randum")
