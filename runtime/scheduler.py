@@ -429,27 +429,38 @@ class Scheduler:
             return
         free = [slot for slot in range(self.slots) if self._running[slot] is None]
         donors: set[int] = set()  # records a request admitted now will copy from: later ones here leave them be
+        # What each request this admission can place would reuse in each free slot's record (one comparison each)
+        placing = list(itertools.islice(self._waiting, len(free))) if self.engine.prefix_caching else []
+        backend = self.engine.backend
+        reuse = {(id(request), slot): reusable_prefix(self._slot_ids[slot], request.prompt_ids, backend)
+                 for request in placing if not request.scored for slot in free if self._slot_ids[slot]}
         while self._waiting and free:
             sequence = self._waiting.popleft()
             slot, reused = free[0], 0  # the lowest: busy slots stay packed at the front
             if self.engine.prefix_caching:  # the slot that holds most of this prompt's start, if any holds enough;
                 # else the lowest holding nothing, else the one left longest ago (its prefix the least likely wanted).
                 # A scored prompt reuses nothing: every position's logits are wanted.
-                backend = self.engine.backend
                 holding = [] if sequence.scored else [s for s in free if self._slot_ids[s]]
-                reused, slot = max(((reusable_prefix(self._slot_ids[s], sequence.prompt_ids, backend), -s)
-                                    for s in holding), default=(0, -slot))
-                unwanted = min([s for s in free if s not in donors] or free,
+                mine = {s: reuse.get((id(sequence), s), 0) for s in holding}
+                reused, slot = max(((mine[s], -s) for s in holding), default=(0, -slot))
+                slot = -slot
+                # A record a request placed after this one reuses much more of (a conversation's next turn, where
+                # this prompt shares only the chat template's header) is left to it: else each turn took the
+                # next conversation's slot for the header, and no conversation found its own record
+                later = [request for request in placing if request.slot is None and request is not sequence]
+                claimed = {s for s in holding if max((reuse.get((id(request), s), 0) for request in later),
+                                                     default=0) > mine[s] + PREFIX_MIN_TOKENS}
+                unwanted = min([s for s in free if s not in donors | claimed] or free,
                                key=lambda s: (bool(self._slot_ids[s]), self._slot_released[s], s))
-                # A slot whose record goes well past the shared start (a long conversation, where the prompt shares
-                # only a chat template's header) is kept if another free slot's is less wanted and one is left for
-                # every request still waiting: the request goes there and copies the shared rows (_share_prefixes),
-                # as a block cache would add blocks beside them
-                if (reused and (len(self._slot_ids[-slot]) > reused + PREFIX_MIN_TOKENS or -slot in donors)
-                        and unwanted != -slot and len(free) - 1 > len(self._waiting)):
+                # A slot whose record goes well past the shared start (a long conversation) is kept if another free
+                # slot's is less wanted: the request goes there and copies the shared rows (_share_prefixes), as a
+                # block cache would add blocks beside them. The record must outlive this admission: a request
+                # placed after this one reuses it in place (claimed), or a free slot is left for each waiting one
+                if reused and unwanted != slot and (slot in claimed or len(self._slot_ids[slot]) > reused +
+                                                    PREFIX_MIN_TOKENS and len(free) - 1 > len(self._waiting)):
                     reused = 0
-                    donors.add(-slot)
-                slot = -slot if reused else unwanted
+                    donors.add(slot)
+                slot = slot if reused else unwanted
             free.remove(slot)
             sequence.slot, sequence.prefilled, sequence.cached = slot, reused, reused
             self._slot_ids[slot] = None  # its rows are the sequence's now

@@ -547,3 +547,31 @@ def test_requests_admitted_together_keep_the_record_one_of_them_copies_from(cach
     for result in (other, again):
         assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=5,
                                                         ignore_eos=True).token_ids
+
+
+def test_more_conversations_than_slots_keep_the_records_their_next_turns_find(cached, tiny_engine):
+    """Five chats of one template on 4 slots: the first chat's record is gone by turn 2, and its turn took the slot
+    of the next chat's record for the shared header, which then took the next one's, and so on: no turn 2 found its
+    own record (each reused only the 20-token header). A record a request placed after it reuses much more of is
+    left to that request: only the first chat's turn loses its record, and it copies the header."""
+    rng = np.random.default_rng(8)
+    header = [1] + rng.integers(3, 500, size=19).tolist()
+    chats = [header + rng.integers(3, 500, size=30).tolist() for _ in range(5)]
+    try:
+        cached.start_scheduler(slots=4)
+        firsts = [cached.submit(chat, max_new_tokens=4, ignore_eos=True).result(timeout=60) for chat in chats]
+        follow_ups = [chat + first.token_ids + rng.integers(3, 500, size=6).tolist()
+                      for chat, first in zip(chats, firsts)]
+        order = [0, 4, 1, 2, 3]  # the first chat's turn ties on the header with the last chat's record, slot 0
+        seconds = [handle.result(timeout=60)
+                   for handle in _burst(cached, [follow_ups[i] for i in order], max_new_tokens=4)]
+    finally:
+        cached.close()
+    # 4 placed at once: chats 0, 4, 1 and 2. Chat 0's record is gone; it copies the header into the slot of the chat
+    # left for the next admission (3), whose record is the one lost
+    whole = len(chats[0]) + 4 - 1
+    assert [result.timings.cached_prompt_tokens for result in seconds] == [len(header), whole, whole, whole,
+                                                                           len(header)]
+    for result in seconds:
+        assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=4,
+                                                        ignore_eos=True).token_ids
