@@ -447,9 +447,12 @@ class Scheduler:
                 # A record a request placed after this one reuses much more of (a conversation's next turn, where
                 # this prompt shares only the chat template's header) is left to it: else each turn took the
                 # next conversation's slot for the header, and no conversation found its own record
-                later = [request for request in placing if request.slot is None and request is not sequence]
-                claimed = {s for s in holding if max((reuse.get((id(request), s), 0) for request in later),
-                                                     default=0) > mine[s] + PREFIX_MIN_TOKENS}
+                claimed = set()  # each later request's own best record, where it reuses much more than this one
+                for request in placing:
+                    if request.slot is None and request is not sequence and holding:
+                        best = max(holding, key=lambda s: (reuse.get((id(request), s), 0), -s))
+                        if reuse.get((id(request), best), 0) > mine[best] + PREFIX_MIN_TOKENS:
+                            claimed.add(best)
                 unwanted = min([s for s in free if s not in donors | claimed] or free,
                                key=lambda s: (bool(self._slot_ids[s]), self._slot_released[s], s))
                 # A slot whose record goes well past the shared start (a long conversation) is kept if another free

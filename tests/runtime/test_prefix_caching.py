@@ -575,3 +575,26 @@ def test_more_conversations_than_slots_keep_the_records_their_next_turns_find(ca
     for result in seconds:
         assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=4,
                                                         ignore_eos=True).token_ids
+
+
+def test_a_later_requests_claim_is_its_own_best_record_not_any_it_shares_a_header_with(cached, tiny_engine):
+    """Two chat templates' headers over 4 slots (the default and a custom system prompt): a later request's header
+    match on another chat's record counted as a claim on it, so every record was claimed and the first turn took a
+    conversation's slot after all (a review's 5 chats on the default model: every second turn reused only 24 tokens)."""
+    rng = np.random.default_rng(9)
+    headers = [[1] + rng.integers(3, 500, size=19).tolist() for _ in range(2)]
+    chats = [headers[0] + rng.integers(3, 500, size=30).tolist() for _ in range(3)]
+    chats += [headers[1] + rng.integers(3, 500, size=30).tolist() for _ in range(2)]
+    try:
+        cached.start_scheduler(slots=4)
+        firsts = [cached.submit(chat, max_new_tokens=4, ignore_eos=True).result(timeout=60) for chat in chats]
+        follow_ups = [chat + first.token_ids + rng.integers(3, 500, size=6).tolist()
+                      for chat, first in zip(chats, firsts)]
+        seconds = [handle.result(timeout=60) for handle in _burst(cached, follow_ups, max_new_tokens=4)]
+    finally:
+        cached.close()
+    whole = len(chats[0]) + 4 - 1
+    assert [result.timings.cached_prompt_tokens for result in seconds] == [20, whole, whole, whole, 20]
+    for result in seconds:
+        assert result.token_ids == tiny_engine.generate(result.prompt_token_ids, max_new_tokens=4,
+                                                        ignore_eos=True).token_ids
