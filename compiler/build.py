@@ -70,6 +70,10 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
     if dump_dir is not None:
         check_output_folder(dump_dir, "--dump-passes folder")
+        dumps, artifact = Path(dump_dir).resolve(), final_dir.resolve()
+        if dumps == artifact or artifact in dumps.parents:  # the build replaces that folder: the dumps would go
+            raise BuildError(f"--dump-passes {dump_dir}: inside the artifact folder {final_dir}, which the build "
+                             f"replaces; choose a folder outside it")
     if final_dir.is_symlink() and not final_dir.exists():  # exists() follows links: the rename would fail at the end
         raise BuildError(f"{final_dir} is a link to {os.readlink(final_dir)}, which does not exist; remove the link or "
                          f"change the recipe's name")

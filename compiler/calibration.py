@@ -69,7 +69,8 @@ def check_text_file(spec_text: str) -> Path:
     which must not size a recipe the build refuses); BuildError saying what is there instead."""
     path = Path(spec_text).expanduser()
     if not path.is_file():
-        found = "a folder" if path.is_dir() else "no such file"
+        found = ("a folder" if path.is_dir() else "not a regular file (a FIFO or a device)" if path.exists()
+                 else "no such file")
         raise BuildError(f"calibration.text: {spec_text}: {found}; give a UTF-8 text file, or 'pydoc' for the "
                          f"built-in text (Python's documentation)")
     if path.stat().st_size == 0:

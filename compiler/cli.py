@@ -167,7 +167,7 @@ def _inspect(args) -> None:
         return
     # The summary is this command's output: stdout, as --json's (`aotlm inspect A | less`, `> summary.txt`); errors
     # stay on stderr. The stderr console's width: a terminal's, or the tests' wide one.
-    out = Console(file=sys.stdout, width=console.width)
+    out = Console(file=sys.stdout, width=console.width, emoji=False)
     try:
         with out.capture() as summary:  # all or nothing: not half a summary, then an error
             _summarize(manifest, args.verify, out)
@@ -419,7 +419,7 @@ def _bench(args) -> None:
                 "decoding": "greedy, stop tokens disabled", "slo": slo or None, "prompt_tokens_asked": args.prompt_tokens,
                 "output_tokens_asked": args.output_tokens, **workload.settings()}
     result = bench.report(settings, runs, slo=slo or None, failures=failures)
-    wide = console if console.is_terminal else Console(stderr=True, width=160)  # a pipe would get 80 columns
+    wide = console if console.is_terminal else Console(stderr=True, width=160, emoji=False)  # a pipe would get 80 columns
     for backend, entry in result["backends"].items():
         table = format_table(entry["summary"])
         table.title = f"{backend}: {table.title}"

@@ -9,7 +9,7 @@ it puts inside its own markup (a file named model[v2].gguf would otherwise print
 from rich.console import Console
 from rich.markup import escape
 
-console = Console(stderr=True)
+console = Console(stderr=True, emoji=False)  # ":x:" in a user's path is text, not an emoji code
 
 
 def message(markup: str, out: Console = console) -> None:

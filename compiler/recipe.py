@@ -174,9 +174,12 @@ def bundled_recipes() -> dict[str, Path]:
     checkout has them in recipes/."""
     package = Path(__file__).resolve().parent
     found: dict[str, Path] = {}
-    for folder in (Path(sysconfig.get_path("data")) / "share" / "aotlm" / "recipes",
-                   *(ancestor / "share" / "aotlm" / "recipes" for ancestor in package.parents[:4]),
-                   package.parent / "recipes"):
+    # A checkout's own recipes, else an install's; never folders above a checkout (/tmp/share/aotlm/recipes, made by
+    # anyone, would have named a clone in /tmp's recipes)
+    folders = [package.parent / "recipes"] if (package.parent / "pyproject.toml").is_file() else [
+        Path(sysconfig.get_path("data")) / "share" / "aotlm" / "recipes",
+        *(ancestor / "share" / "aotlm" / "recipes" for ancestor in package.parents[:4])]
+    for folder in folders:
         if folder.is_dir():
             for recipe in sorted(folder.glob("*.yaml")):
                 found.setdefault(recipe.stem, recipe)

@@ -18,6 +18,7 @@ calibration part (for the compiler's quantization) and a held-out part (for eval
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -60,7 +61,10 @@ def split_held_out(text: str) -> tuple[str, str]:
 
 def read_text_file(path) -> str:
     """A text file as `aotlm eval --text` and a recipe's calibration.text read it: UTF-8, a byte-order mark dropped,
-    line ends as written (CRLF is scored as CRLF); OSError or UnicodeDecodeError for the caller to word."""
+    line ends as written (CRLF is scored as CRLF); OSError or UnicodeDecodeError for the caller to word. A FIFO or
+    a device is refused unread (a FIFO hung for ever, /dev/zero read until memory ran out)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise OSError(f"{path} is not a regular file (a folder, a FIFO or a device); give a text file")
     with open(path, encoding="utf-8-sig", newline="") as handle:
         return handle.read()
 

@@ -62,6 +62,10 @@ SOCKET_TIMEOUT_S = 60.0  # a body that stops arriving, an idle keep-alive connec
 # The request line and headers must arrive within this of the connection's start or its previous response, however
 # they trickle in: the socket timeout alone let a client send a byte every 59 s and hold a thread for ever.
 HEADER_DEADLINE_S = 60.0
+# A kept-alive connection waits this long for its next request's first line, then closes (uvicorn's
+# timeout_keep_alive, which vLLM serves behind, is 5 s): since streams keep their connections, idle clients' pools
+# held --max-connections for 60 s each
+KEEP_ALIVE_S = 5.0
 # A body must arrive within HEADER_DEADLINE_S plus its announced bytes at this rate (a chunked one's count as
 # MAX_BODY_BYTES): a byte every 55 s held a thread for ever; a 16 MiB body may take 256 s more.
 MIN_BODY_BYTES_PER_S = 64 << 10
@@ -202,6 +206,7 @@ class _Handler(BaseHTTPRequestHandler):
     _chunked = False  # the stream's body goes out in chunks (HTTP/1.1): its end leaves the connection open
     _stream_ended = False  # the stream's last part went out: a failure after it (logging) is not the client's
     _unread_body = 0  # bytes of a refused body that may still be arriving (read and dropped after the answer)
+    _answered_one = False  # a request was read on this connection: the next waits at most KEEP_ALIVE_S to begin
 
     def version_string(self) -> str:  # the Server header: http.server's adds Python's version
         return "aotlm"
@@ -215,12 +220,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._streaming = self._chunked = self._stream_ended = False
         self._deadline_lock = threading.Lock()  # the cut and the headers' end: one of them first, never both
         self._header_deadline = DEADLINES.add(HEADER_DEADLINE_S, self._cut_late_headers)
+        if self._answered_one:  # idle between requests: the next one's first line within KEEP_ALIVE_S, else closed
+            self.connection.settimeout(KEEP_ALIVE_S)  # (http.server closes it on the read's timeout)
         try:
             super().handle_one_request()
         finally:
             DEADLINES.cancel(self._header_deadline)
+            self._answered_one = True
 
     def parse_request(self) -> bool:
+        self.connection.settimeout(self.timeout)  # the request line is in: its headers and body get the usual time
         parsed = super().parse_request()  # reads the headers
         DEADLINES.cancel(self._header_deadline)  # they are in (or the reading failed): the deadline no longer applies
         with self._deadline_lock:

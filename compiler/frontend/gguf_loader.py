@@ -133,6 +133,9 @@ def _open_reader(path: str):
 
     if is_lfs_pointer(path):  # the reader's own error says "GGUF magic invalid"
         raise BuildError(f"{path}: a Git LFS pointer, not the GGUF file; run `git lfs pull` where it was cloned")
+    problem = header_problem(path)
+    if problem:  # a header whose counts its bytes cannot hold: most often a download cut short
+        raise BuildError(_cut_short(path, problem))
     try:
         reader = PlainArrayReader(path)
     except BuildError:  # an unknown tensor type, named
@@ -147,7 +150,10 @@ def _open_reader(path: str):
             raise BuildError(f"{path}: GGUF version {version}, which the gguf package here does not read (it reads "
                              f"versions {', '.join(map(str, gguf.gguf_reader.READER_SUPPORTED_VERSIONS))}); convert "
                              f"the model again with a current llama.cpp, or upgrade the gguf package")
-        if version is not None and not isinstance(error, (ValueError, IndexError, struct.error, OverflowError)):
+        if isinstance(error, KeyError):  # a key given twice: the file is malformed, whatever its length
+            raise BuildError(f"{path} is not a readable GGUF file ({error.args[0] if error.args else error}); "
+                             f"convert the model again, or re-download it") from None
+        if version is not None and isinstance(error, (AttributeError, TypeError)):
             # An AttributeError or TypeError: the gguf package and numpy here do not work together (gguf 0.11 with
             # numpy 2), whatever the file holds
             raise BuildError(f"{path}: the gguf package {_installed('gguf')} could not read it with numpy "
@@ -156,12 +162,7 @@ def _open_reader(path: str):
         if version is not None:
             # A GGUF of a version the reader takes, whose reading then ran past the data it found: the usual cause
             # is a download or copy cut short, whose own error ("cannot reshape ...") says nothing of it.
-            size = os.path.getsize(path)
-            raise BuildError(
-                f"{path} starts as a GGUF file but could not be read to its end ({error}); it holds {size:,} "
-                "bytes, which is probably fewer than its header describes (a download or copy cut short). "
-                "Re-download it, and compare its size or sha256 with the source's."
-            )
+            raise BuildError(_cut_short(path, str(error))) from None
         raise BuildError(f"{path} is not a readable GGUF file ({error}). Check the path, or re-download it.")
     parts = _field(reader, "split.count")
     if isinstance(parts, int) and parts > 1:  # gguf-split's shards: each holds some tensors, the first the metadata
@@ -185,6 +186,66 @@ def _installed(distribution: str) -> str:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return "(version unknown)"
+
+
+# GGUF's metadata value types (gguf.GGUFValueType): fixed sizes in bytes; 8 is a string, 9 an array
+GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+GGUF_TENSOR_INFO_MIN_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, a name, dims count, a dim, type, offset
+
+
+def _cut_short(path: str, problem: str) -> str:
+    return (f"{path} starts as a GGUF file but could not be read to its end ({problem}); it holds "
+            f"{os.path.getsize(path):,} bytes, which is probably fewer than its header describes (a download or copy "
+            f"cut short). Re-download it, and compare its size or sha256 with the source's.")
+
+
+def header_problem(path: str) -> str | None:
+    """What makes a little-endian GGUF v2/v3 header impossible for its file's size, or None. The gguf reader loops
+    once per announced array item and keeps each, even past the end of the file: a 56-byte file announcing an array
+    of 2^40 items took 24 GB before the kernel killed the build. Every count is checked against the bytes left."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as stream:
+        def take(count: int) -> bytes:
+            if count > size - stream.tell():
+                raise EOFError(f"it announces {count:,} bytes at offset {stream.tell():,}, past its end ({size:,} "
+                               f"bytes)")
+            return stream.read(count)
+
+        def number(fmt: str) -> int:
+            return struct.unpack("<" + fmt, take(struct.calcsize(fmt)))[0]
+
+        def skip_value(kind: int, depth: int = 0) -> None:
+            if kind in GGUF_SCALAR_BYTES:
+                take(GGUF_SCALAR_BYTES[kind])
+            elif kind == GGUF_STRING:
+                take(number("Q"))
+            elif kind == GGUF_ARRAY and depth < 4:
+                item, count = number("I"), number("Q")
+                least = GGUF_SCALAR_BYTES.get(item, 8)  # a string or an array takes 8 bytes at least
+                if count * least > size - stream.tell():
+                    raise EOFError(f"an array of {count:,} items at offset {stream.tell():,} cannot fit in its "
+                                   f"{size:,} bytes")
+                if item in GGUF_SCALAR_BYTES:
+                    take(count * least)
+                else:
+                    for _ in range(count):
+                        skip_value(item, depth + 1)
+            else:
+                raise EOFError(f"a metadata value of unknown type {kind} at offset {stream.tell():,}")
+
+        try:
+            if take(4) != b"GGUF" or number("I") not in (2, 3):
+                return None  # not this check's to judge: the reader says what it is
+            tensors, entries = number("Q"), number("Q")
+            if tensors * GGUF_TENSOR_INFO_MIN_BYTES + entries * 13 > size:
+                return f"it announces {tensors:,} tensors and {entries:,} metadata entries in {size:,} bytes"
+            for _ in range(entries):
+                take(number("Q"))  # the key
+                skip_value(number("I"))
+        except EOFError as error:
+            return str(error)
+    return None
 
 
 def _gguf_version(path: str) -> int | None:

@@ -335,3 +335,12 @@ def test_dumped_passes_are_numbered_as_the_build_counts_them_across_quantization
     numbers = sorted({path.name.split("-")[0] + "-" + path.name.split("-")[1]
                       for path in (tmp_path / "dumps").iterdir()})
     assert numbers[-1] == f"{len(passes):02d}-quantize", numbers
+
+
+def test_dumps_inside_the_artifact_folder_are_refused_before_the_export(capsys, tmp_path):
+    """The build replaces the artifact folder: dumps inside it were deleted without a word, or (on a fresh output)
+    the whole build ran and then refused to write the artifact."""
+    for inside in ("tiny-random", "tiny-random/dumps"):
+        status, output = run_cli(capsys, "build", str(TINY_RECIPE), "--output", str(tmp_path / "out"),
+                                 "--dump-passes", str(tmp_path / "out" / inside))
+        assert status == 2 and "inside the artifact folder" in output and "tracing" not in output, output

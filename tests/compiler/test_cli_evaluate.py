@@ -137,3 +137,16 @@ def test_max_tokens_below_2_is_said_as_the_flag_not_the_text(capsys, tiny_artifa
     which holds thousands."""
     status, output = run_cli(capsys, "eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--max-tokens", tokens)
     assert status == 2 and f"--max-tokens must be >= 2 (one token of context, one scored), got {tokens}" in output
+
+
+def test_a_text_that_is_a_fifo_or_a_device_is_refused_unread(capsys, tiny_artifact, tmp_path):
+    """A FIFO hung `aotlm eval` for ever; /dev/zero read until memory ran out."""
+    import os
+
+    from compiler.cli import main
+
+    fifo = tmp_path / "text.fifo"
+    os.mkfifo(fifo)
+    for text in (str(fifo), "/dev/zero"):
+        assert main(["eval", str(tiny_artifact), "--text", text]) == 2
+        assert "is not a regular file (a folder, a FIFO or a device)" in capsys.readouterr().err

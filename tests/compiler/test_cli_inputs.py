@@ -944,3 +944,11 @@ def test_a_sighup_that_nohup_ignores_stays_ignored(capsys, monkeypatch):
         assert code == 0 and "hung up" not in output and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_emoji_codes_in_a_users_text_are_printed_as_written(capsys):
+    """rich replaced ":x:" and ":smile:" in a path with emoji: `aotlm build /etc/passwd`'s error read "root❌0:0"."""
+    from compiler.cli import main
+
+    assert main(["build", ":x: :smile:"]) == 2
+    assert "recipe not found: :x: :smile:" in capsys.readouterr().err

@@ -549,6 +549,19 @@ def test_missing_paths_and_files_are_named(tmp_path, monkeypatch):
         with pytest.raises(BuildError, match=r"whole.gguf: the gguf package .* could not read it with numpy .*"
                                              r"\(AttributeError: .*newbyteorder'\); pip install -U gguf"):
             load_gguf(str(tmp_path / "whole.gguf"))
+    # a duplicate key is the file's fault (gguf raises KeyError): not blamed on the package
+    import struct
+    entry = struct.pack("<Q", 17) + b"llama.block_count" + struct.pack("<II", 4, 2)
+    (tmp_path / "dup.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + entry * 2)
+    with pytest.raises(BuildError, match=r"dup.gguf is not a readable GGUF file \(.*Duplicate"):
+        load_gguf(str(tmp_path / "dup.gguf"))
+    # an array of 2^40 items in a 53-byte file: the reader looped per item past the end (24 GB, then killed)
+    key = b"x.arr"
+    (tmp_path / "huge.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                                         + struct.pack("<IIQ", 9, 4, 1 << 40))
+    with pytest.raises(BuildError, match=r"huge.gguf starts as a GGUF file but could not be read to its end \(an "
+                                         r"array of 1,099,511,627,776 items at offset 53 cannot fit in its 53 bytes\)"):
+        load_gguf(str(tmp_path / "huge.gguf"))
     (tmp_path / "v1.gguf").write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(64))  # not cut short: too old
     with pytest.raises(BuildError, match=r"v1.gguf: GGUF version 1, which the gguf package here does not read \(it "
                                          r"reads versions 2, 3\); convert the model again"):

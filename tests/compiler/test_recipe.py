@@ -478,3 +478,21 @@ def test_bundled_recipes_are_found_where_each_install_scheme_puts_them(tmp_path,
     monkeypatch.setattr(recipe_module.sysconfig, "get_path", lambda name: str(tmp_path / "elsewhere"))
     assert recipe_module.bundled_recipes() == {"smollm2-135m": base / "share" / "aotlm" / "recipes" /
                                                "smollm2-135m.yaml"}
+
+
+def test_a_checkouts_own_recipes_are_the_ones_found_by_name(tmp_path, monkeypatch):
+    """Folders above a checkout were searched first: /tmp/share/aotlm/recipes, which anyone may make, named a clone
+    in /tmp's recipes."""
+    import compiler.recipe as recipe_module
+
+    checkout = tmp_path / "clone"
+    (checkout / "compiler").mkdir(parents=True)
+    (checkout / "recipes").mkdir()
+    (checkout / "pyproject.toml").write_text("")
+    (checkout / "recipes" / "tiny-random.yaml").write_text("name: mine\n")
+    planted = tmp_path / "share" / "aotlm" / "recipes"
+    planted.mkdir(parents=True)
+    (planted / "tiny-random.yaml").write_text("name: planted\n")
+    (planted / "other.yaml").write_text("name: other\n")
+    monkeypatch.setattr(recipe_module, "__file__", str(checkout / "compiler" / "recipe.py"))
+    assert recipe_module.bundled_recipes() == {"tiny-random": checkout / "recipes" / "tiny-random.yaml"}

@@ -178,3 +178,28 @@ def test_a_body_shorter_than_its_content_length_is_refused_not_run(served):
     assert answer.startswith(b"HTTP/1.1 400") and b"the body ended after %d of its %d bytes" % (
         len(body), len(body) + 100) in answer, answer
     assert served.engine.scheduler.token_counts()["prompt_tokens"] == submitted  # nothing ran
+
+
+def test_an_idle_kept_alive_connection_closes_after_the_keep_alive_time(served, monkeypatch):
+    """Streams keep their connections now: an idle pool's connections held --max-connections for 60 s each (uvicorn
+    closes them after 5 s). A request begun in time is served as before."""
+    import time
+
+    import runtime.server
+
+    monkeypatch.setattr(runtime.server, "KEEP_ALIVE_S", 0.5)
+    client = socket.create_connection(served.server_address[:2], timeout=10)
+
+    def health() -> bytes:
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"}"):  # the headers, then the JSON body
+            answer += client.recv(4096)
+        return answer
+
+    assert health().startswith(b"HTTP/1.1 200")
+    assert health().startswith(b"HTTP/1.1 200")  # at once: served on the same connection
+    started = time.monotonic()
+    assert client.recv(4096) == b""  # then idle: closed by the server
+    assert time.monotonic() - started < 5
+    client.close()
