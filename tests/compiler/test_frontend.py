@@ -902,24 +902,14 @@ def test_a_sliding_window_is_read(tmp_path, overrides, window):
     assert load_hf_folder(str(tmp_path / "m")).config.sliding_window == window
 
 
-def test_a_mistral_config_without_a_sliding_window_key_has_transformers_default_window(tmp_path):
-    """MistralConfig defaults sliding_window to 4096: a config.json without the key had loaded with no window, so the
-    build's window check was skipped (an explicit null still means none)."""
-    config = dataclasses.replace(TINY, architecture="mistral")
-    write_hf_folder(tmp_path / "m", config, random_model(config, 0).state_dict, model_type="mistral")
-    path = tmp_path / "m" / "config.json"
-    data = json.loads(path.read_text())
-    data.pop("sliding_window", None)
-    path.write_text(json.dumps(data))
-    assert load_hf_folder(str(tmp_path / "m")).config.sliding_window == 4096
-
-
-def test_a_qwen2_config_that_slides_without_a_sliding_window_key_has_transformers_default_window(tmp_path):
-    """Qwen2Config(use_sliding_window=True) slides 4096 tokens: without the key the loader found no window, so the
-    build's window check passed at a max context past 4096, where transformers then differed."""
-    config = dataclasses.replace(TINY, architecture="qwen2", attention_bias=True)
-    write_hf_folder(tmp_path / "m", config, random_model(config, 0).state_dict, model_type="qwen2",
-                    use_sliding_window=True, max_window_layers=1)
+@pytest.mark.parametrize("architecture, keys", [("mistral", {}), ("qwen2", dict(use_sliding_window=True,
+                                                                                  max_window_layers=1))])
+def test_a_config_without_a_sliding_window_key_has_transformers_default_window(tmp_path, architecture, keys):
+    """MistralConfig defaults sliding_window to 4096, and so does Qwen2Config(use_sliding_window=True): a config.json
+    without the key had loaded with no window, so the build's window check was skipped at a max context past 4096,
+    where transformers then differed (an explicit null still means none)."""
+    config = dataclasses.replace(TINY, architecture=architecture, attention_bias=architecture == "qwen2")
+    write_hf_folder(tmp_path / "m", config, random_model(config, 0).state_dict, model_type=architecture, **keys)
     path = tmp_path / "m" / "config.json"
     data = json.loads(path.read_text())
     data.pop("sliding_window", None)
