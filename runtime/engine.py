@@ -55,7 +55,10 @@ def _start_over_in_forked_child() -> None:
     """A forked child has only the thread that forked: a lock another thread held then (a stream on the batch-1
     cache, a first submit starting the scheduler) is held for good in the child, where its next generate waited
     forever. Each engine's locks start free; what the batch-1 cache held is not reused (its rows may be half
-    written). The scheduler starts over by its own handler (runtime/scheduler.py)."""
+    written). The scheduler starts over by its own handler (runtime/scheduler.py). Loads under way in other threads
+    do not go on in the child: its exit must not wait for them (nor their lock be held)."""
+    global _loads, _loads_lock
+    _loads, _loads_lock = 0, threading.Lock()
     me = threading.current_thread()
     for engine in list(_ENGINES):
         engine._scheduler_lock = threading.Condition()

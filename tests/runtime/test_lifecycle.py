@@ -336,3 +336,23 @@ def test_a_forked_child_refuses_the_parents_open_requests_instead_of_hanging(tin
     assert "child: iterating RequestError" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "child: own request length" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "parent: length length" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+def test_a_child_forked_while_another_thread_loads_does_not_wait_for_that_load_at_exit():
+    """The exit waits for loads under way (EXIT_WAIT_S): a child forked during another thread's load counted it for
+    ever, and its exit waited the whole 30 s."""
+    import os
+
+    import runtime.engine
+
+    with runtime.engine._loads_lock:
+        runtime.engine._loads += 1  # another thread's load, under way at the fork
+    try:
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if runtime.engine._loads == 0 and runtime.engine._loads_lock.acquire(timeout=1) else 1)
+        _, status = os.waitpid(child, 0)
+    finally:
+        with runtime.engine._loads_lock:
+            runtime.engine._loads -= 1
+    assert os.waitstatus_to_exitcode(status) == 0
