@@ -73,10 +73,18 @@ def check_text_file(spec_text: str) -> Path:
                  else "no such file")
         raise BuildError(f"calibration.text: {spec_text}: {found}; give a UTF-8 text file, or 'pydoc' for the "
                          f"built-in text (Python's documentation)")
-    if path.stat().st_size == 0:
+    if path.stat().st_size == 0 and not _first_byte(path):  # /proc's files say 0 bytes and hold text
         raise BuildError(f"calibration.text: {spec_text}: an empty file; give a UTF-8 text file with the text to "
                          f"calibrate on, or 'pydoc' for the built-in text (Python's documentation)")
     return path
+
+
+def _first_byte(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as stream:
+            return stream.read(1)
+    except OSError:
+        return b""
 
 
 def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> CalibrationSet:

@@ -189,6 +189,9 @@ def bundled_recipes() -> dict[str, Path]:
 def find_recipe(path: str | os.PathLike) -> Path:
     """The recipe file `path` names: the file, else the recipe that comes with aotlm of that name (`smollm2-135m`,
     or `recipes/smollm2-135m.yaml` run from outside a checkout); RecipeError listing them when neither is."""
+    if not str(path).strip():  # Path("") is the current folder, which read as "a folder, not a recipe file"
+        raise RecipeError("the recipe path is empty (an unset variable?); give a recipe file, or the name of one that "
+                          "comes with aotlm, e.g. smollm2-135m")
     p = Path(path)
     if p.is_dir():
         raise RecipeError(f"{path}: a folder, not a recipe file; give the YAML file, e.g. recipes/smollm2-135m.yaml")

@@ -344,3 +344,18 @@ def test_the_held_out_text_comes_from_the_first_calibrating_pass_and_is_checked_
     checked = held_out_tokens("pydoc", tokenizer_json, 512, other_texts=(str(corpus),))
     assert checked.repeats_calibration_from == 0
     assert held_out_tokens("pydoc", tokenizer_json, 512).repeats_calibration_from is None  # alone: not seen
+
+
+def test_a_file_that_reports_no_size_but_holds_text_is_read():
+    """/proc's files report 0 bytes: /proc/self/status was refused as "an empty file"."""
+    from compiler.calibration import check_text_file
+
+    assert check_text_file("/proc/self/status").name == "status"
+
+
+def test_an_empty_calibration_file_is_refused(tmp_path):
+    from compiler.calibration import check_text_file
+
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(BuildError, match=r"empty.txt: an empty file; give a UTF-8 text file"):
+        check_text_file(str(tmp_path / "empty.txt"))

@@ -496,3 +496,9 @@ def test_a_checkouts_own_recipes_are_the_ones_found_by_name(tmp_path, monkeypatc
     (planted / "other.yaml").write_text("name: other\n")
     monkeypatch.setattr(recipe_module, "__file__", str(checkout / "compiler" / "recipe.py"))
     assert recipe_module.bundled_recipes() == {"tiny-random": checkout / "recipes" / "tiny-random.yaml"}
+
+
+def test_an_empty_recipe_path_says_so():
+    """`aotlm build ''` (an unset variable) said ": a folder, not a recipe file"."""
+    with pytest.raises(RecipeError, match=r"^the recipe path is empty \(an unset variable\?\)"):
+        load_recipe("")
