@@ -22,7 +22,7 @@ from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.calibration import held_out_label, split_text
 from compiler.errors import BuildError
 from compiler.export import cache_dtype
-from runtime.evaluate import EvaluationError, decode_logits_for, evaluate, tokens_fingerprint
+from runtime.evaluate import EvaluationError, decode_logits_for, evaluate, prefix_encoding, tokens_fingerprint
 from runtime.onnxruntime_backend import OnnxRuntimeBackend
 from runtime.tokenizer import whole_text
 
@@ -45,29 +45,15 @@ def held_out_tokens(calibration_text: str, tokenizer_json: str, max_tokens: int,
     """The held-out part of `calibration_text`, and where it repeats the calibration part of that text or of
     `other_texts` (another pass's calibration.text: what any quantizer saw)."""
     calibration, held_out, source = split_text(calibration_text)
-    ids, offsets = _encode_prefix(whole_text(Tokenizer.from_str(tokenizer_json)), held_out, max_tokens)
+    # as little of a long file as the report scores (its held-out part, tokenized whole, took 0.6 GB for 4096 tokens)
+    encoding = prefix_encoding(whole_text(Tokenizer.from_str(tokenizer_json)), held_out, max_tokens)
+    ids, offsets = encoding.ids[:max_tokens], encoding.offsets[:max_tokens]
     scored_text = held_out[:offsets[-1][1]] if offsets else ""
     runs = [first_repeated_run(scored_text, seen)
             for seen in (calibration, *(split_text(text)[0] for text in other_texts if text != calibration_text))]
     repeated = min((run for run in runs if run is not None), default=None)
     first_token = None if repeated is None else next(k for k, (_, end) in enumerate(offsets) if end > repeated)
     return HeldOut(np.asarray(ids, np.int64), held_out_label(source["source"]), first_token)
-
-
-def _encode_prefix(tokenizer: Tokenizer, text: str, max_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """The first max_tokens ids (and offsets) of `text`'s, tokenizing as little of it as gives them (as
-    runtime.evaluate.encode_text: a prefix counts once one twice as long begins with the same ids); the held-out
-    part of a 20 MB file was tokenized whole for its first 4096 tokens (0.6 GB)."""
-    length, shorter = max(4096, 8 * max_tokens), None
-    while length < len(text):
-        encoding = tokenizer.encode(text[:length], add_special_tokens=False)
-        if len(encoding.ids) > max_tokens:
-            if shorter is not None and shorter[:max_tokens] == encoding.ids[:max_tokens]:
-                return encoding.ids[:max_tokens], encoding.offsets[:max_tokens]
-            shorter = encoding.ids
-        length *= 2
-    encoding = tokenizer.encode(text, add_special_tokens=False)
-    return encoding.ids[:max_tokens], encoding.offsets[:max_tokens]
 
 
 def first_repeated_run(text: str, seen: str, length: int = REPEATED_CHARACTERS) -> int | None:

@@ -96,22 +96,29 @@ def encode_text(tokenizer, text: str, max_tokens: int | None = None) -> list[int
     """Token ids of `text` with no special tokens added (no BOS): evaluation scores the text itself.
 
     `tokenizer` is a runtime.tokenizer.TextTokenizer (its encode() lets the post-processor add BOS). With
-    `max_tokens`, the first max_tokens ids of the whole text's, from as little of the text as gives them: a
-    prefix cut mid-word tokenizes that word differently, so a prefix's ids count only once a prefix twice as
-    long begins with the same ones (a GB corpus scored for 4096 tokens is not tokenized whole).
+    `max_tokens`, the first max_tokens ids of the whole text's, from as little of the text as gives them
+    (prefix_encoding).
     """
-    encode = lambda part: tokenizer.tokenizer.encode(part, add_special_tokens=False).ids  # noqa: E731
     if max_tokens is None:
-        return encode(text)
+        return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    return prefix_encoding(tokenizer.tokenizer, text, max_tokens).ids[:max_tokens]
+
+
+def prefix_encoding(tokenizer, text: str, max_tokens: int):
+    """The tokenizers Encoding (no special tokens) of as little of `text` as gives the whole text's first max_tokens
+    ids: a prefix cut mid-word tokenizes that word differently, so a prefix's ids count only once a prefix twice as
+    long begins with the same ones (a GB corpus scored for 4096 tokens is not tokenized whole). `tokenizer`: a
+    tokenizers.Tokenizer; the caller keeps the first max_tokens of its ids (and offsets)."""
+    encode = lambda part: tokenizer.encode(part, add_special_tokens=False)  # noqa: E731
     length, shorter = max(4096, 8 * max_tokens), None  # ~4 characters a token in English: one doubling, usually
     while length < len(text):
-        ids = encode(text[:length])
-        if len(ids) > max_tokens:
-            if shorter is not None and shorter[:max_tokens] == ids[:max_tokens]:
-                return ids[:max_tokens]
-            shorter = ids
+        encoding = encode(text[:length])
+        if len(encoding.ids) > max_tokens:
+            if shorter is not None and shorter[:max_tokens] == encoding.ids[:max_tokens]:
+                return encoding
+            shorter = encoding.ids
         length *= 2
-    return encode(text)[:max_tokens]
+    return encode(text)
 
 
 # -- the window plan -----------------------------------------------------------------------------------------

@@ -701,10 +701,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._stream_ended = last
         self.wfile.write(data)
 
+    @staticmethod
+    def _first_count(handle) -> bool:
+        """Whether this is the first time the handle goes into /metrics (a response and a cancel path may both try)."""
+        counted = getattr(handle, "_counted", False)
+        handle._counted = True
+        return not counted
+
     def _count_when_done(self, handle) -> None:
         """Into /metrics once, when the scheduler ends it (at once if it has)."""
-        if not getattr(handle, "_counted", False):
-            handle._counted = True
+        if self._first_count(handle):
             handle.add_done_callback(self.server.metrics.ended)
 
     def _finished(self, request: ParsedRequest, request_id: str, results: list[GenerationResult],
@@ -712,8 +718,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Into /metrics, and a line in the log: the response's id (to match a user's report), tokens, how each
         choice ended, and the first choice's queue, TTFT, TPOT (- for one token) and end-to-end times."""
         for handle, result in zip(handles, results):
-            if not getattr(handle, "_counted", False):
-                handle._counted = True
+            if self._first_count(handle):
                 self.server.metrics.finished(result)
         first = results[0].timings
         usage = openai_api.usage(request, results)

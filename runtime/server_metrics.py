@@ -83,11 +83,9 @@ class ServerMetrics:
         reason = FINISHED_REASONS.get(result.finish_reason, result.finish_reason)
         with self._lock:
             self._finished[reason] = self._finished.get(reason, 0) + 1
-        timings = result.timings
-        if timings is None:  # cancelled before its first token
-            return
-        trace = timings.trace
-        with self._lock:
+            if result.timings is None:  # cancelled before its first token
+                return
+            trace = result.timings.trace
             self._histograms["time_to_first_token_seconds"].observe(trace.ttft)
             self._histograms["e2e_request_latency_seconds"].observe(trace.e2e)
             self._histograms["request_queue_time_seconds"].observe(trace.queue)
