@@ -111,7 +111,7 @@ class ApiServer(ThreadingHTTPServer):
         self.log = _safe_log(log) if log else (lambda line: None)
         self.log_request = self.log if log_requests else (lambda line: None)
         self.created = int(time.time())
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine.max_context)
         self.closing = False  # drain() began: requests get 503, /health says so (load balancers look elsewhere)
         self._under_way = 0  # POSTs being answered
         self._under_way_changed = threading.Condition()

@@ -6,8 +6,9 @@ Token counters are the scheduler's, moving as tokens are made (a long request's 
 Per finished choice (one scheduler request) the latencies are the engine's own (runtime/metrics.py, vLLM's
 definitions), in seconds: TTFT, E2E and queue time once per request; every gap between its tokens
 (inter_token_latency_seconds, and again under vLLM's older name for the same gaps, time_per_output_token_seconds);
-its mean gap once per request of two tokens or more (request_time_per_output_token_seconds). Per HTTP request: its
-route and status. Gauges are read when scraped: requests running and waiting, the scheduler's slots.
+its mean gap once per request of two tokens or more (request_time_per_output_token_seconds); its prompt's and its
+output's lengths in tokens (vLLM's request_prompt_tokens and request_generation_tokens, in 1-2-5 buckets up to the
+engine's context). Per HTTP request: its route and status. Gauges are read when scraped: requests running and waiting, the scheduler's slots.
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ HISTOGRAMS = {
     "request_decode_time_seconds": "First token to last.",
     "request_inference_time_seconds": "The prefill's start to the last token.",
 }
+LENGTH_HISTOGRAMS = {  # tokens per request (choice), bucketed 1, 2, 5, 10, 20, 50, ... up to the context (vLLM's)
+    "request_prompt_tokens": "Prompt tokens of a request, a cached prefix included.",
+    "request_generation_tokens": "Tokens a request generated (a final stop token included).",
+}
 FINISHED_REASONS = {"cancelled": "abort"}  # a result's finish_reason as vLLM's request_success_total labels it
 COUNTERS = {  # the scheduler's counts (Scheduler.token_counts), as the tokens are made: a running request's count
     "prompt_tokens_total": "Prompt tokens of requests that made their first token.",
@@ -41,22 +46,35 @@ COUNTERS = {  # the scheduler's counts (Scheduler.token_counts), as the tokens a
 }
 
 
-class _Histogram:
-    def __init__(self):
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last: above every bucket (+Inf only)
-        self.sum = 0.0
+def length_buckets(max_context: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... while <= max_context (vLLM's build_1_2_5_buckets)."""
+    bounds, power = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * power > max_context:
+                return tuple(bounds)
+            bounds.append(mantissa * power)
+        power *= 10
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self.sum += seconds
+
+class _Histogram:
+    def __init__(self, bounds: tuple):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bucket (+Inf only)
+        self.sum = 0
+
+    def observe(self, value) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
 
 
 class ServerMetrics:
     """Thread-safe: every connection's thread records into it."""
 
-    def __init__(self):
+    def __init__(self, max_context: int):
         self._lock = threading.Lock()
-        self._histograms = {name: _Histogram() for name in HISTOGRAMS}
+        self._histograms = {name: _Histogram(LATENCY_BUCKETS) for name in HISTOGRAMS}
+        self._histograms.update({name: _Histogram(length_buckets(max_context)) for name in LENGTH_HISTOGRAMS})
         self._requests: dict[tuple[str, int], int] = {}  # (route, status) -> HTTP requests answered
         self._finished: dict[str, int] = {}  # finished_reason -> requests (choices) that ended so
         self._failures = 0  # requests (choices) that failed: a graph run raised, the server stopped
@@ -86,6 +104,8 @@ class ServerMetrics:
             if result.timings is None:  # cancelled before its first token
                 return
             trace = result.timings.trace
+            self._histograms["request_prompt_tokens"].observe(trace.prompt_tokens)
+            self._histograms["request_generation_tokens"].observe(trace.output_tokens)
             self._histograms["time_to_first_token_seconds"].observe(trace.ttft)
             self._histograms["e2e_request_latency_seconds"].observe(trace.e2e)
             self._histograms["request_queue_time_seconds"].observe(trace.queue)
@@ -135,11 +155,11 @@ class ServerMetrics:
             for name, text in COUNTERS.items():
                 lines += [f"# HELP aotlm:{name} {text}", f"# TYPE aotlm:{name} counter",
                           f"aotlm:{name}{{{label}}} {made.get(name.removesuffix('_total'), 0)}"]
-            for name, text in HISTOGRAMS.items():
+            for name, text in {**HISTOGRAMS, **LENGTH_HISTOGRAMS}.items():
                 histogram = self._histograms[name]
                 lines += [f"# HELP aotlm:{name} {text}", f"# TYPE aotlm:{name} histogram"]
                 cumulative = 0
-                for bound, count in zip(LATENCY_BUCKETS, histogram.counts):
+                for bound, count in zip(histogram.bounds, histogram.counts):
                     cumulative += count
                     lines.append(f'aotlm:{name}_bucket{{{label},le="{bound}"}} {cumulative}')
                 total = cumulative + histogram.counts[-1]

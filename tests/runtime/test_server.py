@@ -925,6 +925,8 @@ def test_metrics_count_what_the_server_served(tiny_artifact):
     assert series[f'aotlm:http_requests_total{{{label},route="/v1/completions",status="200"}}'] == 3
     assert series[f'aotlm:http_requests_total{{{label},route="/v1/completions",status="400"}}'] == 1
     assert series[f"aotlm:time_to_first_token_seconds_count{{{label}}}"] == 4  # one per choice
+    assert series[f"aotlm:request_generation_tokens_sum{{{label}}}"] == series[
+        f"aotlm:generation_tokens_total{{{label}}}"] and series[f"aotlm:request_prompt_tokens_count{{{label}}}"] == 4
     # per request: the one-token request has no mean gap; per gap (as vLLM's time_per_output_token_seconds, which
     # counted per request here): 2 + 2 (n=2, 3 tokens each) + 0 + 1 (the stream's 2 tokens)
     assert series[f"aotlm:request_time_per_output_token_seconds_count{{{label}}}"] == 3
@@ -946,7 +948,7 @@ def test_metrics_histograms_and_counters_of_hand_made_traces():
         trace = RequestTrace(first_token=trace["token_times"][0], output_tokens=len(trace["token_times"]), **trace)
         return GenerationResult("", [], [], "length", Timings(trace))
 
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(max_context=4000)
     # ttft 0.5 and e2e 1.0 (bounds), queue 0.125, gaps 0.125 and 0.375, tpot 0.25
     metrics.finished(finished(arrival=0.0, prefill_start=0.125, token_times=[0.5, 0.625, 1.0], finish=1.0,
                               prompt_tokens=10, cached_prompt_tokens=4))
@@ -986,6 +988,13 @@ def test_metrics_histograms_and_counters_of_hand_made_traces():
     assert series['aotlm:request_success_total{model_name="m",finished_reason="length"}'] == 2
     assert series['aotlm:request_success_total{model_name="m",finished_reason="abort"}'] == 1
     assert series['aotlm:kv_cache_usage_perc{model_name="m"}'] == 3 / 8
+    # vLLM's length histograms, 1-2-5 buckets up to the context (4000: the last bound 2000); prompts 10 and 5
+    prompt, generated = "request_prompt_tokens", "request_generation_tokens"
+    assert [value(f"{prompt}_bucket", le) for le in ("2", "5", "10", "2000", "+Inf")] == [0, 1, 2, 2, 2]
+    assert (value(f"{prompt}_count"), value(f"{prompt}_sum")) == (2, 15)
+    assert [value(f"{generated}_bucket", le) for le in ("1", "2", "5")] == [1, 1, 2]
+    assert value(f"{generated}_sum") == 4
+    assert f'aotlm:{prompt}_bucket{{model_name="m",le="5000"}}' not in series
 
 
 def test_metrics_show_the_requests_running_and_waiting(slow_server):
