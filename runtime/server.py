@@ -584,11 +584,15 @@ class _Handler(BaseHTTPRequestHandler):
         """Cancel the request's handles (a client that left, a choice that failed); each goes into /metrics as it
         ends: a cancelled one's tokens so far (its TTFT and gaps too: the slow requests users leave are those an
         SLO must see), a failed one as a failure."""
+        running = sum(not handle.done() for handle in handles)
         for handle in handles:
             handle.cancel()
             self._count_when_done(handle)
-        if reason:
-            self.server.log(f"{self.command} {self.path}: {reason}; its {len(handles)} request(s) cancelled")
+        if reason and running:
+            self.server.log(f"{self.command} {self.path}: {reason}; {running} of its {len(handles)} request(s) "
+                            "cancelled")
+        elif reason:  # every choice had ended (its 200 line is logged): only the response's last bytes were lost
+            self.server.log(f"{self.command} {self.path}: {reason} before the response's last bytes went out")
 
     def _failure(self, error: BaseException) -> ApiError:
         """What a request that failed in the scheduler tells its client: a stop's (retry elsewhere), else 500."""

@@ -1667,3 +1667,32 @@ def test_a_responses_metrics_are_recorded_before_its_last_bytes_go_out(served, m
     body = {"prompt": "x", "max_tokens": 2, "ignore_eos": True}
     events(served, "/v1/completions", body) if stream else post(served, "/v1/completions", body)
     assert counts == [before + 1]
+
+
+def test_a_finished_stream_whose_last_bytes_fail_is_not_logged_as_cancelled(tiny_artifact, monkeypatch):
+    """Every choice ended and its 200 line is logged; the end's write then fails (a client that stopped reading):
+    the log says the last bytes were lost, not that the (finished) requests were cancelled."""
+    import runtime.server
+
+    write = runtime.server._Handler._write_stream
+
+    def cut(self, data, last=False):
+        if last:
+            raise ConnectionResetError("the client reset the connection")
+        return write(self, data, last)
+
+    server, lines = serve(Engine.load(tiny_artifact), slots=2)
+    try:
+        monkeypatch.setattr(runtime.server._Handler, "_write_stream", cut)
+        connection = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+        connection.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "x", "max_tokens": 2, "ignore_eos": True, "stream": True}))
+        with pytest.raises(http.client.IncompleteRead):  # the chunks before the end, then the connection's close
+            connection.getresponse().read()
+        connection.close()
+        assert wait_for(lambda: any("went away" in line for line in lines), 5.0), lines
+    finally:
+        stop(server)
+    assert any(" 200: " in line for line in lines), lines
+    assert not any("cancelled" in line for line in lines), lines
+    assert any("before the response's last bytes went out" in line for line in lines), lines
