@@ -9,7 +9,6 @@ mask, logits) are rebound.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import warnings
 from pathlib import Path
@@ -20,6 +19,7 @@ import onnxruntime as ort
 
 from runtime.errors import ArtifactError, RequestError
 from runtime.huge_pages import advise
+from runtime.versions import release
 
 
 def _one_onnxruntime() -> None:
@@ -150,7 +150,7 @@ MIN_ONNXRUNTIME = "1.23"
 
 
 def check_installed(installed: str) -> None:
-    if _release(installed) < _release(MIN_ONNXRUNTIME):
+    if release(installed) < release(MIN_ONNXRUNTIME):
         raise ArtifactError(f"onnxruntime {installed} is installed; aotlm's graphs need {MIN_ONNXRUNTIME} or later "
                             f"(GroupQueryAttention's outputs): pip install -U 'onnxruntime>={MIN_ONNXRUNTIME}'")
 
@@ -162,17 +162,9 @@ def check_version(built: str | None, installed: str) -> None:
     if built is not None and not (built[:1].isdigit() and "." in built):  # "abc" read as 0.0.0: anything passed
         raise ArtifactError(f"backend.version {built!r} in the manifest is not an onnxruntime version; the manifest "
                             f"was edited: rebuild the artifact")
-    if built and _release(installed) < _release(built):
+    if built and release(installed) < release(built):
         raise ArtifactError(f"this artifact was built with onnxruntime {built}, and {installed} is installed (older); "
                             f"install onnxruntime>={built}, or rebuild the artifact here (`aotlm build RECIPE`)")
-
-
-def _release(version: str) -> tuple[int, ...]:
-    numbers = []
-    for part in version.split("+")[0].split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))  # "1.33.0rc1" / "1.33.0.dev2026" -> 1, 33, 0
-        numbers.append(int(digits or 0))
-    return tuple(numbers)
 
 
 class OnnxRuntimeBackend:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import ArtifactError
+from runtime.versions import release
 
 
 def check_compatible(built: dict, installed_version: str | None, capability: tuple[int, int] | None,
@@ -36,17 +37,13 @@ def check_compatible(built: dict, installed_version: str | None, capability: tup
                             f"install tensorrt=={built['version']} (the `gpu` extra) on a machine with an NVIDIA GPU")
     if capability is None:
         raise ArtifactError("this artifact holds TensorRT engines, and this machine has no CUDA GPU")
-    if _release(installed_version) != _release(built["version"]):
+    if release(installed_version) != release(built["version"]):  # engines are tied to major.minor.patch, not build
         raise ArtifactError(f"engines built with TensorRT {built['version']}, but {installed_version} is installed; "
                             f"install tensorrt=={built['version']} or rebuild the artifact here (`aotlm build RECIPE`)")
     here = f"{capability[0]}.{capability[1]}"
     if here != built["compute_capability"]:
         raise ArtifactError(f"engines built for a GPU of compute capability {built['compute_capability']} "
                             f"({built.get('gpu')}), but this GPU ({gpu_name}) is {here}; rebuild the artifact on this GPU")
-
-
-def _release(version: str) -> tuple[str, ...]:
-    return tuple(version.split(".")[:3])  # engines are tied to major.minor.patch; build numbers may differ
 
 
 class TensorRTBackend:

@@ -11,6 +11,7 @@ import tokenizers
 from tokenizers import Tokenizer
 
 from runtime.errors import ArtifactError, RequestError
+from runtime.versions import release
 
 
 def whole_text(tokenizer: Tokenizer) -> Tokenizer:
@@ -62,12 +63,8 @@ def _panic_error(error: BaseException, what: str) -> ArtifactError:
 
 
 def _older(installed: str, other: str) -> bool:
-    """Whether release `installed` comes before `other` ("0.19.1" < "0.22.0"); False where either does not parse."""
-    def release(version: str) -> tuple[int, ...] | None:
-        parts = version.split("+")[0].split(".")[:3]
-        return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None
-    mine, theirs = release(installed), release(other)
-    return mine is not None and theirs is not None and mine < theirs
+    """Whether release `installed` comes before `other` ("0.19.1" < "0.22.0")."""
+    return release(installed) < release(other)
 
 
 class TextTokenizer:

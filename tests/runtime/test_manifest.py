@@ -100,13 +100,14 @@ def test_an_artifact_from_a_newer_onnxruntime_is_refused_and_an_older_one_runs(a
 
 
 def test_onnxruntime_versions_compare_by_release():
-    from runtime.onnxruntime_backend import _release, check_version
+    from runtime.onnxruntime_backend import check_version
+    from runtime.versions import release
 
     with pytest.raises(ArtifactError, match="backend.version 'abc' in the manifest is not an onnxruntime version"):
         check_version("abc", "1.32.0")  # it parsed as 0.0.0, older than anything installed
 
-    assert _release("1.33.0rc1") == (1, 33, 0) and _release("1.32.0+cpu") == (1, 32, 0)
-    assert _release("1.9.0") < _release("1.32.0")
+    assert release("1.33.0rc1") == (1, 33, 0) and release("1.32.0+cpu") == (1, 32, 0)
+    assert release("1.9.0") < release("1.32.0") and release("10.14.1.48") == release("10.14.1")
 
 
 def test_not_an_artifact(tmp_path):

@@ -1,0 +1,14 @@
+"""Release numbers of the libraries an artifact was built with and is run with, compared by their numbers."""
+from __future__ import annotations
+
+import itertools
+
+
+def release(version: str) -> tuple[int, ...]:
+    """major.minor.patch as numbers: "1.33.0rc1" / "1.33.0.dev2026" / "1.32.0+cpu" -> (1, 33, 0) ((1, 32, 0)); a part
+    with no leading digits reads 0. Compared as tuples, "1.9.0" comes before "1.32.0" (as strings it would not)."""
+    numbers = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        numbers.append(int(digits or 0))
+    return tuple(numbers)
