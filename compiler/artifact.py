@@ -15,6 +15,7 @@ import platform
 import re
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import warnings
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from compiler.errors import BuildError, is_artifact_folder
 from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, sha256_file
+from runtime.results import process_umask
 
 NO_LOCKS = -1  # _try_lock on a filesystem without locks (some network filesystems)
 # numpy computes GPTQ/AWQ (its linalg) and folds constants; ml_dtypes, safetensors, pyyaml read what the build reads
@@ -79,7 +81,9 @@ def staged_folder(final_dir: Path):
     remove_abandoned(final_dir)
     with contextlib.ExitStack() as held:
         staging = _locked_folder(final_dir, "partial", held)
-        staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an artifact is shared as its files are
+        # mkdtemp makes it private; an artifact is shared as its files are. A setgid folder's (a team's) group
+        # passes to what is made in it through that bit: kept, as mkdir keeps it
+        staging.chmod((0o777 & ~process_umask()) | (staging.stat().st_mode & stat.S_ISGID))
         try:
             yield staging
             sync_to_disk(staging)
@@ -91,7 +95,11 @@ def staged_folder(final_dir: Path):
                                      f"alone and this build's artifact is not written; move it and build again")
                 if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
                     retired = _locked_folder(final_dir, "old", held)
-                    os.replace(final_dir, retired / final_dir.name)
+                    try:
+                        os.replace(final_dir, retired / final_dir.name)
+                    except BaseException:
+                        shutil.rmtree(retired, ignore_errors=True)
+                        raise
                     try:
                         os.replace(staging, final_dir)
                     except BaseException:  # the old artifact goes back
@@ -109,16 +117,6 @@ def staged_folder(final_dir: Path):
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-
-
-def _umask() -> int:
-    """The process's umask: /proc's (Linux 4.7+), else read by setting it back at once (not thread-safe)."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/self/status") as status:
-            return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _replaceable(folder: Path) -> bool:
@@ -265,6 +263,26 @@ def remove_abandoned(final_dir: Path) -> list[Path]:
 
 
 SCRATCH_KINDS = ("trace", "spill", "float", "tensorrt")  # a build's folders in the temporary folder (TMPDIR)
+
+
+def temporary_folder() -> tuple[Path, str | None]:
+    """The folder a build traces its graphs into (TMPDIR, else /tmp, /var/tmp, ...: Python's choice), and a warning
+    when it is not the one TMPDIR names (Python passes over an unusable TMPDIR without a word, down to the current
+    folder). Raises BuildError, before the model loads, when no folder is writable."""
+    try:
+        folder = Path(tempfile.gettempdir())
+    except FileNotFoundError:  # Python's "No usable temporary directory found in [...]"
+        raise BuildError("no writable temporary folder for the traced graphs (TMPDIR, /tmp, /var/tmp, /usr/tmp and the "
+                         "current folder were tried): set TMPDIR to a writable folder with room for the model's "
+                         "weights") from None
+    requested = os.environ.get("TMPDIR")
+    if requested and Path(requested).resolve() != folder.resolve():
+        return folder, (f"TMPDIR={requested} is not a writable folder: the traced graphs (the model's weights once or "
+                        f"twice over) go to {folder}")
+    if not requested and folder.resolve() == Path.cwd().resolve():
+        return folder, (f"no writable /tmp: the traced graphs (the model's weights once or twice over) go to the "
+                        f"current folder {folder}; set TMPDIR to choose")
+    return folder, None
 
 
 @contextlib.contextmanager

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 
 from compiler.accuracy import evaluate_against_float, held_out_tokens, quantization_summary, repeated_text_warning
-from compiler.artifact import (remove_abandoned_scratch, scratch_folder, source_revision, staged_folder, tool_versions,
-                               write_manifest)
+from compiler.artifact import (remove_abandoned_scratch, scratch_folder, source_revision, staged_folder,
+                               temporary_folder, tool_versions, write_manifest)
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
@@ -60,6 +61,14 @@ def check_chat_template(template: str) -> None:
                          f"tokenizer.chat_template), or remove it to build without one") from None
 
 
+def _sticky_owner_only(folder: Path) -> bool:
+    """Whether folder sits in a sticky folder (mode 1777, as /tmp) that lets only its owner (or the folder's) rename it,
+    and neither is this user (root may; so may a process with CAP_FOWNER, which this does not see)."""
+    parent = folder.parent.resolve().stat()
+    me = os.geteuid()
+    return bool(parent.st_mode & stat.S_ISVTX) and me not in (0, parent.st_uid, folder.stat().st_uid)
+
+
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, dump_dir: str | Path | None = None
           ) -> Path:
     """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input.
@@ -68,6 +77,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     say = progress or (lambda message: None)
     final_dir = Path(output_root) / recipe.name
     check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
+    _, temporary_warning = temporary_folder()
+    if temporary_warning:
+        say(f"warning: {temporary_warning}")
     if dump_dir is not None:
         check_output_folder(dump_dir, "--dump-passes folder")
         dumps, artifact = Path(dump_dir).resolve(), final_dir.resolve()
@@ -77,6 +89,11 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     if final_dir.is_symlink() and not final_dir.exists():  # exists() follows links: the rename would fail at the end
         raise BuildError(f"{final_dir} is a link to {os.readlink(final_dir)}, which does not exist; remove the link or "
                          f"change the recipe's name")
+    built_at = final_dir
+    if final_dir.is_symlink():  # a link to (say) a bigger disk: the new artifact goes there, and the link stays
+        built_at = final_dir.resolve()
+        if built_at.parent != final_dir.parent.resolve():
+            say(f"{final_dir} is a link: the artifact is built at {built_at}")
     if final_dir.exists() and not final_dir.is_dir():
         raise BuildError(f"{final_dir} is a file; the artifact is a folder of that name: move the file or change the "
                          f"recipe's name")
@@ -93,6 +110,10 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     if final_dir.is_dir() and not os.access(final_dir, os.R_OK | os.W_OK | os.X_OK):  # the swap moves it: checked first
         raise BuildError(f"{final_dir}: an artifact this build would replace, and it is not readable and writable by "
                          f"you; fix its permissions, remove it, or build into another --output folder")
+    if built_at.is_dir() and _sticky_owner_only(built_at):  # /tmp-like: only its owner may rename it away
+        raise BuildError(f"{final_dir}: an artifact this build would replace, in a folder where only a file's owner "
+                         f"may move it (the sticky bit, as /tmp), and another user owns it; build into another "
+                         f"--output folder or change the recipe's name")
     if final_dir.is_dir() and any(final_dir.iterdir()) and not is_artifact_folder(final_dir):
         # The build replaces final_dir whole: never a folder it did not make (a model's own files, say).
         raise BuildError(f"{final_dir} exists and is not an aotlm artifact (no aotlm manifest.json), and this build "
@@ -166,7 +187,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     pass_results += more_results
     kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, cache_dtype(graphs, recipe.export.dtype))
 
-    with staged_folder(final_dir) as folder:
+    with staged_folder(built_at) as folder:
         say("writing engines")
         aliases = kv_cache["output_aliases_input"]
         if recipe.backend.name == "tensorrt":

@@ -26,7 +26,7 @@ from compiler.cli_serve import add_serve_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.cli_sampling import add_sampling_options, sampling_options
 from compiler.console import console, error, message, warning
-from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count
+from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count, user_path
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 INSPECT_SUMMARY_CHARACTERS = 240  # a pass's summary in `aotlm inspect`'s table; --json prints the whole report
@@ -71,7 +71,7 @@ def _build(args) -> None:
         with console.status(f"building {escape(recipe.name)}"):
             path = build(recipe, args.output, progress=progress, dump_dir=args.dump_passes)
     except OSError as full:  # a write's error names no file: say which disks the build writes
-        if full.errno not in (errno.ENOSPC, errno.EDQUOT) or full.filename:
+        if full.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or full.filename:
             raise
         raise OSError(full.errno, full.strerror, f"{args.output}, where the artifact is written (replacing one needs "
                                                  f"room for both), or the temporary folder {tempfile.gettempdir()}, "
@@ -494,15 +494,15 @@ def parser() -> argparse.ArgumentParser:
     root.add_argument("--version", action=_PrintVersion, nargs=0, help="print aotlm's version and exit")
     commands = root.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="build a recipe into artifacts/<name>/")
-    build.add_argument("recipe", help="the recipe YAML file, or the name of one that comes with aotlm "
+    build.add_argument("recipe", type=user_path, help="the recipe YAML file, or the name of one that comes with aotlm "
                                       "(smollm2-135m; an unknown name lists them)")
-    build.add_argument("--output", default="artifacts", help="folder that receives <name>/ (default: artifacts)")
-    build.add_argument("--dump-passes", metavar="DIR", default=None,
+    build.add_argument("--output", type=user_path, default="artifacts", help="folder that receives <name>/ (default: artifacts)")
+    build.add_argument("--dump-passes", type=user_path, metavar="DIR", default=None,
                        help="also write each pass's output graph per phase into DIR (NN-pass-phase.onnx), to bisect "
                             "a parity failure pass by pass; each takes about the weights' size")
     build.set_defaults(handler=_build)
     run = commands.add_parser("run", help="generate from an artifact, then print timings")
-    run.add_argument("artifact", help="an artifact folder (built by `aotlm build`)")
+    run.add_argument("artifact", type=user_path, help="an artifact folder (built by `aotlm build`)")
     given = run.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", help="the text to continue")
     given.add_argument("--chat", metavar="MESSAGE",
@@ -515,12 +515,12 @@ def parser() -> argparse.ArgumentParser:
     add_chat_parser(commands)
     add_serve_parser(commands)
     inspect = commands.add_parser("inspect", help="summarize an artifact's manifest")
-    inspect.add_argument("artifact", help="an artifact folder")
+    inspect.add_argument("artifact", type=user_path, help="an artifact folder")
     inspect.add_argument("--verify", action="store_true", help="also check every file's sha256")
     inspect.add_argument("--json", action="store_true", help="print the whole manifest (every pass report) as JSON")
     inspect.set_defaults(handler=_inspect)
     plan = commands.add_parser("plan", help="memory and lower-bound latency of a model on a device")
-    plan.add_argument("source", help="a recipe (.yaml), a Hugging Face config.json (or its folder), a .gguf file, "
+    plan.add_argument("source", type=user_path, help="a recipe (.yaml), a Hugging Face config.json (or its folder), a .gguf file, "
                                      "or an artifact folder")
     plan.add_argument("--device", required=True,
                       help="H100, H200, A100, L40S, L4, RTX4090, or cpu (this machine, measured)")
@@ -539,7 +539,7 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
     plan.set_defaults(handler=_plan)
     bench = commands.add_parser("bench", help="serve a workload (or time prefill/decode) and report vLLM-style metrics")
-    bench.add_argument("artifact", help="an artifact folder")
+    bench.add_argument("artifact", type=user_path, help="an artifact folder")
     bench.add_argument("--requests", type=int, default=None, help="requests in the workload (default 32)")
     bench.add_argument("--arrival", choices=("all", "concurrency", "poisson"), default=None,
                        help="(default) all at once; closed loop of --concurrency clients; Poisson at --rate req/s")
@@ -550,7 +550,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=nonnegative_int, default=None, help="lengths and Poisson arrivals (default 0)")
     bench.add_argument("--prompt-tokens", default=None, help="N, or LOW:HIGH drawn uniformly (default: 128)")
     bench.add_argument("--output-tokens", default=None, help="N, or LOW:HIGH drawn uniformly (default: 64)")
-    bench.add_argument("--prompt-file", default=None, help="text cut into prompts (default: Python's pydoc topics)")
+    bench.add_argument("--prompt-file", type=user_path, default=None, help="text cut into prompts (default: Python's pydoc topics)")
     bench.add_argument("--warmup", type=int, default=None, help="requests served first and excluded (default: 1)")
     bench.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="goodput: TTFT limit")
     bench.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="goodput: TPOT limit")
@@ -569,7 +569,7 @@ def parser() -> argparse.ArgumentParser:
                        help="every prompt begins with the same N tokens, as a system prompt (default 0)")
     bench.add_argument("--prefix-caching", action="store_true", default=None,
                        help="serve with Engine.load(prefix_caching=True): a prompt's cached start is not prefilled")
-    bench.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench-<name>[-<phase>].json)")
+    bench.add_argument("--out", type=user_path, default=None, help="JSON path (default: benchmarks/results/bench-<name>[-<phase>].json)")
     bench.add_argument("--phase", choices=("prefill", "decode"), default=None,
                        help="time the prefill or decode graph alone instead of serving a workload")
     bench.add_argument("--prompt-lengths", default=None,
@@ -581,13 +581,13 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=None, help="--phase decode: timed steps per context (default 32)")
     bench.set_defaults(handler=_bench)
     evaluate = commands.add_parser("eval", help="perplexity of an artifact on a text (sliding windows)")
-    evaluate.add_argument("artifact", help="an artifact folder")
+    evaluate.add_argument("artifact", type=user_path, help="an artifact folder")
     add_evaluation_options(evaluate)
     evaluate.set_defaults(handler=eval_command)
     compare = commands.add_parser("compare", help="perplexity of two artifacts, and B's top-1 agreement and KL "
                                                   "against A")
-    compare.add_argument("reference", metavar="A", help="the reference artifact")
-    compare.add_argument("candidate", metavar="B", help="the artifact compared against A (same tokenizer)")
+    compare.add_argument("reference", type=user_path, metavar="A", help="the reference artifact")
+    compare.add_argument("candidate", type=user_path, metavar="B", help="the artifact compared against A (same tokenizer)")
     add_evaluation_options(compare)
     compare.set_defaults(handler=compare_command)
     return root
@@ -627,7 +627,9 @@ def _chain(exception: BaseException):
 REFUSED_WRITES = {errno.ENOSPC: "free space there, or write elsewhere", errno.EDQUOT: "free space there, or write "
                   "elsewhere", errno.EROFS: "write elsewhere", errno.EACCES: "check its permissions, or write elsewhere",
                   errno.EPERM: "check its permissions, or write elsewhere",
-                  errno.ENAMETOOLONG: "shorten the name, or write elsewhere"}
+                  errno.ENAMETOOLONG: "shorten the name, or write elsewhere",
+                  errno.EFBIG: "a file-size limit (ulimit -f) or the filesystem's largest file (FAT32: 4 GiB): raise "
+                  "the limit, or write elsewhere"}
 
 
 def refused_write(error: OSError) -> str:
@@ -637,7 +639,19 @@ def refused_write(error: OSError) -> str:
     return f"{error.strerror or error}{where}: {REFUSED_WRITES[error.errno]}"
 
 
+def _unencodable_characters_replaced() -> None:
+    """A terminal or pipe whose encoding is not UTF-8 (a Latin-1 locale, PYTHONIOENCODING=latin-1) cannot take every
+    character a model writes or a table draws: shown as '?' there, not a UnicodeEncodeError mid-generation."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and (stream.encoding or "").lower().replace("-", "") != "utf8":
+            try:
+                stream.reconfigure(errors="replace")
+            except (AttributeError, ValueError, OSError):  # not a text file (a test's): left as it is
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    _unencodable_characters_replaced()
     try:  # Ctrl-C while the modules load (the first ~0.2 s): a word, not a traceback
         from compiler.errors import BuildError
         from runtime.errors import AotlmRuntimeError

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from compiler.console import console, message, warning
-from compiler.errors import check_output_file, thread_count
+from compiler.errors import check_output_file, thread_count, user_path
 
 
 class _ArtifactInfo:
@@ -207,11 +207,11 @@ def compare_command(args) -> None:
 
 
 def add_evaluation_options(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--text", required=True,
+    command.add_argument("--text", type=user_path, required=True,
                          help="UTF-8 text file, or builtin:pydoc-held-out (the last ~10%% of Python's docs)")
     command.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens (default: 4096)")
     command.add_argument("--window", type=int, default=None,
                          help="tokens per window (default: 512, or the max context if smaller)")
     command.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
-    command.add_argument("--json", default=None, metavar="OUT", help="also write the results to this JSON file")
+    command.add_argument("--json", type=user_path, default=None, metavar="OUT", help="also write the results to this JSON file")
     command.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")

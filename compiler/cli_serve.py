@@ -14,7 +14,7 @@ import time
 from rich.markup import escape
 
 from compiler.console import console, message
-from compiler.errors import UsageError, nonnegative_int, thread_count
+from compiler.errors import UsageError, nonnegative_int, thread_count, user_path
 
 
 def seconds(text: str) -> float:
@@ -43,7 +43,7 @@ def port_number(text: str) -> int:
 
 def add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="serve an artifact over HTTP: OpenAI's completions and chat API")
-    serve.add_argument("artifact", help="an artifact folder (built by `aotlm build`)")
+    serve.add_argument("artifact", type=user_path, help="an artifact folder (built by `aotlm build`)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every IPv4 "
                             "interface; an IPv6 address such as ::1, or :: for every interface)")

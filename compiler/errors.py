@@ -68,6 +68,12 @@ def _check_writable_ancestor(folder, path: str, flag: str) -> None:
     os.rmdir(probe)  # made empty a moment ago by this process
 
 
+def user_path(text: str) -> str:
+    """An argparse type for a path: a leading ~ or ~user is the home folder, as the shell expands it in `--out ~/x`
+    but not in `--out=~/x` (which would make a folder named ~ here)."""
+    return os.path.expanduser(text)
+
+
 def nonnegative_int(text: str) -> int:
     """An argparse type: an integer >= 0."""
     value = int(text)

@@ -1,4 +1,10 @@
 """aotlm's runtime: loads an artifact folder and serves it (needs only onnxruntime, tokenizers, numpy)."""
+import os
+
+# onnxruntime (1.32) records every import in a telemetry database under ~/.cache, and warns on each command where the
+# home folder is read-only (a container's): off, unless the user set ORT_DISABLE_TELEMETRY themselves
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+
 from runtime.engine import Engine, Generation
 from runtime.results import GenerationResult, Timings
 from runtime.errors import AotlmRuntimeError, ArtifactError, ModelOutputError, QueueFullError, RequestError

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from runtime.errors import ArtifactError
@@ -61,6 +62,12 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     """Load manifest.json and check its format and version; raises ArtifactError."""
     folder = Path(artifact_dir)
     path = folder / MANIFEST_FILE
+    if not folder.is_absolute():
+        try:
+            os.getcwd()  # a relative path read fine, then failed (resolve()) once the working folder was gone
+        except FileNotFoundError:
+            raise ArtifactError(f"{folder}: a path relative to the working folder, which was deleted; cd to a folder "
+                                f"that exists, or give the artifact's absolute path") from None
     if folder.is_file():
         fix = (f"it looks like a recipe: build it with `aotlm build {folder}` (or size it with `aotlm plan {folder}`)"
                if folder.suffix in (".yaml", ".yml") else "an artifact is the folder `aotlm build RECIPE` writes")
@@ -196,17 +203,26 @@ def referenced_files(manifest: dict) -> list[str]:
     return [name for name in named if name]
 
 
+def _desktop_metadata(name: str) -> bool:
+    """Files a desktop adds to any folder it shows or copies (macOS's .DS_Store and ._NAME resource forks on
+    exFAT/SMB drives, Windows' Thumbs.db and desktop.ini): never read, so no reason to refuse the artifact."""
+    return name in (".DS_Store", "Thumbs.db", "desktop.ini") or name.startswith("._")
+
+
 def check_files(artifact_dir: str | Path, manifest: dict, verify_hashes: bool = False) -> None:
     """Every listed file must exist with its recorded size (and sha256 when verify_hashes); every file in the
     folder, and every file the manifest's sections name, must be listed (the build lists every file it writes)."""
     folder = Path(artifact_dir)
     listed = manifest.get("files", {})
     present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")  # sub/manifest.json is a stray file
-                     if p.is_file() and p != folder / MANIFEST_FILE)
+                     if p.is_file() and p != folder / MANIFEST_FILE and not _desktop_metadata(p.name))
     unlisted = [name for name in present + referenced_files(manifest) if name not in listed]
     if unlisted:
+        named = unlisted[0] in referenced_files(manifest)  # the manifest points at it: the manifest was edited
         raise ArtifactError(f"{folder / unlisted[0]}: not in the manifest's files, so its size and sha256 cannot be "
-                            f"checked (the manifest or the folder was edited); rebuild the artifact")
+                            f"checked; " + ("the manifest was edited: rebuild the artifact" if named else
+                                            "an artifact holds only the files its manifest lists: remove it (or "
+                                            "rebuild the artifact)"))
     inside = folder.resolve()
     for name, record in listed.items():
         path = folder / name

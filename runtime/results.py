@@ -2,6 +2,7 @@
 runtime/metrics.py aggregates); and results as a JSON file (write_json)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,12 +24,22 @@ def write_json(path: str | Path, payload: dict) -> Path:
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             handle.write(json.dumps(payload, indent=2) + "\n")
-        os.chmod(temporary, 0o644)  # mkstemp makes it private; results are meant to be read by others
+        os.chmod(temporary, 0o666 & ~process_umask())  # mkstemp makes it private: as open() would make it
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
         raise
     return path
+
+
+def process_umask() -> int:
+    """The process's umask: /proc's (Linux 4.7+), else read by setting it back at once (not thread-safe)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as status:
+            return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def received_at(arrival: float | None, now: float) -> float:

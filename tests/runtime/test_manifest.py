@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -418,3 +419,23 @@ def test_a_file_linked_from_outside_the_artifact_is_hashed_at_every_load(artifac
     (artifact_copy / "tokenizer.json").symlink_to("tokenizer-real.json")  # inside: the folder's own
     _edit_manifest(artifact_copy, lambda m: m["files"].__setitem__("tokenizer-real.json", m["files"]["tokenizer.json"]))
     assert Engine.load(artifact_copy).generate([1, 5], max_new_tokens=2, ignore_eos=True).token_ids
+
+
+def test_files_a_desktop_adds_are_ignored_and_a_stray_file_is_named_for_removal(artifact_copy):
+    """macOS's .DS_Store (and ._NAME on exFAT/SMB copies) made a copied artifact unloadable, with "rebuild" advice."""
+    (artifact_copy / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (artifact_copy / "._weights.bin").write_bytes(b"\0\5\26\7")
+    Engine.load(artifact_copy).close()
+    (artifact_copy / "notes.txt").write_text("tried on Tuesday")
+    with pytest.raises(ArtifactError, match="notes.txt: not in the manifest's files, .*lists: remove it"):
+        Engine.load(artifact_copy)
+
+
+def test_a_relative_path_from_a_deleted_working_folder_is_named(tiny_artifact, tmp_path, monkeypatch):
+    """`cd gone; rmdir ../gone; aotlm run ../artifact`: the manifest read, then resolve() raised FileNotFoundError."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(ArtifactError, match="relative to the working folder, which was deleted"):
+        Engine.load(os.path.relpath(tiny_artifact, gone))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -50,11 +51,17 @@ def test_an_arrival_from_another_clock_is_refused():
         received_at(1765000000.0, 7.0)
 
 
-def test_results_are_written_whole_into_a_new_folder_readable_by_others(tmp_path):
-    path = write_json(tmp_path / "new" / "results.json", {"rows": [1, 2], "name": "x"})
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_results_are_written_whole_into_a_new_folder_as_the_umask_says(tmp_path, umask, mode):
+    """Readable by others as any file the user writes, and private under umask 077 (it was 644 whatever the umask)."""
+    before = os.umask(umask)
+    try:
+        path = write_json(tmp_path / "new" / "results.json", {"rows": [1, 2], "name": "x"})
+    finally:
+        os.umask(before)
     assert path == tmp_path / "new" / "results.json"
     assert path.read_text() == '{\n  "rows": [\n    1,\n    2\n  ],\n  "name": "x"\n}\n'
-    assert path.stat().st_mode & 0o777 == 0o644
+    assert path.stat().st_mode & 0o777 == mode
     assert [p.name for p in path.parent.iterdir()] == ["results.json"]  # the temporary file renamed, not copied
 
 

@@ -1,0 +1,152 @@
+"""What a user's machine has: no usable temporary folder, a TMPDIR Python passes over, an artifact reached through a
+link, a team's setgid folder, a sticky (/tmp-like) folder, `--output=~/...`, a file-size limit, a home folder
+onnxruntime should not write to, a terminal that is not UTF-8."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from compiler import cli
+from compiler.artifact import staged_folder, temporary_folder
+from compiler.cli import main
+
+TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-random.yaml"
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    monkeypatch.setattr(cli.console, "width", 10_000)  # no wrapping inside the messages compared below
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    status = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
+
+
+def test_no_writable_temporary_folder_is_one_line_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    """A read-only root with TMPDIR unset: Python's FileNotFoundError came out as a traceback after the model loaded."""
+    def none_usable():
+        raise FileNotFoundError(errno.ENOENT, "No usable temporary directory found in ['/tmp', '/var/tmp']")
+
+    monkeypatch.setattr(tempfile, "gettempdir", none_usable)
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "no writable temporary folder" in text and "set TMPDIR" in text, text
+    assert "Traceback" not in text
+
+
+def test_a_tmpdir_python_passes_over_is_warned_of(tmp_path, monkeypatch):
+    """TMPDIR naming a folder that is not there: Python silently took /tmp (or, with /tmp read-only, the current
+    folder, which then got the model's traces)."""
+    monkeypatch.setattr(tempfile, "tempdir", None)  # recomputed from TMPDIR (restored after the test)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "scratch-typo"))
+    folder, warning = temporary_folder()
+    assert folder != tmp_path / "scratch-typo" and warning is not None
+    assert f"TMPDIR={tmp_path / 'scratch-typo'} is not a writable folder" in warning and str(folder) in warning
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert temporary_folder() == (tmp_path, None)
+
+
+def test_a_linked_artifact_in_a_team_folder_named_with_a_tilde_is_rebuilt_where_the_link_leads(capsys, tmp_path,
+                                                                                             tiny_artifact,
+                                                                                             monkeypatch):
+    """Three things a user's setup has, in one build:
+    - `--output=~/out` (bash leaves ~ alone after `=`) made a folder named ~ in the working folder;
+    - <output>/<name> a link to a bigger disk was replaced by a plain folder, the old artifact left behind there;
+    - in a setgid (team) folder the artifact lost the bit, so its files lost the team's group."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    disk.chmod(0o2775)  # setgid: what is made inside takes the folder's group
+    shutil.copytree(tiny_artifact, disk / "tiny-random")
+    old_created = json.loads((disk / "tiny-random" / "manifest.json").read_text())["created"]
+    (tmp_path / "home" / "out").mkdir(parents=True)
+    (tmp_path / "home" / "out" / "tiny-random").symlink_to(disk / "tiny-random")
+    status, text = run_cli(capsys, "build", TINY, "--output=~/out")
+    assert status == 0, text
+    assert not (tmp_path / "~").exists()
+    link = tmp_path / "home" / "out" / "tiny-random"
+    assert link.is_symlink() and link.resolve() == disk / "tiny-random"
+    manifest = json.loads((disk / "tiny-random" / "manifest.json").read_text())
+    assert manifest["created"] != old_created
+    assert (disk / "tiny-random").stat().st_mode & stat.S_ISGID
+    assert sorted(path.name for path in disk.iterdir()) == ["tiny-random"]  # no staging or old copy left
+
+
+def test_an_artifact_another_user_owns_in_a_sticky_folder_is_refused_before_the_export(capsys, tmp_path,
+                                                                                      monkeypatch):
+    """In a 1777 folder only an artifact's owner (or the folder's) may rename it away: the swap failed after the whole
+    build, and left its old-copy folder behind."""
+    out = tmp_path / "out"
+    (out / "tiny-random").mkdir(parents=True)
+    (out / "tiny-random" / "manifest.json").write_text('{"format": "aotlm-artifact"}')
+    out.chmod(0o1777)
+    monkeypatch.setattr(os, "geteuid", lambda: 54321)  # another user than the owner of both
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    status, text = run_cli(capsys, "build", TINY, "--output", out)
+    assert status == 2 and "only a file's owner may move it (the sticky bit" in text, text
+
+
+def test_a_swap_refused_at_its_first_rename_leaves_no_folder_behind(tmp_path, monkeypatch):
+    final = tmp_path / "artifact"
+    final.mkdir()
+    old = '{"format": "aotlm-artifact"}'
+    (final / "manifest.json").write_text(old)
+    replace = os.replace
+
+    def refused(source, destination):
+        if Path(source) == final:
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(final))
+        return replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(PermissionError):
+        with staged_folder(final) as folder:
+            (folder / "manifest.json").write_text("new")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["artifact"]
+    assert (final / "manifest.json").read_text() == old
+
+
+def test_a_file_size_limit_is_one_line_naming_it(capsys, tmp_path, monkeypatch):
+    """ulimit -f, or FAT32's 4 GiB largest file, when weights.bin is written: EFBIG was a traceback."""
+    def too_large(*args, **kwargs):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr("compiler.build.build", too_large)
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "File too large" in text and "ulimit -f" in text and "Traceback" not in text, text
+
+
+def test_onnxruntime_writes_nothing_under_the_home_folder(tmp_path):
+    """onnxruntime 1.32 records every import in ~/.cache/Microsoft/.../onnxruntime.db (and warns on each command where
+    HOME is read-only): aotlm's packages turn that off unless the user set ORT_DISABLE_TELEMETRY."""
+    home = tmp_path / "home"
+    home.mkdir()
+    environment = {key: value for key, value in os.environ.items() if key != "ORT_DISABLE_TELEMETRY"}
+    for package in ("runtime", "passes", "compiler"):
+        subprocess.run([sys.executable, "-c", f"import {package}, onnxruntime"], env={**environment, "HOME": str(home)},
+                       cwd=Path(__file__).resolve().parents[2], check=True, timeout=120)
+    assert list(home.rglob("*")) == []
+
+
+def test_a_terminal_that_is_not_utf8_gets_replacement_characters_not_a_traceback(tiny_artifact):
+    """PYTHONIOENCODING=latin-1 (or a Latin-1 locale): the tiny model's text held a character Latin-1 lacks, and `run`
+    died mid-generation with UnicodeEncodeError."""
+    result = subprocess.run([sys.executable, "-m", "compiler.cli", "run", str(tiny_artifact), "--prompt", "hi \u2026",
+                             "--max-new-tokens", "40", "--threads", "1"], capture_output=True,
+                            env={**os.environ, "PYTHONIOENCODING": "latin-1"}, cwd=Path(__file__).resolve().parents[2],
+                            timeout=120)
+    assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr.decode("latin-1")[-2000:]
+    assert b"hi ?" in result.stdout  # the prompt's ellipsis, which Latin-1 has no byte for
