@@ -21,17 +21,28 @@ Attributes
   do_rotary 1 (rotate-half layout, rotary_interleaved 0).
 Meaning, per sequence b, for new token i in [0, S): a first prompt (S == total_sequence_length) puts it at
 position i, and rows i > seqlens_k[b] are right padding (ignored, their output unspecified); otherwise (decode,
-or a later chunk) it sits at position seqlens_k[b] + 1 - S + i, after the tokens already cached. q and k are rotated by their position; the
-new k, v are written at those positions; a query at position p attends to cached keys j <= p (causal, the same
-rule in prefill and in decode, where queries are fewer than keys) with softmax(scale * q.k).
+or a later chunk) it sits at position seqlens_k[b] + 1 - S + i, after the tokens already cached. q and k are
+rotated by their position; the new k, v are written at those positions; a query at position p attends to cached
+keys j <= p (causal, the same rule in prefill and in decode, where queries are fewer than keys) with
+softmax(scale * q.k). seqlens_k[b] >= 0: every sequence has a token (no lowering defines an empty one).
+
+Unspecified, and so not relied on: the output of padding rows, and the cache rows at padding positions after a
+first prompt (`reference` and the Triton kernels leave them; GroupQueryAttention, the opset-23 lowering's
+ScatterElements and TensorRT's KV-cache update write the padding tokens there; no query ever attends them, and the
+next request in that slot overwrites them). Cache rows past a sequence's length must hold finite numbers for the
+opset-23 lowering (its masked weights multiply them by 0; GroupQueryAttention never reads them): the runtime's
+caches start zeroed.
 
 Limits of the onnxruntime lowering (its CPU kernel): head_dim % 16 == 0, and a chunk of S > 1 new tokens
-after a cached prefix only with batch 1. This is otherwise exactly the contract of onnxruntime's com.microsoft.GroupQueryAttention with shared past/present
-buffers, which `lower_onnxruntime` emits; `reference` below is the plain numpy meaning, used by the tests.
+after a cached prefix only with batch 1. Within these, the contract of onnxruntime's
+com.microsoft.GroupQueryAttention with shared past/present buffers, which `lower_onnxruntime` emits; `reference`
+below is the plain numpy meaning, used by the tests.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from passes.errors import PassError
 
 DOMAIN = "aotlm"
 OP_TYPE = "FlashAttention"
@@ -39,6 +50,23 @@ VERSION = 1
 INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
           "cos_cache", "sin_cache")
 OUTPUTS = ("output", "present_key", "present_value")
+
+
+def node_scale(node, head_dim: int) -> float:
+    """A FlashAttention node's softmax scale: its attribute, or D^-0.5 where it has none (0 is a scale too)."""
+    scale = node.attrs.get("scale")
+    return head_dim**-0.5 if scale is None else float(scale)
+
+
+def check_rotary_layout(node, lowering: str) -> None:
+    """The op's meaning fixes do_rotary 1 and the rotate-half layout (rotary_interleaved 0); a lowering that rotates
+    that way only refuses a node that says otherwise (a hand-made or foreign one) rather than rotate it wrongly."""
+    for attribute, meant in (("do_rotary", 1), ("rotary_interleaved", 0)):
+        value = node.attrs.get(attribute, meant)
+        if int(value) != meant:
+            raise PassError(f"{node.name or 'a FlashAttention node'}: {attribute}={value}, and {lowering} implements "
+                            f"the op's meaning ({attribute}={meant}); lower it with lower_onnxruntime, which passes "
+                            f"the attribute to GroupQueryAttention")
 
 
 def rotary_tables(inv_freq: np.ndarray, positions: int, scaling: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -62,6 +90,10 @@ def reference(query, key, value, past_key, past_value, seqlens_k, total_sequence
     head_dim = query.shape[-1] // num_heads
     group = num_heads // kv_num_heads
     scale = head_dim**-0.5 if scale is None else scale
+    if np.any(np.asarray(seqlens_k) < 0):
+        raise ValueError(f"seqlens_k {list(np.asarray(seqlens_k))}: each must be >= 0 (a sequence has a token)")
+    if past_key is None:  # no cache: this step's S tokens are everything, written into a fresh one of S rows
+        past_key = past_value = np.zeros((batch, kv_num_heads, length, head_dim))
     present_key, present_value = past_key.astype(np.float64).copy(), past_value.astype(np.float64).copy()
     output = np.zeros((batch, length, num_heads * head_dim))
     for b in range(batch):

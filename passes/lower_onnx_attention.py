@@ -11,7 +11,9 @@ The portable target: any runtime with opset 23 (and TensorRT >= 10.14's parser) 
 Positions and the visibility mask follow the op's meaning (passes/flash_attention_op.py) and are built once
 per graph: first prompt (S == total) -> positions 0..S-1, else seqlens_k + 1 - S + i; key j is visible to a
 query at position p iff j <= p and j <= seqlens_k. The mask is explicit (not is_causal) because ONNX's causal
-rule is aligned to the top-left, which is wrong when queries are fewer than keys (decode).
+rule is aligned to the top-left, which is wrong when queries are fewer than keys (decode). ScatterElements writes
+every new row, a first prompt's padding tokens too (the op leaves those rows unspecified), and masked cache rows are
+multiplied by weight 0, so they must be finite (the runtime's caches start zeroed).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from passes import flash_attention_op as op
+from passes.errors import PassError
 from passes.graph_export import export_onnx
 from passes.opset import raise_opset, unchanged
 
@@ -107,7 +110,10 @@ def lower(shared: Shared, node: gs.Node, index: int) -> None:
                          f"{name}_keys")
         v = shared.layer("Slice", [_write_cache(shared, past_value, present_value, v, positions, f"{name}_v"), *rows],
                          f"{name}_values")
-    scale = float(node.attrs.get("scale", head_dim ** -0.5))  # the op's default, as its meaning writes it
+    scale = op.node_scale(node, head_dim)
+    if not scale > 0:  # onnxruntime refused the model at load ("scale must be greater than 0"), not the build
+        raise PassError(f"{node.name or 'a FlashAttention node'}: scale {scale}; ONNX's Attention takes a scale > 0 "
+                        f"(lower it with lower_onnxruntime, which folds any scale into the query)")
     attended = shared.layer("Attention", [q, k, v, mask], f"{name}_attended", scale=scale)
     back = shared.layer("Transpose", [attended], f"{name}_bshd_out", perm=[0, 2, 1, 3])
     shared.graph.nodes.append(gs.Node("Reshape", name=f"{name}_merge_heads",
@@ -122,6 +128,8 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     if not nodes:  # nothing to lower: the graph, opset included, stays as it was
         return unchanged(model), {"lowered": 0, "target": "ai.onnx Attention-23 + RotaryEmbedding-23 + ScatterElements",
                                   "left_unlowered": 0}
+    for node in nodes:
+        op.check_rotary_layout(node, "lower_onnx_attention")  # RotaryEmbedding-23 here rotates the half layout
     raise_opset(graph, model, OPSET, "lower_onnx_attention")
     graph.import_domains = [o for o in graph.import_domains if o.domain != op.DOMAIN]
     shared = Shared(graph)

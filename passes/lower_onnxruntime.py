@@ -66,9 +66,12 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
     positions: dict[tuple[str, str], gs.Variable] = {}
     for node in chosen:
         head_dim = _head_dim(node)
-        scale = float(node.attrs.get("scale") or head_dim ** -0.5)
+        scale = op.node_scale(node, head_dim)
         fold = fold_query_scale(graph, node, scale, int(node.attrs["num_heads"]) * head_dim, graph_outputs,
                                 graph_inputs)
+        if fold == "none" and not scale > 0:  # GroupQueryAttention reads scale 0 as "the default"
+            raise PassError(f"{node.name or 'a FlashAttention node'}: scale {scale} cannot be folded into its query "
+                            f"(the query has no MatMul of its own), and GroupQueryAttention takes a scale > 0")
         scale_folds[fold] = scale_folds.get(fold, 0) + 1
         node.op, node.domain = "GroupQueryAttention", MICROSOFT_DOMAIN
         node.attrs = {name: node.attrs[name] for name in KEPT_ATTRIBUTES if name in node.attrs}

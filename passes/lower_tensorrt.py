@@ -173,8 +173,9 @@ class Lowering:
     def lower_plugin(self, node: gs.Node, index: int) -> dict:
         query, _, value, past_key, past_value, seqlens, total, cos, _ = node.inputs
         output, present_key, present_value = node.outputs
-        heads, kv_heads, scale = node.attrs["num_heads"], node.attrs["kv_num_heads"], float(node.attrs["scale"])
-        head_dim, name = 2 * cos.shape[1], f"{node.name or 'attention'}_{index}"
+        heads, kv_heads, head_dim = node.attrs["num_heads"], node.attrs["kv_num_heads"], 2 * cos.shape[1]
+        scale, name = op.node_scale(node, head_dim), f"{node.name or 'attention'}_{index}"
+        op.check_rotary_layout(node, "lower_tensorrt")
         batch, length = (list(query.shape) if query.shape else [None, None])[:2]
         output.dtype, output.shape = query.dtype, [batch, length, heads * head_dim]
         q, k, _, _ = self.rotate(node, name)
@@ -204,8 +205,9 @@ class Lowering:
     def lower_native(self, node: gs.Node, index: int) -> dict:
         query, _, value, past_key, past_value, _, _, cos, _ = node.inputs
         output, present_key, present_value = node.outputs
-        heads, kv_heads, scale = node.attrs["num_heads"], node.attrs["kv_num_heads"], float(node.attrs["scale"])
-        head_dim, name = 2 * cos.shape[1], f"{node.name or 'attention'}_{index}"
+        heads, kv_heads, head_dim = node.attrs["num_heads"], node.attrs["kv_num_heads"], 2 * cos.shape[1]
+        scale, name = op.node_scale(node, head_dim), f"{node.name or 'attention'}_{index}"
+        op.check_rotary_layout(node, "lower_tensorrt")
         dtype = query.dtype if isinstance(query.dtype, int) else np.dtype(query.dtype or np.float32)  # int: bfloat16
         batch, length = (list(query.shape) if query.shape else [None, None])[:2]
         L = self.layer  # noqa: N806 - a short local name keeps the recipe of nodes readable

@@ -13,6 +13,8 @@ def new_token_positions(seqlen_k: int, total: int, seq_len: int) -> tuple[torch.
 
     seqlen_k is that sequence's seqlens_k entry: (valid tokens once this step is in the cache) - 1.
     """
+    if seqlen_k < 0:  # a negative index would write the cache's last row
+        raise ValueError(f"seqlens_k entry {seqlen_k}: must be >= 0 (every sequence has a token)")
     valid_tokens = seqlen_k + 1
     if seq_len == total:  # first prompt: token i at position i, rows past the sequence's end are right padding
         positions = torch.arange(seq_len)
