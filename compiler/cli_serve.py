@@ -13,7 +13,7 @@ import time
 
 from rich.markup import escape
 
-from compiler.console import console, message
+from compiler.console import console, message, warning
 from compiler.errors import UsageError, nonnegative_int, thread_count, user_path
 
 
@@ -74,6 +74,25 @@ def add_serve_parser(commands) -> None:
     serve.set_defaults(handler=serve_command)
 
 
+def load_dependent_outputs(manifest: dict, prefill_chunk: int | None, prefix_caching: bool) -> str | None:
+    """A warning where a request's tokens (greedy or seeded) will depend on the load and on what was served before:
+    an int8 KV cache whose prefill attends over the prompt in float, with chunks or cached prefixes, which read
+    earlier tokens' keys and values as int8 codes instead."""
+    if manifest["kv_cache"].get("dtype") != "int8" or not (prefill_chunk or prefix_caching):
+        return None
+    options = next((spec["quantize_kv_cache"] for spec in manifest["recipe"]["passes"]
+                    if isinstance(spec, dict) and "quantize_kv_cache" in spec), None) or {}
+    if options.get("prefill_attention", "float") != "float":
+        return None
+    flags = " and ".join(flag for flag, on in (("--prefill-chunk", prefill_chunk), ("--prefix-caching",
+                                                                                    prefix_caching)) if on)
+    return (f"this artifact's KV cache is int8 and its prefill attends over a prompt in float: with {flags} a prompt "
+            f"read partly from the cache (as int8) gets other logits, so a request's tokens, greedy or seeded, depend "
+            f"on the load and on what was served before (SmolLM2: 10 of 12 seeded requests differed under load); "
+            f"rebuild with quantize_kv_cache.prefill_attention: int8 for outputs that do not (prefill attention 4-5x "
+            f"slower), or serve without {flags}")
+
+
 def serve_command(args) -> None:
     from runtime import Engine
     from runtime.server import MAX_CONNECTIONS, ApiServer
@@ -88,6 +107,8 @@ def serve_command(args) -> None:
                          "ISO-8859-1, where clients send a key's UTF-8 bytes: no request would ever match it)")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching)
     engine.release_single_stream_cache()  # the server runs every request on the scheduler's slots: room for them
+    if caveat := load_dependent_outputs(engine.manifest, args.prefill_chunk, args.prefix_caching):
+        warning(caveat)
     scheduler = engine.start_scheduler(slots=args.slots, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     try:
         server = ApiServer(engine, args.host, args.port, model_name=args.model_name,

@@ -8,7 +8,8 @@ Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
 - temperature defaults to 1 (the engine's own default is greedy); max_tokens to 16 for completions (or what the
   context leaves after the prompt, when less), and to what the context leaves for chat;
 - n samples of a prompt are n requests, seeded seed, seed + 1, ... when a seed is given (with prefix caching the
-  shared prompt is prefilled once); any integer is a seed (a negative one is taken modulo 2**64);
+  shared prompt is prefilled once); any integer from -2**63 to 2**64 - 1 is a seed (a negative one is taken modulo
+  2**64; vLLM takes int64);
 - finish_reason is "stop" or "length"; a reply the max context cut short is "length" too.
 A field the server cannot honour (tools, a non-text response_format, best_of above 1, suffix) is refused with a
 400 that names it, never silently ignored; so is a field it does not know.
@@ -22,6 +23,7 @@ TTFT, prefill, TPOT, E2E in ms, cached prompt tokens). It is not in OpenAI's sch
 from __future__ import annotations
 
 import difflib
+import json
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -283,7 +285,9 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
     options = {engine_name: fields[name] for name, engine_name in SAMPLING_FIELDS.items() if name in fields}
     options.setdefault("temperature", 1.0)  # OpenAI's default; the engine's is greedy
     seed = options.get("seed")
-    if is_integer(seed) and seed < 0:  # any integer is a seed to OpenAI (clients send -1); numpy's take >= 0
+    if seed is not None and not (is_integer(seed) and -2 ** 63 <= seed < 2 ** 64):  # int64 as vLLM's, or uint64
+        raise ApiError(f"seed: {json.dumps(seed)[:40]} must be an integer from -2**63 to 2**64 - 1, or null", param="seed")
+    if seed is not None and seed < 0:  # any integer is a seed to OpenAI (clients send -1); numpy's take >= 0
         options["seed"] = seed % 2 ** 64
     if options.get("top_k") == -1:  # vLLM's "no limit"
         options["top_k"] = 0

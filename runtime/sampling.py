@@ -222,8 +222,9 @@ def _is_real(value) -> bool:
 
 
 class Sampler:
-    """One per request, so a seed makes that request's samples reproducible whatever else runs. It remembers the
-    tokens it returned (and the prompt's) for the penalties."""
+    """One per request, so a seed makes that request's samples reproducible whatever else runs (given the same
+    logits: an int8 KV cache whose prefill attends in float gives others to a chunked or prefix-cached prompt, see
+    runtime/scheduler.py). It remembers the tokens it returned (and the prompt's) for the penalties."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), eos_token_ids: Sequence[int] = ()):
         """eos_token_ids: the model's; for params.min_new_tokens samples, they and the request's stop ids are held

@@ -19,7 +19,8 @@ Each iteration of the worker (`_step`):
      in one run once nothing decodes; else through the decode graph, the rest in chunks of that size;
      chunks happen only while others decode, so with an int8 KV cache (quantize_kv_cache) a prompt's greedy tokens
      can depend on the load: a later chunk reads the earlier ones' keys and values rounded to int8, a whole
-     prompt attends to its own in float (a rounding difference, ~2e-3 in the tiny model's logits);
+     prompt attends to its own in float (a rounding difference, ~2e-3 in the tiny model's logits, enough on
+     SmolLM2 to change most seeded replies: README, "quantize_kv_cache"; prefill_attention int8 removes it);
   3. one batched decode step over slots 0..k-1 (k = the highest decoding slot + 1), each row with its own
      position and mask length; a row that is not decoding writes one throw-away key/value at its next free
      position, which its next prefill overwrites before anything reads it;

@@ -157,3 +157,24 @@ def test_each_log_line_is_one_write(monkeypatch):
     for thread in threads:
         thread.join()
     assert len(writes) == 800 and all(text.endswith("\n") and text.count("\n") == 1 for text in writes)
+
+
+def test_serve_warns_where_an_int8_caches_outputs_would_depend_on_the_load():
+    """An int8 cache whose prefill attends in float: chunks and cached prefixes read earlier keys as int8 codes, so
+    a seeded request's text changed with the load (a review: 10 of 12 seeds on SmolLM2). Said at start, with the fix."""
+    from compiler.cli_serve import load_dependent_outputs
+
+    def manifest(dtype, prefill_attention=None):
+        passes = [{"fuse_attention": {}}]
+        if prefill_attention is not None:
+            passes.append({"quantize_kv_cache": {"prefill_attention": prefill_attention}})
+        return {"kv_cache": {"dtype": dtype}, "recipe": {"passes": passes}}
+
+    text = load_dependent_outputs(manifest("int8", "float"), 64, False)
+    assert "with --prefill-chunk a prompt read partly from the cache" in text
+    assert "prefill_attention: int8" in text
+    assert "--prefill-chunk and --prefix-caching" in load_dependent_outputs(manifest("int8", "float"), 64, True)
+    assert load_dependent_outputs(manifest("int8", "float"), None, True) is not None
+    assert load_dependent_outputs(manifest("int8", "float"), None, False) is None  # whole prompts: no cache read
+    assert load_dependent_outputs(manifest("int8", "int8"), 64, True) is None  # the prefill reads int8 as well
+    assert load_dependent_outputs(manifest("float32"), 64, True) is None

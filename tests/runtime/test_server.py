@@ -503,6 +503,12 @@ def test_a_negative_seed_is_a_seed(chat_served):
     texts = [post(chat_served, "/v1/completions", {**body, "seed": seed})[2]["choices"][0]["text"]
              for seed in (-1, 2 ** 64 - 1, -1)]
     assert texts[0] == texts[1] == texts[2]
+    # Out of range, or not an integer: the HTTP API's rule, not the Python API's ">= 0 or None" (-2**70 had been
+    # taken modulo 2**64: seed 0's text, silently)
+    for seed in (1.5, "1", -2 ** 70, 2 ** 64, True):
+        status, _, answer = post(chat_served, "/v1/completions", {**body, "seed": seed})
+        assert status == 400 and answer["error"]["param"] == "seed", (seed, answer)
+        assert "must be an integer from -2**63 to 2**64 - 1, or null" in answer["error"]["message"], answer
 
 
 def test_temperature_defaults_to_openais_1_not_the_engines_greedy(served):
