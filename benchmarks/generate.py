@@ -24,8 +24,10 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,8 +178,16 @@ def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple
         console.log(f"writing the weights as a Hugging Face folder: {hf_folder}")
         config = DecoderConfig.from_dict(model_section["config"]) if model_section.get("config") else None
         loaded = load_model(model_section["source"], model_section.get("path"), config, model_section.get("seed", 0))
-        write_hf_folder(loaded, cache / "hf.partial")
-        os.replace(cache / "hf.partial", hf_folder)
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix="hf.partial-", dir=cache))  # its own: two runs may write at once
+        try:
+            write_hf_folder(loaded, staging)
+            os.replace(staging, hf_folder)
+        except OSError:
+            if not (hf_folder / "config.json").is_file():  # not another run's folder, renamed in first
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     if want_genai and not (genai_folder / "genai_config.json").is_file():
         console.log(f"building onnxruntime-genai's fp32 CPU model: {genai_folder}")
         build_genai_model(hf_folder, genai_folder, "fp32")

@@ -21,6 +21,11 @@ def _has_cuda_gpu() -> bool:
 if "TRITON_INTERPRET" not in os.environ and not _has_cuda_gpu():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# rich reads COLUMNS (and LINES) even when writing to a pipe, once, when a console is made: a narrow COLUMNS in the
+# caller's environment wrapped the tables and messages the tests read (TTFT ms split over two lines at 45 columns)
+for _variable in ("COLUMNS", "LINES"):
+    os.environ.pop(_variable, None)
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "tiny-random.yaml"
 

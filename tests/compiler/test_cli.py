@@ -239,7 +239,10 @@ def test_bench_serves_with_8_slots_or_one_per_client_on_every_core(capsys, tiny_
 
 
 def test_bench_s_default_output_names_the_artifact_and_the_phase(capsys, tiny_artifact, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+    import compiler.plan
+
+    monkeypatch.chdir(tmp_path)  # the machine is not measured (2 s, and ~/.cache written): bench --phase asks it
+    monkeypatch.setattr(compiler.plan, "cpu_device", lambda: {"fp32": 1e11, "bandwidth": 1e10, "name": "fake"})
     status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "decode", "--contexts", "16", "--steps", "2")
     written = tmp_path / "benchmarks" / "results" / "bench-tiny-random-decode.json"
     assert status == 0 and json.loads(written.read_text())["settings"]["phase"] == "decode", output

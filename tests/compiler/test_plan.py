@@ -157,7 +157,7 @@ def test_tiny_recipe_plans():
     assert result["memory"]["fits"] and result["bounds"]["decode_tokens_per_s"] > 0
 
 
-def test_a_recipe_is_planned_in_its_export_dtype_as_its_artifact_is(tmp_path, tiny_artifact):
+def test_a_recipe_is_planned_in_its_export_dtype_as_its_artifact_is(tmp_path, tiny_artifact, fake_cpu):
     """The recipe branch took the device's default (fp16 on a GPU) where the recipe says float32, so a recipe and
     the artifact built from it got different plans; a TensorRT recipe planned on cpu is warned about."""
     assert plan(str(TINY_RECIPE), device="H100")["inputs"] == {

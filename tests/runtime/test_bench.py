@@ -388,19 +388,25 @@ def test_cli_not_an_artifact(tmp_path, capsys):
     assert "not an artifact" in " ".join(capsys.readouterr().err.split())  # rich wraps a long tmp path's line
 
 
-def test_transformers_baseline_serves_same_workload(tiny_artifact, encode):
+def test_transformers_baseline_serves_same_workload(tiny_artifact, encode, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(cli.__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(cli.__file__).resolve().parents[1] / "benchmarks"))
     import baselines
+    import generate
     from rich.console import Console
 
+    monkeypatch.setattr(generate, "RESULTS", tmp_path)  # its Hugging Face folder: not into the checkout's cache
     manifest = json.loads((tiny_artifact / "manifest.json").read_text())
-    serve = baselines.load("transformers", manifest, threads=1, console=Console(quiet=True))
-    w = workload(encode, requests=3, arrival="concurrency", concurrency=2, output_tokens="6")
-    traces = run_workload(serve, w)
+    threads = torch.get_num_threads()
+    try:  # the baseline sets torch's threads for the process: the worker's later tests get them back
+        serve = baselines.load("transformers", manifest, threads=1, console=Console(quiet=True))
+        w = workload(encode, requests=3, arrival="concurrency", concurrency=2, output_tokens="6")
+        traces = run_workload(serve, w)
+    finally:
+        torch.set_num_threads(threads)
     assert [t.output_tokens for t in traces] == [6, 6, 6] and all(t.queue >= 0 for t in traces)
 
 
