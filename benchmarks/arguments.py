@@ -6,11 +6,12 @@ import argparse
 from pathlib import Path
 
 from compiler.errors import UsageError, check_output_file, thread_count
+from runtime.cpus import usable_cpus
 from runtime.errors import ArtifactError
 from runtime.manifest import read_manifest
 
-# thread_count: --threads' type
-__all__ = ["artifact_manifest", "count_list", "output_file", "require_at_least_one", "thread_count"]
+# thread_count: --threads' type; usable_cpus: its default (the CPUs this process may use, not the machine's count)
+__all__ = ["artifact_manifest", "count_list", "output_file", "require_at_least_one", "thread_count", "usable_cpus"]
 
 
 def artifact_manifest(parser: argparse.ArgumentParser, artifact: Path) -> dict:

@@ -35,7 +35,6 @@ the round whose continuous/static ratio is the median, the upper of the middle t
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate import REPO, RESULTS, machine_info, paired_median, versions, write_result  # noqa: E402
-from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 from contention import OtherCores, contention_line  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", default="64", help="closed loop's output tokens")
     parser.add_argument("--min-requests", type=int, default=16, help="closed loop: requests per level, at least")
     parser.add_argument("--poisson-output-tokens", default="16:256")
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default: benchmarks/results/batching.json); the Poisson run's JSON and plots "
                              "go beside it, named <stem>-poisson*")

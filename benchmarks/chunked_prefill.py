@@ -16,7 +16,6 @@ distribution per prefill_chunk.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, RESULTS, machine_info, versions, write_result  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--long-prompt", type=int, default=1536)
     parser.add_argument("--long-at", type=float, default=1.5)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/chunked_prefill.json)")
     args = parser.parse_args(argv)
     output_file(parser, args.out or RESULTS / "chunked_prefill.json")  # before the work, not a traceback after it

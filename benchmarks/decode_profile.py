@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ import onnxruntime as ort
 from rich.console import Console
 from rich.table import Table
 
-from arguments import output_file, thread_count  # noqa: E402
+from arguments import output_file, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, RESULTS, write_result  # benchmarks/ is on the path when run as a script
 
 WARMUP_STEPS = 10
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--contexts", default="64,590", help="cached tokens before the timed steps, comma separated")
     parser.add_argument("--rows", default="1", help="sequences per step (batched decode), comma separated")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/decode_profile.json)")
     args = parser.parse_args(argv)
     output_file(parser, args.out)  # before the work, not a traceback after it

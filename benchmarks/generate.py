@@ -40,7 +40,7 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
-from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 from contention import OtherCores, contention_line  # noqa: E402
 from compiler.artifact import tool_versions  # noqa: E402
 from runtime import bench  # noqa: E402
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baselines", default="transformers,onnxruntime-genai")
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/generate.json)")
     args = parser.parse_args(argv)
     output_file(parser, args.out or RESULTS / "generate.json")

@@ -35,7 +35,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, machine_info, paired_median, versions, write_result  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-tokens", default="128")
     parser.add_argument("--new-tokens", default="64")
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     output_file(parser, args.out)  # before the work, not a traceback after it

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import artifact_manifest, count_list, output_file, thread_count  # noqa: E402
+from arguments import artifact_manifest, count_list, output_file, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, machine_info, paired_median, prompt_token_ids, versions, write_result  # noqa: E402
 
 WARMUP_STEPS = 4
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--contexts", type=count_list, default=[64, 2000])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/huge_pages.json)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--artifact", type=Path, help=argparse.SUPPRESS)

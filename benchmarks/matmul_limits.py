@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from compiler.plan import cpu_device  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import count_list, output_file, thread_count  # noqa: E402
+from arguments import count_list, output_file, thread_count, usable_cpus  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = {"fp32": None, "int4": (4, 32), "int8": (8, 16)}  # (bits, block size) of MatMulNBits
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--kv-width", type=int, default=192, help="kv heads x head_dim")
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--accuracy-level", type=int, default=4, choices=(0, 1, 2, 3, 4),
                         help="MatMulNBits' accuracy_level: 4 = int8 activations (the recipes'), 0/1 = float")

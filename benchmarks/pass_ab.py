@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import output_file, thread_count  # noqa: E402
+from arguments import output_file, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, machine_info, prompt_token_ids, versions, write_result  # noqa: E402
 from phases import AotlmPhases  # noqa: E402
 from quantization import built_recipe  # noqa: E402
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--without", default="skip_unused_rows", help="the pass left out of the baseline build")
     parser.add_argument("--prompt-lengths", default="128,512,1024")
     parser.add_argument("--runs", type=int, default=40, help="timed runs per graph and length")
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--reference", type=Path, default=None, help="an artifact to measure each variant against")
     parser.add_argument("--reference-prompts", type=int, default=16)
     parser.add_argument("--reference-tokens", type=int, default=256)

@@ -53,7 +53,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
 from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, paired_median, prepare_folders,  # noqa: E402
                       prompt_token_ids, versions, write_result)
-from arguments import artifact_manifest, count_list, output_file, require_at_least_one, thread_count  # noqa: E402
+from arguments import artifact_manifest, count_list, output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 
 from contention import OTHER_CORES_LIMIT, OtherCores  # noqa: E402
 
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--fused-artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m")
     parser.add_argument("--unfused-artifact", type=Path, default=REPO / "artifacts" / "smollm2-135m-unfused")
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--max-other-cores", type=float, default=OTHER_CORES_LIMIT,
                         help="re-measure when other processes kept more cores than this busy on average")
     parser.add_argument("--retries", type=int, default=3, help="re-measurements allowed per contended measurement")

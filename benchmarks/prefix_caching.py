@@ -18,7 +18,6 @@ Writes benchmarks/results/prefix_caching.json.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
+from arguments import artifact_manifest, output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, machine_info, versions, write_result  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep-length", type=int, default=512)
     parser.add_argument("--chats", type=int, default=8, help="concurrent chats through the scheduler")
     parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/prefix_caching.json)")
     args = parser.parse_args(argv)
     output_file(parser, args.out)  # before the work, not a traceback after it

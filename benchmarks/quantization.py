@@ -29,7 +29,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
 from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info,  # noqa: E402
                       measure_all, paired_median, prepare_folders, prompt_token_ids, versions, write_result)
-from arguments import output_file, require_at_least_one, thread_count  # noqa: E402
+from arguments import output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 from contention import contention_line  # noqa: E402
 
 from compiler.build import build  # noqa: E402
@@ -221,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--no-genai", action="store_true")
     parser.add_argument("--out", default="quantization.json",
                         help="JSON path; a bare file name goes under benchmarks/results/ (see out_path)")

@@ -24,7 +24,6 @@ beside it of the mean gap by token index, every arm.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arguments import output_file, thread_count  # noqa: E402
+from arguments import output_file, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, RESULTS, machine_info, paired_median, prompt_token_ids, versions, write_result  # noqa: E402
 
 from runtime import Engine  # noqa: E402
@@ -186,7 +185,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     parser.add_argument("--request-outputs", default="16:256", help="scheduler requests' output tokens, LOW:HIGH")
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--pause", type=float, default=0.5, help="seconds before each run")
-    parser.add_argument("--threads", type=thread_count, default=os.cpu_count())
+    parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--out", type=Path, default=RESULTS / "thread_spinning.json")
     args = parser.parse_args(argv)
     output_file(parser, args.out)  # before the work, not a traceback after it

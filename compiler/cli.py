@@ -299,8 +299,6 @@ def _check_bench_flags(args) -> None:
 
 
 def _bench(args) -> None:
-    import os
-
     from rich.progress import Progress
 
     from runtime import Engine, bench
@@ -319,7 +317,9 @@ def _bench(args) -> None:
         stem = Path(args.out).with_suffix("")
         for plot in (f"{stem}-cdf.png", f"{stem}-timeline.png"):
             check_output_file(plot, "--out's plot")
-    threads = args.threads or os.cpu_count()
+    from runtime.cpus import usable_cpus
+
+    threads = args.threads or usable_cpus()  # every backend gets the same count: the CPUs this process may use
     text = bench.read_prompt_file(args.prompt_file)
     baselines = bench.check_baselines(args.baseline or [])
     if args.phase and baselines:
@@ -557,7 +557,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--slo-e2e-ms", type=positive_float, default=None, help="goodput: end-to-end latency limit")
     bench.add_argument("--baseline", action="append", default=None,
                        help="also serve the workload with transformers or onnxruntime-genai (repeatable)")
-    bench.add_argument("--threads", type=thread_count, default=None, help="intra-op threads for every backend (default: all cores)")
+    bench.add_argument("--threads", type=thread_count, default=None, help="intra-op threads for every backend (default and 0: every CPU this process may use)")
     bench.add_argument("--batching", action="append", choices=("continuous", "static"), default=None,
                        help="the scheduler's batching (default: continuous); repeat to serve with both and compare")
     bench.add_argument("--slots", type=int, default=None,

@@ -83,13 +83,16 @@ def nonnegative_int(text: str) -> int:
 
 
 def thread_count(text: str) -> int:
-    """An argparse type: intra-op threads, 0 (onnxruntime's default) up to the machine's cores. More
-    threads than cores only contend (each spins on a core while a run lasts); thousands hang the process."""
+    """An argparse type: intra-op threads, 0 (the default) up to the CPUs this process may use (its affinity and
+    container limit, runtime/cpus.py). More threads than those only contend (each spins on a CPU while a run lasts:
+    twice as slow per token on one CPU); thousands hang the process."""
+    from runtime.cpus import restriction, usable_cpus
+
     value = nonnegative_int(text)
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     if value > cores:
-        raise argparse.ArgumentTypeError(f"{value} is more than the {cores} cores this machine has; give at most "
-                                         f"{cores}, or 0 for onnxruntime's default")
+        raise argparse.ArgumentTypeError(f"{value} is more than the {cores} CPUs this process may use{restriction()}; "
+                                         f"give at most {cores}, or 0 for the default")
     return value
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from compiler.errors import BuildError
 from compiler.frontend import hub_id_hint
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig
+from runtime.cpus import default_intra_op_threads, usable_cpus
 
 # Dense peaks (NVIDIA's datasheets mark Tensor Core figures "with sparsity", twice these): bandwidth in bytes/s,
 # fp16 = dense FP16 Tensor FLOP/s, int8 = dense INT8 Tensor OP/s. Memory: the total nvidia-smi reports, in bytes
@@ -73,13 +74,6 @@ def resolve_device(name: str) -> str:
     if key not in known:
         raise BuildError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}")
     return known[key]
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def read_bandwidth(threads: int, size_bytes: int = 512 * 2**20) -> float:
@@ -147,7 +141,7 @@ def _measure_cpu() -> dict:
     def best(fn) -> float:
         return min(timeit.repeat(fn, number=1, repeat=3))
 
-    cores = usable_cores()
+    cores = usable_cpus()
     bandwidth = read_bandwidth(cores)
     # The matmul peak is onnxruntime's (MLAS), the kernel artifacts run: numpy's BLAS can be far slower here
     # (e.g. with OPENBLAS_CORETYPE set), which made "lower bounds" above measured prefill times.
@@ -166,7 +160,9 @@ def _measure_cpu() -> dict:
                               [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
                               [numpy_helper.from_array(b, "b")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = default_intra_op_threads()  # the CPUs it may use, as the engine's sessions
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     session.run(None, {"a": a})
     matmul_s = best(lambda: session.run(None, {"a": a}))
     return {"bandwidth": bandwidth, "fp32_flops": 2 * n**3 / matmul_s,
@@ -178,7 +174,8 @@ def _measure_cpu() -> dict:
 def cpu_device(remeasure: bool = False) -> dict:
     # -ort: matmul peak from onnxruntime, not numpy; -read: all-core read bandwidth, not one thread's copy; -quiet:
     # measured with other processes' load checked (a figure cached by an older version is measured again)
-    key = f"{socket.gethostname()}-{os.cpu_count()}cpu-ort-read-quiet"
+    # -use: the CPUs this process may use (a container's limit, taskset): a figure from 1 of 2 CPUs is not the 2's
+    key = f"{socket.gethostname()}-{os.cpu_count()}cpu-{usable_cpus()}use-ort-read-quiet"
     try:
         cache = json.loads(CACHE_FILE.read_text())
     except (OSError, ValueError, RecursionError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from passes.calibration import cpu_threads
 from passes.probe_precision import as_float32
 
 PROBE_TOKENS = 512  # when the graph's cache length is dynamic and no rotary table length is given
@@ -115,6 +116,7 @@ def run_cut_many(probe: gs.Graph, feeds: list) -> list[list[np.ndarray]] | str:
         model = gs.export_onnx(probe, do_type_check=False)
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        options.intra_op_num_threads = cpu_threads()
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         names = [output.name for output in probe.outputs]
         return [session.run(names, {value.name: feed(value) for value in probe.inputs}) for feed in feeds]

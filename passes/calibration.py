@@ -132,6 +132,7 @@ def sample_outputs(model: onnx.ModelProto, names: list[str], calibration: Calibr
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 3
+    options.intra_op_num_threads = cpu_threads()
     with tempfile.TemporaryDirectory() as folder:
         session = _session(probed, options, folder, ort)
     del probed
@@ -142,6 +143,18 @@ def sample_outputs(model: onnx.ModelProto, names: list[str], calibration: Calibr
             raise PassError(f"calibration: onnxruntime failed running the float graph on a {len(sample)}-token sample "
                             f"({str(error).splitlines()[0]})") from None
         yield outputs
+
+
+def cpu_threads() -> int:
+    """intra_op_num_threads for the passes' onnxruntime sessions: 0 (onnxruntime's default, one per physical core,
+    pinned) where the process may use every CPU, else that many, given explicitly: the default pinned workers to CPUs
+    outside a taskset or a container's cpuset ("pthread_setaffinity_np failed" on each session). The runtime also
+    heeds a container's CPU quota (runtime/cpus.py); a build, not latency-bound, goes by its affinity."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return 0
+    return 0 if usable >= (os.cpu_count() or 1) else usable
 
 
 def _session(model: onnx.ModelProto, options, folder: str, ort):

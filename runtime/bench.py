@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from runtime.cpus import cgroup_cpu_quota, usable_cpus
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace, summarize
 from runtime.results import write_json
@@ -385,6 +386,7 @@ def machine() -> dict:
     except ImportError:
         runtime_version = None
     return {"cpu": cpuinfo.get("model name") or platform.processor(), "cpu_count": os.cpu_count(),
+            "usable_cpus": usable_cpus(), "cgroup_cpu_quota": cgroup_cpu_quota(),  # a container's share of them
             "cpu_family_model": f"{cpuinfo.get('cpu family', '?')}/{cpuinfo.get('model', '?')}",
             "isa_flags": sorted(flags & ISA_FLAGS),
             "transparent_hugepage": thp_mode(), "platform": platform.platform(), "python": platform.python_version(),

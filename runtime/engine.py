@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 import numpy as np
 
 from runtime import evaluate
+from runtime.cpus import restriction, usable_cpus
 from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
@@ -251,10 +252,10 @@ class Engine:
                                              or intra_op_threads < 0):
             raise RequestError(f"intra_op_threads must be an integer >= 0 (0: onnxruntime's default) or None, got "
                                f"{intra_op_threads!r}")
-        cores = os.cpu_count() or 1
+        cores = usable_cpus()
         if intra_op_threads is not None and intra_op_threads > cores:  # they only contend; thousands hang
-            raise RequestError(f"intra_op_threads: {intra_op_threads} is more than the {cores} cores this machine has; "
-                               f"give at most {cores}, or 0 for onnxruntime's default")
+            raise RequestError(f"intra_op_threads: {intra_op_threads} is more than the {cores} CPUs this process may "
+                               f"use{restriction()}; give at most {cores}, or 0 for the default")
         for name, flag in (("verify", verify), ("huge_pages", huge_pages), ("prefix_caching", prefix_caching)):
             if not isinstance(flag, bool):
                 raise RequestError(f"{name} must be True or False, got {flag!r}")

@@ -17,6 +17,7 @@ from typing import Collection
 import numpy as np
 import onnxruntime as ort
 
+from runtime.cpus import default_intra_op_threads, restriction, usable_cpus
 from runtime.errors import ArtifactError, RequestError
 from runtime.huge_pages import advise
 from runtime.versions import release
@@ -84,13 +85,14 @@ def session_options(settings: dict, intra_op_threads: int | None, config: dict |
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ArtifactError(f"manifest backend.session.intra_op_threads: {threads!r} must be an integer >= 0; the "
                             f"manifest was edited: rebuild the artifact")
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     if threads > cores:  # the recipe's count, set for the build machine: more threads than cores only contend
-        warnings.warn(f"the artifact's recipe sets backend.intra_op_threads: {threads}, more than the {cores} cores "
-                      f"this machine has; running with {cores} (pass intra_op_threads / --threads to choose)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"the artifact's recipe sets backend.intra_op_threads: {threads}, more than the {cores} CPUs "
+                      f"this process may use{restriction()}; running with {cores} (pass intra_op_threads / --threads "
+                      f"to choose)", RuntimeWarning, stacklevel=2)
         threads = cores
-    options.intra_op_num_threads = threads
+    # 0: onnxruntime's default on a machine this process may use whole; else the CPUs it may use (runtime/cpus.py)
+    options.intra_op_num_threads = threads or default_intra_op_threads()
     options.log_severity_level = 3  # warnings about unused initializers etc. are ours to report, not ORT's
     if config is not None and not (isinstance(config, dict) and all(
             isinstance(key, str) and isinstance(value, str) for key, value in config.items())):

@@ -11,10 +11,10 @@ from tests.conftest import REPO
 PACKAGES = ("compiler", "passes", "runtime")
 # The runtime modules the compiler reuses rather than keep a second copy of: the manifest's reader (the contract
 # is checked by the code that loads it), the tokenizer and evaluation (the build's accuracy report and calibration
-# score what the deployed runtime computes), the engine and server for the run/chat/serve/bench commands, and the
-# TensorRT plugin's kernel definitions.
+# score what the deployed runtime computes), the engine and server for the run/chat/serve/bench commands, the count
+# of CPUs a process may use (its --threads' bound, plan's measurement), and the TensorRT plugin's kernel definitions.
 COMPILER_USES_OF_RUNTIME = {
-    "runtime", "runtime.chat", "runtime.engine", "runtime.errors", "runtime.evaluate", "runtime.kernels.tensorrt_plugin",
+    "runtime", "runtime.chat", "runtime.cpus", "runtime.engine", "runtime.errors", "runtime.evaluate", "runtime.kernels.tensorrt_plugin",
     "runtime.manifest", "runtime.metrics", "runtime.onnxruntime_backend", "runtime.results", "runtime.sampling",
     "runtime.server", "runtime.tokenizer",
 }

@@ -59,7 +59,9 @@ def test_a_recipes_thread_count_above_this_machines_cores_runs_with_the_cores(mo
     """An artifact built with backend.intra_op_threads for a bigger machine: more threads than cores only contend
     (thousands hang), as Engine.load refuses for an explicit count; the manifest's is capped, with a warning."""
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    with pytest.warns(RuntimeWarning, match="backend.intra_op_threads: 16, more than the 2 cores"):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr("runtime.cpus.cgroup_cpu_quota", lambda: None)
+    with pytest.warns(RuntimeWarning, match="backend.intra_op_threads: 16, more than the 2 CPUs this process may use"):
         assert session_options({"intra_op_threads": 16}, None).intra_op_num_threads == 2
     assert session_options({"intra_op_threads": 2}, None).intra_op_num_threads == 2
 

@@ -1,0 +1,84 @@
+"""How many CPUs this process may use, which os.cpu_count() (the machine's) does not say: its affinity (taskset, a
+container's cpuset) and its cgroup's CPU quota (`docker --cpus`, a Kubernetes CPU limit).
+
+onnxruntime's default thread pool (intra_op_num_threads 0) takes one thread per physical core of the machine and pins
+them, affinity or not: under `taskset -c 0` it pinned a worker to CPU 1, inside a cpuset every session load printed
+"pthread_setaffinity_np failed", and under a 1-CPU quota two spinning threads took ~2x as long per token as one (a
+review, session 53). Where the process may use fewer CPUs than the machine has, aotlm gives onnxruntime that count
+explicitly (an explicit count pins nothing); on an unrestricted machine it keeps onnxruntime's default.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on at once: its affinity, lowered to its cgroup's quota (rounded up)."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        count = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return max(1, min(count, math.ceil(quota))) if quota is not None else max(1, count)
+
+
+def default_intra_op_threads() -> int:
+    """What "0 / the default" means for an onnxruntime session here: onnxruntime's own default (0) where every CPU
+    of the machine is usable, else the usable count, given explicitly."""
+    usable = usable_cpus()
+    return 0 if usable >= (os.cpu_count() or 1) else usable
+
+
+def restriction() -> str:
+    """How this process is held to fewer CPUs than the machine has, for messages: "" when it is not."""
+    usable, machine = usable_cpus(), os.cpu_count() or 1
+    return "" if usable >= machine else f" (of the machine's {machine}: an affinity mask or a container's CPU limit)"
+
+
+def cgroup_cpu_quota(membership: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> float | None:
+    """The smallest CPU quota (quota / period, in CPUs) of this process's cgroup and its ancestors, v2 (cpu.max) or
+    v1 (cpu.cfs_quota_us); None where there is none or it cannot be read. membership: the process's cgroups
+    (/proc/self/cgroup); root: where the hierarchies are mounted."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: one unified hierarchy
+            quotas += [_v2_quota(folder / "cpu.max") for folder in _folders(root, path)]
+        elif "cpu" in controllers.split(","):
+            for mount in (root / "cpu", root / "cpu,cpuacct"):
+                quotas += [_v1_quota(folder) for folder in _folders(mount, path)]
+    found = [quota for quota in quotas if quota is not None]
+    return min(found) if found else None
+
+
+def _folders(mount: Path, path: str) -> list[Path]:
+    """The cgroup's folder under mount and each ancestor's, up to the mount (inside a container the process's path
+    may name the host's hierarchy while the mount is its own: the mount itself is tried too)."""
+    folder = mount / path.strip("/")
+    folders = [folder, *folder.parents] if path.strip("/") else [folder]
+    return [f for f in folders if f == mount or mount in f.parents]
+
+
+def _v2_quota(path: Path) -> float | None:
+    try:
+        quota, period = path.read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None

@@ -1,0 +1,90 @@
+"""The CPUs a process may use (runtime/cpus.py): an affinity mask or a container's CPU quota, which os.cpu_count()
+does not see, sets the default thread count and bounds --threads."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import cpus
+from runtime.errors import RequestError
+
+
+def cgroup(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    (tmp_path / "cgroup").write_text(membership)
+    return tmp_path / "cgroup", tmp_path / "fs"
+
+
+def test_a_v2_quota_is_read_from_the_process_cgroup_and_its_ancestors(tmp_path):
+    """docker --cpus=1.5 writes "150000 100000" to cpu.max; a parent's lower limit binds the child too."""
+    files = {"kubepods/pod1/cpu.max": "150000 100000\n", "kubepods/cpu.max": "max 100000\n"}
+    assert cpus.cgroup_cpu_quota(*cgroup(tmp_path, "0::/kubepods/pod1\n", files)) == 1.5
+    files["kubepods/cpu.max"] = "100000 100000\n"
+    assert cpus.cgroup_cpu_quota(*cgroup(tmp_path, "0::/kubepods/pod1\n", files)) == 1.0
+    assert cpus.cgroup_cpu_quota(*cgroup(tmp_path / "none", "0::/\n", {"cpu.max": "max 100000\n"})) is None
+
+
+def test_a_v1_quota_is_read_and_minus_one_is_no_limit(tmp_path):
+    membership = "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n"
+    files = {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}
+    assert cpus.cgroup_cpu_quota(*cgroup(tmp_path, membership, files)) == 2.0
+    files["cpu,cpuacct/docker/abc/cpu.cfs_quota_us"] = "-1\n"
+    assert cpus.cgroup_cpu_quota(*cgroup(tmp_path, membership, files)) is None
+
+
+@pytest.fixture
+def one_of_four_cpus(monkeypatch):
+    """A process held to CPU 0 (taskset -c 0, a container's cpuset) on a 4-CPU machine."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: None)
+
+
+def test_held_to_fewer_cpus_the_default_is_their_count_and_more_threads_are_refused(one_of_four_cpus):
+    from compiler.errors import thread_count
+    from runtime.onnxruntime_backend import session_options
+
+    assert cpus.usable_cpus() == 1 and cpus.default_intra_op_threads() == 1
+    assert session_options({}, None).intra_op_num_threads == 1  # explicit: onnxruntime pins nothing then
+    with pytest.raises(argparse.ArgumentTypeError, match=r"2 is more than the 1 CPUs this process may use \(of the "
+                                                         r"machine's 4: an affinity mask or a container's CPU limit\)"):
+        thread_count("2")
+    with pytest.raises(RequestError, match="intra_op_threads: 2 is more than the 1 CPUs this process may use"):
+        from runtime import Engine
+
+        Engine.load("/nonexistent", intra_op_threads=2)
+    with pytest.warns(RuntimeWarning, match="more than the 1 CPUs this process may use"):
+        assert session_options({"intra_op_threads": 3}, None).intra_op_num_threads == 1
+
+
+def test_a_quota_lowers_the_count_and_an_unrestricted_machine_keeps_onnxruntimes_default(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: None)
+    assert cpus.usable_cpus() == 4 and cpus.default_intra_op_threads() == 0 and cpus.restriction() == ""
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: 1.5)  # --cpus=1.5: two threads may run at once
+    assert cpus.usable_cpus() == 2 and cpus.default_intra_op_threads() == 2
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to hold a process to fewer")
+def test_an_engine_held_to_one_cpu_starts_no_thread_on_another(tiny_artifact):
+    """Under `taskset -c 0` onnxruntime's default pool pinned a worker to CPU 1 (and inside a cpuset failed to,
+    printing an error on every session load)."""
+    script = (f"import os; os.sched_setaffinity(0, {{0}})\n"
+              f"from runtime import Engine\n"
+              f"engine = Engine.load({str(tiny_artifact)!r})\n"
+              f"engine.generate([1, 2, 3], max_new_tokens=2)\n"
+              f"tasks = os.listdir('/proc/self/task')\n"
+              f"print(sorted({{tuple(sorted(os.sched_getaffinity(int(t)))) for t in tasks}}), len(tasks))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[0] == "[(0,)]", result.stdout  # every thread may run on CPU 0 only
+    assert "setaffinity" not in result.stderr
