@@ -6,6 +6,7 @@ would. Bad input exits with status 2 and one line naming the problem; tracebacks
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -25,7 +26,7 @@ from compiler.cli_chat import add_chat_parser
 from compiler.cli_serve import add_serve_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.cli_sampling import add_sampling_options, sampling_options
-from compiler.console import console, error, message, warning
+from compiler.console import ReaderAwareConsole, console, error, message, warning
 from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count, user_path
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
@@ -132,8 +133,9 @@ def _run(args) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
     except KeyboardInterrupt:  # the notice (stderr) goes on a line of its own, not after the text on a terminal
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        with contextlib.suppress(OSError):  # a terminal that hung up takes no newline
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         raise
     sys.stdout.write("\n")
     timings = generation.result.timings
@@ -167,7 +169,7 @@ def _inspect(args) -> None:
         return
     # The summary is this command's output: stdout, as --json's (`aotlm inspect A | less`, `> summary.txt`); errors
     # stay on stderr. The stderr console's width: a terminal's, or the tests' wide one.
-    out = Console(file=sys.stdout, width=console.width, emoji=False)
+    out = ReaderAwareConsole(file=sys.stdout, width=console.width, emoji=False)
     try:
         with out.capture() as summary:  # all or nothing: not half a summary, then an error
             _summarize(manifest, args.verify, out)
@@ -611,7 +613,7 @@ def _terminated(signum, frame) -> None:
 
 def _stopped_by(stop: _Terminated) -> int:
     """The exit status of a signal's stop (128 + its number, as a shell reports it), said in a word."""
-    console.print("[yellow]hung up[/yellow]" if stop.signum == signal.SIGHUP else "[yellow]terminated[/yellow]")
+    message("[yellow]hung up[/yellow]" if stop.signum == signal.SIGHUP else "[yellow]terminated[/yellow]")
     return 128 + stop.signum
 
 
@@ -658,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args = parser().parse_args(argv)
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/yellow]")
+        message("[yellow]interrupted[/yellow]")
         return 130
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
     # a signal ignored where the program started (nohup's SIGHUP) stays ignored
@@ -675,9 +677,14 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
         return 141
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/yellow]")
+        message("[yellow]interrupted[/yellow]")
         return 130
     except OSError as problem:  # the machine refused a write: a full disk, a read-only or forbidden folder
+        if problem.errno == errno.EIO and not problem.filename and _on_a_terminal():  # it hung up (ssh dropped)
+            for stream in (sys.stdout, sys.stderr):  # Python's exit flush must not fail again
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            return 128 + signal.SIGHUP
         if problem.errno not in REFUSED_WRITES:
             raise
         error(refused_write(problem))
@@ -694,12 +701,38 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if isinstance(stop, _Terminated):
             return _stopped_by(stop)
-        console.print("[yellow]interrupted[/yellow]")
+        message("[yellow]interrupted[/yellow]")
         return 130
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+    finally:  # a second Ctrl-C here (between two restores) would be a traceback: held until they are done
+        with _signals_held(previous):
+            for number, handler in previous.items():
+                signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
     return 0
+
+
+def _on_a_terminal() -> bool:
+    """Whether the program reads or writes a terminal (one that hung up still is one: its reads and writes fail EIO)."""
+    for stream in (sys.stdin, sys.stdout):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            if os.isatty(stream.fileno()):
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def _signals_held(numbers):
+    """Hold the signals in numbers (pending ones arrive after, to the handlers then in place)."""
+    if not numbers or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set(numbers))
+    try:
+        yield
+    finally:
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        except KeyboardInterrupt:  # a Ctrl-C held above, now delivered to Python's default handler: stopped anyway
+            pass
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,6 +10,7 @@ chat (exit status 130); SIGTERM ends it at any point (143).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import time
@@ -90,6 +91,9 @@ def chat_command(args) -> None:
                 generation.close()
         except KeyboardInterrupt as stop:  # Ctrl-C during a reply stops it, not the conversation
             if type(stop) is not KeyboardInterrupt:  # SIGTERM (cli's _Terminated): the program ends, as at the prompt
+                with contextlib.suppress(OSError):  # its notice on a line of its own (a hung-up terminal takes none)
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
                 raise
             if turns and turns[-1] is user_message:  # not popped yet (the "does not fit" branch pops it first)
                 turns.pop()

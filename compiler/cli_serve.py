@@ -133,6 +133,7 @@ def _stop_gracefully(server, engine, timeout_s: float) -> None:
     """No new connections or requests; those under way finish for up to timeout_s (a second Ctrl-C: at once), and
     closing the engine stops the rest, whose clients then hear why: a load balancer's drain, not a cut."""
     stopped = 0  # the requests still under way when the wait ended: closing the engine stops them
+    deadline = time.monotonic() + timeout_s  # the whole stop, the answers to stopped requests included
     try:
         server.server_close()
         if server.under_way:
@@ -148,8 +149,8 @@ def _stop_gracefully(server, engine, timeout_s: float) -> None:
     if stopped:
         message(escape(f"stopped {stopped} request(s) before they finished; their clients are told to send them "
                        f"again"))
-    try:
-        cut = server.drain(5.0) if stopped else 0  # time for those answers to go out
+    try:  # time for those answers to go out, within the timeout (at least a moment: they are a write each)
+        cut = server.drain(min(5.0, max(0.5, deadline - time.monotonic()))) if stopped else 0
     except KeyboardInterrupt:
         cut = server.under_way
     if cut:  # a body still arriving, a client that does not read: the process's exit ends their connections
@@ -170,6 +171,10 @@ def _close(engine) -> None:
 
 def _log_line(line: str) -> None:
     # one write per line: print() writes the text and its newline apart, and connections' threads interleaved them
-    # (lines glued together, blank lines between)
-    sys.stderr.write(f"{time.strftime('%H:%M:%S')} {line}\n")
-    sys.stderr.flush()
+    # (lines glued together, blank lines between). A log whose reader is gone (`2>&1 | tee`, and Ctrl-C ended tee
+    # first) loses the line, as Python's logging does: its BrokenPipeError had cut the request it was about
+    try:
+        sys.stderr.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass

@@ -423,7 +423,12 @@ def compare_table(result: dict):
 
 
 def write_outputs(result: dict, out: Path) -> list[Path]:
-    """The JSON at `out`, then two PNGs beside it: <stem>-cdf.png (TTFT, TPOT) and <stem>-timeline.png."""
+    """The JSON at `out`, then two PNGs beside it: <stem>-cdf.png (TTFT, TPOT) and <stem>-timeline.png. A previous
+    run's plots go first: a run stopped (or without matplotlib) between the JSON and its plots left the old ones
+    beside the new JSON, looking like its own."""
+    out = Path(out)
+    for old_plot in (out.with_name(f"{out.stem}-cdf.png"), out.with_name(f"{out.stem}-timeline.png")):
+        old_plot.unlink(missing_ok=True)
     out = write_json(out, result)
     backends = result["backends"]
     panels = {f"{metric} CDF (requests)": {name: [t[key] for t in entry["traces"] if t[key] is not None]

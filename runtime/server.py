@@ -782,7 +782,10 @@ def _safe_log(log: Callable[[str], None]) -> Callable[[str], None]:
     lines and set its title; http.server's own log escapes them as these do) and cut to MAX_LOG_LINE."""
     def safe(line: str) -> None:
         line = line.translate(CONTROL_CHARACTERS)
-        log(line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}... ({len(line):,} characters)")
+        try:  # a log that fails (its pipe's reader gone) loses the line, never the request it was about
+            log(line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}... ({len(line):,} characters)")
+        except Exception:  # noqa: BLE001 -- the caller's logger, whatever it raises
+            pass
     return safe
 
 
@@ -792,7 +795,7 @@ def _count(number: int, noun: str) -> str:
 
 def _shutting_down(under_way: bool = False) -> ApiError:
     """A request refused, or (under_way) one accepted but stopped before it finished, as the server stops."""
-    what = ("the server stopped before this request finished (its shutdown timeout ran out)" if under_way else
+    what = ("the server was stopped before this request finished" if under_way else
             "the server is shutting down and takes no more requests")
     return ApiError(f"{what}; send this one again, to another replica or once the server is back", status=503,
                     kind="service_unavailable")

@@ -178,3 +178,82 @@ def test_serve_warns_where_an_int8_caches_outputs_would_depend_on_the_load():
     assert load_dependent_outputs(manifest("int8", "float"), None, False) is None  # whole prompts: no cache read
     assert load_dependent_outputs(manifest("int8", "int8"), 64, True) is None  # the prefill reads int8 as well
     assert load_dependent_outputs(manifest("float32"), 64, True) is None
+
+
+def test_the_whole_stop_keeps_within_its_timeout(monkeypatch):
+    """The wait for the stopped requests' answers came on top of --shutdown-timeout: 25 + 5 s, past Kubernetes' 30 s
+    grace with one client that never read (SIGKILL, its summary lost)."""
+    waits = []
+
+    class Stuck:
+        under_way = 1
+
+        def server_close(self):
+            pass
+
+        def drain(self, timeout_s):
+            waits.append(timeout_s)
+            now[0] += timeout_s
+            return 1
+
+    now = [100.0]
+    monkeypatch.setattr(cli_serve.time, "monotonic", lambda: now[0])
+    cli_serve._stop_gracefully(Stuck(), type("Closing", (), {"close": lambda self: None})(), 25.0)
+    assert waits[0] == 25.0 and waits[1] == 0.5 and now[0] - 100.0 <= 25.5
+
+
+def test_a_log_whose_reader_is_gone_loses_lines_not_requests(monkeypatch, tiny_artifact):
+    """`aotlm serve 2>&1 | tee log`, and Ctrl-C ended tee first: every log line raised BrokenPipeError in the request's
+    thread, caught as "client went away" — each reply was dropped, the drain cut every request."""
+    import http.client
+    import json
+
+    from runtime import Engine
+    from runtime.server import ApiServer
+
+    class GoneReader:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli_serve.sys, "stderr", GoneReader())
+    cli_serve._log_line("a line nobody reads")  # no exception
+    engine = Engine.load(tiny_artifact)
+    engine.start_scheduler(slots=1)
+
+    def broken_log(line):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    server = ApiServer(engine, port=0, log=broken_log)
+    server.start()
+    try:
+        for stream in (False, True):
+            connection = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+            connection.request("POST", "/v1/completions", body=json.dumps(
+                {"prompt": "x", "max_tokens": 3, "ignore_eos": True, "stream": stream}))
+            response = connection.getresponse()
+            body = response.read().decode()
+            connection.close()
+            assert response.status == 200 and (body.rstrip().endswith("data: [DONE]") if stream else
+                                               json.loads(body)["usage"]["completion_tokens"] == 3), body
+    finally:
+        server.shutdown()
+        server.server_close()
+        engine.close()
+
+
+def test_a_stop_notice_on_a_closed_stderr_still_exits_with_the_signals_status(monkeypatch):
+    """SIGTERM with stderr's reader gone: the "terminated" notice raised BrokenPipeError, and the exit status was 1."""
+    from compiler import cli
+
+    class GoneReader:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli.console, "file", GoneReader())
+    assert cli._stopped_by(cli._Terminated()) == 143

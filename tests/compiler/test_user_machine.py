@@ -150,3 +150,21 @@ def test_a_terminal_that_is_not_utf8_gets_replacement_characters_not_a_traceback
                             timeout=120)
     assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr.decode("latin-1")[-2000:]
     assert b"hi ?" in result.stdout  # the prompt's ellipsis, which Latin-1 has no byte for
+
+
+def test_a_terminal_that_hung_up_is_a_hang_up_not_a_traceback(capsys, monkeypatch, tiny_artifact):
+    """ssh dropped: the terminal's reads and writes fail with EIO (chat's readline at the prompt, run's newline after
+    an interrupt): a 30-line traceback and status 1, where a hang-up is 129."""
+    import argparse
+
+    def hung_up(args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    parsed = argparse.Namespace(handler=hung_up, command="chat")
+    monkeypatch.setattr(cli, "parser", lambda: type("P", (), {"parse_args": lambda self, argv: parsed})())
+    monkeypatch.setattr(cli, "_on_a_terminal", lambda: True)
+    assert main(["chat", str(tiny_artifact)]) == 129
+    assert "Traceback" not in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_on_a_terminal", lambda: False)  # a disk's EIO is not a hang-up
+    with pytest.raises(OSError):
+        main(["chat", str(tiny_artifact)])

@@ -96,7 +96,7 @@ def test_engine_arrival_counts_queueing(tiny_engine):
     assert trace.arrival == arrival and trace.queue >= 0.02 and trace.ttft >= 0.02
 
 
-def test_report_json_and_plots(tiny_engine, encode, tmp_path):
+def test_report_json_and_plots(tiny_engine, encode, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     w = workload(encode, requests=4, arrival="concurrency", concurrency=2)
     runs = {"aotlm": run_workload(bench.aotlm_server(tiny_engine), w),
@@ -113,6 +113,11 @@ def test_report_json_and_plots(tiny_engine, encode, tmp_path):
     assert len(entry["traces"][0]["token_times"]) == 5 and min(t["arrival"] for t in entry["traces"]) == 0.0
     assert bench.compare_table(result).row_count == 2
     assert "one request at a time" not in bench.compare_table(result).title  # no slots recorded: nothing to say
+    # a later run stopped after its JSON (SIGTERM, or no matplotlib): no earlier run's plots beside it
+    monkeypatch.setattr(bench, "write_cdf_plot", lambda *args: None)
+    with pytest.raises(bench.BenchError, match="plot skipped"):
+        bench.write_outputs(result, tmp_path / "out" / "bench.json")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bench.json"]
     peers = bench.report({"slots": 4, "baselines": ["transformers"], **w.settings()},
                          {"aotlm": runs["aotlm"], "transformers": runs["again"]})
     assert bench.compare_table(peers).title.endswith("; aotlm: 4 slots, transformers: one request at a time")

@@ -1458,7 +1458,7 @@ def test_requests_a_stop_outlasts_are_told_to_retry(slow_server, stream):
         message = response["error"]["message"]
         assert status == 503
     # accepted and partly served: not "takes no more requests", which told a client its request was never taken
-    assert message == ("the server stopped before this request finished (its shutdown timeout ran out); send this "
+    assert message == ("the server was stopped before this request finished; send this "
                        "one again, to another replica or once the server is back"), message
 
 
