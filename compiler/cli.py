@@ -250,13 +250,19 @@ def _quantized_formats(report: dict) -> str:
     """One line from a quantize report: how many MatMuls in which format, the embedding, bytes before -> after."""
     formats: dict[str, int] = {}
     for layer in report.get("layers", []):
-        kind = (f"{layer['method']} int{layer['bits']} block {layer['block_size']}"  # INT8 per channel: a block of K
-                f"{'' if layer.get('symmetric', True) else ' asymmetric'}")
+        # INT8 is per output channel (its grid: one block of K; MatMulNBits repeats the channel's scale in blocks)
+        grid = "per channel" if layer["bits"] == 8 else f"block {layer['block_size']}"
+        kind = f"{layer['method']} int{layer['bits']} {grid}{'' if layer.get('symmetric', True) else ' asymmetric'}"
         formats[kind] = formats.get(kind, 0) + 1
     parts = [f"{count} x {kind}" for kind, count in formats.items()] or ["none quantized"]
+    kept = sum(1 for skipped in report.get("skipped", [])
+               if skipped["reason"].startswith(("kept float by", "excluded by")))
+    if kept:  # what the recipe's skip and exclude kept float (not the products without a weight)
+        parts.append(f"{kept} kept float")
     embedding = report.get("embedding", {})
     if embedding.get("quantized"):
-        parts.append(f"embedding int{embedding['bits']} block {embedding['block_size']}")
+        grid = "per row" if embedding["bits"] == 8 else f"block {embedding['block_size']}"
+        parts.append(f"embedding int{embedding['bits']} {grid}")
     totals = report.get("totals", {})
     if "weight_bytes_before" in totals:
         parts.append(f"{totals['weight_bytes_before'] / 2**20:.1f} -> {totals['weight_bytes_after'] / 2**20:.1f} MiB")

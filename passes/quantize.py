@@ -31,6 +31,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -239,7 +240,12 @@ def block_size_for(settings: Settings, k: int) -> int:
 
 
 def names_of(node: gs.Node) -> tuple[str, ...]:
-    return (node.name, node.inputs[1].name) if len(node.inputs) > 1 else (node.name,)
+    """The names a pattern may match: the node's, and its weight's where that is the model's own (torch's export
+    calls the others onnx::MatMul_594 in one phase and onnx::MatMul_579 in the other: a pattern over them set
+    prefill and decode apart)."""
+    if len(node.inputs) > 1 and not node.inputs[1].name.startswith("onnx::"):
+        return node.name, node.inputs[1].name
+    return (node.name,)
 
 
 def matches(pattern: str, node: gs.Node) -> bool:
@@ -251,6 +257,16 @@ def matches(pattern: str, node: gs.Node) -> bool:
     return bool(parts) and all(fnmatch.fnmatchcase(name, pattern) for _, name in parts)
 
 
+def _named_in_packed_name(name: str, parts: list[str], pattern: str) -> list[str]:
+    """The parts a pattern that matches a packed node's own name depends on: those whose removal from the name
+    breaks the match ('*k_proj+v_proj*' names k_proj and v_proj of '.../q_proj+k_proj+v_proj.packed_MatMul', and
+    would set q_proj too; '*self_attn*' names none of them, '*q_proj+k_proj+v_proj*' all)."""
+    if not parts or not fnmatch.fnmatchcase(name, pattern):
+        return []
+    head, _, tail = name.rpartition("/")
+    return [part for part in parts if not fnmatch.fnmatchcase(f"{head}/{tail.replace(part, chr(0), 1)}", pattern)]
+
+
 def check_patterns(candidates: list[gs.Node], options: Options) -> None:
     """A pattern that matches nothing is a typo or a stale recipe; silently applying the defaults would hide it. One
     that names some of a packed MatMul's parts would set the others too (or, missing its name, nothing at all)."""
@@ -258,7 +274,8 @@ def check_patterns(candidates: list[gs.Node], options: Options) -> None:
     for kind, pattern in patterns:
         for node in candidates:
             parts = packed_parts(node)
-            named = [part for part, name in parts if fnmatch.fnmatchcase(name, pattern)]
+            named = [part for part, name in parts if fnmatch.fnmatchcase(name, pattern)] or _named_in_packed_name(
+                node.name, [part for part, _ in parts], pattern)
             if named and len(named) < len(parts):
                 others = [part for part, _ in parts if part not in named]
                 raise PassError(
@@ -268,7 +285,9 @@ def check_patterns(candidates: list[gs.Node], options: Options) -> None:
                     f"them all, or drop pack_projections from the recipe to set {', '.join(named)} alone")
     unmatched = [f"{kind} {p!r}" for kind, p in patterns if not any(matches(p, n) for n in candidates)]
     if unmatched:
-        example = f"; names look like {candidates[0].name!r}" if candidates else "; the graph has no MatMul"
+        shown = list(dict.fromkeys(re.sub(r"layers\.\d+", "layers.N", n.name) for n in candidates))[:4]
+        example = (f"; patterns are fnmatch globs (case-sensitive) over ONNX node names such as "
+                   f"{', '.join(map(repr, shown))}" if candidates else "; the graph has no MatMul")
         raise PassError(f"quantize: pattern(s) {', '.join(unmatched)} match no MatMul node or weight name{example}")
 
     # First match wins: an override whose every node is excluded or claimed by an earlier override never applies.
@@ -276,11 +295,18 @@ def check_patterns(candidates: list[gs.Node], options: Options) -> None:
         return (matches(options.overrides[index].pattern, node) and not any(matches(p, node) for p in options.exclude)
                 and not any(matches(earlier.pattern, node) for earlier in options.overrides[:index]))
 
-    never = [f"overrides[{index}] {override.pattern!r}" for index, override in enumerate(options.overrides)
-             if not any(applies_to(index, node) for node in candidates)]
-    if never:
-        raise PassError(f"quantize: {', '.join(never)} never applies: every node it matches is excluded or matched by "
-                        f"an earlier override (the first match wins); put the narrower pattern first")
+    for index, override in enumerate(options.overrides):
+        if any(applies_to(index, node) for node in candidates):
+            continue
+        matched = [node for node in candidates if matches(override.pattern, node)]
+        excluded = sorted({p for node in matched for p in options.exclude if matches(p, node)})
+        if all(any(matches(p, node) for p in options.exclude) for node in matched):  # reordering cannot help
+            raise PassError(f"quantize: overrides[{index}] {override.pattern!r} never applies: every node it matches "
+                            f"is excluded (by {', '.join(map(repr, excluded))}), and exclude is applied before "
+                            f"overrides; narrow the exclude, or drop the override")
+        raise PassError(f"quantize: overrides[{index}] {override.pattern!r} never applies: every node it matches is "
+                        f"excluded or matched by an earlier override (the first match wins); put the narrower "
+                        f"pattern first")
 
 
 
@@ -335,9 +361,12 @@ def find_targets(graph: gs.Graph, options: Options) -> tuple[list[Target], list[
             continue
         target = Target(node, weight, replace(settings, block_size=block_size), input_name=node.inputs[0].name,
                         layer=node.name or node.outputs[0].name)
+        if block_size < settings.block_size and settings.bits == 4:
+            target.note = f"block_size {settings.block_size} > K={k}: one block of {block_size}"
         if k % block_size:
             blocks = -(-k // block_size)
-            target.note = f"K={k} padded to {blocks} blocks of {block_size} (the last holds {k % block_size} values)"
+            padded = f"K={k} padded to {blocks} blocks of {block_size} (the last holds {k % block_size} values)"
+            target.note = "; ".join(filter(None, [target.note, padded]))
         # (Only where the table is quantized: the dequantize_linear lowering keeps it float, quantize_embedding.)
         if options.embedding == "quantized" and options.lowering == "matmulnbits" \
                 and any(c.op == "Gather" for c in weight.outputs) and settings.method != "rtn":
@@ -434,6 +463,7 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                 bytes_after = sum(int(c.values.nbytes) for c in lowered_ort[content][1])
             layout, constants = lowered_ort[content]
             rewrite_matmulnbits(graph, target.node, activation, layout, constants, options.accuracy_level)
+            kernel_block = layout.block_size
         else:
             matmul = as_matmul(graph, target)
             if content not in names_dq:
@@ -441,9 +471,12 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                 names_dq[content] = unique_name(f"{target.constant.name}_{settings.method}_b{qw.block_size}"
                                                 f"{'s' if settings.symmetric else 'a'}", names)
             bytes_after = rewrite_dequantize_linear(graph, matmul, qw, names_dq[content], dtype, lowered_dq)
+            kernel_block = None
         layers.append({"node": target.node.name, "method": target.settings.method, "bits": qw.bits,
                        "bytes_before": math.prod(target.constant.shape) * dtype.itemsize, "bytes_after": bytes_after,
-                       "block_size": qw.block_size, "symmetric": qw.zero_points is None,
+                       # block_size: the quantization's grid (INT8 per channel: K); kernel_block: MatMulNBits' blocks,
+                       # which repeat a channel's scale (None: DequantizeLinear's per-axis form)
+                       "block_size": qw.block_size, "kernel_block": kernel_block, "symmetric": qw.zero_points is None,
                        "full_range": target.settings.full_range,
                        "relative_output_error": error, "awq": target.scaling or None, "note": target.note or None,
                        "max_abs_weight_error": float(np.abs(scaled_back(target, qw) - target.weight).max())})
@@ -520,7 +553,8 @@ def quantize_embedding(graph: gs.Graph, targets: list[Target], options: Options,
     qw = for_matmulnbits(qw, options.int8_kernel_block)  # the same blocks as the tied lm_head: its bytes, shared
     rewrite_gather_block_quantized(graph, gather, qw, constant_type(table))
     return {"quantized": True, "node": gather.name, "kernel": "com.microsoft.GatherBlockQuantized",
-            "bits": qw.bits, "block_size": qw.block_size, "shares_codes_with": tied.node.name if tied else None}
+            "bits": qw.bits, "block_size": qw.block_size,  # the kernel's blocks (INT8: per row, its scale repeated)
+            "per_channel": settings.bits == 8, "shares_codes_with": tied.node.name if tied else None}
 
 
 def digest_quantized(qw: QuantizedWeight) -> str:

@@ -148,7 +148,10 @@ def test_inspect_summarizes_the_decode_graph_s_quantize_report(capsys, tiny_arti
         {"method": "rtn", "bits": 8, "block_size": 64, "symmetric": False}]
     totals = {"matmuls": 4, "weight_bytes_before": 4 * 2**20, "weight_bytes_after": 2**20,
               "mean_relative_output_error": 0.0123}
-    decode = {"layers": layers, "embedding": {"quantized": True, "bits": 8, "block_size": 64}, "totals": totals}
+    skipped = [{"node": "a", "reason": "kept float by override '*layers.0/*'"}, {"node": "b", "reason": "excluded by "
+               "pattern '*lm_head*'"}, {"node": "c", "reason": "B is not a constant weight"}]  # an attention product
+    decode = {"layers": layers, "embedding": {"quantized": True, "bits": 8, "block_size": 64}, "totals": totals,
+              "skipped": skipped}
 
     def quantized(report):
         def edit(manifest):  # the prefill graph's report after the decode graph's, and quantizing nothing
@@ -162,8 +165,9 @@ def test_inspect_summarizes_the_decode_graph_s_quantize_report(capsys, tiny_arti
         return edit
 
     status, output = run_cli(capsys, "inspect", edited_copy(tiny_artifact, tmp_path, quantized(decode)))
-    assert status == 0 and ("weights: 3 x rtn int4 block 32; 1 x rtn int8 block 64 asymmetric; embedding int8 block "
-                            "64; 4.0 -> 1.0 MiB\n") in output, output
+    # INT8 is per channel (its report's block 64 is MatMulNBits' repetition of the channel's scale, not a grid)
+    assert status == 0 and ("weights: 3 x rtn int4 block 32; 1 x rtn int8 per channel asymmetric; 2 kept float; "
+                            "embedding int8 per row; 4.0 -> 1.0 MiB\n") in output, output
     row = next(line for line in output.splitlines() if "quantize" in line and "decode" in line)
     assert "1.25" in row and "matmuls=4, weight_bytes_before=4194304, weight_bytes_after=1048576" in row, row
     assert "mean_relative_output_error" not in output  # errors are the report's, in full: inspect --json

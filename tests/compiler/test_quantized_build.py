@@ -96,7 +96,7 @@ def test_inspect_says_in_which_formats_the_weights_are(quantized_artifact, capsy
     manifest = json.loads((quantized_artifact / "manifest.json").read_text())
     report = next(p["report"] for p in manifest["passes"] if p["name"] == "quantize" and p["phase"] == "decode")
     eight = sum(layer["bits"] == 8 for layer in report["layers"])
-    assert f"{len(report['layers']) - eight} x awq int4 block" in line and f"{eight} x awq int8 block 128" in line  # per channel: one block of K
+    assert f"{len(report['layers']) - eight} x awq int4 block" in line and f"{eight} x awq int8 per channel" in line
     assert "embedding int" in line and "MiB" in line, line
 
 

@@ -3,6 +3,7 @@ and the DequantizeLinear lowering, on synthetic layers and on the tiny decoder's
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import onnx
@@ -816,9 +817,13 @@ def test_a_pattern_naming_some_parts_of_a_packed_matmul_is_refused(fused_graphs)
     _, report = quantize.run(packed, quantize.Options(bits=4, exclude=("*/self_attn/*_proj/MatMul",)))
     kept = {s["node"].split("/")[-1] for s in report["skipped"] if "layers.0/" in s["node"]}
     assert kept == {"q_proj+k_proj+v_proj.packed_MatMul", "MatMul"}, kept  # every part named: the packed node too
-    for whole in ("*q_proj+k_proj+v_proj*", "*self_attn*"):
+    for whole in ("*q_proj+k_proj+v_proj*", "*self_attn*", "*packed_MatMul"):
         _, report = quantize.run(packed, quantize.Options(bits=4, overrides=(quantize.Override(whole, bits=8),)))
         assert {layer["bits"] for layer in report["layers"] if "v_proj" in layer["node"]} == {8}, whole
+    # a pattern cut from the packed name, the refusal's own example trimmed to the wanted parts, set q_proj too
+    for some, named in (("*k_proj+v_proj*", "k_proj, v_proj"), ("*q_proj+k_proj*", "q_proj, k_proj")):
+        with pytest.raises(PassError, match=rf"overrides '{re.escape(some)}' names {named} of the packed MatMul"):
+            quantize.run(packed, quantize.Options(bits=4, overrides=(quantize.Override(some, bits=8),)))
 
 
 def test_awq_reads_a_bfloat16_activations_type():
@@ -830,3 +835,14 @@ def test_awq_reads_a_bfloat16_activations_type():
 
     assert _dtype(gs.Variable("x", dtype=onnx.TensorProto.BFLOAT16)) == np.dtype(ml_dtypes.bfloat16)
     assert _dtype(gs.Variable("x", dtype=np.float16)) == np.float16 and _dtype(gs.Variable("x")) == np.float32
+
+
+def test_torchs_generated_weight_names_are_not_patterns_and_the_refusal_shows_real_names(fused_graphs):
+    """Weights without a name of the model's own are onnx::MatMul_594 in decode and onnx::MatMul_579 in prefill: a
+    pattern over them set the two phases' layers apart (one int8, the other int4) without a word."""
+    generated = next(node.input[1] for node in fused_graphs["decode"].graph.node
+                     if node.op_type == "MatMul" and node.input[1].startswith("onnx::"))
+    with pytest.raises(PassError, match=rf"overrides '{re.escape(generated)}' match no MatMul node or weight name; "
+                                        r"patterns are fnmatch globs \(case-sensitive\) over ONNX node names such as "
+                                        r"'/decoder/layers.N/"):
+        quantize.run(fused_graphs["decode"], quantize.Options(bits=4, overrides=(quantize.Override(generated, bits=8),)))
