@@ -25,6 +25,7 @@ from pathlib import Path
 from compiler.errors import BuildError
 from compiler.frontend import hub_id_hint
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig
+from passes.quantize_patterns import Product, matches, packed_parts, pattern_problem
 from runtime.cpus import default_intra_op_threads, usable_cpus
 
 # Dense peaks (NVIDIA's datasheets mark Tensor Core figures "with sparsity", twice these): bandwidth in bytes/s,
@@ -341,12 +342,13 @@ def _as_quantized(options: dict, manifest: dict) -> dict:
 def quantized_dtypes(passes: list) -> dict:
     """{"dtype": "int4"/"int8", "quantize": its options} from a resolved recipe's quantize pass, {"kv_dtype": "int8"}
     from quantize_kv_cache."""
-    found = {}
+    found, packed = {}, False
     for entry in passes:  # each {pass name: options}, as Recipe.to_dict() and manifests write them
         for name, options in (entry.items() if isinstance(entry, dict) else ()):
             bits = options.get("bits") if isinstance(options, dict) else None
+            packed = packed or name == "pack_projections"  # before quantize: its patterns see the packed names
             if name == "quantize" and bits in (4, 8):
-                found["dtype"], found["quantize"] = f"int{bits}", options
+                found["dtype"], found["quantize"] = f"int{bits}", {**options, "packed": packed}
             elif name == "quantize_kv_cache" and bits == 8:
                 found["kv_dtype"] = "int8"
             elif name == "dequantize_weights":  # on prefill only (its options refuse decode)
@@ -365,8 +367,10 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
     override keeps it float (they had been read as the pass-wide settings)."""
     total, products = counts["norms"] * scale_bytes, 0
     head_settings = options
-    for names, params, k in _products(config):
-        settings = _product_settings(options, names)
+    found = list(_products(config, options.get("packed", False)))
+    check_quantize_patterns(config, options)  # the build refuses them (passes/quantize.py): no size for it either
+    for product, params, k in found:
+        settings = _product_settings(options, product)
         head_settings = settings  # the last product is the lm_head
         products += params
         total += params * (scale_bytes if settings is None else _quantized_bytes_per_param(config, settings,
@@ -379,37 +383,47 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
     return total + table
 
 
-def _products(config: DecoderConfig):
-    """(names the quantize pass matches patterns against, parameters, K) of every product a decode step runs."""
+def _products(config: DecoderConfig, packed: bool):
+    """(the product as the quantize pass's patterns see it, parameters, K) of every product a decode step runs:
+    the exported graph's node names (the weights have torch's generated names, which no pattern matches, but the
+    tied table's), as pack_projections leaves them where the recipe packs before quantizing."""
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     sizes = {("self_attn", "q_proj"): (h * q, h), ("self_attn", "k_proj"): (h * kv, h),
              ("self_attn", "v_proj"): (h * kv, h), ("self_attn", "o_proj"): (q * h, q),
              ("mlp", "gate_proj"): (h * config.intermediate_size, h), ("mlp", "up_proj"): (h * config.intermediate_size, h),
              ("mlp", "down_proj"): (config.intermediate_size * h, config.intermediate_size)}
-    # pack_projections' names too, which the pass matches when it runs after it (patterns such as "*gate_proj+up_proj*")
-    packed = {"self_attn": "q_proj+k_proj+v_proj", "mlp": "gate_proj+up_proj"}
+    groups = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}  # pack_projections'
     for layer in range(config.num_layers):
         for (block, name), (params, k) in sizes.items():
-            group = (f"/decoder/layers.{layer}/{block}/{packed[block]}.packed_MatMul",) if name in packed[block] else ()
-            yield (f"/decoder/layers.{layer}/{block}/{name}/MatMul", f"model.layers.{layer}.{block}.{name}.weight",
-                   *group), params, k
-    head = ("/decoder/lm_head/MatMul", "lm_head.weight") + (("/decoder/lm_head/Gemm_tied", "model.embed_tokens.weight")
-                                                            if config.tie_word_embeddings else ())
+            if packed and name in groups[block]:  # one product for the group: its parameters and K, each part's
+                if name == groups[block][0]:
+                    joined = f"/decoder/layers.{layer}/{block}/{'+'.join(groups[block])}.packed_MatMul"
+                    yield Product((joined,), packed_parts(joined)), sum(
+                        sizes[block, part][0] for part in groups[block]), k
+                continue
+            yield Product((f"/decoder/layers.{layer}/{block}/{name}/MatMul",)), params, k
+    head = (Product(("/decoder/lm_head/Gemm_tied", "model.embed_tokens.weight")) if config.tie_word_embeddings
+            else Product(("/decoder/lm_head/MatMul",)))
     yield head, config.vocab_size * h, h
 
 
-def _product_settings(options: dict, names: tuple[str, ...]) -> dict | None:
-    """The quantize options a product with these names gets: the first matching override's over the pass-wide ones;
-    None when it stays float (excluded, or a skip override)."""
-    import fnmatch
+def check_quantize_patterns(config: DecoderConfig, options: dict) -> None:
+    """Raise BuildError where the quantize pass would refuse these options' exclude and override patterns over this
+    model's products: before the export, which takes minutes (the pass sees them after it)."""
+    products = [product for product, _, _ in _products(config, options.get("packed", False))]
+    problem = pattern_problem(products, tuple(options.get("exclude") or ()),
+                              tuple(o.get("pattern", "") for o in options.get("overrides") or ()))
+    if problem:
+        raise BuildError(f"quantize: {problem}")
 
-    def named(pattern: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, pattern) for name in names)
 
-    if any(named(pattern) for pattern in options.get("exclude") or ()):
+def _product_settings(options: dict, product: Product) -> dict | None:
+    """The quantize options a product gets: the first matching override's over the pass-wide ones; None when it
+    stays float (excluded, or a skip override)."""
+    if any(matches(pattern, product) for pattern in options.get("exclude") or ()):
         return None
     for override in options.get("overrides") or ():
-        if named(override.get("pattern", "")):
+        if matches(override.get("pattern", ""), product):
             if override.get("skip"):
                 return None
             given = {key: value for key, value in override.items() if key != "pattern" and value is not None}

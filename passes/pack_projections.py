@@ -224,17 +224,6 @@ def rewrite(graph: gs.Graph, found: Match, taken_names: set[str]) -> None:
     graph.nodes.append(split)
 
 
-def packed_parts(node: gs.Node) -> list[tuple[str, str]]:
-    """A packed MatMul's parts with the node names they had before this pass joined them (the inverse of
-    _common_name: '/l.0/attn/q_proj+k_proj.packed_MatMul' -> [('q_proj', '/l.0/attn/q_proj/MatMul'), ('k_proj', ...)]);
-    [] for any other node. quantize reads it: an override naming some parts would set the others too."""
-    head, _, tail = node.name.rpartition("/")
-    distinct, packed, _ = tail.partition(".packed_")
-    if not packed or "+" not in distinct:
-        return []
-    return [(part, f"{head}/{part}/MatMul") for part in distinct.split("+")]
-
-
 def _common_name(names: list[str]) -> str:
     """'/l.0/attn/q_proj/MatMul', '/l.0/attn/k_proj/MatMul' -> '/l.0/attn/q_proj+k_proj': shared path, then the parts."""
     paths = [name.split("/") for name in names]

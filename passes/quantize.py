@@ -28,10 +28,8 @@ layer's relative output error on the calibration data, E||x ΔW||² / E||x W||²
 """
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -46,8 +44,9 @@ from passes.calibration import CalibrationSet, CalibrationSpec, Statistics, dige
 from passes.errors import PassError
 from passes.graph_export import export_onnx
 from passes.graph_patterns import constant_type, uncached_values, unique_name
-from passes.pack_projections import packed_parts
 from passes.quantize_algorithms import quantize_clipped, quantize_gptq, relative_output_error
+from passes.quantize_patterns import Product, packed_parts, pattern_problem
+from passes.quantize_patterns import matches as pattern_matches
 from passes.quantized_lowering_dq import rewrite_dequantize_linear
 from passes.quantized_lowering_ort import (MICROSOFT_DOMAIN, for_matmulnbits, matmulnbits_constants,
                                            rewrite_gather_block_quantized, rewrite_matmulnbits)
@@ -239,75 +238,25 @@ def block_size_for(settings: Settings, k: int) -> int:
     return k if settings.bits == 8 else min(settings.block_size, max(16, 1 << (k - 1).bit_length()))
 
 
-def names_of(node: gs.Node) -> tuple[str, ...]:
-    """The names a pattern may match: the node's, and its weight's where that is the model's own (torch's export
-    calls the others onnx::MatMul_594 in one phase and onnx::MatMul_579 in the other: a pattern over them set
-    prefill and decode apart)."""
-    if len(node.inputs) > 1 and not node.inputs[1].name.startswith("onnx::"):
-        return node.name, node.inputs[1].name
-    return (node.name,)
+def product_of(node: gs.Node) -> Product:
+    """The node as the patterns see it (passes/quantize_patterns.py): its name, its weight's where the model named
+    it, and a packed node's parts."""
+    weight = node.inputs[1].name if len(node.inputs) > 1 else ""
+    names = (node.name, weight) if weight and not weight.startswith("onnx::") else (node.name,)
+    return Product(names, packed_parts(node.name))
 
 
 def matches(pattern: str, node: gs.Node) -> bool:
-    """The node's or its weight's name; a packed MatMul also by its parts' names from before pack_projections, when
-    the pattern names every one of them ('*_proj/MatMul')."""
-    if any(fnmatch.fnmatchcase(name, pattern) for name in names_of(node)):
-        return True
-    parts = packed_parts(node)
-    return bool(parts) and all(fnmatch.fnmatchcase(name, pattern) for _, name in parts)
-
-
-def _named_in_packed_name(name: str, parts: list[str], pattern: str) -> list[str]:
-    """The parts a pattern that matches a packed node's own name depends on: those whose removal from the name
-    breaks the match ('*k_proj+v_proj*' names k_proj and v_proj of '.../q_proj+k_proj+v_proj.packed_MatMul', and
-    would set q_proj too; '*self_attn*' names none of them, '*q_proj+k_proj+v_proj*' all)."""
-    if not parts or not fnmatch.fnmatchcase(name, pattern):
-        return []
-    head, _, tail = name.rpartition("/")
-    return [part for part in parts if not fnmatch.fnmatchcase(f"{head}/{tail.replace(part, chr(0), 1)}", pattern)]
+    return pattern_matches(pattern, product_of(node))
 
 
 def check_patterns(candidates: list[gs.Node], options: Options) -> None:
     """A pattern that matches nothing is a typo or a stale recipe; silently applying the defaults would hide it. One
     that names some of a packed MatMul's parts would set the others too (or, missing its name, nothing at all)."""
-    patterns = [("exclude", p) for p in options.exclude] + [("overrides", o.pattern) for o in options.overrides]
-    for kind, pattern in patterns:
-        for node in candidates:
-            parts = packed_parts(node)
-            named = [part for part, name in parts if fnmatch.fnmatchcase(name, pattern)] or _named_in_packed_name(
-                node.name, [part for part, _ in parts], pattern)
-            if named and len(named) < len(parts):
-                others = [part for part, _ in parts if part not in named]
-                raise PassError(
-                    f"quantize: {kind} {pattern!r} names {', '.join(named)} of the packed MatMul {node.name!r}, which "
-                    f"also computes {', '.join(others)} (pack_projections joined them; one MatMul takes one "
-                    f"setting): name the packed node (e.g. {'*' + '+'.join(p for p, _ in parts) + '*'!r}) to set "
-                    f"them all, or drop pack_projections from the recipe to set {', '.join(named)} alone")
-    unmatched = [f"{kind} {p!r}" for kind, p in patterns if not any(matches(p, n) for n in candidates)]
-    if unmatched:
-        shown = list(dict.fromkeys(re.sub(r"layers\.\d+", "layers.N", n.name) for n in candidates))[:4]
-        example = (f"; patterns are fnmatch globs (case-sensitive) over ONNX node names such as "
-                   f"{', '.join(map(repr, shown))}" if candidates else "; the graph has no MatMul")
-        raise PassError(f"quantize: pattern(s) {', '.join(unmatched)} match no MatMul node or weight name{example}")
-
-    # First match wins: an override whose every node is excluded or claimed by an earlier override never applies.
-    def applies_to(index: int, node) -> bool:
-        return (matches(options.overrides[index].pattern, node) and not any(matches(p, node) for p in options.exclude)
-                and not any(matches(earlier.pattern, node) for earlier in options.overrides[:index]))
-
-    for index, override in enumerate(options.overrides):
-        if any(applies_to(index, node) for node in candidates):
-            continue
-        matched = [node for node in candidates if matches(override.pattern, node)]
-        excluded = sorted({p for node in matched for p in options.exclude if matches(p, node)})
-        if all(any(matches(p, node) for p in options.exclude) for node in matched):  # reordering cannot help
-            raise PassError(f"quantize: overrides[{index}] {override.pattern!r} never applies: every node it matches "
-                            f"is excluded (by {', '.join(map(repr, excluded))}), and exclude is applied before "
-                            f"overrides; narrow the exclude, or drop the override")
-        raise PassError(f"quantize: overrides[{index}] {override.pattern!r} never applies: every node it matches is "
-                        f"excluded or matched by an earlier override (the first match wins); put the narrower "
-                        f"pattern first")
-
+    problem = pattern_problem([product_of(node) for node in candidates], tuple(options.exclude),
+                              tuple(o.pattern for o in options.overrides))
+    if problem:
+        raise PassError(f"quantize: {problem}")
 
 
 # -- finding targets ---------------------------------------------------------------------------------------

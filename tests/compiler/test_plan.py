@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -706,6 +707,14 @@ def test_a_recipes_weights_follow_its_overrides_and_excludes(tmp_path):
     int8_per_param = 1 + 4 / config.intermediate_size  # one float32 scale per channel, kernel block = K here
     assert weights(', overrides: [{pattern: "*down_proj*", bits: 8}, {pattern: "*mlp*", skip: true}]') == \
         pytest.approx(plain + 2 * down * (4 - int4_per_param) + down * (int8_per_param - int4_per_param))
+    # what the build refuses, plan refuses (it had sized them: Hugging Face weight names the graph does not have, a
+    # pattern naming v_proj alone of the packed q/k/v, one trimmed from the packed name)
+    for extra, said in ((', overrides: [{pattern: "model.layers.*.mlp.down_proj.weight", bits: 8}]', "match no MatMul"),
+                        (', exclude: ["lm_head.weight"]', "match no MatMul"),
+                        (', overrides: [{pattern: "*v_proj*", bits: 8}]', "names v_proj of the packed MatMul"),
+                        (', overrides: [{pattern: "*k_proj+v_proj*", bits: 8}]', "names k_proj, v_proj of the packed")):
+        with pytest.raises(BuildError, match=re.escape(said)):
+            weights(extra)
 
 
 def test_plan_finds_a_recipe_that_comes_with_aotlm_by_its_name(tmp_path, monkeypatch):
