@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import sys
 import threading
 import time
@@ -14,7 +16,15 @@ import time
 from rich.markup import escape
 
 from compiler.console import console, message, warning
-from compiler.errors import UsageError, nonnegative_int, thread_count, user_path
+from compiler.errors import UsageError, nonnegative_int, positive_float, thread_count, user_path
+
+
+def web_origin(text: str) -> str:
+    """An argparse type: "*", or an origin as a browser sends it (scheme://host[:port], no path)."""
+    if text == "*" or re.fullmatch(r"https?://[^/\s?#]+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a web origin: give scheme://host[:port] (no path, no trailing "
+                                     f"/), e.g. https://app.example.com, or *")
 
 
 def seconds(text: str) -> float:
@@ -69,6 +79,12 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--shutdown-timeout", type=seconds, default=25.0,
                        help="on Ctrl-C or SIGTERM, seconds the requests under way may take to finish before they are "
                             "stopped (default 25, inside Kubernetes' 30 s grace before its SIGKILL; 0: at once)")
+    serve.add_argument("--keep-alive-timeout", type=positive_float, default=5.0,
+                       help="seconds an idle kept-alive connection waits for its next request (default 5, uvicorn's); "
+                            "behind a load balancer that pools connections, give more than its idle timeout")
+    serve.add_argument("--allowed-origins", action="append", type=web_origin, default=[], metavar="ORIGIN",
+                       help="a web origin (https://app.example.com, or *) whose pages may call the API from a browser "
+                            "(CORS); repeatable; none by default")
     serve.add_argument("--quiet", action="store_true",
                        help="no line per answered request on stderr (errors and refusals are still logged)")
     serve.set_defaults(handler=serve_command)
@@ -113,7 +129,8 @@ def serve_command(args) -> None:
     try:
         server = ApiServer(engine, args.host, args.port, model_name=args.model_name,
                            log=_log_line, log_requests=not args.quiet, api_key=api_key,
-                           max_connections=args.max_connections or MAX_CONNECTIONS)
+                           max_connections=args.max_connections or MAX_CONNECTIONS,
+                           keep_alive_s=args.keep_alive_timeout, allowed_origins=tuple(args.allowed_origins))
     except OSError as error:  # the port is taken, the address is not this machine's, ...
         engine.close()
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}; choose another --port "
@@ -125,13 +142,23 @@ def serve_command(args) -> None:
                    f"POST /v1/completions{chat_route}; {'API key required; ' if api_key else ''}Ctrl-C stops"))
     try:
         server.serve_forever()
-    finally:  # Ctrl-C or SIGTERM (compiler/cli.py raises it as a KeyboardInterrupt), or a bug in the server loop
+    except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM or SIGHUP (compiler/cli.py raises the last two as one)
+        stopped = _stop_gracefully(server, engine, args.shutdown_timeout)
+        # SIGTERM is how systemd and Kubernetes stop a service: a drain that let every request finish is a clean
+        # exit (0, as uvicorn's), not a failure (143 marked the unit failed and the container's end "Error")
+        if getattr(stop, "signum", None) == signal.SIGTERM and not stopped:
+            message("stopped: every request under way finished")
+            return
+        raise
+    except BaseException:  # a bug in the server loop
         _stop_gracefully(server, engine, args.shutdown_timeout)
+        raise
 
 
-def _stop_gracefully(server, engine, timeout_s: float) -> None:
+def _stop_gracefully(server, engine, timeout_s: float) -> int:
     """No new connections or requests; those under way finish for up to timeout_s (a second Ctrl-C: at once), and
-    closing the engine stops the rest, whose clients then hear why: a load balancer's drain, not a cut."""
+    closing the engine stops the rest, whose clients then hear why: a load balancer's drain, not a cut. Returns how
+    many requests it stopped."""
     stopped = 0  # the requests still under way when the wait ended: closing the engine stops them
     deadline = time.monotonic() + timeout_s  # the whole stop, the answers to stopped requests included
     try:
@@ -155,6 +182,7 @@ def _stop_gracefully(server, engine, timeout_s: float) -> None:
         cut = server.under_way
     if cut:  # a body still arriving, a client that does not read: the process's exit ends their connections
         message(escape(f"{cut} connection(s) still busy are closed without an answer"))
+    return stopped
 
 
 def _close(engine) -> None:

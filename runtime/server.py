@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 import traceback
+import uuid
 from concurrent.futures import TimeoutError as ResultTimeout  # the built-in TimeoutError only from Python 3.11
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -94,9 +95,18 @@ class ApiServer(ThreadingHTTPServer):
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
                  log: Callable[[str], None] | None = None, api_key: str | None = None,
-                 max_connections: int = MAX_CONNECTIONS, log_requests: bool = True):
+                 max_connections: int = MAX_CONNECTIONS, log_requests: bool = True,
+                 keep_alive_s: float = KEEP_ALIVE_S, allowed_origins: tuple[str, ...] = ()):
         """log: where lines go (stderr for `aotlm serve`): errors, refusals and, with log_requests, one line per
-        answered request (`--quiet` turns those off, as vLLM's --disable-log-requests, and keeps the errors)."""
+        answered request (`--quiet` turns those off, as vLLM's --disable-log-requests, and keeps the errors).
+        keep_alive_s: how long an idle kept-alive connection waits for its next request (a load balancer that pools
+        connections longer must be given more, or it sends into a connection as it closes: a 502).
+        allowed_origins: the web origins (scheme://host[:port], or "*") whose pages may call the API from a browser
+        (CORS); none by default: a page anywhere could otherwise drive a server without a key on 127.0.0.1."""
+        if isinstance(keep_alive_s, bool) or not isinstance(keep_alive_s, (int, float)) or not 0 < keep_alive_s < 1e6:
+            raise ValueError(f"keep_alive_s: {keep_alive_s!r} must be a number of seconds > 0")
+        self.keep_alive_s = float(keep_alive_s)
+        self.allowed_origins = tuple(allowed_origins)
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ValueError(f"max_connections: {max_connections!r} must be an integer >= 1")
         if api_key is not None and not (api_key and api_key.isascii() and api_key.isprintable()):
@@ -206,10 +216,27 @@ class _Handler(BaseHTTPRequestHandler):
     _chunked = False  # the stream's body goes out in chunks (HTTP/1.1): its end leaves the connection open
     _stream_ended = False  # the stream's last part went out: a failure after it (logging) is not the client's
     _unread_body = 0  # bytes of a refused body that may still be arriving (read and dropped after the answer)
-    _answered_one = False  # a request was read on this connection: the next waits at most KEEP_ALIVE_S to begin
+    _answered_one = False  # a request was read on this connection: the next waits at most keep_alive_s to begin
+    request_id = "-"  # the request's X-Request-Id: the client's (a gateway's), else one made up (parse_request)
 
     def version_string(self) -> str:  # the Server header: http.server's adds Python's version
         return "aotlm"
+
+    def end_headers(self) -> None:
+        """Every response's common headers: its X-Request-Id; CORS for an allowed origin; and, for an HTTP/1.0 client
+        that asked to keep the connection, that it is kept (without it the client waited for a close that came only
+        keep_alive_s later: 5 s per request under `ab -k`)."""
+        if getattr(self, "headers", None) is not None:  # a request was parsed (not a 400 for a malformed line)
+            self.send_header("X-Request-Id", self.request_id)
+            origin = self.headers.get("Origin")
+            allowed = self.server.allowed_origins
+            if origin and ("*" in allowed or origin in allowed):
+                self.send_header("Access-Control-Allow-Origin", origin)
+                self.send_header("Access-Control-Expose-Headers", "X-Request-Id, Retry-After")
+                self.send_header("Vary", "Origin")
+            if self.request_version == "HTTP/1.0" and not self.close_connection:
+                self.send_header("Connection", "keep-alive")
+        super().end_headers()
 
     def log_message(self, format, *args) -> None:  # http.server's own access log: ours goes through server.log
         pass
@@ -220,8 +247,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._streaming = self._chunked = self._stream_ended = False
         self._deadline_lock = threading.Lock()  # the cut and the headers' end: one of them first, never both
         self._header_deadline = DEADLINES.add(HEADER_DEADLINE_S, self._cut_late_headers)
-        if self._answered_one:  # idle between requests: the next one's first line within KEEP_ALIVE_S, else closed
-            self.connection.settimeout(KEEP_ALIVE_S)  # (http.server closes it on the read's timeout)
+        if self._answered_one:  # idle between requests: the next one's first line within keep_alive_s, else closed
+            self.connection.settimeout(self.server.keep_alive_s)  # (http.server closes it on the read's timeout)
         try:
             super().handle_one_request()
         finally:
@@ -232,6 +259,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.settimeout(self.timeout)  # the request line is in: its headers and body get the usual time
         parsed = super().parse_request()  # reads the headers
         DEADLINES.cancel(self._header_deadline)  # they are in (or the reading failed): the deadline no longer applies
+        given = self.headers.get("X-Request-Id", "") if parsed else ""
+        # a gateway's id, echoed (vLLM's --enable-request-id-headers, OpenAI's x-request-id), else one of our own
+        self.request_id = given if 0 < len(given) <= 128 and given.isascii() and given.isprintable() else \
+            f"req-{uuid.uuid4().hex}"
         with self._deadline_lock:
             self._headers_in = True
             late = self._headers_late
@@ -323,10 +354,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.do_GET()
 
     def do_OPTIONS(self) -> None:
-        """The methods a route takes, in the Allow header (no CORS: browsers' cross-origin requests are not served)."""
+        """The methods a route takes, in the Allow header; for a browser's CORS preflight from an allowed origin
+        (--allowed-origins), also what it may send (none by default: the browser then refuses the page's request)."""
         path = urlsplit(self.path).path
         if self._drained(path):
-            self._send(204, b"", "text/plain", {"Allow": _allowed(path)})
+            headers = {"Allow": _allowed(path)}
+            origin, allowed = self.headers.get("Origin"), self.server.allowed_origins
+            if origin and ("*" in allowed or origin in allowed) and self.headers.get("Access-Control-Request-Method"):
+                headers |= {"Access-Control-Allow-Methods": _allowed(path),
+                            "Access-Control-Allow-Headers": self.headers.get("Access-Control-Request-Headers",
+                                                                             "authorization, content-type"),
+                            "Access-Control-Max-Age": "600"}
+            self._send(204, b"", "text/plain", headers)
 
     def _refuse_method(self) -> None:
         """PUT, DELETE, PATCH: no route takes them. 405 with the methods it does take, in OpenAI's error body."""
@@ -417,7 +456,8 @@ class _Handler(BaseHTTPRequestHandler):
             # the log gets where it came from (the innermost frames, one line): the client, only the message
             frames = " | ".join(line.strip().replace("\n", " ") for line in
                                 traceback.format_exception(error, limit=-4)[1:-1])
-            self.server.log(f"{self.command} {self.path}: {type(error).__name__}: {str(error)[:300]} at {frames}")
+            self.server.log(f"{self.command} {self.path}: {type(error).__name__}: {str(error)[:300]} at {frames}; "
+                            f"{self.request_id}")
             self._fail(ApiError(f"{type(error).__name__}: {error}", 500, "server_error"))
         finally:
             try:
@@ -432,10 +472,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._streaming:
             return self._send_error(error)
         if self._stream_ended:  # its client has the whole stream: nothing more may go on this connection's
-            self.server.log(f"{self.command} {self.path}: after the stream: {error}")
+            self.server.log(f"{self.command} {self.path}: after the stream: {error}; {self.request_id}")
             self.close_connection = True
             return
-        self.server.log(f"{self.command} {self.path}: the stream ended with {error}")
+        self.server.log(f"{self.command} {self.path}: the stream ended with {error}; {self.request_id}")
         try:
             self._write_stream(_event(error.body()) + b"data: [DONE]\n\n", last=True)
         except OSError:
@@ -521,6 +561,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.metrics.answered(self._route(), 200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        # nginx buffers a proxied response by default (4 KiB bursts, TTFT +0.6-0.9 s): this response asks it not to
+        self.send_header("X-Accel-Buffering", "no")
         # No length to give: chunks mark the body's end, so the connection serves the next request, as uvicorn's
         # streams do; an HTTP/1.0 client (or one that asked to close) reads to the close instead
         self._chunked = self.request_version == "HTTP/1.1" and not self.close_connection
@@ -557,7 +599,8 @@ class _Handler(BaseHTTPRequestHandler):
             if isinstance(item, BaseException):
                 self._cancel(handles)
                 error = self._failure(item)
-                self.server.log(f"{self.command} {self.path}: the stream ended with {error}")  # as a response's 500
+                # (logged as a response's 500 is)
+                self.server.log(f"{self.command} {self.path}: the stream ended with {error}; {self.request_id}")
                 pending.append(_event(error.body()))
                 break
             if isinstance(item, str) and (not item or request.echo_only):  # echo-only: the prompt, at the end
@@ -590,9 +633,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._count_when_done(handle)
         if reason and running:
             self.server.log(f"{self.command} {self.path}: {reason}; {running} of its {len(handles)} request(s) "
-                            "cancelled")
+                            f"cancelled; {self.request_id}")
         elif reason:  # every choice had ended (its 200 line is logged): only the response's last bytes were lost
-            self.server.log(f"{self.command} {self.path}: {reason} before the response's last bytes went out")
+            self.server.log(f"{self.command} {self.path}: {reason} before the response's last bytes went out; "
+                            f"{self.request_id}")
 
     def _failure(self, error: BaseException) -> ApiError:
         """What a request that failed in the scheduler tells its client: a stop's (retry elsewhere), else 500."""
@@ -693,7 +737,7 @@ class _Handler(BaseHTTPRequestHandler):
         if error.status == 405:
             headers = {"Allow": _allowed(urlsplit(self.path).path)}
         self._send_json(error.status, error.body(), headers)
-        self.server.log(f"{self.command} {self.path} {error.status}: {error}")
+        self.server.log(f"{self.command} {self.path} {error.status}: {error}; {self.request_id}")
 
     def _write_stream(self, data: bytes, last: bool = False) -> None:
         """Part of a stream's body, in one write: a chunk of it when chunked, and after the last part the empty
@@ -737,7 +781,7 @@ class _Handler(BaseHTTPRequestHandler):
             tpot = "-" if trace.tpot is None else f"{1e3 * trace.tpot:.2f} ms"
             line += (f"; {'choice 0: ' if len(results) > 1 else ''}queue {1e3 * trace.queue:.1f} ms, TTFT "
                      f"{1e3 * first.ttft_s:.1f} ms, TPOT {tpot}, E2E {1e3 * first.e2e_s:.1f} ms")
-        self.server.log_request(f"{line}; {request_id}")
+        self.server.log_request(f"{line}; {request_id}; {self.request_id}")
 
 
 def _event(body: dict) -> bytes:

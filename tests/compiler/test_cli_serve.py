@@ -257,3 +257,13 @@ def test_a_stop_notice_on_a_closed_stderr_still_exits_with_the_signals_status(mo
 
     monkeypatch.setattr(cli.console, "file", GoneReader())
     assert cli._stopped_by(cli._Terminated()) == 143
+
+
+def test_serve_refuses_an_origin_with_a_path_and_a_keep_alive_of_zero(capsys):
+    from compiler.cli import main
+
+    for flags, said in ((["--allowed-origins", "https://app.example/"], "is not a web origin"),
+                        (["--keep-alive-timeout", "0"], "--keep-alive-timeout")):
+        with pytest.raises(SystemExit):
+            main(["serve", "/nonexistent", *flags])
+        assert said in capsys.readouterr().err

@@ -182,12 +182,10 @@ def test_a_body_shorter_than_its_content_length_is_refused_not_run(served):
 
 def test_an_idle_kept_alive_connection_closes_after_the_keep_alive_time(served, monkeypatch):
     """Streams keep their connections now: an idle pool's connections held --max-connections for 60 s each (uvicorn
-    closes them after 5 s). A request begun in time is served as before."""
+    closes them after 5 s; --keep-alive-timeout sets it). A request begun in time is served as before."""
     import time
 
-    import runtime.server
-
-    monkeypatch.setattr(runtime.server, "KEEP_ALIVE_S", 0.5)
+    monkeypatch.setattr(served, "keep_alive_s", 0.5)
     client = socket.create_connection(served.server_address[:2], timeout=10)
 
     def health() -> bytes:
@@ -203,3 +201,47 @@ def test_an_idle_kept_alive_connection_closes_after_the_keep_alive_time(served, 
     assert client.recv(4096) == b""  # then idle: closed by the server
     assert time.monotonic() - started < 5
     client.close()
+
+
+def test_an_http10_client_that_asks_for_keep_alive_is_told_it(served):
+    """http.server kept such a connection open without saying so: the client waited for a close that came only at
+    the keep-alive timeout, 5 s a request under `ab -k`."""
+    client = socket.create_connection(served.server_address[:2], timeout=10)
+    for _ in range(2):  # the second on the same connection, at once
+        client.sendall(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\nX-Request-Id: gw-7f3a\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"}"):
+            answer += client.recv(4096)
+        head = answer.split(b"\r\n\r\n")[0].decode()
+        assert "\r\nConnection: keep-alive" in head and "\r\nX-Request-Id: gw-7f3a" in head, head
+    client.close()
+
+
+def test_streams_ask_proxies_not_to_buffer_and_cors_answers_only_allowed_origins(served, monkeypatch):
+    """nginx's default proxy buffering held a stream's events back in 4 KiB bursts (first token +0.6-0.9 s); a browser
+    page's preflight got no Access-Control headers, so no browser app could call the server at all."""
+    def request(method, path, headers, body=None):
+        connection = http.client.HTTPConnection(*served.server_address[:2], timeout=30)
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        response.read()
+        connection.close()
+        return response
+
+    stream = request("POST", "/v1/completions", {"Content-Type": "application/json"},
+                     json.dumps({"prompt": "x", "max_tokens": 2, "stream": True}))
+    assert stream.getheader("X-Accel-Buffering") == "no" and stream.getheader("X-Request-Id").startswith("req-")
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    refused = request("OPTIONS", "/v1/chat/completions", preflight)
+    assert refused.status == 204 and refused.getheader("Access-Control-Allow-Origin") is None  # none by default
+    monkeypatch.setattr(served, "allowed_origins", ("https://app.example",))
+    allowed = request("OPTIONS", "/v1/chat/completions", preflight)
+    assert allowed.getheader("Access-Control-Allow-Origin") == "https://app.example"
+    assert allowed.getheader("Access-Control-Allow-Methods") == "POST, OPTIONS"
+    assert allowed.getheader("Access-Control-Allow-Headers") == "authorization,content-type"
+    models = request("GET", "/v1/models", {"Origin": "https://app.example"})
+    assert models.getheader("Access-Control-Allow-Origin") == "https://app.example"
+    assert models.getheader("Vary") == "Origin"
+    other = request("GET", "/v1/models", {"Origin": "https://evil.example"})
+    assert other.getheader("Access-Control-Allow-Origin") is None
