@@ -80,7 +80,9 @@ class TensorRTSpec:
 @dataclass(frozen=True)
 class BackendSpec:
     name: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
-    intra_op_threads: int = field(default=0, metadata={"min": 0})  # 0 = onnxruntime's default
+    # 0: onnxruntime's default (a thread per physical core) where the process may use every CPU; held to fewer
+    # (taskset, a container's cpuset or CPU limit), that many (runtime/cpus.py); more than that runs with that many
+    intra_op_threads: int = field(default=0, metadata={"min": 0})
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
     tensorrt: TensorRTSpec = field(default_factory=TensorRTSpec)
 
