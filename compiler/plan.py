@@ -342,13 +342,14 @@ def _as_quantized(options: dict, manifest: dict) -> dict:
 def quantized_dtypes(passes: list) -> dict:
     """{"dtype": "int4"/"int8", "quantize": its options} from a resolved recipe's quantize pass, {"kv_dtype": "int8"}
     from quantize_kv_cache."""
-    found, packed = {}, False
+    found, packing = {}, None
     for entry in passes:  # each {pass name: options}, as Recipe.to_dict() and manifests write them
         for name, options in (entry.items() if isinstance(entry, dict) else ()):
             bits = options.get("bits") if isinstance(options, dict) else None
-            packed = packed or name == "pack_projections"  # before quantize: its patterns see the packed names
+            if name == "pack_projections":  # before quantize: its patterns see the packed names
+                packing = options if isinstance(options, dict) else {}
             if name == "quantize" and bits in (4, 8):
-                found["dtype"], found["quantize"] = f"int{bits}", {**options, "packed": packed}
+                found["dtype"], found["quantize"] = f"int{bits}", {**options, "packing": packing}
             elif name == "quantize_kv_cache" and bits == 8:
                 found["kv_dtype"] = "int8"
             elif name == "dequantize_weights":  # on prefill only (its options refuse decode)
@@ -367,7 +368,7 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
     override keeps it float (they had been read as the pass-wide settings)."""
     total, products = counts["norms"] * scale_bytes, 0
     head_settings = options
-    found = list(_products(config, options.get("packed", False)))
+    found = list(_products(config, packed_blocks(options.get("packing")) or set()))
     check_quantize_patterns(config, options)  # the build refuses them (passes/quantize.py): no size for it either
     for product, params, k in found:
         settings = _product_settings(options, product)
@@ -383,10 +384,21 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
     return total + table
 
 
-def _products(config: DecoderConfig, packed: bool):
+def packed_blocks(packing: dict | None) -> set[str] | None:
+    """The blocks whose projections pack_projections (its options: `packing`, None where the recipe has none before
+    quantize) joins into one MatMul: q/k/v (3 read one input) and gate/up (2), at its min_group; None where that
+    cannot be told before the build (max_rewrites stops it part way)."""
+    if packing is None:
+        return set()
+    if packing.get("max_rewrites") is not None:
+        return None
+    return {block for block, group in (("self_attn", 3), ("mlp", 2)) if group >= packing.get("min_group", 2)}
+
+
+def _products(config: DecoderConfig, packed: set[str]):
     """(the product as the quantize pass's patterns see it, parameters, K) of every product a decode step runs:
     the exported graph's node names (the weights have torch's generated names, which no pattern matches, but the
-    tied table's), as pack_projections leaves them where the recipe packs before quantizing."""
+    tied table's and a packed one's), as pack_projections leaves them in the `packed` blocks."""
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     sizes = {("self_attn", "q_proj"): (h * q, h), ("self_attn", "k_proj"): (h * kv, h),
              ("self_attn", "v_proj"): (h * kv, h), ("self_attn", "o_proj"): (q * h, q),
@@ -395,10 +407,11 @@ def _products(config: DecoderConfig, packed: bool):
     groups = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}  # pack_projections'
     for layer in range(config.num_layers):
         for (block, name), (params, k) in sizes.items():
-            if packed and name in groups[block]:  # one product for the group: its parameters and K, each part's
+            if block in packed and name in groups[block]:  # one product for the group: its parameters, each part's K
                 if name == groups[block][0]:
-                    joined = f"/decoder/layers.{layer}/{block}/{'+'.join(groups[block])}.packed_MatMul"
-                    yield Product((joined,), packed_parts(joined)), sum(
+                    joined = f"/decoder/layers.{layer}/{block}/{'+'.join(groups[block])}"
+                    yield Product((f"{joined}.packed_MatMul", f"{joined}.packed_weight"),
+                                  packed_parts(f"{joined}.packed_MatMul")), sum(
                         sizes[block, part][0] for part in groups[block]), k
                 continue
             yield Product((f"/decoder/layers.{layer}/{block}/{name}/MatMul",)), params, k
@@ -410,7 +423,10 @@ def _products(config: DecoderConfig, packed: bool):
 def check_quantize_patterns(config: DecoderConfig, options: dict) -> None:
     """Raise BuildError where the quantize pass would refuse these options' exclude and override patterns over this
     model's products: before the export, which takes minutes (the pass sees them after it)."""
-    products = [product for product, _, _ in _products(config, options.get("packed", False))]
+    blocks = packed_blocks(options.get("packing"))
+    if blocks is None:  # which groups pack_projections joins depends on where its max_rewrites stops: the pass checks
+        return
+    products = [product for product, _, _ in _products(config, blocks)]
     problem = pattern_problem(products, tuple(options.get("exclude") or ()),
                               tuple(o.get("pattern", "") for o in options.get("overrides") or ()))
     if problem:

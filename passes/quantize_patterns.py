@@ -44,12 +44,17 @@ def named_parts(pattern: str, product: Product) -> list[str]:
     name breaks the match ('*k_proj+v_proj*' names k_proj and v_proj of '.../q_proj+k_proj+v_proj.packed_MatMul';
     '*self_attn*' names none, '*q_proj+k_proj+v_proj*' all)."""
     named = [part for part, name in product.parts if fnmatch.fnmatchcase(name, pattern)]
-    name = product.names[0]
-    if named or not product.parts or not fnmatch.fnmatchcase(name, pattern):
+    if named or not product.parts:
         return named
-    head, _, tail = name.rpartition("/")
-    return [part for part, _ in product.parts
-            if not fnmatch.fnmatchcase(f"{head}/{tail.replace(part, chr(0), 1)}", pattern)]
+    joined = "+".join(part for part, _ in product.parts)
+    for name in product.names:  # the node's name, and the packed weight's ('.../q_proj+k_proj+v_proj.packed_weight')
+        if joined in name and fnmatch.fnmatchcase(name, pattern):
+            start = name.rindex(joined)
+            named = [part for part in {p for p, _ in product.parts} if not fnmatch.fnmatchcase(
+                name[:start] + joined.replace(part, chr(0), 1) + name[start + len(joined):], pattern)]
+            if named:
+                return sorted(named, key=[p for p, _ in product.parts].index)
+    return []
 
 
 def pattern_problem(products: list[Product], exclude: tuple[str, ...], overrides: tuple[str, ...]) -> str | None:

@@ -217,17 +217,24 @@ class _Handler(BaseHTTPRequestHandler):
     _stream_ended = False  # the stream's last part went out: a failure after it (logging) is not the client's
     _unread_body = 0  # bytes of a refused body that may still be arriving (read and dropped after the answer)
     _answered_one = False  # a request was read on this connection: the next waits at most keep_alive_s to begin
-    request_id = "-"  # the request's X-Request-Id: the client's (a gateway's), else one made up (parse_request)
+    request_id = "-"  # the request's X-Request-Id: the client's (a gateway's), else one made up per request
+    headers = None  # the request's headers, once read (http.server sets them): None before, for every request
+    _interim = False  # the response under way is a 1xx
 
     def version_string(self) -> str:  # the Server header: http.server's adds Python's version
         return "aotlm"
+
+    def send_response_only(self, code, message=None) -> None:
+        self._interim = code < 200  # 100 Continue: the response's own headers follow later
+        super().send_response_only(code, message)
 
     def end_headers(self) -> None:
         """Every response's common headers: its X-Request-Id; CORS for an allowed origin; and, for an HTTP/1.0 client
         that asked to keep the connection, that it is kept (without it the client waited for a close that came only
         keep_alive_s later: 5 s per request under `ab -k`)."""
-        if getattr(self, "headers", None) is not None:  # a request was parsed (not a 400 for a malformed line)
+        if not self._interim:
             self.send_header("X-Request-Id", self.request_id)
+        if not self._interim and self.headers is not None:  # its headers were read (not a 400 for its line)
             origin = self.headers.get("Origin")
             allowed = self.server.allowed_origins
             if origin and ("*" in allowed or origin in allowed):
@@ -243,6 +250,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         self._headers_late = self._headers_in = self._body_late = self._body_in = False
+        # a kept-alive connection's previous request's id and headers are not this one's (a 400 for a garbled line
+        # carried them, and its log line blamed that request)
+        self.headers, self.request_id = None, f"req-{uuid.uuid4().hex}"
         # a kept-alive connection's last response may have been a stream
         self._streaming = self._chunked = self._stream_ended = False
         self._deadline_lock = threading.Lock()  # the cut and the headers' end: one of them first, never both
@@ -257,12 +267,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def parse_request(self) -> bool:
         self.connection.settimeout(self.timeout)  # the request line is in: its headers and body get the usual time
-        parsed = super().parse_request()  # reads the headers
+        parsed = super().parse_request()  # reads the headers (and answers Expect: 100-continue)
         DEADLINES.cancel(self._header_deadline)  # they are in (or the reading failed): the deadline no longer applies
-        given = self.headers.get("X-Request-Id", "") if parsed else ""
-        # a gateway's id, echoed (vLLM's --enable-request-id-headers, OpenAI's x-request-id), else one of our own
-        self.request_id = given if 0 < len(given) <= 128 and given.isascii() and given.isprintable() else \
-            f"req-{uuid.uuid4().hex}"
+        if parsed:
+            self._take_request_id()
         with self._deadline_lock:
             self._headers_in = True
             late = self._headers_late
@@ -391,9 +399,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._refuse_unread(0)
         self._send_error(ApiError(message or HTTPStatus(code).phrase, code))
 
+    def _take_request_id(self) -> None:
+        """A gateway's X-Request-Id, echoed (vLLM's --enable-request-id-headers, OpenAI's x-request-id), where it is
+        printable ASCII of at most 128 characters; else the one made up for this request stays."""
+        given = self.headers.get("X-Request-Id", "") if self.headers is not None else ""
+        if 0 < len(given) <= 128 and given.isascii() and given.isprintable():
+            self.request_id = given
+
     def handle_expect_100(self) -> bool:
         """Expect: 100-continue (curl's, for bodies over 1 MiB): a request refused before its body is read (a wrong
         API key, a stop under way) gets its answer now rather than "100 Continue" and an upload it then drops."""
+        self._take_request_id()  # before parse_request's end: this answer carries and logs it
         path = urlsplit(self.path).path
         refusal = self._key_refusal(path) or (_shutting_down() if self.command == "POST" and self.server.closing
                                               else None)
@@ -809,7 +825,8 @@ def _refuse_connection(connection, reason: str) -> None:
     try:
         connection.settimeout(1.0)
         connection.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                           b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                           b"X-Request-Id: req-" + uuid.uuid4().hex.encode() + b"\r\nConnection: close\r\n"
+                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     except OSError:
         pass
 

@@ -715,6 +715,10 @@ def test_a_recipes_weights_follow_its_overrides_and_excludes(tmp_path):
                         (', overrides: [{pattern: "*k_proj+v_proj*", bits: 8}]', "names k_proj, v_proj of the packed")):
         with pytest.raises(BuildError, match=re.escape(said)):
             weights(extra)
+    # what the build takes, plan takes: the packed weights' names; and nothing packed where min_group says so
+    assert weights(', exclude: ["*.packed_weight"]') == pytest.approx(weights(', exclude: ["*packed_MatMul"]'))
+    text = text.replace("  - pack_projections\n", "  - pack_projections: {min_group: 4}\n")
+    assert weights(', exclude: ["*/q_proj/MatMul"]') < weights(', exclude: ["*_proj/MatMul"]')
 
 
 def test_plan_finds_a_recipe_that_comes_with_aotlm_by_its_name(tmp_path, monkeypatch):

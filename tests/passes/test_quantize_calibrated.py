@@ -821,7 +821,8 @@ def test_a_pattern_naming_some_parts_of_a_packed_matmul_is_refused(fused_graphs)
         _, report = quantize.run(packed, quantize.Options(bits=4, overrides=(quantize.Override(whole, bits=8),)))
         assert {layer["bits"] for layer in report["layers"] if "v_proj" in layer["node"]} == {8}, whole
     # a pattern cut from the packed name, the refusal's own example trimmed to the wanted parts, set q_proj too
-    for some, named in (("*k_proj+v_proj*", "k_proj, v_proj"), ("*q_proj+k_proj*", "q_proj, k_proj")):
+    for some, named in (("*k_proj+v_proj*", "k_proj, v_proj"), ("*q_proj+k_proj*", "q_proj, k_proj"),
+                        ("*k_proj+v_proj.packed_weight", "k_proj, v_proj")):  # the packed weight's name too
         with pytest.raises(PassError, match=rf"overrides '{re.escape(some)}' names {named} of the packed MatMul"):
             quantize.run(packed, quantize.Options(bits=4, overrides=(quantize.Override(some, bits=8),)))
 

@@ -245,3 +245,31 @@ def test_streams_ask_proxies_not_to_buffer_and_cors_answers_only_allowed_origins
     assert models.getheader("Vary") == "Origin"
     other = request("GET", "/v1/models", {"Origin": "https://evil.example"})
     assert other.getheader("Access-Control-Allow-Origin") is None
+
+
+def test_a_garbled_request_on_a_kept_alive_connection_gets_its_own_id_not_the_previous_ones(served, monkeypatch):
+    """The handler kept the previous request's headers: a 400 for a garbled line carried its X-Request-Id and CORS
+    headers, and its log line blamed that request. Expect: 100-continue's early answers carry the client's id."""
+    monkeypatch.setattr(served, "allowed_origins", ("https://app.example",))
+    client = socket.create_connection(served.server_address[:2], timeout=10)
+    client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: G3\r\nOrigin: https://app.example\r\n\r\n")
+    answer = b""
+    while not answer.endswith(b"}"):
+        answer += client.recv(4096)
+    assert b"X-Request-Id: G3\r\n" in answer and b"Access-Control-Allow-Origin" in answer
+    client.sendall(b"GARBAGE\r\n\r\n")
+    garbled = b""
+    while chunk := client.recv(4096):
+        garbled += chunk
+    client.close()
+    assert garbled.startswith(b"HTTP/1.1 400") and b"G3" not in garbled and b"Access-Control" not in garbled
+    assert re.search(rb"X-Request-Id: req-[0-9a-f]{32}\r\n", garbled), garbled
+    monkeypatch.setattr(served, "api_key", "right")  # refused at Expect: 100-continue, before its body
+    client = socket.create_connection(served.server_address[:2], timeout=10)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\nX-Request-Id: G1\r\n"
+                   b"Expect: 100-continue\r\nContent-Length: 4000\r\n\r\n")
+    refused = b""
+    while b"\r\n\r\n" not in refused:
+        refused += client.recv(4096)
+    client.close()
+    assert refused.startswith(b"HTTP/1.1 401") and b"X-Request-Id: G1\r\n" in refused, refused
