@@ -427,7 +427,8 @@ def _bench(args) -> None:
                 "decoding": "greedy, stop tokens disabled", "slo": slo or None, "prompt_tokens_asked": args.prompt_tokens,
                 "output_tokens_asked": args.output_tokens, **workload.settings()}
     result = bench.report(settings, runs, slo=slo or None, failures=failures)
-    wide = console if console.is_terminal else Console(stderr=True, width=160, emoji=False)  # a pipe would get 80 columns
+    # a pipe would get 80 columns; a reader that left loses the tables, not the JSON written after them
+    wide = console if console.is_terminal else ReaderAwareConsole(stderr=True, width=160, emoji=False)
     for backend, entry in result["backends"].items():
         table = format_table(entry["summary"])
         table.title = f"{backend}: {table.title}"
@@ -660,6 +661,11 @@ def _unencodable_characters_replaced() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _unencodable_characters_replaced()
+    try:  # relative paths, torch's own libraries (oneMKL's fatal error) and plan's hints all need it
+        os.getcwd()
+    except FileNotFoundError:
+        error("the working folder was deleted (another shell removed it); cd to a folder that exists and run again")
+        return 2
     try:  # Ctrl-C while the modules load (the first ~0.2 s): a word, not a traceback
         from compiler.errors import BuildError
         from runtime.errors import AotlmRuntimeError
@@ -710,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         message("[yellow]interrupted[/yellow]")
         return 130
     finally:  # a second Ctrl-C here (between two restores) would be a traceback: held until they are done
-        with _signals_held(previous):
+        with _signals_held([*previous, signal.SIGINT]):
             for number, handler in previous.items():
                 signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
     return 0

@@ -20,9 +20,16 @@ from compiler.errors import UsageError, nonnegative_int, positive_float, thread_
 
 
 def web_origin(text: str) -> str:
-    """An argparse type: "*", or an origin as a browser sends it (scheme://host[:port], no path)."""
-    if text == "*" or re.fullmatch(r"https?://[^/\s?#]+", text):
+    """An argparse type: "*", or an origin (scheme://host[:port], no path), written as a browser sends it: in lower
+    case, without the scheme's default port (https://App.Example.com:443 never matched https://app.example.com)."""
+    if text == "*":
         return text
+    if re.fullmatch(r"https?://[^/\s?#]+", text):
+        origin = text.lower()
+        for scheme, port in (("https://", ":443"), ("http://", ":80")):
+            if origin.startswith(scheme) and origin.endswith(port):
+                origin = origin.removesuffix(port)
+        return origin
     raise argparse.ArgumentTypeError(f"{text!r} is not a web origin: give scheme://host[:port] (no path, no trailing "
                                      f"/), e.g. https://app.example.com, or *")
 

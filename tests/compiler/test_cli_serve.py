@@ -256,6 +256,7 @@ def test_a_stop_notice_on_a_closed_stderr_still_exits_with_the_signals_status(mo
             raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(cli.console, "file", GoneReader())
+    monkeypatch.setattr(cli.console, "quiet", False)  # the broken pipe sets it: given back after the test
     assert cli._stopped_by(cli._Terminated()) == 143
 
 
@@ -267,3 +268,11 @@ def test_serve_refuses_an_origin_with_a_path_and_a_keep_alive_of_zero(capsys):
         with pytest.raises(SystemExit):
             main(["serve", "/nonexistent", *flags])
         assert said in capsys.readouterr().err
+
+
+def test_an_allowed_origin_is_written_as_a_browser_sends_it():
+    from compiler.cli_serve import web_origin
+
+    assert web_origin("https://App.Example.com:443") == "https://app.example.com"
+    assert web_origin("http://localhost:80") == "http://localhost" and web_origin("http://localhost:5173") == \
+        "http://localhost:5173"

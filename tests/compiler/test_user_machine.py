@@ -168,3 +168,15 @@ def test_a_terminal_that_hung_up_is_a_hang_up_not_a_traceback(capsys, monkeypatc
     monkeypatch.setattr(cli, "_on_a_terminal", lambda: False)  # a disk's EIO is not a hang-up
     with pytest.raises(OSError):
         main(["chat", str(tiny_artifact)])
+
+
+def test_a_deleted_working_folder_is_one_line_for_every_command(capsys, tmp_path, monkeypatch):
+    """bench's output check, plan's hints and torch (a oneMKL fatal error) failed their own ways in a folder another
+    shell removed; run named it."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    for argv in (["plan", "x.yaml", "--device", "H100"], ["bench", "art", "--out", "b.json"], ["build", str(TINY)]):
+        status, text = run_cli(capsys, *argv)
+        assert status == 2 and "the working folder was deleted" in text and "Traceback" not in text, text
