@@ -219,6 +219,7 @@ def test_a_log_whose_reader_is_gone_loses_lines_not_requests(monkeypatch, tiny_a
             raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(cli_serve.sys, "stderr", GoneReader())
+    monkeypatch.setattr(cli_serve.console, "quiet", False)  # a notice meanwhile sets it: given back after the test
     cli_serve._log_line("a line nobody reads")  # no exception
     engine = Engine.load(tiny_artifact)
     engine.start_scheduler(slots=1)
@@ -255,7 +256,8 @@ def test_a_stop_notice_on_a_closed_stderr_still_exits_with_the_signals_status(mo
         def flush(self):
             raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(cli.console, "file", GoneReader())
+    # _file, not file: the property's value is sys.stderr of the moment, which restoring would pin for good
+    monkeypatch.setattr(cli.console, "_file", GoneReader())
     monkeypatch.setattr(cli.console, "quiet", False)  # the broken pipe sets it: given back after the test
     assert cli._stopped_by(cli._Terminated()) == 143
 
