@@ -602,7 +602,8 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # end the program as Ctrl-C does, cleaning up on the way
+# end the program as Ctrl-C does, cleaning up on the way (Windows has no SIGHUP)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class _Terminated(KeyboardInterrupt):
@@ -620,7 +621,8 @@ def _terminated(signum, frame) -> None:
 
 def _stopped_by(stop: _Terminated) -> int:
     """The exit status of a signal's stop (128 + its number, as a shell reports it), said in a word."""
-    message("[yellow]hung up[/yellow]" if stop.signum == signal.SIGHUP else "[yellow]terminated[/yellow]")
+    message("[yellow]hung up[/yellow]" if stop.signum == getattr(signal, "SIGHUP", None) else
+            "[yellow]terminated[/yellow]")
     return 128 + stop.signum
 
 
@@ -696,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
             for stream in (sys.stdout, sys.stderr):  # Python's exit flush must not fail again
                 with contextlib.suppress(OSError, ValueError):
                     os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
-            return 128 + signal.SIGHUP
+            return 128 + getattr(signal, "SIGHUP", 1)
         if problem.errno not in REFUSED_WRITES:
             raise
         error(refused_write(problem))
@@ -708,6 +710,10 @@ def main(argv: list[str] | None = None) -> int:
             # an install with the runtime only (a deployment) running a command that needs more
             error(f"`aotlm {getattr(args, 'command', '')}` needs {missing}, which is not installed: pip install "
                   f"'aotlm[{EXTRAS[missing]}]'")
+            return 2
+        if stop is None and isinstance(problem, ModuleNotFoundError) and missing == "fcntl":  # Windows
+            error(f"`aotlm {getattr(args, 'command', '')}` needs a POSIX system (Linux or macOS; on Windows, WSL): "
+                  f"the build locks its folders with fcntl; the runtime's commands (run, serve, bench, eval) run here")
             return 2
         if stop is None:
             raise

@@ -198,7 +198,11 @@ def cpu_device(remeasure: bool = False) -> dict:
                     f"measure again on a quiet machine")
     else:
         m = cache[key]
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # Windows has no sysconf
+        raise BuildError("--device cpu: this system does not say how much memory it has (no os.sysconf); plan for "
+                         "a named device instead (--device H100, say)") from None
     return {"name": f"cpu {key} (measured {m['measured']}; {note})", "memory": memory,
             "bandwidth": m["bandwidth"], "fp32": m["fp32_flops"], "measured": True}
 
@@ -207,12 +211,11 @@ def load_source(path: str) -> tuple[DecoderConfig, dict]:
     """The model config behind a recipe, config.json (or its folder), .gguf file or artifact folder."""
     p = Path(path)
     if not p.exists() and p.suffix in ("", ".yaml") and p.parent in (Path("."), Path("recipes")):
-        try:  # a recipe that comes with aotlm, by its name, as `aotlm build` finds it (a wheel has no recipes/)
-            from compiler.recipe import bundled_recipes
-        except ImportError:  # the runtime alone: no recipes to plan anyway
-            pass
-        else:
-            p = bundled_recipes().get(p.stem, p)
+        # a recipe that comes with aotlm, by its name, as `aotlm build` finds it (a wheel has no recipes/); with the
+        # runtime alone this import fails, and the CLI says which extra planning a recipe needs
+        from compiler.recipe import bundled_recipes
+
+        p = bundled_recipes().get(p.stem, p)
     if not p.exists():
         raise BuildError(f"{path}: no such file or folder.{hub_id_hint(path, 'hf')}")  # a .gguf path gets no hint
     if p.is_dir() and (p / "manifest.json").is_file() or p.name == "manifest.json":

@@ -30,9 +30,9 @@ def render(template: str, messages, *, add_generation_prompt: bool = True, bos_t
         raise RequestError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
     messages = flat_messages(messages, separator=None)
     check_messages(messages)
+    template_object = compiled(template)  # (it imports jinja2, and says so where it is missing)
     import jinja2
 
-    template_object = compiled(template)
     if not takes_parts(template):
         messages = flat_messages(messages)
     tokens = {name: text for name, text in {"bos_token": bos_token, "eos_token": eos_token, **special_tokens}.items()
@@ -51,8 +51,12 @@ def render(template: str, messages, *, add_generation_prompt: bool = True, bos_t
 @functools.lru_cache(maxsize=8)
 def compiled(template: str):
     """The template compiled once (transformers caches it too): every chat request renders the same one."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # a runtime installed without it: plain prompts run, chat requests say what to install
+        raise ArtifactError("this artifact's chat template needs jinja2, which is not installed: pip install "
+                            "'jinja2>=3.1'") from None
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols", _generation_block()])

@@ -309,8 +309,8 @@ class Engine:
         engine.prefix_caching = prefix_caching
         try:
             engine.prepare_chat()
-        except ArtifactError:  # a broken template fails chat requests (chat_prompt_ids says why), not the load
-            pass
+        except ArtifactError:  # a broken template (or no jinja2) fails chat requests (chat_prompt_ids says why), not
+            pass  # the load
         if huge_pages and backend_name == "onnxruntime":
             engine.huge_pages = collapse_large_mappings(exclude=existing)
             backend.huge_pages = True  # the scheduler's slot cache, allocated later, asks for them too

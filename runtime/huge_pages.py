@@ -65,7 +65,11 @@ def private_anonymous_mappings(min_bytes: int = MIN_MAPPING) -> list[tuple[int, 
     found, previous = [], None
     # Each line ends with the mapped file's path as the kernel holds it, in any bytes (an artifact folder named
     # "modèles" maps its weights from there): only "" and "[heap]" are compared, so undecodable bytes may be replaced.
-    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+    try:
+        maps = open("/proc/self/maps", encoding="utf-8", errors="replace")
+    except OSError:  # not Linux (macOS, Windows), or no /proc: no mappings to name, and nothing to collapse
+        return []
+    with maps:
         for line in maps:
             fields = line.split()
             start, end = (int(x, 16) for x in fields[0].split("-"))

@@ -157,23 +157,27 @@ def check_installed(installed: str) -> None:
                             f"(GroupQueryAttention's outputs): pip install -U 'onnxruntime>={MIN_ONNXRUNTIME}'")
 
 
-def check_version(built: str | None, installed: str) -> None:
-    """An onnxruntime older than the one that built the graphs may lack their operators (com.microsoft contrib ops
-    gain inputs and types release by release): refused with the fix. A newer one runs them."""
+def check_version(built: str | None, installed: str) -> str | None:
+    """The installed onnxruntime against aotlm's floor (refused below it) and against the one that built the graphs:
+    an older one may lack their operators or inputs (com.microsoft contrib ops gain them release by release: an int8
+    cache's GroupQueryAttention fails to load on 1.23), or may run them (a float artifact built with 1.32 gives the
+    same tokens on 1.23.2, the newest release for Intel Macs): tried, and the note returned for a warning and for
+    the error where it cannot load them. None where it is as new."""
     check_installed(installed)
     if built is not None and not (built[:1].isdigit() and "." in built):  # "abc" read as 0.0.0: anything passed
         raise ArtifactError(f"backend.version {built!r} in the manifest is not an onnxruntime version; the manifest "
                             f"was edited: rebuild the artifact")
     if built and release(installed) < release(built):
-        raise ArtifactError(f"this artifact was built with onnxruntime {built}, and {installed} is installed (older); "
-                            f"install onnxruntime>={built}, or rebuild the artifact here (`aotlm build RECIPE`)")
+        return (f"this artifact was built with onnxruntime {built}, and {installed} is installed (older): install "
+                f"onnxruntime>={built}, or rebuild the artifact here (`aotlm build RECIPE`)")
+    return None
 
 
 class OnnxRuntimeBackend:
     def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None, *,
                  spinning_phases: Collection[str] = ()):
         """spinning_phases: the phases whose sessions' threads keep spinning after a run (STOP_SPINNING_AFTER_RUN)."""
-        check_version(manifest["backend"].get("version"), ort.__version__)
+        older = check_version(manifest["backend"].get("version"), ort.__version__)
         self.manifest = manifest
         settings = manifest["backend"].get("session", {})
         self.kv_spec = manifest["kv_cache"]
@@ -190,12 +194,18 @@ class OnnxRuntimeBackend:
             path = Path(artifact_dir) / engine["file"]
             try:
                 session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
+                check_io(session, engine, path)
             except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
+                if older:  # most likely why: say the fix first
+                    raise ArtifactError(f"{path}: onnxruntime cannot load this graph; {older} ({error})") from None
+                if isinstance(error, ArtifactError):
+                    raise
                 raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({error})") from None
-            check_io(session, engine, path)
             self.sessions[phase] = session
             self.bindings[phase] = session.io_binding()
             self.steps[phase] = StepBuffers()
+        if older:  # it loaded: most such artifacts run (the same tokens, where checked); say so once
+            warnings.warn(f"{older}; it loaded, and runs", RuntimeWarning, stacklevel=3)
         self.past_names = [i.name for i in self.sessions["decode"].get_inputs() if i.name in self.present_for_past]
         self.cache: KVCache | None = None
         self.runs = 0  # graph runs on the batch-1 cache, failed ones too: what it holds changed (prefix caching)

@@ -665,14 +665,22 @@ class _Handler(BaseHTTPRequestHandler):
         """The client closed its end: its socket reads as ended. poll() rather than a non-blocking recv(): a socket
         with a timeout waits that long inside recv() whatever its flags (60 s here, then a TimeoutError that would
         read as gone), and poll(), unlike select(), watches descriptors numbered 1024 or more. The peek consumes
-        nothing the client sends meanwhile. A client that only shut down its sending side reads as gone too."""
-        watcher = select.poll()
-        watcher.register(self.connection, select.POLLIN)
-        events = watcher.poll(0)
-        if not events:  # nothing to read: still there
-            return False
-        if events[0][1] & (select.POLLERR | select.POLLNVAL):
-            return True
+        nothing the client sends meanwhile. A client that only shut down its sending side reads as gone too. Windows
+        has no poll(): select() there, which has no limit on descriptor numbers."""
+        if hasattr(select, "poll"):
+            watcher = select.poll()
+            watcher.register(self.connection, select.POLLIN)
+            events = watcher.poll(0)
+            if not events:  # nothing to read: still there
+                return False
+            if events[0][1] & (select.POLLERR | select.POLLNVAL):
+                return True
+        else:
+            readable, _, failed = select.select([self.connection], [], [self.connection], 0)
+            if failed:
+                return True
+            if not readable:
+                return False
         try:
             return self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
