@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from rich.console import Console
@@ -661,6 +662,20 @@ def _unencodable_characters_replaced() -> None:
                 pass
 
 
+AOTLM_PACKAGES = tuple(Path(__file__).resolve().parents[1] / name for name in ("compiler", "passes", "runtime"))
+
+
+def _one_line_warnings(show):
+    """warnings.showwarning for the commands: aotlm's own warnings (RuntimeWarning from the runtime, warned at the
+    command's line) as one `warning:` line, as its other warnings print, not Python's two lines with a source line
+    from inside aotlm; anything else's as `show` prints it."""
+    def shown(message, category, filename, lineno, file=None, line=None):
+        if any(Path(filename).resolve().is_relative_to(package) for package in AOTLM_PACKAGES):
+            return warning(str(message))
+        return show(message, category, filename, lineno, file, line)
+    return shown
+
+
 def main(argv: list[str] | None = None) -> int:
     _unencodable_characters_replaced()
     try:  # relative paths, torch's own libraries (oneMKL's fatal error) and plan's hints all need it
@@ -676,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         message("[yellow]interrupted[/yellow]")
         return 130
+    show, warnings.showwarning = warnings.showwarning, _one_line_warnings(warnings.showwarning)
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
     # a signal ignored where the program started (nohup's SIGHUP) stays ignored
     previous = {number: signal.signal(number, _terminated) for number in STOP_SIGNALS
@@ -722,6 +738,7 @@ def main(argv: list[str] | None = None) -> int:
         message("[yellow]interrupted[/yellow]")
         return 130
     finally:  # a second Ctrl-C here (between two restores) would be a traceback: held until they are done
+        warnings.showwarning = show
         with _signals_held([*previous, signal.SIGINT]):
             for number, handler in previous.items():
                 signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python

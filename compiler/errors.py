@@ -86,13 +86,13 @@ def thread_count(text: str) -> int:
     """An argparse type: intra-op threads, 0 (the default) up to the CPUs this process may use (its affinity and
     container limit, runtime/cpus.py). More threads than those only contend (each spins on a CPU while a run lasts:
     twice as slow per token on one CPU); thousands hang the process."""
-    from runtime.cpus import restriction, usable_cpus
+    from runtime.cpus import cpus, restriction, usable_cpus
 
     value = nonnegative_int(text)
     cores = usable_cpus()
     if value > cores:
-        raise argparse.ArgumentTypeError(f"{value} is more than the {cores} CPUs this process may use{restriction()}; "
-                                         f"give at most {cores}, or 0 for the default")
+        raise argparse.ArgumentTypeError(f"{value} is more than the {cpus(cores)} this process may use"
+                                         f"{restriction()}; give at most {cores}, or 0 for the default")
     return value
 
 

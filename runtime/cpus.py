@@ -33,6 +33,11 @@ def default_intra_op_threads() -> int:
     return 0 if usable >= (os.cpu_count() or 1) else usable
 
 
+def cpus(count: int) -> str:
+    """"1 CPU", "2 CPUs": the count a message names (a 1-CPU container is the usual case)."""
+    return f"{count} CPU{'' if count == 1 else 's'}"
+
+
 def restriction() -> str:
     """How this process is held to fewer CPUs than the machine has, for messages: "" when it is not."""
     usable, machine = usable_cpus(), os.cpu_count() or 1

@@ -22,6 +22,7 @@ import operator
 import os
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Iterator, Sequence
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 import numpy as np
 
 from runtime import evaluate
-from runtime.cpus import restriction, usable_cpus
+from runtime.cpus import cpus, restriction, usable_cpus
 from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
@@ -254,7 +255,7 @@ class Engine:
                                f"{intra_op_threads!r}")
         cores = usable_cpus()
         if intra_op_threads is not None and intra_op_threads > cores:  # they only contend; thousands hang
-            raise RequestError(f"intra_op_threads: {intra_op_threads} is more than the {cores} CPUs this process may "
+            raise RequestError(f"intra_op_threads: {intra_op_threads} is more than the {cpus(cores)} this process may "
                                f"use{restriction()}; give at most {cores}, or 0 for the default")
         for name, flag in (("verify", verify), ("huge_pages", huge_pages), ("prefix_caching", prefix_caching)):
             if not isinstance(flag, bool):
@@ -273,7 +274,10 @@ class Engine:
                                f"({', '.join(phases)})")
         check_files(folder, manifest, verify_hashes=verify)
         with _loading():
-            return cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching)
+            engine = cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching)
+        for notice in getattr(engine.backend, "notices", ()):  # at the caller's line, once (not per session)
+            warnings.warn(notice, RuntimeWarning, stacklevel=2)
+        return engine
 
     @classmethod
     def _open(cls, folder: Path, manifest: dict, intra_op_threads: int | None, huge_pages: bool,

@@ -17,7 +17,7 @@ from typing import Collection
 import numpy as np
 import onnxruntime as ort
 
-from runtime.cpus import default_intra_op_threads, restriction, usable_cpus
+from runtime.cpus import cpus, default_intra_op_threads, restriction, usable_cpus
 from runtime.errors import ArtifactError, RequestError
 from runtime.huge_pages import advise
 from runtime.versions import release
@@ -71,10 +71,12 @@ STOP_SPINNING_AFTER_RUN = "session.force_spinning_stop"
 
 
 def session_options(settings: dict, intra_op_threads: int | None, config: dict | None = None,
-                    where: str = "manifest", spin_after_run: bool = False) -> ort.SessionOptions:
+                    where: str = "manifest", spin_after_run: bool = False,
+                    notices: list[str] | None = None) -> ort.SessionOptions:
     """The backend's session settings, plus `config`: an engine's session config entries (manifest
     engines.<phase>.session_config, recorded by the passes that need them, e.g. dequantize_weights).
-    spin_after_run: leave onnxruntime's threads spinning after a run (its default); see STOP_SPINNING_AFTER_RUN."""
+    spin_after_run: leave onnxruntime's threads spinning after a run (its default); see STOP_SPINNING_AFTER_RUN.
+    notices: where a warning goes (Engine.load gives it, once, at its caller's line), else warnings.warn."""
     options = ort.SessionOptions()
     level = settings.get("graph_optimization_level", "all")
     if level not in OPTIMIZATION_LEVELS:
@@ -87,9 +89,12 @@ def session_options(settings: dict, intra_op_threads: int | None, config: dict |
                             f"manifest was edited: rebuild the artifact")
     cores = usable_cpus()
     if threads > cores:  # the recipe's count, set for the build machine: more threads than cores only contend
-        warnings.warn(f"the artifact's recipe sets backend.intra_op_threads: {threads}, more than the {cores} CPUs "
-                      f"this process may use{restriction()}; running with {cores} (pass intra_op_threads / --threads "
-                      f"to choose)", RuntimeWarning, stacklevel=2)
+        notice = (f"the artifact's recipe sets backend.intra_op_threads: {threads}, more than the {cpus(cores)} this "
+                  f"process may use{restriction()}; running with {cores} (pass intra_op_threads / --threads to choose)")
+        if notices is None:
+            warnings.warn(notice, RuntimeWarning, stacklevel=2)
+        else:
+            notices.append(notice)
         threads = cores
     # 0: onnxruntime's default on a machine this process may use whole; else the CPUs it may use (runtime/cpus.py)
     options.intra_op_num_threads = threads or default_intra_op_threads()
@@ -178,6 +183,7 @@ class OnnxRuntimeBackend:
                  spinning_phases: Collection[str] = ()):
         """spinning_phases: the phases whose sessions' threads keep spinning after a run (STOP_SPINNING_AFTER_RUN)."""
         older = check_version(manifest["backend"].get("version"), ort.__version__)
+        self.notices: list[str] = []  # warnings for Engine.load to give its caller, each once
         self.manifest = manifest
         settings = manifest["backend"].get("session", {})
         self.kv_spec = manifest["kv_cache"]
@@ -190,7 +196,7 @@ class OnnxRuntimeBackend:
         self.huge_pages = False  # set by Engine.load(huge_pages=True): the slot cache asks for them too
         for phase, engine in manifest["engines"].items():
             options = session_options(settings, intra_op_threads, engine.get("session_config"),
-                                      f"manifest engines.{phase}", phase in spinning_phases)
+                                      f"manifest engines.{phase}", phase in spinning_phases, self.notices)
             path = Path(artifact_dir) / engine["file"]
             try:
                 session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
@@ -205,7 +211,8 @@ class OnnxRuntimeBackend:
             self.bindings[phase] = session.io_binding()
             self.steps[phase] = StepBuffers()
         if older:  # it loaded: most such artifacts run (the same tokens, where checked); say so once
-            warnings.warn(f"{older}; it loaded, and runs", RuntimeWarning, stacklevel=3)
+            self.notices.append(f"{older}; it loaded, and runs")
+        self.notices = list(dict.fromkeys(self.notices))  # the same notice from both phases' sessions: once
         self.past_names = [i.name for i in self.sessions["decode"].get_inputs() if i.name in self.present_for_past]
         self.cache: KVCache | None = None
         self.runs = 0  # graph runs on the batch-1 cache, failed ones too: what it holds changed (prefix caching)

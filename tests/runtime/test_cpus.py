@@ -53,14 +53,14 @@ def test_held_to_fewer_cpus_the_default_is_their_count_and_more_threads_are_refu
 
     assert cpus.usable_cpus() == 1 and cpus.default_intra_op_threads() == 1
     assert session_options({}, None).intra_op_num_threads == 1  # explicit: onnxruntime pins nothing then
-    with pytest.raises(argparse.ArgumentTypeError, match=r"2 is more than the 1 CPUs this process may use \(of the "
+    with pytest.raises(argparse.ArgumentTypeError, match=r"2 is more than the 1 CPU this process may use \(of the "
                                                          r"machine's 4: an affinity mask or a container's CPU limit\)"):
         thread_count("2")
-    with pytest.raises(RequestError, match="intra_op_threads: 2 is more than the 1 CPUs this process may use"):
+    with pytest.raises(RequestError, match="intra_op_threads: 2 is more than the 1 CPU this process may use"):
         from runtime import Engine
 
         Engine.load("/nonexistent", intra_op_threads=2)
-    with pytest.warns(RuntimeWarning, match="more than the 1 CPUs this process may use"):
+    with pytest.warns(RuntimeWarning, match="more than the 1 CPU this process may use"):
         assert session_options({"intra_op_threads": 3}, None).intra_op_num_threads == 1
 
 
@@ -88,3 +88,24 @@ def test_an_engine_held_to_one_cpu_starts_no_thread_on_another(tiny_artifact):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[0] == "[(0,)]", result.stdout  # every thread may run on CPU 0 only
     assert "setaffinity" not in result.stderr
+
+
+def test_a_recipes_thread_count_above_the_cpus_is_warned_once_at_the_callers_line(tiny_artifact, tmp_path):
+    """The warning pointed into aotlm (onnxruntime_backend.py, its source line printed under it by the CLI) and came
+    twice, once per phase's session."""
+    import json
+    import shutil
+    import warnings
+
+    from runtime import Engine
+
+    copy = shutil.copytree(tiny_artifact, tmp_path / "copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["backend"].setdefault("session", {})["intra_op_threads"] = 4096
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Engine.load(copy).close()
+    said = [w for w in caught if "intra_op_threads: 4096" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
+    assert cpus.cpus(1) == "1 CPU" and cpus.cpus(2) == "2 CPUs"
