@@ -704,7 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     except _Terminated as stop:
         return _stopped_by(stop)
     except BrokenPipeError:  # stdout's reader left (`aotlm run ... | head`): stop quietly, as a killed writer would
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
+        with contextlib.suppress(OSError, ValueError):  # (a stdout that is no file, as under a test, has no fileno)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
         return 141
     except KeyboardInterrupt:
         message("[yellow]interrupted[/yellow]")

@@ -27,7 +27,8 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_it_cannot_listen(
     monkeypatch.setenv("AOTLM_API_KEY", "from-the-environment")
     assert main(["serve", str(tiny_artifact), "--port", "65535", "--slots", "2", "--max-queue", "7",
                  "--prefill-chunk", "16", "--prefix-caching", "--model-name", "m", "--quiet",
-                 "--max-connections", "9"]) == 2
+                 "--max-connections", "9", "--keep-alive-timeout", "75", "--allowed-origins", "https://a.example",
+                 "--allowed-origins", "*"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "cannot listen on 127.0.0.1:65535: Address already in use; choose another --port" in err, err
     given = TakenPort.given
@@ -36,6 +37,7 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_it_cannot_listen(
         "host": "127.0.0.1", "port": 65535, "slots": 2, "max_queue": 7, "prefill_chunk": 16, "model_name": "m",
         "api_key": "from-the-environment", "log_requests": False, "max_connections": 9}
     assert given["log"] is cli_serve._log_line  # --quiet keeps errors and refusals
+    assert given["keep_alive_s"] == 75.0 and given["allowed_origins"] == ("https://a.example", "*")
     assert given["engine"].prefix_caching is True and given["engine"].scheduler is None  # closed
     assert main(["serve", str(tiny_artifact), "--host", "::1", "--port", "0", "--api-key", "given"]) == 2
     given = TakenPort.given
@@ -47,6 +49,10 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_it_cannot_listen(
 
     assert given["max_connections"] == MAX_CONNECTIONS == 1024  # as --help says
     assert given["engine"].prefix_caching is False
+    assert given["keep_alive_s"] == 5.0 and given["allowed_origins"] == ()
+    monkeypatch.setattr(cli_serve, "load_dependent_outputs", lambda *args: "outputs depend on the load")
+    assert main(["serve", str(tiny_artifact), "--port", "0"]) == 2
+    assert "warning: outputs depend on the load" in capsys.readouterr().err  # the int8 cache's caveat is said
 
 
 @pytest.mark.parametrize("argv, environment, message", [

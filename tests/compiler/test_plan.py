@@ -729,3 +729,29 @@ def test_plan_finds_a_recipe_that_comes_with_aotlm_by_its_name(tmp_path, monkeyp
         assert info["kind"] == "recipe (random)" and info["path"].endswith("tiny-random.yaml")
     with pytest.raises(BuildError, match="tiny-randum: no such file or folder"):
         load_source("tiny-randum")
+
+
+def test_without_pack_projections_plan_matches_the_unpacked_names(tmp_path):
+    """A recipe that does not pack: '*v_proj*' names v_proj alone, as the build takes it (plan had assumed packed
+    names for any recipe)."""
+    text = TINY_RECIPE.read_text().replace("  - pack_projections\n", "  - quantize: {bits: 4, block_size: 16, "
+                                           "method: rtn, overrides: [{pattern: \"*v_proj*\", bits: 8}]}\n")
+    assert "pack_projections" not in text
+    recipe = tmp_path / "q.yaml"
+    recipe.write_text(text)
+    with_override = plan(str(recipe), device="H100")["weights"]
+    recipe.write_text(text.replace(', overrides: [{pattern: "*v_proj*", bits: 8}]', ""))
+    assert with_override > plan(str(recipe), device="H100")["weights"]
+
+
+def test_the_cpu_figures_are_cached_per_count_of_usable_cpus(monkeypatch, tmp_path):
+    """A figure measured on 1 of 2 CPUs (taskset, a container) was served to later runs on both, and back."""
+    calls = []
+    monkeypatch.setattr(plan_module, "CACHE_FILE", tmp_path / "cpu.json")
+    monkeypatch.setattr(plan_module, "measure_cpu", lambda: calls.append(1) or dict(FAKE_CPU))
+    monkeypatch.setattr(plan_module, "usable_cpus", lambda: 1)
+    plan_module.cpu_device()
+    plan_module.cpu_device()
+    monkeypatch.setattr(plan_module, "usable_cpus", lambda: 2)
+    plan_module.cpu_device()
+    assert len(calls) == 2  # once per count, each cached

@@ -127,6 +127,7 @@ def test_a_file_size_limit_is_one_line_naming_it(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("compiler.build.build", too_large)
     status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
     assert status == 2 and "File too large" in text and "ulimit -f" in text and "Traceback" not in text, text
+    assert f"({tmp_path / 'out'}, where the artifact is written" in text, text  # which disks the build writes
 
 
 def test_onnxruntime_writes_nothing_under_the_home_folder(tmp_path):
@@ -180,3 +181,49 @@ def test_a_deleted_working_folder_is_one_line_for_every_command(capsys, tmp_path
     for argv in (["plan", "x.yaml", "--device", "H100"], ["bench", "art", "--out", "b.json"], ["build", str(TINY)]):
         status, text = run_cli(capsys, *argv)
         assert status == 2 and "the working folder was deleted" in text and "Traceback" not in text, text
+
+
+def test_notices_survive_a_gone_stderr_and_a_gone_stdout_ends_as_a_closed_pipe(capsys, monkeypatch, tiny_artifact):
+    """A notice written to a terminal that hung up (EIO) raised; `aotlm inspect | head` exits 141 as any writer into a
+    closed pipe (rich's own answer was status 1, and /dev/null over stdout whichever stream broke)."""
+    from compiler.console import ReaderAwareConsole, message
+
+    class Broken:
+        def __init__(self, error):
+            self.error = error
+
+        def write(self, text):
+            raise self.error
+
+        def flush(self):
+            raise self.error
+
+    message("a notice", ReaderAwareConsole(file=Broken(OSError(errno.EIO, "Input/output error")), emoji=False))
+    stdout = ReaderAwareConsole(file=Broken(BrokenPipeError(errno.EPIPE, "Broken pipe")), emoji=False)
+    with pytest.raises(BrokenPipeError):
+        stdout.print("a table row")
+    monkeypatch.setattr(cli, "ReaderAwareConsole", lambda **kwargs: ReaderAwareConsole(
+        file=Broken(BrokenPipeError(errno.EPIPE, "Broken pipe")), emoji=False))
+    monkeypatch.setattr(os, "dup2", lambda *args: None)  # (the real one would point this process's stdout at null)
+    assert main(["inspect", str(tiny_artifact)]) == 141
+
+
+def test_the_stop_signals_are_held_while_their_handlers_are_restored(monkeypatch, tiny_artifact, capsys):
+    """A second Ctrl-C between two restores was a traceback from main's finally."""
+    import signal
+
+    calls = []
+    mask = signal.pthread_sigmask
+    monkeypatch.setattr(signal, "pthread_sigmask", lambda how, numbers: calls.append((how, set(numbers))) or
+                        mask(how, numbers))
+    assert main(["inspect", str(tiny_artifact)]) == 0
+    held = [numbers for how, numbers in calls if how == signal.SIG_BLOCK]
+    assert held and {signal.SIGINT, signal.SIGTERM} <= held[-1]
+
+
+def test_a_run_artifact_path_may_start_with_a_tilde(capsys, monkeypatch, tiny_artifact, tmp_path):
+    home = tmp_path / "home"
+    shutil.copytree(tiny_artifact, home / "art")
+    monkeypatch.setenv("HOME", str(home))
+    status, text = run_cli(capsys, "run", "~/art", "--prompt", "hi", "--max-new-tokens", "2")
+    assert status == 0, text

@@ -84,3 +84,20 @@ def test_the_reference_runs_the_no_cache_form_and_refuses_an_empty_sequence():
     with pytest.raises(ValueError, match="must be >= 0"):
         op.reference(query[:, :1], key[:, :1], value[:, :1], np.zeros((1, 1, 4, 4)), np.zeros((1, 1, 4, 4)),
                      np.array([-1], np.int32), 1, *tables, num_heads=2, kv_num_heads=1)
+
+
+def test_the_torch_reference_refuses_an_empty_sequence_too():
+    """runtime/kernels/reference.py wrote the cache's last row through a negative index for seqlens_k -1."""
+    torch = pytest.importorskip("torch")
+    from runtime.kernels.reference import new_token_positions
+
+    with pytest.raises(ValueError, match="must be >= 0"):
+        new_token_positions(-1, 1, 1)
+    positions, valid = new_token_positions(2, 3, 3)
+    assert positions.tolist() == [0, 1, 2] and bool(valid.all()) and isinstance(positions, torch.Tensor)
+
+
+def test_a_scale_of_zero_that_cannot_be_folded_is_refused():
+    """q/k/v packed in a graph input: the scale stays in GroupQueryAttention, which reads 0 as "the default"."""
+    with pytest.raises(PassError, match=r"scale 0.0 cannot be folded into its query"):
+        lower_onnxruntime.run(flash_attention_model(0.0, packed="input"), lower_onnxruntime.Options())

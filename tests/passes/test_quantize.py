@@ -611,6 +611,7 @@ def test_a_k_of_16_keeps_one_block_of_16():
     quantized, report = quantize.run(matmul_model(weight), quantize.Options(bits=4, block_size=32))
     (layer,) = report["layers"]
     assert layer["block_size"] == 16 and layer["note"] == "block_size 32 > K=16: one block of 16"
+    assert layer["kernel_block"] == 16  # MatMulNBits' blocks, as the node's attribute says
     node = next(n for n in quantized.graph.node if n.op_type == "MatMulNBits")
     assert next(a.i for a in node.attribute if a.name == "block_size") == 16
 

@@ -109,3 +109,16 @@ def test_a_recipes_thread_count_above_the_cpus_is_warned_once_at_the_callers_lin
     said = [w for w in caught if "intra_op_threads: 4096" in str(w.message)]
     assert len(said) == 1 and said[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
     assert cpus.cpus(1) == "1 CPU" and cpus.cpus(2) == "2 CPUs"
+
+
+def test_a_containers_own_mount_is_read_where_its_path_names_the_hosts(tmp_path):
+    """Inside a container /proc/self/cgroup may name the host's hierarchy while the mount is the container's own:
+    the quota at the mount's root is the one that applies."""
+    membership, root = cgroup(tmp_path, "0::/kubepods/pod1\n", {"cpu.max": "50000 100000\n"})
+    assert cpus.cgroup_cpu_quota(membership, root) == 0.5
+
+
+def test_the_passes_sessions_follow_the_affinity(one_of_four_cpus):
+    from passes.calibration import cpu_threads
+
+    assert cpu_threads() == 1

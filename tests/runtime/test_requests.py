@@ -124,7 +124,7 @@ def test_numpy_integer_ids_are_token_ids(engine):
 @pytest.mark.parametrize("artifact, threads, message", [
     (None, None, "artifact_dir must be a path"), ("x", -1, "intra_op_threads must be an integer >= 0"),
     ("x", "2", "intra_op_threads must be an integer >= 0"),
-    ("x", 100_000, r"intra_op_threads: 100000 is more than the \d+ CPUs this process may use; give at most \d+"),
+    ("x", 100_000, r"intra_op_threads: 100000 is more than the \d+ CPUs? this process may use.*; give at most \d+"),
 ])
 def test_engine_load_arguments_are_checked_first(artifact, threads, message):
     with pytest.raises((RequestError, ArtifactError), match=message):

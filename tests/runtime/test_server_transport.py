@@ -273,3 +273,56 @@ def test_a_garbled_request_on_a_kept_alive_connection_gets_its_own_id_not_the_pr
         refused += client.recv(4096)
     client.close()
     assert refused.startswith(b"HTTP/1.1 401") and b"X-Request-Id: G1\r\n" in refused, refused
+
+
+def test_request_ids_are_bounded_exposed_to_pages_and_end_every_error_line(tiny_artifact, monkeypatch):
+    """An id over 128 characters is not echoed (a new one is made); a page may read X-Request-Id and Retry-After;
+    an error's log line ends with the gateway's id; a cut stream's log counts the choices it really cancelled; the
+    keep-alive time is a positive number."""
+    import types
+
+    from runtime.server import _Handler
+    from tests.runtime.test_server import serve, stop
+
+    server, lines = serve(Engine.load(tiny_artifact), slots=2)
+    server.allowed_origins = ("https://app.example",)
+    try:
+        connection = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+        connection.request("POST", "/v1/completions", body=json.dumps({"prompt": 1}),
+                           headers={"X-Request-Id": "gw-1", "Origin": "https://app.example"})
+        refused = connection.getresponse()
+        refused.read()
+        connection.request("GET", "/health", headers={"X-Request-Id": "x" * 129})
+        long_id = connection.getresponse()
+        long_id.read()
+        connection.close()
+    finally:
+        stop(server)
+    assert refused.status == 400 and refused.getheader("X-Request-Id") == "gw-1"
+    assert refused.getheader("Access-Control-Expose-Headers") == "X-Request-Id, Retry-After"
+    assert any(line.startswith("POST /v1/completions 400: ") and line.endswith("; gw-1") for line in lines), lines
+    assert re.fullmatch(r"req-[0-9a-f]{32}", long_id.getheader("X-Request-Id"))
+    logged = []
+    handles = [types.SimpleNamespace(done=lambda: True, cancel=lambda: None),
+               types.SimpleNamespace(done=lambda: False, cancel=lambda: None)]
+    handler = types.SimpleNamespace(server=types.SimpleNamespace(log=logged.append), command="POST",
+                                    path="/v1/completions", request_id="r-1", _count_when_done=lambda handle: None)
+    _Handler._cancel(handler, handles, "client went away")
+    assert logged == ["POST /v1/completions: client went away; 1 of its 2 request(s) cancelled; r-1"]
+    with Engine.load(tiny_artifact) as engine, pytest.raises(ValueError, match="keep_alive_s"):
+        ApiServer(engine, port=0, keep_alive_s=0)
+
+
+def test_a_preflight_needs_its_method_header_and_the_lowest_seed_is_taken(served, monkeypatch):
+    monkeypatch.setattr(served, "allowed_origins", ("*",))
+    connection = http.client.HTTPConnection(*served.server_address[:2], timeout=30)
+    connection.request("OPTIONS", "/v1/completions", headers={"Origin": "https://a.example"})  # not a preflight
+    plain = connection.getresponse()
+    plain.read()
+    connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 1, "seed": -2 ** 63,
+                                                                   "temperature": 1.0}))
+    seeded = connection.getresponse()
+    seeded.read()
+    connection.close()
+    assert plain.getheader("Access-Control-Allow-Methods") is None and plain.getheader("Access-Control-Allow-Origin")
+    assert seeded.status == 200

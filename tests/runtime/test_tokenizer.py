@@ -375,3 +375,10 @@ def test_the_engine_tells_the_tokenizer_which_release_wrote_its_file(tiny_artifa
     monkeypatch.setattr(runtime.engine, "TextTokenizer", lambda *args: (seen.append(args[3]), real(*args))[1])
     Engine.load(tiny_artifact).close()
     assert seen == [json.loads((tiny_artifact / "manifest.json").read_text())["tools"]["tokenizers"]] and seen[0]
+
+
+def test_an_rc_release_compares_by_its_numbers():
+    """The tokenizers upgrade hint compared only all-digit releases: "0.22.0rc1" made it silent."""
+    from runtime.tokenizer import _older
+
+    assert _older("0.21.1", "0.22.0rc1") and not _older("0.22.0rc1", "0.21.1") and _older("0.19.0+cpu", "0.20.0")
