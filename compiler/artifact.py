@@ -276,7 +276,11 @@ def temporary_folder() -> tuple[Path, str | None]:
                          "current folder were tried): set TMPDIR to a writable folder with room for the model's "
                          "weights") from None
     requested = os.environ.get("TMPDIR")
-    if requested and Path(requested).resolve() != folder.resolve():
+    try:
+        same = not requested or Path(requested).resolve() == folder.resolve()
+    except (OSError, RuntimeError):  # a link loop (RuntimeError on Python 3.11): not the folder Python took
+        same = False
+    if not same:
         return folder, (f"TMPDIR={requested} is not a writable folder: the traced graphs (the model's weights once or "
                         f"twice over) go to {folder}")
     if not requested and folder.resolve() == Path.cwd().resolve():

@@ -103,7 +103,11 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
         raise BuildError(f"--output {output_root}: {'is' if inside == Path(output_root).resolve() else 'is inside'} the "
                          f"artifact folder {inside}; --output is the folder that receives <name>/ (e.g. artifacts), "
                          f"and an artifact holds only what its manifest lists")
-    if final_dir.is_dir() and os.path.ismount(final_dir):  # the swap renames it: a mount point cannot be (EBUSY)
+    inside = next((folder for folder in built_at.parents if is_artifact_folder(folder)), None)
+    if inside is not None:  # a link into another artifact: the new one would be written inside it, breaking it
+        raise BuildError(f"{final_dir} is a link to {built_at}, inside the artifact folder {inside}; an artifact holds "
+                         f"only what its manifest lists: point the link elsewhere, or remove it")
+    if built_at.is_dir() and os.path.ismount(built_at):  # the swap renames it: a mount point cannot be (EBUSY)
         raise BuildError(f"{final_dir} is a mount point, and the build replaces that folder by renaming a new one over "
                          f"it, which a mount point refuses: give --output a folder on that volume (e.g. {final_dir}) "
                          f"so that the artifact is {final_dir / recipe.name}")

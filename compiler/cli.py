@@ -670,7 +670,12 @@ def _one_line_warnings(show):
     command's line) as one `warning:` line, as its other warnings print, not Python's two lines with a source line
     from inside aotlm; anything else's as `show` prints it."""
     def shown(message, category, filename, lineno, file=None, line=None):
-        if any(Path(filename).resolve().is_relative_to(package) for package in AOTLM_PACKAGES):
+        try:  # ("<frozen importlib._bootstrap>", or a relative name once the working folder is gone: not ours)
+            ours = os.path.isabs(filename) and any(Path(filename).resolve().is_relative_to(package)
+                                                   for package in AOTLM_PACKAGES)
+        except (OSError, RuntimeError):
+            ours = False
+        if ours:
             return warning(str(message))
         return show(message, category, filename, lineno, file, line)
     return shown

@@ -19,6 +19,14 @@ from compiler.console import console, message, warning
 from compiler.errors import UsageError, nonnegative_int, positive_float, thread_count, user_path
 
 
+def keep_alive_seconds(text: str) -> float:
+    """An argparse type: seconds > 0 and below 1,000,000 (ApiServer's bound)."""
+    value = positive_float(text)
+    if value >= 1e6:
+        raise argparse.ArgumentTypeError(f"{text} must be below 1,000,000 seconds")
+    return value
+
+
 def web_origin(text: str) -> str:
     """An argparse type: "*", or an origin (scheme://host[:port], no path), written as a browser sends it: in lower
     case, without the scheme's default port (https://App.Example.com:443 never matched https://app.example.com)."""
@@ -86,7 +94,7 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--shutdown-timeout", type=seconds, default=25.0,
                        help="on Ctrl-C or SIGTERM, seconds the requests under way may take to finish before they are "
                             "stopped (default 25, inside Kubernetes' 30 s grace before its SIGKILL; 0: at once)")
-    serve.add_argument("--keep-alive-timeout", type=positive_float, default=5.0,
+    serve.add_argument("--keep-alive-timeout", type=keep_alive_seconds, default=5.0,
                        help="seconds an idle kept-alive connection waits for its next request (default 5, uvicorn's); "
                             "behind a load balancer that pools connections, give more than its idle timeout")
     serve.add_argument("--allowed-origins", action="append", type=web_origin, default=[], metavar="ORIGIN",

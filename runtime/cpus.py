@@ -67,7 +67,7 @@ def cgroup_cpu_quota(membership: Path = Path("/proc/self/cgroup"), root: Path = 
 def _folders(mount: Path, path: str) -> list[Path]:
     """The cgroup's folder under mount and each ancestor's, up to the mount (inside a container the process's path
     may name the host's hierarchy while the mount is its own: the mount itself is tried too)."""
-    folder = mount / path.strip("/")
+    folder = Path(os.path.normpath(mount / path.strip("/")))  # "/../x" (outside a cgroup namespace) stays under mount
     folders = [folder, *folder.parents] if path.strip("/") else [folder]
     return [f for f in folders if f == mount or mount in f.parents]
 
@@ -75,15 +75,18 @@ def _folders(mount: Path, path: str) -> list[Path]:
 def _v2_quota(path: Path) -> float | None:
     try:
         quota, period = path.read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError, ZeroDivisionError):
+        return None if quota == "max" else _ratio(int(quota), int(period))
+    except (OSError, ValueError, ArithmeticError):  # missing, malformed, or a number no float holds
         return None
 
 
 def _v1_quota(folder: Path) -> float | None:
     try:
-        quota = int((folder / "cpu.cfs_quota_us").read_text())
-        period = int((folder / "cpu.cfs_period_us").read_text())
-        return None if quota <= 0 else quota / period
-    except (OSError, ValueError, ZeroDivisionError):
+        return _ratio(int((folder / "cpu.cfs_quota_us").read_text()), int((folder / "cpu.cfs_period_us").read_text()))
+    except (OSError, ValueError, ArithmeticError):
         return None
+
+
+def _ratio(quota: int, period: int) -> float | None:
+    """CPUs a quota per period gives; None for no limit (v1's -1) or nonsense (<= 0)."""
+    return quota / period if quota > 0 and period > 0 else None

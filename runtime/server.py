@@ -31,6 +31,7 @@ from __future__ import annotations
 import hmac
 import json
 import queue
+import re
 import select
 import socket
 import threading
@@ -70,6 +71,12 @@ KEEP_ALIVE_S = 5.0
 # A body must arrive within HEADER_DEADLINE_S plus its announced bytes at this rate (a chunked one's count as
 # MAX_BODY_BYTES): a byte every 55 s held a thread for ever; a 16 MiB body may take 256 s more.
 MIN_BODY_BYTES_PER_S = 64 << 10
+# What a response echoes of a request's headers, checked: http.server lets NUL and folded lines through, which an
+# echo would send on (a header split in two by a proxy); a request id as gateways make them, without "; " (the log's
+# field separator) or spaces
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
+HEADER_NAMES = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+(\s*,\s*[A-Za-z0-9!#$%&'*+.^_`|~-]+)*")
 MAX_CONNECTIONS = 1024  # open at once; one more is answered 503 and closed (a thread each: 1000 idle ones left none)
 DEADLINES = Deadlines()  # every connection's header and body deadline, on one thread
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
@@ -104,7 +111,7 @@ class ApiServer(ThreadingHTTPServer):
         allowed_origins: the web origins (scheme://host[:port], or "*") whose pages may call the API from a browser
         (CORS); none by default: a page anywhere could otherwise drive a server without a key on 127.0.0.1."""
         if isinstance(keep_alive_s, bool) or not isinstance(keep_alive_s, (int, float)) or not 0 < keep_alive_s < 1e6:
-            raise ValueError(f"keep_alive_s: {keep_alive_s!r} must be a number of seconds > 0")
+            raise ValueError(f"keep_alive_s: {keep_alive_s!r} must be a number of seconds > 0 and below 1,000,000")
         self.keep_alive_s = float(keep_alive_s)
         self.allowed_origins = tuple(allowed_origins)
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
@@ -237,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._interim and self.headers is not None:  # its headers were read (not a 400 for its line)
             origin = self.headers.get("Origin")
             allowed = self.server.allowed_origins
-            if origin and ("*" in allowed or origin in allowed):
+            if origin and ("*" in allowed or origin in allowed) and ORIGIN.fullmatch(origin):  # echoed: checked
                 self.send_header("Access-Control-Allow-Origin", origin)
                 self.send_header("Access-Control-Expose-Headers", "X-Request-Id, Retry-After")
                 self.send_header("Vary", "Origin")
@@ -256,7 +263,10 @@ class _Handler(BaseHTTPRequestHandler):
         # a kept-alive connection's last response may have been a stream
         self._streaming = self._chunked = self._stream_ended = False
         self._deadline_lock = threading.Lock()  # the cut and the headers' end: one of them first, never both
-        self._header_deadline = DEADLINES.add(HEADER_DEADLINE_S, self._cut_late_headers)
+        # a kept-alive connection's next request may begin as late as keep_alive_s (above 60 s behind a balancer
+        # that pools longer): the header deadline counts from then, or it cut such connections at 60 s
+        self._header_deadline = DEADLINES.add(HEADER_DEADLINE_S + (self.server.keep_alive_s if self._answered_one
+                                                                    else 0), self._cut_late_headers)
         if self._answered_one:  # idle between requests: the next one's first line within keep_alive_s, else closed
             self.connection.settimeout(self.server.keep_alive_s)  # (http.server closes it on the read's timeout)
         try:
@@ -369,9 +379,10 @@ class _Handler(BaseHTTPRequestHandler):
             headers = {"Allow": _allowed(path)}
             origin, allowed = self.headers.get("Origin"), self.server.allowed_origins
             if origin and ("*" in allowed or origin in allowed) and self.headers.get("Access-Control-Request-Method"):
+                asked = self.headers.get("Access-Control-Request-Headers", "")  # echoed only as a list of names
                 headers |= {"Access-Control-Allow-Methods": _allowed(path),
-                            "Access-Control-Allow-Headers": self.headers.get("Access-Control-Request-Headers",
-                                                                             "authorization, content-type"),
+                            "Access-Control-Allow-Headers": asked if HEADER_NAMES.fullmatch(asked) else
+                            "authorization, content-type",
                             "Access-Control-Max-Age": "600"}
             self._send(204, b"", "text/plain", headers)
 
@@ -403,7 +414,7 @@ class _Handler(BaseHTTPRequestHandler):
         """A gateway's X-Request-Id, echoed (vLLM's --enable-request-id-headers, OpenAI's x-request-id), where it is
         printable ASCII of at most 128 characters; else the one made up for this request stays."""
         given = self.headers.get("X-Request-Id", "") if self.headers is not None else ""
-        if 0 < len(given) <= 128 and given.isascii() and given.isprintable():
+        if REQUEST_ID.fullmatch(given):  # (not "; " and spaces, which would read as more fields in its log line)
             self.request_id = given
 
     def handle_expect_100(self) -> bool:

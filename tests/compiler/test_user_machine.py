@@ -227,3 +227,43 @@ def test_a_run_artifact_path_may_start_with_a_tilde(capsys, monkeypatch, tiny_ar
     monkeypatch.setenv("HOME", str(home))
     status, text = run_cli(capsys, "run", "~/art", "--prompt", "hi", "--max-new-tokens", "2")
     assert status == 0, text
+
+
+def test_links_into_an_artifact_or_onto_a_mount_point_are_refused_before_the_export(capsys, tmp_path, monkeypatch,
+                                                                                    tiny_artifact):
+    """<output>/<name> a link into another artifact wrote the new one inside it (breaking it); a link onto a mount
+    point passed the mount-point check (which looked at the link), and the swap failed after the whole export."""
+    monkeypatch.setattr("compiler.build.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    other = shutil.copytree(tiny_artifact, tmp_path / "art")
+    (other / "sub").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tiny-random").symlink_to(other / "sub")
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and f"inside the artifact folder {other}" in text, text
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (tmp_path / "out" / "tiny-random").unlink()
+    (tmp_path / "out" / "tiny-random").symlink_to(disk)
+    ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == disk or ismount(path))
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "is a mount point" in text, text
+
+
+def test_a_tmpdir_link_loop_is_warned_of_and_a_keep_alive_past_the_bound_is_a_usage_error(tmp_path, monkeypatch,
+                                                                                          capsys):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "loop"))
+    folder, warning = temporary_folder()  # (Path.resolve raised RuntimeError: a traceback)
+    assert warning is not None and "is not a writable folder" in warning
+    with pytest.raises(SystemExit):
+        main(["serve", "/nonexistent", "--keep-alive-timeout", "1000000"])
+    assert "must be below 1,000,000 seconds" in capsys.readouterr().err
+
+
+def test_the_warnings_hook_passes_on_names_that_are_no_path():
+    shown = []
+    hook = cli._one_line_warnings(lambda *args: shown.append(args[2]))
+    hook("x", UserWarning, "<frozen importlib._bootstrap>", 1)
+    assert shown == ["<frozen importlib._bootstrap>"]

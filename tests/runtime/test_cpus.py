@@ -122,3 +122,14 @@ def test_the_passes_sessions_follow_the_affinity(one_of_four_cpus):
     from passes.calibration import cpu_threads
 
     assert cpu_threads() == 1
+
+
+def test_nonsense_quotas_are_no_limit_and_paths_stay_under_the_mount(tmp_path):
+    for index, text in enumerate(("9" * 4000 + " 100000\n", "-5 100000\n", "50000 -1\n", "50000 0\n")):
+        assert cpus.cgroup_cpu_quota(*cgroup(tmp_path / str(index), "0::/\n", {"cpu.max": text})) is None, text[:9]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "cpu.max").write_text("25000 100000\n")
+    (tmp_path / "root" / "fs").mkdir(parents=True)
+    membership, root = cgroup(tmp_path / "root", "0::/../../outside\n", {})
+    assert cpus.cgroup_cpu_quota(membership, root) is None  # a file outside the mount is never read

@@ -326,3 +326,41 @@ def test_a_preflight_needs_its_method_header_and_the_lowest_seed_is_taken(served
     connection.close()
     assert plain.getheader("Access-Control-Allow-Methods") is None and plain.getheader("Access-Control-Allow-Origin")
     assert seeded.status == 200
+
+
+def test_echoed_headers_are_checked_and_a_long_keep_alive_outlasts_the_header_deadline(served, monkeypatch):
+    """An Origin or a preflight's header list with NUL or a folded line was echoed as it came (a proxy may split
+    the response's header); an id with "; " faked fields in its log line; and a kept-alive connection was cut at the
+    60 s header deadline whatever --keep-alive-timeout said (the 502 race it exists to prevent)."""
+    import time
+
+    import runtime.server
+
+    monkeypatch.setattr(served, "allowed_origins", ("*",))
+
+    def raw(request: bytes) -> bytes:
+        client = socket.create_connection(served.server_address[:2], timeout=10)
+        client.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += client.recv(4096)
+        client.close()
+        return answer.split(b"\r\n\r\n")[0]
+
+    head = raw(b"GET /health HTTP/1.1\r\nHost: x\r\nOrigin: https://a\x00b\r\nX-Request-Id: r-1; POST fake\r\n\r\n")
+    assert b"Access-Control-Allow-Origin" not in head and b"fake" not in head and b"X-Request-Id: req-" in head
+    head = raw(b"OPTIONS /v1/completions HTTP/1.1\r\nHost: x\r\nOrigin: https://a.example\r\nAccess-Control-Request-"
+               b"Method: POST\r\nAccess-Control-Request-Headers: content-type\r\n Set-Cookie: a=b\r\n\r\n")
+    assert b"Set-Cookie" not in head and b"Access-Control-Allow-Headers: authorization, content-type" in head
+    monkeypatch.setattr(runtime.server, "HEADER_DEADLINE_S", 0.3)
+    monkeypatch.setattr(served, "keep_alive_s", 3.0)
+    client = socket.create_connection(served.server_address[:2], timeout=10)
+    for pause in (0.0, 1.0):  # the second request begins after the header deadline, inside the keep-alive time
+        time.sleep(pause)
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"}"):
+            chunk = client.recv(4096)
+            assert chunk, "closed before the keep-alive time"
+            answer += chunk
+    client.close()
