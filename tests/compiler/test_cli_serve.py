@@ -11,6 +11,16 @@ from compiler.cli import main
 from runtime import Engine
 
 
+class GoneReader:
+    """A stream whose reader left (`aotlm serve 2>&1 | tee log`, and Ctrl-C ended tee first)."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
 class TakenPort:
     """runtime.server.ApiServer on a port another process holds: records what it was given, then refuses."""
     given: dict = {}
@@ -217,13 +227,6 @@ def test_a_log_whose_reader_is_gone_loses_lines_not_requests(monkeypatch, tiny_a
     from runtime import Engine
     from runtime.server import ApiServer
 
-    class GoneReader:
-        def write(self, text):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def flush(self):
-            raise BrokenPipeError(32, "Broken pipe")
-
     monkeypatch.setattr(cli_serve.sys, "stderr", GoneReader())
     monkeypatch.setattr(cli_serve.console, "quiet", False)  # a notice meanwhile sets it: given back after the test
     cli_serve._log_line("a line nobody reads")  # no exception
@@ -254,13 +257,6 @@ def test_a_log_whose_reader_is_gone_loses_lines_not_requests(monkeypatch, tiny_a
 def test_a_stop_notice_on_a_closed_stderr_still_exits_with_the_signals_status(monkeypatch):
     """SIGTERM with stderr's reader gone: the "terminated" notice raised BrokenPipeError, and the exit status was 1."""
     from compiler import cli
-
-    class GoneReader:
-        def write(self, text):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def flush(self):
-            raise BrokenPipeError(32, "Broken pipe")
 
     # _file, not file: the property's value is sys.stderr of the moment, which restoring would pin for good
     monkeypatch.setattr(cli.console, "_file", GoneReader())

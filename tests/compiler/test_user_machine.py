@@ -18,19 +18,7 @@ import pytest
 from compiler import cli
 from compiler.artifact import staged_folder, temporary_folder
 from compiler.cli import main
-
-TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-random.yaml"
-
-
-@pytest.fixture(autouse=True)
-def wide_console(monkeypatch):
-    monkeypatch.setattr(cli.console, "width", 10_000)  # no wrapping inside the messages compared below
-
-
-def run_cli(capsys, *argv) -> tuple[int, str]:
-    status = main([str(arg) for arg in argv])
-    captured = capsys.readouterr()
-    return status, captured.out + captured.err
+from tests.compiler.test_cli_inputs import TINY, run_cli, wide_console  # noqa: F401 -- wide_console: autouse
 
 
 def test_no_writable_temporary_folder_is_one_line_before_the_model_loads(capsys, tmp_path, monkeypatch):
