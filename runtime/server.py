@@ -412,7 +412,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _take_request_id(self) -> None:
         """A gateway's X-Request-Id, echoed (vLLM's --enable-request-id-headers, OpenAI's x-request-id), where it is
-        printable ASCII of at most 128 characters; else the one made up for this request stays."""
+        letters, digits and ._:/+=- (REQUEST_ID), at most 128; else the one made up for this request stays."""
         given = self.headers.get("X-Request-Id", "") if self.headers is not None else ""
         if REQUEST_ID.fullmatch(given):  # (not "; " and spaces, which would read as more fields in its log line)
             self.request_id = given
@@ -626,7 +626,7 @@ class _Handler(BaseHTTPRequestHandler):
             if isinstance(item, BaseException):
                 self._cancel(handles)
                 error = self._failure(item)
-                # (logged as a response's 500 is)
+                # logged as a response's 500 is
                 self.server.log(f"{self.command} {self.path}: the stream ended with {error}; {self.request_id}")
                 pending.append(_event(error.body()))
                 break
