@@ -25,6 +25,55 @@ END = object()  # the last item of a handle's piece queue
 LOGGER = logging.getLogger(__name__)
 
 
+class PieceQueue:
+    """A handle's text pieces, put by the scheduler's worker: read by a thread (get, blocking) or by an asyncio task
+    (`async for`), which is woken through its event loop, not by a thread waiting for it (a thread per stream ran
+    the default executor dry: running streams stalled behind queued ones)."""
+
+    def __init__(self):
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiter = None  # (loop, future) of the task waiting for the next item
+
+    def put(self, item) -> None:
+        self._items.put(item)
+        with self._lock:
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, future = waiter
+            try:
+                loop.call_soon_threadsafe(_wake, future)
+            except RuntimeError:  # its loop was closed: nobody waits any more (the item stays for any reader)
+                pass
+
+    def get(self):
+        return self._items.get()
+
+    async def get_async(self):
+        """The next item, waiting in the running event loop."""
+        import asyncio
+
+        while True:
+            try:
+                return self._items.get_nowait()
+            except queue.Empty:
+                pass
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            with self._lock:
+                self._waiter = (loop, future)
+            if not self._items.empty():  # put between the check and the registration: no wake would come
+                with self._lock:
+                    self._waiter = None
+                continue
+            await future
+
+
+def _wake(future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class CallbackThread:
     """Runs requests' done-callbacks in order on a thread of their own, started when one is due and ending when none
     is. Not on the worker, which completes the requests: a callback that waits on another request (its result, a
@@ -116,7 +165,7 @@ class RequestHandle:
         self._scheduler = scheduler
         # The text pieces, then END; `pieces` (a queue-like with put(): a server's stream) takes them instead, and
         # the handle is then not iterated: its consumer reads them there, without a thread to carry them over.
-        self._pieces: queue.SimpleQueue = queue.SimpleQueue() if pieces is None else pieces
+        self._pieces = PieceQueue() if pieces is None else pieces
         self._future: Future = Future()
         # True once cancel() was called. A request that finished before the cancel reached it keeps its own
         # finish_reason ("stop", "length"): the result's finish_reason, not this flag, says how it ended.
@@ -138,6 +187,24 @@ class RequestHandle:
         while (piece := self._pieces.get()) is not END:
             yield piece
         self._pieces.put(END)  # a later iteration ends at once instead of waiting forever
+        self._future.result()  # raises the request's error, if it failed
+
+    async def __aiter__(self):
+        """`async for piece in handle`, in an asyncio task: the text pieces as they arrive, the event loop never
+        blocked and no thread held per stream. The task cancelled while it waits (a client that disconnected, a
+        timeout around it) or leaving the loop early cancels the request, as vLLM's aborts on disconnect: its
+        slot is free at the next step."""
+        if not isinstance(self._pieces, PieceQueue):
+            raise RequestError("this request's pieces go to the `pieces` sink it was submitted with: read them there")
+        ended = False
+        try:
+            while (piece := await self._pieces.get_async()) is not END:
+                yield piece
+            ended = True
+        finally:
+            if not ended:  # cancelled, or the consumer left the loop: the request stops
+                self.cancel()
+        self._pieces.put(END)  # a later iteration ends at once
         self._future.result()  # raises the request's error, if it failed
 
     def result(self, timeout: float | None = None) -> GenerationResult:
@@ -187,7 +254,7 @@ class RequestHandle:
         held their locks at the fork."""
         self._future = Future()
         self._future.set_exception(error)
-        self._pieces = queue.SimpleQueue()
+        self._pieces = PieceQueue()
         self._pieces.put(END)
         self._callbacks_lock = threading.Lock()
         self._waiting_callbacks = []
