@@ -34,7 +34,9 @@ def add_chat_parser(commands) -> None:
     chat.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
     chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
     add_sampling_options(chat)
-    chat.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads")
+    chat.add_argument("--threads", type=thread_count, default=None,
+                      help="onnxruntime intra-op threads (default: the artifact's; at most the CPUs this process may "
+                           "use)")
     chat.set_defaults(handler=chat_command)
 
 

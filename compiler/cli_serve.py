@@ -32,7 +32,7 @@ def web_origin(text: str) -> str:
     case, without the scheme's default port (https://App.Example.com:443 never matched https://app.example.com)."""
     if text == "*":
         return text
-    if re.fullmatch(r"https?://[^/\s?#]+", text):
+    if re.fullmatch(r"https?://[^/\s?#]+", text.lower()):
         origin = text.lower()
         for scheme, port in (("https://", ":443"), ("http://", ":80")):
             if origin.startswith(scheme) and origin.endswith(port):
@@ -84,7 +84,9 @@ def add_serve_parser(commands) -> None:
                        help="a prompt whose start a slot already holds (a system prompt, a chat's earlier turns, n "
                             "samples of one prompt) prefills only the rest; each free slot keeps one such record "
                             "(at most --slots), the least recently left overwritten first")
-    serve.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads")
+    serve.add_argument("--threads", type=thread_count, default=None,
+                       help="onnxruntime intra-op threads (default: the artifact's; at most the CPUs this process may "
+                            "use)")
     serve.add_argument("--max-connections", type=positive_int, default=None,
                        help="connections open at once, a thread each; one more is answered 503 and closed "
                             "(default 1024)")

@@ -518,9 +518,18 @@ class _Handler(BaseHTTPRequestHandler):
         return False
 
     def _key_refusal(self, path: str) -> ApiError | None:
-        """The 401 for a request to a keyed route without the server's API key; None when it may go on."""
+        """The 403 for a web page's request from an origin --allowed-origins does not name (a browser sends a simple
+        POST, text/plain, without a preflight: the server ran it, and only its answer was hidden from the page), or
+        the 401 for a request to a keyed route without the server's API key; None when it may go on."""
+        keyed = path.startswith("/v1/") or path in KEYED_ROUTES
+        origin = self.headers.get("Origin")
+        if keyed and origin is not None and not ("*" in self.server.allowed_origins or
+                                                 origin in self.server.allowed_origins):
+            return ApiError(f"a web page's request (Origin {origin[:200]!r}), and this server serves no page from "
+                            f"there: start it with --allowed-origins ORIGIN to serve that page (API clients send no "
+                            f"Origin header)", 403, "permission_error")
         key = self.server.api_key
-        if key is None or not (path.startswith("/v1/") or path in KEYED_ROUTES):
+        if key is None or not keyed:
             return None
         scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
         # RFC 9110 11.1: the scheme is case-insensitive ("bearer" too); the key is compared in constant time

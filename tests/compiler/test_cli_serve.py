@@ -278,5 +278,6 @@ def test_an_allowed_origin_is_written_as_a_browser_sends_it():
     from compiler.cli_serve import web_origin
 
     assert web_origin("https://App.Example.com:443") == "https://app.example.com"
+    assert web_origin("HTTPS://App.Example.com") == "https://app.example.com"
     assert web_origin("http://localhost:80") == "http://localhost" and web_origin("http://localhost:5173") == \
         "http://localhost:5173"

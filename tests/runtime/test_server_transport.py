@@ -364,3 +364,27 @@ def test_echoed_headers_are_checked_and_a_long_keep_alive_outlasts_the_header_de
             assert chunk, "closed before the keep-alive time"
             answer += chunk
     client.close()
+
+
+def test_a_web_pages_request_from_an_origin_not_allowed_is_refused_before_it_runs(served, monkeypatch):
+    """A browser sends a simple POST (text/plain) without a preflight: the server ran it, and only the answer was
+    hidden from the page, so any page could make a server without a key run its prompts."""
+    body = json.dumps({"prompt": "x", "max_tokens": 2})
+    before = served.engine.scheduler.token_counts()["generation_tokens"] if served.engine.scheduler else 0
+
+    def post(origin):
+        connection = http.client.HTTPConnection(*served.server_address[:2], timeout=30)
+        headers = {"Content-Type": "text/plain"} | ({"Origin": origin} if origin else {})
+        connection.request("POST", "/v1/completions", body=body, headers=headers)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        connection.close()
+        return response.status, answer
+
+    status, answer = post("https://evil.example")
+    assert status == 403 and "--allowed-origins" in answer["error"]["message"]
+    scheduler = served.engine.scheduler
+    assert (scheduler.token_counts()["generation_tokens"] if scheduler else 0) == before  # nothing ran
+    assert post(None)[0] == 200  # an API client: no Origin
+    monkeypatch.setattr(served, "allowed_origins", ("https://app.example",))
+    assert post("https://app.example")[0] == 200 and post("https://evil.example")[0] == 403
