@@ -33,14 +33,15 @@ class PieceQueue:
     def __init__(self):
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._waiter = None  # (loop, future) of the task waiting for the next item
+        # (loop, future) of each task waiting for the next item: every one is woken, and each looks again (one slot
+        # for the latest left an earlier task of two reading one handle waiting for ever)
+        self._waiters: set = set()
 
     def put(self, item) -> None:
         self._items.put(item)
         with self._lock:
-            waiter, self._waiter = self._waiter, None
-        if waiter is not None:
-            loop, future = waiter
+            waiters, self._waiters = self._waiters, set()
+        for loop, future in waiters:
             try:
                 loop.call_soon_threadsafe(_wake, future)
             except RuntimeError:  # its loop was closed: nobody waits any more (the item stays for any reader)
@@ -59,14 +60,15 @@ class PieceQueue:
             except queue.Empty:
                 pass
             loop = asyncio.get_running_loop()
-            future = loop.create_future()
+            waiter = (loop, loop.create_future())
             with self._lock:
-                self._waiter = (loop, future)
-            if not self._items.empty():  # put between the check and the registration: no wake would come
+                self._waiters.add(waiter)
+            try:
+                if self._items.empty():  # (a put between the check above and the registration woke nobody)
+                    await waiter[1]
+            finally:  # woken, cancelled, or an item came meanwhile: not waiting any more
                 with self._lock:
-                    self._waiter = None
-                continue
-            await future
+                    self._waiters.discard(waiter)
 
 
 def _wake(future) -> None:
@@ -184,6 +186,8 @@ class RequestHandle:
     def __iter__(self) -> Iterator[str]:
         """The text pieces as they arrive. Leaving the loop early does not stop the request (the handle is its
         result too, and `next(iter(handle))` waits for the first piece): call cancel() to free its slot."""
+        if not isinstance(self._pieces, PieceQueue):  # (it had read the sink's reader's pieces, or failed inside)
+            raise RequestError("this request's pieces go to the `pieces` sink it was submitted with: read them there")
         while (piece := self._pieces.get()) is not END:
             yield piece
         self._pieces.put(END)  # a later iteration ends at once instead of waiting forever

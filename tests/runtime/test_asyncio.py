@@ -79,3 +79,29 @@ def test_a_sink_that_fails_ends_its_own_request_and_no_other(engine):
         broken.result(timeout=30)
     assert other.result(timeout=30).finish_reason == "length"
     assert engine.generate([7, 8], max_new_tokens=2, ignore_eos=True).finish_reason == "length"
+
+
+def test_two_tasks_reading_one_handle_both_end_and_a_sinks_handle_is_not_iterated(engine):
+    """One waiter slot: the second task's registration replaced the first's, which then waited for ever."""
+    from runtime import RequestError
+
+    async def app():
+        handle = engine.submit([1, 2, 3], max_new_tokens=40, ignore_eos=True)
+
+        async def read():
+            return [piece async for piece in handle]
+
+        first, second = await asyncio.wait_for(asyncio.gather(read(), read()), 30)
+        return handle, first + second
+
+    handle, pieces = asyncio.run(app())
+    assert sorted("".join(pieces)) == sorted(handle.result().text)  # every piece went to one of the two
+
+    class Sink:
+        def put(self, item):
+            pass
+
+    sunk = engine.submit([4, 5], max_new_tokens=2, ignore_eos=True, pieces=Sink())
+    with pytest.raises(RequestError, match="read them there"):
+        next(iter(sunk))
+    sunk.result(timeout=30)
