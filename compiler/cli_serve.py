@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
 import threading
@@ -30,9 +29,11 @@ def keep_alive_seconds(text: str) -> float:
 def web_origin(text: str) -> str:
     """An argparse type: "*", or an origin (scheme://host[:port], no path), written as a browser sends it: in lower
     case, without the scheme's default port (https://App.Example.com:443 never matched https://app.example.com)."""
+    from runtime.server import ORIGIN  # the server echoes only what this matches
+
     if text == "*":
         return text
-    if re.fullmatch(r"https?://[^/\s?#]+", text.lower()):
+    if ORIGIN.fullmatch(text.lower()):
         origin = text.lower()
         for scheme, port in (("https://", ":443"), ("http://", ":80")):
             if origin.startswith(scheme) and origin.endswith(port):

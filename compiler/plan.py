@@ -371,8 +371,13 @@ def quantized_weight_bytes(counts: dict, config: DecoderConfig, options: dict, s
     override keeps it float (they had been read as the pass-wide settings)."""
     total, products = counts["norms"] * scale_bytes, 0
     head_settings = options
-    found = list(_products(config, packed_blocks(options.get("packing")) or set()))
-    check_quantize_patterns(config, options)  # the build refuses them (passes/quantize.py): no size for it either
+    blocks = packed_blocks(options.get("packing"))
+    found = list(_products(config, blocks or set()))
+    if blocks is not None:  # (None: pack_projections' max_rewrites makes its groups unknowable; the pass checks)
+        problem = pattern_problem([product for product, _, _ in found], tuple(options.get("exclude") or ()),
+                                  tuple(o.get("pattern", "") for o in options.get("overrides") or ()))
+        if problem:  # the build refuses these patterns (passes/quantize.py): no size for it either
+            raise BuildError(f"quantize: {problem}")
     for product, params, k in found:
         settings = _product_settings(options, product)
         head_settings = settings  # the last product is the lm_head
@@ -421,19 +426,6 @@ def _products(config: DecoderConfig, packed: set[str]):
     head = (Product(("/decoder/lm_head/Gemm_tied", "model.embed_tokens.weight")) if config.tie_word_embeddings
             else Product(("/decoder/lm_head/MatMul",)))
     yield head, config.vocab_size * h, h
-
-
-def check_quantize_patterns(config: DecoderConfig, options: dict) -> None:
-    """Raise BuildError where the quantize pass would refuse these options' exclude and override patterns over this
-    model's products: before the export, which takes minutes (the pass sees them after it)."""
-    blocks = packed_blocks(options.get("packing"))
-    if blocks is None:  # which groups pack_projections joins depends on where its max_rewrites stops: the pass checks
-        return
-    products = [product for product, _, _ in _products(config, blocks)]
-    problem = pattern_problem(products, tuple(options.get("exclude") or ()),
-                              tuple(o.get("pattern", "") for o in options.get("overrides") or ()))
-    if problem:
-        raise BuildError(f"quantize: {problem}")
 
 
 def _product_settings(options: dict, product: Product) -> dict | None:

@@ -39,6 +39,8 @@ class PieceQueue:
 
     def put(self, item) -> None:
         self._items.put(item)
+        if not self._waiters:  # the decode loop's usual case; a task registering now sees the item (get_async)
+            return
         with self._lock:
             waiters, self._waiters = self._waiters, set()
         for loop, future in waiters:

@@ -69,9 +69,9 @@ from runtime.prefix_cache import (PREFILL_PIECE_MIN_TOKENS, PREFIX_MIN_TOKENS, r
 from runtime.request_handle import END, CallbackThread, LoggedPiece, RequestHandle
 from runtime.results import GenerationResult, Timings, received_at
 from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
+from runtime.tokenizer import StreamDecoder
 
 LOGGER = logging.getLogger(__name__)
-from runtime.tokenizer import StreamDecoder
 
 BATCHING = ("continuous", "static")
 DEFAULT_SLOTS = 8
@@ -686,7 +686,7 @@ class Scheduler:
         sequence.output.append(token)
         piece = sequence.decoder.push(token)
         if piece:
-            _hand_over(sequence, sequence.piece(piece))
+            sequence.handle._pieces.put(sequence.piece(piece))  # a sink that raises fails this request (_take)
         if sequence.decoder.stopped:  # a stop string: the text ends before it
             return self._finish(sequence, "stop")
         if len(sequence.output) >= params.max_new_tokens:
@@ -715,15 +715,15 @@ class Scheduler:
             self._fail(sequence, error)
             return
         try:
-            _hand_over(sequence, END)
-        except Exception as error:  # noqa: BLE001 -- the caller's sink: its request fails, no other
-            return self._fail(sequence, error)
+            sequence.handle._pieces.put(END)
+        except Exception as error:  # noqa: BLE001 -- a caller's `pieces` sink (its event loop closed): this request
+            return self._fail(sequence, error)  # fails, no other (the worker's catch-all had failed them all)
         sequence.handle._future.set_result(result)
 
     def _result(self, sequence: _Sequence, reason: str) -> GenerationResult:
         tail = sequence.decoder.finish()  # text held back in case it began a stop string
         if tail:
-            _hand_over(sequence, sequence.piece(tail, final=True))
+            sequence.handle._pieces.put(sequence.piece(tail, final=True))
         if sequence.decoder.stopped and reason in ("length", "max_context"):  # the stop ended inside a character
             reason = "stop"
         text = sequence.decoder.streamed_text  # what was streamed: ends before a stop string
@@ -745,15 +745,8 @@ class Scheduler:
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         self._release(sequence, failed=True)  # a failed run may have written its rows partly
         try:
-            _hand_over(sequence, END)
+            sequence.handle._pieces.put(END)
         except Exception:  # noqa: BLE001 -- a caller's sink that fails (its event loop closed): the handle still ends
             LOGGER.exception("request %s: its pieces sink raised", sequence.handle.id)
         if not sequence.handle.done():
             sequence.handle._future.set_exception(error)
-
-
-def _hand_over(sequence: _Sequence, item) -> None:
-    """A text piece (or END) to the request's consumer: its handle's queue, or the sink given as `pieces`. A sink
-    that raises (an event loop closed under it) fails its own request: _take's and _finish's callers fail it alone,
-    where the error had reached the worker's catch-all and failed every running request."""
-    sequence.handle._pieces.put(item)

@@ -422,8 +422,8 @@ class _Handler(BaseHTTPRequestHandler):
         API key, a stop under way) gets its answer now rather than "100 Continue" and an upload it then drops."""
         self._take_request_id()  # before parse_request's end: this answer carries and logs it
         path = urlsplit(self.path).path
-        refusal = self._key_refusal(path) or (_shutting_down() if self.command == "POST" and self.server.closing
-                                              else None)
+        refusal = self._access_refusal(path) or (_shutting_down() if self.command == "POST" and self.server.closing
+                                                 else None)
         if refusal is None:
             return super().handle_expect_100()
         self._refuse_unread(http_body.unread_bytes(self.headers, LINGER_BYTES))
@@ -509,15 +509,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _authorized(self, path: str) -> bool:
-        """Whether the request may go on; else it was answered 401 (its body unread: the connection ends)."""
-        refusal = self._key_refusal(path)
+        """Whether the request may go on; else it was answered 401 or 403 (its body unread: the connection ends)."""
+        refusal = self._access_refusal(path)
         if refusal is None:
             return True
         self._refuse_unread(http_body.unread_bytes(self.headers, LINGER_BYTES))
         self._send_error(refusal)
         return False
 
-    def _key_refusal(self, path: str) -> ApiError | None:
+    def _access_refusal(self, path: str) -> ApiError | None:
         """The 403 for a web page's request from an origin --allowed-origins does not name (a browser sends a simple
         POST, text/plain, without a preflight: the server ran it, and only its answer was hidden from the page), or
         the 401 for a request to a keyed route without the server's API key; None when it may go on."""
