@@ -14,6 +14,7 @@ on the graph without its large weights, and the result holds one copy of each we
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections import Counter, defaultdict
@@ -26,6 +27,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
+from passes.calibration import cpu_threads
 from passes.graph_export import export_onnx
 from passes.graph_patterns import constant_type
 
@@ -262,9 +264,10 @@ def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_thre
     guards = _guard_cast_elision(graph)
     graph.toposort()  # graphsurgeon folds in a few passes over the node list: a guard out of order stops a chain
     try:
-        graph.fold_constants(size_threshold=size_threshold, error_ok=False,
-                             should_exclude_node=lambda node: (node.domain or "") not in ONNX_DOMAINS
-                             or node.op in RANDOM_OPS)
+        with _sessions_on_usable_cpus(onnxruntime):
+            graph.fold_constants(size_threshold=size_threshold, error_ok=False,
+                                 should_exclude_node=lambda node: (node.domain or "") not in ONNX_DOMAINS
+                                 or node.op in RANDOM_OPS)
     except Exception as error:  # onnxruntime raises many types; any of them means "not folded"
         # fold_constants edits the graph before it evaluates, so start again from the unfolded model.
         report["fold_skipped"] = f"onnxruntime could not evaluate the constant subgraph: {error}"
@@ -277,6 +280,30 @@ def _fold_constants(graph: gs.Graph, unfolded: Callable[[], gs.Graph], size_thre
     report["constants_folded"] = sum(1 for name, tensor in graph.tensors().items()
                                      if isinstance(tensor, gs.Constant) and name in variables)
     return graph
+
+
+@contextlib.contextmanager
+def _sessions_on_usable_cpus(onnxruntime):
+    """graphsurgeon opens a session per folded subgraph with no options, so onnxruntime's default pool, which pins a
+    worker to every physical core: in a container's cpuset each session printed "pthread_setaffinity_np failed".
+    Where the process may not use every CPU, those sessions get the passes' thread count (cpu_threads) instead."""
+    threads = cpu_threads()
+    if not threads:
+        yield
+        return
+    original = onnxruntime.InferenceSession
+
+    def bounded(model, sess_options=None, *args, **kwargs):
+        if sess_options is None:
+            sess_options = onnxruntime.SessionOptions()
+            sess_options.intra_op_num_threads = threads
+        return original(model, sess_options, *args, **kwargs)
+
+    onnxruntime.InferenceSession = bounded
+    try:
+        yield
+    finally:
+        onnxruntime.InferenceSession = original
 
 
 def deduplicate_initializers(graph: gs.Graph, first_seen: dict[str, int]) -> int:

@@ -665,3 +665,23 @@ def test_a_bfloat16_constant_is_not_read_to_decide_cast_elision(capsys):
     assert op_counts(cleaned) == Counter(Cast=2, Mul=1)  # guarded: the casts stay
     stored = next(t for t in cleaned.graph.initializer if t.name == "factor")
     assert stored.data_type == TensorProto.BFLOAT16
+
+
+@pytest.mark.parametrize("usable", [0, 1])
+def test_folding_sessions_use_the_cpus_the_process_may_use(monkeypatch, usable):
+    """graphsurgeon opens its folding sessions without options: onnxruntime's default pool pinned workers to CPUs a
+    container's cpuset forbids. Restricted (cpu_threads > 0), each session gets that thread count; else the default."""
+    opened = []
+    original = ort.InferenceSession
+
+    def spy(model, sess_options=None, *args, **kwargs):
+        opened.append(None if sess_options is None else sess_options.intra_op_num_threads)
+        return original(model, sess_options, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", spy)
+    monkeypatch.setattr(cleanup, "cpu_threads", lambda: usable)
+    cleaned, report = cleanup.run(make_model(), cleanup.Options())
+
+    assert report["nodes_folded"] == 3 and opened  # folded, through sessions the spy saw
+    assert opened == [usable or None] * len(opened)
+    assert ort.InferenceSession is spy  # put back after the fold
