@@ -101,6 +101,9 @@ def encode_text(tokenizer, text: str, max_tokens: int | None = None) -> list[int
     """
     if max_tokens is None:
         return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:  # -1 sliced off the last id
+        raise EvaluationError(f"max_tokens must be a whole number of 0 or more (or None: the whole text); got "
+                              f"{max_tokens!r}")
     return prefix_encoding(tokenizer.tokenizer, text, max_tokens).ids[:max_tokens]
 
 
@@ -204,6 +207,18 @@ class _Totals:
         self.kl += float((np.exp(reference_log_probs) * (reference_log_probs - log_probs)).sum())
 
 
+def _token_array(token_ids) -> np.ndarray:
+    """token_ids as int64, refused unless one flat list of integers: an int64 cast had scored 10.7 as 10, and a
+    [1, n] array as one token."""
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1:
+        hint = "; pass ids[0]" if tokens.ndim == 2 and len(tokens) == 1 else ""
+        raise EvaluationError(f"token_ids must be one flat list of token ids; got a {tokens.ndim}-D array{hint}")
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise EvaluationError(f"token ids must be integers; got {tokens.dtype} values (e.g. {tokens[0]!r})")
+    return tokens.astype(np.int64)
+
+
 def evaluate(token_ids, logits_for: LogitsFor, *, window: int, stride: int,
              reference_logits_for: LogitsFor | None = None,
              on_window: Callable[[int, int], None] | None = None) -> Evaluation:
@@ -211,7 +226,7 @@ def evaluate(token_ids, logits_for: LogitsFor, *, window: int, stride: int,
 
     on_window(windows_done, windows_total) is called after each window (a progress bar).
     """
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    tokens = _token_array(token_ids)
     spans = window_spans(len(tokens), window, stride)
     if not spans:
         raise EvaluationError(f"the text has {len(tokens)} token(s); scoring needs at least 2")
@@ -289,7 +304,11 @@ def decode_logit_pieces(source, token_ids, piece_tokens: int | None = None):
     if not 1 <= length <= max_context:
         raise EvaluationError(f"a chunk of {length} tokens does not fit this artifact's max context "
                               f"({max_context}); use a window of at most {max_context}")
-    input_ids = np.asarray(token_ids, dtype=np.int64)[None]  # [1, n]
+    input_ids = _token_array(token_ids)[None]  # [1, n]
+    vocab = backend.manifest["model"]["config"]["vocab_size"]
+    outside = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+    if outside.size:  # a negative id wrapped to a row from the end in onnxruntime's Gather, scored without a word
+        raise EvaluationError(f"token id {outside[0]} is outside this model's vocabulary (0..{vocab - 1})")
     with hold() if hold is not None else contextlib.nullcontext():
         backend.allocate_cache(batch=1)  # a no-op when batch 1 is bound already; run() rebinds the logits
         for start in range(0, length, piece):

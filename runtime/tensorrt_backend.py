@@ -61,6 +61,7 @@ class TensorRTBackend:
         check_compatible(manifest["backend"], trt.__version__, torch.cuda.get_device_capability() if cuda else None,
                          torch.cuda.get_device_name() if cuda else None)
         self.trt, self.torch = trt, torch
+        self.manifest = manifest
         self.kv_spec = manifest["kv_cache"]
         aliases = self.kv_spec["output_aliases_input"]
         self.present_for_past = {past: present for present, past in aliases.items()}

@@ -211,7 +211,7 @@ def test_each_piece_of_a_chunk_runs_at_its_own_positions():
         return np.zeros((1, input_ids.shape[1], 5), np.float32)
 
     backend = SimpleNamespace(kv_spec={"max_context": 16}, max_decode_tokens=4, run=run,
-                              allocate_cache=lambda batch: None)
+                              allocate_cache=lambda batch: None, manifest={"model": {"config": {"vocab_size": 20}}})
     assert decode_logits_for(backend)(np.arange(10, 20)).shape == (10, 5)
     assert calls == [("decode", [[10, 11, 12, 13]], [[0, 1, 2, 3]], (1, 4)),
                      ("decode", [[14, 15, 16, 17]], [[4, 5, 6, 7]], (1, 8)),
@@ -560,3 +560,32 @@ def test_a_blank_tail_after_the_last_paragraph_boundary_is_not_the_whole_held_ou
     calibration, held_out = split_held_out(text)
     assert calibration + held_out == text and held_out.strip()
     assert (calibration, held_out) == (text[:91], text[91:])  # at 90% exactly
+
+
+@pytest.mark.parametrize("token_ids, message", [
+    ([10.7, 20.7, 30.7], r"^token ids must be integers; got float64 values"),  # an int64 cast scored 10 and 20
+    (np.array([[1, 2, 3]]), r"^token_ids must be one flat list of token ids; got a 2-D array; pass ids\[0\]$"),
+    (np.array([True, False, True]), r"^token ids must be integers; got bool values"),
+])
+def test_evaluate_refuses_token_ids_that_are_not_one_flat_list_of_integers(token_ids, message):
+    with pytest.raises(EvaluationError, match=message):
+        evaluate(token_ids, lambda ids: np.zeros((len(ids), 5)), window=8, stride=4)
+
+
+@pytest.mark.parametrize("bad", [-502, 512, 5000])
+def test_decode_logits_refuse_ids_outside_the_vocabulary(tiny_engine, bad):
+    """A negative id wrapped to a row from the end in onnxruntime's Gather (-502 scored as 10, without a word); one
+    past the table was a RuntimeError from inside onnxruntime."""
+    with pytest.raises(EvaluationError, match=rf"^token id {bad} is outside this model's vocabulary \(0\.\.511\)$"):
+        evaluate([10, 20, bad, 40], decode_logits_for(tiny_engine), window=8, stride=4)
+
+
+def test_encode_text_refuses_a_negative_max_tokens(tiny_artifact):
+    from runtime.engine import Engine
+    engine = Engine.load(tiny_artifact)
+    try:
+        with pytest.raises(EvaluationError, match=r"^max_tokens must be a whole number of 0 or more"):
+            encode_text(engine.tokenizer, "hello world, and more words", max_tokens=-1)  # dropped the last id
+        assert len(encode_text(engine.tokenizer, "hello world, and more words", max_tokens=3)) == 3
+    finally:
+        engine.close()
