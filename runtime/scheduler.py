@@ -304,8 +304,12 @@ class Scheduler:
         busy = sum(sequence is not None for sequence in self._running)
         why = "; static batching admits only when the running batch ends" if self.batching == "static" else ""
         blocked = f", {len(self._blocked)} submitters blocked for room" if self._blocked else ""
-        return (f"{len(self._waiting)} of {self.max_queue} queue places taken, {busy} of {self.slots} slots busy"
-                f"{blocked}{why}")
+        # Requests the free slots will take at the worker's next admission wait, but not in the queue: counted as
+        # queued, the message read "4 of 2 queue places taken, 0 of 2 slots busy".
+        admitting = min(len(self._waiting), self._free_slots())
+        about = f", {admitting} about to take free slots" if admitting else ""
+        return (f"{len(self._waiting) - admitting} of {self.max_queue} queue places taken, {busy} of {self.slots} "
+                f"slots busy{about}{blocked}{why}")
 
     def _free_slots(self) -> int:
         """Slots the next admission can fill (the lock is held): requests for them are not queueing, only waiting for

@@ -248,6 +248,22 @@ def test_a_request_that_filled_the_context_leaves_a_record_decode_steps_can_run_
         engine.close()
 
 
+def test_a_full_queue_counts_requests_about_to_take_free_slots_apart(engine):
+    """Requests accepted for free slots wait for the worker's next admission, not in the queue: the refusal said "4 of
+    2 queue places taken, 0 of 2 slots busy"."""
+    scheduler = engine.start_scheduler(slots=2, max_queue=2)
+    go, work = threading.Event(), scheduler._work
+    scheduler._work = lambda: (go.wait(60), work())  # the worker starts late: nothing is admitted yet
+    try:
+        handles = [engine.submit([1, n], max_new_tokens=3, ignore_eos=True) for n in (10, 11, 12, 13)]
+        with pytest.raises(RequestError, match=r"queue is full \(2 of 2 queue places taken, 0 of 2 slots busy, 2 "
+                                               r"about to take free slots\)"):
+            engine.submit([1, 14], max_new_tokens=3)
+    finally:
+        go.set()
+    assert [len(handle.result(timeout=60).token_ids) for handle in handles] == [3, 3, 3, 3]
+
+
 def test_full_queue_refuses_and_loses_nothing(engine):
     slowed(engine.start_scheduler(slots=1, max_queue=2))
     first = engine.submit([1, 2, 3], max_new_tokens=100, ignore_eos=True)
