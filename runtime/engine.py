@@ -25,7 +25,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Collection, Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -36,12 +36,10 @@ from runtime.manifest import check_files, read_manifest
 from runtime.metrics import RequestTrace
 from runtime.prefix_cache import rest_piece_tokens, reusable_prefix, scored_rows_reusable
 from runtime.results import GenerationResult, Timings, received_at
-from runtime.sampling import Sampler, SamplingParams, sampling_params
+from runtime.request_handle import RequestHandle
+from runtime.sampling import Sampler, SamplingParams, last_token_logits, sampling_params
+from runtime.scheduler import Scheduler
 from runtime.tokenizer import TextTokenizer
-
-if TYPE_CHECKING:
-    from runtime.request_handle import RequestHandle
-    from runtime.scheduler import Scheduler
 
 # Engine.load's spin_after_run for one stream at a time, no scheduler (`aotlm run`, the batch-1 benchmarks): the
 # decode session's threads keep spinning between its steps (TPOT 3-5% lower, paired; README "Threads after a run").
@@ -129,14 +127,6 @@ def _loading():
             _loads -= 1
 
 
-def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
-    """[batch, vocab]: each row's logits at its last prompt token. A prefill graph returns just those ("last", the
-    default) or every position's, [batch, sequence, vocab] (a recipe's export.prefill_logits: all)."""
-    if logits.ndim == 2:
-        return logits
-    return logits[np.arange(len(lengths)), np.asarray(lengths) - 1]
-
-
 class Generation:
     """An iterator of text pieces as tokens are decoded; `.result` is set when it ends (iterate to the end, or wait()).
 
@@ -195,6 +185,18 @@ class Generation:
 
 
 class Engine:
+    """A built artifact, loaded: make one with Engine.load(path), not with this constructor.
+
+    One stream at a time on a batch-1 cache: generate(prompt), stream(prompt), chat(messages). Many at once through
+    continuous batching: submit(prompt) -> RequestHandle, generate([prompts]); start_scheduler sets its slots. close()
+    (or a `with` block) frees the caches and fails what is unfinished.
+
+    Attributes: max_context (prompt + output tokens a sequence may hold), eos_token_ids (the tokens that end a
+    generation), tokenizer (a TextTokenizer: encode, decode), manifest (the artifact's manifest.json, read),
+    huge_pages (Engine.load's report on putting the weights on 2 MiB pages, None when not asked), prefix_caching
+    (as Engine.load was given it), scheduler (the running Scheduler, or None).
+    """
+
     def __init__(self, artifact_dir: Path, manifest: dict, backend, tokenizer: TextTokenizer):
         self.artifact_dir = artifact_dir
         self.manifest = manifest
@@ -227,6 +229,9 @@ class Engine:
              prefix_caching: bool = False) -> "Engine":
         """Check the manifest (format version, file sizes; sha256 too if verify) and open both graphs.
 
+        intra_op_threads: threads per onnxruntime session, at most the CPUs this process may use; None: the recipe's
+        backend.intra_op_threads; 0 (also the recipe's default): onnxruntime's default, or the CPUs this process may
+        use where a CPU limit or affinity restricts it (runtime/cpus.py).
         huge_pages: then put the memory onnxruntime allocated while loading (its weights) on 2 MiB pages
         (runtime/huge_pages.py: decode steps 5-8% faster, load 0.5-2.4 s longer for the default model's INT4 and
         fp32 builds); `engine.huge_pages` reports what was done.
@@ -392,10 +397,11 @@ class Engine:
              add_generation_prompt: bool = True, **sampling) -> GenerationResult:
         """One chat turn to the end: the assistant's reply to `messages` (see chat_prompt_ids, which takes
         add_generation_prompt). Its timings count from this call, or from `arrival` when earlier (as `stream`'s):
-        rendering the template and tokenizing are inside TTFT."""
-        received = received_at(arrival, time.perf_counter())
-        return self.generate(self.chat_prompt_ids(messages, add_generation_prompt), params, arrival=received,
-                             **sampling)
+        rendering the template and tokenizing are inside TTFT, and inside timings.tokenize_s."""
+        started = time.perf_counter()
+        received = received_at(arrival, started)
+        prompt_ids = self.chat_prompt_ids(messages, add_generation_prompt)
+        return self._stream(prompt_ids, sampling_params(params, sampling), received, started).wait()
 
     # -- requests ---------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
@@ -434,12 +440,12 @@ class Engine:
         return self.stream(prompt, params, arrival=arrival, **sampling).wait()
 
     def start_scheduler(self, **options) -> "Scheduler":
-        """(Re)start the scheduler that `submit` uses: slots, batching, max_queue, prefill_chunk (runtime/scheduler.py).
+        """(Re)start the scheduler that `submit` uses: slots, batching ("continuous" or "static"), max_queue,
+        prefill_chunk, idle_exit_s (runtime/scheduler.py's Scheduler says what each means).
 
         Bad options are refused with a RequestError before anything stops. Otherwise a running scheduler is closed
         first (its unfinished requests fail); its cache is freed with it.
         """
-        from runtime.scheduler import Scheduler  # here: runtime.scheduler imports this module
 
         known = [name for name in inspect.signature(Scheduler.checked_slots).parameters if name != "engine"]
         unknown = sorted(set(options) - set(known))
@@ -490,11 +496,13 @@ class Engine:
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                arrival: float | None = None, block: bool = False, **sampling) -> "RequestHandle":
-        """Queue a request for continuous batching; returns a RequestHandle at once (iterate it for text pieces,
-        `.result()`, `.cancel()`). Thread-safe. Starts a default scheduler (8 slots, or the engines' max batch
-        if smaller) on first use."""
-        from runtime.scheduler import Scheduler
+        """Queue a request for continuous batching and return its RequestHandle (iterate it for text pieces, `async
+        for` in a coroutine, `.result()`, `.cancel()`). Thread-safe. Starts a default scheduler (8 slots, or the
+        engines' max batch if smaller) on first use; engine.start_scheduler sets slots and the queue's size.
 
+        Raises QueueFullError when the queue is full, unless block=True, which waits for room instead; RequestError
+        for a request that can never fit the context, or bad sampling options. arrival: a time.perf_counter() value
+        the request's latencies count from (default: now), as in stream(). Sampling options as in generate()."""
         for attempt in range(2):
             with self._scheduler_lock:  # a scheduler closed directly (Scheduler.close()) is replaced by a default one
                 while self._restarting:  # start_scheduler is replacing it: this request goes to the new one
@@ -541,7 +549,10 @@ class Engine:
         """
         params = sampling_params(params, sampling)
         started = time.perf_counter()
-        received = received_at(arrival, started)
+        return self._stream(prompt, params, received_at(arrival, started), started)
+
+    def _stream(self, prompt, params: SamplingParams, received: float, started: float) -> Generation:
+        """stream's request; its timings' tokenize_s counts from `started` (chat's: before rendering its template)."""
         prompt_ids = self.prompt_ids(prompt)
         tokenize_s = time.perf_counter() - started
         self._check_request(prompt_ids, params)

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from runtime.errors import RequestError
+from runtime.results import GenerationResult
 
-if TYPE_CHECKING:
-    from runtime.results import GenerationResult
+if TYPE_CHECKING:  # runtime.scheduler imports this module
     from runtime.scheduler import Scheduler
 
 END = object()  # the last item of a handle's piece queue
@@ -171,8 +171,9 @@ class RequestHandle:
         # the handle is then not iterated: its consumer reads them there, without a thread to carry them over.
         self._pieces = PieceQueue() if pieces is None else pieces
         self._future: Future = Future()
-        # True once cancel() was called. A request that finished before the cancel reached it keeps its own
-        # finish_reason ("stop", "length"): the result's finish_reason, not this flag, says how it ended.
+        # True once cancel() reached the request before it finished (a cancel after the end leaves it False, as
+        # concurrent.futures' does). The result's finish_reason says how it ended: a request the cancel reached in
+        # its last step may still end "stop" or "length".
         self.cancelled = False
         # Callbacks added before the result is set; when it is, they are queued in order, under the lock, so that
         # one added after that (it sees _fired) is queued or run behind them, never ahead.

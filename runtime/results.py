@@ -61,8 +61,10 @@ ARRIVAL_SKEW_S = 1.0  # an arrival this far past now is another clock's reading,
 class Timings:
     """One request's timings, all derived from its `trace` (runtime/metrics.py holds the formulas, vLLM's).
 
-    Seconds; `*_s` latencies count from the moment `stream()` was called. tpot = (e2e - ttft) / (output tokens - 1),
-    reported as 0.0 for a one-token output (the trace says None). e2e ends at the last output token.
+    Seconds; `*_s` latencies count from when the request was received: the call that took it (generate, stream,
+    chat, submit), or its `arrival` if one was given. tpot = (e2e - ttft) / (output tokens - 1), reported as 0.0 for
+    a one-token output (the trace says None). e2e ends at the last output token. tokenize_s: the time spent turning
+    the prompt into token ids (a chat's template rendered too).
     """
 
     trace: RequestTrace
@@ -70,6 +72,7 @@ class Timings:
 
     @property
     def prompt_tokens(self) -> int:
+        """The prompt's tokens, a cached prefix included."""
         return self.trace.prompt_tokens
 
     @property
@@ -79,7 +82,9 @@ class Timings:
 
     @property
     def prefill_s(self) -> float:
-        """Prefill graph run (compute + logits), excluding tokenization and sampling."""
+        """From the start of the prompt's first prefill run to the end of its last (compute + logits), tokenization
+        and sampling excluded. With the scheduler's prefill_chunk, the other requests' decode steps between its
+        chunks are inside it, as in vLLM's prefill time."""
         return self.trace.prefill_seconds
 
     @property
@@ -105,6 +110,7 @@ class Timings:
 
     @property
     def tpot_s(self) -> float:
+        """Time per output token after the first: (e2e - ttft) / (output tokens - 1); 0.0 for a one-token output."""
         tpot = self.trace.tpot
         return 0.0 if tpot is None else tpot
 
@@ -115,7 +121,8 @@ class Timings:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        """Prompt tokens computed per second of prefill (a cached prefix is not computed)."""
+        """Prompt tokens computed (a cached prefix is not) over prefill_s: with prefill_chunk, a rate that counts
+        the other requests' steps between the chunks."""
         return self.trace.prefill_tokens_per_s or 0.0
 
     @property
@@ -124,6 +131,8 @@ class Timings:
         return self.trace.cached_prompt_tokens
 
     def summary(self) -> dict:
+        """The timings as numbers in milliseconds (*_ms) and rates (per second), for printing or JSON; queue_ms:
+        received -> its first prefill began (tokenization and waiting for a slot)."""
         return {
             "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
             "ttft_ms": 1e3 * self.ttft_s, "prefill_ms": 1e3 * self.prefill_s, "tpot_ms": 1e3 * self.tpot_s,
@@ -134,6 +143,11 @@ class Timings:
 
 @dataclass
 class GenerationResult:
+    """One request's output. text: the output's text (stop strings and stop tokens left out); token_ids: its tokens;
+    prompt_token_ids: the prompt's; finish_reason: "stop" (a stop token or string), "length" (max_new_tokens),
+    "max_context" (the context is full) or "cancelled"; timings: its Timings (None for a request cancelled before its
+    first token); logprobs, stop_token_id, stop_token_logprobs, prompt_logprobs: as the comments below say."""
+
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]

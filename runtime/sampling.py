@@ -21,14 +21,29 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request picks its tokens and when it stops; generate, stream, chat and submit take these as keyword
+    arguments too. Each is checked here: a value out of range is a RequestError naming it and its range.
+
+    max_new_tokens: at most this many output tokens (>= 1). min_new_tokens: no stop before this many (vLLM's
+    min_tokens). temperature: 0 = greedy, else softmax(logits / temperature). top_k: keep the k likeliest (0 = all).
+    top_p: keep the likeliest whose probabilities sum to top_p, in (0, 1]. min_p: keep tokens at least this fraction
+    as likely as the likeliest (0 = all). seed: an integer >= 0 makes a sampled request repeatable; None draws one.
+    stop_token_ids: ids that stop besides the model's end-of-sequence tokens; ignore_eos: go on past those (to
+    max_new_tokens). stop_strings: a string or a list of strings that end the text (left out of it).
+    repetition_penalty (> 0, 1 = none; transformers' and vLLM's), presence_penalty and frequency_penalty (-2..2,
+    0 = none; OpenAI's), logit_bias ({token id: -100..100}, OpenAI's). logprobs: None, or 0..20 alternatives per
+    output token in result.logprobs; prompt_logprobs: the same per prompt token (vLLM's). The comments on each
+    field below say more.
+    """
+
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = no limit
     top_p: float = 1.0
     seed: int | None = None
     # Token ids that stop the request besides the model's end-of-sequence tokens (vLLM's: ignore_eos leaves those out)
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: Sequence[int] | None = ()  # stored as a tuple (None: none, vLLM's spelling)
+    stop_strings: str | Sequence[str] = ()  # a string is one stop string; stored as a tuple
     # Penalties on tokens already seen, greedy decoding included. repetition_penalty is transformers' and vLLM's
     # (the CTRL paper's): every token of the prompt and the output has a positive logit divided by it, a negative
     # one multiplied. presence_penalty and frequency_penalty are OpenAI's: subtracted from the logit of each token
@@ -408,3 +423,11 @@ def _check_samplable(logits: np.ndarray) -> None:
         raise ModelOutputError(f"the model's logits are +inf at {int(np.isposinf(logits).sum())} of {logits.size} "
                                f"vocabulary entries: the artifact's graphs overflow (rebuild it, or check with "
                                f"`aotlm eval`)")
+
+
+def last_token_logits(logits: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
+    """[batch, vocab]: each row's logits at its last prompt token. A prefill graph returns just those ("last", the
+    default) or every position's, [batch, sequence, vocab] (a recipe's export.prefill_logits: all)."""
+    if logits.ndim == 2:
+        return logits
+    return logits[np.arange(len(lengths)), np.asarray(lengths) - 1]

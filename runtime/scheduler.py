@@ -61,14 +61,13 @@ from typing import Sequence
 import numpy as np
 
 from runtime import evaluate
-from runtime.engine import last_token_logits
 from runtime.errors import QueueFullError, RequestError
 from runtime.metrics import RequestTrace
 from runtime.prefix_cache import (PREFILL_PIECE_MIN_TOKENS, PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix,
                                   scored_rows_reusable)
 from runtime.request_handle import END, CallbackThread, LoggedPiece, RequestHandle
 from runtime.results import GenerationResult, Timings, received_at
-from runtime.sampling import Sampler, SamplingParams, is_integer, sampling_params
+from runtime.sampling import Sampler, SamplingParams, is_integer, last_token_logits, sampling_params
 from runtime.tokenizer import StreamDecoder
 
 LOGGER = logging.getLogger(__name__)

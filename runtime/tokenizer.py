@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import re
 from pathlib import Path
 from typing import Sequence
@@ -68,6 +69,10 @@ def _older(installed: str, other: str) -> bool:
 
 
 class TextTokenizer:
+    """The artifact's tokenizer (a Hugging Face tokenizers file): encode(text) -> ids (special tokens as the
+    tokenizer's post-processor adds them); decode(ids) -> text (special tokens left out, ids outside the vocabulary
+    refused); token_bytes(id); stream_decoder, for text as tokens arrive. `tokenizer`: the tokenizers.Tokenizer."""
+
     def __init__(self, path: str | Path, bos_token_id: int | None = None, vocab_size: int | None = None,
                  built_with: str | None = None):
         """vocab_size: the model's (Engine.load passes its manifest's), which decode checks ids against; the
@@ -121,6 +126,9 @@ class TextTokenizer:
         if isinstance(token_ids, (str, bytes, bytearray)) or not hasattr(token_ids, "__iter__"):
             raise RequestError(f"decode: token_ids must be a list of token ids (integers), got "
                                f"{type(token_ids).__name__}")
+        if getattr(token_ids, "ndim", 1) > 1:  # a tokenizer's input_ids [1, n]: iterating gives arrays, not ids
+            raise RequestError(f"decode: token_ids must be one flat list of token ids; got a {token_ids.ndim}-D "
+                               f"array (pass ids[0])")
         ids = list(token_ids)
         bad = next((t for t in ids if isinstance(t, bool) or not hasattr(type(t), "__index__")), _NONE)
         if bad is not _NONE:
@@ -135,7 +143,12 @@ class TextTokenizer:
         """The bytes one token stands for (OpenAI's logprobs `bytes`): a character spelled by several tokens has its
         bytes split among them, where decoding a token alone gives U+FFFD. Byte-level BPE spells bytes as GPT-2's
         printable characters, SentencePiece's byte fallback as <0xNN> (its word marker is a space); for any other
-        tokenizer, the token decoded alone."""
+        tokenizer, the token decoded alone. RequestError for an id outside the vocabulary (tokenizers gave b'' for
+        one past it, OverflowError for a negative one)."""
+        if isinstance(token_id, bool) or not hasattr(type(token_id), "__index__") or \
+                not 0 <= operator.index(token_id) < self.vocab_size:
+            raise RequestError(f"token_bytes: {token_id!r} is not a token id of this model's vocabulary "
+                               f"(0..{self.vocab_size - 1})")
         piece = self.tokenizer.id_to_token(token_id)
         if piece is not None and self._spelling == "byte-level" and all(c in BYTE_OF_SYMBOL for c in piece):
             return bytes(BYTE_OF_SYMBOL[c] for c in piece)

@@ -206,6 +206,7 @@ def test_chat_timings_count_the_template_rendering(chat_artifact, monkeypatch):
     engine = Engine.load(chat_artifact[0])
     reply = engine.chat(SHORT, max_new_tokens=2)
     assert reply.timings.ttft_s >= 0.2
+    assert 0.2 <= reply.timings.tokenize_s < reply.timings.ttft_s  # it timed checking the ids alone (0.3 ms)
     # An arrival given (the request was received earlier) counts from then, as generate's does: it was passed to
     # generate beside chat's own, a TypeError.
     reply = engine.chat(SHORT, max_new_tokens=2, arrival=time.perf_counter() - 1.0)

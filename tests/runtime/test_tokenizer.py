@@ -3,7 +3,9 @@ result's text does; a tail that may begin one is held back, and released when it
 from __future__ import annotations
 
 import json
+import re
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
 
@@ -291,6 +293,7 @@ def test_a_stop_string_found_at_the_end_inside_a_character_is_a_stop(tiny_artifa
     ([1.0], r"decode: token ids must be integers; got 1.0 \(float\)"),
     ([[5, 6]], r"decode: token ids must be integers; got \[5, 6\] \(list\)"),
     ([None], r"decode: token ids must be integers; got None \(NoneType\)"),
+    (np.array([[5, 6, 7]]), r"decode: token_ids must be one flat list of token ids; got a 2-D array \(pass ids\[0\]\)"),
 ])
 def test_the_engines_tokenizer_refuses_what_is_not_token_ids_naming_it(tiny_engine, token_ids, message):
     from runtime import RequestError
@@ -382,3 +385,14 @@ def test_an_rc_release_compares_by_its_numbers():
     from runtime.tokenizer import _older
 
     assert _older("0.21.1", "0.22.0rc1") and not _older("0.22.0rc1", "0.21.1") and _older("0.19.0+cpu", "0.20.0")
+
+
+@pytest.mark.parametrize("token_id", [-1, 512, 10**6, True, 3.0])
+def test_token_bytes_refuses_what_is_not_an_id_of_the_vocabulary(tiny_engine, token_id):
+    """-1 was tokenizers' OverflowError, an id past the table b'' without a word."""
+    from runtime import RequestError
+
+    with pytest.raises(RequestError, match=rf"^token_bytes: {re.escape(repr(token_id))} is not a token id of this "
+                                           rf"model's vocabulary \(0\.\.511\)$"):
+        tiny_engine.tokenizer.token_bytes(token_id)
+    assert tiny_engine.tokenizer.token_bytes(np.int64(100)) == tiny_engine.tokenizer.token_bytes(100)
