@@ -322,7 +322,7 @@ class Engine:
             pass  # the load
         if huge_pages and backend_name == "onnxruntime":
             engine.huge_pages = collapse_large_mappings(exclude=existing)
-            backend.huge_pages = True  # the scheduler's slot cache, allocated later, asks for them too
+            backend.use_huge_pages()  # the caches, written later, ask for them as their pages are first touched
         return engine
 
     # -- chat ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from runtime.cpus import cpus, default_intra_op_threads, restriction, usable_cpus
 from runtime.errors import ArtifactError, RequestError
-from runtime.huge_pages import advise
+from runtime.huge_pages import advise, advise_range
 from runtime.versions import release
 
 
@@ -247,6 +247,8 @@ class OnnxRuntimeBackend:
         check_slot_memory(batch, self.bytes_per_sequence, what="batch", int8_cache=self.int8_cache)
         self.cache = allocate_checked(lambda: KVCache(self.past_names, shape, self.cache_dtype), batch,
                                       self.bytes_per_sequence, what="batch", int8_cache=self.int8_cache)
+        if self.huge_pages:  # before its first touch (a new batch size's, or after release_cache)
+            self._advise_cache()
         for phase, binding in self.bindings.items():
             binding.clear_binding_outputs()
             self.steps[phase] = StepBuffers()  # what it had bound is gone
@@ -256,6 +258,17 @@ class OnnxRuntimeBackend:
                 binding.bind_ortvalue_input(name, buffer)
                 binding.bind_ortvalue_output(self.present_for_past[name], buffer)
         return self.cache
+
+    def use_huge_pages(self) -> None:
+        """Engine.load(huge_pages=True), after collapsing what the load wrote: the batch-1 cache (not written yet, so
+        left out of the collapse) and the scheduler's slot cache take 2 MiB pages as they are first touched."""
+        self.huge_pages = True
+        if self.cache is not None:
+            self._advise_cache()
+
+    def _advise_cache(self) -> None:
+        for buffer in self.cache.buffers:
+            advise_range(buffer.data_ptr(), self.cache.nbytes // len(self.cache.buffers))
 
     def release_cache(self) -> None:
         """Free the batch-1 cache: the bindings let go of its buffers (allocate_cache binds a new one)."""

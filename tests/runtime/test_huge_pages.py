@@ -192,6 +192,7 @@ def test_the_report_counts_whole_huge_pages_outside_the_exclusions_and_names_ref
         return 0
 
     monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    monkeypatch.setattr(huge_pages, "_dense_runs", lambda low, high: [(low, high)])  # made-up pages: all resident
     report = huge_pages.collapse_large_mappings(min_bytes=4 * mib, exclude=[(50 * mib, 55 * mib), (44 * mib, 46 * mib)])
     assert asked == [4 * mib]
     hugepage, collapse = huge_pages.MADV_HUGEPAGE, huge_pages.MADV_COLLAPSE
@@ -199,7 +200,50 @@ def test_the_report_counts_whole_huge_pages_outside_the_exclusions_and_names_ref
     assert calls == [(start, length, advice) for start, length in ((4, 8), (40, 4), (46, 4), (56, 4))
                      for advice in (hugepage, collapse)]
     assert {key: value for key, value in report.items() if key != "seconds"} == {
-        "thp_mode": "madvise", "mappings": 4, "bytes": 20 * mib, "collapsed": 12 * mib, "errors": {"EAGAIN": 2}}
+        "thp_mode": "madvise", "mappings": 4, "bytes": 20 * mib, "collapsed": 12 * mib, "errors": {"EAGAIN": 2},
+        "sparse_left": 0}
+
+
+def resident_pages(array: np.ndarray) -> int:
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(array.ctypes.data // 4096 * 8)
+        entries = np.frombuffer(pagemap.read(array.nbytes // 4096 * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+def sparse_dense_mapping() -> tuple[np.ndarray, int]:
+    """A 2 MiB-aligned 48 MiB view of a fresh mapping: its first 16 MiB written whole, the next 16 MiB one byte per
+    2 MiB (a host's sparse arena), the last 16 MiB not at all (a cache not written yet). Returns it and its start."""
+    buffer = mmap.mmap(-1, 50 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(buffer, dtype=np.uint8)
+    offset = -whole.ctypes.data % (2 * 2**20)
+    view = whole[offset:offset + 48 * 2**20]
+    view[:16 * 2**20] = 1
+    view[16 * 2**20:32 * 2**20:2 * 2**20] = 1
+    return view, view.ctypes.data
+
+
+def test_only_mostly_resident_huge_pages_are_worth_collapsing():
+    """MADV_COLLAPSE makes a whole 2 MiB page resident: Engine.load made a host thread's 512 MiB arena (a byte per
+    2 MiB written) and the untouched 90 MiB batch-1 cache resident."""
+    view, start = sparse_dense_mapping()
+    mib = 2**20
+    if not os.path.exists("/proc/self/pagemap"):
+        pytest.skip("no /proc/self/pagemap")
+    assert huge_pages._dense_runs(start, start + 48 * mib) == [(start, start + 16 * mib)]
+
+
+@needs_thp
+def test_collapsing_leaves_sparse_and_unwritten_memory_unresident():
+    view, start = sparse_dense_mapping()
+    sparse, dense = view[16 * 2**20:], view[:16 * 2**20]
+    before = resident_pages(sparse)
+    report = huge_pages.collapse_large_mappings(exclude=set(huge_pages.private_anonymous_mappings(0)) - {
+        mapping for mapping in huge_pages.private_anonymous_mappings(0) if mapping[0] <= start < mapping[1]})
+    require_collapse(report)
+    assert resident_pages(sparse) == before == 8  # one 4 KiB page per 2 MiB written: still only those
+    assert report["sparse_left"] >= 32 * 2**20
+    assert huge_bytes(dense) == 16 * 2**20
 
 
 def test_an_array_smaller_than_a_huge_page_is_not_advised(monkeypatch, tmp_path):
