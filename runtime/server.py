@@ -92,6 +92,20 @@ def json_bytes(body: dict) -> bytes:
     return json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and not listening yet (connections to it are refused), for ApiServer's
+    bound_socket: `aotlm serve` takes its port before loading the model, so a taken one is said at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if hasattr(socket, "SO_REUSEADDR"):  # as http.server's allow_reuse_address: a restart within TIME_WAIT binds
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class ApiServer(ThreadingHTTPServer):
     """Serves `engine` (whose scheduler the caller may start with its own options; else submit starts a default one)
     at (host, port); port 0 picks a free one (see `url`). log: called with one line per finished request."""
@@ -103,13 +117,15 @@ class ApiServer(ThreadingHTTPServer):
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
                  log: Callable[[str], None] | None = None, api_key: str | None = None,
                  max_connections: int = MAX_CONNECTIONS, log_requests: bool = True,
-                 keep_alive_s: float = KEEP_ALIVE_S, allowed_origins: tuple[str, ...] = ()):
+                 keep_alive_s: float = KEEP_ALIVE_S, allowed_origins: tuple[str, ...] = (),
+                 bound_socket: socket.socket | None = None):
         """log: where lines go (stderr for `aotlm serve`): errors, refusals and, with log_requests, one line per
         answered request (`--quiet` turns those off, as vLLM's --disable-log-requests, and keeps the errors).
         keep_alive_s: how long an idle kept-alive connection waits for its next request (a load balancer that pools
         connections longer must be given more, or it sends into a connection as it closes: a 502).
         allowed_origins: the web origins (scheme://host[:port], or "*") whose pages may call the API from a browser
-        (CORS); none by default: a page anywhere could otherwise drive a server without a key on 127.0.0.1."""
+        (CORS); none by default: a page anywhere could otherwise drive a server without a key on 127.0.0.1.
+        bound_socket: a socket bind_socket(host, port) bound earlier, to listen on instead of binding host:port."""
         if isinstance(keep_alive_s, bool) or not isinstance(keep_alive_s, (int, float)) or not 0 < keep_alive_s < 1e6:
             raise ValueError(f"keep_alive_s: {keep_alive_s!r} must be a number of seconds > 0 and below 1,000,000")
         self.keep_alive_s = float(keep_alive_s)
@@ -134,7 +150,18 @@ class ApiServer(ThreadingHTTPServer):
         self._under_way_changed = threading.Condition()
         if ":" in host:  # an IPv6 address ("::" listens on IPv4 too, where the system allows dual-stack sockets)
             self.address_family = socket.AF_INET6
+        self._bound_socket = bound_socket
         super().__init__((host, port), _Handler)
+
+    def server_bind(self) -> None:
+        """http.server's bind, or the socket bound earlier (bind_socket), with the names http.server would set."""
+        if self._bound_socket is None:
+            return super().server_bind()
+        self.socket.close()  # the one socketserver made before binding
+        self.socket = self._bound_socket
+        self.server_address = self.socket.getsockname()
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = socket.getfqdn(host), port  # as HTTPServer.server_bind sets them
 
     @property
     def url(self) -> str:

@@ -2,7 +2,7 @@
 its scheduler and the HTTP server (serving itself, and the graceful stop, are tests/runtime/test_server.py's)."""
 from __future__ import annotations
 
-import errno
+import socket
 
 import pytest
 
@@ -21,36 +21,37 @@ class GoneReader:
         raise BrokenPipeError(32, "Broken pipe")
 
 
-class TakenPort:
-    """runtime.server.ApiServer on a port another process holds: records what it was given, then refuses."""
+class StoppedWhileStarting:
+    """runtime.server.ApiServer that records what it was given, and Ctrl-C comes before it listens."""
     given: dict = {}
 
     def __init__(self, engine, host, port, **keywords):
         scheduler = engine.scheduler
-        TakenPort.given = dict(engine=engine, host=host, port=port, slots=scheduler.slots,
-                               max_queue=scheduler.max_queue, prefill_chunk=scheduler.prefill_chunk, **keywords)
-        raise OSError(errno.EADDRINUSE, "Address already in use")
+        StoppedWhileStarting.given = dict(engine=engine, host=host, port=port, slots=scheduler.slots,
+                                          max_queue=scheduler.max_queue, prefill_chunk=scheduler.prefill_chunk,
+                                          huge_pages=engine.huge_pages, **keywords)
+        raise KeyboardInterrupt
 
 
-def test_serve_hands_on_its_options_and_closes_the_engine_when_it_cannot_listen(capsys, monkeypatch, tiny_artifact):
-    monkeypatch.setattr("runtime.server.ApiServer", TakenPort)
+def test_serve_hands_on_its_options_and_closes_the_engine_when_stopped_while_starting(capsys, monkeypatch,
+                                                                                      tiny_artifact):
+    monkeypatch.setattr("runtime.server.ApiServer", StoppedWhileStarting)
     monkeypatch.setenv("AOTLM_API_KEY", "from-the-environment")
-    assert main(["serve", str(tiny_artifact), "--port", "65535", "--slots", "2", "--max-queue", "7",
+    assert main(["serve", str(tiny_artifact), "--port", "0", "--slots", "2", "--max-queue", "7",
                  "--prefill-chunk", "16", "--prefix-caching", "--model-name", "m", "--quiet",
                  "--max-connections", "9", "--keep-alive-timeout", "75", "--allowed-origins", "https://a.example",
-                 "--allowed-origins", "*"]) == 2
-    err = " ".join(capsys.readouterr().err.split())
-    assert "cannot listen on 127.0.0.1:65535: Address already in use; choose another --port" in err, err
-    given = TakenPort.given
+                 "--allowed-origins", "*", "--no-huge-pages"]) == 130
+    given = StoppedWhileStarting.given
+    assert given["bound_socket"].fileno() == -1 and given["huge_pages"] is None  # the port let go; 4 KiB pages
     assert {key: given[key] for key in ("host", "port", "slots", "max_queue", "prefill_chunk", "model_name",
                                         "api_key", "log_requests", "max_connections")} == {
-        "host": "127.0.0.1", "port": 65535, "slots": 2, "max_queue": 7, "prefill_chunk": 16, "model_name": "m",
+        "host": "127.0.0.1", "port": 0, "slots": 2, "max_queue": 7, "prefill_chunk": 16, "model_name": "m",
         "api_key": "from-the-environment", "log_requests": False, "max_connections": 9}
     assert given["log"] is cli_serve._log_line  # --quiet keeps errors and refusals
     assert given["keep_alive_s"] == 75.0 and given["allowed_origins"] == ("https://a.example", "*")
     assert given["engine"].prefix_caching is True and given["engine"].scheduler is None  # closed
-    assert main(["serve", str(tiny_artifact), "--host", "::1", "--port", "0", "--api-key", "given"]) == 2
-    given = TakenPort.given
+    assert main(["serve", str(tiny_artifact), "--host", "::1", "--port", "0", "--api-key", "given"]) == 130
+    given = StoppedWhileStarting.given
     assert (given["host"], given["port"], given["slots"], given["max_queue"], given["prefill_chunk"]) == (
         "::1", 0, 8, 256, None)
     assert given["api_key"] == "given" and given["log"] is cli_serve._log_line and given["model_name"] is None
@@ -60,9 +61,48 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_it_cannot_listen(
     assert given["max_connections"] == MAX_CONNECTIONS == 1024  # as --help says
     assert given["engine"].prefix_caching is False
     assert given["keep_alive_s"] == 5.0 and given["allowed_origins"] == ()
+    assert given["huge_pages"] is not None  # Engine.load's default: its report
     monkeypatch.setattr(cli_serve, "load_dependent_outputs", lambda *args: "outputs depend on the load")
-    assert main(["serve", str(tiny_artifact), "--port", "0"]) == 2
+    assert main(["serve", str(tiny_artifact), "--port", "0"]) == 130
     assert "warning: outputs depend on the load" in capsys.readouterr().err  # the int8 cache's caveat is said
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])
+def test_serve_says_it_cannot_listen_before_it_loads_the_model(capsys, monkeypatch, tiny_artifact, host):
+    """A taken port (or an address not this machine's) was found after the whole load: 6-9 s and 2 GB for the
+    default model, at every restart of a replica."""
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded before binding"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(tiny_artifact), "--host", host, "--port", str(port)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"cannot listen on {host}:{port}: " in err and "; choose another --port (0: any free one) or --host" in err
+
+
+def test_the_port_refuses_connections_until_the_server_listens(tiny_engine):
+    """Bound before the load and listened on after it: a client that comes early is refused, not left hanging."""
+    from runtime.server import ApiServer, bind_socket
+
+    bound = bind_socket("127.0.0.1", 0)
+    port = bound.getsockname()[1]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    server = ApiServer(tiny_engine, "127.0.0.1", port, bound_socket=bound)
+    try:
+        assert server.url == f"http://127.0.0.1:{port}" and server.socket is bound
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        server.server_close()
+
+
+@pytest.mark.parametrize("flag", ["--slots", "--max-queue", "--prefill-chunk"])
+def test_serve_refuses_counts_below_one_before_loading(capsys, flag):
+    """They were checked by the scheduler after the whole load, and named as its options (slots: 0 must be ...)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "artifact", flag, "0"])
+    assert exit_info.value.code == 2 and f"argument {flag}: 0: give 1 or more" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, environment, message", [
