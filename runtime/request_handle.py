@@ -166,7 +166,10 @@ class RequestHandle:
         # With the prompt_logprobs option: the prompt tokens' entries (result.prompt_logprobs), set once the prompt
         # is scored, before its first text piece is handed out (a stream that echoes the prompt sends them first).
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
-        self._scheduler = scheduler
+        # Weakly: a finished handle a caller keeps (a request log, a list of futures) held the scheduler, its engine
+        # and their sessions after engine.close() (1.1 GB on the default model). A running request's scheduler is
+        # alive anyway: its worker thread holds it.
+        self._scheduler = weakref.ref(scheduler)
         # The text pieces, then END; `pieces` (a queue-like with put(): a server's stream) takes them instead, and
         # the handle is then not iterated: its consumer reads them there, without a thread to carry them over.
         self._pieces = PieceQueue() if pieces is None else pieces
@@ -240,7 +243,9 @@ class RequestHandle:
 
     def cancel(self) -> None:
         """Stop the request: a waiting one leaves the queue now, a running one frees its slot at the next step."""
-        self._scheduler._cancel(self)
+        scheduler = self._scheduler()
+        if scheduler is not None:  # else it was collected, its requests all ended: nothing to stop
+            scheduler._cancel(self)
 
     def add_done_callback(self, callback: Callable[["RequestHandle"], None]) -> None:
         """callback(handle) once the result (or error) is set: on the scheduler's callback thread (never its worker:
@@ -253,7 +258,12 @@ class RequestHandle:
             if not self._fired:
                 self._waiting_callbacks.append(callback)
                 return
-        self._scheduler._callbacks.call_in_turn(lambda: callback(self))
+        self._callbacks().call_in_turn(lambda: callback(self))
+
+    def _callbacks(self) -> CallbackThread:
+        """The scheduler's callback thread; once the scheduler is gone, one of this module's (idle: runs them now)."""
+        scheduler = self._scheduler()
+        return scheduler._callbacks if scheduler is not None else _ORPHANS_CALLBACKS
 
     def _fail_after_fork(self, error: BaseException) -> None:
         """In a forked child, for a request of the parent (Scheduler._start_over_after_fork): done with `error`, its
@@ -272,5 +282,8 @@ class RequestHandle:
         with self._callbacks_lock:
             self._fired = True
             for callback in self._waiting_callbacks:
-                self._scheduler._callbacks.call(lambda callback=callback: callback(self))
+                self._callbacks().call(lambda callback=callback: callback(self))
             self._waiting_callbacks.clear()
+
+
+_ORPHANS_CALLBACKS = CallbackThread()  # for handles whose scheduler was collected (RequestHandle._callbacks)

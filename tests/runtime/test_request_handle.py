@@ -8,16 +8,27 @@ import pickle
 import re
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from runtime.request_handle import CallbackThread, LoggedPiece, RequestHandle
 
 
+class FakeScheduler:
+    """What a handle asks of its scheduler (held weakly: the test's handle keeps this one alive)."""
+
+    def __init__(self, callbacks: CallbackThread):
+        self._callbacks = callbacks
+
+    def _cancel(self, handle) -> None:
+        pass
+
+
 def handle_of(callbacks: CallbackThread | None = None) -> RequestHandle:
-    scheduler = SimpleNamespace(_callbacks=callbacks or CallbackThread(), _cancel=lambda handle: None)
-    return RequestHandle(scheduler, request_id=7, prompt_token_ids=[1, 2])
+    scheduler = FakeScheduler(callbacks or CallbackThread())
+    handle = RequestHandle(scheduler, request_id=7, prompt_token_ids=[1, 2])
+    handle.test_scheduler = scheduler
+    return handle
 
 
 def test_waiting_on_an_unfinished_request_honours_the_timeout():
