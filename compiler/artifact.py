@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from compiler.errors import BuildError, is_artifact_folder
-from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, sha256_file
+from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, required_features, sha256_file
 from runtime.results import process_umask
 
 NO_LOCKS = -1  # _try_lock on a filesystem without locks (some network filesystems)
@@ -338,9 +338,12 @@ def write_manifest(folder: Path, manifest: dict) -> dict:
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST_FILE):
         files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    requires = required_features(manifest)
     full = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        # 1 where a runtime that reads only format 1 runs the artifact as it should: those runtimes stay usable
+        "format_version": FORMAT_VERSION if requires else 1,
+        **({"requires": requires} if requires else {}),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **manifest,
         "files": files,

@@ -185,8 +185,9 @@ def _inspect(args) -> None:
 def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     """`aotlm inspect`'s summary of a manifest, printed on `out`."""
     config = manifest["model"]["config"]
-    out.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}, built {manifest['created']}",
-                  highlight=False)
+    needs = f" (requires {', '.join(manifest['requires'])})" if manifest.get("requires") else ""
+    out.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}{escape(needs)}, "
+              f"built {manifest['created']}", highlight=False)
     tools = manifest.get("tools") or {}
     source = tools.get("aotlm_source")
     built_by = f"built by aotlm {tools['aotlm']}" if isinstance(tools.get("aotlm"), str) else ""

@@ -13,8 +13,23 @@ from pathlib import Path
 from runtime.errors import ArtifactError
 
 FORMAT = "aotlm-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this runtime reads; a build writes 1 where an artifact needs none of REQUIREMENTS
+READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
+# What a runtime must act on, not pass over: an artifact that needs one lists it in `requires` and is format 2,
+# which the runtimes that read only format 1 refuse in a line. They had passed over both: an int8 cache's first
+# step failed inside onnxruntime ("expected: (tensor(int8))"), and without session_config's disable_quant_qdq a
+# DequantizeLinear artifact's prefill ran onnxruntime's fused 4-bit kernel: other text (6 of 8 SmolLM2 prompts).
+# A feature added later that older runtimes would pass over gets an entry here.
+REQUIREMENTS = {"int8_kv_cache": "a KV cache stored as int8", "session_config": "onnxruntime session settings"}
+
+
+def required_features(manifest: dict) -> list[str]:
+    """The REQUIREMENTS a manifest's artifact needs (the build stamps them, and format 2 where there are any)."""
+    needs = ["int8_kv_cache"] if manifest["kv_cache"].get("dtype") == "int8" else []
+    if any(engine.get("session_config") for engine in manifest["engines"].values()):
+        needs.append("session_config")
+    return needs
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
@@ -58,6 +73,16 @@ def _build_in_progress(folder: Path) -> str | None:
     return None
 
 
+def _builder(manifest: dict) -> str:
+    """" (built by aotlm X at commit Y)", from what the manifest records, for a refusal's advice."""
+    tools = manifest.get("tools") if isinstance(manifest.get("tools"), dict) else {}
+    source = tools.get("aotlm_source") if isinstance(tools.get("aotlm_source"), dict) else {}
+    version, commit = tools.get("aotlm"), source.get("commit")
+    if not isinstance(version, str):
+        return ""
+    return f" (built by aotlm {version}" + (f" at commit {commit[:12]}" if isinstance(commit, str) else "") + ")"
+
+
 def read_manifest(artifact_dir: str | Path) -> dict:
     """Load manifest.json and check its format and version; raises ArtifactError."""
     folder = Path(artifact_dir)
@@ -97,15 +122,25 @@ def read_manifest(artifact_dir: str | Path) -> dict:
         raise ArtifactError(f"{path}: not an aotlm manifest (format field missing); rebuild the artifact")
     version = manifest.get("format_version")
     # true and 1.0 equal 1 in Python, and the text "1" reads as it: a build writes the integer, so each was edited
-    if (isinstance(version, str) and version.strip() == str(FORMAT_VERSION)) or (
-            isinstance(version, (bool, float)) and version == FORMAT_VERSION):
+    if (isinstance(version, str) and version.strip() in map(str, READABLE_VERSIONS)) or (
+            isinstance(version, (bool, float)) and version in READABLE_VERSIONS):
         raise ArtifactError(f"{path}: format_version is {json.dumps(version)}, where a build writes the number "
-                            f"{FORMAT_VERSION}; the manifest was edited: rebuild the artifact")
-    if version != FORMAT_VERSION:
+                            f"{int(float(version))}; the manifest was edited: rebuild the artifact")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise ArtifactError(
-            f"{path}: artifact format version {version!r}, but this runtime reads version {FORMAT_VERSION}; "
-            f"rebuild it with this aotlm (`aotlm build RECIPE`) or use the aotlm that built it"
+            f"{path}: artifact format version {version!r}, but this runtime reads versions "
+            f"{' and '.join(map(str, READABLE_VERSIONS))}; rebuild it with this aotlm (`aotlm build RECIPE`) or use "
+            f"the aotlm that built it{_builder(manifest)}"
         )
+    requires = manifest.get("requires", [])
+    if not isinstance(requires, list) or not all(isinstance(need, str) for need in requires) or (
+            version == 1 and requires):
+        raise ArtifactError(f"{path}: requires is {json.dumps(requires)[:100]}, where a build writes a list of names "
+                            f"(format 2); the manifest was edited: rebuild the artifact")
+    unknown = [need for need in requires if need not in REQUIREMENTS]
+    if unknown:
+        raise ArtifactError(f"{path}: this artifact needs {', '.join(map(repr, unknown))}, which this runtime does not "
+                            f"know: use the aotlm that built it{_builder(manifest)}, or rebuild it with this one")
     missing = [key for key, kind in REQUIRED_SECTIONS.items() if not isinstance(manifest.get(key), kind)]
     missing = missing or [key for key, kind in REQUIRED_FIELDS.items() if not isinstance(_field(manifest, key), kind)]
     missing = missing or [f"files.{name}" for name, record in manifest["files"].items() if not isinstance(record, dict)

@@ -43,6 +43,9 @@ def test_manifest_records_an_int8_cache_and_its_accuracy(kv8_artifact, tiny_arti
     assert manifest["engines"]["prefill"]["takes_past"] is False
     float_manifest = json.loads((tiny_artifact / "manifest.json").read_text())
     assert manifest["kv_cache"]["dtype"] == "int8"
+    # format 2: runtimes that read only format 1 refuse it in a line (they ran its first step into onnxruntime's error)
+    assert (manifest["format_version"], manifest["requires"]) == (2, ["int8_kv_cache"])
+    assert float_manifest["format_version"] == 1 and "requires" not in float_manifest
     assert manifest["kv_cache"]["bytes_per_token"] * 4 == float_manifest["kv_cache"]["bytes_per_token"]
     for engine in manifest["engines"].values():
         cache_io = [v for v in [*engine["inputs"], *engine["outputs"]] if v["name"].startswith(("past_", "present."))]
@@ -109,6 +112,7 @@ def test_inspect_and_run_show_the_int8_cache(capsys, kv8_artifact):
     captured = capsys.readouterr()
     output = captured.out + captured.err
     assert "int8" in output and "0.12 KiB per token" in output  # 2 layers x 2 kv heads x 16 x 2 x 1 byte
+    assert "format v2 (requires int8_kv_cache)," in output
     assert main(["run", str(kv8_artifact), "--prompt", "hi", "--max-new-tokens", "3"]) == 0
 
 

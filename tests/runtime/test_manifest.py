@@ -72,8 +72,41 @@ def test_another_format_version_is_refused(artifact_copy, version):
     manifest = json.loads(manifest_path.read_text())
     manifest["format_version"] = version
     manifest_path.write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match=rf"format version {version}, but this runtime reads version 1; rebuild"):
+    with pytest.raises(ArtifactError, match=rf"format version {version}, but this runtime reads versions 1 and 2; "
+                                            rf"rebuild it with this aotlm \(`aotlm build RECIPE`\) or use the aotlm "
+                                            rf"that built it \(built by aotlm \d"):
         Engine.load(artifact_copy)
+
+
+def test_a_float_artifact_is_format_1_which_older_runtimes_read(artifact_copy):
+    manifest = json.loads((artifact_copy / "manifest.json").read_text())
+    assert manifest["format_version"] == 1 and "requires" not in manifest
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(format_version=2, requires=["int8_kv_cache", "paged_cache"]),
+     r"this artifact needs 'paged_cache', which this runtime does not know: use the aotlm that built it \(built by "
+     r"aotlm [^)]*\), or rebuild it with this one"),
+    (dict(format_version=1, requires=["int8_kv_cache"]), r"requires is \["),  # format 1 has none
+    (dict(format_version=2, requires="int8_kv_cache"), r'requires is "int8_kv_cache", where a build writes a list'),
+])
+def test_requirements_this_runtime_does_not_know_are_refused_by_name(artifact_copy, edit, message):
+    """A runtime that passed over a feature it did not know ran an int8 cache into an onnxruntime error, and a
+    DequantizeLinear artifact without its session settings: other text, silently."""
+    path = artifact_copy / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(ArtifactError, match=message):
+        Engine.load(artifact_copy)
+
+
+def test_the_features_an_artifact_needs_are_read_from_its_manifest():
+    from runtime.manifest import REQUIREMENTS, required_features
+
+    plain = {"kv_cache": {"dtype": "float32"}, "engines": {"prefill": {}, "decode": {"session_config": None}}}
+    assert required_features(plain) == []
+    needs = required_features({"kv_cache": {"dtype": "int8"},
+                               "engines": {"prefill": {"session_config": {"session.disable_quant_qdq": "1"}}}})
+    assert needs == ["int8_kv_cache", "session_config"] and set(needs) <= set(REQUIREMENTS)
 
 
 def test_another_format_is_not_an_aotlm_manifest(artifact_copy):
