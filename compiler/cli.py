@@ -319,6 +319,17 @@ def _bench(args) -> None:
 
     _check_bench_flags(args)
     manifest = read_manifest(args.artifact)  # a folder that is not an artifact fails here, in one line
+    record = _run_record(args.artifact)  # now: the JSON names the artifact the workload is sized for, and the start
+
+    def load_engine(**options):
+        """Engine.load, refused where a build replaced the artifact since bench read it (the workload was sized for
+        that one, and the JSON names it)."""
+        engine = Engine.load(args.artifact, **options)
+        if engine.manifest != manifest:
+            engine.close()
+            raise bench.BenchError(f"{args.artifact} was replaced (a build finished there) while bench ran; run "
+                                   f"bench again once the build is done")
+        return engine
     name, max_context = manifest["name"], manifest["kv_cache"]["max_context"]
     if not args.out:  # the default path, under the current folder, is checked before the work as a given one is
         args.out = f"benchmarks/results/bench-{name}{'-' + args.phase if args.phase else ''}.json"
@@ -352,7 +363,7 @@ def _bench(args) -> None:
         config = DecoderConfig.from_dict(manifest["model"]["config"])
         counts = count_params(config)
         params = counts["total"]
-        engine = Engine.load(args.artifact, intra_op_threads=threads)
+        engine = load_engine(intra_op_threads=threads)
         prompt_ids = bench.text_token_ids(engine.tokenizer.encode, max(sizes), text)
         with console.status(f"timing {args.phase} at {', '.join(map(str, sizes))}"):
             rows = bench.time_phase(engine, args.phase, sizes, prompt_ids, batch=args.batch, runs=args.runs,
@@ -365,7 +376,7 @@ def _bench(args) -> None:
         shown = f"peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads"
         message(f"[dim]{escape(shown)}[/dim]")
         counted = {"runs": args.runs} if args.phase == "prefill" else {"steps": args.steps}  # what the phase used
-        settings = {**_run_record(args.artifact), "phase": args.phase, "batch": args.batch, **counted,
+        settings = {**record, "phase": args.phase, "batch": args.batch, **counted,
                     "threads": threads}
         out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
         plot = bench.write_phase_plot(rows, args.phase, out)
@@ -391,7 +402,7 @@ def _bench(args) -> None:
                           int8_cache=manifest["kv_cache"]["dtype"] == "int8")
     queue_room = len(workload.requests) + len(workload.warmup)  # every request may wait: none is refused
     loaders = {("aotlm" if len(modes) == 1 else f"aotlm-{mode}"): (lambda mode=mode: bench.ScheduledServer(
-        Engine.load(args.artifact, intra_op_threads=threads, prefix_caching=args.prefix_caching), mode, slots,
+        load_engine(intra_op_threads=threads, prefix_caching=args.prefix_caching), mode, slots,
         queue_room, args.prefill_chunk)) for mode in modes}
     if baselines:  # benchmarks/baselines.py (generate.py's model setup): a source checkout with the bench extras
         checkout = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -422,7 +433,7 @@ def _bench(args) -> None:
                         f"{first['request']}: {first['error']}); the metrics are the completed requests'")
             if all(trace is None for trace in traces):
                 raise bench.BenchError(f"{backend}: every request failed; the first: {first['error']}")
-    settings = {**_run_record(args.artifact), "threads": threads, "backends": list(runs), "baselines": baselines,
+    settings = {**record, "threads": threads, "backends": list(runs), "baselines": baselines,
                 "batching": modes,
                 "slots": slots, "prefill_chunk": args.prefill_chunk, "prefix_caching": args.prefix_caching,
                 "prompt_source": args.prompt_file or "pydoc_data.topics (sorted, joined)",

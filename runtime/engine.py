@@ -184,6 +184,18 @@ class Generation:
         return self.result
 
 
+LOAD_RETRIES_AFTER_SWAP = 2  # Engine.load starts over this many times when a build replaced the folder meanwhile
+
+
+def _folder_identity(folder: Path) -> tuple[int, int] | None:
+    """(device, inode) of the artifact folder (a link followed): a build's swap puts another folder at the path."""
+    try:
+        status = os.stat(folder)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
 class Engine:
     """A built artifact, loaded: make one with Engine.load(path), not with this constructor.
 
@@ -270,16 +282,28 @@ class Engine:
             raise RequestError(f"spin_after_run must be True, False or a list of phases (\"prefill\", \"decode\"), "
                                f"got {spin_after_run!r}")
         folder = Path(artifact_dir)
-        manifest = read_manifest(folder)
-        phases = list(manifest["engines"])  # checked before check_files, which may hash every file
-        spinning_phases = set(phases if spin_after_run is True else () if spin_after_run is False else spin_after_run)
-        unknown = sorted(spinning_phases - set(phases))
-        if unknown:
-            raise RequestError(f"spin_after_run names {', '.join(map(repr, unknown))}, not a phase of this artifact "
-                               f"({', '.join(phases)})")
-        check_files(folder, manifest, verify_hashes=verify)
-        with _loading():
-            engine = cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching)
+        # A build replaces an artifact by renaming a new folder over it: one that did so while this load read the
+        # manifest and opened the files had given an engine of two builds (its manifest one's, its graphs the
+        # other's; verify=True passed). The folder's identity before and after tells; the load then starts over.
+        for attempt in range(1 + LOAD_RETRIES_AFTER_SWAP):
+            before = _folder_identity(folder)
+            manifest = read_manifest(folder)
+            phases = list(manifest["engines"])  # checked before check_files, which may hash every file
+            spinning_phases = set(phases if spin_after_run is True else () if spin_after_run is False else
+                                  spin_after_run)
+            unknown = sorted(spinning_phases - set(phases))
+            if unknown:
+                raise RequestError(f"spin_after_run names {', '.join(map(repr, unknown))}, not a phase of this "
+                                   f"artifact ({', '.join(phases)})")
+            check_files(folder, manifest, verify_hashes=verify)
+            with _loading():
+                engine = cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching)
+            if _folder_identity(folder) == before:
+                break
+            engine.close()
+        else:
+            raise ArtifactError(f"{folder}: a build replaced it while it loaded, {1 + LOAD_RETRIES_AFTER_SWAP} times; "
+                                f"load it again once the builds finish")
         for notice in getattr(engine.backend, "notices", ()):  # at the caller's line, once (not per session)
             warnings.warn(notice, RuntimeWarning, stacklevel=2)
         return engine

@@ -242,6 +242,25 @@ def test_bench_serves_with_8_slots_or_one_per_client_on_every_core(capsys, tiny_
     assert settings["backends"] == ["aotlm"] and settings["batching"] == ["continuous"]  # a mode given twice: once
 
 
+def test_bench_refuses_an_artifact_a_build_replaced_while_it_ran(capsys, tiny_artifact, tmp_path, monkeypatch):
+    """It sized the workload from the manifest it read first, loaded whatever was there later, and wrote the hash
+    of the manifest on disk at the end: a run of one artifact recorded as another's."""
+    from runtime import Engine
+
+    load = Engine.load
+
+    def rebuilt(*args, **kwargs):
+        engine = load(*args, **kwargs)
+        engine.manifest = {**engine.manifest, "created": "2099-01-01T00:00:00+00:00"}  # another build's
+        return engine
+
+    monkeypatch.setattr(Engine, "load", rebuilt)
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--requests", "2", "--prompt-tokens", "8",
+                             "--output-tokens", "2", "--warmup", "0", "--out", tmp_path / "b.json")
+    assert status == 2 and "was replaced (a build finished there) while bench ran; run bench again" in output, output
+    assert not (tmp_path / "b.json").exists()
+
+
 def test_bench_s_default_output_names_the_artifact_and_the_phase(capsys, tiny_artifact, tmp_path, monkeypatch):
     import compiler.plan
 

@@ -487,3 +487,38 @@ def test_a_relative_path_from_a_deleted_working_folder_is_named(tiny_artifact, t
     gone.rmdir()
     with pytest.raises(ArtifactError, match="relative to the working folder, which was deleted"):
         Engine.load(os.path.relpath(tiny_artifact, gone))
+
+
+def rebuilds_during_open(monkeypatch, folder, times: int) -> list:
+    """Engine._open, with a build's swap (another artifact renamed over `folder`) during its first `times` calls."""
+    opened, open_engine = [], Engine._open.__func__
+
+    def swapped(cls, *args, **kwargs):
+        if len(opened) < times:
+            rebuilt = shutil.copytree(folder, folder.with_name(f"rebuilt-{len(opened)}"))
+            manifest = json.loads((rebuilt / "manifest.json").read_text())
+            (rebuilt / "manifest.json").write_text(json.dumps({**manifest, "created": f"build {len(opened) + 1}"}))
+            folder.rename(folder.with_name(f"retired-{len(opened)}"))
+            rebuilt.rename(folder)
+        opened.append(True)
+        return open_engine(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_open", classmethod(swapped))
+    return opened
+
+
+def test_a_load_that_a_build_swapped_under_starts_over_on_the_new_artifact(artifact_copy, monkeypatch):
+    """The manifest came from one build and the graphs from another (verify=True passed): a mix, without a word."""
+    opened = rebuilds_during_open(monkeypatch, artifact_copy, times=1)
+    engine = Engine.load(artifact_copy, verify=True)
+    try:
+        assert len(opened) == 2 and engine.manifest["created"] == "build 1"  # the artifact now at the path, whole
+    finally:
+        engine.close()
+
+
+def test_a_load_swapped_under_every_time_says_so(artifact_copy, monkeypatch):
+    rebuilds_during_open(monkeypatch, artifact_copy, times=3)
+    with pytest.raises(ArtifactError, match=r"copy: a build replaced it while it loaded, 3 times; load it again once "
+                                            r"the builds finish$"):
+        Engine.load(artifact_copy)
