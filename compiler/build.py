@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from compiler.accuracy import evaluate_against_float, held_out_tokens, quantization_summary, repeated_text_warning
-from compiler.artifact import (remove_abandoned_scratch, scratch_folder, source_revision, staged_folder,
-                               temporary_folder, tool_versions, write_manifest)
+from compiler.artifact import (remove_abandoned, remove_abandoned_scratch, scratch_folder, source_revision,
+                               staged_folder, temporary_folder, tool_versions, write_manifest)
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
@@ -69,11 +69,13 @@ def _sticky_owner_only(folder: Path) -> bool:
     return bool(parent.st_mode & stat.S_ISVTX) and me not in (0, parent.st_uid, folder.stat().st_uid)
 
 
-def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, dump_dir: str | Path | None = None
-          ) -> Path:
+def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, dump_dir: str | Path | None = None,
+          written: dict | None = None) -> Path:
     """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input.
     dump_dir: each pass's output graph, per phase, is also written there (NN-pass-phase.onnx: to bisect a parity
-    failure pass by pass; a large model's graphs take their weights' size each)."""
+    failure pass by pass; a large model's graphs take their weights' size each).
+    written: a dict that receives the manifest this build wrote (the path may hold another build's by the time the
+    caller reads it: `aotlm build` prints this one's reports from it)."""
     say = progress or (lambda message: None)
     final_dir = Path(output_root) / recipe.name
     check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
@@ -167,6 +169,9 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     del loaded.state_dict  # the decoder holds the weights now
     for folder in remove_abandoned_scratch():  # a killed build's traces: gigabytes for a large model
         say(f"removed {folder}, left by a build that was killed")
+    if built_at.parent.is_dir():  # now, not after minutes of export: a killed swap's artifact is put back at once
+        for folder in remove_abandoned(built_at):
+            say(f"removed {folder}, left by a build of {built_at.name} that was killed")
     with scratch_folder("spill") as spill:
         # A large model's passes before quantization hold one phase's graph at a time, the other on disk (run_pipeline's
         # spill_dir). Not the quantizing ones: quantize_kv_cache calibrates on the phase that runs first, and one
@@ -209,7 +214,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
                         "held_out": evaluate_against_float(float_decode, folder, manifest, recipe.accuracy,
                                                            held_out, recipe.backend, say)}
         say("hashing files and writing the manifest")
-        write_manifest(folder, {
+        full = write_manifest(folder, {
             "name": recipe.name,
             "recipe": recipe.to_dict(),
             "tools": {**tool_versions(), "aotlm_source": source_revision()},
@@ -224,4 +229,6 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
             **({"accuracy": accuracy} if accuracy else {}),
             "build_seconds": round(time.perf_counter() - started, 2),
         })
+    if written is not None:
+        written.update(full)
     return final_dir

@@ -69,9 +69,10 @@ def _build(args) -> None:
     from compiler.errors import is_artifact_folder
 
     replacing = is_artifact_folder(Path(args.output) / recipe.name)  # swapped atomically at the end: say so then
+    manifest: dict = {}  # what this build wrote: another build of the name may have replaced it by the time it prints
     try:
         with console.status(f"building {escape(recipe.name)}"):
-            path = build(recipe, args.output, progress=progress, dump_dir=args.dump_passes)
+            path = build(recipe, args.output, progress=progress, dump_dir=args.dump_passes, written=manifest)
     except OSError as full:  # a write's error names no file: say which disks the build writes
         if full.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or full.filename:
             raise
@@ -79,9 +80,7 @@ def _build(args) -> None:
                                                  f"room for both), or the temporary folder {tempfile.gettempdir()}, "
                                                  f"where the graphs are traced (TMPDIR)") from None
     from compiler.pass_reports import PassResult, format_accuracy, format_reports, idle_passes
-    from runtime.manifest import read_manifest
 
-    manifest = read_manifest(path)
     passes = [PassResult(**result) for result in manifest["passes"]]
     if passes:
         console.print(format_reports(passes), highlight=False)

@@ -64,13 +64,46 @@ def _build_in_progress(folder: Path) -> str | None:
         return (f"{folder}: a build's temporary folder, not an artifact; the build puts the artifact at {final} when it "
                 f"finishes: load that")
     try:
-        running = next(folder.parent.glob(f".{glob.escape(name)}.partial-*"), None)
+        partial = sorted(folder.parent.glob(f".{glob.escape(name)}.partial-*"))
+        retired = sorted(path / name for path in folder.parent.glob(f".{glob.escape(name)}.old-*"))
     except OSError:
         return None
+    previous = next((path for path in retired if not _held_by_a_build(path.parent) and path.is_dir()), None)
+    if previous is not None:  # a build killed between its swap's two renames: the old artifact is whole there
+        return (f"{folder}: no such directory: a build of it was stopped while it replaced it, and the previous "
+                f"artifact is whole at {previous}: move it back (mv {previous} {folder}) or build again (the next "
+                f"`aotlm build` puts it back first)")
+    running = next((path for path in partial if _held_by_a_build(path)), None)
     if running is not None:
-        return (f"{folder}: no such directory yet: a build of it seems to be running (its temporary folder "
-                f"{running} exists); load it once `aotlm build` finishes")
+        return (f"{folder}: no such directory yet: a build of it is running (its temporary folder {running} "
+                f"exists); load it once `aotlm build` finishes")
+    if partial:  # no build holds it: one was killed (its lock went with its process)
+        return (f"{folder}: no such directory: a build of it was stopped before it finished (it left "
+                f"{partial[0]}, which the next `aotlm build` removes); build it again")
     return None
+
+
+def _held_by_a_build(folder: Path) -> bool:
+    """Whether a running build holds its lock on folder (compiler/artifact.py locks its temporary folders with flock
+    while it runs; the kernel drops the lock when the process ends, however it ends). Where locks cannot be tried
+    (no fcntl, a filesystem without them), a build is assumed to hold it, as before."""
+    try:
+        import fcntl
+    except ImportError:
+        return True
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False  # removed meanwhile (the build finished) or not ours: not a build of ours to wait for
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True
+    finally:
+        os.close(descriptor)
+    return False
 
 
 def _builder(manifest: dict) -> str:

@@ -344,3 +344,24 @@ def test_dumps_inside_the_artifact_folder_are_refused_before_the_export(capsys, 
         status, output = run_cli(capsys, "build", str(TINY_RECIPE), "--output", str(tmp_path / "out"),
                                  "--dump-passes", str(tmp_path / "out" / inside))
         assert status == 2 and "inside the artifact folder" in output and "tracing" not in output, output
+
+
+def test_build_prints_its_own_reports_though_another_build_replaced_the_artifact(capsys, tmp_path, monkeypatch):
+    """The CLI read the manifest at the path after the swap's lock was released: a build of the same name that swapped
+    in meanwhile (two CI jobs) had its pass table printed under this build's "built"."""
+    import json
+
+    import compiler.build
+
+    build = compiler.build.build
+
+    def then_replaced(recipe, output, **options):
+        path = build(recipe, output, **options)
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["passes"] = manifest["passes"][:1]  # the other build's: one pass
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        return path
+
+    monkeypatch.setattr(compiler.build, "build", then_replaced)
+    status, output = run_cli(capsys, "build", str(TINY_RECIPE), "--output", str(tmp_path))
+    assert status == 0 and "fuse_attention" in output and "skip_unused_rows" in output, output

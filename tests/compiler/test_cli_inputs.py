@@ -952,3 +952,24 @@ def test_emoji_codes_in_a_users_text_are_printed_as_written(capsys):
 
     assert main(["build", ":x: :smile:"]) == 2
     assert "recipe not found: :x: :smile:" in capsys.readouterr().err
+
+
+def test_a_build_puts_a_stopped_swaps_artifact_back_before_its_export(tmp_path, monkeypatch, tiny_recipe):
+    """It was put back only once the next build wrote its own artifact: one that failed first (a recipe that does not
+    fit, an export error) left the path empty, the whole old artifact hidden in .NAME.old-*."""
+    import compiler.build
+
+    old = tmp_path / ".tiny-random.old-999999999-abc" / "tiny-random"  # no such process
+    old.mkdir(parents=True)
+    (old / "manifest.json").write_text("{}")
+    said = []
+
+    def export_fails(*args, **kwargs):
+        raise RuntimeError("the export failed")
+
+    monkeypatch.setattr(compiler.build, "trace_graphs", export_fails)
+    with pytest.raises(RuntimeError, match="the export failed"):
+        compiler.build.build(tiny_recipe, tmp_path, progress=said.append)
+    assert (tmp_path / "tiny-random" / "manifest.json").read_text() == "{}" and not old.parent.exists()
+    assert any(line.startswith(f"removed {old.parent}, left by a build of tiny-random that was killed")
+               for line in said), said

@@ -431,8 +431,19 @@ def test_a_build_under_way_is_named_not_suggested(tmp_path):
     with pytest.raises(ArtifactError, match=r"not an artifact \(no manifest.json\); build one with") as refused:
         Engine.load(tmp_path)
     assert "partial" not in str(refused.value)
-    with pytest.raises(ArtifactError, match=r"tiny: no such directory yet: a build of it seems to be running .*"
-                                            r"load it once `aotlm build` finishes"):
+    fcntl = pytest.importorskip("fcntl")
+    held = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the running build holds it
+    try:
+        with pytest.raises(ArtifactError, match=r"tiny: no such directory yet: a build of it is running .*"
+                                                r"load it once `aotlm build` finishes"):
+            Engine.load(tmp_path / "tiny")
+    finally:
+        os.close(held)
+    # A build killed (SIGKILL, the OOM killer) leaves its folder and no lock: said to be running, for ever
+    with pytest.raises(ArtifactError, match=r"tiny: no such directory: a build of it was stopped before it finished "
+                                            r"\(it left .*\.tiny\.partial-123-abcd, which the next `aotlm build` "
+                                            r"removes\); build it again$"):
         Engine.load(tmp_path / "tiny")
     (staging / "manifest.json").unlink()
     with pytest.raises(ArtifactError, match=r"a build's temporary folder, not an artifact; the build puts the "
@@ -521,4 +532,17 @@ def test_a_load_swapped_under_every_time_says_so(artifact_copy, monkeypatch):
     rebuilds_during_open(monkeypatch, artifact_copy, times=3)
     with pytest.raises(ArtifactError, match=r"copy: a build replaced it while it loaded, 3 times; load it again once "
                                             r"the builds finish$"):
+        Engine.load(artifact_copy)
+
+
+def test_a_build_killed_between_its_renames_names_the_whole_previous_artifact(artifact_copy, tmp_path):
+    """The path held nothing and the old artifact sat whole in .NAME.old-*/NAME, while loads said a build was
+    running; the next build put it back only at its very end (and not at all if it failed first)."""
+    retired = tmp_path / ".copy.old-99-abcd"
+    retired.mkdir()
+    artifact_copy.rename(retired / "copy")
+    (tmp_path / ".copy.partial-99-efgh").mkdir()  # the new one, never renamed in
+    with pytest.raises(ArtifactError, match=r"copy: no such directory: a build of it was stopped while it replaced "
+                                            r"it, and the previous artifact is whole at .*\.copy\.old-99-abcd/copy: "
+                                            r"move it back \(mv "):
         Engine.load(artifact_copy)
