@@ -60,12 +60,43 @@ def source_revision(root: Path = Path(__file__).resolve().parents[1]) -> dict | 
             return None
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()
+        # Untracked files too: a module the build imports that was never added leaves a commit that cannot rebuild it
         changed = subprocess.run(["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain",
-                                  "--untracked-files=no", "--", *SOURCE_FOLDERS], capture_output=True, text=True,
+                                  "--untracked-files=normal", "--", *SOURCE_FOLDERS], capture_output=True, text=True,
                                  timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": commit, "modified": bool(changed.strip())} if re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
+def sources_sha256(root: Path = Path(__file__).resolve().parents[1]) -> str:
+    """sha256 of the SOURCE_FOLDERS' Python files (their paths and bytes): which code built an artifact where there
+    is no commit to name (a wheel or `pip install .` records version 0.1.0 and nothing else), or what an uncommitted
+    change was."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def build_host() -> dict:
+    """The machine a build ran on, as far as it decides bytes: numpy's BLAS picks its kernels by CPU, and GPTQ's
+    Cholesky and solves differ in the last bit between an AVX-512 and an AVX2 host (rtn, awq and float builds do
+    not)."""
+    cpu = platform.processor() or None
+    with contextlib.suppress(OSError, StopIteration):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    blas = None
+    with contextlib.suppress(Exception):  # numpy's build configuration: its layout changed between releases
+        import numpy
+
+        config = numpy.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas = f"{config.get('name')} {config.get('version')}".strip()
+    return {"machine": platform.machine(), "cpu": cpu, "blas": blas}
 
 
 @contextlib.contextmanager
@@ -333,6 +364,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def creation_time() -> datetime.datetime:
+    """Now, or SOURCE_DATE_EPOCH's time where it is set (reproducible-builds.org's convention: two builds of one
+    recipe then write the same `created`; `build_seconds` and each pass's `seconds` still differ). BuildError for a
+    value that is not a whole number of seconds, as the convention asks."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch is None:
+        return datetime.datetime.now(datetime.timezone.utc)
+    if not re.fullmatch(r"[0-9]{1,12}", epoch.strip()):
+        raise BuildError(f"SOURCE_DATE_EPOCH={epoch!r}: give the seconds since 1970 as a whole number (e.g. git log "
+                         f"-1 --format=%ct), or unset it")
+    return datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+
+
 def write_manifest(folder: Path, manifest: dict) -> dict:
     """Add format fields, creation time and every file's size + sha256, then write manifest.json."""
     files = {}
@@ -344,7 +388,7 @@ def write_manifest(folder: Path, manifest: dict) -> dict:
         # 1 where a runtime that reads only format 1 runs the artifact as it should: those runtimes stay usable
         "format_version": FORMAT_VERSION if requires else 1,
         **({"requires": requires} if requires else {}),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": creation_time().isoformat(timespec="seconds"),
         **manifest,
         "files": files,
     }

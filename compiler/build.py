@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 
 from compiler.accuracy import evaluate_against_float, held_out_tokens, quantization_summary, repeated_text_warning
-from compiler.artifact import (remove_abandoned, remove_abandoned_scratch, scratch_folder, source_revision,
-                               staged_folder, temporary_folder, tool_versions, write_manifest)
+from compiler.artifact import (build_host, creation_time, remove_abandoned, remove_abandoned_scratch, scratch_folder,
+                               source_revision, sources_sha256, staged_folder, temporary_folder, tool_versions,
+                               write_manifest)
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
@@ -79,6 +80,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     say = progress or (lambda message: None)
     final_dir = Path(output_root) / recipe.name
     check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
+    creation_time()  # a malformed SOURCE_DATE_EPOCH is refused now, not after the build's work
     _, temporary_warning = temporary_folder()
     if temporary_warning:
         say(f"warning: {temporary_warning}")
@@ -217,7 +219,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
         full = write_manifest(folder, {
             "name": recipe.name,
             "recipe": recipe.to_dict(),
-            "tools": {**tool_versions(), "aotlm_source": source_revision()},
+            "tools": {**tool_versions(), "aotlm_source": source_revision(), "aotlm_sources_sha256": sources_sha256(),
+                      "host": build_host()},
             "model": {"config": loaded.config.to_dict(), "source": loaded.source},
             "tokenizer": {"file": TOKENIZER_FILE, "bos_token_id": loaded.config.bos_token_id,
                           "eos_token_ids": list(loaded.config.eos_token_ids),

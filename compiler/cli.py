@@ -193,6 +193,9 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     if isinstance(source, dict) and source.get("commit"):  # which compiler built it (older builds: unrecorded)
         built_by = ((built_by or "built by aotlm") + f" at commit {str(source['commit'])[:12]}"
                     + (" with uncommitted changes to compiler/, passes/ or runtime/" if source.get("modified") else ""))
+    sources = tools.get("aotlm_sources_sha256")
+    if isinstance(sources, str) and not (isinstance(source, dict) and source.get("commit")):
+        built_by = (built_by or "built by aotlm") + f" (sources sha256 {sources[:12]})"  # a wheel's: no commit
     if built_by:  # a wheel's build records its version and no commit
         out.print(escape(built_by), highlight=False)
     out.print(f"model: {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
@@ -479,7 +482,11 @@ def _run_record(artifact: str) -> dict:
     manifest = Path(artifact) / "manifest.json"
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "artifact": str(artifact),
             "artifact_path": str(Path(artifact).resolve()), "artifact_name": read_manifest(artifact)["name"],
-            "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest(), "aotlm": _aotlm_version(),
+            "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest(),
+            # its files' hashes alone: two builds of one recipe have the same (their manifests' times differ)
+            "artifact_files_sha256": hashlib.sha256(json.dumps(read_manifest(artifact)["files"],
+                                                               sort_keys=True).encode()).hexdigest(),
+            "aotlm": _aotlm_version(),
             "percentiles": "numpy's linear interpolation", "trace_times": "seconds since the backend's first arrival"}
 
 

@@ -110,10 +110,12 @@ def _builder(manifest: dict) -> str:
     """" (built by aotlm X at commit Y)", from what the manifest records, for a refusal's advice."""
     tools = manifest.get("tools") if isinstance(manifest.get("tools"), dict) else {}
     source = tools.get("aotlm_source") if isinstance(tools.get("aotlm_source"), dict) else {}
-    version, commit = tools.get("aotlm"), source.get("commit")
+    version, commit, sources = tools.get("aotlm"), source.get("commit"), tools.get("aotlm_sources_sha256")
     if not isinstance(version, str):
         return ""
-    return f" (built by aotlm {version}" + (f" at commit {commit[:12]}" if isinstance(commit, str) else "") + ")"
+    at = (f" at commit {commit[:12]}" if isinstance(commit, str) else
+          f", sources sha256 {sources[:12]}" if isinstance(sources, str) else "")
+    return f" (built by aotlm {version}{at})"
 
 
 def read_manifest(artifact_dir: str | Path) -> dict:

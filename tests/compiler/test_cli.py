@@ -95,7 +95,35 @@ def test_inspect_names_the_aotlm_release_of_a_wheels_build(capsys, tiny_artifact
     manifest["tools"].update(aotlm="0.1.0", aotlm_source=None)
     (copy / "manifest.json").write_text(json.dumps(manifest))
     status, output = run_cli(capsys, "inspect", copy)
-    assert status == 0 and "built by aotlm 0.1.0\n" in output and "at commit" not in output, output
+    sources = manifest["tools"]["aotlm_sources_sha256"]
+    assert status == 0 and f"built by aotlm 0.1.0 (sources sha256 {sources[:12]})\n" in output, output
+    assert "at commit" not in output
+
+
+def test_the_sources_digest_changes_with_any_source_file_and_nothing_else(tmp_path):
+    """A wheel's build (pip install .) recorded version 0.1.0 and no commit: every build since looked the same."""
+    import shutil
+
+    from compiler.artifact import SOURCE_FOLDERS, sources_sha256
+
+    for folder in SOURCE_FOLDERS:
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    first = sources_sha256(tmp_path)
+    (tmp_path / "runtime" / "notes.txt").write_text("not code")
+    assert sources_sha256(tmp_path) == first == sources_sha256(REPO)
+    (tmp_path / "passes" / "extra.py").write_text("")  # a module added
+    assert sources_sha256(tmp_path) != first
+
+
+def test_source_date_epoch_sets_created_and_a_malformed_one_is_refused(monkeypatch, tmp_path):
+    from compiler.artifact import creation_time
+    from compiler.errors import BuildError
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    assert creation_time().isoformat() == "2023-11-14T22:13:20+00:00"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    with pytest.raises(BuildError, match=r"SOURCE_DATE_EPOCH='yesterday': give the seconds since 1970"):
+        creation_time()
 
 
 def test_version_prints_the_release(capsys):
@@ -125,6 +153,9 @@ def test_a_change_to_the_runtime_marks_the_source_modified(tmp_path):
     evaluate = clone / "runtime" / "evaluate.py"
     evaluate.write_text(evaluate.read_text().replace("CALIBRATION_FRACTION = 0.9", "CALIBRATION_FRACTION = 0.5"))
     assert (clean, source_revision(clone)["modified"]) == (False, True)
+    subprocess.run(["git", "-C", str(clone), "checkout", "-q", "--", "runtime"], check=True)
+    (clone / "passes" / "extra_constants.py").write_text("")  # imported by a change, never added: the commit
+    assert source_revision(clone)["modified"] is True  # alone could not rebuild the artifact
 
 
 def test_an_aotlm_installed_inside_another_projects_checkout_records_no_commit(monkeypatch, tmp_path):
