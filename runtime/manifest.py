@@ -26,8 +26,8 @@ REQUIREMENTS = {"int8_kv_cache": "a KV cache stored as int8", "session_config": 
 
 def required_features(manifest: dict) -> list[str]:
     """The REQUIREMENTS a manifest's artifact needs (the build stamps them, and format 2 where there are any)."""
-    needs = ["int8_kv_cache"] if manifest["kv_cache"].get("dtype") == "int8" else []
-    if any(engine.get("session_config") for engine in manifest["engines"].values()):
+    needs = ["int8_kv_cache"] if manifest.get("kv_cache", {}).get("dtype") == "int8" else []
+    if any(engine.get("session_config") for engine in manifest.get("engines", {}).values()):
         needs.append("session_config")
     return needs
 

@@ -108,11 +108,17 @@ def test_the_built_line_prints_a_long_artifact_path_unbroken(capsys, tmp_path, t
     they had cut errors' paths."""
     import shutil
 
+    import json
+
     from compiler.console import console
 
     monkeypatch.setattr(console, "_width", 80)  # as a pipe gives it, whatever COLUMNS this test runs under
     artifact = shutil.copytree(tiny_artifact, tmp_path / ("a_folder_whose_name_is_long_" * 4) / "tiny-random")
-    monkeypatch.setattr(build_module, "build", lambda recipe, output, progress=None, dump_dir=None: artifact)
+    def built(recipe, output, progress=None, dump_dir=None, written=None):
+        written.update(json.loads((artifact / "manifest.json").read_text()))
+        return artifact
+
+    monkeypatch.setattr(build_module, "build", built)
     status, output = run_cli(capsys, "build", str(TINY_RECIPE), "--output", str(artifact.parent))
     assert status == 0 and any(line.startswith(f"built {artifact} in ") for line in output.splitlines()), output
 
