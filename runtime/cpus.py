@@ -1,5 +1,6 @@
 """How many CPUs this process may use, which os.cpu_count() (the machine's) does not say: its affinity (taskset, a
-container's cpuset) and its cgroup's CPU quota (`docker --cpus`, a Kubernetes CPU limit).
+container's cpuset) and its cgroup's CPU quota (`docker --cpus`, a Kubernetes CPU limit); and, the same way, how much
+memory its cgroup leaves it (`docker --memory`, a Kubernetes memory limit), which /proc/meminfo does not say.
 
 onnxruntime's default thread pool (intra_op_num_threads 0) takes one thread per physical core of the machine and pins
 them, affinity or not: under `taskset -c 0` it pinned a worker to CPU 1, inside a cpuset every session load printed
@@ -90,3 +91,46 @@ def _v1_quota(folder: Path) -> float | None:
 def _ratio(quota: int, period: int) -> float | None:
     """CPUs a quota per period gives; None for no limit (v1's -1) or nonsense (<= 0)."""
     return quota / period if quota > 0 and period > 0 else None
+
+
+def cgroup_memory_left(membership: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> int | None:
+    """Bytes this process's cgroup and its ancestors let it allocate before the OOM killer acts: the smallest limit
+    less what is charged now, the reclaimable page cache (inactive files) not counted as charged, as Kubernetes'
+    working set leaves it out; v2 (memory.max) or v1 (memory.limit_in_bytes). None where no limit is set or read."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    left = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            left += [_memory_left(folder, "memory.max", "memory.current", "inactive_file")
+                     for folder in _folders(root, path)]
+        elif "memory" in controllers.split(","):
+            left += [_memory_left(folder, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+                     for folder in _folders(root / "memory", path)]
+    found = [bytes_ for bytes_ in left if bytes_ is not None]
+    return min(found) if found else None
+
+
+V1_NO_LIMIT = 1 << 62  # v1 writes its "no limit" as a page-rounded 2^63 - 1
+
+
+def _memory_left(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        limit_text = (folder / limit_file).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= V1_NO_LIMIT:
+            return None
+        limit, usage = int(limit_text), int((folder / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    inactive = 0
+    try:
+        for line in (folder / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive_key:
+                inactive = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, limit - max(0, usage - inactive))

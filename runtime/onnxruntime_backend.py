@@ -17,7 +17,7 @@ from typing import Collection
 import numpy as np
 import onnxruntime as ort
 
-from runtime.cpus import cpus, default_intra_op_threads, restriction, usable_cpus
+from runtime.cpus import cgroup_memory_left, cpus, default_intra_op_threads, restriction, usable_cpus
 from runtime.errors import ArtifactError, RequestError
 from runtime.huge_pages import advise, advise_range
 from runtime.versions import release
@@ -362,8 +362,11 @@ def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, input_ids: 
 def available_memory_bytes() -> int | None:
     """Memory a new allocation may take now: the kernel's estimate of what is available without swapping (Linux's
     MemAvailable), or less where this process has an address-space limit (`ulimit -v`, `prlimit --as`: RLIMIT_AS),
-    past which an allocation fails whatever the machine has free; None where neither is known."""
-    known = [bytes_ for bytes_ in (_meminfo_available(), _address_space_left()) if bytes_ is not None]
+    past which an allocation fails whatever the machine has free, or a container's memory limit (its cgroup's: the
+    machine's MemAvailable does not see it, and past it the OOM killer ends the process as the cache is zeroed);
+    None where none is known."""
+    known = [bytes_ for bytes_ in (_meminfo_available(), _address_space_left(), cgroup_memory_left())
+             if bytes_ is not None]
     return min(known) if known else None
 
 
@@ -412,7 +415,7 @@ def slot_memory_message(slots: int, bytes_per_slot: int, what: str, available: i
     needed = slots * bytes_per_slot
     if available is not None and available < needed:
         fits = f"this process can allocate {_binary_size(available)} now; use at most {available // bytes_per_slot}"
-    else:  # the allocation failed under a limit this process cannot read (a container's cgroup, say)
+    else:  # the allocation failed under a limit this process cannot read
         fits = "allocating them ran out of memory; use fewer"
     return (f"{what}: {slots} sequences need {_binary_size(needed)} of KV cache ({_binary_size(bytes_per_slot)} "
             f"each), and {fits}, or build with a smaller export.max_context"
@@ -431,7 +434,7 @@ def _binary_size(count: int) -> str:
 def allocate_checked(allocate, slots: int, bytes_per_slot: int, what: str = "slots", int8_cache: bool = False):
     """allocate(), with a failed allocation (numpy's MemoryError names one layer's array) refused as check_slot_memory
     refuses: the setting, the bytes it needs and what fits. Memory can run out between the check and the allocation,
-    or where the check sees no limit (a cgroup's memory limit is not in MemAvailable)."""
+    or under a limit the check cannot read."""
     try:
         return allocate()
     except MemoryError:

@@ -133,3 +133,36 @@ def test_nonsense_quotas_are_no_limit_and_paths_stay_under_the_mount(tmp_path):
     (tmp_path / "root" / "fs").mkdir(parents=True)
     membership, root = cgroup(tmp_path / "root", "0::/../../outside\n", {})
     assert cpus.cgroup_cpu_quota(membership, root) is None  # a file outside the mount is never read
+
+
+def test_a_v2_memory_limit_leaves_the_limit_less_the_working_set(tmp_path):
+    """/proc/meminfo shows the machine's memory: in a pod limited to 2 GiB, --slots beyond it passed the check and
+    the OOM killer ended the server while the cache was zeroed. Page cache the kernel reclaims first is not charged."""
+    files = {"kubepods/pod1/memory.max": f"{2 << 30}\n", "kubepods/pod1/memory.current": f"{1 << 30}\n",
+             "kubepods/pod1/memory.stat": f"anon 100\ninactive_file {256 << 20}\nactive_file 5\n",
+             "kubepods/memory.max": "max\n", "kubepods/memory.current": "5\n"}
+    assert cpus.cgroup_memory_left(*cgroup(tmp_path, "0::/kubepods/pod1\n", files)) == (2 << 30) - (768 << 20)
+    files["kubepods/memory.max"] = f"{1280 << 20}\n"  # a parent's lower limit binds the child too
+    files["kubepods/memory.current"] = f"{1 << 30}\n"
+    assert cpus.cgroup_memory_left(*cgroup(tmp_path / "parent", "0::/kubepods/pod1\n", files)) == 256 << 20
+    assert cpus.cgroup_memory_left(*cgroup(tmp_path / "none", "0::/\n", {"memory.max": "max\n"})) is None
+
+
+def test_a_v1_memory_limit_is_read_and_its_no_limit_value_is_none(tmp_path):
+    membership = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n"
+    files = {"memory/docker/abc/memory.limit_in_bytes": f"{4 << 30}\n",
+             "memory/docker/abc/memory.usage_in_bytes": f"{3 << 30}\n",
+             "memory/docker/abc/memory.stat": f"cache 1\ntotal_inactive_file {1 << 30}\n"}
+    assert cpus.cgroup_memory_left(*cgroup(tmp_path, membership, files)) == 2 << 30
+    files["memory/docker/abc/memory.limit_in_bytes"] = "9223372036854771712\n"  # v1's "no limit"
+    assert cpus.cgroup_memory_left(*cgroup(tmp_path / "unlimited", membership, files)) is None
+
+
+def test_the_slot_memory_check_heeds_a_containers_memory_limit(monkeypatch):
+    from runtime import onnxruntime_backend
+
+    monkeypatch.setattr(onnxruntime_backend, "_meminfo_available", lambda: 64 << 30)  # the machine's
+    monkeypatch.setattr(onnxruntime_backend, "cgroup_memory_left", lambda: 1 << 30)  # the container's
+    with pytest.raises(RequestError, match=r"slots: 16 sequences need 1.4 GiB of KV cache \(90.0 MiB each\), and this "
+                                           r"process can allocate 1.0 GiB now; use at most 11"):
+        onnxruntime_backend.check_slot_memory(16, 90 << 20)
