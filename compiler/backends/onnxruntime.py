@@ -134,6 +134,24 @@ def takes_past(model: onnx.ModelProto, aliases: dict[str, str]) -> bool:
     return bool(attention) and 2 * len(attention) == len(past_inputs) and read == past_inputs
 
 
+def _stamp(model: onnx.ModelProto, phase: str) -> None:
+    """Say who made the graph, for a program or a viewer that opens it alone: the exporter's producer ("pytorch")
+    claimed graphs holding com.microsoft ops and quantized weights that PyTorch never wrote."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("aotlm")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    model.producer_name, model.producer_version = "aotlm", version
+    model.doc_string = (f"aotlm's {phase} engine for onnxruntime: run it as the artifact's manifest.json describes "
+                        f"(its engines.{phase} I/O, session_config and kv_cache sections)")
+    kept = [prop for prop in model.metadata_props if prop.key != "aotlm.phase"]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key="aotlm.phase", value=phase)
+
+
 def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, backend_spec, aliases: dict[str, str]) -> dict:
     """Write <phase>.onnx + weights.bin into folder; returns the manifest's engines and backend sections."""
     import onnxruntime
@@ -142,6 +160,7 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, backend_spec
     weight_bytes = _externalize(graphs, folder / WEIGHTS_FILE)
     engines = {}
     for phase, model in graphs.items():
+        _stamp(model, phase)
         onnx.save_model(model, folder / f"{phase}.onnx")
         engines[phase] = {"file": f"{phase}.onnx", "backend": "onnxruntime", **io_spec(model, aliases)}
         config = session_config(model)  # entries a pass needs this engine's session to have

@@ -122,6 +122,10 @@ def test_the_engines_record_their_io_and_which_outputs_alias_the_cache(tmp_path)
                     {"name": "present.0.key", "dtype": "float32", "shape": ["batch", 2, 8, 4],
                      "aliases": "past_key_values.0.key"}],
     }}
+    written = onnx.load(tmp_path / "decode.onnx", load_external_data=False)  # opened alone, it names its maker
+    assert (written.producer_name, {prop.key: prop.value for prop in written.metadata_props}) == (
+        "aotlm", {"aotlm.phase": "decode"})
+    assert "manifest.json" in written.doc_string
 
 
 def _attention_graph(layers: int, reads, domain: str = "com.microsoft") -> onnx.ModelProto:
