@@ -148,9 +148,11 @@ class Decoder(nn.Module):
         self.model = DecoderBody(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+        # On the CPU whatever the default device: build_decoder makes the module on "meta", and this is no weight
+        steps = torch.arange(0, config.head_dim, 2, dtype=torch.float32, device="cpu")
+        inv_freq = 1.0 / config.rope_theta ** (steps / config.head_dim)
         if config.rope_freq_factors is not None:  # Llama 3.1+'s "llama3" scaling, as llama.cpp applies rope_freqs
-            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
         # A plain attribute, not a buffer: Module.to(float16) must not round the rotary frequencies (at position
         # 2000 a float16 inv_freq is off by up to a radian). The trace embeds it as a float32 constant.
         self.inv_freq = inv_freq
@@ -191,6 +193,13 @@ class Decoder(nn.Module):
 
 
 def build_decoder(config: DecoderConfig, state_dict: dict) -> Decoder:
-    decoder = Decoder(config)
-    decoder.load_state_dict(state_dict, strict=True)
+    """The decoder holding state_dict's weights (as float32, as its parameters are declared). Made on the meta device
+    and given the tensors themselves: initialised on the CPU, every weight was drawn at random only to be overwritten
+    (1.25 s for SmolLM2-135M's shape), held beside the state dict (a second copy of the model), and the draws used up
+    the caller's global torch generator (a host that seeded torch got other numbers after a build)."""
+    with torch.device("meta"):
+        decoder = Decoder(config)
+    weights = {name: tensor if tensor.dtype == torch.float32 else tensor.to(torch.float32)
+               for name, tensor in state_dict.items()}
+    decoder.load_state_dict(weights, strict=True, assign=True)
     return decoder.eval()

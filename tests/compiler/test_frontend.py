@@ -1621,3 +1621,23 @@ def test_a_damaged_block_and_a_missing_architecture_are_said_in_the_files_own_na
         gguf.GGUFWriter.add_name = add_name
     with pytest.raises(BuildError, match="GGUF metadata key general.architecture is missing"):
         load_gguf(str(tmp_path / "noarch.gguf"))
+
+
+@pytest.mark.parametrize("config", [TINY, TINY_TIED], ids=["untied-gqa", "tied-mha"])
+def test_building_the_decoder_draws_nothing_from_torchs_generator_and_copies_no_weight(config):
+    """Made on the CPU, every weight was drawn at random and then overwritten: a host that seeded torch got other
+    numbers after a build, and the model was held twice."""
+    from compiler.frontend.model import build_decoder
+
+    state_dict = random_model(config, seed=0).state_dict
+    halves = {name: tensor.to(torch.float16) for name, tensor in list(state_dict.items())[:2]}  # given in float16
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    decoder = build_decoder(config, {**state_dict, **halves})
+    assert torch.equal(torch.rand(3), expected)
+    parameters = dict(decoder.named_parameters())
+    name = list(state_dict)[-1]
+    assert parameters[name].data_ptr() == state_dict[name].data_ptr()  # the state dict's own tensor
+    assert {tensor.dtype for tensor in parameters.values()} == {torch.float32}  # float16 ones converted
+    assert decoder.inv_freq.device.type == "cpu" and not any(p.is_meta for p in parameters.values())
