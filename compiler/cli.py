@@ -336,7 +336,10 @@ def _bench(args) -> None:
     if not args.out:  # the default path, under the current folder, is checked before the work as a given one is
         args.out = f"benchmarks/results/bench-{name}{'-' + args.phase if args.phase else ''}.json"
     check_output_file(args.out, "--out")
-    if not args.phase:  # the plots beside the JSON: a folder by their names was a traceback after the whole run
+    from runtime.results import is_stream
+
+    # the plots beside the JSON (none beside a stream): a folder by their names was a traceback after the whole run
+    if not args.phase and not is_stream(args.out):
         stem = Path(args.out).with_suffix("")
         for plot in (f"{stem}-cdf.png", f"{stem}-timeline.png"):
             check_output_file(plot, "--out's plot")
@@ -597,7 +600,7 @@ def parser() -> argparse.ArgumentParser:
                        help="every prompt begins with the same N tokens, as a system prompt (default 0)")
     bench.add_argument("--prefix-caching", action="store_true", default=None,
                        help="serve with Engine.load(prefix_caching=True): a prompt's cached start is not prefilled")
-    bench.add_argument("--out", type=user_path, default=None, help="JSON path (default: benchmarks/results/bench-<name>[-<phase>].json)")
+    bench.add_argument("--out", type=user_path, default=None, help="JSON path, or - for stdout (default: benchmarks/results/bench-<name>[-<phase>].json)")
     bench.add_argument("--phase", choices=("prefill", "decode"), default=None,
                        help="time the prefill or decode graph alone instead of serving a workload")
     bench.add_argument("--prompt-lengths", default=None,

@@ -213,5 +213,5 @@ def add_evaluation_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--window", type=int, default=None,
                          help="tokens per window (default: 512, or the max context if smaller)")
     command.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
-    command.add_argument("--json", type=user_path, default=None, metavar="OUT", help="also write the results to this JSON file")
+    command.add_argument("--json", type=user_path, default=None, metavar="OUT", help="also write the results to this JSON file (- for stdout)")
     command.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")

@@ -21,6 +21,10 @@ def check_output_file(path: str | None, flag: str) -> None:
     """Raise UsageError unless `path` can be written as a file: checked before the work, not after it."""
     if not path:
         return
+    from runtime.results import is_stream
+
+    if is_stream(path):  # "-", /dev/stdout, a pipe: written into (runtime/results.py: write_json)
+        return
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name, e.g. {Path(path) / 'results.json'}")
     artifact = next((folder for folder in Path(path).resolve().parents if is_artifact_folder(folder)), None)

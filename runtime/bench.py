@@ -31,7 +31,7 @@ import numpy as np
 from runtime.cpus import cgroup_cpu_quota, usable_cpus
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace, summarize
-from runtime.results import write_json
+from runtime.results import is_stream, write_json
 
 ARRIVALS = ("all", "concurrency", "poisson")
 BASELINES = ("transformers", "onnxruntime-genai")  # their runners: benchmarks/baselines.py (a source checkout)
@@ -426,6 +426,8 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     """The JSON at `out`, then two PNGs beside it: <stem>-cdf.png (TTFT, TPOT) and <stem>-timeline.png. A previous
     run's plots go first: a run stopped (or without matplotlib) between the JSON and its plots left the old ones
     beside the new JSON, looking like its own."""
+    if is_stream(out):  # "-", /dev/stdout, a pipe: the JSON alone (plots beside a stream have no place)
+        return [write_json(out, result)]
     out = Path(out)
     for old_plot in (out.with_name(f"{out.stem}-cdf.png"), out.with_name(f"{out.stem}-timeline.png")):
         old_plot.unlink(missing_ok=True)

@@ -6,6 +6,8 @@ import contextlib
 import json
 import math
 import os
+import stat
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,16 +16,38 @@ from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
 
 
+def is_stream(path: str | Path) -> bool:
+    """Whether path names a stream to write into, not a file to replace: "-" (stdout), /dev/stdout, a pipe (a shell's
+    >(jq .)), a terminal, /dev/null. Renamed over, /dev/stdout had become a file of JSON for every process of a
+    container run as root (and a link to /proc/self/fd/1 a file)."""
+    if str(path) == "-":
+        return True
+    try:
+        mode = os.stat(path).st_mode  # a link followed
+    except (OSError, ValueError):
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def write_json(path: str | Path, payload: dict) -> Path:
     """Write payload as indented JSON at path (its folder made if missing), whole or not at all: into a temporary file
     beside it, then renamed over it. A full disk or a refused write raises OSError and leaves no empty or cut-short
-    file (nor the temporary one) behind."""
+    file (nor the temporary one) behind. A stream (is_stream: "-", /dev/stdout, a pipe) is written into instead."""
+    text = json.dumps(payload, indent=2) + "\n"
+    if str(path) == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return Path("-")
+    if is_stream(path):
+        with open(path, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        return Path(path)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(payload, indent=2) + "\n")
+            handle.write(text)
         os.chmod(temporary, 0o666 & ~process_umask())  # mkstemp makes it private: as open() would make it
         os.replace(temporary, path)
     except BaseException:

@@ -71,3 +71,28 @@ def test_a_payload_that_cannot_be_written_leaves_the_old_file_and_no_partial_one
         write_json(path, {"run": 2, "tokens": {1, 2}})  # a set: json.dumps refuses it
     assert json.loads(path.read_text()) == {"run": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_json_to_a_stream_is_written_into_it_not_renamed_over_it(tmp_path, capsys):
+    """write_json renamed a temporary file over the path: --json /dev/stdout (as root) made /dev/stdout a file of JSON
+    for every process of the container, a link to /proc/self/fd/1 became a file, and `--json >(jq .)` failed."""
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    link = tmp_path / "stdout-like"
+    link.symlink_to(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()))
+    reader.start()
+    assert write_json(link, {"a": 1}) == link
+    reader.join(timeout=10)
+    assert json.loads(received[0]) == {"a": 1} and link.is_symlink() and fifo.is_fifo()
+    assert write_json("-", {"b": 2}).name == "-" and json.loads(capsys.readouterr().out) == {"b": 2}
+
+
+@pytest.mark.parametrize("path", ["-", "/dev/stdout", "/dev/null"])
+def test_a_stream_is_a_valid_output_path(path):
+    from compiler.errors import check_output_file
+
+    check_output_file(path, "--json")  # /dev/stdout: "a folder cannot be made in /dev/fd" for a shell's >(jq .)
