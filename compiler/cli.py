@@ -27,7 +27,7 @@ from compiler.cli_chat import add_chat_parser
 from compiler.cli_serve import add_serve_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.cli_sampling import add_sampling_options, sampling_options
-from compiler.console import ReaderAwareConsole, console, error, message, warning
+from compiler.console import ReaderAwareConsole, console, error, message, print_table, warning
 from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count, user_path
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
@@ -148,7 +148,7 @@ def _run(args) -> None:
     table.add_row(f"{1e3 * timings.ttft_s:.1f}", f"{1e3 * timings.prefill_s:.1f}",
                   f"{1e3 * timings.tpot_s:.2f}" if decoded else "-", f"{timings.tokens_per_s:.1f}" if decoded else "-",
                   f"{1e3 * timings.e2e_s:.1f}")
-    console.print(table)
+    print_table(table)
     if generation.result.finish_reason == "max_context":  # the batch-1 path runs to the cache's end, not refusing
         # prompt + generated is one more than the cache holds: the last token is sampled, never fed back
         message(f"[yellow]note:[/yellow] stopped at the artifact's max context of {engine.max_context} tokens, "
@@ -186,7 +186,7 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     config = manifest["model"]["config"]
     needs = f" (requires {', '.join(manifest['requires'])})" if manifest.get("requires") else ""
     out.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}{escape(needs)}, "
-              f"built {manifest['created']}", highlight=False)
+              f"built {manifest['created']}", highlight=False, soft_wrap=True)
     tools = manifest.get("tools") or {}
     source = tools.get("aotlm_source")
     built_by = f"built by aotlm {tools['aotlm']}" if isinstance(tools.get("aotlm"), str) else ""
@@ -197,23 +197,24 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     if isinstance(sources, str) and not (isinstance(source, dict) and source.get("commit")):
         built_by = (built_by or "built by aotlm") + f" (sources sha256 {sources[:12]})"  # a wheel's: no commit
     if built_by:  # a wheel's build records its version and no commit
-        out.print(escape(built_by), highlight=False)
+        out.print(escape(built_by), highlight=False, soft_wrap=True)
     out.print(f"model: {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
                   f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}; "
                   f"source {manifest['model']['source'].get('kind')} {escape(str(manifest['model']['source'].get('path', '')))}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     kv = manifest["kv_cache"]
     out.print(f"kv cache: {kv['layout']} {kv.get('dtype', 'float32')}, max context {kv['max_context']}, "
-                  f"{kv['bytes_per_token'] / 1024:.2f} KiB per token")
+              f"{kv['bytes_per_token'] / 1024:.2f} KiB per token", soft_wrap=True)
     quantized = [r for r in manifest["passes"] if r["name"] == "quantize" and r["phase"] == "decode"]
     dtype = manifest.get("recipe", {}).get("export", {}).get("dtype", "float32")
     out.print(f"weights: {_quantized_formats(quantized[0]['report']) if quantized else dtype + ' (not quantized)'}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     template = manifest["tokenizer"].get("chat_template")
     out.print(f"chat template: {escape(template) + ' (aotlm run --chat, Engine.chat)' if template else 'none'}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     backend = manifest["backend"]
-    out.print(escape(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}"), highlight=False)
+    out.print(escape(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}"),
+              highlight=False, soft_wrap=True)
     engines = Table(title="engines")
     for column in ("phase", "file", "inputs", "outputs"):
         engines.add_column(column)
@@ -221,11 +222,12 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
         describe = lambda items: ", ".join(f"{i['name']}{i['shape']}" for i in items[:3]) + (  # noqa: E731
             f" (+{len(items) - 3} kv)" if len(items) > 3 else "")
         engines.add_row(*map(escape, (phase, engine["file"], describe(engine["inputs"]), describe(engine["outputs"]))))
-    out.print(engines)
+    print_table(engines, out)
     if "prefill" in manifest["engines"]:
         takes_past = manifest["engines"]["prefill"].get("takes_past") is True
         out.print("prefill after cached tokens: " + ("yes (a prompt's rest after a cached prefix, and later chunks, "
-                      "run through the prefill graph)" if takes_past else "no (they run through the decode graph)"))
+                      "run through the prefill graph)" if takes_past else "no (they run through the decode graph)"),
+                  soft_wrap=True)
     passes = Table(title="passes", caption="whole reports: aotlm inspect --json")
     for column in ("pass", "phase", "seconds", "summary"):
         passes.add_column(column)
@@ -235,7 +237,7 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
         summary = ", ".join(f"{k}={v}" for k, v in flat.items() if isinstance(v, (int, str))
                             or (isinstance(v, float) and not k.endswith("error")))
         passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", escape(_shortened(summary)))
-    out.print(passes)
+    print_table(passes, out)
     from compiler.pass_reports import PassResult, format_accuracy, idle_passes
 
     for text in idle_passes([PassResult(**result) for result in manifest["passes"]]):
@@ -247,7 +249,7 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     files.add_column("MiB", justify="right")
     for name, record in manifest["files"].items():
         files.add_row(escape(name), f"{record['bytes'] / 2**20:.2f}")
-    out.print(files)
+    print_table(files, out)
 
 
 def _quantized_formats(report: dict) -> str:
@@ -377,7 +379,7 @@ def _bench(args) -> None:
                                                                            prefill_shape(manifest.get("recipe", {}))),
                                     weight_bytes_per_step=(artifact_step_weight_bytes(args.artifact)
                                                            if args.phase == "decode" else None))
-        console.print(bench.phase_table(args.phase, rows, peaks), width=None if console.is_terminal else 160)
+        print_table(bench.phase_table(args.phase, rows, peaks))
         shown = f"peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads"
         message(f"[dim]{escape(shown)}[/dim]")
         counted = {"runs": args.runs} if args.phase == "prefill" else {"steps": args.steps}  # what the phase used
@@ -450,9 +452,9 @@ def _bench(args) -> None:
     for backend, entry in result["backends"].items():
         table = format_table(entry["summary"])
         table.title = f"{backend}: {table.title}"
-        wide.print(table)
+        print_table(table, wide)
     if len(runs) > 1:
-        wide.print(bench.compare_table(result))
+        print_table(bench.compare_table(result), wide)
     if len(runs) > 1:  # each backend served once, one after another: a shared host's drift is in the ratios
         wide.print("[dim]one run per backend, one after another: on a shared machine repeat the command and compare "
                    "medians (benchmarks/ pair their runs round by round)[/dim]", highlight=False)

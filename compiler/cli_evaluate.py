@@ -6,12 +6,13 @@ Only `runtime/` is used (imported when called), as a deployed artifact would be.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
 
-from compiler.console import console, message, warning
+from compiler.console import ReaderAwareConsole, console, message, print_table, warning
 from compiler.errors import check_output_file, thread_count, user_path
 
 
@@ -127,6 +128,12 @@ def _score(args, candidate: _ArtifactInfo, reference: _ArtifactInfo | None, toke
                         on_window=lambda done, total: progress.update(task, completed=done))
 
 
+def _results_console(args):
+    """Where the result table goes: stdout, as the command's output (`aotlm eval ... > result.txt`), unless the JSON
+    goes there (--json -); progress and warnings stay on stderr."""
+    return console if args.json == "-" else ReaderAwareConsole(file=sys.stdout, emoji=False)
+
+
 def _write_json(path: str | None, payload: dict) -> None:
     from runtime.results import write_json
 
@@ -156,7 +163,7 @@ def eval_command(args) -> None:
     table.add_row(escape(artifact.name), f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored),
                   _window_shown(window, len(token_ids)), _stride_shown(window, stride, len(token_ids)),
                   f"{result.perplexity:.4f}")
-    console.print(table)
+    print_table(table, _results_console(args))
     from runtime.evaluate import tokens_fingerprint
 
     _write_json(args.json, {"artifact": str(args.artifact), "name": artifact.name, "bytes": artifact.bytes,
@@ -189,7 +196,7 @@ def compare_command(args) -> None:
     table.add_row("A", escape(reference.name), f"{reference.bytes / 2**20:.2f}", f"{result.reference_perplexity:.4f}", "", "")
     table.add_row("B", escape(candidate.name), f"{candidate.bytes / 2**20:.2f}", f"{result.perplexity:.4f}",
                   f"{result.top1_agreement:.2%}", f"{result.mean_kl:.6f}")
-    console.print(table)
+    print_table(table, _results_console(args))
     describe = lambda scored, path, perplexity, nll: {  # noqa: E731
         "artifact": str(path), "name": scored.name, "bytes": scored.bytes, "perplexity": perplexity, "mean_nll": nll}
     from runtime.evaluate import tokens_fingerprint

@@ -7,6 +7,8 @@ piped or logged, stderr is 80 columns to rich, which would cut a long line, and 
 from a user, a file or an exception is not markup: `warning` and `error` escape theirs, and a `message` escapes what
 it puts inside its own markup (a file named model[v2].gguf would otherwise print as model.gguf)."""
 import errno
+import os
+import sys
 
 from rich.console import Console
 from rich.markup import escape
@@ -22,7 +24,30 @@ class ReaderAwareConsole(Console):
             raise BrokenPipeError(errno.EPIPE, "the reader of stdout left")
 
 
-console = ReaderAwareConsole(stderr=True, emoji=False)  # ":x:" in a user's path is text, not an emoji code
+# ":x:" in a user's path is text, not an emoji code. Not interactive unless stderr is a terminal: FORCE_COLOR (set in
+# many CI setups for coloured logs) made rich animate its spinners and bars into the log file, frame by frame
+# (53 frames for a 2-second build); TTY_INTERACTIVE, where set, decides (rich reads it).
+console = ReaderAwareConsole(stderr=True, emoji=False,
+                             force_interactive=None if "TTY_INTERACTIVE" in os.environ or sys.stderr.isatty() else False)
+
+
+def print_table(table, out: Console = console) -> None:
+    """A table whole: rich cuts a cell that does not fit the console with "…" (an E2E of 24289.5 ms read "24289.…",
+    a name its distinguishing end), in a pipe's 80 columns or a narrow terminal. Wider than the console, it is drawn
+    at the least width that keeps every word of every cell whole (a terminal wraps the lines for the eye; no digit is
+    lost), and a column rich still gives less room than a word needs folds it onto the next line instead of cutting
+    it."""
+    for column in table.columns:
+        if column.overflow == "ellipsis":
+            column.overflow = "fold"
+    least = out.measure(table, options=out.options.update_width(10_000)).minimum
+    if least > out.width:
+        out = ReaderAwareConsole(file=out.file, width=least, emoji=False, force_terminal=out.is_terminal,
+                                 color_system=out.color_system, no_color=out.no_color, stderr=out.stderr)
+    try:
+        out.print(table)
+    except OSError:  # a reader that left (as message)
+        pass
 
 
 def message(markup: str, out: Console = console) -> None:

@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import statistics
+import sys
 import threading
 import time
 import timeit
@@ -702,15 +703,18 @@ def render(p: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from compiler.console import console, message, warning
+    from compiler.console import ReaderAwareConsole, message, print_table, warning
+
+    out = ReaderAwareConsole(file=sys.stdout, emoji=False)  # the plan is the command's output; warnings go to stderr
 
     m, i, kv, mem, b = p["model"], p["inputs"], p["kv"], p["memory"], p["bounds"]
     message(f"[bold]{escape(Path(m['source']['path']).name)}[/bold] " + escape(
         f"({m['source']['kind']}): {m['architecture']}, {m['layers']} layers, hidden {m['hidden']}, heads "
-        f"{m['heads']}/{m['kv_heads']} kv x {m['head_dim']}, vocab {m['vocab']}, max positions {m['max_positions']}"))
+        f"{m['heads']}/{m['kv_heads']} kv x {m['head_dim']}, vocab {m['vocab']}, max positions {m['max_positions']}"),
+        out)
     d = p["device"]
     message(escape(f"device: {d['name']}: {_gb(d['memory_bytes'])}, {d['bandwidth_Bps'] / 1e9:,.1f} GB/s, "
-                   f"{d['peak_flops'] / 1e12:,.2f} TFLOP/s at {i['precision']}"))
+                   f"{d['peak_flops'] / 1e12:,.2f} TFLOP/s at {i['precision']}"), out)
     table = Table(title=f"plan: {i['precision']} weights, {i['kv_dtype']} KV, context {i['context']}, "
                         f"concurrency {i['concurrency']}, prompt {i['prompt']}")
     for column, justify in (("quantity", "left"), ("value", "right"), ("how", "left")):
@@ -768,8 +772,8 @@ def render(p: dict) -> None:
                       f"{r['dtypes']}, at {r['prompt_tokens']} + ~9 tokens")
         table.add_row("measured decode / token", _t(r["measured_s"]), f"median of {r['steps']} inter-token latencies")
         table.add_row("measured / predicted", f"{r['ratio']:.2f}x", "1.0 = at the bandwidth bound")
-    console.print(table)
+    print_table(table, out)
     for note in p["assumptions"]:
-        message(f"[dim]- {escape(note)}[/dim]")
+        message(f"[dim]- {escape(note)}[/dim]", out)
     for text in p["warnings"]:
         warning(text)

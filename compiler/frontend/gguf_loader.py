@@ -431,7 +431,10 @@ def _read_tensors(reader, config: DecoderConfig, path: str, progress: bool | Non
             f"{' ...' if len(unknown) > 5 else ''}."
         )
     state_dict = {}
-    for tensor in track(tensors, description="Dequantizing GGUF tensors", disable=not show, transient=True):
+    from compiler.console import console  # stderr's, inside the build's status: rich's own is stdout's, and the
+    # two live displays overwrote each other on one line (the bar's frames went to stdout)
+    for tensor in track(tensors, description="Dequantizing GGUF tensors", disable=not show, transient=True,
+                        console=console):
         name = hf_tensor_name(tensor.name)
         try:
             with np.errstate(invalid="ignore", over="ignore"):  # said below, in the file's names, not as a warning

@@ -356,3 +356,46 @@ def test_a_stop_string_that_is_not_utf8_is_refused_as_a_prompt_is(capsys, tiny_a
     surrogate, and the same bytes in --prompt or --chat are refused."""
     status, output = run_cli(capsys, "run", tiny_artifact, "--prompt", "hi", "--stop", "ok\udcff")
     assert status == 2 and "stop string 'ok\\udcff' is not valid Unicode at character 2" in output, output
+
+
+@pytest.mark.parametrize("width", [40, 80])
+def test_a_result_table_cuts_no_number_or_name_however_narrow_the_console(width):
+    """rich's default overflow cut cells with "…": bench's comparison read "│ aot… │ 0.… │ 6.… │" at 80 columns, an
+    E2E of 24289.5 ms "24289.…", compare's artifact name lost its "-kv8"."""
+    import io
+
+    from rich.table import Table
+
+    from compiler.console import ReaderAwareConsole, print_table
+    from runtime.metrics import format_table
+
+    recorded = json.loads((REPO / "benchmarks" / "results" / "batching-session50-poisson.json").read_text())
+    buffer = io.StringIO()
+    out = ReaderAwareConsole(file=buffer, width=width)
+    for entry in recorded["backends"].values():  # E2E and TTFT of 10 s and more, as bench prints them
+        print_table(format_table(entry["summary"]), out)
+    names = Table(title="artifacts")
+    for column in ("", "artifact", "perplexity"):
+        names.add_column(column)
+    names.add_row("B", "smollm2-135m-int4-b64-kv8", "24289.51234")
+    print_table(names, out)
+    text = buffer.getvalue()
+    assert "…" not in text and "24289.51234" in text and "smollm2-135m-int4-b64-kv8" in "".join(
+        line.strip("│ ") for line in text.splitlines())
+
+
+@pytest.mark.parametrize("environment, interactive", [({"FORCE_COLOR": "1"}, "False"),
+                                                      ({"FORCE_COLOR": "1", "TTY_INTERACTIVE": "1"}, "True")])
+def test_forced_colour_into_a_log_animates_nothing(tmp_path, environment, interactive):
+    """FORCE_COLOR (CI setups set it for coloured logs) made rich animate spinners and bars into the log file, frame
+    by frame; TTY_INTERACTIVE still decides where it is set."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    with open(log, "w") as stderr:
+        shown = subprocess.run([sys.executable, "-c", "from compiler.console import console; "
+                                "print(console.is_interactive, console.is_terminal)"], cwd=REPO, stderr=stderr,
+                               capture_output=False, stdout=subprocess.PIPE, text=True, check=True,
+                               env={**os.environ, **environment}).stdout.split()
+    assert shown == [interactive, "True"]  # colours kept (a terminal to rich), animation only where asked

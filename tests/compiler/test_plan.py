@@ -281,10 +281,11 @@ def test_read_bandwidth_reads_the_whole_array_on_every_thread(monkeypatch):
 
 
 def test_cli_prints_the_table(capsys):
+    """On stdout, the command's output (`aotlm plan ... > plan.txt` had been empty: it all went to stderr)."""
     assert main(["plan", str(TINY_RECIPE), "--device", "H100"]) == 0
-    err = capsys.readouterr().err
+    out = capsys.readouterr().out
     for text in ("max concurrency", "KV cache / token", "weights int4", "decode tokens/s", "H100"):
-        assert text in err
+        assert text in out
 
 
 def test_cli_prints_names_with_brackets_as_written(tmp_path, capsys):
@@ -292,7 +293,7 @@ def test_cli_prints_names_with_brackets_as_written(tmp_path, capsys):
     path = tmp_path / "llama[v3].json"
     path.write_text(json.dumps(LLAMA3_8B))
     assert main(["plan", str(path), "--device", "H100"]) == 0
-    assert "llama[v3].json (hf config.json):" in capsys.readouterr().err
+    assert "llama[v3].json (hf config.json):" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("old, new, message", [

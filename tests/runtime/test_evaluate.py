@@ -255,8 +255,8 @@ def test_cli_eval_prints_and_writes_perplexity(tiny_artifact, tiny_engine, text_
     out = tmp_path / "results" / "eval.json"
     assert cli.main(["eval", str(tiny_artifact), "--text", str(text_file), "--max-tokens", "150",
                      "--window", "40", "--json", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "perplexity" in err and "tiny-random" in err
+    shown = capsys.readouterr().out  # the result table is the command's output: stdout (it was stderr)
+    assert "perplexity" in shown and "tiny-random" in shown
     written = json.loads(out.read_text())
     assert written["tokens"] == 150 and written["tokens_scored"] == 149
     assert (written["window"], written["stride"]) == (40, 20)  # stride defaults to window / 2
@@ -267,9 +267,9 @@ def test_cli_eval_prints_and_writes_perplexity(tiny_artifact, tiny_engine, text_
 
 
 def test_cli_eval_shows_the_window_it_used_on_a_short_text(tiny_artifact, text_file, capsys, monkeypatch):
-    monkeypatch.setattr(cli.console, "width", 300)
+    monkeypatch.setenv("COLUMNS", "300")  # the result table's console: stdout's
     assert cli.main(["eval", str(tiny_artifact), "--text", str(text_file), "--max-tokens", "30", "--window", "40"]) == 0
-    assert "30 (all of them; --window 40)" in capsys.readouterr().err
+    assert "30 (all of them; --window 40)" in capsys.readouterr().out
 
 
 def test_cli_eval_builtin_text_and_default_window(tiny_artifact, tmp_path):
@@ -286,8 +286,8 @@ def test_cli_compare_an_artifact_with_a_copy_of_itself(tiny_artifact, text_file,
     out = tmp_path / "compare.json"
     assert cli.main(["compare", str(tiny_artifact), str(copy), "--text", str(text_file), "--max-tokens", "90",
                      "--window", "32", "--stride", "8", "--json", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "top-1" in err and "KL" in err
+    shown = capsys.readouterr().out
+    assert "top-1" in shown and "KL" in shown
     written = json.loads(out.read_text())
     assert written["top1_agreement"] == 1.0 and abs(written["mean_kl"]) < 1e-9
     assert written["reference"]["perplexity"] == written["candidate"]["perplexity"]
@@ -589,3 +589,10 @@ def test_encode_text_refuses_a_negative_max_tokens(tiny_artifact):
         assert len(encode_text(engine.tokenizer, "hello world, and more words", max_tokens=3)) == 3
     finally:
         engine.close()
+
+
+def test_cli_eval_with_its_json_on_stdout_keeps_the_table_on_stderr(tiny_artifact, text_file, capsys):
+    assert cli.main(["eval", str(tiny_artifact), "--text", str(text_file), "--max-tokens", "60", "--window", "40",
+                     "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["tokens_scored"] == 59 and "perplexity on" in captured.err  # `| jq` gets JSON
