@@ -545,13 +545,15 @@ def _token_text(engine, token: int) -> str:
     return engine.tokenizer.tokenizer.decode([token], skip_special_tokens=False)
 
 
-def _by_text(engine, ranked: list[tuple[int, float]]) -> dict[str, float]:
-    """Completions' top_logprobs map text -> logprob, most likely first. Tokens that decode alone to the same text
-    (byte tokens that each begin a character: all "\ufffd") share one key, which keeps the likeliest one's logprob;
-    a later, less likely one had overwritten it."""
+def _by_text(engine, ranked: list[tuple[int, float]], chosen: int, chosen_text: str) -> dict[str, float]:
+    """Completions' top_logprobs map text -> logprob, most likely first. The chosen token is keyed by its text as
+    `tokens` shows it (in context: a token that ends a character spelled by several reads as that character, where
+    alone it decodes to "\ufffd", so top_logprobs[i][tokens[i]] had raised KeyError), the alternatives by their text
+    decoded alone. Tokens with the same text (byte tokens that each begin a character: all "\ufffd") share one
+    key, which keeps the likeliest one's logprob; a later, less likely one had overwritten it."""
     texts: dict[str, float] = {}
     for token, logprob in ranked:
-        texts.setdefault(_token_text(engine, token), logprob)
+        texts.setdefault(chosen_text if token == chosen else _token_text(engine, token), logprob)
     return texts
 
 
@@ -611,6 +613,7 @@ def logprobs_body(engine, request: ParsedRequest, token_ids: list[int], entries,
         text_offset += _width(engine, token, text, echo[0] if echoed else None, text_offset)
     return {"tokens": texts,  # an echo's first token has None: nothing predicts it
             "token_logprobs": [None if entry is None else entry[token] for token, entry in zip(chosen, entries)],
-            "top_logprobs": [None if entry is None else _by_text(engine, _top_and_chosen(entry, count, token))
-                             for token, entry in zip(chosen, entries)],
+            "top_logprobs": [None if entry is None else _by_text(engine, _top_and_chosen(entry, count, token), token,
+                                                                 text)
+                             for token, text, entry in zip(chosen, texts, entries)],
             "text_offset": offsets}
