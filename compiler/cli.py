@@ -6,6 +6,7 @@ would. Bad input exits with status 2 and one line naming the problem; tracebacks
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import errno
 import json
@@ -111,6 +112,9 @@ def _run(args) -> None:
     sampling = sampling_options(args)  # flags greedy decoding would ignore, and bad values, are refused before loading
     if args.system and args.chat is None:
         raise UsageError("--system goes with --chat (a system message for the chat template)")
+    from compiler.cli_chat import checked_system
+
+    checked_system(args.system)
     if args.chat is not None and not read_manifest(args.artifact)["tokenizer"].get("chat_template"):
         raise UsageError(f"{args.artifact}: its model has no chat template; use --prompt for plain text")
 
@@ -678,7 +682,9 @@ def _unencodable_characters_replaced() -> None:
     """A terminal or pipe whose encoding is not UTF-8 (a Latin-1 locale, PYTHONIOENCODING=latin-1) cannot take every
     character a model writes or a table draws: shown as '?' there, not a UnicodeEncodeError mid-generation."""
     for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "errors", None) == "strict" and (stream.encoding or "").lower().replace("-", "") != "utf8":
+        # surrogateescape: an ASCII locale with Python's UTF-8 mode off (PYTHONUTF8=0 LC_ALL=C) writes only ASCII
+        if getattr(stream, "errors", None) in ("strict", "surrogateescape") and \
+                (stream.encoding or "").lower().replace("-", "") != "utf8":
             try:
                 stream.reconfigure(errors="replace")
             except (AttributeError, ValueError, OSError):  # not a text file (a test's): left as it is
@@ -704,6 +710,21 @@ def _one_line_warnings(show):
     return shown
 
 
+def _utf8_arguments(argv: list[str]) -> list[str]:
+    """Arguments as UTF-8 text under an ASCII locale with Python's UTF-8 mode off (PYTHONUTF8=0 LC_ALL=C): Python
+    read their bytes as ASCII, and a UTF-8 prompt ("灯塔") was refused as bytes that were not UTF-8. Bytes that are
+    not UTF-8 stay as Python read them (lone surrogates, refused by name later)."""
+    if codecs.lookup(sys.getfilesystemencoding()).name != "ascii":
+        return argv
+    decoded = []
+    for argument in argv:
+        try:
+            decoded.append(argument.encode("ascii", "surrogateescape").decode("utf-8"))
+        except UnicodeError:
+            decoded.append(argument)
+    return decoded
+
+
 def main(argv: list[str] | None = None) -> int:
     _unencodable_characters_replaced()
     try:  # relative paths, torch's own libraries (oneMKL's fatal error) and plan's hints all need it
@@ -715,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         from compiler.errors import BuildError
         from runtime.errors import AotlmRuntimeError
 
-        args = parser().parse_args(argv)
+        args = parser().parse_args(_utf8_arguments(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:
         message("[yellow]interrupted[/yellow]")
         return 130

@@ -10,6 +10,7 @@ chat (exit status 130); SIGTERM ends it at any point (143).
 """
 from __future__ import annotations
 
+import codecs
 import contextlib
 import re
 import sys
@@ -40,6 +41,19 @@ def add_chat_parser(commands) -> None:
     chat.set_defaults(handler=chat_command)
 
 
+def checked_system(system: str | None) -> None:
+    """--system's text, refused before the load where it is not UTF-8 (bytes in argv): every turn had been refused
+    with an error naming messages[0], a message the user never wrote, and the exit status was 0."""
+    from runtime import RequestError
+    from runtime.tokenizer import check_unicode
+
+    if system:
+        try:
+            check_unicode(system, "--system")
+        except RequestError as problem:
+            raise UsageError(str(problem)) from None
+
+
 def chat_command(args) -> None:
     from runtime import Engine, RequestError
     from runtime.engine import SINGLE_STREAM_SPIN
@@ -50,6 +64,7 @@ def chat_command(args) -> None:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = sampling_options(args)  # flags greedy decoding would ignore, and bad values: refused before loading
+    checked_system(args.system)
     if not read_manifest(args.artifact)["tokenizer"].get("chat_template"):  # before loading seconds of weights
         raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
@@ -123,8 +138,9 @@ def _undecodable_bytes_kept(stream) -> None:
     """Bytes that are not UTF-8 read as lone surrogates (as Python reads them under the C locale), so that
     check_unicode names where a message goes wrong: under a UTF-8 locale stdin's errors are strict, and a Latin-1
     byte was a UnicodeDecodeError from readline, a traceback ending the chat."""
-    try:
-        stream.reconfigure(errors="surrogateescape")
+    ascii_locale = codecs.lookup(getattr(stream, "encoding", None) or "utf-8").name == "ascii"
+    try:  # under an ASCII locale (PYTHONUTF8=0 LC_ALL=C) no typed character but ASCII could be read: UTF-8 then
+        stream.reconfigure(errors="surrogateescape", **({"encoding": "utf-8"} if ascii_locale else {}))
     except (AttributeError, ValueError, OSError):  # not a text file (a test's StringIO): nothing to undo
         pass
 

@@ -248,3 +248,29 @@ def test_a_message_that_is_not_utf8_is_refused_under_a_strict_utf8_locale(chat_a
     assert main(["chat", str(chat_artifact[0]), "--max-new-tokens", "2"]) == 0
     err = " ".join(capsys.readouterr().err.split())
     assert "not valid Unicode at character 3" in err and err.count("TTFT") == 1, err
+
+
+@pytest.mark.parametrize("command", [["chat"], ["run", "--chat", "hi"]])
+def test_a_system_message_that_is_not_utf8_is_refused_before_the_load(chat_artifact, monkeypatch, capsys, command):
+    """Every turn was refused naming messages[0]['content'], a message the user never wrote, and chat exited 0."""
+    from runtime import Engine
+
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded"))
+    assert main([command[0], str(chat_artifact[0]), *command[1:], "--system", "sys\udcff"]) == 2
+    assert "error: --system is not valid Unicode at character 3" in capsys.readouterr().err
+
+
+def test_an_ascii_locale_without_utf8_mode_reads_and_writes_what_it_can(tiny_artifact):
+    """PYTHONUTF8=0 LC_ALL=C: a UTF-8 prompt was refused as bytes that were not UTF-8, and a generated character
+    outside ASCII ended the run with a UnicodeEncodeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C", "LANG": "C"}
+    environment.pop("PYTHONIOENCODING", None)
+    done = subprocess.run([sys.executable, "-m", "compiler.cli", "run", str(tiny_artifact), "--prompt", "灯塔 café",
+                           "--max-new-tokens", "24", "--temperature", "1", "--seed", "3"],
+                          capture_output=True, env=environment, timeout=120)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    assert done.stdout.startswith(b"?? caf?") and b"Traceback" not in done.stderr
