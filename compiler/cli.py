@@ -759,6 +759,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         message("[yellow]interrupted[/yellow]")
         return 130
+    except MemoryError:  # numpy's, Python's: what ran out is the process's memory, not a bug to trace
+        from compiler.export import OUT_OF_MEMORY
+
+        error(f"out of memory during `aotlm {getattr(args, 'command', '')}`" +
+              (f": {OUT_OF_MEMORY}" if getattr(args, "command", "") == "build" else
+               "; free memory, or use a machine with more"))
+        return 2
     except OSError as problem:  # the machine refused a write: a full disk, a read-only or forbidden folder
         if problem.errno == errno.EIO and not problem.filename and _on_a_terminal():  # it hung up (ssh dropped)
             for stream in (sys.stdout, sys.stderr):  # Python's exit flush must not fail again

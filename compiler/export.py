@@ -148,8 +148,16 @@ def trace_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pref
             )
         except Exception as error:  # the exporter's own errors are long; keep the first line and the phase
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            if isinstance(error, MemoryError) or "can't allocate memory" in str(error):  # torch's allocator's words
+                raise BuildError(f"export of the {phase} graph ran out of memory ({first_line[:200]}): {OUT_OF_MEMORY}") \
+                    from error
             raise BuildError(f"export of the {phase} graph failed: {first_line}") from error
     return path
+
+
+# What a build that ran out of memory is told (also compiler/cli.py, for one that ran out elsewhere).
+OUT_OF_MEMORY = ("a build holds about 2.6 to 4 times the model's float32 weights at its peak (README: \"Models of 2 GiB "
+                 "and more\"); free memory, or build on a machine with more")
 
 
 def load_traced(path: Path, config: DecoderConfig) -> onnx.ModelProto:

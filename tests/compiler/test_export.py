@@ -247,3 +247,31 @@ def test_an_unknown_dtype_or_a_context_past_the_models_positions_is_refused():
         export_graphs(decoder, MAX_CONTEXT, dtype="int8")
     with pytest.raises(BuildError, match=r"export.max_context: 65 exceeds the model's max_position_embeddings \(64\)"):
         export_graphs(decoder, CONFIG.max_position_embeddings + 1)
+
+
+def test_an_export_that_runs_out_of_memory_says_so(monkeypatch, tmp_path):
+    """torch's allocator's "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate
+    memory" named neither the memory a build needs nor what to do."""
+    from compiler.export import trace_phase
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 16777216 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(torch.onnx, "export", out_of_memory)
+    decoder = build_decoder(CONFIG, random_model(CONFIG, seed=0).state_dict)
+    with pytest.raises(BuildError, match=r"^export of the decode graph ran out of memory \(\[enforce fail .*\): a build "
+                                         r"holds about 2.6 to 4 times the model's float32 weights at its peak"):
+        trace_phase(decoder, "decode", 64, 21, "last", tmp_path)
+
+
+def test_a_command_that_runs_out_of_memory_says_so_in_a_line(monkeypatch, capsys):
+    from compiler import cli
+
+    def out_of_memory(args):
+        raise MemoryError()
+
+    monkeypatch.setattr(cli, "_inspect", out_of_memory)  # the parser names it when main builds it
+    assert cli.main(["inspect", "x"]) == 2
+    assert "error: out of memory during `aotlm inspect`; free memory, or use a machine with more" in \
+        capsys.readouterr().err
