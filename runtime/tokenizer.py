@@ -47,8 +47,11 @@ def check_unicode(text: str, what: str = "the text") -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
+        # a lone surrogate: bytes read with surrogateescape (argv, a pipe), or half a pair escaped in JSON ("\ud800")
+        origin = ("bytes that were not UTF-8" if 0xDC80 <= ord(text[error.start]) <= 0xDCFF else
+                  "half of a surrogate pair, as a JSON \\ud800 escape writes one")
         raise RequestError(f"{what} is not valid Unicode at character {error.start} ({text[error.start]!r}, a lone "
-                           f"surrogate: bytes that were not UTF-8); give UTF-8 text") from None
+                           f"surrogate: {origin}); give UTF-8 text") from None
 
 
 def _is_panic(error: BaseException) -> bool:

@@ -396,3 +396,14 @@ def test_token_bytes_refuses_what_is_not_an_id_of_the_vocabulary(tiny_engine, to
                                            rf"model's vocabulary \(0\.\.511\)$"):
         tiny_engine.tokenizer.token_bytes(token_id)
     assert tiny_engine.tokenizer.token_bytes(np.int64(100)) == tiny_engine.tokenizer.token_bytes(100)
+
+
+@pytest.mark.parametrize("text, origin", [("a\udcff", "bytes that were not UTF-8"),
+                                          ("a\ud800", "half of a surrogate pair, as a JSON \\ud800 escape writes one")])
+def test_a_lone_surrogate_is_said_to_come_from_where_it_can(text, origin):
+    """A JSON "\\ud800" escape, valid UTF-8 on the wire, was blamed on bytes that were not UTF-8."""
+    from runtime import RequestError
+    from runtime.tokenizer import check_unicode
+
+    with pytest.raises(RequestError, match=re.escape(f"a lone surrogate: {origin}); give UTF-8 text")):
+        check_unicode(text, "the prompt")
