@@ -390,6 +390,9 @@ def _bench(args) -> None:
         settings = {**record, "phase": args.phase, "batch": args.batch, **counted,
                     "threads": threads}
         out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
+        if is_stream(args.out):  # no plot beside a stream ("-" had left ./--steps.png)
+            message(escape(f"wrote {out}"))
+            return
         plot = bench.write_phase_plot(rows, args.phase, out)
         message(escape(f"wrote {out}" + (f", {plot}" if plot else f"; {bench.PLOT_SKIPPED}")))
         return

@@ -6,6 +6,7 @@ Only `runtime/` is used (imported when called), as a deployed artifact would be.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -130,8 +131,22 @@ def _score(args, candidate: _ArtifactInfo, reference: _ArtifactInfo | None, toke
 
 def _results_console(args):
     """Where the result table goes: stdout, as the command's output (`aotlm eval ... > result.txt`), unless the JSON
-    goes there (--json -); progress and warnings stay on stderr."""
-    return console if args.json == "-" else ReaderAwareConsole(file=sys.stdout, emoji=False)
+    goes there (--json -, /dev/stdout); progress and warnings stay on stderr."""
+    return console if json_on_stdout(args.json) else ReaderAwareConsole(file=sys.stdout, emoji=False)
+
+
+def json_on_stdout(path: str | None) -> bool:
+    """Whether the JSON goes to this process's stdout: "-", or a stream that is stdout (/dev/stdout, /proc/self/fd/1)."""
+    from runtime.results import is_stream
+
+    if path == "-":
+        return True
+    if not path or not is_stream(path):
+        return False
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):  # a stdout with no descriptor (a test's): not that one
+        return False
 
 
 def _write_json(path: str | None, payload: dict) -> None:

@@ -22,11 +22,29 @@ def is_stream(path: str | Path) -> bool:
     container run as root (and a link to /proc/self/fd/1 a file)."""
     if str(path) == "-":
         return True
+    # /dev/stdout -> /proc/self/fd/1 -> the file a shell redirected stdout to: a regular file at the end of the
+    # links, but a stream to write into (renamed over, the link itself became a file of JSON)
+    if any(hop.startswith(("/dev/", "/proc/")) for hop in _link_chain(path)):
+        return True
     try:
         mode = os.stat(path).st_mode  # a link followed
     except (OSError, ValueError):
         return False
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _link_chain(path: str | Path, most: int = 40) -> list[str]:
+    """path made absolute, then each symbolic link's target in turn (relative ones read from the link's folder)."""
+    hop = os.path.abspath(path)
+    chain = [hop]
+    for _ in range(most):
+        try:
+            target = os.readlink(hop)
+        except (OSError, ValueError):  # not a link (or not there): the chain ends
+            break
+        hop = os.path.normpath(os.path.join(os.path.dirname(hop), target))
+        chain.append(hop)
+    return chain
 
 
 def write_json(path: str | Path, payload: dict) -> Path:
@@ -39,10 +57,11 @@ def write_json(path: str | Path, payload: dict) -> Path:
         sys.stdout.flush()
         return Path("-")
     if is_stream(path):
-        with open(path, "w", encoding="utf-8") as stream:
+        # appended: /dev/stdout redirected to a file opened with "w" truncated what the program had written there
+        with open(path, "a", encoding="utf-8") as stream:
             stream.write(text)
         return Path(path)
-    path = Path(path)
+    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)  # a link stays a link
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:

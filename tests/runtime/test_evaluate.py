@@ -596,3 +596,15 @@ def test_cli_eval_with_its_json_on_stdout_keeps_the_table_on_stderr(tiny_artifac
                      "--json", "-"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["tokens_scored"] == 59 and "perplexity on" in captured.err  # `| jq` gets JSON
+
+
+def test_cli_eval_with_its_json_on_dev_stdout_keeps_the_table_on_stderr(tiny_artifact, text_file, tmp_path):
+    """--json /dev/stdout: the table went to stdout first, and `| jq` failed at its first line."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "compiler.cli", "eval", str(tiny_artifact), "--text", str(text_file),
+                           "--max-tokens", "60", "--window", "40", "--json", "/dev/stdout"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tokens_scored"] == 59 and "perplexity on" in done.stderr

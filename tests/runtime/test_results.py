@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,29 @@ def test_a_stream_is_a_valid_output_path(path):
     from compiler.errors import check_output_file
 
     check_output_file(path, "--json")  # /dev/stdout: "a folder cannot be made in /dev/fd" for a shell's >(jq .)
+
+
+def test_json_to_stdout_redirected_to_a_file_is_appended_through_the_link(tmp_path):
+    """/dev/stdout -> /proc/self/fd/1 -> a file the shell redirected to: the link's end is a regular file, so the
+    JSON had been renamed over the link (as root, /dev/stdout itself became a file)."""
+    import subprocess
+    import sys
+
+    link = tmp_path / "fd1"
+    link.symlink_to("/proc/self/fd/1")
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        subprocess.run([sys.executable, "-c", "import sys; from runtime.results import write_json; "
+                        "print('before', flush=True); write_json(sys.argv[1], {'a': 1})", str(link)],
+                       stdout=stdout, check=True, cwd=Path(__file__).resolve().parents[2])
+    assert link.is_symlink() and out.read_text().startswith("before\n{") and json.loads(out.read_text()[7:]) == {"a": 1}
+
+
+def test_json_to_a_link_to_a_file_replaces_the_file_and_keeps_the_link(tmp_path):
+    target = tmp_path / "results" / "eval.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    write_json(link, {"b": 2})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"b": 2}
