@@ -3,12 +3,18 @@ traceback after minutes of it."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from compiler.errors import UsageError, check_output_file, thread_count
-from runtime.cpus import usable_cpus
-from runtime.errors import ArtifactError
-from runtime.manifest import read_manifest
+# This checkout's packages, not whatever checkout the virtualenv's editable install names (a second checkout sharing
+# the venv measured the other one's runtime, and http_serving's server ran this one's against it).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from compiler.errors import UsageError, check_output_file, thread_count  # noqa: E402
+from runtime.cpus import usable_cpus  # noqa: E402
+from runtime.errors import ArtifactError  # noqa: E402
+from runtime.manifest import read_manifest  # noqa: E402
+from runtime.results import is_stream  # noqa: E402
 
 # thread_count: --threads' type; usable_cpus: its default (the CPUs this process may use, not the machine's count)
 __all__ = ["artifact_manifest", "count_list", "output_file", "require_at_least_one", "thread_count", "usable_cpus"]
@@ -25,7 +31,10 @@ def artifact_manifest(parser: argparse.ArgumentParser, artifact: Path) -> dict:
 
 def output_file(parser: argparse.ArgumentParser, path) -> None:
     """--out must be writable as a file, checked before the work (a folder was an IsADirectoryError traceback after
-    the whole measurement)."""
+    the whole measurement). Not a stream ("-", /dev/stdout): the scripts write their JSON and plots as files, named
+    after it."""
+    if path is not None and is_stream(path):
+        parser.error(f"--out {path}: give a file path; this script writes its JSON (and plots beside it) as files")
     try:
         check_output_file(None if path is None else str(path), "--out")
     except UsageError as error:

@@ -51,6 +51,7 @@ from arguments import artifact_manifest, output_file, require_at_least_one, thre
 from contention import OtherCores, contention_line  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 
 def serve(engine: Engine, workload, batching: str, slots: int, progress: Progress, label: str) -> list:
@@ -270,7 +271,7 @@ def render_closed(console: Console, args, closed: dict, vs_first: dict, first: i
     table.caption = ("the median round's requests and latencies (the upper middle one for an even count); 'paired': "
                      "the median over rounds of that round's tokens/s over the "
                      f"same round's at concurrency {first}")
-    console.print(table)
+    print_table(table, console)
 
 
 def render_open(console: Console, summaries: dict, queued: dict, continuous_over_static: dict, shown: int) -> None:
@@ -285,7 +286,7 @@ def render_open(console: Console, summaries: dict, queued: dict, continuous_over
     table.add_row("queued share", *(rounds_cell(queued[mode], ".0%") for mode in ("static", "continuous")), "", "")
     table.caption = ("queued share: the part of the run during which some request waited for a slot (near 100%: "
                      "tokens/s is the server's capacity)")
-    console.print(table)
+    print_table(table, console)
 
 
 if __name__ == "__main__":

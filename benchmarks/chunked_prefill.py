@@ -29,6 +29,7 @@ from arguments import artifact_manifest, output_file, require_at_least_one, thre
 from generate import REPO, RESULTS, machine_info, versions, write_result  # noqa: E402
 
 from runtime import Engine, bench  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 
 SHORT_PROMPT, LONG_OUTPUT = 32, 16  # the running requests' prompt tokens; the long request's new tokens
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(chunk, f"{m['max_itl_ms']:.0f}", "-" if during is None else f"{during:.0f}",
                       f"{m['p99_itl_ms']:.0f}", f"{m['p50_itl_ms']:.1f}", f"{m['tpot_ms']:.1f}",
                       f"{m['long_ttft_ms']:.0f}", f"{m['output_tokens_per_s']:.1f}")
-    console.print(table)
+    print_table(table, console)
     result = {"settings": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
               "versions": versions(), "runs": results, "medians": medians}
     path = write_result("chunked_prefill.json", result, args.out)

@@ -36,6 +36,7 @@ import numpy as np
 import onnxruntime as ort
 from rich.console import Console
 from rich.table import Table
+from compiler.console import print_table
 
 from arguments import output_file, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, RESULTS, write_result  # benchmarks/ is on the path when run as a script
@@ -150,7 +151,7 @@ def render(rows: list[dict], console: Console, threads: int, steps: int) -> None
             table.add_row(op, *[f"{row['ops_ms'][op]:.3f}" if op in row["ops_ms"] else "-" for row in at])
         table.add_row("sum (profiled)", *[f"{row['profiled_sum_ms']:.2f}" for row in at], style="bold")
         table.add_row("step, not profiled (median)", *[f"{row['step_ms']:.2f}" for row in at], style="bold")
-        console.print(table)
+        print_table(table, console)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -45,6 +45,7 @@ from contention import OtherCores, contention_line  # noqa: E402
 from compiler.artifact import tool_versions  # noqa: E402
 from runtime import bench  # noqa: E402
 from runtime.engine import SINGLE_STREAM_SPIN as ENGINE_SINGLE_STREAM_SPIN  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 WARMUP_RUNS = 1
 AGREE_TOKENS = 32  # greedy tokens every backend must share
@@ -294,7 +295,7 @@ def render(results: dict, console: Console) -> None:
         table.add_row(name, f"{m['ttft_ms']:.1f}", f"{m['prefill_ms']:.1f}", f"{m['tpot_ms']:.2f}",
                       f"{m['itl_p50_ms']:.2f}", f"{m['itl_p95_ms']:.2f}", f"{m['itl_p99_ms']:.2f}",
                       f"{m['decode_tokens_per_s']:.1f}", *ratios)
-    console.print(table)
+    print_table(table, console)
 
 
 def machine_info() -> dict:

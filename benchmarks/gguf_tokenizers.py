@@ -34,6 +34,7 @@ from compiler.frontend.gguf_loader import _field, _open_reader  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import output_file  # noqa: E402
 from compiler.frontend.gguf_tokenizer import tokenizer_json_from_gguf  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 VOCAB_PREFIX = "ggml-vocab-"
@@ -126,7 +127,7 @@ def show(rows: list[dict]) -> None:
             note = "" if mismatch is None else (f"{mismatch['text'][:30]!r}: llama.cpp {mismatch['llama_cpp'][:6]}, "
                                                 f"aotlm {mismatch['aotlm'][:6]}")
         table.add_row(row["vocabulary"], architecture, f"{row['model']}/{row['pre']}", result, note)
-    Console().print(table)
+    print_table(table, Console())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,13 @@ def parse_args(argv=None):
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-tensorrt", action="store_true")
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "gpu_check.json"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    target = Path(args.json)  # checked now: a folder was an IsADirectoryError after the whole (scarce) GPU run
+    if target.is_dir():
+        parser.error(f"--json {target}: is a folder; give a file name, e.g. {target / 'gpu_check.json'}")
+    if not os.access(next(folder for folder in [target.parent, *target.parent.parents] if folder.exists()), os.W_OK):
+        parser.error(f"--json {target}: its folder cannot be written here; give another path")
+    return args
 
 
 ARGS = parse_args(None if __name__ == "__main__" else [])
@@ -47,6 +53,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from runtime.kernels import flash_attention as fa  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 console = Console()
 DEVICE = "cpu" if ARGS.smoke else "cuda"
@@ -212,7 +219,7 @@ def main() -> None:
         table.add_row(row["phase"], str(row["S"]), row["impl"], number("ms", ".3f") or row.get("note", ""),
                       number("tflops", ".1f"), number("gbs", ".0f"), number("of_copy", ".0%"),
                       number("max_abs_diff_vs_sdpa", ".1e"))
-    console.print(table)
+    print_table(table, console)
     if not ARGS.skip_tensorrt and not ARGS.smoke:
         report["tensorrt"] = tensorrt_run()
         console.print("TensorRT:", report["tensorrt"])

@@ -40,6 +40,7 @@ from generate import REPO, machine_info, paired_median, versions, write_result  
 
 from runtime import Engine, bench  # noqa: E402
 from runtime.metrics import summarize  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 
 def in_process(engine: Engine, workload, slots: int) -> dict:
@@ -174,10 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
     manifest = artifact_manifest(parser, args.artifact)
     console = Console()
     engine = Engine.load(args.artifact, intra_op_threads=args.threads)
-    workloads = {level: bench.make_workload(engine.tokenizer.encode, max_context=engine.max_context,
-                                            requests=args.requests, arrival="concurrency", concurrency=level,
-                                            prompt_tokens=args.prompt_tokens, output_tokens=args.new_tokens,
-                                            warmup=1) for level in levels}
+    try:  # bench's own checks name its flag, --output-tokens: this script's is --new-tokens
+        workloads = {level: bench.make_workload(engine.tokenizer.encode, max_context=engine.max_context,
+                                                requests=args.requests, arrival="concurrency", concurrency=level,
+                                                prompt_tokens=args.prompt_tokens, output_tokens=args.new_tokens,
+                                                warmup=1) for level in levels}
+    except bench.BenchError as problem:
+        parser.error(str(problem).replace("--output-tokens", "--new-tokens"))
     runs = {level: {"in_process": [], "http": []} for level in levels}
     with Progress(console=console) as progress:
         task = progress.add_task("rounds x levels x modes", total=args.rounds * len(levels) * 2)
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
             table.add_row(str(level), mode.replace("_", " "), median("output_tokens_per_s"),
                           median("ttft_ms", "median"), median("ttft_ms", "p99"), median("tpot_ms", "median"), server,
                           f"{ratio:.3f}x" if mode == "http" else "")
-    console.print(table)
+    print_table(table, console)
     settings = {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()}
     result = {"artifact": manifest["name"], "settings": settings, "machine": machine_info(), "versions": versions(),
               "runs": {str(level): run for level, run in runs.items()}}

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from compiler.console import print_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import artifact_manifest, count_list, output_file, thread_count, usable_cpus  # noqa: E402
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
             summary[artifact][name] = {**medians, "ratio": paired,
                                        "ratio_of_medians": medians["huge"] / medians["4 KiB"]}
             table.add_row(Path(artifact).name, name, *(f"{medians[arm]:.2f}" for arm in ARMS), f"{paired:.3f}x")
-    console.print(table)
+    print_table(table, console)
     result = {"settings": {k: str(v) for k, v in vars(args).items() if k not in ("child", "artifact", "huge")},
               "machine": machine_info(), "versions": versions(), "summary": summary, "runs": runs}
     console.print(f"wrote {write_result('huge_pages.json', result, args.out)}")

@@ -26,6 +26,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 from rich.console import Console
 from rich.table import Table
+from compiler.console import print_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(row["phase"], str(row["tokens"]), f"{row['float_ms']:.3f}", f"{row['int8_ms']:.3f}",
                       f"{row['int8_ms'] / row['float_ms']:.2f}x", f"{row['rotary_separate_ms']:.3f}",
                       f"{row['rotary_separate_ms'] / row['float_ms']:.2f}x")
-    Console().print(table)
+    print_table(table, Console())
     result = {"threads": args.threads, "runs": args.runs, "onnxruntime": ort.__version__, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -37,6 +37,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from runtime import Engine, RequestError  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling arguments.py, run from anywhere
 from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
         "cached_prompt_tokens": int(ledger.cached.sum()), "prompt_tokens": sum(len(r["prompt"]) for r in requests),
         "duration_s": seconds, "summary": latency_summary(ledger), "passed": passed,
     }
-    console.print(table(report))
+    print_table(table(report), console)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -38,6 +38,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from compiler.plan import cpu_device  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import count_list, output_file, thread_count, usable_cpus  # noqa: E402
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in results:
         table.add_row(r["format"], str(r["rows"]), f"{r['ms']:.2f}", f"{r['weight_bytes'] / 1e6:.1f}",
                       f"{r['gb_per_s']:.1f}", f"{r['of_bandwidth']:.0%}", f"{r['gflop_per_s']:.1f}")
-    console.print(table)
+    print_table(table, console)
     report = {"settings": {k: str(v) for k, v in vars(args).items()}, "bandwidth_bytes_per_s": bandwidth,
               "onnxruntime": ort.__version__, "rows": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,8 @@ from generate import REPO, machine_info, prompt_token_ids, versions, write_resul
 from phases import AotlmPhases  # noqa: E402
 from quantization import built_recipe  # noqa: E402
 
+from compiler.console import print_table  # noqa: E402
+
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "pass_ab"
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     for length, r in results.items():
         table.add_row(length, f"{r['median_ms']['without']:.1f}", f"{r['median_ms']['with']:.1f}",
                       f"{r['ratio_of_medians']:.3f}", f"{r['ratio_of_minima']:.3f}", f"{r['logits_max_difference']:.1e}")
-    console.print(table)
+    print_table(table, console)
     distance = None
     if args.reference is not None:
         distance = reference_distance(graphs, AotlmPhases("reference", args.reference, args.threads),
@@ -110,14 +112,14 @@ def main(argv: list[str] | None = None) -> dict:
             table.add_column(column, justify="right")
         for kind, d in distance.items():
             table.add_row(f"{kind} {args.without}", f"{d['mean_kl']:.4f}", f"{d['top1_agreement']:.3f}")
-        console.print(table)
+        print_table(table, console)
     table = Table(title=f"Engine.load in a fresh process (medians of {args.load_runs})")
     for column in ("artifact", "files MB", "load s", "resident MB after", "peak resident MB"):
         table.add_column(column, justify="right")
     for kind, cost in loading.items():
         table.add_row(f"{kind} {args.without}", f"{cost['files_mb']:.1f}", f"{cost['seconds']:.2f}",
                       f"{cost['resident_mb']:.0f}", f"{cost['peak_resident_mb']:.0f}")
-    console.print(table)
+    print_table(table, console)
     report = {"settings": {"recipe": str(args.recipe), "without": args.without, "prompt_lengths": lengths,
                            "runs": args.runs, "load_runs": args.load_runs, "threads": args.threads,
                            "artifacts": {k: str(v) for k, v in folders.items()}},

@@ -58,6 +58,7 @@ from arguments import artifact_manifest, count_list, output_file, require_at_lea
 from contention import OTHER_CORES_LIMIT, OtherCores  # noqa: E402
 
 from compiler.plan import artifact_step_weight_bytes, cpu_device  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 WARMUP_STEPS = 4
 PREFILL_WARMUPS = 1
@@ -297,7 +298,7 @@ def render(summary: dict, pairs: dict, args, console: Console, bandwidth: float)
             row += [f"{entry['bytes_read'] / 1e6:.0f}", f"{entry['achieved_gb_per_s']:.1f}", f"{entry['floor_ms']:.2f}",
                     f"{entry['of_floor']:.2f}x"]
         table.add_row(*row)
-    console.print(table)
+    print_table(table, console)
     lo, hi = args.contexts[0], args.contexts[-1]
     growth = ", ".join(f"{name} {decode[name][hi]['median_ms'] / decode[name][lo]['median_ms']:.2f}x" for name in names)
     growth_paired = ", ".join(f"{name} {ratio(value)}" for name, value in pairs["decode_growth"].items())
@@ -318,7 +319,7 @@ def render(summary: dict, pairs: dict, args, console: Console, bandwidth: float)
             row += [f"{prefill[name][length]['median_ms']:.1f}", f"{prefill[name][length]['tokens_per_s']:.0f}"]
         row += [ratio(pairs["prefill"][length]["fused_vs_unfused"]), ratio(pairs["prefill"][length]["fused_vs_genai"])]
         table.add_row(*row)
-    console.print(table)
+    print_table(table, console)
     return lines
 
 

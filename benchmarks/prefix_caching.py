@@ -34,6 +34,7 @@ from generate import REPO, machine_info, versions, write_result  # noqa: E402
 from runtime import Engine, bench  # noqa: E402
 from runtime.engine import last_token_logits  # noqa: E402
 from runtime.prefix_cache import PREFIX_REST_TOKENS  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 
 def messages_for(encode, turns: int, tokens: int) -> list[list[int]]:
@@ -161,6 +162,17 @@ def main(argv: list[str] | None = None) -> dict:
                "cached": Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=True)}
     encode, decode = engines["plain"].tokenizer.encode, engines["plain"].tokenizer.decode
     messages = [decode(ids) for ids in messages_for(encode, args.turns, args.message_tokens)]
+    # The last turn's prompt, its replies stood in by --reply-tokens tokens each: a chat that outgrows the context
+    # was a RequestError traceback after the turns before it had run
+    reply = decode(encode(" yes" * args.reply_tokens)[-args.reply_tokens:])
+    history = [entry for message in messages[:-1] for entry in ({"role": "user", "content": message},
+                                                                {"role": "assistant", "content": reply})]
+    needed = len(engines["plain"].chat_prompt_ids([*history, {"role": "user", "content": messages[-1]}]))
+    if needed + args.reply_tokens > manifest["kv_cache"]["max_context"]:
+        parser.error(f"--turns {args.turns} of --message-tokens {args.message_tokens} and --reply-tokens "
+                     f"{args.reply_tokens} need about {needed + args.reply_tokens} tokens of context by the last turn; "
+                     f"this artifact's max context is {manifest['kv_cache']['max_context']}: give fewer or shorter "
+                     f"turns")
     runs = []
     for repeat in range(args.repeats):
         console.print(f"conversation {repeat + 1}/{args.repeats}")
@@ -184,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(str(row["turn"]), str(row["prompt_tokens"]), f"{row['cached_tokens']:g}",
                       f"{row['ttft_plain_ms']:.1f}", f"{row['ttft_cached_ms']:.1f}",
                       f"{row['ttft_cached_ms'] / row['ttft_plain_ms']:.2f}x", "yes" if row["replies_equal"] else "NO")
-    console.print(table)
+    print_table(table, console)
     pieces = [decode(ids) for ids in messages_for(encode, args.chats * args.turns, args.message_tokens)]
     chats = [pieces[i * args.turns:(i + 1) * args.turns] for i in range(args.chats)]
     scheduled = {}
@@ -199,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     for turn in range(args.turns):
         table.add_row(str(turn + 1), f"{plain['prompt_tokens_by_turn'][turn]:g}", f"{cached['cached_by_turn'][turn]:g}",
                       f"{plain['ttft_ms_by_turn'][turn]:.0f}", f"{cached['ttft_ms_by_turn'][turn]:.0f}")
-    console.print(table)
+    print_table(table, console)
     console.print(f"output tokens/s: {plain['output_tokens_per_s']:.1f} whole prefill, {cached['output_tokens_per_s']:.1f}"
                   f" prefix cached; replies equal: {plain['replies'] == cached['replies']}")
     prompt = bench.text_token_ids(encode, args.sweep_length)
@@ -217,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(str(row["prefix"]), str(row["rest"]), f"{row['rest_ms']:.1f}", f"{row['rest_ms'] / whole:.2f}x",
                       "-" if by_prefill is None else f"{by_prefill:.1f}",
                       "-" if by_prefill is None else f"{by_prefill / whole:.2f}x", f"{whole:.1f}")
-    console.print(table)
+    print_table(table, console)
     result = {"settings": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
               "versions": versions(), "turns": turns, "sweep": costs,
               "scheduled": {name: {k: v for k, v in r.items() if k != "replies"} | {

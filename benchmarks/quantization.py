@@ -48,6 +48,7 @@ from compiler.build import build  # noqa: E402
 from compiler.recipe import AccuracySpec, load_recipe  # noqa: E402
 from passes.quantize import Override  # noqa: E402
 from runtime.evaluate import EvaluationError, builtin_text, encode_text, log_softmax, window_spans  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "quantization"
 VARIANTS = {  # name: (recipe file, quantize options changed for this variant)
@@ -315,7 +316,7 @@ def render(results: dict, console: Console) -> None:
                       f"{r['tpot_vs_genai_paired']:.2f}x" if genai else "-", f"{r['perplexity']:.3f}",
                       f"{100 * (r['perplexity'] / fp32['perplexity'] - 1):+.2f}%",
                       "-" if r["top1_agreement"] is None else f"{100 * r['top1_agreement']:.2f}%")
-    console.print(table)
+    print_table(table, console)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from generate import REPO, machine_info, prepare_folders, versions, write_result
 from runtime import Engine  # noqa: E402
 from runtime.evaluate import builtin_text  # noqa: E402
 from runtime.server import ApiServer  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 
 def cloze_items(text: str, items: int, choices: int, context_words: int, seed: int = 0) -> list[dict]:
@@ -123,7 +124,7 @@ def render(report: dict, console: Console) -> None:
             ("requests/s", f"{summary['requests_per_s']:.1f}"),
             ("latency p50 / p99 ms", f"{summary['latency_ms']['p50']:.1f} / {summary['latency_ms']['p99']:.1f}")):
         table.add_row(name, value)
-    console.print(table)
+    print_table(table, console)
 
 
 def main(argv: list[str] | None = None) -> dict:

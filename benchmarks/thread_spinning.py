@@ -39,6 +39,7 @@ from generate import REPO, RESULTS, machine_info, paired_median, prompt_token_id
 from runtime import Engine  # noqa: E402
 from runtime.bench import BenchError, parse_range  # noqa: E402
 from runtime.manifest import read_manifest  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 # label: Engine.load's spin_after_run; the last arm is what the table's ratios divide by
 ARMS = {"stop after run": False, "decode spins on": ["decode"], "spin after run": True}
@@ -151,7 +152,7 @@ def render(results: list[dict], args, console: Console) -> None:
             ratios = {key: paired_median([summary([run])[key] for run in result["runs"][label]],
                                          [summary([run])[key] for run in result["runs"][base]]) for _, key in columns}
             table.add_row("", f"{label} / {base}", *(f"{ratios[key]:.2f}x" for _, key in columns), style="bold")
-    console.print(table)
+    print_table(table, console)
 
 
 def plot(results: list[dict], path: Path) -> None:
