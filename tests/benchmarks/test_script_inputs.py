@@ -131,3 +131,13 @@ def test_every_script_refuses_a_folder_out_and_too_many_threads_first(script, tm
             module.main(flags)
         error = capsys.readouterr().err.splitlines()[-1]
         assert stopped.value.code == 2 and message in error, (script, error)
+
+
+@pytest.mark.parametrize("out", ["-", "/dev/stdout"])
+def test_a_stream_as_a_scripts_out_is_refused_before_the_work(capsys, tiny_artifact, monkeypatch, out):
+    """The scripts write their JSON, and plots named after it, as files: '-' made files named '-' and
+    '--poisson.json' in the working folder (and /dev/stdout, as root, files in /dev)."""
+    no_engine(monkeypatch)
+    with pytest.raises(SystemExit) as exited:
+        chunked_prefill.main(["--artifact", str(tiny_artifact), "--out", out])
+    assert exited.value.code == 2 and f"--out {out}: give a file path" in capsys.readouterr().err
