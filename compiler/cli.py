@@ -6,7 +6,6 @@ would. Bad input exits with status 2 and one line naming the problem; tracebacks
 from __future__ import annotations
 
 import argparse
-import codecs
 import contextlib
 import errno
 import json
@@ -29,7 +28,8 @@ from compiler.cli_serve import add_serve_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.cli_sampling import add_sampling_options, sampling_options
 from compiler.console import ReaderAwareConsole, console, error, message, print_table, warning
-from compiler.errors import UsageError, check_output_file, nonnegative_int, positive_float, thread_count, user_path
+from compiler.errors import (UsageError, check_output_file, nonnegative_int, positive_float, text_argument, thread_count,
+                             user_path)
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 INSPECT_SUMMARY_CHARACTERS = 240  # a pass's summary in `aotlm inspect`'s table; --json prints the whole report
@@ -544,10 +544,10 @@ def parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="generate from an artifact, then print timings")
     run.add_argument("artifact", type=user_path, help="an artifact folder (built by `aotlm build`)")
     given = run.add_mutually_exclusive_group(required=True)
-    given.add_argument("--prompt", help="the text to continue")
-    given.add_argument("--chat", metavar="MESSAGE",
+    given.add_argument("--prompt", type=text_argument, help="the text to continue")
+    given.add_argument("--chat", metavar="MESSAGE", type=text_argument,
                        help="a user message, formatted by the model's chat template; prints the assistant's reply")
-    run.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
+    run.add_argument("--system", metavar="TEXT", type=text_argument, help="with --chat: a system message before it")
     run.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     add_sampling_options(run)
     run.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")
@@ -713,21 +713,6 @@ def _one_line_warnings(show):
     return shown
 
 
-def _utf8_arguments(argv: list[str]) -> list[str]:
-    """Arguments as UTF-8 text under an ASCII locale with Python's UTF-8 mode off (PYTHONUTF8=0 LC_ALL=C): Python
-    read their bytes as ASCII, and a UTF-8 prompt ("灯塔") was refused as bytes that were not UTF-8. Bytes that are
-    not UTF-8 stay as Python read them (lone surrogates, refused by name later)."""
-    if codecs.lookup(sys.getfilesystemencoding()).name != "ascii":
-        return argv
-    decoded = []
-    for argument in argv:
-        try:
-            decoded.append(argument.encode("ascii", "surrogateescape").decode("utf-8"))
-        except UnicodeError:
-            decoded.append(argument)
-    return decoded
-
-
 def main(argv: list[str] | None = None) -> int:
     _unencodable_characters_replaced()
     try:  # relative paths, torch's own libraries (oneMKL's fatal error) and plan's hints all need it
@@ -739,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         from compiler.errors import BuildError
         from runtime.errors import AotlmRuntimeError
 
-        args = parser().parse_args(_utf8_arguments(sys.argv[1:] if argv is None else argv))
+        args = parser().parse_args(argv)
     except KeyboardInterrupt:
         message("[yellow]interrupted[/yellow]")
         return 130

@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from compiler.console import console, message
 from compiler.cli_sampling import add_sampling_options, sampling_options
-from compiler.errors import UsageError, thread_count, user_path
+from compiler.errors import UsageError, text_argument, thread_count, user_path
 
 EXIT_COMMANDS = ("/exit", "/quit")
 COMMAND = re.compile(r"/[A-Za-z?]+")  # a line of just this is a command (/help, /clear...), not a message
@@ -32,7 +32,7 @@ def add_chat_parser(commands) -> None:
                                             "Ctrl-C stops a reply (the conversation goes on without that exchange), "
                                             "and at the prompt ends the chat.")
     chat.add_argument("artifact", type=user_path, help="an artifact folder whose model has a chat template")
-    chat.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
+    chat.add_argument("--system", metavar="TEXT", type=text_argument, help="a system message before the conversation")
     chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
     add_sampling_options(chat)
     chat.add_argument("--threads", type=thread_count, default=None,

@@ -2,7 +2,7 @@
 runtime.sampling.SamplingParams' keywords (whose own checks refuse bad values before anything runs)."""
 from __future__ import annotations
 
-from compiler.errors import UsageError, nonnegative_int
+from compiler.errors import UsageError, nonnegative_int, text_argument
 
 
 def add_sampling_options(parser) -> None:
@@ -19,7 +19,7 @@ def add_sampling_options(parser) -> None:
                         help="subtract A from the logits of tokens the output holds (OpenAI's; -2..2, 0 = none)")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, metavar="A",
                         help="subtract A per occurrence in the output (OpenAI's; -2..2, 0 = none)")
-    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT", type=text_argument,
                         help="end the text before this string (repeatable; the model's end-of-sequence tokens stop "
                              "too, unless --ignore-eos)")
     parser.add_argument("--ignore-eos", action="store_true",

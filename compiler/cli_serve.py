@@ -15,7 +15,7 @@ import time
 from rich.markup import escape
 
 from compiler.console import console, message, warning
-from compiler.errors import UsageError, nonnegative_int, positive_float, thread_count, user_path
+from compiler.errors import UsageError, nonnegative_int, positive_float, text_argument, thread_count, user_path
 
 
 def keep_alive_seconds(text: str) -> float:
@@ -74,7 +74,7 @@ def add_serve_parser(commands) -> None:
                        help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every IPv4 "
                             "interface; an IPv6 address such as ::1, or :: for every interface)")
     serve.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free one)")
-    serve.add_argument("--model-name", default=None, help="the model's name in the API (default: the artifact's name)")
+    serve.add_argument("--model-name", default=None, type=text_argument, help="the model's name in the API (default: the artifact's name)")
     serve.add_argument("--slots", type=positive_int, default=None,
                        help="sequences decoded together, each with a max-context KV cache slot (default 8)")
     serve.add_argument("--max-queue", type=positive_int, default=256,
@@ -166,6 +166,11 @@ def serve_command(args) -> None:
                            max_connections=args.max_connections or MAX_CONNECTIONS,
                            keep_alive_s=args.keep_alive_timeout, allowed_origins=tuple(args.allowed_origins),
                            bound_socket=bound)
+    except OSError as error:  # listen refused (a server that took the port some other way meanwhile)
+        bound.close()
+        engine.close()
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}; choose another --port "
+                         f"(0: any free one) or --host") from None
     except BaseException:
         bound.close()
         engine.close()

@@ -1,6 +1,8 @@
 """Errors the compiler raises for bad input: the command line prints their message, never a traceback."""
 import argparse
+import codecs
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -70,6 +72,19 @@ def _check_writable_ancestor(folder, path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: a folder cannot be made in {ancestor} ({error.strerror or error}); choose "
                          f"another path") from None
     os.rmdir(probe)  # made empty a moment ago by this process
+
+
+def text_argument(text: str) -> str:
+    """An argparse type for text a model reads (a prompt, a stop string, a name), not a path: under an ASCII locale
+    with Python's UTF-8 mode off (PYTHONUTF8=0 LC_ALL=C) Python read its bytes as ASCII, and a UTF-8 prompt ("灯塔")
+    was refused as bytes that were not UTF-8. Paths keep Python's reading, which the file system functions expect.
+    Bytes that are not UTF-8 stay lone surrogates, refused by name later."""
+    if codecs.lookup(sys.getfilesystemencoding()).name != "ascii":
+        return text
+    try:
+        return text.encode("ascii", "surrogateescape").decode("utf-8")
+    except UnicodeError:
+        return text
 
 
 def user_path(text: str) -> str:

@@ -97,9 +97,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     bound_socket: `aotlm serve` takes its port before loading the model, so a taken one is said at once."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        if hasattr(socket, "SO_REUSEADDR"):  # as http.server's allow_reuse_address: a restart within TIME_WAIT binds
+        reuse = hasattr(socket, "SO_REUSEADDR")
+        if reuse:  # as http.server's allow_reuse_address: a restart within TIME_WAIT binds
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        if reuse:  # and off once bound: two sockets that both ask for it share a port until one listens (Linux),
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)  # so a second server loading meanwhile
+            # would bind it too and fail at its listen, after its whole load
     except BaseException:
         sock.close()
         raise

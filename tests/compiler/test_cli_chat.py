@@ -260,7 +260,7 @@ def test_a_system_message_that_is_not_utf8_is_refused_before_the_load(chat_artif
     assert "error: --system is not valid Unicode at character 3" in capsys.readouterr().err
 
 
-def test_an_ascii_locale_without_utf8_mode_reads_and_writes_what_it_can(tiny_artifact):
+def test_an_ascii_locale_without_utf8_mode_reads_and_writes_what_it_can(tiny_artifact, tmp_path):
     """PYTHONUTF8=0 LC_ALL=C: a UTF-8 prompt was refused as bytes that were not UTF-8, and a generated character
     outside ASCII ended the run with a UnicodeEncodeError traceback."""
     import os
@@ -274,3 +274,9 @@ def test_an_ascii_locale_without_utf8_mode_reads_and_writes_what_it_can(tiny_art
                           capture_output=True, env=environment, timeout=120)
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
     assert done.stdout.startswith(b"?? caf?") and b"Traceback" not in done.stderr
+    import shutil
+
+    named = shutil.copytree(tiny_artifact, tmp_path / "模型")  # a path keeps Python's reading of its bytes
+    done = subprocess.run([sys.executable, "-m", "compiler.cli", "inspect", str(named)], capture_output=True,
+                          env=environment, timeout=120)
+    assert done.returncode == 0 and b"tiny-random" in done.stdout, done.stderr.decode(errors="replace")[-2000:]

@@ -87,6 +87,8 @@ def test_the_port_refuses_connections_until_the_server_listens(tiny_engine):
 
     bound = bind_socket("127.0.0.1", 0)
     port = bound.getsockname()[1]
+    with pytest.raises(OSError, match="Address already in use"):  # a second server loading meanwhile: refused now,
+        bind_socket("127.0.0.1", port)  # not at its listen after its whole load
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     server = ApiServer(tiny_engine, "127.0.0.1", port, bound_socket=bound)
