@@ -374,7 +374,11 @@ def creation_time() -> datetime.datetime:
     if not re.fullmatch(r"[0-9]{1,12}", epoch.strip()):
         raise BuildError(f"SOURCE_DATE_EPOCH={epoch!r}: give the seconds since 1970 as a whole number (e.g. git log "
                          f"-1 --format=%ct), or unset it")
-    return datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+    try:
+        return datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+    except (ValueError, OverflowError, OSError):  # past year 9999 (999999999999 is in year 33658)
+        raise BuildError(f"SOURCE_DATE_EPOCH={epoch!r}: a time past what a date can hold; give the seconds since 1970 "
+                         f"of a real date (e.g. git log -1 --format=%ct), or unset it") from None
 
 
 def write_manifest(folder: Path, manifest: dict) -> dict:

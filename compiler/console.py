@@ -41,13 +41,16 @@ def print_table(table, out: Console = console) -> None:
         if column.overflow == "ellipsis":
             column.overflow = "fold"
     least = out.measure(table, options=out.options.update_width(10_000)).minimum
-    if least > out.width:
-        out = ReaderAwareConsole(file=out.file, width=least, emoji=False, force_terminal=out.is_terminal,
-                                 color_system=out.color_system, no_color=out.no_color, stderr=out.stderr)
+    width = out._width  # the console's own (None: the terminal's), widened for this table only: the same console,
+    # so that a capture (inspect prints all or nothing) and the order of its output hold
     try:
+        if least > out.width:
+            out.width = least
         out.print(table)
     except OSError:  # a reader that left (as message)
         pass
+    finally:
+        out._width = width
 
 
 def message(markup: str, out: Console = console) -> None:

@@ -156,8 +156,8 @@ def trace_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pref
 
 
 # What a build that ran out of memory is told (also compiler/cli.py, for one that ran out elsewhere).
-OUT_OF_MEMORY = ("a build holds about 2.6 to 4 times the model's float32 weights at its peak (README: \"Models of 2 GiB "
-                 "and more\"); free memory, or build on a machine with more")
+OUT_OF_MEMORY = ("a build holds about 3 to 5 times the model's float32 weights at its peak, a quantized one of a small "
+                 "model up to 7 (README: \"Models of 2 GiB and more\"); free memory, or build on a machine with more")
 
 
 def load_traced(path: Path, config: DecoderConfig) -> onnx.ModelProto:

@@ -18,6 +18,7 @@ calibration part (for the compiler's quantization) and a held-out part (for eval
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -27,6 +28,8 @@ import numpy as np
 
 from runtime.errors import ModelOutputError, RequestError
 from runtime.sampling import _logprobs
+
+_NONE = object()  # no bad item found (None itself may be one)
 
 LogitsFor = Callable[[np.ndarray], np.ndarray]  # token ids [n] -> logits [n, vocab], row i predicts token i + 1
 CALIBRATION_FRACTION = 0.9  # of pydoc's characters; the held-out part starts at the next paragraph boundary
@@ -210,7 +213,20 @@ class _Totals:
 def _token_array(token_ids) -> np.ndarray:
     """token_ids as int64, refused unless one flat list of integers: an int64 cast had scored 10.7 as 10, and a
     [1, n] array as one token."""
-    tokens = np.asarray(token_ids)
+    if not isinstance(token_ids, np.ndarray):  # a list: each item checked (numpy would read True as 1, 2**63 as float)
+        items = list(token_ids)
+        bad = next((item for item in items if isinstance(item, (bool, np.bool_)) or not hasattr(type(item), "__index__")),
+                   _NONE)
+        if isinstance(bad, (list, tuple, np.ndarray)):
+            raise EvaluationError("token_ids must be one flat list of token ids; got a list of lists (pass ids[0])")
+        if bad is not _NONE:
+            raise EvaluationError(f"token ids must be integers; got {bad!r} ({type(bad).__name__})")
+        ids = [operator.index(item) for item in items]
+        huge = next((i for i in ids if not -2**63 <= i < 2**63), None)
+        if huge is not None:
+            raise EvaluationError(f"token id {huge} is outside any vocabulary")
+        return np.array(ids, dtype=np.int64)
+    tokens = token_ids
     if tokens.ndim != 1:
         hint = "; pass ids[0]" if tokens.ndim == 2 and len(tokens) == 1 else ""
         raise EvaluationError(f"token_ids must be one flat list of token ids; got a {tokens.ndim}-D array{hint}")

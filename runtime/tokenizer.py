@@ -129,7 +129,7 @@ class TextTokenizer:
         if isinstance(token_ids, (str, bytes, bytearray)) or not hasattr(token_ids, "__iter__"):
             raise RequestError(f"decode: token_ids must be a list of token ids (integers), got "
                                f"{type(token_ids).__name__}")
-        if getattr(token_ids, "ndim", 1) > 1:  # a tokenizer's input_ids [1, n]: iterating gives arrays, not ids
+        if getattr(token_ids, "ndim", 1) != 1:  # a tokenizer's input_ids [1, n]: iterating gives arrays, not ids
             raise RequestError(f"decode: token_ids must be one flat list of token ids; got a {token_ids.ndim}-D "
                                f"array (pass ids[0])")
         ids = list(token_ids)

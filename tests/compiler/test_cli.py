@@ -124,6 +124,9 @@ def test_source_date_epoch_sets_created_and_a_malformed_one_is_refused(monkeypat
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
     with pytest.raises(BuildError, match=r"SOURCE_DATE_EPOCH='yesterday': give the seconds since 1970"):
         creation_time()
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "999999999999")  # year 33658: was a ValueError traceback
+    with pytest.raises(BuildError, match=r"SOURCE_DATE_EPOCH='999999999999': a time past what a date can hold"):
+        creation_time()
 
 
 def test_version_prints_the_release(capsys):

@@ -563,9 +563,13 @@ def test_a_blank_tail_after_the_last_paragraph_boundary_is_not_the_whole_held_ou
 
 
 @pytest.mark.parametrize("token_ids, message", [
-    ([10.7, 20.7, 30.7], r"^token ids must be integers; got float64 values"),  # an int64 cast scored 10 and 20
+    ([10.7, 20.7, 30.7], r"^token ids must be integers; got 10.7 \(float\)$"),  # an int64 cast scored 10 and 20
+    (np.array([10.7, 20.7]), r"^token ids must be integers; got float64 values"),
     (np.array([[1, 2, 3]]), r"^token_ids must be one flat list of token ids; got a 2-D array; pass ids\[0\]$"),
     (np.array([True, False, True]), r"^token ids must be integers; got bool values"),
+    ([True, 5, 6, 7], r"^token ids must be integers; got True \(bool\)$"),  # was scored as token 1
+    ([5, 6, 7, 2**63], r"^token id 9223372036854775808 is outside any vocabulary$"),  # blamed 5.0 as a float
+    ([[1, 2, 3]], r"^token_ids must be one flat list of token ids; got a list of lists \(pass ids\[0\]\)$"),
 ])
 def test_evaluate_refuses_token_ids_that_are_not_one_flat_list_of_integers(token_ids, message):
     with pytest.raises(EvaluationError, match=message):

@@ -294,6 +294,7 @@ def test_a_stop_string_found_at_the_end_inside_a_character_is_a_stop(tiny_artifa
     ([[5, 6]], r"decode: token ids must be integers; got \[5, 6\] \(list\)"),
     ([None], r"decode: token ids must be integers; got None \(NoneType\)"),
     (np.array([[5, 6, 7]]), r"decode: token_ids must be one flat list of token ids; got a 2-D array \(pass ids\[0\]\)"),
+    (np.array(5), r"decode: token_ids must be one flat list of token ids; got a 0-D array"),  # TypeError from numpy
 ])
 def test_the_engines_tokenizer_refuses_what_is_not_token_ids_naming_it(tiny_engine, token_ids, message):
     from runtime import RequestError
