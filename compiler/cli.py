@@ -28,8 +28,8 @@ from compiler.cli_serve import add_serve_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.cli_sampling import add_sampling_options, sampling_options
 from compiler.console import ReaderAwareConsole, console, error, message, print_table, warning
-from compiler.errors import (UsageError, check_output_file, nonnegative_int, positive_float, text_argument, thread_count,
-                             user_path)
+from compiler.errors import (UsageError, check_output_file, nonnegative_int, positive_float, positive_int, text_argument,
+                             thread_count, user_path)
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 INSPECT_SUMMARY_CHARACTERS = 240  # a pass's summary in `aotlm inspect`'s table; --json prints the whole report
@@ -600,10 +600,10 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=thread_count, default=None, help="intra-op threads for every backend (default and 0: every CPU this process may use)")
     bench.add_argument("--batching", action="append", choices=("continuous", "static"), default=None,
                        help="the scheduler's batching (default: continuous); repeat to serve with both and compare")
-    bench.add_argument("--slots", type=int, default=None,
+    bench.add_argument("--slots", type=positive_int, default=None,
                        help="KV-cache slots = sequences decoded together (default: --concurrency for "
                             "--arrival concurrency, else 8)")
-    bench.add_argument("--prefill-chunk", type=int, default=None,
+    bench.add_argument("--prefill-chunk", type=positive_int, default=None,
                        help="prefill at most this many prompt tokens per step while others decode (default: whole)")
     bench.add_argument("--shared-prefix", type=int, default=None, metavar="N",
                        help="every prompt begins with the same N tokens, as a system prompt (default 0)")

@@ -15,7 +15,8 @@ import time
 from rich.markup import escape
 
 from compiler.console import console, message, warning
-from compiler.errors import UsageError, nonnegative_int, positive_float, text_argument, thread_count, user_path
+from compiler.errors import (UsageError, nonnegative_int, number, positive_float, positive_int, text_argument,
+                             thread_count, user_path)
 
 
 def keep_alive_seconds(text: str) -> float:
@@ -45,17 +46,9 @@ def web_origin(text: str) -> str:
 
 def seconds(text: str) -> float:
     """An argparse type: a finite number of seconds >= 0."""
-    value = float(text)
+    value = number(text)
     if not 0 <= value < float("inf"):
-        raise ValueError(text)
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of seconds, 0 or more")
     return value
 
 

@@ -93,11 +93,36 @@ def user_path(text: str) -> str:
     return os.path.expanduser(text)
 
 
+def whole_number(text: str) -> int:
+    """int(text), or argparse's error in words: a ValueError made argparse print the type function's own name
+    ("invalid nonnegative_int value: 'abc'")."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def number(text: str) -> float:
+    """float(text), or argparse's error in words (as whole_number)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
 def nonnegative_int(text: str) -> int:
     """An argparse type: an integer >= 0."""
-    value = int(text)
+    value = whole_number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = whole_number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
     return value
 
 
@@ -117,7 +142,7 @@ def thread_count(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
-    value = float(text)
+    value = number(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
     return value

@@ -281,6 +281,8 @@ class Engine:
                 and all(isinstance(phase, str) for phase in spin_after_run)):
             raise RequestError(f"spin_after_run must be True, False or a list of phases (\"prefill\", \"decode\"), "
                                f"got {spin_after_run!r}")
+        if isinstance(artifact_dir, str) and not artifact_dir.strip():
+            read_manifest(artifact_dir)  # its refusal: an empty path is no folder (Path("") would read ".")
         folder = Path(artifact_dir)
         # A build replaces an artifact by renaming a new folder over it: one that did so while this load read the
         # manifest and opened the files had given an engine of two builds (its manifest one's, its graphs the

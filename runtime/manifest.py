@@ -120,6 +120,9 @@ def _builder(manifest: dict) -> str:
 
 def read_manifest(artifact_dir: str | Path) -> dict:
     """Load manifest.json and check its format and version; raises ArtifactError."""
+    if isinstance(artifact_dir, str) and not artifact_dir.strip():  # Path("") is ".": "./ has no manifest" misled
+        raise ArtifactError("the artifact path is empty (an unset variable?); give the artifact's folder, e.g. "
+                            "artifacts/<name>")
     folder = Path(artifact_dir)
     path = folder / MANIFEST_FILE
     if not folder.is_absolute():
@@ -134,6 +137,10 @@ def read_manifest(artifact_dir: str | Path) -> dict:
         raise ArtifactError(f"{folder}: a file, not an artifact folder; {fix}")
     if not folder.is_dir():
         building = _build_in_progress(folder) if folder.name else None  # a glob: on the refusals' paths only
+        built = Path("artifacts") / folder  # a recipe's name, as `aotlm build NAME` takes one: its artifact is there
+        if building is None and not folder.is_absolute() and (built / MANIFEST_FILE).is_file():
+            raise ArtifactError(f"{folder}: no such folder here; did you mean {built}? (`aotlm build` writes "
+                                f"artifacts/<name>)")
         raise ArtifactError(building or f"{folder}: not an artifact folder (no such directory); build one with "
                                         f"`aotlm build RECIPE`")
     try:

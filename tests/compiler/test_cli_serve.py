@@ -130,9 +130,14 @@ def test_serve_takes_ports_0_to_65535_and_finite_shutdown_timeouts_from_0(capsys
     assert [cli_serve.seconds(text) for text in ("0", "2.5")] == [0.0, 2.5]
     for flag, value, said in (("--port", "65536", "65536 is not a TCP port; give 1 to 65535, or 0 for any free one"),
                               ("--port", "-1", "-1 is negative; give 0 or more"),
-                              ("--shutdown-timeout", "-1", "invalid seconds value: '-1'"),
-                              ("--shutdown-timeout", "inf", "invalid seconds value: 'inf'"),
-                              ("--shutdown-timeout", "nan", "invalid seconds value: 'nan'")):
+                              ("--shutdown-timeout", "-1", "-1 must be a finite number of seconds, 0 or more"),
+                              ("--shutdown-timeout", "inf", "inf must be a finite number of seconds, 0 or more"),
+                              ("--shutdown-timeout", "nan", "nan must be a finite number of seconds, 0 or more"),
+                              # argparse had printed the type function's name: "invalid port_number value: 'x'"
+                              ("--port", "x", "'x' is not a whole number"),
+                              ("--slots", "x", "'x' is not a whole number"),
+                              ("--keep-alive-timeout", "x", "'x' is not a number"),
+                              ("--threads", "x", "'x' is not a whole number")):
         with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error
             main(["serve", "artifact", flag, value])
         assert exit_info.value.code == 2 and f"argument {flag}: {said}" in capsys.readouterr().err

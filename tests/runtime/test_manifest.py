@@ -546,3 +546,14 @@ def test_a_build_killed_between_its_renames_names_the_whole_previous_artifact(ar
                                             r"it, and the previous artifact is whole at .*\.copy\.old-99-abcd/copy: "
                                             r"move it back \(mv "):
         Engine.load(artifact_copy)
+
+
+def test_an_artifacts_name_given_for_its_folder_is_pointed_to_it(tiny_artifact, tmp_path, monkeypatch):
+    """`aotlm build NAME` takes a recipe's name; `aotlm run NAME` said to build it, though artifacts/NAME was built."""
+    (tmp_path / "artifacts").mkdir()
+    shutil.copytree(tiny_artifact, tmp_path / "artifacts" / "tiny-random")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ArtifactError, match=r"^tiny-random: no such folder here; did you mean artifacts/tiny-random\?"):
+        Engine.load("tiny-random")
+    with pytest.raises(ArtifactError, match=r"^the artifact path is empty \(an unset variable\?\)"):
+        Engine.load("")  # it read "." and said ./ had no manifest
