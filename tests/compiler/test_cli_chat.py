@@ -280,3 +280,12 @@ def test_an_ascii_locale_without_utf8_mode_reads_and_writes_what_it_can(tiny_art
     done = subprocess.run([sys.executable, "-m", "compiler.cli", "inspect", str(named)], capture_output=True,
                           env=environment, timeout=120)
     assert done.returncode == 0 and b"tiny-random" in done.stdout, done.stderr.decode(errors="replace")[-2000:]
+
+
+def test_a_system_message_that_leaves_no_room_for_any_message_is_refused(chat_artifact, monkeypatch, capsys):
+    """Every message was refused as too long ("send a shorter one"), which no message could be."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nyo\n"))
+    assert main(["chat", str(chat_artifact[0]), "--system", "word " * 200]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"error: --system: with it, the prompt takes \d+ tokens before any message, which leaves no room "
+                     r"for a message and a reply \(64 tokens\) in the 128-token context; shorten it", err), err
