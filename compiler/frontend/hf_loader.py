@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 
 import torch
 
@@ -248,7 +249,8 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
         raise BuildError(f"{origin}: rope scaling {rope_type!r} is not supported; the decoder takes plain RoPE, "
                          f"Llama 3.1's 'llama3' scaling, and 'dynamic' (plain RoPE within max_position_embeddings).")
     def size(key: str, default=None) -> int:  # a missing required key: the KeyError below names it
-        value = hf[key] if default is None else hf.get(key) or default
+        # the default only for a key absent or null: a 0 (head_dim, max_position_embeddings) had quietly become it
+        value = hf[key] if default is None else default if hf.get(key) is None else hf[key]
         if not isinstance(value, int) or isinstance(value, bool):  # 64.5 was cut to 64, "64" read as 64
             raise BuildError(f"{origin}: {key} {json.dumps(value)} must be an integer")
         return value
@@ -268,7 +270,7 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
                               else NUM_KV_HEADS_DEFAULT.get(model_type, heads)),
             head_dim=head_dim,
             rope_theta=theta,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # 1e-6: transformers' default for all three
+            rms_norm_eps=_number(hf, "rms_norm_eps", 1e-6, origin),  # 1e-6: transformers' default for all three
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=size("max_position_embeddings", MAX_POSITIONS_DEFAULT[model_type]),
             attention_bias=ATTENTION_BIAS_DEFAULT[model_type],
@@ -283,8 +285,26 @@ def decoder_config_from_hf(hf: dict, generation: dict, origin: str) -> DecoderCo
         )
     except KeyError as error:
         raise BuildError(f"{origin}: required key {error.args[0]!r} is missing.")
-    except (TypeError, ValueError) as error:
-        raise BuildError(f"{origin}: invalid model config: {error}")
+    except (TypeError, ValueError) as error:  # DecoderConfig's checks, in config.json's names
+        said = str(error)
+        for ours, theirs in CONFIG_JSON_NAMES.items():
+            said = re.sub(rf"\b{ours}\b", theirs, said)
+        raise BuildError(f"{origin}: invalid model config: {said}")
+
+
+# DecoderConfig's field names, as a Hugging Face config.json spells them (a refusal names the key the user can see)
+CONFIG_JSON_NAMES = {"num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+                     "num_layers": "num_hidden_layers"}
+
+
+def _number(hf: dict, key: str, default: float, origin: str) -> float:
+    """A float setting of config.json: its default when absent or null, else a number (not a string or a bool)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BuildError(f"{origin}: {key} {json.dumps(value)} must be a number")
+    return float(value)
 
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -1641,3 +1641,18 @@ def test_building_the_decoder_draws_nothing_from_torchs_generator_and_copies_no_
     assert parameters[name].data_ptr() == state_dict[name].data_ptr()  # the state dict's own tensor
     assert {tensor.dtype for tensor in parameters.values()} == {torch.float32}  # float16 ones converted
     assert decoder.inv_freq.device.type == "cpu" and not any(p.is_meta for p in parameters.values())
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("num_key_value_heads", 3, r"invalid model config: num_attention_heads \(4\) must be a multiple of "
+                               r"num_key_value_heads \(3\)$"),  # was said in DecoderConfig's names
+    ("num_hidden_layers", 0, r"invalid model config: num_hidden_layers: 0 must be >= 1$"),
+    ("head_dim", 0, r"invalid model config: head_dim: 0 must be >= 1$"),  # a 0 had quietly become the default
+    ("max_position_embeddings", 0, r"invalid model config: max_position_embeddings: 0 must be >= 1$"),
+    ("rms_norm_eps", "abc", r'rms_norm_eps "abc" must be a number$'),  # "could not convert string to float"
+])
+def test_a_config_json_problem_is_said_in_its_own_names(tmp_path, key, value, message):
+    original = random_model(TINY, seed=1)
+    write_hf_folder(tmp_path / "m", TINY, original.state_dict, **{key: value})
+    with pytest.raises(BuildError, match=rf"config.json: {message}"):
+        load_hf_folder(str(tmp_path / "m"))
