@@ -520,7 +520,9 @@ def time_phase(engine, phase: str, sizes: Sequence[int], prompt_ids: list[int], 
     extra = 0 if phase == "prefill" else warmup + steps
     for size in sizes:
         if size < 1 or size + extra > limit or size > len(prompt_ids):
-            raise BenchError(f"{phase} size {size} (+{extra} steps) does not fit this artifact's max context ({limit})")
+            also = f" with --steps ({steps}) + {warmup} warm-up steps after it" if extra else ""
+            raise BenchError(f"{phase} at {size} tokens{also} does not fit this artifact's max context ({limit}); "
+                             f"give sizes up to {limit - extra}" + (", or fewer --steps" if extra else ""))
     for flag, value in (("--batch", batch), ("--runs", runs), ("--steps", steps)):
         if value < 1:
             raise BenchError(f"{flag} must be >= 1, got {value}")

@@ -118,8 +118,10 @@ class SamplingParams:
         if len(stops) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARACTERS for stop in stops):
             # each is looked for after every token, on the thread that steps every request: 900,000 of them made
             # each step of the whole batch take 0.9 s (OpenAI's API takes 4)
-            raise RequestError(f"stop_strings: {len(stops):,} of up to {max(map(len, stops)):,} characters; give at "
-                               f"most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARACTERS} characters each")
+            count, longest = len(stops), max(map(len, stops))
+            raise RequestError(f"stop_strings: {count:,} string{'s' * (count != 1)}, the longest {longest:,} "
+                               f"character{'s' * (longest != 1)}; give at most {MAX_STOP_STRINGS}, each at most "
+                               f"{MAX_STOP_CHARACTERS:,} characters")
         for stop in stops:  # bytes that were not UTF-8 (argv, a pipe): decoded text never holds them, so never stops
             check_unicode(stop, f"stop string {stop!r}")
         object.__setattr__(self, "stop_strings", tuple(stops))

@@ -44,8 +44,9 @@ def engine(tiny_engine):
     (dict(sampling_params=None),
      "'sampling_params': did you mean params \\(a SamplingParams, vLLM's sampling_params\\)"),
     # each is looked for after every token, on the thread that steps the whole batch (900,000: 0.9 s a step)
-    (dict(stop_strings=["x"] * 65), "stop_strings: 65 of up to 1 characters; give at most 64 of at most 1000"),
-    (dict(stop_strings=["x" * 1001]), "stop_strings: 1 of up to 1,001 characters; give at most 64"),
+    (dict(stop_strings=["x"] * 65), "stop_strings: 65 strings, the longest 1 character; give at most 64, each at "
+                                    "most 1,000 characters"),
+    (dict(stop_strings=["x" * 1001]), "stop_strings: 1 string, the longest 1,001 characters; give at most 64"),
     (dict(do_sample=True), "'do_sample': there is no do_sample: temperature 0 \\(the default\\) is greedy"),
     (dict(frobnicate=1), "'frobnicate': not an option; the options are"),
 ])
