@@ -43,7 +43,13 @@ def _evaluation_tokens(args, artifacts: list[_ArtifactInfo]) -> list[int]:
     if args.max_tokens < 2:
         raise EvaluationError(f"--max-tokens must be >= 2 (one token of context, one scored), got {args.max_tokens}")
     if source.startswith("builtin:"):
-        text = builtin_text(source.removeprefix("builtin:"))
+        from runtime.evaluate import BUILTIN_TEXTS
+
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_TEXTS:  # spelled as --text takes them (the function's own names lack the prefix)
+            raise EvaluationError(f"--text {source}: unknown built-in text; give "
+                                  f"{' or '.join('builtin:' + known for known in BUILTIN_TEXTS)}")
+        text = builtin_text(name)
     else:
         try:
             text = read_text_file(source)  # CRLF scored as written; no byte-order mark

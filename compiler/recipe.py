@@ -435,6 +435,10 @@ def _with_calibration_path(index: int, spec, base_dir: str | os.PathLike | None)
                        "must not be empty (pydoc for the built-in text, or a UTF-8 text file's path)")
     if not text or text == "pydoc":
         return spec
+    if text.startswith("builtin:"):  # `aotlm eval --text`'s spelling: read as a file path "builtin:pydoc"
+        raise _Invalid(f"passes[{index}].{spec.name}.calibration.text",
+                       f"{text!r}: a recipe names the built-in text 'pydoc' (its first 90% calibrates; `aotlm eval "
+                       f"--text builtin:pydoc-held-out` scores the rest)")
     resolved = _resolve(text, base_dir, f"passes[{index}].{spec.name}.calibration.text")
     options = dataclasses.replace(spec.options, calibration=dataclasses.replace(calibration, text=resolved))
     return dataclasses.replace(spec, options=options)

@@ -160,6 +160,16 @@ def test_the_builtin_calibration_text_is_not_resolved_as_a_file(tmp_path, monkey
     assert load_recipe(f).passes[0].options.calibration.text == "pydoc"  # not {tmp_path}/pydoc, which does not exist
 
 
+def test_eval_s_spelling_of_the_builtin_text_in_a_recipe_is_pointed_to_the_recipe_s(tmp_path, monkeypatch):
+    """calibration.text: builtin:pydoc was read as a file path ("/x/builtin:pydoc: no such file")."""
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "r.yaml"
+    f.write_text("name: x\nmodel: {source: gguf}\npasses:\n  - quantize: {calibration: {text: 'builtin:pydoc'}}\n")
+    with pytest.raises(RecipeError, match=r"passes\[0\].quantize.calibration.text.*'builtin:pydoc': a recipe names the "
+                                          r"built-in text 'pydoc'"):
+        load_recipe(f)
+
+
 def test_relative_model_path(tmp_path, monkeypatch):
     recipe_dir, cwd = tmp_path / "recipes", tmp_path / "cwd"
     recipe_dir.mkdir(), cwd.mkdir()

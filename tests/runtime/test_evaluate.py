@@ -302,7 +302,8 @@ def one_line_error(capsys) -> str:
 
 @pytest.mark.parametrize("args, message", [
     (["--text", "missing.txt"], "--text missing.txt: no such file"),
-    (["--text", "builtin:nope"], "unknown built-in text 'nope'"),
+    (["--text", "builtin:nope"], "--text builtin:nope: unknown built-in text; give builtin:pydoc-held-out or "
+                                 "builtin:pydoc-calibration"),
     (["--window", "1"], "error: --window 1: window must be >= 2"),  # not a default stride 1 the user never gave
     (["--window", "16", "--stride", "0"], "stride must be between 1 and the window (16)"),
     (["--window", "16", "--stride", "17"], "stride must be between 1 and the window (16)"),
