@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -85,6 +86,7 @@ class ApiError(Exception):
     """A request the API refuses: its HTTP status and OpenAI's error body."""
 
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None):
+        message = _in_json_words(message)
         if len(message) > MAX_ERROR_MESSAGE:  # a 15 MB value quoted back made a 30 MB answer and a 30 MB log line
             message = f"{message[:MAX_ERROR_MESSAGE]}... ({len(message):,} characters in all)"
         if param is not None and len(param) > MAX_HINTED_NAME:
@@ -342,6 +344,18 @@ def _api_error(error: RequestError, chat: bool, default: str | None = None,
     if ":" in message and field != message.split(":", 1)[0]:
         message = field + ":" + message.split(":", 1)[1]
     return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else default)
+
+
+JSON_WORDS = {"True": "true", "False": "false", "None": "null"}
+
+
+def _in_json_words(message: str) -> str:
+    """The engine's message in the words of the client's JSON: its Python spellings of true, false and null ("logprobs:
+    True must be ...", "must be True or False", "ignore_eos=True") read as another language to an HTTP client."""
+    message = re.sub(r"\b(True|False) or (True|False)\b", lambda m: f"{JSON_WORDS[m[1]]} or {JSON_WORDS[m[2]]}",
+                     message)
+    message = re.sub(r"^(\w+): (True|False|None)\b", lambda m: f"{m[1]}: {JSON_WORDS[m[2]]}", message)
+    return re.sub(r"\b(\w+)=(True|False)\b", lambda m: f"{m[1]}: {JSON_WORDS[m[2]]}", message)
 
 
 def _checked(call, param: str | None, which: str = ""):

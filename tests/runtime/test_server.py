@@ -1730,3 +1730,13 @@ def test_a_finished_stream_whose_last_bytes_fail_is_not_logged_as_cancelled(tiny
     assert any(" 200: " in line for line in lines), lines
     assert not any("cancelled" in line for line in lines), lines
     assert any("before the response's last bytes went out" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"logprobs": True}, "logprobs: true must be an integer in 0..20"),  # Python's True, to a JSON client
+    ({"ignore_eos": "false"}, "must be true or false"),
+])
+def test_errors_spell_json_values_as_json_does(served, fields, said):
+    status, _, body = post(served, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **fields})
+    assert status == 400 and said in body["error"]["message"], body
+    assert "True" not in body["error"]["message"] and "False" not in body["error"]["message"]
