@@ -324,6 +324,8 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
     try:  # what submit would refuse (stop ids or logit_bias outside the vocabulary...), before any choice runs
         engine._check_request(prompt_ids, params)
     except RequestError as error:
+        if str(error).startswith("the prompt ") and prompt_name != "the prompt":  # which of a list of prompts
+            error = RequestError(f"{prompt_name}: {error}")
         raise _api_error(error, chat, default="messages" if chat else "prompt", max_name=max_name) from None
     return params
 

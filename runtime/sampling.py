@@ -123,7 +123,7 @@ class SamplingParams:
                                f"character{'s' * (longest != 1)}; give at most {MAX_STOP_STRINGS}, each at most "
                                f"{MAX_STOP_CHARACTERS:,} characters")
         for stop in stops:  # bytes that were not UTF-8 (argv, a pipe): decoded text never holds them, so never stops
-            check_unicode(stop, f"stop string {stop!r}")
+            check_unicode(stop, f"stop_strings: {stop!r}")  # its field first: the API names it (stop)
         object.__setattr__(self, "stop_strings", tuple(stops))
         if not isinstance(self.ignore_eos, (bool, np.bool_)):  # a string such as "false" would read as True
             raise RequestError(f"ignore_eos: {self.ignore_eos!r} must be True or False")

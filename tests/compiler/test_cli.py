@@ -358,7 +358,7 @@ def test_a_stop_string_that_is_not_utf8_is_refused_as_a_prompt_is(capsys, tiny_a
     """`--stop $'\\xff'` (argv read with surrogateescape) was taken and never matched: decoded text holds no lone
     surrogate, and the same bytes in --prompt or --chat are refused."""
     status, output = run_cli(capsys, "run", tiny_artifact, "--prompt", "hi", "--stop", "ok\udcff")
-    assert status == 2 and "stop string 'ok\\udcff' is not valid Unicode at character 2" in output, output
+    assert status == 2 and "error: --stop: 'ok\\udcff' is not valid Unicode at character 2" in output, output
 
 
 @pytest.mark.parametrize("width", [40, 80])

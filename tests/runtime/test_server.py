@@ -1740,3 +1740,10 @@ def test_errors_spell_json_values_as_json_does(served, fields, said):
     status, _, body = post(served, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **fields})
     assert status == 400 and said in body["error"]["message"], body
     assert "True" not in body["error"]["message"] and "False" not in body["error"]["message"]
+
+
+def test_a_refusal_about_one_of_several_prompts_names_it(served):
+    status, _, body = post(served, "/v1/completions", {"prompt": ["hi", ""], "max_tokens": 2})
+    assert status == 400 and body["error"]["message"].startswith("prompt[1]: the prompt is empty"), body
+    status, _, body = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["\ud800"]})
+    assert status == 400 and body["error"]["param"] == "stop", body  # it was null
