@@ -147,10 +147,15 @@ def check_messages(messages) -> None:
                            "{'role': ..., 'content': ...} dicts): for several, submit each one's chat_prompt_ids")
     for index, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
-                not isinstance(content, (str, list)):  # a list: flat_messages checked its parts
+        if not isinstance(message, dict):
             raise RequestError(f"messages[{index}] must be a dict with a string 'role' and a 'content' that is a "
                                f"string or a list of text parts, got {message!r}")
+        if not isinstance(message.get("role"), str):
+            said = "missing" if message.get("role") is None else f"{message['role']!r}, not a string"
+            raise RequestError(f"messages[{index}]['role']: {said}; give the speaker's role (system, user, assistant)")
+        if not isinstance(content, (str, list)):  # a list: flat_messages checked its parts; None: missing or null
+            said = "missing or null" if content is None else f"{content!r}"
+            raise RequestError(f"messages[{index}]['content']: {said}; give a string or a list of text parts")
         check_unicode(message["role"], f"messages[{index}]['role']")  # each its own position, not the prompt's
         for part, text in enumerate([content] if isinstance(content, str) else [p["text"] for p in content]):
             check_unicode(text, f"messages[{index}]['content']" + (f"[{part}]['text']" if isinstance(content, list)

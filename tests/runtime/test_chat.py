@@ -41,9 +41,13 @@ def test_rendering_equals_transformers_apply_chat_template(template, smollm2_tem
 
 
 @pytest.mark.parametrize("messages, match", [
-    ([], "non-empty list"), ("hello", "non-empty list"), ([{"role": "user"}], r"messages\[0\] must be a dict"),
-    ([{"role": "user", "content": 3}], r"messages\[0\]"), ([{"role": "tool", "content": "x"}], "unknown role tool"),
-    ([{"role": 3, "content": "x"}], r"messages\[0\] must be a dict with a string 'role'"),
+    ([], "non-empty list"), ("hello", "non-empty list"),
+    ([{"role": "user"}], r"messages\[0\]\['content'\]: missing or null; give a string or a list of text parts$"),
+    ([{"role": "user", "content": None}], r"messages\[0\]\['content'\]: missing or null"),  # it said got {'role': 'user'}
+    ([{"role": "user", "content": 3}], r"messages\[0\]\['content'\]: 3; give a string"),
+    ([{"role": "tool", "content": "x"}], "unknown role tool"),
+    ([{"role": 3, "content": "x"}], r"messages\[0\]\['role'\]: 3, not a string; give the speaker's role"),
+    (["hi"], r"messages\[0\] must be a dict with a string 'role'"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      r"messages\[0\]\.content: only text parts \(\{type: text, text: \.\.\.\}\) are supported$"),
     ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "only text parts"),
