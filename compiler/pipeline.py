@@ -189,8 +189,9 @@ def _run_pass(index: int, entries: list, options: list, phase: str, model: onnx.
     started = time.perf_counter()
     try:
         new_model, report = entry.run(model, options[index])
-    except PassError as error:
-        raise BuildError(f"pass '{spec.name}' ({phase}): {error}") from None
+    except PassError as error:  # said as the recipe's other errors are: its position, the pass, then the problem
+        said = str(error).removeprefix(f"{spec.name}: ")  # a pass that names itself: once
+        raise BuildError(f"passes[{numbered[0] + index}] ({spec.name}, {phase} graph): {said}") from None
     seconds = time.perf_counter() - started
     if session_config(model) and not session_config(new_model):
         # Most passes rebuild the model through onnx-graphsurgeon, which drops metadata: the session

@@ -564,3 +564,15 @@ def test_objects_from_before_are_frozen_while_the_passes_run_and_thawed_after(mo
     finally:
         gc.unfreeze()
     assert seen and all(count > 0 for count in seen)
+
+
+def test_a_pass_that_refuses_its_graph_is_named_by_its_place_in_the_recipe(monkeypatch):
+    """It read "pass 'quantize' (decode): quantize: ...": the pass named twice, and not where the recipe lists it."""
+    def refuses(model, options):
+        raise PassError("refuses: no MatMul of that shape")
+
+    register(monkeypatch, "refuses", refuses)
+    with pytest.raises(BuildError, match=r"^passes\[1\] \(refuses, prefill graph\): no MatMul of that shape$"):
+        run_pipeline(phases(), [Spec("cleanup"), Spec("refuses")])
+    with pytest.raises(BuildError, match=r"^passes\[4\] \(refuses, prefill graph\)"):  # a later pipeline's place
+        run_pipeline(phases(), [Spec("refuses")], numbered=(4, 6))
