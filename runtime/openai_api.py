@@ -316,6 +316,9 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
     try:
         params = SamplingParams(**options)
     except RequestError as error:
+        if str(error).startswith("min_new_tokens:") and max_name not in fields:  # a limit the client never set
+            error = RequestError(f"{error} (no {max_name} was given: the default is what the context leaves after "
+                                 f"the prompt's {len(prompt_ids)} tokens)")
         raise _api_error(error, chat, max_name=max_name) from None
     if params.max_new_tokens > room:
         raise ApiError(f"{max_name}: {prompt_name} has {len(prompt_ids)} tokens and this model's context is "

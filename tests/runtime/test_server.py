@@ -1747,3 +1747,10 @@ def test_a_refusal_about_one_of_several_prompts_names_it(served):
     assert status == 400 and body["error"]["message"].startswith("prompt[1]: the prompt is empty"), body
     status, _, body = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["\ud800"]})
     assert status == 400 and body["error"]["param"] == "stop", body  # it was null
+
+
+def test_min_tokens_past_the_default_max_tokens_says_where_that_limit_comes_from(served):
+    """It named "the most new tokens asked for (2018)", a number the client never sent."""
+    status, _, body = post(served, "/v1/completions", {"prompt": "hi", "min_tokens": 3000})
+    message = body["error"]["message"]
+    assert status == 400 and message.startswith("min_tokens: 3000") and "no max_tokens was given" in message, body
