@@ -2,6 +2,7 @@
 (each of these was a traceback, or a refusal after the measurement), and what a run reports of itself."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -141,3 +142,16 @@ def test_a_stream_as_a_scripts_out_is_refused_before_the_work(capsys, tiny_artif
     with pytest.raises(SystemExit) as exited:
         chunked_prefill.main(["--artifact", str(tiny_artifact), "--out", out])
     assert exited.value.code == 2 and f"--out {out}: give a file path" in capsys.readouterr().err
+
+
+def test_the_scripts_import_their_own_checkout_first(tmp_path):
+    """arguments.py imported compiler and runtime before any script put its checkout on the path: a second checkout
+    sharing the virtualenv measured whichever checkout the editable install names."""
+    import subprocess
+
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "__init__.py").write_text("raise ImportError('another checkout')\n")
+    done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); "
+                           f"import arguments, runtime; print(runtime.__file__)"], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == str(REPO / "runtime" / "__init__.py"), done.stderr

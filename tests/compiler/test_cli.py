@@ -361,6 +361,21 @@ def test_a_stop_string_that_is_not_utf8_is_refused_as_a_prompt_is(capsys, tiny_a
     assert status == 2 and "error: --stop: 'ok\\udcff' is not valid Unicode at character 2" in output, output
 
 
+# A static-batching run's summary (session 50's, benchmarks/results/, which a clone does not have), rounded
+SATURATED_SUMMARY = json.loads(
+    '{"requests": 128, "failed": 0, "duration_s": 94.106, "prompt_tokens": 16384, "output_tokens": 17356,'
+    ' "cached_prompt_tokens": 0, "requests_per_s": 1.36, "output_tokens_per_s": 184.43, '
+    '"total_tokens_per_s": 358.532, "queued_share": 0.937, "ttft_ms": {"count": 128, "mean": 30440.843, '
+    '"median": 31615.238, "p90": 55037.719, "p95": 56007.506, "p99": 63781.302, "max": 64322.809}, '
+    '"tpot_ms": {"count": 128, "mean": 37.381, "median": 38.812, "p90": 41.707, "p95": 41.979, "p99": '
+    '41.999, "max": 42.075}, "itl_ms": {"count": 17228, "mean": 36.73, "median": 39.07, "p90": 42.33, '
+    '"p95": 43.371, "p99": 45.954, "max": 52.928}, "e2e_ms": {"count": 128, "mean": 35384.442, "median": '
+    '36706.814, "p90": 59973.619, "p95": 64183.715, "p99": 68117.544, "max": 68818.975}, "queue_ms": '
+    '{"count": 128, "mean": 28351.511, "median": 29399.124, "p90": 52878.104, "p95": 53848.062, "p99": '
+    '63060.19, "max": 63601.774}, "prefill_ms": {"count": 128, "mean": 2088.942, "median": 2222.886, '
+    '"p90": 2275.175, "p95": 2275.175, "p99": 2275.175, "max": 2275.175}}')
+
+
 @pytest.mark.parametrize("width", [40, 80])
 def test_a_result_table_cuts_no_number_or_name_however_narrow_the_console(width):
     """rich's default overflow cut cells with "…": bench's comparison read "│ aot… │ 0.… │ 6.… │" at 80 columns, an
@@ -372,11 +387,9 @@ def test_a_result_table_cuts_no_number_or_name_however_narrow_the_console(width)
     from compiler.console import ReaderAwareConsole, print_table
     from runtime.metrics import format_table
 
-    recorded = json.loads((REPO / "benchmarks" / "results" / "batching-session50-poisson.json").read_text())
     buffer = io.StringIO()
     out = ReaderAwareConsole(file=buffer, width=width)
-    for entry in recorded["backends"].values():  # E2E and TTFT of 10 s and more, as bench prints them
-        print_table(format_table(entry["summary"]), out)
+    print_table(format_table(SATURATED_SUMMARY), out)  # E2E and TTFT of 10 s and more, as bench prints them
     names = Table(title="artifacts")
     for column in ("", "artifact", "perplexity"):
         names.add_column(column)
@@ -402,3 +415,25 @@ def test_forced_colour_into_a_log_animates_nothing(tmp_path, environment, intera
                                capture_output=False, stdout=subprocess.PIPE, text=True, check=True,
                                env={**os.environ, **environment}).stdout.split()
     assert shown == [interactive, "True"]  # colours kept (a terminal to rich), animation only where asked
+
+
+def test_inspect_on_a_narrow_console_keeps_its_order(capsys, tiny_artifact, monkeypatch):
+    """A table wider than the console was printed through a console of its own, past inspect's capture: its tables
+    came before its header, and an error after them left them printed (inspect prints all or nothing)."""
+    monkeypatch.setenv("COLUMNS", "40")
+    status, output = run_cli(capsys, "inspect", tiny_artifact)
+    assert status == 0 and output.index("tiny-random  format") < output.index("engines") < output.index("passes")
+
+
+def test_bench_writes_no_plots_beside_a_stream(capsys, tiny_artifact, tmp_path, monkeypatch):
+    """--out - left --cdf.png and --timeline.png in the working folder (and --phase's --steps.png)."""
+    import compiler.plan
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(compiler.plan, "cpu_device", lambda: {"fp32": 1e11, "bandwidth": 1e10, "name": "fake"})
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--requests", "2", "--prompt-tokens", "8",
+                             "--output-tokens", "2", "--warmup", "0", "--out", "-")
+    assert status == 0 and '"backends"' in output
+    status, output = run_cli(capsys, "bench", tiny_artifact, "--phase", "decode", "--contexts", "16", "--steps", "2",
+                             "--out", "-")
+    assert status == 0 and '"rows"' in output and list(tmp_path.iterdir()) == []

@@ -270,7 +270,7 @@ def test_an_ascii_locale_without_utf8_mode_reads_and_writes_what_it_can(tiny_art
     environment = {**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C", "LANG": "C"}
     environment.pop("PYTHONIOENCODING", None)
     done = subprocess.run([sys.executable, "-m", "compiler.cli", "run", str(tiny_artifact), "--prompt", "灯塔 café",
-                           "--max-new-tokens", "24", "--temperature", "1", "--seed", "3"],
+                           "--max-new-tokens", "24", "--temperature", "1", "--seed", "3", "--stop", "灯塔"],
                           capture_output=True, env=environment, timeout=120)
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
     assert done.stdout.startswith(b"?? caf?") and b"Traceback" not in done.stderr

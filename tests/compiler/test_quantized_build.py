@@ -219,3 +219,20 @@ def test_awq_before_fuse_attention_fuses_every_layer(tiny_recipe, tmp_path, lowe
                     str(layer.get("awq") or "")]
             assert kept, "no o_proj kept a Mul of input scales: the case this test is for did not arise"
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-4)
+
+
+def test_the_accuracy_report_opens_only_decode_engines(tiny_recipe, tmp_path, monkeypatch):
+    """It opened the artifact's prefill too, which it never runs, whose session holds the quantized weights as float
+    (a dequantize_weights build): SmolLM2's INT4 build peaked 1 GB higher."""
+    import compiler.accuracy
+
+    opened = []
+    backend = compiler.accuracy.OnnxRuntimeBackend
+
+    def recording(folder, manifest, *args, **kwargs):
+        opened.append(sorted(manifest["engines"]))
+        return backend(folder, manifest, *args, **kwargs)
+
+    monkeypatch.setattr(compiler.accuracy, "OnnxRuntimeBackend", recording)
+    build(quantized_recipe(tiny_recipe, name="tiny-report"), tmp_path)
+    assert opened == [["decode"], ["decode"]]  # the float reference's and the artifact's

@@ -168,7 +168,7 @@ def test_a_broken_layer_is_reported_and_can_fail_the_build(decoder_graphs):
     class Spec:
         name, options = "fuse_attention", fuse_attention.Options(required=True)
 
-    with pytest.raises(BuildError, match=r"pass 'fuse_attention' \(decode\): fusion required .* layers.1"):
+    with pytest.raises(BuildError, match=r"passes\[0\] \(fuse_attention, decode graph\): fusion required .* layers.1"):
         run_pipeline({"decode": broken}, [Spec()])
 
 

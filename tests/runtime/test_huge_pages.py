@@ -351,3 +351,22 @@ def test_the_lines_after_a_path_in_other_bytes_are_read_too(monkeypatch):
     assert huge_pages.private_anonymous_mappings(0) == [(0x7f0000000000, 0x7f0000400000),
                                                         (0x7f0000600000, 0x7f0000a00000)]
     assert huge_pages.huge_bytes_in(0x7f0000600000, 0x7f0000a00000) == 4096 * 1024
+
+
+def test_the_batch_one_cache_is_advised_as_one_span(monkeypatch):
+    """Each of the default model's 60 buffers is 1.5 MiB: advised one by one, none held a whole 2 MiB page and the
+    advice did nothing."""
+    from types import SimpleNamespace
+
+    from runtime import onnxruntime_backend
+
+    mib = 2**20
+    starts = [100 * mib, 103 * mib, 101 * mib + 512 * 1024]  # 1.5 MiB each, in no order
+    cache = SimpleNamespace(buffers=[SimpleNamespace(data_ptr=lambda start=start: start) for start in starts],
+                            nbytes=3 * 3 * mib // 2)
+    advised = []
+    monkeypatch.setattr(onnxruntime_backend, "advise_range", lambda address, size: advised.append((address, size)))
+    backend = SimpleNamespace(cache=cache, huge_pages=False)
+    backend._advise_cache = lambda: onnxruntime_backend.OnnxRuntimeBackend._advise_cache(backend)
+    onnxruntime_backend.OnnxRuntimeBackend.use_huge_pages(backend)  # the methods, on a stand-in backend
+    assert backend.huge_pages is True and advised == [(100 * mib, 103 * mib + 3 * mib // 2 - 100 * mib)]
