@@ -26,17 +26,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import onnxruntime as ort
-from rich.console import Console
-from rich.table import Table
-from compiler.console import print_table
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # before onnxruntime loads (aotlm's packages do it later)
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 from arguments import output_file, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, RESULTS, write_result  # benchmarks/ is on the path when run as a script

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import onnxruntime as ort
-from onnx import TensorProto, helper
-from rich.console import Console
-from rich.table import Table
-from compiler.console import print_table
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # before onnxruntime loads (aotlm's packages do it later)
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from compiler.console import print_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))

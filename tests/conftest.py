@@ -1,7 +1,10 @@
 """Shared fixtures: the tiny random-init recipe built once per test session, and its torch reference."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,9 +25,19 @@ if "TRITON_INTERPRET" not in os.environ and not _has_cuda_gpu():
     os.environ["TRITON_INTERPRET"] = "1"
 
 # rich reads COLUMNS (and LINES) even when writing to a pipe, once, when a console is made: a narrow COLUMNS in the
-# caller's environment wrapped the tables and messages the tests read (TTFT ms split over two lines at 45 columns)
-for _variable in ("COLUMNS", "LINES"):
+# caller's environment wrapped the tables and messages the tests read (TTFT ms split over two lines at 45 columns).
+# FORCE_COLOR and its kin put colour codes inside the messages the tests read (53 tests failed under FORCE_COLOR=1),
+# and a developer's AOTLM_API_KEY made the servers the tests start refuse their requests (401).
+for _variable in ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_INTERACTIVE", "TTY_COMPATIBLE", "CLICOLOR_FORCE",
+                  "AOTLM_API_KEY"):
     os.environ.pop(_variable, None)
+# Nothing written to the developer's home: onnxruntime's telemetry (aotlm's packages turn it off, but a test file may
+# import onnxruntime first), matplotlib's font cache, Triton's compiled kernels (23 MB from one test).
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+_SCRATCH = tempfile.mkdtemp(prefix="aotlm-tests-home-")
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(_SCRATCH, "matplotlib"))
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_SCRATCH, "triton"))
+atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = REPO / "recipes" / "tiny-random.yaml"
