@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import json
+import os
 import sys
 import tempfile
 import time
@@ -39,10 +39,10 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from compiler.console import print_table  # noqa: E402
 
-from arguments import output_file, thread_count, usable_cpus  # noqa: E402
+from arguments import output_file, thread_count, usable_cpus  # noqa: E402  (puts this checkout first on the path)
 from generate import REPO, RESULTS, write_result  # benchmarks/ is on the path when run as a script
+from compiler.console import print_table  # noqa: E402  (after arguments: this checkout's)
 
 WARMUP_STEPS = 10
 ELEMENT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}

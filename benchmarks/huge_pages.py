@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from compiler.console import print_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import artifact_manifest, count_list, output_file, thread_count, usable_cpus  # noqa: E402
 from generate import REPO, machine_info, paired_median, prompt_token_ids, versions, write_result  # noqa: E402
+
+from compiler.console import print_table  # noqa: E402  (after arguments: this checkout's)
 
 WARMUP_STEPS = 4
 ARMS = ("4 KiB", "huge")

@@ -29,11 +29,11 @@ import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from compiler.console import print_table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import output_file, thread_count  # noqa: E402
+from compiler.console import print_table  # noqa: E402  (after the path insert: this checkout's)
 
 HEADS, KV_HEADS, HEAD_DIM, CACHE = 9, 3, 64, 2048
 RESULTS = Path(__file__).resolve().parent / "results"

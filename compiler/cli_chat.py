@@ -75,7 +75,7 @@ def chat_command(args) -> None:
     if system:  # every message was refused as too long, where the system message left room for none
         least = len(engine.chat_prompt_ids(system + [{"role": "user", "content": ""}]))
         room = min(args.max_new_tokens, engine.max_context // 2)
-        if least + room > engine.max_context:
+        if least + room >= engine.max_context:  # least has an empty message: any real one adds a token
             engine.close()
             raise UsageError(f"--system: with it, the prompt takes {least} tokens before any message, which leaves "
                              f"no room for a message and a reply ({room} tokens) in the {engine.max_context}-token "
@@ -103,9 +103,9 @@ def chat_command(args) -> None:
             prompt = _fitting_prompt(engine, system, turns, args.max_new_tokens)
             if prompt is None:
                 turns.pop()
-                with_system = " with the system message" if system else ""
-                message(f"[yellow]that message alone does not fit the context ({engine.max_context} tokens) "
-                        f"with room for a reply{with_system}; send a shorter one[/yellow]")
+                with_system = " with the system message and" if system else " with"
+                message(f"[yellow]that message alone does not fit the context ({engine.max_context} tokens)"
+                        f"{with_system} room for a reply; send a shorter one[/yellow]")
                 continue
             generation = engine.stream(prompt, sampling, arrival=received)
             try:

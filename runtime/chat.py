@@ -130,8 +130,8 @@ def flat_messages(messages, separator: str | None = "\n"):
             parts = message["content"]
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in parts):
-                raise RequestError(f"messages[{position}].content: only text parts ({{type: text, text: ...}}) are "
-                                   f"supported")
+                raise RequestError(f"messages[{position}]['content']: only text parts ({{type: text, text: ...}}) "
+                                   f"are supported")
             texts = [part["text"] for part in parts]
             message = {**message, "content": [{"type": "text", "text": text} for text in texts]
                        if separator is None else separator.join(texts)}
@@ -150,8 +150,8 @@ def check_messages(messages) -> None:
         if not isinstance(message, dict):
             raise RequestError(f"messages[{index}] must be a dict with a string 'role' and a 'content' that is a "
                                f"string or a list of text parts, got {message!r}")
-        if not isinstance(message.get("role"), str):
-            said = "missing" if message.get("role") is None else f"{message['role']!r}, not a string"
+        if not isinstance(message.get("role"), str):  # flat_messages dropped a null: said as missing or null
+            said = "missing or null" if message.get("role") is None else f"{message['role']!r}, not a string"
             raise RequestError(f"messages[{index}]['role']: {said}; give the speaker's role (system, user, assistant)")
         if not isinstance(content, (str, list)):  # a list: flat_messages checked its parts; None: missing or null
             said = "missing or null" if content is None else f"{content!r}"

@@ -86,7 +86,6 @@ class ApiError(Exception):
     """A request the API refuses: its HTTP status and OpenAI's error body."""
 
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None):
-        message = _in_json_words(message)
         if len(message) > MAX_ERROR_MESSAGE:  # a 15 MB value quoted back made a 30 MB answer and a 30 MB log line
             message = f"{message[:MAX_ERROR_MESSAGE]}... ({len(message):,} characters in all)"
         if param is not None and len(param) > MAX_HINTED_NAME:
@@ -133,7 +132,7 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     stream = flag(fields, "stream")
     options = fields.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - STREAM_OPTIONS):
-        raise ApiError(f"stream_options: {options!r} must be an object with include_usage (and include_obfuscation)",
+        raise ApiError(f"stream_options: {_json(options)} must be an object with include_usage (and include_obfuscation)",
                        param="stream_options")
     if options is not None and not stream:
         raise ApiError("stream_options: only with stream: true", param="stream_options")
@@ -146,7 +145,7 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
     echo = flag(fields, "echo")
     echo_only = echo and not chat and is_integer(fields.get("max_tokens")) and fields["max_tokens"] == 0
     if echo_only and fields.get("min_tokens", 0) != 0:  # said here: below it reads max_tokens as the 1 run to score
-        raise ApiError(f"min_tokens: {fields['min_tokens']!r} with echo and max_tokens 0, which generate nothing; "
+        raise ApiError(f"min_tokens: {_json(fields['min_tokens'])} with echo and max_tokens 0, which generate nothing; "
                        f"leave min_tokens out", param="min_tokens")
     if echo_only:
         fields = {**fields, "max_tokens": 1}
@@ -158,7 +157,7 @@ def parse(engine, body: dict, *, chat: bool, model_name: str) -> ParsedRequest:
         prompts, texts = _completion_prompts(engine, fields)
     n = fields.get("n", 1)
     if not is_integer(n) or not 1 <= n <= MAX_CHOICES // len(prompts):
-        raise ApiError(f"n: {n!r} must be an integer in 1..{MAX_CHOICES // len(prompts)} (at most {MAX_CHOICES} "
+        raise ApiError(f"n: {_json(n)} must be an integer in 1..{MAX_CHOICES // len(prompts)} (at most {MAX_CHOICES} "
                        f"choices per request)", param="n")
     choices = []
     for prompt_index, prompt_ids in enumerate(prompts):
@@ -186,7 +185,7 @@ def request_fields(body, known: set[str], model_name: str, refused: dict[str, st
             raise ApiError(f"unrecognized request field {name!r}{hint}", param=name)
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(f"model: {model!r} must be a string (the name /v1/models lists)", param="model")
+        raise ApiError(f"model: {_json(model)} must be a string (the name /v1/models lists)", param="model")
     if model is not None and model != model_name:
         raise unknown_model(model, model_name)
     return fields
@@ -229,7 +228,7 @@ def flag(fields: dict, name: str, shown: str | None = None, default: bool = Fals
     if value is None:  # absent, or null (a nested object's nulls are still in it)
         return default
     if not isinstance(value, bool):
-        raise ApiError(f"{shown or name}: {value!r} must be true or false", param=shown or name)
+        raise ApiError(f"{shown or name}: {_json(value)} must be true or false", param=shown or name)
     return value
 
 
@@ -257,7 +256,7 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
         raise ApiError("messages: required, a non-empty list of {role, content} objects", param="messages")
     fmt = fields.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(f"response_format: {fmt!r}: only {{'type': 'text'}} is supported by this server",
+        raise ApiError(f"response_format: {_json(fmt)}: only {{\"type\": \"text\"}} is supported by this server",
                        param="response_format")
     add_generation_prompt = flag(fields, "add_generation_prompt", default=True)
     # content given as OpenAI's text parts: the chat template's renderer passes or joins them (runtime/chat.py)
@@ -267,7 +266,7 @@ def _chat_prompt(engine, fields: dict) -> list[int]:
 def _completion_logprobs(fields: dict) -> int | None:
     value = fields.get("logprobs")
     if value is not None and (not is_integer(value) or not 0 <= value <= MAX_LOGPROBS):
-        raise ApiError(f"logprobs: {value!r} must be an integer in 0..{MAX_LOGPROBS}", param="logprobs")
+        raise ApiError(f"logprobs: {_json(value)} must be an integer in 0..{MAX_LOGPROBS}", param="logprobs")
     return value
 
 
@@ -275,7 +274,7 @@ def _chat_logprobs(fields: dict) -> int | None:
     wanted = flag(fields, "logprobs")
     top = fields.get("top_logprobs")
     if top is not None and (not is_integer(top) or not 0 <= top <= MAX_LOGPROBS):
-        raise ApiError(f"top_logprobs: {top!r} must be an integer in 0..{MAX_LOGPROBS}", param="top_logprobs")
+        raise ApiError(f"top_logprobs: {_json(top)} must be an integer in 0..{MAX_LOGPROBS}", param="top_logprobs")
     if top is not None and not wanted:
         raise ApiError("top_logprobs: only with logprobs: true", param="top_logprobs")
     return (top or 0) if wanted else None
@@ -316,9 +315,11 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
     try:
         params = SamplingParams(**options)
     except RequestError as error:
-        if str(error).startswith("min_new_tokens:") and max_name not in fields:  # a limit the client never set
-            error = RequestError(f"{error} (no {max_name} was given: the default is what the context leaves after "
-                                 f"the prompt's {len(prompt_ids)} tokens)")
+        asked = options.get("min_new_tokens")
+        if max_name not in fields and is_integer(asked) and asked > max_tokens:  # past a limit the client never set
+            default = (f"what the context leaves after the prompt's {len(prompt_ids)} tokens" if chat else
+                       f"OpenAI's {COMPLETION_MAX_TOKENS}, or what the context leaves when less")
+            error = RequestError(f"{error} (no {max_name} was given: its default here is {max_tokens}, {default})")
         raise _api_error(error, chat, max_name=max_name) from None
     if params.max_new_tokens > room:
         raise ApiError(f"{max_name}: {prompt_name} has {len(prompt_ids)} tokens and this model's context is "
@@ -348,19 +349,27 @@ def _api_error(error: RequestError, chat: bool, default: str | None = None,
     field = max_name if field == "max_new_tokens" else ENGINE_NAMES.get(field, field)
     if ":" in message and field != message.split(":", 1)[0]:
         message = field + ":" + message.split(":", 1)[1]
-    return ApiError(message, param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else default)
+    return ApiError(_in_json_words(message), param=field if field in COMPLETION_FIELDS | CHAT_FIELDS else default)
+
+
+def _json(value) -> str:
+    """A value of the request as its JSON spells it (true, null, {"type": ...}), not as Python's repr does."""
+    try:
+        return json.dumps(value)[:200]
+    except (TypeError, ValueError):
+        return repr(value)[:200]
 
 
 JSON_WORDS = {"True": "true", "False": "false", "None": "null"}
 
 
 def _in_json_words(message: str) -> str:
-    """The engine's message in the words of the client's JSON: its Python spellings of true, false and null ("logprobs:
-    True must be ...", "must be True or False", "ignore_eos=True") read as another language to an HTTP client."""
-    message = re.sub(r"\b(True|False) or (True|False)\b", lambda m: f"{JSON_WORDS[m[1]]} or {JSON_WORDS[m[2]]}",
-                     message)
-    message = re.sub(r"^(\w+): (True|False|None)\b", lambda m: f"{m[1]}: {JSON_WORDS[m[2]]}", message)
-    return re.sub(r"\b(\w+)=(True|False)\b", lambda m: f"{m[1]}: {JSON_WORDS[m[2]]}", message)
+    """An engine message in the words of the client's JSON: the engine's own phrases ("must be True or False",
+    "ignore_eos=True") and a bare value right after the field ("logprobs: True must be ...", a JSON boolean the
+    engine printed as Python); never the text of a quoted value (a model name "x=True" stays as sent)."""
+    message = message.replace(" must be True or False", " must be true or false")
+    message = message.replace("ignore_eos=True", "ignore_eos: true")
+    return re.sub(r"^([\w\[\]']+): (True|False|None)\b", lambda m: f"{m[1]}: {JSON_WORDS[m[2]]}", message)
 
 
 def _checked(call, param: str | None, which: str = ""):
@@ -368,7 +377,7 @@ def _checked(call, param: str | None, which: str = ""):
     try:
         return call()
     except RequestError as error:
-        raise ApiError(f"{which}{error}", param=param) from None
+        raise ApiError(f"{which}{_in_json_words(str(error))}", param=param) from None
 
 
 # -- responses -----------------------------------------------------------------------------------------------------

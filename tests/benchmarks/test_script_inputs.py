@@ -144,14 +144,21 @@ def test_a_stream_as_a_scripts_out_is_refused_before_the_work(capsys, tiny_artif
     assert exited.value.code == 2 and f"--out {out}: give a file path" in capsys.readouterr().err
 
 
-def test_the_scripts_import_their_own_checkout_first(tmp_path):
-    """arguments.py imported compiler and runtime before any script put its checkout on the path: a second checkout
-    sharing the virtualenv measured whichever checkout the editable install names."""
+@pytest.mark.parametrize("script", ["arguments", "decode_profile", "kv_cache_attention", "huge_pages"])
+def test_the_scripts_import_their_own_checkout_first(tmp_path, script):
+    """arguments.py imported compiler and runtime before any script put its checkout on the path (a second checkout
+    sharing the virtualenv measured whichever checkout the editable install names), and three scripts imported
+    compiler.console before arguments: one checkout's compiler with another's runtime."""
     import subprocess
 
-    (tmp_path / "runtime").mkdir()
-    (tmp_path / "runtime" / "__init__.py").write_text("raise ImportError('another checkout')\n")
-    done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); "
-                           f"import arguments, runtime; print(runtime.__file__)"], cwd=tmp_path, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=60)
-    assert done.returncode == 0 and done.stdout.strip() == str(REPO / "runtime" / "__init__.py"), done.stderr
+    for package in ("runtime", "compiler"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("raise ImportError('another checkout')\n")
+    run = (f"import runpy, sys; sys.argv = [{script!r}, '--help']; sys.path.insert(0, {str(REPO / 'benchmarks')!r})\n"
+           f"try:\n    runpy.run_path({str(REPO / 'benchmarks' / (script + '.py'))!r}, run_name='__main__')\n"
+           f"except SystemExit:\n    pass\n"
+           f"import compiler, runtime; print(compiler.__file__, runtime.__file__)")
+    done = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == [str(REPO / "compiler" / "__init__.py"), str(REPO / "runtime" / "__init__.py")]

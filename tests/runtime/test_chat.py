@@ -47,9 +47,10 @@ def test_rendering_equals_transformers_apply_chat_template(template, smollm2_tem
     ([{"role": "user", "content": 3}], r"messages\[0\]\['content'\]: 3; give a string"),
     ([{"role": "tool", "content": "x"}], "unknown role tool"),
     ([{"role": 3, "content": "x"}], r"messages\[0\]\['role'\]: 3, not a string; give the speaker's role"),
+    ([{"role": None, "content": "x"}], r"messages\[0\]\['role'\]: missing or null"),
     (["hi"], r"messages\[0\] must be a dict with a string 'role'"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-     r"messages\[0\]\.content: only text parts \(\{type: text, text: \.\.\.\}\) are supported$"),
+     r"messages\[0\]\['content'\]: only text parts \(\{type: text, text: \.\.\.\}\) are supported$"),
     ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "only text parts"),
 ])
 def test_bad_messages_are_request_errors(messages, match):

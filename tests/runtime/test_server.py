@@ -670,7 +670,7 @@ def test_chat_on_a_model_without_a_template_says_so(served):
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_obfuscation": True}}, 400,
      "stream_options.include_obfuscation", "this server does not pad its chunks; send false or leave it out"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
-        "type": "json_object"}}, 400, "response_format", "only {'type': 'text'} is supported"),
+        "type": "json_object"}}, 400, "response_format", 'only {"type": "text"} is supported'),
     ("/v1/completions", {"prompt": ["a", "b"], "n": 65}, 400, "n", "n: 65 must be an integer in 1..64"),  # per prompt
     ("/v1/completions", {"prompt": ["x"] * 129}, 400, "prompt", "prompt: 129 prompts, at most 128"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "logprobs: 21 must be an integer in 0..20"),
@@ -1735,11 +1735,22 @@ def test_a_finished_stream_whose_last_bytes_fail_is_not_logged_as_cancelled(tiny
 @pytest.mark.parametrize("fields, said", [
     ({"logprobs": True}, "logprobs: true must be an integer in 0..20"),  # Python's True, to a JSON client
     ({"ignore_eos": "false"}, "must be true or false"),
+    ({"stream_options": {"include_usag": True}}, 'stream_options: {"include_usag": true} must be an object'),
 ])
 def test_errors_spell_json_values_as_json_does(served, fields, said):
     status, _, body = post(served, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **fields})
     assert status == 400 and said in body["error"]["message"], body
     assert "True" not in body["error"]["message"] and "False" not in body["error"]["message"]
+
+
+@pytest.mark.parametrize("fields, quoted", [
+    ({"model": "x=True"}, "'x=True'"), ({"Debug=True": 1}, "'Debug=True'"),
+    ({"logit_bias": {"x=True": 1}}, "'x=True'"),
+])
+def test_the_clients_own_text_is_quoted_as_sent(served, fields, quoted):
+    """The rewrite of Python's True had reached quoted values: model 'x=True' came back as 'x: true'."""
+    status, _, body = post(served, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **fields})
+    assert status in (400, 404) and quoted in body["error"]["message"], body
 
 
 def test_a_refusal_about_one_of_several_prompts_names_it(served):
@@ -1750,7 +1761,10 @@ def test_a_refusal_about_one_of_several_prompts_names_it(served):
 
 
 def test_min_tokens_past_the_default_max_tokens_says_where_that_limit_comes_from(served):
-    """It named "the most new tokens asked for (2018)", a number the client never sent."""
+    """It named "the most new tokens asked for (16)", a number the client never sent."""
     status, _, body = post(served, "/v1/completions", {"prompt": "hi", "min_tokens": 3000})
     message = body["error"]["message"]
-    assert status == 400 and message.startswith("min_tokens: 3000") and "no max_tokens was given" in message, body
+    assert status == 400 and message.startswith("min_tokens: 3000") and message.endswith(
+        "(no max_tokens was given: its default here is 16, OpenAI's 16, or what the context leaves when less)"), body
+    status, _, body = post(served, "/v1/completions", {"prompt": "hi", "min_tokens": -1})
+    assert status == 400 and "no max_tokens was given" not in body["error"]["message"], body  # not about the limit
