@@ -427,7 +427,8 @@ class Engine:
         started = time.perf_counter()
         received = received_at(arrival, started)
         prompt_ids = self.chat_prompt_ids(messages, add_generation_prompt)
-        return self._stream(prompt_ids, sampling_params(params, sampling), received, started).wait()
+        with self._stream(prompt_ids, sampling_params(params, sampling), received, started) as generation:
+            return generation.wait()  # closed on the way out: see generate
 
     # -- requests ---------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None,
@@ -463,7 +464,11 @@ class Engine:
                 for handle in handles:
                     handle.cancel()
                 raise
-        return self.stream(prompt, params, arrival=arrival, **sampling).wait()
+        # Closed on the way out: a Ctrl-C between two pieces (outside the generator) left this stream, which no name
+        # holds, owning the batch-1 cache for as long as the REPL's traceback kept it alive ("this thread is still
+        # iterating another stream" at every later generate until a garbage collection)
+        with self.stream(prompt, params, arrival=arrival, **sampling) as generation:
+            return generation.wait()
 
     def start_scheduler(self, **options) -> "Scheduler":
         """(Re)start the scheduler that `submit` uses: slots, batching ("continuous" or "static"), max_queue,

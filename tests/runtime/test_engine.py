@@ -403,3 +403,30 @@ def test_a_server_frees_the_single_stream_cache_and_a_later_generate_makes_it_ag
         assert engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids == expected
         assert engine.backend.cache is not None and engine.backend.cache.batch == 1
         assert engine.generate(prompt, max_new_tokens=6, ignore_eos=True).timings.cached_prompt_tokens > 0
+
+
+@pytest.mark.parametrize("after", [1, 3])
+def test_a_ctrl_c_between_two_pieces_of_generate_leaves_the_engine_usable(tiny_engine, monkeypatch, after):
+    """An interrupt outside the stream's generator (at Generation.__next__'s entry, or wait's loop) left the stream,
+    which nothing names, holding the batch-1 cache while the REPL kept its traceback: every later generate was
+    refused with "this thread is still iterating another stream"."""
+    import sys
+
+    from runtime.engine import Generation
+
+    calls, interrupted = [0], []
+    next_piece = Generation.__next__
+
+    def interrupting(self):
+        calls[0] += 1
+        if calls[0] == after:
+            raise KeyboardInterrupt
+        return next_piece(self)
+
+    monkeypatch.setattr(Generation, "__next__", interrupting)
+    try:
+        tiny_engine.generate([1, 5, 9], max_new_tokens=8, ignore_eos=True)
+    except KeyboardInterrupt:
+        interrupted.append(sys.exc_info()[2])  # kept, as a notebook keeps the last traceback
+    monkeypatch.setattr(Generation, "__next__", next_piece)
+    assert interrupted and len(tiny_engine.generate([1, 5, 9], max_new_tokens=3, ignore_eos=True).token_ids) == 3
