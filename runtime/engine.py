@@ -183,6 +183,11 @@ class Generation:
             pass
         return self.result
 
+    def __repr__(self) -> str:
+        state = ("done" if self.result is not None else "failed" if self._error is not None else
+                 "closed" if self._closed else "open")
+        return f"<Generation {state}>"
+
 
 LOAD_RETRIES_AFTER_SWAP = 2  # Engine.load starts over this many times when a build replaced the folder meanwhile
 
@@ -208,6 +213,12 @@ class Engine:
     huge_pages (Engine.load's report on putting the weights on 2 MiB pages, None when not asked), prefix_caching
     (as Engine.load was given it), scheduler (the running Scheduler, or None).
     """
+
+    def __repr__(self) -> str:
+        scheduler = self._scheduler
+        running = "no scheduler" if scheduler is None or scheduler.closed else f"scheduler of {scheduler.slots} slots"
+        return (f"<Engine {self.manifest.get('name')!r} ({self.manifest['backend']['name']}, max context "
+                f"{self.max_context}, {running})>")
 
     def __init__(self, artifact_dir: Path, manifest: dict, backend, tokenizer: TextTokenizer):
         self.artifact_dir = artifact_dir

@@ -238,6 +238,16 @@ class RequestHandle:
         return (f"request {self.id} has not finished after {timeout} s; wait longer (result(timeout=None) waits "
                 f"until it ends), or cancel() it")
 
+    def __repr__(self) -> str:
+        """As concurrent.futures' Future shows its state (a notebook shows this)."""
+        if not self.done():
+            state = "pending"
+        elif self._future.exception() is not None:
+            state = "failed"
+        else:
+            state = f"finished ({self._future.result().finish_reason})"
+        return f"<RequestHandle {self.id} {state}>"
+
     def done(self) -> bool:
         return self._future.done()
 

@@ -9,7 +9,7 @@ import os
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import RequestError
@@ -183,6 +183,13 @@ class Timings:
             "prefill_tokens_per_s": self.prefill_tokens_per_s, "cached_prompt_tokens": self.cached_prompt_tokens,
         }
 
+    def __repr__(self) -> str:
+        """The summary's figures (a notebook shows this): the dataclass's own repr listed the trace's raw clock
+        readings, one per token, and none of the documented fields."""
+        shown = ", ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"
+                          for key, value in self.summary().items())
+        return f"Timings({shown})"
+
 
 @dataclass
 class GenerationResult:
@@ -198,11 +205,11 @@ class GenerationResult:
     timings: Timings | None  # None only for a request cancelled before its first token
     # With the logprobs sampling option: one {token id: log-probability} per token of token_ids (itself first,
     # then the likeliest alternatives); None without it.
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, float]] | None = field(default=None, repr=False)  # (a repr of thousands of entries)
     # The stop token (an end-of-sequence token or one of stop_token_ids) that ended the request: sampled and counted
     # in the timings' output tokens, but not part of token_ids or the text; None if none did. With logprobs, its
     # entry (an API reports the token's log-probability as vLLM does).
     stop_token_id: int | None = None
     stop_token_logprobs: dict[int, float] | None = None
     # With the prompt_logprobs sampling option: per prompt token, its entry as in logprobs (None for the first).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)

@@ -52,3 +52,24 @@ def test_the_classes_a_user_meets_first_say_what_they_are(cls):
 def test_start_scheduler_names_every_option_it_takes():
     options = [name for name in inspect.signature(Scheduler.checked_slots).parameters if name != "engine"]
     assert all(name in Engine.start_scheduler.__doc__ for name in options), options
+
+
+def test_what_a_notebook_shows_is_short_and_says_the_state(tiny_artifact):
+    """Timings' repr listed a clock reading per token and none of its documented fields; a result's repr held every
+    logprobs entry (36,326 characters for one SmolLM2 request); engines, handles and streams said nothing."""
+    engine = Engine.load(tiny_artifact)
+    try:
+        assert repr(engine) == "<Engine 'tiny-random' (onnxruntime, max context 128, no scheduler)>"
+        result = engine.generate([1, 5, 9], max_new_tokens=30, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+        shown = repr(result)
+        assert "ttft_ms=" in shown and "logprobs=[" not in shown and len(shown) < 1500, shown
+        assert repr(result.timings).startswith("Timings(prompt_tokens=3, output_tokens=30, ttft_ms=")
+        handle = engine.submit([1, 5, 9], max_new_tokens=2, ignore_eos=True)
+        handle.result(timeout=30)
+        assert repr(handle) == f"<RequestHandle {handle.id} finished (length)>"
+        stream = engine.stream([1, 5], max_new_tokens=2)
+        assert repr(stream) == "<Generation open>"
+        stream.wait()
+        assert repr(stream) == "<Generation done>"
+    finally:
+        engine.close()
