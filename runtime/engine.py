@@ -214,11 +214,12 @@ class Engine:
     (as Engine.load was given it), scheduler (the running Scheduler, or None).
     """
 
-    def __repr__(self) -> str:
-        scheduler = self._scheduler
+    def __repr__(self) -> str:  # getattr: a debugger shows an engine whose __init__ failed part way too
+        scheduler = getattr(self, "_scheduler", None)
         running = "no scheduler" if scheduler is None or scheduler.closed else f"scheduler of {scheduler.slots} slots"
-        return (f"<Engine {self.manifest.get('name')!r} ({self.manifest['backend']['name']}, max context "
-                f"{self.max_context}, {running})>")
+        manifest = getattr(self, "manifest", None) or {}
+        return (f"<Engine {manifest.get('name')!r} ({(manifest.get('backend') or {}).get('name')}, max context "
+                f"{getattr(self, 'max_context', None)}, {running})>")
 
     def __init__(self, artifact_dir: Path, manifest: dict, backend, tokenizer: TextTokenizer):
         self.artifact_dir = artifact_dir

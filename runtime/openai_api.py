@@ -316,7 +316,8 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         params = SamplingParams(**options)
     except RequestError as error:
         asked = options.get("min_new_tokens")
-        if max_name not in fields and is_integer(asked) and asked > max_tokens:  # past a limit the client never set
+        if str(error).startswith("min_new_tokens:") and max_name not in fields and is_integer(asked) and \
+                asked > max_tokens:  # past a limit the client never set
             default = (f"what the context leaves after the prompt's {len(prompt_ids)} tokens" if chat else
                        f"OpenAI's {COMPLETION_MAX_TOKENS}, or what the context leaves when less")
             error = RequestError(f"{error} (no {max_name} was given: its default here is {max_tokens}, {default})")
@@ -353,11 +354,13 @@ def _api_error(error: RequestError, chat: bool, default: str | None = None,
 
 
 def _json(value) -> str:
-    """A value of the request as its JSON spells it (true, null, {"type": ...}), not as Python's repr does."""
+    """A value of the request as its JSON spells it (true, null, {"type": ...}), not as Python's repr does; a long one
+    cut, and said to be."""
     try:
-        return json.dumps(value)[:200]
+        text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
-        return repr(value)[:200]
+        text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text):,} characters)"
 
 
 JSON_WORDS = {"True": "true", "False": "false", "None": "null"}

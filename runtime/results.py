@@ -186,9 +186,10 @@ class Timings:
     def __repr__(self) -> str:
         """The summary's figures (a notebook shows this): the dataclass's own repr listed the trace's raw clock
         readings, one per token, and none of the documented fields."""
+        figures = {**self.summary(), "tokenize_ms": 1e3 * self.tokenize_s}
         shown = ", ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"
-                          for key, value in self.summary().items())
-        return f"Timings({shown})"
+                          for key, value in figures.items())
+        return f"<Timings {shown}>"  # not a constructor's call: a Timings is made from its trace
 
 
 @dataclass

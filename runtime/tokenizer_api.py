@@ -11,7 +11,7 @@ Bodies are checked as runtime/openai_api.py checks the API's: ApiError names the
 from __future__ import annotations
 
 from runtime.errors import RequestError
-from runtime.openai_api import ApiError, flag, request_fields
+from runtime.openai_api import ApiError, _in_json_words, flag, request_fields
 from runtime.sampling import is_integer
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
@@ -42,7 +42,7 @@ def tokenize(engine, body, model_name: str) -> dict:
                                param="add_special_tokens")
             ids = engine.chat_prompt_ids(fields["messages"], generation_prompt)
     except RequestError as error:
-        raise ApiError(str(error), param="messages" if "messages" in fields else "prompt") from None
+        raise ApiError(_in_json_words(str(error)), param="messages" if "messages" in fields else "prompt") from None
     answer = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": None}
     if flag(fields, "return_token_strs"):
         answer["token_strs"] = [engine.tokenizer.tokenizer.id_to_token(token) for token in ids]

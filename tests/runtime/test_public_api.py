@@ -63,7 +63,8 @@ def test_what_a_notebook_shows_is_short_and_says_the_state(tiny_artifact):
         result = engine.generate([1, 5, 9], max_new_tokens=30, ignore_eos=True, logprobs=5, prompt_logprobs=5)
         shown = repr(result)
         assert "ttft_ms=" in shown and "logprobs=[" not in shown and len(shown) < 1500, shown
-        assert repr(result.timings).startswith("Timings(prompt_tokens=3, output_tokens=30, ttft_ms=")
+        assert repr(result.timings).startswith("<Timings prompt_tokens=3, output_tokens=30, ttft_ms=")
+        assert "tokenize_ms=" in repr(result.timings)
         handle = engine.submit([1, 5, 9], max_new_tokens=2, ignore_eos=True)
         handle.result(timeout=30)
         assert repr(handle) == f"<RequestHandle {handle.id} finished (length)>"
@@ -73,3 +74,9 @@ def test_what_a_notebook_shows_is_short_and_says_the_state(tiny_artifact):
         assert repr(stream) == "<Generation done>"
     finally:
         engine.close()
+
+
+def test_a_half_built_engine_can_still_be_shown():
+    """A debugger (pdb, pytest --showlocals) shows the locals of an Engine whose __init__ raised: repr raised too."""
+    engine = Engine.__new__(Engine)
+    assert repr(engine) == "<Engine None (None, max context None, no scheduler)>"

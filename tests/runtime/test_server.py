@@ -1768,3 +1768,7 @@ def test_min_tokens_past_the_default_max_tokens_says_where_that_limit_comes_from
         "(no max_tokens was given: its default here is 16, OpenAI's 16, or what the context leaves when less)"), body
     status, _, body = post(served, "/v1/completions", {"prompt": "hi", "min_tokens": -1})
     assert status == 400 and "no max_tokens was given" not in body["error"]["message"], body  # not about the limit
+    status, _, body = post(served, "/v1/completions", {"prompt": "hi", "min_tokens": 3000, "temperature": -1})
+    assert status == 400 and "no max_tokens was given" not in body["error"]["message"], body  # another field's
+    status, _, body = post(served, "/v1/completions", {"prompt": "hi", "n": [1] * 100})
+    assert body["error"]["message"].startswith("n: [1, 1") and "(300 characters)" in body["error"]["message"], body
