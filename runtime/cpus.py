@@ -95,8 +95,8 @@ def _ratio(quota: int, period: int) -> float | None:
 
 def cgroup_memory_left(membership: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> int | None:
     """Bytes this process's cgroup and its ancestors let it allocate before the OOM killer acts: the smallest limit
-    less what is charged now, the reclaimable page cache (inactive files) not counted as charged, as Kubernetes'
-    working set leaves it out; v2 (memory.max) or v1 (memory.limit_in_bytes). None where no limit is set or read."""
+    less what is charged now, the page cache the kernel reclaims first (file pages not mapped) not counted as
+    charged; v2 (memory.max) or v1 (memory.limit_in_bytes). None where no limit is set or read."""
     try:
         lines = membership.read_text().splitlines()
     except OSError:
@@ -105,19 +105,24 @@ def cgroup_memory_left(membership: Path = Path("/proc/self/cgroup"), root: Path 
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if controllers == "":
-            left += [_memory_left(folder, "memory.max", "memory.current", "inactive_file")
+            left += [_memory_left(folder, "memory.max", "memory.current", V2_FILE_PAGES)
                      for folder in _folders(root, path)]
         elif "memory" in controllers.split(","):
-            left += [_memory_left(folder, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            left += [_memory_left(folder, "memory.limit_in_bytes", "memory.usage_in_bytes", V1_FILE_PAGES)
                      for folder in _folders(root / "memory", path)]
     found = [bytes_ for bytes_ in left if bytes_ is not None]
     return min(found) if found else None
 
 
 V1_NO_LIMIT = 1 << 62  # v1 writes its "no limit" as a page-rounded 2^63 - 1
+# memory.stat's page-cache keys: (inactive, active, mapped) file pages. Both file LRU lists are reclaimed before the
+# OOM killer acts (counting the inactive list alone refused 8 slots that ran, after a copy of the artifact had
+# filled the active one); pages mapped into a process stay charged.
+V1_FILE_PAGES = ("total_inactive_file", "total_active_file", "total_mapped_file")
+V2_FILE_PAGES = ("inactive_file", "active_file", "file_mapped")
 
 
-def _memory_left(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+def _memory_left(folder: Path, limit_file: str, usage_file: str, file_keys: tuple[str, str, str]) -> int | None:
     try:
         limit_text = (folder / limit_file).read_text().strip()
         if limit_text == "max" or int(limit_text) >= V1_NO_LIMIT:
@@ -125,12 +130,14 @@ def _memory_left(folder: Path, limit_file: str, usage_file: str, inactive_key: s
         limit, usage = int(limit_text), int((folder / usage_file).read_text())
     except (OSError, ValueError):
         return None
-    inactive = 0
+    stat = {}
     try:
         for line in (folder / "memory.stat").read_text().splitlines():
             key, _, value = line.partition(" ")
-            if key == inactive_key:
-                inactive = int(value)
+            if key in file_keys:
+                stat[key] = int(value)
     except (OSError, ValueError):
         pass
-    return max(0, limit - max(0, usage - inactive))
+    inactive, active, mapped = (stat.get(key, 0) for key in file_keys)
+    reclaimable = max(0, inactive + active - mapped)
+    return max(0, limit - max(0, usage - reclaimable))

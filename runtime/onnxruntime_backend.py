@@ -405,10 +405,16 @@ def check_slot_memory(slots: int, bytes_per_slot: int, what: str = "slots", recl
     fail at once with the largest count that fits, not after filling the machine (or with onnxruntime's bad_alloc).
     `what`: the setting, for the message."""
     available = available_memory_bytes()
-    available = None if available is None else available + reclaimable
+    available = None if available is None else available + reclaimable - WORKING_MEMORY_BYTES
     slots, bytes_per_slot = int(slots), int(bytes_per_slot)  # Python's: a numpy product wraps
     if available is not None and slots * bytes_per_slot > available:
-        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, available, int8_cache))
+        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, max(0, available), int8_cache))
+
+
+# What onnxruntime takes beyond the caches once requests run (its arena keeps what a run took): a review in a 1.5 GiB
+# memory cgroup measured ~300 MiB kept after four 1800-token SmolLM2 prompts, and 65 MiB for one; the four slots the
+# check had allowed, with 18 MiB to spare, were ended by the OOM killer. The check keeps this much free.
+WORKING_MEMORY_BYTES = 384 << 20
 
 
 def slot_memory_message(slots: int, bytes_per_slot: int, what: str, available: int | None,
@@ -416,10 +422,17 @@ def slot_memory_message(slots: int, bytes_per_slot: int, what: str, available: i
     """What check_slot_memory and allocate_checked say: the setting, the bytes it needs, and what fits if known
     (int8_cache: the artifact's cache is int8 already, so that is no advice)."""
     needed = slots * bytes_per_slot
-    if available is not None and available < needed:
-        fits = f"this process can allocate {_binary_size(available)} now; use at most {available // bytes_per_slot}"
+    room = f"{_binary_size(WORKING_MEMORY_BYTES)} for onnxruntime's own work"
+    if available is not None and available < bytes_per_slot:
+        fits = (f"this process can allocate {_binary_size(available)} now beside {room}, not one sequence's cache: raise "
+                f"its memory limit")
+    elif available is not None and available < needed:
+        fits = (f"this process can allocate {_binary_size(available)} now beside {room}; use at most "
+                f"{available // bytes_per_slot}")
     else:  # the allocation failed under a limit this process cannot read
         fits = "allocating them ran out of memory; use fewer"
+    if what == "batch":  # the single-stream cache, which Engine.load allocates (batch 1)
+        what = "the batch-1 cache Engine.load allocates" if slots == 1 else f"a batch-{slots} cache"
     return (f"{what}: {slots} sequences need {_binary_size(needed)} of KV cache ({_binary_size(bytes_per_slot)} "
             f"each), and {fits}, or build with a smaller export.max_context"
             + ("" if int8_cache else " or an int8 cache (quantize_kv_cache)"))
@@ -441,8 +454,9 @@ def allocate_checked(allocate, slots: int, bytes_per_slot: int, what: str = "slo
     try:
         return allocate()
     except MemoryError:
-        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, available_memory_bytes(),
-                                               int8_cache)) from None
+        available = available_memory_bytes()
+        raise RequestError(slot_memory_message(slots, bytes_per_slot, what, None if available is None else max(
+            0, available - WORKING_MEMORY_BYTES), int8_cache)) from None
 
 
 class SlotCache:

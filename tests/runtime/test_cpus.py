@@ -139,9 +139,11 @@ def test_a_v2_memory_limit_leaves_the_limit_less_the_working_set(tmp_path):
     """/proc/meminfo shows the machine's memory: in a pod limited to 2 GiB, --slots beyond it passed the check and
     the OOM killer ended the server while the cache was zeroed. Page cache the kernel reclaims first is not charged."""
     files = {"kubepods/pod1/memory.max": f"{2 << 30}\n", "kubepods/pod1/memory.current": f"{1 << 30}\n",
-             "kubepods/pod1/memory.stat": f"anon 100\ninactive_file {256 << 20}\nactive_file 5\n",
+             "kubepods/pod1/memory.stat": f"anon 100\ninactive_file {256 << 20}\nactive_file {64 << 20}\n"
+                                          f"file_mapped {32 << 20}\n",
              "kubepods/memory.max": "max\n", "kubepods/memory.current": "5\n"}
-    assert cpus.cgroup_memory_left(*cgroup(tmp_path, "0::/kubepods/pod1\n", files)) == (2 << 30) - (768 << 20)
+    # both file lists reclaimable (a copied artifact fills the active one), mapped file pages not
+    assert cpus.cgroup_memory_left(*cgroup(tmp_path, "0::/kubepods/pod1\n", files)) == (2 << 30) - (736 << 20)
     files["kubepods/memory.max"] = f"{1280 << 20}\n"  # a parent's lower limit binds the child too
     files["kubepods/memory.current"] = f"{1 << 30}\n"
     assert cpus.cgroup_memory_left(*cgroup(tmp_path / "parent", "0::/kubepods/pod1\n", files)) == 256 << 20
@@ -152,7 +154,7 @@ def test_a_v1_memory_limit_is_read_and_its_no_limit_value_is_none(tmp_path):
     membership = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n"
     files = {"memory/docker/abc/memory.limit_in_bytes": f"{4 << 30}\n",
              "memory/docker/abc/memory.usage_in_bytes": f"{3 << 30}\n",
-             "memory/docker/abc/memory.stat": f"cache 1\ntotal_inactive_file {1 << 30}\n"}
+             "memory/docker/abc/memory.stat": f"cache 1\ntotal_inactive_file {1 << 30}\ntotal_active_file 0\n"}
     assert cpus.cgroup_memory_left(*cgroup(tmp_path, membership, files)) == 2 << 30
     files["memory/docker/abc/memory.limit_in_bytes"] = "9223372036854771712\n"  # v1's "no limit"
     assert cpus.cgroup_memory_left(*cgroup(tmp_path / "unlimited", membership, files)) is None
@@ -164,5 +166,22 @@ def test_the_slot_memory_check_heeds_a_containers_memory_limit(monkeypatch):
     monkeypatch.setattr(onnxruntime_backend, "_meminfo_available", lambda: 64 << 30)  # the machine's
     monkeypatch.setattr(onnxruntime_backend, "cgroup_memory_left", lambda: 1 << 30)  # the container's
     with pytest.raises(RequestError, match=r"slots: 16 sequences need 1.4 GiB of KV cache \(90.0 MiB each\), and this "
-                                           r"process can allocate 1.0 GiB now; use at most 11"):
+                                           r"process can allocate 640.0 MiB now beside 384.0 MiB for onnxruntime's own "
+                                           r"work; use at most 7"):
         onnxruntime_backend.check_slot_memory(16, 90 << 20)
+
+
+def test_the_slot_check_keeps_room_for_onnxruntimes_own_work_and_says_when_none_fits(monkeypatch):
+    """In a 1.5 GiB cgroup the check allowed four of SmolLM2's 90 MiB slots with 18 MiB to spare, and four 1800-token
+    prompts then took ~300 MiB more: the OOM killer ended the process. A limit that holds no slot said "use at most 0"
+    of the engine's internal "batch"."""
+    from runtime import onnxruntime_backend
+
+    monkeypatch.setattr(onnxruntime_backend, "available_memory_bytes", lambda: 4 * (90 << 20) + (18 << 20))
+    with pytest.raises(RequestError, match=r"use at most 0|not one sequence's cache"):
+        onnxruntime_backend.check_slot_memory(4, 90 << 20)
+    monkeypatch.setattr(onnxruntime_backend, "available_memory_bytes", lambda: (384 + 60) << 20)
+    with pytest.raises(RequestError, match=r"^the batch-1 cache Engine.load allocates: 1 sequences need 90.0 MiB .*"
+                                           r"can allocate 60.0 MiB now beside 384.0 MiB for onnxruntime's own work, "
+                                           r"not one sequence's cache: raise its memory limit"):
+        onnxruntime_backend.check_slot_memory(1, 90 << 20, what="batch")

@@ -143,7 +143,7 @@ SLOTS_PAST_THE_ADDRESS_SPACE_LIMIT = """
     engine = Engine.load(sys.argv[1])
     with open("/proc/self/statm") as statm:
         size = int(statm.read().split()[0]) * resource.getpagesize()
-    resource.setrlimit(resource.RLIMIT_AS, (size + 512 * 2**20, resource.RLIM_INFINITY))
+    resource.setrlimit(resource.RLIMIT_AS, (size + 768 * 2**20, resource.RLIM_INFINITY))  # 384 MiB kept for work
     try:
         engine.start_scheduler(slots=16384)
     except Exception as error:
@@ -164,10 +164,11 @@ def test_slots_past_the_process_memory_limit_are_refused_at_start_saying_what_fi
     traceback). The limit counts now, and the engine serves on."""
     done = run_script(SLOTS_PAST_THE_ADDRESS_SPACE_LIMIT, tiny_artifact)
     said = re.search(r"RequestError: slots: 16384 sequences need 1\.0 GiB of KV cache \(64\.0 KiB each\), and this "
-                     r"process can allocate (\d+\.\d) MiB now; use at most (\d+)", done.stdout)
+                     r"process can allocate (\d+\.\d) MiB now beside 384\.0 MiB for onnxruntime's own work; use at "
+                     r"most (\d+)", done.stdout)
     assert said, (done.stdout, done.stderr)
     available_mib, most = float(said.group(1)), int(said.group(2))
-    assert available_mib <= 512 and most * 64 / 1024 <= available_mib + 0.1  # advice that fits (a mutation audit)
+    assert available_mib <= 768 - 384 and most * 64 / 1024 <= available_mib + 0.1  # advice that fits (a mutation audit)
     assert "started 1" in done.stdout and "started 2" in done.stdout, done.stderr[-2000:]
     assert "serves on: length" in done.stdout, done.stderr[-2000:]
 

@@ -182,7 +182,7 @@ def test_the_memory_refusal_advises_an_int8_cache_only_where_the_cache_is_float(
 
     monkeypatch.setattr(onnxruntime_backend, "available_memory_bytes", lambda: 1 << 30)
     for int8_cache, advised in ((False, True), (True, False)):
-        with pytest.raises(RequestError, match="use at most 4, or build with a smaller export.max_context") as refused:
+        with pytest.raises(RequestError, match="use at most 2, or build with a smaller export.max_context") as refused:
             onnxruntime_backend.check_slot_memory(100, 256 << 20, int8_cache=int8_cache)
         assert ("an int8 cache (quantize_kv_cache)" in str(refused.value)) == advised
 
