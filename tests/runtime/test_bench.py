@@ -350,7 +350,7 @@ def test_a_shared_prefix_starts_every_prompt_and_prefix_caching_reuses_it(tiny_a
     (["--concurrency", "4"], "--concurrency applies to --arrival concurrency, not all"),
     (["--arrival", "poisson", "--rate", "2", "--concurrency", "2"], "--concurrency applies to --arrival concurrency, not poisson"),
     (["--slots", "100000000", "--prompt-tokens", "8"], "slots: 100000000 sequences need"),  # was numpy's ArrayMemoryError
-    (["--phase", "decode", "--contexts", "16", "--batch", "100000000"], "batch: 100000000 sequences need"),  # was bad_alloc
+    (["--phase", "decode", "--contexts", "16", "--batch", "100000000"], "a batch-100000000 cache: 100000000 sequences need"),  # was bad_alloc
     (["--shared-prefix", "60", "--prompt-tokens", "8"], "--shared-prefix (60) + --prompt-tokens (8) + --output-tokens "
                                                         "(64) need 131 cache positions"),
     (["--shared-prefix", "-1"], "--shared-prefix must be >= 0, got -1"),
