@@ -111,7 +111,7 @@ def evaluate_against_float(float_decode: onnx.ModelProto, artifact: Path, manife
     with scratch_folder("float") as folder:
         sections = onnxruntime_backend.write_engines({"decode": float_decode}, Path(folder), backend_spec,
                                                      manifest["kv_cache"]["output_aliases_input"])
-        reference = OnnxRuntimeBackend(Path(folder), {**sections, "kv_cache": float_cache})
+        reference = OnnxRuntimeBackend(Path(folder), {**sections, "kv_cache": float_cache, "model": manifest["model"]})
         quantized = OnnxRuntimeBackend(artifact, {**manifest, "engines": {"decode": manifest["engines"]["decode"]}})
         try:
             result = evaluate(tokens, decode_logits_for(quantized), window=window, stride=stride,

@@ -208,7 +208,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
         (folder / TOKENIZER_FILE).write_text(loaded.tokenizer_json, encoding="utf-8")  # not the locale's: Ġ, Ā...
         if loaded.chat_template is not None:
             (folder / CHAT_TEMPLATE_FILE).write_text(loaded.chat_template, encoding="utf-8")
-        manifest = {"kv_cache": kv_cache, **sections}
+        manifest = {"kv_cache": kv_cache, "model": {"config": loaded.config.to_dict()}, **sections}
         accuracy = {}
         if report_accuracy:
             say("accuracy report: quantized vs float on held-out text")

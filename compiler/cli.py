@@ -327,7 +327,7 @@ def _bench(args) -> None:
 
     _check_bench_flags(args)
     manifest = read_manifest(args.artifact)  # a folder that is not an artifact fails here, in one line
-    record = _run_record(args.artifact)  # now: the JSON names the artifact the workload is sized for, and the start
+    record = _run_record(args.artifact, manifest)  # now: the JSON names the artifact the workload is sized for
 
     def load_engine(**options):
         """Engine.load, refused where a build replaced the artifact since bench read it (the workload was sized for
@@ -482,22 +482,18 @@ def _bench(args) -> None:
     message("wrote " + escape(", ".join(map(str, written))))
 
 
-def _run_record(artifact: str) -> dict:
+def _run_record(artifact: str, manifest: dict) -> dict:
     """What a bench JSON needs to say which run it is: when, on which artifact (its folder as given and resolved, its
     name and manifest's sha256: a rebuild at the same path is another artifact), by which aotlm, and how its numbers
-    are made."""
+    are made. manifest: the one bench read."""
     import hashlib
     from datetime import datetime, timezone
 
-    from runtime.manifest import read_manifest
-
-    manifest = Path(artifact) / "manifest.json"
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "artifact": str(artifact),
-            "artifact_path": str(Path(artifact).resolve()), "artifact_name": read_manifest(artifact)["name"],
-            "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest(),
+            "artifact_path": str(Path(artifact).resolve()), "artifact_name": manifest["name"],
+            "manifest_sha256": hashlib.sha256((Path(artifact) / "manifest.json").read_bytes()).hexdigest(),
             # its files' hashes alone: two builds of one recipe have the same (their manifests' times differ)
-            "artifact_files_sha256": hashlib.sha256(json.dumps(read_manifest(artifact)["files"],
-                                                               sort_keys=True).encode()).hexdigest(),
+            "artifact_files_sha256": hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest(),
             "aotlm": _aotlm_version(),
             "percentiles": "numpy's linear interpolation", "trace_times": "seconds since the backend's first arrival"}
 

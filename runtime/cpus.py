@@ -49,20 +49,28 @@ def cgroup_cpu_quota(membership: Path = Path("/proc/self/cgroup"), root: Path = 
     """The smallest CPU quota (quota / period, in CPUs) of this process's cgroup and its ancestors, v2 (cpu.max) or
     v1 (cpu.cfs_quota_us); None where there is none or it cannot be read. membership: the process's cgroups
     (/proc/self/cgroup); root: where the hierarchies are mounted."""
+    quotas = [_v2_quota(folder / "cpu.max") if version == 2 else _v1_quota(folder)
+              for version, folder in _cgroup_folders("cpu", ("cpu", "cpu,cpuacct"), membership, root)]
+    found = [quota for quota in quotas if quota is not None]
+    return min(found) if found else None
+
+
+def _cgroup_folders(controller: str, v1_mounts: tuple[str, ...], membership: Path, root: Path) -> list[tuple[int, Path]]:
+    """(2, folder) for the v2 hierarchy and (1, folder) for the v1 hierarchies of `controller` (mounted as one of
+    v1_mounts under root): this process's cgroup folder and each ancestor's, from its membership file
+    (/proc/self/cgroup); none where that cannot be read."""
     try:
         lines = membership.read_text().splitlines()
     except OSError:
-        return None
-    quotas = []
+        return []
+    found = []
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if controllers == "":  # v2: one unified hierarchy
-            quotas += [_v2_quota(folder / "cpu.max") for folder in _folders(root, path)]
-        elif "cpu" in controllers.split(","):
-            for mount in (root / "cpu", root / "cpu,cpuacct"):
-                quotas += [_v1_quota(folder) for folder in _folders(mount, path)]
-    found = [quota for quota in quotas if quota is not None]
-    return min(found) if found else None
+            found += [(2, folder) for folder in _folders(root, path)]
+        elif controller in controllers.split(","):
+            found += [(1, folder) for mount in v1_mounts for folder in _folders(root / mount, path)]
+    return found
 
 
 def _folders(mount: Path, path: str) -> list[Path]:
@@ -97,19 +105,9 @@ def cgroup_memory_left(membership: Path = Path("/proc/self/cgroup"), root: Path 
     """Bytes this process's cgroup and its ancestors let it allocate before the OOM killer acts: the smallest limit
     less what is charged now, the page cache the kernel reclaims first (file pages not mapped) not counted as
     charged; v2 (memory.max) or v1 (memory.limit_in_bytes). None where no limit is set or read."""
-    try:
-        lines = membership.read_text().splitlines()
-    except OSError:
-        return None
-    left = []
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if controllers == "":
-            left += [_memory_left(folder, "memory.max", "memory.current", V2_FILE_PAGES)
-                     for folder in _folders(root, path)]
-        elif "memory" in controllers.split(","):
-            left += [_memory_left(folder, "memory.limit_in_bytes", "memory.usage_in_bytes", V1_FILE_PAGES)
-                     for folder in _folders(root / "memory", path)]
+    left = [_memory_left(folder, "memory.max", "memory.current", V2_FILE_PAGES) if version == 2 else
+            _memory_left(folder, "memory.limit_in_bytes", "memory.usage_in_bytes", V1_FILE_PAGES)
+            for version, folder in _cgroup_folders("memory", ("memory",), membership, root)]
     found = [bytes_ for bytes_ in left if bytes_ is not None]
     return min(found) if found else None
 

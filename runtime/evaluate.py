@@ -321,10 +321,8 @@ def decode_logit_pieces(source, token_ids, piece_tokens: int | None = None):
         raise EvaluationError(f"a chunk of {length} tokens does not fit this artifact's max context "
                               f"({max_context}); use a window of at most {max_context}")
     input_ids = _token_array(token_ids)[None]  # [1, n]
-    # The build's accuracy report scores backends of a partial manifest (no model section): there, the graph's own
-    # logits width is the vocabulary.
-    vocab = backend.manifest.get("model", {}).get("config", {}).get("vocab_size") or _logits_width(backend)
-    outside = input_ids[(input_ids < 0) | (input_ids >= vocab)] if vocab else input_ids[:0]
+    vocab = backend.manifest["model"]["config"]["vocab_size"]
+    outside = input_ids[(input_ids < 0) | (input_ids >= vocab)]
     if outside.size:  # a negative id wrapped to a row from the end in onnxruntime's Gather, scored without a word
         raise EvaluationError(f"token id {outside[0]} is outside this model's vocabulary (0..{vocab - 1})")
     with hold() if hold is not None else contextlib.nullcontext():
@@ -335,14 +333,6 @@ def decode_logit_pieces(source, token_ids, piece_tokens: int | None = None):
             mask = np.ones((1, end), dtype=np.int64)  # [1, total]: this piece and the ones before it
             logits = backend.run("decode", input_ids[:, start:end], positions, mask)  # [1, end - start, vocab]
             yield np.array(logits[0], dtype=np.float32)  # a copy: the backend reuses its logits array
-
-
-def _logits_width(backend) -> int | None:
-    """The decode graph's logits width, where the backend has onnxruntime sessions and the width is fixed."""
-    session = getattr(backend, "sessions", {}).get("decode")
-    outputs = {output.name: output.shape for output in session.get_outputs()} if session is not None else {}
-    width = (outputs.get("logits") or [None])[-1]
-    return width if isinstance(width, int) else None
 
 
 # Positions a scoring run puts through the decode graph at once, and whose log-softmax it holds in float64. One run over

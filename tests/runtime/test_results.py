@@ -93,10 +93,17 @@ def test_json_to_a_stream_is_written_into_it_not_renamed_over_it(tmp_path, capsy
 
 
 @pytest.mark.parametrize("path", ["-", "/dev/stdout", "/dev/null"])
-def test_a_stream_is_a_valid_output_path(path):
+def test_a_stream_is_a_valid_output_path(path, tmp_path):
+    """A stream is written into (check_output_file lets it through: /dev/fd had been "a folder that cannot be made"
+    for a shell's >(jq .)); a regular file, or a link to one outside /dev and /proc, is replaced."""
     from compiler.errors import check_output_file
+    from runtime.results import is_stream
 
-    check_output_file(path, "--json")  # /dev/stdout: "a folder cannot be made in /dev/fd" for a shell's >(jq .)
+    check_output_file(path, "--json")
+    assert is_stream(path)
+    (tmp_path / "file.json").write_text("{}")
+    (tmp_path / "link.json").symlink_to(tmp_path / "file.json")
+    assert not is_stream(tmp_path / "file.json") and not is_stream(tmp_path / "link.json")
 
 
 def test_json_to_stdout_redirected_to_a_file_is_appended_through_the_link(tmp_path):
