@@ -44,6 +44,7 @@ from arguments import artifact_manifest, output_file, require_at_least_one, thre
 from contention import OtherCores, contention_line  # noqa: E402
 from compiler.artifact import tool_versions  # noqa: E402
 from runtime import bench  # noqa: E402
+from runtime.results import write_json  # noqa: E402
 from runtime.engine import SINGLE_STREAM_SPIN as ENGINE_SINGLE_STREAM_SPIN  # noqa: E402
 from compiler.console import print_table  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
@@ -411,9 +412,7 @@ def paired_median(values: Sequence[float], references: Sequence[float]) -> float
 def write_result(name: str, report: dict, out: Path | None = None) -> Path:
     """Pretty JSON at `out` (a script's --out), else benchmarks/results/<name> (git-ignored)."""
     path = Path(out) if out else RESULTS / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+    return write_json(path, report)  # whole or not at all: a full disk left an empty file over the last result
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ benchmarks/results/gguf_tokenizers.json (--out).
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tarfile
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from compiler.errors import BuildError  # noqa: E402
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES  # noqa: E402
 from compiler.frontend.gguf_loader import _field, _open_reader  # noqa: E402
+from runtime.results import write_json  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import output_file  # noqa: E402
@@ -152,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{models}: no {VOCAB_PREFIX}*.gguf files with .inp and .out beside them")
     rows = [check_vocabulary(vocab) for vocab in found]
     show(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"source": str(args.sdist or models), "vocabularies": rows}, indent=1,
-                                   ensure_ascii=False))
+    write_json(args.out, {"source": str(args.sdist or models), "vocabularies": rows})
     print(f"wrote {args.out}")
     return 0
 

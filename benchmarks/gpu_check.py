@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from rich.table import Table  # noqa: E402
 
 from runtime.kernels import flash_attention as fa  # noqa: E402
 from compiler.console import print_table  # noqa: E402
+from runtime.results import write_json  # noqa: E402
 
 console = Console()
 DEVICE = "cpu" if ARGS.smoke else "cuda"
@@ -223,8 +223,7 @@ def main() -> None:
     if not ARGS.skip_tensorrt and not ARGS.smoke:
         report["tensorrt"] = tensorrt_run()
         console.print("TensorRT:", report["tensorrt"])
-    Path(ARGS.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(ARGS.json).write_text(json.dumps(report, indent=2))
+    write_json(ARGS.json, report)
     console.print(f"wrote {ARGS.json}")
 
 

@@ -16,7 +16,6 @@ benchmarks/results/kv_cache_attention.json (--out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import output_file, thread_count  # noqa: E402
 from compiler.console import print_table  # noqa: E402  (after the path insert: this checkout's)
+from runtime.results import write_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, CACHE = 9, 3, 64, 2048
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -170,8 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['rotary_separate_ms'] / row['float_ms']:.2f}x")
     print_table(table, Console())
     result = {"threads": args.threads, "runs": args.runs, "onnxruntime": ort.__version__, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return result
 

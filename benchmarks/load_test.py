@@ -23,7 +23,6 @@ Passes with 0 lost, 0 errors, 0 incomplete, 0 mismatched and RSS growth under 5%
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -38,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from runtime import Engine, RequestError  # noqa: E402
 from compiler.console import print_table  # noqa: E402
+from runtime.results import write_json  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling arguments.py, run from anywhere
 from arguments import artifact_manifest, output_file, require_at_least_one, thread_count  # noqa: E402
@@ -271,9 +271,7 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
         "duration_s": seconds, "summary": latency_summary(ledger), "passed": passed,
     }
     print_table(table(report), console)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out, report)
     console.print(f"wrote {out}")
     return report
 

@@ -24,7 +24,6 @@ limited by the arithmetic. A table on the console, JSON in benchmarks/results/ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -42,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from compiler.plan import cpu_device  # noqa: E402
 from compiler.console import print_table  # noqa: E402
+from runtime.results import write_json  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arguments import count_list, output_file, thread_count, usable_cpus  # noqa: E402
@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(table, console)
     report = {"settings": {k: str(v) for k, v in vars(args).items()}, "bandwidth_bytes_per_s": bandwidth,
               "onnxruntime": ort.__version__, "rows": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     console.print(f"wrote {args.out}")
     return report
 

@@ -27,7 +27,8 @@ from compiler.cli_chat import add_chat_parser
 from compiler.cli_serve import add_serve_parser
 from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_command
 from compiler.cli_sampling import add_sampling_options, sampling_options
-from compiler.console import ReaderAwareConsole, console, error, message, print_table, warning
+from compiler.console import (ReaderAwareConsole, console, error, message, print_table, warning,
+                              whole_writes_to_stdout)
 from compiler.errors import (UsageError, check_output_file, nonnegative_int, positive_float, positive_int, text_argument,
                              thread_count, user_path)
 
@@ -710,6 +711,7 @@ def _one_line_warnings(show):
 
 
 def main(argv: list[str] | None = None) -> int:
+    whole_writes_to_stdout()
     _unencodable_characters_replaced()
     try:  # relative paths, torch's own libraries (oneMKL's fatal error) and plan's hints all need it
         os.getcwd()

@@ -7,6 +7,7 @@ piped or logged, stderr is 80 columns to rich, which would cut a long line, and 
 from a user, a file or an exception is not markup: `warning` and `error` escape theirs, and a `message` escapes what
 it puts inside its own markup (a file named model[v2].gguf would otherwise print as model.gguf)."""
 import errno
+import io
 import os
 import sys
 
@@ -22,6 +23,55 @@ class ReaderAwareConsole(Console):
         self.quiet = True
         if not self.stderr:
             raise BrokenPipeError(errno.EPIPE, "the reader of stdout left")
+
+
+class _WholeWrites(io.RawIOBase):
+    """stdout's file layer, writing all it is given or raising. Under PYTHONUNBUFFERED (python -u, set in many Docker
+    images) Python's own stdout writes to the file directly and drops what a short write left (cpython#85393):
+    `aotlm inspect --json > file` on a full disk wrote 4096 of 23978 bytes and exited 0."""
+
+    def __init__(self, descriptor: int) -> None:
+        super().__init__()
+        self._descriptor = descriptor
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._descriptor
+
+    def isatty(self) -> bool:
+        return os.isatty(self._descriptor)
+
+    def write(self, data) -> int:
+        view = whole = memoryview(data).cast("B")
+        try:
+            while view:
+                view = view[os.write(self._descriptor, view):]  # a full disk's next write raises ENOSPC
+        except OSError as problem:
+            if problem.errno in FULL:  # the error line says which write the disk refused
+                problem.filename = problem.filename or "standard output"
+            raise
+        return whole.nbytes
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_replaced = []
+
+
+def whole_writes_to_stdout() -> None:
+    """Put stdout's writes through _WholeWrites: unbuffered (PYTHONUNBUFFERED), Python's stdout dropped what a short
+    write left; buffered, it writes on until all is written, but its error names no file."""
+    stdout = sys.stdout
+    layer = getattr(stdout, "buffer", None)
+    unbuffered = type(layer) is io.FileIO
+    if not unbuffered and type(getattr(layer, "raw", None)) is not io.FileIO:  # no file (a test's capture)
+        return
+    stdout.flush()
+    _replaced.append(stdout)  # kept: collected, it would close the descriptor
+    raw = _WholeWrites(stdout.fileno())
+    sys.stdout = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=stdout.encoding,
+                                  errors=stdout.errors, line_buffering=stdout.line_buffering, write_through=unbuffered)
 
 
 # ":x:" in a user's path is text, not an emoji code. Not interactive unless stderr is a terminal: FORCE_COLOR (set in

@@ -28,6 +28,7 @@ from compiler.frontend import hub_id_hint
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig
 from passes.quantize_patterns import Product, matches, packed_parts, pattern_problem
 from runtime.cpus import default_intra_op_threads, usable_cpus
+from runtime.results import write_json
 
 # Dense peaks (NVIDIA's datasheets mark Tensor Core figures "with sparsity", twice these): bandwidth in bytes/s,
 # fp16 = dense FP16 Tensor FLOP/s, int8 = dense INT8 Tensor OP/s. Memory: the total nvidia-smi reports, in bytes
@@ -189,9 +190,8 @@ def cpu_device(remeasure: bool = False) -> dict:
         # steps read 29.6. One taken under load is used once and not cached, so the next call measures again.
         if (m.get("other_cores") or 0.0) <= MAX_OTHER_CORES:
             cache[key] = m
-            try:
-                CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
-                CACHE_FILE.write_text(json.dumps(cache, indent=2))
+            try:  # whole or not at all: a full disk cut the file short, and every host's figures with it
+                write_json(CACHE_FILE, cache)
             except OSError:
                 pass  # a read-only home only costs a re-measurement next time
         else:

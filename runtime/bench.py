@@ -457,7 +457,7 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
         axis.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
         axis.grid(axis="x", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(timeline, dpi=110)
+    save_figure(figure, timeline)
     plt.close("all")
     return [out, cdf, timeline]
 
@@ -488,9 +488,19 @@ def write_cdf_plot(path: Path, panels: dict[str, dict[str, Sequence[float]]], xl
         axis.grid(alpha=0.3)
         axis.legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_figure(figure, path)
     plt.close(figure)
     return Path(path)
+
+
+def save_figure(figure, path: Path) -> None:
+    """figure as a PNG at path, or no file there: a full disk left a cut-short PNG, and an error naming no file."""
+    try:
+        figure.savefig(path, dpi=110)
+    except OSError as problem:
+        Path(path).unlink(missing_ok=True)
+        problem.filename = problem.filename or str(path)
+        raise
 
 
 def write_phase_plot(rows: list[dict], phase: str, out: Path) -> Path | None:

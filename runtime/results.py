@@ -56,21 +56,25 @@ def write_json(path: str | Path, payload: dict) -> Path:
         sys.stdout.write(text)
         sys.stdout.flush()
         return Path("-")
-    if is_stream(path):
-        # appended: /dev/stdout redirected to a file opened with "w" truncated what the program had written there
-        with open(path, "a", encoding="utf-8") as stream:
-            stream.write(text)
-        return Path(path)
-    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)  # a link stays a link
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(temporary, 0o666 & ~process_umask())  # mkstemp makes it private: as open() would make it
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
+        if is_stream(path):
+            # appended: /dev/stdout redirected to a file opened with "w" truncated what the program had written there
+            with open(path, "a", encoding="utf-8") as stream:
+                stream.write(text)
+            return Path(path)
+        path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)  # a link stays a link
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        try:
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.chmod(temporary, 0o666 & ~process_umask())  # mkstemp makes it private: as open() would make it
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    except OSError as problem:  # a full disk's write names no file: the error line says which
+        problem.filename = problem.filename or str(path)
         raise
     return path
 

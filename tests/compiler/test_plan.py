@@ -255,6 +255,37 @@ def test_cpu_measurement_is_cached(llama3, fake_cpu):
     # the untied embedding table is gathered (one row), not read
 
 
+def test_a_full_disk_leaves_the_cached_figures_of_other_hosts_whole(llama3, fake_cpu, monkeypatch):
+    """The cache was rewritten in place: a full disk cut it short, and every host's figures were lost with it."""
+    import errno
+
+    others = {f"host-{n}-2cpu-2use-ort-read-quiet": dict(FAKE_CPU) for n in range(20)}
+    plan_module.CACHE_FILE.parent.mkdir(parents=True)
+    plan_module.CACHE_FILE.write_text(json.dumps(others))
+    real_fdopen = plan_module.os.fdopen
+
+    class FullDisk:  # a file that takes a few bytes, then refuses the rest
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, text):
+            self.handle.write(text[:100])
+            self.handle.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plan_module.os, "fdopen", lambda *a, **k: FullDisk(real_fdopen(*a, **k)))
+    result = plan(llama3, device="cpu", context=1024)
+    assert result["device"]["bandwidth_Bps"] == 10e9 and len(fake_cpu) == 1
+    assert json.loads(plan_module.CACHE_FILE.read_text()) == others
+    assert [p.name for p in plan_module.CACHE_FILE.parent.iterdir()] == ["cpu.json"]
+
+
 def test_a_figure_cached_by_the_copy_measurement_is_measured_again(llama3, fake_cpu):
     """Before, the cache held one thread's copy rate (read + written bytes) under a key without "-read"; decode
     steps came out faster than that "bound". Such an entry must not be reused."""

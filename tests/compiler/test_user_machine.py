@@ -4,6 +4,7 @@ onnxruntime should not write to, a terminal that is not UTF-8."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import shutil
@@ -255,3 +256,33 @@ def test_the_warnings_hook_passes_on_names_that_are_no_path():
     hook = cli._one_line_warnings(lambda *args: shown.append(args[2]))
     hook("x", UserWarning, "<frozen importlib._bootstrap>", 1)
     assert shown == ["<frozen importlib._bootstrap>"]
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_standard_output_on_a_full_disk_is_one_line_naming_it(tiny_artifact, unbuffered):
+    """`aotlm inspect --json > file` on a full disk: one line naming standard output, status 2."""
+    with open("/dev/full", "w") as full:  # every write there fails with ENOSPC
+        result = subprocess.run([sys.executable, "-m", "compiler.cli", "inspect", str(tiny_artifact), "--json"],
+                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
+                                env={**os.environ, "PYTHONUNBUFFERED": unbuffered},
+                                cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr == ("error: No space left on device (standard output): free space there, or write "
+                             "elsewhere\n")
+
+
+def test_a_short_write_to_standard_output_writes_on_until_all_is_written(monkeypatch):
+    """Under PYTHONUNBUFFERED Python's stdout dropped what a short write left (a nearly full disk took 4096 of
+    23978 bytes and the command exited 0); its replacement writes on."""
+    from compiler.console import _WholeWrites
+
+    reader, writer = os.pipe()
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda descriptor, data: real_write(descriptor, bytes(data[:7])))
+    stream = io.TextIOWrapper(_WholeWrites(writer), encoding="utf-8", write_through=True)
+    text = json.dumps({"layers": list(range(300))})
+    stream.write(text)
+    monkeypatch.undo()
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        assert pipe.read().decode() == text

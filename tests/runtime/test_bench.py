@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -615,3 +616,17 @@ def test_a_workload_that_fills_the_context_exactly_is_accepted():
     with pytest.raises(BenchError, match="ask for --output-tokens 9 or fewer"):
         make_workload(lambda text: list(range(3, 40)), max_context=16, requests=2, prompt_tokens="8",
                       output_tokens="10", arrival="all")
+
+
+def test_a_plot_the_disk_refused_leaves_no_cut_short_png_and_is_named(tmp_path):
+    """savefig on a full disk left a 32 KiB PNG that no viewer opens, and an error naming no file."""
+    import errno
+
+    class FullDisk:
+        def savefig(self, path, dpi):
+            Path(path).write_bytes(b"\x89PNG" + bytes(100))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError) as raised:
+        bench.save_figure(FullDisk(), tmp_path / "b-cdf.png")
+    assert raised.value.filename == str(tmp_path / "b-cdf.png") and list(tmp_path.iterdir()) == []

@@ -130,3 +130,19 @@ def test_json_to_a_link_to_a_file_replaces_the_file_and_keeps_the_link(tmp_path)
     link.symlink_to(target)
     write_json(link, {"b": 2})
     assert link.is_symlink() and json.loads(target.read_text()) == {"b": 2}
+
+
+def test_a_full_disk_names_the_file_it_refused(tmp_path, monkeypatch):
+    """A full disk's write error names no file; the command's error line ("No space left on device: free space
+    there") then said nothing of where."""
+    import errno
+
+    (tmp_path / "r.json").write_text("{}")
+
+    def refused(source, target):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(OSError) as raised:
+        write_json(tmp_path / "r.json", {"ok": 1})
+    assert raised.value.filename == str(tmp_path / "r.json") and raised.value.errno == errno.ENOSPC
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"] and (tmp_path / "r.json").read_text() == "{}"
