@@ -6,6 +6,7 @@ stopped with a 503 (a stream: an error event and [DONE]) rather than cut off."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -125,6 +126,7 @@ def load_dependent_outputs(manifest: dict, prefill_chunk: int | None, prefix_cac
 
 def serve_command(args) -> None:
     from runtime import Engine
+    from runtime.descriptors import connections_that_fit
     from runtime.server import MAX_CONNECTIONS, ApiServer, bind_socket
 
     if args.model_name is not None and not args.model_name.strip():
@@ -152,11 +154,16 @@ def serve_command(args) -> None:
     try:
         if caveat := load_dependent_outputs(engine.manifest, args.prefill_chunk, args.prefix_caching):
             warning(caveat)
+        # idle_exit_s inf: a server's worker never ends, so no request waits on a thread that must start (a
+        # container at its pids.max refused one mid-run)
         scheduler = engine.start_scheduler(slots=args.slots, max_queue=args.max_queue,
-                                           prefill_chunk=args.prefill_chunk)
+                                           prefill_chunk=args.prefill_chunk, idle_exit_s=math.inf)
+        max_connections, fewer = connections_that_fit(args.max_connections or MAX_CONNECTIONS)
+        if fewer:
+            warning(fewer)
         server = ApiServer(engine, args.host, args.port, model_name=args.model_name,
                            log=_log_line, log_requests=not args.quiet, api_key=api_key,
-                           max_connections=args.max_connections or MAX_CONNECTIONS,
+                           max_connections=max_connections,
                            keep_alive_s=args.keep_alive_timeout, allowed_origins=tuple(args.allowed_origins),
                            bound_socket=bound)
     except OSError as error:  # listen refused (a server that took the port some other way meanwhile)
@@ -222,7 +229,11 @@ def _close(engine) -> None:
     """engine.close() through more Ctrl-Cs: it waits for the graph run under way (onnxruntime cannot stop one), and
     leaving it would let that run go on while the interpreter exits."""
     closer = threading.Thread(target=engine.close, name="aotlm-close")
-    closer.start()
+    try:
+        closer.start()
+    except RuntimeError:  # no thread can start (the process is at its thread limit): closed here, uninterruptibly
+        engine.close()
+        return
     while closer.is_alive():
         try:
             closer.join()

@@ -18,6 +18,11 @@ class QueueFullError(RequestError):
     server answers 503, not 400)."""
 
 
+class ThreadLimitError(RequestError):
+    """No thread could start for the request (the process is at its thread limit): refused now, nothing was queued,
+    and it may succeed later (an HTTP server answers 503)."""
+
+
 class ModelOutputError(AotlmRuntimeError):
     """The model's logits for a step cannot be sampled (NaN, or every entry -inf): the artifact is broken, not
     the request; the scheduler fails only the request that met it."""

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.cpus import cgroup_memory_left, cpus, default_intra_op_threads, restriction, usable_cpus
-from runtime.errors import ArtifactError, RequestError
+from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
 from runtime.huge_pages import advise, advise_range
 from runtime.versions import release
 
@@ -202,6 +202,11 @@ class OnnxRuntimeBackend:
                 session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
                 check_io(session, engine, path)
             except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
+                if "pthread_create failed" in str(error):  # its thread pool: the process's limit, not the graph
+                    raise AotlmRuntimeError(
+                        f"onnxruntime could not start its threads for {path.name} (a pthread_create failed): this "
+                        f"process is at its thread limit (a container's pids.max, ulimit -u); load with fewer "
+                        f"threads (--threads 1, Engine.load(intra_op_threads=1)) or raise the limit") from None
                 if older:  # most likely why: say the fix first
                     raise ArtifactError(f"{path}: onnxruntime cannot load this graph; {older} ({error})") from None
                 if isinstance(error, ArtifactError):

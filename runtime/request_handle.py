@@ -92,9 +92,18 @@ class CallbackThread:
     def call(self, callback: Callable[[], None]) -> None:
         with self._lock:
             self._due.append(callback)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="aotlm-callbacks", daemon=True)
-                self._thread.start()
+            if self._thread is not None:
+                return
+            thread = threading.Thread(target=self._run, name="aotlm-callbacks", daemon=True)
+            try:
+                thread.start()  # its _run waits for the lock this holds
+            except RuntimeError:  # "can't start new thread" (a thread limit): they run here, in turn, rather than
+                # never (a thread that never started, kept as running, had held every later callback for good)
+                self._thread = threading.current_thread()
+            else:
+                self._thread = thread
+                return
+        self._run()
 
     def call_in_turn(self, callback: Callable[[], None]) -> None:
         """Run it now, in this thread, unless callbacks are due or running: then after them, on the thread (a

@@ -61,7 +61,7 @@ from typing import Sequence
 import numpy as np
 
 from runtime import evaluate
-from runtime.errors import QueueFullError, RequestError
+from runtime.errors import QueueFullError, RequestError, ThreadLimitError
 from runtime.metrics import RequestTrace
 from runtime.prefix_cache import (PREFILL_PIECE_MIN_TOKENS, PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix,
                                   scored_rows_reusable)
@@ -272,10 +272,16 @@ class Scheduler:
                     if _exiting:
                         raise RequestError("the program is exiting: no request starts now")
                     _STARTED.add(self)
+            if not working:  # started before the request is queued: one that cannot start leaves nothing behind
+                worker = threading.Thread(target=self._work, name="aotlm-scheduler", daemon=True)
+                try:
+                    worker.start()  # it waits for the lock this holds
+                except RuntimeError as error:  # "can't start new thread": a pids or ulimit -u limit, or no memory
+                    raise ThreadLimitError(f"the scheduler's worker thread could not start ({error}): this process "
+                                           f"is at its thread limit (a container's pids.max, ulimit -u); the request "
+                                           f"was not queued: retry, or raise the limit") from None
+                self._worker = worker
             self._waiting.append(sequence)
-            if not working:
-                self._worker = threading.Thread(target=self._work, name="aotlm-scheduler", daemon=True)
-                self._worker.start()
             self._lock.notify_all()
         return sequence.handle
 

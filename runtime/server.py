@@ -21,8 +21,8 @@ With an api_key, the /v1 and tokenizer routes ask for it as OpenAI's clients sen
 else 401); /health and /metrics stay open, as vLLM leaves them.
 Bodies come with a Content-Length or in chunks (runtime/http_body.py; a framing that could be read two ways is refused
 and the connection closed). Errors carry OpenAI's error body: 400 for a bad request, 404 for another model or an
-unknown path, 503 with Retry-After when the scheduler's queue is full or the server is stopping, 500 when a request
-fails while running.
+unknown path, 503 with Retry-After when the scheduler's queue is full, no thread can start for it or the server is
+stopping, 500 when a request fails while running.
 A graceful stop (drain(), after serve_forever returned) refuses new requests and waits for those under way; closing
 the engine then fails the rest, and they are told to send the request again.
 """
@@ -46,7 +46,8 @@ from urllib.parse import unquote, urlsplit
 
 from runtime import http_body, openai_api, tokenizer_api
 from runtime.deadlines import Deadlines
-from runtime.errors import QueueFullError, RequestError
+from runtime.descriptors import OUT_OF_DESCRIPTORS
+from runtime.errors import QueueFullError, RequestError, ThreadLimitError
 from runtime.openai_api import ApiError, ParsedRequest
 from runtime.request_handle import END
 from runtime.results import GenerationResult
@@ -77,6 +78,7 @@ MIN_BODY_BYTES_PER_S = 64 << 10
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
 HEADER_NAMES = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+(\s*,\s*[A-Za-z0-9!#$%&'*+.^_`|~-]+)*")
+ACCEPT_RETRY_S = 0.1  # between accepts refused for want of descriptors
 MAX_CONNECTIONS = 1024  # open at once; one more is answered 503 and closed (a thread each: 1000 idle ones left none)
 DEADLINES = Deadlines()  # every connection's header and body deadline, on one thread
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
@@ -155,6 +157,7 @@ class ApiServer(ThreadingHTTPServer):
         if ":" in host:  # an IPv6 address ("::" listens on IPv4 too, where the system allows dual-stack sockets)
             self.address_family = socket.AF_INET6
         self._bound_socket = bound_socket
+        self._accept_refused = False  # the last accept failed for want of descriptors (get_request)
         super().__init__((host, port), _Handler)
 
     def server_bind(self) -> None:
@@ -177,6 +180,24 @@ class ApiServer(ThreadingHTTPServer):
         thread = threading.Thread(target=self.serve_forever, name="aotlm-server", daemon=True)
         thread.start()
         return thread
+
+    def get_request(self):
+        """accept(), but a process out of descriptors (EMFILE) waits a moment before it tries again and says so
+        once: socketserver retried at once, for ever, with a core busy and no word of why no client was answered."""
+        try:
+            connection = super().get_request()
+        except OSError as error:
+            if error.errno in OUT_OF_DESCRIPTORS:
+                if not self._accept_refused:
+                    self.log(f"cannot accept connections: {error.strerror} ({self._connections} open); new ones "
+                             f"wait until some close (raise ulimit -n, or lower --max-connections)")
+                self._accept_refused = True
+                time.sleep(ACCEPT_RETRY_S)
+            raise
+        if self._accept_refused:
+            self._accept_refused = False
+            self.log(f"accepting connections again ({self._connections} open)")
+        return connection
 
     def process_request(self, request, client_address) -> None:
         """A thread for the connection, unless max_connections are open (or no thread can start): then a 503 it can
@@ -602,6 +623,8 @@ class _Handler(BaseHTTPRequestHandler):
                            if len(request.choices) > 1 else "")
                 raise ApiError(f"the server is full: {choices}{room}; retry later, or start it with a larger "
                                f"--max-queue (or --slots)", status=503, kind="service_unavailable") from None
+            if isinstance(error, ThreadLimitError):
+                raise ApiError(str(error), status=503, kind="service_unavailable") from None
             raise ApiError(str(error)) from None
         return handles
 

@@ -328,3 +328,20 @@ def test_an_allowed_origin_is_written_as_a_browser_sends_it():
     assert web_origin("HTTPS://App.Example.com") == "https://app.example.com"
     assert web_origin("http://localhost:80") == "http://localhost" and web_origin("http://localhost:5173") == \
         "http://localhost:5173"
+
+
+def test_a_stop_at_the_thread_limit_closes_the_engine_here(monkeypatch):
+    """SIGTERM while the process was at its thread limit: the closing thread could not start, and the stop ended in
+    a traceback with the engine never closed (requests under way never told to retry)."""
+    import threading
+
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda thread: (_ for _ in ()).throw(
+        RuntimeError("can't start new thread")) if thread.name == "aotlm-close" else real_start(thread))
+    closed = []
+
+    class Closable:
+        def close(self):
+            closed.append(threading.current_thread() is threading.main_thread())
+    cli_serve._close(Closable())
+    assert closed == [True]
