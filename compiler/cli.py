@@ -166,11 +166,12 @@ def _run(args) -> None:
 def _inspect(args) -> None:
     from runtime.errors import ArtifactError
     from runtime.manifest import check_files, read_manifest
+    from runtime.results import json_text
 
     manifest = read_manifest(args.artifact)
     check_files(args.artifact, manifest, verify_hashes=args.verify)
     if args.json:  # everything, pass reports whole: for a script, or a person reading what the table shortens
-        sys.stdout.write(json.dumps(manifest, indent=2) + "\n")
+        sys.stdout.write(json_text(manifest))
         return
     # The summary is this command's output: stdout, as --json's (`aotlm inspect A | less`, `> summary.txt`); errors
     # stay on stderr. The stderr console's width: a terminal's, or the tests' wide one.
@@ -281,14 +282,13 @@ def _quantized_formats(report: dict) -> str:
 
 
 def _plan(args) -> None:
-    import json
-
     from compiler.plan import plan, render
+    from runtime.results import json_text
 
     result = plan(args.source, device=args.device, precision=args.precision, kv_dtype=args.kv_dtype,
                   context=args.context, concurrency=args.concurrency, prompt=args.prompt, remeasure=args.remeasure)
     if args.json:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        sys.stdout.write(json_text(result))
     else:
         render(result)
 
@@ -711,6 +711,9 @@ def _one_line_warnings(show):
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:  # fd 1 closed (>&-): Python has no stdout, and the first write was an AttributeError
+        error("standard output is closed (>&-); redirect it to a file or /dev/null")
+        return 2
     whole_writes_to_stdout()
     _unencodable_characters_replaced()
     try:  # relative paths, torch's own libraries (oneMKL's fatal error) and plan's hints all need it
@@ -726,6 +729,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         message("[yellow]interrupted[/yellow]")
         return 130
+    except BrokenPipeError:  # --version's line to a reader that left
+        return _reader_left()
+    except OSError as problem:  # --version's line to a full disk
+        if problem.errno not in REFUSED_WRITES:
+            raise
+        error(refused_write(problem))
+        return 2
     show, warnings.showwarning = warnings.showwarning, _one_line_warnings(warnings.showwarning)
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
     # a signal ignored where the program started (nohup's SIGHUP) stays ignored
@@ -739,9 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     except _Terminated as stop:
         return _stopped_by(stop)
     except BrokenPipeError:  # stdout's reader left (`aotlm run ... | head`): stop quietly, as a killed writer would
-        with contextlib.suppress(OSError, ValueError):  # (a stdout that is no file, as under a test, has no fileno)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
-        return 141
+        return _reader_left()
     except KeyboardInterrupt:
         message("[yellow]interrupted[/yellow]")
         return 130
@@ -786,6 +794,13 @@ def main(argv: list[str] | None = None) -> int:
             for number, handler in previous.items():
                 signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
     return 0
+
+
+def _reader_left() -> int:
+    """stdout's reader left: 141, as a writer killed by SIGPIPE ends."""
+    with contextlib.suppress(OSError, ValueError):  # (a stdout that is no file, as under a test, has no fileno)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
+    return 141
 
 
 def _on_a_terminal() -> bool:

@@ -156,6 +156,8 @@ def _undecodable_bytes_kept(stream) -> None:
 
 def _read_line() -> str | None:
     """The next user message, or None at the end of input; a prompt marker on a terminal."""
+    if sys.stdin is None:  # closed (<&-): no input, as /dev/null's
+        return None
     terminal = sys.stdin.isatty()
     if terminal:
         console.print("[bold]>[/bold] ", end="")

@@ -162,6 +162,11 @@ def _write_json(path: str | None, payload: dict) -> None:
         message(f"wrote {escape(str(write_json(path, payload)))}")
 
 
+def perplexity_text(perplexity: float) -> str:
+    """Four decimals, or four digits where that is long (a broken artifact's 1e200 printed as a 201-digit number)."""
+    return f"{perplexity:.4f}" if perplexity < 1e6 else f"{perplexity:.4g}"
+
+
 def _window_shown(window: int, tokens: int) -> str:
     """The window the evaluation used: fewer tokens than --window (a short text, or --max-tokens) are one window."""
     return str(window) if tokens >= window else f"{tokens} (all of them; --window {window})"
@@ -183,7 +188,7 @@ def eval_command(args) -> None:
         table.add_column(column, justify="left" if column == "artifact" else "right")
     table.add_row(escape(artifact.name), f"{artifact.bytes / 2**20:.2f}", str(result.tokens_scored),
                   _window_shown(window, len(token_ids)), _stride_shown(window, stride, len(token_ids)),
-                  f"{result.perplexity:.4f}")
+                  perplexity_text(result.perplexity))
     print_table(table, _results_console(args))
     from runtime.evaluate import tokens_fingerprint
 
@@ -214,8 +219,8 @@ def compare_command(args) -> None:
                         f"B against A (KL(A || B), nats per token)")
     for column in ("", "artifact", "MiB", "perplexity", "top-1 agreement", "mean KL"):
         table.add_column(column, justify="left" if column in ("", "artifact") else "right")
-    table.add_row("A", escape(reference.name), f"{reference.bytes / 2**20:.2f}", f"{result.reference_perplexity:.4f}", "", "")
-    table.add_row("B", escape(candidate.name), f"{candidate.bytes / 2**20:.2f}", f"{result.perplexity:.4f}",
+    table.add_row("A", escape(reference.name), f"{reference.bytes / 2**20:.2f}", perplexity_text(result.reference_perplexity), "", "")
+    table.add_row("B", escape(candidate.name), f"{candidate.bytes / 2**20:.2f}", perplexity_text(result.perplexity),
                   f"{result.top1_agreement:.2%}", f"{result.mean_kl:.6f}")
     print_table(table, _results_console(args))
     describe = lambda scored, path, perplexity, nll: {  # noqa: E731

@@ -78,7 +78,8 @@ def whole_writes_to_stdout() -> None:
 # many CI setups for coloured logs) made rich animate its spinners and bars into the log file, frame by frame
 # (53 frames for a 2-second build); TTY_INTERACTIVE, where set, decides (rich reads it).
 console = ReaderAwareConsole(stderr=True, emoji=False,
-                             force_interactive=None if "TTY_INTERACTIVE" in os.environ or sys.stderr.isatty() else False)
+                             force_interactive=None if "TTY_INTERACTIVE" in os.environ or (
+                                 sys.stderr is not None and sys.stderr.isatty()) else False)  # None: closed (2>&-)
 
 
 def print_table(table, out: Console = console) -> None:
@@ -97,8 +98,9 @@ def print_table(table, out: Console = console) -> None:
         if least > out.width:
             out.width = least
         out.print(table)
-    except OSError:  # a reader that left (as message)
-        pass
+    except OSError:  # a reader that left (as message); stdout's table is the command's output: its failure counts
+        if not out.stderr:
+            raise
     finally:
         out._width = width
 
@@ -106,11 +108,13 @@ def print_table(table, out: Console = console) -> None:
 def message(markup: str, out: Console = console) -> None:
     """One line of rich markup, kept whole however narrow the console (out: stdout's, for a command whose report
     is its output). A console whose reader is gone (`2>&1 | tee` ended by the same Ctrl-C, a terminal hung up) drops
-    it: a notice must not turn a clean stop into a traceback, nor `aotlm serve`'s drain into cut requests."""
+    it: a notice must not turn a clean stop into a traceback, nor `aotlm serve`'s drain into cut requests. stdout's
+    line is output: a full disk or a closed pipe there is the command's failure (status 2, 141), not a 0."""
     try:
         out.print(markup, highlight=False, soft_wrap=True)
     except OSError:
-        pass
+        if not out.stderr:
+            raise
 
 
 def warning(text: str, out: Console = console) -> None:

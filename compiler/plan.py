@@ -63,7 +63,21 @@ WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
 KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 INT4_BLOCK, INT4_SCALE_BYTES = 32, 2  # one fp16 scale per 32 weights: +2/32 = 0.0625 bytes per parameter
-CACHE_FILE = Path.home() / ".cache" / "aotlm" / "cpu.json"
+
+
+def _cpu_cache_file() -> Path | None:
+    """$XDG_CACHE_HOME/aotlm/cpu.json, ~/.cache's by default; None without a home folder (a container's user id with
+    no passwd entry, as OpenShift runs them: Path.home() raised at import, and every `aotlm plan` failed)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # unset, or relative: ignored, as the XDG specification says
+        try:
+            base = Path.home() / ".cache"
+        except RuntimeError:
+            return None
+    return Path(base) / "aotlm" / "cpu.json"
+
+
+CACHE_FILE = _cpu_cache_file()  # None: the figures are measured on every call
 MAX_OTHER_CORES = 0.25  # mean cores other processes may keep busy while this machine's figures are measured
 AS_BUILT = "the artifact's weights file"  # where an artifact's planned weight bytes come from
 RECIPE_QUANTIZE = "the recipe's quantize options"  # a recipe's: its blocks, scales and embedding choice
@@ -153,8 +167,8 @@ def _measure_cpu() -> dict:
         from onnx import TensorProto, helper, numpy_helper
     except ModuleNotFoundError:  # a runtime-only install (a deployment): measured once, where onnx is
         raise BuildError(f"measuring this machine's matmul peak builds a one-MatMul graph with onnx, which is not "
-                         f"installed: pip install 'aotlm[compiler]' once (the figures are kept in {CACHE_FILE}; a "
-                         f"copy of that file from a machine of this kind does too)") from None
+                         f"installed: pip install 'aotlm[compiler]' once (the figures are kept in {CACHE_FILE or '~/.cache/aotlm/cpu.json'}; "
+                         f"a copy of that file from a machine of this kind does too)") from None
 
     n = 2048
     a, b = np.random.default_rng(0).standard_normal((2, n, n), dtype=np.float32)
@@ -180,7 +194,7 @@ def cpu_device(remeasure: bool = False) -> dict:
     # -use: the CPUs this process may use (a container's limit, taskset): a figure from 1 of 2 CPUs is not the 2's
     key = f"{socket.gethostname()}-{os.cpu_count()}cpu-{usable_cpus()}use-ort-read-quiet"
     try:
-        cache = json.loads(CACHE_FILE.read_text())
+        cache = json.loads(CACHE_FILE.read_text()) if CACHE_FILE else {}
     except (OSError, ValueError, RecursionError):
         cache = {}
     note = "`aotlm plan SOURCE --remeasure` redoes it"
@@ -191,7 +205,8 @@ def cpu_device(remeasure: bool = False) -> dict:
         if (m.get("other_cores") or 0.0) <= MAX_OTHER_CORES:
             cache[key] = m
             try:  # whole or not at all: a full disk cut the file short, and every host's figures with it
-                write_json(CACHE_FILE, cache)
+                if CACHE_FILE:
+                    write_json(CACHE_FILE, cache)
             except OSError:
                 pass  # a read-only home only costs a re-measurement next time
         else:

@@ -18,6 +18,7 @@ calibration part (for the compiler's quantization) and a held-out part (for eval
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import os
 import re
@@ -264,11 +265,20 @@ def evaluate(token_ids, logits_for: LogitsFor, *, window: int, stride: int,
     reference_nll = totals.reference_nll / totals.count if compared else None
     return Evaluation(
         tokens_scored=totals.count, windows=len(spans), window=window, stride=stride,
-        mean_nll=mean_nll, perplexity=float(np.exp(mean_nll)),
-        reference_mean_nll=reference_nll, reference_perplexity=float(np.exp(reference_nll)) if compared else None,
+        mean_nll=mean_nll, perplexity=perplexity_of(mean_nll),
+        reference_mean_nll=reference_nll, reference_perplexity=perplexity_of(reference_nll) if compared else None,
         top1_agreement=totals.agree / totals.count if compared else None,
         mean_kl=totals.kl / totals.count if compared else None,
     )
+
+
+def perplexity_of(mean_nll: float) -> float:
+    """exp(mean NLL); inf past a float's range (a broken artifact's NLL over 709), without numpy's overflow warning.
+    JSON writes it as null (runtime/results.py json_text); the mean NLL stays finite beside it."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
 
 
 def _finite(logits: np.ndarray, whose: str, start: int, first_scored: int) -> np.ndarray:

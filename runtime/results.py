@@ -47,11 +47,28 @@ def _link_chain(path: str | Path, most: int = 40) -> list[str]:
     return chain
 
 
+def json_text(payload) -> str:
+    """payload as indented JSON and a newline, a non-finite number as null: json.dumps writes Infinity and NaN,
+    which JSON has not (a broken build's perplexity, past 1e308, made `aotlm eval --json` unreadable to strict
+    parsers: JavaScript's, Go's, Rust's)."""
+    return json.dumps(_finite_or_null(payload), indent=2, allow_nan=False) + "\n"
+
+
+def _finite_or_null(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value
+
+
 def write_json(path: str | Path, payload: dict) -> Path:
     """Write payload as indented JSON at path (its folder made if missing), whole or not at all: into a temporary file
     beside it, then renamed over it. A full disk or a refused write raises OSError and leaves no empty or cut-short
     file (nor the temporary one) behind. A stream (is_stream: "-", /dev/stdout, a pipe) is written into instead."""
-    text = json.dumps(payload, indent=2) + "\n"
+    text = json_text(payload)
     if str(path) == "-":
         sys.stdout.write(text)
         sys.stdout.flush()

@@ -279,8 +279,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(capsys, tiny_ar
     monkeypatch.setattr(results.os, "fdopen", FullFile)
     status, output = run_cli(capsys, "eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--max-tokens", "64",
                              "--json", previous)
-    assert status == 2 and "No space left on device: free space there" in output and "Traceback" not in output
-    assert previous.read_text() == '{"an": "earlier result"}' and sorted(p.name for p in tmp_path.iterdir()) == [
+    assert status == 2 and f"No space left on device ({previous}): free space there" in output, output
+    assert "Traceback" not in output and previous.read_text() == '{"an": "earlier result"}' and sorted(p.name for p in tmp_path.iterdir()) == [
         "eval.json", "out"]  # the earlier file whole, no temporary one beside it
 
 

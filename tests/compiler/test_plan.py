@@ -787,3 +787,21 @@ def test_the_cpu_figures_are_cached_per_count_of_usable_cpus(monkeypatch, tmp_pa
     monkeypatch.setattr(plan_module, "usable_cpus", lambda: 2)
     plan_module.cpu_device()
     assert len(calls) == 2  # once per count, each cached
+
+
+def test_the_cpu_cache_follows_xdg_and_a_user_without_a_home_measures_each_time(monkeypatch, tmp_path):
+    """Path.home() at import raised for a user id with no passwd entry (OpenShift's): every `aotlm plan` failed."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert plan_module._cpu_cache_file() == tmp_path / "aotlm" / "cpu.json"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: ignored, as the specification says
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(plan_module.Path, "home", staticmethod(no_home))
+    assert plan_module._cpu_cache_file() is None
+    monkeypatch.setattr(plan_module, "CACHE_FILE", None)
+    measured = []
+    monkeypatch.setattr(plan_module, "measure_cpu", lambda: measured.append(1) or dict(FAKE_CPU))
+    plan_module.cpu_device()
+    plan_module.cpu_device()
+    assert len(measured) == 2

@@ -187,7 +187,10 @@ def test_notices_survive_a_gone_stderr_and_a_gone_stdout_ends_as_a_closed_pipe(c
         def flush(self):
             raise self.error
 
-    message("a notice", ReaderAwareConsole(file=Broken(OSError(errno.EIO, "Input/output error")), emoji=False))
+    hung_up = OSError(errno.EIO, "Input/output error")
+    message("a notice", ReaderAwareConsole(file=Broken(hung_up), stderr=True, emoji=False))
+    with pytest.raises(OSError):  # stdout's line is the command's output: main says why it stopped (status 129)
+        message("a report line", ReaderAwareConsole(file=Broken(hung_up), emoji=False))
     stdout = ReaderAwareConsole(file=Broken(BrokenPipeError(errno.EPIPE, "Broken pipe")), emoji=False)
     with pytest.raises(BrokenPipeError):
         stdout.print("a table row")
@@ -286,3 +289,39 @@ def test_a_short_write_to_standard_output_writes_on_until_all_is_written(monkeyp
     os.close(writer)
     with os.fdopen(reader, "rb") as pipe:
         assert pipe.read().decode() == text
+
+
+def aotlm(*argv, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "compiler.cli", *map(str, argv)], stderr=subprocess.PIPE, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2], **popen)
+
+
+def test_a_report_on_stdout_that_cannot_be_written_fails_the_command(tiny_artifact):
+    """plan, eval and compare print their report through a console that dropped every write error: `aotlm plan A >
+    result.txt` on a full disk exited 0 with an empty file, and into a closed pipe 0, not 141."""
+    with open("/dev/full", "w") as full:
+        result = aotlm("plan", tiny_artifact, "--device", "H100", stdout=full)
+    assert result.returncode == 2 and "No space left on device (standard output)" in result.stderr, result.stderr
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        result = aotlm("plan", tiny_artifact, "--device", "H100", stdout=writer)
+        version = aotlm("--version", stdout=writer)
+    finally:
+        os.close(writer)
+    assert result.returncode == 141 and version.returncode == 141 and "Traceback" not in version.stderr
+    with open("/dev/full", "w") as full:
+        version = aotlm("--version", stdout=full)
+    assert version.returncode == 2 and version.stderr.startswith("error: No space left on device"), version.stderr
+
+
+def test_closed_standard_streams_are_a_line_or_the_end_of_input_not_a_traceback(tiny_artifact, chat_artifact):
+    closed_stdout = aotlm("run", tiny_artifact, "--prompt", "hi", preexec_fn=lambda: os.close(1))
+    assert closed_stdout.returncode == 2 and closed_stdout.stderr == (
+        "error: standard output is closed (>&-); redirect it to a file or /dev/null\n")
+    closed_stderr = subprocess.run([sys.executable, "-m", "compiler.cli", "run", str(tiny_artifact), "--prompt", "hi",
+                                    "--max-new-tokens", "3"], capture_output=True, text=True, timeout=120,
+                                   cwd=Path(__file__).resolve().parents[2], preexec_fn=lambda: os.close(2))
+    assert closed_stderr.returncode == 0 and closed_stderr.stdout.startswith("hi")
+    closed_stdin = aotlm("chat", chat_artifact[0], stdout=subprocess.PIPE, preexec_fn=lambda: os.close(0))
+    assert closed_stdin.returncode == 0 and "Traceback" not in closed_stdin.stderr, closed_stdin.stderr

@@ -146,3 +146,18 @@ def test_a_full_disk_names_the_file_it_refused(tmp_path, monkeypatch):
         write_json(tmp_path / "r.json", {"ok": 1})
     assert raised.value.filename == str(tmp_path / "r.json") and raised.value.errno == errno.ENOSPC
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"] and (tmp_path / "r.json").read_text() == "{}"
+
+
+def test_json_has_no_infinity_a_non_finite_number_is_null(tmp_path):
+    """A broken build's perplexity (past 1e308) was written as Infinity, which JSON has not: strict parsers
+    (JavaScript's, Go's, Rust's, Python's with parse_constant) refused the whole file."""
+    from runtime.evaluate import perplexity_of
+
+    assert perplexity_of(800.0) == math.inf and perplexity_of(math.log(7.5)) == pytest.approx(7.5)
+    path = write_json(tmp_path / "r.json", {"perplexity": perplexity_of(800.0), "mean_nll": 800.0,
+                                            "rows": [float("nan"), (1.5, -math.inf)]})
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is no JSON")
+    assert json.loads(path.read_text(), parse_constant=refuse) == {"perplexity": None, "mean_nll": 800.0,
+                                                                   "rows": [None, [1.5, None]]}
