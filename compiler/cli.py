@@ -527,7 +527,10 @@ class _PrintVersion(argparse.Action):
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="aotlm", description="Ahead-of-time compiler for language-model inference")
+    root = argparse.ArgumentParser(
+        prog="aotlm", description="Ahead-of-time compiler for language-model inference",
+        epilog="exit status: 0 done; 2 bad input or a refused write (one error: line); 130, 143, 129 after Ctrl-C, "
+               "SIGTERM, SIGHUP; 141 when stdout's reader left; 1 (a traceback) is a bug")
     root.add_argument("--version", action=_PrintVersion, nargs=0, help="print aotlm's version and exit")
     commands = root.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="build a recipe into artifacts/<name>/")
