@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 from compiler.accuracy import evaluate_against_float, held_out_tokens, quantization_summary, repeated_text_warning
-from compiler.artifact import (build_host, creation_time, remove_abandoned, remove_abandoned_scratch, scratch_folder,
-                               source_revision, sources_sha256, staged_folder, temporary_folder, tool_versions,
-                               write_manifest)
+from compiler.artifact import (build_host, check_disk_room, creation_time, remove_abandoned, remove_abandoned_scratch,
+                               scratch_folder, source_revision, sources_sha256, staged_folder, temporary_folder,
+                               tool_versions, write_manifest)
 from compiler.backends import onnxruntime as onnxruntime_backend
 from compiler.backends import tensorrt as tensorrt_backend
 from compiler.calibration import BUILTIN, resolve_passes
@@ -28,7 +28,21 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # Jinja, as transformers saves it
 # time: a 1.25 GB model's passes peaked at 5.1 GB with both held, 3.4 GB one at a time (scratch, session 36); the
 # default model (539 MB) gains nothing from it.
 SPILL_ABOVE_WEIGHT_BYTES = 1 << 30
+EXPORT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # per weight, by the recipe's export.dtype
 QUANTIZING_PASSES = ("quantize", "quantize_kv_cache")  # the accuracy report compares against the graph before them
+
+
+def _check_disk_room(recipe: Recipe, built_at: Path, parameters: int, quantized: bool) -> None:
+    """The disk space the build certainly needs, checked before the export. The traced graphs: both phases, each with
+    its copy of the weights, in the temporary folder (measured: 2.0x the weights at the peak). The artifact: a float
+    build's weights file is the weights (a quantized one's is smaller, not estimated here), beside the artifact it
+    replaces until the swap. A folder shared by both needs the larger only: the traces are gone before staging."""
+    weights = parameters * EXPORT_BYTES[recipe.export.dtype]
+    check_disk_room(temporary_folder()[0], 2 * weights, "the traced graphs (two copies of the weights)")
+    if not quantized:
+        folder = next((folder for folder in (built_at.parent, *built_at.parent.parents) if folder.exists()), None)
+        if folder is not None:
+            check_disk_room(folder, weights, "the artifact's weights")
 
 
 def check_tokenizer_fits(tokenizer_json: str, vocab_size: int) -> None:
@@ -167,6 +181,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
         if warning := repeated_text_warning(held_out):
             say(f"warning: {warning}")
     weight_bytes = sum(tensor.nbytes for tensor in loaded.state_dict.values())
+    _check_disk_room(recipe, built_at, sum(tensor.numel() for tensor in loaded.state_dict.values()),
+                     quantized=any(spec.name == "quantize" for spec in passes))
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
     for folder in remove_abandoned_scratch():  # a killed build's traces: gigabytes for a large model

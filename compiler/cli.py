@@ -29,8 +29,8 @@ from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_
 from compiler.cli_sampling import add_sampling_options, sampling_options
 from compiler.console import (ReaderAwareConsole, console, error, message, print_table, warning,
                               whole_writes_to_stdout)
-from compiler.errors import (UsageError, check_output_file, nonnegative_int, positive_float, positive_int, text_argument,
-                             thread_count, user_path)
+from compiler.errors import (UsageError, check_output_file, exception_chain, nonnegative_int, positive_float,
+                             positive_int, text_argument, thread_count, user_path)
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 INSPECT_SUMMARY_CHARACTERS = 240  # a pass's summary in `aotlm inspect`'s table; --json prints the whole report
@@ -657,15 +657,6 @@ def _stopped_by(stop: _Terminated) -> int:
     return 128 + stop.signum
 
 
-def _chain(exception: BaseException):
-    """The exception and the ones it was raised from or while handling."""
-    seen = set()
-    while exception is not None and id(exception) not in seen:
-        seen.add(id(exception))
-        yield exception
-        exception = exception.__cause__ or exception.__context__
-
-
 REFUSED_WRITES = {errno.ENOSPC: "free space there, or write elsewhere", errno.EDQUOT: "free space there, or write "
                   "elsewhere", errno.EROFS: "write elsewhere", errno.EACCES: "check its permissions, or write elsewhere",
                   errno.EPERM: "check its permissions, or write elsewhere",
@@ -774,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         error(refused_write(problem))
         return 2
     except ImportError as problem:  # a signal inside a module's initialisation surfaces as its ImportError
-        stop = next((e for e in _chain(problem) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too
+        stop = next((e for e in exception_chain(problem) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too
         missing = (getattr(problem, "name", None) or "").split(".")[0]
         if stop is None and isinstance(problem, ModuleNotFoundError) and missing in EXTRAS:
             # an install with the runtime only (a deployment) running a command that needs more

@@ -146,3 +146,12 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
     return value
+
+
+def exception_chain(exception: BaseException):
+    """The exception and the ones it was raised from or while handling, once each."""
+    seen = set()
+    while exception is not None and id(exception) not in seen:
+        seen.add(id(exception))
+        yield exception
+        exception = exception.__cause__ or exception.__context__

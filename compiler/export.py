@@ -15,6 +15,7 @@ Weights keep their Hugging Face parameter names, so the two graphs share them by
 """
 from __future__ import annotations
 
+import errno
 import tempfile
 import warnings
 from pathlib import Path
@@ -25,7 +26,7 @@ from onnx import numpy_helper
 import torch
 from torch import nn
 
-from compiler.errors import BuildError
+from compiler.errors import BuildError, exception_chain
 from compiler.frontend.config import DecoderConfig
 from compiler.frontend.model import Decoder
 from compiler.recipe_checks import check_max_positions
@@ -147,12 +148,19 @@ def trace_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pref
                 input_names=inputs, output_names=outputs, dynamic_axes=axes, do_constant_folding=True,
             )
         except Exception as error:  # the exporter's own errors are long; keep the first line and the phase
+            full = next((e for e in exception_chain(error) if isinstance(e, OSError) and e.errno in DISK_FULL), None)
+            if full is not None:  # the command's one line for a refused write, naming the folder that is full
+                raise OSError(full.errno, full.strerror, f"{tempfile.gettempdir()}, the temporary folder where the "
+                                                         f"{phase} graph is traced (TMPDIR)") from None
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             if isinstance(error, MemoryError) or "can't allocate memory" in str(error):  # torch's allocator's words
                 raise BuildError(f"export of the {phase} graph ran out of memory ({first_line[:200]}): {OUT_OF_MEMORY}") \
                     from error
             raise BuildError(f"export of the {phase} graph failed: {first_line}") from error
     return path
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 # What a build that ran out of memory is told (also compiler/cli.py, for one that ran out elsewhere).

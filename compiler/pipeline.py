@@ -13,6 +13,7 @@ work kept on disk.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -402,6 +403,19 @@ def to_json(value, where: str):
 
 
 def dump_model(model: onnx.ModelProto, path: str) -> None:
+    """model at path (its weights in path.data when large), or nothing there: a full disk left a cut-short .onnx
+    that onnx cannot read, and an error that named no file."""
+    try:
+        _save_dump(model, path)
+    except OSError as problem:
+        for written in (path, path + ".data"):
+            with contextlib.suppress(OSError):
+                os.remove(written)
+        problem.filename = problem.filename or path
+        raise
+
+
+def _save_dump(model: onnx.ModelProto, path: str) -> None:
     if model.ByteSize() < DUMP_EXTERNAL_DATA_BYTES:
         onnx.save_model(model, path)
         return

@@ -325,3 +325,54 @@ def test_closed_standard_streams_are_a_line_or_the_end_of_input_not_a_traceback(
     assert closed_stderr.returncode == 0 and closed_stderr.stdout.startswith("hi")
     closed_stdin = aotlm("chat", chat_artifact[0], stdout=subprocess.PIPE, preexec_fn=lambda: os.close(0))
     assert closed_stdin.returncode == 0 and "Traceback" not in closed_stdin.stderr, closed_stdin.stderr
+
+
+def test_a_disk_without_room_is_refused_before_the_export_with_sizes(capsys, tmp_path, monkeypatch):
+    """A full output disk was found only when the artifact was written, after the export and every pass (minutes for
+    a large model), in a line naming two folders and no sizes."""
+    import shutil as shutil_module
+    from compiler import artifact
+
+    traced = []
+    monkeypatch.setattr("compiler.build.trace_graphs", lambda *a, **k: traced.append(1))
+    real_usage = shutil_module.disk_usage
+    free = {"out": 100_000, "tmp": 10**12}
+
+    def usage(folder):
+        taken = "out" if Path(folder).resolve() == (tmp_path / "out").resolve() else "tmp"
+        return real_usage(folder)._replace(free=free[taken])
+    monkeypatch.setattr(artifact.shutil, "disk_usage", usage)
+    (tmp_path / "out").mkdir()
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and traced == [] and list((tmp_path / "out").iterdir()) == [], text
+    assert f"error: the artifact's weights need about 0.5 MiB in {tmp_path / 'out'}, and 0.1 MiB are free" in text
+    free.update(out=10**12, tmp=100_000)
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and traced == [] and "the traced graphs (two copies of the weights) need about 1.1 MiB" in text
+
+
+def test_a_full_temporary_folder_during_the_export_is_named(capsys, tmp_path, monkeypatch):
+    """The exporter's ENOSPC became "export of the prefill graph failed: [Errno 28] ...", naming no folder."""
+    import torch
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch.onnx, "export", full)
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "Traceback" not in text, text
+    assert (f"No space left on device ({tempfile.gettempdir()}, the temporary folder where the prefill graph is traced "
+            f"(TMPDIR)): free space there") in text, text
+
+
+def test_a_pass_dump_the_disk_refused_leaves_no_cut_short_graph(tmp_path, monkeypatch):
+    import onnx
+
+    from compiler.pipeline import dump_model
+
+    def full(model, path, **kwargs):
+        Path(path).write_bytes(b"\x08\x07partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(onnx, "save_model", full)
+    with pytest.raises(OSError) as raised:
+        dump_model(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [])), str(tmp_path / "00-x.onnx"))
+    assert raised.value.filename == str(tmp_path / "00-x.onnx") and list(tmp_path.iterdir()) == []
