@@ -325,8 +325,12 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, alia
     # Shared by every build under the output root: written whole or not at all (a build killed mid-write would
     # leave a truncated cache that the next build's create_timing_cache reads).
     partial = timing_cache_path.with_name(f".{timing_cache_path.name}.partial-{os.getpid()}")
-    partial.write_bytes(timing_cache)
-    os.replace(partial, timing_cache_path)
+    try:
+        partial.write_bytes(timing_cache)
+        os.replace(partial, timing_cache_path)
+    except BaseException:  # a full disk: no partial file left in the output folder
+        partial.unlink(missing_ok=True)
+        raise
     backend = backend_section(trt.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability(),
                               plugins, spec, timing_cache_path)
     warning = plugin_leak_warning(trt.__version__, plugins)
