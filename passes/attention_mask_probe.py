@@ -121,7 +121,10 @@ def run_cut_many(probe: gs.Graph, feeds: list) -> list[list[np.ndarray]] | str:
         names = [output.name for output in probe.outputs]
         return [session.run(names, {value.name: feed(value) for value in probe.inputs}) for feed in feeds]
     except Exception as error:  # noqa: BLE001 - any failure means "unchecked", said in the report
-        return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        # onnxruntime's reason comes last, after a C++ signature ("Model::Model(onnx::ModelProto&&, ...) Unsupported
+        # model IR version: 12, ..."): the first 160 characters had kept the signature and lost the reason
+        return line if len(line) <= 160 else "..." + line[-157:]
 
 
 def probe_feed(value: gs.Variable, length: int, queries: int | None = None, batch: int = 1) -> np.ndarray:

@@ -20,6 +20,7 @@ import onnxruntime as ort
 from runtime.cpus import cgroup_memory_left, cpus, default_intra_op_threads, restriction, usable_cpus
 from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
 from runtime.huge_pages import advise, advise_range
+from runtime.manifest import required_features
 from runtime.versions import release
 
 
@@ -151,24 +152,35 @@ def check_io(session: ort.InferenceSession, engine: dict, path: Path) -> None:
                                 f"{want}): the file is not the engine the manifest describes; rebuild the artifact")
 
 
-# The oldest onnxruntime whose GroupQueryAttention has the outputs lower_onnxruntime declares (output_qk, 1.23):
-# pyproject's floor. An older one built artifacts that not even it could load.
-MIN_ONNXRUNTIME = "1.23"
+# The oldest onnxruntime whose GroupQueryAttention has the outputs lower_onnxruntime declares (output_qk, 1.23; an
+# older one built artifacts that not even it could load), and whose standard Attention groups heads right (1.23.0's
+# gave other tokens for every grouped-query model lowered with lower_onnx_attention): pyproject's floor.
+MIN_ONNXRUNTIME = "1.23.1"
+# Features (manifest `requires`) that need a newer onnxruntime than the floor, and why. The int8 cache's
+# GroupQueryAttention inputs: 1.23 and 1.24 refuse the graph, 1.25 and 1.26 load it and fail at the first step.
+FEATURE_ONNXRUNTIME = {"int8_kv_cache": ("1.27", "an int8 KV cache (GroupQueryAttention's int8 cache inputs)")}
 
 
-def check_installed(installed: str) -> None:
+def check_installed(installed: str, features=()) -> None:
+    """The installed onnxruntime against aotlm's floor and against what the features (manifest `requires`) need."""
     if release(installed) < release(MIN_ONNXRUNTIME):
         raise ArtifactError(f"onnxruntime {installed} is installed; aotlm's graphs need {MIN_ONNXRUNTIME} or later "
-                            f"(GroupQueryAttention's outputs): pip install -U 'onnxruntime>={MIN_ONNXRUNTIME}'")
+                            f"(GroupQueryAttention's outputs, Attention's grouped heads): pip install -U "
+                            f"'onnxruntime>={MIN_ONNXRUNTIME}'")
+    for feature in features:
+        if feature in FEATURE_ONNXRUNTIME and release(installed) < release(FEATURE_ONNXRUNTIME[feature][0]):
+            needed, what = FEATURE_ONNXRUNTIME[feature]
+            raise ArtifactError(f"onnxruntime {installed} is installed; {what} needs {needed} or later: pip install "
+                                f"-U 'onnxruntime>={needed}'")
 
 
-def check_version(built: str | None, installed: str) -> str | None:
+def check_version(built: str | None, installed: str, features=()) -> str | None:
     """The installed onnxruntime against aotlm's floor (refused below it) and against the one that built the graphs:
     an older one may lack their operators or inputs (com.microsoft contrib ops gain them release by release: an int8
     cache's GroupQueryAttention fails to load on 1.23), or may run them (a float artifact built with 1.32 gives the
     same tokens on 1.23.2, the newest release for Intel Macs): tried, and the note returned for a warning and for
-    the error where it cannot load them. None where it is as new."""
-    check_installed(installed)
+    the error where it cannot load them. None where it is as new. features: the manifest's `requires`."""
+    check_installed(installed, features)
     if built is not None and not (built[:1].isdigit() and "." in built):  # "abc" read as 0.0.0: anything passed
         raise ArtifactError(f"backend.version {built!r} in the manifest is not an onnxruntime version; the manifest "
                             f"was edited: rebuild the artifact")
@@ -182,7 +194,7 @@ class OnnxRuntimeBackend:
     def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None, *,
                  spinning_phases: Collection[str] = ()):
         """spinning_phases: the phases whose sessions' threads keep spinning after a run (STOP_SPINNING_AFTER_RUN)."""
-        older = check_version(manifest["backend"].get("version"), ort.__version__)
+        older = check_version(manifest["backend"].get("version"), ort.__version__, required_features(manifest))
         self.notices: list[str] = []  # warnings for Engine.load to give its caller, each once
         self.manifest = manifest
         settings = manifest["backend"].get("session", {})

@@ -153,3 +153,7 @@ def test_a_build_with_too_old_an_onnxruntime_is_refused_before_the_export(monkey
     monkeypatch.setattr(onnxruntime, "__version__", "1.20.0")
     with pytest.raises(BuildError, match="onnxruntime 1.20.0 is installed; aotlm's graphs need 1.23"):
         onnxruntime_backend.check_recipe(SimpleNamespace(passes=[]))
+    monkeypatch.setattr(onnxruntime, "__version__", "1.25.0")  # the int8 cache's inputs came in 1.27
+    with pytest.raises(BuildError, match="an int8 KV cache .* needs 1.27 or later"):
+        onnxruntime_backend.check_recipe(SimpleNamespace(passes=[SimpleNamespace(name="quantize_kv_cache")]))
+    onnxruntime_backend.check_recipe(SimpleNamespace(passes=[SimpleNamespace(name="cleanup", options=None)]))

@@ -1143,3 +1143,20 @@ def test_the_cache_length_comes_from_the_cache_not_another_concatenated_input():
              gs.Node("Concat", inputs=[past, new_key], outputs=[present], attrs={"axis": 2})]
     graph = gs.Graph(nodes=nodes, inputs=[prefix, past, new_key], outputs=[hidden, present])
     assert cache_length(graph) == 128
+
+
+def test_a_probe_onnxruntime_refuses_keeps_the_reason_not_the_signature(monkeypatch):
+    """onnxruntime's reason comes after a long C++ signature: the first 160 characters said only where it failed."""
+    import onnxruntime
+
+    from passes.attention_mask_probe import run_cut
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Load model from memory failed:" + " x" * 80 +
+                           " Model::Model(onnx::ModelProto&&, const onnxruntime::PathString&) Unsupported model IR "
+                           "version: 12, max supported IR version: 11")
+    monkeypatch.setattr(onnxruntime, "InferenceSession", refuse)
+    graph = gs.Graph(inputs=[gs.Variable("x", np.float32, [1])], outputs=[gs.Variable("y", np.float32, [1])])
+    graph.nodes.append(gs.Node("Identity", inputs=[graph.inputs[0]], outputs=[graph.outputs[0]]))
+    said = run_cut(graph, lambda value: np.zeros(1, np.float32))
+    assert said.endswith("Unsupported model IR version: 12, max supported IR version: 11") and len(said) == 160

@@ -103,10 +103,22 @@ def test_an_onnxruntime_older_than_the_builds_is_noted_down_to_the_patch_release
 def test_an_onnxruntime_older_than_aotlms_floor_is_refused_whatever_built_the_artifact():
     """onnxruntime 1.20-1.22 built artifacts that not even they could load (GroupQueryAttention's output_qk came in
     1.23): the load and the build say which release to install."""
-    with pytest.raises(ArtifactError, match=r"onnxruntime 1.22.0 is installed; aotlm's graphs need 1.23 or later .*"
-                                            r"pip install -U 'onnxruntime>=1.23'"):
+    with pytest.raises(ArtifactError, match=r"onnxruntime 1.22.0 is installed; aotlm's graphs need 1.23.1 or later .*"
+                                            r"pip install -U 'onnxruntime>=1.23.1'"):
         check_version("1.22.0", "1.22.0")
-    check_version("1.23.0", "1.23.0")
+    with pytest.raises(ArtifactError, match="Attention's grouped heads"):  # 1.23.0's gave other tokens
+        check_version("1.23.0", "1.23.0")
+    check_version("1.23.1", "1.23.1")
+
+
+def test_an_int8_cache_on_an_onnxruntime_without_its_inputs_is_refused_at_load():
+    """1.25 and 1.26 loaded an int8-cache artifact ("it loaded, and runs") and failed at its first step with a
+    traceback from inside onnxruntime; 1.23 and 1.24 named the release that built it, not the one it needs."""
+    with pytest.raises(ArtifactError, match=r"onnxruntime 1.26.0 is installed; an int8 KV cache .* needs 1.27 or "
+                                            r"later: pip install -U 'onnxruntime>=1.27'"):
+        check_version("1.32.0", "1.26.0", ["int8_kv_cache"])
+    assert "older" in check_version("1.32.0", "1.27.0", ["int8_kv_cache"])  # loads, with the warning
+    assert check_version("1.32.0", "1.26.0", ["session_config"]) is not None  # not a cache: tried
 
 
 
