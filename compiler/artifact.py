@@ -323,17 +323,16 @@ def temporary_folder() -> tuple[Path, str | None]:
 def check_disk_room(folder: Path, need: int, what: str) -> None:
     """Refuse, before the export, a build whose `what` (need bytes) cannot fit in folder's filesystem: it failed after
     the whole export and passes (minutes for a large model) with an error naming two folders and no sizes."""
+    from runtime.onnxruntime_backend import binary_size
+
     try:
         free = shutil.disk_usage(folder).free
     except OSError:  # not there yet (--output made later), or unreadable: the write says so when it comes
         return
     if free < need:
-        raise BuildError(f"{what} need about {_size(need)} in {folder}, and {_size(free)} are free there: free space, "
-                         f"or build on a larger disk (TMPDIR for the traced graphs, --output for the artifact)")
-
-
-def _size(count: int) -> str:
-    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+        raise BuildError(f"{what} need about {binary_size(need)} in {folder}, and {binary_size(free)} are free there: "
+                         f"free space, or build on a larger disk (TMPDIR for the traced graphs, --output for the "
+                         f"artifact)")
 
 
 @contextlib.contextmanager

@@ -45,6 +45,21 @@ def _check_disk_room(recipe: Recipe, built_at: Path, parameters: int, quantized:
             check_disk_room(folder, weights, "the artifact's weights")
 
 
+def memory_short_warning(float32_bytes: int) -> str | None:
+    """A warning, before the export, where the memory left (MemAvailable, a container's limit, ulimit -v) is below
+    what the build's peak will add to the weights loaded now: at least 2 more copies of them (OUT_OF_MEMORY's 3 to 5
+    times, less the one held). A build past it was killed by the OOM killer minutes in, without a word before."""
+    from runtime.onnxruntime_backend import available_memory_bytes, binary_size
+
+    available = available_memory_bytes()
+    if available is None or available >= 2 * float32_bytes:
+        return None
+    return (f"this build's peak holds about 3 to 5 times the model's float32 weights ({binary_size(3 * float32_bytes)} "
+            f"to {binary_size(5 * float32_bytes)}), and {binary_size(available)} more is available now (beside the "
+            f"{binary_size(float32_bytes)} loaded): it may be killed partway (the OOM killer); free memory, or build on "
+            f"a machine with more")
+
+
 def check_tokenizer_fits(tokenizer_json: str, vocab_size: int) -> None:
     """A tokenizer whose ids reach past the embedding table builds, then fails at the first prompt that uses them:
     refuse it here. (A tokenizer smaller than the table is common: tables are padded to a round size.)"""
@@ -181,8 +196,10 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
         if warning := repeated_text_warning(held_out):
             say(f"warning: {warning}")
     weight_bytes = sum(tensor.nbytes for tensor in loaded.state_dict.values())
-    _check_disk_room(recipe, built_at, sum(tensor.numel() for tensor in loaded.state_dict.values()),
-                     quantized=any(spec.name == "quantize" for spec in passes))
+    parameters = sum(tensor.numel() for tensor in loaded.state_dict.values())
+    _check_disk_room(recipe, built_at, parameters, quantized=any(spec.name == "quantize" for spec in passes))
+    if short := memory_short_warning(4 * parameters):
+        say(f"warning: {short}")
     decoder = build_decoder(loaded.config, loaded.state_dict)
     del loaded.state_dict  # the decoder holds the weights now
     for folder in remove_abandoned_scratch():  # a killed build's traces: gigabytes for a large model

@@ -439,23 +439,23 @@ def slot_memory_message(slots: int, bytes_per_slot: int, what: str, available: i
     """What check_slot_memory and allocate_checked say: the setting, the bytes it needs, and what fits if known
     (int8_cache: the artifact's cache is int8 already, so that is no advice)."""
     needed = slots * bytes_per_slot
-    room = f"{_binary_size(WORKING_MEMORY_BYTES)} for onnxruntime's own work"
+    room = f"{binary_size(WORKING_MEMORY_BYTES)} for onnxruntime's own work"
     if available is not None and available < bytes_per_slot:
-        fits = (f"this process can allocate {_binary_size(available)} now beside {room}, not one sequence's cache: raise "
+        fits = (f"this process can allocate {binary_size(available)} now beside {room}, not one sequence's cache: raise "
                 f"its memory limit")
     elif available is not None and available < needed:
-        fits = (f"this process can allocate {_binary_size(available)} now beside {room}; use at most "
+        fits = (f"this process can allocate {binary_size(available)} now beside {room}; use at most "
                 f"{available // bytes_per_slot}")
     else:  # the allocation failed under a limit this process cannot read
         fits = "allocating them ran out of memory; use fewer"
     if what == "batch":  # the single-stream cache, which Engine.load allocates (batch 1)
         what = "the batch-1 cache Engine.load allocates" if slots == 1 else f"a batch-{slots} cache"
-    return (f"{what}: {slots} sequences need {_binary_size(needed)} of KV cache ({_binary_size(bytes_per_slot)} "
+    return (f"{what}: {slots} sequences need {binary_size(needed)} of KV cache ({binary_size(bytes_per_slot)} "
             f"each), and {fits}, or build with a smaller export.max_context"
             + ("" if int8_cache else " or an int8 cache (quantize_kv_cache)"))
 
 
-def _binary_size(count: int) -> str:
+def binary_size(count: int) -> str:
     """Bytes in the largest binary unit that leaves a whole number before the point (a tiny model's 32 KiB read
     "0.0 MiB")."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):

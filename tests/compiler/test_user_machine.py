@@ -345,7 +345,7 @@ def test_a_disk_without_room_is_refused_before_the_export_with_sizes(capsys, tmp
     (tmp_path / "out").mkdir()
     status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
     assert status == 2 and traced == [] and list((tmp_path / "out").iterdir()) == [], text
-    assert f"error: the artifact's weights need about 0.5 MiB in {tmp_path / 'out'}, and 0.1 MiB are free" in text
+    assert f"error: the artifact's weights need about 545.2 KiB in {tmp_path / 'out'}, and 97.7 KiB are free" in text
     free.update(out=10**12, tmp=100_000)
     status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
     assert status == 2 and traced == [] and "the traced graphs (two copies of the weights) need about 1.1 MiB" in text
@@ -376,3 +376,17 @@ def test_a_pass_dump_the_disk_refused_leaves_no_cut_short_graph(tmp_path, monkey
     with pytest.raises(OSError) as raised:
         dump_model(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [])), str(tmp_path / "00-x.onnx"))
     assert raised.value.filename == str(tmp_path / "00-x.onnx") and list(tmp_path.iterdir()) == []
+
+
+def test_a_build_without_the_memory_its_peak_needs_is_warned_before_the_export(capsys, tmp_path, monkeypatch):
+    """A build past the memory left was ended by the OOM killer minutes in, with no word before."""
+    import runtime.onnxruntime_backend as backend
+
+    monkeypatch.setattr(backend, "available_memory_bytes", lambda: 100_000)
+    monkeypatch.setattr("compiler.build.trace_graphs", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 130 and "warning: this build's peak holds about 3 to 5 times the model's float32 weights" in text
+    assert "97.7 KiB more is available now" in text and "it may be killed partway (the OOM killer)" in text
+    monkeypatch.setattr(backend, "available_memory_bytes", lambda: 10**12)
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 130 and "peak holds" not in text
