@@ -14,8 +14,8 @@ PACKAGES = ("compiler", "passes", "runtime")
 # score what the deployed runtime computes), the engine and server for the run/chat/serve/bench commands, the count
 # of CPUs a process may use (its --threads' bound, plan's measurement), and the TensorRT plugin's kernel definitions.
 COMPILER_USES_OF_RUNTIME = {
-    "runtime", "runtime.chat", "runtime.cpus", "runtime.engine", "runtime.errors", "runtime.evaluate", "runtime.kernels.tensorrt_plugin",
-    "runtime.manifest", "runtime.metrics", "runtime.onnxruntime_backend", "runtime.results", "runtime.sampling",
+    "runtime", "runtime.chat", "runtime.cpus", "runtime.descriptors", "runtime.engine", "runtime.errors",
+    "runtime.evaluate", "runtime.kernels.tensorrt_plugin", "runtime.manifest", "runtime.metrics", "runtime.onnxruntime_backend", "runtime.results", "runtime.sampling",
     "runtime.server", "runtime.tokenizer",
 }
 
