@@ -246,7 +246,9 @@ def _log_line(line: str) -> None:
     # (lines glued together, blank lines between). A log whose reader is gone (`2>&1 | tee`, and Ctrl-C ended tee
     # first) loses the line, as Python's logging does: its BrokenPipeError had cut the request it was about
     try:
-        sys.stderr.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        # the date and the zone's offset: a log that runs past midnight or a clock change is read in order, beside
+        # the manifests' and benchmarks' UTC times (vLLM's lines carry the date too)
+        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S%z')} {line}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass

@@ -27,7 +27,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field as dataclass_field, replace
 
 from runtime.errors import RequestError
 from runtime.request_handle import LoggedPiece
@@ -120,6 +120,9 @@ class ParsedRequest:
     # Completions' echo with max_tokens 0: the prompt (and its logprobs) alone. The scheduler runs one token to score
     # the prompt; the answer leaves it out (as_requested).
     echo_only: bool = False
+    # When the request was taken (seconds since the epoch): the responses' `created`, streamed or not (vLLM's
+    # created_time; a response built after a long generation had said when it ended)
+    created: int = dataclass_field(default_factory=lambda: int(time.time()))
 
 
 STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
@@ -432,7 +435,7 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str,
                      "finish_reason": finish_reason(result)}
         choices.append(entry)
     return {"id": request_id, "object": "chat.completion" if request.chat else "text_completion",
-            "created": int(time.time()), "model": model_name, "choices": choices,
+            "created": request.created, "model": model_name, "choices": choices,
             "usage": usage(request, results), "timings": [timings(result) for result in results]}
 
 

@@ -134,12 +134,13 @@ class CallbackThread:
 def _check_timeout(timeout) -> float | None:
     """None, or a number of seconds as a float (threading's wait raised "'>' not supported between 'str' and 'int'"
     for "1"); numpy's numbers count (an np.int64 worked before this check), and infinity waits as None does
-    (threading's wait raised OverflowError for it)."""
+    (threading's wait raised OverflowError for it, and for any wait past threading.TIMEOUT_MAX)."""
     if timeout is None:
         return None
     if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real) or math.isnan(timeout):
         raise RequestError(f"timeout: {timeout!r} must be a number of seconds, or None to wait until the request ends")
-    return None if math.isinf(timeout) and timeout > 0 else float(timeout)
+    # past threading.TIMEOUT_MAX (292 years) a wait overflows ("timestamp out of range"): as long as None's
+    return None if timeout >= threading.TIMEOUT_MAX else float(timeout)
 
 
 class LoggedPiece(str):

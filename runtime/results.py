@@ -112,6 +112,9 @@ def received_at(arrival: float | None, now: float) -> float:
         return now
     if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not math.isfinite(arrival):
         raise RequestError(f"arrival: {arrival!r} must be a finite time.perf_counter() reading")
+    if arrival <= 0:  # 0.0, an "unset" placeholder, gave a TTFT of the machine's uptime
+        raise RequestError(f"arrival: {arrival!r} is no time.perf_counter() reading (that clock counts from about the "
+                           f"machine's start, never 0 or below); give one, or None for now")
     if arrival > now + ARRIVAL_SKEW_S:  # time.time() (seconds since 1970) is far past perf_counter (since boot)
         raise RequestError(f"arrival: {arrival!r} is {arrival - now:,.0f} s after time.perf_counter() now; give a "
                            f"time.perf_counter() reading (time.time() is another clock)")

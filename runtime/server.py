@@ -663,7 +663,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         self.end_headers()
         self._streaming = True
-        created, model = int(time.time()), self.server.model_name
+        created, model = request.created, self.server.model_name
         results: list[GenerationResult | None] = [None] * len(handles)
         started: set[int] = set()  # choices whose first chunk (the role; echo: the prompt) went out
         logprobs = [openai_api.StreamLogprobs(self.server.engine, request, handle,

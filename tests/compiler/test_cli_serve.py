@@ -2,6 +2,7 @@
 its scheduler and the HTTP server (serving itself, and the graceful stop, are tests/runtime/test_server.py's)."""
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -220,6 +221,8 @@ def test_each_log_line_is_one_write(monkeypatch):
     for thread in threads:
         thread.join()
     assert len(writes) == 800 and all(text.endswith("\n") and text.count("\n") == 1 for text in writes)
+    # dated, with the zone's offset: a log past midnight or a clock change is read in order
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[+-]\d{4} line 199\n", writes[-1]), writes[-1]
 
 
 def test_serve_warns_where_an_int8_caches_outputs_would_depend_on_the_load():

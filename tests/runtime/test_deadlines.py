@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 from runtime.deadlines import Deadlines
 
@@ -45,3 +46,18 @@ def test_a_cancelled_deadline_lets_go_of_its_action_behind_a_later_one():
     del handlers, handler
     gc.collect()
     assert not any(ref() for ref in alive) and deadlines.pending() == 1 and len(deadlines._heap) < 200
+
+
+def test_a_deadline_this_process_slept_through_is_put_off_once(monkeypatch):
+    """A 70 s SIGSTOP: every deadline came due at once on SIGCONT, and the deadline thread cut connections whose
+    bytes had all arrived meanwhile, before their own threads read them (a 408 saying the body never came)."""
+    import runtime.deadlines as deadlines_module
+
+    stopped = [0.0]  # seconds the process "was stopped": the monotonic clock went on meanwhile
+    monkeypatch.setattr(deadlines_module, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + stopped[0]))
+    deadlines, fired = Deadlines(), threading.Event()
+    start = time.perf_counter()
+    deadlines.add(0.2, fired.set)
+    stopped[0] = 70.0  # resumed: 70 s later by the clock, before the thread's wait for 0.2 s ended
+    assert not fired.wait(0.2 + deadlines_module.LATE_S / 2)
+    assert fired.wait(5) and time.perf_counter() - start >= deadlines_module.LATE_S

@@ -161,3 +161,6 @@ def test_numpy_and_infinite_timeouts_wait_as_numbers_do():
     assert time.monotonic() - started < 5
     threading.Timer(0.05, handle._future.set_result, ["done"]).start()
     assert handle.result(timeout=float("inf")) == "done"
+    other = handle_of()  # past threading.TIMEOUT_MAX: an OverflowError from threading's wait, as inf's had been
+    threading.Timer(0.05, other._future.set_result, ["done"]).start()
+    assert other.result(timeout=1e10) == "done" and other.exception(timeout=1e300) is None

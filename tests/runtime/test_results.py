@@ -45,6 +45,13 @@ def test_an_arrival_that_is_not_a_finite_reading_is_refused(arrival):
         received_at(arrival, 7.5)
 
 
+@pytest.mark.parametrize("arrival", [0.0, -5.0, 0])
+def test_an_arrival_at_or_before_the_clocks_start_is_refused(arrival):
+    """0.0 (an "unset" placeholder) gave a TTFT of the machine's uptime, 59238 s."""
+    with pytest.raises(RequestError, match=r"is no time.perf_counter\(\) reading .* or None for now"):
+        received_at(arrival, 7.5)
+
+
 def test_an_arrival_from_another_clock_is_refused():
     """time.time() (seconds since 1970) was taken as "now": TTFT lost the queueing time without a word."""
     with pytest.raises(RequestError, match=r"arrival: 1765000000.0 is 1,764,999,993 s after time.perf_counter\(\) "

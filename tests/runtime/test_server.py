@@ -1772,3 +1772,18 @@ def test_min_tokens_past_the_default_max_tokens_says_where_that_limit_comes_from
     assert status == 400 and "no max_tokens was given" not in body["error"]["message"], body  # another field's
     status, _, body = post(served, "/v1/completions", {"prompt": "hi", "n": [1] * 100})
     assert body["error"]["message"].startswith("n: [1, 1") and "(300 characters)" in body["error"]["message"], body
+
+
+def test_created_is_when_the_request_was_taken_streamed_or_not(tiny_engine, monkeypatch):
+    """A non-streamed response said when its answer was built (10 s after the request on a long generation), a
+    streamed one when the request came: vLLM takes both at the request's start."""
+    from runtime import openai_api
+
+    clock = [1_700_000_000.0]
+    monkeypatch.setattr(openai_api, "time", SimpleNamespace(time=lambda: clock[0]))
+    request = openai_api.parse(tiny_engine, {"prompt": "hi", "max_tokens": 2}, chat=False,
+                               model_name=tiny_engine.manifest["name"])
+    result = tiny_engine.generate(request.choices[0].prompt_ids, max_new_tokens=2)
+    clock[0] += 10  # the generation's time
+    body = openai_api.response(tiny_engine, request, "cmpl-1", tiny_engine.manifest["name"], [result])
+    assert body["created"] == 1_700_000_000
