@@ -589,7 +589,8 @@ def plan(source: str, *, device: str, precision: str | None = None, kv_dtype: st
     # The prefill and decode engines are two sessions (two TensorRT engines): each holds its own copy of the weights
     # (onnxruntime prepacks each session's), the prefill's float32 copies of the layers' products where
     # dequantize_weights folds them. On onnxruntime a float tied table is held once more per session: the lm_head's
-    # product is prepacked, and the embedding's Gather reads the table itself (mapped from weights.bin). SmolLM2's fp32
+    # product is prepacked, and the embedding's Gather reads the table itself, mapped from weights.bin by both
+    # sessions: one page-cache copy, which resident memory (RSS) counts once per session (PSS once). SmolLM2's fp32
     # artifact: 2 x (539 + 113) MB counted here, 1.46-1.52 GB resident measured (the rest: onnxruntime's arenas, code).
     prefill_copy = float_prefill or w
     on_onnxruntime = info.get("backend", "tensorrt" if gpu else "onnxruntime") == "onnxruntime"

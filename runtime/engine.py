@@ -206,7 +206,8 @@ class Engine:
 
     One stream at a time on a batch-1 cache: generate(prompt), stream(prompt), chat(messages). Many at once through
     continuous batching: submit(prompt) -> RequestHandle, generate([prompts]); start_scheduler sets its slots. close()
-    (or a `with` block) frees the caches and fails what is unfinished.
+    (or a `with` block) stops the scheduler, freeing its slot cache and failing what is unfinished; the sessions and
+    the batch-1 cache (release_single_stream_cache) go with the engine.
 
     Attributes: max_context (prompt + output tokens a sequence may hold), eos_token_ids (the tokens that end a
     generation), tokenizer (a TextTokenizer: encode, decode), manifest (the artifact's manifest.json, read),
