@@ -6,9 +6,11 @@ stopped with a 503 (a stream: an error event and [DONE]) rather than cut off."""
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -61,12 +63,39 @@ def port_number(text: str) -> int:
     return value
 
 
+def listen_address(text: str) -> str:
+    """An argparse type: --host, an address or a name; an IPv6 address may come in a URL's brackets ([::1]). Empty
+    or space-padded is refused: `--host "$UNSET"` had listened on every interface (an API without a key, open to
+    the network)."""
+    if text != text.strip() or not text:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an address or a name without spaces (0.0.0.0 or :: for every "
+                                         f"interface, 127.0.0.1 for this machine only)")
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+
+
+def cannot_listen(host: str, port: int, error: OSError) -> UsageError:
+    """One line for a refused bind or listen, with the advice that fits what was refused."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if isinstance(error, socket.gaierror):
+        advice = f"{host!r} is no address, nor a name this machine resolves: give --host an address of this machine"
+    elif error.errno == errno.EADDRINUSE:
+        advice = "another process listens there: choose another --port (0: any free one)"
+    elif error.errno == errno.EACCES:
+        advice = "ports below 1024 need root (or CAP_NET_BIND_SERVICE): choose a --port of 1024 or more"
+    elif error.errno == errno.EADDRNOTAVAIL:
+        advice = "it is not an address of this machine: give --host one of its addresses (0.0.0.0 or :: for all)"
+    else:
+        advice = "choose another --host or --port"
+    return UsageError(f"cannot listen on {where}: {error.strerror or error}; {advice}")
+
+
 def add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="serve an artifact over HTTP: OpenAI's completions and chat API")
     serve.add_argument("artifact", type=user_path, help="an artifact folder (built by `aotlm build`)")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every IPv4 "
-                            "interface; an IPv6 address such as ::1, or :: for every interface)")
+    serve.add_argument("--host", default="127.0.0.1", type=listen_address,
+                       help="the address or name to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every "
+                            "IPv4 interface; an IPv6 address such as ::1, or :: for every interface, IPv4 too where "
+                            "the system allows)")
     serve.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free one)")
     serve.add_argument("--model-name", default=None, type=text_argument, help="the model's name in the API (default: the artifact's name)")
     serve.add_argument("--slots", type=positive_int, default=None,
@@ -142,8 +171,7 @@ def serve_command(args) -> None:
     try:
         bound = bind_socket(args.host, args.port)
     except OSError as error:  # the port is taken, the address is not this machine's, ...
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}; choose another --port "
-                         f"(0: any free one) or --host") from None
+        raise cannot_listen(args.host, args.port, error) from None
     try:
         engine = Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching,
                              huge_pages=not args.no_huge_pages)
@@ -169,8 +197,7 @@ def serve_command(args) -> None:
     except OSError as error:  # listen refused (a server that took the port some other way meanwhile)
         bound.close()
         engine.close()
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}; choose another --port "
-                         f"(0: any free one) or --host") from None
+        raise cannot_listen(args.host, args.port, error) from None
     except BaseException:
         bound.close()
         engine.close()

@@ -28,6 +28,7 @@ the engine then fails the rest, and they are told to send the request again.
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import queue
@@ -96,16 +97,25 @@ def json_bytes(body: dict) -> bytes:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port and not listening yet (connections to it are refused), for ApiServer's
-    bound_socket: `aotlm serve` takes its port before loading the model, so a taken one is said at once."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    bound_socket: `aotlm serve` takes its port before loading the model, so a taken one is said at once. host: an
+    address or a name, looked up as a server's (an IPv4 address first where it has both, as "localhost"'s; a name
+    with only IPv6 addresses, or a link-local address with its zone, fe80::1%eth0, binds too). "::" takes IPv4
+    connections too wherever the system allows (IPV6_V6ONLY off, as `python -m http.server --bind ::`; some systems
+    default to IPv6 only). Raises OSError (socket.gaierror for a name that does not resolve)."""
+    found = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    family, kind, protocol, _, address = min(found, key=lambda entry: entry[0] != socket.AF_INET)
+    sock = socket.socket(family, kind, protocol)
     try:
         reuse = hasattr(socket, "SO_REUSEADDR")
         if reuse:  # as http.server's allow_reuse_address: a restart within TIME_WAIT binds
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        if family == socket.AF_INET6 and address[0] == "::" and hasattr(socket, "IPV6_V6ONLY"):
+            with contextlib.suppress(OSError):  # a system without IPv4 on IPv6 sockets: "::" is IPv6 only there
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
         if reuse:  # and off once bound: two sockets that both ask for it share a port until one listens (Linux),
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)  # so a second server loading meanwhile
-            # would bind it too and fail at its listen, after its whole load
+            # would bind it too and fail at its listen, after its whole load (on again at listen: server_activate)
     except BaseException:
         sock.close()
         raise
@@ -154,26 +164,34 @@ class ApiServer(ThreadingHTTPServer):
         self.closing = False  # drain() began: requests get 503, /health says so (load balancers look elsewhere)
         self._under_way = 0  # POSTs being answered
         self._under_way_changed = threading.Condition()
-        if ":" in host:  # an IPv6 address ("::" listens on IPv4 too, where the system allows dual-stack sockets)
-            self.address_family = socket.AF_INET6
-        self._bound_socket = bound_socket
+        # bound here, unless the caller bound it earlier: an address or a name (bind_socket), whatever its family
+        self._bound_socket = bound_socket or bind_socket(host, port)
+        self.address_family = self._bound_socket.family
         self._accept_refused = False  # the last accept failed for want of descriptors (get_request)
         super().__init__((host, port), _Handler)
 
     def server_bind(self) -> None:
-        """http.server's bind, or the socket bound earlier (bind_socket), with the names http.server would set."""
-        if self._bound_socket is None:
-            return super().server_bind()
+        """The socket bound by bind_socket, with the names http.server would set (server_name: the address itself,
+        without http.server's reverse lookup, which nothing reads and which held readiness for a silent resolver's
+        10 s)."""
         self.socket.close()  # the one socketserver made before binding
         self.socket = self._bound_socket
         self.server_address = self.socket.getsockname()
         host, port = self.server_address[:2]
-        self.server_name, self.server_port = socket.getfqdn(host), port  # as HTTPServer.server_bind sets them
+        self.server_name, self.server_port = host, port
+
+    def server_activate(self) -> None:
+        """listen(), with SO_REUSEADDR on again: the connections it accepts inherit it, and so do the TIME_WAIT
+        sockets they leave on this port when the server closes first; without it a restart could not bind the port
+        for a minute (tcp_fin_timeout)."""
+        if hasattr(socket, "SO_REUSEADDR"):
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        super().server_activate()
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        host, port = self.server_address[:2]  # a zone (fe80::1%eth0) is "%25" in a URL (RFC 6874)
+        return f"http://[{host.replace('%', '%25')}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def start(self) -> threading.Thread:
         """Serve on a thread of its own (tests, notebooks); stop with shutdown() then server_close()."""

@@ -2,6 +2,7 @@
 its scheduler and the HTTP server (serving itself, and the graceful stop, are tests/runtime/test_server.py's)."""
 from __future__ import annotations
 
+import os
 import re
 import socket
 
@@ -68,8 +69,11 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_stopped_while_sta
     assert "warning: outputs depend on the load" in capsys.readouterr().err  # the int8 cache's caveat is said
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])
-def test_serve_says_it_cannot_listen_before_it_loads_the_model(capsys, monkeypatch, tiny_artifact, host):
+@pytest.mark.parametrize("host, advice", [
+    ("127.0.0.1", "another process listens there: choose another --port (0: any free one)"),
+    ("no-such-host.invalid", "'no-such-host.invalid' is no address, nor a name this machine resolves"),
+])
+def test_serve_says_it_cannot_listen_before_it_loads_the_model(capsys, monkeypatch, tiny_artifact, host, advice):
     """A taken port (or an address not this machine's) was found after the whole load: 6-9 s and 2 GB for the
     default model, at every restart of a replica."""
     monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded before binding"))
@@ -79,7 +83,7 @@ def test_serve_says_it_cannot_listen_before_it_loads_the_model(capsys, monkeypat
         port = taken.getsockname()[1]
         assert main(["serve", str(tiny_artifact), "--host", host, "--port", str(port)]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert f"cannot listen on {host}:{port}: " in err and "; choose another --port (0: any free one) or --host" in err
+    assert f"cannot listen on {host}:{port}: " in err and advice in err
 
 
 def test_the_port_refuses_connections_until_the_server_listens(tiny_engine):
@@ -348,3 +352,23 @@ def test_a_stop_at_the_thread_limit_closes_the_engine_here(monkeypatch):
             closed.append(threading.current_thread() is threading.main_thread())
     cli_serve._close(Closable())
     assert closed == [True]
+
+
+@pytest.mark.parametrize("host", ["", " ", "127.0.0.1 ", " ::1"])
+def test_an_empty_or_space_padded_host_is_refused(host, capsys):
+    """`--host "$UNSET"` listened on every interface: an API without a key, open to the network."""
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", "artifact", "--host", host])
+    assert stop.value.code == 2 and "give an address or a name without spaces" in capsys.readouterr().err
+
+
+def test_a_bracketed_ipv6_host_is_taken_and_refusals_advise_what_fits():
+    import errno
+
+    assert cli_serve.listen_address("[::1]") == "::1" and cli_serve.listen_address("::1") == "::1"
+    said = {code: str(cli_serve.cannot_listen("::", 80, OSError(code, os.strerror(code))))
+            for code in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL)}
+    assert said[errno.EADDRINUSE].startswith("cannot listen on [::]:80: Address already in use; another process")
+    assert "ports below 1024 need root" in said[errno.EACCES] and "--port" not in said[errno.EADDRNOTAVAIL]
+    unknown = str(cli_serve.cannot_listen("nowhere.invalid", 8000, socket.gaierror(-2, "Name or service not known")))
+    assert "'nowhere.invalid' is no address, nor a name this machine resolves" in unknown and "--port" not in unknown

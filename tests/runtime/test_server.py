@@ -1787,3 +1787,59 @@ def test_created_is_when_the_request_was_taken_streamed_or_not(tiny_engine, monk
     clock[0] += 10  # the generation's time
     body = openai_api.response(tiny_engine, request, "cmpl-1", tiny_engine.manifest["name"], [result])
     assert body["created"] == 1_700_000_000
+
+
+def test_a_restart_binds_the_port_its_closed_connections_left_in_time_wait(tiny_artifact):
+    """The listener's SO_REUSEADDR was off (cleared after the bind), so the connections it accepted, and the TIME_WAIT
+    sockets they left when the server closed first, had it off: a restart could not bind the port for a minute."""
+    from runtime.server import bind_socket
+
+    server, _ = serve(Engine.load(tiny_artifact))
+    port = server.server_address[1]
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("GET", "/health", headers={"Connection": "close"})  # the server closes first
+        assert connection.getresponse().status == 200
+        connection.close()
+    finally:
+        stop(server)
+    again = bind_socket("127.0.0.1", port)
+    again.listen()
+    again.close()
+
+
+def test_every_interface_on_ipv6_takes_ipv4_too_and_names_resolve_to_their_family(monkeypatch):
+    """"::" was IPv6 only where the system defaults to it (net.ipv6.bindv6only=1, Windows, the BSDs); a name with only
+    IPv6 addresses was looked up for IPv4 ("Name or service not known")."""
+    from runtime.server import bind_socket
+
+    every = bind_socket("::", 0)
+    try:
+        assert every.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+    finally:
+        every.close()
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *rest: real("::1" if host == "v6name" else host, *rest))
+    named = bind_socket("v6name", 0)
+    try:
+        assert named.family == socket.AF_INET6 and named.getsockname()[0] == "::1"
+    finally:
+        named.close()
+    both = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args: both)  # "localhost" where ::1 comes first
+    local = bind_socket("localhost", 0)
+    try:
+        assert local.family == socket.AF_INET  # IPv4 first, as the clients that try 127.0.0.1 expect
+    finally:
+        local.close()
+
+
+def test_the_server_makes_no_reverse_lookup(tiny_artifact, monkeypatch):
+    """http.server's getfqdn, whose result nothing read, held readiness for a silent resolver's 10 s."""
+    monkeypatch.setattr(socket, "getfqdn", lambda *args: pytest.fail("a reverse lookup"))
+    server = ApiServer(Engine.load(tiny_artifact), port=0)
+    try:
+        assert server.server_name == "127.0.0.1" and server.url.startswith("http://127.0.0.1:")
+    finally:
+        server.server_close()
