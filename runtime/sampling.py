@@ -27,7 +27,8 @@ class SamplingParams:
     max_new_tokens: at most this many output tokens (>= 1). min_new_tokens: no stop before this many (vLLM's
     min_tokens). temperature: 0 = greedy, else softmax(logits / temperature). top_k: keep the k likeliest (0 = all).
     top_p: keep the likeliest whose probabilities sum to top_p, in (0, 1]. min_p: keep tokens at least this fraction
-    as likely as the likeliest (0 = all). seed: an integer >= 0 makes a sampled request repeatable; None draws one.
+    as likely as the likeliest (0 = all), after top-k and top-p: transformers' order (and vLLM V0's; vLLM V1 applies
+    it first, keeping fewer tokens when top_p is set too). seed: an integer >= 0 makes a sampled request repeatable; None draws one.
     stop_token_ids: ids that stop besides the model's end-of-sequence tokens; ignore_eos: go on past those (to
     max_new_tokens). stop_strings: a string or a list of strings that end the text (left out of it).
     repetition_penalty (> 0, 1 = none; transformers' and vLLM's), presence_penalty and frequency_penalty (-2..2,
