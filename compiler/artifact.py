@@ -9,7 +9,6 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import json
 import os
 import platform
 import re
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from compiler.errors import BuildError, is_artifact_folder
 from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, required_features, sha256_file
-from runtime.results import process_umask
+from runtime.results import json_text, process_umask
 
 NO_LOCKS = -1  # _try_lock on a filesystem without locks (some network filesystems)
 # numpy computes GPTQ/AWQ (its linalg) and folds constants; ml_dtypes, safetensors, pyyaml read what the build reads
@@ -411,5 +410,5 @@ def write_manifest(folder: Path, manifest: dict) -> dict:
         **manifest,
         "files": files,
     }
-    (folder / MANIFEST_FILE).write_text(json.dumps(full, indent=2) + "\n")
+    (folder / MANIFEST_FILE).write_text(json_text(full))  # JSON, strictly: a perplexity past 1e308 is null
     return full

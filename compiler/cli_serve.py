@@ -79,7 +79,8 @@ def cannot_listen(host: str, port: int, error: OSError) -> UsageError:
     if isinstance(error, socket.gaierror):
         advice = f"{host!r} is no address, nor a name this machine resolves: give --host an address of this machine"
     elif error.errno == errno.EADDRINUSE:
-        advice = "another process listens there: choose another --port (0: any free one)"
+        advice = ("another process holds it (a server listening, or one still loading): choose another --port (0: any "
+                  "free one)")
     elif error.errno == errno.EACCES:
         advice = "ports below 1024 need root (or CAP_NET_BIND_SERVICE): choose a --port of 1024 or more"
     elif error.errno == errno.EADDRNOTAVAIL:

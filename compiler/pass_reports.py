@@ -97,6 +97,12 @@ def format_reports(results: Sequence[PassResult]) -> str:
     return "\n".join(lines)
 
 
+def _figure(value: float | None, spec: str) -> str:
+    """A report's number; null in a manifest is one past a float's range (JSON has no infinity: a broken build's
+    perplexity, past 1e308), read "inf"."""
+    return "inf" if value is None else format(value, spec)
+
+
 def format_accuracy(accuracy: dict) -> str:
     """The console lines a person reads before deploying."""
     lines = []
@@ -117,9 +123,10 @@ def format_accuracy(accuracy: dict) -> str:
     if held_out:
         lines.append(f"held-out text: {held_out['text']}, {held_out['tokens_scored']} tokens scored "
                      f"(window {held_out['window']}, stride {held_out['stride']})")
-        lines.append(f"perplexity: float {held_out['reference_perplexity']:.3f} -> quantized {held_out['perplexity']:.3f} "
-                     f"({100 * held_out['perplexity_increase']:+.2f}%); top-1 agreement "
-                     f"{100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) {held_out['mean_kl']:.3g} nats")
+        lines.append(f"perplexity: float {_figure(held_out['reference_perplexity'], '.3f')} -> quantized "
+                     f"{_figure(held_out['perplexity'], '.3f')} ({_figure(held_out['perplexity_increase'], '+.2%')}); "
+                     f"top-1 agreement {100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) "
+                     f"{_figure(held_out['mean_kl'], '.3g')} nats")
         if held_out.get("max_context", 0) > held_out["window"]:  # an int8 cache's keys clipped past position 1024
             lines.append(f"note: positions {held_out['window']} to {held_out['max_context'] - 1} of the context are "
                          f"not scored here: set accuracy.window: {held_out['max_context']} in the recipe to score them "

@@ -58,6 +58,10 @@ def test_the_manifest_lists_every_file_below_the_folder_but_itself_with_size_and
                                         "sha256": hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()}
                                  for name in names}
     assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
+    # JSON strictly: a broken build's perplexity past 1e308 was written as Infinity, which strict parsers refuse
+    write_manifest(tmp_path, {"name": "x", "accuracy": {"held_out": {"perplexity": float("inf"), "mean_nll": 800.0}}})
+    strict = json.loads((tmp_path / "manifest.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert strict["accuracy"]["held_out"] == {"perplexity": None, "mean_nll": 800.0}
 
 
 def test_tool_versions_name_a_tool_that_is_not_installed_as_null():

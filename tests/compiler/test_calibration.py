@@ -198,6 +198,9 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
     short = format_accuracy({"quantization": summary, "held_out": {**held_out, "max_context": 2048}})
     assert ("note: positions 64 to 2047 of the context are not scored here: set accuracy.window: 2048 in the recipe "
             "to score them") in short
+    # a broken build's perplexity past 1e308: null in the manifest (JSON has no infinity), read as inf
+    broken = {**held_out, "perplexity": None, "perplexity_increase": None}
+    assert "perplexity: float 10.000 -> quantized inf (inf); top-1" in format_accuracy({"held_out": broken})
 
 
 def test_first_repeated_run_at_the_edges_of_both_texts():

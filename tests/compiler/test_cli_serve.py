@@ -70,7 +70,7 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_stopped_while_sta
 
 
 @pytest.mark.parametrize("host, advice", [
-    ("127.0.0.1", "another process listens there: choose another --port (0: any free one)"),
+    ("127.0.0.1", "another process holds it (a server listening, or one still loading): choose another --port"),
     ("no-such-host.invalid", "'no-such-host.invalid' is no address, nor a name this machine resolves"),
 ])
 def test_serve_says_it_cannot_listen_before_it_loads_the_model(capsys, monkeypatch, tiny_artifact, host, advice):
@@ -368,7 +368,7 @@ def test_a_bracketed_ipv6_host_is_taken_and_refusals_advise_what_fits():
     assert cli_serve.listen_address("[::1]") == "::1" and cli_serve.listen_address("::1") == "::1"
     said = {code: str(cli_serve.cannot_listen("::", 80, OSError(code, os.strerror(code))))
             for code in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL)}
-    assert said[errno.EADDRINUSE].startswith("cannot listen on [::]:80: Address already in use; another process")
+    assert said[errno.EADDRINUSE].startswith("cannot listen on [::]:80: Address already in use; another process holds")
     assert "ports below 1024 need root" in said[errno.EACCES] and "--port" not in said[errno.EADDRNOTAVAIL]
     unknown = str(cli_serve.cannot_listen("nowhere.invalid", 8000, socket.gaierror(-2, "Name or service not known")))
     assert "'nowhere.invalid' is no address, nor a name this machine resolves" in unknown and "--port" not in unknown
