@@ -197,16 +197,17 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
             say(f"warning: {warning}")
     weight_bytes = sum(tensor.nbytes for tensor in loaded.state_dict.values())
     parameters = sum(tensor.numel() for tensor in loaded.state_dict.values())
-    _check_disk_room(recipe, built_at, parameters, quantized=any(spec.name == "quantize" for spec in passes))
-    if short := memory_short_warning(4 * parameters):
-        say(f"warning: {short}")
-    decoder = build_decoder(loaded.config, loaded.state_dict)
-    del loaded.state_dict  # the decoder holds the weights now
     for folder in remove_abandoned_scratch():  # a killed build's traces: gigabytes for a large model
         say(f"removed {folder}, left by a build that was killed")
     if built_at.parent.is_dir():  # now, not after minutes of export: a killed swap's artifact is put back at once
         for folder in remove_abandoned(built_at):
             say(f"removed {folder}, left by a build of {built_at.name} that was killed")
+    # after those removals: a build the OOM killer ended left twice the weights in TMPDIR, which the check counted
+    _check_disk_room(recipe, built_at, parameters, quantized=any(spec.name == "quantize" for spec in passes))
+    if short := memory_short_warning(4 * parameters):
+        say(f"warning: {short}")
+    decoder = build_decoder(loaded.config, loaded.state_dict)
+    del loaded.state_dict  # the decoder holds the weights now
     with scratch_folder("spill") as spill:
         # A large model's passes before quantization hold one phase's graph at a time, the other on disk (run_pipeline's
         # spill_dir). Not the quantizing ones: quantize_kv_cache calibrates on the phase that runs first, and one

@@ -522,7 +522,7 @@ class _PrintVersion(argparse.Action):
     """--version, read only when asked for (a checkout's version runs git)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"aotlm {_aotlm_version()}")
+        print(f"aotlm {_aotlm_version()}", flush=True)  # a write error here reaches main's handlers
         parser.exit()
 
 
@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem.errno not in REFUSED_WRITES:
             raise
         error(refused_write(problem))
-        return 2
+        return _output_dropped(problem)
     show, warnings.showwarning = warnings.showwarning, _one_line_warnings(warnings.showwarning)
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
     # a signal ignored where the program started (nohup's SIGHUP) stays ignored
@@ -737,6 +737,7 @@ def main(argv: list[str] | None = None) -> int:
                 if signal.getsignal(number) != signal.SIG_IGN} if in_main_thread else {}
     try:
         args.handler(args)
+        sys.stdout.flush()  # what stdout's buffer holds fails here, in reach of the handlers below, not at exit
     except (BuildError, AotlmRuntimeError) as problem:
         error(str(problem))  # one line: a long path stays one string to copy or grep (compiler/console.py)
         return 2
@@ -763,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem.errno not in REFUSED_WRITES:
             raise
         error(refused_write(problem))
-        return 2
+        return _output_dropped(problem)
     except ImportError as problem:  # a signal inside a module's initialisation surfaces as its ImportError
         stop = next((e for e in exception_chain(problem) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too
         missing = (getattr(problem, "name", None) or "").split(".")[0]
@@ -788,6 +789,15 @@ def main(argv: list[str] | None = None) -> int:
             for number, handler in previous.items():
                 signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
     return 0
+
+
+def _output_dropped(problem: OSError) -> int:
+    """2, after a refused write; one to stdout leaves its buffer to /dev/null, or Python's exit flush fails again
+    (a traceback, status 120)."""
+    if problem.filename == "standard output":
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 2
 
 
 def _reader_left() -> int:

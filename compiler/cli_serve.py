@@ -65,8 +65,8 @@ def port_number(text: str) -> int:
 
 def listen_address(text: str) -> str:
     """An argparse type: --host, an address or a name; an IPv6 address may come in a URL's brackets ([::1]). Empty
-    or space-padded is refused: `--host "$UNSET"` had listened on every interface (an API without a key, open to
-    the network)."""
+    or space-padded is refused (runtime.server.bind_socket's check): `--host "$UNSET"` had listened on every
+    interface (an API without a key, open to the network)."""
     if text != text.strip() or not text:
         raise argparse.ArgumentTypeError(f"{text!r}: give an address or a name without spaces (0.0.0.0 or :: for every "
                                          f"interface, 127.0.0.1 for this machine only)")

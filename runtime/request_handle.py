@@ -78,6 +78,9 @@ def _wake(future) -> None:
         future.set_result(None)
 
 
+COMPLETING = threading.local()  # .requests: True on a thread that completes requests (the scheduler's worker)
+
+
 class CallbackThread:
     """Runs requests' done-callbacks in order on a thread of their own, started when one is due and ending when none
     is. Not on the worker, which completes the requests: a callback that waits on another request (its result, a
@@ -92,18 +95,32 @@ class CallbackThread:
     def call(self, callback: Callable[[], None]) -> None:
         with self._lock:
             self._due.append(callback)
-            if self._thread is not None:
+            if self._thread is not None or self._start():
                 return
-            thread = threading.Thread(target=self._run, name="aotlm-callbacks", daemon=True)
-            try:
-                thread.start()  # its _run waits for the lock this holds
-            except RuntimeError:  # "can't start new thread" (a thread limit): they run here, in turn, rather than
-                # never (a thread that never started, kept as running, had held every later callback for good)
-                self._thread = threading.current_thread()
-            else:
-                self._thread = thread
+            # No thread could start ("can't start new thread": a pids or ulimit -u limit). A thread that never
+            # started, kept as the running one, had held every later callback for good. On the thread that completes
+            # requests (COMPLETING) they wait for retry(): one that waits on another request would wait on itself.
+            # Elsewhere they run here, in turn.
+            if getattr(COMPLETING, "requests", False):
                 return
+            self._thread = threading.current_thread()
         self._run()
+
+    def _start(self) -> bool:
+        """Start the thread (the lock is held: its _run waits for it); False where none can start."""
+        thread = threading.Thread(target=self._run, name="aotlm-callbacks", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            return False
+        self._thread = thread
+        return True
+
+    def retry(self) -> bool:
+        """Start the thread for callbacks left due when it could not start (the scheduler's worker calls this each
+        iteration); whether some still wait for one."""
+        with self._lock:
+            return self._thread is None and bool(self._due) and not self._start()
 
     def call_in_turn(self, callback: Callable[[], None]) -> None:
         """Run it now, in this thread, unless callbacks are due or running: then after them, on the thread (a

@@ -65,7 +65,7 @@ from runtime.errors import QueueFullError, RequestError, ThreadLimitError
 from runtime.metrics import RequestTrace
 from runtime.prefix_cache import (PREFILL_PIECE_MIN_TOKENS, PREFIX_MIN_TOKENS, rest_piece_tokens, reusable_prefix,
                                   scored_rows_reusable)
-from runtime.request_handle import END, CallbackThread, LoggedPiece, RequestHandle
+from runtime.request_handle import COMPLETING, END, CallbackThread, LoggedPiece, RequestHandle
 from runtime.results import GenerationResult, Timings, received_at
 from runtime.sampling import Sampler, SamplingParams, is_integer, last_token_logits, sampling_params
 from runtime.tokenizer import StreamDecoder
@@ -74,6 +74,7 @@ LOGGER = logging.getLogger(__name__)
 
 BATCHING = ("continuous", "static")
 DEFAULT_SLOTS = 8
+CALLBACK_RETRY_S = 0.1  # how often an idle worker tries again to start the done-callbacks' thread
 # Prompts of neighbouring slots are prefilled as one right-padded batch only while its rows (longest x count) stay
 # within this many times their real tokens: a long prompt beside short ones is run on its own instead
 PREFILL_BATCH_MAX_ROWS_PER_TOKEN = 1.25
@@ -389,6 +390,7 @@ class Scheduler:
     def _work(self) -> None:
         """Serve until idle or closed. Whatever stops it otherwise (a done-callback raising SystemExit, say) fails
         every request it held, so that none waits forever, and lets a later submit start a new worker."""
+        COMPLETING.requests = True  # done-callbacks never run on this thread (CallbackThread.call)
         try:
             self._serve()
         except BaseException as error:
@@ -412,17 +414,22 @@ class Scheduler:
         idle_wait = None if self.idle_exit_s == math.inf else self.idle_exit_s
         while True:
             unfinished: list[_Sequence] = []
+            # done-callbacks whose thread could not start (a thread limit): tried again each iteration, and the
+            # worker stays (waking every CALLBACK_RETRY_S) until they have one
+            callbacks_waiting = self._callbacks.retry()
             with self._lock:
                 busy = lambda: self._waiting or any(self._running)  # noqa: E731
                 if not self._closed and not busy():
-                    self._lock.wait_for(lambda: self._waiting or self._closed, timeout=idle_wait)
+                    self._lock.wait_for(lambda: self._waiting or self._closed, timeout=CALLBACK_RETRY_S
+                                        if callbacks_waiting else idle_wait)
                 if self._closed:
                     unfinished = [*self._waiting, *filter(None, self._running)]
                     self._waiting.clear()
-                stop = self._closed or not busy()
+                stop = self._closed or not (busy() or callbacks_waiting)
+                retrying = not stop and not busy()  # nothing to run: only the callbacks' thread to start again
                 if stop:
                     self._worker = None  # under the lock: a submit after this starts a new worker
-                else:
+                elif not retrying:
                     self._admit()
                     self._lock.notify_all()  # room in the queue for blocked submitters
             if stop:  # failed after the lock is released: their done-callbacks may call into the scheduler
@@ -430,6 +437,8 @@ class Scheduler:
                 for sequence in unfinished:
                     self._fail(sequence, closed)
                 return
+            if retrying:
+                continue
             try:
                 self._step()
             except Exception as error:  # outside any graph run (those fail their own requests): fail the running

@@ -101,7 +101,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     address or a name, looked up as a server's (an IPv4 address first where it has both, as "localhost"'s; a name
     with only IPv6 addresses, or a link-local address with its zone, fe80::1%eth0, binds too). "::" takes IPv4
     connections too wherever the system allows (IPV6_V6ONLY off, as `python -m http.server --bind ::`; some systems
-    default to IPv6 only). Raises OSError (socket.gaierror for a name that does not resolve)."""
+    default to IPv6 only); in a URL's brackets too ([::1]). Raises ValueError for an empty or space-padded host (an
+    empty one had meant every interface), OSError where it cannot bind (socket.gaierror: a name that does not
+    resolve)."""
+    if not isinstance(host, str) or not host or host != host.strip():
+        raise ValueError(f"host {host!r}: give an address or a name without spaces (0.0.0.0 or :: for every "
+                         f"interface, 127.0.0.1 for this machine only)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     found = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     family, kind, protocol, _, address = min(found, key=lambda entry: entry[0] != socket.AF_INET)
     sock = socket.socket(family, kind, protocol)

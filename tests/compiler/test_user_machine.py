@@ -296,23 +296,28 @@ def aotlm(*argv, **popen) -> subprocess.CompletedProcess:
                           timeout=120, cwd=Path(__file__).resolve().parents[2], **popen)
 
 
-def test_a_report_on_stdout_that_cannot_be_written_fails_the_command(tiny_artifact):
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_a_report_on_stdout_that_cannot_be_written_fails_the_command(tiny_artifact, unbuffered):
     """plan, eval and compare print their report through a console that dropped every write error: `aotlm plan A >
-    result.txt` on a full disk exited 0 with an empty file, and into a closed pipe 0, not 141."""
-    with open("/dev/full", "w") as full:
-        result = aotlm("plan", tiny_artifact, "--device", "H100", stdout=full)
-    assert result.returncode == 2 and "No space left on device (standard output)" in result.stderr, result.stderr
+    result.txt` on a full disk exited 0 with an empty file, and into a closed pipe 0, not 141. With stdout buffered
+    (PYTHONUNBUFFERED unset), a report smaller than the buffer failed only at Python's exit flush: status 120 and a
+    traceback."""
+    environment = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+    for argv in (("plan", tiny_artifact, "--device", "H100"), ("plan", tiny_artifact, "--device", "H100", "--json"),
+                 ("inspect", tiny_artifact), ("--version",)):
+        with open("/dev/full", "w") as full:
+            result = aotlm(*argv, stdout=full, env=environment)
+        assert result.returncode == 2, (argv, result.stderr)
+        assert result.stderr == "error: No space left on device (standard output): free space there, or write " \
+                                "elsewhere\n", (argv, result.stderr)
     reader, writer = os.pipe()
     os.close(reader)
     try:
-        result = aotlm("plan", tiny_artifact, "--device", "H100", stdout=writer)
-        version = aotlm("--version", stdout=writer)
+        result = aotlm("plan", tiny_artifact, "--device", "H100", stdout=writer, env=environment)
+        version = aotlm("--version", stdout=writer, env=environment)
     finally:
         os.close(writer)
     assert result.returncode == 141 and version.returncode == 141 and "Traceback" not in version.stderr
-    with open("/dev/full", "w") as full:
-        version = aotlm("--version", stdout=full)
-    assert version.returncode == 2 and version.stderr.startswith("error: No space left on device"), version.stderr
 
 
 def test_closed_standard_streams_are_a_line_or_the_end_of_input_not_a_traceback(tiny_artifact, chat_artifact):
@@ -390,3 +395,14 @@ def test_a_build_without_the_memory_its_peak_needs_is_warned_before_the_export(c
     monkeypatch.setattr(backend, "available_memory_bytes", lambda: 10**12)
     status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
     assert status == 130 and "peak holds" not in text
+
+
+def test_a_killed_builds_leftovers_are_removed_before_the_disk_is_checked(capsys, tmp_path, monkeypatch):
+    """The check counted a killed build's traces (twice the weights in TMPDIR) as taken, and refused the build that
+    would have removed them."""
+    order = []
+    monkeypatch.setattr("compiler.build.remove_abandoned_scratch", lambda: order.append("removed") or [])
+    monkeypatch.setattr("compiler.build.check_disk_room", lambda *args: order.append("checked"))
+    monkeypatch.setattr("compiler.build.trace_graphs", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert run_cli(capsys, "build", TINY, "--output", tmp_path / "out")[0] == 130
+    assert order[0] == "removed" and "checked" in order

@@ -55,6 +55,22 @@ def test_done_callbacks_run_when_their_thread_cannot_start(refuse_thread):
     assert done.wait(10) and ran == [1, "aotlm-callbacks"]
 
 
+def test_callbacks_whose_thread_cannot_start_wait_for_it_never_run_on_the_worker(tiny_engine, refuse_thread):
+    """Run in place on the scheduler's worker, a callback that waited on another request waited on the worker
+    itself: every request stalled. They wait until the worker starts their thread again (each iteration)."""
+    tiny_engine.start_scheduler(slots=2)
+    ran, nested = [], []
+    refuse_thread.add("aotlm-callbacks")
+    first = tiny_engine.submit("hello", max_new_tokens=100, ignore_eos=True)  # running while the callback is added
+    first.add_done_callback(lambda handle: ran.append(threading.current_thread().name) or nested.append(
+        tiny_engine.submit("world", max_new_tokens=3).result(timeout=30)))
+    first.result(timeout=30)
+    deadline = time.monotonic() + 30
+    while not nested and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ran == ["aotlm-callbacks"] and len(nested) == 1 and nested[0].token_ids
+
+
 def test_the_server_answers_503_when_no_thread_can_start_for_a_request(tiny_artifact, refuse_thread):
     engine = Engine.load(tiny_artifact)
     server, lines = serve(engine)  # the first request starts the default scheduler, and its worker

@@ -1792,9 +1792,8 @@ def test_created_is_when_the_request_was_taken_streamed_or_not(tiny_engine, monk
 def test_a_restart_binds_the_port_its_closed_connections_left_in_time_wait(tiny_artifact):
     """The listener's SO_REUSEADDR was off (cleared after the bind), so the connections it accepted, and the TIME_WAIT
     sockets they left when the server closed first, had it off: a restart could not bind the port for a minute."""
-    from runtime.server import bind_socket
-
-    server, _ = serve(Engine.load(tiny_artifact))
+    engine = Engine.load(tiny_artifact)
+    server, _ = serve(engine)
     port = server.server_address[1]
     try:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -1803,9 +1802,8 @@ def test_a_restart_binds_the_port_its_closed_connections_left_in_time_wait(tiny_
         connection.close()
     finally:
         stop(server)
-    again = bind_socket("127.0.0.1", port)
-    again.listen()
-    again.close()
+    again = ApiServer(engine, port=port)  # binds (bind_socket) and listens (server_activate), as a restart does
+    again.server_close()
 
 
 def test_every_interface_on_ipv6_takes_ipv4_too_and_names_resolve_to_their_family(monkeypatch):
@@ -1843,3 +1841,17 @@ def test_the_server_makes_no_reverse_lookup(tiny_artifact, monkeypatch):
         assert server.server_name == "127.0.0.1" and server.url.startswith("http://127.0.0.1:")
     finally:
         server.server_close()
+
+
+def test_a_library_caller_gets_a_word_for_an_empty_host_and_may_bracket_ipv6(tiny_engine):
+    """ApiServer(engine, "") had listened on every interface; through getaddrinfo it became a bare gaierror."""
+    from runtime.server import bind_socket
+
+    for host in ("", " 127.0.0.1"):
+        with pytest.raises(ValueError, match="give an address or a name without spaces"):
+            ApiServer(tiny_engine, host, 0)
+    bracketed = bind_socket("[::1]", 0)
+    try:
+        assert bracketed.getsockname()[0] == "::1"
+    finally:
+        bracketed.close()
