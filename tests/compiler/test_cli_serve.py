@@ -2,6 +2,7 @@
 its scheduler and the HTTP server (serving itself, and the graceful stop, are tests/runtime/test_server.py's)."""
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -31,7 +32,8 @@ class StoppedWhileStarting:
         scheduler = engine.scheduler
         StoppedWhileStarting.given = dict(engine=engine, host=host, port=port, slots=scheduler.slots,
                                           max_queue=scheduler.max_queue, prefill_chunk=scheduler.prefill_chunk,
-                                          huge_pages=engine.huge_pages, **keywords)
+                                          huge_pages=engine.huge_pages, idle_exit_s=scheduler.idle_exit_s,
+                                          **keywords)
         raise KeyboardInterrupt
 
 
@@ -50,6 +52,7 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_stopped_while_sta
         "host": "127.0.0.1", "port": 0, "slots": 2, "max_queue": 7, "prefill_chunk": 16, "model_name": "m",
         "api_key": "from-the-environment", "log_requests": False, "max_connections": 9}
     assert given["log"] is cli_serve._log_line  # --quiet keeps errors and refusals
+    assert given["idle_exit_s"] == math.inf  # a server's worker never ends: no thread to start mid-run
     assert given["keep_alive_s"] == 75.0 and given["allowed_origins"] == ("https://a.example", "*")
     assert given["engine"].prefix_caching is True and given["engine"].scheduler is None  # closed
     assert main(["serve", str(tiny_artifact), "--host", "::1", "--port", "0", "--api-key", "given"]) == 130
@@ -372,3 +375,16 @@ def test_a_bracketed_ipv6_host_is_taken_and_refusals_advise_what_fits():
     assert "ports below 1024 need root" in said[errno.EACCES] and "--port" not in said[errno.EADDRNOTAVAIL]
     unknown = str(cli_serve.cannot_listen("nowhere.invalid", 8000, socket.gaierror(-2, "Name or service not known")))
     assert "'nowhere.invalid' is no address, nor a name this machine resolves" in unknown and "--port" not in unknown
+
+
+def test_serve_fits_its_connections_to_the_open_file_limit(capsys, monkeypatch, tiny_artifact):
+    """Under systemd's LimitNOFILE=1024 accept failed with EMFILE below --max-connections' 1024."""
+    from runtime import descriptors
+
+    monkeypatch.setattr("runtime.server.ApiServer", StoppedWhileStarting)
+    monkeypatch.setattr(descriptors, "raised_descriptor_limit", lambda: 64)
+    monkeypatch.setattr(descriptors, "open_descriptors", lambda: 7)
+    assert main(["serve", str(tiny_artifact), "--port", "0", "--no-huge-pages"]) == 130
+    fit = 64 - 7 - descriptors.SPARE_DESCRIPTORS
+    assert StoppedWhileStarting.given["max_connections"] == fit
+    assert f"at most {fit} connections are served at once, not 1024" in capsys.readouterr().err

@@ -159,3 +159,13 @@ def test_the_report_scores_the_held_out_part_of_the_text_a_later_pass_calibrated
     folder = build(parse_recipe(data, origin="test"), tmp_path / "out")
     held_out = json.loads((folder / "manifest.json").read_text())["accuracy"]["held_out"]
     assert held_out["text"].startswith(f"{corpus.resolve()}, last 10%"), held_out["text"]
+
+
+def test_an_onnxruntime_without_the_int8_caches_inputs_is_refused_at_load(kv8_artifact, monkeypatch):
+    """1.25 and 1.26 loaded an int8-cache artifact ("it loaded, and runs") and failed at its first step with a
+    traceback from inside onnxruntime: the load names the release it needs."""
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.26.0")
+    with pytest.raises(ArtifactError, match=r"onnxruntime 1.26.0 is installed; an int8 KV cache .* needs 1.27"):
+        Engine.load(kv8_artifact)

@@ -1811,9 +1811,19 @@ def test_every_interface_on_ipv6_takes_ipv4_too_and_names_resolve_to_their_famil
     IPv6 addresses was looked up for IPv4 ("Name or service not known")."""
     from runtime.server import bind_socket
 
-    every = bind_socket("::", 0)
+    class IPv6Only(socket.socket):  # a host whose IPv6 sockets default to IPv6 only (net.ipv6.bindv6only=1)
+        def __init__(self, family=-1, *args, **kwargs):
+            super().__init__(family, *args, **kwargs)
+            if self.family == socket.AF_INET6:
+                self.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(socket, "socket", IPv6Only)
+        every = bind_socket("::", 0)
     try:
-        assert every.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+        every.listen()
+        with socket.create_connection(("127.0.0.1", every.getsockname()[1]), timeout=10):
+            pass  # an IPv4 client reaches "::"
     finally:
         every.close()
     real = socket.getaddrinfo
