@@ -766,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
         error(refused_write(problem))
         return _output_dropped(problem)
     except ImportError as problem:  # a signal inside a module's initialisation surfaces as its ImportError
-        stop = next((e for e in exception_chain(problem) if isinstance(e, KeyboardInterrupt)), None)  # _Terminated is one too
+        # _Terminated is a KeyboardInterrupt too
+        stop = next((e for e in exception_chain(problem) if isinstance(e, KeyboardInterrupt)), None)
         missing = (getattr(problem, "name", None) or "").split(".")[0]
         if stop is None and isinstance(problem, ModuleNotFoundError) and missing in EXTRAS:
             # an install with the runtime only (a deployment) running a command that needs more
@@ -795,16 +796,20 @@ def _output_dropped(problem: OSError) -> int:
     """2, after a refused write; one to stdout leaves its buffer to /dev/null, or Python's exit flush fails again
     (a traceback, status 120)."""
     if problem.filename == "standard output":
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _stdout_to_devnull()
     return 2
 
 
 def _reader_left() -> int:
     """stdout's reader left: 141, as a writer killed by SIGPIPE ends."""
-    with contextlib.suppress(OSError, ValueError):  # (a stdout that is no file, as under a test, has no fileno)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
+    _stdout_to_devnull()
     return 141
+
+
+def _stdout_to_devnull() -> None:
+    """Python's exit flush of what stdout still holds must not fail again (a traceback, status 120)."""
+    with contextlib.suppress(OSError, ValueError):  # (a stdout that is no file, as under a test, has no fileno)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _on_a_terminal() -> bool:

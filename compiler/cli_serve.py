@@ -64,13 +64,14 @@ def port_number(text: str) -> int:
 
 
 def listen_address(text: str) -> str:
-    """An argparse type: --host, an address or a name; an IPv6 address may come in a URL's brackets ([::1]). Empty
-    or space-padded is refused (runtime.server.bind_socket's check): `--host "$UNSET"` had listened on every
-    interface (an API without a key, open to the network)."""
-    if text != text.strip() or not text:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an address or a name without spaces (0.0.0.0 or :: for every "
-                                         f"interface, 127.0.0.1 for this machine only)")
-    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    """An argparse type: --host, as runtime.server.listen_host takes it, refused before the model loads: `--host
+    "$UNSET"` had listened on every interface (an API without a key, open to the network)."""
+    from runtime.server import listen_host
+
+    try:
+        return listen_host(text)
+    except ValueError as problem:
+        raise argparse.ArgumentTypeError(str(problem).removeprefix("host ")) from None
 
 
 def cannot_listen(host: str, port: int, error: OSError) -> UsageError:

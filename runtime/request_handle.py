@@ -118,7 +118,9 @@ class CallbackThread:
 
     def retry(self) -> bool:
         """Start the thread for callbacks left due when it could not start (the scheduler's worker calls this each
-        iteration); whether some still wait for one."""
+        iteration); whether some still wait for one. Nothing due (every decode step): no lock taken."""
+        if not self._due:
+            return False
         with self._lock:
             return self._thread is None and bool(self._due) and not self._start()
 

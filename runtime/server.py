@@ -95,6 +95,15 @@ def json_bytes(body: dict) -> bytes:
     return json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
+def listen_host(host: str) -> str:
+    """host as bind_socket looks it up: an IPv6 address may come in a URL's brackets ([::1]). ValueError for an empty
+    or space-padded one (an empty one had meant every interface)."""
+    if not isinstance(host, str) or not host or host != host.strip():
+        raise ValueError(f"host {host!r}: give an address or a name without spaces (0.0.0.0 or :: for every "
+                         f"interface, 127.0.0.1 for this machine only)")
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port and not listening yet (connections to it are refused), for ApiServer's
     bound_socket: `aotlm serve` takes its port before loading the model, so a taken one is said at once. host: an
@@ -104,11 +113,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     default to IPv6 only); in a URL's brackets too ([::1]). Raises ValueError for an empty or space-padded host (an
     empty one had meant every interface), OSError where it cannot bind (socket.gaierror: a name that does not
     resolve)."""
-    if not isinstance(host, str) or not host or host != host.strip():
-        raise ValueError(f"host {host!r}: give an address or a name without spaces (0.0.0.0 or :: for every "
-                         f"interface, 127.0.0.1 for this machine only)")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
+    host = listen_host(host)
     found = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     family, kind, protocol, _, address = min(found, key=lambda entry: entry[0] != socket.AF_INET)
     sock = socket.socket(family, kind, protocol)
