@@ -109,6 +109,13 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     say = progress or (lambda message: None)
     final_dir = Path(output_root) / recipe.name
     check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
+    from runtime.errors import ArtifactError
+    from runtime.manifest import check_utf8_path
+
+    try:  # an artifact whose path is not UTF-8 built fine and then loaded nowhere
+        check_utf8_path(final_dir, "the artifact's path", "give --output a folder whose path is UTF-8")
+    except ArtifactError as error:
+        raise BuildError(str(error)) from None
     creation_time()  # a malformed SOURCE_DATE_EPOCH is refused now, not after the build's work
     _, temporary_warning = temporary_folder()
     if temporary_warning:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from pathlib import Path
 
 import numpy as np
@@ -18,13 +17,11 @@ from tokenizers import Tokenizer
 from compiler.errors import BuildError
 from passes.calibration import CalibrationSet, CalibrationSpec, draw_samples
 from passes.errors import PassError
-from runtime.evaluate import (BUILTIN_SOURCE, CALIBRATION_FRACTION, read_text_file, split_held_out, split_pydoc_text,
-                              tokens_fingerprint)
+from runtime.evaluate import BUILTIN_SOURCE, CALIBRATION_FRACTION, split_held_out, split_pydoc_text, tokens_fingerprint
+from runtime.text_files import TextFileError, read_text_file, text_problem
 from runtime.tokenizer import whole_text
 
 BUILTIN = "pydoc"
-CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")  # Unicode's Cc, but tab, newlines, form feed
-CONTROL_CHARACTERS_MAX_SHARE = 0.01  # more and a calibration file is taken for binary
 ENCODE_PIECE_CHARACTERS = 1 << 20  # the calibration text is tokenized in pieces of about this many characters
 
 
@@ -35,9 +32,11 @@ def split_text(spec_text: str) -> tuple[str, str, dict]:
         return calibration, held_out, {"source": f"{BUILTIN_SOURCE}, {_first_part()}"}
     path = check_text_file(spec_text)
     try:
-        text = read_text_file(path)  # as `aotlm eval --text` reads it: no byte-order mark, CRLF kept
-    except (OSError, UnicodeDecodeError) as error:
-        raise BuildError(f"calibration.text: cannot read {path} as UTF-8 text: {error}") from None
+        text = read_text_file(path, f"calibration.text: {spec_text}")  # as `aotlm eval --text` reads it: no
+    except TextFileError as error:  # byte-order mark, CRLF kept
+        raise BuildError(str(error)) from None
+    except OSError as error:
+        raise BuildError(f"calibration.text: cannot read {path}: {error}") from None
     check_has_text(text, spec_text)
     calibration, held_out = split_held_out(text)
     return calibration, held_out, {"source": f"{path.resolve()}, {_first_part()}"}
@@ -49,10 +48,9 @@ def check_has_text(text: str, spec_text: str) -> None:
     if not text.strip():
         raise BuildError(f"calibration.text: {spec_text} holds only whitespace; give a UTF-8 text file with the text "
                          f"to calibrate on, or 'pydoc' for the built-in text (Python's documentation)")
-    control = CONTROL_CHARACTERS.subn("", text)[1]
-    if control > CONTROL_CHARACTERS_MAX_SHARE * len(text):
-        raise BuildError(f"calibration.text: {spec_text} looks binary ({control:,} of its {len(text):,} characters "
-                         f"are control characters such as NUL); give a UTF-8 text file")
+    problem = text_problem(text)
+    if problem:
+        raise BuildError(f"calibration.text: {spec_text} {problem}")
 
 
 def _first_part() -> str:
@@ -115,8 +113,11 @@ def encode_in_pieces(tokenizer: Tokenizer, text: str, piece: int = ENCODE_PIECE_
         end = len(text)
         if end > start + 2 * piece:  # cut before a paragraph break, else a line break, else a space (a corpus of
             window = (start + piece, start + 2 * piece)  # one document a line has no blank lines), else anywhere
-            end = next((cut for cut in (text.find(mark, *window) for mark in ("\n\n", "\n", " ")) if cut > 0),
+            end = next((cut for cut in (text.find(mark, *window) for mark in ("\r\n\r\n", "\n\n", "\n", " "))
+                        if cut > 0),
                        window[1])
+            if text[end - 1] == "\r":  # a CRLF file's break: cut before its \r, as the whole text tokenizes it
+                end -= 1
         parts.append(np.asarray(tokenizer.encode(text[start:end], add_special_tokens=False).ids, np.int64))
         start = end
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -81,7 +81,9 @@ def chat_command(args) -> None:
                              f"no room for a message and a reply ({room} tokens) in the {engine.max_context}-token "
                              f"context; shorten it, or lower --max-new-tokens")
     turns: list[dict] = []  # user and assistant messages, oldest first
-    while (line := _read_line()) is not None:
+    first = True
+    while (line := _read_line(first)) is not None:
+        first = False
         text = line.strip()
         if not text:
             continue
@@ -154,8 +156,10 @@ def _undecodable_bytes_kept(stream) -> None:
         pass
 
 
-def _read_line() -> str | None:
-    """The next user message, or None at the end of input; a prompt marker on a terminal."""
+def _read_line(first: bool = False) -> str | None:
+    """The next user message, or None at the end of input; a prompt marker on a terminal. The first line loses a
+    UTF-8 byte-order mark (a file saved by Notepad, piped in), as `aotlm eval` drops one from its --text file: it was
+    tokenized into the first message (3 tokens of SmolLM2's)."""
     if sys.stdin is None:  # closed (<&-): no input, as /dev/null's
         return None
     terminal = sys.stdin.isatty()
@@ -169,7 +173,7 @@ def _read_line() -> str | None:
         raise
     if not line and terminal:  # Ctrl-D: the shell's prompt on a line of its own
         console.print()
-    return line if line else None
+    return (line.removeprefix("\ufeff") if first else line) if line else None
 
 
 def _fitting_prompt(engine, system: list[dict], turns: list[dict], max_new_tokens: int) -> list[int] | None:

@@ -36,7 +36,8 @@ def _evaluation_tokens(args, artifacts: list[_ArtifactInfo]) -> list[int]:
     """The text (a file, or builtin:NAME) as token ids without BOS, its first --max-tokens; >= 2 or an error. Only
     as much of the text is tokenized as that needs, and as the artifacts' build reports scored of it (to tell
     whether this is their text: `_warn_if_not_the_report_text`)."""
-    from runtime.evaluate import EvaluationError, builtin_text, encode_text, read_text_file
+    from runtime.evaluate import EvaluationError, builtin_text, encode_text
+    from runtime.text_files import TextFile, TextFileError, text_problem
     from runtime.tokenizer import TextTokenizer
 
     source = args.text
@@ -52,13 +53,24 @@ def _evaluation_tokens(args, artifacts: list[_ArtifactInfo]) -> list[int]:
         text = builtin_text(name)
     else:
         try:
-            text = read_text_file(source)  # CRLF scored as written; no byte-order mark
+            text = TextFile(source, f"--text {source}")  # CRLF scored as written; no byte-order mark
         except FileNotFoundError:
             raise EvaluationError(f"--text {source}: no such file") from None
-        except (OSError, UnicodeDecodeError) as error:
+        except OSError as error:
             raise EvaluationError(f"--text {source}: cannot read it ({error})") from None
+        except TextFileError as error:
+            raise EvaluationError(str(error)) from None
     reported = [_report_tokens(args, artifact)[1] for artifact in artifacts]
-    ids = encode_text(TextTokenizer(artifacts[0].tokenizer_file), text, max([args.max_tokens, *reported]))
+    tokenizer = TextTokenizer(artifacts[0].tokenizer_file)
+    try:  # only as much of a file is read as the tokens need
+        ids = encode_text(tokenizer, text, max([args.max_tokens, *reported]))
+    except TextFileError as error:
+        raise EvaluationError(str(error)) from None
+    except OSError as error:
+        raise EvaluationError(f"--text {source}: cannot read it ({error})") from None
+    problem = text_problem(text.text_read if isinstance(text, TextFile) else text)
+    if problem:  # a perplexity of UTF-16 read as UTF-8, or of zeros, compares with nothing
+        raise EvaluationError(f"--text {source}: it {problem}")
     for artifact in artifacts:
         _warn_if_not_the_report_text(args, artifact, ids)
     token_ids = ids[: args.max_tokens]

@@ -162,6 +162,14 @@ def serve_command(args) -> None:
 
     if args.model_name is not None and not args.model_name.strip():
         raise UsageError("--model-name: give a non-empty name (the API's `model` field)")
+    if args.model_name is not None:  # bytes that are not UTF-8: /v1/models published a lone surrogate
+        from runtime import RequestError
+        from runtime.tokenizer import check_unicode
+
+        try:
+            check_unicode(args.model_name, "--model-name")
+        except RequestError as problem:
+            raise UsageError(str(problem)) from None
     api_key = args.api_key if args.api_key is not None else os.environ.get("AOTLM_API_KEY")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key / AOTLM_API_KEY: empty; give a key, or leave both unset to serve without one")

@@ -31,7 +31,9 @@ import numpy as np
 from runtime.cpus import cgroup_cpu_quota, usable_cpus
 from runtime.errors import RequestError
 from runtime.metrics import RequestTrace, summarize
+from runtime.evaluate import text_prefix
 from runtime.results import is_stream, write_json
+from runtime.text_files import TextFile, TextFileError, text_problem
 
 ARRIVALS = ("all", "concurrency", "poisson")
 BASELINES = ("transformers", "onnxruntime-genai")  # their runners: benchmarks/baselines.py (a source checkout)
@@ -121,26 +123,37 @@ def sizes_that_fit(defaults: str, largest: int) -> list[int]:
     return [size for size in parse_sizes(defaults, 1 << 62) if size <= largest] or [max(largest, 1)]
 
 
-def read_prompt_file(path: str | None) -> str | None:
+def read_prompt_file(path: str | None) -> TextFile | None:
+    """--prompt-file, opened as `aotlm eval --text` opens a file (runtime/text_files.py): read later, only as far as
+    the prompts need."""
+    if path is None:
+        return None
     try:
-        return None if path is None else Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise BenchError(f"--prompt-file {path}: {error}") from None
+        return TextFile(path, f"--prompt-file {path}")
+    except (OSError, TextFileError) as error:
+        raise BenchError(str(error) if isinstance(error, TextFileError) else f"--prompt-file {path}: {error}") from None
 
 
-def text_token_ids(encode: Callable[[str], list[int]], count: int, text: str | None = None) -> list[int]:
+def text_token_ids(encode: Callable[[str], list[int]], count: int, text: str | TextFile | None = None) -> list[int]:
     """At least `count` token ids of `text` (default: Python's docs, pydoc_data.topics), repeated if it is short."""
     if text is None:
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[name] for name in sorted(topics))
-    if not text.strip():
-        raise BenchError("the prompt text is empty (--prompt-file): give a file with some text, or drop the flag for "
-                         "Python's documentation")
-    characters = 8 * count  # tokenize only what is needed; ~4 characters per token in English
+    characters = 8 * count  # read and tokenize only what is needed; ~4 characters per token in English
     while True:
-        ids = encode(text[:characters])
-        if len(ids) >= count or characters >= len(text):
+        try:
+            part, whole = text_prefix(text, characters)
+        except (OSError, TextFileError) as error:
+            raise BenchError(str(error) if isinstance(error, TextFileError) else f"--prompt-file: {error}") from None
+        if whole and not part.strip():
+            raise BenchError("the prompt text is empty (--prompt-file): give a file with some text, or drop the flag "
+                             "for Python's documentation")
+        problem = text_problem(part)
+        if problem:
+            raise BenchError(f"the prompt text (--prompt-file) {problem}")
+        ids = encode(part)
+        if len(ids) >= count or whole:
             break
         characters *= 2
     return (ids * (count // len(ids) + 1))[:count] if ids else ids

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-import os
 import re
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -29,6 +28,7 @@ import numpy as np
 
 from runtime.errors import ModelOutputError, RequestError
 from runtime.sampling import _logprobs
+from runtime.text_files import TextFile
 
 _NONE = object()  # no bad item found (None itself may be one)
 
@@ -63,16 +63,6 @@ def split_held_out(text: str) -> tuple[str, str]:
     return text[:boundary], text[boundary:]
 
 
-def read_text_file(path) -> str:
-    """A text file as `aotlm eval --text` and a recipe's calibration.text read it: UTF-8, a byte-order mark dropped,
-    line ends as written (CRLF is scored as CRLF); OSError or UnicodeDecodeError for the caller to word. A FIFO or
-    a device is refused unread (a FIFO hung for ever, /dev/zero read until memory ran out)."""
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise OSError(f"{path} is not a regular file (a folder, a FIFO or a device); give a text file")
-    with open(path, encoding="utf-8-sig", newline="") as handle:
-        return handle.read()
-
-
 def split_pydoc_text() -> tuple[str, str]:
     """`split_held_out` of Python's documentation topics, sorted by name and joined by blank lines."""
     from pydoc_data.topics import topics
@@ -96,36 +86,46 @@ def tokens_fingerprint(token_ids) -> str:
     return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).hexdigest()[:16]
 
 
-def encode_text(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
+def encode_text(tokenizer, text: str | TextFile, max_tokens: int | None = None) -> list[int]:
     """Token ids of `text` with no special tokens added (no BOS): evaluation scores the text itself.
 
     `tokenizer` is a runtime.tokenizer.TextTokenizer (its encode() lets the post-processor add BOS). With
     `max_tokens`, the first max_tokens ids of the whole text's, from as little of the text as gives them
-    (prefix_encoding).
+    (prefix_encoding). `text`: a str, or a TextFile, read only as far as that needs.
     """
     if max_tokens is None:
-        return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+        whole = text.read_all() if isinstance(text, TextFile) else text
+        return tokenizer.tokenizer.encode(whole, add_special_tokens=False).ids
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:  # -1 sliced off the last id
         raise EvaluationError(f"max_tokens must be a whole number of 0 or more (or None: the whole text); got "
                               f"{max_tokens!r}")
     return prefix_encoding(tokenizer.tokenizer, text, max_tokens).ids[:max_tokens]
 
 
-def prefix_encoding(tokenizer, text: str, max_tokens: int):
+def text_prefix(text: str | TextFile, characters: int) -> tuple[str, bool]:
+    """(the first `characters` characters of a str or a TextFile, whether that is all of it)."""
+    if isinstance(text, TextFile):
+        return text.prefix(characters)
+    return text[:characters], characters >= len(text)
+
+
+def prefix_encoding(tokenizer, text: str | TextFile, max_tokens: int):
     """The tokenizers Encoding (no special tokens) of as little of `text` as gives the whole text's first max_tokens
     ids: a prefix cut mid-word tokenizes that word differently, so a prefix's ids count only once a prefix twice as
-    long begins with the same ones (a GB corpus scored for 4096 tokens is not tokenized whole). `tokenizer`: a
-    tokenizers.Tokenizer; the caller keeps the first max_tokens of its ids (and offsets)."""
+    long begins with the same ones (a GB corpus scored for 4096 tokens is neither read nor tokenized whole).
+    `tokenizer`: a tokenizers.Tokenizer; the caller keeps the first max_tokens of its ids (and offsets)."""
     encode = lambda part: tokenizer.encode(part, add_special_tokens=False)  # noqa: E731
     length, shorter = max(4096, 8 * max_tokens), None  # ~4 characters a token in English: one doubling, usually
-    while length < len(text):
-        encoding = encode(text[:length])
+    while True:
+        part, whole = text_prefix(text, length)
+        encoding = encode(part)
+        if whole:
+            return encoding
         if len(encoding.ids) > max_tokens:
             if shorter is not None and shorter[:max_tokens] == encoding.ids[:max_tokens]:
                 return encoding
             shorter = encoding.ids
         length *= 2
-    return encode(text)
 
 
 # -- the window plan -----------------------------------------------------------------------------------------

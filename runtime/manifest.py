@@ -118,6 +118,17 @@ def _builder(manifest: dict) -> str:
     return f" (built by aotlm {version}{at})"
 
 
+def check_utf8_path(folder: Path, what: str = "its path", fix: str = "rename or move the folder") -> None:
+    """onnxruntime and tokenizers take paths as UTF-8 text: a folder whose name holds other bytes (made on a latin-1
+    system, or by a script) loaded as onnxruntime's argument dump or as "cannot read the tokenizer; rebuild"."""
+    try:
+        os.fspath(folder).encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = os.fsencode(os.fspath(folder)[error.start:error.end])[:1].hex()
+        raise ArtifactError(f"{os.fspath(folder)!a}: {what} is not UTF-8 (byte 0x{byte}), and onnxruntime "
+                            f"and tokenizers take UTF-8 paths only; {fix}") from None
+
+
 def read_manifest(artifact_dir: str | Path) -> dict:
     """Load manifest.json and check its format and version; raises ArtifactError."""
     if isinstance(artifact_dir, str) and not artifact_dir.strip():  # Path("") is ".": "./ has no manifest" misled
@@ -154,6 +165,7 @@ def read_manifest(artifact_dir: str | Path) -> dict:
         fix = (f"it holds artifacts: give one of {', '.join(map(str, inside))}" if inside
                else "build one with `aotlm build RECIPE`")
         raise ArtifactError(f"{folder}: not an artifact (no {MANIFEST_FILE}); {fix}")
+    check_utf8_path(folder)
     try:
         manifest = json.loads(path.read_text())
     except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, a 5000-digit number, nesting 10^5 deep

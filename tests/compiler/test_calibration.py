@@ -121,7 +121,8 @@ def test_split_text_reads_a_file_by_its_path_and_refuses_what_it_cannot_read(tmp
                                          r"the built-in text"):
         split_text(str(tmp_path))
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 10)
-    with pytest.raises(BuildError, match=r"calibration.text: cannot read .*latin1.txt as UTF-8 text"):
+    with pytest.raises(BuildError, match=r"calibration.text: .*latin1.txt: byte 3 \(line 1, byte 4 of the line\) is "
+                                         r"0xe9: not UTF-8"):
         split_text(str(tmp_path / "latin1.txt"))
 
 
@@ -252,7 +253,7 @@ def test_the_repeat_starts_at_the_first_token_inside_the_repeated_run(tiny_artif
 def test_a_calibration_file_is_read_as_aotlm_eval_reads_it(tmp_path):
     """No byte-order mark (it would be a junk token at the calibration text's start), CRLF kept as eval scores it,
     and the held-out part starting at a CRLF paragraph break, as at an LF one."""
-    from runtime.evaluate import read_text_file
+    from runtime.text_files import read_text_file
 
     paragraphs = [f"Paragraph {index} says something about lighthouses." for index in range(40)]
     path = tmp_path / "crlf.txt"
@@ -334,6 +335,25 @@ def test_a_long_calibration_text_is_tokenized_in_pieces_to_the_same_ids(tiny_art
         ids = calibration_module.encode_in_pieces(tokenizer, corpus, piece=20_000)
         assert len(pieces) >= 5 and max(pieces) <= 40_000  # pieces, not the whole text (one, without blank lines)
         np.testing.assert_array_equal(ids, encode(corpus, add_special_tokens=False).ids)
+
+
+@pytest.mark.parametrize("line_end", ["\r\n", "\r\n\r\n"])
+def test_a_crlf_text_is_cut_into_pieces_between_its_line_ends_not_inside_one(line_end):
+    """Cut between a \r and its \n, a CRLF file's pieces were other tokens than the whole text's (SmolLM2's: '.',
+    'čĊč', 'Ċ' against '.', 'č', 'Ċ', 'č'). A tokenizer whose pre-tokens are whitespace runs, with CRLF merges."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    import compiler.calibration as calibration_module
+
+    vocab = {character: index for index, character in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab.update({"čĊ": len(vocab), "čĊčĊ": len(vocab) + 1})  # ByteLevel spells \r č and \n Ċ
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("č", "Ċ"), ("čĊ", "čĊ")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\s+"), "isolated"),
+                                                       ByteLevel(add_prefix_space=False, use_regex=False)])
+    text = ("word " * 10 + line_end) * 3000
+    ids = calibration_module.encode_in_pieces(tokenizer, text, piece=2000)
+    assert ids.tolist() == tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def test_the_held_out_text_comes_from_the_first_calibrating_pass_and_is_checked_against_every_one(tiny_artifact,

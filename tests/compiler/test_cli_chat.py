@@ -250,6 +250,18 @@ def test_a_message_that_is_not_utf8_is_refused_under_a_strict_utf8_locale(chat_a
     assert "not valid Unicode at character 3" in err and err.count("TTFT") == 1, err
 
 
+def test_a_byte_order_mark_at_the_start_of_piped_input_is_not_part_of_the_first_message(chat_artifact, monkeypatch,
+                                                                                         capsys):
+    """A file saved with a BOM and piped in: U+FEFF was tokenized into the first message (3 more prompt tokens of
+    SmolLM2's); `aotlm eval` drops one from its --text file. Only the input's first line loses it."""
+    counts = []
+    for text in ("Hi\n", "\ufeffHi\n", "\ufeffHi\n\ufeffHi\n"):
+        monkeypatch.setattr("sys.stdin", io.StringIO(text))
+        assert main(["chat", str(chat_artifact[0]), "--max-new-tokens", "1"]) == 0
+        counts.append([int(n) for n in re.findall(r"of (\d+) prompt tokens", capsys.readouterr().err)])
+    assert counts[0] == counts[1] and counts[2][0] == counts[0][0] and len(counts[2]) == 2, counts
+
+
 @pytest.mark.parametrize("command", [["chat"], ["run", "--chat", "hi"]])
 def test_a_system_message_that_is_not_utf8_is_refused_before_the_load(chat_artifact, monkeypatch, capsys, command):
     """Every turn was refused naming messages[0]['content'], a message the user never wrote, and chat exited 0."""

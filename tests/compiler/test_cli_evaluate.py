@@ -150,3 +150,22 @@ def test_a_text_that_is_a_fifo_or_a_device_is_refused_unread(capsys, tiny_artifa
     for text in (str(fifo), "/dev/zero"):
         assert main(["eval", str(tiny_artifact), "--text", text]) == 2
         assert "is not a regular file (a folder, a FIFO or a device)" in capsys.readouterr().err
+
+
+def test_eval_reads_only_the_text_it_scores_and_refuses_one_that_is_not_text(capsys, tiny_artifact, tmp_path):
+    """A 200 MB --text was read whole to score 64 tokens (and one bad byte far past them refused it); UTF-16 without
+    a byte-order mark, read as UTF-8, was scored (perplexity 796 against 3.6 for the same text in UTF-8), as were
+    1 MiB of zeros, which the build refuses as calibration text."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(("The lighthouse keeper lit the lamp at dusk. " * 3000).encode() + b"\xff")  # 132 kB
+    status, output = run_cli(capsys, "eval", tiny_artifact, "--text", corpus, "--max-tokens", "64", "--window", "32")
+    assert status == 0, output
+    status, output = run_cli(capsys, "eval", tiny_artifact, "--text", corpus, "--max-tokens", "10000000")  # all of it
+    assert status == 2 and f"--text {corpus}: byte 132000 (line 1, byte 132001 of the line) is 0xff: not UTF-8" in " ".join(output.split()), output
+    utf16 = tmp_path / "utf16.txt"
+    utf16.write_bytes(("The lighthouse keeper lit the lamp.\n" * 20).encode("utf-16-le"))
+    zeros = tmp_path / "zeros.bin"
+    zeros.write_bytes(b"\0" * (1 << 20))
+    for path, problem in ((utf16, "it looks like UTF-16 without a byte-order mark"), (zeros, "it looks binary")):
+        status, output = run_cli(capsys, "compare", tiny_artifact, tiny_artifact, "--text", path)
+        assert status == 2 and f"--text {path}: {problem}" in " ".join(output.split()), output

@@ -583,6 +583,8 @@ def test_run_refuses_sampling_flags_greedy_decoding_would_ignore(capsys, tiny_ar
 def test_messages_name_the_flag_or_what_the_path_is(capsys, tiny_artifact, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
+    utf16 = tmp_path / "utf16.txt"
+    utf16.write_bytes(("The lighthouse keeper lit the lamp.\n" * 20).encode("utf-16-le"))
     gguf_folder = tmp_path / "model.gguf"
     gguf_folder.mkdir()
     recipe = tmp_path / "gguf.yaml"
@@ -593,6 +595,11 @@ def test_messages_name_the_flag_or_what_the_path_is(capsys, tiny_artifact, tmp_p
         (("bench", tiny_artifact, "--warmup", "-1", "--out", tmp_path / "b.json"), "--warmup must be >= 0, got -1"),
         (("bench", tiny_artifact, "--prompt-file", empty, "--prompt-tokens", "8", "--out", tmp_path / "b.json"),
          "the prompt text is empty (--prompt-file)"),
+        # read until memory ran out: a device is refused unread, as eval's --text
+        (("bench", tiny_artifact, "--prompt-file", "/dev/zero", "--out", tmp_path / "b.json"),
+         "--prompt-file /dev/zero is not a regular file (a folder, a FIFO or a device)"),
+        (("bench", tiny_artifact, "--prompt-file", utf16, "--prompt-tokens", "8", "--out", tmp_path / "b.json"),
+         "the prompt text (--prompt-file) looks like UTF-16 without a byte-order mark"),
         (("eval", tiny_artifact, "--text", "builtin:pydoc-held-out", "--window", "16", "--stride", "0"),
          "--window 16 --stride 0: stride must be between 1 and the window (16)"),
     ]:

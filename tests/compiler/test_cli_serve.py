@@ -117,6 +117,8 @@ def test_serve_refuses_counts_below_one_before_loading(capsys, flag):
 
 @pytest.mark.parametrize("argv, environment, message", [
     (["--model-name", "  "], None, "--model-name: give a non-empty name"),
+    # bytes that are not UTF-8: /v1/models published the lone surrogate, which strict JSON parsers reject
+    (["--model-name", "m\udce9"], None, "--model-name is not valid Unicode at character 1"),
     (["--api-key", ""], None, "--api-key / AOTLM_API_KEY: empty; give a key"),
     ([], " ", "--api-key / AOTLM_API_KEY: empty; give a key"),
     # headers arrive as ISO-8859-1, clients send UTF-8: no request could ever match it

@@ -557,3 +557,19 @@ def test_an_artifacts_name_given_for_its_folder_is_pointed_to_it(tiny_artifact, 
         Engine.load("tiny-random")
     with pytest.raises(ArtifactError, match=r"^the artifact path is empty \(an unset variable\?\)"):
         Engine.load("")  # it read "." and said ./ had no manifest
+
+
+def test_an_artifact_whose_path_is_not_utf8_is_refused_by_what_it_is(tiny_artifact, tmp_path, capsys):
+    """A folder named with bytes that are not UTF-8 (o\\xe9, made on a latin-1 system): the build succeeded, then
+    onnxruntime refused the path with a dump of its constructor's signatures and tokenizers with "rebuild the
+    artifact", which could not help. The load and the build now say what is wrong."""
+    from compiler.cli import main
+
+    folder = tmp_path / "o\udce9"  # os.fsdecode(b"o\xe9")
+    shutil.copytree(tiny_artifact, folder)
+    with pytest.raises(ArtifactError, match=r"/o\\udce9': its path is not UTF-8 \(byte 0xe9\), and onnxruntime and "
+                                            r"tokenizers take UTF-8 paths only; rename or move the folder"):
+        Engine.load(folder)
+    recipe = Path(__file__).parents[2] / "recipes" / "tiny-random.yaml"
+    assert main(["build", str(recipe), "--output", str(folder)]) == 2
+    assert "the artifact's path is not UTF-8 (byte 0xe9)" in " ".join(capsys.readouterr().err.split())
