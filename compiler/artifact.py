@@ -17,6 +17,7 @@ import signal
 import stat
 import tempfile
 import threading
+import time
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -99,8 +100,10 @@ def build_host() -> dict:
 
 
 @contextlib.contextmanager
-def staged_folder(final_dir: Path):
-    """Yield an empty temporary folder beside final_dir; on success it replaces final_dir atomically.
+def staged_folder(final_dir: Path, swap: dict | None = None):
+    """Yield an empty temporary folder beside final_dir; on success it replaces final_dir atomically. swap: a dict
+    that receives `replaced`, whether an artifact was there to replace when the swap ran (another build's, made
+    meanwhile, counts).
 
     The build holds an exclusive lock (flock) on its temporary folders while it runs. The kernel releases it when
     the process ends, however it ends, so a later build removes what a killed one (SIGKILL, power loss) left
@@ -123,6 +126,8 @@ def staged_folder(final_dir: Path):
                 if final_dir.exists() and not _replaceable(final_dir):  # made while this build ran
                     raise BuildError(f"{final_dir} appeared during the build and is not an aotlm artifact: it is left "
                                      f"alone and this build's artifact is not written; move it and build again")
+                if swap is not None:
+                    swap["replaced"] = final_dir.exists()
                 if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
                     retired = _locked_folder(final_dir, "old", held)
                     try:
@@ -292,7 +297,10 @@ def remove_abandoned(final_dir: Path) -> list[Path]:
     return removed
 
 
-SCRATCH_KINDS = ("trace", "spill", "float", "tensorrt")  # a build's folders in the temporary folder (TMPDIR)
+SCRATCH_KINDS = ("trace", "spill", "float", "tensorrt", "calibration")  # a build's folders in TMPDIR
+# An unlocked scratch folder younger than this is left alone: a running build makes its folder, then locks it, and a
+# cleanup in between took it for a killed build's ("removed ..., left by a build that was killed", of a live one).
+SCRATCH_GRACE_S = 10.0
 
 
 def temporary_folder() -> tuple[Path, str | None]:
@@ -355,7 +363,13 @@ def remove_abandoned_scratch() -> list[Path]:
     root = Path(tempfile.gettempdir())
     for kind in SCRATCH_KINDS:
         for folder in root.glob(f"aotlm-{kind}-*"):
-            if not folder.is_dir() or folder.is_symlink() or folder.stat().st_uid != os.getuid():
+            try:  # one lstat: a running build may remove its folder between two checks (FileNotFoundError escaped)
+                status = folder.lstat()
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid():
+                continue
+            if time.time() - status.st_mtime < SCRATCH_GRACE_S:  # perhaps between a build's mkdtemp and its lock
                 continue
             lock = _try_lock(folder)
             if lock is None or lock == NO_LOCKS:  # a running build's, or no way to tell

@@ -100,12 +100,13 @@ def _sticky_owner_only(folder: Path) -> bool:
 
 
 def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, dump_dir: str | Path | None = None,
-          written: dict | None = None) -> Path:
+          written: dict | None = None, swap: dict | None = None) -> Path:
     """Build recipe into output_root/<recipe.name>/ and return that path. Raises BuildError on bad input.
     dump_dir: each pass's output graph, per phase, is also written there (NN-pass-phase.onnx: to bisect a parity
     failure pass by pass; a large model's graphs take their weights' size each).
     written: a dict that receives the manifest this build wrote (the path may hold another build's by the time the
-    caller reads it: `aotlm build` prints this one's reports from it)."""
+    caller reads it: `aotlm build` prints this one's reports from it).
+    swap: a dict that receives `replaced`: whether the new artifact replaced one (staged_folder)."""
     say = progress or (lambda message: None)
     final_dir = Path(output_root) / recipe.name
     check_output_folder(output_root, "output folder")  # before anything slow: the export takes minutes
@@ -239,7 +240,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
     pass_results += more_results
     kv_cache = kv_cache_spec(loaded.config, recipe.export.max_context, cache_dtype(graphs, recipe.export.dtype))
 
-    with staged_folder(built_at) as folder:
+    with staged_folder(built_at, swap) as folder:
         say("writing engines")
         aliases = kv_cache["output_aliases_input"]
         if recipe.backend.name == "tensorrt":

@@ -8,12 +8,14 @@ the build's perplexity and `aotlm eval`'s are computed on the same text.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from compiler.artifact import scratch_folder
 from compiler.errors import BuildError
 from passes.calibration import CalibrationSet, CalibrationSpec, draw_samples
 from passes.errors import PassError
@@ -100,7 +102,8 @@ def resolve(spec: CalibrationSpec, tokenizer_json: str, progress=None) -> Calibr
     source = {**source, "characters": len(calibration), "tokens_available": int(len(token_ids)),
               "text_sha256": hashlib.sha256(calibration.encode()).hexdigest()[:16],
               "samples_sha256": tokens_fingerprint(samples)}
-    return CalibrationSet(**dataclasses.asdict(spec), token_ids=samples, source=source, progress=progress)
+    return CalibrationSet(**dataclasses.asdict(spec), token_ids=samples, source=source, progress=progress,
+                          scratch=functools.partial(scratch_folder, "calibration"))
 
 
 def encode_in_pieces(tokenizer: Tokenizer, text: str, piece: int = ENCODE_PIECE_CHARACTERS) -> np.ndarray:

@@ -68,13 +68,12 @@ def _build(args) -> None:
         message(f"[dim]{time.strftime('%H:%M:%S')} +{now - last[0]:5.1f}s[/dim] {escape(step)}")
         last[0] = now
 
-    from compiler.errors import is_artifact_folder
-
-    replacing = is_artifact_folder(Path(args.output) / recipe.name)  # swapped atomically at the end: say so then
     manifest: dict = {}  # what this build wrote: another build of the name may have replaced it by the time it prints
+    swap: dict = {}  # whether it replaced an artifact, as the swap found it (one another build made meanwhile too)
     try:
         with console.status(f"building {escape(recipe.name)}"):
-            path = build(recipe, args.output, progress=progress, dump_dir=args.dump_passes, written=manifest)
+            path = build(recipe, args.output, progress=progress, dump_dir=args.dump_passes, written=manifest,
+                         swap=swap)
     except OSError as full:  # a write's error names no file: say which disks the build writes
         if full.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or full.filename:
             raise
@@ -92,7 +91,7 @@ def _build(args) -> None:
         # one line per line however narrow a pipe (a grep of CI logs for "perplexity:.*KL"), and not markup: it
         # names the user's text file
         console.print(format_accuracy(manifest["accuracy"]), highlight=False, soft_wrap=True, markup=False)
-    replaced = " (it replaced the artifact that was there)" if replacing else ""
+    replaced = " (it replaced the artifact that was there)" if swap.get("replaced") else ""
     message(f"[green]built[/green] {escape(str(path))} in {time.perf_counter() - started:.1f} s{replaced}")
 
 

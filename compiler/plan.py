@@ -188,25 +188,42 @@ def _measure_cpu() -> dict:
                 f"onnxruntime MatMul, best of 3")}
 
 
+def _read_cpu_cache() -> dict:
+    """The cached figures by host key, each checked: the file is ours, but the README suggests copying it between
+    machines, and `null`, a list or an entry without its numbers were tracebacks. What is not a figure is dropped
+    (measured again)."""
+    try:
+        cache = json.loads(CACHE_FILE.read_text()) if CACHE_FILE else {}
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(cache, dict):
+        return {}
+
+    def is_figure(entry) -> bool:
+        return (isinstance(entry, dict) and isinstance(entry.get("measured"), str)
+                and all(isinstance(entry.get(name), (int, float)) and not isinstance(entry.get(name), bool)
+                        and 0 < entry[name] < float("inf") for name in ("bandwidth", "fp32_flops")))
+
+    return {key: entry for key, entry in cache.items() if is_figure(entry)}
+
+
 def cpu_device(remeasure: bool = False) -> dict:
     # -ort: matmul peak from onnxruntime, not numpy; -read: all-core read bandwidth, not one thread's copy; -quiet:
     # measured with other processes' load checked (a figure cached by an older version is measured again)
     # -use: the CPUs this process may use (a container's limit, taskset): a figure from 1 of 2 CPUs is not the 2's
     key = f"{socket.gethostname()}-{os.cpu_count()}cpu-{usable_cpus()}use-ort-read-quiet"
-    try:
-        cache = json.loads(CACHE_FILE.read_text()) if CACHE_FILE else {}
-    except (OSError, ValueError, RecursionError):
-        cache = {}
+    cache = _read_cpu_cache()
     note = "`aotlm plan SOURCE --remeasure` redoes it"
     if remeasure or key not in cache:
         m = measure_cpu()
         # A figure measured while a build or a benchmark ran was kept for good: 15.4 GB/s on a host whose decode
         # steps read 29.6. One taken under load is used once and not cached, so the next call measures again.
         if (m.get("other_cores") or 0.0) <= MAX_OTHER_CORES:
-            cache[key] = m
             try:  # whole or not at all: a full disk cut the file short, and every host's figures with it
                 if CACHE_FILE:
-                    write_json(CACHE_FILE, cache)
+                    # read again just before writing: another plan (another host sharing this home, another
+                    # taskset) may have added its figure during the seconds this one measured, and it was lost
+                    write_json(CACHE_FILE, {**_read_cpu_cache(), key: m})
             except OSError:
                 pass  # a read-only home only costs a re-measurement next time
         else:

@@ -17,7 +17,7 @@ import hashlib
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 import onnx
@@ -56,6 +56,11 @@ class CalibrationSet(CalibrationSpec):
     source: dict = field(default_factory=dict)  # what was read: file or "pydoc", characters, tokens available
     memo: dict = field(default_factory=dict, repr=False)
     progress: Callable[[str], None] | None = field(default=None, repr=False)  # the build's progress lines
+    # Where a graph too large to hand onnxruntime in memory is written: a context manager giving a folder, removed
+    # after. The compiler's is locked while the build runs, so that the next build removes one a killed build left (a
+    # copy of the model's weights, written at the build's memory peak, where the OOM killer strikes); tempfile's
+    # where none is given.
+    scratch: Callable[[], ContextManager] | None = field(default=None, repr=False)
 
     def say(self, message: str) -> None:
         if self.progress is not None:
@@ -133,7 +138,7 @@ def sample_outputs(model: onnx.ModelProto, names: list[str], calibration: Calibr
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 3
     options.intra_op_num_threads = cpu_threads()
-    with tempfile.TemporaryDirectory() as folder:
+    with (calibration.scratch or tempfile.TemporaryDirectory)() as folder:
         session = _session(probed, options, folder, ort)
     del probed
     for sample in calibration.token_ids:

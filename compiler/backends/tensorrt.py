@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import onnx
@@ -32,6 +33,7 @@ from compiler.backends.onnxruntime import io_spec
 from compiler.errors import BuildError
 from passes.lower_tensorrt import PLUGIN_NAMESPACE, PLUGIN_OPS
 from passes.quantize import methods_used
+from runtime.results import process_umask
 
 INT4_BLOCK_SIZES = (64, 128)  # TensorRT's INT4 weight-only blocks ("supported block sizes are {64, 128}")
 
@@ -324,12 +326,17 @@ def write_engines(graphs: dict[str, onnx.ModelProto], folder: Path, recipe, alia
     timing_cache_path.parent.mkdir(parents=True, exist_ok=True)
     # Shared by every build under the output root: written whole or not at all (a build killed mid-write would
     # leave a truncated cache that the next build's create_timing_cache reads).
-    partial = timing_cache_path.with_name(f".{timing_cache_path.name}.partial-{os.getpid()}")
+    # A file of its own (mkstemp): named by the PID, two containers' builds (the same PID in each) finishing together
+    # wrote one file, one replace failed after every engine was built, and the other published the first's bytes.
+    descriptor, partial = tempfile.mkstemp(prefix=f".{timing_cache_path.name}.", suffix=".partial",
+                                           dir=timing_cache_path.parent)
     try:
-        partial.write_bytes(timing_cache)
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(timing_cache)
+        os.chmod(partial, 0o666 & ~process_umask())  # mkstemp makes it private: as open() would make it
         os.replace(partial, timing_cache_path)
     except BaseException:  # a full disk: no partial file left in the output folder
-        partial.unlink(missing_ok=True)
+        Path(partial).unlink(missing_ok=True)
         raise
     backend = backend_section(trt.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability(),
                               plugins, spec, timing_cache_path)

@@ -119,7 +119,7 @@ def test_the_built_line_prints_a_long_artifact_path_unbroken(capsys, tmp_path, t
 
     monkeypatch.setattr(console, "_width", 80)  # as a pipe gives it, whatever COLUMNS this test runs under
     artifact = shutil.copytree(tiny_artifact, tmp_path / ("a_folder_whose_name_is_long_" * 4) / "tiny-random")
-    def built(recipe, output, progress=None, dump_dir=None, written=None):
+    def built(recipe, output, progress=None, dump_dir=None, written=None, swap=None):
         written.update(json.loads((artifact / "manifest.json").read_text()))
         return artifact
 

@@ -244,6 +244,25 @@ def test_output_files_are_checked_before_the_work(capsys, tiny_artifact, tmp_pat
         assert status == 2 and ("is a folder" in output or "is a file, not a folder" in output), output
 
 
+def test_a_build_says_it_replaced_an_artifact_another_build_made_while_it_ran(capsys, tiny_artifact, tmp_path,
+                                                                                monkeypatch):
+    """Whether it replaced one was decided before the build: of three concurrent builds of one name, the two that
+    replaced another's artifact said nothing of it."""
+    import shutil
+
+    from compiler.build import onnxruntime_backend
+
+    write_engines = onnxruntime_backend.write_engines
+
+    def another_build_finished_meanwhile(graphs, folder, *args, **kwargs):
+        shutil.copytree(tiny_artifact, tmp_path / "out" / "tiny-random")
+        return write_engines(graphs, folder, *args, **kwargs)
+
+    monkeypatch.setattr("compiler.build.onnxruntime_backend.write_engines", another_build_finished_meanwhile)
+    status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 0 and "s (it replaced the artifact that was there)" in output, output
+
+
 def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(capsys, tiny_artifact, tmp_path, monkeypatch):
     """A full disk while writing the engines, or the --json of an evaluation, ended in an OSError traceback after
     all the work, the evaluation leaving an empty file behind."""
@@ -330,8 +349,8 @@ def test_paths_that_look_like_markup_are_printed_as_they_are(capsys, tiny_artifa
     status, output = run_cli(capsys, "compare", artifact, tiny_artifact, "--text", text)
     assert status == 0 and str(text) in squashed(output), output
 
-    def build(recipe, output, progress, dump_dir=None, written=None):  # the CLI's printing only: a real build of
-        progress(f"writing engines into {artifact} [/x]")  # this recipe is tested elsewhere
+    def build(recipe, output, progress, dump_dir=None, written=None, swap=None):  # the CLI's printing only: a real
+        progress(f"writing engines into {artifact} [/x]")  # build of this recipe is tested elsewhere
         written.update(json.loads((artifact / "manifest.json").read_text()))
         return artifact
     monkeypatch.setattr("compiler.build.build", build)
@@ -932,11 +951,50 @@ def test_a_killed_builds_scratch_folders_are_removed_by_the_next_and_a_running_o
     abandoned = tmp_path / "aotlm-trace-killed"  # what a killed build leaves: nothing holds its lock
     abandoned.mkdir()
     (abandoned / "model.onnx").write_bytes(b"x" * 100)
+    os.utime(abandoned, (time.time() - 60, time.time() - 60))
     (tmp_path / "aotlm-unrelated").mkdir()  # not a build's
+    # Made a moment ago and not locked yet: a running build's between its mkdtemp and its lock, taken for a killed one
+    (tmp_path / "aotlm-spill-just-made").mkdir()
+    glob = Path.glob  # and one a running build removed between the listing and the look at it (FileNotFoundError)
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: [*glob(self, pattern), self / pattern.replace("*", "gone")])
     with scratch_folder("spill") as running:
+        os.utime(running, (time.time() - 60, time.time() - 60))  # old, but locked
         assert remove_abandoned_scratch() == [abandoned]
         assert running.is_dir() and (tmp_path / "aotlm-unrelated").is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["aotlm-unrelated"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aotlm-spill-just-made", "aotlm-unrelated"]
+
+
+def test_calibration_writes_a_large_graph_to_a_locked_scratch_folder_the_next_build_removes(tiny_artifact, tmp_path,
+                                                                                            monkeypatch):
+    """For a graph of 1 GiB or more calibration saved the float graph and its weights to a TemporaryDirectory, at the
+    build's memory peak: the OOM killer left a copy of the model there that no later build removed."""
+    import tempfile
+
+    import numpy as np
+
+    import passes.calibration as calibration_module
+    from compiler.artifact import _try_lock
+    from compiler.calibration import resolve
+    from tests.passes.test_quantize_calibrated import gather_matmul
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(calibration_module, "IN_MEMORY_LIMIT", 0)  # every graph goes through a file, as a large one
+    seen = []
+    session = calibration_module._session
+
+    def recording(model, options, folder, ort):
+        seen.append((Path(folder), _try_lock(Path(folder))))  # None: a running build holds it
+        return session(model, options, folder, ort)
+
+    monkeypatch.setattr(calibration_module, "_session", recording)
+    spec = calibration_module.CalibrationSpec(text="pydoc", samples=2, length=8, seed=0)
+    calibration = resolve(spec, (tiny_artifact / "tokenizer.json").read_text())
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((int(calibration.token_ids.max()) + 1, 4)).astype(np.float32)
+    calibration_module.collect_statistics(gather_matmul(table, np.ones((4, 2), np.float32)), ["x"], calibration)
+    [(folder, lock)] = seen
+    assert folder.parent == tmp_path and folder.name.startswith("aotlm-calibration-") and lock is None
+    assert not folder.exists()
 
 
 def test_a_sighup_that_nohup_ignores_stays_ignored(capsys, monkeypatch):

@@ -286,6 +286,36 @@ def test_a_full_disk_leaves_the_cached_figures_of_other_hosts_whole(llama3, fake
     assert [p.name for p in plan_module.CACHE_FILE.parent.iterdir()] == ["cpu.json"]
 
 
+@pytest.mark.parametrize("cached", ["null", "[]", '"x"', "{KEY: {}}", "{KEY: null}",
+                                    '{KEY: {"bandwidth": "fast", "fp32_flops": 1e11, "measured": "today"}}'])
+def test_a_cache_file_of_another_shape_is_measured_again_not_a_traceback(llama3, fake_cpu, cached):
+    """The README suggests copying cpu.json between machines: `null`, a list, or an entry without its numbers were
+    TypeErrors and KeyErrors (a 16-line traceback)."""
+    key = f"{plan_module.socket.gethostname()}-{plan_module.os.cpu_count()}cpu-{plan_module.usable_cpus()}use-ort-read-quiet"
+    plan_module.CACHE_FILE.parent.mkdir(parents=True)
+    plan_module.CACHE_FILE.write_text(cached.replace("KEY", json.dumps(key)))
+    result = plan(llama3, device="cpu", context=1024)
+    assert len(fake_cpu) == 1 and result["device"]["bandwidth_Bps"] == 10e9
+    assert json.loads(plan_module.CACHE_FILE.read_text()) == {key: FAKE_CPU}
+
+
+def test_a_figure_another_plan_cached_while_this_one_measured_is_kept(llama3, fake_cpu, monkeypatch):
+    """Read, measure (seconds), write: two plans at once (another taskset, another host sharing the home) each wrote
+    what it had read, and one's figure was lost."""
+    other = {"other-host-2cpu-2use-ort-read-quiet": dict(FAKE_CPU)}
+
+    def measured_while_another_wrote():
+        plan_module.CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        plan_module.CACHE_FILE.write_text(json.dumps(other))
+        return dict(FAKE_CPU)
+
+    monkeypatch.setattr(plan_module, "measure_cpu", measured_while_another_wrote)
+    plan(llama3, device="cpu", context=1024)
+    assert set(json.loads(plan_module.CACHE_FILE.read_text())) == {*other, next(
+        key for key in json.loads(plan_module.CACHE_FILE.read_text()) if key not in other)}
+    assert len(json.loads(plan_module.CACHE_FILE.read_text())) == 2
+
+
 def test_a_figure_cached_by_the_copy_measurement_is_measured_again(llama3, fake_cpu):
     """Before, the cache held one thread's copy rate (read + written bytes) under a key without "-read"; decode
     steps came out faster than that "bound". Such an entry must not be reused."""

@@ -383,3 +383,52 @@ def test_a_fused_node_left_in_a_tensorrt_graph_is_refused_before_the_engine_buil
     model = onnx.helper.make_model(onnx.helper.make_graph([node], "prefill", [], []))
     with pytest.raises(BuildError, match="layers.0.FlashAttention: aotlm.FlashAttention is left, which TensorRT"):
         tensorrt_backend.check_graphs({"prefill": model})
+
+
+def test_two_builds_finishing_together_each_write_a_whole_timing_cache(tmp_path, monkeypatch):
+    """The cache went through `.NAME.partial-PID`: two containers' builds (each PID 1) finishing together wrote one
+    file, one replace failed after every engine was built, and the other published the first's bytes. Both builds
+    here are one process (one PID), and each waits to replace until the other has written. TensorRT is stubbed."""
+    import os
+    import threading
+    import types
+
+    recipe = load_recipe(REPO / "recipes" / "smollm2-135m-tensorrt.yaml")
+    trt = types.SimpleNamespace(__version__="10.9.0",
+                                Logger=type("Logger", (), {"WARNING": 0, "__init__": lambda self, level: None}))
+    cuda = types.SimpleNamespace(get_device_name=lambda: "stub", get_device_capability=lambda: (9, 0))
+    monkeypatch.setattr(tensorrt_backend, "_tensorrt", lambda: (trt, types.SimpleNamespace(cuda=cuda)))
+    for name, stub in (("check_graphs", lambda graphs: None), ("check_release", lambda version, graphs: None),
+                       ("plugin_ops", lambda model: []), ("io_spec", lambda model, aliases: {}),
+                       ("optimization_profiles", lambda *args: {"decode": {}})):
+        monkeypatch.setattr(tensorrt_backend, name, stub)
+    letters = threading.local()
+    monkeypatch.setattr(tensorrt_backend, "_build_one", lambda *args: (b"engine", letters.value * 4096))
+    both_written, replace = threading.Barrier(2, timeout=10), os.replace
+
+    def replace_once_both_wrote(source, target):
+        if str(target).endswith("tensorrt-timing.cache"):
+            both_written.wait()
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace_once_both_wrote)
+    graph = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
+    failures = []
+
+    def build(letter: bytes) -> None:
+        letters.value = letter
+        staging = tmp_path / f"staging-{letter.decode()}"
+        staging.mkdir()
+        try:
+            tensorrt_backend.write_engines({"decode": graph}, staging, recipe, {}, tmp_path, lambda line: None)
+        except Exception as error:  # noqa: BLE001 -- what the test reports
+            failures.append(error)
+
+    threads = [threading.Thread(target=build, args=(letter,)) for letter in (b"A", b"B")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    cache = (tmp_path / recipe.backend.tensorrt.timing_cache).read_bytes()
+    assert not failures and cache in (b"A" * 4096, b"B" * 4096)
+    assert sorted(path.name for path in tmp_path.iterdir() if path.is_file()) == ["tensorrt-timing.cache"]
