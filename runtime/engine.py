@@ -29,7 +29,7 @@ from typing import Collection, Iterator, Sequence
 
 import numpy as np
 
-from runtime import evaluate
+from runtime import evaluate, forking
 from runtime.cpus import cpus, restriction, usable_cpus
 from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
 from runtime.manifest import check_files, read_manifest
@@ -61,6 +61,10 @@ def _start_over_in_forked_child() -> None:
     _loads, _loads_lock = 0, threading.Lock()
     me = threading.current_thread()
     for engine in list(_ENGINES):
+        sessions = list(getattr(engine.backend, "sessions", {}).values())  # onnxruntime's (runtime/forking.py)
+        forking.keep_forever(sessions)
+        for session in sessions:
+            forking.note_threads_lost(session.get_session_options().intra_op_num_threads)
         engine._scheduler_lock = threading.Condition()
         engine._restarting = 0
         engine._stepping = False  # a step another thread ran at the fork never ends here: the exit must not wait for it
@@ -121,7 +125,8 @@ def _loading():
     if refused:
         _stop_at_exit("no engine loads any more")
     try:
-        yield
+        with forking.RUNS.share():  # an os.fork() waits for it: a child forked mid-load hung in its own load
+            yield
     finally:
         with _loads_lock:
             _loads -= 1
@@ -183,6 +188,10 @@ class Generation:
             pass
         return self.result
 
+    def __reduce__(self):
+        raise TypeError("a Generation belongs to the process and engine that started it: send its text or its "
+                        "`result` (a GenerationResult pickles) instead")
+
     def __repr__(self) -> str:
         state = ("done" if self.result is not None else "failed" if self._error is not None else
                  "closed" if self._closed else "open")
@@ -214,6 +223,11 @@ class Engine:
     huge_pages (Engine.load's report on putting the weights on 2 MiB pages, None when not asked), prefix_caching
     (as Engine.load was given it), scheduler (the running Scheduler, or None).
     """
+
+    def __reduce__(self):
+        """multiprocessing pickles what it sends: onnxruntime's sessions said "cannot pickle 'InferenceSession'"."""
+        raise TypeError("an Engine cannot be sent to another process: load it there (Engine.load in a multiprocessing "
+                        "Pool's initializer, or in each worker), or send prompts and results instead")
 
     def __repr__(self) -> str:  # getattr: a debugger shows an engine whose __init__ failed part way too
         scheduler = getattr(self, "_scheduler", None)

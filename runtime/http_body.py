@@ -16,7 +16,7 @@ class BodyError(ApiError):
     """The body cannot be read (or not all of it): answer `status`, then close the connection. `unread`: bytes of it
     that may still be arriving (to read and drop after the answer; see server.LINGER_S)."""
 
-    def __init__(self, message: str, status: int, unread: int):
+    def __init__(self, message: str, status: int = 400, unread: int = 0):  # defaults: unpickled from its message
         super().__init__(message, status)
         self.unread = unread
 

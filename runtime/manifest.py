@@ -118,15 +118,22 @@ def _builder(manifest: dict) -> str:
     return f" (built by aotlm {version}{at})"
 
 
-def check_utf8_path(folder: Path, what: str = "its path", fix: str = "rename or move the folder") -> None:
+def utf8_path(path) -> str:
+    """The path as onnxruntime and tokenizers take one: str, which they encode as UTF-8. Under a C or POSIX locale
+    without UTF-8 mode, Python reads a path's non-ASCII bytes as lone surrogates, which neither could encode: the
+    same bytes read as UTF-8 name the same file. ArtifactError where the bytes are not UTF-8 (check_utf8_path)."""
+    check_utf8_path(path)
+    return os.fsencode(path).decode("utf-8")
+
+
+def check_utf8_path(folder, what: str = "its path", fix: str = "rename or move the folder") -> None:
     """onnxruntime and tokenizers take paths as UTF-8 text: a folder whose name holds other bytes (made on a latin-1
     system, or by a script) loaded as onnxruntime's argument dump or as "cannot read the tokenizer; rebuild"."""
     try:
-        os.fspath(folder).encode("utf-8")
-    except UnicodeEncodeError as error:
-        byte = os.fsencode(os.fspath(folder)[error.start:error.end])[:1].hex()
-        raise ArtifactError(f"{os.fspath(folder)!a}: {what} is not UTF-8 (byte 0x{byte}), and onnxruntime "
-                            f"and tokenizers take UTF-8 paths only; {fix}") from None
+        os.fsencode(folder).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ArtifactError(f"{os.fspath(folder)!a}: {what} is not UTF-8 (byte 0x{error.object[error.start]:02x}), and "
+                            f"onnxruntime and tokenizers take UTF-8 paths only; {fix}") from None
 
 
 def read_manifest(artifact_dir: str | Path) -> dict:

@@ -267,6 +267,10 @@ class RequestHandle:
         return (f"request {self.id} has not finished after {timeout} s; wait longer (result(timeout=None) waits "
                 f"until it ends), or cancel() it")
 
+    def __reduce__(self):  # "cannot pickle 'weakref.ReferenceType' object" said nothing of what to do
+        raise TypeError("a RequestHandle belongs to the process that submitted it: send handle.result() (a "
+                        "GenerationResult pickles) instead")
+
     def __repr__(self) -> str:
         """As concurrent.futures' Future shows its state (a notebook shows this)."""
         if not self.done():

@@ -12,6 +12,7 @@ import tokenizers
 from tokenizers import Tokenizer
 
 from runtime.errors import ArtifactError, RequestError
+from runtime.manifest import utf8_path
 from runtime.versions import release
 
 
@@ -82,7 +83,7 @@ class TextTokenizer:
         tokenizer's own size when not given. built_with: the tokenizers release that wrote the file (the manifest's
         tools), named when the installed one is older and cannot read it."""
         try:
-            self.tokenizer = Tokenizer.from_file(str(path))
+            self.tokenizer = Tokenizer.from_file(utf8_path(path))  # a C locale's surrogates: the file's UTF-8 name
         except Exception as error:  # tokenizers raises a bare Exception on a bad file
             installed = tokenizers.__version__
             fix = (f"tokenizers {installed} is installed and {built_with} wrote it: pip install -U "

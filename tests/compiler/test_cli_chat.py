@@ -292,6 +292,10 @@ def test_an_ascii_locale_without_utf8_mode_reads_and_writes_what_it_can(tiny_art
     done = subprocess.run([sys.executable, "-m", "compiler.cli", "inspect", str(named)], capture_output=True,
                           env=environment, timeout=120)
     assert done.returncode == 0 and b"tiny-random" in done.stdout, done.stderr.decode(errors="replace")[-2000:]
+    # loaded too: onnxruntime and tokenizers were handed the surrogates Python read the UTF-8 name as
+    done = subprocess.run([sys.executable, "-m", "compiler.cli", "run", str(named), "--prompt", "hi",
+                           "--max-new-tokens", "2"], capture_output=True, env=environment, timeout=120)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
 
 
 def test_a_system_message_that_leaves_no_room_for_any_message_is_refused(chat_artifact, monkeypatch, capsys):

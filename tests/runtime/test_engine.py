@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import RequestError, SamplingParams
+from runtime import RequestError, SamplingParams, forking
 
 PROMPTS = [[1, 17, 300, 42, 9], [1, 5], [1, 400, 401, 402, 403, 404, 405, 406, 407, 408, 3]]
 
@@ -338,6 +338,7 @@ def test_ctrl_c_anywhere_in_a_stream_leaves_the_batch_one_cache_to_the_next_requ
         other.join(timeout=20)
         assert outcome == [expected], f"interrupted at Python call {call}: the next request waited on a held cache"
         assert tiny_engine.generate([1, 5, 9], **options).token_ids == expected, f"call {call}"
+        assert forking.RUNS.running == 0, f"call {call}: a run left counted, which every os.fork() would wait for"
     assert call > 10
 
 

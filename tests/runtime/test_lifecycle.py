@@ -357,3 +357,105 @@ def test_a_child_forked_while_another_thread_loads_does_not_wait_for_that_load_a
         with runtime.engine._loads_lock:
             runtime.engine._loads -= 1
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# gunicorn's preload_app: load and warm up in the parent, fork; the worker serves and later leaves with sys.exit.
+FORKED_WORKER_EXITS = """
+    import os, sys, time, warnings
+    from runtime import Engine
+    from runtime.cpus import usable_cpus
+
+    threads = min(2, usable_cpus())
+    engine = Engine.load(sys.argv[1], intra_op_threads=threads)
+    expected = engine.generate([1, 5, 9], max_new_tokens=3, ignore_eos=True).token_ids  # warmed up: pools ran
+    print("threads", threads, flush=True)
+    pid = os.fork()
+    if pid == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = engine.generate([1, 5, 9], max_new_tokens=3, ignore_eos=True).token_ids
+            engine.generate([1, 5, 9], max_new_tokens=3, ignore_eos=True)
+        print("child:", "same tokens" if got == expected else got, flush=True)
+        print("child warnings:", [str(w.message)[:60] for w in caught], flush=True)
+        sys.exit(0)  # the interpreter's exit frees the engine: it hung in pthread_cond_destroy
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
+        time.sleep(0.05)
+    else:
+        if time.monotonic() >= deadline:
+            os.kill(pid, 9)
+            print("parent: the child did not exit", flush=True)
+    print("parent:", "same tokens" if engine.generate([1, 5, 9], max_new_tokens=3, ignore_eos=True).token_ids
+          == expected else "other tokens", flush=True)
+"""
+
+
+def test_a_worker_forked_from_a_warmed_up_engine_serves_says_it_runs_on_one_thread_and_exits(tiny_artifact):
+    """Freeing the sessions a child inherited (at its exit, or `del engine`) waited in onnxruntime's thread pool for
+    the parent's threads: every gunicorn worker of a preloaded, warmed-up engine hung when it left. Those threads do
+    not exist in the child, whose runs use its one thread: said once, at its first run."""
+    done = run_script(FORKED_WORKER_EXITS, tiny_artifact)
+    assert "child: same tokens" in done.stdout and "parent: same tokens" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "did not exit" not in done.stdout, (done.stdout, done.stderr[-2000:])
+    warned = "['this process was forked after its Engine loaded: onnxruntime']"
+    assert ("child warnings: " + (warned if "threads 2" in done.stdout else "[]")) in done.stdout, done.stdout
+
+
+def test_a_fork_waits_for_the_graph_runs_under_way_and_starts_none_until_it_returns():
+    """A child forked while another thread was inside onnxruntime's run inherited onnxruntime's mutex held by a
+    thread it does not have: its own generate hung there (a child in each of 3 runs of 500 forks)."""
+    import os
+    import threading
+    import time
+
+    from runtime import forking
+
+    inside, release, after_fork = threading.Event(), threading.Event(), []
+
+    def a_run():  # holds the gate as a load does, until released
+        with forking.RUNS.share():
+            inside.set()
+            release.wait()
+        with forking.RUNS.share():  # a run that starts while the fork waits: after the fork
+            after_fork.append(time.monotonic())
+
+    running = threading.Thread(target=a_run)
+    running.start()
+    inside.wait()
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if not forking.RUNS.running and not forking.RUNS.forking else 1)  # the child's gate starts free
+    forked = time.monotonic()
+    _, status = os.waitpid(child, 0)
+    running.join()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert forked - started >= 0.25 and after_fork and after_fork[0] >= forked - 0.01
+
+
+def test_what_cannot_go_to_another_process_says_what_to_send_and_errors_come_back_whole(tiny_artifact):
+    """multiprocessing pickles what it sends: an Engine failed with "cannot pickle 'InferenceSession'", a handle with
+    "cannot pickle 'weakref.ReferenceType'"; a BodyError did not unpickle (a Pool's parent then hangs or dies)."""
+    import pickle
+
+    from runtime import Engine
+    from runtime.http_body import BodyError
+
+    engine = Engine.load(tiny_artifact)
+    try:
+        handle = engine.submit([1, 5, 9], max_new_tokens=2)
+        generation = engine.stream([1, 5, 9], max_new_tokens=2)
+        for value, message in ((engine, "an Engine cannot be sent to another process: load it there"),
+                               (handle, "a RequestHandle belongs to the process that submitted it: send handle.result()"),
+                               (generation, "a Generation belongs to the process and engine that started it")):
+            with pytest.raises(TypeError, match=re.escape(message)):
+                pickle.dumps(value)
+        generation.close()
+        result = pickle.loads(pickle.dumps(handle.result()))
+        assert result.token_ids == handle.result().token_ids and result.timings.ttft_s == handle.result().timings.ttft_s
+    finally:
+        engine.close()
+    error = pickle.loads(pickle.dumps(BodyError("a malformed chunk", 400, 77)))
+    assert (str(error), error.status, error.unread, error.body()) == (
+        "a malformed chunk", 400, 77, BodyError("a malformed chunk", 400, 77).body())
