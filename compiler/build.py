@@ -181,6 +181,8 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
                          f"(llama.cpp's convert_hf_to_gguf.py writes one)" if recipe.model.source == "gguf" else
                          missing_tokenizer_message(loaded.source["path"]))
     check_tokenizer_fits(loaded.tokenizer_json, loaded.config.vocab_size)
+    for text in loaded.warnings:
+        say(f"warning: {text}")
     if loaded.chat_template is not None:
         check_chat_template(loaded.chat_template)
     check_config_fits(loaded.config, recipe)
@@ -269,6 +271,7 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
                           "chat_template": CHAT_TEMPLATE_FILE if loaded.chat_template is not None else None,
                           "template_tokens": loaded.template_tokens},
             "kv_cache": kv_cache,
+            **({"generation_defaults": loaded.generation_defaults} if loaded.generation_defaults else {}),
             **sections,
             "passes": [vars(result) for result in pass_results],
             **({"accuracy": accuracy} if accuracy else {}),

@@ -109,23 +109,27 @@ def _run(args) -> None:
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    sampling = sampling_options(args)  # flags greedy decoding would ignore, and bad values, are refused before loading
-    if args.system and args.chat is None:
+    if args.system is not None and args.chat is None:
         raise UsageError("--system goes with --chat (a system message for the chat template)")
     from compiler.cli_chat import checked_system
+    from runtime.sampling import model_defaults
 
     checked_system(args.system)
-    if args.chat is not None and not read_manifest(args.artifact)["tokenizer"].get("chat_template"):
+    manifest = read_manifest(args.artifact)
+    model = model_defaults(manifest) if args.generation_config == "auto" else {}
+    sampling = sampling_options(args, model)  # flags greedy decoding would ignore, bad values: refused before loading
+    if args.chat is not None and not manifest["tokenizer"].get("chat_template"):
         raise UsageError(f"{args.artifact}: its model has no chat template; use --prompt for plain text")
 
     # One request: rebuilding the weights on huge pages (seconds) would cost more than its faster steps save. Its
     # decode session keeps spinning between steps (no scheduler alternates it with prefills here): single-stream
     # TPOT 0.95-0.97x with it, paired over 12-30 rounds (README, "Threads after a run").
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
-                         spin_after_run=SINGLE_STREAM_SPIN)
+                         spin_after_run=SINGLE_STREAM_SPIN, generation_config=args.generation_config)
     received = time.perf_counter()  # TTFT counts from here: a chat template's rendering is inside it
     if args.chat is not None:  # the reply alone: the prompt is the template's formatting of the messages
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        # --system "": an empty system message, which keeps a template's default one out (SmolLM2's, Qwen's)
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
             {"role": "user", "content": args.chat}]
         prompt, shown = engine.chat_prompt_ids(messages), ""
     else:
@@ -217,6 +221,13 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     template = manifest["tokenizer"].get("chat_template")
     out.print(f"chat template: {escape(template) + ' (aotlm run --chat, Engine.chat)' if template else 'none'}",
                   highlight=False, soft_wrap=True)
+    from compiler.frontend.generation_defaults import describe as describe_defaults
+
+    defaults = describe_defaults(manifest.get("generation_defaults"))
+    stops = manifest["tokenizer"].get("eos_token_ids") or []
+    out.print(escape(f"generation: stops at token ids {stops or 'none'}; model defaults "
+                     + (f"{defaults}, applied to options a request leaves out (--generation-config none: aotlm's)"
+                        if defaults else "none (aotlm's: greedy)")), highlight=False, soft_wrap=True)
     backend = manifest["backend"]
     out.print(escape(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}"),
               highlight=False, soft_wrap=True)

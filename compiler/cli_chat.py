@@ -58,20 +58,25 @@ def chat_command(args) -> None:
     from runtime import Engine, RequestError
     from runtime.engine import SINGLE_STREAM_SPIN
     from runtime.manifest import read_manifest
-    from runtime.sampling import SamplingParams
+    from runtime.sampling import SamplingParams, model_defaults
     from runtime.tokenizer import check_unicode
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    options = sampling_options(args)  # flags greedy decoding would ignore, and bad values: refused before loading
     checked_system(args.system)
-    if not read_manifest(args.artifact)["tokenizer"].get("chat_template"):  # before loading seconds of weights
+    manifest = read_manifest(args.artifact)
+    model = model_defaults(manifest) if args.generation_config == "auto" else {}
+    options = sampling_options(args, model)  # flags greedy decoding would ignore, bad values: refused before loading
+    if not manifest["tokenizer"].get("chat_template"):  # before loading seconds of weights
         raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
-                         spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True)
-    sampling = SamplingParams(**options)  # once for every turn (sampling_options checked the values)
+                         spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True,
+                         generation_config=args.generation_config)
+    # once for every turn (sampling_options checked the values); the model's defaults for the flags not given
+    sampling = SamplingParams(**{**engine.sampling_defaults, **options})
     _undecodable_bytes_kept(sys.stdin)
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    # --system "": an empty system message, which keeps a template's default one out (SmolLM2's, Qwen's)
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
     if system:  # every message was refused as too long, where the system message left room for none
         least = len(engine.chat_prompt_ids(system + [{"role": "user", "content": ""}]))
         room = min(args.max_new_tokens, engine.max_context // 2)

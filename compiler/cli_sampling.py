@@ -6,13 +6,20 @@ from compiler.errors import UsageError, nonnegative_int, text_argument
 
 
 def add_sampling_options(parser) -> None:
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1 = all)")
-    parser.add_argument("--min-p", type=float, default=0.0,
+    # No defaults in the flags themselves: a flag not given leaves the option to the model's own default
+    # (--generation-config auto), else to aotlm's (shown in the help)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 = greedy (aotlm's default; a model's generation config may set another)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, default=None, help="sample within this probability mass (1 = all)")
+    parser.add_argument("--min-p", type=float, default=None,
                         help="sample among tokens at least this fraction as likely as the likeliest (0 = all)")
+    parser.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                        help="auto: options not given take the model's own defaults where it ships them "
+                             "(generation_config.json, a GGUF's general.sampling; `aotlm inspect` shows them), as "
+                             "vLLM and transformers do; none: aotlm's (greedy)")
     parser.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed, for reproducible samples")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+    parser.add_argument("--repetition-penalty", type=float, default=None, metavar="P",
                         help="divide the positive logits of tokens in the prompt or output by P, multiply negative "
                              "ones (transformers' and vLLM's; 1 = none; greedy decoding too)")
     parser.add_argument("--presence-penalty", type=float, default=0.0, metavar="A",
@@ -30,22 +37,28 @@ def add_sampling_options(parser) -> None:
                              "(vLLM's min_tokens)")
 
 
-def sampling_options(args) -> dict:
-    """SamplingParams' keywords from the flags, after refusing flags that greedy decoding would silently ignore and
-    values SamplingParams refuses (a RequestError: one line, exit status 2), before the caller loads the weights."""
-    sampling_only = [flag for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
-                                              ("--min-p", args.min_p != 0.0), ("--seed", args.seed is not None))
-                     if given]
-    if args.temperature == 0 and sampling_only:  # greedy ignores them: the user would believe they sampled
+def sampling_options(args, model: dict | None = None) -> dict:
+    """SamplingParams' keywords from the flags given, after refusing flags that greedy decoding would silently ignore
+    and values SamplingParams refuses (a RequestError: one line, exit status 2), before the caller loads the weights.
+    model: the model's sampling defaults the engine will apply to the options not given (runtime.sampling's
+    model_defaults), which decide whether it samples."""
+    model = model or {}
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+             "repetition_penalty": args.repetition_penalty}
+    sampling_only = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                                              ("--min-p", args.min_p), ("--seed", args.seed)) if value is not None]
+    temperature = args.temperature if args.temperature is not None else model.get("temperature", 0.0)
+    if temperature == 0 and sampling_only:  # greedy ignores them: the user would believe they sampled
+        default = ("the default" if args.temperature is None else "given")
         raise UsageError(f"{', '.join(sampling_only)}: {'they shape' if len(sampling_only) > 1 else 'it shapes'} "
-                         f"sampling, but --temperature 0 (the default) decodes greedily; add --temperature > 0")
+                         f"sampling, but --temperature 0 ({default}) decodes greedily; add --temperature > 0")
     from runtime.errors import RequestError
     from runtime.sampling import SamplingParams
 
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+    options = dict(max_new_tokens=args.max_new_tokens, seed=args.seed,
                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                   stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens)
+                   stop_strings=tuple(args.stop), ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens,
+                   **{name: value for name, value in given.items() if value is not None})
     try:
         SamplingParams(**options)  # out-of-range values: refused now, not after seconds of loading weights
     except RequestError as error:  # its message names the keyword ("min_p: 2.0 ..."): name the flag given instead

@@ -106,6 +106,10 @@ def add_serve_parser(commands) -> None:
                        help="requests waiting for a slot at most; beyond them the server answers 503 (default 256)")
     serve.add_argument("--prefill-chunk", type=positive_int, default=None,
                        help="prefill at most this many prompt tokens per step while others decode (default: whole)")
+    serve.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                       help="auto: fields a request leaves out take the model's own sampling defaults where it ships "
+                            "them (generation_config.json, a GGUF's general.sampling), as vLLM's default; none: "
+                            "OpenAI's (temperature 1)")
     serve.add_argument("--prefix-caching", action="store_true",
                        help="a prompt whose start a slot already holds (a system prompt, a chat's earlier turns, n "
                             "samples of one prompt) prefills only the rest; each free slot keeps one such record "
@@ -184,7 +188,7 @@ def serve_command(args) -> None:
         raise cannot_listen(args.host, args.port, error) from None
     try:
         engine = Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching,
-                             huge_pages=not args.no_huge_pages)
+                             huge_pages=not args.no_huge_pages, generation_config=args.generation_config)
     except BaseException:
         bound.close()
         raise
@@ -217,6 +221,11 @@ def serve_command(args) -> None:
                   " (no chat template: /v1/chat/completions refuses)")
     message(escape(f"{scheduler.slots} slots, {scheduler.max_queue} may wait; max context {engine.max_context} tokens; "
                    f"POST /v1/completions{chat_route}; {'API key required; ' if api_key else ''}Ctrl-C stops"))
+    from compiler.frontend.generation_defaults import describe
+
+    if engine.generation_defaults:  # as vLLM says it: the answers to requests that set none of these change
+        message(escape(f"the model's sampling defaults apply to the fields a request leaves out: "
+                       f"{describe(engine.manifest['generation_defaults'])}; --generation-config none for OpenAI's"))
     try:
         server.serve_forever()
     except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM or SIGHUP (compiler/cli.py raises the last two as one)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import inspect
 import operator
 import os
+import sys
 import threading
 import time
 import warnings
@@ -37,7 +39,7 @@ from runtime.metrics import RequestTrace
 from runtime.prefix_cache import rest_piece_tokens, reusable_prefix, scored_rows_reusable
 from runtime.results import GenerationResult, Timings, received_at
 from runtime.request_handle import RequestHandle
-from runtime.sampling import Sampler, SamplingParams, last_token_logits, sampling_params
+from runtime.sampling import Sampler, SamplingParams, last_token_logits, model_defaults, sampling_params
 from runtime.scheduler import Scheduler
 from runtime.tokenizer import TextTokenizer
 
@@ -49,6 +51,7 @@ SINGLE_STREAM_SPIN = ("decode",)
 MAX_CHARACTERS_PER_TOKEN = 256
 _NO_THREADS: frozenset = frozenset()  # no thread holds the batch-1 cache (Engine._batch_one_threads)
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # every engine alive, for _start_over_in_forked_child
+_huge_page_loads = threading.Lock()  # Engine.load(huge_pages=True): one at a time (see load)
 
 
 def _start_over_in_forked_child() -> None:
@@ -57,8 +60,8 @@ def _start_over_in_forked_child() -> None:
     forever. Each engine's locks start free; what the batch-1 cache held is not reused (its rows may be half
     written). The scheduler starts over by its own handler (runtime/scheduler.py). Loads under way in other threads
     do not go on in the child: its exit must not wait for them (nor their lock be held)."""
-    global _loads, _loads_lock
-    _loads, _loads_lock = 0, threading.Lock()
+    global _loads, _loads_lock, _huge_page_loads
+    _loads, _loads_lock, _huge_page_loads = 0, threading.Lock(), threading.Lock()
     me = threading.current_thread()
     for engine in list(_ENGINES):
         sessions = list(getattr(engine.backend, "sessions", {}).values())  # onnxruntime's (runtime/forking.py)
@@ -224,6 +227,19 @@ class Engine:
     (as Engine.load was given it), scheduler (the running Scheduler, or None).
     """
 
+    def __del__(self):
+        """Dropped: the scheduler (whose slot cache binds the sessions) goes first, then the backend, and then what
+        they held goes back to the system: glibc kept it in its heap (230-320 MB of the default model's stayed
+        resident until some engine ran a prefill; runtime/onnxruntime_backend.py, FreedMemory)."""
+        try:
+            self.__dict__.pop("_scheduler", None)
+            self.__dict__.pop("backend", None)
+            backend_module = sys.modules.get("runtime.onnxruntime_backend")
+            if backend_module is not None and backend_module.FREED_MEMORY.trim is not None:
+                backend_module.FREED_MEMORY.trim(0)
+        except Exception:  # noqa: BLE001 -- a half-made engine, or the interpreter's exit: nothing to give back
+            pass
+
     def __reduce__(self):
         """multiprocessing pickles what it sends: onnxruntime's sessions said "cannot pickle 'InferenceSession'"."""
         raise TypeError("an Engine cannot be sent to another process: load it there (Engine.load in a multiprocessing "
@@ -256,6 +272,9 @@ class Engine:
         self._batch_one_epoch = 0
         self._chat_template: str | None = None  # the artifact's chat template, read by load (prepare_chat)
         self.prefix_caching = False  # set by Engine.load: see _reusable_prefix
+        # The model's own sampling defaults (manifest generation_defaults), which Engine.load(generation_config="auto")
+        # applies: {} where the model has none or the caller chose "none"
+        self.generation_defaults: dict = {}
         # What the batch-1 cache holds after the last request: (the cache, the backend's run count then, the token
         # ids whose keys and values fill its first rows). Any other run on it (evaluation, a benchmark) changes
         # the count, and then nothing is reused.
@@ -265,7 +284,7 @@ class Engine:
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None,
              huge_pages: bool = True, spin_after_run: bool | Collection[str] = False,
-             prefix_caching: bool = False) -> "Engine":
+             prefix_caching: bool = False, generation_config: str = "auto") -> "Engine":
         """Check the manifest (format version, file sizes; sha256 too if verify) and open both graphs.
 
         intra_op_threads: threads per onnxruntime session, at most the CPUs this process may use; None: the recipe's
@@ -281,6 +300,10 @@ class Engine:
         stream at a time (TPOT 3-5% lower, `aotlm run` uses it), not the scheduler, which runs prefills between
         decode steps. An engine whose manifest session_config sets that key keeps its own value. Both flags apply
         to onnxruntime artifacts only.
+        generation_config: "auto" (the default, as vLLM's): a request's unset sampling options take the model's own
+        defaults where its source ships them (generation_config.json's temperature, top_p, top_k and min_p with
+        do_sample, and repetition_penalty; a GGUF's general.sampling; `engine.generation_defaults` shows them,
+        `aotlm inspect` too); "none": aotlm's (greedy). A SamplingParams passed whole is used as it is.
         prefix_caching: a request whose prompt begins with the tokens a previous one left in the cache (its prompt
         and output: the next turn of a chat) prefills only the rest (result.timings.cached_prompt_tokens says how
         many it reused): on the batch-1 path (generate, stream, chat) after the request before, and in the
@@ -288,6 +311,10 @@ class Engine:
         where the artifact's takes a past (its logits then equal a whole prefill's), else through the decode graph
         (equal within float rounding). Off by default: repeated prompts would then time a cache hit, not a
         prefill."""
+        # An engine dropped after its scheduler ran is in a cycle with it, which only Python's cycle collector frees:
+        # a model switcher (engine = Engine.load(next)) kept every earlier model until a full collection (4 switches
+        # of the default model: 2.0 -> 8.0 GB resident). Collected before this load takes its memory (~10 ms).
+        gc.collect()
         if isinstance(artifact_dir, os.PathLike):  # pathlib's pure paths, and any other path object
             artifact_dir = os.fspath(artifact_dir)
         if not isinstance(artifact_dir, (str, Path)):
@@ -301,6 +328,9 @@ class Engine:
         if intra_op_threads is not None and intra_op_threads > cores:  # they only contend; thousands hang
             raise RequestError(f"intra_op_threads: {intra_op_threads} is more than the {cpus(cores)} this process may "
                                f"use{restriction()}; give at most {cores}, or 0 for the default")
+        if generation_config not in ("auto", "none"):
+            raise RequestError(f"generation_config must be 'auto' (the model's sampling defaults) or 'none' (aotlm's), "
+                               f"got {generation_config!r}")
         for name, flag in (("verify", verify), ("huge_pages", huge_pages), ("prefix_caching", prefix_caching)):
             if not isinstance(flag, bool):
                 raise RequestError(f"{name} must be True or False, got {flag!r}")
@@ -325,8 +355,12 @@ class Engine:
                 raise RequestError(f"spin_after_run names {', '.join(map(repr, unknown))}, not a phase of this "
                                    f"artifact ({', '.join(phases)})")
             check_files(folder, manifest, verify_hashes=verify)
-            with _loading():
+            defaults = model_defaults(manifest) if generation_config == "auto" else {}  # a bad one: before the load
+            # Loads on 2 MiB pages one at a time: each counts what appeared in the process while it loaded as its
+            # own (two concurrent loads each reported, and collapsed, both engines' memory)
+            with _loading(), (_huge_page_loads if huge_pages else contextlib.nullcontext()):
                 engine = cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching)
+            engine.generation_defaults = defaults
             if _folder_identity(folder) == before:
                 break
             engine.close()
@@ -336,6 +370,13 @@ class Engine:
         for notice in getattr(engine.backend, "notices", ()):  # at the caller's line, once (not per session)
             warnings.warn(notice, RuntimeWarning, stacklevel=2)
         return engine
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's defaults a request's unset keywords take (generate, stream, chat, submit): all of
+        generation_defaults but max_new_tokens, which the server applies, capped to what the context leaves (here a
+        model's 2048 would have the scheduler refuse every prompt of a 2048-token artifact)."""
+        return {name: value for name, value in self.generation_defaults.items() if name != "max_new_tokens"}
 
     @classmethod
     def _open(cls, folder: Path, manifest: dict, intra_op_threads: int | None, huge_pages: bool,
@@ -454,7 +495,8 @@ class Engine:
         started = time.perf_counter()
         received = received_at(arrival, started)
         prompt_ids = self.chat_prompt_ids(messages, add_generation_prompt)
-        with self._stream(prompt_ids, sampling_params(params, sampling), received, started) as generation:
+        params = sampling_params(params, sampling, self.sampling_defaults)
+        with self._stream(prompt_ids, params, received, started) as generation:
             return generation.wait()  # closed on the way out: see generate
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -466,7 +508,7 @@ class Engine:
         `submit`), each with the same sampling options; returns their results in order.
         """
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple, np.ndarray)):
-            params = sampling_params(params, sampling)
+            params = sampling_params(params, sampling, self.sampling_defaults)
             arrival = time.perf_counter() if arrival is None else arrival  # a later prompt's wait for room counts
             handles = []
             try:
@@ -605,7 +647,7 @@ class Engine:
         TPOT and E2E, as in onnxruntime-genai's generator loop. `submit` runs the request on the scheduler's thread,
         ahead of its reader (as vLLM's engine does): its timings are the engine's alone.
         """
-        params = sampling_params(params, sampling)
+        params = sampling_params(params, sampling, self.sampling_defaults)
         started = time.perf_counter()
         return self._stream(prompt, params, received_at(arrival, started), started)
 

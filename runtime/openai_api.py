@@ -287,6 +287,10 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
               echo: bool, prompt_name: str = "the prompt") -> SamplingParams:
     """prompt_name: which prompt the context messages name (one of a list: "prompt[2]")."""
     options = {engine_name: fields[name] for name, engine_name in SAMPLING_FIELDS.items() if name in fields}
+    model = getattr(engine, "generation_defaults", {})  # the model's own, for what the request leaves out (vLLM's
+    for name, value in model.items():  # --generation-config auto); max_new_tokens below, capped to the room left
+        if name != "max_new_tokens":
+            options.setdefault(name, value)
     options.setdefault("temperature", 1.0)  # OpenAI's default; the engine's is greedy
     seed = options.get("seed")
     if seed is not None and not (is_integer(seed) and -2 ** 63 <= seed < 2 ** 64):  # int64 as vLLM's, or uint64
@@ -309,8 +313,9 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         raise ApiError(f"{prompt_field}: {prompt_name} has {len(prompt_ids)} tokens and this model's context is "
                        f"{engine.max_context}: no token can follow it; shorten it", param=prompt_field)
     if max_tokens is None:
-        # chat: what the context leaves; completions: OpenAI's 16, or what the context leaves when less
-        max_tokens = room if chat else min(COMPLETION_MAX_TOKENS, room)
+        # the model's max_new_tokens; else chat: what the context leaves; completions: OpenAI's 16; never more than
+        # what the context leaves
+        max_tokens = min(model.get("max_new_tokens") or (room if chat else COMPLETION_MAX_TOKENS), room)
     options["max_new_tokens"] = max_tokens
     options["logprobs"] = logprobs
     if echo and logprobs is not None:  # the prompt's logprobs too, as lm-evaluation-harness scores a continuation
@@ -321,8 +326,9 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
         asked = options.get("min_new_tokens")
         if str(error).startswith("min_new_tokens:") and max_name not in fields and is_integer(asked) and \
                 asked > max_tokens:  # past a limit the client never set
-            default = (f"what the context leaves after the prompt's {len(prompt_ids)} tokens" if chat else
-                       f"OpenAI's {COMPLETION_MAX_TOKENS}, or what the context leaves when less")
+            default = ("the model's max_new_tokens, or what the context leaves when less" if model.get(
+                "max_new_tokens") else f"what the context leaves after the prompt's {len(prompt_ids)} tokens" if chat
+                       else f"OpenAI's {COMPLETION_MAX_TOKENS}, or what the context leaves when less")
             error = RequestError(f"{error} (no {max_name} was given: its default here is {max_tokens}, {default})")
         raise _api_error(error, chat, max_name=max_name) from None
     if params.max_new_tokens > room:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.random  # noqa: F401  numpy 2 loads it on first use (~20 ms): here, not in a request's TTFT
 
-from runtime.errors import ModelOutputError, RequestError
+from runtime.errors import ArtifactError, ModelOutputError, RequestError
 from runtime.tokenizer import check_unicode
 
 FLOAT32 = np.finfo(np.float32)  # the logits' type, which the penalties are applied in
@@ -175,15 +175,38 @@ def _checked_logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
     return tuple(sorted(checked.items())) or None
 
 
-def sampling_params(params: SamplingParams | None, keywords: dict) -> SamplingParams:
-    """A request's sampling options, given as `params` or as keywords (not both: one would be silently ignored)."""
+def sampling_params(params: SamplingParams | None, keywords: dict, defaults: dict | None = None) -> SamplingParams:
+    """A request's sampling options, given as `params` or as keywords (not both: one would be silently ignored).
+    defaults: the model's (Engine.sampling_defaults), for the keywords not given; a SamplingParams is taken whole,
+    as vLLM takes one."""
     if params is not None and keywords:
         raise RequestError(f"pass sampling options either as params or as keywords, not both "
                            f"(got params and {', '.join(sorted(keywords))})")
     if params is not None and not isinstance(params, SamplingParams):
         raise RequestError(f"params: expected a SamplingParams, got {type(params).__name__}")
     _check_option_names(keywords)
-    return params or SamplingParams(**keywords)
+    return params or SamplingParams(**{**(defaults or {}), **keywords})
+
+
+GENERATION_DEFAULT_NAMES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def model_defaults(manifest: dict) -> dict:
+    """The manifest's generation_defaults values (compiler/frontend/generation_defaults.py), each checked as a
+    request's would be; {} where there are none."""
+    section = manifest.get("generation_defaults")
+    if section is None:
+        return {}
+    values = section.get("values") if isinstance(section, dict) else None
+    if not isinstance(values, dict) or not set(values) <= set(GENERATION_DEFAULT_NAMES):
+        raise ArtifactError(f"manifest generation_defaults: {section!r} is not the model's sampling defaults as a "
+                            f"build writes them; the manifest was edited: rebuild the artifact")
+    try:
+        SamplingParams(**values)
+    except RequestError as error:
+        raise ArtifactError(f"manifest generation_defaults: {error}; the manifest was edited: rebuild the "
+                            f"artifact") from None
+    return dict(values)
 
 
 def _check_option_names(options: dict) -> None:

@@ -190,6 +190,8 @@ class Scheduler:
                  prefill_chunk: int | None = None, idle_exit_s: float = 1.0):
         slots = self.checked_slots(engine, slots=slots, batching=batching, max_queue=max_queue,
                                    prefill_chunk=prefill_chunk, idle_exit_s=idle_exit_s)
+        # The engine holds its scheduler too: a cycle, which Python's cycle collector frees, and Engine.load runs it
+        # (a caller may keep the scheduler alone: engine.start_scheduler()'s result)
         self.engine = engine
         # Python ints: a numpy int32 max_queue of 2**31 - 1 wrapped in its + 1 (every submit refused as full)
         max_queue, prefill_chunk = int(max_queue), None if prefill_chunk is None else int(prefill_chunk)
@@ -244,7 +246,7 @@ class Scheduler:
         object with put() that receives the text pieces and then request_handle.END, instead of the handle."""
         if not isinstance(block, bool):  # a string such as "no" would read as True
             raise RequestError(f"block must be True or False, got {block!r}")
-        params = sampling_params(params, sampling)
+        params = sampling_params(params, sampling, getattr(self.engine, "sampling_defaults", None))
         started = time.perf_counter()
         received = received_at(arrival, started)
         prompt_ids = self.engine.prompt_ids(prompt)

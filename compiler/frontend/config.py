@@ -95,3 +95,7 @@ class LoadedModel:
     # the text the template gets as bos_token / eos_token when the source names it (tokenizer_config.json: it may
     # differ from the config's ids, as in Llama 3.1 whose template ends turns with <|eot_id|>)
     template_tokens: dict = field(default_factory=dict)
+    # the sampling defaults the source ships with (compiler/frontend/generation_defaults.py), for the manifest, and
+    # the warnings about values it holds that no request could take
+    generation_defaults: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)

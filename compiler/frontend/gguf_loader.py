@@ -20,6 +20,7 @@ import torch
 from compiler.errors import BuildError
 from compiler.frontend import hub_id_hint
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
+from compiler.frontend.generation_defaults import from_gguf
 from compiler.frontend.gguf_tokenizer import tokenizer_json_from_gguf
 from compiler.frontend.hf_loader import is_lfs_pointer
 from compiler.frontend.random_init import check_state_dict, expected_shapes
@@ -88,11 +89,14 @@ def load_gguf(path: str, progress: bool | None = None, check_config=None) -> Loa
     state_dict = _read_tensors(reader, config, path, progress)
     check_state_dict(config, state_dict, path)
     file_type = _field(reader, "general.file_type")
+    defaults, warnings = from_gguf(lambda key: _field(reader, key), "the GGUF's general.sampling")
     return LoadedModel(
         config=config,
         state_dict=state_dict,
         tokenizer_json=tokenizer_json,
         chat_template=_field(reader, "tokenizer.chat_template"),
+        generation_defaults=defaults,
+        warnings=warnings,
         source={
             "kind": "gguf",
             "path": path,

@@ -18,6 +18,7 @@ import torch
 from compiler.errors import BuildError
 from compiler.frontend import hub_id_hint
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
+from compiler.frontend.generation_defaults import from_generation_config
 from compiler.frontend.random_init import check_state_dict
 
 # q/k/v biases per model type. transformers reads config.json's attention_bias for Llama only (where it puts a bias
@@ -83,12 +84,15 @@ def load_hf_folder(path: str) -> LoadedModel:
     chat_template, template_path, template_tokens = _chat_template(folder)
     files = [config_path, *([generation_path] if has_generation else []), *weight_paths] + (
         [tokenizer_path] if tokenizer_json is not None else []) + ([template_path] if template_path else [])
+    defaults, warnings = from_generation_config(generation, "generation_config.json")
     return LoadedModel(
         config=config,
         state_dict=state_dict,
         tokenizer_json=tokenizer_json,
         chat_template=chat_template,
         template_tokens=template_tokens,
+        generation_defaults=defaults,
+        warnings=warnings,
         source={"kind": "hf", "path": folder, "files": [_file_record(folder, f) for f in files]},
     )
 

@@ -305,3 +305,15 @@ def test_a_system_message_that_leaves_no_room_for_any_message_is_refused(chat_ar
     err = " ".join(capsys.readouterr().err.split())
     assert re.search(r"error: --system: with it, the prompt takes \d+ tokens before any message, which leaves no room "
                      r"for a message and a reply \(64 tokens\) in the 128-token context; shorten it", err), err
+
+
+@pytest.mark.parametrize("command", [["chat"], ["run", "--chat", "hi"]])
+def test_an_empty_system_message_is_a_system_message(chat_artifact, monkeypatch, capsys, command):
+    """--system "" was dropped as no --system: SmolLM2's and Qwen's templates then insert their default system
+    prompt, which an explicit empty one is how a user keeps out (the server's messages were right)."""
+    counts = []
+    for system in ([], ["--system", ""]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+        assert main([command[0], str(chat_artifact[0]), *command[1:], *system, "--max-new-tokens", "1"]) == 0
+        counts.append(re.findall(r"(\d+) prompt tokens", capsys.readouterr().err))
+    assert counts[0] and counts[1] and int(counts[1][0]) > int(counts[0][0]), counts

@@ -1,0 +1,114 @@
+"""The sampling defaults a model ships with: read by the loaders, recorded in the manifest, applied by the runtime to
+the options a request leaves out (generation_config "auto", vLLM's default), shown by `aotlm inspect`. aotlm ignored
+them, decoding greedily where transformers and vLLM sampled at the model's settings."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compiler.frontend.generation_defaults import describe, from_generation_config, from_gguf
+from runtime import ArtifactError, Engine, RequestError
+from tests.compiler.test_cli_inputs import run_cli, wide_console  # noqa: F401 -- wide_console: autouse fixture
+from tests.conftest import edited_copy
+
+QWEN_LIKE = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+             "max_new_tokens": 24, "eos_token_id": [2], "bos_token_id": 1}
+
+
+def test_generation_config_json_gives_the_keys_it_sets_and_the_sampling_ones_only_with_do_sample():
+    assert from_generation_config(QWEN_LIKE, "generation_config.json") == ({"source": "generation_config.json", "values": {
+        "repetition_penalty": 1.05, "max_new_tokens": 24, "temperature": 0.7, "top_p": 0.8, "top_k": 20}}, [])
+    greedy = {**QWEN_LIKE, "do_sample": False}  # transformers decodes greedily and ignores them
+    assert from_generation_config(greedy, "g")[0]["values"] == {"repetition_penalty": 1.05, "max_new_tokens": 24}
+    assert from_generation_config({"eos_token_id": 2, "bos_token_id": 1}, "g") == ({}, [])  # a base model's file
+    kept, warnings = from_generation_config({"do_sample": True, "temperature": -1, "top_p": 0.9}, "g")
+    assert kept["values"] == {"top_p": 0.9} and len(warnings) == 1 and warnings[0].startswith("g: temperature: -1")
+
+
+def test_a_gguf_s_general_sampling_hints_are_read_as_llama_cpp_applies_them():
+    import numpy as np
+
+    fields = {"general.sampling.temp": 0.6000000238418579, "general.sampling.top_k": np.int32(40),
+              "general.sampling.penalty_repeat": 1.2999999523162842}
+    assert from_gguf(fields.get, "the GGUF's general.sampling") == ({"source": "the GGUF's general.sampling", "values": {
+        "temperature": 0.6, "top_k": 40, "repetition_penalty": 1.3}}, [])
+    assert describe(from_gguf(fields.get, "s")[0]) == "temperature 0.6, top_k 40, repetition_penalty 1.3 (s)"
+
+
+def test_an_hf_folder_s_defaults_reach_the_manifest_and_every_path_applies_them(capsys, tiny_artifact, tmp_path):
+    """The defaults a request leaves out come from the model: the batch-1 path, the scheduler and the server alike;
+    what a request sets wins; generation_config "none" is aotlm's greedy."""
+    from compiler.frontend.random_init import random_model
+    from tests.compiler.test_frontend import TINY, write_hf_folder
+
+    folder = tmp_path / "m"
+    weights = random_model(TINY, 0)
+    write_hf_folder(folder, TINY, weights.state_dict)
+    (folder / "tokenizer.json").write_text(weights.tokenizer_json)
+    (folder / "generation_config.json").write_text(json.dumps({**QWEN_LIKE, "temperature": 1.5, "top_k": 0,
+                                                               "repetition_penalty": 1.3}))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: sampled\nmodel: {{source: hf, path: {folder}}}\nexport: {{max_context: 64}}\n"
+                      f"passes: [cleanup]\n")
+    status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
+    assert status == 0, output
+    artifact = tmp_path / "out" / "sampled"
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["generation_defaults"] == {"source": "generation_config.json", "values": {
+        "repetition_penalty": 1.3, "max_new_tokens": 24, "temperature": 1.5, "top_p": 0.8, "top_k": 0}}
+    status, output = run_cli(capsys, "inspect", artifact)
+    assert ("generation: stops at token ids [2]; model defaults repetition_penalty 1.3, max_new_tokens 24, "
+            "temperature 1.5, top_p 0.8, top_k 0 (generation_config.json)") in " ".join(output.split()), output
+
+    engine = Engine.load(artifact)
+    model = dict(temperature=1.5, top_p=0.8, top_k=0, repetition_penalty=1.3)
+    assert engine.sampling_defaults == model
+    prompt, options = [5, 6, 7], dict(max_new_tokens=12, ignore_eos=True, seed=3)
+    expected = engine.generate(prompt, **options, **model).token_ids
+    assert engine.generate(prompt, **options).token_ids == expected  # the model's defaults, on the batch-1 path
+    assert engine.submit(prompt, **options).result().token_ids == expected  # and on the scheduler's
+    assert engine.generate(prompt, **options, temperature=0).token_ids == engine.generate(
+        prompt, **options, temperature=0, top_p=0.8, repetition_penalty=1.3).token_ids  # what the request sets wins
+    engine.close()
+    plain = Engine.load(artifact, generation_config="none")
+    assert plain.generation_defaults == {} and plain.generate(prompt, **options).token_ids == plain.generate(
+        prompt, **options, temperature=0).token_ids  # aotlm's greedy
+    plain.close()
+    with pytest.raises(RequestError, match="generation_config must be 'auto'"):
+        Engine.load(artifact, generation_config="vllm")
+
+
+def test_the_server_takes_the_model_s_defaults_for_fields_a_request_leaves_out(tiny_artifact, tmp_path):
+    """As vLLM's --generation-config auto: max_tokens too, capped to what the context leaves."""
+    from runtime.openai_api import _sampling
+
+    artifact = edited_copy(tiny_artifact, tmp_path, lambda manifest: manifest.update(generation_defaults={
+        "source": "generation_config.json", "values": {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 20}}))
+    engine = Engine.load(artifact)
+    try:
+        params = _sampling(engine, {}, [1, 2, 3], chat=False, logprobs=None, echo=False)
+        assert (params.temperature, params.top_p, params.max_new_tokens) == (0.6, 0.9, 20)
+        params = _sampling(engine, {"temperature": 0, "max_tokens": 5}, [1, 2, 3], chat=True, logprobs=None, echo=False)
+        assert (params.temperature, params.top_p, params.max_new_tokens) == (0, 0.9, 5)
+        params = _sampling(engine, {}, list(range(120)), chat=True, logprobs=None, echo=False)
+        assert params.max_new_tokens == engine.max_context + 1 - 120  # the model's 20 does not fit: what is left
+    finally:
+        engine.close()
+    plain = Engine.load(artifact, generation_config="none")
+    params = _sampling(plain, {}, [1, 2, 3], chat=False, logprobs=None, echo=False)
+    assert (params.temperature, params.top_p, params.max_new_tokens) == (1.0, 1.0, 16)  # OpenAI's
+    broken = edited_copy(tiny_artifact, tmp_path, lambda manifest: manifest.update(generation_defaults={
+        "values": {"temperature": -2}}), name="broken")
+    with pytest.raises(ArtifactError, match="manifest generation_defaults: temperature: -2"):
+        Engine.load(broken)
+
+
+def test_run_and_chat_take_the_model_s_temperature_for_their_sampling_flags(capsys, tiny_artifact, tmp_path):
+    """--top-k alone was refused as ignored by greedy decoding: with the model's temperature it samples."""
+    artifact = edited_copy(tiny_artifact, tmp_path, lambda manifest: manifest.update(generation_defaults={
+        "source": "generation_config.json", "values": {"temperature": 0.8}}))
+    status, output = run_cli(capsys, "run", artifact, "--prompt", "hi", "--top-k", "5", "--max-new-tokens", "2")
+    assert status == 0, output
+    status, output = run_cli(capsys, "run", artifact, "--prompt", "hi", "--top-k", "5", "--generation-config", "none")
+    assert status == 2 and "--top-k: it shapes sampling, but --temperature 0 (the default) decodes greedily" in output
