@@ -126,8 +126,8 @@ def staged_folder(final_dir: Path, swap: dict | None = None):
                 if final_dir.exists() and not _replaceable(final_dir):  # made while this build ran
                     raise BuildError(f"{final_dir} appeared during the build and is not an aotlm artifact: it is left "
                                      f"alone and this build's artifact is not written; move it and build again")
-                if swap is not None:
-                    swap["replaced"] = final_dir.exists()
+                if swap is not None:  # an artifact; an empty folder (which the swap also takes) is none
+                    swap["replaced"] = is_artifact_folder(final_dir)
                 if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
                     retired = _locked_folder(final_dir, "old", held)
                     try:
@@ -280,7 +280,11 @@ def remove_abandoned(final_dir: Path) -> list[Path]:
         pattern = re.compile(rf"\.{re.escape(final_dir.name)}\.{kind}-(\d+)-[a-z0-9_]+")
         for folder in final_dir.parent.glob(f".{final_dir.name}.{kind}-*"):
             match = pattern.fullmatch(folder.name)
-            if not (folder.is_dir() and match):
+            try:  # a staging folder made a moment ago may not be locked yet: another build starting with this one's
+                young = kind == "partial" and time.time() - folder.lstat().st_mtime < SCRATCH_GRACE_S  # (mkdtemp,
+            except FileNotFoundError:  # then lock) took it for a killed build's; or its build finished meanwhile
+                continue
+            if not (folder.is_dir() and match) or young:
                 continue
             lock = _try_lock(folder)
             # A running build's; without locks, the process id in the name decides (unreliable across containers).
@@ -313,6 +317,12 @@ def temporary_folder() -> tuple[Path, str | None]:
         raise BuildError("no writable temporary folder for the traced graphs (TMPDIR, /tmp, /var/tmp, /usr/tmp and the "
                          "current folder were tried): set TMPDIR to a writable folder with room for the model's "
                          "weights") from None
+    try:  # torch's exporter and onnxruntime take paths as UTF-8 text: the export failed with torch's argument dump
+        str(folder).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BuildError(f"the temporary folder {str(folder)!a} (TMPDIR) has a path Python read as bytes that are not "
+                         f"UTF-8 (a C or POSIX locale reads any non-ASCII so), which the exporter cannot take: run with "
+                         f"PYTHONUTF8=1 (or a UTF-8 locale), or set TMPDIR to a folder whose path is ASCII") from None
     requested = os.environ.get("TMPDIR")
     try:
         same = not requested or Path(requested).resolve() == folder.resolve()

@@ -119,8 +119,8 @@ def encode_in_pieces(tokenizer: Tokenizer, text: str, piece: int = ENCODE_PIECE_
             end = next((cut for cut in (text.find(mark, *window) for mark in ("\r\n\r\n", "\n\n", "\n", " "))
                         if cut > 0),
                        window[1])
-            if text[end - 1] == "\r":  # a CRLF file's break: cut before its \r, as the whole text tokenizes it
-                end -= 1
+            while end > start + 1 and text[end - 1].isspace():  # the whole run of breaks in one piece: a cut
+                end -= 1  # between a \r and its \n, or inside \n\n\n, gave other tokens than the whole text's
         parts.append(np.asarray(tokenizer.encode(text[start:end], add_special_tokens=False).ids, np.int64))
         start = end
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -34,6 +34,7 @@ import yaml
 from compiler.errors import RecipeError
 from compiler.frontend.config import DecoderConfig
 from passes.registry import PASSES
+from runtime.text_files import TextFileError, read_text_file
 
 # The name becomes the folder artifacts/<name>/, so it must be a safe path component; its staging folder
 # `.<name>.partial-<pid>-<8 characters>` must fit a file name too (255 bytes on Linux and macOS).
@@ -199,6 +200,8 @@ def find_recipe(path: str | os.PathLike) -> Path:
         raise RecipeError(f"{path}: a folder, not a recipe file; give the YAML file, e.g. recipes/smollm2-135m.yaml")
     if p.is_file():
         return p
+    if p.exists():  # "recipe not found" of a file that is there
+        raise RecipeError(f"{path}: not a regular file (a FIFO or a device); give the YAML file")
     bundled = bundled_recipes()
     named_only = p.parent in (Path("."), Path("recipes")) and p.suffix in ("", ".yaml")
     if named_only and p.stem in bundled:
@@ -212,7 +215,7 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
     """Read and validate a recipe file; every problem raises one RecipeError."""
     p = path = find_recipe(path)
     try:
-        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        data = yaml.load(read_text_file(p, str(path)), Loader=_UniqueKeyLoader)  # as every text file is read
     except yaml.YAMLError as e:
         # The user needs the place and the problem, not PyYAML's multi-line dump or traceback.
         mark = getattr(e, "problem_mark", None)
@@ -225,7 +228,9 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         alias = ("; a value that starts with * is a YAML alias: quote glob patterns, e.g. pattern: \"*lm_head*\""
                  if "alias" in problem or "'*'" in problem else "")
         raise RecipeError(f"{path}: invalid YAML{where}: {problem}{opened}{alias}") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except TextFileError as e:  # not UTF-8: where, and whether it is UTF-16
+        raise RecipeError(str(e)) from None
+    except OSError as e:
         raise RecipeError(f"{path}: cannot read: {e}") from None
     except (ValueError, RecursionError) as e:  # an integer of thousands of digits; thousands of nested brackets
         raise RecipeError(f"{path}: invalid YAML: {str(e).splitlines()[0][:200]}") from None

@@ -34,7 +34,7 @@ import numpy as np
 from runtime import evaluate, forking
 from runtime.cpus import cpus, restriction, usable_cpus
 from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
-from runtime.manifest import check_files, read_manifest
+from runtime.manifest import check_files, check_utf8_path, read_manifest
 from runtime.metrics import RequestTrace
 from runtime.prefix_cache import rest_piece_tokens, reusable_prefix, scored_rows_reusable
 from runtime.results import GenerationResult, Timings, received_at
@@ -67,7 +67,7 @@ def _start_over_in_forked_child() -> None:
         sessions = list(getattr(engine.backend, "sessions", {}).values())  # onnxruntime's (runtime/forking.py)
         forking.keep_forever(sessions)
         for session in sessions:
-            forking.note_threads_lost(session.get_session_options().intra_op_num_threads)
+            forking.note_threads_lost(session, session.get_session_options().intra_op_num_threads)
         engine._scheduler_lock = threading.Condition()
         engine._restarting = 0
         engine._stepping = False  # a step another thread ran at the fork never ends here: the exit must not wait for it
@@ -240,6 +240,13 @@ class Engine:
         except Exception:  # noqa: BLE001 -- a half-made engine, or the interpreter's exit: nothing to give back
             pass
 
+    def __copy__(self):
+        raise TypeError("an Engine is not copied: share the one you have (it is thread-safe), or Engine.load the "
+                        "artifact again for an independent one")
+
+    def __deepcopy__(self, memo):
+        return self.__copy__()
+
     def __reduce__(self):
         """multiprocessing pickles what it sends: onnxruntime's sessions said "cannot pickle 'InferenceSession'"."""
         raise TypeError("an Engine cannot be sent to another process: load it there (Engine.load in a multiprocessing "
@@ -347,6 +354,7 @@ class Engine:
         for attempt in range(1 + LOAD_RETRIES_AFTER_SWAP):
             before = _folder_identity(folder)
             manifest = read_manifest(folder)
+            check_utf8_path(folder)  # before seconds of loading: onnxruntime and tokenizers take no other paths
             phases = list(manifest["engines"])  # checked before check_files, which may hash every file
             spinning_phases = set(phases if spin_after_run is True else () if spin_after_run is False else
                                   spin_after_run)

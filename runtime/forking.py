@@ -38,6 +38,7 @@ class RunGate:
         self.lock = threading.Lock()
         self.running = 0
         self.forking = False
+        self.held = threading.local()  # shares this thread holds through share(): a fork from it does not wait for them
 
     def enter(self) -> None:
         """Count a run in, once no fork waits; the caller's try must follow at once, its finally decrement."""
@@ -51,17 +52,22 @@ class RunGate:
     @contextlib.contextmanager
     def share(self):
         self.enter()
+        self.held.count = getattr(self.held, "count", 0) + 1
         try:
             yield
         finally:
+            self.held.count -= 1
             with self.lock:
                 self.running -= 1
 
     def before_fork(self) -> None:
+        """Waits for the other threads' runs: a fork from inside this thread's own load (a signal handler's) waited
+        for itself, FORK_WAIT_S."""
         with self.lock:
             self.forking = True
+        own = getattr(self.held, "count", 0)
         deadline = time.monotonic() + FORK_WAIT_S
-        while self.running and time.monotonic() < deadline:
+        while self.running > own and time.monotonic() < deadline:
             time.sleep(self.POLL_S)
 
     def after_fork_in_parent(self) -> None:
@@ -71,6 +77,7 @@ class RunGate:
 
 RUNS = RunGate()  # a forked child makes its own: read it as forking.RUNS
 _threads_lost_notice: str | None = None  # set in a forked child whose inherited sessions had thread pools
+_inherited_pools: set[int] = set()  # the ids of those sessions (their wrappers': onnxruntime.InferenceSession)
 
 
 def _start_over_in_child() -> None:
@@ -85,20 +92,22 @@ def keep_forever(sessions) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(session))
 
 
-def note_threads_lost(threads: int) -> None:
-    """In a forked child: the inherited sessions had `threads` intra-op threads, which it does not have."""
+def note_threads_lost(session, threads: int) -> None:
+    """In a forked child: an inherited session that had `threads` intra-op threads, which the child does not have."""
     global _threads_lost_notice
     if threads != 1:
+        _inherited_pools.add(id(session))  # kept for ever (keep_forever): its id is never another's
         _threads_lost_notice = (
             "this process was forked after its Engine loaded: onnxruntime's threads did not survive the fork, so "
             "the inherited engine runs its graphs on one thread; for all of them, load the engine in each worker "
             "(gunicorn's post_fork hook, a multiprocessing Pool's initializer) instead of before the fork")
 
 
-def say_threads_lost() -> None:
-    """The notice of note_threads_lost, at the child's first run, once."""
+def say_threads_lost(session) -> None:
+    """The notice of note_threads_lost, at an inherited session's first run in the child, once (an engine the
+    child loads itself has its threads)."""
     global _threads_lost_notice
-    if _threads_lost_notice:
+    if _threads_lost_notice and id(session) in _inherited_pools:
         notice, _threads_lost_notice = _threads_lost_notice, None
         warnings.warn(notice, RuntimeWarning, stacklevel=3)
 

@@ -172,7 +172,6 @@ def read_manifest(artifact_dir: str | Path) -> dict:
         fix = (f"it holds artifacts: give one of {', '.join(map(str, inside))}" if inside
                else "build one with `aotlm build RECIPE`")
         raise ArtifactError(f"{folder}: not an artifact (no {MANIFEST_FILE}); {fix}")
-    check_utf8_path(folder)
     try:
         manifest = json.loads(path.read_text())
     except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, a 5000-digit number, nesting 10^5 deep

@@ -370,9 +370,9 @@ class FreedMemory:
     INTERVAL_S = 1.0
 
     def __init__(self):
-        try:
+        try:  # CDLL(None): the process's own symbols, glibc's on Linux (Windows refuses None: TypeError)
             self.trim = ctypes.CDLL(None).malloc_trim
-        except (AttributeError, OSError):
+        except (AttributeError, OSError, TypeError):
             self.trim = None
         self.clock = time.monotonic
         self.last = -self.INTERVAL_S
@@ -407,7 +407,7 @@ def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, input_ids: 
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input("position_ids", position_ids)
     binding.bind_cpu_input("attention_mask", attention_mask)
-    forking.say_threads_lost()  # in a forked child, once
+    forking.say_threads_lost(session)  # in a forked child, at an inherited session's first run
     gate = forking.RUNS  # an os.fork() waits for the run (runtime/forking.py): no Python call between the count and
     gate.enter()  # the try, nor in the finally (a KeyboardInterrupt there would leave it counted)
     try:

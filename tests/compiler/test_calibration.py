@@ -337,7 +337,7 @@ def test_a_long_calibration_text_is_tokenized_in_pieces_to_the_same_ids(tiny_art
         np.testing.assert_array_equal(ids, encode(corpus, add_special_tokens=False).ids)
 
 
-@pytest.mark.parametrize("line_end", ["\r\n", "\r\n\r\n"])
+@pytest.mark.parametrize("line_end", ["\r\n", "\r\n\r\n", "\n\n\n", "\r\n\r\n\r\n"])
 def test_a_crlf_text_is_cut_into_pieces_between_its_line_ends_not_inside_one(line_end):
     """Cut between a \r and its \n, a CRLF file's pieces were other tokens than the whole text's (SmolLM2's: '.',
     'čĊč', 'Ċ' against '.', 'č', 'Ċ', 'č'). A tokenizer whose pre-tokens are whitespace runs, with CRLF merges."""
@@ -347,8 +347,8 @@ def test_a_crlf_text_is_cut_into_pieces_between_its_line_ends_not_inside_one(lin
     import compiler.calibration as calibration_module
 
     vocab = {character: index for index, character in enumerate(sorted(ByteLevel.alphabet()))}
-    vocab.update({"čĊ": len(vocab), "čĊčĊ": len(vocab) + 1})  # ByteLevel spells \r č and \n Ċ
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("č", "Ċ"), ("čĊ", "čĊ")]))
+    vocab.update({"čĊ": len(vocab), "čĊčĊ": len(vocab) + 1, "ĊĊ": len(vocab) + 2})  # ByteLevel: \r č, \n Ċ
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("č", "Ċ"), ("čĊ", "čĊ"), ("Ċ", "Ċ")]))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\s+"), "isolated"),
                                                        ByteLevel(add_prefix_space=False, use_regex=False)])
     text = ("word " * 10 + line_end) * 3000

@@ -263,6 +263,42 @@ def test_a_build_says_it_replaced_an_artifact_another_build_made_while_it_ran(ca
     assert status == 0 and "s (it replaced the artifact that was there)" in output, output
 
 
+def test_an_empty_folder_the_swap_takes_is_not_an_artifact_it_replaced(capsys, tmp_path):
+    (tmp_path / "out" / "tiny-random").mkdir(parents=True)
+    status, output = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 0 and "replaced" not in output, output
+
+
+def test_a_recipe_is_read_as_every_text_file_is(capsys, tmp_path):
+    """UTF-16 was "'utf-8' codec can't decode byte 0xff in position 0"; a FIFO was "recipe not found"."""
+    import codecs
+
+    utf16 = tmp_path / "r16.yaml"
+    utf16.write_bytes(codecs.BOM_UTF16_LE + TINY.read_text().encode("utf-16-le"))
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(TINY.read_bytes() + b"# caf\xe9\n")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    lines = TINY.read_bytes().count(b"\n")
+    for recipe, message in ((utf16, "it is UTF-16 (it begins with UTF-16's byte-order mark), not UTF-8"),
+                            (latin1, f"(line {lines + 1}, byte 6 of the line) is 0xe9: not UTF-8"),
+                            (fifo, "not a regular file (a FIFO or a device); give the YAML file")):
+        status, output = run_cli(capsys, "build", recipe, "--output", tmp_path / "out")
+        assert status == 2 and message in " ".join(output.split()), output
+
+
+def test_a_temporary_folder_python_read_as_surrogates_is_refused_before_the_export(monkeypatch, tmp_path):
+    """A C locale reads a UTF-8 TMPDIR's non-ASCII bytes as lone surrogates: the export failed with torch's argument
+    dump."""
+    import tempfile
+
+    from compiler.artifact import temporary_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path) + "/tmp_\udcc3\udca9")
+    with pytest.raises(BuildError, match=r"has a path Python read as bytes that are not UTF-8 .* PYTHONUTF8=1"):
+        temporary_folder()
+
+
 def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(capsys, tiny_artifact, tmp_path, monkeypatch):
     """A full disk while writing the engines, or the --json of an evaluation, ended in an OSError traceback after
     all the work, the evaluation leaving an empty file behind."""
@@ -411,6 +447,21 @@ def locked(folder: Path) -> int:
     return descriptor
 
 
+def aged(folder: Path) -> None:
+    """Made a minute ago: a staging folder made a moment ago is spared (it may not be locked yet)."""
+    os.utime(folder, (time.time() - 60, time.time() - 60))
+
+
+def test_a_staging_folder_made_a_moment_ago_is_spared_as_not_locked_yet(tmp_path):
+    """Between a build's mkdtemp and its lock, another build starting took its folder for a killed build's, removed
+    it and said so."""
+    fresh = tmp_path / ".tiny-random.partial-999999999-new"
+    fresh.mkdir()
+    assert remove_abandoned(tmp_path / "tiny-random") == [] and fresh.exists()
+    aged(fresh)
+    assert remove_abandoned(tmp_path / "tiny-random") == [fresh]
+
+
 def test_a_build_removes_what_a_killed_build_left_and_spares_a_running_one(tmp_path):
     """Whether a build runs is its lock, not its process id: a build in another container (another pid space) was
     deleted as it wrote, and a killed build's folder whose pid a container gives every build stayed forever."""
@@ -419,6 +470,7 @@ def test_a_build_removes_what_a_killed_build_left_and_spares_a_running_one(tmp_p
     running = tmp_path / ".tiny-random.partial-999999999-def"  # no such pid here, but locked by a build elsewhere
     for folder in (abandoned, running):
         folder.mkdir()
+        aged(folder)
     lock = locked(running)
     try:
         with staged_folder(final) as folder:
@@ -441,6 +493,7 @@ def test_without_locks_the_process_id_in_the_name_decides(tmp_path, monkeypatch)
     running = tmp_path / f".tiny-random.partial-{os.getpid()}-def"
     for folder in (killed, running):
         folder.mkdir()
+        aged(folder)
     with staged_folder(final) as folder:
         (folder / "manifest.json").write_text("{}")
     assert not killed.exists() and running.exists() and (final / "manifest.json").exists()

@@ -431,4 +431,7 @@ def test_two_builds_finishing_together_each_write_a_whole_timing_cache(tmp_path,
         thread.join()
     cache = (tmp_path / recipe.backend.tensorrt.timing_cache).read_bytes()
     assert not failures and cache in (b"A" * 4096, b"B" * 4096)
+    from runtime.results import process_umask  # shared as open() would make it, not mkstemp's private 0600
+
+    assert (tmp_path / recipe.backend.tensorrt.timing_cache).stat().st_mode & 0o777 == 0o666 & ~process_umask()
     assert sorted(path.name for path in tmp_path.iterdir() if path.is_file()) == ["tensorrt-timing.cache"]

@@ -371,6 +371,10 @@ FORKED_WORKER_EXITS = """
     print("threads", threads, flush=True)
     pid = os.fork()
     if pid == 0:
+        with warnings.catch_warnings(record=True) as own:  # an engine the child loads has its threads: no notice
+            warnings.simplefilter("always")
+            Engine.load(sys.argv[1], intra_op_threads=threads).generate([1, 5, 9], max_new_tokens=2)
+        print("own engine's warnings:", [str(w.message)[:60] for w in own], flush=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = engine.generate([1, 5, 9], max_new_tokens=3, ignore_eos=True).token_ids
@@ -399,6 +403,7 @@ def test_a_worker_forked_from_a_warmed_up_engine_serves_says_it_runs_on_one_thre
     assert "did not exit" not in done.stdout, (done.stdout, done.stderr[-2000:])
     warned = "['this process was forked after its Engine loaded: onnxruntime']"
     assert ("child warnings: " + (warned if "threads 2" in done.stdout else "[]")) in done.stdout, done.stdout
+    assert "own engine's warnings: []" in done.stdout, done.stdout
 
 
 def test_a_fork_waits_for_the_graph_runs_under_way_and_starts_none_until_it_returns():
@@ -495,3 +500,48 @@ def test_an_engine_dropped_after_its_scheduler_ran_is_freed_by_the_next_load_and
         scheduler.close()
     finally:
         gc.enable()
+
+
+def test_a_fork_waits_for_a_graph_run_another_thread_has_under_way(tiny_artifact):
+    """run_bound's share of the gate, not only the gate: a run held inside onnxruntime's call, the fork from another
+    thread returns only after it."""
+    import os
+    import threading
+    import time
+
+    from runtime import Engine
+
+    engine = Engine.load(tiny_artifact)
+    inside, release = threading.Event(), threading.Event()
+    session = engine.backend.sessions["prefill"]
+    real = session.run_with_iobinding
+
+    def held(binding, options=None):
+        inside.set()
+        release.wait()
+        return real(binding, options)
+
+    session.run_with_iobinding = held
+    running = threading.Thread(target=lambda: engine.generate([1, 5, 9], max_new_tokens=2))
+    running.start()
+    assert inside.wait(30)
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    waited = time.monotonic() - started
+    os.waitpid(child, 0)
+    running.join()
+    assert waited >= 0.25, waited
+
+
+def test_an_engine_is_not_copied(tiny_artifact):
+    import copy
+
+    from runtime import Engine
+
+    engine = Engine.load(tiny_artifact)
+    for copier in (copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError, match="an Engine is not copied: share the one you have"):
+            copier(engine)

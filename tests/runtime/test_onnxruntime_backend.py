@@ -262,3 +262,16 @@ def test_what_the_arena_gives_back_is_given_back_to_the_system_at_most_once_a_se
     engine.generate("a third prompt", max_new_tokens=3, ignore_eos=True)
     assert calls == [0, 0]
     assert ctypes.CDLL(None).malloc_trim(0) in (0, 1)  # the real one: callable as the engine calls it
+
+
+def test_a_c_library_without_malloc_trim_or_a_windows_ctypes_leaves_the_trim_out(monkeypatch):
+    """Windows' ctypes refuses CDLL(None) with a TypeError, which the import let through: no engine loaded there."""
+    import ctypes
+
+    from runtime import onnxruntime_backend
+
+    for error in (TypeError("argument of type 'NoneType' is not iterable"), OSError("no such library")):
+        def refused(name, error=error):
+            raise error
+        monkeypatch.setattr(ctypes, "CDLL", refused)
+        assert onnxruntime_backend.FreedMemory().trim is None
