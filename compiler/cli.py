@@ -781,8 +781,10 @@ def main(argv: list[str] | None = None) -> int:
         missing = (getattr(problem, "name", None) or "").split(".")[0]
         if stop is None and isinstance(problem, ModuleNotFoundError) and missing in EXTRAS:
             # an install with the runtime only (a deployment) running a command that needs more
-            error(f"`aotlm {getattr(args, 'command', '')}` needs {missing}, which is not installed: pip install "
-                  f"'aotlm[{EXTRAS[missing]}]'")
+            from runtime.versions import pip_install
+
+            error(f"`aotlm {getattr(args, 'command', '')}` needs {missing}, which is not installed: "
+                  + pip_install(f"'aotlm[{EXTRAS[missing]}]'"))
             return 2
         if stop is None and isinstance(problem, ModuleNotFoundError) and missing == "fcntl":  # Windows
             error(f"`aotlm {getattr(args, 'command', '')}` needs a POSIX system (Linux or macOS; on Windows, WSL): "

@@ -15,6 +15,7 @@ from datetime import datetime
 
 from runtime.errors import ArtifactError, RequestError
 from runtime.tokenizer import check_unicode
+from runtime.versions import pip_install
 
 
 def render(template: str, messages, *, add_generation_prompt: bool = True, bos_token: str | None = None,
@@ -55,8 +56,8 @@ def compiled(template: str):
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:  # a runtime installed without it: plain prompts run, chat requests say what to install
-        raise ArtifactError("this artifact's chat template needs jinja2, which is not installed: pip install "
-                            "'jinja2>=3.1'") from None
+        raise ArtifactError("this artifact's chat template needs jinja2, which is not installed: "
+                            + pip_install("'jinja2>=3.1'")) from None
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols", _generation_block()])

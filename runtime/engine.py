@@ -42,6 +42,7 @@ from runtime.request_handle import RequestHandle
 from runtime.sampling import Sampler, SamplingParams, last_token_logits, model_defaults, sampling_params
 from runtime.scheduler import Scheduler
 from runtime.tokenizer import TextTokenizer
+from runtime.versions import pip_install
 
 # Engine.load's spin_after_run for one stream at a time, no scheduler (`aotlm run`, the batch-1 benchmarks): the
 # decode session's threads keep spinning between its steps (TPOT 3-5% lower, paired; README "Threads after a run").
@@ -405,8 +406,8 @@ class Engine:
             except ModuleNotFoundError as missing:
                 if missing.name != "onnxruntime":
                     raise
-                raise ArtifactError(f"{folder}: its engines run on onnxruntime, which is not installed: pip install "
-                                    f"'aotlm[cpu]' (they run on the CPU, on any machine)") from None
+                raise ArtifactError(f"{folder}: its engines run on onnxruntime, which is not installed: "
+                                    + pip_install("'aotlm[cpu]'") + " (they run on the CPU, on any machine)") from None
 
             backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spinning_phases=spinning_phases)
         else:

@@ -23,7 +23,7 @@ from runtime.cpus import cgroup_memory_left, cpus, default_intra_op_threads, res
 from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
 from runtime.huge_pages import advise
 from runtime.manifest import required_features, utf8_path
-from runtime.versions import release
+from runtime.versions import pip_install, release
 
 
 def _one_onnxruntime() -> None:
@@ -171,13 +171,13 @@ def check_installed(installed: str, features=()) -> None:
     """The installed onnxruntime against aotlm's floor and against what the features (manifest `requires`) need."""
     if release(installed) < release(MIN_ONNXRUNTIME):
         raise ArtifactError(f"onnxruntime {installed} is installed; aotlm's graphs need {MIN_ONNXRUNTIME} or later "
-                            f"(GroupQueryAttention's outputs, Attention's grouped heads): pip install -U "
-                            f"'onnxruntime>={MIN_ONNXRUNTIME}'")
+                            f"(GroupQueryAttention's outputs, Attention's grouped heads): "
+                            + pip_install(f"-U 'onnxruntime>={MIN_ONNXRUNTIME}'"))
     for feature in features:
         if feature in FEATURE_ONNXRUNTIME and release(installed) < release(FEATURE_ONNXRUNTIME[feature][0]):
             needed, what = FEATURE_ONNXRUNTIME[feature]
-            raise ArtifactError(f"onnxruntime {installed} is installed; {what} needs {needed} or later: pip install "
-                                f"-U 'onnxruntime>={needed}'")
+            raise ArtifactError(f"onnxruntime {installed} is installed; {what} needs {needed} or later: "
+                                + pip_install(f"-U 'onnxruntime>={needed}'"))
 
 
 def check_version(built: str | None, installed: str, features=()) -> str | None:

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from runtime.errors import ArtifactError, RequestError
 from runtime.manifest import utf8_path
-from runtime.versions import release
+from runtime.versions import pip_install, release
 
 
 def whole_text(tokenizer: Tokenizer) -> Tokenizer:
@@ -86,8 +86,8 @@ class TextTokenizer:
             self.tokenizer = Tokenizer.from_file(utf8_path(path))  # a C locale's surrogates: the file's UTF-8 name
         except Exception as error:  # tokenizers raises a bare Exception on a bad file
             installed = tokenizers.__version__
-            fix = (f"tokenizers {installed} is installed and {built_with} wrote it: pip install -U "
-                   f"'tokenizers>={built_with}'" if isinstance(built_with, str) and _older(installed, built_with)
+            fix = (f"tokenizers {installed} is installed and {built_with} wrote it: "
+                   + pip_install(f"-U 'tokenizers>={built_with}'") if isinstance(built_with, str) and _older(installed, built_with)
                    else "rebuild the artifact")
             raise ArtifactError(f"{path}: cannot read the tokenizer ({str(error)[:300]}); {fix}") from None
         self.tokenizer = whole_text(self.tokenizer)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+import shlex
+import sys
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -12,3 +14,9 @@ def release(version: str) -> tuple[int, ...]:
         digits = "".join(itertools.takewhile(str.isdigit, part))
         numbers.append(int(digits or 0))
     return tuple(numbers)
+
+
+def pip_install(arguments: str) -> str:
+    """The command that installs into this interpreter's environment: a bare `pip` is often another Python's (a
+    .venv's aotlm run without activating it, as README runs it, beside pyenv's or the system's pip)."""
+    return f"{shlex.quote(sys.executable)} -m pip install {arguments}"

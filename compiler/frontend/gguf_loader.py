@@ -24,6 +24,7 @@ from compiler.frontend.generation_defaults import from_gguf
 from compiler.frontend.gguf_tokenizer import tokenizer_json_from_gguf
 from compiler.frontend.hf_loader import is_lfs_pointer
 from compiler.frontend.random_init import check_state_dict, expected_shapes
+from runtime.versions import pip_install
 
 # llama.cpp tensor name -> Hugging Face name (global tensors, then per-block ones under blk.N.).
 GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -161,8 +162,8 @@ def _open_reader(path: str):
             # An AttributeError or TypeError: the gguf package and numpy here do not work together (gguf 0.11 with
             # numpy 2), whatever the file holds
             raise BuildError(f"{path}: the gguf package {_installed('gguf')} could not read it with numpy "
-                             f"{_installed('numpy')} ({type(error).__name__}: {str(error)[:200]}); pip install -U "
-                             f"gguf (aotlm needs 0.16 or later)") from None
+                             f"{_installed('numpy')} ({type(error).__name__}: {str(error)[:200]}); "
+                             + pip_install("-U gguf") + " (aotlm needs 0.16 or later)") from None
         if version is not None:
             # A GGUF of a version the reader takes, whose reading then ran past the data it found: the usual cause
             # is a download or copy cut short, whose own error ("cannot reshape ...") says nothing of it.

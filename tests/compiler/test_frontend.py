@@ -547,7 +547,7 @@ def test_missing_paths_and_files_are_named(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(gguf.GGUFReader, "_build_tensors", incompatible)
         with pytest.raises(BuildError, match=r"whole.gguf: the gguf package .* could not read it with numpy .*"
-                                             r"\(AttributeError: .*newbyteorder'\); pip install -U gguf"):
+                                             r"\(AttributeError: .*newbyteorder'\); .* -m pip install -U gguf"):
             load_gguf(str(tmp_path / "whole.gguf"))
     # a duplicate key is the file's fault (gguf raises KeyError): not blamed on the package
     import struct

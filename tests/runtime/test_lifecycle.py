@@ -545,3 +545,21 @@ def test_an_engine_is_not_copied(tiny_artifact):
     for copier in (copy.copy, copy.deepcopy):
         with pytest.raises(TypeError, match="an Engine is not copied: share the one you have"):
             copier(engine)
+
+
+def test_a_fork_from_inside_its_own_thread_s_load_does_not_wait_for_itself(monkeypatch):
+    """A signal handler (or a finalizer) forking while its thread was inside Engine.load waited FORK_WAIT_S."""
+    import os
+    import time
+
+    from runtime import forking
+
+    monkeypatch.setattr(forking, "FORK_WAIT_S", 3.0)
+    with forking.RUNS.share():
+        started = time.monotonic()
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        waited = time.monotonic() - started
+    os.waitpid(child, 0)
+    assert waited < 1.0, waited

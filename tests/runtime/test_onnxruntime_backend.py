@@ -3,6 +3,7 @@ the manifest) reach its session, and a malformed one is refused with the fix."""
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import numpy as np
@@ -115,7 +116,7 @@ def test_an_int8_cache_on_an_onnxruntime_without_its_inputs_is_refused_at_load()
     """1.25 and 1.26 loaded an int8-cache artifact ("it loaded, and runs") and failed at its first step with a
     traceback from inside onnxruntime; 1.23 and 1.24 named the release that built it, not the one it needs."""
     with pytest.raises(ArtifactError, match=r"onnxruntime 1.26.0 is installed; an int8 KV cache .* needs 1.27 or "
-                                            r"later: pip install -U 'onnxruntime>=1.27'"):
+                                            r"later: .* -m pip install -U 'onnxruntime>=1.27'"):
         check_version("1.32.0", "1.26.0", ["int8_kv_cache"])
     assert "older" in check_version("1.32.0", "1.27.0", ["int8_kv_cache"])  # loads, with the warning
     assert check_version("1.32.0", "1.26.0", ["session_config"]) is not None  # not a cache: tried
@@ -275,3 +276,17 @@ def test_a_c_library_without_malloc_trim_or_a_windows_ctypes_leaves_the_trim_out
             raise error
         monkeypatch.setattr(ctypes, "CDLL", refused)
         assert onnxruntime_backend.FreedMemory().trim is None
+
+
+def test_the_fix_for_an_old_onnxruntime_installs_into_this_interpreter_s_environment():
+    """`pip install -U ...` named whichever pip came first on PATH (pyenv's, here), not the .venv's that runs aotlm
+    (README runs .venv/bin/aotlm without activating it): following it upgraded another Python."""
+    import shlex
+    import sys
+
+    from runtime import ArtifactError
+    from runtime.onnxruntime_backend import check_installed
+
+    with pytest.raises(ArtifactError, match=re.escape(f"{shlex.quote(sys.executable)} -m pip install -U "
+                                                      f"'onnxruntime>=1.23.1'")):
+        check_installed("1.23.0")
