@@ -16,7 +16,7 @@ PACKAGES = ("compiler", "passes", "runtime")
 COMPILER_USES_OF_RUNTIME = {
     "runtime", "runtime.chat", "runtime.cpus", "runtime.descriptors", "runtime.engine", "runtime.errors",
     "runtime.evaluate", "runtime.kernels.tensorrt_plugin", "runtime.manifest", "runtime.metrics", "runtime.onnxruntime_backend", "runtime.results", "runtime.sampling",
-    "runtime.server", "runtime.tokenizer",
+    "runtime.server", "runtime.text_files", "runtime.tokenizer", "runtime.versions",
 }
 
 
