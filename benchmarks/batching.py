@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--concurrency: {args.concurrency!r}: each level must be >= 1 and given once")
     artifact_manifest(parser, args.artifact)
     console = Console(width=None if sys.stdout.isatty() else 160)
-    engine = Engine.load(args.artifact, intra_op_threads=args.threads)
+    engine = Engine.load(args.artifact, intra_op_threads=args.threads, generation_config="none")  # greedy
     encode, max_context = engine.tokenizer.encode, engine.max_context
 
     def closed_loop_workload(level: int) -> bench.Workload:

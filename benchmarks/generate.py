@@ -86,7 +86,8 @@ class Aotlm:
     def __init__(self, artifact: Path, threads: int):
         from runtime import Engine
 
-        self.engine = Engine.load(artifact, intra_op_threads=threads, spin_after_run=SINGLE_STREAM_SPIN)
+        self.engine = Engine.load(artifact, intra_op_threads=threads, spin_after_run=SINGLE_STREAM_SPIN,
+                                  generation_config="none")  # greedy, as the baselines: not a model's defaults
 
     def run(self, prompt_ids: list[int], new_tokens: int) -> Run:
         result = self.engine.generate(prompt_ids, max_new_tokens=new_tokens, ignore_eos=True)  # greedy

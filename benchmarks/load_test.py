@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     if args.artifact:
         artifact_manifest(parser, Path(args.artifact))
     artifact = Path(args.artifact) if args.artifact else tiny_artifact()
-    engine = Engine.load(artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching)
+    engine = Engine.load(artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching,
+                         generation_config="none")  # greedy: outputs compared with runs alone
     slots = args.slots or args.concurrency
     engine.start_scheduler(slots=slots, batching=args.batching, max_queue=args.concurrency)
     vocab = engine.manifest["model"]["config"]["vocab_size"]
@@ -247,7 +248,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     with console.status(f"{args.requests} requests at concurrency {args.concurrency} on {slots} slots"):
         seconds = run(engine, requests, ledger, concurrency=args.concurrency, cancel=cancel, timeout=args.timeout)
     # the reference: the batch-1 path, without prefix caching (whose reuse is what is checked)
-    alone = Engine.load(artifact, intra_op_threads=args.threads) if args.prefix_caching else engine
+    alone = (Engine.load(artifact, intra_op_threads=args.threads, generation_config="none") if args.prefix_caching
+             else engine)
     verdict = judge(alone, requests, ledger, cancel)  # before close(), which fails whatever is still pending
     engine.close()
     rss_from = min(100, max(1, args.requests // 10))

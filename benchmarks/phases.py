@@ -79,7 +79,8 @@ class AotlmPhases:
 
         self.name = name
         # allocates and binds the cache once; the decode session spins on between steps (`aotlm run`'s setting)
-        self.engine = Engine.load(artifact, intra_op_threads=threads, spin_after_run=SINGLE_STREAM_SPIN)
+        self.engine = Engine.load(artifact, intra_op_threads=threads, spin_after_run=SINGLE_STREAM_SPIN,
+                                  generation_config="none")  # greedy, as the baselines: not a model's defaults
         self.max_context = self.engine.max_context
 
     def graph_prefill(self, prompt_ids: list[int]) -> tuple[float, np.ndarray]:

@@ -320,9 +320,9 @@ def temporary_folder() -> tuple[Path, str | None]:
     try:  # torch's exporter and onnxruntime take paths as UTF-8 text: the export failed with torch's argument dump
         str(folder).encode("utf-8")
     except UnicodeEncodeError:
-        raise BuildError(f"the temporary folder {str(folder)!a} (TMPDIR) has a path Python read as bytes that are not "
-                         f"UTF-8 (a C or POSIX locale reads any non-ASCII so), which the exporter cannot take: run with "
-                         f"PYTHONUTF8=1 (or a UTF-8 locale), or set TMPDIR to a folder whose path is ASCII") from None
+        raise BuildError(f"the temporary folder {str(folder)!a} (TMPDIR) has a path that is not UTF-8 as Python reads "
+                         f"it (bytes of another encoding; or any non-ASCII under PYTHONUTF8=0 with a C locale), which "
+                         f"the exporter cannot take: rename it, or set TMPDIR to a folder whose path is ASCII") from None
     requested = os.environ.get("TMPDIR")
     try:
         same = not requested or Path(requested).resolve() == folder.resolve()

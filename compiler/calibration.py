@@ -119,11 +119,24 @@ def encode_in_pieces(tokenizer: Tokenizer, text: str, piece: int = ENCODE_PIECE_
             end = next((cut for cut in (text.find(mark, *window) for mark in ("\r\n\r\n", "\n\n", "\n", " "))
                         if cut > 0),
                        window[1])
-            while end > start + 1 and text[end - 1].isspace():  # the whole run of breaks in one piece: a cut
-                end -= 1  # between a \r and its \n, or inside \n\n\n, gave other tokens than the whole text's
+            end = _outside_whitespace(text, end, window)
         parts.append(np.asarray(tokenizer.encode(text[start:end], add_special_tokens=False).ids, np.int64))
         start = end
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _outside_whitespace(text: str, cut: int, window: tuple[int, int]) -> int:
+    """A cut moved to the start of the run of whitespace it falls in, or where that run begins before the window, to
+    its end: a cut between a \r and its \n, or inside \n\n\n, gave other tokens than the whole text's, and walking
+    back through a run of 3 MiB of spaces, one character a piece, did not end."""
+    start = cut
+    while start > window[0] and text[start - 1].isspace():
+        start -= 1
+    if start > window[0] or not text[start - 1].isspace():
+        return start
+    while cut < len(text) and text[cut].isspace():
+        cut += 1
+    return cut
 
 
 def resolve_passes(passes: tuple, tokenizer_json: str, progress=None) -> tuple:

@@ -343,7 +343,8 @@ def _bench(args) -> None:
     def load_engine(**options):
         """Engine.load, refused where a build replaced the artifact since bench read it (the workload was sized for
         that one, and the JSON names it)."""
-        engine = Engine.load(args.artifact, **options)
+        # greedy, as the workload says and the baselines run: not a model's sampling defaults
+        engine = Engine.load(args.artifact, generation_config="none", **options)
         if engine.manifest != manifest:
             engine.close()
             raise bench.BenchError(f"{args.artifact} was replaced (a build finished there) while bench ran; run "

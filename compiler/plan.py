@@ -29,6 +29,7 @@ from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig
 from passes.quantize_patterns import Product, matches, packed_parts, pattern_problem
 from runtime.cpus import default_intra_op_threads, usable_cpus
 from runtime.results import write_json
+from runtime.versions import pip_install
 
 # Dense peaks (NVIDIA's datasheets mark Tensor Core figures "with sparsity", twice these): bandwidth in bytes/s,
 # fp16 = dense FP16 Tensor FLOP/s, int8 = dense INT8 Tensor OP/s. Memory: the total nvidia-smi reports, in bytes
@@ -167,7 +168,8 @@ def _measure_cpu() -> dict:
         from onnx import TensorProto, helper, numpy_helper
     except ModuleNotFoundError:  # a runtime-only install (a deployment): measured once, where onnx is
         raise BuildError(f"measuring this machine's matmul peak builds a one-MatMul graph with onnx, which is not "
-                         f"installed: pip install 'aotlm[compiler]' once (the figures are kept in {CACHE_FILE or '~/.cache/aotlm/cpu.json'}; "
+                         f"installed: {pip_install(repr('aotlm[compiler]'))} once (the figures are kept "
+                         f"in {CACHE_FILE or '~/.cache/aotlm/cpu.json'}; "
                          f"a copy of that file from a machine of this kind does too)") from None
 
     n = 2048
@@ -709,7 +711,7 @@ def measure_artifact(info: dict, config: DecoderConfig, dev: dict, context: int)
     """Time 16 decode steps (median inter-token latency) and predict them from the artifact's own dtypes."""
     from runtime import Engine
 
-    engine = Engine.load(info["path"])
+    engine = Engine.load(info["path"], generation_config="none")  # greedy: a step's time, not a sampler's
     n = max(1, min(context, engine.max_context) - 17)
     ids = [(7919 * i + 13) % config.vocab_size for i in range(n)]
     result = engine.generate(ids, max_new_tokens=17, ignore_eos=True)

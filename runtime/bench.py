@@ -30,10 +30,11 @@ import numpy as np
 
 from runtime.cpus import cgroup_cpu_quota, usable_cpus
 from runtime.errors import RequestError
-from runtime.metrics import RequestTrace, summarize
 from runtime.evaluate import text_prefix
+from runtime.metrics import RequestTrace, summarize
 from runtime.results import is_stream, write_json
 from runtime.text_files import TextFile, TextFileError, text_problem
+from runtime.versions import pip_install
 
 ARRIVALS = ("all", "concurrency", "poisson")
 BASELINES = ("transformers", "onnxruntime-genai")  # their runners: benchmarks/baselines.py (a source checkout)
@@ -475,7 +476,7 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     return [out, cdf, timeline]
 
 
-PLOT_SKIPPED = "plot skipped: matplotlib is not installed (pip install 'aotlm[bench]')"
+PLOT_SKIPPED = f"plot skipped: matplotlib is not installed ({pip_install(repr('aotlm[bench]'))})"
 
 
 def write_cdf_plot(path: Path, panels: dict[str, dict[str, Sequence[float]]], xlabel: str) -> Path | None:

@@ -310,8 +310,9 @@ class Engine:
         to onnxruntime artifacts only.
         generation_config: "auto" (the default, as vLLM's): a request's unset sampling options take the model's own
         defaults where its source ships them (generation_config.json's temperature, top_p, top_k and min_p with
-        do_sample, and repetition_penalty; a GGUF's general.sampling; `engine.generation_defaults` shows them,
-        `aotlm inspect` too); "none": aotlm's (greedy). A SamplingParams passed whole is used as it is.
+        do_sample, and repetition_penalty; a GGUF's general.sampling; `engine.sampling_defaults` shows what they
+        apply, `engine.generation_defaults` and `aotlm inspect` all the model ships, max_new_tokens too, which only
+        the server applies); "none": aotlm's (greedy). A SamplingParams passed whole is used as it is.
         prefix_caching: a request whose prompt begins with the tokens a previous one left in the cache (its prompt
         and output: the next turn of a chat) prefills only the rest (result.timings.cached_prompt_tokens says how
         many it reused): on the batch-1 path (generate, stream, chat) after the request before, and in the
@@ -320,9 +321,12 @@ class Engine:
         (equal within float rounding). Off by default: repeated prompts would then time a cache hit, not a
         prefill."""
         # An engine dropped after its scheduler ran is in a cycle with it, which only Python's cycle collector frees:
-        # a model switcher (engine = Engine.load(next)) kept every earlier model until a full collection (4 switches
-        # of the default model: 2.0 -> 8.0 GB resident). Collected before this load takes its memory (~10 ms).
-        gc.collect()
+        # a model switcher that `del`s its engine kept every earlier model until a full collection (4 switches of the
+        # default model: 2.0 -> 8.0 GB resident). Collected before this load takes its memory, where an engine with a
+        # scheduler is alive (or unreachable, not yet collected) and the host has not turned collection off: a
+        # collection holds the GIL (~10 ms in a small process, 0.9 s in one holding millions of objects).
+        if gc.isenabled() and any(getattr(engine, "_scheduler", None) is not None for engine in list(_ENGINES)):
+            gc.collect()
         if isinstance(artifact_dir, os.PathLike):  # pathlib's pure paths, and any other path object
             artifact_dir = os.fspath(artifact_dir)
         if not isinstance(artifact_dir, (str, Path)):

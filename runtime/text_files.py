@@ -77,9 +77,9 @@ def read_text_file(path, label: str | None = None) -> str:
 
 
 def not_utf8(path) -> str:
-    """Where a file stops being UTF-8, as "byte N (line L, byte C of the line) is 0xBB: not UTF-8; ...", found by
-    reading it again in binary (a text reader's error gives a position inside its last chunk, after the byte-order
-    mark)."""
+    """Where a file stops being UTF-8, as "the byte at offset N (line L, byte C of the line) is 0xBB: not UTF-8;
+    ...", found by reading it again in binary (a text reader's error gives a position inside its last chunk, after
+    the byte-order mark)."""
     with open(path, "rb") as stream:
         if stream.read(2) in UTF16_MARKS:
             return ("it is UTF-16 (it begins with UTF-16's byte-order mark), not UTF-8; save it as UTF-8, e.g. "
@@ -99,8 +99,8 @@ def not_utf8(path) -> str:
                     lines, line_start = lines + before.count(b"\n"), start + before.rfind(b"\n") + 1
                 bad = start + error.start
                 what = f"0x{data[error.start]:02x}" if error.start < len(data) else "the end of the file"
-                return (f"byte {bad} (line {lines + 1}, byte {bad - line_start + 1} of the line) is {what}: not UTF-8; "
-                        f"convert the file to UTF-8 (e.g. iconv -f latin1 -t UTF-8)")
+                return (f"the byte at offset {bad} (line {lines + 1}, byte {bad - line_start + 1} of the line) is "
+                        f"{what}: not UTF-8; convert the file to UTF-8 (e.g. iconv -f latin1 -t UTF-8)")
             if not chunk:
                 return "it is UTF-8 now (it changed while being read?)"
             if b"\n" in chunk:
@@ -116,7 +116,8 @@ def text_problem(text: str) -> str | None:
         return None
     nul_odd, nul_even = text[1::2].count("\0"), text[0::2].count("\0")
     if max(nul_odd, nul_even) > 0.4 * len(text) / 2 and min(nul_odd, nul_even) < 0.1 * len(text) / 2:
-        return ("looks like UTF-16 without a byte-order mark (every other character is NUL); convert it to UTF-8, "
-                "e.g. iconv -f UTF-16LE -t UTF-8")
+        order = "LE" if nul_odd > nul_even else "BE"  # ASCII's zero byte after it (little-endian) or before it
+        return (f"looks like UTF-16{order} without a byte-order mark (every other character is NUL); convert it to "
+                f"UTF-8, e.g. iconv -f UTF-16{order} -t UTF-8")
     return (f"looks binary ({control:,} of its {len(text):,} characters are control characters such as NUL); give a "
             f"UTF-8 text file")

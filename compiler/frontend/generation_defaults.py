@@ -2,9 +2,10 @@
 applies them to a request's unset options (runtime/engine.py, Engine.load(generation_config="auto")).
 
 - A Hugging Face folder's generation_config.json: repetition_penalty and max_new_tokens always; temperature, top_p,
-  top_k and min_p only where do_sample is true (transformers decodes greedily otherwise and ignores them). Only the
-  keys the file sets: vLLM's reading (`--generation-config auto`, its default); transformers also fills in its own
-  defaults (top_k 50), which are not the model's.
+  top_k and min_p only where do_sample is true (transformers decodes greedily otherwise and ignores them; vLLM's
+  `--generation-config auto` takes them whatever do_sample says), with temperature 1 where do_sample is true and the
+  file names none (both peers' default). Otherwise only the keys the file sets, as vLLM reads it; transformers also
+  fills in its own defaults (top_k 50), which are not the model's.
 - A GGUF's general.sampling.* hints (temp, top_k, top_p, min_p, penalty_repeat), which llama.cpp applies.
 
 Ignored, aotlm decoded greedily with its own defaults, where transformers and vLLM sampled at the model's settings
@@ -23,16 +24,37 @@ GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "
 
 def from_generation_config(generation: dict, source: str) -> tuple[dict, list[str]]:
     """(the manifest's generation_defaults, warnings) from a generation_config.json's contents."""
-    keys = ALWAYS_KEYS + (SAMPLING_KEYS if generation.get("do_sample") is True else ())
-    return checked({key: generation[key] for key in keys if generation.get(key) is not None}, source)
+    sampling = generation.get("do_sample") is True
+    keys = ALWAYS_KEYS + (SAMPLING_KEYS if sampling else ())
+    values = {key: generation[key] for key in keys if generation.get(key) is not None}
+    if sampling:  # a file that asks to sample and names no temperature samples at 1 (transformers' and vLLM's
+        values.setdefault("temperature", 1.0)  # default; Gemma 3's file), where aotlm's own default is greedy
+    return checked(values, source)
+
+
+LLAMA_CPP_TEMPERATURE = 0.8  # llama.cpp's default temp, where a GGUF's hints name none
 
 
 def from_gguf(field, source: str) -> tuple[dict, list[str]]:
-    """The same from a GGUF's metadata; `field(key)` reads one (None where missing)."""
+    """The same from a GGUF's metadata as llama.cpp applies it; `field(key)` reads one (None where missing)."""
     values = {name: field(key) for key, name in GGUF_KEYS.items() if field(key) is not None}
     # float32 in the file: its shortest repr (0.6, not 0.6000000238418579) is what the model's authors wrote
-    return checked({name: float(str(np.float32(value))) if isinstance(value, float) else value
-                    for name, value in values.items()}, source)
+    values = {name: float(str(np.float32(value))) if isinstance(value, float) else value
+              for name, value in values.items()}
+    notes = []
+    if values and "temperature" not in values and set(values) & set(SAMPLING_KEYS):  # llama.cpp samples at its own
+        values["temperature"] = LLAMA_CPP_TEMPERATURE
+    last_n = field("general.sampling.penalty_last_n")
+    if last_n is not None and int(last_n) == 0:  # llama.cpp: 0 turns the penalty off
+        values.pop("repetition_penalty", None)
+    elif "repetition_penalty" in values:
+        notes.append(f"{source}: penalty_repeat {values['repetition_penalty']} is applied over the whole sequence, as "
+                     f"transformers and vLLM apply it; llama.cpp applies it to the last penalty_last_n tokens "
+                     f"({'64 by default' if last_n is None else int(last_n)})")
+    if field("general.sampling.mirostat"):
+        notes.append(f"{source}: mirostat {field('general.sampling.mirostat')} is not a sampler aotlm has; left out")
+    kept, warnings = checked(values, source)
+    return kept, notes + warnings
 
 
 def checked(values: dict, source: str) -> tuple[dict, list[str]]:

@@ -121,7 +121,7 @@ def test_split_text_reads_a_file_by_its_path_and_refuses_what_it_cannot_read(tmp
                                          r"the built-in text"):
         split_text(str(tmp_path))
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 10)
-    with pytest.raises(BuildError, match=r"calibration.text: .*latin1.txt: byte 3 \(line 1, byte 4 of the line\) is "
+    with pytest.raises(BuildError, match=r"calibration.text: .*latin1.txt: the byte at offset 3 \(line 1, byte 4 of the line\) is "
                                          r"0xe9: not UTF-8"):
         split_text(str(tmp_path / "latin1.txt"))
 
@@ -382,3 +382,20 @@ def test_an_empty_calibration_file_is_refused(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(BuildError, match=r"empty.txt: an empty file; give a UTF-8 text file"):
         check_text_file(str(tmp_path / "empty.txt"))
+
+
+def test_a_long_run_of_whitespace_is_cut_after_not_walked_through():
+    """Stepping a cut back out of a run of whitespace walked through the whole window when the run covered it: one
+    character a piece, a 3 MiB run of spaces never ended."""
+    import time
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import compiler.calibration as calibration_module
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "word": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = "word " * 50 + " " * 200_000 + "word " * 50
+    started = time.monotonic()
+    ids = calibration_module.encode_in_pieces(tokenizer, text, piece=1000)
+    assert time.monotonic() - started < 5 and ids.tolist() == tokenizer.encode(text, add_special_tokens=False).ids

@@ -161,11 +161,11 @@ def test_eval_reads_only_the_text_it_scores_and_refuses_one_that_is_not_text(cap
     status, output = run_cli(capsys, "eval", tiny_artifact, "--text", corpus, "--max-tokens", "64", "--window", "32")
     assert status == 0, output
     status, output = run_cli(capsys, "eval", tiny_artifact, "--text", corpus, "--max-tokens", "10000000")  # all of it
-    assert status == 2 and f"--text {corpus}: byte 132000 (line 1, byte 132001 of the line) is 0xff: not UTF-8" in " ".join(output.split()), output
+    assert status == 2 and f"--text {corpus}: the byte at offset 132000 (line 1, byte 132001 of the line) is 0xff: not UTF-8" in " ".join(output.split()), output
     utf16 = tmp_path / "utf16.txt"
     utf16.write_bytes(("The lighthouse keeper lit the lamp.\n" * 20).encode("utf-16-le"))
     zeros = tmp_path / "zeros.bin"
     zeros.write_bytes(b"\0" * (1 << 20))
-    for path, problem in ((utf16, "it looks like UTF-16 without a byte-order mark"), (zeros, "it looks binary")):
+    for path, problem in ((utf16, "it looks like UTF-16LE without a byte-order mark"), (zeros, "it looks binary")):
         status, output = run_cli(capsys, "compare", tiny_artifact, tiny_artifact, "--text", path)
         assert status == 2 and f"--text {path}: {problem}" in " ".join(output.split()), output

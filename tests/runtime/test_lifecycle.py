@@ -480,7 +480,8 @@ def test_an_engine_dropped_after_its_scheduler_ran_is_freed_by_the_next_load_and
 
     trims = []
     monkeypatch.setattr(onnxruntime_backend.FREED_MEMORY, "trim", lambda pad: trims.append(pad))
-    gc.disable()  # no collection but the load's own
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9)  # no automatic collection here: only the load's own (gc.disable() turns that off too)
     try:
         engine = Engine.load(tiny_artifact)
         scheduler = engine.start_scheduler(slots=2, idle_exit_s=0.05)
@@ -499,7 +500,7 @@ def test_an_engine_dropped_after_its_scheduler_ran_is_freed_by_the_next_load_and
         assert scheduler.submit([1, 5, 9], max_new_tokens=2).result().finish_reason == "length"
         scheduler.close()
     finally:
-        gc.enable()
+        gc.set_threshold(*thresholds)
 
 
 def test_a_fork_waits_for_a_graph_run_another_thread_has_under_way(tiny_artifact):

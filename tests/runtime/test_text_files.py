@@ -17,7 +17,7 @@ def test_a_prefix_reads_only_as_far_as_asked_and_a_bad_byte_beyond_it_is_not_rea
     assert text.prefix(100) == ("é" + "x" * 99, False)
     assert len(text.text_read) <= READ_CHARACTERS + 1  # one read, not the file
     assert text.prefix(3 * READ_CHARACTERS)[0] == "é" + "x" * (3 * READ_CHARACTERS - 1)
-    with pytest.raises(TextFileError, match=rf"{path}: byte {8 * READ_CHARACTERS + 3} \(line 2, byte 1 of the line\) "
+    with pytest.raises(TextFileError, match=rf"{path}: the byte at offset {8 * READ_CHARACTERS + 3} \(line 2, byte 1 of the line\) "
                                             r"is 0xff: not UTF-8"):
         text.read_all()
 
@@ -31,8 +31,8 @@ def test_a_short_file_is_whole_and_drops_its_byte_order_mark_and_keeps_crlf(tmp_
 
 
 @pytest.mark.parametrize("content, place", [
-    (codecs.BOM_UTF8 + b"hello\nwor\xe9ld\n", r"byte 12 \(line 2, byte 4 of the line\) is 0xe9"),
-    (b"abc\xe2\x82", r"byte 3 \(line 1, byte 4 of the line\) is 0xe2"),  # cut inside a character at the end
+    (codecs.BOM_UTF8 + b"hello\nwor\xe9ld\n", r"offset 12 \(line 2, byte 4 of the line\) is 0xe9"),
+    (b"abc\xe2\x82", r"offset 3 \(line 1, byte 4 of the line\) is 0xe2"),  # cut inside a character at the end
     ("a" * (1 << 20) + "\né" + "b" * 10, None),  # read whole: no error
 ])
 def test_where_a_file_stops_being_utf8(tmp_path, content, place):
@@ -43,7 +43,7 @@ def test_where_a_file_stops_being_utf8(tmp_path, content, place):
     if place is None:
         assert read_text_file(path).endswith("éb" + "b" * 9)
         return
-    with pytest.raises(TextFileError, match=rf"{path}: {place}: not UTF-8; convert the file to UTF-8"):
+    with pytest.raises(TextFileError, match=rf"{path}: the byte at {place}: not UTF-8; convert the file to UTF-8"):
         read_text_file(path)
 
 
@@ -54,7 +54,10 @@ def test_a_utf16_file_is_said_to_be_one(tmp_path):
     with pytest.raises(TextFileError, match=r"marked.txt: it is UTF-16 \(it begins with UTF-16's byte-order mark\), "
                                             r"not UTF-8; save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8"):
         read_text_file(with_mark)
-    assert text_problem(read_text_file(without_mark)).startswith("looks like UTF-16 without a byte-order mark")
+    assert text_problem(read_text_file(without_mark)).startswith("looks like UTF-16LE without a byte-order mark")
+    big_endian = tmp_path / "big-endian.txt"  # its zero bytes come first: iconv -f UTF-16LE made 栀攀氀氀漀 of it
+    big_endian.write_bytes(("The lighthouse keeper lit the lamp.\n" * 20).encode("utf-16-be"))
+    assert text_problem(read_text_file(big_endian)).endswith("iconv -f UTF-16BE -t UTF-8")
 
 
 @pytest.mark.parametrize("text, problem", [
