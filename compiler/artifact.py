@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from compiler.errors import BuildError, is_artifact_folder
+from runtime.errors import AotlmWarning
 from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, required_features, sha256_file
 from runtime.results import json_text, process_umask
 
@@ -54,15 +55,15 @@ def source_revision(root: Path = Path(__file__).resolve().parents[1]) -> dict | 
 
     try:
         # aotlm's own checkout: not another project's, whose ignored .venv holds aotlm installed
-        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, encoding="utf-8", errors="replace",
                              timeout=10, check=True).stdout.strip()
         if Path(top).resolve() != root:
             return None
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, encoding="utf-8", errors="replace",
                                 timeout=10, check=True).stdout.strip()
         # Untracked files too: a module the build imports that was never added leaves a commit that cannot rebuild it
         changed = subprocess.run(["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain",
-                                  "--untracked-files=normal", "--", *SOURCE_FOLDERS], capture_output=True, text=True,
+                                  "--untracked-files=normal", "--", *SOURCE_FOLDERS], capture_output=True, encoding="utf-8", errors="replace",
                                  timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -148,7 +149,7 @@ def staged_folder(final_dir: Path, swap: dict | None = None):
                 _sync_folder(final_dir.parent)
             except OSError as error:
                 warnings.warn(f"{final_dir.parent}: could not flush the folder to disk after the rename ({error}); "
-                              f"the artifact is in place", RuntimeWarning, stacklevel=3)
+                              f"the artifact is in place", AotlmWarning, stacklevel=3)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -434,5 +435,5 @@ def write_manifest(folder: Path, manifest: dict) -> dict:
         **manifest,
         "files": files,
     }
-    (folder / MANIFEST_FILE).write_text(json_text(full))  # JSON, strictly: a perplexity past 1e308 is null
+    (folder / MANIFEST_FILE).write_text(json_text(full), encoding="utf-8")  # JSON, strictly: a perplexity past 1e308 is null
     return full

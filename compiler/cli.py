@@ -31,6 +31,7 @@ from compiler.console import (ReaderAwareConsole, console, error, message, print
                               whole_writes_to_stdout)
 from compiler.errors import (UsageError, check_output_file, exception_chain, nonnegative_int, positive_float,
                              positive_int, text_argument, thread_count, user_path)
+from runtime.errors import AotlmWarning
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
 INSPECT_SUMMARY_CHARACTERS = 240  # a pass's summary in `aotlm inspect`'s table; --json prints the whole report
@@ -523,7 +524,7 @@ def _aotlm_version() -> str:
         return installed
     try:
         commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty=+dirty"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
+                                encoding="utf-8", errors="replace", timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return f"{installed} ({commit})" if commit else installed
@@ -696,20 +697,13 @@ def _unencodable_characters_replaced() -> None:
                 pass
 
 
-AOTLM_PACKAGES = tuple(Path(__file__).resolve().parents[1] / name for name in ("compiler", "passes", "runtime"))
-
-
 def _one_line_warnings(show):
-    """warnings.showwarning for the commands: aotlm's own warnings (RuntimeWarning from the runtime, warned at the
-    command's line) as one `warning:` line, as its other warnings print, not Python's two lines with a source line
-    from inside aotlm; anything else's as `show` prints it."""
+    """warnings.showwarning for the commands: aotlm's own notices (AotlmWarning) as one `warning:` line, as its other
+    warnings print, not Python's two lines with a source line from inside aotlm; anything else's (a library's
+    DeprecationWarning, an EncodingWarning, even warned at an aotlm line) as `show` prints it, with its place and
+    category."""
     def shown(message, category, filename, lineno, file=None, line=None):
-        try:  # ("<frozen importlib._bootstrap>", or a relative name once the working folder is gone: not ours)
-            ours = os.path.isabs(filename) and any(Path(filename).resolve().is_relative_to(package)
-                                                   for package in AOTLM_PACKAGES)
-        except (OSError, RuntimeError):
-            ours = False
-        if ours:
+        if issubclass(category, AotlmWarning):
             return warning(str(message))
         return show(message, category, filename, lineno, file, line)
     return shown
@@ -747,7 +741,9 @@ def main(argv: list[str] | None = None) -> int:
     previous = {number: signal.signal(number, _terminated) for number in STOP_SIGNALS
                 if signal.getsignal(number) != signal.SIG_IGN} if in_main_thread else {}
     try:
-        args.handler(args)
+        with warnings.catch_warnings():  # aotlm's own notices print as warnings under -W error too: a command that
+            warnings.filterwarnings("default", category=AotlmWarning)  # raised them ended in a traceback (status 1)
+            args.handler(args)
         sys.stdout.flush()  # what stdout's buffer holds fails here, in reach of the handlers below, not at exit
     except (BuildError, AotlmRuntimeError) as problem:
         error(str(problem))  # one line: a long path stays one string to copy or grep (compiler/console.py)

@@ -68,6 +68,9 @@ def _evaluation_tokens(args, artifacts: list[_ArtifactInfo]) -> list[int]:
         raise EvaluationError(str(error)) from None
     except OSError as error:
         raise EvaluationError(f"--text {source}: cannot read it ({error})") from None
+    finally:
+        if isinstance(text, TextFile):
+            text.close()  # what it read stays readable (text_read)
     problem = text_problem(text.text_read if isinstance(text, TextFile) else text)
     if problem:  # a perplexity of UTF-16 read as UTF-8, or of zeros, compares with nothing
         raise EvaluationError(f"--text {source}: it {problem}")

@@ -130,7 +130,7 @@ def busy_cpu_s() -> float | None:
     """CPU seconds the whole machine has spent busy (steal included: the hypervisor gave the time elsewhere);
     None where there is no /proc/stat."""
     try:
-        with open("/proc/stat") as stat:
+        with open("/proc/stat", encoding="utf-8") as stat:
             fields = [int(x) for x in stat.readline().split()[1:]]
     except (OSError, ValueError):
         return None
@@ -195,7 +195,7 @@ def _read_cpu_cache() -> dict:
     machines, and `null`, a list or an entry without its numbers were tracebacks. What is not a figure is dropped
     (measured again)."""
     try:
-        cache = json.loads(CACHE_FILE.read_text()) if CACHE_FILE else {}
+        cache = json.loads(CACHE_FILE.read_text(encoding="utf-8")) if CACHE_FILE else {}
     except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(cache, dict):

@@ -7,7 +7,7 @@ os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 from runtime.engine import Engine, Generation
 from runtime.results import GenerationResult, Timings
-from runtime.errors import (AotlmRuntimeError, ArtifactError, ModelOutputError, QueueFullError, RequestError,
+from runtime.errors import (AotlmRuntimeError, AotlmWarning, ArtifactError, ModelOutputError, QueueFullError, RequestError,
                             ThreadLimitError)
 from runtime.sampling import SamplingParams
 from runtime.request_handle import LoggedPiece, RequestHandle
@@ -16,5 +16,5 @@ from runtime.scheduler import Scheduler
 __all__ = [
     "Engine", "Generation", "GenerationResult", "Timings", "SamplingParams", "RequestHandle", "LoggedPiece",
     "Scheduler",
-    "AotlmRuntimeError", "ArtifactError", "ModelOutputError", "QueueFullError", "RequestError", "ThreadLimitError",
+    "AotlmRuntimeError", "AotlmWarning", "ArtifactError", "ModelOutputError", "QueueFullError", "RequestError", "ThreadLimitError",
 ]

@@ -387,7 +387,7 @@ def machine() -> dict:
 
     cpuinfo = {}
     try:
-        with open("/proc/cpuinfo") as handle:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
                 key, _, value = line.partition(":")
                 cpuinfo.setdefault(key.strip(), value.strip())

@@ -60,7 +60,7 @@ def _cgroup_folders(controller: str, v1_mounts: tuple[str, ...], membership: Pat
     v1_mounts under root): this process's cgroup folder and each ancestor's, from its membership file
     (/proc/self/cgroup); none where that cannot be read."""
     try:
-        lines = membership.read_text().splitlines()
+        lines = membership.read_text(encoding="utf-8").splitlines()
     except OSError:
         return []
     found = []
@@ -83,7 +83,7 @@ def _folders(mount: Path, path: str) -> list[Path]:
 
 def _v2_quota(path: Path) -> float | None:
     try:
-        quota, period = path.read_text().split()[:2]
+        quota, period = path.read_text(encoding="utf-8").split()[:2]
         return None if quota == "max" else _ratio(int(quota), int(period))
     except (OSError, ValueError, ArithmeticError):  # missing, malformed, or a number no float holds
         return None
@@ -91,7 +91,7 @@ def _v2_quota(path: Path) -> float | None:
 
 def _v1_quota(folder: Path) -> float | None:
     try:
-        return _ratio(int((folder / "cpu.cfs_quota_us").read_text()), int((folder / "cpu.cfs_period_us").read_text()))
+        return _ratio(int((folder / "cpu.cfs_quota_us").read_text(encoding="utf-8")), int((folder / "cpu.cfs_period_us").read_text(encoding="utf-8")))
     except (OSError, ValueError, ArithmeticError):
         return None
 
@@ -122,15 +122,15 @@ V2_FILE_PAGES = ("inactive_file", "active_file", "file_mapped")
 
 def _memory_left(folder: Path, limit_file: str, usage_file: str, file_keys: tuple[str, str, str]) -> int | None:
     try:
-        limit_text = (folder / limit_file).read_text().strip()
+        limit_text = (folder / limit_file).read_text(encoding="utf-8").strip()
         if limit_text == "max" or int(limit_text) >= V1_NO_LIMIT:
             return None
-        limit, usage = int(limit_text), int((folder / usage_file).read_text())
+        limit, usage = int(limit_text), int((folder / usage_file).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     stat = {}
     try:
-        for line in (folder / "memory.stat").read_text().splitlines():
+        for line in (folder / "memory.stat").read_text(encoding="utf-8").splitlines():
             key, _, value = line.partition(" ")
             if key in file_keys:
                 stat[key] = int(value)

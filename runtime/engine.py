@@ -33,7 +33,7 @@ import numpy as np
 
 from runtime import evaluate, forking
 from runtime.cpus import cpus, restriction, usable_cpus
-from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
+from runtime.errors import AotlmRuntimeError, AotlmWarning, ArtifactError, RequestError
 from runtime.manifest import check_files, check_utf8_path, read_manifest
 from runtime.metrics import RequestTrace
 from runtime.prefix_cache import rest_piece_tokens, reusable_prefix, scored_rows_reusable
@@ -381,7 +381,7 @@ class Engine:
             raise ArtifactError(f"{folder}: a build replaced it while it loaded, {1 + LOAD_RETRIES_AFTER_SWAP} times; "
                                 f"load it again once the builds finish")
         for notice in getattr(engine.backend, "notices", ()):  # at the caller's line, once (not per session)
-            warnings.warn(notice, RuntimeWarning, stacklevel=2)
+            warnings.warn(notice, AotlmWarning, stacklevel=2)
         return engine
 
     @property

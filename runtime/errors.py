@@ -1,6 +1,11 @@
 """Errors the runtime raises for bad input; the command line prints their message without a traceback."""
 
 
+class AotlmWarning(RuntimeWarning):
+    """A notice from aotlm itself (a thread count lowered, a fork's lost threads, a folder not flushed): a library user's
+    `-W error` or pytest's filterwarnings raise it; the command line prints it as a `warning:` line whatever -W says."""
+
+
 class AotlmRuntimeError(Exception):
     """Base of the runtime's user-facing errors."""
 

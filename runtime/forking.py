@@ -21,6 +21,8 @@ import threading
 import time
 import warnings
 
+from runtime.errors import AotlmWarning
+
 FORK_WAIT_S = 60.0  # how long a fork waits for the runs under way; then it goes on (a child may hang, as before)
 
 
@@ -109,7 +111,7 @@ def say_threads_lost(session) -> None:
     global _threads_lost_notice
     if _threads_lost_notice and id(session) in _inherited_pools:
         notice, _threads_lost_notice = _threads_lost_notice, None
-        warnings.warn(notice, RuntimeWarning, stacklevel=3)
+        warnings.warn(notice, AotlmWarning, stacklevel=3)
 
 
 if hasattr(os, "register_at_fork"):  # POSIX only

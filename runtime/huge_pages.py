@@ -41,7 +41,7 @@ THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def thp_mode() -> str | None:
     """The kernel's THP mode ("always", "madvise" or "never"), or None where there is no such setting."""
     try:
-        text = THP_MODE_FILE.read_text()
+        text = THP_MODE_FILE.read_text(encoding="utf-8")
     except OSError:
         return None
     chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]

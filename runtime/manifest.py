@@ -173,7 +173,7 @@ def read_manifest(artifact_dir: str | Path) -> dict:
                else "build one with `aotlm build RECIPE`")
         raise ArtifactError(f"{folder}: not an artifact (no {MANIFEST_FILE}); {fix}")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, a 5000-digit number, nesting 10^5 deep
         raise ArtifactError(f"{path}: unreadable manifest ({str(error)[:200]}); rebuild the artifact") from None
     except OSError as error:  # another user's artifact, say

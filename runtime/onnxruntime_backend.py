@@ -20,7 +20,7 @@ import onnxruntime as ort
 
 from runtime import forking
 from runtime.cpus import cgroup_memory_left, cpus, default_intra_op_threads, restriction, usable_cpus
-from runtime.errors import AotlmRuntimeError, ArtifactError, RequestError
+from runtime.errors import AotlmRuntimeError, AotlmWarning, ArtifactError, RequestError
 from runtime.huge_pages import advise
 from runtime.manifest import required_features, utf8_path
 from runtime.versions import pip_install, release
@@ -40,7 +40,7 @@ def _one_onnxruntime() -> None:
     if len(installed) == 2:
         warnings.warn(f"both {' and '.join(installed)} are installed, into one `onnxruntime` module; uninstall both "
                       f"(pip uninstall -y onnxruntime onnxruntime-gpu) and install one: aotlm[cpu] or aotlm[gpu]",
-                      stacklevel=2)
+                      AotlmWarning, stacklevel=2)
 
 
 _one_onnxruntime()
@@ -95,7 +95,7 @@ def session_options(settings: dict, intra_op_threads: int | None, config: dict |
         notice = (f"the artifact's recipe sets backend.intra_op_threads: {threads}, more than the {cpus(cores)} this "
                   f"process may use{restriction()}; running with {cores} (pass intra_op_threads / --threads to choose)")
         if notices is None:
-            warnings.warn(notice, RuntimeWarning, stacklevel=2)
+            warnings.warn(notice, AotlmWarning, stacklevel=2)
         else:
             notices.append(notice)
         threads = cores

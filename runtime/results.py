@@ -99,7 +99,7 @@ def write_json(path: str | Path, payload: dict) -> Path:
 def process_umask() -> int:
     """The process's umask: /proc's (Linux 4.7+), else read by setting it back at once (not thread-safe)."""
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/self/status") as status:
+        with open("/proc/self/status", encoding="utf-8") as status:
             return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)

@@ -584,7 +584,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.log(f"{self.command} {self.path}: after the stream: {error}; {self.request_id}")
             self.close_connection = True
             return
-        self.server.log(f"{self.command} {self.path}: the stream ended with {error}; {self.request_id}")
+        self.server.log(f"{self.command} {self.path}: the stream ended: {error}; {self.request_id}")
         try:
             self._write_stream(_event(error.body()) + b"data: [DONE]\n\n", last=True)
         except OSError:
@@ -720,7 +720,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._cancel(handles)
                 error = self._failure(item)
                 # logged as a response's 500 is
-                self.server.log(f"{self.command} {self.path}: the stream ended with {error}; {self.request_id}")
+                self.server.log(f"{self.command} {self.path}: the stream ended: {error}; {self.request_id}")
                 pending.append(_event(error.body()))
                 break
             if isinstance(item, str) and (not item or request.echo_only):  # echo-only: the prompt, at the end

@@ -65,6 +65,16 @@ class TextFile:
         self.complete = True
         self._handle.close()
 
+    def close(self) -> None:
+        """Let go of the file, read or not (a prefix read leaves it open: `with TextFile(...) as text:`)."""
+        self._handle.close()
+
+    def __enter__(self) -> "TextFile":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def __del__(self):
         handle = getattr(self, "_handle", None)
         if handle is not None:

@@ -564,3 +564,33 @@ def test_a_fork_from_inside_its_own_thread_s_load_does_not_wait_for_itself(monke
         waited = time.monotonic() - started
     os.waitpid(child, 0)
     assert waited < 1.0, waited
+
+
+def test_aotlm_s_own_files_name_their_encoding_and_the_cli_prints_its_notices_under_w_error(tiny_artifact, tmp_path):
+    """PEP 597's -X warn_default_encoding with EncodingWarning as an error: Engine.load failed in runtime/cpus.py.
+    Under -W error the commands ended in a traceback (status 1) at aotlm's own notices (a recipe's thread count above
+    this machine's), which print as `warning:` lines; a library user's -W error still raises them (AotlmWarning)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    script = ("import sys; from runtime import Engine; "
+              "print(len(Engine.load(sys.argv[1]).generate([1, 5, 9], max_new_tokens=2).token_ids))")
+    done = subprocess.run([sys.executable, "-X", "warn_default_encoding", "-W", "error::EncodingWarning", "-c", script,
+                           str(tiny_artifact)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr[-2000:]
+
+    crowded = shutil.copytree(tiny_artifact, tmp_path / "threads")
+    manifest = json.loads((crowded / "manifest.json").read_text())
+    manifest["backend"]["session"]["intra_op_threads"] = (os.cpu_count() or 1) + 8
+    (crowded / "manifest.json").write_text(json.dumps(manifest))
+    done = subprocess.run([sys.executable, "-W", "error", "-m", "compiler.cli", "run", str(crowded), "--prompt", "hi",
+                           "--max-new-tokens", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "warning: the artifact's recipe sets backend.intra_op_threads" in done.stderr, \
+        done.stderr[-2000:]
+    from runtime import AotlmWarning, Engine
+
+    with pytest.warns(AotlmWarning, match="the artifact's recipe sets backend.intra_op_threads"):
+        Engine.load(crowded)

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from runtime.errors import ArtifactError
+from runtime.errors import AotlmWarning, ArtifactError
 from runtime.onnxruntime_backend import STOP_SPINNING_AFTER_RUN, cache_dtype, check_version, session_options
 
 
@@ -208,7 +208,7 @@ def test_both_onnxruntime_packages_installed_is_said_with_the_fix(monkeypatch):
     import runtime.onnxruntime_backend as backend
 
     monkeypatch.setattr(metadata, "version", lambda name: {"onnxruntime": "1.32.0", "onnxruntime-gpu": "1.31.1"}[name])
-    with pytest.warns(UserWarning, match=r"both onnxruntime 1.32.0 and onnxruntime-gpu 1.31.1 are installed.*"
+    with pytest.warns(AotlmWarning, match=r"both onnxruntime 1.32.0 and onnxruntime-gpu 1.31.1 are installed.*"
                                          r"pip uninstall -y onnxruntime onnxruntime-gpu"):
         backend._one_onnxruntime()
 

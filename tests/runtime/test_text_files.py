@@ -77,3 +77,11 @@ def test_a_folder_or_a_device_is_refused_unread(tmp_path):
             TextFile(path, "--text x")
     with pytest.raises(FileNotFoundError):
         TextFile(tmp_path / "missing.txt")
+
+
+def test_a_file_read_in_part_is_closed_by_close_or_a_with_block(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("word " * 100_000)
+    with TextFile(path) as text:
+        assert text.prefix(10) == ("word word ", False)
+    assert text._handle.closed and text.text_read.startswith("word word ")
