@@ -122,6 +122,8 @@ def test_run_and_chat_take_the_model_s_temperature_for_their_sampling_flags(caps
     assert status == 0, output
     status, output = run_cli(capsys, "run", artifact, "--prompt", "hi", "--top-k", "5", "--generation-config", "none")
     assert status == 2 and "--top-k: it shapes sampling, but --temperature 0 (the default) decodes greedily" in output
+    status, output = run_cli(capsys, "run", artifact, "--prompt", "hi", "--top-k", "5", "--temperature", "0")
+    assert status == 2 and "--top-k: it shapes sampling, but --temperature 0 (given) decodes greedily" in output
 
 
 def test_bench_times_greedy_decoding_as_its_workload_says(capsys, tiny_artifact, tmp_path, monkeypatch):
@@ -142,3 +144,43 @@ def test_bench_times_greedy_decoding_as_its_workload_says(capsys, tiny_artifact,
                              "4", "--out", tmp_path / "b.json")
     assert status == 0 and loaded == [{}], (loaded, output)
     assert json.loads((tmp_path / "b.json").read_text())["settings"]["decoding"].startswith("greedy")
+
+
+def test_what_a_caller_sets_wins_over_the_model_s_default():
+    from runtime.sampling import sampling_params
+
+    assert sampling_params(None, {"temperature": 0.0}, {"temperature": 1.5, "top_p": 0.9}).temperature == 0.0
+    assert sampling_params(None, {}, {"temperature": 1.5, "top_p": 0.9}).top_p == 0.9
+
+
+@pytest.mark.parametrize("values", [{"ignore_eos": True}, {"seed": 1}, {"stop_strings": ["x"]}])
+def test_a_manifest_s_defaults_hold_only_the_model_s_sampling_settings(values):
+    """An edited manifest's ignore_eos or seed would have applied to every request."""
+    from runtime.sampling import model_defaults
+
+    with pytest.raises(ArtifactError, match="manifest generation_defaults: .* is not the model's sampling defaults"):
+        model_defaults({"generation_defaults": {"source": "generation_config.json", "values": values}})
+
+
+def test_min_p_comes_from_either_source():
+    assert from_gguf({"general.sampling.min_p": 0.05}.get, "s")[0]["values"] == {"min_p": 0.05, "temperature": 0.8}
+    assert from_generation_config({"do_sample": True, "min_p": 0.05}, "g")[0]["values"] == {
+        "min_p": 0.05, "temperature": 1.0}
+
+
+def test_a_list_of_prompts_and_a_chat_take_the_model_s_defaults_too(chat_artifact, tmp_path):
+    defaults = {"temperature": 1.5, "top_k": 0, "top_p": 1.0}
+    artifact = edited_copy(chat_artifact[0], tmp_path, lambda manifest: manifest.update(generation_defaults={
+        "source": "generation_config.json", "values": defaults}))
+    engine = Engine.load(artifact)
+    try:
+        options = dict(max_new_tokens=8, ignore_eos=True, seed=3)
+        one = engine.generate([5, 6, 7], **options).token_ids
+        assert one != engine.generate([5, 6, 7], **options, temperature=0).token_ids  # sampled: the model's
+        assert [r.token_ids for r in engine.generate([[5, 6, 7], [5, 6, 7]], **options)] == [one, one]
+        messages = [{"role": "user", "content": "hello there"}]
+        chatted = engine.chat(messages, **options).token_ids
+        assert chatted == engine.chat(messages, **options, **defaults).token_ids
+        assert chatted != engine.chat(messages, **options, temperature=0).token_ids
+    finally:
+        engine.close()

@@ -287,7 +287,9 @@ def test_a_full_disk_leaves_the_cached_figures_of_other_hosts_whole(llama3, fake
 
 
 @pytest.mark.parametrize("cached", ["null", "[]", '"x"', "{KEY: {}}", "{KEY: null}",
-                                    '{KEY: {"bandwidth": "fast", "fp32_flops": 1e11, "measured": "today"}}'])
+                                    '{KEY: {"bandwidth": "fast", "fp32_flops": 1e11, "measured": "today"}}',
+                                    '{KEY: {"bandwidth": 0, "fp32_flops": 1e11, "measured": "today"}}',  # a division
+                                    '{KEY: {"bandwidth": true, "fp32_flops": 1e11, "measured": "today"}}'])
 def test_a_cache_file_of_another_shape_is_measured_again_not_a_traceback(llama3, fake_cpu, cached):
     """The README suggests copying cpu.json between machines: `null`, a list, or an entry without its numbers were
     TypeErrors and KeyErrors (a 16-line traceback)."""

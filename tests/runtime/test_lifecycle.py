@@ -422,7 +422,7 @@ def test_a_fork_waits_for_the_graph_runs_under_way_and_starts_none_until_it_retu
             inside.set()
             release.wait()
         with forking.RUNS.share():  # a run that starts while the fork waits: after the fork
-            after_fork.append(time.monotonic())
+            after_fork.append((time.monotonic(), forking.RUNS.forking))
 
     running = threading.Thread(target=a_run)
     running.start()
@@ -436,7 +436,8 @@ def test_a_fork_waits_for_the_graph_runs_under_way_and_starts_none_until_it_retu
     _, status = os.waitpid(child, 0)
     running.join()
     assert os.waitstatus_to_exitcode(status) == 0
-    assert forked - started >= 0.25 and after_fork and after_fork[0] >= forked - 0.01
+    assert forked - started >= 0.25 and after_fork and after_fork[0][0] >= forked - 0.01
+    assert after_fork[0][1] is False  # it did not start while the fork waited
 
 
 def test_what_cannot_go_to_another_process_says_what_to_send_and_errors_come_back_whole(tiny_artifact):
@@ -594,3 +595,59 @@ def test_aotlm_s_own_files_name_their_encoding_and_the_cli_prints_its_notices_un
 
     with pytest.warns(AotlmWarning, match="the artifact's recipe sets backend.intra_op_threads"):
         Engine.load(crowded)
+
+
+def test_a_fork_waits_for_a_load_another_thread_has_under_way(tiny_artifact, monkeypatch):
+    """A child forked during another thread's Engine.load hung in its own load (onnxruntime's lock, held)."""
+    import os
+    import threading
+    import time
+
+    from runtime import Engine
+
+    inside, release, opened = threading.Event(), threading.Event(), Engine._open.__func__
+
+    def held_open(cls, *args):
+        inside.set()
+        release.wait()
+        return opened(cls, *args)
+
+    monkeypatch.setattr(Engine, "_open", classmethod(held_open))
+    loading = threading.Thread(target=lambda: Engine.load(tiny_artifact))
+    loading.start()
+    assert inside.wait(30)
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    waited = time.monotonic() - started
+    os.waitpid(child, 0)
+    loading.join()
+    assert waited >= 0.25, waited
+
+
+# gunicorn's preload_app with Engine.load's defaults: intra_op_num_threads 0 (onnxruntime's own count)
+FORKED_DEFAULT_THREADS = """
+    import os, sys, warnings
+    from runtime import Engine
+    from runtime.cpus import usable_cpus
+
+    engine = Engine.load(sys.argv[1])
+    engine.generate([1, 5, 9], max_new_tokens=2)
+    pid = os.fork()
+    if pid == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.generate([1, 5, 9], max_new_tokens=2)
+        print("usable", usable_cpus(), "warned", len(caught), flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+def test_a_child_of_an_engine_loaded_with_default_threads_is_told_too(tiny_artifact):
+    done = run_script(FORKED_DEFAULT_THREADS, tiny_artifact)
+    said = re.search(r"usable (\d+) warned (\d+)", done.stdout)
+    assert said and int(said.group(2)) == (1 if int(said.group(1)) > 1 else int(said.group(2))), (
+        done.stdout, done.stderr[-2000:])

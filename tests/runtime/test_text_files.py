@@ -34,6 +34,7 @@ def test_a_short_file_is_whole_and_drops_its_byte_order_mark_and_keeps_crlf(tmp_
     (codecs.BOM_UTF8 + b"hello\nwor\xe9ld\n", r"offset 12 \(line 2, byte 4 of the line\) is 0xe9"),
     (b"abc\xe2\x82", r"offset 3 \(line 1, byte 4 of the line\) is 0xe2"),  # cut inside a character at the end
     ("a" * (1 << 20) + "\né" + "b" * 10, None),  # read whole: no error
+    (b"x\n" * 600_000 + b"ab\xff", r"offset 1200002 \(line 600001, byte 3 of the line\) is 0xff"),  # past 1 MiB
 ])
 def test_where_a_file_stops_being_utf8(tmp_path, content, place):
     """By its byte in the file, line and byte of the line: the decoder's position counted from after the byte-order
@@ -50,6 +51,10 @@ def test_where_a_file_stops_being_utf8(tmp_path, content, place):
 def test_a_utf16_file_is_said_to_be_one(tmp_path):
     with_mark, without_mark = tmp_path / "marked.txt", tmp_path / "unmarked.txt"
     with_mark.write_bytes(codecs.BOM_UTF16_LE + "The lighthouse keeper.\n".encode("utf-16-le"))
+    marked_big_endian = tmp_path / "marked-be.txt"
+    marked_big_endian.write_bytes(codecs.BOM_UTF16_BE + "The lighthouse keeper.\n".encode("utf-16-be"))
+    with pytest.raises(TextFileError, match=r"it is UTF-16 \(it begins with UTF-16's byte-order mark\)"):
+        read_text_file(marked_big_endian)
     without_mark.write_bytes(("The lighthouse keeper lit the lamp.\n" * 20).encode("utf-16-le"))
     with pytest.raises(TextFileError, match=r"marked.txt: it is UTF-16 \(it begins with UTF-16's byte-order mark\), "
                                             r"not UTF-8; save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8"):
