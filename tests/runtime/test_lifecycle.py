@@ -507,9 +507,7 @@ def test_an_engine_dropped_after_its_scheduler_ran_is_freed_by_the_next_load_and
 def test_a_fork_waits_for_a_graph_run_another_thread_has_under_way(tiny_artifact):
     """run_bound's share of the gate, not only the gate: a run held inside onnxruntime's call, the fork from another
     thread returns only after it."""
-    import os
     import threading
-    import time
 
     from runtime import Engine
 
@@ -524,7 +522,17 @@ def test_a_fork_waits_for_a_graph_run_another_thread_has_under_way(tiny_artifact
         return real(binding, options)
 
     session.run_with_iobinding = held
-    running = threading.Thread(target=lambda: engine.generate([1, 5, 9], max_new_tokens=2))
+    assert seconds_a_fork_waits(lambda: engine.generate([1, 5, 9], max_new_tokens=2), inside, release) >= 0.25
+
+
+def seconds_a_fork_waits(work, inside, release) -> float:
+    """Run `work` in a thread until it is `inside` (held there until `release`, 0.3 s later), and fork meanwhile:
+    how long os.fork() took."""
+    import os
+    import threading
+    import time
+
+    running = threading.Thread(target=work)
     running.start()
     assert inside.wait(30)
     threading.Timer(0.3, release.set).start()
@@ -535,7 +543,7 @@ def test_a_fork_waits_for_a_graph_run_another_thread_has_under_way(tiny_artifact
     waited = time.monotonic() - started
     os.waitpid(child, 0)
     running.join()
-    assert waited >= 0.25, waited
+    return waited
 
 
 def test_an_engine_is_not_copied(tiny_artifact):
@@ -599,9 +607,7 @@ def test_aotlm_s_own_files_name_their_encoding_and_the_cli_prints_its_notices_un
 
 def test_a_fork_waits_for_a_load_another_thread_has_under_way(tiny_artifact, monkeypatch):
     """A child forked during another thread's Engine.load hung in its own load (onnxruntime's lock, held)."""
-    import os
     import threading
-    import time
 
     from runtime import Engine
 
@@ -613,18 +619,7 @@ def test_a_fork_waits_for_a_load_another_thread_has_under_way(tiny_artifact, mon
         return opened(cls, *args)
 
     monkeypatch.setattr(Engine, "_open", classmethod(held_open))
-    loading = threading.Thread(target=lambda: Engine.load(tiny_artifact))
-    loading.start()
-    assert inside.wait(30)
-    threading.Timer(0.3, release.set).start()
-    started = time.monotonic()
-    child = os.fork()
-    if child == 0:
-        os._exit(0)
-    waited = time.monotonic() - started
-    os.waitpid(child, 0)
-    loading.join()
-    assert waited >= 0.25, waited
+    assert seconds_a_fork_waits(lambda: Engine.load(tiny_artifact), inside, release) >= 0.25
 
 
 # gunicorn's preload_app with Engine.load's defaults: intra_op_num_threads 0 (onnxruntime's own count)
