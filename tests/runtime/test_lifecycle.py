@@ -528,21 +528,28 @@ def test_a_fork_waits_for_a_graph_run_another_thread_has_under_way(tiny_artifact
 def seconds_a_fork_waits(work, inside, release) -> float:
     """Run `work` in a thread until it is `inside` (held there until `release`, 0.3 s later), and fork meanwhile:
     how long os.fork() took."""
-    import os
     import threading
-    import time
 
     running = threading.Thread(target=work)
     running.start()
     assert inside.wait(30)
     threading.Timer(0.3, release.set).start()
+    waited = seconds_to_fork()
+    running.join()
+    return waited
+
+
+def seconds_to_fork() -> float:
+    """How long os.fork() took (its child exits at once)."""
+    import os
+    import time
+
     started = time.monotonic()
     child = os.fork()
     if child == 0:
         os._exit(0)
     waited = time.monotonic() - started
     os.waitpid(child, 0)
-    running.join()
     return waited
 
 
@@ -559,19 +566,11 @@ def test_an_engine_is_not_copied(tiny_artifact):
 
 def test_a_fork_from_inside_its_own_thread_s_load_does_not_wait_for_itself(monkeypatch):
     """A signal handler (or a finalizer) forking while its thread was inside Engine.load waited FORK_WAIT_S."""
-    import os
-    import time
-
     from runtime import forking
 
     monkeypatch.setattr(forking, "FORK_WAIT_S", 3.0)
     with forking.RUNS.share():
-        started = time.monotonic()
-        child = os.fork()
-        if child == 0:
-            os._exit(0)
-        waited = time.monotonic() - started
-    os.waitpid(child, 0)
+        waited = seconds_to_fork()
     assert waited < 1.0, waited
 
 
