@@ -645,3 +645,44 @@ def test_a_child_of_an_engine_loaded_with_default_threads_is_told_too(tiny_artif
     said = re.search(r"usable (\d+) warned (\d+)", done.stdout)
     assert said and int(said.group(2)) == (1 if int(said.group(1)) > 1 else int(said.group(2))), (
         done.stdout, done.stderr[-2000:])
+
+
+def test_a_dropped_engine_lets_go_of_its_scheduler_and_sessions_before_it_trims(tiny_artifact, monkeypatch):
+    """Trimmed while the scheduler's slot cache still bound the sessions, the memory they held stayed in the heap."""
+    from runtime import Engine, onnxruntime_backend
+
+    engine = Engine.load(tiny_artifact)
+    engine.start_scheduler(slots=1)
+    held = []
+    monkeypatch.setattr(onnxruntime_backend.FREED_MEMORY, "trim",
+                        lambda pad: held.append({"_scheduler", "backend"} & set(vars(engine))))
+    engine.__del__()
+    assert held == [set()]
+
+
+def test_loads_on_huge_pages_run_one_at_a_time(tiny_artifact, monkeypatch):
+    """Each counts what appeared in the process while it loaded as its own: two at once each reported, and
+    collapsed, both engines' memory."""
+    import threading
+    import time
+
+    from runtime import Engine
+
+    opened, inside, most = Engine._open.__func__, [0], [0]
+
+    def counted(cls, *args):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        try:
+            return opened(cls, *args)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(Engine, "_open", classmethod(counted))
+    loads = [threading.Thread(target=lambda: Engine.load(tiny_artifact, huge_pages=True)) for _ in range(2)]
+    for thread in loads:
+        thread.start()
+    for thread in loads:
+        thread.join()
+    assert most[0] == 1

@@ -290,3 +290,22 @@ def test_the_fix_for_an_old_onnxruntime_installs_into_this_interpreter_s_environ
     with pytest.raises(ArtifactError, match=re.escape(f"{shlex.quote(sys.executable)} -m pip install -U "
                                                       f"'onnxruntime>=1.23.1'")):
         check_installed("1.23.0")
+
+
+def test_decode_steps_never_trim_only_runs_of_many_tokens_do(tiny_artifact, monkeypatch):
+    """A trim after every decode step would cost 1-4 ms a token for nothing: the arena keeps a step's memory."""
+    from runtime import Engine, onnxruntime_backend
+
+    calls, clock = [], [100.0]
+    freed = onnxruntime_backend.FreedMemory()
+
+    def advancing():
+        clock[0] += 5.0  # past the interval at every look: only the runs that may trim decide
+        return clock[0]
+
+    freed.trim, freed.clock = (lambda pad: calls.append(pad)), advancing
+    monkeypatch.setattr(onnxruntime_backend, "FREED_MEMORY", freed)
+    engine = Engine.load(tiny_artifact)
+    calls.clear()
+    engine.generate("a prompt of several tokens", max_new_tokens=6, ignore_eos=True)  # a prefill, five decode steps
+    assert calls == [0]
