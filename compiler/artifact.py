@@ -55,16 +55,16 @@ def source_revision(root: Path = Path(__file__).resolve().parents[1]) -> dict | 
 
     try:
         # aotlm's own checkout: not another project's, whose ignored .venv holds aotlm installed
-        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, encoding="utf-8", errors="replace",
-                             timeout=10, check=True).stdout.strip()
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             encoding="utf-8", errors="replace", timeout=10, check=True).stdout.strip()
         if Path(top).resolve() != root:
             return None
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, encoding="utf-8", errors="replace",
-                                timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                encoding="utf-8", errors="replace", timeout=10, check=True).stdout.strip()
         # Untracked files too: a module the build imports that was never added leaves a commit that cannot rebuild it
         changed = subprocess.run(["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain",
-                                  "--untracked-files=normal", "--", *SOURCE_FOLDERS], capture_output=True, encoding="utf-8", errors="replace",
-                                 timeout=10, check=True).stdout
+                                  "--untracked-files=normal", "--", *SOURCE_FOLDERS], capture_output=True,
+                                 encoding="utf-8", errors="replace", timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": commit, "modified": bool(changed.strip())} if re.fullmatch(r"[0-9a-f]{40}", commit) else None
@@ -323,7 +323,8 @@ def temporary_folder() -> tuple[Path, str | None]:
     except UnicodeEncodeError:
         raise BuildError(f"the temporary folder {str(folder)!a} (TMPDIR) has a path that is not UTF-8 as Python reads "
                          f"it (bytes of another encoding; or any non-ASCII under PYTHONUTF8=0 with a C locale), which "
-                         f"the exporter cannot take: rename it, or set TMPDIR to a folder whose path is ASCII") from None
+                         f"the exporter cannot take: rename it, or set TMPDIR to a folder whose path is ASCII"
+                         ) from None
     requested = os.environ.get("TMPDIR")
     try:
         same = not requested or Path(requested).resolve() == folder.resolve()
@@ -435,5 +436,6 @@ def write_manifest(folder: Path, manifest: dict) -> dict:
         **manifest,
         "files": files,
     }
-    (folder / MANIFEST_FILE).write_text(json_text(full), encoding="utf-8")  # JSON, strictly: a perplexity past 1e308 is null
+    # JSON, strictly: a perplexity past 1e308 is null
+    (folder / MANIFEST_FILE).write_text(json_text(full), encoding="utf-8")
     return full

@@ -113,12 +113,10 @@ def _run(args) -> None:
     if args.system is not None and args.chat is None:
         raise UsageError("--system goes with --chat (a system message for the chat template)")
     from compiler.cli_chat import checked_system
-    from runtime.sampling import model_defaults
 
     checked_system(args.system)
     manifest = read_manifest(args.artifact)
-    model = model_defaults(manifest) if args.generation_config == "auto" else {}
-    sampling = sampling_options(args, model)  # flags greedy decoding would ignore, bad values: refused before loading
+    sampling = sampling_options(args, manifest)  # flags greedy decoding would ignore, bad values: refused before loading
     if args.chat is not None and not manifest["tokenizer"].get("chat_template"):
         raise UsageError(f"{args.artifact}: its model has no chat template; use --prompt for plain text")
 

@@ -58,22 +58,21 @@ def chat_command(args) -> None:
     from runtime import Engine, RequestError
     from runtime.engine import SINGLE_STREAM_SPIN
     from runtime.manifest import read_manifest
-    from runtime.sampling import SamplingParams, model_defaults
+    from runtime.sampling import sampling_params
     from runtime.tokenizer import check_unicode
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     checked_system(args.system)
     manifest = read_manifest(args.artifact)
-    model = model_defaults(manifest) if args.generation_config == "auto" else {}
-    options = sampling_options(args, model)  # flags greedy decoding would ignore, bad values: refused before loading
+    options = sampling_options(args, manifest)  # flags greedy decoding would ignore, bad values: refused before loading
     if not manifest["tokenizer"].get("chat_template"):  # before loading seconds of weights
         raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
                          spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True,
                          generation_config=args.generation_config)
     # once for every turn (sampling_options checked the values); the model's defaults for the flags not given
-    sampling = SamplingParams(**{**engine.sampling_defaults, **options})
+    sampling = sampling_params(None, options, engine.sampling_defaults)
     _undecodable_bytes_kept(sys.stdin)
     # --system "": an empty system message, which keeps a template's default one out (SmolLM2's, Qwen's)
     system = [{"role": "system", "content": args.system}] if args.system is not None else []

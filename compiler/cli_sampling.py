@@ -37,12 +37,14 @@ def add_sampling_options(parser) -> None:
                              "(vLLM's min_tokens)")
 
 
-def sampling_options(args, model: dict | None = None) -> dict:
+def sampling_options(args, manifest: dict | None = None) -> dict:
     """SamplingParams' keywords from the flags given, after refusing flags that greedy decoding would silently ignore
     and values SamplingParams refuses (a RequestError: one line, exit status 2), before the caller loads the weights.
-    model: the model's sampling defaults the engine will apply to the options not given (runtime.sampling's
-    model_defaults), which decide whether it samples."""
-    model = model or {}
+    manifest: the artifact's, whose model defaults (--generation-config auto) the engine applies to the options not
+    given, which decide whether it samples."""
+    from runtime.sampling import model_defaults
+
+    model = model_defaults(manifest) if manifest is not None and args.generation_config == "auto" else {}
     given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
              "repetition_penalty": args.repetition_penalty}
     sampling_only = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),

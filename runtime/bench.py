@@ -30,10 +30,9 @@ import numpy as np
 
 from runtime.cpus import cgroup_cpu_quota, usable_cpus
 from runtime.errors import RequestError
-from runtime.evaluate import text_prefix
 from runtime.metrics import RequestTrace, summarize
 from runtime.results import is_stream, write_json
-from runtime.text_files import TextFile, TextFileError, text_problem
+from runtime.text_files import TextFile, TextFileError, text_prefix, text_problem
 from runtime.versions import pip_install
 
 ARRIVALS = ("all", "concurrency", "poisson")

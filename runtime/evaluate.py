@@ -28,7 +28,7 @@ import numpy as np
 
 from runtime.errors import ModelOutputError, RequestError
 from runtime.sampling import _logprobs
-from runtime.text_files import TextFile
+from runtime.text_files import TextFile, text_prefix
 
 _NONE = object()  # no bad item found (None itself may be one)
 
@@ -100,13 +100,6 @@ def encode_text(tokenizer, text: str | TextFile, max_tokens: int | None = None) 
         raise EvaluationError(f"max_tokens must be a whole number of 0 or more (or None: the whole text); got "
                               f"{max_tokens!r}")
     return prefix_encoding(tokenizer.tokenizer, text, max_tokens).ids[:max_tokens]
-
-
-def text_prefix(text: str | TextFile, characters: int) -> tuple[str, bool]:
-    """(the first `characters` characters of a str or a TextFile, whether that is all of it)."""
-    if isinstance(text, TextFile):
-        return text.prefix(characters)
-    return text[:characters], characters >= len(text)
 
 
 def prefix_encoding(tokenizer, text: str | TextFile, max_tokens: int):

@@ -287,10 +287,9 @@ def _sampling(engine, fields: dict, prompt_ids: list[int], chat: bool, logprobs:
               echo: bool, prompt_name: str = "the prompt") -> SamplingParams:
     """prompt_name: which prompt the context messages name (one of a list: "prompt[2]")."""
     options = {engine_name: fields[name] for name, engine_name in SAMPLING_FIELDS.items() if name in fields}
-    model = getattr(engine, "generation_defaults", {})  # the model's own, for what the request leaves out (vLLM's
-    for name, value in model.items():  # --generation-config auto); max_new_tokens below, capped to the room left
-        if name != "max_new_tokens":
-            options.setdefault(name, value)
+    for name, value in getattr(engine, "sampling_defaults", {}).items():  # the model's own, for what the request
+        options.setdefault(name, value)  # leaves out (vLLM's --generation-config auto)
+    model = getattr(engine, "generation_defaults", {})  # its max_new_tokens: below, capped to the room left
     options.setdefault("temperature", 1.0)  # OpenAI's default; the engine's is greedy
     seed = options.get("seed")
     if seed is not None and not (is_integer(seed) and -2 ** 63 <= seed < 2 ** 64):  # int64 as vLLM's, or uint64

@@ -81,6 +81,13 @@ class TextFile:
             handle.close()
 
 
+def text_prefix(text: "str | TextFile", characters: int) -> tuple[str, bool]:
+    """(the first `characters` characters of a str or a TextFile, whether that is all of it)."""
+    if isinstance(text, TextFile):
+        return text.prefix(characters)
+    return text[:characters], characters >= len(text)
+
+
 def read_text_file(path, label: str | None = None) -> str:
     """The whole of a text file, read as TextFile reads it."""
     return TextFile(path, label).read_all()
