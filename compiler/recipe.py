@@ -55,7 +55,8 @@ class ExportSpec:
     max_context: int = field(default=2048, metadata={"min": 2})  # KV-cache tokens: prompt + generated
     # float32 for onnxruntime on CPU; float16/bfloat16 for TensorRT (strongly typed: the graph's types decide)
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    # 23: the newest opset torch 2.13's exporter writes (the pinned torch); above it the export fails late
+    # 23: the newest opset torch 2.13's exporter writes (scripts/bootstrap's pin; pyproject allows >= 2.5); above it
+    # the export fails late
     opset: int = field(default=21, metadata={"min": 21, "max": 23, "note": "aotlm exports opsets 21 to 23"})
     prefill_logits: Literal["last", "all"] = "last"
     max_batch: int = field(default=1, metadata={"min": 1})

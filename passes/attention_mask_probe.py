@@ -8,13 +8,14 @@ evaluated: the subgraph that computes it is cut out and run with onnxruntime on 
 0 on keys j <= i and at most -1e4 (or -inf) after. A mask that the probe cannot run (it needs other inputs) is
 reported as unchecked, and its layer stays unfused.
 
-Where the block reads its keys back from the cache (a decode graph), a second probe puts queries after cached
-tokens: DECODE_QUERIES new tokens at positions L-S..L-1 of L valid ones. Query i must see keys j <= L-S+i: a mask
-aligned top-left (j <= i, the usual is_causal mistake) agrees with the first probe, where S == L, and not here.
+The first probe's length L is the graph's cache length when fixed (the project's export), else the rotary table
+length the pass was given (`rotary_cache_length`), else 512, and at most 8192 (an L x L mask of 32768 tokens takes
+4 GB): a window of L tokens or more is not seen.
 
-The probe length L is the graph's cache length when fixed (the project's export), else the rotary table length the
-pass was given (`rotary_cache_length`), else 512, and at most 8192 (an L x L mask of 32768 tokens takes 4 GB): a
-window of L tokens or more is not seen.
+Where the block reads its keys back from a cache of fixed length (a decode graph), a second probe puts queries after
+cached tokens: Q = DECODE_QUERIES (3) new tokens after DECODE_CONTEXT - DECODE_QUERIES (5) cached ones, C = 8 keys
+in all (fewer in a smaller cache). Query i must see keys j <= C-Q+i: a mask aligned top-left (j <= i, the usual
+is_causal mistake) agrees with the first probe, where queries and keys are as many, and not here.
 """
 from __future__ import annotations
 

@@ -46,11 +46,12 @@ class CalibrationSpec:
 class CalibrationSet(CalibrationSpec):
     """The spec resolved into tokens, plus a memo both phases' graphs share.
 
-    The memo maps a weight's content (and the quantization settings) to its quantized form: the prefill and
-    decode graphs hold the same weights under different names, and calibrated rounding must give both the
-    same codes (else the artifact would store them twice and its phases would disagree). A set serves one model:
-    quantize's entries are keyed by weight content, but quantize_kv_cache's scales only by its settings, so a set
-    reused for another model would hand it the first one's cache scales (a build makes a set per build).
+    The memo maps a layer (its node name, the same in both phases' graphs), its quantization settings and its
+    weight's content to the quantized form: the prefill and decode graphs hold the same weights under different
+    tensor names, and calibrated rounding must give both the same codes (else the artifact would store them twice
+    and its phases would disagree). A set serves one model: quantize's entries are keyed by layer and weight, but
+    quantize_kv_cache's scales only by its settings, so a set reused for another model would hand it the first
+    one's cache scales (a build makes a set per build).
     """
     token_ids: np.ndarray | None = None  # int64 [samples, length]
     source: dict = field(default_factory=dict)  # what was read: file or "pydoc", characters, tokens available

@@ -30,7 +30,9 @@ def raise_opset(graph: gs.Graph, model: onnx.ModelProto, opset: int, pass_name: 
 
 
 def unchanged(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of `model` (passes return a new model and never mutate their input)."""
+    """A copy of `model`, for a pass that changed nothing. Passes never mutate their input; skip_unused_rows,
+    slice_packed_weights and dequantize_weights return it itself when they change nothing (a copy would hold the
+    weights twice), so a caller that edits a pass's result copies it first."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     return copy

@@ -26,7 +26,7 @@ from passes.quantized_weights import QuantizedWeight, block_parameters, decode, 
 
 AWQ_GRID = 20          # α in {0, 1/20, ..., 19/20}, as in the AWQ reference implementation
 GPTQ_DAMP = 0.01       # fraction of mean(diag(H)) added to the diagonal: H is often singular (dead channels)
-GPTQ_LAZY_BLOCK = 128  # rows updated together; a multiple of every INT4 block size we allow (16..128)
+GPTQ_LAZY_BLOCK = 128  # rows updated together; a multiple of every INT4 block up to 128 (256 widens it: `lazy`)
 
 
 def output_error(weight: np.ndarray, approximation: np.ndarray, hessian: np.ndarray) -> float:

@@ -12,10 +12,10 @@ The rewrite, on a graph already lowered by lower_onnxruntime:
   code = clip(round(x / scale), -128, 127) per (kv head, channel), keys after rotary, and reads code * scale.
 - prefill (no past, `prefill_attention: float`): onnxruntime's quantized-cache path is 4-5x slower than its flash
   kernel over a whole prompt (29.5 against 7.3 ms per layer at 512 tokens, 416 against 78 at 2000, 2 threads:
-  benchmarks/kv_cache_attention.py), so
-  the node keeps a float cache of the prompt's length and Div/Round/Clip/Cast/Pad write the same codes into the
-  bound int8 buffer. The prompt's own attention is then exact; decode steps (and prefill chunks after a past,
-  which run the decode graph) read the rounded cache.
+  benchmarks/kv_cache_attention.py), so the node keeps a float cache of the prompt's length and
+  Mul(1/scale)/Round/Clip/Cast/Pad write the same codes into the bound int8 buffer (by the reciprocal, as
+  onnxruntime's decode kernel quantizes: see write_codes_after). The prompt's own attention is then exact; decode
+  steps (and prefill chunks after a past, which run the decode graph) read the rounded cache.
 - The scales come from calibration text: the pass runs its input graph (float cache) on the samples, reads the
   keys and values each layer wrote into `present.*`, and sets scale = headroom * max |x| / 127 per kv head and
   channel (or per layer); the headroom (1.5) keeps values a little beyond the calibration peak from clipping.

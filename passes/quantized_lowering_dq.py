@@ -4,8 +4,8 @@
     W [K, N] --^               =>     x [K, N], scale (, zero_point) -> DequantizeLinear --^
 
 This is the form TensorRT and plain-ONNX backends read (onnxruntime's own lowering is MatMulNBits, in
-`passes/quantize.py`). DequantizeLinear computes y = (x - zero_point) * scale along [K, N], the MatMul's own
-layout, so the codes are stored transposed back from the representation's [N, K]:
+`passes/quantized_lowering_ort.py`). DequantizeLinear computes y = (x - zero_point) * scale along [K, N], the
+MatMul's own layout, so the codes are stored transposed back from the representation's [N, K]:
 
     INT8 per channel (one block along K):  scale [N],          axis=1                  (per-axis form)
     INT4, and INT8 in blocks along K:      scale [K/block, N], axis=0, block_size=block (blocked form, opset 21)

@@ -5,7 +5,8 @@ numpy dequantization (the reference every lowering is checked against), and its 
 A float weight W is [K, N] (MatMul's B: K is the reduction axis). The codes are stored transposed, [N, K], the
 way MatMulNBits and DequantizeLinear-per-channel both read them: one row per output channel, blocks along K.
 When the block size does not divide K, the last block is partial: the codes are padded with the code of 0 to
-blocks * block_size columns (MatMulNBits' layout); DequantizeLinear and GatherBlockQuantized read the first K.
+blocks * block_size columns (MatMulNBits' layout); DequantizeLinear reads the first K, and GatherBlockQuantized
+reads the padded rows, a Slice after it keeping the first K.
 
     W[k, n] ~= (codes[n, k] - zero_point[n, k // block_size]) * scale[n, k // block_size]
 
