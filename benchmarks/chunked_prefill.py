@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{SHORT_PROMPT + args.decode_tokens - 1} positions; this artifact's max context is {limit}: use "
                      f"--decode-tokens {limit + 1 - SHORT_PROMPT} or less")
     console = Console(width=None if sys.stdout.isatty() else 160)
-    engine = Engine.load(args.artifact, intra_op_threads=args.threads)
+    engine = Engine.load(args.artifact, intra_op_threads=args.threads, generation_config="none")  # greedy
     load = workload(engine.tokenizer.encode, args.decoders, args.decode_tokens, args.long_prompt, args.long_at)
     results: dict[str, list[dict]] = {str(chunk): [] for chunk in chunks}
     for repeat in range(args.repeats):  # settings interleaved, so machine noise spreads over all of them

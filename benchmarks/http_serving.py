@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--concurrency: each level must be in 1..--requests ({args.requests})")
     manifest = artifact_manifest(parser, args.artifact)
     console = Console()
-    engine = Engine.load(args.artifact, intra_op_threads=args.threads)
+    engine = Engine.load(args.artifact, intra_op_threads=args.threads, generation_config="none")  # greedy
     try:  # bench's own checks name its flag, --output-tokens: this script's is --new-tokens
         workloads = {level: bench.make_workload(engine.tokenizer.encode, max_context=engine.max_context,
                                                 requests=args.requests, arrival="concurrency", concurrency=level,

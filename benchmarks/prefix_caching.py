@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sweep_length >= manifest["kv_cache"]["max_context"]:
         parser.error(f"--sweep-length must be below the artifact's max context ({manifest['kv_cache']['max_context']})")
     console = Console(width=None if sys.stdout.isatty() else 160)
-    engines = {"plain": Engine.load(args.artifact, intra_op_threads=args.threads),
-               "cached": Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=True)}
+    greedy = {"intra_op_threads": args.threads, "generation_config": "none"}  # replies compared token for token
+    engines = {"plain": Engine.load(args.artifact, **greedy),
+               "cached": Engine.load(args.artifact, **greedy, prefix_caching=True)}
     encode, decode = engines["plain"].tokenizer.encode, engines["plain"].tokenizer.decode
     messages = [decode(ids) for ids in messages_for(encode, args.turns, args.message_tokens)]
     # The last turn's prompt, its replies stood in by --reply-tokens tokens each: a chat that outgrows the context

@@ -92,7 +92,8 @@ def check_artifact(artifact: Path, args) -> dict:
 
 
 def measure(artifact: Path, manifest: dict, args, console: Console) -> dict:
-    engines = {label: Engine.load(artifact, intra_op_threads=args.threads, huge_pages=False, spin_after_run=spin)
+    engines = {label: Engine.load(artifact, intra_op_threads=args.threads, huge_pages=False, spin_after_run=spin,
+                                 generation_config="none")
                for label, spin in ARMS.items()}
     try:
         return measure_engines(artifact, manifest, engines, args, console)
