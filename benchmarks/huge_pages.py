@@ -34,8 +34,9 @@ ARMS = ("4 KiB", "huge")
 
 
 def proc_status_mb(field: str) -> float:
+    """A /proc/self/status figure in MB (10**6 bytes, as pass_ab.py's): the file's "kB" are KiB."""
     with open("/proc/self/status", encoding="ascii") as status:
-        return next(int(line.split()[1]) / 1024 for line in status if line.startswith(field + ":"))
+        return next(int(line.split()[1]) * 1024 / 1e6 for line in status if line.startswith(field + ":"))
 
 
 def child(args) -> dict:

@@ -10,7 +10,8 @@ prefill graph runs it after the pass) against the int8 cache buffer (onnxruntime
 query over `context` cached tokens, past and present sharing one buffer, float (on the GEMM path, as
 lower_onnxruntime sets it: scale 1, qk_output) against the same with an int8 per-channel cache. The third
 column is the float32 node with do_rotary 0 after com.microsoft.RotaryEmbedding on q and k (lower_onnxruntime's
-`rotary: separate`), timed as the three nodes. Medians of --runs runs. A table on the console, JSON in
+`rotary: separate`), timed as the three nodes. Medians of --runs runs for decode, of max(3, --runs / 10) for
+prefill (a prompt's run takes ~100x a step's). A table on the console, JSON in
 benchmarks/results/kv_cache_attention.json (--out).
 """
 from __future__ import annotations
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['int8_ms'] / row['float_ms']:.2f}x", f"{row['rotary_separate_ms']:.3f}",
                       f"{row['rotary_separate_ms'] / row['float_ms']:.2f}x")
     print_table(table, Console())
-    result = {"threads": args.threads, "runs": args.runs, "onnxruntime": ort.__version__, "rows": rows}
+    result = {"threads": args.threads, "runs": args.runs, "prefill_runs": max(3, args.runs // 10),
+              "onnxruntime": ort.__version__, "rows": rows}
     write_json(args.out, result)
     print(f"wrote {args.out}")
     return result

@@ -6,16 +6,17 @@
 Builds the recipe twice under benchmarks/results/pass_ab/ (rebuilt when the recipe or the compiler's source
 changed): as it is, and with the pass named by --without left out. For each prompt length both prefill graphs
 run on the same real prompt (Python's docs), batch 1, through the runtime's onnxruntime backend (the KV cache
-bound once as past and present; phases.py's prefill timing): one warm-up each, then --runs timed runs each,
-alternating which goes first. Prints, per length, both medians, the ratio of medians (with / without), the ratio of the
-fastest runs, and the largest logit difference between the two (0 for a pass that changes no logit).
-On a shared 2-core VM a few percent is within the run-to-run spread: read the ratio next to the run count.
+bound once as past and present; the prefill graph alone, AotlmPhases.graph_prefill): one warm-up each, then --runs
+timed runs each, alternating which goes first. Prints, per length, both medians, the ratio of medians (with /
+without), the ratio of the fastest runs, and the largest logit difference between the two (0 for a pass that
+changes no logit). On a shared 2-core VM a few percent is within the run-to-run spread: read the ratio next to the
+run count.
 With --reference ARTIFACT (say the fp32 build of the same model), also how far each variant's last-token distribution
 lies from the reference's: mean KL(reference || variant) and top-1 agreement over --reference-prompts windows of
 --reference-tokens tokens of held-out text (for a pass that changes logits, as dequantize_weights does).
 Also what each artifact costs to load (a pass may trade memory for speed, as dequantize_weights does): in a fresh
-Python process per artifact, the seconds `Engine.load` takes, and the process's resident memory after it and at
-its peak (`--load-runs` processes each, medians). Writes benchmarks/results/pass_ab.json.
+Python process per artifact, the seconds its imports and `Engine.load` take, and the process's resident memory
+after it and at its peak (`--load-runs` processes each, medians). Writes benchmarks/results/pass_ab.json.
 """
 from __future__ import annotations
 

@@ -610,8 +610,9 @@ def phase_table(phase: str, rows: list[dict], peaks: dict):
     for row in rows:
         table.add_row(*("-" if row[key] is None else format(row[key] * scale if scale != 1 else row[key], spec)
                         for _, key, scale, spec in columns))
-    table.caption = ("FLOPs = the projections' matmuls for every prompt token + the output projection for the last "
-                     "(as `aotlm plan` counts them; attention scores not counted)" if prefill else
+    table.caption = ("FLOPs as `aotlm plan` counts them: the projections for every prompt token (the last layer's on "
+                     "the returned rows only, with skip_unused_rows), causal attention (scores and weighted sum) and "
+                     "the output projection for the returned positions" if prefill else
                      "bytes = the weights a step reads (as `aotlm plan` counts them: not an embedding table it only "
                      "gathers rows from) + KV bytes/token x context, per step (activations not counted)")
     return table

@@ -1,10 +1,11 @@
 """The runtime's front door: load an artifact, generate or stream text, time every phase.
 
     engine = Engine.load("artifacts/smollm2-135m")
-    result = engine.generate("The lighthouse keeper", max_new_tokens=32)   # greedy by default
+    result = engine.generate("The lighthouse keeper", max_new_tokens=32)   # greedy, unless the model ships defaults
     result.text, result.token_ids, result.timings
 
-Phases per request: tokenize -> prefill (whole prompt, first token sampled) -> decode_one_token, repeated.
+Phases per request: tokenize -> prefill (the prompt, or its uncached rest; first token sampled) -> one decode-graph
+step per token (`_generate`).
 Timings use time.perf_counter from the moment the request is received (`stream()` called; TTFT includes
 tokenization): every result carries its raw timestamps as `result.timings.trace` (a runtime.metrics.RequestTrace,
 which runtime.metrics.summarize aggregates over many requests).

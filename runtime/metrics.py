@@ -11,7 +11,7 @@ N = output_tokens, the first token and a final stop token included):
     itl    = [t_i - t_{i-1} for i in 1..N-1]        every gap between consecutive tokens; sum(itl) == e2e - ttft
     prefill_seconds      = prefill_end - prefill_start   (first_token - prefill_start when prefill_end is absent,
                            which then includes sampling the first token)
-    prefill_tokens_per_s = prompt_tokens / prefill_seconds
+    prefill_tokens_per_s = (prompt_tokens - cached_prompt_tokens) / prefill_seconds   (a cached prefix is not computed)
     decode_seconds_per_step         = mean(decode_step_s) if per-step durations were recorded, else
                                       (t_{N-1} - t_0) / (N - 1)  (one token per step: equals tpot)
     decode_seconds_per_output_token = sum(decode_step_s) / (N - 1) if recorded, else tpot
@@ -22,7 +22,7 @@ Choices, stated:
   and bounds the benchmark duration, but is not a latency metric. With this choice TPOT is exactly the mean ITL.
 - TPOT of a one-token output is undefined (there is no decode interval): `tpot` is None and the request is left
   out of TPOT statistics, as vLLM leaves it out of its `tpots`. For goodput, vLLM counts it as 0 (it always meets
-  a TPOT SLO); so do we. (`runtime.engine.Timings.tpot_s` reports 0.0 for compatibility.)
+  a TPOT SLO); so do we. (`runtime.results.Timings.tpot_s` reports 0.0 for compatibility.)
 - ITL is pooled across requests (every gap of every request is one sample), as in vLLM.
 - Percentiles: numpy's default `np.percentile` (method="linear": linear interpolation between closest ranks),
   as vLLM. E.g. [1, 2, 3, 4] -> p50 2.5, p99 3.97. Median == p50.

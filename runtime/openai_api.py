@@ -4,7 +4,9 @@ carries them over HTTP.
 
 The fields are OpenAI's, plus vLLM's sampling extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
 min_tokens).
-Where OpenAI's API and the engine's defaults differ, the API's meaning holds:
+A field the request leaves out takes the model's own default where it ships one (Engine.sampling_defaults, from
+generation_config.json or a GGUF's hints; its max_new_tokens as max_tokens, capped to the room left). Else, where
+OpenAI's API and the engine's defaults differ, the API's meaning holds:
 - temperature defaults to 1 (the engine's own default is greedy); max_tokens to 16 for completions (or what the
   context leaves after the prompt, when less), and to what the context leaves for chat;
 - n samples of a prompt are n requests, seeded seed, seed + 1, ... when a seed is given (with prefix caching the

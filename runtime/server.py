@@ -13,8 +13,9 @@ openai`) can use an artifact. `aotlm serve ARTIFACT` runs it.
 Python's http.server, one thread per connection (ThreadingHTTPServer). A request's thread submits its choices to the
 scheduler (thread-safe: its one worker runs every graph, batching the requests of all connections together) and
 waits on their handles (echo with logprobs, how lm-evaluation-harness scores, too: the scheduler's prompt_logprobs).
-A streamed response is server-sent events: a chunk per text piece and one at each choice's end, then `data: [DONE]`;
-the connection closes after it. A client that goes away cancels its requests: noticed within POLL_S while waiting,
+A streamed response is server-sent events: a chunk per text piece and one at each choice's end, then `data: [DONE]`,
+sent chunked: the connection stays open for the next request (an HTTP/1.0 client, or one that sent Connection:
+close, reads to the close). A client that goes away cancels its requests: noticed within POLL_S while waiting,
 or at the next write; the scheduler frees their slots at its next step.
 Latencies count from the moment the request's headers were read: its body, template and tokenization are in TTFT.
 With an api_key, the /v1 and tokenizer routes ask for it as OpenAI's clients send it (`Authorization: Bearer KEY`;

@@ -67,8 +67,8 @@ def decode_blocks(head_dim: int, group: int) -> DecodeBlocks:
 
 
 def decode_splits(max_context: int, split_size: int | None = None) -> DecodeSplits:
-    """Split the cache into at most ~16 parts of >= 64 positions (<= 512 when the cache is long); short sequences
-    leave the later splits empty, and those programs exit after writing -inf."""
+    """Split the cache into up to ~16 parts of 64..512 positions (fewer under 1024 positions, max_context / 512
+    past 8192); short sequences leave the later splits empty, and those programs exit after writing -inf."""
     if split_size is None:
         split_size = min(512, max(64, triton.next_power_of_2(triton.cdiv(max_context, 16))))
     if split_size < 1:
