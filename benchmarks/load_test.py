@@ -102,7 +102,8 @@ class Ledger:
 
     def __init__(self, count: int, checked: list[int]):
         self.finish = np.zeros(count, dtype=np.int8)  # index into FINISH
-        self.tokens = np.zeros(count, dtype=np.int32)  # produced, a final stop token included
+        self.tokens = np.zeros(count, dtype=np.int32)  # returned (token_ids), a final stop token included
+        self.timed_tokens = np.zeros(count, dtype=np.int32)  # what its timings counted: must equal tokens
         self.cached = np.zeros(count, dtype=np.int32)  # prompt tokens taken from the cache (prefix caching)
         self.times = np.full((count, 4), np.nan)  # arrival, first token, last token, finish (perf_counter seconds)
         self.rss = np.zeros(count + 1, dtype=np.int64)  # resident bytes when n requests had completed
@@ -121,9 +122,10 @@ class Ledger:
             else:
                 result = handle.result()
                 self.finish[index] = FINISH.index(result.finish_reason)
+                self.tokens[index] = len(result.token_ids) + (result.stop_token_id is not None)
                 if result.timings is not None:
                     trace = result.timings.trace
-                    self.tokens[index] = trace.output_tokens
+                    self.timed_tokens[index] = trace.output_tokens
                     self.cached[index] = trace.cached_prompt_tokens
                     self.times[index] = trace.arrival, trace.first_token, trace.token_times[-1], trace.finish
                 if index in self.token_ids:
@@ -173,7 +175,8 @@ def judge(engine: Engine, requests: list[dict], ledger: Ledger, cancel: set[int]
     """engine: serves the checked requests alone (the batch-1 path), the reference for their tokens."""
     finish = [FINISH[code] for code in ledger.finish]
     asked = [r["max_new_tokens"] for r in requests]
-    complete = lambda i: finish[i] == "length" and ledger.tokens[i] == asked[i]  # noqa: E731
+    # what the request returned, and what its timings counted (the figures the summary reports) agree with it
+    complete = lambda i: finish[i] == "length" and ledger.tokens[i] == ledger.timed_tokens[i] == asked[i]  # noqa: E731
     cancelled_early = lambda i: i in cancel and finish[i] == "cancelled" and ledger.tokens[i] < asked[i]  # noqa: E731
     done = [i for i, f in enumerate(finish) if f not in ("pending", "error")]
     mismatched = [i for i, ids in ledger.token_ids.items() if ids is not None and ids != engine.generate(

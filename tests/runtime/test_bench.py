@@ -427,6 +427,7 @@ def test_scheduled_server_batches_requests(tiny_engine, encode, arrival, setting
     w = workload(encode, requests=9, arrival=arrival, output_tokens="3:12", warmup=1, **settings)
     for batching in ("continuous", "static"):
         server = bench.ScheduledServer(tiny_engine, batching, slots=3)
+        assert server.scheduler.batching == batching
         try:
             traces = run_workload(server, w)
         finally:
@@ -439,6 +440,11 @@ def test_scheduled_server_batches_requests(tiny_engine, encode, arrival, setting
         assert most_at_once <= 3  # never more than the slots
         if arrival == "all":
             assert most_at_once >= 2  # served together, not one after another
+            # continuous fills a freed slot while the others decode; static waits for its whole batch to end (a
+            # ScheduledServer that always ran continuous batching had passed this test)
+            admitted_midway = any(len(a.token_times) > 1 and a.token_times[1] < b.prefill_start < a.finish
+                                  for a in traces for b in traces)
+            assert admitted_midway == (batching == "continuous"), batching
 
 
 def test_cli_bench_compares_static_and_continuous(tiny_artifact, tmp_path):
