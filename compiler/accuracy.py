@@ -140,7 +140,9 @@ def quantization_summary(pass_reports: list[dict]) -> dict:
         layers = sorted(report["layers"], key=lambda layer: -(layer["relative_output_error"] or 0))
         summary.update({"totals": report["totals"], "embedding": report["embedding"],
                         "worst_layers": [{k: layer[k] for k in ("node", "method", "bits", "block_size",
-                                                                "relative_output_error")} for layer in layers[:5]]})
+                                                                "relative_output_error")} for layer in layers[:5]],
+                        "padded_layers": [{"node": layer["node"], "note": layer["note"]} for layer in report["layers"]
+                                          if "padded to" in (layer.get("note") or "")]})
     report = decode_report("quantize_kv_cache")
     if report is not None:
         summary["kv_cache"] = {k: report[k] for k in ("dtype", "granularity", "quantized_layers", "relative_error")}

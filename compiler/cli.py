@@ -81,12 +81,12 @@ def _build(args) -> None:
         raise OSError(full.errno, full.strerror, f"{args.output}, where the artifact is written (replacing one needs "
                                                  f"room for both), or the temporary folder {tempfile.gettempdir()}, "
                                                  f"where the graphs are traced (TMPDIR)") from None
-    from compiler.pass_reports import PassResult, format_accuracy, format_reports, idle_passes
+    from compiler.pass_reports import PassResult, format_accuracy, format_reports, idle_passes, partly_fused
 
     passes = [PassResult(**result) for result in manifest["passes"]]
     if passes:
         console.print(format_reports(passes), highlight=False)
-        for text in idle_passes(passes):
+        for text in idle_passes(passes) + partly_fused(passes):
             warning(text)
     if "accuracy" in manifest:
         # one line per line however narrow a pipe (a grep of CI logs for "perplexity:.*KL"), and not markup: it
@@ -253,9 +253,10 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
                             or (isinstance(v, float) and not k.endswith("error")))
         passes.add_row(result["name"], result["phase"], f"{result['seconds']:.2f}", escape(_shortened(summary)))
     print_table(passes, out)
-    from compiler.pass_reports import PassResult, format_accuracy, idle_passes
+    from compiler.pass_reports import PassResult, format_accuracy, idle_passes, partly_fused
 
-    for text in idle_passes([PassResult(**result) for result in manifest["passes"]]):
+    results = [PassResult(**result) for result in manifest["passes"]]
+    for text in idle_passes(results) + partly_fused(results):
         warning(text, out)
     if "accuracy" in manifest:
         out.print(format_accuracy(manifest["accuracy"]), highlight=False, soft_wrap=True, markup=False)

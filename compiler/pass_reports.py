@@ -71,6 +71,23 @@ def idle_passes(results: Sequence[PassResult]) -> list[str]:
     return lines
 
 
+def partly_fused(results: Sequence[PassResult]) -> list[str]:
+    """A line for each phase where fuse_attention fused some attention blocks and left others (a build without
+    `required: true` goes on; those layers run unfused, slower), naming the first left and why."""
+    lines = []
+    for result in results:
+        report = result.report
+        if result.name != "fuse_attention" or not report.get("fused") or not report.get("unfused"):
+            continue
+        first = next((layer for layer in report.get("layers", ()) if not layer.get("fused")), {})
+        where = f"passes[{result.index}] (fuse_attention)" if result.index is not None else "fuse_attention"
+        total = report["fused"] + report["unfused"]
+        lines.append(f"{where} left {report['unfused']} of {total} attention blocks unfused in {result.phase}; first: "
+                     f"{first.get('layer', '?')}: {first.get('reason', 'no reason given')} (`required: true` makes "
+                     f"this an error)")
+    return lines
+
+
 def _first_reason(report: dict) -> str | None:
     if report.get("reason"):
         return str(report["reason"])
@@ -114,6 +131,16 @@ def format_accuracy(accuracy: dict) -> str:
         if totals.get("mean_relative_output_error") is not None:
             lines.append(f"layer output error on calibration data (E||xΔW||²/E||xW||²): mean "
                          f"{totals['mean_relative_output_error']:.2e}, max {totals['max_relative_output_error']:.2e}")
+        worst = [layer for layer in accuracy["quantization"].get("worst_layers", ())
+                 if layer.get("relative_output_error") is not None][:3]
+        if worst:  # every layer's error is in the manifest (its quantize pass reports)
+            lines.append("worst layers: " + ", ".join(
+                f"{layer['node']} {layer['relative_output_error']:.2e} ({layer['method']} int{layer['bits']}"
+                + (f" block {layer['block_size']}" if layer['bits'] == 4 else "") + ")" for layer in worst))
+        padded = accuracy["quantization"].get("padded_layers")
+        if padded:  # a block size that does not divide K: padded with the code of 0, never refused
+            lines.append(f"note: in {len(padded)} quantized layers the block size does not divide the input size: "
+                         f"the last block is padded with zeros (e.g. {padded[0]['node']}: {padded[0]['note']})")
     kv_cache = accuracy.get("quantization", {}).get("kv_cache")
     if kv_cache:
         lines.append(f"KV cache stored as {kv_cache['dtype']} ({kv_cache['granularity']} scales, "

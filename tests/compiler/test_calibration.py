@@ -170,6 +170,8 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
               "mean_relative_output_error": 0.01, "max_relative_output_error": 0.05}
     decode = {"totals": totals, "embedding": {"quantized": True},
               "layers": [_layer(f"n{i}", e) for i, e in enumerate([0.01, None, 0.05, 0.02, 0.03, 0.04, 0.005])]}
+    decode["layers"][3]["note"] = "K=80 padded to 3 blocks of 32 (the last holds 16 values)"
+    decode["layers"][4]["bits"] = 8  # an override: per channel, its block the whole input
     kv = {"dtype": "int8", "granularity": "head", "quantized_layers": 2, "relative_error": {"key_mean": 0.001,
                                                                                              "value_mean": 0.002}}
     reports = [{"name": "quantize", "phase": "decode", "report": {**decode, "totals": {}}},  # an earlier run
@@ -180,6 +182,8 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
     assert summary["totals"] == totals and summary["embedding"] == {"quantized": True}
     assert [layer["node"] for layer in summary["worst_layers"]] == ["n2", "n5", "n4", "n3", "n0"]
     assert summary["worst_layers"][0] == {k: v for k, v in _layer("n2", 0.05).items() if k != "extra"}
+    assert summary["padded_layers"] == [{"node": "n3", "note": "K=80 padded to 3 blocks of 32 (the last holds 16 "
+                                                             "values)"}]
     assert summary["kv_cache"] == kv
     assert quantization_summary([]) == {}
     held_out = {"text": "notes.txt, last 10% (held out)", "tokens_scored": 300, "window": 64, "stride": 32,
@@ -188,6 +192,9 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
     assert format_accuracy({"quantization": summary, "held_out": held_out}).splitlines() == [
         "quantized 6 MatMuls (1 skipped): weights 3.0 MiB -> 1.0 MiB; graph 4.0 MiB -> 2.0 MiB",
         "layer output error on calibration data (E||xΔW||²/E||xW||²): mean 1.00e-02, max 5.00e-02",
+        "worst layers: n2 5.00e-02 (awq int4 block 32), n5 4.00e-02 (awq int4 block 32), n4 3.00e-02 (awq int8)",
+        "note: in 1 quantized layers the block size does not divide the input size: the last block is padded with "
+        "zeros (e.g. n3: K=80 padded to 3 blocks of 32 (the last holds 16 values))",
         "KV cache stored as int8 (head scales, 2 layers): relative round-off on calibration data, keys 1.00e-03, "
         "values 2.00e-03",
         "held-out text: notes.txt, last 10% (held out), 300 tokens scored (window 64, stride 32)",

@@ -104,6 +104,17 @@ def test_a_listed_pass_that_changed_nothing_is_warned_of_and_a_working_build_has
     assert status == 0 and "warning: passes[3] (lower_onnxruntime) changed nothing" in output
 
 
+def test_attention_left_unfused_in_some_layers_is_warned_of_at_build_and_inspect(capsys, tmp_path):
+    partial = tiny_recipe(tmp_path, "      required: true ", "      max_rewrites: 1 ")
+    status, output = run_cli(capsys, "build", partial, "--output", tmp_path / "out")
+    assert status == 0, output
+    expected = ("warning: passes[1] (fuse_attention) left 1 of 2 attention blocks unfused in prefill; first: layers.1: "
+                "max_rewrites=1")
+    assert expected in output and expected.replace("prefill", "decode") in output
+    status, output = run_cli(capsys, "inspect", tmp_path / "out" / "tiny-random")
+    assert status == 0 and expected in output
+
+
 @pytest.mark.parametrize("option, message", [
     ("block_size: 48", "passes[6] (quantize): quantize: block_size=48"),
     ("int8_kernel_block: 48", "passes[6] (quantize): quantize: int8_kernel_block=48"),

@@ -1,7 +1,7 @@
 """compiler/pass_reports.py: which listed passes changed nothing, and why."""
 from __future__ import annotations
 
-from compiler.pass_reports import PassResult, idle_passes
+from compiler.pass_reports import PassResult, idle_passes, partly_fused
 
 
 def test_a_pass_that_changed_nothing_in_any_phase_is_named_with_its_first_reason():
@@ -28,3 +28,15 @@ def test_a_pass_that_changed_nothing_in_any_phase_is_named_with_its_first_reason
              PassResult("fuse_rms_norm", "decode", 0.1, {"fused": 0, "skipped": []}, 7, 7, index=6)]
     assert idle_passes(twice) == ["passes[6] (fuse_rms_norm) changed nothing in decode: no RMSNorm left to fuse (an "
                                   "earlier fuse_rms_norm took them, or the graph has none)"]  # with a reason, as said
+
+
+def test_attention_fused_in_some_layers_only_is_named_with_the_first_left():
+    """Without `required: true` a build that fused 1 of 2 layers said nothing on its console (the manifest knew)."""
+    layers = [{"layer": "layers.0", "fused": True}, {"layer": "layers.1", "fused": False, "reason": "max_rewrites=1"}]
+    partial = {"fused": 1, "unfused": 1, "layers": layers}
+    results = [PassResult("fuse_attention", "decode", 0.1, partial, 10, 8, index=1),
+               PassResult("fuse_attention", "prefill", 0.1, {"fused": 2, "unfused": 0, "layers": []}, 10, 6, index=1),
+               PassResult("fuse_attention", "prefill", 0.1, {"fused": 0, "unfused": 2, "layers": []}, 10, 10, index=4)]
+    assert partly_fused(results) == [
+        "passes[1] (fuse_attention) left 1 of 2 attention blocks unfused in decode; first: layers.1: max_rewrites=1 "
+        "(`required: true` makes this an error)"]  # none fused at all is idle_passes' line, not this one
