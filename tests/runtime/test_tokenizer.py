@@ -59,6 +59,26 @@ def test_streamed_text_ends_before_the_first_stop(pieces, stops, given, stopped,
     assert "".join(given) + tail == cut_at_stop("".join(pieces), stops)
 
 
+def held_back_by_brute_force(text: str, emitted: int, stops: tuple[str, ...]) -> int:
+    """The longest unemitted tail of `text` that some stop string begins with, trying every length."""
+    return max([length for stop in stops for length in range(1, min(len(stop) - 1, len(text) - emitted) + 1)
+                if text.endswith(stop[:length])], default=0)
+
+
+def test_the_held_back_tail_is_the_longest_any_stop_begins_with():
+    """_could_start_a_stop finds its tail by scanning for each stop's first character (it had tried every length,
+    O(len(stop)) slices per token); on random texts over a small alphabet it agrees with trying every length."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        letters = "ab "[: rng.integers(1, 4)]
+        stops = tuple("".join(rng.choice(list(letters), rng.integers(0, 7))) for _ in range(rng.integers(1, 5)))
+        decoder = StreamDecoder(PieceTokenizer([]), stops)
+        decoder.text = "".join(rng.choice(list(letters), rng.integers(0, 12)))
+        decoder.emitted = int(rng.integers(0, len(decoder.text) + 1))
+        assert decoder._could_start_a_stop() == held_back_by_brute_force(decoder.text, decoder.emitted, stops), (
+            decoder.text, decoder.emitted, stops)
+
+
 @pytest.mark.parametrize("pieces, stops, min_tokens, given, stopped", [
     (["a\n", "b", "\nc", "d"], ("\n",), 1, ["a\n", "b", ""], True),  # the first token's "\n" is not a stop
     (["a\n", "\n", "b\n"], ("\n",), 2, ["a\n", "\n", "b"], True),  # nor the second's, with 2
