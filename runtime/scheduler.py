@@ -56,6 +56,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -143,6 +144,7 @@ class _Sequence:
     # With prompt_logprobs: the prompt tokens' entries so far (the first None), filled piece by piece as the decode
     # graph prefills the prompt; None for a request without.
     prompt_entries: list[dict[int, float] | None] | None = None
+    _held: np.ndarray | None = field(default=None, repr=False)  # held_ids() past the prompt, for one length
 
     @property
     def scored(self) -> bool:
@@ -160,11 +162,21 @@ class _Sequence:
         """Tokens in the cache = the position the next fed token is written at."""
         return self.prefilled + max(len(self.token_times) - 1, 0)
 
+    @cached_property
+    def prompt_array(self) -> np.ndarray:
+        """prompt_ids as an array, made once: prefix caching compares prompts with every slot's ids at each step a
+        request waits for its prefill (converting the lists each time took most of a 32-slot step)."""
+        return np.asarray(self.prompt_ids, dtype=np.int64)
 
-def _held_ids(sequence: _Sequence) -> list[int]:
-    """The token ids whose keys and values the sequence's cache rows hold, in order: its prompt as far as prefilled,
-    then its output but the last token (sampled, not fed back yet)."""
-    return (sequence.prompt_ids + sequence.output)[:sequence.length]
+    def held_ids(self) -> np.ndarray:
+        """The token ids whose keys and values the sequence's cache rows hold, in order: its prompt as far as
+        prefilled, then its output but the last token (sampled, not fed back yet). Made once per length."""
+        length = self.length
+        if length <= len(self.prompt_ids):
+            return self.prompt_array[:length]  # a view
+        if self._held is None or len(self._held) != length:
+            self._held = np.concatenate([self.prompt_array, np.asarray(self.output, dtype=np.int64)])[:length]
+        return self._held
 
 
 def _check_engine_limits(backend, slots: int, prefill_chunk: int | None) -> None:
@@ -201,7 +213,7 @@ class Scheduler:
         self._running: list[_Sequence | None] = [None] * slots  # by slot; touched by the worker thread only
         # Prefix caching (Engine.load(prefix_caching=True)): per free slot, the token ids whose keys and values its
         # rows hold from the request that left it; None for a slot in use or holding nothing known. Worker only.
-        self._slot_ids: list[list[int] | None] = [None] * slots
+        self._slot_ids: list[np.ndarray | None] = [None] * slots  # what each free slot's rows hold (prefix caching)
         self._slot_released = [0] * slots  # when each slot's prefix was left, in releases counted
         self._scored_rows_reusable = scored_rows_reusable(engine.backend)
         self._releases = itertools.count(1)
@@ -456,15 +468,15 @@ class Scheduler:
         # What each request this admission can place would reuse in each free slot's record (one comparison each)
         placing = list(itertools.islice(self._waiting, len(free))) if self.engine.prefix_caching else []
         backend = self.engine.backend
-        reuse = {(id(request), slot): reusable_prefix(self._slot_ids[slot], request.prompt_ids, backend)
-                 for request in placing if not request.scored for slot in free if self._slot_ids[slot]}
+        reuse = {(id(request), slot): reusable_prefix(self._slot_ids[slot], request.prompt_array, backend)
+                 for request in placing if not request.scored for slot in free if self._slot_ids[slot] is not None}
         while self._waiting and free:
             sequence = self._waiting.popleft()
             slot, reused = free[0], 0  # the lowest: busy slots stay packed at the front
             if self.engine.prefix_caching:  # the slot that holds most of this prompt's start, if any holds enough;
                 # else the lowest holding nothing, else the one left longest ago (its prefix the least likely wanted).
                 # A scored prompt reuses nothing: every position's logits are wanted.
-                holding = [] if sequence.scored else [s for s in free if self._slot_ids[s]]
+                holding = [] if sequence.scored else [s for s in free if self._slot_ids[s] is not None]
                 mine = {s: reuse.get((id(sequence), s), 0) for s in holding}
                 reused, slot = max(((mine[s], -s) for s in holding), default=(0, -slot))
                 slot = -slot
@@ -478,7 +490,7 @@ class Scheduler:
                         if reuse.get((id(request), best), 0) > mine[best] + PREFIX_MIN_TOKENS:
                             claimed.add(best)
                 unwanted = min([s for s in free if s not in donors | claimed] or free,
-                               key=lambda s: (bool(self._slot_ids[s]), self._slot_released[s], s))
+                               key=lambda s: (self._slot_ids[s] is not None, self._slot_released[s], s))
                 # A slot whose record goes well past the shared start (a long conversation) is kept if another free
                 # slot's is less wanted: the request goes there and copies the shared rows (_share_prefixes), as a
                 # block cache would add blocks beside them. The record must outlive this admission: a request
@@ -526,12 +538,12 @@ class Scheduler:
             shared, donor = sequence.prefilled, None
             # a scored prompt computes every position: it has no donor
             for slot, other in () if sequence.scored else enumerate(self._running):
-                held = self._slot_ids[slot] if other is None else _held_ids(other)
-                if other is sequence or not held:
+                held = self._slot_ids[slot] if other is None else other.held_ids()
+                if other is sequence or held is None or not len(held):
                     continue
                 if other is not None and other.scored and not self._scored_rows_reusable:  # prefix_cache's rule
                     continue
-                common = reusable_prefix(held, sequence.prompt_ids, backend)
+                common = reusable_prefix(held, sequence.prompt_array, backend)
                 if common > shared:
                     shared, donor = common, slot
             if donor is not None:
@@ -542,7 +554,8 @@ class Scheduler:
             if deferred or not sequence.scored and any(
                     other is not sequence and other.handle.id < sequence.handle.id
                     and other.prefilled < len(other.prompt_ids)
-                    and reusable_prefix(other.prompt_ids, sequence.prompt_ids, backend) >= shared + PREFIX_MIN_TOKENS
+                    and reusable_prefix(other.prompt_array, sequence.prompt_array, backend)
+                    >= shared + PREFIX_MIN_TOKENS
                     for other in filter(None, self._running)):
                 deferred.add(sequence)
         return deferred
@@ -658,7 +671,7 @@ class Scheduler:
             if sequence is not None:  # decoding, or mid-prefill (a throw-away write its next chunk overwrites)
                 lengths[slot] = sequence.length
                 ids[slot, 0] = 0 if sequence.next_token is None else sequence.next_token
-            elif self._slot_ids[slot]:  # free, holding a prefix: its throw-away write goes after it
+            elif self._slot_ids[slot] is not None:  # free, holding a prefix: its throw-away write goes after it
                 lengths[slot] = len(self._slot_ids[slot])
         mask = (np.arange(lengths.max() + 1)[None] <= lengths[:, None]).astype(np.int64)  # right padded
         decoding = [self._running[slot] for slot in rows]  # mid-prefill rows' throw-away writes do not fail them
@@ -722,8 +735,8 @@ class Scheduler:
             kept = not sequence.scored or self._scored_rows_reusable
             if self.engine.prefix_caching and not failed and kept:  # what its rows hold, for a later prompt that
                 # begins so; short of the last position, where a decode step's throw-away write for a free row goes
-                held = _held_ids(sequence)[:self.engine.max_context - 1]
-                self._slot_ids[sequence.slot] = held or None
+                held = sequence.held_ids()[:self.engine.max_context - 1]
+                self._slot_ids[sequence.slot] = held if len(held) else None
                 self._slot_released[sequence.slot] = next(self._releases)
         sequence.next_token = None
 
