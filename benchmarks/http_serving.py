@@ -57,7 +57,8 @@ def in_process(engine: Engine, workload, slots: int) -> dict:
 
 def start_server(artifact: Path, slots: int, threads: int) -> tuple[subprocess.Popen, str, int]:
     process = subprocess.Popen([sys.executable, "-m", "compiler.cli", "serve", str(artifact), "--port", "0",
-                                "--slots", str(slots), "--threads", str(threads), "--quiet"],
+                                "--slots", str(slots), "--threads", str(threads), "--quiet",
+                                "--generation-config", "none"],  # greedy, as the in-process side
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     line = process.stdout.readline()

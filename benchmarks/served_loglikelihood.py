@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     manifest = artifact_manifest(parser, args.artifact)
     console = Console()
 
-    engine = Engine.load(args.artifact)
+    engine = Engine.load(args.artifact, generation_config="none")  # scored as transformers scores, no model defaults
     requests = requests_of(engine, cloze_items(builtin_text("pydoc-held-out"), args.items, args.choices,
                                                args.context_words))
     engine.start_scheduler(slots=args.concurrency)

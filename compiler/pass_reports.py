@@ -139,8 +139,9 @@ def format_accuracy(accuracy: dict) -> str:
                 + (f" block {layer['block_size']}" if layer['bits'] == 4 else "") + ")" for layer in worst))
         padded = accuracy["quantization"].get("padded_layers")
         if padded:  # a block size that does not divide K: padded with the code of 0, never refused
-            lines.append(f"note: in {len(padded)} quantized layers the block size does not divide the input size: "
-                         f"the last block is padded with zeros (e.g. {padded[0]['node']}: {padded[0]['note']})")
+            layers = "1 quantized layer" if len(padded) == 1 else f"{len(padded)} quantized layers"
+            lines.append(f"note: in {layers} the block size does not divide the input size: the last block is padded "
+                         f"with zeros (e.g. {padded[0]['node']}: {padded[0]['note']}; all in the manifest)")
     kv_cache = accuracy.get("quantization", {}).get("kv_cache")
     if kv_cache:
         lines.append(f"KV cache stored as {kv_cache['dtype']} ({kv_cache['granularity']} scales, "

@@ -31,8 +31,8 @@ Row-wise here: MatMul (a 2-D weight) / MatMulNBits products by a weight that doe
 other inputs are constants of known rank <= 1 or rows themselves; reductions over the last axis (keepdims); unary
 activations and casts.
 
-Must run after `quantize` (its calibration must see every row of the last layer) and before `slice_packed_weights`
-and `dequantize_weights` (the pipeline refuses it after the latter).
+Must run after `quantize` (its calibration must see every row of the last layer) and before `dequantize_weights`
+(the pipeline refuses it after that); either side of `slice_packed_weights`.
 Graphs without such a selection (decode, or prefill with prefill_logits: all) are returned unchanged, with the
 reason in the report. Logits and cache are the same as before (onnxruntime tests); only rows nobody reads go.
 Report: applied, reason, moved nodes (name, op), frontier tensors, rows before/after, and the weight products'

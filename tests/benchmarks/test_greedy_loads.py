@@ -13,7 +13,6 @@ from tests.conftest import REPO
 NOT_GENERATING = {
     "huge_pages.py": "times the backend's graph runs, never Engine.generate",
     "quantization.py": "loads an engine for its tokenizer only",
-    "served_loglikelihood.py": "every request it sends sets temperature 0 itself",
 }
 
 
@@ -53,8 +52,26 @@ def test_every_generating_benchmark_loads_without_the_models_sampling_defaults(s
             f"{script.name}:{line}: Engine.load without generation_config=\"none\" samples at the model's defaults")
 
 
+def serve_commands(path):
+    """(line, items) of each list literal in the file that runs `aotlm serve` (a server in a subprocess)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.List) and any(isinstance(e, ast.Constant) and e.value == "serve" for e in node.elts):
+            yield node.lineno, [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_every_benchmark_server_runs_without_the_models_sampling_defaults(script):
+    """A request's temperature 0 does not turn off a model's repetition_penalty: http_serving's server applied it
+    while its in-process side did not."""
+    for line, items in serve_commands(script):
+        flag = items.index("--generation-config") if "--generation-config" in items else None
+        assert flag is not None and items[flag + 1] == "none", (
+            f"{script.name}:{line}: aotlm serve without --generation-config none applies the model's defaults")
+
+
 def test_the_scan_sees_the_loads_it_checks():
     """Guard against a scan that finds nothing (and so passes everything): the scripts named here do load engines."""
     found = {s.name for s in SCRIPTS if list(engine_loads(s))}
     assert {"batching.py", "chunked_prefill.py", "http_serving.py", "prefix_caching.py", "thread_spinning.py",
-            "gpu_check.py", "phases.py", "generate.py", "load_test.py"} <= found
+            "gpu_check.py", "phases.py", "generate.py", "load_test.py", "served_loglikelihood.py"} <= found
+    assert [line for script in SCRIPTS if script.name == "http_serving.py" for line, _ in serve_commands(script)]

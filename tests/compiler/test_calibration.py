@@ -193,8 +193,8 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
         "quantized 6 MatMuls (1 skipped): weights 3.0 MiB -> 1.0 MiB; graph 4.0 MiB -> 2.0 MiB",
         "layer output error on calibration data (E||xΔW||²/E||xW||²): mean 1.00e-02, max 5.00e-02",
         "worst layers: n2 5.00e-02 (awq int4 block 32), n5 4.00e-02 (awq int4 block 32), n4 3.00e-02 (awq int8)",
-        "note: in 1 quantized layers the block size does not divide the input size: the last block is padded with "
-        "zeros (e.g. n3: K=80 padded to 3 blocks of 32 (the last holds 16 values))",
+        "note: in 1 quantized layer the block size does not divide the input size: the last block is padded with "
+        "zeros (e.g. n3: K=80 padded to 3 blocks of 32 (the last holds 16 values); all in the manifest)",
         "KV cache stored as int8 (head scales, 2 layers): relative round-off on calibration data, keys 1.00e-03, "
         "values 2.00e-03",
         "held-out text: notes.txt, last 10% (held out), 300 tokens scored (window 64, stride 32)",

@@ -250,7 +250,7 @@ def test_a_request_that_failed_leaves_no_prefix(cached, monkeypatch):
         scheduler.cache.run = failing_run(run, "decode", at=2)
         with pytest.raises(RuntimeError, match="out of memory"):
             cached.submit(prompt, max_new_tokens=5, ignore_eos=True).result(timeout=60)
-        assert scheduler._slot_ids == [None]
+        assert all(ids is None for ids in scheduler._slot_ids)
         scheduler.cache.run = run
         again = cached.submit(prompt + [5], max_new_tokens=2, ignore_eos=True).result(timeout=60)
     finally:
@@ -426,7 +426,7 @@ def test_a_scored_prompt_whose_piece_fails_leaves_no_prefix(cached, monkeypatch)
         handle = cached.submit(prompt, max_new_tokens=5, ignore_eos=True, prompt_logprobs=1)
         with pytest.raises(RuntimeError, match="out of memory"):
             handle.result(timeout=60)
-        assert scheduler._slot_ids == [None] and handle.prompt_logprobs is None
+        assert all(ids is None for ids in scheduler._slot_ids) and handle.prompt_logprobs is None
         scheduler.cache.run = run
         again = cached.submit(prompt + [5], max_new_tokens=2, ignore_eos=True).result(timeout=60)
     finally:
