@@ -40,6 +40,12 @@ def rest_piece_tokens(backend, limit: int | None = None) -> int:
     return min(limit, backend.max_decode_tokens or limit)
 
 
+def prefix_key(ids: np.ndarray) -> bytes | None:
+    """The first PREFIX_MIN_TOKENS ids as bytes (None where fewer): reusable_prefix is 0 for a cache and a prompt
+    whose keys differ, so a scheduler compares only those whose keys match (a dict lookup, not a comparison each)."""
+    return ids[:PREFIX_MIN_TOKENS].tobytes() if len(ids) >= PREFIX_MIN_TOKENS else None
+
+
 def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int], backend=None) -> int:
     """How many of the prompt's first tokens to take from a cache holding `cached_ids`: their common prefix, but
     never the prompt's last token (its logits choose the first output token), nor its last two where the rest runs
