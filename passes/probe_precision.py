@@ -22,10 +22,22 @@ def element_type(dtype) -> int:
     return dtype if isinstance(dtype, int) else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
+def _has_reduced(probe: gs.Graph) -> bool:
+    """Whether any value, Cast or constant attribute of the graph is float16/bfloat16."""
+    return (any(element_type(tensor.dtype) in REDUCED for tensor in probe.tensors().values())
+            or any(node.op == "Cast" and node.attrs.get("to") in REDUCED for node in probe.nodes)
+            or any(isinstance(value, gs.Constant) and element_type(value.dtype) in REDUCED
+                   for node in probe.nodes for value in node.attrs.values()))
+
+
 def as_float32(probe: gs.Graph) -> None:
     """Rewrite a probe graph (a gs copy: its tensors are its own) so that every float16/bfloat16 value is float32.
 
-    Cleans the graph up first, so that only the weights the probe reads are converted."""
+    Cleans the graph up first, so that only the weights the probe reads are converted; a float32 graph is left as it
+    is (run_cut cleans it: graphsurgeon's cleanup looks each input up in a list of every tensor, so each one costs
+    inputs x tensors, and a deep graph's probes spent seconds in it)."""
+    if not _has_reduced(probe):
+        return
     probe.cleanup(remove_unused_graph_inputs=True)
     for tensor in probe.tensors().values():
         if element_type(tensor.dtype) not in REDUCED:
