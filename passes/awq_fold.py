@@ -230,13 +230,14 @@ def search_awq_scales(targets: list, statistics, memo: dict, kept: frozenset = f
         if target.settings.method in ("awq", "awq_gptq") and not target.shared_table:
             groups.setdefault(target.input_name, []).append(target)
     for index, group in enumerate(groups.values(), 1):
-        if index % max(1, len(groups) // 4) == 0 and statistics.calibration is not None:
-            statistics.calibration.say(f"awq: scale search {index}/{len(groups)} input groups")
         values = attention_value_tie(group[0].activation, kept)  # o_proj: tied scales fold into the values, no Mul
         tie = values.tie if values is not None else None
         formats = [(t.settings.bits, t.settings.block_size, t.settings.symmetric, t.settings.full_range) for t in group]
         # The layers are in the key: equal weights in two layers (a depth-upscaled model) get their own search.
         key = ("awq", tie, *formats, *(t.layer for t in group), *(digest(t.weight) for t in group))
+        # progress only for searches that run (the second phase takes the first's results from the memo)
+        if key not in memo and index % max(1, len(groups) // 4) == 0 and statistics.calibration is not None:
+            statistics.calibration.say(f"awq: scale search {index}/{len(groups)} input groups")
         if key not in memo:
             stats = statistics(group[0])
             bits, blocks, symmetric, full_range = (list(values) for values in zip(*formats))

@@ -393,10 +393,13 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
 
     layers, lowered_ort, lowered_dq, names_dq, names = [], {}, {}, {}, set()
     say = calibration.say if calibration is not None else (lambda message: None)
+    computed = len(memo)
     for index, target in enumerate(targets, 1):
         qw, error = quantize_target(target, statistics, memo, options.gptq_act_order)
-        if index == len(targets) or index % max(1, len(targets) // 8) == 0:
+        # progress where weights were quantized here, not where the other phase's results came from the memo
+        if (index == len(targets) or index % max(1, len(targets) // 8) == 0) and len(memo) > computed:
             say(f"quantize: {index}/{len(targets)} weights ({target.settings.method})")
+            computed = len(memo)
         dtype = constant_type(target.constant)
         activation = target.activation
         # Nodes whose quantized weights are equal share one set of constants (stored once, counted at the first);

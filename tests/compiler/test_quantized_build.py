@@ -42,6 +42,8 @@ def test_long_steps_report_progress(quantized_artifact):
     for expected in ("calibration: sample 4/4", "awq: scale search", "quantize: 9/9 weights (awq)",
                      "accuracy: window"):
         assert any(message.startswith(expected) for message in BUILD_MESSAGES), (expected, BUILD_MESSAGES)
+    # once: the second phase's graph takes the first's results from the memo, and had said every line again
+    assert sum(message.startswith("quantize: 9/9 weights") for message in BUILD_MESSAGES) == 1, BUILD_MESSAGES
 
 
 def test_pass_progress_counts_the_recipes_passes_across_the_quantize_split(quantized_artifact, tiny_recipe):
