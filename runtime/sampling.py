@@ -342,6 +342,7 @@ class Sampler:
     def distribution(self, logits: np.ndarray) -> np.ndarray:
         """The probabilities sampling draws from (float64): softmax at the temperature, then top-k, top-p and min-p,
         each renormalized, in transformers' order; greedy decoding's is all on the likeliest token."""
+        _check_samplable(logits)  # as sampling does: NaN, +inf or no finite logit is the model's error, said so
         if self.params.greedy:
             return np.eye(1, logits.size, int(np.argmax(logits)), dtype=np.float64)[0]
         return self._probabilities(logits, np.empty(logits.size, dtype=np.float64))

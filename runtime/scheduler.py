@@ -510,7 +510,8 @@ class Scheduler:
                 # next conversation's slot for the header, and no conversation found its own record
                 claimed = set()  # each later request's own best record, where it reuses much more than this one
                 still_free = set(holding)
-                for request in placing:  # (one reusing nothing in any record left claims none)
+                for request in placing if holding else ():  # (none while a scored request is placed: it holds
+                    # nothing, and would move every pointer past every record)
                     if request.slot is None and request is not sequence and id(request) in wants:
                         entries, index = wants[id(request)], best_left[id(request)]
                         while index < len(entries) and -entries[index][1] not in still_free:
@@ -595,7 +596,7 @@ class Scheduler:
                     and other.prefilled < len(other.prompt_ids)
                     and reusable_prefix(other.prompt_array, sequence.prompt_array, backend)
                     >= shared + PREFIX_MIN_TOKENS
-                    for other in prompts.get(sequence.prompt_key, ())):
+                    for other in prompts.get(sequence.prompt_key, ()) if self._running[other.slot] is other):
                 deferred.add(sequence)
         return deferred
 

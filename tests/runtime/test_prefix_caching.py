@@ -632,3 +632,56 @@ def test_prefix_key_is_the_first_ids_as_bytes():
     assert runtime.prefix_cache.prefix_key(ids) == ids[:16].tobytes()
     assert runtime.prefix_cache.prefix_key(ids[:15]) is None  # fewer than PREFIX_MIN_TOKENS: nothing to reuse
     assert runtime.prefix_cache.prefix_key(ids) != runtime.prefix_cache.prefix_key(ids[::-1].copy())
+
+
+def test_a_scored_request_placed_first_leaves_the_later_requests_their_records(cached):
+    """A conversation's next turn keeps its slot's record though a scored request (prompt_logprobs) and an unrelated
+    one are admitted with it, the scored one first: its admission, holding no record, had moved every later request
+    past its own records, and the unrelated request took the turn's record (0 tokens reused, not 33)."""
+    rng = np.random.default_rng(0)
+    first = [[1] + rng.integers(3, 500, size=29).tolist() for _ in range(3)]
+    try:
+        scheduler = cached.start_scheduler(slots=3)
+        replies = [cached.submit(p, max_new_tokens=4, ignore_eos=True).result(timeout=60) for p in first]
+        assert all(ids is not None for ids in scheduler._slot_ids)  # each slot holds a conversation's record
+        scored = [1] + rng.integers(3, 500, size=20).tolist()
+        unrelated = [1] + rng.integers(3, 500, size=20).tolist()
+        next_turn = first[1] + replies[1].token_ids + rng.integers(3, 500, size=10).tolist()
+        with scheduler._lock:
+            handles = [cached.submit(scored, max_new_tokens=2, ignore_eos=True, prompt_logprobs=1),
+                       cached.submit(unrelated, max_new_tokens=2, ignore_eos=True),
+                       cached.submit(next_turn, max_new_tokens=2, ignore_eos=True)]
+        results = [h.result(timeout=60) for h in handles]
+    finally:
+        cached.close()
+    assert results[2].timings.cached_prompt_tokens == len(first[1]) + 3  # its prompt and reply but the last token
+
+
+def test_a_request_whose_copy_failed_delays_no_later_request(cached):
+    """A request whose row copy failed is gone from its slot: a later request sharing its start prefills in the same
+    step rather than wait for a prefill that will not come (it had waited one step)."""
+    rng = np.random.default_rng(1)
+    shared = [1] + rng.integers(3, 500, size=19).tolist()
+    first = shared + rng.integers(3, 500, size=40).tolist()
+    later = first + rng.integers(3, 500, size=5).tolist()
+    try:
+        scheduler = cached.start_scheduler(slots=4)
+        cached.submit(shared + rng.integers(3, 500, size=30).tolist(), max_new_tokens=4, ignore_eos=True).result(60)
+        copy, copies = scheduler.cache.copy_rows, []
+
+        def fail_the_first_copy(*args):
+            copies.append(args)
+            if len(copies) == 1:
+                raise RuntimeError("device lost")
+            return copy(*args)
+
+        scheduler.cache.copy_rows = fail_the_first_copy
+        deferred, share = [], scheduler._share_prefixes
+        scheduler._share_prefixes = lambda: (lambda d: deferred.append(len(d)) or d)(share())
+        failing, served = _burst(cached, [first, later], max_new_tokens=3)
+        with pytest.raises(RuntimeError, match="device lost"):
+            failing.result(timeout=60)
+        served.result(timeout=60)
+    finally:
+        cached.close()
+    assert len(copies) == 2 and deferred[0] == 0  # the later one copied the shared start in the failing one's step

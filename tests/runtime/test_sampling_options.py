@@ -567,3 +567,14 @@ def test_seeded_samples_are_those_of_the_sampler_before_its_shortcuts():
         expected = [reference_distribution(row, params) for row in rows]
         assert all(np.array_equal(sampler.distribution(row), probs) for row, probs in zip(rows, expected)), options
         assert [sampler(row) for row in rows] == [int(rng.choice(p.size, p=p)) for p in expected], options
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_distribution_refuses_logits_sampling_refuses(bad):
+    """distribution() says what sampling says of NaN, +inf or no finite logit (with top_p it raised an IndexError)."""
+    from runtime.errors import ModelOutputError
+
+    logits = np.full(8, bad, dtype=np.float32) if bad == -np.inf else np.array([0.0, bad, 1.0], dtype=np.float32)
+    for params in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7), SamplingParams()):
+        with pytest.raises(ModelOutputError):
+            Sampler(params).distribution(logits)
