@@ -589,7 +589,9 @@ class Scheduler:
                         donor, sequence.slot, sequence.prefilled, shared) or True) is None:
                     continue  # the copy failed this request alone
                 sequence.prefilled = sequence.cached = shared
-                if sequence.slot not in holders.setdefault(sequence.held_key(), []):  # a donor now for later ones
+                # a donor now for later ones, as every slot holding rows is (its donor holds them too: a tie goes to
+                # the lower slot)
+                if sequence.slot not in holders.setdefault(sequence.held_key(), []):
                     bisect.insort(holders[sequence.held_key()], sequence.slot)
             if deferred or not sequence.scored and sequence.prompt_key is not None and any(
                     other is not sequence and other.handle.id < sequence.handle.id

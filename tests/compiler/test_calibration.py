@@ -170,7 +170,8 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
               "mean_relative_output_error": 0.01, "max_relative_output_error": 0.05}
     decode = {"totals": totals, "embedding": {"quantized": True},
               "layers": [_layer(f"n{i}", e) for i, e in enumerate([0.01, None, 0.05, 0.02, 0.03, 0.04, 0.005])]}
-    decode["layers"][3]["note"] = "K=80 padded to 3 blocks of 32 (the last holds 16 values)"
+    decode["layers"][6]["note"] = "K=80 padded to 3 blocks of 32 (the last holds 16 values)"  # the least error:
+    # padded layers are named whether or not they are among the worst
     decode["layers"][4]["bits"] = 8  # an override: per channel, its block the whole input
     kv = {"dtype": "int8", "granularity": "head", "quantized_layers": 2, "relative_error": {"key_mean": 0.001,
                                                                                              "value_mean": 0.002}}
@@ -182,7 +183,7 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
     assert summary["totals"] == totals and summary["embedding"] == {"quantized": True}
     assert [layer["node"] for layer in summary["worst_layers"]] == ["n2", "n5", "n4", "n3", "n0"]
     assert summary["worst_layers"][0] == {k: v for k, v in _layer("n2", 0.05).items() if k != "extra"}
-    assert summary["padded_layers"] == [{"node": "n3", "note": "K=80 padded to 3 blocks of 32 (the last holds 16 "
+    assert summary["padded_layers"] == [{"node": "n6", "note": "K=80 padded to 3 blocks of 32 (the last holds 16 "
                                                              "values)"}]
     assert summary["kv_cache"] == kv
     assert quantization_summary([]) == {}
@@ -194,7 +195,7 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
         "layer output error on calibration data (E||xΔW||²/E||xW||²): mean 1.00e-02, max 5.00e-02",
         "worst layers: n2 5.00e-02 (awq int4 block 32), n5 4.00e-02 (awq int4 block 32), n4 3.00e-02 (awq int8)",
         "note: in 1 quantized layer the block size does not divide the input size: the last block is padded with "
-        "zeros (e.g. n3: K=80 padded to 3 blocks of 32 (the last holds 16 values); all in the manifest)",
+        "zeros (e.g. n6: K=80 padded to 3 blocks of 32 (the last holds 16 values); all in the manifest)",
         "KV cache stored as int8 (head scales, 2 layers): relative round-off on calibration data, keys 1.00e-03, "
         "values 2.00e-03",
         "held-out text: notes.txt, last 10% (held out), 300 tokens scored (window 64, stride 32)",
@@ -209,6 +210,19 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
     # a broken build's perplexity past 1e308: null in the manifest (JSON has no infinity), read as inf
     broken = {**held_out, "perplexity": None, "perplexity_increase": None}
     assert "perplexity: float 10.000 -> quantized inf (inf); top-1" in format_accuracy({"held_out": broken})
+
+
+def test_a_build_without_calibration_has_no_layer_errors_to_rank():
+    """Round to nearest without calibration data records no output error per layer (None): no "worst layers" line,
+    and nothing to format (a None there would fail every RTN build's report)."""
+    totals = {"quantized": 2, "skipped": 0, "weight_bytes_before": 2**20, "weight_bytes_after": 2**18,
+              "graph_bytes_before": 2**21, "graph_bytes_after": 2**20, "mean_relative_output_error": None,
+              "max_relative_output_error": None}
+    layers = [{**_layer(f"n{i}", None), "method": "rtn"} for i in range(2)]
+    summary = quantization_summary([{"name": "quantize", "phase": "decode",
+                                     "report": {"totals": totals, "embedding": {}, "layers": layers}}])
+    lines = format_accuracy({"quantization": summary}).splitlines()
+    assert lines == ["quantized 2 MatMuls (0 skipped): weights 1.0 MiB -> 0.2 MiB; graph 2.0 MiB -> 1.0 MiB"]
 
 
 def test_first_repeated_run_at_the_edges_of_both_texts():

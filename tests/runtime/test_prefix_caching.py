@@ -11,6 +11,7 @@ import runtime.engine
 import runtime.prefix_cache
 from runtime import Engine, RequestError
 from tests.runtime.faults import failing_run
+from tests.runtime.test_scheduler import slowed
 
 
 @pytest.fixture
@@ -631,6 +632,7 @@ def test_prefix_key_is_the_first_ids_as_bytes():
     ids = np.arange(40, dtype=np.int64)
     assert runtime.prefix_cache.prefix_key(ids) == ids[:16].tobytes()
     assert runtime.prefix_cache.prefix_key(ids[:15]) is None  # fewer than PREFIX_MIN_TOKENS: nothing to reuse
+    assert runtime.prefix_cache.prefix_key(ids[:16]) == ids[:16].tobytes()  # exactly as many: reusable
     assert runtime.prefix_cache.prefix_key(ids) != runtime.prefix_cache.prefix_key(ids[::-1].copy())
 
 
@@ -685,3 +687,75 @@ def test_a_request_whose_copy_failed_delays_no_later_request(cached):
     finally:
         cached.close()
     assert len(copies) == 2 and deferred[0] == 0  # the later one copied the shared start in the failing one's step
+
+
+def _running_until(scheduler, ready, timeout=30.0):
+    """Wait until ready(sequence) holds for a sequence in a slot (the graph runs slowed, so it stays there)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not any(s is not None and ready(s) for s in scheduler._running):
+        assert time.monotonic() < deadline, "the request never got there"
+        time.sleep(0.0005)
+
+
+def test_a_running_scored_request_is_no_donor_where_its_rows_are_not_reusable(cached):
+    """On an int8 cache a scored request's rows (prompt_logprobs) are no prefix for another prompt
+    (scored_rows_reusable): not while it runs either."""
+    prompt = [1] + np.random.default_rng(0).integers(3, 500, size=19).tolist()
+    try:
+        scheduler = slowed(cached.start_scheduler(slots=2))
+        scheduler._scored_rows_reusable = False  # what scored_rows_reusable() says of an int8 cache
+        scored = cached.submit(prompt, max_new_tokens=60, ignore_eos=True, prompt_logprobs=1)
+        _running_until(scheduler, lambda s: len(s.output) >= 5)
+        later = cached.submit(prompt[:18] + list(range(300, 310)), max_new_tokens=2, ignore_eos=True).result(60)
+        assert not scored.done()  # it was running throughout
+        scored.cancel()
+    finally:
+        cached.close()
+    assert later.timings.cached_prompt_tokens == 0
+
+
+def test_a_running_requests_output_is_shared_and_its_record_is_whole_after_it(cached, tiny_engine):
+    """A running request whose prompt is short (8 ids) shares its prompt and output so far with a prompt that begins
+    with them (its held ids past the prompt); when it ends, its record holds every id it wrote, made again at its
+    final length (not the length another request first read it at)."""
+    prompt = [1] + np.random.default_rng(0).integers(3, 500, size=7).tolist()
+    reply = tiny_engine.generate(prompt, max_new_tokens=60, ignore_eos=True).token_ids
+    try:
+        scheduler = slowed(cached.start_scheduler(slots=2))
+        running = cached.submit(prompt, max_new_tokens=60, ignore_eos=True)
+        _running_until(scheduler, lambda s: len(s.output) >= 30)
+        sharing = prompt + reply[:24] + list(range(300, 306))
+        shared = cached.submit(sharing, max_new_tokens=2, ignore_eos=True).result(timeout=60)
+        assert not running.done()
+        first = running.result(timeout=60)
+        next_turn = cached.submit(prompt + first.token_ids + list(range(400, 410)), max_new_tokens=2,
+                                  ignore_eos=True).result(timeout=60)
+    finally:
+        cached.close()
+    assert shared.timings.cached_prompt_tokens == len(prompt) + 24  # its rows, copied while it ran
+    assert shared.token_ids == tiny_engine.generate(sharing, max_new_tokens=2, ignore_eos=True).token_ids
+    assert next_turn.timings.cached_prompt_tokens == len(prompt) + len(first.token_ids) - 1  # the whole record
+
+
+def test_a_request_cancelled_before_holding_anything_leaves_no_record(cached):
+    """A request cancelled while it waits to share another's chunked prefill holds no rows: its slot keeps no
+    (empty) record, so it counts as free of one, not as holding a prefix."""
+    rng = np.random.default_rng(0)
+    long_prompt = [1] + rng.integers(3, 500, size=100).tolist()
+    try:
+        scheduler = slowed(cached.start_scheduler(slots=3, prefill_chunk=16))
+        decoding = cached.submit([2] + rng.integers(3, 500, size=20).tolist(), max_new_tokens=40, ignore_eos=True)
+        _running_until(scheduler, lambda s: s.next_token is not None)
+        chunked = cached.submit(long_prompt, max_new_tokens=2, ignore_eos=True)  # in chunks beside the decoding one
+        waiting = cached.submit(long_prompt[:80] + [7, 8, 9], max_new_tokens=2, ignore_eos=True)  # waits to copy
+        _running_until(scheduler, lambda s: s.handle is waiting)
+        waiting.cancel()
+        for handle in (chunked, decoding):
+            handle.result(timeout=60)
+        assert waiting.result(timeout=60).finish_reason == "cancelled"
+        records = list(scheduler._slot_ids)
+    finally:
+        cached.close()
+    assert all(ids is None or len(ids) for ids in records), [None if r is None else len(r) for r in records]
