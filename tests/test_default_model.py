@@ -135,7 +135,8 @@ def test_fused_and_unfused_artifacts_make_the_same_greedy_tokens_and_logits(engi
         ids = engine.tokenizer.encode(prompt)
         fused = engine.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
         unfused = unfused_engine.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
-        assert fused == unfused, f"{prompt!r}: {engine.tokenizer.decode(fused)!r} != {engine.tokenizer.decode(unfused)!r}"
+        assert fused == unfused, (f"{prompt!r}: {engine.tokenizer.decode(fused)!r} != "
+                                  f"{engine.tokenizer.decode(unfused)!r}")
         prompt_mask = np.ones((1, len(ids)), dtype=np.int64)
         prefills = [e.backend.run("prefill", np.array([ids]), np.arange(len(ids))[None], prompt_mask)[0].reshape(-1)
                     for e in (engine, unfused_engine)]

@@ -1,5 +1,5 @@
-"""passes/probe_precision.as_float32: a probe of a float16/bfloat16 graph runs as the same math in float32 (onnxruntime's
-CPU kernels have no bfloat16 Mul); a float32 probe is left as it is."""
+"""passes/probe_precision.as_float32: a probe of a float16/bfloat16 graph runs as the same math in float32
+(onnxruntime's CPU kernels have no bfloat16 Mul); a float32 probe is left as it is."""
 from __future__ import annotations
 
 import numpy as np
