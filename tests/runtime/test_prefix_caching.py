@@ -435,19 +435,24 @@ def test_a_scored_prompt_whose_piece_fails_leaves_no_prefix(cached, monkeypatch)
     assert again.timings.cached_prompt_tokens == 0 and len(again.token_ids) == 2
 
 
+def _fail_the_first_copy(scheduler) -> list:
+    """The scheduler's first row copy raises, as a lost device would; returns the list of every copy's arguments."""
+    copy, copies = scheduler.cache.copy_rows, []
+
+    def fail_the_first(*args):
+        copies.append(args)
+        if len(copies) == 1:
+            raise RuntimeError("device lost")
+        return copy(*args)
+
+    scheduler.cache.copy_rows = fail_the_first
+    return copies
+
+
 def test_a_copy_that_fails_fails_its_request_alone(cached, tiny_engine):
     prompts = _prompts_sharing(40, 3, 6, seed=17)
     try:
-        scheduler = cached.start_scheduler(slots=3)
-        copy, copies = scheduler.cache.copy_rows, []
-
-        def fail_the_first_copy(*args):
-            copies.append(args)
-            if len(copies) == 1:
-                raise RuntimeError("device lost")
-            return copy(*args)
-
-        scheduler.cache.copy_rows = fail_the_first_copy
+        _fail_the_first_copy(cached.start_scheduler(slots=3))
         first, failing, third = _burst(cached, prompts, max_new_tokens=5)
         with pytest.raises(RuntimeError, match="device lost"):
             failing.result(timeout=60)
@@ -669,15 +674,7 @@ def test_a_request_whose_copy_failed_delays_no_later_request(cached):
     try:
         scheduler = cached.start_scheduler(slots=4)
         cached.submit(shared + rng.integers(3, 500, size=30).tolist(), max_new_tokens=4, ignore_eos=True).result(60)
-        copy, copies = scheduler.cache.copy_rows, []
-
-        def fail_the_first_copy(*args):
-            copies.append(args)
-            if len(copies) == 1:
-                raise RuntimeError("device lost")
-            return copy(*args)
-
-        scheduler.cache.copy_rows = fail_the_first_copy
+        copies = _fail_the_first_copy(scheduler)
         deferred, share = [], scheduler._share_prefixes
         scheduler._share_prefixes = lambda: (lambda d: deferred.append(len(d)) or d)(share())
         failing, served = _burst(cached, [first, later], max_new_tokens=3)
