@@ -2,6 +2,7 @@
 holds from the previous request prefills only the rest, and makes the tokens a whole prefill makes."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -688,8 +689,6 @@ def test_a_request_whose_copy_failed_delays_no_later_request(cached):
 
 def _running_until(scheduler, ready, timeout=30.0):
     """Wait until ready(sequence) holds for a sequence in a slot (the graph runs slowed, so it stays there)."""
-    import time
-
     deadline = time.monotonic() + timeout
     while not any(s is not None and ready(s) for s in scheduler._running):
         assert time.monotonic() < deadline, "the request never got there"
