@@ -29,17 +29,25 @@ from runtime.errors import ArtifactError
 from runtime.versions import release
 
 
+def _wheels(version: str) -> str:
+    """The wheel(s) that install exactly this TensorRT: from 11 on, the bare `tensorrt` is the CUDA 13 build, and
+    CUDA 12 drivers take `tensorrt-cu12` (the `gpu` extra asks only for a floor, not this release)."""
+    if release(version)[0] >= 11:
+        return f"tensorrt=={version} (a CUDA 13 driver, r580 or newer) or tensorrt-cu12=={version} (a CUDA 12 driver)"
+    return f"tensorrt=={version}"
+
+
 def check_compatible(built: dict, installed_version: str | None, capability: tuple[int, int] | None,
                      gpu_name: str | None) -> None:
     """Raise ArtifactError unless this machine can run engines described by the manifest's backend section."""
     if installed_version is None:
         raise ArtifactError(f"this artifact holds TensorRT {built['version']} engines, and tensorrt is not installed: "
-                            f"install tensorrt=={built['version']} (the `gpu` extra) on a machine with an NVIDIA GPU")
+                            f"install {_wheels(built['version'])} on a machine with an NVIDIA GPU")
     if capability is None:
         raise ArtifactError("this artifact holds TensorRT engines, and this machine has no CUDA GPU")
     if release(installed_version) != release(built["version"]):  # engines are tied to major.minor.patch, not build
         raise ArtifactError(f"engines built with TensorRT {built['version']}, but {installed_version} is installed; "
-                            f"install tensorrt=={built['version']} or rebuild the artifact here (`aotlm build RECIPE`)")
+                            f"install {_wheels(built['version'])}, or rebuild the artifact here (`aotlm build RECIPE`)")
     here = f"{capability[0]}.{capability[1]}"
     if here != built["compute_capability"]:
         raise ArtifactError(f"engines built for a GPU of compute capability {built['compute_capability']} "

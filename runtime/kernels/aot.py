@@ -11,10 +11,10 @@ CUDA driver and launches it with exactly: inputs, extra int32 scalars, outputs):
     entry, global_scratch and profile_scratch, and its own launcher passes them (null when unused:
     triton/backends/nvidia/driver.c, "+ 2 for global & profile scratch"; #8903: "two additional parameters
     appended in the end. Set them to null"). TensorRT's launch passes nothing for them, and NVIDIA's AOT sample
-    (samples/python/quickly_deployable_plugins/qdp_defs.py) hands over asm["ptx"] unchanged with triton pinned
-    (triton==3.2.0 in the requirements.txt read). `_trim_hidden_parameters` checks that the kernel needs no
-    scratch and never reads them, then drops them from the `.entry`, so the PTX declares exactly the parameters
-    TensorRT passes (the trimmed PTX assembles with ptxas for sm_90a).
+    (samples/python/quickly_deployable_plugins/qdp_defs.py) hands over asm["ptx"] unchanged (its requirements
+    pinned triton 3.2.0 in an older copy, 3.5.0 at TensorRT 11.1). `_trim_hidden_parameters` checks that the kernel
+    needs no scratch and never reads them, then drops them from the `.entry`, so the PTX declares exactly the
+    parameters TensorRT passes (the trimmed PTX assembles with ptxas for sm_90a).
   * Triton writes `.version` from its bundled ptxas (CUDA 13.4 in triton 3.9: PTX ISA 9.4), which only as new a
     driver can JIT. Compiling on the engine's GPU machine (libcuda present), `_driver_ptx_version` caps it at what
     the installed driver accepts.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -80,10 +81,14 @@ def compile_kernel(kernel, element: str, constants: dict, num_warps: int, num_st
 
 
 def _ptxas_ptx_version(target: GPUTarget) -> int:
-    """The PTX ISA version Triton writes by default: the newest its bundled ptxas knows (e.g. 94 for 9.4)."""
-    from triton.backends.nvidia.compiler import get_ptxas, ptx_get_version
+    """The PTX ISA version Triton writes by default: the newest its bundled ptxas knows (e.g. 94 for 9.4).
 
-    return ptx_get_version(get_ptxas(target.arch).version)
+    Asked through Triton's own default (options without a ptx_version): get_ptxas, which it calls, changed shape
+    from release to release (3.3: get_ptxas(arch) -> (path, version); 3.4-3.5: get_ptxas() -> a tool with
+    .version; 3.6 on: get_ptxas(arch) -> a tool), and calling it directly failed on all but the newest."""
+    from triton.backends.nvidia.compiler import get_ptx_version_from_options
+
+    return get_ptx_version_from_options(SimpleNamespace(ptx_version=None), target.arch)
 
 
 def _driver_ptx_version() -> int | None:

@@ -29,6 +29,14 @@ def test_an_engine_for_another_version_or_gpu_is_refused_with_the_fix(installed,
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("installed", [None, "10.15.1.29"])
+def test_tensorrt_11_engines_name_the_wheel_for_each_cuda_driver(installed):
+    """From TensorRT 11 the bare `tensorrt` wheel is the CUDA 13 build: a CUDA 12 host needs tensorrt-cu12."""
+    with pytest.raises(ArtifactError) as error:
+        check_compatible({**BUILT, "version": "11.4.1.3"}, installed, (9, 0), "H100")
+    assert "install tensorrt==11.4.1.3 (a CUDA 13 driver, r580 or newer) or tensorrt-cu12==11.4.1.3" in str(error.value)
+
+
 def test_an_engine_for_another_gpu_of_the_same_major_generation_is_refused():
     built_on_a10 = {**BUILT, "gpu": "NVIDIA A10", "compute_capability": "8.6"}
     with pytest.raises(ArtifactError, match=r"compute capability 8.6 \(NVIDIA A10\), but this GPU \(L4\) is 8.9"):
