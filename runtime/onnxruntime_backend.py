@@ -45,6 +45,24 @@ def _one_onnxruntime() -> None:
 
 _one_onnxruntime()
 
+
+def installed_distribution() -> str:
+    """The pip distribution that provides the `onnxruntime` module here, for install advice: a GPU install told to
+    `pip install -U onnxruntime` got both packages in one module (see _one_onnxruntime)."""
+    from importlib import metadata
+
+    try:
+        metadata.version("onnxruntime-gpu")
+    except metadata.PackageNotFoundError:
+        return "onnxruntime"
+    return "onnxruntime-gpu"
+
+
+# Said by Engine.load where onnxruntime-gpu offers CUDA: the runtime creates CPU sessions only
+CPU_ONLY_NOTICE = ("onnxruntime offers CUDA here, and this artifact runs on the CPU: aotlm lowers onnxruntime artifacts "
+                   "for onnxruntime's CPU kernels (float32 GroupQueryAttention, which has no CUDA kernel); for the GPU, "
+                   "build a TensorRT artifact (recipes/smollm2-135m-tensorrt.yaml)")
+
 OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -172,12 +190,12 @@ def check_installed(installed: str, features=()) -> None:
     if release(installed) < release(MIN_ONNXRUNTIME):
         raise ArtifactError(f"onnxruntime {installed} is installed; aotlm's graphs need {MIN_ONNXRUNTIME} or later "
                             f"(GroupQueryAttention's outputs, Attention's grouped heads): "
-                            + pip_install(f"-U 'onnxruntime>={MIN_ONNXRUNTIME}'"))
+                            + pip_install(f"-U '{installed_distribution()}>={MIN_ONNXRUNTIME}'"))
     for feature in features:
         if feature in FEATURE_ONNXRUNTIME and release(installed) < release(FEATURE_ONNXRUNTIME[feature][0]):
             needed, what = FEATURE_ONNXRUNTIME[feature]
             raise ArtifactError(f"onnxruntime {installed} is installed; {what} needs {needed} or later: "
-                                + pip_install(f"-U 'onnxruntime>={needed}'"))
+                                + pip_install(f"-U '{installed_distribution()}>={needed}'"))
 
 
 def check_version(built: str | None, installed: str, features=()) -> str | None:
@@ -192,7 +210,7 @@ def check_version(built: str | None, installed: str, features=()) -> str | None:
                             f"was edited: rebuild the artifact")
     if built and release(installed) < release(built):
         return (f"this artifact was built with onnxruntime {built}, and {installed} is installed (older): install "
-                f"onnxruntime>={built}, or rebuild the artifact here (`aotlm build RECIPE`)")
+                f"{installed_distribution()}>={built}, or rebuild the artifact here (`aotlm build RECIPE`)")
     return None
 
 
@@ -202,6 +220,8 @@ class OnnxRuntimeBackend:
         """spinning_phases: the phases whose sessions' threads keep spinning after a run (STOP_SPINNING_AFTER_RUN)."""
         older = check_version(manifest["backend"].get("version"), ort.__version__, required_features(manifest))
         self.notices: list[str] = []  # warnings for Engine.load to give its caller, each once
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            self.notices.append(CPU_ONLY_NOTICE)
         self.manifest = manifest
         settings = manifest["backend"].get("session", {})
         self.kv_spec = manifest["kv_cache"]
