@@ -1,7 +1,12 @@
 """One GPU check, sized for one 10-minute run on an H200: kernel tests natively, kernel timings, TensorRT.
 
-    .venv/bin/python benchmarks/gpu_check.py [--skip-tests] [--skip-tensorrt] [--json PATH]
+    python3 benchmarks/gpu_check.py [--skip-tests] [--skip-tensorrt] [--json PATH]
     .venv/bin/python benchmarks/gpu_check.py --smoke      # tiny shapes on CPU through Triton's interpreter
+
+On the lent GPU machine (the `device` tool) the image's python3 has torch, triton, rich, tokenizers and pytest, and
+the repository comes without .venv: run `python3 benchmarks/gpu_check.py`; with $OUT set (the folder whose files come
+back) the JSON goes to $OUT/gpu_check.json. It is written after each part, and a part that fails is recorded with its
+error while the rest go on: one run that the time limit or a crash ends keeps what it measured.
 
 1. The FlashAttention kernel tests (tests/runtime/kernels), natively on the GPU.
 2. Copy bandwidth: a device-to-device copy of 2 GiB (bytes read + written per second): decode's ceiling.
@@ -12,7 +17,7 @@
    SDPA with enable_gqa; GB/s = the K and V bytes read / time, and as a fraction of the copy bandwidth.
 5. If tensorrt is installed: build recipes/smollm2-135m-tensorrt.yaml and time a 512-token prompt + 128 tokens.
 Times are CUDA-event medians over repeated launches after warm-up. Prints a table, writes
-benchmarks/results/gpu_check.json.
+benchmarks/results/gpu_check.json (or $OUT/gpu_check.json).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +39,8 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter): checks the script")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-tensorrt", action="store_true")
-    parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "gpu_check.json"))
+    default = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "results"
+    parser.add_argument("--json", default=str(default / "gpu_check.json"))
     args = parser.parse_args(argv)
     target = Path(args.json)  # checked now: a folder was an IsADirectoryError after the whole (scarce) GPU run
     if target.is_dir():
@@ -43,8 +50,18 @@ def parse_args(argv=None):
     return args
 
 
+def release(version: str) -> tuple[int, ...]:
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in version.split("+")[0].split(".")[:2])
+
+
 ARGS = parse_args(None if __name__ == "__main__" else [])
 if ARGS.smoke:
+    from importlib.metadata import version
+
+    if release(version("triton")) < (3, 7) and release(version("numpy")) >= (2, 4):  # (the dev extra's floor)
+        raise SystemExit(f"--smoke runs the kernels in Triton's interpreter, which before triton 3.7 fails on numpy "
+                         f"2.4 and later (triton {version('triton')}, numpy {version('numpy')} here); the GPU run "
+                         f"does not use it: run without --smoke on the GPU")
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
@@ -130,10 +147,13 @@ def prefill_rows(copy_gbs: float) -> list[dict]:
                 continue
             rows.append({"phase": "prefill", "S": length, "impl": name, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
         bhsd = [t.view(batch, length, heads, head_dim).transpose(1, 2) for t in (q, k, v)]
-        ours = fa.flash_attention(q, k, v, *caches, seqlens, total, heads, heads, blocks=blocks[0])  # first row's tiles
-        theirs = torch.nn.functional.scaled_dot_product_attention(*bhsd, is_causal=True)
-        rows[-len(blocks)]["max_abs_diff_vs_sdpa"] = (ours.view(batch, length, heads, head_dim).transpose(1, 2) - theirs
-                                            ).abs().max().item()
+        try:  # the first row's tiles against torch's attention
+            ours = fa.flash_attention(q, k, v, *caches, seqlens, total, heads, heads, blocks=blocks[0])
+            theirs = torch.nn.functional.scaled_dot_product_attention(*bhsd, is_causal=True)
+            rows[-len(blocks)]["max_abs_diff_vs_sdpa"] = (
+                ours.view(batch, length, heads, head_dim).transpose(1, 2) - theirs).abs().max().item()
+        except Exception as error:  # noqa: BLE001 - its tiles failed above, say; the timings stand
+            rows[-len(blocks)]["compare_failed"] = f"{type(error).__name__}: {str(error)[:200]}"
         for name, backend in sdpa_backends().items():
             if name == "math" and length > 2048:
                 continue  # materializes S x S scores: minutes and gigabytes, not a reference worth timing
@@ -151,34 +171,57 @@ def decode_rows(copy_gbs: float) -> list[dict]:
     caches = [torch.randn(batch, kv_heads, cached, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
     seqlens = torch.full((batch,), cached - 1, dtype=torch.int32, device=DEVICE)  # the new token is the last row
     total = torch.tensor([cached], dtype=torch.int32, device=DEVICE)
-    rows = []
+    of_copy = (lambda gbs: gbs / copy_gbs) if copy_gbs else (lambda gbs: None)  # (the copy may have failed)
+    rows, compared = [], None
+    blocks = fa.DecodeBlocks(16, 16) if ARGS.smoke else None
     for split in ((16, 32) if ARGS.smoke else (256, 512, 1024)):
-        blocks = fa.DecodeBlocks(16, 16) if ARGS.smoke else None
-        ms = timed_ms(lambda: fa.flash_decode(q, k, v, *caches, seqlens, total, heads, kv_heads, split_size=split,
-                                              blocks=blocks), repeats=50)
+        name = f"aotlm triton split {split}"
+        try:  # one split that fails must not cost the others
+            ms = timed_ms(lambda: fa.flash_decode(q, k, v, *caches, seqlens, total, heads, kv_heads, split_size=split,
+                                                  blocks=blocks), repeats=50)
+        except Exception as error:  # noqa: BLE001 - recorded in the table instead
+            rows.append({"phase": "decode", "S": cached, "impl": name, "note": f"failed: {str(error)[:60]}"})
+            continue
         gbs = kv_bytes / (ms * 1e-3) / 1e9
-        rows.append({"phase": "decode", "S": cached, "impl": f"aotlm triton split {split}", "ms": ms, "gbs": gbs,
-                     "of_copy": gbs / copy_gbs})
+        rows.append({"phase": "decode", "S": cached, "impl": name, "ms": ms, "gbs": gbs, "of_copy": of_copy(gbs)})
+        compared = (rows[-1], split)
     q4 = q.view(batch, 1, heads, head_dim).transpose(1, 2)
-    ours = fa.flash_decode(q, k, v, *caches, seqlens, total, heads, kv_heads, split_size=split,  # rows[-1]'s split
-                           blocks=blocks)  # (it rewrites the cache's last row with the same k, v)
-    theirs = torch.nn.functional.scaled_dot_product_attention(q4, *caches, enable_gqa=True)
-    rows[-1]["max_abs_diff_vs_sdpa"] = (ours.view(batch, 1, heads, head_dim).transpose(1, 2) - theirs).abs().max().item()
+    if compared is not None:  # the last split that ran, against torch's attention
+        row, split = compared
+        try:
+            ours = fa.flash_decode(q, k, v, *caches, seqlens, total, heads, kv_heads, split_size=split,
+                                   blocks=blocks)  # (it rewrites the cache's last row with the same k, v)
+            theirs = torch.nn.functional.scaled_dot_product_attention(q4, *caches, enable_gqa=True)
+            row["max_abs_diff_vs_sdpa"] = (ours.view(batch, 1, heads, head_dim).transpose(1, 2) - theirs
+                                           ).abs().max().item()
+        except Exception as error:  # noqa: BLE001
+            row["compare_failed"] = f"{type(error).__name__}: {str(error)[:200]}"
     for name, backend in sdpa_backends().items():
         result = sdpa_ms(backend, q4, *caches, causal=False)  # one query after every cached key: no mask needed
         rows.append({"phase": "decode", "S": cached, "impl": f"torch sdpa {name}", **(
-            {"ms": result, "gbs": kv_bytes / (result * 1e-3) / 1e9, "of_copy": kv_bytes / (result * 1e-3) / 1e9 / copy_gbs}
+            {"ms": result, "gbs": kv_bytes / (result * 1e-3) / 1e9, "of_copy": of_copy(kv_bytes / (result * 1e-3) / 1e9)}
             if isinstance(result, float) else {"note": result})})
     return rows
+
+
+KERNEL_TESTS_TIMEOUT_S = 300
 
 
 def kernel_tests() -> dict:
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     began = time.perf_counter()
-    completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/runtime/kernels"], cwd=REPO,
-                               env=environment, capture_output=True, text=True, timeout=300)
-    last = (completed.stdout.strip().splitlines() or ["(no output)"])[-1]
-    return {"returncode": completed.returncode, "summary": last, "seconds": round(time.perf_counter() - began, 1)}
+    try:
+        completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-ra", "tests/runtime/kernels"], cwd=REPO,
+                                   env=environment, capture_output=True, text=True, timeout=KERNEL_TESTS_TIMEOUT_S)
+        returncode, stdout, stderr = completed.returncode, completed.stdout, completed.stderr
+    except subprocess.TimeoutExpired as expired:  # what it printed until then still says which tests ran
+        returncode, stdout, stderr = f"timed out after {KERNEL_TESTS_TIMEOUT_S} s", expired.stdout, expired.stderr
+        stdout, stderr = (text.decode(errors="replace") if isinstance(text, bytes) else text or ""
+                          for text in (stdout, stderr))
+    last = (stdout.strip().splitlines() or ["(no output)"])[-1]
+    # the failures' names and messages (-ra) and a missing module's error (stderr): the log's end, both streams
+    return {"returncode": returncode, "summary": last, "seconds": round(time.perf_counter() - began, 1),
+            "output_tail": (stdout + stderr)[-4000:]}
 
 
 def tensorrt_run() -> dict:
@@ -199,6 +242,23 @@ def tensorrt_run() -> dict:
             "version": engine.manifest["backend"]["version"]}
 
 
+def part(report: dict, name: str, measure, rows: bool = False):
+    """report[name] = measure() (rows: added to report["rows"]), the JSON written at once: a part that raises is
+    recorded with its error (and the next part runs), and a run the time limit kills keeps every part before it."""
+    try:
+        result = measure()
+        if rows:
+            report["rows"] += result
+        else:
+            report[name] = result
+    except Exception as error:  # noqa: BLE001 - the scarce run goes on to the other parts
+        report.setdefault("failed", {})[name] = {"error": f"{type(error).__name__}: {error}"[:2000],
+                                                 "traceback": traceback.format_exc()[-4000:]}
+        console.print(f"[red]{name} failed[/red]: {type(error).__name__}: {str(error)[:300]}")
+    write_json(ARGS.json, report)
+    return report.get(name)
+
+
 def main() -> None:
     if not ARGS.smoke and not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU (or --smoke for a CPU check of the script itself)")
@@ -206,23 +266,23 @@ def main() -> None:
               "torch": torch.__version__, "triton": importlib.import_module("triton").__version__}
     if not ARGS.skip_tests and not ARGS.smoke:
         console.print("kernel tests (native) ...")
-        report["kernel_tests"] = kernel_tests()
-        console.print(report["kernel_tests"])
-    report["copy_gbs"] = copy_bandwidth_gbs()
-    console.print(f"copy bandwidth: {report['copy_gbs']:.0f} GB/s")
-    report["rows"] = prefill_rows(report["copy_gbs"]) + decode_rows(report["copy_gbs"])
+        console.print(part(report, "kernel_tests", kernel_tests))
+    if part(report, "copy_gbs", copy_bandwidth_gbs) is not None:
+        console.print(f"copy bandwidth: {report['copy_gbs']:.0f} GB/s")
+    report["rows"] = []
+    for phase, measure in (("prefill", prefill_rows), ("decode", decode_rows)):
+        part(report, phase, lambda: measure(report.get("copy_gbs")), rows=True)
     table = Table(title=f"FlashAttention kernels on {report['device']}")
     for column in ("phase", "S", "impl", "ms", "TFLOP/s", "GB/s", "of copy", "max|diff| vs sdpa"):
         table.add_column(column, justify="left" if column == "impl" else "right")
     for row in report["rows"]:
-        number = lambda key, fmt: format(row[key], fmt) if key in row else ""  # noqa: E731
+        number = lambda key, fmt: format(row[key], fmt) if row.get(key) is not None else ""  # noqa: E731
         table.add_row(row["phase"], str(row["S"]), row["impl"], number("ms", ".3f") or row.get("note", ""),
                       number("tflops", ".1f"), number("gbs", ".0f"), number("of_copy", ".0%"),
                       number("max_abs_diff_vs_sdpa", ".1e"))
     print_table(table, console)
     if not ARGS.skip_tensorrt and not ARGS.smoke:
-        report["tensorrt"] = tensorrt_run()
-        console.print("TensorRT:", report["tensorrt"])
+        console.print("TensorRT:", part(report, "tensorrt", tensorrt_run))
     write_json(ARGS.json, report)
     console.print(f"wrote {ARGS.json}")
 

@@ -27,3 +27,21 @@ def test_gpu_check_smoke(tmp_path):
     assert {row["phase"] for row in ours} == {"prefill", "decode"} and all(row["ms"] > 0 for row in ours)
     differences = [row["max_abs_diff_vs_sdpa"] for row in report["rows"] if "max_abs_diff_vs_sdpa" in row]
     assert len(differences) == 2 and max(differences) < 2e-2  # bf16 outputs of O(1)
+
+
+def test_a_part_that_fails_is_recorded_and_the_json_keeps_the_parts_before_it(tmp_path, monkeypatch):
+    """The GPU run is one scarce try: a part that raises (or a run the time limit kills) must not lose the others."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_check
+
+    out = tmp_path / "gpu_check.json"
+    monkeypatch.setattr(gpu_check.ARGS, "json", str(out))
+    report = {"device": "test", "rows": []}
+    assert gpu_check.part(report, "copy_gbs", lambda: 3000.0) == 3000.0
+    assert json.loads(out.read_text())["copy_gbs"] == 3000.0  # written as soon as it was measured
+    gpu_check.part(report, "prefill", lambda: [{"phase": "prefill"}, 1 / 0], rows=True)
+    gpu_check.part(report, "decode", lambda: [{"phase": "decode"}], rows=True)
+    written = json.loads(out.read_text())
+    assert written["rows"] == [{"phase": "decode"}] and written["copy_gbs"] == 3000.0
+    assert written["failed"]["prefill"]["error"] == "ZeroDivisionError: division by zero"
+    assert "1 / 0" in written["failed"]["prefill"]["traceback"]
