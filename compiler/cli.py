@@ -29,8 +29,8 @@ from compiler.cli_evaluate import add_evaluation_options, compare_command, eval_
 from compiler.cli_sampling import add_sampling_options, sampling_options
 from compiler.console import (ReaderAwareConsole, console, error, message, print_table, warning,
                               whole_writes_to_stdout)
-from compiler.errors import (UsageError, check_output_file, exception_chain, nonnegative_int, positive_float,
-                             positive_int, text_argument, thread_count, user_path)
+from compiler.errors import (NO_SPIN_HELP, UsageError, check_output_file, exception_chain, nonnegative_int,
+                             positive_float, positive_int, text_argument, thread_count, user_path)
 from runtime.errors import AotlmWarning
 
 DEFAULT_PROMPT_LENGTHS = "128,512,1024"  # bench --phase prefill
@@ -124,7 +124,8 @@ def _run(args) -> None:
     # decode session keeps spinning between steps (no scheduler alternates it with prefills here): single-stream
     # TPOT 0.95-0.97x with it, paired over 12-30 rounds (README, "Threads after a run").
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
-                         spin_after_run=SINGLE_STREAM_SPIN, generation_config=args.generation_config)
+                         spin_after_run=SINGLE_STREAM_SPIN, generation_config=args.generation_config,
+                         spin_during_run=not args.no_spin)
     received = time.perf_counter()  # TTFT counts from here: a chat template's rendering is inside it
     if args.chat is not None:  # the reply alone: the prompt is the template's formatting of the messages
         # --system "": an empty system message, which keeps a template's default one out (SmolLM2's, Qwen's)
@@ -344,7 +345,7 @@ def _bench(args) -> None:
         """Engine.load, refused where a build replaced the artifact since bench read it (the workload was sized for
         that one, and the JSON names it)."""
         # greedy, as the workload says and the baselines run: not a model's sampling defaults
-        engine = Engine.load(args.artifact, generation_config="none", **options)
+        engine = Engine.load(args.artifact, generation_config="none", spin_during_run=not args.no_spin, **options)
         if engine.manifest != manifest:
             engine.close()
             raise bench.BenchError(f"{args.artifact} was replaced (a build finished there) while bench ran; run "
@@ -562,6 +563,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     add_sampling_options(run)
     run.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")
+    run.add_argument("--no-spin", action="store_true", help=NO_SPIN_HELP)
     run.set_defaults(handler=_run)
     add_chat_parser(commands)
     add_serve_parser(commands)
@@ -609,6 +611,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--baseline", action="append", default=None,
                        help="also serve the workload with transformers or onnxruntime-genai (repeatable)")
     bench.add_argument("--threads", type=thread_count, default=None, help="intra-op threads for every backend (default and 0: every CPU this process may use)")
+    bench.add_argument("--no-spin", action="store_true", help=NO_SPIN_HELP + " (aotlm's engine)")
     bench.add_argument("--batching", action="append", choices=("continuous", "static"), default=None,
                        help="the scheduler's batching (default: continuous); repeat to serve with both and compare")
     bench.add_argument("--slots", type=positive_int, default=None,

@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from compiler.console import console, message
 from compiler.cli_sampling import add_sampling_options, sampling_options
-from compiler.errors import UsageError, text_argument, thread_count, user_path
+from compiler.errors import NO_SPIN_HELP, UsageError, text_argument, thread_count, user_path
 
 EXIT_COMMANDS = ("/exit", "/quit")
 COMMAND = re.compile(r"/[A-Za-z?]+")  # a line of just this is a command (/help, /clear...), not a message
@@ -38,6 +38,7 @@ def add_chat_parser(commands) -> None:
     chat.add_argument("--threads", type=thread_count, default=None,
                       help="onnxruntime intra-op threads (default: the artifact's; at most the CPUs this process may "
                            "use)")
+    chat.add_argument("--no-spin", action="store_true", help=NO_SPIN_HELP)
     chat.set_defaults(handler=chat_command)
 
 
@@ -70,7 +71,7 @@ def chat_command(args) -> None:
         raise UsageError(f"{args.artifact}: its model has no chat template; use `aotlm run --prompt` for plain text")
     engine = Engine.load(args.artifact, intra_op_threads=args.threads, huge_pages=False,
                          spin_after_run=SINGLE_STREAM_SPIN, prefix_caching=True,
-                         generation_config=args.generation_config)
+                         generation_config=args.generation_config, spin_during_run=not args.no_spin)
     # once for every turn (sampling_options checked the values); the model's defaults for the flags not given
     sampling = sampling_params(None, options, engine.sampling_defaults)
     _undecodable_bytes_kept(sys.stdin)

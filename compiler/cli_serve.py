@@ -18,8 +18,8 @@ import time
 from rich.markup import escape
 
 from compiler.console import console, message, warning
-from compiler.errors import (UsageError, nonnegative_int, number, positive_float, positive_int, text_argument,
-                             thread_count, user_path)
+from compiler.errors import (NO_SPIN_HELP, UsageError, nonnegative_int, number, positive_float, positive_int,
+                             text_argument, thread_count, user_path)
 
 
 def keep_alive_seconds(text: str) -> float:
@@ -117,6 +117,7 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--threads", type=thread_count, default=None,
                        help="onnxruntime intra-op threads (default: the artifact's; at most the CPUs this process may "
                             "use)")
+    serve.add_argument("--no-spin", action="store_true", help=NO_SPIN_HELP)
     serve.add_argument("--max-connections", type=positive_int, default=None,
                        help="connections open at once, a thread each; one more is answered 503 and closed "
                             "(default 1024)")
@@ -188,7 +189,8 @@ def serve_command(args) -> None:
         raise cannot_listen(args.host, args.port, error) from None
     try:
         engine = Engine.load(args.artifact, intra_op_threads=args.threads, prefix_caching=args.prefix_caching,
-                             huge_pages=not args.no_huge_pages, generation_config=args.generation_config)
+                             huge_pages=not args.no_huge_pages, generation_config=args.generation_config,
+                             spin_during_run=not args.no_spin)
     except BaseException:
         bound.close()
         raise

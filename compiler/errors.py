@@ -140,6 +140,11 @@ def thread_count(text: str) -> int:
     return value
 
 
+# --no-spin (run, chat, serve, bench): Engine.load(spin_during_run=False)
+NO_SPIN_HELP = ("onnxruntime's threads sleep while they wait, during runs too, instead of spinning: for a host whose "
+                "cores other processes use (decode ~1.5x faster beside one busy core of 2), ~10%% slower when idle")
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
     value = number(text)

@@ -293,7 +293,8 @@ class Engine:
     @classmethod
     def load(cls, artifact_dir: str | Path, *, verify: bool = False, intra_op_threads: int | None = None,
              huge_pages: bool = True, spin_after_run: bool | Collection[str] = False,
-             prefix_caching: bool = False, generation_config: str = "auto") -> "Engine":
+             prefix_caching: bool = False, generation_config: str = "auto",
+             spin_during_run: bool = True) -> "Engine":
         """Check the manifest (format version, file sizes; sha256 too if verify) and open both graphs.
 
         intra_op_threads: threads per onnxruntime session, at most the CPUs this process may use; None: the recipe's
@@ -307,7 +308,10 @@ class Engine:
         Off here: the prefill and decode sessions each have a thread pool on the same cores, and one spinning after
         its run slows the other (runtime/onnxruntime_backend.py, STOP_SPINNING_AFTER_RUN). ["decode"] suits one
         stream at a time (TPOT 3-5% lower, `aotlm run` uses it), not the scheduler, which runs prefills between
-        decode steps. An engine whose manifest session_config sets that key keeps its own value. Both flags apply
+        decode steps. An engine whose manifest session_config sets that key keeps its own value.
+        spin_during_run: False: onnxruntime's threads never spin, during a run either, for a host whose cores other
+        processes use (decode steps 45-60 ms against 79-91 beside one busy core of 2; ~10% slower on an idle host:
+        runtime/onnxruntime_backend.py, ALLOW_SPINNING). False overrides spin_after_run. The spinning flags apply
         to onnxruntime artifacts only.
         generation_config: "auto" (the default, as vLLM's): a request's unset sampling options take the model's own
         defaults where its source ships them (generation_config.json's temperature, top_p, top_k and min_p with
@@ -344,7 +348,8 @@ class Engine:
         if generation_config not in ("auto", "none"):
             raise RequestError(f"generation_config must be 'auto' (the model's sampling defaults) or 'none' (aotlm's), "
                                f"got {generation_config!r}")
-        for name, flag in (("verify", verify), ("huge_pages", huge_pages), ("prefix_caching", prefix_caching)):
+        for name, flag in (("verify", verify), ("huge_pages", huge_pages), ("prefix_caching", prefix_caching),
+                           ("spin_during_run", spin_during_run)):
             if not isinstance(flag, bool):
                 raise RequestError(f"{name} must be True or False, got {flag!r}")
         if not (isinstance(spin_after_run, bool) or isinstance(spin_after_run, (list, tuple, set, frozenset))
@@ -373,7 +378,8 @@ class Engine:
             # Loads on 2 MiB pages one at a time: each counts what appeared in the process while it loaded as its
             # own (two concurrent loads each reported, and collapsed, both engines' memory)
             with _loading(), (_huge_page_loads if huge_pages else contextlib.nullcontext()):
-                engine = cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching)
+                engine = cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching,
+                                   spin_during_run)
             engine.generation_defaults = defaults
             if _folder_identity(folder) == before:
                 break
@@ -394,7 +400,7 @@ class Engine:
 
     @classmethod
     def _open(cls, folder: Path, manifest: dict, intra_op_threads: int | None, huge_pages: bool,
-              spinning_phases: set[str], prefix_caching: bool) -> "Engine":
+              spinning_phases: set[str], prefix_caching: bool, spin_during_run: bool = True) -> "Engine":
         """Engine.load's sessions, tokenizer and batch-1 cache, once the manifest and files are checked."""
         backend_name = manifest["backend"]["name"]
         if huge_pages and backend_name == "onnxruntime":  # TensorRT's weights live in GPU memory
@@ -414,7 +420,8 @@ class Engine:
                 raise ArtifactError(f"{folder}: its engines run on onnxruntime, which is not installed: "
                                     + pip_install("'aotlm[cpu]'") + " (they run on the CPU, on any machine)") from None
 
-            backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spinning_phases=spinning_phases)
+            backend = OnnxRuntimeBackend(folder, manifest, intra_op_threads, spin_during_run=spin_during_run,
+                                         spinning_phases=spinning_phases if spin_during_run else ())
         else:
             raise ArtifactError(f"{folder}: built for backend {backend_name!r}; this runtime runs 'onnxruntime' and "
                                 f"'tensorrt' artifacts")

@@ -89,14 +89,20 @@ def cache_dtype(kv_spec: dict) -> type:
 # returns, the pool still spins during a run. One stream alone (decode after decode) gains from a decode pool left
 # spinning (TPOT 3-5% lower): Engine.load(spin_after_run=["decode"]), which `aotlm run` uses.
 STOP_SPINNING_AFTER_RUN = "session.force_spinning_stop"
+# While a run is in progress the pool's threads spin between its operators' pieces of work. On a host whose cores
+# other processes keep busy, a spinning thread holds a core they want and waits for one they hold: with one core of
+# 2 taken by another process, the default model's decode steps took 79-91 ms spinning against 45-60 ms with it off
+# (and ~20 against ~22 ms on a quiet host). Engine.load(spin_during_run=False), `--no-spin`, turns it off.
+ALLOW_SPINNING = "session.intra_op.allow_spinning"
 
 
 def session_options(settings: dict, intra_op_threads: int | None, config: dict | None = None,
                     where: str = "manifest", spin_after_run: bool = False,
-                    notices: list[str] | None = None) -> ort.SessionOptions:
+                    notices: list[str] | None = None, spin_during_run: bool = True) -> ort.SessionOptions:
     """The backend's session settings, plus `config`: an engine's session config entries (manifest
     engines.<phase>.session_config, recorded by the passes that need them, e.g. dequantize_weights).
     spin_after_run: leave onnxruntime's threads spinning after a run (its default); see STOP_SPINNING_AFTER_RUN.
+    spin_during_run: False: its threads never spin, during a run either (ALLOW_SPINNING), for a shared host.
     notices: where a warning goes (Engine.load gives it, once, at its caller's line), else warnings.warn."""
     options = ort.SessionOptions()
     level = settings.get("graph_optimization_level", "all")
@@ -126,6 +132,8 @@ def session_options(settings: dict, intra_op_threads: int | None, config: dict |
                             f"the manifest was edited: rebuild the artifact")
     if not spin_after_run and STOP_SPINNING_AFTER_RUN not in (config or {}):  # an engine's own entry wins
         options.add_session_config_entry(STOP_SPINNING_AFTER_RUN, "1")
+    if not spin_during_run and ALLOW_SPINNING not in (config or {}):
+        options.add_session_config_entry(ALLOW_SPINNING, "0")
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
     return options
@@ -216,8 +224,9 @@ def check_version(built: str | None, installed: str, features=()) -> str | None:
 
 class OnnxRuntimeBackend:
     def __init__(self, artifact_dir: Path, manifest: dict, intra_op_threads: int | None = None, *,
-                 spinning_phases: Collection[str] = ()):
-        """spinning_phases: the phases whose sessions' threads keep spinning after a run (STOP_SPINNING_AFTER_RUN)."""
+                 spinning_phases: Collection[str] = (), spin_during_run: bool = True):
+        """spinning_phases: the phases whose sessions' threads keep spinning after a run (STOP_SPINNING_AFTER_RUN);
+        spin_during_run: False, none spins while a run waits either (ALLOW_SPINNING)."""
         older = check_version(manifest["backend"].get("version"), ort.__version__, required_features(manifest))
         self.notices: list[str] = []  # warnings for Engine.load to give its caller, each once
         if "CUDAExecutionProvider" in ort.get_available_providers():
@@ -234,7 +243,8 @@ class OnnxRuntimeBackend:
         self.huge_pages = False  # set by Engine.load(huge_pages=True): the slot cache asks for them too
         for phase, engine in manifest["engines"].items():
             options = session_options(settings, intra_op_threads, engine.get("session_config"),
-                                      f"manifest engines.{phase}", phase in spinning_phases, self.notices)
+                                      f"manifest engines.{phase}", phase in spinning_phases, self.notices,
+                                      spin_during_run=spin_during_run)
             path = Path(artifact_dir) / engine["file"]
             try:
                 session = ort.InferenceSession(utf8_path(path), options, providers=["CPUExecutionProvider"])

@@ -72,6 +72,19 @@ def test_serve_hands_on_its_options_and_closes_the_engine_when_stopped_while_sta
     assert "warning: outputs depend on the load" in capsys.readouterr().err  # the int8 cache's caveat is said
 
 
+def test_serve_no_spin_opens_sessions_that_never_spin(monkeypatch, tiny_artifact):
+    import runtime.onnxruntime_backend as backend
+
+    monkeypatch.setattr("runtime.server.ApiServer", StoppedWhileStarting)
+    allowed = []
+    real = backend.session_options
+    monkeypatch.setattr(backend, "session_options", lambda *a, **k: allowed.append(k.get("spin_during_run", True))
+                        or real(*a, **k))
+    assert main(["serve", str(tiny_artifact), "--port", "0", "--no-spin", "--no-huge-pages"]) == 130
+    assert main(["serve", str(tiny_artifact), "--port", "0", "--no-huge-pages"]) == 130
+    assert allowed == [False, False, True, True]  # prefill and decode sessions, each load
+
+
 @pytest.mark.parametrize("host, advice", [
     ("127.0.0.1", "another process holds it (a server listening, or one still loading): choose another --port"),
     ("no-such-host.invalid", "'no-such-host.invalid' is no address, nor a name this machine resolves"),

@@ -2,6 +2,7 @@
 the manifest) reach its session, and a malformed one is refused with the fix."""
 from __future__ import annotations
 
+import io
 import os
 import re
 import warnings
@@ -11,7 +12,8 @@ import onnxruntime as ort
 import pytest
 
 from runtime.errors import AotlmWarning, ArtifactError
-from runtime.onnxruntime_backend import STOP_SPINNING_AFTER_RUN, cache_dtype, check_version, session_options
+from runtime.onnxruntime_backend import (ALLOW_SPINNING, STOP_SPINNING_AFTER_RUN, cache_dtype, check_version,
+                                         session_options)
 
 
 def test_an_engines_session_config_entries_are_set_on_its_session_options():
@@ -54,6 +56,54 @@ def test_aotlm_run_keeps_only_the_decode_session_spinning(tiny_artifact, opened_
 
     assert main(["run", str(tiny_artifact), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
     assert opened_sessions_stop_spinning == [True, False]  # one request: prefill stops, decode spins on
+
+
+def test_sessions_may_be_told_never_to_spin_and_an_engines_own_entry_wins():
+    """spin_during_run=False, for a host whose cores other processes use: no spinning while a run waits either."""
+    assert session_options({}, None, spin_during_run=False).get_session_config_entry(ALLOW_SPINNING) == "0"
+    with pytest.raises(RuntimeError):  # the default: never set, onnxruntime's threads spin during a run
+        session_options({}, None).get_session_config_entry(ALLOW_SPINNING)
+    own = session_options({}, None, {ALLOW_SPINNING: "1"}, spin_during_run=False)
+    assert own.get_session_config_entry(ALLOW_SPINNING) == "1"
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "--prompt", "hi", "--max-new-tokens", "2"],
+    ["chat"],
+    ["bench", "--requests", "1", "--prompt-tokens", "4", "--output-tokens", "2", "--warmup", "0"],
+])
+def test_no_spin_reaches_every_session_an_engine_opens(command, chat_artifact, monkeypatch, capsys):
+    """`--no-spin` on run, chat and bench (serve: below) opens both sessions without spinning; without it, both
+    spin during runs."""
+    import runtime.onnxruntime_backend as backend
+    from compiler.cli import main
+
+    artifact = chat_artifact[0]
+    allowed: list[str | None] = []
+    real = backend.session_options
+
+    def recording(*args, **keywords):
+        options = real(*args, **keywords)
+        try:
+            allowed.append(options.get_session_config_entry(ALLOW_SPINNING))
+        except RuntimeError:
+            allowed.append(None)
+        return options
+
+    monkeypatch.setattr(backend, "session_options", recording)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    for flags, expected in (([], [None, None]), (["--no-spin"], ["0", "0"])):
+        allowed.clear()
+        assert main([command[0], str(artifact), *command[1:], *flags]) == 0, capsys.readouterr()
+        assert allowed == expected, (command[0], flags)
+
+
+def test_an_engine_refuses_a_spinning_flag_that_is_not_a_bool(tiny_artifact):
+    from runtime import Engine
+    from runtime.errors import RequestError
+
+    with pytest.raises(RequestError, match="spin_during_run must be True or False, got 'no'"):
+        Engine.load(tiny_artifact, spin_during_run="no")
 
 
 def test_a_recipes_thread_count_above_this_machines_cores_runs_with_the_cores(monkeypatch):
