@@ -3,10 +3,10 @@
     python3 benchmarks/gpu_check.py [--skip-tests] [--skip-tensorrt] [--json PATH]
     .venv/bin/python benchmarks/gpu_check.py --smoke      # tiny shapes on CPU through Triton's interpreter
 
-On the lent GPU machine (the `device` tool) the image's python3 has torch, triton, rich, tokenizers and pytest, and
-the repository comes without .venv: run `python3 benchmarks/gpu_check.py`; with $OUT set (the folder whose files come
-back) the JSON goes to $OUT/gpu_check.json. It is written after each part, and a part that fails is recorded with its
-error while the rest go on: one run that the time limit or a crash ends keeps what it measured.
+Needs torch with CUDA, triton, rich, tokenizers and pytest (a GPU machine's python without the .venv does). The JSON
+is written after each part (and each prefill length), and a part that fails is recorded with its error while the
+rest go on: a run that a time limit ends keeps what it measured (give --json a path in the folder that is kept). It
+exits 1 where anything failed.
 
 1. The FlashAttention kernel tests (tests/runtime/kernels), natively on the GPU.
 2. Copy bandwidth: a device-to-device copy of 2 GiB (bytes read + written per second): decode's ceiling.
@@ -17,7 +17,7 @@ error while the rest go on: one run that the time limit or a crash ends keeps wh
    SDPA with enable_gqa; GB/s = the K and V bytes read / time, and as a fraction of the copy bandwidth.
 5. If tensorrt is installed: build recipes/smollm2-135m-tensorrt.yaml and time a 512-token prompt + 128 tokens.
 Times are CUDA-event medians over repeated launches after warm-up. Prints a table, writes
-benchmarks/results/gpu_check.json (or $OUT/gpu_check.json).
+benchmarks/results/gpu_check.json (--json).
 """
 from __future__ import annotations
 
@@ -39,13 +39,15 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter): checks the script")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-tensorrt", action="store_true")
-    default = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "results"
-    parser.add_argument("--json", default=str(default / "gpu_check.json"))
+    parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "gpu_check.json"))
     args = parser.parse_args(argv)
     target = Path(args.json)  # checked now: a folder was an IsADirectoryError after the whole (scarce) GPU run
     if target.is_dir():
         parser.error(f"--json {target}: is a folder; give a file name, e.g. {target / 'gpu_check.json'}")
-    if not os.access(next(folder for folder in [target.parent, *target.parent.parents] if folder.exists()), os.W_OK):
+    existing = next(folder for folder in [target.parent, *target.parent.parents] if folder.exists())
+    if not existing.is_dir():
+        parser.error(f"--json {target}: {existing} is a file, not a folder; give another path")
+    if not os.access(existing, os.W_OK):
         parser.error(f"--json {target}: its folder cannot be written here; give another path")
     return args
 
@@ -56,13 +58,14 @@ def release(version: str) -> tuple[int, ...]:
 
 ARGS = parse_args(None if __name__ == "__main__" else [])
 if ARGS.smoke:
-    from importlib.metadata import version
-
-    if release(version("triton")) < (3, 7) and release(version("numpy")) >= (2, 4):  # (the dev extra's floor)
-        raise SystemExit(f"--smoke runs the kernels in Triton's interpreter, which before triton 3.7 fails on numpy "
-                         f"2.4 and later (triton {version('triton')}, numpy {version('numpy')} here); the GPU run "
-                         f"does not use it: run without --smoke on the GPU")
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import numpy
+    import triton  # (a module pytorch-triton or triton-windows may provide: its own version, not a distribution's)
+
+    if release(triton.__version__) < (3, 7) and release(numpy.__version__) >= (2, 4):  # (the dev extra's floor)
+        raise SystemExit(f"--smoke runs the kernels in Triton's interpreter, which before triton 3.7 fails on numpy "
+                         f"2.4 and later (triton {triton.__version__}, numpy {numpy.__version__} here); the GPU run "
+                         f"does not use it: run without --smoke on the GPU")
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -126,9 +129,9 @@ def sdpa_ms(backend, q, k, v, causal: bool) -> float | str:
         return f"n/a ({str(error).splitlines()[0][:60]})"
 
 
-def prefill_rows(copy_gbs: float) -> list[dict]:
+def prefill_rows(copy_gbs: float, rows: list[dict], checkpoint) -> None:
+    """Appends its rows to `rows`, calling checkpoint() after each length (the JSON keeps the lengths done)."""
     batch, heads, head_dim = 1, (2 if ARGS.smoke else 32), (16 if ARGS.smoke else 128)
-    rows = []
     for length in ((32,) if ARGS.smoke else (2048, 8192)):
         flops = 2 * 2 * batch * heads * length * length * head_dim / 2
         q, k, v = (torch.randn(batch, length, heads * head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(3))
@@ -160,10 +163,11 @@ def prefill_rows(copy_gbs: float) -> list[dict]:
             result = sdpa_ms(backend, *bhsd, causal=True)
             rows.append({"phase": "prefill", "S": length, "impl": f"torch sdpa {name}", **(
                 {"ms": result, "tflops": flops / (result * 1e-3) / 1e12} if isinstance(result, float) else {"note": result})})
-    return rows
+        checkpoint()
 
 
-def decode_rows(copy_gbs: float) -> list[dict]:
+def decode_rows(copy_gbs: float, rows: list[dict], checkpoint) -> None:
+    """Appends its rows to `rows` (one length: checkpoint is part()'s write at the end)."""
     batch, heads, kv_heads, head_dim, cached = (2, 4, 2, 16, 64) if ARGS.smoke else (16, 32, 8, 128, 4096)
     kv_bytes = 2 * batch * kv_heads * cached * head_dim * 2  # K and V, bf16, each read once
     q = torch.randn(batch, 1, heads * head_dim, dtype=torch.bfloat16, device=DEVICE)
@@ -172,7 +176,7 @@ def decode_rows(copy_gbs: float) -> list[dict]:
     seqlens = torch.full((batch,), cached - 1, dtype=torch.int32, device=DEVICE)  # the new token is the last row
     total = torch.tensor([cached], dtype=torch.int32, device=DEVICE)
     of_copy = (lambda gbs: gbs / copy_gbs) if copy_gbs else (lambda gbs: None)  # (the copy may have failed)
-    rows, compared = [], None
+    compared = None
     blocks = fa.DecodeBlocks(16, 16) if ARGS.smoke else None
     for split in ((16, 32) if ARGS.smoke else (256, 512, 1024)):
         name = f"aotlm triton split {split}"
@@ -201,7 +205,6 @@ def decode_rows(copy_gbs: float) -> list[dict]:
         rows.append({"phase": "decode", "S": cached, "impl": f"torch sdpa {name}", **(
             {"ms": result, "gbs": kv_bytes / (result * 1e-3) / 1e9, "of_copy": of_copy(kv_bytes / (result * 1e-3) / 1e9)}
             if isinstance(result, float) else {"note": result})})
-    return rows
 
 
 KERNEL_TESTS_TIMEOUT_S = 300
@@ -242,21 +245,38 @@ def tensorrt_run() -> dict:
             "version": engine.manifest["backend"]["version"]}
 
 
-def part(report: dict, name: str, measure, rows: bool = False):
-    """report[name] = measure() (rows: added to report["rows"]), the JSON written at once: a part that raises is
+def checkpoint(report: dict) -> None:
+    """The report so far into --json; a write that fails is said, and the run goes on (its table still prints)."""
+    try:
+        write_json(ARGS.json, report)
+    except OSError as error:
+        console.print(f"[red]could not write {ARGS.json}[/red]: {error}")
+
+
+def part(report: dict, name: str, measure):
+    """report[name] = measure() (None: it added rows itself), the JSON written at once: a part that raises is
     recorded with its error (and the next part runs), and a run the time limit kills keeps every part before it."""
     try:
         result = measure()
-        if rows:
-            report["rows"] += result
-        else:
+        if result is not None:
             report[name] = result
     except Exception as error:  # noqa: BLE001 - the scarce run goes on to the other parts
         report.setdefault("failed", {})[name] = {"error": f"{type(error).__name__}: {error}"[:2000],
                                                  "traceback": traceback.format_exc()[-4000:]}
         console.print(f"[red]{name} failed[/red]: {type(error).__name__}: {str(error)[:300]}")
-    write_json(ARGS.json, report)
+    checkpoint(report)
     return report.get(name)
+
+
+def failures(report: dict) -> list[str]:
+    """What failed in the run, for its exit status: parts, kernel tests, rows (a tile or split), comparisons."""
+    failed = [f"{name}: {entry['error']}" for name, entry in report.get("failed", {}).items()]
+    tests = report.get("kernel_tests")
+    if tests is not None and tests["returncode"] != 0:
+        failed.append(f"kernel tests: {tests['summary']}")
+    failed += [f"{row['impl']} at S={row['S']}: {row.get('compare_failed') or row['note']}" for row in report["rows"]
+               if "compare_failed" in row or str(row.get("note", "")).startswith("failed")]
+    return failed
 
 
 def main() -> None:
@@ -271,7 +291,7 @@ def main() -> None:
         console.print(f"copy bandwidth: {report['copy_gbs']:.0f} GB/s")
     report["rows"] = []
     for phase, measure in (("prefill", prefill_rows), ("decode", decode_rows)):
-        part(report, phase, lambda: measure(report.get("copy_gbs")), rows=True)
+        part(report, phase, lambda: measure(report.get("copy_gbs"), report["rows"], lambda: checkpoint(report)))
     table = Table(title=f"FlashAttention kernels on {report['device']}")
     for column in ("phase", "S", "impl", "ms", "TFLOP/s", "GB/s", "of copy", "max|diff| vs sdpa"):
         table.add_column(column, justify="left" if column == "impl" else "right")
@@ -283,8 +303,11 @@ def main() -> None:
     print_table(table, console)
     if not ARGS.skip_tensorrt and not ARGS.smoke:
         console.print("TensorRT:", part(report, "tensorrt", tensorrt_run))
-    write_json(ARGS.json, report)
+    checkpoint(report)
     console.print(f"wrote {ARGS.json}")
+    if failed := failures(report):
+        console.print(f"[red]{len(failed)} failed[/red]:\n  " + "\n  ".join(failed))
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

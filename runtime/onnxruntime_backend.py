@@ -48,20 +48,19 @@ _one_onnxruntime()
 
 def installed_distribution() -> str:
     """The pip distribution that provides the `onnxruntime` module here, for install advice: a GPU install told to
-    `pip install -U onnxruntime` got both packages in one module (see _one_onnxruntime)."""
+    `pip install -U onnxruntime` got both packages in one module (see _one_onnxruntime). onnxruntime-gpu,
+    -openvino, -directml, ... each install it; with several (or none found), the CPU package's name."""
     from importlib import metadata
 
-    try:
-        metadata.version("onnxruntime-gpu")
-    except metadata.PackageNotFoundError:
-        return "onnxruntime"
-    return "onnxruntime-gpu"
+    providers = metadata.packages_distributions().get("onnxruntime", [])
+    return providers[0] if len(set(providers)) == 1 else "onnxruntime"
 
 
-# Said by Engine.load where onnxruntime-gpu offers CUDA: the runtime creates CPU sessions only
-CPU_ONLY_NOTICE = ("onnxruntime offers CUDA here, and this artifact runs on the CPU: aotlm lowers onnxruntime artifacts "
-                   "for onnxruntime's CPU kernels (float32 GroupQueryAttention, which has no CUDA kernel); for the GPU, "
-                   "build a TensorRT artifact (recipes/smollm2-135m-tensorrt.yaml)")
+# Said by Engine.load where onnxruntime is a CUDA build (onnxruntime-gpu; it lists CUDA with or without a GPU): the
+# runtime creates CPU sessions only
+CPU_ONLY_NOTICE = ("this onnxruntime is a CUDA build (onnxruntime-gpu), and aotlm runs onnxruntime artifacts on the "
+                   "CPU: their graphs are lowered for onnxruntime's CPU kernels (its CUDA GroupQueryAttention takes no "
+                   "float32); for a GPU, build a TensorRT artifact (recipes/smollm2-135m-tensorrt.yaml)")
 
 OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,

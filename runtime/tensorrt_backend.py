@@ -30,9 +30,9 @@ from runtime.versions import release
 
 
 def _wheels(version: str) -> str:
-    """The wheel(s) that install exactly this TensorRT: from 11 on, the bare `tensorrt` is the CUDA 13 build, and
-    CUDA 12 drivers take `tensorrt-cu12` (the `gpu` extra asks only for a floor, not this release)."""
-    if release(version)[0] >= 11:
+    """The wheel(s) that install exactly this TensorRT: from 10.13.3 on, the bare `tensorrt` is the CUDA 13 build (it
+    requires tensorrt_cu13), and CUDA 12 drivers take `tensorrt-cu12` (the `gpu` extra asks only for a floor)."""
+    if release(version) >= (10, 13, 3):
         return f"tensorrt=={version} (a CUDA 13 driver, r580 or newer) or tensorrt-cu12=={version} (a CUDA 12 driver)"
     return f"tensorrt=={version}"
 

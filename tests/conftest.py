@@ -50,7 +50,8 @@ SLOW_FILES_FIRST = ("tests/test_default_model.py", "tests/runtime/kernels/test_f
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # xdist: dispatch files in the collection order set below
+    # xdist (3.8 on): dispatch files in the collection order set below, unless asked otherwise
+    if hasattr(config.option, "loadscopereorder") and "--loadscope-reorder" not in config.invocation_params.args:
         config.option.loadscopereorder = False
 
 

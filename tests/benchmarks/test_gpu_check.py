@@ -30,7 +30,8 @@ def test_gpu_check_smoke(tmp_path):
 
 
 def test_a_part_that_fails_is_recorded_and_the_json_keeps_the_parts_before_it(tmp_path, monkeypatch):
-    """The GPU run is one scarce try: a part that raises (or a run the time limit kills) must not lose the others."""
+    """The GPU run is one scarce try: a part that raises (or a run the time limit kills) must not lose the others,
+    and the run's exit status says that something failed."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import gpu_check
 
@@ -39,9 +40,29 @@ def test_a_part_that_fails_is_recorded_and_the_json_keeps_the_parts_before_it(tm
     report = {"device": "test", "rows": []}
     assert gpu_check.part(report, "copy_gbs", lambda: 3000.0) == 3000.0
     assert json.loads(out.read_text())["copy_gbs"] == 3000.0  # written as soon as it was measured
-    gpu_check.part(report, "prefill", lambda: [{"phase": "prefill"}, 1 / 0], rows=True)
-    gpu_check.part(report, "decode", lambda: [{"phase": "decode"}], rows=True)
+    assert gpu_check.failures(report) == []
+
+    def prefill(rows, checkpoint):  # one length measured and kept, then the next one fails
+        rows.append({"phase": "prefill", "S": 2048, "impl": "aotlm", "ms": 1.0})
+        checkpoint()
+        assert json.loads(out.read_text())["rows"] == rows
+        rows.append({"phase": "prefill", "S": 8192, "impl": "aotlm", "note": "failed: out of shared memory"})
+        raise ZeroDivisionError("division by zero")
+
+    gpu_check.part(report, "prefill", lambda: prefill(report["rows"], lambda: gpu_check.checkpoint(report)))
+    gpu_check.part(report, "decode", lambda: report["rows"].append({"phase": "decode", "S": 64, "impl": "sdpa"}))
     written = json.loads(out.read_text())
-    assert written["rows"] == [{"phase": "decode"}] and written["copy_gbs"] == 3000.0
+    assert [row["S"] for row in written["rows"]] == [2048, 8192, 64] and written["copy_gbs"] == 3000.0
     assert written["failed"]["prefill"]["error"] == "ZeroDivisionError: division by zero"
-    assert "1 / 0" in written["failed"]["prefill"]["traceback"]
+    assert "division by zero" in written["failed"]["prefill"]["traceback"]
+    assert gpu_check.failures(written) == ["prefill: ZeroDivisionError: division by zero",
+                                           "aotlm at S=8192: failed: out of shared memory"]
+    written["kernel_tests"] = {"returncode": 1, "summary": "1 failed, 45 passed"}
+    assert "kernel tests: 1 failed, 45 passed" in gpu_check.failures(written)
+
+
+def test_a_json_path_under_a_file_is_refused_before_the_run(tmp_path):
+    (tmp_path / "file").write_text("")
+    completed = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--json",
+                                str(tmp_path / "file" / "gpu_check.json")], cwd=REPO, capture_output=True, text=True)
+    assert completed.returncode == 2 and "is a file, not a folder" in completed.stderr

@@ -365,13 +365,16 @@ def test_a_gpu_install_is_told_to_upgrade_onnxruntime_gpu_not_to_add_the_cpu_pac
     """Told `pip install -U onnxruntime`, an onnxruntime-gpu install got both packages in one module."""
     from importlib import metadata
 
-    real_version = metadata.version
-    monkeypatch.setattr(metadata, "version", lambda name: "1.31.1" if name == "onnxruntime-gpu" else real_version(name))
+    monkeypatch.setattr(metadata, "packages_distributions", lambda: {"onnxruntime": ["onnxruntime-gpu"]})
     assert "install onnxruntime-gpu>=1.32.0, or rebuild" in check_version("1.32.0", "1.31.1")
     with pytest.raises(ArtifactError, match=r"-U 'onnxruntime-gpu>=1.27'"):
         check_version("1.32.0", "1.26.0", ["int8_kv_cache"])
     with pytest.raises(ArtifactError, match=r"-U 'onnxruntime-gpu>=1.23.1'"):
         check_version("1.22.0", "1.22.0")
+    # both packages in one module (_one_onnxruntime warns), or none found: the CPU package's name
+    for found in (["onnxruntime", "onnxruntime-gpu"], []):
+        monkeypatch.setattr(metadata, "packages_distributions", lambda: {"onnxruntime": found})
+        assert "install onnxruntime>=1.32.0, or rebuild" in check_version("1.32.0", "1.31.1")
 
 
 def test_an_engine_says_it_runs_on_the_cpu_where_onnxruntime_offers_cuda(tiny_artifact, monkeypatch):
@@ -379,12 +382,13 @@ def test_an_engine_says_it_runs_on_the_cpu_where_onnxruntime_offers_cuda(tiny_ar
     user who expected the GPU is told so, with what runs there."""
     from runtime import Engine
 
-    with warnings.catch_warnings(record=True) as caught:
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["AzureExecutionProvider", "CPUExecutionProvider"])
+    with warnings.catch_warnings(record=True) as caught:  # the CPU package's providers
         warnings.simplefilter("always")
         Engine.load(tiny_artifact, huge_pages=False).close()
-    assert not [w for w in caught if "offers CUDA" in str(w.message)]
+    assert not [w for w in caught if "CUDA build" in str(w.message)]
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    with pytest.warns(AotlmWarning, match="offers CUDA here, and this artifact runs on the CPU.*TensorRT artifact"):
+    with pytest.warns(AotlmWarning, match="a CUDA build .* runs onnxruntime artifacts on the CPU.*TensorRT artifact"):
         engine = Engine.load(tiny_artifact, huge_pages=False)
     assert {s.get_providers()[0] for s in engine.backend.sessions.values()} == {"CPUExecutionProvider"}
     engine.close()

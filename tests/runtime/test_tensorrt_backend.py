@@ -29,12 +29,14 @@ def test_an_engine_for_another_version_or_gpu_is_refused_with_the_fix(installed,
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("installed", [None, "10.15.1.29"])
-def test_tensorrt_11_engines_name_the_wheel_for_each_cuda_driver(installed):
-    """From TensorRT 11 the bare `tensorrt` wheel is the CUDA 13 build: a CUDA 12 host needs tensorrt-cu12."""
+@pytest.mark.parametrize("built", ["10.15.1.29", "11.4.1.3"])
+@pytest.mark.parametrize("installed", [None, "10.14.1.48"])
+def test_engines_name_the_wheel_for_each_cuda_driver(built, installed):
+    """From 10.13.3 the bare `tensorrt` wheel is the CUDA 13 build (it requires tensorrt_cu13): a CUDA 12 host needs
+    tensorrt-cu12."""
     with pytest.raises(ArtifactError) as error:
-        check_compatible({**BUILT, "version": "11.4.1.3"}, installed, (9, 0), "H100")
-    assert "install tensorrt==11.4.1.3 (a CUDA 13 driver, r580 or newer) or tensorrt-cu12==11.4.1.3" in str(error.value)
+        check_compatible({**BUILT, "version": built}, installed, (9, 0), "H100")
+    assert f"install tensorrt=={built} (a CUDA 13 driver, r580 or newer) or tensorrt-cu12=={built}" in str(error.value)
 
 
 def test_an_engine_for_another_gpu_of_the_same_major_generation_is_refused():
