@@ -66,3 +66,57 @@ def test_a_json_path_under_a_file_is_refused_before_the_run(tmp_path):
     completed = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--json",
                                 str(tmp_path / "file" / "gpu_check.json")], cwd=REPO, capture_output=True, text=True)
     assert completed.returncode == 2 and "is a file, not a folder" in completed.stderr
+
+
+def _gpu_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_check
+    return gpu_check
+
+
+def test_a_failing_part_is_in_the_json_before_the_next_part_runs(tmp_path, monkeypatch):
+    gpu_check = _gpu_check(monkeypatch)
+    out = tmp_path / "gpu_check.json"
+    monkeypatch.setattr(gpu_check.ARGS, "json", str(out))
+    gpu_check.part({"rows": []}, "prefill", lambda: 1 / 0)  # no later part writes it
+    assert "ZeroDivisionError" in json.loads(out.read_text())["failed"]["prefill"]["error"]
+
+
+def test_kernel_tests_that_time_out_keep_the_end_of_what_they_printed(monkeypatch):
+    gpu_check = _gpu_check(monkeypatch)
+
+    def timed_out(command, **kwargs):
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"], output=b"x" * 5000 + b"\n....F..", stderr=None)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", timed_out)
+    result = gpu_check.kernel_tests()
+    assert result["returncode"] == f"timed out after {gpu_check.KERNEL_TESTS_TIMEOUT_S} s"
+    assert result["summary"] == "....F.." and result["output_tail"].endswith("\n....F..")
+    json.dumps(result)  # strings, not bytes: the part's JSON must still be writable
+
+
+COPY_FAILS = """
+import json, sys
+repo, out = sys.argv[1], sys.argv[2]
+sys.path.insert(0, repo)
+sys.argv = ["gpu_check.py", "--smoke", "--json", out]
+source = open(repo + "/benchmarks/gpu_check.py").read().replace('if __name__ == "__main__":\\n    main()', "")
+namespace = {"__name__": "__main__", "__file__": repo + "/benchmarks/gpu_check.py"}
+exec(compile(source, "gpu_check.py", "exec"), namespace)
+def copy_fails():
+    raise RuntimeError("CUDA error: out of memory")
+namespace["copy_bandwidth_gbs"] = copy_fails
+namespace["main"]()
+"""
+
+
+def test_a_failed_copy_costs_only_the_of_copy_column(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    completed = subprocess.run([sys.executable, "-c", COPY_FAILS, str(REPO), str(out)], cwd=REPO, capture_output=True,
+                               text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert completed.returncode == 1, completed.stderr[-3000:]  # the table printed, with empty "of copy" cells
+    assert "1 failed:\n  copy_gbs: RuntimeError: CUDA error: out of memory" in completed.stdout
+    report = json.loads(out.read_text())
+    assert list(report["failed"]) == ["copy_gbs"]
+    decode = [row for row in report["rows"] if row["phase"] == "decode"]
+    assert decode and all(row["of_copy"] is None and row["ms"] > 0 for row in decode)

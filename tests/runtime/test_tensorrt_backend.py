@@ -39,6 +39,17 @@ def test_engines_name_the_wheel_for_each_cuda_driver(built, installed):
     assert f"install tensorrt=={built} (a CUDA 13 driver, r580 or newer) or tensorrt-cu12=={built}" in str(error.value)
 
 
+@pytest.mark.parametrize("installed, fix", [
+    (None, "install tensorrt==10.13.0.35 on a machine with an NVIDIA GPU"),
+    ("10.14.1.48", "install tensorrt==10.13.0.35, or rebuild the artifact here (`aotlm build RECIPE`)"),
+])
+def test_engines_before_10_13_3_name_only_the_bare_wheel(installed, fix):
+    """Its bare wheel was still the CUDA 12 build: no CUDA 13 advice."""
+    with pytest.raises(ArtifactError) as error:
+        check_compatible(BUILT, installed, (9, 0), "H100")
+    assert str(error.value).endswith(fix) and "cu12" not in str(error.value)
+
+
 def test_an_engine_for_another_gpu_of_the_same_major_generation_is_refused():
     built_on_a10 = {**BUILT, "gpu": "NVIDIA A10", "compute_capability": "8.6"}
     with pytest.raises(ArtifactError, match=r"compute capability 8.6 \(NVIDIA A10\), but this GPU \(L4\) is 8.9"):

@@ -194,6 +194,22 @@ def test_kernels_compile_ahead_of_time_for_sm90():
     assert completed.stdout.count("bytes of shared memory") == 12, completed.stdout
 
 
+def test_the_ptx_default_is_asked_through_tritons_options_whatever_get_ptxas_looks_like(monkeypatch):
+    """triton 3.4-3.5's shape: get_ptxas() takes no arch (calling get_ptxas(arch) failed there, on the GPU machine
+    only); Triton's own get_ptx_version_from_options(options, arch) copes, in each release."""
+    from types import SimpleNamespace
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia import compiler
+
+    from runtime.kernels import aot
+
+    monkeypatch.setattr(compiler, "get_ptxas", lambda: SimpleNamespace(version="12.8"))
+    monkeypatch.setattr(compiler, "get_ptx_version_from_options",
+                        lambda options, arch: options.ptx_version or compiler.ptx_get_version(compiler.get_ptxas().version))
+    assert aot._ptxas_ptx_version(GPUTarget("cuda", 90, 32)) == 87
+
+
 @pytest.mark.parametrize("case", ["first prompt with right padding", "decode one token", "later chunk of three"])
 def test_reference_matches_the_op_meaning_with_identity_rotary(case):
     """Ties the kernel contract to passes/flash_attention_op.reference: rotary with cos=1, sin=0 is the identity."""
