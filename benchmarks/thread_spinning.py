@@ -1,10 +1,12 @@
 """Engine.load(spin_after_run=False), the default, against ["decode"] (the prefill session stops, the decode
-session spins on) and True (onnxruntime's own default for both): whether an engine's intra-op threads keep
-spinning after a run returns, while its prefill and decode sessions share the cores.
+session spins on), spin_during_run=False (no spinning at all, `--no-spin`) and True (onnxruntime's own default for
+both): whether an engine's intra-op threads keep spinning after a run returns, while its prefill and decode sessions
+share the cores, and whether they should spin at all where other processes use the cores (--busy-cores N runs N
+processes that each keep a core busy while everything is measured: co-located work).
 
     .venv/bin/python benchmarks/thread_spinning.py [--artifacts artifacts/smollm2-135m,artifacts/smollm2-135m-int4]
         [--repeats 3] [--prompt 512] [--new-tokens 128] [--requests 64] [--request-prompt 128]
-        [--request-outputs 16:256] [--slots 16] [--threads N] [--out PATH]
+        [--request-outputs 16:256] [--slots 16] [--threads N] [--busy-cores 0] [--out PATH]
 
 Each artifact is loaded once per arm in one process, each without huge pages (Engine.load's huge_pages: how
 much of an engine's memory the kernel collapses varies from one load to the next, by about what is measured here),
@@ -24,6 +26,7 @@ beside it of the mean gap by token index, every arm.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,8 +44,14 @@ from runtime.bench import BenchError, parse_range  # noqa: E402
 from runtime.manifest import read_manifest  # noqa: E402
 from compiler.console import print_table  # noqa: E402
 
-# label: Engine.load's spin_after_run; the last arm is what the table's ratios divide by
-ARMS = {"stop after run": False, "decode spins on": ["decode"], "spin after run": True}
+# label: Engine.load's spinning keywords; the last arm is what the table's ratios divide by
+ARMS = {"stop after run": {"spin_after_run": False}, "decode spins on": {"spin_after_run": ["decode"]},
+        "never spin": {"spin_during_run": False}, "spin after run": {"spin_after_run": True}}
+
+
+def busy_core() -> subprocess.Popen:
+    """A process that keeps one core busy until killed (--busy-cores: the co-located work)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def single_stream(engine: Engine, prompt_ids: list[int], new_tokens: int, early: int) -> dict:
@@ -92,12 +101,16 @@ def check_artifact(artifact: Path, args) -> dict:
 
 
 def measure(artifact: Path, manifest: dict, args, console: Console) -> dict:
-    engines = {label: Engine.load(artifact, intra_op_threads=args.threads, huge_pages=False, spin_after_run=spin,
-                                 generation_config="none")
-               for label, spin in ARMS.items()}
+    engines = {label: Engine.load(artifact, intra_op_threads=args.threads, huge_pages=False, generation_config="none",
+                                 **spinning)
+               for label, spinning in ARMS.items()}
+    busy = [busy_core() for _ in range(args.busy_cores)]
     try:
         return measure_engines(artifact, manifest, engines, args, console)
     finally:
+        for process in busy:
+            process.kill()
+            process.wait()
         for engine in engines.values():
             engine.close()
 
@@ -138,8 +151,9 @@ def summary(runs: list[dict]) -> dict:
 
 
 def render(results: list[dict], args, console: Console) -> None:
-    table = Table(title=f"onnxruntime threads after a run: stopped (default), decode only spinning, both spinning; "
-                        f"medians of {args.repeats} rotating repeats, ratios paired per repeat")
+    beside = f", {args.busy_cores} other processes each keeping a core busy" if args.busy_cores else ""
+    table = Table(title=f"onnxruntime threads after a run: stopped (default), decode only spinning, never spinning, "
+                        f"both spinning{beside}; medians of {args.repeats} rotating repeats, ratios paired per repeat")
     columns = (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), (f"gap, first {args.early} ms", "early_gap_ms"),
                ("gap, later ms", "later_gap_ms"), ("continuous tok/s", "continuous_tokens_per_s"),
                ("static tok/s", "static_tokens_per_s"))
@@ -188,6 +202,8 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--pause", type=float, default=0.5, help="seconds before each run")
     parser.add_argument("--threads", type=thread_count, default=usable_cpus())
+    parser.add_argument("--busy-cores", type=int, default=0,
+                        help="processes that each keep a core busy while the arms are measured (co-located work)")
     parser.add_argument("--out", type=Path, default=RESULTS / "thread_spinning.json")
     args = parser.parse_args(argv)
     output_file(parser, args.out)  # before the work, not a traceback after it
@@ -195,6 +211,9 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> dict:
     for name in ("repeats", "prompt", "early", "requests", "request_prompt", "slots"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not 0 <= args.busy_cores <= usable_cpus():
+        raise SystemExit(f"--busy-cores must be 0 to {usable_cpus()} (the CPUs this process may use), got "
+                         f"{args.busy_cores}")
     if args.new_tokens <= args.early:
         raise SystemExit(f"--new-tokens ({args.new_tokens}) must exceed --early ({args.early})")
     try:

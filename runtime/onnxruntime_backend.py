@@ -89,9 +89,10 @@ def cache_dtype(kv_spec: dict) -> type:
 # spinning (TPOT 3-5% lower): Engine.load(spin_after_run=["decode"]), which `aotlm run` uses.
 STOP_SPINNING_AFTER_RUN = "session.force_spinning_stop"
 # While a run is in progress the pool's threads spin between its operators' pieces of work. On a host whose cores
-# other processes keep busy, a spinning thread holds a core they want and waits for one they hold: with one core of
-# 2 taken by another process, the default model's decode steps took 79-91 ms spinning against 45-60 ms with it off
-# (and ~20 against ~22 ms on a quiet host). Engine.load(spin_during_run=False), `--no-spin`, turns it off.
+# other processes keep busy, a spinning thread holds a core they want and waits for one they hold: beside a process
+# busy on one core of 2, the default model's decode steps took 29.0-31.4 ms spinning against 23.3-27.1 ms with it
+# off (79-91 against 45-60 ms with more work beside them), and 17.9-20.0 against 19.3-24.3 ms on an idle host (README,
+# "Threads after a run"). Engine.load(spin_during_run=False), `--no-spin`, turns it off.
 ALLOW_SPINNING = "session.intra_op.allow_spinning"
 
 

@@ -15,15 +15,38 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import thread_spinning  # noqa: E402
 
 
-def test_every_arm_on_the_tiny_artifact(tiny_artifact, tmp_path, opened_sessions_stop_spinning):
+def test_every_arm_on_the_tiny_artifact(tiny_artifact, tmp_path, opened_sessions_stop_spinning, monkeypatch):
+    import runtime.onnxruntime_backend as backend
+
     out = tmp_path / "spin.json"
+    busy = []  # the --busy-cores processes: started with the measuring, and ended with it
+
+    class Busy:
+        def __init__(self):
+            self.ended = False
+            busy.append(self)
+
+        def kill(self):
+            self.ended = True
+
+        def wait(self):
+            assert self.ended
+
+    monkeypatch.setattr(thread_spinning, "busy_core", Busy)
+    allowed = []
+    real = backend.session_options
+    monkeypatch.setattr(backend, "session_options", lambda *a, **k: allowed.append(k["spin_during_run"]) or real(*a, **k))
     report = thread_spinning.main(["--artifacts", str(tiny_artifact), "--repeats", "2", "--prompt", "24",
                                    "--new-tokens", "12", "--early", "4", "--requests", "6", "--request-prompt", "8",
-                                   "--request-outputs", "4:20", "--slots", "3",
+                                   "--request-outputs", "4:20", "--slots", "3", "--busy-cores", "1",
                                    "--pause", "0", "--threads", "1", "--out", str(out)], console=Console(quiet=True))
-    # per arm its prefill and decode sessions: both stop; the prefill stops, the decode spins on; both spin on
-    assert opened_sessions_stop_spinning == [True, True, True, False, False, False]
-    assert list(thread_spinning.ARMS.values()) == [False, ["decode"], True]
+    assert len(busy) == 1 and busy[0].ended and report["settings"]["busy_cores"] == 1
+    # per arm its prefill and decode sessions: both stop; the prefill stops, the decode spins on; never spinning
+    # (during a run either); both spin on
+    assert allowed == [True, True, True, True, False, False, True, True]
+    assert opened_sessions_stop_spinning == [True, True, True, False, True, True, False, False]
+    assert list(thread_spinning.ARMS.values()) == [{"spin_after_run": False}, {"spin_after_run": ["decode"]},
+                                                   {"spin_during_run": False}, {"spin_after_run": True}]
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["settings"]["arms"] == thread_spinning.ARMS  # which setting each label stood for
     assert out.with_suffix(".png").stat().st_size > 0
