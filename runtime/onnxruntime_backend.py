@@ -90,9 +90,9 @@ def cache_dtype(kv_spec: dict) -> type:
 STOP_SPINNING_AFTER_RUN = "session.force_spinning_stop"
 # While a run is in progress the pool's threads spin between its operators' pieces of work. On a host whose cores
 # other processes keep busy, a spinning thread holds a core they want and waits for one they hold: beside a process
-# busy on one core of 2, the default model's decode steps took 29.0-31.4 ms spinning against 23.3-27.1 ms with it
-# off (79-91 against 45-60 ms with more work beside them), and 17.9-20.0 against 19.3-24.3 ms on an idle host (README,
-# "Threads after a run"). Engine.load(spin_during_run=False), `--no-spin`, turns it off.
+# busy on one core of 2, the default model's TPOT was 0.68x with spinning off and the continuous scheduler's tokens/s
+# 1.42x; on an idle host 1.00x and 1.01x (benchmarks/thread_spinning.py --busy-cores, README "Threads after a run").
+# Engine.load(spin_during_run=False), `--no-spin`, turns it off.
 ALLOW_SPINNING = "session.intra_op.allow_spinning"
 
 
