@@ -245,12 +245,19 @@ def tensorrt_run() -> dict:
             "version": engine.manifest["backend"]["version"]}
 
 
-def checkpoint(report: dict) -> None:
-    """The report so far into --json; a write that fails is said, and the run goes on (its table still prints)."""
+def checkpoint(report: dict) -> bool:
+    """The report so far into --json; a write that fails is said (and counted by failures()), and the run goes on
+    (its table still prints). Whether it was written."""
     try:
         write_json(ARGS.json, report)
     except OSError as error:
         console.print(f"[red]could not write {ARGS.json}[/red]: {error}")
+        WRITE_FAILURES.append(str(error))
+        return False
+    return True
+
+
+WRITE_FAILURES: list[str] = []  # checkpoint()'s, for the exit status
 
 
 def part(report: dict, name: str, measure):
@@ -276,6 +283,8 @@ def failures(report: dict) -> list[str]:
         failed.append(f"kernel tests: {tests['summary']}")
     failed += [f"{row['impl']} at S={row['S']}: {row.get('compare_failed') or row['note']}" for row in report["rows"]
                if "compare_failed" in row or str(row.get("note", "")).startswith("failed")]
+    if WRITE_FAILURES:
+        failed.append(f"--json {ARGS.json} not written: {WRITE_FAILURES[-1]}")
     return failed
 
 
@@ -303,8 +312,9 @@ def main() -> None:
     print_table(table, console)
     if not ARGS.skip_tensorrt and not ARGS.smoke:
         console.print("TensorRT:", part(report, "tensorrt", tensorrt_run))
-    checkpoint(report)
-    console.print(f"wrote {ARGS.json}")
+    WRITE_FAILURES.clear()  # the last write is the one that counts: it holds everything
+    if checkpoint(report):
+        console.print(f"wrote {ARGS.json}")
     if failed := failures(report):
         console.print(f"[red]{len(failed)} failed[/red]:\n  " + "\n  ".join(failed))
         raise SystemExit(1)

@@ -26,6 +26,7 @@ beside it of the mean gap by token index, every arm.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -50,8 +51,12 @@ ARMS = {"stop after run": {"spin_after_run": False}, "decode spins on": {"spin_a
 
 
 def busy_core() -> subprocess.Popen:
-    """A process that keeps one core busy until killed (--busy-cores: the co-located work)."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """A process that keeps one core busy until killed (--busy-cores: the co-located work), or until this process
+    ends: a SIGTERM (`timeout`) or kill -9 skips the `finally` that kills it, and it spun on at 95% of a core, as the
+    child of init. Ctrl-C is this process's to handle."""
+    loop = (f"import os, signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            f"while os.getppid() == {os.getpid()}: pass")
+    return subprocess.Popen([sys.executable, "-c", loop])
 
 
 def single_stream(engine: Engine, prompt_ids: list[int], new_tokens: int, early: int) -> dict:

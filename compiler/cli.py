@@ -397,11 +397,12 @@ def _bench(args) -> None:
                                     weight_bytes_per_step=(artifact_step_weight_bytes(args.artifact)
                                                            if args.phase == "decode" else None))
         print_table(bench.phase_table(args.phase, rows, peaks))
-        shown = f"peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads"
+        shown = f"peaks: {peaks['device']}; {params / 1e6:.1f} M params; {threads} threads" + (
+            ", never spinning (--no-spin)" if args.no_spin else "")
         message(f"[dim]{escape(shown)}[/dim]")
         counted = {"runs": args.runs} if args.phase == "prefill" else {"steps": args.steps}  # what the phase used
         settings = {**record, "phase": args.phase, "batch": args.batch, **counted,
-                    "threads": threads}
+                    "threads": threads, "spin_during_run": not args.no_spin}
         out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
         if is_stream(args.out):  # no plot beside a stream ("-" had left ./--steps.png)
             message(escape(f"wrote {out}"))
@@ -460,8 +461,9 @@ def _bench(args) -> None:
                         f"{first['request']}: {first['error']}); the metrics are the completed requests'")
             if all(trace is None for trace in traces):
                 raise bench.BenchError(f"{backend}: every request failed; the first: {first['error']}")
-    settings = {**record, "threads": threads, "backends": list(runs), "baselines": baselines,
-                "batching": modes,
+    # --no-spin is aotlm's engine's: the baselines' onnxruntime threads spin as their own defaults have them
+    settings = {**record, "threads": threads, "spin_during_run": not args.no_spin, "backends": list(runs),
+                "baselines": baselines, "batching": modes,
                 "slots": slots, "prefill_chunk": args.prefill_chunk, "prefix_caching": args.prefix_caching,
                 "prompt_source": args.prompt_file or "pydoc_data.topics (sorted, joined)",
                 "decoding": "greedy, stop tokens disabled", "slo": slo or None, "prompt_tokens_asked": args.prompt_tokens,

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from compiler.console import ReaderAwareConsole, console, message, print_table, warning
-from compiler.errors import check_output_file, thread_count, user_path
+from compiler.errors import NO_SPIN_HELP, check_output_file, thread_count, user_path
 
 
 class _ArtifactInfo:
@@ -139,7 +139,8 @@ def _score(args, candidate: _ArtifactInfo, reference: _ArtifactInfo | None, toke
 
     def load(scored: _ArtifactInfo):
         # Scoring runs multi-token windows, bound by arithmetic, not by reading the weights: no huge pages.
-        return decode_logits_for(Engine.load(scored.path, intra_op_threads=args.threads, huge_pages=False))
+        return decode_logits_for(Engine.load(scored.path, intra_op_threads=args.threads, huge_pages=False,
+                                             spin_during_run=not args.no_spin))
 
     model = load(candidate)
     reference_logits = load(reference) if reference is not None else None
@@ -263,3 +264,4 @@ def add_evaluation_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
     command.add_argument("--json", type=user_path, default=None, metavar="OUT", help="also write the results to this JSON file (- for stdout)")
     command.add_argument("--threads", type=thread_count, default=None, help="onnxruntime intra-op threads (default: artifact's)")
+    command.add_argument("--no-spin", action="store_true", help=NO_SPIN_HELP)

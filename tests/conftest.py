@@ -49,9 +49,18 @@ SLOW_FILES_FIRST = ("tests/test_default_model.py", "tests/runtime/kernels/test_f
                     "tests/test_default_model_tensorrt.py")
 
 
+def reorder_asked(config) -> bool:
+    """--loadscope-reorder given on the command line, in PYTEST_ADDOPTS or in the ini file's addopts."""
+    import shlex
+
+    given = [*config.invocation_params.args, *shlex.split(os.environ.get("PYTEST_ADDOPTS", "")),
+             *config.getini("addopts")]
+    return "--loadscope-reorder" in given
+
+
 def pytest_configure(config):
     # xdist (3.8 on): dispatch files in the collection order set below, unless asked otherwise
-    if hasattr(config.option, "loadscopereorder") and "--loadscope-reorder" not in config.invocation_params.args:
+    if hasattr(config.option, "loadscopereorder") and not reorder_asked(config):
         config.option.loadscopereorder = False
 
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import REPO, SLOW_FILES_FIRST
+import pytest
+
+from tests.conftest import REPO, SLOW_FILES_FIRST, reorder_asked
 
 
 def test_xdist_keeps_the_collection_order(pytestconfig):
-    if hasattr(pytestconfig.option, "loadscopereorder"):  # xdist installed
-        assert pytestconfig.option.loadscopereorder is False
+    if not hasattr(pytestconfig.option, "loadscopereorder"):
+        pytest.skip("pytest-xdist is not installed")
+    if reorder_asked(pytestconfig):
+        pytest.skip("--loadscope-reorder was asked for: xdist orders the files by their number of tests")
+    assert pytestconfig.option.loadscopereorder is False
 
 
 def test_the_slowest_files_are_collected_first():

@@ -120,3 +120,14 @@ def test_a_failed_copy_costs_only_the_of_copy_column(tmp_path):
     assert list(report["failed"]) == ["copy_gbs"]
     decode = [row for row in report["rows"] if row["phase"] == "decode"]
     assert decode and all(row["of_copy"] is None and row["ms"] > 0 for row in decode)
+
+
+def test_a_json_that_cannot_be_written_is_a_failure_not_a_success(tmp_path, monkeypatch):
+    """A disk that fills up: the run goes on and prints its table, but does not end as if its record were kept."""
+    gpu_check = _gpu_check(monkeypatch)
+    monkeypatch.setattr(gpu_check.ARGS, "json", str(tmp_path / "gpu_check.json"))
+    monkeypatch.setattr(gpu_check, "write_json", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setattr(gpu_check, "WRITE_FAILURES", [])
+    report = {"rows": []}
+    assert gpu_check.part(report, "copy_gbs", lambda: 3000.0) == 3000.0  # measured, kept in memory
+    assert gpu_check.failures(report) == [f"--json {tmp_path / 'gpu_check.json'} not written: [Errno 28] No space left"]

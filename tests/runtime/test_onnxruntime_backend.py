@@ -3,6 +3,7 @@ the manifest) reach its session, and a malformed one is refused with the fix."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import warnings
@@ -71,10 +72,11 @@ def test_sessions_may_be_told_never_to_spin_and_an_engines_own_entry_wins():
     ["run", "--prompt", "hi", "--max-new-tokens", "2"],
     ["chat"],
     ["bench", "--requests", "1", "--prompt-tokens", "4", "--output-tokens", "2", "--warmup", "0"],
+    ["eval", "--text", "builtin:pydoc-held-out", "--max-tokens", "40", "--window", "16"],
 ])
-def test_no_spin_reaches_every_session_an_engine_opens(command, chat_artifact, monkeypatch, capsys):
-    """`--no-spin` on run, chat and bench (serve: below) opens both sessions without spinning; without it, both
-    spin during runs."""
+def test_no_spin_reaches_every_session_an_engine_opens(command, chat_artifact, monkeypatch, capsys, tmp_path):
+    """`--no-spin` on run, chat, bench and eval (serve: tests/compiler/test_cli_serve.py) opens both sessions
+    without spinning; without it, both spin during runs. bench records which in its JSON."""
     import runtime.onnxruntime_backend as backend
     from compiler.cli import main
 
@@ -92,10 +94,14 @@ def test_no_spin_reaches_every_session_an_engine_opens(command, chat_artifact, m
 
     monkeypatch.setattr(backend, "session_options", recording)
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    out = ["--out", str(tmp_path / "bench.json")] if command[0] == "bench" else []
     for flags, expected in (([], [None, None]), (["--no-spin"], ["0", "0"])):
         allowed.clear()
-        assert main([command[0], str(artifact), *command[1:], *flags]) == 0, capsys.readouterr()
+        assert main([command[0], str(artifact), *command[1:], *out, *flags]) == 0, capsys.readouterr()
         assert allowed == expected, (command[0], flags)
+        if out:
+            settings = json.loads((tmp_path / "bench.json").read_text())["settings"]
+            assert settings["spin_during_run"] is (flags == [])
 
 
 def test_an_engine_refuses_a_spinning_flag_that_is_not_a_bool(tiny_artifact):
