@@ -97,7 +97,7 @@ def test_compare_scores_the_candidate_against_the_reference_not_the_other_way(mo
     monkeypatch.setattr("runtime.evaluate.decode_logits_for", lambda path: lambda ids: tables[path][ids])
     info = lambda path: argparse.Namespace(path=path, name=path)  # noqa: E731
     tokens = list(rng.integers(0, 9, size=40))
-    result = cli_evaluate._score(argparse.Namespace(threads=None), info("B"), info("A"), tokens, 16, 8)
+    result = cli_evaluate._score(argparse.Namespace(threads=None, no_spin=False), info("B"), info("A"), tokens, 16, 8)
     expected = evaluate(tokens, lambda ids: tables["B"][ids], window=16, stride=8,
                         reference_logits_for=lambda ids: tables["A"][ids])
     assert result == expected
