@@ -140,7 +140,7 @@ def thread_count(text: str) -> int:
     return value
 
 
-# --no-spin (run, chat, serve, bench): Engine.load(spin_during_run=False)
+# --no-spin (run, chat, serve, bench, eval, compare): Engine.load(spin_during_run=False)
 NO_SPIN_HELP = ("onnxruntime's threads sleep while they wait, during runs too, instead of spinning: for a host whose "
                 "cores other processes use (TPOT 0.68x beside one busy core of 2; served tokens/s 0.94-1.01x when "
                 "idle)")

@@ -311,8 +311,7 @@ class Engine:
         decode steps. An engine whose manifest session_config sets that key keeps its own value.
         spin_during_run: False: onnxruntime's threads never spin, during a run either, for a host whose cores other
         processes use (TPOT 0.68x beside one busy core of 2, 1.00x on an idle host: runtime/onnxruntime_backend.py,
-        ALLOW_SPINNING). False overrides spin_after_run. The spinning flags apply
-        to onnxruntime artifacts only.
+        ALLOW_SPINNING). False overrides spin_after_run. The spinning flags apply to onnxruntime artifacts only.
         generation_config: "auto" (the default, as vLLM's): a request's unset sampling options take the model's own
         defaults where its source ships them (generation_config.json's temperature, top_p, top_k and min_p with
         do_sample, and repetition_penalty; a GGUF's general.sampling; `engine.sampling_defaults` shows what they
