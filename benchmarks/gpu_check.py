@@ -52,15 +52,13 @@ def parse_args(argv=None):
     return args
 
 
-def release(version: str) -> tuple[int, ...]:
-    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in version.split("+")[0].split(".")[:2])
-
-
 ARGS = parse_args(None if __name__ == "__main__" else [])
 if ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     import numpy
     import triton  # (a module pytorch-triton or triton-windows may provide: its own version, not a distribution's)
+
+    from runtime.versions import release
 
     if release(triton.__version__) < (3, 7) and release(numpy.__version__) >= (2, 4):  # (the dev extra's floor)
         raise SystemExit(f"--smoke runs the kernels in Triton's interpreter, which before triton 3.7 fails on numpy "
