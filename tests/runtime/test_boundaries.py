@@ -75,3 +75,28 @@ def test_the_runtime_commands_run_without_the_compiler_extra(tiny_artifact, tmp_
     completed = _cli_without_the_compiler_extra("bench", str(tiny_artifact), "--phase", "decode", "--contexts", "8",
                                                 "--steps", "2", "--out", str(tmp_path / "d.json"), home=str(tmp_path))
     assert completed.returncode == 2 and "pip install 'aotlm[compiler]' once" in completed.stderr, completed.stderr
+
+
+def test_the_package_imports_its_names_on_first_use():
+    """`import runtime.errors` (the compiler's, a GPU image's `runtime.kernels`) imported the engine with the package:
+    onnxruntime and tokenizers, ~0.3 s, and a kernels-only install needed tokenizers. The package's names now come
+    from their modules when first used."""
+    script = (
+        "import sys\n"
+        "import runtime.errors, runtime.manifest, runtime.versions\n"
+        "from runtime import RequestError\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('onnxruntime', 'tokenizers', 'numpy', 'rich')\n"
+        "               or m in ('runtime.engine', 'runtime.scheduler'))\n"
+        "print(heavy)\n"
+        "import runtime\n"
+        "from runtime import Engine, Scheduler\n"
+        "assert Engine is runtime.engine.Engine and runtime.Scheduler is Scheduler and 'Engine' in dir(runtime)\n"
+        "try:\n"
+        "    runtime.Engin\n"
+        "except AttributeError as error:\n"
+        "    print(error)\n"
+        "sys.exit(1 if heavy else 0)\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "module 'runtime' has no attribute 'Engin'" in completed.stdout
