@@ -442,15 +442,16 @@ def _bench(args) -> None:
 
         peers.check_installed(baselines)  # before anything is served: aotlm's run is not lost to a missing peer
         loaders.update({peer: (lambda peer=peer: peers.load(peer, manifest, threads, console)) for peer in baselines})
-    runs, failures = {}, {}
+    runs, failures, lateness = {}, {}, {}
     with Progress(console=console) as progress:
         for backend, load in loaders.items():  # one after another, never at once
             task = progress.add_task(f"{backend:18}", total=len(workload.requests) + len(workload.warmup))
             serve = load()
             failures[backend] = []  # a failed request is counted and said, as vLLM's bench does; the rest is measured
+            lateness[backend] = []
             try:
                 traces = bench.run_workload(serve, workload, on_done=lambda task=task: progress.advance(task),
-                                            failures=failures[backend])
+                                            failures=failures[backend], lateness=lateness[backend])
             finally:
                 getattr(serve, "close", lambda: None)()  # stop a scheduler's worker thread
                 del serve  # free its weights before the next backend loads
@@ -468,7 +469,10 @@ def _bench(args) -> None:
                 "prompt_source": args.prompt_file or "pydoc_data.topics (sorted, joined)",
                 "decoding": "greedy, stop tokens disabled", "slo": slo or None, "prompt_tokens_asked": args.prompt_tokens,
                 "output_tokens_asked": args.output_tokens, **workload.settings()}
-    result = bench.report(settings, runs, slo=slo or None, failures=failures)
+    result = bench.report(settings, runs, slo=slo or None, failures=failures, lateness=lateness)
+    for backend, entry in result["backends"].items():
+        if bench.late_sends(entry):
+            warning(f"{backend}: {bench.late_sends(entry)}")
     # a pipe would get 80 columns; a reader that left loses the tables, not the JSON written after them
     wide = console if console.is_terminal else ReaderAwareConsole(stderr=True, width=160, emoji=False)
     for backend, entry in result["backends"].items():
@@ -510,7 +514,9 @@ def _run_record(artifact: str, manifest: dict) -> dict:
             # its files' hashes alone: two builds of one recipe have the same (their manifests' times differ)
             "artifact_files_sha256": hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest(),
             "aotlm": _aotlm_version(),
-            "percentiles": "numpy's linear interpolation", "trace_times": "seconds since the backend's first arrival"}
+            "percentiles": "numpy's linear interpolation",
+            "trace_times": "seconds since the backend's run started (its first arrival; with --arrival poisson, one "
+                           "gap before it)"}
 
 
 def _aotlm_version() -> str:

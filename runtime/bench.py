@@ -7,11 +7,14 @@ arrives, so many are in flight at once. Either way a request's `arrival` is when
 concurrency: when its client's last request ended and the runner sent it; poisson: its scheduled time, not when the
 runner got to send it): time spent waiting shows in its TTFT and `queue`, and so does any lateness of the runner's
 thread (vLLM's `bench serve` times from the actual send instead; the runner shares the server's process and GIL: its
-lateness measured p99 6.7 ms, median 0.12 ms, on the tiny model at 150 requests/s). Arrivals:
+lateness measured p99 6.7 ms, median 0.12 ms, on the tiny model at 150 requests/s; each Poisson run records its own,
+`send_lateness_ms`). Arrivals:
     all          every request enters the queue at once
     concurrency  closed loop: C clients, each sends its next request when its previous one finishes
-    poisson      a seeded Poisson process of `rate` requests/s (exponential gaps; the first arrives at 0), its gaps
-                 rescaled as vLLM's so that the N requests' realized rate is `rate` (the last at (N - 1) / rate)
+    poisson      a seeded Poisson process of `rate` requests/s: N exponential gaps rescaled as vLLM's get_request
+                 rescales them, so the first request arrives one gap after the run starts and the last at N / rate;
+                 the run's duration starts there too, so a server that keeps up reports `rate` requests/s (timed
+                 from the first arrival instead, it reported N / (N - 1) times that: +17% at 4 requests)
 Outputs never stop early (stop tokens disabled), so every request makes exactly its asked output tokens.
 Metrics are runtime.metrics' (vLLM's definitions). Also times the prefill and decode graphs alone (`time_phase`)
 against peaks the caller passes in (the runtime does not import the compiler). Needs numpy and rich; matplotlib
@@ -59,7 +62,7 @@ class Workload:
     concurrency: int
     rate: float | None
     seed: int
-    offsets: list[float] | None  # poisson: seconds after the start when each request arrives
+    offsets: list[float] | None  # poisson: seconds after the run's start when each request arrives (the first > 0)
     shared_prefix: int = 0  # tokens every prompt begins with (a system prompt), before its own text
 
     def settings(self) -> dict:
@@ -205,14 +208,13 @@ def make_workload(encode: Callable[[str], list[int]], *, max_context: int, reque
     made = [Request(prefix + ids[cuts[i]:cuts[i + 1]], int(output_lengths[i])) for i in range(total)]
     offsets = None
     if arrival == "poisson":
-        # N - 1 exponential gaps, rescaled (as vLLM's get_request rescales its gaps to N / rate) so that the realized
-        # rate is the asked one: the last of N requests arrives at (N - 1) / rate. Unscaled, a run's rate is off by
-        # sampling noise: seed 0 offered 0.87x --rate with 32 requests, 0.72x with 16. Scaled exponential gaps are the
-        # spacings of uniform points: a Poisson process conditioned on its (N-1)th arrival at (N - 1) / rate.
-        gaps = np.random.default_rng([seed, 0]).exponential(1.0 / rate, size=requests)[:-1]
-        if gaps.size:
-            gaps *= gaps.size / rate / gaps.sum()
-        offsets = np.concatenate([[0.0], np.cumsum(gaps)]).tolist()
+        # N exponential gaps, rescaled as vLLM's get_request rescales them so that the realized rate is the asked
+        # one: the last of N requests arrives at N / rate, the first one gap after the start. Unscaled, a run's rate is
+        # off by sampling noise: seed 0 offered 0.87x --rate with 32 requests, 0.72x with 16. Scaled exponential gaps
+        # are the spacings of uniform points: a Poisson process conditioned on its Nth arrival at N / rate.
+        gaps = np.random.default_rng([seed, 0]).exponential(1.0 / rate, size=requests)
+        gaps *= requests / rate / gaps.sum()
+        offsets = np.cumsum(gaps).tolist()
     return Workload(made[:requests], made[requests:], arrival, concurrency, rate, seed, offsets, shared_prefix)
 
 
@@ -259,12 +261,13 @@ class ScheduledServer:
 
 
 def run_workload(serve: Serve | ScheduledServer, workload: Workload, on_done: Callable[[], None] | None = None,
-                 failures: list[dict] | None = None) -> list[RequestTrace | None]:
+                 failures: list[dict] | None = None, lateness: list[float] | None = None) -> list[RequestTrace | None]:
     """Serve the warm-up requests one by one, then the workload (through one worker thread for a blocking server,
     submitted on arrival to a ScheduledServer); traces in request order. A request that fails raises its error,
     unless `failures` is given: then it is recorded there ({"request": index, "error": text, "arrival": and
     "failed": perf_counter times}, as vLLM's bench counts failed requests), its trace is None, and the run goes on
-    (a closed loop's client sends its next one); the run's duration counts its time (report)."""
+    (a closed loop's client sends its next one); the run's duration counts its time (report). `lateness`, if given,
+    receives each Poisson request's send time minus its scheduled arrival, in seconds (report's send_lateness_ms)."""
     for request in workload.warmup:
         try:
             serve(request.prompt_ids, request.output_tokens, time.perf_counter())
@@ -309,6 +312,8 @@ def run_workload(serve: Serve | ScheduledServer, workload: Workload, on_done: Ca
                 due = start + workload.offsets[sent]
                 timeout = due - time.perf_counter()
                 if timeout <= 0:  # arrival = the scheduled time: a late main thread does not shorten queueing
+                    if lateness is not None:
+                        lateness.append(-timeout)
                     send(sent, due)
                     sent += 1
                     continue
@@ -340,8 +345,8 @@ def run_workload(serve: Serve | ScheduledServer, workload: Workload, on_done: Ca
 
 
 def trace_record(trace: RequestTrace, t0: float, request: int) -> dict:
-    """A trace as JSON: the request's index in the workload, timestamps in seconds since t0 (the run's first
-    arrival), its derived metrics."""
+    """A trace as JSON: the request's index in the workload, timestamps in seconds since t0 (the run's start),
+    its derived metrics."""
     record = {k: (None if v is None else [t - t0 for t in v] if k == "token_times" else v - t0)
               for k, v in asdict(trace).items() if k in ("arrival", "prefill_start", "prefill_end", "first_token",
                                                           "finish", "token_times")}
@@ -352,25 +357,43 @@ def trace_record(trace: RequestTrace, t0: float, request: int) -> dict:
 
 
 def report(settings: dict, runs: dict[str, list[RequestTrace | None]], slo: dict | None = None,
-           failures: dict[str, list[dict]] | None = None) -> dict:
-    """{settings, machine, backends: {name: {summary, traces, failed, errors}}}; the first backend is the reference
-    for ratios. runs: each backend's traces in request order (run_workload's: None for a failed request);
-    failures: its failed ones (run_workload's). The duration runs from the first arrival to the last request's end,
-    failed ones included (vLLM's bench: the whole run's wall time): a failure late in the run is part of it."""
+           failures: dict[str, list[dict]] | None = None, lateness: dict[str, list[float]] | None = None) -> dict:
+    """{settings, machine, backends: {name: {summary, traces, failed, errors[, send_lateness_ms]}}}; the first
+    backend is the reference for ratios. runs: each backend's traces in request order (run_workload's: None for a
+    failed request); failures and lateness: run_workload's, per backend. The duration runs from the run's start (its
+    first arrival; with Poisson arrivals, settings' arrival_offsets_s, the first gap before it, as vLLM's
+    benchmark_duration) to the last request's end, failed ones included (vLLM's bench: the whole run's wall time): a
+    failure late in the run is part of it."""
+    offsets = settings.get("arrival_offsets_s") or [0.0]
     backends = {}
     for name, traces in runs.items():
         completed = [(index, trace) for index, trace in enumerate(traces) if trace is not None]
         failed = (failures or {}).get(name, [])
         starts = [t.arrival for _, t in completed] + [f["arrival"] for f in failed if f.get("arrival") is not None]
         ends = [t.finish for _, t in completed] + [f["failed"] for f in failed if f.get("failed") is not None]
-        t0 = min(starts)
+        t0 = min(starts) - offsets[0]  # request 0 arrives first, at the start + offsets[0]
         errors = [{**f, **{key: f[key] - t0 for key in ("arrival", "failed") if f.get(key) is not None}}
                   for f in failed[:10]]
         backends[name] = {"summary": summarize([t for _, t in completed], duration=max(ends) - t0, slo=slo,
                                                failed=len(failed)),
                           "failed": len(failed), "errors": errors,
                           "traces": [trace_record(t, t0, index) for index, t in completed]}
+        if (lateness or {}).get(name):
+            late = 1e3 * np.asarray(lateness[name])
+            backends[name]["send_lateness_ms"] = {"p50": float(np.percentile(late, 50)),
+                                                  "p99": float(np.percentile(late, 99)), "max": float(late.max())}
     return {"settings": settings, "machine": machine(), "backends": backends}
+
+
+def late_sends(entry: dict) -> str | None:
+    """A warning where a Poisson run's requests were sent late enough to matter: a request's arrival is its scheduled
+    time, so the runner's lateness (its thread shares the server's process) counts in TTFT and queueing."""
+    late, ttft = entry.get("send_lateness_ms"), entry["summary"]["ttft_ms"]["median"]
+    if late is None or late["p99"] <= max(1.0, 0.1 * ttft):
+        return None
+    return (f"the runner sent requests late (p99 {late['p99']:.1f} ms, max {late['max']:.1f} ms after their scheduled "
+            f"arrival, against a median TTFT of {ttft:.1f} ms): a busy host or a --rate the runner cannot keep; TTFT "
+            f"and queueing include it")
 
 
 ISA_FLAGS = {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile"}  # MLAS picks kernels by
@@ -455,18 +478,25 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     timeline = out.with_name(f"{out.stem}-timeline.png")
-    n = max(len(entry["traces"]) for entry in backends.values())
+    n = max(len(entry["traces"]) + entry.get("failed", 0) for entry in backends.values())
     figure, axes = plt.subplots(len(backends), 1, squeeze=False, figsize=(11, len(backends) * (1.2 + 0.22 * min(n, 60))))
     for axis, (name, entry) in zip(axes[:, 0], backends.items()):
+        # each row at its request's index: a failed request has no trace, and its row shows its failure (the first
+        # ten's, as `errors` keeps them) or stays empty, so later rows keep their numbers
+        rows = np.array([t["request"] for t in entry["traces"]])
         marks = {key: np.array([t[key] for t in entry["traces"]]) for key in ("arrival", "prefill_start", "first_token")}
         marks["last_token"] = np.array([t["token_times"][-1] for t in entry["traces"]])
         for (start, end), color, label in ((("arrival", "prefill_start"), "lightgray", "queue"),
                                            (("prefill_start", "first_token"), "tab:orange", "prefill"),
                                            (("first_token", "last_token"), "tab:blue", "decode")):
-            axis.barh(np.arange(marks[start].size), marks[end] - marks[start], left=marks[start], height=0.8,
-                      color=color, label=label)
-        axis.set_ylim(marks["arrival"].size - 0.5, -0.5)  # request 0 on top
-        axis.set(title=name, xlabel="seconds since the first arrival", ylabel="request")
+            axis.barh(rows, marks[end] - marks[start], left=marks[start], height=0.8, color=color, label=label)
+        failed = [e for e in entry.get("errors", []) if e.get("arrival") is not None and e.get("failed") is not None]
+        if failed:
+            axis.barh([e["request"] for e in failed], [e["failed"] - e["arrival"] for e in failed],
+                      left=[e["arrival"] for e in failed], height=0.8, color="tab:red", label="failed")
+        last_row = max([*rows.tolist(), *(e["request"] for e in entry.get("errors", []))], default=0)
+        axis.set_ylim(last_row + 0.5, -0.5)  # request 0 on top
+        axis.set(title=name, xlabel="seconds since the run's start", ylabel="request")
         axis.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
         axis.grid(axis="x", alpha=0.3)
     figure.tight_layout()

@@ -45,7 +45,7 @@ def test_poisson_arrivals_reproducible_with_mean_gap(encode):
     again = workload(encode, requests=4000, arrival="poisson", rate=50.0, seed=7, prompt_tokens="2", output_tokens="1")
     other = workload(encode, requests=4000, arrival="poisson", rate=50.0, seed=8, prompt_tokens="2", output_tokens="1")
     assert first.offsets == again.offsets and first.offsets != other.offsets
-    assert first.offsets[0] == 0.0 and np.all(np.diff(first.offsets) > 0)
+    assert first.offsets[0] > 0.0 and np.all(np.diff(first.offsets) > 0)  # vLLM's: the first after one gap
     assert np.mean(np.diff(first.offsets)) == pytest.approx(1 / 50.0, rel=0.1)
 
 
@@ -84,7 +84,7 @@ def test_poisson_and_all_arrivals_run(tiny_engine, encode):
     w = workload(encode, requests=5, arrival="poisson", rate=200.0, seed=2)
     traces = run_workload(bench.aotlm_server(tiny_engine), w)
     arrivals = np.array([t.arrival for t in traces])
-    assert np.allclose(arrivals - arrivals[0], w.offsets, atol=1e-9)  # arrival = the scheduled time
+    assert np.allclose(arrivals - arrivals[0], np.subtract(w.offsets, w.offsets[0]), atol=1e-9)  # the scheduled time
     traces = run_workload(bench.aotlm_server(tiny_engine), workload(encode, requests=4, arrival="all"))
     assert len({t.arrival for t in traces}) == 1  # all at once
     assert in_flight_at_arrivals(traces)[-1] == 4  # all queued at once
@@ -577,6 +577,54 @@ def test_a_request_failing_last_counts_in_the_runs_duration():
     entry = bench.report({}, {"aotlm": [None, done]}, failures={"aotlm": [first_failed]})["backends"]["aotlm"]
     assert entry["summary"]["duration_s"] == 4.0 and entry["traces"][0]["arrival"] == 1.0
     assert entry["errors"][0]["arrival"] == 0.0 and entry["errors"][0]["failed"] == 4.0
+
+
+def test_a_poisson_runs_duration_starts_a_gap_before_its_first_arrival_as_vllms():
+    """A server that keeps up reports the offered rate: the duration had started at the first arrival, so N requests
+    offered at `rate` reported N / (N - 1) times it (+17% at 4 requests, 2x at 2)."""
+    w = make_workload(lambda text: list(range(3, 40)), max_context=128, requests=4, arrival="poisson", rate=20.0,
+                      prompt_tokens="8", output_tokens="2", warmup=0)
+    start = 100.0
+    traces = [hand_trace(start + t, start + t, [start + t + 0.001, start + t + 0.002], start + t + 0.002)
+              for t in w.offsets]  # each served at once, in 2 ms
+    entry = bench.report(w.settings(), {"aotlm": traces})["backends"]["aotlm"]
+    assert entry["summary"]["duration_s"] == pytest.approx(4 / 20.0 + 0.002)
+    assert entry["summary"]["requests_per_s"] < 20.0
+    assert [t["arrival"] for t in entry["traces"]] == pytest.approx(w.offsets)  # the JSON's times: from the start
+
+
+def test_a_poisson_run_records_how_late_the_runner_sent_each_request(tiny_engine):
+    w = make_workload(lambda text: list(range(3, 40)), max_context=128, requests=5, arrival="poisson", rate=200.0,
+                      prompt_tokens="8", output_tokens="2", warmup=0)
+    lateness = []
+    traces = run_workload(bench.aotlm_server(tiny_engine), w, lateness=lateness)
+    assert len(lateness) == 5 and min(lateness) >= 0.0
+    entry = bench.report(w.settings(), {"aotlm": traces}, lateness={"aotlm": lateness})["backends"]["aotlm"]
+    late = entry["send_lateness_ms"]
+    assert late["max"] == pytest.approx(1e3 * max(lateness)) and late["p50"] <= late["p99"] <= late["max"]
+    assert bench.late_sends({**entry, "send_lateness_ms": {**late, "p99": 0.5}}) is None  # under 1 ms: nothing said
+    message = bench.late_sends({**entry, "send_lateness_ms": {"p50": 1.0, "p99": 1e4, "max": 2e4}})
+    assert message.startswith("the runner sent requests late (p99 10000.0 ms, max 20000.0 ms")
+    closed = bench.report({}, {"aotlm": traces})["backends"]["aotlm"]
+    assert "send_lateness_ms" not in closed and bench.late_sends(closed) is None
+
+
+def test_the_timeline_puts_each_request_on_its_own_row_failed_ones_included(tmp_path, monkeypatch):
+    """Rows had been positions in the list of completed traces: after a failed request every later row had the
+    wrong number, and the failure did not show."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    drawn = []
+    real_barh = Axes.barh
+    monkeypatch.setattr(Axes, "barh", lambda self, y, *args, **kwargs: (
+        drawn.append((kwargs.get("label"), [float(v) for v in np.atleast_1d(y)])), real_barh(self, y, *args, **kwargs))[1])
+    done = [hand_trace(t, t, [t + 0.5, t + 0.75], t + 1.0) for t in (0.0, 2.0, 3.0)]
+    failure = {"request": 1, "error": "RuntimeError: out of memory", "arrival": 1.0, "failed": 1.5}
+    result = bench.report({}, {"aotlm": [done[0], None, done[1], done[2]]}, failures={"aotlm": [failure]})
+    bench.write_outputs(result, tmp_path / "bench.json")
+    assert dict(drawn) == {"queue": [0.0, 2.0, 3.0], "prefill": [0.0, 2.0, 3.0], "decode": [0.0, 2.0, 3.0],
+                           "failed": [1.0]}
 
 
 def test_a_failed_warm_up_is_one_line_not_a_traceback(tiny_artifact, tmp_path, monkeypatch, capsys):
