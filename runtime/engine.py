@@ -363,23 +363,15 @@ class Engine:
         # other's; verify=True passed). The folder's identity before and after tells; the load then starts over.
         for attempt in range(1 + LOAD_RETRIES_AFTER_SWAP):
             before = _folder_identity(folder)
-            manifest = read_manifest(folder)
-            check_utf8_path(folder)  # before seconds of loading: onnxruntime and tokenizers take no other paths
-            phases = list(manifest["engines"])  # checked before check_files, which may hash every file
-            spinning_phases = set(phases if spin_after_run is True else () if spin_after_run is False else
-                                  spin_after_run)
-            unknown = sorted(spinning_phases - set(phases))
-            if unknown:
-                raise RequestError(f"spin_after_run names {', '.join(map(repr, unknown))}, not a phase of this "
-                                   f"artifact ({', '.join(phases)})")
-            check_files(folder, manifest, verify_hashes=verify)
-            defaults = model_defaults(manifest) if generation_config == "auto" else {}  # a bad one: before the load
-            # Loads on 2 MiB pages one at a time: each counts what appeared in the process while it loaded as its
-            # own (two concurrent loads each reported, and collapsed, both engines' memory)
-            with _loading(), (_huge_page_loads if huge_pages else contextlib.nullcontext()):
-                engine = cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching,
-                                   spin_during_run)
-            engine.generation_defaults = defaults
+            try:
+                engine = cls._load_once(folder, verify, generation_config, spin_after_run, intra_op_threads,
+                                        huge_pages, prefix_caching, spin_during_run)
+            except ArtifactError:
+                # A swap during the load mixes two builds' files: the checks refuse them as a damaged artifact
+                # ("rebuild the artifact") when both builds are whole. The folder's identity tells; start over.
+                if _folder_identity(folder) == before or attempt == LOAD_RETRIES_AFTER_SWAP:
+                    raise
+                continue
             if _folder_identity(folder) == before:
                 break
             engine.close()
@@ -388,6 +380,29 @@ class Engine:
                                 f"load it again once the builds finish")
         for notice in getattr(engine.backend, "notices", ()):  # at the caller's line, once (not per session)
             warnings.warn(notice, AotlmWarning, stacklevel=2)
+        return engine
+
+    @classmethod
+    def _load_once(cls, folder: Path, verify: bool, generation_config: str, spin_after_run, intra_op_threads,
+                   huge_pages: bool, prefix_caching: bool, spin_during_run: bool) -> "Engine":
+        """One attempt of Engine.load (its arguments checked): the manifest, the files, the sessions."""
+        manifest = read_manifest(folder)
+        check_utf8_path(folder)  # before seconds of loading: onnxruntime and tokenizers take no other paths
+        phases = list(manifest["engines"])  # checked before check_files, which may hash every file
+        spinning_phases = set(phases if spin_after_run is True else () if spin_after_run is False else
+                              spin_after_run)
+        unknown = sorted(spinning_phases - set(phases))
+        if unknown:
+            raise RequestError(f"spin_after_run names {', '.join(map(repr, unknown))}, not a phase of this "
+                               f"artifact ({', '.join(phases)})")
+        check_files(folder, manifest, verify_hashes=verify)
+        defaults = model_defaults(manifest) if generation_config == "auto" else {}  # a bad one: before the load
+        # Loads on 2 MiB pages one at a time: each counts what appeared in the process while it loaded as its
+        # own (two concurrent loads each reported, and collapsed, both engines' memory)
+        with _loading(), (_huge_page_loads if huge_pages else contextlib.nullcontext()):
+            engine = cls._open(folder, manifest, intra_op_threads, huge_pages, spinning_phases, prefix_caching,
+                               spin_during_run)
+        engine.generation_defaults = defaults
         return engine
 
     @property

@@ -535,6 +535,37 @@ def test_a_load_swapped_under_every_time_says_so(artifact_copy, monkeypatch):
         Engine.load(artifact_copy)
 
 
+def test_a_swap_that_makes_the_checks_refuse_the_mix_starts_over_too(artifact_copy, monkeypatch):
+    """A rebuild landing between the manifest's read and the files' checks: the old manifest against the new files
+    was refused as a damaged artifact ("sha256 differs ... rebuild the artifact", or another graph's inputs) while
+    both builds were whole (a review: 4 of 10 rebuilds failed a load running beside them)."""
+    import runtime.engine as engine_module
+
+    real_check, calls = engine_module.check_files, []
+
+    def swapped_then_checked(folder, manifest, **kwargs):
+        if not calls:  # a build of other weights, whole, renamed over the folder after its manifest was read
+            rebuilt = shutil.copytree(folder, folder.with_name("rebuilt"))
+            weights = bytearray((rebuilt / "weights.bin").read_bytes())
+            weights[:64] = bytes(64)
+            (rebuilt / "weights.bin").write_bytes(bytes(weights))
+            fresh = json.loads((rebuilt / "manifest.json").read_text())
+            fresh["files"]["weights.bin"]["sha256"] = hashlib.sha256(weights).hexdigest()
+            (rebuilt / "manifest.json").write_text(json.dumps({**fresh, "created": "the rebuild"}))
+            folder.rename(folder.with_name("retired"))
+            rebuilt.rename(folder)
+        calls.append(manifest.get("created"))
+        return real_check(folder, manifest, **kwargs)
+
+    monkeypatch.setattr(engine_module, "check_files", swapped_then_checked)
+    with Engine.load(artifact_copy, verify=True) as engine:
+        assert engine.manifest["created"] == "the rebuild" and calls[1] == "the rebuild" and len(calls) == 2
+    monkeypatch.setattr(engine_module, "check_files", real_check)
+    (artifact_copy / "weights.bin").write_bytes(bytes(64) + (artifact_copy / "weights.bin").read_bytes()[64:-1] + b"x")
+    with pytest.raises(ArtifactError, match="sha256 differs"):  # no swap: a damaged artifact is refused at once
+        Engine.load(artifact_copy, verify=True)
+
+
 def test_a_build_killed_between_its_renames_names_the_whole_previous_artifact(artifact_copy, tmp_path):
     """The path held nothing and the old artifact sat whole in .NAME.old-*/NAME, while loads said a build was
     running; the next build put it back only at its very end (and not at all if it failed first)."""
