@@ -127,6 +127,10 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
         if dumps == artifact or artifact in dumps.parents:  # the build replaces that folder: the dumps would go
             raise BuildError(f"--dump-passes {dump_dir}: inside the artifact folder {final_dir}, which the build "
                              f"replaces; choose a folder outside it")
+    if final_dir.is_symlink() and not final_dir.exists() and Path(os.path.realpath(final_dir)).parent.is_dir():
+        # a build killed between its swap's two renames, where the link leads: the whole old artifact goes back first
+        for folder in remove_abandoned(Path(os.path.realpath(final_dir))):
+            say(f"removed {folder}, left by a build of {final_dir} that was killed")
     if final_dir.is_symlink() and not final_dir.exists():  # exists() follows links: the rename would fail at the end
         raise BuildError(f"{final_dir} is a link to {os.readlink(final_dir)}, which does not exist; remove the link or "
                          f"change the recipe's name")

@@ -58,6 +58,10 @@ def _artifacts_inside(folder: Path, shown: int = 6) -> list[Path]:
 def _build_in_progress(folder: Path) -> str | None:
     """What to say when `folder` is a build's temporary folder, or the artifact a running build will put in place
     (compiler/artifact.py: staged_folder writes .NAME.partial-PID-XXXX beside it, then renames it to NAME)."""
+    if folder.is_symlink():  # a dangling link: the build's folders are beside the folder it leads to
+        target = Path(os.path.realpath(folder))
+        said = _build_in_progress(target) if target != folder and not target.is_symlink() else None
+        return None if said is None else f"{folder} is a link to {target}; {said}"
     name = folder.name
     if name.startswith(".") and ".partial-" in name:
         final = folder.parent / name[1:name.rindex(".partial-")]

@@ -19,6 +19,7 @@ import pytest
 from compiler import cli
 from compiler.artifact import staged_folder, temporary_folder
 from compiler.cli import main
+from compiler.errors import BuildError
 from tests.compiler.test_cli_inputs import TINY, run_cli, wide_console  # noqa: F401 -- wide_console: autouse
 
 
@@ -72,6 +73,37 @@ def test_a_linked_artifact_in_a_team_folder_named_with_a_tilde_is_rebuilt_where_
     assert manifest["created"] != old_created
     assert (disk / "tiny-random").stat().st_mode & stat.S_ISGID
     assert sorted(path.name for path in disk.iterdir()) == ["tiny-random"]  # no staging or old copy left
+
+
+def test_a_linked_artifact_whose_swap_was_killed_is_named_and_put_back_by_the_next_build(capsys, tmp_path,
+                                                                                         tiny_artifact, monkeypatch):
+    """A build killed between its swap's renames, where <output>/<name> is a link: the old artifact sat whole in
+    .TARGET.old-*/TARGET, the link dangled, a load said only "no such directory", and the next build refused the
+    dangling link before putting the artifact back, leaving a full copy of the weights hidden for good."""
+    from runtime import ArtifactError, Engine
+
+    disk = tmp_path / "disk"
+    retired = disk / ".tiny-random.old-99-abcd"
+    retired.mkdir(parents=True)
+    shutil.copytree(tiny_artifact, retired / "tiny-random")
+    (disk / ".tiny-random.partial-99-efgh").mkdir()  # the new one, never renamed in, a minute ago
+    os.utime(disk / ".tiny-random.partial-99-efgh", (os.path.getmtime(disk) - 60,) * 2)
+    (tmp_path / "out").mkdir()
+    link = tmp_path / "out" / "tiny-random"
+    link.symlink_to(disk / "tiny-random")
+    with pytest.raises(ArtifactError, match=rf"tiny-random is a link to {disk}/tiny-random; .*stopped while it "
+                                            rf"replaced it, .*whole at .*\.tiny-random\.old-99-abcd/tiny-random"):
+        Engine.load(link)
+
+    def loaded_up_to_here(*args, **kwargs):
+        raise BuildError("stopped after the checks")
+
+    monkeypatch.setattr("compiler.build.load_model", loaded_up_to_here)
+    status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
+    assert status == 2 and "stopped after the checks" in text and "remove the link" not in text, text
+    assert "left by a build of" in text and (disk / "tiny-random" / "manifest.json").is_file()
+    assert sorted(path.name for path in disk.iterdir()) == ["tiny-random"]
+    Engine.load(link).close()
 
 
 def test_an_artifact_another_user_owns_in_a_sticky_folder_is_refused_before_the_export(capsys, tmp_path,
