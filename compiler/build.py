@@ -127,6 +127,11 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
         if dumps == artifact or artifact in dumps.parents:  # the build replaces that folder: the dumps would go
             raise BuildError(f"--dump-passes {dump_dir}: inside the artifact folder {final_dir}, which the build "
                              f"replaces; choose a folder outside it")
+        other = next((folder for folder in (dumps, *dumps.parents) if is_artifact_folder(folder)), None)
+        if other is not None:  # its graphs would break that artifact: it holds only the files its manifest lists
+            raise BuildError(f"--dump-passes {dump_dir}: {'is' if other == dumps else 'is inside'} the artifact "
+                             f"folder {other}, which holds only what its manifest lists (the dumps would make it "
+                             f"unloadable); choose a folder outside it")
     if final_dir.is_symlink() and not final_dir.exists() and Path(os.path.realpath(final_dir)).parent.is_dir():
         # a build killed between its swap's two renames, where the link leads: the whole old artifact goes back first
         for folder in remove_abandoned(Path(os.path.realpath(final_dir))):

@@ -160,7 +160,7 @@ def trace_phase(decoder: Decoder, phase: str, max_context: int, opset: int, pref
     return path
 
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: ulimit -f, or FAT32's 4 GiB file
 
 
 # What a build that ran out of memory is told (also compiler/cli.py, for one that ran out elsewhere).

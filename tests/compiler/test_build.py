@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 
 import onnx
 import pytest
@@ -348,13 +349,19 @@ def test_dumped_passes_are_numbered_as_the_build_counts_them_across_quantization
     assert numbers[-1] == f"{len(passes):02d}-quantize", numbers
 
 
-def test_dumps_inside_the_artifact_folder_are_refused_before_the_export(capsys, tmp_path):
+def test_dumps_inside_the_artifact_folder_are_refused_before_the_export(capsys, tmp_path, tiny_artifact):
     """The build replaces the artifact folder: dumps inside it were deleted without a word, or (on a fresh output)
     the whole build ran and then refused to write the artifact."""
     for inside in ("tiny-random", "tiny-random/dumps"):
         status, output = run_cli(capsys, "build", str(TINY_RECIPE), "--output", str(tmp_path / "out"),
                                  "--dump-passes", str(tmp_path / "out" / inside))
         assert status == 2 and "inside the artifact folder" in output and "tracing" not in output, output
+    other = shutil.copytree(tiny_artifact, tmp_path / "other")
+    for inside in (other, other / "dumps"):  # another artifact: its 14 graphs made that one unloadable
+        status, output = run_cli(capsys, "build", str(TINY_RECIPE), "--output", str(tmp_path / "out"),
+                                 "--dump-passes", str(inside))
+        assert status == 2 and f"the artifact folder {other}, which holds only what its manifest lists" in output, output
+    assert sorted(path.name for path in other.iterdir()) == sorted(path.name for path in tiny_artifact.iterdir())
 
 
 def test_build_prints_its_own_reports_though_another_build_replaced_the_artifact(capsys, tmp_path, monkeypatch):

@@ -392,17 +392,20 @@ def test_a_disk_without_room_is_refused_before_the_export_with_sizes(capsys, tmp
     assert status == 2 and traced == [] and "the traced graphs (two copies of the weights) need about 1.1 MiB" in text
 
 
-def test_a_full_temporary_folder_during_the_export_is_named(capsys, tmp_path, monkeypatch):
-    """The exporter's ENOSPC became "export of the prefill graph failed: [Errno 28] ...", naming no folder."""
+@pytest.mark.parametrize("number, strerror, fix", [(errno.ENOSPC, "No space left on device", "free space there"),
+                                                   (errno.EFBIG, "File too large", "a file-size limit (ulimit -f)")])
+def test_a_full_temporary_folder_during_the_export_is_named(capsys, tmp_path, monkeypatch, number, strerror, fix):
+    """The exporter's ENOSPC became "export of the prefill graph failed: [Errno 28] ...", naming no folder; so did
+    `ulimit -f`'s EFBIG (a review: "export of the prefill graph failed: [Errno 27] File too large")."""
     import torch
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(number, strerror)
     monkeypatch.setattr(torch.onnx, "export", full)
     status, text = run_cli(capsys, "build", TINY, "--output", tmp_path / "out")
     assert status == 2 and "Traceback" not in text, text
-    assert (f"No space left on device ({tempfile.gettempdir()}, the temporary folder where the prefill graph is traced "
-            f"(TMPDIR)): free space there") in text, text
+    assert (f"{strerror} ({tempfile.gettempdir()}, the temporary folder where the prefill graph is traced "
+            f"(TMPDIR)): {fix}") in text, text
 
 
 def test_a_pass_dump_the_disk_refused_leaves_no_cut_short_graph(tmp_path, monkeypatch):
