@@ -6,6 +6,7 @@ would. Bad input exits with status 2 and one line naming the problem; tracebacks
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import errno
 import json
@@ -808,7 +809,18 @@ def main(argv: list[str] | None = None) -> int:
         with _signals_held([*previous, signal.SIGINT]):
             for number, handler in previous.items():
                 signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        if in_main_thread:  # last registered, so it runs first at exit, before the finalizers the command loaded
+            atexit.unregister(_sigint_ends_the_exit)
+            atexit.register(_sigint_ends_the_exit)
     return 0
+
+
+def _sigint_ends_the_exit() -> None:
+    """A Ctrl-C during the interpreter's exit, once the command is done (torch's and onnxruntime's finalizers run
+    then), raised KeyboardInterrupt inside an atexit callback: a traceback, and exit status 0. From here it ends the
+    process as an unhandled SIGINT does (status 130 to a shell), unless something else handles SIGINT."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _output_dropped(problem: OSError) -> int:

@@ -10,6 +10,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +24,8 @@ from compiler.artifact import remove_abandoned, staged_folder
 from compiler.cli import main
 from compiler.errors import BuildError
 
-TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny-random.yaml"
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny-random.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -437,6 +440,20 @@ def test_a_terminated_build_removes_its_temporary_folder(capsys, tmp_path, monke
     status, output = run_cli(capsys, "build", TINY)
     assert status == 143 and "terminated" in output
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_ctrl_c_during_the_interpreters_exit_ends_it_without_a_traceback():
+    """A build that printed "built" and then got Ctrl-C while Python exited (torch's finalizers run then): "Exception
+    ignored in atexit callback ... KeyboardInterrupt" and exit status 0 (a review: 1 of 14 late Ctrl-Cs)."""
+    script = (
+        "import atexit, os, signal, sys, time\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))  # after main's: runs later\n"
+        "from compiler.cli import main\n"
+        "sys.exit(main(['inspect', 'no-such-artifact']))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == -signal.SIGINT, (completed.returncode, completed.stderr[-2000:])
+    assert "Traceback" not in completed.stderr and "KeyboardInterrupt" not in completed.stderr, completed.stderr
 
 
 @pytest.mark.parametrize("stop, status, said", [(KeyboardInterrupt, 130, "interrupted"), (cli._Terminated, 143, "terminated")])
