@@ -65,6 +65,9 @@ def _build_in_progress(folder: Path) -> str | None:
     name = folder.name
     if name.startswith(".") and ".partial-" in name:
         final = folder.parent / name[1:name.rindex(".partial-")]
+        if not _held_by_a_build(folder):  # its build was stopped: no build will put anything at `final` from here
+            return (f"{folder}: a temporary folder a stopped build left, not an artifact (the next `aotlm build` of "
+                    f"{final.name} removes it); load {final}, or build it again")
         return (f"{folder}: a build's temporary folder, not an artifact; the build puts the artifact at {final} when it "
                 f"finishes: load that")
     try:

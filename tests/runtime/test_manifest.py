@@ -446,9 +446,17 @@ def test_a_build_under_way_is_named_not_suggested(tmp_path):
                                             r"removes\); build it again$"):
         Engine.load(tmp_path / "tiny")
     (staging / "manifest.json").unlink()
-    with pytest.raises(ArtifactError, match=r"a build's temporary folder, not an artifact; the build puts the "
-                                            r"artifact at .*/tiny when it finishes"):
-        Engine.load(staging)
+    with pytest.raises(ArtifactError, match=r"a temporary folder a stopped build left, not an artifact \(the next "
+                                            r"`aotlm build` of tiny removes it\); load .*/tiny, or build it again$"):
+        Engine.load(staging)  # no build holds it: none will put the artifact in place from here (a review)
+    held = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(ArtifactError, match=r"a build's temporary folder, not an artifact; the build puts the "
+                                                r"artifact at .*/tiny when it finishes"):
+            Engine.load(staging)
+    finally:
+        os.close(held)
 
 
 def test_a_file_linked_from_outside_the_artifact_is_hashed_at_every_load(artifact_copy, tmp_path):
