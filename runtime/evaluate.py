@@ -299,8 +299,8 @@ def decode_logits_for(source) -> LogitsFor:
     Batch 1, positions 0..n-1, attention mask of ones [1, n]: the graph attends only to the n new tokens, so
     whatever the cache held before is ignored (and overwritten). A chunk goes in pieces of EVAL_PIECE_TOKENS (fewer
     where the engine takes fewer tokens per decode call: TensorRT's decode_max_tokens), each attending to the cached
-    pieces before it: the same logits up to rounding (INT4 MatMulNBits takes another kernel for one row than for
-    many: +0.08% perplexity one token at a time, README "Accuracy"). `source` is an Engine, whose batch-1 cache each chunk then holds as a
+    pieces before it: the same logits up to rounding (in quantized graphs, int8 activations amplify the different
+    rounding of one row and of many: +0.08% perplexity one token at a time on INT4, README "Accuracy"). `source` is an Engine, whose batch-1 cache each chunk then holds as a
     request would (other threads' generate/stream wait), or a bare OnnxRuntimeBackend that nothing else runs on.
     """
     def logits_for(token_ids: np.ndarray) -> np.ndarray:
