@@ -939,4 +939,4 @@ class Engine:
         return GenerationResult(text, output, prompt_ids, finish_reason, timings,
                                 sampler.logprobs[:len(output)] if logged else None, stop_token,
                                 sampler.logprobs[len(output)] if logged and stop_token is not None else None,
-                                prompt_entries)
+                                prompt_entries, decoder.stop_string)

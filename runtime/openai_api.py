@@ -402,6 +402,16 @@ def finish_reason(result: GenerationResult) -> str:
     return "stop" if result.finish_reason == "stop" else "length"  # "max_context": the context cut it short
 
 
+def stop_reason(engine, params: SamplingParams, result: GenerationResult) -> str | int | None:
+    """vLLM's stop_reason beside finish_reason: the stop string that ended the text, or the id of a stop_token_ids
+    token that ended it; None where an end-of-sequence token did (vLLM checks those first), or no stop."""
+    if result.stop_string is not None:
+        return result.stop_string
+    token = result.stop_token_id
+    end_of_sequence = token in engine.eos_token_ids and not params.ignore_eos
+    return token if token is not None and token in params.stop_token_ids and not end_of_sequence else None
+
+
 def usage(request: ParsedRequest, results: list[GenerationResult]) -> dict:
     """Prompt tokens count once per prompt (as OpenAI's n does); completion tokens are every token the model produced,
     a final stop token included (the engine's output_tokens, vLLM's count)."""
@@ -433,13 +443,13 @@ def response(engine, request: ParsedRequest, request_id: str, model_name: str,
                 echo = (request.prompt_texts[choice.index // request.n], len(result.prompt_token_ids))
             output_end = len(token_ids) - 1 - (result.stop_token_id is not None)
             logprobs = logprobs_body(engine, request, token_ids, entries, echo=echo, output_end=output_end)
+        ended = {"finish_reason": finish_reason(result), "stop_reason": stop_reason(engine, choice.params, result)}
         if request.chat:
             entry = {"index": choice.index, "message": {"role": "assistant", "content": result.text},
-                     "logprobs": logprobs, "finish_reason": finish_reason(result)}
+                     "logprobs": logprobs, **ended}
         else:
             prefix = request.prompt_texts[choice.index // request.n] if request.echo else ""
-            entry = {"index": choice.index, "text": prefix + result.text, "logprobs": logprobs,
-                     "finish_reason": finish_reason(result)}
+            entry = {"index": choice.index, "text": prefix + result.text, "logprobs": logprobs, **ended}
         choices.append(entry)
     return {"id": request_id, "object": "chat.completion" if request.chat else "text_completion",
             "created": request.created, "model": model_name, "choices": choices,
@@ -465,18 +475,20 @@ def _scored_output(result: GenerationResult) -> tuple[list[int], list[dict]]:
 
 
 def chunk(request: ParsedRequest, request_id: str, model_name: str, created: int, index: int, text: str | None,
-          result: GenerationResult | None = None, first: bool = False, logprobs: dict | None = None) -> dict:
-    """One streamed chunk of choice `index`: its next text piece, or (result given) its end; logprobs: its tokens'
-    (logprobs_body). A chat choice's first chunk also carries the role; the server sends it with the first piece,
-    not before (a client times its first token at the first chunk, as vLLM's benchmark does)."""
+          result: GenerationResult | None = None, first: bool = False, logprobs: dict | None = None,
+          stopped_by: str | int | None = None) -> dict:
+    """One streamed chunk of choice `index`: its next text piece, or (result given) its end, with stopped_by as its
+    stop_reason (stop_reason()); logprobs: its tokens' (logprobs_body). A chat choice's first chunk also carries the
+    role; the server sends it with the first piece, not before (a client times its first token at the first chunk,
+    as vLLM's benchmark does)."""
     end = result is not None
+    ended = {"finish_reason": finish_reason(result) if end else None, "stop_reason": stopped_by}
     if request.chat:
         delta = {} if end and not first else {"content": text or ""}
         entry = {"index": index, "delta": {"role": "assistant", **delta} if first else delta, "logprobs": logprobs,
-                 "finish_reason": finish_reason(result) if end else None}
+                 **ended}
     else:
-        entry = {"index": index, "text": text or "", "logprobs": logprobs,
-                 "finish_reason": finish_reason(result) if end else None}
+        entry = {"index": index, "text": text or "", "logprobs": logprobs, **ended}
     body = {"id": request_id, "object": "chat.completion.chunk" if request.chat else "text_completion",
             "created": created, "model": model_name, "choices": [entry]}
     if request.include_usage:  # OpenAI: every chunk but the last, which carries the usage, has it as null

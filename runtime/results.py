@@ -221,7 +221,8 @@ class GenerationResult:
     """One request's output. text: the output's text (stop strings and stop tokens left out); token_ids: its tokens;
     prompt_token_ids: the prompt's; finish_reason: "stop" (a stop token or string), "length" (max_new_tokens),
     "max_context" (the context is full) or "cancelled"; timings: its Timings (None for a request cancelled before its
-    first token); logprobs, stop_token_id, stop_token_logprobs, prompt_logprobs: as the comments below say."""
+    first token); logprobs, stop_token_id, stop_token_logprobs, prompt_logprobs, stop_string: as the comments below
+    say."""
 
     text: str
     token_ids: list[int]
@@ -238,3 +239,6 @@ class GenerationResult:
     stop_token_logprobs: dict[int, float] | None = None
     # With the prompt_logprobs sampling option: per prompt token, its entry as in logprobs (None for the first).
     prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)
+    # The stop string that ended the text (of several, the one that completed first); None if none did. With
+    # stop_token_id, what vLLM's stop_reason reports, so that a caller passing several stops knows which one fired.
+    stop_string: str | None = None

@@ -815,7 +815,7 @@ class Scheduler:
         stop_entry = sequence.sampler.logprobs[len(sequence.output)] if logged and ended_by is not None else None
         scored = sequence.prompt_entries if sequence.prefilled == len(sequence.prompt_ids) else None  # cancelled
         return GenerationResult(text, sequence.output, sequence.prompt_ids, reason, timings, logprobs, ended_by,
-                                stop_entry, scored)
+                                stop_entry, scored, sequence.decoder.stop_string)
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         self._release(sequence, failed=True)  # a failed run may have written its rows partly

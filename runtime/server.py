@@ -732,8 +732,10 @@ class _Handler(BaseHTTPRequestHandler):
             if isinstance(item, GenerationResult):
                 item = openai_api.as_requested(request, item)
                 results[position] = item
-                pending.append(_event(openai_api.chunk(request, request_id, model, created, choice.index, text, item,
-                                                       first=first, logprobs=logprobs[position].of_end(item))))
+                pending.append(_event(openai_api.chunk(
+                    request, request_id, model, created, choice.index, text, item, first=first,
+                    logprobs=logprobs[position].of_end(item),
+                    stopped_by=openai_api.stop_reason(self.server.engine, choice.params, item))))
             else:
                 pending.append(_event(openai_api.chunk(request, request_id, model, created, choice.index, text + item,
                                                        first=first, logprobs=logprobs[position].of_piece(item))))

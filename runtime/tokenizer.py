@@ -201,7 +201,8 @@ class StreamDecoder:
     Decodes the window since the last emitted boundary, so each step costs O(window), not O(text). A streamed text
     ends before a stop string, as the result's text does (vLLM's and OpenAI's rule): a tail that could be the
     start of a stop string is held back until the next tokens tell, and `finish()` returns it when generation
-    ends some other way. `stopped` turns true when a stop string has appeared. With min_tokens (vLLM's min_tokens),
+    ends some other way. `stopped` turns true when a stop string has appeared (`stop_string`: which; of several, the
+    one that completes first in the text, as vLLM's check of each new character finds it). With min_tokens (vLLM's min_tokens),
     a stop string counts only where it ends after the text of the first min_tokens pushed tokens.
     """
 
@@ -220,6 +221,7 @@ class StreamDecoder:
         self.text = ""  # all decoded text, kept only to look for stop strings
         self.emitted = 0  # text[:emitted] was returned; no stop string starts before it
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
         self.pieces: list[str] = []  # everything returned: the result's text is their join
 
     @property
@@ -272,11 +274,14 @@ class StreamDecoder:
             return ""
         if self.pushed <= self.min_tokens:  # a stop string must end in a later token's text
             self.stops_from = len(self.text)
-        starts = [i for i in (self.text.find(stop, max(self.emitted, self.stops_from - len(stop) + 1))
-                              for stop in self.stop_strings) if i >= 0]
-        if starts:
+        # Of the stops found, the one that completes first, as text arriving a character at a time would stop (of
+        # two completing at one character, the longer): the earliest start made the cut depend on how the tokens
+        # split the text ("The answer" under stops "answer", "swe": "The " as one token, "The an" byte by byte).
+        found = [(start + len(stop), start, stop) for stop in self.stop_strings
+                 if (start := self.text.find(stop, max(self.emitted, self.stops_from - len(stop) + 1))) >= 0]
+        if found:
             self.stopped = True
-            end = min(starts)
+            _, end, self.stop_string = min(found)
         else:
             end = len(self.text) - self._could_start_a_stop()
         piece, self.emitted = self.text[self.emitted : end], end

@@ -134,6 +134,20 @@ def test_streamed_pieces_stop_where_the_text_does(engine):
     assert "".join(pieces) == handle.result().text == full.split(stop, 1)[0]
 
 
+def test_the_result_names_the_stop_string_that_ended_it_on_both_paths(engine):
+    """vLLM's stop_reason: a caller passing several stops (an agent's "Observation:" and "Final Answer:") could not
+    tell which fired, the text being cut before it."""
+    full = engine.generate("hello world", max_new_tokens=16, ignore_eos=True).text
+    later, earlier = full[len(full) // 2: len(full) // 2 + 2], full[2:4]
+    assert full.find(earlier) == 2 and full.find(later) > 2 and later.strip() and earlier.strip()
+    stops = dict(max_new_tokens=16, ignore_eos=True, stop_strings=(later, earlier, "never in the text"))
+    alone_result = engine.generate("hello world", **stops)
+    batched = engine.submit("hello world", **stops).result()
+    for result in (alone_result, batched):
+        assert result.stop_string == earlier and result.text == full[:2] and result.finish_reason == "stop"
+    assert engine.generate("hello world", max_new_tokens=3, ignore_eos=True).stop_string is None
+
+
 def test_generate_a_list_runs_through_the_scheduler(engine):
     prompts = ["one", [1, 5, 6], "three little words"]
     expected = [engine.generate(p, max_new_tokens=9, ignore_eos=True).token_ids for p in prompts]

@@ -755,6 +755,30 @@ def test_stop_token_ids_stop_besides_the_end_of_sequence_tokens_as_in_vllm(serve
     assert choice.params.stop_ids(engine.eos_token_ids) == {7}
 
 
+def test_each_choice_says_which_stop_ended_it_as_vllms_stop_reason(served):
+    """vLLM's stop_reason beside finish_reason: the stop string, a stop_token_ids id, or null (an end-of-sequence
+    token, the length); streamed, on the last chunk of each choice."""
+    full = post(served, "/v1/completions", {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True})[2]
+    (choice,) = full["choices"]
+    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    text = choice["text"]
+    stop = text[3:5]
+    assert text.find(stop) == 3 and stop.strip()
+    body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop": ["never here", stop]}
+    (choice,) = post(served, "/v1/completions", body)[2]["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (text[:3], "stop", stop)
+    _, chunks, done = events(served, "/v1/completions", body)
+    assert done and [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop]
+    token = served.engine.generate("Hello", max_new_tokens=1, ignore_eos=True).token_ids[0]
+    (choice,) = post(served, "/v1/completions", {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                                 "stop_token_ids": [token]})[2]["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("", "stop", token)
+    eos = served.engine.eos_token_ids[0]
+    (choice,) = post(served, "/v1/completions", {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "stop_token_ids": [eos],
+                                                 "logit_bias": {str(eos): 100}})[2]["choices"]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)  # the end of sequence: vLLM's null
+
+
 def test_an_error_inside_a_stream_ends_it_with_an_error_event(served, monkeypatch):
     import runtime.openai_api
 

@@ -14,10 +14,10 @@ from runtime.tokenizer import StreamDecoder, TextTokenizer
 
 
 def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
-    """The reference rule the streams must follow: the text before the earliest occurrence of any stop string
-    (vLLM's and OpenAI's rule)."""
-    starts = [start for start in (text.find(stop) for stop in stop_strings if stop) if start >= 0]
-    return text[: min(starts)] if starts else text
+    """The reference rule the streams must follow: the text before the stop string that completes first, as text
+    arriving one character at a time stops (vLLM's rule); of two completing at one character, the longer."""
+    found = [(start + len(stop), start) for stop in stop_strings if stop and (start := text.find(stop)) >= 0]
+    return text[: min(found)[1]] if found else text
 
 
 class PieceTokenizer:
@@ -52,7 +52,9 @@ def stream(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], bool, 
     (["say ", "STOP now"], ("STOP",), ["say ", ""], True, ""),  # the stop inside one piece
     (["one", "two"], (), ["one", "two"], False, ""),  # no stop strings: nothing held back
     (["a", "b"], ("",), ["a", "b"], False, ""),  # an empty stop string matches nothing
-    (["abcdef"], ("cd", "bcde"), ["a"], True, ""),  # two stops in one piece: the earliest start, not the first listed
+    (["abcdef"], ("bcde", "cd"), ["ab"], True, ""),  # two stops in one piece: the one completing first, not the
+    (list("abcdef"), ("bcde", "cd"), ["a", "", "", "b"], True, ""),  # first listed: cut as when pushed one by one
+    (["abcdef"], ("cde", "bcde"), ["a"], True, ""),  # two completing at one character: the longer
 ])
 def test_streamed_text_ends_before_the_first_stop(pieces, stops, given, stopped, tail):
     assert stream(pieces, stops) == (given, stopped, tail)
@@ -160,10 +162,11 @@ def test_a_run_of_special_tokens_is_not_decoded_again_at_every_token(tiny_artifa
 
 
 @pytest.mark.parametrize("text, stops, expected", [
-    ("abcdef", ("cd", "bcde"), "a"),  # the earliest start wins, whichever stop is listed first
+    ("abcdef", ("bcde", "cd"), "ab"),  # the stop that completes first wins, whichever is listed first
+    ("The answer is", ("answer", "swe"), "The an"),
     ("abcdef", ("zz",), "abcdef"), ("abcdef", (), "abcdef"), ("abcabc", ("bc",), "a"),
 ])
-def test_cut_at_stop_ends_before_the_earliest_stop(text, stops, expected):
+def test_cut_at_stop_ends_before_the_stop_completing_first(text, stops, expected):
     assert cut_at_stop(text, stops) == expected
 
 
