@@ -131,7 +131,8 @@ def staged_folder(final_dir: Path, swap: dict | None = None):
                                      f"alone and this build's artifact is not written; move it and build again")
                 if swap is not None:  # an artifact; an empty folder (which the swap also takes) is none
                     swap["replaced"] = is_artifact_folder(final_dir)
-                if final_dir.exists() and exchange_folders(staging, final_dir):
+                # (not a link: the exchange would move the link itself, and rmtree leaves a link where it was)
+                if final_dir.exists() and not final_dir.is_symlink() and exchange_folders(staging, final_dir):
                     # one atomic step (Linux): the path never lacks an artifact, and the old one, now at the staging
                     # folder's name, goes with it (a build killed before its removal left a .partial that the next
                     # build removes)
@@ -174,7 +175,7 @@ def exchange_folders(first: Path, second: Path) -> bool:
         return False
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # musl before 1.2.?, old glibc: no wrapper
+    except (OSError, AttributeError):  # a libc without the wrapper (glibc before 2.28, some musl releases)
         return False
     renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
     if renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), RENAME_EXCHANGE) == 0:

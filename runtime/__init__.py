@@ -40,14 +40,14 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from runtime.scheduler import Scheduler
 
 
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:  # `from runtime import bench` then imports the submodule, as Python does for any package
-        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup is a plain attribute
-    return value
+if not TYPE_CHECKING:  # a module __getattr__ types every unknown name as Any: mypy stopped catching runtime.Engin
+    def __getattr__(name: str):
+        module = _MODULE_OF.get(name)
+        if module is None:  # `from runtime import bench` then imports the submodule, as Python does for any package
+            raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # the next lookup is a plain attribute
+        return value
 
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

@@ -14,7 +14,7 @@ lateness measured p99 6.7 ms, median 0.12 ms, on the tiny model at 150 requests/
     poisson      a seeded Poisson process of `rate` requests/s: N exponential gaps rescaled as vLLM's get_request
                  rescales them, so the first request arrives one gap after the run starts and the last at N / rate;
                  the run's duration starts there too, so a server that keeps up reports `rate` requests/s (timed
-                 from the first arrival instead, it reported N / (N - 1) times that: +17% at 4 requests)
+                 from the first arrival instead, it reported N / (N - 1) times that: +33% at 4 requests)
 Outputs never stop early (stop tokens disabled), so every request makes exactly its asked output tokens.
 Metrics are runtime.metrics' (vLLM's definitions). Also times the prefill and decode graphs alone (`time_phase`)
 against peaks the caller passes in (the runtime does not import the compiler). Needs numpy and rich; matplotlib

@@ -366,11 +366,14 @@ class Engine:
             try:
                 engine = cls._load_once(folder, verify, generation_config, spin_after_run, intra_op_threads,
                                         huge_pages, prefix_caching, spin_during_run)
-            except ArtifactError:
+            except ArtifactError as refused:
                 # A swap during the load mixes two builds' files: the checks refuse them as a damaged artifact
                 # ("rebuild the artifact") when both builds are whole. The folder's identity tells; start over.
-                if _folder_identity(folder) == before or attempt == LOAD_RETRIES_AFTER_SWAP:
+                if _folder_identity(folder) == before:
                     raise
+                if attempt == LOAD_RETRIES_AFTER_SWAP:
+                    raise ArtifactError(f"{folder}: a build replaced it while it loaded, {1 + LOAD_RETRIES_AFTER_SWAP} "
+                                        f"times; load it again once the builds finish") from refused
                 continue
             if _folder_identity(folder) == before:
                 break

@@ -930,7 +930,14 @@ def test_replacing_an_artifact_leaves_only_the_new_one_shared_and_a_failed_swap_
 def test_replacing_an_artifact_is_one_atomic_exchange_where_linux_has_it(tmp_path, monkeypatch):
     """Two renames left the path without an artifact between them: a load in that gap was refused. renameat2's
     RENAME_EXCHANGE swaps the two folders in one step; the old artifact, at the staging name after it, is removed."""
-    if not artifact_module.exchange_folders(*(Path(tempfile.mkdtemp(dir=tmp_path)) for _ in range(2))):
+    import ctypes
+
+    first, second = (os.fsencode(tempfile.mkdtemp(dir=tmp_path)) for _ in range(2))
+    libc = ctypes.CDLL(None, use_errno=True)  # asked directly, so that a broken exchange_folders cannot skip this
+    if not hasattr(libc, "renameat2"):
+        pytest.skip("this libc has no renameat2 (staged_folder renames twice here)")
+    if libc.renameat2(-100, first, -100, second, 2) != 0:
+        assert ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP), os.strerror(ctypes.get_errno())
         pytest.skip("this kernel or filesystem has no RENAME_EXCHANGE (staged_folder renames twice here)")
     for path in list(tmp_path.iterdir()):
         shutil.rmtree(path)
@@ -950,6 +957,42 @@ def test_replacing_an_artifact_is_one_atomic_exchange_where_linux_has_it(tmp_pat
         (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "second"}')
     assert seen == [('{"format": "aotlm-artifact", "n": "second"}', '{"format": "aotlm-artifact", "n": "first"}')]
     assert [p.name for p in tmp_path.iterdir()] == ["artifact"] and final.stat().st_mode & 0o777 == 0o755
+
+
+def test_an_exchange_the_filesystem_cannot_do_falls_back_and_a_real_failure_is_raised(tmp_path, monkeypatch):
+    """exchange_folders: False where the kernel or filesystem has no RENAME_EXCHANGE (then two renames), an OSError
+    naming the path for anything else; and a link at the artifact's path is never exchanged (the link itself would
+    move, and stay behind as a .partial that rmtree cannot remove)."""
+    import ctypes
+
+    class Libc:
+        def __init__(self, number):
+            self.number = number
+            self.renameat2 = self
+
+        def __call__(self, *args):
+            ctypes.set_errno(self.number)
+            return -1
+
+    for number, unsupported in ((errno.EINVAL, True), (errno.ENOSYS, True), (errno.EXDEV, False),
+                                (errno.ENOENT, False)):
+        monkeypatch.setattr(ctypes, "CDLL", lambda *args, number=number, **kwargs: Libc(number))
+        if unsupported:
+            assert artifact_module.exchange_folders(tmp_path / "a", tmp_path / "b") is False
+        else:
+            with pytest.raises(OSError) as raised:
+                artifact_module.exchange_folders(tmp_path / "a", tmp_path / "b")
+            assert raised.value.errno == number and raised.value.filename == str(tmp_path / "b")
+    monkeypatch.undo()
+    elsewhere = tmp_path / "elsewhere" / "art"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "old"}')
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "art").symlink_to(elsewhere)
+    monkeypatch.setattr(artifact_module, "exchange_folders", lambda first, second: pytest.fail("exchanged a link"))
+    with staged_folder(tmp_path / "out" / "art") as folder:
+        (folder / "manifest.json").write_text('{"format": "aotlm-artifact", "n": "new"}')
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["art"]
 
 
 def test_a_held_out_text_that_repeats_the_calibration_part_is_warned_about_before_the_export(capsys, tmp_path,

@@ -581,7 +581,7 @@ def test_a_request_failing_last_counts_in_the_runs_duration():
 
 def test_a_poisson_runs_duration_starts_a_gap_before_its_first_arrival_as_vllms():
     """A server that keeps up reports the offered rate: the duration had started at the first arrival, so N requests
-    offered at `rate` reported N / (N - 1) times it (+17% at 4 requests, 2x at 2)."""
+    offered at `rate` reported N / (N - 1) times it (+33% at 4 requests, 2x at 2)."""
     w = make_workload(lambda text: list(range(3, 40)), max_context=128, requests=4, arrival="poisson", rate=20.0,
                       prompt_tokens="8", output_tokens="2", warmup=0)
     start = 100.0

@@ -568,10 +568,39 @@ def test_a_swap_that_makes_the_checks_refuse_the_mix_starts_over_too(artifact_co
     monkeypatch.setattr(engine_module, "check_files", swapped_then_checked)
     with Engine.load(artifact_copy, verify=True) as engine:
         assert engine.manifest["created"] == "the rebuild" and calls[1] == "the rebuild" and len(calls) == 2
-    monkeypatch.setattr(engine_module, "check_files", real_check)
     (artifact_copy / "weights.bin").write_bytes(bytes(64) + (artifact_copy / "weights.bin").read_bytes()[64:-1] + b"x")
-    with pytest.raises(ArtifactError, match="sha256 differs"):  # no swap: a damaged artifact is refused at once
+    calls.clear()
+    calls.append("no more swaps")
+    with pytest.raises(ArtifactError, match="sha256 differs"):  # no swap: a damaged artifact is refused at once,
         Engine.load(artifact_copy, verify=True)
+    assert len(calls) == 2  # after one check, not three
+
+
+def test_a_load_whose_every_attempt_a_swap_spoiled_says_so_not_rebuild(artifact_copy, monkeypatch):
+    """Every attempt's checks refused a mix of two builds: the last one's "sha256 differs ... rebuild the artifact"
+    had been raised, about an artifact that was whole each time."""
+    import runtime.engine as engine_module
+
+    real_check, swaps = engine_module.check_files, []
+
+    def swapped_every_time(folder, manifest, **kwargs):
+        rebuilt = shutil.copytree(folder, folder.with_name(f"rebuilt-{len(swaps)}"))
+        weights = bytearray((rebuilt / "weights.bin").read_bytes())
+        weights[:8] = (len(swaps) + 1).to_bytes(8, "little")
+        (rebuilt / "weights.bin").write_bytes(bytes(weights))
+        fresh = json.loads((rebuilt / "manifest.json").read_text())
+        fresh["files"]["weights.bin"]["sha256"] = hashlib.sha256(weights).hexdigest()
+        (rebuilt / "manifest.json").write_text(json.dumps(fresh))
+        folder.rename(folder.with_name(f"retired-{len(swaps)}"))
+        rebuilt.rename(folder)
+        swaps.append(True)
+        return real_check(folder, manifest, **kwargs)
+
+    monkeypatch.setattr(engine_module, "check_files", swapped_every_time)
+    with pytest.raises(ArtifactError, match=r"copy: a build replaced it while it loaded, 3 times; load it again once "
+                                            r"the builds finish$") as refused:
+        Engine.load(artifact_copy, verify=True)
+    assert len(swaps) == 3 and "sha256 differs" in str(refused.value.__cause__)
 
 
 def test_a_build_killed_between_its_renames_names_the_whole_previous_artifact(artifact_copy, tmp_path):
