@@ -340,8 +340,9 @@ class Sampler:
         return _draw(self.rng, self._probabilities(logits, scratch.probs), scratch.cdf)
 
     def distribution(self, logits: np.ndarray) -> np.ndarray:
-        """The probabilities sampling draws from (float64): softmax at the temperature, then top-k, top-p and min-p,
-        each renormalized, in transformers' order; greedy decoding's is all on the likeliest token."""
+        """The probabilities sampling draws from (float64), for logits the request's logit_bias, min_new_tokens and
+        penalties have already changed (__call__ applies them first): softmax at the temperature, then top-k, top-p
+        and min-p, each renormalized, in transformers' order; greedy decoding's is all on the likeliest token."""
         _check_samplable(logits)  # as sampling does: NaN, +inf or no finite logit is the model's error, said so
         if self.params.greedy:
             return np.eye(1, logits.size, int(np.argmax(logits)), dtype=np.float64)[0]
@@ -466,20 +467,25 @@ def _logprobs(logits: np.ndarray, token: int, alternatives: int) -> dict[int, fl
     log-probabilities agree with a float64 log-softmax within ~1e-7."""
     values = logits if logits.dtype in (np.float32, np.float64) else logits.astype(np.float32)
     largest = values.max()
-    log_total = float(largest) + float(np.log(np.exp(values - largest).sum(dtype=np.float64)))
-    chosen = {token: float(values[token]) - log_total}
+    with np.errstate(over="ignore"):  # logits spanning more than float32's range: those far below are -inf, as exp'd
+        log_sum = float(np.log(np.exp(values - largest).sum(dtype=np.float64)))
+
+    def log_probability(index) -> float:  # (value - largest) - log_sum: largest + log_sum first lost the difference
+        return (float(values[index]) - float(largest)) - log_sum  # to rounding at huge logits (ties all read 0)
+
+    chosen = {token: log_probability(token)}
     if alternatives == 0:
         return chosen
     if alternatives == 1:  # argmax takes the lowest id among ties, as the general rule below does
         best = int(values.argmax())
-        return chosen | {best: float(values[best]) - log_total}
+        return chosen | {best: log_probability(best)}
     if alternatives < values.size:  # every token as likely as the k-th, so that ties go to the lower id
         cut = _kth_largest(values, alternatives)
         candidates = np.flatnonzero(values >= cut)
     else:
         candidates = np.arange(values.size)
     top = candidates[np.lexsort((candidates, -values[candidates]))][:alternatives]
-    return chosen | {int(i): float(values[i]) - log_total for i in top}
+    return chosen | {int(i): log_probability(i) for i in top}
 
 
 def _check_samplable(logits: np.ndarray) -> None:

@@ -168,6 +168,22 @@ def test_logprobs_alternatives_that_tie_go_to_the_lower_token_id_and_greedy_is_o
     np.testing.assert_array_equal(Sampler(SamplingParams()).distribution(logits), [0, 0, 1, 0, 0, 0])
 
 
+@pytest.mark.parametrize("magnitude", [1e9, 1e18, 3e38])
+def test_logprobs_stay_exact_at_huge_logits_and_say_nothing_of_an_overflow(magnitude):
+    """A broken build's absurd logits are debugged with logprobs: largest + log(sum) lost the difference to rounding
+    (three tied tokens each read 0, probabilities summing to 3, from 1e18), and a span past float32 warned."""
+    import warnings
+
+    from runtime.sampling import _logprobs
+
+    tied = np.full(3, magnitude, dtype=np.float32)
+    assert _logprobs(tied, 0, 2) == pytest.approx({0: -np.log(3), 1: -np.log(3)}, abs=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spread = _logprobs(np.array([magnitude, -magnitude, 0.0], dtype=np.float32), 1, 1)
+    assert spread[0] == 0.0 and spread[1] == pytest.approx(-2 * float(np.float32(magnitude)), rel=1e-6)
+
+
 def test_top_p_reached_exactly_keeps_no_more_tokens():
     """The smallest set of likeliest tokens whose mass reaches top_p, as transformers' TopPLogitsWarper keeps: four
     equally likely tokens (0.25 each, exact in floats) and top_p 0.5 keep two, not three."""
