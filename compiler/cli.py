@@ -472,8 +472,8 @@ def _bench(args) -> None:
                 "output_tokens_asked": args.output_tokens, **workload.settings()}
     result = bench.report(settings, runs, slo=slo or None, failures=failures, lateness=lateness)
     for backend, entry in result["backends"].items():
-        if bench.late_sends(entry):
-            warning(f"{backend}: {bench.late_sends(entry)}")
+        if late := bench.late_sends(entry):
+            warning(f"{backend}: {late}")
     # a pipe would get 80 columns; a reader that left loses the tables, not the JSON written after them
     wide = console if console.is_terminal else ReaderAwareConsole(stderr=True, width=160, emoji=False)
     for backend, entry in result["backends"].items():

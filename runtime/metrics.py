@@ -26,10 +26,12 @@ Choices, stated:
 - ITL is pooled across requests (every gap of every request is one sample), as in vLLM.
 - Percentiles: numpy's default `np.percentile` (method="linear": linear interpolation between closest ranks),
   as vLLM. E.g. [1, 2, 3, 4] -> p50 2.5, p99 3.97. Median == p50.
-- Throughput over the benchmark duration, by default first arrival -> last finish: output tokens/s, total
+- Throughput over the benchmark duration, by default first arrival -> last finish (`aotlm bench` passes the run's
+  start instead, which a Poisson run's first gap precedes, as vLLM's benchmark_duration): output tokens/s, total
   (prompt + output) tokens/s, requests/s. Goodput: requests/s (and the fraction of requests) meeting every
   given SLO, `slo={"ttft_ms": .., "tpot_ms": .., "e2e_ms": ..}`, a request meets a limit when metric <= limit.
-- queued_share (ours, not vLLM's): the part of first arrival -> last finish during which at least one request
+- queued_share (ours, not vLLM's): the part of first arrival -> last finish (not of a duration passed in) during
+  which at least one request
   had arrived and not begun its prefill. Near 1 the server was the bottleneck throughout, and tokens/s is its
   capacity; well below 1 it served requests as they came, and tokens/s is the arrival rate. Two servers compared
   on throughput are compared on capacity only if both shares are high (benchmarks/batching.py once compared a
