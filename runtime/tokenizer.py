@@ -241,8 +241,8 @@ class StreamDecoder:
         full = self.tokenizer.decode_unchecked(self.tokens[self.prefix_offset :])
         piece = ""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            piece = self._new_text(prefix, full)
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            piece = full[len(prefix) :]
         if self.stop_strings:  # held back while it may begin a stop string
             self.text += piece
             piece = self._release()
@@ -257,7 +257,7 @@ class StreamDecoder:
             return ""
         prefix = self.tokenizer.decode_unchecked(self.tokens[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode_unchecked(self.tokens[self.prefix_offset :])
-        pending = full[len(prefix) :] if len(full) > len(prefix) else ""
+        pending = self._new_text(prefix, full) if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.tokens)
         piece = pending
         if self.stop_strings:
@@ -268,6 +268,17 @@ class StreamDecoder:
         if piece:
             self.pieces.append(piece)
         return piece
+
+    def _new_text(self, prefix: str, full: str) -> str:
+        """The text of the tokens after read_offset: what decoding them after the prefix's added. A byte-fallback
+        decoder rewrites a whole run of byte tokens that holds an invalid byte as U+FFFD per byte, characters it had
+        decoded whole before included ("ü" then a stray byte: "���"), so that `full` no longer starts with `prefix`;
+        then the new tokens' own bytes, decoded (a stray byte is one U+FFFD, as Python's errors="replace" has it).
+        Slicing had added a U+FFFD per byte of the rewritten run."""
+        if full.startswith(prefix):
+            return full[len(prefix) :]
+        new_bytes = b"".join(self.tokenizer.token_bytes(token) for token in self.tokens[self.read_offset :])
+        return new_bytes.decode("utf-8", errors="replace")
 
     def _release(self) -> str:
         if self.stopped:

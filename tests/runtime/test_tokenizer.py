@@ -228,6 +228,32 @@ def byte_fallback_engine(tiny_artifact, tmp_path):
     return Engine.load(artifact)
 
 
+def test_a_stray_byte_after_a_whole_character_is_one_replacement_character(tmp_path):
+    """ByteFallback rewrites a whole run of byte tokens holding an invalid byte as U+FFFD per byte, the "ü" decoded
+    before it included: the stream sliced that by length and added U+FFFDs ("ü��x"; transformers' decode "���x").
+    Now the new tokens' bytes: what the bytes say, with Python's errors="replace" (llama.cpp's raw bytes so read).
+    Fuzzed: never more U+FFFD than decoding every token at once gives, and no character of that lost."""
+    tokenizer = byte_fallback_tokenizer(tmp_path)
+    x = tokenizer.tokenizer.token_to_id("x")
+    rng = np.random.default_rng(0)
+    cases = [[3 + 0xC3, 3 + 0xBC, 3 + 0xA1, x]]
+    for _ in range(300):  # text with bytes dropped and stray ones added
+        ids = tokenizer.encode("Le café, ü 中文😀 x", add_special_tokens=False)
+        for _ in range(2):
+            ids.insert(int(rng.integers(len(ids) + 1)), 3 + int(rng.choice([0x80, 0xA1, 0xBC, 0xC3, 0xE4])))
+        cases.append([t for t in ids if rng.random() > 0.1])
+    for ids in cases:
+        for stops in ((), ("zz",)):
+            decoder = tokenizer.stream_decoder(stops)
+            text = "".join([decoder.push(token) for token in ids] + [decoder.finish()])
+            whole = tokenizer.decode_unchecked(ids)  # transformers' and vLLM's text: a broken run all U+FFFD
+            assert text == decoder.streamed_text and text.count("\ufffd") <= whole.count("\ufffd"), (ids, text, whole)
+            remaining = iter(text)  # every character the whole decode kept, the stream kept, in order
+            assert all(char in remaining for char in whole.replace("\ufffd", "")), (ids, text, whole)
+    decoder = tokenizer.stream_decoder(())
+    assert [decoder.push(token) for token in cases[0]] + [decoder.finish()] == ["", "ü", "", "\ufffdx", ""]
+
+
 def test_results_equal_their_streams_with_a_byte_fallback_tokenizer(tiny_artifact, tmp_path):
     """End to end, through Engine.stream and the scheduler: the tiny model sampling random ids, most of them byte
     tokens of this tokenizer, ends runs inside characters all the time (50 of 120 requests differed before)."""
