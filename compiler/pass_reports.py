@@ -120,6 +120,9 @@ def _figure(value: float | None, spec: str) -> str:
     return "inf" if value is None else format(value, spec)
 
 
+FEW_HELD_OUT_TOKENS = 256  # below this the held-out figures are warned of as noise
+
+
 def format_accuracy(accuracy: dict) -> str:
     """The console lines a person reads before deploying."""
     lines = []
@@ -129,8 +132,14 @@ def format_accuracy(accuracy: dict) -> str:
                      f"{totals['weight_bytes_before'] / 2**20:.1f} MiB -> {totals['weight_bytes_after'] / 2**20:.1f} MiB; "
                      f"graph {totals['graph_bytes_before'] / 2**20:.1f} MiB -> {totals['graph_bytes_after'] / 2**20:.1f} MiB")
         if totals.get("mean_relative_output_error") is not None:
-            lines.append(f"layer output error on calibration data (E||xΔW||²/E||xW||²): mean "
-                         f"{totals['mean_relative_output_error']:.2e}, max {totals['max_relative_output_error']:.2e}")
+            # the weights' rounding alone: MatMulNBits' int8 activations (accuracy_level 4) round each layer's input
+            # too (for INT8 layers 1.6-4x this figure, a review), which the held-out figures below include
+            lines.append(f"layer output error of the weights on calibration data (E||xΔW||²/E||xW||², the weights' "
+                         f"rounding alone): mean {totals['mean_relative_output_error']:.2e}, max "
+                         f"{totals['max_relative_output_error']:.2e}")
+        elif totals["quantized"]:
+            lines.append("layer output error: not measured (round to nearest without calibration data; add "
+                         "quantize.calibration to the recipe to measure it)")
         worst = [layer for layer in accuracy["quantization"].get("worst_layers", ())
                  if layer.get("relative_output_error") is not None][:3]
         if worst:  # every layer's error is in the manifest (its quantize pass reports)
@@ -151,6 +160,10 @@ def format_accuracy(accuracy: dict) -> str:
     if held_out:
         lines.append(f"held-out text: {held_out['text']}, {held_out['tokens_scored']} tokens scored "
                      f"(window {held_out['window']}, stride {held_out['stride']})")
+        if held_out["tokens_scored"] < FEW_HELD_OUT_TOKENS:
+            lines.append(f"warning: only {held_out['tokens_scored']} held-out tokens scored: the perplexity, top-1 and "
+                         f"KL below are noise at that size; raise accuracy.max_tokens or give a longer calibration "
+                         f"text")
         lines.append(f"perplexity: float {_figure(held_out['reference_perplexity'], '.3f')} -> quantized "
                      f"{_figure(held_out['perplexity'], '.3f')} ({_figure(held_out['perplexity_increase'], '+.2%')}); "
                      f"top-1 agreement {100 * held_out['top1_agreement']:.2f}%; mean KL(float || quantized) "

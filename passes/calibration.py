@@ -116,6 +116,12 @@ def collect_statistics(model: onnx.ModelProto, activations: list[str], calibrati
     stats: dict[str, ActivationStats] = {}
     for index, outputs in enumerate(sample_outputs(model, activations, calibration)):
         for name, value in zip(activations, outputs):
+            if not np.isfinite(value).all():  # one overflow made E[x xᵀ] inf: GPTQ wrote NaN scales, every output NaN
+                bad = np.argwhere(~np.isfinite(value.reshape(-1, value.shape[-1])))[0]
+                raise PassError(f"calibration: the float graph's tensor {name} is not finite (inf or NaN) on sample "
+                                f"{index + 1} of {len(calibration.token_ids)}, at its token {bad[0]}, channel {bad[1]}: "
+                                f"quantizing from it would write NaN; a float16 export can overflow there (export in "
+                                f"float32: export.dtype), or calibrate on other text or another seed")
             if name not in stats:
                 stats[name] = ActivationStats.empty(value.shape[-1])
             stats[name].add(value)

@@ -192,7 +192,8 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
                 "mean_kl": 0.0123, "repeats_calibration_from": 250}
     assert format_accuracy({"quantization": summary, "held_out": held_out}).splitlines() == [
         "quantized 6 MatMuls (1 skipped): weights 3.0 MiB -> 1.0 MiB; graph 4.0 MiB -> 2.0 MiB",
-        "layer output error on calibration data (E||xΔW||²/E||xW||²): mean 1.00e-02, max 5.00e-02",
+        "layer output error of the weights on calibration data (E||xΔW||²/E||xW||², the weights' rounding alone): "
+        "mean 1.00e-02, max 5.00e-02",
         "worst layers: n2 5.00e-02 (awq int4 block 32), n5 4.00e-02 (awq int4 block 32), n4 3.00e-02 (awq int8)",
         "note: in 1 quantized layer the block size does not divide the input size: the last block is padded with "
         "zeros (e.g. n6: K=80 padded to 3 blocks of 32 (the last holds 16 values); all in the manifest)",
@@ -210,11 +211,20 @@ def test_quantization_summary_takes_the_decode_graphs_reports_and_its_five_worst
     # a broken build's perplexity past 1e308: null in the manifest (JSON has no infinity), read as inf
     broken = {**held_out, "perplexity": None, "perplexity_increase": None}
     assert "perplexity: float 10.000 -> quantized inf (inf); top-1" in format_accuracy({"held_out": broken})
+    # a handful of held-out tokens (accuracy.max_tokens: 2 scored 1) gave figures with no word of their size
+    few = format_accuracy({"held_out": {**held_out, "tokens_scored": 11}})
+    assert ("warning: only 11 held-out tokens scored: the perplexity, top-1 and KL below are noise at that size"
+            in few) and "noise" not in format_accuracy({"held_out": held_out})
+    # round to nearest without calibration: no per-layer errors, and the console had said nothing of them
+    unmeasured = {**summary, "totals": {**totals, "mean_relative_output_error": None,
+                                        "max_relative_output_error": None}, "worst_layers": []}
+    assert ("layer output error: not measured (round to nearest without calibration data; add quantize.calibration "
+            "to the recipe to measure it)") in format_accuracy({"quantization": unmeasured}).splitlines()
 
 
 def test_a_build_without_calibration_has_no_layer_errors_to_rank():
     """Round to nearest without calibration data records no output error per layer (None): no "worst layers" line,
-    and nothing to format (a None there would fail every RTN build's report)."""
+    nothing to format (a None there would fail every RTN build's report), and a line that says it was not measured."""
     totals = {"quantized": 2, "skipped": 0, "weight_bytes_before": 2**20, "weight_bytes_after": 2**18,
               "graph_bytes_before": 2**21, "graph_bytes_after": 2**20, "mean_relative_output_error": None,
               "max_relative_output_error": None}
@@ -222,7 +232,9 @@ def test_a_build_without_calibration_has_no_layer_errors_to_rank():
     summary = quantization_summary([{"name": "quantize", "phase": "decode",
                                      "report": {"totals": totals, "embedding": {}, "layers": layers}}])
     lines = format_accuracy({"quantization": summary}).splitlines()
-    assert lines == ["quantized 2 MatMuls (0 skipped): weights 1.0 MiB -> 0.2 MiB; graph 2.0 MiB -> 1.0 MiB"]
+    assert lines == ["quantized 2 MatMuls (0 skipped): weights 1.0 MiB -> 0.2 MiB; graph 2.0 MiB -> 1.0 MiB",
+                     "layer output error: not measured (round to nearest without calibration data; add "
+                     "quantize.calibration to the recipe to measure it)"]
 
 
 def test_first_repeated_run_at_the_edges_of_both_texts():
