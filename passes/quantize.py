@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -407,8 +408,11 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
                         f"quantize: method {', '.join(needs_data)} got a CalibrationSpec, not tokens: run it "
                         f"through the build, or pass a passes.calibration.CalibrationSet")
     memo = calibration.memo if calibration is not None else {}
-    if warning := too_few_tokens_for_gptq(targets, calibration):
-        (calibration.say if calibration is not None else print)(f"warning: {warning}")
+    warning = too_few_tokens_for_gptq(targets, calibration)
+    if warning and calibration.progress is not None:  # the build's progress lines
+        calibration.say(f"warning: {warning}")
+    elif warning:  # the Python API without a progress callback
+        warnings.warn(warning, stacklevel=2)
     statistics = Statistics(model, targets, calibration)
     search_awq_scales(targets, statistics, memo, graph_outputs(graph))
     fold_awq_scales(graph, targets)
@@ -468,7 +472,8 @@ def run(model: onnx.ModelProto, options: Options) -> tuple[onnx.ModelProto, dict
               "quantized": len(layers), "skipped": len(skipped),
               "mean_relative_output_error": float(np.mean(errors)) if errors else None,
               "max_relative_output_error": float(np.max(errors)) if errors else None}
-    report = {"layers": layers, "skipped": skipped, "embedding": embedding, "totals": totals}
+    report = {"layers": layers, "skipped": skipped, "embedding": embedding, "totals": totals,
+              "warnings": [warning] if warning else []}  # in the manifest's pass reports, for `aotlm inspect`
     if layers and options.lowering == "dequantize_linear":
         # onnxruntime fuses DequantizeLinear -> MatMul into MatMulNBits, by default at accuracy level 4 (int8
         # activations, ~0.6% off the float product the graph says): the recipe's level instead, 0 (float) unless set

@@ -202,7 +202,8 @@ class StreamDecoder:
     ends before a stop string, as the result's text does (vLLM's and OpenAI's rule): a tail that could be the
     start of a stop string is held back until the next tokens tell, and `finish()` returns it when generation
     ends some other way. `stopped` turns true when a stop string has appeared (`stop_string`: which; of several, the
-    one that completes first in the text, as vLLM's check of each new character finds it). With min_tokens (vLLM's min_tokens),
+    one that completes first in the text, whatever the tokens, and of two completing at one character the one listed
+    first, as vLLM's check_stop_strings picks). With min_tokens (vLLM's min_tokens),
     a stop string counts only where it ends after the text of the first min_tokens pushed tokens.
     """
 
@@ -286,13 +287,14 @@ class StreamDecoder:
         if self.pushed <= self.min_tokens:  # a stop string must end in a later token's text
             self.stops_from = len(self.text)
         # Of the stops found, the one that completes first, as text arriving a character at a time would stop (of
-        # two completing at one character, the longer): the earliest start made the cut depend on how the tokens
-        # split the text ("The answer" under stops "answer", "swe": "The " as one token, "The an" byte by byte).
-        found = [(start + len(stop), start, stop) for stop in self.stop_strings
+        # two completing at one character, the one listed first, as vLLM's check_stop_strings keeps it): the earliest
+        # start made the cut depend on how the tokens split the text ("The answer" under stops "answer", "swe": "The "
+        # as one token, "The an" byte by byte).
+        found = [(start + len(stop), listed, start, stop) for listed, stop in enumerate(self.stop_strings)
                  if (start := self.text.find(stop, max(self.emitted, self.stops_from - len(stop) + 1))) >= 0]
         if found:
             self.stopped = True
-            _, end, self.stop_string = min(found)
+            _, _, end, self.stop_string = min(found)
         else:
             end = len(self.text) - self._could_start_a_stop()
         piece, self.emitted = self.text[self.emitted : end], end

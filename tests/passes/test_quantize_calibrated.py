@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import numpy as np
 import onnx
@@ -679,6 +680,19 @@ def test_gptq_on_fewer_calibration_tokens_than_it_needs_is_warned_of():
         f"calibration.length)")
     assert too_few_tokens_for_gptq(targets, enough) is None
     assert too_few_tokens_for_gptq([t for t in targets if t.settings.method == "rtn"], few) is None
+    model, _, _ = tied_model_fed_input_ids(hidden=64)  # through the pass: a warning, in its report too (the manifest)
+    tokens = np.random.default_rng(0).integers(0, 96, (2, 8))
+    for progress in (None, said := []):
+        calibration = CalibrationSet(samples=2, length=8, token_ids=tokens,
+                                     progress=None if progress is None else progress.append)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, report = quantize.run(model, quantize.Options(bits=4, block_size=32, method="gptq",
+                                                             calibration=calibration))
+        assert len(report["warnings"]) == 1 and report["warnings"][0].startswith("quantize: GPTQ calibrates on 16")
+        shown = [str(w.message) for w in caught] if progress is None else said
+        assert [line for line in shown if "GPTQ calibrates" in line] == [
+            report["warnings"][0] if progress is None else f"warning: {report['warnings'][0]}"]
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -15,9 +15,10 @@ from runtime.tokenizer import StreamDecoder, TextTokenizer
 
 def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
     """The reference rule the streams must follow: the text before the stop string that completes first, as text
-    arriving one character at a time stops (vLLM's rule); of two completing at one character, the longer."""
-    found = [(start + len(stop), start) for stop in stop_strings if stop and (start := text.find(stop)) >= 0]
-    return text[: min(found)[1]] if found else text
+    arriving one character at a time stops (vLLM's rule); of two completing at one character, the one listed first."""
+    found = [(start + len(stop), listed, start) for listed, stop in enumerate(stop_strings)
+             if stop and (start := text.find(stop)) >= 0]
+    return text[: min(found)[2]] if found else text
 
 
 class PieceTokenizer:
@@ -54,7 +55,8 @@ def stream(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[str], bool, 
     (["a", "b"], ("",), ["a", "b"], False, ""),  # an empty stop string matches nothing
     (["abcdef"], ("bcde", "cd"), ["ab"], True, ""),  # two stops in one piece: the one completing first, not the
     (list("abcdef"), ("bcde", "cd"), ["a", "", "", "b"], True, ""),  # first listed: cut as when pushed one by one
-    (["abcdef"], ("cde", "bcde"), ["a"], True, ""),  # two completing at one character: the longer
+    (["abcdef"], ("cde", "bcde"), ["ab"], True, ""),  # two completing at one character: the one listed first
+    (["abcdef"], ("bcde", "cde"), ["a"], True, ""),
 ])
 def test_streamed_text_ends_before_the_first_stop(pieces, stops, given, stopped, tail):
     assert stream(pieces, stops) == (given, stopped, tail)
@@ -168,6 +170,10 @@ def test_a_run_of_special_tokens_is_not_decoded_again_at_every_token(tiny_artifa
 ])
 def test_cut_at_stop_ends_before_the_stop_completing_first(text, stops, expected):
     assert cut_at_stop(text, stops) == expected
+    for size in (1, 2, len(text)):  # the stream cuts there too, whatever the pieces
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        given, _, tail = stream(pieces, stops)
+        assert "".join(given) + tail == expected, (size, given, tail)
 
 
 def test_overlapping_stops_cut_the_stream_and_the_result_alike():
