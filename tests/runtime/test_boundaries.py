@@ -7,6 +7,11 @@ import sys
 from tests.conftest import REPO
 
 
+def run_python(script: str) -> subprocess.CompletedProcess:
+    """The script in a fresh interpreter (a module imported by an earlier test stays imported in this one)."""
+    return subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
 def test_runtime_imports_no_torch_and_no_compiler(tiny_artifact):
     script = (
         "import sys\n"
@@ -16,7 +21,7 @@ def test_runtime_imports_no_torch_and_no_compiler(tiny_artifact):
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )
-    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    completed = run_python(script)
     assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
@@ -37,7 +42,7 @@ def test_a_request_imports_nothing_new(tiny_artifact):
         "print(new)\n"
         "sys.exit(1 if new else 0)\n"
     )
-    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    completed = run_python(script)
     assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
@@ -100,6 +105,6 @@ def test_the_package_imports_its_names_on_first_use():
         "    print(error)\n"
         "sys.exit(1 if heavy else 0)\n"
     )
-    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    completed = run_python(script)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "module 'runtime' has no attribute 'Engin'" in completed.stdout
