@@ -132,9 +132,10 @@ def build(recipe: Recipe, output_root: str | Path = "artifacts", progress=None, 
             raise BuildError(f"--dump-passes {dump_dir}: {'is' if other == dumps else 'is inside'} the artifact "
                              f"folder {other}, which holds only what its manifest lists (the dumps would make it "
                              f"unloadable); choose a folder outside it")
-    if final_dir.is_symlink() and not final_dir.exists() and Path(os.path.realpath(final_dir)).parent.is_dir():
+    led_to = Path(os.path.realpath(final_dir))
+    if final_dir.is_symlink() and not final_dir.exists() and led_to.parent.is_dir():
         # a build killed between its swap's two renames, where the link leads: the whole old artifact goes back first
-        for folder in remove_abandoned(Path(os.path.realpath(final_dir))):
+        for folder in remove_abandoned(led_to):
             say(f"removed {folder}, left by a build of {final_dir} that was killed")
     if final_dir.is_symlink() and not final_dir.exists():  # exists() follows links: the rename would fail at the end
         raise BuildError(f"{final_dir} is a link to {os.readlink(final_dir)}, which does not exist; remove the link or "

@@ -30,7 +30,7 @@ __all__ = [  # spelled out, for linters; the test checks it against _MODULE_OF
     "ThreadLimitError",
 ]
 
-if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
+if TYPE_CHECKING:  # what type checkers and editors see
     from runtime.engine import Engine, Generation
     from runtime.errors import (AotlmRuntimeError, AotlmWarning, ArtifactError, ModelOutputError, QueueFullError,
                                 RequestError, ThreadLimitError)
@@ -38,9 +38,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from runtime.results import GenerationResult, Timings
     from runtime.sampling import SamplingParams
     from runtime.scheduler import Scheduler
-
-
-if not TYPE_CHECKING:  # a module __getattr__ types every unknown name as Any: mypy stopped catching runtime.Engin
+else:  # at run time only: a module __getattr__ types every unknown name as Any (mypy stopped catching runtime.Engin)
     def __getattr__(name: str):
         module = _MODULE_OF.get(name)
         if module is None:  # `from runtime import bench` then imports the submodule, as Python does for any package

@@ -361,6 +361,8 @@ class Engine:
         # A build replaces an artifact by renaming a new folder over it: one that did so while this load read the
         # manifest and opened the files had given an engine of two builds (its manifest one's, its graphs the
         # other's; verify=True passed). The folder's identity before and after tells; the load then starts over.
+        swapped = (f"{folder}: a build replaced it while it loaded, {1 + LOAD_RETRIES_AFTER_SWAP} times; load it "
+                   f"again once the builds finish")
         for attempt in range(1 + LOAD_RETRIES_AFTER_SWAP):
             before = _folder_identity(folder)
             try:
@@ -372,15 +374,13 @@ class Engine:
                 if _folder_identity(folder) == before:
                     raise
                 if attempt == LOAD_RETRIES_AFTER_SWAP:
-                    raise ArtifactError(f"{folder}: a build replaced it while it loaded, {1 + LOAD_RETRIES_AFTER_SWAP} "
-                                        f"times; load it again once the builds finish") from refused
+                    raise ArtifactError(swapped) from refused
                 continue
             if _folder_identity(folder) == before:
                 break
             engine.close()
         else:
-            raise ArtifactError(f"{folder}: a build replaced it while it loaded, {1 + LOAD_RETRIES_AFTER_SWAP} times; "
-                                f"load it again once the builds finish")
+            raise ArtifactError(swapped)
         for notice in getattr(engine.backend, "notices", ()):  # at the caller's line, once (not per session)
             warnings.warn(notice, AotlmWarning, stacklevel=2)
         return engine
