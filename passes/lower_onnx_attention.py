@@ -9,9 +9,11 @@ The portable target: any runtime with opset 23 (and TensorRT >= 10.14's parser) 
     Attention -> [B,S,H,D] -> output [B,S,H*D]
 
 Positions and the visibility mask follow the op's meaning (passes/flash_attention_op.py) and are built once
-per graph: first prompt (S == total) -> positions 0..S-1, else seqlens_k + 1 - S + i; key j is visible to a
-query at position p iff j <= p and j <= seqlens_k. The mask is explicit (not is_causal) because ONNX's causal
-rule is aligned to the top-left, which is wrong when queries are fewer than keys (decode). ScatterElements writes
+per graph (per seqlens_k and total_sequence_length pair; every layer's queries cover the same tokens): first prompt
+(S == total) -> positions 0..S-1, else seqlens_k + 1 - S + i; key j is visible to a query at position p iff
+j <= p and j <= seqlens_k. The mask is explicit, not is_causal: each sequence has its own length, which is_causal
+cannot say, and the cache rows reach Attention as its K and V (no past_key), so the spec's bottom-right offset
+(onnx 1.23's text; the first text of Attention-23 aligned causal masks to the top-left) would be 0. ScatterElements writes
 every new row, a first prompt's padding tokens too (the op leaves those rows unspecified), and masked cache rows are
 multiplied by weight 0, so they must be finite (the runtime's caches start zeroed).
 """
@@ -41,17 +43,22 @@ def _const(name: str, values) -> gs.Constant:
 
 
 class Shared:
-    """Positions [B,S] and mask [B,1,S,T] from (query, seqlens_k, total_sequence_length), built once."""
+    """Positions [B,S] and mask [B,1,S,T] from (query, seqlens_k, total_sequence_length), built once per graph:
+    queries whose sequence dimension is the same (a number, or a symbol: ONNX names one unknown size once) share
+    the first one's, and only a query of unknown shape gets its own. (Built per query, it made 30 masks a step on
+    SmolLM2, which onnxruntime's optimizer did not merge.)"""
 
     def __init__(self, graph: gs.Graph, prefix: str = "onnx_attention"):
         self.graph, self.prefix = graph, prefix  # prefix: the names of the nodes built here (lower_tensorrt shares them)
-        self.built: dict[tuple[str, str, str], tuple[gs.Variable, gs.Variable, gs.Variable]] = {}
+        self.built: dict[tuple, tuple[gs.Variable, gs.Variable, gs.Variable]] = {}
 
     def layer(self, op_type: str, inputs: list, name: str, **attrs) -> gs.Variable:
         return self.graph.layer(op=op_type, inputs=inputs, outputs=[name], attrs=attrs)[0]
 
     def positions_and_mask(self, query: gs.Tensor, seqlens: gs.Tensor, total: gs.Tensor):
-        key = (query.name, seqlens.name, total.name)
+        length = query.shape[1] if query.shape is not None and len(query.shape) == 3 else None
+        known = isinstance(length, int) or (isinstance(length, str) and length != "")
+        key = (seqlens.name, total.name, ("dim", length) if known else ("query", query.name))
         if key not in self.built:
             L = self.layer  # noqa: N806 - a short local name keeps the recipe of nodes readable
             p = f"{self.prefix}_{len(self.built)}"

@@ -59,10 +59,10 @@ def session_for(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def generate_logits(graphs: dict) -> list[np.ndarray]:
+def generate_logits(graphs: dict, session=session_for) -> list[np.ndarray]:
     """A right-padded batch of two prompts, then three decode steps with per-row lengths."""
     inputs, _ = io_names(CONFIG)
-    sessions = {p: session_for(m) for p, m in graphs.items()}
+    sessions = {p: session(m) for p, m in graphs.items()}
     rows, width = [[1, 5, 9, 14, 200, 7], [1, 77, 3]], 6
     mask_for = lambda lengths: np.array([[1] * n + [0] * (max(lengths) - n) for n in lengths])  # noqa: E731
     caches = [np.zeros((2, CONFIG.num_kv_heads, MAX_CONTEXT, CONFIG.head_dim), np.float32)] * (2 * CONFIG.num_layers)
@@ -121,6 +121,20 @@ def test_lowered_graphs_generate_like_the_unfused_ones(decoder_graphs, target):
     assert all(op_counts(model)[target] == CONFIG.num_layers for model in lowered.values())
     for reference, fused in zip(generate_logits(decoder_graphs), generate_logits(lowered)):
         np.testing.assert_allclose(fused, reference, atol=1e-5)
+
+
+def test_the_opset_23_lowering_computes_what_the_onnx_spec_says(decoder_graphs):
+    """onnx's reference evaluator, the spec's own implementation, runs the lowered graphs: a reading of Attention-23
+    (grouping, mask polarity, scale) or RotaryEmbedding-23 that onnxruntime shares but the spec does not would pass
+    the test above and compute something else in TensorRT. The positions and the mask are built once per graph, not
+    per layer (they were: one mask per layer and step)."""
+    from onnx.reference import ReferenceEvaluator
+
+    lowered = {phase: fuse_and_lower(model, lower_onnx_attention)[2] for phase, model in decoder_graphs.items()}
+    assert all(op_counts(model)["And"] == 1 and op_counts(model)["Attention"] == CONFIG.num_layers
+               for model in lowered.values())
+    for reference, spec in zip(generate_logits(decoder_graphs), generate_logits(lowered, ReferenceEvaluator)):
+        np.testing.assert_allclose(spec, reference, atol=1e-5)
 
 
 def test_a_cache_named_otherwise_is_found_by_what_writes_it(decoder_graphs):

@@ -151,6 +151,27 @@ def test_an_old_opset_is_kept_when_nothing_is_rewritten_and_refused_when_it_woul
         fuse_rotary.run(unfused, fuse_rotary.Options())
 
 
+def test_an_operator_whose_meaning_changed_after_opset_18_is_refused_not_relabelled():
+    """GroupNormalization-18 takes scale and bias per group, -21 per channel: relabelled to 23 it passed the checker
+    and strict shape inference, and computed something else (onnx's reference evaluator refused to run it)."""
+    import onnx_graphsurgeon as gs
+    from onnx import helper as oh
+
+    from passes.errors import PassError
+    from passes.opset import raise_opset
+
+    def model(opset):
+        node = oh.make_node("GroupNormalization", ["x", "scale", "bias"], ["y"], num_groups=2)
+        graph = oh.make_graph([node], "g", [oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
+                                            for name, shape in (("x", [1, 4, 3]), ("scale", [2]), ("bias", [2]))],
+                              [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 3])])
+        return oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)])
+
+    with pytest.raises(PassError, match="GroupNormalization at opset 18 means something else at 23; convert"):
+        raise_opset(gs.import_onnx(model(18)), model(18), 23, "lower_onnx_attention")
+    raise_opset(gs.import_onnx(model(21)), model(21), 23, "lower_onnx_attention")  # already at its current meaning
+
+
 def rotary_graph(layout: str = "BHSD", position_divisor: float | None = None, negate_sin: bool = False,
                  s: int = 6, heads: int = 2, d: int = 8, positions_counted_from_mask: bool = False,
                  cos_factor=None, sin_factor=None, dynamic_sequence: bool = False, positions_from_past: bool = False,

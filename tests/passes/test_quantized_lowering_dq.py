@@ -94,6 +94,18 @@ def test_dequantize_linear_in_onnxruntime_matches_the_numpy_reference(name):
 
 
 @pytest.mark.parametrize("name", FORMATS)
+def test_the_onnx_specs_reference_evaluator_reads_the_weights_as_numpy_does(name):
+    """onnx's reference evaluator (the spec's DequantizeLinear-21: INT4 packing, blocked axis and block_size, zero
+    point types) is independent of onnxruntime, whose reading TensorRT need not share."""
+    from onnx.reference import ReferenceEvaluator
+
+    bits, block_size, symmetric = FORMATS[name]
+    model, qw, _ = lower(matmul_model(random_weight()), bits, block_size or K, symmetric)
+    x = np.random.default_rng(1).standard_normal((2, 3, K)).astype(np.float32)
+    np.testing.assert_allclose(ReferenceEvaluator(model).run(None, {"X": x})[0], x @ dequantize(qw), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", FORMATS)
 def test_constants_are_stored_in_their_bit_width(name):
     bits, block_size, symmetric = FORMATS[name]
     model, qw, stored = lower(matmul_model(random_weight()), bits, block_size or K, symmetric)
