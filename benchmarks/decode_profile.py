@@ -122,7 +122,7 @@ def measure(name: str, path: Path, kv_heads: int, head_dim: int, context: int, s
 
 
 def default_genai() -> Path | None:
-    found = sorted((RESULTS / "cache").glob("smollm2-135m-*/genai-int4-cpu/genai_config.json"))
+    found = sorted((RESULTS / "cache").glob("smollm2-135m-*/genai-*-int4-cpu/genai_config.json"))  # genai_model's
     return found[0].parent if found else None
 
 

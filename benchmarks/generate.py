@@ -165,12 +165,13 @@ class Genai:
 
 
 # -- inputs: weights folders, prompt -------------------------------------------------------------------------
-def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple[Path, Path]:
-    """The artifact's weights as a Hugging Face folder and as a genai fp32 CPU model, built once and cached."""
+def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple[Path, Path | None]:
+    """The artifact's weights as a Hugging Face folder and, where wanted, as a genai fp32 CPU model (genai_model),
+    built once and cached."""
     model_section = manifest["recipe"]["model"]
     key = hashlib.sha256(json.dumps([model_section, manifest["model"]["source"]], sort_keys=True).encode()).hexdigest()
     cache = RESULTS / "cache" / f"{manifest['name']}-{key[:12]}"
-    hf_folder, genai_folder = cache / "hf", cache / "genai-fp32-cpu"
+    hf_folder, genai_folder = cache / "hf", None
     if model_section["source"] == "hf":  # the model's own folder: its config says what ours may not (llama3 rope)
         hf_folder = Path(model_section["path"])
     if not (hf_folder / "config.json").is_file():
@@ -191,23 +192,104 @@ def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    if want_genai and not (genai_folder / "genai_config.json").is_file():
-        console.log(f"building onnxruntime-genai's fp32 CPU model: {genai_folder}")
-        build_genai_model(hf_folder, genai_folder, "fp32")
+    if want_genai:
+        genai_folder = genai_model(hf_folder, "fp32", console)
     return hf_folder, genai_folder
 
 
-def build_genai_model(hf_folder: Path, folder: Path, precision: str) -> None:
-    """onnxruntime-genai's own CPU build of a Hugging Face folder (its builder's defaults for `precision`) into
-    `folder`; the builder's cache sits beside the Hugging Face folder."""
+GENAI_BUILD_RECORD = "aotlm-genai-build.json"  # in each genai model folder: how it was built (genai_build_record)
+
+
+def genai_model(hf_folder: Path, precision: str, console: Console, **extra_options: str) -> Path:
+    """onnxruntime-genai's own CPU build of a Hugging Face folder: its builder's defaults for `precision`, changed by
+    `extra_options` (the builder's `--extra_options key=value`). Built once and cached beside the folder, under a
+    name that holds genai's version and the options: a folder found by a fixed name was timed after a genai upgrade
+    (or with other options) while the results named the new version. Built into a temporary folder and renamed,
+    with GENAI_BUILD_RECORD written last, so a failed build is never taken for a model."""
+    import onnxruntime_genai
+
+    version = onnxruntime_genai.__version__
     cache = hf_folder.parent
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(folder),
-               "-p", precision, "-e", "cpu", "-c", str(cache / "builder-cache")]
-    # cwd: `python -m` puts the working directory first on sys.path, and the builder's own `quantization`
-    # module lost to benchmarks/quantization.py when run from benchmarks/ (ImportError: QuantConfig)
-    built = subprocess.run(command, capture_output=True, text=True, cwd=cache)
-    if built.returncode:  # its progress bars are noise, but on failure its output is the diagnosis
-        raise SystemExit(f"onnxruntime-genai's builder failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}")
+    folder = cache / f"genai-{version}-{precision}-cpu{''.join(f'-{k}-{v}' for k, v in sorted(extra_options.items()))}"
+    if (folder / GENAI_BUILD_RECORD).is_file():
+        return folder
+    options = ", ".join(f"{key}={value}" for key, value in sorted(extra_options.items())) or "its defaults"
+    console.log(f"building onnxruntime-genai {version}'s {precision} CPU model ({options}): {folder}")
+    staging = Path(tempfile.mkdtemp(prefix=f"{folder.name}.partial-", dir=cache))
+    try:
+        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(staging),
+                   "-p", precision, "-e", "cpu", "-c", str(cache / "builder-cache")]
+        if extra_options:
+            command += ["--extra_options", *(f"{key}={value}" for key, value in sorted(extra_options.items()))]
+        # cwd: `python -m` puts the working directory first on sys.path, and the builder's own `quantization`
+        # module lost to benchmarks/quantization.py when run from benchmarks/ (ImportError: QuantConfig)
+        built = subprocess.run(command, capture_output=True, text=True, cwd=cache)
+        if built.returncode:  # its progress bars are noise, but on failure its output is the diagnosis
+            raise SystemExit(f"onnxruntime-genai's builder failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}")
+        files = {}
+        for path in sorted(staging.iterdir()):
+            if path.suffix in (".onnx", ".data"):
+                with path.open("rb") as stream:
+                    files[path.name] = hashlib.file_digest(stream, "sha256").hexdigest()
+        write_json(staging / GENAI_BUILD_RECORD, {
+            "onnxruntime_genai": version, "precision": precision, "execution_provider": "cpu",
+            "extra_options": dict(sorted(extra_options.items())), "hf_folder": str(hf_folder),
+            "builder_command": [*command[:6], str(folder), *command[7:]], "files_sha256": files})
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not (folder / GENAI_BUILD_RECORD).is_file():  # not another run's build, renamed in first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+GLIBC_HUGE_PAGES = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: malloc advises transparent huge pages for its memory
+
+
+def glibc_huge_pages(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """A script's --glibc-huge-pages: start it again under GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so that what every
+    backend allocates through malloc (onnxruntime-genai's weights included, which otherwise stay on 4 KiB pages
+    where the kernel's transparent huge pages are in madvise mode) may sit on 2 MiB pages, as aotlm's engines put
+    theirs. glibc reads its tunables when the process starts: they cannot be set from inside."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if GLIBC_HUGE_PAGES in tunables.split(":"):
+        return
+    version = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else None
+    if not version or tuple(int(part) for part in version.split()[-1].split(".")[:2]) < (2, 35):
+        parser.error(f"--glibc-huge-pages needs glibc 2.35 or later (its malloc.hugetlb tunable); this is "
+                     f"{version or 'not glibc'}")
+    if argv is not None:  # called as a function (tests): the process is not this script's to replace
+        parser.error(f"--glibc-huge-pages starts the script again: run it from the command line, or set "
+                     f"GLIBC_TUNABLES={GLIBC_HUGE_PAGES} before starting Python")
+    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, GLIBC_HUGE_PAGES]))}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def anonymous_huge_page_bytes() -> int | None:
+    """The process's memory on transparent huge pages now (/proc/self/smaps_rollup's AnonHugePages); None where
+    unreadable."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def artifact_identity(artifact: Path) -> dict:
+    """What names an artifact's exact build in a result: its manifest's sha256 (the manifest lists every file's)."""
+    with (artifact / "manifest.json").open("rb") as stream:
+        return {"path": str(artifact), "manifest_sha256": hashlib.file_digest(stream, "sha256").hexdigest()}
+
+
+def genai_build_record(folder: Path) -> dict:
+    """How genai_model built `folder`: genai's version, precision, options, the builder's command, its files' sha256
+    (what the results record, so a reader knows which model was timed)."""
+    return json.loads((folder / GENAI_BUILD_RECORD).read_text())
 
 
 def prompt_token_ids(artifact: Path, manifest: dict, count: int) -> list[int]:
@@ -374,6 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
         tasks = {name: progress.add_task(f"{name:18}", total=WARMUP_RUNS + args.repeats) for name in backends}
         measured = measure_all(backends, prompt_ids, args.new_tokens, args.repeats, progress, tasks)
     results = {name: {"setup_s": setup_s[name], **measured[name]} for name in backends}
+    huge_pages = backends["aotlm"].engine.huge_pages  # genai's weights stay on the pages it put them on
     del backends
 
     render(results, console)
@@ -391,7 +474,9 @@ def main(argv: list[str] | None = None) -> dict:
                      "repeats": args.repeats, "warmup_runs": WARMUP_RUNS, "threads": args.threads, "batch": 1,
                      "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
                      "decoding": "greedy, stop tokens disabled", "prompt_source": "pydoc_data.topics (sorted, joined)",
-                     "hf_folder": str(hf_folder) if hf_folder else None, "genai_folder": str(genai_folder) if Genai.name in baselines else None},
+                     "hf_folder": str(hf_folder) if hf_folder else None, "genai_folder": str(genai_folder) if Genai.name in baselines else None,
+                     "aotlm_artifact": artifact_identity(args.artifact), "aotlm_huge_pages": huge_pages,
+                     "genai_build": genai_build_record(genai_folder) if Genai.name in baselines else None},
         "machine": machine_info(), "versions": versions(),
         "prompt_token_ids": prompt_ids, "results": results,
         "agreement": {"tokens_compared": compared, "all_agree": same, "backends": agree},

@@ -1,11 +1,17 @@
 """Prefill and decode timed apart, by context length: aotlm unfused vs fused vs onnxruntime-genai.
 
     .venv/bin/python benchmarks/phases.py [--contexts 64,512,1024,2000] [--prompt-lengths 128,512,1024]
-        [--steps 32] [--repeats 3] [--prefill-runs 5] [--backends aotlm-unfused,aotlm-fused,onnxruntime-genai]
-        [--threads N]
+        [--steps 32] [--repeats 3] [--prefill-runs 5]
+        [--backends aotlm-unfused,aotlm-fused,onnxruntime-genai,onnxruntime-genai-pruned] [--threads N]
+        [--glibc-huge-pages]
 
-Batch 1, fp32, the same weights everywhere (genai's model is generate.py's cached build of the fused artifact's
-recipe `model` section) and real prompt tokens (Python's docs, pydoc_data.topics, as generate.py uses).
+Batch 1, fp32, the same weights everywhere (genai's models are generate.genai_model's cached builds of the fused
+artifact's recipe `model` section) and real prompt tokens (Python's docs, pydoc_data.topics, as generate.py uses).
+onnxruntime-genai is its builder's default fp32 CPU build (the issue's baseline), which computes the lm_head at
+every prompt position; onnxruntime-genai-pruned is the same build with `--extra_options prune_lm_head=true`, the last
+position only, as aotlm's prefill: the prefill ratio against it shows what remains without that difference.
+The first repeat's greedy tokens of every backend are compared with the fused artifact's (token_agreement): the
+same weights must give the same tokens, so a difference early on means a wrong or stale model was timed.
 
 Decode at context C: the cache is filled with C real tokens (aotlm: one prefill-graph run; genai: append_tokens
 on a fresh Generator, max_length 2100), then WARMUP_STEPS decode steps, then --steps timed consecutive steps,
@@ -18,8 +24,10 @@ the prefill graph + the first token's choice; genai: append_tokens on a fresh Ge
 timing, which runs the prompt but does not choose a token yet); the median run counts. Both scopes put a little
 more work on aotlm's side (until session 41 aotlm's timed the graphs + argmax alone).
 aotlm's engines load with Engine.load's defaults, huge pages included (its weights on 2 MiB pages, 5-8% off a decode
-step where the kernel's transparent huge pages are in madvise mode); genai's weights stay where it put them.
-The JSON records the mode and what the engines got (settings.huge_pages).
+step where the kernel's transparent huge pages are in madvise mode); genai's weights stay where it put them, on
+4 KiB pages in that mode, unless --glibc-huge-pages runs the script under glibc's malloc.hugetlb=1 tunable, as a
+genai user may. The JSON records the mode, what the engines got (settings.huge_pages) and the process's bytes on
+huge pages after every backend loaded.
 
 Noise: the 2-core VMs this runs on are shared, so the backends are interleaved -- for each context every
 backend is measured in turn (the order rotates from one repeat to the next) -- and the whole sweep is repeated
@@ -51,8 +59,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
-from generate import (REPO, SINGLE_STREAM_SPIN, Genai, machine_info, paired_median, prepare_folders,  # noqa: E402
-                      prompt_token_ids, versions, write_result)
+from generate import (REPO, SINGLE_STREAM_SPIN, Genai, anonymous_huge_page_bytes, artifact_identity,  # noqa: E402
+                      genai_build_record, genai_model, glibc_huge_pages, machine_info, paired_median,
+                      prepare_folders, prompt_token_ids, versions, write_result)
 from arguments import artifact_manifest, count_list, output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 
 from contention import OTHER_CORES_LIMIT, OtherCores  # noqa: E402
@@ -64,7 +73,12 @@ WARMUP_STEPS = 4
 PREFILL_WARMUPS = 1
 GENAI_MAX_LENGTH = 2100  # every measurement's generator, or the model's context_length where that is less
 UNFUSED, FUSED, GENAI = "aotlm-unfused", "aotlm-fused", Genai.name
-BACKENDS = (UNFUSED, FUSED, GENAI)
+# genai's builder computes the lm_head at every prompt position unless told `prune_lm_head=true` (its
+# --extra_options), as aotlm's prefill does by default: the target's baseline is genai's default build, this arm
+# shows how much of the TTFT ratio that one option accounts for.
+GENAI_PRUNED = "onnxruntime-genai-pruned"
+GENAI_BUILDS = {GENAI: {}, GENAI_PRUNED: {"prune_lm_head": "true"}}  # genai backend -> its builder's extra options
+BACKENDS = (UNFUSED, FUSED, GENAI, GENAI_PRUNED)
 
 
 def percentiles(seconds: list[float]) -> dict:
@@ -100,8 +114,8 @@ class AotlmPhases:
         result = self.engine.generate(prompt_ids, max_new_tokens=1, ignore_eos=True)
         return result.timings.ttft_s
 
-    def decode(self, prompt_ids: list[int], steps: int) -> list[float]:
-        """The gaps between the engine's tokens after the prompt (Engine.generate's timings): each a decode-graph run
+    def decode(self, prompt_ids: list[int], steps: int) -> tuple[list[float], list[int]]:
+        """(step seconds, the tokens made), the steps being the gaps between the engine's tokens after the prompt (Engine.generate's timings): each a decode-graph run
         over the cache + the sampler's choice + detokenizing + the stop checks, all a user's token costs. Until
         session 41 this timed the graph + argmax alone, 0.1-0.2 ms a token less (RESULTS.md)."""
         length = len(prompt_ids)
@@ -111,13 +125,12 @@ class AotlmPhases:
         result = self.engine.generate(prompt_ids, max_new_tokens=WARMUP_STEPS + steps + 1, ignore_eos=True)
         if len(result.token_ids) != WARMUP_STEPS + steps + 1:
             raise RuntimeError(f"{self.name}: made {len(result.token_ids)} tokens, not {WARMUP_STEPS + steps + 1}")
-        return result.timings.itl_s[WARMUP_STEPS:]
+        return result.timings.itl_s[WARMUP_STEPS:], list(result.token_ids)
 
 
 class GenaiPhases:
-    name = GENAI
-
-    def __init__(self, genai_folder: Path, threads: int):
+    def __init__(self, name: str, genai_folder: Path, threads: int):
+        self.name = name
         loaded = Genai(genai_folder, threads)  # generate.py's loader: CPU provider, thread count
         self.og, self.model = loaded.og, loaded.model
         self.max_length = genai_max_length(genai_folder)
@@ -136,10 +149,10 @@ class GenaiPhases:
         generator.append_tokens(tokens)
         return time.perf_counter() - started
 
-    def decode(self, prompt_ids: list[int], steps: int) -> list[float]:
+    def decode(self, prompt_ids: list[int], steps: int) -> tuple[list[float], list[int]]:
         total = len(prompt_ids) + WARMUP_STEPS + steps
         if total > self.max_length:  # main() checks every context first
-            raise SystemExit(f"{GENAI}: context {len(prompt_ids)} + {WARMUP_STEPS + steps} steps exceed {self.max_length}")
+            raise SystemExit(f"{self.name}: context {len(prompt_ids)} + {WARMUP_STEPS + steps} steps exceed {self.max_length}")
         generator = self.generator(min_length=total)
         generator.append_tokens(np.asarray(prompt_ids, dtype=np.int32))
         # the first generate_next_token only picks from append_tokens' logits; each later one runs the model on
@@ -152,8 +165,8 @@ class GenaiPhases:
             if step >= WARMUP_STEPS:
                 times.append(elapsed)
         if generator.is_done() and len(generator.get_sequence(0)) < total:  # a step that ran nothing was timed
-            raise RuntimeError(f"{GENAI}: stopped at {len(generator.get_sequence(0))} tokens, not {total}")
-        return times
+            raise RuntimeError(f"{self.name}: stopped at {len(generator.get_sequence(0))} tokens, not {total}")
+        return times, [int(token) for token in generator.get_sequence(0)[len(prompt_ids):]]
 
 
 def genai_max_length(genai_folder: Path) -> int:
@@ -191,8 +204,8 @@ def run_sweeps(backends: dict, prompt_ids: list[int], args, progress: Progress, 
     task = progress.add_task("sweeps", total=work)
 
     def decode_once(backend, ctx):
-        times = backend.decode(prompt_ids[:ctx], args.steps)
-        return {**percentiles(times), "step_ms": [1e3 * t for t in times]}
+        times, tokens = backend.decode(prompt_ids[:ctx], args.steps)
+        return {**percentiles(times), "step_ms": [1e3 * t for t in times], "token_ids": tokens}
 
     def prefill_once(backend, length):
         for _ in range(PREFILL_WARMUPS):
@@ -260,15 +273,40 @@ def paired_ratios(summary: dict, contexts: list[int], prompt_lengths: list[int])
     lo, hi = contexts[0], contexts[-1]
     return {
         "decode": {ctx: {"fused_vs_unfused": paired(decode, FUSED, UNFUSED, ctx),
-                         "fused_vs_genai": paired(decode, FUSED, GENAI, ctx)} for ctx in contexts},
+                         "fused_vs_genai": paired(decode, FUSED, GENAI, ctx),
+                         "fused_vs_genai_pruned": paired(decode, FUSED, GENAI_PRUNED, ctx)} for ctx in contexts},
         "prefill": {length: {"fused_vs_unfused": paired(prefill, FUSED, UNFUSED, length),
-                             "fused_vs_genai": paired(prefill, FUSED, GENAI, length)} for length in prompt_lengths},
+                             "fused_vs_genai": paired(prefill, FUSED, GENAI, length),
+                             "fused_vs_genai_pruned": paired(prefill, FUSED, GENAI_PRUNED, length)}
+                    for length in prompt_lengths},
         "decode_growth": {name: paired(decode, name, name, hi, bottom_key=lo) for name in decode},
     }
 
 
+def token_agreement(raw: dict) -> dict:
+    """Per context, each backend's greedy tokens in the first repeat against the fused artifact's: the index of the
+    first that differs (None: all the shared ones agree). Every backend runs the same weights, so an early
+    difference means a wrong or stale model was timed."""
+    decode = raw["decode"]
+    if FUSED not in decode:
+        return {}
+    agreement = {}
+    for ctx, repeats in decode[FUSED].items():
+        reference = repeats[0]["token_ids"]
+        agreement[ctx] = {}
+        for name in decode:
+            tokens = decode[name][ctx][0]["token_ids"]
+            shared = min(len(tokens), len(reference))
+            agreement[ctx][name] = next((i for i in range(shared) if tokens[i] != reference[i]), None)
+    return agreement
+
+
 def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+RATIO_COLUMNS = {"fused/unfused": "fused_vs_unfused", "fused/genai": "fused_vs_genai",
+                 "fused/genai-pruned": "fused_vs_genai_pruned"}  # column -> paired_ratios' key
 
 
 def render(summary: dict, pairs: dict, args, console: Console, bandwidth: float) -> list[str]:
@@ -282,8 +320,8 @@ def render(summary: dict, pairs: dict, args, console: Console, bandwidth: float)
     for name in names:
         table.add_column(f"{name} ms", justify="right")
         table.add_column(f"{name} p90", justify="right")
-    table.add_column("fused/unfused", justify="right")
-    table.add_column("fused/genai", justify="right")
+    for column in RATIO_COLUMNS:
+        table.add_column(column, justify="right")
     if FUSED in decode:
         table.add_column("fused MB read", justify="right")
         table.add_column("fused GB/s", justify="right")
@@ -293,7 +331,7 @@ def render(summary: dict, pairs: dict, args, console: Console, bandwidth: float)
         row = [str(ctx)]
         for name in names:
             row += [f"{decode[name][ctx]['median_ms']:.2f}", f"{decode[name][ctx]['p90_ms']:.2f}"]
-        row += [ratio(pairs["decode"][ctx]["fused_vs_unfused"]), ratio(pairs["decode"][ctx]["fused_vs_genai"])]
+        row += [ratio(pairs["decode"][ctx][key]) for key in RATIO_COLUMNS.values()]
         if FUSED in decode:
             entry = decode[FUSED][ctx]
             row += [f"{entry['bytes_read'] / 1e6:.0f}", f"{entry['achieved_gb_per_s']:.1f}", f"{entry['floor_ms']:.2f}",
@@ -312,13 +350,13 @@ def render(summary: dict, pairs: dict, args, console: Console, bandwidth: float)
     for name in names:
         table.add_column(f"{name} ms", justify="right")
         table.add_column(f"{name} tok/s", justify="right")
-    table.add_column("fused/unfused", justify="right")
-    table.add_column("fused/genai", justify="right")
+    for column in RATIO_COLUMNS:
+        table.add_column(column, justify="right")
     for length in args.prompt_lengths:
         row = [str(length)]
         for name in names:
             row += [f"{prefill[name][length]['median_ms']:.1f}", f"{prefill[name][length]['tokens_per_s']:.0f}"]
-        row += [ratio(pairs["prefill"][length]["fused_vs_unfused"]), ratio(pairs["prefill"][length]["fused_vs_genai"])]
+        row += [ratio(pairs["prefill"][length][key]) for key in RATIO_COLUMNS.values()]
         table.add_row(*row)
     print_table(table, console)
     return lines
@@ -338,21 +376,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-other-cores", type=float, default=OTHER_CORES_LIMIT,
                         help="re-measure when other processes kept more cores than this busy on average")
     parser.add_argument("--retries", type=int, default=3, help="re-measurements allowed per contended measurement")
+    parser.add_argument("--glibc-huge-pages", action="store_true",
+                        help="run under GLIBC_TUNABLES=glibc.malloc.hugetlb=1: genai's weights may then sit on 2 MiB "
+                             "pages too (aotlm's engines put theirs there in any case)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/phases.json)")
     args = parser.parse_args(argv)
     output_file(parser, args.out)  # before the work, not a traceback after it
+    if args.glibc_huge_pages:
+        glibc_huge_pages(parser, argv)
     console = Console(width=None if sys.stdout.isatty() else 200)
     names = [name for name in args.backends.split(",") if name]
     unknown = set(names) - set(BACKENDS)
     if unknown or not names:
         parser.error(f"unknown backends {sorted(unknown)}; known: {', '.join(BACKENDS)}")
     require_at_least_one(parser, args, "--steps", "--repeats", "--prefill-runs")
-    if GENAI in names:  # the default backends include it: fail now, not after the other backends load
+    genai_names = [name for name in names if name in GENAI_BUILDS]
+    if genai_names:  # the default backends include it: fail now, not after the other backends load
         try:
             import onnxruntime_genai  # noqa: F401
         except ImportError as error:
-            parser.error(f"{GENAI} is not installed ({error}): pip install 'aotlm[bench]', or leave it out of "
-                         f"--backends (e.g. --backends {FUSED})")
+            parser.error(f"{GENAI} is not installed ({error}): pip install 'aotlm[bench]', or leave "
+                         f"{', '.join(genai_names)} out of --backends (e.g. --backends {FUSED})")
     bandwidth = cpu_device()["bandwidth"]  # measured once per machine (all cores reading), then cached
     load_before = os.getloadavg()
 
@@ -365,21 +409,26 @@ def main(argv: list[str] | None = None) -> dict:
                          f"decode steps, and every prompt length, must fit")
     reference = artifact_manifest(parser, args.fused_artifact)  # prompt tokens, genai's weights
     prompt_ids = prompt_token_ids(args.fused_artifact, reference, max(args.contexts + args.prompt_lengths))
-    genai_folder = genai_limit = None
-    if GENAI in names:
-        _, genai_folder = prepare_folders(reference, console, want_genai=True)
-        limit = genai_limit = genai_max_length(genai_folder)
-        if max(args.contexts) + WARMUP_STEPS + args.steps > limit or max(args.prompt_lengths) > limit:
-            parser.error(f"{GENAI}'s generators hold {limit} tokens: every context + {WARMUP_STEPS + args.steps} "
-                         f"decode steps, and every prompt length, must fit")
+    genai_folders, genai_limits = {}, {}
+    if genai_names:
+        hf_folder, _ = prepare_folders(reference, console, want_genai=False)
+        for name in genai_names:
+            genai_folders[name] = genai_model(hf_folder, "fp32", console, **GENAI_BUILDS[name])
+            limit = genai_limits[name] = genai_max_length(genai_folders[name])
+            if max(args.contexts) + WARMUP_STEPS + args.steps > limit or max(args.prompt_lengths) > limit:
+                parser.error(f"{name}'s generators hold {limit} tokens: every context + "
+                             f"{WARMUP_STEPS + args.steps} decode steps, and every prompt length, must fit")
 
     backends = {}
     setup_s = {}
     for name in names:
         started = time.perf_counter()
-        backends[name] = GenaiPhases(genai_folder, args.threads) if name == GENAI else AotlmPhases(name, artifacts[name], args.threads)
+        backends[name] = (GenaiPhases(name, genai_folders[name], args.threads) if name in genai_folders
+                          else AotlmPhases(name, artifacts[name], args.threads))
         setup_s[name] = time.perf_counter() - started
-    console.log(f"loaded {', '.join(names)}; load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
+    huge_page_bytes = anonymous_huge_page_bytes()
+    console.log(f"loaded {', '.join(names)}; load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}"
+                + ("" if huge_page_bytes is None else f"; {huge_page_bytes / 2**20:.0f} MiB on huge pages"))
 
     started = time.perf_counter()
     with Progress(console=console) as progress:
@@ -396,6 +445,12 @@ def main(argv: list[str] | None = None) -> dict:
     contention = (f"contention: {retried} of {len(measured)} measurements re-measured, {contended} still above "
                   f"{args.max_other_cores} other cores; median other cores {np.median([r['other_cores'] for r in measured]):.2f}")
     console.print(contention)
+    agreement = token_agreement(raw)
+    differing = {f"{name} at context {ctx}": index for ctx, by_name in agreement.items()
+                 for name, index in by_name.items() if index is not None}
+    console.print("greedy tokens (first repeat) against the fused artifact's: " +
+                  ("all agree" if not differing else
+                   "; ".join(f"{where} from token {index}" for where, index in differing.items())))
     console.print(f"load average (1/5/15 min) before {' '.join(f'{x:.2f}' for x in load_before)}, "
                   f"after {' '.join(f'{x:.2f}' for x in load_after)}; sweeps took {sweep_s:.0f} s")
 
@@ -405,20 +460,26 @@ def main(argv: list[str] | None = None) -> dict:
                      "prefill_warmups": PREFILL_WARMUPS, "threads": args.threads, "batch": 1, "backends": names,
                      "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
                      "artifacts": {name: str(path) for name, path in artifacts.items() if name in names},
-                     "genai_folder": str(genai_folder) if genai_folder else None, "genai_max_length": genai_limit,
+                     "artifact_identity": {name: artifact_identity(artifacts[name]) for name in manifests},
+                     "genai_builds": {name: genai_build_record(folder) for name, folder in genai_folders.items()},
+                     "genai_max_length": genai_limits, "prompt_token_ids": prompt_ids,
                      "prompt_source": "pydoc_data.topics (sorted, joined)", "interleaved": True,
                      "max_other_cores": args.max_other_cores, "retries": args.retries,
                      "machine_bandwidth_bytes_per_s": bandwidth,
                      "decode_step": "forward over the filled cache + greedy next token; positions C+k",
                      "aotlm_timing": "Engine.generate: TTFT for prefill, the gaps between tokens for decode",
                      "huge_pages": {name: backend.engine.huge_pages for name, backend in backends.items()
-                                    if isinstance(backend, AotlmPhases)}},
+                                    if isinstance(backend, AotlmPhases)},
+                     "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+                     "process_huge_page_bytes_after_loads": huge_page_bytes},
         "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": load_after},
         "versions": versions(), "setup_s": setup_s, "sweep_s": sweep_s,
         "decode": {name: {str(k): v for k, v in by.items()} for name, by in summary["decode"].items()},
         "prefill": {name: {str(k): v for k, v in by.items()} for name, by in summary["prefill"].items()},
         "decode_growth": lines[0], "decode_growth_paired": lines[1], "contention": contention,
         "paired": {phase: {str(k): v for k, v in by.items()} for phase, by in pairs.items()},
+        "token_agreement": {"first_difference_from_fused": {str(k): v for k, v in agreement.items()},
+                            "compared": f"the first repeat's {WARMUP_STEPS + args.steps} tokens per context"},
     }
     console.print(f"wrote {write_result('phases.json', report, args.out)}")
     return report

@@ -3,6 +3,7 @@ builds of the default model, beside onnxruntime-genai's int4 build of the same w
 
     .venv/bin/python benchmarks/quantization.py [--prompt-tokens 512] [--new-tokens 128] [--repeats 3]
         [--eval-tokens 4096] [--window 512] [--stride 256] [--variants fp32,int8,...]
+        [--genai-builds onnxruntime-genai-int4[,onnxruntime-genai-int4-b128]] [--no-genai] [--glibc-huge-pages]
         [--out quantization.json (a path; a bare file name goes under benchmarks/results/)]
 
 Each variant is a recipe under recipes/ with a few quantize options changed (VARIANTS), built once
@@ -19,6 +20,11 @@ The table's TTFT and TPOT are each the median over the repeats of that metric (m
 "paired" is the median over repeats of each run's TPOT over genai's in the same repeat, steadier on a host whose
 speed drifts (paired_ratio). Each run records the cores other processes used meanwhile (benchmarks/contention.py),
 and the console counts the contended runs.
+The baseline is onnxruntime-genai's default int4 build (block 32, a float KV cache); aotlm's fastest int4 builds use
+blocks of 64 or 128 and an int8 cache. genai's builder offers both (block_size; an int8 cache from a calibrated
+scale file), so these ratios compare settings as much as engines: `--genai-builds ...,onnxruntime-genai-int4-b128`
+times genai at block 128 too. aotlm's engines put their weights on 2 MiB pages, genai's stay on 4 KiB pages unless
+--glibc-huge-pages (settings.aotlm_huge_pages, settings.process_huge_page_bytes_after_loads).
 Writes benchmarks/results/quantization.json.
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,8 +46,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
-from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, build_genai_model, machine_info,  # noqa: E402
-                      measure_all, paired_median, prepare_folders, prompt_token_ids, versions, write_result)
+from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, anonymous_huge_page_bytes,  # noqa: E402
+                      artifact_identity, genai_build_record, genai_model, glibc_huge_pages, machine_info, measure_all,
+                      paired_median, prepare_folders, prompt_token_ids, versions, write_result)
 from arguments import output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 from contention import contention_line  # noqa: E402
 
@@ -161,14 +169,11 @@ def built_recipe(recipe, root: Path, console: Console, label: str | None = None)
     return folder
 
 
-def genai_int4(hf_folder: Path, console: Console) -> Path:
-    """onnxruntime-genai's own int4 CPU build of the same Hugging Face folder (its defaults: RTN, symmetric,
-    block 32, tied embedding quantized too), built once."""
-    folder = hf_folder.parent / "genai-int4-cpu"
-    if not (folder / "genai_config.json").is_file():
-        console.log(f"building {GENAI_INT4}: {folder}")
-        build_genai_model(hf_folder, folder, "int4")
-    return folder
+# onnxruntime-genai's own int4 CPU builds of the same Hugging Face folder -> its builder's extra options. The issue's
+# baseline is its defaults (RTN, symmetric, block 32, the tied embedding quantized too); block 128 (genai's
+# block_size option) times genai at the block size of aotlm's fastest int4 builds, which genai offers too.
+# (Its int8 KV cache needs a scale file from a calibration genai's builder does not run: not an arm here.)
+GENAI_INT4_BUILDS = {GENAI_INT4: {}, f"{GENAI_INT4}-b128": {"block_size": "128"}}
 
 
 def genai_logits_for(folder: Path, threads: int):
@@ -223,10 +228,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--threads", type=thread_count, default=usable_cpus())
     parser.add_argument("--no-genai", action="store_true")
+    parser.add_argument("--genai-builds", default=GENAI_INT4,
+                        help=f"genai int4 builds timed beside the variants, from {', '.join(GENAI_INT4_BUILDS)} "
+                             f"(ratios are against {GENAI_INT4})")
+    parser.add_argument("--glibc-huge-pages", action="store_true",
+                        help="run under GLIBC_TUNABLES=glibc.malloc.hugetlb=1: genai's weights may then sit on 2 MiB "
+                             "pages too (aotlm's engines put theirs there in any case)")
     parser.add_argument("--out", default="quantization.json",
                         help="JSON path; a bare file name goes under benchmarks/results/ (see out_path)")
     args = parser.parse_args(argv)
     output_file(parser, out_path(args.out))  # before the work, not a traceback after it
+    if args.glibc_huge_pages:
+        glibc_huge_pages(parser, argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
     names = [n for n in args.variants.split(",") if n]
     if "fp32" not in names:
@@ -245,14 +258,18 @@ def main(argv: list[str] | None = None) -> dict:
         window_spans(args.eval_tokens, args.window, args.stride)
     except EvaluationError as error:
         parser.error(f"--window/--stride: {error}")
-    if not args.no_genai and importlib.util.find_spec("onnxruntime_genai") is None:  # before minutes of builds
+    genai_names = [] if args.no_genai else [n for n in args.genai_builds.split(",") if n]
+    if [n for n in genai_names if n not in GENAI_INT4_BUILDS] or (genai_names and GENAI_INT4 not in genai_names):
+        parser.error(f"--genai-builds: from {', '.join(GENAI_INT4_BUILDS)}, {GENAI_INT4} among them (the "
+                     f"ratios' reference), got {args.genai_builds!r}; or pass --no-genai")
+    if genai_names and importlib.util.find_spec("onnxruntime_genai") is None:  # before minutes of builds
         parser.error(f"{GENAI_INT4} is a baseline here and onnxruntime-genai is not installed: "
                      f"pip install 'aotlm[bench]', or pass --no-genai")
 
     artifacts = {name: built(name, console) for name in names}
     manifest = json.loads((artifacts["fp32"] / "manifest.json").read_text())
     hf_folder, _ = prepare_folders(manifest, console, want_genai=False)
-    genai_folder = None if args.no_genai else genai_int4(hf_folder, console)
+    genai_folders = {name: genai_model(hf_folder, "int4", console, **GENAI_INT4_BUILDS[name]) for name in genai_names}
 
     from runtime import Engine
 
@@ -264,13 +281,14 @@ def main(argv: list[str] | None = None) -> dict:
     with Progress(console=console) as progress:
         # Timing first, every variant loaded and the repeats interleaved (generate.measure_all); then accuracy.
         backends = {name: Aotlm(artifacts[name], args.threads) for name in names}
-        if genai_folder:
-            backends[GENAI_INT4] = Genai(genai_folder, args.threads)
+        huge_pages = {name: backend.engine.huge_pages for name, backend in backends.items()}
+        backends.update({name: Genai(folder, args.threads) for name, folder in genai_folders.items()})
+        huge_page_bytes = anonymous_huge_page_bytes()  # every backend loaded: genai's pages count only here
         tasks = {name: progress.add_task(f"{name:24}", total=1 + args.repeats) for name in backends}
         timings = measure_all(backends, prompt_ids, args.new_tokens, args.repeats, progress, tasks)
         for name in list(backends):
-            if name == GENAI_INT4:
-                size, logits_for = folder_bytes(genai_folder), genai_logits_for(genai_folder, args.threads)
+            if name in genai_folders:
+                size, logits_for = folder_bytes(genai_folders[name]), genai_logits_for(genai_folders[name], args.threads)
             else:
                 from runtime.evaluate import decode_logits_for
                 size, logits_for = folder_bytes(artifacts[name]), decode_logits_for(backends[name].engine)
@@ -289,7 +307,12 @@ def main(argv: list[str] | None = None) -> dict:
                                   "timed runs"))
     report = {"settings": {**vars(args), "eval_text": "builtin:pydoc-held-out", "spans": len(spans),
                            "aotlm_spin_after_run": SINGLE_STREAM_SPIN,
-                           "variants": {n: variant_settings(n) for n in names}},
+                           "variants": {n: variant_settings(n) for n in names},
+                           "artifacts": {n: artifact_identity(artifacts[n]) for n in names},
+                           "genai_builds": {n: genai_build_record(folder) for n, folder in genai_folders.items()},
+                           "prompt_token_ids": prompt_ids, "aotlm_huge_pages": huge_pages,
+                           "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+                           "process_huge_page_bytes_after_loads": huge_page_bytes},
               "machine": machine_info(), "versions": versions(), "results": results}
     console.print(f"wrote {write_result('quantization.json', report, out_path(args.out))}")
     return report

@@ -2,9 +2,12 @@
 backend's median run is its own, and a backend that makes the wrong number of tokens is an error."""
 from __future__ import annotations
 
+import hashlib
 import sys
+from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from tests.conftest import REPO
 
@@ -100,3 +103,63 @@ def test_each_run_records_the_cores_other_processes_used_and_the_console_counts_
     # runs in the order a, b, then b, a (rotated), each timed 1 s by the clock
     assert cores == pytest.approx([0.0, 0.0, 0.9, 0.1])  # a's two runs, then b's
     assert contention.contention_line(cores, "timed runs").startswith("contention: 1 of 4 timed runs ran beside")
+
+
+def fake_genai_builder(monkeypatch, version: str, fail: bool = False) -> list:
+    """onnxruntime_genai at `version` whose builder (a subprocess) writes a model file into its -o folder."""
+    import subprocess
+    import types
+
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", types.SimpleNamespace(__version__=version))
+    commands = []
+
+    def builder(command, **kwargs):
+        commands.append(command)
+        out = Path(command[command.index("-o") + 1])
+        (out / "model.onnx").write_bytes(b"a model")
+        (out / "genai_config.json").write_text("{}")
+        return subprocess.CompletedProcess(command, 1 if fail else 0, "", "builder log")
+
+    monkeypatch.setattr(generate.subprocess, "run", builder)
+    return commands
+
+
+def test_genai_models_are_cached_under_their_version_and_options(tmp_path, monkeypatch):
+    """A folder found by a fixed name was timed after a genai upgrade, or with other builder options, while the
+    results named the new version and the options in force."""
+    hf_folder = tmp_path / "hf"
+    commands = fake_genai_builder(monkeypatch, "0.18.0")
+    plain = generate.genai_model(hf_folder, "fp32", Console(quiet=True))
+    assert plain.name == "genai-0.18.0-fp32-cpu" and generate.genai_model(hf_folder, "fp32", Console(quiet=True)) == plain
+    pruned = generate.genai_model(hf_folder, "fp32", Console(quiet=True), prune_lm_head="true")
+    assert pruned.name == "genai-0.18.0-fp32-cpu-prune_lm_head-true" and len(commands) == 2
+    assert commands[1][-2:] == ["--extra_options", "prune_lm_head=true"]
+    record = generate.genai_build_record(pruned)
+    assert record["extra_options"] == {"prune_lm_head": "true"} and record["onnxruntime_genai"] == "0.18.0"
+    assert record["files_sha256"] == {"model.onnx": hashlib.sha256(b"a model").hexdigest()}
+    assert str(pruned) in record["builder_command"]  # the folder it is used from, not the temporary one
+
+    fake_genai_builder(monkeypatch, "0.19.0")
+    assert generate.genai_model(hf_folder, "fp32", Console(quiet=True)).name == "genai-0.19.0-fp32-cpu"
+
+
+def test_a_failed_genai_build_leaves_no_folder_to_be_taken_for_a_model(tmp_path, monkeypatch):
+    fake_genai_builder(monkeypatch, "0.18.0", fail=True)
+    with pytest.raises(SystemExit, match="builder failed:\n.*builder log"):
+        generate.genai_model(tmp_path / "hf", "int4", Console(quiet=True))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_glibc_huge_pages_cannot_restart_a_function_call_and_is_a_no_op_once_set(monkeypatch, capsys):
+    """The tunable is read when the process starts: set from inside, it would change nothing and say nothing."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="phases.py")
+    monkeypatch.setattr(generate.os, "execve", lambda *a: pytest.fail("replaced the test's process"))
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    with pytest.raises(SystemExit):
+        generate.glibc_huge_pages(parser, ["--glibc-huge-pages"])
+    error = capsys.readouterr().err
+    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in error or "needs glibc 2.35" in error, error
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
+    generate.glibc_huge_pages(parser, ["--glibc-huge-pages"])  # already in force: returns

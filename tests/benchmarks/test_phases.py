@@ -69,7 +69,11 @@ def test_the_report_holds_the_paired_ratios_of_its_own_repeats(tiny_artifact, tm
     repeats = {ctx: [r["median_ms"] for r in report["decode"][phases.FUSED][ctx]["repeats"]] for ctx in ("8", "16")}
     growth = sorted(hi / lo for hi, lo in zip(repeats["16"], repeats["8"]))
     assert report["paired"]["decode_growth"][phases.FUSED] == pytest.approx(sum(growth) / 2)
-    assert report["paired"]["decode"]["8"] == {"fused_vs_unfused": None, "fused_vs_genai": None}
+    assert report["paired"]["decode"]["8"] == {"fused_vs_unfused": None, "fused_vs_genai": None,
+                                               "fused_vs_genai_pruned": None}
+    assert report["token_agreement"]["first_difference_from_fused"] == {"8": {phases.FUSED: None},
+                                                                        "16": {phases.FUSED: None}}
+    assert len(report["decode"][phases.FUSED]["8"]["repeats"][0]["token_ids"]) == phases.WARMUP_STEPS + 2 + 1
     assert report["settings"]["aotlm_spin_after_run"] == ["decode"]
     assert report["decode_growth_paired"].startswith("paired")
 
@@ -87,3 +91,14 @@ def test_bad_sizes_are_refused_before_any_measurement(tiny_artifact, flags, mess
     with pytest.raises(SystemExit) as stopped:
         phases.main(["--backends", phases.FUSED, "--fused-artifact", str(tiny_artifact), *flags])
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_token_agreement_names_the_first_token_a_backend_made_otherwise():
+    """The same weights must give the same greedy tokens: a stale or wrong baseline model was timed unnoticed."""
+    def made(*tokens):
+        return [{"token_ids": list(tokens)}]
+    raw = {"decode": {phases.FUSED: {64: made(5, 6, 7, 8), 512: made(1, 2)},
+                      phases.GENAI: {64: made(5, 6, 9, 8), 512: made(1, 2, 3)},
+                      phases.GENAI_PRUNED: {64: made(5, 6, 7), 512: made(4)}}}
+    assert phases.token_agreement(raw) == {64: {phases.FUSED: None, phases.GENAI: 2, phases.GENAI_PRUNED: None},
+                                           512: {phases.FUSED: None, phases.GENAI: None, phases.GENAI_PRUNED: 0}}

@@ -67,3 +67,14 @@ def test_bad_sizes_are_refused_before_any_variant_is_built(flags, message, capsy
     with pytest.raises(SystemExit) as stopped:
         quantization.main(["--variants", "fp32", "--no-genai", *flags])
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("builds", ["onnxruntime-genai-int4-b128", "onnxruntime-genai-int4,onnxruntime-genai-int8"])
+def test_genai_builds_are_checked_before_any_build(builds, monkeypatch, capsys):
+    """The ratios' reference is genai's default int4 build: a list without it, or a build genai is not asked for,
+    is refused before minutes of builds."""
+    monkeypatch.setattr(quantization, "built", lambda *a: pytest.fail("built before checking --genai-builds"))
+    with pytest.raises(SystemExit) as stopped:
+        quantization.main(["--variants", "fp32", "--genai-builds", builds])
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2 and "--genai-builds: from onnxruntime-genai-int4, onnxruntime-genai-int4-b128" in error

@@ -69,7 +69,7 @@ def test_generate_refuses_a_folder_out_and_negative_threads_before_measuring(tin
 def test_phases_refuses_genai_when_it_is_not_installed(tiny_artifact, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)
     monkeypatch.setattr(generate, "RESULTS", tmp_path)  # no genai build into the checkout
-    monkeypatch.setattr(generate, "build_genai_model", lambda *a: pytest.fail("built genai's model before the check"))
+    monkeypatch.setattr(phases, "genai_model", lambda *a, **k: pytest.fail("built genai's model before the check"))
     no_engine(monkeypatch)
     with pytest.raises(SystemExit) as stopped:
         phases.main(["--backends", f"{phases.FUSED},{phases.GENAI}", "--fused-artifact", str(tiny_artifact),
