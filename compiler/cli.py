@@ -194,7 +194,11 @@ def _inspect(args) -> None:
 def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     """`aotlm inspect`'s summary of a manifest, printed on `out`."""
     config = manifest["model"]["config"]
-    needs = f" (requires {', '.join(manifest['requires'])})" if manifest.get("requires") else ""
+    from runtime.manifest import required_features
+
+    # what this runtime enforces: a format-1 artifact's needs are read from its contents, not a `requires` list
+    required = list(dict.fromkeys([*(manifest.get("requires") or []), *required_features(manifest)]))
+    needs = f" (requires {', '.join(required)})" if required else ""
     out.print(f"[bold]{escape(str(manifest['name']))}[/bold]  format v{manifest['format_version']}{escape(needs)}, "
               f"built {manifest['created']}", highlight=False, soft_wrap=True)
     tools = manifest.get("tools") or {}
@@ -222,13 +226,15 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     template = manifest["tokenizer"].get("chat_template")
     out.print(f"chat template: {escape(template) + ' (aotlm run --chat, Engine.chat)' if template else 'none'}",
                   highlight=False, soft_wrap=True)
+    from compiler.frontend.generation_defaults import UNRECORDED as UNRECORDED_DEFAULTS
     from compiler.frontend.generation_defaults import describe as describe_defaults
 
     defaults = describe_defaults(manifest.get("generation_defaults"))
     stops = manifest["tokenizer"].get("eos_token_ids") or []
     out.print(escape(f"generation: stops at token ids {stops or 'none'}; model defaults "
                      + (f"{defaults}, applied to options a request leaves out (--generation-config none: aotlm's)"
-                        if defaults else "none (aotlm's: greedy)")), highlight=False, soft_wrap=True)
+                        if defaults else "none (aotlm's: greedy)" if "generation_defaults" in manifest else
+                        f"{UNRECORDED_DEFAULTS} (aotlm's apply: greedy)")), highlight=False, soft_wrap=True)
     backend = manifest["backend"]
     out.print(escape(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}"),
               highlight=False, soft_wrap=True)

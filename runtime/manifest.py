@@ -20,8 +20,10 @@ MANIFEST_FILE = "manifest.json"
 # which the runtimes that read only format 1 refuse in a line. They had passed over both: an int8 cache's first
 # step failed inside onnxruntime ("expected: (tensor(int8))"), and without session_config's disable_quant_qdq a
 # DequantizeLinear artifact's prefill ran onnxruntime's fused 4-bit kernel: other text (6 of 8 SmolLM2 prompts).
-# A feature added later that older runtimes would pass over gets an entry here.
-REQUIREMENTS = {"int8_kv_cache": "a KV cache stored as int8", "session_config": "onnxruntime session settings"}
+# A feature added later that older runtimes would pass over gets an entry here: generation_defaults came later than
+# format 2 without one, and the runtimes before it sampled a model that ships a temperature greedily, saying nothing.
+REQUIREMENTS = {"int8_kv_cache": "a KV cache stored as int8", "session_config": "onnxruntime session settings",
+                "generation_defaults": "the model's own sampling defaults"}
 
 
 def required_features(manifest: dict) -> list[str]:
@@ -29,6 +31,9 @@ def required_features(manifest: dict) -> list[str]:
     needs = ["int8_kv_cache"] if manifest.get("kv_cache", {}).get("dtype") == "int8" else []
     if any(engine.get("session_config") for engine in manifest.get("engines", {}).values()):
         needs.append("session_config")
+    defaults = manifest.get("generation_defaults")
+    if isinstance(defaults, dict) and defaults.get("values"):  # none to apply: nothing an older runtime would miss
+        needs.append("generation_defaults")
     return needs
 
 

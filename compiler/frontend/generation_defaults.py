@@ -75,6 +75,11 @@ def checked(values: dict, source: str) -> tuple[dict, list[str]]:
     return ({"source": source, "values": kept} if kept else {}), warnings
 
 
+# a manifest without generation_defaults (every build writes them since session 60, {} values for none)
+UNRECORDED = ("not recorded: the aotlm that built it did not read a model's sampling defaults; rebuild it to apply any "
+              "the model ships")
+
+
 def describe(defaults: dict) -> str:
     """'temperature 0.7, top_p 0.8 (generation_config.json)', or '' for none."""
     values = (defaults or {}).get("values") or {}

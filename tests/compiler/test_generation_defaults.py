@@ -67,9 +67,12 @@ def test_an_hf_folder_s_defaults_reach_the_manifest_and_every_path_applies_them(
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["generation_defaults"] == {"source": "generation_config.json", "values": {
         "repetition_penalty": 1.3, "max_new_tokens": 24, "temperature": 1.5, "top_p": 0.8, "top_k": 0}}
+    # the runtimes before generation_defaults sampled such a model greedily without a word: now they refuse it
+    assert manifest["format_version"] == 2 and manifest["requires"] == ["generation_defaults"]
     status, output = run_cli(capsys, "inspect", artifact)
     assert ("generation: stops at token ids [2]; model defaults repetition_penalty 1.3, max_new_tokens 24, "
             "temperature 1.5, top_p 0.8, top_k 0 (generation_config.json)") in " ".join(output.split()), output
+    assert "format v2 (requires generation_defaults)" in output
 
     engine = Engine.load(artifact)
     model = dict(temperature=1.5, top_p=0.8, top_k=0, repetition_penalty=1.3)
@@ -184,3 +187,20 @@ def test_a_list_of_prompts_and_a_chat_take_the_model_s_defaults_too(chat_artifac
         assert chatted != engine.chat(messages, **options, temperature=0).token_ids
     finally:
         engine.close()
+
+
+def test_a_model_without_defaults_records_none_and_an_older_build_s_are_named_unrecorded(capsys, tiny_artifact,
+                                                                                           tmp_path):
+    """An artifact built before the manifest recorded the model's defaults ran greedily, and inspect said the model
+    had none, though its generation_config.json set a temperature: absent now means not recorded."""
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    assert manifest["generation_defaults"] == {"source": None, "values": {}}
+    assert manifest["format_version"] == 1 and "requires" not in manifest  # nothing an older runtime would miss
+    status, output = run_cli(capsys, "inspect", tiny_artifact)
+    assert status == 0 and "model defaults none (aotlm's: greedy)" in " ".join(output.split()), output
+
+    older = edited_copy(tiny_artifact, tmp_path, lambda manifest: manifest.pop("generation_defaults"))
+    status, output = run_cli(capsys, "inspect", older)
+    assert status == 0 and "model defaults not recorded: the aotlm that built it did not read a model's sampling " \
+        "defaults; rebuild it to apply any the model ships" in " ".join(output.split()), output
+    assert Engine.load(older).generation_defaults == {}
