@@ -165,12 +165,24 @@ class Genai:
 
 
 # -- inputs: weights folders, prompt -------------------------------------------------------------------------
+def baseline_cache(manifest: dict) -> Path:
+    """The folder the baselines' models of this artifact's weights are cached in (benchmarks/results/cache/...),
+    keyed on the recipe's model section, the source the build read and the frontend's code, which reads the weights
+    and writes them as a Hugging Face folder (a fix there left the baselines on a folder written before it); genai's
+    builds live inside, so they follow."""
+    frontend = hashlib.sha256()
+    for path in sorted((REPO / "compiler" / "frontend").rglob("*.py")):
+        frontend.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    key = hashlib.sha256(json.dumps([manifest["recipe"]["model"], manifest["model"]["source"], frontend.hexdigest()],
+                                    sort_keys=True).encode()).hexdigest()
+    return RESULTS / "cache" / f"{manifest['name']}-{key[:12]}"
+
+
 def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple[Path, Path | None]:
     """The artifact's weights as a Hugging Face folder and, where wanted, as a genai fp32 CPU model (genai_model),
-    built once and cached."""
+    built once and cached under baseline_cache(manifest)."""
     model_section = manifest["recipe"]["model"]
-    key = hashlib.sha256(json.dumps([model_section, manifest["model"]["source"]], sort_keys=True).encode()).hexdigest()
-    cache = RESULTS / "cache" / f"{manifest['name']}-{key[:12]}"
+    cache = baseline_cache(manifest)
     hf_folder, genai_folder = cache / "hf", None
     if model_section["source"] == "hf":  # the model's own folder: its config says what ours may not (llama3 rope)
         hf_folder = Path(model_section["path"])
@@ -193,23 +205,23 @@ def prepare_folders(manifest: dict, console: Console, want_genai: bool) -> tuple
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     if want_genai:
-        genai_folder = genai_model(hf_folder, "fp32", console)
+        genai_folder = genai_model(hf_folder, cache, "fp32", console)
     return hf_folder, genai_folder
 
 
 GENAI_BUILD_RECORD = "aotlm-genai-build.json"  # in each genai model folder: how it was built (genai_build_record)
 
 
-def genai_model(hf_folder: Path, precision: str, console: Console, **extra_options: str) -> Path:
+def genai_model(hf_folder: Path, cache: Path, precision: str, console: Console, **extra_options: str) -> Path:
     """onnxruntime-genai's own CPU build of a Hugging Face folder: its builder's defaults for `precision`, changed by
-    `extra_options` (the builder's `--extra_options key=value`). Built once and cached beside the folder, under a
-    name that holds genai's version and the options: a folder found by a fixed name was timed after a genai upgrade
+    `extra_options` (the builder's `--extra_options key=value`). Built once and cached in `cache` (baseline_cache:
+    never beside an `hf` source's own folder), under a name that holds genai's version and the options: a folder found by a fixed name was timed after a genai upgrade
     (or with other options) while the results named the new version. Built into a temporary folder and renamed,
     with GENAI_BUILD_RECORD written last, so a failed build is never taken for a model."""
     import onnxruntime_genai
 
     version = onnxruntime_genai.__version__
-    cache = hf_folder.parent
+    cache.mkdir(parents=True, exist_ok=True)
     folder = cache / f"genai-{version}-{precision}-cpu{''.join(f'-{k}-{v}' for k, v in sorted(extra_options.items()))}"
     if (folder / GENAI_BUILD_RECORD).is_file():
         return folder

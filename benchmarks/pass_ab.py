@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/pass_ab.py [--recipe recipes/smollm2-135m.yaml] [--without skip_unused_rows]
         [--prompt-lengths 128,512,1024] [--runs 40] [--threads N] [--out F]
 
-Builds the recipe twice under benchmarks/results/pass_ab/ (rebuilt when the recipe or the compiler's source
-changed): as it is, and with the pass named by --without left out. For each prompt length both prefill graphs
+Builds the recipe twice under benchmarks/results/pass_ab/ (rebuilt when the recipe or the code that builds
+it changed): as it is, and with the pass named by --without left out. For each prompt length both prefill graphs
 run on the same real prompt (Python's docs), batch 1, through the runtime's onnxruntime backend (the KV cache
 bound once as past and present; the prefill graph alone, AotlmPhases.graph_prefill): one warm-up each, then --runs
 timed runs each, alternating which goes first. Prints, per length, both medians, the ratio of medians (with /

@@ -60,8 +60,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, run as a script or imported
 from generate import (REPO, SINGLE_STREAM_SPIN, Genai, anonymous_huge_page_bytes, artifact_identity,  # noqa: E402
-                      genai_build_record, genai_model, glibc_huge_pages, machine_info, paired_median,
-                      prepare_folders, prompt_token_ids, versions, write_result)
+                      baseline_cache, genai_build_record, genai_model, glibc_huge_pages, machine_info,
+                      paired_median, prepare_folders, prompt_token_ids, versions, write_result)
 from arguments import artifact_manifest, count_list, output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 
 from contention import OTHER_CORES_LIMIT, OtherCores  # noqa: E402
@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
     if genai_names:
         hf_folder, _ = prepare_folders(reference, console, want_genai=False)
         for name in genai_names:
-            genai_folders[name] = genai_model(hf_folder, "fp32", console, **GENAI_BUILDS[name])
+            genai_folders[name] = genai_model(hf_folder, baseline_cache(reference), "fp32", console,
+                                              **GENAI_BUILDS[name])
             limit = genai_limits[name] = genai_max_length(genai_folders[name])
             if max(args.contexts) + WARMUP_STEPS + args.steps > limit or max(args.prompt_lengths) > limit:
                 parser.error(f"{name}'s generators hold {limit} tokens: every context + "

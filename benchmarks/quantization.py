@@ -47,8 +47,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py, whether imported or run from anywhere
 from generate import (REPO, RESULTS, SINGLE_STREAM_SPIN, Aotlm, Genai, anonymous_huge_page_bytes,  # noqa: E402
-                      artifact_identity, genai_build_record, genai_model, glibc_huge_pages, machine_info, measure_all,
-                      paired_median, prepare_folders, prompt_token_ids, versions, write_result)
+                      artifact_identity, baseline_cache, genai_build_record, genai_model, glibc_huge_pages,
+                      machine_info, measure_all, paired_median, prepare_folders, prompt_token_ids, versions,
+                      write_result)
 from arguments import output_file, require_at_least_one, thread_count, usable_cpus  # noqa: E402
 from contention import contention_line  # noqa: E402
 
@@ -137,13 +138,14 @@ def variant_settings(name: str) -> dict:
 
 
 @functools.cache  # once per run: the source does not change while the variants build
-def compiler_source_digest() -> str:
-    """sha256 of the compiler's and passes' source: a cached variant built by other code is stale."""
-    hasher = hashlib.sha256()
-    for path in sorted([*(REPO / "compiler").rglob("*.py"), *(REPO / "passes").rglob("*.py")]):
-        hasher.update(path.relative_to(REPO).as_posix().encode())
-        hasher.update(path.read_bytes())
-    return hasher.hexdigest()
+def build_code_digest() -> str:
+    """sha256 of what builds an artifact: the sources a build runs (compiler.artifact.sources_sha256: compiler/,
+    passes/ and runtime/, whose manifest writer and calibration a build uses) and the tools' versions (onnxruntime
+    folds constants and calibrates). A cached variant built by other code is stale; runtime/ and the tools were left
+    out before."""
+    from compiler.artifact import sources_sha256, tool_versions
+
+    return hashlib.sha256(json.dumps([sources_sha256(REPO), tool_versions()], sort_keys=True).encode()).hexdigest()
 
 
 def built(name: str, console: Console) -> Path:
@@ -152,12 +154,13 @@ def built(name: str, console: Console) -> Path:
 
 
 def built_recipe(recipe, root: Path, console: Console, label: str | None = None) -> Path:
-    """root/<recipe name>, rebuilt when missing, or when its recipe or the compiler's source changed."""
+    """root/<recipe name>, rebuilt when missing, or when its recipe or the code that builds it changed
+    (build_code_digest)."""
     label = label or recipe.name
     folder = root / recipe.name
     manifest = folder / "manifest.json"
     source = root / f"{recipe.name}.source-sha256"  # beside the artifact, not in it: its manifest lists its files
-    digest = compiler_source_digest()
+    digest = build_code_digest()
     if manifest.is_file() and json.loads(manifest.read_text())["recipe"] == json.loads(json.dumps(recipe.to_dict())) \
             and source.is_file() and source.read_text() == digest:
         return folder
@@ -269,7 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
     artifacts = {name: built(name, console) for name in names}
     manifest = json.loads((artifacts["fp32"] / "manifest.json").read_text())
     hf_folder, _ = prepare_folders(manifest, console, want_genai=False)
-    genai_folders = {name: genai_model(hf_folder, "int4", console, **GENAI_INT4_BUILDS[name]) for name in genai_names}
+    genai_folders = {name: genai_model(hf_folder, baseline_cache(manifest), "int4", console,
+                                       **GENAI_INT4_BUILDS[name]) for name in genai_names}
 
     from runtime import Engine
 

@@ -129,9 +129,10 @@ def test_genai_models_are_cached_under_their_version_and_options(tmp_path, monke
     results named the new version and the options in force."""
     hf_folder = tmp_path / "hf"
     commands = fake_genai_builder(monkeypatch, "0.18.0")
-    plain = generate.genai_model(hf_folder, "fp32", Console(quiet=True))
-    assert plain.name == "genai-0.18.0-fp32-cpu" and generate.genai_model(hf_folder, "fp32", Console(quiet=True)) == plain
-    pruned = generate.genai_model(hf_folder, "fp32", Console(quiet=True), prune_lm_head="true")
+    plain = generate.genai_model(hf_folder, tmp_path, "fp32", Console(quiet=True))
+    assert plain.name == "genai-0.18.0-fp32-cpu"
+    assert generate.genai_model(hf_folder, tmp_path, "fp32", Console(quiet=True)) == plain  # not built again
+    pruned = generate.genai_model(hf_folder, tmp_path, "fp32", Console(quiet=True), prune_lm_head="true")
     assert pruned.name == "genai-0.18.0-fp32-cpu-prune_lm_head-true" and len(commands) == 2
     assert commands[1][-2:] == ["--extra_options", "prune_lm_head=true"]
     record = generate.genai_build_record(pruned)
@@ -140,14 +141,14 @@ def test_genai_models_are_cached_under_their_version_and_options(tmp_path, monke
     assert str(pruned) in record["builder_command"]  # the folder it is used from, not the temporary one
 
     fake_genai_builder(monkeypatch, "0.19.0")
-    assert generate.genai_model(hf_folder, "fp32", Console(quiet=True)).name == "genai-0.19.0-fp32-cpu"
+    assert generate.genai_model(hf_folder, tmp_path, "fp32", Console(quiet=True)).name == "genai-0.19.0-fp32-cpu"
 
 
 def test_a_failed_genai_build_leaves_no_folder_to_be_taken_for_a_model(tmp_path, monkeypatch):
     fake_genai_builder(monkeypatch, "0.18.0", fail=True)
     with pytest.raises(SystemExit, match="builder failed:\n.*builder log"):
-        generate.genai_model(tmp_path / "hf", "int4", Console(quiet=True))
-    assert list(tmp_path.iterdir()) == []
+        generate.genai_model(tmp_path / "hf", tmp_path, "int4", Console(quiet=True))
+    assert list(tmp_path.iterdir()) == []  # the cache folder holds no partial build
 
 
 def test_glibc_huge_pages_cannot_restart_a_function_call_and_is_a_no_op_once_set(monkeypatch, capsys):
