@@ -90,7 +90,7 @@ def _transformers(loaded: Transformers):
             started = time.perf_counter()
             model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, streamer=clock,
                            max_new_tokens=output_tokens, min_new_tokens=output_tokens,
-                           pad_token_id=model.config.eos_token_id)
+                           pad_token_id=loaded.pad_token_id)
         return _trace(arrival, started, None, clock.times, prompt_ids)
 
     return serve

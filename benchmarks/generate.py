@@ -104,7 +104,14 @@ class Transformers:
 
         torch.set_num_threads(threads)
         self.torch = torch
+        if not sys.stderr.isatty():  # its "Loading weights" bar wrote a \r line per update into logs
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
         self.model = LlamaForCausalLM.from_pretrained(hf_folder, attn_implementation="eager", dtype=torch.float32).eval()
+        # one id: transformers 5 refuses a list (the default model's config ends at ids [2, 0]); no batch pads anyway
+        eos = self.model.config.eos_token_id
+        self.pad_token_id = eos[0] if isinstance(eos, list) else eos
 
     def run(self, prompt_ids: list[int], new_tokens: int) -> Run:
         from transformers.generation.streamers import BaseStreamer
@@ -130,7 +137,7 @@ class Transformers:
             started = time.perf_counter()
             output = self.model.generate(
                 input_ids, attention_mask=self.torch.ones_like(input_ids), do_sample=False, streamer=clock,
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=self.model.config.eos_token_id,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=self.pad_token_id,
             )
         return Run(prefill_s, clock.times, output[0, len(prompt_ids):].tolist())
 
