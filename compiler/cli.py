@@ -690,6 +690,7 @@ REFUSED_WRITES = {errno.ENOSPC: "free space there, or write elsewhere", errno.ED
                   "elsewhere", errno.EROFS: "write elsewhere", errno.EACCES: "check its permissions, or write elsewhere",
                   errno.EPERM: "check its permissions, or write elsewhere",
                   errno.ENAMETOOLONG: "shorten the name, or write elsewhere",
+                  errno.ENXIO: "no process reads that pipe or device: start its reader first, or write elsewhere",
                   errno.EFBIG: "a file-size limit (ulimit -f) or the filesystem's largest file (FAT32: 4 GiB): raise "
                   "the limit, or write elsewhere"}
 

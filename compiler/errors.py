@@ -26,6 +26,13 @@ def check_output_file(path: str | None, flag: str) -> None:
     from runtime.results import is_stream
 
     if is_stream(path):  # "-", /dev/stdout, a pipe: written into (runtime/results.py: write_json)
+        # not opened here (a pipe's reader would see its end); /dev/fd/3 without the shell's `3>` was found only
+        # after the whole run, as a traceback
+        if path != "-" and not os.path.exists(path):
+            raise UsageError(f"{flag} {path}: no such file or stream (a /dev/fd/N is a descriptor the shell opened, "
+                             f"e.g. `3> results.json`); open it, or give a file name")
+        if path != "-" and not os.access(path, os.W_OK):
+            raise UsageError(f"{flag} {path}: not writable by this user; give another file")
         return
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name, e.g. {Path(path) / 'results.json'}")

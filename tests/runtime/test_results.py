@@ -113,6 +113,20 @@ def test_a_stream_is_a_valid_output_path(path, tmp_path):
     assert not is_stream(tmp_path / "file.json") and not is_stream(tmp_path / "link.json")
 
 
+def test_a_stream_that_is_not_open_is_refused_before_the_work(capsys, tiny_artifact):
+    """--json /dev/fd/3 without the shell's `3>`: the whole evaluation ran, then a FileNotFoundError traceback."""
+    from compiler import cli
+    from compiler.errors import UsageError, check_output_file
+
+    closed = 97
+    with pytest.raises(OSError):
+        os.fstat(closed)
+    with pytest.raises(UsageError, match="/dev/fd/97: no such file or stream .*e.g. `3> results.json`"):
+        check_output_file(f"/dev/fd/{closed}", "--json")
+    assert cli.main(["eval", str(tiny_artifact), "--json", f"/dev/fd/{closed}", "--text", "builtin:pydoc-held-out"]) == 2
+    assert "no such file or stream" in capsys.readouterr().err
+
+
 def test_json_to_stdout_redirected_to_a_file_is_appended_through_the_link(tmp_path):
     """/dev/stdout -> /proc/self/fd/1 -> a file the shell redirected to: the link's end is a regular file, so the
     JSON had been renamed over the link (as root, /dev/stdout itself became a file)."""
