@@ -218,19 +218,21 @@ def serve_command(args) -> None:
         bound.close()
         engine.close()
         raise
-    print(f"serving {server.model_name} at {server.url}/v1", flush=True)
-    chat_route = (", /v1/chat/completions" if engine.manifest["tokenizer"].get("chat_template") else
-                  " (no chat template: /v1/chat/completions refuses)")
-    message(escape(f"{scheduler.slots} slots, {scheduler.max_queue} may wait; max context {engine.max_context} tokens; "
-                   f"POST /v1/completions{chat_route}; {'API key required; ' if api_key else ''}Ctrl-C stops"))
-    from compiler.frontend.generation_defaults import UNRECORDED, describe
+    try:  # from the URL on: a SIGTERM as soon as a supervisor reads it is a drain, exit 0 (it was 143 there)
+        print(f"serving {server.model_name} at {server.url}/v1", flush=True)
+        chat_route = (", /v1/chat/completions" if engine.manifest["tokenizer"].get("chat_template") else
+                      " (no chat template: /v1/chat/completions refuses)")
+        message(escape(f"{scheduler.slots} slots, {scheduler.max_queue} may wait; max context {engine.max_context} "
+                       f"tokens; POST /v1/completions{chat_route}; {'API key required; ' if api_key else ''}"
+                       f"Ctrl-C stops"))
+        from compiler.frontend.generation_defaults import UNRECORDED, describe
 
-    if engine.generation_defaults:  # as vLLM says it: the answers to requests that set none of these change
-        message(escape(f"the model's sampling defaults apply to the fields a request leaves out: "
-                       f"{describe(engine.manifest['generation_defaults'])}; --generation-config none for OpenAI's"))
-    elif "generation_defaults" not in engine.manifest:
-        message(escape(f"the model's sampling defaults: {UNRECORDED}"))
-    try:
+        if engine.generation_defaults:  # as vLLM says it: the answers to requests that set none of these change
+            message(escape(f"the model's sampling defaults apply to the fields a request leaves out: "
+                           f"{describe(engine.manifest['generation_defaults'])}; --generation-config none for "
+                           f"OpenAI's"))
+        elif "generation_defaults" not in engine.manifest:
+            message(escape(f"the model's sampling defaults: {UNRECORDED}"))
         server.serve_forever()
     except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM or SIGHUP (compiler/cli.py raises the last two as one)
         stopped = _stop_gracefully(server, engine, args.shutdown_timeout)

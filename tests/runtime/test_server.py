@@ -1566,6 +1566,22 @@ def test_aotlm_serve_on_sigterm_waits_for_the_request_under_way_then_exits(tiny_
     assert said in errors and "Traceback" not in errors and "without an answer" not in errors
 
 
+def test_aotlm_serve_stopped_as_soon_as_it_prints_its_url_exits_0(tiny_artifact):
+    """The URL line came before the stop's handler: a supervisor that sent SIGTERM as soon as it read the URL got 143
+    (2 of 5 tries), not the clean drain's 0. Three tries here."""
+    for _ in range(3):
+        process = subprocess.Popen([sys.executable, "-m", "compiler.cli", "serve", str(tiny_artifact), "--port", "0"],
+                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            assert "http://" in process.stdout.readline()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0, process.stderr.read()
+        finally:
+            process.kill()
+            process.communicate()
+
+
 def test_the_log_line_of_a_request_counts_its_tokens_and_says_whose_timings_it_shows(slow_server):
     server, lines = slow_server
     post(server, "/v1/completions", {"prompt": [5], "max_tokens": 2, "ignore_eos": True})
