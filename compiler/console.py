@@ -91,7 +91,17 @@ def print_table(table, out: Console = console) -> None:
     for column in table.columns:
         if column.overflow == "ellipsis":
             column.overflow = "fold"
-    least = out.measure(table, options=out.options.update_width(10_000)).minimum
+        # rich takes room from the widest columns without regard to their words: a name folded mid-word
+        # ("tiny-random-int8-rtn-pa" / "cked") where the table still fit the console, a header's last letter alone
+        # on a line. A column is given at least its longest word.
+        words = [_longest_word(out, column.header), *(_longest_word(out, cell) for cell in column.cells)]
+        column.min_width = max(column.min_width or 0, *words)
+    least = max(out.measure(table, options=out.options.update_width(10_000)).minimum, out.width)
+    for _ in range(8):  # rich's shrinking can leave the columns wider than the room (it cropped the last one then)
+        drawn = _drawn_width(table, out, least)
+        if drawn <= least:
+            break
+        least = drawn
     width = out._width  # the console's own (None: the terminal's), widened for this table only: the same console,
     # so that a capture (inspect prints all or nothing) and the order of its output hold
     try:
@@ -103,6 +113,25 @@ def print_table(table, out: Console = console) -> None:
             raise
     finally:
         out._width = width
+
+
+def _drawn_width(table, out: Console, width: int) -> int:
+    """The width rich draws `table` at on a console `width` wide: its columns' widths (rich's own calculation, a
+    private method; where that is gone, `width`) and its borders."""
+    try:
+        columns = table._calculate_column_widths(out, out.options.update_width(width))
+        return sum(columns) + table._extra_width
+    except AttributeError:
+        return width
+
+
+def _longest_word(out: Console, cell) -> int:
+    """The widest whitespace-separated word of a table cell's text, in terminal cells (0 for other renderables)."""
+    from rich.cells import cell_len
+    from rich.text import Text
+
+    text = cell.plain if isinstance(cell, Text) else out.render_str(cell).plain if isinstance(cell, str) else ""
+    return max((cell_len(word) for word in text.split()), default=0)
 
 
 def message(markup: str, out: Console = console) -> None:
