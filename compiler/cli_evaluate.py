@@ -237,7 +237,7 @@ def compare_command(args) -> None:
         table.add_column(column, justify="left" if column in ("", "artifact") else "right")
     table.add_row("A", escape(reference.name), f"{reference.bytes / 2**20:.2f}", perplexity_text(result.reference_perplexity), "", "")
     table.add_row("B", escape(candidate.name), f"{candidate.bytes / 2**20:.2f}", perplexity_text(result.perplexity),
-                  f"{result.top1_agreement:.2%}", f"{result.mean_kl:.6f}")
+                  f"{result.top1_agreement:.2%}", f"{result.mean_kl:.3g}")  # the build report's: 6.92e-07, not 0.000001
     print_table(table, _results_console(args))
     describe = lambda scored, path, perplexity, nll: {  # noqa: E731
         "artifact": str(path), "name": scored.name, "bytes": scored.bytes, "perplexity": perplexity, "mean_nll": nll}

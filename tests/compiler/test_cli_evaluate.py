@@ -59,7 +59,7 @@ def test_the_window_shown_is_the_text_s_length_when_that_is_shorter():
 class Scored:
     """An evaluation result with distinct numbers for each field `eval` and `compare` print and write."""
     tokens_scored, windows, perplexity, mean_nll, reference_perplexity, reference_mean_nll = 49, 3, 12.5, 2.5, 10.0, 2.3
-    top1_agreement, mean_kl = 0.875, 0.0123
+    top1_agreement, mean_kl = 0.875, 6.92e-07  # fixed six decimals printed it 0.000001, and below 5e-7 0.000000
 
     def to_dict(self):
         return {"tokens_scored": self.tokens_scored, "perplexity": self.perplexity}
@@ -73,11 +73,11 @@ def test_eval_and_compare_write_each_artifact_s_numbers_under_its_name(capsys, m
     argv = ("--text", text, "--max-tokens", "50", "--window", "32")
     status, output = run_cli(capsys, "compare", tiny_artifact, copy, *argv, "--json", tmp_path / "compare.json")
     written = json.loads((tmp_path / "compare.json").read_text())
-    assert status == 0 and "87.50%" in output and "0.012300" in output, output
+    assert status == 0 and "87.50%" in output and "6.92e-07" in output, output
     assert (written["window"], written["stride"], written["tokens"], written["tokens_scored"]) == (32, 16, 50, 49)
     assert (written["reference"]["perplexity"], written["reference"]["mean_nll"]) == (10.0, 2.3)
     assert (written["candidate"]["perplexity"], written["candidate"]["mean_nll"]) == (12.5, 2.5)
-    assert (written["top1_agreement"], written["mean_kl"]) == (0.875, 0.0123)
+    assert (written["top1_agreement"], written["mean_kl"]) == (0.875, 6.92e-07)
     status, output = run_cli(capsys, "eval", copy, *argv, "--json", tmp_path / "eval.json")
     alone = json.loads((tmp_path / "eval.json").read_text())
     assert status == 0 and alone["tokens"] == 50 and alone["tokens_sha256"] == written["tokens_sha256"], output
@@ -127,7 +127,7 @@ def test_eval_and_compare_json_name_kl_alike(capsys, monkeypatch, tiny_artifact,
     status, output = run_cli(capsys, "compare", tiny_artifact, tiny_artifact, "--text", text, "--max-tokens", "50",
                              "--window", "32", "--json", tmp_path / "compare.json")
     compared = json.loads((tmp_path / "compare.json").read_text())
-    assert status == 0 and compared["mean_kl"] == 0.0123 and "mean_kl_nats" not in compared, output
+    assert status == 0 and compared["mean_kl"] == 6.92e-07 and "mean_kl_nats" not in compared, output
     assert {"mean_kl", "top1_agreement"} <= {field.name for field in dataclasses.fields(Evaluation)}  # eval's keys
 
 
