@@ -553,8 +553,17 @@ class _PrintVersion(argparse.Action):
         parser.exit()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, but a help or usage text that cannot be written raises (main turns it into an error line and
+    status 2): argparse drops the OSError, so `aotlm --help > /dev/full` wrote nothing and exited 0."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if message:
+            (file or sys.stderr).write(message)
+
+
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(
+    root = _Parser(
         prog="aotlm", description="Ahead-of-time compiler for language-model inference",
         epilog="exit status: 0 done; 2 bad input or a refused write (one error: line); 130, 143, 129 after Ctrl-C, "
                "SIGTERM, SIGHUP; 141 when stdout's reader left; 1 (a traceback) is a bug")
@@ -742,13 +751,18 @@ def main(argv: list[str] | None = None) -> int:
         from compiler.errors import BuildError
         from runtime.errors import AotlmRuntimeError
 
-        args = parser().parse_args(argv)
+        try:
+            args = parser().parse_args(argv)
+        except SystemExit as done:  # --help's text still in stdout's buffer: its failure belongs here, not at exit
+            if done.code in (0, None):
+                sys.stdout.flush()
+            raise
     except KeyboardInterrupt:
         message("[yellow]interrupted[/yellow]")
         return 130
     except BrokenPipeError:  # --version's line to a reader that left
         return _reader_left()
-    except OSError as problem:  # --version's line to a full disk
+    except OSError as problem:  # --version's or --help's text to a full disk
         if problem.errno not in REFUSED_WRITES:
             raise
         error(refused_write(problem))

@@ -295,10 +295,13 @@ def test_the_warnings_hook_passes_on_names_that_are_no_path():
 
 
 @pytest.mark.parametrize("unbuffered", ["1", ""])
-def test_standard_output_on_a_full_disk_is_one_line_naming_it(tiny_artifact, unbuffered):
-    """`aotlm inspect --json > file` on a full disk: one line naming standard output, status 2."""
+@pytest.mark.parametrize("command", [["inspect", "{artifact}", "--json"], ["--help"], ["run", "--help"]])
+def test_standard_output_on_a_full_disk_is_one_line_naming_it(tiny_artifact, unbuffered, command):
+    """`aotlm inspect --json > file` on a full disk: one line naming standard output, status 2. argparse dropped the
+    failure of --help's text: nothing written, status 0."""
     with open("/dev/full", "w") as full:  # every write there fails with ENOSPC
-        result = subprocess.run([sys.executable, "-m", "compiler.cli", "inspect", str(tiny_artifact), "--json"],
+        result = subprocess.run([sys.executable, "-m", "compiler.cli",
+                                 *(word.format(artifact=tiny_artifact) for word in command)],
                                 stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
                                 env={**os.environ, "PYTHONUNBUFFERED": unbuffered},
                                 cwd=Path(__file__).resolve().parents[2])
