@@ -191,6 +191,11 @@ def _inspect(args) -> None:
     sys.stdout.write(summary.get())
 
 
+def _listed(values) -> str:
+    """A manifest's list as a reader writes it: [batch, 3, 2048, 64], not Python's ['batch', 3, 2048, 64]."""
+    return f"[{', '.join(map(str, values))}]" if isinstance(values, list) else str(values)
+
+
 def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     """`aotlm inspect`'s summary of a manifest, printed on `out`."""
     config = manifest["model"]["config"]
@@ -212,12 +217,13 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
         built_by = (built_by or "built by aotlm") + f" (sources sha256 {sources[:12]})"  # a wheel's: no commit
     if built_by:  # a wheel's build records its version and no commit
         out.print(escape(built_by), highlight=False, soft_wrap=True)
+    source = manifest["model"]["source"]
+    source = " ".join(str(part) for part in (source.get("kind"), source.get("path")) if part)  # random: no path
     out.print(f"model: {config['architecture']}, {config['num_layers']} layers, hidden {config['hidden_size']}, "
-                  f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}; "
-                  f"source {manifest['model']['source'].get('kind')} {escape(str(manifest['model']['source'].get('path', '')))}",
-                  highlight=False, soft_wrap=True)
+              f"heads {config['num_heads']}/{config['num_kv_heads']} kv, vocab {config['vocab_size']}; "
+              f"source {escape(source)}", highlight=False, soft_wrap=True)
     kv = manifest["kv_cache"]
-    out.print(f"kv cache: {kv['layout']} {kv.get('dtype', 'float32')}, max context {kv['max_context']}, "
+    out.print(f"kv cache: {escape(_listed(kv['layout']))} {kv.get('dtype', 'float32')}, max context {kv['max_context']}, "
               f"{kv['bytes_per_token'] / 1024:.2f} KiB per token", soft_wrap=True)
     quantized = [r for r in manifest["passes"] if r["name"] == "quantize" and r["phase"] == "decode"]
     dtype = manifest.get("recipe", {}).get("export", {}).get("dtype", "float32")
@@ -234,15 +240,17 @@ def _summarize(manifest: dict, verified: bool, out: Console) -> None:
     out.print(escape(f"generation: stops at token ids {stops or 'none'}; model defaults "
                      + (f"{defaults}, applied to options a request leaves out (--generation-config none: aotlm's)"
                         if defaults else "none (aotlm's: greedy)" if "generation_defaults" in manifest else
-                        f"{UNRECORDED_DEFAULTS} (aotlm's apply: greedy)")), highlight=False, soft_wrap=True)
+                        f"{UNRECORDED_DEFAULTS} (meanwhile aotlm's: greedy)")), highlight=False, soft_wrap=True)
     backend = manifest["backend"]
-    out.print(escape(f"backend: {backend['name']} {backend['version']}, session {backend.get('session')}"),
+    session = backend.get("session")
+    session = ", ".join(f"{key} {value}" for key, value in session.items()) if isinstance(session, dict) else session
+    out.print(escape(f"backend: {backend['name']} {backend['version']}, session: {session}"),
               highlight=False, soft_wrap=True)
     engines = Table(title="engines")
     for column in ("phase", "file", "inputs", "outputs"):
         engines.add_column(column)
     for phase, engine in manifest["engines"].items():
-        describe = lambda items: ", ".join(f"{i['name']}{i['shape']}" for i in items[:3]) + (  # noqa: E731
+        describe = lambda items: ", ".join(f"{i['name']}{_listed(i['shape'])}" for i in items[:3]) + (  # noqa: E731
             f" (+{len(items) - 3} kv)" if len(items) > 3 else "")
         engines.add_row(*map(escape, (phase, engine["file"], describe(engine["inputs"]), describe(engine["outputs"]))))
     print_table(engines, out)

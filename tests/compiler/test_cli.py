@@ -55,7 +55,7 @@ def test_inspect_shows_the_engines_inputs_the_prefill_path_and_each_file_in_mib(
     assert status == 0 and "prefill after cached tokens: yes" in output, output
     for phase, engine in manifest["engines"].items():
         inputs = engine["inputs"]
-        third = f"{inputs[2]['name']}{inputs[2]['shape']}"
+        third = f"{inputs[2]['name']}[{', '.join(map(str, inputs[2]['shape']))}]"  # [batch, total], not ['batch', ...]
         assert f"{third} (+{len(inputs) - 3} kv)" in output, (phase, output)
     name, record = max(manifest["files"].items(), key=lambda item: item[1]["bytes"])
     assert record["bytes"] > 2**20 // 10  # MiB and MB differ in the second decimal
