@@ -370,7 +370,7 @@ def _bench(args) -> None:
     if not args.out:  # the default path, under the current folder, is checked before the work as a given one is
         args.out = f"benchmarks/results/bench-{name}{'-' + args.phase if args.phase else ''}.json"
     check_output_file(args.out, "--out")
-    from runtime.results import is_stream
+    from runtime.results import is_stream, shown_path
 
     # the plots beside the JSON (none beside a stream): a folder by their names was a traceback after the whole run
     if not args.phase and not is_stream(args.out):
@@ -420,7 +420,7 @@ def _bench(args) -> None:
                     "threads": threads, "spin_during_run": not args.no_spin}
         out = write_json(args.out, {"settings": settings, "params": params, "peaks": peaks, "rows": rows})
         if is_stream(args.out):  # no plot beside a stream ("-" had left ./--steps.png)
-            message(escape(f"wrote {out}"))
+            message(escape(f"wrote {shown_path(out)}"))
             return
         plot = bench.write_phase_plot(rows, args.phase, out)
         message(escape(f"wrote {out}" + (f", {plot}" if plot else f"; {bench.PLOT_SKIPPED}")))
@@ -513,7 +513,7 @@ def _bench(args) -> None:
     except bench.BenchError as problem:  # no matplotlib: the JSON is written, the plots are not
         warning(str(problem))
         return
-    message("wrote " + escape(", ".join(map(str, written))))
+    message("wrote " + escape(", ".join(map(shown_path, written))))
 
 
 def _run_record(artifact: str, manifest: dict) -> dict:

@@ -172,10 +172,10 @@ def json_on_stdout(path: str | None) -> bool:
 
 
 def _write_json(path: str | None, payload: dict) -> None:
-    from runtime.results import write_json
+    from runtime.results import shown_path, write_json
 
     if path:
-        message(f"wrote {escape(str(write_json(path, payload)))}")
+        message(f"wrote {escape(shown_path(write_json(path, payload)))}")
 
 
 def perplexity_text(perplexity: float) -> str:

@@ -16,6 +16,11 @@ from runtime.errors import RequestError
 from runtime.metrics import RequestTrace
 
 
+def shown_path(path: str | Path) -> str:
+    """A written path as a notice names it: "-" is standard output ("wrote -" read as a file named -)."""
+    return "standard output" if str(path) == "-" else str(path)
+
+
 def is_stream(path: str | Path) -> bool:
     """Whether path names a stream to write into, not a file to replace: "-" (stdout), /dev/stdout, a pipe (a shell's
     >(jq .)), a terminal, /dev/null. Renamed over, /dev/stdout had become a file of JSON for every process of a
