@@ -222,9 +222,10 @@ GENAI_BUILD_RECORD = "aotlm-genai-build.json"  # in each genai model folder: how
 def genai_model(hf_folder: Path, cache: Path, precision: str, console: Console, **extra_options: str) -> Path:
     """onnxruntime-genai's own CPU build of a Hugging Face folder: its builder's defaults for `precision`, changed by
     `extra_options` (the builder's `--extra_options key=value`). Built once and cached in `cache` (baseline_cache:
-    never beside an `hf` source's own folder), under a name that holds genai's version and the options: a folder found by a fixed name was timed after a genai upgrade
-    (or with other options) while the results named the new version. Built into a temporary folder and renamed,
-    with GENAI_BUILD_RECORD written last, so a failed build is never taken for a model."""
+    never beside an `hf` source's own folder), under a name that holds genai's version and the options: a folder
+    found by a fixed name was timed after a genai upgrade (or with other options) while the results named the new
+    version. Built into a temporary folder and renamed, with GENAI_BUILD_RECORD in it, so a failed build is never
+    taken for a model."""
     import onnxruntime_genai
 
     version = onnxruntime_genai.__version__
