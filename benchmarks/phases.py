@@ -30,9 +30,9 @@ genai user may. The JSON records the mode, what the engines got (settings.huge_p
 huge pages after every backend loaded.
 
 Noise: the 2-core VMs this runs on are shared, so the backends are interleaved -- for each context every
-backend is measured in turn (the order rotates from one repeat to the next) -- and the whole sweep is repeated
---repeats times; reported times are medians over the repeats, and ratios are paired: the median over repeats of
-each repeat's ratio (its two numbers measured minutes apart at most). Each measurement also records how many cores
+backend is measured in turn (the backends' and the contexts' orders rotate from one repeat to the next) -- and the
+whole sweep is repeated --repeats times; reported times are medians over the repeats, and ratios are paired: the
+median over repeats of each repeat's ratio (its two numbers measured minutes apart at most). Each measurement also records how many cores
 everything else on the machine kept busy meanwhile (/proc/stat minus this process, steal included); above
 --max-other-cores it waits and measures again (up to --retries times, keeping the least contended attempt).
 Load averages are recorded before and after.
@@ -215,7 +215,10 @@ def run_sweeps(backends: dict, prompt_ids: list[int], args, progress: Progress, 
 
     for repeat in range(args.repeats):
         order = names[repeat % len(names):] + names[: repeat % len(names)]  # rotate: no backend always first
-        for ctx in args.contexts:
+        # and no context always first: the first decode measurement of a repeat (after the last one's 1024-token
+        # prefills) ran slow for every backend in session 60's runs, which moves the context-2000-over-64 ratio
+        contexts = args.contexts[repeat % len(args.contexts):] + args.contexts[: repeat % len(args.contexts)]
+        for ctx in contexts:
             for name in order:
                 label = f"[{repeat + 1}/{args.repeats}] decode  ctx {ctx:5} {name:18}"
                 progress.update(task, description=label)

@@ -102,3 +102,29 @@ def test_token_agreement_names_the_first_token_a_backend_made_otherwise():
                       phases.GENAI_PRUNED: {64: made(5, 6, 7), 512: made(4)}}}
     assert phases.token_agreement(raw) == {64: {phases.FUSED: None, phases.GENAI: 2, phases.GENAI_PRUNED: None},
                                            512: {phases.FUSED: None, phases.GENAI: None, phases.GENAI_PRUNED: 0}}
+
+
+def test_each_repeat_rotates_the_backends_and_the_contexts():
+    """No backend and no context is always measured first (the first measurement of a repeat ran slow for every
+    backend in session 60's runs: the context-64 step, which the context ratio divides by)."""
+    from rich.progress import Progress
+
+    measured = []
+
+    class Backend:
+        def __init__(self, name):
+            self.name = name
+
+        def decode(self, prompt_ids, steps):
+            measured.append(("decode", self.name, len(prompt_ids)))
+            return [0.01] * steps, [1] * steps
+
+        def prefill(self, prompt_ids):
+            return 0.01
+
+    args = Namespace(repeats=3, steps=2, prefill_runs=1, contexts=[4, 8, 16], prompt_lengths=[4], retries=0,
+                     max_other_cores=99.0)
+    with Progress(disable=True) as progress:
+        phases.run_sweeps({"a": Backend("a"), "b": Backend("b")}, list(range(16)), args, progress, Console(quiet=True))
+    firsts = [measured[i * 6] for i in range(3)]  # each repeat: 3 contexts x 2 backends
+    assert firsts == [("decode", "a", 4), ("decode", "b", 8), ("decode", "a", 16)]
