@@ -566,8 +566,9 @@ class _Parser(argparse.ArgumentParser):
     status 2): argparse drops the OSError, so `aotlm --help > /dev/full` wrote nothing and exited 0."""
 
     def _print_message(self, message: str, file=None) -> None:
-        if message:
-            (file or sys.stderr).write(message)
+        file = file or sys.stderr
+        if message and file is not None:  # a closed stderr (2>&-) is None: nothing to write to, as argparse's
+            file.write(message)
 
 
 def parser() -> argparse.ArgumentParser:

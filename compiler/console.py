@@ -84,24 +84,14 @@ console = ReaderAwareConsole(stderr=True, emoji=False,
 
 def print_table(table, out: Console = console) -> None:
     """A table whole: rich cuts a cell that does not fit the console with "…" (an E2E of 24289.5 ms read "24289.…",
-    a name its distinguishing end), in a pipe's 80 columns or a narrow terminal. Wider than the console, it is drawn
-    at the least width that keeps every word of every cell whole (a terminal wraps the lines for the eye; no digit is
-    lost), and a column rich still gives less room than a word needs folds it onto the next line instead of cutting
-    it."""
+    a name its distinguishing end), in a pipe's 80 columns or a narrow terminal. It is drawn at the console's width
+    where rich gives every column room for its longest word there, else at the least width where it does (a terminal
+    wraps the lines for the eye; no digit is lost, and `grep NAME` finds a name whole), and a column rich still gives
+    less room than a word needs folds it onto the next line instead of cutting it."""
     for column in table.columns:
         if column.overflow == "ellipsis":
             column.overflow = "fold"
-        # rich takes room from the widest columns without regard to their words: a name folded mid-word
-        # ("tiny-random-int8-rtn-pa" / "cked") where the table still fit the console, a header's last letter alone
-        # on a line. A column is given at least its longest word.
-        words = [_longest_word(out, column.header), *(_longest_word(out, cell) for cell in column.cells)]
-        column.min_width = max(column.min_width or 0, *words)
-    least = max(out.measure(table, options=out.options.update_width(10_000)).minimum, out.width)
-    for _ in range(8):  # rich's shrinking can leave the columns wider than the room (it cropped the last one then)
-        drawn = _drawn_width(table, out, least)
-        if drawn <= least:
-            break
-        least = drawn
+    least = _least_whole_width(table, out)
     width = out._width  # the console's own (None: the terminal's), widened for this table only: the same console,
     # so that a capture (inspect prints all or nothing) and the order of its output hold
     try:
@@ -115,14 +105,41 @@ def print_table(table, out: Console = console) -> None:
         out._width = width
 
 
-def _drawn_width(table, out: Console, width: int) -> int:
-    """The width rich draws `table` at on a console `width` wide: its columns' widths (rich's own calculation, a
-    private method; where that is gone, `width`) and its borders."""
-    try:
-        columns = table._calculate_column_widths(out, out.options.update_width(width))
-        return sum(columns) + table._extra_width
-    except AttributeError:
-        return width
+def _least_whole_width(table, out: Console) -> int:
+    """The width to draw `table` at: the console's, or the least that holds every column's longest word. Where rich
+    would take room from a column past its longest word (it takes from the widest columns, words or not: a name
+    folded mid-word, "tiny-random-int8-rtn-pa" / "cked", where the table fit the console), each column gets a fixed
+    width: its widest line, less what the room lacks, taken a cell at a time from the column with the most to spare
+    above its longest word."""
+    words = [max([_longest_word(out, column.header), *(_longest_word(out, cell) for cell in column.cells)])
+             for column in table.columns]
+    widest = [max([_widest_line(out, column.header), *(_widest_line(out, cell) for cell in column.cells)])
+              for column in table.columns]
+    try:  # rich's own count of the cells around the columns' text (private): padding, borders
+        edges = sum(map(table._get_padding_width, range(len(table.columns)))) + table._extra_width
+    except AttributeError:  # a rich without them: a boxed table's
+        edges = (table.padding[1] + table.padding[3] + 1) * len(table.columns) + 1
+    room = max(out.width, sum(words) + edges)
+    if sum(widest) + edges <= room:  # it fits as it is: rich wraps nothing
+        return room
+    widths = [max(line, word) for line, word in zip(widest, words)]
+    for _ in range(sum(widths) + edges - room):
+        spare = [width - word for width, word in zip(widths, words)]
+        widths[spare.index(max(spare))] -= 1
+    for column, width in zip(table.columns, widths):
+        column.width = width
+    return room
+
+
+def _widest_line(out: Console, cell) -> int:
+    """The widest line of a table cell as rich draws it unwrapped, in terminal cells."""
+    from rich.cells import cell_len
+    from rich.text import Text
+
+    if isinstance(cell, (str, Text)):
+        text = cell.plain if isinstance(cell, Text) else out.render_str(cell).plain
+        return max((cell_len(line) for line in text.splitlines()), default=0)
+    return out.measure(cell, options=out.options.update_width(10_000)).maximum
 
 
 def _longest_word(out: Console, cell) -> int:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -21,21 +22,47 @@ def shown_path(path: str | Path) -> str:
     return "standard output" if str(path) == "-" else str(path)
 
 
+_STANDARD_STREAMS = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}
+_DESCRIPTOR = re.compile(r"^/(?:dev/fd|proc/self/fd|proc/thread-self/fd)/(\d+)$")
+_OTHER_DESCRIPTOR = re.compile(r"^/proc/[^/]+/fd/\d+$")
+
+
+def own_descriptor(path: str | Path) -> int | None:
+    """The number of this process's file descriptor that `path` names through its links (/dev/stdout,
+    /dev/fd/3, /proc/self/fd/1, or a link to one), else None."""
+    for hop in _link_chain(path):
+        if hop in _STANDARD_STREAMS:
+            return _STANDARD_STREAMS[hop]
+        if match := _DESCRIPTOR.match(hop):
+            return int(match.group(1))
+    return None
+
+
 def is_stream(path: str | Path) -> bool:
-    """Whether path names a stream to write into, not a file to replace: "-" (stdout), /dev/stdout, a pipe (a shell's
-    >(jq .)), a terminal, /dev/null. Renamed over, /dev/stdout had become a file of JSON for every process of a
-    container run as root (and a link to /proc/self/fd/1 a file)."""
+    """Whether path names a stream to write into, not a file to replace: "-" (stdout), a descriptor (/dev/stdout,
+    /dev/fd/3, /proc/self/fd/1, or a link to one), a pipe (a shell's >(jq .)), a terminal, /dev/null. Renamed over,
+    /dev/stdout had become a file of JSON for every process of a container run as root (and a link to
+    /proc/self/fd/1 a file). A file under /dev that is a file (/dev/shm's) is one: any path under /dev had counted
+    as a stream, so a new one was refused and an old one appended to."""
     if str(path) == "-":
         return True
     # /dev/stdout -> /proc/self/fd/1 -> the file a shell redirected stdout to: a regular file at the end of the
     # links, but a stream to write into (renamed over, the link itself became a file of JSON)
-    if any(hop.startswith(("/dev/", "/proc/")) for hop in _link_chain(path)):
+    if own_descriptor(path) is not None or any(_OTHER_DESCRIPTOR.match(hop) for hop in _link_chain(path)):
         return True
     try:
         mode = os.stat(path).st_mode  # a link followed
     except (OSError, ValueError):
         return False
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _has_fileno(stream) -> bool:
+    try:
+        stream.fileno()
+        return True
+    except (OSError, ValueError, AttributeError):  # pytest's capture, a closed stream
+        return False
 
 
 def _link_chain(path: str | Path, most: int = 40) -> list[str]:
@@ -79,8 +106,18 @@ def write_json(path: str | Path, payload: dict) -> Path:
         sys.stdout.flush()
         return Path("-")
     try:
+        if (descriptor := own_descriptor(path)) is not None:
+            # written through a copy of the descriptor, not opened by its path: a socket (systemd's journal on a
+            # service's stdout) cannot be opened so (ENXIO, after the whole run), and a file a shell redirected
+            # stdout to keeps what the program wrote before (opened anew with "w" it was truncated)
+            for stream in (sys.stdout, sys.stderr):  # what Python holds for that descriptor goes first
+                if _has_fileno(stream) and stream.fileno() == descriptor:
+                    stream.flush()
+            with os.fdopen(os.dup(descriptor), "a", encoding="utf-8") as stream:
+                stream.write(text)
+            return Path(path)
         if is_stream(path):
-            # appended: /dev/stdout redirected to a file opened with "w" truncated what the program had written there
+            # appended: a stream opened with "w" (a named pipe, a file another process truncated) is not truncated
             with open(path, "a", encoding="utf-8") as stream:
                 stream.write(text)
             return Path(path)

@@ -404,6 +404,26 @@ def test_a_result_table_cuts_no_number_or_name_however_narrow_the_console(width)
     assert "aotlm-continuous" in text and rows and all(row.endswith(("┓", "┃", "│", "┩", "┘")) for row in rows)
 
 
+def test_a_table_is_drawn_no_wider_than_its_words_need():
+    """Widened until rich's own column widths held every word, a table was drawn ~40 columns past an 80-column
+    console (inspect's engines table at 120) and a 40-column one at 59, where 38 hold every word."""
+    import io
+
+    from rich.table import Table
+
+    from compiler.console import ReaderAwareConsole, print_table
+
+    for width, most in ((40, 40), (20, 38)):  # fits the console; else the least that keeps each word whole
+        buffer = io.StringIO()
+        table = Table()
+        table.add_column("artifact")
+        table.add_column("note")
+        table.add_row("tiny-random-int8-rtn-packed", "a b c d e f g h i j k l m")
+        print_table(table, ReaderAwareConsole(file=buffer, width=width))
+        lines = buffer.getvalue().splitlines()
+        assert max(map(len, lines)) == most and any("tiny-random-int8-rtn-packed" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("environment, interactive", [({"FORCE_COLOR": "1"}, "False"),
                                                       ({"FORCE_COLOR": "1", "TTY_INTERACTIVE": "1"}, "True")])
 def test_forced_colour_into_a_log_animates_nothing(tmp_path, environment, interactive):

@@ -367,6 +367,10 @@ def test_closed_standard_streams_are_a_line_or_the_end_of_input_not_a_traceback(
                                     "--max-new-tokens", "3"], capture_output=True, text=True, timeout=120,
                                    cwd=Path(__file__).resolve().parents[2], preexec_fn=lambda: os.close(2))
     assert closed_stderr.returncode == 0 and closed_stderr.stdout.startswith("hi")
+    # a usage error with stderr closed: 2, as every usage error (argparse's own writer skips a missing stream)
+    usage = subprocess.run([sys.executable, "-m", "compiler.cli", "--bogus"], capture_output=True, text=True,
+                           timeout=120, cwd=Path(__file__).resolve().parents[2], preexec_fn=lambda: os.close(2))
+    assert usage.returncode == 2 and "Traceback" not in usage.stdout, usage.stdout
     closed_stdin = aotlm("chat", chat_artifact[0], stdout=subprocess.PIPE, preexec_fn=lambda: os.close(0))
     assert closed_stdin.returncode == 0 and "Traceback" not in closed_stdin.stderr, closed_stdin.stderr
 

@@ -113,6 +113,42 @@ def test_a_stream_is_a_valid_output_path(path, tmp_path):
     assert not is_stream(tmp_path / "file.json") and not is_stream(tmp_path / "link.json")
 
 
+def test_a_file_under_dev_is_a_file_and_a_socket_descriptor_is_written_through_a_copy():
+    """Any path under /dev counted as a stream: a new /dev/shm file was refused ("no such file or stream"), an old one
+    appended to (two runs: invalid JSON). And a socket as stdout (systemd's journal) could not be opened by its
+    /dev/stdout path: ENXIO after the whole run."""
+    import socket
+    import uuid
+
+    from compiler.errors import check_output_file
+    from runtime.results import is_stream
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    path = shm / f"aotlm-test-{uuid.uuid4().hex}.json"
+    try:
+        assert not is_stream(path)
+        check_output_file(str(path), "--json")
+        write_json(path, {"a": 1})
+        write_json(path, {"a": 2})
+        assert json.loads(path.read_text()) == {"a": 2}
+    finally:
+        path.unlink(missing_ok=True)
+
+    ours, theirs = socket.socketpair()
+    descriptor = os.dup(ours.fileno())
+    try:
+        assert is_stream(f"/dev/fd/{descriptor}") and is_stream(f"/proc/self/fd/{descriptor}")
+        write_json(f"/dev/fd/{descriptor}", {"b": 3})
+        theirs.settimeout(10)
+        assert json.loads(theirs.recv(1 << 16)) == {"b": 3}
+    finally:
+        os.close(descriptor)
+        ours.close()
+        theirs.close()
+
+
 def test_a_stream_that_is_not_open_is_refused_before_the_work(capsys, tiny_artifact):
     """--json /dev/fd/3 without the shell's `3>`: the whole evaluation ran, then a FileNotFoundError traceback."""
     from compiler import cli
