@@ -122,7 +122,14 @@ def measure(name: str, path: Path, kv_heads: int, head_dim: int, context: int, s
 
 
 def default_genai() -> Path | None:
-    found = sorted((RESULTS / "cache").glob("smollm2-135m-*/genai-*-int4-cpu/genai_config.json"))  # genai_model's
+    try:
+        import onnxruntime_genai
+    except ImportError:
+        return None
+    # generate.genai_model's int4 build for the installed genai, in any baseline cache (quantization.py builds it
+    # under its fp32 variant's, bench-fp32-*); the newest
+    found = sorted((RESULTS / "cache").glob(f"*/genai-{onnxruntime_genai.__version__}-int4-cpu/genai_config.json"),
+                   key=lambda path: path.stat().st_mtime, reverse=True)
     return found[0].parent if found else None
 
 

@@ -255,6 +255,7 @@ def genai_model(hf_folder: Path, cache: Path, precision: str, console: Console, 
             "onnxruntime_genai": version, "precision": precision, "execution_provider": "cpu",
             "extra_options": dict(sorted(extra_options.items())), "hf_folder": str(hf_folder),
             "builder_command": [*command[:6], str(folder), *command[7:]], "files_sha256": files})
+        staging.chmod(0o755)  # mkdtemp's 0700: the cached model readable as any folder the builder makes
         try:
             os.replace(staging, folder)
         except OSError:
@@ -274,8 +275,8 @@ def glibc_huge_pages(parser: argparse.ArgumentParser, argv: list[str] | None) ->
     where the kernel's transparent huge pages are in madvise mode) may sit on 2 MiB pages, as aotlm's engines put
     theirs. glibc reads its tunables when the process starts: they cannot be set from inside."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if GLIBC_HUGE_PAGES in tunables.split(":"):
-        return
+    if any(tunable.startswith("glibc.malloc.hugetlb=") for tunable in tunables.split(":")):
+        return  # set (=1), or the user's own choice (=2: hugetlbfs pages), which the results record
     version = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else None
     if not version or tuple(int(part) for part in version.split()[-1].split(".")[:2]) < (2, 35):
         parser.error(f"--glibc-huge-pages needs glibc 2.35 or later (its malloc.hugetlb tunable); this is "

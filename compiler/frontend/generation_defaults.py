@@ -75,9 +75,10 @@ def checked(values: dict, source: str) -> tuple[dict, list[str]]:
     return ({"source": source, "values": kept} if kept else {}), warnings
 
 
-# a manifest without generation_defaults (every build writes them since session 60, {} values for none)
-UNRECORDED = ("not recorded: the aotlm that built it did not read a model's sampling defaults; rebuild it to apply any "
-              "the model ships")
+# a manifest without generation_defaults (every build writes them since session 60, {} values for none): from
+# ea7d399 on builds left them out where the model ships none; before it they were not read at all
+UNRECORDED = ("not recorded (aotlm left them out where a model ships none, and did not read them before commit "
+              "ea7d399): rebuild it to apply any the model ships")
 
 
 def describe(defaults: dict) -> str:

@@ -81,6 +81,8 @@ def test_eval_and_compare_write_each_artifact_s_numbers_under_its_name(capsys, m
     status, output = run_cli(capsys, "eval", copy, *argv, "--json", tmp_path / "eval.json")
     alone = json.loads((tmp_path / "eval.json").read_text())
     assert status == 0 and alone["tokens"] == 50 and alone["tokens_sha256"] == written["tokens_sha256"], output
+    status, output = run_cli(capsys, "eval", copy, *argv, "--json", "-")
+    assert status == 0 and "wrote standard output" in output and "wrote -" not in output, output  # not a file "-"
 
 
 # -- which artifact is the reference, and the text as written -------------------------

@@ -201,6 +201,11 @@ def test_a_model_without_defaults_records_none_and_an_older_build_s_are_named_un
 
     older = edited_copy(tiny_artifact, tmp_path, lambda manifest: manifest.pop("generation_defaults"))
     status, output = run_cli(capsys, "inspect", older)
-    assert status == 0 and "model defaults not recorded: the aotlm that built it did not read a model's sampling " \
-        "defaults; rebuild it to apply any the model ships" in " ".join(output.split()), output
+    assert status == 0 and "model defaults not recorded (aotlm left them out where a model ships none, and did not " \
+        "read them before commit ea7d399): rebuild it to apply any the model ships" in " ".join(output.split()), output
+    # what this runtime enforces of a format-1 artifact is named, though its manifest lists nothing
+    settings = edited_copy(tiny_artifact, tmp_path, lambda manifest: manifest["engines"]["prefill"].update(
+        session_config={"session.disable_quant_qdq": "1"}), "settings")
+    status, output = run_cli(capsys, "inspect", settings)
+    assert "format v1 (requires session_config)" in output and "session: intra_op_threads" in output, output
     assert Engine.load(older).generation_defaults == {}
