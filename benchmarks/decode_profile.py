@@ -121,15 +121,22 @@ def measure(name: str, path: Path, kv_heads: int, head_dim: int, context: int, s
             "profiled_sum_ms": sum(ops.values()), "ops_ms": ops}
 
 
-def default_genai() -> Path | None:
+def default_genai(artifact: Path) -> Path | None:
+    """generate.genai_model's int4 build for the installed genai of the artifact's model (its layers, hidden size and
+    vocabulary, as genai_config.json says them), in any baseline cache (quantization.py builds it under its fp32
+    variant's, bench-fp32-*, a name that does not say which model); the newest. None where there is none."""
     try:
         import onnxruntime_genai
     except ImportError:
         return None
-    # generate.genai_model's int4 build for the installed genai, in any baseline cache (quantization.py builds it
-    # under its fp32 variant's, bench-fp32-*); the newest
-    found = sorted((RESULTS / "cache").glob(f"*/genai-{onnxruntime_genai.__version__}-int4-cpu/genai_config.json"),
-                   key=lambda path: path.stat().st_mtime, reverse=True)
+    config = json.loads((artifact / "manifest.json").read_text())["model"]["config"]
+    shape = (config["num_layers"], config["hidden_size"], config["vocab_size"])
+    found = []
+    for path in (RESULTS / "cache").glob(f"*/genai-{onnxruntime_genai.__version__}-int4-cpu/genai_config.json"):
+        model = json.loads(path.read_text())["model"]
+        if (model["decoder"]["num_hidden_layers"], model["decoder"]["hidden_size"], model["vocab_size"]) == shape:
+            found.append(path)
+    found.sort(key=lambda path: path.stat().st_mtime, reverse=True)
     return found[0].parent if found else None
 
 
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     for artifact in args.artifacts:
         if not (artifact / "manifest.json").is_file():
             parser.error(f"{artifact}: not an artifact folder (build it with aotlm build)")
-    args.genai = None if args.no_genai else (args.genai or default_genai())
+    args.genai = None if args.no_genai else (args.genai or (default_genai(args.artifacts[0]) if args.artifacts else None))
     if args.genai is not None and not (args.genai / "genai_config.json").is_file():
         parser.error(f"{args.genai}: no genai_config.json (run benchmarks/quantization.py once to build genai's int4)")
     contexts = [int(c) for c in args.contexts.split(",") if c]

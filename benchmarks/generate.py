@@ -275,7 +275,10 @@ def glibc_huge_pages(parser: argparse.ArgumentParser, argv: list[str] | None) ->
     where the kernel's transparent huge pages are in madvise mode) may sit on 2 MiB pages, as aotlm's engines put
     theirs. glibc reads its tunables when the process starts: they cannot be set from inside."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if any(tunable.startswith("glibc.malloc.hugetlb=") for tunable in tunables.split(":")):
+    chosen = [tunable for tunable in tunables.split(":") if tunable.startswith("glibc.malloc.hugetlb=")]
+    if chosen and chosen[-1] == "glibc.malloc.hugetlb=0":  # glibc takes the last
+        parser.error(f"--glibc-huge-pages, but GLIBC_TUNABLES={tunables} turns them off: unset one of the two")
+    if chosen:
         return  # set (=1), or the user's own choice (=2: hugetlbfs pages), which the results record
     version = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else None
     if not version or tuple(int(part) for part in version.split()[-1].split(".")[:2]) < (2, 35):

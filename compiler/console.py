@@ -91,6 +91,8 @@ def print_table(table, out: Console = console) -> None:
     for column in table.columns:
         if column.overflow == "ellipsis":
             column.overflow = "fold"
+    given = [column.width for column in table.columns]  # _least_whole_width may fix them: the caller's table back
+    given_least = table.min_width
     least = _least_whole_width(table, out)
     width = out._width  # the console's own (None: the terminal's), widened for this table only: the same console,
     # so that a capture (inspect prints all or nothing) and the order of its output hold
@@ -103,6 +105,9 @@ def print_table(table, out: Console = console) -> None:
             raise
     finally:
         out._width = width
+        for column, fixed in zip(table.columns, given):
+            column.width = fixed
+        table.min_width = given_least
 
 
 def _least_whole_width(table, out: Console) -> int:
@@ -111,15 +116,24 @@ def _least_whole_width(table, out: Console) -> int:
     folded mid-word, "tiny-random-int8-rtn-pa" / "cked", where the table fit the console), each column gets a fixed
     width: its widest line, less what the room lacks, taken a cell at a time from the column with the most to spare
     above its longest word."""
-    words = [max([_longest_word(out, column.header), *(_longest_word(out, cell) for cell in column.cells)])
-             for column in table.columns]
-    widest = [max([_widest_line(out, column.header), *(_widest_line(out, cell) for cell in column.cells)])
-              for column in table.columns]
+    def shown(column):  # the header and footer only where drawn
+        return [*([column.header] if table.show_header else []), *([column.footer] if table.show_footer else []),
+                *column.cells]
+
+    widest = [max([_widest_line(out, cell) for cell in shown(column)], default=0) for column in table.columns]
+    words = [line if column.no_wrap else max([_longest_word(out, cell) for cell in shown(column)], default=0)
+             for column, line in zip(table.columns, widest)]  # a no_wrap column's lines are its words
+    widest = [min(line, column.max_width) if column.max_width else line for column, line in zip(table.columns, widest)]
+    words = [min(word, column.max_width) if column.max_width else word for column, word in zip(table.columns, words)]
     try:  # rich's own count of the cells around the columns' text (private): padding, borders
         edges = sum(map(table._get_padding_width, range(len(table.columns)))) + table._extra_width
     except AttributeError:  # a rich without them: a boxed table's
         edges = (table.padding[1] + table.padding[3] + 1) * len(table.columns) + 1
-    room = max(out.width, sum(words) + edges)
+    # rich wraps a title to the table's width: a path in one folded mid-word, so the table is as wide as its words
+    titles = max(_longest_word(out, table.title or ""), _longest_word(out, table.caption or ""))
+    if titles > (table.min_width or 0):
+        table.min_width = titles
+    room = max(out.width, sum(words) + edges, titles)
     if sum(widest) + edges <= room:  # it fits as it is: rich wraps nothing
         return room
     widths = [max(line, word) for line, word in zip(widest, words)]

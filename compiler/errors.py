@@ -23,11 +23,28 @@ def check_output_file(path: str | None, flag: str) -> None:
     """Raise UsageError unless `path` can be written as a file: checked before the work, not after it."""
     if not path:
         return
-    from runtime.results import is_stream
+    from runtime.results import is_stream, own_descriptor
 
     if is_stream(path):  # "-", /dev/stdout, a pipe: written into (runtime/results.py: write_json)
         # not opened here (a pipe's reader would see its end); /dev/fd/3 without the shell's `3>` was found only
         # after the whole run, as a traceback
+        descriptor = None if path == "-" else own_descriptor(path)
+        if descriptor is not None:  # written through a copy of it: what counts is how it is open, not the file
+            try:
+                import fcntl
+
+                mode = fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_ACCMODE
+            except ImportError:  # no fcntl (Windows): the write will say
+                return
+            except OSError:
+                mode = None
+            if mode is None:
+                raise UsageError(f"{flag} {path}: no such stream (descriptor {descriptor} is not open: a /dev/fd/N is "
+                                 f"one the shell opened, e.g. `3> results.json`); open it, or give a file name")
+            if mode == os.O_RDONLY:
+                raise UsageError(f"{flag} {path}: descriptor {descriptor} is open for reading only (`<`); open it "
+                                 f"for writing (`{descriptor}>`), or give a file name")
+            return
         if path != "-" and not os.path.exists(path):
             raise UsageError(f"{flag} {path}: no such file or stream (a /dev/fd/N is a descriptor the shell opened, "
                              f"e.g. `3> results.json`); open it, or give a file name")

@@ -167,3 +167,7 @@ def test_glibc_huge_pages_cannot_restart_a_function_call_and_is_a_no_op_once_set
     assert ("starts the script again" if recent else "needs glibc 2.35 or later") in error, (version, error)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
     generate.glibc_huge_pages(parser, ["--glibc-huge-pages"])  # already in force: returns
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")  # the run would go without, recorded as with
+    with pytest.raises(SystemExit):
+        generate.glibc_huge_pages(parser, ["--glibc-huge-pages"])
+    assert "turns them off" in capsys.readouterr().err

@@ -424,6 +424,31 @@ def test_a_table_is_drawn_no_wider_than_its_words_need():
         assert max(map(len, lines)) == most and any("tiny-random-int8-rtn-packed" in line for line in lines), lines
 
 
+def test_a_table_s_title_no_wrap_and_max_width_are_kept_and_its_columns_given_back():
+    """A path in a title folded mid-word at 40 columns; a no_wrap column's cell was cropped without a mark; a fixed
+    width overrode max_width; the widths fixed for one console stayed on the caller's table."""
+    import io
+
+    from rich.table import Table
+
+    from compiler.console import ReaderAwareConsole, print_table
+
+    def drawn(table, width):
+        buffer = io.StringIO()
+        print_table(table, ReaderAwareConsole(file=buffer, width=width))
+        return buffer.getvalue()
+
+    path = "held-out/some-rather-long-folder-name-for-texts.txt"
+    table = Table(title=f"{path}: 40 tokens")
+    table.add_column("artifact", no_wrap=True)
+    table.add_column("note", max_width=12)
+    table.add_row("tiny random int8", "a b c d e f g h i j k l m n o p")
+    text = drawn(table, 40)
+    assert path in text and "tiny random int8" in text, text
+    assert [column.width for column in table.columns] == [None, None]  # as the caller made them
+    assert max(map(len, drawn(table, 200).splitlines())) < 60  # max_width held: not as wide as the room
+
+
 @pytest.mark.parametrize("environment, interactive", [({"FORCE_COLOR": "1"}, "False"),
                                                       ({"FORCE_COLOR": "1", "TTY_INTERACTIVE": "1"}, "True")])
 def test_forced_colour_into_a_log_animates_nothing(tmp_path, environment, interactive):

@@ -157,10 +157,20 @@ def test_a_stream_that_is_not_open_is_refused_before_the_work(capsys, tiny_artif
     closed = 97
     with pytest.raises(OSError):
         os.fstat(closed)
-    with pytest.raises(UsageError, match="/dev/fd/97: no such file or stream .*e.g. `3> results.json`"):
+    with pytest.raises(UsageError, match="/dev/fd/97: no such stream .*e.g. `3> results.json`"):
         check_output_file(f"/dev/fd/{closed}", "--json")
     assert cli.main(["eval", str(tiny_artifact), "--json", f"/dev/fd/{closed}", "--text", "builtin:pydoc-held-out"]) == 2
-    assert "no such file or stream" in capsys.readouterr().err
+    assert "no such stream" in capsys.readouterr().err
+    # written through a copy of the descriptor: how it is open counts (read-only: EBADF after the whole run), not
+    # whether the file behind it is writable by this user
+    reader, writer = os.pipe()
+    try:
+        with pytest.raises(UsageError, match=f"descriptor {reader} is open for reading only"):
+            check_output_file(f"/dev/fd/{reader}", "--json")
+        check_output_file(f"/proc/self/fd/{writer}", "--json")
+    finally:
+        os.close(reader)
+        os.close(writer)
 
 
 def test_json_to_stdout_redirected_to_a_file_is_appended_through_the_link(tmp_path):
