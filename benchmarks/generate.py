@@ -44,6 +44,7 @@ from arguments import artifact_manifest, output_file, require_at_least_one, thre
 from contention import OtherCores, contention_line  # noqa: E402
 from compiler.artifact import tool_versions  # noqa: E402
 from runtime import bench  # noqa: E402
+from runtime.manifest import sha256_file  # noqa: E402
 from runtime.results import write_json  # noqa: E402
 from runtime.engine import SINGLE_STREAM_SPIN as ENGINE_SINGLE_STREAM_SPIN  # noqa: E402
 from compiler.console import print_table  # noqa: E402
@@ -177,10 +178,10 @@ def baseline_cache(manifest: dict) -> Path:
     keyed on the recipe's model section, the source the build read and the frontend's code, which reads the weights
     and writes them as a Hugging Face folder (a fix there left the baselines on a folder written before it); genai's
     builds live inside, so they follow."""
-    frontend = hashlib.sha256()
-    for path in sorted((REPO / "compiler" / "frontend").rglob("*.py")):
-        frontend.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    key = hashlib.sha256(json.dumps([manifest["recipe"]["model"], manifest["model"]["source"], frontend.hexdigest()],
+    from compiler.artifact import sources_sha256
+
+    frontend = sources_sha256(REPO, folders=("compiler/frontend",))
+    key = hashlib.sha256(json.dumps([manifest["recipe"]["model"], manifest["model"]["source"], frontend],
                                     sort_keys=True).encode()).hexdigest()
     return RESULTS / "cache" / f"{manifest['name']}-{key[:12]}"
 
@@ -246,11 +247,7 @@ def genai_model(hf_folder: Path, cache: Path, precision: str, console: Console, 
         built = subprocess.run(command, capture_output=True, text=True, cwd=cache)
         if built.returncode:  # its progress bars are noise, but on failure its output is the diagnosis
             raise SystemExit(f"onnxruntime-genai's builder failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}")
-        files = {}
-        for path in sorted(staging.iterdir()):
-            if path.suffix in (".onnx", ".data"):
-                with path.open("rb") as stream:
-                    files[path.name] = hashlib.file_digest(stream, "sha256").hexdigest()
+        files = {path.name: sha256_file(path) for path in sorted(staging.iterdir()) if path.suffix in (".onnx", ".data")}
         write_json(staging / GENAI_BUILD_RECORD, {
             "onnxruntime_genai": version, "precision": precision, "execution_provider": "cpu",
             "extra_options": dict(sorted(extra_options.items())), "hf_folder": str(hf_folder),
@@ -306,8 +303,7 @@ def anonymous_huge_page_bytes() -> int | None:
 
 def artifact_identity(artifact: Path) -> dict:
     """What names an artifact's exact build in a result: its manifest's sha256 (the manifest lists every file's)."""
-    with (artifact / "manifest.json").open("rb") as stream:
-        return {"path": str(artifact), "manifest_sha256": hashlib.file_digest(stream, "sha256").hexdigest()}
+    return {"path": str(artifact), "manifest_sha256": sha256_file(artifact / "manifest.json")}
 
 
 def genai_build_record(folder: Path) -> dict:

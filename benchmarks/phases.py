@@ -32,9 +32,9 @@ huge pages after every backend loaded.
 Noise: the 2-core VMs this runs on are shared, so the backends are interleaved -- for each context every
 backend is measured in turn (the backends' and the contexts' orders rotate from one repeat to the next) -- and the
 whole sweep is repeated --repeats times; reported times are medians over the repeats, and ratios are paired: the
-median over repeats of each repeat's ratio (its two numbers measured minutes apart at most). Each measurement also records how many cores
-everything else on the machine kept busy meanwhile (/proc/stat minus this process, steal included); above
---max-other-cores it waits and measures again (up to --retries times, keeping the least contended attempt).
+median over repeats of each repeat's ratio (its two numbers measured minutes apart at most). Each measurement also
+records how many cores everything else on the machine kept busy meanwhile (/proc/stat minus this process, steal
+included); above --max-other-cores it waits and measures again (up to --retries times, keeping the least contended attempt).
 Load averages are recorded before and after.
 
 Bytes a decode step must read (each aotlm artifact): the weights a step reads (`aotlm plan`'s count: not an embedding
@@ -115,9 +115,10 @@ class AotlmPhases:
         return result.timings.ttft_s
 
     def decode(self, prompt_ids: list[int], steps: int) -> tuple[list[float], list[int]]:
-        """(step seconds, the tokens made), the steps being the gaps between the engine's tokens after the prompt (Engine.generate's timings): each a decode-graph run
-        over the cache + the sampler's choice + detokenizing + the stop checks, all a user's token costs. Until
-        session 41 this timed the graph + argmax alone, 0.1-0.2 ms a token less (RESULTS.md)."""
+        """(step seconds, the tokens made), the steps being the gaps between the engine's tokens after the prompt
+        (Engine.generate's timings): each a decode-graph run over the cache + the sampler's choice + detokenizing +
+        the stop checks, all a user's token costs. Until session 41 this timed the graph + argmax alone, 0.1-0.2 ms a
+        token less (RESULTS.md)."""
         length = len(prompt_ids)
         if length + WARMUP_STEPS + steps > self.max_context:
             raise SystemExit(f"{self.name}: context {length} + {WARMUP_STEPS + steps} steps exceed max context {self.max_context}")

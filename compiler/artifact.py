@@ -72,14 +72,14 @@ def source_revision(root: Path = Path(__file__).resolve().parents[1]) -> dict | 
     return {"commit": commit, "modified": bool(changed.strip())} if re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
-def sources_sha256(root: Path = Path(__file__).resolve().parents[1]) -> str:
-    """sha256 of the SOURCE_FOLDERS' Python files (their paths and bytes): which code built an artifact where there
+def sources_sha256(root: Path = Path(__file__).resolve().parents[1], folders=SOURCE_FOLDERS) -> str:
+    """sha256 of the Python files under `folders` (their paths and bytes): which code built an artifact where there
     is no commit to name (a wheel or `pip install .` records version 0.1.0 and nothing else), or what an uncommitted
     change was."""
     import hashlib
 
     digest = hashlib.sha256()
-    for folder in SOURCE_FOLDERS:
+    for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):
             digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()

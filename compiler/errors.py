@@ -45,9 +45,8 @@ def check_output_file(path: str | None, flag: str) -> None:
                 raise UsageError(f"{flag} {path}: descriptor {descriptor} is open for reading only (`<`); open it "
                                  f"for writing (`{descriptor}>`), or give a file name")
             return
-        if path != "-" and not os.path.exists(path):
-            raise UsageError(f"{flag} {path}: no such file or stream (a /dev/fd/N is a descriptor the shell opened, "
-                             f"e.g. `3> results.json`); open it, or give a file name")
+        if path != "-" and not os.path.exists(path):  # another process's descriptor, closed since
+            raise UsageError(f"{flag} {path}: no such file or stream; give a file name")
         if path != "-" and not os.access(path, os.W_OK):
             raise UsageError(f"{flag} {path}: not writable by this user; give another file")
         return
